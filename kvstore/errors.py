@@ -1,0 +1,34 @@
+"""The errors kvstore raises. Every one is a `KVStoreError`; the message says what to do."""
+
+from __future__ import annotations
+
+
+class KVStoreError(Exception):
+    """Base class of every error kvstore raises on purpose."""
+
+
+class StoreOpenError(KVStoreError):
+    """The store directory or its index cannot be opened or created."""
+
+
+class SchemaTooNewError(StoreOpenError):
+    """The index was written by a newer kvstore; this version will not touch it."""
+
+
+class CorruptIndexError(StoreOpenError):
+    """The SQLite index is damaged; `kvstore verify --repair` rebuilds it from the blobs."""
+
+
+class InvalidInputError(KVStoreError, ValueError):
+    """Tokens, caches or settings handed to kvstore are not what it needs."""
+
+
+class ModelFilesError(KVStoreError):
+    """The files of a model (for its fingerprint) cannot be found or read."""
+
+
+class BlobError(KVStoreError):
+    """A blob file is missing, truncated, or does not match its checksum or name.
+
+    Only the store catches this, and turns it into a cache miss.
+    """

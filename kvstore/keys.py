@@ -1,0 +1,126 @@
+"""Hashes: the model fingerprint, the namespace and the token-chunk hash chain.
+
+Every key is xxh3 over explicit bytes, so it is the same in every process and on every machine
+(never Python's `hash()`, never a random seed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+import xxhash
+
+#: Bumped whenever the meaning of stored bytes changes; part of every namespace.
+FORMAT_VERSION = 1
+
+HASH_BYTES = 16
+_READ_BLOCK = 8 << 20
+
+# Files whose contents decide what a model computes. Tokenizer files are left out on purpose:
+# they change which tokens a text becomes, not the K/V of a given token sequence.
+_WEIGHT_SUFFIXES = (".safetensors", ".npz", ".gguf", ".bin")
+
+
+def namespace(fingerprint: bytes, layout: object, chunk_size: int) -> bytes:
+    """`ns = xxh3_128(format version || model fingerprint || cache layout || chunk size)`."""
+    h = xxhash.xxh3_128()
+    h.update(FORMAT_VERSION.to_bytes(4, "little"))
+    h.update(fingerprint)
+    h.update(json.dumps(layout, sort_keys=True, separators=(",", ":")).encode())
+    h.update(int(chunk_size).to_bytes(4, "little"))
+    return h.digest()
+
+
+def token_bytes(tokens: np.ndarray) -> bytes:
+    """Token ids as little-endian int32, the byte form every hash uses."""
+    return np.ascontiguousarray(tokens, dtype="<i4").tobytes()
+
+
+def chain(ns: bytes, tokens: np.ndarray, chunk_size: int) -> list[bytes]:
+    """Hashes `h_1..h_n` of the full chunks of `tokens`: `h_i = xxh3_128(h_{i-1} || chunk i)`."""
+    raw = token_bytes(tokens)
+    step = chunk_size * 4
+    hashes: list[bytes] = []
+    prev = ns
+    for start in range(0, (len(raw) // step) * step, step):
+        prev = xxhash.xxh3_128_digest(prev + raw[start : start + step])
+        hashes.append(prev)
+    return hashes
+
+
+def tail_hash(parent: bytes, tail_tokens: np.ndarray) -> bytes:
+    """Key of a tail (1..C-1 tokens after the last full chunk) under its parent chunk hash.
+
+    A tail is shorter than a chunk, so its input never equals a chunk's input.
+    """
+    return xxhash.xxh3_128_digest(parent + token_bytes(tail_tokens))
+
+
+def file_digest(path: Path) -> bytes:
+    """xxh3_128 of a file's whole contents."""
+    h = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        while block := f.read(_READ_BLOCK):
+            h.update(block)
+    return h.digest()
+
+
+def model_files(model_dir: Path, adapter_dir: Path | None = None) -> list[Path]:
+    """The files a model fingerprint covers: config.json, weight files, adapter files."""
+    files: list[Path] = []
+    for folder in (model_dir, adapter_dir):
+        if folder is None:
+            continue
+        for p in sorted(folder.rglob("*")):
+            if p.is_file() and (p.name.endswith(_WEIGHT_SUFFIXES) or p.name in (
+                "config.json", "adapter_config.json")):
+                files.append(p)
+    return files
+
+
+Memo = Callable[[Path, int, int], "bytes | None"]
+Remember = Callable[[Path, int, int, bytes], None]
+
+
+def fingerprint(
+    files: Iterable[Path],
+    root: Path,
+    lookup: Memo | None = None,
+    remember: Remember | None = None,
+) -> bytes:
+    """Hash of every file's name (relative to `root`) and full contents.
+
+    `lookup`/`remember` memoise per-file digests by (path, size, mtime), so that reopening a
+    model whose files did not change reads none of them.
+    """
+    h = xxhash.xxh3_128()
+    for p in files:
+        st = os.stat(p)
+        digest = lookup(p, st.st_size, st.st_mtime_ns) if lookup else None
+        if digest is None:
+            digest = file_digest(p)
+            if remember:
+                remember(p, st.st_size, st.st_mtime_ns, digest)
+        try:
+            name = p.relative_to(root).as_posix()
+        except ValueError:
+            name = "adapter/" + p.name
+        h.update(name.encode() + b"\0" + digest)
+    return h.digest()
+
+
+def as_hex(h: bytes) -> str:
+    return h.hex()
+
+
+def common_prefix(a: Sequence[int] | np.ndarray, b: Sequence[int] | np.ndarray) -> int:
+    """Length of the common prefix of two token sequences."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.nonzero(np.asarray(a[:n]) != np.asarray(b[:n]))[0]
+    return int(diff[0]) if len(diff) else n

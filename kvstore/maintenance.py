@@ -1,0 +1,191 @@
+"""Keeping a store within bounds (`collect`, behind `Store.gc`) and whole (`verify`).
+
+Eviction is leaves first, least recently used first, so no remaining record loses its parent;
+pinned records (and their ancestors, which are pinned with them) stay. Rows go in one
+transaction, files only after it has committed.
+"""
+
+from __future__ import annotations
+
+import heapq
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from . import blobs
+from .errors import BlobError
+from .index import Index
+
+_DELETE_BATCH = 500
+
+
+def collect(index: Index, root: Path, *, max_bytes: int | None = None, max_age: float | None = None,
+            dry_run: bool = False) -> dict:
+    """Evict until the store holds at most `max_bytes` and nothing unused for `max_age` seconds."""
+    started = time.perf_counter()
+    total = index.totals()["bytes"]
+    cutoff = time.time() - max_age if max_age is not None else None
+    plan = _plan(index, total, max_bytes, cutoff)
+    freed, evicted, hashes = 0, 0, []
+    if dry_run:
+        freed, evicted, hashes = sum(s for _, s in plan), len(plan), [h for h, _ in plan]
+    else:
+        for start in range(0, len(plan), _DELETE_BATCH):
+            batch = [h for h, _ in plan[start : start + _DELETE_BATCH]]
+            deleted = _delete_leaves(index, batch)
+            for row in deleted:  # after the commit: a crash before here leaves orphan files only
+                blobs.remove(root, row.hash)
+            freed += sum(r.size for r in deleted)
+            evicted += len(deleted)
+            hashes += [r.hash for r in deleted]
+    return {
+        "evicted": evicted,
+        "freed_bytes": freed,
+        "bytes_before": total,
+        "bytes": total - freed,
+        "dry_run": dry_run,
+        "seconds": time.perf_counter() - started,
+        "hashes": hashes,
+    }
+
+
+def _plan(index: Index, total: int, max_bytes: int | None, cutoff: float | None) -> list[tuple[bytes, int]]:
+    """Which records to evict, in order (every record before its parent)."""
+    if (max_bytes is None or total <= max_bytes) and cutoff is None:
+        return []
+    rows = index.conn.execute("SELECT hash, parent, size, last_access, pinned FROM records").fetchall()
+    children: dict[bytes, int] = {}
+    info: dict[bytes, tuple[bytes, int, float, int]] = {}
+    for h, parent, size, last, pinned in rows:
+        info[h] = (parent, size, last, pinned)
+        children[parent] = children.get(parent, 0) + 1
+    heap = [(last, h) for h, (_, _, last, pinned) in info.items() if not pinned and h not in children]
+    heapq.heapify(heap)
+    plan: list[tuple[bytes, int]] = []
+    while heap:
+        last, h = heap[0]
+        over = max_bytes is not None and total > max_bytes
+        old = cutoff is not None and last < cutoff
+        if not (over or old):
+            break
+        heapq.heappop(heap)
+        parent, size, _, _ = info[h]
+        plan.append((h, size))
+        total -= size
+        children[parent] -= 1
+        if children[parent] == 0 and parent in info and not info[parent][3]:
+            heapq.heappush(heap, (info[parent][2], parent))
+    return plan
+
+
+def _delete_leaves(index: Index, hashes: list[bytes]):
+    """Delete, in order, those of `hashes` that are still leaves (another process may have added
+    a child since the plan was made). Returns the rows deleted."""
+    from .index import Row, _ROW_COLUMNS, _row
+
+    deleted: list[Row] = []
+    with index.transaction() as conn:
+        for h in hashes:
+            row = conn.execute(
+                f"SELECT {_ROW_COLUMNS} FROM records WHERE hash = ? AND pinned = 0 AND NOT EXISTS "
+                "(SELECT 1 FROM records c WHERE c.parent = ?)", (h, h)).fetchone()
+            if row is not None:
+                conn.execute("DELETE FROM records WHERE hash = ?", (h,))
+                deleted.append(_row(row))
+    return deleted
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing `verify` found wrong."""
+
+    kind: str  # missing_blob, corrupt_blob, quarantined, orphan_row, orphan_file, temp_file, foreign_file
+    path: str
+    detail: str
+    hash: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.kind}: {self.path}: {self.detail}"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def verify(index: Index, root: Path, *, repair: bool = False) -> list[Problem]:
+    """Check every row against its blob, the chain, and every file against the rows."""
+    problems: list[Problem] = []
+    bad: set[bytes] = set()
+    known: dict[bytes, bytes] = {}
+    for row in index.rows():
+        known[row.hash] = row.parent
+        path = blobs.blob_path(root, row.hash)
+        if row.bad:
+            problems.append(Problem("quarantined", str(path), "record was quarantined after a failed read", row.hash.hex()))
+            bad.add(row.hash)
+            continue
+        try:
+            blobs.read(root, row.hash, size=row.size, checksum=row.checksum)
+        except BlobError as e:
+            kind = "missing_blob" if not path.exists() else "corrupt_blob"
+            problems.append(Problem(kind, str(path), str(e).split(": ", 1)[-1], row.hash.hex()))
+            bad.add(row.hash)
+    # Rows whose chain is broken (parent gone or bad) can never be reached: orphans.
+    orphans = _unreachable(index, known, bad)
+    for h in orphans:
+        problems.append(Problem("orphan_row", str(blobs.blob_path(root, h)),
+                                "its parent record is missing or damaged", h.hex()))
+    for path in blobs.walk(root):
+        h = blobs.hash_of(path)
+        if h is not None and h in known:
+            continue
+        if path.name.startswith(blobs.TMP_PREFIX):
+            if blobs.stale_temp(path, min_age_s=3600):
+                problems.append(Problem("temp_file", str(path), "left by a writer that stopped"))
+        elif h is not None:
+            problems.append(Problem("orphan_file", str(path), "no index row points to it"))
+        else:
+            problems.append(Problem("foreign_file", str(path), "not a kvstore blob"))
+    if repair and problems:
+        _repair(index, root, problems, bad | orphans)
+    return problems
+
+
+def _unreachable(index: Index, known: dict[bytes, bytes], bad: set[bytes]) -> set[bytes]:
+    """Good rows that no chain of good rows reaches from a namespace root."""
+    namespaces = {ns for (ns,) in index.conn.execute("SELECT ns FROM models")}
+    ok: dict[bytes, bool] = {}
+
+    def reachable(h: bytes) -> bool:
+        trail = []
+        while h not in ok:
+            if h in bad:
+                ok[h] = False
+                break
+            parent = known.get(h)
+            if parent is None:
+                ok[h] = h in namespaces
+                break
+            trail.append(h)
+            h = parent
+        result = ok[h]
+        for t in trail:
+            ok[t] = result
+        return result
+
+    return {h for h in known if h not in bad and not reachable(known[h])}
+
+
+def _repair(index: Index, root: Path, problems: list[Problem], drop: set[bytes]) -> None:
+    if drop:
+        rows = index.delete(sorted(drop))
+        for row in rows:
+            blobs.remove(root, row.hash)
+    for p in problems:
+        if p.kind in ("orphan_file", "temp_file", "foreign_file"):
+            try:
+                os.unlink(p.path)
+            except FileNotFoundError:
+                pass
+            except IsADirectoryError:
+                pass

@@ -1,0 +1,272 @@
+"""The background writer: turns queued inserts into blob files and index rows.
+
+The caller's thread only queues a `Job` (lazy views of its cache, no copy). This thread copies each
+new record out of those views, writes its blob (temp file, fsync, rename), then inserts the rows
+in one transaction, and hands compact copies to the memory tier. Full disks and other write errors
+drop the job and are counted; they never reach the caller.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import mlx.core as mx
+import numpy as np
+
+from . import blobs
+from .index import Index, Row
+from .memory import MemoryTier, Record
+
+log = logging.getLogger("kvstore")
+
+TOUCH_INTERVAL_S = 2.0
+
+
+@dataclass
+class Spec:
+    """One record a job will write: key, place in the chain, and token range in the job."""
+
+    hash: bytes
+    parent: bytes
+    depth: int
+    kind: int
+    start: int
+    end: int
+    nbytes: int = 0
+
+
+@dataclass
+class Job:
+    ns: bytes
+    tokens: np.ndarray
+    arrays: dict[str, mx.array]  # "layer.name" -> evaluated view, token axis 2, [0, len(tokens))
+    views: dict[str, mx.Dtype]  # names carried as raw bits (bfloat16 as uint16) -> real dtype
+    specs: list[Spec]
+    metadata: dict[str, str]
+    pin: list[bytes] = field(default_factory=list)
+    nbytes: int = 0
+
+    def record(self, spec: Spec) -> Record:
+        """The record `spec` as zero-copy views of the queued arrays (visible before it is written)."""
+        arrays = {name: a[:, :, spec.start : spec.end] for name, a in self.arrays.items()}
+        return Record(spec.hash, self.ns, spec.parent, spec.depth, spec.kind,
+                      self.tokens[spec.start : spec.end], arrays, dict(self.views), nbytes=spec.nbytes)
+
+
+@dataclass
+class WriterStats:
+    jobs: int = 0
+    records_written: int = 0
+    bytes_written: int = 0
+    dropped_jobs: int = 0
+    dropped_bytes: int = 0
+    write_errors: int = 0
+    last_error: str = ""
+
+
+class Writer:
+    """One daemon thread per open store. `root=None` means RAM only: nothing is written."""
+
+    def __init__(self, index: Index | None, root: Path | None, memory: MemoryTier,
+                 max_pending_bytes: int, after_batch: Callable[[], None] | None = None,
+                 fsync: bool = True):
+        self.index, self.root, self.memory = index, root, memory
+        self.max_pending_bytes = max_pending_bytes
+        self.after_batch = after_batch
+        self.fsync = fsync
+        self.stats = WriterStats()
+        self._jobs: deque[Job] = deque()
+        self._pending: dict[bytes, tuple[Job, Spec]] = {}
+        self._pending_bytes = 0
+        self._busy = False
+        self._cond = threading.Condition()
+        self._touches: dict[bytes, tuple[float, int]] = {}
+        self._last_touch_flush = time.monotonic()
+        self._stop = False
+        self._paused = threading.Event()
+        self._paused.set()
+        self._thread = threading.Thread(target=self._run, name="kvstore-writer", daemon=True)
+        self._thread.start()
+
+    # -- caller side ------------------------------------------------------------------------
+
+    def submit(self, job: Job) -> bool:
+        """Queue a job; False (and counted) when the queue is full."""
+        with self._cond:
+            if self._pending_bytes + job.nbytes > self.max_pending_bytes and self._pending_bytes:
+                self.stats.dropped_jobs += 1
+                self.stats.dropped_bytes += job.nbytes
+                return False
+            self._jobs.append(job)
+            for spec in job.specs:
+                self._pending[spec.hash] = (job, spec)
+            self._pending_bytes += job.nbytes
+            self._cond.notify_all()
+            return True
+
+    def pending(self, h: bytes) -> Record | None:
+        with self._cond:
+            found = self._pending.get(h)
+        return found[0].record(found[1]) if found else None
+
+    def pending_children(self, parent: bytes) -> list[Record]:
+        with self._cond:
+            found = [(j, s) for j, s in self._pending.values() if s.parent == parent]
+        return [j.record(s) for j, s in found]
+
+    def is_pending(self, h: bytes) -> bool:
+        return h in self._pending
+
+    @property
+    def pending_bytes(self) -> int:
+        return self._pending_bytes
+
+    def touch(self, hashes: list[bytes]) -> None:
+        now = time.time()
+        with self._cond:
+            for h in hashes:
+                _, n = self._touches.get(h, (0.0, 0))
+                self._touches[h] = (now, n + 1)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued job is durable (and access times are written)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            self._cond.notify_all()
+            while self._jobs or self._busy:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left if left is not None else 0.5)
+        self._flush_touches()
+        return True
+
+    def close(self) -> None:
+        self.flush()
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self._thread.join(timeout=30)
+
+    # -- for tests: hold the writer before it starts the next job ---------------------------
+
+    def pause(self) -> None:
+        self._paused.clear()
+
+    def resume(self) -> None:
+        self._paused.set()
+
+    # -- writer thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._jobs and not self._stop:
+                    self._cond.wait(TOUCH_INTERVAL_S)
+                    if self._touches and time.monotonic() - self._last_touch_flush > TOUCH_INTERVAL_S:
+                        break
+                if self._stop and not self._jobs:
+                    return
+                job = None
+                if self._jobs:
+                    self._busy = True
+                    job = self._jobs[0]
+            if job is None:
+                self._flush_touches()
+                continue
+            self._paused.wait()
+            try:
+                self._write(job)
+            except Exception as e:  # never let one bad job kill the thread
+                self._count_error(e)
+            finally:
+                with self._cond:
+                    self._jobs.popleft()
+                    for spec in job.specs:
+                        if self._pending.get(spec.hash, (None,))[0] is job:
+                            del self._pending[spec.hash]
+                    self._pending_bytes -= job.nbytes
+                    self._busy = False
+                    self._cond.notify_all()
+            if time.monotonic() - self._last_touch_flush > TOUCH_INTERVAL_S:
+                self._flush_touches()
+
+    def _write(self, job: Job) -> None:
+        self.stats.jobs += 1
+        # Plain numpy views of the caller's (already evaluated) arrays: no mlx work on this thread.
+        hosts = {name: ("BF16" if name in job.views else blobs.tag_of(a.dtype),
+                        np.asarray(a)) for name, a in job.arrays.items()}
+        todo = job.specs
+        if self.index is not None and todo:
+            present = self.index.present([s.hash for s in todo])
+            todo = [s for s in todo if s.hash not in present]
+        rows: list[Row] = []
+        compact: list[Record] = []
+        tokens_tag = "I32"
+        for spec in todo:
+            tokens = np.ascontiguousarray(job.tokens[spec.start : spec.end], dtype="<i4")
+            tensors: dict[str, blobs.Tensor] = {"tokens": (tokens_tag, tokens)}
+            for name, (tag, arr) in hosts.items():
+                tensors[name] = (tag, np.ascontiguousarray(arr[:, :, spec.start : spec.end]))
+            if self.root is not None:
+                meta = dict(job.metadata, hash=spec.hash.hex(), parent=spec.parent.hex(),
+                            depth=str(spec.depth), kind=str(spec.kind))
+                try:
+                    size, checksum = blobs.write(self.root, spec.hash, tensors, meta, fsync=self.fsync)
+                except OSError as e:
+                    self._count_error(e)
+                    break  # later records hang from this one; without it they are unreachable
+                rows.append(Row(spec.hash, job.ns, spec.parent, spec.depth, spec.kind,
+                                spec.end - spec.start, tokens.tobytes(), size, checksum,
+                                pinned=int(spec.hash in job.pin)))
+                self.stats.bytes_written += size
+            compact.append(self._compact(job, spec, tokens, tensors))
+        if rows and self.index is not None:
+            try:
+                self.index.insert(rows)
+            except Exception as e:
+                for row in rows:  # the rows are not there: the files are orphans now
+                    blobs.remove(self.root, row.hash)
+                self._count_error(e)
+                return
+            self.stats.records_written += len(rows)
+        if job.pin and self.index is not None:
+            self.index.pin(job.pin)
+        self.memory.put(reversed(compact))
+        if self.after_batch is not None and rows:
+            self.after_batch()
+
+    @staticmethod
+    def _compact(job: Job, spec: Spec, tokens: np.ndarray, tensors: dict[str, blobs.Tensor]) -> Record:
+        """A copy of the record that owns its memory (the caller's cache can then be freed)."""
+        arrays, views = {}, {}
+        for name, (tag, arr) in tensors.items():
+            if name == "tokens":
+                continue
+            arrays[name] = mx.array(arr)
+            if tag == "BF16":
+                views[name] = mx.bfloat16
+        return Record(spec.hash, job.ns, spec.parent, spec.depth, spec.kind, tokens, arrays, views)
+
+    def _flush_touches(self) -> None:
+        with self._cond:
+            touches, self._touches = self._touches, {}
+            self._last_touch_flush = time.monotonic()
+        if touches and self.index is not None:
+            try:
+                self.index.touch(touches)
+            except Exception as e:
+                self._count_error(e)
+
+    def _count_error(self, e: BaseException) -> None:
+        self.stats.write_errors += 1
+        self.stats.last_error = f"{type(e).__name__}: {e}"
+        level = logging.WARNING if isinstance(e, OSError) and e.errno == errno.ENOSPC else logging.ERROR
+        log.log(level, "kvstore: a write was dropped (%s)", self.stats.last_error)
