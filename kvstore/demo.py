@@ -69,7 +69,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
-# name -> (hidden, layers, heads, kv_heads, head_dim, intermediate)
+# Shared transformer dims per size (intermediate = MLP width).
 _DIMS = {
     "tiny": dict(hidden=64, layers=4, heads=4, kv_heads=2, head_dim=16, inter=128),
     "small": dict(hidden=256, layers=4, heads=8, kv_heads=2, head_dim=32, inter=512),
@@ -161,11 +161,13 @@ def _install(tmp: Path, path: Path, params: Dict[str, Any], overwrite: bool) -> 
     is first renamed aside.  When another process installs a matching model
     first, ours is simply dropped.
     """
+    error: Optional[OSError] = None
     for _ in range(5):
         try:
             os.rename(tmp, path)
             return
-        except OSError:
+        except OSError as e:
+            error = e
             if not path.exists():
                 continue  # someone moved it aside between our calls; retry
         if _is_complete(path, params) and not overwrite:
@@ -178,7 +180,7 @@ def _install(tmp: Path, path: Path, params: Dict[str, Any], overwrite: bool) -> 
             pass
         finally:
             shutil.rmtree(trash, ignore_errors=True)
-    raise RuntimeError(f"could not install demo model at {path}")
+    raise RuntimeError(f"could not install demo model at {path}") from error
 
 
 def _write_model(folder: Path, params: Dict[str, Any]) -> None:
@@ -258,7 +260,8 @@ def _write_weights(target: Path, config: Dict[str, Any], params: Dict[str, Any])
     model = module.Model(module.ModelArgs.from_dict(config))
     hidden = _DIMS[params["size"]]["hidden"]
     arch, seed = params["arch"], params["seed"]
-    keep_f32 = getattr(model, "cast_predicate", None) or (lambda _k: True)
+    # As mlx-lm's converter does: some tensors (qwen3_5's A_log) stay float32.
+    should_cast = getattr(model, "cast_predicate", None) or (lambda _k: True)
     dtype = getattr(mx, params["dtype"])
 
     weights = {}
@@ -269,11 +272,10 @@ def _write_weights(target: Path, config: Dict[str, Any], params: Dict[str, Any])
         if key.endswith("A_log"):  # linear-attention decay rates, as mlx-lm inits them
             w = np.log(rng.uniform(1.0, 16.0, shape))
         elif len(shape) == 1:
-            # Norm scales stay at identity: ones, except Gemma's (1 + w) norms.
-            identity = 0.0 if arch == "gemma3_text" and "norm" in key else 1.0
-            w = np.zeros(shape) if key.endswith(".bias") else np.full(shape, identity)
-            if "dt_bias" in key:
-                w = np.ones(shape)
+            if key.endswith(".bias") or (arch == "gemma3_text" and "norm" in key):
+                w = np.zeros(shape)  # biases; Gemma norms scale by (1 + w)
+            else:
+                w = np.ones(shape)  # RMSNorm scales at identity; dt_bias as mlx-lm inits it
         elif key.endswith("embed_tokens.weight"):
             # Gemma multiplies embeddings by sqrt(hidden); keep unit scale after it.
             std = hidden**-0.5 if arch == "gemma3_text" else 1.0
@@ -288,7 +290,7 @@ def _write_weights(target: Path, config: Dict[str, Any], params: Dict[str, Any])
         else:  # linear / conv: unit-variance activations
             w = rng.standard_normal(shape) / np.sqrt(np.prod(shape[1:]))
         arr = mx.array(w.astype(np.float32))
-        weights[key] = arr.astype(dtype) if keep_f32(key) else arr
+        weights[key] = arr.astype(dtype) if should_cast(key) else arr
     # Check names and shapes now rather than at mlx_lm.load time.
     model.load_weights(list(weights.items()), strict=True)
     mx.save_safetensors(str(target), weights, metadata={"format": "mlx"})

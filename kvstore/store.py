@@ -14,7 +14,7 @@ import stat
 import threading
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -318,6 +318,39 @@ class ModelCache:
             cache.append(codec.restore(pieces, length))
         mx.eval([c.state for c in cache])
         return cache
+
+    def stored_length(self, tokens: Sequence[int] | np.ndarray | mx.array) -> int:
+        """How many leading tokens of `tokens` the store could restore (no cap, nothing loaded)."""
+        toks = _tokens(tokens)
+        if not self.supported or len(toks) == 0:
+            return 0
+        return self._longest(toks)[1]
+
+    def prefill(self, tokens: Sequence[int] | np.ndarray | mx.array, *, step: int | None = None,
+                progress: Callable[[int], None] | None = None) -> tuple[list | None, int, int]:
+        """Make sure the cache of `tokens` is stored, computing only what is missing.
+
+        Processes the missing tokens `step` at a time (default: up to each chunk boundary) and
+        inserts after each step, so a crash or Ctrl-C keeps everything computed so far.
+        Returns (cache or None if nothing had to be computed, tokens reused, tokens computed).
+        """
+        toks = _tokens(tokens)
+        if len(toks) == 0:
+            raise InvalidInputError("prefill needs at least one token")
+        if self.supported and self.stored_length(toks) >= len(toks):
+            return None, len(toks), 0
+        cache, rest = self.fetch(toks)
+        reused = pos = len(toks) - len(rest)
+        C = self.chunk_size
+        while pos < len(toks):
+            end = min(len(toks), pos + step) if step else min(len(toks), (pos // C + 1) * C)
+            self.model(mx.array(toks[pos:end])[None], cache=cache)
+            mx.eval([c.state for c in cache])
+            self.insert(toks[:end], cache)
+            if progress is not None:
+                progress(end - pos)
+            pos = end
+        return cache, reused, len(toks) - reused
 
     # -- insert -----------------------------------------------------------------------------
 
