@@ -1,0 +1,431 @@
+"""The core store, end to end on a real (tiny, random-weight) mlx-lm llama from the demo builder."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from mlx_lm import load
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+import kvstore
+from kvstore import blobs
+from kvstore.demo import build_demo_model
+from kvstore.errors import InvalidInputError, SchemaTooNewError, StoreOpenError
+
+HERE = Path(__file__).parent
+C = 16  # a small chunk size makes short prompts span many chunks
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    path = build_demo_model(tmp_path_factory.mktemp("models") / "llama", "llama")
+    model, tokenizer = load(str(path))
+    return path, model
+
+
+def run_proc(*args, extra=None) -> dict:
+    cmd = [sys.executable, str(HERE / "procs.py"), *map(str, args)]
+    if extra is not None:
+        cmd.append(json.dumps(extra))
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def prefill(model, tokens):
+    cache = make_prompt_cache(model)
+    model(mx.array([tokens]), cache=cache)
+    mx.eval([c.state for c in cache])
+    return cache
+
+
+def rand_tokens(n, seed=0, vocab=250):
+    return [int(t) for t in np.random.default_rng(seed).integers(0, vocab, n)]
+
+
+@pytest.fixture(params=["memory", "disk-only", "ram-only"])
+def tier(request):
+    return request.param
+
+
+def open_store(tmp_path, tier, **kw):
+    if tier == "memory":
+        return kvstore.open(tmp_path / "store", chunk_size=C, **kw)
+    if tier == "disk-only":
+        return kvstore.open(tmp_path / "store", chunk_size=C, memory_bytes=0, **kw)
+    return kvstore.open(kvstore.MEMORY, chunk_size=C, **kw)
+
+
+def test_second_process_restores_what_first_inserted(tmp_path, llama):
+    path, _ = llama
+    prompt = rand_tokens(70, seed=1)
+    run_proc("insert", tmp_path / "s", path, C, json.dumps(prompt))
+    question = prompt + rand_tokens(5, seed=2)
+    got = run_proc("check", tmp_path / "s", path, C, json.dumps(question), extra={"memory_bytes": 0})
+    assert got["reused"] == len(prompt)
+    assert got["max_abs_diff"] <= 1e-4
+    assert got["greedy"] == got["greedy_ref"]
+
+
+def test_exact_hit_leaves_one_token_and_branch_reuses_common_prefix(tmp_path, llama, tier):
+    path, model = llama
+    tokens = rand_tokens(53, seed=3)
+    with open_store(tmp_path, tier) as store:
+        mc = store.bind(model, path)
+        mc.insert(tokens, prefill(model, tokens))
+        store.flush()
+        cache, rest = mc.fetch(tokens)
+        assert rest == tokens[-1:] and cache[0].offset == len(tokens) - 1
+        # A branch in the middle of the second chunk: exactly the common prefix comes back.
+        branch = tokens[:21] + [(tokens[21] + 1) % 250] + tokens[22:40]
+        cache, rest = mc.fetch(branch)
+        assert len(branch) - len(rest) == 21
+        assert all(c.offset == 21 for c in cache)
+        assert np.allclose(np.array(cache[0].keys), np.array(prefill(model, tokens[:21])[0].keys[..., :21, :]), atol=1e-5)
+        # Longer than what is stored: all of it is reused.
+        cache, rest = mc.fetch(tokens + [7, 8, 9])
+        assert rest == [7, 8, 9]
+        # Nothing shared: a miss with a fresh cache.
+        cache, rest = mc.fetch([(tokens[0] + 1) % 250] + tokens[1:])
+        assert len(rest) == len(tokens) and all(c.empty() for c in cache)
+
+
+def test_restored_cache_continues_like_a_recompute(tmp_path, llama, tier):
+    path, model = llama
+    tokens = rand_tokens(40, seed=4)
+    with open_store(tmp_path, tier) as store:
+        mc = store.bind(model, path)
+        mc.insert(tokens, prefill(model, tokens))
+        store.flush()
+        query = tokens[:35] + [1, 2, 3]
+        cache, rest = mc.fetch(query)
+        assert len(rest) == 3
+        logits = model(mx.array([rest]), cache=cache)
+        ref = model(mx.array([query]), cache=make_prompt_cache(model))
+        assert float(mx.abs(logits[0, -1] - ref[0, -1]).max()) <= 1e-4
+
+
+def test_shared_prefix_is_stored_once(tmp_path, llama):
+    path, model = llama
+    system = rand_tokens(4 * C, seed=5)
+    with kvstore.open(tmp_path / "s", chunk_size=C) as store:
+        mc = store.bind(model, path)
+        first = system + rand_tokens(C, seed=6)
+        mc.insert(first, prefill(model, first))
+        store.flush()
+        before = store.stats()
+        second = system + rand_tokens(C, seed=7)
+        mc.insert(second, prefill(model, second))
+        store.flush()
+        after = store.stats()
+    assert after["chunks"] - before["chunks"] == 1  # only the unique chunk is new
+    per_chunk = before["bytes"] / before["chunks"]
+    assert after["bytes"] - before["bytes"] == pytest.approx(per_chunk, rel=0.05)
+
+
+def test_changed_weights_at_same_path_are_never_reused(tmp_path, llama):
+    src, _ = llama
+    path = tmp_path / "model"
+    shutil.copytree(src, path)
+    tokens = rand_tokens(30, seed=8)
+    model, _ = load(str(path))
+    with kvstore.open(tmp_path / "s", chunk_size=C) as store:
+        store.bind(model, path).insert(tokens, prefill(model, tokens))
+        store.flush()
+    # New weights, same path: no reuse.
+    build_demo_model(tmp_path / "other", "llama", seed=1)
+    shutil.copy(tmp_path / "other" / "model.safetensors", path / "model.safetensors")
+    model2, _ = load(str(path))
+    with kvstore.open(tmp_path / "s", chunk_size=C) as store:
+        cache, rest = store.bind(model2, path).fetch(tokens)
+        assert len(rest) == len(tokens)
+    # The original weights written again (new mtime): reuse.
+    shutil.copy(src / "model.safetensors", path / "model.safetensors")
+    os.utime(path / "model.safetensors")
+    model3, _ = load(str(path))
+    with kvstore.open(tmp_path / "s", chunk_size=C) as store:
+        cache, rest = store.bind(model3, path).fetch(tokens)
+        assert len(rest) == 1
+
+
+def test_gc_bounds_bytes_evicts_leaves_first_and_keeps_pins(tmp_path, llama):
+    path, model = llama
+    root = rand_tokens(2 * C, seed=9)
+    pinned = root + rand_tokens(2 * C, seed=10)
+    with kvstore.open(tmp_path / "s", chunk_size=C) as store:
+        mc = store.bind(model, path)
+        mc.insert(pinned, prefill(model, pinned), pin=True)
+        for i in range(6):
+            t = root + rand_tokens(2 * C + 5, seed=20 + i)
+            mc.insert(t, prefill(model, t))
+        store.flush()
+        total = store.stats()["bytes"]
+        dry = store.gc(max_bytes=total // 2, dry_run=True)
+        assert dry["evicted"] > 0 and store.stats()["bytes"] == total
+        result = store.gc(max_bytes=total // 2)
+        assert result["evicted"] == dry["evicted"]
+        assert store.stats()["bytes"] <= total // 2
+        assert store.verify() == []
+        rows = {r.hash: r for r in store.index.rows()}
+        for r in rows.values():  # leaves first: nothing left without its parent
+            assert r.depth == 1 or r.parent in rows
+    with kvstore.open(tmp_path / "s", chunk_size=C, memory_bytes=0) as store:
+        mc = store.bind(model, path)
+        cache, rest = mc.fetch(pinned)
+        assert len(rest) == 1  # the pinned prompt survived whole
+        logits = model(mx.array([rest]), cache=cache)
+        ref = model(mx.array([pinned]), cache=make_prompt_cache(model))
+        assert float(mx.abs(logits[0, -1] - ref[0, -1]).max()) <= 1e-4
+        # Everything down to zero except what is pinned.
+        store.gc(max_bytes=0)
+        assert store.stats()["chunks"] == 4 and store.stats()["tails"] == 0
+        assert store.verify() == []
+
+
+def test_gc_by_age(tmp_path, llama):
+    path, model = llama
+    with kvstore.open(tmp_path / "s", chunk_size=C) as store:
+        mc = store.bind(model, path)
+        t = rand_tokens(3 * C, seed=30)
+        mc.insert(t, prefill(model, t))
+        store.flush()
+        assert store.gc(max_age=3600)["evicted"] == 0
+        assert store.gc(max_age=0)["evicted"] == 3
+        assert store.stats()["bytes"] == 0
+
+
+def test_verify_finds_corruption_and_fetch_serves_a_shorter_correct_prefix(tmp_path, llama):
+    path, model = llama
+    tokens = rand_tokens(4 * C, seed=11)
+    with kvstore.open(tmp_path / "s", chunk_size=C) as store:
+        mc = store.bind(model, path)
+        mc.insert(tokens, prefill(model, tokens))
+        store.flush()
+        rows = sorted(store.index.rows(), key=lambda r: r.depth)
+        third = blobs.blob_path(store.blob_root, rows[2].hash)
+    data = bytearray(third.read_bytes())
+    data[-3] ^= 0xFF
+    third.write_bytes(bytes(data))
+    (store.blob_root / "zz").mkdir()
+    (store.blob_root / "zz" / "junk.txt").write_text("not a blob")
+    with kvstore.open(tmp_path / "s", chunk_size=C, memory_bytes=0) as store:
+        mc = store.bind(model, path)
+        cache, rest = mc.fetch(tokens)
+        assert len(tokens) - len(rest) == 2 * C  # stops where the damaged record starts
+        logits = model(mx.array([rest]), cache=cache)
+        ref = model(mx.array([tokens]), cache=make_prompt_cache(model))
+        assert float(mx.abs(logits[0, -1] - ref[0, -1]).max()) <= 1e-4
+        assert store.stats()["quarantined"] == 1
+        kinds = sorted(p.kind for p in store.verify())
+        assert kinds == ["foreign_file", "orphan_row", "quarantined"]
+        store.verify(repair=True)
+        assert store.verify() == []
+        assert store.stats()["chunks"] == 2
+
+
+def test_verify_finds_missing_and_truncated_blobs(tmp_path, llama):
+    path, model = llama
+    tokens = rand_tokens(2 * C + 3, seed=12)
+    with kvstore.open(tmp_path / "s", chunk_size=C) as store:
+        mc = store.bind(model, path)
+        mc.insert(tokens, prefill(model, tokens))
+        store.flush()
+        rows = sorted(store.index.rows(), key=lambda r: r.depth)
+        blobs.blob_path(store.blob_root, rows[2].hash).unlink()
+        p1 = blobs.blob_path(store.blob_root, rows[1].hash)
+        p1.write_bytes(p1.read_bytes()[:100])
+        kinds = sorted(p.kind for p in store.verify())
+        assert kinds == ["corrupt_blob", "missing_blob"]
+        store.verify(repair=True)
+        assert store.verify() == []
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_fetch_returns_the_true_common_prefix(tmp_path_factory, llama, data):
+    path, model = llama
+    vocab = 4  # a tiny alphabet makes shared prefixes and branch points common
+    seqs = data.draw(st.lists(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=3 * C + 3),
+                              min_size=1, max_size=4))
+    query = data.draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=3 * C + 3))
+    if data.draw(st.booleans()):
+        base = seqs[data.draw(st.integers(0, len(seqs) - 1))]
+        cut = data.draw(st.integers(0, len(base)))
+        query = base[:cut] + query
+    tmp = tmp_path_factory.mktemp("hyp")
+    with kvstore.open(tmp / "s", chunk_size=C, memory_bytes=data.draw(st.sampled_from([0, 1 << 30]))) as store:
+        mc = store.bind(model, path)
+        for s in seqs:
+            cache = make_prompt_cache(model)
+            for layer in cache:  # fake K/V with the right shapes: prefix logic is what is tested
+                layer.update_and_fetch(mx.zeros((1, 2, len(s), 16)), mx.zeros((1, 2, len(s), 16)))
+            mc.insert(s, cache)
+        if data.draw(st.booleans()):
+            store.flush()
+        expected = max(_lcp(s, query) for s in seqs)
+        expected = min(expected, len(query) - 1)
+        cache, rest = mc.fetch(query)
+        assert len(query) - len(rest) == max(expected, 0)
+        assert rest == query[len(query) - len(rest):]
+
+
+def _lcp(a, b):
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def test_insert_returns_before_anything_is_written(tmp_path, llama):
+    path, model = llama
+    tokens = rand_tokens(3 * C, seed=13)
+    with kvstore.open(tmp_path / "s", chunk_size=C) as store:
+        mc = store.bind(model, path)
+        store.writer.pause()
+        try:
+            assert mc.insert(tokens, prefill(model, tokens)) == 3
+            assert store.stats()["chunks"] == 0
+            assert list(blobs.walk(store.blob_root)) == []
+            cache, rest = mc.fetch(tokens)  # visible at once, before it is written
+            assert len(rest) == 1
+        finally:
+            store.writer.resume()
+        assert store.flush(timeout=60)
+        assert store.stats()["chunks"] == 3
+    with kvstore.open(tmp_path / "s", chunk_size=C, memory_bytes=0) as store:
+        assert len(store.bind(model, path).fetch(tokens)[1]) == 1
+
+
+def test_queue_bounded_by_bytes_counts_drops(tmp_path, llama):
+    path, model = llama
+    with kvstore.open(tmp_path / "s", chunk_size=C, max_pending_bytes=1) as store:
+        mc = store.bind(model, path)
+        store.writer.pause()
+        try:
+            a, b = rand_tokens(C, seed=14), rand_tokens(C, seed=15)
+            mc.insert(a, prefill(model, a))
+            mc.insert(b, prefill(model, b))  # the queue holds one job: this one is dropped
+            assert store.stats()["writer"]["dropped_jobs"] == 1
+        finally:
+            store.writer.resume()
+        store.flush()
+        assert store.stats()["chunks"] == 1
+
+
+def test_bad_input_is_refused_with_a_clear_message(tmp_path, llama):
+    path, model = llama
+    with kvstore.open(tmp_path / "s", chunk_size=C) as store:
+        mc = store.bind(model, path)
+        cache = prefill(model, [1, 2, 3])
+        with pytest.raises(InvalidInputError, match="token 1 is -4"):
+            mc.insert([1, -4, 3], cache)
+        with pytest.raises(InvalidInputError, match="token 2 is 'x'"):
+            mc.fetch([1, 2, "x"])
+        with pytest.raises(InvalidInputError, match="at least one token"):
+            mc.insert([], cache)
+        with pytest.raises(InvalidInputError, match="processed 3 tokens but 4"):
+            mc.insert([1, 2, 3, 4], cache)
+        with pytest.raises(InvalidInputError, match="layers"):
+            mc.insert([1, 2, 3], cache[:1])
+        with pytest.raises(InvalidInputError, match="not text"):
+            mc.fetch("hello")
+        assert store.stats()["chunks"] == 0
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    with pytest.raises(StoreOpenError, match="not a directory"):
+        kvstore.open(a_file)
+    ro = tmp_path / "ro"
+    ro.mkdir(mode=0o500)
+    if os.geteuid() != 0:  # root writes anywhere
+        with pytest.raises(StoreOpenError, match="not writable"):
+            kvstore.open(ro)
+    with pytest.raises(StoreOpenError, match="cannot create"):
+        kvstore.open(a_file / "sub")
+    with pytest.raises(InvalidInputError, match="chunk_size"):
+        kvstore.open(tmp_path / "x", chunk_size=0)
+
+
+def test_store_from_a_newer_schema_refuses_to_open(tmp_path):
+    kvstore.open(tmp_path / "s").close()
+    import sqlite3
+
+    con = sqlite3.connect(tmp_path / "s" / "index.sqlite")
+    con.execute("INSERT INTO schema_migrations VALUES (9999, '9999_future.sql', 0)")
+    con.commit()
+    con.close()
+    with pytest.raises(SchemaTooNewError, match="upgrade kvstore"):
+        kvstore.open(tmp_path / "s")
+
+
+def test_permissions(tmp_path, llama):
+    path, model = llama
+    with kvstore.open(tmp_path / "s", chunk_size=C) as store:
+        t = rand_tokens(C + 2, seed=16)
+        store.bind(model, path).insert(t, prefill(model, t))
+        store.flush()
+        assert (tmp_path / "s").stat().st_mode & 0o777 == 0o700
+        assert (tmp_path / "s" / "index.sqlite").stat().st_mode & 0o777 == 0o600
+        for f in blobs.walk(store.blob_root):
+            assert f.stat().st_mode & 0o777 == 0o600
+            assert f.parent.stat().st_mode & 0o777 == 0o700
+
+
+def test_bf16_stays_bf16_bit_exact(tmp_path, llama):
+    path, model = llama
+    model16, _ = load(str(build_demo_model(tmp_path / "m16", "llama", dtype="bfloat16")))
+    tokens = rand_tokens(C + 5, seed=17)
+    cache = prefill(model16, tokens)
+    assert cache[0].keys.dtype == mx.bfloat16
+    with kvstore.open(tmp_path / "s", chunk_size=C, memory_bytes=0) as store:
+        mc = store.bind(model16, tmp_path / "m16")
+        mc.insert(tokens, cache)
+        store.flush()
+    with kvstore.open(tmp_path / "s", chunk_size=C, memory_bytes=0) as store:
+        got, rest = store.bind(model16, tmp_path / "m16").fetch(tokens + [1])
+        assert got[0].keys.dtype == mx.bfloat16
+        a = np.array(got[1].keys.view(mx.uint16))
+        b = np.array(cache[1].keys[..., : len(tokens), :].view(mx.uint16))
+        assert (a == b).all()
+
+
+def test_chain_hashes_are_the_same_in_every_process():
+    from kvstore import keys
+
+    code = ("from kvstore import keys; import numpy as np; "
+            "print(keys.chain(b'n'*16, np.arange(600), 256)[-1].hex())")
+    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           env=dict(os.environ, PYTHONHASHSEED=str(seed))).stdout for seed in (1, 2)}
+    assert len(outs) == 1
+    assert outs.pop().strip() == keys.chain(b"n" * 16, np.arange(600), 256)[-1].hex()
+
+
+def test_unsupported_cache_class_is_a_miss_never_wrong(tmp_path, llama):
+    path, model = llama
+
+    class Odd(KVCache):  # a subclass kvstore has no codec for
+        pass
+
+    model.make_cache = lambda: [Odd() for _ in model.layers]
+    try:
+        with kvstore.open(tmp_path / "s", chunk_size=C) as store:
+            mc = store.bind(model, path)
+            tokens = rand_tokens(C + 3, seed=18)
+            cache = make_prompt_cache(model)
+            model(mx.array([tokens]), cache=cache)
+            assert mc.insert(tokens, cache) == 0
+            store.flush()
+            assert store.stats()["chunks"] == 0
+            cache, rest = mc.fetch(tokens)
+            assert len(rest) == len(tokens) and isinstance(cache[0], Odd)
+    finally:
+        del model.make_cache
