@@ -23,7 +23,7 @@ _MIGRATION_NAME = re.compile(r"^(\d{4})_[a-z0-9_]+\.sql$")
 # SQLite's limit on host parameters is 32766 on current builds; stay well below it.
 _MAX_PARAMS = 900
 
-CHUNK, TAIL = 0, 1
+CHUNK, TAIL, CHECKPOINT = 0, 1, 2
 
 
 def migrations_dir() -> Path:
@@ -357,10 +357,10 @@ class Index:
 
     def totals(self) -> dict[str, int]:
         row = self.conn.execute(
-            "SELECT coalesce(sum(bytes), 0), coalesce(sum(chunks), 0), coalesce(sum(tails), 0) "
-            "FROM totals"
+            "SELECT coalesce(sum(bytes), 0), coalesce(sum(chunks), 0), coalesce(sum(tails), 0), "
+            "coalesce(sum(checkpoints), 0) FROM totals"
         ).fetchone()
-        return {"bytes": row[0], "chunks": row[1], "tails": row[2]}
+        return {"bytes": row[0], "chunks": row[1], "tails": row[2], "checkpoints": row[3]}
 
     def models(self) -> list[dict]:
         """One dict per bound model version, with its record totals and use."""
@@ -368,7 +368,7 @@ class Index:
             "SELECT m.ns, m.fingerprint, m.model_id, m.layout, m.chunk_size, m.created, "
             "m.last_used, coalesce(t.chunks, 0), coalesce(t.tails, 0), coalesce(t.bytes, 0), "
             "(SELECT coalesce(sum(hits), 0) FROM records r WHERE r.ns = m.ns), "
-            "(SELECT max(last_access) FROM records r WHERE r.ns = m.ns) "
+            "(SELECT max(last_access) FROM records r WHERE r.ns = m.ns), coalesce(t.checkpoints, 0) "
             "FROM models m LEFT JOIN totals t ON t.ns = m.ns ORDER BY m.last_used DESC"
         )
         return [
@@ -384,6 +384,7 @@ class Index:
                 "tails": r[8],
                 "bytes": r[9],
                 "hits": r[10],
+                "checkpoints": r[12],
             }
             for r in rows
         ]

@@ -33,6 +33,14 @@ class Record:
         if not self.nbytes:
             self.nbytes = sum(a.nbytes for a in self.arrays.values()) + self.tokens.nbytes
 
+    def depth_start(self, chunk_size: int) -> int:
+        """The position of this record's first token."""
+        return (self.depth - 1) * chunk_size
+
+    def views_all(self) -> dict[str, mx.array]:
+        """Every array with its real dtype (zero-copy views where needed)."""
+        return {name: self.array(name) for name in self.arrays}
+
     def array(self, name: str) -> mx.array:
         a = self.arrays[name]
         dtype = self.views.get(name)
@@ -63,6 +71,14 @@ class MemoryTier:
                 self._records.move_to_end(h)
                 self.hits += 1
             return rec
+
+    def kinds(self) -> dict[int, int]:
+        """How many records of each kind (chunk, tail, checkpoint) are held."""
+        with self._lock:
+            counts: dict[int, int] = {}
+            for rec in self._records.values():
+                counts[rec.kind] = counts.get(rec.kind, 0) + 1
+            return counts
 
     def children(self, parent: bytes) -> list[Record]:
         with self._lock:

@@ -10,23 +10,19 @@ from __future__ import annotations
 import json
 import logging
 import os
-import stat
 import threading
-import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_flatten
-from mlx_lm.models.cache import make_prompt_cache
 
 from . import blobs, keys
-from .codecs import Codec, codec_for
 from .errors import BlobError, InvalidInputError, ModelFilesError, StoreOpenError
-from .index import CHUNK, TAIL, Index, Row
+from .index import Index, Row
 from .memory import MemoryTier, Record
-from .writer import Job, Spec, Writer
+from .modelcache import ModelCache, describe, make_template
+from .writer import Writer
 
 log = logging.getLogger("kvstore")
 
@@ -78,22 +74,28 @@ class Store:
 
     # -- public surface ---------------------------------------------------------------------
 
-    def bind(self, model: Any, model_id: str | os.PathLike, *, adapter_path: str | os.PathLike | None = None,
-             fingerprint: bytes | None = None) -> "ModelCache":
+    def bind(self, model: Any, model_id: str | os.PathLike, *, kv_bits: int | None = None,
+             kv_group_size: int = 64, adapter_path: str | os.PathLike | None = None,
+             fingerprint: bytes | None = None) -> ModelCache:
         """A `ModelCache` for a loaded mlx-lm model and the path or repo id it was loaded from.
 
         The model's files are fingerprinted (memoised in the index by path, size and mtime), so
-        changed weights at the same path never get old K/V.
+        changed weights at the same path never get old K/V. `kv_bits`/`kv_group_size`: the
+        caller's caches are `QuantizedKVCache`s (mlx-lm's `--kv-bits`); part of the namespace.
+        `fingerprint` skips hashing files (for models that were not loaded from a folder).
         """
         self._check_open()
-        template = make_prompt_cache(model)
+        if kv_bits is not None and kv_bits not in (2, 3, 4, 5, 6, 8):
+            raise InvalidInputError(f"kv_bits must be one of 2, 3, 4, 5, 6, 8, got {kv_bits!r}")
+        template = make_template(model, kv_bits, kv_group_size)
         layout, codecs = describe(model, template)
         if fingerprint is None:
             fingerprint = self._fingerprint(model_id, adapter_path)
         ns = keys.namespace(fingerprint, layout, self.chunk_size)
         if self.index is not None:
             self.index.register_model(ns, fingerprint, str(model_id), json.dumps(layout), self.chunk_size)
-        return ModelCache(self, model, str(model_id), ns, fingerprint, layout, codecs)
+        return ModelCache(self, model, str(model_id), ns, fingerprint, layout, codecs,
+                          kv_bits=kv_bits, kv_group_size=kv_group_size)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every insert so far is durable. False if `timeout` ran out first."""
@@ -133,7 +135,9 @@ class Store:
             out["models"] = self.index.models()
             out["quarantined_total"] = self.index.counters().get("count.quarantined", 0)
         else:
-            out.update(bytes=self.memory.nbytes, chunks=sum(1 for _ in ()), tails=0, models=[])
+            kinds = self.memory.kinds()
+            out.update(bytes=self.memory.nbytes, chunks=kinds.get(0, 0), tails=kinds.get(1, 0),
+                       checkpoints=kinds.get(2, 0), models=[])
         return out
 
     def gc(self, max_bytes: int | None = None, max_age: float | None = None, dry_run: bool = False) -> dict:
@@ -190,6 +194,25 @@ class Store:
             lookup, remember = self.index.file_digest, self.index.remember_file_digest
         return keys.fingerprint(files, model_dir, lookup, remember)
 
+    def _available(self, hashes: list[bytes]) -> set[bytes]:
+        """Which of `hashes` can be read: in memory, queued, or on disk."""
+        here = {h for h in hashes if h in self.memory or self.writer.is_pending(h)}
+        rest = [h for h in hashes if h not in here]
+        if rest and self.index is not None:
+            here |= self.index.present(rest)
+        return here
+
+    def _get(self, h: bytes, row: Row | None) -> Record | None:
+        """A record from memory, the writer's queue, or disk (then kept in memory)."""
+        rec = self.memory.get(h) or self.writer.pending(h)
+        if rec is None and self.index is not None:
+            row = row or self.index.get(h)
+            if row is not None and not row.bad:
+                rec = self._read(h, row)
+                if rec is not None:
+                    self.memory.put([rec])
+        return rec
+
     def _read(self, h: bytes, row: Row) -> Record | None:
         """A record from disk, checked; None (quarantined and counted) if it is damaged."""
         try:
@@ -211,229 +234,6 @@ class Store:
                       np.frombuffer(row.tokens, dtype="<i4"), arrays)
 
 
-class ModelCache:
-    """The store as seen by one model version: `fetch` and `insert` token sequences."""
-
-    def __init__(self, store: Store, model, model_id: str, ns: bytes, fingerprint: bytes,
-                 layout: dict, codecs: list[Codec] | None):
-        self.store, self.model, self.model_id = store, model, model_id
-        self.ns, self.fingerprint, self.layout = ns, fingerprint, layout
-        self.codecs = codecs
-        self.chunk_size = store.chunk_size
-        self._metadata = {"format": str(keys.FORMAT_VERSION), "ns": ns.hex(),
-                          "fingerprint": fingerprint.hex(), "model_id": model_id,
-                          "chunk_size": str(self.chunk_size)}
-
-    @property
-    def supported(self) -> bool:
-        """False when a layer's cache class has no codec: such a model is never stored."""
-        return self.codecs is not None
-
-    def new_cache(self) -> list:
-        return make_prompt_cache(self.model)
-
-    # -- fetch ------------------------------------------------------------------------------
-
-    def fetch(self, tokens: Sequence[int] | np.ndarray | mx.array) -> tuple[list, list[int]]:
-        """The cache of the longest stored prefix of `tokens` and the tokens still to process.
-
-        At least one token is always left. On a miss: a fresh cache and all of `tokens`.
-        """
-        toks = _tokens(tokens)
-        self.store._check_open()
-        self.store.counters["fetches"] += 1
-        if not self.supported or len(toks) < 2:
-            return self.new_cache(), toks.tolist()
-        path, length = self._longest(toks)
-        length = min(length, len(toks) - 1)
-        if length <= 0:
-            return self.new_cache(), toks.tolist()
-        records, length = self._load(path, length)
-        if length <= 0:
-            return self.new_cache(), toks.tolist()
-        cache = self._assemble(records, length)
-        self.store.counters["reused_tokens"] += length
-        return cache, toks[length:].tolist()
-
-    def _longest(self, toks: np.ndarray) -> tuple[list[tuple[bytes, Row | None]], int]:
-        """The chain of records covering the longest stored prefix, and its length."""
-        C, store = self.chunk_size, self.store
-        hashes = keys.chain(self.ns, toks, C)
-        local = [h in store.memory or store.writer.is_pending(h) for h in hashes]
-        on_disk: set[bytes] = set()
-        if store.index is not None and not all(local):
-            on_disk = store.index.present([h for h, here in zip(hashes, local) if not here])
-        depth = 0
-        while depth < len(hashes) and (local[depth] or hashes[depth] in on_disk):
-            depth += 1
-        path: list[tuple[bytes, Row | None]] = [(h, None) for h in hashes[:depth]]
-        parent = hashes[depth - 1] if depth else self.ns
-        rest = toks[depth * C :]
-        best, best_len = None, 0
-        if len(rest):
-            for rec in store.memory.children(parent) + store.writer.pending_children(parent):
-                n = keys.common_prefix(rec.tokens, rest)
-                if n > best_len:
-                    best, best_len = (rec.hash, None), n
-            if store.index is not None and best_len < min(len(rest), C):
-                for row in store.index.children(parent):
-                    n = keys.common_prefix(np.frombuffer(row.tokens, dtype="<i4"), rest)
-                    if n > best_len:
-                        best, best_len = (row.hash, row), n
-        if best is not None:
-            path.append(best)
-        return path, depth * C + best_len
-
-    def _load(self, path: list[tuple[bytes, Row | None]], length: int) -> tuple[list[Record], int]:
-        """Records of `path` needed for `length` tokens: memory, then pending, then disk.
-
-        A damaged record ends the usable prefix where it starts.
-        """
-        store, C = self.store, self.chunk_size
-        records: list[Record] = []
-        from_disk: list[Record] = []
-        for h, row in path:
-            if len(records) * C >= length:
-                break
-            rec = store.memory.get(h) or store.writer.pending(h)
-            if rec is None and store.index is not None:
-                row = row or store.index.get(h)
-                rec = store._read(h, row) if row is not None and not row.bad else None
-                if rec is not None:
-                    from_disk.append(rec)
-            if rec is None:
-                length = min(length, len(records) * C)
-                break
-            records.append(rec)
-        store.memory.put(reversed(from_disk))
-        store.memory.touch(r.hash for r in reversed(records))
-        store.writer.touch([r.hash for r in records])
-        return records, length
-
-    def _assemble(self, records: list[Record], length: int) -> list:
-        cache = []
-        for i, codec in enumerate(self.codecs):
-            names = [n for n in records[0].arrays if n.split(".", 1)[0] == str(i)]
-            pieces = [{n.split(".", 1)[1]: rec.array(n) for n in names} for rec in records]
-            cache.append(codec.restore(pieces, length))
-        mx.eval([c.state for c in cache])
-        return cache
-
-    def stored_length(self, tokens: Sequence[int] | np.ndarray | mx.array) -> int:
-        """How many leading tokens of `tokens` the store could restore (no cap, nothing loaded)."""
-        toks = _tokens(tokens)
-        if not self.supported or len(toks) == 0:
-            return 0
-        return self._longest(toks)[1]
-
-    def prefill(self, tokens: Sequence[int] | np.ndarray | mx.array, *, step: int | None = None,
-                progress: Callable[[int], None] | None = None) -> tuple[list | None, int, int]:
-        """Make sure the cache of `tokens` is stored, computing only what is missing.
-
-        Processes the missing tokens `step` at a time (default: up to each chunk boundary) and
-        inserts after each step, so a crash or Ctrl-C keeps everything computed so far.
-        Returns (cache or None if nothing had to be computed, tokens reused, tokens computed).
-        """
-        toks = _tokens(tokens)
-        if len(toks) == 0:
-            raise InvalidInputError("prefill needs at least one token")
-        if self.supported and self.stored_length(toks) >= len(toks):
-            return None, len(toks), 0
-        cache, rest = self.fetch(toks)
-        reused = pos = len(toks) - len(rest)
-        C = self.chunk_size
-        while pos < len(toks):
-            end = min(len(toks), pos + step) if step else min(len(toks), (pos // C + 1) * C)
-            self.model(mx.array(toks[pos:end])[None], cache=cache)
-            mx.eval([c.state for c in cache])
-            self.insert(toks[:end], cache)
-            if progress is not None:
-                progress(end - pos)
-            pos = end
-        return cache, reused, len(toks) - reused
-
-    # -- insert -----------------------------------------------------------------------------
-
-    def insert(self, tokens: Sequence[int] | np.ndarray | mx.array, cache: list, *, pin: bool = False) -> int:
-        """Store the cache of `tokens` (it must hold exactly `len(tokens)` processed tokens).
-
-        Returns at once: new chunks and the tail are queued for the background writer and are
-        visible to `fetch` immediately. Returns how many new records were queued.
-        """
-        toks = _tokens(tokens)
-        store = self.store
-        store._check_open()
-        if len(toks) == 0:
-            raise InvalidInputError("insert needs at least one token")
-        self._check_cache(cache, len(toks))
-        if not self.supported:
-            store.counters["skipped_inserts"] += 1
-            return 0
-        C = self.chunk_size
-        hashes = keys.chain(self.ns, toks, C)
-        specs = [Spec(h, hashes[i - 1] if i else self.ns, i + 1, CHUNK, i * C, (i + 1) * C)
-                 for i, h in enumerate(hashes)]
-        if len(toks) % C:
-            parent = hashes[-1] if hashes else self.ns
-            start = len(hashes) * C
-            specs.append(Spec(keys.tail_hash(parent, toks[start:]), parent, len(hashes) + 1,
-                              TAIL, start, len(toks)))
-        new = self._unknown(specs)
-        if not new and not pin:
-            return 0
-        arrays: dict[str, mx.array] = {}
-        views: dict[str, mx.Dtype] = {}
-        for i, (codec, layer) in enumerate(zip(self.codecs, cache)):
-            for name, a in codec.snapshot(layer, len(toks)).items():
-                arrays[f"{i}.{name}"], view = blobs.host_bits(a)
-                if view is not None:
-                    views[f"{i}.{name}"] = view
-        mx.eval(list(arrays.values()))
-        per_token = sum(a.nbytes // max(1, a.shape[2]) for a in arrays.values()) if arrays else 0
-        for s in new:
-            s.nbytes = per_token * (s.end - s.start) + 4 * (s.end - s.start)
-        job = Job(self.ns, toks, arrays, views, new, self._metadata,
-                  pin=[s.hash for s in specs] if pin else [],
-                  nbytes=sum(s.nbytes for s in new))
-        store.writer.submit(job)
-        return len(new)
-
-    def _unknown(self, specs: list[Spec]) -> list[Spec]:
-        store = self.store
-        unknown = [s for s in specs if s.hash not in store.memory and not store.writer.is_pending(s.hash)]
-        if unknown and store.index is not None:
-            present = store.index.present([s.hash for s in unknown])
-            unknown = [s for s in unknown if s.hash not in present]
-        return unknown
-
-    def _check_cache(self, cache: list, n: int) -> None:
-        if not isinstance(cache, (list, tuple)):
-            raise InvalidInputError(f"cache must be a list of mlx-lm cache objects, got {type(cache).__name__}")
-        expected = len(self.layout["layers"])
-        if len(cache) != expected:
-            raise InvalidInputError(f"cache has {len(cache)} layers; this model's cache has {expected}")
-        for i, layer in enumerate(cache):
-            if type(layer).__name__ != self.layout["layers"][i]["class"]:
-                raise InvalidInputError(
-                    f"cache layer {i} is a {type(layer).__name__}; this model makes "
-                    f"{self.layout['layers'][i]['class']}")
-            if self.codecs is not None:
-                offset = self.codecs[i].offset(layer)
-                if offset != n:
-                    raise InvalidInputError(
-                        f"cache layer {i} has processed {offset} tokens but {n} tokens were given: "
-                        "insert the tokens the cache actually holds")
-
-
-def describe(model, template: list) -> tuple[dict, list[Codec] | None]:
-    """The cache layout (part of the namespace) and a codec per layer, or None if unsupported."""
-    codecs = [codec_for(layer) for layer in template]
-    layers = [(c.layout(layer) if c else {"class": type(layer).__name__}) for c, layer in zip(codecs, template)]
-    dtypes = sorted({str(v.dtype) for _, v in tree_flatten(model.parameters())})
-    layout = {"layers": layers, "param_dtypes": dtypes}
-    return layout, (None if any(c is None for c in codecs) else codecs)
-
-
 def resolve_model_dir(model_id: str) -> Path:
     """The local folder of a model path or an already-downloaded Hugging Face repo id."""
     p = Path(model_id).expanduser()
@@ -447,33 +247,6 @@ def resolve_model_dir(model_id: str) -> Path:
         raise ModelFilesError(
             f"cannot find the files of model {model_id!r} to fingerprint them: pass the local "
             "folder it was loaded from (or a repo id that is already downloaded)") from e
-
-
-def _tokens(tokens) -> np.ndarray:
-    """Validate a token sequence: a 1-D sequence of ints in [0, 2**31)."""
-    if isinstance(tokens, mx.array):
-        tokens = np.asarray(tokens)
-    if isinstance(tokens, np.ndarray):
-        if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
-            raise InvalidInputError(
-                f"tokens must be a 1-D sequence of ints, got an array of shape {tokens.shape} "
-                f"and dtype {tokens.dtype}")
-        arr = tokens.astype(np.int64)
-    else:
-        if isinstance(tokens, (str, bytes)):
-            raise InvalidInputError("tokens must be a sequence of token ids, not text: tokenize first")
-        try:
-            items = list(tokens)
-        except TypeError as e:
-            raise InvalidInputError(f"tokens must be a sequence of ints, got {type(tokens).__name__}") from e
-        for pos, t in enumerate(items):
-            if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
-                raise InvalidInputError(f"token {pos} is {t!r}: token ids must be ints")
-        arr = np.array(items, dtype=np.int64) if items else np.zeros(0, dtype=np.int64)
-    bad = np.nonzero((arr < 0) | (arr >= 2**31))[0]
-    if len(bad):
-        raise InvalidInputError(f"token {bad[0]} is {arr[bad[0]]}: token ids must be in [0, 2**31)")
-    return arr.astype(np.int32)
 
 
 def _prepare_dir(path: Path) -> Path:

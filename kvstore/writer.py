@@ -21,7 +21,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import blobs
-from .index import Index, Row
+from .index import CHECKPOINT, Index, Row
 from .memory import MemoryTier, Record
 
 log = logging.getLogger("kvstore")
@@ -46,18 +46,31 @@ class Spec:
 class Job:
     ns: bytes
     tokens: np.ndarray
-    arrays: dict[str, mx.array]  # "layer.name" -> evaluated view, token axis 2, [0, len(tokens))
+    arrays: dict[str, mx.array]  # "layer.name" -> evaluated view, token axis 2
+    origins: dict[str, int]  # "layer.name" -> the token its element 0 holds
     views: dict[str, mx.Dtype]  # names carried as raw bits (bfloat16 as uint16) -> real dtype
     specs: list[Spec]
     metadata: dict[str, str]
+    checkpoint: dict[str, mx.array] = field(default_factory=dict)  # for the CHECKPOINT spec
     pin: list[bytes] = field(default_factory=list)
     nbytes: int = 0
 
+    def slices(self, spec: Spec, arrays: dict) -> dict:
+        """The part of each array that falls in the spec's tokens (always a suffix of them)."""
+        out = {}
+        for name, a in arrays.items():
+            origin = self.origins[name]
+            lo = max(spec.start, origin)
+            if lo < spec.end:
+                out[name] = a[:, :, lo - origin : spec.end - origin]
+        return out
+
     def record(self, spec: Spec) -> Record:
         """The record `spec` as zero-copy views of the queued arrays (visible before it is written)."""
-        arrays = {name: a[:, :, spec.start : spec.end] for name, a in self.arrays.items()}
         return Record(spec.hash, self.ns, spec.parent, spec.depth, spec.kind,
-                      self.tokens[spec.start : spec.end], arrays, dict(self.views), nbytes=spec.nbytes)
+                      self.tokens[spec.start : spec.end],
+                      dict(self.checkpoint) if spec.kind == CHECKPOINT else self.slices(spec, self.arrays),
+                      dict(self.views), nbytes=spec.nbytes)
 
 
 @dataclass
@@ -201,8 +214,11 @@ class Writer:
     def _write(self, job: Job) -> None:
         self.stats.jobs += 1
         # Plain numpy views of the caller's (already evaluated) arrays: no mlx work on this thread.
-        hosts = {name: ("BF16" if name in job.views else blobs.tag_of(a.dtype),
-                        np.asarray(a)) for name, a in job.arrays.items()}
+        def host(arrays):
+            return {name: ("BF16" if name in job.views else blobs.tag_of(a.dtype), np.asarray(a))
+                    for name, a in arrays.items()}
+
+        hosts, checkpoint_hosts = host(job.arrays), host(job.checkpoint)
         todo = job.specs
         if self.index is not None and todo:
             present = self.index.present([s.hash for s in todo])
@@ -213,8 +229,14 @@ class Writer:
         for spec in todo:
             tokens = np.ascontiguousarray(job.tokens[spec.start : spec.end], dtype="<i4")
             tensors: dict[str, blobs.Tensor] = {"tokens": (tokens_tag, tokens)}
-            for name, (tag, arr) in hosts.items():
-                tensors[name] = (tag, np.ascontiguousarray(arr[:, :, spec.start : spec.end]))
+            if spec.kind == CHECKPOINT:
+                parts = {name: arr for name, (_, arr) in checkpoint_hosts.items()}
+                tags = {name: tag for name, (tag, _) in checkpoint_hosts.items()}
+            else:
+                parts = job.slices(spec, {name: arr for name, (_, arr) in hosts.items()})
+                tags = {name: tag for name, (tag, _) in hosts.items()}
+            for name, arr in parts.items():
+                tensors[name] = (tags[name], np.ascontiguousarray(arr))
             if self.root is not None:
                 meta = dict(job.metadata, hash=spec.hash.hex(), parent=spec.parent.hex(),
                             depth=str(spec.depth), kind=str(spec.kind))

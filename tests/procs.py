@@ -7,6 +7,7 @@ import json
 import sys
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 import numpy as np
 
 
@@ -19,6 +20,25 @@ def greedy(model, cache, logits, n: int) -> list[int]:
     return out
 
 
+def build(model, mc, tokens, extra, insert):
+    """Process `tokens` `step` at a time as mlx-lm would (quantizing the KV cache when asked),
+    inserting after the last step or, with `insert_each_step`, after every step."""
+    from mlx_lm.generate import maybe_quantize_kv_cache
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    step = extra.get("step") or len(tokens)
+    for pos in range(0, len(tokens), step):
+        end = min(len(tokens), pos + step)
+        model(mx.array([tokens[pos:end]]), cache=cache)
+        if extra.get("kv_bits"):
+            maybe_quantize_kv_cache(cache, 0, extra.get("kv_group_size", 64), extra["kv_bits"])
+        mx.eval([v for _, v in tree_flatten([c.state for c in cache]) if isinstance(v, mx.array)])
+        if insert and (end == len(tokens) or extra.get("insert_each_step")):
+            mc.insert(tokens[:end], cache, checkpoint=extra.get("checkpoint", True) or end == len(tokens))
+    return cache
+
+
 def main(argv: list[str]) -> dict:
     import kvstore
     from mlx_lm import load
@@ -29,32 +49,31 @@ def main(argv: list[str]) -> dict:
     tokens = json.loads(tokens_json)
     model, _ = load(model_dir)
     with kvstore.open(store_dir, chunk_size=int(chunk), memory_bytes=extra.get("memory_bytes")) as store:
-        mc = store.bind(model, model_dir, kv_bits=extra["kv_bits"]) if extra.get("kv_bits") else store.bind(model, model_dir)
+        mc = store.bind(model, model_dir, kv_bits=extra.get("kv_bits"), kv_group_size=extra.get("kv_group_size", 64))
         if mode == "insert":
-            cache = mc.new_cache()
-            if extra.get("kv_bits"):
-                from mlx_lm.generate import maybe_quantize_kv_cache
-
-                cache = mc.new_cache()
-                step = extra.get("step", len(tokens))
-                pos = 0
-                while pos < len(tokens):
-                    model(mx.array([tokens[pos : pos + step]]), cache=cache)
-                    maybe_quantize_kv_cache(cache, 0, 64, extra["kv_bits"])
-                    pos += step
+            if extra.get("prefill"):  # the store's own chunked prefill (checkpoints at boundaries)
+                mc.prefill(tokens, checkpoint_every=extra.get("checkpoint_every", 4), pin=bool(extra.get("pin")))
             else:
-                step = extra.get("step", len(tokens))
-                for pos in range(0, len(tokens), step):
-                    model(mx.array([tokens[pos : pos + step]]), cache=cache)
-            mx.eval([c.state for c in cache])
-            mc.insert(tokens, cache, pin=bool(extra.get("pin")))
+                build(model, mc, tokens, extra, insert=True)
             store.flush()
-            return {"inserted": len(tokens)}
+            return {"inserted": len(tokens), "stats": {k: store.stats()[k] for k in ("bytes", "chunks", "tails", "checkpoints")}}
         cache, rest = mc.fetch(tokens)
         reused = len(tokens) - len(rest)
         logits = model(mx.array([rest]), cache=cache)
-        ref_cache = make_prompt_cache(model)
-        ref = model(mx.array([tokens]), cache=ref_cache)
+        same_data = None
+        if extra.get("kv_bits"):
+            # The reference is the original quantized cache, cut to the restore point, continued.
+            ref_cache = build(model, mc, extra["inserted"], extra, insert=False)
+            for c in ref_cache:
+                c.trim(c.offset - reused)
+            same_data = all(
+                bool(mx.array_equal(a[..., :reused, :], b[..., :reused, :]))
+                for c, r in zip(cache, ref_cache)
+                for a, b in zip(c.keys + c.values, r.keys + r.values))
+            ref = model(mx.array([rest]), cache=ref_cache)
+        else:
+            ref_cache = make_prompt_cache(model)
+            ref = model(mx.array([tokens]), cache=ref_cache)
         diff = float(mx.abs(logits[0, -1] - ref[0, -1]).max().item())
         n = extra.get("greedy", 20)
         return {
@@ -63,6 +82,7 @@ def main(argv: list[str]) -> dict:
             "greedy": greedy(model, cache, logits, n),
             "greedy_ref": greedy(model, ref_cache, ref, n),
             "classes": [type(c).__name__ for c in cache],
+            "same_data": same_data,
         }
 
 

@@ -409,23 +409,3 @@ def test_chain_hashes_are_the_same_in_every_process():
     assert outs.pop().strip() == keys.chain(b"n" * 16, np.arange(600), 256)[-1].hex()
 
 
-def test_unsupported_cache_class_is_a_miss_never_wrong(tmp_path, llama):
-    path, model = llama
-
-    class Odd(KVCache):  # a subclass kvstore has no codec for
-        pass
-
-    model.make_cache = lambda: [Odd() for _ in model.layers]
-    try:
-        with kvstore.open(tmp_path / "s", chunk_size=C) as store:
-            mc = store.bind(model, path)
-            tokens = rand_tokens(C + 3, seed=18)
-            cache = make_prompt_cache(model)
-            model(mx.array([tokens]), cache=cache)
-            assert mc.insert(tokens, cache) == 0
-            store.flush()
-            assert store.stats()["chunks"] == 0
-            cache, rest = mc.fetch(tokens)
-            assert len(rest) == len(tokens) and isinstance(cache[0], Odd)
-    finally:
-        del model.make_cache

@@ -1,0 +1,382 @@
+"""`ModelCache`: the store as one model version sees it — `fetch` and `insert` token sequences.
+
+Fetch walks the chunk-boundary hashes of the prompt (one index query), compares the tokens of
+the children of the deepest stored chunk, then picks the largest position p that every layer's
+codec can restore exactly (see `codecs`), always leaving at least one token to process.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Sequence
+
+import mlx.core as mx
+import numpy as np
+import xxhash
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
+
+from . import blobs, keys
+from .codecs import Codec, Piece, make_codec, sub
+from .errors import InvalidInputError
+from .index import CHECKPOINT, CHUNK, TAIL, Row
+from .memory import Record
+from .writer import Job, Spec
+
+if TYPE_CHECKING:
+    from .store import Store
+
+Tokens = Sequence[int] | np.ndarray | mx.array
+
+#: Default for `prefill`: a recurrent-state checkpoint every this many chunks (see README).
+CHECKPOINT_EVERY = 4
+
+
+def checkpoint_hash(record_hash: bytes) -> bytes:
+    """Key of the checkpoint taken at the end of a chunk or tail."""
+    return xxhash.xxh3_128_digest(record_hash + b"\x00checkpoint")
+
+
+def make_template(model, kv_bits: int | None, kv_group_size: int) -> list:
+    """The caches this model's generation uses: `make_prompt_cache`, with `KVCache` layers
+    quantized the way mlx-lm's `maybe_quantize_kv_cache` does when `kv_bits` is set."""
+    cache = make_prompt_cache(model)
+    if kv_bits is not None:
+        cache = [QuantizedKVCache(group_size=kv_group_size, bits=kv_bits) if type(c) is KVCache else c
+                 for c in cache]
+    return cache
+
+
+def describe(model, template: list) -> tuple[dict, list[Codec]]:
+    """The cache layout (part of the namespace) and one codec per layer."""
+    codecs = [make_codec(layer) for layer in template]
+    dtypes = sorted({str(v.dtype) for _, v in tree_flatten(model.parameters())})
+    return {"layers": [c.layout() for c in codecs], "param_dtypes": dtypes}, codecs
+
+
+class ModelCache:
+    """Fetch and insert the caches of one model version (made by `Store.bind`)."""
+
+    def __init__(self, store: "Store", model, model_id: str, ns: bytes, fingerprint: bytes,
+                 layout: dict, codecs: list[Codec], kv_bits: int | None = None, kv_group_size: int = 64):
+        self.store, self.model, self.model_id = store, model, model_id
+        self.ns, self.fingerprint, self.layout, self.codecs = ns, fingerprint, layout, codecs
+        self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
+        self.chunk_size = store.chunk_size
+        self.checkpointed = any(c.checkpointed for c in codecs)
+        self._metadata = {"format": str(keys.FORMAT_VERSION), "ns": ns.hex(),
+                          "fingerprint": fingerprint.hex(), "model_id": model_id,
+                          "chunk_size": str(self.chunk_size)}
+
+    @property
+    def supported(self) -> bool:
+        """Every cache class has a codec (unknown ones are checkpointed), so always True."""
+        return True
+
+    def new_cache(self) -> list:
+        """Fresh, empty caches for this model (quantized when bound with `kv_bits`)."""
+        return make_template(self.model, self.kv_bits, self.kv_group_size)
+
+    # -- fetch ------------------------------------------------------------------------------
+
+    def fetch(self, tokens: Tokens) -> tuple[list, list[int]]:
+        """The cache of the longest restorable prefix of `tokens`, and the tokens still to process.
+
+        At least one token is always left. On a miss: a fresh cache and all of `tokens`.
+        """
+        toks = _tokens(tokens)
+        store = self.store
+        store._check_open()
+        store.counters["fetches"] += 1
+        if len(toks) < 2:
+            return self.new_cache(), toks.tolist()
+        chain, options = self._match(toks)
+        cap = len(toks) - 1
+        loaded: dict[bytes, Record | None] = {}
+        best: tuple[int, list[Record], Record | None] = (0, [], None)
+        for child, row, matched in options:
+            length = min(len(chain) * self.chunk_size + matched, cap)
+            if length <= best[0]:
+                continue
+            path = [(h, None) for h in chain] + ([(child, row)] if child is not None else [])
+            records, length = self._load(path, length, loaded)
+            p, checkpoint = self._restore_point(records, length)
+            if p > best[0]:
+                best = (p, records, checkpoint)
+        p, records, checkpoint = best
+        if p <= 0:
+            return self.new_cache(), toks.tolist()
+        used = [r for r in records if r.depth_start(self.chunk_size) < p]
+        touched = used + ([checkpoint] if checkpoint is not None else [])
+        store.memory.touch(r.hash for r in reversed(touched))
+        store.writer.touch([r.hash for r in touched])
+        cache = self._assemble(used, p, checkpoint)
+        store.counters["reused_tokens"] += p
+        return cache, toks[p:].tolist()
+
+    def stored_length(self, tokens: Tokens) -> int:
+        """How many leading tokens of `tokens` have stored K/V (no cap, nothing is loaded)."""
+        toks = _tokens(tokens)
+        if len(toks) == 0:
+            return 0
+        chain, options = self._match(toks)
+        return len(chain) * self.chunk_size + (options[0][2] if options else 0)
+
+    def _match(self, toks: np.ndarray) -> tuple[list[bytes], list[tuple[bytes | None, Row | None, int]]]:
+        """The stored full chunks of `toks` (deepest run from the start) and the children of the
+        last one that share tokens with what follows: (hash, row or None, tokens shared), best
+        first. A checkpointed model also gets every child it matches whole (its checkpoint may
+        be usable where a longer match's is not)."""
+        C, store = self.chunk_size, self.store
+        hashes = keys.chain(self.ns, toks, C)
+        local = [h in store.memory or store.writer.is_pending(h) for h in hashes]
+        on_disk: set[bytes] = set()
+        if store.index is not None and not all(local):
+            on_disk = store.index.present([h for h, here in zip(hashes, local) if not here])
+        depth = 0
+        while depth < len(hashes) and (local[depth] or hashes[depth] in on_disk):
+            depth += 1
+        parent = hashes[depth - 1] if depth else self.ns
+        rest = toks[depth * C :]
+        found: dict[bytes, tuple[bytes, Row | None, int, bool]] = {}
+        if len(rest):
+            candidates = [(r.hash, None, r.tokens) for r in
+                          store.memory.children(parent) + store.writer.pending_children(parent)]
+            if store.index is not None:
+                candidates += [(row.hash, row, np.frombuffer(row.tokens, dtype="<i4"))
+                               for row in store.index.children(parent) if row.hash not in found]
+            for h, row, child_tokens in candidates:
+                if len(child_tokens) == 0 or h in found:
+                    continue
+                n = keys.common_prefix(child_tokens, rest)
+                if n:
+                    found[h] = (h, row, n, n == len(child_tokens))
+        ranked = sorted(found.values(), key=lambda f: -f[2])
+        options = ranked[:1] + ([f for f in ranked[1:] if f[3]] if self.checkpointed else [])
+        return hashes[:depth], [(h, row, n) for h, row, n, _ in options] or [(None, None, 0)]
+
+    def _load(self, path: list[tuple[bytes, Row | None]], length: int,
+              loaded: dict[bytes, Record | None]) -> tuple[list[Record], int]:
+        """Records of `path` needed for `length` tokens: memory, pending, then disk. A damaged
+        record ends the usable prefix where it starts."""
+        records: list[Record] = []
+        C = self.chunk_size
+        for h, row in path:
+            if len(records) * C >= length:
+                break
+            if h not in loaded:
+                loaded[h] = self.store._get(h, row)
+            if loaded[h] is None:
+                length = min(length, len(records) * C)
+                break
+            records.append(loaded[h])
+        return records, length
+
+    def _restore_point(self, records: list[Record], length: int) -> tuple[int, Record | None]:
+        """The largest p <= length every layer can restore at, and the checkpoint it needs."""
+        C = self.chunk_size
+        ends = [r.depth_start(C) + len(r.tokens) for r in records]
+        candidates = sorted({length} | {e for e in ends if 0 < e < length}, reverse=True)
+        at: dict[int, bytes] = {}
+        if self.checkpointed:
+            wanted = {checkpoint_hash(r.hash): e for r, e in zip(records, ends) if e <= length}
+            for h in self.store._available(list(wanted)):
+                at[wanted[h]] = h
+        views = [r.views_all() for r in records]
+        for p in candidates:
+            if p <= 0:
+                break
+            ok = all(codec.valid(p, self._pieces(records, views, str(i)), p in at)
+                     for i, codec in enumerate(self.codecs))
+            if not ok:
+                continue
+            if not self.checkpointed:
+                return p, None
+            if p in at:
+                checkpoint = self.store._get(at[p], None)
+                if checkpoint is not None:
+                    return p, checkpoint
+            elif not any(c.checkpointed for c in self.codecs):
+                return p, None
+        return 0, None
+
+    def _pieces(self, records: list[Record], views: list[dict], prefix: str) -> list[Piece]:
+        C = self.chunk_size
+        return [(r.depth_start(C), r.depth_start(C) + len(r.tokens), sub(v, prefix))
+                for r, v in zip(records, views)]
+
+    def _assemble(self, records: list[Record], p: int, checkpoint: Record | None) -> list:
+        views = [r.views_all() for r in records]
+        ckpt = checkpoint.views_all() if checkpoint is not None else None
+        cache = [codec.restore(p, self._pieces(records, views, str(i)),
+                               sub(ckpt, str(i)) if ckpt is not None else None)
+                 for i, codec in enumerate(self.codecs)]
+        mx.eval(_arrays_of(cache))
+        return cache
+
+    # -- insert -----------------------------------------------------------------------------
+
+    def insert(self, tokens: Tokens, cache: list, *, pin: bool = False, checkpoint: bool = True) -> int:
+        """Store the cache of `tokens` (it must hold exactly `len(tokens)` processed tokens).
+
+        Returns at once: new chunks, the tail and (for recurrent layers, when `checkpoint`) a
+        checkpoint at the end are queued for the background writer and visible to `fetch`
+        immediately. Returns how many new records were queued.
+        """
+        toks = _tokens(tokens)
+        store = self.store
+        store._check_open()
+        if len(toks) == 0:
+            raise InvalidInputError("insert needs at least one token")
+        self._check_cache(cache, len(toks))
+        C, n = self.chunk_size, len(toks)
+        hashes = keys.chain(self.ns, toks, C)
+        specs = [Spec(h, hashes[i - 1] if i else self.ns, i + 1, CHUNK, i * C, (i + 1) * C)
+                 for i, h in enumerate(hashes)]
+        if n % C:
+            parent = hashes[-1] if hashes else self.ns
+            specs.append(Spec(keys.tail_hash(parent, toks[len(hashes) * C :]), parent,
+                              len(hashes) + 1, TAIL, len(hashes) * C, n))
+        if self.checkpointed and checkpoint:
+            last = specs[-1]
+            specs.append(Spec(checkpoint_hash(last.hash), last.hash, last.depth, CHECKPOINT, n, n))
+        new = self._unknown(specs)
+        if not new and not pin:
+            return 0
+        arrays, origins, views, saved = {}, {}, {}, {}
+        try:
+            for i, (codec, layer) in enumerate(zip(self.codecs, cache)):
+                for name, (a, origin) in codec.deltas(layer, n).items():
+                    arrays[f"{i}.{name}"], view = blobs.host_bits(a)
+                    origins[f"{i}.{name}"] = origin
+                    if view is not None:
+                        views[f"{i}.{name}"] = view
+                if any(s.kind == CHECKPOINT for s in new):
+                    for name, a in codec.checkpoint(layer).items():
+                        saved[f"{i}.{name}"], view = blobs.host_bits(a)
+                        if view is not None:
+                            views[f"{i}.{name}"] = view
+        except (ValueError, blobs.BlobError) as e:
+            raise InvalidInputError(f"cannot store this cache: {e}") from e
+        mx.eval(list(arrays.values()) + list(saved.values()))
+        for s in new:
+            if s.kind == CHECKPOINT:
+                s.nbytes = sum(a.nbytes for a in saved.values())
+            else:
+                s.nbytes = 4 * (s.end - s.start) + sum(
+                    a.nbytes // max(1, a.shape[2]) * max(0, s.end - max(s.start, origins[k]))
+                    for k, a in arrays.items())
+        job = Job(self.ns, toks, arrays, origins, views, new, self._metadata, checkpoint=saved,
+                  pin=[s.hash for s in specs] if pin else [], nbytes=sum(s.nbytes for s in new))
+        store.writer.submit(job)
+        return len(new)
+
+    def prefill(self, tokens: Tokens, *, step: int | None = None, checkpoint_every: int = CHECKPOINT_EVERY,
+                pin: bool = False, progress: Callable[[int], None] | None = None) -> tuple[list | None, int, int]:
+        """Make sure the cache of `tokens` is stored, computing only what is missing.
+
+        Processes the missing tokens up to each chunk boundary (or `step` at a time) and inserts
+        after each, so a crash or Ctrl-C keeps everything computed so far. Recurrent layers get a
+        checkpoint every `checkpoint_every` chunks and at the end. Returns (the cache, or None if
+        nothing had to be computed; tokens reused; tokens computed).
+        """
+        toks = _tokens(tokens)
+        if len(toks) == 0:
+            raise InvalidInputError("prefill needs at least one token")
+        if self.stored_length(toks) >= len(toks) and not self._needs_end_checkpoint(toks):
+            if pin:
+                self._pin(toks)
+            return None, len(toks), 0
+        cache, rest = self.fetch(toks)
+        reused = pos = len(toks) - len(rest)
+        C = self.chunk_size
+        while pos < len(toks):
+            end = min(len(toks), pos + step) if step else min(len(toks), (pos // C + 1) * C)
+            self.model(mx.array(toks[pos:end])[None], cache=cache)
+            mx.eval(_arrays_of(cache))
+            at_boundary = end % C == 0 and checkpoint_every > 0 and (end // C) % checkpoint_every == 0
+            self.insert(toks[:end], cache, pin=pin and end == len(toks),
+                        checkpoint=end == len(toks) or at_boundary)
+            if progress is not None:
+                progress(end - pos)
+            pos = end
+        return cache, reused, len(toks) - reused
+
+    def _record_hashes(self, toks: np.ndarray) -> list[bytes]:
+        """Hashes of the chunks and tail that `insert(toks, ...)` stores."""
+        C = self.chunk_size
+        hashes = keys.chain(self.ns, toks, C)
+        if len(toks) % C:
+            hashes.append(keys.tail_hash(hashes[-1] if hashes else self.ns, toks[len(hashes) * C :]))
+        return hashes
+
+    def _needs_end_checkpoint(self, toks: np.ndarray) -> bool:
+        if not self.checkpointed:
+            return False
+        return not self.store._available([checkpoint_hash(self._record_hashes(toks)[-1])])
+
+    def _pin(self, toks: np.ndarray) -> None:
+        """Pin what is already stored for `toks` (and so keep it through gc)."""
+        if self.store.index is not None:
+            self.store.flush()
+            hashes = self._record_hashes(toks)
+            self.store.index.pin(hashes + [checkpoint_hash(hashes[-1])])
+
+    def _unknown(self, specs: list[Spec]) -> list[Spec]:
+        store = self.store
+        unknown = [s for s in specs if s.hash not in store.memory and not store.writer.is_pending(s.hash)]
+        if unknown and store.index is not None:
+            present = store.index.present([s.hash for s in unknown])
+            unknown = [s for s in unknown if s.hash not in present]
+        return unknown
+
+    def _check_cache(self, cache: list, n: int) -> None:
+        if not isinstance(cache, (list, tuple)):
+            raise InvalidInputError(f"cache must be a list of mlx-lm cache objects, got {type(cache).__name__}")
+        if len(cache) != len(self.codecs):
+            raise InvalidInputError(f"cache has {len(cache)} layers; this model's cache has {len(self.codecs)}")
+        for i, (codec, layer) in enumerate(zip(self.codecs, cache)):
+            if type(layer) is not codec.cls:
+                hint = (" (bind with kv_bits to store quantized caches)" if isinstance(layer, QuantizedKVCache)
+                        else " (quantize it as mlx-lm does, or bind without kv_bits)" if self.kv_bits else "")
+                raise InvalidInputError(
+                    f"cache layer {i} is a {type(layer).__name__}; this model's layout has "
+                    f"{codec.cls.__name__}{hint}")
+            offset = codec.offset(layer)
+            if offset is not None and offset != n:
+                raise InvalidInputError(
+                    f"cache layer {i} has processed {offset} tokens but {n} tokens were given: "
+                    "insert the tokens the cache actually holds")
+
+
+def _arrays_of(cache: list) -> list[mx.array]:
+    return [v for _, v in tree_flatten([c.state for c in cache]) if isinstance(v, mx.array)]
+
+
+def _tokens(tokens) -> np.ndarray:
+    """Validate a token sequence: a 1-D sequence of ints in [0, 2**31)."""
+    if isinstance(tokens, mx.array):
+        tokens = np.asarray(tokens)
+    if isinstance(tokens, np.ndarray):
+        if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+            raise InvalidInputError(
+                f"tokens must be a 1-D sequence of ints, got an array of shape {tokens.shape} "
+                f"and dtype {tokens.dtype}")
+        arr = tokens.astype(np.int64)
+    else:
+        if isinstance(tokens, (str, bytes)):
+            raise InvalidInputError("tokens must be a sequence of token ids, not text: tokenize first")
+        try:
+            items = list(tokens)
+        except TypeError as e:
+            raise InvalidInputError(f"tokens must be a sequence of ints, got {type(tokens).__name__}") from e
+        for pos, t in enumerate(items):
+            if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+                raise InvalidInputError(f"token {pos} is {t!r}: token ids must be ints")
+        if any(t >= 2**31 or t < 0 for t in items):
+            pos = next(i for i, t in enumerate(items) if t >= 2**31 or t < 0)
+            raise InvalidInputError(f"token {pos} is {items[pos]}: token ids must be in [0, 2**31)")
+        arr = np.array(items, dtype=np.int64) if items else np.zeros(0, dtype=np.int64)
+    bad = np.nonzero((arr < 0) | (arr >= 2**31))[0]
+    if len(bad):
+        raise InvalidInputError(f"token {bad[0]} is {arr[bad[0]]}: token ids must be in [0, 2**31)")
+    return arr.astype(np.int32)
