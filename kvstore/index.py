@@ -258,11 +258,18 @@ class Index:
         ).fetchone()
         return _row(row) if row else None
 
-    def children(self, parent: bytes) -> list[Row]:
-        """Usable chunks and tails directly under `parent`."""
-        rows = self.conn.execute(
-            f"SELECT {_ROW_COLUMNS} FROM records WHERE parent = ? AND bad = 0", (parent,)
-        )
+    def children(self, parent: bytes, first_token: int | None = None) -> list[Row]:
+        """Usable records directly under `parent`; with `first_token`, only the chunks and tails
+        that start with it (the others share no token with what follows)."""
+        if first_token is None:
+            rows = self.conn.execute(
+                f"SELECT {_ROW_COLUMNS} FROM records WHERE parent = ? AND bad = 0", (parent,)
+            )
+        else:
+            rows = self.conn.execute(
+                f"SELECT {_ROW_COLUMNS} FROM records WHERE parent = ? "
+                "AND (first_token = ? OR first_token IS NULL) AND bad = 0", (parent, first_token)
+            )
         return [_row(r) for r in rows]
 
     def insert(self, rows: Iterable[Row]) -> int:
@@ -270,14 +277,15 @@ class Index:
         now = time.time()
         values = [
             (r.hash, r.ns, r.parent, r.depth, r.kind, r.ntokens, r.tokens, r.size,
-             _u64_to_i64(r.checksum), now, now, 0, r.pinned, 0)
+             _u64_to_i64(r.checksum), now, now, 0, r.pinned, 0,
+             int.from_bytes(r.tokens[:4], "little", signed=True) if len(r.tokens) >= 4 else None)
             for r in rows
         ]
         with self.transaction() as conn:
             before = conn.total_changes
             conn.executemany(
-                f"INSERT OR IGNORE INTO records ({_ROW_COLUMNS}) "
-                f"VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                f"INSERT OR IGNORE INTO records ({_ROW_COLUMNS}, first_token) "
+                f"VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 values,
             )
             # A record stored again with pin=True gets pinned.

@@ -143,7 +143,7 @@ class ModelCache:
                           store.memory.children(parent) + store.writer.pending_children(parent)]
             if store.index is not None:
                 candidates += [(row.hash, row, np.frombuffer(row.tokens, dtype="<i4"))
-                               for row in store.index.children(parent) if row.hash not in found]
+                               for row in store.index.children(parent, int(rest[0]))]
             for h, row, child_tokens in candidates:
                 if len(child_tokens) == 0 or h in found:
                     continue

@@ -7,10 +7,12 @@ caller gets the longest prefix that is still correct.
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
 import threading
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,19 @@ DEFAULT_MEMORY_BYTES = 1 << 30
 DEFAULT_PENDING_BYTES = 2 << 30
 INDEX_NAME = "index.sqlite"
 BLOBS_NAME = "blobs"
+
+
+# Stores still open at interpreter exit get their queued writes flushed (bounded in time).
+_OPEN_STORES: "weakref.WeakSet[Store]" = weakref.WeakSet()
+
+
+@atexit.register
+def _flush_open_stores() -> None:
+    for store in list(_OPEN_STORES):
+        try:
+            store.flush(timeout=30)
+        except Exception:
+            pass
 
 
 def default_path() -> Path:
@@ -71,6 +86,7 @@ class Store:
                              after_batch=self._enforce_budget if max_bytes is not None else None,
                              fsync=fsync)
         self._closed = False
+        _OPEN_STORES.add(self)
 
     # -- public surface ---------------------------------------------------------------------
 
@@ -105,6 +121,7 @@ class Store:
         if self._closed:
             return
         self.writer.close()
+        _OPEN_STORES.discard(self)
         if self.index is not None:
             self.index.close()
         self._closed = True
