@@ -7,6 +7,7 @@ codec can restore exactly (see `codecs`), always leaving at least one token to p
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import mlx.core as mx
@@ -24,6 +25,8 @@ from .writer import Job, Spec
 
 if TYPE_CHECKING:
     from .store import Store
+
+log = logging.getLogger("kvstore")
 
 Tokens = Sequence[int] | np.ndarray | mx.array
 
@@ -89,6 +92,15 @@ class ModelCache:
         store.counters["fetches"] += 1
         if len(toks) < 2:
             return self.new_cache(), toks.tolist()
+        try:
+            return self._fetch(toks)
+        except Exception as e:  # a broken disk or index is a miss, never an error in generation
+            log.error("kvstore: fetch failed, serving a miss (%s: %s)", type(e).__name__, e)
+            store.counters["fetch_errors"] = store.counters.get("fetch_errors", 0) + 1
+            return self.new_cache(), toks.tolist()
+
+    def _fetch(self, toks: np.ndarray) -> tuple[list, list[int]]:
+        store = self.store
         chain, options = self._match(toks)
         cap = len(toks) - 1
         loaded: dict[bytes, Record | None] = {}
@@ -239,7 +251,12 @@ class ModelCache:
         if self.checkpointed and checkpoint:
             last = specs[-1]
             specs.append(Spec(checkpoint_hash(last.hash), last.hash, last.depth, CHECKPOINT, n, n))
-        new = self._unknown(specs)
+        try:
+            new = self._unknown(specs)
+        except Exception as e:  # the index is unreachable: drop this insert, keep serving
+            log.error("kvstore: insert dropped (%s: %s)", type(e).__name__, e)
+            store.counters["skipped_inserts"] += 1
+            return 0
         if not new and not pin:
             return 0
         arrays, origins, views, saved = {}, {}, {}, {}
