@@ -260,6 +260,7 @@ class ModelCache:
         if not new and not pin:
             return 0
         arrays, origins, views, saved = {}, {}, {}, {}
+        wants_checkpoint = any(s.kind == CHECKPOINT for s in new)
         try:
             for i, (codec, layer) in enumerate(zip(self.codecs, cache)):
                 for name, (a, origin) in codec.deltas(layer, n).items():
@@ -267,7 +268,7 @@ class ModelCache:
                     origins[f"{i}.{name}"] = origin
                     if view is not None:
                         views[f"{i}.{name}"] = view
-                if any(s.kind == CHECKPOINT for s in new):
+                if wants_checkpoint:
                     for name, a in codec.checkpoint(layer).items():
                         saved[f"{i}.{name}"], view = blobs.host_bits(a)
                         if view is not None:
@@ -275,13 +276,13 @@ class ModelCache:
         except (ValueError, blobs.BlobError) as e:
             raise InvalidInputError(f"cannot store this cache: {e}") from e
         mx.eval(list(arrays.values()) + list(saved.values()))
+        per_token: dict[int, int] = {}  # origin -> bytes per token of the arrays starting there
+        for name, a in arrays.items():
+            per_token[origins[name]] = per_token.get(origins[name], 0) + a.nbytes // max(1, a.shape[2])
+        checkpoint_bytes = sum(a.nbytes for a in saved.values())
         for s in new:
-            if s.kind == CHECKPOINT:
-                s.nbytes = sum(a.nbytes for a in saved.values())
-            else:
-                s.nbytes = 4 * (s.end - s.start) + sum(
-                    a.nbytes // max(1, a.shape[2]) * max(0, s.end - max(s.start, origins[k]))
-                    for k, a in arrays.items())
+            s.nbytes = checkpoint_bytes if s.kind == CHECKPOINT else 4 * (s.end - s.start) + sum(
+                b * max(0, s.end - max(s.start, origin)) for origin, b in per_token.items())
         job = Job(self.ns, toks, arrays, origins, views, new, self._metadata, checkpoint=saved,
                   pin=[s.hash for s in specs] if pin else [], nbytes=sum(s.nbytes for s in new))
         store.writer.submit(job)
@@ -386,6 +387,12 @@ def _tokens(tokens) -> np.ndarray:
             items = list(tokens)
         except TypeError as e:
             raise InvalidInputError(f"tokens must be a sequence of ints, got {type(tokens).__name__}") from e
+        try:  # the common case, a list of ints, at numpy speed
+            fast = np.array(items)
+        except (ValueError, TypeError, OverflowError):
+            fast = None
+        if fast is not None and fast.ndim == 1 and fast.dtype.kind in "iu" and len(fast):
+            return _tokens(fast)
         for pos, t in enumerate(items):
             if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
                 raise InvalidInputError(f"token {pos} is {t!r}: token ids must be ints")
