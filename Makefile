@@ -14,9 +14,12 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
-# Warm a store with the example prompts on the built-in demo model, then generate twice.
+# Warm a store with the example prompts on the built-in demo model (their shared system prompt is
+# computed once), generate from a warmed prompt (all reused), then generate a new prompt twice
+# (the second run reuses the first), and show what is stored.
 demo: install
 	$(VENV)/bin/kvstore warm --store $(STORE) --prompts examples/prompts.jsonl
+	head -n 1 examples/prompts.jsonl | $(VENV)/bin/kvstore generate --store $(STORE) --max-tokens 16 --prompts -
 	$(VENV)/bin/kvstore generate --store $(STORE) --max-tokens 16 \
 		--prompt "You are a helpful assistant. Answer briefly. What is a KV cache?"
 	$(VENV)/bin/kvstore generate --store $(STORE) --max-tokens 16 \

@@ -1,0 +1,224 @@
+"""Prompt files for `kvstore warm` and `kvstore generate`: one JSON object per line.
+
+    {"prompt": "text"}                                   the text, tokenized as mlx-lm does
+    {"messages": [{"role": "user", "content": "..."}]}   the chat template, with the generation prompt
+    {"tokens": [1, 2, 3]}                                token ids, used as they are
+    optional: "id": "name", "pin": true                  (pinned prompts are never evicted by gc)
+
+Parsing never stops at a bad line: each one becomes a `LineError` naming the file, line and field,
+and the good lines around it are still returned.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Sequence, Union
+
+import numpy as np
+
+KINDS = ("prompt", "messages", "tokens")
+
+
+@dataclass(frozen=True)
+class PromptLine:
+    """One valid line: what to tokenize (`kind`, `value`) and where it came from."""
+
+    source: str
+    line: int | None
+    kind: str  # one of KINDS
+    value: Any  # str, list of message dicts, or list of ints
+    id: str | None = None
+    pin: bool = False
+
+    @property
+    def where(self) -> str:
+        here = self.source if self.line is None else f"{self.source}:{self.line}"
+        return f"{here} (id {self.id})" if self.id is not None else here
+
+
+@dataclass(frozen=True)
+class LineError:
+    """What is wrong with one line, and where."""
+
+    source: str
+    line: int | None  # None when the input was not a file (a command-line argument)
+    field: str | None
+    message: str
+
+    def __str__(self) -> str:
+        where = self.source if self.line is None else f"{self.source}:{self.line}"
+        field = f" {self.field}:" if self.field else ""
+        return f"{where}:{field} {self.message}"
+
+
+Parsed = Union[PromptLine, LineError]
+
+
+def read(path: str | Path) -> Iterator[Parsed]:
+    """Parse the prompt file at `path` (`-` is standard input). OSError if it cannot be read."""
+    if str(path) == "-":
+        data = sys.stdin.buffer.read()
+        source = "<stdin>"
+    else:
+        p = Path(path)
+        if p.is_dir():
+            raise IsADirectoryError(21, "is a directory, not a JSONL file", str(p))
+        data = p.read_bytes()
+        source = str(path)
+    return parse(data, source)
+
+
+def parse(data: bytes | str, source: str = "<input>") -> Iterator[Parsed]:
+    """Parse JSONL `data`; blank lines are skipped, every other line gives one result."""
+    if isinstance(data, str):
+        data = data.encode("utf-8")
+    for number, raw in enumerate(data.split(b"\n"), start=1):
+        if not raw.strip():
+            continue
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            yield LineError(source, number, None, f"not UTF-8 text (bad byte at column {e.start + 1})")
+            continue
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as e:
+            yield LineError(source, number, None, f"not valid JSON ({e.msg} at column {e.colno})")
+            continue
+        except RecursionError:  # json.loads recurses once per level of [ or {
+            yield LineError(source, number, None, "JSON nested too deeply")
+            continue
+        yield parse_object(obj, source, number)
+
+
+def parse_object(obj: Any, source: str, line: int | None) -> Parsed:
+    """Validate one decoded JSON value as a prompt line."""
+    def bad(field: str | None, message: str) -> LineError:
+        return LineError(source, line, field, message)
+
+    if not isinstance(obj, dict):
+        return bad(None, f"expected a JSON object with one of {_kinds()}, got {_json_type(obj)}")
+    present = [k for k in KINDS if k in obj]
+    if not present:
+        return bad(None, f"none of the fields {_kinds()} is present")
+    if len(present) > 1:
+        return bad(present[1], f"give only one of {_kinds()}; this line has {' and '.join(present)}")
+    kind = present[0]
+    value = obj[kind]
+    error = {"prompt": check_prompt, "messages": check_messages, "tokens": check_tokens}[kind](value)
+    if error is not None:
+        field, message = error
+        return bad(field, message)
+
+    ident = obj.get("id")
+    if ident is not None:
+        if isinstance(ident, bool) or not isinstance(ident, (str, int)):
+            return bad("id", f"must be a string or an integer, got {_json_type(ident)}")
+        ident = str(ident)
+    pin = obj.get("pin", False)
+    if not isinstance(pin, bool):
+        return bad("pin", f"must be true or false, got {_json_type(pin)}")
+    return PromptLine(source, line, kind, value, ident, pin)
+
+
+def check_prompt(value: Any) -> tuple[str, str] | None:
+    if not isinstance(value, str):
+        return "prompt", f"must be a string, got {_json_type(value)}"
+    if not value:
+        return "prompt", "is empty"
+    return None
+
+
+def check_messages(value: Any) -> tuple[str, str] | None:
+    if not isinstance(value, list):
+        return "messages", f"must be a list of {{\"role\": ..., \"content\": ...}} objects, got {_json_type(value)}"
+    if not value:
+        return "messages", "is empty"
+    for i, message in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            return where, f"must be an object with \"role\" and \"content\", got {_json_type(message)}"
+        for key in ("role", "content"):
+            if key not in message:
+                return f"{where}.{key}", "is missing"
+        if not isinstance(message["role"], str) or not message["role"]:
+            return f"{where}.role", f"must be a non-empty string, got {json.dumps(message['role'])}"
+        # A list of content parts is what multimodal chat templates take; pass it through.
+        if not isinstance(message["content"], (str, list)):
+            return f"{where}.content", f"must be a string, got {_json_type(message['content'])}"
+    return None
+
+
+def check_tokens(value: Any, vocab_size: int | None = None) -> tuple[str, str] | None:
+    if not isinstance(value, list):
+        return "tokens", f"must be a list of token ids, got {_json_type(value)}"
+    if not value:
+        return "tokens", "is empty"
+    for i, t in enumerate(value):
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+            return f"tokens[{i}]", f"{json.dumps(t)} is not a non-negative integer"
+        if t >= 2**31:
+            return f"tokens[{i}]", f"{t} is too large for a token id"
+    if vocab_size is not None:
+        return check_vocab(value, vocab_size)
+    return None
+
+
+def check_vocab(tokens: Sequence[int] | np.ndarray, vocab_size: int) -> tuple[str, str] | None:
+    """The first token outside [0, vocab_size), as (field, message)."""
+    arr = np.asarray(tokens)
+    bad = np.nonzero(arr >= vocab_size)[0]
+    if len(bad):
+        i = int(bad[0])
+        return f"tokens[{i}]", f"{int(arr[i])} is outside the model's vocabulary (ids 0..{vocab_size - 1})"
+    return None
+
+
+def tokenize(item: PromptLine, tokenizer) -> np.ndarray:
+    """The token ids of `item` for this tokenizer (an mlx-lm `TokenizerWrapper`).
+
+    Text is encoded as `mlx_lm.stream_generate` encodes a string prompt (special tokens added
+    unless the text already starts with BOS); messages go through the chat template with the
+    generation prompt, as `mlx_lm.server` does. Raises ValueError if the tokenizer cannot.
+    """
+    if item.kind == "tokens":
+        return np.asarray(item.value, dtype=np.int32)
+    if item.kind == "prompt":
+        text = item.value
+        bos = getattr(tokenizer, "bos_token", None)
+        add_special = bos is None or not text.startswith(bos)
+    else:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("the model's tokenizer has no chat template: use \"prompt\" or \"tokens\"")
+        # Rendered, then encoded without added specials: what tokenize=True does inside transformers.
+        text = tokenizer.apply_chat_template(item.value, add_generation_prompt=True, tokenize=False)
+        add_special = False
+    # verbose=False: the caller reports prompts longer than the context itself.
+    try:
+        ids = tokenizer.encode(text, add_special_tokens=add_special, verbose=False)
+    except TypeError:  # a tokenizer that is not a transformers one
+        ids = tokenizer.encode(text, add_special_tokens=add_special)
+    return np.asarray(ids, dtype=np.int32).reshape(-1)
+
+
+def _kinds() -> str:
+    return ", ".join(f'"{k}"' for k in KINDS)
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return f"the number {value}"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, dict):
+        return "an object"
+    return type(value).__name__

@@ -1,0 +1,70 @@
+"""Human-friendly sizes and durations for the command line: `2GiB`, `1.5G`, `30m`, `7d`.
+
+Sizes follow GNU coreutils: `KB`, `MB`, `GB`, `TB` are powers of 1000; `K`, `M`, `G`, `T` and
+`KiB`, `MiB`, `GiB`, `TiB` are powers of 1024; a plain number (or `B`) is bytes.
+"""
+
+from __future__ import annotations
+
+import re
+
+_SIZE_UNITS = {"": 1, "b": 1}
+for _i, _letter in enumerate("kmgtp", start=1):
+    _SIZE_UNITS[_letter] = 1024**_i
+    _SIZE_UNITS[_letter + "ib"] = 1024**_i
+    _SIZE_UNITS[_letter + "b"] = 1000**_i
+
+_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*", re.IGNORECASE)
+_DURATION_PART_RE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """Bytes in `text`: `500MB`, `2GiB`, `1.5G`, `4096` ... Raises ValueError with the reason."""
+    match = _SIZE_RE.fullmatch(str(text))
+    if not match:
+        raise ValueError(f"{text!r} is not a size: use bytes or a number with a unit, like 500MB, 2GiB or 1.5G")
+    number, unit = match.groups()
+    factor = _SIZE_UNITS.get(unit.lower())
+    if factor is None:
+        raise ValueError(f"{text!r}: unknown size unit {unit!r}; use B, KB, MB, GB, TB (x1000) "
+                         "or K, M, G, T, KiB, MiB, GiB, TiB (x1024)")
+    return int(float(number) * factor) if "." in number else int(number) * factor
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in `text`: `30m`, `12h`, `7d`, `1h30m`, `2w`; a plain number is seconds."""
+    s = str(text).strip()
+    parts = list(_DURATION_PART_RE.finditer(s))
+    if not s or not parts or "".join(m.group(0) for m in parts) != s or parts[0].start() != 0:
+        raise ValueError(f"{text!r} is not a duration: use a number with a unit, like 30m, 12h or 7d")
+    total = 0.0
+    for m in parts:
+        number, unit = m.groups()
+        unit = unit.lower() or "s"
+        if unit not in _DURATION_UNITS:
+            raise ValueError(f"{text!r}: unknown duration unit {unit!r}; use s, m, h, d or w")
+        total += float(number) * _DURATION_UNITS[unit]
+    return total
+
+
+def format_size(n: int | float) -> str:
+    """`1536` -> `1.5 KiB`: binary units, one decimal."""
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_age(seconds: float) -> str:
+    """`5400` -> `1.5h`: the largest unit that keeps the number at least 1."""
+    if seconds < 60:
+        return f"{max(0, int(seconds))}s"
+    for unit, size in (("w", 7 * 86400), ("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            value = seconds / size
+            return f"{value:.0f}{unit}" if value >= 10 else f"{value:.1f}{unit}".replace(".0", "")
+    raise AssertionError("unreachable")

@@ -1,0 +1,448 @@
+"""The `kvstore` command line, run as a real process against a tmp store and a tiny demo model.
+
+Failures that happen before any model is loaded (argument and file errors) are also checked by
+calling `kvstore.cli.main` in this process, which is the same code without the start-up cost.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import kvstore
+from kvstore import cli
+from kvstore.demo import DEMO_NOTE
+from kvstore.sizes import format_size, parse_duration, parse_size
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = REPO / "examples" / "prompts.jsonl"
+COMMANDS = ("warm", "generate", "gc", "stats", "verify", "serve")
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory) -> Path:
+    """HOME for the commands: nothing they do lands in the real ~/.cache."""
+    return tmp_path_factory.mktemp("home")
+
+
+@pytest.fixture
+def kv(home):
+    """Run `kvstore ARGS...` in a new process; returns the CompletedProcess."""
+    def run(*args, input: str | None = None, env: dict | None = None, code: int | None = 0):
+        environ = {k: v for k, v in os.environ.items() if k != "KVSTORE_DIR"}
+        environ.update(HOME=str(home), PYTHONUNBUFFERED="1", **(env or {}))
+        result = subprocess.run([sys.executable, "-m", "kvstore.cli", *map(str, args)], input=input,
+                                capture_output=True, text=True, env=environ, cwd=REPO, timeout=300)
+        assert "Traceback" not in result.stderr, result.stderr
+        if code is not None:
+            assert result.returncode == code, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
+        return result
+    return run
+
+
+@pytest.fixture(scope="module")
+def warmed(tmp_path_factory, demo_model_path, home):
+    """A store warmed with examples/prompts.jsonl, and the output of that first warm."""
+    store = tmp_path_factory.mktemp("warmed") / "store"
+    result = subprocess.run([sys.executable, "-m", "kvstore.cli", "warm", "--store", str(store),
+                             "--model", str(demo_model_path), "--prompts", str(EXAMPLES)],
+                            capture_output=True, text=True, cwd=REPO, timeout=300,
+                            env={**os.environ, "HOME": str(home)})
+    assert result.returncode == 0, result.stderr
+    return store, result
+
+
+@pytest.fixture
+def store_copy(warmed, tmp_path) -> Path:
+    """A private copy of the warmed store, for tests that change it."""
+    return Path(shutil.copytree(warmed[0], tmp_path / "store"))
+
+
+def summary(stdout: str) -> dict[str, int]:
+    return {k: int(v) for k, v in re.findall(r"^(tokens reused|tokens computed|bytes written): (\d+)", stdout, re.M)}
+
+
+def report(stderr: str) -> list[tuple[int, int, int]]:
+    """(prompt tokens, reused, computed) of each `generate` report line."""
+    return [tuple(map(int, m)) for m in
+            re.findall(r"prompt: (\d+) tokens, (\d+) reused from the store, (\d+) computed", stderr)]
+
+
+def stats_of(path: Path) -> dict:
+    with kvstore.open(path) as store:
+        return store.stats()
+
+
+def problems_of(path: Path) -> list:
+    with kvstore.open(path) as store:
+        return store.verify()
+
+
+def in_process(capsys, *args) -> tuple[int, str, str]:
+    try:
+        code = cli.main([str(a) for a in args])
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err
+    return code, out, err
+
+
+# -- sizes and durations ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, expected", [
+    ("4096", 4096), ("0", 0), ("100B", 100), ("500MB", 500_000_000), ("500mb", 500_000_000),
+    ("2GiB", 2 << 30), ("1.5G", int(1.5 * (1 << 30))), ("10K", 10240), ("3 KB", 3000), ("1TB", 10**12),
+])
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "abc", "-5MB", "5XB", "1.2.3G", "MB"])
+def test_parse_size_rejects(text):
+    with pytest.raises(ValueError, match="size"):
+        parse_size(text)
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("30m", 1800), ("12h", 43200), ("7d", 604800), ("45", 45), ("1h30m", 5400), ("2w", 1209600), ("0.5h", 1800),
+])
+def test_parse_duration(text, expected):
+    assert parse_duration(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "soon", "5y", "-3d", "3d x"])
+def test_parse_duration_rejects(text):
+    with pytest.raises(ValueError, match="duration"):
+        parse_duration(text)
+
+
+def test_format_size():
+    assert format_size(512) == "512 B"
+    assert format_size(1536) == "1.5 KiB"
+    assert format_size(3 << 30) == "3.0 GiB"
+
+
+# -- help -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("command", [c for c in COMMANDS if c != "serve"])
+def test_every_command_help_has_an_example(capsys, command):
+    code, out, _ = in_process(capsys, command, "--help")
+    assert code == 0
+    assert "example" in out.lower() and f"kvstore {command} " in out
+    assert "--store" in out
+
+
+def test_top_level_help_lists_commands_with_examples(capsys):
+    code, out, _ = in_process(capsys, "--help")
+    assert code == 0
+    for command in COMMANDS:
+        assert command in out
+    assert "example" in out.lower() and "kvstore warm --prompts" in out
+
+
+def test_console_script_and_serve_help(home):
+    script = Path(sys.executable).with_name("kvstore")
+    if not script.exists():
+        pytest.skip("the kvstore console script is not installed in this environment")
+    result = subprocess.run([str(script), "serve", "--help"], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "HOME": str(home)})
+    assert result.returncode == 0, result.stderr
+    assert "example" in result.stdout.lower() and "kvstore serve" in result.stdout
+
+
+def test_no_command_prints_usage(capsys):
+    code, _, err = in_process(capsys)
+    assert code == 2 and "usage: kvstore" in err
+
+
+# -- warm -------------------------------------------------------------------------------------
+
+def test_warm_stores_shared_prefix_once_and_twice_computes_nothing(warmed, kv, demo_model_path):
+    store, first = warmed
+    s1 = summary(first.stdout)
+    assert "prompts: 7 warmed, 0 skipped" in first.stdout
+    assert s1["tokens computed"] > 0 and s1["bytes written"] > 0
+    # Prompts 2..6 share the long system prompt of prompt 1: it is computed once.
+    assert s1["tokens reused"] >= 5 * 900
+    assert re.search(r"^\[1/7\] .*prompts.jsonl:1 \(id hours\): \d+ tokens", first.stderr, re.M)
+
+    stats = stats_of(store)
+    assert stats["bytes"] == s1["bytes written"]
+    assert stats["chunks"] > 0 and stats["tails"] > 0
+    [model] = stats["models"]
+    assert model["model_id"] == str(demo_model_path)
+    with sqlite3.connect(store / "index.sqlite") as db:
+        assert db.execute("SELECT count(*) FROM records WHERE pinned = 1").fetchone()[0] > 0
+
+    again = kv("warm", "--store", store, "--model", demo_model_path, "--prompts", EXAMPLES)
+    s2 = summary(again.stdout)
+    assert s2["tokens computed"] == 0 and s2["bytes written"] == 0
+    assert s2["tokens reused"] == s1["tokens reused"] + s1["tokens computed"]
+    assert stats_of(store)["bytes"] == stats["bytes"]
+
+
+def test_warm_reads_standard_input(kv, demo_model_path, tmp_path):
+    lines = [json.dumps({"prompt": "one prompt from stdin"}), json.dumps({"tokens": [1, 2, 3, 4, 5]})]
+    result = kv("warm", "--store", tmp_path / "s", "--model", demo_model_path, "--prompts", "-",
+                input="\n".join(lines) + "\n")
+    assert "prompts: 2 warmed" in result.stdout
+    assert "<stdin>:2" in result.stderr
+    assert stats_of(tmp_path / "s")["tails"] == 2
+
+
+def test_warm_bad_lines_are_reported_and_good_lines_stored(kv, demo_model_path, tmp_path):
+    good = [json.dumps({"prompt": "the first good prompt", "id": "a"}),
+            json.dumps({"tokens": [7, 8, 9, 10]}),
+            json.dumps({"messages": [{"role": "user", "content": "the last good one"}], "pin": True})]
+    bad = [  # (line, field, what the message says)
+        ("this is not json", None, "not valid JSON"),
+        (json.dumps({"id": 3, "text": "hi"}), None, "none of the fields"),
+        (json.dumps({"tokens": [1, -2, 3]}), "tokens[1]", "not a non-negative integer"),
+        (json.dumps({"tokens": [1, 2.5]}), "tokens[1]", "not a non-negative integer"),
+        (json.dumps({"tokens": ["a"]}), "tokens[0]", "not a non-negative integer"),
+        (json.dumps({"tokens": [1, 2, 5000]}), "tokens[2]", "outside the model's vocabulary"),
+        (json.dumps({"prompt": ""}), "prompt", "is empty"),
+        (json.dumps({"tokens": []}), "tokens", "is empty"),
+        (json.dumps({"messages": []}), "messages", "is empty"),
+        (json.dumps({"messages": [{"role": "user"}]}), "messages[0].content", "is missing"),
+        (json.dumps({"prompt": "x" * 33000}), "prompt", "longer than the model's context (32768"),
+        (json.dumps({"prompt": "ok", "pin": "yes"}), "pin", "must be true or false"),
+        (json.dumps({"prompt": "ok", "tokens": [1]}), "tokens", "give only one of"),
+        (json.dumps([1, 2, 3]), None, "expected a JSON object"),
+    ]
+    rows = [good[0], *[b[0] for b in bad[:7]], good[1], *[b[0] for b in bad[7:]], good[2]]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(rows) + "\n\n")
+    with path.open("ab") as f:
+        f.write(b'{"prompt": "\xff\xfe"}\n')  # not UTF-8: line len(rows) + 2 (after a blank line)
+
+    result = kv("warm", "--store", tmp_path / "s", "--model", demo_model_path, "--prompts", path, code=1)
+    for line, field, message in bad:
+        number = rows.index(line) + 1
+        where = f"{path}:{number}: " + (f"{field}: " if field else "")
+        assert any(l.startswith(f"kvstore warm: {where}") and message in l for l in result.stderr.splitlines()), \
+            (where, message, result.stderr)
+    assert f"{path}:{len(rows) + 2}: not UTF-8" in result.stderr
+    assert f"prompts: 3 warmed, {len(bad) + 1} skipped (bad lines)" in result.stdout
+
+    # The good lines were stored: warming just them computes nothing.
+    only_good = tmp_path / "good.jsonl"
+    only_good.write_text("\n".join(good) + "\n")
+    again = kv("warm", "--store", tmp_path / "s", "--model", demo_model_path, "--prompts", only_good)
+    assert summary(again.stdout)["tokens computed"] == 0
+
+
+@pytest.mark.parametrize("make, reason", [
+    (lambda tmp: tmp / "missing.jsonl", "No such file or directory"),
+    (lambda tmp: tmp, "is a directory"),
+])
+def test_warm_unreadable_prompt_file(capsys, tmp_path, make, reason):
+    path = make(tmp_path)
+    code, _, err = in_process(capsys, "warm", "--store", tmp_path / "s", "--prompts", path)
+    assert code == 1
+    assert err.startswith(f"kvstore: error: cannot read the prompt file {path}: {reason}")
+    assert len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "s").exists()  # nothing was opened before the file was read
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda tmp: tmp / "no-such-model", "does not exist"),
+    (lambda tmp: tmp, "has no config.json"),
+])
+def test_bad_model_path(capsys, tmp_path, make, message):
+    model = make(tmp_path)
+    code, _, err = in_process(capsys, "warm", "--store", tmp_path / "s", "--model", model, "--prompts", EXAMPLES)
+    assert code == 1
+    assert err.startswith("kvstore: error: model ") and str(model) in err
+    assert message in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "s").exists()
+
+
+def test_store_that_cannot_be_created(capsys, demo_model_path, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    code, _, err = in_process(capsys, "warm", "--store", blocker / "store", "--model", demo_model_path,
+                              "--prompts", EXAMPLES)
+    assert code == 1
+    assert err.strip().startswith(f"kvstore: error: cannot create the store directory {blocker / 'store'}")
+    assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("command", ["stats", "verify", "gc --max-bytes 1MB"])
+def test_maintenance_commands_need_an_existing_store(capsys, tmp_path, command):
+    code, _, err = in_process(capsys, *command.split(), "--store", tmp_path / "nothing")
+    assert code == 1 and f"no kvstore store at {tmp_path / 'nothing'}" in err
+    assert not (tmp_path / "nothing").exists()
+
+
+def test_ctrl_c_during_warm_stops_cleanly(demo_model_path, home, tmp_path):
+    path = tmp_path / "big.jsonl"
+    with path.open("w") as f:
+        for i in range(40):  # distinct from the first token on: nothing is shared
+            f.write(json.dumps({"id": i, "prompt": f"{i} " + f"lorem ipsum dolor sit amet {i} " * 60}) + "\n")
+    store = tmp_path / "s"
+    proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "warm", "--store", str(store),
+                             "--model", str(demo_model_path), "--prompts", str(path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            env={**os.environ, "HOME": str(home), "PYTHONUNBUFFERED": "1"})
+    try:
+        seen = []
+        while not (seen and seen[-1].startswith("[1/40]")):  # wait until the first prompt is done
+            seen.append(proc.stderr.readline())
+            assert seen[-1] and len(seen) < 20, seen
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "interrupted" in err
+    numbers = summary(out)
+    assert numbers["tokens computed"] > 0
+    warmed = int(re.search(r"^prompts: (\d+) warmed", out, re.M).group(1))
+    assert 1 <= warmed < 40
+    # Everything reported as written is durable, and the store is whole.
+    assert problems_of(store) == []
+    stats = stats_of(store)
+    assert stats["bytes"] == numbers["bytes written"] > 0 and stats["chunks"] > 0
+
+
+# -- generate ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_5"])  # qwen3_5: recurrent layers need a checkpoint
+def test_generate_twice_shows_reuse(kv, demo_model, tmp_path, arch):
+    args = ("generate", "--store", tmp_path / "s", "--model", demo_model(arch), "--max-tokens", 8,
+            "--prompt", "You are a helpful assistant. Answer briefly. What is a KV cache?")
+    first, second = kv(*args), kv(*args)
+    [(n, reused, computed)] = report(first.stderr)
+    assert reused == 0 and computed == n
+    assert report(second.stderr) == [(n, n - 1, 1)]
+    assert "time to first token:" in second.stderr
+    assert first.stdout.strip() and first.stdout == second.stdout  # greedy: same text from the store
+    # Prompt and generated tokens were stored: exactly what the cache had processed.
+    stored = int(re.search(r"stored (\d+) tokens", first.stderr).group(1))
+    assert n < stored <= n + 8
+    assert problems_of(tmp_path / "s") == []
+
+
+def test_generate_reuses_what_warm_stored(kv, store_copy, demo_model_path, tmp_path):
+    system = json.loads(EXAMPLES.read_text().splitlines()[0])["messages"][0]
+    question = [system, {"role": "user", "content": "Do you repair cargo bikes on Sundays?"}]
+    result = kv("generate", "--store", store_copy, "--model", demo_model_path, "--max-tokens", 4,
+                "--messages", json.dumps(question))
+    [(n, reused, _)] = report(result.stderr)
+    assert reused >= len(system["content"])  # the byte-level tokenizer: a token per byte
+
+    two = tmp_path / "two.jsonl"
+    two.write_text("\n".join([*EXAMPLES.read_text().splitlines()[1:3], '{"tokens": [1, 999]}']) + "\n")
+    result = kv("generate", "--store", store_copy, "--model", demo_model_path, "--max-tokens", 4, "--prompts", two,
+                code=1)
+    assert f"kvstore generate: {two}:3: tokens[1]: 999 is outside the model's vocabulary" in result.stderr
+    assert [r[1] for r in report(result.stderr)] == [r[0] - 1 for r in report(result.stderr)]
+    assert len(report(result.stderr)) == 2
+    assert "[brakes]" in result.stdout and "[warranty]" in result.stdout
+
+
+def test_generate_bad_input(capsys, tmp_path):
+    code, _, err = in_process(capsys, "generate", "--store", tmp_path / "s", "--messages", '[{"role": "user"')
+    assert code == 1 and "--messages: not valid JSON" in err
+    code, _, err = in_process(capsys, "generate", "--prompt", "hi", "--messages", "[]")
+    assert code == 2 and "not allowed with argument" in err
+    code, _, err = in_process(capsys, "generate", "--store", tmp_path / "s", "--prompt", "hi", "--max-tokens", 0)
+    assert code == 2 and "--max-tokens must be at least 1" in err
+
+
+def test_default_model_and_store_location(kv, home, tmp_path):
+    store = tmp_path / "env-store"
+    result = kv("generate", "--max-tokens", 2, "--prompt", "Hello", env={"KVSTORE_DIR": str(store)})
+    assert result.stderr.count(DEMO_NOTE) == 1
+    assert (store / "index.sqlite").exists()
+    [model] = stats_of(store)["models"]
+    assert model["model_id"].startswith(str(home / ".cache" / "kvstore-demo" / "llama-small"))
+
+
+# -- gc, stats, verify ------------------------------------------------------------------------
+
+def test_gc_keeps_within_budget(kv, capsys, store_copy):
+    before = stats_of(store_copy)["bytes"]
+    budget = 2_000_000
+    assert before > budget
+    code, dry, _ = in_process(capsys, "gc", "--store", store_copy, "--max-bytes", "2MB", "--dry-run")
+    assert code == 0 and dry.startswith("would free ")
+    assert stats_of(store_copy)["bytes"] == before
+
+    result = kv("gc", "--store", store_copy, "--max-bytes", "2MB")
+    freed = int(re.search(r"^freed .* \((\d+) bytes, (\d+) records\)", result.stdout).group(1))
+    after = stats_of(store_copy)["bytes"]
+    assert after <= budget and after == before - freed
+    assert re.search(r"\((\d+) bytes", dry).group(1) == str(freed)
+    assert problems_of(store_copy) == []
+
+
+def test_gc_keeps_pinned_prompts(kv, capsys, store_copy, demo_model_path):
+    code, _, err = in_process(capsys, "gc", "--store", store_copy, "--max-bytes", 0)
+    assert code == 0 and "pinned records and their ancestors are kept" in err
+    assert problems_of(store_copy) == []
+    with sqlite3.connect(store_copy / "index.sqlite") as db:
+        assert db.execute("SELECT count(*) FROM records WHERE pinned = 0").fetchone()[0] == 0
+    # The pinned prompt (line 1) is still whole: warming it again computes nothing.
+    first = store_copy.parent / "first.jsonl"
+    first.write_text(EXAMPLES.read_text().splitlines()[0] + "\n")
+    again = kv("warm", "--store", store_copy, "--model", demo_model_path, "--prompts", first)
+    assert summary(again.stdout)["tokens computed"] == 0
+
+
+def test_gc_max_age_and_bad_values(capsys, store_copy):
+    code, out, _ = in_process(capsys, "gc", "--store", store_copy, "--max-age", "0s", "--dry-run")
+    assert code == 0 and out.startswith("would free ")
+    code, _, err = in_process(capsys, "gc", "--store", store_copy, "--max-bytes", "5XB")
+    assert code == 2 and "argument --max-bytes: '5XB': unknown size unit" in err
+    code, _, err = in_process(capsys, "gc", "--store", store_copy, "--max-age", "soon")
+    assert code == 2 and "argument --max-age: 'soon' is not a duration" in err
+    code, _, err = in_process(capsys, "gc", "--store", store_copy)
+    assert code == 2 and "gc needs --max-bytes and/or --max-age" in err
+
+
+def test_stats(kv, capsys, warmed, demo_model_path):
+    store, _ = warmed
+    expected = stats_of(store)
+    text = kv("stats", "--store", store).stdout
+    [model] = expected["models"]
+    assert f"bytes: {expected['bytes']} " in text and f"chunks: {expected['chunks']} " in text
+    row = next(l for l in text.splitlines() if l.startswith(model["fingerprint"][:12]))
+    assert row.endswith(str(demo_model_path)) and f" {model['chunks']} " in row
+
+    code, out, _ = in_process(capsys, "stats", "--store", store, "--json")
+    data = json.loads(out)
+    for key in ("bytes", "chunks", "tails", "models"):
+        assert data[key] == expected[key] if key != "models" else len(data[key]) == 1
+    assert data["models"][0]["fingerprint"] == model["fingerprint"]
+
+
+def test_verify_finds_and_repairs_damage(kv, capsys, store_copy):
+    blobs = sorted((store_copy / "blobs").rglob("*.safetensors"))
+    blobs[0].unlink()
+    blobs[1].write_bytes(blobs[1].read_bytes()[:100])
+    (blobs[2].parent / "notes.txt").write_text("not a blob")
+
+    found = kv("verify", "--store", store_copy, "--json", code=1)
+    kinds = {p["kind"] for p in json.loads(found.stdout)["problems"]}
+    assert {"missing_blob", "corrupt_blob", "foreign_file"} <= kinds
+    code, text, _ = in_process(capsys, "verify", "--store", store_copy)
+    assert code == 1 and str(blobs[0]) in text and "run `kvstore verify --repair`" in text
+
+    code, out, _ = in_process(capsys, "verify", "--store", store_copy, "--repair")
+    assert code == 1 and "; repaired" in out
+    assert problems_of(store_copy) == []
+    code, out, _ = in_process(capsys, "verify", "--store", store_copy)
+    assert code == 0 and out.strip() == "the store is clean"
