@@ -1,0 +1,420 @@
+"""`kvstore serve` end to end: real HTTP on 127.0.0.1 against `python -m kvstore.server` subprocesses
+serving tiny demo-builder models. Every wait is bounded; every server is killed in `finally`."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+import requests
+from mlx_lm import load
+
+import kvstore
+from kvstore.demo import EOS_ID, IM_END_ID
+from kvstore.server import PersistentPromptCache
+
+START_TIMEOUT = 90
+REQUEST_TIMEOUT = 120
+STOP_TIMEOUT = 60
+
+SYSTEM = "You are a terse assistant. Answer in one short sentence, and never apologise."
+QUESTION = "What does a prompt cache keep between two requests?"
+# The demo models rarely pick an end token; forbidding them makes the lengths predictable.
+NO_END = {str(EOS_ID): -100.0, str(IM_END_ID): -100.0}
+
+
+@pytest.fixture(scope="module")
+def models(demo_model):
+    return {arch: demo_model(arch) for arch in ("llama", "gemma3_text", "qwen3_5")}
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`python -m kvstore.server` in a subprocess, logging to a file."""
+
+    def __init__(self, model: Path | None, store: Path, log: Path, *extra: str, env=None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log
+        self._log = open(log, "ab")
+        cmd = [sys.executable, "-m", "kvstore.server", *(["--model", str(model)] if model else []),
+               "--store", str(store), "--port", str(self.port), *extra]
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
+                                     cwd=Path(__file__).parent.parent, env=env)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self) -> "Server":
+        deadline = time.monotonic() + START_TIMEOUT
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if requests.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except requests.RequestException:
+                pass
+            time.sleep(0.2)
+        raise AssertionError(f"server not ready after {START_TIMEOUT}s:\n{self.log()}")
+
+    def stop(self) -> int:
+        """SIGTERM, and the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=STOP_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"server did not exit {STOP_TIMEOUT}s after SIGTERM:\n{self.log()}")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=STOP_TIMEOUT)
+        self._log.close()
+
+    def __enter__(self) -> "Server":
+        try:
+            return self.wait_ready()
+        except BaseException:
+            self.kill()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self.kill()
+
+
+def chat_messages(extra_turns=()):
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}, *extra_turns]
+
+
+def ask(server: Server, *, messages=None, prompt=None, stream=False, max_tokens=12, **body):
+    """One request; returns (text, usage). Chat if `messages`, else a text completion."""
+    chat = messages is not None
+    body = {"max_tokens": max_tokens, "temperature": 0.0, "logit_bias": NO_END, "stream": stream, **body}
+    if chat:
+        body["messages"] = messages
+    else:
+        body["prompt"] = prompt
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    url = server.url + ("/v1/chat/completions" if chat else "/v1/completions")
+    r = requests.post(url, json=body, stream=stream, timeout=REQUEST_TIMEOUT)
+    assert r.status_code == 200, r.text
+    if not stream:
+        out = r.json()
+        choice = out["choices"][0]
+        return (choice["message"]["content"] if chat else choice["text"]), out["usage"]
+    text, usage = [], None
+    for line in r.iter_lines():
+        if not line.startswith(b"data: "):
+            continue
+        data = line[len(b"data: "):]
+        if data == b"[DONE]":
+            break
+        event = json.loads(data)
+        if event.get("usage"):
+            usage = event["usage"]
+        for choice in event.get("choices", []):
+            piece = choice["delta"].get("content") if chat else choice.get("text")
+            text.append(piece or "")
+    assert usage is not None, "the stream carried no usage block"
+    return "".join(text), usage
+
+
+def cached(usage) -> int:
+    return usage["prompt_tokens_details"]["cached_tokens"]
+
+
+def records(store: Path) -> int:
+    with kvstore.open(store) as s:
+        stats = s.stats()
+    return stats["chunks"] + stats["tails"]
+
+
+# -- restart survival --------------------------------------------------------------------------
+
+
+def test_restart_survival(models, tmp_path):
+    store, log = tmp_path / "store", tmp_path / "server.log"
+    first = Server(models["llama"], store, log)
+    with first:
+        text1, usage1 = ask(first, messages=chat_messages())
+        assert cached(usage1) == 0
+        assert usage1["completion_tokens"] == 12
+        assert first.stop() == 0
+    assert "reused from the store" in first.log()
+
+    second = Server(models["llama"], store, log)
+    with second:
+        text2, usage2 = ask(second, messages=chat_messages())
+        prompt_tokens = usage2["prompt_tokens"]
+        assert prompt_tokens == usage1["prompt_tokens"]
+        assert cached(usage2) >= prompt_tokens - 1
+        assert text2 == text1
+
+        follow_up = chat_messages([{"role": "assistant", "content": text2},
+                                   {"role": "user", "content": "And after a restart?"}])
+        _, usage3 = ask(second, messages=follow_up)
+        assert usage3["prompt_tokens"] > prompt_tokens
+        assert cached(usage3) >= prompt_tokens
+        assert second.stop() == 0
+    out = second.log()
+    assert "Starting httpd at 127.0.0.1" in out
+    assert f"kvstore: store {store}" in out and "records" in out
+    assert f"kvstore: prompt {prompt_tokens} tokens, {cached(usage2)} reused from the store" in out
+
+
+CASES = [("chat", False, "batch"), ("chat", True, "batch"), ("completion", False, "batch"),
+         ("completion", True, "batch"), ("chat", True, "single"), ("completion", False, "single")]
+
+
+def test_streaming_and_whole_responses(models, tmp_path):
+    """Both endpoints, streamed or not, on mlx_lm.server's batched path and on its one-at-a-time
+    path (which it takes for a request with a seed): the same text from scratch, from the memory
+    tier and, after a restart, from disk. (One pair of servers for every case, to keep it quick.)"""
+    store = tmp_path / "store"
+
+    def request(i, endpoint, path):
+        # The case number first, so no two cases share more than a few leading tokens.
+        if endpoint == "chat":
+            body = {"messages": [{"role": "system", "content": f"{i}. {SYSTEM}"},
+                                 {"role": "user", "content": QUESTION}]}
+        else:
+            body = {"prompt": f"{i}. {SYSTEM} {QUESTION}"}
+        return dict(body, seed=7) if path == "single" else body
+
+    first: dict[int, tuple] = {}
+    with Server(models["llama"], store, tmp_path / "a.log") as a:
+        for i, (endpoint, stream, path) in enumerate(CASES):
+            text1, usage1 = ask(a, stream=stream, **request(i, endpoint, path))
+            text2, usage2 = ask(a, stream=stream, **request(i, endpoint, path))  # memory tier
+            assert len(text1) > 0 and text2 == text1, CASES[i]
+            assert cached(usage1) < usage1["prompt_tokens"] // 2, CASES[i]
+            assert cached(usage2) >= usage2["prompt_tokens"] - 1, CASES[i]
+            first[i] = (text1, usage1)
+        assert a.stop() == 0
+    with Server(models["llama"], store, tmp_path / "b.log") as b:
+        for i, (endpoint, stream, path) in enumerate(CASES):
+            text3, usage3 = ask(b, stream=stream, **request(i, endpoint, path))  # disk
+            assert text3 == first[i][0], CASES[i]
+            assert cached(usage3) >= usage3["prompt_tokens"] - 1, CASES[i]
+        assert b.stop() == 0
+
+
+# -- two processes on one store ----------------------------------------------------------------
+
+
+def test_two_servers_share_one_store(models, tmp_path):
+    store = tmp_path / "store"
+    prompt = SYSTEM + " Two servers, one store: " + QUESTION
+    # Different kvstore and mlx_lm.server memory options on each: all of them must pass through.
+    with Server(models["llama"], store, tmp_path / "a.log", "--memory-bytes", "0",
+                "--store-max-bytes", "1GB") as a, \
+         Server(models["llama"], store, tmp_path / "b.log", "--prompt-cache-bytes", "1MB",
+                "--prompt-cache-size", "2") as b:
+        text_a, usage_a = ask(a, prompt=prompt)
+        assert cached(usage_a) == 0
+        # A's writer flushes in the background, soon after the response: wait until its records
+        # are in the index, as seen from a third process.
+        model, tokenizer = load(str(models["llama"]))
+        tokens = tokenizer.encode(prompt)
+        assert len(tokens) == usage_a["prompt_tokens"]
+        with kvstore.open(store) as s:
+            mc = s.bind(model, str(models["llama"]))
+            deadline = time.monotonic() + 30
+            while mc.stored_length(tokens) < len(tokens) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert mc.stored_length(tokens) >= len(tokens), "server A never flushed its records"
+        text_b, usage_b = ask(b, prompt=prompt)
+        assert cached(usage_b) >= usage_b["prompt_tokens"] - 1
+        assert text_b == text_a
+        assert a.stop() == 0
+        assert b.stop() == 0
+    with kvstore.open(store) as s:
+        assert s.verify() == []
+
+
+# -- other cache types ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "gemma3_text"])
+def test_hybrid_and_sliding_window_across_restart(models, tmp_path, arch):
+    """Served correctly across a restart, reusing exactly what the store can restore for this
+    cache layout (nothing while the store does not support it)."""
+    store = tmp_path / "store"
+    with Server(models[arch], store, tmp_path / "a.log") as a:
+        text1, usage1 = ask(a, messages=chat_messages(), max_tokens=16)
+        assert cached(usage1) == 0
+        assert a.stop() == 0
+
+    model, tokenizer = load(str(models[arch]))
+    prompt = tokenizer.apply_chat_template(chat_messages(), add_generation_prompt=True, tokenize=True)
+    assert len(prompt) == usage1["prompt_tokens"]
+    with kvstore.open(store) as s:
+        mc = s.bind(model, str(models[arch]))
+        assert s.verify() == []
+        restorable = len(prompt) - len(mc.fetch(prompt)[1]) if mc.supported else 0
+
+    with Server(models[arch], store, tmp_path / "b.log") as b:
+        text2, usage2 = ask(b, messages=chat_messages(), max_tokens=16)
+        assert b.stop() == 0
+    assert usage1["completion_tokens"] == usage2["completion_tokens"] == 16
+    assert text2 == text1
+    assert cached(usage2) == restorable
+    if not mc.supported:
+        assert records(store) == 0
+
+
+def test_quantized_kv_cache_across_restart(demo_model, tmp_path):
+    """`--kv-bits`: caches past `--quantized-kv-start` are QuantizedKVCache, stored and restored as such.
+    (The small demo model: the tiny one's head dim is below the smallest quantization group.)"""
+    model = demo_model("llama", size="small")
+    store = tmp_path / "store"
+    flags = ("--kv-bits", "8", "--kv-group-size", "32", "--quantized-kv-start", "16")
+    with Server(model, store, tmp_path / "a.log", *flags) as a:
+        text1, usage1 = ask(a, messages=chat_messages())
+        assert a.stop() == 0
+    with Server(model, store, tmp_path / "b.log", *flags) as b:
+        text2, usage2 = ask(b, messages=chat_messages())
+        assert b.stop() == 0
+    assert text2 == text1
+    assert cached(usage1) == 0 and cached(usage2) >= usage2["prompt_tokens"] - 1
+
+
+def test_draft_model_is_served_but_not_cached(models, tmp_path):
+    """Speculative decoding appends the draft model's caches to the model's. mlx-lm's own in-RAM
+    cache then changes the greedy text of a repeated request, so nothing is cached or stored."""
+    store = tmp_path / "store"
+    with Server(models["llama"], store, tmp_path / "a.log", "--draft-model", str(models["llama"])) as a:
+        text1, usage1 = ask(a, messages=chat_messages())
+        text2, usage2 = ask(a, messages=chat_messages())
+        assert a.stop() == 0
+    assert text1 == text2
+    assert cached(usage1) == cached(usage2) == 0
+    assert records(store) == 0
+    assert "speculative decoding" in a.log()
+
+
+# -- shutting down -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", ["batch", "single"])
+def test_sigterm_while_generating(models, tmp_path, path):
+    """Exit 0 promptly, on the batched path and on the one-at-a-time path (a request with a seed),
+    whose request would otherwise run to its 20,000 tokens first."""
+    store = tmp_path / "store"
+    seed = {"seed": 3} if path == "single" else {}
+    server = Server(models["llama"], store, tmp_path / "server.log")
+    with server:
+        ask(server, messages=chat_messages(), **seed)  # something for the writer to flush
+        started = threading.Event()
+        failure: list[BaseException] = []
+
+        def long_request():
+            body = {"messages": chat_messages(), "max_tokens": 20000, "temperature": 0.0,
+                    "logit_bias": NO_END, "stream": True, **seed}
+            try:
+                with requests.post(server.url + "/v1/chat/completions", json=body, stream=True,
+                                   timeout=REQUEST_TIMEOUT) as r:
+                    for line in r.iter_lines():
+                        if line.startswith(b"data: "):
+                            started.set()
+            except requests.RequestException:
+                pass  # the server went away mid-stream: expected
+            except BaseException as e:
+                failure.append(e)
+            finally:
+                started.set()
+
+        client = threading.Thread(target=long_request, daemon=True)
+        client.start()
+        assert started.wait(REQUEST_TIMEOUT)
+        assert client.is_alive() and server.proc.poll() is None, "the long request ended before SIGTERM"
+        assert server.stop() == 0, server.log()
+        client.join(STOP_TIMEOUT)
+        assert not failure
+    assert "kvstore: flushing pending writes" in server.log()
+    with kvstore.open(store) as s:
+        assert s.verify() == []
+        stats = s.stats()
+    assert stats["chunks"] + stats["tails"] > 0
+
+
+# -- command line and library --------------------------------------------------------------------
+
+
+def test_model_defaults_to_the_demo_model(tmp_path):
+    """No --model: the built-in demo model (built under $HOME), and the note about it, once."""
+    from kvstore.demo import DEMO_NOTE
+
+    env = dict(os.environ, HOME=str(tmp_path / "home"))
+    with Server(None, tmp_path / "store", tmp_path / "server.log", env=env) as server:
+        text, usage = ask(server, prompt="Hello, demo model.")
+        assert text and usage["prompt_tokens"] == len("Hello, demo model.")
+        assert server.stop() == 0
+    assert server.log().count(DEMO_NOTE) == 1
+    assert any((tmp_path / "home" / ".cache" / "kvstore-demo").iterdir())
+
+
+def test_help_lists_kvstore_and_mlx_lm_options():
+    out = subprocess.run([sys.executable, "-m", "kvstore.server", "--help"], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    for flag in ("--store", "--store-max-bytes", "--memory-bytes", "--prompt-cache-size", "--port"):
+        assert flag in out.stdout
+
+
+def test_bad_size_is_a_clean_error(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "kvstore.server", "--store", str(tmp_path / "s"),
+                          "--memory-bytes", "lots"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "--memory-bytes" in out.stderr and "not a size" in out.stderr
+
+
+def test_persistent_prompt_cache_in_process(models, tmp_path):
+    """The library surface for own servers: register a model, fetch, insert, fall back, never raise."""
+    model, tokenizer = load(str(models["llama"]))
+    tokens = tokenizer.encode(SYSTEM + " " + QUESTION)
+    with kvstore.open(tmp_path / "store", chunk_size=16) as store:
+        cache = PersistentPromptCache(store)
+        cache.register("llama", store.bind(model, str(models["llama"])))
+        assert cache.fetch_nearest_cache("llama", tokens) == (None, tokens)
+
+        prompt_cache = store.bind(model, str(models["llama"])).new_cache()
+        model(mx.array([tokens]), cache=prompt_cache)
+        cache.insert_cache("llama", tokens, prompt_cache, cache_type="system")
+        restored, rest = cache.fetch_nearest_cache("llama", tokens + [65, 66])
+        assert rest == [65, 66] and restored[0].offset == len(tokens)
+        store.flush()
+        assert len(cache) > 0 and cache.nbytes > 0
+        assert set(cache.stats_by_type()) >= {"kvstore memory", "kvstore disk"}
+
+        # Keys it cannot store go to mlx-lm's own in-RAM LRUPromptCache.
+        cache.insert_cache("other", tokens, prompt_cache)
+        restored, rest = cache.fetch_nearest_cache("other", tokens + [65])
+        assert restored is not None and rest == [65]
+        image_key = [-5] * 3 + tokens  # mlx_lm.server marks image patches with negative ids
+        assert cache.fetch_nearest_cache("llama", image_key) == (None, image_key)
+
+        # Garbage in: logged and counted, never raised into the server.
+        cache.insert_cache("llama", tokens, prompt_cache[:1])
+        assert cache.counters["errors"] == 1
+        store.flush()
+        cache.trim_to(n_bytes=0)
+        assert cache.nbytes == 0
+        assert store.verify() == []
