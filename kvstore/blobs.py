@@ -8,22 +8,27 @@ of the whole file; every read checks it, and the header's own hash, before any a
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import os
 import struct
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Mapping
+from typing import Callable, Iterator, Mapping, Sequence
 
 import mlx.core as mx
 import numpy as np
 import xxhash
 
+from . import faults
 from .errors import BlobError
 
 SUFFIX = ".safetensors"
 TMP_PREFIX = ".tmp."
 _HEADER_LIMIT = 100 << 20  # safetensors' own cap on header size
+_HEAD_GUESS = 64 << 10  # first read of a blob: its whole header, as a rule
+_IOV_BATCH = 512  # buffers per preadv call (the kernel takes at most IOV_MAX = 1024)
 
 # safetensors dtype tag -> (numpy dtype used to carry the bytes, mlx dtype of the array)
 _DTYPES: dict[str, tuple[np.dtype, mx.Dtype]] = {
@@ -52,6 +57,11 @@ def tag_of(dtype: mx.Dtype) -> str:
     if tag is None:
         raise BlobError(f"cannot store arrays of dtype {dtype}")
     return tag
+
+
+def mx_dtype(tag: str) -> mx.Dtype:
+    """The mlx dtype of a safetensors dtype tag."""
+    return _DTYPES[tag][1]
 
 
 def host_bits(a: mx.array) -> tuple[mx.array, mx.Dtype | None]:
@@ -97,6 +107,7 @@ def write(root: Path, h: bytes, tensors: Mapping[str, Tensor], metadata: Mapping
     try:
         with os.fdopen(fd, "wb", buffering=0) as f:
             _write_all(f, head)
+            faults.hit("blob_write")
             for piece in pieces:
                 view = memoryview(piece).cast("B")
                 digest.update(view)
@@ -104,6 +115,7 @@ def write(root: Path, h: bytes, tensors: Mapping[str, Tensor], metadata: Mapping
             size = f.tell()
             if fsync:
                 os.fsync(f.fileno())
+        faults.hit("blob_temp")
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -118,7 +130,8 @@ def read(root: Path, h: bytes, *, size: int, checksum: int) -> tuple[dict[str, m
     """Read and check a blob; its arrays and metadata. Any damage raises BlobError."""
     path = blob_path(root, h)
     try:
-        with open(path, "rb", buffering=0) as f:
+        # O_NOFOLLOW: a blob planted as a symbolic link is never read through (ELOOP).
+        with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb", buffering=0) as f:
             actual = os.fstat(f.fileno()).st_size
             if actual != size:
                 raise BlobError(f"{path}: {actual} bytes on disk, the index says {size}")
@@ -138,6 +151,138 @@ def read(root: Path, h: bytes, *, size: int, checksum: int) -> tuple[dict[str, m
     return arrays, metadata
 
 
+def read_into(root: Path, h: bytes, *, size: int, checksum: int,
+              targets: Callable[[dict[str, dict]], Mapping[str, np.ndarray]],
+              ) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """Read and check a blob, copying its tensors straight into memory the caller owns.
+
+    `targets(entries)` gets the header's tensor entries (name -> dtype tag, shape, offsets) and
+    returns, for the tensors it wants placed, writable arrays of the tensor's item size shaped like
+    the tensor or like its first tokens along axis 2 (B, H, tokens, ...). Those bytes are read once,
+    from the page cache straight into place; the rest of a partly wanted tensor is read only to be
+    checksummed. Tensors without a target come back as numpy arrays. The whole file is
+    checksummed, in file order, as it is read. Any damage raises BlobError, and the targets may
+    then hold part of the blob: the caller must not use them.
+    """
+    path = blob_path(root, h)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError as e:
+        raise BlobError(f"{path}: missing") from e
+    except OSError as e:
+        raise BlobError(f"{path}: cannot open ({e})") from e
+    try:
+        actual = os.fstat(fd).st_size
+        if actual != size:
+            raise BlobError(f"{path}: {actual} bytes on disk, the index says {size}")
+        head = os.pread(fd, min(size, _HEAD_GUESS), 0)
+        if len(head) >= 8:
+            (n,) = struct.unpack_from("<Q", head, 0)
+            if len(head) < 8 + n <= min(size, _HEADER_LIMIT + 8):
+                head += os.pread(fd, 8 + n - len(head), len(head))
+        header, base = parse_header(head, path, size=size)
+        metadata = header_metadata(head)
+        if metadata.get("hash") != h.hex():
+            raise BlobError(f"{path}: its header names record {metadata.get('hash')!r}")
+        wanted = targets(header)
+        digest = xxhash.xxh3_64(head[:base])
+        extras: dict[str, np.ndarray] = {}
+        pos = base
+        for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+            start, end = (base + o for o in info["data_offsets"])
+            if start < pos:
+                raise BlobError(f"{path}: tensor {name!r} overlaps the one before it")
+            if start > pos:  # bytes between tensors still count for the checksum
+                _read_hashed(fd, [bytearray(start - pos)], pos, digest, path)
+            np_dtype = _DTYPES[info["dtype"]][0]
+            target = wanted.get(name)
+            if target is None:
+                buf = bytearray(end - start)
+                _read_hashed(fd, [buf], start, digest, path)
+                extras[name] = np.frombuffer(buf, dtype=np_dtype).reshape(info["shape"])
+            else:
+                _read_tensor_into(fd, start, info["shape"], np_dtype, target, digest, path, name)
+            pos = end
+        if pos < size:
+            _read_hashed(fd, [bytearray(size - pos)], pos, digest, path)
+    except OSError as e:
+        raise BlobError(f"{path}: cannot read ({e})") from e
+    finally:
+        os.close(fd)
+    if digest.intdigest() != checksum:
+        raise BlobError(f"{path}: checksum mismatch")
+    return extras, metadata
+
+
+def prefetch(root: Path, hashes: Sequence[bytes]) -> None:
+    """Ask the kernel to start reading these blobs now (readahead), so the reads that follow
+    overlap with the disk instead of waiting on it one file at a time. Best effort."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    for h in hashes:
+        try:
+            fd = os.open(blob_path(root, h), os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+
+def _read_tensor_into(fd: int, start: int, shape: list[int], np_dtype: np.dtype, target: np.ndarray,
+                      digest, path: Path, name: str) -> None:
+    """One tensor (B, H, T, ...) into `target` (B, H, t <= T, ...), head by head, one `preadv`
+    per batch of heads; the t..T rest of each head goes through a scratch buffer."""
+    shape = list(shape)
+    if (target.ndim != len(shape) or len(shape) < 3 or target.dtype.itemsize != np_dtype.itemsize
+            or list(target.shape[:2]) != shape[:2] or list(target.shape[3:]) != shape[3:]
+            or target.shape[2] > shape[2]):
+        raise BlobError(f"{path}: tensor {name!r} is {shape} of {np_dtype}, not the "
+                        f"{list(target.shape)} of {target.dtype} expected")
+    row = int(np.prod(shape[3:], dtype=np.int64)) * np_dtype.itemsize  # bytes per token
+    take, rest = target.shape[2] * row, (shape[2] - target.shape[2]) * row
+    # One scratch slice per head: every buffer is checksummed after the read, in file order.
+    scratch = memoryview(bytearray(rest * shape[0] * shape[1])) if rest else None
+    iovecs = []
+    for b in range(shape[0]):
+        for hh in range(shape[1]):
+            part = target[b, hh]
+            if not part.flags.c_contiguous or not part.flags.writeable:
+                raise ValueError(f"the target of {name!r} must be writable and contiguous per head")
+            if take:
+                iovecs.append(memoryview(part).cast("B"))
+            if scratch is not None:
+                k = b * shape[1] + hh
+                iovecs.append(scratch[k * rest : (k + 1) * rest])
+    pos = start
+    for i in range(0, len(iovecs), _IOV_BATCH):
+        batch = iovecs[i : i + _IOV_BATCH]
+        pos += _read_hashed(fd, batch, pos, digest, path)
+
+
+def _read_hashed(fd: int, buffers: list, offset: int, digest, path: Path) -> int:
+    """Fill `buffers` from `offset` (finishing short reads), then add them to `digest` in order."""
+    views = [memoryview(b).cast("B") for b in buffers]
+    want = sum(len(v) for v in views)
+    done = i = 0
+    while i < len(views):
+        n = os.preadv(fd, views[i:] if i else views, offset + done)
+        if n == 0:
+            raise BlobError(f"{path}: short read (the file ends early)")
+        done += n
+        while i < len(views) and n >= len(views[i]):
+            n -= len(views[i])
+            i += 1
+        if n:
+            views[i] = views[i][n:]
+    for b in buffers:
+        digest.update(b)
+    return want
+
+
 def decode(buf: bytes | bytearray, where: object = "blob") -> tuple[dict[str, mx.array], dict[str, str]]:
     """Parse safetensors bytes into mlx arrays (one copy per tensor) and the metadata."""
     header, base = parse_header(buf, where)
@@ -152,21 +297,26 @@ def decode(buf: bytes | bytearray, where: object = "blob") -> tuple[dict[str, mx
     return arrays, header_metadata(buf)
 
 
-def parse_header(buf: bytes | bytearray, where: object = "blob") -> tuple[dict[str, dict], int]:
-    """The tensor entries of a safetensors header, checked against the buffer; and data start."""
-    if len(buf) < 8:
+def parse_header(buf: bytes | bytearray, where: object = "blob", *,
+                 size: int | None = None) -> tuple[dict[str, dict], int]:
+    """The tensor entries of a safetensors header, checked against the buffer; and data start.
+
+    `size`: the file's size, when `buf` holds only its first bytes (at least the whole header).
+    """
+    total = len(buf) if size is None else size
+    if len(buf) < 8 or total < 8:
         raise BlobError(f"{where}: too short to be a safetensors file")
     (n,) = struct.unpack_from("<Q", buf, 0)
-    if n > min(_HEADER_LIMIT, len(buf) - 8):
+    if n > min(_HEADER_LIMIT, total - 8, len(buf) - 8):
         raise BlobError(f"{where}: header length {n} is impossible")
     try:
         header = json.loads(bytes(buf[8 : 8 + n]))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # (nested too deep)
         raise BlobError(f"{where}: header is not JSON ({e})") from e
     if not isinstance(header, dict):
         raise BlobError(f"{where}: header is not an object")
     header.pop("__metadata__", None)
-    base, payload = 8 + n, len(buf) - 8 - n
+    base, payload = 8 + n, total - 8 - n
     for name, info in header.items():
         try:
             tag, shape, (start, end) = info["dtype"], info["shape"], info["data_offsets"]
@@ -197,19 +347,46 @@ def read_unchecked(path: Path) -> tuple[dict[str, mx.array], dict[str, str], int
 
 
 def remove(root: Path, h: bytes) -> None:
+    path = blob_path(root, h)
     try:
-        os.unlink(blob_path(root, h))
+        os.unlink(path)
     except FileNotFoundError:
         pass
+    except IsADirectoryError:  # a folder where the blob should be: gone if it is empty
+        try:
+            os.rmdir(path)
+        except OSError:
+            pass
+
+
+@contextmanager
+def tree_lock(root: Path, *, exclusive: bool) -> Iterator[None]:
+    """An advisory lock on the blob tree (`<store>/blobs.lock`, flock: a dead process's is gone).
+
+    A writer holds it shared from "is this record stored?" until its row is committed; gc and
+    `verify --repair` hold it exclusive while rows and files disagree, so neither ever sees a
+    half-written record, nor deletes a file a row is about to point to. Take it before any
+    index transaction, never inside one.
+    """
+    fd = os.open(root.parent / (root.name + ".lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)
 
 
 def walk(root: Path) -> Iterator[Path]:
-    """Every file under the blob tree (blobs, temporaries and anything foreign)."""
+    """Every file under the blob tree (blobs, temporaries and anything foreign), and every
+    symbolic link to a folder in it (listed, never entered)."""
     if not root.is_dir():
         return
     for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
         for name in filenames:
             yield Path(dirpath) / name
+        for name in dirnames:
+            if os.path.islink(os.path.join(dirpath, name)):
+                yield Path(dirpath) / name
 
 
 def hash_of(path: Path) -> bytes | None:
@@ -245,10 +422,15 @@ def stale_temp(path: Path, min_age_s: float = 3600.0) -> bool:
 
 
 def _makedirs(path: Path) -> None:
-    try:
-        os.makedirs(path, mode=0o700, exist_ok=True)
-    except FileExistsError as e:
-        raise OSError(errno.ENOTDIR, f"{path} exists and is not a folder") from e
+    """The two hex folders of a blob (`ab/cd`), each 0700 (os.makedirs gives the first one the
+    umask's mode), and never a symbolic link: nothing is written outside the store."""
+    for folder in (path.parent, path):
+        try:
+            os.mkdir(folder, 0o700)
+        except FileExistsError:
+            if os.path.islink(folder) or not folder.is_dir():
+                raise OSError(errno.ENOTDIR, f"{folder} is a symbolic link or not a folder: "
+                                             "blobs are only written in real folders of the store") from None
 
 
 def _write_all(f, data) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from . import jsonl
-from .errors import KVStoreError
+from .errors import CorruptIndexError, KVStoreError
 from .sizes import format_age, format_size, parse_duration, parse_size
 from .store import INDEX_NAME
 
@@ -114,7 +114,8 @@ def open_store(args, *, must_exist: bool = False):
     import kvstore
 
     path = store_path(args)
-    if must_exist and not (path / INDEX_NAME).exists():
+    # A store whose index was lost still has its blobs: kvstore.open says how to rebuild it.
+    if must_exist and not (path / INDEX_NAME).exists() and not (path / "blobs").is_dir():
         raise CommandError(f"no kvstore store at {path} (`kvstore warm` or `kvstore generate` create one)")
     return kvstore.open(path)
 
@@ -367,11 +368,26 @@ def cmd_stats(args) -> int:
 
 
 def cmd_verify(args) -> int:
-    with open_store(args, must_exist=True) as store:
-        problems = store.verify(repair=args.repair)
+    rebuilt = None
+    try:
+        with open_store(args, must_exist=True) as store:
+            problems = store.verify(repair=args.repair)
+    except CorruptIndexError as e:  # the index itself is unreadable (or lost): rebuild it from the blobs
+        if not args.repair:
+            raise
+        from .rebuild import rebuild_index
+
+        say(f"{PROG} verify: {e}")
+        rebuilt = rebuild_index(store_path(args))
+        say(f"{PROG} verify: rebuilt the index from the blob files: {rebuilt['records']} records, "
+            f"{len(rebuilt['skipped'])} files not taken back"
+            + (f"; the damaged index is kept as {rebuilt['damaged_index']}" if rebuilt["damaged_index"] else ""))
+        with open_store(args, must_exist=True) as store:
+            problems = store.verify(repair=True)
     if args.json:
-        print(json.dumps({"clean": not problems, "repaired": bool(args.repair and problems),
-                          "problems": [p.to_dict() for p in problems]}, indent=2))
+        print(json.dumps({"clean": not problems and rebuilt is None,
+                          "repaired": bool(args.repair and (problems or rebuilt)),
+                          "rebuilt": rebuilt, "problems": [p.to_dict() for p in problems]}, indent=2))
     else:
         for p in problems:
             print(p)
@@ -380,7 +396,7 @@ def cmd_verify(args) -> int:
         else:
             print(f"{len(problems)} problem{'s' if len(problems) != 1 else ''} found"
                   + ("; repaired" if args.repair else f"; run `{PROG} verify --repair` to fix them"))
-    return EXIT_PROBLEMS if problems else 0
+    return EXIT_PROBLEMS if problems or rebuilt else 0
 
 
 # -- serve ------------------------------------------------------------------------------------
@@ -404,7 +420,7 @@ def cmd_serve(argv: list[str]) -> int:
             print(SERVE_HELP)
             return 0
         raise CommandError(f"kvstore serve is not available: cannot import kvstore.server ({e})", EXIT_USAGE) from e
-    code = server.main(argv)
+    code = server.run(argv)  # exits the process itself (see kvstore.server.run)
     return code if isinstance(code, int) else 0
 
 
@@ -508,7 +524,8 @@ demo model with random weights (meaningless text).""")
     p.add_argument("--json", action="store_true", help="print one JSON object (bytes, chunks, tails, models, ...)")
 
     p = add("verify", cmd_verify, "check every record against its file, and every file against the index", [store_opts])
-    p.add_argument("--repair", action="store_true", help="drop damaged records and stray files")
+    p.add_argument("--repair", action="store_true",
+                   help="drop damaged records and stray files; rebuild an unreadable index from the blobs")
     p.add_argument("--json", action="store_true", help="print the problems as JSON")
 
     # `serve` is dispatched before parsing (its options belong to the server); listed here for --help.

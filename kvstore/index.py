@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
+from . import faults
 from .errors import CorruptIndexError, SchemaTooNewError, StoreOpenError
 
 BUSY_TIMEOUT_S = 60.0
@@ -91,10 +92,16 @@ class Index:
             self.conn.execute("SELECT count(*) FROM meta").fetchone()
         except sqlite3.DatabaseError as e:
             self.close()
-            raise CorruptIndexError(
-                f"the index {self.path} cannot be read ({e}); run `kvstore verify --repair "
-                f"--store {self.path.parent}` to rebuild it from the blob files"
-            ) from e
+            if not is_corruption(e):  # busy, full, read-only: the file is fine, do not rebuild it
+                raise StoreOpenError(f"the index {self.path} cannot be opened ({e})") from e
+            raise self.corrupt(e) from e
+
+    def corrupt(self, e: BaseException) -> CorruptIndexError:
+        """The error for a damaged index file, with what to do about it."""
+        return CorruptIndexError(
+            f"the index {self.path} cannot be read ({e}); run `kvstore verify --repair "
+            f"--store {self.path.parent}` to rebuild it from the blob files"
+        )
 
     # -- connections and transactions -------------------------------------------------------
 
@@ -108,6 +115,9 @@ class Index:
                 self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False
             )
             conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
+            # Only takes effect on a new, empty file. With 4 KiB pages a row (its 1 KiB of token
+            # ids) overflows into a page of its own: 4x the size, and a page read more per lookup.
+            conn.execute("PRAGMA page_size = 16384")
             conn.execute("PRAGMA journal_mode = WAL")
             conn.execute("PRAGMA synchronous = NORMAL")
             conn.execute("PRAGMA foreign_keys = OFF")
@@ -232,7 +242,7 @@ class Index:
                 "INSERT INTO models (ns, fingerprint, model_id, layout, chunk_size, created, "
                 "last_used) VALUES (?, ?, ?, ?, ?, ?, ?) "
                 "ON CONFLICT (ns) DO UPDATE SET model_id = excluded.model_id, "
-                "last_used = excluded.last_used",
+                "last_used = excluded.last_used, layout = excluded.layout",  # a rebuild left "{}"
                 (ns, fingerprint, model_id, layout, chunk_size, now, now),
             )
 
@@ -282,6 +292,8 @@ class Index:
             for r in rows
         ]
         with self.transaction() as conn:
+            # A quarantined record stored again is healed: its new blob has replaced the bad one.
+            conn.executemany("DELETE FROM records WHERE hash = ? AND bad = 1", [(v[0],) for v in values])
             before = conn.total_changes
             conn.executemany(
                 f"INSERT OR IGNORE INTO records ({_ROW_COLUMNS}, first_token) "
@@ -293,7 +305,9 @@ class Index:
                 "UPDATE records SET pinned = 1 WHERE hash = ? AND pinned = 0",
                 [(v[0],) for v in values if v[12]],
             )
-            return conn.total_changes - before
+            inserted = conn.total_changes - before
+            faults.hit("in_transaction")
+            return inserted
 
     def touch(self, accesses: dict[bytes, tuple[float, int]]) -> None:
         """Apply batched last-access times and hit counts."""
@@ -404,6 +418,20 @@ class Index:
                 "SELECT key, value FROM meta WHERE key LIKE 'count.%'"
             )
         }
+
+
+# SQLite result codes of a file that is fine but cannot be used right now: PERM, BUSY, LOCKED,
+# NOMEM, READONLY, INTERRUPT, IOERR, FULL, CANTOPEN, PROTOCOL, AUTH.
+_NOT_DAMAGE = {3, 5, 6, 7, 8, 9, 10, 13, 14, 15, 23}
+
+
+def is_corruption(e: sqlite3.DatabaseError) -> bool:
+    """The index file is damaged or not a kvstore index (CORRUPT, NOTADB, a missing table...),
+    as opposed to busy, full, read-only or unreachable: only then is rebuilding it the answer."""
+    code = getattr(e, "sqlite_errorcode", None)
+    if code is not None:
+        return code & 0xFF not in _NOT_DAMAGE
+    return not isinstance(e, sqlite3.OperationalError)
 
 
 def _row(r: tuple) -> Row:

@@ -13,7 +13,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from . import blobs
+from . import blobs, faults
 from .errors import BlobError
 from .index import Index
 
@@ -33,9 +33,13 @@ def collect(index: Index, root: Path, *, max_bytes: int | None = None, max_age: 
     else:
         for start in range(0, len(plan), _DELETE_BATCH):
             batch = [h for h, _ in plan[start : start + _DELETE_BATCH]]
-            deleted = _delete_leaves(index, batch)
-            for row in deleted:  # after the commit: a crash before here leaves orphan files only
-                blobs.remove(root, row.hash)
+            # Exclusive of writers: none can find a row here and then lose its file to us.
+            with blobs.tree_lock(root, exclusive=True):
+                deleted = _delete_leaves(index, batch)
+                if deleted:
+                    faults.hit("gc_deleted")
+                for row in deleted:  # after the commit: a crash before here leaves orphan files only
+                    blobs.remove(root, row.hash)
             freed += sum(r.size for r in deleted)
             evicted += len(deleted)
             hashes += [r.hash for r in deleted]
@@ -113,42 +117,73 @@ class Problem:
 
 
 def verify(index: Index, root: Path, *, repair: bool = False) -> list[Problem]:
-    """Check every row against its blob, the chain, and every file against the rows."""
-    problems: list[Problem] = []
-    bad: set[bytes] = set()
-    known: dict[bytes, bytes] = {}
-    for row in index.rows():
-        known[row.hash] = row.parent
-        path = blobs.blob_path(root, row.hash)
-        if row.bad:
-            problems.append(Problem("quarantined", str(path), "record was quarantined after a failed read", row.hash.hex()))
-            bad.add(row.hash)
-            continue
+    """Check every row against its blob, the chain, and every file against the rows.
+
+    The reading needs no lock. What looks wrong is looked at again holding the tree lock
+    exclusively (no writer between its blob and its row, no gc between its row and its file), so
+    work in flight in other processes is neither reported nor repaired away.
+    """
+    rows = list(index.rows())  # one snapshot: no read transaction stays open below
+    known = {row.hash: row.parent for row in rows}
+    suspects = []
+    for row in rows:
         try:
-            blobs.read(root, row.hash, size=row.size, checksum=row.checksum)
-        except BlobError as e:
-            kind = "missing_blob" if not path.exists() else "corrupt_blob"
-            problems.append(Problem(kind, str(path), str(e).split(": ", 1)[-1], row.hash.hex()))
-            bad.add(row.hash)
-    # Rows whose chain is broken (parent gone or bad) can never be reached: orphans.
-    orphans = _unreachable(index, known, bad)
-    for h in orphans:
-        problems.append(Problem("orphan_row", str(blobs.blob_path(root, h)),
-                                "its parent record is missing or damaged", h.hex()))
-    for path in blobs.walk(root):
-        h = blobs.hash_of(path)
-        if h is not None and h in known:
-            continue
-        if path.name.startswith(blobs.TMP_PREFIX):
-            if blobs.stale_temp(path, min_age_s=3600):
-                problems.append(Problem("temp_file", str(path), "left by a writer that stopped"))
-        elif h is not None:
-            problems.append(Problem("orphan_file", str(path), "no index row points to it"))
-        else:
-            problems.append(Problem("foreign_file", str(path), "not a kvstore blob"))
-    if repair and problems:
-        _repair(index, root, problems, bad | orphans)
+            if not row.bad:
+                blobs.read(root, row.hash, size=row.size, checksum=row.checksum)
+                continue
+        except BlobError:
+            pass
+        suspects.append(row)
+    strays = [path for path in blobs.walk(root) if blobs.hash_of(path) not in known]
+    with blobs.tree_lock(root, exclusive=True):
+        problems: list[Problem] = []
+        for row in suspects:
+            problem = _confirm(index, root, row)
+            if problem is not None:
+                problems.append(problem)
+        bad = {bytes.fromhex(p.hash) for p in problems}
+        # Rows whose chain is broken (parent gone or bad) can never be reached: orphans.
+        orphans = _unreachable(index, known, bad)
+        for h in orphans:
+            problems.append(Problem("orphan_row", str(blobs.blob_path(root, h)),
+                                    "its parent record is missing or damaged", h.hex()))
+        for path in strays:
+            problem = _stray(index, path)
+            if problem is not None:
+                problems.append(problem)
+        if repair and problems:
+            _repair(index, root, problems, bad | orphans)
     return problems
+
+
+def _confirm(index: Index, root: Path, row) -> Problem | None:
+    """The problem of a row whose blob did not read, if it still has one now."""
+    now = index.get(row.hash)
+    path = blobs.blob_path(root, row.hash)
+    if now is None:
+        return None  # evicted since
+    if now.bad:
+        return Problem("quarantined", str(path), "record was quarantined after a failed read", row.hash.hex())
+    try:
+        blobs.read(root, now.hash, size=now.size, checksum=now.checksum)
+        return None  # written again since
+    except BlobError as e:
+        kind = "missing_blob" if not os.path.lexists(path) else "corrupt_blob"
+        return Problem(kind, str(path), str(e).split(": ", 1)[-1], row.hash.hex())
+
+
+def _stray(index: Index, path: Path) -> Problem | None:
+    """The problem of a file no row pointed to, if it still has one now."""
+    if not os.path.lexists(path):
+        return None  # renamed into place or deleted since
+    h = blobs.hash_of(path)
+    if path.name.startswith(blobs.TMP_PREFIX):
+        if blobs.stale_temp(path, min_age_s=3600):
+            return Problem("temp_file", str(path), "left by a writer that stopped")
+        return None
+    if h is not None:
+        return None if index.get(h) is not None else Problem("orphan_file", str(path), "no index row points to it")
+    return Problem("foreign_file", str(path), "not a kvstore blob")
 
 
 def _unreachable(index: Index, known: dict[bytes, bytes], bad: set[bytes]) -> set[bytes]:

@@ -17,8 +17,9 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
 from . import blobs, keys
-from .codecs import Codec, Piece, make_codec, sub
-from .errors import InvalidInputError
+from .codecs import (ArraysCodec, CacheListCodec, Codec, KVCodec, Piece, QuantizedKVCodec,
+                     make_codec, sub)
+from .errors import BlobError, InvalidInputError
 from .index import CHECKPOINT, CHUNK, TAIL, Row
 from .memory import Record
 from .writer import Job, Spec
@@ -32,6 +33,9 @@ Tokens = Sequence[int] | np.ndarray | mx.array
 
 #: Default for `prefill`: a recurrent-state checkpoint every this many chunks (see README).
 CHECKPOINT_EVERY = 4
+
+# Codecs whose restore is one gather of [0, p) per tensor (exact classes: see `_fetch_direct`).
+_DIRECT_CODECS = (KVCodec, QuantizedKVCodec)
 
 
 def checkpoint_hash(record_hash: bytes) -> bytes:
@@ -69,6 +73,8 @@ class ModelCache:
         self._metadata = {"format": str(keys.FORMAT_VERSION), "ns": ns.hex(),
                           "fingerprint": fingerprint.hex(), "model_id": model_id,
                           "chunk_size": str(self.chunk_size)}
+        self._shapes: tuple[dict, dict] | None | bool = False  # False: not traced yet
+        self.registered = True  # False while the index could not record this model (Store.bind)
 
     @property
     def supported(self) -> bool:
@@ -103,6 +109,17 @@ class ModelCache:
         store = self.store
         chain, options = self._match(toks)
         cap = len(toks) - 1
+        if self._direct:
+            child, row, matched = options[0]
+            length = min(len(chain) * self.chunk_size + matched, cap)
+            path = [(h, None) for h in chain] + ([(child, row)] if child is not None else [])
+            done = self._fetch_direct(path, length) if length > 0 else None
+            if done is not None:
+                cache, p = done
+                if p <= 0:
+                    return self.new_cache(), toks.tolist()
+                store.counters["reused_tokens"] += p
+                return cache, toks[p:].tolist()
         loaded: dict[bytes, Record | None] = {}
         best: tuple[int, list[Record], Record | None] = (0, [], None)
         for child, row, matched in options:
@@ -124,6 +141,114 @@ class ModelCache:
         cache = self._assemble(used, p, checkpoint)
         store.counters["reused_tokens"] += p
         return cache, toks[p:].tolist()
+
+    @property
+    def _direct(self) -> bool:
+        """Every layer is restored by one gather of [0, p) per tensor: `_fetch_direct` applies."""
+        return self.store.index is not None and all(type(c) in _DIRECT_CODECS for c in self.codecs)
+
+    def _fetch_direct(self, path: list[tuple[bytes, Row | None]], length: int) -> tuple[list, int] | None:
+        """Restore a model whose layers are all (quantized) `KVCache`: each tensor of each layer
+        is allocated once at its final length and every record is copied straight into place;
+        disk records go from the page cache into it in one copy (`blobs.read_into`, checksummed
+        as it reads) instead of read, decode, then concatenate. A damaged record ends the prefix
+        where it starts, as in `_load`. Returns (cache, p), or None to leave it to the general
+        path (nothing to read from disk, or records it does not expect).
+        """
+        store, C = self.store, self.chunk_size
+        parts: list[tuple[int, bytes, Row | None, Record | None]] = []
+        for h, row in path:
+            start = len(parts) * C
+            if start >= length:
+                break
+            rec = store.memory.get(h) or store.writer.pending(h)
+            if rec is None:
+                row = row or store.index.get(h)
+                if row is None or row.bad:
+                    length = start
+                    break
+            parts.append((start, h, row, rec))
+        if length <= 0 or all(rec is not None for *_, rec in parts):
+            return None
+        blobs.prefetch(store.blob_root, [h for _, h, _, rec in parts if rec is None])
+        finals: dict[str, mx.array] = {}
+        views: dict[str, np.ndarray] = {}
+
+        def allocate(spec: dict[str, tuple[mx.Dtype, list[int]]]) -> None:
+            for name, (dtype, shape) in spec.items():
+                finals[name] = mx.zeros([*shape[:2], length, *shape[3:]], dtype)
+            mx.eval(list(finals.values()))
+            for name, a in finals.items():
+                view = np.asarray(_bits(a))
+                if not (view.flags.c_contiguous and view.flags.writeable):
+                    raise _NotDirect(name)
+                views[name] = view
+
+        read: list[tuple[int, bytes, Row]] = []
+        try:
+            for start, h, row, rec in parts:
+                if start >= length:
+                    break
+                ntok = len(rec.tokens) if rec is not None else row.ntokens
+                take = min(ntok, length - start)
+                if rec is not None:
+                    arrays = {n: rec.array(n) for n in rec.arrays}
+                    if not finals:
+                        allocate({n: (a.dtype, list(a.shape)) for n, a in arrays.items()})
+                    if set(arrays) != set(finals):
+                        raise _NotDirect(h.hex())
+                    for name, a in arrays.items():
+                        if a.dtype != finals[name].dtype or a.ndim < 3 or a.shape[2] != ntok:
+                            raise _NotDirect(name)
+                        np.copyto(views[name][:, :, start : start + take], np.asarray(_bits(a))[:, :, :take])
+                    continue
+
+                def targets(entries: dict[str, dict], h=h, ntok=ntok, start=start, take=take):
+                    spec = {n: (blobs.mx_dtype(e["dtype"]), e["shape"]) for n, e in entries.items() if n != "tokens"}
+                    if not finals:
+                        allocate(spec)
+                    if set(spec) != set(finals) or any(
+                            dt != finals[n].dtype or len(shape) < 3 or shape[2] != ntok
+                            for n, (dt, shape) in spec.items()):
+                        raise BlobError(f"record {h.hex()}: its tensors are not the ones this model stores")
+                    try:  # the same check as the general path, on lazy stand-ins (never computed)
+                        self._check_record(row.kind, ntok, {n: mx.zeros(shape, dt) for n, (dt, shape) in spec.items()})
+                    except BlobError as e:
+                        raise BlobError(f"record {h.hex()}: {e}") from e
+                    return {n: v[:, :, start : start + take] for n, v in views.items()}
+
+                try:
+                    extras, meta = blobs.read_into(store.blob_root, h, size=row.size, checksum=row.checksum,
+                                                   targets=targets)
+                    tokens = extras.get("tokens")
+                    if tokens is None or tokens.tobytes() != row.tokens:
+                        raise BlobError(f"record {h.hex()}: its tokens differ from the index")
+                    store._check_header(h, row, meta)
+                except BlobError as e:
+                    store._quarantine(h, e)
+                    length = start
+                    break
+                if take == ntok:
+                    read.append((start, h, row))
+        except _NotDirect:
+            return None
+        if length <= 0:
+            return self.new_cache(), 0
+        if store.memory.capacity and read:  # the memory tier keeps compact copies, as `_read` does
+            kept = [Record(h, row.ns, row.parent, row.depth, row.kind, np.frombuffer(row.tokens, dtype="<i4"),
+                           {n: _owned(a, views[n], s, s + row.ntokens) for n, a in finals.items()})
+                    for s, h, row in read if s + row.ntokens <= length]
+            mx.eval([a for r in kept for a in r.arrays.values()])
+            store.memory.put(reversed(kept))
+        del views
+        used = [h for start, h, _, _ in parts if start < length]
+        store.memory.touch(reversed(used))
+        store.writer.touch(used)
+        full = {n: a if a.shape[2] == length else a[:, :, :length] for n, a in finals.items()}
+        cache = [codec.restore(length, [(0, length, sub(full, str(i)))], None)
+                 for i, codec in enumerate(self.codecs)]
+        mx.eval(_arrays_of(cache))
+        return cache, length
 
     def stored_length(self, tokens: Tokens) -> int:
         """How many leading tokens of `tokens` have stored K/V (no cap, nothing is loaded)."""
@@ -163,7 +288,9 @@ class ModelCache:
                 if n:
                     found[h] = (h, row, n, n == len(child_tokens))
         ranked = sorted(found.values(), key=lambda f: -f[2])
-        options = ranked[:1] + ([f for f in ranked[1:] if f[3]] if self.checkpointed else [])
+        # Whole matches too for every model: a sliding window, like a checkpoint, may be usable at
+        # a shorter child's end where the longest match's is not (attention-only models skip them).
+        options = ranked[:1] + [f for f in ranked[1:] if f[3]]
         return hashes[:depth], [(h, row, n) for h, row, n, _ in options] or [(None, None, 0)]
 
     def _load(self, path: list[tuple[bytes, Row | None]], length: int,
@@ -176,7 +303,7 @@ class ModelCache:
             if len(records) * C >= length:
                 break
             if h not in loaded:
-                loaded[h] = self.store._get(h, row)
+                loaded[h] = self.store._get(h, row, check=self._check_record)
             if loaded[h] is None:
                 length = min(length, len(records) * C)
                 break
@@ -204,7 +331,7 @@ class ModelCache:
             if not self.checkpointed:
                 return p, None
             if p in at:
-                checkpoint = self.store._get(at[p], None)
+                checkpoint = self.store._get(at[p], None, check=self._check_record)
                 if checkpoint is not None:
                     return p, checkpoint
             elif not any(c.checkpointed for c in self.codecs):
@@ -225,6 +352,65 @@ class ModelCache:
         mx.eval(_arrays_of(cache))
         return cache
 
+    # -- what a record read from disk must hold -----------------------------------------------
+
+    def _check_record(self, kind: int, ntokens: int, arrays: dict[str, mx.array]) -> None:
+        """Raise BlobError unless a record read from disk holds arrays of the names, shapes and
+        dtypes this model's cache has (a blob that passed its checksum can still have been
+        planted, or taken back by a rebuild); a wrong one would crash generation or be wrong."""
+        expected = self._expected_shapes()
+        if expected is None:
+            return
+        deltas, states = expected
+        if kind == CHECKPOINT:
+            for name, (shape, dtype) in states.items():
+                a = arrays.get(name)
+                if a is None or tuple(a.shape) != shape or a.dtype != dtype:
+                    raise BlobError(f"checkpoint array {name!r} is not the {dtype} {list(shape)} this model has")
+            return
+        lengths: dict[str, set[int]] = {}
+        for name, a in arrays.items():
+            want = deltas.get(name)
+            ok = want is not None and a.dtype == want[1] and a.ndim == len(want[0]) and a.shape[2] <= ntokens
+            if not ok or any(n != m for i, (n, m) in enumerate(zip(a.shape, want[0])) if i != 2):
+                raise BlobError(f"array {name!r} {a.dtype} {list(a.shape)} is not what this model's "
+                                f"cache holds for {ntokens} tokens")
+            lengths.setdefault(want[2], set()).add(a.shape[2])
+        for group, found in lengths.items():
+            if len(found) != 1 or sum(1 for name in arrays if deltas[name][2] == group) != \
+                    sum(1 for d in deltas.values() if d[2] == group):
+                raise BlobError(f"the arrays of layer {group} are incomplete or of different lengths")
+
+    def _expected_shapes(self) -> tuple[dict, dict] | None:
+        """name -> (shape, dtype, layer) of a record's deltas (token axis 2 free) and name ->
+        (shape, dtype) of recurrent checkpoints, from the cache one token gives. The graph is
+        built, never computed. None if the model cannot be traced (then nothing is checked)."""
+        if self._shapes is False:
+            try:
+                cache = self.new_cache()
+                self.model(mx.array([[0]]), cache=cache)
+                deltas: dict = {}
+                states: dict = {}
+
+                def leaves(codec: Codec, layer, prefix: str) -> None:
+                    if isinstance(codec, CacheListCodec):
+                        for j, (c, sub_layer) in enumerate(zip(codec.subs, layer.caches)):
+                            leaves(c, sub_layer, f"{prefix}.{j}")
+                        return
+                    for name, (a, _) in codec.deltas(layer, 1).items():
+                        deltas[f"{prefix}.{name}"] = (tuple(a.shape), a.dtype, prefix)
+                    if isinstance(codec, ArraysCodec):
+                        for name, a in codec.checkpoint(layer).items():
+                            states[f"{prefix}.{name}"] = (tuple(a.shape), a.dtype)
+
+                for i, (codec, layer) in enumerate(zip(self.codecs, cache)):
+                    leaves(codec, layer, str(i))
+                self._shapes = (deltas, states)
+            except Exception as e:  # an exotic model: records are still checked by checksum
+                log.warning("kvstore: cannot trace %s to check record shapes (%s)", self.model_id, e)
+                self._shapes = None
+        return self._shapes
+
     # -- insert -----------------------------------------------------------------------------
 
     def insert(self, tokens: Tokens, cache: list, *, pin: bool = False, checkpoint: bool = True) -> int:
@@ -240,6 +426,11 @@ class ModelCache:
         if len(toks) == 0:
             raise InvalidInputError("insert needs at least one token")
         self._check_cache(cache, len(toks))
+        if not self.registered:  # rows need their model's row, which bind could not write
+            self.registered = store._register(self)
+            if not self.registered:
+                store.counters["skipped_inserts"] += 1
+                return 0
         C, n = self.chunk_size, len(toks)
         hashes = keys.chain(self.ns, toks, C)
         specs = [Spec(h, hashes[i - 1] if i else self.ns, i + 1, CHUNK, i * C, (i + 1) * C)
@@ -364,6 +555,24 @@ class ModelCache:
                 raise InvalidInputError(
                     f"cache layer {i} has processed {offset} tokens but {n} tokens were given: "
                     "insert the tokens the cache actually holds")
+
+
+class _NotDirect(Exception):
+    """Records `_fetch_direct` does not expect: the general path serves them."""
+
+
+def _owned(full: mx.array, view: np.ndarray, start: int, end: int) -> mx.array:
+    """Tokens [start, end) of `full` as an array of their own (the memory tier must not keep the
+    whole restored tensor alive). `mx.array` of a strided numpy view would copy its whole span."""
+    part = view[:, :, start:end]
+    if part.flags.c_contiguous:  # a single head: `mx.contiguous` would return a view of `full`
+        return mx.array(part).view(full.dtype)
+    return mx.contiguous(full[:, :, start:end])
+
+
+def _bits(a: mx.array) -> mx.array:
+    """`a` as numpy can hold it: bfloat16 as its uint16 bits (a zero-copy view)."""
+    return a.view(mx.uint16) if a.dtype == mx.bfloat16 else a
 
 
 def _arrays_of(cache: list) -> list[mx.array]:

@@ -611,5 +611,21 @@ def _final_counts(cache: PersistentPromptCache) -> str:
             f"{c['reused_tokens']} reused from the store")
 
 
+def run(argv: Sequence[str] | None = None) -> None:
+    """`main`, then exit the process without the interpreter's teardown.
+
+    MLX 0.32 aborts at exit (SIGABRT) when a thread other than the main one evaluated arrays and
+    did not clear its streams (ml-explore/mlx#3126); mlx_lm.server generates in such a thread.
+    By the time `main` returns the store is flushed and closed, so skipping teardown loses nothing
+    and the exit code stays the one `main` chose.
+    """
+    code = main(argv)
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -11,17 +11,19 @@ import atexit
 import json
 import logging
 import os
+import sqlite3
 import threading
 import weakref
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import mlx.core as mx
 import numpy as np
 
 from . import blobs, keys
-from .errors import BlobError, InvalidInputError, ModelFilesError, StoreOpenError
-from .index import Index, Row
+from .errors import BlobError, CorruptIndexError, InvalidInputError, ModelFilesError, StoreOpenError
+from .index import Index, Row, is_corruption
 from .memory import MemoryTier, Record
 from .modelcache import ModelCache, describe, make_template
 from .writer import Writer
@@ -77,6 +79,10 @@ class Store:
             self.path = _prepare_dir(Path(path).expanduser() if path is not None else default_path())
             self.blob_root = self.path / BLOBS_NAME
             index_file = self.path / INDEX_NAME
+            if _index_lost(index_file, self.blob_root):  # a new, empty index would orphan every blob
+                raise CorruptIndexError(
+                    f"the index {index_file} is missing or empty but {self.blob_root} holds blobs; "
+                    f"run `kvstore verify --repair --store {self.path}` to rebuild it from them")
             if not index_file.exists():
                 os.close(os.open(index_file, os.O_WRONLY | os.O_CREAT, 0o600))
             self.index = Index(index_file)
@@ -108,10 +114,10 @@ class Store:
         if fingerprint is None:
             fingerprint = self._fingerprint(model_id, adapter_path)
         ns = keys.namespace(fingerprint, layout, self.chunk_size)
-        if self.index is not None:
-            self.index.register_model(ns, fingerprint, str(model_id), json.dumps(layout), self.chunk_size)
-        return ModelCache(self, model, str(model_id), ns, fingerprint, layout, codecs,
-                          kv_bits=kv_bits, kv_group_size=kv_group_size)
+        mc = ModelCache(self, model, str(model_id), ns, fingerprint, layout, codecs,
+                        kv_bits=kv_bits, kv_group_size=kv_group_size)
+        mc.registered = self._register(mc)
+        return mc
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every insert so far is durable. False if `timeout` ran out first."""
@@ -148,9 +154,10 @@ class Store:
             **self.counters,
         }
         if self.index is not None:
-            out.update(self.index.totals())
-            out["models"] = self.index.models()
-            out["quarantined_total"] = self.index.counters().get("count.quarantined", 0)
+            with self._damage_is_an_error():
+                out.update(self.index.totals())
+                out["models"] = self.index.models()
+                out["quarantined_total"] = self.index.counters().get("count.quarantined", 0)
         else:
             kinds = self.memory.kinds()
             out.update(bytes=self.memory.nbytes, chunks=kinds.get(0, 0), tails=kinds.get(1, 0),
@@ -166,7 +173,7 @@ class Store:
             if max_bytes is not None:
                 self.memory.trim_to(max_bytes)
             return {"evicted": 0, "freed_bytes": 0, "bytes": self.memory.nbytes, "dry_run": dry_run}
-        with self._gc_lock:
+        with self._gc_lock, self._damage_is_an_error():
             result = collect(self.index, self.blob_root, max_bytes=max_bytes, max_age=max_age,
                              dry_run=dry_run)
         if not dry_run:
@@ -183,7 +190,8 @@ class Store:
         if self.index is None:
             return []
         self.flush()
-        problems = verify(self.index, self.blob_root, repair=repair)
+        with self._damage_is_an_error():
+            problems = verify(self.index, self.blob_root, repair=repair)
         if repair:
             self.memory.clear()
         return problems
@@ -193,6 +201,16 @@ class Store:
     def _check_open(self) -> None:
         if self._closed:
             raise StoreOpenError("this store is closed")
+
+    @contextmanager
+    def _damage_is_an_error(self):
+        """A damaged index found after open is a `CorruptIndexError` that says how to rebuild it."""
+        try:
+            yield
+        except sqlite3.DatabaseError as e:
+            if is_corruption(e):
+                raise self.index.corrupt(e) from e
+            raise
 
     def _enforce_budget(self) -> None:
         if self.max_bytes is not None and self.index.totals()["bytes"] > self.max_bytes:
@@ -208,8 +226,28 @@ class Store:
             raise ModelFilesError(f"{model_dir} has no config.json: is it an mlx-lm model folder?")
         lookup = remember = None
         if self.index is not None:
-            lookup, remember = self.index.file_digest, self.index.remember_file_digest
+            lookup = self.index.file_digest
+
+            def remember(*args) -> None:
+                try:
+                    self.index.remember_file_digest(*args)
+                except sqlite3.OperationalError:  # only a memo (the disk may be full)
+                    pass
         return keys.fingerprint(files, model_dir, lookup, remember)
+
+    def _register(self, mc: ModelCache) -> bool:
+        """Record a bound model version in the index; False if the index cannot be written now
+        (a full disk, a read-only or busy index): fetch goes on, inserts wait until it works."""
+        if self.index is None:
+            return True
+        try:
+            self.index.register_model(mc.ns, mc.fingerprint, mc.model_id, json.dumps(mc.layout),
+                                      self.chunk_size)
+            return True
+        except sqlite3.OperationalError as e:
+            log.warning("kvstore: cannot record model %s in the index (%s): serving reads only "
+                        "until it can be written", mc.model_id, e)
+            return False
 
     def _available(self, hashes: list[bytes]) -> set[bytes]:
         """Which of `hashes` can be read: in memory, queued, or on disk."""
@@ -219,36 +257,77 @@ class Store:
             here |= self.index.present(rest)
         return here
 
-    def _get(self, h: bytes, row: Row | None) -> Record | None:
-        """A record from memory, the writer's queue, or disk (then kept in memory)."""
+    def _get(self, h: bytes, row: Row | None, check: Callable | None = None) -> Record | None:
+        """A record from memory, the writer's queue, or disk (then kept in memory). `check(kind,
+        ntokens, arrays)` raises BlobError if what was read from disk cannot be this record."""
         rec = self.memory.get(h) or self.writer.pending(h)
         if rec is None and self.index is not None:
             row = row or self.index.get(h)
             if row is not None and not row.bad:
-                rec = self._read(h, row)
+                rec = self._read(h, row, check)
                 if rec is not None:
                     self.memory.put([rec])
         return rec
 
-    def _read(self, h: bytes, row: Row) -> Record | None:
+    def _read(self, h: bytes, row: Row, check: Callable | None = None) -> Record | None:
         """A record from disk, checked; None (quarantined and counted) if it is damaged."""
         try:
             arrays, meta = blobs.read(self.blob_root, h, size=row.size, checksum=row.checksum)
             tokens = arrays.pop("tokens", None)
             if tokens is None or np.asarray(tokens).tobytes() != row.tokens:
                 raise BlobError(f"record {h.hex()}: its tokens differ from the index")
+            self._check_header(h, row, meta)
+            if check is not None:
+                try:
+                    check(row.kind, row.ntokens, arrays)
+                except BlobError as e:
+                    raise BlobError(f"record {h.hex()}: {e}") from e
             mx.eval(list(arrays.values()))
         except BlobError as e:
-            log.warning("kvstore: quarantined a damaged record: %s", e)
-            self.counters["quarantined"] += 1
-            try:
-                if self.index.mark_bad(h):
-                    self.index.bump_counter("count.quarantined")
-            except Exception:  # the index may be busy or read-only; the miss is what matters
-                pass
+            self._quarantine(h, e)
             return None
         return Record(h, row.ns, row.parent, row.depth, row.kind,
                       np.frombuffer(row.tokens, dtype="<i4"), arrays)
+
+    @staticmethod
+    def _check_header(h: bytes, row: Row, meta: dict[str, str]) -> None:
+        """Raise BlobError unless a blob's header names the same place in the chain as its row."""
+        for key, want in (("ns", row.ns.hex()), ("parent", row.parent.hex()),
+                          ("depth", str(row.depth)), ("kind", str(row.kind))):
+            if meta.get(key) != want:
+                raise BlobError(f"record {h.hex()}: its header says {key} {meta.get(key)!r}, "
+                                f"the index {want!r}")
+
+    def _quarantine(self, h: bytes, error: BlobError) -> None:
+        """Mark a record whose blob failed to read as bad: a miss from it on, counted."""
+        try:
+            if self.index.get(h) is None:  # evicted (by gc, maybe in another process) under the read
+                log.debug("kvstore: record %s was evicted while it was read", h.hex())
+                return
+        except Exception:
+            pass
+        log.warning("kvstore: quarantined a damaged record: %s", error)
+        self.counters["quarantined"] += 1
+        try:
+            if self.index.mark_bad(h):
+                self.index.bump_counter("count.quarantined")
+        except Exception:  # the index may be busy or read-only; the miss is what matters
+            pass
+
+
+def _index_lost(index_file: Path, blob_root: Path) -> bool:
+    """No index (or an empty one) beside a blob tree with blob folders: it was deleted or lost."""
+    for f in (index_file, Path(f"{index_file}-wal")):
+        try:
+            if f.stat().st_size > 0:
+                return False
+        except FileNotFoundError:
+            pass
+    try:
+        with os.scandir(blob_root) as entries:
+            return any(len(e.name) == 2 and e.is_dir(follow_symlinks=False) for e in entries)
+    except OSError:
+        return False
 
 
 def resolve_model_dir(model_id: str) -> Path:
@@ -268,6 +347,7 @@ def resolve_model_dir(model_id: str) -> Path:
 
 def _prepare_dir(path: Path) -> Path:
     """Create the store directory (0700) or check an existing one is a writable directory."""
+    path = path.resolve()  # `a/../s` is `s`: no folder `a` is made on the way
     if path.exists() and not path.is_dir():
         raise StoreOpenError(f"store path {path} exists and is not a directory")
     try:

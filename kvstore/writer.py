@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 from collections import deque
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -20,8 +21,8 @@ from typing import Callable
 import mlx.core as mx
 import numpy as np
 
-from . import blobs
-from .index import CHECKPOINT, Index, Row
+from . import blobs, faults, keys
+from .index import CHECKPOINT, CHUNK, Index, Row
 from .memory import MemoryTier, Record
 
 log = logging.getLogger("kvstore")
@@ -219,51 +220,75 @@ class Writer:
                     for name, a in arrays.items()}
 
         hosts, checkpoint_hosts = host(job.arrays), host(job.checkpoint)
-        todo = job.specs
-        if self.index is not None and todo:
-            present = self.index.present([s.hash for s in todo])
-            todo = [s for s in todo if s.hash not in present]
-        rows: list[Row] = []
-        compact: list[Record] = []
-        tokens_tag = "I32"
-        for spec in todo:
-            tokens = np.ascontiguousarray(job.tokens[spec.start : spec.end], dtype="<i4")
-            tensors: dict[str, blobs.Tensor] = {"tokens": (tokens_tag, tokens)}
-            if spec.kind == CHECKPOINT:
-                parts = {name: arr for name, (_, arr) in checkpoint_hosts.items()}
-                tags = {name: tag for name, (tag, _) in checkpoint_hosts.items()}
-            else:
-                parts = job.slices(spec, {name: arr for name, (_, arr) in hosts.items()})
-                tags = {name: tag for name, (tag, _) in hosts.items()}
-            for name, arr in parts.items():
-                tensors[name] = (tags[name], np.ascontiguousarray(arr))
-            if self.root is not None:
-                meta = dict(job.metadata, hash=spec.hash.hex(), parent=spec.parent.hex(),
-                            depth=str(spec.depth), kind=str(spec.kind))
+        # Shared with other writers, exclusive of gc and repair: from "is it stored?" to the row.
+        lock = blobs.tree_lock(self.root, exclusive=False) if self.root is not None else nullcontext()
+        with lock:
+            todo = job.specs
+            if self.index is not None and todo:
+                todo = self._still_needed(job)
+            rows: list[Row] = []
+            compact: list[Record] = []
+            tokens_tag = "I32"
+            for spec in todo:
+                tokens = np.ascontiguousarray(job.tokens[spec.start : spec.end], dtype="<i4")
+                tensors: dict[str, blobs.Tensor] = {"tokens": (tokens_tag, tokens)}
+                if spec.kind == CHECKPOINT:
+                    parts = {name: arr for name, (_, arr) in checkpoint_hosts.items()}
+                    tags = {name: tag for name, (tag, _) in checkpoint_hosts.items()}
+                else:
+                    parts = job.slices(spec, {name: arr for name, (_, arr) in hosts.items()})
+                    tags = {name: tag for name, (tag, _) in hosts.items()}
+                for name, arr in parts.items():
+                    tensors[name] = (tags[name], np.ascontiguousarray(arr))
+                if self.root is not None:
+                    meta = dict(job.metadata, hash=spec.hash.hex(), parent=spec.parent.hex(),
+                                depth=str(spec.depth), kind=str(spec.kind))
+                    try:
+                        size, checksum = blobs.write(self.root, spec.hash, tensors, meta, fsync=self.fsync)
+                    except OSError as e:
+                        self._count_error(e)
+                        break  # later records hang from this one; without it they are unreachable
+                    faults.hit("after_rename")
+                    rows.append(Row(spec.hash, job.ns, spec.parent, spec.depth, spec.kind,
+                                    spec.end - spec.start, tokens.tobytes(), size, checksum,
+                                    pinned=int(spec.hash in job.pin)))
+                    self.stats.bytes_written += size
+                compact.append(self._compact(job, spec, tokens, tensors))
+            if rows and self.index is not None:
                 try:
-                    size, checksum = blobs.write(self.root, spec.hash, tensors, meta, fsync=self.fsync)
-                except OSError as e:
+                    self.index.insert(rows)
+                except Exception as e:
+                    for row in rows:  # the rows are not there: the files are orphans now
+                        blobs.remove(self.root, row.hash)
                     self._count_error(e)
-                    break  # later records hang from this one; without it they are unreachable
-                rows.append(Row(spec.hash, job.ns, spec.parent, spec.depth, spec.kind,
-                                spec.end - spec.start, tokens.tobytes(), size, checksum,
-                                pinned=int(spec.hash in job.pin)))
-                self.stats.bytes_written += size
-            compact.append(self._compact(job, spec, tokens, tensors))
-        if rows and self.index is not None:
-            try:
-                self.index.insert(rows)
-            except Exception as e:
-                for row in rows:  # the rows are not there: the files are orphans now
-                    blobs.remove(self.root, row.hash)
-                self._count_error(e)
-                return
-            self.stats.records_written += len(rows)
-        if job.pin and self.index is not None:
-            self.index.pin(job.pin)
+                    return
+                self.stats.records_written += len(rows)
+            if job.pin and self.index is not None:
+                self.index.pin(job.pin)
         self.memory.put(reversed(compact))
         if self.after_batch is not None and rows:
             self.after_batch()
+
+    def _still_needed(self, job: Job) -> list[Spec]:
+        """The job's records that are not stored yet, parents first. If gc (in any process)
+        evicted a record the job hangs from after `insert` looked, the chain is written again
+        from the job's own tokens and arrays: no record is ever stored under a missing parent."""
+        inside = {s.hash for s in job.specs}
+        outside = {s.parent for s in job.specs if s.parent not in inside and s.parent != job.ns}
+        present = self.index.present([s.hash for s in job.specs] + list(outside))
+        specs = job.specs
+        if outside - present:
+            first = next((s for s in specs if s.kind != CHECKPOINT), None)
+            if first is not None and first.parent != job.ns and first.parent not in present:
+                C = int(job.metadata["chunk_size"])
+                chain = keys.chain(job.ns, job.tokens[: (first.depth - 1) * C], C)
+                ancestors = [Spec(h, chain[i - 1] if i else job.ns, i + 1, CHUNK, i * C, (i + 1) * C)
+                             for i, h in enumerate(chain)]
+                present |= self.index.present([a.hash for a in ancestors])
+                specs = ancestors + specs
+            have = present | {s.hash for s in specs}
+            specs = [s for s in specs if s.parent == job.ns or s.parent in have]
+        return [s for s in specs if s.hash not in present]
 
     @staticmethod
     def _compact(job: Job, spec: Spec, tokens: np.ndarray, tensors: dict[str, blobs.Tensor]) -> Record:

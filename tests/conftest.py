@@ -38,3 +38,13 @@ def demo_model(tmp_path_factory) -> Callable[..., Path]:
 def demo_model_path(demo_model) -> Path:
     """The tiny llama demo model (all `KVCache` layers), built once per session."""
     return demo_model("llama")
+
+
+@pytest.fixture(scope="session")
+def llama(demo_model):
+    """(folder, loaded model) of the tiny llama demo model, shared by the whole session."""
+    from mlx_lm import load
+
+    path = demo_model("llama")
+    model, _ = load(str(path))
+    return path, model

@@ -8,7 +8,6 @@ import sys
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
-import numpy as np
 
 
 def greedy(model, cache, logits, n: int) -> list[int]:

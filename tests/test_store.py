@@ -15,22 +15,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mlx_lm import load
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
 import kvstore
 from kvstore import blobs
 from kvstore.demo import build_demo_model
 from kvstore.errors import InvalidInputError, SchemaTooNewError, StoreOpenError
+from kvtest import prefill
 
 HERE = Path(__file__).parent
 C = 16  # a small chunk size makes short prompts span many chunks
-
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    path = build_demo_model(tmp_path_factory.mktemp("models") / "llama", "llama")
-    model, tokenizer = load(str(path))
-    return path, model
 
 
 def run_proc(*args, extra=None) -> dict:
@@ -40,13 +34,6 @@ def run_proc(*args, extra=None) -> dict:
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def prefill(model, tokens):
-    cache = make_prompt_cache(model)
-    model(mx.array([tokens]), cache=cache)
-    mx.eval([c.state for c in cache])
-    return cache
 
 
 def rand_tokens(n, seed=0, vocab=250):

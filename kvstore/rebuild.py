@@ -1,0 +1,263 @@
+"""Rebuild a lost or damaged index (`index.sqlite`) from the blob files.
+
+Every blob carries its own metadata in its safetensors header (format, ns, fingerprint, model_id,
+chunk_size, hash, parent, depth, kind) and its token ids, so the records can be found again
+without the index. A blob is taken back only if everything about it agrees: its name, the hash in
+its header, the hash recomputed from its parent and tokens (records are content-addressed), its
+kind and token count, and a parent chain that reaches its namespace. Anything else is left where
+it is, and reported: `verify` then lists it as an orphan file and `verify --repair` removes it.
+
+The damaged index is moved aside (`index.sqlite.damaged-<time>`, with its -wal/-shm), not
+deleted. What the blobs do not carry is read from it when it still can be (pins, access times,
+hit counts, model layouts); otherwise pins are lost and access times become the files' mtimes.
+
+Run it with no other process using the store (`kvstore verify --repair` does, when the index
+cannot be read): a process that still has the old index open keeps writing to the moved file.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import struct
+import time
+from pathlib import Path
+
+import numpy as np
+import xxhash
+
+from . import blobs, keys
+from .errors import BlobError, StoreOpenError
+from .index import CHECKPOINT, CHUNK, TAIL, Index, _u64_to_i64
+from .modelcache import checkpoint_hash
+from .store import BLOBS_NAME, INDEX_NAME
+
+
+def rebuild_index(path: str | os.PathLike) -> dict:
+    """Rebuild the index of the store at `path` from its blob files.
+
+    Returns what was done: `records`, `chunks`, `tails`, `checkpoints`, `bytes`, `models`,
+    `skipped` (a list of {"path", "reason"} for blob-named files that were not taken back),
+    `salvaged` (records whose pin and access times came from the old index) and `damaged_index`
+    (where the old index was moved, or None if there was none).
+    """
+    store = Path(path).expanduser()
+    root = store / BLOBS_NAME
+    if not store.is_dir() or not root.is_dir():
+        raise StoreOpenError(f"{store} is not a kvstore store (it has no {BLOBS_NAME}/ folder)")
+    index_file = store / INDEX_NAME
+    # Exclusive of writers and gc (that keep the lock) while the blobs are read.
+    with blobs.tree_lock(root, exclusive=True):
+        aside = _move_aside(index_file)
+        # After a rebuild that crashed, the index moved aside last time is the one to read.
+        earlier = sorted(store.glob(f"{INDEX_NAME}.damaged-*[0-9]"), key=lambda p: p.stat().st_mtime)
+        old = _salvage(aside or (earlier[-1] if earlier else None))
+
+        found, skipped = _scan(root)
+        accepted = _chain(found, skipped)
+
+        # Built aside and renamed into place whole: a crash never leaves an empty index (whose
+        # blobs `verify --repair` would all delete as orphans) where the old one was.
+        building = store / f"{INDEX_NAME}.rebuilding"
+        for suffix in ("", "-wal", "-shm"):
+            if os.path.lexists(f"{building}{suffix}"):
+                os.unlink(f"{building}{suffix}")
+        os.close(os.open(building, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        index = Index(building)
+        try:
+            _write(index, accepted, old)
+        finally:
+            index.close()
+        os.replace(building, index_file)
+    kinds = [r["kind"] for r in accepted]
+    return {
+        "records": len(accepted),
+        "chunks": kinds.count(CHUNK),
+        "tails": kinds.count(TAIL),
+        "checkpoints": kinds.count(CHECKPOINT),
+        "bytes": sum(r["size"] for r in accepted),
+        "models": len({r["ns"] for r in accepted}),
+        "salvaged": sum(1 for r in accepted if r["hash"] in old.records),
+        "skipped": [{"path": str(p), "reason": why} for p, why in skipped],
+        "damaged_index": str(aside) if aside is not None else None,
+    }
+
+
+def _move_aside(index_file: Path) -> Path | None:
+    if not os.path.lexists(index_file):
+        return None
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    aside = index_file.with_name(f"{index_file.name}.damaged-{stamp}")
+    n = 1
+    while os.path.lexists(aside):
+        n += 1
+        aside = index_file.with_name(f"{index_file.name}.damaged-{stamp}.{n}")
+    for suffix in ("", "-wal", "-shm"):
+        src = Path(f"{index_file}{suffix}")
+        if os.path.lexists(src):
+            os.replace(src, f"{aside}{suffix}")
+    return aside
+
+
+class _Salvage:
+    def __init__(self):
+        self.records: dict[bytes, tuple[float, float, int, int]] = {}  # created, last_access, hits, pinned
+        self.layouts: dict[bytes, str] = {}
+
+
+def _salvage(old_file: Path | None) -> _Salvage:
+    """What the old index can still tell, read-only and best effort (it is damaged)."""
+    out = _Salvage()
+    if old_file is None or not old_file.is_file():
+        return out
+    try:
+        conn = sqlite3.connect(f"file:{old_file}?mode=ro", uri=True, timeout=1.0)
+    except sqlite3.Error:
+        return out
+    try:
+        for query, keep in (
+            ("SELECT hash, created, last_access, hits, pinned FROM records",
+             lambda r: out.records.__setitem__(r[0], (float(r[1]), float(r[2]), int(r[3]), int(r[4])))),
+            ("SELECT ns, layout FROM models", lambda r: out.layouts.__setitem__(r[0], str(r[1]))),
+        ):
+            try:
+                for row in conn.execute(query):
+                    if isinstance(row[0], bytes) and len(row[0]) == keys.HASH_BYTES:
+                        try:
+                            keep(row)
+                        except (TypeError, ValueError):
+                            pass
+            except sqlite3.Error:
+                pass  # keep whatever was read before the damaged page
+    finally:
+        conn.close()
+    return out
+
+
+def _scan(root: Path) -> tuple[dict[bytes, dict], list[tuple[Path, str]]]:
+    """Every blob file whose contents agree with its name: hash -> record fields."""
+    found: dict[bytes, dict] = {}
+    skipped: list[tuple[Path, str]] = []
+    for path in blobs.walk(root):
+        h = blobs.hash_of(path)
+        if h is None:
+            continue  # temporaries and foreign files: verify reports them
+        if path.is_symlink():
+            skipped.append((path, "a symbolic link, not a blob file"))
+            continue
+        try:
+            found[h] = _read_record(path, h)
+        except BlobError as e:
+            skipped.append((path, str(e).split(": ", 1)[-1]))
+    return found, skipped
+
+
+def _read_record(path: Path, h: bytes) -> dict:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        with os.fdopen(fd, "rb") as f:
+            buf = f.read()
+            mtime = os.fstat(f.fileno()).st_mtime
+    except OSError as e:
+        raise BlobError(f"{path}: cannot read ({e.strerror or e})") from e
+    entries, base = blobs.parse_header(buf, path)
+    try:
+        meta = blobs.header_metadata(buf)
+    except (ValueError, AttributeError, struct.error) as e:
+        raise BlobError(f"{path}: bad metadata ({e})") from e
+
+    def field(name: str, parse):
+        try:
+            return parse(meta[name])
+        except (KeyError, ValueError) as e:
+            raise BlobError(f"{path}: metadata field {name!r} is missing or bad") from e
+
+    def hash16(text: str) -> bytes:
+        b = bytes.fromhex(text)
+        if len(b) != keys.HASH_BYTES:
+            raise ValueError(text)
+        return b
+
+    if meta.get("format") != str(keys.FORMAT_VERSION):
+        raise BlobError(f"{path}: format {meta.get('format')!r}, this kvstore writes {keys.FORMAT_VERSION}")
+    if field("hash", hash16) != h:
+        raise BlobError(f"{path}: its header names record {meta.get('hash')!r}")
+    ns, parent, fingerprint = field("ns", hash16), field("parent", hash16), field("fingerprint", hash16)
+    depth, kind, chunk_size = field("depth", int), field("kind", int), field("chunk_size", int)
+    model_id = field("model_id", str)
+    if depth < 1 or kind not in (CHUNK, TAIL, CHECKPOINT) or chunk_size < 1:
+        raise BlobError(f"{path}: depth {depth}, kind {kind} or chunk size {chunk_size} is impossible")
+    info = entries.get("tokens")
+    if info is None or info["dtype"] != "I32" or len(info["shape"]) != 1:
+        raise BlobError(f"{path}: no int32 token ids")
+    start, end = info["data_offsets"]
+    tokens = np.frombuffer(buf, dtype="<i4", count=(end - start) // 4, offset=base + start)
+    n = len(tokens)
+    expected = {CHUNK: n == chunk_size, TAIL: 0 < n < chunk_size, CHECKPOINT: n == 0}[kind]
+    if not expected:
+        raise BlobError(f"{path}: a kind-{kind} record cannot hold {n} tokens (chunk size {chunk_size})")
+    address = checkpoint_hash(parent) if kind == CHECKPOINT else keys.tail_hash(parent, tokens)
+    if address != h:  # a chunk's hash is computed as a tail's: xxh3_128(parent || tokens)
+        raise BlobError(f"{path}: its name is not the hash of its parent and tokens")
+    for name, entry in entries.items():
+        shape = entry["shape"]
+        if kind != CHECKPOINT and name != "tokens" and (len(shape) < 3 or shape[2] > n):
+            raise BlobError(f"{path}: tensor {name!r} of shape {shape} does not fit {n} tokens")
+    return {"hash": h, "ns": ns, "parent": parent, "depth": depth, "kind": kind, "ntokens": n,
+            "tokens": tokens.tobytes(), "size": len(buf), "checksum": xxhash.xxh3_64_intdigest(buf),
+            "path": path, "mtime": mtime, "fingerprint": fingerprint, "model_id": model_id, "chunk_size": chunk_size}
+
+
+def _chain(found: dict[bytes, dict], skipped: list[tuple[Path, str]]) -> list[dict]:
+    """The records whose parent chain reaches their namespace, parents before children."""
+    ok: dict[bytes, bool] = {}
+
+    def fits(r: dict) -> bool:
+        h = r["hash"]
+        if h in ok:
+            return ok[h]
+        ok[h] = False  # a cycle (impossible with real hashes) stays rejected
+        parent = found.get(r["parent"])
+        if r["kind"] == CHECKPOINT:
+            good = (parent is not None and parent["kind"] != CHECKPOINT and parent["ns"] == r["ns"]
+                    and parent["depth"] == r["depth"] and fits(parent))
+        elif r["depth"] == 1:
+            good = r["parent"] == r["ns"]
+        else:
+            good = (parent is not None and parent["kind"] == CHUNK and parent["ns"] == r["ns"]
+                    and parent["depth"] == r["depth"] - 1 and fits(parent))
+        ok[h] = good
+        return good
+
+    accepted = []
+    for r in sorted(found.values(), key=lambda r: (r["depth"], r["kind"] == CHECKPOINT)):
+        if fits(r):
+            accepted.append(r)
+        else:
+            skipped.append((r["path"], "its parent record is missing or does not match"))
+    return accepted
+
+
+def _write(index: Index, records: list[dict], old: _Salvage) -> None:
+    models: dict[bytes, dict] = {}
+    for r in records:
+        m = models.get(r["ns"])
+        if m is None or r["mtime"] > m["mtime"]:
+            models[r["ns"]] = r
+    with index.transaction() as conn:
+        for ns, r in models.items():
+            first = min(x["mtime"] for x in records if x["ns"] == ns)
+            conn.execute(
+                "INSERT OR IGNORE INTO models (ns, fingerprint, model_id, layout, chunk_size, created, "
+                "last_used) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (ns, r["fingerprint"], r["model_id"], old.layouts.get(ns, "{}"), r["chunk_size"],
+                 first, r["mtime"]))
+        conn.executemany(
+            "INSERT OR IGNORE INTO records (hash, ns, parent, depth, kind, ntokens, tokens, size, "
+            "checksum, created, last_access, hits, pinned, bad, first_token) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?)",
+            [(r["hash"], r["ns"], r["parent"], r["depth"], r["kind"], r["ntokens"], r["tokens"],
+              r["size"], _u64_to_i64(r["checksum"]),
+              *old.records.get(r["hash"], (r["mtime"], r["mtime"], 0, 0)),
+              int.from_bytes(r["tokens"][:4], "little", signed=True) if r["ntokens"] else None)
+             for r in records])

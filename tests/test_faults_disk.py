@@ -1,0 +1,135 @@
+"""Fault suite, part 4: a full disk.
+
+A store on a tmpfs of 2 MB that the test mounts (we may be root; otherwise that case is skipped)
+and fills, and the same through the `enospc` fault point: writes are dropped and counted, never
+raised; reads, fetches and a fresh bind go on; nothing partial is left; once there is space again,
+writes resume and what they store restores exactly.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+import kvstore
+from faultproc import prompts
+from kvstore import blobs, faults
+from kvtest import logits_diff, prefill
+
+C = 16
+TOL = 1e-4
+
+
+class TmpfsFull:
+    """A 2 MB tmpfs; `fill()` takes every free byte with a filler file, `free()` gives it back."""
+
+    def __init__(self, mount: Path):
+        self.mount, self.filler = mount, mount / "filler"
+
+    def fill(self) -> None:
+        fd = os.open(self.filler, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            for size in (1 << 16, 4096, 512, 64, 8, 1):  # down to the last byte
+                while True:
+                    try:
+                        os.write(fd, b"\0" * size)
+                    except OSError as e:
+                        assert e.errno == errno.ENOSPC
+                        break
+        finally:
+            os.close(fd)
+
+    def free(self) -> None:
+        self.filler.unlink()
+
+
+class InjectedFull:
+    """The `enospc` fault at every blob write (kvstore/faults.py), for when no tmpfs can be made."""
+
+    def __init__(self, mount: Path):
+        self.mount = mount
+
+    def fill(self) -> None:
+        faults.arm("blob_write", "enospc")
+
+    def free(self) -> None:
+        faults.disarm()
+
+
+@pytest.fixture(params=["tmpfs", "injected"])
+def full_disk(request, tmp_path):
+    mount = tmp_path / "mnt"
+    mount.mkdir()
+    if request.param == "injected":
+        try:
+            yield InjectedFull(mount)
+        finally:
+            faults.disarm()
+        return
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m,mode=0700", "tmpfs", str(mount)],
+                          capture_output=True, text=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({made.stderr.strip()}); the injected case covers it")
+    try:
+        yield TmpfsFull(mount)
+    finally:
+        if subprocess.run(["umount", str(mount)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+def test_full_disk_drops_and_counts_writes_and_serving_goes_on(llama, full_disk):
+    model_path, model = llama
+    store_dir = full_disk.mount / "s"
+    kept, later = prompts(40, 3, C), prompts(41, 6, C)
+    with kvstore.open(store_dir, chunk_size=C) as store:
+        mc = store.bind(model, model_path)
+        for p in kept:
+            mc.insert(p, prefill(model, p))
+        store.flush()
+        assert store.stats()["writer"]["write_errors"] == 0
+        before = store.stats()
+
+        full_disk.fill()
+        for p in later:
+            mc.insert(p, prefill(model, p))  # never raises
+        store.flush()
+        w = store.stats()["writer"]
+        assert w["write_errors"] >= 1, w
+        assert "No space left" in w["last_error"] or "full" in w["last_error"], w
+        # Serving goes on: from this store, and from a store opened (and bound) on the full disk.
+        for p in kept:
+            query = p + [3]
+            cache, rest = mc.fetch(query)
+            assert rest == [3] and logits_diff(model, cache, rest, query) <= TOL
+        with kvstore.open(store_dir, chunk_size=C, memory_bytes=0) as reader:
+            rmc = reader.bind(model, model_path)
+            for p in kept:
+                query = p + [3]
+                cache, rest = rmc.fetch(query)
+                assert rest == [3] and logits_diff(model, cache, rest, query) <= TOL
+                assert reader.stats()["quarantined"] == 0
+            if isinstance(full_disk, TmpfsFull):  # the index could not even record the model
+                assert not rmc.registered
+                assert rmc.insert(later[0], prefill(model, later[0])) == 0
+                assert reader.stats()["skipped_inserts"] == 1
+        # Nothing partial: no temporary file, no row without its complete blob.
+        assert [p for p in blobs.walk(store.blob_root) if p.name.startswith(blobs.TMP_PREFIX)] == []
+        assert store.verify() == []
+
+        full_disk.free()
+        for p in later:
+            mc.insert(p, prefill(model, p))
+        store.flush()
+        assert store.stats()["writer"]["records_written"] > before["writer"]["records_written"]
+        assert store.verify() == []
+    with kvstore.open(store_dir, chunk_size=C, memory_bytes=0) as store:
+        mc = store.bind(model, model_path)
+        for p in kept + later:  # writes resumed: everything is stored and restores exactly
+            query = p + [3]
+            cache, rest = mc.fetch(query)
+            assert rest == [3] and logits_diff(model, cache, rest, query) <= TOL
+        assert store.verify() == []
