@@ -1,0 +1,424 @@
+"""Shared helpers for the benchmarks: cache shapes, timing, page-cache control, raw I/O, results.
+
+Nothing here is timed by tests; every number the benchmarks print comes from these helpers, so the
+baselines (raw read, direct read, memcpy) and kvstore are measured the same way in the same run.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import mmap
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm.models.cache import KVCache
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+RESULTS = HERE / "results"
+if str(REPO) not in sys.path:  # run as `python bench/x.py` from a checkout
+    sys.path.insert(0, str(REPO))
+
+OPENBLAS_CANDIDATES = (
+    "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3",
+    "/usr/lib/aarch64-linux-gnu/openblas-pthread/libblas.so.3",
+)
+
+
+# -- cache shapes ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Shape:
+    """The KV-cache shape of a real model: what the restore benchmarks store and fetch."""
+
+    name: str
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: str = "bfloat16"
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.layers * 2 * self.kv_heads * self.head_dim * np.dtype("u2").itemsize
+
+    def model(self) -> "ShapeModel":
+        return ShapeModel(self.layers, self.kv_heads, self.head_dim)
+
+
+SHAPES = {
+    "qwen3-0.6b": Shape("qwen3-0.6b", layers=28, kv_heads=8, head_dim=128),
+    "llama-3-8b": Shape("llama-3-8b", layers=32, kv_heads=8, head_dim=128),
+}
+
+
+class ShapeModel(nn.Module):
+    """Stands in for a model where only the cache shape matters (I/O benchmarks).
+
+    `make_prompt_cache` makes one `KVCache` per entry of `layers`; `Store.bind` needs nothing
+    else once a fingerprint is given. Calling it appends zero K/V of its shape to each layer (what
+    a forward pass does to the cache), so the store can trace the shapes records must have.
+    """
+
+    def __init__(self, layers: int, kv_heads: int = 8, head_dim: int = 128):
+        super().__init__()
+        self.layers = [nn.Module() for _ in range(layers)]
+        self.kv_heads, self.head_dim = kv_heads, head_dim
+
+    def __call__(self, inputs: mx.array, cache: list | None = None) -> mx.array:
+        batch, tokens = inputs.shape
+        kv = mx.zeros((batch, self.kv_heads, tokens, self.head_dim), mx.bfloat16)
+        for layer in cache or []:
+            layer.update_and_fetch(kv, kv)
+        return mx.zeros((batch, tokens, 1))
+
+
+def random_cache(shape: Shape, tokens: int, seed: int = 0) -> list[KVCache]:
+    """A list of mlx-lm `KVCache` holding `tokens` tokens of random bfloat16 K/V in `shape`.
+
+    The values are finite random bits (|x| in about [0.008, 4), random sign), cut from one random
+    pool at a different offset per array: fast to make, and no two arrays are equal.
+    """
+    rng = np.random.default_rng(seed)
+    dims = (1, shape.kv_heads, tokens, shape.head_dim)
+    n = int(np.prod(dims))
+    pool = rng.integers(0x3C00, 0x4080, size=2 * n, dtype=np.uint16)
+    pool |= rng.integers(0, 2, size=2 * n, dtype=np.uint16) << 15
+    cache = []
+    for i in range(shape.layers):
+        layer = KVCache()
+        k0, v0 = (i * 7919) % n, (i * 104729 + n // 2) % n
+        keys = mx.array(pool[k0 : k0 + n].reshape(dims)).view(mx.bfloat16)
+        values = mx.array(pool[v0 : v0 + n].reshape(dims)).view(mx.bfloat16)
+        layer.update_and_fetch(keys, values)
+        mx.eval(layer.keys, layer.values)
+        cache.append(layer)
+    return cache
+
+
+def random_tokens(n: int, seed: int = 0, vocab: int = 150_000) -> np.ndarray:
+    return np.random.default_rng(seed + 10_000).integers(0, vocab, size=n, dtype=np.int64).astype(np.int32)
+
+
+def kv_arrays(cache: list) -> list[mx.array]:
+    """The keys and values every `KVCache` layer holds (up to its offset)."""
+    out = []
+    for c in cache:
+        if c.keys is not None:
+            out += [c.keys[..., : c.offset, :], c.values[..., : c.offset, :]]
+    return out
+
+
+def cache_nbytes(cache: list) -> int:
+    return sum(int(a.nbytes) for a in kv_arrays(cache))
+
+
+def eval_cache(cache: list) -> list:
+    """Evaluate every array a cache holds (mlx is lazy: a load is only done once evaluated)."""
+    from mlx.utils import tree_flatten
+
+    mx.eval([v for _, v in tree_flatten([c.state for c in cache]) if isinstance(v, mx.array)])
+    return cache
+
+
+def trimmed_copy(cache: list[KVCache], n: int) -> list[KVCache]:
+    """Fresh `KVCache`s holding the first `n` tokens of `cache` (copied, so they own their data)."""
+    out = []
+    for c in cache:
+        layer = KVCache()
+        if n:
+            k, v = kv_arrays([c])
+            layer.update_and_fetch(mx.array(k[..., :n, :]), mx.array(v[..., :n, :]))
+        out.append(layer)
+    eval_cache(out)
+    return out
+
+
+# -- timing ---------------------------------------------------------------------------------
+
+def measure(fn: Callable[[], object], reps: int, *, warmup: int = 1,
+            before: Callable[[], object] | None = None) -> list[float]:
+    """Wall-clock seconds of `fn` over `reps` runs (after `warmup` unrecorded ones).
+
+    `before` runs ahead of every run, untimed (for example, to evict the page cache).
+    """
+    for _ in range(warmup):
+        if before:
+            before()
+        fn()
+    samples = []
+    for _ in range(reps):
+        if before:
+            before()
+        t = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t)
+    return samples
+
+
+def summary(samples: list[float]) -> dict:
+    s = sorted(samples)
+    return {"median": statistics.median(s), "min": s[0], "max": s[-1], "n": len(s),
+            "p50": percentile(s, 50), "p99": percentile(s, 99)}
+
+
+def percentile(samples: Iterable[float], q: float) -> float:
+    s = sorted(samples)
+    if not s:
+        return float("nan")
+    return float(np.percentile(np.asarray(s), q, method="higher"))
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
+
+
+# -- page cache -----------------------------------------------------------------------------
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte))
+
+
+def resident_fraction(paths: Iterable[Path]) -> float:
+    """Fraction of the pages of `paths` that are in the page cache (mincore over a mapping)."""
+    page = mmap.PAGESIZE
+    total = resident = 0
+    for p in paths:
+        size = os.path.getsize(p)
+        if size == 0:
+            continue
+        with open(p, "rb") as f:
+            # A private (copy-on-write) mapping is writable for ctypes, and touching nothing
+            # leaves mincore reporting the page cache's pages.
+            m = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+        try:
+            n = (size + page - 1) // page
+            vec = (ctypes.c_ubyte * n)()
+            anchor = ctypes.c_char.from_buffer(m)
+            if _libc.mincore(ctypes.c_void_p(ctypes.addressof(anchor)), ctypes.c_size_t(size), vec) != 0:
+                raise OSError(ctypes.get_errno(), "mincore failed")
+            resident += sum(b & 1 for b in bytes(vec))
+            total += n
+            del anchor
+        finally:
+            m.close()
+    return resident / total if total else 1.0
+
+
+def evict(paths: Iterable[Path]) -> None:
+    """Drop `paths` from the page cache with posix_fadvise(DONTNEED) (clean pages only)."""
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def make_cold(paths: list[Path]) -> str:
+    """Evict `paths` from the page cache and say how: 'fadvise', 'drop_caches' or '' (failed)."""
+    evict(paths)
+    if resident_fraction(paths) <= 0.01:
+        return "fadvise"
+    for p in paths:  # dirty pages cannot be dropped: write them back, then ask again
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
+    evict(paths)
+    if resident_fraction(paths) <= 0.01:
+        return "fadvise"
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+    except OSError:
+        return ""
+    return "drop_caches" if resident_fraction(paths) <= 0.01 else ""
+
+
+def warm(paths: Iterable[Path]) -> None:
+    for p in paths:
+        with open(p, "rb", buffering=0) as f:
+            while f.read(8 << 20):
+                pass
+
+
+# -- raw I/O baselines ----------------------------------------------------------------------
+
+def raw_read(paths: list[Path], buf: bytearray | memoryview) -> int:
+    """Read every file whole into one preallocated buffer, in order: the warm-cache baseline."""
+    view = memoryview(buf)
+    pos = 0
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            got = os.readv(fd, [view[pos : pos + size]])
+        finally:
+            os.close(fd)
+        pos += got
+    return pos
+
+
+def direct_read(paths: list[Path], buf: mmap.mmap) -> int:
+    """Read every file with O_DIRECT into a page-aligned buffer: the cold-cache baseline.
+
+    O_DIRECT needs block-aligned lengths, so each read asks for the size rounded up.
+    """
+    view = memoryview(buf)
+    pos = 0
+    align = 4096
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY | os.O_DIRECT)
+        try:
+            size = os.fstat(fd).st_size
+            want = (size + align - 1) // align * align
+            got = os.readv(fd, [view[pos : pos + want]])
+        finally:
+            os.close(fd)
+        pos += (got + align - 1) // align * align
+    view.release()
+    return pos
+
+
+def aligned_buffer(nbytes: int) -> mmap.mmap:
+    """An anonymous page-aligned buffer of at least `nbytes` (plus slack for O_DIRECT rounding)."""
+    return mmap.mmap(-1, nbytes + (1 << 20))
+
+
+def direct_io_supported(path: Path) -> bool:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except OSError:
+        return False
+    os.close(fd)
+    return True
+
+
+# -- environment ----------------------------------------------------------------------------
+
+def openblas_path() -> str | None:
+    for p in OPENBLAS_CANDIDATES:
+        if os.path.exists(p):
+            return p
+    return None
+
+
+def blas_in_use() -> str:
+    """Which BLAS this process has loaded: Debian's OpenBLAS via LD_PRELOAD, or mlx's bundled one."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return "unknown"
+    # numpy maps its own scipy-openblas in every process: look for Debian's library only.
+    if "openblas-pthread/libblas" in maps or "openblas-openmp/libblas" in maps:
+        return "OpenBLAS (Debian libopenblas0-pthread, LD_PRELOAD)"
+    if platform.system() == "Darwin":
+        return "Accelerate"
+    return "reference BLAS bundled with the mlx-cpu wheel"
+
+
+def machine() -> dict:
+    import mlx_lm
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = 0
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal"):
+                mem = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    fs = ""
+    try:
+        out = subprocess.run(["df", "-T", str(scratch_root())], capture_output=True, text=True).stdout
+        fs = " ".join(out.splitlines()[-1].split()[:2])
+    except Exception:
+        pass
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        load = float("nan")
+    return {
+        "cpu": cpu, "cores": os.cpu_count(), "memory_gb": round(mem / 1e9, 1),
+        "os": f"{platform.system()} {platform.release()}", "python": platform.python_version(),
+        "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "numpy": np.__version__,
+        "filesystem": fs, "load_average_1m": round(load, 2),
+    }
+
+
+def scratch_root() -> Path:
+    """Where benchmark stores live: $KVSTORE_BENCH_DIR, else the system temp folder."""
+    root = Path(os.environ.get("KVSTORE_BENCH_DIR") or tempfile.gettempdir()) / "kvstore-bench"
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def scratch_dir(name: str) -> Path:
+    """A fresh folder for one benchmark; folders left by benchmark processes that died go first."""
+    for old in scratch_root().iterdir():
+        pid = old.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
+    d = scratch_root() / f"{name}-{os.getpid()}"
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True)
+    return d
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def blob_files(store_path: Path) -> list[Path]:
+    return sorted(p for p in (store_path / "blobs").rglob("*.safetensors"))
+
+
+def write_result(name: str, data: dict) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = RESULTS / f"{name}.json"
+    tmp = out.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=_jsonable) + "\n")
+    os.replace(tmp, out)
+    return out
+
+
+def _jsonable(o):
+    if isinstance(o, (np.integer,)):
+        return int(o)
+    if isinstance(o, (np.floating,)):
+        return float(o)
+    if isinstance(o, Path):
+        return str(o)
+    raise TypeError(f"cannot write {type(o).__name__} to JSON")
+
+
+def log(*parts) -> None:
+    print(*parts, flush=True, file=sys.stderr)

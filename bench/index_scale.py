@@ -1,0 +1,212 @@
+"""Index-scale benchmark: lookups, open and gc with 10k, 100k and 1M chunk rows.
+
+Rows are synthesised through the index layer (`kvstore.index.Index.insert`, real `Row`s); their
+blob files do not exist. The rows form a realistic forest: groups of prompts that share an
+8-chunk system prompt and branch into chains of 1 to 120 chunks, spread over four model
+namespaces, plus one real 32k-token prompt of the bound model (128 chunks, hashed by
+`kvstore.keys`), so lookups walk real chains and hit.
+
+Measured per size: `ModelCache.stored_length` of a 32k-token prompt (the fetch lookup: chain
+hashes, one `present` query, the children of the deepest match) p50/p99, for a full hit and for a
+prompt that branches off inside chunk 100; time to open the store (`kvstore.open` + `bind`), in
+this process and in a fresh one with the index evicted from the page cache; the index size on
+disk; and `gc` down to half the bytes.
+
+    python bench/index_scale.py [--quick] [--rows 10000 100000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+import common as C
+import kvstore
+from kvstore import keys
+from kvstore.index import CHUNK, TAIL, Row
+
+FINGERPRINT = b"kvstore-bench-ix"
+SHAPE = C.SHAPES["qwen3-0.6b"]
+CHUNK_TOKENS = 256
+PROMPT_CHUNKS = 128  # 32k tokens
+RECORD_BYTES = CHUNK_TOKENS * SHAPE.bytes_per_token + 6000  # a chunk blob of this shape, with header
+BATCH = 20_000
+
+
+def synthesise(index, ns: bytes, total: int, rng: np.random.Generator) -> int:
+    """Insert about `total` filler rows (a forest of shared prefixes and branches). Returns how many."""
+    namespaces = [ns] + [bytes(rng.integers(0, 256, 16, dtype=np.uint8)) for _ in range(3)]
+    done = 0
+    batch: list[Row] = []
+    while done < total:
+        group_ns = namespaces[int(rng.integers(0, len(namespaces)))]
+        parent = group_ns
+        system = []
+        for depth in range(1, 9):  # the group's shared system prompt
+            h = bytes(rng.integers(0, 256, 16, dtype=np.uint8))
+            system.append((h, depth))
+            batch.append(_row(h, group_ns, parent, depth, CHUNK, rng))
+            parent = h
+        done += 8
+        for _ in range(int(rng.integers(2, 40))):  # branches of random depth, some with a tail
+            parent, depth = system[-1]
+            for _ in range(int(rng.integers(1, 120))):
+                depth += 1
+                h = bytes(rng.integers(0, 256, 16, dtype=np.uint8))
+                batch.append(_row(h, group_ns, parent, depth, CHUNK, rng))
+                parent = h
+                done += 1
+            if rng.random() < 0.5:
+                h = bytes(rng.integers(0, 256, 16, dtype=np.uint8))
+                batch.append(_row(h, group_ns, parent, depth + 1, TAIL, rng, ntokens=int(rng.integers(1, 256))))
+                done += 1
+            if done >= total:
+                break
+        if len(batch) >= BATCH:
+            index.insert(batch)
+            batch = []
+    if batch:
+        index.insert(batch)
+    return done
+
+
+def _row(h, ns, parent, depth, kind, rng, ntokens=CHUNK_TOKENS, tokens=None) -> Row:
+    if tokens is None:
+        tokens = rng.integers(0, 150_000, ntokens, dtype=np.int32).astype("<i4").tobytes()
+    size = (ntokens * SHAPE.bytes_per_token + 6000) if kind == TAIL else RECORD_BYTES
+    return Row(h, ns, parent, depth, kind, ntokens, tokens, size, int(rng.integers(0, 1 << 63)))
+
+
+def insert_prompt(index, ns: bytes, prompt: np.ndarray, rng) -> None:
+    hashes = keys.chain(ns, prompt, CHUNK_TOKENS)
+    rows = []
+    for i, h in enumerate(hashes):
+        toks = prompt[i * CHUNK_TOKENS : (i + 1) * CHUNK_TOKENS]
+        rows.append(_row(h, ns, hashes[i - 1] if i else ns, i + 1, CHUNK, rng,
+                         tokens=np.ascontiguousarray(toks, dtype="<i4").tobytes()))
+    index.insert(rows)
+
+
+def index_bytes(path) -> int:
+    return sum(os.path.getsize(path / n) for n in ("index.sqlite", "index.sqlite-wal", "index.sqlite-shm")
+               if (path / n).exists())
+
+
+_OPEN_CHILD = """
+import json, sys, time
+sys.path.insert(0, {bench!r})
+import common as C
+import kvstore
+t = time.perf_counter()
+store = kvstore.open({path!r}, memory_bytes=0)
+mc = store.bind(C.SHAPES[{shape!r}].model(), "bench-shape", fingerprint={fp!r})
+opened = time.perf_counter() - t
+t = time.perf_counter()
+n = mc.stored_length(__import__("numpy").load({query!r}))
+first = time.perf_counter() - t
+store.close()
+print(json.dumps({{"open_s": opened, "first_lookup_s": first, "stored": n}}))
+"""
+
+
+def run_one(rows: int, lookups: int) -> dict:
+    C.log(f"[index] {rows} rows: synthesising")
+    rng = np.random.default_rng(rows)
+    work = C.scratch_dir(f"index-{rows}")
+    path = work / "store"
+    model = SHAPE.model()
+    store = kvstore.open(path, memory_bytes=0)
+    mc = store.bind(model, "bench-shape", fingerprint=FINGERPRINT)
+    t = time.perf_counter()
+    # Building only (not measured): a bigger page cache and no fsync for this connection.
+    store.index.conn.execute("PRAGMA cache_size = -262144")
+    store.index.conn.execute("PRAGMA synchronous = OFF")
+    prompt = C.random_tokens(PROMPT_CHUNKS * CHUNK_TOKENS, seed=rows)
+    insert_prompt(store.index, mc.ns, prompt, rng)
+    filler = synthesise(store.index, mc.ns, rows - PROMPT_CHUNKS, rng)
+    build_s = time.perf_counter() - t
+    total_rows = store.stats()["chunks"] + store.stats()["tails"]
+    store.close()  # measure with the store as anyone opens it
+    store = kvstore.open(path, memory_bytes=0)
+    mc = store.bind(model, "bench-shape", fingerprint=FINGERPRINT)
+
+    hit = np.concatenate([prompt, [5]]).astype(np.int32)
+    branch = prompt.copy()
+    cut = 99 * CHUNK_TOKENS + 37
+    branch[cut:] = C.random_tokens(len(prompt) - cut, seed=rows + 1)
+    assert mc.stored_length(hit) == len(prompt), "the 32k-token prompt is not found"
+    assert mc.stored_length(branch) == cut, "the branching prompt does not stop where it branches"
+    out = {"rows": total_rows, "filler_rows": filler, "build_s": build_s}
+    for name, query in (("lookup_hit", hit), ("lookup_branch", branch)):
+        s = C.summary(C.measure(lambda: mc.stored_length(query), lookups, warmup=5))
+        out[name] = {"p50_ms": s["p50"] * 1e3, "p99_ms": s["p99"] * 1e3, "n": s["n"]}
+    store.close()
+
+    # open + bind, warm (this process, index pages cached) and cold (a fresh process, evicted)
+    def reopen():
+        s = kvstore.open(path, memory_bytes=0)
+        s.bind(model, "bench-shape", fingerprint=FINGERPRINT)
+        s.close()
+    warm = C.summary(C.measure(reopen, 5))
+    files = [f for f in (path / "index.sqlite", path / "index.sqlite-wal") if f.exists()]
+    query_file = work / "query.npy"
+    np.save(query_file, hit)
+    cold_runs = []
+    for _ in range(3):
+        evicted = C.make_cold(files)
+        code = _OPEN_CHILD.format(bench=str(C.HERE), path=str(path), shape=SHAPE.name,
+                                  fp=FINGERPRINT, query=str(query_file))
+        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+        if res.returncode != 0:
+            raise RuntimeError(f"the open child failed: {res.stderr[-2000:]}")
+        got = json.loads(res.stdout.strip().splitlines()[-1])
+        got["evicted"] = evicted
+        cold_runs.append(got)
+    out["open_warm_ms"] = warm["median"] * 1e3
+    out["open_cold_ms"] = float(np.median([r["open_s"] for r in cold_runs])) * 1e3
+    out["first_lookup_cold_ms"] = float(np.median([r["first_lookup_s"] for r in cold_runs])) * 1e3
+    out["cold_evicted_with"] = cold_runs[0]["evicted"] or "could not evict"
+    out["index_bytes"] = index_bytes(path)
+
+    # gc down to half the bytes
+    store = kvstore.open(path, memory_bytes=0)
+    before = store.stats()
+    t = time.perf_counter()
+    result = store.gc(max_bytes=before["bytes"] // 2)
+    out["gc_half_s"] = time.perf_counter() - t
+    out["gc_evicted"] = result["evicted"]
+    out["gc_bytes_before"], out["gc_bytes_after"] = before["bytes"], result["bytes"]
+    store.close()
+    out["index_bytes_after_gc"] = index_bytes(path)
+    shutil.rmtree(work, ignore_errors=True)
+    C.log(f"[index] {total_rows} rows: lookup p99 {out['lookup_hit']['p99_ms']:.2f} ms (hit), "
+          f"{out['lookup_branch']['p99_ms']:.2f} ms (branch); open {out['open_warm_ms']:.1f} ms warm, "
+          f"{out['open_cold_ms']:.1f} ms cold; index {out['index_bytes'] / 1e6:.0f} MB; "
+          f"gc half {out['gc_half_s']:.1f} s ({out['gc_evicted']} rows)")
+    return out
+
+
+def run(quick: bool = False, sizes=None) -> dict:
+    sizes = sizes or ([10_000, 100_000] if quick else [10_000, 100_000, 1_000_000])
+    results = [run_one(n, 200 if n < 1_000_000 else 300) for n in sizes]
+    return {"machine": C.machine(), "quick": quick, "chunk_tokens": CHUNK_TOKENS,
+            "prompt_tokens": PROMPT_CHUNKS * CHUNK_TOKENS, "results": results}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="10k and 100k rows only")
+    ap.add_argument("--rows", type=int, nargs="*", help="index sizes to run")
+    args = ap.parse_args()
+    print(C.write_result("index_scale", run(args.quick, args.rows)))
+
+
+if __name__ == "__main__":
+    main()
