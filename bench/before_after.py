@@ -2,6 +2,8 @@
 
 The old behaviour is switched back on in this process only, never by editing the library:
 
+- `insert` on the caller's thread: waiting for mlx to evaluate the views (`mx.eval`) vs scheduling
+  them (`mx.async_eval`), with the writer idle and busy;
 - restore (fetch from disk, memory tier off): the general path (`blobs.read`: read into a buffer,
   checksum, one mlx array per tensor, then `mx.concatenate` per layer) vs `ModelCache._fetch_direct`
   (each layer allocated once, the page cache copied straight into it by `blobs.read_into`);
@@ -19,11 +21,13 @@ import shutil
 import sqlite3
 import time
 
+import mlx.core as mx
 import numpy as np
 
 import common as C
 import index_scale
 import kvstore
+import write_path
 from kvstore import modelcache
 
 FINGERPRINT = b"kvstore-bench-ba"
@@ -84,6 +88,38 @@ def restore(shape_name: str, tokens: int, reps: int) -> dict:
             "speedup_warm": med["before"] / med["after"], "speedup_cold": cmed["before"] / cmed["after"]}
 
 
+class _SyncEval:
+    """`mlx.core` as `modelcache` sees it, with `async_eval` waiting like `eval` (the old insert)."""
+
+    def __getattr__(self, name):
+        return getattr(mx, name)
+
+    @staticmethod
+    def async_eval(*args):
+        return mx.eval(*args)
+
+
+def insert(tokens: int, idle: int, busy: int) -> dict:
+    out = {}
+    for rnd in range(2):  # before, after, before, after: both see the same spells of machine load
+        for label, patch in (("before", True), ("after", False)):
+            if patch:
+                modelcache.mx = _SyncEval()
+            try:
+                got = write_path.insert_latency(tokens, idle, busy)
+            finally:
+                modelcache.mx = mx
+            for mode in ("idle", "busy"):
+                out.setdefault(label, {}).setdefault(mode, []).extend(got[f"{mode}_samples"])
+    summary = {label: {mode: _ms(samples) for mode, samples in modes.items()} for label, modes in out.items()}
+    return {"tokens": tokens, **summary}
+
+
+def _ms(samples: list[float]) -> dict:
+    s = C.summary(samples)
+    return {"p50_ms": s["p50"] * 1e3, "p99_ms": s["p99"] * 1e3, "n": s["n"]}
+
+
 def index(rows: int, lookups: int) -> dict:
     out = {}
     for label in ("before", "after"):
@@ -128,11 +164,15 @@ def run(quick: bool = False) -> dict:
         C.log(f"[before/after] restore {r['shape']} {r['tokens']}: warm {r['warm_ms']['before']:.0f} -> "
               f"{r['warm_ms']['after']:.0f} ms ({r['speedup_warm']:.1f}x), cold {r['cold_ms']['before']:.0f} -> "
               f"{r['cold_ms']['after']:.0f} ms")
+    ins = insert(4096, 10 if quick else 20, 10 if quick else 20)
+    C.log(f"[before/after] insert 4k, writer busy: p50/p99 {ins['before']['busy']['p50_ms']:.2f}/"
+          f"{ins['before']['busy']['p99_ms']:.2f} -> {ins['after']['busy']['p50_ms']:.2f}/"
+          f"{ins['after']['busy']['p99_ms']:.2f} ms")
     ix = index(20_000 if quick else 100_000, 300)
     C.log(f"[before/after] index {ix['rows']} rows: lookup p99 {ix['before']['lookup_p99_ms']:.2f} -> "
           f"{ix['after']['lookup_p99_ms']:.2f} ms, {ix['before']['index_bytes'] / 1e6:.0f} -> "
           f"{ix['after']['index_bytes'] / 1e6:.0f} MB")
-    return {"machine": C.machine(), "quick": quick, "restore": restores, "index": ix}
+    return {"machine": C.machine(), "quick": quick, "restore": restores, "insert": ins, "index": ix}
 
 
 def main() -> None:

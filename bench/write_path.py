@@ -76,7 +76,7 @@ def insert_latency(tokens: int, idle_reps: int, busy_reps: int) -> dict:
     return {"tokens": tokens, "kv_bytes": SHAPE.bytes_per_token * tokens,
             "idle": {"p50_ms": si["p50"] * 1e3, "p99_ms": si["p99"] * 1e3, "max_ms": si["max"] * 1e3, "n": si["n"]},
             "busy": {"p50_ms": sb["p50"] * 1e3, "p99_ms": sb["p99"] * 1e3, "max_ms": sb["max"] * 1e3, "n": sb["n"]},
-            "dropped_jobs": dropped}
+            "dropped_jobs": dropped, "idle_samples": idle, "busy_samples": busy}
 
 
 def control(p50_ms: float, reps: int) -> dict:

@@ -185,6 +185,7 @@ class ModelCache:
                 views[name] = view
 
         read: list[tuple[int, bytes, Row]] = []
+        checked: set[tuple] = set()  # record layouts already checked against the model's
         try:
             for start, h, row, rec in parts:
                 if start >= length:
@@ -203,7 +204,7 @@ class ModelCache:
                         np.copyto(views[name][:, :, start : start + take], np.asarray(_bits(a))[:, :, :take])
                     continue
 
-                def targets(entries: dict[str, dict], h=h, ntok=ntok, start=start, take=take):
+                def targets(entries: dict[str, dict], h=h, row=row, ntok=ntok, start=start, take=take):
                     spec = {n: (blobs.mx_dtype(e["dtype"]), e["shape"]) for n, e in entries.items() if n != "tokens"}
                     if not finals:
                         allocate(spec)
@@ -211,10 +212,13 @@ class ModelCache:
                             dt != finals[n].dtype or len(shape) < 3 or shape[2] != ntok
                             for n, (dt, shape) in spec.items()):
                         raise BlobError(f"record {h.hex()}: its tensors are not the ones this model stores")
-                    try:  # the same check as the general path, on lazy stand-ins (never computed)
-                        self._check_record(row.kind, ntok, {n: mx.zeros(shape, dt) for n, (dt, shape) in spec.items()})
-                    except BlobError as e:
-                        raise BlobError(f"record {h.hex()}: {e}") from e
+                    key = (row.kind, ntok, tuple((n, str(dt), tuple(shape)) for n, (dt, shape) in spec.items()))
+                    if key not in checked:  # the general path's check, on lazy stand-ins (never computed)
+                        try:
+                            self._check_record(row.kind, ntok, {n: mx.zeros(shape, dt) for n, (dt, shape) in spec.items()})
+                        except BlobError as e:
+                            raise BlobError(f"record {h.hex()}: {e}") from e
+                        checked.add(key)
                     return {n: v[:, :, start : start + take] for n, v in views.items()}
 
                 try:
@@ -466,7 +470,10 @@ class ModelCache:
                             views[f"{i}.{name}"] = view
         except (ValueError, blobs.BlobError) as e:
             raise InvalidInputError(f"cannot store this cache: {e}") from e
-        mx.eval(list(arrays.values()) + list(saved.values()))
+        # Scheduled, not waited for: waiting needs mlx's own thread to get a core, which takes
+        # milliseconds while the writer keeps one busy (bench/before_after.py). The writer reads
+        # the views later and waits for them if it must.
+        mx.async_eval(list(arrays.values()) + list(saved.values()))
         per_token: dict[int, int] = {}  # origin -> bytes per token of the arrays starting there
         for name, a in arrays.items():
             per_token[origins[name]] = per_token.get(origins[name], 0) + a.nbytes // max(1, a.shape[2])
