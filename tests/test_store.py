@@ -396,3 +396,33 @@ def test_chain_hashes_are_the_same_in_every_process():
     assert outs.pop().strip() == keys.chain(b"n" * 16, np.arange(600), 256)[-1].hex()
 
 
+
+
+def test_blobs_are_standard_safetensors_and_the_index_a_plain_sqlite_file(tmp_path, llama):
+    """Other tools can read what kvstore writes: the official safetensors reader opens every blob
+    with its metadata, and sqlite-utils sees the schema the migrations made."""
+    from safetensors import safe_open
+    from sqlite_utils import Database
+
+    path, model = llama
+    tokens = rand_tokens(C + 4, seed=40)
+    cache = prefill(model, tokens)
+    with kvstore.open(tmp_path / "s", chunk_size=C) as store:
+        store.bind(model, path).insert(tokens, cache)
+        store.flush()
+        rows = {r.hash: r for r in store.index.rows()}
+        for f in blobs.walk(store.blob_root):
+            h = blobs.hash_of(f)
+            with safe_open(str(f), framework="numpy") as st:
+                meta = st.metadata()
+                assert meta["hash"] == h.hex() and int(meta["depth"]) == rows[h].depth
+                assert st.get_tensor("tokens").tolist() == np.frombuffer(rows[h].tokens, "<i4").tolist()
+                keys = st.get_tensor("0.keys")
+                start = (rows[h].depth - 1) * C
+                want = np.array(cache[0].keys[..., start : start + rows[h].ntokens, :])
+                assert np.array_equal(keys, want)
+    db = Database(tmp_path / "s" / "index.sqlite")
+    assert {"records", "models", "totals", "meta", "file_digests", "schema_migrations"} <= set(db.table_names())
+    assert {"hash", "parent", "depth", "tokens", "size", "checksum", "last_access", "hits", "pinned",
+            "first_token"} <= set(db["records"].columns_dict)
+    assert [r["version"] for r in db["schema_migrations"].rows] == [1, 2, 3, 4]
