@@ -66,10 +66,9 @@ def main() -> None:
     run_file = C.RESULTS / "run.json"
     if args.only and run_file.exists():  # keep the record of the steps not run now
         previous = {s["name"]: s for s in json.loads(run_file.read_text()).get("steps", [])}
-        meta["steps"] = [previous.get(n) or next(r for r in runs if r["name"] == n)
-                         for n in STEPS if n in previous or n in steps]
-        for r in runs:
-            meta["steps"] = [r if s["name"] == r["name"] else s for s in meta["steps"]]
+        now = {r["name"]: r for r in runs}
+        meta["steps"] = [now.get(n) or previous[n] for n in STEPS if n in now or n in previous]
+        meta["rerun"] = [r["name"] for r in runs]
     C.write_result("run", meta)
     from report import write_report
 

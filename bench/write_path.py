@@ -17,7 +17,6 @@ import os
 import shutil
 import time
 
-import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, save_prompt_cache
 
