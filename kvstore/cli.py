@@ -7,6 +7,7 @@ bad line, a store that cannot be opened) are one line on stderr and a non-zero e
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import signal
 import sys
@@ -149,20 +150,27 @@ def prepare(items: list, loaded: LoadedModel) -> tuple[list, list]:
 
 # -- warm -------------------------------------------------------------------------------------
 
+@contextlib.contextmanager
+def _bound(args, items: list, command: str):
+    """The store, the loaded model, its `ModelCache`, and the prompts tokenized: (item, tokens)
+    pairs and the errors of the bad ones (already reported)."""
+    model_id = resolve_model(args.model)
+    with open_store(args) as store:
+        loaded = load_model(model_id)
+        mc = store.bind(loaded.model, loaded.model_id)
+        work, errors = prepare(items, loaded)
+        for e in errors:
+            say(f"{PROG} {command}: {e}")
+        yield store, loaded, mc, work, errors
+
+
 class _Stop(Exception):
     """Ctrl-C was pressed: stop at the next chunk boundary."""
 
 
 def cmd_warm(args) -> int:
     items = read_prompts(args.prompts)
-    model_id = resolve_model(args.model)
-    store = open_store(args)
-    with store:
-        loaded = load_model(model_id)
-        mc = store.bind(loaded.model, loaded.model_id)
-        work, errors = prepare(items, loaded)
-        for e in errors:
-            say(f"{PROG} warm: {e}")
+    with _bound(args, items, "warm") as (store, loaded, mc, work, errors):
         totals = {"done": 0, "reused": 0, "computed": 0}
         started = time.perf_counter()
         interrupted = False
@@ -260,14 +268,7 @@ def cmd_generate(args) -> int:
         items = read_prompts(args.prompts)
     if args.max_tokens < 1:
         raise CommandError(f"--max-tokens must be at least 1, got {args.max_tokens}", EXIT_USAGE)
-    model_id = resolve_model(args.model)
-    store = open_store(args)
-    with store:
-        loaded = load_model(model_id)
-        mc = store.bind(loaded.model, loaded.model_id)
-        work, errors = prepare(items, loaded)
-        for e in errors:
-            say(f"{PROG} generate: {e}")
+    with _bound(args, items, "generate") as (store, loaded, mc, work, errors):
         if args.seed is not None:
             mx.random.seed(args.seed)
         sampler = make_sampler(temp=args.temp)
