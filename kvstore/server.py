@@ -48,9 +48,8 @@ class PersistentPromptCache:
     Keys are whatever the server passes as `model` (mlx_lm.server uses its `ModelProvider.model_key`,
     `(model path or repo id, adapter path, draft model path)`). A key resolves to a bound
     `ModelCache` through `register()` or through an attached `ModelProvider`. A key that cannot be
-    stored (a draft model's extra caches, a cache layout the store does not support yet, image
-    prompts, model files that cannot be fingerprinted) is served by an in-RAM `LRUPromptCache`
-    exactly as stock mlx_lm.server would. One exception: with a draft model (speculative decoding)
+    stored (image prompts, model files that cannot be fingerprinted) is served by an in-RAM
+    `LRUPromptCache` exactly as stock mlx_lm.server would. One exception: with a draft model (speculative decoding)
     nothing is cached, because mlx-lm 0.32's own cache then restores caches that change the greedy
     output; a miss is slower but never wrong.
 
@@ -219,7 +218,7 @@ class PersistentPromptCache:
             return self._unstorable(key, "image prompts are cached in RAM only")
         binding = self._registered.get(key)
         if binding is not None:
-            return binding if binding.supported else self._unstorable(key, _unsupported(binding.plain))
+            return binding
         provider = self._provider
         if provider is None:
             return self._unstorable(key, "no model is registered for this key")
@@ -245,8 +244,6 @@ class PersistentPromptCache:
         except KVStoreError as e:
             return self._unstorable(key, str(e))
         binding = _Binding(plain, quantized)
-        if not binding.supported:
-            return self._unstorable(key, _unsupported(plain))
         log.info("kvstore: serving %s (fingerprint %s) from the store", model_id, plain.fingerprint.hex()[:12])
         return binding
 
@@ -257,14 +254,8 @@ class PersistentPromptCache:
         kv_bits = getattr(cli_args, "kv_bits", None)
         if kv_bits is None:
             return None
-        accepted = inspect.signature(self.store.bind).parameters
-        if "kv_bits" not in accepted:
-            return None  # this store has no quantized layouts: such caches fail its check and are skipped
-        kwargs = {"kv_bits": kv_bits}
-        group = getattr(cli_args, "kv_group_size", None)
-        if group is not None and "kv_group_size" in accepted:
-            kwargs["kv_group_size"] = group
-        return self.store.bind(model, model_id, adapter_path=adapter, **kwargs)
+        group = getattr(cli_args, "kv_group_size", None) or 64
+        return self.store.bind(model, model_id, adapter_path=adapter, kv_bits=kv_bits, kv_group_size=group)
 
     def _forget_binding(self) -> None:
         with self._lock:
@@ -323,10 +314,6 @@ class _Binding:
     def __init__(self, plain: ModelCache, quantized: ModelCache | None = None):
         self.plain, self.quantized = plain, quantized
 
-    @property
-    def supported(self) -> bool:
-        return all(getattr(mc, "supported", True) for mc in (self.plain, self.quantized) if mc is not None)
-
     def fetch(self, tokens: list[int]) -> tuple[list, list[int]]:
         mc = self.plain
         if self.quantized is not None and self.quantized.stored_length(tokens) > mc.stored_length(tokens):
@@ -379,11 +366,6 @@ def _split_key(key: Hashable) -> tuple[Any, Any, Any]:
     if isinstance(key, (str, os.PathLike)):
         return key, None, None
     return None, None, None
-
-
-def _unsupported(mc: ModelCache) -> str:
-    classes = sorted({layer["class"] for layer in mc.layout["layers"]})
-    return f"the store cannot store this model's cache layout yet ({', '.join(classes)})"
 
 
 # -- `kvstore serve` ---------------------------------------------------------------------------
