@@ -121,24 +121,25 @@ class ModelCache:
                 store.counters["reused_tokens"] += p
                 return cache, toks[p:].tolist()
         loaded: dict[bytes, Record | None] = {}
-        best: tuple[int, list[Record], Record | None] = (0, [], None)
+        best: tuple[int, list[Record], Record | None, list[dict]] = (0, [], None, [])
         for child, row, matched in options:
             length = min(len(chain) * self.chunk_size + matched, cap)
             if length <= best[0]:
                 continue
             path = [(h, None) for h in chain] + ([(child, row)] if child is not None else [])
             records, length = self._load(path, length, loaded)
-            p, checkpoint = self._restore_point(records, length)
+            views = [r.views_all() for r in records]
+            p, checkpoint = self._restore_point(records, views, length)
             if p > best[0]:
-                best = (p, records, checkpoint)
-        p, records, checkpoint = best
+                best = (p, records, checkpoint, views)
+        p, records, checkpoint, views = best
         if p <= 0:
             return self.new_cache(), toks.tolist()
         used = [r for r in records if r.depth_start(self.chunk_size) < p]
         touched = used + ([checkpoint] if checkpoint is not None else [])
         store.memory.touch(r.hash for r in reversed(touched))
         store.writer.touch([r.hash for r in touched])
-        cache = self._assemble(used, p, checkpoint)
+        cache = self._assemble(used, views[: len(used)], p, checkpoint)
         store.counters["reused_tokens"] += p
         return cache, toks[p:].tolist()
 
@@ -244,7 +245,6 @@ class ModelCache:
                     for s, h, row in read if s + row.ntokens <= length]
             mx.eval([a for r in kept for a in r.arrays.values()])
             store.memory.put(reversed(kept))
-        del views
         used = [h for start, h, _, _ in parts if start < length]
         store.memory.touch(reversed(used))
         store.writer.touch(used)
@@ -265,8 +265,8 @@ class ModelCache:
     def _match(self, toks: np.ndarray) -> tuple[list[bytes], list[tuple[bytes | None, Row | None, int]]]:
         """The stored full chunks of `toks` (deepest run from the start) and the children of the
         last one that share tokens with what follows: (hash, row or None, tokens shared), best
-        first. A checkpointed model also gets every child it matches whole (its checkpoint may
-        be usable where a longer match's is not)."""
+        first, then every other child it matches whole (a checkpoint or a sliding window may be
+        restorable at a shorter child's end where the longest match's is not)."""
         C, store = self.chunk_size, self.store
         hashes = keys.chain(self.ns, toks, C)
         local = [h in store.memory or store.writer.is_pending(h) for h in hashes]
@@ -280,8 +280,8 @@ class ModelCache:
         rest = toks[depth * C :]
         found: dict[bytes, tuple[bytes, Row | None, int, bool]] = {}
         if len(rest):
-            candidates = [(r.hash, None, r.tokens) for r in
-                          store.memory.children(parent) + store.writer.pending_children(parent)]
+            candidates = [(r.hash, None, r.tokens) for r in store.memory.children(parent)]
+            candidates += [(h, None, t) for h, t in store.writer.pending_children(parent)]
             if store.index is not None:
                 candidates += [(row.hash, row, np.frombuffer(row.tokens, dtype="<i4"))
                                for row in store.index.children(parent, int(rest[0]))]
@@ -292,8 +292,6 @@ class ModelCache:
                 if n:
                     found[h] = (h, row, n, n == len(child_tokens))
         ranked = sorted(found.values(), key=lambda f: -f[2])
-        # Whole matches too for every model: a sliding window, like a checkpoint, may be usable at
-        # a shorter child's end where the longest match's is not (attention-only models skip them).
         options = ranked[:1] + [f for f in ranked[1:] if f[3]]
         return hashes[:depth], [(h, row, n) for h, row, n, _ in options] or [(None, None, 0)]
 
@@ -314,8 +312,9 @@ class ModelCache:
             records.append(loaded[h])
         return records, length
 
-    def _restore_point(self, records: list[Record], length: int) -> tuple[int, Record | None]:
-        """The largest p <= length every layer can restore at, and the checkpoint it needs."""
+    def _restore_point(self, records: list[Record], views: list[dict], length: int) -> tuple[int, Record | None]:
+        """The largest p <= length every layer can restore at, and the checkpoint it needs
+        (`views`: each record's arrays with their real dtypes)."""
         C = self.chunk_size
         ends = [r.depth_start(C) + len(r.tokens) for r in records]
         candidates = sorted({length} | {e for e in ends if 0 < e < length}, reverse=True)
@@ -324,7 +323,6 @@ class ModelCache:
             wanted = {checkpoint_hash(r.hash): e for r, e in zip(records, ends) if e <= length}
             for h in self.store._available(list(wanted)):
                 at[wanted[h]] = h
-        views = [r.views_all() for r in records]
         for p in candidates:
             if p <= 0:
                 break
@@ -347,8 +345,7 @@ class ModelCache:
         return [(r.depth_start(C), r.depth_start(C) + len(r.tokens), sub(v, prefix))
                 for r, v in zip(records, views)]
 
-    def _assemble(self, records: list[Record], p: int, checkpoint: Record | None) -> list:
-        views = [r.views_all() for r in records]
+    def _assemble(self, records: list[Record], views: list[dict], p: int, checkpoint: Record | None) -> list:
         ckpt = checkpoint.views_all() if checkpoint is not None else None
         cache = [codec.restore(p, self._pieces(records, views, str(i)),
                                sub(ckpt, str(i)) if ckpt is not None else None)

@@ -130,10 +130,11 @@ class Writer:
             found = self._pending.get(h)
         return found[0].record(found[1]) if found else None
 
-    def pending_children(self, parent: bytes) -> list[Record]:
+    def pending_children(self, parent: bytes) -> list[tuple[bytes, np.ndarray]]:
+        """(hash, tokens) of the queued records under `parent`: what a lookup compares."""
         with self._cond:
-            found = [(j, s) for j, s in self._pending.values() if s.parent == parent]
-        return [j.record(s) for j, s in found]
+            return [(s.hash, j.tokens[s.start : s.end]) for j, s in self._pending.values()
+                    if s.parent == parent]
 
     def is_pending(self, h: bytes) -> bool:
         return h in self._pending
@@ -214,12 +215,12 @@ class Writer:
 
     def _write(self, job: Job) -> None:
         self.stats.jobs += 1
-        # Plain numpy views of the caller's (already evaluated) arrays: no mlx work on this thread.
-        def host(arrays):
-            return {name: ("BF16" if name in job.views else blobs.tag_of(a.dtype), np.asarray(a))
-                    for name, a in arrays.items()}
-
-        hosts, checkpoint_hosts = host(job.arrays), host(job.checkpoint)
+        # Plain numpy views of the caller's arrays (insert scheduled them; numpy waits for them if
+        # they are not done yet): no mlx computation happens on this thread.
+        tags = {name: "BF16" if name in job.views else blobs.tag_of(a.dtype)
+                for name, a in {**job.arrays, **job.checkpoint}.items()}
+        hosts = {name: np.asarray(a) for name, a in job.arrays.items()}
+        checkpoint_hosts = {name: np.asarray(a) for name, a in job.checkpoint.items()}
         # Shared with other writers, exclusive of gc and repair: from "is it stored?" to the row.
         lock = blobs.tree_lock(self.root, exclusive=False) if self.root is not None else nullcontext()
         with lock:
@@ -232,12 +233,7 @@ class Writer:
             for spec in todo:
                 tokens = np.ascontiguousarray(job.tokens[spec.start : spec.end], dtype="<i4")
                 tensors: dict[str, blobs.Tensor] = {"tokens": (tokens_tag, tokens)}
-                if spec.kind == CHECKPOINT:
-                    parts = {name: arr for name, (_, arr) in checkpoint_hosts.items()}
-                    tags = {name: tag for name, (tag, _) in checkpoint_hosts.items()}
-                else:
-                    parts = job.slices(spec, {name: arr for name, (_, arr) in hosts.items()})
-                    tags = {name: tag for name, (tag, _) in hosts.items()}
+                parts = checkpoint_hosts if spec.kind == CHECKPOINT else job.slices(spec, hosts)
                 for name, arr in parts.items():
                     tensors[name] = (tags[name], np.ascontiguousarray(arr))
                 if self.root is not None:
