@@ -201,14 +201,6 @@ class Index:
         row = self.conn.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
         return row[0] if row else None
 
-    def set_meta_default(self, key: str, value: str) -> str:
-        """Store `value` under `key` unless one is there already; return what is stored."""
-        with self.transaction() as conn:
-            conn.execute("INSERT OR IGNORE INTO meta (key, value) VALUES (?, ?)", (key, value))
-        stored = self.get_meta(key)
-        assert stored is not None
-        return stored
-
     def bump_counter(self, key: str, by: int = 1) -> None:
         with self.transaction() as conn:
             conn.execute("INSERT OR IGNORE INTO meta (key, value) VALUES (?, '0')", (key,))
@@ -353,27 +345,30 @@ class Index:
         for r in self.conn.execute(f"SELECT {_ROW_COLUMNS} FROM records"):
             yield _row(r)
 
-    def has_children(self, h: bytes) -> bool:
-        return self.conn.execute("SELECT 1 FROM records WHERE parent = ? LIMIT 1", (h,)).fetchone() is not None
+    def namespaces(self) -> set[bytes]:
+        """The namespace of every bound model version (the roots of every chain)."""
+        return {ns for (ns,) in self.conn.execute("SELECT ns FROM models")}
 
     # -- eviction ---------------------------------------------------------------------------
 
-    def evictable_leaves(
-        self, limit: int, older_than: float | None = None, exclude: Sequence[bytes] = ()
-    ) -> list[Row]:
-        """Unpinned records nobody descends from, least recently used first."""
-        sql = (
-            f"SELECT {_ROW_COLUMNS} FROM records AS r WHERE pinned = 0 "
-            "AND NOT EXISTS (SELECT 1 FROM records AS c WHERE c.parent = r.hash) "
-        )
-        params: list[object] = []
-        if older_than is not None:
-            sql += "AND last_access < ? "
-            params.append(older_than)
-        sql += "ORDER BY last_access ASC LIMIT ?"
-        params.append(limit)
-        skip = set(exclude)
-        return [row for row in map(_row, self.conn.execute(sql, params)) if row.hash not in skip]
+    def eviction_graph(self) -> list[tuple[bytes, bytes, int, float, int]]:
+        """(hash, parent, size, last access, pinned) of every record, for planning an eviction."""
+        return self.conn.execute("SELECT hash, parent, size, last_access, pinned FROM records").fetchall()
+
+    def delete_leaves(self, hashes: Sequence[bytes]) -> list[Row]:
+        """Delete, in order and in one transaction, those of `hashes` that are unpinned and still
+        leaves (another process may have added a child since they were chosen). Returns the rows
+        deleted: delete their files only now that this has committed."""
+        deleted: list[Row] = []
+        with self.transaction() as conn:
+            for h in hashes:
+                row = conn.execute(
+                    f"SELECT {_ROW_COLUMNS} FROM records WHERE hash = ? AND pinned = 0 AND NOT EXISTS "
+                    "(SELECT 1 FROM records c WHERE c.parent = ?)", (h, h)).fetchone()
+                if row is not None:
+                    conn.execute("DELETE FROM records WHERE hash = ?", (h,))
+                    deleted.append(_row(row))
+        return deleted
 
     # -- totals -----------------------------------------------------------------------------
 

@@ -35,7 +35,7 @@ def collect(index: Index, root: Path, *, max_bytes: int | None = None, max_age: 
             batch = [h for h, _ in plan[start : start + _DELETE_BATCH]]
             # Exclusive of writers: none can find a row here and then lose its file to us.
             with blobs.tree_lock(root, exclusive=True):
-                deleted = _delete_leaves(index, batch)
+                deleted = index.delete_leaves(batch)
                 if deleted:
                     faults.hit("gc_deleted")
                 for row in deleted:  # after the commit: a crash before here leaves orphan files only
@@ -58,7 +58,7 @@ def _plan(index: Index, total: int, max_bytes: int | None, cutoff: float | None)
     """Which records to evict, in order (every record before its parent)."""
     if (max_bytes is None or total <= max_bytes) and cutoff is None:
         return []
-    rows = index.conn.execute("SELECT hash, parent, size, last_access, pinned FROM records").fetchall()
+    rows = index.eviction_graph()
     children: dict[bytes, int] = {}
     info: dict[bytes, tuple[bytes, int, float, int]] = {}
     for h, parent, size, last, pinned in rows:
@@ -81,23 +81,6 @@ def _plan(index: Index, total: int, max_bytes: int | None, cutoff: float | None)
         if children[parent] == 0 and parent in info and not info[parent][3]:
             heapq.heappush(heap, (info[parent][2], parent))
     return plan
-
-
-def _delete_leaves(index: Index, hashes: list[bytes]):
-    """Delete, in order, those of `hashes` that are still leaves (another process may have added
-    a child since the plan was made). Returns the rows deleted."""
-    from .index import Row, _ROW_COLUMNS, _row
-
-    deleted: list[Row] = []
-    with index.transaction() as conn:
-        for h in hashes:
-            row = conn.execute(
-                f"SELECT {_ROW_COLUMNS} FROM records WHERE hash = ? AND pinned = 0 AND NOT EXISTS "
-                "(SELECT 1 FROM records c WHERE c.parent = ?)", (h, h)).fetchone()
-            if row is not None:
-                conn.execute("DELETE FROM records WHERE hash = ?", (h,))
-                deleted.append(_row(row))
-    return deleted
 
 
 @dataclass(frozen=True)
@@ -188,7 +171,7 @@ def _stray(index: Index, path: Path) -> Problem | None:
 
 def _unreachable(index: Index, known: dict[bytes, bytes], bad: set[bytes]) -> set[bytes]:
     """Good rows that no chain of good rows reaches from a namespace root."""
-    namespaces = {ns for (ns,) in index.conn.execute("SELECT ns FROM models")}
+    namespaces = index.namespaces()
     ok: dict[bytes, bool] = {}
 
     def reachable(h: bytes) -> bool:
