@@ -312,11 +312,13 @@ class Index:
                 [(t, n, h) for h, (t, n) in accesses.items()],
             )
 
-    def pin(self, hashes: Sequence[bytes], pinned: bool = True) -> None:
+    def pin(self, hashes: Sequence[bytes], pinned: bool = True) -> int:
+        """Set the pin flag of these records; returns how many of them exist (and so were set)."""
         with self.transaction() as conn:
-            conn.executemany(
+            cur = conn.executemany(
                 "UPDATE records SET pinned = ? WHERE hash = ?", [(int(pinned), h) for h in hashes]
             )
+            return cur.rowcount
 
     def mark_bad(self, h: bytes) -> bool:
         """Quarantine a record whose blob failed to read; True if it was usable until now."""

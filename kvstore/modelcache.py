@@ -33,6 +33,8 @@ Tokens = Sequence[int] | np.ndarray | mx.array
 
 #: Default for `prefill`: a recurrent-state checkpoint every this many chunks (see README).
 CHECKPOINT_EVERY = 4
+# A pin that finds its records evicted under it (by another process) stores them again, this often.
+PIN_ATTEMPTS = 3
 
 # Codecs whose restore is one gather of [0, p) per tensor (exact classes: see `_fetch_direct`).
 _DIRECT_CODECS = (KVCodec, QuantizedKVCodec)
@@ -495,10 +497,14 @@ class ModelCache:
         toks = _tokens(tokens)
         if len(toks) == 0:
             raise InvalidInputError("prefill needs at least one token")
-        if self.stored_length(toks) >= len(toks) and not self._needs_end_checkpoint(toks):
-            if pin:
-                self._pin(toks)
-            return None, len(toks), 0
+        for _ in range(PIN_ATTEMPTS):
+            # What this process holds in RAM may be gone from disk (gc in another process): a
+            # prefill answers for the disk, so records the disk lost are forgotten and recomputed.
+            self._forget_lost(toks)
+            if self.stored_length(toks) < len(toks) or self._needs_end_checkpoint(toks):
+                break
+            if not pin or self._pin(toks):
+                return None, len(toks), 0
         cache, rest = self.fetch(toks)
         reused = pos = len(toks) - len(rest)
         C = self.chunk_size
@@ -527,12 +533,30 @@ class ModelCache:
             return False
         return not self.store._available([checkpoint_hash(self._record_hashes(toks)[-1])])
 
-    def _pin(self, toks: np.ndarray) -> None:
-        """Pin what is already stored for `toks` (and so keep it through gc)."""
-        if self.store.index is not None:
-            self.store.flush()
-            hashes = self._record_hashes(toks)
-            self.store.index.pin(hashes + [checkpoint_hash(hashes[-1])])
+    def _durable_hashes(self, toks: np.ndarray) -> list[bytes]:
+        """The records that must be on disk for `toks` to be stored whole (with the end checkpoint
+        a recurrent model restores from)."""
+        hashes = self._record_hashes(toks)
+        return hashes + [checkpoint_hash(hashes[-1])] if self.checkpointed else hashes
+
+    def _forget_lost(self, toks: np.ndarray) -> None:
+        """Drop from the memory tier the records of `toks` that are neither queued nor on disk."""
+        store = self.store
+        if store.index is None:
+            return
+        held = [h for h in self._durable_hashes(toks) if h in store.memory and not store.writer.is_pending(h)]
+        if held:
+            on_disk = store.index.present(held)
+            store.memory.discard([h for h in held if h not in on_disk and not store.writer.is_pending(h)])
+
+    def _pin(self, toks: np.ndarray) -> bool:
+        """Pin what is stored for `toks` (and so keep it through gc). False if some record is not
+        on disk to be pinned (another process evicted it): the caller stores it again."""
+        if self.store.index is None:
+            return True
+        self.store.flush()
+        wanted = self._durable_hashes(toks)
+        return self.store.index.pin(wanted) >= len(wanted)
 
     def _unknown(self, specs: list[Spec]) -> list[Spec]:
         store = self.store
