@@ -6,11 +6,17 @@
     optional: "id": "name", "pin": true                  (pinned prompts are never evicted by gc)
 
 Parsing never stops at a bad line: each one becomes a `LineError` naming the file, line and field,
-and the good lines around it are still returned.
+and the good lines around it are still returned. A field kvstore does not know is an error too (a
+typo of "pin" would otherwise leave the prompt unpinned), with the known field it resembles.
+
+Bounded before anything expensive: a line longer than `MAX_LINE_BYTES` is refused before it is
+decoded, and a text longer than `MAX_CHARS_PER_TOKEN` characters per token of the model's context
+before it is tokenized (no tokenizer averages that many: such a text cannot fit the context).
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 import sys
 from dataclasses import dataclass
@@ -20,6 +26,9 @@ from typing import Any, Iterator, Sequence, Union
 import numpy as np
 
 KINDS = ("prompt", "messages", "tokens")
+FIELDS = (*KINDS, "id", "pin")
+MAX_LINE_BYTES = 32 << 20  # 32 MiB: a million-token prompt is a few MB of text
+MAX_CHARS_PER_TOKEN = 32
 
 
 @dataclass(frozen=True)
@@ -76,6 +85,10 @@ def parse(data: bytes | str, source: str = "<input>") -> Iterator[Parsed]:
     if isinstance(data, str):
         data = data.encode("utf-8")
     for number, raw in enumerate(data.split(b"\n"), start=1):
+        if len(raw) > MAX_LINE_BYTES:  # refused before decoding or parsing it
+            yield LineError(source, number, None, f"line of {len(raw):,} bytes is longer than the limit "
+                                                  f"of {MAX_LINE_BYTES:,} bytes ({MAX_LINE_BYTES >> 20} MiB)")
+            continue
         if not raw.strip():
             continue
         try:
@@ -101,9 +114,13 @@ def parse_object(obj: Any, source: str, line: int | None) -> Parsed:
 
     if not isinstance(obj, dict):
         return bad(None, f"expected a JSON object with one of {_kinds()}, got {_json_type(obj)}")
+    unknown = [k for k in obj if k not in FIELDS]
     present = [k for k in KINDS if k in obj]
     if not present:
-        return bad(None, f"none of the fields {_kinds()} is present")
+        hint = f"; {_unknown_field(unknown[0])}" if unknown else ""
+        return bad(None, f"none of the fields {_kinds()} is present{hint}")
+    if unknown:
+        return bad(None, _unknown_field(unknown[0]))
     if len(present) > 1:
         return bad(present[1], f"give only one of {_kinds()}; this line has {' and '.join(present)}")
     kind = present[0]
@@ -122,6 +139,37 @@ def parse_object(obj: Any, source: str, line: int | None) -> Parsed:
     if not isinstance(pin, bool):
         return bad("pin", f"must be true or false, got {_json_type(pin)}")
     return PromptLine(source, line, kind, value, ident, pin)
+
+
+def _unknown_field(name: str) -> str:
+    close = difflib.get_close_matches(name, FIELDS, n=1, cutoff=0.6)
+    if not close:
+        close = difflib.get_close_matches(name.lower(), FIELDS, n=1, cutoff=0.6)
+    hint = f"did you mean \"{close[0]}\"? " if close else ""
+    return f"unknown field {_quoted(name)} ({hint}the fields are {', '.join(map(_quoted, FIELDS))})"
+
+
+def _quoted(name: str) -> str:
+    """A field name as JSON would write it: quoted, with control characters escaped."""
+    return json.dumps(name)
+
+
+def check_length(item: "PromptLine", context: int) -> tuple[str, str] | None:
+    """(field, message) if the text of `item` is too long to tokenize for a model whose context
+    is `context` tokens: checked before tokenizing, which costs time and memory per character."""
+    if item.kind == "tokens":
+        return None  # already a list of ids: its length is compared with the context as it is
+    limit = context * MAX_CHARS_PER_TOKEN
+    if item.kind == "prompt":
+        n = len(item.value)
+    else:
+        n = sum(len(m["content"]) if isinstance(m["content"], str) else len(json.dumps(m["content"]))
+                for m in item.value)
+    if n > limit:
+        return item.kind, (f"skipped: {n:,} characters is more than the {limit:,} that can fit the "
+                           f"model's context ({context} tokens x {MAX_CHARS_PER_TOKEN} characters); "
+                           f"not tokenized")
+    return None
 
 
 def check_prompt(value: Any) -> tuple[str, str] | None:
