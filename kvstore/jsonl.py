@@ -17,11 +17,12 @@ before it is tokenized (no tokenizer averages that many: such a text cannot fit 
 from __future__ import annotations
 
 import difflib
+import io
 import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence, Union
+from typing import Any, BinaryIO, Iterator, Sequence, Union
 
 import numpy as np
 
@@ -67,26 +68,53 @@ Parsed = Union[PromptLine, LineError]
 
 
 def read(path: str | Path) -> Iterator[Parsed]:
-    """Parse the prompt file at `path` (`-` is standard input). OSError if it cannot be read."""
+    """Parse the prompt file at `path` (`-` is standard input), a line at a time: memory is
+    bounded by the longest line kept (`MAX_LINE_BYTES`). OSError if it cannot be read."""
     if str(path) == "-":
-        data = sys.stdin.buffer.read()
-        source = "<stdin>"
-    else:
-        p = Path(path)
-        if p.is_dir():
-            raise IsADirectoryError(21, "is a directory, not a JSONL file", str(p))
-        data = p.read_bytes()
-        source = str(path)
-    return parse(data, source)
+        return parse_stream(sys.stdin.buffer, "<stdin>")
+    p = Path(path)
+    if p.is_dir():
+        raise IsADirectoryError(21, "is a directory, not a JSONL file", str(p))
+    f = p.open("rb")
+
+    def lines() -> Iterator[Parsed]:
+        with f:
+            yield from parse_stream(f, str(path))
+    return lines()
 
 
 def parse(data: bytes | str, source: str = "<input>") -> Iterator[Parsed]:
     """Parse JSONL `data`; blank lines are skipped, every other line gives one result."""
     if isinstance(data, str):
         data = data.encode("utf-8")
-    for number, raw in enumerate(data.split(b"\n"), start=1):
-        if len(raw) > MAX_LINE_BYTES:  # refused before decoding or parsing it
-            yield LineError(source, number, None, f"line of {len(raw):,} bytes is longer than the limit "
+    return parse_stream(io.BytesIO(data), source)
+
+
+def _lines(f: BinaryIO) -> Iterator[tuple[int, int, bytes | None]]:
+    """(line number, length without the newline, the line or None when it is over the limit).
+    A line over the limit is skipped through in blocks, never held whole."""
+    number = 0
+    while True:
+        raw = f.readline(MAX_LINE_BYTES + 2)  # room for "\r\n"
+        if not raw:
+            return
+        number += 1
+        if raw.endswith(b"\n") or len(raw) <= MAX_LINE_BYTES:
+            line = raw[:-1] if raw.endswith(b"\n") else raw
+            yield number, len(line), (line if len(line) <= MAX_LINE_BYTES else None)
+            continue
+        size = len(raw)
+        while raw and not raw.endswith(b"\n"):
+            raw = f.readline(1 << 20)
+            size += len(raw)
+        yield number, size - raw.endswith(b"\n"), None
+
+
+def parse_stream(f: BinaryIO, source: str) -> Iterator[Parsed]:
+    """Parse the JSONL lines read from the binary stream `f`."""
+    for number, size, raw in _lines(f):
+        if raw is None:  # refused before decoding or parsing it
+            yield LineError(source, number, None, f"line of {size:,} bytes is longer than the limit "
                                                   f"of {MAX_LINE_BYTES:,} bytes ({MAX_LINE_BYTES >> 20} MiB)")
             continue
         if not raw.strip():
