@@ -39,7 +39,7 @@ def kv(home):
     """Run `kvstore ARGS...` in a new process; returns the CompletedProcess."""
     def run(*args, input: str | None = None, env: dict | None = None, code: int | None = 0):
         environ = {k: v for k, v in os.environ.items() if k != "KVSTORE_DIR"}
-        environ.update(HOME=str(home), PYTHONUNBUFFERED="1", **(env or {}))
+        environ.update({"HOME": str(home), "PYTHONUNBUFFERED": "1", **(env or {})})
         result = subprocess.run([sys.executable, "-m", "kvstore.cli", *map(str, args)], input=input,
                                 capture_output=True, text=True, env=environ, cwd=REPO, timeout=300)
         assert "Traceback" not in result.stderr, result.stderr
@@ -634,3 +634,29 @@ def test_user_text_is_printed_escaped(kv, demo_model_path, tmp_path):
     assert "[red\\x1b[31m\\u202e]" in generate.stdout
     assert 'unknown field "pin\\u0007"' in warm.stderr
     assert "model\\x1b[2J" in stats.stdout
+
+
+def test_what_warm_stores_by_default_is_what_serve_reuses(kv, monkeypatch, tmp_path):
+    """The user's path: `kvstore warm` with no --model, then `kvstore serve` with no --model on
+    the same store. The model serve would load finds the whole warmed prompt (it found 46 of
+    1,065 tokens when serve's default was another demo model)."""
+    from mlx_lm import load
+
+    from kvstore import server
+
+    home = tmp_path / "home"
+    first = tmp_path / "first.jsonl"
+    first.write_text(EXAMPLES.read_text().splitlines()[0] + "\n")
+    store = tmp_path / "s"
+    kv("warm", "--store", store, "--prompts", first, env={"HOME": str(home)})
+    monkeypatch.setenv("HOME", str(home))
+    seen: list[list[str]] = []
+    monkeypatch.setattr(server, "_run_mlx_server_main", lambda _server, args: seen.append(list(args)) or 0)
+    assert server.main(["--store", str(store)]) == 0
+    model_path = seen[0][seen[0].index("--model") + 1]
+    model, tokenizer = load(model_path)
+    messages = json.loads(first.read_text())["messages"]
+    tokens = tokenizer.apply_chat_template(messages, add_generation_prompt=True)  # as mlx_lm.server does
+    with kvstore.open(store) as s:
+        cache, rest = s.bind(model, model_path).fetch(tokens)
+    assert len(tokens) > 1000 and len(rest) == 1
