@@ -437,10 +437,11 @@ def cmd_stats(args) -> int:
 
 # What `stats --json` counts: totals of the store on disk (the same in every process that opens
 # it), or counters of this one process (the `kvstore stats` process itself: its memory tier, its
-# writer, what it fetched). A key missing here is reported as "unknown" rather than guessed.
-STORE_TOTALS = ("path", "chunk_size", "bytes", "chunks", "tails", "checkpoints",
-                "models", "quarantined_total")
-PER_PROCESS = ("max_bytes", "memory", "writer", "quarantined", "skipped_inserts", "fetches", "reused_tokens")
+# writer, what it fetched, and the settings it opened the store with). A key missing here is
+# reported as "unknown" rather than guessed.
+STORE_TOTALS = ("path", "bytes", "chunks", "tails", "checkpoints", "models", "quarantined_total")
+PER_PROCESS = ("chunk_size", "max_bytes", "memory", "writer", "quarantined", "skipped_inserts",
+               "fetches", "reused_tokens")
 
 
 def stats_scope(stats: dict) -> dict[str, str]:

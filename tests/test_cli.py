@@ -322,7 +322,7 @@ def test_ctrl_c_during_warm_stops_cleanly(demo_model_path, home, tmp_path):
 
 # -- generate ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3_5"])  # qwen3_5: recurrent layers need a checkpoint
+@pytest.mark.parametrize("arch", ["llama", "qwen3_5", "baichuan_m1"])  # recurrent state needs a checkpoint
 def test_generate_twice_shows_reuse(kv, demo_model, tmp_path, arch):
     args = ("generate", "--store", tmp_path / "s", "--model", demo_model(arch), "--max-tokens", 8,
             "--prompt", "You are a helpful assistant. Answer briefly. What is a KV cache?")
