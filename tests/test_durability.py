@@ -40,12 +40,17 @@ def test_blobs_are_fsynced_and_renamed_before_the_commit_that_publishes_them(tmp
         with lock:
             events.append(event)
 
-    real_fsync, real_replace, real_connect = os.fsync, os.replace, sqlite3.connect
+    real_open, real_fsync, real_replace, real_connect = os.open, os.fsync, os.replace, sqlite3.connect
+    paths: dict[int, str] = {}  # fd -> the path os.open opened (portable: no /proc)
+
+    def open_(path, flags, *args, **kw):
+        fd = real_open(path, flags, *args, **kw)
+        paths[fd] = str(path)
+        return fd
 
     def fsync(fd):
-        target = os.readlink(f"/proc/self/fd/{fd}") if os.path.exists(f"/proc/self/fd/{fd}") else str(fd)
         real_fsync(fd)
-        log("fsync", target)
+        log("fsync", paths.get(fd, str(fd)))
 
     def replace(src, dst, **kw):
         real_replace(src, dst, **kw)
@@ -56,6 +61,7 @@ def test_blobs_are_fsynced_and_renamed_before_the_commit_that_publishes_them(tmp
         conn.set_trace_callback(lambda sql: log("sql", sql.strip().split()[0].upper(), sql))
         return conn
 
+    monkeypatch.setattr(os, "open", open_)
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "replace", replace)
     monkeypatch.setattr(sqlite3, "connect", connect)
