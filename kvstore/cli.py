@@ -344,18 +344,18 @@ def cmd_generate(args) -> int:
 
 
 def _write_problems(store) -> tuple[int, int, int]:
-    """Counters that go up when an insert does not reach the disk."""
-    stats = store.stats()
-    w = stats["writer"]
-    return w["write_errors"], w["dropped_jobs"], stats.get("skipped_inserts", 0)
+    """Counters that go up when an insert does not reach the disk (no SQL: they are this
+    process's writer counters, the ones `stats()["writer"]` reports)."""
+    w = store.writer.stats
+    return w.write_errors, w.dropped_jobs, store.counters.get("skipped_inserts", 0)
 
 
 def _write_error(store) -> str:
     """What went wrong with the last write, in a few words."""
-    stats = store.stats()
-    if stats["writer"]["last_error"]:
-        return f"the write failed: {stats['writer']['last_error']}"
-    if stats["writer"]["dropped_jobs"]:
+    w = store.writer.stats
+    if w.last_error:
+        return f"the write failed: {w.last_error}"
+    if w.dropped_jobs:
         return "the write queue was full"
     return "the store's index cannot be written"
 
