@@ -123,7 +123,17 @@ def write(root: Path, h: bytes, tensors: Mapping[str, Tensor], metadata: Mapping
         except OSError:
             pass
         raise
+    if fsync:  # the new name is durable only once its folder is: before any row points at it
+        _fsync_dir(path.parent)
     return size, digest.intdigest()
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def read(root: Path, h: bytes, *, size: int, checksum: int) -> tuple[dict[str, mx.array], dict[str, str]]:

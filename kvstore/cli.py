@@ -38,8 +38,28 @@ class CommandError(Exception):
         self.code = code
 
 
+def printable(text: Any) -> str:
+    """`text` with every non-printable character escaped (`\\x1b`, `\\u202e`): ids, model ids,
+    paths and field names come from users and files, and must not drive the terminal."""
+    s = str(text)
+    if s.isprintable():
+        return s
+    return "".join(c if c.isprintable() else _escape(c) for c in s)
+
+
+def _escape(c: str) -> str:
+    o = ord(c)
+    return f"\\x{o:02x}" if o < 0x100 else f"\\u{o:04x}" if o < 0x10000 else f"\\U{o:08x}"
+
+
 def say(*parts: Any) -> None:
-    print(*parts, file=sys.stderr, flush=True)
+    """One line on stderr, escaped."""
+    print(*map(printable, parts), file=sys.stderr, flush=True)
+
+
+def out(*parts: Any, **kw: Any) -> None:
+    """One line on stdout, escaped (everything but generated text goes through here)."""
+    print(*map(printable, parts), **kw)
 
 
 # -- shared helpers ---------------------------------------------------------------------------
@@ -55,10 +75,10 @@ class LoadedModel:
 
 def resolve_model(spec: str | None) -> str:
     """What to load for `--model`: a local folder (checked now), a repo id, or the demo model."""
-    from .demo import DEMO_NOTE, build_demo_model
+    from .demo import DEMO_NOTE, ensure_demo_model
 
     if spec is None:
-        path = build_demo_model(size="small")
+        path = ensure_demo_model()  # the same default as `kvstore serve`
         say(DEMO_NOTE)
         return str(path)
     path = Path(spec).expanduser()
@@ -127,6 +147,10 @@ def prepare(items: list, loaded: LoadedModel) -> tuple[list, list]:
     for item in items:
         if isinstance(item, jsonl.LineError):
             errors.append(item)
+            continue
+        too_long = jsonl.check_length(item, loaded.context)  # before tokenizing: cheap, bounded
+        if too_long is not None:
+            errors.append(jsonl.LineError(item.source, item.line, *too_long))
             continue
         try:
             tokens = jsonl.tokenize(item, loaded.tokenizer)
@@ -221,8 +245,11 @@ def _warm_all(mc, work: list, totals: dict, stop: Callable[[], bool]) -> None:
                 tqdm(total=sum(len(t) for _, t in work), desc="tokens", unit="tok", unit_scale=True, position=1,
                      file=sys.stderr, dynamic_ncols=True))
 
+    current = {"computed": 0}  # tokens computed for the prompt in progress
+
     def progress(n: int) -> None:
         totals["computed"] += n
+        current["computed"] += n
         if bars:
             bars[1].update(n)
         if stop():
@@ -233,7 +260,16 @@ def _warm_all(mc, work: list, totals: dict, stop: Callable[[], bool]) -> None:
             if stop():
                 raise _Stop
             t0 = time.perf_counter()
-            _, reused, computed = mc.prefill(tokens, progress=progress, pin=item.pin)
+            current["computed"] = 0
+            try:
+                _, reused, computed = mc.prefill(tokens, progress=progress, pin=item.pin)
+            except (_Stop, KeyboardInterrupt):
+                # Stopped after the prompt's last chunk was inserted: it is stored whole, so it
+                # counts as warmed, not as "not reached".
+                if mc.stored_length(tokens) >= len(tokens):
+                    totals["done"] += 1
+                    totals["reused"] += len(tokens) - current["computed"]
+                raise
             totals["done"] += 1
             totals["reused"] += reused
             if bars:
@@ -262,19 +298,22 @@ def cmd_generate(args) -> int:
             value = json.loads(args.messages)
         except json.JSONDecodeError as e:
             raise CommandError(f"--messages: not valid JSON ({e.msg} at column {e.colno})") from e
-        obj = value if isinstance(value, dict) else {"messages": value}
-        items = [jsonl.parse_object(obj, "--messages", None)]
+        # Always the list itself: a lone {"role": ...} object is an error that says so.
+        items = [jsonl.parse_object({"messages": value}, "--messages", None)]
     else:
         items = read_prompts(args.prompts)
+    if args.prompts is None and isinstance(items[0], jsonl.LineError):  # no model to load for nothing
+        raise CommandError(str(items[0]))
     if args.max_tokens < 1:
         raise CommandError(f"--max-tokens must be at least 1, got {args.max_tokens}", EXIT_USAGE)
     with _bound(args, items, "generate") as (store, loaded, mc, work, errors):
         if args.seed is not None:
             mx.random.seed(args.seed)
         sampler = make_sampler(temp=args.temp)
+        failed = 0
         for item, tokens in work:
             if args.prompts is not None:
-                print(f"[{item.id if item.id is not None else item.where}]", flush=True)
+                out(f"[{item.id if item.id is not None else item.where}]", flush=True)
             t0 = time.perf_counter()
             cache, rest, reused = _prompt_cache(mc, tokens)
             ttft, generated, finish = None, [], None
@@ -286,11 +325,39 @@ def cmd_generate(args) -> int:
                 generated.append(response.token)
                 finish = response.finish_reason
             print(flush=True)
+            before = _write_problems(store)
             stored = _insert_generated(mc, tokens, generated, cache)
+            store.flush()  # to know whether it was stored, not only queued
+            problem = _write_problems(store) != before
+            if problem:
+                failed += 1
+                stored_text = f"not stored ({_write_error(store)})"
+            else:
+                stored_text = f"stored {stored} tokens"
             say(f"prompt: {len(tokens)} tokens, {reused} reused from the store, "
                 f"{len(tokens) - reused} computed; time to first token: {ttft:.3f} s; "
-                f"generated {len(generated)} tokens ({finish}); stored {stored} tokens")
-    return EXIT_PROBLEMS if errors else 0
+                f"generated {len(generated)} tokens ({finish}); {stored_text}")
+        if failed:
+            say(f"{PROG} generate: {failed} of {len(work)} generations were not stored: "
+                f"{_write_error(store)}")
+    return EXIT_PROBLEMS if errors or failed else 0
+
+
+def _write_problems(store) -> tuple[int, int, int]:
+    """Counters that go up when an insert does not reach the disk (no SQL: they are this
+    process's writer counters, the ones `stats()["writer"]` reports)."""
+    w = store.writer.stats
+    return w.write_errors, w.dropped_jobs, store.counters.get("skipped_inserts", 0)
+
+
+def _write_error(store) -> str:
+    """What went wrong with the last write, in a few words."""
+    w = store.writer.stats
+    if w.last_error:
+        return f"the write failed: {w.last_error}"
+    if w.dropped_jobs:
+        return "the write queue was full"
+    return "the store's index cannot be written"
 
 
 def _prompt_cache(mc, tokens) -> tuple[list, list[int], int]:
@@ -346,9 +413,9 @@ def cmd_stats(args) -> int:
     with open_store(args, must_exist=True) as store:
         stats = store.stats()
     if args.json:
-        print(json.dumps(stats, indent=2, sort_keys=True, default=str))
+        print(json.dumps({**stats, "scope": stats_scope(stats)}, indent=2, sort_keys=True, default=str))
         return 0
-    print(f"store: {stats['path']}")
+    out(f"store: {stats['path']}")
     print(f"bytes: {stats['bytes']} ({format_size(stats['bytes'])})   chunks: {stats['chunks']}   "
           f"tails: {stats['tails']}   models: {len(stats['models'])}   chunk size: {stats['chunk_size']}")
     if stats.get("quarantined_total"):
@@ -364,8 +431,23 @@ def cmd_stats(args) -> int:
     print()
     for row in [header, *rows]:
         cells = [c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))]
-        print("  ".join(cells + [row[-1]]))
+        out("  ".join(cells + [row[-1]]))
     return 0
+
+
+# What `stats --json` counts: totals of the store on disk (the same in every process that opens
+# it), or counters of this one process (the `kvstore stats` process itself: its memory tier, its
+# writer, what it fetched, and the settings it opened the store with). A key missing here is
+# reported as "unknown" rather than guessed.
+STORE_TOTALS = ("path", "bytes", "chunks", "tails", "checkpoints", "models", "quarantined_total")
+PER_PROCESS = ("chunk_size", "max_bytes", "memory", "writer", "quarantined", "skipped_inserts",
+               "fetches", "reused_tokens")
+
+
+def stats_scope(stats: dict) -> dict[str, str]:
+    """`{key: "store" | "process" | "unknown"}` for every top-level key of `store.stats()`."""
+    return {key: "store" if key in STORE_TOTALS else "process" if key in PER_PROCESS else "unknown"
+            for key in stats}
 
 
 def cmd_verify(args) -> int:
@@ -391,7 +473,7 @@ def cmd_verify(args) -> int:
                           "rebuilt": rebuilt, "problems": [p.to_dict() for p in problems]}, indent=2))
     else:
         for p in problems:
-            print(p)
+            out(p)
         if not problems:
             print("the store is clean")
         else:
@@ -522,7 +604,9 @@ demo model with random weights (meaningless text).""")
     p.add_argument("--dry-run", action="store_true", help="only report what would be freed")
 
     p = add("stats", cmd_stats, "show totals and a table per model", [store_opts])
-    p.add_argument("--json", action="store_true", help="print one JSON object (bytes, chunks, tails, models, ...)")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object (bytes, chunks, tails, models, ...); its \"scope\" map says "
+                        "which keys are totals of the store and which count this process only")
 
     p = add("verify", cmd_verify, "check every record against its file, and every file against the index", [store_opts])
     p.add_argument("--repair", action="store_true",

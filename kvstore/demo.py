@@ -10,7 +10,13 @@ that ``mlx_lm.load(path)`` opens with no network access.
   kinds a prompt-cache store must handle: ``llama`` (all ``KVCache``),
   ``gemma3_text`` (``RotatingKVCache`` sliding-window layers mixed with
   ``KVCache`` global layers, with a small window) and ``qwen3_5`` (linear
-  attention ``ArraysCache`` layers mixed with ``KVCache`` layers).
+  attention ``ArraysCache`` layers mixed with ``KVCache`` layers) and
+  ``baichuan_m1`` (every layer a ``CacheList`` of a short-convolution
+  ``ArraysCache`` and a ``KVCache``, or a ``RotatingKVCache`` on its
+  sliding-window layers).
+* ``ensure_demo_model()`` is the one default every ``kvstore`` command uses
+  without ``--model`` (warm, generate and serve alike), and what the README's
+  Python examples load.
 * Weights come from numpy's PCG64 generator seeded per tensor name, so the same
   arguments give byte-identical weight files on every machine (the model
   fingerprint is stable).  The text they produce is meaningless.
@@ -38,15 +44,20 @@ from typing import Any, Dict, Optional
 
 import numpy as np
 
-__all__ = ["ARCHS", "DEMO_NOTE", "BUILDER_VERSION", "build_demo_model", "default_demo_path"]
+__all__ = ["ARCHS", "DEFAULT_DEMO", "DEMO_NOTE", "BUILDER_VERSION", "build_demo_model",
+           "default_demo_path", "ensure_demo_model"]
 
 # Bump whenever anything that changes the written files changes.
 BUILDER_VERSION = 1
 MARKER = "kvstore-demo.json"
 
-ARCHS = ("llama", "gemma3_text", "qwen3_5")
+ARCHS = ("llama", "gemma3_text", "qwen3_5", "baichuan_m1")
 SIZES = ("tiny", "small")
 DTYPES = ("float32", "bfloat16", "float16")
+
+#: The demo model of every command run without --model (warm, generate, serve): one default,
+#: so that what `kvstore warm` stores is what `kvstore serve` reuses.
+DEFAULT_DEMO = {"arch": "llama", "size": "small"}
 
 DEMO_NOTE = (
     "Note: this is a built-in demo model with random weights, so its text is "
@@ -77,6 +88,7 @@ _DIMS = {
 _MAX_POS = 32768
 _SLIDING_WINDOW = {"tiny": 32, "small": 128}
 _SLIDING_PATTERN = {"tiny": 2, "small": 4}  # every Nth layer is global
+_CONV_WINDOW = 2  # baichuan_m1's short convolution over K and V (mlx-lm supports only 2)
 # Linear-attention (gated delta net) dims: (key heads, value heads, head dim).
 _LINEAR = {"tiny": (2, 4, 32), "small": (4, 8, 32)}
 _LOGIT_STD = 3.0  # spread of logits: peaked enough for varied greedy output
@@ -94,6 +106,16 @@ def default_demo_path(
     if seed != 0:
         name += f"-s{seed}"
     return Path.home() / ".cache" / "kvstore-demo" / name
+
+
+def ensure_demo_model() -> Path:
+    """The folder of the default demo model (`DEFAULT_DEMO`), built on first use in about a
+    second and reused after: what every `kvstore` command uses without `--model`.
+
+        from mlx_lm import load
+        model, tokenizer = load(str(ensure_demo_model()))
+    """
+    return build_demo_model(**DEFAULT_DEMO)
 
 
 def build_demo_model(
@@ -234,6 +256,15 @@ def _config(arch: str, size: str, dtype: str) -> Dict[str, Any]:
                             for i in range(n)],
             **tokens,
         }
+    if arch == "baichuan_m1":
+        pattern, n = _SLIDING_PATTERN[size], d["layers"]
+        # mlx-lm derives head_dim from hidden_size / heads, as the real checkpoints do.
+        assert d["hidden"] // d["heads"] == d["head_dim"]
+        return {"model_type": "baichuan_m1", "architectures": ["BaichuanM1ForCausalLM"], **common,
+                "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "conv_window": _CONV_WINDOW,
+                "sliding_window": _SLIDING_WINDOW[size],
+                "sliding_window_layers": [i for i in range(n) if (i + 1) % pattern != 0],
+                **tokens}
     # qwen3_5 is a vision-language wrapper: the text model lives in text_config,
     # as in the real checkpoints.  Every 4th layer is full attention.
     kh, vh, lhd = _LINEAR[size]
@@ -271,6 +302,8 @@ def _write_weights(target: Path, config: Dict[str, Any], params: Dict[str, Any])
         shape = tuple(default.shape)
         if key.endswith("A_log"):  # linear-attention decay rates, as mlx-lm inits them
             w = np.log(rng.uniform(1.0, 16.0, shape))
+        elif key.endswith(("conv_k", "conv_v")):  # baichuan_m1: mix of previous and current K/V
+            w = rng.uniform(0.5, 1.0, shape)
         elif len(shape) == 1:
             if key.endswith(".bias") or (arch == "gemma3_text" and "norm" in key):
                 w = np.zeros(shape)  # biases; Gemma norms scale by (1 + w)

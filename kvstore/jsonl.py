@@ -6,20 +6,30 @@
     optional: "id": "name", "pin": true                  (pinned prompts are never evicted by gc)
 
 Parsing never stops at a bad line: each one becomes a `LineError` naming the file, line and field,
-and the good lines around it are still returned.
+and the good lines around it are still returned. A field kvstore does not know is an error too (a
+typo of "pin" would otherwise leave the prompt unpinned), with the known field it resembles.
+
+Bounded before anything expensive: a line longer than `MAX_LINE_BYTES` is refused before it is
+decoded, and a text longer than `MAX_CHARS_PER_TOKEN` characters per token of the model's context
+before it is tokenized (no tokenizer averages that many: such a text cannot fit the context).
 """
 
 from __future__ import annotations
 
+import difflib
+import io
 import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence, Union
+from typing import Any, BinaryIO, Iterator, Sequence, Union
 
 import numpy as np
 
 KINDS = ("prompt", "messages", "tokens")
+FIELDS = (*KINDS, "id", "pin")
+MAX_LINE_BYTES = 32 << 20  # 32 MiB: a million-token prompt is a few MB of text
+MAX_CHARS_PER_TOKEN = 32
 
 
 @dataclass(frozen=True)
@@ -58,24 +68,55 @@ Parsed = Union[PromptLine, LineError]
 
 
 def read(path: str | Path) -> Iterator[Parsed]:
-    """Parse the prompt file at `path` (`-` is standard input). OSError if it cannot be read."""
+    """Parse the prompt file at `path` (`-` is standard input), a line at a time: memory is
+    bounded by the longest line kept (`MAX_LINE_BYTES`). OSError if it cannot be read."""
     if str(path) == "-":
-        data = sys.stdin.buffer.read()
-        source = "<stdin>"
-    else:
-        p = Path(path)
-        if p.is_dir():
-            raise IsADirectoryError(21, "is a directory, not a JSONL file", str(p))
-        data = p.read_bytes()
-        source = str(path)
-    return parse(data, source)
+        return parse_stream(sys.stdin.buffer, "<stdin>")
+    p = Path(path)
+    if p.is_dir():
+        raise IsADirectoryError(21, "is a directory, not a JSONL file", str(p))
+    f = p.open("rb")
+
+    def lines() -> Iterator[Parsed]:
+        with f:
+            yield from parse_stream(f, str(path))
+    return lines()
 
 
 def parse(data: bytes | str, source: str = "<input>") -> Iterator[Parsed]:
     """Parse JSONL `data`; blank lines are skipped, every other line gives one result."""
     if isinstance(data, str):
         data = data.encode("utf-8")
-    for number, raw in enumerate(data.split(b"\n"), start=1):
+    return parse_stream(io.BytesIO(data), source)
+
+
+def _lines(f: BinaryIO) -> Iterator[tuple[int, int, bytes | None]]:
+    """(line number, length without the newline, the line or None when it is over the limit).
+    A line over the limit is skipped through in blocks, never held whole."""
+    number = 0
+    while True:
+        raw = f.readline(MAX_LINE_BYTES + 2)  # room for "\r\n"
+        if not raw:
+            return
+        number += 1
+        if raw.endswith(b"\n") or len(raw) <= MAX_LINE_BYTES:
+            line = raw[:-1] if raw.endswith(b"\n") else raw
+            yield number, len(line), (line if len(line) <= MAX_LINE_BYTES else None)
+            continue
+        size = len(raw)
+        while raw and not raw.endswith(b"\n"):
+            raw = f.readline(1 << 20)
+            size += len(raw)
+        yield number, size - raw.endswith(b"\n"), None
+
+
+def parse_stream(f: BinaryIO, source: str) -> Iterator[Parsed]:
+    """Parse the JSONL lines read from the binary stream `f`."""
+    for number, size, raw in _lines(f):
+        if raw is None:  # refused before decoding or parsing it
+            yield LineError(source, number, None, f"line of {size:,} bytes is longer than the limit "
+                                                  f"of {MAX_LINE_BYTES:,} bytes ({MAX_LINE_BYTES >> 20} MiB)")
+            continue
         if not raw.strip():
             continue
         try:
@@ -101,9 +142,13 @@ def parse_object(obj: Any, source: str, line: int | None) -> Parsed:
 
     if not isinstance(obj, dict):
         return bad(None, f"expected a JSON object with one of {_kinds()}, got {_json_type(obj)}")
+    unknown = [k for k in obj if k not in FIELDS]
     present = [k for k in KINDS if k in obj]
     if not present:
-        return bad(None, f"none of the fields {_kinds()} is present")
+        hint = f"; {_unknown_field(unknown[0])}" if unknown else ""
+        return bad(None, f"none of the fields {_kinds()} is present{hint}")
+    if unknown:
+        return bad(None, _unknown_field(unknown[0]))
     if len(present) > 1:
         return bad(present[1], f"give only one of {_kinds()}; this line has {' and '.join(present)}")
     kind = present[0]
@@ -122,6 +167,37 @@ def parse_object(obj: Any, source: str, line: int | None) -> Parsed:
     if not isinstance(pin, bool):
         return bad("pin", f"must be true or false, got {_json_type(pin)}")
     return PromptLine(source, line, kind, value, ident, pin)
+
+
+def _unknown_field(name: str) -> str:
+    close = difflib.get_close_matches(name, FIELDS, n=1, cutoff=0.6)
+    if not close:
+        close = difflib.get_close_matches(name.lower(), FIELDS, n=1, cutoff=0.6)
+    hint = f"did you mean \"{close[0]}\"? " if close else ""
+    return f"unknown field {_quoted(name)} ({hint}the fields are {', '.join(map(_quoted, FIELDS))})"
+
+
+def _quoted(name: str) -> str:
+    """A field name as JSON would write it: quoted, with control characters escaped."""
+    return json.dumps(name)
+
+
+def check_length(item: "PromptLine", context: int) -> tuple[str, str] | None:
+    """(field, message) if the text of `item` is too long to tokenize for a model whose context
+    is `context` tokens: checked before tokenizing, which costs time and memory per character."""
+    if item.kind == "tokens":
+        return None  # already a list of ids: its length is compared with the context as it is
+    limit = context * MAX_CHARS_PER_TOKEN
+    if item.kind == "prompt":
+        n = len(item.value)
+    else:
+        n = sum(len(m["content"]) if isinstance(m["content"], str) else len(json.dumps(m["content"]))
+                for m in item.value)
+    if n > limit:
+        return item.kind, (f"skipped: {n:,} characters is more than the {limit:,} that can fit the "
+                           f"model's context ({context} tokens x {MAX_CHARS_PER_TOKEN} characters); "
+                           f"not tokenized")
+    return None
 
 
 def check_prompt(value: Any) -> tuple[str, str] | None:

@@ -529,9 +529,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run_mlx_server_main(server, ["--help"])
     peek = _peek(passthrough)
     if peek.model is None:
-        from .demo import DEMO_NOTE, build_demo_model
+        from .demo import DEMO_NOTE, ensure_demo_model
 
-        passthrough = ["--model", str(build_demo_model())] + passthrough
+        passthrough = ["--model", str(ensure_demo_model())] + passthrough
         print(DEMO_NOTE, file=sys.stderr)
     if peek.host is None:
         passthrough = ["--host", "127.0.0.1"] + passthrough

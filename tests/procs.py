@@ -47,6 +47,13 @@ def main(argv: list[str]) -> dict:
     extra = json.loads(argv[5]) if len(argv) > 5 else {}
     tokens = json.loads(tokens_json)
     model, _ = load(model_dir)
+    if extra.get("rotating"):
+        # What mlx-lm's make_prompt_cache(model, max_kv_size=N) builds (keep=4), as generate's
+        # --max-kv-size does: a sliding window that keeps the first `keep` tokens.
+        from mlx_lm.models.cache import RotatingKVCache
+
+        size, keep = extra["rotating"]
+        model.make_cache = lambda: [RotatingKVCache(max_size=size, keep=keep) for _ in model.layers]
     with kvstore.open(store_dir, chunk_size=int(chunk), memory_bytes=extra.get("memory_bytes")) as store:
         mc = store.bind(model, model_dir, kv_bits=extra.get("kv_bits"), kv_group_size=extra.get("kv_group_size", 64))
         if mode == "insert":
@@ -69,6 +76,14 @@ def main(argv: list[str]) -> dict:
                 bool(mx.array_equal(a[..., :reused, :], b[..., :reused, :]))
                 for c, r in zip(cache, ref_cache)
                 for a, b in zip(c.keys + c.values, r.keys + r.values))
+            ref = model(mx.array([rest]), cache=ref_cache)
+        elif extra.get("ref_step"):
+            # The recompute takes the same steps as the insert: with a window that keeps its
+            # first tokens, what a step attends to depends on the steps taken before it.
+            ref_cache = make_prompt_cache(model)
+            step = extra["ref_step"]
+            for pos in range(0, reused, step):
+                model(mx.array([tokens[pos : min(reused, pos + step)]]), cache=ref_cache)
             ref = model(mx.array([rest]), cache=ref_cache)
         else:
             ref_cache = make_prompt_cache(model)

@@ -13,7 +13,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx_lm
 import pytest
-from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache, make_prompt_cache
 
 try:
     from kvstore import demo
@@ -64,6 +64,10 @@ def test_build_load_forward(tmp_path, arch):
         assert max(windows) < 100  # prompts longer than the window stay cheap in tests
     elif arch == "qwen3_5":
         assert kinds == {ArraysCache, KVCache}
+    elif arch == "baichuan_m1":  # a real mlx-lm architecture whose layers are CacheLists
+        assert kinds == {CacheList}
+        assert {tuple(type(c) for c in layer.caches) for layer in caches} == {
+            (ArraysCache, RotatingKVCache), (ArraysCache, KVCache)}
 
     ids = tok.encode("The quick brown fox jumps.")[:20]
     assert len(ids) == 20

@@ -136,7 +136,7 @@ def _random_kills(tmp_path, llama, runs: int, max_delay: float) -> dict:
     all_prompts: list[list[int]] = []
     for run in range(runs):
         seed = 100 + run
-        ps = prompts(seed, 12, C)
+        ps = prompts(seed, 40, C)  # more than a child can warm before the kill
         child = Child("warm", store, model_path, C, seed, len(ps), 3)
         child.ready.wait(timeout=120)
         time.sleep(rng.uniform(0, max_delay))
@@ -144,10 +144,11 @@ def _random_kills(tmp_path, llama, runs: int, max_delay: float) -> dict:
         code = child.wait()
         assert code in (0, -signal.SIGKILL), child.stderr
         figures["runs"] += 1
-        figures["killed"] += code == -signal.SIGKILL
+        figures["killed"] += code == -signal.SIGKILL and not any(item.get("done") for item in child.lines)
         all_flushed += [ps[i] for i in child.flushed()]
-        all_prompts += ps
-        check = all_prompts if run == runs - 1 else ps  # restores of everything at the end
+        reached = ps[: len(child.flushed()) + 1]  # the flushed ones and the one in flight
+        all_prompts += reached
+        check = all_prompts if run == runs - 1 else reached  # restores of everything at the end
         kinds = recover_and_check(store, model_path, model, check, all_flushed,
                                   {"temp_file", "orphan_file"})
         for k in kinds:
@@ -158,7 +159,8 @@ def _random_kills(tmp_path, llama, runs: int, max_delay: float) -> dict:
 def test_kill_at_random_moments(tmp_path, llama, soak):
     runs = 3 if not soak[0] else max(3, soak[1])
     figures = _random_kills(tmp_path, llama, runs, max_delay=0.3)
-    assert figures["runs"] == runs
+    # Every child was killed in the middle of its warm: a run that finished tested no crash.
+    assert figures["killed"] == runs, figures
     if soak[0]:
         print(f"\nSOAK random kills: {json.dumps(figures)}")
 
@@ -329,28 +331,37 @@ def test_index_damaged_inside_never_breaks_fetch_and_is_rebuilt(tmp_path, llama)
     ps = prompts(8, 16, C)
     store = _stored(tmp_path, llama, ps)
     db = store / "index.sqlite"
+    assert not Path(f"{db}-wal").exists()  # everything is in the main file
+    # The pages of the records table and of its indexes (SQLite's own map of the file), and the
+    # page size from the file's header: the rest (schema, meta, models) stays readable, so the
+    # store opens and the damage is met by fetch and insert, later.
+    with sqlite3.connect(db) as con:
+        pages = [n for (n,) in con.execute(
+            "SELECT pageno FROM dbstat WHERE name IN "
+            "(SELECT name FROM sqlite_master WHERE tbl_name = 'records')")]
+    con.close()
     data = bytearray(db.read_bytes())
-    page = 4096
-    assert len(data) >= 4 * page
-    for off in range(2 * page, len(data), page):  # every page but the first two: records, indexes
-        data[off + 8 : off + 400] = bytes(392)
+    page = struct.unpack_from(">H", data, 16)[0]
+    page = 65536 if page == 1 else page
+    assert page == 16384 and len(pages) >= 2
+    for n in pages:
+        off = (n - 1) * page
+        data[off : off + 400] = bytes(400)  # the b-tree page header and its first cells
     db.write_bytes(bytes(data))
-    try:
-        s = kvstore.open(store, chunk_size=C, memory_bytes=0)
-    except CorruptIndexError:
-        s = None
-    if s is not None:
-        with s:
-            mc = s.bind(model, model_path)
-            for p in ps[:4]:
-                query = p + [9]
-                cache, rest = mc.fetch(query)  # a miss (or what still reads), never an exception
-                assert logits_diff(model, cache, rest, query) <= TOL
-                fresh = make_prompt_cache(model)
-                model(mx.array([p]), cache=fresh)
-                mc.insert(p, fresh)  # never raises either: the writer counts what it cannot write
-            with pytest.raises(CorruptIndexError, match="verify --repair"):
-                s.verify()
+    s = kvstore.open(store, chunk_size=C, memory_bytes=0)  # the damage is inside: open succeeds
+    with s:
+        mc = s.bind(model, model_path)
+        for i, p in enumerate(ps[:4]):
+            query = p + [9]
+            cache, rest = mc.fetch(query)  # a miss (or what still reads), never an exception
+            assert logits_diff(model, cache, rest, query) <= TOL
+            if i == 0:  # the damage was met: nothing readable on disk (later ones may reuse the queue)
+                assert rest == query
+            fresh = make_prompt_cache(model)
+            model(mx.array([p]), cache=fresh)
+            mc.insert(p, fresh)  # never raises either: the writer counts what it cannot write
+        with pytest.raises(CorruptIndexError, match="verify --repair"):
+            s.verify()
     result = rebuild_index(store)
     assert result["records"] > 0 and result["skipped"] == []
     with kvstore.open(store, chunk_size=C) as s:

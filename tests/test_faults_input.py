@@ -109,16 +109,26 @@ def test_symlinked_folders_in_the_blob_tree_are_never_followed(tmp_path, llama):
     outside = tmp_path / "outside"
     (outside / "cd").mkdir(parents=True)
     (outside / "precious.txt").write_text("keep me")
-    (outside / "cd" / ("f0cd" + "1" * 28 + ".safetensors")).write_bytes(b"not yours")
-    (root / "f0").symlink_to(outside, target_is_directory=True)
+    used = {p.name for p in root.iterdir()}
+    with kvstore.open(store, chunk_size=C) as s:
+        ns = s.bind(model, model_path).ns
+    # The next record, chosen so that its folder is not one a stored record already uses.
+    for start in range(60, 260):
+        new = tokens + [t % 250 for t in range(start, start + C)]
+        h = keys.chain(ns, np.asarray(new), C)[len(tokens) // C]
+        if h.hex()[:2] not in used:
+            break
+    # A planted link named like a blob folder, but not the folder of a stored record nor of the
+    # next one (with a fixed name, 1 run in 256 collided with a real folder).
+    taken = used | {h.hex()[:2]}
+    planted = next(f"{i:02x}" for i in range(256) if f"{i:02x}" not in taken)
+    (outside / "cd" / (planted + "cd" + "1" * 28 + ".safetensors")).write_bytes(b"not yours")
+    (root / planted).symlink_to(outside, target_is_directory=True)
     # Where the next record will be written: its first folder is a link out of the store.
-    new = tokens + list(range(60, 60 + C))
     with kvstore.open(store, chunk_size=C) as s:
         mc = s.bind(model, model_path)
-        h = keys.chain(mc.ns, np.asarray(new), C)[len(tokens) // C]
         first = root / h.hex()[:2]
-        if first.exists():
-            shutil.rmtree(first)
+        assert not first.exists()
         (outside / "w").mkdir()
         first.symlink_to(outside / "w", target_is_directory=True)
         before = tree(outside)
@@ -130,7 +140,7 @@ def test_symlinked_folders_in_the_blob_tree_are_never_followed(tmp_path, llama):
         assert kinds == ["foreign_file", "foreign_file"]  # both links, reported, not entered
         s.verify(repair=True)
         assert s.verify() == []
-    assert tree(outside) == before and not os.path.lexists(root / "f0")
+    assert tree(outside) == before and not os.path.lexists(root / planted)
     with kvstore.open(store, chunk_size=C, memory_bytes=0) as s:
         mc = s.bind(model, model_path)
         mc.insert(new, prefill(model, new))  # with the link gone the write goes through
@@ -253,7 +263,10 @@ def test_nan_and_inf_in_a_cache_are_stored_as_computed(tmp_path, llama):
         store.flush()
         w = store.stats()["writer"]
         assert (w["write_errors"], w["dropped_jobs"]) == (0, 0)
-        other = prompts(25, 1, C)[0]
+        # Another prompt, sharing nothing with the first (prompts() all share a system prompt: a
+        # stored child of the same chunk would tie with the NaN tail and could be served instead).
+        other = [int(t) for t in np.random.default_rng(25).integers(0, 250, 2 * C + 3)]
+        other[0] = (tokens[0] + 1) % 250
         mc.insert(other, prefill(model, other))  # the writer is alive and well
         store.flush()
         assert store.stats()["writer"]["write_errors"] == 0

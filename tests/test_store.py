@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -249,6 +250,15 @@ def test_fetch_returns_the_true_common_prefix(tmp_path_factory, llama, data):
         base = seqs[data.draw(st.integers(0, len(seqs) - 1))]
         cut = data.draw(st.integers(0, len(base)))
         query = base[:cut] + query
+    if data.draw(st.booleans()):
+        # A branch at any position of a chunk, its last token included: the query follows a
+        # stored sequence up to `cut` and differs there.
+        base = data.draw(st.lists(st.integers(0, vocab - 1), min_size=C + 1, max_size=3 * C + 3))
+        seqs.append(base)  # at least one full chunk, so the branch can fall inside one
+        chunk = data.draw(st.integers(0, max(0, (len(base) - 1) // C)))
+        offset = data.draw(st.one_of(st.sampled_from([0, C - 1]), st.integers(0, C - 1)))  # edges often
+        cut = min(len(base) - 1, chunk * C + offset)
+        query = base[:cut] + [(base[cut] + 1) % vocab] + query
     tmp = tmp_path_factory.mktemp("hyp")
     with kvstore.open(tmp / "s", chunk_size=C, memory_bytes=data.draw(st.sampled_from([0, 1 << 30]))) as store:
         mc = store.bind(model, path)
@@ -264,6 +274,30 @@ def test_fetch_returns_the_true_common_prefix(tmp_path_factory, llama, data):
         cache, rest = mc.fetch(query)
         assert len(query) - len(rest) == max(expected, 0)
         assert rest == query[len(query) - len(rest):]
+
+
+def _fake_cache(model, n):
+    cache = make_prompt_cache(model)
+    for layer in cache:  # K/V of the right shapes: the prefix logic is what is tested
+        layer.update_and_fetch(mx.zeros((1, 2, n, 16)), mx.zeros((1, 2, n, 16)))
+    return cache
+
+
+def test_a_branch_at_every_position_of_a_chunk_reuses_exactly_the_common_prefix(tmp_path, llama):
+    """Every position of the first, a middle and the last chunk, and of the tail: a query that
+    differs from the stored sequence there reuses exactly the tokens before it (a chain hash that
+    skipped a chunk's last token would reuse the whole chunk at its last position)."""
+    path, model = llama
+    stored = rand_tokens(3 * C + 7, seed=50)
+    with kvstore.open(tmp_path / "s", chunk_size=C, memory_bytes=0) as store:
+        mc = store.bind(model, path)
+        mc.insert(stored, _fake_cache(model, len(stored)))
+        store.flush()
+        for cut in range(len(stored)):
+            query = stored[:cut] + [(stored[cut] + 1) % 250] + stored[cut + 1 :]
+            cache, rest = mc.fetch(query)
+            assert len(query) - len(rest) == cut, f"branch at {cut} (position {cut % C} of chunk {cut // C + 1})"
+            assert mc.stored_length(query) == cut
 
 
 def _lcp(a, b):
@@ -331,15 +365,32 @@ def test_bad_input_is_refused_with_a_clear_message(tmp_path, llama):
     a_file.write_text("x")
     with pytest.raises(StoreOpenError, match="not a directory"):
         kvstore.open(a_file)
-    ro = tmp_path / "ro"
-    ro.mkdir(mode=0o500)
-    if os.geteuid() != 0:  # root writes anywhere
-        with pytest.raises(StoreOpenError, match="not writable"):
-            kvstore.open(ro)
     with pytest.raises(StoreOpenError, match="cannot create"):
         kvstore.open(a_file / "sub")
     with pytest.raises(InvalidInputError, match="chunk_size"):
         kvstore.open(tmp_path / "x", chunk_size=0)
+
+
+def test_store_path_not_writable_is_refused(tmp_path):
+    """A folder this process cannot write. Root writes through any mode bits, so as root the
+    folder is a read-only bind mount (what a read-only share looks like); else mode 0500."""
+    ro = tmp_path / "ro"
+    ro.mkdir(mode=0o500)
+    mounted = False
+    if os.geteuid() == 0:
+        result = subprocess.run(["mount", "--bind", "-o", "ro", str(ro), str(ro)], capture_output=True, text=True)
+        if result.returncode != 0:
+            pytest.skip(f"root, and no read-only bind mount here ({result.stderr.strip()})")
+        mounted = True
+    try:
+        with pytest.raises(StoreOpenError) as refused:
+            kvstore.open(ro)
+        message = str(refused.value)  # names the folder and why
+        assert str(ro) in message and re.search(r"not writable|Read-only file system|Permission denied", message)
+        assert os.listdir(ro) == []  # nothing was made in it
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(ro)], check=True)
 
 
 def test_store_from_a_newer_schema_refuses_to_open(tmp_path):
@@ -383,6 +434,33 @@ def test_bf16_stays_bf16_bit_exact(tmp_path, llama):
         a = np.array(got[1].keys.view(mx.uint16))
         b = np.array(cache[1].keys[..., : len(tokens), :].view(mx.uint16))
         assert (a == b).all()
+
+
+def test_chain_hash_known_answers():
+    """Fixed digests, computed once and written here: any change to what is hashed (a skipped
+    token, another byte order, another seed) changes them, and every stored key with them."""
+    import xxhash
+
+    from kvstore import keys
+
+    ns = b"n" * 16
+    t = np.arange(600)
+    assert [h.hex() for h in keys.chain(ns, t, 256)] == [
+        "cef3683032303d7b54c546fe4be52cb0", "26f985d324c89d5c47b5bf74d550275e"]
+    assert keys.tail_hash(keys.chain(ns, t, 256)[-1], t[512:]).hex() == "1149666bb216dede4ff41bcafaaf0370"
+    assert [h.hex() for h in keys.chain(ns, np.arange(8), 4)] == [
+        "fdfba931761ea2d34ea05ddcdc0d8fec", "e216afdc39744c5d0bc93722cc79efb3"]
+    assert keys.tail_hash(ns, np.array([7])).hex() == "7360ffde8d52d9f58edcd131d97563a9"
+    assert keys.namespace(b"\x01" * 16, {"layers": [{"class": "KVCache"}]}, 256).hex() == \
+        "f09f2ed7a961c8abd9f0d3b07d7ead22"
+    # The definition itself: h_i = xxh3_128(h_{i-1} || chunk i as little-endian int32).
+    h1 = xxhash.xxh3_128_digest(ns + np.arange(4, dtype="<i4").tobytes())
+    assert keys.chain(ns, np.arange(8), 4) == [h1, xxhash.xxh3_128_digest(h1 + np.arange(4, 8, dtype="<i4").tobytes())]
+    # Every token of a chunk counts, its last one too.
+    for i in range(4):
+        other = np.arange(8)
+        other[4 + i] += 1
+        assert keys.chain(ns, other, 4)[1] != keys.chain(ns, np.arange(8), 4)[1], i
 
 
 def test_chain_hashes_are_the_same_in_every_process():

@@ -1,0 +1,71 @@
+"""Restores of a real CacheList model and of a sliding window that keeps its first tokens give
+the logits and 20 greedy tokens of a recompute, each checked in a fresh process.
+
+- `baichuan_m1` (a real mlx-lm architecture, built by the demo builder): every layer is a
+  `CacheList` of a short-convolution `ArraysCache` and a `KVCache`, or a `RotatingKVCache` on its
+  sliding-window layers.
+- llama with mlx-lm's `--max-kv-size` cache: `RotatingKVCache(max_size, keep=4)` on every layer,
+  filled well past its window so that it wraps, then restored there.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+HERE = Path(__file__).parent
+C = 16
+TOL = 1e-4
+
+
+def run(mode, store, model, tokens, **extra) -> dict:
+    cmd = [sys.executable, str(HERE / "procs.py"), mode, str(store), str(model), str(C),
+           json.dumps(tokens), json.dumps(extra)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def toks(n, seed):
+    return [int(t) for t in np.random.default_rng(seed).integers(0, 250, n)]
+
+
+def same_as_recompute(got: dict) -> None:
+    assert got["max_abs_diff"] <= TOL, got
+    assert len(got["greedy"]) == 20 and got["greedy"] == got["greedy_ref"], got
+
+
+@pytest.mark.parametrize("steps", [None, 24], ids=["one-shot", "in-steps"])
+def test_cache_list_model_restores_like_a_recompute(tmp_path, demo_model, steps):
+    model = demo_model("baichuan_m1")  # window 32 on its sliding layers
+    prompt = toks(3 * C + 21, 1)  # past the window
+    extra = {"step": steps, "insert_each_step": True} if steps else {}
+    stats = run("insert", tmp_path / "s", model, prompt, **extra)["stats"]
+    assert stats["checkpoints"] >= 1  # the convolution state, at the end of what was inserted
+    got = run("check", tmp_path / "s", model, prompt + toks(3, 2), memory_bytes=0)
+    assert got["classes"] == ["CacheList"] * 4
+    assert got["reused"] == len(prompt)
+    same_as_recompute(got)
+    # A branch inside the prompt: the convolution state there was never stored, so nothing is
+    # restored rather than something wrong.
+    inside = run("check", tmp_path / "s", model, prompt[:40] + toks(3, 3), memory_bytes=0)
+    assert inside["reused"] in (0, 24) if steps else inside["reused"] == 0
+    same_as_recompute(inside)
+
+
+@pytest.mark.parametrize("step", [8, 40], ids=["steps-within-window", "steps-past-window"])
+def test_sliding_window_with_keep_restored_past_the_window(tmp_path, demo_model_path, step):
+    rotating = [24, 4]  # window of 24 tokens, the first 4 always kept
+    prompt = toks(5 * C + 7, 4)  # 87 tokens: the window has wrapped several times
+    q = dict(rotating=rotating, step=step, insert_each_step=True)
+    run("insert", tmp_path / "s", demo_model_path, prompt, **q)
+    got = run("check", tmp_path / "s", demo_model_path, prompt + toks(3, 5), memory_bytes=0,
+              rotating=rotating, ref_step=step)
+    assert got["classes"] == ["RotatingKVCache"] * 4
+    assert got["reused"] == len(prompt)
+    same_as_recompute(got)
