@@ -1,0 +1,367 @@
+"""The store touches only what is its own; hostile files never hang, crash or mislead it (issue 14).
+
+Every test breaks a store (or a folder that is not one) on purpose and asserts what the user
+keeps: files outside the store unchanged, nothing created where nothing should be, blobs still
+there after a lost index, commands finishing within a bound (a subprocess timeout is the hang
+detector, never a timing assertion), and an error that says what is wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import stat
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import xxhash
+
+import kvstore
+from faultproc import prompts
+from kvstore import blobs, keys
+from kvstore.errors import BlobError, CorruptIndexError, IndexLostError, NotAStoreError, StoreOpenError
+from kvstore.maintenance import verify as verify_tree
+from kvstore.rebuild import rebuild_index
+from kvtest import logits_diff, prefill
+
+C = 16
+TOL = 1e-4
+REPO = Path(__file__).resolve().parents[1]
+HANG_S = 120  # a command that takes longer than this is taken to hang
+
+
+# -- helpers ----------------------------------------------------------------------------------
+
+def snapshot(path: Path) -> dict[str, tuple]:
+    """Every entry under `path` (links not followed): its kind, mode and bytes or link target."""
+    out = {}
+    for dirpath, dirs, files in os.walk(path):
+        for name in dirs + files:
+            p = Path(dirpath) / name
+            st = os.lstat(p)
+            if stat.S_ISLNK(st.st_mode):
+                out[str(p.relative_to(path))] = ("link", os.readlink(p))
+            elif stat.S_ISREG(st.st_mode):
+                out[str(p.relative_to(path))] = ("file", stat.S_IMODE(st.st_mode), p.read_bytes())
+            else:
+                out[str(p.relative_to(path))] = ("other", st.st_mode)
+    return out
+
+
+def kv(*args, home: Path, timeout: float = HANG_S) -> subprocess.CompletedProcess:
+    """`kvstore ARGS...` in a new process (a hang fails the test through the timeout)."""
+    env = {k: v for k, v in os.environ.items() if k != "KVSTORE_DIR"}
+    env.update(HOME=str(home), PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+    result = subprocess.run([sys.executable, "-m", "kvstore.cli", *map(str, args)], capture_output=True,
+                            text=True, env=env, cwd=REPO, timeout=timeout)
+    assert "Traceback" not in result.stderr, result.stderr
+    return result
+
+
+def warm(store: Path, llama, seqs, **kw) -> list:
+    """A store holding `seqs`; its rows."""
+    model_path, model = llama
+    with kvstore.open(store, chunk_size=C, **kw) as s:
+        mc = s.bind(model, model_path)
+        for t in seqs:
+            mc.insert(t, prefill(model, t))
+        s.flush()
+        assert s.stats()["writer"]["write_errors"] == 0
+        return list(s.index.rows())
+
+
+def restores(store: Path, llama, seqs) -> None:
+    model_path, model = llama
+    with kvstore.open(store, chunk_size=C, memory_bytes=0) as s:
+        mc = s.bind(model, model_path)
+        for t in seqs:
+            query = t + [3]
+            cache, rest = mc.fetch(query)
+            assert rest == [3]
+            assert logits_diff(model, cache, rest, query) <= TOL
+
+
+def hf_cache_folder(tmp_path: Path) -> Path:
+    """A Hugging Face hub cache folder of one model, as `huggingface_hub` lays it out."""
+    repo = tmp_path / "hub" / "models--org--name"
+    weights = {"a" * 64: os.urandom(4096), "b" * 64: b'{"model_type": "llama"}'}
+    for name, data in weights.items():
+        (repo / "blobs").mkdir(parents=True, exist_ok=True)
+        (repo / "blobs" / name).write_bytes(data)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abcd")
+    snap = repo / "snapshots" / "0123abcd"
+    snap.mkdir(parents=True)
+    (snap / "model.safetensors").symlink_to("../../blobs/" + "a" * 64)
+    (snap / "config.json").symlink_to("../../blobs/" + "b" * 64)
+    return repo
+
+
+@pytest.fixture
+def home(tmp_path) -> Path:
+    h = tmp_path / "home"
+    h.mkdir()
+    return h
+
+
+# -- 1. never delete or write outside the store -----------------------------------------------
+
+@pytest.mark.parametrize("command", [["verify", "--repair"], ["verify", "--repair", "--force"],
+                                     ["gc", "--max-bytes", "0"], ["stats"], ["verify"]])
+def test_a_hugging_face_cache_folder_is_not_a_store(tmp_path, home, command):
+    repo = hf_cache_folder(tmp_path)
+    before = snapshot(tmp_path / "hub")
+    result = kv(*command, "--store", repo, home=home)
+    assert result.returncode != 0
+    assert "not a kvstore store" in result.stderr and str(repo) in result.stderr
+    assert snapshot(tmp_path / "hub") == before  # every file unchanged, nothing created
+    with pytest.raises(NotAStoreError, match="not a kvstore store"):
+        kvstore.open(repo)
+    with pytest.raises(NotAStoreError):
+        rebuild_index(repo)
+    assert snapshot(tmp_path / "hub") == before
+
+
+def test_stats_verify_gc_create_nothing(tmp_path, home):
+    missing = tmp_path / "nothing" / "here"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for command in (["stats"], ["verify"], ["verify", "--repair"], ["gc", "--max-bytes", "0"]):
+        for where in (missing, empty):
+            result = kv(*command, "--store", where, home=home)
+            assert result.returncode != 0 and "no kvstore store" in result.stderr, result.stderr
+    assert not (tmp_path / "nothing").exists() and os.listdir(empty) == []
+    assert os.listdir(home) == []
+    with pytest.raises(NotAStoreError):
+        kvstore.open(missing, create=False)
+    kvstore.open(empty).close()  # an empty folder becomes a store when asked to
+    assert {"index.sqlite", "blobs"} <= set(os.listdir(empty))
+
+
+def test_a_folder_with_other_files_is_refused_with_what_is_in_it(tmp_path):
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    (folder / "thesis.txt").write_text("years of work")
+    with pytest.raises(NotAStoreError, match="thesis.txt"):
+        kvstore.open(folder)
+    assert os.listdir(folder) == ["thesis.txt"]
+    # A file named like the index that is not kvstore's is never taken for (or rebuilt as) one.
+    (folder / "index.sqlite").write_bytes(b"not a database at all" * 10)
+    with pytest.raises(NotAStoreError, match="not kvstore's index"):
+        kvstore.open(folder)
+    sqlite3.connect(folder / "other.sqlite").execute("CREATE TABLE t (x)").connection.close()
+    os.replace(folder / "other.sqlite", folder / "index.sqlite")
+    with pytest.raises(NotAStoreError, match="no file_digests, meta, models"):
+        kvstore.open(folder)
+    assert sorted(os.listdir(folder)) == ["index.sqlite", "thesis.txt"]
+
+
+def test_symlinked_blob_tree_is_refused_and_never_emptied(tmp_path, llama, home):
+    store = tmp_path / "s"
+    warm(store, llama, prompts(40, 2, C))
+    outside = tmp_path / "outside"
+    (store / "blobs").rename(outside)  # the user's files now sit where the link points
+    (outside / "precious.txt").write_text("keep me")
+    (store / "blobs").symlink_to(outside, target_is_directory=True)
+    before = snapshot(outside)
+    for command in (["verify", "--repair"], ["verify", "--repair", "--force"], ["gc", "--max-bytes", "0"],
+                    ["stats"]):
+        result = kv(*command, "--store", store, home=home)
+        assert result.returncode != 0 and "symbolic link" in result.stderr, result.stderr
+    model_path, model = llama
+    with pytest.raises(StoreOpenError, match="symbolic link"):
+        kvstore.open(store)
+    with pytest.raises(StoreOpenError, match="symbolic link"):
+        rebuild_index(store)
+    assert snapshot(outside) == before
+    # And what walks the tree never goes through a link either.
+    assert list(blobs.walk(store / "blobs")) == []
+
+
+def test_symlinked_hex_folder_is_never_entered_by_gc_verify_or_writes(tmp_path, llama):
+    model_path, model = llama
+    seqs = prompts(41, 6, C)
+    store = tmp_path / "s"
+    rows = warm(store, llama, seqs)
+    root = store / "blobs"
+    victim = rows[0].hash.hex()
+    outside = tmp_path / "outside"
+    # Same-named files outside: gc used to delete them through a symlinked `blobs/ab`.
+    os.replace(root / victim[:2], outside)
+    (root / victim[:2]).symlink_to(outside, target_is_directory=True)
+    before = snapshot(outside)
+    with kvstore.open(store, chunk_size=C) as s:
+        result = s.gc(max_bytes=0)
+        assert snapshot(outside) == before
+        assert result["evicted"] > 0
+        problems = s.verify(repair=True)
+        assert any(p.kind == "foreign_file" and "symbolic link" in p.detail for p in problems)
+        mc = s.bind(model, model_path)
+        for t in seqs:
+            mc.insert(t, prefill(model, t))
+        s.flush()
+    assert snapshot(outside) == before  # neither deleted nor written through the link
+    assert not (root / victim[:2]).is_symlink()  # the link itself was moved aside, kept;
+    restores(store, llama, seqs)  # and the records are written again in a real folder
+    assert [p.name for p in (store / "quarantine").iterdir()][0].endswith(victim[:2])
+
+
+def test_dangling_index_symlink_never_creates_an_index_outside(tmp_path, home):
+    store = tmp_path / "s"
+    kvstore.open(store).close()
+    for name in ("index.sqlite", "index.sqlite-wal", "index.sqlite-shm"):
+        if os.path.lexists(store / name):
+            os.unlink(store / name)
+    target = tmp_path / "elsewhere" / "index.sqlite"
+    target.parent.mkdir()
+    (store / "index.sqlite").symlink_to(target)
+    for command in (["stats"], ["verify", "--repair"], ["gc", "--max-bytes", "0"]):
+        result = kv(*command, "--store", store, home=home)
+        assert result.returncode != 0 and "symbolic link" in result.stderr, result.stderr
+    with pytest.raises(StoreOpenError, match="symbolic link"):
+        kvstore.open(store)
+    assert os.listdir(target.parent) == []
+    # The index's companions too: a -wal link would have SQLite write through it.
+    os.unlink(store / "index.sqlite")
+    kvstore.open(store).close()
+    (store / "index.sqlite-wal").symlink_to(tmp_path / "elsewhere" / "wal")
+    with pytest.raises(StoreOpenError, match="index.sqlite-wal is a symbolic link"):
+        kvstore.open(store)
+    assert os.listdir(target.parent) == []
+
+
+def test_store_path_with_hash_and_question_mark(tmp_path, llama, home):
+    seqs = prompts(42, 3, C)
+    store = tmp_path / "a#b?c=d"
+    model_path, model = llama
+    with kvstore.open(store, chunk_size=C) as s:
+        mc = s.bind(model, model_path)
+        for t in seqs:
+            mc.prefill(t, pin=True)
+        s.flush()
+        n = len(list(s.index.rows()))
+    # A decoy where an unescaped `file:` URI would point (`a`, up to the `#`).
+    decoy = tmp_path / "a"
+    decoy.write_bytes(b"decoy")
+    result = rebuild_index(store)  # reads the pins back from the index it moved aside
+    assert result["records"] == n and result["salvaged"] == n
+    with kvstore.open(store, chunk_size=C) as s:
+        assert all(r.pinned for r in s.index.rows())
+    result = kv("stats", "--json", "--store", store, home=home)
+    assert result.returncode == 0 and json.loads(result.stdout)["chunks"] > 0
+    assert decoy.read_bytes() == b"decoy" and sorted(os.listdir(tmp_path)) == ["a", "a#b?c=d", "home"]
+    restores(store, llama, seqs)
+
+
+def test_repair_deletes_only_kvstore_names_and_moves_the_rest_aside(tmp_path, llama):
+    store = tmp_path / "s"
+    seqs = prompts(43, 2, C)
+    warm(store, llama, seqs)
+    root = store / "blobs"
+    name = "ab" + "cd" + "e" * 28 + blobs.SUFFIX
+    planted = {
+        root / "notes.txt": b"mine",
+        root / "ab" / "cd" / "photo.jpg": b"\xff\xd8 photo",
+        root / "ab" / name: b"blob name in the wrong folder",
+        root / "ab" / "cd" / "deep" / "x.bin": b"deeper than blobs go",
+    }
+    for p, data in planted.items():
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(data)
+    orphan = root / "ab" / "cd" / name
+    orphan.write_bytes(b"a blob name, no row")
+    os.mkfifo(root / "ab" / "cd" / ("abcd" + "f" * 28 + blobs.SUFFIX))
+    with kvstore.open(store, chunk_size=C) as s:
+        kinds = sorted(p.kind for p in s.verify(repair=True))
+        assert kinds == ["foreign_file"] * 5 + ["orphan_file"], kinds
+        assert s.verify() == []
+    assert not orphan.exists()  # a name kvstore writes, in its place: deleted
+    kept = {p.name.split(".", 1)[1]: p for p in (store / "quarantine").iterdir()}
+    assert kept["notes.txt"].read_bytes() == b"mine"
+    assert kept["ab_cd_photo.jpg"].read_bytes() == b"\xff\xd8 photo"
+    assert kept[f"ab_{name}"].read_bytes() == b"blob name in the wrong folder"
+    assert (kept["ab_cd_deep"] / "x.bin").read_bytes() == b"deeper than blobs go"
+    assert stat.S_ISFIFO(os.lstat(kept["ab_cd_abcd" + "f" * 28 + blobs.SUFFIX]).st_mode)
+    restores(store, llama, seqs)
+
+
+# -- 2. a lost index never wipes the cache ----------------------------------------------------
+
+def _lose_index_keep_wal(store: Path, llama, seqs) -> None:
+    """The state a crash leaves: a store whose index is gone but whose -wal is still there."""
+    model_path, model = llama
+    script = (
+        "import os, sys, kvstore\n"
+        "from mlx_lm import load\n"
+        "from kvtest import prefill\n"
+        f"model, _ = load({str(model_path)!r})\n"
+        f"s = kvstore.open({str(store)!r}, chunk_size={C})\n"
+        "mc = s.bind(model, " + repr(str(model_path)) + ")\n"
+        f"for t in {seqs!r}:\n"
+        "    mc.insert(t, prefill(model, t))\n"
+        "s.flush()\n"
+        f"os.unlink({str(store / 'index.sqlite')!r})\n"
+        "os._exit(0)  # no checkpoint: the -wal stays\n")
+    env = {**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}
+    subprocess.run([sys.executable, "-c", script], check=True, env=env, timeout=HANG_S)
+    assert (store / "index.sqlite-wal").stat().st_size > 0 and not (store / "index.sqlite").exists()
+
+
+def test_lost_index_with_its_wal_left_is_lost_and_never_wipes_the_blobs(tmp_path, llama, home):
+    seqs = prompts(44, 6, C)
+    store = tmp_path / "s"
+    _lose_index_keep_wal(store, llama, seqs)
+    blob_files = sorted(p for p in blobs.walk(store / "blobs"))
+    assert len(blob_files) >= 6
+    with pytest.raises(IndexLostError, match=rf"kvstore verify --repair --store {store}"):
+        kvstore.open(store, chunk_size=C)
+    result = kv("stats", "--store", store, home=home)
+    assert result.returncode != 0 and "verify --repair" in result.stderr
+    result = kv("gc", "--max-bytes", "0", "--store", store, home=home)
+    assert result.returncode != 0 and "verify --repair" in result.stderr
+    assert sorted(blobs.walk(store / "blobs")) == blob_files  # still all there
+    assert not (store / "index.sqlite").exists()
+    result = kv("verify", "--repair", "--store", store, home=home)
+    assert "rebuilt the index" in result.stderr, result.stderr
+    assert sorted(blobs.walk(store / "blobs")) == blob_files
+    # The old -wal was kept aside, never replayed into the rebuilt index.
+    assert any(n.startswith("index.sqlite-wal.stale-") for n in os.listdir(store))
+    restores(store, llama, seqs)
+
+
+def test_repair_never_deletes_most_blobs_as_orphans_without_force(tmp_path, llama):
+    seqs = prompts(45, 6, C)
+    store = tmp_path / "s"
+    rows = warm(store, llama, seqs)
+    blob_files = sorted(blobs.walk(store / "blobs"))
+    # An index replaced by an empty one (of another kvstore, say): every blob looks orphaned.
+    for name in ("index.sqlite", "index.sqlite-wal", "index.sqlite-shm"):
+        if (store / name).exists():
+            (store / name).unlink()
+    from kvstore.index import Index
+
+    os.close(os.open(store / "index.sqlite", os.O_CREAT | os.O_WRONLY, 0o600))
+    Index(store / "index.sqlite").close()
+    with kvstore.open(store, chunk_size=C) as s:
+        problems = s.verify(repair=True)
+        refused = [p for p in problems if p.kind == "repair_refused"]
+        assert len(refused) == 1 and "--force" in refused[0].detail and "rebuild" in refused[0].detail
+        assert sorted(blobs.walk(store / "blobs")) == blob_files  # kept
+        assert len(s.verify()) == len(rows)  # still reported, as orphan files
+        s.verify(repair=True, force=True)  # asked for explicitly: then they go
+        assert list(blobs.walk(store / "blobs")) == [] and s.verify() == []
+
+
+def test_a_few_orphans_are_still_cleaned_up_without_force(tmp_path, llama):
+    store = tmp_path / "s"
+    rows = warm(store, llama, prompts(46, 20, C))
+    with kvstore.open(store, chunk_size=C) as s:
+        leaf = next(r for r in rows if not any(c.parent == r.hash for c in rows))
+        s.index.delete([leaf.hash])  # one record's row lost: its file is an orphan
+        assert [p.kind for p in s.verify(repair=True)] == ["orphan_file"]
+        assert s.verify() == []
