@@ -147,6 +147,8 @@ def open_regular(path: Path | str, *, dir_fd: int | None = None) -> int:
 def read(root: Path, h: bytes, *, size: int, checksum: int) -> tuple[dict[str, mx.array], dict[str, str]]:
     """Read and check a blob; its arrays and metadata. Any damage raises BlobError."""
     path = blob_path(root, h)
+    if type(size) is not int or type(checksum) is not int or not 0 <= size <= MAX_BLOB_BYTES:
+        raise BlobError(f"{path}: the index says {size!r:.40} bytes, which no blob has")
     try:
         # O_NOFOLLOW: a blob planted as a symbolic link is never read through (ELOOP); a FIFO
         # is refused rather than waited on.
@@ -184,6 +186,8 @@ def read_into(root: Path, h: bytes, *, size: int, checksum: int,
     then hold part of the blob: the caller must not use them.
     """
     path = blob_path(root, h)
+    if type(size) is not int or type(checksum) is not int or not 0 <= size <= MAX_BLOB_BYTES:
+        raise BlobError(f"{path}: the index says {size!r:.40} bytes, which no blob has")
     try:
         fd = open_regular(path)
     except FileNotFoundError as e:
@@ -240,7 +244,7 @@ def prefetch(root: Path, hashes: Sequence[bytes]) -> None:
         return
     for h in hashes:
         try:
-            fd = os.open(blob_path(root, h), os.O_RDONLY | os.O_NOFOLLOW)
+            fd = open_regular(blob_path(root, h))  # a FIFO is skipped, never waited on
         except OSError:
             continue
         try:

@@ -365,3 +365,219 @@ def test_a_few_orphans_are_still_cleaned_up_without_force(tmp_path, llama):
         s.index.delete([leaf.hash])  # one record's row lost: its file is an orphan
         assert [p.kind for p in s.verify(repair=True)] == ["orphan_file"]
         assert s.verify() == []
+
+
+# -- 3. hostile files are errors, never hangs or crashes ---------------------------------------
+
+def _rewrite(store: Path, h: bytes, edit) -> None:
+    """Rewrite a blob's header and give its row the new size and checksum: only what the header
+    says can tell it from a good record."""
+    path = blobs.blob_path(store / "blobs", h)
+    buf = path.read_bytes()
+    (n,) = struct.unpack_from("<Q", buf, 0)
+    header = json.loads(buf[8 : 8 + n])
+    edit(header)
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    new = struct.pack("<Q", len(raw)) + raw + buf[8 + n :]
+    path.write_bytes(new)
+    checksum = xxhash.xxh3_64_intdigest(new)
+    con = sqlite3.connect(store / "index.sqlite")
+    with con:
+        con.execute("UPDATE records SET size = ?, checksum = ? WHERE hash = ?",
+                    (len(new), checksum - (1 << 64) if checksum >= 1 << 63 else checksum, h))
+    con.close()
+
+
+def _header(entries: dict, meta: dict | None = None, payload: int = 64) -> bytes:
+    header = dict(entries)
+    if meta is not None:
+        header["__metadata__"] = meta
+    raw = json.dumps(header).encode()
+    return struct.pack("<Q", len(raw)) + raw + bytes(payload)
+
+
+BAD_ENTRIES = {
+    "negative-dim": {"dtype": "F32", "shape": [-1, -4], "data_offsets": [0, 16]},
+    "float-dim": {"dtype": "F32", "shape": [2.0, 2], "data_offsets": [0, 16]},
+    "bool-dim": {"dtype": "F32", "shape": [True, 4], "data_offsets": [0, 16]},
+    "huge-dims": {"dtype": "F32", "shape": [1 << 62, 1 << 62, 0], "data_offsets": [0, 0]},
+    "overflowing-product": {"dtype": "U8", "shape": [1 << 32, 1 << 32], "data_offsets": [0, 16]},
+    "dim-beyond-json-ints": {"dtype": "F32", "shape": [10 ** 400], "data_offsets": [0, 16]},
+    "bool-offset": {"dtype": "U8", "shape": [1], "data_offsets": [False, True]},
+    "float-offset": {"dtype": "U8", "shape": [4], "data_offsets": [0.0, 4.0]},
+    "negative-offset": {"dtype": "U8", "shape": [4], "data_offsets": [-4, 0]},
+    "product-mismatch": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 12]},
+    "past-the-end": {"dtype": "U8", "shape": [100], "data_offsets": [0, 100]},
+    "unknown-dtype": {"dtype": "F8_E4M3", "shape": [4], "data_offsets": [0, 4]},
+    "dtype-not-a-string": {"dtype": ["F32"], "shape": [1], "data_offsets": [0, 4]},
+    "shape-not-a-list": {"dtype": "F32", "shape": "4", "data_offsets": [0, 16]},
+    "entry-not-an-object": [1, 2, 3],
+    "extra-field": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4], "x": 1},
+}
+
+
+@pytest.mark.parametrize("bad", list(BAD_ENTRIES))
+def test_parse_header_refuses_every_bad_field_with_a_blob_error(bad):
+    buf = _header({"t": BAD_ENTRIES[bad]})
+    with pytest.raises(BlobError, match="bad header entry"):
+        blobs.parse_header(buf, "f")
+    with pytest.raises(BlobError):
+        blobs.decode(buf, "f")
+
+
+@pytest.mark.parametrize("meta", [{"hash": 1}, ["x"], {"depth": None}, "text"])
+def test_parse_header_refuses_metadata_that_is_not_strings(meta):
+    with pytest.raises(BlobError, match="metadata"):
+        blobs.parse_header(_header({"t": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]}}, meta), "f")
+
+
+def test_parse_header_accepts_what_kvstore_writes():
+    head, pieces = blobs.encode({"a": ("F32", np.zeros((1, 2, 3, 4), np.float32)),
+                                 "e": ("I32", np.zeros((0,), np.int32))}, {"hash": "ab"})
+    buf = head + b"".join(p.tobytes() for p in pieces)
+    entries, base = blobs.parse_header(buf, "f")
+    assert entries["a"]["shape"] == [1, 2, 3, 4] and base == len(head)
+    assert blobs.header_metadata(buf) == {"hash": "ab"}
+
+
+def test_a_fifo_in_place_of_a_blob_never_hangs_verify_or_generate(tmp_path, demo_model_path, home):
+    store = tmp_path / "s"
+    prompt = "the same long system prompt, " * 30  # > 2 chunks of 256 byte-level tokens
+    result = kv("generate", "--store", store, "--model", demo_model_path, "--prompt", prompt,
+                "--max-tokens", "2", home=home)
+    assert result.returncode == 0, result.stderr
+    with kvstore.open(store, read_only=True) as s:
+        rows = sorted(s.index.rows(), key=lambda r: (r.kind, r.depth))
+    fifo = blobs.blob_path(store / "blobs", rows[1].hash)  # the second chunk
+    fifo.unlink()
+    os.mkfifo(fifo, 0o600)
+    result = kv("verify", "--store", store, home=home)
+    assert result.returncode != 0 and "not a regular file" in result.stdout, result.stdout
+    result = kv("generate", "--store", store, "--model", demo_model_path, "--prompt", prompt,
+                "--max-tokens", "2", home=home)
+    assert result.returncode == 0, result.stderr
+    assert "256 reused" in result.stderr  # the first chunk still served; the FIFO a miss
+    # ... quarantined, and stored again by that same generate: healed.
+    assert stat.S_ISREG(os.lstat(fifo).st_mode)
+    assert kv("verify", "--store", store, home=home).returncode == 0
+    os.unlink(fifo)
+    os.mkfifo(fifo, 0o600)
+    result = kv("verify", "--repair", "--store", store, home=home)
+    assert result.returncode != 0 and "repaired" in result.stdout
+    assert not os.path.lexists(fifo)
+    assert kv("verify", "--store", store, home=home).returncode == 0
+
+
+def test_rebuild_skips_and_reports_planted_files(tmp_path, llama):
+    seqs = prompts(47, 4, C)
+    store = tmp_path / "s"
+    rows = warm(store, llama, seqs)
+    root = store / "blobs"
+
+    def planted(i: int) -> Path:
+        name = f"{i:02x}" * 16
+        p = root / name[:2] / name[2:4] / (name + blobs.SUFFIX)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        return p
+
+    planted(1).write_bytes(_header({"t": BAD_ENTRIES["overflowing-product"]}))
+    planted(2).write_bytes(_header({"t": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]}},
+                                   {"hash": "02" * 16, "depth": "1e999", "format": "1"}))
+    planted(3).write_bytes(b"\xff" * 8 + b"x" * 100)
+    os.mkfifo(planted(4))
+    with open(planted(5), "wb") as f:  # a 30 GB blob-named file (sparse: no disk used)
+        f.truncate(30 << 30)
+    planted(6).symlink_to(blobs.blob_path(root, rows[0].hash))
+    os.unlink(store / "index.sqlite")
+    result = rebuild_index(store)
+    assert result["records"] == len(rows)
+    reasons = {Path(s["path"]).name[:2]: s["reason"] for s in result["skipped"]}
+    assert sorted(reasons) == ["01", "02", "03", "04", "05", "06"], reasons
+    assert "larger than any blob" in reasons["05"] and "not a regular file" in reasons["04"]
+    assert "symbolic link" in reasons["06"]
+    restores(store, llama, seqs)
+
+
+def test_negative_shape_blob_whose_row_matches_is_a_miss_not_a_crash(tmp_path, llama):
+    model_path, model = llama
+    seqs = prompts(48, 1, C)
+    t = seqs[0][: 2 * C]
+    store = tmp_path / "s"
+    rows = sorted(warm(store, llama, [t]), key=lambda r: r.depth)
+
+    def negative(header):
+        shape = header["0.keys"]["shape"]
+        header["0.keys"]["shape"] = [-shape[0], -shape[1]] + shape[2:]
+
+    _rewrite(store, rows[1].hash, negative)
+    with kvstore.open(store, chunk_size=C, memory_bytes=0) as s:
+        mc = s.bind(model, model_path)
+        query = t + [5]
+        cache, rest = mc.fetch(query)
+        assert len(query) - len(rest) == C and logits_diff(model, cache, rest, query) <= TOL
+        assert s.stats()["quarantined"] == 1
+        kinds = [p.kind for p in s.verify()]
+        assert kinds == ["quarantined"]
+        s.verify(repair=True)
+        assert s.verify() == []
+
+
+def test_rows_of_the_wrong_type_never_crash_verify_or_gc(tmp_path, llama):
+    seqs = prompts(49, 4, C)
+    store = tmp_path / "s"
+    rows = warm(store, llama, seqs)
+    con = sqlite3.connect(store / "index.sqlite")
+    with con:
+        cols = "hash, ns, parent, depth, kind, ntokens, tokens, size, checksum, created, last_access, hits, pinned, bad"
+        r = rows[0]
+        con.execute(f"INSERT INTO records ({cols}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    ("not-a-hash", r.ns, r.ns, 1, 0, r.ntokens, r.tokens, 10, 0, 0.0, 0.0, 0, 0, 0))
+        con.execute(f"INSERT INTO records ({cols}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (b"\x01" * 16, r.ns, r.ns, 1, 0, r.ntokens, r.tokens, "ten", "x", "now", 0.0, 0, 0, 0))
+        con.execute(f"INSERT INTO records ({cols}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (b"\x02" * 16, r.ns, r.ns, 1, 0, r.ntokens, r.tokens, 30 << 30, 5, 0.0, 0.0, 0, 0, 0))
+    con.close()
+    model_path, model = llama
+    with kvstore.open(store, chunk_size=C) as s:
+        problems = s.verify()
+        assert sorted(p.kind for p in problems) == ["bad_row"] * 3, [str(p) for p in problems]
+        result = s.gc(max_bytes=0)  # finishes: every good record evicted, files after the commit
+        assert result["evicted"] >= len(rows)
+        left = s.verify()
+        assert left and {p.kind for p in left} == {"bad_row"}  # and no orphan file left behind
+        assert list(blobs.walk(store / "blobs")) == []
+        s.verify(repair=True)
+        assert s.verify() == []
+        mc = s.bind(model, model_path)
+        assert mc.fetch(seqs[0] + [1])[1] == seqs[0] + [1]  # a miss, never an exception
+
+
+def test_a_blob_row_claiming_30_gb_is_never_read(tmp_path, llama):
+    model_path, model = llama
+    t = prompts(50, 1, C)[0][: 2 * C]
+    store = tmp_path / "s"
+    rows = sorted(warm(store, llama, [t]), key=lambda r: r.depth)
+    path = blobs.blob_path(store / "blobs", rows[1].hash)
+    with open(path, "r+b") as f:
+        f.truncate(30 << 30)  # sparse
+    con = sqlite3.connect(store / "index.sqlite")
+    with con:
+        con.execute("UPDATE records SET size = ? WHERE hash = ?", (30 << 30, rows[1].hash))
+    con.close()
+    script = (
+        "import kvstore\n"
+        "from mlx_lm import load\n"
+        f"model, _ = load({str(model_path)!r})\n"
+        f"with kvstore.open({str(store)!r}, chunk_size={C}, memory_bytes=0) as s:\n"
+        f"    mc = s.bind(model, {str(model_path)!r})\n"
+        f"    cache, rest = mc.fetch({t + [5]!r})\n"
+        f"    assert len(rest) == {C + 1}, len(rest)\n"
+        "    print(sorted(p.kind for p in s.verify()))\n")
+    # Reading it would take minutes and 30 GB of RAM: the timeout and rlimit catch that.
+    result = subprocess.run([sys.executable, "-c", f"import resource; resource.setrlimit("
+                             f"resource.RLIMIT_AS, (8 << 30, 8 << 30))\n{script}"],
+                            capture_output=True, text=True, timeout=HANG_S,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "['bad_row']"
