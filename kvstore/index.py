@@ -84,17 +84,23 @@ def sqlite_uri(path: Path, **params: str) -> str:
     return f"file:{urllib.parse.quote(str(Path(path).absolute()))}?{urllib.parse.urlencode(params)}"
 
 
-def connect_read_only(path: Path, timeout: float = BUSY_TIMEOUT_S) -> sqlite3.Connection:
-    """A connection that never writes `path` nor makes a file beside it. A WAL index in a folder
-    this user cannot write (and whose -shm is gone) is read as an immutable snapshot."""
-    conn = sqlite3.connect(sqlite_uri(path, mode="ro"), uri=True, timeout=timeout,
+def connect_read_only(path: Path, timeout: float = BUSY_TIMEOUT_S, *,
+                      journal: bool = False) -> sqlite3.Connection:
+    """A connection that never writes `path` nor makes a file beside it. With no -wal and -shm
+    there (no writer has the index open) SQLite would create them even read-only, so the index
+    is read as an immutable snapshot; with them there, their changes are read too. `journal`:
+    the caller may write the store, so SQLite may make them (and reads a -wal left alone)."""
+    live = journal or (os.path.exists(f"{path}-wal") and os.path.exists(f"{path}-shm"))
+    params = {"mode": "ro"} if live else {"mode": "ro", "immutable": "1"}
+    conn = sqlite3.connect(sqlite_uri(path, **params), uri=True, timeout=timeout,
                            isolation_level=None, check_same_thread=False)
     try:
         conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
         return conn
     except sqlite3.Error as e:
         conn.close()
-        if getattr(e, "sqlite_errorcode", 0) & 0xFF != 8:  # SQLITE_READONLY: cannot set up the WAL
+        # READONLY or CANTOPEN: this user cannot use the writer's -shm; read the snapshot.
+        if not live or journal or getattr(e, "sqlite_errorcode", 0) & 0xFF not in (8, 14):
             raise
     return sqlite3.connect(sqlite_uri(path, mode="ro", immutable="1"), uri=True, timeout=timeout,
                            isolation_level=None, check_same_thread=False)

@@ -73,7 +73,7 @@ def open_dir(path: Path, *, create: bool, read_only: bool | None) -> tuple[Path,
         if st.st_uid != os.geteuid():
             raise StoreOpenError(f"the store {path} belongs to user id {st.st_uid}, not to you: "
                                  "kvstore only writes to a store you own (it can read this one)")
-    _check_is_store(path, create=create and not read_only)
+    _check_is_store(path, create=create and not read_only, read_only=read_only)
     _check_mode(path, st, read_only)  # only once it is known to be a store: nothing else changes
     return path, read_only
 
@@ -114,7 +114,7 @@ def _check_own_entries(path: Path) -> None:
                                  "(move it away, or use another store folder)")
 
 
-def _check_is_store(path: Path, *, create: bool) -> None:
+def _check_is_store(path: Path, *, create: bool, read_only: bool) -> None:
     index_file = path / INDEX_NAME
     try:
         has_index = os.lstat(index_file).st_size > 0
@@ -122,7 +122,7 @@ def _check_is_store(path: Path, *, create: bool) -> None:
         has_index = False
     blob_root = path / BLOBS_NAME
     if has_index:
-        problem = index_problem(index_file)
+        problem = index_problem(index_file, read_only=read_only)
         if problem is None:
             return
         if not _only_own_entries(path) and not has_blob_files(blob_root):
@@ -154,12 +154,12 @@ def _check_is_store(path: Path, *, create: bool) -> None:
         raise StoreOpenError(f"cannot create {blob_root}: {e.strerror or e}") from e
 
 
-def index_problem(index_file: Path) -> str | None:
+def index_problem(index_file: Path, *, read_only: bool = True) -> str | None:
     """Why `index_file` is not a kvstore index (None if it is one), read-only."""
     from .index import connect_read_only, is_corruption
 
     try:
-        conn = connect_read_only(index_file, timeout=5.0)
+        conn = connect_read_only(index_file, timeout=5.0, journal=not read_only)
     except sqlite3.DatabaseError as e:
         return str(e)
     try:

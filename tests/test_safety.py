@@ -581,3 +581,137 @@ def test_a_blob_row_claiming_30_gb_is_never_read(tmp_path, llama):
                             env={**os.environ, "PYTHONPATH": str(REPO)})
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "['bad_row']"
+
+
+# -- 5. smaller holes: the fingerprint memo, the store's mode and owner -------------------------
+
+def test_weights_changed_in_place_with_their_mtime_put_back_get_a_new_fingerprint(tmp_path, llama):
+    import shutil
+
+    from mlx_lm import load
+
+    src, _ = llama
+    path = tmp_path / "model"
+    shutil.copytree(src, path)
+    model, _ = load(str(path))
+    tokens = prompts(51, 1, C)[0]
+    with kvstore.open(tmp_path / "s", chunk_size=C) as s:
+        mc = s.bind(model, path)
+        mc.insert(tokens, prefill(model, tokens))
+        s.flush()
+        old_fp = mc.fingerprint
+    weights = path / "model.safetensors"
+    st = os.stat(weights)
+    data = bytearray(weights.read_bytes())
+    data[-64:] = bytes(64 - i for i in range(64))  # other weights, the same size
+    with open(weights, "r+b") as f:  # in place: the same inode
+        f.write(data)
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))  # mtime put back
+    assert os.stat(weights).st_size == st.st_size and os.stat(weights).st_mtime_ns == st.st_mtime_ns
+    model2, _ = load(str(path))
+    with kvstore.open(tmp_path / "s", chunk_size=C) as s:
+        mc = s.bind(model2, path)
+        assert mc.fingerprint != old_fp
+        assert mc.fetch(tokens)[1] == tokens  # the old K/V is never reused
+    with kvstore.open(tmp_path / "s", chunk_size=C) as s:  # and the memo still works when nothing changed
+        assert s.bind(model2, path).fingerprint == mc.fingerprint
+        rows = s.index.conn.execute("SELECT inode, ctime_ns FROM file_digests WHERE path = ?",
+                                    (str(weights.resolve()),)).fetchall()
+        assert rows == [(os.stat(weights).st_ino, os.stat(weights).st_ctime_ns)]
+
+
+def test_a_fifo_among_the_weight_files_never_hangs_bind(tmp_path, llama):
+    import shutil
+
+    src, model = llama
+    path = tmp_path / "model"
+    shutil.copytree(src, path)
+    with kvstore.open(tmp_path / "s", chunk_size=C) as s:
+        fingerprint = s.bind(model, path).fingerprint
+    os.mkfifo(path / "extra.safetensors")
+    with kvstore.open(tmp_path / "s", chunk_size=C) as s:  # not a weight file: never opened
+        assert s.bind(model, path).fingerprint == fingerprint
+    with pytest.raises(OSError, match="not a regular file"):
+        keys.file_digest(path / "extra.safetensors")
+
+
+def test_a_loose_store_directory_is_tightened_and_said(tmp_path, caplog):
+    store = tmp_path / "s"
+    kvstore.open(store).close()
+    os.chmod(store, 0o777)
+    with caplog.at_level("WARNING", logger="kvstore"):
+        kvstore.open(store).close()
+    assert stat.S_IMODE(os.stat(store).st_mode) == 0o700
+    assert "had mode 777" in caplog.text
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give the store to another user")
+def test_a_store_owned_by_another_user_is_only_read(tmp_path, llama, caplog):
+    seqs = prompts(52, 2, C)
+    store = tmp_path / "s"
+    warm(store, llama, seqs)
+    os.chmod(store, 0o755)
+    os.chown(store, 65534, 65534)
+    with pytest.raises(StoreOpenError, match="belongs to user id 65534"):
+        kvstore.open(store)
+    before = snapshot(store)
+    with caplog.at_level("WARNING", logger="kvstore"):
+        with kvstore.open(store, read_only=None) as s:
+            assert s.read_only and s.stats()["chunks"] > 0
+    assert "other users can read" in caplog.text
+    assert snapshot(store) == before
+
+
+# -- issue 11: a store the user may read but not write ----------------------------------------
+
+def _as_reader(args: list[str], home: Path) -> subprocess.CompletedProcess:
+    """`kvstore ARGS` as a user who may read the store but not write it (nobody, under root)."""
+    env = {"PATH": os.environ["PATH"], "HOME": str(home), "PYTHONPATH": str(REPO)}
+    prefix = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"] if os.geteuid() == 0 else []
+    result = subprocess.run([*prefix, sys.executable, "-m", "kvstore.cli", *map(str, args)],
+                            capture_output=True, text=True, env=env, cwd="/", timeout=HANG_S)
+    assert "Traceback" not in result.stderr, result.stderr
+    return result
+
+
+def test_a_read_only_store_answers_stats_and_verify_and_refuses_writes(tmp_path_factory, llama, demo_model_path):
+    import shutil
+    import tempfile
+
+    shared = Path(tempfile.mkdtemp(prefix="kvstore-shared-"))  # outside pytest's 0700 folders
+    try:
+        os.chmod(shared, 0o755)
+        store = shared / "s"
+        seqs = prompts(53, 3, C)
+        warm(store, llama, seqs)
+        model = shared / "model"
+        shutil.copytree(demo_model_path, model)
+        home = shared / "home"
+        home.mkdir()
+        os.chmod(home, 0o777)
+        # Shared as a read-only folder: readable by all, writable by nobody but its owner.
+        for dirpath, dirs, files in os.walk(shared):
+            for d in dirs:
+                os.chmod(Path(dirpath) / d, 0o777 if Path(dirpath) / d == home else 0o555)
+            for f in files:
+                os.chmod(Path(dirpath) / f, 0o444)
+        os.chmod(store, 0o555)
+        if os.geteuid() != 0:
+            os.chmod(shared, 0o555)
+        before = snapshot(store)
+        result = _as_reader(["stats", "--json", "--store", store], home)
+        assert result.returncode == 0, result.stderr
+        stats = json.loads(result.stdout)
+        assert stats["read_only"] and stats["chunks"] > 0
+        result = _as_reader(["verify", "--store", store], home)
+        assert result.returncode == 0 and "clean" in result.stdout, result.stdout + result.stderr
+        for command in (["gc", "--max-bytes", "0"], ["verify", "--repair"],
+                        ["warm", "--model", model, "--prompts", REPO / "examples" / "prompts.jsonl"]):
+            result = _as_reader([*command, "--store", store], home)
+            assert result.returncode != 0, result.stdout
+            assert "not writable by this user" in result.stderr or "belongs to user" in result.stderr, result.stderr
+        assert snapshot(store) == before  # nothing written, nothing created
+    finally:
+        for dirpath, dirs, files in os.walk(shared):
+            os.chmod(dirpath, 0o755)
+        shutil.rmtree(shared, ignore_errors=True)
