@@ -28,6 +28,7 @@ INDEX_FILES = tuple(INDEX_NAME + s for s in ("", "-wal", "-shm", "-journal"))
 # Left beside the index by a rebuild, or when a stale journal is moved aside.
 _INDEX_LEFTOVERS = (".damaged-", ".rebuilding", "-wal.stale-", "-shm.stale-", "-journal.stale-")
 _IGNORABLE = {".DS_Store"}  # a folder opened in the macOS Finder is still empty
+_NO_TABLES = "it holds no tables"
 _TABLES = {"schema_migrations", "meta", "records", "models", "file_digests", "totals"}
 
 
@@ -125,6 +126,8 @@ def _check_is_store(path: Path, *, create: bool, read_only: bool) -> None:
         problem = index_problem(index_file, read_only=read_only)
         if problem is None:
             return
+        has_index = problem != _NO_TABLES  # (another process may be making it right now)
+    if has_index:
         if not _only_own_entries(path) and not has_blob_files(blob_root):
             raise NotAStoreError(f"{path} is not a kvstore store: {index_file} is not kvstore's "
                                  f"index ({problem}) and the folder holds files kvstore did not write")
@@ -164,6 +167,8 @@ def index_problem(index_file: Path, *, read_only: bool = True) -> str | None:
         return str(e)
     try:
         tables = {n for (n,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        if not tables:
+            return _NO_TABLES
         missing = _TABLES - tables
         if missing:
             return f"it has no {', '.join(sorted(missing))} table"
@@ -227,7 +232,8 @@ def _set_aside_stale_journals(path: Path) -> None:
     the new one. Kept, under another name, never deleted."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
     for name in INDEX_FILES[1:]:
-        if os.path.lexists(path / name):
+        # (re-checked each time: a process creating this store makes the index before its -wal)
+        if os.path.lexists(path / name) and not os.path.lexists(path / INDEX_NAME):
             aside = path / f"{name}.stale-{stamp}"
             os.replace(path / name, aside)
             log.warning("kvstore: %s had no index beside it; moved it to %s", path / name, aside)

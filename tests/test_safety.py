@@ -715,3 +715,17 @@ def test_a_read_only_store_answers_stats_and_verify_and_refuses_writes(tmp_path_
         for dirpath, dirs, files in os.walk(shared):
             os.chmod(dirpath, 0o755)
         shutil.rmtree(shared, ignore_errors=True)
+
+
+def test_processes_creating_one_new_store_at_once_all_open_it(tmp_path):
+    """A store being made by one process (its index has no tables yet) is not a damaged one."""
+    store = tmp_path / "new"
+    script = (f"import kvstore\nkvstore.open({str(store)!r}).close()\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    procs = [subprocess.Popen([sys.executable, "-c", script], env=env, stderr=subprocess.PIPE, text=True)
+             for _ in range(4)]
+    for p in procs:
+        _, err = p.communicate(timeout=HANG_S)
+        assert p.returncode == 0, err
+    with kvstore.open(store, create=False) as s:
+        assert s.verify() == [] and s.stats()["chunks"] == 0
