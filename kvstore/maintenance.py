@@ -22,7 +22,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from . import blobs, faults, keys
+from . import blobs, blobtree, faults, keys
 from .errors import BlobError
 from .index import Index
 from .storedir import QUARANTINE_NAME
@@ -145,8 +145,8 @@ def verify(index: Index, root: Path, *, repair: bool = False, force: bool = Fals
         except BlobError:
             pass
         suspects.append(row)
-    strays = [path for path in blobs.walk(root) if blobs.hash_of(path, root) not in known]
-    with blobs.tree_lock(root, exclusive=True, create=not read_only):
+    strays = [path for path in blobtree.walk(root) if blobtree.hash_of(path, root) not in known]
+    with blobtree.tree_lock(root, exclusive=True, create=not read_only):
         problems: list[Problem] = [
             Problem("bad_row", str(root), f"a row of the index has {why} (hash {h!r:.80})",
                     h.hex() if isinstance(h, bytes) else "") for h, why in bad_rows]
@@ -165,7 +165,7 @@ def verify(index: Index, root: Path, *, repair: bool = False, force: bool = Fals
             if problem is not None:
                 problems.append(problem)
         if repair and problems:
-            blob_files = sum(1 for p in strays if blobs.hash_of(p, root) is not None) + len(rows)
+            blob_files = sum(1 for p in strays if blobtree.hash_of(p, root) is not None) + len(rows)
             problems += _repair(index, root, problems, bad, orphans, known,
                                 [h for h, _ in bad_rows], blob_files, force)
     return problems
@@ -229,10 +229,10 @@ def _stray(index: Index, root: Path, path: Path) -> Problem | None:
         mode = os.lstat(path).st_mode
     except FileNotFoundError:
         return None  # renamed into place or deleted since
-    h = blobs.hash_of(path, root)
+    h = blobtree.hash_of(path, root)
     in_hex_folder = len(path.relative_to(root).parts) == 3
-    if in_hex_folder and blobs.is_temp_name(path.name):
-        if blobs.stale_temp(path, min_age_s=3600):
+    if in_hex_folder and blobtree.is_temp_name(path.name):
+        if blobtree.stale_temp(path, min_age_s=3600):
             return Problem("temp_file", str(path), "left by a writer that stopped")
         if stat.S_ISREG(mode):
             return None  # a writer at work
@@ -301,7 +301,7 @@ def _repair(index: Index, root: Path, problems: list[Problem], bad: set[bytes], 
     if drop or bad_rows:
         rows = index.delete(drop + bad_rows)
         for row in rows:  # after the commit
-            blobs.remove(root, row.hash)
+            blobtree.remove(root, row.hash)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     for p in problems:
         if p.kind not in ("orphan_file", "temp_file", "foreign_file"):
@@ -310,8 +310,8 @@ def _repair(index: Index, root: Path, problems: list[Problem], bad: set[bytes], 
             continue
         parts = Path(p.path).relative_to(root).parts
         # Only kvstore's own names are deleted; anything else is moved aside, whole.
-        if p.kind in ("orphan_file", "temp_file") and blobs.remove_entry(root, parts, directory_too=False):
+        if p.kind in ("orphan_file", "temp_file") and blobtree.remove_entry(root, parts, directory_too=False):
             continue
         if os.path.lexists(p.path):
-            blobs.move_entry(root, parts, root.parent / QUARANTINE_NAME, f"{stamp}.{'_'.join(parts)}")
+            blobtree.move_entry(root, parts, root.parent / QUARANTINE_NAME, f"{stamp}.{'_'.join(parts)}")
     return refused

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from . import blobs, keys
+from . import blobs, blobtree, keys
 from .errors import BlobError, CorruptIndexError, NotAStoreError, StoreOpenError
 from .index import CHECKPOINT, CHUNK, TAIL, Index, _u64_to_i64, connect_read_only
 from .modelcache import checkpoint_hash
@@ -54,10 +54,10 @@ def rebuild_index(path: str | os.PathLike) -> dict:
         raise NotAStoreError(f"{store} holds neither a kvstore index nor kvstore blobs: nothing to rebuild")
     index_file = store / INDEX_NAME
     # Exclusive of writers and gc (that keep the lock) while the blobs are read.
-    with blobs.tree_lock(root, exclusive=True):
+    with blobtree.tree_lock(root, exclusive=True):
         aside = _move_aside(index_file)
         # After a rebuild that crashed, the index moved aside last time is the one to read.
-        earlier = sorted(store.glob(f"{INDEX_NAME}.damaged-*[0-9]"), key=lambda p: p.stat().st_mtime)
+        earlier = sorted(store.glob(f"{INDEX_NAME}.damaged-*[0-9]"), key=lambda p: os.lstat(p).st_mtime)
         old = _salvage(aside or (earlier[-1] if earlier else None))
 
         found, skipped = _scan(root)
@@ -151,8 +151,8 @@ def _scan(root: Path) -> tuple[dict[bytes, dict], list[tuple[Path, str]]]:
     """Every blob file whose contents agree with its name: hash -> record fields."""
     found: dict[bytes, dict] = {}
     skipped: list[tuple[Path, str]] = []
-    for path in blobs.walk(root):
-        h = blobs.hash_of(path, root)
+    for path in blobtree.walk(root):
+        h = blobtree.hash_of(path, root)
         if h is None:
             continue  # temporaries and foreign files: verify reports them
         if path.is_symlink():

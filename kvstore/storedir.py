@@ -16,6 +16,7 @@ import stat
 import time
 from pathlib import Path
 
+from .blobtree import SUFFIX
 from .errors import CorruptIndexError, IndexLostError, NotAStoreError, StoreOpenError
 
 log = logging.getLogger("kvstore")
@@ -186,8 +187,6 @@ def index_problem(index_file: Path, *, read_only: bool = True) -> str | None:
 
 def has_blob_files(blob_root: Path) -> bool:
     """Whether the blob tree holds at least one file named as a blob (`ab/cd/abcd....safetensors`)."""
-    from .blobs import SUFFIX
-
     for a in _listdir(blob_root):
         if not _is_hex_folder(blob_root, a):
             continue
