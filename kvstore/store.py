@@ -109,8 +109,8 @@ class Store:
              fingerprint: bytes | None = None) -> ModelCache:
         """A `ModelCache` for a loaded mlx-lm model and the path or repo id it was loaded from.
 
-        The model's files are fingerprinted (memoised in the index by path, size and mtime), so
-        changed weights at the same path never get old K/V. `kv_bits`/`kv_group_size`: the
+        The model's files are fingerprinted (memoised in the index by path, size, mtime, inode
+        and ctime), so changed weights at the same path never get old K/V. `kv_bits`/`kv_group_size`: the
         caller's caches are `QuantizedKVCache`s (mlx-lm's `--kv-bits`); part of the namespace.
         `fingerprint` skips hashing files (for models that were not loaded from a folder).
         """

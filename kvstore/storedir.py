@@ -18,6 +18,7 @@ from pathlib import Path
 
 from .blobtree import SUFFIX
 from .errors import CorruptIndexError, IndexLostError, NotAStoreError, StoreOpenError
+from .index import connect_read_only, is_corruption
 
 log = logging.getLogger("kvstore")
 
@@ -160,8 +161,6 @@ def _check_is_store(path: Path, *, create: bool, read_only: bool) -> None:
 
 def index_problem(index_file: Path, *, read_only: bool = True) -> str | None:
     """Why `index_file` is not a kvstore index (None if it is one), read-only."""
-    from .index import connect_read_only, is_corruption
-
     try:
         conn = connect_read_only(index_file, timeout=5.0, journal=not read_only)
     except sqlite3.DatabaseError as e:

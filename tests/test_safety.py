@@ -235,6 +235,27 @@ def test_dangling_index_symlink_never_creates_an_index_outside(tmp_path, home):
     assert os.listdir(target.parent) == []
 
 
+@pytest.mark.parametrize("name,make", [("index.sqlite", "fifo"), ("index.sqlite-wal", "fifo"),
+                                       ("blobs.lock", "fifo"), ("blobs", "file"), ("index.sqlite", "folder")])
+def test_own_entries_of_the_wrong_kind_are_refused_without_hanging(tmp_path, home, name, make):
+    store = tmp_path / "s"
+    kvstore.open(store).close()
+    for n in ("index.sqlite", "index.sqlite-wal", "index.sqlite-shm", "blobs.lock"):
+        if os.path.lexists(store / n) and n != "index.sqlite":
+            os.unlink(store / n)
+    target = store / name
+    if os.path.isdir(target):
+        os.rmdir(target)
+    elif os.path.lexists(target):
+        os.unlink(target)
+    {"fifo": os.mkfifo, "file": lambda p: Path(p).write_bytes(b"x"), "folder": os.mkdir}[make](target)
+    for command in (["stats"], ["verify", "--repair"], ["gc", "--max-bytes", "0"]):
+        result = kv(*command, "--store", store, home=home)  # the timeout catches a hang
+        assert result.returncode != 0 and f"{target} is not a" in result.stderr, result.stderr
+    with pytest.raises(StoreOpenError, match="is not a (regular file|folder)"):
+        kvstore.open(store)
+
+
 def test_store_path_with_hash_and_question_mark(tmp_path, llama, home):
     seqs = prompts(42, 3, C)
     store = tmp_path / "a#b?c=d"
