@@ -8,27 +8,39 @@ of the whole file; every read checks it, and the header's own hash, before any a
 from __future__ import annotations
 
 import errno
-import fcntl
 import json
 import os
+import stat
 import struct
-import time
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import mlx.core as mx
 import numpy as np
 import xxhash
 
 from . import faults
+from .blobtree import (  # the tree's names and folders; re-exported for the callers of blobs
+    SUFFIX,
+    TMP_PREFIX,
+    hash_of,
+    is_temp_name,
+    move_entry,
+    remove,
+    remove_entry,
+    stale_temp,
+    tree_lock,
+    walk,
+)
 from .errors import BlobError
 
-SUFFIX = ".safetensors"
-TMP_PREFIX = ".tmp."
 _HEADER_LIMIT = 100 << 20  # safetensors' own cap on header size
 _HEAD_GUESS = 64 << 10  # first read of a blob: its whole header, as a rule
 _IOV_BATCH = 512  # buffers per preadv call (the kernel takes at most IOV_MAX = 1024)
+# No record kvstore writes comes near this (a 256-token chunk of a 405B model is ~130 MB): a
+# blob-named file larger than this is refused before a byte of it is read.
+MAX_BLOB_BYTES = 4 << 30
+_MAX_DIM = 1 << 40  # bounds every dimension so that no product of them overflows int64
 
 # safetensors dtype tag -> (numpy dtype used to carry the bytes, mlx dtype of the array)
 _DTYPES: dict[str, tuple[np.dtype, mx.Dtype]] = {
@@ -136,12 +148,28 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+def open_regular(path: Path | str, *, dir_fd: int | None = None) -> int:
+    """A read-only fd of a regular file at `path`, never through a symbolic link. A FIFO, device
+    or socket in its place raises OSError at once (O_NONBLOCK: opening a FIFO never waits)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def read(root: Path, h: bytes, *, size: int, checksum: int) -> tuple[dict[str, mx.array], dict[str, str]]:
     """Read and check a blob; its arrays and metadata. Any damage raises BlobError."""
     path = blob_path(root, h)
+    if type(size) is not int or type(checksum) is not int or not 0 <= size <= MAX_BLOB_BYTES:
+        raise BlobError(f"{path}: the index says {size!r:.40} bytes, which no blob has")
     try:
-        # O_NOFOLLOW: a blob planted as a symbolic link is never read through (ELOOP).
-        with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb", buffering=0) as f:
+        # O_NOFOLLOW: a blob planted as a symbolic link is never read through (ELOOP); a FIFO
+        # is refused rather than waited on.
+        with open(open_regular(path), "rb", buffering=0) as f:
             actual = os.fstat(f.fileno()).st_size
             if actual != size:
                 raise BlobError(f"{path}: {actual} bytes on disk, the index says {size}")
@@ -175,8 +203,10 @@ def read_into(root: Path, h: bytes, *, size: int, checksum: int,
     then hold part of the blob: the caller must not use them.
     """
     path = blob_path(root, h)
+    if type(size) is not int or type(checksum) is not int or not 0 <= size <= MAX_BLOB_BYTES:
+        raise BlobError(f"{path}: the index says {size!r:.40} bytes, which no blob has")
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = open_regular(path)
     except FileNotFoundError as e:
         raise BlobError(f"{path}: missing") from e
     except OSError as e:
@@ -231,7 +261,7 @@ def prefetch(root: Path, hashes: Sequence[bytes]) -> None:
         return
     for h in hashes:
         try:
-            fd = os.open(blob_path(root, h), os.O_RDONLY | os.O_NOFOLLOW)
+            fd = open_regular(blob_path(root, h))  # a FIFO is skipped, never waited on
         except OSError:
             continue
         try:
@@ -312,6 +342,9 @@ def parse_header(buf: bytes | bytearray, where: object = "blob", *,
     """The tensor entries of a safetensors header, checked against the buffer; and data start.
 
     `size`: the file's size, when `buf` holds only its first bytes (at least the whole header).
+    Every field is checked (dtype known; shape and offsets lists of non-negative ints, never
+    bools or floats, bounded; shape product times item size equals the offsets; metadata a map
+    of strings): anything else is a BlobError, never a ValueError or an OverflowError.
     """
     total = len(buf) if size is None else size
     if len(buf) < 8 or total < 8:
@@ -319,121 +352,118 @@ def parse_header(buf: bytes | bytearray, where: object = "blob", *,
     (n,) = struct.unpack_from("<Q", buf, 0)
     if n > min(_HEADER_LIMIT, total - 8, len(buf) - 8):
         raise BlobError(f"{where}: header length {n} is impossible")
-    try:
-        header = json.loads(bytes(buf[8 : 8 + n]))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # (nested too deep)
-        raise BlobError(f"{where}: header is not JSON ({e})") from e
-    if not isinstance(header, dict):
-        raise BlobError(f"{where}: header is not an object")
-    header.pop("__metadata__", None)
+    header = _header_json(buf, n, where)
+    meta = header.pop("__metadata__", None)
+    if meta is not None and not (isinstance(meta, dict) and all(
+            isinstance(k, str) and isinstance(v, str) for k, v in meta.items())):
+        raise BlobError(f"{where}: header metadata is not a map of strings")
     base, payload = 8 + n, total - 8 - n
     for name, info in header.items():
-        try:
-            tag, shape, (start, end) = info["dtype"], info["shape"], info["data_offsets"]
-            itemsize = _DTYPES[tag][0].itemsize
-            count = int(np.prod(shape, dtype=np.int64)) if shape else 1
-            ok = 0 <= start <= end <= payload and end - start == count * itemsize
-        except (KeyError, TypeError, ValueError):
-            ok = False
-        if not ok:
+        if not _good_entry(info, payload):
             raise BlobError(f"{where}: tensor {name!r} has a bad header entry")
     return header, base
 
 
+def _header_json(buf: bytes | bytearray, n: int, where: object) -> dict:
+    try:
+        header = json.loads(bytes(buf[8 : 8 + n]))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError, ValueError) as e:
+        raise BlobError(f"{where}: header is not JSON ({e})") from e  # (or nested too deep)
+    if not isinstance(header, dict):
+        raise BlobError(f"{where}: header is not an object")
+    return header
+
+
+def _good_entry(info: object, payload: int) -> bool:
+    """One tensor entry: a known dtype, a shape and offsets of plain ints that agree."""
+    if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+        return False
+    tag, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    if not isinstance(tag, str) or tag not in _DTYPES:
+        return False
+
+    def plain(v: object) -> bool:  # bool is an int subclass: True is not a dimension
+        return type(v) is int and 0 <= v <= _MAX_DIM
+
+    if not isinstance(shape, list) or len(shape) > 8 or not all(plain(d) for d in shape):
+        return False
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets):
+        return False
+    start, end = offsets
+    count = 1
+    for d in shape:
+        count *= d  # Python ints: no overflow; bounded below by the payload check
+        if count > payload:
+            return False
+    return 0 <= start <= end <= payload and end - start == count * _DTYPES[tag][0].itemsize
+
+
 def header_metadata(buf: bytes | bytearray) -> dict[str, str]:
+    """The `__metadata__` strings of a header (call `parse_header` first: this trusts it)."""
     (n,) = struct.unpack_from("<Q", buf, 0)
-    meta = json.loads(bytes(buf[8 : 8 + n])).get("__metadata__") or {}
-    return {str(k): str(v) for k, v in meta.items()}
+    meta = _header_json(buf, n, "blob").get("__metadata__") or {}
+    return {str(k): str(v) for k, v in meta.items()} if isinstance(meta, dict) else {}
 
 
 def read_unchecked(path: Path) -> tuple[dict[str, mx.array], dict[str, str], int, int]:
-    """Read a blob with no index row to compare with (verify, rebuild): arrays, meta, size, sum."""
-    try:
-        buf = path.read_bytes()
-    except OSError as e:
-        raise BlobError(f"{path}: cannot read ({e})") from e
+    """Read a blob with no index row to compare with (verify, rebuild): arrays, meta, size, sum.
+
+    Never follows a link, never waits on a FIFO, never reads a file larger than any blob."""
+    buf = read_file(path)
     arrays, meta = decode(buf, path)
     return arrays, meta, len(buf), xxhash.xxh3_64_intdigest(buf)
 
 
-def remove(root: Path, h: bytes) -> None:
-    path = blob_path(root, h)
+def read_file(path: Path, limit: int = MAX_BLOB_BYTES) -> bytearray:
+    """The bytes of a blob-named regular file, its size checked before it is read."""
     try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    except IsADirectoryError:  # a folder where the blob should be: gone if it is empty
+        fd = open_regular(path)
+    except OSError as e:
+        raise BlobError(f"{path}: cannot read ({e.strerror or e})") from e
+    with open(fd, "rb", buffering=0) as f:
+        size = os.fstat(fd).st_size
+        if size > limit:
+            raise BlobError(f"{path}: {size} bytes, larger than any blob kvstore writes ({limit})")
+        buf = bytearray(size)
         try:
-            os.rmdir(path)
-        except OSError:
-            pass
+            got = f.readinto(buf)
+        except OSError as e:
+            raise BlobError(f"{path}: cannot read ({e.strerror or e})") from e
+    if got != size:
+        raise BlobError(f"{path}: short read ({got} of {size} bytes)")
+    return buf
 
 
-@contextmanager
-def tree_lock(root: Path, *, exclusive: bool) -> Iterator[None]:
-    """An advisory lock on the blob tree (`<store>/blobs.lock`, flock: a dead process's is gone).
-
-    A writer holds it shared from "is this record stored?" until its row is committed; gc and
-    `verify --repair` hold it exclusive while rows and files disagree, so neither ever sees a
-    half-written record, nor deletes a file a row is about to point to. Take it before any
-    index transaction, never inside one.
-    """
-    fd = os.open(root.parent / (root.name + ".lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+def peek_metadata(path: Path) -> dict[str, str] | None:
+    """The header metadata of a blob-named file, reading only its header; None if it has none
+    that parses (a regular file only, never a link or a FIFO)."""
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
-        yield
+        fd = open_regular(path)
+    except OSError:
+        return None
+    try:
+        size = os.fstat(fd).st_size
+        head = os.pread(fd, min(size, _HEAD_GUESS), 0)
+        if len(head) >= 8:
+            (n,) = struct.unpack_from("<Q", head, 0)
+            if len(head) < 8 + n <= min(size, _HEADER_LIMIT + 8):
+                head += os.pread(fd, 8 + n - len(head), len(head))
+        parse_header(head, path, size=size)
+        return header_metadata(head)
+    except (OSError, BlobError, struct.error):
+        return None
     finally:
         os.close(fd)
 
 
-def walk(root: Path) -> Iterator[Path]:
-    """Every file under the blob tree (blobs, temporaries and anything foreign), and every
-    symbolic link to a folder in it (listed, never entered)."""
-    if not root.is_dir():
-        return
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
-        for name in filenames:
-            yield Path(dirpath) / name
-        for name in dirnames:
-            if os.path.islink(os.path.join(dirpath, name)):
-                yield Path(dirpath) / name
-
-
-def hash_of(path: Path) -> bytes | None:
-    """The record hash a blob file is named for, or None if the name is not a blob's."""
-    name = path.name
-    if not name.endswith(SUFFIX) or len(name) != 32 + len(SUFFIX):
-        return None
-    try:
-        h = bytes.fromhex(name[:32])
-    except ValueError:
-        return None
-    return h if path.parent.name == name[2:4] and path.parent.parent.name == name[:2] else None
-
-
-def stale_temp(path: Path, min_age_s: float = 3600.0) -> bool:
-    """A temporary file left by a writer that is gone (dead pid) or is very old."""
-    if not path.name.startswith(TMP_PREFIX):
-        return False
-    parts = path.name.split(".")
-    try:
-        pid = int(parts[3])
-        os.kill(pid, 0)
-        alive = True
-    except (IndexError, ValueError, ProcessLookupError):
-        alive = False
-    except PermissionError:
-        alive = True
-    try:
-        age = time.time() - path.stat().st_mtime
-    except FileNotFoundError:
-        return False
-    return not alive or age > min_age_s
-
-
 def _makedirs(path: Path) -> None:
     """The two hex folders of a blob (`ab/cd`), each 0700 (os.makedirs gives the first one the
-    umask's mode), and never a symbolic link: nothing is written outside the store."""
+    umask's mode), and never a symbolic link, nor in a blob tree that is one: nothing is
+    written outside the store."""
+    root = path.parent.parent
+    if os.path.islink(root):
+        raise OSError(errno.ENOTDIR, f"{root} is a symbolic link: blobs are only written in real "
+                                     "folders of the store")
     for folder in (path.parent, path):
         try:
             os.mkdir(folder, 0o700)

@@ -130,15 +130,14 @@ def store_path(args) -> Path:
     return Path(args.store).expanduser() if args.store else kvstore.default_path()
 
 
-def open_store(args, *, must_exist: bool = False):
-    """Open `--store` (default `$KVSTORE_DIR`, then `~/.cache/kvstore`)."""
+def open_store(args, *, must_exist: bool = False, read_only: bool | None = False):
+    """Open `--store` (default `$KVSTORE_DIR`, then `~/.cache/kvstore`). `must_exist`: create
+    nothing (a folder that is not a store is refused either way); `read_only=None`: read-only
+    when this user may not write the store."""
     import kvstore
 
-    path = store_path(args)
     # A store whose index was lost still has its blobs: kvstore.open says how to rebuild it.
-    if must_exist and not (path / INDEX_NAME).exists() and not (path / "blobs").is_dir():
-        raise CommandError(f"no kvstore store at {path} (`kvstore warm` or `kvstore generate` create one)")
-    return kvstore.open(path)
+    return kvstore.open(store_path(args), create=not must_exist, read_only=read_only)
 
 
 def prepare(items: list, loaded: LoadedModel) -> tuple[list, list]:
@@ -410,7 +409,7 @@ def cmd_gc(args) -> int:
 
 
 def cmd_stats(args) -> int:
-    with open_store(args, must_exist=True) as store:
+    with open_store(args, must_exist=True, read_only=None) as store:
         stats = store.stats()
     if args.json:
         print(json.dumps({**stats, "scope": stats_scope(stats)}, indent=2, sort_keys=True, default=str))
@@ -453,8 +452,8 @@ def stats_scope(stats: dict) -> dict[str, str]:
 def cmd_verify(args) -> int:
     rebuilt = None
     try:
-        with open_store(args, must_exist=True) as store:
-            problems = store.verify(repair=args.repair)
+        with open_store(args, must_exist=True, read_only=None if not args.repair else False) as store:
+            problems = store.verify(repair=args.repair, force=args.force)
     except CorruptIndexError as e:  # the index itself is unreadable (or lost): rebuild it from the blobs
         if not args.repair:
             raise
@@ -466,7 +465,7 @@ def cmd_verify(args) -> int:
             f"{len(rebuilt['skipped'])} files not taken back"
             + (f"; the damaged index is kept as {rebuilt['damaged_index']}" if rebuilt["damaged_index"] else ""))
         with open_store(args, must_exist=True) as store:
-            problems = store.verify(repair=True)
+            problems = store.verify(repair=True, force=args.force)
     if args.json:
         print(json.dumps({"clean": not problems and rebuilt is None,
                           "repaired": bool(args.repair and (problems or rebuilt)),
@@ -611,6 +610,8 @@ demo model with random weights (meaningless text).""")
     p = add("verify", cmd_verify, "check every record against its file, and every file against the index", [store_opts])
     p.add_argument("--repair", action="store_true",
                    help="drop damaged records and stray files; rebuild an unreadable index from the blobs")
+    p.add_argument("--force", action="store_true",
+                   help="with --repair: delete orphan blobs even when they are more than 10%% of the store")
     p.add_argument("--json", action="store_true", help="print the problems as JSON")
 
     # `serve` is dispatched before parsing (its options belong to the server); listed here for --help.

@@ -11,12 +11,20 @@ class StoreOpenError(KVStoreError):
     """The store directory or its index cannot be opened or created."""
 
 
+class NotAStoreError(StoreOpenError):
+    """The folder is not a kvstore store (and kvstore will not make it one)."""
+
+
 class SchemaTooNewError(StoreOpenError):
     """The index was written by a newer kvstore; this version will not touch it."""
 
 
 class CorruptIndexError(StoreOpenError):
     """The SQLite index is damaged; `kvstore verify --repair` rebuilds it from the blobs."""
+
+
+class IndexLostError(CorruptIndexError):
+    """The index file is gone but the blobs are there; `kvstore verify --repair` rebuilds it."""
 
 
 class InvalidInputError(KVStoreError, ValueError):

@@ -7,8 +7,10 @@ writers queue on the busy timeout instead of failing half-way.
 
 from __future__ import annotations
 
+import os
 import re
 import sqlite3
+import urllib.parse
 import threading
 import time
 from contextlib import contextmanager
@@ -77,17 +79,51 @@ def _i64_to_u64(v: int) -> int:
     return v + (1 << 64) if v < 0 else v
 
 
-class Index:
-    """The index of one store directory (`index.sqlite`), shared by threads and processes."""
+def sqlite_uri(path: Path, **params: str) -> str:
+    """A `file:` URI for `path`: escaped, so a `#` or `?` in it never names another file."""
+    return f"file:{urllib.parse.quote(str(Path(path).absolute()))}?{urllib.parse.urlencode(params)}"
 
-    def __init__(self, path: Path):
+
+def connect_read_only(path: Path, timeout: float = BUSY_TIMEOUT_S, *,
+                      journal: bool = False) -> sqlite3.Connection:
+    """A connection that never writes `path` nor makes a file beside it. With no -wal and -shm
+    there (no writer has the index open) SQLite would create them even read-only, so the index
+    is read as an immutable snapshot; with them there, their changes are read too. `journal`:
+    the caller may write the store, so SQLite may make them (and reads a -wal left alone)."""
+    live = journal or (os.path.exists(f"{path}-wal") and os.path.exists(f"{path}-shm"))
+    params = {"mode": "ro"} if live else {"mode": "ro", "immutable": "1"}
+    conn = sqlite3.connect(sqlite_uri(path, **params), uri=True, timeout=timeout,
+                           isolation_level=None, check_same_thread=False)
+    try:
+        conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
+        return conn
+    except sqlite3.Error as e:
+        conn.close()
+        # READONLY or CANTOPEN: this user cannot use the writer's -shm; read the snapshot.
+        if not live or journal or getattr(e, "sqlite_errorcode", 0) & 0xFF not in (8, 14):
+            raise
+    return sqlite3.connect(sqlite_uri(path, mode="ro", immutable="1"), uri=True, timeout=timeout,
+                           isolation_level=None, check_same_thread=False)
+
+
+class Index:
+    """The index of one store directory (`index.sqlite`), shared by threads and processes.
+
+    `read_only=True` never writes (nor migrates) the index: for a store this user may only read.
+    """
+
+    def __init__(self, path: Path, *, read_only: bool = False):
         self.path = Path(path)
+        self.read_only = read_only
         self._local = threading.local()
         self._lock = threading.Lock()
         self._connections: list[sqlite3.Connection] = []
         self._closed = False
         try:
-            self._migrate()
+            if read_only:
+                self._check_schema()
+            else:
+                self._migrate()
             # Reading one page of every table catches a file that is not a database at all.
             self.conn.execute("SELECT count(*) FROM meta").fetchone()
         except sqlite3.DatabaseError as e:
@@ -111,6 +147,13 @@ class Index:
         if conn is None:
             if self._closed:
                 raise StoreOpenError("the store is closed")
+            if self.read_only:
+                conn = connect_read_only(self.path)
+                conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
+                self._local.conn = conn
+                with self._lock:
+                    self._connections.append(conn)
+                return conn
             conn = sqlite3.connect(
                 self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False
             )
@@ -166,7 +209,8 @@ class Index:
         done = set(self.applied())
         return [m for m in available_migrations() if m[0] not in done]
 
-    def _migrate(self) -> None:
+    def _check_schema(self) -> list[tuple[int, str, str]]:
+        """The known migrations; raises if the index was written by a newer kvstore."""
         known = available_migrations()
         newest_known = known[-1][0] if known else 0
         applied = self.applied()
@@ -175,6 +219,16 @@ class Index:
                 f"the index {self.path} has schema version {applied[-1]}, but this kvstore only "
                 f"knows up to {newest_known}: upgrade kvstore to open it (nothing was changed)"
             )
+        if self.read_only and set(v for v, _, _ in known) - set(applied):
+            raise StoreOpenError(
+                f"the index {self.path} has an older schema (version {applied[-1] if applied else 0}) "
+                "that this kvstore upgrades when it opens the store to write; it cannot read it "
+                "read-only (open it once with write access, e.g. `kvstore verify --repair`)")
+        return known
+
+    def _migrate(self) -> None:
+        known = self._check_schema()
+        applied = self.applied()
         for version, name, sql in known:
             if version in applied:
                 continue
@@ -210,19 +264,22 @@ class Index:
 
     # -- model fingerprints -----------------------------------------------------------------
 
-    def file_digest(self, path: Path, size: int, mtime_ns: int) -> bytes | None:
+    def file_digest(self, path: Path, st: "os.stat_result") -> bytes | None:
+        """The memoised digest of a model file, if it is the same file as when it was hashed:
+        same size, mtime, device, inode and ctime (ctime cannot be set back by a user)."""
         row = self.conn.execute(
-            "SELECT digest FROM file_digests WHERE path = ? AND size = ? AND mtime_ns = ?",
-            (str(path), size, mtime_ns),
+            "SELECT digest FROM file_digests WHERE path = ? AND size = ? AND mtime_ns = ? "
+            "AND dev = ? AND inode = ? AND ctime_ns = ?",
+            (str(path), st.st_size, st.st_mtime_ns, st.st_dev, st.st_ino, st.st_ctime_ns),
         ).fetchone()
         return row[0] if row else None
 
-    def remember_file_digest(self, path: Path, size: int, mtime_ns: int, digest: bytes) -> None:
+    def remember_file_digest(self, path: Path, st: "os.stat_result", digest: bytes) -> None:
         with self.transaction() as conn:
             conn.execute(
-                "INSERT OR REPLACE INTO file_digests (path, size, mtime_ns, digest) "
-                "VALUES (?, ?, ?, ?)",
-                (str(path), size, mtime_ns, digest),
+                "INSERT OR REPLACE INTO file_digests (path, size, mtime_ns, dev, inode, ctime_ns, "
+                "digest) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (str(path), st.st_size, st.st_mtime_ns, st.st_dev, st.st_ino, st.st_ctime_ns, digest),
             )
 
     def register_model(
@@ -433,7 +490,8 @@ def is_corruption(e: sqlite3.DatabaseError) -> bool:
 
 def _row(r: tuple) -> Row:
     values = list(r)
-    values[8] = _i64_to_u64(values[8])
+    if isinstance(values[8], int):  # a row of the wrong type is left for verify to report
+        values[8] = _i64_to_u64(values[8])
     return Row(*values)
 
 

@@ -6,8 +6,10 @@ Every key is xxh3 over explicit bytes, so it is the same in every process and on
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import stat
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
@@ -61,9 +63,13 @@ def tail_hash(parent: bytes, tail_tokens: np.ndarray) -> bytes:
 
 
 def file_digest(path: Path) -> bytes:
-    """xxh3_128 of a file's whole contents."""
+    """xxh3_128 of a file's whole contents. A FIFO or device in place of a weight file is an
+    error (OSError), never a read that waits forever."""
     h = xxhash.xxh3_128()
-    with open(path, "rb") as f:
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    with open(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
         while block := f.read(_READ_BLOCK):
             h.update(block)
     return h.digest()
@@ -82,8 +88,8 @@ def model_files(model_dir: Path, adapter_dir: Path | None = None) -> list[Path]:
     return files
 
 
-Memo = Callable[[Path, int, int], "bytes | None"]
-Remember = Callable[[Path, int, int, bytes], None]
+Memo = Callable[[Path, os.stat_result], "bytes | None"]
+Remember = Callable[[Path, os.stat_result, bytes], None]
 
 
 def fingerprint(
@@ -94,17 +100,21 @@ def fingerprint(
 ) -> bytes:
     """Hash of every file's name (relative to `root`) and full contents.
 
-    `lookup`/`remember` memoise per-file digests by (path, size, mtime), so that reopening a
-    model whose files did not change reads none of them.
+    `lookup`/`remember` memoise per-file digests by the file's `os.stat` (path, size, mtime,
+    device, inode and ctime), so that reopening a model whose files did not change reads none of
+    them, and weights rewritten in place (even with their mtime put back) are hashed again.
     """
     h = xxhash.xxh3_128()
     for p in files:
         st = os.stat(p)
-        digest = lookup(p, st.st_size, st.st_mtime_ns) if lookup else None
+        digest = lookup(p, st) if lookup else None
         if digest is None:
             digest = file_digest(p)
-            if remember:
-                remember(p, st.st_size, st.st_mtime_ns, digest)
+            after = os.stat(p)
+            # Written to while it was read: hash it again next time, do not remember this digest.
+            if remember and (after.st_mtime_ns, after.st_ctime_ns, after.st_size) == (
+                    st.st_mtime_ns, st.st_ctime_ns, st.st_size):
+                remember(p, st, digest)
         try:
             name = p.relative_to(root).as_posix()
         except ValueError:

@@ -3,21 +3,33 @@
 Eviction is leaves first, least recently used first, so no remaining record loses its parent;
 pinned records (and their ancestors, which are pinned with them) stay. Rows go in one
 transaction, files only after it has committed.
+
+Repair deletes only what kvstore wrote: blob files (named for their hash, in their own `ab/cd/`
+folder) and its writers' temporary files. Anything else in the blob tree is moved aside to
+`<store>/quarantine/`, never deleted. Unless forced, it deletes orphans only while few of them
+are unexplained (`ORPHAN_SHARE` of the blobs, or `ORPHAN_FEW` files, whichever is more): orphan
+rows, and orphan files of models the index does not know, are what a lost or replaced index
+leaves, and then the index is what is wrong and the blobs are the cache. (An interrupted gc or
+writer leaves orphan files of models the index knows: those are always cleaned up.)
 """
 
 from __future__ import annotations
 
 import heapq
 import os
+import stat
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from . import blobs, faults
+from . import blobs, blobtree, faults, keys
 from .errors import BlobError
 from .index import Index
+from .storedir import QUARANTINE_NAME
 
 _DELETE_BATCH = 500
+ORPHAN_SHARE = 0.10
+ORPHAN_FEW = 8
 
 
 def collect(index: Index, root: Path, *, max_bytes: int | None = None, max_age: float | None = None,
@@ -58,7 +70,8 @@ def _plan(index: Index, total: int, max_bytes: int | None, cutoff: float | None)
     """Which records to evict, in order (every record before its parent)."""
     if (max_bytes is None or total <= max_bytes) and cutoff is None:
         return []
-    rows = index.eviction_graph()
+    # A row of the wrong type (a TEXT hash, say) is never planned: verify reports it.
+    rows = [r for r in index.eviction_graph() if _typed_edge(*r)]
     children: dict[bytes, int] = {}
     info: dict[bytes, tuple[bytes, int, float, int]] = {}
     for h, parent, size, last, pinned in rows:
@@ -83,11 +96,18 @@ def _plan(index: Index, total: int, max_bytes: int | None, cutoff: float | None)
     return plan
 
 
+def _typed_edge(h, parent, size, last, pinned) -> bool:
+    return (isinstance(h, bytes) and isinstance(parent, bytes) and type(size) is int
+            and type(last) in (int, float) and type(pinned) is int)
+
+
 @dataclass(frozen=True)
 class Problem:
     """One thing `verify` found wrong."""
 
-    kind: str  # missing_blob, corrupt_blob, quarantined, orphan_row, orphan_file, temp_file, foreign_file
+    # missing_blob, corrupt_blob, quarantined, bad_row, orphan_row, orphan_file, temp_file,
+    # foreign_file, repair_refused
+    kind: str
     path: str
     detail: str
     hash: str = ""
@@ -99,14 +119,22 @@ class Problem:
         return asdict(self)
 
 
-def verify(index: Index, root: Path, *, repair: bool = False) -> list[Problem]:
+def verify(index: Index, root: Path, *, repair: bool = False, force: bool = False,
+           read_only: bool = False) -> list[Problem]:
     """Check every row against its blob, the chain, and every file against the rows.
 
     The reading needs no lock. What looks wrong is looked at again holding the tree lock
     exclusively (no writer between its blob and its row, no gc between its row and its file), so
-    work in flight in other processes is neither reported nor repaired away.
+    work in flight in other processes is neither reported nor repaired away. `force` lets repair
+    delete more orphans than `ORPHAN_SHARE`; `read_only` takes the lock only if it exists.
     """
-    rows = list(index.rows())  # one snapshot: no read transaction stays open below
+    rows, bad_rows = [], []
+    for row in index.rows():  # one snapshot: no read transaction stays open below
+        why = _row_problem(row)
+        if why is None:
+            rows.append(row)
+        else:
+            bad_rows.append((row.hash, why))
     known = {row.hash: row.parent for row in rows}
     suspects = []
     for row in rows:
@@ -117,26 +145,66 @@ def verify(index: Index, root: Path, *, repair: bool = False) -> list[Problem]:
         except BlobError:
             pass
         suspects.append(row)
-    strays = [path for path in blobs.walk(root) if blobs.hash_of(path) not in known]
-    with blobs.tree_lock(root, exclusive=True):
-        problems: list[Problem] = []
+    strays = [path for path in blobtree.walk(root) if blobtree.hash_of(path, root) not in known]
+    with blobtree.tree_lock(root, exclusive=True, create=not read_only):
+        problems: list[Problem] = [
+            Problem("bad_row", str(root), f"a row of the index has {why} (hash {h!r:.80})",
+                    h.hex() if isinstance(h, bytes) else "") for h, why in bad_rows]
         for row in suspects:
             problem = _confirm(index, root, row)
             if problem is not None:
                 problems.append(problem)
-        bad = {bytes.fromhex(p.hash) for p in problems}
+        bad = {bytes.fromhex(p.hash) for p in problems if p.kind != "bad_row"}
         # Rows whose chain is broken (parent gone or bad) can never be reached: orphans.
         orphans = _unreachable(index, known, bad)
         for h in orphans:
             problems.append(Problem("orphan_row", str(blobs.blob_path(root, h)),
                                     "its parent record is missing or damaged", h.hex()))
         for path in strays:
-            problem = _stray(index, path)
+            problem = _stray(index, root, path)
             if problem is not None:
                 problems.append(problem)
         if repair and problems:
-            _repair(index, root, problems, bad | orphans)
+            blob_files = sum(1 for p in strays if blobtree.hash_of(p, root) is not None) + len(rows)
+            problems += _repair(index, root, problems, bad, orphans, known,
+                                [h for h, _ in bad_rows], blob_files, force)
     return problems
+
+
+def _unexplained(index: Index, orphan_files: list[Problem]) -> int:
+    """Orphan files of models this index does not know (or not kvstore's at all): an
+    interrupted gc or writer leaves orphans of known models; a lost index, only these."""
+    known = index.namespaces()
+    n = 0
+    for p in orphan_files:
+        meta = blobs.peek_metadata(Path(p.path))
+        try:
+            ns = bytes.fromhex(meta["ns"]) if meta else None
+        except (KeyError, ValueError):
+            ns = None
+        n += ns not in known
+    return n
+
+
+def _row_problem(row) -> str | None:
+    """What is wrong with the types or values of a row (None if nothing): verify reports such a
+    row and repair drops it, rather than either crashing on it."""
+    for name in ("hash", "ns", "parent"):
+        v = getattr(row, name)
+        if not isinstance(v, bytes) or len(v) != keys.HASH_BYTES:
+            return f"a {name} that is not {keys.HASH_BYTES} bytes"
+    for name in ("depth", "kind", "ntokens", "size", "checksum", "hits", "pinned", "bad"):
+        if type(getattr(row, name)) is not int:
+            return f"a {name} that is not an integer"
+    if type(row.created) not in (int, float) or type(row.last_access) not in (int, float):
+        return "times that are not numbers"
+    if row.depth < 1 or row.kind not in (0, 1, 2) or row.ntokens < 0:
+        return f"depth {row.depth}, kind {row.kind} or {row.ntokens} tokens, which is impossible"
+    if not isinstance(row.tokens, bytes) or len(row.tokens) != 4 * row.ntokens:
+        return "token ids that do not match its token count"
+    if not 0 <= row.size <= blobs.MAX_BLOB_BYTES:
+        return f"a size of {row.size} bytes, which no blob has"
+    return None
 
 
 def _confirm(index: Index, root: Path, row) -> Problem | None:
@@ -155,17 +223,25 @@ def _confirm(index: Index, root: Path, row) -> Problem | None:
         return Problem(kind, str(path), str(e).split(": ", 1)[-1], row.hash.hex())
 
 
-def _stray(index: Index, path: Path) -> Problem | None:
+def _stray(index: Index, root: Path, path: Path) -> Problem | None:
     """The problem of a file no row pointed to, if it still has one now."""
-    if not os.path.lexists(path):
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
         return None  # renamed into place or deleted since
-    h = blobs.hash_of(path)
-    if path.name.startswith(blobs.TMP_PREFIX):
-        if blobs.stale_temp(path, min_age_s=3600):
+    h = blobtree.hash_of(path, root)
+    in_hex_folder = len(path.relative_to(root).parts) == 3
+    if in_hex_folder and blobtree.is_temp_name(path.name):
+        if blobtree.stale_temp(path, min_age_s=3600):
             return Problem("temp_file", str(path), "left by a writer that stopped")
-        return None
-    if h is not None:
+        if stat.S_ISREG(mode):
+            return None  # a writer at work
+    if h is not None and stat.S_ISREG(mode):
         return None if index.get(h) is not None else Problem("orphan_file", str(path), "no index row points to it")
+    if stat.S_ISLNK(mode):
+        return Problem("foreign_file", str(path), "a symbolic link (kvstore never follows it)")
+    if not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):
+        return Problem("foreign_file", str(path), "not a regular file (a FIFO, socket or device)")
     return Problem("foreign_file", str(path), "not a kvstore blob")
 
 
@@ -194,16 +270,48 @@ def _unreachable(index: Index, known: dict[bytes, bytes], bad: set[bytes]) -> se
     return {h for h in known if h not in bad and not reachable(known[h])}
 
 
-def _repair(index: Index, root: Path, problems: list[Problem], drop: set[bytes]) -> None:
-    if drop:
-        rows = index.delete(sorted(drop))
-        for row in rows:
-            blobs.remove(root, row.hash)
+def _rootless(orphans: set[bytes], known: dict[bytes, bytes], bad: set[bytes]) -> int:
+    """Orphan rows whose chain ends at no damaged record: their model's row is gone."""
+    n = 0
+    for h in orphans:
+        seen = set()
+        while h in known and h not in bad and h not in seen:
+            seen.add(h)
+            h = known[h]
+        n += h not in bad
+    return n
+
+
+def _repair(index: Index, root: Path, problems: list[Problem], bad: set[bytes], orphans: set[bytes],
+            known: dict[bytes, bytes], bad_rows: list, blob_files: int, force: bool) -> list[Problem]:
+    """Fix what verify found, under its lock; returns the problems it would not fix."""
+    orphan_files = [p for p in problems if p.kind == "orphan_file"]
+    n_orphans = len(orphans) + len(orphan_files)
+    refused: list[Problem] = []
+    unexplained = _rootless(orphans, known, bad) + _unexplained(index, orphan_files)
+    if unexplained > max(ORPHAN_FEW, ORPHAN_SHARE * blob_files) and not force:
+        refused.append(Problem(
+            "repair_refused", str(root),
+            f"{n_orphans} of {blob_files} blobs would be deleted as orphans, more than "
+            f"{ORPHAN_SHARE:.0%}: the index looks lost or replaced, so they were kept. Move "
+            "index.sqlite away and run `kvstore verify --repair` to rebuild the index from them, "
+            "or run `kvstore verify --repair --force` to delete them"))
+        orphans, orphan_files = set(), []
+    drop = sorted(bad | orphans)
+    if drop or bad_rows:
+        rows = index.delete(drop + bad_rows)
+        for row in rows:  # after the commit
+            blobtree.remove(root, row.hash)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
     for p in problems:
-        if p.kind in ("orphan_file", "temp_file", "foreign_file"):
-            try:
-                os.unlink(p.path)
-            except FileNotFoundError:
-                pass
-            except IsADirectoryError:
-                pass
+        if p.kind not in ("orphan_file", "temp_file", "foreign_file"):
+            continue
+        if p.kind == "orphan_file" and p not in orphan_files:
+            continue
+        parts = Path(p.path).relative_to(root).parts
+        # Only kvstore's own names are deleted; anything else is moved aside, whole.
+        if p.kind in ("orphan_file", "temp_file") and blobtree.remove_entry(root, parts, directory_too=False):
+            continue
+        if os.path.lexists(p.path):
+            blobtree.move_entry(root, parts, root.parent / QUARANTINE_NAME, f"{stamp}.{'_'.join(parts)}")
+    return refused

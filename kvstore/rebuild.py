@@ -5,7 +5,8 @@ chunk_size, hash, parent, depth, kind) and its token ids, so the records can be 
 without the index. A blob is taken back only if everything about it agrees: its name, the hash in
 its header, the hash recomputed from its parent and tokens (records are content-addressed), its
 kind and token count, and a parent chain that reaches its namespace. Anything else is left where
-it is, and reported: `verify` then lists it as an orphan file and `verify --repair` removes it.
+it is, and reported (a planted or hostile file is skipped, never a crash nor a hang): `verify`
+then lists it as an orphan file and `verify --repair` removes it.
 
 The damaged index is moved aside (`index.sqlite.damaged-<time>`, with its -wal/-shm), not
 deleted. What the blobs do not carry is read from it when it still can be (pins, access times,
@@ -26,11 +27,11 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from . import blobs, keys
-from .errors import BlobError, StoreOpenError
-from .index import CHECKPOINT, CHUNK, TAIL, Index, _u64_to_i64
+from . import blobs, blobtree, keys
+from .errors import BlobError, CorruptIndexError, NotAStoreError, StoreOpenError
+from .index import CHECKPOINT, CHUNK, TAIL, Index, _u64_to_i64, connect_read_only
 from .modelcache import checkpoint_hash
-from .store import BLOBS_NAME, INDEX_NAME
+from .storedir import BLOBS_NAME, INDEX_FILES, INDEX_NAME, has_blob_files, open_dir
 
 
 def rebuild_index(path: str | os.PathLike) -> dict:
@@ -41,16 +42,22 @@ def rebuild_index(path: str | os.PathLike) -> dict:
     `salvaged` (records whose pin and access times came from the old index) and `damaged_index`
     (where the old index was moved, or None if there was none).
     """
-    store = Path(path).expanduser()
+    store = Path(path).expanduser().resolve()
     root = store / BLOBS_NAME
-    if not store.is_dir() or not root.is_dir():
-        raise StoreOpenError(f"{store} is not a kvstore store (it has no {BLOBS_NAME}/ folder)")
+    try:
+        open_dir(store, create=False, read_only=False)  # a store, its entries no links, writable
+    except CorruptIndexError:
+        pass  # a damaged or lost index is why we are here; anything else stops the rebuild
+    if not root.is_dir():
+        raise NotAStoreError(f"{store} is not a kvstore store (it has no {BLOBS_NAME}/ folder)")
+    if not has_blob_files(root) and not any(os.path.lexists(store / n) for n in INDEX_FILES):
+        raise NotAStoreError(f"{store} holds neither a kvstore index nor kvstore blobs: nothing to rebuild")
     index_file = store / INDEX_NAME
     # Exclusive of writers and gc (that keep the lock) while the blobs are read.
-    with blobs.tree_lock(root, exclusive=True):
+    with blobtree.tree_lock(root, exclusive=True):
         aside = _move_aside(index_file)
         # After a rebuild that crashed, the index moved aside last time is the one to read.
-        earlier = sorted(store.glob(f"{INDEX_NAME}.damaged-*[0-9]"), key=lambda p: p.stat().st_mtime)
+        earlier = sorted(store.glob(f"{INDEX_NAME}.damaged-*[0-9]"), key=lambda p: os.lstat(p).st_mtime)
         old = _salvage(aside or (earlier[-1] if earlier else None))
 
         found, skipped = _scan(root)
@@ -62,7 +69,7 @@ def rebuild_index(path: str | os.PathLike) -> dict:
         for suffix in ("", "-wal", "-shm"):
             if os.path.lexists(f"{building}{suffix}"):
                 os.unlink(f"{building}{suffix}")
-        os.close(os.open(building, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        os.close(os.open(building, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
         index = Index(building)
         try:
             _write(index, accepted, old)
@@ -84,7 +91,13 @@ def rebuild_index(path: str | os.PathLike) -> dict:
 
 
 def _move_aside(index_file: Path) -> Path | None:
+    """Move the old index and its -wal/-shm aside (kept, never deleted). A -wal left without
+    its index is moved too: SQLite would otherwise replay it into the new index."""
     if not os.path.lexists(index_file):
+        for suffix in ("-wal", "-shm", "-journal"):
+            if os.path.lexists(f"{index_file}{suffix}"):
+                os.replace(f"{index_file}{suffix}",
+                           f"{index_file}{suffix}.stale-{time.strftime('%Y%m%d-%H%M%S')}")
         return None
     stamp = time.strftime("%Y%m%d-%H%M%S")
     aside = index_file.with_name(f"{index_file.name}.damaged-{stamp}")
@@ -108,10 +121,10 @@ class _Salvage:
 def _salvage(old_file: Path | None) -> _Salvage:
     """What the old index can still tell, read-only and best effort (it is damaged)."""
     out = _Salvage()
-    if old_file is None or not old_file.is_file():
+    if old_file is None or old_file.is_symlink() or not old_file.is_file():
         return out
     try:
-        conn = sqlite3.connect(f"file:{old_file}?mode=ro", uri=True, timeout=1.0)
+        conn = connect_read_only(old_file, timeout=1.0)  # an escaped URI: `#` or `?` in the path
     except sqlite3.Error:
         return out
     try:
@@ -138,8 +151,8 @@ def _scan(root: Path) -> tuple[dict[bytes, dict], list[tuple[Path, str]]]:
     """Every blob file whose contents agree with its name: hash -> record fields."""
     found: dict[bytes, dict] = {}
     skipped: list[tuple[Path, str]] = []
-    for path in blobs.walk(root):
-        h = blobs.hash_of(path)
+    for path in blobtree.walk(root):
+        h = blobtree.hash_of(path, root)
         if h is None:
             continue  # temporaries and foreign files: verify reports them
         if path.is_symlink():
@@ -149,15 +162,15 @@ def _scan(root: Path) -> tuple[dict[bytes, dict], list[tuple[Path, str]]]:
             found[h] = _read_record(path, h)
         except BlobError as e:
             skipped.append((path, str(e).split(": ", 1)[-1]))
+        except Exception as e:  # whatever a planted file does, the rest are still taken back
+            skipped.append((path, f"cannot be read as a blob ({type(e).__name__}: {e})"))
     return found, skipped
 
 
 def _read_record(path: Path, h: bytes) -> dict:
+    buf = blobs.read_file(path)  # a regular file, no link, no FIFO, size checked first
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        with os.fdopen(fd, "rb") as f:
-            buf = f.read()
-            mtime = os.fstat(f.fileno()).st_mtime
+        mtime = os.lstat(path).st_mtime
     except OSError as e:
         raise BlobError(f"{path}: cannot read ({e.strerror or e})") from e
     entries, base = blobs.parse_header(buf, path)

@@ -22,10 +22,11 @@ import mlx.core as mx
 import numpy as np
 
 from . import blobs, keys
-from .errors import BlobError, CorruptIndexError, InvalidInputError, ModelFilesError, StoreOpenError
+from .errors import BlobError, InvalidInputError, ModelFilesError, StoreOpenError
 from .index import Index, Row, is_corruption
 from .memory import MemoryTier, Record
 from .modelcache import ModelCache, describe, make_template
+from .storedir import BLOBS_NAME, INDEX_NAME, open_dir
 from .writer import Writer
 
 log = logging.getLogger("kvstore")
@@ -33,8 +34,6 @@ log = logging.getLogger("kvstore")
 MEMORY = ":memory:"
 DEFAULT_MEMORY_BYTES = 1 << 30
 DEFAULT_PENDING_BYTES = 2 << 30
-INDEX_NAME = "index.sqlite"
-BLOBS_NAME = "blobs"
 
 
 # Stores still open at interpreter exit get their queued writes flushed (bounded in time).
@@ -57,11 +56,17 @@ def default_path() -> Path:
 
 
 class Store:
-    """A prompt-cache store in one directory (or in RAM only, with `path=kvstore.MEMORY`)."""
+    """A prompt-cache store in one directory (or in RAM only, with `path=kvstore.MEMORY`).
+
+    `create=False` opens only an existing store (nothing is created); `read_only=True` never
+    writes to it (fetch and stats work, inserts are skipped and counted, gc and repair refuse);
+    `read_only=None` is read-only exactly when this user may not write the store.
+    """
 
     def __init__(self, path: str | os.PathLike | None = None, *, max_bytes: int | None = None,
                  memory_bytes: int | None = None, chunk_size: int = 256,
-                 max_pending_bytes: int = DEFAULT_PENDING_BYTES, fsync: bool = True):
+                 max_pending_bytes: int = DEFAULT_PENDING_BYTES, fsync: bool = True,
+                 create: bool = True, read_only: bool | None = False):
         if not isinstance(chunk_size, int) or chunk_size < 1:
             raise InvalidInputError(f"chunk_size must be a positive integer, got {chunk_size!r}")
         for name, value in (("max_bytes", max_bytes), ("memory_bytes", memory_bytes)):
@@ -70,25 +75,28 @@ class Store:
         self.chunk_size = chunk_size
         self.max_bytes = max_bytes
         self.ram_only = str(path) == MEMORY
+        self.read_only = False
         self.memory = MemoryTier(DEFAULT_MEMORY_BYTES if memory_bytes is None else memory_bytes)
         if self.ram_only:
             if memory_bytes == 0:
                 raise InvalidInputError("a RAM-only store needs memory_bytes > 0")
             self.path, self.index, self.blob_root = None, None, None
         else:
-            self.path = _prepare_dir(Path(path).expanduser() if path is not None else default_path())
+            # Refuses a folder that is not a store, symbolic links among its own entries, and a
+            # lost index (a new, empty one would orphan every blob).
+            self.path, self.read_only = open_dir(
+                Path(path) if path is not None else default_path(), create=create, read_only=read_only)
             self.blob_root = self.path / BLOBS_NAME
             index_file = self.path / INDEX_NAME
-            if _index_lost(index_file, self.blob_root):  # a new, empty index would orphan every blob
-                raise CorruptIndexError(
-                    f"the index {index_file} is missing or empty but {self.blob_root} holds blobs; "
-                    f"run `kvstore verify --repair --store {self.path}` to rebuild it from them")
-            if not index_file.exists():
-                os.close(os.open(index_file, os.O_WRONLY | os.O_CREAT, 0o600))
-            self.index = Index(index_file)
+            if not self.read_only:
+                flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
+                os.close(os.open(index_file, flags, 0o600))
+            self.index = Index(index_file, read_only=self.read_only)
         self._gc_lock = threading.Lock()
         self.counters = {"quarantined": 0, "skipped_inserts": 0, "fetches": 0, "reused_tokens": 0}
-        self.writer = Writer(self.index, self.blob_root, self.memory, max_pending_bytes,
+        writes = None if self.read_only else self.index
+        self.writer = Writer(writes, None if self.read_only else self.blob_root, self.memory,
+                             max_pending_bytes,
                              after_batch=self._enforce_budget if max_bytes is not None else None,
                              fsync=fsync)
         self._closed = False
@@ -101,8 +109,8 @@ class Store:
              fingerprint: bytes | None = None) -> ModelCache:
         """A `ModelCache` for a loaded mlx-lm model and the path or repo id it was loaded from.
 
-        The model's files are fingerprinted (memoised in the index by path, size and mtime), so
-        changed weights at the same path never get old K/V. `kv_bits`/`kv_group_size`: the
+        The model's files are fingerprinted (memoised in the index by path, size, mtime, inode
+        and ctime), so changed weights at the same path never get old K/V. `kv_bits`/`kv_group_size`: the
         caller's caches are `QuantizedKVCache`s (mlx-lm's `--kv-bits`); part of the namespace.
         `fingerprint` skips hashing files (for models that were not loaded from a folder).
         """
@@ -143,6 +151,7 @@ class Store:
         w = self.writer.stats
         out: dict[str, Any] = {
             "path": str(self.path) if self.path else MEMORY,
+            "read_only": self.read_only,
             "chunk_size": self.chunk_size,
             "max_bytes": self.max_bytes,
             "memory": {"bytes": self.memory.nbytes, "records": len(self.memory),
@@ -169,6 +178,8 @@ class Store:
         from .maintenance import collect
 
         self._check_open()
+        if not dry_run:
+            self._check_writable("gc")
         if self.index is None:
             if max_bytes is not None:
                 self.memory.trim_to(max_bytes)
@@ -182,16 +193,23 @@ class Store:
             result.pop("hashes")
         return result
 
-    def verify(self, repair: bool = False) -> list:
-        """Problems found (empty when clean); `repair=True` fixes them. See `maintenance`."""
+    def verify(self, repair: bool = False, force: bool = False) -> list:
+        """Problems found (empty when clean); `repair=True` fixes them. See `maintenance`.
+
+        Repair deletes at most a small share of the blobs as orphans (no row, or a broken
+        chain): more than that means the index, not the blobs, is wrong, and needs `force=True`.
+        """
         from .maintenance import verify
 
         self._check_open()
+        if repair:
+            self._check_writable("verify --repair")
         if self.index is None:
             return []
         self.flush()
         with self._damage_is_an_error():
-            problems = verify(self.index, self.blob_root, repair=repair)
+            problems = verify(self.index, self.blob_root, repair=repair, force=force,
+                              read_only=self.read_only)
         if repair:
             self.memory.clear()
         return problems
@@ -201,6 +219,11 @@ class Store:
     def _check_open(self) -> None:
         if self._closed:
             raise StoreOpenError("this store is closed")
+
+    def _check_writable(self, what: str) -> None:
+        if self.read_only:
+            raise StoreOpenError(f"the store {self.path} is open read-only: {what} needs to write "
+                                 "to it (open it as a user who may write it)")
 
     @contextmanager
     def _damage_is_an_error(self):
@@ -225,7 +248,9 @@ class Store:
         if not any(f.name == "config.json" for f in files):
             raise ModelFilesError(f"{model_dir} has no config.json: is it an mlx-lm model folder?")
         lookup = remember = None
-        if self.index is not None:
+        if self.index is not None and self.read_only:
+            lookup = self.index.file_digest
+        elif self.index is not None:
             lookup = self.index.file_digest
 
             def remember(*args) -> None:
@@ -240,6 +265,8 @@ class Store:
         (a full disk, a read-only or busy index): fetch goes on, inserts wait until it works."""
         if self.index is None:
             return True
+        if self.read_only:
+            return False
         try:
             self.index.register_model(mc.ns, mc.fingerprint, mc.model_id, json.dumps(mc.layout),
                                       self.chunk_size)
@@ -315,21 +342,6 @@ class Store:
             pass
 
 
-def _index_lost(index_file: Path, blob_root: Path) -> bool:
-    """No index (or an empty one) beside a blob tree with blob folders: it was deleted or lost."""
-    for f in (index_file, Path(f"{index_file}-wal")):
-        try:
-            if f.stat().st_size > 0:
-                return False
-        except FileNotFoundError:
-            pass
-    try:
-        with os.scandir(blob_root) as entries:
-            return any(len(e.name) == 2 and e.is_dir(follow_symlinks=False) for e in entries)
-    except OSError:
-        return False
-
-
 def resolve_model_dir(model_id: str) -> Path:
     """The local folder of a model path or an already-downloaded Hugging Face repo id."""
     p = Path(model_id).expanduser()
@@ -345,29 +357,13 @@ def resolve_model_dir(model_id: str) -> Path:
             "folder it was loaded from (or a repo id that is already downloaded)") from e
 
 
-def _prepare_dir(path: Path) -> Path:
-    """Create the store directory (0700) or check an existing one is a writable directory."""
-    path = path.resolve()  # `a/../s` is `s`: no folder `a` is made on the way
-    if path.exists() and not path.is_dir():
-        raise StoreOpenError(f"store path {path} exists and is not a directory")
-    try:
-        created = not path.exists()
-        path.mkdir(mode=0o700, parents=True, exist_ok=True)
-        if created:
-            os.chmod(path, 0o700)
-        (path / BLOBS_NAME).mkdir(mode=0o700, exist_ok=True)
-    except OSError as e:
-        raise StoreOpenError(f"cannot create the store directory {path}: {e.strerror or e}") from e
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise StoreOpenError(f"store directory {path} is not writable by this user")
-    return path
-
-
 def open(path: str | os.PathLike | None = None, *, max_bytes: int | None = None,
          memory_bytes: int | None = None, chunk_size: int = 256, **options) -> Store:
     """Open (creating if needed) the store at `path`, `$KVSTORE_DIR` or `~/.cache/kvstore`.
 
     `path=kvstore.MEMORY` keeps everything in RAM (nothing is written); `memory_bytes=0` turns
-    the memory tier off (every fetch reads the disk).
+    the memory tier off (every fetch reads the disk). A folder that is not a store (it holds
+    files but no kvstore index) is refused, never used. `create=False` opens only an existing
+    store; `read_only=True` (or `None`: when this user may not write it) writes nothing.
     """
     return Store(path, max_bytes=max_bytes, memory_bytes=memory_bytes, chunk_size=chunk_size, **options)

@@ -1,0 +1,237 @@
+"""The store directory: which entries are kvstore's own, and the checks made before any is used.
+
+A directory is a store only if it holds kvstore's own index (its schema checked) or is new and
+empty. Anything else (a Hugging Face cache folder, a home directory) is refused before a file in
+it is read as an index, written or deleted. The store's own entries are refused when they are
+symbolic links or not the kind of file kvstore makes, so nothing is ever read, written or
+deleted outside the store through them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sqlite3
+import stat
+import time
+from pathlib import Path
+
+from .blobtree import SUFFIX
+from .errors import CorruptIndexError, IndexLostError, NotAStoreError, StoreOpenError
+from .index import connect_read_only, is_corruption
+
+log = logging.getLogger("kvstore")
+
+INDEX_NAME = "index.sqlite"
+BLOBS_NAME = "blobs"
+LOCK_NAME = BLOBS_NAME + ".lock"
+QUARANTINE_NAME = "quarantine"  # where `verify --repair` moves files that kvstore did not write
+INDEX_FILES = tuple(INDEX_NAME + s for s in ("", "-wal", "-shm", "-journal"))
+# Left beside the index by a rebuild, or when a stale journal is moved aside.
+_INDEX_LEFTOVERS = (".damaged-", ".rebuilding", "-wal.stale-", "-shm.stale-", "-journal.stale-")
+_IGNORABLE = {".DS_Store"}  # a folder opened in the macOS Finder is still empty
+_NO_TABLES = "it holds no tables"
+_TABLES = {"schema_migrations", "meta", "records", "models", "file_digests", "totals"}
+
+
+def own_name(name: str) -> bool:
+    """An entry kvstore itself makes at the top of a store directory."""
+    return (name in INDEX_FILES or name in (BLOBS_NAME, LOCK_NAME, QUARANTINE_NAME)
+            or any(name.startswith(INDEX_NAME + x) for x in _INDEX_LEFTOVERS))
+
+
+def open_dir(path: Path, *, create: bool, read_only: bool | None) -> tuple[Path, bool]:
+    """Check (or, with `create`, make) the store directory at `path`: (its real path, read-only).
+
+    `read_only=None` opens read-only exactly when this user may not write the store. Raises
+    `NotAStoreError` for a folder that is not a store, `IndexLostError` when the index is gone
+    but the blobs are there (with the command that rebuilds it), `StoreOpenError` otherwise.
+    """
+    path = path.expanduser().resolve()  # `a/../s` is `s`: no folder `a` is made on the way
+    try:
+        st = os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):  # (ENOTDIR: a file on the way)
+        if not create or read_only:
+            raise NotAStoreError(f"no kvstore store at {path} (commands that store prompts, like "
+                                 "`kvstore warm`, create one)") from None
+        try:
+            path.mkdir(mode=0o700, parents=True, exist_ok=True)
+            os.chmod(path, 0o700)
+        except OSError as e:
+            raise StoreOpenError(f"cannot create the store directory {path}: {e.strerror or e}") from e
+        st = os.stat(path)
+    except OSError as e:
+        raise StoreOpenError(f"cannot open the store directory {path}: {e.strerror or e}") from e
+    if not stat.S_ISDIR(st.st_mode):
+        raise StoreOpenError(f"store path {path} exists and is not a directory")
+    _check_own_entries(path)
+    writable = os.access(path, os.W_OK | os.X_OK) and all(
+        os.access(path / n, os.W_OK) for n in INDEX_FILES if os.path.lexists(path / n))
+    if read_only is None:
+        read_only = not writable or st.st_uid != os.geteuid()
+    if not read_only:
+        if not writable:
+            raise StoreOpenError(f"the store {path} is not writable by this user: this needs to "
+                                 "write to it (`kvstore stats` and `kvstore verify` work read-only)")
+        if st.st_uid != os.geteuid():
+            raise StoreOpenError(f"the store {path} belongs to user id {st.st_uid}, not to you: "
+                                 "kvstore only writes to a store you own (it can read this one)")
+    _check_is_store(path, create=create and not read_only, read_only=read_only)
+    _check_mode(path, st, read_only)  # only once it is known to be a store: nothing else changes
+    return path, read_only
+
+
+def _check_mode(path: Path, st: os.stat_result, read_only: bool) -> None:
+    """A store is 0700: its cached K/V reveals the prompts. A looser one is tightened (or, when
+    it cannot be changed, reported)."""
+    loose = stat.S_IMODE(st.st_mode) & 0o077
+    if not loose:
+        return
+    if read_only or st.st_uid != os.geteuid():
+        log.warning("kvstore: the store %s has mode %o: other users can read its cached prompts",
+                    path, stat.S_IMODE(st.st_mode))
+        return
+    try:
+        os.chmod(path, 0o700)
+        log.warning("kvstore: the store %s had mode %o; set it to 700 (its cached K/V reveals "
+                    "the prompts)", path, stat.S_IMODE(st.st_mode))
+    except OSError as e:
+        log.warning("kvstore: the store %s has mode %o and cannot be tightened (%s)",
+                    path, stat.S_IMODE(st.st_mode), e)
+
+
+def _check_own_entries(path: Path) -> None:
+    """Refuse a store whose own entries are symbolic links or the wrong kind of file."""
+    for name in (*INDEX_FILES, BLOBS_NAME, LOCK_NAME, QUARANTINE_NAME):
+        try:
+            st = os.lstat(path / name)
+        except FileNotFoundError:
+            continue
+        want_dir = name in (BLOBS_NAME, QUARANTINE_NAME)
+        if stat.S_ISLNK(st.st_mode):
+            raise StoreOpenError(f"{path / name} is a symbolic link: kvstore never follows links "
+                                 "out of a store (move it away, or use another store folder)")
+        if not (stat.S_ISDIR(st.st_mode) if want_dir else stat.S_ISREG(st.st_mode)):
+            kind = "a folder" if want_dir else "a regular file"
+            raise StoreOpenError(f"{path / name} is not {kind}: it is not kvstore's own "
+                                 "(move it away, or use another store folder)")
+
+
+def _check_is_store(path: Path, *, create: bool, read_only: bool) -> None:
+    index_file = path / INDEX_NAME
+    try:
+        has_index = os.lstat(index_file).st_size > 0
+    except FileNotFoundError:
+        has_index = False
+    blob_root = path / BLOBS_NAME
+    if has_index:
+        problem = index_problem(index_file, read_only=read_only)
+        if problem is None:
+            return
+        has_index = problem != _NO_TABLES  # (another process may be making it right now)
+    if has_index:
+        if not _only_own_entries(path) and not has_blob_files(blob_root):
+            raise NotAStoreError(f"{path} is not a kvstore store: {index_file} is not kvstore's "
+                                 f"index ({problem}) and the folder holds files kvstore did not write")
+        raise CorruptIndexError(f"the index {index_file} cannot be read ({problem}); run "
+                                f"`kvstore verify --repair --store {path}` to rebuild it from the blob files")
+    if has_blob_files(blob_root):  # a new, empty index would orphan every blob
+        raise IndexLostError(
+            f"the index {index_file} is missing but {blob_root} holds blobs (an index left only as "
+            f"its -wal file is lost too); run `kvstore verify --repair --store {path}` to rebuild "
+            "it from them")
+    if not _only_own_entries(path):
+        strangers = sorted(n for n in os.listdir(path) if not own_name(n) and n not in _IGNORABLE)
+        inside = sorted(n for n in _listdir(blob_root) if not _is_hex_folder(blob_root, n))
+        named = ", ".join(strangers[:3] + [f"{BLOBS_NAME}/{n}" for n in inside[:3]])
+        raise NotAStoreError(f"{path} is not a kvstore store: it holds files kvstore did not "
+                             f"write ({named}) and no kvstore index; pass a new or empty folder")
+    if not create:
+        raise NotAStoreError(f"no kvstore store at {path} (it has no index yet; commands that "
+                             "store prompts, like `kvstore warm`, create one)")
+    if not os.path.lexists(index_file):
+        _set_aside_stale_journals(path)
+    try:
+        os.mkdir(blob_root, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as e:
+        raise StoreOpenError(f"cannot create {blob_root}: {e.strerror or e}") from e
+
+
+def index_problem(index_file: Path, *, read_only: bool = True) -> str | None:
+    """Why `index_file` is not a kvstore index (None if it is one), read-only."""
+    try:
+        conn = connect_read_only(index_file, timeout=5.0, journal=not read_only)
+    except sqlite3.DatabaseError as e:
+        return str(e)
+    try:
+        tables = {n for (n,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        if not tables:
+            return _NO_TABLES
+        missing = _TABLES - tables
+        if missing:
+            return f"it has no {', '.join(sorted(missing))} table"
+        first = conn.execute("SELECT name FROM schema_migrations WHERE version = 1").fetchone()
+        if first is None or first[0] != "0001_initial.sql":
+            return "its schema history is not kvstore's"
+        return None
+    except sqlite3.DatabaseError as e:
+        if not is_corruption(e):  # busy or unreadable: the file may be fine, do not call it damaged
+            raise StoreOpenError(f"the index {index_file} cannot be opened ({e})") from e
+        return str(e)
+    finally:
+        conn.close()
+
+
+def has_blob_files(blob_root: Path) -> bool:
+    """Whether the blob tree holds at least one file named as a blob (`ab/cd/abcd....safetensors`)."""
+    for a in _listdir(blob_root):
+        if not _is_hex_folder(blob_root, a):
+            continue
+        for b in _listdir(blob_root / a):
+            if _is_hex_folder(blob_root / a, b):
+                prefix = a + b
+                if any(n.startswith(prefix) and n.endswith(SUFFIX) for n in _listdir(blob_root / a / b)):
+                    return True
+    return False
+
+
+def _only_own_entries(path: Path) -> bool:
+    """Nothing at the top but kvstore's names, and nothing in `blobs/` but its hex folders."""
+    if any(not own_name(n) and n not in _IGNORABLE for n in os.listdir(path)):
+        return False
+    return all(_is_hex_folder(path / BLOBS_NAME, n) for n in _listdir(path / BLOBS_NAME))
+
+
+def _is_hex_folder(parent: Path, name: str) -> bool:
+    if len(name) != 2 or any(c not in "0123456789abcdef" for c in name):
+        return False
+    try:
+        return stat.S_ISDIR(os.lstat(parent / name).st_mode)
+    except OSError:
+        return False
+
+
+def _listdir(folder: Path) -> list[str]:
+    """Names in a real folder (never through a symbolic link); [] if there is none."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        return []
+    try:
+        return os.listdir(fd)
+    finally:
+        os.close(fd)
+
+
+def _set_aside_stale_journals(path: Path) -> None:
+    """A -wal or -shm file without its index belongs to a lost index: SQLite would replay it into
+    the new one. Kept, under another name, never deleted."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for name in INDEX_FILES[1:]:
+        # (re-checked each time: a process creating this store makes the index before its -wal)
+        if os.path.lexists(path / name) and not os.path.lexists(path / INDEX_NAME):
+            aside = path / f"{name}.stale-{stamp}"
+            os.replace(path / name, aside)
+            log.warning("kvstore: %s had no index beside it; moved it to %s", path / name, aside)
