@@ -14,6 +14,7 @@ import json
 import logging
 import time
 from typing import Any
+from urllib.parse import unquote
 
 from .metrics import ServerMetrics
 from .promptcache import PersistentPromptCache
@@ -108,8 +109,9 @@ def handler_class(base: type, cache: PersistentPromptCache, metrics: ServerMetri
             models = _listed_models(served_model, int(getattr(self, "created", time.time())))
             if wanted is None:
                 return self._answer_json(200, {"object": "list", "data": models})
+            wanted = unquote(wanted).lstrip("/")
             for model in models:
-                if model["id"] == wanted:
+                if model["id"].lstrip("/") == wanted:  # a local path's id starts with "/"
                     return self._answer_json(200, model)
             return self._answer_json(404, {"error": {"message": f"no model {wanted!r} here",
                                                      "type": "invalid_request_error", "code": "model_not_found"}})
