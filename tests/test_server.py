@@ -659,3 +659,17 @@ def test_loopback_hosts():
 
     assert _loopback("127.0.0.1") and _loopback("::1") and _loopback("localhost") and _loopback("127.0.0.2")
     assert not _loopback("0.0.0.0") and not _loopback("::") and not _loopback("192.0.2.1")
+
+
+def test_serve_defaults_are_bounded():
+    """Disk: the `auto` budget (`none` asks for an unbounded store); tokens stored per request:
+    capped; web origins: none."""
+    from kvstore.server import DEFAULT_MAX_STORED_TOKENS, _parser
+
+    defaults = _parser().parse_args([])
+    assert defaults.store_max_bytes == "auto"
+    assert defaults.store_max_tokens == DEFAULT_MAX_STORED_TOKENS == 32768
+    assert defaults.allowed_origins == []
+    assert _parser().parse_args(["--store-max-bytes", "none"]).store_max_bytes is None
+    assert _parser().parse_args(["--store-max-tokens", "0"]).store_max_tokens is None
+    assert _parser().parse_args(["--allowed-origins", "http://a.example/, *"]).allowed_origins == ["http://a.example", "*"]
