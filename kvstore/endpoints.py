@@ -43,7 +43,7 @@ def handler_class(base: type, cache: PersistentPromptCache, metrics: ServerMetri
                     body, content_type = metrics.render()
                     return self._answer(200, body, content_type)
                 if path == "/kvstore/stats":
-                    return self._answer_json(200, cache.store.stats())
+                    return self._answer_json(200, metrics.read(cache.store.stats))
                 if path == "/v1/models" or path.startswith("/v1/models/"):
                     return self._models(path[len("/v1/models/"):] if path != "/v1/models" else None)
             except Exception as e:  # a scrape must never take the server down

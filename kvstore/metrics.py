@@ -7,13 +7,19 @@ counts, so nothing is counted twice; the two histograms are observed after every
 
 from __future__ import annotations
 
-from typing import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from .index import CHECKPOINT, CHUNK, TAIL
 from .promptcache import PersistentPromptCache
+
+#: How long a scrape waits for the index (busy with another process's transaction) before it
+#: leaves the disk gauges out.
+READ_TIMEOUT_S = 10.0
 
 FETCH_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 RESTORED_TOKENS_BUCKETS = (0, 16, 64, 256, 1024, 4096, 16384, 32768, 65536, 131072)
@@ -24,8 +30,11 @@ class ServerMetrics:
 
     def __init__(self, cache: PersistentPromptCache):
         self.cache = cache
+        # The index keeps one SQLite connection per thread that uses it, for as long as the store
+        # is open; HTTP requests each run on a new thread, so their reads go through this one.
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstore-metrics")
         self.registry = CollectorRegistry()
-        self.registry.register(_StoreCollector(cache))
+        self.registry.register(_StoreCollector(cache, self.read))
         self.fetch_seconds = Histogram(
             "kvstore_fetch_seconds", "Time to look up and restore a prompt's cache from the store.",
             buckets=FETCH_SECONDS_BUCKETS, registry=self.registry)
@@ -41,12 +50,19 @@ class ServerMetrics:
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
+    def close(self) -> None:
+        self._reader.shutdown(wait=False)
+
+    def read(self, fn: Callable[[], Any]) -> Any:
+        """`fn()` run on this server's one reading thread (raises what `fn` raised, or TimeoutError)."""
+        return self._reader.submit(fn).result(timeout=READ_TIMEOUT_S)
+
 
 class _StoreCollector:
     """Counters of this process and gauges of the store, read when scraped."""
 
-    def __init__(self, cache: PersistentPromptCache):
-        self.cache = cache
+    def __init__(self, cache: PersistentPromptCache, read: Callable[[Callable[[], Any]], Any]):
+        self.cache, self.read = cache, read
 
     def describe(self) -> list:
         return []  # collected lazily: the store may be busy at registration
@@ -59,7 +75,7 @@ class _StoreCollector:
         reused = CounterMetricFamily("kvstore_reused_tokens", "Prompt tokens restored instead of "
                                      "computed, by the tier that held them.", labels=["tier"])
         tiers = dict(c["reused_by_tier"])
-        if getattr(store, "remote", None) is None and not tiers.get("remote"):
+        if not _has_remote(store) and not tiers.get("remote"):
             tiers.pop("remote", None)
         for tier, n in tiers.items():
             reused.add_metric([tier], n)
@@ -82,11 +98,14 @@ class _StoreCollector:
         yield from self._remote(store)
 
     def _gauges(self, store) -> Iterator[Metric]:
-        totals = {"bytes": store.memory.nbytes, "chunks": 0, "tails": 0, "checkpoints": 0}
-        if store.index is not None:
+        if store.index is None:  # a RAM-only store holds its records in the memory tier
+            kinds = store.memory.kinds()
+            totals = {"bytes": store.memory.nbytes, "chunks": kinds.get(CHUNK, 0),
+                      "tails": kinds.get(TAIL, 0), "checkpoints": kinds.get(CHECKPOINT, 0)}
+        else:
             try:
-                totals = store.index.totals()
-            except Exception:  # a busy or damaged index: report what RAM knows, keep serving
+                totals = self.read(store.index.totals)
+            except Exception:  # a busy or damaged index: leave the disk gauges out, keep serving
                 totals = None
         if totals is not None:
             yield _gauge("kvstore_store_bytes", "Bytes the store holds (on disk; in RAM for a "
@@ -102,10 +121,10 @@ class _StoreCollector:
 
     def _remote(self, store) -> Iterator[Metric]:
         """The remote tier's counters, as it reports them in `store.stats()["remote"]`."""
-        if getattr(store, "remote", None) is None:
+        if not _has_remote(store):
             return
         try:
-            remote = store.stats().get("remote")
+            remote = self.read(store.stats).get("remote")
         except Exception:
             return
         if not isinstance(remote, dict):
@@ -116,6 +135,11 @@ class _StoreCollector:
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 family.add_metric([name], value)
         yield family
+
+
+def _has_remote(store) -> bool:
+    """A remote tier is configured (the remote tier sets `store.remote` or counts its records)."""
+    return getattr(store, "remote", None) is not None or "remote_records" in store.counters
 
 
 def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:

@@ -553,17 +553,10 @@ def _can_trim(cache: list) -> bool:
 
 
 def _remote_downloads(store: Store) -> int | None:
-    """A count that grows when the remote tier served a record (None without a remote tier)."""
-    remote = getattr(store, "remote", None)
-    if remote is None:
-        return None
-    stats = getattr(remote, "stats", None)
-    counts = stats() if callable(stats) else stats
-    if isinstance(counts, dict):
-        for name in ("downloaded_records", "downloads", "hits", "fetched"):
-            if isinstance(counts.get(name), int):
-                return counts[name]
-    return None
+    """Records this process fetched from the remote tier so far (None without a remote tier):
+    the store's `counters["remote_records"]`, when the remote tier keeps it."""
+    value = store.counters.get("remote_records")
+    return value if isinstance(value, int) else None
 
 
 def _split_key(key: Hashable) -> tuple[Any, Any, Any]:

@@ -314,6 +314,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for generator in started:  # its thread is not a daemon: left running, the process would hang
             generator.stop_and_join()
         log.info("kvstore: flushing pending writes")
+        metrics.close()
         store.close()
         log.info("kvstore: %s", _final_counts(cache))
         stopper.uninstall()
