@@ -120,26 +120,21 @@ class _StoreCollector:
                      store.writer.pending_bytes)
 
     def _remote(self, store) -> Iterator[Metric]:
-        """The remote tier's counters, as it reports them in `store.stats()["remote"]`."""
-        if not _has_remote(store):
+        """The remote tier's own counters of this process (uploads, downloads, errors, ...)."""
+        counters = getattr(getattr(store, "remote", None), "counters", None)
+        if not isinstance(counters, dict):
             return
-        try:
-            remote = self.read(store.stats).get("remote")
-        except Exception:
-            return
-        if not isinstance(remote, dict):
-            return
-        family = CounterMetricFamily("kvstore_remote_events", "Remote tier counters, by event.",
-                                     labels=["event"])
-        for name, value in sorted(remote.items()):
+        family = CounterMetricFamily("kvstore_remote_events", "Remote tier counters of this "
+                                     "process, by event.", labels=["event"])
+        for name, value in sorted(counters.items()):
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 family.add_metric([name], value)
         yield family
 
 
 def _has_remote(store) -> bool:
-    """A remote tier is configured (the remote tier sets `store.remote` or counts its records)."""
-    return getattr(store, "remote", None) is not None or "remote_records" in store.counters
+    """A remote tier is configured (`kvstore.open(remote=...)`)."""
+    return getattr(store, "remote", None) is not None
 
 
 def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:

@@ -129,7 +129,7 @@ class PersistentPromptCache:
                     return self._fetch_elsewhere(binding, model, tokens)
                 mc = binding.choose(tokens)
                 in_ram = self._ram_prefix(mc, tokens)
-                remote_before = _remote_downloads(self.store)
+                remote_before = _remote_tokens(self.store)
                 started = time.perf_counter()
                 cache, rest = mc.fetch(tokens)
                 seconds = time.perf_counter() - started
@@ -332,14 +332,18 @@ class PersistentPromptCache:
         return covered + max((keys.common_prefix(t, rest) for t in children), default=0)
 
     def _count_reuse(self, reused: int, in_ram: int, remote_before: int | None) -> None:
+        """Reused tokens by tier: what RAM held, what the remote tier filled in during this fetch,
+        and the rest from the local disk."""
         by_tier = self.counters["reused_by_tier"]
         self.counters["reused_tokens"] += reused
         from_ram = min(reused, in_ram)
+        remote_after = _remote_tokens(self.store)
+        from_remote = 0
+        if remote_before is not None and remote_after is not None:
+            from_remote = min(reused - from_ram, max(0, remote_after - remote_before))
         by_tier["memory"] += from_ram
-        if reused > from_ram:
-            remote_after = _remote_downloads(self.store)
-            went_remote = remote_before is not None and remote_after is not None and remote_after > remote_before
-            by_tier["remote" if went_remote else "disk"] += reused - from_ram
+        by_tier["remote"] += from_remote
+        by_tier["disk"] += reused - from_ram - from_remote
 
     # -- internals: keys and models ----------------------------------------------------------
 
@@ -552,10 +556,10 @@ def _can_trim(cache: list) -> bool:
         return False
 
 
-def _remote_downloads(store: Store) -> int | None:
-    """Records this process fetched from the remote tier so far (None without a remote tier):
-    the store's `counters["remote_records"]`, when the remote tier keeps it."""
-    value = store.counters.get("remote_records")
+def _remote_tokens(store: Store) -> int | None:
+    """Tokens the remote tier has filled in for this process so far (None without a remote tier)."""
+    counters = getattr(getattr(store, "remote", None), "counters", None)
+    value = counters.get("remote_tokens") if isinstance(counters, dict) else None
     return value if isinstance(value, int) else None
 
 

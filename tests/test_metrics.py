@@ -59,19 +59,38 @@ def test_ram_only_store(llama):
         assert got[("kvstore_records", (("kind", "tail"),))] == 1
 
 
-def test_remote_counters_appear_with_a_remote_tier(llama, monkeypatch):
-    """With a remote tier, its counters from `store.stats()["remote"]` are exported (the remote tier
-    itself is tested in test_remote*.py; here only its numbers are stood in for)."""
+def test_remote_counters_appear_with_a_remote_tier(llama, tmp_path, monkeypatch):
+    """With a remote tier, its per-process counters are exported, and the tokens it filled in
+    during a fetch count as reused from `remote`. (The remote tier itself is tested against a real
+    SeaweedFS in test_remote*.py; here only its counters are stood in for.)"""
+    from types import SimpleNamespace
+
     path, model = llama
-    with kvstore.open(kvstore.MEMORY) as store:
+    tokens = list(range(30, 60))
+    with kvstore.open(tmp_path / "store", chunk_size=16) as store:
+        mc = store.bind(model, str(path))
+        mc.insert(tokens, prefill(model, tokens))
+    with kvstore.open(tmp_path / "store", chunk_size=16) as store:  # nothing in RAM
+        remote = SimpleNamespace(counters={"uploads": 4, "errors": 1, "remote_tokens": 0})
+        monkeypatch.setattr(store, "remote", remote, raising=False)
         pc = PersistentPromptCache(store)
-        store.counters["remote_records"] = 0
-        stats = store.stats
-        monkeypatch.setattr(store, "stats", lambda: dict(stats(), remote={"uploads": 4, "errors": 1, "url": "s3://b/p"}))
+        mc = store.bind(model, str(path))
+        pc.register(KEY, mc)
         got = samples(ServerMetrics(pc))
         assert got[("kvstore_remote_events_total", (("event", "uploads"),))] == 4
         assert got[("kvstore_remote_events_total", (("event", "errors"),))] == 1
         assert got[("kvstore_reused_tokens_total", (("tier", "remote"),))] == 0
+
+        fetch = mc.fetch
+
+        def fetch_after_the_remote_filled_a_chunk(toks):
+            remote.counters["remote_tokens"] += 16
+            return fetch(toks)
+
+        monkeypatch.setattr(mc, "fetch", fetch_after_the_remote_filled_a_chunk)
+        _, rest = pc.fetch_nearest_cache(KEY, tokens + [1])
+        assert rest == [1]
+        assert pc.counters["reused_by_tier"] == {"memory": 0, "disk": 14, "remote": 16}
 
 
 def test_scrapes_from_many_threads_use_one_index_connection(tmp_path):
