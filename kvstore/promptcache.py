@@ -429,11 +429,13 @@ class PersistentPromptCache:
 
         mlx_lm.server inserts the prompt and every generated token, the last of which the model
         never processed: its cache is one token short."""
-        offsets = {getattr(layer, "offset", None) for layer in cache}
+        # Recurrent layers (ArraysCache) keep no offset; the model runs every layer on every token,
+        # so the layers that count tokens say how many the whole cache holds.
+        offsets = {layer.offset for layer in cache if isinstance(getattr(layer, "offset", None), int)}
         if len(offsets) != 1:
-            return tokens  # mixed or unknown offsets: let the store check each layer
+            return tokens  # no or mixed offsets: let the store check each layer
         (offset,) = offsets
-        if not isinstance(offset, int) or offset == len(tokens):
+        if offset == len(tokens):
             return tokens
         if 0 < offset < len(tokens):
             return tokens[:offset]

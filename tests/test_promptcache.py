@@ -254,3 +254,24 @@ def test_reuse_is_counted_by_tier(llama, tmp_path):
         assert fetch(pc, model, tokens + [7]) == (40, [7])
         assert pc.counters["reused_by_tier"] == {"memory": 0, "disk": 40, "remote": 0}
         assert pc.counters["reused_tokens"] == 40
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "gemma3_text"])
+def test_inserted_tokens_are_trimmed_for_hybrid_and_sliding_window_caches(demo_model, tmp_path, tier, arch):
+    """The same one-token-short insert with recurrent layers (no offset of their own) and sliding
+    windows: stored, and restored with the logits of a recompute."""
+    from mlx_lm import load
+
+    path = demo_model(arch)
+    model, _ = load(str(path))
+    with kvstore.open(kvstore.MEMORY if tier == "ram" else tmp_path / "store", chunk_size=CHUNK) as store:
+        pc = PersistentPromptCache(store)
+        pc.register(KEY, store.bind(model, str(path)))
+        tokens = list(range(40, 80))
+        pc.insert_cache(KEY, tokens, prefill(model, tokens[:-1]))
+        assert pc.counters["errors"] == 0 and pc.counters["inserts"] == 1
+        store.flush()
+        query = tokens[:-1] + [5, 6]
+        restored, rest = pc.fetch_nearest_cache(KEY, query)
+        assert rest == [5, 6]
+        assert logits_diff(model, restored, rest, query) < 1e-4
