@@ -77,6 +77,9 @@ def handler_class(base: type, cache: PersistentPromptCache, metrics: ServerMetri
                 return self._malformed(f"{e.msg} (line {e.lineno}, column {e.colno})", len(raw))
             if not isinstance(body, dict):
                 return self._malformed(f"it is a JSON {type(body).__name__}, not an object", len(raw))
+            wrong = _fatal_field(self.path, body)
+            if wrong:
+                return self._malformed(wrong, len(raw))
             # mlx_lm.server reads the body again: hand it the bytes it would have read.
             stream = self.rfile
             self.rfile = io.BytesIO(raw)
@@ -131,6 +134,25 @@ def handler_class(base: type, cache: PersistentPromptCache, metrics: ServerMetri
 
     KVStoreHandler.__name__ = KVStoreHandler.__qualname__ = "KVStoreHandler"
     return KVStoreHandler
+
+
+def _fatal_field(path: str, body: dict) -> str | None:
+    """What is wrong with a field that mlx_lm.server 0.32 would hand unchecked to its generation
+    thread, which then dies and fails every later request ("generation thread died")."""
+    if path == "/v1/completions" and "prompt" in body and not isinstance(body["prompt"], str):
+        return f"its prompt is a JSON {_json_type(body['prompt'])}, not a string"  # tokenized as a batch
+    if path == "/v1/completions" and body.get("prompt") == "":
+        return "its prompt is empty"
+    stop = body.get("stop")
+    if stop is not None and not isinstance(stop, str) and not (
+            isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+        return "its stop is not a string or a list of strings"
+    return None
+
+
+def _json_type(value: Any) -> str:
+    names = {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}
+    return names.get(type(value), "number")
 
 
 def _allowed(origin: str, allowed: list[str]) -> bool:

@@ -182,8 +182,44 @@ def _persistent(server, cache: PersistentPromptCache, started: list,
         def __init__(self, model_provider, prompt_cache, *args, **kwargs):
             cache.attach(model_provider)
             log.info("%s", cache.describe())
+            self._kvstore_queues: weakref.WeakSet = weakref.WeakSet()  # answer queues of requests taken
+            self._kvstore_taken = 0
             super().__init__(model_provider, cache, *args, **kwargs)
             started.append(self)
+
+        def _next_request(self, *args, **kwargs):
+            request = super()._next_request(*args, **kwargs)
+            if request is not None:
+                self._kvstore_taken += 1
+                with contextlib.suppress(TypeError):
+                    self._kvstore_queues.add(request[0])
+            return request
+
+        def _run_generate(self):
+            """mlx_lm.server's generation loop, started again after a request made it fail.
+
+            Stock, one request it does not check (e.g. an empty prompt) ends the loop, and every
+            later request fails with "generation thread died". Here the requests being served get
+            an error and the loop starts again; a failure before any request was taken (the model
+            does not load) still ends it."""
+            taken = -1
+            while True:
+                try:
+                    return self._generate()
+                except Exception as e:
+                    if self._stop or self._is_distributed or self._kvstore_taken == taken:
+                        logging.exception("mlx_lm.server generation thread died: %s", type(e).__name__)
+                        self._generation_failed = True
+                        return
+                    taken = self._kvstore_taken
+                    log.error("kvstore serve: a request made mlx_lm.server's generation loop fail "
+                              "(%s at %s); the requests in progress get an error and it starts again",
+                              type(e).__name__, _where(e))
+                    failure = RuntimeError("generation failed on a request in this batch; the server "
+                                           "has recovered: send it again")
+                    for answers in list(self._kvstore_queues):
+                        answers.put(failure)
+                    self._kvstore_queues = weakref.WeakSet()
 
     server.ResponseGenerator = ResponseGenerator
     if isinstance(original_context, type) and callable(getattr(original_context, "stop", None)):
@@ -200,6 +236,18 @@ def _persistent(server, cache: PersistentPromptCache, started: list,
         server._run_http_server = original_http
         if original_context is not None:
             server.GenerationContext = original_context
+
+
+def _where(e: BaseException) -> str:
+    """Where an exception was raised (file:line in function), never its message: messages can
+    quote the prompt."""
+    import traceback
+
+    frames = traceback.extract_tb(e.__traceback__)
+    if not frames:
+        return "an unknown place"
+    f = frames[-1]
+    return f"{os.path.basename(f.filename)}:{f.lineno} in {f.name}"
 
 
 class _Stopper:

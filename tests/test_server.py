@@ -46,12 +46,13 @@ def free_port() -> int:
 class Server:
     """`python -m kvstore.server` in a subprocess, logging to a file."""
 
-    def __init__(self, model: Path | None, store: Path, log: Path, *extra: str, env=None):
+    def __init__(self, model: Path | None, store: Path, log: Path, *extra: str, env=None,
+                 launcher: tuple[str, ...] = ("-m", "kvstore.server")):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log
         self._log = open(log, "ab")
-        cmd = [sys.executable, "-m", "kvstore.server", *(["--model", str(model)] if model else []),
+        cmd = [sys.executable, *launcher, *(["--model", str(model)] if model else []),
                "--store", str(store), "--port", str(self.port), *extra]
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
                                      cwd=Path(__file__).parent.parent, env=env)
@@ -621,11 +622,18 @@ def test_malformed_bodies_never_reach_the_log(models, tmp_path):
                               timeout=REQUEST_TIMEOUT)
             assert r.status_code == 400 and "Invalid JSON" in r.json()["error"]
             assert marker not in r.text
+        # Fields mlx_lm.server 0.32 hands unchecked to its generation loop, which dies on them.
+        completions = server.url + "/v1/completions"
+        for body in ({"prompt": [marker]}, {"prompt": ""}, {"prompt": None},
+                     {"prompt": marker, "stop": [None]}, {"prompt": marker, "stop": 5}):
+            r = requests.post(completions, json=body, timeout=REQUEST_TIMEOUT)
+            assert r.status_code == 400 and ("prompt" in r.json()["error"] or "stop" in r.json()["error"])
         text, _ = ask(server, prompt="still serving")
         assert text
         assert server.stop() == 0
     out = log_path.read_text(errors="replace")
     assert "refused a request to /v1/chat/completions" in out
+    assert "generation thread died" not in out and "generation loop fail" not in out
     assert marker not in out
 
 
@@ -676,3 +684,42 @@ def test_serve_defaults_are_bounded():
     assert _parser().parse_args(["--store-max-bytes", "none"]).store_max_bytes is None
     assert _parser().parse_args(["--store-max-tokens", "0"]).store_max_tokens is None
     assert _parser().parse_args(["--allowed-origins", "http://a.example/, *"]).allowed_origins == ["http://a.example", "*"]
+
+
+# A stand-in for an mlx_lm.server defect: one input its generation loop does not survive.
+BROKEN_MLX_LM = """
+import sys
+import mlx_lm.server as server
+
+make_state_machine = server.ResponseGenerator._make_state_machine
+
+def broken(self, model_key, tokenizer, stop_words):
+    if "BOOM" in stop_words:
+        raise ValueError("a defect of mlx_lm.server on this input")
+    return make_state_machine(self, model_key, tokenizer, stop_words)
+
+server.ResponseGenerator._make_state_machine = broken
+from kvstore.server import run
+run(sys.argv[1:])
+"""
+
+
+def test_a_request_that_breaks_mlx_lm_does_not_take_the_server_down(models, tmp_path):
+    """Stock, a request that makes mlx_lm.server's generation loop raise ends it, and every later
+    request fails ("generation thread died") while the process stays up. Here that request gets an
+    error and the server goes on serving, with its cache."""
+    script = tmp_path / "broken_mlx_lm.py"
+    script.write_text(BROKEN_MLX_LM)
+    log_path = tmp_path / "server.log"
+    with Server(models["llama"], tmp_path / "store", log_path, launcher=(str(script),)) as server:
+        text1, _ = ask(server, prompt=SYSTEM)
+        bad = requests.post(server.url + "/v1/completions", timeout=REQUEST_TIMEOUT,
+                            json={"prompt": SYSTEM, "max_tokens": 4, "stop": ["BOOM"]})
+        assert bad.status_code != 200
+        text2, usage2 = ask(server, prompt=SYSTEM)
+        assert text2 == text1 and cached(usage2) == usage2["prompt_tokens"] - 1
+        assert requests.get(server.url + "/health", timeout=10).status_code == 200
+        assert server.stop() == 0
+    out = log_path.read_text(errors="replace")
+    assert "made mlx_lm.server's generation loop fail (ValueError at" in out
+    assert "generation thread died" not in out
