@@ -127,11 +127,12 @@ class PersistentPromptCache:
                 binding = self._resolve(model, tokens)
                 if not isinstance(binding, _Binding):
                     return self._fetch_elsewhere(binding, model, tokens)
-                mc = binding.choose(tokens)
-                in_ram = self._ram_prefix(mc, tokens)
+                toks = np.asarray(tokens, dtype=np.int32)  # once, for both lookups
+                mc = binding.choose(toks)
+                in_ram = self._ram_prefix(mc, toks)
                 remote_before = _remote_tokens(self.store)
                 started = time.perf_counter()
-                cache, rest = mc.fetch(tokens)
+                cache, rest = mc.fetch(toks)
                 seconds = time.perf_counter() - started
                 reused = len(tokens) - len(rest)
                 self._count_reuse(reused, in_ram, remote_before)
@@ -173,7 +174,6 @@ class PersistentPromptCache:
                     while len(self._ram) > max(0, n_sequences):
                         self._evict(*self._ram.pop())
                 if n_bytes is not None:
-                    n_bytes = max(0, n_bytes)
                     n_bytes = max(0, n_bytes - self._fallback_nbytes())
                     while self._ram_bytes() > n_bytes and len(self._ram):
                         self._evict(*self._ram.pop())
@@ -316,11 +316,10 @@ class PersistentPromptCache:
             total += rec.nbytes if rec is not None else 0
         return total
 
-    def _ram_prefix(self, mc: ModelCache, tokens: list[int]) -> int:
-        """How many leading tokens of `tokens` the records in RAM (memory tier or write queue)
+    def _ram_prefix(self, mc: ModelCache, toks: np.ndarray) -> int:
+        """How many leading tokens of `toks` the records in RAM (memory tier or write queue)
         cover: what a fetch of them reuses without reading the disk."""
         store, C = self.store, mc.chunk_size
-        toks = np.asarray(tokens, dtype=np.int32)
         covered, parent = 0, mc.ns
         for h in keys.chain(mc.ns, toks, C):
             if h not in store.memory and not store.writer.is_pending(h):
@@ -500,7 +499,7 @@ class _Binding:
     def __init__(self, plain: ModelCache, quantized: ModelCache | None = None):
         self.plain, self.quantized = plain, quantized
 
-    def choose(self, tokens: list[int]) -> ModelCache:
+    def choose(self, tokens: np.ndarray) -> ModelCache:
         """The namespace that holds more of `tokens`."""
         mc = self.plain
         if self.quantized is not None and self.quantized.stored_length(tokens) > mc.stored_length(tokens):
