@@ -76,10 +76,10 @@ def handler_class(base: type, cache: PersistentPromptCache, metrics: ServerMetri
             except json.JSONDecodeError as e:
                 return self._malformed(f"{e.msg} (line {e.lineno}, column {e.colno})", len(raw))
             if not isinstance(body, dict):
-                return self._malformed(f"it is a JSON {type(body).__name__}, not an object", len(raw))
+                return self._malformed(f"it is a JSON {_json_type(body)}, not an object", len(raw))
             wrong = _fatal_field(self.path, body)
             if wrong:
-                return self._malformed(wrong, len(raw))
+                return self._malformed(wrong, len(raw), "Invalid request body")
             # mlx_lm.server reads the body again: hand it the bytes it would have read.
             stream = self.rfile
             self.rfile = io.BytesIO(raw)
@@ -102,11 +102,11 @@ def handler_class(base: type, cache: PersistentPromptCache, metrics: ServerMetri
 
         # -- answers ------------------------------------------------------------------------
 
-        def _malformed(self, why: str, nbytes: int):
+        def _malformed(self, why: str, nbytes: int, error: str = "Invalid JSON in request body"):
             # Never the body itself: it is the user's prompt (mlx_lm.server logs it raw at ERROR).
-            log.warning("kvstore serve: refused a request to %s: its body (%d bytes) is not a JSON "
-                        "object: %s", self.path, nbytes, why)
-            return self._answer_json(400, {"error": f"Invalid JSON in request body: {why}"})
+            log.warning("kvstore serve: refused a request to %s: its body (%d bytes) cannot be "
+                        "served: %s", self.path, nbytes, why)
+            return self._answer_json(400, {"error": f"{error}: {why}"})
 
         def _models(self, wanted: str | None):
             models = _listed_models(served_model, int(getattr(self, "created", time.time())))
