@@ -431,6 +431,18 @@ def test_persistent_prompt_cache_in_process(models, tmp_path):
         assert store.verify() == []
 
 
+def wait_stored(model_dir: Path, store: Path, prompt: str, timeout: float = 30) -> None:
+    """Until a third process sees `prompt` stored whole (the server writes in the background)."""
+    model, tokenizer = load(str(model_dir))
+    tokens = tokenizer.encode(prompt)
+    with kvstore.open(store) as s:
+        mc = s.bind(model, str(model_dir))
+        deadline = time.monotonic() + timeout
+        while mc.stored_length(tokens) < len(tokens) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert mc.stored_length(tokens) >= len(tokens), "the server never wrote the prompt"
+
+
 # -- operating it: /metrics, /kvstore/stats, /v1/models --------------------------------------------
 
 
@@ -723,3 +735,26 @@ def test_a_request_that_breaks_mlx_lm_does_not_take_the_server_down(models, tmp_
     out = log_path.read_text(errors="replace")
     assert "made mlx_lm.server's generation loop fail (ValueError at" in out
     assert "generation thread died" not in out
+
+
+def test_prompt_cache_size_bounds_ram_and_the_disk_still_serves(models, tmp_path):
+    """`--prompt-cache-size 1`: one sequence in RAM, as mlx-lm's own cache; the prompt RAM let go
+    is then restored from disk (counted as such), with the same text."""
+    store = tmp_path / "store"
+    first, second = "1. " + SYSTEM + " " + QUESTION, "2. " + QUESTION + " " + SYSTEM
+    memory = ("kvstore_reused_tokens_total", (("tier", "memory"),))
+    disk = ("kvstore_reused_tokens_total", (("tier", "disk"),))
+    with Server(models["llama"], store, tmp_path / "server.log", "--prompt-cache-size", "1") as server:
+        text1, _ = ask(server, prompt=first)
+        _, again = ask(server, prompt=first)  # still in RAM
+        assert cached(again) == again["prompt_tokens"] - 1
+        ask(server, prompt=second)  # evicts the first from RAM
+        wait_stored(models["llama"], store, first)  # on disk, not only in the write queue
+        before = scrape(server)
+        text3, usage3 = ask(server, prompt=first)
+        after = scrape(server)
+        assert text3 == text1
+        assert cached(usage3) == usage3["prompt_tokens"] - 1
+        assert after[disk] - before[disk] == cached(usage3)
+        assert after[memory] == before[memory]
+        assert server.stop() == 0
