@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import inspect
+import io
 import ipaddress
 import logging
 import os
@@ -116,6 +117,20 @@ def _peek(args: list[str]) -> argparse.Namespace:
     p.add_argument("--host")
     p.add_argument("--prompt-cache-bytes")
     return p.parse_known_args(args)[0]
+
+
+def _without_option(help_text: str, flag: str) -> str:
+    """argparse help without the entry of `flag` (its line and the indented lines under it)."""
+    out, skipping = [], False
+    for line in help_text.splitlines(keepends=True):
+        stripped = line.lstrip()
+        if stripped.startswith("-"):
+            skipping = stripped.split()[0].rstrip(",") == flag
+        elif not line.startswith(" ") or not stripped:
+            skipping = False
+        if not skipping:
+            out.append(line)
+    return "".join(out)
 
 
 def _loopback(host: str) -> bool:
@@ -304,8 +319,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     if ours.help:
         parser.print_help()
-        print("\nmlx_lm.server options:")
-        return _run_mlx_server_main(server, ["--help"])
+        print("\nmlx_lm.server options (--allowed-origins is kvstore's, above):")
+        mlx_help = io.StringIO()
+        with contextlib.redirect_stdout(mlx_help):
+            code = _run_mlx_server_main(server, ["--help"])
+        print(_without_option(mlx_help.getvalue(), "--allowed-origins"), end="")
+        return code
     peek = _peek(passthrough)
     served_model = peek.model
     if served_model is None:

@@ -385,6 +385,7 @@ def test_help_lists_kvstore_and_mlx_lm_options():
     for flag in ("--store", "--store-max-bytes", "--memory-bytes", "--store-max-tokens", "--allowed-origins",
                  "--prompt-cache-size", "--port", "/metrics"):
         assert flag in out.stdout
+    assert "default: *" not in out.stdout  # mlx_lm.server's own --allowed-origins entry is left out
 
 
 def test_bad_size_is_a_clean_error(tmp_path):
