@@ -77,6 +77,8 @@ class _StoreCollector:
         tiers = dict(c["reused_by_tier"])
         if not _has_remote(store) and not tiers.get("remote"):
             tiers.pop("remote", None)
+        if store.index is None and not tiers.get("disk"):  # a RAM-only store has no disk tier
+            tiers.pop("disk", None)
         for tier, n in tiers.items():
             reused.add_metric([tier], n)
         yield reused

@@ -57,6 +57,8 @@ def test_ram_only_store(llama):
         got = samples(ServerMetrics(pc))
         assert got[("kvstore_store_bytes", ())] == store.memory.nbytes > 0
         assert got[("kvstore_records", (("kind", "tail"),))] == 1
+        assert ("kvstore_reused_tokens_total", (("tier", "memory"),)) in got
+        assert ("kvstore_reused_tokens_total", (("tier", "disk"),)) not in got
 
 
 def test_remote_counters_appear_with_a_remote_tier(llama, tmp_path, monkeypatch):
