@@ -129,6 +129,7 @@ class PersistentPromptCache:
                     return self._fetch_elsewhere(binding, model, tokens)
                 toks = np.asarray(tokens, dtype=np.int32)  # once, for both lookups
                 mc = binding.choose(toks)
+                self._settle()  # records RAM let go while the writer held them are gone from it now
                 in_ram = self._ram_prefix(mc, toks)
                 remote_before = _remote_tokens(self.store)
                 started = time.perf_counter()

@@ -223,7 +223,10 @@ def _persistent(server, cache: PersistentPromptCache, started: list,
                     return self._generate()
                 except Exception as e:
                     if self._stop or self._is_distributed or self._kvstore_taken == taken:
-                        logging.exception("mlx_lm.server generation thread died: %s", type(e).__name__)
+                        # With no request taken yet no prompt can be in the message (a model
+                        # that does not load): then the whole traceback helps.
+                        log.error("mlx_lm.server generation thread died: %s at %s", type(e).__name__,
+                                  _where(e), exc_info=self._kvstore_taken == 0)
                         self._generation_failed = True
                         return
                     taken = self._kvstore_taken
