@@ -19,6 +19,7 @@ from .errors import (
     SchemaTooNewError,
     StoreOpenError,
 )
+from .promptcache import PersistentPromptCache
 from .store import MEMORY, ModelCache, Store, default_path, open
 
 __version__ = "0.1.0"
@@ -33,6 +34,7 @@ __all__ = [
     "ModelCache",
     "ModelFilesError",
     "NotAStoreError",
+    "PersistentPromptCache",
     "SchemaTooNewError",
     "Store",
     "StoreOpenError",
@@ -40,11 +42,3 @@ __all__ = [
     "open",
 ]
 
-
-def __getattr__(name):
-    # The server adapter imports mlx_lm.server; load it only when asked for.
-    if name == "PersistentPromptCache":
-        from .server import PersistentPromptCache
-
-        return PersistentPromptCache
-    raise AttributeError(f"module 'kvstore' has no attribute {name!r}")

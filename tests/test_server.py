@@ -46,12 +46,13 @@ def free_port() -> int:
 class Server:
     """`python -m kvstore.server` in a subprocess, logging to a file."""
 
-    def __init__(self, model: Path | None, store: Path, log: Path, *extra: str, env=None):
+    def __init__(self, model: Path | None, store: Path, log: Path, *extra: str, env=None,
+                 launcher: tuple[str, ...] = ("-m", "kvstore.server")):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log
         self._log = open(log, "ab")
-        cmd = [sys.executable, "-m", "kvstore.server", *(["--model", str(model)] if model else []),
+        cmd = [sys.executable, *launcher, *(["--model", str(model)] if model else []),
                "--store", str(store), "--port", str(self.port), *extra]
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
                                      cwd=Path(__file__).parent.parent, env=env)
@@ -169,10 +170,16 @@ def test_restart_survival(models, tmp_path):
 
         follow_up = chat_messages([{"role": "assistant", "content": text2},
                                    {"role": "user", "content": "And after a restart?"}])
-        _, usage3 = ask(second, messages=follow_up)
+        text3, usage3 = ask(second, messages=follow_up)
         assert usage3["prompt_tokens"] > prompt_tokens
         assert cached(usage3) >= prompt_tokens
         assert second.stop() == 0
+    # The follow-up, resumed from the stored first turn, says what a server with nothing stored says.
+    with Server(models["llama"], tmp_path / "empty", tmp_path / "fresh.log") as fresh:
+        text4, usage4 = ask(fresh, messages=follow_up)
+        assert cached(usage4) == 0 and usage4["prompt_tokens"] == usage3["prompt_tokens"]
+        assert fresh.stop() == 0
+    assert len(text3) > 0 and text3 == text4
     out = second.log()
     assert "Starting httpd at 127.0.0.1" in out
     assert f"kvstore: store {store}" in out and "records" in out
@@ -255,7 +262,7 @@ def test_two_servers_share_one_store(models, tmp_path):
 @pytest.mark.parametrize("arch", ["qwen3_5", "gemma3_text"])
 def test_hybrid_and_sliding_window_across_restart(models, tmp_path, arch):
     """Served correctly across a restart, reusing exactly what the store can restore for this
-    cache layout (nothing while the store does not support it)."""
+    cache layout."""
     store = tmp_path / "store"
     with Server(models[arch], store, tmp_path / "a.log") as a:
         text1, usage1 = ask(a, messages=chat_messages(), max_tokens=16)
@@ -268,16 +275,16 @@ def test_hybrid_and_sliding_window_across_restart(models, tmp_path, arch):
     with kvstore.open(store) as s:
         mc = s.bind(model, str(models[arch]))
         assert s.verify() == []
-        restorable = len(prompt) - len(mc.fetch(prompt)[1]) if mc.supported else 0
+        restorable = len(prompt) - len(mc.fetch(prompt)[1])
 
     with Server(models[arch], store, tmp_path / "b.log") as b:
         text2, usage2 = ask(b, messages=chat_messages(), max_tokens=16)
         assert b.stop() == 0
     assert usage1["completion_tokens"] == usage2["completion_tokens"] == 16
     assert text2 == text1
-    assert cached(usage2) == restorable
-    if not mc.supported:
-        assert records(store) == 0
+    assert cached(usage2) == restorable > 0
+    for server in (a, b):  # every insert stored (recurrent layers have no offset to trim by)
+        assert "failed, served without the store" not in server.log()
 
 
 def test_quantized_kv_cache_across_restart(demo_model, tmp_path):
@@ -375,8 +382,10 @@ def test_help_lists_kvstore_and_mlx_lm_options():
     out = subprocess.run([sys.executable, "-m", "kvstore.server", "--help"], capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    for flag in ("--store", "--store-max-bytes", "--memory-bytes", "--prompt-cache-size", "--port"):
+    for flag in ("--store", "--store-max-bytes", "--memory-bytes", "--store-max-tokens", "--allowed-origins",
+                 "--prompt-cache-size", "--port", "/metrics"):
         assert flag in out.stdout
+    assert "default: *" not in out.stdout  # mlx_lm.server's own --allowed-origins entry is left out
 
 
 def test_bad_size_is_a_clean_error(tmp_path):
@@ -401,8 +410,11 @@ def test_persistent_prompt_cache_in_process(models, tmp_path):
         restored, rest = cache.fetch_nearest_cache("llama", tokens + [65, 66])
         assert rest == [65, 66] and restored[0].offset == len(tokens)
         store.flush()
-        assert len(cache) > 0 and cache.nbytes > 0
-        assert set(cache.stats_by_type()) >= {"kvstore memory", "kvstore disk"}
+        assert len(cache) == 1 and cache.nbytes == store.memory.nbytes > 0
+        by_type = cache.stats_by_type()
+        assert by_type["system"] == {"n_sequences": 1, "n_bytes": cache.nbytes}
+        assert by_type["assistant"]["n_sequences"] == by_type["user"]["n_sequences"] == 0
+        assert by_type["kvstore disk"]["n_bytes"] > 0
 
         # Keys it cannot store go to mlx-lm's own in-RAM LRUPromptCache.
         cache.insert_cache("other", tokens, prompt_cache)
@@ -418,3 +430,332 @@ def test_persistent_prompt_cache_in_process(models, tmp_path):
         cache.trim_to(n_bytes=0)
         assert cache.nbytes == 0
         assert store.verify() == []
+
+
+def wait_stored(model_dir: Path, store: Path, prompt: str, timeout: float = 30) -> None:
+    """Until a third process sees `prompt` stored whole (the server writes in the background)."""
+    model, tokenizer = load(str(model_dir))
+    tokens = tokenizer.encode(prompt)
+    with kvstore.open(store) as s:
+        mc = s.bind(model, str(model_dir))
+        deadline = time.monotonic() + timeout
+        while mc.stored_length(tokens) < len(tokens) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert mc.stored_length(tokens) >= len(tokens), "the server never wrote the prompt"
+
+
+# -- operating it: /metrics, /kvstore/stats, /v1/models --------------------------------------------
+
+
+def scrape(server: Server) -> dict[tuple[str, tuple], float]:
+    """Every sample of /metrics, parsed by prometheus_client's own parser: (name, labels) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = requests.get(server.url + "/metrics", timeout=REQUEST_TIMEOUT)
+    assert r.status_code == 200 and r.headers["Content-Type"].startswith("text/plain")
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(r.text) for s in family.samples}
+
+
+def test_metrics_count_real_requests(models, tmp_path):
+    store = tmp_path / "store"
+    prompt = SYSTEM + " Metrics: " + QUESTION
+    reused = ("kvstore_reused_tokens_total", (("tier", "memory"),))
+    from_disk = ("kvstore_reused_tokens_total", (("tier", "disk"),))
+    with Server(models["llama"], store, tmp_path / "a.log") as a:
+        before = scrape(a)
+        for name in ("kvstore_requests_total", "kvstore_prompt_tokens_total", "kvstore_inserts_total",
+                     "kvstore_fetch_errors_total", "kvstore_quarantined_total", "kvstore_store_bytes",
+                     "kvstore_memory_bytes", "kvstore_write_queue_bytes", "kvstore_fetch_seconds_count",
+                     "kvstore_restored_tokens_count"):
+            assert (name, ()) in before, name
+        assert ("kvstore_dropped_writes_total", (("reason", "queue_full"),)) in before
+        assert ("kvstore_records", (("kind", "tail"),)) in before
+        assert not any(name.startswith("kvstore_remote") for name, _ in before)  # no remote tier
+
+        _, usage1 = ask(a, prompt=prompt)
+        _, usage2 = ask(a, prompt=prompt)  # the repeated prompt: reused from the memory tier
+        n = usage1["prompt_tokens"]
+        assert cached(usage1) == 0 and cached(usage2) == n - 1
+        after = scrape(a)
+        assert after[("kvstore_requests_total", ())] - before[("kvstore_requests_total", ())] == 2
+        assert after[("kvstore_prompt_tokens_total", ())] - before[("kvstore_prompt_tokens_total", ())] == 2 * n
+        assert after[reused] - before[reused] == cached(usage2)
+        assert after[from_disk] == before[from_disk] == 0
+        assert after[("kvstore_inserts_total", ())] - before[("kvstore_inserts_total", ())] >= 2
+        assert after[("kvstore_fetch_seconds_count", ())] == 2
+        assert after[("kvstore_restored_tokens_sum", ())] == cached(usage2)
+        assert after[("kvstore_restored_tokens_bucket", (("le", "0.0"),))] == 1  # the first was a miss
+
+        stats = requests.get(a.url + "/kvstore/stats", timeout=REQUEST_TIMEOUT)
+        assert stats.status_code == 200 and stats.headers["Content-Type"] == "application/json"
+        body = stats.json()
+        assert {"bytes", "chunks", "tails", "models", "memory", "writer"} <= set(body)
+        # Bounded by default: the automatic disk budget.
+        assert body["max_bytes_auto"] is True and body["max_bytes"] > 0
+        assert a.stop() == 0
+
+    with Server(models["llama"], store, tmp_path / "b.log") as b:  # after a restart: from disk
+        _, usage3 = ask(b, prompt=prompt)
+        after = scrape(b)
+        assert after[from_disk] == cached(usage3) == n - 1
+        assert after[reused] == 0
+        assert after[("kvstore_records", (("kind", "tail"),))] >= 1
+        assert after[("kvstore_store_bytes", ())] == requests.get(b.url + "/kvstore/stats").json()["bytes"] > 0
+        assert b.stop() == 0
+
+
+def test_read_only_endpoints_answer_while_generating(models, tmp_path):
+    """mlx_lm.server is a ThreadingHTTPServer: the new endpoints answer during a long generation."""
+    server = Server(models["llama"], tmp_path / "store", tmp_path / "server.log")
+    with server:
+        first_token = threading.Event()
+        done = threading.Event()
+
+        def long_request():
+            body = {"messages": chat_messages(), "max_tokens": 20000, "temperature": 0.0,
+                    "logit_bias": NO_END, "stream": True}
+            try:
+                with requests.post(server.url + "/v1/chat/completions", json=body, stream=True,
+                                   timeout=REQUEST_TIMEOUT) as r:
+                    for line in r.iter_lines():
+                        if line.startswith(b"data: "):
+                            first_token.set()
+            except requests.RequestException:
+                pass
+            finally:
+                first_token.set()
+                done.set()
+
+        client = threading.Thread(target=long_request, daemon=True)
+        client.start()
+        assert first_token.wait(REQUEST_TIMEOUT)
+        for path in ("/metrics", "/kvstore/stats", "/v1/models", "/health"):
+            r = requests.get(server.url + path, timeout=10)
+            assert r.status_code == 200, path
+        assert ("kvstore_requests_total", ()) in scrape(server)
+        assert not done.is_set(), "the generation ended before the endpoints were asked"
+        assert server.stop() == 0
+        client.join(STOP_TIMEOUT)
+
+
+def test_models_lists_the_served_model(models, tmp_path):
+    """`GET /v1/models` is a valid list with the served model, with no Hugging Face cache folder and
+    with one holding another mlx model; the listed id is a name a request may send."""
+    hf_cache = tmp_path / "hf"
+    for with_cache in (False, True):
+        if with_cache:  # a downloaded mlx model, laid out as huggingface_hub lays it out
+            repo = hf_cache / "models--mlx-community--Other-4bit"
+            snap = repo / "snapshots" / "abc123"
+            snap.mkdir(parents=True)
+            (repo / "refs").mkdir()
+            (repo / "refs" / "main").write_text("abc123")
+            for name in ("config.json", "model.safetensors.index.json", "tokenizer_config.json"):
+                (snap / name).write_text("{}")
+        env = dict(os.environ, HF_HUB_CACHE=str(hf_cache))
+        with Server(models["llama"], tmp_path / "store", tmp_path / "server.log", env=env) as server:
+            r = requests.get(server.url + "/v1/models", timeout=REQUEST_TIMEOUT)
+            assert r.status_code == 200
+            body = r.json()
+            assert body["object"] == "list"
+            ids = [m["id"] for m in body["data"]]
+            assert ids[0] == str(models["llama"])
+            assert all(m["object"] == "model" and isinstance(m["created"], int) and m["owned_by"]
+                       for m in body["data"])
+            assert ("mlx-community/Other-4bit" in ids) == with_cache
+            one = requests.get(server.url + "/v1/models/" + ids[0].lstrip("/"), timeout=REQUEST_TIMEOUT)
+            missing = requests.get(server.url + "/v1/models/no/such-model", timeout=REQUEST_TIMEOUT)
+            assert missing.status_code == 404
+            # The listed id is the model to send: the served model answers under it.
+            text, usage = ask(server, prompt="Which model?", model=ids[0])
+            assert text and usage["prompt_tokens"] == len("Which model?")
+            assert server.stop() == 0
+        assert one.status_code == 200 and one.json()["id"] == ids[0]
+
+
+# -- bounded by default: web origins, request bodies, the log ---------------------------------------
+
+
+def test_cross_origin_requests_are_refused_by_default(models, tmp_path):
+    """A web page may POST `text/plain` (or a form) to any address without asking first; with
+    stock mlx_lm.server (`--allowed-origins` default `*`) that runs the model and writes the store.
+    kvstore serve refuses it, and any request from a web origin it was not told to allow."""
+    store = tmp_path / "store"
+    body = json.dumps({"prompt": SYSTEM + " " + QUESTION, "max_tokens": 8})
+    url_path = "/v1/completions"
+    with Server(models["llama"], store, tmp_path / "server.log") as server:
+        url = server.url + url_path
+        page = requests.post(url, data=body, timeout=REQUEST_TIMEOUT,
+                             headers={"Origin": "http://evil.example", "Content-Type": "text/plain"})
+        assert page.status_code == 403 and "Access-Control-Allow-Origin" not in page.headers
+        assert "--allowed-origins" in page.json()["error"]
+        as_json = requests.post(url, data=body, timeout=REQUEST_TIMEOUT,
+                                headers={"Origin": "http://evil.example", "Content-Type": "application/json"})
+        assert as_json.status_code == 403
+        for content_type in ("text/plain;charset=UTF-8", "application/x-www-form-urlencoded"):
+            r = requests.post(url, data=body, headers={"Content-Type": content_type}, timeout=REQUEST_TIMEOUT)
+            assert r.status_code == 415 and "application/json" in r.json()["error"]
+        preflight = requests.options(url, timeout=REQUEST_TIMEOUT, headers={
+            "Origin": "http://evil.example", "Access-Control-Request-Method": "POST"})
+        assert "Access-Control-Allow-Origin" not in preflight.headers
+        stats = requests.get(server.url + "/kvstore/stats", timeout=REQUEST_TIMEOUT).json()
+        assert scrape(server)[("kvstore_requests_total", ())] == 0
+        assert server.stop() == 0
+    assert stats["tails"] == stats["chunks"] == 0
+    assert records(store) == 0
+
+    # Asked for: that origin is served and may read the answers; others are still refused.
+    with Server(models["llama"], store, tmp_path / "allowed.log",
+                "--allowed-origins", "http://ok.example") as server:
+        url = server.url + url_path
+        ok = requests.post(url, data=body, timeout=REQUEST_TIMEOUT,
+                           headers={"Origin": "http://ok.example", "Content-Type": "application/json"})
+        assert ok.status_code == 200 and ok.headers["Access-Control-Allow-Origin"] == "http://ok.example"
+        preflight = requests.options(url, timeout=REQUEST_TIMEOUT, headers={
+            "Origin": "http://ok.example", "Access-Control-Request-Method": "POST"})
+        assert preflight.headers["Access-Control-Allow-Origin"] == "http://ok.example"
+        other = requests.post(url, data=body, timeout=REQUEST_TIMEOUT,
+                              headers={"Origin": "http://evil.example", "Content-Type": "application/json"})
+        assert other.status_code == 403
+        assert server.stop() == 0
+
+
+def test_malformed_bodies_never_reach_the_log(models, tmp_path):
+    """mlx_lm.server logs a body that is not JSON raw, at ERROR: the user's prompt in the log."""
+    marker = "MARKER-7f3a-private-prompt"
+    log_path = tmp_path / "server.log"
+    with Server(models["llama"], tmp_path / "store", log_path) as server:
+        url = server.url + "/v1/chat/completions"
+        bodies = ['{"messages": [{"role": "user", "content": "' + marker + '"}]',  # cut short
+                  '["' + marker + '"]',  # JSON, not an object
+                  '{"prompt": "' + marker + '", }',
+                  b'{"prompt": "\xff' + marker.encode() + b'"}']  # not UTF-8
+        for raw in bodies:
+            r = requests.post(url, data=raw, headers={"Content-Type": "application/json"},
+                              timeout=REQUEST_TIMEOUT)
+            assert r.status_code == 400 and "Invalid JSON" in r.json()["error"]
+            assert marker not in r.text
+        # Fields mlx_lm.server 0.32 hands unchecked to its generation loop, which dies on them.
+        completions = server.url + "/v1/completions"
+        for body in ({"prompt": [marker]}, {"prompt": ""}, {"prompt": None},
+                     {"prompt": marker, "stop": [None]}, {"prompt": marker, "stop": 5}):
+            r = requests.post(completions, json=body, timeout=REQUEST_TIMEOUT)
+            assert r.status_code == 400 and ("prompt" in r.json()["error"] or "stop" in r.json()["error"])
+        text, _ = ask(server, prompt="still serving")
+        assert text
+        assert server.stop() == 0
+    out = log_path.read_text(errors="replace")
+    assert "refused a request to /v1/chat/completions" in out
+    assert "generation thread died" not in out and "generation loop fail" not in out
+    assert marker not in out
+
+
+def test_tokens_stored_per_request_are_capped(models, tmp_path):
+    store = tmp_path / "store"
+    prompt = SYSTEM + " " + QUESTION  # far more than 16 tokens
+    with Server(models["llama"], store, tmp_path / "server.log", "--store-max-tokens", "16") as server:
+        text1, _ = ask(server, prompt=prompt)
+        text2, usage2 = ask(server, prompt=prompt)
+        assert text2 == text1 and cached(usage2) == 0  # served, never stored
+        short, _ = ask(server, prompt="Hi.", max_tokens=4)  # 3 + 4 tokens: stored
+        dropped = scrape(server)[("kvstore_dropped_writes_total", (("reason", "too_long"),))]
+        assert dropped >= 2  # (mlx_lm.server may insert a request more than once: segments, then all)
+        assert server.stop() == 0
+    model, tokenizer = load(str(models["llama"]))
+    with kvstore.open(store) as s:
+        mc = s.bind(model, str(models["llama"]))
+        assert mc.stored_length(tokenizer.encode(prompt)) == 0
+        assert mc.stored_length(tokenizer.encode("Hi.")) == len("Hi.")
+
+
+def test_non_loopback_host_is_warned_about(models, tmp_path):
+    """A --host other than loopback gets a warning before anything listens (192.0.2.1 is a
+    documentation address no machine has, so the bind fails and nothing is exposed)."""
+    out = subprocess.run([sys.executable, "-m", "kvstore.server", "--model", str(models["llama"]),
+                          "--store", str(tmp_path / "store"), "--host", "192.0.2.1", "--port", str(free_port())],
+                         capture_output=True, text=True, timeout=START_TIMEOUT, cwd=Path(__file__).parent.parent)
+    assert "warning: listening on 192.0.2.1" in out.stderr
+    assert out.returncode == 1 and "cannot serve" in out.stderr
+
+
+def test_loopback_hosts():
+    from kvstore.server import _loopback
+
+    assert _loopback("127.0.0.1") and _loopback("::1") and _loopback("localhost") and _loopback("127.0.0.2")
+    assert not _loopback("0.0.0.0") and not _loopback("::") and not _loopback("192.0.2.1")
+
+
+def test_serve_defaults_are_bounded():
+    """Disk: the `auto` budget (`none` asks for an unbounded store); tokens stored per request:
+    capped; web origins: none."""
+    from kvstore.server import DEFAULT_MAX_STORED_TOKENS, _parser
+
+    defaults = _parser().parse_args([])
+    assert defaults.store_max_bytes == "auto"
+    assert defaults.store_max_tokens == DEFAULT_MAX_STORED_TOKENS == 32768
+    assert defaults.allowed_origins == []
+    assert _parser().parse_args(["--store-max-bytes", "none"]).store_max_bytes is None
+    assert _parser().parse_args(["--store-max-tokens", "0"]).store_max_tokens is None
+    assert _parser().parse_args(["--allowed-origins", "http://a.example/, *"]).allowed_origins == ["http://a.example", "*"]
+
+
+# A stand-in for an mlx_lm.server defect: one input its generation loop does not survive.
+BROKEN_MLX_LM = """
+import sys
+import mlx_lm.server as server
+
+make_state_machine = server.ResponseGenerator._make_state_machine
+
+def broken(self, model_key, tokenizer, stop_words):
+    if "BOOM" in stop_words:
+        raise ValueError("a defect of mlx_lm.server on this input")
+    return make_state_machine(self, model_key, tokenizer, stop_words)
+
+server.ResponseGenerator._make_state_machine = broken
+from kvstore.server import run
+run(sys.argv[1:])
+"""
+
+
+def test_a_request_that_breaks_mlx_lm_does_not_take_the_server_down(models, tmp_path):
+    """Stock, a request that makes mlx_lm.server's generation loop raise ends it, and every later
+    request fails ("generation thread died") while the process stays up. Here that request gets an
+    error and the server goes on serving, with its cache."""
+    script = tmp_path / "broken_mlx_lm.py"
+    script.write_text(BROKEN_MLX_LM)
+    log_path = tmp_path / "server.log"
+    with Server(models["llama"], tmp_path / "store", log_path, launcher=(str(script),)) as server:
+        text1, _ = ask(server, prompt=SYSTEM)
+        bad = requests.post(server.url + "/v1/completions", timeout=REQUEST_TIMEOUT,
+                            json={"prompt": SYSTEM, "max_tokens": 4, "stop": ["BOOM"]})
+        assert bad.status_code != 200
+        text2, usage2 = ask(server, prompt=SYSTEM)
+        assert text2 == text1 and cached(usage2) == usage2["prompt_tokens"] - 1
+        assert requests.get(server.url + "/health", timeout=10).status_code == 200
+        assert server.stop() == 0
+    out = log_path.read_text(errors="replace")
+    assert "made mlx_lm.server's generation loop fail (ValueError at" in out
+    assert "generation thread died" not in out
+
+
+def test_prompt_cache_size_bounds_ram_and_the_disk_still_serves(models, tmp_path):
+    """`--prompt-cache-size 1`: one sequence in RAM, as mlx-lm's own cache; the prompt RAM let go
+    is then restored from disk (counted as such), with the same text."""
+    store = tmp_path / "store"
+    first, second = "1. " + SYSTEM + " " + QUESTION, "2. " + QUESTION + " " + SYSTEM
+    memory = ("kvstore_reused_tokens_total", (("tier", "memory"),))
+    disk = ("kvstore_reused_tokens_total", (("tier", "disk"),))
+    with Server(models["llama"], store, tmp_path / "server.log", "--prompt-cache-size", "1") as server:
+        text1, _ = ask(server, prompt=first)
+        _, again = ask(server, prompt=first)  # still in RAM
+        assert cached(again) == again["prompt_tokens"] - 1
+        ask(server, prompt=second)  # evicts the first from RAM
+        wait_stored(models["llama"], store, first)  # on disk, not only in the write queue
+        before = scrape(server)
+        text3, usage3 = ask(server, prompt=first)
+        after = scrape(server)
+        assert text3 == text1
+        assert cached(usage3) == usage3["prompt_tokens"] - 1
+        assert after[disk] - before[disk] == cached(usage3)
+        assert after[memory] == before[memory]
+        assert server.stop() == 0

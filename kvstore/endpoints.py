@@ -1,0 +1,200 @@
+"""What `kvstore serve` changes in mlx_lm.server's HTTP handler.
+
+Added, read-only: `GET /metrics` (Prometheus text format), `GET /kvstore/stats` (`store.stats()`
+as JSON) and a `GET /v1/models` that always lists the served model. Changed: requests from a web
+origin that was not allowed are refused before they reach the model, and so are bodies sent as
+`text/plain` or as a form (a web page can send those to any address without asking first); a
+malformed body is refused without writing it to the log.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import time
+from typing import Any
+from urllib.parse import unquote
+
+from .metrics import ServerMetrics
+from .promptcache import PersistentPromptCache
+
+log = logging.getLogger("kvstore")
+
+#: The POST paths of mlx_lm.server (others get its 404).
+POST_PATHS = ("/v1/completions", "/v1/chat/completions", "/chat/completions")
+#: Content types a web page may POST to any origin without a CORS preflight.
+SIMPLE_TYPES = ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data")
+
+
+def handler_class(base: type, cache: PersistentPromptCache, metrics: ServerMetrics,
+                  allowed_origins: list[str], served_model: str | None) -> type:
+    """A subclass of mlx_lm.server's `APIHandler` serving kvstore's endpoints and rules.
+
+    `allowed_origins`: web origins whose requests are served and may read responses (`["*"]`:
+    every origin; `[]`: none). `served_model`: the `--model` the server was started with.
+    """
+
+    class KVStoreHandler(base):
+        def do_GET(self):
+            path = self.path.split("?", 1)[0]
+            try:
+                if path == "/metrics":
+                    body, content_type = metrics.render()
+                    return self._answer(200, body, content_type)
+                if path == "/kvstore/stats":
+                    return self._answer_json(200, metrics.read(cache.store.stats))
+                if path == "/v1/models" or path.startswith("/v1/models/"):
+                    return self._models(path[len("/v1/models/"):] if path != "/v1/models" else None)
+            except Exception as e:  # a scrape must never take the server down
+                log.warning("kvstore serve: GET %s failed: %s: %s", path, type(e).__name__, e)
+                return self._answer_json(500, {"error": f"{type(e).__name__}: {e}"})
+            return super().do_GET()
+
+        def do_POST(self):
+            if self.path not in POST_PATHS:
+                return super().do_POST()
+            origin = self.headers.get("Origin")
+            if origin is not None and not _allowed(origin, allowed_origins):
+                log.warning("kvstore serve: refused a request from the web origin %s (allow it with "
+                            "--allowed-origins)", _printable(origin))
+                return self._answer_json(403, {"error": f"requests from the web origin {origin!r} are "
+                                                        "not allowed (kvstore serve --allowed-origins)"})
+            media_type = (self.headers.get("Content-Type") or "").split(";", 1)[0].strip().lower()
+            if media_type in SIMPLE_TYPES:
+                return self._answer_json(415, {"error": f"the body is sent as {media_type}: send JSON "
+                                                        "with Content-Type: application/json"})
+            try:
+                length = int(self.headers.get("Content-Length"))
+            except (TypeError, ValueError):
+                return super().do_POST()  # mlx_lm.server answers 411 / 400 without reading a body
+            raw = self.rfile.read(max(0, length))
+            try:
+                body = json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError as e:
+                return self._malformed(f"it is not UTF-8 (byte {e.start})", len(raw))
+            except json.JSONDecodeError as e:
+                return self._malformed(f"{e.msg} (line {e.lineno}, column {e.colno})", len(raw))
+            if not isinstance(body, dict):
+                return self._malformed(f"it is a JSON {_json_type(body)}, not an object", len(raw))
+            wrong = _fatal_field(self.path, body)
+            if wrong:
+                return self._malformed(wrong, len(raw), "Invalid request body")
+            # mlx_lm.server reads the body again: hand it the bytes it would have read.
+            stream = self.rfile
+            self.rfile = io.BytesIO(raw)
+            try:
+                return super().do_POST()
+            finally:
+                self.rfile = stream
+
+        def _set_cors_headers(self):
+            origin = self.headers.get("Origin")
+            if "*" in allowed_origins:
+                self.send_header("Access-Control-Allow-Origin", "*")
+            elif origin is not None and origin in allowed_origins:
+                self.send_header("Access-Control-Allow-Origin", origin)
+                self.send_header("Vary", "Origin")
+            else:
+                return  # no CORS headers: a browser neither sends the request nor shows the answer
+            self.send_header("Access-Control-Allow-Methods", "GET, POST, OPTIONS")
+            self.send_header("Access-Control-Allow-Headers", "*")
+
+        # -- answers ------------------------------------------------------------------------
+
+        def _malformed(self, why: str, nbytes: int, error: str = "Invalid JSON in request body"):
+            # Never the body itself: it is the user's prompt (mlx_lm.server logs it raw at ERROR).
+            log.warning("kvstore serve: refused a request to %s: its body (%d bytes) cannot be "
+                        "served: %s", self.path, nbytes, why)
+            return self._answer_json(400, {"error": f"{error}: {why}"})
+
+        def _models(self, wanted: str | None):
+            models = _listed_models(served_model, int(getattr(self, "created", time.time())))
+            if wanted is None:
+                return self._answer_json(200, {"object": "list", "data": models})
+            wanted = unquote(wanted).lstrip("/")
+            for model in models:
+                if model["id"].lstrip("/") == wanted:  # a local path's id starts with "/"
+                    return self._answer_json(200, model)
+            return self._answer_json(404, {"error": {"message": f"no model {wanted!r} here",
+                                                     "type": "invalid_request_error", "code": "model_not_found"}})
+
+        def _answer_json(self, status: int, value: Any):
+            body = json.dumps(value, default=str).encode()
+            return self._answer(status, body, "application/json")
+
+        def _answer(self, status: int, body: bytes, content_type: str):
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self._set_cors_headers()
+            self.end_headers()
+            self.wfile.write(body)
+            self.wfile.flush()
+
+    KVStoreHandler.__name__ = KVStoreHandler.__qualname__ = "KVStoreHandler"
+    return KVStoreHandler
+
+
+def _fatal_field(path: str, body: dict) -> str | None:
+    """What is wrong with a field that mlx_lm.server 0.32 would hand unchecked to its generation
+    thread, which then dies and fails every later request ("generation thread died")."""
+    if path == "/v1/completions" and "prompt" in body and not isinstance(body["prompt"], str):
+        return f"its prompt is a JSON {_json_type(body['prompt'])}, not a string"  # tokenized as a batch
+    if path == "/v1/completions" and body.get("prompt") == "":
+        return "its prompt is empty"
+    stop = body.get("stop")
+    if stop is not None and not isinstance(stop, str) and not (
+            isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+        return "its stop is not a string or a list of strings"
+    return None
+
+
+def _json_type(value: Any) -> str:
+    names = {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}
+    return names.get(type(value), "number")
+
+
+def _allowed(origin: str, allowed: list[str]) -> bool:
+    return "*" in allowed or origin in allowed
+
+
+def _listed_models(served_model: str | None, created: int) -> list[dict]:
+    """The served model first (under the `--model` it was started with: the name to send), then
+    the mlx models in the Hugging Face cache that mlx_lm.server would list (if there is one)."""
+    models = []
+    if served_model:
+        models.append({"id": served_model, "object": "model", "created": created, "owned_by": "kvstore serve"})
+    seen = {m["id"] for m in models}
+    for repo_id in _cached_mlx_models():
+        if repo_id not in seen:
+            seen.add(repo_id)
+            models.append({"id": repo_id, "object": "model", "created": created, "owned_by": "huggingface cache"})
+    return models
+
+
+def _cached_mlx_models() -> list[str]:
+    """Repo ids of downloaded models that look like mlx-lm models; none when there is no cache."""
+    try:
+        from huggingface_hub import scan_cache_dir
+
+        info = scan_cache_dir()
+    except Exception:  # no cache folder on a fresh machine (mlx-lm 0.32 then sends an empty body)
+        return []
+    wanted = {"config.json", "model.safetensors.index.json", "tokenizer_config.json"}
+    out = []
+    for repo in info.repos:
+        try:
+            if repo.repo_type != "model" or "main" not in repo.refs:
+                continue
+            if wanted <= {f.file_path.name for f in repo.refs["main"].files}:
+                out.append(repo.repo_id)
+        except Exception:
+            continue
+    return sorted(out)
+
+
+def _printable(text: str, limit: int = 200) -> str:
+    """`text` safe for a log line: non-printable characters escaped, length bounded."""
+    text = text[:limit]
+    return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in text)

@@ -1,0 +1,575 @@
+"""`PersistentPromptCache`: mlx-lm's `LRUPromptCache` contract, answered from a kvstore `Store`.
+
+`mlx_lm.server` keeps its prompt cache in an in-RAM `LRUPromptCache`. This class answers the same
+calls (`fetch_nearest_cache`, `insert_cache`, `trim_to`, `len()`, `nbytes`, `stats_by_type`) from a
+store, so cached prompts survive restarts and are shared by every process that opens the store.
+
+What RAM holds is bounded as `LRUPromptCache` bounds it: `len()` counts the inserted sequences
+held in RAM, `max_size` bounds them, `max_bytes` and `trim_to(n_sequences=, n_bytes=)` evict them
+in mlx-lm's order (assistant, then user, then system turns, oldest first). A sequence evicted from
+RAM is still on disk (when the store has one) and is served from there: that is the point.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from typing import Any, Callable, Hashable, Sequence
+
+import numpy as np
+
+from . import keys
+from .errors import KVStoreError
+from .modelcache import ModelCache, checkpoint_hash
+from .sizes import format_size
+from .store import Store
+
+log = logging.getLogger("kvstore")
+
+#: How many recent system prompts the memory tier keeps fresh (see `_SystemPrompts`).
+MAX_SYSTEM_PROMPTS = 32
+
+# What `_resolve` returns for a key the store does not serve.
+IN_RAM = "in RAM"  # mlx-lm's own LRUPromptCache, as stock mlx_lm.server
+UNCACHED = "uncached"  # no prompt caching at all: even mlx-lm's in-RAM reuse would be wrong
+
+#: `insert_cache` types, in the order mlx-lm's LRUPromptCache evicts them.
+CACHE_TYPES = ("assistant", "user", "system")
+
+Observer = Callable[[float, int], None]
+
+
+class PersistentPromptCache:
+    """A drop-in for `mlx_lm.models.cache.LRUPromptCache`, backed by a kvstore `Store`.
+
+    Keys are whatever the server passes as `model` (mlx_lm.server uses its `ModelProvider.model_key`,
+    `(model path or repo id, adapter path, draft model path)`). A key resolves to a bound
+    `ModelCache` through `register()` or through an attached `ModelProvider`. A key that cannot be
+    stored (image prompts, model files that cannot be fingerprinted) is served by an in-RAM
+    `LRUPromptCache` exactly as stock mlx_lm.server would. One exception: with a draft model
+    (speculative decoding) nothing is cached, because mlx-lm 0.32's own cache then restores caches
+    that change the greedy output; a miss is slower but never wrong.
+
+    RAM: `len()`, `nbytes`, `max_size`, `max_bytes` and `trim_to` describe and bound the sequences
+    held in RAM as `LRUPromptCache` does (plus its in-RAM fallback); `nbytes` is what the store's
+    memory tier and its write queue hold. The disk is bounded by the store's own `max_bytes`.
+    Deliberate differences: an exact hit leaves one token to process (mlx-lm then has nothing to
+    compute the first logits from), a sequence RAM evicted is still a disk hit, and an empty
+    sequence holds no K/V, so it is neither stored nor counted.
+
+    `max_insert_tokens`: a longer sequence is served but not stored (None: no cap).
+    No call raises into the server: a failure is logged and served as a miss.
+    """
+
+    def __init__(self, store: Store, *, max_size: int = 10, max_bytes: int | None = None,
+                 max_insert_tokens: int | None = None):
+        self.store = store
+        self.max_size = max_size
+        self.max_bytes = max_bytes
+        self.max_insert_tokens = max_insert_tokens
+        self._fallback_cache = None
+        self._provider = None
+        self._registered: dict[Hashable, _Binding] = {}
+        self._bound: tuple[Hashable, Any, _Binding | None] | None = None
+        self._warned: set[tuple[Hashable, str]] = set()
+        self._system = _SystemPrompts(MAX_SYSTEM_PROMPTS)
+        self._ram = _RamSequences()
+        self._evicted: set[bytes] = set()  # dropped from RAM while the writer still held them
+        self._lock = threading.RLock()
+        self.observers: list[Observer] = []  # called with (seconds, tokens reused) after each fetch
+        self.counters = {"requests": 0, "prompt_tokens": 0, "reused_tokens": 0, "fallback_requests": 0,
+                         "inserts": 0, "errors": 0, "fetch_errors": 0, "not_stored_too_long": 0,
+                         "reused_by_tier": {"memory": 0, "disk": 0, "remote": 0}}
+
+    # -- telling it which model a key means --------------------------------------------------
+
+    def register(self, key: Hashable, model_cache: ModelCache) -> None:
+        """Serve `key` from `model_cache` (from `store.bind(model, model_id)`): for own servers."""
+        with self._lock:
+            self._registered[key] = _Binding(model_cache)
+
+    def attach(self, model_provider: Any) -> None:
+        """Resolve keys through an `mlx_lm.server.ModelProvider` (its `model_key` and `model`).
+
+        The provider's `reset` is wrapped so a model it unloads is released here too, before the
+        next one is loaded (a binding holds a reference to its model).
+        """
+        with self._lock:
+            self._provider = model_provider
+            cli_args = getattr(model_provider, "cli_args", None)
+            size = getattr(cli_args, "prompt_cache_size", None)
+            if isinstance(size, int):
+                self.max_size = size
+        reset = getattr(model_provider, "reset", None)
+        if callable(reset) and not getattr(reset, "_kvstore_wrapped", False):
+            def reset_and_forget(*args, **kwargs):
+                self._forget_binding()
+                return reset(*args, **kwargs)
+
+            reset_and_forget._kvstore_wrapped = True
+            model_provider.reset = reset_and_forget
+
+    # -- what mlx_lm.server calls ------------------------------------------------------------
+
+    def fetch_nearest_cache(self, model: Hashable, tokens: Sequence[int]) -> tuple[list | None, list[int]]:
+        """`(cache, tokens still to process)` for the longest stored prefix of `tokens`.
+
+        A miss is `(None, tokens)`, as from `LRUPromptCache`; the server then makes a fresh cache.
+        """
+        tokens = list(tokens)
+        with self._lock:
+            self.counters["requests"] += 1
+            self.counters["prompt_tokens"] += len(tokens)
+            try:
+                binding = self._resolve(model, tokens)
+                if not isinstance(binding, _Binding):
+                    return self._fetch_elsewhere(binding, model, tokens)
+                toks = np.asarray(tokens, dtype=np.int32)  # once, for both lookups
+                mc = binding.choose(toks)
+                self._settle()  # records RAM let go while the writer held them are gone from it now
+                in_ram = self._ram_prefix(mc, toks)
+                remote_before = _remote_tokens(self.store)
+                started = time.perf_counter()
+                cache, rest = mc.fetch(toks)
+                seconds = time.perf_counter() - started
+                reused = len(tokens) - len(rest)
+                self._count_reuse(reused, in_ram, remote_before)
+                for observe in self.observers:
+                    observe(seconds, reused)
+                log.info("kvstore: prompt %d tokens, %d reused from the store", len(tokens), reused)
+                if reused == 0:
+                    return None, tokens
+                return cache, list(rest)
+            except Exception as e:  # never into the generation loop
+                self.counters["fetch_errors"] += 1
+                self._error("fetch", e)
+                return None, tokens
+
+    def insert_cache(self, model: Hashable, tokens: Sequence[int], prompt_cache: list, *,
+                     cache_type: str = "assistant") -> None:
+        """Store the cache of `tokens` (queued for the background writer; returns at once)."""
+        tokens = list(tokens)
+        with self._lock:
+            try:
+                binding = self._resolve(model, tokens)
+                if binding == IN_RAM:
+                    self._fallback().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
+                if isinstance(binding, _Binding) and tokens:
+                    self._insert(binding, model, tokens, prompt_cache, cache_type)
+            except Exception as e:
+                self._error("insert", e)
+            self._bound_ram()
+
+    def trim_to(self, *, n_sequences: int | None = None, n_bytes: int | None = None) -> None:
+        """Evict from RAM, in mlx-lm's order, down to `n_sequences` sequences and `n_bytes` bytes
+        (the in-RAM fallback first). What the store holds on disk stays there."""
+        with self._lock:
+            try:
+                self._settle()
+                if self._fallback_cache is not None:
+                    self._fallback_cache.trim_to(n_sequences=n_sequences, n_bytes=n_bytes)
+                if n_sequences is not None:
+                    while len(self._ram) > max(0, n_sequences):
+                        self._evict(*self._ram.pop())
+                if n_bytes is not None:
+                    n_bytes = max(0, n_bytes - self._fallback_nbytes())
+                    while self._ram_bytes() > n_bytes and len(self._ram):
+                        self._evict(*self._ram.pop())
+                    if self._ram_bytes() > n_bytes:  # records fetches read from disk, held by no sequence
+                        self.store.memory.trim_to(n_bytes)
+            except Exception as e:
+                self._error("trim", e)
+
+    def __len__(self) -> int:
+        """Sequences held in RAM (by the store and by the in-RAM fallback)."""
+        with self._lock:
+            self._settle()
+            return len(self._ram) + (len(self._fallback_cache) if self._fallback_cache else 0)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held in RAM: the memory tier, the queued records of the sequences held, and the
+        in-RAM fallback. (Queued records of sequences already evicted are the write queue's.)"""
+        with self._lock:
+            self._settle()
+            return self._ram_bytes() + self._fallback_nbytes()
+
+    def stats_by_type(self) -> dict[str, dict[str, int]]:
+        """Per cache type (as `LRUPromptCache`): sequences held in RAM and their bytes; then the
+        store's disk (`n_sequences` there counts records) and what the in-RAM fallback holds."""
+        with self._lock:
+            self._settle()
+            out = {}
+            for cache_type, (count, hashes) in self._ram.by_type().items():
+                out[cache_type] = {"n_sequences": count, "n_bytes": self._bytes_of(hashes)}
+            index = self.store.index
+            if index is not None:
+                try:
+                    totals = index.totals()
+                    out["kvstore disk"] = {"n_sequences": totals["chunks"] + totals["tails"],
+                                           "n_bytes": totals["bytes"]}
+                except Exception as e:  # a busy or damaged index must not stop a request
+                    self._error("stats", e)
+            if self._fallback_cache is not None and len(self._fallback_cache):
+                for cache_type, stats in self._fallback_cache.stats_by_type().items():
+                    out[f"in-RAM only, {cache_type}"] = dict(stats)
+            return out
+
+    # -- start-up and shut-down --------------------------------------------------------------
+
+    def describe(self) -> str:
+        """One line: where the store is, how big, how many records."""
+        store = self.store
+        if store.index is None:
+            return f"kvstore: RAM-only store, memory tier {format_size(store.memory.capacity)}"
+        totals = store.index.totals()
+        bound = f", bounded to {format_size(store.max_bytes)}" if store.max_bytes is not None else ""
+        bound += " (auto: 1/4 of held + free disk)" if getattr(store, "max_bytes_rule", None) else ""
+        return (f"kvstore: store {store.path}: {format_size(totals['bytes'])} in "
+                f"{totals['chunks'] + totals['tails']} records ({totals['chunks']} chunks, "
+                f"{totals['tails']} tails){bound}; memory tier {format_size(store.memory.capacity)}")
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait for pending writes (False if `timeout` ran out first)."""
+        return self.store.flush(timeout)
+
+    # -- internals: inserting and holding sequences in RAM -------------------------------------
+
+    def _insert(self, binding: "_Binding", key: Hashable, tokens: list, prompt_cache: list,
+                cache_type: str) -> None:
+        held = self._held_tokens(tokens, prompt_cache)
+        if held is None:
+            return
+        if self.max_insert_tokens is not None and len(held) > self.max_insert_tokens:
+            self.counters["not_stored_too_long"] += 1
+            log.info("kvstore: not stored: %d tokens is over the cap of %d tokens per request",
+                     len(held), self.max_insert_tokens)
+            return
+        mc = binding.for_cache(prompt_cache)
+        mc.insert(held, prompt_cache)
+        self.counters["inserts"] += 1
+        hashes = _record_hashes(mc, held)
+        if cache_type not in CACHE_TYPES:
+            cache_type = "assistant"
+        seq = (key, mc.ns, tuple(held))
+        self._ram.add(seq, hashes, cache_type)
+        self._evicted.difference_update(hashes)
+        if _can_trim(prompt_cache):  # a trimmable cache makes every stored prefix of it redundant
+            for prefix in self._ram.prefixes_of(seq):
+                self._evict(prefix, self._ram.remove(prefix))
+        if cache_type == "system":
+            self._system.remember(hashes)
+        else:
+            self.store.memory.touch(self._system.hashes())
+
+    def _bound_ram(self) -> None:
+        """`LRUPromptCache`'s bounds after an insert: `max_size` sequences, `max_bytes` bytes."""
+        try:
+            self._settle()
+            while len(self._ram) > max(0, self.max_size):
+                self._evict(*self._ram.pop())
+            if self._fallback_cache is not None:
+                self._fallback_cache.max_size = self.max_size
+            if self.max_bytes is not None:
+                self.trim_to(n_bytes=self.max_bytes)
+        except Exception as e:
+            self._error("trim", e)
+
+    def _evict(self, seq: tuple, hashes: list[bytes]) -> None:
+        """Drop a sequence's records from RAM, except those another held sequence shares."""
+        keep = self._ram.held_hashes()
+        gone = [h for h in hashes if h not in keep]
+        gone += [checkpoint_hash(h) for h in gone]
+        self.store.memory.discard(gone)
+        # The writer puts records into the memory tier once written: drop those again then.
+        self._evicted.update(h for h in gone if self.store.writer.is_pending(h))
+
+    def _settle(self) -> None:
+        """Forget sequences the memory tier let go by itself (its own byte bound), and drop
+        records evicted here that the writer has since put into the memory tier."""
+        store = self.store
+        if self._evicted:
+            done = {h for h in self._evicted if not store.writer.is_pending(h)}
+            store.memory.discard(done - self._ram.held_hashes())
+            self._evicted -= done
+        for seq, hashes in self._ram.items():
+            last = hashes[-1]
+            if last not in store.memory and not store.writer.is_pending(last):
+                self._evict(seq, self._ram.remove(seq))
+
+    def _ram_bytes(self) -> int:
+        """What evicting here can free: the memory tier, and the queued records of held sequences."""
+        memory = self.store.memory
+        queued = self._bytes_of({h for h in self._ram.held_hashes() if h not in memory})
+        return memory.nbytes + queued
+
+    def _bytes_of(self, hashes: set[bytes]) -> int:
+        """Bytes of these records, in the memory tier or the write queue."""
+        memory, writer = self.store.memory, self.store.writer
+        total = 0
+        for h in hashes:
+            rec = memory._records.get(h)  # a look without moving it in the LRU
+            if rec is None and writer.is_pending(h):
+                rec = writer.pending(h)
+            total += rec.nbytes if rec is not None else 0
+        return total
+
+    def _ram_prefix(self, mc: ModelCache, toks: np.ndarray) -> int:
+        """How many leading tokens of `toks` the records in RAM (memory tier or write queue)
+        cover: what a fetch of them reuses without reading the disk."""
+        store, C = self.store, mc.chunk_size
+        covered, parent = 0, mc.ns
+        for h in keys.chain(mc.ns, toks, C):
+            if h not in store.memory and not store.writer.is_pending(h):
+                break
+            covered, parent = covered + C, h
+        rest = toks[covered:]
+        children = [r.tokens for r in store.memory.children(parent)]
+        children += [t for _, t in store.writer.pending_children(parent)]
+        return covered + max((keys.common_prefix(t, rest) for t in children), default=0)
+
+    def _count_reuse(self, reused: int, in_ram: int, remote_before: int | None) -> None:
+        """Reused tokens by tier: what RAM held, what the remote tier filled in during this fetch,
+        and the rest from the local disk."""
+        by_tier = self.counters["reused_by_tier"]
+        self.counters["reused_tokens"] += reused
+        from_ram = min(reused, in_ram)
+        remote_after = _remote_tokens(self.store)
+        from_remote = 0
+        if remote_before is not None and remote_after is not None:
+            from_remote = min(reused - from_ram, max(0, remote_after - remote_before))
+        by_tier["memory"] += from_ram
+        by_tier["remote"] += from_remote
+        by_tier["disk"] += reused - from_ram - from_remote
+
+    # -- internals: keys and models ----------------------------------------------------------
+
+    def _resolve(self, key: Hashable, tokens: list) -> _Binding | str:
+        """The bound model for `key`, else `IN_RAM` or `UNCACHED`."""
+        if tokens and min(tokens) < 0:  # image placeholders (mlx_lm.server's vision cache keys)
+            return self._unstorable(key, "image prompts are cached in RAM only")
+        binding = self._registered.get(key)
+        if binding is not None:
+            return binding
+        provider = self._provider
+        if provider is None:
+            return self._unstorable(key, "no model is registered for this key")
+        model = getattr(provider, "model", None)
+        if model is None or getattr(provider, "model_key", None) != key:
+            return self._unstorable(key, "the server has another model loaded")
+        if self._bound is not None and self._bound[0] == key and self._bound[1] is model:
+            return self._bound[2]
+        binding = self._bind(key, provider, model)
+        self._bound = (key, model, binding)
+        return binding
+
+    def _bind(self, key: Hashable, provider: Any, model: Any) -> _Binding | str:
+        model_id, adapter, draft = _split_key(key)
+        if draft is not None or getattr(provider, "draft_model", None) is not None:
+            return self._unstorable(key, "speculative decoding: with a draft model nothing is cached",
+                                    UNCACHED)
+        if model_id is None:
+            return self._unstorable(key, f"cannot tell which model the key {key!r} means")
+        try:
+            plain = self.store.bind(model, model_id, adapter_path=adapter)
+            quantized = self._bind_quantized(provider, model, model_id, adapter)
+        except KVStoreError as e:
+            return self._unstorable(key, str(e))
+        binding = _Binding(plain, quantized)
+        log.info("kvstore: serving %s (fingerprint %s) from the store", model_id, plain.fingerprint.hex()[:12])
+        return binding
+
+    def _bind_quantized(self, provider: Any, model: Any, model_id: Any, adapter: Any) -> ModelCache | None:
+        """With `--kv-bits`, the server's caches turn into `QuantizedKVCache`s once they pass
+        `--quantized-kv-start` tokens: those go to a second namespace, shorter ones to the plain one."""
+        cli_args = getattr(provider, "cli_args", None)
+        kv_bits = getattr(cli_args, "kv_bits", None)
+        if kv_bits is None:
+            return None
+        group = getattr(cli_args, "kv_group_size", None) or 64
+        return self.store.bind(model, model_id, adapter_path=adapter, kv_bits=kv_bits, kv_group_size=group)
+
+    def _forget_binding(self) -> None:
+        with self._lock:
+            self._bound = None
+
+    def _unstorable(self, key: Hashable, reason: str, where: str = IN_RAM) -> str:
+        if (key, reason) not in self._warned:
+            self._warned.add((key, reason))
+            then = "they stay in RAM as in stock mlx_lm.server" if where == IN_RAM else "every prompt is computed"
+            log.warning("kvstore: not storing prompt caches for %r (%s); %s", key, reason, then)
+        return where
+
+    def _fallback(self):
+        if self._fallback_cache is None:
+            from mlx_lm.models.cache import LRUPromptCache
+
+            limits = {} if self.max_bytes is None else {"max_bytes": self.max_bytes}
+            self._fallback_cache = LRUPromptCache(self.max_size, **limits)
+        return self._fallback_cache
+
+    def _fallback_nbytes(self) -> int:
+        return self._fallback_cache.nbytes if self._fallback_cache is not None else 0
+
+    def _fetch_elsewhere(self, where: str, key: Hashable, tokens: list) -> tuple[list | None, list[int]]:
+        self.counters["fallback_requests"] += 1
+        cache, rest = None, tokens
+        if where == IN_RAM:
+            cache, rest = self._fallback().fetch_nearest_cache(key, tokens)
+        log.info("kvstore: prompt %d tokens, 0 reused from the store (%d from RAM)", len(tokens),
+                 len(tokens) - len(rest))
+        return cache, rest
+
+    @staticmethod
+    def _held_tokens(tokens: list, cache: list) -> list | None:
+        """The tokens the cache really holds: `tokens`, or a prefix if every layer has fewer.
+
+        mlx_lm.server inserts the prompt and every generated token, the last of which the model
+        never processed: its cache is one token short."""
+        # Recurrent layers (ArraysCache) keep no offset; the model runs every layer on every token,
+        # so the layers that count tokens say how many the whole cache holds.
+        offsets = {layer.offset for layer in cache if isinstance(getattr(layer, "offset", None), int)}
+        if len(offsets) != 1:
+            return tokens  # no or mixed offsets: let the store check each layer
+        (offset,) = offsets
+        if offset == len(tokens):
+            return tokens
+        if 0 < offset < len(tokens):
+            return tokens[:offset]
+        log.debug("kvstore: not stored: the cache holds %s tokens but %d were given", offset, len(tokens))
+        return None
+
+    def _error(self, what: str, e: Exception) -> None:
+        self.counters["errors"] += 1
+        log.warning("kvstore: %s failed, served without the store: %s: %s", what, type(e).__name__, e,
+                    exc_info=log.isEnabledFor(logging.DEBUG))
+
+
+class _RamSequences:
+    """The sequences held in RAM, each with the hashes of its records, one LRU per cache type.
+
+    `pop` takes the oldest sequence of the first type (assistant, user, system) that holds at least
+    as many as the next one: the order in which mlx-lm's `LRUPromptCache` evicts.
+    """
+
+    def __init__(self):
+        self._lrus: dict[str, OrderedDict[tuple, list[bytes]]] = {t: OrderedDict() for t in CACHE_TYPES}
+
+    def __len__(self) -> int:
+        return sum(len(lru) for lru in self._lrus.values())
+
+    def add(self, seq: tuple, hashes: list[bytes], cache_type: str) -> None:
+        self.remove(seq)
+        self._lrus[cache_type][seq] = hashes
+
+    def remove(self, seq: tuple) -> list[bytes]:
+        for lru in self._lrus.values():
+            if seq in lru:
+                return lru.pop(seq)
+        return []
+
+    def pop(self) -> tuple[tuple, list[bytes]]:
+        lrus = [self._lrus[t] for t in CACHE_TYPES]
+        for this, after in zip(lrus, lrus[1:]):
+            if this and len(this) >= len(after):
+                return this.popitem(last=False)
+        return lrus[-1].popitem(last=False)
+
+    def items(self) -> list[tuple[tuple, list[bytes]]]:
+        return [item for lru in self._lrus.values() for item in lru.items()]
+
+    def prefixes_of(self, seq: tuple) -> list[tuple]:
+        """Held sequences of the same key and namespace whose tokens are a strict prefix of `seq`'s."""
+        key, ns, tokens = seq
+        return [s for s, _ in self.items()
+                if s[0] == key and s[1] == ns and len(s[2]) < len(tokens) and tokens[: len(s[2])] == s[2]]
+
+    def held_hashes(self) -> set[bytes]:
+        return {h for _, hashes in self.items() for h in hashes}
+
+    def by_type(self) -> dict[str, tuple[int, set[bytes]]]:
+        return {t: (len(lru), {h for hashes in lru.values() for h in hashes}) for t, lru in self._lrus.items()}
+
+
+class _Binding:
+    """The store as one server model sees it: plain K/V, and with `--kv-bits` also quantized K/V."""
+
+    def __init__(self, plain: ModelCache, quantized: ModelCache | None = None):
+        self.plain, self.quantized = plain, quantized
+
+    def choose(self, tokens: np.ndarray) -> ModelCache:
+        """The namespace that holds more of `tokens`."""
+        mc = self.plain
+        if self.quantized is not None and self.quantized.stored_length(tokens) > mc.stored_length(tokens):
+            mc = self.quantized
+        return mc
+
+    def for_cache(self, cache: list) -> ModelCache:
+        if self.quantized is not None and any(type(c).__name__ == "QuantizedKVCache" for c in cache):
+            return self.quantized
+        return self.plain
+
+
+class _SystemPrompts:
+    """Recent system prompts, whose records the memory tier keeps fresh.
+
+    mlx_lm.server marks the cache at the end of a system prompt as "system". Those records are the
+    ancestors of every turn that follows, so on disk they already outlive the turns (eviction takes
+    leaves first). In RAM they are moved to the recent end of the memory tier's LRU after every other
+    insert, so assistant and user records go first. Bounded: only the last `limit` system prompts.
+    No pins: a pin is the operator's decision (`kvstore warm`), and unpinning here could undo it.
+    """
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._prompts: OrderedDict[bytes, list[bytes]] = OrderedDict()
+
+    def remember(self, hashes: list[bytes]) -> None:
+        if not hashes:
+            return
+        self._prompts.pop(hashes[-1], None)
+        self._prompts[hashes[-1]] = hashes
+        while len(self._prompts) > self.limit:
+            self._prompts.popitem(last=False)
+
+    def hashes(self) -> list[bytes]:
+        return [h for hashes in self._prompts.values() for h in reversed(hashes)]
+
+
+def _record_hashes(mc: ModelCache, tokens: list[int]) -> list[bytes]:
+    """The chunks and tail that `mc.insert(tokens, ...)` stores, root first."""
+    toks = np.asarray(tokens, dtype=np.int32)
+    hashes = keys.chain(mc.ns, toks, mc.chunk_size)
+    start = len(hashes) * mc.chunk_size
+    if start < len(toks):
+        hashes.append(keys.tail_hash(hashes[-1] if hashes else mc.ns, toks[start:]))
+    return hashes
+
+
+def _can_trim(cache: list) -> bool:
+    from mlx_lm.models.cache import can_trim_prompt_cache
+
+    try:
+        return bool(can_trim_prompt_cache(cache))
+    except Exception:
+        return False
+
+
+def _remote_tokens(store: Store) -> int | None:
+    """Tokens the remote tier has filled in for this process so far (None without a remote tier)."""
+    counters = getattr(getattr(store, "remote", None), "counters", None)
+    value = counters.get("remote_tokens") if isinstance(counters, dict) else None
+    return value if isinstance(value, int) else None
+
+
+def _split_key(key: Hashable) -> tuple[Any, Any, Any]:
+    """`(model_id, adapter_path, draft_model_path)` of a server key (a tuple, or a bare path)."""
+    if isinstance(key, tuple):
+        parts = list(key) + [None] * 3
+        return parts[0], parts[1], parts[2]
+    if isinstance(key, (str, os.PathLike)):
+        return key, None, None
+    return None, None, None

@@ -1,0 +1,111 @@
+"""`kvstore.metrics`: the Prometheus exposition of a `PersistentPromptCache`, in process (the
+served `/metrics` endpoint is tested end to end in test_server.py)."""
+
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+import kvstore
+from kvstore import PersistentPromptCache
+from kvstore.metrics import ServerMetrics
+from kvtest import prefill
+
+KEY = ("test", None, None)
+
+
+def samples(metrics: ServerMetrics) -> dict:
+    body, content_type = metrics.render()
+    assert content_type.startswith("text/plain; version=")
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(body.decode()) for s in family.samples}
+
+
+def test_counts_follow_requests_and_registries_are_separate(llama, tmp_path):
+    path, model = llama
+    tokens = list(range(30, 60))
+    with kvstore.open(tmp_path / "store", chunk_size=16) as store:
+        pc = PersistentPromptCache(store)
+        pc.register(KEY, store.bind(model, str(path)))
+        metrics, other = ServerMetrics(pc), ServerMetrics(PersistentPromptCache(store))
+        pc.fetch_nearest_cache(KEY, tokens)
+        pc.insert_cache(KEY, tokens, prefill(model, tokens))
+        store.flush()
+        pc.fetch_nearest_cache(KEY, tokens + [1, 2])
+        got = samples(metrics)
+        assert got[("kvstore_requests_total", ())] == 2
+        assert got[("kvstore_prompt_tokens_total", ())] == 30 + 32
+        assert got[("kvstore_reused_tokens_total", (("tier", "memory"),))] == 30
+        assert got[("kvstore_inserts_total", ())] == 1
+        assert got[("kvstore_fetch_seconds_count", ())] == 2
+        assert got[("kvstore_restored_tokens_sum", ())] == 30
+        assert got[("kvstore_records", (("kind", "chunk"),))] == 1
+        assert got[("kvstore_records", (("kind", "tail"),))] == 1
+        assert got[("kvstore_store_bytes", ())] == store.stats()["bytes"] > 0
+        assert got[("kvstore_memory_bytes", ())] == store.memory.nbytes
+        assert not any(name.startswith("kvstore_remote") for name, _ in got)
+        assert ("kvstore_reused_tokens_total", (("tier", "remote"),)) not in got
+        assert samples(other)[("kvstore_requests_total", ())] == 0  # its own registry
+
+
+def test_ram_only_store(llama):
+    path, model = llama
+    with kvstore.open(kvstore.MEMORY, chunk_size=16) as store:
+        pc = PersistentPromptCache(store)
+        pc.register(KEY, store.bind(model, str(path)))
+        pc.insert_cache(KEY, [5, 6, 7], prefill(model, [5, 6, 7]))
+        store.flush()
+        got = samples(ServerMetrics(pc))
+        assert got[("kvstore_store_bytes", ())] == store.memory.nbytes > 0
+        assert got[("kvstore_records", (("kind", "tail"),))] == 1
+        assert ("kvstore_reused_tokens_total", (("tier", "memory"),)) in got
+        assert ("kvstore_reused_tokens_total", (("tier", "disk"),)) not in got
+
+
+def test_remote_counters_appear_with_a_remote_tier(llama, tmp_path, monkeypatch):
+    """With a remote tier, its per-process counters are exported, and the tokens it filled in
+    during a fetch count as reused from `remote`. (The remote tier itself is tested against a real
+    SeaweedFS in test_remote*.py; here only its counters are stood in for.)"""
+    from types import SimpleNamespace
+
+    path, model = llama
+    tokens = list(range(30, 60))
+    with kvstore.open(tmp_path / "store", chunk_size=16) as store:
+        mc = store.bind(model, str(path))
+        mc.insert(tokens, prefill(model, tokens))
+    with kvstore.open(tmp_path / "store", chunk_size=16) as store:  # nothing in RAM
+        remote = SimpleNamespace(counters={"uploads": 4, "errors": 1, "remote_tokens": 0})
+        monkeypatch.setattr(store, "remote", remote, raising=False)
+        pc = PersistentPromptCache(store)
+        mc = store.bind(model, str(path))
+        pc.register(KEY, mc)
+        got = samples(ServerMetrics(pc))
+        assert got[("kvstore_remote_events_total", (("event", "uploads"),))] == 4
+        assert got[("kvstore_remote_events_total", (("event", "errors"),))] == 1
+        assert got[("kvstore_reused_tokens_total", (("tier", "remote"),))] == 0
+
+        fetch = mc.fetch
+
+        def fetch_after_the_remote_filled_a_chunk(toks):
+            remote.counters["remote_tokens"] += 16
+            return fetch(toks)
+
+        monkeypatch.setattr(mc, "fetch", fetch_after_the_remote_filled_a_chunk)
+        _, rest = pc.fetch_nearest_cache(KEY, tokens + [1])
+        assert rest == [1]
+        assert pc.counters["reused_by_tier"] == {"memory": 0, "disk": 14, "remote": 16}
+
+
+def test_scrapes_from_many_threads_use_one_index_connection(tmp_path):
+    """Every HTTP request runs on a new thread, and the index keeps a connection per thread that
+    used it: scrapes read the index from one thread of their own, so connections do not pile up."""
+    import threading
+
+    with kvstore.open(tmp_path / "store") as store:
+        metrics = ServerMetrics(PersistentPromptCache(store))
+        before = len(store.index._connections)
+        for _ in range(20):
+            t = threading.Thread(target=metrics.render)
+            t.start()
+            t.join()
+        assert len(store.index._connections) <= before + 1
+        metrics.close()
