@@ -440,7 +440,7 @@ def cmd_stats(args) -> int:
 # reported as "unknown" rather than guessed.
 STORE_TOTALS = ("path", "bytes", "chunks", "tails", "checkpoints", "models", "quarantined_total")
 PER_PROCESS = ("chunk_size", "max_bytes", "memory", "writer", "quarantined", "skipped_inserts",
-               "fetches", "reused_tokens", "read_only")
+               "fetches", "reused_tokens", "read_only", "max_bytes_auto", "max_bytes_rule")
 
 
 def stats_scope(stats: dict) -> dict[str, str]:
