@@ -13,6 +13,7 @@ import logging
 import os
 import sqlite3
 import threading
+import time
 import weakref
 from contextlib import contextmanager
 from pathlib import Path
@@ -61,7 +62,8 @@ class Store:
 
     def __init__(self, path: str | os.PathLike | None = None, *, max_bytes: int | None = None,
                  memory_bytes: int | None = None, chunk_size: int = 256,
-                 max_pending_bytes: int = DEFAULT_PENDING_BYTES, fsync: bool = True):
+                 max_pending_bytes: int = DEFAULT_PENDING_BYTES, fsync: bool = True,
+                 remote: str | None = None, remote_deadline: float | None = None):
         if not isinstance(chunk_size, int) or chunk_size < 1:
             raise InvalidInputError(f"chunk_size must be a positive integer, got {chunk_size!r}")
         for name, value in (("max_bytes", max_bytes), ("memory_bytes", memory_bytes)):
@@ -87,10 +89,11 @@ class Store:
                 os.close(os.open(index_file, os.O_WRONLY | os.O_CREAT, 0o600))
             self.index = Index(index_file)
         self._gc_lock = threading.Lock()
+        self.remote = self._open_remote(remote, remote_deadline)
         self.counters = {"quarantined": 0, "skipped_inserts": 0, "fetches": 0, "reused_tokens": 0}
         self.writer = Writer(self.index, self.blob_root, self.memory, max_pending_bytes,
                              after_batch=self._enforce_budget if max_bytes is not None else None,
-                             fsync=fsync)
+                             fsync=fsync, after_write=self.remote.submit if self.remote else None)
         self._closed = False
         _OPEN_STORES.add(self)
 
@@ -117,16 +120,25 @@ class Store:
         mc = ModelCache(self, model, str(model_id), ns, fingerprint, layout, codecs,
                         kv_bits=kv_bits, kv_group_size=kv_group_size)
         mc.registered = self._register(mc)
+        if self.remote is not None:
+            self.remote.bind(mc)
         return mc
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every insert so far is durable. False if `timeout` ran out first."""
-        return self.writer.flush(timeout)
+        """Wait until every insert so far is durable (and uploaded, with a remote tier).
+        False if `timeout` ran out first."""
+        end = None if timeout is None else time.monotonic() + timeout
+        done = self.writer.flush(timeout)
+        if self.remote is not None:
+            done = self.remote.flush(None if end is None else max(0.0, end - time.monotonic())) and done
+        return done
 
     def close(self) -> None:
         if self._closed:
             return
         self.writer.close()
+        if self.remote is not None:
+            self.remote.close()
         _OPEN_STORES.discard(self)
         if self.index is not None:
             self.index.close()
@@ -152,6 +164,7 @@ class Store:
                        "dropped_bytes": w.dropped_bytes, "write_errors": w.write_errors,
                        "last_error": w.last_error},
             **self.counters,
+            "remote": self.remote.stats() if self.remote is not None else None,
         }
         if self.index is not None:
             with self._damage_is_an_error():
@@ -197,6 +210,20 @@ class Store:
         return problems
 
     # -- internals --------------------------------------------------------------------------
+
+    def _open_remote(self, url: str | None, deadline: float | None):
+        """The remote tier for `url` (`s3://BUCKET/PREFIX`), or None. Contacts nothing yet."""
+        if not url:
+            return None
+        from .remote import DEFAULT_DEADLINE_S, RemoteTier
+
+        if self.ram_only:
+            raise InvalidInputError("a remote tier needs a store directory (not kvstore.MEMORY)")
+        if deadline is not None and (not isinstance(deadline, (int, float)) or deadline < 0):
+            raise InvalidInputError(f"remote_deadline must be a non-negative number of seconds, got {deadline!r}")
+        tier = RemoteTier(url, deadline=DEFAULT_DEADLINE_S if deadline is None else deadline)
+        tier.attach(self)
+        return tier
 
     def _check_open(self) -> None:
         if self._closed:
@@ -364,10 +391,13 @@ def _prepare_dir(path: Path) -> Path:
 
 
 def open(path: str | os.PathLike | None = None, *, max_bytes: int | None = None,
-         memory_bytes: int | None = None, chunk_size: int = 256, **options) -> Store:
+         memory_bytes: int | None = None, chunk_size: int = 256, remote: str | None = None,
+         **options) -> Store:
     """Open (creating if needed) the store at `path`, `$KVSTORE_DIR` or `~/.cache/kvstore`.
 
     `path=kvstore.MEMORY` keeps everything in RAM (nothing is written); `memory_bytes=0` turns
-    the memory tier off (every fetch reads the disk).
+    the memory tier off (every fetch reads the disk). `remote="s3://BUCKET/PREFIX"` shares the
+    store with other nodes through an S3-compatible object store (see `kvstore.remote`).
     """
-    return Store(path, max_bytes=max_bytes, memory_bytes=memory_bytes, chunk_size=chunk_size, **options)
+    return Store(path, max_bytes=max_bytes, memory_bytes=memory_bytes, chunk_size=chunk_size,
+                 remote=remote, **options)

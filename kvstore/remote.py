@@ -1,0 +1,467 @@
+"""The remote tier: a store shared by every node through an S3-compatible object store.
+
+A record's object is its local blob file, byte for byte: it carries its tokens, parent, depth,
+kind, namespace and (blob format 2) a checksum per tensor, so every object checks itself.
+
+- Write-behind: after the writer commits rows, `submit` queues them; worker threads upload each
+  blob with a create-only PUT, parents before children (a child waits for its parent's upload and
+  is skipped if its parent is not in the bucket). The queue is bounded by bytes; what it cannot
+  hold is dropped and counted. Only rows the writer wrote are ever queued, so a node never uploads
+  what it downloaded (`fill` adds rows to the index directly, never through the writer).
+- Read-through: `fill(mc, tokens)` runs before a local lookup. On a local miss it finds the
+  deepest chunk of the prompt in the bucket by a binary search of HEADs, lists that chunk's
+  children for the next token, downloads what is missing in parallel, checks every object (its
+  checksums, and that its tokens hash to its key) and stores it locally, in chain order, so the
+  local fetch that follows restores it. All of that runs under one deadline; past it, whatever
+  was stored is used and the rest is left.
+- Faults: nothing here raises into the caller. Errors are counted, and after a failed request
+  the remote is left alone for a few seconds (`RETRY_AFTER_S`), so a dead endpoint costs one
+  failed request, not one per fetch.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import struct
+import threading
+import time
+from collections import OrderedDict, deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterable
+
+import numpy as np
+import xxhash
+
+from . import blobs, keys
+from .errors import BlobError
+from .index import CHECKPOINT, CHUNK, TAIL, Row
+from .modelcache import checkpoint_hash
+from .remote_client import (LAYOUT_VERSION, Bucket, RemoteError, children_prefix, manifest_key,
+                            parse_key, record_key)
+
+if TYPE_CHECKING:
+    from .modelcache import ModelCache
+    from .store import Store
+
+log = logging.getLogger("kvstore")
+
+#: Default deadline of the remote part of one fetch, in seconds (see README "Remote tier").
+DEFAULT_DEADLINE_S = 1.0
+DEFAULT_UPLOAD_BYTES = 1 << 30
+RETRY_AFTER_S = 5.0
+MAX_CANDIDATES = 4  # children of the deepest chunk downloaded to compare their tokens
+_KNOWN_LIMIT = 1 << 16
+
+
+class RemoteTier:
+    """The remote tier of one open store (`kvstore.open(path, remote="s3://BUCKET/PREFIX")`)."""
+
+    def __init__(self, url: str, *, deadline: float = DEFAULT_DEADLINE_S,
+                 max_upload_bytes: int = DEFAULT_UPLOAD_BYTES, upload_threads: int = 4,
+                 download_threads: int = 8, bucket: Bucket | None = None):
+        self.url = url
+        self.bucket = bucket or Bucket(url)
+        self.deadline = float(deadline)
+        self.max_upload_bytes = max_upload_bytes
+        self.counters = dict.fromkeys((
+            "uploads", "upload_bytes", "already_there", "upload_errors", "dropped_uploads",
+            "dropped_upload_bytes", "skipped_old_format", "skipped_no_parent", "lookups", "heads",
+            "lists", "downloads", "download_bytes", "remote_hits", "remote_tokens", "corrupt_objects",
+            "errors", "deadline_misses", "skipped_down"), 0)
+        self.last_error = ""
+        self._store: "Store | None" = None
+        self._manifests: dict[bytes, bytes] = {}  # ns -> manifest JSON (uploaded once per process)
+        self._manifest_done: set[bytes] = set()
+        self._known: OrderedDict[bytes, None] = OrderedDict()  # hashes the bucket is known to hold
+        self._inflight: dict[bytes, threading.Event] = {}
+        self._queue: deque[list[Row]] = deque()
+        self._queued_bytes = 0
+        self._active = 0
+        self._cond = threading.Condition()
+        self._stop = False
+        self._down_until = 0.0
+        self._pool = ThreadPoolExecutor(download_threads, thread_name_prefix="kvstore-remote-get")
+        self._workers = [threading.Thread(target=self._upload_loop, name=f"kvstore-remote-put-{i}", daemon=True)
+                         for i in range(upload_threads)]
+        for w in self._workers:
+            w.start()
+
+    # -- wiring ---------------------------------------------------------------------------------
+
+    def attach(self, store: "Store") -> None:
+        self._store = store
+
+    def bind(self, mc: "ModelCache") -> None:
+        """Remember a bound model's manifest, uploaded before the first record of its namespace."""
+        self._manifests[mc.ns] = json.dumps({
+            "layout_version": LAYOUT_VERSION, "format": keys.FORMAT_VERSION, "namespace": mc.ns.hex(),
+            "fingerprint": mc.fingerprint.hex(), "model_id": mc.model_id, "chunk_size": mc.chunk_size,
+            "layout": mc.layout}, sort_keys=True).encode()
+
+    def stats(self) -> dict:
+        with self._cond:
+            pending = self._queued_bytes
+        return {"url": self.url, "deadline_s": self.deadline, "pending_upload_bytes": pending,
+                "last_error": self.last_error, **self.counters}
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued upload is done (or dropped). False if `timeout` ran out."""
+        end = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._queue or self._active:
+                left = None if end is None else end - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(0.5 if left is None else min(left, 0.5))
+        return True
+
+    def close(self, timeout: float = 60.0) -> None:
+        self.flush(timeout)
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for w in self._workers:
+            w.join(timeout=1.0)
+
+    # -- write-behind ---------------------------------------------------------------------------
+
+    def submit(self, rows: list[Row]) -> None:
+        """Queue rows the writer just committed (parents before children). Never raises."""
+        try:
+            rows = list(rows)
+            size = sum(r.size for r in rows)
+            with self._cond:
+                if self._stop:
+                    return
+                if self._queued_bytes + size > self.max_upload_bytes and self._queued_bytes:
+                    self.counters["dropped_uploads"] += len(rows)
+                    self.counters["dropped_upload_bytes"] += size
+                    return
+                for r in rows:
+                    self._inflight.setdefault(r.hash, threading.Event())
+                self._queue.append(rows)
+                self._queued_bytes += size
+                self._cond.notify_all()
+        except Exception as e:  # the writer thread must go on whatever happens here
+            self._count_error(e)
+
+    def _upload_loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._stop:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                rows = self._queue.popleft()
+                self._active += 1
+            try:
+                for row in rows:
+                    try:
+                        if self._upload(row):
+                            self._remember(row.hash)
+                    except Exception as e:
+                        self.counters["upload_errors"] += 1
+                        self._count_error(e)
+                    finally:
+                        ev = self._inflight.pop(row.hash, None)
+                        if ev is not None:
+                            ev.set()
+            finally:
+                with self._cond:
+                    self._active -= 1
+                    self._queued_bytes -= sum(r.size for r in rows)
+                    self._cond.notify_all()
+
+    def _upload(self, row: Row) -> bool:
+        """Upload one record; True if the bucket holds it afterwards."""
+        store = self._store
+        if row.parent != row.ns and not self._parent_uploaded(row):
+            self.counters["skipped_no_parent"] += 1
+            return False
+        try:
+            with open(os.open(blobs.blob_path(store.blob_root, row.hash), os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
+                buf = f.read()
+        except OSError:  # evicted (or damaged) locally since it was written: nothing to share
+            return False
+        if xxhash.xxh3_64_intdigest(buf) != row.checksum:
+            return False
+        try:
+            _, meta = check_object(buf, row.hash)
+        except BlobError:
+            self.counters["skipped_old_format"] += 1
+            return False
+        if meta.get("ns") != row.ns.hex():
+            return False
+        self._put_manifest(row.ns)
+        created = self.bucket.put_new(_key_of(row), buf)
+        if created:
+            self.counters["uploads"] += 1
+            self.counters["upload_bytes"] += len(buf)
+        else:
+            self.counters["already_there"] += 1
+        return True
+
+    def _parent_uploaded(self, row: Row) -> bool:
+        """Whether the bucket holds `row`'s parent (waiting for its upload if it is queued)."""
+        ev = self._inflight.get(row.parent)
+        if ev is not None:
+            ev.wait(timeout=120)
+        if row.parent in self._known:
+            return True
+        parent = self._store.index.get(row.parent) if self._store.index is not None else None
+        if parent is None:
+            return False
+        found = self.bucket.head(_key_of(parent)) is not None
+        if found:
+            self._remember(row.parent)
+        return found
+
+    def _put_manifest(self, ns: bytes) -> None:
+        if ns in self._manifest_done or ns not in self._manifests:
+            return
+        self.bucket.put_new(manifest_key(ns), self._manifests[ns])
+        self._manifest_done.add(ns)
+
+    def _remember(self, h: bytes) -> None:
+        self._known[h] = None
+        self._known.move_to_end(h)
+        while len(self._known) > _KNOWN_LIMIT:
+            self._known.popitem(last=False)
+
+    # -- read-through ---------------------------------------------------------------------------
+
+    def fill(self, mc: "ModelCache", toks: np.ndarray) -> int:
+        """Bring what the bucket has of `toks` beyond the local store into it, within the
+        deadline. Returns how many more tokens are stored locally now. Never raises."""
+        if time.monotonic() < self._down_until:
+            self.counters["skipped_down"] += 1
+            return 0
+        end = time.monotonic() + self.deadline
+        try:
+            return self._fill(mc, toks, end)
+        except _Late:
+            self.counters["deadline_misses"] += 1
+            return 0
+        except Exception as e:
+            self._count_error(e)
+            return 0
+
+    def _fill(self, mc: "ModelCache", toks: np.ndarray, end: float) -> int:
+        store, C = mc.store, mc.chunk_size
+        if store.index is None:
+            return 0
+        before = mc.stored_length(toks)
+        if before >= len(toks) - 1:
+            return 0
+        self.counters["lookups"] += 1
+        chain = keys.chain(mc.ns, toks, C)
+        local = before // C
+        first = [int(toks[i * C]) for i in range(len(chain))]
+        parents = [mc.ns] + chain[:-1]
+
+        def chunk_key(i: int) -> str:  # chunk i + 1 of the prompt
+            return record_key(mc.ns, parents[i], chain[i], CHUNK, C, first[i])
+
+        # Deepest chunk in the bucket: chunks are uploaded parents first and deleted children
+        # first, so presence along a chain is a prefix and a binary search finds its end.
+        lo, hi = local, len(chain)
+        if hi > lo:
+            if self._head(chunk_key(hi - 1), end):
+                lo = hi
+            else:
+                hi -= 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self._head(chunk_key(mid - 1), end):
+                lo = mid
+            else:
+                hi = mid - 1
+        depth = lo
+        # What to download: the chain beyond the local part, then the best children.
+        wanted: list[tuple[str, bytes, bytes, int, int]] = [  # (key, hash, parent, depth, kind)
+            (chunk_key(i), chain[i], parents[i], i + 1, CHUNK) for i in range(local, depth)]
+        parent = chain[depth - 1] if depth else mc.ns
+        rest = toks[depth * C :]
+        if len(rest) > 1:
+            listed = self._call(self.bucket.list, children_prefix(mc.ns, parent, int(rest[0])), end=end)
+            self.counters["lists"] += 1
+            children = [k for k in (parse_key(p, s, t) for p, s, t in listed) if k is not None
+                        and k.parent == parent and k.ns == mc.ns]
+            have = store._available([k.hash for k in children])
+            for k in _best_children(children, parent, rest):
+                if k.hash not in have:
+                    wanted.append((k.path, k.hash, parent, depth + 1, k.kind))
+        if mc.checkpointed:  # recurrent layers restore only where a checkpoint was taken
+            ends = [(w[1], w[3]) for w in wanted] + ([(chain[local - 1], local)] if local else [])
+            for h, d in ends:
+                ck = checkpoint_hash(h)
+                wanted.append((record_key(mc.ns, h, ck, CHECKPOINT, 0, None), ck, h, d, CHECKPOINT))
+            have = store._available([w[1] for w in wanted if w[4] == CHECKPOINT])
+            wanted = [w for w in wanted if w[4] != CHECKPOINT or w[1] not in have]
+        if not wanted:
+            return 0
+        futures = [self._pool.submit(self.bucket.get, w[0]) for w in wanted]
+        stored: set[bytes] = set(h for h in chain[:local])
+        try:
+            for (key, h, par, d, kind), fut in zip(wanted, futures):
+                if par != mc.ns and par not in stored and not store._available([par]):
+                    continue  # its parent did not arrive: it would hang from nothing
+                try:
+                    buf = fut.result(timeout=max(0.0, end - time.monotonic()))
+                except FutureTimeout:  # past the deadline: keep what arrived, serve the rest locally
+                    self.counters["deadline_misses"] += 1
+                    break
+                except RemoteError as e:
+                    self._count_error(e)
+                    continue
+                if buf is None:
+                    continue  # a checkpoint that was never taken, or gc'd meanwhile
+                self.counters["downloads"] += 1
+                self.counters["download_bytes"] += len(buf)
+                if self._keep(mc, key, h, par, d, kind, buf):
+                    stored.add(h)
+        finally:
+            for fut in futures:
+                fut.cancel()
+            gained = mc.stored_length(toks) - before
+            if gained > 0:
+                self.counters["remote_hits"] += 1
+                self.counters["remote_tokens"] += gained
+        return max(0, gained)
+
+    def _keep(self, mc: "ModelCache", key: str, h: bytes, parent: bytes, depth: int, kind: int,
+              buf: bytes) -> bool:
+        """Check a downloaded object and store it locally (blob, then row). False if it is bad."""
+        store = mc.store
+        try:
+            tokens = check_record(buf, h, mc.ns, parent, depth, kind, mc.chunk_size)
+        except BlobError as e:
+            self.counters["corrupt_objects"] += 1
+            log.warning("kvstore: remote object %s is damaged, not used: %s", key, e)
+            return False
+        row = Row(h, mc.ns, parent, depth, kind, len(tokens) // 4, tokens, len(buf), xxhash.xxh3_64_intdigest(buf))
+        with blobs.tree_lock(store.blob_root, exclusive=False):
+            if store.index.present([h]):
+                return True
+            write_blob(store.blob_root, h, buf, fsync=store.writer.fsync)
+            store.index.insert([row])
+        return True
+
+    def _head(self, key: str, end: float) -> bool:
+        self.counters["heads"] += 1
+        return self._call(self.bucket.head, key, end=end) is not None
+
+    def _call(self, fn, *args, end: float):
+        """Run a request on the pool and wait for it until `end` (raises _Late after)."""
+        fut: Future = self._pool.submit(fn, *args)
+        try:
+            return fut.result(timeout=max(0.0, end - time.monotonic()))
+        except FutureTimeout:
+            fut.cancel()
+            raise _Late from None
+
+    def _count_error(self, e: BaseException) -> None:
+        self.counters["errors"] += 1
+        self.last_error = f"{type(e).__name__}: {e}"
+        if isinstance(e, RemoteError):
+            self._down_until = time.monotonic() + RETRY_AFTER_S
+        log.warning("kvstore: remote tier: %s", self.last_error)
+
+
+class _Late(Exception):
+    """The deadline of the remote part of a fetch has passed."""
+
+
+# -- what an object must be ------------------------------------------------------------------------
+
+def check_object(buf: bytes, h: bytes) -> tuple[dict, dict[str, str]]:
+    """The header entries and metadata of an intact format-2 blob named `h`; BlobError if the
+    bytes are damaged, are not that record, or have no per-tensor checksums (0.1 blobs)."""
+    verify = getattr(blobs, "verify_bytes", None)
+    if verify is None:
+        raise BlobError("this kvstore has no per-tensor blob checksums (blob format 2)")
+    entries, meta = verify(buf, h)
+    if meta.get("blob_format") != "2" or not meta.get("checksums"):
+        raise BlobError(f"record {h.hex()}: blob format {meta.get('blob_format')!r} has no tensor checksums")
+    if meta.get("hash") != h.hex():
+        raise BlobError(f"record {h.hex()}: its header names record {meta.get('hash')!r}")
+    return entries, meta
+
+
+def check_record(buf: bytes, h: bytes, ns: bytes, parent: bytes, depth: int | None, kind: int,
+                 chunk_size: int) -> bytes:
+    """Raise BlobError unless `buf` is record `h` at that place of the chain: intact, its header
+    agreeing, and its tokens hashing to `h` (so they are the prompt's own). Its tokens' bytes."""
+    entries, meta = check_object(buf, h)
+    want = {"ns": ns.hex(), "parent": parent.hex(), "kind": str(kind), "chunk_size": str(chunk_size)}
+    if depth is not None:
+        want["depth"] = str(depth)
+    for key, value in want.items():
+        if meta.get(key) != value:
+            raise BlobError(f"record {h.hex()}: its header says {key} {meta.get(key)!r}, expected {value!r}")
+    info = entries.get("tokens")
+    if not info or info.get("dtype") != "I32":
+        raise BlobError(f"record {h.hex()}: it holds no int32 tokens")
+    (n,) = struct.unpack_from("<Q", buf, 0)
+    start, stop = (8 + n + o for o in info["data_offsets"])
+    tokens = bytes(buf[start:stop])
+    ntok = len(tokens) // 4
+    if kind == CHUNK:
+        ok = ntok == chunk_size and keys.chain(parent, np.frombuffer(tokens, "<i4"), chunk_size) == [h]
+    elif kind == TAIL:
+        ok = 0 < ntok < chunk_size and keys.tail_hash(parent, np.frombuffer(tokens, "<i4")) == h
+    else:
+        ok = ntok == 0 and checkpoint_hash(parent) == h
+    if not ok:
+        raise BlobError(f"record {h.hex()}: its tokens do not hash to its key")
+    return tokens
+
+
+def write_blob(root: Path, h: bytes, buf: bytes, *, fsync: bool = True) -> None:
+    """Put verified bytes at the blob's path the way `blobs.write` does: a temporary file in the
+    final folder, fsync, atomic rename."""
+    path = blobs.blob_path(root, h)
+    blobs._makedirs(path.parent)
+    tmp = path.parent / f"{blobs.TMP_PREFIX}{h.hex()}.{os.getpid()}.{os.urandom(4).hex()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "wb", buffering=0) as f:
+            view = memoryview(buf)
+            while view:
+                view = view[f.write(view):]
+            if fsync:
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def _key_of(row: Row) -> str:
+    first = int.from_bytes(row.tokens[:4], "little", signed=True) if len(row.tokens) >= 4 else None
+    return record_key(row.ns, row.parent, row.hash, row.kind, row.ntokens, first)
+
+
+def _best_children(children: Iterable, parent: bytes, rest: np.ndarray) -> list:
+    """The children worth downloading: the longest one whose key proves it is a prefix of `rest`
+    (a tail's hash is of its parent and tokens), or, when none covers `rest`, a few others to
+    compare by their tokens (a branch inside a stored tail reuses the common part)."""
+    exact, others = None, []
+    for k in children:
+        if k.kind == TAIL and k.ntokens <= len(rest) and keys.tail_hash(parent, rest[: k.ntokens]) == k.hash:
+            if exact is None or k.ntokens > exact.ntokens:
+                exact = k
+        else:
+            others.append(k)
+    if exact is not None and exact.ntokens >= len(rest) - 1:
+        return [exact]
+    others.sort(key=lambda k: -k.modified)
+    return ([exact] if exact else []) + others[: MAX_CANDIDATES - (exact is not None)]

@@ -1,0 +1,154 @@
+"""The remote tier against a real SeaweedFS: several stores with their own folders are the nodes.
+
+Every restore is checked end to end: the reused length, the logits and 20 greedy tokens against a
+recompute from scratch.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm import load
+from mlx_lm.models.cache import make_prompt_cache
+
+import kvstore
+from kvstore import remote_client
+from kvstore.remote_client import Bucket, parse_key
+from kvtest import logits_diff, prefill
+
+C = 16
+REPO = Path(__file__).resolve().parents[1]
+
+
+def toks(n: int, seed: int, vocab: int = 250) -> list[int]:
+    return np.random.default_rng(seed).integers(1, vocab, n).tolist()
+
+
+def node(tmp_path, name: str, url: str, **kw):
+    return kvstore.open(tmp_path / name, chunk_size=C, remote=url, **kw)
+
+
+def greedy(model, cache, rest, n=20) -> list[int]:
+    out = []
+    logits = model(mx.array([rest]), cache=cache)
+    for _ in range(n):
+        t = int(mx.argmax(logits[0, -1]).item())
+        out.append(t)
+        logits = model(mx.array([[t]]), cache=cache)
+    return out
+
+
+def assert_same_as_recompute(model, cache, rest, query):
+    assert logits_diff(model, [c for c in cache], rest, query) < 1e-4
+    # Fresh copies: logits_diff advanced the cache.
+
+
+def check_restore(mc, model, query, expect_reused):
+    cache, rest = mc.fetch(query)
+    assert len(query) - len(rest) == expect_reused
+    ref = greedy(model, make_prompt_cache(model), query)
+    got = greedy(model, cache, rest)
+    assert got == ref
+    cache, rest = mc.fetch(query)
+    assert logits_diff(model, cache, rest, query) < 1e-4
+
+
+@pytest.fixture(scope="module")
+def llama_model(demo_model):
+    path = demo_model("llama")
+    model, _ = load(str(path))
+    return path, model
+
+
+def test_url_and_keys():
+    assert remote_client.parse_url("s3://b/a/b/") == ("b", "a/b")
+    assert remote_client.parse_url("s3://b") == ("b", "")
+    for bad in ("http://b/x", "s3://", "s3:///x", "s3://b/a//c", "s3://b/../x"):
+        with pytest.raises(kvstore.InvalidInputError):
+            remote_client.parse_url(bad)
+    ns, parent, h = b"\x01" * 16, b"\xab" * 16, b"\x02" * 16
+    key = remote_client.record_key(ns, parent, h, 1, 7, 42)
+    assert key == f"{ns.hex()}/ab/{parent.hex()}/42/{h.hex()}.tail.7"
+    k = parse_key(key)
+    assert (k.ns, k.parent, k.hash, k.kind, k.ntokens, k.first_token) == (ns, parent, h, 1, 7, 42)
+    ck = parse_key(remote_client.record_key(ns, parent, h, 2, 0, None))
+    assert ck.kind == 2 and ck.parent == parent
+    assert parse_key(remote_client.manifest_key(ns)) is None
+
+
+def test_aws_profile_files(tmp_path):
+    (tmp_path / ".aws").mkdir()
+    (tmp_path / ".aws" / "credentials").write_text("[team]\naws_access_key_id = AK\naws_secret_access_key = SK\n")
+    (tmp_path / ".aws" / "config").write_text("[profile team]\nregion = eu-west-1\nendpoint_url = http://h:1\n")
+    got = remote_client.aws_settings({"HOME": str(tmp_path), "AWS_PROFILE": "team"})
+    assert got == {"access_key_id": "AK", "secret_access_key": "SK", "region": "eu-west-1", "endpoint": "http://h:1"}
+    # The environment wins over the files.
+    got = remote_client.aws_settings({"HOME": str(tmp_path), "AWS_PROFILE": "team", "AWS_ACCESS_KEY_ID": "E"})
+    assert got["access_key_id"] == "E" and got["secret_access_key"] == "SK"
+
+
+def test_node_b_restores_what_node_a_stored(tmp_path, s3, llama_model):
+    path, model = llama_model
+    url = s3.url()
+    prompt = toks(5 * C + 7, seed=1)
+    with node(tmp_path, "a", url) as a:
+        mc = a.bind(model, path)
+        mc.insert(prompt, prefill(model, prompt))
+        assert a.flush(timeout=30)
+        ra = a.stats()["remote"]
+        assert ra["uploads"] == 6 and ra["upload_errors"] == 0 and ra["errors"] == 0
+    with node(tmp_path, "b", url) as b:
+        mc = b.bind(model, path)
+        query = prompt + toks(5, seed=2)
+        check_restore(mc, model, query, expect_reused=len(prompt))
+        rb = b.stats()["remote"]
+        assert rb["downloads"] == 6 and rb["remote_hits"] == 1 and rb["uploads"] == 0
+        assert rb["remote_tokens"] == len(prompt)
+        heads = rb["heads"]
+        # Now local: no more remote requests for it.
+        mc.fetch(query)
+        assert b.stats()["remote"]["heads"] == heads
+        assert b.stats()["chunks"] == 5 and b.stats()["tails"] == 1
+        b.flush()
+        # What it downloaded is never uploaded again.
+        assert b.stats()["remote"]["uploads"] == 0 and b.stats()["remote"]["already_there"] == 0
+
+
+def test_branch_inside_a_remote_tail_reuses_exactly_the_common_prefix(tmp_path, s3, llama_model):
+    path, model = llama_model
+    url = s3.url()
+    prompt = toks(3 * C + 12, seed=3)
+    with node(tmp_path, "a", url) as a:
+        a.bind(model, path).insert(prompt, prefill(model, prompt))
+        a.flush(timeout=30)
+    with node(tmp_path, "b", url) as b:
+        mc = b.bind(model, path)
+        query = prompt[: 3 * C + 5] + [251, 252, 253]
+        check_restore(mc, model, query, expect_reused=3 * C + 5)
+        # And a branch inside a chunk reuses up to it.
+        query = prompt[: 2 * C + 3] + [251, 252]
+        check_restore(mc, model, query, expect_reused=2 * C + 3)
+
+
+def test_binary_search_needs_few_heads(tmp_path, s3, llama_model):
+    path, model = llama_model
+    url = s3.url()
+    prompt = toks(128 * 4, seed=4)
+    with kvstore.open(tmp_path / "a", chunk_size=4, remote=url) as a:
+        a.bind(model, path).insert(prompt, prefill(model, prompt))
+        assert a.flush(timeout=60)
+        assert a.stats()["remote"]["uploads"] == 128
+    with kvstore.open(tmp_path / "b", chunk_size=4, remote=url) as b:
+        mc = b.bind(model, path)
+        query = prompt[: 100 * 4] + [7, 7, 7, 7, 7, 7]
+        cache, rest = mc.fetch(query)
+        assert len(query) - len(rest) == 100 * 4
+        r = b.stats()["remote"]
+        assert r["heads"] <= 9, r
+        assert r["lists"] == 1
