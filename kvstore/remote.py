@@ -55,6 +55,7 @@ DEFAULT_UPLOAD_BYTES = 1 << 30
 RETRY_AFTER_S = 5.0
 MAX_CANDIDATES = 4  # children of the deepest chunk downloaded to compare their tokens
 _KNOWN_LIMIT = 1 << 16
+_COUNTER_PREFIX = "count.remote."
 
 
 class RemoteTier:
@@ -73,6 +74,8 @@ class RemoteTier:
             "lists", "downloads", "download_bytes", "remote_hits", "remote_tokens", "corrupt_objects",
             "errors", "deadline_misses", "skipped_down"), 0)
         self.last_error = ""
+        self._persisted: dict[str, int] = {}
+        self._counter_lock = threading.Lock()
         self._store: "Store | None" = None
         self._manifests: dict[bytes, bytes] = {}  # ns -> manifest JSON (uploaded once per process)
         self._manifest_done: set[bytes] = set()
@@ -103,10 +106,62 @@ class RemoteTier:
             "layout": mc.layout}, sort_keys=True).encode()
 
     def stats(self) -> dict:
+        """This process's counters, and `totals`: every process's on this store, so far."""
         with self._cond:
             pending = self._queued_bytes
+        totals = dict.fromkeys(self.counters, 0)
+        index = self._store.index if self._store is not None else None
+        if index is not None:
+            try:
+                for key, value in index.counters().items():
+                    if key.startswith(_COUNTER_PREFIX) and key[len(_COUNTER_PREFIX):] in totals:
+                        totals[key[len(_COUNTER_PREFIX):]] = value
+            except Exception:
+                pass
+        for key, value in self.counters.items():
+            totals[key] += value - self._persisted.get(key, 0)
         return {"url": self.url, "deadline_s": self.deadline, "pending_upload_bytes": pending,
-                "last_error": self.last_error, **self.counters}
+                "last_error": self.last_error, **self.counters, "totals": totals}
+
+    def gc(self, *, max_bytes: int | None = None, max_age: float | None = None, dry_run: bool = False) -> dict:
+        """Bound the bucket (see `remote_maint.collect_remote`); this node's pins are published first."""
+        from .remote_maint import collect_remote
+
+        self.flush(60)
+        self.publish_pins()
+        return collect_remote(self.bucket, max_bytes=max_bytes, max_age=max_age, dry_run=dry_run)
+
+    def verify(self, *, repair: bool = False) -> list:
+        """Problems of the bucket's objects (see `remote_maint.verify_remote`)."""
+        from .remote_maint import verify_remote
+
+        self.flush(60)
+        return verify_remote(self.bucket, repair=repair)
+
+    def publish_pins(self, namespaces=None) -> int:
+        """Write this node's pins object(s): what gc on any node must keep."""
+        from .remote_maint import node_id, publish_pins
+
+        store = self._store
+        if store is None or store.index is None:
+            return 0
+        return publish_pins(self.bucket, store.index, node_id(store.path), namespaces)
+
+    def _persist_counters(self) -> None:
+        """Add what was counted since the last call to the store's totals (`kvstore stats`)."""
+        index = self._store.index if self._store is not None else None
+        if index is None:
+            return
+        now = dict(self.counters)
+        deltas = {_COUNTER_PREFIX + k: v - self._persisted.get(k, 0) for k, v in now.items()
+                  if v != self._persisted.get(k, 0)}
+        if not deltas:
+            return
+        try:
+            index.bump_counters(deltas)
+            self._persisted = now
+        except Exception:  # only statistics (the index may be busy or read-only)
+            pass
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued upload is done (or dropped). False if `timeout` ran out."""
@@ -117,6 +172,7 @@ class RemoteTier:
                 if left is not None and left <= 0:
                     return False
                 self._cond.wait(0.5 if left is None else min(left, 0.5))
+        self._persist_counters()
         return True
 
     def close(self, timeout: float = 60.0) -> None:
@@ -127,6 +183,7 @@ class RemoteTier:
         self._pool.shutdown(wait=False, cancel_futures=True)
         for w in self._workers:
             w.join(timeout=1.0)
+        self._persist_counters()
 
     # -- write-behind ---------------------------------------------------------------------------
 
@@ -139,8 +196,8 @@ class RemoteTier:
                 if self._stop:
                     return
                 if self._queued_bytes + size > self.max_upload_bytes and self._queued_bytes:
-                    self.counters["dropped_uploads"] += len(rows)
-                    self.counters["dropped_upload_bytes"] += size
+                    self._count("dropped_uploads", len(rows))
+                    self._count("dropped_upload_bytes", size)
                     return
                 for r in rows:
                     self._inflight.setdefault(r.hash, threading.Event())
@@ -165,12 +222,18 @@ class RemoteTier:
                         if self._upload(row):
                             self._remember(row.hash)
                     except Exception as e:
-                        self.counters["upload_errors"] += 1
+                        self._count("upload_errors", 1)
                         self._count_error(e)
                     finally:
                         ev = self._inflight.pop(row.hash, None)
                         if ev is not None:
                             ev.set()
+                pinned = {r.ns for r in rows if r.pinned and r.hash in self._known}
+                if pinned:
+                    try:
+                        self.publish_pins(pinned)
+                    except Exception as e:
+                        self._count_error(e)
             finally:
                 with self._cond:
                     self._active -= 1
@@ -181,7 +244,7 @@ class RemoteTier:
         """Upload one record; True if the bucket holds it afterwards."""
         store = self._store
         if row.parent != row.ns and not self._parent_uploaded(row):
-            self.counters["skipped_no_parent"] += 1
+            self._count("skipped_no_parent", 1)
             return False
         try:
             with open(os.open(blobs.blob_path(store.blob_root, row.hash), os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
@@ -193,17 +256,17 @@ class RemoteTier:
         try:
             _, meta = check_object(buf, row.hash)
         except BlobError:
-            self.counters["skipped_old_format"] += 1
+            self._count("skipped_old_format", 1)
             return False
         if meta.get("ns") != row.ns.hex():
             return False
         self._put_manifest(row.ns)
         created = self.bucket.put_new(_key_of(row), buf)
         if created:
-            self.counters["uploads"] += 1
-            self.counters["upload_bytes"] += len(buf)
+            self._count("uploads", 1)
+            self._count("upload_bytes", len(buf))
         else:
-            self.counters["already_there"] += 1
+            self._count("already_there", 1)
         return True
 
     def _parent_uploaded(self, row: Row) -> bool:
@@ -239,13 +302,13 @@ class RemoteTier:
         """Bring what the bucket has of `toks` beyond the local store into it, within the
         deadline. Returns how many more tokens are stored locally now. Never raises."""
         if time.monotonic() < self._down_until:
-            self.counters["skipped_down"] += 1
+            self._count("skipped_down", 1)
             return 0
         end = time.monotonic() + self.deadline
         try:
             return self._fill(mc, toks, end)
         except _Late:
-            self.counters["deadline_misses"] += 1
+            self._count("deadline_misses", 1)
             return 0
         except Exception as e:
             self._count_error(e)
@@ -258,7 +321,7 @@ class RemoteTier:
         before = mc.stored_length(toks)
         if before >= len(toks) - 1:
             return 0
-        self.counters["lookups"] += 1
+        self._count("lookups", 1)
         chain = keys.chain(mc.ns, toks, C)
         local = before // C
         first = [int(toks[i * C]) for i in range(len(chain))]
@@ -289,7 +352,7 @@ class RemoteTier:
         rest = toks[depth * C :]
         if len(rest) > 1:
             listed = self._call(self.bucket.list, children_prefix(mc.ns, parent, int(rest[0])), end=end)
-            self.counters["lists"] += 1
+            self._count("lists", 1)
             children = [k for k in (parse_key(p, s, t) for p, s, t in listed) if k is not None
                         and k.parent == parent and k.ns == mc.ns]
             have = store._available([k.hash for k in children])
@@ -314,15 +377,15 @@ class RemoteTier:
                 try:
                     buf = fut.result(timeout=max(0.0, end - time.monotonic()))
                 except FutureTimeout:  # past the deadline: keep what arrived, serve the rest locally
-                    self.counters["deadline_misses"] += 1
+                    self._count("deadline_misses", 1)
                     break
                 except RemoteError as e:
                     self._count_error(e)
                     continue
                 if buf is None:
                     continue  # a checkpoint that was never taken, or gc'd meanwhile
-                self.counters["downloads"] += 1
-                self.counters["download_bytes"] += len(buf)
+                self._count("downloads", 1)
+                self._count("download_bytes", len(buf))
                 if self._keep(mc, key, h, par, d, kind, buf):
                     stored.add(h)
         finally:
@@ -330,8 +393,8 @@ class RemoteTier:
                 fut.cancel()
             gained = mc.stored_length(toks) - before
             if gained > 0:
-                self.counters["remote_hits"] += 1
-                self.counters["remote_tokens"] += gained
+                self._count("remote_hits", 1)
+                self._count("remote_tokens", gained)
         return max(0, gained)
 
     def _keep(self, mc: "ModelCache", key: str, h: bytes, parent: bytes, depth: int, kind: int,
@@ -341,7 +404,7 @@ class RemoteTier:
         try:
             tokens = check_record(buf, h, mc.ns, parent, depth, kind, mc.chunk_size)
         except BlobError as e:
-            self.counters["corrupt_objects"] += 1
+            self._count("corrupt_objects", 1)
             log.warning("kvstore: remote object %s is damaged, not used: %s", key, e)
             return False
         row = Row(h, mc.ns, parent, depth, kind, len(tokens) // 4, tokens, len(buf), xxhash.xxh3_64_intdigest(buf))
@@ -353,7 +416,7 @@ class RemoteTier:
         return True
 
     def _head(self, key: str, end: float) -> bool:
-        self.counters["heads"] += 1
+        self._count("heads", 1)
         return self._call(self.bucket.head, key, end=end) is not None
 
     def _call(self, fn, *args, end: float):
@@ -365,8 +428,12 @@ class RemoteTier:
             fut.cancel()
             raise _Late from None
 
+    def _count(self, key: str, n: int = 1) -> None:
+        with self._counter_lock:
+            self.counters[key] += n
+
     def _count_error(self, e: BaseException) -> None:
-        self.counters["errors"] += 1
+        self._count("errors", 1)
         self.last_error = f"{type(e).__name__}: {e}"
         if isinstance(e, RemoteError):
             self._down_until = time.monotonic() + RETRY_AFTER_S

@@ -394,6 +394,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="bound the store on disk, e.g. 20GB (default: unbounded)")
     p.add_argument("--memory-bytes", metavar="SIZE", type=_size,
                    help="bound the store's memory tier, e.g. 2GiB (default: 1 GiB)")
+    p.add_argument("--remote", metavar="URL", default=os.environ.get("KVSTORE_REMOTE") or None,
+                   help="share the cache through an S3 bucket, s3://BUCKET/PREFIX (default: $KVSTORE_REMOTE)")
     return p
 
 
@@ -547,7 +549,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     import kvstore
 
     try:
-        store = kvstore.open(ours.store, max_bytes=ours.store_max_bytes, memory_bytes=memory_bytes)
+        store = kvstore.open(ours.store, max_bytes=ours.store_max_bytes, memory_bytes=memory_bytes,
+                             remote=ours.remote)
     except KVStoreError as e:
         print(f"kvstore serve: {e}", file=sys.stderr)
         return 1

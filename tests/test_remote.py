@@ -152,3 +152,75 @@ def test_binary_search_needs_few_heads(tmp_path, s3, llama_model):
         r = b.stats()["remote"]
         assert r["heads"] <= 9, r
         assert r["lists"] == 1
+
+
+HERE = Path(__file__).parent
+
+
+def run(mode, store, model, tokens, **extra) -> dict:
+    cmd = [sys.executable, str(HERE / "procs.py"), mode, str(store), str(model), str(C),
+           json.dumps(tokens), json.dumps(extra)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text", "qwen3_5"])
+def test_across_nodes_in_fresh_processes(tmp_path, s3, demo_model, arch):
+    """Node A (one process) stores; node B (another process, empty folder) restores it exactly."""
+    model = demo_model(arch)
+    url = s3.url()
+    prompt = toks(4 * C + 9, seed=10)
+    a = run("insert", tmp_path / "a", model, prompt, remote=url, prefill=arch == "qwen3_5", checkpoint_every=2)
+    assert a["remote"]["uploads"] >= 5 and a["remote"]["errors"] == 0, a["remote"]
+    got = run("check", tmp_path / "b", model, prompt + toks(3, seed=11), remote=url, memory_bytes=0)
+    assert got["reused"] == len(prompt), got
+    assert got["max_abs_diff"] <= 1e-4 and got["greedy"] == got["greedy_ref"]
+    assert got["remote"]["remote_hits"] == 1 and got["remote"]["corrupt_objects"] == 0
+    if arch == "qwen3_5":
+        assert "ArraysCache" in got["classes"]
+        # Inside the prompt, the deepest checkpoint (after chunk 2) is where it restores.
+        branch = run("check", tmp_path / "c", model, prompt[: 3 * C + 2] + toks(3, seed=12), remote=url,
+                     memory_bytes=0)
+        assert branch["reused"] == 2 * C and branch["greedy"] == branch["greedy_ref"]
+    if arch == "gemma3_text":
+        assert "RotatingKVCache" in got["classes"]
+
+
+def test_three_nodes_warming_overlapping_prompts(tmp_path, s3, demo_model):
+    model = demo_model("llama")
+    url = s3.url()
+    system = toks(3 * C + 5, seed=20)
+    prompts = [system + toks(2 * C + i, seed=21 + i) for i in range(6)]
+    procs = []
+    for n in range(3):  # each node warms 4 of the 6 prompts, overlapping the others
+        mine = [prompts[(2 * n + j) % 6] for j in range(4)]
+        script = ("import json, sys, kvstore\n"
+                  "from mlx_lm import load\n"
+                  "sys.path.insert(0, %r)\n"
+                  "from kvtest import prefill\n"
+                  "model, _ = load(%r)\n"
+                  "with kvstore.open(%r, chunk_size=%d, remote=%r) as s:\n"
+                  "    mc = s.bind(model, %r)\n"
+                  "    for p in json.loads(sys.argv[1]):\n"
+                  "        mc.insert(p, prefill(model, p))\n"
+                  "    assert s.flush(60)\n"
+                  "    print(json.dumps(s.stats()['remote']))\n") % (
+            str(HERE), str(model), str(tmp_path / f"n{n}"), C, url, str(model))
+        procs.append(subprocess.Popen([sys.executable, "-c", script, json.dumps(mine)],
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    stats = []
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-3000:]
+        stats.append(json.loads(out.strip().splitlines()[-1]))
+    assert all(s["errors"] == 0 and s["upload_errors"] == 0 for s in stats), stats
+    assert sum(s["already_there"] for s in stats) > 0  # the shared system prompt went up once
+    m, _ = load(str(model))
+    for n in range(3):
+        with kvstore.open(tmp_path / f"n{n}", chunk_size=C, remote=url, memory_bytes=0) as s:
+            mc = s.bind(m, model)
+            for p in prompts:
+                cache, rest = mc.fetch(p + [3, 4])
+                assert len(rest) == 2
+                assert logits_diff(m, cache, rest, p + [3, 4]) < 1e-4
