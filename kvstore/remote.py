@@ -67,6 +67,7 @@ class RemoteTier:
         self.url = url
         self.bucket = bucket or Bucket(url)
         self.deadline = float(deadline)
+        self.retry_after = RETRY_AFTER_S
         self.max_upload_bytes = max_upload_bytes
         self.counters = dict.fromkeys((
             "uploads", "upload_bytes", "already_there", "upload_errors", "dropped_uploads",
@@ -307,8 +308,9 @@ class RemoteTier:
         end = time.monotonic() + self.deadline
         try:
             return self._fill(mc, toks, end)
-        except _Late:
+        except _Late:  # the lookup itself was too slow: leave the remote alone for a while
             self._count("deadline_misses", 1)
+            self._down_until = time.monotonic() + self.retry_after
             return 0
         except Exception as e:
             self._count_error(e)
@@ -436,7 +438,7 @@ class RemoteTier:
         self._count("errors", 1)
         self.last_error = f"{type(e).__name__}: {e}"
         if isinstance(e, RemoteError):
-            self._down_until = time.monotonic() + RETRY_AFTER_S
+            self._down_until = time.monotonic() + self.retry_after
         log.warning("kvstore: remote tier: %s", self.last_error)
 
 

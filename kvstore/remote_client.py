@@ -171,7 +171,7 @@ class Bucket:
     Writes (uploads, gc) run in the background and may take longer.
     """
 
-    def __init__(self, url: str, *, connect_timeout: float = 1.0, read_timeout: float = 10.0,
+    def __init__(self, url: str, *, connect_timeout: float = 1.0, read_timeout: float = 5.0,
                  write_timeout: float = 60.0):
         from obstore.store import S3Store
 

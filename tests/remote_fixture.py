@@ -4,7 +4,8 @@ One server per test session, on 127.0.0.1 only, with its sockets and data in a t
 Credentials reach it (and every client and subprocess) through AWS_ACCESS_KEY_ID and
 AWS_SECRET_ACCESS_KEY, which `weed mini` turns into its admin identity. Ready when a signed HEAD of
 the bucket answers 200. Tests may kill and restart it (same ports, same data); it is stopped by
-its PID at the end of the session whatever happened.
+its PID at the end of the session whatever happened. (After a restart the fixture also writes and
+reads a probe object: the volume server needs a moment to rejoin.)
 """
 
 from __future__ import annotations
@@ -95,7 +96,11 @@ class Seaweed:
                                         "region": "us-east-1"}, client_options={"allow_http": True})
         try:
             url = obstore.sign(store, "HEAD", "", datetime.timedelta(seconds=60))
-            return requests.head(url, timeout=1).status_code == 200
+            if requests.head(url, timeout=1).status_code != 200:
+                return False
+            # After a restart the volume server needs a moment to rejoin: also read data back.
+            obstore.put(store, ".ready", b"ok")
+            return bytes(obstore.get(store, ".ready").bytes()) == b"ok"
         except Exception:
             return False
 
