@@ -326,30 +326,12 @@ class RemoteTier:
         self._count("lookups", 1)
         chain = keys.chain(mc.ns, toks, C)
         local = before // C
-        first = [int(toks[i * C]) for i in range(len(chain))]
+        keys_ = chunk_keys(mc.ns, toks, chain, C)
+        depth = self.deepest(keys_, local, end)
         parents = [mc.ns] + chain[:-1]
-
-        def chunk_key(i: int) -> str:  # chunk i + 1 of the prompt
-            return record_key(mc.ns, parents[i], chain[i], CHUNK, C, first[i])
-
-        # Deepest chunk in the bucket: chunks are uploaded parents first and deleted children
-        # first, so presence along a chain is a prefix and a binary search finds its end.
-        lo, hi = local, len(chain)
-        if hi > lo:
-            if self._head(chunk_key(hi - 1), end):
-                lo = hi
-            else:
-                hi -= 1
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if self._head(chunk_key(mid - 1), end):
-                lo = mid
-            else:
-                hi = mid - 1
-        depth = lo
         # What to download: the chain beyond the local part, then the best children.
         wanted: list[tuple[str, bytes, bytes, int, int]] = [  # (key, hash, parent, depth, kind)
-            (chunk_key(i), chain[i], parents[i], i + 1, CHUNK) for i in range(local, depth)]
+            (keys_[i], chain[i], parents[i], i + 1, CHUNK) for i in range(local, depth)]
         parent = chain[depth - 1] if depth else mc.ns
         rest = toks[depth * C :]
         if len(rest) > 1:
@@ -398,6 +380,24 @@ class RemoteTier:
                 self._count("remote_hits", 1)
                 self._count("remote_tokens", gained)
         return max(0, gained)
+
+    def deepest(self, chunk_keys: list[str], known: int, end: float) -> int:
+        """How many chunks of a chain the bucket holds (`known` of them are known to be there or
+        are not needed). Chunks are uploaded parents first and deleted children first, so presence
+        along a chain is a prefix: the deepest one is probed first (a repeated prompt), then a
+        binary search of HEADs finds the end (7 requests for 128 chunks)."""
+        lo, hi = known, len(chunk_keys)
+        if hi > lo:
+            if self._head(chunk_keys[hi - 1], end):
+                return hi
+            hi -= 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self._head(chunk_keys[mid - 1], end):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def _keep(self, mc: "ModelCache", key: str, h: bytes, parent: bytes, depth: int, kind: int,
               buf: bytes) -> bool:
@@ -512,6 +512,13 @@ def write_blob(root: Path, h: bytes, buf: bytes, *, fsync: bool = True) -> None:
         except OSError:
             pass
         raise
+
+
+def chunk_keys(ns: bytes, toks: np.ndarray, chain: list[bytes], chunk_size: int) -> list[str]:
+    """The object keys of the chunks of a prompt (`chain` = its chunk hashes)."""
+    parents = [ns] + chain[:-1]
+    return [record_key(ns, parents[i], h, CHUNK, chunk_size, int(toks[i * chunk_size]))
+            for i, h in enumerate(chain)]
 
 
 def _key_of(row: Row) -> str:
