@@ -136,6 +136,35 @@ def lookups(server, reps: int) -> list[dict]:
     return out
 
 
+def clients(server, reps: int) -> dict | None:
+    """HEAD and LIST latency, obstore (the tier's client) against boto3 (when installed), on the
+    same objects: one HEAD of an existing key; one listing of a folder of 50 keys."""
+    try:
+        import boto3
+        from botocore.config import Config
+    except ImportError:
+        return None
+    from kvstore.remote_client import Bucket, parse_url
+
+    url = server.url("clients")
+    bucket_name, prefix = parse_url(url)
+    ours = Bucket(url)
+    for i in range(50):
+        ours.put_new(f"folder/{i:04d}", b"x" * 100)
+    s3 = boto3.client("s3", endpoint_url=server.endpoint, region_name="us-east-1",
+                      config=Config(retries={"max_attempts": 2}))
+    s3.head_object(Bucket=bucket_name, Key=f"{prefix}/folder/0007")
+    out = {}
+    for name, fn in (("obstore_head", lambda: ours.head("folder/0007")),
+                     ("boto3_head", lambda: s3.head_object(Bucket=bucket_name, Key=f"{prefix}/folder/0007")),
+                     ("obstore_list", lambda: ours.list("folder/")),
+                     ("boto3_list", lambda: s3.list_objects_v2(Bucket=bucket_name, Prefix=f"{prefix}/folder/"))):
+        out[name] = C.summary(C.measure(fn, reps, warmup=3))
+    out["head_speedup"] = out["boto3_head"]["median"] / out["obstore_head"]["median"]
+    out["list_speedup"] = out["boto3_list"]["median"] / out["obstore_list"]["median"]
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192])
@@ -172,6 +201,7 @@ def main() -> None:
             results["lengths"].append(row)
             shutil.rmtree(d, ignore_errors=True)
         results["lookup"] = lookups(server, args.reps * 5)
+        results["clients"] = clients(server, 200)
     finally:
         server.kill()
     C.write_result("remote", results)
@@ -184,6 +214,12 @@ def main() -> None:
     print(f"\n{'chunks':>7} {'present':>8} {'HEADs':>6} {'median ms':>10} {'p99 ms':>8}")
     for r in results["lookup"]:
         print(f"{r['chunks']:>7} {r['present']:>8} {r['heads']:>6} {r['median'] * 1e3:>10.2f} {r['p99'] * 1e3:>8.2f}")
+    c = results.get("clients")
+    if c:
+        print(f"\nHEAD median: obstore {c['obstore_head']['median'] * 1e3:.2f} ms, boto3 "
+              f"{c['boto3_head']['median'] * 1e3:.2f} ms ({c['head_speedup']:.1f}x); LIST of 50: obstore "
+              f"{c['obstore_list']['median'] * 1e3:.2f} ms, boto3 {c['boto3_list']['median'] * 1e3:.2f} ms "
+              f"({c['list_speedup']:.1f}x)")
 
 
 if __name__ == "__main__":

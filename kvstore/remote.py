@@ -148,6 +148,26 @@ class RemoteTier:
             return 0
         return publish_pins(self.bucket, store.index, node_id(store.path), namespaces)
 
+    def _sync_pins(self) -> None:
+        """Publish this node's pins of the models bound here if the bucket's copy differs (a
+        prompt pinned without a new upload, like `warm` pinning what it downloaded)."""
+        store = self._store
+        if store is None or store.index is None or time.monotonic() < self._down_until:
+            return
+        from .remote_maint import node_id
+        from .remote_client import pins_key
+
+        try:
+            node = node_id(store.path)
+            for ns in self._manifests:
+                mine = sorted(h.hex() for h in store.index.pinned(ns))
+                body = self.bucket.get(pins_key(ns, node))
+                theirs = json.loads(body).get("pinned") if body else []
+                if mine != theirs:
+                    self.publish_pins([ns])
+        except Exception as e:
+            self._count_error(e)
+
     def _persist_counters(self) -> None:
         """Add what was counted since the last call to the store's totals (`kvstore stats`)."""
         index = self._store.index if self._store is not None else None
@@ -178,6 +198,7 @@ class RemoteTier:
 
     def close(self, timeout: float = 60.0) -> None:
         self.flush(timeout)
+        self._sync_pins()
         with self._cond:
             self._stop = True
             self._cond.notify_all()
@@ -292,10 +313,11 @@ class RemoteTier:
         self._manifest_done.add(ns)
 
     def _remember(self, h: bytes) -> None:
-        self._known[h] = None
-        self._known.move_to_end(h)
-        while len(self._known) > _KNOWN_LIMIT:
-            self._known.popitem(last=False)
+        with self._counter_lock:
+            self._known[h] = None
+            self._known.move_to_end(h)
+            while len(self._known) > _KNOWN_LIMIT:
+                self._known.popitem(last=False)
 
     # -- read-through ---------------------------------------------------------------------------
 

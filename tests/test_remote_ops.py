@@ -232,3 +232,27 @@ def test_two_servers_share_one_bucket(tmp_path, s3, demo_model):
                     p.wait(30)
                 except subprocess.TimeoutExpired:
                     p.kill()
+
+
+def test_pins_made_on_another_node_are_kept(tmp_path, s3, llama_model):
+    """Node B pins a prompt it got from the bucket (no upload of its own): its pins object is
+    published when it closes, and gc run on node A keeps that prompt."""
+    path, model = llama_model
+    url = s3.url()
+    prompt, other = toks(3 * C + 4, 80), toks(2 * C + 2, 81)
+    with kvstore.open(tmp_path / "a", chunk_size=C, remote=url) as a:
+        mc = a.bind(model, path)
+        for p in (prompt, other):
+            mc.insert(p, prefill(model, p))
+        a.flush(30)
+    with kvstore.open(tmp_path / "b", chunk_size=C, remote=url) as b:
+        mc = b.bind(model, path)
+        mc.prefill(prompt, pin=True)
+        assert b.stats()["remote"]["remote_hits"] == 1 and b.stats()["remote"]["uploads"] == 0
+    with kvstore.open(tmp_path / "a", chunk_size=C, remote=url) as a:
+        result = a.remote.gc(max_bytes=0)
+        assert result["kept_pinned"] == 4
+    left = records(url)
+    assert_whole(left)
+    with kvstore.open(tmp_path / "c", chunk_size=C) as c:
+        assert set(left) == set(c.bind(model, path)._record_hashes(np.asarray(prompt)))
