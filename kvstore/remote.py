@@ -515,7 +515,7 @@ def check_record(buf: bytes, h: bytes, ns: bytes, parent: bytes, depth: int | No
 
 def write_blob(root: Path, h: bytes, buf: bytes, *, fsync: bool = True) -> None:
     """Put verified bytes at the blob's path the way `blobs.write` does: a temporary file in the
-    final folder, fsync, atomic rename."""
+    final folder, fsync, atomic rename, fsync of the folder."""
     path = blobs.blob_path(root, h)
     blobs._makedirs(path.parent)
     tmp = path.parent / f"{blobs.TMP_PREFIX}{h.hex()}.{os.getpid()}.{os.urandom(4).hex()}"
@@ -534,6 +534,12 @@ def write_blob(root: Path, h: bytes, buf: bytes, *, fsync: bool = True) -> None:
         except OSError:
             pass
         raise
+    if fsync:  # the rename itself is durable before any row points at the file
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
 
 
 def chunk_keys(ns: bytes, toks: np.ndarray, chain: list[bytes], chunk_size: int) -> list[str]:

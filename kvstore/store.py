@@ -69,6 +69,10 @@ class Store:
         for name, value in (("max_bytes", max_bytes), ("memory_bytes", memory_bytes)):
             if value is not None and (not isinstance(value, int) or value < 0):
                 raise InvalidInputError(f"{name} must be a non-negative integer, got {value!r}")
+        if remote:  # a bad URL is an error before anything is opened
+            from .remote_client import parse_url
+
+            parse_url(remote)
         self.chunk_size = chunk_size
         self.max_bytes = max_bytes
         self.ram_only = str(path) == MEMORY
@@ -397,7 +401,8 @@ def open(path: str | os.PathLike | None = None, *, max_bytes: int | None = None,
 
     `path=kvstore.MEMORY` keeps everything in RAM (nothing is written); `memory_bytes=0` turns
     the memory tier off (every fetch reads the disk). `remote="s3://BUCKET/PREFIX"` shares the
-    store with other nodes through an S3-compatible object store (see `kvstore.remote`).
+    store with other nodes through an S3-compatible object store (see `kvstore.remote`);
+    `remote_deadline` (seconds, default 1) bounds the remote part of each fetch.
     """
     return Store(path, max_bytes=max_bytes, memory_bytes=memory_bytes, chunk_size=chunk_size,
                  remote=remote, **options)
