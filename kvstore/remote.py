@@ -196,7 +196,7 @@ class RemoteTier:
         self._persist_counters()
         return True
 
-    def close(self, timeout: float = 60.0) -> None:
+    def close(self, timeout: float = 30.0) -> None:
         self.flush(timeout)
         self._sync_pins()
         with self._cond:

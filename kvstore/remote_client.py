@@ -119,10 +119,6 @@ def pins_key(ns: bytes, node: str) -> str:
     return f"{ns.hex()}/pins/{node}.json"
 
 
-def pins_prefix(ns: bytes) -> str:
-    return f"{ns.hex()}/pins/"
-
-
 def children_prefix(ns: bytes, parent: bytes, first_token: int) -> str:
     """The folder of `parent`'s chunks and tails that start with `first_token`."""
     p = parent.hex()

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from .errors import BlobError
 from .index import CHECKPOINT
 from .maintenance import Problem
-from .remote_client import Bucket, ObjectKey, RemoteError, parse_key, pins_key, pins_prefix
+from .remote_client import Bucket, ObjectKey, RemoteError, parse_key, pins_key
 
 if TYPE_CHECKING:
     from .index import Index

@@ -49,6 +49,14 @@ def _free_port(taken: set[int]) -> int:
         return port
 
 
+def _die_with_parent() -> None:
+    """Linux: the server gets SIGKILL if the test process dies first (even by SIGKILL)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 class Seaweed:
     def __init__(self, root: Path):
         self.root = root
@@ -74,7 +82,8 @@ class Seaweed:
                 *(f"-{name}={port}" for name, port in self.ports.items())]
         log = open(self.root / "weed.log", "ab")
         self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=self.root,
-                                     env={**os.environ, **self.env}, start_new_session=True)
+                                     env={**os.environ, **self.env}, start_new_session=True,
+                                     preexec_fn=_die_with_parent)
         log.close()
         end = time.monotonic() + timeout
         while time.monotonic() < end:

@@ -19,11 +19,10 @@ from mlx_lm.models.cache import make_prompt_cache
 
 import kvstore
 from kvstore import remote_client
-from kvstore.remote_client import Bucket, parse_key
+from kvstore.remote_client import parse_key
 from kvtest import logits_diff, prefill
 
 C = 16
-REPO = Path(__file__).resolve().parents[1]
 
 
 def toks(n: int, seed: int, vocab: int = 250) -> list[int]:
@@ -42,11 +41,6 @@ def greedy(model, cache, rest, n=20) -> list[int]:
         out.append(t)
         logits = model(mx.array([[t]]), cache=cache)
     return out
-
-
-def assert_same_as_recompute(model, cache, rest, query):
-    assert logits_diff(model, [c for c in cache], rest, query) < 1e-4
-    # Fresh copies: logits_diff advanced the cache.
 
 
 def check_restore(mc, model, query, expect_reused):
