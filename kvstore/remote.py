@@ -361,7 +361,7 @@ class RemoteTier:
             self._count("lists", 1)
             children = [k for k in (parse_key(p, s, t) for p, s, t in listed) if k is not None
                         and k.parent == parent and k.ns == mc.ns]
-            have = store._available([k.hash for k in children])
+            have = _local(store, [k.hash for k in children])
             for k in _best_children(children, parent, rest):
                 if k.hash not in have:
                     wanted.append((k.path, k.hash, parent, depth + 1, k.kind))
@@ -370,7 +370,7 @@ class RemoteTier:
             for h, d in ends:
                 ck = checkpoint_hash(h)
                 wanted.append((record_key(mc.ns, h, ck, CHECKPOINT, 0, None), ck, h, d, CHECKPOINT))
-            have = store._available([w[1] for w in wanted if w[4] == CHECKPOINT])
+            have = _local(store, [w[1] for w in wanted if w[4] == CHECKPOINT])
             wanted = [w for w in wanted if w[4] != CHECKPOINT or w[1] not in have]
         if not wanted:
             return 0
@@ -378,7 +378,7 @@ class RemoteTier:
         stored: set[bytes] = set(h for h in chain[:local])
         try:
             for (key, h, par, d, kind), fut in zip(wanted, futures):
-                if par != mc.ns and par not in stored and not store._available([par]):
+                if par != mc.ns and par not in stored and not _local(store, [par]):
                     continue  # its parent did not arrive: it would hang from nothing
                 try:
                     buf = fut.result(timeout=max(0.0, end - time.monotonic()))
@@ -540,6 +540,15 @@ def write_blob(root: Path, h: bytes, buf: bytes, *, fsync: bool = True) -> None:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
+
+
+def _local(store: "Store", hashes: list[bytes]) -> set[bytes]:
+    """Which of `hashes` the local store holds: in memory, queued for the writer, or indexed."""
+    here = {h for h in hashes if h in store.memory or store.writer.is_pending(h)}
+    rest = [h for h in hashes if h not in here]
+    if rest and store.index is not None:
+        here |= store.index.present(rest)
+    return here
 
 
 def chunk_keys(ns: bytes, toks: np.ndarray, chain: list[bytes], chunk_size: int) -> list[str]:
