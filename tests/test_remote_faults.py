@@ -235,3 +235,22 @@ def test_upload_queue_is_bounded_by_bytes(tmp_path, s3, llama_model):
         assert a.flush(30)
         r = a.stats()["remote"]
         assert r["dropped_uploads"] == 4 and r["dropped_upload_bytes"] > 0 and r["uploads"] == 2, r
+
+
+def test_a_damaged_local_copy_is_downloaded_again(tmp_path, s3, llama_model):
+    from kvstore import blobs
+
+    path, model = llama_model
+    url = s3.url()
+    prompt = toks(3 * C + 5, 67)
+    stored(tmp_path, "a", url, model, path, prompt)
+    with kvstore.open(tmp_path / "b", chunk_size=C, remote=url, memory_bytes=0) as b:
+        mc = b.bind(model, path)
+        assert fetch_checked(mc, model, prompt + [1])[0] == len(prompt)
+        second = chain_objects(url)[1].hash
+        f = blobs.blob_path(b.blob_root, second)
+        f.write_bytes(f.read_bytes()[:-10])  # torn, as a power cut could leave it
+        reused, _ = fetch_checked(mc, model, prompt + [1])
+        assert reused in (C, len(prompt))  # quarantined at once, or healed in the same fetch
+        assert fetch_checked(mc, model, prompt + [1])[0] == len(prompt)
+        assert b.stats()["remote"]["downloads"] == 4 + 1 and b.verify() == []  # only the torn one again
