@@ -189,7 +189,7 @@ def verify_remote(bucket: Bucket, *, repair: bool = False, threads: int = 8) -> 
     """Download and check every record of the bucket (checksums, header, tokens against its key)
     and the tree (no record without its parent). `repair` deletes the bad records and, to keep
     every chain a prefix, everything below them."""
-    from .remote import check_record
+    from .remote_records import check_record
 
     tree = _Tree(bucket)
     problems: list[Problem] = []
