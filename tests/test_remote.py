@@ -218,3 +218,47 @@ def test_three_nodes_warming_overlapping_prompts(tmp_path, s3, demo_model):
                 cache, rest = mc.fetch(p + [3, 4])
                 assert len(rest) == 2
                 assert logits_diff(m, cache, rest, p + [3, 4]) < 1e-4
+
+
+def test_reuse_from_the_bucket_is_token_exact(tmp_path_factory, s3, llama_model):
+    """For any branch point of any stored sequence, a node with an empty folder reuses exactly the
+    longest common prefix with what node A stored (capped to leave one token), as local does."""
+    import tempfile
+
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    path, model = llama_model
+    url = s3.url()
+    base = toks(3 * C + 6, seed=90)
+    stored = [base, base[: 2 * C + 3] + toks(C + 9, seed=91), toks(C - 3, seed=92)]
+    root = tmp_path_factory.mktemp("exact")
+    with kvstore.open(root / "a", chunk_size=C, remote=url) as a:
+        mc = a.bind(model, path)
+        for s in stored:
+            mc.insert(s, prefill(model, s))
+        assert a.flush(30)
+
+    @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(which=st.integers(0, len(stored) - 1), cut=st.integers(1, 4 * C), extra=st.integers(0, 5))
+    def check(which, cut, extra):
+        src = stored[which]
+        query = src[: min(cut, len(src))] + [251 + i % 4 for i in range(extra)]
+        if len(query) < 2:
+            return
+        want = min(len(query) - 1, max(_common(query, s) for s in stored))
+        with tempfile.TemporaryDirectory(dir=root) as d:
+            with kvstore.open(d, chunk_size=C, remote=url, memory_bytes=0) as b:
+                cache, rest = b.bind(model, path).fetch(query)
+                assert len(query) - len(rest) == want
+                if want:
+                    assert logits_diff(model, cache, rest, query) < 1e-4
+
+    check()
+
+
+def _common(a, b) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
