@@ -33,6 +33,7 @@ from .errors import InvalidInputError, KVStoreError
 from .index import CHECKPOINT, CHUNK, TAIL
 
 LAYOUT_VERSION = "kvstore-remote-1"
+MAX_OBJECT_BYTES = 1 << 30
 _KIND_NAMES = {CHUNK: "chunk", TAIL: "tail", CHECKPOINT: "ckpt"}
 _KINDS = {v: k for k, v in _KIND_NAMES.items()}
 
@@ -206,14 +207,21 @@ class Bucket:
         except Exception as e:
             raise _error("HEAD", key, e) from None
 
-    def get(self, key: str) -> bytes | None:
-        """The object's bytes, or None if there is none."""
+    def get(self, key: str, max_bytes: int = MAX_OBJECT_BYTES) -> bytes | None:
+        """The object's bytes, or None if there is none. An object larger than `max_bytes` (no
+        record is: a chunk of a 70B model is under 100 MB) is an error, never read into memory."""
         import obstore
 
         try:
-            return bytes(obstore.get(self._read, key).bytes())
+            result = obstore.get(self._read, key)
+            size = int(result.meta["size"])
+            if size > max_bytes:
+                raise RemoteError(f"GET {key}: {size} bytes, more than any record ({max_bytes})")
+            return bytes(result.bytes())
         except FileNotFoundError:
             return None
+        except RemoteError:
+            raise
         except Exception as e:
             raise _error("GET", key, e) from None
 

@@ -254,3 +254,19 @@ def test_a_damaged_local_copy_is_downloaded_again(tmp_path, s3, llama_model):
         assert reused in (C, len(prompt))  # quarantined at once, or healed in the same fetch
         assert fetch_checked(mc, model, prompt + [1])[0] == len(prompt)
         assert b.stats()["remote"]["downloads"] == 4 + 1 and b.verify() == []  # only the torn one again
+
+
+def test_an_oversized_object_is_never_read_into_memory(tmp_path, s3, llama_model, monkeypatch):
+    from kvstore import remote_client
+
+    path, model = llama_model
+    url = s3.url()
+    prompt = toks(2 * C + 5, 68)
+    stored(tmp_path, "a", url, model, path, prompt)
+    victim = chain_objects(url)[1]
+    Bucket(url).put(victim.path, b"\0" * (1 << 20))
+    monkeypatch.setattr(remote_client.Bucket.get, "__defaults__", (1 << 19,))  # the cap, lowered
+    with kvstore.open(tmp_path / "b", chunk_size=C, remote=url) as b:
+        reused, _ = fetch_checked(b.bind(model, path), model, prompt + [1])
+        assert reused == C
+        assert "more than any record" in b.stats()["remote"]["last_error"]
