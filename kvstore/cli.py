@@ -137,7 +137,18 @@ def open_store(args, *, must_exist: bool = False, read_only: bool | None = False
     import kvstore
 
     # A store whose index was lost still has its blobs: kvstore.open says how to rebuild it.
-    return kvstore.open(store_path(args), create=not must_exist, read_only=read_only)
+    return kvstore.open(store_path(args), create=not must_exist, read_only=read_only,
+                        remote=remote_url(args))
+
+
+def remote_url(args) -> str | None:
+    """`--remote URL`, else `$KVSTORE_REMOTE` (also for a bare `--remote`), else None."""
+    import os
+
+    url = getattr(args, "remote", None) or os.environ.get("KVSTORE_REMOTE") or None
+    if url is None and getattr(args, "remote", None) is not None:
+        raise CommandError("--remote needs a URL (s3://BUCKET/PREFIX) or $KVSTORE_REMOTE", EXIT_USAGE)
+    return url
 
 
 def prepare(items: list, loaded: LoadedModel) -> tuple[list, list]:
@@ -397,6 +408,8 @@ def _insert_generated(mc, prompt, generated: list[int], cache: list) -> int:
 def cmd_gc(args) -> int:
     if args.max_bytes is None and args.max_age is None:
         raise CommandError("gc needs --max-bytes and/or --max-age", EXIT_USAGE)
+    if args.remote is not None:
+        return _gc_remote(args)
     with open_store(args, must_exist=True) as store:
         result = store.gc(max_bytes=args.max_bytes, max_age=args.max_age, dry_run=args.dry_run)
     verb, holds = ("would free", "would hold") if args.dry_run else ("freed", "holds")
@@ -405,6 +418,17 @@ def cmd_gc(args) -> int:
           f"(was {format_size(result.get('bytes_before', result['bytes'] + result['freed_bytes']))})")
     if args.max_bytes is not None and result["bytes"] > args.max_bytes:
         say(f"{PROG} gc: still above the budget of {args.max_bytes} bytes: pinned records and their ancestors are kept")
+    return 0
+
+
+def _gc_remote(args) -> int:
+    """`gc --remote`: bound the bucket, deepest records first; pins of every node are kept."""
+    with open_store(args) as store:
+        result = store.remote.gc(max_bytes=args.max_bytes, max_age=args.max_age, dry_run=args.dry_run)
+    verb, holds = ("would delete", "would hold") if args.dry_run else ("deleted", "holds")
+    print(f"remote {store.remote.url}: {verb} {result['evicted']} objects ({format_size(result['freed_bytes'])}); "
+          f"the bucket {holds} {result['records']} records, {format_size(result['bytes'])} "
+          f"({result['kept_pinned']} pinned records kept)")
     return 0
 
 
@@ -417,6 +441,12 @@ def cmd_stats(args) -> int:
     out(f"store: {stats['path']}")
     print(f"bytes: {stats['bytes']} ({format_size(stats['bytes'])})   chunks: {stats['chunks']}   "
           f"tails: {stats['tails']}   models: {len(stats['models'])}   chunk size: {stats['chunk_size']}")
+    remote = stats.get("remote")
+    if remote:
+        t = remote["totals"]
+        print(f"remote: {remote['url']}   uploads: {t['uploads']} ({format_size(t['upload_bytes'])})   "
+              f"downloads: {t['downloads']} ({format_size(t['download_bytes'])})   remote hits: {t['remote_hits']}   "
+              f"errors: {t['errors']}   dropped uploads: {t['dropped_uploads']}   deadline misses: {t['deadline_misses']}")
     if stats.get("quarantined_total"):
         print(f"quarantined records so far: {stats['quarantined_total']} (run `{PROG} verify`)")
     if not stats["models"]:
@@ -443,14 +473,20 @@ PER_PROCESS = ("chunk_size", "max_bytes", "memory", "writer", "quarantined", "sk
                "fetches", "reused_tokens", "read_only", "max_bytes_auto", "max_bytes_rule")
 
 
+# `remote`: this process's counters, and under `totals` the store's (kept in its index).
+MIXED = {"remote": "process; its totals: store"}
+
+
 def stats_scope(stats: dict) -> dict[str, str]:
-    """`{key: "store" | "process" | "unknown"}` for every top-level key of `store.stats()`."""
-    return {key: "store" if key in STORE_TOTALS else "process" if key in PER_PROCESS else "unknown"
-            for key in stats}
+    """`{key: "store" | "process" | ... | "unknown"}` for every top-level key of `store.stats()`."""
+    return {key: "store" if key in STORE_TOTALS else "process" if key in PER_PROCESS
+            else MIXED.get(key, "unknown") for key in stats}
 
 
 def cmd_verify(args) -> int:
     rebuilt = None
+    if args.remote is not None:
+        return _verify_remote(args)
     try:
         with open_store(args, must_exist=True, read_only=None if not args.repair else False) as store:
             problems = store.verify(repair=args.repair, force=args.force)
@@ -479,6 +515,22 @@ def cmd_verify(args) -> int:
             print(f"{len(problems)} problem{'s' if len(problems) != 1 else ''} found"
                   + ("; repaired" if args.repair else f"; run `{PROG} verify --repair` to fix them"))
     return EXIT_PROBLEMS if problems or rebuilt else 0
+
+
+def _verify_remote(args) -> int:
+    """`verify --remote`: download and check every object of the bucket."""
+    with open_store(args) as store:
+        problems = store.remote.verify(repair=args.repair)
+    if args.json:
+        print(json.dumps({"clean": not problems, "repaired": bool(args.repair and problems),
+                          "problems": [p.to_dict() for p in problems]}, indent=2))
+    else:
+        for p in problems:
+            print(p)
+        print(f"remote {store.remote.url}: " + ("clean" if not problems else
+              f"{len(problems)} problem{'s' if len(problems) != 1 else ''} found"
+              + ("; repaired" if args.repair else f"; run `{PROG} verify --remote --repair` to delete them")))
+    return EXIT_PROBLEMS if problems else 0
 
 
 # -- serve ------------------------------------------------------------------------------------
@@ -540,6 +592,7 @@ Run it twice: the second run reuses the stored prompt (see "reused from the stor
     "gc": """examples:
   kvstore gc --max-bytes 2GiB
   kvstore gc --max-bytes 500MB --max-age 7d --dry-run
+  kvstore gc --remote s3://team-cache/kv --max-age 7d     # the shared bucket, deepest first
 
 SIZE: bytes, or a number with KB/MB/GB/TB (x1000) or K/M/G/T, KiB/MiB/GiB/TiB (x1024).
 DURATION: a number with s, m, h, d or w, like 30m, 12h, 7d. Pinned prompts are never evicted.""",
@@ -549,6 +602,7 @@ DURATION: a number with s, m, h, d or w, like 30m, 12h, 7d. Pinned prompts are n
     "verify": """examples:
   kvstore verify
   kvstore verify --repair
+  kvstore verify --remote --repair                         # check every object of $KVSTORE_REMOTE
 
 Exit code 0 when the store is clean, 1 when problems were found (also when they were repaired).""",
 }
@@ -573,6 +627,9 @@ demo model with random weights (meaningless text).""")
     store_opts = argparse.ArgumentParser(add_help=False)
     store_opts.add_argument("--store", metavar="DIR",
                             help="store directory (default: $KVSTORE_DIR, else ~/.cache/kvstore)")
+    store_opts.add_argument("--remote", metavar="URL", nargs="?", const="",
+                            help="share the store through an S3 bucket, s3://BUCKET/PREFIX (default: "
+                                 "$KVSTORE_REMOTE); gc and verify act on the bucket when it is given")
     model_opts = argparse.ArgumentParser(add_help=False)
     model_opts.add_argument("--model", metavar="M",
                             help="model folder or Hugging Face repo id, as mlx_lm.load takes "

@@ -262,6 +262,13 @@ class Index:
                 "UPDATE meta SET value = CAST(value AS INTEGER) + ? WHERE key = ?", (by, key)
             )
 
+    def bump_counters(self, deltas: dict[str, int]) -> None:
+        """`bump_counter` for several keys in one transaction."""
+        with self.transaction() as conn:
+            for key, by in deltas.items():
+                conn.execute("INSERT OR IGNORE INTO meta (key, value) VALUES (?, '0')", (key,))
+                conn.execute("UPDATE meta SET value = CAST(value AS INTEGER) + ? WHERE key = ?", (by, key))
+
     # -- model fingerprints -----------------------------------------------------------------
 
     def file_digest(self, path: Path, st: "os.stat_result") -> bytes | None:
@@ -376,6 +383,10 @@ class Index:
                 "UPDATE records SET pinned = ? WHERE hash = ?", [(int(pinned), h) for h in hashes]
             )
             return cur.rowcount
+
+    def pinned(self, ns: bytes) -> set[bytes]:
+        """Hashes of the pinned records of a namespace (published to a remote tier)."""
+        return {h for (h,) in self.conn.execute("SELECT hash FROM records WHERE ns = ? AND pinned = 1", (ns,))}
 
     def mark_bad(self, h: bytes) -> bool:
         """Quarantine a record whose blob failed to read; True if it was usable until now."""

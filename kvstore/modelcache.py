@@ -101,6 +101,8 @@ class ModelCache:
         if len(toks) < 2:
             return self.new_cache(), toks.tolist()
         try:
+            if store.remote is not None:  # a local miss is filled from the remote tier first
+                store.remote.fill(self, toks)
             return self._fetch(toks)
         except Exception as e:  # a broken disk or index is a miss, never an error in generation
             log.error("kvstore: fetch failed, serving a miss (%s: %s)", type(e).__name__, e)

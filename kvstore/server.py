@@ -77,6 +77,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="comma-separated web origins whose requests are served, e.g. "
                         "http://localhost:3000, or `*` for every origin (default: none: a web page "
                         "cannot use the server)")
+    p.add_argument("--remote", metavar="URL", default=os.environ.get("KVSTORE_REMOTE") or None,
+                   help="share the cache through an S3 bucket, s3://BUCKET/PREFIX (default: $KVSTORE_REMOTE)")
     return p
 
 
@@ -354,7 +356,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     import kvstore
 
     try:
-        store = kvstore.open(ours.store, max_bytes=ours.store_max_bytes, memory_bytes=memory_bytes)
+        store = kvstore.open(ours.store, max_bytes=ours.store_max_bytes, memory_bytes=memory_bytes,
+                             remote=ours.remote)
     except KVStoreError as e:
         print(f"kvstore serve: {e}", file=sys.stderr)
         return 1

@@ -14,6 +14,7 @@ import os
 import shutil
 import sqlite3
 import threading
+import time
 import weakref
 from contextlib import contextmanager
 from pathlib import Path
@@ -69,7 +70,8 @@ class Store:
     def __init__(self, path: str | os.PathLike | None = None, *, max_bytes: int | str | None = None,
                  memory_bytes: int | None = None, chunk_size: int = 256,
                  max_pending_bytes: int = DEFAULT_PENDING_BYTES, fsync: bool = True,
-                 create: bool = True, read_only: bool | None = False):
+                 create: bool = True, read_only: bool | None = False,
+                 remote: str | None = None, remote_deadline: float | None = None):
         if not isinstance(chunk_size, int) or chunk_size < 1:
             raise InvalidInputError(f"chunk_size must be a positive integer, got {chunk_size!r}")
         auto = max_bytes == AUTO
@@ -77,6 +79,10 @@ class Store:
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
                 extra = ' or "auto"' if name == "max_bytes" else ""
                 raise InvalidInputError(f"{name} must be a non-negative integer{extra}, got {value!r}")
+        if remote:  # a bad URL is an error before anything is opened
+            from .remote_client import parse_url
+
+            parse_url(remote)
         self.chunk_size = chunk_size
         self.max_bytes = None if auto else max_bytes
         self.max_bytes_rule: str | None = None  # how an automatic budget was found
@@ -101,12 +107,13 @@ class Store:
         if auto:
             self.max_bytes, self.max_bytes_rule = self._auto_budget()
         self._gc_lock = threading.Lock()
+        self.remote = self._open_remote(remote, remote_deadline)
         self.counters = {"quarantined": 0, "skipped_inserts": 0, "fetches": 0, "reused_tokens": 0}
         writes = None if self.read_only else self.index
         self.writer = Writer(writes, None if self.read_only else self.blob_root, self.memory,
                              max_pending_bytes,
                              after_batch=self._enforce_budget if self.max_bytes is not None else None,
-                             fsync=fsync)
+                             fsync=fsync, after_write=self.remote.submit if self.remote else None)
         self._closed = False
         _OPEN_STORES.add(self)
 
@@ -133,16 +140,25 @@ class Store:
         mc = ModelCache(self, model, str(model_id), ns, fingerprint, layout, codecs,
                         kv_bits=kv_bits, kv_group_size=kv_group_size)
         mc.registered = self._register(mc)
+        if self.remote is not None:
+            self.remote.bind(mc)
         return mc
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every insert so far is durable. False if `timeout` ran out first."""
-        return self.writer.flush(timeout)
+        """Wait until every insert so far is durable (and uploaded, with a remote tier).
+        False if `timeout` ran out first."""
+        end = None if timeout is None else time.monotonic() + timeout
+        done = self.writer.flush(timeout)
+        if self.remote is not None:
+            done = self.remote.flush(None if end is None else max(0.0, end - time.monotonic())) and done
+        return done
 
     def close(self) -> None:
         if self._closed:
             return
         self.writer.close()
+        if self.remote is not None:
+            self.remote.close()
         _OPEN_STORES.discard(self)
         if self.index is not None:
             self.index.close()
@@ -171,6 +187,7 @@ class Store:
                        "dropped_bytes": w.dropped_bytes, "write_errors": w.write_errors,
                        "last_error": w.last_error},
             **self.counters,
+            "remote": self.remote.stats() if self.remote is not None else None,
         }
         if self.index is not None:
             with self._damage_is_an_error():
@@ -225,6 +242,20 @@ class Store:
         return problems
 
     # -- internals --------------------------------------------------------------------------
+
+    def _open_remote(self, url: str | None, deadline: float | None):
+        """The remote tier for `url` (`s3://BUCKET/PREFIX`), or None. Contacts nothing yet."""
+        if not url:
+            return None
+        from .remote import DEFAULT_DEADLINE_S, RemoteTier
+
+        if self.ram_only:
+            raise InvalidInputError("a remote tier needs a store directory (not kvstore.MEMORY)")
+        if deadline is not None and (not isinstance(deadline, (int, float)) or deadline < 0):
+            raise InvalidInputError(f"remote_deadline must be a non-negative number of seconds, got {deadline!r}")
+        tier = RemoteTier(url, deadline=DEFAULT_DEADLINE_S if deadline is None else deadline)
+        tier.attach(self)
+        return tier
 
     def _check_open(self) -> None:
         if self._closed:
@@ -380,7 +411,8 @@ def resolve_model_dir(model_id: str) -> Path:
 
 
 def open(path: str | os.PathLike | None = None, *, max_bytes: int | str | None = None,
-         memory_bytes: int | None = None, chunk_size: int = 256, **options) -> Store:
+         memory_bytes: int | None = None, chunk_size: int = 256, remote: str | None = None,
+         **options) -> Store:
     """Open (creating if needed) the store at `path`, `$KVSTORE_DIR` or `~/.cache/kvstore`.
 
     `max_bytes` bounds the disk (the writer evicts to stay within it); `max_bytes="auto"` sets it
@@ -391,5 +423,9 @@ def open(path: str | os.PathLike | None = None, *, max_bytes: int | str | None =
     the memory tier off (every fetch reads the disk). A folder that is not a store (it holds
     files but no kvstore index) is refused, never used. `create=False` opens only an existing
     store; `read_only=True` (or `None`: when this user may not write it) writes nothing.
+    `remote="s3://BUCKET/PREFIX"` shares the store with other nodes through an S3-compatible
+    object store (see `kvstore.remote`); `remote_deadline` (seconds, default 1) bounds the remote
+    part of each fetch.
     """
-    return Store(path, max_bytes=max_bytes, memory_bytes=memory_bytes, chunk_size=chunk_size, **options)
+    return Store(path, max_bytes=max_bytes, memory_bytes=memory_bytes, chunk_size=chunk_size,
+                 remote=remote, **options)

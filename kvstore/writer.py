@@ -90,10 +90,11 @@ class Writer:
 
     def __init__(self, index: Index | None, root: Path | None, memory: MemoryTier,
                  max_pending_bytes: int, after_batch: Callable[[], None] | None = None,
-                 fsync: bool = True):
+                 fsync: bool = True, after_write: Callable[[list[Row]], None] | None = None):
         self.index, self.root, self.memory = index, root, memory
         self.max_pending_bytes = max_pending_bytes
         self.after_batch = after_batch
+        self.after_write = after_write  # gets the rows of each committed batch (the remote uploader)
         self.fsync = fsync
         self.stats = WriterStats()
         self._jobs: deque[Job] = deque()
@@ -259,6 +260,8 @@ class Writer:
                     self._count_error(e)
                     return
                 self.stats.records_written += len(rows)
+                if self.after_write is not None:
+                    self.after_write(rows)
             if job.pin and self.index is not None:
                 self.index.pin(job.pin)
         self.memory.put(reversed(compact))

@@ -48,3 +48,7 @@ def llama(demo_model):
     path = demo_model("llama")
     model, _ = load(str(path))
     return path, model
+
+
+# SeaweedFS for the remote-tier tests (tests/remote_fixture.py): `seaweed`, `s3`.
+pytest_plugins = ("remote_fixture",)

@@ -54,7 +54,8 @@ def main(argv: list[str]) -> dict:
 
         size, keep = extra["rotating"]
         model.make_cache = lambda: [RotatingKVCache(max_size=size, keep=keep) for _ in model.layers]
-    with kvstore.open(store_dir, chunk_size=int(chunk), memory_bytes=extra.get("memory_bytes")) as store:
+    with kvstore.open(store_dir, chunk_size=int(chunk), memory_bytes=extra.get("memory_bytes"),
+                      remote=extra.get("remote")) as store:
         mc = store.bind(model, model_dir, kv_bits=extra.get("kv_bits"), kv_group_size=extra.get("kv_group_size", 64))
         if mode == "insert":
             if extra.get("prefill"):  # the store's own chunked prefill (checkpoints at boundaries)
@@ -62,7 +63,9 @@ def main(argv: list[str]) -> dict:
             else:
                 build(model, mc, tokens, extra, insert=True)
             store.flush()
-            return {"inserted": len(tokens), "stats": {k: store.stats()[k] for k in ("bytes", "chunks", "tails", "checkpoints")}}
+            stats = store.stats()
+            return {"inserted": len(tokens), "remote": stats["remote"],
+                    "stats": {k: stats[k] for k in ("bytes", "chunks", "tails", "checkpoints")}}
         cache, rest = mc.fetch(tokens)
         reused = len(tokens) - len(rest)
         logits = model(mx.array([rest]), cache=cache)
@@ -97,6 +100,7 @@ def main(argv: list[str]) -> dict:
             "greedy_ref": greedy(model, ref_cache, ref, n),
             "classes": [type(c).__name__ for c in cache],
             "same_data": same_data,
+            "remote": store.stats()["remote"],
         }
 
 

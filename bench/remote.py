@@ -1,0 +1,240 @@
+"""The remote tier against a local SeaweedFS (`weed mini`), Qwen3-0.6B-shaped K/V (bfloat16).
+
+For each prompt length (2k and 8k tokens by default), in one run:
+- upload: node A inserts the prompt; the time from the local write being durable to the last
+  upload, against a raw sequential create-only PUT of the same blob bytes (same client settings);
+- restore: `fetch` on node B, an empty local folder, from the bucket (lookup, download, checks,
+  local write, restore) against `fetch` from node A's local disk (page cache warm), and against
+  recomputing the prompt with the Qwen3-0.6B architecture (random float32 weights; the lengths up
+  to `--recompute-max` only: CPU prefill here is far slower than on a Mac);
+- lookup: the binary search of HEADs for chains of 8 to 128 chunks, all present or half present.
+
+The restore times are the time until the cache is ready; the first decode step adds the same to
+each of them. The remote deadline is set high here so that the whole download is measured.
+
+    python bench/remote.py [--lengths 2048 8192] [--reps 3] [--recompute-max 2048]
+
+With `--recompute-max 0` the recompute times of an earlier run (bench/results/remote.json) are
+kept, marked `recompute_from_earlier_run`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import time
+
+import numpy as np
+
+import common as C
+import kvstore
+from kvstore import keys
+from kvstore.remote import chunk_keys
+
+sys.path.insert(0, str(C.REPO / "tests"))
+from remote_fixture import Seaweed  # noqa: E402  (the same server setup the tests use)
+
+SHAPE = C.SHAPES["qwen3-0.6b"]
+FINGERPRINT = b"bench-remote-qwen3-0.6b"
+
+
+def upload(work, url, tokens, cache) -> dict:
+    with kvstore.open(work / "a", remote=url, memory_bytes=0) as a:
+        mc = a.bind(SHAPE.model(), "qwen3-0.6b-shape", fingerprint=FINGERPRINT)
+        t0 = time.perf_counter()
+        mc.insert(tokens, cache)
+        a.writer.flush()
+        t_local = time.perf_counter()
+        assert a.remote.flush(600)
+        t_up = time.perf_counter()
+        r = a.stats()["remote"]
+        assert r["errors"] == 0 and r["uploads"] > 0, r
+    files = sorted(C.blob_files(work / "a"))
+    return {"local_write_s": t_local - t0, "upload_s": t_up - t_local, "upload_bytes": r["upload_bytes"],
+            "objects": r["uploads"], "files": files}
+
+
+def raw_put(bucket, files, prefix) -> float:
+    import obstore
+
+    datas = [f.read_bytes() for f in files]
+    t0 = time.perf_counter()
+    for i, data in enumerate(datas):
+        obstore.put(bucket._write, f"{prefix}/{i}", data, mode="create", use_multipart=False)
+    return time.perf_counter() - t0
+
+
+def restore_remote(work, url, query, reps) -> tuple[list[float], dict]:
+    samples, stats = [], {}
+    for i in range(reps):
+        d = work / f"b{i}"
+        with kvstore.open(d, remote=url, memory_bytes=0, remote_deadline=120) as b:
+            mc = b.bind(SHAPE.model(), "qwen3-0.6b-shape", fingerprint=FINGERPRINT)
+            t0 = time.perf_counter()
+            cache, rest = mc.fetch(query)
+            C.eval_cache(cache)
+            samples.append(time.perf_counter() - t0)
+            assert len(rest) == 1, f"restored {len(query) - len(rest)} of {len(query) - 1}"
+            stats = b.stats()["remote"]
+            del cache
+        shutil.rmtree(d)
+    return samples, stats
+
+
+def restore_local(work, query, reps) -> list[float]:
+    with kvstore.open(work / "a", memory_bytes=0) as a:
+        mc = a.bind(SHAPE.model(), "qwen3-0.6b-shape", fingerprint=FINGERPRINT)
+
+        def once():
+            cache, rest = mc.fetch(query)
+            C.eval_cache(cache)
+            assert len(rest) == 1
+
+        return C.measure(once, reps)
+
+
+def recompute(length: int) -> float:
+    import mlx.core as mx
+    from mlx_lm.models import qwen3
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from ttft import QWEN3_0_6B, first_token
+
+    mx.random.seed(0)
+    model = qwen3.Model(qwen3.ModelArgs.from_dict(QWEN3_0_6B))
+    mx.eval(model.parameters())
+    prompt = np.random.default_rng(length).integers(0, 151_000, length).tolist()
+    t0 = time.perf_counter()
+    first_token(model, prompt, make_prompt_cache(model))
+    return time.perf_counter() - t0
+
+
+def lookups(server, reps: int) -> list[dict]:
+    """Latency of the binary search alone, on chains whose chunk objects are tiny stand-ins."""
+    from kvstore.remote import RemoteTier
+
+    url = server.url("lookup")
+    tier = RemoteTier(url)
+    ns = b"\x07" * 16
+    out = []
+    for chunks in (8, 32, 128):
+        toks = np.random.default_rng(chunks).integers(0, 150_000, chunks * 256).astype(np.int32)
+        names = chunk_keys(ns, toks, keys.chain(ns, toks, 256), 256)
+        for present in (chunks, chunks // 2):
+            for name in names[:present]:
+                try:
+                    tier.bucket.put_new(name, b"x")
+                except Exception:
+                    pass
+            for name in names[present:]:
+                tier.bucket.delete([name])
+            before = tier.counters["heads"]
+            samples = C.measure(lambda: tier.deepest(names, 0, time.monotonic() + 60), reps)
+            assert tier.deepest(names, 0, time.monotonic() + 60) == present
+            heads = (tier.counters["heads"] - before) // (reps + 2)
+            out.append({"chunks": chunks, "present": present, "heads": heads, **C.summary(samples)})
+    tier.close()
+    return out
+
+
+def clients(server, reps: int) -> dict | None:
+    """HEAD and LIST latency, obstore (the tier's client) against boto3 (when installed), on the
+    same objects: one HEAD of an existing key; one listing of a folder of 50 keys."""
+    try:
+        import boto3
+        from botocore.config import Config
+    except ImportError:
+        return None
+    from kvstore.remote_client import Bucket, parse_url
+
+    url = server.url("clients")
+    bucket_name, prefix = parse_url(url)
+    ours = Bucket(url)
+    for i in range(50):
+        ours.put_new(f"folder/{i:04d}", b"x" * 100)
+    s3 = boto3.client("s3", endpoint_url=server.endpoint, region_name="us-east-1",
+                      config=Config(retries={"max_attempts": 2}))
+    s3.head_object(Bucket=bucket_name, Key=f"{prefix}/folder/0007")
+    out = {}
+    for name, fn in (("obstore_head", lambda: ours.head("folder/0007")),
+                     ("boto3_head", lambda: s3.head_object(Bucket=bucket_name, Key=f"{prefix}/folder/0007")),
+                     ("obstore_list", lambda: ours.list("folder/")),
+                     ("boto3_list", lambda: s3.list_objects_v2(Bucket=bucket_name, Prefix=f"{prefix}/folder/"))):
+        out[name] = C.summary(C.measure(fn, reps, warmup=3))
+    out["head_speedup"] = out["boto3_head"]["median"] / out["obstore_head"]["median"]
+    out["list_speedup"] = out["boto3_list"]["median"] / out["obstore_list"]["median"]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192])
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--recompute-max", type=int, default=2048)
+    args = ap.parse_args()
+    earlier = {}
+    try:
+        import json
+
+        for r in json.loads((C.RESULTS / "remote.json").read_text())["lengths"]:
+            if "recompute_s" in r:
+                earlier[r["length"]] = r["recompute_s"]
+    except (OSError, ValueError, KeyError):
+        pass
+    work = C.scratch_dir("remote")
+    server = Seaweed(work / "seaweed")
+    os.environ.update(server.env)
+    server.start()
+    results = {"machine": C.machine(), "shape": SHAPE.name, "bytes_per_token": SHAPE.bytes_per_token,
+               "note": "one shared 2-core VM, other jobs running; SeaweedFS on loopback", "lengths": []}
+    try:
+        for length in args.lengths:
+            C.log(f"[remote] {length} tokens")
+            tokens = C.random_tokens(length)
+            cache = C.random_cache(SHAPE, length)
+            url = server.url(f"len{length}")
+            d = work / f"len{length}"
+            up = upload(d, url, tokens, cache)
+            del cache
+            raw = raw_put(__import__("kvstore.remote_client").remote_client.Bucket(url), up.pop("files"), "raw")
+            query = tokens.tolist() + [1]
+            remote_s, rstats = restore_remote(d, url, query, args.reps)
+            local_s = restore_local(d, query, args.reps)
+            row = {"length": length, "kv_bytes": length * SHAPE.bytes_per_token, **up, "raw_put_s": raw,
+                   "upload_gbps": C.gbps(up["upload_bytes"], up["upload_s"]),
+                   "raw_put_gbps": C.gbps(up["upload_bytes"], raw),
+                   "restore_remote": C.summary(remote_s), "restore_local": C.summary(local_s),
+                   "remote_requests": {k: rstats[k] for k in ("heads", "lists", "downloads", "download_bytes")}}
+            if length <= args.recompute_max:
+                C.log(f"[remote] recompute {length} tokens (slow on this CPU)")
+                row["recompute_s"] = recompute(length)
+            elif length in earlier:  # minutes to tens of minutes on this CPU: keep the last one
+                row["recompute_s"], row["recompute_from_earlier_run"] = earlier[length], True
+            results["lengths"].append(row)
+            shutil.rmtree(d, ignore_errors=True)
+        results["lookup"] = lookups(server, args.reps * 5)
+        results["clients"] = clients(server, 200)
+    finally:
+        server.kill()
+    C.write_result("remote", results)
+    print(f"{'tokens':>7} {'MB':>7} {'remote s':>9} {'local s':>8} {'recompute s':>12} "
+          f"{'upload GB/s':>12} {'raw PUT GB/s':>13} {'HEADs':>6}")
+    for r in results["lengths"]:
+        print(f"{r['length']:>7} {r['kv_bytes'] / 1e6:>7.0f} {r['restore_remote']['median']:>9.3f} "
+              f"{r['restore_local']['median']:>8.3f} {r.get('recompute_s', float('nan')):>12.1f} "
+              f"{r['upload_gbps']:>12.3f} {r['raw_put_gbps']:>13.3f} {r['remote_requests']['heads']:>6}")
+    print(f"\n{'chunks':>7} {'present':>8} {'HEADs':>6} {'median ms':>10} {'p99 ms':>8}")
+    for r in results["lookup"]:
+        print(f"{r['chunks']:>7} {r['present']:>8} {r['heads']:>6} {r['median'] * 1e3:>10.2f} {r['p99'] * 1e3:>8.2f}")
+    c = results.get("clients")
+    if c:
+        print(f"\nHEAD median: obstore {c['obstore_head']['median'] * 1e3:.2f} ms, boto3 "
+              f"{c['boto3_head']['median'] * 1e3:.2f} ms ({c['head_speedup']:.1f}x); LIST of 50: obstore "
+              f"{c['obstore_list']['median'] * 1e3:.2f} ms, boto3 {c['boto3_list']['median'] * 1e3:.2f} ms "
+              f"({c['list_speedup']:.1f}x)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,280 @@
+"""The S3 side of the remote tier: the bucket URL, credentials, object keys and bounded requests.
+
+Knows S3 and key names, nothing about caches. Endpoint, region and credentials come only from the
+standard AWS environment and config chain (`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`,
+`AWS_SECRET_ACCESS_KEY`, `AWS_SESSION_TOKEN`, `AWS_REGION`, `AWS_PROFILE` and the shared
+`~/.aws/credentials` / `~/.aws/config` files); they are handed to the client and never logged
+or stored. Every request has a connect timeout, a request timeout and a bounded retry budget.
+
+Layout under `s3://BUCKET/PREFIX/` (hashes in hex; `pp` is the first two hex digits of `parent`):
+
+    <ns>/manifest.json                                 model fingerprint, layout, model id
+    <ns>/<pp>/<parent>/<first token>/<hash>.chunk.<n>  a chunk: n == chunk size tokens
+    <ns>/<pp>/<parent>/<first token>/<hash>.tail.<n>   a tail of n tokens
+    <ns>/<pp>/<record>/ckpt/<hash>.ckpt                the checkpoint at the end of <record>
+    <ns>/pins/<node>.json                              what one node has pinned
+
+Every key is computed from the chain: a chunk's parent and first token are known from the prompt,
+so a HEAD finds it; one listing of `<ns>/<pp>/<parent>/<token>/` finds every child of a chunk
+that starts with the next token; a checkpoint hangs under its record. The key names the parent of
+every object, so gc can keep the tree whole from a listing alone.
+"""
+
+from __future__ import annotations
+
+import configparser
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Iterator
+
+from .errors import InvalidInputError, KVStoreError
+from .index import CHECKPOINT, CHUNK, TAIL
+
+LAYOUT_VERSION = "kvstore-remote-1"
+MAX_OBJECT_BYTES = 1 << 30
+_KIND_NAMES = {CHUNK: "chunk", TAIL: "tail", CHECKPOINT: "ckpt"}
+_KINDS = {v: k for k, v in _KIND_NAMES.items()}
+
+
+class RemoteError(KVStoreError):
+    """The object store could not be reached or answered with an error; the caller goes local."""
+
+
+# -- the URL and the AWS configuration chain ---------------------------------------------------
+
+def parse_url(url: str) -> tuple[str, str]:
+    """`s3://BUCKET/PREFIX` -> (bucket, prefix without slashes at either end)."""
+    if not isinstance(url, str) or not url.startswith("s3://"):
+        raise InvalidInputError(f"remote must be an s3://BUCKET/PREFIX URL, got {url!r}")
+    bucket, _, prefix = url[len("s3://"):].partition("/")
+    if not bucket or any(c in bucket for c in " ?#"):
+        raise InvalidInputError(f"remote {url!r} names no bucket (expected s3://BUCKET/PREFIX)")
+    prefix = prefix.strip("/")
+    if any(part in ("", ".", "..") for part in prefix.split("/")) and prefix:
+        raise InvalidInputError(f"remote {url!r}: the prefix has an empty, '.' or '..' part")
+    return bucket, prefix
+
+
+def aws_settings(env: dict | None = None) -> dict[str, str]:
+    """Endpoint, region and credentials from the environment, else from the AWS profile files.
+
+    Environment variables win (as with the AWS CLI); a profile (`AWS_PROFILE`, default
+    `default`) fills what they leave out. Returns S3Store config keys.
+    """
+    env = os.environ if env is None else env
+    out: dict[str, str] = {}
+    for key, names in (("access_key_id", ("AWS_ACCESS_KEY_ID",)),
+                       ("secret_access_key", ("AWS_SECRET_ACCESS_KEY",)),
+                       ("session_token", ("AWS_SESSION_TOKEN",)),
+                       ("region", ("AWS_REGION", "AWS_DEFAULT_REGION")),
+                       ("endpoint", ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"))):
+        value = next((env[n] for n in names if env.get(n)), None)
+        if value:
+            out[key] = value
+    profile = env.get("AWS_PROFILE") or "default"
+    home = Path(env.get("HOME", "~")).expanduser()
+    files = ((Path(env.get("AWS_SHARED_CREDENTIALS_FILE") or home / ".aws" / "credentials"), profile),
+             (Path(env.get("AWS_CONFIG_FILE") or home / ".aws" / "config"),
+              profile if profile == "default" else f"profile {profile}"))
+    for path, section in files:
+        parser = configparser.RawConfigParser()
+        try:
+            parser.read(path)
+        except (OSError, configparser.Error):
+            continue
+        if not parser.has_section(section):
+            continue
+        for key, name in (("access_key_id", "aws_access_key_id"), ("secret_access_key", "aws_secret_access_key"),
+                          ("session_token", "aws_session_token"), ("region", "region"),
+                          ("endpoint", "endpoint_url")):
+            if key not in out and parser.get(section, name, fallback=None):
+                out[key] = parser.get(section, name)
+    out.setdefault("region", "us-east-1")
+    return out
+
+
+# -- object keys --------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ObjectKey:
+    """What a record object's key says about it."""
+
+    ns: bytes
+    parent: bytes
+    hash: bytes
+    kind: int
+    ntokens: int
+    first_token: int | None
+    path: str
+    size: int = 0
+    modified: float = 0.0
+
+
+def manifest_key(ns: bytes) -> str:
+    return f"{ns.hex()}/manifest.json"
+
+
+def pins_key(ns: bytes, node: str) -> str:
+    return f"{ns.hex()}/pins/{node}.json"
+
+
+def children_prefix(ns: bytes, parent: bytes, first_token: int) -> str:
+    """The folder of `parent`'s chunks and tails that start with `first_token`."""
+    p = parent.hex()
+    return f"{ns.hex()}/{p[:2]}/{p}/{int(first_token)}/"
+
+
+def record_key(ns: bytes, parent: bytes, h: bytes, kind: int, ntokens: int, first_token: int | None) -> str:
+    p = parent.hex()
+    if kind == CHECKPOINT:
+        return f"{ns.hex()}/{p[:2]}/{p}/ckpt/{h.hex()}.ckpt"
+    if first_token is None or kind not in (CHUNK, TAIL):
+        raise ValueError(f"a {kind} record needs its first token for its key")
+    return f"{children_prefix(ns, parent, first_token)}{h.hex()}.{_KIND_NAMES[kind]}.{int(ntokens)}"
+
+
+def parse_key(path: str, size: int = 0, modified: float = 0.0) -> ObjectKey | None:
+    """The record an object key names, or None if it is not a record's key (manifest, pins,
+    anything foreign)."""
+    parts = path.split("/")
+    if len(parts) < 5:
+        return None
+    ns_hex, pp, parent_hex, folder, name = parts[-5:]
+    try:
+        ns, parent = bytes.fromhex(ns_hex), bytes.fromhex(parent_hex)
+        pieces = name.split(".")
+        h = bytes.fromhex(pieces[0])
+    except ValueError:
+        return None
+    if len(ns) != 16 or len(parent) != 16 or len(h) != 16 or pp != parent_hex[:2]:
+        return None
+    if folder == "ckpt":
+        if pieces[1:] != ["ckpt"]:
+            return None
+        return ObjectKey(ns, parent, h, CHECKPOINT, 0, None, path, size, modified)
+    if len(pieces) != 3 or pieces[1] not in ("chunk", "tail") or not folder.isdigit() or not pieces[2].isdigit():
+        return None
+    return ObjectKey(ns, parent, h, _KINDS[pieces[1]], int(pieces[2]), int(folder), path, size, modified)
+
+
+# -- the bucket ---------------------------------------------------------------------------------
+
+class Bucket:
+    """One `s3://BUCKET/PREFIX`, through obstore, with bounded timeouts and retries.
+
+    Reads (lookups, downloads) use short timeouts and one retry: a fetch has a deadline anyway.
+    Writes (uploads, gc) run in the background and may take longer.
+    """
+
+    def __init__(self, url: str, *, connect_timeout: float = 1.0, read_timeout: float = 5.0,
+                 write_timeout: float = 60.0):
+        from obstore.store import S3Store
+
+        self.url = url
+        bucket, self.prefix = parse_url(url)
+        settings = aws_settings()
+        endpoint = settings.get("endpoint", "")
+        base = {"allow_http": endpoint.startswith("http://"), "connect_timeout": timedelta(seconds=connect_timeout),
+                "pool_idle_timeout": timedelta(seconds=30)}
+
+        def make(timeout: float, retries: int, retry_timeout: float):
+            retry = {"max_retries": retries, "retry_timeout": timedelta(seconds=retry_timeout),
+                     "backoff": {"init_backoff": timedelta(milliseconds=50), "max_backoff": timedelta(seconds=1),
+                                 "base": 2}}
+            try:
+                return S3Store(bucket, prefix=self.prefix or None, config=settings,
+                               client_options={**base, "timeout": timedelta(seconds=timeout)},
+                               retry_config=retry)
+            except Exception as e:  # obstore's message names the setting, never a secret value
+                raise InvalidInputError(f"cannot configure the remote {url}: {e}") from None
+
+        self._read = make(read_timeout, 1, 2.0)
+        self._write = make(write_timeout, 2, 10.0)
+
+    def __repr__(self) -> str:  # never shows credentials
+        return f"Bucket({self.url!r})"
+
+    def head(self, key: str) -> int | None:
+        """The object's size, or None if there is none."""
+        import obstore
+
+        try:
+            return int(obstore.head(self._read, key)["size"])
+        except FileNotFoundError:
+            return None
+        except Exception as e:
+            raise _error("HEAD", key, e) from None
+
+    def get(self, key: str, max_bytes: int = MAX_OBJECT_BYTES) -> bytes | None:
+        """The object's bytes, or None if there is none. An object larger than `max_bytes` (no
+        record is: a chunk of a 70B model is under 100 MB) is an error, never read into memory."""
+        import obstore
+
+        try:
+            result = obstore.get(self._read, key)
+            size = int(result.meta["size"])
+            if size > max_bytes:
+                raise RemoteError(f"GET {key}: {size} bytes, more than any record ({max_bytes})")
+            return bytes(result.bytes())
+        except FileNotFoundError:
+            return None
+        except RemoteError:
+            raise
+        except Exception as e:
+            raise _error("GET", key, e) from None
+
+    def put_new(self, key: str, data: bytes) -> bool:
+        """Create-only PUT (`If-None-Match: *`). False if the object exists (another node
+        stored it first)."""
+        import obstore
+        from obstore.exceptions import AlreadyExistsError
+
+        try:
+            obstore.put(self._write, key, data, mode="create", use_multipart=False)
+            return True
+        except AlreadyExistsError:
+            return False
+        except Exception as e:
+            raise _error("PUT", key, e) from None
+
+    def put(self, key: str, data: bytes) -> None:
+        """An overwriting PUT (pins objects, which belong to one node)."""
+        import obstore
+
+        try:
+            obstore.put(self._write, key, data, use_multipart=False)
+        except Exception as e:
+            raise _error("PUT", key, e) from None
+
+    def list(self, prefix: str) -> list[tuple[str, int, float]]:
+        """(key, size, last modified as a Unix time) of every object under `prefix`."""
+        return list(self.walk(prefix, reading=True))
+
+    def walk(self, prefix: str, reading: bool = False) -> Iterator[tuple[str, int, float]]:
+        import obstore
+
+        try:
+            for batch in obstore.list(self._read if reading else self._write, prefix or None, chunk_size=1000):
+                for meta in batch:
+                    yield meta["path"], int(meta["size"]), meta["last_modified"].timestamp()
+        except Exception as e:
+            raise _error("LIST", prefix, e) from None
+
+    def delete(self, keys: list[str]) -> None:
+        import obstore
+
+        for start in range(0, len(keys), 1000):
+            try:
+                obstore.delete(self._write, keys[start : start + 1000])
+            except FileNotFoundError:
+                pass
+            except Exception as e:
+                raise _error("DELETE", keys[start], e) from None
+
+
+def _error(method: str, key: str, e: BaseException) -> RemoteError:
+    """A one-line error naming the request; obstore's messages hold URLs and status codes only."""
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return RemoteError(f"{method} {key}: {type(e).__name__}: {first[:300]}")

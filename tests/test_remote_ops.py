@@ -1,0 +1,258 @@
+"""Operating a shared bucket: gc --remote, verify --remote, the CLI flags, and two servers."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import requests
+from mlx_lm import load
+
+import kvstore
+from kvstore.remote_client import Bucket, parse_key
+from kvtest import logits_diff, prefill
+
+C = 16
+REPO = Path(__file__).resolve().parents[1]
+
+
+def toks(n: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(1, 250, n).tolist()
+
+
+@pytest.fixture(scope="module")
+def llama_model(demo_model):
+    path = demo_model("llama")
+    model, _ = load(str(path))
+    return path, model
+
+
+def records(url: str) -> dict:
+    return {k.hash: k for k in (parse_key(p, s, t) for p, s, t in Bucket(url).list("")) if k is not None}
+
+
+def assert_whole(objs: dict) -> None:
+    """Every record's parent is in the bucket (or is its namespace)."""
+    for k in objs.values():
+        assert k.parent == k.ns or k.parent in objs, f"{k.path} lost its parent"
+
+
+def cli(*args, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvstore.cli", *args], capture_output=True, text=True,
+                          timeout=120, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
+
+
+def test_gc_remote_keeps_pins_and_never_orphans(tmp_path, s3, llama_model):
+    path, model = llama_model
+    url = s3.url()
+    shared = toks(2 * C, 30)
+    pinned = shared + toks(2 * C + 5, 31)
+    others = [shared + toks(3 * C + i + 1, 32 + i) for i in range(3)]
+    with kvstore.open(tmp_path / "a", chunk_size=C, remote=url) as a:
+        mc = a.bind(model, path)
+        mc.insert(pinned, prefill(model, pinned), pin=True)
+        for p in others:
+            mc.insert(p, prefill(model, p))
+        assert a.flush(30)
+        before = records(url)
+        assert len(before) == 4 + 1 + 3 * 4
+        # Pins reached the bucket when the pinned records were uploaded.
+        assert any("/pins/" in p for p, _, _ in Bucket(url).list(""))
+        # A dry run deletes nothing; deepest first with a byte budget keeps the tree whole.
+        total = sum(k.size for k in before.values())
+        dry = a.remote.gc(max_bytes=total // 2, dry_run=True)
+        assert dry["evicted"] > 0 and records(url).keys() == before.keys()
+        half = a.remote.gc(max_bytes=total // 2)
+        assert half["bytes"] <= total // 2 and half["evicted"] == dry["evicted"]
+        after = records(url)
+        assert_whole(after)
+        # Everything: only the pinned prompt (and its ancestors) stays.
+        a.remote.gc(max_bytes=0)
+        left = records(url)
+        assert_whole(left)
+        want = set(mc._record_hashes(np.asarray(pinned)))
+        assert set(left) == want
+    # Another node still restores the pinned prompt from the bucket.
+    with kvstore.open(tmp_path / "b", chunk_size=C, remote=url, memory_bytes=0) as b:
+        mc = b.bind(model, path)
+        cache, rest = mc.fetch(pinned + [5])
+        assert len(rest) == 1 and logits_diff(model, cache, rest, pinned + [5]) < 1e-4
+
+
+def test_gc_remote_by_age_keeps_a_parent_whose_child_is_young(tmp_path, s3, llama_model):
+    from kvstore.remote_maint import collect_remote
+
+    path, model = llama_model
+    url = s3.url()
+    old = toks(3 * C, 40)
+    with kvstore.open(tmp_path / "a", chunk_size=C, remote=url) as a:
+        mc = a.bind(model, path)
+        mc.insert(old, prefill(model, old))
+        a.flush(30)
+        stamp = time.time()
+        time.sleep(1.1)
+        young = old + toks(C + 3, 41)
+        mc.insert(young, prefill(model, young))
+        a.flush(30)
+    objs = records(url)
+    age = time.time() - stamp
+    result = collect_remote(Bucket(url), max_age=age)  # everything older than `stamp`
+    assert result["evicted"] == 0  # the old chunks are ancestors of the young ones
+    result = collect_remote(Bucket(url), max_age=0.0, now=time.time() + 1)
+    assert result["evicted"] == len(objs) and records(url) == {}
+
+
+def test_verify_remote_finds_and_repairs_damaged_objects(tmp_path, s3, llama_model):
+    path, model = llama_model
+    url = s3.url()
+    prompt = toks(4 * C + 3, 50)
+    with kvstore.open(tmp_path / "a", chunk_size=C, remote=url) as a:
+        a.bind(model, path).insert(prompt, prefill(model, prompt))
+        a.flush(30)
+        assert a.remote.verify() == []
+    objs = sorted(records(url).values(), key=lambda k: k.path)
+    bucket = Bucket(url)
+    chain = [k for k in objs if k.kind == 0]
+    depth2 = next(k for k in chain if k.parent in {c.hash for c in chain} and
+                  next(c for c in chain if c.hash == k.parent).parent == k.ns)
+    data = bucket.get(depth2.path)
+    bucket.put(depth2.path, data[:-7])  # truncated
+    out = cli("verify", "--store", str(tmp_path / "v"), "--remote", url, "--json")
+    assert out.returncode == 1, out.stderr
+    problems = json.loads(out.stdout)["problems"]
+    assert [p["path"] for p in problems] == [depth2.path]
+    out = cli("verify", "--store", str(tmp_path / "v"), "--remote", url, "--repair")
+    assert out.returncode == 1 and "repaired" in out.stdout
+    left = records(url)
+    assert_whole(left)
+    assert len(left) == 1  # the root chunk; everything below the damaged one went with it
+    out = cli("verify", "--store", str(tmp_path / "v"), "--remote", url)
+    assert out.returncode == 0 and "clean" in out.stdout, out.stdout + out.stderr
+
+
+def test_cli_remote_flag_and_env(tmp_path, s3):
+    url = s3.url()
+    store = tmp_path / "s"
+    out = cli("warm", "--store", str(store), "--prompts", str(REPO / "examples" / "prompts.jsonl"),
+              env={"KVSTORE_REMOTE": url})
+    assert out.returncode == 0, out.stderr
+    assert len(records(url)) > 0
+    out = cli("stats", "--store", str(store), "--remote", url)
+    assert out.returncode == 0 and f"remote: {url}" in out.stdout, out.stdout + out.stderr
+    stats = json.loads(cli("stats", "--store", str(store), "--json", env={"KVSTORE_REMOTE": url}).stdout)
+    assert stats["remote"]["totals"]["uploads"] == len(records(url))
+    out = cli("gc", "--store", str(store), "--remote", "--max-bytes", "0", "--dry-run", env={"KVSTORE_REMOTE": url})
+    assert out.returncode == 0 and "would delete" in out.stdout, out.stdout + out.stderr
+    out = cli("gc", "--store", str(store), "--remote", "--max-bytes", "0", env={"KVSTORE_REMOTE": ""})
+    assert out.returncode == 2 and "--remote needs a URL" in out.stderr
+    out = cli("stats", "--store", str(store), "--remote", "http://not-s3")
+    assert out.returncode == 1 and "s3://BUCKET/PREFIX" in out.stderr
+    # A second node (fresh folder) warms the same prompts from the bucket: only the last token
+    # of each prompt is computed (a fetch always leaves one), nothing new is written.
+    out = cli("warm", "--store", str(tmp_path / "s2"), "--prompts", str(REPO / "examples" / "prompts.jsonl"),
+              "--remote", url)
+    assert out.returncode == 0, out.stderr
+    assert "tokens computed: 7\n" in out.stdout and "bytes written: 0 " in out.stdout, out.stdout
+    # Secrets never reach the output or the store.
+    secret = os.environ["AWS_SECRET_ACCESS_KEY"]
+    assert secret not in out.stdout + out.stderr
+    for f in (tmp_path / "s2").rglob("*"):
+        if f.is_file():
+            assert secret.encode() not in f.read_bytes()
+
+
+# -- two servers, one bucket ---------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve(model: Path, store: Path, log: Path, url: str):
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "serve", "--model", str(model), "--store", str(store),
+                             "--port", str(port), "--remote", url], stdout=open(log, "ab"), stderr=subprocess.STDOUT,
+                            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    end = time.monotonic() + 90
+    while time.monotonic() < end:
+        assert proc.poll() is None, log.read_text()
+        try:
+            if requests.get(base + "/health", timeout=2).status_code == 200:
+                return proc, base
+        except requests.RequestException:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise AssertionError(f"server not ready:\n{log.read_text()}")
+
+
+def _ask(base: str, prompt: str) -> tuple[str, dict]:
+    r = requests.post(base + "/v1/completions", json={"prompt": prompt, "max_tokens": 8, "temperature": 0.0},
+                      timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"], r.json()["usage"]
+
+
+def test_two_servers_share_one_bucket(tmp_path, s3, demo_model):
+    model = demo_model("llama")
+    url = s3.url()
+    prompt = "You are a terse assistant, answering in one sentence. " * 8 + "What is a prompt cache?"
+    procs = []
+    try:
+        a, base_a = _serve(model, tmp_path / "a", tmp_path / "a.log", url)
+        procs.append(a)
+        b, base_b = _serve(model, tmp_path / "b", tmp_path / "b.log", url)
+        procs.append(b)
+        text_a, usage_a = _ask(base_a, prompt)
+        assert usage_a["prompt_tokens_details"]["cached_tokens"] == 0
+        n = usage_a["prompt_tokens"]
+        end = time.monotonic() + 30  # A uploads in the background, soon after the response
+        while time.monotonic() < end:
+            if sum(k.ntokens for k in records(url).values()) >= n - 1:
+                break
+            time.sleep(0.2)
+        text_b, usage_b = _ask(base_b, prompt)
+        assert usage_b["prompt_tokens_details"]["cached_tokens"] >= n - 1, (usage_b, (tmp_path / "b.log").read_text())
+        assert text_b == text_a
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                try:
+                    p.wait(30)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+
+
+def test_pins_made_on_another_node_are_kept(tmp_path, s3, llama_model):
+    """Node B pins a prompt it got from the bucket (no upload of its own): its pins object is
+    published when it closes, and gc run on node A keeps that prompt."""
+    path, model = llama_model
+    url = s3.url()
+    prompt, other = toks(3 * C + 4, 80), toks(2 * C + 2, 81)
+    with kvstore.open(tmp_path / "a", chunk_size=C, remote=url) as a:
+        mc = a.bind(model, path)
+        for p in (prompt, other):
+            mc.insert(p, prefill(model, p))
+        a.flush(30)
+    with kvstore.open(tmp_path / "b", chunk_size=C, remote=url) as b:
+        mc = b.bind(model, path)
+        mc.prefill(prompt, pin=True)
+        assert b.stats()["remote"]["remote_hits"] == 1 and b.stats()["remote"]["uploads"] == 0
+    with kvstore.open(tmp_path / "a", chunk_size=C, remote=url) as a:
+        result = a.remote.gc(max_bytes=0)
+        assert result["kept_pinned"] == 4
+    left = records(url)
+    assert_whole(left)
+    with kvstore.open(tmp_path / "c", chunk_size=C) as c:
+        assert set(left) == set(c.bind(model, path)._record_hashes(np.asarray(prompt)))
