@@ -36,15 +36,21 @@ NODE_FILE = "remote-node-id"
 def node_id(store_dir: Path) -> str:
     """This store's name among the nodes of a bucket: random, made once, kept in the store."""
     path = Path(store_dir) / NODE_FILE
-    try:
-        text = path.read_text().strip()
+    try:  # the store's own entries are never read or written through a symbolic link
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        with os.fdopen(fd, "r") as f:
+            text = f.read(64).strip()
         if len(text) == 32 and all(c in "0123456789abcdef" for c in text):
             return text
     except OSError:
         pass
     text = uuid.uuid4().hex
     tmp = path.with_name(f".{NODE_FILE}.{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.unlink(tmp)  # a leftover of a dead process with this pid
+    except FileNotFoundError:
+        pass
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(text + "\n")
     os.replace(tmp, path)
