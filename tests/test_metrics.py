@@ -61,38 +61,29 @@ def test_ram_only_store(llama):
         assert ("kvstore_reused_tokens_total", (("tier", "disk"),)) not in got
 
 
-def test_remote_counters_appear_with_a_remote_tier(llama, tmp_path, monkeypatch):
-    """With a remote tier, its per-process counters are exported, and the tokens it filled in
-    during a fetch count as reused from `remote`. (The remote tier itself is tested against a real
-    SeaweedFS in test_remote*.py; here only its counters are stood in for.)"""
-    from types import SimpleNamespace
-
+def test_remote_counters_appear_with_a_remote_tier(llama, tmp_path, s3):
+    """With a remote tier (a real SeaweedFS), its counters are exported, and the tokens it filled
+    in during a fetch count as reused from `remote`."""
     path, model = llama
-    tokens = list(range(30, 60))
-    with kvstore.open(tmp_path / "store", chunk_size=16) as store:
-        mc = store.bind(model, str(path))
-        mc.insert(tokens, prefill(model, tokens))
-    with kvstore.open(tmp_path / "store", chunk_size=16) as store:  # nothing in RAM
-        remote = SimpleNamespace(counters={"uploads": 4, "errors": 1, "remote_tokens": 0})
-        monkeypatch.setattr(store, "remote", remote, raising=False)
+    tokens = list(range(30, 70))  # two 16-token chunks and a tail
+    url = s3.url()
+    with kvstore.open(tmp_path / "a", chunk_size=16, remote=url) as a:  # another machine
+        a.bind(model, str(path)).insert(tokens, prefill(model, tokens))
+        assert a.flush(timeout=60)
+    with kvstore.open(tmp_path / "b", chunk_size=16, remote=url) as store:  # an empty local store
         pc = PersistentPromptCache(store)
-        mc = store.bind(model, str(path))
-        pc.register(KEY, mc)
-        got = samples(ServerMetrics(pc))
-        assert got[("kvstore_remote_events_total", (("event", "uploads"),))] == 4
-        assert got[("kvstore_remote_events_total", (("event", "errors"),))] == 1
+        pc.register(KEY, store.bind(model, str(path)))
+        metrics = ServerMetrics(pc)
+        got = samples(metrics)
         assert got[("kvstore_reused_tokens_total", (("tier", "remote"),))] == 0
-
-        fetch = mc.fetch
-
-        def fetch_after_the_remote_filled_a_chunk(toks):
-            remote.counters["remote_tokens"] += 16
-            return fetch(toks)
-
-        monkeypatch.setattr(mc, "fetch", fetch_after_the_remote_filled_a_chunk)
         _, rest = pc.fetch_nearest_cache(KEY, tokens + [1])
         assert rest == [1]
-        assert pc.counters["reused_by_tier"] == {"memory": 0, "disk": 14, "remote": 16}
+        got = samples(metrics)
+        filled = store.remote.counters["remote_tokens"]
+        assert filled == len(tokens)
+        assert got[("kvstore_reused_tokens_total", (("tier", "remote"),))] == filled
+        assert got[("kvstore_remote_events_total", (("event", "downloads"),))] == store.remote.counters["downloads"] > 0
+        assert got[("kvstore_remote_events_total", (("event", "uploads"),))] == 0  # never re-uploads
 
 
 def test_scrapes_from_many_threads_use_one_index_connection(tmp_path):
