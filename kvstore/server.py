@@ -202,6 +202,7 @@ class PersistentPromptCache:
             return f"kvstore: RAM-only store, memory tier {format_size(store.memory.capacity)}"
         totals = store.index.totals()
         bound = f", bounded to {format_size(store.max_bytes)}" if store.max_bytes is not None else ""
+        bound += " (auto: 1/4 of held + free disk)" if store.max_bytes_rule else ""
         return (f"kvstore: store {store.path}: {format_size(totals['bytes'])} in "
                 f"{totals['chunks'] + totals['tails']} records ({totals['chunks']} chunks, "
                 f"{totals['tails']} tails){bound}; memory tier {format_size(store.memory.capacity)}")
@@ -390,8 +391,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("-h", "--help", action="store_true", help="show this help (and mlx_lm.server's) and exit")
     p.add_argument("--store", metavar="DIR",
                    help="store directory (default: $KVSTORE_DIR, else ~/.cache/kvstore)")
-    p.add_argument("--store-max-bytes", metavar="SIZE", type=_size,
-                   help="bound the store on disk, e.g. 20GB (default: unbounded)")
+    p.add_argument("--store-max-bytes", metavar="SIZE", type=_budget,
+                   help="bound the store on disk, e.g. 20GB, or `auto`: a quarter of what it holds "
+                        "plus the disk's free space, at start (default: unbounded)")
     p.add_argument("--memory-bytes", metavar="SIZE", type=_size,
                    help="bound the store's memory tier, e.g. 2GiB (default: 1 GiB)")
     return p
@@ -402,6 +404,10 @@ def _size(text: str) -> int:
         return parse_size(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _budget(text: str) -> int | str:
+    return "auto" if text.strip().lower() == "auto" else _size(text)
 
 
 def _peek(args: list[str]) -> argparse.Namespace:

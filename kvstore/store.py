@@ -11,6 +11,7 @@ import atexit
 import json
 import logging
 import os
+import shutil
 import sqlite3
 import threading
 import weakref
@@ -35,6 +36,8 @@ DEFAULT_MEMORY_BYTES = 1 << 30
 DEFAULT_PENDING_BYTES = 2 << 30
 INDEX_NAME = "index.sqlite"
 BLOBS_NAME = "blobs"
+AUTO = "auto"
+AUTO_SHARE = 4  # max_bytes="auto": 1/AUTO_SHARE of (what the store holds + the disk's free space)
 
 
 # Stores still open at interpreter exit get their queued writes flushed (bounded in time).
@@ -59,16 +62,19 @@ def default_path() -> Path:
 class Store:
     """A prompt-cache store in one directory (or in RAM only, with `path=kvstore.MEMORY`)."""
 
-    def __init__(self, path: str | os.PathLike | None = None, *, max_bytes: int | None = None,
+    def __init__(self, path: str | os.PathLike | None = None, *, max_bytes: int | str | None = None,
                  memory_bytes: int | None = None, chunk_size: int = 256,
                  max_pending_bytes: int = DEFAULT_PENDING_BYTES, fsync: bool = True):
         if not isinstance(chunk_size, int) or chunk_size < 1:
             raise InvalidInputError(f"chunk_size must be a positive integer, got {chunk_size!r}")
-        for name, value in (("max_bytes", max_bytes), ("memory_bytes", memory_bytes)):
-            if value is not None and (not isinstance(value, int) or value < 0):
-                raise InvalidInputError(f"{name} must be a non-negative integer, got {value!r}")
+        auto = max_bytes == AUTO
+        for name, value in (("max_bytes", None if auto else max_bytes), ("memory_bytes", memory_bytes)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                extra = ' or "auto"' if name == "max_bytes" else ""
+                raise InvalidInputError(f"{name} must be a non-negative integer{extra}, got {value!r}")
         self.chunk_size = chunk_size
-        self.max_bytes = max_bytes
+        self.max_bytes = None if auto else max_bytes
+        self.max_bytes_rule: str | None = None  # how an automatic budget was found
         self.ram_only = str(path) == MEMORY
         self.memory = MemoryTier(DEFAULT_MEMORY_BYTES if memory_bytes is None else memory_bytes)
         if self.ram_only:
@@ -86,10 +92,12 @@ class Store:
             if not index_file.exists():
                 os.close(os.open(index_file, os.O_WRONLY | os.O_CREAT, 0o600))
             self.index = Index(index_file)
+        if auto:
+            self.max_bytes, self.max_bytes_rule = self._auto_budget()
         self._gc_lock = threading.Lock()
         self.counters = {"quarantined": 0, "skipped_inserts": 0, "fetches": 0, "reused_tokens": 0}
         self.writer = Writer(self.index, self.blob_root, self.memory, max_pending_bytes,
-                             after_batch=self._enforce_budget if max_bytes is not None else None,
+                             after_batch=self._enforce_budget if self.max_bytes is not None else None,
                              fsync=fsync)
         self._closed = False
         _OPEN_STORES.add(self)
@@ -145,6 +153,8 @@ class Store:
             "path": str(self.path) if self.path else MEMORY,
             "chunk_size": self.chunk_size,
             "max_bytes": self.max_bytes,
+            "max_bytes_auto": self.max_bytes_rule is not None,
+            "max_bytes_rule": self.max_bytes_rule,
             "memory": {"bytes": self.memory.nbytes, "records": len(self.memory),
                        "capacity": self.memory.capacity, "hits": self.memory.hits},
             "writer": {"pending_bytes": self.writer.pending_bytes, "records_written": w.records_written,
@@ -211,6 +221,18 @@ class Store:
             if is_corruption(e):
                 raise self.index.corrupt(e) from e
             raise
+
+    def _auto_budget(self) -> tuple[int | None, str]:
+        """`max_bytes="auto"`: a quarter of the space the store could use at open (what it holds
+        plus its disk's free space). Unlike "held + a quarter of free", it does not grow with
+        every restart, and it shrinks when other files fill the disk."""
+        if self.index is None:
+            return None, "auto: a RAM-only store writes no disk (memory_bytes bounds it)"
+        held = self.index.totals()["bytes"]
+        free = shutil.disk_usage(self.path).free
+        budget = (held + free) // AUTO_SHARE
+        return budget, (f"auto: 1/{AUTO_SHARE} of ({held} bytes held + {free} bytes free on the "
+                        f"store's disk at open) = {budget} bytes")
 
     def _enforce_budget(self) -> None:
         if self.max_bytes is not None and self.index.totals()["bytes"] > self.max_bytes:
@@ -363,9 +385,13 @@ def _prepare_dir(path: Path) -> Path:
     return path
 
 
-def open(path: str | os.PathLike | None = None, *, max_bytes: int | None = None,
+def open(path: str | os.PathLike | None = None, *, max_bytes: int | str | None = None,
          memory_bytes: int | None = None, chunk_size: int = 256, **options) -> Store:
     """Open (creating if needed) the store at `path`, `$KVSTORE_DIR` or `~/.cache/kvstore`.
+
+    `max_bytes` bounds the disk (the writer evicts to stay within it); `max_bytes="auto"` sets it
+    at open to a quarter of (what the store holds + its disk's free space): `stats()` shows the
+    number and the rule.
 
     `path=kvstore.MEMORY` keeps everything in RAM (nothing is written); `memory_bytes=0` turns
     the memory tier off (every fetch reads the disk).
