@@ -238,6 +238,23 @@ class Index:
                 (ns, fingerprint, model_id, layout, chunk_size, now, now),
             )
 
+    def record_model_files(self, ns: bytes, stamps: Iterable[tuple[str, int, int, int, int]]) -> None:
+        """The files a model version was fingerprinted from, as they are now: (path, size,
+        mtime_ns, inode, ctime_ns). Replaces what was recorded for `ns`."""
+        with self.transaction() as conn:
+            conn.execute("DELETE FROM model_files WHERE ns = ?", (ns,))
+            conn.executemany(
+                "INSERT INTO model_files (ns, path, size, mtime_ns, ino, ctime_ns) VALUES (?, ?, ?, ?, ?, ?)",
+                [(ns, *stamp) for stamp in stamps])
+
+    def model_files(self) -> dict[bytes, list[tuple[str, int, int, int, int]]]:
+        """ns -> the files recorded for it by `record_model_files`."""
+        out: dict[bytes, list[tuple[str, int, int, int, int]]] = {}
+        for ns, *stamp in self.conn.execute(
+                "SELECT ns, path, size, mtime_ns, ino, ctime_ns FROM model_files ORDER BY ns, path"):
+            out.setdefault(ns, []).append(tuple(stamp))
+        return out
+
     # -- records ----------------------------------------------------------------------------
 
     def present(self, hashes: Sequence[bytes]) -> set[bytes]:
@@ -351,24 +368,44 @@ class Index:
 
     # -- eviction ---------------------------------------------------------------------------
 
-    def eviction_graph(self) -> list[tuple[bytes, bytes, int, float, int]]:
-        """(hash, parent, size, last access, pinned) of every record, for planning an eviction."""
-        return self.conn.execute("SELECT hash, parent, size, last_access, pinned FROM records").fetchall()
+    def eviction_graph(self, stale: Sequence[bytes] = ()) -> list[tuple]:
+        """(hash, parent, size, last access, pinned, of a namespace in `stale`) of every record,
+        for planning an eviction (`evict.Graph.from_rows`)."""
+        stale = list(stale)[:_MAX_PARAMS]
+        marks = ",".join("?" * len(stale))
+        flag = f"ns IN ({marks})" if stale else "0"
+        return self.conn.execute(
+            f"SELECT hash, parent, size, last_access, pinned, {flag} FROM records", stale).fetchall()
 
-    def delete_leaves(self, hashes: Sequence[bytes]) -> list[Row]:
-        """Delete, in order and in one transaction, those of `hashes` that are unpinned and still
-        leaves (another process may have added a child since they were chosen). Returns the rows
-        deleted: delete their files only now that this has committed."""
-        deleted: list[Row] = []
+    def delete_leaves(self, groups: Sequence[Sequence[bytes]]) -> list[tuple[bytes, int]]:
+        """Delete, in one transaction, one statement per group in order, those records of
+        `groups` that are unpinned leaves when their statement runs: the statement itself refuses
+        a pinned record and one that still has a child (another process may have added one since
+        they were chosen; a child in the same group counts, so put children in earlier groups).
+        Returns (hash, size) of the rows deleted: delete their files only now that this has
+        committed."""
+        deleted: list[tuple[bytes, int]] = []
         with self.transaction() as conn:
-            for h in hashes:
-                row = conn.execute(
-                    f"SELECT {_ROW_COLUMNS} FROM records WHERE hash = ? AND pinned = 0 AND NOT EXISTS "
-                    "(SELECT 1 FROM records c WHERE c.parent = ?)", (h, h)).fetchone()
-                if row is not None:
-                    conn.execute("DELETE FROM records WHERE hash = ?", (h,))
-                    deleted.append(_row(row))
+            for group in groups:
+                for start in range(0, len(group), _MAX_PARAMS):
+                    part = list(group[start : start + _MAX_PARAMS])
+                    marks = ",".join("?" * len(part))
+                    deleted += conn.execute(
+                        f"DELETE FROM records WHERE hash IN ({marks}) AND pinned = 0 AND NOT EXISTS "
+                        "(SELECT 1 FROM records c WHERE c.parent = records.hash) RETURNING hash, size",
+                        part).fetchall()
         return deleted
+
+    @contextmanager
+    def bulk(self, cache_kib: int = 256 << 10) -> Iterator[None]:
+        """A bigger page cache on this thread's connection for a long job (gc), then the default."""
+        conn = self.conn
+        (before,) = conn.execute("PRAGMA cache_size").fetchone()
+        conn.execute(f"PRAGMA cache_size = -{int(cache_kib)}")
+        try:
+            yield
+        finally:
+            conn.execute(f"PRAGMA cache_size = {int(before)}")
 
     # -- totals -----------------------------------------------------------------------------
 

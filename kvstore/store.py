@@ -23,6 +23,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import blobs, keys
+from .stale import stale_namespaces, stamps as file_stamps
 from .errors import BlobError, CorruptIndexError, InvalidInputError, ModelFilesError, StoreOpenError
 from .index import Index, Row, is_corruption
 from .memory import MemoryTier, Record
@@ -119,12 +120,15 @@ class Store:
             raise InvalidInputError(f"kv_bits must be one of 2, 3, 4, 5, 6, 8, got {kv_bits!r}")
         template = make_template(model, kv_bits, kv_group_size)
         layout, codecs = describe(model, template)
+        stamps = None
         if fingerprint is None:
+            # Before hashing: a file that changes meanwhile shows as changed (stale) later.
+            stamps = self._model_stamps(model_id, adapter_path)
             fingerprint = self._fingerprint(model_id, adapter_path)
         ns = keys.namespace(fingerprint, layout, self.chunk_size)
         mc = ModelCache(self, model, str(model_id), ns, fingerprint, layout, codecs,
                         kv_bits=kv_bits, kv_group_size=kv_group_size)
-        mc.registered = self._register(mc)
+        mc.registered = self._register(mc, stamps)
         return mc
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -167,6 +171,12 @@ class Store:
             with self._damage_is_an_error():
                 out.update(self.index.totals())
                 out["models"] = self.index.models()
+                recorded = self.index.model_files()
+                why = stale_namespaces(recorded)
+                for m in out["models"]:  # None: bound before kvstore recorded its files
+                    ns = bytes.fromhex(m["namespace"])
+                    m["stale"] = (ns in why) if ns in recorded else None
+                    m["stale_reason"] = why.get(ns)
                 out["quarantined_total"] = self.index.counters().get("count.quarantined", 0)
         else:
             kinds = self.memory.kinds()
@@ -174,8 +184,11 @@ class Store:
                        checkpoints=kinds.get(2, 0), models=[])
         return out
 
-    def gc(self, max_bytes: int | None = None, max_age: float | None = None, dry_run: bool = False) -> dict:
-        """Evict down to `max_bytes` (and records unused for `max_age` seconds); see `maintenance`."""
+    def gc(self, max_bytes: int | None = None, max_age: float | None = None, dry_run: bool = False,
+           stale: bool = False) -> dict:
+        """Evict down to `max_bytes` (and records unused for `max_age` seconds; with `stale`, every
+        record of a model version whose files are gone or changed, pins aside). A budget evicts
+        stale versions first. See `maintenance` and `evict`."""
         from .maintenance import collect
 
         self._check_open()
@@ -184,8 +197,9 @@ class Store:
                 self.memory.trim_to(max_bytes)
             return {"evicted": 0, "freed_bytes": 0, "bytes": self.memory.nbytes, "dry_run": dry_run}
         with self._gc_lock, self._damage_is_an_error():
+            old = set(stale_namespaces(self.index.model_files())) if stale or max_bytes is not None else set()
             result = collect(self.index, self.blob_root, max_bytes=max_bytes, max_age=max_age,
-                             dry_run=dry_run)
+                             stale=stale, stale_namespaces=old, dry_run=dry_run)
         if not dry_run:
             self.memory.discard(result.pop("hashes"))
         else:
@@ -257,14 +271,26 @@ class Store:
                     pass
         return keys.fingerprint(files, model_dir, lookup, remember)
 
-    def _register(self, mc: ModelCache) -> bool:
-        """Record a bound model version in the index; False if the index cannot be written now
-        (a full disk, a read-only or busy index): fetch goes on, inserts wait until it works."""
+    def _model_stamps(self, model_id, adapter_path) -> list | None:
+        """size/mtime/inode/ctime of the files a fingerprint covers (None if they cannot be
+        listed: `_fingerprint` then says why)."""
+        try:
+            adapter_dir = Path(adapter_path) if adapter_path is not None else None
+            return file_stamps(keys.model_files(resolve_model_dir(str(model_id)), adapter_dir))
+        except (ModelFilesError, OSError):
+            return None
+
+    def _register(self, mc: ModelCache, stamps: list | None = None) -> bool:
+        """Record a bound model version in the index (with its files' stamps, to tell later
+        whether it went stale); False if the index cannot be written now (a full disk, a
+        read-only or busy index): fetch goes on, inserts wait until it works."""
         if self.index is None:
             return True
         try:
             self.index.register_model(mc.ns, mc.fingerprint, mc.model_id, json.dumps(mc.layout),
                                       self.chunk_size)
+            if stamps:
+                self.index.record_model_files(mc.ns, stamps)
             return True
         except sqlite3.OperationalError as e:
             log.warning("kvstore: cannot record model %s in the index (%s): serving reads only "
