@@ -396,6 +396,20 @@ class Index:
                         part).fetchall()
         return deleted
 
+    def drop_redundant(self, pairs: Sequence[tuple[bytes, bytes]]) -> list[tuple[bytes, int]]:
+        """Delete, in one transaction, the old tail of each (old, newer) pair whose tokens the
+        newer record holds, if it is still an unpinned leaf and the newer record is still stored
+        and usable. Returns (hash, size) of the rows deleted: delete their files after this."""
+        deleted: list[tuple[bytes, int]] = []
+        with self.transaction() as conn:
+            for old, newer in pairs:
+                deleted += conn.execute(
+                    f"DELETE FROM records WHERE hash = ? AND kind = {TAIL} AND pinned = 0 AND NOT EXISTS "
+                    "(SELECT 1 FROM records c WHERE c.parent = ?) AND EXISTS "
+                    "(SELECT 1 FROM records n WHERE n.hash = ? AND n.bad = 0) RETURNING hash, size",
+                    (old, old, newer)).fetchall()
+        return deleted
+
     @contextmanager
     def bulk(self, cache_kib: int = 256 << 10) -> Iterator[None]:
         """A bigger page cache on this thread's connection for a long job (gc), then the default."""

@@ -22,7 +22,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import blobs, faults, keys
-from .index import CHECKPOINT, CHUNK, Index, Row
+from .index import CHECKPOINT, CHUNK, TAIL, Index, Row
 from .memory import MemoryTier, Record
 
 log = logging.getLogger("kvstore")
@@ -83,6 +83,8 @@ class WriterStats:
     dropped_bytes: int = 0
     write_errors: int = 0
     last_error: str = ""
+    redundant_dropped: int = 0  # older tails dropped because a newer record holds their tokens
+    redundant_bytes: int = 0
 
 
 class Writer:
@@ -229,6 +231,7 @@ class Writer:
                 todo = self._still_needed(job)
             rows: list[Row] = []
             compact: list[Record] = []
+            written: list[Spec] = []
             tokens_tag = "I32"
             for spec in todo:
                 tokens = np.ascontiguousarray(job.tokens[spec.start : spec.end], dtype="<i4")
@@ -250,6 +253,7 @@ class Writer:
                                     pinned=int(spec.hash in job.pin)))
                     self.stats.bytes_written += size
                 compact.append(self._compact(job, spec, tokens, tensors))
+                written.append(spec)
             if rows and self.index is not None:
                 try:
                     self.index.insert(rows)
@@ -262,8 +266,49 @@ class Writer:
             if job.pin and self.index is not None:
                 self.index.pin(job.pin)
         self.memory.put(reversed(compact))
+        if written and (rows or self.index is None):
+            self._drop_redundant(job, [s for s in written if s.kind != CHECKPOINT])
         if self.after_batch is not None and rows:
             self.after_batch()
+
+    def _drop_redundant(self, job: Job, written: list[Spec]) -> None:
+        """Drop the older tails that a record just written makes redundant: under the same
+        parent, their tokens a prefix of its tokens, and every layer's K/V for those tokens in
+        it (a sliding window that slid past them does not count). A multi-turn chat then keeps
+        one tail per branch instead of one per turn. Rows go first in their own transaction
+        (the DELETE refuses a pinned record, one with children such as a checkpoint, and one
+        whose newer record is gone), files after the commit, as gc does."""
+        pairs: list[tuple[bytes, bytes]] = []
+        for spec in written:
+            if any(origin > spec.start for origin in job.origins.values()):
+                continue  # this record lacks some layer's K/V for the first tokens
+            newer = np.ascontiguousarray(job.tokens[spec.start : spec.end], dtype="<i4").tobytes()
+            older = {r.hash: r.tokens.astype("<i4").tobytes() for r in self.memory.children(spec.parent)
+                     if r.kind == TAIL}
+            if self.index is not None:
+                older.update((r.hash, r.tokens) for r in self.index.children(spec.parent, int(job.tokens[spec.start]))
+                             if r.kind == TAIL and not r.pinned)
+            pairs += [(h, spec.hash) for h, t in older.items()
+                      if h != spec.hash and len(t) < len(newer) and newer.startswith(t)]
+        if not pairs:
+            return
+        if self.index is None:  # RAM only
+            gone = [h for h, _ in pairs]
+            freed = sum(r.nbytes for r in map(self.memory.get, gone) if r is not None)
+        else:
+            try:
+                # Exclusive, as gc: no writer finds one of these rows and then loses its file.
+                with blobs.tree_lock(self.root, exclusive=True):
+                    deleted = self.index.drop_redundant(pairs)
+                    for h, _ in deleted:
+                        blobs.remove(self.root, h)
+            except Exception as e:  # only space is lost
+                self._count_error(e)
+                return
+            gone, freed = [h for h, _ in deleted], sum(size for _, size in deleted)
+        self.memory.discard(gone)
+        self.stats.redundant_dropped += len(gone)
+        self.stats.redundant_bytes += freed
 
     def _still_needed(self, job: Job) -> list[Spec]:
         """The job's records that are not stored yet, parents first. If gc (in any process)
