@@ -58,6 +58,10 @@ class Plan:
     def __len__(self) -> int:
         return len(self.hashes)
 
+    @classmethod
+    def empty(cls) -> "Plan":
+        return cls([], np.zeros(0, np.int64), np.zeros(0, np.int64))
+
 
 def order(g: Graph) -> tuple[np.ndarray, np.ndarray]:
     """(indices of the evictable records in eviction order, H of every record, 0 if never)."""
@@ -100,7 +104,7 @@ def plan(g: Graph, *, max_bytes: int | None, cutoff: float | None, stale: bool) 
     the leaf-by-leaf rule would stop. Their trees are disjoint (a namespace each), so each part
     alone keeps children before parents."""
     if max_bytes is None and cutoff is None and not (stale and g.stale.any()):
-        return Plan([], np.zeros(0, np.int64), np.zeros(0, np.int64))
+        return Plan.empty()
     idx, height = order(g)
     left = int(g.sizes.sum())
     taken = []
@@ -117,6 +121,16 @@ def plan(g: Graph, *, max_bytes: int | None, cutoff: float | None, stale: bool) 
         left -= int(sizes[:stop].sum())
     idx = np.concatenate(taken)
     return Plan([bytes(h) for h in g.hashes[idx]], g.sizes[idx], height[idx])
+
+
+def by_level(p: Plan) -> Plan:
+    """The same records, by H and then hash: still children first, and each transaction of the
+    deleter then runs one or two statements over records close together in the index."""
+    if not len(p):
+        return p
+    keys = np.frombuffer(b"".join(p.hashes), dtype="V16")
+    at = np.lexsort((np.argsort(np.argsort(keys, kind="stable"), kind="stable"), p.heights))
+    return Plan([p.hashes[i] for i in at], p.sizes[at], p.heights[at])
 
 
 def batches(p: Plan, start: int, count: int) -> list[list[bytes]]:

@@ -396,6 +396,18 @@ class Index:
                         part).fetchall()
         return deleted
 
+    def replace_blob(self, h: bytes, size: int, checksum: int) -> bool:
+        """A record's blob was written again with more of its K/V (same tokens): its new size
+        and checksum, and the store's totals moved by the difference, in one transaction."""
+        with self.transaction() as conn:
+            row = conn.execute("SELECT ns, size FROM records WHERE hash = ?", (h,)).fetchone()
+            if row is None:
+                return False
+            conn.execute("UPDATE records SET size = ?, checksum = ? WHERE hash = ?",
+                         (size, _u64_to_i64(checksum), h))
+            conn.execute("UPDATE totals SET bytes = bytes + ? WHERE ns = ?", (size - row[1], row[0]))
+        return True
+
     def drop_redundant(self, pairs: Sequence[tuple[bytes, bytes]]) -> list[tuple[bytes, int]]:
         """Delete, in one transaction, the old tail of each (old, newer) pair whose tokens the
         newer record holds, if it is still an unpinned leaf and the newer record is still stored
@@ -412,14 +424,28 @@ class Index:
 
     @contextmanager
     def bulk(self, cache_kib: int = 256 << 10) -> Iterator[None]:
-        """A bigger page cache on this thread's connection for a long job (gc), then the default."""
+        """For a long job of many transactions (gc) on this thread's connection: a bigger page
+        cache, and no checkpoint inside its commits (it calls `checkpoint` between them, when
+        it holds no lock); then the defaults again."""
         conn = self.conn
         (before,) = conn.execute("PRAGMA cache_size").fetchone()
+        (every,) = conn.execute("PRAGMA wal_autocheckpoint").fetchone()
         conn.execute(f"PRAGMA cache_size = -{int(cache_kib)}")
+        conn.execute("PRAGMA wal_autocheckpoint = 0")
         try:
             yield
         finally:
             conn.execute(f"PRAGMA cache_size = {int(before)}")
+            conn.execute(f"PRAGMA wal_autocheckpoint = {int(every)}")
+            self.checkpoint()
+
+    def checkpoint(self) -> None:
+        """Copy what the WAL holds into the database as far as readers allow; never waits for
+        a writer or blocks one (SQLite's PASSIVE checkpoint)."""
+        try:
+            self.conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+        except sqlite3.OperationalError:  # busy: a later one does it
+            pass
 
     # -- totals -----------------------------------------------------------------------------
 

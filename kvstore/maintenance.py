@@ -18,8 +18,9 @@ from .index import Index
 
 # Rows per gc transaction: adapted to keep each one near _TX_TARGET_S (other processes' inserts
 # wait for it), within these bounds.
-_BATCH_MIN, _BATCH_START, _BATCH_MAX = 50, 500, 5000
-_TX_TARGET_S = 0.03
+_BATCH_MIN, _BATCH_START, _BATCH_MAX = 50, 500, 20000
+_TX_TARGET_S = 0.06
+_CHECKPOINT_EVERY_S = 1.0
 # After each transaction gc waits this long, so that a writer waiting for the blob-tree lock
 # (or in SQLite's busy handler) gets its turn before the next one.
 _YIELD_S = 0.002
@@ -34,7 +35,7 @@ def collect(index: Index, root: Path, *, max_bytes: int | None = None, max_age: 
     started = time.perf_counter()
     total = index.totals()["bytes"]
     cutoff = time.time() - max_age if max_age is not None else None
-    p = evict.Plan([], None, None)
+    p = evict.Plan.empty()
     if (max_bytes is not None and total > max_bytes) or cutoff is not None or (stale and stale_namespaces):
         graph = evict.Graph.from_rows(index.eviction_graph(sorted(stale_namespaces)))
         p = evict.plan(graph, max_bytes=max_bytes, cutoff=cutoff, stale=stale)
@@ -44,6 +45,8 @@ def collect(index: Index, root: Path, *, max_bytes: int | None = None, max_age: 
         freed, hashes = int(p.sizes.sum()) if len(p) else 0, list(p.hashes)
     else:
         done, batch = 0, _BATCH_START
+        p = evict.by_level(p)
+        checkpointed = time.perf_counter()
         with index.bulk():
             while done < len(p):
                 t = time.perf_counter()
@@ -60,6 +63,9 @@ def collect(index: Index, root: Path, *, max_bytes: int | None = None, max_age: 
                 freed += sum(size for _, size in deleted)
                 hashes += [h for h, _ in deleted]
                 batch = max(_BATCH_MIN, min(_BATCH_MAX, int(batch * _TX_TARGET_S / max(took, 1e-4))))
+                if time.perf_counter() - checkpointed > _CHECKPOINT_EVERY_S:
+                    index.checkpoint()  # holding no lock: writers and readers go on meanwhile
+                    checkpointed = time.perf_counter()
                 if done < len(p):
                     time.sleep(_YIELD_S)
     return {

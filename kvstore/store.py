@@ -354,6 +354,8 @@ class Store:
                 return
         except Exception:
             pass
+        if self._intact(h):  # its blob and row were replaced (completed) under the read
+            return
         log.warning("kvstore: quarantined a damaged record: %s", error)
         self.counters["quarantined"] += 1
         try:
@@ -361,6 +363,21 @@ class Store:
                 self.index.bump_counter("count.quarantined")
         except Exception:  # the index may be busy or read-only; the miss is what matters
             pass
+
+
+    def _intact(self, h: bytes) -> bool:
+        """Whether a record reads clean now, looked at under the shared tree lock: a writer
+        that completes a record (`Writer._refill`) replaces its blob and row together under the
+        exclusive lock, and a read between the two is no damage."""
+        try:
+            with blobs.tree_lock(self.blob_root, exclusive=False):
+                row = self.index.get(h)
+                if row is None or row.bad:
+                    return False
+                blobs.read(self.blob_root, h, size=row.size, checksum=row.checksum)
+                return True
+        except Exception:
+            return False
 
 
 def _index_lost(index_file: Path, blob_root: Path) -> bool:

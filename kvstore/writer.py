@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -55,6 +56,9 @@ class Job:
     checkpoint: dict[str, mx.array] = field(default_factory=dict)  # for the CHECKPOINT spec
     pin: list[bytes] = field(default_factory=list)
     nbytes: int = 0
+    # Stored chunks and tails this job holds every layer's K/V for: a stored one that lacks some
+    # (a sliding window had slid past them when it was written) is written again, complete.
+    refill: list[Spec] = field(default_factory=list)
 
     def slices(self, spec: Spec, arrays: dict) -> dict:
         """The part of each array that falls in the spec's tokens (always a suffix of them)."""
@@ -85,6 +89,7 @@ class WriterStats:
     last_error: str = ""
     redundant_dropped: int = 0  # older tails dropped because a newer record holds their tokens
     redundant_bytes: int = 0
+    refilled: int = 0  # stored records written again with the window data they lacked
 
 
 class Writer:
@@ -106,6 +111,7 @@ class Writer:
         self._touches: dict[bytes, tuple[float, int]] = {}
         self._last_touch_flush = time.monotonic()
         self._stop = False
+        self._complete: dict[bytes, None] = {}  # records known to hold every layer's K/V (bounded)
         self._paused = threading.Event()
         self._paused.set()
         self._thread = threading.Thread(target=self._run, name="kvstore-writer", daemon=True)
@@ -137,6 +143,10 @@ class Writer:
         with self._cond:
             return [(s.hash, j.tokens[s.start : s.end]) for j, s in self._pending.values()
                     if s.parent == parent]
+
+    def known_complete(self, h: bytes) -> bool:
+        """Whether a stored record is known to hold every layer's K/V (nothing to refill)."""
+        return h in self._complete
 
     def is_pending(self, h: bytes) -> bool:
         return h in self._pending
@@ -254,6 +264,8 @@ class Writer:
                     self.stats.bytes_written += size
                 compact.append(self._compact(job, spec, tokens, tensors))
                 written.append(spec)
+                if spec.kind != CHECKPOINT and all(o <= spec.start for o in job.origins.values()):
+                    self._remember_complete(spec.hash)
             if rows and self.index is not None:
                 try:
                     self.index.insert(rows)
@@ -268,6 +280,8 @@ class Writer:
         self.memory.put(reversed(compact))
         if written and (rows or self.index is None):
             self._drop_redundant(job, [s for s in written if s.kind != CHECKPOINT])
+        if job.refill and self.index is not None:
+            self._refill(job, hosts, tags)
         if self.after_batch is not None and rows:
             self.after_batch()
 
@@ -309,6 +323,63 @@ class Writer:
         self.memory.discard(gone)
         self.stats.redundant_dropped += len(gone)
         self.stats.redundant_bytes += freed
+
+    def _refill(self, job: Job, hosts: dict, tags: dict) -> None:
+        """Write again, complete, the stored records of `job.refill` whose blobs lack some
+        layer's K/V (a chunk first stored from a cache whose sliding window had already slid
+        past it). Same hash, same tokens: the new blob is renamed over the old one and its row
+        gets the new size and checksum, both under the exclusive tree lock, so no writer, gc or
+        damage check (`Store._quarantine` looks again under the shared lock) sees them disagree."""
+        for spec in job.refill:
+            if spec.hash in self._complete:
+                continue
+            stored = self._stored_lengths(spec.hash)
+            want = {name: a.shape[2] for name, a in job.slices(spec, hosts).items()}
+            if stored is None or all(stored.get(name, 0) >= n for name, n in want.items()):
+                self._remember_complete(spec.hash)
+                continue
+            tokens = np.ascontiguousarray(job.tokens[spec.start : spec.end], dtype="<i4")
+            tensors: dict[str, blobs.Tensor] = {"tokens": ("I32", tokens)}
+            for name, arr in job.slices(spec, hosts).items():
+                tensors[name] = (tags[name], np.ascontiguousarray(arr))
+            meta = dict(job.metadata, hash=spec.hash.hex(), parent=spec.parent.hex(),
+                        depth=str(spec.depth), kind=str(spec.kind))
+            try:
+                with blobs.tree_lock(self.root, exclusive=True):
+                    row = self.index.get(spec.hash)
+                    if row is None or row.bad or row.tokens != tokens.tobytes():
+                        continue  # evicted (or quarantined) meanwhile: nothing to complete
+                    size, checksum = blobs.write(self.root, spec.hash, tensors, meta, fsync=self.fsync)
+                    self.index.replace_blob(spec.hash, size, checksum)
+            except Exception as e:  # the old, shorter record stays; only reuse is lost
+                self._count_error(e)
+                continue
+            self.stats.refilled += 1
+            self.stats.bytes_written += size
+            self._remember_complete(spec.hash)
+            self.memory.discard([spec.hash])
+            self.memory.put([self._compact(job, spec, tokens, tensors)])
+
+    def _stored_lengths(self, h: bytes) -> dict[str, int] | None:
+        """Tokens of K/V each array of a stored record holds (None if it cannot be told)."""
+        rec = self.memory.get(h)
+        if rec is not None:
+            return {name: a.shape[2] for name, a in rec.arrays.items() if a.ndim >= 3}
+        path = blobs.blob_path(self.root, h)
+        try:
+            with open(path, "rb") as f:
+                head = f.read(8)
+                n = int.from_bytes(head, "little") if len(head) == 8 else 0
+                header, _ = blobs.parse_header(head + f.read(min(n, 1 << 24)), path,
+                                               size=os.fstat(f.fileno()).st_size)
+        except (OSError, blobs.BlobError):
+            return None
+        return {name: e["shape"][2] for name, e in header.items() if name != "tokens" and len(e["shape"]) >= 3}
+
+    def _remember_complete(self, h: bytes) -> None:
+        self._complete[h] = None
+        if len(self._complete) > 100_000:
+            del self._complete[next(iter(self._complete))]
 
     def _still_needed(self, job: Job) -> list[Spec]:
         """The job's records that are not stored yet, parents first. If gc (in any process)

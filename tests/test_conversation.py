@@ -167,3 +167,40 @@ def test_readers_in_another_process_restore_correctly_while_tails_go(tmp_path, l
             reader.kill()
         reader.wait()
     assert result["fetches"] > 0 and result["wrong"] == 0, result
+
+
+def test_a_chunk_stored_without_window_data_gets_it_later(tmp_path, demo_model):
+    folder = demo_model("gemma3_text")  # sliding window of 32 tokens
+    model, _ = load(str(folder))
+    rng = np.random.default_rng(5)
+    tokens = rng.integers(1, 200, 61).tolist()
+    with kvstore.open(tmp_path / "s", chunk_size=C) as store:
+        mc = store.bind(model, folder)
+        # As a server stores after generating: the window layers hold only their last 32 tokens,
+        # so chunks 1 and 2 are stored without (all of) their data.
+        cache = make_prompt_cache(model)
+        model(mx.array([tokens[:60]]), cache=cache)
+        model(mx.array([tokens[60:]]), cache=cache)
+        mx.eval([c.state for c in cache])
+        mc.insert(tokens, cache)
+        store.flush()
+        query = tokens[:20] + [7]
+        cache, rest = mc.fetch(query)
+        assert len(rest) == len(query)  # no window data for [0, 20): nothing restorable
+        before = store.stats()["bytes"]
+        # A later insert that has the window data for them (a prompt prefilled in one step).
+        mc.insert(tokens[:40], prefill(model, tokens[:40]))
+        store.flush()
+        assert store.writer.stats.refilled == 2 and store.stats()["bytes"] > before
+        assert store.verify() == []
+    with kvstore.open(tmp_path / "s", chunk_size=C, memory_bytes=0) as store:  # from disk
+        mc = store.bind(model, folder)
+        cache, rest = mc.fetch(query)
+        assert len(rest) == 1 and logits_diff(model, cache, rest, query) < 1e-4
+        query = tokens + [3]  # and the long prompt still restores in full
+        cache, rest = mc.fetch(query)
+        assert len(rest) == 1 and logits_diff(model, cache, rest, query) < 1e-4
+        # Inserting the same again writes nothing: the records are complete now.
+        mc.insert(tokens[:40], prefill(model, tokens[:40]))
+        store.flush()
+        assert store.writer.stats.refilled == 0 and store.writer.stats.bytes_written == 0
