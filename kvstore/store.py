@@ -164,7 +164,8 @@ class Store:
             "writer": {"pending_bytes": self.writer.pending_bytes, "records_written": w.records_written,
                        "bytes_written": w.bytes_written, "dropped_jobs": w.dropped_jobs,
                        "dropped_bytes": w.dropped_bytes, "write_errors": w.write_errors,
-                       "last_error": w.last_error},
+                       "last_error": w.last_error, "redundant_dropped": w.redundant_dropped,
+                       "redundant_bytes": w.redundant_bytes, "refilled": w.refilled},
             **self.counters,
         }
         if self.index is not None:
