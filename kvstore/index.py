@@ -439,6 +439,12 @@ class Index:
             conn.execute(f"PRAGMA wal_autocheckpoint = {int(every)}")
             self.checkpoint()
 
+    def file_bytes(self) -> int:
+        try:
+            return self.path.stat().st_size
+        except OSError:
+            return 0
+
     def checkpoint(self) -> None:
         """Copy what the WAL holds into the database as far as readers allow; never waits for
         a writer or blocks one (SQLite's PASSIVE checkpoint)."""
