@@ -249,14 +249,23 @@ def run_one(rows: int, lookups: int) -> dict:
     out["cold_evicted_with"] = cold_runs[0]["evicted"] or "could not evict"
     out["index_bytes"] = index_bytes(path)
 
-    # gc down to half the bytes, with a client in another process
+    # gc down to half the bytes: alone (on a copy), then with a client in another process
+    alone = work / "alone"
+    shutil.copytree(path, alone)
+    store = kvstore.open(alone, memory_bytes=0)
+    t = time.perf_counter()
+    result = store.gc(max_bytes=store.stats()["bytes"] // 2)
+    out["gc_alone_s"] = time.perf_counter() - t
+    out["gc_alone_longest_transaction_ms"] = result["longest_transaction_seconds"] * 1e3
+    store.close()
+    shutil.rmtree(alone)
     out.update(gc_with_clients(path, work, query_file))
     out["index_bytes_after_gc"] = index_bytes(path)
     shutil.rmtree(work, ignore_errors=True)
     C.log(f"[index] {total_rows} rows: lookup p99 {out['lookup_hit']['p99_ms']:.2f} ms (hit), "
           f"{out['lookup_branch']['p99_ms']:.2f} ms (branch); open {out['open_warm_ms']:.1f} ms warm, "
           f"{out['open_cold_ms']:.1f} ms cold; index {out['index_bytes'] / 1e6:.0f} MB; "
-          f"gc half {out['gc_half_s']:.1f} s ({out['gc_evicted']} rows, longest transaction "
+          f"gc half alone {out['gc_alone_s']:.1f} s; with a client {out['gc_half_s']:.1f} s ({out['gc_evicted']} rows, longest transaction "
           f"{out['gc_longest_transaction_ms']:.0f} ms); during gc another process's fetch took at most "
           f"{out['fetch_during_gc']['max_ms']:.1f} ms, its insert {out['insert_during_gc']['max_ms']:.1f} ms "
           f"(before gc: {out['fetch_before_gc']['max_ms']:.1f} / {out['insert_before_gc']['max_ms']:.1f} ms)")
