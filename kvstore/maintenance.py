@@ -64,7 +64,7 @@ def collect(index: Index, root: Path, *, max_bytes: int | None = None, max_age: 
                         faults.hit("gc_deleted")
                     for h, _ in deleted:  # after the commit: a crash before here leaves orphan files only
                         blobs.remove(root, h)
-                took = time.perf_counter() - t
+                took = time.perf_counter() - t  # a batch: waiting for the lock, the transaction, the files
                 longest = max(longest, took)
                 done += batch
                 freed += sum(size for _, size in deleted)
