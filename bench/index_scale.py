@@ -10,7 +10,9 @@ Measured per size: `ModelCache.stored_length` of a 32k-token prompt (the fetch l
 hashes, one `present` query, the children of the deepest match) p50/p99, for a full hit and for a
 prompt that branches off inside chunk 100; time to open the store (`kvstore.open` + `bind`), in
 this process and in a fresh one with the index evicted from the page cache; the index size on
-disk; and `gc` down to half the bytes.
+disk; and `gc` down to half the bytes, while another process fetches (the lookup of the 32k-token
+prompt) and inserts (a small record through the store's writer, waiting until it is durable) in a
+loop: the longest each of them took during gc, next to the same before gc started.
 
     python bench/index_scale.py [--quick] [--rows 10000 100000]
 """
@@ -116,6 +118,74 @@ print(json.dumps({{"open_s": opened, "first_lookup_s": first, "stored": n}}))
 """
 
 
+_CLIENT = """
+import json, sys, time
+from pathlib import Path
+sys.path.insert(0, {bench!r})
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import make_prompt_cache
+import common as C
+import kvstore
+stop = Path({stop!r})
+store = kvstore.open({path!r}, memory_bytes=0)
+mc = store.bind(C.SHAPES[{shape!r}].model(), "bench-shape", fingerprint={fp!r})
+small = C.ShapeModel(2, 1, 64)  # inserts of small records, under a namespace of their own
+ins = store.bind(small, "bench-small", fingerprint=b"kvstore-bench-sm")
+query = np.load({query!r})
+fetches, inserts = [], []
+print("ready", flush=True)
+i = 0
+while not stop.exists():
+    t = time.time(); mc.stored_length(query); fetches.append((t, time.time() - t))
+    toks = np.random.default_rng(i).integers(0, 150_000, 40).astype(np.int32)
+    cache = make_prompt_cache(small)
+    small(mx.array(toks[None]), cache=cache)
+    C.eval_cache(cache)
+    t = time.time(); ins.insert(toks, cache); store.flush(); inserts.append((t, time.time() - t))
+    i += 1
+    time.sleep(0.005)
+store.close()
+print(json.dumps({{"fetch": fetches, "insert": inserts}}))
+"""
+
+
+def gc_with_clients(path, work, query_file) -> dict:
+    """gc down to half the bytes while another process fetches and inserts in a loop."""
+    stop = work / "stop"
+    code = _CLIENT.format(bench=str(C.HERE), path=str(path), shape=SHAPE.name, fp=FINGERPRINT,
+                          query=str(query_file), stop=str(stop))
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        time.sleep(3)  # the client's timings before gc
+        store = kvstore.open(path, memory_bytes=0)
+        before = store.stats()
+        started = time.time()
+        t = time.perf_counter()
+        result = store.gc(max_bytes=before["bytes"] // 2)
+        took = time.perf_counter() - t
+        ended = time.time()
+        store.close()
+        time.sleep(1)
+        stop.touch()
+        out, _ = child.communicate(timeout=600)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    got = json.loads(out.strip().splitlines()[-1])
+    res = {"gc_half_s": took, "gc_plan_s": result["plan_seconds"], "gc_evicted": result["evicted"],
+           "gc_longest_transaction_ms": result["longest_transaction_seconds"] * 1e3,
+           "gc_bytes_before": before["bytes"], "gc_bytes_after": result["bytes"]}
+    for op in ("fetch", "insert"):
+        during = [d for t, d in got[op] if started <= t + d and t <= ended]
+        calm = [d for t, d in got[op] if t + d < started]
+        res[f"{op}_during_gc"] = {"n": len(during), "max_ms": max(during, default=0) * 1e3,
+                                  "p99_ms": C.percentile(during, 99) * 1e3 if during else 0.0}
+        res[f"{op}_before_gc"] = {"n": len(calm), "max_ms": max(calm, default=0) * 1e3}
+    return res
+
+
 def run_one(rows: int, lookups: int) -> dict:
     C.log(f"[index] {rows} rows: synthesising")
     rng = np.random.default_rng(rows)
@@ -179,21 +249,26 @@ def run_one(rows: int, lookups: int) -> dict:
     out["cold_evicted_with"] = cold_runs[0]["evicted"] or "could not evict"
     out["index_bytes"] = index_bytes(path)
 
-    # gc down to half the bytes
-    store = kvstore.open(path, memory_bytes=0)
-    before = store.stats()
+    # gc down to half the bytes: alone (on a copy), then with a client in another process
+    alone = work / "alone"
+    shutil.copytree(path, alone)
+    store = kvstore.open(alone, memory_bytes=0)
     t = time.perf_counter()
-    result = store.gc(max_bytes=before["bytes"] // 2)
-    out["gc_half_s"] = time.perf_counter() - t
-    out["gc_evicted"] = result["evicted"]
-    out["gc_bytes_before"], out["gc_bytes_after"] = before["bytes"], result["bytes"]
+    result = store.gc(max_bytes=store.stats()["bytes"] // 2)
+    out["gc_alone_s"] = time.perf_counter() - t
+    out["gc_alone_longest_transaction_ms"] = result["longest_transaction_seconds"] * 1e3
     store.close()
+    shutil.rmtree(alone)
+    out.update(gc_with_clients(path, work, query_file))
     out["index_bytes_after_gc"] = index_bytes(path)
     shutil.rmtree(work, ignore_errors=True)
     C.log(f"[index] {total_rows} rows: lookup p99 {out['lookup_hit']['p99_ms']:.2f} ms (hit), "
           f"{out['lookup_branch']['p99_ms']:.2f} ms (branch); open {out['open_warm_ms']:.1f} ms warm, "
           f"{out['open_cold_ms']:.1f} ms cold; index {out['index_bytes'] / 1e6:.0f} MB; "
-          f"gc half {out['gc_half_s']:.1f} s ({out['gc_evicted']} rows)")
+          f"gc half alone {out['gc_alone_s']:.1f} s; with a client {out['gc_half_s']:.1f} s ({out['gc_evicted']} rows, longest transaction "
+          f"{out['gc_longest_transaction_ms']:.0f} ms); during gc another process's fetch took at most "
+          f"{out['fetch_during_gc']['max_ms']:.1f} ms, its insert {out['insert_during_gc']['max_ms']:.1f} ms "
+          f"(before gc: {out['fetch_before_gc']['max_ms']:.1f} / {out['insert_before_gc']['max_ms']:.1f} ms)")
     return out
 
 

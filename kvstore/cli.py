@@ -406,12 +406,13 @@ def _insert_generated(mc, prompt, generated: list[int], cache: list) -> int:
 # -- gc, stats, verify ------------------------------------------------------------------------
 
 def cmd_gc(args) -> int:
-    if args.max_bytes is None and args.max_age is None:
-        raise CommandError("gc needs --max-bytes and/or --max-age", EXIT_USAGE)
+    if args.max_bytes is None and args.max_age is None and not args.stale:
+        raise CommandError("gc needs --max-bytes and/or --max-age (or --stale)", EXIT_USAGE)
     if args.remote is not None:
         return _gc_remote(args)
     with open_store(args, must_exist=True) as store:
-        result = store.gc(max_bytes=args.max_bytes, max_age=args.max_age, dry_run=args.dry_run)
+        result = store.gc(max_bytes=args.max_bytes, max_age=args.max_age, dry_run=args.dry_run,
+                          stale=args.stale)
     verb, holds = ("would free", "would hold") if args.dry_run else ("freed", "holds")
     print(f"{verb} {format_size(result['freed_bytes'])} ({result['freed_bytes']} bytes, "
           f"{result['evicted']} records); the store {holds} {format_size(result['bytes'])} "
@@ -452,15 +453,20 @@ def cmd_stats(args) -> int:
     if not stats["models"]:
         return 0
     now = time.time()
-    header = ("fingerprint", "chunks", "tails", "bytes", "hits", "last use", "model")
+    header = ("fingerprint", "chunks", "tails", "bytes", "hits", "last use", "stale", "model")
     rows = [(m["fingerprint"][:12], str(m["chunks"]), str(m["tails"]), format_size(m["bytes"]), str(m["hits"]),
-             f"{format_age(now - m['last_used'])} ago" if m.get("last_used") else "never", m["model_id"])
+             f"{format_age(now - m['last_used'])} ago" if m.get("last_used") else "never",
+             {True: "STALE", False: "no", None: "?"}[m.get("stale")], m["model_id"])
             for m in stats["models"]]
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header) - 1)]
     print()
     for row in [header, *rows]:
         cells = [c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))]
         out("  ".join(cells + [row[-1]]))
+    held = sum(m["bytes"] for m in stats["models"] if m.get("stale"))
+    if held:
+        out(f"\nSTALE: {format_size(held)} of K/V whose model files changed or are gone since they were stored; "
+              f"`{PROG} gc --stale` evicts it (pins aside)")
     return 0
 
 
@@ -657,6 +663,8 @@ demo model with random weights (meaningless text).""")
     p = add("gc", cmd_gc, "evict least recently used records down to a size (and age) budget", [store_opts])
     p.add_argument("--max-bytes", metavar="SIZE", type=_size, help="keep at most this many bytes, like 500MB or 2GiB")
     p.add_argument("--max-age", metavar="DURATION", type=_duration, help="also evict records unused for this long, like 7d")
+    p.add_argument("--stale", action="store_true",
+                   help="evict model versions whose files are gone or changed (pins aside); a budget evicts them first anyway")
     p.add_argument("--dry-run", action="store_true", help="only report what would be freed")
 
     p = add("stats", cmd_stats, "show totals and a table per model", [store_opts])

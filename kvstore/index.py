@@ -302,6 +302,23 @@ class Index:
                 (ns, fingerprint, model_id, layout, chunk_size, now, now),
             )
 
+    def record_model_files(self, ns: bytes, stamps: Iterable[tuple[str, int, int, int, int]]) -> None:
+        """The files a model version was fingerprinted from, as they are now: (path, size,
+        mtime_ns, inode, ctime_ns). Replaces what was recorded for `ns`."""
+        with self.transaction() as conn:
+            conn.execute("DELETE FROM model_files WHERE ns = ?", (ns,))
+            conn.executemany(
+                "INSERT INTO model_files (ns, path, size, mtime_ns, ino, ctime_ns) VALUES (?, ?, ?, ?, ?, ?)",
+                [(ns, *stamp) for stamp in stamps])
+
+    def model_files(self) -> dict[bytes, list[tuple[str, int, int, int, int]]]:
+        """ns -> the files recorded for it by `record_model_files`."""
+        out: dict[bytes, list[tuple[str, int, int, int, int]]] = {}
+        for ns, *stamp in self.conn.execute(
+                "SELECT ns, path, size, mtime_ns, ino, ctime_ns FROM model_files ORDER BY ns, path"):
+            out.setdefault(ns, []).append(tuple(stamp))
+        return out
+
     # -- records ----------------------------------------------------------------------------
 
     def present(self, hashes: Sequence[bytes]) -> set[bytes]:
@@ -421,24 +438,95 @@ class Index:
 
     # -- eviction ---------------------------------------------------------------------------
 
-    def eviction_graph(self) -> list[tuple[bytes, bytes, int, float, int]]:
-        """(hash, parent, size, last access, pinned) of every record, for planning an eviction."""
-        return self.conn.execute("SELECT hash, parent, size, last_access, pinned FROM records").fetchall()
+    def eviction_graph(self, stale: Sequence[bytes] = ()) -> list[tuple]:
+        """(hash, parent, size, last access, pinned, of a namespace in `stale`) of every record,
+        for planning an eviction (`evict.Graph.from_rows`)."""
+        stale = list(stale)[:_MAX_PARAMS]
+        marks = ",".join("?" * len(stale))
+        flag = f"ns IN ({marks})" if stale else "0"
+        return self.conn.execute(
+            f"SELECT hash, parent, size, last_access, pinned, {flag} FROM records"
+            # A row of the wrong type (a TEXT hash, say) is never planned: verify reports it.
+            " WHERE typeof(hash) = 'blob' AND length(hash) = 16 AND typeof(parent) = 'blob'"
+            " AND length(parent) = 16 AND typeof(size) = 'integer'"
+            " AND typeof(last_access) IN ('integer', 'real') AND typeof(pinned) = 'integer'",
+            stale).fetchall()
 
-    def delete_leaves(self, hashes: Sequence[bytes]) -> list[Row]:
-        """Delete, in order and in one transaction, those of `hashes` that are unpinned and still
-        leaves (another process may have added a child since they were chosen). Returns the rows
-        deleted: delete their files only now that this has committed."""
-        deleted: list[Row] = []
+    def delete_leaves(self, groups: Sequence[Sequence[bytes]]) -> list[tuple[bytes, int]]:
+        """Delete, in one transaction, one statement per group in order, those records of
+        `groups` that are unpinned leaves when their statement runs: the statement itself refuses
+        a pinned record and one that still has a child (another process may have added one since
+        they were chosen; a child in the same group counts, so put children in earlier groups).
+        Returns (hash, size) of the rows deleted: delete their files only now that this has
+        committed."""
+        deleted: list[tuple[bytes, int]] = []
         with self.transaction() as conn:
-            for h in hashes:
-                row = conn.execute(
-                    f"SELECT {_ROW_COLUMNS} FROM records WHERE hash = ? AND pinned = 0 AND NOT EXISTS "
-                    "(SELECT 1 FROM records c WHERE c.parent = ?)", (h, h)).fetchone()
-                if row is not None:
-                    conn.execute("DELETE FROM records WHERE hash = ?", (h,))
-                    deleted.append(_row(row))
+            for group in groups:
+                for start in range(0, len(group), _MAX_PARAMS):
+                    part = list(group[start : start + _MAX_PARAMS])
+                    marks = ",".join("?" * len(part))
+                    deleted += conn.execute(
+                        f"DELETE FROM records WHERE hash IN ({marks}) AND pinned = 0 AND NOT EXISTS "
+                        "(SELECT 1 FROM records c WHERE c.parent = records.hash) RETURNING hash, size",
+                        part).fetchall()
         return deleted
+
+    def replace_blob(self, h: bytes, size: int, checksum: int) -> bool:
+        """A record's blob was written again with more of its K/V (same tokens): its new size
+        and checksum, and the store's totals moved by the difference, in one transaction."""
+        with self.transaction() as conn:
+            row = conn.execute("SELECT ns, size FROM records WHERE hash = ?", (h,)).fetchone()
+            if row is None:
+                return False
+            conn.execute("UPDATE records SET size = ?, checksum = ? WHERE hash = ?",
+                         (size, _u64_to_i64(checksum), h))
+            conn.execute("UPDATE totals SET bytes = bytes + ? WHERE ns = ?", (size - row[1], row[0]))
+        return True
+
+    def drop_redundant(self, pairs: Sequence[tuple[bytes, bytes]]) -> list[tuple[bytes, int]]:
+        """Delete, in one transaction, the old tail of each (old, newer) pair whose tokens the
+        newer record holds, if it is still an unpinned leaf and the newer record is still stored
+        and usable. Returns (hash, size) of the rows deleted: delete their files after this."""
+        deleted: list[tuple[bytes, int]] = []
+        with self.transaction() as conn:
+            for old, newer in pairs:
+                deleted += conn.execute(
+                    f"DELETE FROM records WHERE hash = ? AND kind = {TAIL} AND pinned = 0 AND NOT EXISTS "
+                    "(SELECT 1 FROM records c WHERE c.parent = ?) AND EXISTS "
+                    "(SELECT 1 FROM records n WHERE n.hash = ? AND n.bad = 0) RETURNING hash, size",
+                    (old, old, newer)).fetchall()
+        return deleted
+
+    @contextmanager
+    def bulk(self, cache_kib: int = 256 << 10) -> Iterator[None]:
+        """For a long job of many transactions (gc) on this thread's connection: a bigger page
+        cache, and no checkpoint inside its commits (it calls `checkpoint` between them, when
+        it holds no lock); then the defaults again."""
+        conn = self.conn
+        (before,) = conn.execute("PRAGMA cache_size").fetchone()
+        (every,) = conn.execute("PRAGMA wal_autocheckpoint").fetchone()
+        conn.execute(f"PRAGMA cache_size = -{int(cache_kib)}")
+        conn.execute("PRAGMA wal_autocheckpoint = 0")
+        try:
+            yield
+        finally:
+            conn.execute(f"PRAGMA cache_size = {int(before)}")
+            conn.execute(f"PRAGMA wal_autocheckpoint = {int(every)}")
+            self.checkpoint()
+
+    def file_bytes(self) -> int:
+        try:
+            return self.path.stat().st_size
+        except OSError:
+            return 0
+
+    def checkpoint(self) -> None:
+        """Copy what the WAL holds into the database as far as readers allow; never waits for
+        a writer or blocks one (SQLite's PASSIVE checkpoint)."""
+        try:
+            self.conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+        except sqlite3.OperationalError:  # busy: a later one does it
+            pass
 
     # -- totals -----------------------------------------------------------------------------
 

@@ -1,8 +1,8 @@
 """Keeping a store within bounds (`collect`, behind `Store.gc`) and whole (`verify`).
 
 Eviction is leaves first, least recently used first, so no remaining record loses its parent;
-pinned records (and their ancestors, which are pinned with them) stay. Rows go in one
-transaction, files only after it has committed.
+pinned records and their ancestors stay (`evict` computes that order for the whole store at
+once). Rows go in short transactions, files only after the one that dropped their rows.
 
 Repair deletes only what kvstore wrote: blob files (named for their hash, in their own `ab/cd/`
 folder) and its writers' temporary files. Anything else in the blob tree is moved aside to
@@ -15,14 +15,13 @@ writer leaves orphan files of models the index knows: those are always cleaned u
 
 from __future__ import annotations
 
-import heapq
 import os
 import stat
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from . import blobs, blobtree, faults, keys
+from . import blobs, blobtree, evict, faults, keys
 from .errors import BlobError
 from .index import Index
 from .storedir import QUARANTINE_NAME
@@ -30,75 +29,76 @@ from .storedir import QUARANTINE_NAME
 _DELETE_BATCH = 500
 ORPHAN_SHARE = 0.10
 ORPHAN_FEW = 8
+# Rows per gc transaction: adapted to keep each one near _TX_TARGET_S (other processes' inserts
+# wait for it), within these bounds.
+_BATCH_MIN, _BATCH_START, _BATCH_MAX = 50, 500, 20000
+_TX_TARGET_S = 0.06
+# gc checkpoints the WAL itself after each transaction, holding no lock (none inside its commits,
+# where writers would wait for it). Less often copies a page several transactions changed only
+# once (half of 1M rows: 62 s every 3 s, 75 s every 1 s), but then another process's commit
+# finds the backlog and checkpoints it inside its own commit: inserts waited over 1 s.
+_CHECKPOINT_EVERY_S = 0.0
+_CACHE_MIN_KIB, _CACHE_MAX_KIB = 64 << 10, 1 << 20
+# After each transaction gc waits this long, so that a writer waiting for the blob-tree lock
+# (or in SQLite's busy handler) gets its turn before the next one.
+_YIELD_S = 0.002
 
 
 def collect(index: Index, root: Path, *, max_bytes: int | None = None, max_age: float | None = None,
-            dry_run: bool = False) -> dict:
-    """Evict until the store holds at most `max_bytes` and nothing unused for `max_age` seconds."""
+            stale: bool = False, stale_namespaces: set[bytes] = frozenset(), dry_run: bool = False) -> dict:
+    """Evict until the store holds at most `max_bytes`, nothing unused for `max_age` seconds
+    and, with `stale`, nothing of the model versions in `stale_namespaces` (which a budget
+    evicts first, too). See `evict` for the order; rows go in transactions of a bounded number
+    of rows, each record's file right after the commit that dropped its row."""
     started = time.perf_counter()
     total = index.totals()["bytes"]
     cutoff = time.time() - max_age if max_age is not None else None
-    plan = _plan(index, total, max_bytes, cutoff)
-    freed, evicted, hashes = 0, 0, []
+    p = evict.Plan.empty()
+    if (max_bytes is not None and total > max_bytes) or cutoff is not None or (stale and stale_namespaces):
+        graph = evict.Graph.from_rows(index.eviction_graph(sorted(stale_namespaces)))
+        p = evict.plan(graph, max_bytes=max_bytes, cutoff=cutoff, stale=stale)
+    planned = time.perf_counter() - started
+    freed, hashes, longest = 0, [], 0.0
     if dry_run:
-        freed, evicted, hashes = sum(s for _, s in plan), len(plan), [h for h, _ in plan]
+        freed, hashes = int(p.sizes.sum()) if len(p) else 0, list(p.hashes)
     else:
-        for start in range(0, len(plan), _DELETE_BATCH):
-            batch = [h for h, _ in plan[start : start + _DELETE_BATCH]]
-            # Exclusive of writers: none can find a row here and then lose its file to us.
-            with blobs.tree_lock(root, exclusive=True):
-                deleted = index.delete_leaves(batch)
-                if deleted:
-                    faults.hit("gc_deleted")
-                for row in deleted:  # after the commit: a crash before here leaves orphan files only
-                    blobs.remove(root, row.hash)
-            freed += sum(r.size for r in deleted)
-            evicted += len(deleted)
-            hashes += [r.hash for r in deleted]
+        done, batch = 0, _BATCH_START
+        p = evict.by_level(p)
+        checkpointed = time.perf_counter()
+        # A page cache as big as the index (up to 1 GiB) while gc runs: at 1M rows it halves the
+        # time of every delete, whose pages are spread over the whole file (bench/index_scale.py).
+        with index.bulk(cache_kib=min(_CACHE_MAX_KIB, max(_CACHE_MIN_KIB, index.file_bytes() // 1024))):
+            while done < len(p):
+                t = time.perf_counter()
+                # Exclusive of writers: none can find a row here and then lose its file to us.
+                with blobs.tree_lock(root, exclusive=True):
+                    deleted = index.delete_leaves(evict.batches(p, done, batch))
+                    if deleted:
+                        faults.hit("gc_deleted")
+                    for h, _ in deleted:  # after the commit: a crash before here leaves orphan files only
+                        blobs.remove(root, h)
+                took = time.perf_counter() - t  # a batch: waiting for the lock, the transaction, the files
+                longest = max(longest, took)
+                done += batch
+                freed += sum(size for _, size in deleted)
+                hashes += [h for h, _ in deleted]
+                batch = max(_BATCH_MIN, min(_BATCH_MAX, int(batch * _TX_TARGET_S / max(took, 1e-4))))
+                if time.perf_counter() - checkpointed > _CHECKPOINT_EVERY_S:
+                    index.checkpoint()  # holding no lock: writers and readers go on meanwhile
+                    checkpointed = time.perf_counter()
+                if done < len(p):
+                    time.sleep(_YIELD_S)
     return {
-        "evicted": evicted,
+        "evicted": len(hashes),
         "freed_bytes": freed,
         "bytes_before": total,
         "bytes": total - freed,
         "dry_run": dry_run,
         "seconds": time.perf_counter() - started,
+        "plan_seconds": planned,
+        "longest_transaction_seconds": longest,
         "hashes": hashes,
     }
-
-
-def _plan(index: Index, total: int, max_bytes: int | None, cutoff: float | None) -> list[tuple[bytes, int]]:
-    """Which records to evict, in order (every record before its parent)."""
-    if (max_bytes is None or total <= max_bytes) and cutoff is None:
-        return []
-    # A row of the wrong type (a TEXT hash, say) is never planned: verify reports it.
-    rows = [r for r in index.eviction_graph() if _typed_edge(*r)]
-    children: dict[bytes, int] = {}
-    info: dict[bytes, tuple[bytes, int, float, int]] = {}
-    for h, parent, size, last, pinned in rows:
-        info[h] = (parent, size, last, pinned)
-        children[parent] = children.get(parent, 0) + 1
-    heap = [(last, h) for h, (_, _, last, pinned) in info.items() if not pinned and h not in children]
-    heapq.heapify(heap)
-    plan: list[tuple[bytes, int]] = []
-    while heap:
-        last, h = heap[0]
-        over = max_bytes is not None and total > max_bytes
-        old = cutoff is not None and last < cutoff
-        if not (over or old):
-            break
-        heapq.heappop(heap)
-        parent, size, _, _ = info[h]
-        plan.append((h, size))
-        total -= size
-        children[parent] -= 1
-        if children[parent] == 0 and parent in info and not info[parent][3]:
-            heapq.heappush(heap, (info[parent][2], parent))
-    return plan
-
-
-def _typed_edge(h, parent, size, last, pinned) -> bool:
-    return (isinstance(h, bytes) and isinstance(parent, bytes) and type(size) is int
-            and type(last) in (int, float) and type(pinned) is int)
 
 
 @dataclass(frozen=True)

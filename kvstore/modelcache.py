@@ -18,7 +18,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
 from . import blobs, keys
 from .codecs import (ArraysCodec, CacheListCodec, Codec, KVCodec, Piece, QuantizedKVCodec,
-                     make_codec, sub)
+                     RotatingCodec, make_codec, sub)
 from .errors import BlobError, InvalidInputError
 from .index import CHECKPOINT, CHUNK, TAIL, Row
 from .memory import Record
@@ -77,6 +77,13 @@ class ModelCache:
                           "chunk_size": str(self.chunk_size)}
         self._shapes: tuple[dict, dict] | None | bool = False  # False: not traced yet
         self.registered = True  # False while the index could not record this model (Store.bind)
+
+    @property
+    def _windowed(self) -> bool:
+        """Some layer keeps a sliding window (its records may be stored without its data)."""
+        def windowed(c: Codec) -> bool:
+            return isinstance(c, RotatingCodec) or (isinstance(c, CacheListCodec) and any(map(windowed, c.subs)))
+        return any(map(windowed, self.codecs))
 
     @property
     def supported(self) -> bool:
@@ -453,7 +460,10 @@ class ModelCache:
             log.error("kvstore: insert dropped (%s: %s)", type(e).__name__, e)
             store.counters["skipped_inserts"] += 1
             return 0
-        if not new and not pin:
+        # Stored records a sliding window may have been missing data for (see Writer._refill).
+        stored = [s for s in specs if s.kind != CHECKPOINT and s not in new
+                  and not store.writer.known_complete(s.hash)] if self._windowed else []
+        if not new and not pin and not stored:
             return 0
         arrays, origins, views, saved = {}, {}, {}, {}
         wants_checkpoint = any(s.kind == CHECKPOINT for s in new)
@@ -482,8 +492,14 @@ class ModelCache:
         for s in new:
             s.nbytes = checkpoint_bytes if s.kind == CHECKPOINT else 4 * (s.end - s.start) + sum(
                 b * max(0, s.end - max(s.start, origin)) for origin, b in per_token.items())
+        refill = [s for s in stored if all(o <= s.start for o in origins.values())]
+        if not new and not pin and not refill:
+            return 0
+        for s in refill:
+            s.nbytes = 4 * (s.end - s.start) + sum(b * (s.end - s.start) for b in per_token.values())
         job = Job(self.ns, toks, arrays, origins, views, new, self._metadata, checkpoint=saved,
-                  pin=[s.hash for s in specs] if pin else [], nbytes=sum(s.nbytes for s in new))
+                  pin=[s.hash for s in specs] if pin else [],
+                  nbytes=sum(s.nbytes for s in new) + sum(s.nbytes for s in refill), refill=refill)
         store.writer.submit(job)
         return len(new)
 

@@ -25,6 +25,7 @@ import numpy as np
 
 from . import blobs, keys
 from .errors import BlobError, InvalidInputError, ModelFilesError, StoreOpenError
+from .stale import stale_namespaces, stamps as file_stamps
 from .index import Index, Row, is_corruption
 from .memory import MemoryTier, Record
 from .modelcache import ModelCache, describe, make_template
@@ -134,12 +135,15 @@ class Store:
             raise InvalidInputError(f"kv_bits must be one of 2, 3, 4, 5, 6, 8, got {kv_bits!r}")
         template = make_template(model, kv_bits, kv_group_size)
         layout, codecs = describe(model, template)
+        stamps = None
         if fingerprint is None:
+            # Before hashing: a file that changes meanwhile shows as changed (stale) later.
+            stamps = self._model_stamps(model_id, adapter_path)
             fingerprint = self._fingerprint(model_id, adapter_path)
         ns = keys.namespace(fingerprint, layout, self.chunk_size)
         mc = ModelCache(self, model, str(model_id), ns, fingerprint, layout, codecs,
                         kv_bits=kv_bits, kv_group_size=kv_group_size)
-        mc.registered = self._register(mc)
+        mc.registered = self._register(mc, stamps)
         if self.remote is not None:
             self.remote.bind(mc)
         return mc
@@ -185,7 +189,8 @@ class Store:
             "writer": {"pending_bytes": self.writer.pending_bytes, "records_written": w.records_written,
                        "bytes_written": w.bytes_written, "dropped_jobs": w.dropped_jobs,
                        "dropped_bytes": w.dropped_bytes, "write_errors": w.write_errors,
-                       "last_error": w.last_error},
+                       "last_error": w.last_error, "redundant_dropped": w.redundant_dropped,
+                       "redundant_bytes": w.redundant_bytes, "refilled": w.refilled},
             **self.counters,
             "remote": self.remote.stats() if self.remote is not None else None,
         }
@@ -193,6 +198,12 @@ class Store:
             with self._damage_is_an_error():
                 out.update(self.index.totals())
                 out["models"] = self.index.models()
+                recorded = self.index.model_files()
+                why = stale_namespaces(recorded)
+                for m in out["models"]:  # None: bound before kvstore recorded its files
+                    ns = bytes.fromhex(m["namespace"])
+                    m["stale"] = (ns in why) if ns in recorded else None
+                    m["stale_reason"] = why.get(ns)
                 out["quarantined_total"] = self.index.counters().get("count.quarantined", 0)
         else:
             kinds = self.memory.kinds()
@@ -200,8 +211,11 @@ class Store:
                        checkpoints=kinds.get(2, 0), models=[])
         return out
 
-    def gc(self, max_bytes: int | None = None, max_age: float | None = None, dry_run: bool = False) -> dict:
-        """Evict down to `max_bytes` (and records unused for `max_age` seconds); see `maintenance`."""
+    def gc(self, max_bytes: int | None = None, max_age: float | None = None, dry_run: bool = False,
+           stale: bool = False) -> dict:
+        """Evict down to `max_bytes` (and records unused for `max_age` seconds; with `stale`, every
+        record of a model version whose files are gone or changed, pins aside). A budget evicts
+        stale versions first. See `maintenance` and `evict`."""
         from .maintenance import collect
 
         self._check_open()
@@ -212,8 +226,9 @@ class Store:
                 self.memory.trim_to(max_bytes)
             return {"evicted": 0, "freed_bytes": 0, "bytes": self.memory.nbytes, "dry_run": dry_run}
         with self._gc_lock, self._damage_is_an_error():
+            old = set(stale_namespaces(self.index.model_files())) if stale or max_bytes is not None else set()
             result = collect(self.index, self.blob_root, max_bytes=max_bytes, max_age=max_age,
-                             dry_run=dry_run)
+                             stale=stale, stale_namespaces=old, dry_run=dry_run)
         if not dry_run:
             self.memory.discard(result.pop("hashes"))
         else:
@@ -313,9 +328,19 @@ class Store:
                     pass
         return keys.fingerprint(files, model_dir, lookup, remember)
 
-    def _register(self, mc: ModelCache) -> bool:
-        """Record a bound model version in the index; False if the index cannot be written now
-        (a full disk, a read-only or busy index): fetch goes on, inserts wait until it works."""
+    def _model_stamps(self, model_id, adapter_path) -> list | None:
+        """size/mtime/inode/ctime of the files a fingerprint covers (None if they cannot be
+        listed: `_fingerprint` then says why)."""
+        try:
+            adapter_dir = Path(adapter_path) if adapter_path is not None else None
+            return file_stamps(keys.model_files(resolve_model_dir(str(model_id)), adapter_dir))
+        except (ModelFilesError, OSError):
+            return None
+
+    def _register(self, mc: ModelCache, stamps: list | None = None) -> bool:
+        """Record a bound model version in the index (with its files' stamps, to tell later
+        whether it went stale); False if the index cannot be written now (a full disk, a
+        read-only or busy index): fetch goes on, inserts wait until it works."""
         if self.index is None:
             return True
         if self.read_only:
@@ -323,6 +348,8 @@ class Store:
         try:
             self.index.register_model(mc.ns, mc.fingerprint, mc.model_id, json.dumps(mc.layout),
                                       self.chunk_size)
+            if stamps:
+                self.index.record_model_files(mc.ns, stamps)
             return True
         except sqlite3.OperationalError as e:
             log.warning("kvstore: cannot record model %s in the index (%s): serving reads only "
@@ -386,6 +413,8 @@ class Store:
                 return
         except Exception:
             pass
+        if self._intact(h):  # its blob and row were replaced (completed) under the read
+            return
         log.warning("kvstore: quarantined a damaged record: %s", error)
         self.counters["quarantined"] += 1
         try:
@@ -393,6 +422,21 @@ class Store:
                 self.index.bump_counter("count.quarantined")
         except Exception:  # the index may be busy or read-only; the miss is what matters
             pass
+
+
+    def _intact(self, h: bytes) -> bool:
+        """Whether a record reads clean now, looked at under the shared tree lock: a writer
+        that completes a record (`Writer._refill`) replaces its blob and row together under the
+        exclusive lock, and a read between the two is no damage."""
+        try:
+            with blobs.tree_lock(self.blob_root, exclusive=False):
+                row = self.index.get(h)
+                if row is None or row.bad:
+                    return False
+                blobs.read(self.blob_root, h, size=row.size, checksum=row.checksum)
+                return True
+        except Exception:
+            return False
 
 
 def resolve_model_dir(model_id: str) -> Path:

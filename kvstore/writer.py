@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -22,7 +23,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import blobs, faults, keys
-from .index import CHECKPOINT, CHUNK, Index, Row
+from .index import CHECKPOINT, CHUNK, TAIL, Index, Row
 from .memory import MemoryTier, Record
 
 log = logging.getLogger("kvstore")
@@ -55,6 +56,9 @@ class Job:
     checkpoint: dict[str, mx.array] = field(default_factory=dict)  # for the CHECKPOINT spec
     pin: list[bytes] = field(default_factory=list)
     nbytes: int = 0
+    # Stored chunks and tails this job holds every layer's K/V for: a stored one that lacks some
+    # (a sliding window had slid past them when it was written) is written again, complete.
+    refill: list[Spec] = field(default_factory=list)
 
     def slices(self, spec: Spec, arrays: dict) -> dict:
         """The part of each array that falls in the spec's tokens (always a suffix of them)."""
@@ -83,6 +87,9 @@ class WriterStats:
     dropped_bytes: int = 0
     write_errors: int = 0
     last_error: str = ""
+    redundant_dropped: int = 0  # older tails dropped because a newer record holds their tokens
+    redundant_bytes: int = 0
+    refilled: int = 0  # stored records written again with the window data they lacked
 
 
 class Writer:
@@ -105,6 +112,7 @@ class Writer:
         self._touches: dict[bytes, tuple[float, int]] = {}
         self._last_touch_flush = time.monotonic()
         self._stop = False
+        self._complete: dict[bytes, None] = {}  # records known to hold every layer's K/V (bounded)
         self._paused = threading.Event()
         self._paused.set()
         self._thread = threading.Thread(target=self._run, name="kvstore-writer", daemon=True)
@@ -136,6 +144,10 @@ class Writer:
         with self._cond:
             return [(s.hash, j.tokens[s.start : s.end]) for j, s in self._pending.values()
                     if s.parent == parent]
+
+    def known_complete(self, h: bytes) -> bool:
+        """Whether a stored record is known to hold every layer's K/V (nothing to refill)."""
+        return h in self._complete
 
     def is_pending(self, h: bytes) -> bool:
         return h in self._pending
@@ -230,6 +242,7 @@ class Writer:
                 todo = self._still_needed(job)
             rows: list[Row] = []
             compact: list[Record] = []
+            written: list[Spec] = []
             tokens_tag = "I32"
             for spec in todo:
                 tokens = np.ascontiguousarray(job.tokens[spec.start : spec.end], dtype="<i4")
@@ -251,6 +264,9 @@ class Writer:
                                     pinned=int(spec.hash in job.pin)))
                     self.stats.bytes_written += size
                 compact.append(self._compact(job, spec, tokens, tensors))
+                written.append(spec)
+                if spec.kind != CHECKPOINT and all(o <= spec.start for o in job.origins.values()):
+                    self._remember_complete(spec.hash)
             if rows and self.index is not None:
                 try:
                     self.index.insert(rows)
@@ -265,8 +281,108 @@ class Writer:
             if job.pin and self.index is not None:
                 self.index.pin(job.pin)
         self.memory.put(reversed(compact))
+        if written and (rows or self.index is None):
+            self._drop_redundant(job, [s for s in written if s.kind != CHECKPOINT])
+        if job.refill and self.index is not None:
+            self._refill(job, hosts, tags)
         if self.after_batch is not None and rows:
             self.after_batch()
+
+    def _drop_redundant(self, job: Job, written: list[Spec]) -> None:
+        """Drop the older tails that a record just written makes redundant: under the same
+        parent, their tokens a prefix of its tokens, and every layer's K/V for those tokens in
+        it (a sliding window that slid past them does not count). A multi-turn chat then keeps
+        one tail per branch instead of one per turn. Rows go first in their own transaction
+        (the DELETE refuses a pinned record, one with children such as a checkpoint, and one
+        whose newer record is gone), files after the commit, as gc does."""
+        pairs: list[tuple[bytes, bytes]] = []
+        for spec in written:
+            if any(origin > spec.start for origin in job.origins.values()):
+                continue  # this record lacks some layer's K/V for the first tokens
+            newer = np.ascontiguousarray(job.tokens[spec.start : spec.end], dtype="<i4").tobytes()
+            older = {r.hash: r.tokens.astype("<i4").tobytes() for r in self.memory.children(spec.parent)
+                     if r.kind == TAIL}
+            if self.index is not None:
+                older.update((r.hash, r.tokens) for r in self.index.children(spec.parent, int(job.tokens[spec.start]))
+                             if r.kind == TAIL and not r.pinned)
+            pairs += [(h, spec.hash) for h, t in older.items()
+                      if h != spec.hash and len(t) < len(newer) and newer.startswith(t)]
+        if not pairs:
+            return
+        if self.index is None:  # RAM only
+            gone = [h for h, _ in pairs]
+            freed = sum(r.nbytes for r in map(self.memory.get, gone) if r is not None)
+        else:
+            try:
+                # Exclusive, as gc: no writer finds one of these rows and then loses its file.
+                with blobs.tree_lock(self.root, exclusive=True):
+                    deleted = self.index.drop_redundant(pairs)
+                    for h, _ in deleted:
+                        blobs.remove(self.root, h)
+            except Exception as e:  # only space is lost
+                self._count_error(e)
+                return
+            gone, freed = [h for h, _ in deleted], sum(size for _, size in deleted)
+        self.memory.discard(gone)
+        self.stats.redundant_dropped += len(gone)
+        self.stats.redundant_bytes += freed
+
+    def _refill(self, job: Job, hosts: dict, tags: dict) -> None:
+        """Write again, complete, the stored records of `job.refill` whose blobs lack some
+        layer's K/V (a chunk first stored from a cache whose sliding window had already slid
+        past it). Same hash, same tokens: the new blob is renamed over the old one and its row
+        gets the new size and checksum, both under the exclusive tree lock, so no writer, gc or
+        damage check (`Store._quarantine` looks again under the shared lock) sees them disagree."""
+        for spec in job.refill:
+            if spec.hash in self._complete:
+                continue
+            stored = self._stored_lengths(spec.hash)
+            want = {name: a.shape[2] for name, a in job.slices(spec, hosts).items()}
+            if stored is None or all(stored.get(name, 0) >= n for name, n in want.items()):
+                self._remember_complete(spec.hash)
+                continue
+            tokens = np.ascontiguousarray(job.tokens[spec.start : spec.end], dtype="<i4")
+            tensors: dict[str, blobs.Tensor] = {"tokens": ("I32", tokens)}
+            for name, arr in job.slices(spec, hosts).items():
+                tensors[name] = (tags[name], np.ascontiguousarray(arr))
+            meta = dict(job.metadata, hash=spec.hash.hex(), parent=spec.parent.hex(),
+                        depth=str(spec.depth), kind=str(spec.kind))
+            try:
+                with blobs.tree_lock(self.root, exclusive=True):
+                    row = self.index.get(spec.hash)
+                    if row is None or row.bad or row.tokens != tokens.tobytes():
+                        continue  # evicted (or quarantined) meanwhile: nothing to complete
+                    size, checksum = blobs.write(self.root, spec.hash, tensors, meta, fsync=self.fsync)
+                    self.index.replace_blob(spec.hash, size, checksum)
+            except Exception as e:  # the old, shorter record stays; only reuse is lost
+                self._count_error(e)
+                continue
+            self.stats.refilled += 1
+            self.stats.bytes_written += size
+            self._remember_complete(spec.hash)
+            self.memory.discard([spec.hash])
+            self.memory.put([self._compact(job, spec, tokens, tensors)])
+
+    def _stored_lengths(self, h: bytes) -> dict[str, int] | None:
+        """Tokens of K/V each array of a stored record holds (None if it cannot be told)."""
+        rec = self.memory.get(h)
+        if rec is not None:
+            return {name: a.shape[2] for name, a in rec.arrays.items() if a.ndim >= 3}
+        path = blobs.blob_path(self.root, h)
+        try:
+            with open(path, "rb") as f:
+                head = f.read(8)
+                n = int.from_bytes(head, "little") if len(head) == 8 else 0
+                header, _ = blobs.parse_header(head + f.read(min(n, 1 << 24)), path,
+                                               size=os.fstat(f.fileno()).st_size)
+        except (OSError, blobs.BlobError):
+            return None
+        return {name: e["shape"][2] for name, e in header.items() if name != "tokens" and len(e["shape"]) >= 3}
+
+    def _remember_complete(self, h: bytes) -> None:
+        self._complete[h] = None
+        if len(self._complete) > 100_000:
+            del self._complete[next(iter(self._complete))]
 
     def _still_needed(self, job: Job) -> list[Spec]:
         """The job's records that are not stored yet, parents first. If gc (in any process)

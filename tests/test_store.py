@@ -22,6 +22,7 @@ import kvstore
 from kvstore import blobs
 from kvstore.demo import build_demo_model
 from kvstore.errors import InvalidInputError, SchemaTooNewError, StoreOpenError
+from kvstore.index import available_migrations
 from kvtest import prefill
 
 HERE = Path(__file__).parent
@@ -503,6 +504,4 @@ def test_blobs_are_standard_safetensors_and_the_index_a_plain_sqlite_file(tmp_pa
     assert {"records", "models", "totals", "meta", "file_digests", "schema_migrations"} <= set(db.table_names())
     assert {"hash", "parent", "depth", "tokens", "size", "checksum", "last_access", "hits", "pinned",
             "first_token"} <= set(db["records"].columns_dict)
-    from kvstore.index import available_migrations  # every branch numbers its own migrations
-
-    assert [r["version"] for r in db["schema_migrations"].rows] == [v for v, _, _ in available_migrations()]
+    assert [r["version"] for r in db["schema_migrations"].rows] == [v for v, *_ in available_migrations()]

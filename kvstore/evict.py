@@ -1,0 +1,145 @@
+"""Which records gc evicts, and in which order: the leaf-by-leaf LRU rule, for the whole store at once.
+
+The rule (DESIGN.md, Eviction): evict the least recently used leaf, again and again; a record whose
+last child went becomes a leaf; pinned records and their ancestors never go. Run one leaf at a time
+it costs a heap operation per record and a transaction per leaf. The same order comes out of one
+sort. Give every record two numbers, from its subtree:
+
+- `E(x)`: the latest (last access, hash) in the subtree of x, x included;
+- `H(x)`: 1 for a leaf, else 1 + the largest H of its children (the round of leaf peeling that
+  frees it).
+
+Sorting the evictable records (those peeling reaches: not pinned, no pinned descendant) by (E, H)
+gives exactly the order in which the one-leaf-at-a-time rule evicts them. (The record x that is
+first by (E, H) among those left is a leaf, since a child c has E(c) <= E(x) and H(c) < H(x); and
+its own (last access, hash) is the smallest of every leaf left, since a leaf y with a smaller one
+would have E(y) < E(x), or share E with x through a common descendant, which makes y an ancestor
+of x and so no leaf.) Ties between equal access times go by hash, as the old rule's heap broke
+them. Records of stale model versions (see `stale.py`) go before all others.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class Graph:
+    """Every record of the index, as columns (from `Index.eviction_graph`)."""
+
+    hashes: np.ndarray  # V16
+    parents: np.ndarray  # V16
+    sizes: np.ndarray  # int64
+    last: np.ndarray  # float64: last access
+    pinned: np.ndarray  # bool
+    stale: np.ndarray  # bool: of a stale model version
+
+    @classmethod
+    def from_rows(cls, rows: list[tuple]) -> "Graph":
+        if not rows:
+            empty = np.zeros(0, dtype="V16")
+            return cls(empty, empty, np.zeros(0, np.int64), np.zeros(0), np.zeros(0, bool), np.zeros(0, bool))
+        hashes, parents, sizes, last, pinned, stale = zip(*rows)
+        return cls(np.frombuffer(b"".join(hashes), dtype="V16"), np.frombuffer(b"".join(parents), dtype="V16"),
+                   np.array(sizes, dtype=np.int64), np.array(last, dtype=np.float64),
+                   np.array(pinned, dtype=bool), np.array(stale, dtype=bool))
+
+
+@dataclass
+class Plan:
+    """The records to evict: in eviction order (children before parents), with H of each."""
+
+    hashes: list[bytes]
+    sizes: np.ndarray
+    heights: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.hashes)
+
+    @classmethod
+    def empty(cls) -> "Plan":
+        return cls([], np.zeros(0, np.int64), np.zeros(0, np.int64))
+
+
+def order(g: Graph) -> tuple[np.ndarray, np.ndarray]:
+    """(indices of the evictable records in eviction order, H of every record, 0 if never)."""
+    n = len(g.hashes)
+    by_hash = np.argsort(g.hashes, kind="stable")
+    sorted_hashes = g.hashes[by_hash]
+    at = np.searchsorted(sorted_hashes, g.parents).clip(0, max(0, n - 1))
+    found = (sorted_hashes[at] == g.parents) if n else np.zeros(0, bool)
+    parent = np.where(found, by_hash[at] if n else at, -1)  # index of each record's parent, -1: a root
+    children = np.bincount(parent[parent >= 0], minlength=n)
+    # Rank of (last access, hash): the heap's key of the leaf-by-leaf rule.
+    rank = np.empty(n, dtype=np.int64)
+    hash_rank = np.empty(n, dtype=np.int64)
+    hash_rank[by_hash] = np.arange(n)
+    rank[np.lexsort((hash_rank, g.last))] = np.arange(n)
+    top = rank.copy()  # E, as a rank
+    height = np.zeros(n, dtype=np.int64)
+    frontier = np.nonzero((children == 0) & ~g.pinned)[0]
+    round_ = 0
+    while len(frontier):
+        round_ += 1
+        height[frontier] = round_
+        up = parent[frontier]
+        keep = up >= 0
+        up, below = up[keep], frontier[keep]
+        np.maximum.at(top, up, top[below])
+        np.subtract.at(children, up, 1)
+        up = np.unique(up)
+        frontier = up[(children[up] == 0) & ~g.pinned[up] & (height[up] == 0)]
+    evictable = np.nonzero(height > 0)[0]
+    return evictable[np.lexsort((height[evictable], top[evictable]))], height
+
+
+def plan(g: Graph, *, max_bytes: int | None, cutoff: float | None, stale: bool) -> Plan:
+    """The records to evict so that the store holds at most `max_bytes`, nothing last used
+    before `cutoff` (a time) is left and, with `stale`, nothing of a stale model version.
+
+    Records of stale versions go first (in their own LRU order), then the others: each part is
+    evicted up to the first record that neither the budget, the age nor `stale` asks for, where
+    the leaf-by-leaf rule would stop. Their trees are disjoint (a namespace each), so each part
+    alone keeps children before parents."""
+    if max_bytes is None and cutoff is None and not (stale and g.stale.any()):
+        return Plan.empty()
+    idx, height = order(g)
+    left = int(g.sizes.sum())
+    taken = []
+    for part, drop_all in ((idx[g.stale[idx]], stale), (idx[~g.stale[idx]], False)):
+        sizes = g.sizes[part]
+        before = left - np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+        wanted = np.full(len(part), drop_all)
+        if max_bytes is not None:
+            wanted |= before > max_bytes
+        if cutoff is not None:
+            wanted |= g.last[part] < cutoff
+        stop = len(part) if wanted.all() else int(np.argmin(wanted))
+        taken.append(part[:stop])
+        left -= int(sizes[:stop].sum())
+    idx = np.concatenate(taken)
+    return Plan([bytes(h) for h in g.hashes[idx]], g.sizes[idx], height[idx])
+
+
+def by_level(p: Plan) -> Plan:
+    """The same records, by H and then hash: still children first, and each transaction of the
+    deleter then runs one or two statements over records close together in the index."""
+    if not len(p):
+        return p
+    keys = np.frombuffer(b"".join(p.hashes), dtype="V16")
+    at = np.lexsort((np.argsort(np.argsort(keys, kind="stable"), kind="stable"), p.heights))
+    return Plan([p.hashes[i] for i in at], p.sizes[at], p.heights[at])
+
+
+def batches(p: Plan, start: int, count: int) -> list[list[bytes]]:
+    """Records `start`..`start+count` of the plan as groups that one DELETE each can take: by H,
+    lowest first, so every child goes in an earlier statement than its parent (the statement
+    refuses a record that still has a child)."""
+    part = slice(start, start + count)
+    hashes, heights = p.hashes[part], p.heights[part]
+    groups: dict[int, list[bytes]] = {}
+    for h, height in zip(hashes, heights.tolist()):
+        groups.setdefault(height, []).append(h)
+    return [sorted(groups[k]) for k in sorted(groups)]

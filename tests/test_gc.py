@@ -1,0 +1,269 @@
+"""gc: the set-based eviction evicts exactly what the leaf-by-leaf LRU rule would, the DELETE
+itself refuses parents and pinned records, and readers in other processes restore correctly
+while gc runs."""
+
+from __future__ import annotations
+
+import heapq
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from mlx_lm.models.cache import make_prompt_cache
+
+import kvstore
+from kvstore import evict
+from kvtest import prefill
+
+HERE = Path(__file__).parent
+C = 4  # tiny chunks: short prompts make long chains of small records
+
+
+def leaf_by_leaf(rows, total: int, max_bytes: int | None, cutoff: float | None) -> list[bytes]:
+    """The reference rule (the product's rule before set-based eviction): pop the least recently
+    used unpinned leaf, (last access, hash) order, until within budget and nothing is too old;
+    a parent whose last child went becomes a leaf."""
+    children: dict[bytes, int] = {}
+    info = {}
+    for h, parent, size, last, pinned, *_ in rows:
+        info[h] = (parent, size, last, pinned)
+        children[parent] = children.get(parent, 0) + 1
+    heap = [(last, h) for h, (_, _, last, pinned) in info.items() if not pinned and h not in children]
+    heapq.heapify(heap)
+    out = []
+    while heap:
+        last, h = heap[0]
+        if not ((max_bytes is not None and total > max_bytes) or (cutoff is not None and last < cutoff)):
+            break
+        heapq.heappop(heap)
+        parent, size, _, _ = info[h]
+        out.append(h)
+        total -= size
+        children[parent] -= 1
+        if children[parent] == 0 and parent in info and not info[parent][3]:
+            heapq.heappush(heap, (info[parent][2], parent))
+    return out
+
+
+def random_forest(rng: np.random.Generator, n: int, ties: int, pin_share: float) -> list[tuple]:
+    """Records under a few roots, each a child of a random earlier record (or a root); access
+    times drawn from `ties` values so many tie."""
+    roots = [bytes(rng.integers(0, 256, 16, dtype=np.uint8)) for _ in range(3)]
+    hashes: list[bytes] = []
+    rows = []
+    for _ in range(n):
+        h = bytes(rng.integers(0, 256, 16, dtype=np.uint8))
+        parent = roots[int(rng.integers(0, 3))] if not hashes or rng.random() < 0.1 else \
+            hashes[int(rng.integers(max(0, len(hashes) - 20), len(hashes)))]
+        rows.append((h, parent, int(rng.integers(1, 100)), float(rng.integers(0, ties)),
+                     int(rng.random() < pin_share), 0))
+        hashes.append(h)
+    return rows
+
+
+@settings(max_examples=150, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(0, 300), ties=st.sampled_from([1, 3, 50, 10**6]),
+       pin_share=st.sampled_from([0.0, 0.02, 0.2]), budget=st.floats(0, 1.1), age=st.none() | st.integers(0, 60))
+def test_plan_equals_the_leaf_by_leaf_rule(seed, n, ties, pin_share, budget, age):
+    rows = random_forest(np.random.default_rng(seed), n, ties, pin_share)
+    total = sum(r[2] for r in rows)
+    max_bytes = int(total * budget)
+    cutoff = None if age is None else float(age)
+    want = leaf_by_leaf(rows, total, max_bytes, cutoff)
+    got = evict.plan(evict.Graph.from_rows(rows), max_bytes=max_bytes, cutoff=cutoff, stale=False)
+    assert got.hashes == want  # the same records, in the same order
+    # The groups the deleter takes are children first: no record's parent is in its own group
+    # or an earlier one.
+    parents = {r[0]: r[1] for r in rows}
+    seen: set[bytes] = set()
+    for group in evict.batches(got, 0, len(got)):
+        assert not {parents[h] for h in group} & set(group)
+        assert not {parents[h] for h in group} & seen
+        seen |= set(group)
+
+
+def test_stale_versions_go_first_and_all_of_them_with_stale():
+    rng = np.random.default_rng(1)
+    fresh = random_forest(rng, 200, 10**6, 0.0)
+    old = [(*r[:5], 1) for r in random_forest(rng, 100, 10**6, 0.05)]
+    rows = fresh + old
+    g = evict.Graph.from_rows(rows)
+    stale_bytes = sum(r[2] for r in old)
+    total = sum(r[2] for r in rows)
+    # A budget takes stale records first, even the most recently used of them.
+    p = evict.plan(g, max_bytes=total - stale_bytes // 2, cutoff=None, stale=False)
+    stale_hashes = {r[0] for r in old}
+    assert p.hashes and set(p.hashes) <= stale_hashes
+    # --stale: every evictable stale record, and nothing else without a budget.
+    p = evict.plan(g, max_bytes=None, cutoff=None, stale=True)
+    assert set(p.hashes) == set(leaf_by_leaf([r for r in old], stale_bytes, -1, None))
+    assert set(p.hashes) <= stale_hashes
+
+
+# -- on a real store ----------------------------------------------------------------------------
+
+def build_store(path: Path, model_path, model, prompts: int = 40, seed: int = 0) -> list[list[int]]:
+    """Many small records: prompts that share prefixes of random lengths and branch anywhere,
+    some pinned, some fetched again later (so access times differ and many tie)."""
+    rng = np.random.default_rng(seed)
+    sequences: list[list[int]] = []
+    with kvstore.open(path, chunk_size=C, memory_bytes=0) as store:
+        mc = store.bind(model, model_path)
+        for i in range(prompts):
+            if sequences and rng.random() < 0.8:
+                base = sequences[int(rng.integers(0, len(sequences)))]
+                cut = int(rng.integers(1, len(base)))
+                tokens = base[:cut] + rng.integers(1, 200, int(rng.integers(1, 14))).tolist()
+            else:
+                tokens = rng.integers(1, 200, int(rng.integers(3, 30))).tolist()
+            mc.insert(tokens, prefill(model, tokens), pin=bool(i % 13 == 5))
+            sequences.append(tokens)
+            if i % 4 == 3:
+                store.flush()
+                time.sleep(0.002)  # the next batch gets later access times
+                for j in rng.integers(0, len(sequences), 3):
+                    mc.fetch(sequences[int(j)])
+        store.flush()
+    return sequences
+
+
+@pytest.fixture(scope="module")
+def small_store(tmp_path_factory, llama):
+    path, model = llama
+    root = tmp_path_factory.mktemp("gc-store")
+    prompts = build_store(root / "s", path, model)
+    return root / "s", prompts
+
+
+def _hashes(store) -> set[bytes]:
+    return {r.hash for r in store.index.rows()}
+
+
+@pytest.mark.parametrize("share, age", [(0.0, None), (0.3, None), (0.6, None), (0.9, None), (1.0, 0.5), (None, 0.0)])
+def test_gc_evicts_what_the_leaf_by_leaf_rule_would(tmp_path, small_store, share, age):
+    src, _ = small_store
+    path = tmp_path / "s"
+    shutil.copytree(src, path)
+    with kvstore.open(path, chunk_size=C, memory_bytes=0) as store:
+        rows = store.index.eviction_graph()
+        before = {r[0] for r in rows}
+        total = store.stats()["bytes"]
+        max_bytes = None if share is None else int(total * share)
+        cutoff = age_s = None
+        if age is not None:  # in the middle of a wide gap between access times, so that the
+            times = sorted({r[3] for r in rows})  # few microseconds until gc reads the clock move no record
+            lo = int(len(times) * age)
+            k = max(range(lo, len(times) - 1), key=lambda i: times[i + 1] - times[i])
+            cutoff = (times[k] + times[k + 1]) / 2
+            age_s = time.time() - cutoff
+        want = leaf_by_leaf(rows, total, max_bytes, cutoff)
+        assert want or share == 0.0 or age is not None
+        dry = store.gc(max_bytes=max_bytes, max_age=age_s, dry_run=True)
+        result = store.gc(max_bytes=max_bytes, max_age=age_s)
+        assert dry["evicted"] == result["evicted"] == len(want)
+        left = _hashes(store)
+        pinned = {r[0] for r in rows if r[4]}
+        assert pinned <= left
+        assert before - left == set(want)
+        for h in before - left:  # files went with their rows
+            assert not kvstore.blobs.blob_path(store.blob_root, h).exists()
+        # no record lost its parent
+        parents = {r.hash: r.parent for r in store.index.rows()}
+        roots = store.index.namespaces()
+        assert all(p in parents or p in roots for p in parents.values())
+        assert store.verify() == []
+
+
+def test_delete_refuses_a_parent_and_a_pinned_record(tmp_path, small_store):
+    src, _ = small_store
+    path = tmp_path / "s"
+    shutil.copytree(src, path)
+    with kvstore.open(path, chunk_size=C, memory_bytes=0) as store:
+        index = store.index
+        rows = {r.hash: r for r in index.rows()}
+        has_child = {r.parent for r in rows.values()}
+        parent = next(h for h, r in rows.items() if h in has_child and not r.pinned)
+        pinned_leaf = next(h for h, r in rows.items() if r.pinned and h not in has_child)
+        leaf = next(h for h, r in rows.items() if not r.pinned and h not in has_child)
+        child = next(h for h, r in rows.items() if r.parent == parent)
+        assert index.delete_leaves([[parent]]) == []
+        assert index.delete_leaves([[pinned_leaf]]) == []
+        assert index.delete_leaves([[parent, pinned_leaf]]) == []  # one set statement, same answer
+        assert {parent, pinned_leaf} <= _hashes(store)
+        assert index.delete_leaves([[leaf]]) == [(leaf, rows[leaf].size)]
+        assert leaf not in _hashes(store)
+        # Children in an earlier statement of the same call: then the parent is a leaf.
+        only = next(p for p in has_child if p in rows and not rows[p].pinned
+                    and [r for r in rows.values() if r.parent == p and r.hash != leaf] and
+                    all(r.hash not in has_child and not r.pinned for r in rows.values() if r.parent == p))
+        kids = [r.hash for r in rows.values() if r.parent == only and r.hash != leaf]
+        assert {h for h, _ in index.delete_leaves([kids, [only]])} == {*kids, only}
+
+
+READER = r"""
+import json, sys, time
+from pathlib import Path
+sys.path.insert(0, sys.argv[4])
+import mlx.core as mx
+from mlx_lm import load
+from mlx_lm.models.cache import make_prompt_cache
+import kvstore
+from kvtest import logits_diff
+store_dir, model_dir, prompts_file = sys.argv[1:4]
+prompts = json.loads(Path(prompts_file).read_text())
+model, _ = load(model_dir)
+stop = Path(store_dir).parent / "stop"
+done = wrong = reused = 0
+worst = 0.0
+with kvstore.open(store_dir, chunk_size=4, memory_bytes=0) as store:
+    mc = store.bind(model, model_dir)
+    print(json.dumps({"ready": True}), flush=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and (not stop.exists() or done < 2 * len(prompts)):
+        tokens = prompts[done % len(prompts)]
+        cache, rest = mc.fetch(tokens)
+        diff = logits_diff(model, cache, rest, tokens)
+        worst = max(worst, diff)
+        wrong += diff > 1e-4
+        reused += len(tokens) - len(rest)
+        done += 1
+print(json.dumps({"fetches": done, "wrong": wrong, "reused": reused, "worst": worst}), flush=True)
+"""
+
+
+def test_readers_in_other_processes_restore_correctly_during_gc(tmp_path, small_store, llama):
+    src, prompts = small_store
+    model_path, _ = llama
+    path = tmp_path / "s"
+    shutil.copytree(src, path)
+    (tmp_path / "prompts.json").write_text(json.dumps(prompts))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent), str(HERE)]))
+    readers = [subprocess.Popen([sys.executable, "-c", READER, str(path), str(model_path),
+                                 str(tmp_path / "prompts.json"), str(HERE)],
+                                stdout=subprocess.PIPE, text=True, env=env) for _ in range(2)]
+    try:
+        for r in readers:
+            assert json.loads(r.stdout.readline()) == {"ready": True}
+        with kvstore.open(path, chunk_size=C, memory_bytes=0) as store:
+            total = store.stats()["bytes"]
+            for share in (0.8, 0.6, 0.4, 0.2, 0.0):  # rows and files go while the readers read them
+                store.gc(max_bytes=int(total * share))
+                time.sleep(0.2)
+            assert store.verify() == []
+        (tmp_path / "stop").touch()
+        results = [json.loads(r.stdout.read().strip().splitlines()[-1]) for r in readers]
+    finally:
+        for r in readers:
+            r.kill() if r.poll() is None else None
+            r.wait()
+    for res in results:
+        assert res["fetches"] >= 2 * len(prompts) and res["reused"] > 0
+        assert res["wrong"] == 0, res

@@ -1,0 +1,118 @@
+"""Stale model versions: K/V stored for model files that are gone or changed since."""
+
+from __future__ import annotations
+
+import shutil
+
+import mlx.core as mx
+import pytest
+from mlx_lm import load
+
+import kvstore
+from kvstore import cli
+from kvtest import prefill
+
+C = 16
+PROMPT = list(range(1, 60))
+PINNED = list(range(100, 140))
+
+
+def rewrite_weights(folder) -> None:
+    """Change the weights as a new download would: a new file renamed over the old one."""
+    path = next(folder.glob("*.safetensors"))
+    weights = mx.load(str(path))
+    name = sorted(weights)[0]
+    weights[name] = weights[name] + 1
+    tmp = path.with_name("rewritten.safetensors")
+    mx.save_safetensors(str(tmp), weights, metadata={"format": "mlx"})
+    tmp.rename(path)
+
+
+def store_two_versions(tmp_path, demo_model_path):
+    folder = shutil.copytree(demo_model_path, tmp_path / "model")
+    path = tmp_path / "s"
+    model, _ = load(str(folder))
+    with kvstore.open(path, chunk_size=C) as store:
+        mc = store.bind(model, folder)
+        mc.insert(PROMPT, prefill(model, PROMPT))
+        mc.insert(PINNED, prefill(model, PINNED), pin=True)
+        store.flush()
+        [m] = store.stats()["models"]
+        assert m["stale"] is False and m["stale_reason"] is None
+        old_ns = mc.ns
+    rewrite_weights(folder)
+    model, _ = load(str(folder))
+    with kvstore.open(path, chunk_size=C) as store:
+        models = {bytes.fromhex(m["namespace"]): m for m in store.stats()["models"]}
+        assert models[old_ns]["stale"] is True and "changed" in models[old_ns]["stale_reason"]
+        mc = store.bind(model, folder)  # the new version: another namespace, not stale
+        assert mc.ns != old_ns
+        mc.insert(PROMPT, prefill(model, PROMPT))
+        store.flush()
+        models = {bytes.fromhex(m["namespace"]): m for m in store.stats()["models"]}
+        assert models[mc.ns]["stale"] is False and models[old_ns]["stale"] is True
+        new_ns = mc.ns
+    return path, folder, old_ns, new_ns
+
+
+def by_ns(path):
+    with kvstore.open(path, chunk_size=C) as store:
+        return {bytes.fromhex(m["namespace"]): m for m in store.stats()["models"]}
+
+
+def test_stale_version_is_reported_and_evicted_by_gc_stale(tmp_path, demo_model_path, capsys):
+    path, folder, old_ns, new_ns = store_two_versions(tmp_path, demo_model_path)
+    assert cli.main(["stats", "--store", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "STALE" in out and "gc --stale" in out
+    before = by_ns(path)
+    assert cli.main(["gc", "--stale", "--store", str(path)]) == 0
+    capsys.readouterr()
+    after = by_ns(path)
+    # The old version keeps only its pinned prompt; the current one keeps everything.
+    pinned_records = len(PINNED) // C + 1
+    assert after[old_ns]["chunks"] + after[old_ns]["tails"] == pinned_records
+    assert before[old_ns]["chunks"] + before[old_ns]["tails"] > pinned_records
+    assert {k: after[new_ns][k] for k in ("chunks", "tails", "bytes")} == \
+        {k: before[new_ns][k] for k in ("chunks", "tails", "bytes")}
+    with kvstore.open(path, chunk_size=C) as store:
+        assert store.verify() == []
+
+
+def test_a_budget_evicts_stale_versions_first(tmp_path, demo_model_path):
+    path, folder, old_ns, new_ns = store_two_versions(tmp_path, demo_model_path)
+    before = by_ns(path)
+    with kvstore.open(path, chunk_size=C) as store:
+        total = store.stats()["bytes"]
+        # The current version was used last (LRU alone would evict the old one first anyway):
+        # touch the old version's records so that LRU alone would take the new one first.
+        rows = [r for r in store.index.rows() if r.ns == old_ns]
+        store.index.touch({r.hash: (1e12, 1) for r in rows})
+        store.gc(max_bytes=total - 1)
+    after = by_ns(path)
+    assert after[new_ns]["bytes"] == before[new_ns]["bytes"]
+    assert after[old_ns]["bytes"] < before[old_ns]["bytes"]
+
+
+def test_gone_model_folder_is_stale(tmp_path, demo_model_path):
+    folder = shutil.copytree(demo_model_path, tmp_path / "model")
+    model, _ = load(str(folder))
+    with kvstore.open(tmp_path / "s", chunk_size=C) as store:
+        store.bind(model, folder).insert(PROMPT, prefill(model, PROMPT))
+        store.flush()
+    shutil.rmtree(folder)
+    [m] = by_ns(tmp_path / "s").values()
+    assert m["stale"] is True and "gone" in m["stale_reason"]
+    with kvstore.open(tmp_path / "s", chunk_size=C) as store:
+        result = store.gc(stale=True)
+        assert result["evicted"] == len(PROMPT) // C + 1 and store.stats()["bytes"] == 0
+
+
+def test_version_bound_with_a_fingerprint_only_is_unknown(tmp_path, llama):
+    _, model = llama
+    with kvstore.open(tmp_path / "s", chunk_size=C) as store:
+        store.bind(model, "some/repo", fingerprint=b"x" * 16).insert(PROMPT, prefill(model, PROMPT))
+        store.flush()
+        [m] = store.stats()["models"]
+        assert m["stale"] is None
+        assert store.gc(stale=True)["evicted"] == 0
