@@ -2,7 +2,13 @@
 
 Knows files and bytes, no SQL. A blob is written to a temporary file in its final folder, fsynced
 and renamed into place, so a reader sees either nothing or the whole file. The checksum is xxh3_64
-of the whole file; every read checks it, and the header's own hash, before any array is made.
+of the whole file (the index row's `checksum`); every read checks it, and the header's own hash,
+before any array is made.
+
+Blob format 2 also puts in the header's `__metadata__` a `"blob_format": "2"` and `"checksums"`: a
+JSON object (as a string) of every tensor's name (`tokens` included) -> the 16-hex-digit xxh3_64 of
+its raw bytes, so each tensor can be checked on its own, in any order, on any thread. Blobs written
+by 0.1 have no `checksums` and are checked the old way, by the whole-file checksum.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ TMP_PREFIX = ".tmp."
 _HEADER_LIMIT = 100 << 20  # safetensors' own cap on header size
 _HEAD_GUESS = 64 << 10  # first read of a blob: its whole header, as a rule
 _IOV_BATCH = 512  # buffers per preadv call (the kernel takes at most IOV_MAX = 1024)
+BLOB_FORMAT = "2"  # `blob_format` in the metadata of every blob written now; 0.1 wrote none
 
 # safetensors dtype tag -> (numpy dtype used to carry the bytes, mlx dtype of the array)
 _DTYPES: dict[str, tuple[np.dtype, mx.Dtype]] = {
@@ -100,6 +107,8 @@ def write(root: Path, h: bytes, tensors: Mapping[str, Tensor], metadata: Mapping
     """Write a blob atomically. Returns (size in bytes, checksum). Raises OSError (ENOSPC...)."""
     path = blob_path(root, h)
     _makedirs(path.parent)
+    sums = {name: tensor_checksum(arr) for name, (_, arr) in tensors.items()}
+    metadata = dict(metadata, blob_format=BLOB_FORMAT, checksums=json.dumps(sums, separators=(",", ":")))
     head, pieces = encode(tensors, metadata)
     digest = xxhash.xxh3_64(head)
     tmp = path.parent / f"{TMP_PREFIX}{h.hex()}.{os.getpid()}.{os.urandom(4).hex()}"
@@ -109,7 +118,7 @@ def write(root: Path, h: bytes, tensors: Mapping[str, Tensor], metadata: Mapping
             _write_all(f, head)
             faults.hit("blob_write")
             for piece in pieces:
-                view = memoryview(piece).cast("B")
+                view = piece.reshape(-1).view(np.uint8)
                 digest.update(view)
                 _write_all(f, view)
             size = f.tell()
@@ -124,6 +133,61 @@ def write(root: Path, h: bytes, tensors: Mapping[str, Tensor], metadata: Mapping
             pass
         raise
     return size, digest.intdigest()
+
+
+def tensor_checksum(data) -> str:
+    """The 16-hex-digit xxh3_64 of a tensor's raw bytes (C order), as blob format 2 records it."""
+    if isinstance(data, np.ndarray):
+        data = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    return xxhash.xxh3_64_hexdigest(data)
+
+
+def tensor_checksums(metadata: Mapping[str, str], where: object = "blob") -> dict[str, str] | None:
+    """The per-tensor checksums a blob's metadata lists, or None for a blob written by 0.1.
+
+    Raises BlobError if the metadata claims format 2 (or has a `checksums` entry) that is unusable.
+    """
+    raw = metadata.get("checksums")
+    if raw is None:
+        if metadata.get("blob_format", "1") not in ("1", ""):
+            raise BlobError(f"{where}: blob format {metadata.get('blob_format')!r} lists no tensor checksums")
+        return None
+    try:
+        sums = json.loads(raw)
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise BlobError(f"{where}: its tensor checksums are not JSON ({e})") from e
+    if not isinstance(sums, dict) or not all(
+            isinstance(v, str) and len(v) == 16 and all(c in "0123456789abcdef" for c in v)
+            for v in sums.values()):
+        raise BlobError(f"{where}: its tensor checksums are not a map of 16-hex-digit strings")
+    return {str(k): v for k, v in sums.items()}
+
+
+def verify_bytes(buf: bytes | bytearray | memoryview, h: bytes,
+                 where: object = "blob") -> tuple[dict[str, dict], dict[str, str]]:
+    """Check a whole blob held in memory (format 2): its header, that it names record `h`, and every
+    tensor's checksum. Returns (tensor entries: name -> dtype, shape, data_offsets; metadata);
+    the data of a tensor starts at `8 + header length + data_offsets[0]`. Raises BlobError on
+    anything wrong, including a blob with no per-tensor checksums (one written by 0.1)."""
+    view = memoryview(buf).cast("B")
+    header, base = parse_header(view, where)
+    try:
+        metadata = header_metadata(view)
+    except (ValueError, AttributeError) as e:
+        raise BlobError(f"{where}: its metadata is not a JSON object ({e})") from e
+    if metadata.get("hash") != h.hex():
+        raise BlobError(f"{where}: its header names record {metadata.get('hash')!r}, not {h.hex()}")
+    sums = tensor_checksums(metadata, where)
+    if sums is None:
+        raise BlobError(f"{where}: no per-tensor checksums (a blob written before format 2)")
+    if set(sums) != set(header):
+        raise BlobError(f"{where}: its checksums name {sorted(set(sums) ^ set(header))} "
+                        "that are not its tensors, or miss some")
+    for name, info in header.items():
+        start, end = info["data_offsets"]
+        if tensor_checksum(view[base + start : base + end]) != sums[name]:
+            raise BlobError(f"{where}: tensor {name!r} does not match its checksum")
+    return header, metadata
 
 
 def read(root: Path, h: bytes, *, size: int, checksum: int) -> tuple[dict[str, mx.array], dict[str, str]]:

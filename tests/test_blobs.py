@@ -1,0 +1,209 @@
+"""Blob format 2: per-tensor checksums in the header, `verify_bytes`, and stores written in the
+0.1 format (no per-tensor checksums) that must keep restoring."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import xxhash
+
+import kvstore
+from kvstore import blobs
+from kvstore.errors import BlobError
+
+HERE = Path(__file__).parent
+H = bytes(range(16))
+
+
+def tensors():
+    rng = np.random.default_rng(0)
+    return {
+        "tokens": ("I32", np.arange(7, dtype="<i4")),
+        "0.keys": ("F32", rng.standard_normal((1, 2, 7, 4)).astype("<f4")),
+        "0.values": ("BF16", rng.integers(0, 1 << 16, (1, 2, 7, 4)).astype("<u2")),
+        "1.state": ("I8", rng.integers(-5, 5, (3,)).astype("i1")),
+        "empty": ("F16", np.zeros((1, 2, 0, 4), dtype="<f2")),
+    }
+
+
+def written(tmp_path) -> tuple[bytes, int, int]:
+    size, checksum = blobs.write(tmp_path, H, tensors(), {"hash": H.hex(), "kind": "0"}, fsync=False)
+    return blobs.blob_path(tmp_path, H).read_bytes(), size, checksum
+
+
+def test_write_records_format_and_every_tensors_checksum(tmp_path):
+    buf, size, checksum = written(tmp_path)
+    assert size == len(buf) and checksum == xxhash.xxh3_64_intdigest(buf)  # the row's whole-file sum
+    meta = blobs.header_metadata(buf)
+    assert meta["blob_format"] == "2"
+    sums = json.loads(meta["checksums"])
+    header, base = blobs.parse_header(buf)
+    assert set(sums) == set(tensors()) == set(header)
+    for name, (_, arr) in tensors().items():
+        start, end = header[name]["data_offsets"]
+        assert sums[name] == xxhash.xxh3_64_hexdigest(buf[base + start : base + end])
+        assert sums[name] == xxhash.xxh3_64_hexdigest(arr.tobytes())
+        assert len(sums[name]) == 16
+
+
+def test_verify_bytes_returns_entries_and_metadata(tmp_path):
+    buf, _, _ = written(tmp_path)
+    entries, meta = blobs.verify_bytes(buf, H)
+    assert set(entries) == set(tensors())
+    assert entries["0.keys"]["shape"] == [1, 2, 7, 4] and entries["0.values"]["dtype"] == "BF16"
+    assert meta["hash"] == H.hex() and meta["kind"] == "0"
+    # a memoryview and a bytearray work alike (remote downloads hand either)
+    assert blobs.verify_bytes(memoryview(bytearray(buf)), H)[1] == meta
+
+
+def test_verify_bytes_catches_a_byte_flipped_in_each_tensor(tmp_path):
+    buf, _, _ = written(tmp_path)
+    header, base = blobs.parse_header(buf)
+    for name, info in header.items():
+        start, end = info["data_offsets"]
+        if start == end:
+            continue
+        for at in (start, end - 1):
+            bad = bytearray(buf)
+            bad[base + at] ^= 0x40
+            with pytest.raises(BlobError, match=repr(name)):
+                blobs.verify_bytes(bad, H)
+
+
+def test_verify_bytes_refuses_other_records_and_damaged_headers(tmp_path):
+    buf, _, _ = written(tmp_path)
+    with pytest.raises(BlobError, match="names record"):
+        blobs.verify_bytes(buf, bytes(16))
+    with pytest.raises(BlobError):
+        blobs.verify_bytes(buf[:-1], H)  # truncated: the last tensor's entry no longer fits
+    with pytest.raises(BlobError):
+        blobs.verify_bytes(b"\xff" * 8 + buf[8:], H)  # impossible header length
+    with pytest.raises(BlobError):
+        blobs.verify_bytes(b"", H)
+
+
+def reencode(buf: bytes, **meta_changes) -> bytes:
+    """The same tensors under a changed `__metadata__` (None deletes a key)."""
+    header, base = blobs.parse_header(buf)
+    meta = blobs.header_metadata(buf)
+    for k, v in meta_changes.items():
+        if v is None:
+            meta.pop(k, None)
+        else:
+            meta[k] = v
+    ts = {}
+    for name, info in header.items():
+        start, end = info["data_offsets"]
+        np_dtype = blobs._DTYPES[info["dtype"]][0]
+        ts[name] = (info["dtype"], np.frombuffer(buf[base + start : base + end], np_dtype).reshape(info["shape"]))
+    head, pieces = blobs.encode(ts, meta)
+    return head + b"".join(p.tobytes() for p in pieces)
+
+
+def test_verify_bytes_refuses_a_blob_without_per_tensor_checksums(tmp_path):
+    buf, _, _ = written(tmp_path)
+    with pytest.raises(BlobError, match="no per-tensor checksums"):
+        blobs.verify_bytes(reencode(buf, checksums=None, blob_format=None), H)
+    with pytest.raises(BlobError, match="lists no tensor checksums"):
+        blobs.verify_bytes(reencode(buf, checksums=None), H)
+    with pytest.raises(BlobError, match="not JSON"):
+        blobs.verify_bytes(reencode(buf, checksums="{"), H)
+    with pytest.raises(BlobError, match="16-hex-digit"):
+        blobs.verify_bytes(reencode(buf, checksums='{"tokens": 5}'), H)
+    sums = json.loads(blobs.header_metadata(buf)["checksums"])
+    del sums["1.state"]
+    with pytest.raises(BlobError, match="1.state"):
+        blobs.verify_bytes(reencode(buf, checksums=json.dumps(sums)), H)
+    sums["1.state"], sums["ghost"] = "0" * 16, "0" * 16
+    with pytest.raises(BlobError, match="ghost"):
+        blobs.verify_bytes(reencode(buf, checksums=json.dumps(sums)), H)
+
+
+# -- stores written by 0.1 ------------------------------------------------------------------------
+
+def write_v01(root: Path, h: bytes, tensors, metadata, *, fsync: bool = True) -> tuple[int, int]:
+    """`blobs.write` as kvstore 0.1 had it: the safetensors header carries only the writer's own
+    metadata (no `blob_format`, no `checksums`); the row's checksum is xxh3_64 of the whole file."""
+    path = blobs.blob_path(root, h)
+    blobs._makedirs(path.parent)
+    head, pieces = blobs.encode(tensors, metadata)
+    data = head + b"".join(p.tobytes() for p in pieces)
+    tmp = path.parent / f"{blobs.TMP_PREFIX}{h.hex()}.{os.getpid()}.{os.urandom(4).hex()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        if fsync:
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return len(data), xxhash.xxh3_64_intdigest(data)
+
+
+@pytest.fixture(scope="module")
+def store_v01(tmp_path_factory, demo_model):
+    """A store whose every blob is in the exact 0.1 format, holding one 80-token prompt of the
+    tiny llama demo model (chunk size 16: five chunks) and its tail-less end."""
+    from mlx_lm import load
+    from kvtest import prefill
+
+    model_dir = demo_model("llama")
+    model, _ = load(str(model_dir))
+    root = tmp_path_factory.mktemp("store-v01") / "s"
+    tokens = [int(t) for t in np.random.default_rng(3).integers(0, 250, 85)]
+    mp = pytest.MonkeyPatch()
+    mp.setattr(blobs, "write", write_v01)
+    try:
+        with kvstore.open(root, chunk_size=16, memory_bytes=0) as store:
+            mc = store.bind(model, str(model_dir))
+            mc.insert(tokens, prefill(model, tokens))
+            store.flush()
+    finally:
+        mp.undo()
+    files = [p for p in blobs.walk(root / "blobs") if p.name.endswith(blobs.SUFFIX)]
+    assert files
+    for p in files:  # really the 0.1 format
+        meta = blobs.header_metadata(p.read_bytes())
+        assert "checksums" not in meta and "blob_format" not in meta
+    return root, model_dir, tokens
+
+
+def run_check(store, model_dir, tokens, **extra):
+    cmd = [sys.executable, str(HERE / "procs.py"), "check", str(store), str(model_dir), "16",
+           json.dumps(tokens), json.dumps({"memory_bytes": 0, **extra})]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_store_written_by_01_restores_exactly_in_a_fresh_process(store_v01):
+    root, model_dir, tokens = store_v01
+    got = run_check(root, model_dir, tokens + [7, 8, 9])
+    assert got["reused"] == len(tokens)
+    assert got["max_abs_diff"] <= 1e-4 and got["greedy"] == got["greedy_ref"]
+    branch = run_check(root, model_dir, tokens[:40] + [1, 2, 3])
+    assert branch["reused"] == 40
+    assert branch["max_abs_diff"] <= 1e-4 and branch["greedy"] == branch["greedy_ref"]
+
+
+def test_a_damaged_01_blob_is_still_caught_by_its_whole_file_checksum(store_v01, tmp_path):
+    import shutil
+
+    root, model_dir, tokens = store_v01
+    copy = tmp_path / "s"
+    shutil.copytree(root, copy)
+    # Flip one payload byte in the blob of the third chunk: the prefix ends at 32 tokens.
+    files = {blobs.hash_of(p): p for p in blobs.walk(copy / "blobs") if blobs.hash_of(p)}
+    metas = {h: blobs.header_metadata(p.read_bytes()) for h, p in files.items()}
+    third = next(h for h, m in metas.items() if m.get("depth") == "3" and m.get("kind") == "0")
+    raw = bytearray(files[third].read_bytes())
+    raw[-3] ^= 0x01
+    files[third].write_bytes(bytes(raw))
+    got = run_check(copy, model_dir, tokens + [7])
+    assert got["reused"] == 32
+    assert got["max_abs_diff"] <= 1e-4 and got["greedy"] == got["greedy_ref"]
