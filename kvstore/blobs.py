@@ -1,9 +1,9 @@
 """Blob files: one safetensors file per record, at `blobs/ab/cd/<hash>.safetensors`.
 
 Knows files and bytes, no SQL. A blob is written to a temporary file in its final folder, fsynced
-and renamed into place, so a reader sees either nothing or the whole file. The checksum is xxh3_64
-of the whole file (the index row's `checksum`); every read checks it, and the header's own hash,
-before any array is made.
+and renamed into place, so a reader sees either nothing or the whole file. The index row's
+`checksum` is xxh3_64 of the whole file; every read checks the header's own hash and sizes before
+any array is made.
 
 Blob format 2 also puts in the header's `__metadata__` a `"blob_format": "2"` and `"checksums"`: a
 JSON object (as a string) of every tensor's name (`tokens` included) -> the 16-hex-digit xxh3_64 of
@@ -17,11 +17,12 @@ import errno
 import fcntl
 import json
 import os
+import stat
 import struct
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, Mapping, Sequence
+from typing import Iterator, Mapping, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -191,91 +192,163 @@ def verify_bytes(buf: bytes | bytearray | memoryview, h: bytes,
 
 
 def read(root: Path, h: bytes, *, size: int, checksum: int) -> tuple[dict[str, mx.array], dict[str, str]]:
-    """Read and check a blob; its arrays and metadata. Any damage raises BlobError."""
-    path = blob_path(root, h)
-    try:
-        # O_NOFOLLOW: a blob planted as a symbolic link is never read through (ELOOP).
-        with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb", buffering=0) as f:
-            actual = os.fstat(f.fileno()).st_size
-            if actual != size:
-                raise BlobError(f"{path}: {actual} bytes on disk, the index says {size}")
-            buf = bytearray(size)
-            got = f.readinto(buf)
-    except FileNotFoundError as e:
-        raise BlobError(f"{path}: missing") from e
-    except OSError as e:
-        raise BlobError(f"{path}: cannot read ({e})") from e
-    if got != size:
-        raise BlobError(f"{path}: short read ({got} of {size} bytes)")
+    """Read and check a whole blob (verify); its arrays and metadata. Any damage raises BlobError."""
+    with open_blob(root, h, size=size) as blob:
+        buf = bytearray(size)
+        blob.read_exact(memoryview(buf), 0)
     if xxhash.xxh3_64_intdigest(buf) != checksum:
-        raise BlobError(f"{path}: checksum mismatch")
-    arrays, metadata = decode(buf, path)
-    if metadata.get("hash") != h.hex():
-        raise BlobError(f"{path}: its header names record {metadata.get('hash')!r}")
+        raise BlobError(f"{blob.path}: checksum mismatch")
+    if blob.checksums is not None:
+        verify_bytes(buf, h, blob.path)
+    arrays, metadata = decode(buf, blob.path)
     return arrays, metadata
 
 
-def read_into(root: Path, h: bytes, *, size: int, checksum: int,
-              targets: Callable[[dict[str, dict]], Mapping[str, np.ndarray]],
-              ) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """Read and check a blob, copying its tensors straight into memory the caller owns.
+class BlobFile:
+    """An open blob whose header was read and checked (size, header, the record it names).
 
-    `targets(entries)` gets the header's tensor entries (name -> dtype tag, shape, offsets) and
-    returns, for the tensors it wants placed, writable arrays of the tensor's item size shaped like
-    the tensor or like its first tokens along axis 2 (B, H, tokens, ...). Those bytes are read once,
-    from the page cache straight into place; the rest of a partly wanted tensor is read only to be
-    checksummed. Tensors without a target come back as numpy arrays. The whole file is
-    checksummed, in file order, as it is read. Any damage raises BlobError, and the targets may
-    then hold part of the blob: the caller must not use them.
+    Tensors are read by name, each checked against its own checksum (blob format 2) as it is
+    read, so they may be read in any order and on any thread. A blob written by 0.1 (no
+    per-tensor checksums) is read whole when opened and checked by `checksum`, the old way.
     """
+
+    def __init__(self, fd: int, path: Path, size: int, head: bytes, h: bytes, checksum: int | None):
+        self.fd, self.path, self.size = fd, path, size
+        self.entries, self.base = parse_header(head, path, size=size)
+        try:
+            self.metadata = header_metadata(head)
+        except (ValueError, AttributeError) as e:
+            raise BlobError(f"{path}: its metadata is not a JSON object ({e})") from e
+        if self.metadata.get("hash") != h.hex():
+            raise BlobError(f"{path}: its header names record {self.metadata.get('hash')!r}")
+        self.checksums = tensor_checksums(self.metadata, path)
+        self._whole: bytearray | None = None
+        if self.checksums is None:  # 0.1: no per-tensor sums, so the whole file is checked now
+            if checksum is None:
+                raise BlobError(f"{path}: a blob without tensor checksums needs its row's checksum")
+            self._whole = bytearray(size)
+            self.read_exact(memoryview(self._whole), 0)
+            if xxhash.xxh3_64_intdigest(self._whole) != checksum:
+                raise BlobError(f"{path}: checksum mismatch")
+        elif set(self.checksums) != set(self.entries):
+            raise BlobError(f"{path}: its checksums do not name exactly its tensors")
+
+    def __enter__(self) -> "BlobFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def read_exact(self, view: memoryview, offset: int) -> None:
+        """Fill `view` from `offset` (finishing short reads); BlobError if the file ends early."""
+        _preadv_all(self.fd, [view], offset, self.path)
+
+    def array(self, name: str) -> np.ndarray:
+        """One whole tensor as numpy (bfloat16 as its uint16 bits), checked."""
+        info = self.entries[name]
+        out = np.empty(info["shape"], dtype=_DTYPES[info["dtype"]][0])
+        self.read_tokens(name, 0, out.shape[2] if out.ndim >= 3 else 0, out)
+        return out
+
+    def read_tokens(self, name: str, lo: int, hi: int, dst: np.ndarray) -> None:
+        """Tokens [lo, hi) (axis 2) of tensor `name`, (B, H, T, ...), into `dst`, (B, H, hi - lo, ...),
+        whose every head `dst[b, h]` is contiguous and writable. The rest of the tensor is read
+        into scratch memory only to be checksummed. Tensors of fewer than 3 axes: whole (lo = hi = 0).
+        Raises BlobError if the tensor does not match its checksum: `dst` must then not be used."""
+        info = self.entries.get(name)
+        if info is None:
+            raise BlobError(f"{self.path}: no tensor {name!r}")
+        shape = list(info["shape"])
+        np_dtype = _DTYPES[info["dtype"]][0]
+        start, end = (self.base + o for o in info["data_offsets"])
+        if dst.dtype.itemsize != np_dtype.itemsize:
+            raise BlobError(f"{self.path}: tensor {name!r} is {info['dtype']}, not {dst.dtype}")
+        if len(shape) < 3:
+            if list(dst.shape) != shape:
+                raise BlobError(f"{self.path}: tensor {name!r} is {shape}, not {list(dst.shape)}")
+            iovecs = [memoryview(dst.reshape(-1).view(np.uint8))] if end > start else []
+        else:
+            if (dst.ndim != len(shape) or list(dst.shape[:2]) != shape[:2] or list(dst.shape[3:]) != shape[3:]
+                    or not 0 <= lo <= hi <= shape[2] or dst.shape[2] != hi - lo):
+                raise BlobError(f"{self.path}: tensor {name!r} {shape} has no tokens [{lo}, {hi}) "
+                                f"of the shape {list(dst.shape)}")
+            iovecs = self._head_iovecs(shape, np_dtype.itemsize, lo, hi, dst)
+        if self._whole is not None:  # 0.1 blob: already read and checked
+            whole = memoryview(self._whole)
+            pos = start
+            for v in iovecs:
+                v[:] = whole[pos : pos + len(v)]
+                pos += len(v)
+            return
+        pos = start
+        for i in range(0, len(iovecs), _IOV_BATCH):
+            pos += _preadv_all(self.fd, iovecs[i : i + _IOV_BATCH], pos, self.path)
+        digest = xxhash.xxh3_64()
+        for v in iovecs:
+            digest.update(v)
+        if digest.hexdigest() != self.checksums[name]:
+            raise BlobError(f"{self.path}: tensor {name!r} does not match its checksum")
+
+    @staticmethod
+    def _head_iovecs(shape: list[int], itemsize: int, lo: int, hi: int, dst: np.ndarray) -> list[memoryview]:
+        """Buffers in file order for a (B, H, T, ...) tensor: per head, scratch for tokens before
+        lo, the head's slice of `dst`, scratch for tokens from hi on."""
+        row = itemsize * int(np.prod(shape[3:], dtype=np.int64)) if len(shape) > 3 else itemsize
+        before, after = lo * row, (shape[2] - hi) * row
+        heads = shape[0] * shape[1]
+        scratch = memoryview(bytearray((before + after) * heads)) if before + after else None
+        out: list[memoryview] = []
+        k = 0
+        for b in range(shape[0]):
+            for hh in range(shape[1]):
+                if before:
+                    out.append(scratch[k : k + before])
+                    k += before
+                if hi > lo:
+                    part = dst[b, hh]
+                    if not part.flags.c_contiguous or not part.flags.writeable:
+                        raise ValueError("each head of the target must be contiguous and writable")
+                    out.append(memoryview(part.reshape(-1).view(np.uint8)))
+                if after:
+                    out.append(scratch[k : k + after])
+                    k += after
+        return out
+
+
+def open_blob(root: Path, h: bytes, *, size: int, checksum: int | None = None) -> BlobFile:
+    """Open the blob of record `h` for reading, checked against its row's `size` (and, for a blob
+    written by 0.1, `checksum`). Never follows a link, never blocks on a FIFO: anything that is
+    not a regular file of that size is damage (BlobError)."""
     path = blob_path(root, h)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except FileNotFoundError as e:
         raise BlobError(f"{path}: missing") from e
-    except OSError as e:
-        raise BlobError(f"{path}: cannot open ({e})") from e
+    except OSError as e:  # ELOOP: a symbolic link planted in its place
+        raise BlobError(f"{path}: cannot open ({e.strerror or e})") from e
     try:
-        actual = os.fstat(fd).st_size
-        if actual != size:
-            raise BlobError(f"{path}: {actual} bytes on disk, the index says {size}")
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise BlobError(f"{path}: not a regular file")
+        if st.st_size != size:
+            raise BlobError(f"{path}: {st.st_size} bytes on disk, the index says {size}")
         head = os.pread(fd, min(size, _HEAD_GUESS), 0)
         if len(head) >= 8:
             (n,) = struct.unpack_from("<Q", head, 0)
             if len(head) < 8 + n <= min(size, _HEADER_LIMIT + 8):
                 head += os.pread(fd, 8 + n - len(head), len(head))
-        header, base = parse_header(head, path, size=size)
-        metadata = header_metadata(head)
-        if metadata.get("hash") != h.hex():
-            raise BlobError(f"{path}: its header names record {metadata.get('hash')!r}")
-        wanted = targets(header)
-        digest = xxhash.xxh3_64(head[:base])
-        extras: dict[str, np.ndarray] = {}
-        pos = base
-        for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
-            start, end = (base + o for o in info["data_offsets"])
-            if start < pos:
-                raise BlobError(f"{path}: tensor {name!r} overlaps the one before it")
-            if start > pos:  # bytes between tensors still count for the checksum
-                _read_hashed(fd, [bytearray(start - pos)], pos, digest, path)
-            np_dtype = _DTYPES[info["dtype"]][0]
-            target = wanted.get(name)
-            if target is None:
-                buf = bytearray(end - start)
-                _read_hashed(fd, [buf], start, digest, path)
-                extras[name] = np.frombuffer(buf, dtype=np_dtype).reshape(info["shape"])
-            else:
-                _read_tensor_into(fd, start, info["shape"], np_dtype, target, digest, path, name)
-            pos = end
-        if pos < size:
-            _read_hashed(fd, [bytearray(size - pos)], pos, digest, path)
+        return BlobFile(fd, path, size, head, h, checksum)
     except OSError as e:
-        raise BlobError(f"{path}: cannot read ({e})") from e
-    finally:
         os.close(fd)
-    if digest.intdigest() != checksum:
-        raise BlobError(f"{path}: checksum mismatch")
-    return extras, metadata
+        raise BlobError(f"{path}: cannot read ({e.strerror or e})") from e
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def prefetch(root: Path, hashes: Sequence[bytes]) -> None:
@@ -285,65 +358,36 @@ def prefetch(root: Path, hashes: Sequence[bytes]) -> None:
         return
     for h in hashes:
         try:
-            fd = os.open(blob_path(root, h), os.O_RDONLY | os.O_NOFOLLOW)
+            fd = os.open(blob_path(root, h), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except OSError:
             continue
         try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+            if stat.S_ISREG(os.fstat(fd).st_mode):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
         except OSError:
             pass
         finally:
             os.close(fd)
 
 
-def _read_tensor_into(fd: int, start: int, shape: list[int], np_dtype: np.dtype, target: np.ndarray,
-                      digest, path: Path, name: str) -> None:
-    """One tensor (B, H, T, ...) into `target` (B, H, t <= T, ...), head by head, one `preadv`
-    per batch of heads; the t..T rest of each head goes through a scratch buffer."""
-    shape = list(shape)
-    if (target.ndim != len(shape) or len(shape) < 3 or target.dtype.itemsize != np_dtype.itemsize
-            or list(target.shape[:2]) != shape[:2] or list(target.shape[3:]) != shape[3:]
-            or target.shape[2] > shape[2]):
-        raise BlobError(f"{path}: tensor {name!r} is {shape} of {np_dtype}, not the "
-                        f"{list(target.shape)} of {target.dtype} expected")
-    row = int(np.prod(shape[3:], dtype=np.int64)) * np_dtype.itemsize  # bytes per token
-    take, rest = target.shape[2] * row, (shape[2] - target.shape[2]) * row
-    # One scratch slice per head: every buffer is checksummed after the read, in file order.
-    scratch = memoryview(bytearray(rest * shape[0] * shape[1])) if rest else None
-    iovecs = []
-    for b in range(shape[0]):
-        for hh in range(shape[1]):
-            part = target[b, hh]
-            if not part.flags.c_contiguous or not part.flags.writeable:
-                raise ValueError(f"the target of {name!r} must be writable and contiguous per head")
-            if take:
-                iovecs.append(memoryview(part).cast("B"))
-            if scratch is not None:
-                k = b * shape[1] + hh
-                iovecs.append(scratch[k * rest : (k + 1) * rest])
-    pos = start
-    for i in range(0, len(iovecs), _IOV_BATCH):
-        batch = iovecs[i : i + _IOV_BATCH]
-        pos += _read_hashed(fd, batch, pos, digest, path)
-
-
-def _read_hashed(fd: int, buffers: list, offset: int, digest, path: Path) -> int:
-    """Fill `buffers` from `offset` (finishing short reads), then add them to `digest` in order."""
-    views = [memoryview(b).cast("B") for b in buffers]
+def _preadv_all(fd: int, views: list[memoryview], offset: int, path: Path) -> int:
+    """Fill `views` in order from `offset`, finishing short reads. Returns the bytes read."""
+    views = [v for v in views if len(v)]
     want = sum(len(v) for v in views)
     done = i = 0
-    while i < len(views):
-        n = os.preadv(fd, views[i:] if i else views, offset + done)
-        if n == 0:
-            raise BlobError(f"{path}: short read (the file ends early)")
-        done += n
-        while i < len(views) and n >= len(views[i]):
-            n -= len(views[i])
-            i += 1
-        if n:
-            views[i] = views[i][n:]
-    for b in buffers:
-        digest.update(b)
+    try:
+        while i < len(views):
+            n = os.preadv(fd, views[i:], offset + done)
+            if n == 0:
+                raise BlobError(f"{path}: short read (the file ends early)")
+            done += n
+            while i < len(views) and n >= len(views[i]):
+                n -= len(views[i])
+                i += 1
+            if n:
+                views[i] = views[i][n:]
+    except OSError as e:
+        raise BlobError(f"{path}: cannot read ({e.strerror or e})") from e
     return want
 
 
