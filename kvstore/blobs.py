@@ -17,6 +17,7 @@ import errno
 import fcntl
 import json
 import os
+import re
 import stat
 import struct
 import time
@@ -36,6 +37,7 @@ TMP_PREFIX = ".tmp."
 _HEADER_LIMIT = 100 << 20  # safetensors' own cap on header size
 _HEAD_GUESS = 64 << 10  # first read of a blob: its whole header, as a rule
 _IOV_BATCH = 512  # buffers per preadv call (the kernel takes at most IOV_MAX = 1024)
+_HEX16 = re.compile(r"[0-9a-f]{16}")
 BLOB_FORMAT = "2"  # `blob_format` in the metadata of every blob written now; 0.1 wrote none
 
 # safetensors dtype tag -> (numpy dtype used to carry the bytes, mlx dtype of the array)
@@ -157,9 +159,7 @@ def tensor_checksums(metadata: Mapping[str, str], where: object = "blob") -> dic
         sums = json.loads(raw)
     except (json.JSONDecodeError, RecursionError) as e:
         raise BlobError(f"{where}: its tensor checksums are not JSON ({e})") from e
-    if not isinstance(sums, dict) or not all(
-            isinstance(v, str) and len(v) == 16 and all(c in "0123456789abcdef" for c in v)
-            for v in sums.values()):
+    if not isinstance(sums, dict) or not all(isinstance(v, str) and _HEX16.fullmatch(v) for v in sums.values()):
         raise BlobError(f"{where}: its tensor checksums are not a map of 16-hex-digit strings")
     return {str(k): v for k, v in sums.items()}
 

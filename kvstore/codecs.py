@@ -19,7 +19,7 @@ mlx-lm cache object from arrays the restore pipeline (`restore.py`) has already 
 from __future__ import annotations
 
 import json
-from typing import Any, Mapping, Sequence
+from typing import Sequence
 
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
@@ -32,9 +32,9 @@ from mlx_lm.models.cache import (
 )
 
 Arrays = dict[str, mx.array]
-# One record's share of a layer: (record start, record end, the layer's tensors in that record:
-# name -> anything with a `.shape`, an array or a header entry)
-Piece = tuple[int, int, Mapping[str, Any]]
+# One record's share of a layer: (record start, record end, how many of its last tokens the
+# layer's tensors hold in that record: a delta is always a suffix of its record's tokens)
+Piece = tuple[int, int, int]
 STEP = 256  # mlx-lm's cache growth step: restored caches get at least this much spare room
 
 
@@ -47,10 +47,9 @@ def sub(arrays: Arrays, prefix: str) -> Arrays:
 def covered(pieces: Sequence[Piece], start: int, end: int) -> bool:
     """Whether the pieces' token-axis data covers every position in [start, end)."""
     pos = start
-    for s, e, arrays in pieces:
+    for s, e, n in pieces:
         if pos >= end:
             break
-        n = _length(arrays)
         if n and e - n <= pos < e:
             pos = e
     return pos >= end
@@ -59,12 +58,6 @@ def covered(pieces: Sequence[Piece], start: int, end: int) -> bool:
 def spare(n: int, step: int = STEP) -> int:
     """A token-axis length with room for at least `step` more tokens than `n`, in whole steps."""
     return (n + step + step - 1) // step * step
-
-
-def _length(arrays: Mapping[str, Any]) -> int:
-    for a in arrays.values():
-        return a.shape[2]
-    return 0
 
 
 class Codec:
@@ -92,6 +85,7 @@ class Codec:
         return {}
 
     def valid(self, p: int, pieces: Sequence[Piece], has_checkpoint: bool) -> bool:
+        """Whether the layer can be restored at p from these pieces (or the checkpoint at p)."""
         raise NotImplementedError
 
     def leaves(self, prefix: str) -> list[tuple[str, "Codec"]]:
@@ -315,7 +309,7 @@ class CacheListCodec(Codec):
                 for k, v in s.checkpoint(c).items()}
 
     def valid(self, p, pieces, has_checkpoint):
-        return all(s.valid(p, _sub_pieces(pieces, str(j)), has_checkpoint) for j, s in enumerate(self.subs))
+        raise TypeError("a CacheList is restored cache by cache: see `leaves`")
 
     def leaves(self, prefix):
         return [leaf for j, s in enumerate(self.subs) for leaf in s.leaves(f"{prefix}.{j}")]
@@ -324,10 +318,6 @@ class CacheListCodec(Codec):
         return CacheList(*(s.build(p, sub(arrays, str(j)),
                                    sub(checkpoint, str(j)) if checkpoint is not None else None)
                            for j, s in enumerate(self.subs)))
-
-
-def _sub_pieces(pieces: Sequence[Piece], prefix: str) -> list[Piece]:
-    return [(s, e, sub(arrays, prefix)) for s, e, arrays in pieces]
 
 
 _CODECS = {

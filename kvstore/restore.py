@@ -24,7 +24,7 @@ from . import blobs
 from .codecs import Codec, sub
 from .errors import BlobError
 from .tiers import Entry, Source
-from .unfilled import unfilled
+from .unfilled import keep_buffers, unfilled
 
 _POOL_MIN_BYTES = 4 << 20  # below this, threads cost more than they save
 _pool: ThreadPoolExecutor | None = None
@@ -68,7 +68,101 @@ def restore_point(parts: Sequence[Part], codecs: Sequence[Codec], length: int,
                   checkpoints: Mapping[int, bytes]) -> tuple[int, bytes | None]:
     """The largest p <= length every layer can restore at (0 if none), and the checkpoint
     (from `checkpoints`: position -> record hash) that p needs, if any layer is checkpointed."""
+    return _restore_point(_layout(parts, _leaves(codecs)), parts, codecs, length, checkpoints)
+
+
+def plan(parts: Sequence[Part], codecs: Sequence[Codec], length: int,
+         checkpoints: Mapping[int, bytes] | None = None) -> Plan | None:
+    """What to copy where to restore the longest prefix (<= length) of the chain `parts`, or None."""
+    leaves = _leaves(codecs)
+    layout = _layout(parts, leaves)
+    p, checkpoint = _restore_point(layout, parts, codecs, length, checkpoints or {})
+    if p <= 0:
+        return None
+    used = [q for q in parts if q.start < p]
+    finals: dict[str, Entry] = {}
+    filled: dict[str, int] = {}
+    copies: list[Copy] = []
+    for prefix, leaf in leaves:
+        ranges = leaf.ranges(p)
+        if not ranges:
+            continue
+        n = sum(b - a for a, b in ranges)
+        cap = leaf.capacity(n)
+        dst = 0
+        for a, b in ranges:
+            for k, start, end, held, names in layout[prefix]:
+                if start >= p:
+                    break
+                first = end - held  # the delta is a suffix of the record
+                lo, hi = max(a, first), min(b, end)
+                if lo >= hi:
+                    continue
+                entries = parts[k].entries
+                for name in names:
+                    e = entries[name]
+                    want = finals.get(name)
+                    if want is None:
+                        want = finals[name] = Entry(e.tag, (*e.shape[:2], cap, *e.shape[3:]))
+                    elif want.tag != e.tag or want.shape[:2] != e.shape[:2] or want.shape[3:] != e.shape[3:]:
+                        raise BlobError(f"record {parts[k].hash.hex()}: tensor {name!r} is {e.tag} "
+                                        f"{list(e.shape)}, the chain's other records {want.tag} {list(want.shape)}")
+                    copies.append(Copy(k, name, lo - first, hi - first, dst + lo - a))
+                    filled[name] = filled.get(name, 0) + hi - lo
+            dst += b - a
+        for names in {tuple(names) for *_, names in layout[prefix]}:
+            for name in names:
+                if filled.get(name, n) != n:  # `valid` said covered: a record lied about its tensors
+                    raise BlobError(f"tensor {name!r}: the chain fills {filled[name]} of its {n} tokens")
+    return Plan(p, used, finals, filled, copies, checkpoint)
+
+
+def _leaves(codecs: Sequence[Codec]) -> list[tuple[str, Codec]]:
+    """(name prefix, codec) of every cache of every layer (a CacheList's caches one by one)."""
+    return [leaf for i, codec in enumerate(codecs) for leaf in codec.leaves(str(i))]
+
+
+def _layout(parts: Sequence[Part], leaves: list[tuple[str, Codec]]) -> dict[str, list[tuple]]:
+    """Per leaf prefix: (part index, start, end, tokens its tensors hold, their names) of every
+    part holding tensors of that leaf, in chain order."""
+    prefixes = tuple(prefix for prefix, _ in leaves)
+    out: dict[str, list[tuple]] = {prefix: [] for prefix in prefixes}
+    for k, q in enumerate(parts):
+        end = q.start + q.ntokens
+        for prefix, names in _groups(tuple(q.entries), prefixes).items():
+            out[prefix].append((k, q.start, end, q.entries[names[0]].shape[2], names))
+    return out
+
+
+def _groups(names: tuple[str, ...], prefixes: tuple[str, ...]) -> dict[str, list[str]]:
+    """The tensor names of a record grouped by the leaf they belong to (the longest leaf prefix
+    of the name); the same for every record of one layout, so it is worked out once."""
+    key = (names, prefixes)
+    got = _GROUPS.get(key)
+    if got is None:
+        known = set(prefixes)
+        got = {}
+        for name in names:
+            parts = name.split(".")
+            for cut in range(len(parts) - 1, 0, -1):
+                prefix = ".".join(parts[:cut])
+                if prefix in known:
+                    got.setdefault(prefix, []).append(name)
+                    break
+        if len(_GROUPS) > 256:
+            _GROUPS.clear()
+        _GROUPS[key] = got
+    return got
+
+
+_GROUPS: dict[tuple, dict[str, list[str]]] = {}
+
+
+def _restore_point(layout: dict[str, list[tuple]], parts: Sequence[Part], codecs: Sequence[Codec],
+                   length: int, checkpoints: Mapping[int, bytes]) -> tuple[int, bytes | None]:
     checkpointed = any(c.checkpointed for c in codecs)
+    pieces = {prefix: [(start, end, held) for _, start, end, held, _ in rows] for prefix, rows in layout.items()}
+    leaves = _leaves(codecs)
     ends = [q.start + q.ntokens for q in parts]
     for p in sorted({length} | {e for e in ends if 0 < e < length}, reverse=True):
         if p <= 0:
@@ -76,59 +170,16 @@ def restore_point(parts: Sequence[Part], codecs: Sequence[Codec], length: int,
         has = p in checkpoints
         if checkpointed and not has:
             continue
-        if all(codec.valid(p, _pieces(parts, str(i)), has) for i, codec in enumerate(codecs)):
+        if all(leaf.valid(p, pieces[prefix], has) for prefix, leaf in leaves):
             return p, checkpoints.get(p) if checkpointed else None
     return 0, None
-
-
-def plan(parts: Sequence[Part], codecs: Sequence[Codec], length: int,
-         checkpoints: Mapping[int, bytes] | None = None) -> Plan | None:
-    """What to copy where to restore the longest prefix (<= length) of the chain `parts`, or None."""
-    p, checkpoint = restore_point(parts, codecs, length, checkpoints or {})
-    if p <= 0:
-        return None
-    used = [q for q in parts if q.start < p]
-    finals: dict[str, Entry] = {}
-    filled: dict[str, int] = {}
-    copies: list[Copy] = []
-    for i, codec in enumerate(codecs):
-        for prefix, leaf in codec.leaves(str(i)):
-            ranges = leaf.ranges(p)
-            if not ranges:
-                continue
-            head = prefix + "."
-            n = sum(b - a for a, b in ranges)
-            cap = leaf.capacity(n)
-            dst = 0
-            for a, b in ranges:
-                for k, q in enumerate(used):
-                    names = [name for name in q.entries if name.startswith(head)]
-                    if not names:
-                        continue
-                    end = q.start + q.ntokens
-                    first = end - q.entries[names[0]].shape[2]  # the delta is a suffix of the record
-                    lo, hi = max(a, first), min(b, end)
-                    if lo >= hi:
-                        continue
-                    for name in names:
-                        e = q.entries[name]
-                        want = finals.setdefault(name, Entry(e.tag, (*e.shape[:2], cap, *e.shape[3:])))
-                        if want.tag != e.tag or want.shape[:2] + want.shape[3:] != e.shape[:2] + e.shape[3:]:
-                            raise BlobError(f"record {q.hash.hex()}: tensor {name!r} is {e.tag} {list(e.shape)}, "
-                                            f"the chain's other records {want.tag} {list(want.shape)}")
-                        copies.append(Copy(k, name, lo - first, hi - first, dst + lo - a))
-                        filled[name] = filled.get(name, 0) + hi - lo
-                dst += b - a
-            for name in [nm for nm in finals if nm.startswith(head)]:
-                if filled[name] != n:  # `valid` said covered: a record lied about its tensors
-                    raise BlobError(f"tensor {name!r}: the chain fills {filled[name]} of its {n} tokens")
-    return Plan(p, used, finals, filled, copies, checkpoint)
 
 
 def fill(pl: Plan, sources: Sequence[Source]) -> tuple[dict[str, mx.array], list[tuple[int, BlobError]]]:
     """The final arrays of the plan, filled from `sources` (one per part) and the spare zeroed;
     and the (part, error) of every part that failed its checks (then the arrays must not be used
     past that part's start)."""
+    keep_buffers(pl.nbytes)
     finals = unfilled({name: (e.tag, e.shape) for name, e in pl.finals.items()})
     views = {name: _host(a) for name, a in finals.items()}
     for name, view in views.items():
@@ -182,10 +233,6 @@ def _host(a: mx.array) -> np.ndarray:
     if not (view.flags.writeable and view.flags.c_contiguous):
         raise BlobError("mlx handed out an array numpy cannot write in place")
     return view
-
-
-def _pieces(parts: Sequence[Part], prefix: str) -> list:
-    return [(q.start, q.start + q.ntokens, sub(dict(q.entries), prefix)) for q in parts]
 
 
 def _nbytes(e: Entry) -> int:

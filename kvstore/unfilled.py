@@ -24,6 +24,7 @@ import mlx.core as mx
 
 _LIVE: "weakref.WeakSet[_Shell]" = weakref.WeakSet()
 _EXIT_WAIT_S = 5.0
+_cache_floor = 0  # the mlx buffer-cache limit this module has made sure of
 
 
 class _Shell:
@@ -79,6 +80,20 @@ class _Shell:
         out = bytearray(max(0, end - self._pos))
         self.readinto(out)
         return bytes(out)
+
+
+def keep_buffers(nbytes: int) -> None:
+    """Make mlx keep freed buffers of up to twice `nbytes` for reuse (never lowering a limit the
+    user set). mlx-cpu caches only 32 MiB by default: larger buffers go back to the OS when freed,
+    so every restore would page-fault fresh memory, which costs more here than reading the bytes."""
+    global _cache_floor
+    want = min(2 * nbytes, mx.get_memory_limit() // 2)
+    if want <= _cache_floor:
+        return
+    previous = mx.set_cache_limit(want)
+    if previous > want:
+        mx.set_cache_limit(previous)
+    _cache_floor = max(want, previous)
 
 
 def unfilled(specs: Mapping[str, tuple[str, Sequence[int]]]) -> dict[str, mx.array]:
