@@ -55,6 +55,8 @@ def main() -> None:
     ap.add_argument("--shape", default="qwen3-0.6b", choices=sorted(C.SHAPES))
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--cprofile", action="store_true", help="print the top of a cProfile of fetch")
+    ap.add_argument("--head-dim", type=int, default=None,
+                    help="override the shape's head_dim (tiny: measures the Python overhead alone)")
     ap.add_argument("--serial", action="store_true", help="fill on the calling thread only")
     ap.add_argument("--cache-limit", type=float, default=None, metavar="GB",
                     help="mx.set_cache_limit before timing (keeps freed buffers for reuse)")
@@ -65,6 +67,8 @@ def main() -> None:
     if args.cache_limit is not None:
         mx.set_cache_limit(int(args.cache_limit * 1e9))
     shape = C.SHAPES[args.shape]
+    if args.head_dim:
+        shape = C.Shape(f"{shape.name}-d{args.head_dim}", shape.layers, shape.kv_heads, args.head_dim)
     model = shape.model()
     tokens = C.random_tokens(args.tokens).tolist()
     cache = C.random_cache(shape, args.tokens)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
+import math
 import os
 import re
 import stat
@@ -23,7 +24,7 @@ import struct
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Mapping, Sequence
+from typing import Iterator, Mapping, NamedTuple, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -214,11 +215,7 @@ class BlobFile:
 
     def __init__(self, fd: int, path: Path, size: int, head: bytes, h: bytes, checksum: int | None):
         self.fd, self.path, self.size = fd, path, size
-        self.entries, self.base = parse_header(head, path, size=size)
-        try:
-            self.metadata = header_metadata(head)
-        except (ValueError, AttributeError) as e:
-            raise BlobError(f"{path}: its metadata is not a JSON object ({e})") from e
+        self.entries, self.base, self.metadata = _parse(head, path, size)
         if self.metadata.get("hash") != h.hex():
             raise BlobError(f"{path}: its header names record {self.metadata.get('hash')!r}")
         self.checksums = tensor_checksums(self.metadata, path)
@@ -294,6 +291,59 @@ class BlobFile:
         if digest.hexdigest() != self.checksums[name]:
             raise BlobError(f"{self.path}: tensor {name!r} does not match its checksum")
 
+    def read_copies(self, copies: Sequence, targets: Mapping[str, Target]) -> None:
+        """Several tensors' token ranges at once: each copy `(name, lo, hi, dst)` puts tokens
+        [lo, hi) of tensor `name` at tokens [dst, dst + hi - lo) of `targets[name]`, a C-contiguous
+        (B, H, capacity, ...) array. Tensors that follow each other in the file are read with one
+        `preadv`; each is checked against its own checksum. BlobError names the first bad one."""
+        plan = []
+        for c in copies:
+            info = self.entries.get(c.name)
+            target = targets[c.name]
+            if info is None:
+                raise BlobError(f"{self.path}: no tensor {c.name!r}")
+            shape = info["shape"]
+            itemsize = _DTYPES[info["dtype"]][0].itemsize
+            t = target.array
+            if (len(shape) < 3 or t.ndim != len(shape) or t.dtype.itemsize != itemsize
+                    or t.shape[:2] != tuple(shape[:2]) or t.shape[3:] != tuple(shape[3:])
+                    or not 0 <= c.lo <= c.hi <= shape[2] or c.dst + c.hi - c.lo > t.shape[2]):
+                raise BlobError(f"{self.path}: tensor {c.name!r} {shape} has no tokens [{c.lo}, {c.hi}) "
+                                f"for a {list(t.shape)} array")
+            start, end = (self.base + o for o in info["data_offsets"])
+            plan.append((start, end, c, shape, itemsize, target))
+        plan.sort(key=lambda x: x[0])
+        batch: list[memoryview] = []
+        spans: list[tuple[str, int, int]] = []
+        batch_start = batch_end = -1
+        for start, end, c, shape, itemsize, target in plan:
+            iovecs = _flat_iovecs(shape, itemsize, c.lo, c.hi, target.flat, target.array.shape[2], c.dst)
+            if start != batch_end or len(batch) + len(iovecs) > _IOV_BATCH:
+                self._read_batch(batch, spans, batch_start)
+                batch, spans, batch_start = [], [], start
+            spans.append((c.name, len(batch), len(batch) + len(iovecs)))
+            batch += iovecs
+            batch_end = end
+        self._read_batch(batch, spans, batch_start)
+
+    def _read_batch(self, batch: list[memoryview], spans: list[tuple[str, int, int]], start: int) -> None:
+        if not batch:
+            return
+        if self._whole is not None:  # 0.1 blob: already read and checked
+            whole = memoryview(self._whole)
+            pos = start
+            for v in batch:
+                v[:] = whole[pos : pos + len(v)]
+                pos += len(v)
+            return
+        _preadv_all(self.fd, list(batch), start, self.path)
+        for name, i, j in spans:
+            digest = xxhash.xxh3_64()
+            for v in batch[i:j]:
+                digest.update(v)
+            if digest.hexdigest() != self.checksums[name]:
+                raise BlobError(f"{self.path}: tensor {name!r} does not match its checksum")
+
     @staticmethod
     def _head_iovecs(shape: list[int], itemsize: int, lo: int, hi: int, dst: np.ndarray) -> list[memoryview]:
         """Buffers in file order for a (B, H, T, ...) tensor: per head, scratch for tokens before
@@ -318,6 +368,43 @@ class BlobFile:
                     out.append(scratch[k : k + after])
                     k += after
         return out
+
+
+class Target(NamedTuple):
+    """Memory a read copies tensors into: a C-contiguous (B, H, capacity, ...) array, and the
+    same memory as a flat byte view (cut into per-head buffers by arithmetic, not by numpy)."""
+
+    array: np.ndarray
+    flat: memoryview
+
+
+def target(array: np.ndarray) -> Target:
+    if not (array.flags.c_contiguous and array.flags.writeable):
+        raise ValueError("a read target must be C-contiguous and writable")
+    return Target(array, memoryview(array.reshape(-1).view(np.uint8)))
+
+
+def _flat_iovecs(shape: list[int], itemsize: int, lo: int, hi: int, flat: memoryview, cap: int,
+                 dst: int) -> list[memoryview]:
+    """Buffers in file order for tokens [lo, hi) of a (B, H, T, ...) tensor going to tokens
+    [dst, ...) of a flat (B, H, cap, ...) target; scratch for the tokens around them."""
+    row = itemsize * math.prod(shape[3:])
+    T, heads = shape[2], shape[0] * shape[1]
+    before, after, take = lo * row, (T - hi) * row, (hi - lo) * row
+    scratch = memoryview(bytearray((before + after) * heads)) if before + after else None
+    out: list[memoryview] = []
+    k = 0
+    for head in range(heads):
+        if before:
+            out.append(scratch[k : k + before])
+            k += before
+        if take:
+            at = (head * cap + dst) * row
+            out.append(flat[at : at + take])
+        if after:
+            out.append(scratch[k : k + after])
+            k += after
+    return out
 
 
 def open_blob(root: Path, h: bytes, *, size: int, checksum: int | None = None) -> BlobFile:
@@ -377,7 +464,7 @@ def _preadv_all(fd: int, views: list[memoryview], offset: int, path: Path) -> in
     done = i = 0
     try:
         while i < len(views):
-            n = os.preadv(fd, views[i:], offset + done)
+            n = os.preadv(fd, views[i : i + _IOV_BATCH], offset + done)
             if n == 0:
                 raise BlobError(f"{path}: short read (the file ends early)")
             done += n
@@ -411,6 +498,12 @@ def parse_header(buf: bytes | bytearray, where: object = "blob", *,
 
     `size`: the file's size, when `buf` holds only its first bytes (at least the whole header).
     """
+    header, base, _ = _parse(buf, where, size)
+    return header, base
+
+
+def _parse(buf, where: object, size: int | None) -> tuple[dict[str, dict], int, dict[str, str]]:
+    """Entries, data start and metadata of a safetensors header, from one JSON parse."""
     total = len(buf) if size is None else size
     if len(buf) < 8 or total < 8:
         raise BlobError(f"{where}: too short to be a safetensors file")
@@ -423,22 +516,26 @@ def parse_header(buf: bytes | bytearray, where: object = "blob", *,
         raise BlobError(f"{where}: header is not JSON ({e})") from e
     if not isinstance(header, dict):
         raise BlobError(f"{where}: header is not an object")
-    header.pop("__metadata__", None)
+    meta = header.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict):
+        raise BlobError(f"{where}: its metadata is not a JSON object")
     base, payload = 8 + n, total - 8 - n
     for name, info in header.items():
         try:
             tag, shape, (start, end) = info["dtype"], info["shape"], info["data_offsets"]
             itemsize = _DTYPES[tag][0].itemsize
-            count = int(np.prod(shape, dtype=np.int64)) if shape else 1
-            ok = 0 <= start <= end <= payload and end - start == count * itemsize
+            ok = (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)
+                  and type(start) is int and type(end) is int
+                  and 0 <= start <= end <= payload and end - start == math.prod(shape) * itemsize)
         except (KeyError, TypeError, ValueError):
             ok = False
         if not ok:
             raise BlobError(f"{where}: tensor {name!r} has a bad header entry")
-    return header, base
+    return header, base, {str(k): str(v) for k, v in meta.items()}
 
 
 def header_metadata(buf: bytes | bytearray) -> dict[str, str]:
+    """The `__metadata__` of a safetensors header (strings)."""
     (n,) = struct.unpack_from("<Q", buf, 0)
     meta = json.loads(bytes(buf[8 : 8 + n])).get("__metadata__") or {}
     return {str(k): str(v) for k, v in meta.items()}

@@ -181,17 +181,16 @@ def fill(pl: Plan, sources: Sequence[Source]) -> tuple[dict[str, mx.array], list
     past that part's start)."""
     keep_buffers(pl.nbytes)
     finals = unfilled({name: (e.tag, e.shape) for name, e in pl.finals.items()})
-    views = {name: _host(a) for name, a in finals.items()}
+    views = {name: blobs.target(_host(a)) for name, a in finals.items()}
     for name, view in views.items():
-        view[:, :, pl.filled[name]:] = 0
+        view.array[:, :, pl.filled[name]:] = 0
     jobs: dict[int, list[Copy]] = {}
     for c in pl.copies:
         jobs.setdefault(c.part, []).append(c)
 
     def run(k: int) -> BlobError | None:
         try:
-            for c in jobs[k]:
-                sources[k].read_tokens(c.name, c.lo, c.hi, views[c.name][:, :, c.dst : c.dst + c.hi - c.lo])
+            sources[k].read_copies(jobs[k], views)
         except BlobError as e:
             return e
         return None

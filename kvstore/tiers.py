@@ -8,8 +8,8 @@
 - `touch(hashes)`: these records were used (LRU order, last-access times).
 
 A `Source` is one opened record: its token count, its tensors' entries (name -> dtype tag and
-shape, `tokens` left out) and `read_tokens(name, lo, hi, dst)` that copies tokens [lo, hi) of a
-tensor into memory the restore owns, checking what it reads. The restore (`restore.py`) asks the
+shape, `tokens` left out), `read_copies(copies, targets)` that copies token ranges of its tensors
+into memory the restore owns (checking what it reads), and `array(name)` for a whole tensor. The restore (`restore.py`) asks the
 tiers in order (memory, pending writes, local disk; a remote tier is one more) and never knows
 which one it is talking to.
 """
@@ -49,9 +49,12 @@ class Source(Protocol):
     tokens: np.ndarray
     entries: dict[str, Entry]
 
-    def read_tokens(self, name: str, lo: int, hi: int, dst: np.ndarray) -> None: ...
+    def read_copies(self, copies: Sequence, targets: dict[str, blobs.Target]) -> None:
+        """Each copy `(name, lo, hi, dst)`: tokens [lo, hi) of tensor `name` to tokens
+        [dst, dst + hi - lo) of `targets[name].array`. BlobError if what it read is damaged."""
 
-    def array(self, name: str) -> np.ndarray: ...
+    def array(self, name: str) -> np.ndarray:
+        """A whole tensor, checked (bfloat16 as its uint16 bits)."""
 
     def close(self) -> None: ...
 
@@ -88,9 +91,10 @@ class RecordSource:
             host = self._host[name] = np.asarray(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a)
         return host
 
-    def read_tokens(self, name: str, lo: int, hi: int, dst: np.ndarray) -> None:
-        src = self._np(name)
-        np.copyto(dst, src[:, :, lo:hi] if src.ndim >= 3 else src, casting="no")
+    def read_copies(self, copies, targets):
+        for c in copies:
+            np.copyto(targets[c.name].array[:, :, c.dst : c.dst + c.hi - c.lo], self._np(c.name)[:, :, c.lo : c.hi],
+                      casting="no")
 
     def array(self, name: str) -> np.ndarray:
         return self._np(name)
@@ -117,8 +121,8 @@ class BlobSource:
         self.entries = {name: Entry(info["dtype"], tuple(info["shape"]))
                         for name, info in blob.entries.items() if name != "tokens"}
 
-    def read_tokens(self, name: str, lo: int, hi: int, dst: np.ndarray) -> None:
-        self.blob.read_tokens(name, lo, hi, dst)
+    def read_copies(self, copies, targets):
+        self.blob.read_copies(copies, targets)
 
     def array(self, name: str) -> np.ndarray:
         return self.blob.array(name)

@@ -9,6 +9,12 @@ mlx keeps a reference to the file object on its I/O thread, and releases it (tak
 shortly after the load is done; if the interpreter is already finalizing then, the process
 aborts. Every shell is therefore tracked, and at exit the interpreter waits (bounded) until mlx
 has let go of them all.
+
+mlx's I/O thread also needs the GIL to call `readinto`, so nothing may wait for that load while
+holding the GIL: loads run on a stream of their own (no one else's work queues behind them), and
+under a lock that `keep_buffers` also takes (`mx.set_cache_limit` waits for every CPU stream
+without letting go of the GIL). Calling `mx.set_cache_limit` from another thread while a fetch
+runs can still deadlock mlx this way: set it before serving.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import atexit
 import json
 import struct
+import threading
 import time
 import weakref
 from typing import Mapping, Sequence
@@ -25,6 +32,8 @@ import mlx.core as mx
 _LIVE: "weakref.WeakSet[_Shell]" = weakref.WeakSet()
 _EXIT_WAIT_S = 5.0
 _cache_floor = 0  # the mlx buffer-cache limit this module has made sure of
+_LOCK = threading.Lock()
+_streams = threading.local()  # mlx streams belong to the thread that made them
 
 
 class _Shell:
@@ -90,10 +99,11 @@ def keep_buffers(nbytes: int) -> None:
     want = min(2 * nbytes, mx.get_memory_limit() // 2)
     if want <= _cache_floor:
         return
-    previous = mx.set_cache_limit(want)
-    if previous > want:
-        mx.set_cache_limit(previous)
-    _cache_floor = max(want, previous)
+    with _LOCK:  # never while one of our loads waits for the GIL (see the module's docstring)
+        previous = mx.set_cache_limit(want)
+        if previous > want:
+            mx.set_cache_limit(previous)
+        _cache_floor = max(want, previous)
 
 
 def unfilled(specs: Mapping[str, tuple[str, Sequence[int]]]) -> dict[str, mx.array]:
@@ -106,11 +116,15 @@ def unfilled(specs: Mapping[str, tuple[str, Sequence[int]]]) -> dict[str, mx.arr
     real = {n: s for n, s in specs.items() if n not in empty}
     out: dict[str, mx.array] = {}
     if real:
+        stream = getattr(_streams, "load", None)
+        if stream is None:
+            stream = _streams.load = mx.new_stream(mx.cpu)
         shell = _Shell(real, itemsize)
         _LIVE.add(shell)
-        out = mx.load(shell, format="safetensors")
-        del shell
-        mx.eval(list(out.values()))
+        with _LOCK:
+            out = mx.load(shell, format="safetensors", stream=stream)
+            del shell
+            mx.eval(list(out.values()))
     for name, (tag, shape) in empty.items():
         out[name] = mx.zeros([int(d) for d in shape], _DTYPES[tag][1])
     return out

@@ -289,6 +289,36 @@ def test_fifty_processes_that_exit_right_after_getting_unfilled_arrays_all_exit_
     assert [c for c, _ in codes] == [0] * 50, [e for c, e in codes if c]
 
 
+ALLOCATE_WHILE_RAISING_THE_CACHE_LIMIT = """
+import threading
+import kvstore.unfilled as U
+done = []
+def allocate():
+    for i in range(300):
+        U.unfilled({f"k{j}": ("BF16", (1, 2, 64, 8)) for j in range(8)})
+    done.append(1)
+def limits():
+    for i in range(300):
+        U.keep_buffers((32 + i) << 20)
+    done.append(1)
+threads = [threading.Thread(target=f, daemon=True) for f in (allocate, allocate, limits)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join(60)
+print("finished" if len(done) == 3 else "stuck")
+"""
+
+
+def test_threads_allocating_while_the_cache_limit_is_raised_never_deadlock():
+    # mx.set_cache_limit waits for every CPU stream holding the GIL; a load of ours needs the GIL
+    # to finish. Found as a hung warm process in the concurrency fault test.
+    env = dict(os.environ, PYTHONPATH=str(HERE.parent))
+    out = subprocess.run([sys.executable, "-c", ALLOCATE_WHILE_RAISING_THE_CACHE_LIMIT], capture_output=True,
+                         text=True, timeout=120, env=env)
+    assert out.returncode == 0 and out.stdout.strip() == "finished", out.stderr[-2000:]
+
+
 # -- the writer copies for RAM only what the memory tier keeps --------------------------------
 
 def test_with_the_memory_tier_off_the_writer_copies_nothing_for_ram(tmp_path, llama, monkeypatch):
