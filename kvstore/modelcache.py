@@ -1,8 +1,9 @@
 """`ModelCache`: the store as one model version sees it — `fetch` and `insert` token sequences.
 
-Fetch walks the chunk-boundary hashes of the prompt (one index query), compares the tokens of
-the children of the deepest stored chunk, then picks the largest position p that every layer's
-codec can restore exactly (see `codecs`), always leaving at least one token to process.
+Fetch looks the prompt up in the tiers (`tiers`: the chain's rows in one index query, then the
+children of the deepest stored chunk), opens the records it needs, and hands them to the restore
+pipeline (`restore`: plan, fill, build), always leaving at least one token to process. Records
+read from beyond RAM are checked against the model's shapes (`records`).
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
 from . import blobs, keys
-from .codecs import ArraysCodec, CacheListCodec, Codec, make_codec
+from .codecs import Codec, make_codec
 from .errors import BlobError, InvalidInputError
 from .index import CHECKPOINT, CHUNK, TAIL
 from .memory import Record
+from .records import RecordCheck
 from .restore import Part, Plan, build, checkpoint_arrays, fill, host_slice, plan
 from .tiers import Source
 from .tiers import find as tiers_find
@@ -75,8 +77,7 @@ class ModelCache:
         self._metadata = {"format": str(keys.FORMAT_VERSION), "ns": ns.hex(),
                           "fingerprint": fingerprint.hex(), "model_id": model_id,
                           "chunk_size": str(self.chunk_size)}
-        self._shapes: tuple[dict, dict] | None | bool = False  # False: not traced yet
-        self._checked: set[tuple] = set()  # record layouts already found to be this model's
+        self.check = RecordCheck(model, codecs, self.new_cache, model_id)
         self.registered = True  # False while the index could not record this model (Store.bind)
 
     @property
@@ -192,7 +193,7 @@ class ModelCache:
             try:
                 source = tier.open(h, ref)
                 if tier.name not in _RAM_TIERS:
-                    self._check_record(source.kind, source.ntokens, source.entries)
+                    self.check(source.kind, source.ntokens, source.entries)
             except KeyError:  # gone from that tier since the lookup: ask the ones after it
                 rest = self.store.tiers[self.store.tiers.index(tier) + 1 :]
                 found = tiers_find(rest, [h]).get(h)
@@ -289,74 +290,6 @@ class ModelCache:
         ranked = sorted(found.values(), key=lambda f: -f[1])
         options = ranked[:1] + [f for f in ranked[1:] if f[2]]
         return hashes[:depth], [(h, n) for h, n, _ in options] or [(None, 0)], where
-
-    # -- what a record read from disk must hold -----------------------------------------------
-
-    def _check_record(self, kind: int, ntokens: int, entries: dict) -> None:
-        """Raise BlobError unless a record read from disk holds tensors of the names, shapes and
-        dtypes this model's cache has (a blob that passed its checksum can still have been
-        planted, or taken back by a rebuild); a wrong one would crash generation or be wrong.
-        `entries`: name -> (dtype tag, shape)."""
-        expected = self._expected_shapes()
-        if expected is None:
-            return
-        key = (kind, ntokens, tuple((n, e.tag, e.shape) for n, e in entries.items()))
-        if key in self._checked:
-            return
-        arrays = {name: _Shaped(tuple(e.shape), blobs.mx_dtype(e.tag)) for name, e in entries.items()}
-        self._check_arrays(kind, ntokens, arrays)
-        self._checked.add(key)
-
-    def _check_arrays(self, kind: int, ntokens: int, arrays: dict) -> None:
-        deltas, states = self._expected_shapes()
-        if kind == CHECKPOINT:
-            for name, (shape, dtype) in states.items():
-                a = arrays.get(name)
-                if a is None or tuple(a.shape) != shape or a.dtype != dtype:
-                    raise BlobError(f"checkpoint array {name!r} is not the {dtype} {list(shape)} this model has")
-            return
-        lengths: dict[str, set[int]] = {}
-        for name, a in arrays.items():
-            want = deltas.get(name)
-            ok = want is not None and a.dtype == want[1] and a.ndim == len(want[0]) and a.shape[2] <= ntokens
-            if not ok or any(n != m for i, (n, m) in enumerate(zip(a.shape, want[0])) if i != 2):
-                raise BlobError(f"array {name!r} {a.dtype} {list(a.shape)} is not what this model's "
-                                f"cache holds for {ntokens} tokens")
-            lengths.setdefault(want[2], set()).add(a.shape[2])
-        for group, found in lengths.items():
-            if len(found) != 1 or sum(1 for name in arrays if deltas[name][2] == group) != \
-                    sum(1 for d in deltas.values() if d[2] == group):
-                raise BlobError(f"the arrays of layer {group} are incomplete or of different lengths")
-
-    def _expected_shapes(self) -> tuple[dict, dict] | None:
-        """name -> (shape, dtype, layer) of a record's deltas (token axis 2 free) and name ->
-        (shape, dtype) of recurrent checkpoints, from the cache one token gives. The graph is
-        built, never computed. None if the model cannot be traced (then nothing is checked)."""
-        if self._shapes is False:
-            try:
-                cache = self.new_cache()
-                self.model(mx.array([[0]]), cache=cache)
-                deltas: dict = {}
-                states: dict = {}
-
-                def leaves(codec: Codec, layer, prefix: str) -> None:
-                    if isinstance(codec, CacheListCodec):
-                        for j, (c, sub_layer) in enumerate(zip(codec.subs, layer.caches)):
-                            leaves(c, sub_layer, f"{prefix}.{j}")
-                        return
-                    for name, (a, _) in codec.deltas(layer, 1).items():
-                        deltas[f"{prefix}.{name}"] = (tuple(a.shape), a.dtype, prefix)
-                    if isinstance(codec, ArraysCodec):
-                        for name, a in codec.checkpoint(layer).items():
-                            states[f"{prefix}.{name}"] = (tuple(a.shape), a.dtype)
-
-                for i, (codec, layer) in enumerate(zip(self.codecs, cache)):
-                    leaves(codec, layer, str(i))
-                self._shapes = (deltas, states)
-            except Exception as e:  # an exotic model: records are still checked by checksum
-                log.warning("kvstore: cannot trace %s to check record shapes (%s)", self.model_id, e)
-                self._shapes = None
-        return self._shapes
 
     # -- insert -----------------------------------------------------------------------------
 
@@ -506,13 +439,6 @@ class ModelCache:
                 raise InvalidInputError(
                     f"cache layer {i} has processed {offset} tokens but {n} tokens were given: "
                     "insert the tokens the cache actually holds")
-
-
-class _Shaped:
-    """What `_check_arrays` looks at of an array: shape, dtype, ndim (from a header entry)."""
-
-    def __init__(self, shape: tuple[int, ...], dtype: mx.Dtype):
-        self.shape, self.dtype, self.ndim = shape, dtype, len(shape)
 
 
 def _entry_bytes(e) -> int:
