@@ -1,9 +1,9 @@
 """Blob files: one safetensors file per record, at `blobs/ab/cd/<hash>.safetensors`.
 
 Knows files and bytes, no SQL. A blob is written to a temporary file in its final folder, fsynced
-and renamed into place, so a reader sees either nothing or the whole file. The checksum is xxh3_64
-of the whole file (the index row's `checksum`); every read checks it, and the header's own hash,
-before any array is made.
+and renamed into place, so a reader sees either nothing or the whole file. The index row's
+`checksum` is xxh3_64 of the whole file; every read checks the header's own hash and sizes before
+any array is made.
 
 Blob format 2 also puts in the header's `__metadata__` a `"blob_format": "2"` and `"checksums"`: a
 JSON object (as a string) of every tensor's name (`tokens` included) -> the 16-hex-digit xxh3_64 of
@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
+import re
 import stat
 import struct
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import Mapping, NamedTuple, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -43,6 +45,7 @@ from .errors import BlobError
 _HEADER_LIMIT = 100 << 20  # safetensors' own cap on header size
 _HEAD_GUESS = 64 << 10  # first read of a blob: its whole header, as a rule
 _IOV_BATCH = 512  # buffers per preadv call (the kernel takes at most IOV_MAX = 1024)
+_HEX16 = re.compile(r"[0-9a-f]{16}")
 # No record kvstore writes comes near this (a 256-token chunk of a 405B model is ~130 MB): a
 # blob-named file larger than this is refused before a byte of it is read.
 MAX_BLOB_BYTES = 4 << 30
@@ -168,6 +171,8 @@ def open_regular(path: Path | str, *, dir_fd: int | None = None) -> int:
         os.close(fd)
         raise
     return fd
+
+
 def tensor_checksum(data) -> str:
     """The 16-hex-digit xxh3_64 of a tensor's raw bytes (C order), as blob format 2 records it."""
     if isinstance(data, np.ndarray):
@@ -189,9 +194,7 @@ def tensor_checksums(metadata: Mapping[str, str], where: object = "blob") -> dic
         sums = json.loads(raw)
     except (json.JSONDecodeError, RecursionError) as e:
         raise BlobError(f"{where}: its tensor checksums are not JSON ({e})") from e
-    if not isinstance(sums, dict) or not all(
-            isinstance(v, str) and len(v) == 16 and all(c in "0123456789abcdef" for c in v)
-            for v in sums.values()):
+    if not isinstance(sums, dict) or not all(isinstance(v, str) and _HEX16.fullmatch(v) for v in sums.values()):
         raise BlobError(f"{where}: its tensor checksums are not a map of 16-hex-digit strings")
     return {str(k): v for k, v in sums.items()}
 
@@ -224,96 +227,251 @@ def verify_bytes(buf: bytes | bytearray | memoryview, h: bytes,
 
 
 def read(root: Path, h: bytes, *, size: int, checksum: int) -> tuple[dict[str, mx.array], dict[str, str]]:
-    """Read and check a blob; its arrays and metadata. Any damage raises BlobError."""
-    path = blob_path(root, h)
-    if type(size) is not int or type(checksum) is not int or not 0 <= size <= MAX_BLOB_BYTES:
-        raise BlobError(f"{path}: the index says {size!r:.40} bytes, which no blob has")
-    try:
-        # O_NOFOLLOW: a blob planted as a symbolic link is never read through (ELOOP); a FIFO
-        # is refused rather than waited on.
-        with open(open_regular(path), "rb", buffering=0) as f:
-            actual = os.fstat(f.fileno()).st_size
-            if actual != size:
-                raise BlobError(f"{path}: {actual} bytes on disk, the index says {size}")
-            buf = bytearray(size)
-            got = f.readinto(buf)
-    except FileNotFoundError as e:
-        raise BlobError(f"{path}: missing") from e
-    except OSError as e:
-        raise BlobError(f"{path}: cannot read ({e})") from e
-    if got != size:
-        raise BlobError(f"{path}: short read ({got} of {size} bytes)")
+    """Read and check a whole blob (verify); its arrays and metadata. Any damage raises BlobError."""
+    with open_blob(root, h, size=size) as blob:
+        buf = bytearray(size)
+        blob.read_exact(memoryview(buf), 0)
     if xxhash.xxh3_64_intdigest(buf) != checksum:
-        raise BlobError(f"{path}: checksum mismatch")
-    arrays, metadata = decode(buf, path)
-    if metadata.get("hash") != h.hex():
-        raise BlobError(f"{path}: its header names record {metadata.get('hash')!r}")
+        raise BlobError(f"{blob.path}: checksum mismatch")
+    if blob.checksums is not None:
+        verify_bytes(buf, h, blob.path)
+    arrays, metadata = decode(buf, blob.path)
     return arrays, metadata
 
 
-def read_into(root: Path, h: bytes, *, size: int, checksum: int,
-              targets: Callable[[dict[str, dict]], Mapping[str, np.ndarray]],
-              ) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """Read and check a blob, copying its tensors straight into memory the caller owns.
+class BlobFile:
+    """An open blob whose header was read and checked (size, header, the record it names).
 
-    `targets(entries)` gets the header's tensor entries (name -> dtype tag, shape, offsets) and
-    returns, for the tensors it wants placed, writable arrays of the tensor's item size shaped like
-    the tensor or like its first tokens along axis 2 (B, H, tokens, ...). Those bytes are read once,
-    from the page cache straight into place; the rest of a partly wanted tensor is read only to be
-    checksummed. Tensors without a target come back as numpy arrays. The whole file is
-    checksummed, in file order, as it is read. Any damage raises BlobError, and the targets may
-    then hold part of the blob: the caller must not use them.
+    Tensors are read by name, each checked against its own checksum (blob format 2) as it is
+    read, so they may be read in any order and on any thread. A blob written by 0.1 (no
+    per-tensor checksums) is read whole when opened and checked by `checksum`, the old way.
     """
+
+    def __init__(self, fd: int, path: Path, size: int, head: bytes, h: bytes, checksum: int | None):
+        self.fd, self.path, self.size = fd, path, size
+        self.entries, self.base, self.metadata = _parse(head, path, size)
+        if self.metadata.get("hash") != h.hex():
+            raise BlobError(f"{path}: its header names record {self.metadata.get('hash')!r}")
+        self.checksums = tensor_checksums(self.metadata, path)
+        self._whole: bytearray | None = None
+        if self.checksums is None:  # 0.1: no per-tensor sums, so the whole file is checked now
+            if checksum is None:
+                raise BlobError(f"{path}: a blob without tensor checksums needs its row's checksum")
+            self._whole = bytearray(size)
+            self.read_exact(memoryview(self._whole), 0)
+            if xxhash.xxh3_64_intdigest(self._whole) != checksum:
+                raise BlobError(f"{path}: checksum mismatch")
+        elif set(self.checksums) != set(self.entries):
+            raise BlobError(f"{path}: its checksums do not name exactly its tensors")
+
+    def __enter__(self) -> "BlobFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def read_exact(self, view: memoryview, offset: int) -> None:
+        """Fill `view` from `offset` (finishing short reads); BlobError if the file ends early."""
+        _preadv_all(self.fd, [view], offset, self.path)
+
+    def array(self, name: str) -> np.ndarray:
+        """One whole tensor as numpy (bfloat16 as its uint16 bits), checked."""
+        info = self.entries[name]
+        out = np.empty(info["shape"], dtype=_DTYPES[info["dtype"]][0])
+        self.read_tokens(name, 0, out.shape[2] if out.ndim >= 3 else 0, out)
+        return out
+
+    def read_tokens(self, name: str, lo: int, hi: int, dst: np.ndarray) -> None:
+        """Tokens [lo, hi) (axis 2) of tensor `name`, (B, H, T, ...), into `dst`, (B, H, hi - lo, ...),
+        whose every head `dst[b, h]` is contiguous and writable. The rest of the tensor is read
+        into scratch memory only to be checksummed. Tensors of fewer than 3 axes: whole (lo = hi = 0).
+        Raises BlobError if the tensor does not match its checksum: `dst` must then not be used."""
+        info = self.entries.get(name)
+        if info is None:
+            raise BlobError(f"{self.path}: no tensor {name!r}")
+        shape = list(info["shape"])
+        np_dtype = _DTYPES[info["dtype"]][0]
+        start, end = (self.base + o for o in info["data_offsets"])
+        if dst.dtype.itemsize != np_dtype.itemsize:
+            raise BlobError(f"{self.path}: tensor {name!r} is {info['dtype']}, not {dst.dtype}")
+        if len(shape) < 3:
+            if list(dst.shape) != shape:
+                raise BlobError(f"{self.path}: tensor {name!r} is {shape}, not {list(dst.shape)}")
+            iovecs = [memoryview(dst.reshape(-1).view(np.uint8))] if end > start else []
+        else:
+            if (dst.ndim != len(shape) or list(dst.shape[:2]) != shape[:2] or list(dst.shape[3:]) != shape[3:]
+                    or not 0 <= lo <= hi <= shape[2] or dst.shape[2] != hi - lo):
+                raise BlobError(f"{self.path}: tensor {name!r} {shape} has no tokens [{lo}, {hi}) "
+                                f"of the shape {list(dst.shape)}")
+            iovecs = self._head_iovecs(shape, np_dtype.itemsize, lo, hi, dst)
+        if self._whole is not None:  # 0.1 blob: already read and checked
+            whole = memoryview(self._whole)
+            pos = start
+            for v in iovecs:
+                v[:] = whole[pos : pos + len(v)]
+                pos += len(v)
+            return
+        pos = start
+        for i in range(0, len(iovecs), _IOV_BATCH):
+            pos += _preadv_all(self.fd, iovecs[i : i + _IOV_BATCH], pos, self.path)
+        digest = xxhash.xxh3_64()
+        for v in iovecs:
+            digest.update(v)
+        if digest.hexdigest() != self.checksums[name]:
+            raise BlobError(f"{self.path}: tensor {name!r} does not match its checksum")
+
+    def read_copies(self, copies: Sequence, targets: Mapping[str, Target]) -> None:
+        """Several tensors' token ranges at once: each copy `(name, lo, hi, dst)` puts tokens
+        [lo, hi) of tensor `name` at tokens [dst, dst + hi - lo) of `targets[name]`, a C-contiguous
+        (B, H, capacity, ...) array. Tensors that follow each other in the file are read with one
+        `preadv`; each is checked against its own checksum. BlobError names the first bad one."""
+        plan = []
+        for c in copies:
+            info = self.entries.get(c.name)
+            target = targets[c.name]
+            if info is None:
+                raise BlobError(f"{self.path}: no tensor {c.name!r}")
+            shape = info["shape"]
+            itemsize = _DTYPES[info["dtype"]][0].itemsize
+            t = target.array
+            if (len(shape) < 3 or t.ndim != len(shape) or t.dtype.itemsize != itemsize
+                    or t.shape[:2] != tuple(shape[:2]) or t.shape[3:] != tuple(shape[3:])
+                    or not 0 <= c.lo <= c.hi <= shape[2] or c.dst + c.hi - c.lo > t.shape[2]):
+                raise BlobError(f"{self.path}: tensor {c.name!r} {shape} has no tokens [{c.lo}, {c.hi}) "
+                                f"for a {list(t.shape)} array")
+            start, end = (self.base + o for o in info["data_offsets"])
+            plan.append((start, end, c, shape, itemsize, target))
+        plan.sort(key=lambda x: x[0])
+        batch: list[memoryview] = []
+        spans: list[tuple[str, int, int]] = []
+        batch_start = batch_end = -1
+        for start, end, c, shape, itemsize, target in plan:
+            iovecs = _flat_iovecs(shape, itemsize, c.lo, c.hi, target.flat, target.array.shape[2], c.dst)
+            if start != batch_end or len(batch) + len(iovecs) > _IOV_BATCH:
+                self._read_batch(batch, spans, batch_start)
+                batch, spans, batch_start = [], [], start
+            spans.append((c.name, len(batch), len(batch) + len(iovecs)))
+            batch += iovecs
+            batch_end = end
+        self._read_batch(batch, spans, batch_start)
+
+    def _read_batch(self, batch: list[memoryview], spans: list[tuple[str, int, int]], start: int) -> None:
+        if not batch:
+            return
+        if self._whole is not None:  # 0.1 blob: already read and checked
+            whole = memoryview(self._whole)
+            pos = start
+            for v in batch:
+                v[:] = whole[pos : pos + len(v)]
+                pos += len(v)
+            return
+        _preadv_all(self.fd, list(batch), start, self.path)
+        for name, i, j in spans:
+            digest = xxhash.xxh3_64()
+            for v in batch[i:j]:
+                digest.update(v)
+            if digest.hexdigest() != self.checksums[name]:
+                raise BlobError(f"{self.path}: tensor {name!r} does not match its checksum")
+
+    @staticmethod
+    def _head_iovecs(shape: list[int], itemsize: int, lo: int, hi: int, dst: np.ndarray) -> list[memoryview]:
+        """Buffers in file order for a (B, H, T, ...) tensor: per head, scratch for tokens before
+        lo, the head's slice of `dst`, scratch for tokens from hi on."""
+        row = itemsize * int(np.prod(shape[3:], dtype=np.int64)) if len(shape) > 3 else itemsize
+        before, after = lo * row, (shape[2] - hi) * row
+        heads = shape[0] * shape[1]
+        scratch = memoryview(bytearray((before + after) * heads)) if before + after else None
+        out: list[memoryview] = []
+        k = 0
+        for b in range(shape[0]):
+            for hh in range(shape[1]):
+                if before:
+                    out.append(scratch[k : k + before])
+                    k += before
+                if hi > lo:
+                    part = dst[b, hh]
+                    if not part.flags.c_contiguous or not part.flags.writeable:
+                        raise ValueError("each head of the target must be contiguous and writable")
+                    out.append(memoryview(part.reshape(-1).view(np.uint8)))
+                if after:
+                    out.append(scratch[k : k + after])
+                    k += after
+        return out
+
+
+class Target(NamedTuple):
+    """Memory a read copies tensors into: a C-contiguous (B, H, capacity, ...) array, and the
+    same memory as a flat byte view (cut into per-head buffers by arithmetic, not by numpy)."""
+
+    array: np.ndarray
+    flat: memoryview
+
+
+def target(array: np.ndarray) -> Target:
+    if not (array.flags.c_contiguous and array.flags.writeable):
+        raise ValueError("a read target must be C-contiguous and writable")
+    return Target(array, memoryview(array.reshape(-1).view(np.uint8)))
+
+
+def _flat_iovecs(shape: list[int], itemsize: int, lo: int, hi: int, flat: memoryview, cap: int,
+                 dst: int) -> list[memoryview]:
+    """Buffers in file order for tokens [lo, hi) of a (B, H, T, ...) tensor going to tokens
+    [dst, ...) of a flat (B, H, cap, ...) target; scratch for the tokens around them."""
+    row = itemsize * math.prod(shape[3:])
+    T, heads = shape[2], shape[0] * shape[1]
+    before, after, take = lo * row, (T - hi) * row, (hi - lo) * row
+    scratch = memoryview(bytearray((before + after) * heads)) if before + after else None
+    out: list[memoryview] = []
+    k = 0
+    for head in range(heads):
+        if before:
+            out.append(scratch[k : k + before])
+            k += before
+        if take:
+            at = (head * cap + dst) * row
+            out.append(flat[at : at + take])
+        if after:
+            out.append(scratch[k : k + after])
+            k += after
+    return out
+
+
+def open_blob(root: Path, h: bytes, *, size: int, checksum: int | None = None) -> BlobFile:
+    """Open the blob of record `h` for reading, checked against its row's `size` (and, for a blob
+    written by 0.1, `checksum`). Never follows a link, never blocks on a FIFO: anything that is
+    not a regular file of that size is damage (BlobError)."""
     path = blob_path(root, h)
-    if type(size) is not int or type(checksum) is not int or not 0 <= size <= MAX_BLOB_BYTES:
+    if type(size) is not int or not 0 <= size <= MAX_BLOB_BYTES or (checksum is not None and type(checksum) is not int):
         raise BlobError(f"{path}: the index says {size!r:.40} bytes, which no blob has")
     try:
-        fd = open_regular(path)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except FileNotFoundError as e:
         raise BlobError(f"{path}: missing") from e
-    except OSError as e:
-        raise BlobError(f"{path}: cannot open ({e})") from e
+    except OSError as e:  # ELOOP: a symbolic link planted in its place
+        raise BlobError(f"{path}: cannot open ({e.strerror or e})") from e
     try:
-        actual = os.fstat(fd).st_size
-        if actual != size:
-            raise BlobError(f"{path}: {actual} bytes on disk, the index says {size}")
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise BlobError(f"{path}: not a regular file")
+        if st.st_size != size:
+            raise BlobError(f"{path}: {st.st_size} bytes on disk, the index says {size}")
         head = os.pread(fd, min(size, _HEAD_GUESS), 0)
         if len(head) >= 8:
             (n,) = struct.unpack_from("<Q", head, 0)
             if len(head) < 8 + n <= min(size, _HEADER_LIMIT + 8):
                 head += os.pread(fd, 8 + n - len(head), len(head))
-        header, base = parse_header(head, path, size=size)
-        metadata = header_metadata(head)
-        if metadata.get("hash") != h.hex():
-            raise BlobError(f"{path}: its header names record {metadata.get('hash')!r}")
-        wanted = targets(header)
-        digest = xxhash.xxh3_64(head[:base])
-        extras: dict[str, np.ndarray] = {}
-        pos = base
-        for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
-            start, end = (base + o for o in info["data_offsets"])
-            if start < pos:
-                raise BlobError(f"{path}: tensor {name!r} overlaps the one before it")
-            if start > pos:  # bytes between tensors still count for the checksum
-                _read_hashed(fd, [bytearray(start - pos)], pos, digest, path)
-            np_dtype = _DTYPES[info["dtype"]][0]
-            target = wanted.get(name)
-            if target is None:
-                buf = bytearray(end - start)
-                _read_hashed(fd, [buf], start, digest, path)
-                extras[name] = np.frombuffer(buf, dtype=np_dtype).reshape(info["shape"])
-            else:
-                _read_tensor_into(fd, start, info["shape"], np_dtype, target, digest, path, name)
-            pos = end
-        if pos < size:
-            _read_hashed(fd, [bytearray(size - pos)], pos, digest, path)
+        return BlobFile(fd, path, size, head, h, checksum)
     except OSError as e:
-        raise BlobError(f"{path}: cannot read ({e})") from e
-    finally:
         os.close(fd)
-    if digest.intdigest() != checksum:
-        raise BlobError(f"{path}: checksum mismatch")
-    return extras, metadata
+        raise BlobError(f"{path}: cannot read ({e.strerror or e})") from e
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def prefetch(root: Path, hashes: Sequence[bytes]) -> None:
@@ -323,65 +481,36 @@ def prefetch(root: Path, hashes: Sequence[bytes]) -> None:
         return
     for h in hashes:
         try:
-            fd = open_regular(blob_path(root, h))  # a FIFO is skipped, never waited on
+            fd = os.open(blob_path(root, h), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except OSError:
             continue
         try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+            if stat.S_ISREG(os.fstat(fd).st_mode):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
         except OSError:
             pass
         finally:
             os.close(fd)
 
 
-def _read_tensor_into(fd: int, start: int, shape: list[int], np_dtype: np.dtype, target: np.ndarray,
-                      digest, path: Path, name: str) -> None:
-    """One tensor (B, H, T, ...) into `target` (B, H, t <= T, ...), head by head, one `preadv`
-    per batch of heads; the t..T rest of each head goes through a scratch buffer."""
-    shape = list(shape)
-    if (target.ndim != len(shape) or len(shape) < 3 or target.dtype.itemsize != np_dtype.itemsize
-            or list(target.shape[:2]) != shape[:2] or list(target.shape[3:]) != shape[3:]
-            or target.shape[2] > shape[2]):
-        raise BlobError(f"{path}: tensor {name!r} is {shape} of {np_dtype}, not the "
-                        f"{list(target.shape)} of {target.dtype} expected")
-    row = int(np.prod(shape[3:], dtype=np.int64)) * np_dtype.itemsize  # bytes per token
-    take, rest = target.shape[2] * row, (shape[2] - target.shape[2]) * row
-    # One scratch slice per head: every buffer is checksummed after the read, in file order.
-    scratch = memoryview(bytearray(rest * shape[0] * shape[1])) if rest else None
-    iovecs = []
-    for b in range(shape[0]):
-        for hh in range(shape[1]):
-            part = target[b, hh]
-            if not part.flags.c_contiguous or not part.flags.writeable:
-                raise ValueError(f"the target of {name!r} must be writable and contiguous per head")
-            if take:
-                iovecs.append(memoryview(part).cast("B"))
-            if scratch is not None:
-                k = b * shape[1] + hh
-                iovecs.append(scratch[k * rest : (k + 1) * rest])
-    pos = start
-    for i in range(0, len(iovecs), _IOV_BATCH):
-        batch = iovecs[i : i + _IOV_BATCH]
-        pos += _read_hashed(fd, batch, pos, digest, path)
-
-
-def _read_hashed(fd: int, buffers: list, offset: int, digest, path: Path) -> int:
-    """Fill `buffers` from `offset` (finishing short reads), then add them to `digest` in order."""
-    views = [memoryview(b).cast("B") for b in buffers]
+def _preadv_all(fd: int, views: list[memoryview], offset: int, path: Path) -> int:
+    """Fill `views` in order from `offset`, finishing short reads. Returns the bytes read."""
+    views = [v for v in views if len(v)]
     want = sum(len(v) for v in views)
     done = i = 0
-    while i < len(views):
-        n = os.preadv(fd, views[i:] if i else views, offset + done)
-        if n == 0:
-            raise BlobError(f"{path}: short read (the file ends early)")
-        done += n
-        while i < len(views) and n >= len(views[i]):
-            n -= len(views[i])
-            i += 1
-        if n:
-            views[i] = views[i][n:]
-    for b in buffers:
-        digest.update(b)
+    try:
+        while i < len(views):
+            n = os.preadv(fd, views[i : i + _IOV_BATCH], offset + done)
+            if n == 0:
+                raise BlobError(f"{path}: short read (the file ends early)")
+            done += n
+            while i < len(views) and n >= len(views[i]):
+                n -= len(views[i])
+                i += 1
+            if n:
+                views[i] = views[i][n:]
+    except OSError as e:
+        raise BlobError(f"{path}: cannot read ({e.strerror or e})") from e
     return want
 
 
@@ -404,10 +533,13 @@ def parse_header(buf: bytes | bytearray, where: object = "blob", *,
     """The tensor entries of a safetensors header, checked against the buffer; and data start.
 
     `size`: the file's size, when `buf` holds only its first bytes (at least the whole header).
-    Every field is checked (dtype known; shape and offsets lists of non-negative ints, never
-    bools or floats, bounded; shape product times item size equals the offsets; metadata a map
-    of strings): anything else is a BlobError, never a ValueError or an OverflowError.
     """
+    header, base, _ = _parse(buf, where, size)
+    return header, base
+
+
+def _parse(buf, where: object, size: int | None) -> tuple[dict[str, dict], int, dict[str, str]]:
+    """Entries, data start and metadata of a safetensors header, from one JSON parse."""
     total = len(buf) if size is None else size
     if len(buf) < 8 or total < 8:
         raise BlobError(f"{where}: too short to be a safetensors file")
@@ -415,15 +547,14 @@ def parse_header(buf: bytes | bytearray, where: object = "blob", *,
     if n > min(_HEADER_LIMIT, total - 8, len(buf) - 8):
         raise BlobError(f"{where}: header length {n} is impossible")
     header = _header_json(buf, n, where)
-    meta = header.pop("__metadata__", None)
-    if meta is not None and not (isinstance(meta, dict) and all(
-            isinstance(k, str) and isinstance(v, str) for k, v in meta.items())):
+    meta = header.pop("__metadata__", None) or {}
+    if not (isinstance(meta, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items())):
         raise BlobError(f"{where}: header metadata is not a map of strings")
     base, payload = 8 + n, total - 8 - n
     for name, info in header.items():
         if not _good_entry(info, payload):
             raise BlobError(f"{where}: tensor {name!r} has a bad header entry")
-    return header, base
+    return header, base, {str(k): str(v) for k, v in meta.items()}
 
 
 def _header_json(buf: bytes | bytearray, n: int, where: object) -> dict:

@@ -10,6 +10,10 @@ Two kinds of codec:
 
 A layer can be restored at position p only if its codec says `valid(p)`; the store picks the
 largest p every layer accepts. Nothing is ever restored from data that does not cover p exactly.
+
+Codecs only describe: `ranges(p)` says which token ranges a sliceable layer's tensors hold at p (in
+order), `capacity(n)` how long to allocate them, and `build(p, arrays, checkpoint)` makes the
+mlx-lm cache object from arrays the restore pipeline (`restore.py`) has already filled.
 """
 
 from __future__ import annotations
@@ -28,8 +32,10 @@ from mlx_lm.models.cache import (
 )
 
 Arrays = dict[str, mx.array]
-# One record's share of a layer: (record start, record end, the layer's tensors in that record)
-Piece = tuple[int, int, Arrays]
+# One record's share of a layer: (record start, record end, how many of its last tokens the
+# layer's tensors hold in that record: a delta is always a suffix of its record's tokens)
+Piece = tuple[int, int, int]
+STEP = 256  # mlx-lm's cache growth step: restored caches get at least this much spare room
 
 
 def sub(arrays: Arrays, prefix: str) -> Arrays:
@@ -41,34 +47,17 @@ def sub(arrays: Arrays, prefix: str) -> Arrays:
 def covered(pieces: Sequence[Piece], start: int, end: int) -> bool:
     """Whether the pieces' token-axis data covers every position in [start, end)."""
     pos = start
-    for s, e, arrays in pieces:
+    for s, e, n in pieces:
         if pos >= end:
             break
-        n = _length(arrays)
         if n and e - n <= pos < e:
             pos = e
     return pos >= end
 
 
-def gather(pieces: Sequence[Piece], start: int, end: int) -> Arrays:
-    """Every tensor of the pieces cut to [start, end) and joined along the token axis."""
-    parts: dict[str, list[mx.array]] = {}
-    for s, e, arrays in pieces:
-        n = _length(arrays)
-        lo, hi = max(start, e - n), min(end, e)
-        if not n or lo >= hi:
-            continue
-        for name, a in arrays.items():
-            first = lo - (e - n)
-            part = a if (first == 0 and hi - lo == n) else a[:, :, first : first + hi - lo]
-            parts.setdefault(name, []).append(part)
-    return {k: v[0] if len(v) == 1 else mx.concatenate(v, axis=2) for k, v in parts.items()}
-
-
-def _length(arrays: Arrays) -> int:
-    for a in arrays.values():
-        return a.shape[2]
-    return 0
+def spare(n: int, step: int = STEP) -> int:
+    """A token-axis length with room for at least `step` more tokens than `n`, in whole steps."""
+    return (n + step + step - 1) // step * step
 
 
 class Codec:
@@ -96,10 +85,24 @@ class Codec:
         return {}
 
     def valid(self, p: int, pieces: Sequence[Piece], has_checkpoint: bool) -> bool:
+        """Whether the layer can be restored at p from these pieces (or the checkpoint at p)."""
         raise NotImplementedError
 
-    def restore(self, p: int, pieces: Sequence[Piece], checkpoint: Arrays | None):
-        """A fresh cache object equivalent to this layer after processing p tokens."""
+    def leaves(self, prefix: str) -> list[tuple[str, "Codec"]]:
+        """(name prefix, codec) of every cache this layer is made of (itself, but for CacheList)."""
+        return [(prefix, self)]
+
+    def ranges(self, p: int) -> list[tuple[int, int]]:
+        """The token ranges, in order, that this layer's token-axis tensors hold at position p."""
+        return []
+
+    def capacity(self, n: int) -> int:
+        """How long to allocate the token axis when `n` tokens are restored into it."""
+        return spare(n)
+
+    def build(self, p: int, arrays: Arrays, checkpoint: Arrays | None):
+        """A fresh cache object equivalent to this layer after processing p tokens, from its
+        token-axis tensors (already filled for `ranges(p)`, then spare capacity) or its checkpoint."""
         raise NotImplementedError
 
 
@@ -114,11 +117,16 @@ class KVCodec(Codec):
     def valid(self, p, pieces, has_checkpoint):
         return covered(pieces, 0, p)
 
-    def restore(self, p, pieces, checkpoint):
+    def ranges(self, p):
+        return [(0, p)] if p else []
+
+    def capacity(self, n):
+        return spare(n, KVCache.step)
+
+    def build(self, p, arrays, checkpoint):
         layer = KVCache()
-        if p:
-            got = gather(pieces, 0, p)
-            layer.keys, layer.values, layer.offset = got["keys"], got["values"], p
+        if p and arrays:
+            layer.keys, layer.values, layer.offset = arrays["keys"], arrays["values"], p
         return layer
 
 
@@ -145,12 +153,14 @@ class QuantizedKVCodec(KVCodec):
                 out[f"{kind}.{j}"] = (a[..., :n, :], 0)
         return out
 
-    def restore(self, p, pieces, checkpoint):
+    def capacity(self, n):
+        return spare(n, QuantizedKVCache.step)
+
+    def build(self, p, arrays, checkpoint):
         layer = QuantizedKVCache(group_size=self.group_size, bits=self.bits)
-        if p:
-            got = gather(pieces, 0, p)
-            layer.keys = tuple(got[f"keys.{j}"] for j in range(3))
-            layer.values = tuple(got[f"values.{j}"] for j in range(3))
+        if p and arrays:
+            layer.keys = tuple(arrays[f"keys.{j}"] for j in range(3))
+            layer.values = tuple(arrays[f"values.{j}"] for j in range(3))
             layer.offset = p
         return layer
 
@@ -189,13 +199,19 @@ class RotatingCodec(Codec):
     def valid(self, p, pieces, has_checkpoint):
         return all(covered(pieces, a, b) for a, b in self._ranges(p))
 
-    def restore(self, p, pieces, checkpoint):
+    def ranges(self, p):
+        return [(a, b) for a, b in self._ranges(p) if b > a] if p else []
+
+    def capacity(self, n):
+        # A full window is rotated in place; a shorter one grows by `step` up to the window.
+        return n if n >= self.max_size else min(self.max_size, spare(n, RotatingKVCache.step))
+
+    def build(self, p, arrays, checkpoint):
         layer = RotatingKVCache(max_size=self.max_size, keep=self.keep)
-        if p:
-            parts = [gather(pieces, a, b) for a, b in self._ranges(p) if b > a]
-            join = (lambda k: parts[0][k] if len(parts) == 1 else mx.concatenate([q[k] for q in parts], axis=2))
-            layer.keys, layer.values = join("keys"), join("values")
-            layer.offset, layer._idx = p, layer.keys.shape[2]
+        if p and arrays:
+            layer.keys, layer.values = arrays["keys"], arrays["values"]
+            # _idx: where the next token goes, after the tokens restored in temporal order.
+            layer.offset, layer._idx = p, sum(b - a for a, b in self.ranges(p))
         return layer
 
 
@@ -222,7 +238,7 @@ class ArraysCodec(Codec):
     def valid(self, p, pieces, has_checkpoint):
         return has_checkpoint
 
-    def restore(self, p, pieces, checkpoint):
+    def build(self, p, arrays, checkpoint):
         layer = ArraysCache(self.size)
         for j in range(self.size):
             layer.cache[j] = (checkpoint or {}).get(str(j))
@@ -259,7 +275,7 @@ class StateCodec(Codec):
     def valid(self, p, pieces, has_checkpoint):
         return has_checkpoint
 
-    def restore(self, p, pieces, checkpoint):
+    def build(self, p, arrays, checkpoint):
         info = json.loads(bytes(checkpoint["meta"].tolist()).decode())
         leaves = [(path, checkpoint[f"a.{i}"] if value == "array" else value)
                   for i, (path, value) in enumerate(info["leaves"])]
@@ -293,16 +309,15 @@ class CacheListCodec(Codec):
                 for k, v in s.checkpoint(c).items()}
 
     def valid(self, p, pieces, has_checkpoint):
-        return all(s.valid(p, _sub_pieces(pieces, str(j)), has_checkpoint) for j, s in enumerate(self.subs))
+        raise TypeError("a CacheList is restored cache by cache: see `leaves`")
 
-    def restore(self, p, pieces, checkpoint):
-        return CacheList(*(s.restore(p, _sub_pieces(pieces, str(j)),
-                                     sub(checkpoint, str(j)) if checkpoint is not None else None)
+    def leaves(self, prefix):
+        return [leaf for j, s in enumerate(self.subs) for leaf in s.leaves(f"{prefix}.{j}")]
+
+    def build(self, p, arrays, checkpoint):
+        return CacheList(*(s.build(p, sub(arrays, str(j)),
+                                   sub(checkpoint, str(j)) if checkpoint is not None else None)
                            for j, s in enumerate(self.subs)))
-
-
-def _sub_pieces(pieces: Sequence[Piece], prefix: str) -> list[Piece]:
-    return [(s, e, sub(arrays, prefix)) for s, e, arrays in pieces]
 
 
 _CODECS = {

@@ -335,6 +335,20 @@ class Index:
             )
         return found
 
+    def rows_of(self, hashes: Sequence[bytes]) -> dict[bytes, Row]:
+        """The usable (not quarantined) rows of `hashes`, in one query per 900 hashes (a fetch
+        reads its whole chain's rows at once)."""
+        found: dict[bytes, Row] = {}
+        for start in range(0, len(hashes), _MAX_PARAMS):
+            part = hashes[start : start + _MAX_PARAMS]
+            marks = ",".join("?" * len(part))
+            for r in self.conn.execute(
+                f"SELECT {_ROW_COLUMNS} FROM records WHERE hash IN ({marks}) AND bad = 0", part
+            ):
+                row = _row(r)
+                found[row.hash] = row
+        return found
+
     def get(self, h: bytes) -> Row | None:
         row = self.conn.execute(
             f"SELECT {_ROW_COLUMNS} FROM records WHERE hash = ?", (h,)

@@ -64,6 +64,10 @@ class MemoryTier:
     def __contains__(self, h: bytes) -> bool:
         return h in self._records
 
+    def keeps(self, nbytes: int) -> bool:
+        """Whether a record of `nbytes` would be kept at all (so a copy of it is worth making)."""
+        return 0 < nbytes <= self.capacity
+
     def get(self, h: bytes) -> Record | None:
         with self._lock:
             rec = self._records.get(h)

@@ -1,8 +1,9 @@
 """`ModelCache`: the store as one model version sees it — `fetch` and `insert` token sequences.
 
-Fetch walks the chunk-boundary hashes of the prompt (one index query), compares the tokens of
-the children of the deepest stored chunk, then picks the largest position p that every layer's
-codec can restore exactly (see `codecs`), always leaving at least one token to process.
+Fetch looks the prompt up in the tiers (`tiers`: the chain's rows in one index query, then the
+children of the deepest stored chunk), opens the records it needs, and hands them to the restore
+pipeline (`restore`: plan, fill, build), always leaving at least one token to process. Records
+read from beyond RAM are checked against the model's shapes (`records`).
 """
 
 from __future__ import annotations
@@ -17,11 +18,14 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
 from . import blobs, keys
-from .codecs import (ArraysCodec, CacheListCodec, Codec, KVCodec, Piece, QuantizedKVCodec,
-                     RotatingCodec, make_codec, sub)
+from .codecs import CacheListCodec, Codec, RotatingCodec, make_codec
 from .errors import BlobError, InvalidInputError
-from .index import CHECKPOINT, CHUNK, TAIL, Row
+from .index import CHECKPOINT, CHUNK, TAIL
 from .memory import Record
+from .records import RecordCheck
+from .restore import Part, Plan, build, checkpoint_arrays, fill, host_slice, plan
+from .tiers import Source
+from .tiers import find as tiers_find
 from .writer import Job, Spec
 
 if TYPE_CHECKING:
@@ -36,8 +40,8 @@ CHECKPOINT_EVERY = 4
 # A pin that finds its records evicted under it (by another process) stores them again, this often.
 PIN_ATTEMPTS = 3
 
-# Codecs whose restore is one gather of [0, p) per tensor (exact classes: see `_fetch_direct`).
-_DIRECT_CODECS = (KVCodec, QuantizedKVCodec)
+_ATTEMPTS = 3  # plans per fetch: each damaged record found while filling costs one more
+_RAM_TIERS = ("memory", "pending")  # records made in this process from the model's own caches
 
 
 def checkpoint_hash(record_hash: bytes) -> bytes:
@@ -75,7 +79,7 @@ class ModelCache:
         self._metadata = {"format": str(keys.FORMAT_VERSION), "ns": ns.hex(),
                           "fingerprint": fingerprint.hex(), "model_id": model_id,
                           "chunk_size": str(self.chunk_size)}
-        self._shapes: tuple[dict, dict] | None | bool = False  # False: not traced yet
+        self.check = RecordCheck(model, codecs, self.new_cache, model_id)
         self.registered = True  # False while the index could not record this model (Store.bind)
 
     @property
@@ -99,7 +103,9 @@ class ModelCache:
     def fetch(self, tokens: Tokens) -> tuple[list, list[int]]:
         """The cache of the longest restorable prefix of `tokens`, and the tokens still to process.
 
-        At least one token is always left. On a miss: a fresh cache and all of `tokens`.
+        At least one token is always left. On a miss: a fresh cache and all of `tokens`. The
+        restored caches have room for at least 256 more tokens (the next decode step writes in
+        place). A damaged record ends the prefix where it starts: quarantined and counted.
         """
         toks = _tokens(tokens)
         store = self.store
@@ -110,318 +116,191 @@ class ModelCache:
         try:
             if store.remote is not None:  # a local miss is filled from the remote tier first
                 store.remote.fill(self, toks)
-            return self._fetch(toks)
+            for _ in range(_ATTEMPTS):  # a damaged record found while filling: plan again without it
+                done = self._restore(toks)
+                if done is not None:
+                    cache, p = done
+                    if p <= 0:
+                        break
+                    store.counters["reused_tokens"] += p
+                    return cache, toks[p:].tolist()
         except Exception as e:  # a broken disk or index is a miss, never an error in generation
             log.error("kvstore: fetch failed, serving a miss (%s: %s)", type(e).__name__, e)
             store.counters["fetch_errors"] = store.counters.get("fetch_errors", 0) + 1
-            return self.new_cache(), toks.tolist()
+        return self.new_cache(), toks.tolist()
 
-    def _fetch(self, toks: np.ndarray) -> tuple[list, list[int]]:
-        store = self.store
-        chain, options = self._match(toks)
+    def _restore(self, toks: np.ndarray) -> tuple[list, int] | None:
+        """One attempt: look up, open the records, plan, fill, build. (cache, p), (None, 0) on a
+        miss, or None when a record failed its checksum while filling (it is quarantined now)."""
+        C, tiers = self.chunk_size, self.store.tiers
+        chain, options, where = self._match(toks)
         cap = len(toks) - 1
-        if self._direct:
-            child, row, matched = options[0]
-            length = min(len(chain) * self.chunk_size + matched, cap)
-            path = [(h, None) for h in chain] + ([(child, row)] if child is not None else [])
-            done = self._fetch_direct(path, length) if length > 0 else None
-            if done is not None:
-                cache, p = done
-                if p <= 0:
-                    return self.new_cache(), toks.tolist()
-                store.counters["reused_tokens"] += p
-                return cache, toks[p:].tolist()
-        loaded: dict[bytes, Record | None] = {}
-        best: tuple[int, list[Record], Record | None, list[dict]] = (0, [], None, [])
-        for child, row, matched in options:
-            length = min(len(chain) * self.chunk_size + matched, cap)
-            if length <= best[0]:
-                continue
-            path = [(h, None) for h in chain] + ([(child, row)] if child is not None else [])
-            records, length = self._load(path, length, loaded)
-            views = [r.views_all() for r in records]
-            p, checkpoint = self._restore_point(records, views, length)
-            if p > best[0]:
-                best = (p, records, checkpoint, views)
-        p, records, checkpoint, views = best
-        if p <= 0:
-            return self.new_cache(), toks.tolist()
-        used = [r for r in records if r.depth_start(self.chunk_size) < p]
-        touched = used + ([checkpoint] if checkpoint is not None else [])
-        store.memory.touch(r.hash for r in reversed(touched))
-        store.writer.touch([r.hash for r in touched])
-        cache = self._assemble(used, views[: len(used)], p, checkpoint)
-        store.counters["reused_tokens"] += p
-        return cache, toks[p:].tolist()
-
-    @property
-    def _direct(self) -> bool:
-        """Every layer is restored by one gather of [0, p) per tensor: `_fetch_direct` applies."""
-        return self.store.index is not None and all(type(c) in _DIRECT_CODECS for c in self.codecs)
-
-    def _fetch_direct(self, path: list[tuple[bytes, Row | None]], length: int) -> tuple[list, int] | None:
-        """Restore a model whose layers are all (quantized) `KVCache`: each tensor of each layer
-        is allocated once at its final length and every record is copied straight into place;
-        disk records go from the page cache into it in one copy (`blobs.read_into`, checksummed
-        as it reads) instead of read, decode, then concatenate. A damaged record ends the prefix
-        where it starts, as in `_load`. Returns (cache, p), or None to leave it to the general
-        path (nothing to read from disk, or records it does not expect).
-        """
-        store, C = self.store, self.chunk_size
-        parts: list[tuple[int, bytes, Row | None, Record | None]] = []
-        for h, row in path:
-            start = len(parts) * C
-            if start >= length:
-                break
-            rec = store.memory.get(h) or store.writer.pending(h)
-            if rec is None:
-                row = row or store.index.get(h)
-                if row is None or row.bad:
-                    length = start
-                    break
-            parts.append((start, h, row, rec))
-        if length <= 0 or all(rec is not None for *_, rec in parts):
-            return None
-        blobs.prefetch(store.blob_root, [h for _, h, _, rec in parts if rec is None])
-        finals: dict[str, mx.array] = {}
-        views: dict[str, np.ndarray] = {}
-
-        def allocate(spec: dict[str, tuple[mx.Dtype, list[int]]]) -> None:
-            for name, (dtype, shape) in spec.items():
-                finals[name] = mx.zeros([*shape[:2], length, *shape[3:]], dtype)
-            mx.eval(list(finals.values()))
-            for name, a in finals.items():
-                view = np.asarray(_bits(a))
-                if not (view.flags.c_contiguous and view.flags.writeable):
-                    raise _NotDirect(name)
-                views[name] = view
-
-        read: list[tuple[int, bytes, Row]] = []
-        checked: set[tuple] = set()  # record layouts already checked against the model's
+        opened: dict[bytes, Source | None] = {}
         try:
-            for start, h, row, rec in parts:
-                if start >= length:
-                    break
-                ntok = len(rec.tokens) if rec is not None else row.ntokens
-                take = min(ntok, length - start)
-                if rec is not None:
-                    arrays = {n: rec.array(n) for n in rec.arrays}
-                    if not finals:
-                        allocate({n: (a.dtype, list(a.shape)) for n, a in arrays.items()})
-                    if set(arrays) != set(finals):
-                        raise _NotDirect(h.hex())
-                    for name, a in arrays.items():
-                        if a.dtype != finals[name].dtype or a.ndim < 3 or a.shape[2] != ntok:
-                            raise _NotDirect(name)
-                        np.copyto(views[name][:, :, start : start + take], np.asarray(_bits(a))[:, :, :take])
+            best: tuple[Plan, list[Source]] | None = None
+            for child, matched in options:
+                length = min(len(chain) * C + matched, cap)
+                if length <= (best[0].p if best else 0):
                     continue
-
-                def targets(entries: dict[str, dict], h=h, row=row, ntok=ntok, start=start, take=take):
-                    spec = {n: (blobs.mx_dtype(e["dtype"]), e["shape"]) for n, e in entries.items() if n != "tokens"}
-                    if not finals:
-                        allocate(spec)
-                    if set(spec) != set(finals) or any(
-                            dt != finals[n].dtype or len(shape) < 3 or shape[2] != ntok
-                            for n, (dt, shape) in spec.items()):
-                        raise BlobError(f"record {h.hex()}: its tensors are not the ones this model stores")
-                    key = (row.kind, ntok, tuple((n, str(dt), tuple(shape)) for n, (dt, shape) in spec.items()))
-                    if key not in checked:  # the general path's check, on lazy stand-ins (never computed)
-                        try:
-                            self._check_record(row.kind, ntok, {n: mx.zeros(shape, dt) for n, (dt, shape) in spec.items()})
-                        except BlobError as e:
-                            raise BlobError(f"record {h.hex()}: {e}") from e
-                        checked.add(key)
-                    return {n: v[:, :, start : start + take] for n, v in views.items()}
-
+                path = chain + ([child] if child is not None else [])
+                parts, sources = self._open(path[: -(-length // C)], where, opened)
+                length = min(length, sum(q.ntokens for q in parts))
+                pl = plan(parts, self.codecs, length, self._checkpoints(parts, length, where))
+                if pl is not None and pl.p > (best[0].p if best else 0):
+                    best = (pl, sources[: len(pl.parts)])
+            if best is None:
+                return None, 0
+            pl, sources = best
+            ckpt = None
+            if pl.checkpoint is not None:
+                source = self._open_one(pl.checkpoint, where, opened)
+                if source is None:
+                    return None
                 try:
-                    extras, meta = blobs.read_into(store.blob_root, h, size=row.size, checksum=row.checksum,
-                                                   targets=targets)
-                    tokens = extras.get("tokens")
-                    if tokens is None or tokens.tobytes() != row.tokens:
-                        raise BlobError(f"record {h.hex()}: its tokens differ from the index")
-                    store._check_header(h, row, meta)
+                    ckpt = checkpoint_arrays(source)
                 except BlobError as e:
-                    store._quarantine(h, e)
-                    length = start
-                    break
-                if take == ntok:
-                    read.append((start, h, row))
-        except _NotDirect:
-            return None
-        if length <= 0:
-            return self.new_cache(), 0
-        if store.memory.capacity and read:  # the memory tier keeps compact copies, as `_read` does
-            kept = [Record(h, row.ns, row.parent, row.depth, row.kind, np.frombuffer(row.tokens, dtype="<i4"),
-                           {n: _owned(a, views[n], s, s + row.ntokens) for n, a in finals.items()})
-                    for s, h, row in read if s + row.ntokens <= length]
+                    self._damaged(pl.checkpoint, where, e)
+                    return None
+            finals, errors = fill(pl, sources)
+            if errors:
+                for k, e in errors:
+                    self._damaged(pl.parts[k].hash, where, e)
+                return None
+            cache = build(pl, self.codecs, finals, ckpt)
+            self._keep_in_memory(pl, finals, sources, where)
+            used = [q.hash for q in pl.parts] + ([pl.checkpoint] if pl.checkpoint is not None else [])
+            for tier in tiers:
+                tier.touch(used)
+            return cache, pl.p
+        finally:
+            for source in opened.values():
+                if source is not None:
+                    source.close()
+
+    def _open(self, path: list[bytes], where: dict, opened: dict) -> tuple[list[Part], list[Source]]:
+        """The records of `path` as plan parts and sources, up to the first one that is missing
+        or damaged (the prefix ends there)."""
+        C = self.chunk_size
+        disk = [h for h in path if h not in opened and getattr(where.get(h, (None,))[0], "name", "") == "disk"]
+        if len(disk) > 1:
+            where[disk[0]][0].prefetch(disk)  # readahead of every file at once
+        parts, sources = [], []
+        for i, h in enumerate(path):
+            source = self._open_one(h, where, opened)
+            if source is None:
+                break
+            parts.append(Part(h, i * C, source.ntokens, source.entries))
+            sources.append(source)
+        return parts, sources
+
+    def _open_one(self, h: bytes, where: dict, opened: dict) -> Source | None:
+        """A checked source of record `h` from the first tier that has it, or None."""
+        if h in opened:
+            return opened[h]
+        found = where.get(h)
+        source = None
+        while found is not None and source is None:
+            tier, ref = found
+            try:
+                source = tier.open(h, ref)
+                if tier.name not in _RAM_TIERS:
+                    self.check(source.kind, source.ntokens, source.entries)
+            except KeyError:  # gone from that tier since the lookup: ask the ones after it
+                rest = self.store.tiers[self.store.tiers.index(tier) + 1 :]
+                found = tiers_find(rest, [h]).get(h)
+                where.pop(h, None)
+                if found is not None:
+                    where[h] = found
+            except BlobError as e:
+                if source is not None:
+                    source.close()
+                    source = None
+                tier.damaged(h, e)
+                where.pop(h, None)
+                found = None
+        opened[h] = source
+        return source
+
+    def _damaged(self, h: bytes, where: dict, error: BlobError) -> None:
+        found = where.pop(h, None)
+        if found is not None:
+            found[0].damaged(h, error)
+
+    def _checkpoints(self, parts: list[Part], length: int, where: dict) -> dict[int, bytes]:
+        """Position -> hash of the checkpoints some tier holds at the ends of these parts."""
+        if not self.checkpointed:
+            return {}
+        wanted = {checkpoint_hash(q.hash): q.start + q.ntokens for q in parts if q.start + q.ntokens <= length}
+        found = tiers_find(self.store.tiers, [h for h in wanted if h not in where])
+        where.update(found)
+        return {wanted[h]: h for h in wanted if h in where}
+
+    def _keep_in_memory(self, pl: Plan, finals: dict[str, mx.array], sources: list[Source], where: dict) -> None:
+        """Records read from beyond RAM go into the memory tier too, as copies of their own (the
+        memory tier must not keep the restored arrays alive: they would stop being written in place)."""
+        memory = self.store.memory
+        if not memory.capacity:
+            return
+        whole: dict[int, dict[str, tuple[int, int]]] = {}
+        for c in pl.copies:
+            whole.setdefault(c.part, {})[c.name] = (c.lo, c.dst, c.hi)
+        kept = []
+        for k, q in enumerate(pl.parts):
+            tier = where.get(q.hash, (None,))[0]
+            if tier is None or tier.name in _RAM_TIERS:
+                continue
+            got = whole.get(k, {})
+            if set(got) != set(q.entries) or any(lo != 0 or hi != q.entries[n].shape[2]
+                                                 for n, (lo, _, hi) in got.items()):
+                continue  # only part of it was restored (a sliding window): nothing to keep
+            nbytes = sum(_entry_bytes(e) for e in q.entries.values()) + 4 * q.ntokens
+            if nbytes > memory.capacity:
+                continue
+            arrays, views = {}, {}
+            for name, (lo, dst, hi) in got.items():
+                arrays[name] = mx.array(host_slice(finals[name], dst, dst + hi - lo))
+                if q.entries[name].tag == "BF16":
+                    views[name] = mx.bfloat16
+            src = sources[k]
+            kept.append(Record(q.hash, src.ns, src.parent, src.depth, src.kind, src.tokens, arrays, views))
+        if kept:
             mx.eval([a for r in kept for a in r.arrays.values()])
-            store.memory.put(reversed(kept))
-        used = [h for start, h, _, _ in parts if start < length]
-        store.memory.touch(reversed(used))
-        store.writer.touch(used)
-        full = {n: a if a.shape[2] == length else a[:, :, :length] for n, a in finals.items()}
-        cache = [codec.restore(length, [(0, length, sub(full, str(i)))], None)
-                 for i, codec in enumerate(self.codecs)]
-        mx.eval(_arrays_of(cache))
-        return cache, length
+            memory.put(reversed(kept))
 
     def stored_length(self, tokens: Tokens) -> int:
         """How many leading tokens of `tokens` have stored K/V (no cap, nothing is loaded)."""
         toks = _tokens(tokens)
         if len(toks) == 0:
             return 0
-        chain, options = self._match(toks)
-        return len(chain) * self.chunk_size + (options[0][2] if options else 0)
+        chain, options, _ = self._match(toks)
+        return len(chain) * self.chunk_size + (options[0][1] if options else 0)
 
-    def _match(self, toks: np.ndarray) -> tuple[list[bytes], list[tuple[bytes | None, Row | None, int]]]:
-        """The stored full chunks of `toks` (deepest run from the start) and the children of the
-        last one that share tokens with what follows: (hash, row or None, tokens shared), best
-        first, then every other child it matches whole (a checkpoint or a sliding window may be
-        restorable at a shorter child's end where the longest match's is not)."""
-        C, store = self.chunk_size, self.store
+    def _match(self, toks: np.ndarray) -> tuple[list[bytes], list[tuple[bytes | None, int]], dict]:
+        """The stored full chunks of `toks` (deepest run from the start), the children of the
+        last one that share tokens with what follows: (hash, tokens shared), best first, then
+        every other child it matches whole (a checkpoint or a sliding window may be restorable at
+        a shorter child's end where the longest match's is not); and where each one is held."""
+        C, tiers = self.chunk_size, self.store.tiers
         hashes = keys.chain(self.ns, toks, C)
-        local = [h in store.memory or store.writer.is_pending(h) for h in hashes]
-        on_disk: set[bytes] = set()
-        if store.index is not None and not all(local):
-            on_disk = store.index.present([h for h, here in zip(hashes, local) if not here])
+        where = tiers_find(tiers, hashes)  # one index query for the whole chain
         depth = 0
-        while depth < len(hashes) and (local[depth] or hashes[depth] in on_disk):
+        while depth < len(hashes) and hashes[depth] in where:
             depth += 1
         parent = hashes[depth - 1] if depth else self.ns
         rest = toks[depth * C :]
-        found: dict[bytes, tuple[bytes, Row | None, int, bool]] = {}
+        found: dict[bytes, tuple[bytes, int, bool]] = {}
         if len(rest):
-            candidates = [(r.hash, None, r.tokens) for r in store.memory.children(parent)]
-            candidates += [(h, None, t) for h, t in store.writer.pending_children(parent)]
-            if store.index is not None:
-                candidates += [(row.hash, row, np.frombuffer(row.tokens, dtype="<i4"))
-                               for row in store.index.children(parent, int(rest[0]))]
-            for h, row, child_tokens in candidates:
-                if len(child_tokens) == 0 or h in found:
-                    continue
-                n = keys.common_prefix(child_tokens, rest)
-                if n:
-                    found[h] = (h, row, n, n == len(child_tokens))
-        ranked = sorted(found.values(), key=lambda f: -f[2])
-        options = ranked[:1] + [f for f in ranked[1:] if f[3]]
-        return hashes[:depth], [(h, row, n) for h, row, n, _ in options] or [(None, None, 0)]
-
-    def _load(self, path: list[tuple[bytes, Row | None]], length: int,
-              loaded: dict[bytes, Record | None]) -> tuple[list[Record], int]:
-        """Records of `path` needed for `length` tokens: memory, pending, then disk. A damaged
-        record ends the usable prefix where it starts."""
-        records: list[Record] = []
-        C = self.chunk_size
-        for h, row in path:
-            if len(records) * C >= length:
-                break
-            if h not in loaded:
-                loaded[h] = self.store._get(h, row, check=self._check_record)
-            if loaded[h] is None:
-                length = min(length, len(records) * C)
-                break
-            records.append(loaded[h])
-        return records, length
-
-    def _restore_point(self, records: list[Record], views: list[dict], length: int) -> tuple[int, Record | None]:
-        """The largest p <= length every layer can restore at, and the checkpoint it needs
-        (`views`: each record's arrays with their real dtypes)."""
-        C = self.chunk_size
-        ends = [r.depth_start(C) + len(r.tokens) for r in records]
-        candidates = sorted({length} | {e for e in ends if 0 < e < length}, reverse=True)
-        at: dict[int, bytes] = {}
-        if self.checkpointed:
-            wanted = {checkpoint_hash(r.hash): e for r, e in zip(records, ends) if e <= length}
-            for h in self.store._available(list(wanted)):
-                at[wanted[h]] = h
-        for p in candidates:
-            if p <= 0:
-                break
-            ok = all(codec.valid(p, self._pieces(records, views, str(i)), p in at)
-                     for i, codec in enumerate(self.codecs))
-            if not ok:
-                continue
-            if not self.checkpointed:
-                return p, None
-            if p in at:
-                checkpoint = self.store._get(at[p], None, check=self._check_record)
-                if checkpoint is not None:
-                    return p, checkpoint
-            elif not any(c.checkpointed for c in self.codecs):
-                return p, None
-        return 0, None
-
-    def _pieces(self, records: list[Record], views: list[dict], prefix: str) -> list[Piece]:
-        C = self.chunk_size
-        return [(r.depth_start(C), r.depth_start(C) + len(r.tokens), sub(v, prefix))
-                for r, v in zip(records, views)]
-
-    def _assemble(self, records: list[Record], views: list[dict], p: int, checkpoint: Record | None) -> list:
-        ckpt = checkpoint.views_all() if checkpoint is not None else None
-        cache = [codec.restore(p, self._pieces(records, views, str(i)),
-                               sub(ckpt, str(i)) if ckpt is not None else None)
-                 for i, codec in enumerate(self.codecs)]
-        mx.eval(_arrays_of(cache))
-        return cache
-
-    # -- what a record read from disk must hold -----------------------------------------------
-
-    def _check_record(self, kind: int, ntokens: int, arrays: dict[str, mx.array]) -> None:
-        """Raise BlobError unless a record read from disk holds arrays of the names, shapes and
-        dtypes this model's cache has (a blob that passed its checksum can still have been
-        planted, or taken back by a rebuild); a wrong one would crash generation or be wrong."""
-        expected = self._expected_shapes()
-        if expected is None:
-            return
-        deltas, states = expected
-        if kind == CHECKPOINT:
-            for name, (shape, dtype) in states.items():
-                a = arrays.get(name)
-                if a is None or tuple(a.shape) != shape or a.dtype != dtype:
-                    raise BlobError(f"checkpoint array {name!r} is not the {dtype} {list(shape)} this model has")
-            return
-        lengths: dict[str, set[int]] = {}
-        for name, a in arrays.items():
-            want = deltas.get(name)
-            ok = want is not None and a.dtype == want[1] and a.ndim == len(want[0]) and a.shape[2] <= ntokens
-            if not ok or any(n != m for i, (n, m) in enumerate(zip(a.shape, want[0])) if i != 2):
-                raise BlobError(f"array {name!r} {a.dtype} {list(a.shape)} is not what this model's "
-                                f"cache holds for {ntokens} tokens")
-            lengths.setdefault(want[2], set()).add(a.shape[2])
-        for group, found in lengths.items():
-            if len(found) != 1 or sum(1 for name in arrays if deltas[name][2] == group) != \
-                    sum(1 for d in deltas.values() if d[2] == group):
-                raise BlobError(f"the arrays of layer {group} are incomplete or of different lengths")
-
-    def _expected_shapes(self) -> tuple[dict, dict] | None:
-        """name -> (shape, dtype, layer) of a record's deltas (token axis 2 free) and name ->
-        (shape, dtype) of recurrent checkpoints, from the cache one token gives. The graph is
-        built, never computed. None if the model cannot be traced (then nothing is checked)."""
-        if self._shapes is False:
-            try:
-                cache = self.new_cache()
-                self.model(mx.array([[0]]), cache=cache)
-                deltas: dict = {}
-                states: dict = {}
-
-                def leaves(codec: Codec, layer, prefix: str) -> None:
-                    if isinstance(codec, CacheListCodec):
-                        for j, (c, sub_layer) in enumerate(zip(codec.subs, layer.caches)):
-                            leaves(c, sub_layer, f"{prefix}.{j}")
-                        return
-                    for name, (a, _) in codec.deltas(layer, 1).items():
-                        deltas[f"{prefix}.{name}"] = (tuple(a.shape), a.dtype, prefix)
-                    if isinstance(codec, ArraysCodec):
-                        for name, a in codec.checkpoint(layer).items():
-                            states[f"{prefix}.{name}"] = (tuple(a.shape), a.dtype)
-
-                for i, (codec, layer) in enumerate(zip(self.codecs, cache)):
-                    leaves(codec, layer, str(i))
-                self._shapes = (deltas, states)
-            except Exception as e:  # an exotic model: records are still checked by checksum
-                log.warning("kvstore: cannot trace %s to check record shapes (%s)", self.model_id, e)
-                self._shapes = None
-        return self._shapes
+            for tier in tiers:
+                for h, child_tokens, ref in tier.children(parent, int(rest[0])):
+                    if len(child_tokens) == 0 or h in found:
+                        continue
+                    n = keys.common_prefix(child_tokens, rest)
+                    if n:
+                        found[h] = (h, n, n == len(child_tokens))
+                        where.setdefault(h, (tier, ref))
+        ranked = sorted(found.values(), key=lambda f: -f[1])
+        options = ranked[:1] + [f for f in ranked[1:] if f[2]]
+        return hashes[:depth], [(h, n) for h, n, _ in options] or [(None, 0)], where
 
     # -- insert -----------------------------------------------------------------------------
 
@@ -549,7 +428,8 @@ class ModelCache:
     def _needs_end_checkpoint(self, toks: np.ndarray) -> bool:
         if not self.checkpointed:
             return False
-        return not self.store._available([checkpoint_hash(self._record_hashes(toks)[-1])])
+        h = checkpoint_hash(self._record_hashes(toks)[-1])
+        return h not in tiers_find(self.store.tiers, [h])
 
     def _durable_hashes(self, toks: np.ndarray) -> list[bytes]:
         """The records that must be on disk for `toks` to be stored whole (with the end checkpoint
@@ -603,22 +483,11 @@ class ModelCache:
                     "insert the tokens the cache actually holds")
 
 
-class _NotDirect(Exception):
-    """Records `_fetch_direct` does not expect: the general path serves them."""
-
-
-def _owned(full: mx.array, view: np.ndarray, start: int, end: int) -> mx.array:
-    """Tokens [start, end) of `full` as an array of their own (the memory tier must not keep the
-    whole restored tensor alive). `mx.array` of a strided numpy view would copy its whole span."""
-    part = view[:, :, start:end]
-    if part.flags.c_contiguous:  # a single head: `mx.contiguous` would return a view of `full`
-        return mx.array(part).view(full.dtype)
-    return mx.contiguous(full[:, :, start:end])
-
-
-def _bits(a: mx.array) -> mx.array:
-    """`a` as numpy can hold it: bfloat16 as its uint16 bits (a zero-copy view)."""
-    return a.view(mx.uint16) if a.dtype == mx.bfloat16 else a
+def _entry_bytes(e) -> int:
+    n = blobs._DTYPES[e.tag][0].itemsize
+    for d in e.shape:
+        n *= d
+    return n
 
 
 def _arrays_of(cache: list) -> list[mx.array]:

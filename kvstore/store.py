@@ -1,6 +1,7 @@
 """The store: ties the memory tier, the index and the blob files together.
 
-Data flows one way: caller -> `ModelCache` -> (memory tier | pending writes | index -> blobs).
+Data flows one way: caller -> `ModelCache` -> `restore` -> tiers (memory | pending writes | index
+and blobs), in that order (`Store.tiers`).
 `fetch` never raises for anything that went wrong on disk: a bad record is quarantined and the
 caller gets the longest prefix that is still correct.
 """
@@ -18,18 +19,16 @@ import time
 import weakref
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-import mlx.core as mx
-import numpy as np
-
-from . import blobs, keys
-from .errors import BlobError, InvalidInputError, ModelFilesError, StoreOpenError
+from . import keys
+from .errors import InvalidInputError, ModelFilesError, StoreOpenError
 from .stale import stale_namespaces, stamps as file_stamps
-from .index import Index, Row, is_corruption
-from .memory import MemoryTier, Record
+from .index import Index, is_corruption
+from .memory import MemoryTier
 from .modelcache import ModelCache, describe, make_template
 from .storedir import BLOBS_NAME, INDEX_NAME, open_dir
+from .tiers import DiskTier, MemoryTierView, PendingTier
 from .writer import Writer
 
 log = logging.getLogger("kvstore")
@@ -115,6 +114,10 @@ class Store:
                              max_pending_bytes,
                              after_batch=self._enforce_budget if self.max_bytes is not None else None,
                              fsync=fsync, after_write=self.remote.submit if self.remote else None)
+        # Where fetch reads records from, in order (see `tiers`); a remote tier is one more.
+        self.tiers: list = [MemoryTierView(self.memory), PendingTier(self.writer)]
+        if self.index is not None:
+            self.tiers.append(DiskTier(self.index, self.blob_root, self.writer, self.counters))
         self._closed = False
         _OPEN_STORES.add(self)
 
@@ -356,87 +359,6 @@ class Store:
                         "until it can be written", mc.model_id, e)
             return False
 
-    def _available(self, hashes: list[bytes]) -> set[bytes]:
-        """Which of `hashes` can be read: in memory, queued, or on disk."""
-        here = {h for h in hashes if h in self.memory or self.writer.is_pending(h)}
-        rest = [h for h in hashes if h not in here]
-        if rest and self.index is not None:
-            here |= self.index.present(rest)
-        return here
-
-    def _get(self, h: bytes, row: Row | None, check: Callable | None = None) -> Record | None:
-        """A record from memory, the writer's queue, or disk (then kept in memory). `check(kind,
-        ntokens, arrays)` raises BlobError if what was read from disk cannot be this record."""
-        rec = self.memory.get(h) or self.writer.pending(h)
-        if rec is None and self.index is not None:
-            row = row or self.index.get(h)
-            if row is not None and not row.bad:
-                rec = self._read(h, row, check)
-                if rec is not None:
-                    self.memory.put([rec])
-        return rec
-
-    def _read(self, h: bytes, row: Row, check: Callable | None = None) -> Record | None:
-        """A record from disk, checked; None (quarantined and counted) if it is damaged."""
-        try:
-            arrays, meta = blobs.read(self.blob_root, h, size=row.size, checksum=row.checksum)
-            tokens = arrays.pop("tokens", None)
-            if tokens is None or np.asarray(tokens).tobytes() != row.tokens:
-                raise BlobError(f"record {h.hex()}: its tokens differ from the index")
-            self._check_header(h, row, meta)
-            if check is not None:
-                try:
-                    check(row.kind, row.ntokens, arrays)
-                except BlobError as e:
-                    raise BlobError(f"record {h.hex()}: {e}") from e
-            mx.eval(list(arrays.values()))
-        except BlobError as e:
-            self._quarantine(h, e)
-            return None
-        return Record(h, row.ns, row.parent, row.depth, row.kind,
-                      np.frombuffer(row.tokens, dtype="<i4"), arrays)
-
-    @staticmethod
-    def _check_header(h: bytes, row: Row, meta: dict[str, str]) -> None:
-        """Raise BlobError unless a blob's header names the same place in the chain as its row."""
-        for key, want in (("ns", row.ns.hex()), ("parent", row.parent.hex()),
-                          ("depth", str(row.depth)), ("kind", str(row.kind))):
-            if meta.get(key) != want:
-                raise BlobError(f"record {h.hex()}: its header says {key} {meta.get(key)!r}, "
-                                f"the index {want!r}")
-
-    def _quarantine(self, h: bytes, error: BlobError) -> None:
-        """Mark a record whose blob failed to read as bad: a miss from it on, counted."""
-        try:
-            if self.index.get(h) is None:  # evicted (by gc, maybe in another process) under the read
-                log.debug("kvstore: record %s was evicted while it was read", h.hex())
-                return
-        except Exception:
-            pass
-        if self._intact(h):  # its blob and row were replaced (completed) under the read
-            return
-        log.warning("kvstore: quarantined a damaged record: %s", error)
-        self.counters["quarantined"] += 1
-        try:
-            if self.index.mark_bad(h):
-                self.index.bump_counter("count.quarantined")
-        except Exception:  # the index may be busy or read-only; the miss is what matters
-            pass
-
-
-    def _intact(self, h: bytes) -> bool:
-        """Whether a record reads clean now, looked at under the shared tree lock: a writer
-        that completes a record (`Writer._refill`) replaces its blob and row together under the
-        exclusive lock, and a read between the two is no damage."""
-        try:
-            with blobs.tree_lock(self.blob_root, exclusive=False):
-                row = self.index.get(h)
-                if row is None or row.bad:
-                    return False
-                blobs.read(self.blob_root, h, size=row.size, checksum=row.checksum)
-                return True
-        except Exception:
-            return False
 
 
 def resolve_model_dir(model_id: str) -> Path:

@@ -2,7 +2,8 @@
 
 The caller's thread only queues a `Job` (lazy views of its cache, no copy). This thread copies each
 new record out of those views, writes its blob (temp file, fsync, rename), then inserts the rows
-in one transaction, and hands compact copies to the memory tier. Full disks and other write errors
+in one transaction, and hands compact copies to the memory tier (only of what it can keep: with
+the memory tier off, nothing is copied for RAM). Full disks and other write errors
 drop the job and are counted; they never reach the caller.
 """
 
@@ -106,6 +107,7 @@ class Writer:
         self.stats = WriterStats()
         self._jobs: deque[Job] = deque()
         self._pending: dict[bytes, tuple[Job, Spec]] = {}
+        self._children: dict[bytes, set[bytes]] = {}  # parent -> queued records under it
         self._pending_bytes = 0
         self._busy = False
         self._cond = threading.Condition()
@@ -130,6 +132,7 @@ class Writer:
             self._jobs.append(job)
             for spec in job.specs:
                 self._pending[spec.hash] = (job, spec)
+                self._children.setdefault(spec.parent, set()).add(spec.hash)
             self._pending_bytes += job.nbytes
             self._cond.notify_all()
             return True
@@ -142,8 +145,8 @@ class Writer:
     def pending_children(self, parent: bytes) -> list[tuple[bytes, np.ndarray]]:
         """(hash, tokens) of the queued records under `parent`: what a lookup compares."""
         with self._cond:
-            return [(s.hash, j.tokens[s.start : s.end]) for j, s in self._pending.values()
-                    if s.parent == parent]
+            found = [self._pending[h] for h in self._children.get(parent, ())]
+            return [(s.hash, j.tokens[s.start : s.end]) for j, s in found]
 
     def known_complete(self, h: bytes) -> bool:
         """Whether a stored record is known to hold every layer's K/V (nothing to refill)."""
@@ -220,6 +223,11 @@ class Writer:
                     for spec in job.specs:
                         if self._pending.get(spec.hash, (None,))[0] is job:
                             del self._pending[spec.hash]
+                            siblings = self._children.get(spec.parent)
+                            if siblings is not None:
+                                siblings.discard(spec.hash)
+                                if not siblings:
+                                    del self._children[spec.parent]
                     self._pending_bytes -= job.nbytes
                     self._busy = False
                     self._cond.notify_all()
@@ -263,7 +271,8 @@ class Writer:
                                     spec.end - spec.start, tokens.tobytes(), size, checksum,
                                     pinned=int(spec.hash in job.pin)))
                     self.stats.bytes_written += size
-                compact.append(self._compact(job, spec, tokens, tensors))
+                if self.memory.keeps(spec.nbytes):  # with memory_bytes=0 nothing is copied for RAM
+                    compact.append(self._compact(job, spec, tokens, tensors))
                 written.append(spec)
                 if spec.kind != CHECKPOINT and all(o <= spec.start for o in job.origins.values()):
                     self._remember_complete(spec.hash)
@@ -280,7 +289,8 @@ class Writer:
                     self.after_write(rows)
             if job.pin and self.index is not None:
                 self.index.pin(job.pin)
-        self.memory.put(reversed(compact))
+        if compact:
+            self.memory.put(reversed(compact))
         if written and (rows or self.index is None):
             self._drop_redundant(job, [s for s in written if s.kind != CHECKPOINT])
         if job.refill and self.index is not None:
@@ -332,7 +342,7 @@ class Writer:
         layer's K/V (a chunk first stored from a cache whose sliding window had already slid
         past it). Same hash, same tokens: the new blob is renamed over the old one and its row
         gets the new size and checksum, both under the exclusive tree lock, so no writer, gc or
-        damage check (`Store._quarantine` looks again under the shared lock) sees them disagree."""
+        damage check (`DiskTier.damaged` looks again under the shared lock) sees them disagree."""
         for spec in job.refill:
             if spec.hash in self._complete:
                 continue

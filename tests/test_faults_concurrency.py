@@ -1,7 +1,7 @@
 """Fault suite, part 3: several processes and threads on one store, and the races between them.
 
 The races are made deterministic with events that hold one side at the critical point (a
-monkeypatched `kvstore.blobs.read`, or the writer's `after_rename` fault point); the free-running
+monkeypatched `kvstore.blobs.open_blob`, or the writer's `after_rename` fault point); the free-running
 test starts warmers, fetchers, gc and verify in separate processes on a store none of them has
 created yet, each with several threads, for a bounded time (longer with `pytest --soak`).
 """
@@ -79,9 +79,8 @@ def test_gc_deletes_a_blob_while_fetch_is_reading_it(tmp_path, llama, monkeypatc
                 return real(root, h, **kw)
             return read
 
-        for name in ("read", "read_into"):  # the general and the direct restore paths
-            if hasattr(blobs, name):
-                monkeypatch.setattr(blobs, name, paused(getattr(blobs, name)))
+        # every read of a blob by fetch opens it with `blobs.open_blob`
+        monkeypatch.setattr(blobs, "open_blob", paused(blobs.open_blob))
         out: dict = {}
         query = tokens + [2]
         reader = threading.Thread(target=lambda: out.update(result=mc.fetch(query)))

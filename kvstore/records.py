@@ -1,0 +1,97 @@
+"""What a record read from beyond this process must hold: the names, shapes and dtypes of the
+arrays this model's cache has. A blob that passed its checksums can still have been planted, or
+taken back by a rebuild from another model's files; a wrong one would crash generation or be wrong.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import mlx.core as mx
+
+from . import blobs
+from .codecs import ArraysCodec, CacheListCodec, Codec
+from .errors import BlobError
+from .index import CHECKPOINT
+
+log = logging.getLogger("kvstore")
+
+
+class RecordCheck:
+    """`check(kind, ntokens, entries)` raises BlobError unless a record's tensors (name -> dtype tag
+    and shape) are what this model's cache holds; each record layout is checked once."""
+
+    def __init__(self, model, codecs: list[Codec], new_cache: Callable[[], list], model_id: str):
+        self.model, self.codecs, self.new_cache, self.model_id = model, codecs, new_cache, model_id
+        self._shapes: tuple[dict, dict] | None | bool = False  # False: not traced yet
+        self._checked: set[tuple] = set()  # record layouts already found to be this model's
+
+    def __call__(self, kind: int, ntokens: int, entries: dict) -> None:
+        expected = self._expected_shapes()
+        if expected is None:
+            return
+        key = (kind, ntokens, tuple((n, e.tag, e.shape) for n, e in entries.items()))
+        if key in self._checked:
+            return
+        arrays = {name: _Shaped(tuple(e.shape), blobs.mx_dtype(e.tag)) for name, e in entries.items()}
+        self._check_arrays(kind, ntokens, arrays)
+        self._checked.add(key)
+
+    def _check_arrays(self, kind: int, ntokens: int, arrays: dict) -> None:
+        deltas, states = self._expected_shapes()
+        if kind == CHECKPOINT:
+            for name, (shape, dtype) in states.items():
+                a = arrays.get(name)
+                if a is None or tuple(a.shape) != shape or a.dtype != dtype:
+                    raise BlobError(f"checkpoint array {name!r} is not the {dtype} {list(shape)} this model has")
+            return
+        lengths: dict[str, set[int]] = {}
+        for name, a in arrays.items():
+            want = deltas.get(name)
+            ok = want is not None and a.dtype == want[1] and a.ndim == len(want[0]) and a.shape[2] <= ntokens
+            if not ok or any(n != m for i, (n, m) in enumerate(zip(a.shape, want[0])) if i != 2):
+                raise BlobError(f"array {name!r} {a.dtype} {list(a.shape)} is not what this model's "
+                                f"cache holds for {ntokens} tokens")
+            lengths.setdefault(want[2], set()).add(a.shape[2])
+        for group, found in lengths.items():
+            if len(found) != 1 or sum(1 for name in arrays if deltas[name][2] == group) != \
+                    sum(1 for d in deltas.values() if d[2] == group):
+                raise BlobError(f"the arrays of layer {group} are incomplete or of different lengths")
+
+    def _expected_shapes(self) -> tuple[dict, dict] | None:
+        """name -> (shape, dtype, layer) of a record's deltas (token axis 2 free) and name ->
+        (shape, dtype) of recurrent checkpoints, from the cache one token gives. The graph is
+        built, never computed. None if the model cannot be traced (then nothing is checked)."""
+        if self._shapes is False:
+            try:
+                cache = self.new_cache()
+                self.model(mx.array([[0]]), cache=cache)
+                deltas: dict = {}
+                states: dict = {}
+
+                def leaves(codec: Codec, layer, prefix: str) -> None:
+                    if isinstance(codec, CacheListCodec):
+                        for j, (c, sub_layer) in enumerate(zip(codec.subs, layer.caches)):
+                            leaves(c, sub_layer, f"{prefix}.{j}")
+                        return
+                    for name, (a, _) in codec.deltas(layer, 1).items():
+                        deltas[f"{prefix}.{name}"] = (tuple(a.shape), a.dtype, prefix)
+                    if isinstance(codec, ArraysCodec):
+                        for name, a in codec.checkpoint(layer).items():
+                            states[f"{prefix}.{name}"] = (tuple(a.shape), a.dtype)
+
+                for i, (codec, layer) in enumerate(zip(self.codecs, cache)):
+                    leaves(codec, layer, str(i))
+                self._shapes = (deltas, states)
+            except Exception as e:  # an exotic model: records are still checked by checksum
+                log.warning("kvstore: cannot trace %s to check record shapes (%s)", self.model_id, e)
+                self._shapes = None
+        return self._shapes
+
+
+class _Shaped:
+    """What `_check_arrays` looks at of an array: shape, dtype, ndim (from a header entry)."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: mx.Dtype):
+        self.shape, self.dtype, self.ndim = shape, dtype, len(shape)

@@ -1,0 +1,249 @@
+"""The restore pipeline, one way down: plan, then fill the final arrays from the tiers, then build.
+
+1. `plan` (pure: records' token ranges and tensor shapes, the codecs, the checkpoints there are)
+   picks the restore point p that every layer can reach and says, for every tensor of every layer,
+   which record supplies which of its tokens at which place of the final array.
+2. `fill` allocates each final array once, unfilled, with spare capacity after the restored tokens
+   (zeroed) so the first decode step writes in place, and has every record's `Source` copy its
+   tokens straight into place (disk: `preadv` from the page cache, checksummed per tensor), on a
+   small thread pool. A record that fails its check is reported, never used.
+3. `build` hands the arrays to the codecs, which make the mlx-lm cache objects.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Mapping, NamedTuple, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from . import blobs
+from .codecs import Codec, sub
+from .errors import BlobError
+from .tiers import Entry, Source
+from .unfilled import keep_buffers, unfilled
+
+_POOL_MIN_BYTES = 4 << 20  # below this, threads cost more than they save
+_pool: ThreadPoolExecutor | None = None
+
+
+class Part(NamedTuple):
+    """A chunk or tail of the chain, as the plan sees it."""
+
+    hash: bytes
+    start: int  # position of its first token
+    ntokens: int
+    entries: Mapping[str, Entry]  # its tensors (no `tokens`): token axis 2, a suffix of its tokens
+
+
+class Copy(NamedTuple):
+    """Tokens [lo, hi) of tensor `name` of part `part` go to tokens [dst, dst + hi - lo) of the
+    final tensor `name`."""
+
+    part: int
+    name: str
+    lo: int
+    hi: int
+    dst: int
+
+
+@dataclass
+class Plan:
+    p: int  # tokens restored
+    parts: list[Part]  # the records used, in chain order
+    finals: dict[str, Entry]  # every token-axis tensor of the cache, at its allocated capacity
+    filled: dict[str, int]  # tokens of each final tensor the copies fill (the rest is spare)
+    copies: list[Copy]
+    checkpoint: bytes | None  # the checkpoint record restored at p, for checkpointed layers
+
+    @property
+    def nbytes(self) -> int:
+        return sum(_nbytes(e) for e in self.finals.values())
+
+
+def restore_point(parts: Sequence[Part], codecs: Sequence[Codec], length: int,
+                  checkpoints: Mapping[int, bytes]) -> tuple[int, bytes | None]:
+    """The largest p <= length every layer can restore at (0 if none), and the checkpoint
+    (from `checkpoints`: position -> record hash) that p needs, if any layer is checkpointed."""
+    return _restore_point(_layout(parts, _leaves(codecs)), parts, codecs, length, checkpoints)
+
+
+def plan(parts: Sequence[Part], codecs: Sequence[Codec], length: int,
+         checkpoints: Mapping[int, bytes] | None = None) -> Plan | None:
+    """What to copy where to restore the longest prefix (<= length) of the chain `parts`, or None."""
+    leaves = _leaves(codecs)
+    layout = _layout(parts, leaves)
+    p, checkpoint = _restore_point(layout, parts, codecs, length, checkpoints or {})
+    if p <= 0:
+        return None
+    used = [q for q in parts if q.start < p]
+    finals: dict[str, Entry] = {}
+    filled: dict[str, int] = {}
+    copies: list[Copy] = []
+    for prefix, leaf in leaves:
+        ranges = leaf.ranges(p)
+        if not ranges:
+            continue
+        n = sum(b - a for a, b in ranges)
+        cap = leaf.capacity(n)
+        dst = 0
+        for a, b in ranges:
+            for k, start, end, held, names in layout[prefix]:
+                if start >= p:
+                    break
+                first = end - held  # the delta is a suffix of the record
+                lo, hi = max(a, first), min(b, end)
+                if lo >= hi:
+                    continue
+                entries = parts[k].entries
+                for name in names:
+                    e = entries[name]
+                    want = finals.get(name)
+                    if want is None:
+                        want = finals[name] = Entry(e.tag, (*e.shape[:2], cap, *e.shape[3:]))
+                    elif want.tag != e.tag or want.shape[:2] != e.shape[:2] or want.shape[3:] != e.shape[3:]:
+                        raise BlobError(f"record {parts[k].hash.hex()}: tensor {name!r} is {e.tag} "
+                                        f"{list(e.shape)}, the chain's other records {want.tag} {list(want.shape)}")
+                    copies.append(Copy(k, name, lo - first, hi - first, dst + lo - a))
+                    filled[name] = filled.get(name, 0) + hi - lo
+            dst += b - a
+        for names in {tuple(names) for *_, names in layout[prefix]}:
+            for name in names:
+                if filled.get(name, n) != n:  # `valid` said covered: a record lied about its tensors
+                    raise BlobError(f"tensor {name!r}: the chain fills {filled[name]} of its {n} tokens")
+    return Plan(p, used, finals, filled, copies, checkpoint)
+
+
+def _leaves(codecs: Sequence[Codec]) -> list[tuple[str, Codec]]:
+    """(name prefix, codec) of every cache of every layer (a CacheList's caches one by one)."""
+    return [leaf for i, codec in enumerate(codecs) for leaf in codec.leaves(str(i))]
+
+
+def _layout(parts: Sequence[Part], leaves: list[tuple[str, Codec]]) -> dict[str, list[tuple]]:
+    """Per leaf prefix: (part index, start, end, tokens its tensors hold, their names) of every
+    part holding tensors of that leaf, in chain order."""
+    prefixes = tuple(prefix for prefix, _ in leaves)
+    out: dict[str, list[tuple]] = {prefix: [] for prefix in prefixes}
+    for k, q in enumerate(parts):
+        end = q.start + q.ntokens
+        for prefix, names in _groups(tuple(q.entries), prefixes).items():
+            out[prefix].append((k, q.start, end, q.entries[names[0]].shape[2], names))
+    return out
+
+
+def _groups(names: tuple[str, ...], prefixes: tuple[str, ...]) -> dict[str, list[str]]:
+    """The tensor names of a record grouped by the leaf they belong to (the longest leaf prefix
+    of the name); the same for every record of one layout, so it is worked out once."""
+    key = (names, prefixes)
+    got = _GROUPS.get(key)
+    if got is None:
+        known = set(prefixes)
+        got = {}
+        for name in names:
+            parts = name.split(".")
+            for cut in range(len(parts) - 1, 0, -1):
+                prefix = ".".join(parts[:cut])
+                if prefix in known:
+                    got.setdefault(prefix, []).append(name)
+                    break
+        if len(_GROUPS) > 256:
+            _GROUPS.clear()
+        _GROUPS[key] = got
+    return got
+
+
+_GROUPS: dict[tuple, dict[str, list[str]]] = {}
+
+
+def _restore_point(layout: dict[str, list[tuple]], parts: Sequence[Part], codecs: Sequence[Codec],
+                   length: int, checkpoints: Mapping[int, bytes]) -> tuple[int, bytes | None]:
+    checkpointed = any(c.checkpointed for c in codecs)
+    pieces = {prefix: [(start, end, held) for _, start, end, held, _ in rows] for prefix, rows in layout.items()}
+    leaves = _leaves(codecs)
+    ends = [q.start + q.ntokens for q in parts]
+    for p in sorted({length} | {e for e in ends if 0 < e < length}, reverse=True):
+        if p <= 0:
+            break
+        has = p in checkpoints
+        if checkpointed and not has:
+            continue
+        if all(leaf.valid(p, pieces[prefix], has) for prefix, leaf in leaves):
+            return p, checkpoints.get(p) if checkpointed else None
+    return 0, None
+
+
+def fill(pl: Plan, sources: Sequence[Source]) -> tuple[dict[str, mx.array], list[tuple[int, BlobError]]]:
+    """The final arrays of the plan, filled from `sources` (one per part) and the spare zeroed;
+    and the (part, error) of every part that failed its checks (then the arrays must not be used
+    past that part's start)."""
+    keep_buffers(pl.nbytes)
+    finals = unfilled({name: (e.tag, e.shape) for name, e in pl.finals.items()})
+    views = {name: blobs.target(_host(a)) for name, a in finals.items()}
+    for name, view in views.items():
+        view.array[:, :, pl.filled[name]:] = 0
+    jobs: dict[int, list[Copy]] = {}
+    for c in pl.copies:
+        jobs.setdefault(c.part, []).append(c)
+
+    def run(k: int) -> BlobError | None:
+        try:
+            sources[k].read_copies(jobs[k], views)
+        except BlobError as e:
+            return e
+        return None
+
+    if len(jobs) > 1 and pl.nbytes >= _POOL_MIN_BYTES:
+        results = list(_threads().map(run, list(jobs)))
+    else:
+        results = [run(k) for k in jobs]
+    del views  # the final arrays are their memory's only owners again (donatable, in place)
+    return finals, [(k, e) for k, e in zip(jobs, results) if e is not None]
+
+
+def checkpoint_arrays(source: Source) -> dict[str, mx.array]:
+    """Every tensor of a checkpoint record, checked, as mlx arrays of their real dtypes."""
+    out = {}
+    for name, e in source.entries.items():
+        a = mx.array(source.array(name))
+        dtype = blobs.mx_dtype(e.tag)
+        out[name] = a.view(dtype) if a.dtype != dtype else a
+    return out
+
+
+def build(pl: Plan, codecs: Sequence[Codec], finals: Mapping[str, mx.array],
+          checkpoint: Mapping[str, mx.array] | None) -> list:
+    """The mlx-lm cache objects, one per layer, at position `pl.p`."""
+    cache = [codec.build(pl.p, sub(dict(finals), str(i)),
+                         sub(dict(checkpoint), str(i)) if checkpoint is not None else None)
+             for i, codec in enumerate(codecs)]
+    return cache
+
+
+def host_slice(final: mx.array, lo: int, hi: int) -> np.ndarray:
+    """Tokens [lo, hi) of a final array as a numpy view (bfloat16 as its uint16 bits)."""
+    return _host(final)[:, :, lo:hi]
+
+
+def _host(a: mx.array) -> np.ndarray:
+    view = np.asarray(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a)
+    if not (view.flags.writeable and view.flags.c_contiguous):
+        raise BlobError("mlx handed out an array numpy cannot write in place")
+    return view
+
+
+def _nbytes(e: Entry) -> int:
+    n = blobs._DTYPES[e.tag][0].itemsize
+    for d in e.shape:
+        n *= d
+    return n
+
+
+def _threads() -> ThreadPoolExecutor:
+    global _pool
+    if _pool is None:
+        _pool = ThreadPoolExecutor(max_workers=min(4, max(2, (os.cpu_count() or 2))),
+                                   thread_name_prefix="kvstore-read")
+    return _pool

@@ -1,0 +1,262 @@
+"""Where records are read from: tiers, each a small object with the same four methods.
+
+- `find(hashes)`: which of these records it holds -> {hash: ref} (a ref is whatever the tier
+  needs to open the record again: its index row, its in-memory record...);
+- `children(parent, first_token)`: the (hash, tokens, ref) of the records it holds under `parent`;
+- `open(h, ref)`: a `Source` of that record, or BlobError if what it holds is damaged;
+- `damaged(h, error)`: told when a record it gave could not be used (the disk quarantines it);
+- `touch(hashes)`: these records were used (LRU order, last-access times).
+
+A `Source` is one opened record: its token count, its tensors' entries (name -> dtype tag and
+shape, `tokens` left out), `read_copies(copies, targets)` that copies token ranges of its tensors
+into memory the restore owns (checking what it reads), and `array(name)` for a whole tensor. The restore (`restore.py`) asks the
+tiers in order (memory, pending writes, local disk; a remote tier is one more) and never knows
+which one it is talking to.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Iterable, NamedTuple, Protocol, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from . import blobs
+from .errors import BlobError
+from .index import Index, Row
+from .memory import MemoryTier, Record
+from .writer import Writer
+
+log = logging.getLogger("kvstore")
+
+
+class Entry(NamedTuple):
+    """A tensor of a record, as the plan sees it: safetensors dtype tag and shape."""
+
+    tag: str
+    shape: tuple[int, ...]
+
+
+class Source(Protocol):
+    hash: bytes
+    ns: bytes
+    parent: bytes
+    depth: int
+    kind: int
+    ntokens: int
+    tokens: np.ndarray
+    entries: dict[str, Entry]
+
+    def read_copies(self, copies: Sequence, targets: dict[str, blobs.Target]) -> None:
+        """Each copy `(name, lo, hi, dst)`: tokens [lo, hi) of tensor `name` to tokens
+        [dst, dst + hi - lo) of `targets[name].array`. BlobError if what it read is damaged."""
+
+    def array(self, name: str) -> np.ndarray:
+        """A whole tensor, checked (bfloat16 as its uint16 bits)."""
+
+    def close(self) -> None: ...
+
+
+class Tier(Protocol):
+    name: str
+
+    def find(self, hashes: Sequence[bytes]) -> dict[bytes, Any]: ...
+
+    def children(self, parent: bytes, first_token: int) -> list[tuple[bytes, np.ndarray, Any]]: ...
+
+    def open(self, h: bytes, ref: Any) -> Source: ...
+
+    def damaged(self, h: bytes, error: BlobError) -> None: ...
+
+    def touch(self, hashes: list[bytes]) -> None: ...
+
+
+class RecordSource:
+    """A record held in RAM (memory tier or the writer's queue): copies, nothing to check."""
+
+    def __init__(self, rec: Record):
+        self.hash, self.ntokens, self.record = rec.hash, len(rec.tokens), rec
+        self.ns, self.parent, self.depth, self.kind, self.tokens = rec.ns, rec.parent, rec.depth, rec.kind, rec.tokens
+        self.entries = {name: Entry("BF16" if name in rec.views or a.dtype == mx.bfloat16 else blobs.tag_of(a.dtype),
+                                    tuple(a.shape))
+                        for name, a in rec.arrays.items()}
+        self._host: dict[str, np.ndarray] = {}
+
+    def _np(self, name: str) -> np.ndarray:
+        host = self._host.get(name)
+        if host is None:
+            a = self.record.arrays[name]
+            host = self._host[name] = np.asarray(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a)
+        return host
+
+    def read_copies(self, copies, targets):
+        for c in copies:
+            np.copyto(targets[c.name].array[:, :, c.dst : c.dst + c.hi - c.lo], self._np(c.name)[:, :, c.lo : c.hi],
+                      casting="no")
+
+    def array(self, name: str) -> np.ndarray:
+        return self._np(name)
+
+    def close(self) -> None:
+        self._host.clear()
+
+
+class BlobSource:
+    """A record read from a blob file, checked against its index row as it is opened."""
+
+    def __init__(self, blob: blobs.BlobFile, row: Row):
+        self.hash, self.ntokens, self.blob = row.hash, row.ntokens, blob
+        self.ns, self.parent, self.depth, self.kind = row.ns, row.parent, row.depth, row.kind
+        self.tokens = np.frombuffer(row.tokens, dtype="<i4")
+        meta = blob.metadata
+        for key, want in (("ns", row.ns.hex()), ("parent", row.parent.hex()),
+                          ("depth", str(row.depth)), ("kind", str(row.kind))):
+            if meta.get(key) != want:
+                raise BlobError(f"record {row.hash.hex()}: its header says {key} {meta.get(key)!r}, "
+                                f"the index {want!r}")
+        if "tokens" not in blob.entries or blob.array("tokens").astype("<i4").tobytes() != row.tokens:
+            raise BlobError(f"record {row.hash.hex()}: its tokens differ from the index")
+        self.entries = {name: Entry(info["dtype"], tuple(info["shape"]))
+                        for name, info in blob.entries.items() if name != "tokens"}
+
+    def read_copies(self, copies, targets):
+        self.blob.read_copies(copies, targets)
+
+    def array(self, name: str) -> np.ndarray:
+        return self.blob.array(name)
+
+    def close(self) -> None:
+        self.blob.close()
+
+
+class MemoryTierView:
+    """The memory tier (an LRU of records in RAM) as a tier."""
+
+    name = "memory"
+
+    def __init__(self, memory: MemoryTier):
+        self.memory = memory
+
+    def find(self, hashes):
+        return {h: None for h in hashes if h in self.memory}
+
+    def children(self, parent, first_token):
+        return [(r.hash, r.tokens, r) for r in self.memory.children(parent)]
+
+    def open(self, h, ref):
+        rec = self.memory.get(h)
+        if rec is None:
+            raise KeyError(h)
+        return RecordSource(rec)
+
+    def damaged(self, h, error):
+        self.memory.discard([h])
+
+    def touch(self, hashes):
+        self.memory.touch(reversed(hashes))
+
+
+class PendingTier:
+    """Records queued for the background writer: visible the moment `insert` returns."""
+
+    name = "pending"
+
+    def __init__(self, writer: Writer):
+        self.writer = writer
+
+    def find(self, hashes):
+        return {h: None for h in hashes if self.writer.is_pending(h)}
+
+    def children(self, parent, first_token):
+        return [(h, t, None) for h, t in self.writer.pending_children(parent)]
+
+    def open(self, h, ref):
+        rec = self.writer.pending(h)
+        if rec is None:  # written and dequeued since: the memory tier or the disk has it now
+            raise KeyError(h)
+        return RecordSource(rec)
+
+    def damaged(self, h, error):
+        pass
+
+    def touch(self, hashes):
+        pass
+
+
+class DiskTier:
+    """Blob files and their index rows. A damaged record is quarantined: a miss from then on."""
+
+    name = "disk"
+
+    def __init__(self, index: Index, root: Path, writer: Writer, counters: dict):
+        self.index, self.root, self.writer, self.counters = index, root, writer, counters
+
+    def find(self, hashes):
+        return self.index.rows_of(list(hashes)) if hashes else {}
+
+    def children(self, parent, first_token):
+        return [(row.hash, np.frombuffer(row.tokens, dtype="<i4"), row)
+                for row in self.index.children(parent, first_token)]
+
+    def open(self, h, ref):
+        row = ref if ref is not None else self.index.get(h)
+        if row is None or row.bad:
+            raise KeyError(h)
+        blob = blobs.open_blob(self.root, h, size=row.size, checksum=row.checksum)
+        try:
+            return BlobSource(blob, row)
+        except BaseException:
+            blob.close()
+            raise
+
+    def prefetch(self, hashes: Iterable[bytes]) -> None:
+        blobs.prefetch(self.root, list(hashes))
+
+    def damaged(self, h, error):
+        """Mark a record whose blob failed to read as bad: a miss from it on, counted."""
+        try:
+            if self.index.get(h) is None:  # evicted (by gc, maybe in another process) under the read
+                log.debug("kvstore: record %s was evicted while it was read", h.hex())
+                return
+        except Exception:
+            pass
+        if self._intact(h):  # its blob and row were replaced (completed by the writer) under the read
+            return
+        log.warning("kvstore: quarantined a damaged record: %s", error)
+        self.counters["quarantined"] += 1
+        try:
+            if self.index.mark_bad(h):
+                self.index.bump_counter("count.quarantined")
+        except Exception:  # the index may be busy or read-only; the miss is what matters
+            pass
+
+    def _intact(self, h: bytes) -> bool:
+        """Whether a record reads clean now, looked at under the shared tree lock: a writer
+        that completes a record (`Writer._refill`) replaces its blob and row together under the
+        exclusive lock, and a read between the two is no damage."""
+        try:
+            with blobs.tree_lock(self.root, exclusive=False):
+                row = self.index.get(h)
+                if row is None or row.bad:
+                    return False
+                blobs.read(self.root, h, size=row.size, checksum=row.checksum)
+                return True
+        except Exception:
+            return False
+
+    def touch(self, hashes):
+        self.writer.touch(list(hashes))
+
+
+def find(tiers: Sequence[Tier], hashes: Sequence[bytes]) -> dict[bytes, tuple[Tier, Any]]:
+    """Where each of `hashes` can be read from: the first tier (in order) that holds it."""
+    out: dict[bytes, tuple[Tier, Any]] = {}
+    for tier in tiers:
+        rest = [h for h in hashes if h not in out]
+        if not rest:
+            break
+        for h, ref in tier.find(rest).items():
+            out[h] = (tier, ref)
+    return out

@@ -1,0 +1,137 @@
+"""Final arrays, allocated once by mlx and never filled: the restore writes every byte itself.
+
+mlx has no `empty`, but its safetensors loader allocates each tensor without filling it and then
+asks the file it reads to `readinto` that memory. `_Shell` poses as such a file, holding only a
+header: its `readinto` leaves the tensor memory as it is, so `mx.load` hands back unfilled arrays
+(no zero-fill, no copy) that the caller then fills through numpy views.
+
+mlx keeps a reference to the file object on its I/O thread, and releases it (taking the GIL)
+shortly after the load is done; if the interpreter is already finalizing then, the process
+aborts. Every shell is therefore tracked, and at exit the interpreter waits (bounded) until mlx
+has let go of them all.
+
+mlx's I/O thread also needs the GIL to call `readinto`, so nothing may wait for that load while
+holding the GIL: loads run on a stream of their own (no one else's work queues behind them), and
+under a lock that `keep_buffers` also takes (`mx.set_cache_limit` waits for every CPU stream
+without letting go of the GIL). Calling `mx.set_cache_limit` from another thread while a fetch
+runs can still deadlock mlx this way: set it before serving.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import struct
+import threading
+import time
+import weakref
+from typing import Mapping, Sequence
+
+import mlx.core as mx
+
+_LIVE: "weakref.WeakSet[_Shell]" = weakref.WeakSet()
+_EXIT_WAIT_S = 5.0
+_cache_floor = 0  # the mlx buffer-cache limit this module has made sure of
+_LOCK = threading.Lock()
+_streams = threading.local()  # mlx streams belong to the thread that made them
+
+
+class _Shell:
+    """A read-only 'safetensors file' of the given tensors whose payload is never written."""
+
+    closed = False
+    mode = "rb"
+
+    def __init__(self, specs: Mapping[str, tuple[str, Sequence[int]]], itemsize: Mapping[str, int]):
+        header: dict[str, object] = {}
+        offset = 0
+        for name, (tag, shape) in specs.items():
+            n = itemsize[tag]
+            for d in shape:
+                n *= int(d)
+            header[name] = {"dtype": tag, "shape": [int(d) for d in shape], "data_offsets": [offset, offset + n]}
+            offset += n
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        self._head = struct.pack("<Q", len(raw)) + raw
+        self._size = len(self._head) + offset
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def writable(self) -> bool:
+        return False
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._pos, 2: self._size}[whence]
+        self._pos = base + offset
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def readinto(self, buf) -> int:
+        pos = self._pos  # read first: mlx may call seek + readinto from several threads
+        view = memoryview(buf).cast("B")
+        n = len(view)
+        if pos < len(self._head):  # the header is real; the tensors' memory is left unfilled
+            k = min(n, len(self._head) - pos)
+            view[:k] = self._head[pos : pos + k]
+        self._pos = pos + n
+        return n
+
+    def read(self, n: int = -1) -> bytes:
+        end = self._size if n is None or n < 0 else min(self._size, self._pos + n)
+        out = bytearray(max(0, end - self._pos))
+        self.readinto(out)
+        return bytes(out)
+
+
+def keep_buffers(nbytes: int) -> None:
+    """Make mlx keep freed buffers of up to twice `nbytes` for reuse (never lowering a limit the
+    user set). mlx-cpu caches only 32 MiB by default: larger buffers go back to the OS when freed,
+    so every restore would page-fault fresh memory, which costs more here than reading the bytes."""
+    global _cache_floor
+    want = min(2 * nbytes, mx.get_memory_limit() // 2)
+    if want <= _cache_floor:
+        return
+    with _LOCK:  # never while one of our loads waits for the GIL (see the module's docstring)
+        previous = mx.set_cache_limit(want)
+        if previous > want:
+            mx.set_cache_limit(previous)
+        _cache_floor = max(want, previous)
+
+
+def unfilled(specs: Mapping[str, tuple[str, Sequence[int]]]) -> dict[str, mx.array]:
+    """Evaluated mlx arrays of these (safetensors dtype tag, shape)s whose memory holds whatever
+    it held before: the caller must write every element."""
+    from .blobs import _DTYPES  # the tags and item sizes blobs use
+
+    itemsize = {tag: np_dtype.itemsize for tag, (np_dtype, _) in _DTYPES.items()}
+    empty = {n: s for n, s in specs.items() if any(int(d) == 0 for d in s[1])}
+    real = {n: s for n, s in specs.items() if n not in empty}
+    out: dict[str, mx.array] = {}
+    if real:
+        stream = getattr(_streams, "load", None)
+        if stream is None:
+            stream = _streams.load = mx.new_stream(mx.cpu)
+        shell = _Shell(real, itemsize)
+        _LIVE.add(shell)
+        with _LOCK:
+            out = mx.load(shell, format="safetensors", stream=stream)
+            del shell
+            mx.eval(list(out.values()))
+    for name, (tag, shape) in empty.items():
+        out[name] = mx.zeros([int(d) for d in shape], _DTYPES[tag][1])
+    return out
+
+
+@atexit.register
+def _wait_for_mlx_to_release_shells() -> None:
+    deadline = time.monotonic() + _EXIT_WAIT_S
+    while len(_LIVE) and time.monotonic() < deadline:
+        time.sleep(0.001)
