@@ -215,7 +215,7 @@ class ModelCache:
                 if source is not None:
                     source.close()
                     source = None
-                tier.damaged(h, e)
+                tier.damaged(h, e, ref)
                 where.pop(h, None)
                 found = None
         opened[h] = source
@@ -224,7 +224,7 @@ class ModelCache:
     def _damaged(self, h: bytes, where: dict, error: BlobError) -> None:
         found = where.pop(h, None)
         if found is not None:
-            found[0].damaged(h, error)
+            found[0].damaged(h, error, found[1])
 
     def _checkpoints(self, parts: list[Part], length: int, where: dict) -> dict[int, bytes]:
         """Position -> hash of the checkpoints some tier holds at the ends of these parts."""

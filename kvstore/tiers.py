@@ -4,7 +4,7 @@
   needs to open the record again: its index row, its in-memory record...);
 - `children(parent, first_token)`: the (hash, tokens, ref) of the records it holds under `parent`;
 - `open(h, ref)`: a `Source` of that record, or BlobError if what it holds is damaged;
-- `damaged(h, error)`: told when a record it gave could not be used (the disk quarantines it);
+- `damaged(h, error, ref)`: told when a record it gave could not be used (the disk quarantines it);
 - `touch(hashes)`: these records were used (LRU order, last-access times).
 
 A `Source` is one opened record: its token count, its tensors' entries (name -> dtype tag and
@@ -68,7 +68,7 @@ class Tier(Protocol):
 
     def open(self, h: bytes, ref: Any) -> Source: ...
 
-    def damaged(self, h: bytes, error: BlobError) -> None: ...
+    def damaged(self, h: bytes, error: BlobError, ref: Any = None) -> None: ...
 
     def touch(self, hashes: list[bytes]) -> None: ...
 
@@ -151,7 +151,7 @@ class MemoryTierView:
             raise KeyError(h)
         return RecordSource(rec)
 
-    def damaged(self, h, error):
+    def damaged(self, h, error, ref=None):
         self.memory.discard([h])
 
     def touch(self, hashes):
@@ -178,7 +178,7 @@ class PendingTier:
             raise KeyError(h)
         return RecordSource(rec)
 
-    def damaged(self, h, error):
+    def damaged(self, h, error, ref=None):
         pass
 
     def touch(self, hashes):
@@ -214,7 +214,7 @@ class DiskTier:
     def prefetch(self, hashes: Iterable[bytes]) -> None:
         blobs.prefetch(self.root, list(hashes))
 
-    def damaged(self, h, error):
+    def damaged(self, h, error, ref=None):
         """Mark a record whose blob failed to read as bad: a miss from it on, counted."""
         try:
             if self.index.get(h) is None:  # evicted (by gc, maybe in another process) under the read
@@ -222,7 +222,7 @@ class DiskTier:
                 return
         except Exception:
             pass
-        if self._intact(h):  # its blob and row were replaced (completed by the writer) under the read
+        if self._replaced(h, ref):  # completed by a writer under the read: the new blob is good
             return
         log.warning("kvstore: quarantined a damaged record: %s", error)
         self.counters["quarantined"] += 1
@@ -232,19 +232,16 @@ class DiskTier:
         except Exception:  # the index may be busy or read-only; the miss is what matters
             pass
 
-    def _intact(self, h: bytes) -> bool:
-        """Whether a record reads clean now, looked at under the shared tree lock: a writer
-        that completes a record (`Writer._refill`) replaces its blob and row together under the
-        exclusive lock, and a read between the two is no damage."""
+    def _replaced(self, h: bytes, ref: Row | None) -> bool:
+        """Whether the record's row changed since `ref` was read, looked at under the shared tree
+        lock: a writer that completes a record (`Writer._refill`) replaces its blob and row
+        together under the exclusive lock, and a read between the two is no damage."""
         try:
             with blobs.tree_lock(self.root, exclusive=False):
                 row = self.index.get(h)
-                if row is None or row.bad:
-                    return False
-                blobs.read(self.root, h, size=row.size, checksum=row.checksum)
-                return True
         except Exception:
             return False
+        return ref is not None and row is not None and (row.size, row.checksum) != (ref.size, ref.checksum)
 
     def touch(self, hashes):
         self.writer.touch(list(hashes))
