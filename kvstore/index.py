@@ -106,6 +106,24 @@ def connect_read_only(path: Path, timeout: float = BUSY_TIMEOUT_S, *,
                            isolation_level=None, check_same_thread=False)
 
 
+def _set_wal(conn: sqlite3.Connection) -> None:
+    """WAL mode. Switching a new file to it needs an exclusive lock, and while other processes
+    open (and switch) the same new file SQLite may answer "database is locked" at once, without
+    its busy handler, or even "disk I/O error": both pass once the first switch is done."""
+    deadline = time.monotonic() + BUSY_TIMEOUT_S
+    io_errors = 0
+    while True:
+        try:
+            conn.execute("PRAGMA journal_mode = WAL").fetchone()
+            return
+        except sqlite3.OperationalError as e:
+            io_errors += "disk I/O" in str(e)
+            if not ("locked" in str(e) or "disk I/O" in str(e)) or io_errors > 50 \
+                    or time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
+
+
 class Index:
     """The index of one store directory (`index.sqlite`), shared by threads and processes.
 
@@ -161,7 +179,7 @@ class Index:
             # Only takes effect on a new, empty file. With 4 KiB pages a row (its 1 KiB of token
             # ids) overflows into a page of its own: 4x the size, and a page read more per lookup.
             conn.execute("PRAGMA page_size = 16384")
-            conn.execute("PRAGMA journal_mode = WAL")
+            _set_wal(conn)
             conn.execute("PRAGMA synchronous = NORMAL")
             conn.execute("PRAGMA foreign_keys = OFF")
             self._local.conn = conn

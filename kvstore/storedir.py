@@ -65,8 +65,9 @@ def open_dir(path: Path, *, create: bool, read_only: bool | None) -> tuple[Path,
     if not stat.S_ISDIR(st.st_mode):
         raise StoreOpenError(f"store path {path} exists and is not a directory")
     _check_own_entries(path)
+    # (a file SQLite makes and removes while another process opens the store may go in between)
     writable = os.access(path, os.W_OK | os.X_OK) and all(
-        os.access(path / n, os.W_OK) for n in INDEX_FILES if os.path.lexists(path / n))
+        os.access(path / n, os.W_OK) or not os.path.lexists(path / n) for n in INDEX_FILES)
     if read_only is None:
         read_only = not writable or st.st_uid != os.geteuid()
     if not read_only:

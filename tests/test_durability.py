@@ -131,7 +131,7 @@ def _open_many(path: str, barrier, opens: int, results) -> None:
             barrier.wait(timeout=120)
             kvstore.open(path).close()
         except BaseException as e:  # reported to the test, which fails on any
-            errors.append(f"{type(e).__name__}: {e}")
+            import traceback; errors.append(f"{type(e).__name__}: {e}" + traceback.format_exc())
 
     threads = [threading.Thread(target=one) for _ in range(opens)]
     for t in threads:
@@ -154,7 +154,7 @@ def test_migrations_are_applied_once_when_many_processes_open_a_new_store(tmp_pa
     for w in workers:
         w.join(timeout=60)
         assert w.exitcode == 0
-    assert errors == []
+    assert errors == [], "\n".join(errors)
     with sqlite3.connect(path / "index.sqlite") as db:
         applied = db.execute("SELECT version, name FROM schema_migrations ORDER BY version").fetchall()
     assert applied == [(v, name) for v, name, _ in available_migrations()]
