@@ -433,6 +433,7 @@ def write_result(name: str, data: dict) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / f"{name}.json"
     tmp = out.with_suffix(".json.tmp")
+    data = dict(data, written_utc=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))  # when, for readers of it
     tmp.write_text(json.dumps(data, indent=2, default=_jsonable) + "\n")
     os.replace(tmp, out)
     return out

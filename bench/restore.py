@@ -137,7 +137,9 @@ def summarise(runs: list[dict], info: dict) -> dict:
     exits = [r["exit_code"] for r in runs]
     row = {"n": len(samples), "exit_codes": exits, "checks": checks,
            "errors": [r["stderr_tail"] for r in runs if r.get("stderr_tail")]}
-    if samples and all(e == 0 for e in exits):
+    if any(e != 0 for e in exits):
+        row["failed"] = True  # an error, or (with samples) an abort at exit: both are reported
+    if samples:
         med = float(np.median(samples))
         nbytes = info["blob_bytes"] if runs[0]["method"].startswith(("raw_", "buffered_")) else info["kv_bytes"]
         row.update(median_s=med, min_s=min(samples), max_s=max(samples), samples_s=samples,
@@ -165,12 +167,13 @@ def insert_p99() -> dict | None:
     f = C.RESULTS / "write_path.json"
     if not f.exists():
         return None
-    rows = json.loads(f.read_text()).get("insert") or []
+    data = json.loads(f.read_text())
+    rows = data.get("insert") or []
     if not rows:
         return None
     p99 = max(max(r["idle"]["p99_ms"], r["busy"]["p99_ms"]) for r in rows)
-    return {"p99_ms": p99, "met": p99 < INSERT_P99_MS,
-            "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(f.stat().st_mtime))}
+    when = data.get("written_utc", "date not recorded") + (", quick" if data.get("quick") else "")
+    return {"p99_ms": p99, "met": p99 < INSERT_P99_MS, "when": when}
 
 
 def run(configs: list[tuple[str, int]], quick: bool, rounds: int, methods: list[str], note: str = "") -> dict:
@@ -334,6 +337,8 @@ def _notes(row: dict) -> str:
         out.append("no disk read" if c["served_from_memory"] else "read the disk")
     if row.get("not_cold"):
         out.append("page cache NOT dropped")
+    if row.get("failed"):
+        out.append(f"**process exit {row['exit_codes']}** (see restore.json)")
     return ", ".join(out) or "-"
 
 
