@@ -30,7 +30,9 @@ from mlx_lm.models.cache import KVCache
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 RESULTS = HERE / "results"
-if str(REPO) not in sys.path:  # run as `python bench/x.py` from a checkout
+# Run as `python bench/x.py` from a checkout: measure that checkout's kvstore, unless PYTHONPATH says
+# which one (e.g. another checkout's, to compare restore code with the same benchmark).
+if str(REPO) not in sys.path and not os.environ.get("PYTHONPATH"):
     sys.path.insert(0, str(REPO))
 
 OPENBLAS_CANDIDATES = (

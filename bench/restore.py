@@ -180,10 +180,26 @@ def run(configs: list[tuple[str, int]], quick: bool, rounds: int, methods: list[
     reps, cold_reps = (3, 2) if quick else (8, 6)
     started, load0 = time.time(), os.getloadavg()[0]
     results = [run_config(s, n, reps, cold_reps, rounds, methods) for s, n in configs]
+    import kvstore
+
+    code = Path(kvstore.__file__).resolve().parent
     return {"machine": C.machine(), "blas": C.blas_in_use(), "quick": quick, "rounds": rounds, "note": note,
+            "kvstore": {"path": str(code), "commit": _commit(code)},
             "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started)),
             "seconds": time.time() - started, "load_average_start": load0, "load_average_end": os.getloadavg()[0],
             "methods": {m: METHODS[m][0] for m in methods}, "results": results, "insert": insert_p99()}
+
+
+def _commit(folder: Path) -> str:
+    """The git commit of the measured kvstore's checkout (and whether it had changes), if it is one."""
+    try:
+        head = subprocess.run(["git", "-C", str(folder), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(folder), "status", "--porcelain", "--", "."], capture_output=True,
+                               text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return head + (" with uncommitted changes" if head and dirty else "")
 
 
 # -- reporting ----------------------------------------------------------------------------------
@@ -283,6 +299,7 @@ def markdown(data: dict, targets: bool = True) -> str:
     add(f"Run {data['started']}{' (quick)' if data['quick'] else ''}, {data['seconds'] / 60:.1f} minutes on "
         f"{data['machine'].get('cores')} cores: load average {data['load_average_start']:.2f} at the start, "
         f"{data['load_average_end']:.2f} at the end (this benchmark adds about 1)."
+        + (f" kvstore measured: commit {data['kvstore']['commit']}." if data.get("kvstore", {}).get("commit") else "")
         + (f" {data['note']}" if data.get("note") else ""))
     add("")
     rows = target_rows(data)
