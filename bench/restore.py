@@ -87,8 +87,8 @@ def run_method(name: str, spec: dict, reps: int) -> dict:
         proc = subprocess.run([sys.executable, str(WORKER), str(spec_file), str(out_file)],
                               capture_output=True, text=True, timeout=WORKER_TIMEOUT_S, cwd=str(C.REPO))
         code, err = proc.returncode, proc.stderr
-    except subprocess.TimeoutExpired as e:
-        code, err = "timeout", (e.stderr or b"").decode(errors="replace") if isinstance(e.stderr, bytes) else str(e)
+    except subprocess.TimeoutExpired:
+        code, err = "timeout", f"no result after {WORKER_TIMEOUT_S} s"
     result = json.loads(out_file.read_text()) if out_file.exists() else {"method": name}
     result["exit_code"] = code
     if code != 0:
