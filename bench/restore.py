@@ -204,6 +204,11 @@ def _commit(folder: Path) -> str:
 
 # -- reporting ----------------------------------------------------------------------------------
 
+def _current(data: dict) -> bool:
+    """Whether `data` was written by this benchmark (not by the one before it, which had no rounds)."""
+    return "rounds" in data and all("methods" in r for r in data.get("results", []))
+
+
 def _label(r: dict) -> str:
     return f"{r['shape']} {r['tokens'] / 1024:g}k"
 
@@ -262,6 +267,8 @@ def evidence(r: dict, key: str) -> str:
 
 def target_rows(data: dict, with_insert: bool = True) -> list[tuple[str, str, bool | None, str]]:
     """(target, measured, met, why-if-missed) for every target, over every cache of the run."""
+    if not _current(data):
+        return []
     rows = []
     for key, text, _, _, need in TARGETS:
         per = [(r, r["targets"][key]) for r in data["results"]]
@@ -285,6 +292,10 @@ def markdown(data: dict, targets: bool = True) -> str:
     """The restore section of bench/README.md (`targets=False`: the report lists them at its top)."""
     lines = ["## Restore: kvstore vs raw reads and vs mlx-lm", ""]
     add = lines.append
+    if not _current(data):
+        add("results/restore.json was written by an older restore benchmark: run `PYTHONPATH=. python "
+            "bench/restore.py` to measure and fill in this section.")
+        return "\n".join(lines) + "\n"
     add("Re-run with `PYTHONPATH=. python bench/restore.py` (this section, results/restore.json and the targets; "
         "`--quick` for a smoke run) or `python bench/run_all.py --only restore`.")
     add("")
