@@ -229,40 +229,48 @@ def evidence(r: dict, key: str) -> str:
     """What the numbers of one run say about a target: times, page faults, capacity, which tier served."""
     m = r["methods"]
 
+    def timed(name: str) -> bool:
+        return bool(m.get(name, {}).get("median_s"))
+
     def ms(name: str) -> str:
-        return _ms(m[name]["median_s"]) if m.get(name, {}).get("median_s") else "n/a"
+        return _ms(m[name]["median_s"]) if timed(name) else "n/a"
 
     def faults(name: str) -> str:
-        return f"{m[name]['minflt_median']:,.0f}" if m.get(name, {}).get("median_s") else "n/a"
+        return f"{m[name]['minflt_median']:,.0f}" if timed(name) else "n/a"
+
+    def step(alone: str, stepped: str) -> str:
+        return _ms(m[stepped]["median_s"] - m[alone]["median_s"]) if timed(alone) and timed(stepped) else "n/a"
 
     def realloc(name: str) -> str:
         c = m.get(name, {}).get("checks", {})
         if "first_step_reallocates" not in c:
             return "capacity unknown"
-        return (f"capacity {c['capacity_before_step']} tokens for {r['tokens']}: the first step "
-                + ("reallocates and copies the cache" if c["first_step_reallocates"] else "writes in place"))
+        what = "reallocates and copies the cache" if c["first_step_reallocates"] else "writes in place"
+        return f"capacity {c['capacity_before_step']} tokens for {r['tokens']}: the first step {what}"
 
     if key in ("warm", "cold"):
-        kv = "kvstore_restore_warm" if key == "warm" else "kvstore_restore_cold"
-        base = "raw_read_aligned_1t" if key == "warm" else "buffered_cold_read"
+        kv, base = {"warm": ("kvstore_restore_warm", "raw_read_aligned_1t"),
+                    "cold": ("kvstore_restore_cold", "buffered_cold_read")}[key]
         text = f"kvstore {ms(kv)} with {faults(kv)} minor page faults a call; {base} {ms(base)} with {faults(base)}"
-        if m.get(kv, {}).get("median_s"):
-            text += (f" (kvstore's faults, at 4 KiB each, are {m[kv]['minflt_median'] * 4096 / r['kv_bytes']:.0%} "
-                     f"of the K/V bytes; a raw read into new `np.empty` memory takes {faults('raw_read_new_memory')} "
-                     f"in {ms('raw_read_new_memory')}: numpy asks for transparent huge pages)")
+        if key == "warm":
+            text += f", raw_read_aligned_2t {ms('raw_read_aligned_2t')}"
+        if timed(kv):
+            share = m[kv]["minflt_median"] * 4096 / r["kv_bytes"]
+            text += (f" (kvstore's faults, at 4 KiB each, cover {share:.0%} of the K/V bytes; a raw read into new "
+                     f"`np.empty` memory takes {faults('raw_read_new_memory')} in {ms('raw_read_new_memory')}: "
+                     "numpy asks for transparent huge pages)")
         return text
     if key == "first_step":
-        step = lambda a, b: (_ms(m[b]["median_s"] - m[a]["median_s"])  # noqa: E731
-                             if m.get(a, {}).get("median_s") and m.get(b, {}).get("median_s") else "n/a")
-        return (f"kvstore restore {ms('kvstore_restore_warm')} + step {step('kvstore_restore_warm', 'kvstore_restore_first_step')}"
-                f" ({realloc('kvstore_restore_first_step')}); `load_prompt_cache` {ms('load_prompt_cache')} + step "
+        return (f"kvstore restore {ms('kvstore_restore_warm')} + step "
+                f"{step('kvstore_restore_warm', 'kvstore_restore_first_step')} "
+                f"({realloc('kvstore_restore_first_step')}); `load_prompt_cache` {ms('load_prompt_cache')} + step "
                 f"{step('load_prompt_cache', 'load_prompt_cache_first_step')} ({realloc('load_prompt_cache_first_step')})")
-    served = m.get("kvstore_memory", {}).get("checks", {}).get("served_from_memory")
+    served = m.get("kvstore_memory_first_step", {}).get("checks", {}).get("served_from_memory")
+    tier = {True: "no blob page was read: served from RAM", False: "blob pages were read: NOT served from RAM alone",
+            None: "which tier served was not checked"}[served]
     return (f"kvstore memory tier {ms('kvstore_memory')} alone, {ms('kvstore_memory_first_step')} with the step "
-            f"({realloc('kvstore_memory_first_step')}; "
-            + ("no blob page was read: served from RAM" if served else "blob pages were read: NOT served from RAM only"
-               if served is not None else "tier not checked")
-            + f"); `LRUPromptCache` + step {ms('lru_fetch_first_step')} ({realloc('lru_fetch_first_step')})")
+            f"({realloc('kvstore_memory_first_step')}; {tier}); `LRUPromptCache` + step "
+            f"{ms('lru_fetch_first_step')} ({realloc('lru_fetch_first_step')})")
 
 
 def target_rows(data: dict, with_insert: bool = True) -> list[tuple[str, str, bool | None, str]]:
