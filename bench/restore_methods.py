@@ -135,23 +135,36 @@ def open_bound(path: Path, ctx: Ctx, memory_bytes: int):
 
 # -- baselines ------------------------------------------------------------------------------------
 
+def bytes_checker(ctx: Ctx, offsets: list[int], buffer_of: Callable[[object], object]) -> Callable[[object], None]:
+    """Checks that a raw read put every file's bytes where they belong (a baseline must do the work)."""
+    def check(out) -> None:
+        view = memoryview(buffer_of(out)).cast("B")
+        for path, at in zip(ctx.files, offsets):
+            data = path.read_bytes()
+            if view[at : at + len(data)] != data:
+                raise AssertionError(f"the raw read did not put {path.name} at offset {at}")
+        ctx.checks["bytes_checked"] = True
+    return check
+
+
 def raw_read_aligned(ctx: Ctx, threads: int) -> Method:
     offsets, total = C.file_offsets(ctx.files)
     buf = C.aligned_buffer(total)  # faulted in once, here: no page faults while timed
+    check = bytes_checker(ctx, offsets, lambda _: buf)
     C.warm(ctx.files)
     if threads == 1:
-        return Method(lambda: C.read_files(ctx.files, buf, offsets))
+        return Method(lambda: C.read_files(ctx.files, buf, offsets), check=check)
     groups = C.split_by_bytes(ctx.files, threads)
     pool = ThreadPoolExecutor(threads)
 
     def read_group(g: list[int]) -> int:
         return C.read_files([ctx.files[i] for i in g], buf, [offsets[i] for i in g])
 
-    return Method(lambda: sum(pool.map(read_group, groups)))
+    return Method(lambda: sum(pool.map(read_group, groups)), check=check)
 
 
 def raw_read_new_memory(ctx: Ctx) -> Method:
-    _, total = C.file_offsets(ctx.files)
+    offsets, total = C.file_offsets(ctx.files)
     C.warm(ctx.files)
 
     def call():
@@ -159,13 +172,14 @@ def raw_read_new_memory(ctx: Ctx) -> Method:
         C.read_files(ctx.files, out)
         return out
 
-    return Method(call)
+    return Method(call, check=bytes_checker(ctx, offsets, lambda out: out))
 
 
 def buffered_cold_read(ctx: Ctx) -> Method:
     offsets, total = C.file_offsets(ctx.files)
     buf = C.aligned_buffer(total)
-    return Method(lambda: C.read_files(ctx.files, buf, offsets), before=cold_before(ctx), cold=True)
+    return Method(lambda: C.read_files(ctx.files, buf, offsets), before=cold_before(ctx),
+                  check=bytes_checker(ctx, offsets, lambda _: buf), cold=True)
 
 
 def cold_before(ctx: Ctx) -> Callable[[], None]:

@@ -48,6 +48,8 @@ def test_restore_bench_quick_reports_every_method(tmp_path):
         assert checks["offset"] == 512, name
         assert checks["capacity_tokens"] >= 512, name
     assert isinstance(methods["kvstore_memory"]["checks"]["served_from_memory"], bool)
+    for name in ("raw_read_aligned_1t", "raw_read_aligned_2t", "raw_read_new_memory", "buffered_cold_read"):
+        assert methods[name]["checks"]["bytes_checked"] is True, name
     for name in ("buffered_cold_read", "kvstore_restore_cold"):
         assert methods[name]["checks"]["cold_method"], name
     for name in ("load_prompt_cache_first_step", "lru_fetch_first_step", "kvstore_restore_first_step",
