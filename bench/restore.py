@@ -264,7 +264,8 @@ def evidence(r: dict, key: str) -> str:
         return (f"kvstore restore {ms('kvstore_restore_warm')} + step "
                 f"{step('kvstore_restore_warm', 'kvstore_restore_first_step')} "
                 f"({realloc('kvstore_restore_first_step')}); `load_prompt_cache` {ms('load_prompt_cache')} + step "
-                f"{step('load_prompt_cache', 'load_prompt_cache_first_step')} ({realloc('load_prompt_cache_first_step')})")
+                f"{step('load_prompt_cache', 'load_prompt_cache_first_step')} "
+                f"({realloc('load_prompt_cache_first_step')})")
     served = m.get("kvstore_memory_first_step", {}).get("checks", {}).get("served_from_memory")
     tier = {True: "no blob page was read: served from RAM", False: "blob pages were read: NOT served from RAM alone",
             None: "which tier served was not checked"}[served]
