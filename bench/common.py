@@ -1,7 +1,7 @@
 """Shared helpers for the benchmarks: cache shapes, timing, page-cache control, raw I/O, results.
 
 Nothing here is timed by tests; every number the benchmarks print comes from these helpers, so the
-baselines (raw read, direct read, memcpy) and kvstore are measured the same way in the same run.
+baselines (raw reads, cold reads) and kvstore are measured the same way in the same run.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import json
 import mmap
 import os
 import platform
+import resource
 import shutil
 import statistics
 import subprocess
@@ -29,7 +30,9 @@ from mlx_lm.models.cache import KVCache
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 RESULTS = HERE / "results"
-if str(REPO) not in sys.path:  # run as `python bench/x.py` from a checkout
+# Run as `python bench/x.py` from a checkout: measure that checkout's kvstore, unless PYTHONPATH says
+# which one (e.g. another checkout's, to compare restore code with the same benchmark).
+if str(REPO) not in sys.path and not os.environ.get("PYTHONPATH"):
     sys.path.insert(0, str(REPO))
 
 OPENBLAS_CANDIDATES = (
@@ -243,8 +246,8 @@ def make_cold(paths: list[Path]) -> str:
         return "fadvise"
     try:
         os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
+        with open("/proc/sys/vm/drop_caches", "w") as f:  # 1: the page cache only
+            f.write("1\n")
     except OSError:
         return ""
     return "drop_caches" if resident_fraction(paths) <= 0.01 else ""
@@ -274,39 +277,65 @@ def raw_read(paths: list[Path], buf: bytearray | memoryview) -> int:
     return pos
 
 
-def direct_read(paths: list[Path], buf: mmap.mmap) -> int:
-    """Read every file with O_DIRECT into a page-aligned buffer: the cold-cache baseline.
+def aligned_buffer(nbytes: int, *, prefault: bool = True) -> mmap.mmap:
+    """An anonymous, page-aligned buffer of `nbytes` (mmap'd memory starts on a page).
 
-    O_DIRECT needs block-aligned lengths, so each read asks for the size rounded up.
+    `prefault` writes one byte a page so later reads into it take no page faults: the strict
+    physical limit a restore into fresh memory is compared against.
     """
-    view = memoryview(buf)
-    pos = 0
-    align = 4096
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY | os.O_DIRECT)
+    buf = mmap.mmap(-1, max(nbytes, 1))
+    if prefault:
+        np.frombuffer(buf, dtype=np.uint8)[:: mmap.PAGESIZE] = 0
+    return buf
+
+
+def read_files(paths: list[Path], buf, offsets: list[int] | None = None) -> int:
+    """`preadv` every file whole into `buf` at `offsets` (default: back to back). Plain buffered I/O."""
+    view = memoryview(buf).cast("B")
+    pos, total = 0, 0
+    for i, p in enumerate(paths):
+        at = offsets[i] if offsets is not None else pos
+        fd = os.open(p, os.O_RDONLY)
         try:
             size = os.fstat(fd).st_size
-            want = (size + align - 1) // align * align
-            got = os.readv(fd, [view[pos : pos + want]])
+            done = 0
+            while done < size:  # a read may return short: keep going until the file is in
+                got = os.preadv(fd, [view[at + done : at + size]], done)
+                if got <= 0:
+                    raise OSError(f"{p}: file ended at {done} of {size} bytes")
+                done += got
         finally:
             os.close(fd)
-        pos += (got + align - 1) // align * align
+        pos = at + size
+        total += size
     view.release()
-    return pos
+    return total
 
 
-def aligned_buffer(nbytes: int) -> mmap.mmap:
-    """An anonymous page-aligned buffer of at least `nbytes` (plus slack for O_DIRECT rounding)."""
-    return mmap.mmap(-1, nbytes + (1 << 20))
+def file_offsets(paths: list[Path]) -> tuple[list[int], int]:
+    """Back-to-back offsets of `paths` in one buffer, and the buffer size they need."""
+    offsets, pos = [], 0
+    for p in paths:
+        offsets.append(pos)
+        pos += os.path.getsize(p)
+    return offsets, pos
 
 
-def direct_io_supported(path: Path) -> bool:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    except OSError:
-        return False
-    os.close(fd)
-    return True
+def split_by_bytes(paths: list[Path], parts: int) -> list[list[int]]:
+    """Indexes of `paths` in `parts` groups of about equal bytes (largest first, greedy)."""
+    groups: list[list[int]] = [[] for _ in range(parts)]
+    sizes = [0] * parts
+    for i in sorted(range(len(paths)), key=lambda i: -os.path.getsize(paths[i])):
+        g = sizes.index(min(sizes))
+        groups[g].append(i)
+        sizes[g] += os.path.getsize(paths[i])
+    return [sorted(g) for g in groups if g]
+
+
+def page_faults() -> tuple[int, int]:
+    """(minor, major) page faults of this process so far, every thread included."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_minflt, r.ru_majflt
 
 
 # -- environment ----------------------------------------------------------------------------
@@ -398,13 +427,15 @@ def _alive(pid: int) -> bool:
 
 
 def blob_files(store_path: Path) -> list[Path]:
-    return sorted(p for p in (store_path / "blobs").rglob("*.safetensors"))
+    """Every finished file under the store's blob folder (not temporary or hidden files such as locks)."""
+    return sorted(p for p in (store_path / "blobs").rglob("*") if p.is_file() and not p.name.startswith("."))
 
 
 def write_result(name: str, data: dict) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / f"{name}.json"
     tmp = out.with_suffix(".json.tmp")
+    data = dict(data, written_utc=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))  # when, for readers of it
     tmp.write_text(json.dumps(data, indent=2, default=_jsonable) + "\n")
     os.replace(tmp, out)
     return out

@@ -1,214 +1,414 @@
-"""Restore benchmark: kvstore fetch against the physical limit and against what users use instead.
+"""Restore benchmark: kvstore `fetch` against raw reads of the same bytes and against mlx-lm.
 
-For caches shaped like Qwen3-0.6B's and Llama-3-8B's KV (bfloat16, random data), in one run and
-interleaved round by round so every method sees the same machine load, medians of several runs:
+    PYTHONPATH=. python bench/restore.py            # the full run (about 10 minutes on 2 cores)
+    PYTHONPATH=. python bench/restore.py --quick    # one small cache, few repetitions: < 1 minute
 
-- disk, page cache warm: `fetch` (memory tier off) vs a raw read of the same blob files, into a
-  reused buffer and into new memory, vs mlx-lm `load_prompt_cache` of the same cache in one file;
-- disk, page cache cold: `fetch` vs an O_DIRECT read of the same files (and `load_prompt_cache`);
-- memory tier: `fetch` vs a memcpy of the same bytes, vs mlx-lm `LRUPromptCache.fetch_nearest_cache`;
-- `insert` latency on the caller's thread.
+For caches shaped like Qwen3-0.6B's (2k and 8k tokens) and Llama-3-8B's (4k tokens) K/V, random
+bfloat16 in mlx-lm `KVCache`s, inserted through `store.bind(...).insert` of a stand-in model, every
+method of `restore_methods.METHODS` runs in a process of its own (restore, free, repeat; page
+faults per call from getrusage). In the full run each method's process is started twice, the
+second round in reverse order, so drifting machine load touches every method alike. Medians; every
+ratio is of two methods of the same run (baseline time / kvstore time: above 1, kvstore is faster).
 
-    python bench/restore.py [--quick] [--tokens 2048] [--shape qwen3-0.6b]
+Writes bench/results/restore.json and restore.md, then bench/README.md (bench/report.py) unless
+`--out` or `--no-report` is given.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
+import json
+import os
 import shutil
+import subprocess
+import sys
 import time
+from pathlib import Path
 
-import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import LRUPromptCache, load_prompt_cache, save_prompt_cache
 
 import common as C
-import kvstore
+from restore_methods import FINGERPRINT, METHODS, MODEL_ID
 
-FULL = [("qwen3-0.6b", 1024), ("qwen3-0.6b", 2048), ("qwen3-0.6b", 4096), ("qwen3-0.6b", 16384),
-        ("llama-3-8b", 1024), ("llama-3-8b", 4096), ("llama-3-8b", 16384)]
-QUICK = [("qwen3-0.6b", 1024), ("qwen3-0.6b", 2048), ("llama-3-8b", 4096)]
-FINGERPRINT = b"kvstore-bench-fp"
+FULL = [("qwen3-0.6b", 2048), ("qwen3-0.6b", 8192), ("llama-3-8b", 4096)]
+QUICK = [("qwen3-0.6b", 1024)]
+SHAPES = {**C.SHAPES, "tiny": C.Shape("tiny", layers=2, kv_heads=2, head_dim=32)}  # tiny: the smoke test
+WORKER = C.HERE / "restore_methods.py"
+WORKER_TIMEOUT_S = 1800
 
-
-def interleaved(fns: dict, reps: int, before: dict | None = None, warmup: int = 1) -> dict[str, list[float]]:
-    """Run every function once per round, `reps` rounds (after `warmup` unrecorded ones).
-
-    `before[name]` runs untimed ahead of each call (cache eviction). Results are dropped at once.
-    """
-    before = before or {}
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for rnd in range(warmup + reps):
-        for name, fn in fns.items():
-            if name in before:
-                before[name]()
-            gc.collect()
-            t = time.perf_counter()
-            out = fn()
-            dt = time.perf_counter() - t
-            del out
-            if rnd >= warmup:
-                times[name].append(dt)
-    return times
+# (key, what, kvstore method, baseline methods (the fastest counts), ratio needed)
+TARGETS = [
+    ("warm", "restore from disk, warm >= 0.9x a page-aligned raw read", "kvstore_restore_warm",
+     ("raw_read_aligned_1t", "raw_read_aligned_2t"), 0.9),
+    ("cold", "restore from disk, cold >= 1.0x a buffered cold read", "kvstore_restore_cold",
+     ("buffered_cold_read",), 1.0),
+    ("first_step", "restore + first step >= 1.5x faster than `load_prompt_cache` + first step",
+     "kvstore_restore_first_step", ("load_prompt_cache_first_step",), 1.5),
+    ("memory", "memory tier + first step >= 1.5x faster than `LRUPromptCache` + first step",
+     "kvstore_memory_first_step", ("lru_fetch_first_step",), 1.5),
+]
+INSERT_P99_MS = 2.0
 
 
-def run_one(shape_name: str, tokens: int, reps: int, cold_reps: int) -> dict:
-    shape = C.SHAPES[shape_name]
-    C.log(f"[restore] {shape_name} {tokens} tokens: building the cache")
+# -- running ------------------------------------------------------------------------------------
+
+def prepare(shape: C.Shape, tokens: int, work: Path) -> dict:
+    """The cache stored two ways: a kvstore store (through the public API) and one mlx-lm file."""
+    import kvstore
+    from mlx_lm.models.cache import save_prompt_cache
+
     cache = C.random_cache(shape, tokens, seed=tokens)
     toks = C.random_tokens(tokens, seed=tokens)
-    query = np.concatenate([toks, [7]]).astype(np.int32)  # all `tokens` reusable, one left
-    kv_bytes = C.cache_nbytes(cache)
-    model = shape.model()
-    work = C.scratch_dir(f"restore-{shape_name}-{tokens}")
-    out: dict = {"shape": shape_name, "tokens": tokens, "kv_bytes": kv_bytes, "reps": reps}
-
-    # -- the same cache stored three ways --------------------------------------------------
+    np.save(work / "tokens.npy", toks)
     store = kvstore.open(work / "store", memory_bytes=0)
-    mc = store.bind(model, "bench-shape", fingerprint=FINGERPRINT)
-    mc.insert(toks, cache)
-    store.flush()
+    try:
+        mc = store.bind(shape.model(), MODEL_ID, fingerprint=FINGERPRINT)
+        mc.insert(toks, cache)
+        if not store.flush(timeout=600):
+            raise RuntimeError("kvstore did not finish writing the benchmark cache in 10 minutes")
+    finally:
+        store.close()
+    one_file = work / "prompt_cache.safetensors"
+    save_prompt_cache(str(one_file), cache)
     files = C.blob_files(work / "store")
-    file_bytes = sum(f.stat().st_size for f in files)
-    one_file = str(work / "prompt_cache.safetensors")
-    save_prompt_cache(one_file, cache)
-    out.update(blob_files=len(files), blob_bytes=file_bytes)
+    if not files:
+        raise RuntimeError(f"kvstore wrote no blob files under {work / 'store'}")
+    return {"kv_bytes": C.cache_nbytes(cache), "blob_files": len(files),
+            "blob_bytes": sum(f.stat().st_size for f in files), "one_file_bytes": one_file.stat().st_size}
 
-    got, rest = mc.fetch(query)
-    assert len(rest) == 1 and got[0].offset == tokens, "the benchmark cache was not fully reused"
-    assert mx.array_equal(got[-1].values, cache[-1].values).item(), "restored values differ"
-    del got
 
-    # -- disk, page cache warm -------------------------------------------------------------
-    C.warm(files + [one_file])
-    reused = bytearray(file_bytes)
-    t = interleaved({
-        "raw_read": lambda: C.raw_read(files, reused),
-        "raw_read_new_memory": lambda: C.raw_read(files, bytearray(file_bytes)),
-        "kvstore_fetch": lambda: mc.fetch(query),
-        "load_prompt_cache": lambda: C.eval_cache(load_prompt_cache(one_file)),
-    }, reps)
-    del reused
-    out["warm"] = _report(t, kv_bytes, baseline="raw_read")
-    out["warm"]["vs_load_prompt_cache"] = (_median(t["load_prompt_cache"]) / _median(t["kvstore_fetch"]))
-    out["warm"]["vs_raw_read_new_memory"] = (_median(t["raw_read_new_memory"]) / _median(t["kvstore_fetch"]))
+def run_method(name: str, spec: dict, reps: int) -> dict:
+    """One process running `name` for `reps` timed calls (after one warm-up call)."""
+    spec_file = Path(spec["work"]) / f"spec-{name}.json"
+    out_file = Path(spec["work"]) / f"out-{name}.json"
+    out_file.unlink(missing_ok=True)
+    spec_file.write_text(json.dumps(dict(spec, method=name, reps=reps, warmup=1)))
+    try:
+        proc = subprocess.run([sys.executable, str(WORKER), str(spec_file), str(out_file)],
+                              capture_output=True, text=True, timeout=WORKER_TIMEOUT_S, cwd=str(C.REPO))
+        code, err = proc.returncode, proc.stderr
+    except subprocess.TimeoutExpired:
+        code, err = "timeout", f"no result after {WORKER_TIMEOUT_S} s"
+    result = json.loads(out_file.read_text()) if out_file.exists() else {"method": name}
+    result["exit_code"] = code
+    if code != 0:
+        result["stderr_tail"] = err[-2000:]
+        C.log(f"[restore] {name}: exit {code}\n{err[-2000:]}")
+    return result
 
-    # -- disk, page cache cold -------------------------------------------------------------
-    how = C.make_cold(files + [one_file])
-    out["cold_method"] = how or "could not evict the page cache (no fadvise effect, no drop_caches)"
-    if how and C.direct_io_supported(files[0]):
-        aligned = C.aligned_buffer(file_bytes + 4096 * len(files))
-        evict_blobs = lambda: C.make_cold(files)  # noqa: E731
-        t = interleaved({
-            "direct_read": lambda: C.direct_read(files, aligned),
-            "kvstore_fetch": lambda: mc.fetch(query),
-            "load_prompt_cache": lambda: C.eval_cache(load_prompt_cache(one_file)),
-        }, cold_reps, before={"kvstore_fetch": evict_blobs, "load_prompt_cache": lambda: C.make_cold([one_file])},
-            warmup=0)
-        aligned.close()
-        out["cold"] = _report(t, kv_bytes, baseline="direct_read")
-        out["cold"]["vs_load_prompt_cache"] = _median(t["load_prompt_cache"]) / _median(t["kvstore_fetch"])
-    else:
-        out["cold"] = None
-    store.close()
 
-    # -- memory tier -----------------------------------------------------------------------
-    store = kvstore.open(work / "store", memory_bytes=2 * file_bytes + (64 << 20))
-    mc = store.bind(model, "bench-shape", fingerprint=FINGERPRINT)
-    mc.fetch(query)  # reads the disk once; the records stay in the memory tier
-    assert len(store.memory) == len(files), "the memory tier did not keep every record"
-    lru = LRUPromptCache(max_size=4)
-    lru.insert_cache("bench-shape", toks.tolist(), cache)
-    query_list = query.tolist()
-    src = np.concatenate([np.asarray(a.view(mx.uint16)).reshape(-1) for a in C.kv_arrays(cache)])
-    dst = np.empty_like(src)
-    t = interleaved({
-        "memcpy": lambda: np.copyto(dst, src),
-        "memcpy_new_memory": lambda: _copy_new(src),
-        "kvstore_fetch": lambda: mc.fetch(query),
-        "lru_fetch_nearest": lambda: C.eval_cache(lru.fetch_nearest_cache("bench-shape", query_list)[0]),
-    }, reps)
-    out["memory"] = _report(t, kv_bytes, baseline="memcpy")
-    out["memory"]["vs_lru_prompt_cache"] = _median(t["lru_fetch_nearest"]) / _median(t["kvstore_fetch"])
-    out["memory"]["vs_memcpy_new_memory"] = _median(t["memcpy_new_memory"]) / _median(t["kvstore_fetch"])
-    store.close()
-    del src, dst, lru
-
-    # -- insert on the caller's thread (issue 2) ---------------------------------------------
-    if tokens <= 4096:
-        out["insert"] = insert_latency(shape, cache, toks, work / "insert-store", reps=max(20, 4 * reps))
-
-    del cache
-    gc.collect()
-    shutil.rmtree(work, ignore_errors=True)
+def run_config(shape_name: str, tokens: int, reps: int, cold_reps: int, rounds: int, methods: list[str]) -> dict:
+    shape = SHAPES[shape_name]
+    work = C.scratch_dir(f"restore-{shape_name}-{tokens}")
+    try:
+        C.log(f"[restore] {shape_name} {tokens} tokens: preparing the store and the mlx-lm file")
+        info = prepare(shape, tokens, work)
+        spec = {"shape": {"name": shape.name, "layers": shape.layers, "kv_heads": shape.kv_heads,
+                          "head_dim": shape.head_dim},
+                "tokens": tokens, "work": str(work), "store": str(work / "store"),
+                "one_file": str(work / "prompt_cache.safetensors"), "tokens_file": str(work / "tokens.npy")}
+        runs: dict[str, list[dict]] = {m: [] for m in methods}
+        for r in range(rounds):
+            for name in (methods if r % 2 == 0 else methods[::-1]):
+                want = cold_reps if "cold" in name else reps
+                n = -(-want // rounds)
+                C.log(f"[restore] {shape_name} {tokens}: {name} (round {r + 1}/{rounds}, {n} calls)")
+                runs[name].append(run_method(name, spec, n))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    out = {"shape": shape_name, "tokens": tokens, "layers": shape.layers, "kv_heads": shape.kv_heads,
+           "head_dim": shape.head_dim, **info}
+    out["methods"] = {m: summarise(runs[m], info) for m in methods}
+    out["targets"] = {key: judge(out["methods"], kv, bases, need) for key, _, kv, bases, need in TARGETS}
     return out
 
 
-def insert_latency(shape: C.Shape, cache, toks: np.ndarray, path, reps: int) -> dict:
-    """`insert` of a cache whose records are all new, timed on the caller's thread."""
-    store = kvstore.open(path, memory_bytes=0)
-    mc = store.bind(shape.model(), "bench-shape", fingerprint=FINGERPRINT)
-    samples = []
-    for i in range(reps):
-        fresh = toks.copy()
-        fresh[0] = i  # a new first token: every chunk and the tail are new records
-        t = time.perf_counter()
-        mc.insert(fresh, cache)
-        samples.append(time.perf_counter() - t)
-        store.flush()  # keep the queue short so no insert is dropped for lack of room
-    store.close()
-    s = C.summary(samples)
-    return {"p50_ms": s["p50"] * 1e3, "p99_ms": s["p99"] * 1e3, "max_ms": s["max"] * 1e3, "n": len(samples)}
+def summarise(runs: list[dict], info: dict) -> dict:
+    samples = [s for r in runs for s in r.get("samples_s", [])]
+    minflt = [f for r in runs for f in r.get("minflt", [])]
+    majflt = [f for r in runs for f in r.get("majflt", [])]
+    checks: dict = {}
+    for r in runs:
+        for k, v in r.get("checks", {}).items():
+            if k == "cold_method":
+                checks[k] = sorted(set(checks.get(k, [])) | set(v))
+            else:
+                checks.setdefault(k, v)
+    exits = [r["exit_code"] for r in runs]
+    row = {"n": len(samples), "exit_codes": exits, "checks": checks,
+           "errors": [r["stderr_tail"] for r in runs if r.get("stderr_tail")]}
+    if any(e != 0 for e in exits):
+        row["failed"] = True  # an error, or (with samples) an abort at exit: both are reported
+    if samples:
+        med = float(np.median(samples))
+        nbytes = info["blob_bytes"] if runs[0]["method"].startswith(("raw_", "buffered_")) else info["kv_bytes"]
+        row.update(median_s=med, min_s=min(samples), max_s=max(samples), samples_s=samples,
+                   gb_per_s=C.gbps(nbytes, med), minflt_median=float(np.median(minflt)),
+                   majflt_median=float(np.median(majflt)), setup_s=[r.get("setup_s") for r in runs])
+        if "cold_method" in checks and "" in checks["cold_method"]:
+            row["not_cold"] = True  # the page cache could not be dropped for some call
+    return row
 
 
-def _copy_new(src: np.ndarray) -> bytearray:
-    buf = bytearray(src.nbytes)
-    np.copyto(np.frombuffer(buf, dtype=src.dtype), src)
-    return buf
+def judge(methods: dict, kv: str, bases: tuple[str, ...], need: float) -> dict:
+    """baseline time / kvstore time against `need`, with the fastest of `bases` as the baseline."""
+    timed = [b for b in bases if methods.get(b, {}).get("median_s")]
+    k = methods.get(kv, {})
+    if not timed or not k.get("median_s") or k.get("not_cold") or any(methods[b].get("not_cold") for b in timed):
+        return {"ratio": None, "met": None, "baseline": None, "need": need}
+    base = min(timed, key=lambda b: methods[b]["median_s"])
+    ratio = methods[base]["median_s"] / k["median_s"]
+    each = {b: methods[b]["median_s"] / k["median_s"] for b in timed}
+    return {"ratio": ratio, "met": ratio >= need, "baseline": base, "need": need, "vs_each": each}
 
 
-def _median(samples: list[float]) -> float:
-    return float(np.median(samples))
+def insert_p99() -> dict | None:
+    """insert's worst p99 from bench/write_path.py's last results (this benchmark does not time insert)."""
+    f = C.RESULTS / "write_path.json"
+    if not f.exists():
+        return None
+    data = json.loads(f.read_text())
+    rows = data.get("insert") or []
+    if not rows:
+        return None
+    p99 = max(max(r["idle"]["p99_ms"], r["busy"]["p99_ms"]) for r in rows)
+    when = data.get("written_utc", "date not recorded") + (", quick" if data.get("quick") else "")
+    return {"p99_ms": p99, "met": p99 < INSERT_P99_MS, "when": when}
 
 
-def _report(times: dict[str, list[float]], nbytes: int, baseline: str) -> dict:
-    base = _median(times[baseline])
-    rows = {}
-    for name, samples in times.items():
-        med = _median(samples)
-        rows[name] = {"median_s": med, "min_s": min(samples), "max_s": max(samples),
-                      "gb_per_s": C.gbps(nbytes, med), "n": len(samples)}
-    return {"methods": rows, "baseline": baseline,
-            "ratio": base / rows["kvstore_fetch"]["median_s"]}
+def run(configs: list[tuple[str, int]], quick: bool, rounds: int, methods: list[str], note: str = "") -> dict:
+    reps, cold_reps = (3, 2) if quick else (8, 6)
+    started, load0 = time.time(), os.getloadavg()[0]
+    results = [run_config(s, n, reps, cold_reps, rounds, methods) for s, n in configs]
+    import kvstore
+
+    code = Path(kvstore.__file__).resolve().parent
+    return {"machine": C.machine(), "blas": C.blas_in_use(), "quick": quick, "rounds": rounds, "note": note,
+            "kvstore": {"path": str(code), "commit": _commit(code)},
+            "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started)),
+            "seconds": time.time() - started, "load_average_start": load0, "load_average_end": os.getloadavg()[0],
+            "methods": {m: METHODS[m][0] for m in methods}, "results": results, "insert": insert_p99()}
 
 
-def run(quick: bool = False, configs=None) -> dict:
-    configs = configs or (QUICK if quick else FULL)
-    reps, cold_reps = (3, 2) if quick else (5, 3)
-    results = []
-    for shape_name, tokens in configs:
-        r = run_one(shape_name, tokens, reps if tokens < 16384 else 3, cold_reps)
-        results.append(r)
-        w, c, m = r["warm"], r["cold"], r["memory"]
-        C.log(f"[restore] {shape_name} {tokens}: warm {w['ratio']:.2f}x raw read, "
-              f"{w['vs_load_prompt_cache']:.2f}x load_prompt_cache; "
-              f"cold {c['ratio'] if c else float('nan'):.2f}x direct read; memory {m['ratio']:.2f}x memcpy, "
-              f"{m['vs_lru_prompt_cache']:.2f}x LRUPromptCache")
-    return {"machine": C.machine(), "blas": C.blas_in_use(), "quick": quick, "results": results}
+def _commit(folder: Path) -> str:
+    """The git commit of the measured kvstore's checkout (and whether it had changes), if it is one."""
+    try:
+        head = subprocess.run(["git", "-C", str(folder), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(folder), "status", "--porcelain", "--", "."], capture_output=True,
+                               text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return head + (" with uncommitted changes" if head and dirty else "")
+
+
+# -- reporting ----------------------------------------------------------------------------------
+
+def _current(data: dict) -> bool:
+    """Whether `data` was written by this benchmark (not by the one before it, which had no rounds)."""
+    return "rounds" in data and all("methods" in r for r in data.get("results", []))
+
+
+def _label(r: dict) -> str:
+    return f"{r['shape']} {r['tokens'] / 1024:g}k"
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms" if seconds < 0.01 else f"{seconds * 1e3:.0f} ms"
+
+
+def _fmt_ratio(t: dict) -> str:
+    return "-" if t["ratio"] is None else f"{t['ratio']:.2f}x"
+
+
+def _verdict(met) -> str:
+    return "not measured" if met is None else ("met" if met else "**missed**")
+
+
+def evidence(r: dict, key: str) -> str:
+    """What the numbers of one run say about a target: times, page faults, capacity, which tier served."""
+    m = r["methods"]
+
+    def timed(name: str) -> bool:
+        return bool(m.get(name, {}).get("median_s"))
+
+    def ms(name: str) -> str:
+        return _ms(m[name]["median_s"]) if timed(name) else "n/a"
+
+    def faults(name: str) -> str:
+        return f"{m[name]['minflt_median']:,.0f}" if timed(name) else "n/a"
+
+    def step(alone: str, stepped: str) -> str:
+        return _ms(m[stepped]["median_s"] - m[alone]["median_s"]) if timed(alone) and timed(stepped) else "n/a"
+
+    def realloc(name: str) -> str:
+        c = m.get(name, {}).get("checks", {})
+        if "first_step_reallocates" not in c:
+            return "capacity unknown"
+        what = "reallocates and copies the cache" if c["first_step_reallocates"] else "writes in place"
+        return f"capacity {c['capacity_before_step']} tokens for {r['tokens']}: the first step {what}"
+
+    if key in ("warm", "cold"):
+        kv, base = {"warm": ("kvstore_restore_warm", "raw_read_aligned_1t"),
+                    "cold": ("kvstore_restore_cold", "buffered_cold_read")}[key]
+        text = f"kvstore {ms(kv)} with {faults(kv)} minor page faults a call; {base} {ms(base)} with {faults(base)}"
+        if key == "warm":
+            text += f", raw_read_aligned_2t {ms('raw_read_aligned_2t')}"
+        if timed(kv):
+            share = m[kv]["minflt_median"] * 4096 / r["kv_bytes"]
+            text += (f" (kvstore's faults, at 4 KiB each, cover {share:.0%} of the K/V bytes; a raw read into new "
+                     f"`np.empty` memory takes {faults('raw_read_new_memory')} in {ms('raw_read_new_memory')}: "
+                     "numpy asks for transparent huge pages)")
+        return text
+    if key == "first_step":
+        return (f"kvstore restore {ms('kvstore_restore_warm')} + step "
+                f"{step('kvstore_restore_warm', 'kvstore_restore_first_step')} "
+                f"({realloc('kvstore_restore_first_step')}); `load_prompt_cache` {ms('load_prompt_cache')} + step "
+                f"{step('load_prompt_cache', 'load_prompt_cache_first_step')} "
+                f"({realloc('load_prompt_cache_first_step')})")
+    served = m.get("kvstore_memory_first_step", {}).get("checks", {}).get("served_from_memory")
+    tier = {True: "no blob page was read: served from RAM", False: "blob pages were read: NOT served from RAM alone",
+            None: "which tier served was not checked"}[served]
+    return (f"kvstore memory tier {ms('kvstore_memory')} alone, {ms('kvstore_memory_first_step')} with the step "
+            f"({realloc('kvstore_memory_first_step')}; {tier}); `LRUPromptCache` + step "
+            f"{ms('lru_fetch_first_step')} ({realloc('lru_fetch_first_step')})")
+
+
+def target_rows(data: dict, with_insert: bool = True) -> list[tuple[str, str, bool | None, str]]:
+    """(target, measured, met, why-if-missed) for every target, over every cache of the run."""
+    if not _current(data):
+        return []
+    rows = []
+    for key, text, _, _, need in TARGETS:
+        per = [(r, r["targets"][key]) for r in data["results"]]
+        measured = "; ".join(f"{_fmt_ratio(t)} ({_label(r)})" for r, t in per)
+        mets = [t["met"] for _, t in per]
+        met = None if any(x is None for x in mets) else all(mets)
+        why = "; ".join(f"{_label(r)}: {_fmt_ratio(t)}, "
+                        f"{t['ratio'] / need:.0%} of the target; {evidence(r, key)}"
+                        for r, t in per if t["met"] is False)
+        rows.append((text, measured, met, why))
+    if with_insert:
+        ins = data.get("insert")
+        rows.append(("`insert` on the caller's thread, p99 < 2 ms",
+                     f"worst p99 {ins['p99_ms']:.2f} ms (bench/write_path.py, {ins['when']})" if ins
+                     else "not measured: run bench/write_path.py", ins["met"] if ins else None,
+                     "see the write-path section" if ins and not ins["met"] else ""))
+    return rows
+
+
+def markdown(data: dict, targets: bool = True) -> str:
+    """The restore section of bench/README.md (`targets=False`: the report lists them at its top)."""
+    lines = ["## Restore: kvstore vs raw reads and vs mlx-lm", ""]
+    add = lines.append
+    if not _current(data):
+        add("results/restore.json was written by an older restore benchmark: run `PYTHONPATH=. python "
+            "bench/restore.py` to measure and fill in this section.")
+        return "\n".join(lines) + "\n"
+    add("Re-run with `PYTHONPATH=. python bench/restore.py` (this section, results/restore.json and the targets; "
+        "`--quick` for a smoke run) or `python bench/run_all.py --only restore`.")
+    add("")
+    add("Caches of random bfloat16 K/V in mlx-lm `KVCache`s shaped like Qwen3-0.6B (28 layers, 8 KV heads, "
+        "head_dim 128) and Llama-3-8B (32 layers, 8 KV heads, head_dim 128), inserted into a store through "
+        "`store.bind(...).insert` and fetched by a prompt one token longer (every stored token reused). Each "
+        "method runs in a process of its own (restore, free, repeat), "
+        + (f"started {data['rounds']} times, in reverse order the second time; " if data["rounds"] > 1 else "")
+        + "medians. \"First step\" = one token through every layer's `update_and_fetch`, evaluated. Ratios: "
+        "baseline time / kvstore time (above 1: kvstore is faster).")
+    add("")
+    add(f"Run {data['started']}{' (quick)' if data['quick'] else ''}, {data['seconds'] / 60:.1f} minutes on "
+        f"{data['machine'].get('cores')} cores: load average {data['load_average_start']:.2f} at the start, "
+        f"{data['load_average_end']:.2f} at the end (this benchmark adds about 1)."
+        + (f" kvstore measured: commit {data['kvstore']['commit']}." if data.get("kvstore", {}).get("commit") else "")
+        + (f" {data['note']}" if data.get("note") else ""))
+    add("")
+    rows = target_rows(data)
+    if targets:
+        add("| target | measured | |")
+        add("| --- | --- | --- |")
+        for text, measured, met, _ in rows:
+            add(f"| {text} | {measured} | {_verdict(met)} |")
+        add("")
+    else:
+        add("The targets, met or missed, are in the table at the top of this page.")
+        add("")
+    missed = [(text, why) for text, _, met, why in rows if met is False]
+    if missed and targets:
+        add("Missed, by how much, and what the same run measured about why:")
+        add("")
+        for text, why in missed:
+            add(f"- {text}: {why}.")
+        add("")
+    for r in data["results"]:
+        add(f"**{r['shape']}, {r['tokens']:,} tokens**: {r['kv_bytes'] / 1e6:,.0f} MB of K/V in {r['blob_files']} "
+            f"blob files ({r['blob_bytes'] / 1e6:,.0f} MB; raw reads read these bytes)")
+        add("")
+        add("| method | median | GB/s | minor faults / call | major faults / call | calls | notes |")
+        add("| --- | ---: | ---: | ---: | ---: | ---: | --- |")
+        for name, row in r["methods"].items():
+            if not row.get("median_s"):
+                add(f"| {name} | failed (exit {row['exit_codes']}) | | | | {row['n']} | see restore.json |")
+                continue
+            add(f"| {name} | {row['median_s'] * 1e3:.1f} ms | {row['gb_per_s']:.2f} | {row['minflt_median']:,.0f} "
+                f"| {row['majflt_median']:,.0f} | {row['n']} | {_notes(row)} |")
+        add("")
+    how = sorted({h for r in data["results"] for row in r["methods"].values()
+                  for h in row.get("checks", {}).get("cold_method", [])})
+    add("Methods: " + "; ".join(f"`{k}`: {v}" for k, v in data["methods"].items()) + ". Cold calls: the blob "
+        f"files are evicted from the page cache before each call with {', '.join(how) or 'nothing'} "
+        "(`fadvise` = `posix_fadvise(POSIX_FADV_DONTNEED)` per file, checked with `mincore`; `drop_caches` = "
+        "`echo 1 > /proc/sys/vm/drop_caches`, only if fadvise left pages in). GB/s: of the blob bytes for the "
+        "raw reads, of the K/V bytes otherwise.")
+    add("")
+    return "\n".join(lines)
+
+
+def _notes(row: dict) -> str:
+    c = row.get("checks", {})
+    out = []
+    if "capacity_before_step" in c:
+        out.append(f"capacity {c['capacity_before_step']} -> {c.get('capacity_after_step')} tokens")
+    elif "capacity_tokens" in c:
+        out.append(f"restored capacity {c['capacity_tokens']} tokens")
+    if "served_from_memory" in c:
+        out.append("no disk read" if c["served_from_memory"] else "read the disk")
+    if row.get("not_cold"):
+        out.append("page cache NOT dropped")
+    if row.get("failed"):
+        out.append(f"**process exit {row['exit_codes']}** (see restore.json)")
+    return ", ".join(out) or "-"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="fewer, smaller caches and fewer repetitions")
-    ap.add_argument("--tokens", type=int, nargs="*", help="cache lengths to run (default: the full set)")
-    ap.add_argument("--shape", choices=sorted(C.SHAPES), nargs="*", help="cache shapes to run")
+    ap.add_argument("--quick", action="store_true", help="one small cache, 3 calls a method, one round (< 1 minute)")
+    ap.add_argument("--shape", choices=sorted(SHAPES), nargs="*", help="cache shapes (with --tokens: every pair)")
+    ap.add_argument("--tokens", type=int, nargs="*", help="cache lengths (with --shape: every pair)")
+    ap.add_argument("--methods", nargs="*", choices=list(METHODS), help="run only these methods")
+    ap.add_argument("--rounds", type=int, help="processes per method (default 2, 1 with --quick)")
+    ap.add_argument("--note", default="", help="a sentence about the run, printed in the README section")
+    ap.add_argument("--out", type=Path, help="write the JSON here (and the .md beside it) instead of bench/results; "
+                    "bench/README.md is then left alone")
+    ap.add_argument("--no-report", action="store_true", help="do not regenerate bench/README.md")
     args = ap.parse_args()
-    configs = None
-    if args.tokens or args.shape:
-        configs = [(s, n) for s in (args.shape or sorted(C.SHAPES)) for n in (args.tokens or [1024, 4096, 16384])]
-    data = run(args.quick, configs)
-    print(C.write_result("restore", data))
+    configs = QUICK if args.quick else FULL
+    if args.shape or args.tokens:
+        configs = [(s, n) for s in (args.shape or ["qwen3-0.6b"]) for n in (args.tokens or [2048])]
+    rounds = args.rounds or (1 if args.quick else 2)
+    data = run(configs, args.quick, rounds, args.methods or list(METHODS), args.note)
+    out = args.out or C.RESULTS / "restore.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=2, default=C._jsonable) + "\n")
+    out.with_suffix(".md").write_text(markdown(data))
+    for text, measured, met, _ in target_rows(data):
+        C.log(f"[restore] {text}: {measured}: {_verdict(met)}")
+    print(out)
+    if not (args.out or args.no_report):
+        from report import write_report
+
+        C.log(f"[restore] report: {write_report()}")
+    if any(e != 0 for r in data["results"] for row in r["methods"].values() for e in row["exit_codes"]):
+        sys.exit(1)
 
 
 if __name__ == "__main__":

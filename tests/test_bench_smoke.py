@@ -1,0 +1,68 @@
+"""Smoke test of bench/restore.py: it runs end to end and reports every method (no timing asserts)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Every method issue 10's benchmark asks for: baselines, then kvstore.
+REQUIRED = [
+    "raw_read_aligned_1t", "raw_read_aligned_2t", "raw_read_new_memory", "buffered_cold_read",
+    "load_prompt_cache", "load_prompt_cache_first_step", "lru_fetch_first_step",
+    "kvstore_restore_warm", "kvstore_restore_cold", "kvstore_restore_first_step",
+    "kvstore_memory", "kvstore_memory_first_step",
+]
+
+
+def test_restore_bench_quick_reports_every_method(tmp_path):
+    out = tmp_path / "restore.json"
+    env = dict(os.environ, PYTHONPATH=str(REPO), KVSTORE_BENCH_DIR=str(tmp_path / "scratch"))
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "restore.py"), "--quick", "--shape", "tiny", "--tokens", "512",
+         "--out", str(out)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    data = json.loads(out.read_text())
+    assert data["quick"] is True
+    (result,) = data["results"]
+    assert (result["shape"], result["tokens"]) == ("tiny", 512)
+    assert result["kv_bytes"] > 0 and result["blob_files"] >= 1
+    methods = result["methods"]
+    for name in REQUIRED:
+        row = methods.get(name)
+        assert row is not None, f"{name} missing from the results"
+        assert row["exit_codes"] == [0], (name, row.get("errors"))
+        assert row["n"] >= 1 and len(row["samples_s"]) == row["n"]
+        assert row["median_s"] > 0, name
+        assert row["minflt_median"] >= 0 and row["majflt_median"] >= 0, name
+    # The kvstore workers check the restored bits against the inserted cache; they record what they saw.
+    for name in ("kvstore_restore_warm", "kvstore_restore_cold", "kvstore_restore_first_step",
+                 "kvstore_memory", "kvstore_memory_first_step"):
+        checks = methods[name]["checks"]
+        assert checks["offset"] == 512, name
+        assert checks["capacity_tokens"] >= 512, name
+    assert isinstance(methods["kvstore_memory"]["checks"]["served_from_memory"], bool)
+    for name in ("raw_read_aligned_1t", "raw_read_aligned_2t", "raw_read_new_memory", "buffered_cold_read"):
+        assert methods[name]["checks"]["bytes_checked"] is True, name
+    for name in ("buffered_cold_read", "kvstore_restore_cold"):
+        assert methods[name]["checks"]["cold_method"], name
+    for name in ("load_prompt_cache_first_step", "lru_fetch_first_step", "kvstore_restore_first_step",
+                 "kvstore_memory_first_step"):
+        checks = methods[name]["checks"]
+        assert checks["capacity_after_step"] >= 513, name
+        assert isinstance(checks["first_step_reallocates"], bool), name
+    for key in ("warm", "cold", "first_step", "memory"):
+        target = result["targets"][key]
+        assert target["ratio"] is not None and target["ratio"] > 0, key
+        assert isinstance(target["met"], bool), key
+
+    table = out.with_suffix(".md").read_text()
+    assert table.startswith("## Restore")
+    for name in REQUIRED:
+        assert f"| {name} |" in table, name
