@@ -28,7 +28,7 @@ import numpy as np
 import xxhash
 
 from . import faults
-from .blobtree import (  # the tree's names and folders; re-exported for the callers of blobs
+from .blobtree import (  # noqa: F401 -- the tree's names and folders, re-exported for callers of blobs
     SUFFIX,
     TMP_PREFIX,
     hash_of,
@@ -126,16 +126,36 @@ def write(root: Path, h: bytes, tensors: Mapping[str, Tensor], metadata: Mapping
     metadata = dict(metadata, blob_format=BLOB_FORMAT, checksums=json.dumps(sums, separators=(",", ":")))
     head, pieces = encode(tensors, metadata)
     digest = xxhash.xxh3_64(head)
+
+    def body(f) -> None:
+        _write_all(f, head)
+        faults.hit("blob_write")
+        for piece in pieces:
+            view = piece.reshape(-1).view(np.uint8)
+            digest.update(view)
+            _write_all(f, view)
+
+    size = _publish(path, h, body, fsync=fsync)
+    return size, digest.intdigest()
+
+
+def write_bytes(root: Path, h: bytes, data: bytes | bytearray | memoryview, *, fsync: bool = True) -> int:
+    """Put a whole blob already checked (a copy from the remote tier) at its place, atomically,
+    as `write` does. Returns its size. Raises OSError."""
+    path = blob_path(root, h)
+    _makedirs(path.parent)
+    return _publish(path, h, lambda f: _write_all(f, data), fsync=fsync)
+
+
+def _publish(path: Path, h: bytes, body, *, fsync: bool) -> int:
+    """Write a blob with `body(file)` into a temporary file in its folder, fsync, rename it into
+    place and fsync the folder: a reader sees nothing or the whole file, and a row may point at
+    it once this returns. Returns the size."""
     tmp = path.parent / f"{TMP_PREFIX}{h.hex()}.{os.getpid()}.{os.urandom(4).hex()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
         with os.fdopen(fd, "wb", buffering=0) as f:
-            _write_all(f, head)
-            faults.hit("blob_write")
-            for piece in pieces:
-                view = piece.reshape(-1).view(np.uint8)
-                digest.update(view)
-                _write_all(f, view)
+            body(f)
             size = f.tell()
             if fsync:
                 os.fsync(f.fileno())
@@ -149,7 +169,7 @@ def write(root: Path, h: bytes, tensors: Mapping[str, Tensor], metadata: Mapping
         raise
     if fsync:  # the new name is durable only once its folder is: before any row points at it
         _fsync_dir(path.parent)
-    return size, digest.intdigest()
+    return size
 
 
 def _fsync_dir(folder: Path) -> None:

@@ -19,7 +19,6 @@ from typing import Any, Callable
 from . import jsonl
 from .errors import CorruptIndexError, KVStoreError
 from .sizes import format_age, format_size, parse_duration, parse_size
-from .store import INDEX_NAME
 
 PROG = "kvstore"
 EXIT_PROBLEMS = 1

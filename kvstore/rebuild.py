@@ -28,7 +28,7 @@ import numpy as np
 import xxhash
 
 from . import blobs, blobtree, keys
-from .errors import BlobError, CorruptIndexError, NotAStoreError, StoreOpenError
+from .errors import BlobError, CorruptIndexError, NotAStoreError
 from .index import CHECKPOINT, CHUNK, TAIL, Index, _u64_to_i64, connect_read_only
 from .modelcache import checkpoint_hash
 from .storedir import BLOBS_NAME, INDEX_FILES, INDEX_NAME, has_blob_files, open_dir

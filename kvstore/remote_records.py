@@ -7,7 +7,6 @@ tokens hash to its own key, which for a chunk of a prompt means they are the pro
 
 from __future__ import annotations
 
-import os
 import struct
 from pathlib import Path
 
@@ -63,29 +62,6 @@ def check_record(buf: bytes, h: bytes, ns: bytes, parent: bytes, depth: int | No
 
 
 def write_blob(root: Path, h: bytes, buf: bytes, *, fsync: bool = True) -> None:
-    """Put verified bytes at the blob's path the way `blobs.write` does: a temporary file in the
-    final folder, fsync, atomic rename, fsync of the folder."""
-    path = blobs.blob_path(root, h)
-    blobs._makedirs(path.parent)
-    tmp = path.parent / f"{blobs.TMP_PREFIX}{h.hex()}.{os.getpid()}.{os.urandom(4).hex()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        with os.fdopen(fd, "wb", buffering=0) as f:
-            view = memoryview(buf)
-            while view:
-                view = view[f.write(view):]
-            if fsync:
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    if fsync:  # the rename itself is durable before any row points at the file
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+    """Put verified bytes at the blob's path the way `blobs.write` does (temporary file, fsync,
+    atomic rename, fsync of the folder)."""
+    blobs.write_bytes(root, h, buf, fsync=fsync)
