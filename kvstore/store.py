@@ -318,11 +318,9 @@ class Store:
         files = keys.model_files(model_dir, adapter_dir)
         if not any(f.name == "config.json" for f in files):
             raise ModelFilesError(f"{model_dir} has no config.json: is it an mlx-lm model folder?")
-        lookup = remember = None
-        if self.index is not None and self.read_only:
-            lookup = self.index.file_digest
-        elif self.index is not None:
-            lookup = self.index.file_digest
+        lookup = self.index.file_digest if self.index is not None else None
+        remember = None
+        if self.index is not None and not self.read_only:
 
             def remember(*args) -> None:
                 try:
