@@ -330,11 +330,7 @@ class BlobFile:
                                 f"of the shape {list(dst.shape)}")
             iovecs = self._head_iovecs(shape, np_dtype.itemsize, lo, hi, dst)
         if self._whole is not None:  # 0.1 blob: already read and checked
-            whole = memoryview(self._whole)
-            pos = start
-            for v in iovecs:
-                v[:] = whole[pos : pos + len(v)]
-                pos += len(v)
+            self._copy_whole(iovecs, start)
             return
         pos = start
         for i in range(0, len(iovecs), _IOV_BATCH):
@@ -384,11 +380,7 @@ class BlobFile:
         if not batch:
             return
         if self._whole is not None:  # 0.1 blob: already read and checked
-            whole = memoryview(self._whole)
-            pos = start
-            for v in batch:
-                v[:] = whole[pos : pos + len(v)]
-                pos += len(v)
+            self._copy_whole(batch, start)
             return
         _preadv_all(self.fd, list(batch), start, self.path)
         for name, i, j in spans:
@@ -397,6 +389,13 @@ class BlobFile:
                 digest.update(v)
             if digest.hexdigest() != self.checksums[name]:
                 raise BlobError(f"{self.path}: tensor {name!r} does not match its checksum")
+
+    def _copy_whole(self, views: list[memoryview], start: int) -> None:
+        """Fill `views` in order from offset `start` of a 0.1 blob held whole in memory."""
+        whole = memoryview(self._whole)
+        for v in views:
+            v[:] = whole[start : start + len(v)]
+            start += len(v)
 
     @staticmethod
     def _head_iovecs(shape: list[int], itemsize: int, lo: int, hi: int, dst: np.ndarray) -> list[memoryview]:

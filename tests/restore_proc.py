@@ -18,6 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
+from procs import greedy
 
 C = 16
 GREEDY = 20
@@ -94,15 +95,6 @@ def room(layer) -> dict:
     keys = first_keys(layer)
     return {"class": type(layer).__name__, "capacity": int(keys.shape[2]), "offset": int(layer.offset),
             "max_size": getattr(layer, "max_size", None), "idx": getattr(layer, "_idx", None)}
-
-
-def greedy(model, cache, logits, n: int) -> list[int]:
-    out = []
-    for _ in range(n):
-        tok = int(mx.argmax(logits[0, -1]).item())
-        out.append(tok)
-        logits = model(mx.array([[tok]]), cache=cache)
-    return out
 
 
 def main(argv: list[str]) -> dict:

@@ -15,7 +15,6 @@ import time
 
 import numpy as np
 import pytest
-from mlx_lm import load
 
 import kvstore
 from kvstore.remote_client import Bucket, parse_key
@@ -26,13 +25,6 @@ C = 16
 
 def toks(n: int, seed: int) -> list[int]:
     return np.random.default_rng(seed).integers(1, 250, n).tolist()
-
-
-@pytest.fixture(scope="module")
-def llama_model(demo_model):
-    path = demo_model("llama")
-    model, _ = load(str(path))
-    return path, model
 
 
 def stored(tmp_path, name, url, model, path, prompt):
@@ -62,8 +54,8 @@ def chain_objects(url):
     return order
 
 
-def test_stopped_before_a_fetch(tmp_path, s3, llama_model):
-    path, model = llama_model
+def test_stopped_before_a_fetch(tmp_path, s3, llama):
+    path, model = llama
     url = s3.url()
     prompt = toks(4 * C + 3, 60)
     stored(tmp_path, "a", url, model, path, prompt)
@@ -94,8 +86,8 @@ def test_stopped_before_a_fetch(tmp_path, s3, llama_model):
         assert b.stats()["chunks"] == 4 + 2
 
 
-def test_killed_mid_upload(tmp_path, s3, llama_model):
-    path, model = llama_model
+def test_killed_mid_upload(tmp_path, s3, llama):
+    path, model = llama
     url = s3.url()
     prompt = toks(5 * C + 3, 62)
     with kvstore.open(tmp_path / "a", chunk_size=C, remote=url) as a:
@@ -123,8 +115,8 @@ def test_killed_mid_upload(tmp_path, s3, llama_model):
         assert reused == 2 * C
 
 
-def test_killed_mid_download(tmp_path, s3, llama_model):
-    path, model = llama_model
+def test_killed_mid_download(tmp_path, s3, llama):
+    path, model = llama
     url = s3.url()
     prompt = toks(6 * C + 3, 63)
     stored(tmp_path, "a", url, model, path, prompt)
@@ -145,8 +137,8 @@ def test_killed_mid_download(tmp_path, s3, llama_model):
         assert b.verify() == []
 
 
-def test_frozen_object_store_costs_at_most_the_deadline(tmp_path, s3, llama_model):
-    path, model = llama_model
+def test_frozen_object_store_costs_at_most_the_deadline(tmp_path, s3, llama):
+    path, model = llama
     url = s3.url()
     prompt = toks(4 * C + 3, 64)
     stored(tmp_path, "a", url, model, path, prompt)
@@ -163,8 +155,8 @@ def test_frozen_object_store_costs_at_most_the_deadline(tmp_path, s3, llama_mode
         os.kill(s3.proc.pid, signal.SIGCONT)
 
 
-def test_wrong_credentials_are_an_error_not_a_crash(tmp_path, s3, llama_model, monkeypatch):
-    path, model = llama_model
+def test_wrong_credentials_are_an_error_not_a_crash(tmp_path, s3, llama, monkeypatch):
+    path, model = llama
     url = s3.url()
     prompt = toks(2 * C + 3, 65)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
@@ -179,8 +171,8 @@ def test_wrong_credentials_are_an_error_not_a_crash(tmp_path, s3, llama_model, m
 
 
 @pytest.mark.parametrize("damage", ["garbage", "truncated", "other_record", "bit_flip"])
-def test_damaged_objects_are_never_served(tmp_path, s3, llama_model, damage):
-    path, model = llama_model
+def test_damaged_objects_are_never_served(tmp_path, s3, llama, damage):
+    path, model = llama
     url = s3.url()
     prompt = toks(4 * C + 5, 66)
     stored(tmp_path, "a", url, model, path, prompt)
@@ -214,8 +206,8 @@ def test_damaged_objects_are_never_served(tmp_path, s3, llama_model, damage):
         assert reused == 4 * C
 
 
-def test_upload_queue_is_bounded_by_bytes(tmp_path, s3, llama_model):
-    path, model = llama_model
+def test_upload_queue_is_bounded_by_bytes(tmp_path, s3, llama):
+    path, model = llama
     url = s3.url()
     with kvstore.open(tmp_path / "a", chunk_size=C, remote=url) as a:
         a.remote.max_upload_bytes = 1  # one batch at a time: what arrives while one waits is dropped
@@ -237,10 +229,10 @@ def test_upload_queue_is_bounded_by_bytes(tmp_path, s3, llama_model):
         assert r["dropped_uploads"] == 4 and r["dropped_upload_bytes"] > 0 and r["uploads"] == 2, r
 
 
-def test_a_damaged_local_copy_is_downloaded_again(tmp_path, s3, llama_model):
+def test_a_damaged_local_copy_is_downloaded_again(tmp_path, s3, llama):
     from kvstore import blobs
 
-    path, model = llama_model
+    path, model = llama
     url = s3.url()
     prompt = toks(3 * C + 5, 67)
     stored(tmp_path, "a", url, model, path, prompt)
@@ -256,10 +248,10 @@ def test_a_damaged_local_copy_is_downloaded_again(tmp_path, s3, llama_model):
         assert b.stats()["remote"]["downloads"] == 4 + 1 and b.verify() == []  # only the torn one again
 
 
-def test_an_oversized_object_is_never_read_into_memory(tmp_path, s3, llama_model, monkeypatch):
+def test_an_oversized_object_is_never_read_into_memory(tmp_path, s3, llama, monkeypatch):
     from kvstore import remote_client
 
-    path, model = llama_model
+    path, model = llama
     url = s3.url()
     prompt = toks(2 * C + 5, 68)
     stored(tmp_path, "a", url, model, path, prompt)

@@ -12,9 +12,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pytest
 import requests
-from mlx_lm import load
 
 import kvstore
 from kvstore.remote_client import Bucket, parse_key
@@ -26,13 +24,6 @@ REPO = Path(__file__).resolve().parents[1]
 
 def toks(n: int, seed: int) -> list[int]:
     return np.random.default_rng(seed).integers(1, 250, n).tolist()
-
-
-@pytest.fixture(scope="module")
-def llama_model(demo_model):
-    path = demo_model("llama")
-    model, _ = load(str(path))
-    return path, model
 
 
 def records(url: str) -> dict:
@@ -50,8 +41,8 @@ def cli(*args, env=None) -> subprocess.CompletedProcess:
                           timeout=120, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
 
 
-def test_gc_remote_keeps_pins_and_never_orphans(tmp_path, s3, llama_model):
-    path, model = llama_model
+def test_gc_remote_keeps_pins_and_never_orphans(tmp_path, s3, llama):
+    path, model = llama
     url = s3.url()
     shared = toks(2 * C, 30)
     pinned = shared + toks(2 * C + 5, 31)
@@ -87,10 +78,10 @@ def test_gc_remote_keeps_pins_and_never_orphans(tmp_path, s3, llama_model):
         assert len(rest) == 1 and logits_diff(model, cache, rest, pinned + [5]) < 1e-4
 
 
-def test_gc_remote_by_age_keeps_a_parent_whose_child_is_young(tmp_path, s3, llama_model):
+def test_gc_remote_by_age_keeps_a_parent_whose_child_is_young(tmp_path, s3, llama):
     from kvstore.remote_maint import collect_remote
 
-    path, model = llama_model
+    path, model = llama
     url = s3.url()
     old = toks(3 * C, 40)
     with kvstore.open(tmp_path / "a", chunk_size=C, remote=url) as a:
@@ -110,8 +101,8 @@ def test_gc_remote_by_age_keeps_a_parent_whose_child_is_young(tmp_path, s3, llam
     assert result["evicted"] == len(objs) and records(url) == {}
 
 
-def test_verify_remote_finds_and_repairs_damaged_objects(tmp_path, s3, llama_model):
-    path, model = llama_model
+def test_verify_remote_finds_and_repairs_damaged_objects(tmp_path, s3, llama):
+    path, model = llama
     url = s3.url()
     prompt = toks(4 * C + 3, 50)
     with kvstore.open(tmp_path / "a", chunk_size=C, remote=url) as a:
@@ -234,10 +225,10 @@ def test_two_servers_share_one_bucket(tmp_path, s3, demo_model):
                     p.kill()
 
 
-def test_pins_made_on_another_node_are_kept(tmp_path, s3, llama_model):
+def test_pins_made_on_another_node_are_kept(tmp_path, s3, llama):
     """Node B pins a prompt it got from the bucket (no upload of its own): its pins object is
     published when it closes, and gc run on node A keeps that prompt."""
-    path, model = llama_model
+    path, model = llama
     url = s3.url()
     prompt, other = toks(3 * C + 4, 80), toks(2 * C + 2, 81)
     with kvstore.open(tmp_path / "a", chunk_size=C, remote=url) as a:
