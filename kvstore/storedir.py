@@ -65,9 +65,7 @@ def open_dir(path: Path, *, create: bool, read_only: bool | None) -> tuple[Path,
     if not stat.S_ISDIR(st.st_mode):
         raise StoreOpenError(f"store path {path} exists and is not a directory")
     _check_own_entries(path)
-    # (a file SQLite makes and removes while another process opens the store may go in between)
-    writable = os.access(path, os.W_OK | os.X_OK) and all(
-        os.access(path / n, os.W_OK) or not os.path.lexists(path / n) for n in INDEX_FILES)
+    writable = os.access(path, os.W_OK | os.X_OK) and all(_writable(path / n) for n in INDEX_FILES)
     if read_only is None:
         read_only = not writable or st.st_uid != os.geteuid()
     if not read_only:
@@ -80,6 +78,15 @@ def open_dir(path: Path, *, create: bool, read_only: bool | None) -> tuple[Path,
     _check_is_store(path, create=create and not read_only, read_only=read_only)
     _check_mode(path, st, read_only)  # only once it is known to be a store: nothing else changes
     return path, read_only
+
+
+def _writable(file: Path) -> bool:
+    """Whether this user may write `file`, or it is not there. SQLite makes and removes journal
+    files while other processes open the store, so one may appear or go between two checks."""
+    for _ in range(3):
+        if os.access(file, os.W_OK) or not os.path.lexists(file):
+            return True
+    return False
 
 
 def _check_mode(path: Path, st: os.stat_result, read_only: bool) -> None:
