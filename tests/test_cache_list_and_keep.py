@@ -10,25 +10,18 @@ the logits and 20 greedy tokens of a recompute, each checked in a fresh process.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-HERE = Path(__file__).parent
+from kvtest import run_procs
+
 C = 16
 TOL = 1e-4
 
 
 def run(mode, store, model, tokens, **extra) -> dict:
-    cmd = [sys.executable, str(HERE / "procs.py"), mode, str(store), str(model), str(C),
-           json.dumps(tokens), json.dumps(extra)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_procs(mode, store, model, C, tokens, **extra)
 
 
 def toks(n, seed):

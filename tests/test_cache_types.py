@@ -3,10 +3,6 @@ and classes kvstore does not know. Every restore that matters runs in a fresh pr
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -15,9 +11,9 @@ from mlx_lm import load
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, QuantizedKVCache, RotatingKVCache
 
 import kvstore
+from kvtest import run_procs
 from kvstore.demo import build_demo_model
 
-HERE = Path(__file__).parent
 C = 16
 
 
@@ -31,11 +27,7 @@ def models(tmp_path_factory):
 
 
 def run(mode, store, model, tokens, **extra) -> dict:
-    cmd = [sys.executable, str(HERE / "procs.py"), mode, str(store), str(model), str(C),
-           json.dumps(tokens), json.dumps(extra)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_procs(mode, store, model, C, tokens, **extra)
 
 
 def toks(n, seed):

@@ -20,7 +20,7 @@ from mlx_lm.models.cache import make_prompt_cache
 import kvstore
 from kvstore import remote_client
 from kvstore.remote_client import parse_key
-from kvtest import logits_diff, prefill
+from kvtest import logits_diff, prefill, run_procs
 
 C = 16
 
@@ -152,11 +152,7 @@ HERE = Path(__file__).parent
 
 
 def run(mode, store, model, tokens, **extra) -> dict:
-    cmd = [sys.executable, str(HERE / "procs.py"), mode, str(store), str(model), str(C),
-           json.dumps(tokens), json.dumps(extra)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_procs(mode, store, model, C, tokens, **extra)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text", "qwen3_5"])
