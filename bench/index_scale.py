@@ -31,7 +31,7 @@ import numpy as np
 
 import common as C
 import kvstore
-from kvstore import keys
+from kvstore import blobs, keys
 from kvstore.index import CHUNK, TAIL, Row
 
 FINGERPRINT = b"kvstore-bench-ix"
@@ -79,21 +79,25 @@ def synthesise(index, ns: bytes, total: int, rng: np.random.Generator) -> int:
     return done
 
 
-def _row(h, ns, parent, depth, kind, rng, ntokens=CHUNK_TOKENS, tokens=None) -> Row:
-    if tokens is None:
-        tokens = rng.integers(0, 150_000, ntokens, dtype=np.int32).astype("<i4").tobytes()
-    size = (ntokens * SHAPE.bytes_per_token + 6000) if kind == TAIL else RECORD_BYTES
-    return Row(h, ns, parent, depth, kind, ntokens, tokens, size, int(rng.integers(0, 1 << 63)))
+def _row(h, ns, parent, depth, kind, rng, ntokens=CHUNK_TOKENS, size=None) -> Row:
+    if size is None:
+        size = (ntokens * SHAPE.bytes_per_token + 6000) if kind == TAIL else RECORD_BYTES
+    return Row(h, ns, parent, depth, kind, ntokens, int(rng.integers(0, 150_000)), size,
+               int(rng.integers(0, 1 << 63)))
 
 
-def insert_prompt(index, ns: bytes, prompt: np.ndarray, rng) -> None:
+def insert_prompt(store, ns: bytes, prompt: np.ndarray, rng) -> None:
+    """The 32k-token prompt's rows, each with a blob file that holds its token ids only (a lookup
+    that branches inside a chunk reads the ids of that chunk's stored child from its blob)."""
     hashes = keys.chain(ns, prompt, CHUNK_TOKENS)
     rows = []
     for i, h in enumerate(hashes):
-        toks = prompt[i * CHUNK_TOKENS : (i + 1) * CHUNK_TOKENS]
-        rows.append(_row(h, ns, hashes[i - 1] if i else ns, i + 1, CHUNK, rng,
-                         tokens=np.ascontiguousarray(toks, dtype="<i4").tobytes()))
-    index.insert(rows)
+        toks = np.ascontiguousarray(prompt[i * CHUNK_TOKENS : (i + 1) * CHUNK_TOKENS], dtype="<i4")
+        parent = hashes[i - 1] if i else ns
+        meta = {"hash": h.hex(), "ns": ns.hex(), "parent": parent.hex(), "depth": str(i + 1), "kind": str(CHUNK)}
+        size, checksum = blobs.write(store.blob_root, h, {"tokens": ("I32", toks)}, meta, fsync=False)
+        rows.append(Row(h, ns, parent, i + 1, CHUNK, CHUNK_TOKENS, int(toks[0]), size, checksum))
+    store.index.insert(rows)
 
 
 def index_bytes(path) -> int:
@@ -199,7 +203,7 @@ def run_one(rows: int, lookups: int) -> dict:
     store.index.conn.execute("PRAGMA cache_size = -262144")
     store.index.conn.execute("PRAGMA synchronous = OFF")
     prompt = C.random_tokens(PROMPT_CHUNKS * CHUNK_TOKENS, seed=rows)
-    insert_prompt(store.index, mc.ns, prompt, rng)
+    insert_prompt(store, mc.ns, prompt, rng)
     filler = synthesise(store.index, mc.ns, rows - PROMPT_CHUNKS, rng)
     build_s = time.perf_counter() - t
     total_rows = store.stats()["chunks"] + store.stats()["tails"]

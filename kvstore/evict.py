@@ -15,7 +15,14 @@ first by (E, H) among those left is a leaf, since a child c has E(c) <= E(x) and
 its own (last access, hash) is the smallest of every leaf left, since a leaf y with a smaller one
 would have E(y) < E(x), or share E with x through a common descendant, which makes y an ancestor
 of x and so no leaf.) Ties between equal access times go by hash, as the old rule's heap broke
-them. Records of stale model versions (see `stale.py`) go before all others.
+them. Records of stale model versions (see `stale.py`) go before all others, and before them
+records no lookup can reach: those under a parent that is gone (a gc that stopped half-way, or
+raced a writer, leaves them).
+
+The rule says which records go; in which order their rows are deleted is the deleter's choice
+(`in_key_order`): by hash, so that each transaction deletes neighbours in the table. A parent may
+then go before its child; the child is unreachable from that moment (lookups walk down from the
+root) and goes in a later transaction of the same gc.
 """
 
 from __future__ import annotations
@@ -35,16 +42,20 @@ class Graph:
     last: np.ndarray  # float64: last access
     pinned: np.ndarray  # bool
     stale: np.ndarray  # bool: of a stale model version
+    root: np.ndarray | None = None  # bool: hangs from its namespace (None: every parentless record)
 
     @classmethod
     def from_rows(cls, rows: list[tuple]) -> "Graph":
+        """From (hash, parent, size, last access, pinned, stale[, root]) tuples."""
         if not rows:
             empty = np.zeros(0, dtype="V16")
             return cls(empty, empty, np.zeros(0, np.int64), np.zeros(0), np.zeros(0, bool), np.zeros(0, bool))
-        hashes, parents, sizes, last, pinned, stale = zip(*rows)
+        columns = list(zip(*rows))
+        hashes, parents, sizes, last, pinned, stale = columns[:6]
         return cls(np.frombuffer(b"".join(hashes), dtype="V16"), np.frombuffer(b"".join(parents), dtype="V16"),
                    np.array(sizes, dtype=np.int64), np.array(last, dtype=np.float64),
-                   np.array(pinned, dtype=bool), np.array(stale, dtype=bool))
+                   np.array(pinned, dtype=bool), np.array(stale, dtype=bool),
+                   np.array(columns[6], dtype=bool) if len(columns) > 6 else None)
 
 
 @dataclass
@@ -63,14 +74,34 @@ class Plan:
         return cls([], np.zeros(0, np.int64), np.zeros(0, np.int64))
 
 
-def order(g: Graph) -> tuple[np.ndarray, np.ndarray]:
-    """(indices of the evictable records in eviction order, H of every record, 0 if never)."""
+def parents(g: Graph) -> tuple[np.ndarray, np.ndarray]:
+    """(index of each record's parent, -1 if none is stored; the argsort of the hashes)."""
     n = len(g.hashes)
     by_hash = np.argsort(g.hashes, kind="stable")
     sorted_hashes = g.hashes[by_hash]
     at = np.searchsorted(sorted_hashes, g.parents).clip(0, max(0, n - 1))
     found = (sorted_hashes[at] == g.parents) if n else np.zeros(0, bool)
-    parent = np.where(found, by_hash[at] if n else at, -1)  # index of each record's parent, -1: a root
+    return np.where(found, by_hash[at] if n else at, -1), by_hash
+
+
+def unreachable(g: Graph, parent: np.ndarray) -> np.ndarray:
+    """Records whose parent is not stored (and is not their namespace), and all below them."""
+    lost = (parent < 0) & ~g.root if g.root is not None else np.zeros(len(g.hashes), bool)
+    has_parent = parent >= 0
+    while True:  # one round per level of the deepest lost subtree; none when nothing is lost
+        below = has_parent & ~lost
+        below[below] = lost[parent[below]]
+        if not below.any():
+            return lost
+        lost |= below
+
+
+def order(g: Graph, parent: np.ndarray | None = None, by_hash: np.ndarray | None = None
+          ) -> tuple[np.ndarray, np.ndarray]:
+    """(indices of the evictable records in eviction order, H of every record, 0 if never)."""
+    n = len(g.hashes)
+    if parent is None or by_hash is None:
+        parent, by_hash = parents(g)
     children = np.bincount(parent[parent >= 0], minlength=n)
     # Rank of (last access, hash): the heap's key of the leaf-by-leaf rule.
     rank = np.empty(n, dtype=np.int64)
@@ -101,14 +132,18 @@ def plan(g: Graph, *, max_bytes: int | None, cutoff: float | None, stale: bool) 
 
     Records of stale versions go first (in their own LRU order), then the others: each part is
     evicted up to the first record that neither the budget, the age nor `stale` asks for, where
-    the leaf-by-leaf rule would stop. Their trees are disjoint (a namespace each), so each part
-    alone keeps children before parents."""
-    if max_bytes is None and cutoff is None and not (stale and g.stale.any()):
+    the leaf-by-leaf rule would stop. Unreachable records (`unreachable`) go first, all of them
+    but the pinned. The parts' trees are disjoint, so each part alone keeps children before
+    parents."""
+    parent, by_hash = parents(g)
+    lost = unreachable(g, parent)
+    if max_bytes is None and cutoff is None and not (stale and g.stale.any()) and not lost.any():
         return Plan.empty()
-    idx, height = order(g)
+    idx, height = order(g, parent, by_hash)
     left = int(g.sizes.sum())
     taken = []
-    for part, drop_all in ((idx[g.stale[idx]], stale), (idx[~g.stale[idx]], False)):
+    gone, old = lost[idx], g.stale[idx] & ~lost[idx]
+    for part, drop_all in ((idx[gone], True), (idx[old], stale), (idx[~gone & ~old], False)):
         sizes = g.sizes[part]
         before = left - np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
         wanted = np.full(len(part), drop_all)
@@ -123,23 +158,9 @@ def plan(g: Graph, *, max_bytes: int | None, cutoff: float | None, stale: bool) 
     return Plan([bytes(h) for h in g.hashes[idx]], g.sizes[idx], height[idx])
 
 
-def by_level(p: Plan) -> Plan:
-    """The same records, by H and then hash: still children first, and each transaction of the
-    deleter then runs one or two statements over records close together in the index."""
+def in_key_order(p: Plan) -> list[bytes]:
+    """The plan's hashes sorted: the order of the table's primary key."""
     if not len(p):
-        return p
-    keys = np.frombuffer(b"".join(p.hashes), dtype="V16")
-    at = np.lexsort((np.argsort(np.argsort(keys, kind="stable"), kind="stable"), p.heights))
-    return Plan([p.hashes[i] for i in at], p.sizes[at], p.heights[at])
-
-
-def batches(p: Plan, start: int, count: int) -> list[list[bytes]]:
-    """Records `start`..`start+count` of the plan as groups that one DELETE each can take: by H,
-    lowest first, so every child goes in an earlier statement than its parent (the statement
-    refuses a record that still has a child)."""
-    part = slice(start, start + count)
-    hashes, heights = p.hashes[part], p.heights[part]
-    groups: dict[int, list[bytes]] = {}
-    for h, height in zip(hashes, heights.tolist()):
-        groups.setdefault(height, []).append(h)
-    return [sorted(groups[k]) for k in sorted(groups)]
+        return []
+    raw = np.sort(np.frombuffer(b"".join(p.hashes), dtype="V16")).tobytes()
+    return [raw[i : i + 16] for i in range(0, len(raw), 16)]

@@ -16,7 +16,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Container, Iterable, Iterator, Sequence
 
 from . import faults
 from .errors import CorruptIndexError, SchemaTooNewError, StoreOpenError
@@ -58,7 +58,7 @@ class Row:
     depth: int
     kind: int
     ntokens: int
-    tokens: bytes
+    first_token: int | None  # the record's first token id (None for a checkpoint): its ids are in its blob
     size: int
     checksum: int
     created: float = 0.0
@@ -375,25 +375,21 @@ class Index:
 
     def children(self, parent: bytes, first_token: int | None = None) -> list[Row]:
         """Usable records directly under `parent`; with `first_token`, only the chunks and tails
-        that start with it (the others share no token with what follows)."""
-        if first_token is None:
-            rows = self.conn.execute(
-                f"SELECT {_ROW_COLUMNS} FROM records WHERE parent = ? AND bad = 0", (parent,)
-            )
-        else:
-            rows = self.conn.execute(
-                f"SELECT {_ROW_COLUMNS} FROM records WHERE parent = ? "
-                "AND (first_token = ? OR first_token IS NULL) AND bad = 0", (parent, first_token)
-            )
+        that start with it (the others share no token with what follows) and checkpoints."""
+        columns = ", ".join(f"r.{c}" for c in Row.__dataclass_fields__)
+        where = "" if first_token is None else " AND c.first_token IN (?, -1)"  # -1: not known
+        rows = self.conn.execute(
+            f"SELECT {columns} FROM children c JOIN records r ON r.hash = c.hash "
+            f"WHERE c.parent = ?{where} AND r.bad = 0",
+            (parent,) if first_token is None else (parent, first_token))
         return [_row(r) for r in rows]
 
     def insert(self, rows: Iterable[Row]) -> int:
         """Add records (a record that exists already is left as it is). Returns how many."""
         now = time.time()
         values = [
-            (r.hash, r.ns, r.parent, r.depth, r.kind, r.ntokens, r.tokens, r.size,
-             _u64_to_i64(r.checksum), now, now, 0, r.pinned, 0,
-             int.from_bytes(r.tokens[:4], "little", signed=True) if len(r.tokens) >= 4 else None)
+            (r.hash, r.ns, r.parent, r.depth, r.kind, r.ntokens, r.first_token, r.size,
+             _u64_to_i64(r.checksum), now, now, 0, r.pinned, 0)
             for r in rows
         ]
         with self.transaction() as conn:
@@ -401,8 +397,8 @@ class Index:
             conn.executemany("DELETE FROM records WHERE hash = ? AND bad = 1", [(v[0],) for v in values])
             before = conn.total_changes
             conn.executemany(
-                f"INSERT OR IGNORE INTO records ({_ROW_COLUMNS}, first_token) "
-                f"VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                f"INSERT OR IGNORE INTO records ({_ROW_COLUMNS}) "
+                f"VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 values,
             )
             # A record stored again with pin=True gets pinned.
@@ -457,6 +453,9 @@ class Index:
                     )
                 ]
                 conn.execute(f"DELETE FROM records WHERE hash IN ({marks})", part)
+            conn.executemany("DELETE FROM children WHERE parent = ? AND first_token = ? AND hash = ?",
+                             [(r.parent, -1 if r.first_token is None else r.first_token, r.hash)
+                              for r in deleted])
         return deleted
 
     def rows(self) -> Iterator[Row]:
@@ -471,37 +470,60 @@ class Index:
     # -- eviction ---------------------------------------------------------------------------
 
     def eviction_graph(self, stale: Sequence[bytes] = ()) -> list[tuple]:
-        """(hash, parent, size, last access, pinned, of a namespace in `stale`) of every record,
-        for planning an eviction (`evict.Graph.from_rows`)."""
+        """(hash, parent, size, last access, pinned, of a namespace in `stale`, hangs from its
+        namespace) of every record, for planning an eviction (`evict.Graph.from_rows`)."""
         stale = list(stale)[:_MAX_PARAMS]
         marks = ",".join("?" * len(stale))
         flag = f"ns IN ({marks})" if stale else "0"
         return self.conn.execute(
-            f"SELECT hash, parent, size, last_access, pinned, {flag} FROM records"
+            f"SELECT hash, parent, size, last_access, pinned, {flag}, parent = ns FROM records"
             # A row of the wrong type (a TEXT hash, say) is never planned: verify reports it.
             " WHERE typeof(hash) = 'blob' AND length(hash) = 16 AND typeof(parent) = 'blob'"
             " AND length(parent) = 16 AND typeof(size) = 'integer'"
             " AND typeof(last_access) IN ('integer', 'real') AND typeof(pinned) = 'integer'",
             stale).fetchall()
 
-    def delete_leaves(self, groups: Sequence[Sequence[bytes]]) -> list[tuple[bytes, int]]:
-        """Delete, in one transaction, one statement per group in order, those records of
-        `groups` that are unpinned leaves when their statement runs: the statement itself refuses
-        a pinned record and one that still has a child (another process may have added one since
-        they were chosen; a child in the same group counts, so put children in earlier groups).
-        Returns (hash, size) of the rows deleted: delete their files only now that this has
-        committed."""
-        deleted: list[tuple[bytes, int]] = []
+    def evict(self, batch: Sequence[bytes], victims: Container[bytes]) -> list[tuple[bytes, int, tuple]]:
+        """Delete, in one transaction, those records of `batch` that are unpinned and have no
+        stored child outside `victims` (all that gc evicts): the check is made here, so a record
+        pinned, or given a new child by another process, since gc chose it stays. Give `batch` in
+        hash order (neighbours in the table). Returns (hash, size, edge) of the rows deleted:
+        delete their files only now that this has committed, and their edges (`forget_edges`)."""
+        deleted: list[tuple[bytes, int, tuple]] = []
         with self.transaction() as conn:
-            for group in groups:
-                for start in range(0, len(group), _MAX_PARAMS):
-                    part = list(group[start : start + _MAX_PARAMS])
-                    marks = ",".join("?" * len(part))
-                    deleted += conn.execute(
-                        f"DELETE FROM records WHERE hash IN ({marks}) AND pinned = 0 AND NOT EXISTS "
-                        "(SELECT 1 FROM records c WHERE c.parent = records.hash) RETURNING hash, size",
-                        part).fetchall()
+            for start in range(0, len(batch), _MAX_PARAMS):
+                part = list(batch[start : start + _MAX_PARAMS])
+                marks = ",".join("?" * len(part))
+                held = {parent for parent, child in conn.execute(
+                    "SELECT c.parent, c.hash FROM children c JOIN records r ON r.hash = c.hash "
+                    f"WHERE c.parent IN ({marks})", part) if child not in victims}
+                go = [h for h in part if h not in held]
+                if not go:
+                    continue
+                marks = ",".join("?" * len(go))
+                deleted += [(h, size, (parent, first, h)) for h, size, parent, first in conn.execute(
+                    f"DELETE FROM records WHERE hash IN ({marks}) AND pinned = 0 "
+                    "RETURNING hash, size, parent, coalesce(first_token, -1)", go)]
         return deleted
+
+    def forget_edges(self, edges: Sequence[tuple[bytes, int, bytes]]) -> int:
+        """Delete, in one transaction, the (parent, first token, hash) edges of `children` whose
+        record is not stored (any more). Give them sorted (the table's order). Returns how many
+        went."""
+        with self.transaction() as conn:
+            before = conn.total_changes
+            conn.executemany(
+                "DELETE FROM children WHERE parent = ? AND first_token = ? AND hash = ? AND NOT EXISTS "
+                "(SELECT 1 FROM records r WHERE r.hash = children.hash)", edges)
+            return conn.total_changes - before
+
+    def forget_lost_edges(self) -> int:
+        """Delete every edge whose record is gone (a gc stopped between its two sweeps leaves
+        some; readers ignore them). A scan of the whole table: for verify and rebuild."""
+        with self.transaction() as conn:
+            return conn.execute(
+                "DELETE FROM children WHERE NOT EXISTS "
+                "(SELECT 1 FROM records r WHERE r.hash = children.hash)").rowcount
 
     def replace_blob(self, h: bytes, size: int, checksum: int) -> bool:
         """A record's blob was written again with more of its K/V (same tokens): its new size
@@ -522,11 +544,14 @@ class Index:
         deleted: list[tuple[bytes, int]] = []
         with self.transaction() as conn:
             for old, newer in pairs:
-                deleted += conn.execute(
+                gone = conn.execute(
                     f"DELETE FROM records WHERE hash = ? AND kind = {TAIL} AND pinned = 0 AND NOT EXISTS "
-                    "(SELECT 1 FROM records c WHERE c.parent = ?) AND EXISTS "
-                    "(SELECT 1 FROM records n WHERE n.hash = ? AND n.bad = 0) RETURNING hash, size",
-                    (old, old, newer)).fetchall()
+                    "(SELECT 1 FROM children c JOIN records k ON k.hash = c.hash WHERE c.parent = ?) "
+                    "AND EXISTS (SELECT 1 FROM records n WHERE n.hash = ? AND n.bad = 0) "
+                    "RETURNING hash, size, parent, coalesce(first_token, -1)", (old, old, newer)).fetchall()
+                conn.executemany("DELETE FROM children WHERE parent = ? AND first_token = ? AND hash = ?",
+                                 [(parent, first, h) for h, _, parent, first in gone])
+                deleted += [(h, size) for h, size, _, _ in gone]
         return deleted
 
     @contextmanager

@@ -62,6 +62,26 @@ def tail_hash(parent: bytes, tail_tokens: np.ndarray) -> bytes:
     return xxhash.xxh3_128_digest(parent + token_bytes(tail_tokens))
 
 
+def checkpoint_hash(record_hash: bytes) -> bytes:
+    """Key of the checkpoint taken at the end of a chunk or tail."""
+    return xxhash.xxh3_128_digest(record_hash + b"\x00checkpoint")
+
+
+def first_token(tokens: np.ndarray | bytes) -> int | None:
+    """A record's first token id, as the index keeps it (None for a checkpoint: it has none)."""
+    raw = tokens if isinstance(tokens, bytes) else token_bytes(tokens)
+    return int.from_bytes(raw[:4], "little", signed=True) if len(raw) >= 4 else None
+
+
+def is_address(h: bytes, parent: bytes, kind: int, tokens: np.ndarray) -> bool:
+    """Whether `h` is the key of a record of `kind` (0 chunk, 1 tail, 2 checkpoint) that hangs
+    from `parent` and holds `tokens`: a chunk's and a tail's key is xxh3_128(parent || token ids),
+    a checkpoint's is made from its parent alone (and it holds no tokens)."""
+    if kind == 2:
+        return len(tokens) == 0 and checkpoint_hash(parent) == h
+    return tail_hash(parent, tokens) == h
+
+
 def file_digest(path: Path) -> bytes:
     """xxh3_128 of a file's whole contents. A FIFO or device in place of a weight file is an
     error (OSError), never a read that waits forever."""

@@ -1,8 +1,9 @@
 """Keeping a store within bounds (`collect`, behind `Store.gc`) and whole (`verify`).
 
-Eviction is leaves first, least recently used first, so no remaining record loses its parent;
-pinned records and their ancestors stay (`evict` computes that order for the whole store at
-once). Rows go in short transactions, files only after the one that dropped their rows.
+Which records gc evicts is the leaf-by-leaf LRU rule (`evict` computes it for the whole store at
+once); pinned records and their ancestors stay. Their rows go in hash order (neighbours in the
+table), in short transactions, each file right after the one that dropped its row; then their
+edges in the `children` table, in its own order (see `evict` for why a parent may go first).
 
 Repair deletes only what kvstore wrote: blob files (named for their hash, in their own `ab/cd/`
 folder) and its writers' temporary files. Anything else in the blob tree is moved aside to
@@ -20,6 +21,7 @@ import stat
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Iterator
 
 from . import blobs, blobtree, evict, faults, keys
 from .errors import BlobError
@@ -34,10 +36,8 @@ ORPHAN_FEW = 8
 _BATCH_MIN, _BATCH_START, _BATCH_MAX = 50, 500, 20000
 _TX_TARGET_S = 0.06
 # gc checkpoints the WAL itself after each transaction, holding no lock (none inside its commits,
-# where writers would wait for it). Less often copies a page several transactions changed only
-# once (half of 1M rows: 62 s every 3 s, 75 s every 1 s), but then another process's commit
-# finds the backlog and checkpoints it inside its own commit: inserts waited over 1 s.
-_CHECKPOINT_EVERY_S = 0.0
+# where writers would wait for it): another process's commit that found a backlog would
+# checkpoint it inside its own commit, and inserts waited over 1 s.
 _CACHE_MIN_KIB, _CACHE_MAX_KIB = 64 << 10, 1 << 20
 # After each transaction gc waits this long, so that a writer waiting for the blob-tree lock
 # (or in SQLite's busy handler) gets its turn before the next one.
@@ -62,32 +62,21 @@ def collect(index: Index, root: Path, *, max_bytes: int | None = None, max_age: 
     if dry_run:
         freed, hashes = int(p.sizes.sum()) if len(p) else 0, list(p.hashes)
     else:
-        done, batch = 0, _BATCH_START
-        p = evict.by_level(p)
-        checkpointed = time.perf_counter()
-        # A page cache as big as the index (up to 1 GiB) while gc runs: at 1M rows it halves the
-        # time of every delete, whose pages are spread over the whole file (bench/index_scale.py).
+        order = evict.in_key_order(p)
+        victims = set(order)
+        edges: list[tuple] = []
+        # A page cache as big as the index (up to 1 GiB) while gc runs.
         with index.bulk(cache_kib=min(_CACHE_MAX_KIB, max(_CACHE_MIN_KIB, index.file_bytes() // 1024))):
-            while done < len(p):
-                t = time.perf_counter()
-                # Exclusive of writers: none can find a row here and then lose its file to us.
-                with blobs.tree_lock(root, exclusive=True):
-                    deleted = index.delete_leaves(evict.batches(p, done, batch))
-                    if deleted:
-                        faults.hit("gc_deleted")
-                    for h, _ in deleted:  # after the commit: a crash before here leaves orphan files only
-                        blobs.remove(root, h)
-                took = time.perf_counter() - t  # a batch: waiting for the lock, the transaction, the files
+            # Sweep 1, in hash order: the rows, and each record's file right after its commit.
+            for took, deleted in _batches(index, order, lambda part: _evict(index, root, part, victims)):
                 longest = max(longest, took)
-                done += batch
-                freed += sum(size for _, size in deleted)
-                hashes += [h for h, _ in deleted]
-                batch = max(_BATCH_MIN, min(_BATCH_MAX, int(batch * _TX_TARGET_S / max(took, 1e-4))))
-                if time.perf_counter() - checkpointed > _CHECKPOINT_EVERY_S:
-                    index.checkpoint()  # holding no lock: writers and readers go on meanwhile
-                    checkpointed = time.perf_counter()
-                if done < len(p):
-                    time.sleep(_YIELD_S)
+                freed += sum(size for _, size, _ in deleted)
+                hashes += [h for h, _, _ in deleted]
+                edges += [edge for _, _, edge in deleted]
+            # Sweep 2, in the order of the `children` table: the edges of the rows deleted.
+            edges.sort()
+            for took, _ in _batches(index, edges, index.forget_edges):
+                longest = max(longest, took)
     return {
         "evicted": len(hashes),
         "freed_bytes": freed,
@@ -99,6 +88,34 @@ def collect(index: Index, root: Path, *, max_bytes: int | None = None, max_age: 
         "longest_transaction_seconds": longest,
         "hashes": hashes,
     }
+
+
+def _evict(index: Index, root: Path, part: list[bytes], victims: set[bytes]) -> list[tuple]:
+    # Exclusive of writers: none can find a row here and then lose its file to us.
+    with blobs.tree_lock(root, exclusive=True):
+        deleted = index.evict(part, victims)
+        if deleted:
+            faults.hit("gc_deleted")
+        for h, _, _ in deleted:  # after the commit: a crash before here leaves orphan files only
+            blobs.remove(root, h)
+    return deleted
+
+
+def _batches(index: Index, items: list, step) -> Iterator[tuple[float, object]]:
+    """Run `step` over `items` in consecutive batches, one transaction each, sized to take about
+    `_TX_TARGET_S` (another process's insert waits that long at most); checkpoint after each,
+    holding no lock, and pause for a writer to get its turn. Yields (seconds, result)."""
+    done, batch = 0, _BATCH_START
+    while done < len(items):
+        t = time.perf_counter()
+        result = step(items[done : done + batch])
+        took = time.perf_counter() - t  # waiting for the locks, the transaction, the files
+        done += batch
+        yield took, result
+        batch = max(_BATCH_MIN, min(_BATCH_MAX, int(batch * _TX_TARGET_S / max(took, 1e-4))))
+        index.checkpoint()
+        if done < len(items):
+            time.sleep(_YIELD_S)
 
 
 @dataclass(frozen=True)
@@ -200,8 +217,8 @@ def _row_problem(row) -> str | None:
         return "times that are not numbers"
     if row.depth < 1 or row.kind not in (0, 1, 2) or row.ntokens < 0:
         return f"depth {row.depth}, kind {row.kind} or {row.ntokens} tokens, which is impossible"
-    if not isinstance(row.tokens, bytes) or len(row.tokens) != 4 * row.ntokens:
-        return "token ids that do not match its token count"
+    if row.first_token is not None and type(row.first_token) is not int:
+        return "a first token id that is not an integer"
     if not 0 <= row.size <= blobs.MAX_BLOB_BYTES:
         return f"a size of {row.size} bytes, which no blob has"
     return None

@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import mlx.core as mx
 import numpy as np
-import xxhash
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
@@ -21,6 +20,7 @@ from . import blobs, keys
 from .codecs import CacheListCodec, Codec, RotatingCodec, make_codec
 from .errors import BlobError, InvalidInputError
 from .index import CHECKPOINT, CHUNK, TAIL
+from .keys import checkpoint_hash
 from .memory import Record
 from .records import RecordCheck
 from .restore import Part, Plan, build, checkpoint_arrays, fill, host_slice, plan
@@ -42,11 +42,6 @@ PIN_ATTEMPTS = 3
 
 _ATTEMPTS = 3  # plans per fetch: each damaged record found while filling costs one more
 _RAM_TIERS = ("memory", "pending")  # records made in this process from the model's own caches
-
-
-def checkpoint_hash(record_hash: bytes) -> bytes:
-    """Key of the checkpoint taken at the end of a chunk or tail."""
-    return xxhash.xxh3_128_digest(record_hash + b"\x00checkpoint")
 
 
 def make_template(model, kv_bits: int | None, kv_group_size: int) -> list:

@@ -23,7 +23,8 @@ import numpy as np
 
 from . import keys
 from .errors import KVStoreError
-from .modelcache import ModelCache, checkpoint_hash
+from .keys import checkpoint_hash
+from .modelcache import ModelCache
 from .sizes import format_size
 from .store import Store
 

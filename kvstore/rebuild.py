@@ -30,7 +30,6 @@ import xxhash
 from . import blobs, blobtree, keys
 from .errors import BlobError, CorruptIndexError, NotAStoreError
 from .index import CHECKPOINT, CHUNK, TAIL, Index, _u64_to_i64, connect_read_only
-from .modelcache import checkpoint_hash
 from .storedir import BLOBS_NAME, INDEX_FILES, INDEX_NAME, has_blob_files, open_dir
 
 
@@ -209,8 +208,7 @@ def _read_record(path: Path, h: bytes) -> dict:
     expected = {CHUNK: n == chunk_size, TAIL: 0 < n < chunk_size, CHECKPOINT: n == 0}[kind]
     if not expected:
         raise BlobError(f"{path}: a kind-{kind} record cannot hold {n} tokens (chunk size {chunk_size})")
-    address = checkpoint_hash(parent) if kind == CHECKPOINT else keys.tail_hash(parent, tokens)
-    if address != h:  # a chunk's hash is computed as a tail's: xxh3_128(parent || tokens)
+    if not keys.is_address(h, parent, kind, tokens):
         raise BlobError(f"{path}: its name is not the hash of its parent and tokens")
     for name, entry in entries.items():
         shape = entry["shape"]
@@ -266,11 +264,10 @@ def _write(index: Index, records: list[dict], old: _Salvage) -> None:
                 (ns, r["fingerprint"], r["model_id"], old.layouts.get(ns, "{}"), r["chunk_size"],
                  first, r["mtime"]))
         conn.executemany(
-            "INSERT OR IGNORE INTO records (hash, ns, parent, depth, kind, ntokens, tokens, size, "
-            "checksum, created, last_access, hits, pinned, bad, first_token) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?)",
-            [(r["hash"], r["ns"], r["parent"], r["depth"], r["kind"], r["ntokens"], r["tokens"],
-              r["size"], _u64_to_i64(r["checksum"]),
-              *old.records.get(r["hash"], (r["mtime"], r["mtime"], 0, 0)),
-              int.from_bytes(r["tokens"][:4], "little", signed=True) if r["ntokens"] else None)
+            "INSERT OR IGNORE INTO records (hash, ns, parent, depth, kind, ntokens, first_token, size, "
+            "checksum, created, last_access, hits, pinned, bad) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0)",
+            [(r["hash"], r["ns"], r["parent"], r["depth"], r["kind"], r["ntokens"],
+              keys.first_token(r["tokens"]), r["size"], _u64_to_i64(r["checksum"]),
+              *old.records.get(r["hash"], (r["mtime"], r["mtime"], 0, 0)))
              for r in records])

@@ -37,7 +37,7 @@ import xxhash
 from . import blobs, keys
 from .errors import BlobError
 from .index import CHECKPOINT, CHUNK, TAIL, Row
-from .modelcache import checkpoint_hash
+from .keys import checkpoint_hash
 from .remote_records import check_object, check_record, write_blob
 from .remote_client import (LAYOUT_VERSION, Bucket, RemoteError, children_prefix, manifest_key,
                             parse_key, record_key)
@@ -432,7 +432,8 @@ class RemoteTier:
             self._count("corrupt_objects", 1)
             log.warning("kvstore: remote object %s is damaged, not used: %s", key, e)
             return False
-        row = Row(h, mc.ns, parent, depth, kind, len(tokens) // 4, tokens, len(buf), xxhash.xxh3_64_intdigest(buf))
+        row = Row(h, mc.ns, parent, depth, kind, len(tokens) // 4, keys.first_token(tokens), len(buf),
+                  xxhash.xxh3_64_intdigest(buf))
         with blobs.tree_lock(store.blob_root, exclusive=False):
             if store.index.present([h]):
                 return True
@@ -489,8 +490,7 @@ def chunk_keys(ns: bytes, toks: np.ndarray, chain: list[bytes], chunk_size: int)
 
 
 def _key_of(row: Row) -> str:
-    first = int.from_bytes(row.tokens[:4], "little", signed=True) if len(row.tokens) >= 4 else None
-    return record_key(row.ns, row.parent, row.hash, row.kind, row.ntokens, first)
+    return record_key(row.ns, row.parent, row.hash, row.kind, row.ntokens, row.first_token)
 
 
 def _best_children(children: Iterable, parent: bytes, rest: np.ndarray) -> list:

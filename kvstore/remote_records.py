@@ -15,7 +15,7 @@ import numpy as np
 from . import blobs, keys
 from .errors import BlobError
 from .index import CHUNK, TAIL
-from .modelcache import checkpoint_hash
+from .keys import checkpoint_hash
 
 
 def check_object(buf: bytes, h: bytes) -> tuple[dict, dict[str, str]]:

@@ -168,11 +168,24 @@ def _check_is_store(path: Path, *, create: bool, read_only: bool) -> None:
 
 
 def index_problem(index_file: Path, *, read_only: bool = True) -> str | None:
-    """Why `index_file` is not a kvstore index (None if it is one), read-only."""
-    try:
-        conn = connect_read_only(index_file, timeout=5.0, journal=not read_only)
-    except sqlite3.DatabaseError as e:
-        return str(e)
+    """Why `index_file` is not a kvstore index (None if it is one), read-only. A file that
+    cannot be read for a passing reason (busy, or another process switching a new index to WAL
+    mode: SQLite then answers "attempt to write a readonly database" to a read-only connection)
+    is tried again for a few seconds, then StoreOpenError; it is never called damaged."""
+    deadline = time.monotonic() + 5.0
+    while True:
+        try:
+            return _index_problem(index_file, read_only)
+        except sqlite3.DatabaseError as e:
+            if is_corruption(e):
+                return str(e)
+            if time.monotonic() > deadline:
+                raise StoreOpenError(f"the index {index_file} cannot be opened ({e})") from e
+            time.sleep(0.02)
+
+
+def _index_problem(index_file: Path, read_only: bool) -> str | None:
+    conn = connect_read_only(index_file, timeout=5.0, journal=not read_only)
     try:
         tables = {n for (n,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
         if not tables:
@@ -184,10 +197,6 @@ def index_problem(index_file: Path, *, read_only: bool = True) -> str | None:
         if first is None or first[0] != "0001_initial.sql":
             return "its schema history is not kvstore's"
         return None
-    except sqlite3.DatabaseError as e:
-        if not is_corruption(e):  # busy or unreadable: the file may be fine, do not call it damaged
-            raise StoreOpenError(f"the index {index_file} cannot be opened ({e})") from e
-        return str(e)
     finally:
         conn.close()
 

@@ -23,7 +23,7 @@ from typing import Any, Iterable, NamedTuple, Protocol, Sequence
 import mlx.core as mx
 import numpy as np
 
-from . import blobs
+from . import blobs, keys
 from .errors import BlobError
 from .index import Index, Row
 from .memory import MemoryTier, Record
@@ -103,21 +103,30 @@ class RecordSource:
         self._host.clear()
 
 
+def record_tokens(blob: blobs.BlobFile, row: Row) -> np.ndarray:
+    """The token ids of a record, read from its blob and proven by its address: the record's
+    hash is the xxh3 of its parent and these ids (BlobError if they are not)."""
+    if "tokens" not in blob.entries or blob.entries["tokens"]["dtype"] != "I32":
+        raise BlobError(f"{blob.path}: no int32 token ids")
+    tokens = blob.array("tokens").astype("<i4", copy=False)
+    if len(tokens) != row.ntokens or not keys.is_address(row.hash, row.parent, row.kind, tokens):
+        raise BlobError(f"{blob.path}: its token ids are not those of record {row.hash.hex()}")
+    return tokens
+
+
 class BlobSource:
     """A record read from a blob file, checked against its index row as it is opened."""
 
     def __init__(self, blob: blobs.BlobFile, row: Row):
         self.hash, self.ntokens, self.blob = row.hash, row.ntokens, blob
         self.ns, self.parent, self.depth, self.kind = row.ns, row.parent, row.depth, row.kind
-        self.tokens = np.frombuffer(row.tokens, dtype="<i4")
         meta = blob.metadata
         for key, want in (("ns", row.ns.hex()), ("parent", row.parent.hex()),
                           ("depth", str(row.depth)), ("kind", str(row.kind))):
             if meta.get(key) != want:
                 raise BlobError(f"record {row.hash.hex()}: its header says {key} {meta.get(key)!r}, "
                                 f"the index {want!r}")
-        if "tokens" not in blob.entries or blob.array("tokens").astype("<i4").tobytes() != row.tokens:
-            raise BlobError(f"record {row.hash.hex()}: its tokens differ from the index")
+        self.tokens = record_tokens(blob, row)
         self.entries = {name: Entry(info["dtype"], tuple(info["shape"]))
                         for name, info in blob.entries.items() if name != "tokens"}
 
@@ -197,8 +206,16 @@ class DiskTier:
         return self.index.rows_of(list(hashes)) if hashes else {}
 
     def children(self, parent, first_token):
-        return [(row.hash, np.frombuffer(row.tokens, dtype="<i4"), row)
-                for row in self.index.children(parent, first_token)]
+        """The records under `parent`, with their token ids read from their blobs (a record
+        whose blob cannot give them is damaged: quarantined, left out)."""
+        found = []
+        for row in self.index.children(parent, first_token):
+            try:
+                with blobs.open_blob(self.root, row.hash, size=row.size, checksum=row.checksum) as blob:
+                    found.append((row.hash, record_tokens(blob, row), row))
+            except BlobError as e:
+                self.damaged(row.hash, e, row)
+        return found
 
     def open(self, h, ref):
         row = ref if ref is not None else self.index.get(h)

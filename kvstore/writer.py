@@ -268,7 +268,7 @@ class Writer:
                         break  # later records hang from this one; without it they are unreachable
                     faults.hit("after_rename")
                     rows.append(Row(spec.hash, job.ns, spec.parent, spec.depth, spec.kind,
-                                    spec.end - spec.start, tokens.tobytes(), size, checksum,
+                                    spec.end - spec.start, keys.first_token(tokens), size, checksum,
                                     pinned=int(spec.hash in job.pin)))
                     self.stats.bytes_written += size
                 if self.memory.keeps(spec.nbytes):  # with memory_bytes=0 nothing is copied for RAM
@@ -309,14 +309,15 @@ class Writer:
         for spec in written:
             if any(origin > spec.start for origin in job.origins.values()):
                 continue  # this record lacks some layer's K/V for the first tokens
-            newer = np.ascontiguousarray(job.tokens[spec.start : spec.end], dtype="<i4").tobytes()
-            older = {r.hash: r.tokens.astype("<i4").tobytes() for r in self.memory.children(spec.parent)
-                     if r.kind == TAIL}
+            newer = np.ascontiguousarray(job.tokens[spec.start : spec.end], dtype="<i4")
+            older = {r.hash: len(r.tokens) for r in self.memory.children(spec.parent) if r.kind == TAIL}
             if self.index is not None:
-                older.update((r.hash, r.tokens) for r in self.index.children(spec.parent, int(job.tokens[spec.start]))
+                older.update((r.hash, r.ntokens) for r in self.index.children(spec.parent, int(newer[0]))
                              if r.kind == TAIL and not r.pinned)
-            pairs += [(h, spec.hash) for h, t in older.items()
-                      if h != spec.hash and len(t) < len(newer) and newer.startswith(t)]
+            # A tail of n tokens under the same parent is a prefix of the newer record exactly
+            # when its hash is that of the newer record's first n tokens (keys.tail_hash).
+            pairs += [(h, spec.hash) for h, n in older.items()
+                      if h != spec.hash and 0 < n < len(newer) and keys.tail_hash(spec.parent, newer[:n]) == h]
         if not pairs:
             return
         if self.index is None:  # RAM only
@@ -360,7 +361,7 @@ class Writer:
             try:
                 with blobs.tree_lock(self.root, exclusive=True):
                     row = self.index.get(spec.hash)
-                    if row is None or row.bad or row.tokens != tokens.tobytes():
+                    if row is None or row.bad or row.ntokens != len(tokens):
                         continue  # evicted (or quarantined) meanwhile: nothing to complete
                     size, checksum = blobs.write(self.root, spec.hash, tensors, meta, fsync=self.fsync)
                     self.index.replace_blob(spec.hash, size, checksum)

@@ -80,14 +80,41 @@ def test_plan_equals_the_leaf_by_leaf_rule(seed, n, ties, pin_share, budget, age
     want = leaf_by_leaf(rows, total, max_bytes, cutoff)
     got = evict.plan(evict.Graph.from_rows(rows), max_bytes=max_bytes, cutoff=cutoff, stale=False)
     assert got.hashes == want  # the same records, in the same order
-    # The groups the deleter takes are children first: no record's parent is in its own group
-    # or an earlier one.
+    # The deleter takes them in the table's order: the same records, sorted by hash.
+    order = evict.in_key_order(got)
+    assert order == sorted(got.hashes)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 300), cut=st.integers(0, 299))
+def test_records_under_a_lost_parent_go_first_and_all_of_them(seed, n, cut):
+    """A record whose parent is gone (and everything below it) can never be reached: every gc
+    that runs takes them all first, the pinned aside, then follows the rule for the rest."""
+    rows = random_forest(np.random.default_rng(seed), n, 10**6, 0.05)
+    roots = {r[1] for r in rows} - {r[0] for r in rows}
+    lost_parent = rows[cut % n][0]
+    rows = [r for r in rows if r[0] != lost_parent]
     parents = {r[0]: r[1] for r in rows}
-    seen: set[bytes] = set()
-    for group in evict.batches(got, 0, len(got)):
-        assert not {parents[h] for h in group} & set(group)
-        assert not {parents[h] for h in group} & seen
-        seen |= set(group)
+
+    def reachable(h):
+        while h in parents:
+            h = parents[h]
+        return h in roots
+
+    lost = {r[0] for r in rows if not reachable(r[0])}
+    graph = evict.Graph.from_rows([(*r, r[1] in roots) for r in rows])
+    p = evict.plan(graph, max_bytes=None, cutoff=None, stale=False)
+    pinned_below = set()  # lost records kept: pinned, or above a pinned one
+    for r in rows:
+        if r[4] and r[0] in lost:
+            h = r[0]
+            while h in parents:
+                pinned_below.add(h)
+                h = parents[h]
+    assert set(p.hashes) == lost - pinned_below
+    total = sum(r[2] for r in rows)
+    p = evict.plan(graph, max_bytes=total // 2, cutoff=None, stale=False)
+    assert set(p.hashes[: len(lost - pinned_below)]) == lost - pinned_below
 
 
 def test_stale_versions_go_first_and_all_of_them_with_stale():
@@ -182,30 +209,53 @@ def test_gc_evicts_what_the_leaf_by_leaf_rule_would(tmp_path, small_store, share
         assert store.verify() == []
 
 
-def test_delete_refuses_a_parent_and_a_pinned_record(tmp_path, small_store):
+def test_evict_refuses_a_pinned_record_and_one_with_a_child_it_was_not_given(tmp_path, small_store):
     src, _ = small_store
     path = tmp_path / "s"
     shutil.copytree(src, path)
     with kvstore.open(path, chunk_size=C, memory_bytes=0) as store:
         index = store.index
         rows = {r.hash: r for r in index.rows()}
-        has_child = {r.parent for r in rows.values()}
-        parent = next(h for h, r in rows.items() if h in has_child and not r.pinned)
-        pinned_leaf = next(h for h, r in rows.items() if r.pinned and h not in has_child)
-        leaf = next(h for h, r in rows.items() if not r.pinned and h not in has_child)
-        child = next(h for h, r in rows.items() if r.parent == parent)
-        assert index.delete_leaves([[parent]]) == []
-        assert index.delete_leaves([[pinned_leaf]]) == []
-        assert index.delete_leaves([[parent, pinned_leaf]]) == []  # one set statement, same answer
+        kids_of: dict[bytes, list[bytes]] = {}
+        for r in rows.values():
+            kids_of.setdefault(r.parent, []).append(r.hash)
+        parent = next(h for h, r in rows.items() if h in kids_of and not r.pinned)
+        pinned_leaf = next(h for h, r in rows.items() if r.pinned and h not in kids_of)
+        leaf = next(h for h, r in rows.items() if not r.pinned and h not in kids_of)
+        # A child not among the victims (gc did not choose it, or another process added it
+        # since gc chose): the parent stays. A pinned record stays.
+        assert index.evict([parent], {parent}) == []
+        assert index.evict([pinned_leaf], {pinned_leaf}) == []
+        assert index.evict(sorted([parent, pinned_leaf]), {parent, pinned_leaf}) == []
         assert {parent, pinned_leaf} <= _hashes(store)
-        assert index.delete_leaves([[leaf]]) == [(leaf, rows[leaf].size)]
+        r = rows[leaf]
+        leaf_edge = (r.parent, -1 if r.first_token is None else r.first_token, leaf)
+        assert index.evict([leaf], {leaf}) == [(leaf, r.size, leaf_edge)]
         assert leaf not in _hashes(store)
-        # Children in an earlier statement of the same call: then the parent is a leaf.
-        only = next(p for p in has_child if p in rows and not rows[p].pinned
-                    and [r for r in rows.values() if r.parent == p and r.hash != leaf] and
-                    all(r.hash not in has_child and not r.pinned for r in rows.values() if r.parent == p))
-        kids = [r.hash for r in rows.values() if r.parent == only and r.hash != leaf]
-        assert {h for h, _ in index.delete_leaves([kids, [only]])} == {*kids, only}
+        # A parent whose children are all victims may go first: its children are unreachable
+        # from then on (no lookup finds them), and go in a later transaction.
+        only = next(p for p, kids in kids_of.items() if p in rows and not rows[p].pinned and leaf not in kids
+                    and all(k not in kids_of and not rows[k].pinned for k in kids))
+        kids = kids_of[only]
+        victims = {only, *kids}
+        first = index.evict([only], victims)
+        assert [h for h, _, _ in first] == [only]
+        assert all(k in _hashes(store) for k in kids)
+        deleted = index.evict(sorted(kids), victims)
+        assert {h for h, _, _ in deleted} == set(kids)
+        # Their edges: kept until forgotten, ignored by readers meanwhile, then gone.
+        edges = sorted([e for _, _, e in first + deleted] + [leaf_edge])
+        n_edges = index.conn.execute("SELECT count(*) FROM children").fetchone()[0]
+        assert index.forget_edges(edges) == len(edges)
+        assert index.conn.execute("SELECT count(*) FROM children").fetchone()[0] == n_edges - len(edges)
+        # An edge whose record is stored again is never forgotten.
+        keep = next(h for h in sorted(_hashes(store)) if not rows[h].pinned)
+        k = rows[keep]
+        assert index.forget_edges([(k.parent, -1 if k.first_token is None else k.first_token, keep)]) == 0
+        assert keep in {c.hash for c in index.children(k.parent)}
+        for h in (leaf, only, *kids):  # gc deletes the files after each commit
+            kvstore.blobs.remove(store.blob_root, h)
+        assert store.verify() == []
 
 
 READER = r"""

@@ -548,14 +548,14 @@ def test_rows_of_the_wrong_type_never_crash_verify_or_gc(tmp_path, llama):
     rows = warm(store, llama, seqs)
     con = sqlite3.connect(store / "index.sqlite")
     with con:
-        cols = "hash, ns, parent, depth, kind, ntokens, tokens, size, checksum, created, last_access, hits, pinned, bad"
+        cols = "hash, ns, parent, depth, kind, ntokens, first_token, size, checksum, created, last_access, hits, pinned, bad"
         r = rows[0]
         con.execute(f"INSERT INTO records ({cols}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    ("not-a-hash", r.ns, r.ns, 1, 0, r.ntokens, r.tokens, 10, 0, 0.0, 0.0, 0, 0, 0))
+                    ("not-a-hash", r.ns, r.ns, 1, 0, r.ntokens, r.first_token, 10, 0, 0.0, 0.0, 0, 0, 0))
         con.execute(f"INSERT INTO records ({cols}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    (b"\x01" * 16, r.ns, r.ns, 1, 0, r.ntokens, r.tokens, "ten", "x", "now", 0.0, 0, 0, 0))
+                    (b"\x01" * 16, r.ns, r.ns, 1, 0, r.ntokens, r.first_token, "ten", "x", "now", 0.0, 0, 0, 0))
         con.execute(f"INSERT INTO records ({cols}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    (b"\x02" * 16, r.ns, r.ns, 1, 0, r.ntokens, r.tokens, 30 << 30, 5, 0.0, 0.0, 0, 0, 0))
+                    (b"\x02" * 16, r.ns, r.ns, 1, 0, r.ntokens, r.first_token, 30 << 30, 5, 0.0, 0.0, 0, 0, 0))
     con.close()
     model_path, model = llama
     with kvstore.open(store, chunk_size=C) as s:

@@ -495,13 +495,17 @@ def test_blobs_are_standard_safetensors_and_the_index_a_plain_sqlite_file(tmp_pa
             with safe_open(str(f), framework="numpy") as st:
                 meta = st.metadata()
                 assert meta["hash"] == h.hex() and int(meta["depth"]) == rows[h].depth
-                assert st.get_tensor("tokens").tolist() == np.frombuffer(rows[h].tokens, "<i4").tolist()
+                toks = st.get_tensor("tokens")
+                assert toks.tolist() == tokens[(rows[h].depth - 1) * C :][: rows[h].ntokens]
+                assert rows[h].first_token == toks[0]
                 keys = st.get_tensor("0.keys")
                 start = (rows[h].depth - 1) * C
                 want = np.array(cache[0].keys[..., start : start + rows[h].ntokens, :])
                 assert np.array_equal(keys, want)
     db = Database(tmp_path / "s" / "index.sqlite")
-    assert {"records", "models", "totals", "meta", "file_digests", "schema_migrations"} <= set(db.table_names())
-    assert {"hash", "parent", "depth", "tokens", "size", "checksum", "last_access", "hits", "pinned",
-            "first_token"} <= set(db["records"].columns_dict)
+    assert {"records", "children", "models", "totals", "meta", "file_digests",
+            "schema_migrations"} <= set(db.table_names())
+    assert {"hash", "parent", "depth", "ntokens", "first_token", "size", "checksum", "last_access", "hits",
+            "pinned"} <= set(db["records"].columns_dict)
+    assert {"parent", "first_token", "hash"} == set(db["children"].columns_dict)
     assert [r["version"] for r in db["schema_migrations"].rows] == [v for v, *_ in available_migrations()]
