@@ -45,6 +45,18 @@ class Graph:
     root: np.ndarray | None = None  # bool: hangs from its namespace (None: every parentless record)
 
     @classmethod
+    def from_index(cls, rows: list[tuple]) -> "Graph":
+        """From `Index.eviction_graph`: (hash, parent, size, last access, flags) tuples, flags
+        1 pinned, 2 stale, 4 hangs from its namespace."""
+        if not rows:
+            return cls.from_rows([])
+        hashes, parents, sizes, last, flags = zip(*rows)
+        f = np.array(flags, dtype=np.int64)
+        return cls(np.frombuffer(b"".join(hashes), dtype="V16"), np.frombuffer(b"".join(parents), dtype="V16"),
+                   np.array(sizes, dtype=np.int64), np.array(last, dtype=np.float64),
+                   (f & 1) > 0, (f & 2) > 0, (f & 4) > 0)
+
+    @classmethod
     def from_rows(cls, rows: list[tuple]) -> "Graph":
         """From (hash, parent, size, last access, pinned, stale[, root]) tuples."""
         if not rows:
@@ -74,14 +86,30 @@ class Plan:
         return cls([], np.zeros(0, np.int64), np.zeros(0, np.int64))
 
 
+def _halves(hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """16-byte hashes as two uint64 (first and last 8 bytes, big-endian): sorting by the pair is
+    sorting by the bytes, and numpy sorts and searches integers many times faster than bytes."""
+    u = np.frombuffer(hashes.tobytes(), dtype=">u8").reshape(-1, 2).astype(np.uint64)
+    return u[:, 0], u[:, 1]
+
+
 def parents(g: Graph) -> tuple[np.ndarray, np.ndarray]:
     """(index of each record's parent, -1 if none is stored; the argsort of the hashes)."""
     n = len(g.hashes)
-    by_hash = np.argsort(g.hashes, kind="stable")
-    sorted_hashes = g.hashes[by_hash]
-    at = np.searchsorted(sorted_hashes, g.parents).clip(0, max(0, n - 1))
-    found = (sorted_hashes[at] == g.parents) if n else np.zeros(0, bool)
-    return np.where(found, by_hash[at] if n else at, -1), by_hash
+    if not n:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    hi, lo = _halves(g.hashes)
+    by_hash = np.lexsort((lo, hi))
+    shi, slo = hi[by_hash], lo[by_hash]
+    phi, plo = _halves(g.parents)
+    left, right = np.searchsorted(shi, phi, "left"), np.searchsorted(shi, phi, "right")
+    at = left.clip(0, n - 1)
+    found = (right > left) & (slo[at] == plo)
+    for i in np.nonzero(right - left > 1)[0]:  # hashes sharing their first 8 bytes: rare
+        j = left[i] + int(np.searchsorted(slo[left[i] : right[i]], plo[i]))
+        if j < right[i] and slo[j] == plo[i]:
+            at[i], found[i] = j, True
+    return np.where(found, by_hash[at], -1), by_hash
 
 
 def unreachable(g: Graph, parent: np.ndarray) -> np.ndarray:

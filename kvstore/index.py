@@ -470,13 +470,14 @@ class Index:
     # -- eviction ---------------------------------------------------------------------------
 
     def eviction_graph(self, stale: Sequence[bytes] = ()) -> list[tuple]:
-        """(hash, parent, size, last access, pinned, of a namespace in `stale`, hangs from its
-        namespace) of every record, for planning an eviction (`evict.Graph.from_rows`)."""
+        """(hash, parent, size, last access, flags) of every record, for planning an eviction
+        (`evict.Graph.from_index`); flags: 1 pinned, 2 of a namespace in `stale`, 4 hangs from
+        its namespace."""
         stale = list(stale)[:_MAX_PARAMS]
         marks = ",".join("?" * len(stale))
-        flag = f"ns IN ({marks})" if stale else "0"
+        flag = f"(ns IN ({marks})) * 2" if stale else "0"
         return self.conn.execute(
-            f"SELECT hash, parent, size, last_access, pinned, {flag}, parent = ns FROM records"
+            f"SELECT hash, parent, size, last_access, (pinned != 0) + {flag} + (parent = ns) * 4 FROM records"
             # A row of the wrong type (a TEXT hash, say) is never planned: verify reports it.
             " WHERE typeof(hash) = 'blob' AND length(hash) = 16 AND typeof(parent) = 'blob'"
             " AND length(parent) = 16 AND typeof(size) = 'integer'"

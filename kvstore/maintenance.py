@@ -55,7 +55,7 @@ def collect(index: Index, root: Path, *, max_bytes: int | None = None, max_age: 
     cutoff = time.time() - max_age if max_age is not None else None
     p = evict.Plan.empty()
     if (max_bytes is not None and total > max_bytes) or cutoff is not None or (stale and stale_namespaces):
-        graph = evict.Graph.from_rows(index.eviction_graph(sorted(stale_namespaces)))
+        graph = evict.Graph.from_index(index.eviction_graph(sorted(stale_namespaces)))
         p = evict.plan(graph, max_bytes=max_bytes, cutoff=cutoff, stale=stale)
     planned = time.perf_counter() - started
     freed, hashes, longest = 0, [], 0.0
@@ -75,7 +75,7 @@ def collect(index: Index, root: Path, *, max_bytes: int | None = None, max_age: 
                 edges += [edge for _, _, edge in deleted]
             # Sweep 2, in the order of the `children` table: the edges of the rows deleted.
             edges.sort()
-            for took, _ in _batches(index, edges, index.forget_edges):
+            for took, _ in _batches(index, edges, lambda part: _forget_edges(index, root, part)):
                 longest = max(longest, took)
     return {
         "evicted": len(hashes),
@@ -99,6 +99,13 @@ def _evict(index: Index, root: Path, part: list[bytes], victims: set[bytes]) -> 
         for h, _, _ in deleted:  # after the commit: a crash before here leaves orphan files only
             blobs.remove(root, h)
     return deleted
+
+
+def _forget_edges(index: Index, root: Path, part: list[tuple]) -> int:
+    # Under the lock too: a writer then waits on it, and is woken the moment this commits,
+    # instead of polling SQLite's lock with sleeps of up to 100 ms.
+    with blobs.tree_lock(root, exclusive=True):
+        return index.forget_edges(part)
 
 
 def _batches(index: Index, items: list, step) -> Iterator[tuple[float, object]]:

@@ -433,8 +433,13 @@ class Writer:
             touches, self._touches = self._touches, {}
             self._last_touch_flush = time.monotonic()
         if touches and self.index is not None:
+            # Under the shared tree lock, as every write of the index: while gc (which holds it
+            # exclusively around its transactions) runs, this waits on the lock and wakes when gc
+            # commits, instead of polling SQLite's lock with sleeps of up to 100 ms.
+            lock = blobs.tree_lock(self.root, exclusive=False) if self.root is not None else nullcontext()
             try:
-                self.index.touch(touches)
+                with lock:
+                    self.index.touch(touches)
             except Exception as e:
                 self._count_error(e)
 

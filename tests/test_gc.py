@@ -180,7 +180,8 @@ def test_gc_evicts_what_the_leaf_by_leaf_rule_would(tmp_path, small_store, share
     path = tmp_path / "s"
     shutil.copytree(src, path)
     with kvstore.open(path, chunk_size=C, memory_bytes=0) as store:
-        rows = store.index.eviction_graph()
+        rows = [(h, parent, size, last, flags & 1, 0)  # flags: 1 pinned
+                for h, parent, size, last, flags in store.index.eviction_graph()]
         before = {r[0] for r in rows}
         total = store.stats()["bytes"]
         max_bytes = None if share is None else int(total * share)
