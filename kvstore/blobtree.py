@@ -29,6 +29,40 @@ def remove(root: Path, h: bytes) -> None:
     remove_entry(root, (name[:2], name[2:4], name + SUFFIX))
 
 
+def remove_all(root: Path, hashes: Sequence[bytes]) -> None:
+    """`remove` for many blobs, each hex folder opened once for all of its blobs (give the
+    hashes sorted: then neighbours share folders)."""
+    folders: dict[str, int | None] = {}
+    try:
+        for h in hashes:
+            if not isinstance(h, bytes) or len(h) != 16:
+                continue
+            name = h.hex()
+            key = name[:4]
+            if key not in folders:
+                for fd in folders.values():  # keep one folder open at a time
+                    if fd is not None:
+                        os.close(fd)
+                folders.clear()
+                try:
+                    folders[key] = _open_folder(root, (name[:2], name[2:4]))
+                except OSError:
+                    folders[key] = None  # no such folder: none of its blobs is there
+            fd = folders[key]
+            if fd is None:
+                continue
+            try:
+                os.unlink(name + SUFFIX, dir_fd=fd)
+            except FileNotFoundError:
+                pass
+            except OSError:
+                remove(root, h)  # a folder in its place, say: the careful way
+    finally:
+        for fd in folders.values():
+            if fd is not None:
+                os.close(fd)
+
+
 def remove_entry(root: Path, parts: Sequence[str], *, directory_too: bool = True) -> bool:
     """Unlink `root/parts...` relative to folders opened with O_NOFOLLOW: a symbolic link
     anywhere on the way (the blob tree itself, a hex folder) stops it, so nothing outside the

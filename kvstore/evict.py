@@ -46,15 +46,17 @@ class Graph:
 
     @classmethod
     def from_index(cls, rows: list[tuple]) -> "Graph":
-        """From `Index.eviction_graph`: (hash, parent, size, last access, flags) tuples, flags
-        1 pinned, 2 stale, 4 hangs from its namespace."""
+        """From `Index.eviction_graph`: (hash + parent, last access, size * 8 + flags) tuples,
+        flags 1 pinned, 2 stale, 4 hangs from its namespace."""
         if not rows:
             return cls.from_rows([])
-        hashes, parents, sizes, last, flags = zip(*rows)
-        f = np.array(flags, dtype=np.int64)
-        return cls(np.frombuffer(b"".join(hashes), dtype="V16"), np.frombuffer(b"".join(parents), dtype="V16"),
-                   np.array(sizes, dtype=np.int64), np.array(last, dtype=np.float64),
-                   (f & 1) > 0, (f & 2) > 0, (f & 4) > 0)
+        # numpy copies the tuples into one record array in C; "S32" keeps every byte (a hash
+        # that ends in zero bytes is stored as it is, zero-padded to the same bytes).
+        packed = np.array(rows, dtype=[("hp", "S32"), ("last", "f8"), ("sf", "i8")])
+        cols = np.frombuffer(packed.tobytes(), dtype=[("h", "V16"), ("p", "V16"), ("last", "f8"), ("sf", "i8")])
+        sf = cols["sf"]
+        return cls(cols["h"].copy(), cols["p"].copy(), sf >> 3, cols["last"].copy(),
+                   (sf & 1) > 0, (sf & 2) > 0, (sf & 4) > 0)
 
     @classmethod
     def from_rows(cls, rows: list[tuple]) -> "Graph":
@@ -102,7 +104,12 @@ def parents(g: Graph) -> tuple[np.ndarray, np.ndarray]:
     by_hash = np.lexsort((lo, hi))
     shi, slo = hi[by_hash], lo[by_hash]
     phi, plo = _halves(g.parents)
-    left, right = np.searchsorted(shi, phi, "left"), np.searchsorted(shi, phi, "right")
+    # Searched in sorted order (then put back): each search starts where the last one ended,
+    # reading the sorted keys once from end to end instead of at random.
+    by_parent = np.argsort(phi, kind="stable")
+    left, right = np.empty(n, np.int64), np.empty(n, np.int64)
+    left[by_parent] = np.searchsorted(shi, phi[by_parent], "left")
+    right[by_parent] = np.searchsorted(shi, phi[by_parent], "right")
     at = left.clip(0, n - 1)
     found = (right > left) & (slo[at] == plo)
     for i in np.nonzero(right - left > 1)[0]:  # hashes sharing their first 8 bytes: rare

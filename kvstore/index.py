@@ -16,7 +16,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Container, Iterable, Iterator, Sequence
+from typing import Iterable, Iterator, Sequence
 
 from . import faults
 from .errors import CorruptIndexError, SchemaTooNewError, StoreOpenError
@@ -470,53 +470,69 @@ class Index:
     # -- eviction ---------------------------------------------------------------------------
 
     def eviction_graph(self, stale: Sequence[bytes] = ()) -> list[tuple]:
-        """(hash, parent, size, last access, flags) of every record, for planning an eviction
-        (`evict.Graph.from_index`); flags: 1 pinned, 2 of a namespace in `stale`, 4 hangs from
-        its namespace."""
+        """(hash + parent, last access, size * 8 + flags) of every record, for planning an
+        eviction (`evict.Graph.from_index`); flags: 1 pinned, 2 of a namespace in `stale`, 4 hangs
+        from its namespace. Three columns, two of them numbers: at a million rows making the
+        Python values is most of the time this takes."""
         stale = list(stale)[:_MAX_PARAMS]
         marks = ",".join("?" * len(stale))
         flag = f"(ns IN ({marks})) * 2" if stale else "0"
         return self.conn.execute(
-            f"SELECT hash, parent, size, last_access, (pinned != 0) + {flag} + (parent = ns) * 4 FROM records"
+            f"SELECT CAST(hash || parent AS BLOB), last_access, "
+            f"size * 8 + (pinned != 0) + {flag} + (parent = ns) * 4 FROM records"
             # A row of the wrong type (a TEXT hash, say) is never planned: verify reports it.
             " WHERE typeof(hash) = 'blob' AND length(hash) = 16 AND typeof(parent) = 'blob'"
             " AND length(parent) = 16 AND typeof(size) = 'integer'"
             " AND typeof(last_access) IN ('integer', 'real') AND typeof(pinned) = 'integer'",
             stale).fetchall()
 
-    def evict(self, batch: Sequence[bytes], victims: Container[bytes]) -> list[tuple[bytes, int, tuple]]:
-        """Delete, in one transaction, those records of `batch` that are unpinned and have no
-        stored child outside `victims` (all that gc evicts): the check is made here, so a record
-        pinned, or given a new child by another process, since gc chose it stays. Give `batch` in
-        hash order (neighbours in the table). Returns (hash, size, edge) of the rows deleted:
-        delete their files only now that this has committed, and their edges (`forget_edges`)."""
-        deleted: list[tuple[bytes, int, tuple]] = []
-        with self.transaction() as conn:
-            for start in range(0, len(batch), _MAX_PARAMS):
-                part = list(batch[start : start + _MAX_PARAMS])
-                marks = ",".join("?" * len(part))
-                held = {parent for parent, child in conn.execute(
-                    "SELECT c.parent, c.hash FROM children c JOIN records r ON r.hash = c.hash "
-                    f"WHERE c.parent IN ({marks})", part) if child not in victims}
-                go = [h for h in part if h not in held]
-                if not go:
-                    continue
-                marks = ",".join("?" * len(go))
-                deleted += [(h, size, (parent, first, h)) for h, size, parent, first in conn.execute(
-                    f"DELETE FROM records WHERE hash IN ({marks}) AND pinned = 0 "
-                    "RETURNING hash, size, parent, coalesce(first_token, -1)", go)]
-        return deleted
+    @contextmanager
+    def victims(self, hashes: Iterable[bytes]) -> Iterator[None]:
+        """What gc evicts, held for `evict` in a table of this connection's own (in memory)."""
+        conn = self.conn
+        conn.execute("PRAGMA temp_store = MEMORY")
+        conn.execute("DROP TABLE IF EXISTS temp.victims")
+        conn.execute("CREATE TEMP TABLE victims (hash BLOB PRIMARY KEY) WITHOUT ROWID")
+        try:
+            hashes = sorted(hashes)
+            conn.execute("BEGIN")  # (of the temporary table only: no lock on the index)
+            try:
+                for start in range(0, len(hashes), _MAX_PARAMS):
+                    part = hashes[start : start + _MAX_PARAMS]
+                    conn.execute("INSERT OR IGNORE INTO temp.victims VALUES " + ",".join(["(?)"] * len(part)), part)
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+            conn.execute("COMMIT")
+            yield
+        finally:
+            conn.execute("DROP TABLE IF EXISTS temp.victims")
 
-    def forget_edges(self, edges: Sequence[tuple[bytes, int, bytes]]) -> int:
-        """Delete, in one transaction, the (parent, first token, hash) edges of `children` whose
-        record is not stored (any more). Give them sorted (the table's order). Returns how many
-        went."""
+    def evict(self, lo: bytes, hi: bytes) -> list[tuple[bytes, int, bytes]]:
+        """Delete, in one transaction, the records of `victims` from `lo` to `hi` (hashes,
+        inclusive: neighbours in the table) that are unpinned and have no stored child outside
+        the victims. The check is made here, so a record pinned, or given a new child by another
+        process, since gc chose it stays. Returns (hash, size, first 2 bytes of its parent) of
+        the rows deleted: delete their files only now that this has committed, and then their
+        edges (`forget_edges`)."""
         with self.transaction() as conn:
-            before = conn.total_changes
-            conn.executemany(
-                "DELETE FROM children WHERE parent = ? AND first_token = ? AND hash = ? AND NOT EXISTS "
-                "(SELECT 1 FROM records r WHERE r.hash = children.hash)", edges)
-            return conn.total_changes - before
+            return conn.execute(
+                "DELETE FROM records WHERE hash IN (SELECT hash FROM temp.victims WHERE hash BETWEEN ? AND ?) "
+                "AND pinned = 0 AND NOT EXISTS (SELECT 1 FROM children c JOIN records k ON k.hash = c.hash "
+                "WHERE c.parent = records.hash AND c.hash NOT IN (SELECT hash FROM temp.victims)) "
+                "RETURNING hash, size, substr(parent, 1, 2)", (lo, hi)).fetchall()
+
+    def forget_edges(self, lo: bytes, hi: bytes | None) -> int:
+        """Delete, in one transaction, the edges of `children` from parents `lo` (a hash prefix,
+        inclusive) to `hi` (exclusive; None: to the end) to the records of `victims` that are not
+        stored (any more). Returns how many went."""
+        with self.transaction() as conn:
+            bound = "" if hi is None else " AND parent < ?"
+            return conn.execute(
+                f"DELETE FROM children WHERE parent >= ?{bound} "
+                "AND hash IN (SELECT hash FROM temp.victims) AND NOT EXISTS "
+                "(SELECT 1 FROM records r WHERE r.hash = children.hash)",
+                (lo,) if hi is None else (lo, hi)).rowcount
 
     def forget_lost_edges(self) -> int:
         """Delete every edge whose record is gone (a gc stopped between its two sweeps leaves

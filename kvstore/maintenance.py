@@ -33,11 +33,13 @@ ORPHAN_SHARE = 0.10
 ORPHAN_FEW = 8
 # Rows per gc transaction: adapted to keep each one near _TX_TARGET_S (other processes' inserts
 # wait for it), within these bounds.
-_BATCH_MIN, _BATCH_START, _BATCH_MAX = 50, 500, 20000
+_BATCH_START, _BATCH_MAX = 500, 20000
 _TX_TARGET_S = 0.06
-# gc checkpoints the WAL itself after each transaction, holding no lock (none inside its commits,
-# where writers would wait for it): another process's commit that found a backlog would
-# checkpoint it inside its own commit, and inserts waited over 1 s.
+# gc checkpoints the WAL itself, holding no lock (none inside its commits, where writers would
+# wait for it), this often: each checkpoint costs two fsyncs, and gc's transactions write a few
+# hundred pages a second, so another process's commit never finds more than SQLite's 1,000-page
+# autocheckpoint backlog (it would checkpoint it inside its own commit: inserts waited over 1 s).
+_CHECKPOINT_EVERY_S = 0.25
 _CACHE_MIN_KIB, _CACHE_MAX_KIB = 64 << 10, 1 << 20
 # After each transaction gc waits this long, so that a writer waiting for the blob-tree lock
 # (or in SQLite's busy handler) gets its turn before the next one.
@@ -63,19 +65,21 @@ def collect(index: Index, root: Path, *, max_bytes: int | None = None, max_age: 
         freed, hashes = int(p.sizes.sum()) if len(p) else 0, list(p.hashes)
     else:
         order = evict.in_key_order(p)
-        victims = set(order)
-        edges: list[tuple] = []
+        prefixes: set[bytes] = set()
         # A page cache as big as the index (up to 1 GiB) while gc runs.
-        with index.bulk(cache_kib=min(_CACHE_MAX_KIB, max(_CACHE_MIN_KIB, index.file_bytes() // 1024))):
+        with index.bulk(cache_kib=min(_CACHE_MAX_KIB, max(_CACHE_MIN_KIB, index.file_bytes() // 1024))), \
+                index.victims(order):
             # Sweep 1, in hash order: the rows, and each record's file right after its commit.
-            for took, deleted in _batches(index, order, lambda part: _evict(index, root, part, victims)):
+            for took, deleted in _batches(index, order, lambda part: _evict(index, root, part[0], part[-1])):
                 longest = max(longest, took)
                 freed += sum(size for _, size, _ in deleted)
                 hashes += [h for h, _, _ in deleted]
-                edges += [edge for _, _, edge in deleted]
-            # Sweep 2, in the order of the `children` table: the edges of the rows deleted.
-            edges.sort()
-            for took, _ in _batches(index, edges, lambda part: _forget_edges(index, root, part)):
+                prefixes.update(prefix for _, _, prefix in deleted)
+            # Sweep 2, in the order of the `children` table: the edges under the parents of the
+            # rows deleted (by the first two bytes of the parent's hash).
+            ranges = sorted(prefixes)
+            for took, _ in _batches(index, ranges, lambda part: _forget_edges(index, root, part[0], part[-1]),
+                                    start=8):
                 longest = max(longest, took)
     return {
         "evicted": len(hashes),
@@ -90,37 +94,41 @@ def collect(index: Index, root: Path, *, max_bytes: int | None = None, max_age: 
     }
 
 
-def _evict(index: Index, root: Path, part: list[bytes], victims: set[bytes]) -> list[tuple]:
+def _evict(index: Index, root: Path, lo: bytes, hi: bytes) -> list[tuple]:
     # Exclusive of writers: none can find a row here and then lose its file to us.
     with blobs.tree_lock(root, exclusive=True):
-        deleted = index.evict(part, victims)
+        deleted = index.evict(lo, hi)
         if deleted:
             faults.hit("gc_deleted")
-        for h, _, _ in deleted:  # after the commit: a crash before here leaves orphan files only
-            blobs.remove(root, h)
+        # after the commit: a crash before here leaves orphan files only
+        blobtree.remove_all(root, sorted(h for h, _, _ in deleted))
     return deleted
 
 
-def _forget_edges(index: Index, root: Path, part: list[tuple]) -> int:
+def _forget_edges(index: Index, root: Path, first: bytes, last: bytes) -> int:
+    """The edges under parents whose hash starts with 2-byte prefixes `first` to `last`."""
+    n = int.from_bytes(last, "big") + 1
     # Under the lock too: a writer then waits on it, and is woken the moment this commits,
     # instead of polling SQLite's lock with sleeps of up to 100 ms.
     with blobs.tree_lock(root, exclusive=True):
-        return index.forget_edges(part)
+        return index.forget_edges(first, n.to_bytes(2, "big") if n < 1 << 16 else None)
 
 
-def _batches(index: Index, items: list, step) -> Iterator[tuple[float, object]]:
+def _batches(index: Index, items: list, step, start: int = _BATCH_START) -> Iterator[tuple[float, object]]:
     """Run `step` over `items` in consecutive batches, one transaction each, sized to take about
     `_TX_TARGET_S` (another process's insert waits that long at most); checkpoint after each,
     holding no lock, and pause for a writer to get its turn. Yields (seconds, result)."""
-    done, batch = 0, _BATCH_START
+    done, batch, checkpointed = 0, start, time.perf_counter()
     while done < len(items):
         t = time.perf_counter()
         result = step(items[done : done + batch])
         took = time.perf_counter() - t  # waiting for the locks, the transaction, the files
         done += batch
         yield took, result
-        batch = max(_BATCH_MIN, min(_BATCH_MAX, int(batch * _TX_TARGET_S / max(took, 1e-4))))
-        index.checkpoint()
+        batch = max(1, min(_BATCH_MAX, int(batch * _TX_TARGET_S / max(took, 1e-4))))
+        if done >= len(items) or time.perf_counter() - checkpointed > _CHECKPOINT_EVERY_S:
+            index.checkpoint()
+            checkpointed = time.perf_counter()
         if done < len(items):
             time.sleep(_YIELD_S)
 
@@ -326,6 +334,8 @@ def _repair(index: Index, root: Path, problems: list[Problem], bad: set[bytes], 
         rows = index.delete(drop + bad_rows)
         for row in rows:  # after the commit
             blobtree.remove(root, row.hash)
+    # Edges of `children` left by a gc stopped between its two sweeps (readers ignore them).
+    index.forget_lost_edges()
     stamp = time.strftime("%Y%m%d-%H%M%S")
     for p in problems:
         if p.kind not in ("orphan_file", "temp_file", "foreign_file"):

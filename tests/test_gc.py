@@ -180,8 +180,8 @@ def test_gc_evicts_what_the_leaf_by_leaf_rule_would(tmp_path, small_store, share
     path = tmp_path / "s"
     shutil.copytree(src, path)
     with kvstore.open(path, chunk_size=C, memory_bytes=0) as store:
-        rows = [(h, parent, size, last, flags & 1, 0)  # flags: 1 pinned
-                for h, parent, size, last, flags in store.index.eviction_graph()]
+        rows = [(hp[:16], hp[16:], sf >> 3, last, sf & 1, 0)  # size * 8 + flags; 1: pinned
+                for hp, last, sf in store.index.eviction_graph()]
         before = {r[0] for r in rows}
         total = store.stats()["bytes"]
         max_bytes = None if share is None else int(total * share)
@@ -223,15 +223,20 @@ def test_evict_refuses_a_pinned_record_and_one_with_a_child_it_was_not_given(tmp
         parent = next(h for h, r in rows.items() if h in kids_of and not r.pinned)
         pinned_leaf = next(h for h, r in rows.items() if r.pinned and h not in kids_of)
         leaf = next(h for h, r in rows.items() if not r.pinned and h not in kids_of)
+
+        def evict(victims, batch=None):
+            batch = sorted(victims if batch is None else batch)
+            with index.victims(victims):
+                return index.evict(batch[0], batch[-1])
+
         # A child not among the victims (gc did not choose it, or another process added it
         # since gc chose): the parent stays. A pinned record stays.
-        assert index.evict([parent], {parent}) == []
-        assert index.evict([pinned_leaf], {pinned_leaf}) == []
-        assert index.evict(sorted([parent, pinned_leaf]), {parent, pinned_leaf}) == []
+        assert evict({parent}) == []
+        assert evict({pinned_leaf}) == []
+        assert evict({parent, pinned_leaf}) == []
         assert {parent, pinned_leaf} <= _hashes(store)
         r = rows[leaf]
-        leaf_edge = (r.parent, -1 if r.first_token is None else r.first_token, leaf)
-        assert index.evict([leaf], {leaf}) == [(leaf, r.size, leaf_edge)]
+        assert evict({leaf}) == [(leaf, r.size, r.parent[:2])]
         assert leaf not in _hashes(store)
         # A parent whose children are all victims may go first: its children are unreachable
         # from then on (no lookup finds them), and go in a later transaction.
@@ -239,21 +244,19 @@ def test_evict_refuses_a_pinned_record_and_one_with_a_child_it_was_not_given(tmp
                     and all(k not in kids_of and not rows[k].pinned for k in kids))
         kids = kids_of[only]
         victims = {only, *kids}
-        first = index.evict([only], victims)
-        assert [h for h, _, _ in first] == [only]
+        assert [h for h, _, _ in evict(victims, [only])] == [only]
         assert all(k in _hashes(store) for k in kids)
-        deleted = index.evict(sorted(kids), victims)
-        assert {h for h, _, _ in deleted} == set(kids)
-        # Their edges: kept until forgotten, ignored by readers meanwhile, then gone.
-        edges = sorted([e for _, _, e in first + deleted] + [leaf_edge])
-        n_edges = index.conn.execute("SELECT count(*) FROM children").fetchone()[0]
-        assert index.forget_edges(edges) == len(edges)
-        assert index.conn.execute("SELECT count(*) FROM children").fetchone()[0] == n_edges - len(edges)
-        # An edge whose record is stored again is never forgotten.
-        keep = next(h for h in sorted(_hashes(store)) if not rows[h].pinned)
-        k = rows[keep]
-        assert index.forget_edges([(k.parent, -1 if k.first_token is None else k.first_token, keep)]) == 0
-        assert keep in {c.hash for c in index.children(k.parent)}
+        assert {h for h, _, _ in evict(victims, kids)} == set(kids)
+        # Edges: kept until forgotten, ignored by readers meanwhile, then gone; an edge whose
+        # record is stored is never forgotten.
+        edges = lambda: set(index.conn.execute("SELECT parent, hash FROM children"))  # noqa: E731
+        before = edges()
+        gone = {(rows[h].parent, h) for h in (leaf, only, *kids)}
+        assert gone <= before
+        with index.victims({h for _, h in gone} | {parent}):  # (parent: stored, its edge stays)
+            assert index.forget_edges(b"", None) == len(gone)
+        assert edges() == before - gone
+        assert {(r.parent, r.hash) for r in index.rows()} == edges()
         for h in (leaf, only, *kids):  # gc deletes the files after each commit
             kvstore.blobs.remove(store.blob_root, h)
         assert store.verify() == []
