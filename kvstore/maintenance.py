@@ -34,7 +34,7 @@ ORPHAN_FEW = 8
 # Rows per gc transaction: adapted to keep each one near _TX_TARGET_S (other processes' inserts
 # wait for it), within these bounds.
 _BATCH_START, _BATCH_MAX = 500, 20000
-_TX_TARGET_S = 0.06
+_TX_TARGET_S = 0.04
 # gc checkpoints the WAL itself, holding no lock (none inside its commits, where writers would
 # wait for it), this often: each checkpoint costs two fsyncs, and gc's transactions write a few
 # hundred pages a second, so another process's commit never finds more than SQLite's 1,000-page
