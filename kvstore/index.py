@@ -247,9 +247,11 @@ class Index:
     def _migrate(self) -> None:
         known = self._check_schema()
         applied = self.applied()
+        ran = False
         for version, name, sql in known:
             if version in applied:
                 continue
+            ran = True
             with self.transaction() as conn:
                 conn.execute(
                     "CREATE TABLE IF NOT EXISTS schema_migrations "
@@ -266,6 +268,23 @@ class Index:
                     "INSERT INTO schema_migrations (version, name, applied_at) VALUES (?, ?, ?)",
                     (version, name, time.time()),
                 )
+        if ran and applied:
+            self._compact_after_migration()
+
+    def _compact_after_migration(self) -> None:
+        """A migration that rebuilt a table (0016) leaves the old one's pages free in the file
+        and a WAL as big: give the space back when that is most of the file. Best effort: another
+        process using the index makes VACUUM fail, and the free pages are reused anyway."""
+        conn = self.conn
+        try:
+            (free,) = conn.execute("PRAGMA freelist_count").fetchone()
+            (pages,) = conn.execute("PRAGMA page_count").fetchone()
+            (size,) = conn.execute("PRAGMA page_size").fetchone()
+            if free > pages // 2 and free * size > 64 << 20:
+                conn.execute("VACUUM")
+            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+        except sqlite3.OperationalError:
+            pass
 
     # -- settings ---------------------------------------------------------------------------
 

@@ -160,3 +160,60 @@ def test_migrations_are_applied_once_when_many_processes_open_a_new_store(tmp_pa
     assert applied == [(v, name) for v, name, _ in available_migrations()]
     with kvstore.open(path) as store:  # and the store works
         assert store.stats()["chunks"] == 0 and store.verify() == []
+
+
+# -- migration 0016 on a store that has rows ------------------------------------------------
+
+def test_a_schema_15_store_migrates_to_narrow_rows_and_still_restores_exactly(tmp_path, llama):
+    """Migration 0016 moves a store's token ids out of the index and its edges into `children`:
+    a store with schema 15 (token ids in every row) keeps every record, and a prompt that
+    branches inside a stored chunk still restores exactly the common prefix."""
+    from kvstore.index import _split_sql
+    from kvtest import logits_diff
+
+    model_path, model = llama
+    base = rand_tokens(3 * C + 5, seed=160)
+    branch = base[: 2 * C + 7] + rand_tokens(C, seed=161)
+    new = tmp_path / "new"
+    with kvstore.open(new, chunk_size=C) as store:
+        mc = store.bind(model, model_path)
+        for t in (base, base[: C + 3]):
+            mc.insert(t, prefill(model, t))
+        store.flush()
+        rows = list(store.index.rows())
+    # The same store with an index made by migrations 0001-0015, rows holding their token ids.
+    old = tmp_path / "old"
+    old.mkdir(mode=0o700)
+    os.rename(new / "blobs", old / "blobs")
+    con = sqlite3.connect(old / "index.sqlite", isolation_level=None)
+    con.execute("PRAGMA journal_mode = WAL")
+    con.execute("CREATE TABLE schema_migrations (version INTEGER PRIMARY KEY, name TEXT NOT NULL, applied_at REAL NOT NULL)")
+    for version, name, sql in available_migrations():
+        if version > 15:
+            break
+        for statement in _split_sql(sql):
+            con.execute(statement)
+        con.execute("INSERT INTO schema_migrations VALUES (?, ?, 0)", (version, name))
+    con.execute("ATTACH ? AS new", (str(new / "index.sqlite"),))
+    for table in ("meta", "models", "model_files"):
+        con.execute(f"INSERT OR REPLACE INTO {table} SELECT * FROM new.{table}")
+    for r in rows:
+        with blobs.open_blob(old / "blobs", r.hash, size=r.size, checksum=r.checksum) as blob:
+            ids = blob.array("tokens").astype("<i4").tobytes()
+        con.execute("INSERT INTO records (hash, ns, parent, depth, kind, ntokens, tokens, size, checksum, created, "
+                    "last_access, hits, pinned, bad, first_token) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (r.hash, r.ns, r.parent, r.depth, r.kind, r.ntokens, ids, r.size, r.checksum - (1 << 64)
+                     if r.checksum >= 1 << 63 else r.checksum, r.created, r.last_access, r.hits, r.pinned, r.bad,
+                     r.first_token))
+    con.execute("DETACH new")
+    con.close()
+    with kvstore.open(old, chunk_size=C) as store:
+        assert store.index.applied() == [v for v, *_ in available_migrations()]
+        assert sorted(r.hash for r in store.index.rows()) == sorted(r.hash for r in rows)
+        assert store.index.conn.execute("SELECT count(*) FROM children").fetchone()[0] == len(rows)
+        assert store.verify() == []
+        mc = store.bind(model, model_path)
+        assert mc.stored_length(branch) == 2 * C + 7  # the ids of the branched chunk, from its blob
+        cache, rest = mc.fetch(branch)
+        assert len(branch) - len(rest) == 2 * C + 7
+        assert logits_diff(model, cache, rest, branch) <= 1e-4
