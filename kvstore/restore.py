@@ -13,6 +13,8 @@
 from __future__ import annotations
 
 import os
+import threading
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Mapping, NamedTuple, Sequence
@@ -58,6 +60,15 @@ class Plan:
     filled: dict[str, int]  # tokens of each final tensor the copies fill (the rest is spare)
     copies: list[Copy]
     checkpoint: bytes | None  # the checkpoint record restored at p, for checkpointed layers
+    jobs: Mapping[int, tuple[Copy, ...]] = None  # the copies by part (one tuple per part: read
+    # plans are cached by that tuple's identity, and a cached plan hands out the same tuples)
+
+    def __post_init__(self) -> None:
+        if self.jobs is None:
+            jobs: dict[int, list[Copy]] = {}
+            for c in self.copies:
+                jobs.setdefault(c.part, []).append(c)
+            self.jobs = {k: tuple(v) for k, v in jobs.items()}
 
     @property
     def nbytes(self) -> int:
@@ -73,10 +84,41 @@ def restore_point(parts: Sequence[Part], codecs: Sequence[Codec], length: int,
 
 def plan(parts: Sequence[Part], codecs: Sequence[Codec], length: int,
          checkpoints: Mapping[int, bytes] | None = None) -> Plan | None:
-    """What to copy where to restore the longest prefix (<= length) of the chain `parts`, or None."""
+    """What to copy where to restore the longest prefix (<= length) of the chain `parts`, or None.
+
+    The plan depends on the parts' positions and tensor tables, not on which records they are:
+    it is worked out once per (tables, length, checkpoint positions) and reused (a prompt seen
+    again, or another of the same length), since at 32k tokens it is thousands of copies."""
+    checkpoints = checkpoints or {}
+    key = (tuple((q.start, q.ntokens, id(q.entries)) for q in parts), id(codecs), length, tuple(sorted(checkpoints)))
+    with _PLANS_LOCK:
+        hit = _PLANS.get(key)
+        if hit is not None:
+            _PLANS.move_to_end(key)
+    if hit is not None and hit[1] is codecs and all(a is q.entries for a, q in zip(hit[0], parts)):
+        shape = hit[2]
+    else:
+        shape = _plan(parts, codecs, length, checkpoints)
+        with _PLANS_LOCK:  # the tables and codecs are kept alive with it: their ids stay theirs
+            _PLANS[key] = ([q.entries for q in parts], codecs, shape)
+            while len(_PLANS) > _PLANS_MAX:
+                _PLANS.popitem(last=False)
+    if shape is None:
+        return None
+    p, used, finals, filled, copies, jobs, checkpointed = shape
+    return Plan(p, list(parts[:used]), finals, filled, copies, checkpoints.get(p) if checkpointed else None, jobs)
+
+
+_PLANS: "OrderedDict[tuple, tuple]" = OrderedDict()
+_PLANS_MAX = 256
+_PLANS_LOCK = threading.Lock()
+
+
+def _plan(parts: Sequence[Part], codecs: Sequence[Codec], length: int, checkpoints: Mapping[int, bytes]):
+    """`plan`'s work, as (p, parts used, finals, filled, copies, copies by part, checkpointed) or None."""
     leaves = _leaves(codecs)
     layout = _layout(parts, leaves)
-    p, checkpoint = _restore_point(layout, parts, codecs, length, checkpoints or {})
+    p, checkpoint = _restore_point(layout, parts, codecs, length, checkpoints)
     if p <= 0:
         return None
     used = [q for q in parts if q.start < p]
@@ -114,7 +156,8 @@ def plan(parts: Sequence[Part], codecs: Sequence[Codec], length: int,
             for name in names:
                 if filled.get(name, n) != n:  # `valid` said covered: a record lied about its tensors
                     raise BlobError(f"tensor {name!r}: the chain fills {filled[name]} of its {n} tokens")
-    return Plan(p, used, finals, filled, copies, checkpoint)
+    pl = Plan(p, used, finals, filled, copies, checkpoint)
+    return p, len(used), finals, filled, copies, pl.jobs, any(c.checkpointed for c in codecs)
 
 
 def _leaves(codecs: Sequence[Codec]) -> list[tuple[str, Codec]]:
@@ -184,9 +227,7 @@ def fill(pl: Plan, sources: Sequence[Source]) -> tuple[dict[str, mx.array], list
     views = {name: blobs.target(_host(a)) for name, a in finals.items()}
     for name, view in views.items():
         view.array[:, :, pl.filled[name]:] = 0
-    jobs: dict[int, list[Copy]] = {}
-    for c in pl.copies:
-        jobs.setdefault(c.part, []).append(c)
+    jobs = pl.jobs
 
     def run(k: int) -> BlobError | None:
         try:
@@ -228,10 +269,15 @@ def host_slice(final: mx.array, lo: int, hi: int) -> np.ndarray:
 
 
 def _host(a: mx.array) -> np.ndarray:
-    view = np.asarray(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a)
-    if not (view.flags.writeable and view.flags.c_contiguous):
+    """A writable numpy view of an evaluated array's memory (through its buffer: a `view` op
+    would have to be scheduled and waited for, for every array of every fetch)."""
+    m = memoryview(a)
+    if m.readonly or not m.c_contiguous:
         raise BlobError("mlx handed out an array numpy cannot write in place")
-    return view
+    return np.frombuffer(m.cast("B"), dtype=_NP_OF_MX[a.dtype]).reshape(a.shape)
+
+
+_NP_OF_MX = {mxd: npd for tag, (npd, mxd) in blobs._DTYPES.items() if not (tag == "F64" and mxd == mx.float32)}
 
 
 def _nbytes(e: Entry) -> int:

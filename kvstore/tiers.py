@@ -18,25 +18,19 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Iterable, NamedTuple, Protocol, Sequence
+from typing import Any, Iterable, Protocol, Sequence
 
 import mlx.core as mx
 import numpy as np
 
 from . import blobs
+from .blobs import Entry  # noqa: F401 -- re-exported: the plan's view of a tensor
 from .errors import BlobError
 from .index import Index, Row
 from .memory import MemoryTier, Record
 from .writer import Writer
 
 log = logging.getLogger("kvstore")
-
-
-class Entry(NamedTuple):
-    """A tensor of a record, as the plan sees it: safetensors dtype tag and shape."""
-
-    tag: str
-    shape: tuple[int, ...]
 
 
 class Source(Protocol):
@@ -79,9 +73,9 @@ class RecordSource:
     def __init__(self, rec: Record):
         self.hash, self.ntokens, self.record = rec.hash, len(rec.tokens), rec
         self.ns, self.parent, self.depth, self.kind, self.tokens = rec.ns, rec.parent, rec.depth, rec.kind, rec.tokens
-        self.entries = {name: Entry("BF16" if name in rec.views or a.dtype == mx.bfloat16 else blobs.tag_of(a.dtype),
-                                    tuple(a.shape))
-                        for name, a in rec.arrays.items()}
+        self.entries = blobs.shared_entries(
+            {name: Entry("BF16" if name in rec.views or a.dtype == mx.bfloat16 else blobs.tag_of(a.dtype), tuple(a.shape))
+             for name, a in rec.arrays.items()})
         self._host: dict[str, np.ndarray] = {}
 
     def _np(self, name: str) -> np.ndarray:
@@ -118,8 +112,7 @@ class BlobSource:
                                 f"the index {want!r}")
         if "tokens" not in blob.entries or blob.array("tokens").astype("<i4").tobytes() != row.tokens:
             raise BlobError(f"record {row.hash.hex()}: its tokens differ from the index")
-        self.entries = {name: Entry(info["dtype"], tuple(info["shape"]))
-                        for name, info in blob.entries.items() if name != "tokens"}
+        self.entries = blob.layout.deltas  # shared by every record of this layout: never changed
 
     def read_copies(self, copies, targets):
         self.blob.read_copies(copies, targets)
