@@ -99,6 +99,17 @@ def host_bits(a: mx.array) -> tuple[mx.array, mx.Dtype | None]:
     return a, None
 
 
+def host_array(a: mx.array) -> np.ndarray:
+    """An mlx array's memory as numpy, no copy (bfloat16 as its uint16 bits): through its buffer,
+    since a `view` op would have to be scheduled and waited for (per tensor, per record)."""
+    if a.dtype == mx.bfloat16:
+        m = memoryview(a)
+        if m.c_contiguous:
+            return np.frombuffer(m.cast("B"), dtype=np.uint16).reshape(a.shape)
+        return np.asarray(a.view(mx.uint16))
+    return np.asarray(a)
+
+
 def blob_path(root: Path, h: bytes) -> Path:
     name = h.hex()
     return root / name[:2] / name[2:4] / (name + SUFFIX)
@@ -312,6 +323,9 @@ _HEADERS: "OrderedDict[tuple[int, int, int], _Header]" = OrderedDict()
 _HEADERS_MAX = 16384  # parsed headers kept (a 32k-token prompt of a 28-layer model: 128)
 _CACHE_LOCK = threading.Lock()
 _JOIN_BELOW = 16 << 10  # buffers smaller than this are hashed joined: one call beats many
+# A batch read in one preadv stops at this size, so that its tensors are hashed while still in
+# the CPU's caches (a larger batch is read to memory, then read again from it to be hashed).
+_BATCH_BYTES = 256 << 10
 _READS_MAX = 1024  # read plans kept per layout (one per record position of a cached plan)
 
 
@@ -484,7 +498,7 @@ def _read_plan(layout: Layout, copies: Sequence, targets: Mapping[str, Target], 
     for start, end, c, shape, itemsize, cap in todo:
         ti = names.setdefault(c.name, len(names))
         pieces, scratch = _pieces(shape, itemsize, c.lo, c.hi, ti, cap, c.dst, scratch)
-        if start != batch_end or len(buffers) + len(pieces) > _IOV_BATCH:
+        if start != batch_end or len(buffers) + len(pieces) > _IOV_BATCH or end - batch_start > _BATCH_BYTES:
             if buffers:
                 batches.append((batch_start, batch_end - batch_start, buffers, checks))
             buffers, checks, batch_start = [], [], start

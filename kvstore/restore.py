@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import os
 import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +28,7 @@ from .tiers import Entry, Source
 from .unfilled import keep_buffers, unfilled
 
 _POOL_MIN_BYTES = 4 << 20  # below this, threads cost more than they save
+_READ_THREADS = 8
 _pool: ThreadPoolExecutor | None = None
 
 
@@ -225,8 +225,7 @@ def fill(pl: Plan, sources: Sequence[Source]) -> tuple[dict[str, mx.array], list
     keep_buffers(pl.nbytes)
     finals = unfilled({name: (e.tag, e.shape) for name, e in pl.finals.items()})
     views = {name: blobs.target(_host(a)) for name, a in finals.items()}
-    for name, view in views.items():
-        view.array[:, :, pl.filled[name]:] = 0
+    spare = [name for name, view in views.items() if pl.filled[name] < view.array.shape[2]]
     jobs = pl.jobs
 
     def run(k: int) -> BlobError | None:
@@ -236,9 +235,18 @@ def fill(pl: Plan, sources: Sequence[Source]) -> tuple[dict[str, mx.array], list
             return e
         return None
 
+    def zero(names: list[str]) -> None:  # numpy lets go of the GIL while it fills
+        for name in names:
+            views[name].array[:, :, pl.filled[name]:] = 0
+
     if len(jobs) > 1 and pl.nbytes >= _POOL_MIN_BYTES:
-        results = list(_threads().map(run, list(jobs)))
+        pool = _threads()
+        zeroed = [pool.submit(zero, spare[i::2]) for i in range(2)]
+        results = list(pool.map(run, list(jobs)))
+        for f in zeroed:
+            f.result()
     else:
+        zero(spare)
         results = [run(k) for k in jobs]
     del views  # the final arrays are their memory's only owners again (donatable, in place)
     return finals, [(k, e) for k, e in zip(jobs, results) if e is not None]
@@ -269,15 +277,10 @@ def host_slice(final: mx.array, lo: int, hi: int) -> np.ndarray:
 
 
 def _host(a: mx.array) -> np.ndarray:
-    """A writable numpy view of an evaluated array's memory (through its buffer: a `view` op
-    would have to be scheduled and waited for, for every array of every fetch)."""
-    m = memoryview(a)
-    if m.readonly or not m.c_contiguous:
+    view = blobs.host_array(a)
+    if not (view.flags.writeable and view.flags.c_contiguous):
         raise BlobError("mlx handed out an array numpy cannot write in place")
-    return np.frombuffer(m.cast("B"), dtype=_NP_OF_MX[a.dtype]).reshape(a.shape)
-
-
-_NP_OF_MX = {mxd: npd for tag, (npd, mxd) in blobs._DTYPES.items() if not (tag == "F64" and mxd == mx.float32)}
+    return view
 
 
 def _nbytes(e: Entry) -> int:
@@ -290,6 +293,7 @@ def _nbytes(e: Entry) -> int:
 def _threads() -> ThreadPoolExecutor:
     global _pool
     if _pool is None:
-        _pool = ThreadPoolExecutor(max_workers=min(4, max(2, (os.cpu_count() or 2))),
-                                   thread_name_prefix="kvstore-read")
+        # More threads than cores: from the page cache they cost nothing (2 cores: 8 threads as
+        # fast as 2), from a cold disk they keep more reads in flight (8: ~15% faster than 2).
+        _pool = ThreadPoolExecutor(max_workers=_READ_THREADS, thread_name_prefix="kvstore-read")
     return _pool

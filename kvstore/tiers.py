@@ -73,16 +73,20 @@ class RecordSource:
     def __init__(self, rec: Record):
         self.hash, self.ntokens, self.record = rec.hash, len(rec.tokens), rec
         self.ns, self.parent, self.depth, self.kind, self.tokens = rec.ns, rec.parent, rec.depth, rec.kind, rec.tokens
-        self.entries = blobs.shared_entries(
-            {name: Entry("BF16" if name in rec.views or a.dtype == mx.bfloat16 else blobs.tag_of(a.dtype), tuple(a.shape))
-             for name, a in rec.arrays.items()})
-        self._host: dict[str, np.ndarray] = {}
+        # What a record's arrays look like to the restore is worked out once and kept on it (its
+        # arrays never change): a fetch of a long prompt opens hundreds of records.
+        known = rec.__dict__.get("_kvstore_read")
+        if known is None or known[0] is not rec.arrays:
+            entries = blobs.shared_entries(
+                {name: Entry("BF16" if name in rec.views or a.dtype == mx.bfloat16 else blobs.tag_of(a.dtype),
+                             tuple(a.shape)) for name, a in rec.arrays.items()})
+            known = rec.__dict__["_kvstore_read"] = (rec.arrays, entries, {})
+        self.entries, self._host = known[1], known[2]
 
     def _np(self, name: str) -> np.ndarray:
         host = self._host.get(name)
         if host is None:
-            a = self.record.arrays[name]
-            host = self._host[name] = np.asarray(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a)
+            host = self._host[name] = blobs.host_array(self.record.arrays[name])
         return host
 
     def read_copies(self, copies, targets):
@@ -94,7 +98,7 @@ class RecordSource:
         return self._np(name)
 
     def close(self) -> None:
-        self._host.clear()
+        pass
 
 
 class BlobSource:
