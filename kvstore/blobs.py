@@ -403,6 +403,19 @@ class BlobFile:
             os.close(self.fd)
             self.fd = -1
 
+    def cached(self) -> bool:
+        """Whether the file's last byte is in the page cache (readahead fills a file in order, so
+        then all of it most likely is): one non-blocking read. True when the kernel cannot say."""
+        if self._whole is not None or not self.size or not hasattr(os, "RWF_NOWAIT"):
+            return True
+        try:
+            os.preadv(self.fd, [bytearray(1)], self.size - 1, os.RWF_NOWAIT)
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True
+        return True
+
     def read_exact(self, view: memoryview, offset: int) -> None:
         """Fill `view` from `offset` (finishing short reads); BlobError if the file ends early."""
         _preadv_all(self.fd, [view], offset, self.path)
@@ -604,21 +617,34 @@ def open_blob(root: Path, h: bytes, *, size: int, checksum: int | None = None) -
 def prefetch(root: Path, hashes: Sequence[bytes]) -> None:
     """Ask the kernel to start reading these blobs now and to read them ahead as sequential
     files, so the reads that follow overlap with the disk instead of waiting on it one file
-    at a time. Best effort; costs microseconds for files already in the page cache."""
+    at a time: first every file's header (opening them waits for those), then the rest.
+    Best effort; costs microseconds for files already in the page cache."""
     if not hasattr(os, "posix_fadvise"):
         return
-    for h in hashes:
-        try:
-            fd = os.open(_blob_file(root, h), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except OSError:
-            continue
-        try:
-            if stat.S_ISREG(os.fstat(fd).st_mode):
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+    fds = []
+    try:
+        for h in hashes:
+            try:
+                fd = os.open(_blob_file(root, h), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            except OSError:
+                continue
+            fds.append(fd)
+            try:
+                if stat.S_ISREG(os.fstat(fd).st_mode):
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                    os.posix_fadvise(fd, 0, _HEAD_GUESS, os.POSIX_FADV_WILLNEED)
+                else:
+                    fds.pop()
+                    os.close(fd)
+            except OSError:
+                pass
+        for fd in fds:
+            try:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-        except OSError:
-            pass
-        finally:
+            except OSError:
+                pass
+    finally:
+        for fd in fds:
             os.close(fd)
 
 

@@ -50,6 +50,9 @@ class Source(Protocol):
     def array(self, name: str) -> np.ndarray:
         """A whole tensor, checked (bfloat16 as its uint16 bits)."""
 
+    def cold(self) -> bool:
+        """Whether reading it will wait for a disk (then the restore reads more records at once)."""
+
     def close(self) -> None: ...
 
 
@@ -97,6 +100,9 @@ class RecordSource:
     def array(self, name: str) -> np.ndarray:
         return self._np(name)
 
+    def cold(self) -> bool:
+        return False
+
     def close(self) -> None:
         pass
 
@@ -123,6 +129,9 @@ class BlobSource:
 
     def array(self, name: str) -> np.ndarray:
         return self.blob.array(name)
+
+    def cold(self) -> bool:
+        return not self.blob.cached()
 
     def close(self) -> None:
         self.blob.close()
