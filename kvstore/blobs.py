@@ -320,7 +320,7 @@ class _ReadPlan(NamedTuple):
 
 _LAYOUTS: dict[tuple, Layout] = {}
 _HEADERS: "OrderedDict[tuple[int, int, int], _Header]" = OrderedDict()
-_HEADERS_MAX = 16384  # parsed headers kept (a 32k-token prompt of a 28-layer model: 128)
+_HEADERS_MAX = 4096  # parsed headers kept, a few KiB each (a 32k-token prompt of a 28-layer model: 128)
 _CACHE_LOCK = threading.Lock()
 _JOIN_BELOW = 16 << 10  # buffers smaller than this are hashed joined: one call beats many
 # A batch read in one preadv stops at this size, so that its tensors are hashed while still in
@@ -364,6 +364,7 @@ def _header(head: bytes, path: Path, size: int) -> _Header:
     sums = tensor_checksums(metadata, path)
     if sums is not None and set(sums) != set(entries):
         raise BlobError(f"{path}: its checksums do not name exactly its tensors")
+    metadata.pop("checksums", None)  # kept parsed, as ints: the JSON string is most of a header
     return _Header(xxhash.xxh3_128_intdigest(head[:base]), base, _layout_of(entries), metadata,
                    {name: int(v, 16) for name, v in sums.items()} if sums is not None else None)
 
