@@ -20,6 +20,8 @@ import os
 import re
 import stat
 import struct
+import threading
+from collections import OrderedDict
 from pathlib import Path
 from typing import Mapping, NamedTuple, Sequence
 
@@ -97,9 +99,26 @@ def host_bits(a: mx.array) -> tuple[mx.array, mx.Dtype | None]:
     return a, None
 
 
+def host_array(a: mx.array) -> np.ndarray:
+    """An mlx array's memory as numpy, no copy (bfloat16 as its uint16 bits): through its buffer,
+    since a `view` op would have to be scheduled and waited for (per tensor, per record)."""
+    if a.dtype == mx.bfloat16:
+        m = memoryview(a)
+        if m.c_contiguous:
+            return np.frombuffer(m.cast("B"), dtype=np.uint16).reshape(a.shape)
+        return np.asarray(a.view(mx.uint16))
+    return np.asarray(a)
+
+
 def blob_path(root: Path, h: bytes) -> Path:
     name = h.hex()
     return root / name[:2] / name[2:4] / (name + SUFFIX)
+
+
+def _blob_file(root: Path | str, h: bytes) -> str:
+    """`blob_path` as a string, for the read path (a Path costs microseconds per record)."""
+    name = h.hex()
+    return f"{os.fspath(root)}/{name[:2]}/{name[2:4]}/{name}{SUFFIX}"
 
 
 def encode(tensors: Mapping[str, Tensor], metadata: Mapping[str, str]) -> tuple[bytes, list[np.ndarray]]:
@@ -259,6 +278,97 @@ def read(root: Path, h: bytes, *, size: int, checksum: int) -> tuple[dict[str, m
     return arrays, metadata
 
 
+class Entry(NamedTuple):
+    """A tensor of a record, as the restore plans it: safetensors dtype tag and shape."""
+
+    tag: str
+    shape: tuple[int, ...]
+
+
+class Layout:
+    """A blob header's table of tensors (names, dtypes, shapes, offsets from the data start),
+    one object shared by every blob that has the same table (every record of one cache shape).
+    What is worked out from a table once is kept on it: read plans, by the copies they serve."""
+
+    __slots__ = ("infos", "entries", "deltas", "reads", "__weakref__")
+
+    def __init__(self, infos: dict[str, tuple[str, tuple[int, ...], int, int]]):
+        self.infos = infos  # name -> (tag, shape, start, end), offsets from the data start
+        self.entries = {name: Entry(tag, shape) for name, (tag, shape, _, _) in infos.items()}
+        self.deltas = {name: e for name, e in self.entries.items() if name != "tokens"}
+        self.reads: dict[int, tuple] = {}  # id(copies) -> (copies, target shapes, _ReadPlan)
+
+
+class _Header(NamedTuple):
+    digest: int  # xxh3_128 of the header's bytes: a header read again is reused only if unchanged
+    length: int  # 8 + the JSON's length
+    layout: Layout
+    metadata: dict[str, str]
+    checksums: dict[str, int] | None  # name -> xxh3_64; None for a blob written by 0.1
+
+
+class _ReadPlan(NamedTuple):
+    """How to read a set of copies from one layout into targets of given shapes: batches of
+    (offset from the data start, bytes, buffers as (target index or -1 for scratch, start, end),
+    checks as (tensor name, first buffer, end buffer, join small buffers before hashing)),
+    the targets' names and the scratch bytes needed (tokens read only to be checked)."""
+
+    batches: list[tuple[int, int, list[tuple[int, int, int]], list[tuple[str, int, int, bool]]]]
+    names: list[str]
+    scratch: int
+
+
+_LAYOUTS: dict[tuple, Layout] = {}
+_HEADERS: "OrderedDict[tuple[int, int, int], _Header]" = OrderedDict()
+_HEADERS_MAX = 4096  # parsed headers kept, a few KiB each (a 32k-token prompt of a 28-layer model: 128)
+_CACHE_LOCK = threading.Lock()
+_JOIN_BELOW = 16 << 10  # buffers smaller than this are hashed joined: one call beats many
+# A batch read in one preadv stops at this size, so that its tensors are hashed while still in
+# the CPU's caches (a larger batch is read to memory, then read again from it to be hashed).
+_BATCH_BYTES = 256 << 10
+_READS_MAX = 1024  # read plans kept per layout (one per record position of a cached plan)
+
+
+def _layout_of(entries: dict[str, dict]) -> Layout:
+    """The shared Layout of a parsed (and checked) header's tensor entries."""
+    infos = {name: (info["dtype"], tuple(info["shape"]), *info["data_offsets"]) for name, info in entries.items()}
+    key = tuple(infos.items())
+    with _CACHE_LOCK:
+        layout = _LAYOUTS.get(key)
+        if layout is None:
+            if len(_LAYOUTS) >= 1024:  # many shapes: start again (blobs hold their own)
+                _LAYOUTS.clear()
+            layout = _LAYOUTS[key] = Layout(infos)
+    return layout
+
+
+_TABLES: dict[tuple, dict[str, Entry]] = {}
+
+
+def shared_entries(entries: dict[str, Entry]) -> dict[str, Entry]:
+    """One dict object for every equal tensor table (records in RAM): the restore caches its
+    plans by the tables' identity. The dict returned must not be changed."""
+    key = tuple(entries.items())
+    with _CACHE_LOCK:
+        got = _TABLES.get(key)
+        if got is None:
+            if len(_TABLES) >= 1024:
+                _TABLES.clear()
+            got = _TABLES[key] = entries
+    return got
+
+
+def _header(head: bytes, path: Path, size: int) -> _Header:
+    """Parse and check a blob's header bytes, or reuse the parse of the same bytes."""
+    entries, base, metadata = _parse(head, path, size)
+    sums = tensor_checksums(metadata, path)
+    if sums is not None and set(sums) != set(entries):
+        raise BlobError(f"{path}: its checksums do not name exactly its tensors")
+    metadata.pop("checksums", None)  # kept parsed, as ints: the JSON string is most of a header
+    return _Header(xxhash.xxh3_128_intdigest(head[:base]), base, _layout_of(entries), metadata,
+                   {name: int(v, 16) for name, v in sums.items()} if sums is not None else None)
+
+
 class BlobFile:
     """An open blob whose header was read and checked (size, header, the record it names).
 
@@ -267,12 +377,13 @@ class BlobFile:
     per-tensor checksums) is read whole when opened and checked by `checksum`, the old way.
     """
 
-    def __init__(self, fd: int, path: Path, size: int, head: bytes, h: bytes, checksum: int | None):
+    def __init__(self, fd: int, path: Path | str, size: int, header: _Header, h: bytes, checksum: int | None):
         self.fd, self.path, self.size = fd, path, size
-        self.entries, self.base, self.metadata = _parse(head, path, size)
+        self.layout, self.base, self.metadata = header.layout, header.length, header.metadata
+        self.entries = self.layout.entries
         if self.metadata.get("hash") != h.hex():
             raise BlobError(f"{path}: its header names record {self.metadata.get('hash')!r}")
-        self.checksums = tensor_checksums(self.metadata, path)
+        self.checksums = header.checksums
         self._whole: bytearray | None = None
         if self.checksums is None:  # 0.1: no per-tensor sums, so the whole file is checked now
             if checksum is None:
@@ -281,8 +392,6 @@ class BlobFile:
             self.read_exact(memoryview(self._whole), 0)
             if xxhash.xxh3_64_intdigest(self._whole) != checksum:
                 raise BlobError(f"{path}: checksum mismatch")
-        elif set(self.checksums) != set(self.entries):
-            raise BlobError(f"{path}: its checksums do not name exactly its tensors")
 
     def __enter__(self) -> "BlobFile":
         return self
@@ -295,100 +404,79 @@ class BlobFile:
             os.close(self.fd)
             self.fd = -1
 
+    def cached(self) -> bool:
+        """Whether the file's last byte is in the page cache (readahead fills a file in order, so
+        then all of it most likely is): one non-blocking read. True when the kernel cannot say."""
+        if self._whole is not None or not self.size or not hasattr(os, "RWF_NOWAIT"):
+            return True
+        try:
+            os.preadv(self.fd, [bytearray(1)], self.size - 1, os.RWF_NOWAIT)
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True
+        return True
+
     def read_exact(self, view: memoryview, offset: int) -> None:
         """Fill `view` from `offset` (finishing short reads); BlobError if the file ends early."""
         _preadv_all(self.fd, [view], offset, self.path)
 
     def array(self, name: str) -> np.ndarray:
         """One whole tensor as numpy (bfloat16 as its uint16 bits), checked."""
-        info = self.entries[name]
-        out = np.empty(info["shape"], dtype=_DTYPES[info["dtype"]][0])
-        self.read_tokens(name, 0, out.shape[2] if out.ndim >= 3 else 0, out)
-        return out
-
-    def read_tokens(self, name: str, lo: int, hi: int, dst: np.ndarray) -> None:
-        """Tokens [lo, hi) (axis 2) of tensor `name`, (B, H, T, ...), into `dst`, (B, H, hi - lo, ...),
-        whose every head `dst[b, h]` is contiguous and writable. The rest of the tensor is read
-        into scratch memory only to be checksummed. Tensors of fewer than 3 axes: whole (lo = hi = 0).
-        Raises BlobError if the tensor does not match its checksum: `dst` must then not be used."""
-        info = self.entries.get(name)
+        info = self.layout.infos.get(name)
         if info is None:
             raise BlobError(f"{self.path}: no tensor {name!r}")
-        shape = list(info["shape"])
-        np_dtype = _DTYPES[info["dtype"]][0]
-        start, end = (self.base + o for o in info["data_offsets"])
-        if dst.dtype.itemsize != np_dtype.itemsize:
-            raise BlobError(f"{self.path}: tensor {name!r} is {info['dtype']}, not {dst.dtype}")
-        if len(shape) < 3:
-            if list(dst.shape) != shape:
-                raise BlobError(f"{self.path}: tensor {name!r} is {shape}, not {list(dst.shape)}")
-            iovecs = [memoryview(dst.reshape(-1).view(np.uint8))] if end > start else []
-        else:
-            if (dst.ndim != len(shape) or list(dst.shape[:2]) != shape[:2] or list(dst.shape[3:]) != shape[3:]
-                    or not 0 <= lo <= hi <= shape[2] or dst.shape[2] != hi - lo):
-                raise BlobError(f"{self.path}: tensor {name!r} {shape} has no tokens [{lo}, {hi}) "
-                                f"of the shape {list(dst.shape)}")
-            iovecs = self._head_iovecs(shape, np_dtype.itemsize, lo, hi, dst)
+        tag, shape, start, end = info
+        out = np.empty(shape, dtype=_DTYPES[tag][0])
+        view = memoryview(out.reshape(-1).view(np.uint8))
         if self._whole is not None:  # 0.1 blob: already read and checked
-            self._copy_whole(iovecs, start)
-            return
-        pos = start
-        for i in range(0, len(iovecs), _IOV_BATCH):
-            pos += _preadv_all(self.fd, iovecs[i : i + _IOV_BATCH], pos, self.path)
-        digest = xxhash.xxh3_64()
-        for v in iovecs:
-            digest.update(v)
-        if digest.hexdigest() != self.checksums[name]:
+            self._copy_whole([view], self.base + start)
+            return out
+        _preadv_all(self.fd, [view], self.base + start, self.path)
+        if xxhash.xxh3_64_intdigest(view) != self.checksums[name]:
             raise BlobError(f"{self.path}: tensor {name!r} does not match its checksum")
+        return out
 
     def read_copies(self, copies: Sequence, targets: Mapping[str, Target]) -> None:
         """Several tensors' token ranges at once: each copy `(name, lo, hi, dst)` puts tokens
         [lo, hi) of tensor `name` at tokens [dst, dst + hi - lo) of `targets[name]`, a C-contiguous
         (B, H, capacity, ...) array. Tensors that follow each other in the file are read with one
-        `preadv`; each is checked against its own checksum. BlobError names the first bad one."""
-        plan = []
-        for c in copies:
-            info = self.entries.get(c.name)
-            target = targets[c.name]
-            if info is None:
-                raise BlobError(f"{self.path}: no tensor {c.name!r}")
-            shape = info["shape"]
-            itemsize = _DTYPES[info["dtype"]][0].itemsize
-            t = target.array
-            if (len(shape) < 3 or t.ndim != len(shape) or t.dtype.itemsize != itemsize
-                    or t.shape[:2] != tuple(shape[:2]) or t.shape[3:] != tuple(shape[3:])
-                    or not 0 <= c.lo <= c.hi <= shape[2] or c.dst + c.hi - c.lo > t.shape[2]):
-                raise BlobError(f"{self.path}: tensor {c.name!r} {shape} has no tokens [{c.lo}, {c.hi}) "
-                                f"for a {list(t.shape)} array")
-            start, end = (self.base + o for o in info["data_offsets"])
-            plan.append((start, end, c, shape, itemsize, target))
-        plan.sort(key=lambda x: x[0])
-        batch: list[memoryview] = []
-        spans: list[tuple[str, int, int]] = []
-        batch_start = batch_end = -1
-        for start, end, c, shape, itemsize, target in plan:
-            iovecs = _flat_iovecs(shape, itemsize, c.lo, c.hi, target.flat, target.array.shape[2], c.dst)
-            if start != batch_end or len(batch) + len(iovecs) > _IOV_BATCH:
-                self._read_batch(batch, spans, batch_start)
-                batch, spans, batch_start = [], [], start
-            spans.append((c.name, len(batch), len(batch) + len(iovecs)))
-            batch += iovecs
-            batch_end = end
-        self._read_batch(batch, spans, batch_start)
+        `preadv`; each is checked against its own checksum. BlobError names the first bad one.
 
-    def _read_batch(self, batch: list[memoryview], spans: list[tuple[str, int, int]], start: int) -> None:
-        if not batch:
-            return
-        if self._whole is not None:  # 0.1 blob: already read and checked
-            self._copy_whole(batch, start)
-            return
-        _preadv_all(self.fd, list(batch), start, self.path)
-        for name, i, j in spans:
-            digest = xxhash.xxh3_64()
-            for v in batch[i:j]:
-                digest.update(v)
-            if digest.hexdigest() != self.checksums[name]:
-                raise BlobError(f"{self.path}: tensor {name!r} does not match its checksum")
+        The buffers and checks are worked out once per layout and `copies` object (the restore
+        passes the same tuple for every record of a cached plan) and target shapes."""
+        plan = self._read_plan(copies, targets)
+        flats = [targets[name].flat for name in plan.names]
+        scratch = memoryview(bytearray(plan.scratch)) if plan.scratch else None
+        for start, nbytes, buffers, checks in plan.batches:
+            views = [flats[t][a:b] if t >= 0 else scratch[a:b] for t, a, b in buffers]
+            if self._whole is not None:  # 0.1 blob: already read and checked
+                self._copy_whole(views, self.base + start)
+                continue
+            _preadv_all(self.fd, views, self.base + start, self.path, nbytes)
+            for name, i, j, join in checks:
+                if j - i == 1:
+                    got = xxhash.xxh3_64_intdigest(views[i])
+                elif join:
+                    got = xxhash.xxh3_64_intdigest(b"".join(views[i:j]))
+                else:
+                    digest = xxhash.xxh3_64()
+                    for v in views[i:j]:
+                        digest.update(v)
+                    got = digest.intdigest()
+                if got != self.checksums[name]:
+                    raise BlobError(f"{self.path}: tensor {name!r} does not match its checksum")
+
+    def _read_plan(self, copies: Sequence, targets: Mapping[str, Target]) -> _ReadPlan:
+        reads = self.layout.reads
+        hit = reads.get(id(copies))
+        if hit is not None and hit[0] is copies and all(targets[n].array.shape == s for n, s in hit[1]):
+            return hit[2]
+        plan = _read_plan(self.layout, copies, targets, self.path)
+        if len(reads) >= _READS_MAX:
+            reads.clear()
+        reads[id(copies)] = (copies, [(n, targets[n].array.shape) for n in plan.names], plan)
+        return plan
 
     def _copy_whole(self, views: list[memoryview], start: int) -> None:
         """Fill `views` in order from offset `start` of a 0.1 blob held whole in memory."""
@@ -397,30 +485,69 @@ class BlobFile:
             v[:] = whole[start : start + len(v)]
             start += len(v)
 
-    @staticmethod
-    def _head_iovecs(shape: list[int], itemsize: int, lo: int, hi: int, dst: np.ndarray) -> list[memoryview]:
-        """Buffers in file order for a (B, H, T, ...) tensor: per head, scratch for tokens before
-        lo, the head's slice of `dst`, scratch for tokens from hi on."""
-        row = itemsize * int(np.prod(shape[3:], dtype=np.int64)) if len(shape) > 3 else itemsize
-        before, after = lo * row, (shape[2] - hi) * row
-        heads = shape[0] * shape[1]
-        scratch = memoryview(bytearray((before + after) * heads)) if before + after else None
-        out: list[memoryview] = []
-        k = 0
-        for b in range(shape[0]):
-            for hh in range(shape[1]):
-                if before:
-                    out.append(scratch[k : k + before])
-                    k += before
-                if hi > lo:
-                    part = dst[b, hh]
-                    if not part.flags.c_contiguous or not part.flags.writeable:
-                        raise ValueError("each head of the target must be contiguous and writable")
-                    out.append(memoryview(part.reshape(-1).view(np.uint8)))
-                if after:
-                    out.append(scratch[k : k + after])
-                    k += after
-        return out
+
+def _read_plan(layout: Layout, copies: Sequence, targets: Mapping[str, Target], path: Path) -> _ReadPlan:
+    """The buffers (in file order) and checks of `copies`; BlobError if a copy does not fit."""
+    todo = []
+    for c in copies:
+        info = layout.infos.get(c.name)
+        if info is None:
+            raise BlobError(f"{path}: no tensor {c.name!r}")
+        tag, shape, start, end = info
+        itemsize = _DTYPES[tag][0].itemsize
+        t = targets[c.name].array
+        if (len(shape) < 3 or t.ndim != len(shape) or t.dtype.itemsize != itemsize
+                or t.shape[:2] != shape[:2] or t.shape[3:] != shape[3:]
+                or not 0 <= c.lo <= c.hi <= shape[2] or c.dst < 0 or c.dst + c.hi - c.lo > t.shape[2]):
+            raise BlobError(f"{path}: tensor {c.name!r} {list(shape)} has no tokens [{c.lo}, {c.hi}) "
+                            f"for a {list(t.shape)} array")
+        todo.append((start, end, c, shape, itemsize, t.shape[2]))
+    todo.sort(key=lambda x: x[0])
+    names: dict[str, int] = {}
+    batches: list = []
+    buffers: list[tuple[int, int, int]] = []
+    checks: list[tuple[str, int, int, bool]] = []
+    scratch = 0
+    batch_start = batch_end = -1
+    for start, end, c, shape, itemsize, cap in todo:
+        ti = names.setdefault(c.name, len(names))
+        pieces, scratch = _pieces(shape, itemsize, c.lo, c.hi, ti, cap, c.dst, scratch)
+        if start != batch_end or len(buffers) + len(pieces) > _IOV_BATCH or end - batch_start > _BATCH_BYTES:
+            if buffers:
+                batches.append((batch_start, batch_end - batch_start, buffers, checks))
+            buffers, checks, batch_start = [], [], start
+        small = len(pieces) > 1 and (end - start) < _JOIN_BELOW * len(pieces)
+        checks.append((c.name, len(buffers), len(buffers) + len(pieces), small))
+        buffers += pieces
+        batch_end = end
+    if buffers:
+        batches.append((batch_start, batch_end - batch_start, buffers, checks))
+    return _ReadPlan(batches, list(names), scratch)
+
+
+def _pieces(shape: tuple[int, ...], itemsize: int, lo: int, hi: int, ti: int, cap: int, dst: int,
+            scratch: int) -> tuple[list[tuple[int, int, int]], int]:
+    """Buffers in file order for tokens [lo, hi) of a (B, H, T, ...) tensor going to tokens
+    [dst, ...) of target `ti`, a flat (B, H, cap, ...) array; scratch (index -1, from byte
+    `scratch` on) for the tokens around them. Heads whose tokens follow each other in the
+    target (the whole capacity is read) become one buffer. Returns them and the scratch used."""
+    row = itemsize * math.prod(shape[3:])
+    T, heads = shape[2], shape[0] * shape[1]
+    before, after, take = lo * row, (T - hi) * row, (hi - lo) * row
+    out: list[tuple[int, int, int]] = []
+    if not before and not after and dst == 0 and hi - lo == cap:  # the target is the tensor
+        return ([(ti, 0, heads * take)] if take * heads else []), scratch
+    for head in range(heads):
+        if before:
+            out.append((-1, scratch, scratch + before))
+            scratch += before
+        if take:
+            at = (head * cap + dst) * row
+            out.append((ti, at, at + take))
+        if after:
+            out.append((-1, scratch, scratch + after))
+            scratch += after
+    return out, scratch
 
 
 class Target(NamedTuple):
@@ -437,34 +564,14 @@ def target(array: np.ndarray) -> Target:
     return Target(array, memoryview(array.reshape(-1).view(np.uint8)))
 
 
-def _flat_iovecs(shape: list[int], itemsize: int, lo: int, hi: int, flat: memoryview, cap: int,
-                 dst: int) -> list[memoryview]:
-    """Buffers in file order for tokens [lo, hi) of a (B, H, T, ...) tensor going to tokens
-    [dst, ...) of a flat (B, H, cap, ...) target; scratch for the tokens around them."""
-    row = itemsize * math.prod(shape[3:])
-    T, heads = shape[2], shape[0] * shape[1]
-    before, after, take = lo * row, (T - hi) * row, (hi - lo) * row
-    scratch = memoryview(bytearray((before + after) * heads)) if before + after else None
-    out: list[memoryview] = []
-    k = 0
-    for head in range(heads):
-        if before:
-            out.append(scratch[k : k + before])
-            k += before
-        if take:
-            at = (head * cap + dst) * row
-            out.append(flat[at : at + take])
-        if after:
-            out.append(scratch[k : k + after])
-            k += after
-    return out
-
-
 def open_blob(root: Path, h: bytes, *, size: int, checksum: int | None = None) -> BlobFile:
     """Open the blob of record `h` for reading, checked against its row's `size` (and, for a blob
     written by 0.1, `checksum`). Never follows a link, never blocks on a FIFO: anything that is
-    not a regular file of that size is damage (BlobError)."""
-    path = blob_path(root, h)
+    not a regular file of that size is damage (BlobError).
+
+    A header is parsed once: a file opened again (same device, inode and size) whose header
+    bytes are unchanged (same length and xxh3_128) reuses the parse."""
+    path = _blob_file(root, h)
     if type(size) is not int or not 0 <= size <= MAX_BLOB_BYTES or (checksum is not None and type(checksum) is not int):
         raise BlobError(f"{path}: the index says {size!r:.40} bytes, which no blob has")
     try:
@@ -479,12 +586,27 @@ def open_blob(root: Path, h: bytes, *, size: int, checksum: int | None = None) -
             raise BlobError(f"{path}: not a regular file")
         if st.st_size != size:
             raise BlobError(f"{path}: {st.st_size} bytes on disk, the index says {size}")
-        head = os.pread(fd, min(size, _HEAD_GUESS), 0)
-        if len(head) >= 8:
-            (n,) = struct.unpack_from("<Q", head, 0)
-            if len(head) < 8 + n <= min(size, _HEADER_LIMIT + 8):
-                head += os.pread(fd, 8 + n - len(head), len(head))
-        return BlobFile(fd, path, size, head, h, checksum)
+        key = (st.st_dev, st.st_ino, size)
+        with _CACHE_LOCK:
+            known = _HEADERS.get(key)
+        header = None
+        if known is not None:
+            head = os.pread(fd, known.length, 0)
+            if len(head) == known.length and xxhash.xxh3_128_intdigest(head) == known.digest:
+                header = known
+        if header is None:
+            head = os.pread(fd, min(size, _HEAD_GUESS), 0)
+            if len(head) >= 8:
+                (n,) = struct.unpack_from("<Q", head, 0)
+                if len(head) < 8 + n <= min(size, _HEADER_LIMIT + 8):
+                    head += os.pread(fd, 8 + n - len(head), len(head))
+            header = _header(head, path, size)
+        with _CACHE_LOCK:
+            _HEADERS[key] = header
+            _HEADERS.move_to_end(key)
+            while len(_HEADERS) > _HEADERS_MAX:
+                _HEADERS.popitem(last=False)
+        return BlobFile(fd, path, size, header, h, checksum)
     except OSError as e:
         os.close(fd)
         raise BlobError(f"{path}: cannot read ({e.strerror or e})") from e
@@ -494,43 +616,65 @@ def open_blob(root: Path, h: bytes, *, size: int, checksum: int | None = None) -
 
 
 def prefetch(root: Path, hashes: Sequence[bytes]) -> None:
-    """Ask the kernel to start reading these blobs now (readahead), so the reads that follow
-    overlap with the disk instead of waiting on it one file at a time. Best effort."""
+    """Ask the kernel to start reading these blobs now and to read them ahead as sequential
+    files, so the reads that follow overlap with the disk instead of waiting on it one file
+    at a time: first every file's header (opening them waits for those), then the rest.
+    Best effort; costs microseconds for files already in the page cache."""
     if not hasattr(os, "posix_fadvise"):
         return
-    for h in hashes:
-        try:
-            fd = os.open(blob_path(root, h), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except OSError:
-            continue
-        try:
-            if stat.S_ISREG(os.fstat(fd).st_mode):
+    fds = []
+    try:
+        for h in hashes:
+            try:
+                fd = os.open(_blob_file(root, h), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            except OSError:
+                continue
+            fds.append(fd)
+            try:
+                if stat.S_ISREG(os.fstat(fd).st_mode):
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                    os.posix_fadvise(fd, 0, _HEAD_GUESS, os.POSIX_FADV_WILLNEED)
+                else:
+                    fds.pop()
+                    os.close(fd)
+            except OSError:
+                pass
+        for fd in fds:
+            try:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-        except OSError:
-            pass
-        finally:
+            except OSError:
+                pass
+    finally:
+        for fd in fds:
             os.close(fd)
 
 
-def _preadv_all(fd: int, views: list[memoryview], offset: int, path: Path) -> int:
-    """Fill `views` in order from `offset`, finishing short reads. Returns the bytes read."""
-    views = [v for v in views if len(v)]
-    want = sum(len(v) for v in views)
-    done = i = 0
+def _preadv_all(fd: int, views: list[memoryview], offset: int, path: Path, want: int = -1) -> int:
+    """Fill `views` in order from `offset`, finishing short reads. Returns the bytes read.
+    `want`: their total length, when the caller knows it (saves a pass over them)."""
+    if want < 0:
+        views = [v for v in views if len(v)]
+        want = sum(map(len, views))
     try:
-        while i < len(views):
-            n = os.preadv(fd, views[i : i + _IOV_BATCH], offset + done)
+        n = os.preadv(fd, views[:_IOV_BATCH], offset) if views else 0
+        if n == want:
+            return want
+        done, i = 0, 0
+        while True:  # a short read (or more buffers than one call takes): go on where it stopped
+            done += n
+            if done >= want:
+                return want
             if n == 0:
                 raise BlobError(f"{path}: short read (the file ends early)")
-            done += n
+            views = list(views)
             while i < len(views) and n >= len(views[i]):
                 n -= len(views[i])
                 i += 1
             if n:
                 views[i] = views[i][n:]
+            n = os.preadv(fd, views[i : i + _IOV_BATCH], offset + done)
     except OSError as e:
         raise BlobError(f"{path}: cannot read ({e.strerror or e})") from e
-    return want
 
 
 def decode(buf: bytes | bytearray, where: object = "blob") -> tuple[dict[str, mx.array], dict[str, str]]:

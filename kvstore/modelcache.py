@@ -236,15 +236,12 @@ class ModelCache:
         memory = self.store.memory
         if not memory.capacity:
             return
-        whole: dict[int, dict[str, tuple[int, int]]] = {}
-        for c in pl.copies:
-            whole.setdefault(c.part, {})[c.name] = (c.lo, c.dst, c.hi)
         kept = []
         for k, q in enumerate(pl.parts):
             tier = where.get(q.hash, (None,))[0]
             if tier is None or tier.name in _RAM_TIERS:
                 continue
-            got = whole.get(k, {})
+            got = {c.name: (c.lo, c.dst, c.hi) for c in pl.jobs.get(k, ())}
             if set(got) != set(q.entries) or any(lo != 0 or hi != q.entries[n].shape[2]
                                                  for n, (lo, _, hi) in got.items()):
                 continue  # only part of it was restored (a sliding window): nothing to keep

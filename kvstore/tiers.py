@@ -18,25 +18,19 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Iterable, NamedTuple, Protocol, Sequence
+from typing import Any, Iterable, Protocol, Sequence
 
 import mlx.core as mx
 import numpy as np
 
 from . import blobs, keys
+from .blobs import Entry  # noqa: F401 -- re-exported: the plan's view of a tensor
 from .errors import BlobError
 from .index import Index, Row
 from .memory import MemoryTier, Record
 from .writer import Writer
 
 log = logging.getLogger("kvstore")
-
-
-class Entry(NamedTuple):
-    """A tensor of a record, as the plan sees it: safetensors dtype tag and shape."""
-
-    tag: str
-    shape: tuple[int, ...]
 
 
 class Source(Protocol):
@@ -55,6 +49,9 @@ class Source(Protocol):
 
     def array(self, name: str) -> np.ndarray:
         """A whole tensor, checked (bfloat16 as its uint16 bits)."""
+
+    def cold(self) -> bool:
+        """Whether reading it will wait for a disk (then the restore reads more records at once)."""
 
     def close(self) -> None: ...
 
@@ -79,16 +76,20 @@ class RecordSource:
     def __init__(self, rec: Record):
         self.hash, self.ntokens, self.record = rec.hash, len(rec.tokens), rec
         self.ns, self.parent, self.depth, self.kind, self.tokens = rec.ns, rec.parent, rec.depth, rec.kind, rec.tokens
-        self.entries = {name: Entry("BF16" if name in rec.views or a.dtype == mx.bfloat16 else blobs.tag_of(a.dtype),
-                                    tuple(a.shape))
-                        for name, a in rec.arrays.items()}
-        self._host: dict[str, np.ndarray] = {}
+        # What a record's arrays look like to the restore is worked out once and kept on it (its
+        # arrays never change): a fetch of a long prompt opens hundreds of records.
+        known = rec.__dict__.get("_kvstore_read")
+        if known is None or known[0] is not rec.arrays:
+            entries = blobs.shared_entries(
+                {name: Entry("BF16" if name in rec.views or a.dtype == mx.bfloat16 else blobs.tag_of(a.dtype),
+                             tuple(a.shape)) for name, a in rec.arrays.items()})
+            known = rec.__dict__["_kvstore_read"] = (rec.arrays, entries, {})
+        self.entries, self._host = known[1], known[2]
 
     def _np(self, name: str) -> np.ndarray:
         host = self._host.get(name)
         if host is None:
-            a = self.record.arrays[name]
-            host = self._host[name] = np.asarray(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a)
+            host = self._host[name] = blobs.host_array(self.record.arrays[name])
         return host
 
     def read_copies(self, copies, targets):
@@ -99,14 +100,17 @@ class RecordSource:
     def array(self, name: str) -> np.ndarray:
         return self._np(name)
 
+    def cold(self) -> bool:
+        return False
+
     def close(self) -> None:
-        self._host.clear()
+        pass
 
 
 def record_tokens(blob: blobs.BlobFile, row: Row) -> np.ndarray:
     """The token ids of a record, read from its blob and proven by its address: the record's
     hash is the xxh3 of its parent and these ids (BlobError if they are not)."""
-    if "tokens" not in blob.entries or blob.entries["tokens"]["dtype"] != "I32":
+    if "tokens" not in blob.entries or blob.entries["tokens"].tag != "I32":
         raise BlobError(f"{blob.path}: no int32 token ids")
     tokens = blob.array("tokens").astype("<i4", copy=False)
     if len(tokens) != row.ntokens or not keys.is_address(row.hash, row.parent, row.kind, tokens):
@@ -127,14 +131,16 @@ class BlobSource:
                 raise BlobError(f"record {row.hash.hex()}: its header says {key} {meta.get(key)!r}, "
                                 f"the index {want!r}")
         self.tokens = record_tokens(blob, row)
-        self.entries = {name: Entry(info["dtype"], tuple(info["shape"]))
-                        for name, info in blob.entries.items() if name != "tokens"}
+        self.entries = blob.layout.deltas  # shared by every record of this layout: never changed
 
     def read_copies(self, copies, targets):
         self.blob.read_copies(copies, targets)
 
     def array(self, name: str) -> np.ndarray:
         return self.blob.array(name)
+
+    def cold(self) -> bool:
+        return not self.blob.cached()
 
     def close(self) -> None:
         self.blob.close()

@@ -207,3 +207,45 @@ def test_a_damaged_01_blob_is_still_caught_by_its_whole_file_checksum(store_v01,
     got = run_check(copy, model_dir, tokens + [7])
     assert got["reused"] == 32
     assert got["max_abs_diff"] <= 1e-4 and got["greedy"] == got["greedy_ref"]
+
+
+def test_a_header_changed_in_place_after_it_was_parsed_is_parsed_again(tmp_path):
+    # Parsed headers are reused by (device, inode, size) only while their bytes are unchanged:
+    # a header damaged in place (same file, same size) must be refused, not served from memory.
+    buf, size, checksum = written(tmp_path)
+    with blobs.open_blob(tmp_path, H, size=size) as blob:
+        assert blob.array("0.keys").tobytes() == tensors()["0.keys"][1].tobytes()
+    with blobs.open_blob(tmp_path, H, size=size) as again:  # the kept parse, same tensor table
+        assert again.layout is blob.layout
+    path = blobs.blob_path(tmp_path, H)
+    (n,) = struct.unpack_from("<Q", buf, 0)
+    at = buf.index(b'"hash":"') + len(b'"hash":"')
+    with open(path, "r+b") as f:  # another record's hash, same length: only the header knows
+        f.seek(at)
+        f.write(b"f" if buf[at:at + 1] != b"f" else b"e")
+    assert at < 8 + n and path.stat().st_size == size
+    with pytest.raises(BlobError, match="names record"):
+        blobs.open_blob(tmp_path, H, size=size)
+
+
+def test_read_copies_reuses_its_plan_and_still_checks_every_tensor(tmp_path):
+    from kvstore.restore import Copy
+
+    buf, size, _ = written(tmp_path)
+    keys = tensors()["0.keys"][1]
+    copies = (Copy(0, "0.keys", 2, 7, 1),)
+    out = np.zeros((1, 2, 9, 4), dtype="<f4")
+    targets = {"0.keys": blobs.target(out)}
+    for _ in range(2):  # the second read takes the read plan kept for this copies tuple
+        out[:] = 0
+        with blobs.open_blob(tmp_path, H, size=size) as blob:
+            blob.read_copies(copies, targets)
+        assert np.array_equal(out[:, :, 1:6], keys[:, :, 2:7]) and not out[:, :, 6:].any()
+    header, base = blobs.parse_header(buf)
+    start = base + header["0.keys"]["data_offsets"][0]
+    path = blobs.blob_path(tmp_path, H)
+    with open(path, "r+b") as f:  # a byte of a token outside the copied range: still checked
+        f.seek(start)
+        f.write(bytes([buf[start] ^ 1]))
+    with blobs.open_blob(tmp_path, H, size=size) as blob, pytest.raises(BlobError, match="checksum"):
+        blob.read_copies(copies, targets)
