@@ -99,7 +99,10 @@ def main() -> None:
     ap.add_argument("--arch", default="llama", choices=("llama", "gemma3_text"))
     ap.add_argument("--size", default="small", choices=("tiny", "small"))
     ap.add_argument("--turns", type=int, default=20)
+    ap.add_argument("--quick", action="store_true", help="the tiny model, 6 turns")
     args = ap.parse_args()
+    if args.quick:
+        args.size, args.turns = "tiny", 6
     result = {"runs": [run(args.arch, args.size, args.turns)]}
     if args.arch == "llama":  # a sliding-window model too: its window layers hold less per record
         result["runs"].append(run("gemma3_text", args.size, args.turns))

@@ -22,7 +22,7 @@ import time
 
 import common as C
 
-STEPS = ["restore", "write_path", "index_scale", "before_after", "ttft"]
+STEPS = ["restore", "write_path", "index_scale", "conversation", "before_after", "ttft"]
 
 
 def run_step(name: str, quick: bool, env: dict | None = None) -> dict:
