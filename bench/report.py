@@ -253,13 +253,21 @@ def _write(add, write) -> None:
     add("## Write path")
     add("")
     add(f"Cache shape {write['shape']}. `insert` timed on the caller's thread, with the writer idle (flushed "
-        "before) and busy (writing the previous insert):")
+        "before) and busy (writing a fresh insert of the same length queued just before); each timed insert "
+        "is a chat turn's (the prefix stored, one new 256-token chunk), page faults are the caller thread's "
+        "per call (median / max), \"all new\" is 10 inserts of wholly new sequences (p50 / max):")
     add("")
-    add("| tokens | K/V | idle p50 | idle p99 | busy p50 | busy p99 |")
-    add("| ---: | ---: | ---: | ---: | ---: | ---: |")
+    add("| tokens | K/V | samples | idle p50 / p99 / max | busy p50 / p99 / max | faults idle / busy | busy > 2 ms (preempted) | all new |")
+    add("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in write["insert"]:
-        add(f"| {r['tokens']:,} | {_mb(r['kv_bytes'])} | {r['idle']['p50_ms']:.2f} ms | {r['idle']['p99_ms']:.2f} ms "
-            f"| {r['busy']['p50_ms']:.2f} ms | {r['busy']['p99_ms']:.2f} ms |")
+        i, b, a = r["idle"], r["busy"], r.get("all_new")
+        faults = (f"{i['faults_p50']:.0f} ({i['faults_max']}) / {b['faults_p50']:.0f} ({b['faults_max']})"
+                  if "faults_p50" in i else "")
+        new = f"{a['p50_ms']:.2f} / {a['max_ms']:.2f} ms" if a else ""
+        slow = f"{b['over_2ms']} ({b['over_2ms_preempted']})" if "over_2ms" in b else ""
+        add(f"| {r['tokens']:,} | {_mb(r['kv_bytes'])} | {i['n']} + {b['n']} "
+            f"| {i['p50_ms']:.2f} / {i['p99_ms']:.2f} / {i.get('max_ms', float('nan')):.2f} ms "
+            f"| {b['p50_ms']:.2f} / {b['p99_ms']:.2f} / {b.get('max_ms', float('nan')):.2f} ms | {faults} | {slow} | {new} |")
     add("")
     if write.get("control"):
         j = write["control"]

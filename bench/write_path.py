@@ -1,7 +1,8 @@
 """Write-path benchmark: what `insert` costs the caller, how fast the writer drains, disk bytes.
 
-- `insert` latency on the caller's thread (p50/p99), with the writer idle and with the writer busy
-  writing an earlier insert (the usual case in a server), for caches of 1k/4k/16k tokens;
+- `insert` latency on the caller's thread (p50/p99/max, page faults per call), with the writer idle
+  and with the writer busy writing an earlier insert (the usual case in a server), for caches of
+  1k/4k/16k tokens, 200 samples per case;
 - background write throughput (insert -> flush) vs a raw write of the same bytes to as many files
   with an fsync each;
 - disk bytes for 100 prompts that share a 2,048-token system prompt, vs the KV bytes of their
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import shutil
 import time
 
@@ -22,6 +24,7 @@ from mlx_lm.models.cache import KVCache, save_prompt_cache
 
 import common as C
 import kvstore
+from kvstore import keys
 
 FINGERPRINT = b"kvstore-bench-wp"
 SHAPE = C.SHAPES["qwen3-0.6b"]
@@ -37,45 +40,92 @@ def view_cache(base: list[KVCache], n: int) -> list[KVCache]:
     return out
 
 
-def insert_latency(tokens: int, idle_reps: int, busy_reps: int) -> dict:
-    """`insert` timed on the caller's thread: writer idle (flushed), and writer busy with a job."""
+def _thread_counts() -> tuple[int, int]:
+    """(page faults, involuntary context switches) of the calling thread so far."""
+    r = resource.getrusage(resource.RUSAGE_THREAD)
+    return r.ru_minflt + r.ru_majflt, r.ru_nivcsw
+
+
+def insert_latency(tokens: int, reps: int, busy_reps: int | None = None) -> dict:
+    """`insert` timed on the caller's thread, `reps` times with the writer idle (flushed before)
+    and `busy_reps` (default `reps`) times with it busy writing a fresh `tokens`-token sequence queued just before.
+
+    Each timed insert is a chat turn's: `tokens` tokens of which all but the last chunk are
+    stored (pinned, so the untimed gc between rounds keeps them), so it queues one new 256-token
+    record and the disk sees 29 MB per sample instead of the whole cache. The caller's work
+    (a view per tensor, the chain's hashes, one index query, the queue) is that of any insert
+    of this length; `all_new` times a few inserts of wholly new sequences to show it."""
     work = C.scratch_dir(f"insert-{tokens}")
     base = C.random_cache(SHAPE, tokens, seed=3)
     toks = C.random_tokens(tokens, seed=3)
-    store = kvstore.open(work / "store", memory_bytes=0)
+    # A queue with room for the load and every timed insert behind it: none may be dropped.
+    store = kvstore.open(work / "store", memory_bytes=0, max_pending_bytes=4 * SHAPE.bytes_per_token * tokens + (1 << 30))
     mc = store.bind(SHAPE.model(), "bench-shape", fingerprint=FINGERPRINT)
+    chunk = store.chunk_size
+    mc.insert(toks[: tokens - chunk], view_cache(base, tokens - chunk), pin=True)
     serial = iter(range(1, 1 << 30))
+    per_load = max(5, tokens // 200)  # timed inserts per busy spell (a load of 16k tokens lasts seconds)
 
-    def fresh() -> np.ndarray:
+    def turn() -> np.ndarray:  # the stored prefix, then a last chunk never seen before
         t = toks.copy()
-        t[0] = next(serial)  # a new first token: every record of the sequence is new
+        t[tokens - chunk] = next(serial)
         return t
 
-    idle, busy = [], []
-    mc.insert(fresh(), base)  # warm-up (first-use costs)
+    def fresh() -> np.ndarray:  # a sequence never seen before
+        t = toks.copy()
+        t[0] = next(serial)
+        return t
+
+    def timed(seq: np.ndarray, out: list, faults: list) -> None:
+        f0, p0 = _thread_counts()
+        t0 = time.perf_counter()
+        mc.insert(seq, base)
+        out.append(time.perf_counter() - t0)
+        f1, p1 = _thread_counts()
+        faults.append((f1 - f0, p1 - p0))
+
+    mc.insert(turn(), base)  # warm-up (first-use costs)
     store.flush()
-    for _ in range(idle_reps):
-        t0 = time.perf_counter()
-        mc.insert(fresh(), base)
-        idle.append(time.perf_counter() - t0)
+    idle, idle_faults, busy, busy_faults, all_new = [], [], [], [], []
+    for _ in range(reps):
+        timed(turn(), idle, idle_faults)
         store.flush()
-        store.gc(max_bytes=0)  # untimed: keeps the disk from filling up with test sequences
-    for _ in range(busy_reps):
-        mc.insert(fresh(), base)  # the writer starts on this one...
-        time.sleep(0.01)
-        t0 = time.perf_counter()
-        mc.insert(fresh(), base)  # ...while this one is timed
-        busy.append(time.perf_counter() - t0)
+    not_busy = 0
+    while len(busy) < (reps if busy_reps is None else busy_reps):
+        load = fresh()
+        mc.insert(load, base)  # the writer starts on this one...
+        first = keys.chain(mc.ns, load[:chunk], chunk)[0]
+        for _ in range(per_load):
+            time.sleep(0.005)
+            if not store.writer.is_pending(first):
+                not_busy += 1  # it finished already: not a busy sample
+                break
+            timed(turn(), busy, busy_faults)  # ...while these are timed
+        store.flush()
+        store.gc(max_bytes=0)  # untimed: drops all but the pinned prefix
+    for _ in range(10):
+        timed(fresh(), all_new, [])
         store.flush()
         store.gc(max_bytes=0)
     dropped = store.writer.stats.dropped_jobs
     store.close()
     shutil.rmtree(work, ignore_errors=True)
-    si, sb = C.summary(idle), C.summary(busy)
+
+    def stats(samples: list, faults: list | None = None) -> dict:
+        s = C.summary(samples)
+        out = {"p50_ms": s["p50"] * 1e3, "p99_ms": s["p99"] * 1e3, "max_ms": s["max"] * 1e3, "n": s["n"]}
+        if faults is not None:
+            f = [n for n, _ in faults]
+            out["faults_p50"], out["faults_max"] = float(np.median(f)), int(max(f))
+            # Calls over 2 ms, and how many of them the kernel preempted (the caller lost its core)
+            slow = [p for t, (_, p) in zip(samples, faults) if t > 2e-3]
+            out["over_2ms"], out["over_2ms_preempted"] = len(slow), sum(1 for p in slow if p)
+        return out
+
     return {"tokens": tokens, "kv_bytes": SHAPE.bytes_per_token * tokens,
-            "idle": {"p50_ms": si["p50"] * 1e3, "p99_ms": si["p99"] * 1e3, "max_ms": si["max"] * 1e3, "n": si["n"]},
-            "busy": {"p50_ms": sb["p50"] * 1e3, "p99_ms": sb["p99"] * 1e3, "max_ms": sb["max"] * 1e3, "n": sb["n"]},
-            "dropped_jobs": dropped, "idle_samples": idle, "busy_samples": busy}
+            "idle": stats(idle, idle_faults), "busy": stats(busy, busy_faults), "all_new": stats(all_new),
+            "loads_finished_early": not_busy, "dropped_jobs": dropped,
+            "idle_samples": idle, "busy_samples": busy}
 
 
 def control(p50_ms: float, reps: int) -> dict:
@@ -229,12 +279,15 @@ def _exact(c: KVCache) -> KVCache:
 
 
 def run(quick: bool = False) -> dict:
-    sizes = [(1024, 30, 15), (4096, 12, 6)] if quick else [(1024, 60, 30), (4096, 30, 12), (16384, 6, 3)]
+    sizes = [1024, 4096] if quick else [1024, 4096, 16384]
     inserts = []
-    for tokens, idle, busy in sizes:
-        r = insert_latency(tokens, idle, busy)
-        C.log(f"[write] insert {tokens}: idle p50 {r['idle']['p50_ms']:.2f} p99 {r['idle']['p99_ms']:.2f} ms; "
-              f"busy p50 {r['busy']['p50_ms']:.2f} p99 {r['busy']['p99_ms']:.2f} ms")
+    for tokens in sizes:
+        r = insert_latency(tokens, 40 if quick else 200)
+        C.log(f"[write] insert {tokens}: idle p50/p99/max {r['idle']['p50_ms']:.2f}/{r['idle']['p99_ms']:.2f}/"
+              f"{r['idle']['max_ms']:.2f} ms, faults {r['idle']['faults_p50']:.0f}; busy p50/p99/max "
+              f"{r['busy']['p50_ms']:.2f}/{r['busy']['p99_ms']:.2f}/{r['busy']['max_ms']:.2f} ms, faults "
+              f"{r['busy']['faults_p50']:.0f}; all new p50/max {r['all_new']['p50_ms']:.2f}/"
+              f"{r['all_new']['max_ms']:.2f} ms")
         inserts.append(r)
     jitter = control(inserts[0]["idle"]["p50_ms"], 30 if quick else 60)
     C.log(f"[write] control ({jitter['work_ms']:.2f} ms of Python work): idle p99 {jitter['idle']['p99_ms']:.2f} ms, "
