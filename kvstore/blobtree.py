@@ -30,25 +30,35 @@ def remove(root: Path, h: bytes) -> None:
 
 
 def remove_all(root: Path, hashes: Sequence[bytes]) -> None:
-    """`remove` for many blobs, each hex folder opened once for all of its blobs (give the
-    hashes sorted: then neighbours share folders)."""
-    folders: dict[str, int | None] = {}
+    """`remove` for many blobs, each folder on the way opened once for all of its blobs (give
+    the hashes sorted: then neighbours share folders)."""
+    fds: dict[tuple[str, ...], int | None] = {}
+
+    def folder(parts: tuple[str, ...]) -> int | None:
+        if parts not in fds:
+            if len(fds) > 64:  # sorted hashes never come back to a folder: close what is done
+                for key in [k for k in fds if len(k) == len(parts)]:
+                    if fds[key] is not None:
+                        os.close(fds[key])
+                    del fds[key]
+            up = folder(parts[:-1]) if parts else None
+            try:
+                if not parts:
+                    fds[parts] = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+                elif up is None:
+                    fds[parts] = None
+                else:
+                    fds[parts] = os.open(parts[-1], os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=up)
+            except OSError:
+                fds[parts] = None  # no such folder (or a link): none of its blobs is there
+        return fds[parts]
+
     try:
         for h in hashes:
             if not isinstance(h, bytes) or len(h) != 16:
                 continue
             name = h.hex()
-            key = name[:4]
-            if key not in folders:
-                for fd in folders.values():  # keep one folder open at a time
-                    if fd is not None:
-                        os.close(fd)
-                folders.clear()
-                try:
-                    folders[key] = _open_folder(root, (name[:2], name[2:4]))
-                except OSError:
-                    folders[key] = None  # no such folder: none of its blobs is there
-            fd = folders[key]
+            fd = folder((name[:2], name[2:4]))
             if fd is None:
                 continue
             try:
@@ -58,7 +68,7 @@ def remove_all(root: Path, hashes: Sequence[bytes]) -> None:
             except OSError:
                 remove(root, h)  # a folder in its place, say: the careful way
     finally:
-        for fd in folders.values():
+        for fd in fds.values():
             if fd is not None:
                 os.close(fd)
 
