@@ -117,8 +117,9 @@ def _forget_edges(index: Index, root: Path, first: bytes, last: bytes) -> int:
 
 def _batches(index: Index, items: list, step, start: int = _BATCH_START) -> Iterator[tuple[float, object]]:
     """Run `step` over `items` in consecutive batches, one transaction each, sized to take about
-    `_TX_TARGET_S` (another process's insert waits that long at most); checkpoint after each,
-    holding no lock, and pause for a writer to get its turn. Yields (seconds, result)."""
+    `_TX_TARGET_S` (another process's insert waits that long at most); checkpoint every
+    `_CHECKPOINT_EVERY_S` and at the end, holding no lock; pause for a writer to get its turn
+    after each. Yields (seconds, result)."""
     done, batch, checkpointed = 0, start, time.perf_counter()
     while done < len(items):
         t = time.perf_counter()
