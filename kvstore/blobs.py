@@ -136,9 +136,26 @@ def encode(tensors: Mapping[str, Tensor], metadata: Mapping[str, str]) -> tuple[
     return struct.pack("<Q", len(raw)) + raw, pieces
 
 
+class Staged(NamedTuple):
+    """A blob written to a temporary file of its folder and fsynced, not yet in place."""
+
+    tmp: Path
+    path: Path
+    size: int
+    checksum: int
+    fsync: bool
+
+
 def write(root: Path, h: bytes, tensors: Mapping[str, Tensor], metadata: Mapping[str, str],
           *, fsync: bool = True) -> tuple[int, int]:
     """Write a blob atomically. Returns (size in bytes, checksum). Raises OSError (ENOSPC...)."""
+    return place(stage(root, h, tensors, metadata, fsync=fsync))
+
+
+def stage(root: Path, h: bytes, tensors: Mapping[str, Tensor], metadata: Mapping[str, str],
+          *, fsync: bool = True) -> Staged:
+    """The first half of `write`: the blob in a temporary file in its folder, fsynced. `place`
+    then renames it into place (or `discard` drops it). Raises OSError."""
     path = blob_path(root, h)
     _makedirs(path.parent)
     sums = {name: tensor_checksum(arr) for name, (_, arr) in tensors.items()}
@@ -154,8 +171,22 @@ def write(root: Path, h: bytes, tensors: Mapping[str, Tensor], metadata: Mapping
             digest.update(view)
             _write_all(f, view)
 
-    size = _publish(path, h, body, fsync=fsync)
-    return size, digest.intdigest()
+    tmp, size = _stage_file(path, h, body, fsync=fsync)
+    return Staged(tmp, Path(path), size, digest.intdigest(), fsync)
+
+
+def place(st: Staged) -> tuple[int, int]:
+    """Rename a staged blob into place and fsync its folder: a row may point at it once this
+    returns. Returns (size, checksum). Raises OSError (the temporary file is then gone)."""
+    _place(st.tmp, st.path, fsync=st.fsync)
+    return st.size, st.checksum
+
+
+def discard(st: Staged) -> None:
+    try:
+        os.unlink(st.tmp)
+    except OSError:
+        pass
 
 
 def write_bytes(root: Path, h: bytes, data: bytes | bytearray | memoryview, *, fsync: bool = True) -> int:
@@ -170,7 +201,13 @@ def _publish(path: Path, h: bytes, body, *, fsync: bool) -> int:
     """Write a blob with `body(file)` into a temporary file in its folder, fsync, rename it into
     place and fsync the folder: a reader sees nothing or the whole file, and a row may point at
     it once this returns. Returns the size."""
-    tmp = path.parent / f"{TMP_PREFIX}{h.hex()}.{os.getpid()}.{os.urandom(4).hex()}"
+    tmp, size = _stage_file(path, h, body, fsync=fsync)
+    _place(tmp, path, fsync=fsync)
+    return size
+
+
+def _stage_file(path, h: bytes, body, *, fsync: bool) -> tuple[Path, int]:
+    tmp = Path(path).parent / f"{TMP_PREFIX}{h.hex()}.{os.getpid()}.{os.urandom(4).hex()}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
         with os.fdopen(fd, "wb", buffering=0) as f:
@@ -178,6 +215,17 @@ def _publish(path: Path, h: bytes, body, *, fsync: bool) -> int:
             size = f.tell()
             if fsync:
                 os.fsync(f.fileno())
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    return tmp, size
+
+
+def _place(tmp: Path, path, *, fsync: bool) -> None:
+    try:
         faults.hit("blob_temp")
         os.replace(tmp, path)
     except BaseException:
@@ -187,8 +235,7 @@ def _publish(path: Path, h: bytes, body, *, fsync: bool) -> int:
             pass
         raise
     if fsync:  # the new name is durable only once its folder is: before any row points at it
-        _fsync_dir(path.parent)
-    return size
+        _fsync_dir(Path(path).parent)
 
 
 def _fsync_dir(folder: Path) -> None:

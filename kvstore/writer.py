@@ -242,6 +242,28 @@ class Writer:
                 for name, a in {**job.arrays, **job.checkpoint}.items()}
         hosts = {name: np.asarray(a) for name, a in job.arrays.items()}
         checkpoint_hosts = {name: np.asarray(a) for name, a in job.checkpoint.items()}
+
+        def record(spec: Spec) -> tuple[np.ndarray, dict[str, blobs.Tensor], dict[str, str]]:
+            tokens = np.ascontiguousarray(job.tokens[spec.start : spec.end], dtype="<i4")
+            tensors: dict[str, blobs.Tensor] = {"tokens": ("I32", tokens)}
+            parts = checkpoint_hosts if spec.kind == CHECKPOINT else job.slices(spec, hosts)
+            for name, arr in parts.items():
+                tensors[name] = (tags[name], np.ascontiguousarray(arr))
+            meta = dict(job.metadata, hash=spec.hash.hex(), parent=spec.parent.hex(),
+                        depth=str(spec.depth), kind=str(spec.kind))
+            return tokens, tensors, meta
+
+        # The blobs this job will need are written to temporary files and fsynced first, holding
+        # no lock (gc never touches a temporary file); under the lock only their renames and rows.
+        staged: dict[bytes, blobs.Staged] = {}
+        failed: tuple[bytes, OSError] | None = None
+        if self.root is not None and self.index is not None and job.specs:
+            for spec in self._still_needed(job):
+                try:
+                    staged[spec.hash] = blobs.stage(self.root, spec.hash, *record(spec)[1:], fsync=self.fsync)
+                except OSError as e:
+                    failed = (spec.hash, e)  # later records hang from this one: stop there
+                    break
         # Shared with other writers, exclusive of gc and repair: from "is it stored?" to the row.
         lock = blobs.tree_lock(self.root, exclusive=False) if self.root is not None else nullcontext()
         with lock:
@@ -251,18 +273,19 @@ class Writer:
             rows: list[Row] = []
             compact: list[Record] = []
             written: list[Spec] = []
-            tokens_tag = "I32"
             for spec in todo:
-                tokens = np.ascontiguousarray(job.tokens[spec.start : spec.end], dtype="<i4")
-                tensors: dict[str, blobs.Tensor] = {"tokens": (tokens_tag, tokens)}
-                parts = checkpoint_hosts if spec.kind == CHECKPOINT else job.slices(spec, hosts)
-                for name, arr in parts.items():
-                    tensors[name] = (tags[name], np.ascontiguousarray(arr))
+                st = staged.pop(spec.hash, None)
+                keep = self.memory.keeps(spec.nbytes)  # with memory_bytes=0 nothing is copied for RAM
+                if st is not None and not keep:  # its file is written: only its token ids are needed
+                    tokens, tensors = np.ascontiguousarray(job.tokens[spec.start : spec.end], dtype="<i4"), {}
+                else:
+                    tokens, tensors, meta = record(spec)
                 if self.root is not None:
-                    meta = dict(job.metadata, hash=spec.hash.hex(), parent=spec.parent.hex(),
-                                depth=str(spec.depth), kind=str(spec.kind))
                     try:
-                        size, checksum = blobs.write(self.root, spec.hash, tensors, meta, fsync=self.fsync)
+                        if failed is not None and failed[0] == spec.hash:
+                            raise failed[1]
+                        size, checksum = blobs.place(st) if st is not None else \
+                            blobs.write(self.root, spec.hash, tensors, meta, fsync=self.fsync)
                     except OSError as e:
                         self._count_error(e)
                         break  # later records hang from this one; without it they are unreachable
@@ -271,11 +294,13 @@ class Writer:
                                     spec.end - spec.start, keys.first_token(tokens), size, checksum,
                                     pinned=int(spec.hash in job.pin)))
                     self.stats.bytes_written += size
-                if self.memory.keeps(spec.nbytes):  # with memory_bytes=0 nothing is copied for RAM
+                if keep:
                     compact.append(self._compact(job, spec, tokens, tensors))
                 written.append(spec)
                 if spec.kind != CHECKPOINT and all(o <= spec.start for o in job.origins.values()):
                     self._remember_complete(spec.hash)
+            for st in staged.values():  # stored meanwhile by another writer, or after a failure
+                blobs.discard(st)
             if rows and self.index is not None:
                 try:
                     self.index.insert(rows)

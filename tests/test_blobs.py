@@ -129,9 +129,10 @@ def test_verify_bytes_refuses_a_blob_without_per_tensor_checksums(tmp_path):
 
 # -- stores written by 0.1 ------------------------------------------------------------------------
 
-def write_v01(root: Path, h: bytes, tensors, metadata, *, fsync: bool = True) -> tuple[int, int]:
-    """`blobs.write` as kvstore 0.1 had it: the safetensors header carries only the writer's own
-    metadata (no `blob_format`, no `checksums`); the row's checksum is xxh3_64 of the whole file."""
+def stage_v01(root: Path, h: bytes, tensors, metadata, *, fsync: bool = True) -> blobs.Staged:
+    """`blobs.stage` (the writer's first half of `blobs.write`) as kvstore 0.1 wrote blobs: the
+    safetensors header carries only the writer's own metadata (no `blob_format`, no
+    `checksums`); the row's checksum is xxh3_64 of the whole file."""
     path = blobs.blob_path(root, h)
     blobs._makedirs(path.parent)
     head, pieces = blobs.encode(tensors, metadata)
@@ -141,8 +142,7 @@ def write_v01(root: Path, h: bytes, tensors, metadata, *, fsync: bool = True) ->
         f.write(data)
         if fsync:
             os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return len(data), xxhash.xxh3_64_intdigest(data)
+    return blobs.Staged(tmp, path, len(data), xxhash.xxh3_64_intdigest(data), fsync)
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +157,7 @@ def store_v01(tmp_path_factory, demo_model):
     root = tmp_path_factory.mktemp("store-v01") / "s"
     tokens = [int(t) for t in np.random.default_rng(3).integers(0, 250, 85)]
     mp = pytest.MonkeyPatch()
-    mp.setattr(blobs, "write", write_v01)
+    mp.setattr(blobs, "stage", stage_v01)
     try:
         with kvstore.open(root, chunk_size=16, memory_bytes=0) as store:
             mc = store.bind(model, str(model_dir))

@@ -91,16 +91,16 @@ def test_after_a_failed_blob_write_no_row_hangs_from_it(tmp_path, llama, monkeyp
     """One insert of 4 chunks and a tail; the 2nd blob write fails. Only the first chunk may get a
     row: the later records hang from the missing one, and rows for them would be unreachable."""
     path, model = llama
-    real_write = blobs.write
+    real_stage = blobs.stage  # the writer's blob write: temporary file and fsync (then a rename)
     calls = {"n": 0}
 
     def write_failing_once(*args, **kw):
         calls["n"] += 1
         if calls["n"] == 2:
             raise OSError(5, "Input/output error (injected)")
-        return real_write(*args, **kw)
+        return real_stage(*args, **kw)
 
-    monkeypatch.setattr(blobs, "write", write_failing_once)
+    monkeypatch.setattr(blobs, "stage", write_failing_once)
     tokens = rand_tokens(4 * C + 5, 2)
     with kvstore.open(tmp_path / "s", chunk_size=C, memory_bytes=0) as store:
         mc = store.bind(model, path)
@@ -114,7 +114,7 @@ def test_after_a_failed_blob_write_no_row_hangs_from_it(tmp_path, llama, monkeyp
         cache, rest = mc.fetch(tokens)
         assert len(tokens) - len(rest) == C
         # The writer goes on: the same insert again stores everything.
-        monkeypatch.setattr(blobs, "write", real_write)
+        monkeypatch.setattr(blobs, "stage", real_stage)
         mc.insert(tokens, prefill(model, tokens))
         store.flush()
         assert mc.stored_length(tokens) == len(tokens)
