@@ -256,11 +256,15 @@ class Writer:
         # The blobs this job will need are written to temporary files and fsynced first, holding
         # no lock (gc never touches a temporary file); under the lock only their renames and rows.
         staged: dict[bytes, blobs.Staged] = {}
+        built: dict[bytes, tuple] = {}  # the records the memory tier keeps: copied once
         failed: tuple[bytes, OSError] | None = None
         if self.root is not None and self.index is not None and job.specs:
             for spec in self._still_needed(job):
+                parts = record(spec)
+                if self.memory.keeps(spec.nbytes):
+                    built[spec.hash] = parts
                 try:
-                    staged[spec.hash] = blobs.stage(self.root, spec.hash, *record(spec)[1:], fsync=self.fsync)
+                    staged[spec.hash] = blobs.stage(self.root, spec.hash, *parts[1:], fsync=self.fsync)
                 except OSError as e:
                     failed = (spec.hash, e)  # later records hang from this one: stop there
                     break
@@ -276,7 +280,9 @@ class Writer:
             for spec in todo:
                 st = staged.pop(spec.hash, None)
                 keep = self.memory.keeps(spec.nbytes)  # with memory_bytes=0 nothing is copied for RAM
-                if st is not None and not keep:  # its file is written: only its token ids are needed
+                if spec.hash in built:
+                    tokens, tensors, meta = built.pop(spec.hash)
+                elif st is not None and not keep:  # its file is written: only its token ids are needed
                     tokens, tensors = np.ascontiguousarray(job.tokens[spec.start : spec.end], dtype="<i4"), {}
                 else:
                     tokens, tensors, meta = record(spec)
