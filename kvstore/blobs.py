@@ -183,10 +183,8 @@ def place(st: Staged) -> tuple[int, int]:
 
 
 def discard(st: Staged) -> None:
-    try:
-        os.unlink(st.tmp)
-    except OSError:
-        pass
+    """Drop a staged blob that is not needed after all."""
+    _unlink_quietly(st.tmp)
 
 
 def write_bytes(root: Path, h: bytes, data: bytes | bytearray | memoryview, *, fsync: bool = True) -> int:
@@ -216,10 +214,7 @@ def _stage_file(path, h: bytes, body, *, fsync: bool) -> tuple[Path, int]:
             if fsync:
                 os.fsync(f.fileno())
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+        _unlink_quietly(tmp)
         raise
     return tmp, size
 
@@ -229,13 +224,17 @@ def _place(tmp: Path, path, *, fsync: bool) -> None:
         faults.hit("blob_temp")
         os.replace(tmp, path)
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+        _unlink_quietly(tmp)
         raise
     if fsync:  # the new name is durable only once its folder is: before any row points at it
         _fsync_dir(Path(path).parent)
+
+
+def _unlink_quietly(path) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def _fsync_dir(folder: Path) -> None:
