@@ -69,6 +69,7 @@ class Row:
 
 
 _ROW_COLUMNS = ", ".join(Row.__dataclass_fields__)
+_ROW_COLUMNS_R = ", ".join(f"r.{c}" for c in Row.__dataclass_fields__)  # of `records r` in a join
 
 
 def _u64_to_i64(v: int) -> int:
@@ -395,10 +396,9 @@ class Index:
     def children(self, parent: bytes, first_token: int | None = None) -> list[Row]:
         """Usable records directly under `parent`; with `first_token`, only the chunks and tails
         that start with it (the others share no token with what follows) and checkpoints."""
-        columns = ", ".join(f"r.{c}" for c in Row.__dataclass_fields__)
         where = "" if first_token is None else " AND c.first_token IN (?, -1)"  # -1: not known
         rows = self.conn.execute(
-            f"SELECT {columns} FROM children c JOIN records r ON r.hash = c.hash "
+            f"SELECT {_ROW_COLUMNS_R} FROM children c JOIN records r ON r.hash = c.hash "
             f"WHERE c.parent = ?{where} AND r.bad = 0",
             (parent,) if first_token is None else (parent, first_token))
         return [_row(r) for r in rows]
@@ -472,9 +472,8 @@ class Index:
                     )
                 ]
                 conn.execute(f"DELETE FROM records WHERE hash IN ({marks})", part)
-            conn.executemany("DELETE FROM children WHERE parent = ? AND first_token = ? AND hash = ?",
-                             [(r.parent, -1 if r.first_token is None else r.first_token, r.hash)
-                              for r in deleted])
+            _drop_edges(conn, [(r.parent, -1 if r.first_token is None else r.first_token, r.hash)
+                               for r in deleted])
         return deleted
 
     def rows(self) -> Iterator[Row]:
@@ -555,7 +554,7 @@ class Index:
 
     def forget_lost_edges(self) -> int:
         """Delete every edge whose record is gone (a gc stopped between its two sweeps leaves
-        some; readers ignore them). A scan of the whole table: for verify and rebuild."""
+        some; readers ignore them). A scan of the whole table: for `verify --repair`."""
         with self.transaction() as conn:
             return conn.execute(
                 "DELETE FROM children WHERE NOT EXISTS "
@@ -585,8 +584,7 @@ class Index:
                     "(SELECT 1 FROM children c JOIN records k ON k.hash = c.hash WHERE c.parent = ?) "
                     "AND EXISTS (SELECT 1 FROM records n WHERE n.hash = ? AND n.bad = 0) "
                     "RETURNING hash, size, parent, coalesce(first_token, -1)", (old, old, newer)).fetchall()
-                conn.executemany("DELETE FROM children WHERE parent = ? AND first_token = ? AND hash = ?",
-                                 [(parent, first, h) for h, _, parent, first in gone])
+                _drop_edges(conn, [(parent, first, h) for h, _, parent, first in gone])
                 deleted += [(h, size) for h, size, _, _ in gone]
         return deleted
 
@@ -678,6 +676,11 @@ def is_corruption(e: sqlite3.DatabaseError) -> bool:
     if code is not None:
         return code & 0xFF not in _NOT_DAMAGE
     return not isinstance(e, sqlite3.OperationalError)
+
+
+def _drop_edges(conn: sqlite3.Connection, edges: Iterable[tuple[bytes, int, bytes]]) -> None:
+    """Delete these (parent, first token or -1, hash) edges of `children`, in the caller's transaction."""
+    conn.executemany("DELETE FROM children WHERE parent = ? AND first_token = ? AND hash = ?", edges)
 
 
 def _row(r: tuple) -> Row:
