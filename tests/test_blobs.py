@@ -249,3 +249,27 @@ def test_read_copies_reuses_its_plan_and_still_checks_every_tensor(tmp_path):
         f.write(bytes([buf[start] ^ 1]))
     with blobs.open_blob(tmp_path, H, size=size) as blob, pytest.raises(BlobError, match="checksum"):
         blob.read_copies(copies, targets)
+
+
+@pytest.mark.skipif(not hasattr(os, "RWF_NOWAIT") or not hasattr(os, "posix_fadvise"), reason="Linux only")
+def test_prefetch_asks_for_readahead_only_when_a_blob_has_left_the_page_cache(tmp_path, monkeypatch):
+    # prefetch skips the per-file fadvise calls when the chain's last and first blob are cached,
+    # and asks for every file once the last one is evicted. Asked: which files it advised.
+    hashes = [bytes([k]) * 16 for k in range(3)]
+    for h in hashes:
+        blobs.write(tmp_path, h, tensors(), {"hash": h.hex(), "kind": "0"}, fsync=False)
+        blobs.blob_path(tmp_path, h).read_bytes()  # into the page cache
+    advised = []
+    real = os.posix_fadvise
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, *a: (advised.append(os.fstat(fd).st_ino), real(fd, *a)))
+    blobs.prefetch(tmp_path, hashes)
+    assert advised == []
+    last = blobs.blob_path(tmp_path, hashes[-1])
+    with open(last, "rb") as f:
+        os.fsync(f.fileno())
+        real(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    if blobs._cached(tmp_path, hashes[-1]):
+        pytest.skip("this filesystem keeps the file in the page cache despite DONTNEED")
+    blobs.prefetch(tmp_path, hashes)
+    inodes = {blobs.blob_path(tmp_path, h).stat().st_ino for h in hashes}
+    assert set(advised) == inodes
