@@ -332,6 +332,12 @@ def split_by_bytes(paths: list[Path], parts: int) -> list[list[int]]:
     return [sorted(g) for g in groups if g]
 
 
+def cpu_seconds() -> float:
+    """CPU time (user + system) of this process so far, every thread included."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 def page_faults() -> tuple[int, int]:
     """(minor, major) page faults of this process so far, every thread included."""
     r = resource.getrusage(resource.RUSAGE_SELF)

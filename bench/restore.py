@@ -127,6 +127,7 @@ def summarise(runs: list[dict], info: dict) -> dict:
     samples = [s for r in runs for s in r.get("samples_s", [])]
     minflt = [f for r in runs for f in r.get("minflt", [])]
     majflt = [f for r in runs for f in r.get("majflt", [])]
+    cpu = [c for r in runs for c in r.get("cpu_s", [])]
     checks: dict = {}
     for r in runs:
         for k, v in r.get("checks", {}).items():
@@ -145,6 +146,8 @@ def summarise(runs: list[dict], info: dict) -> dict:
         row.update(median_s=med, min_s=min(samples), max_s=max(samples), samples_s=samples,
                    gb_per_s=C.gbps(nbytes, med), minflt_median=float(np.median(minflt)),
                    majflt_median=float(np.median(majflt)), setup_s=[r.get("setup_s") for r in runs])
+        if cpu:
+            row["cpu_median_s"] = float(np.median(cpu))
         if "cold_method" in checks and "" in checks["cold_method"]:
             row["not_cold"] = True  # the page cache could not be dropped for some call
     return row
@@ -238,6 +241,9 @@ def evidence(r: dict, key: str) -> str:
     def faults(name: str) -> str:
         return f"{m[name]['minflt_median']:,.0f}" if timed(name) else "n/a"
 
+    def cpu(name: str) -> str:
+        return _ms(m[name]["cpu_median_s"]) if timed(name) and "cpu_median_s" in m[name] else "n/a"
+
     def step(alone: str, stepped: str) -> str:
         return _ms(m[stepped]["median_s"] - m[alone]["median_s"]) if timed(alone) and timed(stepped) else "n/a"
 
@@ -253,7 +259,8 @@ def evidence(r: dict, key: str) -> str:
                     "cold": ("kvstore_restore_cold", "buffered_cold_read")}[key]
         text = f"kvstore {ms(kv)} with {faults(kv)} minor page faults a call; {base} {ms(base)} with {faults(base)}"
         if key == "warm":
-            text += f", raw_read_aligned_2t {ms('raw_read_aligned_2t')}"
+            text += (f", raw_read_aligned_2t {ms('raw_read_aligned_2t')}; CPU a call (all threads): kvstore "
+                     f"{cpu(kv)}, raw_read_aligned_2t {cpu('raw_read_aligned_2t')}")
         if timed(kv):
             share = m[kv]["minflt_median"] * 4096 / r["kv_bytes"]
             text += (f" (kvstore's faults, at 4 KiB each, cover {share:.0%} of the K/V bytes; a raw read into new "
@@ -343,13 +350,14 @@ def markdown(data: dict, targets: bool = True) -> str:
         add(f"**{r['shape']}, {r['tokens']:,} tokens**: {r['kv_bytes'] / 1e6:,.0f} MB of K/V in {r['blob_files']} "
             f"blob files ({r['blob_bytes'] / 1e6:,.0f} MB; raw reads read these bytes)")
         add("")
-        add("| method | median | GB/s | minor faults / call | major faults / call | calls | notes |")
-        add("| --- | ---: | ---: | ---: | ---: | ---: | --- |")
+        add("| method | median | GB/s | CPU / call | minor faults / call | major faults / call | calls | notes |")
+        add("| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
         for name, row in r["methods"].items():
             if not row.get("median_s"):
-                add(f"| {name} | failed (exit {row['exit_codes']}) | | | | {row['n']} | see restore.json |")
+                add(f"| {name} | failed (exit {row['exit_codes']}) | | | | | {row['n']} | see restore.json |")
                 continue
-            add(f"| {name} | {row['median_s'] * 1e3:.1f} ms | {row['gb_per_s']:.2f} | {row['minflt_median']:,.0f} "
+            cpu = f"{row['cpu_median_s'] * 1e3:.1f} ms" if "cpu_median_s" in row else "-"
+            add(f"| {name} | {row['median_s'] * 1e3:.1f} ms | {row['gb_per_s']:.2f} | {cpu} | {row['minflt_median']:,.0f} "
                 f"| {row['majflt_median']:,.0f} | {row['n']} | {_notes(row)} |")
         add("")
     how = sorted({h for r in data["results"] for row in r["methods"].values()
@@ -358,7 +366,8 @@ def markdown(data: dict, targets: bool = True) -> str:
         f"files are evicted from the page cache before each call with {', '.join(how) or 'nothing'} "
         "(`fadvise` = `posix_fadvise(POSIX_FADV_DONTNEED)` per file, checked with `mincore`; `drop_caches` = "
         "`echo 1 > /proc/sys/vm/drop_caches`, only if fadvise left pages in). GB/s: of the blob bytes for the "
-        "raw reads, of the K/V bytes otherwise.")
+        "raw reads, of the K/V bytes otherwise. CPU / call: user + system time of the whole process (every "
+        "thread) during the call, median; above the median time, more than one core was busy.")
     add("")
     return "\n".join(lines)
 

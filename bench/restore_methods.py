@@ -321,15 +321,17 @@ def run(spec: dict) -> dict:
     t0 = time.perf_counter()
     method = METHODS[spec["method"]][1](ctx)
     setup_s = time.perf_counter() - t0
-    samples, minflt, majflt = [], [], []
+    samples, minflt, majflt, cpu = [], [], [], []
     for i in range(spec["warmup"] + spec["reps"]):
         if method.before:
             method.before()
         gc.collect()
         f0 = C.page_faults()
+        c0 = C.cpu_seconds()
         t = time.perf_counter()
         out = method.call()
         dt = time.perf_counter() - t
+        c1 = C.cpu_seconds()
         f1 = C.page_faults()
         if i == 0 and method.check:
             method.check(out)
@@ -339,9 +341,10 @@ def run(spec: dict) -> dict:
             samples.append(dt)
             minflt.append(f1[0] - f0[0])
             majflt.append(f1[1] - f0[1])
+            cpu.append(c1 - c0)
     if method.after_all:
         method.after_all()
-    return {"method": spec["method"], "samples_s": samples, "minflt": minflt, "majflt": majflt,
+    return {"method": spec["method"], "samples_s": samples, "minflt": minflt, "majflt": majflt, "cpu_s": cpu,
             "setup_s": setup_s, "checks": ctx.checks, "cold": method.cold}
 
 
