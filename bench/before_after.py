@@ -2,8 +2,8 @@
 
 The old behaviour is switched back on in this process only, never by editing the library:
 
-- `insert` on the caller's thread: waiting for mlx to evaluate the views (`mx.eval`) vs scheduling
-  them (`mx.async_eval`), with the writer idle and busy;
+- `insert` on the caller's thread: lazy mlx views of the cache's tensors scheduled with
+  `mx.async_eval` vs numpy views of the same memory (no mlx op), with the writer idle and busy;
 - restore (fetch from disk, memory tier off): the general path (`blobs.read`: read into a buffer,
   checksum, one mlx array per tensor, then `mx.concatenate` per layer) vs `ModelCache._fetch_direct`
   (each layer allocated once, the page cache copied straight into it by `blobs.read_into`);
@@ -29,7 +29,7 @@ import common as C
 import index_scale
 import kvstore
 import write_path
-from kvstore import modelcache
+from kvstore import codecs, modelcache
 
 FINGERPRINT = b"kvstore-bench-ba"
 
@@ -89,31 +89,27 @@ def restore(shape_name: str, tokens: int, reps: int) -> dict:
             "speedup_warm": med["before"] / med["after"], "speedup_cold": cmed["before"] / cmed["after"]}
 
 
-class _SyncEval:
-    """`mlx.core` as `modelcache` sees it, with `async_eval` waiting like `eval` (the old insert)."""
-
-    def __getattr__(self, name):
-        return getattr(mx, name)
-
-    @staticmethod
-    def async_eval(*args):
-        return mx.eval(*args)
+def _scheduled_views(self, layer, n):
+    """`KVCodec.slices` saying no: `insert` then takes lazy mlx views and schedules them with
+    `mx.async_eval` (the insert before numpy views)."""
+    return None
 
 
 def insert(tokens: int, idle: int, busy: int) -> dict:
     out = {}
+    plain = codecs.KVCodec.slices
     for rnd in range(2):  # before, after, before, after: both see the same spells of machine load
         for label, patch in (("before", True), ("after", False)):
             if patch:
-                modelcache.mx = _SyncEval()
+                codecs.KVCodec.slices = _scheduled_views
             try:
                 got = write_path.insert_latency(tokens, idle, busy)
             finally:
-                modelcache.mx = mx
+                codecs.KVCodec.slices = plain
             for mode in ("idle", "busy"):
                 out.setdefault(label, {}).setdefault(mode, []).extend(got[f"{mode}_samples"])
     summary = {label: {mode: _ms(samples) for mode, samples in modes.items()} for label, modes in out.items()}
-    return {"tokens": tokens, **summary}
+    return {"tokens": tokens, "change": "numpy views", **summary}
 
 
 def _ms(samples: list[float]) -> dict:

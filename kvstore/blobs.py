@@ -71,13 +71,15 @@ _DTYPES: dict[str, tuple[np.dtype, mx.Dtype]] = {
     "BOOL": (np.dtype("?"), mx.bool_),
 }
 _TAG_OF_MX = {mxd: tag for tag, (_, mxd) in _DTYPES.items() if tag != "F64"}
+_TAG_OF_NP = {npd: tag for tag, (npd, _) in _DTYPES.items() if tag != "BF16"}
 
 Tensor = tuple[str, np.ndarray]  # (safetensors dtype tag, bytes carried as numpy)
 
 
-def tag_of(dtype: mx.Dtype) -> str:
-    """The safetensors dtype tag of an mlx dtype."""
-    tag = _TAG_OF_MX.get(dtype)
+def tag_of(dtype: mx.Dtype | np.dtype) -> str:
+    """The safetensors dtype tag of an mlx dtype (or of a numpy one: bfloat16 travels as uint16
+    bits and is tagged by whoever knows it is bfloat16)."""
+    tag = _TAG_OF_MX.get(dtype) if isinstance(dtype, mx.Dtype) else _TAG_OF_NP.get(np.dtype(dtype))
     if tag is None:
         raise BlobError(f"cannot store arrays of dtype {dtype}")
     return tag
@@ -101,7 +103,10 @@ def host_bits(a: mx.array) -> tuple[mx.array, mx.Dtype | None]:
 
 def host_array(a: mx.array) -> np.ndarray:
     """An mlx array's memory as numpy, no copy (bfloat16 as its uint16 bits): through its buffer,
-    since a `view` op would have to be scheduled and waited for (per tensor, per record)."""
+    since a `view` op would have to be scheduled and waited for (per tensor, per record).
+    A numpy array (a record queued by `insert` holds views of the caller's arrays) is itself."""
+    if isinstance(a, np.ndarray):
+        return a
     if a.dtype == mx.bfloat16:
         m = memoryview(a)
         if m.c_contiguous:

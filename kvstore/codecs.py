@@ -80,6 +80,12 @@ class Codec:
         """Lazy views of the token-axis data the layer still holds: name -> (array, first token)."""
         return {}
 
+    def slices(self, layer, n: int) -> dict[str, tuple[mx.array, int, int]] | None:
+        """`deltas` as plain token ranges of the layer's own arrays, when that is all they are:
+        name -> (array, first token, end), the tokens [first, end) of axis 2. None when a delta
+        needs computing (then `deltas` is used). Saving such a range needs no mlx op at all."""
+        return None
+
     def checkpoint(self, layer) -> Arrays:
         """The whole state of the layer, for a checkpoint record."""
         return {}
@@ -113,6 +119,11 @@ class KVCodec(Codec):
         if layer.keys is None:
             return {}
         return {"keys": (layer.keys[..., :n, :], 0), "values": (layer.values[..., :n, :], 0)}
+
+    def slices(self, layer, n):
+        if type(layer) is not KVCache or layer.keys is None or layer.keys.ndim != 4:
+            return None  # a subclass may hold its tensors differently
+        return {"keys": (layer.keys, 0, n), "values": (layer.values, 0, n)}
 
     def valid(self, p, pieces, has_checkpoint):
         return covered(pieces, 0, p)
@@ -303,6 +314,15 @@ class CacheListCodec(Codec):
     def deltas(self, layer, n):
         return {f"{j}.{k}": v for j, (s, c) in enumerate(zip(self.subs, layer.caches))
                 for k, v in s.deltas(c, n).items()}
+
+    def slices(self, layer, n):
+        out = {}
+        for j, (s, c) in enumerate(zip(self.subs, layer.caches)):
+            got = s.slices(c, n)
+            if got is None:
+                return None
+            out.update({f"{j}.{k}": v for k, v in got.items()})
+        return out
 
     def checkpoint(self, layer):
         return {f"{j}.{k}": v for j, (s, c) in enumerate(zip(self.subs, layer.caches))

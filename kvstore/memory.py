@@ -15,8 +15,9 @@ import numpy as np
 class Record:
     """One chunk or tail with its arrays, as the memory tier and fetch see it.
 
-    `arrays` holds what was stored; a name in `views` is kept as raw bits (bfloat16 as uint16)
-    and gets its real dtype back through a zero-copy view when used.
+    `arrays` holds what was stored (mlx arrays; a record still queued for the writer holds numpy
+    views of the caller's arrays); a name in `views` is kept as raw bits (bfloat16 as uint16) and
+    is that dtype when restored.
     """
 
     hash: bytes
@@ -25,7 +26,7 @@ class Record:
     depth: int
     kind: int
     tokens: np.ndarray
-    arrays: dict[str, mx.array]
+    arrays: dict[str, mx.array | np.ndarray]
     views: dict[str, mx.Dtype] = field(default_factory=dict)
     nbytes: int = 0
 
@@ -37,14 +38,6 @@ class Record:
         """The position of this record's first token."""
         return (self.depth - 1) * chunk_size
 
-    def views_all(self) -> dict[str, mx.array]:
-        """Every array with its real dtype (zero-copy views where needed)."""
-        return {name: self.array(name) for name in self.arrays}
-
-    def array(self, name: str) -> mx.array:
-        a = self.arrays[name]
-        dtype = self.views.get(name)
-        return a.view(dtype) if dtype is not None else a
 
 
 class MemoryTier:

@@ -8,6 +8,7 @@ read from beyond RAM are checked against the model's shapes (`records`).
 
 from __future__ import annotations
 
+import copy
 import logging
 from typing import TYPE_CHECKING, Callable, Sequence
 
@@ -337,25 +338,37 @@ class ModelCache:
         if not new and not pin and not stored:
             return 0
         arrays, origins, views, saved = {}, {}, {}, {}
+        lazy: list[mx.array] = []
         wants_checkpoint = any(s.kind == CHECKPOINT for s in new)
         try:
             for i, (codec, layer) in enumerate(zip(self.codecs, cache)):
-                for name, (a, origin) in codec.deltas(layer, n).items():
+                plain = codec.slices(layer, n)
+                if plain is not None:  # plain ranges of the layer's arrays: numpy views, no mlx op
+                    for name, (a, origin, end) in plain.items():
+                        arrays[f"{i}.{name}"] = _held_range(a, origin, end)
+                        origins[f"{i}.{name}"] = origin
+                        if a.dtype == mx.bfloat16:
+                            views[f"{i}.{name}"] = mx.bfloat16
+                for name, (a, origin) in (codec.deltas(layer, n).items() if plain is None else ()):
                     arrays[f"{i}.{name}"], view = blobs.host_bits(a)
+                    lazy.append(arrays[f"{i}.{name}"])
                     origins[f"{i}.{name}"] = origin
                     if view is not None:
                         views[f"{i}.{name}"] = view
                 if wants_checkpoint:
                     for name, a in codec.checkpoint(layer).items():
                         saved[f"{i}.{name}"], view = blobs.host_bits(a)
+                        lazy.append(saved[f"{i}.{name}"])
                         if view is not None:
                             views[f"{i}.{name}"] = view
         except (ValueError, blobs.BlobError) as e:
             raise InvalidInputError(f"cannot store this cache: {e}") from e
-        # Scheduled, not waited for: waiting needs mlx's own thread to get a core, which takes
-        # milliseconds while the writer keeps one busy (bench/before_after.py). The writer reads
-        # the views later and waits for them if it must.
-        mx.async_eval(list(arrays.values()) + list(saved.values()))
+        # Lazy views (a codec that computes its deltas) are scheduled, not waited for: the writer
+        # reads them later and waits if it must. Even scheduling them waits for mlx's thread
+        # while the writer keeps the cores busy (milliseconds for 56 views), which is why plain
+        # token ranges are numpy views instead.
+        if lazy:
+            mx.async_eval(lazy)
         per_token: dict[int, int] = {}  # origin -> bytes per token of the arrays starting there
         for name, a in arrays.items():
             per_token[origins[name]] = per_token.get(origins[name], 0) + a.nbytes // max(1, a.shape[2])
@@ -473,6 +486,15 @@ class ModelCache:
                 raise InvalidInputError(
                     f"cache layer {i} has processed {offset} tokens but {n} tokens were given: "
                     "insert the tokens the cache actually holds")
+
+
+def _held_range(a: mx.array, first: int, end: int) -> np.ndarray:
+    """Tokens [first, end) of axis 2 of `a` as a numpy view of its memory (bfloat16 as its bits),
+    through a second reference to the same array: the layer's next update then writes a new
+    buffer (mlx updates in place only an array nothing else holds), so what the view sees never
+    changes, and the memory lives as long as the view. Evaluates `a` if it is not yet."""
+    held = copy.copy(a)  # the same data, one more holder; no op
+    return blobs.host_array(held)[:, :, first:end]
 
 
 def _entry_bytes(e) -> int:

@@ -1,7 +1,8 @@
 """The background writer: turns queued inserts into blob files and index rows.
 
-The caller's thread only queues a `Job` (lazy views of its cache, no copy). This thread copies each
-new record out of those views, writes its blob (temp file, fsync, rename), then inserts the rows
+The caller's thread only queues a `Job` (views of its cache, no copy: numpy views of the memory of
+its arrays, or lazy mlx views where a codec computes its deltas). This thread copies each new
+record out of those views, writes its blob (temp file, fsync, rename), then inserts the rows
 in one transaction, and hands compact copies to the memory tier (only of what it can keep: with
 the memory tier off, nothing is copied for RAM). Full disks and other write errors
 drop the job and are counted; they never reach the caller.
@@ -49,7 +50,7 @@ class Spec:
 class Job:
     ns: bytes
     tokens: np.ndarray
-    arrays: dict[str, mx.array]  # "layer.name" -> evaluated view, token axis 2
+    arrays: dict[str, np.ndarray | mx.array]  # "layer.name" -> view (numpy, or mlx scheduled), token axis 2
     origins: dict[str, int]  # "layer.name" -> the token its element 0 holds
     views: dict[str, mx.Dtype]  # names carried as raw bits (bfloat16 as uint16) -> real dtype
     specs: list[Spec]
@@ -236,8 +237,8 @@ class Writer:
 
     def _write(self, job: Job) -> None:
         self.stats.jobs += 1
-        # Plain numpy views of the caller's arrays (insert scheduled them; numpy waits for them if
-        # they are not done yet): no mlx computation happens on this thread.
+        # Plain numpy views of the caller's arrays (already numpy, or mlx views insert scheduled:
+        # numpy waits for those if they are not done yet): no mlx computation on this thread.
         tags = {name: "BF16" if name in job.views else blobs.tag_of(a.dtype)
                 for name, a in {**job.arrays, **job.checkpoint}.items()}
         hosts = {name: np.asarray(a) for name, a in job.arrays.items()}

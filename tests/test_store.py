@@ -328,6 +328,40 @@ def test_insert_returns_before_anything_is_written(tmp_path, llama):
         assert len(store.bind(model, path).fetch(tokens)[1]) == 1
 
 
+def test_a_cache_changed_in_place_after_insert_does_not_change_what_was_stored(tmp_path, llama):
+    # insert keeps numpy views of the caller's own K/V buffers (no copy, no mlx op) until the
+    # writer has written them. Generation then goes on in the same cache: here it trims back into
+    # the stored tokens and writes other tokens over them. What the queue serves, and what
+    # reaches the disk, must still be the K/V of the tokens inserted.
+    path, model = llama
+    tokens = rand_tokens(3 * C, seed=21)
+    with kvstore.open(tmp_path / "s", chunk_size=C, memory_bytes=0) as store:
+        mc = store.bind(model, path)
+        cache = prefill(model, tokens)
+        want = [np.array(a.astype(mx.float32)) for c in cache for a in (c.keys[..., :3 * C, :], c.values[..., :3 * C, :])]
+        store.writer.pause()
+        try:
+            assert mc.insert(tokens, cache) == 3
+            for c in cache:
+                c.trim(C + 3)  # back into the second chunk...
+            model(mx.array([rand_tokens(C + 3, seed=22)]), cache=cache)  # ...and over it
+            mx.eval([c.state for c in cache])
+            assert not np.array_equal(np.array(cache[0].keys[..., 2 * C:3 * C, :].astype(mx.float32)),
+                                      want[0][..., 2 * C:, :])
+            pending, rest = mc.fetch(tokens + [1])
+            assert len(rest) == 1
+            got = [np.array(a.astype(mx.float32)) for c in pending for a in (c.keys[..., :3 * C, :], c.values[..., :3 * C, :])]
+            assert all(np.array_equal(g, w) for g, w in zip(got, want)), "the queued record changed with the cache"
+        finally:
+            store.writer.resume()
+        assert store.flush(timeout=60)
+    with kvstore.open(tmp_path / "s", chunk_size=C, memory_bytes=0) as store:
+        restored, rest = store.bind(model, path).fetch(tokens + [1])
+        assert len(rest) == 1
+        got = [np.array(a.astype(mx.float32)) for c in restored for a in (c.keys[..., :3 * C, :], c.values[..., :3 * C, :])]
+        assert all(np.array_equal(g, w) for g, w in zip(got, want)), "the stored record changed with the cache"
+
+
 def test_queue_bounded_by_bytes_counts_drops(tmp_path, llama):
     path, model = llama
     with kvstore.open(tmp_path / "s", chunk_size=C, max_pending_bytes=1) as store:
