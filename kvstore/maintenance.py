@@ -9,9 +9,10 @@ Repair deletes only what kvstore wrote: blob files (named for their hash, in the
 folder) and its writers' temporary files. Anything else in the blob tree is moved aside to
 `<store>/quarantine/`, never deleted. Unless forced, it deletes orphans only while few of them
 are unexplained (`ORPHAN_SHARE` of the blobs, or `ORPHAN_FEW` files, whichever is more): orphan
-rows, and orphan files of models the index does not know, are what a lost or replaced index
-leaves, and then the index is what is wrong and the blobs are the cache. (An interrupted gc or
-writer leaves orphan files of models the index knows: those are always cleaned up.)
+rows whose first record's model is gone, and orphan files of models the index does not know, are
+what a lost or replaced index leaves, and then the index is what is wrong and the blobs are the
+cache. (An interrupted gc or writer leaves orphan files of models the index knows, and rows
+under a record gc deleted: those are always cleaned up.)
 """
 
 from __future__ import annotations
@@ -200,7 +201,7 @@ def verify(index: Index, root: Path, *, repair: bool = False, force: bool = Fals
                 problems.append(problem)
         if repair and problems:
             blob_files = sum(1 for p in strays if blobtree.hash_of(p, root) is not None) + len(rows)
-            problems += _repair(index, root, problems, bad, orphans, known,
+            problems += _repair(index, root, problems, bad, orphans, known, {r.hash: r.depth for r in rows},
                                 [h for h, _ in bad_rows], blob_files, force)
     return problems
 
@@ -304,25 +305,30 @@ def _unreachable(index: Index, known: dict[bytes, bytes], bad: set[bytes]) -> se
     return {h for h in known if h not in bad and not reachable(known[h])}
 
 
-def _rootless(orphans: set[bytes], known: dict[bytes, bytes], bad: set[bytes]) -> int:
-    """Orphan rows whose chain ends at no damaged record: their model's row is gone."""
+def _rootless(orphans: set[bytes], known: dict[bytes, bytes], bad: set[bytes], depths: dict[bytes, int]) -> int:
+    """Orphan rows whose chain climbs, through no damaged record, to a first record (depth 1)
+    whose model is gone: what a lost or replaced index leaves. A chain that stops below a
+    missing record of depth 2 or more lost that record to a gc (one stopped half way, or one
+    that took a parent before its children): explained, and repair drops them."""
     n = 0
     for h in orphans:
         seen = set()
+        top = h
         while h in known and h not in bad and h not in seen:
             seen.add(h)
-            h = known[h]
-        n += h not in bad
+            top, h = h, known[h]
+        n += h not in bad and depths.get(top, 1) == 1
     return n
 
 
 def _repair(index: Index, root: Path, problems: list[Problem], bad: set[bytes], orphans: set[bytes],
-            known: dict[bytes, bytes], bad_rows: list, blob_files: int, force: bool) -> list[Problem]:
+            known: dict[bytes, bytes], depths: dict[bytes, int], bad_rows: list, blob_files: int,
+            force: bool) -> list[Problem]:
     """Fix what verify found, under its lock; returns the problems it would not fix."""
     orphan_files = [p for p in problems if p.kind == "orphan_file"]
     n_orphans = len(orphans) + len(orphan_files)
     refused: list[Problem] = []
-    unexplained = _rootless(orphans, known, bad) + _unexplained(index, orphan_files)
+    unexplained = _rootless(orphans, known, bad, depths) + _unexplained(index, orphan_files)
     if unexplained > max(ORPHAN_FEW, ORPHAN_SHARE * blob_files) and not force:
         refused.append(Problem(
             "repair_refused", str(root),

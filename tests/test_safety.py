@@ -376,6 +376,42 @@ def test_repair_never_deletes_most_blobs_as_orphans_without_force(tmp_path, llam
         assert list(blobs.walk(store / "blobs")) == [] and s.verify() == []
 
 
+def test_repair_after_a_stopped_gc_drops_the_rows_it_left_unreachable_without_force(tmp_path, llama):
+    # gc may delete a parent before its children (they go later in the same gc); stopped in
+    # between, it leaves rows no chain reaches. That is not a lost index: repair drops them,
+    # however many, and keeps what is reachable.
+    from kvstore import maintenance
+
+    store = tmp_path / "s"
+    seqs = prompts(47, 6, C)
+    rows = warm(store, llama, seqs)
+    first = [r for r in rows if r.depth == 1]
+    below = [r for r in rows if r.depth > 1]
+    assert len(below) > max(maintenance.ORPHAN_FEW, maintenance.ORPHAN_SHARE * len(rows))
+    with kvstore.open(store, chunk_size=C) as s:
+        for r in s.index.delete([r.hash for r in first]):  # what a gc does, row then file
+            blobs.blob_path(store / "blobs", r.hash).unlink()
+        found = s.verify()
+        assert {p.kind for p in found} == {"orphan_row"} and len(found) == len(below)
+        problems = s.verify(repair=True)
+        assert not [p for p in problems if p.kind == "repair_refused"]
+        assert s.verify() == [] and list(s.index.rows()) == []
+        assert list(blobs.walk(store / "blobs")) == []
+
+
+def test_repair_keeps_rows_whose_model_is_gone_from_the_index_without_force(tmp_path, llama):
+    # The other kind of unreachable row: the first records' model row is missing, as in an index
+    # that is lost or not this store's. Then the index is what is wrong: nothing is deleted.
+    store = tmp_path / "s"
+    rows = warm(store, llama, prompts(48, 6, C))
+    with kvstore.open(store, chunk_size=C) as s:
+        with s.index.conn:
+            s.index.conn.execute("DELETE FROM models")
+        problems = s.verify(repair=True)
+        assert [p.kind for p in problems if p.kind == "repair_refused"] == ["repair_refused"]
+        assert len(list(s.index.rows())) == len(rows) and len(list(blobs.walk(store / "blobs"))) == len(rows)
+
+
 def test_a_few_orphans_are_still_cleaned_up_without_force(tmp_path, llama):
     store = tmp_path / "s"
     rows = warm(store, llama, prompts(46, 20, C))
