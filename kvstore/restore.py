@@ -6,7 +6,9 @@
 2. `fill` allocates each final array once, unfilled, with spare capacity after the restored tokens
    (zeroed) so the first decode step writes in place, and has every record's `Source` copy its
    tokens straight into place (disk: `preadv` from the page cache, checksummed per tensor), on a
-   small thread pool. A record that fails its check is reported, never used.
+   small thread pool. Records held in RAM, in small pieces, are gathered tensor by tensor
+   instead, one numpy call per final tensor. A record that fails its check is reported, never
+   used.
 3. `build` hands the arrays to the codecs, which make the mlx-lm cache objects.
 """
 
@@ -248,7 +250,8 @@ def fill(pl: Plan, sources: Sequence[Source]) -> tuple[dict[str, mx.array], list
     # Records in RAM copied in small pieces: one thread. Each copy lets go of the GIL and takes
     # it back, and two threads doing that fight over it (32k tokens of head_dim 4: 63 ms on two
     # threads, 41 ms on one; from 64 KiB a copy two threads win).
-    alone = (pl.nbytes < _SMALL_COPY_BYTES * max(1, len(pl.copies))
+    copied = sum(_nbytes(e) * pl.filled[name] // max(1, e.shape[2]) for name, e in pl.finals.items())
+    alone = (copied < _SMALL_COPY_BYTES * max(1, len(pl.copies))
              and all(getattr(sources[k], "in_ram", False) for k in keys))
     if len(jobs) > 1 and pl.nbytes >= _POOL_MIN_BYTES and not alone:
         pool = _threads()

@@ -9,9 +9,10 @@
 
 A `Source` is one opened record: its token count, its tensors' entries (name -> dtype tag and
 shape, `tokens` left out), `read_copies(copies, targets)` that copies token ranges of its tensors
-into memory the restore owns (checking what it reads), and `array(name)` for a whole tensor. The restore (`restore.py`) asks the
-tiers in order (memory, pending writes, local disk; a remote tier is one more) and never knows
-which one it is talking to.
+into memory the restore owns (checking what it reads), and `array(name)` for a whole tensor; one
+held in RAM says `in_ram` (the restore may then gather its tensors with others'). The restore
+(`restore.py`) asks the tiers in order (memory, pending writes, local disk; a remote tier is one
+more) and never knows which one it is talking to.
 """
 
 from __future__ import annotations
