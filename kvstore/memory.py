@@ -39,7 +39,6 @@ class Record:
         return (self.depth - 1) * chunk_size
 
 
-
 class MemoryTier:
     """A thread-safe LRU of `Record`s. `capacity=0` keeps nothing."""
 
