@@ -458,15 +458,10 @@ class BlobFile:
     def cached(self) -> bool:
         """Whether the file's last byte is in the page cache (readahead fills a file in order, so
         then all of it most likely is): one non-blocking read. True when the kernel cannot say."""
-        if self._whole is not None or not self.size or not hasattr(os, "RWF_NOWAIT"):
+        if self._whole is not None:
             return True
-        try:
-            os.preadv(self.fd, [bytearray(1)], self.size - 1, os.RWF_NOWAIT)
-        except BlockingIOError:
-            return False
-        except OSError:
-            return True
-        return True
+        cached = _last_byte_cached(self.fd, self.size)
+        return True if cached is None else cached
 
     def read_exact(self, view: memoryview, offset: int) -> None:
         """Fill `view` from `offset` (finishing short reads); BlobError if the file ends early."""
@@ -706,22 +701,30 @@ def prefetch(root: Path, hashes: Sequence[bytes]) -> None:
 
 def _cached(root: Path, h: bytes) -> bool:
     """Whether the last byte of record `h`'s blob is in the page cache (False if unknown)."""
-    if not hasattr(os, "RWF_NOWAIT"):
-        return False
     try:
         fd = os.open(_blob_file(root, h), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return False
     try:
-        size = os.fstat(fd).st_size
-        if not size:
-            return False
-        os.preadv(fd, [bytearray(1)], size - 1, os.RWF_NOWAIT)
-        return True
-    except OSError:  # BlockingIOError: not cached; anything else: cannot say
+        return bool(_last_byte_cached(fd, os.fstat(fd).st_size))
+    except OSError:
         return False
     finally:
         os.close(fd)
+
+
+def _last_byte_cached(fd: int, size: int) -> bool | None:
+    """Whether the last byte of an open file of `size` bytes is in the page cache: one
+    non-blocking read. None when the kernel cannot say (or the file is empty)."""
+    if not size or not hasattr(os, "RWF_NOWAIT"):
+        return None
+    try:
+        os.preadv(fd, [bytearray(1)], size - 1, os.RWF_NOWAIT)
+    except BlockingIOError:
+        return False
+    except OSError:
+        return None
+    return True
 
 
 def _preadv_all(fd: int, views: list[memoryview], offset: int, path: Path, want: int = -1) -> int:
