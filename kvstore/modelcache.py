@@ -127,11 +127,14 @@ class ModelCache:
 
     def _restore(self, toks: np.ndarray) -> tuple[list, int] | None:
         """One attempt: look up, open the records, plan, fill, build. (cache, p), (None, 0) on a
-        miss, or None when a record failed its checksum while filling (it is quarantined now)."""
+        miss, or None when a record failed its checksum while filling (it is quarantined now) or
+        left every tier between the lookup and its opening (the writer replaced a tail, or gc
+        evicted it): the next attempt looks up again."""
         C, tiers = self.chunk_size, self.store.tiers
         chain, options, where = self._match(toks)
         cap = len(toks) - 1
         opened: dict[bytes, Source | None] = {}
+        vanished: list[bytes] = []
         try:
             best: tuple[Plan, list[Source]] | None = None
             for child, matched in options:
@@ -139,11 +142,13 @@ class ModelCache:
                 if length <= (best[0].p if best else 0):
                     continue
                 path = chain + ([child] if child is not None else [])
-                parts, sources = self._open(path[: -(-length // C)], where, opened)
+                parts, sources = self._open(path[: -(-length // C)], where, opened, vanished)
                 length = min(length, sum(q.ntokens for q in parts))
                 pl = plan(parts, self.codecs, length, self._checkpoints(parts, length, where))
                 if pl is not None and pl.p > (best[0].p if best else 0):
                     best = (pl, sources[: len(pl.parts)])
+            if vanished:  # what the lookup chose is gone: another option may be what replaced it
+                return None
             if best is None:
                 return None, 0
             pl, sources = best
@@ -173,24 +178,26 @@ class ModelCache:
                 if source is not None:
                     source.close()
 
-    def _open(self, path: list[bytes], where: dict, opened: dict) -> tuple[list[Part], list[Source]]:
+    def _open(self, path: list[bytes], where: dict, opened: dict,
+              vanished: list[bytes]) -> tuple[list[Part], list[Source]]:
         """The records of `path` as plan parts and sources, up to the first one that is missing
-        or damaged (the prefix ends there)."""
+        or damaged (the prefix ends there); a record no tier holds any more goes in `vanished`."""
         C = self.chunk_size
         disk = [h for h in path if h not in opened and getattr(where.get(h, (None,))[0], "name", "") == "disk"]
         if len(disk) > 1:
             where[disk[0]][0].prefetch(disk)  # readahead of every file at once
         parts, sources = [], []
         for i, h in enumerate(path):
-            source = self._open_one(h, where, opened)
+            source = self._open_one(h, where, opened, vanished)
             if source is None:
                 break
             parts.append(Part(h, i * C, source.ntokens, source.entries))
             sources.append(source)
         return parts, sources
 
-    def _open_one(self, h: bytes, where: dict, opened: dict) -> Source | None:
-        """A checked source of record `h` from the first tier that has it, or None."""
+    def _open_one(self, h: bytes, where: dict, opened: dict, vanished: list[bytes] | None = None) -> Source | None:
+        """A checked source of record `h` from the first tier that has it, or None (and `h` in
+        `vanished` if the tiers the lookup saw it in all let it go since)."""
         if h in opened:
             return opened[h]
         found = where.get(h)
@@ -207,6 +214,8 @@ class ModelCache:
                 where.pop(h, None)
                 if found is not None:
                     where[h] = found
+                elif vanished is not None:
+                    vanished.append(h)
             except BlobError as e:
                 if source is not None:
                     source.close()
@@ -214,6 +223,8 @@ class ModelCache:
                 tier.damaged(h, e, ref)
                 where.pop(h, None)
                 found = None
+                if vanished is not None and h not in tiers_find(self.store.tiers, [h]):
+                    vanished.append(h)  # its file went with its row (gc, or a tail replaced): no damage
         opened[h] = source
         return source
 

@@ -362,6 +362,45 @@ def test_a_cache_changed_in_place_after_insert_does_not_change_what_was_stored(t
         assert all(np.array_equal(g, w) for g, w in zip(got, want)), "the stored record changed with the cache"
 
 
+def test_a_record_gone_between_lookup_and_read_is_looked_up_again(tmp_path, llama, monkeypatch):
+    # The writer replaces a tail by a longer one that holds its K/V, and gc evicts: a fetch may
+    # choose a record that no tier holds any more when it opens it. It looks up again and uses
+    # what is there (here the longer tail), instead of serving a miss.
+    from kvstore import keys, modelcache
+    from kvstore.index import TAIL
+    from kvstore.memory import Record
+
+    path, model = llama
+    short, longer = [3], [3, 2, 2, 1, 0, 3]
+    with kvstore.open(tmp_path / "s", chunk_size=C) as store:
+        mc = store.bind(model, path)
+        for seq in (short, longer):
+            mc.insert(seq, prefill(model, seq))
+        assert store.flush(timeout=60)
+        assert store.writer.stats.redundant_dropped == 1  # the short tail is gone: the longer holds it
+        # The longer tail only on disk, the short one back in RAM, as a fetch could still see it
+        # while the writer drops it...
+        store.memory.discard([keys.tail_hash(mc.ns, np.array(longer, dtype=np.int32))])
+        gone = keys.tail_hash(mc.ns, np.array(short, dtype=np.int32))
+        kv = prefill(model, short)
+        store.memory.put([Record(gone, mc.ns, mc.ns, 1, TAIL, np.array(short, dtype=np.int32),
+                                 {f"{i}.{n}": getattr(c, n)[..., :1, :] for i, c in enumerate(kv)
+                                  for n in ("keys", "values")})])
+        real_match = modelcache.ModelCache._match
+        removed = []
+
+        def match_then_lose_it(self, toks):
+            chain, options, where = real_match(self, toks)
+            if not removed and options[0][0] == gone:  # ...and it goes before it is opened
+                store.memory.discard([gone])
+                removed.append(gone)
+            return chain, options, where
+
+        monkeypatch.setattr(modelcache.ModelCache, "_match", match_then_lose_it)
+        cache, rest = mc.fetch(short + [1])
+        assert removed == [gone] and rest == [1]  # one token reused, from the longer tail
+
+
 def test_queue_bounded_by_bytes_counts_drops(tmp_path, llama):
     path, model = llama
     with kvstore.open(tmp_path / "s", chunk_size=C, max_pending_bytes=1) as store:
