@@ -360,12 +360,13 @@ class ModelCache:
                         origins[f"{i}.{name}"] = origin
                         if a.dtype == mx.bfloat16:
                             views[f"{i}.{name}"] = mx.bfloat16
-                for name, (a, origin) in (codec.deltas(layer, n).items() if plain is None else ()):
-                    arrays[f"{i}.{name}"], view = blobs.host_bits(a)
-                    lazy.append(arrays[f"{i}.{name}"])
-                    origins[f"{i}.{name}"] = origin
-                    if view is not None:
-                        views[f"{i}.{name}"] = view
+                else:
+                    for name, (a, origin) in codec.deltas(layer, n).items():
+                        arrays[f"{i}.{name}"], view = blobs.host_bits(a)
+                        lazy.append(arrays[f"{i}.{name}"])
+                        origins[f"{i}.{name}"] = origin
+                        if view is not None:
+                            views[f"{i}.{name}"] = view
                 if wants_checkpoint:
                     for name, a in codec.checkpoint(layer).items():
                         saved[f"{i}.{name}"], view = blobs.host_bits(a)

@@ -74,7 +74,7 @@ class Tier(Protocol):
 class RecordSource:
     """A record held in RAM (memory tier or the writer's queue): copies, nothing to check."""
 
-    in_ram = True  # the restore copies small pieces of such records on one thread
+    in_ram = True  # the restore gathers small pieces of such records (restore._gather)
 
     def __init__(self, rec: Record):
         self.hash, self.ntokens, self.record = rec.hash, len(rec.tokens), rec
@@ -96,14 +96,9 @@ class RecordSource:
         return host
 
     def read_copies(self, copies, targets):
-        host = self._host  # a 32k-token prompt of a 28-layer model makes 7,168 copies: kept lean
-        for _, name, lo, hi, dst in copies:
-            src = host.get(name)
-            if src is None:
-                src = self._np(name)
-            if lo or hi != src.shape[2]:
-                src = src[:, :, lo:hi]
-            np.copyto(targets[name].array[:, :, dst : dst + hi - lo], src, casting="no")
+        for c in copies:
+            np.copyto(targets[c.name].array[:, :, c.dst : c.dst + c.hi - c.lo], self._np(c.name)[:, :, c.lo : c.hi],
+                      casting="no")
 
     def array(self, name: str) -> np.ndarray:
         return self._np(name)
