@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import signal
 import sys
 import time
@@ -447,8 +448,16 @@ def cmd_stats(args) -> int:
         print(f"remote: {remote['url']}   uploads: {t['uploads']} ({format_size(t['upload_bytes'])})   "
               f"downloads: {t['downloads']} ({format_size(t['download_bytes'])})   remote hits: {t['remote_hits']}   "
               f"errors: {t['errors']}   dropped uploads: {t['dropped_uploads']}   deadline misses: {t['deadline_misses']}")
-    if stats.get("quarantined_total"):
-        print(f"quarantined records so far: {stats['quarantined_total']} (run `{PROG} verify`)")
+    now_bad = stats.get("quarantined_now") or {}
+    if stats.get("quarantined_total") or now_bad.get("records"):
+        print(f"quarantined records: {now_bad.get('records', 0)} now ({format_size(now_bad.get('bytes', 0))}, "
+              f"never served; any `{PROG} gc` drops those not pinned, storing the prompt again heals "
+              f"it), {stats.get('quarantined_total', 0)} so far (run `{PROG} verify`)")
+    moved = stats.get("quarantine_folder") or {}
+    if moved.get("files"):
+        out(f"{stats['path']}/quarantine: {moved['files']} file{'s' if moved['files'] != 1 else ''} "
+            f"({format_size(moved['bytes'])}) that "
+            f"`{PROG} verify --repair` moved aside (not kvstore's; never deleted by kvstore: look, then remove them)")
     if not stats["models"]:
         return 0
     now = time.time()
@@ -473,7 +482,8 @@ def cmd_stats(args) -> int:
 # it), or counters of this one process (the `kvstore stats` process itself: its memory tier, its
 # writer, what it fetched, and the settings it opened the store with). A key missing here is
 # reported as "unknown" rather than guessed.
-STORE_TOTALS = ("path", "bytes", "chunks", "tails", "checkpoints", "models", "quarantined_total")
+STORE_TOTALS = ("path", "bytes", "chunks", "tails", "checkpoints", "models", "quarantined_total",
+                "quarantined_now", "quarantine_folder")
 PER_PROCESS = ("chunk_size", "max_bytes", "memory", "writer", "quarantined", "skipped_inserts",
                "fetches", "reused_tokens", "read_only", "max_bytes_auto", "max_bytes_rule")
 
@@ -709,6 +719,12 @@ def _run(command: Callable[[], int]) -> int:
         return e.code
     except KVStoreError as e:
         say(f"{PROG}: error: {e}")
+        return EXIT_PROBLEMS
+    except BrokenPipeError:  # the reader of our output went away (`kvstore stats | head`): go quiet
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except OSError:
+            pass
         return EXIT_PROBLEMS
     except OSError as e:
         say(f"{PROG}: error: {_os_message(e)}")

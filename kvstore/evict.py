@@ -17,7 +17,8 @@ would have E(y) < E(x), or share E with x through a common descendant, which mak
 of x and so no leaf.) Ties between equal access times go by hash, as the old rule's heap broke
 them. Records of stale model versions (see `stale.py`) go before all others, and before them
 records no lookup can reach: those under a parent that is gone (a gc that stopped half-way, or
-raced a writer, leaves them).
+raced a writer, leaves them), and quarantined records (a lookup stops at them: they failed a
+read) with everything below them.
 
 The rule says which records go; in which order their rows are deleted is the deleter's choice
 (`in_key_order`): by hash, so that each transaction deletes neighbours in the table. A parent may
@@ -43,11 +44,12 @@ class Graph:
     pinned: np.ndarray  # bool
     stale: np.ndarray  # bool: of a stale model version
     root: np.ndarray | None = None  # bool: hangs from its namespace (None: every parentless record)
+    bad: np.ndarray | None = None  # bool: quarantined (None: none is)
 
     @classmethod
     def from_index(cls, rows: list[tuple]) -> "Graph":
-        """From `Index.eviction_graph`: (hash + parent, last access, size * 8 + flags) tuples,
-        flags 1 pinned, 2 stale, 4 hangs from its namespace."""
+        """From `Index.eviction_graph`: (hash + parent, last access, size * 16 + flags) tuples,
+        flags 1 pinned, 2 stale, 4 hangs from its namespace, 8 quarantined."""
         if not rows:
             return cls.from_rows([])
         # numpy copies the tuples into one record array in C; "S32" keeps every byte (a hash
@@ -55,8 +57,8 @@ class Graph:
         packed = np.array(rows, dtype=[("hp", "S32"), ("last", "f8"), ("sf", "i8")])
         cols = np.frombuffer(packed.tobytes(), dtype=[("h", "V16"), ("p", "V16"), ("last", "f8"), ("sf", "i8")])
         sf = cols["sf"]
-        return cls(cols["h"].copy(), cols["p"].copy(), sf >> 3, cols["last"].copy(),
-                   (sf & 1) > 0, (sf & 2) > 0, (sf & 4) > 0)
+        return cls(cols["h"].copy(), cols["p"].copy(), sf >> 4, cols["last"].copy(),
+                   (sf & 1) > 0, (sf & 2) > 0, (sf & 4) > 0, (sf & 8) > 0)
 
     @classmethod
     def from_rows(cls, rows: list[tuple]) -> "Graph":
@@ -120,8 +122,11 @@ def parents(g: Graph) -> tuple[np.ndarray, np.ndarray]:
 
 
 def unreachable(g: Graph, parent: np.ndarray) -> np.ndarray:
-    """Records whose parent is not stored (and is not their namespace), and all below them."""
+    """Records whose parent is not stored (and is not their namespace), quarantined records
+    (a lookup stops at them), and all below them."""
     lost = (parent < 0) & ~g.root if g.root is not None else np.zeros(len(g.hashes), bool)
+    if g.bad is not None:
+        lost |= g.bad
     has_parent = parent >= 0
     while True:  # one round per level of the deepest lost subtree; none when nothing is lost
         below = has_parent & ~lost

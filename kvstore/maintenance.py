@@ -58,7 +58,9 @@ def collect(index: Index, root: Path, *, max_bytes: int | None = None, max_age: 
     total = index.totals()["bytes"]
     cutoff = time.time() - max_age if max_age is not None else None
     p = evict.Plan.empty()
-    if (max_bytes is not None and total > max_bytes) or cutoff is not None or (stale and stale_namespaces):
+    # Quarantined records are never served: any gc drops them (and what hangs below them).
+    if ((max_bytes is not None and total > max_bytes) or cutoff is not None or (stale and stale_namespaces)
+            or index.quarantined()[0]):
         graph = evict.Graph.from_index(index.eviction_graph(sorted(stale_namespaces)))
         p = evict.plan(graph, max_bytes=max_bytes, cutoff=cutoff, stale=stale)
     planned = time.perf_counter() - started

@@ -14,6 +14,7 @@ import logging
 import os
 import shutil
 import sqlite3
+import stat
 import threading
 import time
 import weakref
@@ -27,7 +28,7 @@ from .stale import stale_namespaces, stamps as file_stamps
 from .index import Index, is_corruption
 from .memory import MemoryTier
 from .modelcache import ModelCache, describe, make_template
-from .storedir import BLOBS_NAME, INDEX_NAME, open_dir
+from .storedir import BLOBS_NAME, INDEX_NAME, QUARANTINE_NAME, open_dir
 from .tiers import DiskTier, MemoryTierView, PendingTier
 from .writer import Writer
 
@@ -208,6 +209,9 @@ class Store:
                     m["stale"] = (ns in why) if ns in recorded else None
                     m["stale_reason"] = why.get(ns)
                 out["quarantined_total"] = self.index.counters().get("count.quarantined", 0)
+                n, size = self.index.quarantined()
+                out["quarantined_now"] = {"records": n, "bytes": size}
+            out["quarantine_folder"] = _folder_usage(self.path / QUARANTINE_NAME)
         else:
             kinds = self.memory.kinds()
             out.update(bytes=self.memory.nbytes, chunks=kinds.get(0, 0), tails=kinds.get(1, 0),
@@ -393,3 +397,19 @@ def open(path: str | os.PathLike | None = None, *, max_bytes: int | str | None =
     """
     return Store(path, max_bytes=max_bytes, memory_bytes=memory_bytes, chunk_size=chunk_size,
                  remote=remote, **options)
+
+
+def _folder_usage(folder: Path) -> dict[str, int]:
+    """{"files", "bytes"} of the regular files under a folder (no link is followed)."""
+    files = size = 0
+    if folder.is_symlink():
+        return {"files": 0, "bytes": 0}
+    for top, _, names in os.walk(folder):
+        for name in names:
+            try:
+                st = os.lstat(os.path.join(top, name))
+            except OSError:
+                continue
+            files += 1
+            size += st.st_size if stat.S_ISREG(st.st_mode) else 0
+    return {"files": files, "bytes": size}

@@ -432,6 +432,16 @@ def test_stats(kv, capsys, warmed, demo_model_path):
     assert data["models"][0]["fingerprint"] == model["fingerprint"]
 
 
+def test_output_to_a_reader_that_goes_away_ends_quietly(warmed):
+    """`kvstore stats | head -n 1`: the rest of the output has nowhere to go, and no traceback."""
+    store, _ = warmed
+    proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "stats", "--store", str(store)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO)
+    proc.stdout.close()  # before anything is printed
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 1 and err.decode() == ""
+
+
 def test_verify_finds_and_repairs_damage(kv, capsys, store_copy):
     blobs = sorted((store_copy / "blobs").rglob("*.safetensors"))
     blobs[0].unlink()

@@ -256,6 +256,46 @@ def test_damaged_blob_is_a_shorter_correct_prefix_quarantined_and_repaired(tmp_p
         assert store.verify() == []
 
 
+def test_gc_drops_quarantined_records_and_what_hangs_below_them(tmp_path, llama):
+    """A quarantined record is never served, nor is anything below it: any gc, even one well
+    within its budget, frees their bytes; a pinned prompt's records stay."""
+    model_path, model = llama
+    a = prompts(7, 1, C)[0][: 2 * C] + list(range(1, 2 * C + 6))  # 4 chunks and a tail
+    b = list(range(100, 100 + 3 * C))  # pinned: its 3 chunks (no tail: a multiple of C)
+    with kvstore.open(tmp_path / "s", chunk_size=C) as store:
+        mc = store.bind(model, model_path)
+        mc.prefill(a)
+        mc.prefill(b, pin=True)
+        store.flush()
+        chain = {r.hash: r for r in store.index.rows()}
+        by_depth = sorted((r for r in chain.values() if not r.pinned), key=lambda r: r.depth)
+        bad = by_depth[2]  # a's third chunk: below it its fourth chunk and its tail
+        pinned_bad = min((r for r in chain.values() if r.pinned), key=lambda r: r.depth)
+        for r in (bad, pinned_bad):
+            _flip(blobs.blob_path(store.blob_root, r.hash), _header_end(blobs.blob_path(store.blob_root, r.hash)) + 1)
+    with kvstore.open(tmp_path / "s", chunk_size=C, memory_bytes=0) as store:
+        mc = store.bind(model, model_path)
+        for tokens in (a, b):
+            mc.fetch(tokens + [3])
+        held = store.stats()
+        assert held["quarantined_now"] == {"records": 2, "bytes": bad.size + pinned_bad.size}
+        result = store.gc(max_bytes=10 * held["bytes"])
+        below = [r for r in by_depth if r.depth >= bad.depth]
+        assert result["evicted"] == len(below) == 3
+        assert result["freed_bytes"] == sum(r.size for r in below)
+        left = {r.hash for r in store.index.rows()}
+        assert left == set(chain) - {r.hash for r in below}  # the pinned prompt stays whole
+        assert store.stats()["quarantined_now"] == {"records": 1, "bytes": pinned_bad.size}
+        assert store.gc(max_bytes=10 * held["bytes"])["evicted"] == 0
+        cache, rest = mc.fetch(a + [3])
+        assert len(a) + 1 - len(rest) == 2 * C and logits_diff(model, cache, rest, a + [3]) <= TOL
+        # Stored again, the prompt heals.
+        mc.prefill(a)
+        store.flush()
+        cache, rest = mc.fetch(a + [3])
+        assert rest == [3] and logits_diff(model, cache, rest, a + [3]) <= TOL
+
+
 def test_foreign_and_stray_files_in_the_blob_tree(tmp_path, llama):
     model_path, model = llama
     tokens = prompts(6, 1, C)[0]
@@ -280,9 +320,12 @@ def test_foreign_and_stray_files_in_the_blob_tree(tmp_path, llama):
         assert rest == tokens[-1:]
         kinds = sorted(p.kind for p in store.verify())
         assert kinds == ["foreign_file", "foreign_file", "orphan_file", "temp_file"]
+        assert store.stats()["quarantine_folder"] == {"files": 0, "bytes": 0}
         store.verify(repair=True)
         assert store.verify() == []
         assert sorted(blobs.walk(root)) == good
+        # The foreign files were moved aside, whole, and stats counts them.
+        assert store.stats()["quarantine_folder"] == {"files": 2, "bytes": 20}
 
 
 # -- damaged index ----------------------------------------------------------------------------
