@@ -432,6 +432,28 @@ def test_persistent_prompt_cache_in_process(models, tmp_path):
         assert store.verify() == []
 
 
+def test_serving_freezes_what_start_up_made():
+    """What exists when the HTTP server starts (the model, the libraries) lives as long as the
+    server: frozen, so that Python's full collections stop walking it in the middle of requests."""
+    import gc
+    import types
+
+    from kvstore.server import _persistent
+
+    served = []
+    fake = types.SimpleNamespace(ResponseGenerator=object, APIHandler=object,
+                                 _run_http_server=lambda host, port, gen, handler_class=None: served.append(
+                                     (gc.get_freeze_count(), handler_class)))
+    gc.unfreeze()
+    try:
+        with _persistent(fake, None, [], {}, lambda base: ("ours", base)):
+            fake._run_http_server("127.0.0.1", 0, None)
+        [(frozen, handler)] = served
+        assert frozen > 1000 and handler == ("ours", object)
+    finally:
+        gc.unfreeze()
+
+
 def wait_stored(model_dir: Path, store: Path, prompt: str, timeout: float = 30) -> None:
     """Until a third process sees `prompt` stored whole (the server writes in the background)."""
     model, tokenizer = load(str(model_dir))
