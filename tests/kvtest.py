@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable, Iterator
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
@@ -33,3 +36,34 @@ def run_procs(mode: str, store, model, chunk: int, tokens, **extra) -> dict:
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@contextmanager
+def readers(store, model_dir, queries: list[list[int]], chunk: int, work: Path, *, n: int = 1,
+            min_fetches: int = 0) -> Iterator[Callable[[], list[dict]]]:
+    """`n` processes (`tests/reader_proc.py`) that fetch `queries` round and round from `store`
+    and check each restore against a recompute, ready when this enters. Within, `finish()` stops
+    them (each after `min_fetches` fetches at least) and returns their results; they are killed
+    if the block leaves without it."""
+    here = Path(__file__).parent
+    work = Path(work)
+    (work / "queries.json").write_text(json.dumps(queries))
+    stop = work / "stop"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(here.parent), str(here)]))
+    procs = [subprocess.Popen([sys.executable, str(here / "reader_proc.py"), str(store), str(model_dir), str(chunk),
+                               str(work / "queries.json"), str(stop), str(min_fetches)],
+                              stdout=subprocess.PIPE, text=True, env=env) for _ in range(n)]
+
+    def finish() -> list[dict]:
+        stop.touch()
+        return [json.loads(p.stdout.read().strip().splitlines()[-1]) for p in procs]
+
+    try:
+        for p in procs:
+            assert json.loads(p.stdout.readline()) == {"ready": True}
+        yield finish
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()

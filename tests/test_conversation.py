@@ -3,12 +3,6 @@ tokens it holds (issue 11 sec. 1)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -16,9 +10,8 @@ from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 
 import kvstore
-from kvtest import logits_diff, prefill
+from kvtest import logits_diff, prefill, readers
 
-HERE = Path(__file__).parent
 C = 16
 
 
@@ -116,44 +109,13 @@ def test_a_slid_window_does_not_make_a_tail_redundant(tmp_path, demo_model):
         assert len(rest) == 1 and logits_diff(model, cache, rest, query) < 1e-4
 
 
-READER = r"""
-import json, sys, time
-from pathlib import Path
-sys.path.insert(0, sys.argv[4])
-from mlx_lm import load
-import kvstore
-from kvtest import logits_diff
-store_dir, model_dir, convo_file = sys.argv[1:4]
-convo = json.loads(Path(convo_file).read_text())
-model, _ = load(model_dir)
-stop = Path(store_dir).parent / "stop"
-done = wrong = reused = 0
-with kvstore.open(store_dir, chunk_size=16, memory_bytes=0) as store:
-    mc = store.bind(model, model_dir)
-    print(json.dumps({"ready": True}), flush=True)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not stop.exists():
-        query = convo[done % len(convo)] + [3]
-        cache, rest = mc.fetch(query)
-        wrong += logits_diff(model, cache, rest, query) > 1e-4
-        reused += len(query) - len(rest)
-        done += 1
-print(json.dumps({"fetches": done, "wrong": wrong, "reused": reused}), flush=True)
-"""
-
-
 def test_readers_in_another_process_restore_correctly_while_tails_go(tmp_path, llama):
     path, model = llama
     convo = turns(12, 20, 9, seed=3)
     store_dir = tmp_path / "s"
-    (tmp_path / "convo.json").write_text(json.dumps(convo))
     with kvstore.open(store_dir, chunk_size=C) as store:
         store.bind(model, path)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent), str(HERE)]))
-    reader = subprocess.Popen([sys.executable, "-c", READER, str(store_dir), str(path), str(tmp_path / "convo.json"),
-                               str(HERE)], stdout=subprocess.PIPE, text=True, env=env)
-    try:
-        assert json.loads(reader.stdout.readline()) == {"ready": True}
+    with readers(store_dir, path, [seq + [3] for seq in convo], C, tmp_path) as finish:
         with kvstore.open(store_dir, chunk_size=C) as store:
             mc = store.bind(model, path)
             for seq in convo:
@@ -161,12 +123,7 @@ def test_readers_in_another_process_restore_correctly_while_tails_go(tmp_path, l
                 store.flush()
             assert store.writer.stats.redundant_dropped == sum(len(seq) % C > 0 for seq in convo[:-1])
             assert store.verify() == []
-        (tmp_path / "stop").touch()
-        result = json.loads(reader.stdout.read().strip().splitlines()[-1])
-    finally:
-        if reader.poll() is None:
-            reader.kill()
-        reader.wait()
+        [result] = finish()
     assert result["fetches"] > 0 and result["wrong"] == 0, result
 
 

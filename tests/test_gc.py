@@ -5,11 +5,7 @@ while gc runs."""
 from __future__ import annotations
 
 import heapq
-import json
-import os
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,13 +13,11 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from mlx_lm.models.cache import make_prompt_cache
 
 import kvstore
 from kvstore import evict
-from kvtest import prefill
+from kvtest import prefill, readers
 
-HERE = Path(__file__).parent
 C = 4  # tiny chunks: short prompts make long chains of small records
 
 
@@ -262,62 +256,19 @@ def test_evict_refuses_a_pinned_record_and_one_with_a_child_it_was_not_given(tmp
         assert store.verify() == []
 
 
-READER = r"""
-import json, sys, time
-from pathlib import Path
-sys.path.insert(0, sys.argv[4])
-import mlx.core as mx
-from mlx_lm import load
-from mlx_lm.models.cache import make_prompt_cache
-import kvstore
-from kvtest import logits_diff
-store_dir, model_dir, prompts_file = sys.argv[1:4]
-prompts = json.loads(Path(prompts_file).read_text())
-model, _ = load(model_dir)
-stop = Path(store_dir).parent / "stop"
-done = wrong = reused = 0
-worst = 0.0
-with kvstore.open(store_dir, chunk_size=4, memory_bytes=0) as store:
-    mc = store.bind(model, model_dir)
-    print(json.dumps({"ready": True}), flush=True)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and (not stop.exists() or done < 2 * len(prompts)):
-        tokens = prompts[done % len(prompts)]
-        cache, rest = mc.fetch(tokens)
-        diff = logits_diff(model, cache, rest, tokens)
-        worst = max(worst, diff)
-        wrong += diff > 1e-4
-        reused += len(tokens) - len(rest)
-        done += 1
-print(json.dumps({"fetches": done, "wrong": wrong, "reused": reused, "worst": worst}), flush=True)
-"""
-
-
 def test_readers_in_other_processes_restore_correctly_during_gc(tmp_path, small_store, llama):
     src, prompts = small_store
     model_path, _ = llama
     path = tmp_path / "s"
     shutil.copytree(src, path)
-    (tmp_path / "prompts.json").write_text(json.dumps(prompts))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent), str(HERE)]))
-    readers = [subprocess.Popen([sys.executable, "-c", READER, str(path), str(model_path),
-                                 str(tmp_path / "prompts.json"), str(HERE)],
-                                stdout=subprocess.PIPE, text=True, env=env) for _ in range(2)]
-    try:
-        for r in readers:
-            assert json.loads(r.stdout.readline()) == {"ready": True}
+    with readers(path, model_path, prompts, C, tmp_path, n=2, min_fetches=2 * len(prompts)) as finish:
         with kvstore.open(path, chunk_size=C, memory_bytes=0) as store:
             total = store.stats()["bytes"]
             for share in (0.8, 0.6, 0.4, 0.2, 0.0):  # rows and files go while the readers read them
                 store.gc(max_bytes=int(total * share))
                 time.sleep(0.2)
             assert store.verify() == []
-        (tmp_path / "stop").touch()
-        results = [json.loads(r.stdout.read().strip().splitlines()[-1]) for r in readers]
-    finally:
-        for r in readers:
-            r.kill() if r.poll() is None else None
-            r.wait()
+        results = finish()
     for res in results:
         assert res["fetches"] >= 2 * len(prompts) and res["reused"] > 0
         assert res["wrong"] == 0, res
