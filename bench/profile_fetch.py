@@ -1,6 +1,7 @@
 """Profile `fetch` against a raw read of the same blob bytes (a quick look, not the benchmark).
 
     python bench/profile_fetch.py [--tokens 2048] [--shape qwen3-0.6b] [--reps 10] [--cprofile]
+                                  [--head-dim D] [--chunk-size 256]
 
 Builds a store with one cache of the shape (random bfloat16 K/V), then in this one process times,
 interleaved: a raw read of the blob files into a reused buffer, `fetch` from disk (memory tier off),
@@ -58,6 +59,7 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=None,
                     help="override the shape's head_dim (tiny: measures the Python overhead alone)")
     ap.add_argument("--serial", action="store_true", help="fill on the calling thread only")
+    ap.add_argument("--chunk-size", type=int, default=256, help="the stores' chunk size (tokens a record)")
     ap.add_argument("--cache-limit", type=float, default=None, metavar="GB",
                     help="mx.set_cache_limit before timing (keeps freed buffers for reuse)")
     args = ap.parse_args()
@@ -73,16 +75,16 @@ def main() -> None:
     tokens = C.random_tokens(args.tokens).tolist()
     cache = C.random_cache(shape, args.tokens)
     root = Path(tempfile.mkdtemp(dir=C.scratch_root()))
-    with kvstore.open(root / "s", memory_bytes=0) as store:
+    with kvstore.open(root / "s", memory_bytes=0, chunk_size=args.chunk_size) as store:
         store.bind(model, "shape", fingerprint=b"s" * 16).insert(tokens, cache)
         store.flush()
     files = C.blob_files(root / "s")
     nbytes = sum(p.stat().st_size for p in files)
     buf = C.aligned_buffer(nbytes)
     query = tokens + [1]
-    disk = kvstore.open(root / "s", memory_bytes=0)
+    disk = kvstore.open(root / "s", memory_bytes=0, chunk_size=args.chunk_size)
     mc = disk.bind(model, "shape", fingerprint=b"s" * 16)
-    ram = kvstore.open(kvstore.MEMORY, memory_bytes=4 << 30)
+    ram = kvstore.open(kvstore.MEMORY, memory_bytes=4 << 30, chunk_size=args.chunk_size)
     mr = ram.bind(model, "shape", fingerprint=b"s" * 16)
     mr.insert(tokens, cache)
     ram.flush()
