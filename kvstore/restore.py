@@ -3,12 +3,12 @@
 1. `plan` (pure: records' token ranges and tensor shapes, the codecs, the checkpoints there are)
    picks the restore point p that every layer can reach and says, for every tensor of every layer,
    which record supplies which of its tokens at which place of the final array.
-2. `fill` allocates each final array once, unfilled, with spare capacity after the restored tokens
-   (zeroed) so the first decode step writes in place, and has every record's `Source` copy its
-   tokens straight into place (disk: `preadv` from the page cache, checksummed per tensor), on a
-   small thread pool. Records held in RAM, in small pieces, are gathered tensor by tensor
-   instead, one numpy call per final tensor. A record that fails its check is reported, never
-   used.
+2. `fill` allocates each final array once, unfilled (small ones zero-filled, which is cheaper),
+   with spare capacity after the restored tokens (zeroed) so the first decode step writes in
+   place, and has every record's `Source` copy its tokens straight into place (disk: `preadv`
+   from the page cache, checksummed per tensor), on a small thread pool. Records held in RAM,
+   in small pieces, are gathered tensor by tensor instead, one numpy call per final tensor. A
+   record that fails its check is reported, never used.
 3. `build` hands the arrays to the codecs, which make the mlx-lm cache objects.
 """
 
@@ -27,7 +27,7 @@ from . import blobs
 from .codecs import Codec, sub
 from .errors import BlobError
 from .tiers import Entry, Source
-from .unfilled import keep_buffers, unfilled
+from .unfilled import keep_buffers, unfilled, zero_filled
 
 _POOL_MIN_BYTES = 4 << 20  # below this, threads cost more than they save
 _READ_THREADS = 8  # reader threads when records come from a cold disk
@@ -229,7 +229,8 @@ def fill(pl: Plan, sources: Sequence[Source]) -> tuple[dict[str, mx.array], list
     keep_buffers(pl.nbytes)
     finals = unfilled({name: (e.tag, e.shape) for name, e in pl.finals.items()})
     views = {name: blobs.target(_host(a)) for name, a in finals.items()}
-    spare = [name for name, view in views.items() if pl.filled[name] < view.array.shape[2]]
+    zeroed = zero_filled(pl.nbytes, sum(1 for e in pl.finals.values() if _nbytes(e)))  # as `unfilled` counts
+    spare = [] if zeroed else [name for name, view in views.items() if pl.filled[name] < view.array.shape[2]]
     jobs = pl.jobs
 
     def run(k: int) -> BlobError | None:

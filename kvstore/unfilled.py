@@ -1,4 +1,4 @@
-"""Final arrays, allocated once by mlx and never filled: the restore writes every byte itself.
+"""Final arrays, allocated once by mlx and (unless small) never filled: the restore writes every byte.
 
 mlx has no `empty`, but its safetensors loader allocates each tensor without filling it and then
 asks the file it reads to `readinto` that memory. `_Shell` poses as such a file, holding only a
@@ -15,12 +15,19 @@ holding the GIL: loads run on a stream of their own (no one else's work queues b
 under a lock that `keep_buffers` also takes (`mx.set_cache_limit` waits for every CPU stream
 without letting go of the GIL). Calling `mx.set_cache_limit` from another thread while a fetch
 runs can still deadlock mlx this way: set it before serving.
+
+mlx evaluates the arrays of a load from a file object one at a time, a round trip to its I/O
+thread each (60 to 90 µs here), while filling memory that mlx's buffer cache hands back costs
+about 1 µs per 12 KiB. So arrays that average under `FILL_BELOW` bytes are made with `mx.zeros`
+instead, all in one evaluation: 8 arrays of 320 KiB (a small model's cache) take 0.18 ms so,
+0.7 ms through the shell; 56 of 4 MiB, 30 ms so, 4 ms through the shell.
 """
 
 from __future__ import annotations
 
 import atexit
 import json
+import math
 import struct
 import threading
 import time
@@ -31,6 +38,7 @@ import mlx.core as mx
 
 _LIVE: "weakref.WeakSet[_Shell]" = weakref.WeakSet()
 _EXIT_WAIT_S = 5.0
+FILL_BELOW = 512 << 10  # average bytes an array under which mx.zeros is cheaper (see above)
 _cache_floor = 0  # the mlx buffer-cache limit this module has made sure of
 _LOCK = threading.Lock()
 _streams = threading.local()  # mlx streams belong to the thread that made them
@@ -106,6 +114,12 @@ def keep_buffers(nbytes: int) -> None:
         _cache_floor = max(want, previous)
 
 
+def zero_filled(nbytes: int, count: int) -> bool:
+    """Whether `unfilled` makes `count` arrays of `nbytes` in all with `mx.zeros` (then they
+    hold zeros), which is cheaper for small ones (see the module's docstring)."""
+    return nbytes < FILL_BELOW * count
+
+
 def unfilled(specs: Mapping[str, tuple[str, Sequence[int]]]) -> dict[str, mx.array]:
     """Evaluated mlx arrays of these (safetensors dtype tag, shape)s whose memory holds whatever
     it held before: the caller must write every element."""
@@ -115,10 +129,15 @@ def unfilled(specs: Mapping[str, tuple[str, Sequence[int]]]) -> dict[str, mx.arr
     empty = {n: s for n, s in specs.items() if any(int(d) == 0 for d in s[1])}
     real = {n: s for n, s in specs.items() if n not in empty}
     out: dict[str, mx.array] = {}
-    if real:
-        stream = getattr(_streams, "load", None)
-        if stream is None:
-            stream = _streams.load = mx.new_stream(mx.cpu)
+    stream = getattr(_streams, "load", None)
+    if stream is None and real:
+        stream = _streams.load = mx.new_stream(mx.cpu)
+    total = sum(itemsize[tag] * math.prod(int(d) for d in shape) for tag, shape in real.values())
+    if real and zero_filled(total, len(real)):
+        out = {name: mx.zeros([int(d) for d in shape], _DTYPES[tag][1], stream=stream)
+               for name, (tag, shape) in real.items()}
+        mx.eval(list(out.values()))
+    elif real:
         shell = _Shell(real, itemsize)
         _LIVE.add(shell)
         with _LOCK:

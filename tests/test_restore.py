@@ -274,8 +274,32 @@ def test_fifty_processes_that_restore_and_exit_at_once_all_exit_0(tmp_path, demo
 
 ALLOCATE_AND_EXIT = """
 from kvstore.unfilled import unfilled
-arrays = unfilled({"k": ("BF16", (1, 2, 256, 8)), "v": ("F32", (3, 4))})
+arrays = unfilled({"k": ("BF16", (1, 8, 1024, 128)), "v": ("F32", (3, 4))})  # large: mlx's loader
 """
+
+
+def test_small_arrays_are_made_filled_in_one_go_large_ones_through_the_loader(monkeypatch):
+    import kvstore.unfilled as U
+
+    shells = []
+    real_shell = U._Shell
+
+    def counting(*a, **kw):
+        shells.append(1)
+        return real_shell(*a, **kw)
+
+    monkeypatch.setattr(U, "_Shell", counting)
+    small = {f"k{j}": ("BF16", (1, 2, 256, 32)) for j in range(8)}  # 32 KiB each
+    large = {f"k{j}": ("F32", (1, 8, 256, 128)) for j in range(4)}  # 1 MiB each
+    for specs, loaded in ((small, 0), (large, 1)):
+        arrays = U.unfilled({**specs, "none": ("F32", (1, 2, 0, 4))})
+        assert len(shells) == loaded
+        for name, (tag, shape) in specs.items():
+            a = arrays[name]
+            assert a.shape == shape and a.dtype == blobs.mx_dtype(tag)
+            view = blobs.host_array(a)  # the restore writes through such a view, in place
+            assert view.flags.writeable and view.flags.c_contiguous and view.shape == shape
+        assert arrays["none"].shape == (1, 2, 0, 4)
 
 
 def test_fifty_processes_that_exit_right_after_getting_unfilled_arrays_all_exit_0():
@@ -295,7 +319,7 @@ import kvstore.unfilled as U
 done = []
 def allocate():
     for i in range(300):
-        U.unfilled({f"k{j}": ("BF16", (1, 2, 64, 8)) for j in range(8)})
+        U.unfilled({f"k{j}": ("BF16", (1, 8, 512, 128)) for j in range(8)})  # large: mlx's loader
     done.append(1)
 def limits():
     for i in range(300):
