@@ -1,12 +1,13 @@
 """Run every benchmark, then write bench/results/*.json, the plot and bench/README.md.
 
-    python bench/run_all.py            # the full run (`make bench`), about 20 minutes on 2 cores
+    python bench/run_all.py            # the full run (`make bench`), about 25 minutes on 2 cores
     python bench/run_all.py --quick    # smaller caches, fewer repetitions: a few minutes
 
 Each benchmark runs in its own process, one after the other (nothing else of ours competes for
-the CPU). The time-to-first-token benchmark is started with Debian's OpenBLAS preloaded
-(`LD_PRELOAD`) when `libopenblas0-pthread` is installed, since the mlx-cpu wheel's bundled
-reference BLAS makes CPU prefill about 30 times slower; the report says which BLAS each run used.
+the CPU). The time-to-first-token benchmarks (ttft.py, and serve.py for the two servers it
+starts) run with Debian's OpenBLAS preloaded (`LD_PRELOAD`) when `libopenblas0-pthread` is
+installed, since the mlx-cpu wheel's bundled reference BLAS makes CPU prefill about 30 times
+slower; the report says which BLAS each run used.
 Nothing here needs OpenBLAS: without it the same run uses the bundled BLAS (and fewer lengths fit
 the time budget).
 """
@@ -22,7 +23,7 @@ import time
 
 import common as C
 
-STEPS = ["restore", "write_path", "index_scale", "conversation", "before_after", "ttft"]
+STEPS = ["restore", "write_path", "index_scale", "conversation", "before_after", "ttft", "serve"]
 
 
 def run_step(name: str, quick: bool, env: dict | None = None) -> dict:
@@ -49,13 +50,13 @@ def main() -> None:
     runs = []
     for name in steps:
         env = None
-        if name == "ttft":
+        if name in ("ttft", "serve"):  # (serve.py preloads it for its servers itself)
             blas = C.openblas_path()
             if blas and blas not in os.environ.get("LD_PRELOAD", ""):
                 env = dict(os.environ, LD_PRELOAD=blas)
         result = run_step(name, args.quick, env)
         if result["returncode"] != 0 and env is not None:  # never depend on the preloaded BLAS
-            C.log("== ttft failed with OpenBLAS preloaded; running it again with the bundled BLAS")
+            C.log(f"== {name} failed with OpenBLAS preloaded; running it again with the bundled BLAS")
             result = run_step(name, args.quick, None)
         runs.append(result)
     plotted = subprocess.run([sys.executable, str(C.HERE / "plot.py")], cwd=str(C.REPO)).returncode == 0
