@@ -1,12 +1,20 @@
 # Two commands do all the set-up from a fresh clone: `make demo` and `make test`.
-PYTHON ?= python3
+# mlx-lm 0.32 and obstore need Python 3.11 or newer: the first such python3 on PATH, unless given
+# (`make test PYTHON=/path/to/python3.12`).
+PYTHON ?= $(shell for p in python3 python3.13 python3.12 python3.11; do \
+	$$p -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null && { echo $$p; break; }; done)
 VENV := .venv
 PY := $(VENV)/bin/python
 STORE ?= $(CURDIR)/.demo-store
+comma := ,
 
 .PHONY: install demo test bench clean
 
 $(VENV)/.installed: pyproject.toml
+	@$(or $(PYTHON),false) -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null || { \
+		echo "kvstore needs Python 3.11 or newer (mlx-lm 0.32 does):" \
+		     "$(if $(PYTHON),$(PYTHON) is $$($(PYTHON) -V 2>/dev/null || echo not a Python that runs),none of python3$(comma) python3.13$(comma) python3.12$(comma) python3.11 on PATH is);" \
+		     "run make $(MAKECMDGOALS) PYTHON=/path/to/python3.11" >&2; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e ".[test,bench]"
