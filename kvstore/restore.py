@@ -227,10 +227,11 @@ def fill(pl: Plan, sources: Sequence[Source]) -> tuple[dict[str, mx.array], list
     and the (part, error) of every part that failed its checks (then the arrays must not be used
     past that part's start)."""
     keep_buffers(pl.nbytes)
-    finals = unfilled({name: (e.tag, e.shape) for name, e in pl.finals.items()})
+    specs = {name: (e.tag, e.shape) for name, e in pl.finals.items()}
+    finals = unfilled(specs)
     views = {name: blobs.target(_host(a)) for name, a in finals.items()}
-    zeroed = zero_filled(pl.nbytes, sum(1 for e in pl.finals.values() if _nbytes(e)))  # as `unfilled` counts
-    spare = [] if zeroed else [name for name, view in views.items() if pl.filled[name] < view.array.shape[2]]
+    spare = [] if zero_filled(specs) else [name for name, view in views.items()
+                                           if pl.filled[name] < view.array.shape[2]]
     jobs = pl.jobs
 
     def run(k: int) -> BlobError | None:

@@ -114,10 +114,14 @@ def keep_buffers(nbytes: int) -> None:
         _cache_floor = max(want, previous)
 
 
-def zero_filled(nbytes: int, count: int) -> bool:
-    """Whether `unfilled` makes `count` arrays of `nbytes` in all with `mx.zeros` (then they
-    hold zeros), which is cheaper for small ones (see the module's docstring)."""
-    return nbytes < FILL_BELOW * count
+def zero_filled(specs: Mapping[str, tuple[str, Sequence[int]]]) -> bool:
+    """Whether `unfilled(specs)` makes its arrays with `mx.zeros` (then they hold zeros), which
+    is cheaper for small ones (see the module's docstring)."""
+    from .blobs import _DTYPES
+
+    sizes = [_DTYPES[tag][0].itemsize * math.prod(int(d) for d in shape) for tag, shape in specs.values()]
+    sizes = [n for n in sizes if n]  # arrays with no elements are made apart
+    return bool(sizes) and sum(sizes) < FILL_BELOW * len(sizes)
 
 
 def unfilled(specs: Mapping[str, tuple[str, Sequence[int]]]) -> dict[str, mx.array]:
@@ -132,8 +136,7 @@ def unfilled(specs: Mapping[str, tuple[str, Sequence[int]]]) -> dict[str, mx.arr
     stream = getattr(_streams, "load", None)
     if stream is None and real:
         stream = _streams.load = mx.new_stream(mx.cpu)
-    total = sum(itemsize[tag] * math.prod(int(d) for d in shape) for tag, shape in real.values())
-    if real and zero_filled(total, len(real)):
+    if real and zero_filled(real):
         out = {name: mx.zeros([int(d) for d in shape], _DTYPES[tag][1], stream=stream)
                for name, (tag, shape) in real.items()}
         mx.eval(list(out.values()))
