@@ -29,7 +29,8 @@ import common as C
 import index_scale
 import kvstore
 import write_path
-from kvstore import codecs, modelcache
+from kvstore.restore import codecs
+from kvstore.model import cache as modelcache
 
 FINGERPRINT = b"kvstore-bench-ba"
 

@@ -24,8 +24,8 @@ from mlx_lm import load
 
 import common as C
 import kvstore
-from kvstore.demo import build_demo_model
-from kvstore.writer import Writer
+from kvstore.model.demo import build_demo_model
+from kvstore.write.writer import Writer
 
 SYSTEM, USER, REPLY = 300, 45, 45
 

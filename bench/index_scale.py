@@ -1,6 +1,6 @@
 """Index-scale benchmark: lookups, open and gc with 10k, 100k and 1M chunk rows.
 
-Rows are synthesised through the index layer (`kvstore.index.Index.insert`, real `Row`s); their
+Rows are synthesised through the index layer (`kvstore.storage.index.Index.insert`, real `Row`s); their
 blob files do not exist. The rows form a realistic forest: groups of prompts that share an
 8-chunk system prompt and branch into chains of 1 to 120 chunks, spread over four model
 namespaces, plus one real 32k-token prompt of the bound model (128 chunks, hashed by
@@ -31,8 +31,9 @@ import numpy as np
 
 import common as C
 import kvstore
-from kvstore import blobs, keys
-from kvstore.index import CHUNK, TAIL, Row
+from kvstore.storage import blobs
+from kvstore import keys
+from kvstore.storage.index import CHUNK, TAIL, Row
 
 FINGERPRINT = b"kvstore-bench-ix"
 SHAPE = C.SHAPES["qwen3-0.6b"]

@@ -31,7 +31,7 @@ import numpy as np
 import common as C
 import kvstore
 from kvstore import keys
-from kvstore.remote import chunk_keys
+from kvstore.tiers.remote import chunk_keys
 
 sys.path.insert(0, str(C.REPO / "tests"))
 from remote_fixture import Seaweed  # noqa: E402  (the same server setup the tests use)
@@ -113,7 +113,7 @@ def recompute(length: int) -> float:
 
 def lookups(server, reps: int) -> list[dict]:
     """Latency of the binary search alone, on chains whose chunk objects are tiny stand-ins."""
-    from kvstore.remote import RemoteTier
+    from kvstore.tiers.remote import RemoteTier
 
     url = server.url("lookup")
     tier = RemoteTier(url)
@@ -147,7 +147,7 @@ def clients(server, reps: int) -> dict | None:
         from botocore.config import Config
     except ImportError:
         return None
-    from kvstore.remote_client import Bucket, parse_url
+    from kvstore.remote.s3 import Bucket, parse_url
 
     url = server.url("clients")
     bucket_name, prefix = parse_url(url)
@@ -198,7 +198,7 @@ def main() -> None:
             d = work / f"len{length}"
             up = upload(d, url, tokens, cache)
             del cache
-            raw = raw_put(__import__("kvstore.remote_client").remote_client.Bucket(url), up.pop("files"), "raw")
+            raw = raw_put(__import__("kvstore.remote.s3").remote.s3.Bucket(url), up.pop("files"), "raw")
             query = tokens.tolist() + [1]
             remote_s, rstats = restore_remote(d, url, query, args.reps)
             local_s = restore_local(d, query, args.reps)

@@ -38,7 +38,7 @@ from pathlib import Path
 import requests
 
 import common as C
-from kvstore.demo import EOS_ID, IM_END_ID, ensure_demo_model
+from kvstore.model.demo import EOS_ID, IM_END_ID, ensure_demo_model
 
 START_TIMEOUT_S = 120
 REQUEST_TIMEOUT_S = 600
@@ -47,7 +47,7 @@ CASES = ("first", "repeat", "shared", "restart")
 SERVERS = {
     "mlx_lm.server": lambda model, store, port: [sys.executable, "-m", "mlx_lm.server", "--model", str(model),
                                                  "--host", "127.0.0.1", "--port", str(port)],
-    "kvstore serve": lambda model, store, port: [sys.executable, "-m", "kvstore.server", "--model", str(model),
+    "kvstore serve": lambda model, store, port: [sys.executable, "-m", "kvstore.serve", "--model", str(model),
                                                  "--store", str(store), "--port", str(port)],
 }
 

@@ -31,7 +31,7 @@ from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_promp
 
 import common as C
 import kvstore
-from kvstore.demo import build_demo_model
+from kvstore.model.demo import build_demo_model
 
 PREFILL_STEP = 2048  # mlx_lm.generate's default prefill_step_size
 QWEN3_0_6B = dict(model_type="qwen3", hidden_size=1024, num_hidden_layers=28, intermediate_size=3072,

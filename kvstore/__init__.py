@@ -8,7 +8,7 @@
         mc.insert(tokens, cache)         # store it for every later process
 """
 
-from .errors import (
+from kvstore.errors import (
     BlobError,
     CorruptIndexError,
     IndexLostError,
@@ -19,8 +19,8 @@ from .errors import (
     SchemaTooNewError,
     StoreOpenError,
 )
-from .promptcache import PersistentPromptCache
-from .store import MEMORY, ModelCache, Store, default_path, open
+from kvstore.serve.promptcache import PersistentPromptCache
+from kvstore.store import MEMORY, ModelCache, Store, default_path, open
 
 __version__ = "0.1.0"
 

@@ -22,15 +22,15 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from . import keys
-from .errors import InvalidInputError, ModelFilesError, StoreOpenError
-from .stale import stale_namespaces, stamps as file_stamps
-from .index import Index, is_corruption
-from .memory import MemoryTier
-from .modelcache import ModelCache, describe, make_template
-from .storedir import BLOBS_NAME, INDEX_NAME, QUARANTINE_NAME, open_dir
-from .tiers import DiskTier, MemoryTierView, PendingTier
-from .writer import Writer
+from kvstore import keys
+from kvstore.errors import InvalidInputError, ModelFilesError, StoreOpenError
+from kvstore.storage.stale import stale_namespaces, stamps as file_stamps
+from kvstore.storage.index import Index, is_corruption
+from kvstore.tiers.memory import MemoryTier
+from kvstore.model.cache import ModelCache, describe, make_template
+from kvstore.storage.storedir import BLOBS_NAME, INDEX_NAME, QUARANTINE_NAME, open_dir
+from kvstore.tiers.base import DiskTier, MemoryTierView, PendingTier
+from kvstore.write.writer import Writer
 
 log = logging.getLogger("kvstore")
 
@@ -81,7 +81,7 @@ class Store:
                 extra = ' or "auto"' if name == "max_bytes" else ""
                 raise InvalidInputError(f"{name} must be a non-negative integer{extra}, got {value!r}")
         if remote:  # a bad URL is an error before anything is opened
-            from .remote_client import parse_url
+            from kvstore.remote.s3 import parse_url
 
             parse_url(remote)
         self.chunk_size = chunk_size
@@ -223,7 +223,7 @@ class Store:
         """Evict down to `max_bytes` (and records unused for `max_age` seconds; with `stale`, every
         record of a model version whose files are gone or changed, pins aside). A budget evicts
         stale versions first. See `maintenance` and `evict`."""
-        from .maintenance import collect
+        from kvstore.upkeep.maintenance import collect
 
         self._check_open()
         if not dry_run:
@@ -248,7 +248,7 @@ class Store:
         Repair deletes at most a small share of the blobs as orphans (no row, or a broken
         chain): more than that means the index, not the blobs, is wrong, and needs `force=True`.
         """
-        from .maintenance import verify
+        from kvstore.upkeep.maintenance import verify
 
         self._check_open()
         if repair:
@@ -269,7 +269,7 @@ class Store:
         """The remote tier for `url` (`s3://BUCKET/PREFIX`), or None. Contacts nothing yet."""
         if not url:
             return None
-        from .remote import DEFAULT_DEADLINE_S, RemoteTier
+        from kvstore.tiers.remote import DEFAULT_DEADLINE_S, RemoteTier
 
         if self.ram_only:
             raise InvalidInputError("a remote tier needs a store directory (not kvstore.MEMORY)")
@@ -392,7 +392,7 @@ def open(path: str | os.PathLike | None = None, *, max_bytes: int | str | None =
     files but no kvstore index) is refused, never used. `create=False` opens only an existing
     store; `read_only=True` (or `None`: when this user may not write it) writes nothing.
     `remote="s3://BUCKET/PREFIX"` shares the store with other nodes through an S3-compatible
-    object store (see `kvstore.remote`); `remote_deadline` (seconds, default 1) bounds the remote
+    object store (see `kvstore.tiers.remote`); `remote_deadline` (seconds, default 1) bounds the remote
     part of each fetch.
     """
     return Store(path, max_bytes=max_bytes, memory_bytes=memory_bytes, chunk_size=chunk_size,

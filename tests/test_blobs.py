@@ -16,7 +16,7 @@ import pytest
 import xxhash
 
 import kvstore
-from kvstore import blobs
+from kvstore.storage import blobs
 from kvstore.errors import BlobError
 
 HERE = Path(__file__).parent
@@ -229,7 +229,7 @@ def test_a_header_changed_in_place_after_it_was_parsed_is_parsed_again(tmp_path)
 
 
 def test_read_copies_reuses_its_plan_and_still_checks_every_tensor(tmp_path):
-    from kvstore.restore import Copy
+    from kvstore.restore.pipeline import Copy
 
     buf, size, _ = written(tmp_path)
     keys = tensors()["0.keys"][1]

@@ -9,7 +9,7 @@ import pytest
 
 import kvstore
 from kvstore.errors import InvalidInputError
-from kvstore.server import _parser
+from kvstore.serve.server import _parser
 from kvstore.store import AUTO_SHARE
 
 from kvtest import prefill

@@ -12,7 +12,7 @@ from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, QuantizedKVCach
 
 import kvstore
 from kvtest import run_procs
-from kvstore.demo import build_demo_model
+from kvstore.model.demo import build_demo_model
 
 C = 16
 

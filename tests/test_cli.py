@@ -1,7 +1,7 @@
 """The `kvstore` command line, run as a real process against a tmp store and a tiny demo model.
 
 Failures that happen before any model is loaded (argument and file errors) are also checked by
-calling `kvstore.cli.main` in this process, which is the same code without the start-up cost.
+calling `kvstore.cli.main.main` in this process, which is the same code without the start-up cost.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 import kvstore
-from kvstore import cli
-from kvstore.demo import DEMO_NOTE
+from kvstore.cli import main as cli
+from kvstore.model.demo import DEMO_NOTE
 from kvstore.sizes import format_size, parse_duration, parse_size
 
 REPO = Path(__file__).resolve().parents[1]
@@ -466,7 +466,8 @@ def test_verify_finds_and_repairs_damage(kv, capsys, store_copy):
 def test_every_command_uses_one_default_demo_model(capsys, monkeypatch, tmp_path):
     """warm/generate and serve default to the same demo model, so what `kvstore warm` stores
     is what `kvstore serve` reuses (they used to be two different models)."""
-    from kvstore import demo, server
+    from kvstore.model import demo
+    from kvstore.serve import server
 
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     expected = str(demo.ensure_demo_model())
@@ -537,7 +538,7 @@ def test_messages_must_be_a_list(capsys, tmp_path):
 def test_long_text_is_refused_before_it_is_tokenized(tmp_path):
     """A 100 MB line is refused before it is parsed; a text too long for the context before it is
     tokenized (which took minutes and gigabytes for 100 MB); both with file:line and the limit."""
-    from kvstore import jsonl
+    from kvstore.model import jsonl
 
     path = tmp_path / "p.jsonl"
     with path.open("wb") as f:
@@ -654,7 +655,7 @@ def test_what_warm_stores_by_default_is_what_serve_reuses(kv, monkeypatch, tmp_p
     1,065 tokens when serve's default was another demo model)."""
     from mlx_lm import load
 
-    from kvstore import server
+    from kvstore.serve import server
 
     home = tmp_path / "home"
     first = tmp_path / "first.jsonl"

@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 
 import kvstore
-from kvstore import blobs, keys
-from kvstore.index import available_migrations
+from kvstore.storage import blobs
+from kvstore import keys
+from kvstore.storage.index import available_migrations
 from kvtest import prefill
 
 C = 16
@@ -168,7 +169,7 @@ def test_a_schema_15_store_migrates_to_narrow_rows_and_still_restores_exactly(tm
     """Migration 0016 moves a store's token ids out of the index and its edges into `children`:
     a store with schema 15 (token ids in every row) keeps every record, and a prompt that
     branches inside a stored chunk still restores exactly the common prefix."""
-    from kvstore.index import _split_sql
+    from kvstore.storage.index import _split_sql
     from kvtest import logits_diff
 
     model_path, model = llama

@@ -27,9 +27,9 @@ from mlx_lm.models.cache import make_prompt_cache
 
 import kvstore
 from faultproc import Child, prompts
-from kvstore import blobs
+from kvstore.storage import blobs
 from kvstore.errors import CorruptIndexError, StoreOpenError
-from kvstore.rebuild import rebuild_index
+from kvstore.upkeep.rebuild import rebuild_index
 from kvtest import logits_diff
 
 HERE = Path(__file__).parent
@@ -416,9 +416,9 @@ def test_index_damaged_inside_never_breaks_fetch_and_is_rebuilt(tmp_path, llama)
 
 def test_a_busy_index_is_never_taken_for_a_damaged_one(tmp_path, monkeypatch):
     """Only a damaged index is reported as one (and so rebuilt): a locked one is not."""
-    import kvstore.index
+    import kvstore.storage.index
 
-    monkeypatch.setattr(kvstore.index, "BUSY_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(kvstore.storage.index, "BUSY_TIMEOUT_S", 0.2)
     store = tmp_path / "s"
     (store / "blobs").mkdir(parents=True, mode=0o700)
     con = sqlite3.connect(store / "index.sqlite", isolation_level=None)
@@ -513,7 +513,7 @@ def test_rebuild_skips_blobs_that_do_not_agree_with_their_name(tmp_path, llama):
 @pytest.mark.parametrize("how", ["garbage", "lost", "table-dropped"])
 def test_kvstore_verify_repair_rebuilds_an_unreadable_index(tmp_path, llama, how):
     try:
-        import kvstore.cli  # noqa: F401
+        import kvstore.cli.main  # noqa: F401
     except ImportError:
         pytest.skip("the kvstore command line is not there yet")
     ps = prompts(13, 4, C)
@@ -547,7 +547,7 @@ def test_kvstore_verify_repair_rebuilds_an_unreadable_index(tmp_path, llama, how
 
 
 def test_a_rebuild_that_fails_half_way_can_be_run_again(tmp_path, llama, monkeypatch):
-    import kvstore.rebuild as rebuild
+    import kvstore.upkeep.rebuild as rebuild
 
     ps = prompts(14, 3, C)
     store = _stored(tmp_path, llama, ps, pin=True)

@@ -1,7 +1,7 @@
 """Fault suite, part 3: several processes and threads on one store, and the races between them.
 
 The races are made deterministic with events that hold one side at the critical point (a
-monkeypatched `kvstore.blobs.open_blob`, or the writer's `after_rename` fault point); the free-running
+monkeypatched `kvstore.storage.blobs.open_blob`, or the writer's `after_rename` fault point); the free-running
 test starts warmers, fetchers, gc and verify in separate processes on a store none of them has
 created yet, each with several threads, for a bounded time (longer with `pytest --soak`).
 """
@@ -14,7 +14,8 @@ import time
 
 import kvstore
 from faultproc import Child, prompts
-from kvstore import blobs, faults
+from kvstore.storage import blobs
+from kvstore import faults
 from kvtest import logits_diff, prefill
 
 C = 16

@@ -17,7 +17,8 @@ import pytest
 
 import kvstore
 from faultproc import prompts
-from kvstore import blobs, faults
+from kvstore.storage import blobs
+from kvstore import faults
 from kvtest import logits_diff, prefill
 
 C = 16

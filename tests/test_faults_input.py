@@ -24,7 +24,8 @@ import xxhash
 
 import kvstore
 from faultproc import Child, prompts
-from kvstore import blobs, keys
+from kvstore.storage import blobs
+from kvstore import keys
 from kvstore.errors import InvalidInputError
 from kvtest import logits_diff, prefill
 
@@ -288,8 +289,8 @@ def kvstore_cli(*args, timeout=300) -> subprocess.CompletedProcess:
 
 def test_prompt_file_with_huge_lines_and_deep_nesting(tmp_path, llama):
     try:
-        import kvstore.cli  # noqa: F401
-        import kvstore.jsonl  # noqa: F401
+        import kvstore.cli.main  # noqa: F401
+        import kvstore.model.jsonl  # noqa: F401
     except ImportError:
         pytest.skip("the kvstore command line is not there yet")
     model_path, model = llama
@@ -339,7 +340,7 @@ def test_permissions_of_everything_kvstore_creates(tmp_path, llama):
         child.wait()
         assert any(p.name.startswith(blobs.TMP_PREFIX) for p in blobs.walk(store / "blobs"))
         _check_modes(store)  # the temporary file too
-        from kvstore.rebuild import rebuild_index
+        from kvstore.upkeep.rebuild import rebuild_index
 
         (store / "index.sqlite").write_bytes(b"garbage" * 100)
         rebuild_index(store)

@@ -1,4 +1,4 @@
-"""`kvstore.metrics`: the Prometheus exposition of a `PersistentPromptCache`, in process (the
+"""`kvstore.serve.metrics`: the Prometheus exposition of a `PersistentPromptCache`, in process (the
 served `/metrics` endpoint is tested end to end in test_server.py)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import kvstore
 from kvstore import PersistentPromptCache
-from kvstore.metrics import ServerMetrics
+from kvstore.serve.metrics import ServerMetrics
 from kvtest import prefill
 
 KEY = ("test", None, None)

@@ -18,8 +18,8 @@ from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 
 import kvstore
-from kvstore import remote_client
-from kvstore.remote_client import parse_key
+from kvstore.remote import s3 as remote_client
+from kvstore.remote.s3 import parse_key
 from kvtest import logits_diff, prefill, run_procs
 
 C = 16

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import kvstore
-from kvstore.remote_client import Bucket, parse_key
+from kvstore.remote.s3 import Bucket, parse_key
 from kvtest import logits_diff, prefill
 
 C = 16
@@ -230,7 +230,7 @@ def test_upload_queue_is_bounded_by_bytes(tmp_path, s3, llama):
 
 
 def test_a_damaged_local_copy_is_downloaded_again(tmp_path, s3, llama):
-    from kvstore import blobs
+    from kvstore.storage import blobs
 
     path, model = llama
     url = s3.url()
@@ -249,7 +249,7 @@ def test_a_damaged_local_copy_is_downloaded_again(tmp_path, s3, llama):
 
 
 def test_an_oversized_object_is_never_read_into_memory(tmp_path, s3, llama, monkeypatch):
-    from kvstore import remote_client
+    from kvstore.remote import s3 as remote_client
 
     path, model = llama
     url = s3.url()

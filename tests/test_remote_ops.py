@@ -15,7 +15,7 @@ import numpy as np
 import requests
 
 import kvstore
-from kvstore.remote_client import Bucket, parse_key
+from kvstore.remote.s3 import Bucket, parse_key
 from kvtest import logits_diff, prefill
 
 C = 16
@@ -79,7 +79,7 @@ def test_gc_remote_keeps_pins_and_never_orphans(tmp_path, s3, llama):
 
 
 def test_gc_remote_by_age_keeps_a_parent_whose_child_is_young(tmp_path, s3, llama):
-    from kvstore.remote_maint import collect_remote
+    from kvstore.remote.upkeep import collect_remote
 
     path, model = llama
     url = s3.url()

@@ -18,10 +18,11 @@ import pytest
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
 import kvstore
-from kvstore import blobs, restore
-from kvstore.codecs import ArraysCodec, CacheListCodec, KVCodec, RotatingCodec
-from kvstore.index import CHECKPOINT
-from kvstore.tiers import Entry
+from kvstore.storage import blobs
+from kvstore.restore import pipeline as restore
+from kvstore.restore.codecs import ArraysCodec, CacheListCodec, KVCodec, RotatingCodec
+from kvstore.storage.index import CHECKPOINT
+from kvstore.tiers.base import Entry
 
 HERE = Path(__file__).parent
 C = 16  # chunk size of every store here (restore_proc.C)
@@ -273,13 +274,13 @@ def test_fifty_processes_that_restore_and_exit_at_once_all_exit_0(tmp_path, demo
 
 
 ALLOCATE_AND_EXIT = """
-from kvstore.unfilled import unfilled
+from kvstore.restore.alloc import unfilled
 arrays = unfilled({"k": ("BF16", (1, 8, 1024, 128)), "v": ("F32", (3, 4))})  # large: mlx's loader
 """
 
 
 def test_small_arrays_are_made_filled_in_one_go_large_ones_through_the_loader(monkeypatch):
-    import kvstore.unfilled as U
+    import kvstore.restore.alloc as U
 
     shells = []
     real_shell = U._Shell
@@ -304,7 +305,7 @@ def test_small_arrays_are_made_filled_in_one_go_large_ones_through_the_loader(mo
 
 def test_fifty_processes_that_exit_right_after_getting_unfilled_arrays_all_exit_0():
     # The narrowest window: nothing between mlx's load and the interpreter's exit. Without the
-    # exit guard in kvstore.unfilled, about one in five of these aborts (mlx 0.32).
+    # exit guard in kvstore.restore.alloc, about one in five of these aborts (mlx 0.32).
     env = dict(os.environ, PYTHONPATH=str(HERE.parent))
     codes = []
     for _ in range(50):
@@ -315,7 +316,7 @@ def test_fifty_processes_that_exit_right_after_getting_unfilled_arrays_all_exit_
 
 ALLOCATE_WHILE_RAISING_THE_CACHE_LIMIT = """
 import threading
-import kvstore.unfilled as U
+import kvstore.restore.alloc as U
 done = []
 def allocate():
     for i in range(300):
@@ -346,7 +347,7 @@ def test_threads_allocating_while_the_cache_limit_is_raised_never_deadlock():
 # -- the writer copies for RAM only what the memory tier keeps --------------------------------
 
 def test_with_the_memory_tier_off_the_writer_copies_nothing_for_ram(tmp_path, llama, monkeypatch):
-    from kvstore.writer import Writer
+    from kvstore.write.writer import Writer
     from kvtest import prefill
 
     model_path, model = llama

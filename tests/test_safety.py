@@ -23,9 +23,10 @@ import xxhash
 
 import kvstore
 from faultproc import prompts
-from kvstore import blobs, keys
+from kvstore.storage import blobs
+from kvstore import keys
 from kvstore.errors import BlobError, IndexLostError, NotAStoreError, StoreOpenError
-from kvstore.rebuild import rebuild_index
+from kvstore.upkeep.rebuild import rebuild_index
 from kvtest import logits_diff, prefill
 
 C = 16
@@ -362,7 +363,7 @@ def test_repair_never_deletes_most_blobs_as_orphans_without_force(tmp_path, llam
     for name in ("index.sqlite", "index.sqlite-wal", "index.sqlite-shm"):
         if (store / name).exists():
             (store / name).unlink()
-    from kvstore.index import Index
+    from kvstore.storage.index import Index
 
     os.close(os.open(store / "index.sqlite", os.O_CREAT | os.O_WRONLY, 0o600))
     Index(store / "index.sqlite").close()
@@ -380,7 +381,7 @@ def test_repair_after_a_stopped_gc_drops_the_rows_it_left_unreachable_without_fo
     # gc may delete a parent before its children (they go later in the same gc); stopped in
     # between, it leaves rows no chain reaches. That is not a lost index: repair drops them,
     # however many, and keeps what is reachable.
-    from kvstore import maintenance
+    from kvstore.upkeep import maintenance
 
     store = tmp_path / "s"
     seqs = prompts(47, 6, C)

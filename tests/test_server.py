@@ -1,4 +1,4 @@
-"""`kvstore serve` end to end: real HTTP on 127.0.0.1 against `python -m kvstore.server` subprocesses
+"""`kvstore serve` end to end: real HTTP on 127.0.0.1 against `python -m kvstore.serve.server` subprocesses
 serving tiny demo-builder models. Every wait is bounded; every server is killed in `finally`."""
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import requests
 from mlx_lm import load
 
 import kvstore
-from kvstore.demo import EOS_ID, IM_END_ID
-from kvstore.server import PersistentPromptCache
+from kvstore.model.demo import EOS_ID, IM_END_ID
+from kvstore.serve.server import PersistentPromptCache
 
 START_TIMEOUT = 90
 REQUEST_TIMEOUT = 120
@@ -44,10 +44,10 @@ def free_port() -> int:
 
 
 class Server:
-    """`python -m kvstore.server` in a subprocess, logging to a file."""
+    """`python -m kvstore.serve.server` in a subprocess, logging to a file."""
 
     def __init__(self, model: Path | None, store: Path, log: Path, *extra: str, env=None,
-                 launcher: tuple[str, ...] = ("-m", "kvstore.server")):
+                 launcher: tuple[str, ...] = ("-m", "kvstore.serve")):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log
@@ -367,7 +367,7 @@ def test_sigterm_while_generating(models, tmp_path, path):
 
 def test_model_defaults_to_the_demo_model(tmp_path):
     """No --model: the built-in demo model (built under $HOME), and the note about it, once."""
-    from kvstore.demo import DEMO_NOTE
+    from kvstore.model.demo import DEMO_NOTE
 
     env = dict(os.environ, HOME=str(tmp_path / "home"))
     with Server(None, tmp_path / "store", tmp_path / "server.log", env=env) as server:
@@ -379,7 +379,7 @@ def test_model_defaults_to_the_demo_model(tmp_path):
 
 
 def test_help_lists_kvstore_and_mlx_lm_options():
-    out = subprocess.run([sys.executable, "-m", "kvstore.server", "--help"], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "kvstore.serve", "--help"], capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     for flag in ("--store", "--store-max-bytes", "--memory-bytes", "--store-max-tokens", "--allowed-origins",
@@ -389,7 +389,7 @@ def test_help_lists_kvstore_and_mlx_lm_options():
 
 
 def test_bad_size_is_a_clean_error(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "kvstore.server", "--store", str(tmp_path / "s"),
+    out = subprocess.run([sys.executable, "-m", "kvstore.serve", "--store", str(tmp_path / "s"),
                           "--memory-bytes", "lots"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert "--memory-bytes" in out.stderr and "not a size" in out.stderr
@@ -438,7 +438,7 @@ def test_serving_freezes_what_start_up_made():
     import gc
     import types
 
-    from kvstore.server import _persistent
+    from kvstore.serve.server import _persistent
 
     served = []
     fake = types.SimpleNamespace(ResponseGenerator=object, APIHandler=object,
@@ -693,7 +693,7 @@ def test_tokens_stored_per_request_are_capped(models, tmp_path):
 def test_non_loopback_host_is_warned_about(models, tmp_path):
     """A --host other than loopback gets a warning before anything listens (192.0.2.1 is a
     documentation address no machine has, so the bind fails and nothing is exposed)."""
-    out = subprocess.run([sys.executable, "-m", "kvstore.server", "--model", str(models["llama"]),
+    out = subprocess.run([sys.executable, "-m", "kvstore.serve", "--model", str(models["llama"]),
                           "--store", str(tmp_path / "store"), "--host", "192.0.2.1", "--port", str(free_port())],
                          capture_output=True, text=True, timeout=START_TIMEOUT, cwd=Path(__file__).parent.parent)
     assert "warning: listening on 192.0.2.1" in out.stderr
@@ -701,7 +701,7 @@ def test_non_loopback_host_is_warned_about(models, tmp_path):
 
 
 def test_loopback_hosts():
-    from kvstore.server import _loopback
+    from kvstore.serve.server import _loopback
 
     assert _loopback("127.0.0.1") and _loopback("::1") and _loopback("localhost") and _loopback("127.0.0.2")
     assert not _loopback("0.0.0.0") and not _loopback("::") and not _loopback("192.0.2.1")
@@ -710,7 +710,7 @@ def test_loopback_hosts():
 def test_serve_defaults_are_bounded():
     """Disk: the `auto` budget (`none` asks for an unbounded store); tokens stored per request:
     capped; web origins: none."""
-    from kvstore.server import DEFAULT_MAX_STORED_TOKENS, _parser
+    from kvstore.serve.server import DEFAULT_MAX_STORED_TOKENS, _parser
 
     defaults = _parser().parse_args([])
     assert defaults.store_max_bytes == "auto"
@@ -734,7 +734,7 @@ def broken(self, model_key, tokenizer, stop_words):
     return make_state_machine(self, model_key, tokenizer, stop_words)
 
 server.ResponseGenerator._make_state_machine = broken
-from kvstore.server import run
+from kvstore.serve.server import run
 run(sys.argv[1:])
 """
 

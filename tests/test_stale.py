@@ -9,7 +9,7 @@ import pytest
 from mlx_lm import load
 
 import kvstore
-from kvstore import cli
+from kvstore.cli import main as cli
 from kvtest import prefill
 
 C = 16

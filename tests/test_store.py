@@ -19,10 +19,10 @@ from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 
 import kvstore
-from kvstore import blobs
-from kvstore.demo import build_demo_model
+from kvstore.storage import blobs
+from kvstore.model.demo import build_demo_model
 from kvstore.errors import InvalidInputError, SchemaTooNewError, StoreOpenError
-from kvstore.index import available_migrations
+from kvstore.storage.index import available_migrations
 from kvtest import prefill
 
 HERE = Path(__file__).parent
@@ -366,9 +366,10 @@ def test_a_record_gone_between_lookup_and_read_is_looked_up_again(tmp_path, llam
     # The writer replaces a tail by a longer one that holds its K/V, and gc evicts: a fetch may
     # choose a record that no tier holds any more when it opens it. It looks up again and uses
     # what is there (here the longer tail), instead of serving a miss.
-    from kvstore import keys, modelcache
-    from kvstore.index import TAIL
-    from kvstore.memory import Record
+    from kvstore import keys
+    from kvstore.model import cache as modelcache
+    from kvstore.storage.index import TAIL
+    from kvstore.tiers.memory import Record
 
     path, model = llama
     short, longer = [3], [3, 2, 2, 1, 0, 3]

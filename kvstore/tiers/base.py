@@ -24,12 +24,14 @@ from typing import Any, Iterable, Protocol, Sequence
 import mlx.core as mx
 import numpy as np
 
-from . import blobs, keys
-from .blobs import Entry  # noqa: F401 -- re-exported: the plan's view of a tensor
-from .errors import BlobError
-from .index import Index, Row
-from .memory import MemoryTier, Record
-from .writer import Writer
+from kvstore.storage import blobs
+
+from kvstore import keys
+from kvstore.storage.blobs import Entry  # noqa: F401 -- re-exported: the plan's view of a tensor
+from kvstore.errors import BlobError
+from kvstore.storage.index import Index, Row
+from kvstore.tiers.memory import MemoryTier, Record
+from kvstore.write.writer import Writer
 
 log = logging.getLogger("kvstore")
 

@@ -29,8 +29,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Iterator
 
-from .errors import InvalidInputError, KVStoreError
-from .index import CHECKPOINT, CHUNK, TAIL
+from kvstore.errors import InvalidInputError, KVStoreError
+from kvstore.storage.index import CHECKPOINT, CHUNK, TAIL
 
 LAYOUT_VERSION = "kvstore-remote-1"
 MAX_OBJECT_BYTES = 1 << 30

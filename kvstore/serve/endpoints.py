@@ -16,8 +16,8 @@ import time
 from typing import Any
 from urllib.parse import unquote
 
-from .metrics import ServerMetrics
-from .promptcache import PersistentPromptCache
+from kvstore.serve.metrics import ServerMetrics
+from kvstore.serve.promptcache import PersistentPromptCache
 
 log = logging.getLogger("kvstore")
 

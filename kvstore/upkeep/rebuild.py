@@ -27,10 +27,12 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from . import blobs, blobtree, keys
-from .errors import BlobError, CorruptIndexError, NotAStoreError
-from .index import CHECKPOINT, CHUNK, TAIL, Index, _u64_to_i64, connect_read_only
-from .storedir import BLOBS_NAME, INDEX_FILES, INDEX_NAME, has_blob_files, open_dir
+from kvstore.storage import blobs, blobtree
+
+from kvstore import keys
+from kvstore.errors import BlobError, CorruptIndexError, NotAStoreError
+from kvstore.storage.index import CHECKPOINT, CHUNK, TAIL, Index, _u64_to_i64, connect_read_only
+from kvstore.storage.storedir import BLOBS_NAME, INDEX_FILES, INDEX_NAME, has_blob_files, open_dir
 
 
 def rebuild_index(path: str | os.PathLike) -> dict:

@@ -17,20 +17,22 @@ import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
-from . import blobs, keys
-from .codecs import CacheListCodec, Codec, RotatingCodec, make_codec
-from .errors import BlobError, InvalidInputError
-from .index import CHECKPOINT, CHUNK, TAIL
-from .keys import checkpoint_hash
-from .memory import Record
-from .records import RecordCheck
-from .restore import Part, Plan, build, checkpoint_arrays, fill, host_slice, plan
-from .tiers import Source
-from .tiers import find as tiers_find
-from .writer import Job, Spec
+from kvstore.storage import blobs
+
+from kvstore import keys
+from kvstore.restore.codecs import CacheListCodec, Codec, RotatingCodec, make_codec
+from kvstore.errors import BlobError, InvalidInputError
+from kvstore.storage.index import CHECKPOINT, CHUNK, TAIL
+from kvstore.keys import checkpoint_hash
+from kvstore.tiers.memory import Record
+from kvstore.restore.shapes import RecordCheck
+from kvstore.restore.pipeline import Part, Plan, build, checkpoint_arrays, fill, host_slice, plan
+from kvstore.tiers.base import Source
+from kvstore.tiers.base import find as tiers_find
+from kvstore.write.writer import Job, Spec
 
 if TYPE_CHECKING:
-    from .store import Store
+    from kvstore.store import Store
 
 log = logging.getLogger("kvstore")
 

@@ -10,10 +10,10 @@ from typing import Callable
 
 import mlx.core as mx
 
-from . import blobs
-from .codecs import ArraysCodec, CacheListCodec, Codec
-from .errors import BlobError
-from .index import CHECKPOINT
+from kvstore.storage import blobs
+from kvstore.restore.codecs import ArraysCodec, CacheListCodec, Codec
+from kvstore.errors import BlobError
+from kvstore.storage.index import CHECKPOINT
 
 log = logging.getLogger("kvstore")
 

@@ -117,7 +117,7 @@ def keep_buffers(nbytes: int) -> None:
 def zero_filled(specs: Mapping[str, tuple[str, Sequence[int]]]) -> bool:
     """Whether `unfilled(specs)` makes its arrays with `mx.zeros` (then they hold zeros), which
     is cheaper for small ones (see the module's docstring)."""
-    from .blobs import _DTYPES
+    from kvstore.storage.blobs import _DTYPES
 
     sizes = [_DTYPES[tag][0].itemsize * math.prod(int(d) for d in shape) for tag, shape in specs.values()]
     sizes = [n for n in sizes if n]  # arrays with no elements are made apart
@@ -127,7 +127,7 @@ def zero_filled(specs: Mapping[str, tuple[str, Sequence[int]]]) -> bool:
 def unfilled(specs: Mapping[str, tuple[str, Sequence[int]]]) -> dict[str, mx.array]:
     """Evaluated mlx arrays of these (safetensors dtype tag, shape)s whose memory holds whatever
     it held before: the caller must write every element."""
-    from .blobs import _DTYPES  # the tags and item sizes blobs use
+    from kvstore.storage.blobs import _DTYPES  # the tags and item sizes blobs use
 
     itemsize = {tag: np_dtype.itemsize for tag, (np_dtype, _) in _DTYPES.items()}
     empty = {n: s for n, s in specs.items() if any(int(d) == 0 for d in s[1])}

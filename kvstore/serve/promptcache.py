@@ -21,12 +21,12 @@ from typing import Any, Callable, Hashable, Sequence
 
 import numpy as np
 
-from . import keys
-from .errors import KVStoreError
-from .keys import checkpoint_hash
-from .modelcache import ModelCache
-from .sizes import format_size
-from .store import Store
+from kvstore import keys
+from kvstore.errors import KVStoreError
+from kvstore.keys import checkpoint_hash
+from kvstore.model.cache import ModelCache
+from kvstore.sizes import format_size
+from kvstore.store import Store
 
 log = logging.getLogger("kvstore")
 

@@ -23,11 +23,11 @@ from typing import Mapping, NamedTuple, Sequence
 import mlx.core as mx
 import numpy as np
 
-from . import blobs
-from .codecs import Codec, sub
-from .errors import BlobError
-from .tiers import Entry, Source
-from .unfilled import keep_buffers, unfilled, zero_filled
+from kvstore.storage import blobs
+from kvstore.restore.codecs import Codec, sub
+from kvstore.errors import BlobError
+from kvstore.tiers.base import Entry, Source
+from kvstore.restore.alloc import keep_buffers, unfilled, zero_filled
 
 _POOL_MIN_BYTES = 4 << 20  # below this, threads cost more than they save
 _READ_THREADS = 8  # reader threads when records come from a cold disk

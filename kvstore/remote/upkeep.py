@@ -22,13 +22,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .errors import BlobError
-from .index import CHECKPOINT
-from .maintenance import Problem
-from .remote_client import Bucket, ObjectKey, RemoteError, parse_key, pins_key
+from kvstore.errors import BlobError
+from kvstore.storage.index import CHECKPOINT
+from kvstore.upkeep.maintenance import Problem
+from kvstore.remote.s3 import Bucket, ObjectKey, RemoteError, parse_key, pins_key
 
 if TYPE_CHECKING:
-    from .index import Index
+    from kvstore.storage.index import Index
 
 NODE_FILE = "remote-node-id"
 
@@ -195,7 +195,7 @@ def verify_remote(bucket: Bucket, *, repair: bool = False, threads: int = 8) -> 
     """Download and check every record of the bucket (checksums, header, tokens against its key)
     and the tree (no record without its parent). `repair` deletes the bad records and, to keep
     every chain a prefix, everything below them."""
-    from .remote_records import check_record
+    from kvstore.remote.objects import check_record
 
     tree = _Tree(bucket)
     problems: list[Problem] = []
@@ -240,7 +240,7 @@ def verify_remote(bucket: Bucket, *, repair: bool = False, threads: int = 8) -> 
 
 def _chunk_size(buf: bytes) -> int:
     """The chunk size a blob's header states (checked against its tokens by `check_record`)."""
-    from . import blobs
+    from kvstore.storage import blobs
 
     try:
         return int(blobs.header_metadata(buf).get("chunk_size", ""))

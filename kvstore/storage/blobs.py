@@ -29,8 +29,8 @@ import mlx.core as mx
 import numpy as np
 import xxhash
 
-from . import faults
-from .blobtree import (  # noqa: F401 -- the tree's names and folders, re-exported for callers of blobs
+from kvstore import faults
+from kvstore.storage.blobtree import (  # noqa: F401 -- the tree's names and folders, re-exported for callers of blobs
     SUFFIX,
     TMP_PREFIX,
     hash_of,
@@ -42,7 +42,7 @@ from .blobtree import (  # noqa: F401 -- the tree's names and folders, re-export
     tree_lock,
     walk,
 )
-from .errors import BlobError
+from kvstore.errors import BlobError
 
 _HEADER_LIMIT = 100 << 20  # safetensors' own cap on header size
 _HEAD_GUESS = 64 << 10  # first read of a blob: its whole header, as a rule

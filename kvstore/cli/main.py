@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from . import jsonl
-from .errors import CorruptIndexError, KVStoreError
-from .sizes import format_age, format_size, parse_duration, parse_size
+from kvstore.model import jsonl
+from kvstore.errors import CorruptIndexError, KVStoreError
+from kvstore.sizes import format_age, format_size, parse_duration, parse_size
 
 PROG = "kvstore"
 EXIT_PROBLEMS = 1
@@ -75,7 +75,7 @@ class LoadedModel:
 
 def resolve_model(spec: str | None) -> str:
     """What to load for `--model`: a local folder (checked now), a repo id, or the demo model."""
-    from .demo import DEMO_NOTE, ensure_demo_model
+    from kvstore.model.demo import DEMO_NOTE, ensure_demo_model
 
     if spec is None:
         path = ensure_demo_model()  # the same default as `kvstore serve`
@@ -508,7 +508,7 @@ def cmd_verify(args) -> int:
     except CorruptIndexError as e:  # the index itself is unreadable (or lost): rebuild it from the blobs
         if not args.repair:
             raise
-        from .rebuild import rebuild_index
+        from kvstore.upkeep.rebuild import rebuild_index
 
         say(f"{PROG} verify: {e}")
         rebuilt = rebuild_index(store_path(args))
@@ -553,7 +553,7 @@ def _verify_remote(args) -> int:
 SERVE_HELP = """usage: kvstore serve [--store DIR] [mlx_lm.server options]
 
 Run mlx_lm.server with a prompt cache kept in the store. Everything after `serve` goes to
-kvstore.server, whose help lists its options.
+kvstore.serve.server, whose help lists its options.
 
 example:
   kvstore serve --store ~/.cache/kvstore --model mlx-community/Qwen3-4B-4bit --port 8080
@@ -561,15 +561,15 @@ example:
 
 
 def cmd_serve(argv: list[str]) -> int:
-    """Hand the arguments to `kvstore.server.main`, which owns the server's options."""
+    """Hand the arguments to `kvstore.serve.server.main`, which owns the server's options."""
     try:
-        from . import server
+        from kvstore.serve import server
     except ImportError as e:
         if any(a in ("-h", "--help") for a in argv):
             print(SERVE_HELP)
             return 0
-        raise CommandError(f"kvstore serve is not available: cannot import kvstore.server ({e})", EXIT_USAGE) from e
-    code = server.run(argv)  # exits the process itself (see kvstore.server.run)
+        raise CommandError(f"kvstore serve is not available: cannot import kvstore.serve.server ({e})", EXIT_USAGE) from e
+    code = server.run(argv)  # exits the process itself (see kvstore.serve.server.run)
     return code if isinstance(code, int) else 0
 
 
@@ -694,7 +694,7 @@ demo model with random weights (meaningless text).""")
 
 
 def _version() -> str:
-    from . import __version__
+    from kvstore import __version__
 
     return __version__
 

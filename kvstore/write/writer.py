@@ -24,9 +24,11 @@ from typing import Callable
 import mlx.core as mx
 import numpy as np
 
-from . import blobs, faults, keys
-from .index import CHECKPOINT, CHUNK, TAIL, Index, Row
-from .memory import MemoryTier, Record
+from kvstore.storage import blobs
+
+from kvstore import faults, keys
+from kvstore.storage.index import CHECKPOINT, CHUNK, TAIL, Index, Row
+from kvstore.tiers.memory import MemoryTier, Record
 
 log = logging.getLogger("kvstore")
 

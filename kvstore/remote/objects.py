@@ -12,10 +12,12 @@ from pathlib import Path
 
 import numpy as np
 
-from . import blobs, keys
-from .errors import BlobError
-from .index import CHUNK, TAIL
-from .keys import checkpoint_hash
+from kvstore.storage import blobs
+
+from kvstore import keys
+from kvstore.errors import BlobError
+from kvstore.storage.index import CHUNK, TAIL
+from kvstore.keys import checkpoint_hash
 
 
 def check_object(buf: bytes, h: bytes) -> tuple[dict, dict[str, str]]:

@@ -8,7 +8,7 @@ allowed, no prompt text in the log).
 
 Run it as `kvstore serve [--store DIR] [--store-max-bytes SIZE|auto|none] [--memory-bytes SIZE]
 [--store-max-tokens N] [--allowed-origins LIST] [mlx_lm.server options]` or
-`python -m kvstore.server ...`.
+`python -m kvstore.serve.server ...`.
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ import sys
 import weakref
 from typing import Any, Iterator, Sequence
 
-from .errors import KVStoreError
-from .promptcache import PersistentPromptCache
-from .sizes import parse_size
-from .store import Store
+from kvstore.errors import KVStoreError
+from kvstore.serve.promptcache import PersistentPromptCache
+from kvstore.sizes import parse_size
+from kvstore.store import Store
 
 log = logging.getLogger("kvstore")
 
@@ -339,7 +339,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     peek = _peek(passthrough)
     served_model = peek.model
     if served_model is None:
-        from .demo import DEMO_NOTE, ensure_demo_model
+        from kvstore.model.demo import DEMO_NOTE, ensure_demo_model
 
         served_model = str(ensure_demo_model())
         passthrough = ["--model", served_model] + passthrough
@@ -367,8 +367,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KVStoreError as e:
         print(f"kvstore serve: {e}", file=sys.stderr)
         return 1
-    from .endpoints import handler_class
-    from .metrics import ServerMetrics
+    from kvstore.serve.endpoints import handler_class
+    from kvstore.serve.metrics import ServerMetrics
 
     cache = PersistentPromptCache(store, max_insert_tokens=ours.store_max_tokens)
     metrics = ServerMetrics(cache)

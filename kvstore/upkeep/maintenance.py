@@ -24,10 +24,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterator
 
-from . import blobs, blobtree, evict, faults, keys
-from .errors import BlobError
-from .index import Index
-from .storedir import QUARANTINE_NAME
+from kvstore.storage import blobs, blobtree
+
+from kvstore.upkeep import evict
+
+from kvstore import faults, keys
+from kvstore.errors import BlobError
+from kvstore.storage.index import Index
+from kvstore.storage.storedir import QUARANTINE_NAME
 
 _DELETE_BATCH = 500
 ORPHAN_SHARE = 0.10

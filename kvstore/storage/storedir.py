@@ -16,9 +16,9 @@ import stat
 import time
 from pathlib import Path
 
-from .blobtree import SUFFIX
-from .errors import CorruptIndexError, IndexLostError, NotAStoreError, StoreOpenError
-from .index import connect_read_only, is_corruption
+from kvstore.storage.blobtree import SUFFIX
+from kvstore.errors import CorruptIndexError, IndexLostError, NotAStoreError, StoreOpenError
+from kvstore.storage.index import connect_read_only, is_corruption
 
 log = logging.getLogger("kvstore")
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
-from . import faults
-from .errors import CorruptIndexError, SchemaTooNewError, StoreOpenError
+from kvstore import faults
+from kvstore.errors import CorruptIndexError, SchemaTooNewError, StoreOpenError
 
 BUSY_TIMEOUT_S = 60.0
 _MIGRATION_NAME = re.compile(r"^(\d{4})_[a-z0-9_]+\.sql$")
@@ -32,7 +32,7 @@ CHUNK, TAIL, CHECKPOINT = 0, 1, 2
 def migrations_dir() -> Path:
     """Where the numbered schema files are: inside the wheel, or at the top of a checkout."""
     here = Path(__file__).resolve().parent
-    for candidate in (here / "migrations", here.parent / "migrations"):
+    for candidate in (here / "migrations", here.parent.parent / "migrations"):
         if candidate.is_dir():
             return candidate
     raise StoreOpenError(f"kvstore's migrations/ folder is missing (looked beside {here})")

@@ -34,17 +34,19 @@ from typing import TYPE_CHECKING, Iterable
 import numpy as np
 import xxhash
 
-from . import blobs, keys
-from .errors import BlobError
-from .index import CHECKPOINT, CHUNK, TAIL, Row
-from .keys import checkpoint_hash
-from .remote_records import check_object, check_record, write_blob
-from .remote_client import (LAYOUT_VERSION, Bucket, RemoteError, children_prefix, manifest_key,
+from kvstore.storage import blobs
+
+from kvstore import keys
+from kvstore.errors import BlobError
+from kvstore.storage.index import CHECKPOINT, CHUNK, TAIL, Row
+from kvstore.keys import checkpoint_hash
+from kvstore.remote.objects import check_object, check_record, write_blob
+from kvstore.remote.s3 import (LAYOUT_VERSION, Bucket, RemoteError, children_prefix, manifest_key,
                             parse_key, record_key)
 
 if TYPE_CHECKING:
-    from .modelcache import ModelCache
-    from .store import Store
+    from kvstore.model.cache import ModelCache
+    from kvstore.store import Store
 
 log = logging.getLogger("kvstore")
 
@@ -125,7 +127,7 @@ class RemoteTier:
 
     def gc(self, *, max_bytes: int | None = None, max_age: float | None = None, dry_run: bool = False) -> dict:
         """Bound the bucket (see `remote_maint.collect_remote`); this node's pins are published first."""
-        from .remote_maint import collect_remote
+        from kvstore.remote.upkeep import collect_remote
 
         self.flush(60)
         self.publish_pins()
@@ -133,14 +135,14 @@ class RemoteTier:
 
     def verify(self, *, repair: bool = False) -> list:
         """Problems of the bucket's objects (see `remote_maint.verify_remote`)."""
-        from .remote_maint import verify_remote
+        from kvstore.remote.upkeep import verify_remote
 
         self.flush(60)
         return verify_remote(self.bucket, repair=repair)
 
     def publish_pins(self, namespaces=None) -> int:
         """Write this node's pins object(s): what gc on any node must keep."""
-        from .remote_maint import node_id, publish_pins
+        from kvstore.remote.upkeep import node_id, publish_pins
 
         store = self._store
         if store is None or store.index is None:
@@ -153,8 +155,8 @@ class RemoteTier:
         store = self._store
         if store is None or store.index is None or time.monotonic() < self._down_until:
             return
-        from .remote_maint import node_id
-        from .remote_client import pins_key
+        from kvstore.remote.upkeep import node_id
+        from kvstore.remote.s3 import pins_key
 
         try:
             node = node_id(store.path)

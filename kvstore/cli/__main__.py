@@ -1,0 +1,5 @@
+import sys
+
+from kvstore.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,3 @@
+from kvstore.serve.server import run
+
+run()
