@@ -22,15 +22,14 @@ import shutil
 import sqlite3
 import time
 
-import mlx.core as mx
-import numpy as np
-
 import common as C
 import index_scale
-import kvstore
+import numpy as np
 import write_path
-from kvstore.restore import codecs
+
+import kvstore
 from kvstore.model import cache as modelcache
+from kvstore.restore import codecs
 
 FINGERPRINT = b"kvstore-bench-ba"
 

@@ -18,13 +18,13 @@ import tempfile
 import time
 from pathlib import Path
 
+import common as C
 import mlx.core as mx
 import numpy as np
 from mlx_lm import load
 
-import common as C
 import kvstore
-from kvstore.model.demo import build_demo_model
+from kvstore.demo import build_demo_model
 from kvstore.write.writer import Writer
 
 SYSTEM, USER, REPLY = 300, 45, 45

@@ -27,12 +27,12 @@ import subprocess
 import sys
 import time
 
+import common as C
 import numpy as np
 
-import common as C
 import kvstore
-from kvstore.storage import blobs
 from kvstore import keys
+from kvstore.storage import blobwrite
 from kvstore.storage.index import CHUNK, TAIL, Row
 
 FINGERPRINT = b"kvstore-bench-ix"
@@ -96,7 +96,7 @@ def insert_prompt(store, ns: bytes, prompt: np.ndarray, rng) -> None:
         toks = np.ascontiguousarray(prompt[i * CHUNK_TOKENS : (i + 1) * CHUNK_TOKENS], dtype="<i4")
         parent = hashes[i - 1] if i else ns
         meta = {"hash": h.hex(), "ns": ns.hex(), "parent": parent.hex(), "depth": str(i + 1), "kind": str(CHUNK)}
-        size, checksum = blobs.write(store.blob_root, h, {"tokens": ("I32", toks)}, meta, fsync=False)
+        size, checksum = blobwrite.write(store.blob_root, h, {"tokens": ("I32", toks)}, meta, fsync=False)
         rows.append(Row(h, ns, parent, i + 1, CHUNK, CHUNK_TOKENS, int(toks[0]), size, checksum))
     store.index.insert(rows)
 

@@ -13,9 +13,8 @@ import json
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
 import common as C  # noqa: E402
+import matplotlib.pyplot as plt  # noqa: E402
 
 METHODS = [("kvstore_memory", "kvstore, memory tier", "tab:green"),
            ("kvstore_disk", "kvstore, disk (page cache warm)", "tab:blue"),

@@ -25,8 +25,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-import mlx.core as mx  # noqa: E402
 import common as C  # noqa: E402
+import mlx.core as mx  # noqa: E402
 
 import kvstore  # noqa: E402
 

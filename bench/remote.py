@@ -26,9 +26,9 @@ import shutil
 import sys
 import time
 
+import common as C
 import numpy as np
 
-import common as C
 import kvstore
 from kvstore import keys
 from kvstore.tiers.remote import chunk_keys
@@ -99,7 +99,6 @@ def recompute(length: int) -> float:
     import mlx.core as mx
     from mlx_lm.models import qwen3
     from mlx_lm.models.cache import make_prompt_cache
-
     from ttft import QWEN3_0_6B, first_token
 
     mx.random.seed(0)

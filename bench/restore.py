@@ -25,9 +25,8 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 import common as C
+import numpy as np
 from restore_methods import FINGERPRINT, METHODS, MODEL_ID
 
 FULL = [("qwen3-0.6b", 2048), ("qwen3-0.6b", 8192), ("llama-3-8b", 4096)]
@@ -54,8 +53,9 @@ INSERT_P99_MS = 2.0
 
 def prepare(shape: C.Shape, tokens: int, work: Path) -> dict:
     """The cache stored two ways: a kvstore store (through the public API) and one mlx-lm file."""
-    import kvstore
     from mlx_lm.models.cache import save_prompt_cache
+
+    import kvstore
 
     cache = C.random_cache(shape, tokens, seed=tokens)
     toks = C.random_tokens(tokens, seed=tokens)

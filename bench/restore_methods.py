@@ -23,11 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import common as C
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, LRUPromptCache, load_prompt_cache
-
-import common as C
 
 FINGERPRINT = b"kvstore-bench-fp"
 MODEL_ID = "bench-shape"

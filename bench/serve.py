@@ -35,10 +35,10 @@ import tempfile
 import time
 from pathlib import Path
 
+import common as C
 import requests
 
-import common as C
-from kvstore.model.demo import EOS_ID, IM_END_ID, ensure_demo_model
+from kvstore.demo import EOS_ID, IM_END_ID, ensure_demo_model
 
 START_TIMEOUT_S = 120
 REQUEST_TIMEOUT_S = 600

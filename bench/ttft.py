@@ -23,15 +23,15 @@ import gc
 import shutil
 import time
 
+import common as C
 import mlx.core as mx
 import mlx_lm
 import numpy as np
 from mlx_lm.models import qwen3
 from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
 
-import common as C
 import kvstore
-from kvstore.model.demo import build_demo_model
+from kvstore.demo import build_demo_model
 
 PREFILL_STEP = 2048  # mlx_lm.generate's default prefill_step_size
 QWEN3_0_6B = dict(model_type="qwen3", hidden_size=1024, num_hidden_layers=28, intermediate_size=3072,

@@ -19,10 +19,10 @@ import resource
 import shutil
 import time
 
+import common as C
 import numpy as np
 from mlx_lm.models.cache import KVCache, save_prompt_cache
 
-import common as C
 import kvstore
 from kvstore import keys
 

@@ -24,12 +24,13 @@ from typing import Any
 
 from kvstore import keys
 from kvstore.errors import InvalidInputError, ModelFilesError, StoreOpenError
-from kvstore.storage.stale import stale_namespaces, stamps as file_stamps
-from kvstore.storage.index import Index, is_corruption
-from kvstore.tiers.memory import MemoryTier
 from kvstore.model.cache import ModelCache, describe, make_template
+from kvstore.storage.index import Index, is_corruption
+from kvstore.storage.stale import stale_namespaces
+from kvstore.storage.stale import stamps as file_stamps
 from kvstore.storage.storedir import BLOBS_NAME, INDEX_NAME, QUARANTINE_NAME, open_dir
 from kvstore.tiers.base import DiskTier, MemoryTierView, PendingTier
+from kvstore.tiers.memory import MemoryTier
 from kvstore.write.writer import Writer
 
 log = logging.getLogger("kvstore")

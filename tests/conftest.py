@@ -20,7 +20,7 @@ def pytest_addoption(parser):
 def demo_model(tmp_path_factory) -> Callable[..., Path]:
     """`demo_model(arch="llama", size="tiny", dtype="float32")`: the folder of a demo model,
     built once per test session in a temporary directory (never in ~/.cache)."""
-    from kvstore.model.demo import build_demo_model
+    from kvstore.demo import build_demo_model
 
     root = tmp_path_factory.mktemp("demo-models")
     built: dict[tuple[str, str, str], Path] = {}

@@ -39,9 +39,10 @@ def build(model, mc, tokens, extra, insert):
 
 
 def main(argv: list[str]) -> dict:
-    import kvstore
     from mlx_lm import load
     from mlx_lm.models.cache import make_prompt_cache
+
+    import kvstore
 
     mode, store_dir, model_dir, chunk, tokens_json = argv[:5]
     extra = json.loads(argv[5]) if len(argv) > 5 else {}

@@ -14,10 +14,10 @@ import sys
 import time
 from pathlib import Path
 
+from kvtest import logits_diff
 from mlx_lm import load
 
 import kvstore
-from kvtest import logits_diff
 
 TOL = 1e-4
 

@@ -10,14 +10,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-import mlx.core as mx
 import numpy as np
 import pytest
 import xxhash
 
 import kvstore
-from kvstore.storage import blobs
 from kvstore.errors import BlobError
+from kvstore.storage import blobfile, blobformat, blobtree, blobwrite
 
 HERE = Path(__file__).parent
 H = bytes(range(16))
@@ -35,17 +34,17 @@ def tensors():
 
 
 def written(tmp_path) -> tuple[bytes, int, int]:
-    size, checksum = blobs.write(tmp_path, H, tensors(), {"hash": H.hex(), "kind": "0"}, fsync=False)
-    return blobs.blob_path(tmp_path, H).read_bytes(), size, checksum
+    size, checksum = blobwrite.write(tmp_path, H, tensors(), {"hash": H.hex(), "kind": "0"}, fsync=False)
+    return blobtree.blob_path(tmp_path, H).read_bytes(), size, checksum
 
 
 def test_write_records_format_and_every_tensors_checksum(tmp_path):
     buf, size, checksum = written(tmp_path)
     assert size == len(buf) and checksum == xxhash.xxh3_64_intdigest(buf)  # the row's whole-file sum
-    meta = blobs.header_metadata(buf)
+    meta = blobformat.header_metadata(buf)
     assert meta["blob_format"] == "2"
     sums = json.loads(meta["checksums"])
-    header, base = blobs.parse_header(buf)
+    header, base = blobformat.parse_header(buf)
     assert set(sums) == set(tensors()) == set(header)
     for name, (_, arr) in tensors().items():
         start, end = header[name]["data_offsets"]
@@ -56,17 +55,17 @@ def test_write_records_format_and_every_tensors_checksum(tmp_path):
 
 def test_verify_bytes_returns_entries_and_metadata(tmp_path):
     buf, _, _ = written(tmp_path)
-    entries, meta = blobs.verify_bytes(buf, H)
+    entries, meta = blobformat.verify_bytes(buf, H)
     assert set(entries) == set(tensors())
     assert entries["0.keys"]["shape"] == [1, 2, 7, 4] and entries["0.values"]["dtype"] == "BF16"
     assert meta["hash"] == H.hex() and meta["kind"] == "0"
     # a memoryview and a bytearray work alike (remote downloads hand either)
-    assert blobs.verify_bytes(memoryview(bytearray(buf)), H)[1] == meta
+    assert blobformat.verify_bytes(memoryview(bytearray(buf)), H)[1] == meta
 
 
 def test_verify_bytes_catches_a_byte_flipped_in_each_tensor(tmp_path):
     buf, _, _ = written(tmp_path)
-    header, base = blobs.parse_header(buf)
+    header, base = blobformat.parse_header(buf)
     for name, info in header.items():
         start, end = info["data_offsets"]
         if start == end:
@@ -75,25 +74,25 @@ def test_verify_bytes_catches_a_byte_flipped_in_each_tensor(tmp_path):
             bad = bytearray(buf)
             bad[base + at] ^= 0x40
             with pytest.raises(BlobError, match=repr(name)):
-                blobs.verify_bytes(bad, H)
+                blobformat.verify_bytes(bad, H)
 
 
 def test_verify_bytes_refuses_other_records_and_damaged_headers(tmp_path):
     buf, _, _ = written(tmp_path)
     with pytest.raises(BlobError, match="names record"):
-        blobs.verify_bytes(buf, bytes(16))
+        blobformat.verify_bytes(buf, bytes(16))
     with pytest.raises(BlobError):
-        blobs.verify_bytes(buf[:-1], H)  # truncated: the last tensor's entry no longer fits
+        blobformat.verify_bytes(buf[:-1], H)  # truncated: the last tensor's entry no longer fits
     with pytest.raises(BlobError):
-        blobs.verify_bytes(b"\xff" * 8 + buf[8:], H)  # impossible header length
+        blobformat.verify_bytes(b"\xff" * 8 + buf[8:], H)  # impossible header length
     with pytest.raises(BlobError):
-        blobs.verify_bytes(b"", H)
+        blobformat.verify_bytes(b"", H)
 
 
 def reencode(buf: bytes, **meta_changes) -> bytes:
     """The same tensors under a changed `__metadata__` (None deletes a key)."""
-    header, base = blobs.parse_header(buf)
-    meta = blobs.header_metadata(buf)
+    header, base = blobformat.parse_header(buf)
+    meta = blobformat.header_metadata(buf)
     for k, v in meta_changes.items():
         if v is None:
             meta.pop(k, None)
@@ -102,62 +101,62 @@ def reencode(buf: bytes, **meta_changes) -> bytes:
     ts = {}
     for name, info in header.items():
         start, end = info["data_offsets"]
-        np_dtype = blobs._DTYPES[info["dtype"]][0]
+        np_dtype = blobformat.DTYPES[info["dtype"]]
         ts[name] = (info["dtype"], np.frombuffer(buf[base + start : base + end], np_dtype).reshape(info["shape"]))
-    head, pieces = blobs.encode(ts, meta)
+    head, pieces = blobformat.encode(ts, meta)
     return head + b"".join(p.tobytes() for p in pieces)
 
 
 def test_verify_bytes_refuses_a_blob_without_per_tensor_checksums(tmp_path):
     buf, _, _ = written(tmp_path)
     with pytest.raises(BlobError, match="no per-tensor checksums"):
-        blobs.verify_bytes(reencode(buf, checksums=None, blob_format=None), H)
+        blobformat.verify_bytes(reencode(buf, checksums=None, blob_format=None), H)
     with pytest.raises(BlobError, match="lists no tensor checksums"):
-        blobs.verify_bytes(reencode(buf, checksums=None), H)
+        blobformat.verify_bytes(reencode(buf, checksums=None), H)
     with pytest.raises(BlobError, match="not JSON"):
-        blobs.verify_bytes(reencode(buf, checksums="{"), H)
+        blobformat.verify_bytes(reencode(buf, checksums="{"), H)
     with pytest.raises(BlobError, match="16-hex-digit"):
-        blobs.verify_bytes(reencode(buf, checksums='{"tokens": 5}'), H)
-    sums = json.loads(blobs.header_metadata(buf)["checksums"])
+        blobformat.verify_bytes(reencode(buf, checksums='{"tokens": 5}'), H)
+    sums = json.loads(blobformat.header_metadata(buf)["checksums"])
     del sums["1.state"]
     with pytest.raises(BlobError, match="1.state"):
-        blobs.verify_bytes(reencode(buf, checksums=json.dumps(sums)), H)
+        blobformat.verify_bytes(reencode(buf, checksums=json.dumps(sums)), H)
     sums["1.state"], sums["ghost"] = "0" * 16, "0" * 16
     with pytest.raises(BlobError, match="ghost"):
-        blobs.verify_bytes(reencode(buf, checksums=json.dumps(sums)), H)
+        blobformat.verify_bytes(reencode(buf, checksums=json.dumps(sums)), H)
 
 
 # -- stores written by 0.1 ------------------------------------------------------------------------
 
-def stage_v01(root: Path, h: bytes, tensors, metadata, *, fsync: bool = True) -> blobs.Staged:
-    """`blobs.stage` (the writer's first half of `blobs.write`) as kvstore 0.1 wrote blobs: the
+def stage_v01(root: Path, h: bytes, tensors, metadata, *, fsync: bool = True) -> blobwrite.Staged:
+    """`blobwrite.stage` (the writer's first half of `blobwrite.write`) as kvstore 0.1 wrote blobs: the
     safetensors header carries only the writer's own metadata (no `blob_format`, no
     `checksums`); the row's checksum is xxh3_64 of the whole file."""
-    path = blobs.blob_path(root, h)
-    blobs._makedirs(path.parent)
-    head, pieces = blobs.encode(tensors, metadata)
+    path = blobtree.blob_path(root, h)
+    blobwrite._makedirs(path.parent)
+    head, pieces = blobformat.encode(tensors, metadata)
     data = head + b"".join(p.tobytes() for p in pieces)
-    tmp = path.parent / f"{blobs.TMP_PREFIX}{h.hex()}.{os.getpid()}.{os.urandom(4).hex()}"
+    tmp = path.parent / f"{blobtree.TMP_PREFIX}{h.hex()}.{os.getpid()}.{os.urandom(4).hex()}"
     with open(tmp, "wb") as f:
         f.write(data)
         if fsync:
             os.fsync(f.fileno())
-    return blobs.Staged(tmp, path, len(data), xxhash.xxh3_64_intdigest(data), fsync)
+    return blobwrite.Staged(tmp, path, len(data), xxhash.xxh3_64_intdigest(data), fsync)
 
 
 @pytest.fixture(scope="module")
 def store_v01(tmp_path_factory, demo_model):
     """A store whose every blob is in the exact 0.1 format, holding one 80-token prompt of the
     tiny llama demo model (chunk size 16: five chunks) and its tail-less end."""
-    from mlx_lm import load
     from kvtest import prefill
+    from mlx_lm import load
 
     model_dir = demo_model("llama")
     model, _ = load(str(model_dir))
     root = tmp_path_factory.mktemp("store-v01") / "s"
     tokens = [int(t) for t in np.random.default_rng(3).integers(0, 250, 85)]
     mp = pytest.MonkeyPatch()
-    mp.setattr(blobs, "stage", stage_v01)
+    mp.setattr(blobwrite, "stage", stage_v01)
     try:
         with kvstore.open(root, chunk_size=16, memory_bytes=0) as store:
             mc = store.bind(model, str(model_dir))
@@ -165,10 +164,10 @@ def store_v01(tmp_path_factory, demo_model):
             store.flush()
     finally:
         mp.undo()
-    files = [p for p in blobs.walk(root / "blobs") if p.name.endswith(blobs.SUFFIX)]
+    files = [p for p in blobtree.walk(root / "blobs") if p.name.endswith(blobtree.SUFFIX)]
     assert files
     for p in files:  # really the 0.1 format
-        meta = blobs.header_metadata(p.read_bytes())
+        meta = blobformat.header_metadata(p.read_bytes())
         assert "checksums" not in meta and "blob_format" not in meta
     return root, model_dir, tokens
 
@@ -198,8 +197,8 @@ def test_a_damaged_01_blob_is_still_caught_by_its_whole_file_checksum(store_v01,
     copy = tmp_path / "s"
     shutil.copytree(root, copy)
     # Flip one payload byte in the blob of the third chunk: the prefix ends at 32 tokens.
-    files = {blobs.hash_of(p): p for p in blobs.walk(copy / "blobs") if blobs.hash_of(p)}
-    metas = {h: blobs.header_metadata(p.read_bytes()) for h, p in files.items()}
+    files = {blobtree.hash_of(p): p for p in blobtree.walk(copy / "blobs") if blobtree.hash_of(p)}
+    metas = {h: blobformat.header_metadata(p.read_bytes()) for h, p in files.items()}
     third = next(h for h, m in metas.items() if m.get("depth") == "3" and m.get("kind") == "0")
     raw = bytearray(files[third].read_bytes())
     raw[-3] ^= 0x01
@@ -213,11 +212,11 @@ def test_a_header_changed_in_place_after_it_was_parsed_is_parsed_again(tmp_path)
     # Parsed headers are reused by (device, inode, size) only while their bytes are unchanged:
     # a header damaged in place (same file, same size) must be refused, not served from memory.
     buf, size, checksum = written(tmp_path)
-    with blobs.open_blob(tmp_path, H, size=size) as blob:
+    with blobfile.open_blob(tmp_path, H, size=size) as blob:
         assert blob.array("0.keys").tobytes() == tensors()["0.keys"][1].tobytes()
-    with blobs.open_blob(tmp_path, H, size=size) as again:  # the kept parse, same tensor table
+    with blobfile.open_blob(tmp_path, H, size=size) as again:  # the kept parse, same tensor table
         assert again.layout is blob.layout
-    path = blobs.blob_path(tmp_path, H)
+    path = blobtree.blob_path(tmp_path, H)
     (n,) = struct.unpack_from("<Q", buf, 0)
     at = buf.index(b'"hash":"') + len(b'"hash":"')
     with open(path, "r+b") as f:  # another record's hash, same length: only the header knows
@@ -225,7 +224,7 @@ def test_a_header_changed_in_place_after_it_was_parsed_is_parsed_again(tmp_path)
         f.write(b"f" if buf[at:at + 1] != b"f" else b"e")
     assert at < 8 + n and path.stat().st_size == size
     with pytest.raises(BlobError, match="names record"):
-        blobs.open_blob(tmp_path, H, size=size)
+        blobfile.open_blob(tmp_path, H, size=size)
 
 
 def test_read_copies_reuses_its_plan_and_still_checks_every_tensor(tmp_path):
@@ -235,19 +234,19 @@ def test_read_copies_reuses_its_plan_and_still_checks_every_tensor(tmp_path):
     keys = tensors()["0.keys"][1]
     copies = (Copy(0, "0.keys", 2, 7, 1),)
     out = np.zeros((1, 2, 9, 4), dtype="<f4")
-    targets = {"0.keys": blobs.target(out)}
+    targets = {"0.keys": blobfile.target(out)}
     for _ in range(2):  # the second read takes the read plan kept for this copies tuple
         out[:] = 0
-        with blobs.open_blob(tmp_path, H, size=size) as blob:
+        with blobfile.open_blob(tmp_path, H, size=size) as blob:
             blob.read_copies(copies, targets)
         assert np.array_equal(out[:, :, 1:6], keys[:, :, 2:7]) and not out[:, :, 6:].any()
-    header, base = blobs.parse_header(buf)
+    header, base = blobformat.parse_header(buf)
     start = base + header["0.keys"]["data_offsets"][0]
-    path = blobs.blob_path(tmp_path, H)
+    path = blobtree.blob_path(tmp_path, H)
     with open(path, "r+b") as f:  # a byte of a token outside the copied range: still checked
         f.seek(start)
         f.write(bytes([buf[start] ^ 1]))
-    with blobs.open_blob(tmp_path, H, size=size) as blob, pytest.raises(BlobError, match="checksum"):
+    with blobfile.open_blob(tmp_path, H, size=size) as blob, pytest.raises(BlobError, match="checksum"):
         blob.read_copies(copies, targets)
 
 
@@ -257,19 +256,19 @@ def test_prefetch_asks_for_readahead_only_when_a_blob_has_left_the_page_cache(tm
     # and asks for every file once the last one is evicted. Asked: which files it advised.
     hashes = [bytes([k]) * 16 for k in range(3)]
     for h in hashes:
-        blobs.write(tmp_path, h, tensors(), {"hash": h.hex(), "kind": "0"}, fsync=False)
-        blobs.blob_path(tmp_path, h).read_bytes()  # into the page cache
+        blobwrite.write(tmp_path, h, tensors(), {"hash": h.hex(), "kind": "0"}, fsync=False)
+        blobtree.blob_path(tmp_path, h).read_bytes()  # into the page cache
     advised = []
     real = os.posix_fadvise
     monkeypatch.setattr(os, "posix_fadvise", lambda fd, *a: (advised.append(os.fstat(fd).st_ino), real(fd, *a)))
-    blobs.prefetch(tmp_path, hashes)
+    blobfile.prefetch(tmp_path, hashes)
     assert advised == []
-    last = blobs.blob_path(tmp_path, hashes[-1])
+    last = blobtree.blob_path(tmp_path, hashes[-1])
     with open(last, "rb") as f:
         os.fsync(f.fileno())
         real(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-    if blobs._cached(tmp_path, hashes[-1]):
+    if blobfile._cached(tmp_path, hashes[-1]):
         pytest.skip("this filesystem keeps the file in the page cache despite DONTNEED")
-    blobs.prefetch(tmp_path, hashes)
-    inodes = {blobs.blob_path(tmp_path, h).stat().st_ino for h in hashes}
+    blobfile.prefetch(tmp_path, hashes)
+    inodes = {blobtree.blob_path(tmp_path, h).stat().st_ino for h in hashes}
     assert set(advised) == inodes

@@ -6,13 +6,12 @@ import shutil
 from collections import namedtuple
 
 import pytest
+from kvtest import prefill
 
 import kvstore
 from kvstore.errors import InvalidInputError
 from kvstore.serve.server import _parser
 from kvstore.store import AUTO_SHARE
-
-from kvtest import prefill
 
 Usage = namedtuple("Usage", "total used free")
 

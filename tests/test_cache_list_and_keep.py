@@ -10,10 +10,8 @@ the logits and 20 greedy tokens of a recompute, each checked in a fresh process.
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
-
 from kvtest import run_procs
 
 C = 16

@@ -3,16 +3,15 @@ and classes kvstore does not know. Every restore that matters runs in a fresh pr
 
 from __future__ import annotations
 
-
 import mlx.core as mx
 import numpy as np
 import pytest
+from kvtest import run_procs
 from mlx_lm import load
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, QuantizedKVCache, RotatingKVCache
 
 import kvstore
-from kvtest import run_procs
-from kvstore.model.demo import build_demo_model
+from kvstore.demo import build_demo_model
 
 C = 16
 

@@ -20,7 +20,7 @@ import pytest
 
 import kvstore
 from kvstore.cli import main as cli
-from kvstore.model.demo import DEMO_NOTE
+from kvstore.demo import DEMO_NOTE
 from kvstore.sizes import format_size, parse_duration, parse_size
 
 REPO = Path(__file__).resolve().parents[1]
@@ -466,7 +466,7 @@ def test_verify_finds_and_repairs_damage(kv, capsys, store_copy):
 def test_every_command_uses_one_default_demo_model(capsys, monkeypatch, tmp_path):
     """warm/generate and serve default to the same demo model, so what `kvstore warm` stores
     is what `kvstore serve` reuses (they used to be two different models)."""
-    from kvstore.model import demo
+    from kvstore import demo
     from kvstore.serve import server
 
     monkeypatch.setenv("HOME", str(tmp_path / "home"))

@@ -6,11 +6,11 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
+from kvtest import logits_diff, prefill, readers
 from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 
 import kvstore
-from kvtest import logits_diff, prefill, readers
 
 C = 16
 

@@ -1,4 +1,4 @@
-"""Tests for kvstore.model.demo: offline random-weight demo models that mlx_lm.load opens."""
+"""Tests for kvstore.demo: offline random-weight demo models that mlx_lm.load opens."""
 
 from __future__ import annotations
 
@@ -16,12 +16,12 @@ import pytest
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache, make_prompt_cache
 
 try:
-    from kvstore.model import demo
+    from kvstore import demo
 except ImportError:  # run without the package installed / on sys.path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from kvstore.model import demo
+    from kvstore import demo
 
-from kvstore.model.demo import ARCHS, DEMO_NOTE, build_demo_model, default_demo_path
+from kvstore.demo import ARCHS, DEMO_NOTE, build_demo_model, default_demo_path
 
 REPO = Path(__file__).resolve().parents[1]
 # NFC text: non-ASCII, emoji, control bytes, runs of spaces, a special token.
@@ -189,7 +189,7 @@ def test_default_path_and_note(tmp_path, monkeypatch):
 def test_concurrent_builders(tmp_path):
     """Two processes building the same folder both end with the same complete model."""
     target = tmp_path / "shared"
-    code = ("import sys; from kvstore.model.demo import build_demo_model; "
+    code = ("import sys; from kvstore.demo import build_demo_model; "
             "print(build_demo_model(sys.argv[1], 'gemma3_text'))")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     procs = [subprocess.Popen([sys.executable, "-c", code, str(target)], env=env,

@@ -15,13 +15,12 @@ import threading
 from pathlib import Path
 
 import numpy as np
-import pytest
+from kvtest import prefill
 
 import kvstore
-from kvstore.storage import blobs
 from kvstore import keys
+from kvstore.storage import blobfile, blobtree, blobwrite
 from kvstore.storage.index import available_migrations
-from kvtest import prefill
 
 C = 16
 
@@ -70,11 +69,11 @@ def test_blobs_are_fsynced_and_renamed_before_the_commit_that_publishes_them(tmp
     with kvstore.open(tmp_path / "s", chunk_size=C) as store:
         store.bind(model, path).insert(tokens, prefill(model, tokens))
         store.flush()
-        files = list(blobs.walk(store.blob_root))
+        files = list(blobtree.walk(store.blob_root))
     assert len(files) == 4
     for f in files:
         [(i_replace, src)] = [(i, e[1]) for i, e in enumerate(events) if e[0] == "replace" and e[2] == str(f)]
-        assert Path(src).parent == f.parent and Path(src).name.startswith(blobs.TMP_PREFIX)
+        assert Path(src).parent == f.parent and Path(src).name.startswith(blobtree.TMP_PREFIX)
         fsyncs = [i for i, e in enumerate(events) if e[0] == "fsync" and e[1] == src]
         assert fsyncs and fsyncs[0] < i_replace, f"{f.name}: not fsynced before its rename"
         # The row that points at the file: inserted and committed after the rename, and the
@@ -92,7 +91,7 @@ def test_after_a_failed_blob_write_no_row_hangs_from_it(tmp_path, llama, monkeyp
     """One insert of 4 chunks and a tail; the 2nd blob write fails. Only the first chunk may get a
     row: the later records hang from the missing one, and rows for them would be unreachable."""
     path, model = llama
-    real_stage = blobs.stage  # the writer's blob write: temporary file and fsync (then a rename)
+    real_stage = blobwrite.stage  # the writer's blob write: temporary file and fsync (then a rename)
     calls = {"n": 0}
 
     def write_failing_once(*args, **kw):
@@ -101,7 +100,7 @@ def test_after_a_failed_blob_write_no_row_hangs_from_it(tmp_path, llama, monkeyp
             raise OSError(5, "Input/output error (injected)")
         return real_stage(*args, **kw)
 
-    monkeypatch.setattr(blobs, "stage", write_failing_once)
+    monkeypatch.setattr(blobwrite, "stage", write_failing_once)
     tokens = rand_tokens(4 * C + 5, 2)
     with kvstore.open(tmp_path / "s", chunk_size=C, memory_bytes=0) as store:
         mc = store.bind(model, path)
@@ -115,7 +114,7 @@ def test_after_a_failed_blob_write_no_row_hangs_from_it(tmp_path, llama, monkeyp
         cache, rest = mc.fetch(tokens)
         assert len(tokens) - len(rest) == C
         # The writer goes on: the same insert again stores everything.
-        monkeypatch.setattr(blobs, "stage", real_stage)
+        monkeypatch.setattr(blobwrite, "stage", real_stage)
         mc.insert(tokens, prefill(model, tokens))
         store.flush()
         assert mc.stored_length(tokens) == len(tokens)
@@ -169,8 +168,9 @@ def test_a_schema_15_store_migrates_to_narrow_rows_and_still_restores_exactly(tm
     """Migration 0016 moves a store's token ids out of the index and its edges into `children`:
     a store with schema 15 (token ids in every row) keeps every record, and a prompt that
     branches inside a stored chunk still restores exactly the common prefix."""
-    from kvstore.storage.index import _split_sql
     from kvtest import logits_diff
+
+    from kvstore.storage.index import _split_sql
 
     model_path, model = llama
     base = rand_tokens(3 * C + 5, seed=160)
@@ -199,7 +199,7 @@ def test_a_schema_15_store_migrates_to_narrow_rows_and_still_restores_exactly(tm
     for table in ("meta", "models", "model_files"):
         con.execute(f"INSERT OR REPLACE INTO {table} SELECT * FROM new.{table}")
     for r in rows:
-        with blobs.open_blob(old / "blobs", r.hash, size=r.size, checksum=r.checksum) as blob:
+        with blobfile.open_blob(old / "blobs", r.hash, size=r.size, checksum=r.checksum) as blob:
             ids = blob.array("tokens").astype("<i4").tobytes()
         con.execute("INSERT INTO records (hash, ns, parent, depth, kind, ntokens, tokens, size, checksum, created, "
                     "last_access, hits, pinned, bad, first_token) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",

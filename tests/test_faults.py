@@ -23,14 +23,14 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from faultproc import Child, prompts
+from kvtest import logits_diff
 from mlx_lm.models.cache import make_prompt_cache
 
 import kvstore
-from faultproc import Child, prompts
-from kvstore.storage import blobs
 from kvstore.errors import CorruptIndexError, StoreOpenError
+from kvstore.storage import blobtree
 from kvstore.upkeep.rebuild import rebuild_index
-from kvtest import logits_diff
 
 HERE = Path(__file__).parent
 C = 16
@@ -45,7 +45,7 @@ def soak(request):
 # -- helpers ----------------------------------------------------------------------------------
 
 def temp_files(root: Path) -> list[Path]:
-    return [p for p in blobs.walk(root) if p.name.startswith(blobs.TMP_PREFIX)]
+    return [p for p in blobtree.walk(root) if p.name.startswith(blobtree.TMP_PREFIX)]
 
 
 def recover_and_check(store_dir: Path, model_path: str, model, all_prompts: list[list[int]],
@@ -229,8 +229,8 @@ def test_damaged_blob_is_a_shorter_correct_prefix_quarantined_and_repaired(tmp_p
         mc.prefill(tokens)
         store.flush()
         rows = sorted((r for r in store.index.rows()), key=lambda r: r.depth)
-        target = blobs.blob_path(store.blob_root, rows[2].hash)  # the third chunk
-        other = blobs.blob_path(store.blob_root, rows[3].hash)
+        target = blobtree.blob_path(store.blob_root, rows[2].hash)  # the third chunk
+        other = blobtree.blob_path(store.blob_root, rows[3].hash)
     if damage == "other-record":
         target.write_bytes(other.read_bytes())
     else:
@@ -272,7 +272,7 @@ def test_gc_drops_quarantined_records_and_what_hangs_below_them(tmp_path, llama)
         bad = by_depth[2]  # a's third chunk: below it its fourth chunk and its tail
         pinned_bad = min((r for r in chain.values() if r.pinned), key=lambda r: r.depth)
         for r in (bad, pinned_bad):
-            _flip(blobs.blob_path(store.blob_root, r.hash), _header_end(blobs.blob_path(store.blob_root, r.hash)) + 1)
+            _flip(blobtree.blob_path(store.blob_root, r.hash), _header_end(blobtree.blob_path(store.blob_root, r.hash)) + 1)
     with kvstore.open(tmp_path / "s", chunk_size=C, memory_bytes=0) as store:
         mc = store.bind(model, model_path)
         for tokens in (a, b):
@@ -303,7 +303,7 @@ def test_foreign_and_stray_files_in_the_blob_tree(tmp_path, llama):
         store.bind(model, model_path).prefill(tokens)
         store.flush()
         root = store.blob_root
-        good = sorted(blobs.walk(root))
+        good = sorted(blobtree.walk(root))
     strays = {
         root / "README.txt": b"not a blob",
         root / "ab" / "cd" / ("abcd" + "c" * 28 + ".safetensors"): b"",  # blob-named, empty, no row
@@ -323,7 +323,7 @@ def test_foreign_and_stray_files_in_the_blob_tree(tmp_path, llama):
         assert store.stats()["quarantine_folder"] == {"files": 0, "bytes": 0}
         store.verify(repair=True)
         assert store.verify() == []
-        assert sorted(blobs.walk(root)) == good
+        assert sorted(blobtree.walk(root)) == good
         # The foreign files were moved aside, whole, and stats counts them.
         assert store.stats()["quarantine_folder"] == {"files": 2, "bytes": 20}
 
@@ -489,12 +489,12 @@ def test_rebuild_skips_blobs_that_do_not_agree_with_their_name(tmp_path, llama):
         rows = sorted(s.index.rows(), key=lambda r: (r.depth, r.hash))
         root = s.blob_root
     # A copy of a real blob under another valid-looking name, and a damaged one.
-    a, b = blobs.blob_path(root, rows[0].hash), blobs.blob_path(root, rows[-1].hash)
-    fake = blobs.blob_path(root, bytes.fromhex("ee" * 16))
+    a, b = blobtree.blob_path(root, rows[0].hash), blobtree.blob_path(root, rows[-1].hash)
+    fake = blobtree.blob_path(root, bytes.fromhex("ee" * 16))
     fake.parent.mkdir(parents=True, exist_ok=True)
     fake.write_bytes(a.read_bytes())
     _flip(b, _header_end(b) - 3)  # inside the header JSON
-    nested = blobs.blob_path(root, bytes.fromhex("dd" * 16))  # a header no JSON parser can nest
+    nested = blobtree.blob_path(root, bytes.fromhex("dd" * 16))  # a header no JSON parser can nest
     nested.parent.mkdir(parents=True, exist_ok=True)
     deep = b"[" * 100_000 + b"]" * 100_000
     nested.write_bytes(struct.pack("<Q", len(deep)) + deep)

@@ -1,7 +1,7 @@
 """Fault suite, part 3: several processes and threads on one store, and the races between them.
 
 The races are made deterministic with events that hold one side at the critical point (a
-monkeypatched `kvstore.storage.blobs.open_blob`, or the writer's `after_rename` fault point); the free-running
+monkeypatched `kvstore.storage.blobfile.open_blob`, or the writer's `after_rename` fault point); the free-running
 test starts warmers, fetchers, gc and verify in separate processes on a store none of them has
 created yet, each with several threads, for a bounded time (longer with `pytest --soak`).
 """
@@ -11,12 +11,12 @@ from __future__ import annotations
 import threading
 import time
 
+from faultproc import Child, prompts
+from kvtest import logits_diff, prefill
 
 import kvstore
-from faultproc import Child, prompts
-from kvstore.storage import blobs
 from kvstore import faults
-from kvtest import logits_diff, prefill
+from kvstore.storage import blobfile, blobtree
 
 C = 16
 TOL = 1e-4
@@ -80,8 +80,8 @@ def test_gc_deletes_a_blob_while_fetch_is_reading_it(tmp_path, llama, monkeypatc
                 return real(root, h, **kw)
             return read
 
-        # every read of a blob by fetch opens it with `blobs.open_blob`
-        monkeypatch.setattr(blobs, "open_blob", paused(blobs.open_blob))
+        # every read of a blob by fetch opens it with `blobfile.open_blob`
+        monkeypatch.setattr(blobfile, "open_blob", paused(blobfile.open_blob))
         out: dict = {}
         query = tokens + [2]
         reader = threading.Thread(target=lambda: out.update(result=mc.fetch(query)))
@@ -89,7 +89,7 @@ def test_gc_deletes_a_blob_while_fetch_is_reading_it(tmp_path, llama, monkeypatc
         assert reached.wait(60)
         result = store.gc(max_bytes=0)  # rows and then files, all of them, under the reader
         assert result["evicted"] == len(rows)
-        assert not blobs.blob_path(store.blob_root, target).exists()
+        assert not blobtree.blob_path(store.blob_root, target).exists()
         go.set()
         reader.join(60)
         cache, rest = out["result"]
@@ -145,7 +145,7 @@ def test_storing_a_quarantined_record_again_heals_it(tmp_path, llama):
         mc.insert(tokens, prefill(model, tokens))
         s.flush()
         row = sorted(s.index.rows(), key=lambda r: r.depth)[1]
-    path = blobs.blob_path(tmp_path / "s" / "blobs", row.hash)
+    path = blobtree.blob_path(tmp_path / "s" / "blobs", row.hash)
     path.write_bytes(b"\0" * 64)
     with kvstore.open(tmp_path / "s", chunk_size=C, memory_bytes=0) as s:
         mc = s.bind(model, model_path)

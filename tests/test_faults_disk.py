@@ -14,12 +14,12 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from faultproc import prompts
+from kvtest import logits_diff, prefill
 
 import kvstore
-from faultproc import prompts
-from kvstore.storage import blobs
 from kvstore import faults
-from kvtest import logits_diff, prefill
+from kvstore.storage import blobtree
 
 C = 16
 TOL = 1e-4
@@ -118,7 +118,7 @@ def test_full_disk_drops_and_counts_writes_and_serving_goes_on(llama, full_disk)
                 assert rmc.insert(later[0], prefill(model, later[0])) == 0
                 assert reader.stats()["skipped_inserts"] == 1
         # Nothing partial: no temporary file, no row without its complete blob.
-        assert [p for p in blobs.walk(store.blob_root) if p.name.startswith(blobs.TMP_PREFIX)] == []
+        assert [p for p in blobtree.walk(store.blob_root) if p.name.startswith(blobtree.TMP_PREFIX)] == []
         assert store.verify() == []
 
         full_disk.free()

@@ -21,13 +21,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import xxhash
+from faultproc import Child, prompts
+from kvtest import logits_diff, prefill
 
 import kvstore
-from faultproc import Child, prompts
-from kvstore.storage import blobs
 from kvstore import keys
 from kvstore.errors import InvalidInputError
-from kvtest import logits_diff, prefill
+from kvstore.storage import blobtree
 
 C = 16
 TOL = 1e-4
@@ -72,8 +72,8 @@ def test_store_path_with_dotdot_stays_where_it_points(tmp_path, llama):
         mc.insert(tokens, prefill(model, tokens))
         store.flush()
     assert sorted(os.listdir(tmp_path)) == ["s"]
-    for p in blobs.walk(tmp_path / "s" / "blobs"):
-        assert blobs.hash_of(p) is not None
+    for p in blobtree.walk(tmp_path / "s" / "blobs"):
+        assert blobtree.hash_of(p) is not None
 
 
 def test_symlinked_blob_file_is_not_read_through(tmp_path, llama):
@@ -82,7 +82,7 @@ def test_symlinked_blob_file_is_not_read_through(tmp_path, llama):
     store, rows = stored(tmp_path, llama, tokens)
     outside = tmp_path / "outside"
     outside.mkdir()
-    target = blobs.blob_path(store / "blobs", rows[1].hash)
+    target = blobtree.blob_path(store / "blobs", rows[1].hash)
     copy = outside / "copy.safetensors"
     shutil.copy(target, copy)  # the very same bytes: only the link itself is wrong
     target.unlink()
@@ -154,7 +154,7 @@ def test_symlinked_folders_in_the_blob_tree_are_never_followed(tmp_path, llama):
 def rewrite_blob(store: Path, h: bytes, edit_header) -> None:
     """Rewrite a blob's header and give its row the new size and checksum, so that only the
     content can tell it apart from a good record."""
-    path = blobs.blob_path(store / "blobs", h)
+    path = blobtree.blob_path(store / "blobs", h)
     buf = path.read_bytes()
     (n,) = struct.unpack_from("<Q", buf, 0)
     header = json.loads(buf[8 : 8 + n])
@@ -338,7 +338,7 @@ def test_permissions_of_everything_kvstore_creates(tmp_path, llama):
             _check_modes(store)
         child = Child("warm", store, model_path, C, 27, 4, fault="blob_temp:kill:2")
         child.wait()
-        assert any(p.name.startswith(blobs.TMP_PREFIX) for p in blobs.walk(store / "blobs"))
+        assert any(p.name.startswith(blobtree.TMP_PREFIX) for p in blobtree.walk(store / "blobs"))
         _check_modes(store)  # the temporary file too
         from kvstore.upkeep.rebuild import rebuild_index
 

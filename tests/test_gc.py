@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kvtest import prefill, readers
 
 import kvstore
+from kvstore.storage import blobtree
 from kvstore.upkeep import evict
-from kvtest import prefill, readers
 
 C = 4  # tiny chunks: short prompts make long chains of small records
 
@@ -196,7 +197,7 @@ def test_gc_evicts_what_the_leaf_by_leaf_rule_would(tmp_path, small_store, share
         assert pinned <= left
         assert before - left == set(want)
         for h in before - left:  # files went with their rows
-            assert not kvstore.storage.blobs.blob_path(store.blob_root, h).exists()
+            assert not blobtree.blob_path(store.blob_root, h).exists()
         # no record lost its parent
         parents = {r.hash: r.parent for r in store.index.rows()}
         roots = store.index.namespaces()
@@ -252,7 +253,7 @@ def test_evict_refuses_a_pinned_record_and_one_with_a_child_it_was_not_given(tmp
         assert edges() == before - gone
         assert {(r.parent, r.hash) for r in index.rows()} == edges()
         for h in (leaf, only, *kids):  # gc deletes the files after each commit
-            kvstore.storage.blobs.remove(store.blob_root, h)
+            blobtree.remove(store.blob_root, h)
         assert store.verify() == []
 
 

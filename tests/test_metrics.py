@@ -3,12 +3,12 @@ served `/metrics` endpoint is tested end to end in test_server.py)."""
 
 from __future__ import annotations
 
+from kvtest import prefill
 from prometheus_client.parser import text_string_to_metric_families
 
 import kvstore
 from kvstore import PersistentPromptCache
 from kvstore.serve.metrics import ServerMetrics
-from kvtest import prefill
 
 KEY = ("test", None, None)
 

@@ -13,9 +13,9 @@ import sys
 import threading
 
 import numpy as np
+from kvtest import logits_diff
 
 import kvstore
-from kvtest import logits_diff
 
 C = 16
 

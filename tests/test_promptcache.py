@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
+from kvtest import logits_diff, prefill
 from mlx_lm.models.cache import make_prompt_cache
 
 import kvstore
 from kvstore import PersistentPromptCache
-from kvtest import logits_diff, prefill
 
 KEY = ("test", None, None)
 CHUNK = 16

@@ -14,13 +14,13 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from kvtest import logits_diff, prefill, run_procs
 from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 
 import kvstore
 from kvstore.remote import s3 as remote_client
 from kvstore.remote.s3 import parse_key
-from kvtest import logits_diff, prefill, run_procs
 
 C = 16
 

@@ -15,10 +15,10 @@ import time
 
 import numpy as np
 import pytest
+from kvtest import logits_diff, prefill
 
 import kvstore
 from kvstore.remote.s3 import Bucket, parse_key
-from kvtest import logits_diff, prefill
 
 C = 16
 
@@ -230,7 +230,7 @@ def test_upload_queue_is_bounded_by_bytes(tmp_path, s3, llama):
 
 
 def test_a_damaged_local_copy_is_downloaded_again(tmp_path, s3, llama):
-    from kvstore.storage import blobs
+    from kvstore.storage import blobtree
 
     path, model = llama
     url = s3.url()
@@ -240,7 +240,7 @@ def test_a_damaged_local_copy_is_downloaded_again(tmp_path, s3, llama):
         mc = b.bind(model, path)
         assert fetch_checked(mc, model, prompt + [1])[0] == len(prompt)
         second = chain_objects(url)[1].hash
-        f = blobs.blob_path(b.blob_root, second)
+        f = blobtree.blob_path(b.blob_root, second)
         f.write_bytes(f.read_bytes()[:-10])  # torn, as a power cut could leave it
         reused, _ = fetch_checked(mc, model, prompt + [1])
         assert reused in (C, len(prompt))  # quarantined at once, or healed in the same fetch

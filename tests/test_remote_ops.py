@@ -13,10 +13,10 @@ from pathlib import Path
 
 import numpy as np
 import requests
+from kvtest import logits_diff, prefill
 
 import kvstore
 from kvstore.remote.s3 import Bucket, parse_key
-from kvtest import logits_diff, prefill
 
 C = 16
 REPO = Path(__file__).resolve().parents[1]

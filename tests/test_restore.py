@@ -18,9 +18,11 @@ import pytest
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
 import kvstore
-from kvstore.storage import blobs
+from kvstore.errors import BlobError
 from kvstore.restore import pipeline as restore
+from kvstore.restore.arrays import host_array, mx_dtype
 from kvstore.restore.codecs import ArraysCodec, CacheListCodec, KVCodec, RotatingCodec
+from kvstore.storage import blobformat, blobtree
 from kvstore.storage.index import CHECKPOINT
 from kvstore.tiers.base import Entry
 
@@ -78,7 +80,7 @@ def test_plan_refuses_records_that_disagree_and_goes_by_cachelist_leaves():
 
     codecs = [KVCodec(KVCache())]
     bad = [part(0, C, 1), part(1, C, 1, heads=3)]
-    with pytest.raises(blobs.BlobError, match="0.keys"):
+    with pytest.raises(BlobError, match="0.keys"):
         restore.plan(bad, codecs, 2 * C)
     nested = [CacheListCodec(CacheList(KVCache(), RotatingKVCache(max_size=64)))]
     entries = {f"0.{j}.{n}": Entry("F32", (1, 2, C, 4)) for j in (0, 1) for n in ("keys", "values")}
@@ -178,8 +180,8 @@ def test_a_byte_flipped_in_each_tensor_is_never_served(tmp_path, demo_model, lay
     rows = _records(tmp_path / "s")
     # the second chunk's blob (or, for the hybrid model, the checkpoint at the prompt's end)
     target = next(r for r in rows.values() if (r.kind == CHECKPOINT if layout == "hybrid" else r.depth == 2 and r.kind == 0))
-    path = blobs.blob_path(tmp_path / "s" / "blobs", target.hash)
-    header, base = blobs.parse_header(path.read_bytes())
+    path = blobtree.blob_path(tmp_path / "s" / "blobs", target.hash)
+    header, base = blobformat.parse_header(path.read_bytes())
     assert "tokens" in header and len(header) > 2
     for name, info in sorted(header.items()):
         start, end = info["data_offsets"]
@@ -187,7 +189,7 @@ def test_a_byte_flipped_in_each_tensor_is_never_served(tmp_path, demo_model, lay
             continue
         copy = tmp_path / f"flip-{name}"
         shutil.copytree(tmp_path / "s", copy)
-        blob = blobs.blob_path(copy / "blobs", target.hash)
+        blob = blobtree.blob_path(copy / "blobs", target.hash)
         raw = bytearray(blob.read_bytes())
         raw[base + (start + end) // 2] ^= 0x10
         blob.write_bytes(bytes(raw))
@@ -208,12 +210,12 @@ def test_verify_finds_a_byte_flipped_in_each_tensor(tmp_path, demo_model, layout
     _store_with(tmp_path, demo_model, layout)
     rows = _records(tmp_path / "s")
     target = next(r for r in rows.values() if r.depth == 2 and r.kind == 0)
-    header, base = blobs.parse_header(blobs.blob_path(tmp_path / "s" / "blobs", target.hash).read_bytes())
+    header, base = blobformat.parse_header(blobtree.blob_path(tmp_path / "s" / "blobs", target.hash).read_bytes())
     for name, info in sorted(header.items()):
         start, end = info["data_offsets"]
         copy = tmp_path / "flip"
         shutil.copytree(tmp_path / "s", copy)
-        blob = blobs.blob_path(copy / "blobs", target.hash)
+        blob = blobtree.blob_path(copy / "blobs", target.hash)
         raw = bytearray(blob.read_bytes())
         raw[base + start] ^= 0x01
         blob.write_bytes(bytes(raw))
@@ -228,7 +230,7 @@ def test_something_that_is_not_a_regular_file_in_place_of_a_blob_is_a_miss(tmp_p
     model_dir, spec, tokens = _store_with(tmp_path, demo_model, "kv")
     rows = _records(tmp_path / "s")
     target = next(r for r in rows.values() if r.depth == 2 and r.kind == 0)
-    path = blobs.blob_path(tmp_path / "s" / "blobs", target.hash)
+    path = blobtree.blob_path(tmp_path / "s" / "blobs", target.hash)
     real = path.read_bytes()
     path.unlink()
     if kind == "fifo":
@@ -297,8 +299,8 @@ def test_small_arrays_are_made_filled_in_one_go_large_ones_through_the_loader(mo
         assert len(shells) == loaded
         for name, (tag, shape) in specs.items():
             a = arrays[name]
-            assert a.shape == shape and a.dtype == blobs.mx_dtype(tag)
-            view = blobs.host_array(a)  # the restore writes through such a view, in place
+            assert a.shape == shape and a.dtype == mx_dtype(tag)
+            view = host_array(a)  # the restore writes through such a view, in place
             assert view.flags.writeable and view.flags.c_contiguous and view.shape == shape
         assert arrays["none"].shape == (1, 2, 0, 4)
 
@@ -347,8 +349,9 @@ def test_threads_allocating_while_the_cache_limit_is_raised_never_deadlock():
 # -- the writer copies for RAM only what the memory tier keeps --------------------------------
 
 def test_with_the_memory_tier_off_the_writer_copies_nothing_for_ram(tmp_path, llama, monkeypatch):
-    from kvstore.write.writer import Writer
     from kvtest import prefill
+
+    from kvstore.write.writer import Writer
 
     model_path, model = llama
     calls = []

@@ -20,14 +20,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import xxhash
+from faultproc import prompts
+from kvtest import logits_diff, prefill
 
 import kvstore
-from faultproc import prompts
-from kvstore.storage import blobs
 from kvstore import keys
 from kvstore.errors import BlobError, IndexLostError, NotAStoreError, StoreOpenError
+from kvstore.restore.arrays import decode
+from kvstore.storage import blobformat, blobtree
 from kvstore.upkeep.rebuild import rebuild_index
-from kvtest import logits_diff, prefill
 
 C = 16
 TOL = 1e-4
@@ -179,7 +180,7 @@ def test_symlinked_blob_tree_is_refused_and_never_emptied(tmp_path, llama, home)
         rebuild_index(store)
     assert snapshot(outside) == before
     # And what walks the tree never goes through a link either.
-    assert list(blobs.walk(store / "blobs")) == []
+    assert list(blobtree.walk(store / "blobs")) == []
 
 
 def test_symlinked_hex_folder_is_never_entered_by_gc_verify_or_writes(tmp_path, llama):
@@ -283,7 +284,7 @@ def test_repair_deletes_only_kvstore_names_and_moves_the_rest_aside(tmp_path, ll
     seqs = prompts(43, 2, C)
     warm(store, llama, seqs)
     root = store / "blobs"
-    name = "ab" + "cd" + "e" * 28 + blobs.SUFFIX
+    name = "ab" + "cd" + "e" * 28 + blobtree.SUFFIX
     planted = {
         root / "notes.txt": b"mine",
         root / "ab" / "cd" / "photo.jpg": b"\xff\xd8 photo",
@@ -295,7 +296,7 @@ def test_repair_deletes_only_kvstore_names_and_moves_the_rest_aside(tmp_path, ll
         p.write_bytes(data)
     orphan = root / "ab" / "cd" / name
     orphan.write_bytes(b"a blob name, no row")
-    os.mkfifo(root / "ab" / "cd" / ("abcd" + "f" * 28 + blobs.SUFFIX))
+    os.mkfifo(root / "ab" / "cd" / ("abcd" + "f" * 28 + blobtree.SUFFIX))
     with kvstore.open(store, chunk_size=C) as s:
         kinds = sorted(p.kind for p in s.verify(repair=True))
         assert kinds == ["foreign_file"] * 5 + ["orphan_file"], kinds
@@ -306,7 +307,7 @@ def test_repair_deletes_only_kvstore_names_and_moves_the_rest_aside(tmp_path, ll
     assert kept["ab_cd_photo.jpg"].read_bytes() == b"\xff\xd8 photo"
     assert kept[f"ab_{name}"].read_bytes() == b"blob name in the wrong folder"
     assert (kept["ab_cd_deep"] / "x.bin").read_bytes() == b"deeper than blobs go"
-    assert stat.S_ISFIFO(os.lstat(kept["ab_cd_abcd" + "f" * 28 + blobs.SUFFIX]).st_mode)
+    assert stat.S_ISFIFO(os.lstat(kept["ab_cd_abcd" + "f" * 28 + blobtree.SUFFIX]).st_mode)
     restores(store, llama, seqs)
 
 
@@ -336,7 +337,7 @@ def test_lost_index_with_its_wal_left_is_lost_and_never_wipes_the_blobs(tmp_path
     seqs = prompts(44, 6, C)
     store = tmp_path / "s"
     _lose_index_keep_wal(store, llama, seqs)
-    blob_files = sorted(p for p in blobs.walk(store / "blobs"))
+    blob_files = sorted(p for p in blobtree.walk(store / "blobs"))
     assert len(blob_files) >= 6
     with pytest.raises(IndexLostError, match=rf"kvstore verify --repair --store {store}"):
         kvstore.open(store, chunk_size=C)
@@ -344,11 +345,11 @@ def test_lost_index_with_its_wal_left_is_lost_and_never_wipes_the_blobs(tmp_path
     assert result.returncode != 0 and "verify --repair" in result.stderr
     result = kv("gc", "--max-bytes", "0", "--store", store, home=home)
     assert result.returncode != 0 and "verify --repair" in result.stderr
-    assert sorted(blobs.walk(store / "blobs")) == blob_files  # still all there
+    assert sorted(blobtree.walk(store / "blobs")) == blob_files  # still all there
     assert not (store / "index.sqlite").exists()
     result = kv("verify", "--repair", "--store", store, home=home)
     assert "rebuilt the index" in result.stderr, result.stderr
-    assert sorted(blobs.walk(store / "blobs")) == blob_files
+    assert sorted(blobtree.walk(store / "blobs")) == blob_files
     # The old -wal was kept aside, never replayed into the rebuilt index.
     assert any(n.startswith("index.sqlite-wal.stale-") for n in os.listdir(store))
     restores(store, llama, seqs)
@@ -358,7 +359,7 @@ def test_repair_never_deletes_most_blobs_as_orphans_without_force(tmp_path, llam
     seqs = prompts(45, 6, C)
     store = tmp_path / "s"
     rows = warm(store, llama, seqs)
-    blob_files = sorted(blobs.walk(store / "blobs"))
+    blob_files = sorted(blobtree.walk(store / "blobs"))
     # An index replaced by an empty one (of another kvstore, say): every blob looks orphaned.
     for name in ("index.sqlite", "index.sqlite-wal", "index.sqlite-shm"):
         if (store / name).exists():
@@ -371,10 +372,10 @@ def test_repair_never_deletes_most_blobs_as_orphans_without_force(tmp_path, llam
         problems = s.verify(repair=True)
         refused = [p for p in problems if p.kind == "repair_refused"]
         assert len(refused) == 1 and "--force" in refused[0].detail and "rebuild" in refused[0].detail
-        assert sorted(blobs.walk(store / "blobs")) == blob_files  # kept
+        assert sorted(blobtree.walk(store / "blobs")) == blob_files  # kept
         assert len(s.verify()) == len(rows)  # still reported, as orphan files
         s.verify(repair=True, force=True)  # asked for explicitly: then they go
-        assert list(blobs.walk(store / "blobs")) == [] and s.verify() == []
+        assert list(blobtree.walk(store / "blobs")) == [] and s.verify() == []
 
 
 def test_repair_after_a_stopped_gc_drops_the_rows_it_left_unreachable_without_force(tmp_path, llama):
@@ -391,13 +392,13 @@ def test_repair_after_a_stopped_gc_drops_the_rows_it_left_unreachable_without_fo
     assert len(below) > max(maintenance.ORPHAN_FEW, maintenance.ORPHAN_SHARE * len(rows))
     with kvstore.open(store, chunk_size=C) as s:
         for r in s.index.delete([r.hash for r in first]):  # what a gc does, row then file
-            blobs.blob_path(store / "blobs", r.hash).unlink()
+            blobtree.blob_path(store / "blobs", r.hash).unlink()
         found = s.verify()
         assert {p.kind for p in found} == {"orphan_row"} and len(found) == len(below)
         problems = s.verify(repair=True)
         assert not [p for p in problems if p.kind == "repair_refused"]
         assert s.verify() == [] and list(s.index.rows()) == []
-        assert list(blobs.walk(store / "blobs")) == []
+        assert list(blobtree.walk(store / "blobs")) == []
 
 
 def test_repair_keeps_rows_whose_model_is_gone_from_the_index_without_force(tmp_path, llama):
@@ -410,7 +411,7 @@ def test_repair_keeps_rows_whose_model_is_gone_from_the_index_without_force(tmp_
             s.index.conn.execute("DELETE FROM models")
         problems = s.verify(repair=True)
         assert [p.kind for p in problems if p.kind == "repair_refused"] == ["repair_refused"]
-        assert len(list(s.index.rows())) == len(rows) and len(list(blobs.walk(store / "blobs"))) == len(rows)
+        assert len(list(s.index.rows())) == len(rows) and len(list(blobtree.walk(store / "blobs"))) == len(rows)
 
 
 def test_a_few_orphans_are_still_cleaned_up_without_force(tmp_path, llama):
@@ -428,7 +429,7 @@ def test_a_few_orphans_are_still_cleaned_up_without_force(tmp_path, llama):
 def _rewrite(store: Path, h: bytes, edit) -> None:
     """Rewrite a blob's header and give its row the new size and checksum: only what the header
     says can tell it from a good record."""
-    path = blobs.blob_path(store / "blobs", h)
+    path = blobtree.blob_path(store / "blobs", h)
     buf = path.read_bytes()
     (n,) = struct.unpack_from("<Q", buf, 0)
     header = json.loads(buf[8 : 8 + n])
@@ -477,24 +478,24 @@ BAD_ENTRIES = {
 def test_parse_header_refuses_every_bad_field_with_a_blob_error(bad):
     buf = _header({"t": BAD_ENTRIES[bad]})
     with pytest.raises(BlobError, match="bad header entry"):
-        blobs.parse_header(buf, "f")
+        blobformat.parse_header(buf, "f")
     with pytest.raises(BlobError):
-        blobs.decode(buf, "f")
+        decode(buf, "f")
 
 
 @pytest.mark.parametrize("meta", [{"hash": 1}, ["x"], {"depth": None}, "text"])
 def test_parse_header_refuses_metadata_that_is_not_strings(meta):
     with pytest.raises(BlobError, match="metadata"):
-        blobs.parse_header(_header({"t": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]}}, meta), "f")
+        blobformat.parse_header(_header({"t": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]}}, meta), "f")
 
 
 def test_parse_header_accepts_what_kvstore_writes():
-    head, pieces = blobs.encode({"a": ("F32", np.zeros((1, 2, 3, 4), np.float32)),
+    head, pieces = blobformat.encode({"a": ("F32", np.zeros((1, 2, 3, 4), np.float32)),
                                  "e": ("I32", np.zeros((0,), np.int32))}, {"hash": "ab"})
     buf = head + b"".join(p.tobytes() for p in pieces)
-    entries, base = blobs.parse_header(buf, "f")
+    entries, base = blobformat.parse_header(buf, "f")
     assert entries["a"]["shape"] == [1, 2, 3, 4] and base == len(head)
-    assert blobs.header_metadata(buf) == {"hash": "ab"}
+    assert blobformat.header_metadata(buf) == {"hash": "ab"}
 
 
 def test_a_fifo_in_place_of_a_blob_never_hangs_verify_or_generate(tmp_path, demo_model_path, home):
@@ -505,7 +506,7 @@ def test_a_fifo_in_place_of_a_blob_never_hangs_verify_or_generate(tmp_path, demo
     assert result.returncode == 0, result.stderr
     with kvstore.open(store, read_only=True) as s:
         rows = sorted(s.index.rows(), key=lambda r: (r.kind, r.depth))
-    fifo = blobs.blob_path(store / "blobs", rows[1].hash)  # the second chunk
+    fifo = blobtree.blob_path(store / "blobs", rows[1].hash)  # the second chunk
     fifo.unlink()
     os.mkfifo(fifo, 0o600)
     result = kv("verify", "--store", store, home=home)
@@ -533,7 +534,7 @@ def test_rebuild_skips_and_reports_planted_files(tmp_path, llama):
 
     def planted(i: int) -> Path:
         name = f"{i:02x}" * 16
-        p = root / name[:2] / name[2:4] / (name + blobs.SUFFIX)
+        p = root / name[:2] / name[2:4] / (name + blobtree.SUFFIX)
         p.parent.mkdir(parents=True, exist_ok=True)
         return p
 
@@ -544,7 +545,7 @@ def test_rebuild_skips_and_reports_planted_files(tmp_path, llama):
     os.mkfifo(planted(4))
     with open(planted(5), "wb") as f:  # a 30 GB blob-named file (sparse: no disk used)
         f.truncate(30 << 30)
-    planted(6).symlink_to(blobs.blob_path(root, rows[0].hash))
+    planted(6).symlink_to(blobtree.blob_path(root, rows[0].hash))
     os.unlink(store / "index.sqlite")
     result = rebuild_index(store)
     assert result["records"] == len(rows)
@@ -602,7 +603,7 @@ def test_rows_of_the_wrong_type_never_crash_verify_or_gc(tmp_path, llama):
         assert result["evicted"] >= len(rows)
         left = s.verify()
         assert left and {p.kind for p in left} == {"bad_row"}  # and no orphan file left behind
-        assert list(blobs.walk(store / "blobs")) == []
+        assert list(blobtree.walk(store / "blobs")) == []
         s.verify(repair=True)
         assert s.verify() == []
         mc = s.bind(model, model_path)
@@ -614,7 +615,7 @@ def test_a_blob_row_claiming_30_gb_is_never_read(tmp_path, llama):
     t = prompts(50, 1, C)[0][: 2 * C]
     store = tmp_path / "s"
     rows = sorted(warm(store, llama, [t]), key=lambda r: r.depth)
-    path = blobs.blob_path(store / "blobs", rows[1].hash)
+    path = blobtree.blob_path(store / "blobs", rows[1].hash)
     with open(path, "r+b") as f:
         f.truncate(30 << 30)  # sparse
     con = sqlite3.connect(store / "index.sqlite")

@@ -19,7 +19,7 @@ import requests
 from mlx_lm import load
 
 import kvstore
-from kvstore.model.demo import EOS_ID, IM_END_ID
+from kvstore.demo import EOS_ID, IM_END_ID
 from kvstore.serve.server import PersistentPromptCache
 
 START_TIMEOUT = 90
@@ -367,7 +367,7 @@ def test_sigterm_while_generating(models, tmp_path, path):
 
 def test_model_defaults_to_the_demo_model(tmp_path):
     """No --model: the built-in demo model (built under $HOME), and the note about it, once."""
-    from kvstore.model.demo import DEMO_NOTE
+    from kvstore.demo import DEMO_NOTE
 
     env = dict(os.environ, HOME=str(tmp_path / "home"))
     with Server(None, tmp_path / "store", tmp_path / "server.log", env=env) as server:

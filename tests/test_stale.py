@@ -5,12 +5,11 @@ from __future__ import annotations
 import shutil
 
 import mlx.core as mx
-import pytest
+from kvtest import prefill
 from mlx_lm import load
 
 import kvstore
 from kvstore.cli import main as cli
-from kvtest import prefill
 
 C = 16
 PROMPT = list(range(1, 60))

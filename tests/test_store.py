@@ -15,15 +15,15 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kvtest import prefill
 from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 
 import kvstore
-from kvstore.storage import blobs
-from kvstore.model.demo import build_demo_model
+from kvstore.demo import build_demo_model
 from kvstore.errors import InvalidInputError, SchemaTooNewError, StoreOpenError
+from kvstore.storage import blobtree
 from kvstore.storage.index import available_migrations
-from kvtest import prefill
 
 HERE = Path(__file__).parent
 C = 16  # a small chunk size makes short prompts span many chunks
@@ -201,7 +201,7 @@ def test_verify_finds_corruption_and_fetch_serves_a_shorter_correct_prefix(tmp_p
         mc.insert(tokens, prefill(model, tokens))
         store.flush()
         rows = sorted(store.index.rows(), key=lambda r: r.depth)
-        third = blobs.blob_path(store.blob_root, rows[2].hash)
+        third = blobtree.blob_path(store.blob_root, rows[2].hash)
     data = bytearray(third.read_bytes())
     data[-3] ^= 0xFF
     third.write_bytes(bytes(data))
@@ -230,8 +230,8 @@ def test_verify_finds_missing_and_truncated_blobs(tmp_path, llama):
         mc.insert(tokens, prefill(model, tokens))
         store.flush()
         rows = sorted(store.index.rows(), key=lambda r: r.depth)
-        blobs.blob_path(store.blob_root, rows[2].hash).unlink()
-        p1 = blobs.blob_path(store.blob_root, rows[1].hash)
+        blobtree.blob_path(store.blob_root, rows[2].hash).unlink()
+        p1 = blobtree.blob_path(store.blob_root, rows[1].hash)
         p1.write_bytes(p1.read_bytes()[:100])
         kinds = sorted(p.kind for p in store.verify())
         assert kinds == ["corrupt_blob", "missing_blob"]
@@ -317,7 +317,7 @@ def test_insert_returns_before_anything_is_written(tmp_path, llama):
         try:
             assert mc.insert(tokens, prefill(model, tokens)) == 3
             assert store.stats()["chunks"] == 0
-            assert list(blobs.walk(store.blob_root)) == []
+            assert list(blobtree.walk(store.blob_root)) == []
             cache, rest = mc.fetch(tokens)  # visible at once, before it is written
             assert len(rest) == 1
         finally:
@@ -488,7 +488,7 @@ def test_permissions(tmp_path, llama):
         store.flush()
         assert (tmp_path / "s").stat().st_mode & 0o777 == 0o700
         assert (tmp_path / "s" / "index.sqlite").stat().st_mode & 0o777 == 0o600
-        for f in blobs.walk(store.blob_root):
+        for f in blobtree.walk(store.blob_root):
             assert f.stat().st_mode & 0o777 == 0o600
             assert f.parent.stat().st_mode & 0o777 == 0o700
 
@@ -564,8 +564,8 @@ def test_blobs_are_standard_safetensors_and_the_index_a_plain_sqlite_file(tmp_pa
         store.bind(model, path).insert(tokens, cache)
         store.flush()
         rows = {r.hash: r for r in store.index.rows()}
-        for f in blobs.walk(store.blob_root):
-            h = blobs.hash_of(f)
+        for f in blobtree.walk(store.blob_root):
+            h = blobtree.hash_of(f)
             with safe_open(str(f), framework="numpy") as st:
                 meta = st.metadata()
                 assert meta["hash"] == h.hex() and int(meta["depth"]) == rows[h].depth

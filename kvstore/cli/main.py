@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from kvstore.model import jsonl
 from kvstore.errors import CorruptIndexError, KVStoreError
+from kvstore.model import jsonl
 from kvstore.sizes import format_age, format_size, parse_duration, parse_size
 
 PROG = "kvstore"
@@ -75,7 +75,7 @@ class LoadedModel:
 
 def resolve_model(spec: str | None) -> str:
     """What to load for `--model`: a local folder (checked now), a repo id, or the demo model."""
-    from kvstore.model.demo import DEMO_NOTE, ensure_demo_model
+    from kvstore.demo import DEMO_NOTE, ensure_demo_model
 
     if spec is None:
         path = ensure_demo_model()  # the same default as `kvstore serve`

@@ -17,18 +17,18 @@ import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
-from kvstore.storage import blobs
-
 from kvstore import keys
-from kvstore.restore.codecs import CacheListCodec, Codec, RotatingCodec, make_codec
 from kvstore.errors import BlobError, InvalidInputError
-from kvstore.storage.index import CHECKPOINT, CHUNK, TAIL
 from kvstore.keys import checkpoint_hash
-from kvstore.tiers.memory import Record
-from kvstore.restore.shapes import RecordCheck
+from kvstore.restore.arrays import host_array, host_bits
+from kvstore.restore.codecs import CacheListCodec, Codec, RotatingCodec, make_codec
 from kvstore.restore.pipeline import Part, Plan, build, checkpoint_arrays, fill, host_slice, plan
+from kvstore.restore.shapes import RecordCheck
+from kvstore.storage import blobformat
+from kvstore.storage.index import CHECKPOINT, CHUNK, TAIL
 from kvstore.tiers.base import Source
 from kvstore.tiers.base import find as tiers_find
+from kvstore.tiers.memory import Record
 from kvstore.write.writer import Job, Spec
 
 if TYPE_CHECKING:
@@ -259,7 +259,7 @@ class ModelCache:
             if set(got) != set(q.entries) or any(lo != 0 or hi != q.entries[n].shape[2]
                                                  for n, (lo, _, hi) in got.items()):
                 continue  # only part of it was restored (a sliding window): nothing to keep
-            nbytes = sum(_entry_bytes(e) for e in q.entries.values()) + 4 * q.ntokens
+            nbytes = sum(map(blobformat.nbytes, q.entries.values())) + 4 * q.ntokens
             if nbytes > memory.capacity:
                 continue
             arrays, views = {}, {}
@@ -364,18 +364,18 @@ class ModelCache:
                             views[f"{i}.{name}"] = mx.bfloat16
                 else:
                     for name, (a, origin) in codec.deltas(layer, n).items():
-                        arrays[f"{i}.{name}"], view = blobs.host_bits(a)
+                        arrays[f"{i}.{name}"], view = host_bits(a)
                         lazy.append(arrays[f"{i}.{name}"])
                         origins[f"{i}.{name}"] = origin
                         if view is not None:
                             views[f"{i}.{name}"] = view
                 if wants_checkpoint:
                     for name, a in codec.checkpoint(layer).items():
-                        saved[f"{i}.{name}"], view = blobs.host_bits(a)
+                        saved[f"{i}.{name}"], view = host_bits(a)
                         lazy.append(saved[f"{i}.{name}"])
                         if view is not None:
                             views[f"{i}.{name}"] = view
-        except (ValueError, blobs.BlobError) as e:
+        except (ValueError, BlobError) as e:
             raise InvalidInputError(f"cannot store this cache: {e}") from e
         # Lazy views (a codec that computes its deltas) are scheduled, not waited for: the writer
         # reads them later and waits if it must. Even scheduling them waits for mlx's thread
@@ -508,14 +508,7 @@ def _held_range(a: mx.array, first: int, end: int) -> np.ndarray:
     buffer (mlx updates in place only an array nothing else holds), so what the view sees never
     changes, and the memory lives as long as the view. Evaluates `a` if it is not yet."""
     held = copy.copy(a)  # the same data, one more holder; no op
-    return blobs.host_array(held)[:, :, first:end]
-
-
-def _entry_bytes(e) -> int:
-    n = blobs._DTYPES[e.tag][0].itemsize
-    for d in e.shape:
-        n *= d
-    return n
+    return host_array(held)[:, :, first:end]
 
 
 def _arrays_of(cache: list) -> list[mx.array]:

@@ -12,21 +12,17 @@ from pathlib import Path
 
 import numpy as np
 
-from kvstore.storage import blobs
-
 from kvstore import keys
 from kvstore.errors import BlobError
-from kvstore.storage.index import CHUNK, TAIL
 from kvstore.keys import checkpoint_hash
+from kvstore.storage import blobformat, blobwrite
+from kvstore.storage.index import CHUNK, TAIL
 
 
 def check_object(buf: bytes, h: bytes) -> tuple[dict, dict[str, str]]:
     """The header entries and metadata of an intact format-2 blob named `h`; BlobError if the
     bytes are damaged, are not that record, or have no per-tensor checksums (0.1 blobs)."""
-    verify = getattr(blobs, "verify_bytes", None)
-    if verify is None:
-        raise BlobError("this kvstore has no per-tensor blob checksums (blob format 2)")
-    entries, meta = verify(buf, h)
+    entries, meta = blobformat.verify_bytes(buf, h)
     if meta.get("blob_format") != "2" or not meta.get("checksums"):
         raise BlobError(f"record {h.hex()}: blob format {meta.get('blob_format')!r} has no tensor checksums")
     if meta.get("hash") != h.hex():
@@ -64,6 +60,6 @@ def check_record(buf: bytes, h: bytes, ns: bytes, parent: bytes, depth: int | No
 
 
 def write_blob(root: Path, h: bytes, buf: bytes, *, fsync: bool = True) -> None:
-    """Put verified bytes at the blob's path the way `blobs.write` does (temporary file, fsync,
+    """Put verified bytes at the blob's path the way `blobwrite.write` does (temporary file, fsync,
     atomic rename, fsync of the folder)."""
-    blobs.write_bytes(root, h, buf, fsync=fsync)
+    blobwrite.write_bytes(root, h, buf, fsync=fsync)

@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvstore.errors import BlobError
+from kvstore.remote.s3 import Bucket, ObjectKey, RemoteError, parse_key, pins_key
 from kvstore.storage.index import CHECKPOINT
 from kvstore.upkeep.maintenance import Problem
-from kvstore.remote.s3 import Bucket, ObjectKey, RemoteError, parse_key, pins_key
 
 if TYPE_CHECKING:
     from kvstore.storage.index import Index
@@ -240,9 +240,9 @@ def verify_remote(bucket: Bucket, *, repair: bool = False, threads: int = 8) -> 
 
 def _chunk_size(buf: bytes) -> int:
     """The chunk size a blob's header states (checked against its tokens by `check_record`)."""
-    from kvstore.storage import blobs
+    from kvstore.storage import blobformat
 
     try:
-        return int(blobs.header_metadata(buf).get("chunk_size", ""))
+        return int(blobformat.header_metadata(buf).get("chunk_size", ""))
     except Exception as e:  # garbage of any shape
         raise BlobError(f"its header states no chunk size ({e})") from e

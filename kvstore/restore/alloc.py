@@ -36,6 +36,9 @@ from typing import Mapping, Sequence
 
 import mlx.core as mx
 
+from kvstore.restore.arrays import MX_DTYPES
+from kvstore.storage.blobformat import DTYPES
+
 _LIVE: "weakref.WeakSet[_Shell]" = weakref.WeakSet()
 _EXIT_WAIT_S = 5.0
 FILL_BELOW = 512 << 10  # average bytes an array under which mx.zeros is cheaper (see above)
@@ -117,9 +120,7 @@ def keep_buffers(nbytes: int) -> None:
 def zero_filled(specs: Mapping[str, tuple[str, Sequence[int]]]) -> bool:
     """Whether `unfilled(specs)` makes its arrays with `mx.zeros` (then they hold zeros), which
     is cheaper for small ones (see the module's docstring)."""
-    from kvstore.storage.blobs import _DTYPES
-
-    sizes = [_DTYPES[tag][0].itemsize * math.prod(int(d) for d in shape) for tag, shape in specs.values()]
+    sizes = [DTYPES[tag].itemsize * math.prod(int(d) for d in shape) for tag, shape in specs.values()]
     sizes = [n for n in sizes if n]  # arrays with no elements are made apart
     return bool(sizes) and sum(sizes) < FILL_BELOW * len(sizes)
 
@@ -127,9 +128,7 @@ def zero_filled(specs: Mapping[str, tuple[str, Sequence[int]]]) -> bool:
 def unfilled(specs: Mapping[str, tuple[str, Sequence[int]]]) -> dict[str, mx.array]:
     """Evaluated mlx arrays of these (safetensors dtype tag, shape)s whose memory holds whatever
     it held before: the caller must write every element."""
-    from kvstore.storage.blobs import _DTYPES  # the tags and item sizes blobs use
-
-    itemsize = {tag: np_dtype.itemsize for tag, (np_dtype, _) in _DTYPES.items()}
+    itemsize = {tag: np_dtype.itemsize for tag, np_dtype in DTYPES.items()}
     empty = {n: s for n, s in specs.items() if any(int(d) == 0 for d in s[1])}
     real = {n: s for n, s in specs.items() if n not in empty}
     out: dict[str, mx.array] = {}
@@ -137,7 +136,7 @@ def unfilled(specs: Mapping[str, tuple[str, Sequence[int]]]) -> dict[str, mx.arr
     if stream is None and real:
         stream = _streams.load = mx.new_stream(mx.cpu)
     if real and zero_filled(real):
-        out = {name: mx.zeros([int(d) for d in shape], _DTYPES[tag][1], stream=stream)
+        out = {name: mx.zeros([int(d) for d in shape], MX_DTYPES[tag], stream=stream)
                for name, (tag, shape) in real.items()}
         mx.eval(list(out.values()))
     elif real:
@@ -148,7 +147,7 @@ def unfilled(specs: Mapping[str, tuple[str, Sequence[int]]]) -> dict[str, mx.arr
             del shell
             mx.eval(list(out.values()))
     for name, (tag, shape) in empty.items():
-        out[name] = mx.zeros([int(d) for d in shape], _DTYPES[tag][1])
+        out[name] = mx.zeros([int(d) for d in shape], MX_DTYPES[tag])
     return out
 
 

@@ -23,11 +23,13 @@ from typing import Mapping, NamedTuple, Sequence
 import mlx.core as mx
 import numpy as np
 
-from kvstore.storage import blobs
-from kvstore.restore.codecs import Codec, sub
 from kvstore.errors import BlobError
-from kvstore.tiers.base import Entry, Source
 from kvstore.restore.alloc import keep_buffers, unfilled, zero_filled
+from kvstore.restore.arrays import host_array, mx_dtype
+from kvstore.restore.codecs import Codec, sub
+from kvstore.storage import blobfile
+from kvstore.storage.blobformat import nbytes
+from kvstore.tiers.base import Entry, Source
 
 _POOL_MIN_BYTES = 4 << 20  # below this, threads cost more than they save
 _READ_THREADS = 8  # reader threads when records come from a cold disk
@@ -76,7 +78,7 @@ class Plan:
 
     @property
     def nbytes(self) -> int:
-        return sum(_nbytes(e) for e in self.finals.values())
+        return sum(map(nbytes, self.finals.values()))
 
 
 def restore_point(parts: Sequence[Part], codecs: Sequence[Codec], length: int,
@@ -229,7 +231,7 @@ def fill(pl: Plan, sources: Sequence[Source]) -> tuple[dict[str, mx.array], list
     keep_buffers(pl.nbytes)
     specs = {name: (e.tag, e.shape) for name, e in pl.finals.items()}
     finals = unfilled(specs)
-    views = {name: blobs.target(_host(a)) for name, a in finals.items()}
+    views = {name: blobfile.target(_host(a)) for name, a in finals.items()}
     spare = [] if zero_filled(specs) else [name for name, view in views.items()
                                            if pl.filled[name] < view.array.shape[2]]
     jobs = pl.jobs
@@ -253,7 +255,7 @@ def fill(pl: Plan, sources: Sequence[Source]) -> tuple[dict[str, mx.array], list
     # lets go of the GIL and takes it back, and two threads doing that fight over it (32k tokens
     # of head_dim 4: 63 ms on two threads, 41 ms on one, 30 ms gathered; from 64 KiB a copy, two
     # threads copying record by record win).
-    copied = sum(_nbytes(e) * pl.filled[name] // max(1, e.shape[2]) for name, e in pl.finals.items())
+    copied = sum(nbytes(e) * pl.filled[name] // max(1, e.shape[2]) for name, e in pl.finals.items())
     alone = (copied < _SMALL_COPY_BYTES * max(1, len(pl.copies))
              and all(getattr(sources[k], "in_ram", False) for k in keys))
     if len(jobs) > 1 and pl.nbytes >= _POOL_MIN_BYTES and not alone:
@@ -280,7 +282,7 @@ def fill(pl: Plan, sources: Sequence[Source]) -> tuple[dict[str, mx.array], list
     return finals, [(k, e) for k, e in zip(keys, results) if e is not None]
 
 
-def _gather(pl: Plan, sources: Sequence[Source], views: Mapping[str, blobs.Target]) -> None:
+def _gather(pl: Plan, sources: Sequence[Source], views: Mapping[str, blobfile.Target]) -> None:
     """The copies of records held in RAM (nothing to check), tensor by tensor: one numpy call
     per run of copies that lie end to end in a final tensor, instead of one per copy."""
     for name, start, end, run in _runs(pl.copies):
@@ -333,7 +335,7 @@ def checkpoint_arrays(source: Source) -> dict[str, mx.array]:
     out = {}
     for name, e in source.entries.items():
         a = mx.array(source.array(name))
-        dtype = blobs.mx_dtype(e.tag)
+        dtype = mx_dtype(e.tag)
         out[name] = a.view(dtype) if a.dtype != dtype else a
     return out
 
@@ -353,17 +355,10 @@ def host_slice(final: mx.array, lo: int, hi: int) -> np.ndarray:
 
 
 def _host(a: mx.array) -> np.ndarray:
-    view = blobs.host_array(a)
+    view = host_array(a)
     if not (view.flags.writeable and view.flags.c_contiguous):
         raise BlobError("mlx handed out an array numpy cannot write in place")
     return view
-
-
-def _nbytes(e: Entry) -> int:
-    n = blobs._DTYPES[e.tag][0].itemsize
-    for d in e.shape:
-        n *= d
-    return n
 
 
 def _threads() -> ThreadPoolExecutor:

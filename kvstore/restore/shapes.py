@@ -10,9 +10,9 @@ from typing import Callable
 
 import mlx.core as mx
 
-from kvstore.storage import blobs
-from kvstore.restore.codecs import ArraysCodec, CacheListCodec, Codec
 from kvstore.errors import BlobError
+from kvstore.restore.arrays import mx_dtype
+from kvstore.restore.codecs import ArraysCodec, CacheListCodec, Codec
 from kvstore.storage.index import CHECKPOINT
 
 log = logging.getLogger("kvstore")
@@ -40,7 +40,7 @@ class RecordCheck:
             return
         key = (kind, ntokens, tuple((n, e.tag, e.shape) for n, e in entries.items()))
         if key not in self._checked:
-            arrays = {name: _Shaped(tuple(e.shape), blobs.mx_dtype(e.tag)) for name, e in entries.items()}
+            arrays = {name: _Shaped(tuple(e.shape), mx_dtype(e.tag)) for name, e in entries.items()}
             self._check_arrays(kind, ntokens, arrays)
             self._checked.add(key)
         if len(self._known) >= 1024:

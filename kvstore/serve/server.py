@@ -339,7 +339,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     peek = _peek(passthrough)
     served_model = peek.model
     if served_model is None:
-        from kvstore.model.demo import DEMO_NOTE, ensure_demo_model
+        from kvstore.demo import DEMO_NOTE, ensure_demo_model
 
         served_model = str(ensure_demo_model())
         passthrough = ["--model", served_model] + passthrough

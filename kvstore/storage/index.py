@@ -10,9 +10,9 @@ from __future__ import annotations
 import os
 import re
 import sqlite3
-import urllib.parse
 import threading
 import time
+import urllib.parse
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path

@@ -16,8 +16,8 @@ import stat
 import time
 from pathlib import Path
 
-from kvstore.storage.blobtree import SUFFIX
 from kvstore.errors import CorruptIndexError, IndexLostError, NotAStoreError, StoreOpenError
+from kvstore.storage.blobtree import SUFFIX
 from kvstore.storage.index import connect_read_only, is_corruption
 
 log = logging.getLogger("kvstore")

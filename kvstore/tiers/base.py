@@ -24,11 +24,11 @@ from typing import Any, Iterable, Protocol, Sequence
 import mlx.core as mx
 import numpy as np
 
-from kvstore.storage import blobs
-
 from kvstore import keys
-from kvstore.storage.blobs import Entry  # noqa: F401 -- re-exported: the plan's view of a tensor
 from kvstore.errors import BlobError
+from kvstore.restore.arrays import host_array, tag_of
+from kvstore.storage import blobfile, blobtree
+from kvstore.storage.blobformat import Entry
 from kvstore.storage.index import Index, Row
 from kvstore.tiers.memory import MemoryTier, Record
 from kvstore.write.writer import Writer
@@ -46,7 +46,7 @@ class Source(Protocol):
     tokens: np.ndarray
     entries: dict[str, Entry]
 
-    def read_copies(self, copies: Sequence, targets: dict[str, blobs.Target]) -> None:
+    def read_copies(self, copies: Sequence, targets: dict[str, blobfile.Target]) -> None:
         """Each copy `(name, lo, hi, dst)`: tokens [lo, hi) of tensor `name` to tokens
         [dst, dst + hi - lo) of `targets[name].array`. BlobError if what it read is damaged."""
 
@@ -85,8 +85,8 @@ class RecordSource:
         # arrays never change): a fetch of a long prompt opens hundreds of records.
         known = rec.__dict__.get("_kvstore_read")
         if known is None or known[0] is not rec.arrays:
-            entries = blobs.shared_entries(
-                {name: Entry("BF16" if name in rec.views or a.dtype == mx.bfloat16 else blobs.tag_of(a.dtype),
+            entries = blobfile.shared_entries(
+                {name: Entry("BF16" if name in rec.views or a.dtype == mx.bfloat16 else tag_of(a.dtype),
                              tuple(a.shape)) for name, a in rec.arrays.items()})
             known = rec.__dict__["_kvstore_read"] = (rec.arrays, entries, {})
         self.entries, self._host = known[1], known[2]
@@ -94,7 +94,7 @@ class RecordSource:
     def _np(self, name: str) -> np.ndarray:
         host = self._host.get(name)
         if host is None:
-            host = self._host[name] = blobs.host_array(self.record.arrays[name])
+            host = self._host[name] = host_array(self.record.arrays[name])
         return host
 
     def read_copies(self, copies, targets):
@@ -112,7 +112,7 @@ class RecordSource:
         pass
 
 
-def record_tokens(blob: blobs.BlobFile, row: Row) -> np.ndarray:
+def record_tokens(blob: blobfile.BlobFile, row: Row) -> np.ndarray:
     """The token ids of a record, read from its blob and proven by its address: the record's
     hash is the xxh3 of its parent and these ids (BlobError if they are not)."""
     if "tokens" not in blob.entries or blob.entries["tokens"].tag != "I32":
@@ -126,7 +126,7 @@ def record_tokens(blob: blobs.BlobFile, row: Row) -> np.ndarray:
 class BlobSource:
     """A record read from a blob file, checked against its index row as it is opened."""
 
-    def __init__(self, blob: blobs.BlobFile, row: Row):
+    def __init__(self, blob: blobfile.BlobFile, row: Row):
         self.hash, self.ntokens, self.blob = row.hash, row.ntokens, blob
         self.ns, self.parent, self.depth, self.kind = row.ns, row.parent, row.depth, row.kind
         meta = blob.metadata
@@ -222,7 +222,7 @@ class DiskTier:
         found = []
         for row in self.index.children(parent, first_token):
             try:
-                with blobs.open_blob(self.root, row.hash, size=row.size, checksum=row.checksum) as blob:
+                with blobfile.open_blob(self.root, row.hash, size=row.size, checksum=row.checksum) as blob:
                     found.append((row.hash, record_tokens(blob, row), row))
             except BlobError as e:
                 self.damaged(row.hash, e, row)
@@ -232,7 +232,7 @@ class DiskTier:
         row = ref if ref is not None else self.index.get(h)
         if row is None or row.bad:
             raise KeyError(h)
-        blob = blobs.open_blob(self.root, h, size=row.size, checksum=row.checksum)
+        blob = blobfile.open_blob(self.root, h, size=row.size, checksum=row.checksum)
         try:
             return BlobSource(blob, row)
         except BaseException:
@@ -240,7 +240,7 @@ class DiskTier:
             raise
 
     def prefetch(self, hashes: Iterable[bytes]) -> None:
-        blobs.prefetch(self.root, list(hashes))
+        blobfile.prefetch(self.root, list(hashes))
 
     def damaged(self, h, error, ref=None):
         """Mark a record whose blob failed to read as bad: a miss from it on, counted."""
@@ -265,7 +265,7 @@ class DiskTier:
         lock: a writer that completes a record (`Writer._refill`) replaces its blob and row
         together under the exclusive lock, and a read between the two is no damage."""
         try:
-            with blobs.tree_lock(self.root, exclusive=False):
+            with blobtree.tree_lock(self.root, exclusive=False):
                 row = self.index.get(h)
         except Exception:
             return False

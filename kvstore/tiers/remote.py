@@ -34,15 +34,13 @@ from typing import TYPE_CHECKING, Iterable
 import numpy as np
 import xxhash
 
-from kvstore.storage import blobs
-
 from kvstore import keys
 from kvstore.errors import BlobError
-from kvstore.storage.index import CHECKPOINT, CHUNK, TAIL, Row
 from kvstore.keys import checkpoint_hash
 from kvstore.remote.objects import check_object, check_record, write_blob
-from kvstore.remote.s3 import (LAYOUT_VERSION, Bucket, RemoteError, children_prefix, manifest_key,
-                            parse_key, record_key)
+from kvstore.remote.s3 import LAYOUT_VERSION, Bucket, RemoteError, children_prefix, manifest_key, parse_key, record_key
+from kvstore.storage import blobtree
+from kvstore.storage.index import CHECKPOINT, CHUNK, TAIL, Row
 
 if TYPE_CHECKING:
     from kvstore.model.cache import ModelCache
@@ -155,8 +153,8 @@ class RemoteTier:
         store = self._store
         if store is None or store.index is None or time.monotonic() < self._down_until:
             return
-        from kvstore.remote.upkeep import node_id
         from kvstore.remote.s3 import pins_key
+        from kvstore.remote.upkeep import node_id
 
         try:
             node = node_id(store.path)
@@ -270,7 +268,7 @@ class RemoteTier:
             self._count("skipped_no_parent", 1)
             return False
         try:
-            with open(os.open(blobs.blob_path(store.blob_root, row.hash), os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
+            with open(os.open(blobtree.blob_path(store.blob_root, row.hash), os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
                 buf = f.read()
         except OSError:  # evicted (or damaged) locally since it was written: nothing to share
             return False
@@ -436,7 +434,7 @@ class RemoteTier:
             return False
         row = Row(h, mc.ns, parent, depth, kind, len(tokens) // 4, keys.first_token(tokens), len(buf),
                   xxhash.xxh3_64_intdigest(buf))
-        with blobs.tree_lock(store.blob_root, exclusive=False):
+        with blobtree.tree_lock(store.blob_root, exclusive=False):
             if store.index.present([h]):
                 return True
             # Not fsynced: the bucket holds this record, and a copy a power cut tears fails its

@@ -24,14 +24,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterator
 
-from kvstore.storage import blobs, blobtree
-
-from kvstore.upkeep import evict
-
 from kvstore import faults, keys
 from kvstore.errors import BlobError
+from kvstore.storage import blobfile, blobformat, blobtree
 from kvstore.storage.index import Index
 from kvstore.storage.storedir import QUARANTINE_NAME
+from kvstore.upkeep import evict
 
 _DELETE_BATCH = 500
 ORPHAN_SHARE = 0.10
@@ -104,7 +102,7 @@ def collect(index: Index, root: Path, *, max_bytes: int | None = None, max_age: 
 
 def _evict(index: Index, root: Path, lo: bytes, hi: bytes) -> list[tuple]:
     # Exclusive of writers: none can find a row here and then lose its file to us.
-    with blobs.tree_lock(root, exclusive=True):
+    with blobtree.tree_lock(root, exclusive=True):
         deleted = index.evict(lo, hi)
         if deleted:
             faults.hit("gc_deleted")
@@ -118,7 +116,7 @@ def _forget_edges(index: Index, root: Path, first: bytes, last: bytes) -> int:
     n = int.from_bytes(last, "big") + 1
     # Under the lock too: a writer then waits on it, and is woken the moment this commits,
     # instead of polling SQLite's lock with sleeps of up to 100 ms.
-    with blobs.tree_lock(root, exclusive=True):
+    with blobtree.tree_lock(root, exclusive=True):
         return index.forget_edges(first, n.to_bytes(2, "big") if n < 1 << 16 else None)
 
 
@@ -181,7 +179,7 @@ def verify(index: Index, root: Path, *, repair: bool = False, force: bool = Fals
     for row in rows:
         try:
             if not row.bad:
-                blobs.read(root, row.hash, size=row.size, checksum=row.checksum)
+                blobfile.read_checked(root, row.hash, size=row.size, checksum=row.checksum)
                 continue
         except BlobError:
             pass
@@ -199,7 +197,7 @@ def verify(index: Index, root: Path, *, repair: bool = False, force: bool = Fals
         # Rows whose chain is broken (parent gone or bad) can never be reached: orphans.
         orphans = _unreachable(index, known, bad)
         for h in orphans:
-            problems.append(Problem("orphan_row", str(blobs.blob_path(root, h)),
+            problems.append(Problem("orphan_row", str(blobtree.blob_path(root, h)),
                                     "its parent record is missing or damaged", h.hex()))
         for path in strays:
             problem = _stray(index, root, path)
@@ -218,7 +216,7 @@ def _unexplained(index: Index, orphan_files: list[Problem]) -> int:
     known = index.namespaces()
     n = 0
     for p in orphan_files:
-        meta = blobs.peek_metadata(Path(p.path))
+        meta = blobfile.peek_metadata(Path(p.path))
         try:
             ns = bytes.fromhex(meta["ns"]) if meta else None
         except (KeyError, ValueError):
@@ -243,7 +241,7 @@ def _row_problem(row) -> str | None:
         return f"depth {row.depth}, kind {row.kind} or {row.ntokens} tokens, which is impossible"
     if row.first_token is not None and type(row.first_token) is not int:
         return "a first token id that is not an integer"
-    if not 0 <= row.size <= blobs.MAX_BLOB_BYTES:
+    if not 0 <= row.size <= blobformat.MAX_BLOB_BYTES:
         return f"a size of {row.size} bytes, which no blob has"
     return None
 
@@ -251,13 +249,13 @@ def _row_problem(row) -> str | None:
 def _confirm(index: Index, root: Path, row) -> Problem | None:
     """The problem of a row whose blob did not read, if it still has one now."""
     now = index.get(row.hash)
-    path = blobs.blob_path(root, row.hash)
+    path = blobtree.blob_path(root, row.hash)
     if now is None:
         return None  # evicted since
     if now.bad:
         return Problem("quarantined", str(path), "record was quarantined after a failed read", row.hash.hex())
     try:
-        blobs.read(root, now.hash, size=now.size, checksum=now.checksum)
+        blobfile.read_checked(root, now.hash, size=now.size, checksum=now.checksum)
         return None  # written again since
     except BlobError as e:
         kind = "missing_blob" if not os.path.lexists(path) else "corrupt_blob"

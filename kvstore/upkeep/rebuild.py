@@ -27,10 +27,9 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from kvstore.storage import blobs, blobtree
-
 from kvstore import keys
 from kvstore.errors import BlobError, CorruptIndexError, NotAStoreError
+from kvstore.storage import blobfile, blobformat, blobtree
 from kvstore.storage.index import CHECKPOINT, CHUNK, TAIL, Index, _u64_to_i64, connect_read_only
 from kvstore.storage.storedir import BLOBS_NAME, INDEX_FILES, INDEX_NAME, has_blob_files, open_dir
 
@@ -169,14 +168,14 @@ def _scan(root: Path) -> tuple[dict[bytes, dict], list[tuple[Path, str]]]:
 
 
 def _read_record(path: Path, h: bytes) -> dict:
-    buf = blobs.read_file(path)  # a regular file, no link, no FIFO, size checked first
+    buf = blobfile.read_file(path)  # a regular file, no link, no FIFO, size checked first
     try:
         mtime = os.lstat(path).st_mtime
     except OSError as e:
         raise BlobError(f"{path}: cannot read ({e.strerror or e})") from e
-    entries, base = blobs.parse_header(buf, path)
+    entries, base = blobformat.parse_header(buf, path)
     try:
-        meta = blobs.header_metadata(buf)
+        meta = blobformat.header_metadata(buf)
     except (ValueError, AttributeError, struct.error) as e:
         raise BlobError(f"{path}: bad metadata ({e})") from e
 

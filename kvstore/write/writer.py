@@ -24,9 +24,10 @@ from typing import Callable
 import mlx.core as mx
 import numpy as np
 
-from kvstore.storage import blobs
-
 from kvstore import faults, keys
+from kvstore.errors import BlobError
+from kvstore.restore.arrays import tag_of
+from kvstore.storage import blobformat, blobtree, blobwrite
 from kvstore.storage.index import CHECKPOINT, CHUNK, TAIL, Index, Row
 from kvstore.tiers.memory import MemoryTier, Record
 
@@ -241,14 +242,14 @@ class Writer:
         self.stats.jobs += 1
         # Plain numpy views of the caller's arrays (already numpy, or mlx views insert scheduled:
         # numpy waits for those if they are not done yet): no mlx computation on this thread.
-        tags = {name: "BF16" if name in job.views else blobs.tag_of(a.dtype)
+        tags = {name: "BF16" if name in job.views else tag_of(a.dtype)
                 for name, a in {**job.arrays, **job.checkpoint}.items()}
         hosts = {name: np.asarray(a) for name, a in job.arrays.items()}
         checkpoint_hosts = {name: np.asarray(a) for name, a in job.checkpoint.items()}
 
-        def record(spec: Spec) -> tuple[np.ndarray, dict[str, blobs.Tensor], dict[str, str]]:
+        def record(spec: Spec) -> tuple[np.ndarray, dict[str, blobformat.Tensor], dict[str, str]]:
             tokens = np.ascontiguousarray(job.tokens[spec.start : spec.end], dtype="<i4")
-            tensors: dict[str, blobs.Tensor] = {"tokens": ("I32", tokens)}
+            tensors: dict[str, blobformat.Tensor] = {"tokens": ("I32", tokens)}
             parts = checkpoint_hosts if spec.kind == CHECKPOINT else job.slices(spec, hosts)
             for name, arr in parts.items():
                 tensors[name] = (tags[name], np.ascontiguousarray(arr))
@@ -258,7 +259,7 @@ class Writer:
 
         # The blobs this job will need are written to temporary files and fsynced first, holding
         # no lock (gc never touches a temporary file); under the lock only their renames and rows.
-        staged: dict[bytes, blobs.Staged] = {}
+        staged: dict[bytes, blobwrite.Staged] = {}
         built: dict[bytes, tuple] = {}  # the records the memory tier keeps: copied once
         failed: tuple[bytes, OSError] | None = None
         if self.root is not None and self.index is not None and job.specs:
@@ -267,12 +268,12 @@ class Writer:
                 if self.memory.keeps(spec.nbytes):
                     built[spec.hash] = parts
                 try:
-                    staged[spec.hash] = blobs.stage(self.root, spec.hash, *parts[1:], fsync=self.fsync)
+                    staged[spec.hash] = blobwrite.stage(self.root, spec.hash, *parts[1:], fsync=self.fsync)
                 except OSError as e:
                     failed = (spec.hash, e)  # later records hang from this one: stop there
                     break
         # Shared with other writers, exclusive of gc and repair: from "is it stored?" to the row.
-        lock = blobs.tree_lock(self.root, exclusive=False) if self.root is not None else nullcontext()
+        lock = blobtree.tree_lock(self.root, exclusive=False) if self.root is not None else nullcontext()
         with lock:
             todo = job.specs
             if self.index is not None and todo:
@@ -293,8 +294,8 @@ class Writer:
                     try:
                         if failed is not None and failed[0] == spec.hash:
                             raise failed[1]
-                        size, checksum = blobs.place(st) if st is not None else \
-                            blobs.write(self.root, spec.hash, tensors, meta, fsync=self.fsync)
+                        size, checksum = blobwrite.place(st) if st is not None else \
+                            blobwrite.write(self.root, spec.hash, tensors, meta, fsync=self.fsync)
                     except OSError as e:
                         self._count_error(e)
                         break  # later records hang from this one; without it they are unreachable
@@ -309,13 +310,13 @@ class Writer:
                 if spec.kind != CHECKPOINT and all(o <= spec.start for o in job.origins.values()):
                     self._remember_complete(spec.hash)
             for st in staged.values():  # stored meanwhile by another writer, or after a failure
-                blobs.discard(st)
+                blobwrite.discard(st)
             if rows and self.index is not None:
                 try:
                     self.index.insert(rows)
                 except Exception as e:
                     for row in rows:  # the rows are not there: the files are orphans now
-                        blobs.remove(self.root, row.hash)
+                        blobtree.remove(self.root, row.hash)
                     self._count_error(e)
                     return
                 self.stats.records_written += len(rows)
@@ -360,10 +361,10 @@ class Writer:
         else:
             try:
                 # Exclusive, as gc: no writer finds one of these rows and then loses its file.
-                with blobs.tree_lock(self.root, exclusive=True):
+                with blobtree.tree_lock(self.root, exclusive=True):
                     deleted = self.index.drop_redundant(pairs)
                     for h, _ in deleted:
-                        blobs.remove(self.root, h)
+                        blobtree.remove(self.root, h)
             except Exception as e:  # only space is lost
                 self._count_error(e)
                 return
@@ -387,17 +388,17 @@ class Writer:
                 self._remember_complete(spec.hash)
                 continue
             tokens = np.ascontiguousarray(job.tokens[spec.start : spec.end], dtype="<i4")
-            tensors: dict[str, blobs.Tensor] = {"tokens": ("I32", tokens)}
+            tensors: dict[str, blobformat.Tensor] = {"tokens": ("I32", tokens)}
             for name, arr in job.slices(spec, hosts).items():
                 tensors[name] = (tags[name], np.ascontiguousarray(arr))
             meta = dict(job.metadata, hash=spec.hash.hex(), parent=spec.parent.hex(),
                         depth=str(spec.depth), kind=str(spec.kind))
             try:
-                with blobs.tree_lock(self.root, exclusive=True):
+                with blobtree.tree_lock(self.root, exclusive=True):
                     row = self.index.get(spec.hash)
                     if row is None or row.bad or row.ntokens != len(tokens):
                         continue  # evicted (or quarantined) meanwhile: nothing to complete
-                    size, checksum = blobs.write(self.root, spec.hash, tensors, meta, fsync=self.fsync)
+                    size, checksum = blobwrite.write(self.root, spec.hash, tensors, meta, fsync=self.fsync)
                     self.index.replace_blob(spec.hash, size, checksum)
             except Exception as e:  # the old, shorter record stays; only reuse is lost
                 self._count_error(e)
@@ -413,14 +414,14 @@ class Writer:
         rec = self.memory.get(h)
         if rec is not None:
             return {name: a.shape[2] for name, a in rec.arrays.items() if a.ndim >= 3}
-        path = blobs.blob_path(self.root, h)
+        path = blobtree.blob_path(self.root, h)
         try:
             with open(path, "rb") as f:
                 head = f.read(8)
                 n = int.from_bytes(head, "little") if len(head) == 8 else 0
-                header, _ = blobs.parse_header(head + f.read(min(n, 1 << 24)), path,
+                header, _ = blobformat.parse_header(head + f.read(min(n, 1 << 24)), path,
                                                size=os.fstat(f.fileno()).st_size)
-        except (OSError, blobs.BlobError):
+        except (OSError, BlobError):
             return None
         return {name: e["shape"][2] for name, e in header.items() if name != "tokens" and len(e["shape"]) >= 3}
 
@@ -451,7 +452,7 @@ class Writer:
         return [s for s in specs if s.hash not in present]
 
     @staticmethod
-    def _compact(job: Job, spec: Spec, tokens: np.ndarray, tensors: dict[str, blobs.Tensor]) -> Record:
+    def _compact(job: Job, spec: Spec, tokens: np.ndarray, tensors: dict[str, blobformat.Tensor]) -> Record:
         """A copy of the record that owns its memory (the caller's cache can then be freed)."""
         arrays, views = {}, {}
         for name, (tag, arr) in tensors.items():
@@ -470,7 +471,7 @@ class Writer:
             # Under the shared tree lock, as every write of the index: while gc (which holds it
             # exclusively around its transactions) runs, this waits on the lock and wakes when gc
             # commits, instead of polling SQLite's lock with sleeps of up to 100 ms.
-            lock = blobs.tree_lock(self.root, exclusive=False) if self.root is not None else nullcontext()
+            lock = blobtree.tree_lock(self.root, exclusive=False) if self.root is not None else nullcontext()
             try:
                 with lock:
                     self.index.touch(touches)

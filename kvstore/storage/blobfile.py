@@ -1,253 +1,38 @@
-"""Blob files: one safetensors file per record, at `blobs/ab/cd/<hash>.safetensors`.
+"""Reading blob files: open one checked against its index row, and copy token ranges of its
+tensors straight into memory the restore owns, each tensor checked against its own checksum.
 
-Knows files and bytes, no SQL. A blob is written to a temporary file in its final folder, fsynced
-and renamed into place, so a reader sees either nothing or the whole file. The index row's
-`checksum` is xxh3_64 of the whole file; every read checks the header's own hash and sizes before
-any array is made.
-
-Blob format 2 also puts in the header's `__metadata__` a `"blob_format": "2"` and `"checksums"`: a
-JSON object (as a string) of every tensor's name (`tokens` included) -> the 16-hex-digit xxh3_64 of
-its raw bytes, so each tensor can be checked on its own, in any order, on any thread. Blobs written
-by 0.1 have no `checksums` and are checked the old way, by the whole-file checksum.
+Nothing here follows a link or waits on a FIFO: anything that is not a regular file of the size
+the row says is damage (`BlobError`). Knows files, no SQL, no mlx.
 """
 
 from __future__ import annotations
 
 import errno
-import json
 import math
 import os
-import re
 import stat
-import struct
 import threading
 from collections import OrderedDict
 from pathlib import Path
 from typing import Mapping, NamedTuple, Sequence
 
-import mlx.core as mx
 import numpy as np
 import xxhash
 
-from kvstore import faults
-from kvstore.storage.blobtree import (  # noqa: F401 -- the tree's names and folders, re-exported for callers of blobs
-    SUFFIX,
-    TMP_PREFIX,
-    hash_of,
-    is_temp_name,
-    move_entry,
-    remove,
-    remove_entry,
-    stale_temp,
-    tree_lock,
-    walk,
-)
 from kvstore.errors import BlobError
+from kvstore.storage.blobformat import (
+    DTYPES,
+    HEAD_GUESS,
+    MAX_BLOB_BYTES,
+    Entry,
+    parse,
+    read_head,
+    tensor_checksums,
+    verify_bytes,
+)
+from kvstore.storage.blobtree import blob_file
 
-_HEADER_LIMIT = 100 << 20  # safetensors' own cap on header size
-_HEAD_GUESS = 64 << 10  # first read of a blob: its whole header, as a rule
 _IOV_BATCH = 512  # buffers per preadv call (the kernel takes at most IOV_MAX = 1024)
-_HEX16 = re.compile(r"[0-9a-f]{16}")
-# No record kvstore writes comes near this (a 256-token chunk of a 405B model is ~130 MB): a
-# blob-named file larger than this is refused before a byte of it is read.
-MAX_BLOB_BYTES = 4 << 30
-_MAX_DIM = 1 << 40  # bounds every dimension so that no product of them overflows int64
-BLOB_FORMAT = "2"  # `blob_format` in the metadata of every blob written now; 0.1 wrote none
-
-# safetensors dtype tag -> (numpy dtype used to carry the bytes, mlx dtype of the array)
-_DTYPES: dict[str, tuple[np.dtype, mx.Dtype]] = {
-    "F32": (np.dtype("<f4"), mx.float32),
-    "F16": (np.dtype("<f2"), mx.float16),
-    "BF16": (np.dtype("<u2"), mx.bfloat16),
-    "F64": (np.dtype("<f8"), mx.float64) if hasattr(mx, "float64") else (np.dtype("<f8"), mx.float32),
-    "I8": (np.dtype("i1"), mx.int8),
-    "U8": (np.dtype("u1"), mx.uint8),
-    "I16": (np.dtype("<i2"), mx.int16),
-    "U16": (np.dtype("<u2"), mx.uint16),
-    "I32": (np.dtype("<i4"), mx.int32),
-    "U32": (np.dtype("<u4"), mx.uint32),
-    "I64": (np.dtype("<i8"), mx.int64),
-    "U64": (np.dtype("<u8"), mx.uint64),
-    "BOOL": (np.dtype("?"), mx.bool_),
-}
-_TAG_OF_MX = {mxd: tag for tag, (_, mxd) in _DTYPES.items() if tag != "F64"}
-_TAG_OF_NP = {npd: tag for tag, (npd, _) in _DTYPES.items() if tag != "BF16"}
-
-Tensor = tuple[str, np.ndarray]  # (safetensors dtype tag, bytes carried as numpy)
-
-
-def tag_of(dtype: mx.Dtype | np.dtype) -> str:
-    """The safetensors dtype tag of an mlx dtype (or of a numpy one: bfloat16 travels as uint16
-    bits and is tagged by whoever knows it is bfloat16)."""
-    tag = _TAG_OF_MX.get(dtype) if isinstance(dtype, mx.Dtype) else _TAG_OF_NP.get(np.dtype(dtype))
-    if tag is None:
-        raise BlobError(f"cannot store arrays of dtype {dtype}")
-    return tag
-
-
-def mx_dtype(tag: str) -> mx.Dtype:
-    """The mlx dtype of a safetensors dtype tag."""
-    return _DTYPES[tag][1]
-
-
-def host_bits(a: mx.array) -> tuple[mx.array, mx.Dtype | None]:
-    """`a` in a dtype numpy can hold, as a lazy zero-copy view, and the dtype to view it back as.
-
-    bfloat16 has no numpy dtype, so it travels as uint16 and is tagged BF16: bits stay exact.
-    """
-    tag_of(a.dtype)
-    if a.dtype == mx.bfloat16:
-        return a.view(mx.uint16), mx.bfloat16
-    return a, None
-
-
-def host_array(a: mx.array) -> np.ndarray:
-    """An mlx array's memory as numpy, no copy (bfloat16 as its uint16 bits): through its buffer,
-    since a `view` op would have to be scheduled and waited for (per tensor, per record).
-    A numpy array (a record queued by `insert` holds views of the caller's arrays) is itself."""
-    if isinstance(a, np.ndarray):
-        return a
-    if a.dtype == mx.bfloat16:
-        m = memoryview(a)
-        if m.c_contiguous:
-            return np.frombuffer(m.cast("B"), dtype=np.uint16).reshape(a.shape)
-        return np.asarray(a.view(mx.uint16))
-    return np.asarray(a)
-
-
-def blob_path(root: Path, h: bytes) -> Path:
-    name = h.hex()
-    return root / name[:2] / name[2:4] / (name + SUFFIX)
-
-
-def _blob_file(root: Path | str, h: bytes) -> str:
-    """`blob_path` as a string, for the read path (a Path costs microseconds per record)."""
-    name = h.hex()
-    return f"{os.fspath(root)}/{name[:2]}/{name[2:4]}/{name}{SUFFIX}"
-
-
-def encode(tensors: Mapping[str, Tensor], metadata: Mapping[str, str]) -> tuple[bytes, list[np.ndarray]]:
-    """The safetensors header and the contiguous payload pieces, in file order."""
-    header: dict[str, object] = {"__metadata__": dict(metadata)}
-    pieces: list[np.ndarray] = []
-    offset = 0
-    for name, (tag, arr) in tensors.items():
-        data = np.ascontiguousarray(arr)
-        header[name] = {"dtype": tag, "shape": list(arr.shape), "data_offsets": [offset, offset + data.nbytes]}
-        offset += data.nbytes
-        pieces.append(data)
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # keeps every tensor 8-byte aligned
-    return struct.pack("<Q", len(raw)) + raw, pieces
-
-
-class Staged(NamedTuple):
-    """A blob written to a temporary file of its folder and fsynced, not yet in place."""
-
-    tmp: Path
-    path: Path
-    size: int
-    checksum: int
-    fsync: bool
-
-
-def write(root: Path, h: bytes, tensors: Mapping[str, Tensor], metadata: Mapping[str, str],
-          *, fsync: bool = True) -> tuple[int, int]:
-    """Write a blob atomically. Returns (size in bytes, checksum). Raises OSError (ENOSPC...)."""
-    return place(stage(root, h, tensors, metadata, fsync=fsync))
-
-
-def stage(root: Path, h: bytes, tensors: Mapping[str, Tensor], metadata: Mapping[str, str],
-          *, fsync: bool = True) -> Staged:
-    """The first half of `write`: the blob in a temporary file in its folder, fsynced. `place`
-    then renames it into place (or `discard` drops it). Raises OSError."""
-    path = blob_path(root, h)
-    _makedirs(path.parent)
-    sums = {name: tensor_checksum(arr) for name, (_, arr) in tensors.items()}
-    metadata = dict(metadata, blob_format=BLOB_FORMAT, checksums=json.dumps(sums, separators=(",", ":")))
-    head, pieces = encode(tensors, metadata)
-    digest = xxhash.xxh3_64(head)
-
-    def body(f) -> None:
-        _write_all(f, head)
-        faults.hit("blob_write")
-        for piece in pieces:
-            view = piece.reshape(-1).view(np.uint8)
-            digest.update(view)
-            _write_all(f, view)
-
-    tmp, size = _stage_file(path, h, body, fsync=fsync)
-    return Staged(tmp, Path(path), size, digest.intdigest(), fsync)
-
-
-def place(st: Staged) -> tuple[int, int]:
-    """Rename a staged blob into place and fsync its folder: a row may point at it once this
-    returns. Returns (size, checksum). Raises OSError (the temporary file is then gone)."""
-    _place(st.tmp, st.path, fsync=st.fsync)
-    return st.size, st.checksum
-
-
-def discard(st: Staged) -> None:
-    """Drop a staged blob that is not needed after all."""
-    _unlink_quietly(st.tmp)
-
-
-def write_bytes(root: Path, h: bytes, data: bytes | bytearray | memoryview, *, fsync: bool = True) -> int:
-    """Put a whole blob already checked (a copy from the remote tier) at its place, atomically,
-    as `write` does. Returns its size. Raises OSError."""
-    path = blob_path(root, h)
-    _makedirs(path.parent)
-    return _publish(path, h, lambda f: _write_all(f, data), fsync=fsync)
-
-
-def _publish(path: Path, h: bytes, body, *, fsync: bool) -> int:
-    """Write a blob with `body(file)` into a temporary file in its folder, fsync, rename it into
-    place and fsync the folder: a reader sees nothing or the whole file, and a row may point at
-    it once this returns. Returns the size."""
-    tmp, size = _stage_file(path, h, body, fsync=fsync)
-    _place(tmp, path, fsync=fsync)
-    return size
-
-
-def _stage_file(path, h: bytes, body, *, fsync: bool) -> tuple[Path, int]:
-    tmp = Path(path).parent / f"{TMP_PREFIX}{h.hex()}.{os.getpid()}.{os.urandom(4).hex()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    try:
-        with os.fdopen(fd, "wb", buffering=0) as f:
-            body(f)
-            size = f.tell()
-            if fsync:
-                os.fsync(f.fileno())
-    except BaseException:
-        _unlink_quietly(tmp)
-        raise
-    return tmp, size
-
-
-def _place(tmp: Path, path, *, fsync: bool) -> None:
-    try:
-        faults.hit("blob_temp")
-        os.replace(tmp, path)
-    except BaseException:
-        _unlink_quietly(tmp)
-        raise
-    if fsync:  # the new name is durable only once its folder is: before any row points at it
-        _fsync_dir(Path(path).parent)
-
-
-def _unlink_quietly(path) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def open_regular(path: Path | str, *, dir_fd: int | None = None) -> int:
@@ -263,61 +48,9 @@ def open_regular(path: Path | str, *, dir_fd: int | None = None) -> int:
     return fd
 
 
-def tensor_checksum(data) -> str:
-    """The 16-hex-digit xxh3_64 of a tensor's raw bytes (C order), as blob format 2 records it."""
-    if isinstance(data, np.ndarray):
-        data = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
-    return xxhash.xxh3_64_hexdigest(data)
-
-
-def tensor_checksums(metadata: Mapping[str, str], where: object = "blob") -> dict[str, str] | None:
-    """The per-tensor checksums a blob's metadata lists, or None for a blob written by 0.1.
-
-    Raises BlobError if the metadata claims format 2 (or has a `checksums` entry) that is unusable.
-    """
-    raw = metadata.get("checksums")
-    if raw is None:
-        if metadata.get("blob_format", "1") not in ("1", ""):
-            raise BlobError(f"{where}: blob format {metadata.get('blob_format')!r} lists no tensor checksums")
-        return None
-    try:
-        sums = json.loads(raw)
-    except (json.JSONDecodeError, RecursionError) as e:
-        raise BlobError(f"{where}: its tensor checksums are not JSON ({e})") from e
-    if not isinstance(sums, dict) or not all(isinstance(v, str) and _HEX16.fullmatch(v) for v in sums.values()):
-        raise BlobError(f"{where}: its tensor checksums are not a map of 16-hex-digit strings")
-    return {str(k): v for k, v in sums.items()}
-
-
-def verify_bytes(buf: bytes | bytearray | memoryview, h: bytes,
-                 where: object = "blob") -> tuple[dict[str, dict], dict[str, str]]:
-    """Check a whole blob held in memory (format 2): its header, that it names record `h`, and every
-    tensor's checksum. Returns (tensor entries: name -> dtype, shape, data_offsets; metadata);
-    the data of a tensor starts at `8 + header length + data_offsets[0]`. Raises BlobError on
-    anything wrong, including a blob with no per-tensor checksums (one written by 0.1)."""
-    view = memoryview(buf).cast("B")
-    header, base = parse_header(view, where)
-    try:
-        metadata = header_metadata(view)
-    except (ValueError, AttributeError) as e:
-        raise BlobError(f"{where}: its metadata is not a JSON object ({e})") from e
-    if metadata.get("hash") != h.hex():
-        raise BlobError(f"{where}: its header names record {metadata.get('hash')!r}, not {h.hex()}")
-    sums = tensor_checksums(metadata, where)
-    if sums is None:
-        raise BlobError(f"{where}: no per-tensor checksums (a blob written before format 2)")
-    if set(sums) != set(header):
-        raise BlobError(f"{where}: its checksums name {sorted(set(sums) ^ set(header))} "
-                        "that are not its tensors, or miss some")
-    for name, info in header.items():
-        start, end = info["data_offsets"]
-        if tensor_checksum(view[base + start : base + end]) != sums[name]:
-            raise BlobError(f"{where}: tensor {name!r} does not match its checksum")
-    return header, metadata
-
-
-def read(root: Path, h: bytes, *, size: int, checksum: int) -> tuple[dict[str, mx.array], dict[str, str]]:
-    """Read and check a whole blob (verify); its arrays and metadata. Any damage raises BlobError."""
+def read_checked(root: Path, h: bytes, *, size: int, checksum: int) -> tuple[bytearray, BlobFile]:
+    """A whole blob's bytes, checked: its size, header and whole-file checksum, and (format 2)
+    every tensor's checksum. The blob is returned closed, for its header. BlobError on damage."""
     with open_blob(root, h, size=size) as blob:
         buf = bytearray(size)
         blob.read_exact(memoryview(buf), 0)
@@ -325,15 +58,7 @@ def read(root: Path, h: bytes, *, size: int, checksum: int) -> tuple[dict[str, m
         raise BlobError(f"{blob.path}: checksum mismatch")
     if blob.checksums is not None:
         verify_bytes(buf, h, blob.path)
-    arrays, metadata = decode(buf, blob.path)
-    return arrays, metadata
-
-
-class Entry(NamedTuple):
-    """A tensor of a record, as the restore plans it: safetensors dtype tag and shape."""
-
-    tag: str
-    shape: tuple[int, ...]
+    return buf, blob
 
 
 class Layout:
@@ -411,7 +136,7 @@ def shared_entries(entries: dict[str, Entry]) -> dict[str, Entry]:
 
 def _header(head: bytes, path: Path, size: int) -> _Header:
     """Parse and check a blob's header bytes, or reuse the parse of the same bytes."""
-    entries, base, metadata = _parse(head, path, size)
+    entries, base, metadata = parse(head, path, size)
     sums = tensor_checksums(metadata, path)
     if sums is not None and set(sums) != set(entries):
         raise BlobError(f"{path}: its checksums do not name exactly its tensors")
@@ -473,7 +198,7 @@ class BlobFile:
         if info is None:
             raise BlobError(f"{self.path}: no tensor {name!r}")
         tag, shape, start, end = info
-        out = np.empty(shape, dtype=_DTYPES[tag][0])
+        out = np.empty(shape, dtype=DTYPES[tag])
         view = memoryview(out.reshape(-1).view(np.uint8))
         if self._whole is not None:  # 0.1 blob: already read and checked
             self._copy_whole([view], self.base + start)
@@ -540,7 +265,7 @@ def _read_plan(layout: Layout, copies: Sequence, targets: Mapping[str, Target], 
         if info is None:
             raise BlobError(f"{path}: no tensor {c.name!r}")
         tag, shape, start, end = info
-        itemsize = _DTYPES[tag][0].itemsize
+        itemsize = DTYPES[tag].itemsize
         t = targets[c.name].array
         if (len(shape) < 3 or t.ndim != len(shape) or t.dtype.itemsize != itemsize
                 or t.shape[:2] != shape[:2] or t.shape[3:] != shape[3:]
@@ -617,7 +342,7 @@ def open_blob(root: Path, h: bytes, *, size: int, checksum: int | None = None) -
 
     A header is parsed once: a file opened again (same device, inode and size) whose header
     bytes are unchanged (same length and xxh3_128) reuses the parse."""
-    path = _blob_file(root, h)
+    path = blob_file(root, h)
     if type(size) is not int or not 0 <= size <= MAX_BLOB_BYTES or (checksum is not None and type(checksum) is not int):
         raise BlobError(f"{path}: the index says {size!r:.40} bytes, which no blob has")
     try:
@@ -641,12 +366,7 @@ def open_blob(root: Path, h: bytes, *, size: int, checksum: int | None = None) -
             if len(head) == known.length and xxhash.xxh3_128_intdigest(head) == known.digest:
                 header = known
         if header is None:
-            head = os.pread(fd, min(size, _HEAD_GUESS), 0)
-            if len(head) >= 8:
-                (n,) = struct.unpack_from("<Q", head, 0)
-                if len(head) < 8 + n <= min(size, _HEADER_LIMIT + 8):
-                    head += os.pread(fd, 8 + n - len(head), len(head))
-            header = _header(head, path, size)
+            header = _header(read_head(fd, size), path, size)
         with _CACHE_LOCK:
             _HEADERS[key] = header
             _HEADERS.move_to_end(key)
@@ -676,14 +396,14 @@ def prefetch(root: Path, hashes: Sequence[bytes]) -> None:
     try:
         for h in hashes:
             try:
-                fd = os.open(_blob_file(root, h), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+                fd = os.open(blob_file(root, h), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
             except OSError:
                 continue
             fds.append(fd)
             try:
                 if stat.S_ISREG(os.fstat(fd).st_mode):
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-                    os.posix_fadvise(fd, 0, _HEAD_GUESS, os.POSIX_FADV_WILLNEED)
+                    os.posix_fadvise(fd, 0, HEAD_GUESS, os.POSIX_FADV_WILLNEED)
                 else:
                     fds.pop()
                     os.close(fd)
@@ -702,7 +422,7 @@ def prefetch(root: Path, hashes: Sequence[bytes]) -> None:
 def _cached(root: Path, h: bytes) -> bool:
     """Whether the last byte of record `h`'s blob is in the page cache (False if unknown)."""
     try:
-        fd = os.open(_blob_file(root, h), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        fd = os.open(blob_file(root, h), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return False
     try:
@@ -755,98 +475,6 @@ def _preadv_all(fd: int, views: list[memoryview], offset: int, path: Path, want:
         raise BlobError(f"{path}: cannot read ({e.strerror or e})") from e
 
 
-def decode(buf: bytes | bytearray, where: object = "blob") -> tuple[dict[str, mx.array], dict[str, str]]:
-    """Parse safetensors bytes into mlx arrays (one copy per tensor) and the metadata."""
-    header, base = parse_header(buf, where)
-    arrays: dict[str, mx.array] = {}
-    for name, info in header.items():
-        tag, shape, (start, end) = info["dtype"], info["shape"], info["data_offsets"]
-        np_dtype, mx_dtype = _DTYPES[tag]
-        count = (end - start) // np_dtype.itemsize
-        host = np.frombuffer(buf, dtype=np_dtype, count=count, offset=base + start).reshape(shape)
-        arr = mx.array(host)
-        arrays[name] = arr.view(mx_dtype) if arr.dtype != mx_dtype else arr
-    return arrays, header_metadata(buf)
-
-
-def parse_header(buf: bytes | bytearray, where: object = "blob", *,
-                 size: int | None = None) -> tuple[dict[str, dict], int]:
-    """The tensor entries of a safetensors header, checked against the buffer; and data start.
-
-    `size`: the file's size, when `buf` holds only its first bytes (at least the whole header).
-    """
-    header, base, _ = _parse(buf, where, size)
-    return header, base
-
-
-def _parse(buf, where: object, size: int | None) -> tuple[dict[str, dict], int, dict[str, str]]:
-    """Entries, data start and metadata of a safetensors header, from one JSON parse."""
-    total = len(buf) if size is None else size
-    if len(buf) < 8 or total < 8:
-        raise BlobError(f"{where}: too short to be a safetensors file")
-    (n,) = struct.unpack_from("<Q", buf, 0)
-    if n > min(_HEADER_LIMIT, total - 8, len(buf) - 8):
-        raise BlobError(f"{where}: header length {n} is impossible")
-    header = _header_json(buf, n, where)
-    meta = header.pop("__metadata__", None) or {}
-    if not (isinstance(meta, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items())):
-        raise BlobError(f"{where}: header metadata is not a map of strings")
-    base, payload = 8 + n, total - 8 - n
-    for name, info in header.items():
-        if not _good_entry(info, payload):
-            raise BlobError(f"{where}: tensor {name!r} has a bad header entry")
-    return header, base, {str(k): str(v) for k, v in meta.items()}
-
-
-def _header_json(buf: bytes | bytearray, n: int, where: object) -> dict:
-    try:
-        header = json.loads(bytes(buf[8 : 8 + n]))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError, ValueError) as e:
-        raise BlobError(f"{where}: header is not JSON ({e})") from e  # (or nested too deep)
-    if not isinstance(header, dict):
-        raise BlobError(f"{where}: header is not an object")
-    return header
-
-
-def _good_entry(info: object, payload: int) -> bool:
-    """One tensor entry: a known dtype, a shape and offsets of plain ints that agree."""
-    if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
-        return False
-    tag, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
-    if not isinstance(tag, str) or tag not in _DTYPES:
-        return False
-
-    def plain(v: object) -> bool:  # bool is an int subclass: True is not a dimension
-        return type(v) is int and 0 <= v <= _MAX_DIM
-
-    if not isinstance(shape, list) or len(shape) > 8 or not all(plain(d) for d in shape):
-        return False
-    if not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets):
-        return False
-    start, end = offsets
-    count = 1
-    for d in shape:
-        count *= d  # Python ints: no overflow; bounded below by the payload check
-        if count > payload:
-            return False
-    return 0 <= start <= end <= payload and end - start == count * _DTYPES[tag][0].itemsize
-
-
-def header_metadata(buf: bytes | bytearray) -> dict[str, str]:
-    """The `__metadata__` strings of a header (call `parse_header` first: this trusts it)."""
-    (n,) = struct.unpack_from("<Q", buf, 0)
-    meta = _header_json(buf, n, "blob").get("__metadata__") or {}
-    return {str(k): str(v) for k, v in meta.items()} if isinstance(meta, dict) else {}
-
-
-def read_unchecked(path: Path) -> tuple[dict[str, mx.array], dict[str, str], int, int]:
-    """Read a blob with no index row to compare with (verify, rebuild): arrays, meta, size, sum.
-
-    Never follows a link, never waits on a FIFO, never reads a file larger than any blob."""
-    buf = read_file(path)
-    arrays, meta = decode(buf, path)
-    return arrays, meta, len(buf), xxhash.xxh3_64_intdigest(buf)
-
 
 def read_file(path: Path, limit: int = MAX_BLOB_BYTES) -> bytearray:
     """The bytes of a blob-named regular file, its size checked before it is read."""
@@ -877,38 +505,9 @@ def peek_metadata(path: Path) -> dict[str, str] | None:
         return None
     try:
         size = os.fstat(fd).st_size
-        head = os.pread(fd, min(size, _HEAD_GUESS), 0)
-        if len(head) >= 8:
-            (n,) = struct.unpack_from("<Q", head, 0)
-            if len(head) < 8 + n <= min(size, _HEADER_LIMIT + 8):
-                head += os.pread(fd, 8 + n - len(head), len(head))
-        parse_header(head, path, size=size)
-        return header_metadata(head)
-    except (OSError, BlobError, struct.error):
+        return parse(read_head(fd, size), path, size)[2]
+    except (OSError, BlobError):
         return None
     finally:
         os.close(fd)
 
-
-def _makedirs(path: Path) -> None:
-    """The two hex folders of a blob (`ab/cd`), each 0700 (os.makedirs gives the first one the
-    umask's mode), and never a symbolic link, nor in a blob tree that is one: nothing is
-    written outside the store."""
-    root = path.parent.parent
-    if os.path.islink(root):
-        raise OSError(errno.ENOTDIR, f"{root} is a symbolic link: blobs are only written in real "
-                                     "folders of the store")
-    for folder in (path.parent, path):
-        try:
-            os.mkdir(folder, 0o700)
-        except FileExistsError:
-            if os.path.islink(folder) or not folder.is_dir():
-                raise OSError(errno.ENOTDIR, f"{folder} is a symbolic link or not a folder: "
-                                             "blobs are only written in real folders of the store") from None
-
-
-def _write_all(f, data) -> None:
-    view = memoryview(data)
-    while view:
-        n = f.write(view)
-        view = view[n:]
