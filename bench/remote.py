@@ -30,8 +30,8 @@ import common as C
 import numpy as np
 
 import kvstore
-from kvstore import keys
-from kvstore.tiers.remote import chunk_keys
+from kvstore.records import prompt_records
+from kvstore.remote.layout import key_of
 
 sys.path.insert(0, str(C.REPO / "tests"))
 from remote_fixture import Seaweed  # noqa: E402  (the same server setup the tests use)
@@ -112,15 +112,17 @@ def recompute(length: int) -> float:
 
 def lookups(server, reps: int) -> list[dict]:
     """Latency of the binary search alone, on chains whose chunk objects are tiny stand-ins."""
+    from kvstore.remote.health import Health
+    from kvstore.remote.s3 import S3Bucket
     from kvstore.tiers.remote import RemoteTier
 
     url = server.url("lookup")
-    tier = RemoteTier(url)
+    tier = RemoteTier(S3Bucket(url), Health(), disk=None)
     ns = b"\x07" * 16
     out = []
     for chunks in (8, 32, 128):
         toks = np.random.default_rng(chunks).integers(0, 150_000, chunks * 256).astype(np.int32)
-        names = chunk_keys(ns, toks, keys.chain(ns, toks, 256), 256)
+        names = [key_of(r) for r in prompt_records(ns, toks, 256, tail=False)]
         for present in (chunks, chunks // 2):
             for name in names[:present]:
                 try:
@@ -129,10 +131,10 @@ def lookups(server, reps: int) -> list[dict]:
                     pass
             for name in names[present:]:
                 tier.bucket.delete([name])
-            before = tier.counters["heads"]
+            before = tier.health.counters["heads"]
             samples = C.measure(lambda: tier.deepest(names, 0, time.monotonic() + 60), reps)
             assert tier.deepest(names, 0, time.monotonic() + 60) == present
-            heads = (tier.counters["heads"] - before) // (reps + 2)
+            heads = (tier.health.counters["heads"] - before) // (reps + 2)
             out.append({"chunks": chunks, "present": present, "heads": heads, **C.summary(samples)})
     tier.close()
     return out
@@ -146,7 +148,8 @@ def clients(server, reps: int) -> dict | None:
         from botocore.config import Config
     except ImportError:
         return None
-    from kvstore.remote.s3 import Bucket, parse_url
+    from kvstore.remote.s3 import S3Bucket as Bucket
+    from kvstore.remote.s3 import parse_url
 
     url = server.url("clients")
     bucket_name, prefix = parse_url(url)
@@ -197,7 +200,7 @@ def main() -> None:
             d = work / f"len{length}"
             up = upload(d, url, tokens, cache)
             del cache
-            raw = raw_put(__import__("kvstore.remote.s3").remote.s3.Bucket(url), up.pop("files"), "raw")
+            raw = raw_put(__import__("kvstore.remote.s3").remote.s3.S3Bucket(url), up.pop("files"), "raw")
             query = tokens.tolist() + [1]
             remote_s, rstats = restore_remote(d, url, query, args.reps)
             local_s = restore_local(d, query, args.reps)

@@ -1,36 +1,37 @@
-"""The store: ties the memory tier, the index and the blob files together.
+"""The store, and the one place everything is built and wired: `kvstore.open`.
 
-Data flows one way: caller -> `ModelCache` -> `restore` -> tiers (memory | pending writes | index
-and blobs), in that order (`Store.tiers`).
-`fetch` never raises for anything that went wrong on disk: a bad record is quarantined and the
-caller gets the longest prefix that is still correct.
+A `Store` is a store directory (`upkeep.local.LocalStore`: the index and the blob tree), the
+tiers a lookup asks in order (memory, pending writes, local disk, and a remote bucket when one is
+given), the background writer, and the models bound to it (`ModelCache`s). Each part is given
+what it works with and holds no reference to the store; what must travel up is wired here: a
+batch the writer committed is handed to the uploader and checked against the disk budget.
+
+`fetch` never raises for anything that went wrong on disk or remotely: a bad record is
+quarantined and the caller gets the longest prefix that is still correct.
 """
 
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import os
-import shutil
-import sqlite3
-import stat
-import threading
 import time
 import weakref
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from kvstore import keys
-from kvstore.errors import InvalidInputError, ModelFilesError, StoreOpenError
-from kvstore.model.cache import ModelCache, describe, make_template
-from kvstore.storage.index import Index, is_corruption
-from kvstore.storage.stale import stale_namespaces
-from kvstore.storage.stale import stamps as file_stamps
-from kvstore.storage.storedir import BLOBS_NAME, INDEX_NAME, QUARANTINE_NAME, open_dir
-from kvstore.tiers.base import DiskTier, MemoryTierView, PendingTier
-from kvstore.tiers.memory import MemoryTier
+from kvstore.errors import InvalidInputError, StoreOpenError
+from kvstore.model import fingerprint as fingerprints
+from kvstore.model.cache import Backing, ModelCache
+from kvstore.model.layout import describe, make_template
+from kvstore.remote.node import Remote
+from kvstore.tiers.base import Tiers
+from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.memory import MemoryTier, MemoryTierView
+from kvstore.tiers.remote import DEFAULT_DEADLINE_S, RemoteTier
+from kvstore.upkeep.local import LocalStore
+from kvstore.write.pending import PendingTier
 from kvstore.write.writer import Writer
 
 log = logging.getLogger("kvstore")
@@ -39,8 +40,6 @@ MEMORY = ":memory:"
 DEFAULT_MEMORY_BYTES = 1 << 30
 DEFAULT_PENDING_BYTES = 2 << 30
 AUTO = "auto"
-AUTO_SHARE = 4  # max_bytes="auto": 1/AUTO_SHARE of (what the store holds + the disk's free space)
-
 
 # Stores still open at interpreter exit get their queued writes flushed (bounded in time).
 _OPEN_STORES: "weakref.WeakSet[Store]" = weakref.WeakSet()
@@ -74,54 +73,61 @@ class Store:
                  max_pending_bytes: int = DEFAULT_PENDING_BYTES, fsync: bool = True,
                  create: bool = True, read_only: bool | None = False,
                  remote: str | None = None, remote_deadline: float | None = None):
-        if not isinstance(chunk_size, int) or chunk_size < 1:
-            raise InvalidInputError(f"chunk_size must be a positive integer, got {chunk_size!r}")
-        auto = max_bytes == AUTO
-        for name, value in (("max_bytes", None if auto else max_bytes), ("memory_bytes", memory_bytes)):
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-                extra = ' or "auto"' if name == "max_bytes" else ""
-                raise InvalidInputError(f"{name} must be a non-negative integer{extra}, got {value!r}")
-        if remote:  # a bad URL is an error before anything is opened
-            from kvstore.remote.s3 import parse_url
-
-            parse_url(remote)
+        _check_options(chunk_size, max_bytes, memory_bytes, remote, remote_deadline)
         self.chunk_size = chunk_size
-        self.max_bytes = None if auto else max_bytes
+        self.max_bytes = None if max_bytes == AUTO else max_bytes
         self.max_bytes_rule: str | None = None  # how an automatic budget was found
         self.ram_only = str(path) == MEMORY
-        self.read_only = False
+        if self.ram_only and memory_bytes == 0:
+            raise InvalidInputError("a RAM-only store needs memory_bytes > 0")
+        if self.ram_only and remote:
+            raise InvalidInputError("a remote tier needs a store directory (not kvstore.MEMORY)")
         self.memory = MemoryTier(DEFAULT_MEMORY_BYTES if memory_bytes is None else memory_bytes)
-        if self.ram_only:
-            if memory_bytes == 0:
-                raise InvalidInputError("a RAM-only store needs memory_bytes > 0")
-            self.path, self.index, self.blob_root = None, None, None
-        else:
-            # Refuses a folder that is not a store, symbolic links among its own entries, and a
-            # lost index (a new, empty one would orphan every blob).
-            self.path, self.read_only = open_dir(
-                Path(path) if path is not None else default_path(), create=create, read_only=read_only)
-            self.blob_root = self.path / BLOBS_NAME
-            index_file = self.path / INDEX_NAME
-            if not self.read_only:
-                flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
-                os.close(os.open(index_file, flags, 0o600))
-            self.index = Index(index_file, read_only=self.read_only)
-        if auto:
-            self.max_bytes, self.max_bytes_rule = self._auto_budget()
-        self._gc_lock = threading.Lock()
-        self.remote = self._open_remote(remote, remote_deadline)
+        self.files = None if self.ram_only else LocalStore(
+            Path(path) if path is not None else default_path(), create=create, read_only=read_only)
+        self.path = self.files.path if self.files else None
+        self.read_only = self.files.read_only if self.files else False
+        self.index = self.files.index if self.files else None
+        self.blob_root = self.files.blob_root if self.files else None
+        if max_bytes == AUTO:
+            self.max_bytes, self.max_bytes_rule = self.files.auto_budget() if self.files else (
+                None, "auto: a RAM-only store writes no disk (memory_bytes bounds it)")
         self.counters = {"quarantined": 0, "skipped_inserts": 0, "fetches": 0, "reused_tokens": 0}
-        writes = None if self.read_only else self.index
-        self.writer = Writer(writes, None if self.read_only else self.blob_root, self.memory,
-                             max_pending_bytes,
-                             after_batch=self._enforce_budget if self.max_bytes is not None else None,
-                             fsync=fsync, after_write=self.remote.submit if self.remote else None)
-        # Where fetch reads records from, in order (see `tiers`); a remote tier is one more.
-        self.tiers: list = [MemoryTierView(self.memory), PendingTier(self.writer)]
-        if self.index is not None:
-            self.tiers.append(DiskTier(self.index, self.blob_root, self.writer, self.counters))
+        self.remote = self._open_remote(remote, remote_deadline)
+        writes = self.files is not None and not self.read_only
+        self.writer = Writer(self.index if writes else None, self.blob_root if writes else None, self.memory,
+                             max_pending_bytes, after_batch=self._after_batch if self.max_bytes is not None else None,
+                             fsync=fsync, after_write=self.remote.uploader.submit if self.remote else None)
+        self.tiers = self._tiers()
         self._closed = False
         _OPEN_STORES.add(self)
+
+    def _open_remote(self, url: str | None, deadline: float | None) -> Remote | None:
+        """This node's side of the bucket at `url`, or None. Contacts nothing yet."""
+        if not url:
+            return None
+        from kvstore.remote.s3 import S3Bucket
+
+        return Remote(S3Bucket(url), self.index, self.path, self.blob_root,
+                      deadline=DEFAULT_DEADLINE_S if deadline is None else deadline)
+
+    def _tiers(self) -> Tiers:
+        """Where fetch reads records from, in order."""
+        tiers: list = [MemoryTierView(self.memory), PendingTier(self.writer)]
+        if self.files is not None:
+            disk = DiskTier(self.index, self.blob_root, self.writer.touch, self._count_quarantine)
+            tiers.append(disk)
+            if self.remote is not None:
+                tiers.append(RemoteTier(self.remote.bucket, self.remote.health, disk, deadline=self.remote.deadline))
+        return Tiers(tiers)
+
+    def _count_quarantine(self) -> None:
+        self.counters["quarantined"] += 1
+
+    def _after_batch(self) -> None:
+        """The writer committed a batch: keep the disk within its budget."""
+        if self.max_bytes is not None and self.files.over_budget(self.max_bytes):
+            self.gc(max_bytes=self.max_bytes)
 
     # -- public surface ---------------------------------------------------------------------
 
@@ -138,20 +144,30 @@ class Store:
         self._check_open()
         if kv_bits is not None and kv_bits not in (2, 3, 4, 5, 6, 8):
             raise InvalidInputError(f"kv_bits must be one of 2, 3, 4, 5, 6, 8, got {kv_bits!r}")
-        template = make_template(model, kv_bits, kv_group_size)
-        layout, codecs = describe(model, template)
+        layout, codecs = describe(model, make_template(model, kv_bits, kv_group_size))
         stamps = None
         if fingerprint is None:
             # Before hashing: a file that changes meanwhile shows as changed (stale) later.
-            stamps = self._model_stamps(model_id, adapter_path)
-            fingerprint = self._fingerprint(model_id, adapter_path)
+            stamps = fingerprints.model_stamps(model_id, adapter_path)
+            fingerprint = fingerprints.fingerprint(model_id, adapter_path, self.index, remember=not self.read_only)
         ns = keys.namespace(fingerprint, layout, self.chunk_size)
-        mc = ModelCache(self, model, str(model_id), ns, fingerprint, layout, codecs,
+        backing = Backing(self.tiers, self.memory, self.writer, self.index, self.counters, self._check_open,
+                          self._register, self.flush)
+        mc = ModelCache(backing, model, str(model_id), ns, fingerprint, layout, codecs, self.chunk_size,
                         kv_bits=kv_bits, kv_group_size=kv_group_size)
         mc.registered = self._register(mc, stamps)
         if self.remote is not None:
-            self.remote.bind(mc)
+            self.remote.bind(ns, fingerprint, mc.model_id, self.chunk_size, layout)
         return mc
+
+    def _register(self, mc: ModelCache, stamps: list | None = None) -> bool:
+        """Record a bound model version in the index; False while that cannot be done."""
+        if self.index is None:
+            return True
+        if self.read_only:
+            return False
+        return fingerprints.register(self.index, mc.ns, mc.fingerprint, mc.model_id, mc.layout,
+                                     self.chunk_size, stamps)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every insert so far is durable (and uploaded, with a remote tier).
@@ -166,11 +182,13 @@ class Store:
         if self._closed:
             return
         self.writer.close()
+        for tier in self.tiers:
+            getattr(tier, "close", lambda: None)()
         if self.remote is not None:
             self.remote.close()
         _OPEN_STORES.discard(self)
-        if self.index is not None:
-            self.index.close()
+        if self.files is not None:
+            self.files.close()
         self._closed = True
 
     def __enter__(self) -> "Store":
@@ -199,20 +217,8 @@ class Store:
             **self.counters,
             "remote": self.remote.stats() if self.remote is not None else None,
         }
-        if self.index is not None:
-            with self._damage_is_an_error():
-                out.update(self.index.totals())
-                out["models"] = self.index.models()
-                recorded = self.index.model_files()
-                why = stale_namespaces(recorded)
-                for m in out["models"]:  # None: bound before kvstore recorded its files
-                    ns = bytes.fromhex(m["namespace"])
-                    m["stale"] = (ns in why) if ns in recorded else None
-                    m["stale_reason"] = why.get(ns)
-                out["quarantined_total"] = self.index.counters().get("count.quarantined", 0)
-                n, size = self.index.quarantined()
-                out["quarantined_now"] = {"records": n, "bytes": size}
-            out["quarantine_folder"] = _folder_usage(self.path / QUARANTINE_NAME)
+        if self.files is not None:
+            out.update(self.files.stats())
         else:
             kinds = self.memory.kinds()
             out.update(bytes=self.memory.nbytes, chunks=kinds.get(0, 0), tails=kinds.get(1, 0),
@@ -223,160 +229,54 @@ class Store:
            stale: bool = False) -> dict:
         """Evict down to `max_bytes` (and records unused for `max_age` seconds; with `stale`, every
         record of a model version whose files are gone or changed, pins aside). A budget evicts
-        stale versions first. See `maintenance` and `evict`."""
-        from kvstore.upkeep.maintenance import collect
-
+        stale versions first. See `upkeep.maintenance` and `upkeep.evict`."""
         self._check_open()
-        if not dry_run:
-            self._check_writable("gc")
-        if self.index is None:
+        if self.files is None:
             if max_bytes is not None:
                 self.memory.trim_to(max_bytes)
             return {"evicted": 0, "freed_bytes": 0, "bytes": self.memory.nbytes, "dry_run": dry_run}
-        with self._gc_lock, self._damage_is_an_error():
-            old = set(stale_namespaces(self.index.model_files())) if stale or max_bytes is not None else set()
-            result = collect(self.index, self.blob_root, max_bytes=max_bytes, max_age=max_age,
-                             stale=stale, stale_namespaces=old, dry_run=dry_run)
+        result = self.files.gc(max_bytes=max_bytes, max_age=max_age, dry_run=dry_run, stale=stale)
+        hashes = result.pop("hashes")
         if not dry_run:
-            self.memory.discard(result.pop("hashes"))
-        else:
-            result.pop("hashes")
+            self.memory.discard(hashes)
         return result
 
     def verify(self, repair: bool = False, force: bool = False) -> list:
-        """Problems found (empty when clean); `repair=True` fixes them. See `maintenance`.
+        """Problems found (empty when clean); `repair=True` fixes them. See `upkeep.maintenance`.
 
         Repair deletes at most a small share of the blobs as orphans (no row, or a broken
         chain): more than that means the index, not the blobs, is wrong, and needs `force=True`.
         """
-        from kvstore.upkeep.maintenance import verify
-
         self._check_open()
-        if repair:
-            self._check_writable("verify --repair")
-        if self.index is None:
+        if self.files is None:
             return []
+        if repair:
+            self.files.check_writable("verify --repair")
         self.flush()
-        with self._damage_is_an_error():
-            problems = verify(self.index, self.blob_root, repair=repair, force=force,
-                              read_only=self.read_only)
+        problems = self.files.verify(repair=repair, force=force)
         if repair:
             self.memory.clear()
         return problems
-
-    # -- internals --------------------------------------------------------------------------
-
-    def _open_remote(self, url: str | None, deadline: float | None):
-        """The remote tier for `url` (`s3://BUCKET/PREFIX`), or None. Contacts nothing yet."""
-        if not url:
-            return None
-        from kvstore.tiers.remote import DEFAULT_DEADLINE_S, RemoteTier
-
-        if self.ram_only:
-            raise InvalidInputError("a remote tier needs a store directory (not kvstore.MEMORY)")
-        if deadline is not None and (not isinstance(deadline, (int, float)) or deadline < 0):
-            raise InvalidInputError(f"remote_deadline must be a non-negative number of seconds, got {deadline!r}")
-        tier = RemoteTier(url, deadline=DEFAULT_DEADLINE_S if deadline is None else deadline)
-        tier.attach(self)
-        return tier
 
     def _check_open(self) -> None:
         if self._closed:
             raise StoreOpenError("this store is closed")
 
-    def _check_writable(self, what: str) -> None:
-        if self.read_only:
-            raise StoreOpenError(f"the store {self.path} is open read-only: {what} needs to write "
-                                 "to it (open it as a user who may write it)")
 
-    @contextmanager
-    def _damage_is_an_error(self):
-        """A damaged index found after open is a `CorruptIndexError` that says how to rebuild it."""
-        try:
-            yield
-        except sqlite3.DatabaseError as e:
-            if is_corruption(e):
-                raise self.index.corrupt(e) from e
-            raise
+def _check_options(chunk_size, max_bytes, memory_bytes, remote, remote_deadline) -> None:
+    """Bad settings are an error before anything is opened."""
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise InvalidInputError(f"chunk_size must be a positive integer, got {chunk_size!r}")
+    for name, value in (("max_bytes", None if max_bytes == AUTO else max_bytes), ("memory_bytes", memory_bytes)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            extra = ' or "auto"' if name == "max_bytes" else ""
+            raise InvalidInputError(f"{name} must be a non-negative integer{extra}, got {value!r}")
+    if remote:
+        from kvstore.remote.s3 import parse_url
 
-    def _auto_budget(self) -> tuple[int | None, str]:
-        """`max_bytes="auto"`: a quarter of the space the store could use at open (what it holds
-        plus its disk's free space). Unlike "held + a quarter of free", it does not grow with
-        every restart, and it shrinks when other files fill the disk."""
-        if self.index is None:
-            return None, "auto: a RAM-only store writes no disk (memory_bytes bounds it)"
-        held = self.index.totals()["bytes"]
-        free = shutil.disk_usage(self.path).free
-        budget = (held + free) // AUTO_SHARE
-        return budget, (f"auto: 1/{AUTO_SHARE} of ({held} bytes held + {free} bytes free on the "
-                        f"store's disk at open) = {budget} bytes")
-
-    def _enforce_budget(self) -> None:
-        if self.max_bytes is not None and self.index.totals()["bytes"] > self.max_bytes:
-            self.gc(max_bytes=self.max_bytes)
-
-    def _fingerprint(self, model_id, adapter_path) -> bytes:
-        model_dir = resolve_model_dir(str(model_id))
-        adapter_dir = Path(adapter_path) if adapter_path is not None else None
-        if adapter_dir is not None and not adapter_dir.is_dir():
-            raise ModelFilesError(f"adapter folder {adapter_dir} does not exist")
-        files = keys.model_files(model_dir, adapter_dir)
-        if not any(f.name == "config.json" for f in files):
-            raise ModelFilesError(f"{model_dir} has no config.json: is it an mlx-lm model folder?")
-        lookup = self.index.file_digest if self.index is not None else None
-        remember = None
-        if self.index is not None and not self.read_only:
-
-            def remember(*args) -> None:
-                try:
-                    self.index.remember_file_digest(*args)
-                except sqlite3.OperationalError:  # only a memo (the disk may be full)
-                    pass
-        return keys.fingerprint(files, model_dir, lookup, remember)
-
-    def _model_stamps(self, model_id, adapter_path) -> list | None:
-        """size/mtime/inode/ctime of the files a fingerprint covers (None if they cannot be
-        listed: `_fingerprint` then says why)."""
-        try:
-            adapter_dir = Path(adapter_path) if adapter_path is not None else None
-            return file_stamps(keys.model_files(resolve_model_dir(str(model_id)), adapter_dir))
-        except (ModelFilesError, OSError):
-            return None
-
-    def _register(self, mc: ModelCache, stamps: list | None = None) -> bool:
-        """Record a bound model version in the index (with its files' stamps, to tell later
-        whether it went stale); False if the index cannot be written now (a full disk, a
-        read-only or busy index): fetch goes on, inserts wait until it works."""
-        if self.index is None:
-            return True
-        if self.read_only:
-            return False
-        try:
-            self.index.register_model(mc.ns, mc.fingerprint, mc.model_id, json.dumps(mc.layout),
-                                      self.chunk_size)
-            if stamps:
-                self.index.record_model_files(mc.ns, stamps)
-            return True
-        except sqlite3.OperationalError as e:
-            log.warning("kvstore: cannot record model %s in the index (%s): serving reads only "
-                        "until it can be written", mc.model_id, e)
-            return False
-
-
-
-def resolve_model_dir(model_id: str) -> Path:
-    """The local folder of a model path or an already-downloaded Hugging Face repo id."""
-    p = Path(model_id).expanduser()
-    if p.is_dir():
-        return p.resolve()
-    try:
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(model_id, local_files_only=True))
-    except Exception as e:
-        raise ModelFilesError(
-            f"cannot find the files of model {model_id!r} to fingerprint them: pass the local "
-            "folder it was loaded from (or a repo id that is already downloaded)") from e
+        parse_url(remote)
+    if remote_deadline is not None and (not isinstance(remote_deadline, (int, float)) or remote_deadline < 0):
+        raise InvalidInputError(f"remote_deadline must be a non-negative number of seconds, got {remote_deadline!r}")
 
 
 def open(path: str | os.PathLike | None = None, *, max_bytes: int | str | None = None,
@@ -393,24 +293,8 @@ def open(path: str | os.PathLike | None = None, *, max_bytes: int | str | None =
     files but no kvstore index) is refused, never used. `create=False` opens only an existing
     store; `read_only=True` (or `None`: when this user may not write it) writes nothing.
     `remote="s3://BUCKET/PREFIX"` shares the store with other nodes through an S3-compatible
-    object store (see `kvstore.tiers.remote`); `remote_deadline` (seconds, default 1) bounds the remote
-    part of each fetch.
+    object store (see `kvstore.tiers.remote`); `remote_deadline` (seconds, default 1) bounds the
+    remote part of each fetch.
     """
     return Store(path, max_bytes=max_bytes, memory_bytes=memory_bytes, chunk_size=chunk_size,
                  remote=remote, **options)
-
-
-def _folder_usage(folder: Path) -> dict[str, int]:
-    """{"files", "bytes"} of the regular files under a folder (no link is followed)."""
-    files = size = 0
-    if folder.is_symlink():
-        return {"files": 0, "bytes": 0}
-    for top, _, names in os.walk(folder):
-        for name in names:
-            try:
-                st = os.lstat(os.path.join(top, name))
-            except OSError:
-                continue
-            files += 1
-            size += st.st_size if stat.S_ISREG(st.st_mode) else 0
-    return {"files": files, "bytes": size}

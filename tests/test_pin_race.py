@@ -33,7 +33,7 @@ def assert_pinned_and_whole(store_dir, model, model_path, prompt) -> None:
     with kvstore.open(store_dir, chunk_size=C, memory_bytes=0) as s:
         mc = s.bind(model, model_path)
         assert mc.stored_length(prompt) == len(prompt)
-        rows = [s.index.get(h) for h in mc._record_hashes(np.asarray(prompt, dtype=np.int32))]
+        rows = [s.index.get(h) for h in mc.record_hashes(np.asarray(prompt, dtype=np.int32))]
         assert all(r is not None and r.pinned for r in rows)
         s.gc(max_bytes=0)
         assert mc.stored_length(prompt) == len(prompt)

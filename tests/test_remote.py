@@ -19,8 +19,9 @@ from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 
 import kvstore
+from kvstore.records import RecordId
 from kvstore.remote import s3 as remote_client
-from kvstore.remote.s3 import parse_key
+from kvstore.remote.layout import key_of, manifest_key, parse_key
 
 C = 16
 
@@ -67,13 +68,13 @@ def test_url_and_keys():
         with pytest.raises(kvstore.InvalidInputError):
             remote_client.parse_url(bad)
     ns, parent, h = b"\x01" * 16, b"\xab" * 16, b"\x02" * 16
-    key = remote_client.record_key(ns, parent, h, 1, 7, 42)
+    key = key_of(RecordId(h, ns, parent, None, 1, 7, 42))
     assert key == f"{ns.hex()}/ab/{parent.hex()}/42/{h.hex()}.tail.7"
     k = parse_key(key)
     assert (k.ns, k.parent, k.hash, k.kind, k.ntokens, k.first_token) == (ns, parent, h, 1, 7, 42)
-    ck = parse_key(remote_client.record_key(ns, parent, h, 2, 0, None))
+    ck = parse_key(key_of(RecordId(h, ns, parent, None, 2, 0, None)))
     assert ck.kind == 2 and ck.parent == parent
-    assert parse_key(remote_client.manifest_key(ns)) is None
+    assert parse_key(manifest_key(ns)) is None
 
 
 def test_aws_profile_files(tmp_path):

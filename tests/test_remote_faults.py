@@ -18,7 +18,8 @@ import pytest
 from kvtest import logits_diff, prefill
 
 import kvstore
-from kvstore.remote.s3 import Bucket, parse_key
+from kvstore.remote.layout import parse_key
+from kvstore.remote.s3 import S3Bucket as Bucket
 
 C = 16
 
@@ -61,7 +62,7 @@ def test_stopped_before_a_fetch(tmp_path, s3, llama):
     stored(tmp_path, "a", url, model, path, prompt)
     s3.kill()
     with kvstore.open(tmp_path / "b", chunk_size=C, remote=url) as b:
-        b.remote.retry_after = 0.5
+        b.remote.health.retry_after = 0.5
         mc = b.bind(model, path)
         reused, took = fetch_checked(mc, model, prompt + [1])
         assert reused == 0 and took < 3.0
@@ -210,7 +211,7 @@ def test_upload_queue_is_bounded_by_bytes(tmp_path, s3, llama):
     path, model = llama
     url = s3.url()
     with kvstore.open(tmp_path / "a", chunk_size=C, remote=url) as a:
-        a.remote.max_upload_bytes = 1  # one batch at a time: what arrives while one waits is dropped
+        a.remote.uploader.max_upload_bytes = 1  # one batch at a time: what arrives while one waits is dropped
         mc = a.bind(model, path)
         gate, real = __import__("threading").Event(), a.remote.bucket.put_new
 
@@ -257,7 +258,7 @@ def test_an_oversized_object_is_never_read_into_memory(tmp_path, s3, llama, monk
     stored(tmp_path, "a", url, model, path, prompt)
     victim = chain_objects(url)[1]
     Bucket(url).put(victim.path, b"\0" * (1 << 20))
-    monkeypatch.setattr(remote_client.Bucket.get, "__defaults__", (1 << 19,))  # the cap, lowered
+    monkeypatch.setattr(remote_client.S3Bucket.get, "__defaults__", (1 << 19,))  # the cap, lowered
     with kvstore.open(tmp_path / "b", chunk_size=C, remote=url) as b:
         reused, _ = fetch_checked(b.bind(model, path), model, prompt + [1])
         assert reused == C

@@ -16,7 +16,8 @@ import requests
 from kvtest import logits_diff, prefill
 
 import kvstore
-from kvstore.remote.s3 import Bucket, parse_key
+from kvstore.remote.layout import parse_key
+from kvstore.remote.s3 import S3Bucket as Bucket
 
 C = 16
 REPO = Path(__file__).resolve().parents[1]
@@ -69,7 +70,7 @@ def test_gc_remote_keeps_pins_and_never_orphans(tmp_path, s3, llama):
         a.remote.gc(max_bytes=0)
         left = records(url)
         assert_whole(left)
-        want = set(mc._record_hashes(np.asarray(pinned)))
+        want = set(mc.record_hashes(np.asarray(pinned)))
         assert set(left) == want
     # Another node still restores the pinned prompt from the bucket.
     with kvstore.open(tmp_path / "b", chunk_size=C, remote=url, memory_bytes=0) as b:
@@ -246,4 +247,4 @@ def test_pins_made_on_another_node_are_kept(tmp_path, s3, llama):
     left = records(url)
     assert_whole(left)
     with kvstore.open(tmp_path / "c", chunk_size=C) as c:
-        assert set(left) == set(c.bind(model, path)._record_hashes(np.asarray(prompt)))
+        assert set(left) == set(c.bind(model, path).record_hashes(np.asarray(prompt)))

@@ -1,46 +1,22 @@
-"""The S3 side of the remote tier: the bucket URL, credentials, object keys and bounded requests.
+"""The S3 backend of the bucket protocol: any S3-compatible store (AWS S3, MinIO, Ceph RGW,
+Garage, R2, SeaweedFS), through obstore, with bounded timeouts and retries.
 
-Knows S3 and key names, nothing about caches. Endpoint, region and credentials come only from the
-standard AWS environment and config chain (`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`,
-`AWS_SECRET_ACCESS_KEY`, `AWS_SESSION_TOKEN`, `AWS_REGION`, `AWS_PROFILE` and the shared
-`~/.aws/credentials` / `~/.aws/config` files); they are handed to the client and never logged
-or stored. Every request has a connect timeout, a request timeout and a bounded retry budget.
-
-Layout under `s3://BUCKET/PREFIX/` (hashes in hex; `pp` is the first two hex digits of `parent`):
-
-    <ns>/manifest.json                                 model fingerprint, layout, model id
-    <ns>/<pp>/<parent>/<first token>/<hash>.chunk.<n>  a chunk: n == chunk size tokens
-    <ns>/<pp>/<parent>/<first token>/<hash>.tail.<n>   a tail of n tokens
-    <ns>/<pp>/<record>/ckpt/<hash>.ckpt                the checkpoint at the end of <record>
-    <ns>/pins/<node>.json                              what one node has pinned
-
-Every key is computed from the chain: a chunk's parent and first token are known from the prompt,
-so a HEAD finds it; one listing of `<ns>/<pp>/<parent>/<token>/` finds every child of a chunk
-that starts with the next token; a checkpoint hangs under its record. The key names the parent of
-every object, so gc can keep the tree whole from a listing alone.
+Endpoint, region and credentials come only from the standard AWS environment and config chain
+(`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_SESSION_TOKEN`,
+`AWS_REGION`, `AWS_PROFILE` and the shared `~/.aws/credentials` / `~/.aws/config` files); they are
+handed to the client and never logged or stored.
 """
 
 from __future__ import annotations
 
 import configparser
 import os
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Iterator
 
-from kvstore.errors import InvalidInputError, KVStoreError
-from kvstore.storage.index import CHECKPOINT, CHUNK, TAIL
-
-LAYOUT_VERSION = "kvstore-remote-1"
-MAX_OBJECT_BYTES = 1 << 30
-_KIND_NAMES = {CHUNK: "chunk", TAIL: "tail", CHECKPOINT: "ckpt"}
-_KINDS = {v: k for k, v in _KIND_NAMES.items()}
-
-
-class RemoteError(KVStoreError):
-    """The object store could not be reached or answered with an error; the caller goes local."""
-
+from kvstore.errors import InvalidInputError
+from kvstore.remote.bucket import MAX_OBJECT_BYTES, RemoteError
 
 # -- the URL and the AWS configuration chain ---------------------------------------------------
 
@@ -95,73 +71,9 @@ def aws_settings(env: dict | None = None) -> dict[str, str]:
     return out
 
 
-# -- object keys --------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class ObjectKey:
-    """What a record object's key says about it."""
-
-    ns: bytes
-    parent: bytes
-    hash: bytes
-    kind: int
-    ntokens: int
-    first_token: int | None
-    path: str
-    size: int = 0
-    modified: float = 0.0
 
 
-def manifest_key(ns: bytes) -> str:
-    return f"{ns.hex()}/manifest.json"
-
-
-def pins_key(ns: bytes, node: str) -> str:
-    return f"{ns.hex()}/pins/{node}.json"
-
-
-def children_prefix(ns: bytes, parent: bytes, first_token: int) -> str:
-    """The folder of `parent`'s chunks and tails that start with `first_token`."""
-    p = parent.hex()
-    return f"{ns.hex()}/{p[:2]}/{p}/{int(first_token)}/"
-
-
-def record_key(ns: bytes, parent: bytes, h: bytes, kind: int, ntokens: int, first_token: int | None) -> str:
-    p = parent.hex()
-    if kind == CHECKPOINT:
-        return f"{ns.hex()}/{p[:2]}/{p}/ckpt/{h.hex()}.ckpt"
-    if first_token is None or kind not in (CHUNK, TAIL):
-        raise ValueError(f"a {kind} record needs its first token for its key")
-    return f"{children_prefix(ns, parent, first_token)}{h.hex()}.{_KIND_NAMES[kind]}.{int(ntokens)}"
-
-
-def parse_key(path: str, size: int = 0, modified: float = 0.0) -> ObjectKey | None:
-    """The record an object key names, or None if it is not a record's key (manifest, pins,
-    anything foreign)."""
-    parts = path.split("/")
-    if len(parts) < 5:
-        return None
-    ns_hex, pp, parent_hex, folder, name = parts[-5:]
-    try:
-        ns, parent = bytes.fromhex(ns_hex), bytes.fromhex(parent_hex)
-        pieces = name.split(".")
-        h = bytes.fromhex(pieces[0])
-    except ValueError:
-        return None
-    if len(ns) != 16 or len(parent) != 16 or len(h) != 16 or pp != parent_hex[:2]:
-        return None
-    if folder == "ckpt":
-        if pieces[1:] != ["ckpt"]:
-            return None
-        return ObjectKey(ns, parent, h, CHECKPOINT, 0, None, path, size, modified)
-    if len(pieces) != 3 or pieces[1] not in ("chunk", "tail") or not folder.isdigit() or not pieces[2].isdigit():
-        return None
-    return ObjectKey(ns, parent, h, _KINDS[pieces[1]], int(pieces[2]), int(folder), path, size, modified)
-
-
-# -- the bucket ---------------------------------------------------------------------------------
-
-class Bucket:
+class S3Bucket:
     """One `s3://BUCKET/PREFIX`, through obstore, with bounded timeouts and retries.
 
     Reads (lookups, downloads) use short timeouts and one retry: a fetch has a deadline anyway.
@@ -194,7 +106,7 @@ class Bucket:
         self._write = make(write_timeout, 2, 10.0)
 
     def __repr__(self) -> str:  # never shows credentials
-        return f"Bucket({self.url!r})"
+        return f"S3Bucket({self.url!r})"
 
     def head(self, key: str) -> int | None:
         """The object's size, or None if there is none."""

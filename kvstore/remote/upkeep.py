@@ -13,6 +13,7 @@ every node's pins object and keeps those records, their ancestors and their chec
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import json
 import os
@@ -23,7 +24,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvstore.errors import BlobError
-from kvstore.remote.s3 import Bucket, ObjectKey, RemoteError, parse_key, pins_key
+from kvstore.remote.bucket import Bucket, RemoteError
+from kvstore.remote.layout import ObjectKey, parse_key, pins_key
 from kvstore.storage.index import CHECKPOINT
 from kvstore.upkeep.maintenance import Problem
 
@@ -212,13 +214,11 @@ def verify_remote(bucket: Bucket, *, repair: bool = False, threads: int = 8) -> 
         if k.parent == k.ns or k.parent in tree.objects:
             depth = tree.depth(k.parent) if k.kind == CHECKPOINT else tree.depth(k.hash)
         try:
-            tokens = check_record(buf, k.hash, k.ns, k.parent, depth, k.kind, _chunk_size(buf))
+            tokens = check_record(buf, dataclasses.replace(k, depth=depth), _chunk_size(buf))
         except BlobError as e:
             return str(e)
-        if k.kind != CHECKPOINT:
-            first = int.from_bytes(tokens[:4], "little", signed=True)
-            if len(tokens) // 4 != k.ntokens or first != k.first_token:
-                return f"its key says {k.ntokens} tokens from {k.first_token}, it holds {len(tokens) // 4} from {first}"
+        if k.kind != CHECKPOINT and int(tokens[0]) != k.first_token:
+            return f"its key says its first token is {k.first_token}, it holds {int(tokens[0])}"
         return None
 
     keys_ = list(tree.objects.values())

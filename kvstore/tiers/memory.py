@@ -1,4 +1,8 @@
-"""The memory tier: an LRU of decoded records, bounded by bytes, in front of the disk."""
+"""The memory tier: an LRU of decoded records, bounded by bytes, in front of the disk.
+
+`MemoryTier` is the LRU; `MemoryTierView` is it as a tier of the lookup, and `RecordSource` a
+record held in RAM (here or in the writer's queue) as the restore reads it.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,11 @@ from typing import Iterable
 
 import mlx.core as mx
 import numpy as np
+
+from kvstore.records import RecordId
+from kvstore.restore.arrays import host_array, tag_of
+from kvstore.storage.blobfile import shared_entries
+from kvstore.storage.blobformat import Entry
 
 
 @dataclass
@@ -34,9 +43,9 @@ class Record:
         if not self.nbytes:
             self.nbytes = sum(a.nbytes for a in self.arrays.values()) + self.tokens.nbytes
 
-    def depth_start(self, chunk_size: int) -> int:
-        """The position of this record's first token."""
-        return (self.depth - 1) * chunk_size
+    def identity(self) -> RecordId:
+        first = int(self.tokens[0]) if len(self.tokens) else None
+        return RecordId(self.hash, self.ns, self.parent, self.depth, self.kind, len(self.tokens), first)
 
 
 class MemoryTier:
@@ -129,3 +138,69 @@ class MemoryTier:
             siblings.discard(h)
             if not siblings:
                 del self._children[rec.parent]
+
+
+class RecordSource:
+    """A record held in RAM (memory tier or the writer's queue): copies, nothing to check."""
+
+    in_ram = True  # the restore gathers small pieces of such records (restore._gather)
+
+    def __init__(self, rec: Record):
+        self.id, self.tokens, self.record = rec.identity(), rec.tokens, rec
+        # What a record's arrays look like to the restore is worked out once and kept on it (its
+        # arrays never change): a fetch of a long prompt opens hundreds of records.
+        known = rec.__dict__.get("_kvstore_read")
+        if known is None or known[0] is not rec.arrays:
+            entries = shared_entries(
+                {name: Entry("BF16" if name in rec.views or a.dtype == mx.bfloat16 else tag_of(a.dtype),
+                             tuple(a.shape)) for name, a in rec.arrays.items()})
+            known = rec.__dict__["_kvstore_read"] = (rec.arrays, entries, {})
+        self.entries, self._host = known[1], known[2]
+
+    def _np(self, name: str) -> np.ndarray:
+        host = self._host.get(name)
+        if host is None:
+            host = self._host[name] = host_array(self.record.arrays[name])
+        return host
+
+    def read_copies(self, copies, targets):
+        for c in copies:
+            np.copyto(targets[c.name].array[:, :, c.dst : c.dst + c.hi - c.lo], self._np(c.name)[:, :, c.lo : c.hi],
+                      casting="no")
+
+    def array(self, name: str) -> np.ndarray:
+        return self._np(name)
+
+    def cold(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        pass
+
+
+class MemoryTierView:
+    """The memory tier (an LRU of records in RAM) as a tier."""
+
+    name = "memory"
+    in_process = True
+
+    def __init__(self, memory: MemoryTier):
+        self.memory = memory
+
+    def find(self, lookup, ids):
+        return {r.hash: None for r in ids if r.hash in self.memory}
+
+    def children(self, lookup, parent, rest):
+        return [(r.hash, r.tokens, r) for r in self.memory.children(parent)]
+
+    def open(self, h, ref):
+        rec = self.memory.get(h)
+        if rec is None:
+            raise KeyError(h)
+        return RecordSource(rec)
+
+    def damaged(self, h, error, ref=None):
+        self.memory.discard([h])
+
+    def touch(self, hashes):
+        self.memory.touch(reversed(hashes))

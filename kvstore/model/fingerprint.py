@@ -1,0 +1,78 @@
+"""Which model version a bound model is: its files' fingerprint, memoised in the index, and the
+stamps of those files (to tell later whether they changed)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sqlite3
+from pathlib import Path
+
+from kvstore import keys
+from kvstore.errors import ModelFilesError
+from kvstore.storage.index import Index
+from kvstore.storage.stale import stamps as file_stamps
+
+log = logging.getLogger("kvstore")
+
+
+def resolve_model_dir(model_id: str) -> Path:
+    """The local folder of a model path or an already-downloaded Hugging Face repo id."""
+    p = Path(model_id).expanduser()
+    if p.is_dir():
+        return p.resolve()
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(model_id, local_files_only=True))
+    except Exception as e:
+        raise ModelFilesError(
+            f"cannot find the files of model {model_id!r} to fingerprint them: pass the local "
+            "folder it was loaded from (or a repo id that is already downloaded)") from e
+
+
+def fingerprint(model_id: str, adapter_path, index: Index | None, *, remember: bool) -> bytes:
+    """The fingerprint of a model's files (config, weights, adapter), each file's digest
+    memoised in `index` (and, with `remember`, written there)."""
+    model_dir = resolve_model_dir(str(model_id))
+    adapter_dir = Path(adapter_path) if adapter_path is not None else None
+    if adapter_dir is not None and not adapter_dir.is_dir():
+        raise ModelFilesError(f"adapter folder {adapter_dir} does not exist")
+    files = keys.model_files(model_dir, adapter_dir)
+    if not any(f.name == "config.json" for f in files):
+        raise ModelFilesError(f"{model_dir} has no config.json: is it an mlx-lm model folder?")
+    lookup = index.file_digest if index is not None else None
+    keep = None
+    if index is not None and remember:
+
+        def keep(*args) -> None:
+            try:
+                index.remember_file_digest(*args)
+            except sqlite3.OperationalError:  # only a memo (the disk may be full)
+                pass
+    return keys.fingerprint(files, model_dir, lookup, keep)
+
+
+def model_stamps(model_id: str, adapter_path) -> list | None:
+    """size/mtime/inode/ctime of the files a fingerprint covers (None if they cannot be listed:
+    `fingerprint` then says why)."""
+    try:
+        adapter_dir = Path(adapter_path) if adapter_path is not None else None
+        return file_stamps(keys.model_files(resolve_model_dir(str(model_id)), adapter_dir))
+    except (ModelFilesError, OSError):
+        return None
+
+
+def register(index: Index, ns: bytes, fingerprint: bytes, model_id: str, layout: dict, chunk_size: int,
+             stamps: list | None = None) -> bool:
+    """Record a bound model version in the index (with its files' stamps); False if the index
+    cannot be written now (a full disk, a busy index): fetch goes on, inserts wait until it works."""
+    try:
+        index.register_model(ns, fingerprint, model_id, json.dumps(layout), chunk_size)
+        if stamps:
+            index.record_model_files(ns, stamps)
+        return True
+    except sqlite3.OperationalError as e:
+        log.warning("kvstore: cannot record model %s in the index (%s): serving reads only "
+                    "until it can be written", model_id, e)
+        return False

@@ -1,0 +1,106 @@
+"""An insert: the records a cache holds for a prompt, as a job for the background writer.
+
+Nothing is copied on the caller's thread: a `KVCache`'s deltas are plain token ranges of its
+arrays, handed over as numpy views of their memory; codecs that compute their deltas hand over
+lazy mlx views, scheduled (not waited for). The writer copies each new record out of them.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import mlx.core as mx
+import numpy as np
+
+from kvstore.errors import BlobError, InvalidInputError
+from kvstore.records import CHECKPOINT, Span
+from kvstore.restore.arrays import host_array, host_bits
+from kvstore.restore.codecs import Codec
+from kvstore.write.writer import Job, Spec
+
+
+def held_range(a: mx.array, first: int, end: int) -> np.ndarray:
+    """Tokens [first, end) of axis 2 of `a` as a numpy view of its memory (bfloat16 as its bits),
+    through a second reference to the same array: the layer's next update then writes a new
+    buffer (mlx updates in place only an array nothing else holds), so what the view sees never
+    changes, and the memory lives as long as the view. Evaluates `a` if it is not yet."""
+    held = copy.copy(a)  # the same data, one more holder; no op
+    return host_array(held)[:, :, first:end]
+
+
+class Views:
+    """Every tensor a cache holds for `n` tokens, as the writer takes them: "layer.name" -> a view
+    with its token axis 2, the token its element 0 holds, names carried as raw bits, and the
+    checkpoint state (when one is wanted)."""
+
+    def __init__(self, codecs: list[Codec], cache: list, n: int, *, checkpoint: bool):
+        self.arrays: dict = {}
+        self.origins: dict[str, int] = {}
+        self.views: dict[str, mx.Dtype] = {}
+        self.saved: dict = {}
+        lazy: list[mx.array] = []
+        try:
+            for i, (codec, layer) in enumerate(zip(codecs, cache)):
+                self._layer(i, codec, layer, n, lazy)
+                if checkpoint:
+                    for name, a in codec.checkpoint(layer).items():
+                        self.saved[f"{i}.{name}"], view = host_bits(a)
+                        lazy.append(self.saved[f"{i}.{name}"])
+                        if view is not None:
+                            self.views[f"{i}.{name}"] = view
+        except (ValueError, BlobError) as e:
+            raise InvalidInputError(f"cannot store this cache: {e}") from e
+        # Lazy views (a codec that computes its deltas) are scheduled, not waited for: the writer
+        # reads them later and waits if it must. Even scheduling them waits for mlx's thread
+        # while the writer keeps the cores busy (milliseconds for 56 views), which is why plain
+        # token ranges are numpy views instead.
+        if lazy:
+            mx.async_eval(lazy)
+
+    def _layer(self, i: int, codec: Codec, layer, n: int, lazy: list) -> None:
+        plain = codec.slices(layer, n)
+        if plain is not None:  # plain ranges of the layer's arrays: numpy views, no mlx op
+            for name, (a, origin, end) in plain.items():
+                self.arrays[f"{i}.{name}"] = held_range(a, origin, end)
+                self.origins[f"{i}.{name}"] = origin
+                if a.dtype == mx.bfloat16:
+                    self.views[f"{i}.{name}"] = mx.bfloat16
+            return
+        for name, (a, origin) in codec.deltas(layer, n).items():
+            self.arrays[f"{i}.{name}"], view = host_bits(a)
+            lazy.append(self.arrays[f"{i}.{name}"])
+            self.origins[f"{i}.{name}"] = origin
+            if view is not None:
+                self.views[f"{i}.{name}"] = view
+
+    def complete_from(self, start: int) -> bool:
+        """Whether every tensor holds every token from `start` on (a sliding window may not)."""
+        return all(o <= start for o in self.origins.values())
+
+    def sizes(self, spans: list[Span], *, whole: bool = False) -> list[Spec]:
+        """The writer's specs of these records, with the bytes each will take (its tokens, and
+        what of its range each tensor holds; `whole`: every tensor holds all of it)."""
+        per_token: dict[int, int] = {}  # origin -> bytes per token of the arrays starting there
+        for name, a in self.arrays.items():
+            origin = self.origins[name]
+            per_token[origin] = per_token.get(origin, 0) + a.nbytes // max(1, a.shape[2])
+        checkpoint_bytes = sum(a.nbytes for a in self.saved.values())
+        out = []
+        for s in spans:
+            if s.kind == CHECKPOINT:
+                nbytes = checkpoint_bytes
+            elif whole:
+                nbytes = 4 * s.ntokens + sum(b * s.ntokens for b in per_token.values())
+            else:
+                nbytes = 4 * s.ntokens + sum(b * max(0, s.end - max(s.start, origin)) for origin, b in per_token.items())
+            out.append(Spec(s.hash, s.parent, s.depth, s.kind, s.start, s.end, nbytes))
+        return out
+
+
+def make_job(ns: bytes, toks: np.ndarray, views: Views, new: list[Span], refill: list[Span],
+             metadata: dict[str, str], pin: list[bytes]) -> Job:
+    """The writer's job: the new records, and stored ones to write again, complete."""
+    specs = views.sizes(new)
+    again = views.sizes(refill, whole=True)
+    return Job(ns, toks, views.arrays, views.origins, views.views, specs, metadata, checkpoint=views.saved,
+               pin=pin, nbytes=sum(s.nbytes for s in specs) + sum(s.nbytes for s in again), refill=again)

@@ -1,0 +1,145 @@
+"""The lookup of one prompt: which stored records it can resume from, where each is held, and
+opening them (checked) from the first tier that has them.
+
+`match` hashes the prompt's chunk boundaries (`records.prompt_records`), asks the tiers in order
+for the deepest run of stored chunks from the start (one query per tier for the whole chain),
+then the children of the last one that share tokens with what follows. A later tier is asked for
+children only while the earlier ones left the prompt uncovered. `Opening` opens the records of
+one restore attempt, each once, and remembers which could not be used.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from kvstore import keys
+from kvstore.errors import BlobError
+from kvstore.records import prompt_records
+from kvstore.restore.pipeline import Part
+from kvstore.tiers.base import Lookup, Source, Tiers, Where
+
+Options = list[tuple[bytes | None, int]]  # (child, tokens it shares with the rest), best first
+
+
+def match(tiers: Tiers, lookup: Lookup | None, ns: bytes, toks: np.ndarray, chunk_size: int
+          ) -> tuple[list[bytes], Options, Where]:
+    """The stored full chunks of `toks` (deepest run from the start); the children of the last
+    one that share tokens with what follows: (hash, tokens shared), best first, then every other
+    child it matches whole (a checkpoint or a sliding window may be restorable at a shorter
+    child's end where the longest match's is not); and where each one is held. With no
+    `lookup`, only the tiers of this machine are asked."""
+    C = chunk_size
+    chain = prompt_records(ns, toks, C, tail=False)
+    where = tiers.find(lookup, chain, local=lookup is None)
+    depth = 0
+    while depth < len(chain) and chain[depth].hash in where:
+        depth += 1
+    parent = chain[depth - 1].hash if depth else ns
+    rest = toks[depth * C :]
+    found: dict[bytes, tuple[bytes, int, bool]] = {}
+    if len(rest):
+        for tier in tiers:
+            if lookup is None and getattr(tier, "shared", False):
+                continue
+            if any(n >= len(rest) - 1 for _, n, _ in found.values()):
+                break  # covered: nothing a later tier holds could restore more
+            for h, child_tokens, ref in tier.children(lookup, parent, rest):
+                if len(child_tokens) == 0 or h in found:
+                    continue
+                n = keys.common_prefix(child_tokens, rest)
+                if n:
+                    found[h] = (h, n, n == len(child_tokens))
+                    where.setdefault(h, (tier, ref))
+    ranked = sorted(found.values(), key=lambda f: -f[1])
+    options = ranked[:1] + [f for f in ranked[1:] if f[2]]
+    return [r.hash for r in chain[:depth]], [(h, n) for h, n, _ in options] or [(None, 0)], where
+
+
+class Opening:
+    """The records one restore attempt opens: each once, from the first tier that holds it,
+    checked (`check`) unless a tier of this process made it. Close it when done."""
+
+    def __init__(self, tiers: Tiers, lookup: Lookup | None, where: Where, check: Callable[[Source], None]):
+        self.tiers, self.lookup, self.where, self.check = tiers, lookup, where, check
+        self.opened: dict[bytes, Source | None] = {}
+        self.vanished: list[bytes] = []  # records every tier let go since the lookup saw them
+
+    def path(self, hashes: list[bytes], chunk_size: int) -> tuple[list[Part], list[Source]]:
+        """The records of `hashes` (a chain from its start) as plan parts and sources, up to the
+        first one that is missing or damaged (the prefix ends there)."""
+        by_tier: dict[object, list] = {}
+        for h in hashes:
+            if h not in self.opened and h in self.where:
+                tier, ref = self.where[h]
+                by_tier.setdefault(tier, []).append((h, ref))
+        for tier, items in by_tier.items():  # readahead of every record at once, where a tier can
+            prefetch = getattr(tier, "prefetch", None)
+            if prefetch is not None and len(items) > 1:
+                prefetch(items)
+        parts, sources = [], []
+        for i, h in enumerate(hashes):
+            source = self.one(h, track=True)
+            if source is None:
+                break
+            parts.append(Part(h, i * chunk_size, source.id.ntokens, source.entries))
+            sources.append(source)
+        return parts, sources
+
+    def one(self, h: bytes, *, track: bool = False) -> Source | None:
+        """A checked source of record `h` from the first tier that has it, or None (and, with
+        `track`, `h` in `vanished` if the tiers the lookup saw it in all let it go since)."""
+        if h in self.opened:
+            return self.opened[h]
+        found = self.where.get(h)
+        source = None
+        while found is not None and source is None:
+            tier, ref = found
+            try:
+                source = tier.open(h, ref)
+                if not tier.in_process:
+                    self.check(source)
+            except KeyError:  # gone from that tier since the lookup: ask the ones after it
+                found = self._after(tier, h)
+                if found is None and track:
+                    self.vanished.append(h)
+            except BlobError as e:
+                if source is not None:
+                    source.close()
+                    source = None
+                tier.damaged(h, e, ref)
+                self.where.pop(h, None)
+                found = None
+                if track and not self.tiers.holds([_Named(h)]):
+                    self.vanished.append(h)  # its file went with its row (gc, or a tail replaced): no damage
+        self.opened[h] = source
+        return source
+
+    def damaged(self, h: bytes, error: BlobError) -> None:
+        found = self.where.pop(h, None)
+        if found is not None:
+            found[0].damaged(h, error, found[1])
+
+    def close(self) -> None:
+        for source in self.opened.values():
+            if source is not None:
+                source.close()
+
+    def _after(self, tier, h: bytes):
+        """Where else on this machine `h` is held: a record a tier let go since the lookup (the
+        writer's queue, once written) is in a tier after it."""
+        self.where.pop(h, None)
+        found = self.tiers.find(None, [_Named(h)], after=tier, local=True).get(h)
+        if found is not None:
+            self.where[h] = found
+        return found
+
+
+class _Named:
+    """A record known only by its key: the tiers of this machine look records up by key alone."""
+
+    __slots__ = ("hash",)
+
+    def __init__(self, h: bytes):
+        self.hash = h

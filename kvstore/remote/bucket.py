@@ -1,0 +1,45 @@
+"""The bucket protocol: the seven calls the remote tier makes of an object store.
+
+A backend is one module with a class that answers these (see `s3.S3Bucket`); batching, retries
+of whole operations, deadlines and checking what comes back are the remote tier's, not the
+backend's. Every method raises `RemoteError` when the store cannot be reached or answers with an
+error; a missing object is None (or False), never an error.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Protocol
+
+from kvstore.errors import KVStoreError
+
+#: No record object is larger (a chunk of a 70B model is under 100 MB): a larger one is refused.
+MAX_OBJECT_BYTES = 1 << 30
+
+
+class RemoteError(KVStoreError):
+    """The object store could not be reached or answered with an error; the caller goes local."""
+
+
+class Bucket(Protocol):
+    url: str
+
+    def head(self, key: str) -> int | None:
+        """The object's size, or None if there is none."""
+
+    def get(self, key: str, max_bytes: int = MAX_OBJECT_BYTES) -> bytes | None:
+        """The object's bytes, or None if there is none; RemoteError if it is over `max_bytes`."""
+
+    def put_new(self, key: str, data: bytes) -> bool:
+        """Create-only PUT: False if the object exists already (another node stored it)."""
+
+    def put(self, key: str, data: bytes) -> None:
+        """An overwriting PUT (objects that belong to one node, like its pins)."""
+
+    def list(self, prefix: str) -> list[tuple[str, int, float]]:
+        """(key, size, last modified as a Unix time) of every object under `prefix`, quickly."""
+
+    def walk(self, prefix: str) -> Iterator[tuple[str, int, float]]:
+        """The same as `list`, lazily, for a whole bucket (maintenance)."""
+
+    def delete(self, keys: list[str]) -> None:
+        """Delete these objects (missing ones are no error)."""

@@ -1,0 +1,71 @@
+"""This process's dealings with the remote: what was counted, the last error, and whether the
+remote is left alone for a while after a failure (so a dead endpoint costs one failed request,
+not one per fetch or upload). Shared by the remote tier (reads) and the uploader (writes).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+log = logging.getLogger("kvstore")
+
+RETRY_AFTER_S = 5.0
+COUNTERS = (
+    "uploads", "upload_bytes", "already_there", "upload_errors", "dropped_uploads", "dropped_upload_bytes",
+    "skipped_old_format", "skipped_no_parent", "lookups", "heads", "lists", "downloads", "download_bytes",
+    "remote_hits", "remote_tokens", "corrupt_objects", "errors", "deadline_misses", "skipped_down")
+#: Counters are added to the store's index under this prefix, so `kvstore stats` shows every
+#: process's totals.
+COUNTER_PREFIX = "count.remote."
+
+
+class Health:
+    def __init__(self, retry_after: float = RETRY_AFTER_S):
+        self.retry_after = retry_after
+        self.counters = dict.fromkeys(COUNTERS, 0)
+        self.last_error = ""
+        self._down_until = 0.0
+        self._lock = threading.Lock()
+        self._persisted: dict[str, int] = {}
+
+    def count(self, key: str, n: int = 1) -> None:
+        with self._lock:
+            self.counters[key] += n
+
+    def error(self, e: BaseException, *, down: bool = False) -> None:
+        """Count a failure; `down`: the remote itself failed, so leave it alone for a while."""
+        self.count("errors")
+        self.last_error = f"{type(e).__name__}: {e}"
+        if down:
+            self.mark_down()
+        log.warning("kvstore: remote tier: %s", self.last_error)
+
+    def mark_down(self) -> None:
+        self._down_until = time.monotonic() + self.retry_after
+
+    def down(self) -> bool:
+        return time.monotonic() < self._down_until
+
+    def unsaved(self) -> dict[str, int]:
+        """What was counted since the last `saved`, under the index's counter names."""
+        now = dict(self.counters)
+        return {COUNTER_PREFIX + k: v - self._persisted.get(k, 0) for k, v in now.items()
+                if v != self._persisted.get(k, 0)}
+
+    def saved(self, deltas: dict[str, int]) -> None:
+        for key, by in deltas.items():
+            name = key[len(COUNTER_PREFIX):]
+            self._persisted[name] = self._persisted.get(name, 0) + by
+
+    def totals(self, stored: dict[str, int]) -> dict[str, int]:
+        """Every process's counts: what the index holds (`stored`, its counters) plus what this
+        process counted and has not saved yet."""
+        out = dict.fromkeys(COUNTERS, 0)
+        for key, value in stored.items():
+            if key.startswith(COUNTER_PREFIX) and key[len(COUNTER_PREFIX):] in out:
+                out[key[len(COUNTER_PREFIX):]] = value
+        for key, value in self.counters.items():
+            out[key] += value - self._persisted.get(key, 0)
+        return out

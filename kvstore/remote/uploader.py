@@ -1,0 +1,189 @@
+"""Write-behind to the bucket: the records this node's writer committed, uploaded in the background.
+
+After the writer commits rows, `submit` queues them; worker threads upload each blob with a
+create-only PUT, parents before children (a child waits for its parent's upload and is skipped if
+its parent is not in the bucket). The queue is bounded by bytes; what it cannot hold is dropped
+and counted. Only rows the writer wrote are ever queued, so a node never uploads what it
+downloaded (the remote tier stores downloads through the disk tier, never through the writer).
+Nothing here raises into the writer: failures are counted (`Health`).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import OrderedDict, deque
+from pathlib import Path
+from typing import Callable
+
+import xxhash
+
+from kvstore.errors import BlobError
+from kvstore.remote.bucket import Bucket, RemoteError
+from kvstore.remote.health import Health
+from kvstore.remote.layout import key_of, manifest_key
+from kvstore.remote.objects import check_object
+from kvstore.storage.blobtree import blob_path
+from kvstore.storage.index import Row
+
+DEFAULT_UPLOAD_BYTES = 1 << 30
+_KNOWN_LIMIT = 1 << 16
+
+
+class Uploader:
+    def __init__(self, bucket: Bucket, health: Health, blob_root: Path, row_of: Callable[[bytes], Row | None],
+                 publish_pins: Callable[[set[bytes]], None], *, max_upload_bytes: int = DEFAULT_UPLOAD_BYTES,
+                 threads: int = 4):
+        self.bucket, self.health, self.blob_root = bucket, health, blob_root
+        self._row_of, self._publish_pins = row_of, publish_pins
+        self.max_upload_bytes = max_upload_bytes
+        self.manifests: dict[bytes, bytes] = {}  # ns -> manifest JSON (uploaded once per process)
+        self._manifest_done: set[bytes] = set()
+        self._known: OrderedDict[bytes, None] = OrderedDict()  # hashes the bucket is known to hold
+        self._known_lock = threading.Lock()
+        self._inflight: dict[bytes, threading.Event] = {}
+        self._queue: deque[list[Row]] = deque()
+        self._queued_bytes = 0
+        self._active = 0
+        self._cond = threading.Condition()
+        self._stop = False
+        self._workers = [threading.Thread(target=self._loop, name=f"kvstore-remote-put-{i}", daemon=True)
+                         for i in range(threads)]
+        for w in self._workers:
+            w.start()
+
+    @property
+    def pending_bytes(self) -> int:
+        with self._cond:
+            return self._queued_bytes
+
+    def submit(self, rows: list[Row]) -> None:
+        """Queue rows the writer just committed (parents before children). Never raises."""
+        try:
+            rows = list(rows)
+            size = sum(r.size for r in rows)
+            with self._cond:
+                if self._stop:
+                    return
+                if self._queued_bytes + size > self.max_upload_bytes and self._queued_bytes:
+                    self.health.count("dropped_uploads", len(rows))
+                    self.health.count("dropped_upload_bytes", size)
+                    return
+                for r in rows:
+                    self._inflight.setdefault(r.hash, threading.Event())
+                self._queue.append(rows)
+                self._queued_bytes += size
+                self._cond.notify_all()
+        except Exception as e:  # the writer thread must go on whatever happens here
+            self.health.error(e)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued upload is done (or dropped). False if `timeout` ran out."""
+        end = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._queue or self._active:
+                left = None if end is None else end - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(0.5 if left is None else min(left, 0.5))
+        return True
+
+    def close(self, timeout: float = 30.0) -> None:
+        self.flush(timeout)
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        for w in self._workers:
+            w.join(timeout=1.0)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._stop:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                rows = self._queue.popleft()
+                self._active += 1
+            try:
+                self._upload_batch(rows)
+            finally:
+                with self._cond:
+                    self._active -= 1
+                    self._queued_bytes -= sum(r.size for r in rows)
+                    self._cond.notify_all()
+
+    def _upload_batch(self, rows: list[Row]) -> None:
+        for row in rows:
+            try:
+                if self._upload(row):
+                    self._remember(row.hash)
+            except Exception as e:
+                self.health.count("upload_errors")
+                self.health.error(e, down=isinstance(e, RemoteError))
+            finally:
+                ev = self._inflight.pop(row.hash, None)
+                if ev is not None:
+                    ev.set()
+        pinned = {r.ns for r in rows if r.pinned and r.hash in self._known}
+        if pinned:
+            try:
+                self._publish_pins(pinned)
+            except Exception as e:
+                self.health.error(e, down=isinstance(e, RemoteError))
+
+    def _upload(self, row: Row) -> bool:
+        """Upload one record; True if the bucket holds it afterwards."""
+        if row.parent != row.ns and not self._parent_uploaded(row):
+            self.health.count("skipped_no_parent")
+            return False
+        try:
+            with open(os.open(blob_path(self.blob_root, row.hash), os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
+                buf = f.read()
+        except OSError:  # evicted (or damaged) locally since it was written: nothing to share
+            return False
+        if xxhash.xxh3_64_intdigest(buf) != row.checksum:
+            return False
+        try:
+            _, meta = check_object(buf, row.hash)
+        except BlobError:
+            self.health.count("skipped_old_format")
+            return False
+        if meta.get("ns") != row.ns.hex():
+            return False
+        self._put_manifest(row.ns)
+        if self.bucket.put_new(key_of(row), buf):
+            self.health.count("uploads")
+            self.health.count("upload_bytes", len(buf))
+        else:
+            self.health.count("already_there")
+        return True
+
+    def _parent_uploaded(self, row: Row) -> bool:
+        """Whether the bucket holds `row`'s parent (waiting for its upload if it is queued)."""
+        ev = self._inflight.get(row.parent)
+        if ev is not None:
+            ev.wait(timeout=120)
+        if row.parent in self._known:
+            return True
+        parent = self._row_of(row.parent)
+        if parent is None:
+            return False
+        found = self.bucket.head(key_of(parent)) is not None
+        if found:
+            self._remember(row.parent)
+        return found
+
+    def _put_manifest(self, ns: bytes) -> None:
+        if ns in self._manifest_done or ns not in self.manifests:
+            return
+        self.bucket.put_new(manifest_key(ns), self.manifests[ns])
+        self._manifest_done.add(ns)
+
+    def _remember(self, h: bytes) -> None:
+        with self._known_lock:
+            self._known[h] = None
+            self._known.move_to_end(h)
+            while len(self._known) > _KNOWN_LIMIT:
+                self._known.popitem(last=False)

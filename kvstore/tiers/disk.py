@@ -1,0 +1,141 @@
+"""The local disk as a tier: blob files and their index rows. A damaged record is quarantined.
+
+Every record opened here is checked against its row as it is opened (`records.check`: its
+header, and that its token ids hash to its key), and each tensor against its own checksum as
+it is read. `put` stores a record that came from elsewhere (the remote tier), already checked,
+the way the writer does: blob first, then its row.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Callable, Iterable
+
+import numpy as np
+
+from kvstore import records
+from kvstore.errors import BlobError
+from kvstore.storage import blobfile, blobtree, blobwrite
+from kvstore.storage.index import Index, Row
+
+log = logging.getLogger("kvstore")
+
+
+def record_tokens(blob: blobfile.BlobFile, row: Row) -> np.ndarray:
+    """The token ids of a record, read from its blob and checked against its row: the header
+    names it and the record's hash is the xxh3 of its parent and these ids (BlobError if not)."""
+    if "tokens" not in blob.entries or blob.entries["tokens"].tag != "I32":
+        raise BlobError(f"{blob.path}: no int32 token ids")
+    tokens = blob.array("tokens").astype("<i4", copy=False)
+    records.check(row, blob.metadata, tokens, where=blob.path)
+    return tokens
+
+
+class BlobSource:
+    """A record read from a blob file, checked against its index row as it is opened."""
+
+    in_ram = False
+
+    def __init__(self, blob: blobfile.BlobFile, row: Row):
+        self.id, self.blob = row, blob
+        self.tokens = record_tokens(blob, row)
+        self.entries = blob.layout.deltas  # shared by every record of this layout: never changed
+
+    def read_copies(self, copies, targets):
+        self.blob.read_copies(copies, targets)
+
+    def array(self, name: str) -> np.ndarray:
+        return self.blob.array(name)
+
+    def cold(self) -> bool:
+        return not self.blob.cached()
+
+    def close(self) -> None:
+        self.blob.close()
+
+
+class DiskTier:
+    name = "disk"
+    in_process = False
+
+    def __init__(self, index: Index, root: Path, touch: Callable[[list[bytes]], None],
+                 on_quarantine: Callable[[], None]):
+        self.index, self.root = index, root
+        self._touch, self._on_quarantine = touch, on_quarantine
+
+    def find(self, lookup, ids):
+        return self.index.rows_of([r.hash for r in ids]) if ids else {}
+
+    def holds(self, hashes: list[bytes]) -> set[bytes]:
+        return self.index.present(hashes)
+
+    def children(self, lookup, parent, rest):
+        """The records under `parent` that start with the next token, with their token ids read
+        from their blobs (a record whose blob cannot give them is quarantined, left out)."""
+        found = []
+        for row in self.index.children(parent, int(rest[0])):
+            try:
+                with blobfile.open_blob(self.root, row.hash, size=row.size, checksum=row.checksum) as blob:
+                    found.append((row.hash, record_tokens(blob, row), row))
+            except BlobError as e:
+                self.damaged(row.hash, e, row)
+        return found
+
+    def open(self, h, ref):
+        row = ref if ref is not None else self.index.get(h)
+        if row is None or row.bad:
+            raise KeyError(h)
+        blob = blobfile.open_blob(self.root, h, size=row.size, checksum=row.checksum)
+        try:
+            return BlobSource(blob, row)
+        except BaseException:
+            blob.close()
+            raise
+
+    def prefetch(self, items: Iterable[tuple[bytes, Row]]) -> None:
+        """Start reading these (record, row)s' files ahead, all at once."""
+        blobfile.prefetch(self.root, [h for h, _ in items])
+
+    def put(self, row: Row, data: bytes) -> bool:
+        """Store a checked record that came from elsewhere: its blob (not fsynced: the copy
+        elsewhere stays, and a copy a power cut tears fails its checksums, is quarantined and
+        fetched again), then its row. False if it was stored already."""
+        with blobtree.tree_lock(self.root, exclusive=False):
+            if self.index.present([row.hash]):
+                return False
+            blobwrite.write_bytes(self.root, row.hash, data, fsync=False)
+            self.index.insert([row])
+        return True
+
+    def damaged(self, h, error, ref=None):
+        """Mark a record whose blob failed to read as bad: a miss from it on, counted."""
+        try:
+            if self.index.get(h) is None:  # evicted (by gc, maybe in another process) under the read
+                log.debug("kvstore: record %s was evicted while it was read", h.hex())
+                return
+        except Exception:
+            pass
+        if self._replaced(h, ref):  # completed by a writer under the read: the new blob is good
+            return
+        log.warning("kvstore: quarantined a damaged record: %s", error)
+        self._on_quarantine()
+        try:
+            if self.index.mark_bad(h):
+                self.index.bump_counter("count.quarantined")
+        except Exception:  # the index may be busy or read-only; the miss is what matters
+            pass
+
+    def _replaced(self, h: bytes, ref: Row | None) -> bool:
+        """Whether the record's row changed since `ref` was read, looked at under the shared tree
+        lock: a writer that completes a record replaces its blob and row together under the
+        exclusive lock, and a read between the two is no damage."""
+        try:
+            with blobtree.tree_lock(self.root, exclusive=False):
+                row = self.index.get(h)
+        except Exception:
+            return False
+        return ref is not None and row is not None and (row.size, row.checksum) != (ref.size, ref.checksum)
+
+    def touch(self, hashes):
+        self._touch(list(hashes))

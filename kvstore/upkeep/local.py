@@ -1,0 +1,140 @@
+"""A store directory as maintenance sees it: its index and blob tree, and what needs no model.
+
+`LocalStore` opens (or creates) the directory, checks that it is a store, and answers `stats`,
+`gc` and `verify` from the index and the files alone: no mlx is imported, so `kvstore stats`,
+`kvstore gc` and `kvstore verify` start fast. A serving `Store` holds one and adds the tiers, the
+writer and the models on top.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sqlite3
+import stat
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from kvstore.errors import StoreOpenError
+from kvstore.storage.index import Index, is_corruption
+from kvstore.storage.stale import stale_namespaces
+from kvstore.storage.storedir import BLOBS_NAME, INDEX_NAME, QUARANTINE_NAME, open_dir
+
+#: max_bytes="auto": 1/AUTO_SHARE of (what the store holds + the disk's free space)
+AUTO_SHARE = 4
+
+
+class LocalStore:
+    """The index and blob tree of one store directory.
+
+    `create=False` opens only an existing store; `read_only=True` never writes to it;
+    `read_only=None` is read-only exactly when this user may not write the store. Refuses a
+    folder that is not a store, symbolic links among its own entries, and a lost index (a new,
+    empty one would orphan every blob).
+    """
+
+    def __init__(self, path: Path, *, create: bool = True, read_only: bool | None = False):
+        self.path, self.read_only = open_dir(Path(path), create=create, read_only=read_only)
+        self.blob_root = self.path / BLOBS_NAME
+        index_file = self.path / INDEX_NAME
+        if not self.read_only:
+            flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
+            os.close(os.open(index_file, flags, 0o600))
+        self.index = Index(index_file, read_only=self.read_only)
+        self.gc_lock = threading.Lock()  # one gc at a time in this process (the writer's budget too)
+
+    def close(self) -> None:
+        self.index.close()
+
+    def __enter__(self) -> "LocalStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def check_writable(self, what: str) -> None:
+        if self.read_only:
+            raise StoreOpenError(f"the store {self.path} is open read-only: {what} needs to write "
+                                 "to it (open it as a user who may write it)")
+
+    @contextmanager
+    def damage_is_an_error(self):
+        """A damaged index found after open is a `CorruptIndexError` that says how to rebuild it."""
+        try:
+            yield
+        except sqlite3.DatabaseError as e:
+            if is_corruption(e):
+                raise self.index.corrupt(e) from e
+            raise
+
+    def stats(self) -> dict[str, Any]:
+        """What the directory holds: totals, one dict per model version (with whether its files
+        changed), quarantined records and the files `verify --repair` moved aside."""
+        with self.damage_is_an_error():
+            out: dict[str, Any] = {"path": str(self.path), **self.index.totals()}
+            out["models"] = self.index.models()
+            recorded = self.index.model_files()
+            why = stale_namespaces(recorded)
+            for m in out["models"]:  # None: bound before kvstore recorded its files
+                ns = bytes.fromhex(m["namespace"])
+                m["stale"] = (ns in why) if ns in recorded else None
+                m["stale_reason"] = why.get(ns)
+            out["quarantined_total"] = self.index.counters().get("count.quarantined", 0)
+            n, size = self.index.quarantined()
+            out["quarantined_now"] = {"records": n, "bytes": size}
+        out["quarantine_folder"] = folder_usage(self.path / QUARANTINE_NAME)
+        return out
+
+    def gc(self, max_bytes: int | None = None, max_age: float | None = None, dry_run: bool = False,
+           stale: bool = False) -> dict:
+        """Evict down to `max_bytes` (and records unused for `max_age` seconds; with `stale`, every
+        record of a model version whose files are gone or changed, pins aside); see `gc.collect`.
+        The result's `hashes` are the records evicted."""
+        from kvstore.upkeep.maintenance import collect
+
+        if not dry_run:
+            self.check_writable("gc")
+        with self.gc_lock, self.damage_is_an_error():
+            old = set(stale_namespaces(self.index.model_files())) if stale or max_bytes is not None else set()
+            return collect(self.index, self.blob_root, max_bytes=max_bytes, max_age=max_age,
+                           stale=stale, stale_namespaces=old, dry_run=dry_run)
+
+    def verify(self, repair: bool = False, force: bool = False) -> list:
+        """Problems found (empty when clean); `repair=True` fixes them. See `maintenance.verify`."""
+        from kvstore.upkeep.maintenance import verify
+
+        if repair:
+            self.check_writable("verify --repair")
+        with self.damage_is_an_error():
+            return verify(self.index, self.blob_root, repair=repair, force=force, read_only=self.read_only)
+
+    def auto_budget(self) -> tuple[int, str]:
+        """`max_bytes="auto"`: a quarter of the space the store could use at open (what it holds
+        plus its disk's free space). Unlike "held + a quarter of free", it does not grow with
+        every restart, and it shrinks when other files fill the disk."""
+        held = self.index.totals()["bytes"]
+        free = shutil.disk_usage(self.path).free
+        budget = (held + free) // AUTO_SHARE
+        return budget, (f"auto: 1/{AUTO_SHARE} of ({held} bytes held + {free} bytes free on the "
+                        f"store's disk at open) = {budget} bytes")
+
+    def over_budget(self, max_bytes: int) -> bool:
+        return self.index.totals()["bytes"] > max_bytes
+
+
+def folder_usage(folder: Path) -> dict[str, int]:
+    """{"files", "bytes"} of the regular files under a folder (no link is followed)."""
+    files = size = 0
+    if folder.is_symlink():
+        return {"files": 0, "bytes": 0}
+    for top, _, names in os.walk(folder):
+        for name in names:
+            try:
+                st = os.lstat(os.path.join(top, name))
+            except OSError:
+                continue
+            files += 1
+            size += st.st_size if stat.S_ISREG(st.st_mode) else 0
+    return {"files": files, "bytes": size}
