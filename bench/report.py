@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import json
 import statistics
-import subprocess
 
 import common as C
+import report_sections
 
 TARGETS = {
     "insert_p99_ms": 2.0, "lookup_p99_ms": 2.0, "open_ms": 100.0, "shared_bytes": 1.05,
@@ -41,8 +41,7 @@ def _load(name: str) -> dict | None:
     return json.loads(f.read_text()) if f.exists() else None
 
 
-def _mb(n: float) -> str:
-    return f"{n / 1e6:,.0f} MB" if n >= 10e6 else f"{n / 1e6:.1f} MB"
+_mb = report_sections.mb
 
 
 def _ok(good: bool) -> str:
@@ -117,9 +116,9 @@ def write_report() -> str:
     if index:
         _index(add, index)
     if conversation:
-        _conversation(add, conversation)
+        report_sections.conversation(add, conversation)
     if remote:
-        _remote(add, remote)
+        report_sections.remote(add, remote)
     if run.get("steps"):
         add("## Run")
         add("")
@@ -203,15 +202,6 @@ def _hidden_shortfall(restore, text: str) -> str:
                          f"{1 - t['ratio'] / t['need']:.1%} short")
     return f" ({'; '.join(short)})" if short else ""
 
-
-def _committed(name: str) -> str:
-    """The date results/NAME.json was last committed (for results that record no date of their own)."""
-    try:
-        out = subprocess.run(["git", "log", "-1", "--format=%cs", "--", f"results/{name}.json"], cwd=C.HERE,
-                             capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        out = ""
-    return f"results committed {out}" if out else "date not recorded"
 
 
 def _before_after(add, ba) -> None:
@@ -443,63 +433,6 @@ def _index(add, index) -> None:
         "{beside:.1f}", f"{big['gc_half_s']:.1f}")
     for paragraph in prose.split("\n\n"):
         add(" ".join(paragraph.split()))
-        add("")
-
-
-
-def _conversation(add, conversation) -> None:
-    add("## Conversations")
-    add("")
-    add(f"`PYTHONPATH=. python bench/conversation.py` ({_committed('conversation')}): a conversation inserted as a "
-        "server inserts it, after every turn, on small demo models; disk bytes at the end against the K/V of its "
-        "tokens, with the writer dropping tails that a newer record holds (kvstore) and with that switched off.")
-    add("")
-    add("| model | turns | tokens | chunks / tails | disk bytes / K/V | without dropping tails |")
-    add("| --- | ---: | ---: | ---: | ---: | ---: |")
-    for r in conversation["runs"]:
-        now, before = r["now"], r.get("before") or {}
-        add(f"| {r['arch']} | {r['turns']} | {now['final_tokens']:,} | {now['chunks']} / {now['tails']} "
-            f"| {now['ratio']:.3f}x | {before['ratio']:.3f}x |" if before else
-            f"| {r['arch']} | {r['turns']} | {now['final_tokens']:,} | {now['chunks']} / {now['tails']} "
-            f"| {now['ratio']:.3f}x | - |")
-    add("")
-    add("A sliding-window layer (`gemma3_text`) keeps the older tails whose window slid past their tokens: "
-        "the newer record does not hold their K/V for that layer.")
-    add("")
-
-
-def _remote(add, remote) -> None:
-    m = remote.get("machine", {})
-    add("## Remote tier")
-    add("")
-    add(f"`python bench/remote.py` ({_committed('remote')}; {remote.get('note', '')}; load average "
-        f"{m.get('load_average_1m', '?')} at the start): {remote['shape']}-shaped K/V "
-        f"({remote['bytes_per_token'] / 1e3:.0f} KB a token), 256-token chunks. Restore from remote starts from an "
-        "empty local store and includes the lookup, the download, the checks and the local write; from local "
-        "disk is the same fetch afterwards, page cache warm. Medians, with the range.")
-    add("")
-    add("| tokens | K/V | restore from remote | from local disk | upload | raw PUT, same bytes |")
-    add("| ---: | ---: | ---: | ---: | ---: | ---: |")
-    for r in remote["lengths"]:
-        rr, rl = r["restore_remote"], r["restore_local"]
-        add(f"| {r['length']:,} | {_mb(r['kv_bytes'])} | {rr['median']:.2f} s ({rr['min']:.2f} to {rr['max']:.2f}, "
-            f"n={rr['n']}) | {rl['median']:.3f} s | {r['upload_gbps'] * 1e3:.0f} MB/s "
-            f"({r['upload_gbps'] / r['raw_put_gbps']:.2f}x raw) | {r['raw_put_gbps'] * 1e3:.0f} MB/s |")
-    add("")
-    add("Lookup (the binary search of HEADs alone):")
-    add("")
-    add("| chain | chunks in the bucket | HEADs | median | p99 | runs |")
-    add("| ---: | ---: | ---: | ---: | ---: | ---: |")
-    for r in remote["lookup"]:
-        add(f"| {r['chunks']} chunks | {r['present']} | {r['heads']} | {r['median'] * 1e3:.2f} ms "
-            f"| {r['p99'] * 1e3:.2f} ms | {r['n']} |")
-    add("")
-    c = remote.get("clients")
-    if c:
-        add(f"Client, same objects ({c['obstore_head']['n']} runs): HEAD median {c['obstore_head']['median'] * 1e3:.2f} ms "
-            f"with obstore vs {c['boto3_head']['median'] * 1e3:.2f} ms with boto3 ({c['head_speedup']:.1f}x); a LIST "
-            f"{c['obstore_list']['median'] * 1e3:.2f} ms vs {c['boto3_list']['median'] * 1e3:.2f} ms "
-            f"({c['list_speedup']:.1f}x).")
         add("")
 
 
