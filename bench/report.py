@@ -9,9 +9,11 @@ import json
 import statistics
 
 import common as C
+import report_sections
 
 TARGETS = {
     "insert_p99_ms": 2.0, "lookup_p99_ms": 2.0, "open_ms": 100.0, "shared_bytes": 1.05,
+    "gc_half_s": 10.0, "gc_wait_ms": 100.0, "conversation_bytes": 1.1,
 }
 
 # Why a target is missed, as the profiles of these runs showed it (see the sections below).
@@ -26,6 +28,11 @@ CAUSES = {
                       "cache and CPU contention on a shared 2-core machine (the median is under 1 ms)"),
     "open_ms": "opening reads the schema and one row; see the cold numbers",
     "shared_bytes": "each record adds a JSON header and its token ids",
+    "gc_half_s": ("gc beside a busy process also waits for the blob-tree lock between its transactions "
+                  "while that process's writer commits; the index-scale section has the profile"),
+    "gc_wait_ms": "see the index-scale section",
+    "conversation_bytes": ("a sliding-window layer keeps the tails whose window slid past them; see the "
+                           "conversation section"),
 }
 
 
@@ -34,8 +41,7 @@ def _load(name: str) -> dict | None:
     return json.loads(f.read_text()) if f.exists() else None
 
 
-def _mb(n: float) -> str:
-    return f"{n / 1e6:,.0f} MB" if n >= 10e6 else f"{n / 1e6:.1f} MB"
+_mb = report_sections.mb
 
 
 def _ok(good: bool) -> str:
@@ -82,8 +88,9 @@ def write_report() -> str:
         "page cache), which is why two baselines are shown: into a reused buffer (the strict physical "
         "limit) and into new memory (what any restore that returns new arrays must pay).")
     add("")
-    summary, missed = _targets(restore, write, index)
-    add("## Targets (DESIGN.md)")
+    conversation, remote = _load("conversation"), _load("remote")
+    summary, missed = _targets(restore, write, index, conversation)
+    add("## Targets")
     add("")
     add("| target | measured | |")
     add("| --- | --- | --- |")
@@ -108,6 +115,10 @@ def write_report() -> str:
         _write(add, write)
     if index:
         _index(add, index)
+    if conversation:
+        report_sections.conversation(add, conversation)
+    if remote:
+        report_sections.remote(add, remote)
     if run.get("steps"):
         add("## Run")
         add("")
@@ -121,7 +132,7 @@ def write_report() -> str:
     return str(out)
 
 
-def _targets(restore, write, index):
+def _targets(restore, write, index, conversation=None):
     rows, missed = [], []
 
     def target(text, value_text, good, key, by):
@@ -133,9 +144,10 @@ def _targets(restore, write, index):
         from restore import target_rows
 
         for text, measured, met, why in target_rows(restore, with_insert=False):
-            rows.append(f"| {text} | {measured} | {'not measured' if met is None else _ok(met)} |")
+            short = _hidden_shortfall(restore, text) if met is False else ""
+            rows.append(f"| {text} | {measured} | {'not measured' if met is None else _ok(met)}{short} |")
             if met is False:
-                missed.append(f"{text}: {why}.")
+                missed.append(f"{text}{short}: {why}.")
     if write:
         p99 = max(max(r["idle"]["p99_ms"], r["busy"]["p99_ms"]) for r in write["insert"])
         p50 = max(max(r["idle"]["p50_ms"], r["busy"]["p50_ms"]) for r in write["insert"])
@@ -158,19 +170,51 @@ def _targets(restore, write, index):
         target(f"open (open + bind) at {big['rows']:,} rows < 100 ms",
                f"{big['open_warm_ms']:.1f} ms warm, {big['open_cold_ms']:.1f} ms cold", worst < TARGETS["open_ms"],
                "open_ms", f"{worst / TARGETS['open_ms']:.1f}x the target")
+        if "gc_half_s" in big:
+            target(f"gc of half of {big['rows']:,} rows < 10 s, beside a process that fetches and inserts",
+                   f"{big['gc_half_s']:.1f} s ({big.get('gc_alone_s', float('nan')):.1f} s alone)",
+                   big["gc_half_s"] < TARGETS["gc_half_s"], "gc_half_s",
+                   f"{big['gc_half_s'] / TARGETS['gc_half_s']:.2f}x the target")
+            waited = max(big["fetch_during_gc"]["max_ms"], big["insert_during_gc"]["max_ms"])
+            target("no fetch or insert of that process waits > 100 ms during gc",
+                   f"fetch at most {big['fetch_during_gc']['max_ms']:.1f} ms, insert (until durable) at most "
+                   f"{big['insert_during_gc']['max_ms']:.0f} ms", waited < TARGETS["gc_wait_ms"], "gc_wait_ms",
+                   f"{waited / TARGETS['gc_wait_ms']:.1f}x the target")
+    for r in (conversation or {}).get("runs", []):
+        now = r["now"]
+        target(f"disk bytes for a {r['turns']}-turn conversation <= 1.1x its K/V ({r['arch']})",
+               f"{now['ratio']:.3f}x", now["ratio"] <= TARGETS["conversation_bytes"], "conversation_bytes",
+               f"{now['ratio'] / TARGETS['conversation_bytes']:.2f}x the target")
     return rows, missed
+
+
+def _hidden_shortfall(restore, text: str) -> str:
+    """For a missed restore target whose ratios round to the target itself ("1.00x" for 0.996x),
+    the exact shortfall, so that the verdict does not read as a contradiction."""
+    from restore import TARGETS as RESTORE_TARGETS
+
+    key = next((k for k, t, *_ in RESTORE_TARGETS if t == text), None)
+    short = []
+    for r in restore.get("results", []):
+        t = (r.get("targets") or {}).get(key) or {}
+        if t.get("met") is False and t.get("ratio") is not None and round(t["ratio"], 2) >= t["need"]:
+            short.append(f"{r['shape']} {r['tokens'] / 1024:g}k: {t['ratio']:.3f}x, "
+                         f"{1 - t['ratio'] / t['need']:.1%} short")
+    return f" ({'; '.join(short)})" if short else ""
+
 
 
 def _before_after(add, ba) -> None:
     add("## What the benchmarks changed in the library")
     add("")
-    add("Measured by `bench/before_after.py`, which switches the old behaviour back on in its own process:")
+    add("Measured by `bench/before_after.py`, which switches the old behaviour back on in its own process"
+        + (f" (run {ba['written_utc']})" if ba.get("written_utc") else "") + ":")
     add("")
     add("| change | before | after |")
     add("| --- | --- | --- |")
     for r in ba["restore"]:
         add(f"| restore from disk, {r['shape']} {r['tokens']} tokens ({_mb(r['bytes'])}), memory tier off: "
-            f"`_fetch_direct` + `blobs.read_into` | warm {r['warm_ms']['before']:.0f} ms "
+            f"each layer allocated once, blobs read straight into it | warm {r['warm_ms']['before']:.0f} ms "
             f"({r['warm_ratio_vs_raw']['before']:.2f}x raw read), cold {r['cold_ms']['before']:.0f} ms | "
             f"warm {r['warm_ms']['after']:.0f} ms ({r['warm_ratio_vs_raw']['after']:.2f}x raw read), "
             f"cold {r['cold_ms']['after']:.0f} ms: **{r['speedup_warm']:.1f}x / {r['speedup_cold']:.1f}x faster** |")
@@ -193,9 +237,9 @@ def _before_after(add, ba) -> None:
     add("- **Restore.** cProfile of `fetch` showed three copies of every byte, each into fresh memory: "
         "`readinto` a bytearray, one `mx.array` per tensor, then `mx.concatenate` per layer (plus the "
         "checksum pass). For models whose layers are all `KVCache`/`QuantizedKVCache`, "
-        "`ModelCache._fetch_direct` now allocates each layer's keys and values once at their final length "
-        "(`mx.zeros`; mlx arrays expose a writable buffer, so numpy sees them) and `blobs.read_into` "
-        "`preadv`s each blob's tensors from the page cache straight into the right token slice, head by head, "
+        "the restore now allocates each layer's keys and values once at their final length "
+        "(mlx arrays expose a writable buffer, so numpy sees them) and the blob reader "
+        "(`kvstore/storage/blobfile.py`) `preadv`s each blob's tensors from the page cache straight into the right token slice, head by head, "
         "checksumming every buffer as soon as it is read (while it is still in the CPU cache). The checksum "
         "and header are still checked before anything is returned, and a damaged blob still ends the prefix "
         "where it starts (quarantined, a shorter valid prefix). Records already in memory are copied into "
@@ -298,6 +342,9 @@ def _serve(add, serve) -> None:
 def _write(add, write) -> None:
     add("## Write path")
     add("")
+    if write.get("written_utc"):
+        add(f"Run {write['written_utc']} (`PYTHONPATH=. python bench/write_path.py`).")
+        add("")
     add(f"Cache shape {write['shape']}. `insert` timed on the caller's thread, with the writer idle (flushed "
         "before) and busy (writing a fresh insert of the same length queued just before); each timed insert "
         "is a chat turn's (the prefix stored, one new 256-token chunk), page faults are the caller thread's "
@@ -390,13 +437,13 @@ def _index(add, index) -> None:
 
 
 _INDEX_PROSE = """
-Targets (DESIGN.md: lookup p99 < 2 ms and open < 100 ms at 1M rows; gc of half of 1M rows in < 10 s,
+Targets (lookup p99 < 2 ms and open < 100 ms at 1M rows; gc of half of 1M rows in < 10 s,
 no concurrent fetch or insert waiting > 100 ms): {verdict}. gc of half of {rows} rows takes {alone:.1f} s
 alone and {beside:.1f} s beside the other process (runs vary by about ±10%). Beside it, gc also waits for the blob-tree lock between its transactions while that
 process's writer renames a blob and commits its row; the writer writes and fsyncs each blob
 before taking the lock (before that change: 10.3 to 10.6 s).
 
-How (migration 0016 and `kvstore/maintenance.py`): before it, the index kept each chunk's 1 KiB
+How (migration 0016 and `kvstore/upkeep/maintenance.py`): before it, the index kept each chunk's 1 KiB
 of token ids in its row, with three indexes (parent, hash+bad, namespace), and gc deleted level by
 level; a deleted row changed a leaf page of the table and of each index at random places of a
 1.4 GB file, about 90 KiB of page writes per row (measured with `/proc/self/io`): 111 s for half of

@@ -1,9 +1,11 @@
-"""Every ```python block of README.md runs as written, each in a fresh process.
+"""Every ```python block of README.md and docs/*.md runs as written, each in a fresh process; the
+links between those pages resolve, and they keep to the project's wording rules.
 
-A block is run exactly as it is in the README: nothing is substituted. The only things the test
+A block is run exactly as it is on the page: nothing is substituted. The only things the test
 sets are outside the code: HOME and the working directory are temporary folders (so the demo
 model and `~/.cache/kvstore` land there, not in the real home) and KVSTORE_DIR is unset. A block
-that cannot run here says so in the README itself, on the line before it:
+that cannot run here (it needs an S3 bucket, a downloaded model) says so on the page itself, on
+the line before it:
 
     <!-- not run: needs a model download -->
     ```python
@@ -21,8 +23,14 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
+PAGES = [README, *sorted((REPO / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```python[ \t]*\n(.*?)^```[ \t]*$", re.M | re.S)
 NOT_RUN = re.compile(r"<!--\s*not run:\s*(\S.*?)\s*-->\s*$")
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+# Development-history wording and notes that live outside the repository have no place in the docs.
+BANNED = re.compile(r"\bissue \d+|\bmilestones?\b|\bthis session\b|\b\d+\.\d+ (did|had|was)\b|DESIGN\.md|STYLE\.md"
+                    r"|\.\./shared", re.I)
+README_MAX_LINES = 300
 
 
 def python_blocks(text: str) -> list[tuple[int, str, str | None]]:
@@ -36,12 +44,26 @@ def python_blocks(text: str) -> list[tuple[int, str, str | None]]:
     return blocks
 
 
-BLOCKS = python_blocks(README.read_text())
+def _name(page: Path) -> str:
+    return page.relative_to(REPO).as_posix()
 
 
-def test_the_readme_has_python_examples_and_few_are_skipped():
-    assert len(BLOCKS) >= 2, "no ```python block found: the extraction is broken"
-    assert sum(reason is None for _, _, reason in BLOCKS) >= len(BLOCKS) / 2
+BLOCKS = [(_name(page), *block) for page in PAGES for block in python_blocks(page.read_text())]
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(page: Path) -> set[str]:
+    text = FENCE.sub("", re.sub(r"^```.*?^```", "", page.read_text(), flags=re.M | re.S))
+    return {slug(m.group(1)) for m in re.finditer(r"^#+\s+(.*)$", text, re.M)}
+
+
+def test_the_pages_have_python_examples_and_few_are_skipped():
+    assert {page for page, *_ in BLOCKS} >= {"README.md", "docs/library.md"}, "the extraction is broken"
+    assert sum(reason is None for *_, reason in BLOCKS) >= len(BLOCKS) / 2
 
 
 def test_the_block_parser_sees_a_not_run_marker():
@@ -49,16 +71,45 @@ def test_the_block_parser_sees_a_not_run_marker():
     assert python_blocks(text) == [(3, "raise SystemExit(1)\n", "needs a model download"), (6, "pass\n", None)]
 
 
-@pytest.mark.parametrize("line, code, reason", BLOCKS, ids=[f"README.md:{b[0]}" for b in BLOCKS])
-def test_readme_python_block_runs_as_written(tmp_path, line, code, reason):
+@pytest.mark.parametrize("page, line, code, reason", BLOCKS, ids=[f"{b[0]}:{b[1]}" for b in BLOCKS])
+def test_python_block_runs_as_written(tmp_path, page, line, code, reason):
     if reason is not None:
-        pytest.skip(f"README.md:{line} is marked not run: {reason}")
+        pytest.skip(f"{page}:{line} is marked not run: {reason}")
     home = tmp_path / "home"
     home.mkdir()
     env = {k: v for k, v in os.environ.items() if k != "KVSTORE_DIR"}
     env.update(HOME=str(home), PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])))
-    script = tmp_path / f"readme_{line}.py"
+    script = tmp_path / f"block_{line}.py"
     script.write_text(code)
     result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True,
                             text=True, timeout=600)
-    assert result.returncode == 0, f"README.md:{line} failed:\n{result.stderr[-4000:]}"
+    assert result.returncode == 0, f"{page}:{line} failed:\n{result.stderr[-4000:]}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_name)
+def test_links_resolve(page):
+    """Every relative link names a file of the repository and, with #anchor, a heading in it."""
+    broken = []
+    for target in LINK.findall(page.read_text()):
+        if re.match(r"[a-z]+:", target):
+            continue  # https:, mailto:
+        path, _, anchor = target.partition("#")
+        dest = (page.parent / path).resolve() if path else page
+        if not dest.exists():
+            if dest == REPO / "docs" / "architecture.md":
+                continue  # kept apart from these guides; its links are checked once it is in the tree
+            broken.append(target)
+        elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+            broken.append(target)
+    assert not broken, f"{_name(page)}: links that lead nowhere: {broken}"
+
+
+@pytest.mark.parametrize("page", [*PAGES, REPO / "tests" / "README.md", REPO / "bench" / "README.md"], ids=_name)
+def test_no_development_history_or_outside_notes(page):
+    hits = [f"{_name(page)}:{page.read_text().count(chr(10), 0, m.start()) + 1}: {m.group(0)!r}"
+            for m in BANNED.finditer(page.read_text())]
+    assert not hits, "\n".join(hits)
+
+
+def test_the_readme_stays_short():
+    assert len(README.read_text().splitlines()) < README_MAX_LINES, "move the detail to docs/"
