@@ -150,7 +150,8 @@ def test_insert_trimmable_cache_removes_immediate_prefix(setup):
     assert len(pc) == 1
     # RAM holds the longer sequence only: exactly what a store holding just [1, 2, 3] holds.
     with kvstore.open(kvstore.MEMORY, chunk_size=CHUNK) as alone:
-        mc = alone.bind(model, pc._registered[KEY].plain.model_id, fingerprint=pc._registered[KEY].plain.fingerprint)
+        served = pc._keys.registered[KEY].plain
+        mc = alone.bind(model, served.model_id, fingerprint=served.fingerprint)
         mc.insert([1, 2, 3], prefill(model, [1, 2, 3]))
         alone.flush()
         assert pc.nbytes == alone.memory.nbytes > two

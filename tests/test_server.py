@@ -438,7 +438,7 @@ def test_serving_freezes_what_start_up_made():
     import gc
     import types
 
-    from kvstore.serve.server import _persistent
+    from kvstore.serve.mlxserver import persistent
 
     served = []
     fake = types.SimpleNamespace(ResponseGenerator=object, APIHandler=object,
@@ -446,7 +446,7 @@ def test_serving_freezes_what_start_up_made():
                                      (gc.get_freeze_count(), handler_class)))
     gc.unfreeze()
     try:
-        with _persistent(fake, None, [], {}, lambda base: ("ours", base)):
+        with persistent(fake, None, [], {}, lambda base: ("ours", base)):
             fake._run_http_server("127.0.0.1", 0, None)
         [(frozen, handler)] = served
         assert frozen > 1000 and handler == ("ours", object)
@@ -701,10 +701,10 @@ def test_non_loopback_host_is_warned_about(models, tmp_path):
 
 
 def test_loopback_hosts():
-    from kvstore.serve.server import _loopback
+    from kvstore.serve.options import is_loopback
 
-    assert _loopback("127.0.0.1") and _loopback("::1") and _loopback("localhost") and _loopback("127.0.0.2")
-    assert not _loopback("0.0.0.0") and not _loopback("::") and not _loopback("192.0.2.1")
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost") and is_loopback("127.0.0.2")
+    assert not is_loopback("0.0.0.0") and not is_loopback("::") and not is_loopback("192.0.2.1")
 
 
 def test_serve_defaults_are_bounded():

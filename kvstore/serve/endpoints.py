@@ -25,6 +25,7 @@ log = logging.getLogger("kvstore")
 POST_PATHS = ("/v1/completions", "/v1/chat/completions", "/chat/completions")
 #: Content types a web page may POST to any origin without a CORS preflight.
 SIMPLE_TYPES = ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data")
+INVALID_JSON = "Invalid JSON in request body"
 
 
 def handler_class(base: type, cache: PersistentPromptCache, metrics: ServerMetrics,
@@ -34,106 +35,135 @@ def handler_class(base: type, cache: PersistentPromptCache, metrics: ServerMetri
     `allowed_origins`: web origins whose requests are served and may read responses (`["*"]`:
     every origin; `[]`: none). `served_model`: the `--model` the server was started with.
     """
+    return type("KVStoreHandler", (KVStoreEndpoints, base), {
+        "kvstore_cache": cache, "kvstore_metrics": metrics,
+        "kvstore_allowed_origins": allowed_origins, "kvstore_served_model": served_model})
 
-    class KVStoreHandler(base):
-        def do_GET(self):
-            path = self.path.split("?", 1)[0]
-            try:
-                if path == "/metrics":
-                    body, content_type = metrics.render()
-                    return self._answer(200, body, content_type)
-                if path == "/kvstore/stats":
-                    return self._answer_json(200, metrics.read(cache.store.stats))
-                if path == "/v1/models" or path.startswith("/v1/models/"):
-                    return self._models(path[len("/v1/models/"):] if path != "/v1/models" else None)
-            except Exception as e:  # a scrape must never take the server down
-                log.warning("kvstore serve: GET %s failed: %s: %s", path, type(e).__name__, e)
-                return self._answer_json(500, {"error": f"{type(e).__name__}: {e}"})
-            return super().do_GET()
 
-        def do_POST(self):
-            if self.path not in POST_PATHS:
-                return super().do_POST()
-            origin = self.headers.get("Origin")
-            if origin is not None and not _allowed(origin, allowed_origins):
-                log.warning("kvstore serve: refused a request from the web origin %s (allow it with "
-                            "--allowed-origins)", _printable(origin))
-                return self._answer_json(403, {"error": f"requests from the web origin {origin!r} are "
-                                                        "not allowed (kvstore serve --allowed-origins)"})
-            media_type = (self.headers.get("Content-Type") or "").split(";", 1)[0].strip().lower()
-            if media_type in SIMPLE_TYPES:
-                return self._answer_json(415, {"error": f"the body is sent as {media_type}: send JSON "
-                                                        "with Content-Type: application/json"})
-            try:
-                length = int(self.headers.get("Content-Length"))
-            except (TypeError, ValueError):
-                return super().do_POST()  # mlx_lm.server answers 411 / 400 without reading a body
-            raw = self.rfile.read(max(0, length))
-            try:
-                body = json.loads(raw.decode("utf-8"))
-            except UnicodeDecodeError as e:
-                return self._malformed(f"it is not UTF-8 (byte {e.start})", len(raw))
-            except json.JSONDecodeError as e:
-                return self._malformed(f"{e.msg} (line {e.lineno}, column {e.colno})", len(raw))
-            if not isinstance(body, dict):
-                return self._malformed(f"it is a JSON {_json_type(body)}, not an object", len(raw))
-            wrong = _fatal_field(self.path, body)
-            if wrong:
-                return self._malformed(wrong, len(raw), "Invalid request body")
-            # mlx_lm.server reads the body again: hand it the bytes it would have read.
-            stream = self.rfile
-            self.rfile = io.BytesIO(raw)
-            try:
-                return super().do_POST()
-            finally:
-                self.rfile = stream
+class KVStoreEndpoints:
+    """kvstore's endpoints and refusals, put in front of mlx_lm.server's `APIHandler` by
+    `handler_class` (which sets the four `kvstore_` attributes). A new GET endpoint goes in
+    `do_GET`; `super()` is mlx_lm.server's handler."""
 
-        def _set_cors_headers(self):
-            origin = self.headers.get("Origin")
-            if "*" in allowed_origins:
-                self.send_header("Access-Control-Allow-Origin", "*")
-            elif origin is not None and origin in allowed_origins:
-                self.send_header("Access-Control-Allow-Origin", origin)
-                self.send_header("Vary", "Origin")
-            else:
-                return  # no CORS headers: a browser neither sends the request nor shows the answer
-            self.send_header("Access-Control-Allow-Methods", "GET, POST, OPTIONS")
-            self.send_header("Access-Control-Allow-Headers", "*")
+    kvstore_cache: PersistentPromptCache
+    kvstore_metrics: ServerMetrics
+    kvstore_allowed_origins: list[str]
+    kvstore_served_model: str | None
 
-        # -- answers ------------------------------------------------------------------------
+    def do_GET(self):
+        path = self.path.split("?", 1)[0]
+        try:
+            if path == "/metrics":
+                body, content_type = self.kvstore_metrics.render()
+                return self._answer(200, body, content_type)
+            if path == "/kvstore/stats":
+                return self._answer_json(200, self.kvstore_metrics.read(self.kvstore_cache.store.stats))
+            if path == "/v1/models" or path.startswith("/v1/models/"):
+                return self._models(path[len("/v1/models/"):] if path != "/v1/models" else None)
+        except Exception as e:  # a scrape must never take the server down
+            log.warning("kvstore serve: GET %s failed: %s: %s", path, type(e).__name__, e)
+            return self._answer_json(500, {"error": f"{type(e).__name__}: {e}"})
+        return super().do_GET()
 
-        def _malformed(self, why: str, nbytes: int, error: str = "Invalid JSON in request body"):
-            # Never the body itself: it is the user's prompt (mlx_lm.server logs it raw at ERROR).
-            log.warning("kvstore serve: refused a request to %s: its body (%d bytes) cannot be "
-                        "served: %s", self.path, nbytes, why)
-            return self._answer_json(400, {"error": f"{error}: {why}"})
+    def do_POST(self):
+        if self.path not in POST_PATHS:
+            return super().do_POST()
+        if self._refused_origin() or self._refused_media_type():
+            return None
+        try:
+            length = int(self.headers.get("Content-Length"))
+        except (TypeError, ValueError):
+            return super().do_POST()  # mlx_lm.server answers 411 / 400 without reading a body
+        raw = self.rfile.read(max(0, length))
+        problem = _body_problem(self.path, raw)
+        if problem is not None:
+            return self._malformed(*problem, len(raw))
+        # mlx_lm.server reads the body again: hand it the bytes it would have read.
+        stream = self.rfile
+        self.rfile = io.BytesIO(raw)
+        try:
+            return super().do_POST()
+        finally:
+            self.rfile = stream
 
-        def _models(self, wanted: str | None):
-            models = _listed_models(served_model, int(getattr(self, "created", time.time())))
-            if wanted is None:
-                return self._answer_json(200, {"object": "list", "data": models})
-            wanted = unquote(wanted).lstrip("/")
-            for model in models:
-                if model["id"].lstrip("/") == wanted:  # a local path's id starts with "/"
-                    return self._answer_json(200, model)
-            return self._answer_json(404, {"error": {"message": f"no model {wanted!r} here",
-                                                     "type": "invalid_request_error", "code": "model_not_found"}})
+    def _set_cors_headers(self):
+        origin = self.headers.get("Origin")
+        allowed_origins = self.kvstore_allowed_origins
+        if "*" in allowed_origins:
+            self.send_header("Access-Control-Allow-Origin", "*")
+        elif origin is not None and origin in allowed_origins:
+            self.send_header("Access-Control-Allow-Origin", origin)
+            self.send_header("Vary", "Origin")
+        else:
+            return  # no CORS headers: a browser neither sends the request nor shows the answer
+        self.send_header("Access-Control-Allow-Methods", "GET, POST, OPTIONS")
+        self.send_header("Access-Control-Allow-Headers", "*")
 
-        def _answer_json(self, status: int, value: Any):
-            body = json.dumps(value, default=str).encode()
-            return self._answer(status, body, "application/json")
+    # -- refusals (each answers the request itself and says True) ----------------------------
 
-        def _answer(self, status: int, body: bytes, content_type: str):
-            self.send_response(status)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            self._set_cors_headers()
-            self.end_headers()
-            self.wfile.write(body)
-            self.wfile.flush()
+    def _refused_origin(self) -> bool:
+        origin = self.headers.get("Origin")
+        if origin is None or _allowed(origin, self.kvstore_allowed_origins):
+            return False
+        log.warning("kvstore serve: refused a request from the web origin %s (allow it with "
+                    "--allowed-origins)", _printable(origin))
+        self._answer_json(403, {"error": f"requests from the web origin {origin!r} are "
+                                         "not allowed (kvstore serve --allowed-origins)"})
+        return True
 
-    KVStoreHandler.__name__ = KVStoreHandler.__qualname__ = "KVStoreHandler"
-    return KVStoreHandler
+    def _refused_media_type(self) -> bool:
+        media_type = (self.headers.get("Content-Type") or "").split(";", 1)[0].strip().lower()
+        if media_type not in SIMPLE_TYPES:
+            return False
+        self._answer_json(415, {"error": f"the body is sent as {media_type}: send JSON "
+                                         "with Content-Type: application/json"})
+        return True
+
+    def _malformed(self, why: str, error: str, nbytes: int):
+        # Never the body itself: it is the user's prompt (mlx_lm.server logs it raw at ERROR).
+        log.warning("kvstore serve: refused a request to %s: its body (%d bytes) cannot be "
+                    "served: %s", self.path, nbytes, why)
+        return self._answer_json(400, {"error": f"{error}: {why}"})
+
+    # -- answers ------------------------------------------------------------------------------
+
+    def _models(self, wanted: str | None):
+        models = _listed_models(self.kvstore_served_model, int(getattr(self, "created", time.time())))
+        if wanted is None:
+            return self._answer_json(200, {"object": "list", "data": models})
+        wanted = unquote(wanted).lstrip("/")
+        for model in models:
+            if model["id"].lstrip("/") == wanted:  # a local path's id starts with "/"
+                return self._answer_json(200, model)
+        return self._answer_json(404, {"error": {"message": f"no model {wanted!r} here",
+                                                 "type": "invalid_request_error", "code": "model_not_found"}})
+
+    def _answer_json(self, status: int, value: Any):
+        body = json.dumps(value, default=str).encode()
+        return self._answer(status, body, "application/json")
+
+    def _answer(self, status: int, body: bytes, content_type: str):
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self._set_cors_headers()
+        self.end_headers()
+        self.wfile.write(body)
+        self.wfile.flush()
+
+
+def _body_problem(path: str, raw: bytes) -> tuple[str, str] | None:
+    """`(why, error)` if mlx_lm.server cannot serve this POST body, else None."""
+    try:
+        body = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        return f"it is not UTF-8 (byte {e.start})", INVALID_JSON
+    except json.JSONDecodeError as e:
+        return f"{e.msg} (line {e.lineno}, column {e.colno})", INVALID_JSON
+    if not isinstance(body, dict):
+        return f"it is a JSON {_json_type(body)}, not an object", INVALID_JSON
+    wrong = _fatal_field(path, body)
+    return (wrong, "Invalid request body") if wrong else None
 
 
 def _fatal_field(path: str, body: dict) -> str | None:

@@ -13,32 +13,24 @@ RAM is still on disk (when the store has one) and is served from there: that is 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
-from collections import OrderedDict
 from typing import Any, Callable, Hashable, Sequence
 
 import numpy as np
 
 from kvstore import keys
-from kvstore.errors import KVStoreError
 from kvstore.keys import checkpoint_hash
 from kvstore.model.cache import ModelCache
+from kvstore.serve.binding import IN_RAM, Binding, KeyBindings
+from kvstore.serve.ramlru import CACHE_TYPES, RamSequences, SystemPrompts
 from kvstore.sizes import format_size
 from kvstore.store import Store
 
 log = logging.getLogger("kvstore")
 
-#: How many recent system prompts the memory tier keeps fresh (see `_SystemPrompts`).
+#: How many recent system prompts the memory tier keeps fresh (see `SystemPrompts`).
 MAX_SYSTEM_PROMPTS = 32
-
-# What `_resolve` returns for a key the store does not serve.
-IN_RAM = "in RAM"  # mlx-lm's own LRUPromptCache, as stock mlx_lm.server
-UNCACHED = "uncached"  # no prompt caching at all: even mlx-lm's in-RAM reuse would be wrong
-
-#: `insert_cache` types, in the order mlx-lm's LRUPromptCache evicts them.
-CACHE_TYPES = ("assistant", "user", "system")
 
 Observer = Callable[[float, int], None]
 
@@ -72,12 +64,9 @@ class PersistentPromptCache:
         self.max_bytes = max_bytes
         self.max_insert_tokens = max_insert_tokens
         self._fallback_cache = None
-        self._provider = None
-        self._registered: dict[Hashable, _Binding] = {}
-        self._bound: tuple[Hashable, Any, _Binding | None] | None = None
-        self._warned: set[tuple[Hashable, str]] = set()
-        self._system = _SystemPrompts(MAX_SYSTEM_PROMPTS)
-        self._ram = _RamSequences()
+        self._keys = KeyBindings(store)
+        self._system = SystemPrompts(MAX_SYSTEM_PROMPTS)
+        self._ram = RamSequences()
         self._evicted: set[bytes] = set()  # dropped from RAM while the writer still held them
         self._lock = threading.RLock()
         self.observers: list[Observer] = []  # called with (seconds, tokens reused) after each fetch
@@ -90,7 +79,7 @@ class PersistentPromptCache:
     def register(self, key: Hashable, model_cache: ModelCache) -> None:
         """Serve `key` from `model_cache` (from `store.bind(model, model_id)`): for own servers."""
         with self._lock:
-            self._registered[key] = _Binding(model_cache)
+            self._keys.register(key, model_cache)
 
     def attach(self, model_provider: Any) -> None:
         """Resolve keys through an `mlx_lm.server.ModelProvider` (its `model_key` and `model`).
@@ -99,7 +88,7 @@ class PersistentPromptCache:
         next one is loaded (a binding holds a reference to its model).
         """
         with self._lock:
-            self._provider = model_provider
+            self._keys.provider = model_provider
             cli_args = getattr(model_provider, "cli_args", None)
             size = getattr(cli_args, "prompt_cache_size", None)
             if isinstance(size, int):
@@ -126,7 +115,7 @@ class PersistentPromptCache:
             self.counters["prompt_tokens"] += len(tokens)
             try:
                 binding = self._resolve(model, tokens)
-                if not isinstance(binding, _Binding):
+                if not isinstance(binding, Binding):
                     return self._fetch_elsewhere(binding, model, tokens)
                 toks = np.asarray(tokens, dtype=np.int32)  # once, for both lookups
                 mc = binding.choose(toks)
@@ -158,7 +147,7 @@ class PersistentPromptCache:
                 binding = self._resolve(model, tokens)
                 if binding == IN_RAM:
                     self._fallback().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
-                if isinstance(binding, _Binding) and tokens:
+                if isinstance(binding, Binding) and tokens:
                     self._insert(binding, model, tokens, prompt_cache, cache_type)
             except Exception as e:
                 self._error("insert", e)
@@ -239,7 +228,7 @@ class PersistentPromptCache:
 
     # -- internals: inserting and holding sequences in RAM -------------------------------------
 
-    def _insert(self, binding: "_Binding", key: Hashable, tokens: list, prompt_cache: list,
+    def _insert(self, binding: Binding, key: Hashable, tokens: list, prompt_cache: list,
                 cache_type: str) -> None:
         held = self._held_tokens(tokens, prompt_cache)
         if held is None:
@@ -348,61 +337,13 @@ class PersistentPromptCache:
 
     # -- internals: keys and models ----------------------------------------------------------
 
-    def _resolve(self, key: Hashable, tokens: list) -> _Binding | str:
+    def _resolve(self, key: Hashable, tokens: list) -> Binding | str:
         """The bound model for `key`, else `IN_RAM` or `UNCACHED`."""
-        if tokens and min(tokens) < 0:  # image placeholders (mlx_lm.server's vision cache keys)
-            return self._unstorable(key, "image prompts are cached in RAM only")
-        binding = self._registered.get(key)
-        if binding is not None:
-            return binding
-        provider = self._provider
-        if provider is None:
-            return self._unstorable(key, "no model is registered for this key")
-        model = getattr(provider, "model", None)
-        if model is None or getattr(provider, "model_key", None) != key:
-            return self._unstorable(key, "the server has another model loaded")
-        if self._bound is not None and self._bound[0] == key and self._bound[1] is model:
-            return self._bound[2]
-        binding = self._bind(key, provider, model)
-        self._bound = (key, model, binding)
-        return binding
-
-    def _bind(self, key: Hashable, provider: Any, model: Any) -> _Binding | str:
-        model_id, adapter, draft = _split_key(key)
-        if draft is not None or getattr(provider, "draft_model", None) is not None:
-            return self._unstorable(key, "speculative decoding: with a draft model nothing is cached",
-                                    UNCACHED)
-        if model_id is None:
-            return self._unstorable(key, f"cannot tell which model the key {key!r} means")
-        try:
-            plain = self.store.bind(model, model_id, adapter_path=adapter)
-            quantized = self._bind_quantized(provider, model, model_id, adapter)
-        except KVStoreError as e:
-            return self._unstorable(key, str(e))
-        binding = _Binding(plain, quantized)
-        log.info("kvstore: serving %s (fingerprint %s) from the store", model_id, plain.fingerprint.hex()[:12])
-        return binding
-
-    def _bind_quantized(self, provider: Any, model: Any, model_id: Any, adapter: Any) -> ModelCache | None:
-        """With `--kv-bits`, the server's caches turn into `QuantizedKVCache`s once they pass
-        `--quantized-kv-start` tokens: those go to a second namespace, shorter ones to the plain one."""
-        cli_args = getattr(provider, "cli_args", None)
-        kv_bits = getattr(cli_args, "kv_bits", None)
-        if kv_bits is None:
-            return None
-        group = getattr(cli_args, "kv_group_size", None) or 64
-        return self.store.bind(model, model_id, adapter_path=adapter, kv_bits=kv_bits, kv_group_size=group)
+        return self._keys.resolve(key, tokens)
 
     def _forget_binding(self) -> None:
         with self._lock:
-            self._bound = None
-
-    def _unstorable(self, key: Hashable, reason: str, where: str = IN_RAM) -> str:
-        if (key, reason) not in self._warned:
-            self._warned.add((key, reason))
-            then = "they stay in RAM as in stock mlx_lm.server" if where == IN_RAM else "every prompt is computed"
-            log.warning("kvstore: not storing prompt caches for %r (%s); %s", key, reason, then)
-        return where
+            self._keys.forget()
 
     def _fallback(self):
         if self._fallback_cache is None:
@@ -449,97 +390,6 @@ class PersistentPromptCache:
                     exc_info=log.isEnabledFor(logging.DEBUG))
 
 
-class _RamSequences:
-    """The sequences held in RAM, each with the hashes of its records, one LRU per cache type.
-
-    `pop` takes the oldest sequence of the first type (assistant, user, system) that holds at least
-    as many as the next one: the order in which mlx-lm's `LRUPromptCache` evicts.
-    """
-
-    def __init__(self):
-        self._lrus: dict[str, OrderedDict[tuple, list[bytes]]] = {t: OrderedDict() for t in CACHE_TYPES}
-
-    def __len__(self) -> int:
-        return sum(len(lru) for lru in self._lrus.values())
-
-    def add(self, seq: tuple, hashes: list[bytes], cache_type: str) -> None:
-        self.remove(seq)
-        self._lrus[cache_type][seq] = hashes
-
-    def remove(self, seq: tuple) -> list[bytes]:
-        for lru in self._lrus.values():
-            if seq in lru:
-                return lru.pop(seq)
-        return []
-
-    def pop(self) -> tuple[tuple, list[bytes]]:
-        lrus = [self._lrus[t] for t in CACHE_TYPES]
-        for this, after in zip(lrus, lrus[1:]):
-            if this and len(this) >= len(after):
-                return this.popitem(last=False)
-        return lrus[-1].popitem(last=False)
-
-    def items(self) -> list[tuple[tuple, list[bytes]]]:
-        return [item for lru in self._lrus.values() for item in lru.items()]
-
-    def prefixes_of(self, seq: tuple) -> list[tuple]:
-        """Held sequences of the same key and namespace whose tokens are a strict prefix of `seq`'s."""
-        key, ns, tokens = seq
-        return [s for s, _ in self.items()
-                if s[0] == key and s[1] == ns and len(s[2]) < len(tokens) and tokens[: len(s[2])] == s[2]]
-
-    def held_hashes(self) -> set[bytes]:
-        return {h for _, hashes in self.items() for h in hashes}
-
-    def by_type(self) -> dict[str, tuple[int, set[bytes]]]:
-        return {t: (len(lru), {h for hashes in lru.values() for h in hashes}) for t, lru in self._lrus.items()}
-
-
-class _Binding:
-    """The store as one server model sees it: plain K/V, and with `--kv-bits` also quantized K/V."""
-
-    def __init__(self, plain: ModelCache, quantized: ModelCache | None = None):
-        self.plain, self.quantized = plain, quantized
-
-    def choose(self, tokens: np.ndarray) -> ModelCache:
-        """The namespace that holds more of `tokens`."""
-        mc = self.plain
-        if self.quantized is not None and self.quantized.stored_length(tokens) > mc.stored_length(tokens):
-            mc = self.quantized
-        return mc
-
-    def for_cache(self, cache: list) -> ModelCache:
-        if self.quantized is not None and any(type(c).__name__ == "QuantizedKVCache" for c in cache):
-            return self.quantized
-        return self.plain
-
-
-class _SystemPrompts:
-    """Recent system prompts, whose records the memory tier keeps fresh.
-
-    mlx_lm.server marks the cache at the end of a system prompt as "system". Those records are the
-    ancestors of every turn that follows, so on disk they already outlive the turns (eviction takes
-    leaves first). In RAM they are moved to the recent end of the memory tier's LRU after every other
-    insert, so assistant and user records go first. Bounded: only the last `limit` system prompts.
-    No pins: a pin is the operator's decision (`kvstore warm`), and unpinning here could undo it.
-    """
-
-    def __init__(self, limit: int):
-        self.limit = limit
-        self._prompts: OrderedDict[bytes, list[bytes]] = OrderedDict()
-
-    def remember(self, hashes: list[bytes]) -> None:
-        if not hashes:
-            return
-        self._prompts.pop(hashes[-1], None)
-        self._prompts[hashes[-1]] = hashes
-        while len(self._prompts) > self.limit:
-            self._prompts.popitem(last=False)
-
-    def hashes(self) -> list[bytes]:
-        return [h for hashes in self._prompts.values() for h in reversed(hashes)]
-
-
 def _record_hashes(mc: ModelCache, tokens: list[int]) -> list[bytes]:
     """The chunks and tail that `mc.insert(tokens, ...)` stores, root first."""
     toks = np.asarray(tokens, dtype=np.int32)
@@ -565,12 +415,3 @@ def _remote_tokens(store: Store) -> int | None:
     value = counters.get("remote_tokens") if isinstance(counters, dict) else None
     return value if isinstance(value, int) else None
 
-
-def _split_key(key: Hashable) -> tuple[Any, Any, Any]:
-    """`(model_id, adapter_path, draft_model_path)` of a server key (a tuple, or a bare path)."""
-    if isinstance(key, tuple):
-        parts = list(key) + [None] * 3
-        return parts[0], parts[1], parts[2]
-    if isinstance(key, (str, os.PathLike)):
-        return key, None, None
-    return None, None, None

@@ -1,0 +1,177 @@
+"""mlx_lm.server, checked for what kvstore relies on, and with kvstore's cache and handler put in.
+
+`persistent()` is the one place that reaches into mlx_lm.server: within it, its `ResponseGenerator`
+is handed a `PersistentPromptCache`, its HTTP server uses kvstore's handler, and its generation
+loop survives a request that makes it fail.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import inspect
+import logging
+import os
+import traceback
+import weakref
+from typing import Callable, Iterator
+
+from kvstore.errors import KVStoreError
+from kvstore.serve.promptcache import PersistentPromptCache
+
+log = logging.getLogger("kvstore")
+
+
+def server_module():
+    """mlx_lm.server, checked for the names this module relies on."""
+    try:
+        import mlx_lm.server as server
+    except ImportError as e:
+        raise KVStoreError(f"cannot import mlx_lm.server ({e}): install mlx-lm") from e
+    names = ("main", "ResponseGenerator", "ModelProvider", "APIHandler", "_run_http_server")
+    missing = [name for name in names if not hasattr(server, name)]
+    if not missing:
+        params = inspect.signature(server.ResponseGenerator.__init__).parameters
+        missing = [f"ResponseGenerator({n}=...)" for n in ("model_provider", "prompt_cache") if n not in params]
+        if "handler_class" not in inspect.signature(server._run_http_server).parameters:
+            missing.append("_run_http_server(handler_class=...)")
+    if missing:
+        raise KVStoreError(
+            f"this mlx-lm ({_mlx_lm_version()}) has no {', '.join(missing)} in mlx_lm.server, which "
+            "kvstore serve needs to put its cache in place; use mlx-lm 0.28 to 0.32, or "
+            "PersistentPromptCache from your own server")
+    return server
+
+
+def _mlx_lm_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return "mlx-lm " + version("mlx-lm")
+    except Exception:
+        return "mlx-lm of unknown version"
+
+
+@contextlib.contextmanager
+def persistent(server, cache: PersistentPromptCache, started: list,
+               requests: weakref.WeakValueDictionary, make_handler: Callable[[type], type]) -> Iterator[None]:
+    """Within: mlx_lm.server's ResponseGenerator gets `cache` instead of its own prompt cache, its
+    HTTP server uses `make_handler(APIHandler)` as its handler, and the generation context of every
+    request is listed in `requests` (so shutdown can stop them)."""
+    original = server.ResponseGenerator
+    original_context = getattr(server, "GenerationContext", None)
+    original_http = server._run_http_server
+    server._run_http_server = _http_runner(server, original_http, make_handler)
+    server.ResponseGenerator = _response_generator(original, cache, started)
+    if isinstance(original_context, type) and callable(getattr(original_context, "stop", None)):
+        server.GenerationContext = _listed_context(original_context, requests)
+    try:
+        yield
+    finally:
+        server.ResponseGenerator = original
+        server._run_http_server = original_http
+        if original_context is not None:
+            server.GenerationContext = original_context
+
+
+def _http_runner(server, original_http: Callable, make_handler: Callable[[type], type]) -> Callable:
+    """mlx_lm.server's `_run_http_server`, with kvstore's handler and start-up's objects frozen."""
+
+    def run_http_server(host, port, response_generator, *args, **kwargs):
+        base = args[1] if len(args) > 1 else kwargs.pop("handler_class", server.APIHandler)
+        # Everything made so far (the model, the tokenizer, the libraries: ~80k objects for the
+        # demo model, more for a real one) lives as long as the server. Frozen, Python's full
+        # collections stop walking it: a 15-20 ms pause at a random point of a request, gone.
+        gc.collect()
+        gc.freeze()
+        return original_http(host, port, response_generator, *args[:1], handler_class=make_handler(base),
+                             **kwargs)
+
+    return run_http_server
+
+
+def _response_generator(original: type, cache: PersistentPromptCache, started: list) -> type:
+    """A subclass of mlx_lm.server's `ResponseGenerator` that serves from `cache` and lists itself
+    in `started` (see `_RecoveringGenerator`)."""
+    return type("ResponseGenerator", (_RecoveringGenerator, original),
+                {"_kvstore_cache": cache, "_kvstore_started": started})
+
+
+class _RecoveringGenerator:
+    """Put in front of mlx_lm.server's `ResponseGenerator` by `_response_generator` (which sets
+    the two class attributes): its prompt cache is ours, and its generation loop starts again
+    after a request made it fail."""
+
+    _kvstore_cache: PersistentPromptCache
+    _kvstore_started: list
+
+    def __init__(self, model_provider, prompt_cache, *args, **kwargs):
+        cache = self._kvstore_cache
+        cache.attach(model_provider)
+        log.info("%s", cache.describe())
+        self._kvstore_queues: weakref.WeakSet = weakref.WeakSet()  # answer queues of requests taken
+        self._kvstore_taken = 0
+        super().__init__(model_provider, cache, *args, **kwargs)
+        self._kvstore_started.append(self)
+
+    def _next_request(self, *args, **kwargs):
+        request = super()._next_request(*args, **kwargs)
+        if request is not None:
+            self._kvstore_taken += 1
+            with contextlib.suppress(TypeError):
+                self._kvstore_queues.add(request[0])
+        return request
+
+    def _run_generate(self):
+        """mlx_lm.server's generation loop, started again after a request made it fail.
+
+        Stock, one request it does not check (e.g. an empty prompt) ends the loop, and every
+        later request fails with "generation thread died". Here the requests being served get
+        an error and the loop starts again; a failure before any request was taken (the model
+        does not load) still ends it."""
+        taken = -1
+        while True:
+            try:
+                return self._generate()
+            except Exception as e:
+                if self._stop or self._is_distributed or self._kvstore_taken == taken:
+                    # With no request taken yet no prompt can be in the message (a model
+                    # that does not load): then the whole traceback helps.
+                    log.error("mlx_lm.server generation thread died: %s at %s", type(e).__name__,
+                              _where(e), exc_info=self._kvstore_taken == 0)
+                    self._generation_failed = True
+                    return
+                taken = self._kvstore_taken
+                self._kvstore_fail_taken(e)
+
+    def _kvstore_fail_taken(self, e: Exception) -> None:
+        """Answer the requests taken so far with an error (the loop is about to start again)."""
+        log.error("kvstore serve: a request made mlx_lm.server's generation loop fail "
+                  "(%s at %s); the requests in progress get an error and it starts again",
+                  type(e).__name__, _where(e))
+        failure = RuntimeError("generation failed on a request in this batch; the server "
+                               "has recovered: send it again")
+        for answers in list(self._kvstore_queues):
+            answers.put(failure)
+        self._kvstore_queues = weakref.WeakSet()
+
+
+def _listed_context(original_context: type, requests: weakref.WeakValueDictionary) -> type:
+    """mlx_lm.server's `GenerationContext`, each one listed in `requests` as it is made."""
+
+    class GenerationContext(original_context):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            requests[id(self)] = self
+
+    return GenerationContext
+
+
+def _where(e: BaseException) -> str:
+    """Where an exception was raised (file:line in function), never its message: messages can
+    quote the prompt."""
+    frames = traceback.extract_tb(e.__traceback__)
+    if not frames:
+        return "an unknown place"
+    f = frames[-1]
+    return f"{os.path.basename(f.filename)}:{f.lineno} in {f.name}"

@@ -1,0 +1,53 @@
+"""SIGTERM and Ctrl-C while `kvstore serve` runs: stop the requests and the server, then flush."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import weakref
+from typing import Any
+
+from kvstore.store import Store
+
+log = logging.getLogger("kvstore")
+
+
+class Stopper:
+    """SIGTERM and Ctrl-C: the first one stops the requests being generated (as a client that hangs
+    up would) and the HTTP server, the way mlx_lm.server handles Ctrl-C (a KeyboardInterrupt in its
+    serve_forever); a second Ctrl-C flushes and exits at once."""
+
+    def __init__(self, store: Store):
+        self.store = store
+        self.stopping = False
+        self.previous: dict[int, Any] = {}
+        self.requests: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self.previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread: leave signals alone
+                return
+
+    def uninstall(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+        self.previous.clear()
+
+    def _handle(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        if not self.stopping:
+            self.stopping = True
+            log.info("kvstore: %s: stopping the server, then flushing pending writes", name)
+            for request in list(self.requests.values()):
+                with contextlib.suppress(Exception):
+                    request.stop()  # mlx_lm.server's sequential path would otherwise finish it first
+            raise KeyboardInterrupt
+        if signum == signal.SIGINT:
+            log.warning("kvstore: second Ctrl-C: flushing pending writes and exiting now")
+            self.store.flush(timeout=10)
+            os._exit(0)
+        log.info("kvstore: %s: already stopping", name)
