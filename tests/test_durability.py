@@ -20,7 +20,7 @@ from kvtest import prefill
 import kvstore
 from kvstore import keys
 from kvstore.storage import blobfile, blobtree, blobwrite
-from kvstore.storage.index import available_migrations
+from kvstore.storage.schema import available_migrations
 
 C = 16
 

@@ -19,9 +19,7 @@ from kvstore import faults
 from kvstore.errors import CorruptIndexError, StoreOpenError
 from kvstore.storage import schema
 from kvstore.storage.evictsql import EvictionSQL
-
-# Re-exported: the index module is where the rest of kvstore finds its SQLite helpers.
-from kvstore.storage.schema import available_migrations, connect_read_only, is_corruption  # noqa: F401
+from kvstore.storage.schema import available_migrations, connect_read_only, is_corruption
 
 _MAX_PARAMS = schema.MAX_PARAMS
 

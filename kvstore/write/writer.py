@@ -39,7 +39,6 @@ class Writer:
         self.max_pending_bytes = max_pending_bytes
         self.after_batch = after_batch
         self.after_write = after_write  # gets the rows of each committed batch (the remote uploader)
-        self.fsync = fsync
         self._dest = Destination(index, root, memory, fsync)
         self.stats: WriterStats = self._dest.stats
         self._jobs: deque[Job] = deque()
@@ -74,6 +73,7 @@ class Writer:
             return True
 
     def pending(self, h: bytes) -> Record | None:
+        """The queued record `h` as views of its job (None if it is not queued)."""
         with self._cond:
             found = self._pending.get(h)
         return found[0].record(found[1]) if found else None
@@ -89,13 +89,16 @@ class Writer:
         return h in self._dest.complete
 
     def is_pending(self, h: bytes) -> bool:
+        """Whether `h` is queued and not written yet."""
         return h in self._pending
 
     @property
     def pending_bytes(self) -> int:
+        """Bytes of the jobs queued now (bounded by `max_pending_bytes`)."""
         return self._pending_bytes
 
     def touch(self, hashes: list[bytes]) -> None:
+        """Count a use of these records; their access times reach the index in batches."""
         now = time.time()
         with self._cond:
             for h in hashes:
@@ -116,6 +119,7 @@ class Writer:
         return True
 
     def close(self) -> None:
+        """Flush, then stop the thread."""
         self.flush()
         with self._cond:
             self._stop = True
