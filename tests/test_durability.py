@@ -20,7 +20,7 @@ from kvtest import prefill
 import kvstore
 from kvstore import keys
 from kvstore.storage import blobfile, blobtree, blobwrite
-from kvstore.storage.index import available_migrations
+from kvstore.storage.schema import available_migrations
 
 C = 16
 
@@ -170,7 +170,7 @@ def test_a_schema_15_store_migrates_to_narrow_rows_and_still_restores_exactly(tm
     branches inside a stored chunk still restores exactly the common prefix."""
     from kvtest import logits_diff
 
-    from kvstore.storage.index import _split_sql
+    from kvstore.storage.schema import split_sql
 
     model_path, model = llama
     base = rand_tokens(3 * C + 5, seed=160)
@@ -192,7 +192,7 @@ def test_a_schema_15_store_migrates_to_narrow_rows_and_still_restores_exactly(tm
     for version, name, sql in available_migrations():
         if version > 15:
             break
-        for statement in _split_sql(sql):
+        for statement in split_sql(sql):
             con.execute(statement)
         con.execute("INSERT INTO schema_migrations VALUES (?, ?, 0)", (version, name))
     con.execute("ATTACH ? AS new", (str(new / "index.sqlite"),))

@@ -416,9 +416,9 @@ def test_index_damaged_inside_never_breaks_fetch_and_is_rebuilt(tmp_path, llama)
 
 def test_a_busy_index_is_never_taken_for_a_damaged_one(tmp_path, monkeypatch):
     """Only a damaged index is reported as one (and so rebuilt): a locked one is not."""
-    import kvstore.storage.index
+    import kvstore.storage.schema
 
-    monkeypatch.setattr(kvstore.storage.index, "BUSY_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(kvstore.storage.schema, "BUSY_TIMEOUT_S", 0.2)
     store = tmp_path / "s"
     (store / "blobs").mkdir(parents=True, mode=0o700)
     con = sqlite3.connect(store / "index.sqlite", isolation_level=None)

@@ -351,12 +351,12 @@ def test_threads_allocating_while_the_cache_limit_is_raised_never_deadlock():
 def test_with_the_memory_tier_off_the_writer_copies_nothing_for_ram(tmp_path, llama, monkeypatch):
     from kvtest import prefill
 
-    from kvstore.write.writer import Writer
+    from kvstore.write import jobs
 
     model_path, model = llama
     calls = []
-    real = Writer._compact
-    monkeypatch.setattr(Writer, "_compact", staticmethod(lambda *a: calls.append(1) or real(*a)))
+    real = jobs.compact
+    monkeypatch.setattr(jobs, "compact", lambda *a: calls.append(1) or real(*a))
     tokens = toks(5 * C + 3, 31)
     with kvstore.open(tmp_path / "off", chunk_size=C, memory_bytes=0) as store:
         store.bind(model, model_path).insert(tokens, prefill(model, tokens))

@@ -23,7 +23,7 @@ import kvstore
 from kvstore.demo import build_demo_model
 from kvstore.errors import InvalidInputError, SchemaTooNewError, StoreOpenError
 from kvstore.storage import blobtree
-from kvstore.storage.index import available_migrations
+from kvstore.storage.schema import available_migrations
 
 HERE = Path(__file__).parent
 C = 16  # a small chunk size makes short prompts span many chunks

@@ -1,9 +1,9 @@
 """Keeping the bucket of a remote tier bounded (`collect_remote`) and whole (`verify_remote`).
 
 Both work from one listing of `PREFIX/`: every record's key names its namespace and parent, so
-the tree of records is known without reading any object. Deletions go deepest first, a level at a
-time, so at every instant each remaining record's parent is still there (the binary search of a
-lookup relies on it).
+the tree of records is known without reading any object. gc chooses what goes by local gc's rule
+(`upkeep.evict`); deletions go children first, a level at a time, so at every instant each
+remaining record's parent is still there (the binary search of a lookup relies on it).
 
 Pins are known only to the node that pinned a prompt. Each node publishes them as
 `<ns>/pins/<node>.json` (the hashes of its pinned records, which include their ancestors):
@@ -14,7 +14,6 @@ every node's pins object and keeps those records, their ancestors and their chec
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import json
 import os
 import time
@@ -27,6 +26,7 @@ from kvstore.errors import BlobError
 from kvstore.remote.bucket import Bucket, RemoteError
 from kvstore.remote.layout import ObjectKey, parse_key, pins_key
 from kvstore.storage.index import CHECKPOINT
+from kvstore.upkeep import evict
 from kvstore.upkeep.maintenance import Problem
 
 if TYPE_CHECKING:
@@ -92,22 +92,25 @@ class _Tree:
         self._depth: dict[bytes, int] = {}
 
     def depth(self, h: bytes) -> int:
-        """1 for a record under its namespace; a large number for one whose parent is gone."""
-        path = []
+        """1 for a record under its namespace; a large number for one whose parent is gone, or
+        that no namespace reaches (its parents go round in a cycle)."""
+        path: list[bytes] = []
+        seen: set[bytes] = set()
         while h not in self._depth:
             k = self.objects.get(h)
             if k is None or k.parent == k.ns:
                 self._depth[h] = 0 if k is None else 1
                 break
-            if k.parent not in self.objects:
-                self._depth[h] = 1 << 20  # an orphan: nothing reaches it, it goes first
+            if k.parent not in self.objects or h in seen:
+                self._depth[h] = _UNREACHABLE  # an orphan: nothing reaches it, it goes first
                 break
+            seen.add(h)
             path.append(h)
             h = k.parent
         for p in reversed(path):
-            k = self.objects[p]
-            self._depth[p] = self._depth[k.parent] + 1
-        return self._depth[h] if not path else self._depth[path[0]]
+            if p not in self._depth:
+                self._depth[p] = min(self._depth[self.objects[p].parent] + 1, _UNREACHABLE)
+        return self._depth[path[0]] if path else self._depth[h]
 
     def orphans(self) -> list[ObjectKey]:
         return [k for k in self.objects.values() if k.parent != k.ns and k.parent not in self.objects]
@@ -122,6 +125,16 @@ class _Tree:
             todo += self.children.get(h, [])
         return out
 
+    def ancestors(self, hashes: set[bytes]) -> set[bytes]:
+        """`hashes` and every record above them in the listing (a cycle ends the walk)."""
+        out = set(hashes) & set(self.objects)
+        for h in list(out):
+            k = self.objects[h]
+            while k.parent in self.objects and k.parent not in out:
+                out.add(k.parent)
+                k = self.objects[k.parent]
+        return out
+
     def delete(self, bucket: Bucket, hashes: set[bytes]) -> None:
         """Delete records a depth level at a time, deepest first."""
         levels: dict[int, list[str]] = {}
@@ -131,66 +144,56 @@ class _Tree:
             bucket.delete(levels[depth])
 
 
+_UNREACHABLE = 1 << 20
+
+
 def collect_remote(bucket: Bucket, *, max_bytes: int | None = None, max_age: float | None = None,
                    dry_run: bool = False, now: float | None = None) -> dict:
-    """Delete records of the bucket older than `max_age` seconds, then the deepest (oldest first)
-    until it holds at most `max_bytes`; never a pinned record, its ancestors or its checkpoints,
-    and never a record before its children."""
+    """Delete records of the bucket older than `max_age` seconds, then until it holds at most
+    `max_bytes`, by the rule local gc follows (`upkeep.evict`: least recently used leaf first,
+    an object's last-modified time standing for its last access; records whose parent is gone
+    first); never a pinned record, its ancestors or its checkpoints, and never a record before
+    its children."""
     started = time.perf_counter()
     tree = _Tree(bucket)
-    keep: set[bytes] = set()
+    keep = _kept(bucket, tree)
+    objects = list(tree.objects.values())
+    total = sum(k.size for k in objects)
+    cutoff = None if max_age is None else (time.time() if now is None else now) - max_age
+    p = evict.Plan.empty()
+    if cutoff is not None or (max_bytes is not None and total > max_bytes):  # as local gc: only when asked
+        graph = evict.Graph.from_rows([(k.hash, k.parent, k.size, k.modified, k.hash in keep, False, k.parent == k.ns)
+                                       for k in objects])
+        p = evict.plan(graph, max_bytes=max_bytes, cutoff=cutoff, stale=False)
+    freed = int(p.sizes.sum()) if len(p) else 0
+    if not dry_run and len(p):
+        _delete_in_rounds(bucket, tree, p)
+    return {"evicted": len(p), "freed_bytes": freed, "bytes_before": total, "bytes": total - freed,
+            "records": len(objects) - len(p), "kept_pinned": len(keep), "dry_run": dry_run,
+            "seconds": time.perf_counter() - started}
+
+
+def _kept(bucket: Bucket, tree: _Tree) -> set[bytes]:
+    """The records every node's pins object keeps: the pinned, their ancestors and their checkpoints."""
+    pinned: set[bytes] = set()
     for path in tree.pins_objects:
         body = bucket.get(path)
         try:
-            pinned = json.loads(body or b"{}").get("pinned", [])
-            keep.update(bytes.fromhex(h) for h in pinned)
+            pinned.update(bytes.fromhex(h) for h in json.loads(body or b"{}").get("pinned", []))
         except (ValueError, AttributeError, TypeError) as e:
             raise RemoteError(f"pins object {path} is unreadable ({e}): fix or delete it before gc") from e
-    for h in list(keep):  # ancestors of pinned records
-        k = tree.objects.get(h)
-        while k is not None and k.parent in tree.objects and k.parent not in keep:
-            keep.add(k.parent)
-            k = tree.objects[k.parent]
-    keep |= {c for h in list(keep) for c in tree.children.get(h, []) if tree.objects[c].kind == CHECKPOINT}
-    keep &= set(tree.objects)
-    total = sum(k.size for k in tree.objects.values())
-    remaining = {h: len(c) for h, c in tree.children.items()}
-    gone: set[bytes] = set()
+    keep = tree.ancestors(pinned)
+    return keep | {c for h in keep for c in tree.children.get(h, []) if tree.objects[c].kind == CHECKPOINT}
 
-    def leaf(h: bytes) -> bool:
-        return h not in keep and h not in gone and remaining.get(h, 0) == 0
 
-    def drop(h: bytes) -> None:
-        gone.add(h)
-        parent = tree.objects[h].parent
-        if parent in remaining:
-            remaining[parent] -= 1
-
-    now = time.time() if now is None else now
-    if max_age is not None:
-        old = sorted((h for h, k in tree.objects.items() if k.modified < now - max_age),
-                     key=tree.depth, reverse=True)
-        for h in old:  # children come first, so a parent goes only if every child went
-            if leaf(h):
-                drop(h)
-    freed = sum(tree.objects[h].size for h in gone)
-    if max_bytes is not None and total - freed > max_bytes:
-        heap = [(-tree.depth(h), k.modified, h) for h, k in tree.objects.items() if leaf(h)]
-        heapq.heapify(heap)
-        while heap and total - freed > max_bytes:
-            _, _, h = heapq.heappop(heap)
-            if not leaf(h):
-                continue
-            drop(h)
-            freed += tree.objects[h].size
-            parent = tree.objects[h].parent
-            if parent in tree.objects and leaf(parent):
-                heapq.heappush(heap, (-tree.depth(parent), tree.objects[parent].modified, parent))
-    if not dry_run and gone:
-        tree.delete(bucket, gone)
-    return {"evicted": len(gone), "freed_bytes": freed, "bytes_before": total, "bytes": total - freed,
-            "records": len(tree.objects) - len(gone), "kept_pinned": len(keep), "dry_run": dry_run,
-            "seconds": time.perf_counter() - started}
+def _delete_in_rounds(bucket: Bucket, tree: _Tree, p: evict.Plan) -> None:
+    """Delete the plan a round of leaf peeling at a time (its H): every child of a record is in
+    an earlier round, so at every instant each remaining record's parent is still there."""
+    rounds: dict[int, list[str]] = {}
+    for h, height in zip(p.hashes, p.heights.tolist()):
+        rounds.setdefault(height, []).append(tree.objects[h].path)
+    for height in sorted(rounds):
+        bucket.delete(rounds[height])
 
 
 def verify_remote(bucket: Bucket, *, repair: bool = False, threads: int = 8) -> list[Problem]:

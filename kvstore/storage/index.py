@@ -8,44 +8,22 @@ writers queue on the busy timeout instead of failing half-way.
 from __future__ import annotations
 
 import os
-import re
 import sqlite3
 import threading
 import time
-import urllib.parse
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
 from kvstore import faults
-from kvstore.errors import CorruptIndexError, SchemaTooNewError, StoreOpenError
+from kvstore.errors import CorruptIndexError, StoreOpenError
+from kvstore.storage import schema
+from kvstore.storage.evictsql import EvictionSQL
+from kvstore.storage.schema import available_migrations, connect_read_only, is_corruption
 
-BUSY_TIMEOUT_S = 60.0
-_MIGRATION_NAME = re.compile(r"^(\d{4})_[a-z0-9_]+\.sql$")
-# SQLite's limit on host parameters is 32766 on current builds; stay well below it.
-_MAX_PARAMS = 900
+_MAX_PARAMS = schema.MAX_PARAMS
 
 CHUNK, TAIL, CHECKPOINT = 0, 1, 2
-
-
-def migrations_dir() -> Path:
-    """Where the numbered schema files are: inside the wheel, or at the top of a checkout."""
-    here = Path(__file__).resolve().parent
-    for candidate in (here / "migrations", here.parent.parent / "migrations"):
-        if candidate.is_dir():
-            return candidate
-    raise StoreOpenError(f"kvstore's migrations/ folder is missing (looked beside {here})")
-
-
-def available_migrations() -> list[tuple[int, str, str]]:
-    """(version, name, sql) of every migration file, in order."""
-    found = []
-    for p in sorted(migrations_dir().iterdir()):
-        m = _MIGRATION_NAME.match(p.name)
-        if m:
-            found.append((int(m.group(1)), p.name, p.read_text()))
-    return found
 
 
 @dataclass(frozen=True)
@@ -80,52 +58,7 @@ def _i64_to_u64(v: int) -> int:
     return v + (1 << 64) if v < 0 else v
 
 
-def sqlite_uri(path: Path, **params: str) -> str:
-    """A `file:` URI for `path`: escaped, so a `#` or `?` in it never names another file."""
-    return f"file:{urllib.parse.quote(str(Path(path).absolute()))}?{urllib.parse.urlencode(params)}"
-
-
-def connect_read_only(path: Path, timeout: float = BUSY_TIMEOUT_S, *,
-                      journal: bool = False) -> sqlite3.Connection:
-    """A connection that never writes `path` nor makes a file beside it. With no -wal and -shm
-    there (no writer has the index open) SQLite would create them even read-only, so the index
-    is read as an immutable snapshot; with them there, their changes are read too. `journal`:
-    the caller may write the store, so SQLite may make them (and reads a -wal left alone)."""
-    live = journal or (os.path.exists(f"{path}-wal") and os.path.exists(f"{path}-shm"))
-    params = {"mode": "ro"} if live else {"mode": "ro", "immutable": "1"}
-    conn = sqlite3.connect(sqlite_uri(path, **params), uri=True, timeout=timeout,
-                           isolation_level=None, check_same_thread=False)
-    try:
-        conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
-        return conn
-    except sqlite3.Error as e:
-        conn.close()
-        # READONLY or CANTOPEN: this user cannot use the writer's -shm; read the snapshot.
-        if not live or journal or getattr(e, "sqlite_errorcode", 0) & 0xFF not in (8, 14):
-            raise
-    return sqlite3.connect(sqlite_uri(path, mode="ro", immutable="1"), uri=True, timeout=timeout,
-                           isolation_level=None, check_same_thread=False)
-
-
-def _set_wal(conn: sqlite3.Connection) -> None:
-    """WAL mode. Switching a new file to it needs an exclusive lock, and while other processes
-    open (and switch) the same new file SQLite may answer "database is locked" at once, without
-    its busy handler, or even "disk I/O error": both pass once the first switch is done."""
-    deadline = time.monotonic() + BUSY_TIMEOUT_S
-    io_errors = 0
-    while True:
-        try:
-            conn.execute("PRAGMA journal_mode = WAL").fetchone()
-            return
-        except sqlite3.OperationalError as e:
-            io_errors += "disk I/O" in str(e)
-            if not ("locked" in str(e) or "disk I/O" in str(e)) or io_errors > 50 \
-                    or time.monotonic() > deadline:
-                raise
-            time.sleep(0.01)
-
-
-class Index:
+class Index(EvictionSQL):
     """The index of one store directory (`index.sqlite`), shared by threads and processes.
 
     `read_only=True` never writes (nor migrates) the index: for a store this user may only read.
@@ -140,9 +73,9 @@ class Index:
         self._closed = False
         try:
             if read_only:
-                self._check_schema()
+                schema.check(self.conn, self.path, read_only=True)
             else:
-                self._migrate()
+                schema.migrate(self.conn, self.path)
             # Reading one page of every table catches a file that is not a database at all.
             self.conn.execute("SELECT count(*) FROM meta").fetchone()
         except sqlite3.DatabaseError as e:
@@ -162,43 +95,20 @@ class Index:
 
     @property
     def conn(self) -> sqlite3.Connection:
+        """This thread's connection (made on first use)."""
         conn = getattr(self._local, "conn", None)
         if conn is None:
             if self._closed:
                 raise StoreOpenError("the store is closed")
             if self.read_only:
                 conn = connect_read_only(self.path)
-                conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
-                self._local.conn = conn
-                with self._lock:
-                    self._connections.append(conn)
-                return conn
-            conn = sqlite3.connect(
-                self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False
-            )
-            conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
-            # Only takes effect on a new, empty file. With 4 KiB pages a row (its 1 KiB of token
-            # ids) overflows into a page of its own: 4x the size, and a page read more per lookup.
-            conn.execute("PRAGMA page_size = 16384")
-            _set_wal(conn)
-            conn.execute("PRAGMA synchronous = NORMAL")
-            conn.execute("PRAGMA foreign_keys = OFF")
+                conn.execute(f"PRAGMA busy_timeout = {int(schema.BUSY_TIMEOUT_S * 1000)}")
+            else:
+                conn = schema.connect(self.path)
             self._local.conn = conn
             with self._lock:
                 self._connections.append(conn)
         return conn
-
-    @contextmanager
-    def transaction(self) -> Iterator[sqlite3.Connection]:
-        """`BEGIN IMMEDIATE ... COMMIT`, rolled back on any exception."""
-        conn = self.conn
-        conn.execute("BEGIN IMMEDIATE")
-        try:
-            yield conn
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
-        conn.execute("COMMIT")
 
     def close(self) -> None:
         self._closed = True
@@ -211,87 +121,16 @@ class Index:
             self._connections.clear()
         self._local = threading.local()
 
-    # -- schema -----------------------------------------------------------------------------
-
     def applied(self) -> list[int]:
         """Versions of the migrations this index has (read-only)."""
-        conn = self.conn
-        exists = conn.execute(
-            "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'schema_migrations'"
-        ).fetchone()
-        if not exists:
-            return []
-        return [v for (v,) in conn.execute("SELECT version FROM schema_migrations ORDER BY 1")]
+        return schema.applied(self.conn)
 
     def pending(self) -> list[tuple[int, str, str]]:
         """Migrations not yet applied (read-only)."""
         done = set(self.applied())
         return [m for m in available_migrations() if m[0] not in done]
 
-    def _check_schema(self) -> list[tuple[int, str, str]]:
-        """The known migrations; raises if the index was written by a newer kvstore."""
-        known = available_migrations()
-        newest_known = known[-1][0] if known else 0
-        applied = self.applied()
-        if applied and applied[-1] > newest_known:
-            raise SchemaTooNewError(
-                f"the index {self.path} has schema version {applied[-1]}, but this kvstore only "
-                f"knows up to {newest_known}: upgrade kvstore to open it (nothing was changed)"
-            )
-        if self.read_only and set(v for v, _, _ in known) - set(applied):
-            raise StoreOpenError(
-                f"the index {self.path} has an older schema (version {applied[-1] if applied else 0}) "
-                "that this kvstore upgrades when it opens the store to write; it cannot read it "
-                "read-only (open it once with write access, e.g. `kvstore verify --repair`)")
-        return known
-
-    def _migrate(self) -> None:
-        known = self._check_schema()
-        applied = self.applied()
-        ran = False
-        for version, name, sql in known:
-            if version in applied:
-                continue
-            ran = True
-            with self.transaction() as conn:
-                conn.execute(
-                    "CREATE TABLE IF NOT EXISTS schema_migrations "
-                    "(version INTEGER PRIMARY KEY, name TEXT NOT NULL, applied_at REAL NOT NULL)"
-                )
-                # Another process may have applied it while we waited for the write lock.
-                if conn.execute(
-                    "SELECT 1 FROM schema_migrations WHERE version = ?", (version,)
-                ).fetchone():
-                    continue
-                for statement in _split_sql(sql):
-                    conn.execute(statement)
-                conn.execute(
-                    "INSERT INTO schema_migrations (version, name, applied_at) VALUES (?, ?, ?)",
-                    (version, name, time.time()),
-                )
-        if ran and applied:
-            self._compact_after_migration()
-
-    def _compact_after_migration(self) -> None:
-        """A migration that rebuilt a table (0016) leaves the old one's pages free in the file
-        and a WAL as big: give the space back when that is most of the file. Best effort: another
-        process using the index makes VACUUM fail, and the free pages are reused anyway."""
-        conn = self.conn
-        try:
-            (free,) = conn.execute("PRAGMA freelist_count").fetchone()
-            (pages,) = conn.execute("PRAGMA page_count").fetchone()
-            (size,) = conn.execute("PRAGMA page_size").fetchone()
-            if free > pages // 2 and free * size > 64 << 20:
-                conn.execute("VACUUM")
-            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
-        except sqlite3.OperationalError:
-            pass
-
     # -- settings ---------------------------------------------------------------------------
-
-    def get_meta(self, key: str) -> str | None:
-        row = self.conn.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
-        return row[0] if row else None
 
     def bump_counter(self, key: str, by: int = 1) -> None:
         with self.transaction() as conn:
@@ -485,82 +324,6 @@ class Index:
         """The namespace of every bound model version (the roots of every chain)."""
         return {ns for (ns,) in self.conn.execute("SELECT ns FROM models")}
 
-    # -- eviction ---------------------------------------------------------------------------
-
-    def eviction_graph(self, stale: Sequence[bytes] = ()) -> list[tuple]:
-        """(hash + parent, last access, size * 16 + flags) of every record, for planning an
-        eviction (`evict.Graph.from_index`); flags: 1 pinned, 2 of a namespace in `stale`, 4 hangs
-        from its namespace, 8 quarantined. Three columns, two of them numbers: at a million rows
-        making the Python values is most of the time this takes."""
-        stale = list(stale)[:_MAX_PARAMS]
-        marks = ",".join("?" * len(stale))
-        flag = f"(ns IN ({marks})) * 2" if stale else "0"
-        return self.conn.execute(
-            f"SELECT CAST(hash || parent AS BLOB), last_access, "
-            f"size * 16 + (pinned != 0) + {flag} + (parent = ns) * 4 + (bad != 0) * 8 FROM records"
-            # A row of the wrong type (a TEXT hash, say) is never planned: verify reports it.
-            " WHERE typeof(hash) = 'blob' AND length(hash) = 16 AND typeof(parent) = 'blob'"
-            " AND length(parent) = 16 AND typeof(size) = 'integer'"
-            " AND typeof(last_access) IN ('integer', 'real') AND typeof(pinned) = 'integer'"
-            " AND typeof(bad) = 'integer'",
-            stale).fetchall()
-
-    @contextmanager
-    def victims(self, hashes: Iterable[bytes]) -> Iterator[None]:
-        """What gc evicts, held for `evict` in a table of this connection's own (in memory)."""
-        conn = self.conn
-        conn.execute("PRAGMA temp_store = MEMORY")
-        conn.execute("DROP TABLE IF EXISTS temp.victims")
-        conn.execute("CREATE TEMP TABLE victims (hash BLOB PRIMARY KEY) WITHOUT ROWID")
-        try:
-            hashes = sorted(hashes)
-            conn.execute("BEGIN")  # (of the temporary table only: no lock on the index)
-            try:
-                for start in range(0, len(hashes), _MAX_PARAMS):
-                    part = hashes[start : start + _MAX_PARAMS]
-                    conn.execute("INSERT OR IGNORE INTO temp.victims VALUES " + ",".join(["(?)"] * len(part)), part)
-            except BaseException:
-                conn.execute("ROLLBACK")
-                raise
-            conn.execute("COMMIT")
-            yield
-        finally:
-            conn.execute("DROP TABLE IF EXISTS temp.victims")
-
-    def evict(self, lo: bytes, hi: bytes) -> list[tuple[bytes, int, bytes]]:
-        """Delete, in one transaction, the records of `victims` from `lo` to `hi` (hashes,
-        inclusive: neighbours in the table) that are unpinned and have no stored child outside
-        the victims. The check is made here, so a record pinned, or given a new child by another
-        process, since gc chose it stays. Returns (hash, size, first 2 bytes of its parent) of
-        the rows deleted: delete their files only now that this has committed, and then their
-        edges (`forget_edges`)."""
-        with self.transaction() as conn:
-            return conn.execute(
-                "DELETE FROM records WHERE hash IN (SELECT hash FROM temp.victims WHERE hash BETWEEN ? AND ?) "
-                "AND pinned = 0 AND NOT EXISTS (SELECT 1 FROM children c JOIN records k ON k.hash = c.hash "
-                "WHERE c.parent = records.hash AND c.hash NOT IN (SELECT hash FROM temp.victims)) "
-                "RETURNING hash, size, substr(parent, 1, 2)", (lo, hi)).fetchall()
-
-    def forget_edges(self, lo: bytes, hi: bytes | None) -> int:
-        """Delete, in one transaction, the edges of `children` from parents `lo` (a hash prefix,
-        inclusive) to `hi` (exclusive; None: to the end) to the records of `victims` that are not
-        stored (any more). Returns how many went."""
-        with self.transaction() as conn:
-            bound = "" if hi is None else " AND parent < ?"
-            return conn.execute(
-                f"DELETE FROM children WHERE parent >= ?{bound} "
-                "AND hash IN (SELECT hash FROM temp.victims) AND NOT EXISTS "
-                "(SELECT 1 FROM records r WHERE r.hash = children.hash)",
-                (lo,) if hi is None else (lo, hi)).rowcount
-
-    def forget_lost_edges(self) -> int:
-        """Delete every edge whose record is gone (a gc stopped between its two sweeps leaves
-        some; readers ignore them). A scan of the whole table: for `verify --repair`."""
-        with self.transaction() as conn:
-            return conn.execute(
-                "DELETE FROM children WHERE NOT EXISTS "
-                "(SELECT 1 FROM records r WHERE r.hash = children.hash)").rowcount
-
     def replace_blob(self, h: bytes, size: int, checksum: int) -> bool:
         """A record's blob was written again with more of its K/V (same tokens): its new size
         and checksum, and the store's totals moved by the difference, in one transaction."""
@@ -589,36 +352,11 @@ class Index:
                 deleted += [(h, size) for h, size, _, _ in gone]
         return deleted
 
-    @contextmanager
-    def bulk(self, cache_kib: int = 256 << 10) -> Iterator[None]:
-        """For a long job of many transactions (gc) on this thread's connection: a bigger page
-        cache, and no checkpoint inside its commits (it calls `checkpoint` between them, when
-        it holds no lock); then the defaults again."""
-        conn = self.conn
-        (before,) = conn.execute("PRAGMA cache_size").fetchone()
-        (every,) = conn.execute("PRAGMA wal_autocheckpoint").fetchone()
-        conn.execute(f"PRAGMA cache_size = -{int(cache_kib)}")
-        conn.execute("PRAGMA wal_autocheckpoint = 0")
-        try:
-            yield
-        finally:
-            conn.execute(f"PRAGMA cache_size = {int(before)}")
-            conn.execute(f"PRAGMA wal_autocheckpoint = {int(every)}")
-            self.checkpoint()
-
     def file_bytes(self) -> int:
         try:
             return self.path.stat().st_size
         except OSError:
             return 0
-
-    def checkpoint(self) -> None:
-        """Copy what the WAL holds into the database as far as readers allow; never waits for
-        a writer or blocks one (SQLite's PASSIVE checkpoint)."""
-        try:
-            self.conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
-        except sqlite3.OperationalError:  # busy: a later one does it
-            pass
 
     # -- totals -----------------------------------------------------------------------------
 
@@ -672,20 +410,6 @@ class Index:
         }
 
 
-# SQLite result codes of a file that is fine but cannot be used right now: PERM, BUSY, LOCKED,
-# NOMEM, READONLY, INTERRUPT, IOERR, FULL, CANTOPEN, PROTOCOL, AUTH.
-_NOT_DAMAGE = {3, 5, 6, 7, 8, 9, 10, 13, 14, 15, 23}
-
-
-def is_corruption(e: sqlite3.DatabaseError) -> bool:
-    """The index file is damaged or not a kvstore index (CORRUPT, NOTADB, a missing table...),
-    as opposed to busy, full, read-only or unreachable: only then is rebuilding it the answer."""
-    code = getattr(e, "sqlite_errorcode", None)
-    if code is not None:
-        return code & 0xFF not in _NOT_DAMAGE
-    return not isinstance(e, sqlite3.OperationalError)
-
-
 def _drop_edges(conn: sqlite3.Connection, edges: Iterable[tuple[bytes, int, bytes]]) -> None:
     """Delete these (parent, first token or -1, hash) edges of `children`, in the caller's transaction."""
     conn.executemany("DELETE FROM children WHERE parent = ? AND first_token = ? AND hash = ?", edges)
@@ -696,20 +420,3 @@ def _row(r: tuple) -> Row:
     if isinstance(values[8], int):  # a row of the wrong type is left for verify to report
         values[8] = _i64_to_u64(values[8])
     return Row(*values)
-
-
-def _split_sql(sql: str) -> list[str]:
-    """Statements of a migration file; trigger bodies (BEGIN ... END;) stay whole."""
-    statements, current = [], []
-    for line in sql.splitlines():
-        stripped = line.strip()
-        if not current and (not stripped or stripped.startswith("--")):
-            continue
-        current.append(line)
-        text = "\n".join(current)
-        if stripped.endswith(";") and sqlite3.complete_statement(text):
-            statements.append(text)
-            current = []
-    if current and "\n".join(current).strip():
-        statements.append("\n".join(current))
-    return statements

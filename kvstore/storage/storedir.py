@@ -18,7 +18,7 @@ from pathlib import Path
 
 from kvstore.errors import CorruptIndexError, IndexLostError, NotAStoreError, StoreOpenError
 from kvstore.storage.blobtree import SUFFIX
-from kvstore.storage.index import connect_read_only, is_corruption
+from kvstore.storage.schema import connect_read_only, is_corruption
 
 log = logging.getLogger("kvstore")
 

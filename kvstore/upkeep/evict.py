@@ -1,9 +1,11 @@
 """Which records gc evicts, and in which order: the leaf-by-leaf LRU rule, for the whole store at once.
 
-The rule (DESIGN.md, Eviction): evict the least recently used leaf, again and again; a record whose
-last child went becomes a leaf; pinned records and their ancestors never go. Run one leaf at a time
-it costs a heap operation per record and a transaction per leaf. The same order comes out of one
-sort. Give every record two numbers, from its subtree:
+The one tree-eviction rule of kvstore: local gc, the write budget and `gc --remote` (on a bucket
+listing, last-modified standing for last access) all plan with it. The rule: evict the least
+recently used leaf, again and again; a record whose last child went becomes a leaf; pinned
+records and their ancestors never go. Run one leaf at a time it costs a heap operation per record
+and a transaction per leaf. The same order comes out of one sort. Give every record two numbers,
+from its subtree:
 
 - `E(x)`: the latest (last access, hash) in the subtree of x, x included;
 - `H(x)`: 1 for a leaf, else 1 + the largest H of its children (the round of leaf peeling that

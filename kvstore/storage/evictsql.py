@@ -1,0 +1,125 @@
+"""The SQL of gc: the eviction graph it plans from, and the deletes that carry the plan out.
+
+Mixed into `Index` (which gives it `conn`, this thread's connection): these statements are the
+index's, kept apart only because they are one job. What to evict is `upkeep/evict.py`'s choice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sqlite3
+from contextlib import contextmanager
+from typing import Iterable, Iterator, Sequence
+
+from kvstore.storage import schema
+
+_MAX_PARAMS = schema.MAX_PARAMS
+
+
+class EvictionSQL:
+    """gc's statements, and the transactions every statement of the index writes in."""
+
+    conn: sqlite3.Connection
+
+    def transaction(self) -> contextlib.AbstractContextManager[sqlite3.Connection]:
+        """`BEGIN IMMEDIATE ... COMMIT` on this thread's connection, rolled back on any exception."""
+        return schema.transaction(self.conn)
+
+    def eviction_graph(self, stale: Sequence[bytes] = ()) -> list[tuple]:
+        """(hash + parent, last access, size * 16 + flags) of every record, for planning an
+        eviction (`evict.Graph.from_index`); flags: 1 pinned, 2 of a namespace in `stale`, 4 hangs
+        from its namespace, 8 quarantined. Three columns, two of them numbers: at a million rows
+        making the Python values is most of the time this takes."""
+        stale = list(stale)[:_MAX_PARAMS]
+        marks = ",".join("?" * len(stale))
+        flag = f"(ns IN ({marks})) * 2" if stale else "0"
+        return self.conn.execute(
+            f"SELECT CAST(hash || parent AS BLOB), last_access, "
+            f"size * 16 + (pinned != 0) + {flag} + (parent = ns) * 4 + (bad != 0) * 8 FROM records"
+            # A row of the wrong type (a TEXT hash, say) is never planned: verify reports it.
+            " WHERE typeof(hash) = 'blob' AND length(hash) = 16 AND typeof(parent) = 'blob'"
+            " AND length(parent) = 16 AND typeof(size) = 'integer'"
+            " AND typeof(last_access) IN ('integer', 'real') AND typeof(pinned) = 'integer'"
+            " AND typeof(bad) = 'integer'",
+            stale).fetchall()
+
+    @contextmanager
+    def victims(self, hashes: Iterable[bytes]) -> Iterator[None]:
+        """What gc evicts, held for `evict` in a table of this connection's own (in memory)."""
+        conn = self.conn
+        conn.execute("PRAGMA temp_store = MEMORY")
+        conn.execute("DROP TABLE IF EXISTS temp.victims")
+        conn.execute("CREATE TEMP TABLE victims (hash BLOB PRIMARY KEY) WITHOUT ROWID")
+        try:
+            hashes = sorted(hashes)
+            conn.execute("BEGIN")  # (of the temporary table only: no lock on the index)
+            try:
+                for start in range(0, len(hashes), _MAX_PARAMS):
+                    part = hashes[start : start + _MAX_PARAMS]
+                    conn.execute("INSERT OR IGNORE INTO temp.victims VALUES " + ",".join(["(?)"] * len(part)), part)
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+            conn.execute("COMMIT")
+            yield
+        finally:
+            conn.execute("DROP TABLE IF EXISTS temp.victims")
+
+    def evict(self, lo: bytes, hi: bytes) -> list[tuple[bytes, int, bytes]]:
+        """Delete, in one transaction, the records of `victims` from `lo` to `hi` (hashes,
+        inclusive: neighbours in the table) that are unpinned and have no stored child outside
+        the victims. The check is made here, so a record pinned, or given a new child by another
+        process, since gc chose it stays. Returns (hash, size, first 2 bytes of its parent) of
+        the rows deleted: delete their files only now that this has committed, and then their
+        edges (`forget_edges`)."""
+        with self.transaction() as conn:
+            return conn.execute(
+                "DELETE FROM records WHERE hash IN (SELECT hash FROM temp.victims WHERE hash BETWEEN ? AND ?) "
+                "AND pinned = 0 AND NOT EXISTS (SELECT 1 FROM children c JOIN records k ON k.hash = c.hash "
+                "WHERE c.parent = records.hash AND c.hash NOT IN (SELECT hash FROM temp.victims)) "
+                "RETURNING hash, size, substr(parent, 1, 2)", (lo, hi)).fetchall()
+
+    def forget_edges(self, lo: bytes, hi: bytes | None) -> int:
+        """Delete, in one transaction, the edges of `children` from parents `lo` (a hash prefix,
+        inclusive) to `hi` (exclusive; None: to the end) to the records of `victims` that are not
+        stored (any more). Returns how many went."""
+        with self.transaction() as conn:
+            bound = "" if hi is None else " AND parent < ?"
+            return conn.execute(
+                f"DELETE FROM children WHERE parent >= ?{bound} "
+                "AND hash IN (SELECT hash FROM temp.victims) AND NOT EXISTS "
+                "(SELECT 1 FROM records r WHERE r.hash = children.hash)",
+                (lo,) if hi is None else (lo, hi)).rowcount
+
+    def forget_lost_edges(self) -> int:
+        """Delete every edge whose record is gone (a gc stopped between its two sweeps leaves
+        some; readers ignore them). A scan of the whole table: for `verify --repair`."""
+        with self.transaction() as conn:
+            return conn.execute(
+                "DELETE FROM children WHERE NOT EXISTS "
+                "(SELECT 1 FROM records r WHERE r.hash = children.hash)").rowcount
+
+    @contextmanager
+    def bulk(self, cache_kib: int = 256 << 10) -> Iterator[None]:
+        """For a long job of many transactions (gc) on this thread's connection: a bigger page
+        cache, and no checkpoint inside its commits (it calls `checkpoint` between them, when
+        it holds no lock); then the defaults again."""
+        conn = self.conn
+        (before,) = conn.execute("PRAGMA cache_size").fetchone()
+        (every,) = conn.execute("PRAGMA wal_autocheckpoint").fetchone()
+        conn.execute(f"PRAGMA cache_size = -{int(cache_kib)}")
+        conn.execute("PRAGMA wal_autocheckpoint = 0")
+        try:
+            yield
+        finally:
+            conn.execute(f"PRAGMA cache_size = {int(before)}")
+            conn.execute(f"PRAGMA wal_autocheckpoint = {int(every)}")
+            self.checkpoint()
+
+    def checkpoint(self) -> None:
+        """Copy what the WAL holds into the database as far as readers allow; never waits for
+        a writer or blocks one (SQLite's PASSIVE checkpoint)."""
+        try:
+            self.conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+        except sqlite3.OperationalError:  # busy: a later one does it
+            pass

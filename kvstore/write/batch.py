@@ -1,0 +1,154 @@
+"""Writing one job's records: files first, then rows.
+
+Each blob is written to a temporary file and fsynced while no lock is held (gc never touches a
+temporary file); then, under the shared tree lock, the blobs are renamed into place and their
+rows inserted in one transaction, so a row never points to a file that is not complete. The
+memory tier gets compact copies of what it keeps (with it off, nothing is copied for RAM).
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Callable
+
+from kvstore import faults, keys
+from kvstore.storage import blobtree, blobwrite
+from kvstore.storage.index import CHECKPOINT, CHUNK, Index, Row
+from kvstore.tiers.memory import Record
+from kvstore.write import jobs
+from kvstore.write.jobs import Destination, Hosts, Job, Parts, Spec
+
+
+@dataclass
+class Batch:
+    """What one job left: the records written (or, RAM only, kept), their rows, and the host
+    views they were copied from (a refill copies from them again)."""
+
+    written: list[Spec]
+    rows: list[Row]
+    hosts: Hosts
+
+
+@dataclass
+class _Staged:
+    files: dict[bytes, blobwrite.Staged]
+    parts: dict[bytes, Parts]  # of the records the memory tier keeps: copied once
+    failed: tuple[bytes, OSError] | None  # the record whose file could not be written
+
+
+def write(dest: Destination, job: Job,
+          after_write: Callable[[list[Row]], None] | None = None) -> Batch | None:
+    """Write the records of `job` not stored yet; `after_write` gets their rows once committed
+    (still under the lock). None when the rows could not be inserted (their files are removed
+    again and the error counted)."""
+    hosts = Hosts.of(job)
+    staged = _stage(dest, job, hosts)
+    # Shared with other writers, exclusive of gc and repair: from "is it stored?" to the row.
+    lock = blobtree.tree_lock(dest.root, exclusive=False) if dest.root is not None else nullcontext()
+    with lock:
+        todo = still_needed(dest.index, job) if dest.index is not None and job.specs else job.specs
+        written, rows, copies = _place(dest, job, hosts, todo, staged)
+        for st in staged.files.values():  # stored meanwhile by another writer, or after a failure
+            blobwrite.discard(st)
+        if rows and dest.index is not None:
+            if not _insert(dest, rows):
+                return None
+            if after_write is not None:
+                after_write(rows)
+        if job.pin and dest.index is not None:
+            dest.index.pin(job.pin)
+    if copies:
+        dest.memory.put(reversed(copies))
+    return Batch(written, rows, hosts)
+
+
+def _stage(dest: Destination, job: Job, hosts: Hosts) -> _Staged:
+    """Write and fsync the temporary files of the records still needed, holding no lock."""
+    staged = _Staged({}, {}, None)
+    if dest.root is None or dest.index is None or not job.specs:
+        return staged
+    for spec in still_needed(dest.index, job):
+        parts = hosts.parts(job, spec)
+        if dest.memory.keeps(spec.nbytes):
+            staged.parts[spec.hash] = parts
+        try:
+            staged.files[spec.hash] = blobwrite.stage(dest.root, spec.hash, *parts[1:], fsync=dest.fsync)
+        except OSError as e:
+            staged.failed = (spec.hash, e)  # later records hang from this one: stop there
+            break
+    return staged
+
+
+def _place(dest: Destination, job: Job, hosts: Hosts, todo: list[Spec], staged: _Staged
+           ) -> tuple[list[Spec], list[Row], list[Record]]:
+    """Rename each record's file into place (or write it now), in chain order: the records
+    placed, their rows (not inserted yet) and the memory tier's copies of them."""
+    written: list[Spec] = []
+    rows: list[Row] = []
+    copies: list[Record] = []
+    for spec in todo:
+        st = staged.files.pop(spec.hash, None)
+        keep = dest.memory.keeps(spec.nbytes)  # with memory_bytes=0 nothing is copied for RAM
+        if spec.hash in staged.parts:
+            tokens, tensors, meta = staged.parts.pop(spec.hash)
+        elif st is not None and not keep:  # its file is written: only its token ids are needed
+            tokens, tensors, meta = job.token_ids(spec), {}, {}
+        else:
+            tokens, tensors, meta = hosts.parts(job, spec)
+        if dest.root is not None:
+            try:
+                if staged.failed is not None and staged.failed[0] == spec.hash:
+                    raise staged.failed[1]
+                size, checksum = blobwrite.place(st) if st is not None else \
+                    blobwrite.write(dest.root, spec.hash, tensors, meta, fsync=dest.fsync)
+            except OSError as e:
+                dest.count_error(e)
+                break  # later records hang from this one; without it they are unreachable
+            faults.hit("after_rename")
+            rows.append(Row(spec.hash, job.ns, spec.parent, spec.depth, spec.kind,
+                            spec.end - spec.start, keys.first_token(tokens), size, checksum,
+                            pinned=int(spec.hash in job.pin)))
+            dest.stats.bytes_written += size
+        if keep:
+            copies.append(jobs.compact(job, spec, tokens, tensors))
+        written.append(spec)
+        if spec.kind != CHECKPOINT and job.holds_all_layers(spec):
+            dest.remember_complete(spec.hash)
+    return written, rows, copies
+
+
+def _insert(dest: Destination, rows: list[Row]) -> bool:
+    """Insert the rows of the files just placed, in one transaction; on failure the files are
+    orphans, and are removed."""
+    try:
+        dest.index.insert(rows)
+    except Exception as e:
+        for row in rows:
+            blobtree.remove(dest.root, row.hash)
+        dest.count_error(e)
+        return False
+    dest.stats.records_written += len(rows)
+    return True
+
+
+def still_needed(index: Index, job: Job) -> list[Spec]:
+    """The job's records that are not stored yet, parents first. If gc (in any process)
+    evicted a record the job hangs from after `insert` looked, the chain is written again
+    from the job's own tokens and arrays: no record is ever stored under a missing parent."""
+    inside = {s.hash for s in job.specs}
+    outside = {s.parent for s in job.specs if s.parent not in inside and s.parent != job.ns}
+    present = index.present([s.hash for s in job.specs] + list(outside))
+    specs = job.specs
+    if outside - present:
+        first = next((s for s in specs if s.kind != CHECKPOINT), None)
+        if first is not None and first.parent != job.ns and first.parent not in present:
+            C = int(job.metadata["chunk_size"])
+            chain = keys.chain(job.ns, job.tokens[: (first.depth - 1) * C], C)
+            ancestors = [Spec(h, chain[i - 1] if i else job.ns, i + 1, CHUNK, i * C, (i + 1) * C)
+                         for i, h in enumerate(chain)]
+            present |= index.present([a.hash for a in ancestors])
+            specs = ancestors + specs
+        have = present | {s.hash for s in specs}
+        specs = [s for s in specs if s.parent == job.ns or s.parent in have]
+    return [s for s in specs if s.hash not in present]

@@ -1,0 +1,168 @@
+"""The shapes the writer works on: a queued `Job` and the records (`Spec`) it holds, the host
+copies a job's records are written from, and where they go (`Destination`, with its counters).
+
+The caller's thread only builds a `Job` (views of its cache, no copy: numpy views of the memory
+of its arrays, or lazy mlx views where a codec computes its deltas); the writer's thread turns
+those views into blob tensors (`Hosts`) and into compact copies for the memory tier (`compact`).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from kvstore.restore.arrays import tag_of
+from kvstore.storage import blobformat
+from kvstore.storage.index import CHECKPOINT, Index
+from kvstore.tiers.memory import MemoryTier, Record
+
+log = logging.getLogger("kvstore")
+
+# Records known to hold every layer's K/V, remembered so that a refill is not looked for again.
+COMPLETE_REMEMBERED = 100_000
+
+Parts = tuple[np.ndarray, dict[str, blobformat.Tensor], dict[str, str]]  # tokens, tensors, metadata
+
+
+@dataclass
+class Spec:
+    """One record a job will write: key, place in the chain, and token range in the job."""
+
+    hash: bytes
+    parent: bytes
+    depth: int
+    kind: int
+    start: int
+    end: int
+    nbytes: int = 0
+
+
+@dataclass
+class Job:
+    """One insert, queued: the new records (`specs`) as views of the caller's cache."""
+
+    ns: bytes
+    tokens: np.ndarray
+    arrays: dict[str, np.ndarray | mx.array]  # "layer.name" -> view (numpy, or mlx scheduled), token axis 2
+    origins: dict[str, int]  # "layer.name" -> the token its element 0 holds
+    views: dict[str, mx.Dtype]  # names carried as raw bits (bfloat16 as uint16) -> real dtype
+    specs: list[Spec]
+    metadata: dict[str, str]
+    checkpoint: dict[str, mx.array] = field(default_factory=dict)  # for the CHECKPOINT spec
+    pin: list[bytes] = field(default_factory=list)
+    nbytes: int = 0
+    # Stored chunks and tails this job holds every layer's K/V for: a stored one that lacks some
+    # (a sliding window had slid past them when it was written) is written again, complete.
+    refill: list[Spec] = field(default_factory=list)
+
+    def slices(self, spec: Spec, arrays: dict) -> dict:
+        """The part of each array that falls in the spec's tokens (always a suffix of them)."""
+        out = {}
+        for name, a in arrays.items():
+            origin = self.origins[name]
+            lo = max(spec.start, origin)
+            if lo < spec.end:
+                out[name] = a[:, :, lo - origin : spec.end - origin]
+        return out
+
+    def record(self, spec: Spec) -> Record:
+        """The record `spec` as zero-copy views of the queued arrays (visible before it is written)."""
+        return Record(spec.hash, self.ns, spec.parent, spec.depth, spec.kind,
+                      self.tokens[spec.start : spec.end],
+                      dict(self.checkpoint) if spec.kind == CHECKPOINT else self.slices(spec, self.arrays),
+                      dict(self.views), nbytes=spec.nbytes)
+
+    def token_ids(self, spec: Spec) -> np.ndarray:
+        """The spec's token ids as a blob stores them (little-endian int32)."""
+        return np.ascontiguousarray(self.tokens[spec.start : spec.end], dtype="<i4")
+
+    def holds_all_layers(self, spec: Spec) -> bool:
+        """Whether every layer's K/V for the spec's first token is in the job (no sliding
+        window slid past it)."""
+        return all(origin <= spec.start for origin in self.origins.values())
+
+
+@dataclass
+class WriterStats:
+    """What the writer did and dropped, since the store was opened."""
+
+    jobs: int = 0
+    records_written: int = 0
+    bytes_written: int = 0
+    dropped_jobs: int = 0
+    dropped_bytes: int = 0
+    write_errors: int = 0
+    last_error: str = ""
+    redundant_dropped: int = 0  # older tails dropped because a newer record holds their tokens
+    redundant_bytes: int = 0
+    refilled: int = 0  # stored records written again with the window data they lacked
+
+
+@dataclass
+class Destination:
+    """Where the writer puts records: the index and blob tree (both None: RAM only), the memory
+    tier, and what it counts."""
+
+    index: Index | None
+    root: Path | None
+    memory: MemoryTier
+    fsync: bool = True
+    stats: WriterStats = field(default_factory=WriterStats)
+    complete: dict[bytes, None] = field(default_factory=dict)  # insertion-ordered, bounded
+
+    def remember_complete(self, h: bytes) -> None:
+        self.complete[h] = None
+        if len(self.complete) > COMPLETE_REMEMBERED:
+            del self.complete[next(iter(self.complete))]
+
+    def count_error(self, e: BaseException) -> None:
+        """A write that failed and was dropped: counted and logged, never raised to a caller."""
+        self.stats.write_errors += 1
+        self.stats.last_error = f"{type(e).__name__}: {e}"
+        level = logging.WARNING if isinstance(e, OSError) and e.errno == errno.ENOSPC else logging.ERROR
+        log.log(level, "kvstore: a write was dropped (%s)", self.stats.last_error)
+
+
+@dataclass
+class Hosts:
+    """A job's arrays as plain numpy views (already numpy, or mlx views insert scheduled: numpy
+    waits for those if they are not done yet), so no mlx computation runs on the writer's thread."""
+
+    tags: dict[str, str]  # safetensors dtype of every array
+    arrays: dict[str, np.ndarray]
+    checkpoint: dict[str, np.ndarray]
+
+    @classmethod
+    def of(cls, job: Job) -> "Hosts":
+        tags = {name: "BF16" if name in job.views else tag_of(a.dtype)
+                for name, a in {**job.arrays, **job.checkpoint}.items()}
+        return cls(tags, {name: np.asarray(a) for name, a in job.arrays.items()},
+                   {name: np.asarray(a) for name, a in job.checkpoint.items()})
+
+    def parts(self, job: Job, spec: Spec) -> Parts:
+        """The tensors and metadata of the blob of `spec` (copied out of the views)."""
+        tokens = job.token_ids(spec)
+        tensors: dict[str, blobformat.Tensor] = {"tokens": ("I32", tokens)}
+        arrays = self.checkpoint if spec.kind == CHECKPOINT else job.slices(spec, self.arrays)
+        for name, arr in arrays.items():
+            tensors[name] = (self.tags[name], np.ascontiguousarray(arr))
+        meta = dict(job.metadata, hash=spec.hash.hex(), parent=spec.parent.hex(),
+                    depth=str(spec.depth), kind=str(spec.kind))
+        return tokens, tensors, meta
+
+
+def compact(job: Job, spec: Spec, tokens: np.ndarray, tensors: dict[str, blobformat.Tensor]) -> Record:
+    """A copy of the record that owns its memory (the caller's cache can then be freed)."""
+    arrays, views = {}, {}
+    for name, (tag, arr) in tensors.items():
+        if name == "tokens":
+            continue
+        arrays[name] = mx.array(arr)
+        if tag == "BF16":
+            views[name] = mx.bfloat16
+    return Record(spec.hash, job.ns, spec.parent, spec.depth, spec.kind, tokens, arrays, views)
