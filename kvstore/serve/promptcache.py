@@ -241,7 +241,7 @@ class PersistentPromptCache:
         mc = binding.for_cache(prompt_cache)
         mc.insert(held, prompt_cache)
         self.counters["inserts"] += 1
-        hashes = _record_hashes(mc, held)
+        hashes = mc.record_hashes(held)
         if cache_type not in CACHE_TYPES:
             cache_type = "assistant"
         seq = (key, mc.ns, tuple(held))
@@ -388,16 +388,6 @@ class PersistentPromptCache:
         self.counters["errors"] += 1
         log.warning("kvstore: %s failed, served without the store: %s: %s", what, type(e).__name__, e,
                     exc_info=log.isEnabledFor(logging.DEBUG))
-
-
-def _record_hashes(mc: ModelCache, tokens: list[int]) -> list[bytes]:
-    """The chunks and tail that `mc.insert(tokens, ...)` stores, root first."""
-    toks = np.asarray(tokens, dtype=np.int32)
-    hashes = keys.chain(mc.ns, toks, mc.chunk_size)
-    start = len(hashes) * mc.chunk_size
-    if start < len(toks):
-        hashes.append(keys.tail_hash(hashes[-1] if hashes else mc.ns, toks[start:]))
-    return hashes
 
 
 def _can_trim(cache: list) -> bool:

@@ -24,8 +24,14 @@ from typing import Sequence
 
 from kvstore.errors import KVStoreError
 from kvstore.serve.mlxserver import persistent, server_module
-from kvstore.serve.options import (DEFAULT_MAX_STORED_TOKENS, PROG, build_parser, is_loopback,
-                                   peek_mlx_options, without_option)
+from kvstore.serve.options import (
+    DEFAULT_MAX_STORED_TOKENS,
+    PROG,
+    build_parser,
+    is_loopback,
+    peek_mlx_options,
+    without_option,
+)
 from kvstore.serve.promptcache import PersistentPromptCache
 from kvstore.serve.signals import Stopper
 from kvstore.store import Store
