@@ -30,6 +30,7 @@ from kvstore.tiers.base import Tiers
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.memory import MemoryTier, MemoryTierView
 from kvstore.tiers.remote import DEFAULT_DEADLINE_S, RemoteTier
+from kvstore.storage.storedir import default_path
 from kvstore.upkeep.local import LocalStore
 from kvstore.write.pending import PendingTier
 from kvstore.write.writer import Writer
@@ -52,12 +53,6 @@ def _flush_open_stores() -> None:
             store.flush(timeout=30)
         except Exception:
             pass
-
-
-def default_path() -> Path:
-    """`$KVSTORE_DIR`, else `~/.cache/kvstore`."""
-    env = os.environ.get("KVSTORE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "kvstore"
 
 
 class Store:

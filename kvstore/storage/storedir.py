@@ -34,6 +34,12 @@ _NO_TABLES = "it holds no tables"
 _TABLES = {"schema_migrations", "meta", "records", "models", "file_digests", "totals"}
 
 
+def default_path() -> Path:
+    """Where a store lives unless told: `$KVSTORE_DIR`, else `~/.cache/kvstore`."""
+    env = os.environ.get("KVSTORE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "kvstore"
+
+
 def own_name(name: str) -> bool:
     """An entry kvstore itself makes at the top of a store directory."""
     return (name in INDEX_FILES or name in (BLOBS_NAME, LOCK_NAME, QUARANTINE_NAME)
