@@ -32,8 +32,9 @@ import numpy as np
 
 import kvstore
 from kvstore import keys
+from kvstore.records import CHUNK, TAIL
 from kvstore.storage import blobwrite
-from kvstore.storage.index import CHUNK, TAIL, Row
+from kvstore.storage.index import Row
 
 FINGERPRINT = b"kvstore-bench-ix"
 SHAPE = C.SHAPES["qwen3-0.6b"]

@@ -64,7 +64,7 @@ def main() -> None:
                     help="mx.set_cache_limit before timing (keeps freed buffers for reuse)")
     args = ap.parse_args()
     if args.serial:
-        import kvstore.restore.pipeline as R
+        import kvstore.restore.fill as R
         R._POOL_MIN_BYTES = 1 << 62
     if args.cache_limit is not None:
         mx.set_cache_limit(int(args.cache_limit * 1e9))

@@ -26,11 +26,11 @@ from kvstore.model import fingerprint as fingerprints
 from kvstore.model.cache import Backing, ModelCache
 from kvstore.model.layout import describe, make_template
 from kvstore.remote.node import Remote
+from kvstore.storage.storedir import default_path
 from kvstore.tiers.base import Tiers
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.memory import MemoryTier, MemoryTierView
 from kvstore.tiers.remote import DEFAULT_DEADLINE_S, RemoteTier
-from kvstore.storage.storedir import default_path
 from kvstore.upkeep.local import LocalStore
 from kvstore.write.pending import PendingTier
 from kvstore.write.writer import Writer

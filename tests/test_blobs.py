@@ -228,7 +228,7 @@ def test_a_header_changed_in_place_after_it_was_parsed_is_parsed_again(tmp_path)
 
 
 def test_read_copies_reuses_its_plan_and_still_checks_every_tensor(tmp_path):
-    from kvstore.restore.pipeline import Copy
+    from kvstore.restore.plan import Copy
 
     buf, size, _ = written(tmp_path)
     keys = tensors()["0.keys"][1]

@@ -11,7 +11,7 @@ from kvtest import prefill
 import kvstore
 from kvstore.errors import InvalidInputError
 from kvstore.serve.server import _parser
-from kvstore.store import AUTO_SHARE
+from kvstore.upkeep.local import AUTO_SHARE
 
 Usage = namedtuple("Usage", "total used free")
 
@@ -42,7 +42,7 @@ def test_auto_budget_is_enforced_and_counts_what_the_store_holds(tmp_path, llama
     # A disk with almost no free space left: the budget is a quarter of what the store could use,
     # which is less than it holds now, so the next write evicts down to it.
     free = held // 2
-    monkeypatch.setattr("kvstore.store.shutil.disk_usage", lambda p: Usage(10 * held, 10 * held - free, free))
+    monkeypatch.setattr("kvstore.upkeep.local.shutil.disk_usage", lambda p: Usage(10 * held, 10 * held - free, free))
     with kvstore.open(tmp_path / "s", chunk_size=16, max_bytes="auto") as store:
         budget = store.stats()["max_bytes"]
         assert budget == (held + free) // AUTO_SHARE

@@ -105,14 +105,15 @@ def test_gc_remote_by_age_keeps_a_parent_whose_child_is_young(tmp_path, s3, llam
 def test_gc_remote_takes_orphans_first_and_a_cycle_of_parents_never_hangs(s3):
     """Anyone may write keys under the prefix: a cycle of parents ends every walk (gc and
     verify return), and a record whose parent is gone goes before any reachable one."""
-    from kvstore.remote.s3 import CHUNK, record_key
+    from kvstore.records import CHUNK, RecordId
+    from kvstore.remote.layout import key_of
     from kvstore.remote.upkeep import collect_remote, verify_remote
 
     url = s3.url()
     bucket = Bucket(url)
     ns, a, b, root, orphan, gone = (bytes([i]) * 16 for i in range(1, 7))
     for parent, h in ((b, a), (a, b), (ns, root), (gone, orphan)):
-        bucket.put(record_key(ns, parent, h, CHUNK, 4, 1), b"x" * 10)
+        bucket.put(key_of(RecordId(h, ns, parent, None, CHUNK, 4, 1)), b"x" * 10)
     result = collect_remote(bucket, max_bytes=30)
     assert result["evicted"] == 1 and orphan not in records(url) and root in records(url)
     collect_remote(bucket, max_age=0.0, now=time.time() + 1)

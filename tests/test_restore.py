@@ -19,12 +19,12 @@ from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
 import kvstore
 from kvstore.errors import BlobError
-from kvstore.restore import pipeline as restore
+from kvstore.records import CHECKPOINT
+from kvstore.restore import plan as restore
 from kvstore.restore.arrays import host_array, mx_dtype
 from kvstore.restore.codecs import ArraysCodec, CacheListCodec, KVCodec, RotatingCodec
 from kvstore.storage import blobformat, blobtree
-from kvstore.storage.index import CHECKPOINT
-from kvstore.tiers.base import Entry
+from kvstore.storage.blobformat import Entry
 
 HERE = Path(__file__).parent
 C = 16  # chunk size of every store here (restore_proc.C)
@@ -276,8 +276,8 @@ def test_fifty_processes_that_restore_and_exit_at_once_all_exit_0(tmp_path, demo
 
 
 ALLOCATE_AND_EXIT = """
-from kvstore.restore.alloc import unfilled
-arrays = unfilled({"k": ("BF16", (1, 8, 1024, 128)), "v": ("F32", (3, 4))})  # large: mlx's loader
+from kvstore.restore.alloc import allocate
+arrays = allocate({"k": ("BF16", (1, 8, 1024, 128)), "v": ("F32", (3, 4))})  # large: mlx's loader
 """
 
 
@@ -295,7 +295,7 @@ def test_small_arrays_are_made_filled_in_one_go_large_ones_through_the_loader(mo
     small = {f"k{j}": ("BF16", (1, 2, 256, 32)) for j in range(8)}  # 32 KiB each
     large = {f"k{j}": ("F32", (1, 8, 256, 128)) for j in range(4)}  # 1 MiB each
     for specs, loaded in ((small, 0), (large, 1)):
-        arrays = U.unfilled({**specs, "none": ("F32", (1, 2, 0, 4))})
+        arrays = U.allocate({**specs, "none": ("F32", (1, 2, 0, 4))})
         assert len(shells) == loaded
         for name, (tag, shape) in specs.items():
             a = arrays[name]
@@ -305,7 +305,7 @@ def test_small_arrays_are_made_filled_in_one_go_large_ones_through_the_loader(mo
         assert arrays["none"].shape == (1, 2, 0, 4)
 
 
-def test_fifty_processes_that_exit_right_after_getting_unfilled_arrays_all_exit_0():
+def test_fifty_processes_that_exit_right_after_allocating_final_arrays_all_exit_0():
     # The narrowest window: nothing between mlx's load and the interpreter's exit. Without the
     # exit guard in kvstore.restore.alloc, about one in five of these aborts (mlx 0.32).
     env = dict(os.environ, PYTHONPATH=str(HERE.parent))
@@ -322,7 +322,7 @@ import kvstore.restore.alloc as U
 done = []
 def allocate():
     for i in range(300):
-        U.unfilled({f"k{j}": ("BF16", (1, 8, 512, 128)) for j in range(8)})  # large: mlx's loader
+        U.allocate({f"k{j}": ("BF16", (1, 8, 512, 128)) for j in range(8)})  # large: mlx's loader
     done.append(1)
 def limits():
     for i in range(300):

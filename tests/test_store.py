@@ -368,7 +368,7 @@ def test_a_record_gone_between_lookup_and_read_is_looked_up_again(tmp_path, llam
     # what is there (here the longer tail), instead of serving a miss.
     from kvstore import keys
     from kvstore.model import cache as modelcache
-    from kvstore.storage.index import TAIL
+    from kvstore.records import TAIL
     from kvstore.tiers.memory import Record
 
     path, model = llama
@@ -384,7 +384,7 @@ def test_a_record_gone_between_lookup_and_read_is_looked_up_again(tmp_path, llam
         store.memory.discard([keys.tail_hash(mc.ns, np.array(longer, dtype=np.int32))])
         gone = keys.tail_hash(mc.ns, np.array(short, dtype=np.int32))
         kv = prefill(model, short)
-        store.memory.put([Record(gone, mc.ns, mc.ns, 1, TAIL, np.array(short, dtype=np.int32),
+        store.memory.put([Record(gone, mc.ns, mc.ns, 1, TAIL, len(short), short[0], np.array(short, dtype=np.int32),
                                  {f"{i}.{n}": getattr(c, n)[..., :1, :] for i, c in enumerate(kv)
                                   for n in ("keys", "values")})])
         real_match = modelcache.match

@@ -3,7 +3,7 @@
 Fetch looks the prompt up in the tiers (`lookup.match`: memory, pending writes, disk, remote, in
 that order), opens the records it needs, checked (`lookup.Opening`; records from beyond this
 process are checked against the model's shapes too, `restore.shapes`), and hands them to the
-restore pipeline (`restore.pipeline`: plan, fill, build), always leaving at least one token to
+restore pipeline (`restore`: plan, fill, build), always leaving at least one token to
 process. Insert hands the new records to the background writer (`insert`).
 
 A `ModelCache` is made by `Store.bind` and given what it works through (`Backing`); it holds no
@@ -27,13 +27,15 @@ from kvstore.model.layout import make_template
 from kvstore.model.lookup import Opening, match
 from kvstore.model.tokens import Tokens, arrays_of, as_tokens
 from kvstore.records import CHECKPOINT, Span, checkpoint_of, prompt_records
+from kvstore.restore.build import build, checkpoint_arrays
 from kvstore.restore.codecs import CacheListCodec, Codec, RotatingCodec
-from kvstore.restore.pipeline import Plan, build, checkpoint_arrays, fill, host_slice, plan
+from kvstore.restore.fill import fill, host_slice
+from kvstore.restore.plan import Plan, plan
 from kvstore.restore.shapes import RecordCheck
 from kvstore.storage.blobformat import nbytes
 from kvstore.storage.index import Index
 from kvstore.tiers.base import Lookup, Source, Tiers, Where
-from kvstore.tiers.memory import MemoryTier, Record
+from kvstore.tiers.memory import MemoryTier, held
 from kvstore.write.writer import Writer
 
 log = logging.getLogger("kvstore")
@@ -203,7 +205,7 @@ class ModelCache:
                 if q.entries[name].tag == "BF16":
                     views[name] = mx.bfloat16
             r = sources[k].id
-            kept.append(Record(q.hash, r.ns, r.parent, r.depth, r.kind, sources[k].tokens, arrays, views))
+            kept.append(held(r, sources[k].tokens, arrays, views))
         if kept:
             mx.eval([a for r in kept for a in r.arrays.values()])
             memory.put(reversed(kept))

@@ -8,6 +8,7 @@ lazy mlx views, scheduled (not waited for). The writer copies each new record ou
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import mlx.core as mx
 import numpy as np
@@ -16,7 +17,7 @@ from kvstore.errors import BlobError, InvalidInputError
 from kvstore.records import CHECKPOINT, Span
 from kvstore.restore.arrays import host_array, host_bits
 from kvstore.restore.codecs import Codec
-from kvstore.write.writer import Job, Spec
+from kvstore.write.writer import Job
 
 
 def held_range(a: mx.array, first: int, end: int) -> np.ndarray:
@@ -77,8 +78,8 @@ class Views:
         """Whether every tensor holds every token from `start` on (a sliding window may not)."""
         return all(o <= start for o in self.origins.values())
 
-    def sizes(self, spans: list[Span], *, whole: bool = False) -> list[Spec]:
-        """The writer's specs of these records, with the bytes each will take (its tokens, and
+    def sizes(self, spans: list[Span], *, whole: bool = False) -> list[Span]:
+        """These records, with the bytes each will take (its tokens, and
         what of its range each tensor holds; `whole`: every tensor holds all of it)."""
         per_token: dict[int, int] = {}  # origin -> bytes per token of the arrays starting there
         for name, a in self.arrays.items():
@@ -93,7 +94,7 @@ class Views:
                 nbytes = 4 * s.ntokens + sum(b * s.ntokens for b in per_token.values())
             else:
                 nbytes = 4 * s.ntokens + sum(b * max(0, s.end - max(s.start, origin)) for origin, b in per_token.items())
-            out.append(Spec(s.hash, s.parent, s.depth, s.kind, s.start, s.end, nbytes))
+            out.append(replace(s, nbytes=nbytes))
         return out
 
 

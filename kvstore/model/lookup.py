@@ -17,7 +17,7 @@ import numpy as np
 from kvstore import keys
 from kvstore.errors import BlobError
 from kvstore.records import prompt_records
-from kvstore.restore.pipeline import Part
+from kvstore.restore.plan import Part
 from kvstore.tiers.base import Lookup, Source, Tiers, Where
 
 Options = list[tuple[bytes | None, int]]  # (child, tokens it shares with the rest), best first

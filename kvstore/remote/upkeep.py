@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvstore.errors import BlobError
+from kvstore.records import CHECKPOINT
 from kvstore.remote.bucket import Bucket, RemoteError
 from kvstore.remote.layout import ObjectKey, parse_key, pins_key
-from kvstore.storage.index import CHECKPOINT
 from kvstore.upkeep import evict
 from kvstore.upkeep.maintenance import Problem
 

@@ -1,9 +1,9 @@
-"""Final arrays, allocated once by mlx and (unless small) never filled: the restore writes every byte.
+"""Final arrays, allocated once by mlx and (unless small) never written here: the restore writes every byte.
 
-mlx has no `empty`, but its safetensors loader allocates each tensor without filling it and then
+mlx has no `empty`, but its safetensors loader allocates each tensor without writing it and then
 asks the file it reads to `readinto` that memory. `_Shell` poses as such a file, holding only a
-header: its `readinto` leaves the tensor memory as it is, so `mx.load` hands back unfilled arrays
-(no zero-fill, no copy) that the caller then fills through numpy views.
+header: its `readinto` leaves the tensor memory as it is, so `mx.load` hands back arrays whose
+memory holds whatever it held (no zeroing, no copy), which the caller writes through numpy views.
 
 mlx keeps a reference to the file object on its I/O thread, and releases it (taking the GIL)
 shortly after the load is done; if the interpreter is already finalizing then, the process
@@ -17,8 +17,8 @@ without letting go of the GIL). Calling `mx.set_cache_limit` from another thread
 runs can still deadlock mlx this way: set it before serving.
 
 mlx evaluates the arrays of a load from a file object one at a time, a round trip to its I/O
-thread each (60 to 90 µs here), while filling memory that mlx's buffer cache hands back costs
-about 1 µs per 12 KiB. So arrays that average under `FILL_BELOW` bytes are made with `mx.zeros`
+thread each (60 to 90 µs here), while zeroing memory that mlx's buffer cache hands back costs
+about 1 µs per 12 KiB. So arrays that average under `ZERO_BELOW` bytes are made with `mx.zeros`
 instead, all in one evaluation: 8 arrays of 320 KiB (a small model's cache) take 0.18 ms so,
 0.7 ms through the shell; 56 of 4 MiB, 30 ms so, 4 ms through the shell.
 """
@@ -41,7 +41,7 @@ from kvstore.storage.blobformat import DTYPES
 
 _LIVE: "weakref.WeakSet[_Shell]" = weakref.WeakSet()
 _EXIT_WAIT_S = 5.0
-FILL_BELOW = 512 << 10  # average bytes an array under which mx.zeros is cheaper (see above)
+ZERO_BELOW = 512 << 10  # average bytes an array under which mx.zeros is cheaper (see above)
 _cache_floor = 0  # the mlx buffer-cache limit this module has made sure of
 _LOCK = threading.Lock()
 _streams = threading.local()  # mlx streams belong to the thread that made them
@@ -89,7 +89,7 @@ class _Shell:
         pos = self._pos  # read first: mlx may call seek + readinto from several threads
         view = memoryview(buf).cast("B")
         n = len(view)
-        if pos < len(self._head):  # the header is real; the tensors' memory is left unfilled
+        if pos < len(self._head):  # the header is real; the tensors' memory is left as it is
             k = min(n, len(self._head) - pos)
             view[:k] = self._head[pos : pos + k]
         self._pos = pos + n
@@ -117,15 +117,15 @@ def keep_buffers(nbytes: int) -> None:
         _cache_floor = max(want, previous)
 
 
-def zero_filled(specs: Mapping[str, tuple[str, Sequence[int]]]) -> bool:
-    """Whether `unfilled(specs)` makes its arrays with `mx.zeros` (then they hold zeros), which
+def zeroed(specs: Mapping[str, tuple[str, Sequence[int]]]) -> bool:
+    """Whether `allocate(specs)` makes its arrays with `mx.zeros` (then they hold zeros), which
     is cheaper for small ones (see the module's docstring)."""
     sizes = [DTYPES[tag].itemsize * math.prod(int(d) for d in shape) for tag, shape in specs.values()]
     sizes = [n for n in sizes if n]  # arrays with no elements are made apart
-    return bool(sizes) and sum(sizes) < FILL_BELOW * len(sizes)
+    return bool(sizes) and sum(sizes) < ZERO_BELOW * len(sizes)
 
 
-def unfilled(specs: Mapping[str, tuple[str, Sequence[int]]]) -> dict[str, mx.array]:
+def allocate(specs: Mapping[str, tuple[str, Sequence[int]]]) -> dict[str, mx.array]:
     """Evaluated mlx arrays of these (safetensors dtype tag, shape)s whose memory holds whatever
     it held before: the caller must write every element."""
     itemsize = {tag: np_dtype.itemsize for tag, np_dtype in DTYPES.items()}
@@ -135,7 +135,7 @@ def unfilled(specs: Mapping[str, tuple[str, Sequence[int]]]) -> dict[str, mx.arr
     stream = getattr(_streams, "load", None)
     if stream is None and real:
         stream = _streams.load = mx.new_stream(mx.cpu)
-    if real and zero_filled(real):
+    if real and zeroed(real):
         out = {name: mx.zeros([int(d) for d in shape], MX_DTYPES[tag], stream=stream)
                for name, (tag, shape) in real.items()}
         mx.eval(list(out.values()))

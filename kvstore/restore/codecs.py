@@ -13,7 +13,7 @@ largest p every layer accepts. Nothing is ever restored from data that does not 
 
 Codecs only describe: `ranges(p)` says which token ranges a sliceable layer's tensors hold at p (in
 order), `capacity(n)` how long to allocate them, and `build(p, arrays, checkpoint)` makes the
-mlx-lm cache object from arrays the restore pipeline (`restore.py`) has already filled.
+mlx-lm cache object from arrays the restore (`restore.fill`) has already filled.
 """
 
 from __future__ import annotations

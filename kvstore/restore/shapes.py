@@ -11,9 +11,9 @@ from typing import Callable
 import mlx.core as mx
 
 from kvstore.errors import BlobError
+from kvstore.records import CHECKPOINT
 from kvstore.restore.arrays import mx_dtype
 from kvstore.restore.codecs import ArraysCodec, CacheListCodec, Codec
-from kvstore.storage.index import CHECKPOINT
 
 log = logging.getLogger("kvstore")
 

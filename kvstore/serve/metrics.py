@@ -14,8 +14,8 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from kvstore.records import CHECKPOINT, CHUNK, TAIL
 from kvstore.serve.promptcache import PersistentPromptCache
-from kvstore.storage.index import CHECKPOINT, CHUNK, TAIL
 
 #: How long a scrape waits for the index (busy with another process's transaction) before it
 #: leaves the disk gauges out.

@@ -8,7 +8,6 @@ the row says is damage (`BlobError`). Knows files, no SQL, no mlx.
 from __future__ import annotations
 
 import errno
-import math
 import os
 import stat
 import threading
@@ -31,8 +30,7 @@ from kvstore.storage.blobformat import (
     verify_bytes,
 )
 from kvstore.storage.blobtree import blob_file
-
-_IOV_BATCH = 512  # buffers per preadv call (the kernel takes at most IOV_MAX = 1024)
+from kvstore.storage.readplan import IOV_BATCH, ReadPlan, Target, read_plan
 
 
 def open_regular(path: Path | str, *, dir_fd: int | None = None) -> int:
@@ -72,7 +70,7 @@ class Layout:
         self.infos = infos  # name -> (tag, shape, start, end), offsets from the data start
         self.entries = {name: Entry(tag, shape) for name, (tag, shape, _, _) in infos.items()}
         self.deltas = {name: e for name, e in self.entries.items() if name != "tokens"}
-        self.reads: dict[int, tuple] = {}  # id(copies) -> (copies, target shapes, _ReadPlan)
+        self.reads: dict[int, tuple] = {}  # id(copies) -> (copies, target shapes, ReadPlan)
 
 
 class _Header(NamedTuple):
@@ -83,25 +81,10 @@ class _Header(NamedTuple):
     checksums: dict[str, int] | None  # name -> xxh3_64; None for a blob written by 0.1
 
 
-class _ReadPlan(NamedTuple):
-    """How to read a set of copies from one layout into targets of given shapes: batches of
-    (offset from the data start, bytes, buffers as (target index or -1 for scratch, start, end),
-    checks as (tensor name, first buffer, end buffer, join small buffers before hashing)),
-    the targets' names and the scratch bytes needed (tokens read only to be checked)."""
-
-    batches: list[tuple[int, int, list[tuple[int, int, int]], list[tuple[str, int, int, bool]]]]
-    names: list[str]
-    scratch: int
-
-
 _LAYOUTS: dict[tuple, Layout] = {}
 _HEADERS: "OrderedDict[tuple[int, int, int], _Header]" = OrderedDict()
 _HEADERS_MAX = 4096  # parsed headers kept, a few KiB each (a 32k-token prompt of a 28-layer model: 128)
 _CACHE_LOCK = threading.Lock()
-_JOIN_BELOW = 16 << 10  # buffers smaller than this are hashed joined: one call beats many
-# A batch read in one preadv stops at this size, so that its tensors are hashed while still in
-# the CPU's caches (a larger batch is read to memory, then read again from it to be hashed).
-_BATCH_BYTES = 256 << 10
 _READS_MAX = 1024  # read plans kept per layout (one per record position of a cached plan)
 
 
@@ -238,12 +221,12 @@ class BlobFile:
                 if got != self.checksums[name]:
                     raise BlobError(f"{self.path}: tensor {name!r} does not match its checksum")
 
-    def _read_plan(self, copies: Sequence, targets: Mapping[str, Target]) -> _ReadPlan:
+    def _read_plan(self, copies: Sequence, targets: Mapping[str, Target]) -> ReadPlan:
         reads = self.layout.reads
         hit = reads.get(id(copies))
         if hit is not None and hit[0] is copies and all(targets[n].array.shape == s for n, s in hit[1]):
             return hit[2]
-        plan = _read_plan(self.layout, copies, targets, self.path)
+        plan = read_plan(self.layout, copies, targets, self.path)
         if len(reads) >= _READS_MAX:
             reads.clear()
         reads[id(copies)] = (copies, [(n, targets[n].array.shape) for n in plan.names], plan)
@@ -256,83 +239,6 @@ class BlobFile:
             v[:] = whole[start : start + len(v)]
             start += len(v)
 
-
-def _read_plan(layout: Layout, copies: Sequence, targets: Mapping[str, Target], path: Path) -> _ReadPlan:
-    """The buffers (in file order) and checks of `copies`; BlobError if a copy does not fit."""
-    todo = []
-    for c in copies:
-        info = layout.infos.get(c.name)
-        if info is None:
-            raise BlobError(f"{path}: no tensor {c.name!r}")
-        tag, shape, start, end = info
-        itemsize = DTYPES[tag].itemsize
-        t = targets[c.name].array
-        if (len(shape) < 3 or t.ndim != len(shape) or t.dtype.itemsize != itemsize
-                or t.shape[:2] != shape[:2] or t.shape[3:] != shape[3:]
-                or not 0 <= c.lo <= c.hi <= shape[2] or c.dst < 0 or c.dst + c.hi - c.lo > t.shape[2]):
-            raise BlobError(f"{path}: tensor {c.name!r} {list(shape)} has no tokens [{c.lo}, {c.hi}) "
-                            f"for a {list(t.shape)} array")
-        todo.append((start, end, c, shape, itemsize, t.shape[2]))
-    todo.sort(key=lambda x: x[0])
-    names: dict[str, int] = {}
-    batches: list = []
-    buffers: list[tuple[int, int, int]] = []
-    checks: list[tuple[str, int, int, bool]] = []
-    scratch = 0
-    batch_start = batch_end = -1
-    for start, end, c, shape, itemsize, cap in todo:
-        ti = names.setdefault(c.name, len(names))
-        pieces, scratch = _pieces(shape, itemsize, c.lo, c.hi, ti, cap, c.dst, scratch)
-        if start != batch_end or len(buffers) + len(pieces) > _IOV_BATCH or end - batch_start > _BATCH_BYTES:
-            if buffers:
-                batches.append((batch_start, batch_end - batch_start, buffers, checks))
-            buffers, checks, batch_start = [], [], start
-        small = len(pieces) > 1 and (end - start) < _JOIN_BELOW * len(pieces)
-        checks.append((c.name, len(buffers), len(buffers) + len(pieces), small))
-        buffers += pieces
-        batch_end = end
-    if buffers:
-        batches.append((batch_start, batch_end - batch_start, buffers, checks))
-    return _ReadPlan(batches, list(names), scratch)
-
-
-def _pieces(shape: tuple[int, ...], itemsize: int, lo: int, hi: int, ti: int, cap: int, dst: int,
-            scratch: int) -> tuple[list[tuple[int, int, int]], int]:
-    """Buffers in file order for tokens [lo, hi) of a (B, H, T, ...) tensor going to tokens
-    [dst, ...) of target `ti`, a flat (B, H, cap, ...) array; scratch (index -1, from byte
-    `scratch` on) for the tokens around them. Heads whose tokens follow each other in the
-    target (the whole capacity is read) become one buffer. Returns them and the scratch used."""
-    row = itemsize * math.prod(shape[3:])
-    T, heads = shape[2], shape[0] * shape[1]
-    before, after, take = lo * row, (T - hi) * row, (hi - lo) * row
-    out: list[tuple[int, int, int]] = []
-    if not before and not after and dst == 0 and hi - lo == cap:  # the target is the tensor
-        return ([(ti, 0, heads * take)] if take * heads else []), scratch
-    for head in range(heads):
-        if before:
-            out.append((-1, scratch, scratch + before))
-            scratch += before
-        if take:
-            at = (head * cap + dst) * row
-            out.append((ti, at, at + take))
-        if after:
-            out.append((-1, scratch, scratch + after))
-            scratch += after
-    return out, scratch
-
-
-class Target(NamedTuple):
-    """Memory a read copies tensors into: a C-contiguous (B, H, capacity, ...) array, and the
-    same memory as a flat byte view (cut into per-head buffers by arithmetic, not by numpy)."""
-
-    array: np.ndarray
-    flat: memoryview
-
-
-def target(array: np.ndarray) -> Target:
-    if not (array.flags.c_contiguous and array.flags.writeable):
-        raise ValueError("a read target must be C-contiguous and writable")
-    return Target(array, memoryview(array.reshape(-1).view(np.uint8)))
 
 
 def open_blob(root: Path, h: bytes, *, size: int, checksum: int | None = None) -> BlobFile:
@@ -454,7 +360,7 @@ def _preadv_all(fd: int, views: list[memoryview], offset: int, path: Path, want:
         views = [v for v in views if len(v)]
         want = sum(map(len, views))
     try:
-        n = os.preadv(fd, views[:_IOV_BATCH], offset) if views else 0
+        n = os.preadv(fd, views[:IOV_BATCH], offset) if views else 0
         if n == want:
             return want
         done, i = 0, 0
@@ -470,7 +376,7 @@ def _preadv_all(fd: int, views: list[memoryview], offset: int, path: Path, want:
                 i += 1
             if n:
                 views[i] = views[i][n:]
-            n = os.preadv(fd, views[i : i + _IOV_BATCH], offset + done)
+            n = os.preadv(fd, views[i : i + IOV_BATCH], offset + done)
     except OSError as e:
         raise BlobError(f"{path}: cannot read ({e.strerror or e})") from e
 

@@ -17,26 +17,19 @@ from typing import Iterable, Iterator, Sequence
 
 from kvstore import faults
 from kvstore.errors import CorruptIndexError, StoreOpenError
+from kvstore.records import CHECKPOINT, CHUNK, TAIL, RecordId  # noqa: F401 -- the kinds' home is records
 from kvstore.storage import schema
 from kvstore.storage.evictsql import EvictionSQL
 from kvstore.storage.schema import available_migrations, connect_read_only, is_corruption
 
 _MAX_PARAMS = schema.MAX_PARAMS
 
-CHUNK, TAIL, CHECKPOINT = 0, 1, 2
 
 
 @dataclass(frozen=True)
-class Row:
-    """One record of the index."""
+class Row(RecordId):
+    """One record of the index: its identity (its token ids are in its blob) and bookkeeping."""
 
-    hash: bytes
-    ns: bytes
-    parent: bytes
-    depth: int
-    kind: int
-    ntokens: int
-    first_token: int | None  # the record's first token id (None for a checkpoint): its ids are in its blob
     size: int
     checksum: int
     created: float = 0.0

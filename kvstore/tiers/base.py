@@ -14,9 +14,7 @@ the first tier that holds it. A `Lookup` is one fetch as the tiers see it: its p
 time it started (a slow tier keeps to a deadline from there). A tier that is `in_process` holds
 only records this process made from a model's own caches: they need no checking.
 
-A `Source` is one opened record: its identity, tokens, and tensors' entries (name -> dtype tag and
-shape, `tokens` left out); `read_copies(copies, targets)` copies token ranges of its tensors into
-memory the restore owns (checking what it reads), and `array(name)` gives a whole tensor.
+What `open` gives is a `restore.source.Source`: what the restore reads a record from.
 """
 
 from __future__ import annotations
@@ -29,8 +27,7 @@ import numpy as np
 
 from kvstore.errors import BlobError
 from kvstore.records import RecordId
-from kvstore.storage.blobfile import Target
-from kvstore.storage.blobformat import Entry
+from kvstore.restore.source import Source
 
 
 @dataclass
@@ -43,25 +40,6 @@ class Lookup:
     chain: list[bytes] = field(default_factory=list)
     started: float = field(default_factory=time.monotonic)
     notes: set[str] = field(default_factory=set)  # what tiers noted of this fetch (to count once)
-
-
-class Source(Protocol):
-    id: RecordId
-    tokens: np.ndarray
-    entries: dict[str, Entry]
-    in_ram: bool  # held in RAM: the restore may gather its tensors with others'
-
-    def read_copies(self, copies: Sequence, targets: dict[str, Target]) -> None:
-        """Each copy `(name, lo, hi, dst)`: tokens [lo, hi) of tensor `name` to tokens
-        [dst, dst + hi - lo) of `targets[name].array`. BlobError if what it read is damaged."""
-
-    def array(self, name: str) -> np.ndarray:
-        """A whole tensor, checked (bfloat16 as its uint16 bits)."""
-
-    def cold(self) -> bool:
-        """Whether reading it will wait for a disk (then the restore reads more records at once)."""
-
-    def close(self) -> None: ...
 
 
 class Tier(Protocol):

@@ -20,20 +20,15 @@ from kvstore.storage.blobfile import shared_entries
 from kvstore.storage.blobformat import Entry
 
 
-@dataclass
-class Record:
-    """One chunk or tail with its arrays, as the memory tier and fetch see it.
+@dataclass(frozen=True)
+class Record(RecordId):
+    """A record with its arrays, as the memory tier and fetch see it.
 
     `arrays` holds what was stored (mlx arrays; a record still queued for the writer holds numpy
     views of the caller's arrays); a name in `views` is kept as raw bits (bfloat16 as uint16) and
     is that dtype when restored.
     """
 
-    hash: bytes
-    ns: bytes
-    parent: bytes
-    depth: int
-    kind: int
     tokens: np.ndarray
     arrays: dict[str, mx.array | np.ndarray]
     views: dict[str, mx.Dtype] = field(default_factory=dict)
@@ -41,11 +36,13 @@ class Record:
 
     def __post_init__(self) -> None:
         if not self.nbytes:
-            self.nbytes = sum(a.nbytes for a in self.arrays.values()) + self.tokens.nbytes
+            object.__setattr__(self, "nbytes", sum(a.nbytes for a in self.arrays.values()) + self.tokens.nbytes)
 
-    def identity(self) -> RecordId:
-        first = int(self.tokens[0]) if len(self.tokens) else None
-        return RecordId(self.hash, self.ns, self.parent, self.depth, self.kind, len(self.tokens), first)
+
+def held(rid: RecordId, tokens: np.ndarray, arrays: dict, views: dict | None = None, nbytes: int = 0) -> Record:
+    """Record `rid` with these token ids and arrays, in RAM."""
+    return Record(rid.hash, rid.ns, rid.parent, rid.depth, rid.kind, rid.ntokens, rid.first_token,
+                  tokens, arrays, views or {}, nbytes)
 
 
 class MemoryTier:
@@ -146,7 +143,7 @@ class RecordSource:
     in_ram = True  # the restore gathers small pieces of such records (restore._gather)
 
     def __init__(self, rec: Record):
-        self.id, self.tokens, self.record = rec.identity(), rec.tokens, rec
+        self.id, self.tokens, self.record = rec, rec.tokens, rec
         # What a record's arrays look like to the restore is worked out once and kept on it (its
         # arrays never change): a fetch of a long prompt opens hundreds of records.
         known = rec.__dict__.get("_kvstore_read")

@@ -13,11 +13,12 @@ from dataclasses import dataclass
 from typing import Callable
 
 from kvstore import faults, keys
+from kvstore.records import CHECKPOINT, Span, prompt_records
 from kvstore.storage import blobtree, blobwrite
-from kvstore.storage.index import CHECKPOINT, CHUNK, Index, Row
+from kvstore.storage.index import Index, Row
 from kvstore.tiers.memory import Record
 from kvstore.write import jobs
-from kvstore.write.jobs import Destination, Hosts, Job, Parts, Spec
+from kvstore.write.jobs import Destination, Hosts, Job, Parts
 
 
 @dataclass
@@ -25,7 +26,7 @@ class Batch:
     """What one job left: the records written (or, RAM only, kept), their rows, and the host
     views they were copied from (a refill copies from them again)."""
 
-    written: list[Spec]
+    written: list[Span]
     rows: list[Row]
     hosts: Hosts
 
@@ -80,11 +81,11 @@ def _stage(dest: Destination, job: Job, hosts: Hosts) -> _Staged:
     return staged
 
 
-def _place(dest: Destination, job: Job, hosts: Hosts, todo: list[Spec], staged: _Staged
-           ) -> tuple[list[Spec], list[Row], list[Record]]:
+def _place(dest: Destination, job: Job, hosts: Hosts, todo: list[Span], staged: _Staged
+           ) -> tuple[list[Span], list[Row], list[Record]]:
     """Rename each record's file into place (or write it now), in chain order: the records
     placed, their rows (not inserted yet) and the memory tier's copies of them."""
-    written: list[Spec] = []
+    written: list[Span] = []
     rows: list[Row] = []
     copies: list[Record] = []
     for spec in todo:
@@ -132,7 +133,7 @@ def _insert(dest: Destination, rows: list[Row]) -> bool:
     return True
 
 
-def still_needed(index: Index, job: Job) -> list[Spec]:
+def still_needed(index: Index, job: Job) -> list[Span]:
     """The job's records that are not stored yet, parents first. If gc (in any process)
     evicted a record the job hangs from after `insert` looked, the chain is written again
     from the job's own tokens and arrays: no record is ever stored under a missing parent."""
@@ -144,9 +145,7 @@ def still_needed(index: Index, job: Job) -> list[Spec]:
         first = next((s for s in specs if s.kind != CHECKPOINT), None)
         if first is not None and first.parent != job.ns and first.parent not in present:
             C = int(job.metadata["chunk_size"])
-            chain = keys.chain(job.ns, job.tokens[: (first.depth - 1) * C], C)
-            ancestors = [Spec(h, chain[i - 1] if i else job.ns, i + 1, CHUNK, i * C, (i + 1) * C)
-                         for i, h in enumerate(chain)]
+            ancestors = prompt_records(job.ns, job.tokens[: (first.depth - 1) * C], C, tail=False)
             present |= index.present([a.hash for a in ancestors])
             specs = ancestors + specs
         have = present | {s.hash for s in specs}

@@ -12,13 +12,13 @@ import os
 
 from kvstore import keys
 from kvstore.errors import BlobError
+from kvstore.records import TAIL, Span
 from kvstore.storage import blobfile, blobformat, blobtree, blobwrite
-from kvstore.storage.index import TAIL
 from kvstore.write import jobs
-from kvstore.write.jobs import Destination, Hosts, Job, Spec
+from kvstore.write.jobs import Destination, Hosts, Job
 
 
-def drop_redundant(dest: Destination, job: Job, written: list[Spec]) -> None:
+def drop_redundant(dest: Destination, job: Job, written: list[Span]) -> None:
     """Drop the older tails that a record just written makes redundant: under the same
     parent, their tokens a prefix of its tokens, and every layer's K/V for those tokens in
     it (a sliding window that slid past them does not count). A multi-turn chat then keeps
@@ -46,7 +46,7 @@ def drop_redundant(dest: Destination, job: Job, written: list[Spec]) -> None:
     dest.stats.redundant_bytes += freed
 
 
-def _older_prefixes(dest: Destination, job: Job, spec: Spec) -> list[tuple[bytes, bytes]]:
+def _older_prefixes(dest: Destination, job: Job, spec: Span) -> list[tuple[bytes, bytes]]:
     """(older tail, spec's hash) for every tail under the spec's parent whose tokens are a
     proper prefix of the spec's, in the memory tier or (unpinned) in the index."""
     newer = job.token_ids(spec)

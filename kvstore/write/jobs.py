@@ -1,4 +1,4 @@
-"""The shapes the writer works on: a queued `Job` and the records (`Spec`) it holds, the host
+"""The shapes the writer works on: a queued `Job` and the records (`Span`) it holds, the host
 copies a job's records are written from, and where they go (`Destination`, with its counters).
 
 The caller's thread only builds a `Job` (views of its cache, no copy: numpy views of the memory
@@ -16,10 +16,11 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from kvstore.records import CHECKPOINT, Span
 from kvstore.restore.arrays import tag_of
 from kvstore.storage import blobformat
-from kvstore.storage.index import CHECKPOINT, Index
-from kvstore.tiers.memory import MemoryTier, Record
+from kvstore.storage.index import Index
+from kvstore.tiers.memory import MemoryTier, Record, held
 
 log = logging.getLogger("kvstore")
 
@@ -29,17 +30,6 @@ COMPLETE_REMEMBERED = 100_000
 Parts = tuple[np.ndarray, dict[str, blobformat.Tensor], dict[str, str]]  # tokens, tensors, metadata
 
 
-@dataclass
-class Spec:
-    """One record a job will write: key, place in the chain, and token range in the job."""
-
-    hash: bytes
-    parent: bytes
-    depth: int
-    kind: int
-    start: int
-    end: int
-    nbytes: int = 0
 
 
 @dataclass
@@ -51,16 +41,16 @@ class Job:
     arrays: dict[str, np.ndarray | mx.array]  # "layer.name" -> view (numpy, or mlx scheduled), token axis 2
     origins: dict[str, int]  # "layer.name" -> the token its element 0 holds
     views: dict[str, mx.Dtype]  # names carried as raw bits (bfloat16 as uint16) -> real dtype
-    specs: list[Spec]
+    specs: list[Span]
     metadata: dict[str, str]
     checkpoint: dict[str, mx.array] = field(default_factory=dict)  # for the CHECKPOINT spec
     pin: list[bytes] = field(default_factory=list)
     nbytes: int = 0
     # Stored chunks and tails this job holds every layer's K/V for: a stored one that lacks some
     # (a sliding window had slid past them when it was written) is written again, complete.
-    refill: list[Spec] = field(default_factory=list)
+    refill: list[Span] = field(default_factory=list)
 
-    def slices(self, spec: Spec, arrays: dict) -> dict:
+    def slices(self, spec: Span, arrays: dict) -> dict:
         """The part of each array that falls in the spec's tokens (always a suffix of them)."""
         out = {}
         for name, a in arrays.items():
@@ -70,18 +60,17 @@ class Job:
                 out[name] = a[:, :, lo - origin : spec.end - origin]
         return out
 
-    def record(self, spec: Spec) -> Record:
+    def record(self, spec: Span) -> Record:
         """The record `spec` as zero-copy views of the queued arrays (visible before it is written)."""
-        return Record(spec.hash, self.ns, spec.parent, spec.depth, spec.kind,
-                      self.tokens[spec.start : spec.end],
-                      dict(self.checkpoint) if spec.kind == CHECKPOINT else self.slices(spec, self.arrays),
-                      dict(self.views), nbytes=spec.nbytes)
+        return held(spec, self.tokens[spec.start : spec.end],
+                    dict(self.checkpoint) if spec.kind == CHECKPOINT else self.slices(spec, self.arrays),
+                    dict(self.views), nbytes=spec.nbytes)
 
-    def token_ids(self, spec: Spec) -> np.ndarray:
+    def token_ids(self, spec: Span) -> np.ndarray:
         """The spec's token ids as a blob stores them (little-endian int32)."""
         return np.ascontiguousarray(self.tokens[spec.start : spec.end], dtype="<i4")
 
-    def holds_all_layers(self, spec: Spec) -> bool:
+    def holds_all_layers(self, spec: Span) -> bool:
         """Whether every layer's K/V for the spec's first token is in the job (no sliding
         window slid past it)."""
         return all(origin <= spec.start for origin in self.origins.values())
@@ -144,7 +133,7 @@ class Hosts:
         return cls(tags, {name: np.asarray(a) for name, a in job.arrays.items()},
                    {name: np.asarray(a) for name, a in job.checkpoint.items()})
 
-    def parts(self, job: Job, spec: Spec) -> Parts:
+    def parts(self, job: Job, spec: Span) -> Parts:
         """The tensors and metadata of the blob of `spec` (copied out of the views)."""
         tokens = job.token_ids(spec)
         tensors: dict[str, blobformat.Tensor] = {"tokens": ("I32", tokens)}
@@ -156,7 +145,7 @@ class Hosts:
         return tokens, tensors, meta
 
 
-def compact(job: Job, spec: Spec, tokens: np.ndarray, tensors: dict[str, blobformat.Tensor]) -> Record:
+def compact(job: Job, spec: Span, tokens: np.ndarray, tensors: dict[str, blobformat.Tensor]) -> Record:
     """A copy of the record that owns its memory (the caller's cache can then be freed)."""
     arrays, views = {}, {}
     for name, (tag, arr) in tensors.items():
@@ -165,4 +154,4 @@ def compact(job: Job, spec: Spec, tokens: np.ndarray, tensors: dict[str, blobfor
         arrays[name] = mx.array(arr)
         if tag == "BF16":
             views[name] = mx.bfloat16
-    return Record(spec.hash, job.ns, spec.parent, spec.depth, spec.kind, tokens, arrays, views)
+    return held(spec, tokens, arrays, views)

@@ -18,13 +18,14 @@ from typing import Callable
 
 import numpy as np
 
+from kvstore.records import CHECKPOINT, Span
 from kvstore.storage import blobtree
-from kvstore.storage.index import CHECKPOINT, Index, Row
+from kvstore.storage.index import Index, Row
 from kvstore.tiers.memory import MemoryTier, Record
 from kvstore.write import batch, dedup
-from kvstore.write.jobs import Destination, Job, Spec, WriterStats
+from kvstore.write.jobs import Destination, Job, WriterStats
 
-__all__ = ["Writer", "Job", "Spec", "WriterStats"]
+__all__ = ["Writer", "Job", "WriterStats"]
 
 TOUCH_INTERVAL_S = 2.0
 
@@ -42,7 +43,7 @@ class Writer:
         self._dest = Destination(index, root, memory, fsync)
         self.stats: WriterStats = self._dest.stats
         self._jobs: deque[Job] = deque()
-        self._pending: dict[bytes, tuple[Job, Spec]] = {}
+        self._pending: dict[bytes, tuple[Job, Span]] = {}
         self._children: dict[bytes, set[bytes]] = {}  # parent -> queued records under it
         self._pending_bytes = 0
         self._busy = False
@@ -190,7 +191,7 @@ class Writer:
         if self.after_batch is not None and done.rows:
             self.after_batch()
 
-    def _drop_redundant(self, job: Job, written: list[Spec]) -> None:
+    def _drop_redundant(self, job: Job, written: list[Span]) -> None:
         # A method of its own so that a benchmark can switch dedup off to measure what it saves.
         dedup.drop_redundant(self._dest, job, written)
 
