@@ -143,10 +143,6 @@ def fingerprint(
     return h.digest()
 
 
-def as_hex(h: bytes) -> str:
-    return h.hex()
-
-
 def common_prefix(a: Sequence[int] | np.ndarray, b: Sequence[int] | np.ndarray) -> int:
     """Length of the common prefix of two token sequences."""
     n = min(len(a), len(b))

@@ -25,6 +25,7 @@ from kvstore.errors import InvalidInputError, StoreOpenError
 from kvstore.model import fingerprint as fingerprints
 from kvstore.model.cache import Backing, ModelCache
 from kvstore.model.layout import describe, make_template
+from kvstore.remote.bucket import check_url, open_bucket
 from kvstore.remote.node import Remote
 from kvstore.storage.storedir import default_path
 from kvstore.tiers.base import Tiers
@@ -101,9 +102,7 @@ class Store:
         """This node's side of the bucket at `url`, or None. Contacts nothing yet."""
         if not url:
             return None
-        from kvstore.remote.s3 import S3Bucket
-
-        return Remote(S3Bucket(url), self.index, self.path, self.blob_root,
+        return Remote(open_bucket(url), self.index, self.path, self.blob_root,
                       deadline=DEFAULT_DEADLINE_S if deadline is None else deadline)
 
     def _tiers(self) -> Tiers:
@@ -267,9 +266,7 @@ def _check_options(chunk_size, max_bytes, memory_bytes, remote, remote_deadline)
             extra = ' or "auto"' if name == "max_bytes" else ""
             raise InvalidInputError(f"{name} must be a non-negative integer{extra}, got {value!r}")
     if remote:
-        from kvstore.remote.s3 import parse_url
-
-        parse_url(remote)
+        check_url(remote)
     if remote_deadline is not None and (not isinstance(remote_deadline, (int, float)) or remote_deadline < 0):
         raise InvalidInputError(f"remote_deadline must be a non-negative number of seconds, got {remote_deadline!r}")
 

@@ -40,7 +40,7 @@ from kvstore.write.writer import Writer
 
 log = logging.getLogger("kvstore")
 
-#: Default for `prefill`: a recurrent-state checkpoint every this many chunks (see README).
+#: Default for `prefill`: a recurrent-state checkpoint every this many chunks (docs/library.md).
 CHECKPOINT_EVERY = 4
 # A pin that finds its records evicted under it (by another process) stores them again, this often.
 PIN_ATTEMPTS = 3

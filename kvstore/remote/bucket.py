@@ -1,16 +1,21 @@
 """The bucket protocol: the seven calls the remote tier makes of an object store.
 
-A backend is one module with a class that answers these (see `s3.S3Bucket`); batching, retries
-of whole operations, deadlines and checking what comes back are the remote tier's, not the
-backend's. Every method raises `RemoteError` when the store cannot be reached or answers with an
-error; a missing object is None (or False), never an error.
+A backend is one module with a class that answers these (see `s3.S3Bucket`), taking the URL, and
+a `check_url(url)` that raises InvalidInputError for a URL it cannot use; it is chosen by the
+URL's scheme (`BACKENDS`). Batching, deadlines and checking what comes back are the remote
+tier's, not the backend's. Every method raises `RemoteError` when the store cannot be reached or
+answers with an error; a missing object is None (or False), never an error.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import Iterator, Protocol
 
-from kvstore.errors import KVStoreError
+from kvstore.errors import InvalidInputError, KVStoreError
+
+#: URL scheme -> the module of its backend (which has `check_url` and the class `BUCKET_CLASS` names).
+BACKENDS = {"s3": "kvstore.remote.s3"}
 
 #: No record object is larger (a chunk of a 70B model is under 100 MB): a larger one is refused.
 MAX_OBJECT_BYTES = 1 << 30
@@ -43,3 +48,22 @@ class Bucket(Protocol):
 
     def delete(self, keys: list[str]) -> None:
         """Delete these objects (missing ones are no error)."""
+
+
+def _backend(url: str):
+    scheme = url.partition("://")[0] if isinstance(url, str) and "://" in url else None
+    if scheme not in BACKENDS:
+        known = ", ".join(f"{k}://BUCKET/PREFIX" for k in BACKENDS)
+        raise InvalidInputError(f"remote must be a URL like {known}, got {url!r}")
+    return importlib.import_module(BACKENDS[scheme])
+
+
+def check_url(url: str) -> None:
+    """Raise InvalidInputError unless a backend can use `url` (nothing is contacted)."""
+    _backend(url).check_url(url)
+
+
+def open_bucket(url: str) -> Bucket:
+    """The bucket at `url`, through the backend of its scheme (nothing is contacted yet)."""
+    module = _backend(url)
+    return getattr(module, module.BUCKET_CLASS)(url)

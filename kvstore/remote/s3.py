@@ -20,6 +20,13 @@ from kvstore.remote.bucket import MAX_OBJECT_BYTES, RemoteError
 
 # -- the URL and the AWS configuration chain ---------------------------------------------------
 
+BUCKET_CLASS = "S3Bucket"
+
+
+def check_url(url: str) -> None:
+    parse_url(url)
+
+
 def parse_url(url: str) -> tuple[str, str]:
     """`s3://BUCKET/PREFIX` -> (bucket, prefix without slashes at either end)."""
     if not isinstance(url, str) or not url.startswith("s3://"):

@@ -9,7 +9,7 @@ in `mlxserver`, SIGTERM and Ctrl-C in `signals`; this module starts and stops th
 
 Run it as `kvstore serve [--store DIR] [--store-max-bytes SIZE|auto|none] [--memory-bytes SIZE]
 [--store-max-tokens N] [--allowed-origins LIST] [mlx_lm.server options]` or
-`python -m kvstore.serve.server ...`.
+`python -m kvstore.serve ...`.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable
 
-from kvstore import faults, keys
+from kvstore import faults
 from kvstore.records import CHECKPOINT, Span, prompt_records
 from kvstore.storage import blobtree, blobwrite
 from kvstore.storage.index import Index, Row
@@ -107,9 +107,8 @@ def _place(dest: Destination, job: Job, hosts: Hosts, todo: list[Span], staged: 
                 dest.count_error(e)
                 break  # later records hang from this one; without it they are unreachable
             faults.hit("after_rename")
-            rows.append(Row(spec.hash, job.ns, spec.parent, spec.depth, spec.kind,
-                            spec.end - spec.start, keys.first_token(tokens), size, checksum,
-                            pinned=int(spec.hash in job.pin)))
+            rows.append(Row(spec.hash, spec.ns, spec.parent, spec.depth, spec.kind, spec.ntokens,
+                            spec.first_token, size, checksum, pinned=int(spec.hash in job.pin)))
             dest.stats.bytes_written += size
         if keep:
             copies.append(jobs.compact(job, spec, tokens, tensors))
