@@ -16,7 +16,7 @@ import xxhash
 
 import kvstore
 from kvstore.errors import BlobError
-from kvstore.storage import blobfile, blobformat, blobtree, blobwrite
+from kvstore.storage import blobfile, blobformat, blobtree, blobwrite, readplan
 
 HERE = Path(__file__).parent
 H = bytes(range(16))
@@ -234,7 +234,7 @@ def test_read_copies_reuses_its_plan_and_still_checks_every_tensor(tmp_path):
     keys = tensors()["0.keys"][1]
     copies = (Copy(0, "0.keys", 2, 7, 1),)
     out = np.zeros((1, 2, 9, 4), dtype="<f4")
-    targets = {"0.keys": blobfile.target(out)}
+    targets = {"0.keys": readplan.target(out)}
     for _ in range(2):  # the second read takes the read plan kept for this copies tuple
         out[:] = 0
         with blobfile.open_blob(tmp_path, H, size=size) as blob:
