@@ -7,7 +7,6 @@ import time
 
 from kvstore.cli.options import bound, read_prompts
 from kvstore.cli.output import EXIT_PROBLEMS, EXIT_USAGE, PROG, CommandError, out, say
-from kvstore.model import jsonl
 
 EXAMPLES = """examples:
   kvstore generate --prompt "You are a helpful assistant. What is a KV cache?"
@@ -32,6 +31,8 @@ def register(add, store_opts, model_opts) -> None:
 
 def _items(args) -> list:
     """The prompt lines to generate for: `--prompt`, `--messages` or the lines of `--prompts`."""
+    from kvstore.model import jsonl
+
     if args.prompt is not None:
         items = [jsonl.parse_object({"prompt": args.prompt}, "--prompt", None)]
     elif args.messages is not None:

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Iterator
 
 from kvstore.cli.output import EXIT_USAGE, PROG, CommandError, say
-from kvstore.model import jsonl
 from kvstore.sizes import parse_duration, parse_size
 
 
@@ -69,6 +68,8 @@ def remote_url(args) -> str | None:
 
 def read_prompts(path: str) -> list:
     """Every line of a prompt file, parsed (`jsonl.PromptLine` or `jsonl.LineError`)."""
+    from kvstore.model import jsonl
+
     try:
         return list(jsonl.read(path))
     except OSError as e:
