@@ -6,6 +6,7 @@ calling `kvstore.cli.main.main` in this process, which is the same code without 
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -20,7 +21,7 @@ import pytest
 
 import kvstore
 from kvstore.cli import main as cli
-from kvstore.cli.options import read_prompts
+from kvstore.cli.options import model_to_load, read_prompts
 from kvstore.model import loading
 from kvstore.demo import DEMO_NOTE
 from kvstore.sizes import format_size, parse_duration, parse_size
@@ -474,7 +475,7 @@ def test_every_command_uses_one_default_demo_model(capsys, monkeypatch, tmp_path
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     expected = str(demo.ensure_demo_model())
     assert expected == str(demo.build_demo_model(**demo.DEFAULT_DEMO))
-    assert loading.resolve_model(None) == expected
+    assert model_to_load(argparse.Namespace(model=None)) == expected
     seen: list[list[str]] = []
     monkeypatch.setattr(server, "_run_mlx_server_main", lambda _server, args: seen.append(list(args)) or 0)
     assert server.main(["--store", str(tmp_path / "s")]) == 0

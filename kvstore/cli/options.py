@@ -109,16 +109,25 @@ def open_store(args):
     return kvstore.open(store_path(args), remote=remote_url(args))
 
 
+def model_to_load(args) -> str:
+    """What `--model` names (see `loading.resolve_model`); without it the demo model, said so."""
+    from kvstore.model.loading import resolve_model
+
+    model_id = resolve_model(args.model)
+    if args.model is None:
+        from kvstore.demo import DEMO_NOTE
+
+        say(DEMO_NOTE)
+    return model_id
+
+
 @contextlib.contextmanager
 def bound(args, items: list, command: str) -> Iterator[tuple]:
     """(store, loaded model, its `ModelCache`, work, errors) for a model command: work holds the
     (item, tokens) pairs of the good prompt lines; the bad ones are reported here."""
-    from kvstore.demo import DEMO_NOTE
-    from kvstore.model.loading import load_model, prepare, resolve_model
+    from kvstore.model.loading import load_model, prepare
 
-    model_id = resolve_model(args.model)
-    if args.model is None:
-        say(DEMO_NOTE)
+    model_id = model_to_load(args)
     with open_store(args) as store:
         loaded = load_model(model_id)
         mc = store.bind(loaded.model, loaded.model_id)
