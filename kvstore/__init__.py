@@ -19,8 +19,33 @@ from kvstore.errors import (
     SchemaTooNewError,
     StoreOpenError,
 )
-from kvstore.serve.promptcache import PersistentPromptCache
-from kvstore.store import MEMORY, ModelCache, Store, default_path, open
+
+# The rest is imported on first use (PEP 562): `import kvstore` then costs no mlx, so maintenance
+# (`kvstore stats`, `gc`, `verify`) starts fast.
+_LAZY = {
+    "MEMORY": "kvstore.store",
+    "ModelCache": "kvstore.store",
+    "Store": "kvstore.store",
+    "open": "kvstore.store",
+    "default_path": "kvstore.storage.storedir",
+    "PersistentPromptCache": "kvstore.serve.promptcache",
+}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvstore' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # once: later lookups do not come here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
 
 __version__ = "0.1.0"
 

@@ -290,3 +290,20 @@ def open(path: str | os.PathLike | None = None, *, max_bytes: int | str | None =
     """
     return Store(path, max_bytes=max_bytes, memory_bytes=memory_bytes, chunk_size=chunk_size,
                  remote=remote, **options)
+
+
+# What `Store.stats()` counts: totals of the store on disk (the same in every process that opens
+# it), or counters of this one process (its memory tier, its writer, what it fetched, and the
+# settings it opened the store with). A key missing here is reported as "unknown", not guessed.
+STORE_TOTALS = ("path", "bytes", "chunks", "tails", "checkpoints", "models", "quarantined_total",
+                "quarantined_now", "quarantine_folder")
+PER_PROCESS = ("chunk_size", "max_bytes", "memory", "writer", "quarantined", "skipped_inserts",
+               "fetches", "reused_tokens", "read_only", "max_bytes_auto", "max_bytes_rule")
+# `remote`: this process's counters, and under `totals` the store's (kept in its index).
+MIXED = {"remote": "process; its totals: store"}
+
+
+def stats_scope(stats: dict) -> dict[str, str]:
+    """`{key: "store" | "process" | ... | "unknown"}` for every top-level key of `Store.stats()`."""
+    return {key: "store" if key in STORE_TOTALS else "process" if key in PER_PROCESS
+            else MIXED.get(key, "unknown") for key in stats}

@@ -6,6 +6,7 @@ calling `kvstore.cli.main.main` in this process, which is the same code without 
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -20,6 +21,8 @@ import pytest
 
 import kvstore
 from kvstore.cli import main as cli
+from kvstore.cli.options import model_to_load, read_prompts
+from kvstore.model import loading
 from kvstore.demo import DEMO_NOTE
 from kvstore.sizes import format_size, parse_duration, parse_size
 
@@ -472,7 +475,7 @@ def test_every_command_uses_one_default_demo_model(capsys, monkeypatch, tmp_path
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     expected = str(demo.ensure_demo_model())
     assert expected == str(demo.build_demo_model(**demo.DEFAULT_DEMO))
-    assert cli.resolve_model(None) == expected
+    assert model_to_load(argparse.Namespace(model=None)) == expected
     seen: list[list[str]] = []
     monkeypatch.setattr(server, "_run_mlx_server_main", lambda _server, args: seen.append(list(args)) or 0)
     assert server.main(["--store", str(tmp_path / "s")]) == 0
@@ -551,9 +554,9 @@ def test_long_text_is_refused_before_it_is_tokenized(tmp_path):
         def encode(self, *a, **kw):
             raise AssertionError("a text past the limit was tokenized")
 
-    items = cli.read_prompts(str(path))
-    loaded = cli.LoadedModel(None, MustNotTokenize(), "m", 262, 32768)
-    good, errors = cli.prepare(items, loaded)
+    items = read_prompts(str(path))
+    loaded = loading.LoadedModel(None, MustNotTokenize(), "m", 262, 32768)
+    good, errors = loading.prepare(items, loaded)
     assert [item.kind for item, _ in good] == ["tokens"]
     messages = [str(e) for e in errors]
     assert messages[0].startswith(f"{path}:1: line of 100,000,014 bytes is longer than the limit of "
@@ -610,6 +613,10 @@ def test_ctrl_c_counts_a_prompt_stored_whole_as_warmed(demo_model_path, home, tm
 
 
 def test_stats_json_says_which_counters_are_per_process(capsys, warmed):
+    """Every key `stats --json` prints has a scope, none unknown, and the same one the library's
+    `Store.stats()` gives it; the library's keys are all scoped too."""
+    from kvstore.store import stats_scope
+
     store, _ = warmed
     code, out, _ = in_process(capsys, "stats", "--store", store, "--json")
     data = json.loads(out)
@@ -618,10 +625,16 @@ def test_stats_json_says_which_counters_are_per_process(capsys, warmed):
     assert "unknown" not in scope.values(), {k: v for k, v in scope.items() if v == "unknown"}
     for key in ("bytes", "chunks", "tails", "models"):
         assert scope[key] == "store"
+    assert scope["read_only"] == "process"
+    library = stats_of(store)
+    library_scope = stats_scope(library)
+    assert "unknown" not in library_scope.values(), {k: v for k, v in library_scope.items() if v == "unknown"}
     for key in ("memory", "writer", "quarantined", "fetches"):
-        assert scope[key] == "process"
-    # True of this process: it wrote and fetched nothing, while the store holds a lot.
-    assert data["bytes"] > 0 and data["writer"]["bytes_written"] == 0 and data["fetches"] == 0
+        assert library_scope[key] == "process"
+    assert {k: library_scope[k] for k in scope} == scope, "the command and the library agree"
+    # Only the store's totals, and how this process opened it: a process that served nothing
+    # has no counters to print.
+    assert data["bytes"] > 0 and not {"memory", "writer", "fetches"} & set(data)
     assert "\"scope\"" in cli.build_parser()._subparsers._group_actions[0].choices["stats"].format_help()
 
 

@@ -382,14 +382,14 @@ def test_repair_after_a_stopped_gc_drops_the_rows_it_left_unreachable_without_fo
     # gc may delete a parent before its children (they go later in the same gc); stopped in
     # between, it leaves rows no chain reaches. That is not a lost index: repair drops them,
     # however many, and keeps what is reachable.
-    from kvstore.upkeep import maintenance
+    from kvstore.upkeep.verify import ORPHAN_FEW, ORPHAN_SHARE
 
     store = tmp_path / "s"
     seqs = prompts(47, 6, C)
     rows = warm(store, llama, seqs)
     first = [r for r in rows if r.depth == 1]
     below = [r for r in rows if r.depth > 1]
-    assert len(below) > max(maintenance.ORPHAN_FEW, maintenance.ORPHAN_SHARE * len(rows))
+    assert len(below) > max(ORPHAN_FEW, ORPHAN_SHARE * len(rows))
     with kvstore.open(store, chunk_size=C) as s:
         for r in s.index.delete([r.hash for r in first]):  # what a gc does, row then file
             blobtree.blob_path(store / "blobs", r.hash).unlink()
@@ -444,6 +444,40 @@ def _rewrite(store: Path, h: bytes, edit) -> None:
         con.execute("UPDATE records SET size = ?, checksum = ? WHERE hash = ?",
                     (len(new), checksum - (1 << 64) if checksum >= 1 << 63 else checksum, h))
     con.close()
+
+
+@pytest.mark.parametrize("relabel", ["copied", "header-rewritten"])
+def test_verify_finds_a_blob_of_another_record_and_repair_drops_it(tmp_path, llama, home, relabel):
+    """A whole, valid blob of one record in the place of another's, with the row's size and
+    checksum made to match: checksums cannot tell, the record check can (its header names the
+    other record, or, rewritten to name this one, its token ids hash to the other key)."""
+    store = tmp_path / "s"
+    shared = [int(t) for t in np.random.default_rng(61).integers(0, 250, C)]
+    a = shared + [int(t) for t in np.random.default_rng(62).integers(0, 250, C)]
+    b = shared + [int(t) for t in np.random.default_rng(63).integers(0, 250, C)]
+    rows = warm(store, llama, [a, b])
+    ns = rows[0].ns
+    chain_a, chain_b = keys.chain(ns, np.array(a), C), keys.chain(ns, np.array(b), C)
+    victim, other = chain_a[1], chain_b[1]  # same parent, same depth: only the tokens differ
+    root = store / "blobs"
+    blobtree.blob_path(root, victim).write_bytes(blobtree.blob_path(root, other).read_bytes())
+
+    def edit(header):
+        if relabel == "header-rewritten":
+            header["__metadata__"]["hash"] = victim.hex()
+
+    _rewrite(store, victim, edit)
+    result = kv("verify", "--json", "--store", store, home=home)
+    assert result.returncode == 1, result.stdout + result.stderr
+    problems = json.loads(result.stdout)["problems"]
+    assert [(p["kind"], p["hash"]) for p in problems] == [("corrupt_blob", victim.hex())], problems
+    result = kv("verify", "--repair", "--store", store, home=home)
+    assert result.returncode == 1 and "; repaired" in result.stdout, result.stdout + result.stderr
+    assert kv("verify", "--store", store, home=home).returncode == 0
+    with kvstore.open(store, chunk_size=C) as s:
+        left = {r.hash for r in s.index.rows()}
+    assert victim not in left and {chain_a[0], other} <= left
+    restores(store, llama, [b])
 
 
 def _header(entries: dict, meta: dict | None = None, payload: int = 64) -> bytes:

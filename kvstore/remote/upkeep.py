@@ -27,7 +27,7 @@ from kvstore.records import CHECKPOINT
 from kvstore.remote.bucket import Bucket, RemoteError
 from kvstore.remote.layout import ObjectKey, parse_key, pins_key
 from kvstore.upkeep import evict
-from kvstore.upkeep.maintenance import Problem
+from kvstore.upkeep.verify import Problem
 
 if TYPE_CHECKING:
     from kvstore.storage.index import Index

@@ -371,18 +371,13 @@ class PersistentPromptCache:
 
         mlx_lm.server inserts the prompt and every generated token, the last of which the model
         never processed: its cache is one token short."""
-        # Recurrent layers (ArraysCache) keep no offset; the model runs every layer on every token,
-        # so the layers that count tokens say how many the whole cache holds.
-        offsets = {layer.offset for layer in cache if isinstance(getattr(layer, "offset", None), int)}
-        if len(offsets) != 1:
-            return tokens  # no or mixed offsets: let the store check each layer
-        (offset,) = offsets
-        if offset == len(tokens):
-            return tokens
-        if 0 < offset < len(tokens):
-            return tokens[:offset]
-        log.debug("kvstore: not stored: the cache holds %s tokens but %d were given", offset, len(tokens))
-        return None
+        from kvstore.model.generation import held_length
+
+        held = held_length((getattr(layer, "offset", None) for layer in cache), len(tokens))
+        if held is None:
+            log.debug("kvstore: not stored: the cache does not hold a prefix of the %d tokens given", len(tokens))
+            return None
+        return tokens if held == len(tokens) else tokens[:held]
 
     def _error(self, what: str, e: Exception) -> None:
         self.counters["errors"] += 1

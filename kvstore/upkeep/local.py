@@ -92,7 +92,7 @@ class LocalStore:
         """Evict down to `max_bytes` (and records unused for `max_age` seconds; with `stale`, every
         record of a model version whose files are gone or changed, pins aside); see `gc.collect`.
         The result's `hashes` are the records evicted."""
-        from kvstore.upkeep.maintenance import collect
+        from kvstore.upkeep.gc import collect
 
         if not dry_run:
             self.check_writable("gc")
@@ -103,7 +103,7 @@ class LocalStore:
 
     def verify(self, repair: bool = False, force: bool = False) -> list:
         """Problems found (empty when clean); `repair=True` fixes them. See `maintenance.verify`."""
-        from kvstore.upkeep.maintenance import verify
+        from kvstore.upkeep.verify import verify
 
         if repair:
             self.check_writable("verify --repair")

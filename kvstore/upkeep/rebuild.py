@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from kvstore import keys
+from kvstore import keys, records
 from kvstore.errors import BlobError, CorruptIndexError, NotAStoreError
 from kvstore.storage import blobfile, blobformat, blobtree
 from kvstore.storage.index import CHECKPOINT, CHUNK, TAIL, Index, _u64_to_i64, connect_read_only
@@ -193,8 +193,6 @@ def _read_record(path: Path, h: bytes) -> dict:
 
     if meta.get("format") != str(keys.FORMAT_VERSION):
         raise BlobError(f"{path}: format {meta.get('format')!r}, this kvstore writes {keys.FORMAT_VERSION}")
-    if field("hash", hash16) != h:
-        raise BlobError(f"{path}: its header names record {meta.get('hash')!r}")
     ns, parent, fingerprint = field("ns", hash16), field("parent", hash16), field("fingerprint", hash16)
     depth, kind, chunk_size = field("depth", int), field("kind", int), field("chunk_size", int)
     model_id = field("model_id", str)
@@ -206,11 +204,9 @@ def _read_record(path: Path, h: bytes) -> dict:
     start, end = info["data_offsets"]
     tokens = np.frombuffer(buf, dtype="<i4", count=(end - start) // 4, offset=base + start)
     n = len(tokens)
-    expected = {CHUNK: n == chunk_size, TAIL: 0 < n < chunk_size, CHECKPOINT: n == 0}[kind]
-    if not expected:
-        raise BlobError(f"{path}: a kind-{kind} record cannot hold {n} tokens (chunk size {chunk_size})")
-    if not keys.is_address(h, parent, kind, tokens):
-        raise BlobError(f"{path}: its name is not the hash of its parent and tokens")
+    # The record its header describes, named as the file is: the one check every reader makes.
+    rid = records.RecordId(h, ns, parent, depth, kind, n, keys.first_token(tokens))
+    records.check(rid, meta, tokens, chunk_size=chunk_size, where=path)
     for name, entry in entries.items():
         shape = entry["shape"]
         if kind != CHECKPOINT and name != "tokens" and (len(shape) < 3 or shape[2] > n):

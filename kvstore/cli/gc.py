@@ -1,0 +1,52 @@
+"""`kvstore gc`: keep the store (or, with `--remote`, the shared bucket) within a budget."""
+
+from __future__ import annotations
+
+from kvstore.cli.options import duration, open_local, open_remote, remote_url, size
+from kvstore.cli.output import EXIT_USAGE, PROG, CommandError, say
+from kvstore.sizes import format_size
+
+EXAMPLES = """examples:
+  kvstore gc --max-bytes 2GiB
+  kvstore gc --max-bytes 500MB --max-age 7d --dry-run
+  kvstore gc --remote s3://team-cache/kv --max-age 7d     # the shared bucket, deepest first
+
+SIZE: bytes, or a number with KB/MB/GB/TB (x1000) or K/M/G/T, KiB/MiB/GiB/TiB (x1024).
+DURATION: a number with s, m, h, d or w, like 30m, 12h, 7d. Pinned prompts are never evicted."""
+
+
+def register(add, store_opts, model_opts) -> None:
+    p = add("gc", cmd_gc, "evict least recently used records down to a size (and age) budget", [store_opts],
+            EXAMPLES)
+    p.add_argument("--max-bytes", metavar="SIZE", type=size, help="keep at most this many bytes, like 500MB or 2GiB")
+    p.add_argument("--max-age", metavar="DURATION", type=duration, help="also evict records unused for this long, like 7d")
+    p.add_argument("--stale", action="store_true",
+                   help="evict model versions whose files are gone or changed (pins aside); a budget evicts them first anyway")
+    p.add_argument("--dry-run", action="store_true", help="only report what would be freed")
+
+
+def cmd_gc(args) -> int:
+    if args.max_bytes is None and args.max_age is None and not args.stale:
+        raise CommandError("gc needs --max-bytes and/or --max-age (or --stale)", EXIT_USAGE)
+    if args.remote is not None:
+        return _gc_remote(args)
+    with open_local(args, must_exist=True) as files:
+        result = files.gc(max_bytes=args.max_bytes, max_age=args.max_age, dry_run=args.dry_run, stale=args.stale)
+    verb, holds = ("would free", "would hold") if args.dry_run else ("freed", "holds")
+    print(f"{verb} {format_size(result['freed_bytes'])} ({result['freed_bytes']} bytes, "
+          f"{result['evicted']} records); the store {holds} {format_size(result['bytes'])} "
+          f"(was {format_size(result.get('bytes_before', result['bytes'] + result['freed_bytes']))})")
+    if args.max_bytes is not None and result["bytes"] > args.max_bytes:
+        say(f"{PROG} gc: still above the budget of {args.max_bytes} bytes: pinned records and their ancestors are kept")
+    return 0
+
+
+def _gc_remote(args) -> int:
+    """`gc --remote`: bound the bucket, deepest records first; pins of every node are kept."""
+    with open_remote(args, remote_url(args)) as (_, remote):
+        result = remote.gc(max_bytes=args.max_bytes, max_age=args.max_age, dry_run=args.dry_run)
+    verb, holds = ("would delete", "would hold") if args.dry_run else ("deleted", "holds")
+    print(f"remote {remote.url}: {verb} {result['evicted']} objects ({format_size(result['freed_bytes'])}); "
+          f"the bucket {holds} {result['records']} records, {format_size(result['bytes'])} "
+          f"({result['kept_pinned']} pinned records kept)")
+    return 0

@@ -1,0 +1,119 @@
+"""`kvstore generate`: generate text, reusing the store and adding to it."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from kvstore.cli.options import bound, read_prompts
+from kvstore.cli.output import EXIT_PROBLEMS, EXIT_USAGE, PROG, CommandError, out, say
+
+EXAMPLES = """examples:
+  kvstore generate --prompt "You are a helpful assistant. What is a KV cache?"
+  kvstore generate --messages '[{"role": "user", "content": "Hello"}]' --max-tokens 64
+  kvstore generate --prompts examples/prompts.jsonl --model ./my-model
+
+Run it twice: the second run reuses the stored prompt (see "reused from the store" on stderr)."""
+
+
+def register(add, store_opts, model_opts) -> None:
+    p = add("generate", cmd_generate, "generate text, reusing the store and adding to it",
+            [store_opts, model_opts], EXAMPLES)
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", metavar="TEXT", help="prompt text, tokenized as is")
+    source.add_argument("--messages", metavar="JSON",
+                        help='chat messages as JSON, like \'[{"role": "user", "content": "Hi"}]\' (chat template applied)')
+    source.add_argument("--prompts", metavar="FILE.jsonl", help="generate for every line of a prompt file (- for stdin)")
+    p.add_argument("--max-tokens", metavar="N", type=int, default=128, help="tokens to generate at most (default: 128)")
+    p.add_argument("--temp", metavar="T", type=float, default=0.0, help="sampling temperature (default: 0, greedy)")
+    p.add_argument("--seed", metavar="S", type=int, help="random seed for sampling")
+
+
+def _items(args) -> list:
+    """The prompt lines to generate for: `--prompt`, `--messages` or the lines of `--prompts`."""
+    from kvstore.model import jsonl
+
+    if args.prompt is not None:
+        items = [jsonl.parse_object({"prompt": args.prompt}, "--prompt", None)]
+    elif args.messages is not None:
+        try:
+            value = json.loads(args.messages)
+        except json.JSONDecodeError as e:
+            raise CommandError(f"--messages: not valid JSON ({e.msg} at column {e.colno})") from e
+        # Always the list itself: a lone {"role": ...} object is an error that says so.
+        items = [jsonl.parse_object({"messages": value}, "--messages", None)]
+    else:
+        items = read_prompts(args.prompts)
+    if args.prompts is None and isinstance(items[0], jsonl.LineError):  # no model to load for nothing
+        raise CommandError(str(items[0]))
+    if args.max_tokens < 1:
+        raise CommandError(f"--max-tokens must be at least 1, got {args.max_tokens}", EXIT_USAGE)
+    return items
+
+
+def cmd_generate(args) -> int:
+    import mlx.core as mx
+    from mlx_lm.sample_utils import make_sampler
+
+    items = _items(args)
+    with bound(args, items, "generate") as (store, loaded, mc, work, errors):
+        if args.seed is not None:
+            mx.random.seed(args.seed)
+        sampler = make_sampler(temp=args.temp)
+        failed = 0
+        for item, tokens in work:
+            if args.prompts is not None:
+                out(f"[{item.id if item.id is not None else item.where}]", flush=True)
+            failed += not _generate_one(args, store, loaded, mc, tokens, sampler)
+        if failed:
+            say(f"{PROG} generate: {failed} of {len(work)} generations were not stored: "
+                f"{_write_error(store)}")
+    return EXIT_PROBLEMS if errors or failed else 0
+
+
+def _generate_one(args, store, loaded, mc, tokens, sampler) -> bool:
+    """Generate for one prompt, print the text and a report line; False if it was not stored."""
+    from mlx_lm import stream_generate
+
+    from kvstore.model.generation import insert_generated, prompt_cache
+
+    t0 = time.perf_counter()
+    cache, rest, reused = prompt_cache(mc, tokens)
+    ttft, generated, finish = None, [], None
+    for response in stream_generate(loaded.model, loaded.tokenizer, rest, max_tokens=args.max_tokens,
+                                    prompt_cache=cache, sampler=sampler):
+        if ttft is None:
+            ttft = time.perf_counter() - t0
+        print(response.text, end="", flush=True)
+        generated.append(response.token)
+        finish = response.finish_reason
+    print(flush=True)
+    before = _write_problems(store)
+    stored = insert_generated(mc, tokens, generated, cache)
+    if not stored:
+        say(f"{PROG} generate: not stored: the cache does not say which of the "
+            f"{len(tokens) + len(generated)} tokens it holds")
+    store.flush()  # to know whether it was stored, not only queued
+    problem = _write_problems(store) != before
+    stored_text = f"not stored ({_write_error(store)})" if problem else f"stored {stored} tokens"
+    say(f"prompt: {len(tokens)} tokens, {reused} reused from the store, "
+        f"{len(tokens) - reused} computed; time to first token: {ttft:.3f} s; "
+        f"generated {len(generated)} tokens ({finish}); {stored_text}")
+    return not problem
+
+
+def _write_problems(store) -> tuple[int, int, int]:
+    """Counters that go up when an insert does not reach the disk (no SQL: they are this
+    process's writer counters, the ones `stats()["writer"]` reports)."""
+    w = store.writer.stats
+    return w.write_errors, w.dropped_jobs, store.counters.get("skipped_inserts", 0)
+
+
+def _write_error(store) -> str:
+    """What went wrong with the last write, in a few words."""
+    w = store.writer.stats
+    if w.last_error:
+        return f"the write failed: {w.last_error}"
+    if w.dropped_jobs:
+        return "the write queue was full"
+    return "the store's index cannot be written"

@@ -1,0 +1,137 @@
+"""The options commands share (`--store`, `--remote`, `--model`) and what they open with them.
+
+Maintenance commands open the store directory alone (`open_local`, `open_remote`: no mlx);
+model commands open the whole store and load the model (`open_store`, `bound`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+from pathlib import Path
+from typing import Iterator
+
+from kvstore.cli.output import EXIT_USAGE, PROG, CommandError, say
+from kvstore.sizes import parse_duration, parse_size
+
+
+def store_parent() -> argparse.ArgumentParser:
+    """`--store` and `--remote`, for every command."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--store", metavar="DIR", help="store directory (default: $KVSTORE_DIR, else ~/.cache/kvstore)")
+    p.add_argument("--remote", metavar="URL", nargs="?", const="",
+                   help="share the store through an S3 bucket, s3://BUCKET/PREFIX (default: "
+                        "$KVSTORE_REMOTE); gc and verify act on the bucket when it is given")
+    return p
+
+
+def model_parent() -> argparse.ArgumentParser:
+    """`--model`, for the commands that run a model."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--model", metavar="M",
+                   help="model folder or Hugging Face repo id, as mlx_lm.load takes "
+                        "(default: the built-in demo model, random weights)")
+    return p
+
+
+def size(text: str) -> int:
+    """An argparse type: `500MB`, `2GiB`."""
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def duration(text: str) -> float:
+    """An argparse type: `30m`, `7d`."""
+    try:
+        return parse_duration(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def store_path(args) -> Path:
+    """`--store`, else `$KVSTORE_DIR`, else `~/.cache/kvstore`."""
+    from kvstore.storage.storedir import default_path
+
+    return Path(args.store).expanduser() if args.store else default_path()
+
+
+def remote_url(args) -> str | None:
+    """`--remote URL`, else `$KVSTORE_REMOTE` (also for a bare `--remote`), else None."""
+    url = getattr(args, "remote", None) or os.environ.get("KVSTORE_REMOTE") or None
+    if url is None and getattr(args, "remote", None) is not None:
+        raise CommandError("--remote needs a URL (s3://BUCKET/PREFIX) or $KVSTORE_REMOTE", EXIT_USAGE)
+    return url
+
+
+def read_prompts(path: str) -> list:
+    """Every line of a prompt file, parsed (`jsonl.PromptLine` or `jsonl.LineError`)."""
+    from kvstore.model import jsonl
+
+    try:
+        return list(jsonl.read(path))
+    except OSError as e:
+        raise CommandError(f"cannot read the prompt file {path}: {e.strerror or e}") from e
+
+
+def open_local(args, *, must_exist: bool = False, read_only: bool | None = False):
+    """The store directory alone, for maintenance (`upkeep.local.LocalStore`: no mlx).
+    `must_exist`: create nothing; `read_only=None`: read-only when this user may not write it."""
+    from kvstore.upkeep.local import LocalStore
+
+    # A store whose index was lost still has its blobs: opening it says how to rebuild it.
+    return LocalStore(store_path(args), create=not must_exist, read_only=read_only)
+
+
+@contextlib.contextmanager
+def open_remote(args, url: str, **local) -> Iterator[tuple]:
+    """(the store directory, this node's side of the bucket at `url`): a `LocalStore` (see
+    `open_local`, which takes `local`) and a `remote.node.Remote` over its index."""
+    from kvstore.remote.node import Remote
+    from kvstore.remote.s3 import S3Bucket
+    from kvstore.tiers.remote import DEFAULT_DEADLINE_S
+
+    bucket = S3Bucket(url)  # a bad URL is refused before the store is opened
+    with open_local(args, **local) as files:
+        remote = Remote(bucket, files.index, files.path, files.blob_root, deadline=DEFAULT_DEADLINE_S)
+        try:
+            yield files, remote
+        finally:
+            remote.close()
+
+
+def open_store(args):
+    """The whole store (`kvstore.open`: tiers, writer, models), for the model commands."""
+    import kvstore
+
+    return kvstore.open(store_path(args), remote=remote_url(args))
+
+
+def model_to_load(args) -> str:
+    """What `--model` names (see `loading.resolve_model`); without it the demo model, said so."""
+    from kvstore.model.loading import resolve_model
+
+    model_id = resolve_model(args.model)
+    if args.model is None:
+        from kvstore.demo import DEMO_NOTE
+
+        say(DEMO_NOTE)
+    return model_id
+
+
+@contextlib.contextmanager
+def bound(args, items: list, command: str) -> Iterator[tuple]:
+    """(store, loaded model, its `ModelCache`, work, errors) for a model command: work holds the
+    (item, tokens) pairs of the good prompt lines; the bad ones are reported here."""
+    from kvstore.model.loading import load_model, prepare
+
+    model_id = model_to_load(args)
+    with open_store(args) as store:
+        loaded = load_model(model_id)
+        mc = store.bind(loaded.model, loaded.model_id)
+        work, errors = prepare(items, loaded)
+        for e in errors:
+            say(f"{PROG} {command}: {e}")
+        yield store, loaded, mc, work, errors

@@ -1,0 +1,51 @@
+"""What every command prints through, and how it fails: exit codes and `CommandError`.
+
+Ids, model ids, paths and field names come from users and files: everything but generated text
+is printed with non-printable characters escaped, so none of it can drive the terminal.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+PROG = "kvstore"
+EXIT_PROBLEMS = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+
+class CommandError(Exception):
+    """A failure reported as one line on stderr, with an exit code."""
+
+    def __init__(self, message: str, code: int = EXIT_PROBLEMS):
+        super().__init__(message)
+        self.code = code
+
+
+def printable(text: Any) -> str:
+    """`text` with every non-printable character escaped (`\\x1b`, `\\u202e`)."""
+    s = str(text)
+    if s.isprintable():
+        return s
+    return "".join(c if c.isprintable() else _escape(c) for c in s)
+
+
+def _escape(c: str) -> str:
+    o = ord(c)
+    return f"\\x{o:02x}" if o < 0x100 else f"\\u{o:04x}" if o < 0x10000 else f"\\U{o:08x}"
+
+
+def say(*parts: Any) -> None:
+    """One line on stderr, escaped."""
+    print(*map(printable, parts), file=sys.stderr, flush=True)
+
+
+def out(*parts: Any, **kw: Any) -> None:
+    """One line on stdout, escaped (everything but generated text goes through here)."""
+    print(*map(printable, parts), **kw)
+
+
+def plural(n: int, word: str) -> str:
+    """`1 problem`, `2 problems`."""
+    return f"{n} {word}{'s' if n != 1 else ''}"

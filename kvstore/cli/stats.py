@@ -1,0 +1,101 @@
+"""`kvstore stats`: the store's totals and a table per model version (or one JSON object)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from kvstore.cli.options import open_local, open_remote, remote_url
+from kvstore.cli.output import PROG, out, plural
+from kvstore.sizes import format_age, format_size
+
+EXAMPLES = """examples:
+  kvstore stats
+  kvstore stats --store ~/kv --json"""
+
+# The scope of the keys `stats` prints, as the library's `kvstore.store.stats_scope` names them
+# (a test holds the two to agree): what the store directory holds is the same in every process
+# that opens it; how this process opened it is its own; the remote's counters are this
+# process's, their `totals` every process's on this store.
+PROCESS_KEYS = ("read_only",)
+MIXED = {"remote": "process; its totals: store"}
+
+
+def register(add, store_opts, model_opts) -> None:
+    p = add("stats", cmd_stats, "show totals and a table per model", [store_opts], EXAMPLES)
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object (bytes, chunks, tails, models, ...); its \"scope\" map says "
+                        "which keys are totals of the store and which count this process only")
+
+
+def scope(stats: dict) -> dict[str, str]:
+    """`{key: "store" | "process" | ...}` for every key `stats` prints."""
+    return {key: MIXED.get(key, "process" if key in PROCESS_KEYS else "store") for key in stats}
+
+
+def read_stats(args) -> dict:
+    """What the store directory holds (`LocalStore.stats`), whether this process may write it,
+    and the remote's counters when one is given (`--remote` or `$KVSTORE_REMOTE`)."""
+    url = remote_url(args)
+    if not url:
+        with open_local(args, must_exist=True, read_only=None) as files:
+            return {**files.stats(), "read_only": files.read_only}
+    with open_remote(args, url, must_exist=True, read_only=None) as (files, remote):
+        return {**files.stats(), "read_only": files.read_only, "remote": remote.stats()}
+
+
+def cmd_stats(args) -> int:
+    stats = read_stats(args)
+    if args.json:
+        print(json.dumps({**stats, "scope": scope(stats)}, indent=2, sort_keys=True, default=str))
+        return 0
+    out(f"store: {stats['path']}")
+    sizes = sorted({m["chunk_size"] for m in stats["models"]})
+    print(f"bytes: {stats['bytes']} ({format_size(stats['bytes'])})   chunks: {stats['chunks']}   "
+          f"tails: {stats['tails']}   models: {len(stats['models'])}   "
+          f"chunk size: {', '.join(map(str, sizes)) or '-'}")
+    _print_remote(stats.get("remote"))
+    _print_quarantine(stats)
+    if stats["models"]:
+        _print_models(stats["models"])
+    return 0
+
+
+def _print_remote(remote: dict | None) -> None:
+    if not remote:
+        return
+    t = remote["totals"]
+    print(f"remote: {remote['url']}   uploads: {t['uploads']} ({format_size(t['upload_bytes'])})   "
+          f"downloads: {t['downloads']} ({format_size(t['download_bytes'])})   remote hits: {t['remote_hits']}   "
+          f"errors: {t['errors']}   dropped uploads: {t['dropped_uploads']}   deadline misses: {t['deadline_misses']}")
+
+
+def _print_quarantine(stats: dict) -> None:
+    now_bad = stats.get("quarantined_now") or {}
+    if stats.get("quarantined_total") or now_bad.get("records"):
+        print(f"quarantined records: {now_bad.get('records', 0)} now ({format_size(now_bad.get('bytes', 0))}, "
+              f"never served; any `{PROG} gc` drops those not pinned, storing the prompt again heals "
+              f"it), {stats.get('quarantined_total', 0)} so far (run `{PROG} verify`)")
+    moved = stats.get("quarantine_folder") or {}
+    if moved.get("files"):
+        out(f"{stats['path']}/quarantine: {plural(moved['files'], 'file')} ({format_size(moved['bytes'])}) that "
+            f"`{PROG} verify --repair` moved aside (not kvstore's; never deleted by kvstore: look, then remove them)")
+
+
+def _print_models(models: list[dict]) -> None:
+    """One row per model version, and how much of it is stale."""
+    now = time.time()
+    header = ("fingerprint", "chunks", "tails", "bytes", "hits", "last use", "stale", "model")
+    rows = [(m["fingerprint"][:12], str(m["chunks"]), str(m["tails"]), format_size(m["bytes"]), str(m["hits"]),
+             f"{format_age(now - m['last_used'])} ago" if m.get("last_used") else "never",
+             {True: "STALE", False: "no", None: "?"}[m.get("stale")], m["model_id"])
+            for m in models]
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header) - 1)]
+    print()
+    for row in [header, *rows]:
+        cells = [c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))]
+        out("  ".join(cells + [row[-1]]))
+    held = sum(m["bytes"] for m in models if m.get("stale"))
+    if held:
+        out(f"\nSTALE: {format_size(held)} of K/V whose model files changed or are gone since they were stored; "
+            f"`{PROG} gc --stale` evicts it (pins aside)")

@@ -1,0 +1,82 @@
+"""`kvstore verify`: check the store (or, with `--remote`, every object of the bucket)."""
+
+from __future__ import annotations
+
+import json
+
+from kvstore.cli.options import open_local, open_remote, remote_url, store_path
+from kvstore.cli.output import EXIT_PROBLEMS, PROG, out, plural, say
+from kvstore.errors import CorruptIndexError
+
+EXAMPLES = """examples:
+  kvstore verify
+  kvstore verify --repair
+  kvstore verify --remote --repair                         # check every object of $KVSTORE_REMOTE
+
+Exit code 0 when the store is clean, 1 when problems were found (also when they were repaired)."""
+
+
+def register(add, store_opts, model_opts) -> None:
+    p = add("verify", cmd_verify, "check every record against its file, and every file against the index",
+            [store_opts], EXAMPLES)
+    p.add_argument("--repair", action="store_true",
+                   help="drop damaged records and stray files; rebuild an unreadable index from the blobs")
+    p.add_argument("--force", action="store_true",
+                   help="with --repair: delete orphan blobs even when they are more than 10%% of the store")
+    p.add_argument("--json", action="store_true", help="print the problems as JSON")
+
+
+def cmd_verify(args) -> int:
+    if args.remote is not None:
+        return _verify_remote(args)
+    rebuilt = None
+    try:
+        with open_local(args, must_exist=True, read_only=None if not args.repair else False) as files:
+            problems = files.verify(repair=args.repair, force=args.force)
+    except CorruptIndexError as e:  # the index itself is unreadable (or lost): rebuild it from the blobs
+        if not args.repair:
+            raise
+        rebuilt = _rebuild(args, e)
+        with open_local(args, must_exist=True) as files:
+            problems = files.verify(repair=True, force=args.force)
+    if args.json:
+        print(json.dumps({"clean": not problems and rebuilt is None,
+                          "repaired": bool(args.repair and (problems or rebuilt)),
+                          "rebuilt": rebuilt, "problems": [p.to_dict() for p in problems]}, indent=2))
+    else:
+        for p in problems:
+            out(p)
+        if not problems:
+            print("the store is clean")
+        else:
+            print(f"{plural(len(problems), 'problem')} found"
+                  + ("; repaired" if args.repair else f"; run `{PROG} verify --repair` to fix them"))
+    return EXIT_PROBLEMS if problems or rebuilt else 0
+
+
+def _rebuild(args, why: CorruptIndexError) -> dict:
+    """Rebuild the index from the blob files, and say what was taken back."""
+    from kvstore.upkeep.rebuild import rebuild_index
+
+    say(f"{PROG} verify: {why}")
+    rebuilt = rebuild_index(store_path(args))
+    say(f"{PROG} verify: rebuilt the index from the blob files: {rebuilt['records']} records, "
+        f"{len(rebuilt['skipped'])} files not taken back"
+        + (f"; the damaged index is kept as {rebuilt['damaged_index']}" if rebuilt["damaged_index"] else ""))
+    return rebuilt
+
+
+def _verify_remote(args) -> int:
+    """`verify --remote`: download and check every object of the bucket."""
+    with open_remote(args, remote_url(args)) as (_, remote):
+        problems = remote.verify(repair=args.repair)
+    if args.json:
+        print(json.dumps({"clean": not problems, "repaired": bool(args.repair and problems),
+                          "problems": [p.to_dict() for p in problems]}, indent=2))
+    else:
+        for p in problems:
+            print(p)
+        print(f"remote {remote.url}: " + ("clean" if not problems else
+              f"{plural(len(problems), 'problem')} found"
+              + ("; repaired" if args.repair else f"; run `{PROG} verify --remote --repair` to delete them")))
+    return EXIT_PROBLEMS if problems else 0

@@ -1,0 +1,135 @@
+"""`kvstore warm`: store the KV cache of every prompt of a JSONL file."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from typing import Callable
+
+from kvstore.cli.options import bound, read_prompts
+from kvstore.cli.output import EXIT_INTERRUPTED, EXIT_PROBLEMS, PROG, say
+from kvstore.sizes import format_size
+
+EXAMPLES = """examples:
+  kvstore warm --prompts examples/prompts.jsonl
+  kvstore warm --prompts prompts.jsonl --model mlx-community/Qwen3-4B-4bit --store ~/kv
+  cat prompts.jsonl | kvstore warm --prompts -
+
+Each line is {"prompt": "..."}, {"messages": [{"role": ..., "content": ...}]} or {"tokens": [...]},
+with optional "id" and "pin": true. Exit code 1 if a line was bad (it is skipped, the others are
+stored), 130 after Ctrl-C (everything stored so far is kept)."""
+
+
+def register(add, store_opts, model_opts) -> None:
+    p = add("warm", cmd_warm, "store the KV cache of every prompt in a JSONL file", [store_opts, model_opts],
+            EXAMPLES)
+    p.add_argument("--prompts", metavar="FILE.jsonl", required=True, help="prompt file, or - for standard input")
+
+
+class _Stop(Exception):
+    """Ctrl-C was pressed: stop at the next chunk boundary."""
+
+
+class _FirstCtrlC:
+    """While active, a first Ctrl-C asks to stop after the current chunk; a second stops at once."""
+
+    def __init__(self):
+        self.requested = False
+
+    def __call__(self, signum, frame) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        say(f"{PROG} warm: stopping after the current chunk (Ctrl-C again to stop at once)")
+
+
+def cmd_warm(args) -> int:
+    items = read_prompts(args.prompts)
+    with bound(args, items, "warm") as (store, loaded, mc, work, errors):
+        totals = {"done": 0, "reused": 0, "computed": 0}
+        started = time.perf_counter()
+        interrupted = False
+        ctrl_c = _FirstCtrlC()
+        previous = signal.signal(signal.SIGINT, ctrl_c)
+        try:
+            _warm_all(mc, work, totals, lambda: ctrl_c.requested)
+        except (_Stop, KeyboardInterrupt):
+            interrupted = True
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        store.flush()
+        writer = store.stats()["writer"]
+        if interrupted:
+            say(f"{PROG} warm: interrupted; everything stored so far is kept")
+        _summary(totals, len(errors), len(work), writer, time.perf_counter() - started)
+        if writer["dropped_jobs"] or writer["write_errors"]:
+            say(f"{PROG} warm: {writer['dropped_jobs']} inserts were dropped and {writer['write_errors']} "
+                f"writes failed (last error: {writer['last_error'] or 'none'})")
+            return EXIT_PROBLEMS
+    if interrupted:
+        return EXIT_INTERRUPTED
+    return EXIT_PROBLEMS if errors else 0
+
+
+def _summary(totals: dict, skipped: int, planned: int, writer: dict, seconds: float) -> None:
+    print(f"prompts: {totals['done']} warmed, {skipped} skipped (bad lines), "
+          f"{planned - totals['done']} not reached")
+    print(f"tokens reused: {totals['reused']}")
+    print(f"tokens computed: {totals['computed']}")
+    print(f"bytes written: {writer['bytes_written']} ({format_size(writer['bytes_written'])}, "
+          f"{writer['records_written']} records)")
+    print(f"time: {seconds:.1f} s")
+
+
+def _bars(work: list):
+    """A progress bar of prompts and one of tokens, on a terminal only."""
+    if not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
+    common = {"file": sys.stderr, "dynamic_ncols": True}
+    return (tqdm(total=len(work), desc="prompts", unit="prompt", position=0, **common),
+            tqdm(total=sum(len(t) for _, t in work), desc="tokens", unit="tok", unit_scale=True, position=1,
+                 **common))
+
+
+def _warm_all(mc, work: list, totals: dict, stop: Callable[[], bool]) -> None:
+    """Prefill each prompt, with a progress bar on a terminal and a log line per prompt otherwise."""
+    bars = _bars(work)
+    current = {"computed": 0}  # tokens computed for the prompt in progress
+
+    def progress(n: int) -> None:
+        totals["computed"] += n
+        current["computed"] += n
+        if bars:
+            bars[1].update(n)
+        if stop():
+            raise _Stop
+
+    try:
+        for i, (item, tokens) in enumerate(work, start=1):
+            if stop():
+                raise _Stop
+            t0 = time.perf_counter()
+            current["computed"] = 0
+            try:
+                _, reused, computed = mc.prefill(tokens, progress=progress, pin=item.pin)
+            except (_Stop, KeyboardInterrupt):
+                # Stopped after the prompt's last chunk was inserted: it is stored whole, so it
+                # counts as warmed, not as "not reached".
+                if mc.stored_length(tokens) >= len(tokens):
+                    totals["done"] += 1
+                    totals["reused"] += len(tokens) - current["computed"]
+                raise
+            totals["done"] += 1
+            totals["reused"] += reused
+            if bars:
+                bars[0].update(1)
+                bars[1].update(reused)
+            else:
+                say(f"[{i}/{len(work)}] {item.where}: {len(tokens)} tokens, {reused} reused, "
+                    f"{computed} computed{', pinned' if item.pin else ''} ({time.perf_counter() - t0:.1f} s)")
+    finally:
+        for bar in bars or ():
+            bar.close()

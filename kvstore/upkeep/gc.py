@@ -1,0 +1,123 @@
+"""Keeping a store within bounds: `collect`, behind `LocalStore.gc` (and so `kvstore gc`).
+
+Which records gc evicts is the leaf-by-leaf LRU rule (`evict` computes it for the whole store at
+once); pinned records and their ancestors stay. Their rows go in hash order (neighbours in the
+table), in short transactions, each file right after the one that dropped its row; then their
+edges in the `children` table, in its own order (see `evict` for why a parent may go first).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Iterator
+
+from kvstore import faults
+from kvstore.storage import blobtree
+from kvstore.storage.index import Index
+from kvstore.upkeep import evict
+
+# Rows per gc transaction: adapted to keep each one near _TX_TARGET_S (other processes' inserts
+# wait for it), within these bounds.
+_BATCH_START, _BATCH_MAX = 500, 20000
+_TX_TARGET_S = 0.04
+# gc checkpoints the WAL itself, holding no lock (none inside its commits, where writers would
+# wait for it), this often: each checkpoint costs two fsyncs, and gc's transactions write about
+# 800 pages in that time at 1M rows (1,600 in 0.5 s), so another process's commit does not find
+# more than SQLite's 1,000-page autocheckpoint backlog (it would checkpoint it inside its own
+# commit: inserts waited over 1 s).
+_CHECKPOINT_EVERY_S = 0.25
+_CACHE_MIN_KIB, _CACHE_MAX_KIB = 64 << 10, 1 << 20
+# After each transaction gc waits this long, so that a writer waiting for the blob-tree lock
+# (or in SQLite's busy handler) gets its turn before the next one.
+_YIELD_S = 0.002
+
+
+def collect(index: Index, root: Path, *, max_bytes: int | None = None, max_age: float | None = None,
+            stale: bool = False, stale_namespaces: set[bytes] = frozenset(), dry_run: bool = False) -> dict:
+    """Evict until the store holds at most `max_bytes`, nothing unused for `max_age` seconds
+    and, with `stale`, nothing of the model versions in `stale_namespaces` (which a budget
+    evicts first, too). See `evict` for the order; rows go in transactions of a bounded number
+    of rows, each record's file right after the commit that dropped its row."""
+    started = time.perf_counter()
+    total = index.totals()["bytes"]
+    cutoff = time.time() - max_age if max_age is not None else None
+    p = evict.Plan.empty()
+    # Quarantined records are never served: any gc drops them (and what hangs below them).
+    if ((max_bytes is not None and total > max_bytes) or cutoff is not None or (stale and stale_namespaces)
+            or index.quarantined()[0]):
+        graph = evict.Graph.from_index(index.eviction_graph(sorted(stale_namespaces)))
+        p = evict.plan(graph, max_bytes=max_bytes, cutoff=cutoff, stale=stale)
+    planned = time.perf_counter() - started
+    freed, hashes, longest = 0, [], 0.0
+    if dry_run:
+        freed, hashes = int(p.sizes.sum()) if len(p) else 0, list(p.hashes)
+    else:
+        order = evict.in_key_order(p)
+        prefixes: set[bytes] = set()
+        # A page cache as big as the index (up to 1 GiB) while gc runs.
+        with index.bulk(cache_kib=min(_CACHE_MAX_KIB, max(_CACHE_MIN_KIB, index.file_bytes() // 1024))), \
+                index.victims(order):
+            # Sweep 1, in hash order: the rows, and each record's file right after its commit.
+            for took, deleted in _batches(index, order, lambda part: _evict(index, root, part[0], part[-1])):
+                longest = max(longest, took)
+                freed += sum(size for _, size, _ in deleted)
+                hashes += [h for h, _, _ in deleted]
+                prefixes.update(prefix for _, _, prefix in deleted)
+            # Sweep 2, in the order of the `children` table: the edges under the parents of the
+            # rows deleted (by the first two bytes of the parent's hash).
+            ranges = sorted(prefixes)
+            for took, _ in _batches(index, ranges, lambda part: _forget_edges(index, root, part[0], part[-1]),
+                                    start=8):
+                longest = max(longest, took)
+    return {
+        "evicted": len(hashes),
+        "freed_bytes": freed,
+        "bytes_before": total,
+        "bytes": total - freed,
+        "dry_run": dry_run,
+        "seconds": time.perf_counter() - started,
+        "plan_seconds": planned,
+        "longest_transaction_seconds": longest,
+        "hashes": hashes,
+    }
+
+
+def _evict(index: Index, root: Path, lo: bytes, hi: bytes) -> list[tuple]:
+    # Exclusive of writers: none can find a row here and then lose its file to us.
+    with blobtree.tree_lock(root, exclusive=True):
+        deleted = index.evict(lo, hi)
+        if deleted:
+            faults.hit("gc_deleted")
+        # after the commit: a crash before here leaves orphan files only
+        blobtree.remove_all(root, sorted(h for h, _, _ in deleted))
+    return deleted
+
+
+def _forget_edges(index: Index, root: Path, first: bytes, last: bytes) -> int:
+    """The edges under parents whose hash starts with 2-byte prefixes `first` to `last`."""
+    n = int.from_bytes(last, "big") + 1
+    # Under the lock too: a writer then waits on it, and is woken the moment this commits,
+    # instead of polling SQLite's lock with sleeps of up to 100 ms.
+    with blobtree.tree_lock(root, exclusive=True):
+        return index.forget_edges(first, n.to_bytes(2, "big") if n < 1 << 16 else None)
+
+
+def _batches(index: Index, items: list, step, start: int = _BATCH_START) -> Iterator[tuple[float, object]]:
+    """Run `step` over `items` in consecutive batches, one transaction each, sized to take about
+    `_TX_TARGET_S` (another process's insert waits that long at most); checkpoint every
+    `_CHECKPOINT_EVERY_S` and at the end, holding no lock; pause for a writer to get its turn
+    after each. Yields (seconds, result)."""
+    done, batch, checkpointed = 0, start, time.perf_counter()
+    while done < len(items):
+        t = time.perf_counter()
+        result = step(items[done : done + batch])
+        took = time.perf_counter() - t  # waiting for the locks, the transaction, the files
+        done += batch
+        yield took, result
+        batch = max(1, min(_BATCH_MAX, int(batch * _TX_TARGET_S / max(took, 1e-4))))
+        if done >= len(items) or time.perf_counter() - checkpointed > _CHECKPOINT_EVERY_S:
+            index.checkpoint()
+            checkpointed = time.perf_counter()
+        if done < len(items):
+            time.sleep(_YIELD_S)
