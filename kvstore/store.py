@@ -223,7 +223,7 @@ class Store:
            stale: bool = False) -> dict:
         """Evict down to `max_bytes` (and records unused for `max_age` seconds; with `stale`, every
         record of a model version whose files are gone or changed, pins aside). A budget evicts
-        stale versions first. See `upkeep.maintenance` and `upkeep.evict`."""
+        stale versions first. See `upkeep.gc` and `upkeep.evict`."""
         self._check_open()
         if self.files is None:
             if max_bytes is not None:
@@ -236,7 +236,7 @@ class Store:
         return result
 
     def verify(self, repair: bool = False, force: bool = False) -> list:
-        """Problems found (empty when clean); `repair=True` fixes them. See `upkeep.maintenance`.
+        """Problems found (empty when clean); `repair=True` fixes them. See `upkeep.verify`.
 
         Repair deletes at most a small share of the blobs as orphans (no row, or a broken
         chain): more than that means the index, not the blobs, is wrong, and needs `force=True`.

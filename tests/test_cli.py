@@ -22,8 +22,8 @@ import pytest
 import kvstore
 from kvstore.cli import main as cli
 from kvstore.cli.options import model_to_load, read_prompts
-from kvstore.model import loading
 from kvstore.demo import DEMO_NOTE
+from kvstore.model import loading
 from kvstore.sizes import format_size, parse_duration, parse_size
 
 REPO = Path(__file__).resolve().parents[1]

@@ -89,13 +89,12 @@ def open_local(args, *, must_exist: bool = False, read_only: bool | None = False
 def open_remote(args, url: str, **local) -> Iterator[tuple]:
     """(the store directory, this node's side of the bucket at `url`): a `LocalStore` (see
     `open_local`, which takes `local`) and a `remote.node.Remote` over its index."""
+    from kvstore.remote.bucket import open_bucket
     from kvstore.remote.node import Remote
-    from kvstore.remote.s3 import S3Bucket
-    from kvstore.tiers.remote import DEFAULT_DEADLINE_S
 
-    bucket = S3Bucket(url)  # a bad URL is refused before the store is opened
+    bucket = open_bucket(url)  # a bad URL is refused before the store is opened
     with open_local(args, **local) as files:
-        remote = Remote(bucket, files.index, files.path, files.blob_root, deadline=DEFAULT_DEADLINE_S)
+        remote = Remote(bucket, files.index, files.path, files.blob_root, deadline=0.0)  # (no fetches here)
         try:
             yield files, remote
         finally:

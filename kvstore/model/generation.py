@@ -14,7 +14,6 @@ from typing import Iterable, Sequence
 import numpy as np
 
 
-
 def prompt_cache(mc, tokens: Sequence[int]) -> tuple[list, list[int], int]:
     """(cache, tokens left for generation, tokens reused from the store) for a prompt.
 

@@ -102,7 +102,7 @@ class LocalStore:
                            stale=stale, stale_namespaces=old, dry_run=dry_run)
 
     def verify(self, repair: bool = False, force: bool = False) -> list:
-        """Problems found (empty when clean); `repair=True` fixes them. See `maintenance.verify`."""
+        """Problems found (empty when clean); `repair=True` fixes them. See `upkeep.verify`."""
         from kvstore.upkeep.verify import verify
 
         if repair:

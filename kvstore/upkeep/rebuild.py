@@ -29,8 +29,10 @@ import xxhash
 
 from kvstore import keys, records
 from kvstore.errors import BlobError, CorruptIndexError, NotAStoreError
+from kvstore.records import CHECKPOINT, CHUNK, TAIL
 from kvstore.storage import blobfile, blobformat, blobtree
-from kvstore.storage.index import CHECKPOINT, CHUNK, TAIL, Index, _u64_to_i64, connect_read_only
+from kvstore.storage.index import Index, _u64_to_i64
+from kvstore.storage.schema import connect_read_only
 from kvstore.storage.storedir import BLOBS_NAME, INDEX_FILES, INDEX_NAME, has_blob_files, open_dir
 
 
