@@ -24,7 +24,7 @@ from kvstore.errors import (
 # (`kvstore stats`, `gc`, `verify`) starts fast.
 _LAZY = {
     "MEMORY": "kvstore.store",
-    "ModelCache": "kvstore.store",
+    "ModelCache": "kvstore.model.cache",
     "Store": "kvstore.store",
     "open": "kvstore.store",
     "default_path": "kvstore.storage.storedir",

@@ -97,9 +97,10 @@ class ModelCache:
         if len(toks) < 2:
             return self.new_cache(), toks.tolist()
         try:
-            lookup = Lookup(self.ns, toks, self.chunk_size, keys.chain(self.ns, toks, self.chunk_size))
+            chain = prompt_records(self.ns, toks, self.chunk_size, tail=False)
+            lookup = Lookup(self.ns, toks, self.chunk_size, [s.hash for s in chain])
             for _ in range(_ATTEMPTS):  # a damaged record found while filling: plan again without it
-                done = self._restore(toks, lookup)
+                done = self._restore(toks, lookup, chain)
                 if done is not None:
                     cache, p = done
                     if p <= 0:
@@ -111,13 +112,13 @@ class ModelCache:
             b.counters["fetch_errors"] = b.counters.get("fetch_errors", 0) + 1
         return self.new_cache(), toks.tolist()
 
-    def _restore(self, toks: np.ndarray, lookup: Lookup) -> tuple[list, int] | None:
+    def _restore(self, toks: np.ndarray, lookup: Lookup, chain_records: list[Span]) -> tuple[list, int] | None:
         """One attempt: look up, open the records, plan, fill, build. (cache, p), (None, 0) on a
         miss, or None when a record failed its checksum while filling (it is quarantined now) or
         left every tier between the lookup and its opening (the writer replaced a tail, or gc
         evicted it): the next attempt looks up again."""
         C = self.chunk_size
-        chain, options, where = match(self.backing.tiers, lookup, self.ns, toks, C)
+        chain, options, where = match(self.backing.tiers, lookup, self.ns, toks, C, chain_records)
         opening = Opening(self.backing.tiers, lookup, where, self._check)
         try:
             best = self._best_plan(toks, chain, options, opening)

@@ -16,22 +16,23 @@ import numpy as np
 
 from kvstore import keys
 from kvstore.errors import BlobError
-from kvstore.records import prompt_records
+from kvstore.records import Span, prompt_records
 from kvstore.restore.plan import Part
 from kvstore.tiers.base import Lookup, Source, Tiers, Where
 
 Options = list[tuple[bytes | None, int]]  # (child, tokens it shares with the rest), best first
 
 
-def match(tiers: Tiers, lookup: Lookup | None, ns: bytes, toks: np.ndarray, chunk_size: int
-          ) -> tuple[list[bytes], Options, Where]:
+def match(tiers: Tiers, lookup: Lookup | None, ns: bytes, toks: np.ndarray, chunk_size: int,
+          chain: list[Span] | None = None) -> tuple[list[bytes], Options, Where]:
     """The stored full chunks of `toks` (deepest run from the start); the children of the last
     one that share tokens with what follows: (hash, tokens shared), best first, then every other
     child it matches whole (a checkpoint or a sliding window may be restorable at a shorter
     child's end where the longest match's is not); and where each one is held. With no
-    `lookup`, only the tiers of this machine are asked."""
+    `lookup`, only the tiers of this machine are asked. `chain`: the prompt's chunks, if known."""
     C = chunk_size
-    chain = prompt_records(ns, toks, C, tail=False)
+    if chain is None:
+        chain = prompt_records(ns, toks, C, tail=False)
     where = tiers.find(lookup, chain, local=lookup is None)
     depth = 0
     while depth < len(chain) and chain[depth].hash in where:
