@@ -20,7 +20,7 @@ CHUNK, TAIL, CHECKPOINT = 0, 1, 2
 KIND_NAMES = {CHUNK: "chunk", TAIL: "tail", CHECKPOINT: "checkpoint"}
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class RecordId:
     """Which record: its key, and its place in a namespace's tree of chains.
 
@@ -28,6 +28,9 @@ class RecordId:
     tokens; a checkpoint's is made from the record it ends (`parent`) and holds no tokens.
     `depth` is the position in the chain (1 under the namespace; a checkpoint shares its
     record's); None where only a key was seen (an object key does not say how deep it is).
+
+    Plain slots, not frozen: a lookup makes one per chunk of a prompt (128 at 32k tokens), and
+    a frozen dataclass takes four times as long to make.
     """
 
     hash: bytes
@@ -39,7 +42,7 @@ class RecordId:
     first_token: int | None  # None for a checkpoint
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Span(RecordId):
     """A record of one prompt: its identity and where its tokens start in the prompt (a
     checkpoint's span is empty, at the end of the record it follows)."""
@@ -60,8 +63,9 @@ def prompt_records(ns: bytes, tokens: np.ndarray, chunk_size: int, *, tail: bool
     toks = np.asarray(tokens)
     C = chunk_size
     chain = keys.chain(ns, toks, C)
-    out = [Span(h, ns, chain[i - 1] if i else ns, i + 1, CHUNK, C, int(toks[i * C]), start=i * C)
-           for i, h in enumerate(chain)]
+    firsts = toks[: len(chain) * C : C].tolist()
+    parents = [ns, *chain[:-1]]
+    out = [Span(h, ns, parents[i], i + 1, CHUNK, C, firsts[i], i * C) for i, h in enumerate(chain)]
     if tail and len(toks) % C:
         parent = chain[-1] if chain else ns
         rest = toks[len(chain) * C :]

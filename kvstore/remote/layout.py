@@ -25,7 +25,7 @@ _KIND_NAMES = {CHUNK: "chunk", TAIL: "tail", CHECKPOINT: "ckpt"}
 _KINDS = {v: k for k, v in _KIND_NAMES.items()}
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ObjectKey(RecordId):
     """A record object as a listing shows it: what its key says (no depth), where it is, its
     size and when it was last written."""

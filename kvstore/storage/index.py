@@ -26,7 +26,7 @@ _MAX_PARAMS = schema.MAX_PARAMS
 
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Row(RecordId):
     """One record of the index: its identity (its token ids are in its blob) and bookkeeping."""
 

@@ -20,7 +20,7 @@ from kvstore.storage.blobfile import shared_entries
 from kvstore.storage.blobformat import Entry
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Record(RecordId):
     """A record with its arrays, as the memory tier and fetch see it.
 
@@ -33,10 +33,12 @@ class Record(RecordId):
     arrays: dict[str, mx.array | np.ndarray]
     views: dict[str, mx.Dtype] = field(default_factory=dict)
     nbytes: int = 0
+    # How its arrays look to the restore, worked out once (`RecordSource`); never compared.
+    read_view: tuple | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.nbytes:
-            object.__setattr__(self, "nbytes", sum(a.nbytes for a in self.arrays.values()) + self.tokens.nbytes)
+            self.nbytes = sum(a.nbytes for a in self.arrays.values()) + self.tokens.nbytes
 
 
 def held(rid: RecordId, tokens: np.ndarray, arrays: dict, views: dict | None = None, nbytes: int = 0) -> Record:
@@ -146,12 +148,12 @@ class RecordSource:
         self.id, self.tokens, self.record = rec, rec.tokens, rec
         # What a record's arrays look like to the restore is worked out once and kept on it (its
         # arrays never change): a fetch of a long prompt opens hundreds of records.
-        known = rec.__dict__.get("_kvstore_read")
+        known = rec.read_view
         if known is None or known[0] is not rec.arrays:
             entries = shared_entries(
                 {name: Entry("BF16" if name in rec.views or a.dtype == mx.bfloat16 else tag_of(a.dtype),
                              tuple(a.shape)) for name, a in rec.arrays.items()})
-            known = rec.__dict__["_kvstore_read"] = (rec.arrays, entries, {})
+            known = rec.read_view = (rec.arrays, entries, {})
         self.entries, self._host = known[1], known[2]
 
     def _np(self, name: str) -> np.ndarray:
