@@ -455,13 +455,14 @@ def test_verify_finds_and_repairs_damage(kv, capsys, store_copy):
     kinds = {p["kind"] for p in json.loads(found.stdout)["problems"]}
     assert {"missing_blob", "corrupt_blob", "foreign_file"} <= kinds
     code, text, _ = in_process(capsys, "verify", "--store", store_copy)
-    assert code == 1 and str(blobs[0]) in text and "run `kvstore verify --repair`" in text
+    # The advice names the store it checked: without --store it would repair ~/.cache/kvstore.
+    assert code == 1 and str(blobs[0]) in text and f"run `kvstore verify --repair --store {store_copy}`" in text
 
     code, out, _ = in_process(capsys, "verify", "--store", store_copy, "--repair")
     assert code == 1 and "; repaired" in out
     assert problems_of(store_copy) == []
     code, out, _ = in_process(capsys, "verify", "--store", store_copy)
-    assert code == 0 and out.strip() == "the store is clean"
+    assert code == 0 and out.strip() == f"the store {store_copy} is clean"
 
 
 # -- first contact (issue 11, section 3) ------------------------------------------------------
