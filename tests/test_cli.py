@@ -168,6 +168,36 @@ def test_no_command_prints_usage(capsys):
     assert code == 2 and "usage: kvstore" in err
 
 
+# -- typos ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("args, meant", [
+    (["warm", "--promts", "p.jsonl"], "--prompts"),  # before "--prompts is required"
+    (["gc", "--max-byte", "1MB"], "--max-bytes"),  # a prefix is not taken for the option
+    (["gc", "--stroe", "S", "--stale"], "--store"),
+    (["stats", "--jsn"], "--json"),
+    (["verify", "--repiar"], "--repair"),
+])
+def test_a_typo_names_the_option_it_resembles(capsys, args, meant):
+    code, _, err = in_process(capsys, *args)
+    assert code == 2 and f"usage: kvstore {args[0]}" in err, err
+    assert f"unknown option {args[1]} (did you mean {meant}?)" in err, err
+
+
+def test_a_typo_of_generate_gets_its_usage_not_the_top_level_one(kv):
+    result = kv("generate", "--max-tokns", "5", "--prompt", "Hello", code=2)
+    assert "usage: kvstore generate" in result.stderr
+    assert "unknown option --max-tokns (did you mean --max-tokens?)" in result.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["gc", "--max-bytes", "-5MB"], "argument --max-bytes: '-5MB' is negative"),
+    (["gc", "--max-age", "-3d"], "argument --max-age: '-3d' is negative"),
+])
+def test_a_negative_value_says_what_is_wrong_with_it(capsys, args, message):
+    code, _, err = in_process(capsys, *args)
+    assert code == 2 and message in err and "expected one argument" not in err, err
+
+
 # -- warm -------------------------------------------------------------------------------------
 
 def test_warm_stores_shared_prefix_once_and_twice_computes_nothing(warmed, kv, demo_model_path):

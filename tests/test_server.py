@@ -395,6 +395,20 @@ def test_bad_size_is_a_clean_error(tmp_path):
     assert "--memory-bytes" in out.stderr and "not a size" in out.stderr
 
 
+def test_a_typo_names_the_option_it_resembles(tmp_path):
+    """Options neither kvstore nor mlx_lm.server knows are refused by kvstore serve, with the one
+    meant: mlx_lm.server's own usage lists no --store. A negative size says it is negative."""
+    for args, message in ((["--stroe", str(tmp_path / "s")], "unknown option --stroe (did you mean --store?)"),
+                          (["--prot", "8080"], "unknown option --prot (did you mean --port?)"),
+                          (["--store-max-bytes", "-5MB"], "argument --store-max-bytes: '-5MB' is negative")):
+        out = subprocess.run([sys.executable, "-m", "kvstore.serve", *args], capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 2, out.stderr
+        assert message in out.stderr and "usage: kvstore serve" in out.stderr, out.stderr
+        assert "--adapter-path" not in out.stderr  # not mlx_lm.server's usage
+    assert not (tmp_path / "s").exists()
+
+
 def test_persistent_prompt_cache_in_process(models, tmp_path):
     """The library surface for own servers: register a model, fetch, insert, fall back, never raise."""
     model, tokenizer = load(str(models["llama"]))

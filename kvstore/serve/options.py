@@ -11,6 +11,7 @@ import ipaddress
 import os
 import socket
 
+from kvstore.argv import Parser
 from kvstore.sizes import parse_size
 
 #: Default of --store-max-tokens: a longer request is served but not stored.
@@ -32,8 +33,8 @@ example:
 
 def build_parser() -> argparse.ArgumentParser:
     """kvstore's options of `kvstore serve` (`parse_known_args` leaves mlx_lm.server's)."""
-    p = argparse.ArgumentParser(
-        prog=PROG, add_help=False, allow_abbrev=False, epilog=EPILOG,
+    p = Parser(
+        prog=PROG, add_help=False, epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Run mlx_lm.server with a prompt cache that survives restarts and is shared "
                     "by every server on the same store.")

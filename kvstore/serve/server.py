@@ -19,9 +19,11 @@ import contextlib
 import io
 import logging
 import os
+import re
 import sys
 from typing import Sequence
 
+from kvstore.argv import option_strings, unknown_options, unrecognized
 from kvstore.errors import KVStoreError
 from kvstore.serve.mlxserver import persistent, server_module
 from kvstore.serve.options import (
@@ -58,6 +60,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     if ours.help:
         return _print_help(parser, server)
+    known = option_strings(parser) + _mlx_options(server)
+    if unknown_options(passthrough, known):  # else mlx_lm.server's usage, which lists no --store
+        parser.print_usage(sys.stderr)
+        print(f"{PROG}: error: {unrecognized(passthrough, known)}", file=sys.stderr)
+        return 2
     peek = peek_mlx_options(passthrough)
     served_model, passthrough = _with_defaults(peek, passthrough)
     memory_bytes = _memory_bytes(ours.memory_bytes, peek.prompt_cache_bytes)
@@ -77,11 +84,22 @@ def _print_help(parser: argparse.ArgumentParser, server) -> int:
     """kvstore's options, then mlx_lm.server's (without the one kvstore takes over)."""
     parser.print_help()
     print("\nmlx_lm.server options (--allowed-origins is kvstore's, above):")
-    mlx_help = io.StringIO()
-    with contextlib.redirect_stdout(mlx_help):
-        code = _run_mlx_server_main(server, ["--help"])
-    print(without_option(mlx_help.getvalue(), "--allowed-origins"), end="")
+    code, mlx_help = _mlx_help(server)
+    print(without_option(mlx_help, "--allowed-origins"), end="")
     return code
+
+
+def _mlx_help(server) -> tuple[int, str]:
+    """(exit code, text) of `mlx_lm.server --help`: its parser is made inside its `main`."""
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        code = _run_mlx_server_main(server, ["--help"])
+    return code, text.getvalue()
+
+
+def _mlx_options(server) -> list[str]:
+    """The options mlx_lm.server takes, as its help lists them."""
+    return sorted(set(re.findall(r"(?<![\w-])(--?[A-Za-z][\w-]*)", _mlx_help(server)[1])))
 
 
 def _with_defaults(peek: argparse.Namespace, passthrough: list[str]) -> tuple[str, list[str]]:
