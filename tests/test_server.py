@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -386,6 +387,29 @@ def test_help_lists_kvstore_and_mlx_lm_options():
                  "--prompt-cache-size", "--port", "/metrics"):
         assert flag in out.stdout
     assert "default: *" not in out.stdout  # mlx_lm.server's own --allowed-origins entry is left out
+
+
+@pytest.mark.parametrize("how", ["no weights", "no config", "not downloaded"])
+def test_a_model_that_does_not_load_is_one_line_and_exit_1(models, tmp_path, how):
+    """As `generate` does: one line naming the model, exit 1, no HTTP server left answering 503
+    (mlx_lm.server loads the model in its generation thread, which then dies quietly)."""
+    model = tmp_path / "model"
+    if how == "not downloaded":  # the README's example on a machine that has not downloaded it
+        model, expected = "kvstore-tests/not-downloaded", "cannot load model kvstore-tests/not-downloaded: "
+    else:
+        shutil.copytree(models["llama"], model)
+        for f in model.glob("*.safetensors" if how == "no weights" else "config.json"):
+            f.unlink()
+        expected = f"cannot load model {model}: " if how == "no weights" else f"model folder {model} has no config.json"
+    env = dict(os.environ, HOME=str(tmp_path / "home"), HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1")
+    out = subprocess.run([sys.executable, "-m", "kvstore.serve", "--model", str(model), "--store",
+                          str(tmp_path / "store"), "--port", str(free_port())],
+                         capture_output=True, text=True, timeout=START_TIMEOUT, env=env)
+    assert out.returncode == 1, out.stderr
+    errors = [line for line in out.stderr.splitlines() if line.startswith("kvstore serve:")]
+    assert len(errors) == 1 and expected in errors[0], out.stderr
+    for never in ("Traceback", "generation loop", "generation thread died", "Starting httpd"):
+        assert never not in out.stderr, out.stderr
 
 
 def test_bad_size_is_a_clean_error(tmp_path):

@@ -70,8 +70,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     memory_bytes = _memory_bytes(ours.memory_bytes, peek.prompt_cache_bytes)
 
     import kvstore
+    from kvstore.model.loading import resolve_model
 
     try:
+        if peek.model is not None:
+            resolve_model(peek.model)  # a path that is no model folder: said before anything starts
         store = kvstore.open(ours.store, max_bytes=ours.store_max_bytes, memory_bytes=memory_bytes,
                              remote=ours.remote)
     except KVStoreError as e:
@@ -154,6 +157,9 @@ def _serve(server, store: Store, ours: argparse.Namespace, passthrough: list[str
             code = _run_mlx_server_main(server, passthrough)
     except KeyboardInterrupt:
         pass  # stopped before mlx_lm.server's own Ctrl-C handling was in place
+    except KVStoreError as e:  # the model does not load
+        print(f"kvstore serve: {e}", file=sys.stderr)
+        code = 1
     except OSError as e:  # mostly: the port is taken
         print(f"kvstore serve: cannot serve: {e}", file=sys.stderr)
         code = 1
@@ -161,10 +167,12 @@ def _serve(server, store: Store, ours: argparse.Namespace, passthrough: list[str
         stopper.stopping = True  # a signal from here on must not interrupt the flush
         for generator in started:  # its thread is not a daemon: left running, the process would hang
             generator.stop_and_join()
-        log.info("kvstore: flushing pending writes")
+        if started:  # else nothing was served (the model did not load): no counts to give
+            log.info("kvstore: flushing pending writes")
         metrics.close()
         store.close()
-        log.info("kvstore: %s", _final_counts(cache))
+        if started:
+            log.info("kvstore: %s", _final_counts(cache))
         stopper.uninstall()
     return code
 
