@@ -1,4 +1,5 @@
-"""Human-friendly sizes and durations for the command line: `2GiB`, `1.5G`, `30m`, `7d`.
+"""Human-friendly sizes, durations and counts for the command line and the log: `2GiB`, `1.5G`,
+`30m`, `7d`, `1 request`.
 
 Sizes follow GNU coreutils: `KB`, `MB`, `GB`, `TB` are powers of 1000; `K`, `M`, `G`, `T` and
 `KiB`, `MiB`, `GiB`, `TiB` are powers of 1024; a plain number (or `B`) is bytes.
@@ -72,3 +73,8 @@ def format_age(seconds: float) -> str:
             value = seconds / size
             return f"{value:.0f}{unit}" if value >= 10 else f"{value:.1f}{unit}".replace(".0", "")
     raise AssertionError("unreachable")
+
+
+def plural(n: int, word: str) -> str:
+    """`1 problem`, `2 problems`."""
+    return f"{n} {word}{'s' if n != 1 else ''}"

@@ -17,7 +17,8 @@ import weakref
 from typing import Callable, Iterator
 
 from kvstore.errors import KVStoreError, ModelFilesError
-from kvstore.serve.promptcache import PersistentPromptCache
+from kvstore.serve.promptcache import DISK_TYPE, PersistentPromptCache
+from kvstore.sizes import plural
 
 log = logging.getLogger("kvstore")
 
@@ -144,6 +145,15 @@ class _RecoveringGenerator:
                     return
                 taken = self._kvstore_taken
                 self._kvstore_fail_taken(e)
+
+    def _log_cache_stats(self):
+        """mlx_lm.server's cache log, in the right words: what the disk holds is records (chunks
+        and tails), not sequences."""
+        cache = self.prompt_cache
+        log.info("Prompt Cache: %s in RAM, %.2f GB", plural(len(cache), "sequence"), cache.nbytes / 1e9)
+        for cache_type, stats in cache.stats_by_type().items():
+            unit = "record" if cache_type == DISK_TYPE else "sequence"
+            log.info("- %s: %s, %.2f GB", cache_type, plural(stats["n_sequences"], unit), stats["n_bytes"] / 1e9)
 
     def _kvstore_fail_taken(self, e: Exception) -> None:
         """Answer the requests taken so far with an error (the loop is about to start again)."""

@@ -1,7 +1,7 @@
 """The command line of `kvstore serve`: kvstore's own options, and what it reads of mlx_lm.server's.
 
 kvstore's options are parsed here; every other option is left for mlx_lm.server, which only
-`peek_mlx_options` looks at (for `--model`, `--host`, `--prompt-cache-bytes`).
+`peek_mlx_options` looks at (for `--model`, `--host`, `--port`, `--prompt-cache-bytes`).
 """
 
 from __future__ import annotations
@@ -94,6 +94,7 @@ def peek_mlx_options(args: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--model")
     p.add_argument("--host")
+    p.add_argument("--port")
     p.add_argument("--prompt-cache-bytes")
     return p.parse_known_args(args)[0]
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import io
 import logging
 import os
@@ -36,6 +37,7 @@ from kvstore.serve.options import (
 )
 from kvstore.serve.promptcache import PersistentPromptCache
 from kvstore.serve.signals import Stopper
+from kvstore.sizes import plural
 from kvstore.store import Store
 
 log = logging.getLogger("kvstore")
@@ -161,7 +163,7 @@ def _serve(server, store: Store, ours: argparse.Namespace, passthrough: list[str
         print(f"kvstore serve: {e}", file=sys.stderr)
         code = 1
     except OSError as e:  # mostly: the port is taken
-        print(f"kvstore serve: cannot serve: {e}", file=sys.stderr)
+        print(f"kvstore serve: {_cannot_serve(e, passthrough)}", file=sys.stderr)
         code = 1
     finally:
         stopper.stopping = True  # a signal from here on must not interrupt the flush
@@ -175,6 +177,17 @@ def _serve(server, store: Store, ours: argparse.Namespace, passthrough: list[str
             log.info("kvstore: %s", _final_counts(cache))
         stopper.uninstall()
     return code
+
+
+def _cannot_serve(e: OSError, passthrough: list[str]) -> str:
+    """What an OSError from the HTTP server means, naming the address when it is about that."""
+    if e.errno not in (errno.EADDRINUSE, errno.EACCES, errno.EADDRNOTAVAIL):
+        return f"cannot serve: {e}"
+    peek = peek_mlx_options(passthrough)
+    where = f"{peek.host or '127.0.0.1'}:{peek.port or 8080}"  # mlx_lm.server's defaults
+    hint = "; another process is using that port: stop it, or pick another with --port" \
+        if e.errno == errno.EADDRINUSE else ""
+    return f"cannot listen on {where}: {e.strerror or e}{hint}"
 
 
 def _run_mlx_server_main(server, args: list[str]) -> int:
@@ -191,7 +204,7 @@ def _run_mlx_server_main(server, args: list[str]) -> int:
 
 def _final_counts(cache: PersistentPromptCache) -> str:
     c = cache.counters
-    return (f"stopped: {c['requests']} requests, {c['prompt_tokens']} prompt tokens, "
+    return (f"stopped: {plural(c['requests'], 'request')}, {plural(c['prompt_tokens'], 'prompt token')}, "
             f"{c['reused_tokens']} reused from the store")
 
 
