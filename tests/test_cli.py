@@ -669,6 +669,38 @@ def test_stats_json_says_which_counters_are_per_process(capsys, warmed):
     assert "\"scope\"" in cli.build_parser()._subparsers._group_actions[0].choices["stats"].format_help()
 
 
+def test_stats_json_layout_is_an_object(capsys, warmed):
+    """A model's cache layout is JSON inside the JSON, not a string a reader must parse again."""
+    store, _ = warmed
+    code, out, _ = in_process(capsys, "stats", "--store", store, "--json")
+    [model] = json.loads(out)["models"]
+    assert code == 0 and isinstance(model["layout"], dict) and model["layout"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mlx[cpu] and its bundled BLAS are Linux's")
+def test_a_long_prefill_on_the_bundled_blas_says_how_to_get_openblas(kv, demo_model_path, tmp_path):
+    """Once per process, at the first prefill of 2,048 tokens or more, and not for a short one."""
+    from kvstore.model.blas import LONG_PREFILL_TOKENS
+
+    note = "kvstore: note: mlx is running on the reference BLAS bundled with the mlx-cpu wheel"
+    prompts = tmp_path / "long.jsonl"
+    # The demo tokenizer gives a token a character: two prompts that share nothing, each long.
+    prompts.write_text("".join(json.dumps({"prompt": c * (LONG_PREFILL_TOKENS + 50)}) + "\n" for c in "ab"))
+    no_openblas = {"LD_PRELOAD": ""}
+    result = kv("generate", "--store", tmp_path / "s", "--model", demo_model_path, "--prompts", prompts,
+                "--max-tokens", "1", env=no_openblas)
+    assert result.stderr.count(note) == 1, result.stderr
+    assert "sudo apt-get install libopenblas0-pthread; export LD_PRELOAD=" in result.stderr
+    short = kv("generate", "--store", tmp_path / "s", "--model", demo_model_path, "--prompt", "Hello",
+               "--max-tokens", "1", env=no_openblas)
+    assert note not in short.stderr
+    openblas = Path(f"/usr/lib/{os.uname().machine}-linux-gnu/openblas-pthread/libblas.so.3")
+    if openblas.exists():  # preloaded as the note says: nothing to say
+        fixed = kv("generate", "--store", tmp_path / "s2", "--model", demo_model_path, "--prompts", prompts,
+                   "--max-tokens", "1", env={"LD_PRELOAD": str(openblas)})
+        assert note not in fixed.stderr
+
+
 def test_demo_store_is_ignored_by_git():
     assert ".demo-store/" in (REPO / ".gitignore").read_text().splitlines()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -410,6 +411,32 @@ def test_a_model_that_does_not_load_is_one_line_and_exit_1(models, tmp_path, how
     assert len(errors) == 1 and expected in errors[0], out.stderr
     for never in ("Traceback", "generation loop", "generation thread died", "Starting httpd"):
         assert never not in out.stderr, out.stderr
+
+
+def test_a_port_in_use_is_named(models, tmp_path):
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = subprocess.run([sys.executable, "-m", "kvstore.serve", "--model", str(models["llama"]), "--store",
+                              str(tmp_path / "store"), "--port", str(port)],
+                             capture_output=True, text=True, timeout=START_TIMEOUT)
+    assert out.returncode == 1, out.stderr
+    assert f"kvstore serve: cannot listen on 127.0.0.1:{port}: Address already in use" in out.stderr, out.stderr
+
+
+def test_the_log_counts_in_the_right_words(models, tmp_path):
+    """The disk's count is records, not "sequences"; one is "1 sequence", not "1 sequences"; no
+    remote tier is said as such. (mlx_lm.server logs the counts before each request.)"""
+    with Server(models["llama"], tmp_path / "store", tmp_path / "server.log") as server:
+        ask(server, prompt=SYSTEM)
+        ask(server, prompt=SYSTEM)
+        assert server.stop() == 0
+    log = server.log()
+    assert "; no remote tier" in log
+    assert re.search(r"- kvstore disk: \d+ records?, ", log) and "Prompt Cache: 1 sequence in RAM" in log, log
+    assert not re.search(r"kvstore disk: \d+ sequence|\b1 sequences\b|\b1 requests\b", log), log
+    assert "stopped: 2 requests, " in log, log
 
 
 def test_bad_size_is_a_clean_error(tmp_path):
