@@ -25,7 +25,7 @@ from kvstore.model.blas import long_prefill_note
 from kvstore.model.cache import ModelCache
 from kvstore.serve.binding import IN_RAM, Binding, KeyBindings
 from kvstore.serve.ramlru import CACHE_TYPES, RamSequences, SystemPrompts
-from kvstore.sizes import format_size
+from kvstore.sizes import format_size, plural
 from kvstore.store import Store
 
 log = logging.getLogger("kvstore")
@@ -232,8 +232,8 @@ class PersistentPromptCache:
         below = (f"; remote tier {remote.url} (read through, written behind; deadline "
                  f"{remote.deadline:g} s a fetch)") if remote is not None else "; no remote tier"
         return (f"kvstore: store {store.path}: {format_size(totals['bytes'])} in "
-                f"{totals['chunks'] + totals['tails']} records ({totals['chunks']} chunks, "
-                f"{totals['tails']} tails){bound}; memory tier {format_size(store.memory.capacity)}{below}")
+                f"{plural(totals['chunks'] + totals['tails'], 'record')} ({plural(totals['chunks'], 'chunk')}, "
+                f"{plural(totals['tails'], 'tail')}){bound}; memory tier {format_size(store.memory.capacity)}{below}")
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for pending writes (False if `timeout` ran out first)."""
