@@ -762,7 +762,7 @@ def test_non_loopback_host_is_warned_about(models, tmp_path):
                           "--store", str(tmp_path / "store"), "--host", "192.0.2.1", "--port", str(free_port())],
                          capture_output=True, text=True, timeout=START_TIMEOUT, cwd=Path(__file__).parent.parent)
     assert "warning: listening on 192.0.2.1" in out.stderr
-    assert out.returncode == 1 and "cannot serve" in out.stderr
+    assert out.returncode == 1 and "kvstore serve: cannot listen on 192.0.2.1:" in out.stderr
 
 
 def test_loopback_hosts():
