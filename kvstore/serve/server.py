@@ -98,7 +98,7 @@ def _mlx_help(server) -> tuple[int, str]:
     """(exit code, text) of `mlx_lm.server --help`: its parser is made inside its `main`."""
     text = io.StringIO()
     with contextlib.redirect_stdout(text):
-        code = _run_mlx_server_main(server, ["--help"])
+        code = _call_main(server, ["--help"])
     return code, text.getvalue()
 
 
@@ -191,6 +191,11 @@ def _cannot_serve(e: OSError, passthrough: list[str]) -> str:
 
 
 def _run_mlx_server_main(server, args: list[str]) -> int:
+    """Serve: mlx_lm.server's `main` with `args` (its help and options go through `_call_main`)."""
+    return _call_main(server, args)
+
+
+def _call_main(server, args: list[str]) -> int:
     saved = sys.argv
     sys.argv = [PROG, *args]
     try:
