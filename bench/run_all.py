@@ -6,8 +6,8 @@
 Each benchmark runs in its own process, one after the other (nothing else of ours competes for
 the CPU). The time-to-first-token benchmarks (ttft.py, and serve.py for the two servers it
 starts) run with Debian's OpenBLAS preloaded (`LD_PRELOAD`) when `libopenblas0-pthread` is
-installed, since the mlx-cpu wheel's bundled reference BLAS makes CPU prefill about 30 times
-slower; the report says which BLAS each run used.
+installed, since the mlx-cpu wheel's bundled reference BLAS makes CPU prefill several times
+slower (how many depends on the CPU); the report says which BLAS each run used.
 Nothing here needs OpenBLAS: without it the same run uses the bundled BLAS (and fewer lengths fit
 the time budget).
 """

@@ -118,13 +118,20 @@ def fingerprint(
     lookup: Memo | None = None,
     remember: Remember | None = None,
 ) -> bytes:
-    """Hash of every file's name (relative to `root`) and full contents.
+    """Hash of every file's name (relative to `root`) and full contents (see `file_digests`)."""
+    files = list(files)
+    return combine(files, root, file_digests(files, lookup, remember))
+
+
+def file_digests(files: Sequence[Path], lookup: Memo | None = None,
+                 remember: Remember | None = None) -> list[bytes]:
+    """`file_digest` of each file, memoised.
 
     `lookup`/`remember` memoise per-file digests by the file's `os.stat` (path, size, mtime,
     device, inode and ctime), so that reopening a model whose files did not change reads none of
     them, and weights rewritten in place (even with their mtime put back) are hashed again.
     """
-    h = xxhash.xxh3_128()
+    out = []
     for p in files:
         st = os.stat(p)
         digest = lookup(p, st) if lookup else None
@@ -135,6 +142,14 @@ def fingerprint(
             if remember and (after.st_mtime_ns, after.st_ctime_ns, after.st_size) == (
                     st.st_mtime_ns, st.st_ctime_ns, st.st_size):
                 remember(p, st, digest)
+        out.append(digest)
+    return out
+
+
+def combine(files: Sequence[Path], root: Path, digests: Sequence[bytes]) -> bytes:
+    """The fingerprint of `files` (named relative to `root`) whose contents hash to `digests`."""
+    h = xxhash.xxh3_128()
+    for p, digest in zip(files, digests):
         try:
             name = p.relative_to(root).as_posix()
         except ValueError:

@@ -1,4 +1,5 @@
-"""Human-friendly sizes and durations for the command line: `2GiB`, `1.5G`, `30m`, `7d`.
+"""Human-friendly sizes, durations and counts for the command line and the log: `2GiB`, `1.5G`,
+`30m`, `7d`, `1 request`.
 
 Sizes follow GNU coreutils: `KB`, `MB`, `GB`, `TB` are powers of 1000; `K`, `M`, `G`, `T` and
 `KiB`, `MiB`, `GiB`, `TiB` are powers of 1024; a plain number (or `B`) is bytes.
@@ -23,6 +24,8 @@ _DURATION_PART_RE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*", re.IGNORE
 def parse_size(text: str) -> int:
     """Bytes in `text`: `500MB`, `2GiB`, `1.5G`, `4096` ... Raises ValueError with the reason."""
     match = _SIZE_RE.fullmatch(str(text))
+    if not match and str(text).strip().startswith("-"):
+        raise ValueError(f"{text!r} is negative: a size is 0 or more bytes, like 500MB or 2GiB")
     if not match:
         raise ValueError(f"{text!r} is not a size: use bytes or a number with a unit, like 500MB, 2GiB or 1.5G")
     number, unit = match.groups()
@@ -36,6 +39,8 @@ def parse_size(text: str) -> int:
 def parse_duration(text: str) -> float:
     """Seconds in `text`: `30m`, `12h`, `7d`, `1h30m`, `2w`; a plain number is seconds."""
     s = str(text).strip()
+    if s.startswith("-"):
+        raise ValueError(f"{text!r} is negative: a duration is 0 or more, like 30m, 12h or 7d")
     parts = list(_DURATION_PART_RE.finditer(s))
     if not s or not parts or "".join(m.group(0) for m in parts) != s or parts[0].start() != 0:
         raise ValueError(f"{text!r} is not a duration: use a number with a unit, like 30m, 12h or 7d")
@@ -68,3 +73,8 @@ def format_age(seconds: float) -> str:
             value = seconds / size
             return f"{value:.0f}{unit}" if value >= 10 else f"{value:.1f}{unit}".replace(".0", "")
     raise AssertionError("unreachable")
+
+
+def plural(n: int, word: str) -> str:
+    """`1 problem`, `2 problems`."""
+    return f"{n} {word}{'s' if n != 1 else ''}"

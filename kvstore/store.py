@@ -141,9 +141,8 @@ class Store:
         layout, codecs = describe(model, make_template(model, kv_bits, kv_group_size))
         stamps = None
         if fingerprint is None:
-            # Before hashing: a file that changes meanwhile shows as changed (stale) later.
-            stamps = fingerprints.model_stamps(model_id, adapter_path)
-            fingerprint = fingerprints.fingerprint(model_id, adapter_path, self.index, remember=not self.read_only)
+            fingerprint, stamps = fingerprints.fingerprint(model_id, adapter_path, self.index,
+                                                           remember=not self.read_only)
         ns = keys.namespace(fingerprint, layout, self.chunk_size)
         backing = Backing(self.tiers, self.memory, self.writer, self.index, self.counters, self._check_open,
                           self._register, self.flush)

@@ -168,6 +168,36 @@ def test_no_command_prints_usage(capsys):
     assert code == 2 and "usage: kvstore" in err
 
 
+# -- typos ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("args, meant", [
+    (["warm", "--promts", "p.jsonl"], "--prompts"),  # before "--prompts is required"
+    (["gc", "--max-byte", "1MB"], "--max-bytes"),  # a prefix is not taken for the option
+    (["gc", "--stroe", "S", "--stale"], "--store"),
+    (["stats", "--jsn"], "--json"),
+    (["verify", "--repiar"], "--repair"),
+])
+def test_a_typo_names_the_option_it_resembles(capsys, args, meant):
+    code, _, err = in_process(capsys, *args)
+    assert code == 2 and f"usage: kvstore {args[0]}" in err, err
+    assert f"unknown option {args[1]} (did you mean {meant}?)" in err, err
+
+
+def test_a_typo_of_generate_gets_its_usage_not_the_top_level_one(kv):
+    result = kv("generate", "--max-tokns", "5", "--prompt", "Hello", code=2)
+    assert "usage: kvstore generate" in result.stderr
+    assert "unknown option --max-tokns (did you mean --max-tokens?)" in result.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["gc", "--max-bytes", "-5MB"], "argument --max-bytes: '-5MB' is negative"),
+    (["gc", "--max-age", "-3d"], "argument --max-age: '-3d' is negative"),
+])
+def test_a_negative_value_says_what_is_wrong_with_it(capsys, args, message):
+    code, _, err = in_process(capsys, *args)
+    assert code == 2 and message in err and "expected one argument" not in err, err
+
+
 # -- warm -------------------------------------------------------------------------------------
 
 def test_warm_stores_shared_prefix_once_and_twice_computes_nothing(warmed, kv, demo_model_path):
@@ -455,13 +485,14 @@ def test_verify_finds_and_repairs_damage(kv, capsys, store_copy):
     kinds = {p["kind"] for p in json.loads(found.stdout)["problems"]}
     assert {"missing_blob", "corrupt_blob", "foreign_file"} <= kinds
     code, text, _ = in_process(capsys, "verify", "--store", store_copy)
-    assert code == 1 and str(blobs[0]) in text and "run `kvstore verify --repair`" in text
+    # The advice names the store it checked: without --store it would repair ~/.cache/kvstore.
+    assert code == 1 and str(blobs[0]) in text and f"run `kvstore verify --repair --store {store_copy}`" in text
 
     code, out, _ = in_process(capsys, "verify", "--store", store_copy, "--repair")
     assert code == 1 and "; repaired" in out
     assert problems_of(store_copy) == []
     code, out, _ = in_process(capsys, "verify", "--store", store_copy)
-    assert code == 0 and out.strip() == "the store is clean"
+    assert code == 0 and out.strip() == f"the store {store_copy} is clean"
 
 
 # -- first contact (issue 11, section 3) ------------------------------------------------------
@@ -636,6 +667,38 @@ def test_stats_json_says_which_counters_are_per_process(capsys, warmed):
     # has no counters to print.
     assert data["bytes"] > 0 and not {"memory", "writer", "fetches"} & set(data)
     assert "\"scope\"" in cli.build_parser()._subparsers._group_actions[0].choices["stats"].format_help()
+
+
+def test_stats_json_layout_is_an_object(capsys, warmed):
+    """A model's cache layout is JSON inside the JSON, not a string a reader must parse again."""
+    store, _ = warmed
+    code, out, _ = in_process(capsys, "stats", "--store", store, "--json")
+    [model] = json.loads(out)["models"]
+    assert code == 0 and isinstance(model["layout"], dict) and model["layout"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mlx[cpu] and its bundled BLAS are Linux's")
+def test_a_long_prefill_on_the_bundled_blas_says_how_to_get_openblas(kv, demo_model_path, tmp_path):
+    """Once per process, at the first prefill of 2,048 tokens or more, and not for a short one."""
+    from kvstore.model.blas import LONG_PREFILL_TOKENS
+
+    note = "kvstore: note: mlx is running on the reference BLAS bundled with the mlx-cpu wheel"
+    prompts = tmp_path / "long.jsonl"
+    # The demo tokenizer gives a token a character: two prompts that share nothing, each long.
+    prompts.write_text("".join(json.dumps({"prompt": c * (LONG_PREFILL_TOKENS + 50)}) + "\n" for c in "ab"))
+    no_openblas = {"LD_PRELOAD": ""}
+    result = kv("generate", "--store", tmp_path / "s", "--model", demo_model_path, "--prompts", prompts,
+                "--max-tokens", "1", env=no_openblas)
+    assert result.stderr.count(note) == 1, result.stderr
+    assert "sudo apt-get install libopenblas0-pthread; export LD_PRELOAD=" in result.stderr
+    short = kv("generate", "--store", tmp_path / "s", "--model", demo_model_path, "--prompt", "Hello",
+               "--max-tokens", "1", env=no_openblas)
+    assert note not in short.stderr
+    openblas = Path(f"/usr/lib/{os.uname().machine}-linux-gnu/openblas-pthread/libblas.so.3")
+    if openblas.exists():  # preloaded as the note says: nothing to say
+        fixed = kv("generate", "--store", tmp_path / "s2", "--model", demo_model_path, "--prompts", prompts,
+                   "--max-tokens", "1", env={"LD_PRELOAD": str(openblas)})
+        assert note not in fixed.stderr
 
 
 def test_demo_store_is_ignored_by_git():

@@ -196,8 +196,9 @@ def test_a_schema_15_store_migrates_to_narrow_rows_and_still_restores_exactly(tm
             con.execute(statement)
         con.execute("INSERT INTO schema_migrations VALUES (?, ?, 0)", (version, name))
     con.execute("ATTACH ? AS new", (str(new / "index.sqlite"),))
-    for table in ("meta", "models", "model_files"):
-        con.execute(f"INSERT OR REPLACE INTO {table} SELECT * FROM new.{table}")
+    for table, columns in (("meta", "*"), ("models", "*"), ("file_digests", "*"),
+                           ("model_files", "ns, path, size, mtime_ns, ino, ctime_ns")):  # no digest before 0017
+        con.execute(f"INSERT OR REPLACE INTO {table} SELECT {columns} FROM new.{table}")
     for r in rows:
         with blobfile.open_blob(old / "blobs", r.hash, size=r.size, checksum=r.checksum) as blob:
             ids = blob.array("tokens").astype("<i4").tobytes()
@@ -212,6 +213,9 @@ def test_a_schema_15_store_migrates_to_narrow_rows_and_still_restores_exactly(tm
         assert store.index.applied() == [v for v, *_ in available_migrations()]
         assert sorted(r.hash for r in store.index.rows()) == sorted(r.hash for r in rows)
         assert store.index.conn.execute("SELECT count(*) FROM children").fetchone()[0] == len(rows)
+        # 0017 took each model file's digest from the memo: a changed stamp can be re-checked.
+        digests = store.index.conn.execute("SELECT digest FROM model_files").fetchall()
+        assert digests and all(d is not None for (d,) in digests)
         assert store.verify() == []
         mc = store.bind(model, model_path)
         assert mc.stored_length(branch) == 2 * C + 7  # the ids of the branched chunk, from its blob

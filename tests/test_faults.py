@@ -538,6 +538,8 @@ def test_kvstore_verify_repair_rebuilds_an_unreadable_index(tmp_path, llama, how
     assert out.returncode == 1 and "verify --repair" in out.stderr and "Traceback" not in out.stderr
     out = cli("verify", "--repair")
     assert out.returncode == 1 and "rebuilt the index" in out.stderr, out.stderr
+    # What it prints agrees with its exit code: a problem, repaired; not "clean".
+    assert "1 problem found (the index could not be read" in out.stdout and "is clean" not in out.stdout, out.stdout
     out = cli("verify")
     assert out.returncode == 0 and "clean" in out.stdout, (out.stdout, out.stderr)
     _assert_restores(store, llama, ps)

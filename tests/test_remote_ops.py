@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -180,6 +181,43 @@ def test_cli_remote_flag_and_env(tmp_path, s3):
             assert secret.encode() not in f.read_bytes()
 
 
+def test_refused_credentials_are_one_clear_line(tmp_path, s3):
+    """A wrong secret: one line that says the bucket refused the credentials, not a line per
+    failed request; gc --remote, which cannot go on without the bucket, fails with it."""
+    url = s3.url()
+    wrong = {"AWS_SECRET_ACCESS_KEY": "not-the-secret"}
+    out = cli("warm", "--store", str(tmp_path / "s"), "--prompts", str(REPO / "examples" / "prompts.jsonl"),
+              "--remote", url, env=wrong)
+    refused = [line for line in out.stderr.splitlines() if "refused the credentials" in line]
+    assert len(refused) == 1 and url in refused[0], out.stderr
+    assert "PermissionDenied" not in out.stderr and "remote tier: RemoteError" not in out.stderr, out.stderr
+    out = cli("gc", "--store", str(tmp_path / "s"), "--remote", url, "--max-age", "7d", env=wrong)
+    assert out.returncode == 1 and out.stderr.count("refused the credentials") == 1, out.stderr
+    assert os.environ["AWS_SECRET_ACCESS_KEY"] not in out.stderr
+
+
+def test_without_an_endpoint_it_says_requests_go_to_aws(tmp_path):
+    kvstore.open(tmp_path / "s").close()
+    unset = {"AWS_ENDPOINT_URL": "", "AWS_ENDPOINT_URL_S3": "", "HOME": str(tmp_path)}
+    out = cli("stats", "--store", str(tmp_path / "s"), "--remote", "s3://kvcache/team", env=unset)
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.count("AWS_ENDPOINT_URL is not set") == 1 and "requests go to AWS S3" in out.stderr
+
+
+def test_generate_says_what_came_from_the_bucket(tmp_path, s3):
+    url = s3.url()
+    prompts = tmp_path / "one.jsonl"
+    prompts.write_text((REPO / "examples" / "prompts.jsonl").read_text().splitlines()[0] + "\n")
+    out = cli("warm", "--store", str(tmp_path / "a"), "--prompts", str(prompts), "--remote", url)
+    assert out.returncode == 0, out.stderr
+    out = cli("generate", "--store", str(tmp_path / "b"), "--prompts", str(prompts), "--max-tokens", "2",
+              "--remote", url)
+    assert out.returncode == 0, out.stderr
+    m = re.search(r"prompt: (\d+) tokens, (\d+) reused \((\d+) from the bucket (s3://[^,]+), 0 from the local "
+                  r"store\)", out.stderr)
+    assert m and m.group(4) == url and int(m.group(2)) == int(m.group(3)) == int(m.group(1)) - 1, out.stderr
+
+
 # -- two servers, one bucket ---------------------------------------------------------------------
 
 def _free_port() -> int:
@@ -235,6 +273,7 @@ def test_two_servers_share_one_bucket(tmp_path, s3, demo_model):
         text_b, usage_b = _ask(base_b, prompt)
         assert usage_b["prompt_tokens_details"]["cached_tokens"] >= n - 1, (usage_b, (tmp_path / "b.log").read_text())
         assert text_b == text_a
+        assert f"remote tier {url} (read through, written behind" in (tmp_path / "b.log").read_text()
     finally:
         for p in procs:
             if p.poll() is None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -388,11 +390,74 @@ def test_help_lists_kvstore_and_mlx_lm_options():
     assert "default: *" not in out.stdout  # mlx_lm.server's own --allowed-origins entry is left out
 
 
+@pytest.mark.parametrize("how", ["no weights", "no config", "not downloaded"])
+def test_a_model_that_does_not_load_is_one_line_and_exit_1(models, tmp_path, how):
+    """As `generate` does: one line naming the model, exit 1, no HTTP server left answering 503
+    (mlx_lm.server loads the model in its generation thread, which then dies quietly)."""
+    model = tmp_path / "model"
+    if how == "not downloaded":  # the README's example on a machine that has not downloaded it
+        model, expected = "kvstore-tests/not-downloaded", "cannot load model kvstore-tests/not-downloaded: "
+    else:
+        shutil.copytree(models["llama"], model)
+        for f in model.glob("*.safetensors" if how == "no weights" else "config.json"):
+            f.unlink()
+        expected = f"cannot load model {model}: " if how == "no weights" else f"model folder {model} has no config.json"
+    env = dict(os.environ, HOME=str(tmp_path / "home"), HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1")
+    out = subprocess.run([sys.executable, "-m", "kvstore.serve", "--model", str(model), "--store",
+                          str(tmp_path / "store"), "--port", str(free_port())],
+                         capture_output=True, text=True, timeout=START_TIMEOUT, env=env)
+    assert out.returncode == 1, out.stderr
+    errors = [line for line in out.stderr.splitlines() if line.startswith("kvstore serve:")]
+    assert len(errors) == 1 and expected in errors[0], out.stderr
+    for never in ("Traceback", "generation loop", "generation thread died", "Starting httpd"):
+        assert never not in out.stderr, out.stderr
+
+
+def test_a_port_in_use_is_named(models, tmp_path):
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = subprocess.run([sys.executable, "-m", "kvstore.serve", "--model", str(models["llama"]), "--store",
+                              str(tmp_path / "store"), "--port", str(port)],
+                             capture_output=True, text=True, timeout=START_TIMEOUT)
+    assert out.returncode == 1, out.stderr
+    assert f"kvstore serve: cannot listen on 127.0.0.1:{port}: Address already in use" in out.stderr, out.stderr
+
+
+def test_the_log_counts_in_the_right_words(models, tmp_path):
+    """The disk's count is records, not "sequences"; one is "1 sequence", not "1 sequences"; no
+    remote tier is said as such. (mlx_lm.server logs the counts before each request.)"""
+    with Server(models["llama"], tmp_path / "store", tmp_path / "server.log") as server:
+        ask(server, prompt=SYSTEM)
+        ask(server, prompt=SYSTEM)
+        assert server.stop() == 0
+    log = server.log()
+    assert "; no remote tier" in log
+    assert re.search(r"- kvstore disk: \d+ records?, ", log) and "Prompt Cache: 1 sequence in RAM" in log, log
+    assert not re.search(r"kvstore disk: \d+ sequence|\b1 sequences\b|\b1 requests\b", log), log
+    assert "stopped: 2 requests, " in log, log
+
+
 def test_bad_size_is_a_clean_error(tmp_path):
     out = subprocess.run([sys.executable, "-m", "kvstore.serve", "--store", str(tmp_path / "s"),
                           "--memory-bytes", "lots"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert "--memory-bytes" in out.stderr and "not a size" in out.stderr
+
+
+def test_a_typo_names_the_option_it_resembles(tmp_path):
+    """Options neither kvstore nor mlx_lm.server knows are refused by kvstore serve, with the one
+    meant: mlx_lm.server's own usage lists no --store. A negative size says it is negative."""
+    for args, message in ((["--stroe", str(tmp_path / "s")], "unknown option --stroe (did you mean --store?)"),
+                          (["--prot", "8080"], "unknown option --prot (did you mean --port?)"),
+                          (["--store-max-bytes", "-5MB"], "argument --store-max-bytes: '-5MB' is negative")):
+        out = subprocess.run([sys.executable, "-m", "kvstore.serve", *args], capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 2, out.stderr
+        assert message in out.stderr and "usage: kvstore serve" in out.stderr, out.stderr
+        assert "--adapter-path" not in out.stderr  # not mlx_lm.server's usage
+    assert not (tmp_path / "s").exists()
 
 
 def test_persistent_prompt_cache_in_process(models, tmp_path):
@@ -697,7 +762,7 @@ def test_non_loopback_host_is_warned_about(models, tmp_path):
                           "--store", str(tmp_path / "store"), "--host", "192.0.2.1", "--port", str(free_port())],
                          capture_output=True, text=True, timeout=START_TIMEOUT, cwd=Path(__file__).parent.parent)
     assert "warning: listening on 192.0.2.1" in out.stderr
-    assert out.returncode == 1 and "cannot serve" in out.stderr
+    assert out.returncode == 1 and "kvstore serve: cannot listen on 192.0.2.1:" in out.stderr
 
 
 def test_loopback_hosts():

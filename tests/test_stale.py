@@ -10,6 +10,7 @@ from mlx_lm import load
 
 import kvstore
 from kvstore.cli import main as cli
+from kvstore.storage.stale import NOT_RECHECKED
 
 C = 16
 PROMPT = list(range(1, 60))
@@ -115,3 +116,73 @@ def test_version_bound_with_a_fingerprint_only_is_unknown(tmp_path, llama):
         [m] = store.stats()["models"]
         assert m["stale"] is None
         assert store.gc(stale=True)["evicted"] == 0
+
+
+def flip_a_byte(folder) -> None:
+    """Other weights of the same size, in a new file renamed over the old one: only hashing the
+    bytes again tells."""
+    path = next(folder.glob("*.safetensors"))
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1  # in the last tensor's data
+    tmp = path.with_name("rewritten.safetensors")
+    tmp.write_bytes(bytes(data))
+    tmp.rename(path)
+
+
+def copy_away_and_back(folder) -> None:
+    """The same bytes at new inodes with new times (`shutil.copy` keeps no times)."""
+    away = shutil.move(str(folder), str(folder) + ".away")
+    shutil.copytree(away, folder, copy_function=shutil.copy)
+    shutil.rmtree(away)
+
+
+def test_identical_files_at_new_inodes_are_not_stale(tmp_path, demo_model_path, capsys):
+    """A model folder copied away and back holds the same bytes: `stats` says its files changed
+    (not re-checked), never STALE; `gc --stale` hashes them again, evicts nothing, and records
+    the new stamps, so `stats` then says "no"."""
+    folder = shutil.copytree(demo_model_path, tmp_path / "model")
+    path = tmp_path / "s"
+    model, _ = load(str(folder))
+    with kvstore.open(path, chunk_size=C) as store:
+        store.bind(model, folder).insert(PROMPT, prefill(model, PROMPT))
+        store.flush()
+    copy_away_and_back(folder)
+    [m] = by_ns(path).values()
+    assert m["stale"] is None and NOT_RECHECKED in m["stale_reason"]
+    assert cli.main(["stats", "--store", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "STALE" not in out and "\\x0a" not in out
+    assert "changed since bound (not re-checked)" in out and "gc --stale" in out
+    assert cli.main(["gc", "--stale", "--store", str(path)]) == 0
+    assert "(0 bytes, 0 records)" in capsys.readouterr().out
+    [after] = by_ns(path).values()
+    assert after["stale"] is False and after["bytes"] == m["bytes"] > 0
+    assert cli.main(["stats", "--store", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "changed" not in out and "STALE" not in out
+
+
+def test_changed_bytes_of_the_same_size_are_evicted_after_a_rehash(tmp_path, demo_model_path, capsys):
+    """Weights rewritten with the same size and no new version bound: `gc --stale` hashes the
+    file again, finds other bytes, and evicts (pins aside); `stats` then says STALE, on a line
+    of its own."""
+    folder = shutil.copytree(demo_model_path, tmp_path / "model")
+    path = tmp_path / "s"
+    model, _ = load(str(folder))
+    with kvstore.open(path, chunk_size=C) as store:
+        mc = store.bind(model, folder)
+        mc.insert(PROMPT, prefill(model, PROMPT))
+        mc.insert(PINNED, prefill(model, PINNED), pin=True)
+        store.flush()
+    flip_a_byte(folder)
+    [m] = by_ns(path).values()
+    assert m["stale"] is None and NOT_RECHECKED in m["stale_reason"]  # until hashed again
+    assert cli.main(["gc", "--stale", "--dry-run", "--store", str(path)]) == 0
+    assert f"{len(PROMPT) // C + 1} records" in capsys.readouterr().out
+    assert cli.main(["gc", "--stale", "--store", str(path)]) == 0
+    assert f"{len(PROMPT) // C + 1} records" in capsys.readouterr().out
+    assert cli.main(["stats", "--store", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "\nSTALE: " in out and "\\x0a" not in out
+    [m] = by_ns(path).values()
+    assert m["stale"] is True and m["chunks"] + m["tails"] == len(PINNED) // C + 1

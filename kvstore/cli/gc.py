@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvstore.cli.options import duration, open_local, open_remote, remote_url, size
-from kvstore.cli.output import EXIT_USAGE, PROG, CommandError, say
+from kvstore.cli.output import EXIT_USAGE, PROG, CommandError, plural, say
 from kvstore.sizes import format_size
 
 EXAMPLES = """examples:
@@ -34,7 +34,7 @@ def cmd_gc(args) -> int:
         result = files.gc(max_bytes=args.max_bytes, max_age=args.max_age, dry_run=args.dry_run, stale=args.stale)
     verb, holds = ("would free", "would hold") if args.dry_run else ("freed", "holds")
     print(f"{verb} {format_size(result['freed_bytes'])} ({result['freed_bytes']} bytes, "
-          f"{result['evicted']} records); the store {holds} {format_size(result['bytes'])} "
+          f"{plural(result['evicted'], 'record')}); the store {holds} {format_size(result['bytes'])} "
           f"(was {format_size(result.get('bytes_before', result['bytes'] + result['freed_bytes']))})")
     if args.max_bytes is not None and result["bytes"] > args.max_bytes:
         say(f"{PROG} gc: still above the budget of {args.max_bytes} bytes: pinned records and their ancestors are kept")

@@ -75,10 +75,16 @@ def _generate_one(args, store, loaded, mc, tokens, sampler) -> bool:
     """Generate for one prompt, print the text and a report line; False if it was not stored."""
     from mlx_lm import stream_generate
 
+    from kvstore.model.blas import long_prefill_note
     from kvstore.model.generation import insert_generated, prompt_cache
 
     t0 = time.perf_counter()
+    downloaded = _remote_tokens(store)
     cache, rest, reused = prompt_cache(mc, tokens)
+    from_bucket = min(reused, _remote_tokens(store) - downloaded)
+    slow = long_prefill_note(lambda: len(rest))
+    if slow:
+        say(slow)
     ttft, generated, finish = None, [], None
     for response in stream_generate(loaded.model, loaded.tokenizer, rest, max_tokens=args.max_tokens,
                                     prompt_cache=cache, sampler=sampler):
@@ -96,10 +102,17 @@ def _generate_one(args, store, loaded, mc, tokens, sampler) -> bool:
     store.flush()  # to know whether it was stored, not only queued
     problem = _write_problems(store) != before
     stored_text = f"not stored ({_write_error(store)})" if problem else f"stored {stored} tokens"
-    say(f"prompt: {len(tokens)} tokens, {reused} reused from the store, "
+    where = (f"reused ({from_bucket} from the bucket {store.remote.url}, {reused - from_bucket} from the "
+             "local store)") if from_bucket else "reused from the store"
+    say(f"prompt: {len(tokens)} tokens, {reused} {where}, "
         f"{len(tokens) - reused} computed; time to first token: {ttft:.3f} s; "
         f"generated {len(generated)} tokens ({finish}); {stored_text}")
     return not problem
+
+
+def _remote_tokens(store) -> int:
+    """Tokens this process has restored from the bucket so far (0 without a remote tier)."""
+    return store.remote.counters["remote_tokens"] if store.remote is not None else 0
 
 
 def _write_problems(store) -> tuple[int, int, int]:

@@ -14,6 +14,7 @@ import os
 import sys
 from typing import Callable
 
+from kvstore.argv import Parser, option_strings, unrecognized
 from kvstore.cli import gc, generate, serve, stats, verify, warm
 from kvstore.cli.options import model_parent, store_parent
 from kvstore.cli.output import EXIT_INTERRUPTED, EXIT_PROBLEMS, EXIT_USAGE, PROG, CommandError, say
@@ -33,7 +34,7 @@ demo model with random weights (meaningless text)."""
 
 def build_parser() -> argparse.ArgumentParser:
     raw = argparse.RawDescriptionHelpFormatter
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog=PROG, formatter_class=raw, epilog=EPILOG,
         description="A persistent, on-disk prompt-cache store for MLX language models.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
@@ -42,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     def add(name: str, handler, help_text: str, parents: list, examples: str) -> argparse.ArgumentParser:
         p = sub.add_parser(name, parents=parents, help=help_text, description=help_text,
                            epilog=examples, formatter_class=raw)
-        p.set_defaults(handler=handler)
+        p.set_defaults(handler=handler, command_parser=p)
         return p
 
     store_opts, model_opts = store_parent(), model_parent()
@@ -63,7 +64,10 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["serve"]:
         return _run(lambda: serve.cmd_serve(argv[1:]))
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extras = parser.parse_known_args(argv)
+    if extras:  # the command's own usage, and the option a typo resembles
+        command = getattr(args, "command_parser", parser)
+        command.error(unrecognized(extras, option_strings(command)))
     if not hasattr(args, "handler"):
         parser.print_help(sys.stderr)
         return EXIT_USAGE

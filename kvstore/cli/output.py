@@ -9,6 +9,8 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from kvstore.sizes import plural  # noqa: F401 -- the commands print counts through here
+
 PROG = "kvstore"
 EXIT_PROBLEMS = 1
 EXIT_USAGE = 2
@@ -45,7 +47,3 @@ def out(*parts: Any, **kw: Any) -> None:
     """One line on stdout, escaped (everything but generated text goes through here)."""
     print(*map(printable, parts), **kw)
 
-
-def plural(n: int, word: str) -> str:
-    """`1 problem`, `2 problems`."""
-    return f"{n} {word}{'s' if n != 1 else ''}"

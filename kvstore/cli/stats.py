@@ -88,7 +88,7 @@ def _print_models(models: list[dict]) -> None:
     header = ("fingerprint", "chunks", "tails", "bytes", "hits", "last use", "stale", "model")
     rows = [(m["fingerprint"][:12], str(m["chunks"]), str(m["tails"]), format_size(m["bytes"]), str(m["hits"]),
              f"{format_age(now - m['last_used'])} ago" if m.get("last_used") else "never",
-             {True: "STALE", False: "no", None: "?"}[m.get("stale")], m["model_id"])
+             _stale_cell(m), m["model_id"])
             for m in models]
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header) - 1)]
     print()
@@ -96,6 +96,19 @@ def _print_models(models: list[dict]) -> None:
         cells = [c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))]
         out("  ".join(cells + [row[-1]]))
     held = sum(m["bytes"] for m in models if m.get("stale"))
+    unsure = [m for m in models if _stale_cell(m) == "changed"]
+    if held or unsure:
+        print()
     if held:
-        out(f"\nSTALE: {format_size(held)} of K/V whose model files changed or are gone since they were stored; "
+        out(f"STALE: {format_size(held)} of K/V whose model files changed or are gone since they were stored; "
             f"`{PROG} gc --stale` evicts it (pins aside)")
+    for m in unsure:  # the bytes may be the same (a folder copied away and back): not stale yet
+        out(f"changed: {m['fingerprint'][:12]}: {m['stale_reason']}; `{PROG} gc --stale` hashes "
+            f"the changed files again and evicts the version only if their bytes differ")
+
+
+def _stale_cell(m: dict) -> str:
+    """The `stale` column: STALE, no, changed (files changed, bytes not re-checked) or ? (unknown)."""
+    if m.get("stale") is None:
+        return "changed" if m.get("stale_reason") else "?"
+    return "STALE" if m["stale"] else "no"

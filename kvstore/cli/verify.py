@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 
 from kvstore.cli.options import open_local, open_remote, remote_url, store_path
 from kvstore.cli.output import EXIT_PROBLEMS, PROG, out, plural, say
@@ -46,12 +47,21 @@ def cmd_verify(args) -> int:
     else:
         for p in problems:
             out(p)
-        if not problems:
-            print("the store is clean")
-        else:
-            print(f"{plural(len(problems), 'problem')} found"
-                  + ("; repaired" if args.repair else f"; run `{PROG} verify --repair` to fix them"))
+        out(_summary(args, problems, rebuilt))
     return EXIT_PROBLEMS if problems or rebuilt else 0
+
+
+def _summary(args, problems: list, rebuilt: dict | None) -> str:
+    """The last line; it agrees with the exit code (a rebuilt index is a problem repaired), and
+    names the store it checked in the command that repairs it."""
+    if not problems and rebuilt is None:
+        return f"the store {store_path(args)} is clean"
+    found = plural(len(problems) + (rebuilt is not None), "problem") + " found"
+    if rebuilt is not None:
+        found += " (the index could not be read: it was rebuilt from the blob files)"
+    if args.repair:
+        return f"{found}; repaired"
+    return f"{found}; run `{PROG} verify --repair --store {shlex.quote(str(store_path(args)))}` to fix them"
 
 
 def _rebuild(args, why: CorruptIndexError) -> dict:

@@ -9,6 +9,7 @@ from typing import Callable
 
 from kvstore.cli.options import bound, read_prompts
 from kvstore.cli.output import EXIT_INTERRUPTED, EXIT_PROBLEMS, PROG, say
+from kvstore.model.blas import long_prefill_note
 from kvstore.sizes import format_size
 
 EXAMPLES = """examples:
@@ -111,6 +112,9 @@ def _warm_all(mc, work: list, totals: dict, stop: Callable[[], bool]) -> None:
         for i, (item, tokens) in enumerate(work, start=1):
             if stop():
                 raise _Stop
+            slow = long_prefill_note(lambda: len(tokens) - mc.stored_length(tokens))
+            if slow:
+                say(slow)
             t0 = time.perf_counter()
             current["computed"] = 0
             try:

@@ -1,5 +1,5 @@
 """Which model version a bound model is: its files' fingerprint, memoised in the index, and the
-stamps of those files (to tell later whether they changed)."""
+stamps and digests of those files (to tell later whether they changed)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 from kvstore import keys
 from kvstore.errors import ModelFilesError
 from kvstore.storage.index import Index
+from kvstore.storage.stale import RecordedFile
 from kvstore.storage.stale import stamps as file_stamps
 
 log = logging.getLogger("kvstore")
@@ -31,9 +32,10 @@ def resolve_model_dir(model_id: str) -> Path:
             "folder it was loaded from (or a repo id that is already downloaded)") from e
 
 
-def fingerprint(model_id: str, adapter_path, index: Index | None, *, remember: bool) -> bytes:
-    """The fingerprint of a model's files (config, weights, adapter), each file's digest
-    memoised in `index` (and, with `remember`, written there)."""
+def fingerprint(model_id: str, adapter_path, index: Index | None, *,
+                remember: bool) -> tuple[bytes, list[RecordedFile]]:
+    """(the fingerprint of a model's files (config, weights, adapter), each file's stamp and
+    digest); each digest memoised in `index` (and, with `remember`, written there)."""
     model_dir = resolve_model_dir(str(model_id))
     adapter_dir = Path(adapter_path) if adapter_path is not None else None
     if adapter_dir is not None and not adapter_dir.is_dir():
@@ -41,6 +43,8 @@ def fingerprint(model_id: str, adapter_path, index: Index | None, *, remember: b
     files = keys.model_files(model_dir, adapter_dir)
     if not any(f.name == "config.json" for f in files):
         raise ModelFilesError(f"{model_dir} has no config.json: is it an mlx-lm model folder?")
+    # Stamped before hashing: a file that changes meanwhile shows as changed later.
+    stamps = file_stamps(files)
     lookup = index.file_digest if index is not None else None
     keep = None
     if index is not None and remember:
@@ -50,22 +54,14 @@ def fingerprint(model_id: str, adapter_path, index: Index | None, *, remember: b
                 index.remember_file_digest(*args)
             except sqlite3.OperationalError:  # only a memo (the disk may be full)
                 pass
-    return keys.fingerprint(files, model_dir, lookup, keep)
-
-
-def model_stamps(model_id: str, adapter_path) -> list | None:
-    """size/mtime/inode/ctime of the files a fingerprint covers (None if they cannot be listed:
-    `fingerprint` then says why)."""
-    try:
-        adapter_dir = Path(adapter_path) if adapter_path is not None else None
-        return file_stamps(keys.model_files(resolve_model_dir(str(model_id)), adapter_dir))
-    except (ModelFilesError, OSError):
-        return None
+    digests = keys.file_digests(files, lookup, keep)
+    recorded = [(*s, d) for s, d in zip(stamps, digests)]
+    return keys.combine(files, model_dir, digests), recorded
 
 
 def register(index: Index, ns: bytes, fingerprint: bytes, model_id: str, layout: dict, chunk_size: int,
              stamps: list | None = None) -> bool:
-    """Record a bound model version in the index (with its files' stamps); False if the index
+    """Record a bound model version in the index (with its files' stamps and digests); False if the index
     cannot be written now (a full disk, a busy index): fetch goes on, inserts wait until it works."""
     try:
         index.register_model(ns, fingerprint, model_id, json.dumps(layout), chunk_size)

@@ -25,6 +25,10 @@ class RemoteError(KVStoreError):
     """The object store could not be reached or answered with an error; the caller goes local."""
 
 
+class RemoteAuthError(RemoteError):
+    """The object store refused the credentials (wrong key or secret, or no right to the bucket)."""
+
+
 class Bucket(Protocol):
     url: str
 

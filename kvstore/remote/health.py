@@ -9,6 +9,8 @@ import logging
 import threading
 import time
 
+from kvstore.remote.bucket import RemoteAuthError
+
 log = logging.getLogger("kvstore")
 
 RETRY_AFTER_S = 5.0
@@ -29,17 +31,24 @@ class Health:
         self._down_until = 0.0
         self._lock = threading.Lock()
         self._persisted: dict[str, int] = {}
+        self._refused = False  # the bucket refused the credentials (said once)
 
     def count(self, key: str, n: int = 1) -> None:
         with self._lock:
             self.counters[key] += n
 
     def error(self, e: BaseException, *, down: bool = False) -> None:
-        """Count a failure; `down`: the remote itself failed, so leave it alone for a while."""
+        """Count a failure; `down`: the remote itself failed, so leave it alone for a while.
+        Refused credentials are said once: every request after the first fails the same way."""
         self.count("errors")
-        self.last_error = f"{type(e).__name__}: {e}"
-        if down:
+        refused = isinstance(e, RemoteAuthError)
+        self.last_error = str(e) if refused else f"{type(e).__name__}: {e}"
+        if down or refused:
             self.mark_down()
+        with self._lock:
+            if refused and self._refused:
+                return
+            self._refused = self._refused or refused
         log.warning("kvstore: remote tier: %s", self.last_error)
 
     def mark_down(self) -> None:

@@ -10,13 +10,16 @@ handed to the client and never logged or stored.
 from __future__ import annotations
 
 import configparser
+import logging
 import os
 from datetime import timedelta
 from pathlib import Path
 from typing import Iterator
 
 from kvstore.errors import InvalidInputError
-from kvstore.remote.bucket import MAX_OBJECT_BYTES, RemoteError
+from kvstore.remote.bucket import MAX_OBJECT_BYTES, RemoteAuthError, RemoteError
+
+log = logging.getLogger("kvstore")
 
 # -- the URL and the AWS configuration chain ---------------------------------------------------
 
@@ -80,6 +83,18 @@ def aws_settings(env: dict | None = None) -> dict[str, str]:
 
 
 
+_said_aws: set[str] = set()
+
+
+def _say_aws_once(url: str, region: str) -> None:
+    """No endpoint is configured: requests go to AWS itself. Right for AWS users, a surprise for
+    anyone who meant a local object store and forgot AWS_ENDPOINT_URL: said once per process."""
+    if url not in _said_aws:
+        _said_aws.add(url)
+        log.warning("kvstore: remote %s: AWS_ENDPOINT_URL is not set (nor endpoint_url in the AWS "
+                    "profile), so requests go to AWS S3 in %s", url, region)
+
+
 class S3Bucket:
     """One `s3://BUCKET/PREFIX`, through obstore, with bounded timeouts and retries.
 
@@ -95,6 +110,8 @@ class S3Bucket:
         bucket, self.prefix = parse_url(url)
         settings = aws_settings()
         endpoint = settings.get("endpoint", "")
+        if not endpoint:
+            _say_aws_once(url, settings["region"])
         base = {"allow_http": endpoint.startswith("http://"), "connect_timeout": timedelta(seconds=connect_timeout),
                 "pool_idle_timeout": timedelta(seconds=30)}
 
@@ -124,7 +141,7 @@ class S3Bucket:
         except FileNotFoundError:
             return None
         except Exception as e:
-            raise _error("HEAD", key, e) from None
+            raise _error(self.url, "HEAD", key, e) from None
 
     def get(self, key: str, max_bytes: int = MAX_OBJECT_BYTES) -> bytes | None:
         """The object's bytes, or None if there is none. An object larger than `max_bytes` (no
@@ -142,7 +159,7 @@ class S3Bucket:
         except RemoteError:
             raise
         except Exception as e:
-            raise _error("GET", key, e) from None
+            raise _error(self.url, "GET", key, e) from None
 
     def put_new(self, key: str, data: bytes) -> bool:
         """Create-only PUT (`If-None-Match: *`). False if the object exists (another node
@@ -156,7 +173,7 @@ class S3Bucket:
         except AlreadyExistsError:
             return False
         except Exception as e:
-            raise _error("PUT", key, e) from None
+            raise _error(self.url, "PUT", key, e) from None
 
     def put(self, key: str, data: bytes) -> None:
         """An overwriting PUT (pins objects, which belong to one node)."""
@@ -165,7 +182,7 @@ class S3Bucket:
         try:
             obstore.put(self._write, key, data, use_multipart=False)
         except Exception as e:
-            raise _error("PUT", key, e) from None
+            raise _error(self.url, "PUT", key, e) from None
 
     def list(self, prefix: str) -> list[tuple[str, int, float]]:
         """(key, size, last modified as a Unix time) of every object under `prefix`."""
@@ -179,7 +196,7 @@ class S3Bucket:
                 for meta in batch:
                     yield meta["path"], int(meta["size"]), meta["last_modified"].timestamp()
         except Exception as e:
-            raise _error("LIST", prefix, e) from None
+            raise _error(self.url, "LIST", prefix, e) from None
 
     def delete(self, keys: list[str]) -> None:
         import obstore
@@ -190,10 +207,24 @@ class S3Bucket:
             except FileNotFoundError:
                 pass
             except Exception as e:
-                raise _error("DELETE", keys[start], e) from None
+                raise _error(self.url, "DELETE", keys[start], e) from None
 
 
-def _error(method: str, key: str, e: BaseException) -> RemoteError:
-    """A one-line error naming the request; obstore's messages hold URLs and status codes only."""
+def _error(url: str, method: str, key: str, e: BaseException) -> RemoteError:
+    """A one-line error naming the request; obstore's messages hold URLs and status codes only.
+    Refused credentials are said as such, without the key: every request fails the same way."""
+    from obstore.exceptions import PermissionDeniedError, UnauthenticatedError
+
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    if isinstance(e, (PermissionDeniedError, UnauthenticatedError)) or any(
+            code in str(e) for code in ("SignatureDoesNotMatch", "InvalidAccessKeyId")):
+        return RemoteAuthError(
+            f"the bucket {url} refused the credentials ({method} was denied): check "
+            "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), and that they may use "
+            f"this bucket; {_endpoint_note(aws_settings())}")
     return RemoteError(f"{method} {key}: {type(e).__name__}: {first[:300]}")
+
+
+def _endpoint_note(settings: dict) -> str:
+    endpoint = settings.get("endpoint")
+    return f"the endpoint is {endpoint}" if endpoint else f"the endpoint is AWS S3 ({settings['region']})"

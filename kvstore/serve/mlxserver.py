@@ -16,8 +16,9 @@ import traceback
 import weakref
 from typing import Callable, Iterator
 
-from kvstore.errors import KVStoreError
-from kvstore.serve.promptcache import PersistentPromptCache
+from kvstore.errors import KVStoreError, ModelFilesError
+from kvstore.serve.promptcache import DISK_TYPE, PersistentPromptCache
+from kvstore.sizes import plural
 
 log = logging.getLogger("kvstore")
 
@@ -109,6 +110,7 @@ class _RecoveringGenerator:
         cache = self._kvstore_cache
         cache.attach(model_provider)
         log.info("%s", cache.describe())
+        _load_default(model_provider)
         self._kvstore_queues: weakref.WeakSet = weakref.WeakSet()  # answer queues of requests taken
         self._kvstore_taken = 0
         super().__init__(model_provider, cache, *args, **kwargs)
@@ -129,7 +131,7 @@ class _RecoveringGenerator:
         later request fails with "generation thread died". Here the requests being served get
         an error and the loop starts again; a failure before any request was taken (the model
         does not load) still ends it."""
-        taken = -1
+        taken = 0  # a failure with no request taken since the last one ends the loop
         while True:
             try:
                 return self._generate()
@@ -144,6 +146,15 @@ class _RecoveringGenerator:
                 taken = self._kvstore_taken
                 self._kvstore_fail_taken(e)
 
+    def _log_cache_stats(self):
+        """mlx_lm.server's cache log, in the right words: what the disk holds is records (chunks
+        and tails), not sequences."""
+        cache = self.prompt_cache
+        log.info("Prompt Cache: %s in RAM, %.2f GB", plural(len(cache), "sequence"), cache.nbytes / 1e9)
+        for cache_type, stats in cache.stats_by_type().items():
+            unit = "record" if cache_type == DISK_TYPE else "sequence"
+            log.info("- %s: %s, %.2f GB", cache_type, plural(stats["n_sequences"], unit), stats["n_bytes"] / 1e9)
+
     def _kvstore_fail_taken(self, e: Exception) -> None:
         """Answer the requests taken so far with an error (the loop is about to start again)."""
         log.error("kvstore serve: a request made mlx_lm.server's generation loop fail "
@@ -154,6 +165,18 @@ class _RecoveringGenerator:
         for answers in list(self._kvstore_queues):
             answers.put(failure)
         self._kvstore_queues = weakref.WeakSet()
+
+
+def _load_default(model_provider) -> None:
+    """Load the served model before the HTTP server starts: mlx_lm.server loads it in its
+    generation thread, and a model that does not load then leaves a server that answers 503
+    for ever. Here it is one line naming the model, and the process exits 1."""
+    model = getattr(getattr(model_provider, "cli_args", None), "model", None)
+    try:
+        model_provider.load_default()
+    except Exception as e:  # mlx-lm raises many kinds; all mean "this model cannot be used"
+        detail = " ".join(str(e).split()) or type(e).__name__
+        raise ModelFilesError(f"cannot load model {model}: {detail}") from e
 
 
 def _listed_context(original_context: type, requests: weakref.WeakValueDictionary) -> type:

@@ -1,7 +1,7 @@
 """The command line of `kvstore serve`: kvstore's own options, and what it reads of mlx_lm.server's.
 
 kvstore's options are parsed here; every other option is left for mlx_lm.server, which only
-`peek_mlx_options` looks at (for `--model`, `--host`, `--prompt-cache-bytes`).
+`peek_mlx_options` looks at (for `--model`, `--host`, `--port`, `--prompt-cache-bytes`).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import ipaddress
 import os
 import socket
 
+from kvstore.argv import Parser
 from kvstore.sizes import parse_size
 
 #: Default of --store-max-tokens: a longer request is served but not stored.
@@ -32,8 +33,8 @@ example:
 
 def build_parser() -> argparse.ArgumentParser:
     """kvstore's options of `kvstore serve` (`parse_known_args` leaves mlx_lm.server's)."""
-    p = argparse.ArgumentParser(
-        prog=PROG, add_help=False, allow_abbrev=False, epilog=EPILOG,
+    p = Parser(
+        prog=PROG, add_help=False, epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Run mlx_lm.server with a prompt cache that survives restarts and is shared "
                     "by every server on the same store.")
@@ -93,6 +94,7 @@ def peek_mlx_options(args: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--model")
     p.add_argument("--host")
+    p.add_argument("--port")
     p.add_argument("--prompt-cache-bytes")
     return p.parse_known_args(args)[0]
 

@@ -21,13 +21,17 @@ import numpy as np
 
 from kvstore import keys
 from kvstore.keys import checkpoint_hash
+from kvstore.model.blas import long_prefill_note
 from kvstore.model.cache import ModelCache
 from kvstore.serve.binding import IN_RAM, Binding, KeyBindings
 from kvstore.serve.ramlru import CACHE_TYPES, RamSequences, SystemPrompts
-from kvstore.sizes import format_size
+from kvstore.sizes import format_size, plural
 from kvstore.store import Store
 
 log = logging.getLogger("kvstore")
+
+#: The entry of `stats_by_type` for the store's disk (its count is records, not sequences).
+DISK_TYPE = "kvstore disk"
 
 #: How many recent system prompts the memory tier keeps fresh (see `SystemPrompts`).
 MAX_SYSTEM_PROMPTS = 32
@@ -129,7 +133,13 @@ class PersistentPromptCache:
                 self._count_reuse(reused, in_ram, remote_before)
                 for observe in self.observers:
                     observe(seconds, reused)
-                log.info("kvstore: prompt %d tokens, %d reused from the store", len(tokens), reused)
+                from_bucket = 0 if remote_before is None else min(reused, _remote_tokens(self.store) - remote_before)
+                where = (f"reused ({from_bucket} from the bucket {self.store.remote.url}, {reused - from_bucket} "
+                         "from the local store)") if from_bucket else "reused from the store"
+                log.info("kvstore: prompt %d tokens, %d %s", len(tokens), reused, where)
+                slow = long_prefill_note(lambda: len(rest))
+                if slow:
+                    log.warning("%s", slow)
                 if reused == 0:
                     return None, tokens
                 return cache, list(rest)
@@ -199,7 +209,7 @@ class PersistentPromptCache:
             if index is not None:
                 try:
                     totals = index.totals()
-                    out["kvstore disk"] = {"n_sequences": totals["chunks"] + totals["tails"],
+                    out[DISK_TYPE] = {"n_sequences": totals["chunks"] + totals["tails"],
                                            "n_bytes": totals["bytes"]}
                 except Exception as e:  # a busy or damaged index must not stop a request
                     self._error("stats", e)
@@ -211,16 +221,19 @@ class PersistentPromptCache:
     # -- start-up and shut-down --------------------------------------------------------------
 
     def describe(self) -> str:
-        """One line: where the store is, how big, how many records."""
+        """One line: where the store is, how big, how many records, and the remote tier."""
         store = self.store
         if store.index is None:
             return f"kvstore: RAM-only store, memory tier {format_size(store.memory.capacity)}"
         totals = store.index.totals()
         bound = f", bounded to {format_size(store.max_bytes)}" if store.max_bytes is not None else ""
         bound += " (auto: 1/4 of held + free disk)" if getattr(store, "max_bytes_rule", None) else ""
+        remote = getattr(store, "remote", None)
+        below = (f"; remote tier {remote.url} (read through, written behind; deadline "
+                 f"{remote.deadline:g} s a fetch)") if remote is not None else "; no remote tier"
         return (f"kvstore: store {store.path}: {format_size(totals['bytes'])} in "
-                f"{totals['chunks'] + totals['tails']} records ({totals['chunks']} chunks, "
-                f"{totals['tails']} tails){bound}; memory tier {format_size(store.memory.capacity)}")
+                f"{plural(totals['chunks'] + totals['tails'], 'record')} ({plural(totals['chunks'], 'chunk')}, "
+                f"{plural(totals['tails'], 'tail')}){bound}; memory tier {format_size(store.memory.capacity)}{below}")
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for pending writes (False if `timeout` ran out first)."""

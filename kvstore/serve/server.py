@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import io
 import logging
 import os
+import re
 import sys
 from typing import Sequence
 
+from kvstore.argv import option_strings, unknown_options, unrecognized
 from kvstore.errors import KVStoreError
 from kvstore.serve.mlxserver import persistent, server_module
 from kvstore.serve.options import (
@@ -34,6 +37,7 @@ from kvstore.serve.options import (
 )
 from kvstore.serve.promptcache import PersistentPromptCache
 from kvstore.serve.signals import Stopper
+from kvstore.sizes import plural
 from kvstore.store import Store
 
 log = logging.getLogger("kvstore")
@@ -58,13 +62,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     if ours.help:
         return _print_help(parser, server)
+    known = option_strings(parser) + _mlx_options(server)
+    if unknown_options(passthrough, known):  # else mlx_lm.server's usage, which lists no --store
+        parser.print_usage(sys.stderr)
+        print(f"{PROG}: error: {unrecognized(passthrough, known)}", file=sys.stderr)
+        return 2
     peek = peek_mlx_options(passthrough)
     served_model, passthrough = _with_defaults(peek, passthrough)
     memory_bytes = _memory_bytes(ours.memory_bytes, peek.prompt_cache_bytes)
 
     import kvstore
+    from kvstore.model.loading import resolve_model
 
     try:
+        if peek.model is not None:
+            resolve_model(peek.model)  # a path that is no model folder: said before anything starts
         store = kvstore.open(ours.store, max_bytes=ours.store_max_bytes, memory_bytes=memory_bytes,
                              remote=ours.remote)
     except KVStoreError as e:
@@ -77,11 +89,22 @@ def _print_help(parser: argparse.ArgumentParser, server) -> int:
     """kvstore's options, then mlx_lm.server's (without the one kvstore takes over)."""
     parser.print_help()
     print("\nmlx_lm.server options (--allowed-origins is kvstore's, above):")
-    mlx_help = io.StringIO()
-    with contextlib.redirect_stdout(mlx_help):
-        code = _run_mlx_server_main(server, ["--help"])
-    print(without_option(mlx_help.getvalue(), "--allowed-origins"), end="")
+    code, mlx_help = _mlx_help(server)
+    print(without_option(mlx_help, "--allowed-origins"), end="")
     return code
+
+
+def _mlx_help(server) -> tuple[int, str]:
+    """(exit code, text) of `mlx_lm.server --help`: its parser is made inside its `main`."""
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        code = _call_main(server, ["--help"])
+    return code, text.getvalue()
+
+
+def _mlx_options(server) -> list[str]:
+    """The options mlx_lm.server takes, as its help lists them."""
+    return sorted(set(re.findall(r"(?<![\w-])(--?[A-Za-z][\w-]*)", _mlx_help(server)[1])))
 
 
 def _with_defaults(peek: argparse.Namespace, passthrough: list[str]) -> tuple[str, list[str]]:
@@ -136,22 +159,43 @@ def _serve(server, store: Store, ours: argparse.Namespace, passthrough: list[str
             code = _run_mlx_server_main(server, passthrough)
     except KeyboardInterrupt:
         pass  # stopped before mlx_lm.server's own Ctrl-C handling was in place
+    except KVStoreError as e:  # the model does not load
+        print(f"kvstore serve: {e}", file=sys.stderr)
+        code = 1
     except OSError as e:  # mostly: the port is taken
-        print(f"kvstore serve: cannot serve: {e}", file=sys.stderr)
+        print(f"kvstore serve: {_cannot_serve(e, passthrough)}", file=sys.stderr)
         code = 1
     finally:
         stopper.stopping = True  # a signal from here on must not interrupt the flush
         for generator in started:  # its thread is not a daemon: left running, the process would hang
             generator.stop_and_join()
-        log.info("kvstore: flushing pending writes")
+        if started:  # else nothing was served (the model did not load): no counts to give
+            log.info("kvstore: flushing pending writes")
         metrics.close()
         store.close()
-        log.info("kvstore: %s", _final_counts(cache))
+        if started:
+            log.info("kvstore: %s", _final_counts(cache))
         stopper.uninstall()
     return code
 
 
+def _cannot_serve(e: OSError, passthrough: list[str]) -> str:
+    """What an OSError from the HTTP server means, naming the address when it is about that."""
+    if e.errno not in (errno.EADDRINUSE, errno.EACCES, errno.EADDRNOTAVAIL):
+        return f"cannot serve: {e}"
+    peek = peek_mlx_options(passthrough)
+    where = f"{peek.host or '127.0.0.1'}:{peek.port or 8080}"  # mlx_lm.server's defaults
+    hint = "; another process is using that port: stop it, or pick another with --port" \
+        if e.errno == errno.EADDRINUSE else ""
+    return f"cannot listen on {where}: {e.strerror or e}{hint}"
+
+
 def _run_mlx_server_main(server, args: list[str]) -> int:
+    """Serve: mlx_lm.server's `main` with `args` (its help and options go through `_call_main`)."""
+    return _call_main(server, args)
+
+
+def _call_main(server, args: list[str]) -> int:
     saved = sys.argv
     sys.argv = [PROG, *args]
     try:
@@ -165,7 +209,7 @@ def _run_mlx_server_main(server, args: list[str]) -> int:
 
 def _final_counts(cache: PersistentPromptCache) -> str:
     c = cache.counters
-    return (f"stopped: {c['requests']} requests, {c['prompt_tokens']} prompt tokens, "
+    return (f"stopped: {plural(c['requests'], 'request')}, {plural(c['prompt_tokens'], 'prompt token')}, "
             f"{c['reused_tokens']} reused from the store")
 
 

@@ -7,6 +7,7 @@ writers queue on the busy timeout instead of failing half-way.
 
 from __future__ import annotations
 
+import json
 import os
 import sqlite3
 import threading
@@ -172,21 +173,22 @@ class Index(EvictionSQL):
                 (ns, fingerprint, model_id, layout, chunk_size, now, now),
             )
 
-    def record_model_files(self, ns: bytes, stamps: Iterable[tuple[str, int, int, int, int]]) -> None:
+    def record_model_files(self, ns: bytes, files: Iterable[tuple]) -> None:
         """The files a model version was fingerprinted from, as they are now: (path, size,
-        mtime_ns, inode, ctime_ns). Replaces what was recorded for `ns`."""
+        mtime_ns, inode, ctime_ns, digest or None). Replaces what was recorded for `ns`."""
         with self.transaction() as conn:
             conn.execute("DELETE FROM model_files WHERE ns = ?", (ns,))
             conn.executemany(
-                "INSERT INTO model_files (ns, path, size, mtime_ns, ino, ctime_ns) VALUES (?, ?, ?, ?, ?, ?)",
-                [(ns, *stamp) for stamp in stamps])
+                "INSERT INTO model_files (ns, path, size, mtime_ns, ino, ctime_ns, digest) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                [(ns, *f) for f in files])
 
-    def model_files(self) -> dict[bytes, list[tuple[str, int, int, int, int]]]:
+    def model_files(self) -> dict[bytes, list[tuple]]:
         """ns -> the files recorded for it by `record_model_files`."""
-        out: dict[bytes, list[tuple[str, int, int, int, int]]] = {}
-        for ns, *stamp in self.conn.execute(
-                "SELECT ns, path, size, mtime_ns, ino, ctime_ns FROM model_files ORDER BY ns, path"):
-            out.setdefault(ns, []).append(tuple(stamp))
+        out: dict[bytes, list[tuple]] = {}
+        for ns, *f in self.conn.execute(
+                "SELECT ns, path, size, mtime_ns, ino, ctime_ns, digest FROM model_files ORDER BY ns, path"):
+            out.setdefault(ns, []).append(tuple(f))
         return out
 
     # -- records ----------------------------------------------------------------------------
@@ -381,7 +383,7 @@ class Index(EvictionSQL):
                 "namespace": r[0].hex(),
                 "fingerprint": r[1].hex(),
                 "model_id": r[2],
-                "layout": r[3],
+                "layout": _layout(r[3]),
                 "chunk_size": r[4],
                 "created": r[5],
                 "last_used": max(r[6], r[11] or 0),
@@ -413,3 +415,11 @@ def _row(r: tuple) -> Row:
     if isinstance(values[8], int):  # a row of the wrong type is left for verify to report
         values[8] = _i64_to_u64(values[8])
     return Row(*values)
+
+
+def _layout(text: str) -> object:
+    """A stored cache layout (JSON) as the object it is; text that is not JSON as it is."""
+    try:
+        return json.loads(text)
+    except (TypeError, ValueError):
+        return text

@@ -156,7 +156,7 @@ def check(conn: sqlite3.Connection, path: Path, *, read_only: bool) -> list[tupl
         raise StoreOpenError(
             f"the index {path} has an older schema (version {done[-1] if done else 0}) "
             "that this kvstore upgrades when it opens the store to write; it cannot read it "
-            "read-only (open it once with write access, e.g. `kvstore verify --repair`)")
+            f"read-only (open it once with write access, e.g. `kvstore verify --repair --store {path.parent}`)")
     return known
 
 

@@ -1,19 +1,32 @@
 """Stale model versions: stored K/V of a model whose files are gone or changed since it was bound.
 
-At bind, the store records each file the fingerprint covered with its size, mtime, inode and
-ctime (`Index.record_model_files`). A version is stale when one of those files is gone or differs
-in any of them now: nothing is hashed again, so checking costs one `stat` per file. Nothing stored
-for a stale version can ever be restored (a model loaded from the changed files has another
-fingerprint, so another namespace); `gc --stale` evicts it and a budget evicts it first.
+At bind, the store records each file the fingerprint covered with its size, mtime, inode, ctime
+and digest (`Index.record_model_files`). Checking a version costs one `stat` per file:
+
+- a file gone, or of another size, makes the version stale;
+- a file whose other stamps changed (copied away and back, touched) may still hold the same
+  bytes: its digest is looked up in the fingerprint memo, and with `rehash` the file is hashed
+  again; until then the version is "changed since bound (not re-checked)", not stale.
+
+Nothing stored for a stale version can ever be restored (a model loaded from the changed files
+has another fingerprint, so another namespace); `gc --stale` evicts it and a budget evicts it
+first.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable, Optional
+
+from kvstore import keys
 
 Stamp = tuple[str, int, int, int, int]  # path, size, mtime_ns, inode, ctime_ns
+RecordedFile = tuple[str, int, int, int, int, Optional[bytes]]  # a stamp and the file's digest
+Lookup = Callable[[Path, os.stat_result], Optional[bytes]]
+Remember = Callable[[Path, os.stat_result, bytes], None]
+
+NOT_RECHECKED = "changed since bound (not re-checked)"
 
 
 def stamp(path: Path) -> Stamp:
@@ -25,23 +38,37 @@ def stamps(files: Iterable[Path]) -> list[Stamp]:
     return [stamp(Path(f)) for f in files]
 
 
-def changed(recorded: Iterable[Stamp]) -> str | None:
-    """Why a version with these recorded files is stale (a file gone or changed), or None."""
-    for path, *was in recorded:
+def status(recorded: Iterable[RecordedFile], lookup: Lookup | None = None, *, rehash: bool = False,
+           remember: Remember | None = None) -> tuple[bool | None, str | None, list[RecordedFile] | None]:
+    """(stale, why, the files as they are now) for a version with these recorded files.
+
+    stale is True (a file is gone or holds other bytes), False (every file holds the recorded
+    bytes; the files as they are now are then returned, to be recorded), or None (a file's
+    stamps changed and its bytes were not re-checked: `rehash` hashes it, `remember` keeps the
+    digest in the memo)."""
+    now_files: list[RecordedFile] = []
+    unsure = None
+    for path, size, mtime_ns, ino, ctime_ns, digest in recorded:
+        p = Path(path)
         try:
-            now = stamp(Path(path))[1:]
+            st = os.stat(p)
         except OSError:
-            return f"{path} is gone"
-        if tuple(now) != tuple(was):
-            return f"{path} changed since it was stored"
-    return None
-
-
-def stale_namespaces(recorded: dict[bytes, list[Stamp]]) -> dict[bytes, str]:
-    """ns -> why it is stale, for the stale ones among those with recorded files."""
-    out = {}
-    for ns, files in recorded.items():
-        why = changed(files)
-        if why is not None:
-            out[ns] = why
-    return out
+            return True, f"{path} is gone", None
+        now = (path, st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns)
+        if now[1:] != (size, mtime_ns, ino, ctime_ns):
+            if st.st_size != size or digest is None:  # other bytes, or nothing to compare with
+                return True, f"{path} changed since it was stored", None
+            current = lookup(p, st) if lookup else None
+            if current is None and rehash:
+                try:
+                    current = keys.file_digests([p], None, remember)[0]
+                except OSError as e:
+                    return True, f"{path} cannot be read to re-check it ({e.strerror or e})", None
+            if current is None:
+                unsure = unsure or f"{path} {NOT_RECHECKED}"
+            elif current != digest:
+                return True, f"{path} changed since it was stored", None
+        now_files.append((*now, digest))
+    if unsure is not None:
+        return None, unsure, None
+    return False, None, now_files

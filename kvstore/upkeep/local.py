@@ -19,7 +19,7 @@ from typing import Any
 
 from kvstore.errors import StoreOpenError
 from kvstore.storage.index import Index, is_corruption
-from kvstore.storage.stale import stale_namespaces
+from kvstore.storage.stale import status as model_status
 from kvstore.storage.storedir import BLOBS_NAME, INDEX_NAME, QUARANTINE_NAME, open_dir
 
 #: max_bytes="auto": 1/AUTO_SHARE of (what the store holds + the disk's free space)
@@ -75,12 +75,9 @@ class LocalStore:
         with self.damage_is_an_error():
             out: dict[str, Any] = {"path": str(self.path), **self.index.totals()}
             out["models"] = self.index.models()
-            recorded = self.index.model_files()
-            why = stale_namespaces(recorded)
-            for m in out["models"]:  # None: bound before kvstore recorded its files
-                ns = bytes.fromhex(m["namespace"])
-                m["stale"] = (ns in why) if ns in recorded else None
-                m["stale_reason"] = why.get(ns)
+            found = self.model_status(rehash=False)  # no hashing here: stats stays fast
+            for m in out["models"]:  # not found: bound with a fingerprint, or before files were recorded
+                m["stale"], m["stale_reason"] = found.get(bytes.fromhex(m["namespace"]), (None, None))
             out["quarantined_total"] = self.index.counters().get("count.quarantined", 0)
             n, size = self.index.quarantined()
             out["quarantined_now"] = {"records": n, "bytes": size}
@@ -97,9 +94,32 @@ class LocalStore:
         if not dry_run:
             self.check_writable("gc")
         with self.gc_lock, self.damage_is_an_error():
-            old = set(stale_namespaces(self.index.model_files())) if stale or max_bytes is not None else set()
+            old: set[bytes] = set()
+            if stale or (max_bytes is not None and self.over_budget(max_bytes)):
+                # Before anything is deleted, a changed file is hashed again: same bytes, not stale.
+                found = self.model_status(rehash=True, record=not dry_run and not self.read_only)
+                old = {ns for ns, (is_stale, _) in found.items() if is_stale}
             return collect(self.index, self.blob_root, max_bytes=max_bytes, max_age=max_age,
                            stale=stale, stale_namespaces=old, dry_run=dry_run)
+
+    def model_status(self, *, rehash: bool, record: bool = False) -> dict[bytes, tuple[bool | None, str | None]]:
+        """ns -> (stale, why) of every version with recorded files (see `storage.stale.status`).
+        `record`: a version whose files changed stamps but not bytes gets its new stamps, and
+        digests hashed again are kept in the memo, so neither is hashed again next time."""
+        remember = self._remember if record else None
+        out = {}
+        for ns, files in self.index.model_files().items():
+            is_stale, why, now = model_status(files, self.index.file_digest, rehash=rehash, remember=remember)
+            if record and now is not None and now != files:
+                self.index.record_model_files(ns, now)
+            out[ns] = (is_stale, why)
+        return out
+
+    def _remember(self, path: Path, st: os.stat_result, digest: bytes) -> None:
+        try:
+            self.index.remember_file_digest(path, st, digest)
+        except sqlite3.OperationalError:  # only a memo (the disk may be full)
+            pass
 
     def verify(self, repair: bool = False, force: bool = False) -> list:
         """Problems found (empty when clean); `repair=True` fixes them. See `upkeep.verify`."""

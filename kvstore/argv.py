@@ -1,0 +1,79 @@
+"""Command-line parsing that `kvstore` and `kvstore serve` share.
+
+A mistyped option is named with the option it resembles ("did you mean"), a prefix of an option
+is not silently taken for it, and a negative number after an option is read as its value, so the
+option's own check says what is wrong with it (argparse alone says "expected one argument").
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import re
+import sys
+from typing import Iterable, Sequence
+
+_NEGATIVE = re.compile(r"-\.?\d")  # -5, -5MB, -.5G: a value, never one of our options
+_OPTION = re.compile(r"--?[A-Za-z]")
+
+
+class Parser(argparse.ArgumentParser):
+    """An `ArgumentParser` with no abbreviations whose negative values reach their option."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)  # `--store` must never be read as `--store-max-bytes`
+        super().__init__(*args, **kwargs)
+
+    def parse_known_args(self, args: Sequence[str] | None = None, namespace=None):
+        args = sys.argv[1:] if args is None else list(args)
+        self._seen = args
+        return super().parse_known_args(join_negative_values(self, args), namespace)
+
+    def error(self, message: str):
+        # `warm --promts F` is a typo first, and only then a missing --prompts.
+        if "required" in message and unknown_options(getattr(self, "_seen", ()), option_strings(self)):
+            message = unrecognized(self._seen, option_strings(self))
+        super().error(message)
+
+
+def option_strings(parser: argparse.ArgumentParser) -> list[str]:
+    return [s for action in parser._actions for s in action.option_strings]
+
+
+def join_negative_values(parser: argparse.ArgumentParser, args: list[str]) -> list[str]:
+    """`--max-bytes -5MB` as `--max-bytes=-5MB`, for the options of `parser` that take one value."""
+    takes_value = {s for a in parser._actions if a.option_strings and a.nargs is None for s in a.option_strings}
+    out: list[str] = []
+    i = 0
+    while i < len(args):
+        if args[i] == "--":
+            return out + args[i:]
+        if args[i] in takes_value and i + 1 < len(args) and _NEGATIVE.match(args[i + 1]):
+            out.append(f"{args[i]}={args[i + 1]}")
+            i += 2
+            continue
+        out.append(args[i])
+        i += 1
+    return out
+
+
+def unknown_options(args: Iterable[str], known: Iterable[str]) -> list[str]:
+    """The option-like arguments (`--name` or `--name=value`) whose name is not in `known`."""
+    names = set(known)
+    return [a.split("=", 1)[0] for a in args if _OPTION.match(a) and a.split("=", 1)[0] not in names]
+
+
+def did_you_mean(name: str, known: Iterable[str]) -> str:
+    """`name`, with the known option it resembles: `--max-tokns (did you mean --max-tokens?)`."""
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
+    return f"{name} (did you mean {close[0]}?)" if close else name
+
+
+def unrecognized(extras: Sequence[str], known: Iterable[str]) -> str:
+    """The error message for arguments a parser left over."""
+    known = list(known)
+    options = unknown_options(extras, known)
+    if options:
+        word = "option" if len(options) == 1 else "options"
+        return f"unknown {word} " + ", ".join(did_you_mean(o, known) for o in options)
+    return "unexpected argument " + " ".join(extras)
