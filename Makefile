@@ -34,8 +34,10 @@ demo: install
 		--prompt "You are a helpful assistant. Answer briefly. What is a KV cache?"
 	$(VENV)/bin/kvstore stats --store $(STORE)
 
+# Two pytest-xdist workers, one per core of the 2-core machines the suite runs on; every fixture
+# works per worker (its own temporary folders, demo models and SeaweedFS).
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2
 
 bench: install
 	$(PY) bench/run_all.py

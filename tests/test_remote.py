@@ -149,6 +149,24 @@ def test_binary_search_needs_few_heads(tmp_path, s3, llama_model):
         assert r["lists"] == 1
 
 
+def test_the_binary_search_finds_the_deepest_chunk_exactly(tmp_path, s3, llama_model):
+    # Node B asks for 6 chunks where A stored 4 and a tail: the probe of the deepest misses, and
+    # only a binary search that ends exactly at chunk 4 finds A's tail (a listing of chunk 3's
+    # children would give back chunk 4, but not what hangs below it).
+    path, model = llama_model
+    url = s3.url()
+    prompt = toks(4 * C + 7, seed=5)
+    with node(tmp_path, "a", url) as a:
+        a.bind(model, path).insert(prompt, prefill(model, prompt))
+        assert a.flush(timeout=30)
+    with node(tmp_path, "b", url, memory_bytes=0) as b:
+        mc = b.bind(model, path)
+        query = prompt + toks(2 * C, seed=6)  # 6 chunks and a tail
+        check_restore(mc, model, query, expect_reused=len(prompt))
+        r = b.stats()["remote"]
+        assert r["downloads"] == 5 and r["remote_tokens"] == len(prompt), r
+
+
 HERE = Path(__file__).parent
 
 

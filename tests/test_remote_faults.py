@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import numpy as np
@@ -18,8 +19,10 @@ import pytest
 from kvtest import logits_diff, prefill
 
 import kvstore
+from kvstore.remote.bucket import RemoteError
 from kvstore.remote.layout import parse_key
 from kvstore.remote.s3 import S3Bucket as Bucket
+from kvstore.storage import blobtree
 
 C = 16
 
@@ -156,6 +159,72 @@ def test_frozen_object_store_costs_at_most_the_deadline(tmp_path, s3, llama):
         os.kill(s3.proc.pid, signal.SIGCONT)
 
 
+def test_a_download_frozen_at_its_first_get_costs_at_most_the_deadline(tmp_path, s3, llama):
+    # The HEADs and the listing answer; the object store freezes as the first download starts.
+    # The fetch keeps to its deadline and serves exactly what this node holds.
+    path, model = llama
+    url = s3.url()
+    prompt = toks(4 * C + 3, 69)
+    stored(tmp_path, "a", url, model, path, prompt)
+    with kvstore.open(tmp_path / "b", chunk_size=C, remote=url, remote_deadline=0.5, memory_bytes=0) as b:
+        mc = b.bind(model, path)
+        local = prompt[: 2 * C]
+        mc.insert(local, prefill(model, local))
+        assert b.flush(30)
+        real, frozen = b.remote.bucket.get, []
+
+        def get(key, *args, **kwargs):
+            if not frozen:
+                frozen.append(key)
+                os.kill(s3.proc.pid, signal.SIGSTOP)
+            return real(key, *args, **kwargs)
+
+        b.remote.bucket.get = get
+        thaw = threading.Timer(5.0, os.kill, (s3.proc.pid, signal.SIGCONT))  # a fetch that waits fails, never hangs
+        thaw.start()
+        try:
+            heads = b.stats()["remote"]["heads"]
+            reused, took = fetch_checked(mc, model, prompt + [1])
+        finally:
+            thaw.cancel()
+            os.kill(s3.proc.pid, signal.SIGCONT)
+        assert frozen and b.stats()["remote"]["heads"] > heads  # it did ask the bucket first
+        assert reused == 2 * C and took < 1.0, (reused, took)
+        assert b.stats()["remote"]["deadline_misses"] >= 1
+
+
+def test_a_failed_upload_keeps_what_hangs_below_it_out_of_the_bucket(tmp_path, s3, llama):
+    # One PUT fails while the object store stays up: the records below it are not uploaded
+    # (orphans would break the rule that presence along a chain is a prefix).
+    path, model = llama
+    url = s3.url()
+    prompt = toks(5 * C + 3, 72)
+    with kvstore.open(tmp_path / "a", chunk_size=C, remote=url) as a:
+        mc = a.bind(model, path)
+        victim = mc.record_hashes(prompt)[1].hex()  # the second chunk
+        real, failed = a.remote.bucket.put_new, []
+
+        def put_new(key, data):
+            if victim in key:
+                failed.append(key)
+                raise RemoteError(f"PUT {key}: 503 Slow Down (injected)")
+            return real(key, data)
+
+        a.remote.bucket.put_new = put_new
+        mc.insert(prompt, prefill(model, prompt))
+        assert a.flush(timeout=30)
+        objs = {k.hash: k for k in (parse_key(p, s, t) for p, s, t in Bucket(url).list("")) if k}
+        for k in objs.values():
+            assert k.parent == k.ns or k.parent in objs, f"{k.path} was uploaded without its parent"
+        assert len(objs) == 1 and len(failed) == 1
+        r = a.stats()["remote"]
+        assert r["upload_errors"] == 1 and r["uploads"] == 1, r
+        assert a.stats()["chunks"] == 5  # the local store is whole
+    with kvstore.open(tmp_path / "b", chunk_size=C, remote=url, memory_bytes=0) as b:
+        reused, _ = fetch_checked(b.bind(model, path), model, prompt + [1])
+        assert reused == C
+
+
 def test_wrong_credentials_are_an_error_not_a_crash(tmp_path, s3, llama, monkeypatch):
     path, model = llama
     url = s3.url()
@@ -198,6 +267,7 @@ def test_damaged_objects_are_never_served(tmp_path, s3, llama, damage):
         r = b.stats()["remote"]
         assert r["corrupt_objects"] == 1
         assert b.verify() == []
+        assert_only_checked_records(b, {k.hash for k in chain[:2]})
     # The tail damaged instead: every chunk is used, the tail is not.
     bucket.put(victim.path, data)
     tail = chain[-1]
@@ -205,6 +275,16 @@ def test_damaged_objects_are_never_served(tmp_path, s3, llama, damage):
     with kvstore.open(tmp_path / "c", chunk_size=C, remote=url, memory_bytes=0) as c:
         reused, _ = fetch_checked(c.bind(model, path), model, prompt + [1])
         assert reused == 4 * C
+        assert_only_checked_records(c, {k.hash for k in chain[:-1]})
+
+
+def assert_only_checked_records(store, good: set[bytes]) -> None:
+    """The node's store holds exactly these downloaded records, as blobs and as rows: no byte of
+    a damaged object reached it (not even as a quarantined row or a file left behind)."""
+    rows = {r.hash: r for r in store.index.rows()}
+    assert set(rows) == good and not any(r.bad for r in rows.values())
+    files = {blobtree.hash_of(p, store.blob_root) for p in blobtree.walk(store.blob_root)}
+    assert files == good
 
 
 def test_upload_queue_is_bounded_by_bytes(tmp_path, s3, llama):

@@ -183,17 +183,20 @@ def test_a_byte_flipped_in_each_tensor_is_never_served(tmp_path, demo_model, lay
     path = blobtree.blob_path(tmp_path / "s" / "blobs", target.hash)
     header, base = blobformat.parse_header(path.read_bytes())
     assert "tokens" in header and len(header) > 2
+    copies = {}
     for name, info in sorted(header.items()):
         start, end = info["data_offsets"]
         if start == end:
             continue
-        copy = tmp_path / f"flip-{name}"
+        copy = copies[name] = tmp_path / f"flip-{name}"
         shutil.copytree(tmp_path / "s", copy)
         blob = blobtree.blob_path(copy / "blobs", target.hash)
         raw = bytearray(blob.read_bytes())
         raw[base + (start + end) // 2] ^= 0x10
         blob.write_bytes(bytes(raw))
-        got = run("check", copy, model_dir, spec, tokens, "disk")
+    # One process checks every copy, each store opened afresh with the memory tier off.
+    results = run("checks", json.dumps([str(c) for c in copies.values()]), model_dir, spec, tokens, "disk")
+    for (name, copy), got in zip(copies.items(), results, strict=True):
         assert got["quarantined"] == 1, name
         if layout == "hybrid":
             assert got["reused"] == 0, name  # no other checkpoint to restore at
@@ -203,6 +206,35 @@ def test_a_byte_flipped_in_each_tensor_is_never_served(tmp_path, demo_model, lay
         with kvstore.open(copy, chunk_size=C) as store:
             assert store.stats()["quarantined_total"] == 1
         shutil.rmtree(copy)
+
+
+def test_a_damaged_record_is_never_kept_in_the_memory_tier(tmp_path, llama):
+    # With the memory tier on, what fetch read from disk is copied into RAM, where the next
+    # fetch takes it unchecked: a record that failed its checksum must not be among the copies.
+    from kvtest import logits_diff, prefill
+
+    model_path, model = llama
+    tokens = toks(3 * C + 6, 13)
+    with kvstore.open(tmp_path / "s", chunk_size=C) as store:
+        store.bind(model, model_path).insert(tokens, prefill(model, tokens))
+        store.flush()
+        target = next(r for r in store.index.rows() if r.depth == 2 and r.kind == 0)
+    blob = blobtree.blob_path(tmp_path / "s" / "blobs", target.hash)
+    raw = bytearray(blob.read_bytes())
+    header, base = blobformat.parse_header(bytes(raw))
+    start, end = next(info["data_offsets"] for name, info in sorted(header.items())
+                      if name != "tokens" and info["data_offsets"][0] < info["data_offsets"][1])
+    raw[base + (start + end) // 2] ^= 0x10  # a K/V tensor: found while filling, not on opening
+    blob.write_bytes(bytes(raw))
+    query = tokens + [5]
+    with kvstore.open(tmp_path / "s", chunk_size=C, memory_bytes=1 << 30) as store:
+        mc = store.bind(model, model_path)
+        for attempt in ("first", "second"):
+            cache, rest = mc.fetch(query)
+            assert len(query) - len(rest) == C, attempt  # the prefix ends where the damage starts
+            assert logits_diff(model, cache, rest, query) <= 1e-4, attempt
+        assert target.hash not in store.memory and store.memory.hits > 0
+        assert store.counters["quarantined"] == 1
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
@@ -366,6 +398,26 @@ def test_with_the_memory_tier_off_the_writer_copies_nothing_for_ram(tmp_path, ll
         store.bind(model, model_path).insert(tokens, prefill(model, tokens))
         store.flush()
         assert len(calls) == 6 and store.memory.nbytes > 0
+
+
+def test_a_chain_longer_than_an_index_batch_is_found_and_restored_whole(tmp_path, llama):
+    # The index asks for hashes 900 at a time (storage.schema.MAX_PARAMS): 1,000 one-token chunks
+    # span two batches, and every record of both must be found, by fetch and by insert.
+    from kvtest import logits_diff, prefill
+
+    model_path, model = llama
+    tokens = toks(1000, 43)
+    with kvstore.open(tmp_path / "s", chunk_size=1, memory_bytes=0, fsync=False) as store:
+        mc = store.bind(model, model_path)
+        cache = prefill(model, tokens)
+        mc.insert(tokens, cache)
+        store.flush()
+        assert store.stats()["chunks"] == 1000
+        assert mc.insert(tokens, cache) == 0  # all of it is found stored: nothing queued again
+        query = tokens + [7]
+        restored, rest = mc.fetch(query)
+        assert rest == [7]
+        assert logits_diff(model, restored, rest, query) <= 1e-4
 
 
 def test_fetch_reads_the_chains_rows_in_one_index_query(tmp_path, llama):
