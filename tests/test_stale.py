@@ -28,7 +28,9 @@ def rewrite_weights(folder) -> None:
     tmp.rename(path)
 
 
-def store_two_versions(tmp_path, demo_model_path):
+def store_one_version(tmp_path, demo_model_path):
+    """(model folder, store) of a copy of the demo model with PROMPT and a pinned PINNED stored;
+    its namespace."""
     folder = shutil.copytree(demo_model_path, tmp_path / "model")
     path = tmp_path / "s"
     model, _ = load(str(folder))
@@ -39,7 +41,11 @@ def store_two_versions(tmp_path, demo_model_path):
         store.flush()
         [m] = store.stats()["models"]
         assert m["stale"] is False and m["stale_reason"] is None
-        old_ns = mc.ns
+    return folder, path, mc.ns
+
+
+def store_two_versions(tmp_path, demo_model_path):
+    folder, path, old_ns = store_one_version(tmp_path, demo_model_path)
     rewrite_weights(folder)
     model, _ = load(str(folder))
     with kvstore.open(path, chunk_size=C) as store:
@@ -166,14 +172,7 @@ def test_changed_bytes_of_the_same_size_are_evicted_after_a_rehash(tmp_path, dem
     """Weights rewritten with the same size and no new version bound: `gc --stale` hashes the
     file again, finds other bytes, and evicts (pins aside); `stats` then says STALE, on a line
     of its own."""
-    folder = shutil.copytree(demo_model_path, tmp_path / "model")
-    path = tmp_path / "s"
-    model, _ = load(str(folder))
-    with kvstore.open(path, chunk_size=C) as store:
-        mc = store.bind(model, folder)
-        mc.insert(PROMPT, prefill(model, PROMPT))
-        mc.insert(PINNED, prefill(model, PINNED), pin=True)
-        store.flush()
+    folder, path, _ = store_one_version(tmp_path, demo_model_path)
     flip_a_byte(folder)
     [m] = by_ns(path).values()
     assert m["stale"] is None and NOT_RECHECKED in m["stale_reason"]  # until hashed again
