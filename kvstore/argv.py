@@ -13,6 +13,8 @@ import re
 import sys
 from typing import Iterable, Sequence
 
+from kvstore.sizes import parse_duration, parse_size
+
 _NEGATIVE = re.compile(r"-\.?\d")  # -5, -5MB, -.5G: a value, never one of our options
 _OPTION = re.compile(r"--?[A-Za-z]")
 
@@ -77,3 +79,19 @@ def unrecognized(extras: Sequence[str], known: Iterable[str]) -> str:
         word = "option" if len(options) == 1 else "options"
         return f"unknown {word} " + ", ".join(did_you_mean(o, known) for o in options)
     return "unexpected argument " + " ".join(extras)
+
+
+def size(text: str) -> int:
+    """An argparse type: `500MB`, `2GiB` (`sizes.parse_size`; its message on a bad value)."""
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def duration(text: str) -> float:
+    """An argparse type: `30m`, `7d` (`sizes.parse_duration`)."""
+    try:
+        return parse_duration(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None

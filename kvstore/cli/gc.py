@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from kvstore.cli.options import duration, open_local, open_remote, remote_url, size
+from kvstore.argv import duration, size
+from kvstore.cli.options import open_local, open_remote, remote_url
 from kvstore.cli.output import EXIT_USAGE, PROG, CommandError, plural, say
 from kvstore.sizes import format_size
 

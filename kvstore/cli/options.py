@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Iterator
 
 from kvstore.cli.output import EXIT_USAGE, PROG, CommandError, say
-from kvstore.sizes import parse_duration, parse_size
 
 
 def store_parent() -> argparse.ArgumentParser:
@@ -34,21 +33,6 @@ def model_parent() -> argparse.ArgumentParser:
                         "(default: the built-in demo model, random weights)")
     return p
 
-
-def size(text: str) -> int:
-    """An argparse type: `500MB`, `2GiB`."""
-    try:
-        return parse_size(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def duration(text: str) -> float:
-    """An argparse type: `30m`, `7d`."""
-    try:
-        return parse_duration(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def store_path(args) -> Path:

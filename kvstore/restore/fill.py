@@ -86,7 +86,7 @@ def fill(pl: Plan, sources: Sequence[Source]) -> tuple[dict[str, mx.array], list
     else:
         zero(spare)
         results = runs(keys)
-    del views  # the final arrays are their memory's only owners again (donatable, in place)
+    views.clear()  # the final arrays are their memory's only owners again (donatable, in place)
     return finals, [(k, e) for k, e in zip(keys, results) if e is not None]
 
 

@@ -11,8 +11,7 @@ import ipaddress
 import os
 import socket
 
-from kvstore.argv import Parser
-from kvstore.sizes import parse_size
+from kvstore.argv import Parser, size
 
 #: Default of --store-max-tokens: a longer request is served but not stored.
 DEFAULT_MAX_STORED_TOKENS = 32768
@@ -44,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--store-max-bytes", metavar="SIZE", type=_budget, default="auto",
                    help="bound the store on disk, e.g. 20GB; `auto` (the default): a quarter of "
                         "what it holds plus the disk's free space, at start; `none`: unbounded")
-    p.add_argument("--memory-bytes", metavar="SIZE", type=_size,
+    p.add_argument("--memory-bytes", metavar="SIZE", type=size,
                    help="bound the store's memory tier, e.g. 2GiB (default: 1 GiB)")
     p.add_argument("--store-max-tokens", metavar="N", type=_tokens, default=DEFAULT_MAX_STORED_TOKENS,
                    help="store the cache of a request only up to N tokens (prompt and generated "
@@ -59,20 +58,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
 def _budget(text: str) -> int | str | None:
     word = text.strip().lower()
     if word == "auto":
         return "auto"
     if word in ("none", "unbounded"):
         return None
-    return _size(text)
+    return size(text)
 
 
 def _tokens(text: str) -> int | None:
