@@ -50,7 +50,7 @@ def cmd_stats(args) -> int:
         print(json.dumps({**stats, "scope": scope(stats)}, indent=2, sort_keys=True, default=str))
         return 0
     out(f"store: {stats['path']}")
-    sizes = sorted({m["chunk_size"] for m in stats["models"]})
+    sizes = sorted({m["chunk_size"] for m in stats["models"] if m["chunk_size"] is not None})
     print(f"bytes: {stats['bytes']} ({format_size(stats['bytes'])})   chunks: {stats['chunks']}   "
           f"tails: {stats['tails']}   models: {len(stats['models'])}   "
           f"chunk size: {', '.join(map(str, sizes)) or '-'}")

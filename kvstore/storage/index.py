@@ -24,6 +24,11 @@ from kvstore.storage.evictsql import EvictionSQL
 from kvstore.storage.schema import available_migrations, connect_read_only, is_corruption
 
 _MAX_PARAMS = schema.MAX_PARAMS
+#: The columns of `totals` (per namespace), and of `models`.
+TOTALS = ("bytes", "chunks", "tails", "checkpoints")
+_TOTALS_SQL = ", ".join(TOTALS)
+MODEL_FIELDS = ("ns", "fingerprint", "model_id", "layout", "chunk_size", "created", "last_used")
+_MODEL_COLUMNS = ", ".join(f"m.{c}" for c in MODEL_FIELDS)
 
 
 
@@ -356,11 +361,35 @@ class Index(EvictionSQL):
     # -- totals -----------------------------------------------------------------------------
 
     def totals(self) -> dict[str, int]:
-        row = self.conn.execute(
-            "SELECT coalesce(sum(bytes), 0), coalesce(sum(chunks), 0), coalesce(sum(tails), 0), "
-            "coalesce(sum(checkpoints), 0) FROM totals"
-        ).fetchone()
-        return {"bytes": row[0], "chunks": row[1], "tails": row[2], "checkpoints": row[3]}
+        """The store's totals: `bytes`, `chunks`, `tails`, `checkpoints`."""
+        sums = [sum(column) for column in zip(*self.namespace_totals().values())] or [0, 0, 0, 0]
+        return dict(zip(TOTALS, sums))
+
+    def namespace_totals(self) -> dict[bytes, tuple[int, ...]]:
+        """ns -> its totals (in `TOTALS` order). When a value in the `totals` table is not a
+        whole number of 0 or more, the table is damaged: they are counted from the records
+        instead (`verify` reports it, `verify --repair` rewrites the table)."""
+        stored = self.stored_totals()
+        if all(_whole(v) for values in stored.values() for v in values):
+            return stored
+        return self.counted_totals()
+
+    def stored_totals(self) -> dict[object, tuple]:
+        """ns -> its row of the `totals` table as stored, whatever its types (for verify)."""
+        return {ns: tuple(values) for ns, *values in self.conn.execute(f"SELECT ns, {_TOTALS_SQL} FROM totals")}
+
+    def counted_totals(self) -> dict[bytes, tuple[int, ...]]:
+        """ns -> its totals (in `TOTALS` order) counted from the records (one scan of them)."""
+        return {ns: tuple(values) for ns, *values in self.conn.execute(
+            "SELECT ns, coalesce(sum(CASE WHEN typeof(size) = 'integer' THEN size END), 0), "
+            f"sum(kind = {CHUNK}), sum(kind = {TAIL}), sum(kind = {CHECKPOINT}) FROM records GROUP BY ns")}
+
+    def rewrite_totals(self) -> None:
+        """The `totals` table counted again from the records, in one transaction."""
+        with self.transaction() as conn:
+            conn.execute("DELETE FROM totals")
+            conn.executemany(f"INSERT INTO totals (ns, {_TOTALS_SQL}) VALUES (?, ?, ?, ?, ?)",
+                             [(ns, *values) for ns, values in self.counted_totals().items()])
 
     def quarantined(self) -> tuple[int, int]:
         """(records, bytes) of the records quarantined now: never served, held until a gc (one
@@ -370,39 +399,56 @@ class Index(EvictionSQL):
         return n, size
 
     def models(self) -> list[dict]:
-        """One dict per bound model version, with its record totals and use."""
+        """One dict per bound model version, with its record totals and use. A field of the
+        wrong type (damage, which `verify` reports) is None, or "?" for a hash; a row whose
+        namespace is not a hash is left out."""
+        per_ns = self.namespace_totals()
         rows = self.conn.execute(
-            "SELECT m.ns, m.fingerprint, m.model_id, m.layout, m.chunk_size, m.created, "
-            "m.last_used, coalesce(t.chunks, 0), coalesce(t.tails, 0), coalesce(t.bytes, 0), "
-            "(SELECT coalesce(sum(hits), 0) FROM records r WHERE r.ns = m.ns), "
-            "(SELECT max(last_access) FROM records r WHERE r.ns = m.ns), coalesce(t.checkpoints, 0) "
-            "FROM models m LEFT JOIN totals t ON t.ns = m.ns ORDER BY m.last_used DESC"
-        )
-        return [
-            {
-                "namespace": r[0].hex(),
-                "fingerprint": r[1].hex(),
-                "model_id": r[2],
-                "layout": _layout(r[3]),
-                "chunk_size": r[4],
-                "created": r[5],
-                "last_used": max(r[6], r[11] or 0),
-                "chunks": r[7],
-                "tails": r[8],
-                "bytes": r[9],
-                "hits": r[10],
-                "checkpoints": r[12],
-            }
-            for r in rows
-        ]
+            f"SELECT {_MODEL_COLUMNS}, "
+            "(SELECT coalesce(sum(CASE WHEN typeof(hits) = 'integer' THEN hits END), 0) FROM records r "
+            "WHERE r.ns = m.ns), (SELECT max(CASE WHEN typeof(last_access) IN ('integer', 'real') "
+            "THEN last_access END) FROM records r WHERE r.ns = m.ns) FROM models m ORDER BY m.last_used DESC")
+        out = []
+        for ns, fingerprint, model_id, layout, chunk_size, created, last_used, hits, last_access in rows:
+            if not isinstance(ns, bytes):
+                continue
+            used = [t for t in (last_used, last_access) if type(t) in (int, float)]
+            stored, chunks, tails, checkpoints = per_ns.get(ns, (0, 0, 0, 0))
+            out.append({
+                "namespace": ns.hex(),
+                "fingerprint": fingerprint.hex() if isinstance(fingerprint, bytes) else "?",
+                "model_id": str(model_id),
+                "layout": _layout(layout),
+                "chunk_size": chunk_size if _whole(chunk_size) and chunk_size > 0 else None,
+                "created": created if type(created) in (int, float) else None,
+                "last_used": max(used) if used else None,
+                "chunks": chunks,
+                "tails": tails,
+                "bytes": stored,
+                "hits": hits,
+                "checkpoints": checkpoints,
+            })
+        return out
+
+    def model_rows(self) -> list[tuple]:
+        """Every row of `models` as stored, in `MODEL_FIELDS` order (for verify)."""
+        return self.conn.execute(f"SELECT {_MODEL_COLUMNS} FROM models m").fetchall()
+
+    def rewrite_model(self, ns, fields: dict) -> None:
+        """Set these `MODEL_FIELDS` of the models row `ns`; no fields: delete the row."""
+        with self.transaction() as conn:
+            if not fields:
+                conn.execute("DELETE FROM models WHERE ns = ?", (ns,))
+                return
+            if not set(fields) <= set(MODEL_FIELDS):
+                raise ValueError(f"not columns of models: {sorted(set(fields) - set(MODEL_FIELDS))}")
+            sets = ", ".join(f"{name} = ?" for name in fields)
+            conn.execute(f"UPDATE models SET {sets} WHERE ns = ?", (*fields.values(), ns))
 
     def counters(self) -> dict[str, int]:
-        return {
-            k: int(v)
-            for k, v in self.conn.execute(
-                "SELECT key, value FROM meta WHERE key LIKE 'count.%'"
-            )
-        }
+        """The `count.` keys of `meta` (a value that is not a whole number is left out)."""
+        rows = self.conn.execute("SELECT key, value FROM meta WHERE key LIKE 'count.%'")
+        return {k: int(v) for k, v in rows if str(v).lstrip("-").isdigit()}
 
 
 def _drop_edges(conn: sqlite3.Connection, edges: Iterable[tuple[bytes, int, bytes]]) -> None:
@@ -415,6 +461,11 @@ def _row(r: tuple) -> Row:
     if isinstance(values[8], int):  # a row of the wrong type is left for verify to report
         values[8] = _i64_to_u64(values[8])
     return Row(*values)
+
+
+def _whole(value: object) -> bool:
+    """A whole number of 0 or more, as SQLite hands back an integer column that holds one."""
+    return type(value) is int and value >= 0
 
 
 def _layout(text: str) -> object:

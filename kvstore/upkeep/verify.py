@@ -27,6 +27,7 @@ from kvstore.errors import BlobError
 from kvstore.storage import blobfile, blobformat, blobtree
 from kvstore.storage.index import Index
 from kvstore.storage.storedir import QUARANTINE_NAME
+from kvstore.upkeep.tables import repair_tables, table_problems
 
 ORPHAN_SHARE = 0.10
 ORPHAN_FEW = 8
@@ -37,7 +38,7 @@ class Problem:
     """One thing `verify` found wrong."""
 
     # missing_blob, corrupt_blob, quarantined, bad_row, orphan_row, orphan_file, temp_file,
-    # foreign_file, repair_refused
+    # foreign_file, repair_refused, bad_totals, bad_model_row
     kind: str
     path: str
     detail: str
@@ -96,10 +97,17 @@ def verify(index: Index, root: Path, *, repair: bool = False, force: bool = Fals
             problem = _stray(index, root, path)
             if problem is not None:
                 problems.append(problem)
+        tables = table_problems(index)
+        problems += [Problem(kind, str(index.path), f"namespace {ns or '?'}: {why}") for kind, ns, why in tables]
         if repair and problems:
             blob_files = sum(1 for p in strays if blobtree.hash_of(p, root) is not None) + len(rows)
             problems += _repair(index, root, problems, bad, orphans, known, {r.hash: r.depth for r in rows},
                                 [h for h, _ in bad_rows], blob_files, force)
+            good: dict[bytes, list[bytes]] = {}
+            for row in rows:
+                if row.hash not in bad and row.hash not in orphans:
+                    good.setdefault(row.ns, []).append(row.hash)
+            repair_tables(index, root, good, tables)
     return problems
 
 
