@@ -1,5 +1,5 @@
 """Human-friendly sizes, durations and counts for the command line and the log: `2GiB`, `1.5G`,
-`30m`, `7d`, `1 request`.
+`30m`, `7d`, `1 request`; and `printable`, which makes foreign text safe to show there.
 
 Sizes follow GNU coreutils: `KB`, `MB`, `GB`, `TB` are powers of 1000; `K`, `M`, `G`, `T` and
 `KiB`, `MiB`, `GiB`, `TiB` are powers of 1024; a plain number (or `B`) is bytes.
@@ -78,3 +78,18 @@ def format_age(seconds: float) -> str:
 def plural(n: int, word: str) -> str:
     """`1 problem`, `2 problems`."""
     return f"{n} {word}{'s' if n != 1 else ''}"
+
+
+def printable(text: object) -> str:
+    """`text` with every non-printable character escaped (`\\x1b`, `\\u202e`): control and
+    format characters, such as the bidirectional overrides that make a name read backwards.
+    For anything that came from a file, the bucket or a request before it is printed or logged."""
+    s = str(text)
+    if s.isprintable():
+        return s
+    return "".join(c if c.isprintable() else _escape(c) for c in s)
+
+
+def _escape(c: str) -> str:
+    o = ord(c)
+    return f"\\x{o:02x}" if o < 0x100 else f"\\u{o:04x}" if o < 0x10000 else f"\\U{o:08x}"

@@ -294,15 +294,16 @@ def test_repair_deletes_only_kvstore_names_and_moves_the_rest_aside(tmp_path, ll
     for p, data in planted.items():
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_bytes(data)
-    orphan = root / "ab" / "cd" / name
-    orphan.write_bytes(b"a blob name, no row")
+    lookalike = root / "ab" / "cd" / name
+    lookalike.write_bytes(b"a blob name, no row, no header naming it")
     os.mkfifo(root / "ab" / "cd" / ("abcd" + "f" * 28 + blobtree.SUFFIX))
     with kvstore.open(store, chunk_size=C) as s:
         kinds = sorted(p.kind for p in s.verify(repair=True))
-        assert kinds == ["foreign_file"] * 5 + ["orphan_file"], kinds
+        assert kinds == ["foreign_file"] * 6, kinds
         assert s.verify() == []
-    assert not orphan.exists()  # a name kvstore writes, in its place: deleted
     kept = {p.name.split(".", 1)[1]: p for p in (store / "quarantine").iterdir()}
+    # A name kvstore writes, in its place, but no header naming its hash: moved aside, not deleted.
+    assert kept[f"ab_cd_{name}"].read_bytes() == b"a blob name, no row, no header naming it"
     assert kept["notes.txt"].read_bytes() == b"mine"
     assert kept["ab_cd_photo.jpg"].read_bytes() == b"\xff\xd8 photo"
     assert kept[f"ab_{name}"].read_bytes() == b"blob name in the wrong folder"

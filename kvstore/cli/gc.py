@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from kvstore.argv import duration, size
-from kvstore.cli.options import open_local, open_remote, remote_url
-from kvstore.cli.output import EXIT_USAGE, PROG, CommandError, plural, say
+from kvstore.cli.options import open_local, remote_upkeep, remote_url
+from kvstore.cli.output import EXIT_USAGE, PROG, CommandError, out, plural, say
 from kvstore.sizes import format_size
 
 EXAMPLES = """examples:
@@ -44,10 +44,10 @@ def cmd_gc(args) -> int:
 
 def _gc_remote(args) -> int:
     """`gc --remote`: bound the bucket, deepest records first; pins of every node are kept."""
-    with open_remote(args, remote_url(args)) as (_, remote):
-        result = remote.gc(max_bytes=args.max_bytes, max_age=args.max_age, dry_run=args.dry_run)
+    url = remote_url(args)
+    result = remote_upkeep(args, url, "gc", max_bytes=args.max_bytes, max_age=args.max_age, dry_run=args.dry_run)
     verb, holds = ("would delete", "would hold") if args.dry_run else ("deleted", "holds")
-    print(f"remote {remote.url}: {verb} {result['evicted']} objects ({format_size(result['freed_bytes'])}); "
+    out(f"remote {url}: {verb} {result['evicted']} objects ({format_size(result['freed_bytes'])}); "
           f"the bucket {holds} {result['records']} records, {format_size(result['bytes'])} "
           f"({result['kept_pinned']} pinned records kept)")
     return 0

@@ -85,6 +85,22 @@ def open_remote(args, url: str, **local) -> Iterator[tuple]:
             remote.close()
 
 
+def remote_upkeep(args, url: str, action: str, **kw):
+    """`gc` or `verify` (`action`) of the bucket at `url`, with these keyword arguments: through
+    this node's `Remote` when its store is there (its pins are published first), else on the
+    bucket alone, creating no store (a node with no store has nothing pinned)."""
+    from kvstore.storage.storedir import is_absent
+
+    if is_absent(store_path(args).expanduser()):
+        from kvstore.remote.bucket import open_bucket
+        from kvstore.remote.upkeep import collect_remote, verify_remote
+
+        run = {"gc": collect_remote, "verify": verify_remote}[action]
+        return run(open_bucket(url), **kw)
+    with open_remote(args, url, must_exist=True) as (_, remote):
+        return getattr(remote, action)(**kw)
+
+
 def open_store(args):
     """The whole store (`kvstore.open`: tiers, writer, models), for the model commands."""
     import kvstore

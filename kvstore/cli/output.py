@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from kvstore.sizes import plural  # noqa: F401 -- the commands print counts through here
+from kvstore.sizes import plural, printable  # noqa: F401 -- the commands print through here
 
 PROG = "kvstore"
 EXIT_PROBLEMS = 1
@@ -23,19 +23,6 @@ class CommandError(Exception):
     def __init__(self, message: str, code: int = EXIT_PROBLEMS):
         super().__init__(message)
         self.code = code
-
-
-def printable(text: Any) -> str:
-    """`text` with every non-printable character escaped (`\\x1b`, `\\u202e`)."""
-    s = str(text)
-    if s.isprintable():
-        return s
-    return "".join(c if c.isprintable() else _escape(c) for c in s)
-
-
-def _escape(c: str) -> str:
-    o = ord(c)
-    return f"\\x{o:02x}" if o < 0x100 else f"\\u{o:04x}" if o < 0x10000 else f"\\U{o:08x}"
 
 
 def say(*parts: Any) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import shlex
 
-from kvstore.cli.options import open_local, open_remote, remote_url, store_path
+from kvstore.cli.options import open_local, remote_upkeep, remote_url, store_path
 from kvstore.cli.output import EXIT_PROBLEMS, PROG, out, plural, say
 from kvstore.errors import CorruptIndexError
 
@@ -78,15 +78,15 @@ def _rebuild(args, why: CorruptIndexError) -> dict:
 
 def _verify_remote(args) -> int:
     """`verify --remote`: download and check every object of the bucket."""
-    with open_remote(args, remote_url(args)) as (_, remote):
-        problems = remote.verify(repair=args.repair)
+    url = remote_url(args)
+    problems = remote_upkeep(args, url, "verify", repair=args.repair)
     if args.json:
         print(json.dumps({"clean": not problems, "repaired": bool(args.repair and problems),
                           "problems": [p.to_dict() for p in problems]}, indent=2))
     else:
         for p in problems:
-            print(p)
-        print(f"remote {remote.url}: " + ("clean" if not problems else
+            out(p)  # object keys are the bucket's: any writer of it chose them
+        out(f"remote {url}: " + ("clean" if not problems else
               f"{plural(len(problems), 'problem')} found"
               + ("; repaired" if args.repair else f"; run `{PROG} verify --remote --repair` to delete them")))
     return EXIT_PROBLEMS if problems else 0

@@ -55,11 +55,27 @@ class Bucket(Protocol):
 
 
 def _backend(url: str):
+    _refuse_credentials(url)
     scheme = url.partition("://")[0] if isinstance(url, str) and "://" in url else None
     if scheme not in BACKENDS:
         known = ", ".join(f"{k}://BUCKET/PREFIX" for k in BACKENDS)
         raise InvalidInputError(f"remote must be a URL like {known}, got {url!r}")
     return importlib.import_module(BACKENDS[scheme])
+
+
+def _refuse_credentials(url: object) -> None:
+    """A URL with `KEY:SECRET@` before the bucket is refused, and never shown: it would be in
+    every log line, error and `stats` that names the remote."""
+    if not isinstance(url, str) or "://" not in url:
+        return
+    scheme, _, rest = url.partition("://")
+    authority, slash, path = rest.partition("/")
+    if "@" in authority:
+        shown = f"{scheme}://...@{authority.rpartition('@')[2]}{slash}{path}"
+        raise InvalidInputError(
+            f"the remote URL holds credentials before the bucket ({shown}): remove them, and give "
+            "them as AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) in the "
+            "environment instead; kvstore never takes them from a URL")
 
 
 def check_url(url: str) -> None:

@@ -6,10 +6,12 @@ not one per fetch or upload). Shared by the remote tier (reads) and the uploader
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 
 from kvstore.remote.bucket import RemoteAuthError
+from kvstore.sizes import printable
 
 log = logging.getLogger("kvstore")
 
@@ -21,6 +23,19 @@ COUNTERS = (
 #: Counters are added to the store's index under this prefix, so `kvstore stats` shows every
 #: process's totals.
 COUNTER_PREFIX = "count.remote."
+#: What an error keeps of its message: no URL, path or object key (a key names a chain hash and
+#: a first token, enough to confirm a guessed prompt), no long hex, at most this many characters.
+_WITH_SLASH = re.compile(r"\S*/\S*")
+_LONG_HEX = re.compile(r"[0-9a-fA-F]{16,}")
+ERROR_CHARS = 240
+
+
+def short_error(e: BaseException, *, kind: bool = True) -> str:
+    """`e` as stats and the log show it: its kind (the exception's class, with `kind`) and a
+    short message from which every word naming a URL, path or key, and every long hash, is cut."""
+    text = _LONG_HEX.sub("<hash>", _WITH_SLASH.sub("<key>", " ".join(str(e).split())))
+    text = f"{type(e).__name__}: {text}" if kind else text
+    return printable(text if len(text) <= ERROR_CHARS else text[: ERROR_CHARS - 3] + "...")
 
 
 class Health:
@@ -42,7 +57,7 @@ class Health:
         Refused credentials are said once: every request after the first fails the same way."""
         self.count("errors")
         refused = isinstance(e, RemoteAuthError)
-        self.last_error = str(e) if refused else f"{type(e).__name__}: {e}"
+        self.last_error = short_error(e, kind=not refused)
         if down or refused:
             self.mark_down()
         with self._lock:

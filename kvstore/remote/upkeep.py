@@ -26,13 +26,14 @@ from kvstore.errors import BlobError
 from kvstore.records import CHECKPOINT
 from kvstore.remote.bucket import Bucket, RemoteError
 from kvstore.remote.layout import ObjectKey, parse_key, pins_key
+from kvstore.storage.storedir import NODE_ID_NAME
 from kvstore.upkeep import evict
 from kvstore.upkeep.verify import Problem
 
 if TYPE_CHECKING:
     from kvstore.storage.index import Index
 
-NODE_FILE = "remote-node-id"
+NODE_FILE = NODE_ID_NAME
 
 
 def node_id(store_dir: Path) -> str:

@@ -10,7 +10,6 @@ Nothing here raises into the writer: failures are counted (`Health`).
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections import OrderedDict, deque
@@ -24,6 +23,7 @@ from kvstore.remote.bucket import Bucket, RemoteError
 from kvstore.remote.health import Health
 from kvstore.remote.layout import key_of, manifest_key
 from kvstore.remote.objects import check_object
+from kvstore.storage.blobfile import read_file
 from kvstore.storage.blobtree import blob_path
 from kvstore.storage.index import Row
 
@@ -138,10 +138,9 @@ class Uploader:
         if row.parent != row.ns and not self._parent_uploaded(row):
             self.health.count("skipped_no_parent")
             return False
-        try:
-            with open(os.open(blob_path(self.blob_root, row.hash), os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
-                buf = f.read()
-        except OSError:  # evicted (or damaged) locally since it was written: nothing to share
+        try:  # as the local reads do: a regular file, never a link nor a FIFO, its size checked first
+            buf = read_file(blob_path(self.blob_root, row.hash), limit=row.size)
+        except BlobError:  # evicted (or damaged) locally since it was written: nothing to share
             return False
         if xxhash.xxh3_64_intdigest(buf) != row.checksum:
             return False

@@ -1,23 +1,28 @@
 """What `kvstore serve` changes in mlx_lm.server's HTTP handler.
 
 Added, read-only: `GET /metrics` (Prometheus text format), `GET /kvstore/stats` (`store.stats()`
-as JSON) and a `GET /v1/models` that always lists the served model. Changed: requests from a web
-origin that was not allowed are refused before they reach the model, and so are bodies sent as
-`text/plain` or as a form (a web page can send those to any address without asking first); a
-malformed body is refused without writing it to the log.
+as JSON, without paths unless asked) and a `GET /v1/models` that always lists the served model.
+Changed: a request addressed to a host name the server does not go by is refused (DNS
+rebinding); requests from a web origin that was not allowed are refused before they reach the
+model, and so are bodies sent as `text/plain` or as a form (a web page can send those to any
+address without asking first); a malformed body is refused without writing it to the log.
 """
 
 from __future__ import annotations
 
 import io
+import ipaddress
 import json
 import logging
+import os
+import socket
 import time
 from typing import Any
 from urllib.parse import unquote
 
 from kvstore.serve.metrics import ServerMetrics
 from kvstore.serve.promptcache import PersistentPromptCache
+from kvstore.sizes import printable
 
 log = logging.getLogger("kvstore")
 
@@ -26,29 +31,62 @@ POST_PATHS = ("/v1/completions", "/v1/chat/completions", "/chat/completions")
 #: Content types a web page may POST to any origin without a CORS preflight.
 SIMPLE_TYPES = ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data")
 INVALID_JSON = "Invalid JSON in request body"
+#: Names every server answers for, and the addresses that mean "listen on every address".
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+WILDCARD_ADDRESSES = ("0.0.0.0", "::", "")
+
+
+class Hosts:
+    """The names a request may be addressed to (its `Host` header, any port): the loopback
+    names, the address the server listens on and `extra` (`*`: any). Listening on every address
+    (0.0.0.0, ::) adds this machine's names and any IP address. A page whose own name was made to
+    resolve to this machine (DNS rebinding) still sends that name, and is refused."""
+
+    def __init__(self, listen: str | None, extra: list[str] = ()):
+        listen = _bare_name(listen or "127.0.0.1")
+        self.any_ip = listen in WILDCARD_ADDRESSES
+        self.names = {*LOOPBACK_NAMES, listen, *map(_bare_name, extra)}
+        if self.any_ip:
+            self.names |= {_bare_name(socket.gethostname()), _bare_name(socket.getfqdn())}
+
+    def allows(self, header: str) -> bool:
+        name = _bare_name(header, port=True)
+        return "*" in self.names or name in self.names or (self.any_ip and _is_ip(name))
+
 
 
 def handler_class(base: type, cache: PersistentPromptCache, metrics: ServerMetrics,
-                  allowed_origins: list[str], served_model: str | None) -> type:
+                  allowed_origins: list[str], served_model: str | None, *,
+                  hosts: Hosts | None = None, stats_paths: bool = False) -> type:
     """A subclass of mlx_lm.server's `APIHandler` serving kvstore's endpoints and rules.
 
     `allowed_origins`: web origins whose requests are served and may read responses (`["*"]`:
     every origin; `[]`: none). `served_model`: the `--model` the server was started with.
+    `hosts`: the names requests may be addressed to (default: the loopback names).
+    `stats_paths`: `/kvstore/stats` shows paths (else they are left out).
     """
     return type("KVStoreHandler", (KVStoreEndpoints, base), {
         "kvstore_cache": cache, "kvstore_metrics": metrics,
-        "kvstore_allowed_origins": allowed_origins, "kvstore_served_model": served_model})
+        "kvstore_allowed_origins": allowed_origins, "kvstore_served_model": served_model,
+        "kvstore_hosts": hosts or Hosts(None), "kvstore_stats_paths": stats_paths})
 
 
 class KVStoreEndpoints:
     """kvstore's endpoints and refusals, put in front of mlx_lm.server's `APIHandler` by
-    `handler_class` (which sets the four `kvstore_` attributes). A new GET endpoint goes in
+    `handler_class` (which sets the `kvstore_` attributes). A new GET endpoint goes in
     `do_GET`; `super()` is mlx_lm.server's handler."""
 
     kvstore_cache: PersistentPromptCache
     kvstore_metrics: ServerMetrics
     kvstore_allowed_origins: list[str]
     kvstore_served_model: str | None
+    kvstore_hosts: Hosts
+    kvstore_stats_paths: bool
+
+    def parse_request(self) -> bool:
+        """The request line and headers, as mlx_lm.server reads them; then a request addressed
+        to a host this server does not answer for is refused before any method sees it."""
+        return super().parse_request() and not self._refused_host()
 
     def do_GET(self):
         path = self.path.split("?", 1)[0]
@@ -57,7 +95,8 @@ class KVStoreEndpoints:
                 body, content_type = self.kvstore_metrics.render()
                 return self._answer(200, body, content_type)
             if path == "/kvstore/stats":
-                return self._answer_json(200, self.kvstore_metrics.read(self.kvstore_cache.store.stats))
+                stats = self.kvstore_metrics.read(self.kvstore_cache.store.stats)
+                return self._answer_json(200, stats if self.kvstore_stats_paths else without_paths(stats))
             if path == "/v1/models" or path.startswith("/v1/models/"):
                 return self._models(path[len("/v1/models/"):] if path != "/v1/models" else None)
         except Exception as e:  # a scrape must never take the server down
@@ -100,6 +139,23 @@ class KVStoreEndpoints:
         self.send_header("Access-Control-Allow-Headers", "*")
 
     # -- refusals (each answers the request itself and says True) ----------------------------
+
+    def _refused_host(self) -> bool:
+        header = self.headers.get("Host")
+        if header is None and self.request_version == "HTTP/1.0":
+            return False  # (HTTP/1.0 has no Host; every browser sends one)
+        if header is not None and self.kvstore_hosts.allows(header):
+            return False
+        self.close_connection = True
+        if header is None:
+            self._answer_json(400, {"error": "the request has no Host header"})
+            return True
+        log.warning("kvstore serve: refused a request addressed to the host %s (allow it with "
+                    "--allowed-hosts)", _printable(header))
+        self._answer_json(421, {"error": f"this server does not answer for the host {_printable(header)!r}: "
+                                         "only for localhost, 127.0.0.1, [::1], its --host and "
+                                         "kvstore serve --allowed-hosts"})
+        return True
 
     def _refused_origin(self) -> bool:
         origin = self.headers.get("Origin")
@@ -224,7 +280,45 @@ def _cached_mlx_models() -> list[str]:
     return sorted(out)
 
 
+def without_paths(stats: dict) -> dict:
+    """`store.stats()` without the paths it names: the store's, the remote's URL, and a model
+    id that is a folder (its last part is kept). Written errors name the store as STORE."""
+    out = {k: v for k, v in stats.items() if k != "path"}
+    out["models"] = [{**m, "model_id": _last_part(m.get("model_id"))} for m in stats.get("models") or []]
+    if isinstance(stats.get("remote"), dict):
+        out["remote"] = {k: v for k, v in stats["remote"].items() if k != "url"}
+    writer, store = stats.get("writer"), stats.get("path")
+    if isinstance(writer, dict) and isinstance(writer.get("last_error"), str) and isinstance(store, str):
+        out["writer"] = {**writer, "last_error": writer["last_error"].replace(store, "STORE")}
+    return out
+
+
+def _last_part(model_id: object) -> object:
+    """A model id that is a local folder as its last part; a Hugging Face repo id as it is."""
+    if isinstance(model_id, str) and (os.path.isabs(model_id) or model_id.startswith(("~", "."))):
+        return os.path.basename(model_id.rstrip("/")) or model_id
+    return model_id
+
+
+def _bare_name(host: str, port: bool = False) -> str:
+    """A host name as compared: lower case, no brackets or final dot, and (`port`: it is a Host
+    header) no port: `[::1]:8080` -> `::1`, `LocalHost.:80` -> `localhost`."""
+    name = host.strip().lower()
+    if name.startswith("["):
+        name = name[1:].partition("]")[0]
+    elif port and name.count(":") == 1:
+        name = name.partition(":")[0]
+    return name.rstrip(".")
+
+
+def _is_ip(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
 def _printable(text: str, limit: int = 200) -> str:
     """`text` safe for a log line: non-printable characters escaped, length bounded."""
-    text = text[:limit]
-    return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in text)
+    return printable(text[:limit])

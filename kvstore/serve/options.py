@@ -23,7 +23,9 @@ Every other option goes to mlx_lm.server unchanged (--model, --host, --port, --p
 --host defaults to 127.0.0.1 (kvstore warns when it listens on any other address).
 --memory-bytes defaults to --prompt-cache-bytes when that is given.
 
-Also served, read-only: GET /metrics (Prometheus) and GET /kvstore/stats (store.stats() as JSON).
+Also served, read-only: GET /metrics (Prometheus) and GET /kvstore/stats (store.stats() as JSON,
+without paths unless --stats-paths). Requests addressed to any other host than localhost,
+127.0.0.1, [::1], --host and --allowed-hosts are refused (421).
 
 example:
   kvstore serve --store ~/.cache/kvstore --model mlx-community/Qwen3-4B-4bit --port 8080
@@ -53,6 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated web origins whose requests are served, e.g. "
                         "http://localhost:3000, or `*` for every origin (default: none: a web page "
                         "cannot use the server)")
+    p.add_argument("--allowed-hosts", metavar="LIST", type=_hosts, default=[],
+                   help="comma-separated host names requests may be addressed to (their Host header) "
+                        "besides localhost, 127.0.0.1, [::1] and --host, e.g. a reverse proxy's name, "
+                        "or `*` for any (default: none; others get 421, which stops DNS rebinding)")
+    p.add_argument("--stats-paths", action="store_true",
+                   help="show paths in GET /kvstore/stats (the store's, the models', the remote's URL); "
+                        "by default they are left out")
     p.add_argument("--remote", metavar="URL", default=os.environ.get("KVSTORE_REMOTE") or None,
                    help="share the cache through an S3 bucket, s3://BUCKET/PREFIX (default: $KVSTORE_REMOTE)")
     return p
@@ -79,6 +88,10 @@ def _tokens(text: str) -> int | None:
 
 def _origins(text: str) -> list[str]:
     return [o.strip().rstrip("/") for o in text.split(",") if o.strip()]
+
+
+def _hosts(text: str) -> list[str]:
+    return [h.strip().lower().strip("[]").rstrip(".") for h in text.split(",") if h.strip()]
 
 
 def peek_mlx_options(args: list[str]) -> argparse.Namespace:

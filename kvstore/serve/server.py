@@ -8,7 +8,8 @@ allowed, no prompt text in the log). The options are in `options`, the reach int
 in `mlxserver`, SIGTERM and Ctrl-C in `signals`; this module starts and stops the server.
 
 Run it as `kvstore serve [--store DIR] [--store-max-bytes SIZE|auto|none] [--memory-bytes SIZE]
-[--store-max-tokens N] [--allowed-origins LIST] [mlx_lm.server options]` or
+[--store-max-tokens N] [--allowed-origins LIST] [--allowed-hosts LIST] [--stats-paths]
+[mlx_lm.server options]` or
 `python -m kvstore.serve ...`.
 """
 
@@ -141,14 +142,16 @@ def _memory_bytes(memory_bytes: int | None, prompt_cache_bytes: str | None) -> i
 def _serve(server, store: Store, ours: argparse.Namespace, passthrough: list[str],
            served_model: str) -> int:
     """Run mlx_lm.server on `store` until it stops; then stop its generation, flush and close."""
-    from kvstore.serve.endpoints import handler_class
+    from kvstore.serve.endpoints import Hosts, handler_class
     from kvstore.serve.metrics import ServerMetrics
 
     cache = PersistentPromptCache(store, max_insert_tokens=ours.store_max_tokens)
     metrics = ServerMetrics(cache)
+    hosts = Hosts(peek_mlx_options(passthrough).host, ours.allowed_hosts)
 
     def make_handler(base: type) -> type:
-        return handler_class(base, cache, metrics, ours.allowed_origins, served_model)
+        return handler_class(base, cache, metrics, ours.allowed_origins, served_model, hosts=hosts,
+                             stats_paths=ours.stats_paths)
 
     stopper = Stopper(store)
     started: list = []

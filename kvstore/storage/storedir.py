@@ -26,6 +26,7 @@ INDEX_NAME = "index.sqlite"
 BLOBS_NAME = "blobs"
 LOCK_NAME = BLOBS_NAME + ".lock"
 QUARANTINE_NAME = "quarantine"  # where `verify --repair` moves files that kvstore did not write
+NODE_ID_NAME = "remote-node-id"  # this store's name among the nodes of a shared bucket
 INDEX_FILES = tuple(INDEX_NAME + s for s in ("", "-wal", "-shm", "-journal"))
 # Left beside the index by a rebuild, or when a stale journal is moved aside.
 _INDEX_LEFTOVERS = (".damaged-", ".rebuilding", "-wal.stale-", "-shm.stale-", "-journal.stale-")
@@ -40,10 +41,21 @@ def default_path() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "kvstore"
 
 
+def is_absent(path: Path) -> bool:
+    """No store at `path` and nothing there to refuse: no folder, or an empty one."""
+    try:
+        return all(n in _IGNORABLE for n in os.listdir(path))
+    except FileNotFoundError:
+        return not os.path.lexists(path)  # (a dangling link is not absent: opening it says so)
+    except OSError:
+        return False
+
+
 def own_name(name: str) -> bool:
     """An entry kvstore itself makes at the top of a store directory."""
-    return (name in INDEX_FILES or name in (BLOBS_NAME, LOCK_NAME, QUARANTINE_NAME)
-            or any(name.startswith(INDEX_NAME + x) for x in _INDEX_LEFTOVERS))
+    return (name in INDEX_FILES or name in (BLOBS_NAME, LOCK_NAME, QUARANTINE_NAME, NODE_ID_NAME)
+            or any(name.startswith(INDEX_NAME + x) for x in _INDEX_LEFTOVERS)
+            or name.startswith(f".{NODE_ID_NAME}."))  # written aside, then renamed into place
 
 
 def open_dir(path: Path, *, create: bool, read_only: bool | None) -> tuple[Path, bool]:
@@ -116,7 +128,7 @@ def _check_mode(path: Path, st: os.stat_result, read_only: bool) -> None:
 
 def _check_own_entries(path: Path) -> None:
     """Refuse a store whose own entries are symbolic links or the wrong kind of file."""
-    for name in (*INDEX_FILES, BLOBS_NAME, LOCK_NAME, QUARANTINE_NAME):
+    for name in (*INDEX_FILES, BLOBS_NAME, LOCK_NAME, QUARANTINE_NAME, NODE_ID_NAME):
         try:
             st = os.lstat(path / name)
         except FileNotFoundError:

@@ -6,7 +6,8 @@ without the index. A blob is taken back only if everything about it agrees: its 
 its header, the hash recomputed from its parent and tokens (records are content-addressed), its
 kind and token count, and a parent chain that reaches its namespace. Anything else is left where
 it is, and reported (a planted or hostile file is skipped, never a crash nor a hang): `verify`
-then lists it as an orphan file and `verify --repair` removes it.
+then lists it, and `verify --repair` deletes it only if its header names its own hash (an orphan
+blob); anything else named like a blob (a user's file) is moved to `quarantine/`.
 
 The damaged index is moved aside (`index.sqlite.damaged-<time>`, with its -wal/-shm), not
 deleted. What the blobs do not carry is read from it when it still can be (pins, access times,

@@ -3,7 +3,7 @@
 Every row is checked against its blob (size, checksums, and through `records.check` that the
 blob is the record the row names), the chains against each other, and every file against the
 rows. Repair deletes only what kvstore wrote: blob files (named for their hash, in their own
-`ab/cd/` folder) and its writers' temporary files. Anything else in the blob tree is moved aside
+`ab/cd/` folder, with a header that names that hash) and its writers' temporary files. Anything else in the blob tree is moved aside
 to `<store>/quarantine/`, never deleted. Unless forced, it deletes orphans only while few of them
 are unexplained (`ORPHAN_SHARE` of the blobs, or `ORPHAN_FEW` files, whichever is more): orphan
 rows whose first record's model is gone, and orphan files of models the index does not know, are
@@ -189,7 +189,13 @@ def _stray(index: Index, root: Path, path: Path) -> Problem | None:
         if stat.S_ISREG(mode):
             return None  # a writer at work
     if h is not None and stat.S_ISREG(mode):
-        return None if index.get(h) is not None else Problem("orphan_file", str(path), "no index row points to it")
+        if index.get(h) is not None:
+            return None
+        # Deleted only if it is kvstore's: a file that merely has a blob's name is moved aside.
+        if (blobfile.peek_metadata(path) or {}).get("hash") != h.hex():
+            return Problem("foreign_file", str(path), "named like a blob, but its header does not "
+                           "name that record (not kvstore's)")
+        return Problem("orphan_file", str(path), "no index row points to it")
     if stat.S_ISLNK(mode):
         return Problem("foreign_file", str(path), "a symbolic link (kvstore never follows it)")
     if not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):
