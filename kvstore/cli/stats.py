@@ -65,9 +65,9 @@ def _print_remote(remote: dict | None) -> None:
     if not remote:
         return
     t = remote["totals"]
-    print(f"remote: {remote['url']}   uploads: {t['uploads']} ({format_size(t['upload_bytes'])})   "
-          f"downloads: {t['downloads']} ({format_size(t['download_bytes'])})   remote hits: {t['remote_hits']}   "
-          f"errors: {t['errors']}   dropped uploads: {t['dropped_uploads']}   deadline misses: {t['deadline_misses']}")
+    out(f"remote: {remote['url']}   uploads: {t['uploads']} ({format_size(t['upload_bytes'])})   "
+        f"downloads: {t['downloads']} ({format_size(t['download_bytes'])})   remote hits: {t['remote_hits']}   "
+        f"errors: {t['errors']}   dropped uploads: {t['dropped_uploads']}   deadline misses: {t['deadline_misses']}")
 
 
 def _print_quarantine(stats: dict) -> None:

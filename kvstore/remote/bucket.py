@@ -69,9 +69,10 @@ def _refuse_credentials(url: object) -> None:
     if not isinstance(url, str) or "://" not in url:
         return
     scheme, _, rest = url.partition("://")
-    authority, slash, path = rest.partition("/")
-    if "@" in authority:
-        shown = f"{scheme}://...@{authority.rpartition('@')[2]}{slash}{path}"
+    authority = rest.partition("/")[0]
+    # (A secret may hold "/": then a ":" before the first "/", which no bucket name has, tells.)
+    if "@" in authority or (":" in authority and "@" in rest):
+        shown = f"{scheme}://...@{rest.rpartition('@')[2]}"
         raise InvalidInputError(
             f"the remote URL holds credentials before the bucket ({shown}): remove them, and give "
             "them as AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) in the "

@@ -30,11 +30,11 @@ _LONG_HEX = re.compile(r"[0-9a-fA-F]{16,}")
 ERROR_CHARS = 240
 
 
-def short_error(e: BaseException, *, kind: bool = True) -> str:
-    """`e` as stats and the log show it: its kind (the exception's class, with `kind`) and a
-    short message from which every word naming a URL, path or key, and every long hash, is cut."""
+def short_error(e: BaseException) -> str:
+    """`e` as stats and the log show it: its kind (the exception's class) and a short message
+    from which every word naming a URL, path or key, and every long hash, is cut."""
     text = _LONG_HEX.sub("<hash>", _WITH_SLASH.sub("<key>", " ".join(str(e).split())))
-    text = f"{type(e).__name__}: {text}" if kind else text
+    text = f"{type(e).__name__}: {text}"
     return printable(text if len(text) <= ERROR_CHARS else text[: ERROR_CHARS - 3] + "...")
 
 
@@ -56,8 +56,8 @@ class Health:
         """Count a failure; `down`: the remote itself failed, so leave it alone for a while.
         Refused credentials are said once: every request after the first fails the same way."""
         self.count("errors")
-        refused = isinstance(e, RemoteAuthError)
-        self.last_error = short_error(e, kind=not refused)
+        refused = isinstance(e, RemoteAuthError)  # (its message is kvstore's own: the bucket, never a key)
+        self.last_error = printable(str(e)) if refused else short_error(e)
         if down or refused:
             self.mark_down()
         with self._lock:

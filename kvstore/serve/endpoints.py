@@ -282,11 +282,14 @@ def _cached_mlx_models() -> list[str]:
 
 def without_paths(stats: dict) -> dict:
     """`store.stats()` without the paths it names: the store's, the remote's URL, and a model
-    id that is a folder (its last part is kept). Written errors name the store as STORE."""
+    id that is a folder (its last part is kept). Errors name them as STORE and REMOTE."""
     out = {k: v for k, v in stats.items() if k != "path"}
     out["models"] = [{**m, "model_id": _last_part(m.get("model_id"))} for m in stats.get("models") or []]
-    if isinstance(stats.get("remote"), dict):
-        out["remote"] = {k: v for k, v in stats["remote"].items() if k != "url"}
+    remote = stats.get("remote")
+    if isinstance(remote, dict):
+        out["remote"] = {k: v for k, v in remote.items() if k != "url"}
+        if isinstance(remote.get("last_error"), str) and remote.get("url"):
+            out["remote"]["last_error"] = remote["last_error"].replace(str(remote["url"]), "REMOTE")
     writer, store = stats.get("writer"), stats.get("path")
     if isinstance(writer, dict) and isinstance(writer.get("last_error"), str) and isinstance(store, str):
         out["writer"] = {**writer, "last_error": writer["last_error"].replace(store, "STORE")}

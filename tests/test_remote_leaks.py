@@ -1,0 +1,178 @@
+"""What the remote tier lets out, and what it lets in through the local files: credentials pasted
+into the URL are refused and never shown; a recorded error holds no object key; the uploader
+opens blobs as the local reads do (a FIFO in a blob's place never blocks a flush); foreign object
+keys reach the terminal escaped; and `gc --remote` / `verify --remote` with no store make none.
+
+The URL and uploader tests need no bucket: an S3 client pointed at a port where nothing listens
+is a real endpoint that is down. The others run against the session's SeaweedFS.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from faultproc import prompts
+from kvtest import prefill
+
+import kvstore
+from kvstore.errors import InvalidInputError
+from kvstore.remote.bucket import RemoteError, open_bucket
+from kvstore.remote.health import Health
+from kvstore.remote.layout import key_of
+from kvstore.remote.s3 import S3Bucket
+from kvstore.remote.uploader import Uploader
+from kvstore.storage import blobtree
+
+C = 16
+REPO = Path(__file__).resolve().parents[1]
+KEY_ID, SECRET = "AKIAPASTEDKEY1234", "pasted/Secret+Value0123"
+
+
+def cli(*args, env: dict) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items() if k not in ("KVSTORE_DIR", "KVSTORE_REMOTE")}
+    # A fleet secret, for a remote tier that asks for one (a random key nobody else holds).
+    base.setdefault("KVSTORE_REMOTE_KEY", secrets.token_hex(32))
+    result = subprocess.run([sys.executable, "-m", "kvstore.cli", *map(str, args)], capture_output=True, text=True,
+                            timeout=120, cwd=REPO, env={**base, "PYTHONPATH": str(REPO), **env})
+    assert "Traceback" not in result.stderr, result.stderr
+    return result
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def down_endpoint(monkeypatch) -> str:
+    """AWS_* pointing at 127.0.0.1 on a port where nothing listens."""
+    endpoint = f"http://127.0.0.1:{closed_port()}"
+    for name, value in {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "kvtest", "AWS_SECRET_ACCESS_KEY": "kvtest",
+                        "AWS_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(name, value)
+    return endpoint
+
+
+def stored_rows(store: Path, llama) -> list:
+    model_path, model = llama
+    with kvstore.open(store, chunk_size=C) as s:
+        mc = s.bind(model, model_path)
+        t = prompts(71, 1, C)[0][: 2 * C]
+        mc.insert(t, prefill(model, t))
+        s.flush()
+        return sorted(s.index.rows(), key=lambda r: r.depth)
+
+
+# -- credentials in the URL --------------------------------------------------------------------
+
+@pytest.mark.parametrize("url", [f"s3://{KEY_ID}:{SECRET}@bucket/team", f"s3://{KEY_ID}@bucket/team",
+                                 f"http://{KEY_ID}:{SECRET}@host/bucket"])
+def test_credentials_in_the_url_are_refused_and_never_shown(tmp_path, url, demo_model_path):
+    with pytest.raises(InvalidInputError) as e:
+        kvstore.open(tmp_path / "lib", remote=url)
+    assert "AWS_ACCESS_KEY_ID" in str(e.value) and KEY_ID not in str(e.value) and SECRET not in str(e.value)
+    assert not (tmp_path / "lib").exists()
+    with pytest.raises(InvalidInputError):
+        open_bucket(url)
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {"HOME": str(home)}
+    runs = [cli("gc", "--remote", url, "--max-age", "7d", env=env), cli("verify", "--remote", url, env=env),
+            cli("stats", "--store", tmp_path / "s", "--remote", url, env=env),
+            cli("warm", "--store", tmp_path / "s", "--model", demo_model_path, "--prompts",
+                REPO / "examples" / "prompts.jsonl", "--remote", url, env=env),
+            subprocess.run([sys.executable, "-m", "kvstore.serve", "--model", str(demo_model_path), "--store",
+                            str(tmp_path / "s"), "--remote", url], capture_output=True, text=True, timeout=120,
+                           cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), **env})]
+    for run in runs:
+        said = run.stdout + run.stderr
+        assert run.returncode != 0 and "AWS_ACCESS_KEY_ID" in said, said
+        assert KEY_ID not in said and SECRET not in said, said
+    assert not (tmp_path / "s").exists() and list(home.iterdir()) == []
+
+
+# -- errors hold no object key -----------------------------------------------------------------
+
+def test_a_recorded_error_holds_no_object_key(tmp_path, llama, down_endpoint, caplog):
+    rows = stored_rows(tmp_path / "s", llama)
+    key = key_of(rows[-1])
+    bucket = S3Bucket("s3://kvtest/team")
+    with pytest.raises(RemoteError) as e:
+        bucket.get(key)
+    assert rows[-1].hash.hex() in str(e.value)  # the backend's own error names the request
+    health = Health()
+    with caplog.at_level(logging.WARNING, logger="kvstore"):
+        health.error(e.value, down=True)
+    for where in (health.last_error, caplog.text):
+        assert where and "RemoteError" in where, where
+        for part in (p for p in key.split("/") if len(p) >= 16):  # namespace, parent, the record
+            assert part not in where and part[:16] not in where, (part, where)
+        assert key.rpartition("/")[0] not in where
+        assert down_endpoint not in where
+    assert len(health.last_error) <= 240
+
+
+# -- the uploader opens blobs as the local reads do ---------------------------------------------
+
+@pytest.mark.parametrize("replace", ["fifo", "larger", "symlink", "none"])
+def test_the_uploader_opens_only_a_regular_blob_of_its_rows_size(tmp_path, llama, down_endpoint, replace):
+    """A FIFO in a blob's place never blocks `flush`; a file larger than its row, or a link, is not
+    read. With the blob as it was ("none"), the upload reaches the (down) endpoint: an error."""
+    store = tmp_path / "s"
+    root = store / "blobs"
+    row = stored_rows(store, llama)[0]  # a first record: no parent to ask the bucket about
+    path = blobtree.blob_path(root, row.hash)
+    if replace == "fifo":
+        path.unlink()
+        os.mkfifo(path)
+    elif replace == "larger":
+        with open(path, "ab") as f:
+            f.write(b"\0" * 4096)
+    elif replace == "symlink":
+        aside = tmp_path / "elsewhere.safetensors"
+        path.rename(aside)
+        path.symlink_to(aside)
+    health = Health()
+    uploader = Uploader(S3Bucket("s3://kvtest/team"), health, root, lambda h: None, lambda ns: 0, threads=1)
+    try:
+        uploader.submit([row])
+        assert uploader.flush(timeout=60), "the upload is stuck"
+    finally:
+        uploader.close(timeout=5)
+    assert health.counters["uploads"] == 0
+    assert health.counters["upload_errors"] == (1 if replace == "none" else 0), health.counters
+
+
+# -- against a real bucket ---------------------------------------------------------------------
+
+def test_remote_maintenance_without_a_store_creates_nothing_and_prints_keys_escaped(tmp_path, s3):
+    url = s3.url()
+    bucket = S3Bucket(url)
+    evil = "report\u202egpj.exe"  # shown raw, it reads "reportexe.jpg"
+    bucket.put(f"{'ab' * 16}/{evil}", b"planted by a bucket writer")
+    home, nowhere = tmp_path / "home", tmp_path / "no-store"
+    home.mkdir()
+    for env in ({"HOME": str(home)}, {"HOME": str(home), "KVSTORE_DIR": str(nowhere)}):
+        out = cli("verify", "--remote", url, env=env)
+        assert out.returncode == 1 and "foreign_object" in out.stdout, out.stdout + out.stderr
+        assert "\u202e" not in out.stdout + out.stderr
+        assert "report\\u202egpj.exe" in out.stdout, out.stdout
+        out = cli("gc", "--remote", url, "--max-age", "7d", "--dry-run", env=env)
+        assert out.returncode == 0 and "would delete 0 objects" in out.stdout, out.stdout + out.stderr
+        out = cli("gc", "--remote", url, "--max-bytes", "0", env=env)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert list(home.iterdir()) == [] and not nowhere.exists()
+    # A store that is there is used (its pins are published), and nothing else is made.
+    store = tmp_path / "s"
+    kvstore.open(store).close()
+    out = cli("gc", "--store", store, "--remote", url, "--max-age", "7d", env={"HOME": str(home)})
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert (store / "remote-node-id").exists() and list(home.iterdir()) == []

@@ -1,0 +1,204 @@
+"""The index's bookkeeping as damage leaves it: a `totals` table or `models` rows holding values of
+the wrong type never crash `stats`, never make gc think the store is empty, are reported by
+`verify` and rewritten by its repair. And a folder whose index was lost keeps every file that
+is not kvstore's, even one named like a blob, and its `remote-node-id`.
+
+Every test breaks a real store on purpose (SQL written by hand into its index, files planted in
+its blob tree) and runs the real commands, in-process or as `kvstore` subprocesses.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from faultproc import prompts
+from kvtest import prefill
+
+import kvstore
+from kvstore.errors import IndexLostError
+from kvstore.remote.upkeep import node_id
+from kvstore.storage import blobtree
+
+C = 16
+REPO = Path(__file__).resolve().parents[1]
+
+
+def warm(store: Path, llama, n: int = 4, seed: int = 61) -> list:
+    model_path, model = llama
+    with kvstore.open(store, chunk_size=C) as s:
+        mc = s.bind(model, model_path)
+        for t in prompts(seed, n, C):
+            mc.insert(t, prefill(model, t))
+        s.flush()
+        return list(s.index.rows())
+
+
+def sql(store: Path, *statements: str) -> None:
+    con = sqlite3.connect(store / "index.sqlite")
+    with con:
+        for statement in statements:
+            con.execute(statement)
+    con.close()
+
+
+def model_rows(store: Path) -> list[tuple]:
+    con = sqlite3.connect(store / "index.sqlite")
+    try:
+        return con.execute("SELECT ns, fingerprint, model_id, layout, chunk_size, created, last_used "
+                           "FROM models").fetchall()
+    finally:
+        con.close()
+
+
+def kv(*args, home: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "KVSTORE_DIR"}
+    env.update(HOME=str(home), PYTHONPATH=str(REPO))
+    result = subprocess.run([sys.executable, "-m", "kvstore.cli", *map(str, args)], capture_output=True,
+                            text=True, env=env, cwd=REPO, timeout=120)
+    assert "Traceback" not in result.stderr, result.stderr
+    return result
+
+
+@pytest.fixture
+def home(tmp_path) -> Path:
+    h = tmp_path / "home"
+    h.mkdir()
+    return h
+
+
+@pytest.mark.parametrize("damage", ["bytes = 'many'", "bytes = 5", "chunks = -3", "tails = 2.5"])
+def test_damaged_totals_never_crash_stats_or_empty_gc_and_repair_counts_them_again(tmp_path, llama, home, damage):
+    store = tmp_path / "s"
+    rows = warm(store, llama)
+    held = sum(r.size for r in rows)
+    sql(store, f"UPDATE totals SET {damage}")
+
+    out = kv("stats", "--store", store, "--json", home=home)
+    assert out.returncode == 0, out.stderr
+    if damage != "bytes = 5":  # a whole number is taken as it is, until verify counts it again
+        import json
+
+        stats = json.loads(out.stdout)
+        assert stats["bytes"] == held and stats["chunks"] + stats["tails"] == len(rows), stats
+        assert stats["models"][0]["bytes"] == held
+    # gc sees what the store holds: a budget below it evicts (a dry run says how much).
+    out = kv("gc", "--store", store, "--max-bytes", str(held // 2), "--dry-run", home=home)
+    assert out.returncode == 0, out.stderr
+    if damage != "bytes = 5":
+        assert "would free 0 B" not in out.stdout, out.stdout
+    out = kv("verify", "--store", store, home=home)
+    assert out.returncode == 1 and "bad_totals:" in out.stdout, out.stdout
+    assert kv("verify", "--repair", "--store", store, home=home).returncode == 1
+    assert kv("verify", "--store", store, home=home).returncode == 0
+    with kvstore.open(store, chunk_size=C) as s:
+        assert s.stats()["bytes"] == held and s.index.stored_totals() == s.index.counted_totals()
+        assert len(list(s.index.rows())) == len(rows)  # nothing was deleted to mend it
+
+
+@pytest.mark.parametrize("damage, field", [
+    ("last_used = 'yesterday'", "last_used"),
+    ("created = x'00'", "created"),
+    ("chunk_size = 'x'", "chunk_size"),
+    ("fingerprint = x'0102', model_id = x'ff'", "fingerprint"),
+])
+def test_damaged_models_rows_never_crash_stats_and_repair_mends_them(tmp_path, llama, home, damage, field):
+    store = tmp_path / "s"
+    rows = warm(store, llama)
+    before = model_rows(store)
+    sql(store, f"UPDATE models SET {damage}")
+
+    out = kv("stats", "--store", store, home=home)
+    assert out.returncode == 0 and "chunks:" in out.stdout, out.stderr
+    out = kv("stats", "--store", store, "--json", home=home)
+    assert out.returncode == 0, out.stderr
+    out = kv("verify", "--store", store, home=home)
+    assert out.returncode == 1 and "bad_model_row:" in out.stdout and f"its {field} is" in out.stdout, out.stdout
+    # A chunk size it cannot read is no reason to call every blob corrupt.
+    assert "corrupt_blob" not in out.stdout, out.stdout
+    assert kv("verify", "--repair", "--store", store, home=home).returncode == 1
+    assert kv("verify", "--store", store, home=home).returncode == 0
+    after = model_rows(store)
+    with kvstore.open(store, chunk_size=C) as s:
+        assert len(list(s.index.rows())) == len(rows)
+    # What the blobs' headers say (fingerprint, model id, chunk size) is taken back exactly.
+    assert after[0][:5] == before[0][:5], (before, after)
+    with kvstore.open(store, chunk_size=C, memory_bytes=0) as s:
+        mc = s.bind(llama[1], llama[0])
+        t = prompts(61, 4, C)[0]
+        assert mc.fetch(t + [1])[1] == [1]
+
+
+def test_a_models_row_naming_no_namespace_is_dropped_and_a_bad_counter_is_ignored(tmp_path, llama, home):
+    store = tmp_path / "s"
+    warm(store, llama)
+    sql(store, "INSERT INTO models SELECT 'zz', fingerprint, model_id, layout, 'big', created, 'x' FROM models",
+        "INSERT INTO meta (key, value) VALUES ('count.quarantined', 'lots')")
+    out = kv("stats", "--store", store, home=home)
+    assert out.returncode == 0 and "models: 1" in out.stdout, out.stdout + out.stderr
+    out = kv("verify", "--repair", "--store", store, home=home)
+    assert out.returncode == 1 and "its ns is 'zz'" in out.stdout, out.stdout
+    assert kv("verify", "--store", store, home=home).returncode == 0
+    assert len(model_rows(store)) == 1
+
+
+def test_a_lost_index_never_costs_a_users_file_named_like_a_blob(tmp_path, llama, home):
+    """Repair deletes an orphan only when its header names the hash it is named for: a user's
+    file at `blobs/ab/cd/<hash>.safetensors` goes to quarantine/, whole."""
+    store = tmp_path / "s"
+    rows = warm(store, llama)
+    root = store / "blobs"
+    mine = {}
+    for i in range(3):
+        name = f"{0xa0 + i:02x}" * 16
+        path = root / name[:2] / name[2:4] / (name + blobtree.SUFFIX)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(f"my notes, file {i}".encode())
+        mine[path.name] = path.read_bytes()
+    # One real orphan: a blob of this store (its header names its hash) whose row is gone.
+    leaf = next(r for r in rows if not any(c.parent == r.hash for c in rows))
+    orphan = blobtree.blob_path(root, leaf.hash)
+    for suffix in ("", "-wal", "-shm"):
+        if os.path.lexists(f"{store / 'index.sqlite'}{suffix}"):
+            os.unlink(f"{store / 'index.sqlite'}{suffix}")
+    with pytest.raises(IndexLostError):
+        kvstore.open(store).close()
+    out = kv("verify", "--repair", "--store", store, home=home)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert kv("verify", "--store", store, home=home).returncode == 0
+    kept = {p.name.split(".", 1)[1]: p.read_bytes() for p in (store / "quarantine").iterdir()}
+    for name, data in mine.items():
+        assert kept[f"{name[:2]}_{name[2:4]}_{name}"] == data
+    assert orphan.exists()  # taken back by the rebuild: it was a whole record with its parent
+    with kvstore.open(store, chunk_size=C) as s:
+        assert len(list(s.index.rows())) == len(rows)
+        s.index.delete([leaf.hash])  # now its row is lost: a real orphan, which repair deletes
+        assert [p.kind for p in s.verify(repair=True)] == ["orphan_file"]
+    assert not orphan.exists()
+
+
+@pytest.mark.parametrize("lost", ["missing", "damaged"])
+def test_remote_node_id_is_one_of_the_stores_own_names(tmp_path, home, lost):
+    """A store that once had a remote tier (it keeps `remote-node-id`) and lost its index is a
+    store with a lost index, not "a folder with files kvstore did not write"."""
+    store = tmp_path / "s"
+    kvstore.open(store).close()
+    node = node_id(store)
+    assert (store / "remote-node-id").read_text().strip() == node
+    if lost == "missing":
+        os.unlink(store / "index.sqlite")
+        kvstore.open(store).close()  # no blobs: a fresh index, and the node keeps its name
+        assert node_id(store) == node
+        return
+    (store / "index.sqlite").write_bytes(b"not a database, " * 64)
+    out = kv("stats", "--store", store, home=home)
+    assert out.returncode == 1 and "not a kvstore store" not in out.stderr, out.stderr
+    assert "verify --repair" in out.stderr, out.stderr
+    out = kv("verify", "--repair", "--store", store, home=home)
+    assert out.returncode == 1 and "rebuilt" in out.stdout + out.stderr, out.stdout + out.stderr
+    assert kv("stats", "--store", store, home=home).returncode == 0
+    assert node_id(store) == node
