@@ -9,15 +9,15 @@ its blob tree) and runs the real commands, in-process or as `kvstore` subprocess
 
 from __future__ import annotations
 
+import json
 import os
 import sqlite3
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from faultproc import prompts
 from kvtest import prefill
+from test_safety import kv
 
 import kvstore
 from kvstore.errors import IndexLostError
@@ -25,7 +25,6 @@ from kvstore.remote.upkeep import node_id
 from kvstore.storage import blobtree
 
 C = 16
-REPO = Path(__file__).resolve().parents[1]
 
 
 def warm(store: Path, llama, n: int = 4, seed: int = 61) -> list:
@@ -55,46 +54,28 @@ def model_rows(store: Path) -> list[tuple]:
         con.close()
 
 
-def kv(*args, home: Path) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "KVSTORE_DIR"}
-    env.update(HOME=str(home), PYTHONPATH=str(REPO))
-    result = subprocess.run([sys.executable, "-m", "kvstore.cli", *map(str, args)], capture_output=True,
-                            text=True, env=env, cwd=REPO, timeout=120)
-    assert "Traceback" not in result.stderr, result.stderr
-    return result
-
-
-@pytest.fixture
-def home(tmp_path) -> Path:
-    h = tmp_path / "home"
-    h.mkdir()
-    return h
-
-
 @pytest.mark.parametrize("damage", ["bytes = 'many'", "bytes = 5", "chunks = -3", "tails = 2.5"])
-def test_damaged_totals_never_crash_stats_or_empty_gc_and_repair_counts_them_again(tmp_path, llama, home, damage):
+def test_damaged_totals_never_crash_stats_or_empty_gc_and_repair_counts_them_again(tmp_path, llama, damage):
     store = tmp_path / "s"
     rows = warm(store, llama)
     held = sum(r.size for r in rows)
     sql(store, f"UPDATE totals SET {damage}")
 
-    out = kv("stats", "--store", store, "--json", home=home)
+    out = kv("stats", "--store", store, "--json", home=tmp_path)
     assert out.returncode == 0, out.stderr
     if damage != "bytes = 5":  # a whole number is taken as it is, until verify counts it again
-        import json
-
         stats = json.loads(out.stdout)
         assert stats["bytes"] == held and stats["chunks"] + stats["tails"] == len(rows), stats
         assert stats["models"][0]["bytes"] == held
     # gc sees what the store holds: a budget below it evicts (a dry run says how much).
-    out = kv("gc", "--store", store, "--max-bytes", str(held // 2), "--dry-run", home=home)
+    out = kv("gc", "--store", store, "--max-bytes", str(held // 2), "--dry-run", home=tmp_path)
     assert out.returncode == 0, out.stderr
     if damage != "bytes = 5":
         assert "would free 0 B" not in out.stdout, out.stdout
-    out = kv("verify", "--store", store, home=home)
+    out = kv("verify", "--store", store, home=tmp_path)
     assert out.returncode == 1 and "bad_totals:" in out.stdout, out.stdout
-    assert kv("verify", "--repair", "--store", store, home=home).returncode == 1
-    assert kv("verify", "--store", store, home=home).returncode == 0
+    assert kv("verify", "--repair", "--store", store, home=tmp_path).returncode == 1
+    assert kv("verify", "--store", store, home=tmp_path).returncode == 0
     with kvstore.open(store, chunk_size=C) as s:
         assert s.stats()["bytes"] == held and s.index.stored_totals() == s.index.counted_totals()
         assert len(list(s.index.rows())) == len(rows)  # nothing was deleted to mend it
@@ -106,22 +87,22 @@ def test_damaged_totals_never_crash_stats_or_empty_gc_and_repair_counts_them_aga
     ("chunk_size = 'x'", "chunk_size"),
     ("fingerprint = x'0102', model_id = x'ff'", "fingerprint"),
 ])
-def test_damaged_models_rows_never_crash_stats_and_repair_mends_them(tmp_path, llama, home, damage, field):
+def test_damaged_models_rows_never_crash_stats_and_repair_mends_them(tmp_path, llama, damage, field):
     store = tmp_path / "s"
     rows = warm(store, llama)
     before = model_rows(store)
     sql(store, f"UPDATE models SET {damage}")
 
-    out = kv("stats", "--store", store, home=home)
+    out = kv("stats", "--store", store, home=tmp_path)
     assert out.returncode == 0 and "chunks:" in out.stdout, out.stderr
-    out = kv("stats", "--store", store, "--json", home=home)
+    out = kv("stats", "--store", store, "--json", home=tmp_path)
     assert out.returncode == 0, out.stderr
-    out = kv("verify", "--store", store, home=home)
+    out = kv("verify", "--store", store, home=tmp_path)
     assert out.returncode == 1 and "bad_model_row:" in out.stdout and f"its {field} is" in out.stdout, out.stdout
     # A chunk size it cannot read is no reason to call every blob corrupt.
     assert "corrupt_blob" not in out.stdout, out.stdout
-    assert kv("verify", "--repair", "--store", store, home=home).returncode == 1
-    assert kv("verify", "--store", store, home=home).returncode == 0
+    assert kv("verify", "--repair", "--store", store, home=tmp_path).returncode == 1
+    assert kv("verify", "--store", store, home=tmp_path).returncode == 0
     after = model_rows(store)
     with kvstore.open(store, chunk_size=C) as s:
         assert len(list(s.index.rows())) == len(rows)
@@ -133,20 +114,20 @@ def test_damaged_models_rows_never_crash_stats_and_repair_mends_them(tmp_path, l
         assert mc.fetch(t + [1])[1] == [1]
 
 
-def test_a_models_row_naming_no_namespace_is_dropped_and_a_bad_counter_is_ignored(tmp_path, llama, home):
+def test_a_models_row_naming_no_namespace_is_dropped_and_a_bad_counter_is_ignored(tmp_path, llama):
     store = tmp_path / "s"
     warm(store, llama)
     sql(store, "INSERT INTO models SELECT 'zz', fingerprint, model_id, layout, 'big', created, 'x' FROM models",
         "INSERT INTO meta (key, value) VALUES ('count.quarantined', 'lots')")
-    out = kv("stats", "--store", store, home=home)
+    out = kv("stats", "--store", store, home=tmp_path)
     assert out.returncode == 0 and "models: 1" in out.stdout, out.stdout + out.stderr
-    out = kv("verify", "--repair", "--store", store, home=home)
+    out = kv("verify", "--repair", "--store", store, home=tmp_path)
     assert out.returncode == 1 and "its ns is 'zz'" in out.stdout, out.stdout
-    assert kv("verify", "--store", store, home=home).returncode == 0
+    assert kv("verify", "--store", store, home=tmp_path).returncode == 0
     assert len(model_rows(store)) == 1
 
 
-def test_a_lost_index_never_costs_a_users_file_named_like_a_blob(tmp_path, llama, home):
+def test_a_lost_index_never_costs_a_users_file_named_like_a_blob(tmp_path, llama):
     """Repair deletes an orphan only when its header names the hash it is named for: a user's
     file at `blobs/ab/cd/<hash>.safetensors` goes to quarantine/, whole."""
     store = tmp_path / "s"
@@ -167,9 +148,9 @@ def test_a_lost_index_never_costs_a_users_file_named_like_a_blob(tmp_path, llama
             os.unlink(f"{store / 'index.sqlite'}{suffix}")
     with pytest.raises(IndexLostError):
         kvstore.open(store).close()
-    out = kv("verify", "--repair", "--store", store, home=home)
+    out = kv("verify", "--repair", "--store", store, home=tmp_path)
     assert out.returncode == 1, out.stdout + out.stderr
-    assert kv("verify", "--store", store, home=home).returncode == 0
+    assert kv("verify", "--store", store, home=tmp_path).returncode == 0
     kept = {p.name.split(".", 1)[1]: p.read_bytes() for p in (store / "quarantine").iterdir()}
     for name, data in mine.items():
         assert kept[f"{name[:2]}_{name[2:4]}_{name}"] == data
@@ -182,7 +163,7 @@ def test_a_lost_index_never_costs_a_users_file_named_like_a_blob(tmp_path, llama
 
 
 @pytest.mark.parametrize("lost", ["missing", "damaged"])
-def test_remote_node_id_is_one_of_the_stores_own_names(tmp_path, home, lost):
+def test_remote_node_id_is_one_of_the_stores_own_names(tmp_path, lost):
     """A store that once had a remote tier (it keeps `remote-node-id`) and lost its index is a
     store with a lost index, not "a folder with files kvstore did not write"."""
     store = tmp_path / "s"
@@ -195,10 +176,10 @@ def test_remote_node_id_is_one_of_the_stores_own_names(tmp_path, home, lost):
         assert node_id(store) == node
         return
     (store / "index.sqlite").write_bytes(b"not a database, " * 64)
-    out = kv("stats", "--store", store, home=home)
+    out = kv("stats", "--store", store, home=tmp_path)
     assert out.returncode == 1 and "not a kvstore store" not in out.stderr, out.stderr
     assert "verify --repair" in out.stderr, out.stderr
-    out = kv("verify", "--repair", "--store", store, home=home)
+    out = kv("verify", "--repair", "--store", store, home=tmp_path)
     assert out.returncode == 1 and "rebuilt" in out.stdout + out.stderr, out.stdout + out.stderr
-    assert kv("stats", "--store", store, home=home).returncode == 0
+    assert kv("stats", "--store", store, home=tmp_path).returncode == 0
     assert node_id(store) == node
