@@ -1,10 +1,11 @@
 """Keeping a store whole: `verify` (behind `LocalStore.verify`, and so `kvstore verify`).
 
 Every row is checked against its blob (size, checksums, and through `records.check` that the
-blob is the record the row names), the chains against each other, and every file against the
-rows. Repair deletes only what kvstore wrote: blob files (named for their hash, in their own
-`ab/cd/` folder, with a header that names that hash) and its writers' temporary files. Anything else in the blob tree is moved aside
-to `<store>/quarantine/`, never deleted. Unless forced, it deletes orphans only while few of them
+blob is the record the row names), the chains against each other, every file against the rows,
+and the index's bookkeeping against the records (`tables`). Repair deletes only what kvstore
+wrote: blob files (named for their hash, in their own `ab/cd/` folder, with a header that names
+that hash) and its writers' temporary files. Anything else in the blob tree is moved aside to
+`<store>/quarantine/`, never deleted. Unless forced, it deletes orphans only while few of them
 are unexplained (`ORPHAN_SHARE` of the blobs, or `ORPHAN_FEW` files, whichever is more): orphan
 rows whose first record's model is gone, and orphan files of models the index does not know, are
 what a lost or replaced index leaves, and then the index is what is wrong and the blobs are the
