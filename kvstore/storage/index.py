@@ -29,6 +29,9 @@ TOTALS = ("bytes", "chunks", "tails", "checkpoints")
 _TOTALS_SQL = ", ".join(TOTALS)
 MODEL_FIELDS = ("ns", "fingerprint", "model_id", "layout", "chunk_size", "created", "last_used")
 _MODEL_COLUMNS = ", ".join(f"m.{c}" for c in MODEL_FIELDS)
+# The sums of `totals` and how many of its values are not whole numbers of 0 or more, in one scan.
+_TOTALS_SUMS = ("SELECT " + ", ".join(f"coalesce(sum({c}), 0)" for c in TOTALS) + ", coalesce(sum("
+                + " OR ".join(f"typeof({c}) != 'integer' OR {c} < 0" for c in TOTALS) + "), 0) FROM totals")
 
 
 
@@ -361,8 +364,11 @@ class Index(EvictionSQL):
     # -- totals -----------------------------------------------------------------------------
 
     def totals(self) -> dict[str, int]:
-        """The store's totals: `bytes`, `chunks`, `tails`, `checkpoints`."""
-        sums = [sum(column) for column in zip(*self.namespace_totals().values())] or [0, 0, 0, 0]
+        """The store's totals: `bytes`, `chunks`, `tails`, `checkpoints` (counted from the
+        records when the `totals` table is damaged, as `namespace_totals` says)."""
+        *sums, damaged = self.conn.execute(_TOTALS_SUMS).fetchone()
+        if damaged:
+            sums = [sum(column) for column in zip(*self.counted_totals().values())] or [0, 0, 0, 0]
         return dict(zip(TOTALS, sums))
 
     def namespace_totals(self) -> dict[bytes, tuple[int, ...]]:
