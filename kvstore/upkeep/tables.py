@@ -19,8 +19,19 @@ from kvstore import keys
 from kvstore.storage import blobfile, blobtree
 from kvstore.storage.index import MODEL_FIELDS, TOTALS, Index
 
+
+def _hash(text: str) -> bytes:
+    value = bytes.fromhex(text)
+    if len(value) != keys.HASH_BYTES:
+        raise ValueError(text)
+    return value
+
+
 #: Fields of a models row that only a blob's header can give back, and how the header says them.
-_FROM_HEADER = {"fingerprint": lambda text: _hash(text), "model_id": str, "chunk_size": int}
+_FROM_HEADER = {"fingerprint": _hash, "model_id": str, "chunk_size": int}
+#: What each field of a models row must be.
+_WANT = {"ns": "a 16-byte hash", "fingerprint": "a 16-byte hash", "model_id": "text", "layout": "text",
+         "chunk_size": "a positive whole number", "created": "a time", "last_used": "a time"}
 
 
 def table_problems(index: Index) -> list[tuple[str, str, str]]:
@@ -37,20 +48,16 @@ def table_problems(index: Index) -> list[tuple[str, str, str]]:
             out.append(("bad_totals", ns.hex() if isinstance(ns, bytes) else "",
                         f"the totals table says {said}; the records hold {real}"))
     for row in index.model_rows():
-        for why in _model_row_problems(row):
-            ns = row[0]
-            out.append(("bad_model_row", ns.hex() if isinstance(ns, bytes) else "", why))
+        fields = dict(zip(MODEL_FIELDS, row))
+        ns = fields["ns"].hex() if isinstance(fields["ns"], bytes) else ""
+        out += [("bad_model_row", ns, f"its {name} is {fields[name]!r:.60}, not {_WANT[name]}")
+                for name in _wrong(fields)]
     return out
 
 
-def _model_row_problems(row: tuple) -> list[str]:
-    fields = dict(zip(MODEL_FIELDS, row))
-    wrong = [name for name in MODEL_FIELDS if not _good(name, fields[name])]
-    return [f"its {name} is {fields[name]!r:.60}, not {_WANT[name]}" for name in wrong]
-
-
-_WANT = {"ns": "a 16-byte hash", "fingerprint": "a 16-byte hash", "model_id": "text", "layout": "text",
-         "chunk_size": "a positive whole number", "created": "a time", "last_used": "a time"}
+def _wrong(fields: dict) -> list[str]:
+    """The fields of a models row that do not have the type they must have."""
+    return [name for name in MODEL_FIELDS if not _good(name, fields[name])]
 
 
 def _good(name: str, value: object) -> bool:
@@ -71,10 +78,10 @@ def repair_tables(index: Index, root: Path, records_of: dict[bytes, list[bytes]]
     if "bad_model_row" in kinds:
         for row in index.model_rows():
             fields = dict(zip(MODEL_FIELDS, row))
-            wrong = [name for name in MODEL_FIELDS if not _good(name, fields[name])]
+            wrong = _wrong(fields)
             if wrong:
                 index.rewrite_model(fields["ns"], _mended(root, fields["ns"], wrong, records_of))
-    if kinds & {"bad_totals", "bad_model_row"}:
+    if "bad_totals" in kinds:
         index.rewrite_totals()
 
 
@@ -92,7 +99,7 @@ def _mended(root: Path, ns: object, wrong: list[str], records_of: dict[bytes, li
             out.update({name: _FROM_HEADER[name](meta[name]) for name in needed})
         except (KeyError, TypeError, ValueError):
             return {}
-    return out
+    return out if all(_good(name, value) for name, value in out.items()) else {}
 
 
 def _header_of(root: Path, hashes: list[bytes]) -> dict:
@@ -103,9 +110,3 @@ def _header_of(root: Path, hashes: list[bytes]) -> dict:
             return meta
     return {}
 
-
-def _hash(text: str) -> bytes:
-    value = bytes.fromhex(text)
-    if len(value) != keys.HASH_BYTES:
-        raise ValueError(text)
-    return value
