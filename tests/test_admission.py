@@ -1,0 +1,151 @@
+"""Admission: `kvstore.open(admit="all" | "reused" | "pinned")` says which records go to disk."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from kvtest import logits_diff, prefill
+
+import kvstore
+from kvstore.errors import InvalidInputError
+
+C = 16
+PROMPT = list(range(1, 100))  # 6 chunks and a tail
+
+
+def on_disk(store, mc, tokens) -> int:
+    """How many of the records `insert(tokens)` stores are rows of the index."""
+    store.flush()
+    return len(store.index.present(mc.record_hashes(tokens)))
+
+
+def first_sight(store, mc, tokens):
+    """A request as a server makes it: fetch (a miss), compute, insert."""
+    _, rest = mc.fetch(tokens)
+    assert len(rest) == len(tokens)
+    mc.insert(tokens, prefill(mc.model, tokens))
+
+
+def test_reused_keeps_a_prompt_seen_once_in_ram_only(tmp_path, llama):
+    path, model = llama
+    with kvstore.open(tmp_path / "s", chunk_size=C, admit="reused") as store:
+        mc = store.bind(model, path)
+        first_sight(store, mc, PROMPT)
+        assert on_disk(store, mc, PROMPT) == 0
+        stats = store.stats()
+        assert stats["bytes"] == 0 and stats["writer"]["bytes_written"] == 0
+        assert stats["writes"]["not_admitted"] == 7 and stats["writes"]["not_admitted_bytes"] > 0
+        assert stats["writes"]["bytes_lifetime"] == 0
+        # Still a RAM hit on the second sight, in the same process.
+        cache, rest = mc.fetch(PROMPT)
+        assert rest == PROMPT[-1:]
+        assert logits_diff(model, cache, rest, PROMPT) < 1e-4
+
+
+def test_reused_writes_on_the_second_sight_from_ram(tmp_path, llama):
+    path, model = llama
+    longer = PROMPT + [7, 8, 9]
+    with kvstore.open(tmp_path / "s", chunk_size=C, admit="reused") as store:
+        mc = store.bind(model, path)
+        first_sight(store, mc, PROMPT)
+        cache, rest = mc.fetch(longer)  # the second sight: restored from RAM
+        assert rest == [7, 8, 9]
+        model(mx.array([rest]), cache=cache)
+        mc.insert(longer, cache)  # written from this cache: nothing recomputed
+        store.flush()
+        chunks = mc.record_hashes(PROMPT)[:-1]
+        assert store.index.present(chunks) == set(chunks)
+        assert store.stats()["writes"]["bytes_lifetime"] == store.stats()["bytes"] > 0
+    with kvstore.open(tmp_path / "s", chunk_size=C) as store:  # a restart: the chunks are on disk
+        mc = store.bind(model, path)
+        cache, rest = mc.fetch(PROMPT)
+        # (the first tail is on disk too when the writer got to it after the fetch reached it)
+        assert len(rest) <= len(PROMPT) - 6 * C
+        assert logits_diff(model, cache, rest, PROMPT) < 1e-4
+
+
+def test_reused_counts_a_sight_from_another_process(tmp_path, llama):
+    """The first sight was in a process that has gone: its marks are in the index."""
+    path, model = llama
+    with kvstore.open(tmp_path / "s", chunk_size=C, admit="reused") as store:
+        first_sight(store, store.bind(model, path), PROMPT)
+    with kvstore.open(tmp_path / "s", chunk_size=C) as store:  # admit="reused" is kept in the store
+        mc = store.bind(model, path)
+        _, rest = mc.fetch(PROMPT)
+        assert len(rest) == len(PROMPT)  # a restart recomputes what was seen once
+        mc.insert(PROMPT, prefill(model, PROMPT))
+        chunks = mc.record_hashes(PROMPT)[:-1]
+        store.flush()
+        assert store.index.present(chunks) == set(chunks)
+
+
+@pytest.mark.parametrize("policy", ["reused", "pinned"])
+def test_warm_and_pin_always_write(tmp_path, llama, policy):
+    path, model = llama
+    other = list(range(200, 260))
+    with kvstore.open(tmp_path / "s", chunk_size=C, admit=policy) as store:
+        mc = store.bind(model, path)
+        _, reused, computed = mc.prefill(PROMPT)  # what `kvstore warm` runs
+        assert (reused, computed) == (0, len(PROMPT))
+        assert on_disk(store, mc, PROMPT) == 7
+        mc.insert(other, prefill(model, other), pin=True)
+        assert on_disk(store, mc, other) == 4
+        assert store.index.pinned(mc.ns) >= set(mc.record_hashes(other))
+        assert store.stats()["writes"]["not_admitted"] == 0
+
+
+def test_warm_writes_a_prompt_held_in_ram_without_recomputing_it(tmp_path, llama):
+    path, model = llama
+    with kvstore.open(tmp_path / "s", chunk_size=C, admit="reused") as store:
+        mc = store.bind(model, path)
+        first_sight(store, mc, PROMPT)
+        _, reused, computed = mc.prefill(PROMPT)
+        assert (reused, computed) == (len(PROMPT) - 1, 1)
+        assert on_disk(store, mc, PROMPT) == 7
+
+
+def test_pinned_writes_nothing_else_even_when_reused(tmp_path, llama):
+    path, model = llama
+    with kvstore.open(tmp_path / "s", chunk_size=C, admit="pinned") as store:
+        mc = store.bind(model, path)
+        for _ in range(3):
+            _, rest = mc.fetch(PROMPT)
+            mc.insert(PROMPT, prefill(model, PROMPT))
+        assert on_disk(store, mc, PROMPT) == 0
+        assert store.stats()["writes"]["not_admitted"] == 7  # each record counted once
+
+
+def test_all_is_the_default_and_writes_on_first_sight(tmp_path, llama):
+    path, model = llama
+    with kvstore.open(tmp_path / "s", chunk_size=C) as store:
+        mc = store.bind(model, path)
+        first_sight(store, mc, PROMPT)
+        assert on_disk(store, mc, PROMPT) == 7
+        writes = store.stats()["writes"]
+        assert writes["admit"] == "all" and writes["not_admitted"] == 0
+        assert writes["bytes_lifetime"] == writes["bytes_last_day"] == store.stats()["bytes"]
+        assert writes["days"][-1]["bytes"] == store.stats()["bytes"] and len(writes["days"]) == 7
+
+
+def test_settings_are_kept_in_the_store_until_given_again(tmp_path):
+    with kvstore.open(tmp_path / "s", admit="reused", max_write_rate="1GB/day"):
+        pass
+    with kvstore.open(tmp_path / "s") as store:
+        assert (store.gate.policy, store.gate.per_day) == ("reused", 10**9)
+    with kvstore.open(tmp_path / "s", admit="all", max_write_rate="off"):
+        pass
+    with kvstore.open(tmp_path / "s") as store:
+        writes = store.stats()["writes"]
+        assert (writes["admit"], writes["max_write_rate"]) == ("all", None)
+    with kvstore.open(tmp_path / "s", read_only=True, admit="pinned") as store:  # not kept: read-only
+        assert store.gate.policy == "pinned"
+    with kvstore.open(tmp_path / "s") as store:
+        assert store.gate.policy == "all"
+
+
+def test_bad_settings_name_the_option(tmp_path):
+    with pytest.raises(InvalidInputError, match="admit"):
+        kvstore.open(tmp_path / "s", admit="sometimes")
+    with pytest.raises(InvalidInputError, match="max_write_rate"):
+        kvstore.open(tmp_path / "s", max_write_rate="fast")
+    assert not (tmp_path / "s").exists()  # refused before anything was made
