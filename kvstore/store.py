@@ -122,7 +122,7 @@ class Store:
                 per_day = write_budget.parse_rate(self.index.setting("max_write_rate"))
         return Gate(self.index if writes else None, admit or DEFAULT_POLICY, per_day)
 
-    def _write_stats(self) -> dict:
+    def write_stats(self) -> dict:
         """`stats()["writes"]`: see `write.budget.summary`."""
         return write_budget.summary(self.index, policy=self.gate.policy, per_day=self.gate.per_day,
                                     unsaved=self.gate.unsaved(), now=self.gate.clock())
@@ -238,7 +238,7 @@ class Store:
                        "redundant_bytes": w.redundant_bytes, "refilled": w.refilled},
             **self.counters,
             "remote": self.remote.stats() if self.remote is not None else None,
-            "writes": self._write_stats(),
+            "writes": self.write_stats(),
         }
         if self.files is not None:
             out.update(self.files.stats())

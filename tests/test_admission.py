@@ -149,3 +149,32 @@ def test_bad_settings_name_the_option(tmp_path):
     with pytest.raises(InvalidInputError, match="max_write_rate"):
         kvstore.open(tmp_path / "s", max_write_rate="fast")
     assert not (tmp_path / "s").exists()  # refused before anything was made
+
+
+def test_metrics_show_writes_and_what_was_kept_out(llama, tmp_path):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvstore import PersistentPromptCache
+    from kvstore.serve.metrics import ServerMetrics
+
+    path, model = llama
+    key = ("test", None, None)
+    with kvstore.open(tmp_path / "s", chunk_size=C, admit="reused", max_write_rate="1GB/day") as store:
+        pc = PersistentPromptCache(store)
+        pc.register(key, store.bind(model, str(path)))
+        metrics = ServerMetrics(pc)
+        for tokens in (PROMPT, PROMPT + [3]):  # seen once, then again: written the second time
+            pc.fetch_nearest_cache(key, tokens)
+            pc.insert_cache(key, tokens, prefill(model, tokens))
+            store.flush()
+        body = metrics.render()[0].decode()
+        metrics.close()
+        writes = store.stats()["writes"]
+    got = {(s.name, tuple(sorted(s.labels.items()))): s.value
+           for family in text_string_to_metric_families(body) for s in family.samples}
+    assert got[("kvstore_writes_bytes_lifetime_total", ())] == writes["bytes_lifetime"] > 0
+    assert got[("kvstore_writes_bytes_last_day", ())] == writes["bytes_last_day"]
+    assert got[("kvstore_writes_not_admitted_total", (("unit", "records"),))] == writes["not_admitted"] > 0
+    assert got[("kvstore_writes_not_admitted_total", (("unit", "bytes"),))] == writes["not_admitted_bytes"]
+    assert got[("kvstore_writes_over_budget_total", (("unit", "records"),))] == 0
+    assert got[("kvstore_write_budget_bytes_per_day", ())] == 10**9

@@ -114,3 +114,19 @@ def test_stats_shows_a_week_of_writes(tmp_path, llama, capsys):
     assert main(["stats", "--store", str(tmp_path / "s")]) == 0
     text = capsys.readouterr().out
     assert "not admitted: 12" in text and days[-1]["day"] in text
+
+
+def test_warm_takes_admit_and_max_write_rate_and_the_store_keeps_them(tmp_path, demo_model_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"tokens": prompt(1)}) + "\n")
+    store = str(tmp_path / "s")
+    assert main(["warm", "--store", store, "--model", str(demo_model_path), "--prompts", str(prompts),
+                 "--admit", "pinned", "--max-write-rate", "1GB/day"]) == 0
+    capsys.readouterr()
+    assert main(["stats", "--store", store, "--json"]) == 0
+    writes = json.loads(capsys.readouterr().out)["writes"]
+    assert (writes["admit"], writes["max_write_rate"]) == ("pinned", 10**9)
+    assert writes["bytes_lifetime"] > 0 and writes["not_admitted"] == 0  # warmed: always admitted
+    with pytest.raises(SystemExit) as e:
+        main(["warm", "--store", store, "--prompts", str(prompts), "--max-write-rate", "lots/day"])
+    assert e.value.code == 2 and "lots" in capsys.readouterr().err

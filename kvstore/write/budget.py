@@ -5,26 +5,23 @@ process on the store, and what the remote tier downloaded to it) counts for 24 h
 store's hourly write log (`storage.writesql`), and the writer takes from what is left before it
 writes a file, in one transaction. Counting by the hour, the window reaches 24 to 25 hours back,
 so no 24 hours ever hold more than the budget. Downloads are counted, never refused: a fetch
-needs them. Rates are given per day, per hour, per week ... and kept as bytes per day.
+needs them. Rates are given per day, per hour, per week (`sizes.parse_rate`) and kept as bytes
+per day.
 """
 
 from __future__ import annotations
 
-import re
 import time
 from typing import Callable, Sequence
 
 from kvstore.errors import InvalidInputError
-from kvstore.sizes import parse_size
+from kvstore.sizes import parse_rate as parse_rate_text
 from kvstore.storage.index import Index
 from kvstore.storage.writesql import HOUR_S
 
 DAY_S = 86400
 #: Hours of the write log the budget sums: the current one and the 24 before it.
 WINDOW_HOURS = 25
-_PERIODS = {"s": 1, "sec": 1, "m": 60, "min": 60, "h": HOUR_S, "hr": HOUR_S, "hour": HOUR_S,
-            "d": DAY_S, "day": DAY_S, "w": 7 * DAY_S, "wk": 7 * DAY_S, "week": 7 * DAY_S}
-_RATE = re.compile(r"\s*([^/]+?)\s*(?:/\s*([a-z]+)\s*)?", re.IGNORECASE)
 _OFF = ("off", "none", "unlimited")
 
 
@@ -40,18 +37,10 @@ def parse_rate(value: int | str | None, name: str = "max_write_rate") -> int | N
         if value < 0:
             raise InvalidInputError(f"{name} must be 0 or more bytes per day, got {value}")
         return value
-    match = _RATE.fullmatch(value)
-    if not match:
-        raise InvalidInputError(f"{name}: {value!r} is not a rate; use a size per period, like 20GB/day or 500MB/h")
-    amount, period = match.groups()
     try:
-        nbytes = parse_size(amount)
+        return parse_rate_text(value)
     except ValueError as e:
         raise InvalidInputError(f"{name}: {e}") from None
-    seconds = _PERIODS.get((period or "day").lower())
-    if seconds is None:
-        raise InvalidInputError(f"{name}: {value!r}: unknown period {period!r}; use s, min, h, day or week")
-    return int(nbytes * DAY_S // seconds)
 
 
 def hour_of(t: float) -> int:
