@@ -178,3 +178,27 @@ def test_metrics_show_writes_and_what_was_kept_out(llama, tmp_path):
     assert got[("kvstore_writes_not_admitted_total", (("unit", "bytes"),))] == writes["not_admitted_bytes"]
     assert got[("kvstore_writes_over_budget_total", (("unit", "records"),))] == 0
     assert got[("kvstore_write_budget_bytes_per_day", ())] == 10**9
+
+
+def test_a_store_from_before_the_write_log_opens_and_restores_unchanged(tmp_path, llama):
+    import sqlite3
+
+    path, model = llama
+    with kvstore.open(tmp_path / "s", chunk_size=C) as store:
+        store.bind(model, path).insert(PROMPT, prefill(model, PROMPT))
+    con = sqlite3.connect(tmp_path / "s" / "index.sqlite", isolation_level=None)  # back to schema 17
+    con.execute("DROP TABLE write_log")
+    con.execute("DROP TABLE seen_prefixes")
+    con.execute("DELETE FROM schema_migrations WHERE version = 18")
+    con.close()
+    with kvstore.open(tmp_path / "s", chunk_size=C, read_only=True) as store:  # read-only: not migrated
+        writes = store.stats()["writes"]
+        assert (writes["admit"], writes["bytes_lifetime"], writes["not_admitted"]) == ("all", 0, 0)
+        cache, rest = store.bind(model, path).fetch(PROMPT)
+        assert rest == PROMPT[-1:] and logits_diff(model, cache, rest, PROMPT) < 1e-4
+    with kvstore.open(tmp_path / "s", chunk_size=C, admit="reused") as store:  # migrated, then as before
+        assert 18 in store.index.applied()
+        mc = store.bind(model, path)
+        cache, rest = mc.fetch(PROMPT)
+        assert rest == PROMPT[-1:] and logits_diff(model, cache, rest, PROMPT) < 1e-4
+        assert on_disk(store, mc, PROMPT) == 7

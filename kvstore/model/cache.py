@@ -112,12 +112,20 @@ class ModelCache:
                         b.counters["reused_tokens"] += p
                         return cache, toks[p:].tolist()
             finally:
-                if b.gate is not None:  # a prefix asked for again is admitted to disk (admit="reused")
-                    b.gate.sighted(lookup.chain, reached)
+                self._sighted(lookup, reached)
         except Exception as e:  # a broken disk or index is a miss, never an error in generation
             log.error("kvstore: fetch failed, serving a miss (%s: %s)", type(e).__name__, e)
             b.counters["fetch_errors"] = b.counters.get("fetch_errors", 0) + 1
         return self.new_cache(), toks.tolist()
+
+    def _sighted(self, lookup: Lookup, reached: list[bytes]) -> None:
+        """Tell the admission policy what this fetch asked for (a prefix asked for again is
+        written to disk under `admit="reused"`); never raises into the fetch."""
+        if self.backing.gate is not None:
+            try:
+                self.backing.gate.sighted(lookup.chain, reached)
+            except Exception as e:
+                log.warning("kvstore: a fetch was not counted for admission (%s: %s)", type(e).__name__, e)
 
     def _restore(self, toks: np.ndarray, lookup: Lookup, chain_records: list[Span],
                  reached: list[bytes]) -> tuple[list, int] | None:

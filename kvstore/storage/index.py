@@ -21,8 +21,8 @@ from kvstore.errors import CorruptIndexError, StoreOpenError
 from kvstore.records import CHECKPOINT, CHUNK, TAIL, RecordId  # noqa: F401 -- the kinds' home is records
 from kvstore.storage import schema
 from kvstore.storage.evictsql import EvictionSQL
-from kvstore.storage.writesql import WriteLogSQL
 from kvstore.storage.schema import available_migrations, connect_read_only, is_corruption
+from kvstore.storage.writesql import WriteLogSQL
 
 _MAX_PARAMS = schema.MAX_PARAMS
 
