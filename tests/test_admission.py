@@ -191,14 +191,35 @@ def test_a_store_from_before_the_write_log_opens_and_restores_unchanged(tmp_path
     con.execute("DROP TABLE seen_prefixes")
     con.execute("DELETE FROM schema_migrations WHERE version = 18")
     con.close()
-    with kvstore.open(tmp_path / "s", chunk_size=C, read_only=True) as store:  # read-only: not migrated
-        writes = store.stats()["writes"]
-        assert (writes["admit"], writes["bytes_lifetime"], writes["not_admitted"]) == ("all", 0, 0)
-        cache, rest = store.bind(model, path).fetch(PROMPT)
-        assert rest == PROMPT[-1:] and logits_diff(model, cache, rest, PROMPT) < 1e-4
     with kvstore.open(tmp_path / "s", chunk_size=C, admit="reused") as store:  # migrated, then as before
         assert 18 in store.index.applied()
+        writes = store.stats()["writes"]
+        assert (writes["bytes_lifetime"], writes["not_admitted"]) == (0, 0)  # the log starts here
         mc = store.bind(model, path)
         cache, rest = mc.fetch(PROMPT)
         assert rest == PROMPT[-1:] and logits_diff(model, cache, rest, PROMPT) < 1e-4
         assert on_disk(store, mc, PROMPT) == 7
+
+
+def test_serve_with_admit_reused_writes_a_request_on_its_second_sight(demo_model, tmp_path):
+    """`kvstore serve --admit reused`: the first request stays in RAM (its repeat hits there),
+    the repeat writes it, and a restarted server restores it from disk."""
+    import requests
+    from test_server import Server, ask, cached, chat_messages
+
+    model, store = demo_model("llama"), tmp_path / "store"
+    with Server(model, store, tmp_path / "a.log", "--admit", "reused", "--max-write-rate", "1GB/day") as server:
+        _, first = ask(server, messages=chat_messages())
+        assert cached(first) == 0
+        assert requests.get(server.url + "/kvstore/stats", timeout=60).json()["writes"]["bytes_lifetime"] == 0
+        _, again = ask(server, messages=chat_messages())
+        assert cached(again) >= first["prompt_tokens"] - 1  # a RAM hit
+        assert server.stop() == 0
+    with kvstore.open(store, read_only=True) as s:
+        writes = s.stats()["writes"]
+    assert (writes["admit"], writes["max_write_rate"]) == ("reused", 10**9)
+    assert writes["bytes_lifetime"] > 0 and writes["not_admitted"] > 0
+    with Server(model, store, tmp_path / "b.log") as server:  # the kept settings apply
+        _, after = ask(server, messages=chat_messages())
+        assert cached(after) >= first["prompt_tokens"] // C * C - C
+        assert server.stop() == 0

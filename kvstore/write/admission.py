@@ -57,6 +57,7 @@ class Gate:
                  clock: Callable[[], float] = time.time):
         self.index, self.policy, self.clock = index, check_policy(policy) or DEFAULT_POLICY, clock
         self.budget = WriteBudget(index, per_day, clock) if index is not None else None
+        self._per_day = per_day
         self.counts = dict.fromkeys(KEPT_COUNTS, 0)  # this process's, since the store was opened
         self._unsaved = dict.fromkeys(KEPT_COUNTS, 0)
         self._seen: _Bounded = _Bounded()  # hash -> reused, as this process knows it
@@ -79,7 +80,8 @@ class Gate:
 
     @property
     def per_day(self) -> int | None:
-        return self.budget.per_day if self.budget is not None else None
+        """The write budget in bytes per day (None: no budget)."""
+        return self._per_day
 
     # -- caller side ------------------------------------------------------------------------
 
