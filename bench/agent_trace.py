@@ -117,14 +117,15 @@ def main() -> None:
     model_path = build_demo_model(work / "model", "llama", size="tiny", dtype="float32")
     model, _ = mlx_lm.load(str(model_path))
     trace, repeat = make_trace(args.prompts, args.tokens, args.seed)
-    C.log(f"{len(trace)} prompts, {sum(map(len, trace))} tokens, {sum(repeat)} repeats; load {os.getloadavg()}")
+    load_start = round(os.getloadavg()[0], 2)
+    C.log(f"{len(trace)} prompts, {sum(map(len, trace))} tokens, {sum(repeat)} repeats; load {load_start}")
     recompute = [serve(model, None, t)[0] for t, again in zip(trace, repeat) if again]
     rows = []
     for policy in POLICIES:
         t0 = time.perf_counter()
         rows.append(run_policy(policy, model, model_path, trace, repeat, work))
         C.log(f"{policy}: {time.perf_counter() - t0:.0f}s", rows[-1])
-    out = {"machine": C.machine(), "blas": C.blas_in_use(), "quick": args.quick, "prompts": len(trace),
+    out = {"machine": C.machine(), "load_start": load_start, "blas": C.blas_in_use(), "quick": args.quick, "prompts": len(trace),
            "min_tokens": max(args.tokens // 4, SYSTEM_TOKENS + 1), "max_tokens": args.tokens,
            "tokens": sum(map(len, trace)), "repeats": sum(repeat),
            "recompute_ttft_median_s": statistics.median(recompute), "policies": rows}

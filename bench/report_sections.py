@@ -87,7 +87,8 @@ def agent_trace(add, out) -> None:
     add("## Agent trace: what is written under `admit=\"all\"` and `admit=\"reused\"`")
     add("")
     add(f"`python bench/agent_trace.py --prompts {out['prompts']} --tokens {out['max_tokens']}` "
-        f"(run {out.get('written_utc', '?')}; load average {m.get('load_average_1m', '?')} at the start; BLAS "
+        f"(run {out.get('written_utc', '?')}; load average {out.get('load_start', '?')} at the start, "
+        f"{m.get('load_average_1m', '?')} at the end; BLAS "
         f"{out.get('blas', '?')}): {out['prompts']} prompts of {out['min_tokens']:,} to {out['max_tokens']:,} "
         f"tokens ({out['tokens']:,} in all) over 10 shared 1,024-token system prompts, {out['repeats']} of them "
         "repeated later; the demo model (llama, tiny, float32: 1 KiB of K/V a token). Each prompt is fetched, "
@@ -104,5 +105,6 @@ def agent_trace(add, out) -> None:
     add("")
     add("TTFT are medians over the repeats; the hit rate is the share of prompt tokens restored instead of "
         "computed. Under `reused` a prompt's first sight stays in RAM: its repeat in the same process still "
-        "hits there, and the repeat writes it, so after a restart the repeats hit the disk in both rows.")
+        "hits there, and the repeat writes it, so after a restart the repeats hit the disk in both rows. "
+        "\"Not admitted\" counts every record at its first sight, those written later at their second too.")
     add("")

@@ -130,3 +130,20 @@ def test_warm_takes_admit_and_max_write_rate_and_the_store_keeps_them(tmp_path, 
     with pytest.raises(SystemExit) as e:
         main(["warm", "--store", store, "--prompts", str(prompts), "--max-write-rate", "lots/day"])
     assert e.value.code == 2 and "lots" in capsys.readouterr().err
+
+
+def test_remote_downloads_count_in_the_lifetime_bytes(tmp_path, s3, llama):
+    """What the remote tier writes through to disk is in `bytes_lifetime`, as an SSD counts it."""
+    path, model = llama
+    url = s3.url()
+    with kvstore.open(tmp_path / "a", chunk_size=C, remote=url) as a:
+        a.bind(model, path).insert(prompt(3), prefill(model, prompt(3)))
+        assert a.flush(timeout=60)
+        written = a.stats()["writes"]["bytes_lifetime"]
+    with kvstore.open(tmp_path / "b", chunk_size=C, remote=url) as b:
+        _, rest = b.bind(model, path).fetch(prompt(3))
+        assert len(rest) == 1
+        writes = b.stats()["writes"]
+        assert writes["records_lifetime"] == 0  # the writer wrote nothing
+        assert writes["downloaded_lifetime"] == writes["bytes_lifetime"] == b.stats()["bytes"] == written
+        assert writes["days"][-1]["downloaded"] == written
