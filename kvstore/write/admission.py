@@ -62,6 +62,7 @@ class Gate:
         self._unsaved = dict.fromkeys(KEPT_COUNTS, 0)
         self._seen: _Bounded = _Bounded()  # hash -> reused, as this process knows it
         self._held: _Bounded = _Bounded()  # records kept in RAM only
+        self._reached: _Bounded = _Bounded()  # of those, the ones a fetch restored from since
         self._new_seen: list[bytes] = []
         self._new_reused: list[bytes] = []
         self._lock = threading.Lock()
@@ -99,6 +100,9 @@ class Gate:
         except Exception:  # the index is busy or unreadable: this sight counts as a first one
             stored = {}
         with self._lock:
+            for h in reached:
+                if h in self._held:
+                    self._reached.remember(h, None)
             for h in list(chain) + [h for h in reached if h not in chain]:
                 if h in reached or h in self._seen or h in stored:
                     if not self._seen.get(h):
@@ -114,6 +118,12 @@ class Gate:
         with self._lock:
             return {s.hash for s in spans if s.hash in held and s.hash in self._held
                     and (durable or self.policy == "all" or self._seen.get(s.hash))}
+
+    def reached_held(self) -> list[bytes]:
+        """Records kept in RAM that a fetch restored from since (under `reused`): an insert whose
+        cache holds them too writes them (a tail is not in the next insert's own records)."""
+        with self._lock:
+            return list(self._reached)
 
     def holds_back(self, hashes: Iterable[bytes]) -> bool:
         """Whether any of these records is kept in RAM only (not on disk)."""
@@ -167,6 +177,7 @@ class Gate:
         with self._lock:
             for h in hashes:
                 self._held.pop(h, None)
+                self._reached.pop(h, None)
 
     @property
     def dirty(self) -> bool:
