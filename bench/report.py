@@ -88,7 +88,7 @@ def write_report() -> str:
         "page cache), which is why two baselines are shown: into a reused buffer (the strict physical "
         "limit) and into new memory (what any restore that returns new arrays must pay).")
     add("")
-    conversation, remote = _load("conversation"), _load("remote")
+    conversation, remote, agent = _load("conversation"), _load("remote"), _load("agent_trace")
     summary, missed = _targets(restore, write, index, conversation)
     add("## Targets")
     add("")
@@ -119,6 +119,8 @@ def write_report() -> str:
         report_sections.conversation(add, conversation)
     if remote:
         report_sections.remote(add, remote)
+    if agent:
+        report_sections.agent_trace(add, agent)
     if run.get("steps"):
         add("## Run")
         add("")

@@ -1,5 +1,5 @@
 """The sections of bench/README.md for bench/conversation.py and bench/remote.py, whose results
-files record no date of their own (written by report.py)."""
+files record no date of their own, and for bench/agent_trace.py (written by report.py)."""
 
 from __future__ import annotations
 
@@ -79,3 +79,32 @@ def remote(add, remote) -> None:
             f"{c['obstore_list']['median'] * 1e3:.2f} ms vs {c['boto3_list']['median'] * 1e3:.2f} ms "
             f"({c['list_speedup']:.1f}x).")
         add("")
+
+
+def agent_trace(add, out) -> None:
+    """The agent-trace section: `admit="all"` against `admit="reused"` (bench/agent_trace.py)."""
+    m = out.get("machine", {})
+    add("## Agent trace: what is written under `admit=\"all\"` and `admit=\"reused\"`")
+    add("")
+    add(f"`python bench/agent_trace.py --prompts {out['prompts']} --tokens {out['max_tokens']}` "
+        f"(run {out.get('written_utc', '?')}; load average {out.get('load_start', '?')} at the start, "
+        f"{m.get('load_average_1m', '?')} at the end; BLAS "
+        f"{out.get('blas', '?')}): {out['prompts']} prompts of {out['min_tokens']:,} to {out['max_tokens']:,} "
+        f"tokens ({out['tokens']:,} in all) over 10 shared 1,024-token system prompts, {out['repeats']} of them "
+        "repeated later; the demo model (llama, tiny, float32: 1 KiB of K/V a token). Each prompt is fetched, "
+        "its rest prefilled, its first token sampled, and it is inserted. \"After restart\": the store closed and "
+        "opened again, the repeats sent once more. Recompute of a repeat, from nothing: "
+        f"{out['recompute_ttft_median_s'] * 1000:,.0f} ms (median).")
+    add("")
+    add("| admit | written | on disk | not admitted | hit rate | repeat TTFT | after restart | restart hit rate |")
+    add("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in out["policies"]:
+        add(f"| {r['policy']} | {mb(r['bytes_written'])} | {mb(r['bytes_on_disk'])} | {r['not_admitted']} "
+            f"({mb(r['not_admitted_bytes'])}) | {r['hit_rate']:.0%} | {r['repeat_ttft_median_s'] * 1000:,.0f} ms "
+            f"| {r['repeat_ttft_after_restart_median_s'] * 1000:,.0f} ms | {r['repeat_hit_rate_after_restart']:.0%} |")
+    add("")
+    add("TTFT are medians over the repeats; the hit rate is the share of prompt tokens restored instead of "
+        "computed. Under `reused` a prompt's first sight stays in RAM: its repeat in the same process still "
+        "hits there, and the repeat writes it, so after a restart the repeats hit the disk in both rows. "
+        "\"Not admitted\" counts every record at its first sight, those written later at their second too.")
+    add("")

@@ -13,7 +13,7 @@ import re
 import sys
 from typing import Iterable, Sequence
 
-from kvstore.sizes import parse_duration, parse_size
+from kvstore.sizes import parse_duration, parse_rate, parse_size
 
 _NEGATIVE = re.compile(r"-\.?\d")  # -5, -5MB, -.5G: a value, never one of our options
 _OPTION = re.compile(r"--?[A-Za-z]")
@@ -87,6 +87,17 @@ def size(text: str) -> int:
         return parse_size(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def rate(text: str) -> str:
+    """An argparse type: `20GB/day`, `500MB/h`, or `off` (`sizes.parse_rate`), passed on as given."""
+    if text.strip().lower() in ("off", "none", "unlimited"):
+        return text
+    try:
+        parse_rate(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def duration(text: str) -> float:

@@ -54,6 +54,23 @@ def parse_duration(text: str) -> float:
     return total
 
 
+_RATE_RE = re.compile(r"\s*([^/]+?)\s*(?:/\s*([a-z]+)\s*)?", re.IGNORECASE)
+_PERIODS = {"s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600, "hr": 3600, "hour": 3600,
+            "d": 86400, "day": 86400, "w": 7 * 86400, "wk": 7 * 86400, "week": 7 * 86400}
+
+
+def parse_rate(text: str) -> int:
+    """Bytes per day in `text`: `20GB/day`, `500MB/h`, `1TB/week`; a size alone is per day."""
+    match = _RATE_RE.fullmatch(str(text))
+    if not match:
+        raise ValueError(f"{text!r} is not a rate; use a size per period, like 20GB/day or 500MB/h")
+    amount, period = match.groups()
+    seconds = _PERIODS.get((period or "day").lower())
+    if seconds is None:
+        raise ValueError(f"{text!r}: unknown period {period!r}; use s, min, h, day or week")
+    return int(parse_size(amount) * 86400 // seconds)
+
+
 def format_size(n: int | float) -> str:
     """`1536` -> `1.5 KiB`: binary units, one decimal."""
     n = float(n)

@@ -33,6 +33,8 @@ from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.memory import MemoryTier, MemoryTierView
 from kvstore.tiers.remote import DEFAULT_DEADLINE_S, RemoteTier
 from kvstore.upkeep.local import LocalStore
+from kvstore.write import budget as write_budget
+from kvstore.write.admission import DEFAULT_POLICY, Gate, check_policy
 from kvstore.write.pending import PendingTier
 from kvstore.write.writer import Writer
 
@@ -68,8 +70,11 @@ class Store:
                  memory_bytes: int | None = None, chunk_size: int = 256,
                  max_pending_bytes: int = DEFAULT_PENDING_BYTES, fsync: bool = True,
                  create: bool = True, read_only: bool | None = False,
-                 remote: str | None = None, remote_deadline: float | None = None):
+                 remote: str | None = None, remote_deadline: float | None = None,
+                 admit: str | None = None, max_write_rate: int | str | None = None):
         _check_options(chunk_size, max_bytes, memory_bytes, remote, remote_deadline)
+        check_policy(admit)
+        write_budget.parse_rate(max_write_rate)
         self.chunk_size = chunk_size
         self.max_bytes = None if max_bytes == AUTO else max_bytes
         self.max_bytes_rule: str | None = None  # how an automatic budget was found
@@ -91,12 +96,36 @@ class Store:
         self.counters = {"quarantined": 0, "skipped_inserts": 0, "fetches": 0, "reused_tokens": 0}
         self.remote = self._open_remote(remote, remote_deadline)
         writes = self.files is not None and not self.read_only
+        self.gate = self._gate(admit, max_write_rate, writes)
         self.writer = Writer(self.index if writes else None, self.blob_root if writes else None, self.memory,
                              max_pending_bytes, after_batch=self._after_batch if self.max_bytes is not None else None,
-                             fsync=fsync, after_write=self.remote.uploader.submit if self.remote else None)
+                             fsync=fsync, after_write=self.remote.uploader.submit if self.remote else None,
+                             gate=self.gate)
         self.tiers = self._tiers()
         self._closed = False
         _OPEN_STORES.add(self)
+
+    # -- what the writer puts on disk -------------------------------------------------------
+
+    def _gate(self, admit: str | None, max_write_rate: int | str | None, writes: bool) -> Gate:
+        """The admission policy and write budget. Each is kept in the store when given, and
+        later opens that do not give it use the kept one (defaults: "all", no budget)."""
+        per_day = write_budget.parse_rate(max_write_rate)
+        if self.index is not None:
+            if writes and admit is not None:
+                self.index.set_setting("admit", admit)
+            if writes and max_write_rate is not None:
+                self.index.set_setting("max_write_rate", None if per_day is None else str(per_day))
+            if admit is None:
+                admit = check_policy(self.index.setting("admit"), "the store's kept admit setting")
+            if max_write_rate is None:
+                per_day = write_budget.parse_rate(self.index.setting("max_write_rate"))
+        return Gate(self.index if writes else None, admit or DEFAULT_POLICY, per_day)
+
+    def write_stats(self) -> dict:
+        """`stats()["writes"]`: see `write.budget.summary`."""
+        return write_budget.summary(self.index, policy=self.gate.policy, per_day=self.gate.per_day,
+                                    unsaved=self.gate.unsaved(), now=self.gate.clock())
 
     def _open_remote(self, url: str | None, deadline: float | None) -> Remote | None:
         """This node's side of the bucket at `url`, or None. Contacts nothing yet."""
@@ -145,7 +174,7 @@ class Store:
                                                            remember=not self.read_only)
         ns = keys.namespace(fingerprint, layout, self.chunk_size)
         backing = Backing(self.tiers, self.memory, self.writer, self.index, self.counters, self._check_open,
-                          self._register, self.flush)
+                          self._register, self.flush, self.gate)
         mc = ModelCache(backing, model, str(model_id), ns, fingerprint, layout, codecs, self.chunk_size,
                         kv_bits=kv_bits, kv_group_size=kv_group_size)
         mc.registered = self._register(mc, stamps)
@@ -209,6 +238,7 @@ class Store:
                        "redundant_bytes": w.redundant_bytes, "refilled": w.refilled},
             **self.counters,
             "remote": self.remote.stats() if self.remote is not None else None,
+            "writes": self.write_stats(),
         }
         if self.files is not None:
             out.update(self.files.stats())
@@ -286,6 +316,12 @@ def open(path: str | os.PathLike | None = None, *, max_bytes: int | str | None =
     `remote="s3://BUCKET/PREFIX"` shares the store with other nodes through an S3-compatible
     object store (see `kvstore.tiers.remote`); `remote_deadline` (seconds, default 1) bounds the
     remote part of each fetch.
+
+    `admit` says which records go to disk: `"all"` (the default), `"reused"` (a prefix asked
+    for a second time, or warmed or pinned) or `"pinned"` (warmed and pinned only); the others
+    stay in the memory tier. `max_write_rate="20GB/day"` (or `"500MB/h"`, or bytes per day)
+    bounds what is written in any rolling day. Both are kept in the store: a later open that
+    does not give them uses them. `stats()["writes"]` counts what was written and kept out.
     """
     return Store(path, max_bytes=max_bytes, memory_bytes=memory_bytes, chunk_size=chunk_size,
                  remote=remote, **options)
@@ -299,7 +335,8 @@ STORE_TOTALS = ("path", "bytes", "chunks", "tails", "checkpoints", "models", "qu
 PER_PROCESS = ("chunk_size", "max_bytes", "memory", "writer", "quarantined", "skipped_inserts",
                "fetches", "reused_tokens", "read_only", "max_bytes_auto", "max_bytes_rule")
 # `remote`: this process's counters, and under `totals` the store's (kept in its index).
-MIXED = {"remote": "process; its totals: store"}
+# `writes`: the store's write log (every process's), and the settings this process opened it with.
+MIXED = {"remote": "process; its totals: store", "writes": "store; admit and max_write_rate: process"}
 
 
 def stats_scope(stats: dict) -> dict[str, str]:

@@ -18,7 +18,8 @@ EXAMPLES = """examples:
 # that opens it; how this process opened it is its own; the remote's counters are this
 # process's, their `totals` every process's on this store.
 PROCESS_KEYS = ("read_only",)
-MIXED = {"remote": "process; its totals: store"}
+MIXED = {"remote": "process; its totals: store", "writes": "store; admit and max_write_rate: process"}
+WRITE_DAYS = 7
 
 
 def register(add, store_opts, model_opts) -> None:
@@ -39,9 +40,18 @@ def read_stats(args) -> dict:
     url = remote_url(args)
     if not url:
         with open_local(args, must_exist=True, read_only=None) as files:
-            return {**files.stats(), "read_only": files.read_only}
+            return {**files.stats(), "read_only": files.read_only, "writes": _writes(files.index)}
     with open_remote(args, url, must_exist=True, read_only=None) as (files, remote):
-        return {**files.stats(), "read_only": files.read_only, "remote": remote.stats()}
+        return {**files.stats(), "read_only": files.read_only, "remote": remote.stats(),
+                "writes": _writes(files.index)}
+
+
+def _writes(index) -> dict:
+    """The store's write log and the write settings it keeps (`write.budget.summary`)."""
+    from kvstore.write.budget import parse_rate, summary
+
+    return summary(index, policy=index.setting("admit") or "all",
+                   per_day=parse_rate(index.setting("max_write_rate")), days=WRITE_DAYS)
 
 
 def cmd_stats(args) -> int:
@@ -55,6 +65,7 @@ def cmd_stats(args) -> int:
           f"tails: {stats['tails']}   models: {len(stats['models'])}   "
           f"chunk size: {', '.join(map(str, sizes)) or '-'}")
     _print_remote(stats.get("remote"))
+    _print_writes(stats.get("writes"))
     _print_quarantine(stats)
     if stats["models"]:
         _print_models(stats["models"])
@@ -68,6 +79,24 @@ def _print_remote(remote: dict | None) -> None:
     out(f"remote: {remote['url']}   uploads: {t['uploads']} ({format_size(t['upload_bytes'])})   "
         f"downloads: {t['downloads']} ({format_size(t['download_bytes'])})   remote hits: {t['remote_hits']}   "
         f"errors: {t['errors']}   dropped uploads: {t['dropped_uploads']}   deadline misses: {t['deadline_misses']}")
+
+
+def _print_writes(writes: dict | None) -> None:
+    """Writes to this disk: the settings, the totals, what was kept out, and a line a day."""
+    if not writes:
+        return
+    rate = writes["max_write_rate"]
+    budget = (f"budget: {format_size(rate)}/day, {format_size(writes['budget_left'])} left"
+              if rate is not None else "budget: none")
+    print(f"writes: {format_size(writes['bytes_last_day'])} in the last day, "
+          f"{format_size(writes['bytes_lifetime'])} in all (remote downloads: "
+          f"{format_size(writes['downloaded_lifetime'])})   admit: {writes['admit']}   {budget}")
+    print(f"kept in RAM only: not admitted: {writes['not_admitted']} ({format_size(writes['not_admitted_bytes'])}), "
+          f"over budget: {writes['over_budget']} ({format_size(writes['over_budget_bytes'])})")
+    for day in writes["days"]:
+        print(f"  {day['day']}  {format_size(day['bytes'] + day['downloaded']):>10}  "
+              f"{plural(day['records'], 'record')}, not admitted {day['not_admitted']}, "
+              f"over budget {day['over_budget']}")
 
 
 def _print_quarantine(stats: dict) -> None:

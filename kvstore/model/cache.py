@@ -26,7 +26,7 @@ from kvstore.model.insert import Views, make_job
 from kvstore.model.layout import make_template
 from kvstore.model.lookup import Opening, match
 from kvstore.model.tokens import Tokens, arrays_of, as_tokens
-from kvstore.records import CHECKPOINT, Span, checkpoint_of, prompt_records
+from kvstore.records import CHECKPOINT, TAIL, Span, checkpoint_of, prompt_records
 from kvstore.restore.build import build, checkpoint_arrays
 from kvstore.restore.codecs import CacheListCodec, Codec, RotatingCodec
 from kvstore.restore.fill import fill, host_slice
@@ -36,6 +36,7 @@ from kvstore.storage.blobformat import nbytes
 from kvstore.storage.index import Index
 from kvstore.tiers.base import Lookup, Source, Tiers, Where
 from kvstore.tiers.memory import MemoryTier, held
+from kvstore.write.admission import Gate
 from kvstore.write.writer import Writer
 
 log = logging.getLogger("kvstore")
@@ -59,6 +60,7 @@ class Backing:
     check_open: Callable[[], None]  # raises once the store is closed
     register: Callable[["ModelCache"], bool]  # records the model version in the index
     flush: Callable[[], bool]  # waits until every insert so far is durable
+    gate: Gate | None = None  # the admission policy: told what each fetch asked for
 
 
 class ModelCache:
@@ -96,25 +98,39 @@ class ModelCache:
         b.counters["fetches"] += 1
         if len(toks) < 2:
             return self.new_cache(), toks.tolist()
+        reached: list[bytes] = []
         try:
             chain = prompt_records(self.ns, toks, self.chunk_size, tail=False)
             lookup = Lookup(self.ns, toks, self.chunk_size, [s.hash for s in chain])
-            for _ in range(_ATTEMPTS):  # a damaged record found while filling: plan again without it
-                done = self._restore(toks, lookup, chain)
-                if done is not None:
-                    cache, p = done
-                    if p <= 0:
-                        break
-                    b.counters["reused_tokens"] += p
-                    return cache, toks[p:].tolist()
+            try:
+                for _ in range(_ATTEMPTS):  # a damaged record found while filling: plan again without it
+                    done = self._restore(toks, lookup, chain, reached)
+                    if done is not None:
+                        cache, p = done
+                        if p <= 0:
+                            break
+                        b.counters["reused_tokens"] += p
+                        return cache, toks[p:].tolist()
+            finally:
+                self._sighted(lookup, reached)
         except Exception as e:  # a broken disk or index is a miss, never an error in generation
             log.error("kvstore: fetch failed, serving a miss (%s: %s)", type(e).__name__, e)
             b.counters["fetch_errors"] = b.counters.get("fetch_errors", 0) + 1
         return self.new_cache(), toks.tolist()
 
-    def _restore(self, toks: np.ndarray, lookup: Lookup, chain_records: list[Span]) -> tuple[list, int] | None:
-        """One attempt: look up, open the records, plan, fill, build. (cache, p), (None, 0) on a
-        miss, or None when a record failed its checksum while filling (it is quarantined now) or
+    def _sighted(self, lookup: Lookup, reached: list[bytes]) -> None:
+        """Tell the admission policy what this fetch asked for (a prefix asked for again is
+        written to disk under `admit="reused"`); never raises into the fetch."""
+        if self.backing.gate is not None:
+            try:
+                self.backing.gate.sighted(lookup.chain, reached)
+            except Exception as e:
+                log.warning("kvstore: a fetch was not counted for admission (%s: %s)", type(e).__name__, e)
+
+    def _restore(self, toks: np.ndarray, lookup: Lookup, chain_records: list[Span],
+                 reached: list[bytes]) -> tuple[list, int] | None:
+        """One attempt: look up, open the records, plan, fill, build (`reached` gets the records
+        it restored from). (cache, p), (None, 0) on a miss, or None when a record failed its checksum while filling (it is quarantined now) or
         left every tier between the lookup and its opening (the writer replaced a tail, or gc
         evicted it): the next attempt looks up again."""
         C = self.chunk_size
@@ -143,6 +159,7 @@ class ModelCache:
                     opening.damaged(pl.parts[k].hash, e)
                 return None
             cache = build(pl, self.codecs, finals, ckpt)
+            reached.extend([q.hash for q in pl.parts] + ([pl.checkpoint] if pl.checkpoint else []))
             self._keep_in_memory(pl, finals, sources, where)
             self.backing.tiers.touch([q.hash for q in pl.parts] + ([pl.checkpoint] if pl.checkpoint else []))
             return cache, pl.p
@@ -226,12 +243,15 @@ class ModelCache:
 
     # -- insert -----------------------------------------------------------------------------
 
-    def insert(self, tokens: Tokens, cache: list, *, pin: bool = False, checkpoint: bool = True) -> int:
+    def insert(self, tokens: Tokens, cache: list, *, pin: bool = False, checkpoint: bool = True,
+               durable: bool = False) -> int:
         """Store the cache of `tokens` (it must hold exactly `len(tokens)` processed tokens).
 
         Returns at once: new chunks, the tail and (for recurrent layers, when `checkpoint`) a
         checkpoint at the end are queued for the background writer and visible to `fetch`
-        immediately. Returns how many new records were queued.
+        immediately. Returns how many new records were queued. The store's admission policy
+        (`kvstore.open(admit=...)`) says which go to disk; `durable` (as `pin`) writes them
+        whatever it says, within the write budget.
         """
         toks = as_tokens(tokens)
         b = self.backing
@@ -251,7 +271,12 @@ class ModelCache:
             log.error("kvstore: insert dropped (%s: %s)", type(e).__name__, e)
             b.counters["skipped_inserts"] += 1
             return 0
-        new = [s for s in spans if s.hash not in held]
+        durable = durable or pin
+        # Records kept in RAM that may go to disk now (seen again, or durable): from this cache.
+        again = b.gate.rewrite(spans, held, durable) if b.gate is not None else set()
+        new = [s for s in spans if s.hash not in held or s.hash in again]
+        if b.gate is not None and not self._windowed:
+            new += self._reached_tails(toks, spans, b.gate.reached_held())
         # Stored records a sliding window may have been missing data for (see the writer's refill).
         stored = [s for s in spans if s.kind != CHECKPOINT and s.hash in held
                   and not b.writer.known_complete(s.hash)] if self._windowed else []
@@ -262,12 +287,33 @@ class ModelCache:
         if not new and not pin and not refill:
             return 0
         b.writer.submit(make_job(self.ns, toks, views, new, refill, self._metadata,
-                                 [s.hash for s in spans] if pin else []))
+                                 [s.hash for s in spans] if pin else [], durable=durable))
         return len(new)
 
+    def _reached_tails(self, toks: np.ndarray, spans: list[Span], reached: list[bytes]) -> list[Span]:
+        """The tails kept in RAM that a fetch restored from and that this insert's cache holds
+        too (their tokens a prefix of its own past their chunk): as records of it, to write."""
+        C, memory, out = self.chunk_size, self.backing.memory, []
+        mine = {s.hash for s in spans}
+        for h in reached:
+            rec = memory.get(h)
+            if rec is None or rec.kind != TAIL or rec.ns != self.ns or h in mine:
+                continue
+            end = (rec.depth - 1) * C + rec.ntokens
+            if end >= len(toks) or not np.array_equal(toks[end - rec.ntokens : end], rec.tokens):
+                continue
+            tail = prompt_records(self.ns, toks[:end], C, checkpoint=False)[-1]
+            if tail.hash == h:
+                out.append(tail)
+        return out
+
     def prefill(self, tokens: Tokens, *, step: int | None = None, checkpoint_every: int = CHECKPOINT_EVERY,
-                pin: bool = False, progress: Callable[[int], None] | None = None) -> tuple[list | None, int, int]:
+                pin: bool = False, progress: Callable[[int], None] | None = None,
+                durable: bool = True) -> tuple[list | None, int, int]:
         """Make sure the cache of `tokens` is stored, computing only what is missing.
+
+        It is written to disk whatever the admission policy says (`durable=False`: as the
+        policy says, and a record kept in RAM counts as stored).
 
         Processes the missing tokens up to each chunk boundary (or `step` at a time) and inserts
         after each, so a crash or Ctrl-C keeps everything computed so far. Recurrent layers get a
@@ -283,6 +329,8 @@ class ModelCache:
             self._forget_lost(toks)
             if self.stored_length(toks) < len(toks) or self._needs_end_checkpoint(toks):
                 break
+            if durable and self._held_back(toks):
+                break  # in RAM only: restored from there and written by the insert below
             if not pin or self._pin(toks):
                 return None, len(toks), 0
         cache, rest = self.fetch(toks)
@@ -294,7 +342,7 @@ class ModelCache:
             mx.eval(arrays_of(cache))
             at_boundary = end % C == 0 and checkpoint_every > 0 and (end // C) % checkpoint_every == 0
             self.insert(toks[:end], cache, pin=pin and end == len(toks),
-                        checkpoint=end == len(toks) or at_boundary)
+                        checkpoint=end == len(toks) or at_boundary, durable=durable)
             if progress is not None:
                 progress(end - pos)
             pos = end
@@ -311,12 +359,23 @@ class ModelCache:
         end = self._durable(toks)[-1]
         return end.hash not in self.backing.tiers.holds([end])
 
+    def _held_back(self, toks: np.ndarray) -> bool:
+        """Whether admission or the write budget keeps some record of `toks` in RAM only (once
+        the writer has decided on what is queued)."""
+        gate = self.backing.gate
+        if gate is None or not gate.selective:
+            return False
+        self.backing.writer.flush()
+        return gate.holds_back(s.hash for s in self._durable(toks))
+
     def _forget_lost(self, toks: np.ndarray) -> None:
         """Drop from the memory tier the records of `toks` that are neither queued nor on disk."""
         b = self.backing
         if b.index is None:
             return
-        held = [s.hash for s in self._durable(toks) if s.hash in b.memory and not b.writer.is_pending(s.hash)]
+        kept = b.gate.holds_back if b.gate is not None else (lambda hashes: False)
+        held = [s.hash for s in self._durable(toks) if s.hash in b.memory and not b.writer.is_pending(s.hash)
+                and not kept([s.hash])]  # kept in RAM by admission or budget: not lost
         if held:
             on_disk = b.index.present(held)
             b.memory.discard([h for h in held if h not in on_disk and not b.writer.is_pending(h)])

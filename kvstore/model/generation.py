@@ -22,7 +22,7 @@ def prompt_cache(mc, tokens: Sequence[int]) -> tuple[list, list[int], int]:
     prefilled and stored first, which lets the same prompt resume from the store next time.
     """
     if mc.checkpointed and len(tokens) > 1:
-        cache, reused, _ = mc.prefill(tokens[:-1])
+        cache, reused, _ = mc.prefill(tokens[:-1], durable=False)  # a request: admitted as any
         if cache is not None:
             return cache, [int(tokens[-1])], reused
     cache, rest = mc.fetch(tokens)

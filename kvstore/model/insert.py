@@ -99,9 +99,11 @@ class Views:
 
 
 def make_job(ns: bytes, toks: np.ndarray, views: Views, new: list[Span], refill: list[Span],
-             metadata: dict[str, str], pin: list[bytes]) -> Job:
-    """The writer's job: the new records, and stored ones to write again, complete."""
+             metadata: dict[str, str], pin: list[bytes], *, durable: bool = False) -> Job:
+    """The writer's job: the new records, and stored ones to write again, complete. `durable`:
+    written whatever the admission policy says."""
     specs = views.sizes(new)
     again = views.sizes(refill, whole=True)
     return Job(ns, toks, views.arrays, views.origins, views.views, specs, metadata, checkpoint=views.saved,
-               pin=pin, nbytes=sum(s.nbytes for s in specs) + sum(s.nbytes for s in again), refill=again)
+               pin=pin, nbytes=sum(s.nbytes for s in specs) + sum(s.nbytes for s in again), refill=again,
+               durable=durable)

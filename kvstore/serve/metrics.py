@@ -97,6 +97,7 @@ class _StoreCollector:
         yield _counter("kvstore_quarantined", "Damaged records found and quarantined by this process.",
                        store.counters.get("quarantined", 0))
         yield from self._gauges(store)
+        yield from self._writes(store)
         yield from self._remote(store)
 
     def _gauges(self, store) -> Iterator[Metric]:
@@ -120,6 +121,27 @@ class _StoreCollector:
         yield _gauge("kvstore_memory_bytes", "Bytes in the store's memory tier.", store.memory.nbytes)
         yield _gauge("kvstore_write_queue_bytes", "Bytes queued for the background writer.",
                      store.writer.pending_bytes)
+
+    def _writes(self, store) -> Iterator[Metric]:
+        """What the store's disk was written, and what admission and the budget kept out
+        (`stats()["writes"]`: every process on the store)."""
+        try:
+            w = self.read(store.write_stats)
+        except Exception:  # a busy or damaged index: leave them out, keep serving
+            return
+        yield _gauge("kvstore_writes_bytes_last_day", "Bytes written to the store's disk in the last "
+                     "day (24 to 25 hours, by the hour), remote downloads included.", w["bytes_last_day"])
+        yield _counter("kvstore_writes_bytes_lifetime", "Bytes written to the store's disk over its life, "
+                       "remote downloads included (as an SSD's written-bytes counter).", w["bytes_lifetime"])
+        for key, why in (("not_admitted", "the admission policy"), ("over_budget", "the write budget")):
+            kept = CounterMetricFamily(f"kvstore_writes_{key}", f"Records {why} kept in RAM only "
+                                       "(unit: records or bytes).", labels=["unit"])
+            kept.add_metric(["records"], w[key])
+            kept.add_metric(["bytes"], w[key + "_bytes"])
+            yield kept
+        if w["max_write_rate"] is not None:
+            yield _gauge("kvstore_write_budget_bytes_per_day", "The write budget (max_write_rate).",
+                         w["max_write_rate"])
 
     def _remote(self, store) -> Iterator[Metric]:
         """The remote tier's own counters of this process (uploads, downloads, errors, ...)."""

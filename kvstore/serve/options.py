@@ -11,7 +11,7 @@ import ipaddress
 import os
 import socket
 
-from kvstore.argv import Parser, size
+from kvstore.argv import Parser, rate, size
 
 #: Default of --store-max-tokens: a longer request is served but not stored.
 DEFAULT_MAX_STORED_TOKENS = 32768
@@ -64,6 +64,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "by default they are left out")
     p.add_argument("--remote", metavar="URL", default=os.environ.get("KVSTORE_REMOTE") or None,
                    help="share the cache through an S3 bucket, s3://BUCKET/PREFIX (default: $KVSTORE_REMOTE)")
+    # What the writer puts on disk (kept in the store; a later start without them uses them).
+    p.add_argument("--admit", choices=("all", "reused", "pinned"),
+                   help="which requests' caches are written to disk: all (the default), reused (a "
+                        "prefix asked for a second time), pinned (warmed and pinned only)")
+    p.add_argument("--max-write-rate", metavar="RATE", type=rate,
+                   help="write at most this much to disk in any rolling day, e.g. 20GB/day or "
+                        "500MB/h (`off`: no limit)")
     return p
 
 

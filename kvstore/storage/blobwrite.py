@@ -42,8 +42,7 @@ def stage(root: Path, h: bytes, tensors: Mapping[str, Tensor], metadata: Mapping
     path = blob_path(root, h)
     _makedirs(path.parent)
     sums = {name: tensor_checksum(arr) for name, (_, arr) in tensors.items()}
-    metadata = dict(metadata, blob_format=BLOB_FORMAT, checksums=json.dumps(sums, separators=(",", ":")))
-    head, pieces = encode(tensors, metadata)
+    head, pieces = encode(tensors, _sealed(metadata, sums))
     digest = xxhash.xxh3_64(head)
 
     def body(f) -> None:
@@ -56,6 +55,18 @@ def stage(root: Path, h: bytes, tensors: Mapping[str, Tensor], metadata: Mapping
 
     tmp, size = _stage_file(path, h, body, fsync=fsync)
     return Staged(tmp, Path(path), size, digest.intdigest(), fsync)
+
+
+def blob_size(tensors: Mapping[str, Tensor], metadata: Mapping[str, str]) -> int:
+    """The bytes `stage` will write for these tensors, without writing or checksumming them."""
+    sums = {name: "0" * 16 for name in tensors}  # every checksum is 16 hex digits
+    head, pieces = encode(tensors, _sealed(metadata, sums))
+    return len(head) + sum(p.nbytes for p in pieces)
+
+
+def _sealed(metadata: Mapping[str, str], sums: Mapping[str, str]) -> dict[str, str]:
+    """A blob's metadata: the caller's, its format and its tensors' checksums."""
+    return dict(metadata, blob_format=BLOB_FORMAT, checksums=json.dumps(sums, separators=(",", ":")))
 
 
 def place(st: Staged) -> tuple[int, int]:

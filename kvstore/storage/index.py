@@ -22,6 +22,7 @@ from kvstore.records import CHECKPOINT, CHUNK, TAIL, RecordId  # noqa: F401 -- t
 from kvstore.storage import schema
 from kvstore.storage.evictsql import EvictionSQL
 from kvstore.storage.schema import available_migrations, connect_read_only, is_corruption
+from kvstore.storage.writesql import WriteLogSQL
 
 _MAX_PARAMS = schema.MAX_PARAMS
 #: The columns of `totals` (per namespace), and of `models`.
@@ -60,7 +61,7 @@ def _i64_to_u64(v: int) -> int:
     return v + (1 << 64) if v < 0 else v
 
 
-class Index(EvictionSQL):
+class Index(EvictionSQL, WriteLogSQL):
     """The index of one store directory (`index.sqlite`), shared by threads and processes.
 
     `read_only=True` never writes (nor migrates) the index: for a store this user may only read.

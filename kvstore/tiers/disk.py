@@ -9,6 +9,7 @@ the way the writer does: blob first, then its row.
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -18,6 +19,7 @@ from kvstore import records
 from kvstore.errors import BlobError
 from kvstore.storage import blobfile, blobtree, blobwrite
 from kvstore.storage.index import Index, Row
+from kvstore.storage.writesql import HOUR_S
 
 log = logging.getLogger("kvstore")
 
@@ -106,6 +108,10 @@ class DiskTier:
                 return False
             blobwrite.write_bytes(self.root, row.hash, data, fsync=False)
             self.index.insert([row])
+        try:  # the store's write log counts what reaches its disk from elsewhere too
+            self.index.log_writes(int(time.time() // HOUR_S), {"downloaded": len(data)})
+        except Exception as e:
+            log.debug("kvstore: a download was not counted (%s)", e)
         return True
 
     def damaged(self, h, error, ref=None):

@@ -4,12 +4,14 @@ Each blob is written to a temporary file and fsynced while no lock is held (gc n
 temporary file); then, under the shared tree lock, the blobs are renamed into place and their
 rows inserted in one transaction, so a row never points to a file that is not complete. The
 memory tier gets compact copies of what it keeps (with it off, nothing is copied for RAM).
+Before any file is written, the store's `admission.Gate` says which records go to disk: what its
+policy does not admit, or its write budget has no room for, is kept in RAM only and counted.
 """
 
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from kvstore import faults
@@ -29,6 +31,7 @@ class Batch:
     written: list[Span]
     rows: list[Row]
     hosts: Hosts
+    kept: set[bytes] = field(default_factory=set)  # of `written`, kept in RAM only (not on disk)
 
 
 @dataclass
@@ -36,6 +39,9 @@ class _Staged:
     files: dict[bytes, blobwrite.Staged]
     parts: dict[bytes, Parts]  # of the records the memory tier keeps: copied once
     failed: tuple[bytes, OSError] | None  # the record whose file could not be written
+    kept: dict[bytes, str] = field(default_factory=dict)  # record -> why it stays in RAM only
+    taken: int = 0  # bytes of the write budget taken for the staged files
+    taken_records: int = 0
 
 
 def write(dest: Destination, job: Job,
@@ -54,14 +60,32 @@ def write(dest: Destination, job: Job,
             blobwrite.discard(st)
         if rows and dest.index is not None:
             if not _insert(dest, rows):
+                _give_back(dest, staged, [])
                 return None
             if after_write is not None:
                 after_write(rows)
         if job.pin and dest.index is not None:
             dest.index.pin(job.pin)
+    _give_back(dest, staged, rows)
     if copies:
         dest.memory.put(reversed(copies))
-    return Batch(written, rows, hosts)
+    kept = {s.hash for s in written if s.hash in staged.kept}
+    if dest.gate is not None:
+        for spec in written:
+            if spec.hash in staged.kept:
+                dest.gate.kept(spec, staged.kept[spec.hash])
+        dest.gate.written(row.hash for row in rows)
+    return Batch(written, rows, hosts, kept)
+
+
+def _give_back(dest: Destination, staged: _Staged, rows: list[Row]) -> None:
+    """Return to the write budget what was taken for files that were not stored after all."""
+    unused = staged.taken - sum(row.size for row in rows)
+    if dest.gate is not None and dest.gate.budget is not None and unused > 0:
+        try:
+            dest.gate.budget.give_back(unused, max(0, staged.taken_records - len(rows)))
+        except Exception as e:
+            dest.count_error(e)
 
 
 def _stage(dest: Destination, job: Job, hosts: Hosts) -> _Staged:
@@ -69,8 +93,7 @@ def _stage(dest: Destination, job: Job, hosts: Hosts) -> _Staged:
     staged = _Staged({}, {}, None)
     if dest.root is None or dest.index is None or not job.specs:
         return staged
-    for spec in still_needed(dest.index, job):
-        parts = hosts.parts(job, spec)
+    for spec, parts in _admit(dest, job, hosts, still_needed(dest.index, job), staged):
         if dest.memory.keeps(spec.nbytes):
             staged.parts[spec.hash] = parts
         try:
@@ -79,6 +102,31 @@ def _stage(dest: Destination, job: Job, hosts: Hosts) -> _Staged:
             staged.failed = (spec.hash, e)  # later records hang from this one: stop there
             break
     return staged
+
+
+def _admit(dest: Destination, job: Job, hosts: Hosts, specs: list[Span], staged: _Staged
+           ) -> list[tuple[Span, Parts]]:
+    """The records (with their blob parts) the gate lets go to disk, the write budget taken for
+    them; the others are marked kept in `staged`, in RAM only."""
+    gate = dest.gate
+    if gate is None:
+        return [(spec, hosts.parts(job, spec)) for spec in specs]
+    admitted = gate.admitted(specs, job.durable)
+    chosen_hashes = {s.hash for s in admitted}
+    staged.kept.update((s.hash, "not_admitted") for s in specs if s.hash not in chosen_hashes)
+    chosen = [(spec, hosts.parts(job, spec)) for spec in admitted]
+    sizes = [blobwrite.blob_size(tensors, meta) for _, (_, tensors, meta) in chosen]
+    try:
+        k = gate.budget.take(sizes)
+    except Exception as e:  # the write log cannot be read or written: nothing is written
+        dest.count_error(e)
+        k = 0
+    staged.taken, staged.taken_records = sum(sizes[:k]), k
+    for spec, parts in chosen[k:]:
+        staged.kept[spec.hash] = "over_budget"
+        if dest.memory.keeps(spec.nbytes):
+            staged.parts[spec.hash] = parts
+    return chosen[:k]
 
 
 def _place(dest: Destination, job: Job, hosts: Hosts, todo: list[Span], staged: _Staged
@@ -97,7 +145,14 @@ def _place(dest: Destination, job: Job, hosts: Hosts, todo: list[Span], staged: 
             tokens, tensors, meta = job.token_ids(spec), {}, {}
         else:
             tokens, tensors, meta = hosts.parts(job, spec)
-        if dest.root is not None:
+        if spec.parent in staged.kept:  # under a record kept in RAM: no row may hang from it
+            staged.kept.setdefault(spec.hash, staged.kept[spec.parent])
+        if spec.hash in staged.kept:
+            if st is not None:
+                blobwrite.discard(st)
+        elif st is None and not _unstaged_allowed(dest, staged, spec, tensors, meta):
+            staged.kept[spec.hash] = "over_budget"
+        elif dest.root is not None:
             try:
                 if staged.failed is not None and staged.failed[0] == spec.hash:
                     raise staged.failed[1]
@@ -116,6 +171,26 @@ def _place(dest: Destination, job: Job, hosts: Hosts, todo: list[Span], staged: 
         if spec.kind != CHECKPOINT and job.holds_all_layers(spec):
             dest.remember_complete(spec.hash)
     return written, rows, copies
+
+
+def _unstaged_allowed(dest: Destination, staged: _Staged, spec: Span, tensors, meta) -> bool:
+    """A record found missing only under the lock (gc evicted an ancestor meanwhile) is written
+    there and then: the gate and the budget decide for it as for the others."""
+    gate = dest.gate
+    if gate is None or dest.root is None or dest.index is None:
+        return True
+    if staged.failed is not None and staged.failed[0] == spec.hash:
+        return True  # its budget is taken: the failure is raised where it is placed
+    size = blobwrite.blob_size(tensors, meta)
+    try:
+        if gate.budget.take([size]) < 1:
+            return False
+    except Exception as e:
+        dest.count_error(e)
+        return False
+    staged.taken += size
+    staged.taken_records += 1
+    return True
 
 
 def _insert(dest: Destination, rows: list[Row]) -> bool:

@@ -87,6 +87,11 @@ def refill(dest: Destination, job: Job, hosts: Hosts) -> None:
             continue
         dest.stats.refilled += 1
         dest.stats.bytes_written += size
+        if dest.gate is not None and dest.gate.budget is not None:
+            try:
+                dest.gate.budget.count(size)
+            except Exception as e:  # only the count is lost
+                dest.count_error(e)
         dest.remember_complete(spec.hash)
         dest.memory.discard([spec.hash])
         dest.memory.put([jobs.compact(job, spec, tokens, tensors)])

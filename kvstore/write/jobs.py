@@ -12,6 +12,7 @@ import errno
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import numpy as np
@@ -21,6 +22,9 @@ from kvstore.restore.arrays import tag_of
 from kvstore.storage import blobformat
 from kvstore.storage.index import Index
 from kvstore.tiers.memory import MemoryTier, Record, held
+
+if TYPE_CHECKING:
+    from kvstore.write.admission import Gate
 
 log = logging.getLogger("kvstore")
 
@@ -49,6 +53,7 @@ class Job:
     # Stored chunks and tails this job holds every layer's K/V for: a stored one that lacks some
     # (a sliding window had slid past them when it was written) is written again, complete.
     refill: list[Span] = field(default_factory=list)
+    durable: bool = False  # warmed or pinned: written whatever the admission policy says
 
     def slices(self, spec: Span, arrays: dict) -> dict:
         """The part of each array that falls in the spec's tokens (always a suffix of them)."""
@@ -103,6 +108,7 @@ class Destination:
     fsync: bool = True
     stats: WriterStats = field(default_factory=WriterStats)
     complete: dict[bytes, None] = field(default_factory=dict)  # insertion-ordered, bounded
+    gate: "Gate | None" = None  # what may go to disk (None: everything)
 
     def remember_complete(self, h: bytes) -> None:
         self.complete[h] = None

@@ -23,6 +23,7 @@ from kvstore.storage import blobtree
 from kvstore.storage.index import Index, Row
 from kvstore.tiers.memory import MemoryTier, Record
 from kvstore.write import batch, dedup
+from kvstore.write.admission import Gate
 from kvstore.write.jobs import Destination, Job, WriterStats
 
 __all__ = ["Writer", "Job", "WriterStats"]
@@ -35,12 +36,14 @@ class Writer:
 
     def __init__(self, index: Index | None, root: Path | None, memory: MemoryTier,
                  max_pending_bytes: int, after_batch: Callable[[], None] | None = None,
-                 fsync: bool = True, after_write: Callable[[list[Row]], None] | None = None):
+                 fsync: bool = True, after_write: Callable[[list[Row]], None] | None = None,
+                 gate: Gate | None = None):
         self.index, self.root, self.memory = index, root, memory
         self.max_pending_bytes = max_pending_bytes
         self.after_batch = after_batch
         self.after_write = after_write  # gets the rows of each committed batch (the remote uploader)
-        self._dest = Destination(index, root, memory, fsync)
+        self._dest = Destination(index, root, memory, fsync, gate=gate)
+        self.gate = gate
         self.stats: WriterStats = self._dest.stats
         self._jobs: deque[Job] = deque()
         self._pending: dict[bytes, tuple[Job, Span]] = {}
@@ -142,7 +145,8 @@ class Writer:
             with self._cond:
                 while not self._jobs and not self._stop:
                     self._cond.wait(TOUCH_INTERVAL_S)
-                    if self._touches and time.monotonic() - self._last_touch_flush > TOUCH_INTERVAL_S:
+                    due = self._touches or (self.gate is not None and self.gate.dirty)
+                    if due and time.monotonic() - self._last_touch_flush > TOUCH_INTERVAL_S:
                         break
                 if self._stop and not self._jobs:
                     return
@@ -185,7 +189,7 @@ class Writer:
         if done is None:  # its rows could not be inserted: nothing of it is stored
             return
         if done.written and (done.rows or self.index is None):
-            self._drop_redundant(job, [s for s in done.written if s.kind != CHECKPOINT])
+            self._drop_redundant(job, [s for s in done.written if s.kind != CHECKPOINT and s.hash not in done.kept])
         if job.refill and self.index is not None:
             dedup.refill(self._dest, job, done.hosts)
         if self.after_batch is not None and done.rows:
@@ -196,17 +200,22 @@ class Writer:
         dedup.drop_redundant(self._dest, job, written)
 
     def _flush_touches(self) -> None:
+        """Write the access times, and what the gate counted and saw, to the index."""
         with self._cond:
             touches, self._touches = self._touches, {}
             self._last_touch_flush = time.monotonic()
-        if touches and self.index is not None:
+        marks = self.gate is not None and self.gate.dirty
+        if (touches or marks) and self.index is not None:
             # Under the shared tree lock, as every write of the index: while gc (which holds it
             # exclusively around its transactions) runs, this waits on the lock and wakes when gc
             # commits, instead of polling SQLite's lock with sleeps of up to 100 ms.
             lock = blobtree.tree_lock(self.root, exclusive=False) if self.root is not None else nullcontext()
             try:
                 with lock:
-                    self.index.touch(touches)
+                    if touches:
+                        self.index.touch(touches)
+                    if marks:
+                        self.gate.save()
             except Exception as e:
                 self._count_error(e)
 

@@ -1,0 +1,114 @@
+"""The write budget: at most so many bytes written to the store's disk in any rolling day.
+
+It is a token bucket whose tokens come back as the day rolls on: what was written (by every
+process on the store, and what the remote tier downloaded to it) counts for 24 hours, in the
+store's hourly write log (`storage.writesql`), and the writer takes from what is left before it
+writes a file, in one transaction. Counting by the hour, the window reaches 24 to 25 hours back,
+so no 24 hours ever hold more than the budget. Downloads are counted, never refused: a fetch
+needs them. Rates are given per day, per hour, per week (`sizes.parse_rate`) and kept as bytes
+per day.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Sequence
+
+from kvstore.errors import InvalidInputError
+from kvstore.sizes import parse_rate as parse_rate_text
+from kvstore.storage.index import Index
+from kvstore.storage.writesql import HOUR_S
+
+DAY_S = 86400
+#: Hours of the write log the budget sums: the current one and the 24 before it.
+WINDOW_HOURS = 25
+_OFF = ("off", "none", "unlimited")
+
+
+def parse_rate(value: int | str | None, name: str = "max_write_rate") -> int | None:
+    """Bytes per day in `value`: `"20GB/day"`, `"500MB/h"`, `"1TB/week"`, `"20GB"` (per day) or a
+    number of bytes per day; None for no budget (`None`, `"off"`, `"none"`). Raises
+    `InvalidInputError` naming `name` and what was wrong."""
+    if value is None or (isinstance(value, str) and value.strip().lower() in _OFF):
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise InvalidInputError(f"{name} must be a rate like \"20GB/day\" or bytes per day, got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise InvalidInputError(f"{name} must be 0 or more bytes per day, got {value}")
+        return value
+    try:
+        return parse_rate_text(value)
+    except ValueError as e:
+        raise InvalidInputError(f"{name}: {e}") from None
+
+
+def hour_of(t: float) -> int:
+    """The write log's hour of unix time `t`."""
+    return int(t // HOUR_S)
+
+
+class WriteBudget:
+    """`per_day` bytes (None: no limit, only counted) in any rolling day of `index`'s store.
+    `clock` gives unix time (a test passes its own to live a day without waiting)."""
+
+    def __init__(self, index: Index, per_day: int | None, clock: Callable[[], float] = time.time):
+        self.index, self.per_day, self.clock = index, per_day, clock
+
+    def take(self, sizes: Sequence[int]) -> int:
+        """Count as written the leading `sizes` the budget has room for; how many. The caller
+        writes exactly those (and gives back what it did not write: `give_back`)."""
+        if not sizes:
+            return 0
+        return self.index.reserve_writes(list(sizes), hour_of(self.clock()), WINDOW_HOURS, self.per_day)
+
+    def count(self, nbytes: int, records: int = 1) -> None:
+        """Count a write the budget does not gate (a record completed again in place)."""
+        self.index.log_writes(hour_of(self.clock()), {"bytes": nbytes, "records": records})
+
+    def give_back(self, nbytes: int, records: int) -> None:
+        """What was taken and then not written (a failed write, or a record another process
+        stored meanwhile)."""
+        if nbytes or records:
+            self.index.log_writes(hour_of(self.clock()), {"bytes": -nbytes, "records": -records})
+
+    def used(self) -> int:
+        """Bytes written (and downloaded) in the budget's window."""
+        since = hour_of(self.clock()) - WINDOW_HOURS + 1
+        return sum(h[1] + h[3] for h in self.index.write_hours(since))
+
+    def left(self) -> int | None:
+        """Bytes the writer may still write now (None: no limit)."""
+        return None if self.per_day is None else max(0, self.per_day - self.used())
+
+
+def summary(index: Index | None, *, policy: str, per_day: int | None, unsaved: dict[str, int] | None = None,
+            now: float | None = None, days: int = 7) -> dict:
+    """`stats()["writes"]`: the settings, the bytes written in the last day (24 to 25 hours:
+    the budget's window) and over the store's life (with the remote tier's downloads, as an
+    SSD's counter), what admission and the budget kept in RAM (records, and `_bytes`), and the
+    last `days` UTC days (oldest first). `unsaved`: this process's counts not in the index yet."""
+    now = time.time() if now is None else now
+    hour = hour_of(now)
+    hours = index.write_hours((hour // 24 - days + 1) * 24) if index is not None else []
+    totals = index.write_totals() if index is not None else {}
+    kept = {k: totals.get(k, 0) + (unsaved or {}).get(k, 0)
+            for k in ("not_admitted", "not_admitted_bytes", "over_budget", "over_budget_bytes")}
+    last_day = sum(h[1] + h[3] for h in hours if h[0] > hour - WINDOW_HOURS)
+    by_day = {d: dict(bytes=0, downloaded=0, records=0, not_admitted=0, over_budget=0)
+              for d in range(hour // 24 - days + 1, hour // 24 + 1)}
+    for h, nbytes, records, downloaded, not_admitted, _, over_budget, _ in hours:
+        day = by_day.get(h // 24)
+        if day is not None:
+            for key, n in (("bytes", nbytes), ("records", records), ("downloaded", downloaded),
+                           ("not_admitted", not_admitted), ("over_budget", over_budget)):
+                day[key] += n
+    return {
+        "admit": policy, "max_write_rate": per_day,
+        "budget_left": None if per_day is None else max(0, per_day - last_day),
+        "bytes_last_day": last_day,
+        "bytes_lifetime": totals.get("bytes", 0) + totals.get("downloaded", 0),
+        "downloaded_lifetime": totals.get("downloaded", 0), "records_lifetime": totals.get("records", 0),
+        **kept,
+        "days": [{"day": time.strftime("%Y-%m-%d", time.gmtime(d * DAY_S)), **v} for d, v in by_day.items()],
+    }

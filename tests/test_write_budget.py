@@ -1,0 +1,149 @@
+"""The write budget: `kvstore.open(max_write_rate="20GB/day")`, never exceeded in any rolling day."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from kvtest import prefill
+
+import kvstore
+from kvstore.cli.main import main
+from kvstore.errors import InvalidInputError
+from kvstore.storage.writesql import HOUR_S
+from kvstore.write.budget import DAY_S, parse_rate
+
+C = 16
+START = 1_800_000_000.0  # a fixed unix time, so the test's day never spans a real one
+
+
+class Clock:
+    def __init__(self, t: float = START):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_rates_in_every_accepted_form():
+    assert parse_rate("20GB/day") == 20 * 10**9
+    assert parse_rate("500MB/h") == 500 * 10**6 * 24
+    assert parse_rate("1GiB/week") == (1 << 30) // 7
+    assert parse_rate("2GB") == 2 * 10**9  # a size alone is per day
+    assert parse_rate(12345) == 12345
+    assert parse_rate("off") is None and parse_rate(None) is None
+    for bad, reason in (("20GB/fortnight", "period"), ("fast", "not a size"), (-1, "0 or more"),
+                        ("20XB/day", "unit"), (1.5, "rate")):
+        with pytest.raises(InvalidInputError, match=f"max_write_rate.*{reason}"):
+            parse_rate(bad)
+
+
+def prompt(i: int) -> list[int]:
+    return [1 + (i * 7 + j) % 250 for j in range(64)]  # 4 chunks, different from the first token on
+
+
+def test_the_budget_is_never_exceeded_over_a_simulated_day(tmp_path, llama):
+    path, model = llama
+    clock = Clock()
+    with kvstore.open(tmp_path / "s", chunk_size=C) as store:  # one prompt's size, to set the budget
+        mc = store.bind(model, path)
+        mc.insert(prompt(0), prefill(model, prompt(0)))
+        store.flush()
+        one = store.stats()["bytes"]
+    limit = int(3.5 * one)
+    hourly: list[int] = []
+    with kvstore.open(tmp_path / "b", chunk_size=C, max_write_rate=limit) as store:
+        store.gate.use_clock(clock)
+        mc = store.bind(model, path)
+        for i in range(1, 49):  # two days, one new prompt every hour
+            mc.insert(prompt(i), prefill(model, prompt(i)))
+            store.flush()
+            hourly.append(store.stats()["writes"]["bytes_last_day"])
+            clock.t += HOUR_S
+        writes = store.stats()["writes"]
+        log = store.index.write_hours(0)
+        # What was kept out is in RAM still: the last prompt is restored from there.
+        _, rest = mc.fetch(prompt(48))
+        assert len(rest) == 1
+    by_hour = {h: n for h, n, *_ in log}
+    first = int(START // HOUR_S)
+    for start in range(first - 24, first + 49):  # every 24-hour window of the two days
+        assert sum(by_hour.get(h, 0) for h in range(start, start + 24)) <= limit
+    assert max(hourly) <= limit
+    assert writes["over_budget"] > 0 and writes["over_budget_bytes"] > 0
+    assert writes["bytes_lifetime"] > limit  # the second day wrote again, as the first rolled off
+    assert writes["budget_left"] == limit - writes["bytes_last_day"]
+
+
+def test_two_stores_on_one_directory_share_the_budget(tmp_path, llama):
+    """Two opens of one store (as two processes) take from one budget, kept in its index."""
+    path, model = llama
+    limit = 100_000
+    with kvstore.open(tmp_path / "s", chunk_size=C, max_write_rate=limit) as a, \
+            kvstore.open(tmp_path / "s", chunk_size=C) as b:
+        assert b.gate.per_day == limit
+        for i, store in enumerate([a, b] * 4):
+            store.bind(model, path).insert(prompt(i), prefill(model, prompt(i)))
+            store.flush()
+        assert 0 < a.stats()["bytes"] <= limit
+        assert a.stats()["writes"]["bytes_last_day"] == a.stats()["bytes"]
+        assert a.stats()["writes"]["over_budget"] + b.stats()["writes"]["over_budget"] > 0
+
+
+def test_stats_shows_a_week_of_writes(tmp_path, llama, capsys):
+    path, model = llama
+    clock = Clock(time.time() - 2 * DAY_S)  # the third day is today, as `kvstore stats` sees it
+    with kvstore.open(tmp_path / "s", chunk_size=C, admit="reused") as store:
+        store.gate.use_clock(clock)
+        mc = store.bind(model, path)
+        for day in range(3):
+            mc.prefill(prompt(day))  # warmed: written
+            mc.insert(prompt(10 + day), prefill(model, prompt(10 + day)))  # seen once: kept out
+            store.flush()
+            clock.t += DAY_S
+        clock.t -= DAY_S
+        writes = store.stats()["writes"]
+    days = writes["days"]
+    assert len(days) == 7 and [d["records"] > 0 for d in days] == [False] * 4 + [True] * 3
+    assert [d["not_admitted"] for d in days[-3:]] == [4, 4, 4]
+    assert main(["stats", "--store", str(tmp_path / "s"), "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["writes"]["not_admitted"] == 12 and shown["writes"]["bytes_lifetime"] == writes["bytes_lifetime"]
+    assert shown["scope"]["writes"].startswith("store")
+    assert main(["stats", "--store", str(tmp_path / "s")]) == 0
+    text = capsys.readouterr().out
+    assert "not admitted: 12" in text and days[-1]["day"] in text
+
+
+def test_warm_takes_admit_and_max_write_rate_and_the_store_keeps_them(tmp_path, demo_model_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"tokens": prompt(1)}) + "\n")
+    store = str(tmp_path / "s")
+    assert main(["warm", "--store", store, "--model", str(demo_model_path), "--prompts", str(prompts),
+                 "--admit", "pinned", "--max-write-rate", "1GB/day"]) == 0
+    capsys.readouterr()
+    assert main(["stats", "--store", store, "--json"]) == 0
+    writes = json.loads(capsys.readouterr().out)["writes"]
+    assert (writes["admit"], writes["max_write_rate"]) == ("pinned", 10**9)
+    assert writes["bytes_lifetime"] > 0 and writes["not_admitted"] == 0  # warmed: always admitted
+    with pytest.raises(SystemExit) as e:
+        main(["warm", "--store", store, "--prompts", str(prompts), "--max-write-rate", "lots/day"])
+    assert e.value.code == 2 and "lots" in capsys.readouterr().err
+
+
+def test_remote_downloads_count_in_the_lifetime_bytes(tmp_path, s3, llama):
+    """What the remote tier writes through to disk is in `bytes_lifetime`, as an SSD counts it."""
+    path, model = llama
+    url = s3.url()
+    with kvstore.open(tmp_path / "a", chunk_size=C, remote=url) as a:
+        a.bind(model, path).insert(prompt(3), prefill(model, prompt(3)))
+        assert a.flush(timeout=60)
+        written = a.stats()["writes"]["bytes_lifetime"]
+    with kvstore.open(tmp_path / "b", chunk_size=C, remote=url) as b:
+        _, rest = b.bind(model, path).fetch(prompt(3))
+        assert len(rest) == 1
+        writes = b.stats()["writes"]
+        assert writes["records_lifetime"] == 0  # the writer wrote nothing
+        assert writes["downloaded_lifetime"] == writes["bytes_lifetime"] == b.stats()["bytes"] == written
+        assert writes["days"][-1]["downloaded"] == written
