@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import threading
 import time
 import weakref
 from pathlib import Path
@@ -26,7 +27,8 @@ from kvstore.model import fingerprint as fingerprints
 from kvstore.model.cache import Backing, ModelCache
 from kvstore.model.layout import describe, make_template
 from kvstore.remote.bucket import check_url, open_bucket
-from kvstore.remote.node import Remote
+from kvstore.remote.node import FLUSH_TIMEOUT_S, Remote
+from kvstore.remote.seal import Fleet, fleet_secret
 from kvstore.storage.storedir import default_path
 from kvstore.tiers.base import Tiers
 from kvstore.tiers.disk import DiskTier
@@ -68,7 +70,8 @@ class Store:
                  memory_bytes: int | None = None, chunk_size: int = 256,
                  max_pending_bytes: int = DEFAULT_PENDING_BYTES, fsync: bool = True,
                  create: bool = True, read_only: bool | None = False,
-                 remote: str | None = None, remote_deadline: float | None = None):
+                 remote: str | None = None, remote_deadline: float | None = None,
+                 remote_key: str | bytes | None = None, remote_flush_timeout: float | None = None):
         _check_options(chunk_size, max_bytes, memory_bytes, remote, remote_deadline)
         self.chunk_size = chunk_size
         self.max_bytes = None if max_bytes == AUTO else max_bytes
@@ -89,7 +92,7 @@ class Store:
             self.max_bytes, self.max_bytes_rule = self.files.auto_budget() if self.files else (
                 None, "auto: a RAM-only store writes no disk (memory_bytes bounds it)")
         self.counters = {"quarantined": 0, "skipped_inserts": 0, "fetches": 0, "reused_tokens": 0}
-        self.remote = self._open_remote(remote, remote_deadline)
+        self.remote = self._open_remote(remote, remote_deadline, remote_key, remote_flush_timeout)
         writes = self.files is not None and not self.read_only
         self.writer = Writer(self.index if writes else None, self.blob_root if writes else None, self.memory,
                              max_pending_bytes, after_batch=self._after_batch if self.max_bytes is not None else None,
@@ -98,12 +101,33 @@ class Store:
         self._closed = False
         _OPEN_STORES.add(self)
 
-    def _open_remote(self, url: str | None, deadline: float | None) -> Remote | None:
-        """This node's side of the bucket at `url`, or None. Contacts nothing yet."""
+    def _open_remote(self, url: str | None, deadline: float | None, key: str | bytes | None,
+                     flush_timeout: float | None) -> Remote | None:
+        """This node's side of the bucket at `url`, or None. Contacts nothing yet. The fleet
+        secret is `key`, else `$KVSTORE_REMOTE_KEY`: a remote without one is refused."""
         if not url:
             return None
-        return Remote(open_bucket(url), self.index, self.path, self.blob_root,
-                      deadline=DEFAULT_DEADLINE_S if deadline is None else deadline)
+        fleet = Fleet(fleet_secret(key))
+        self._budget_lock = threading.Lock()
+        return Remote(open_bucket(url), fleet, self.index, self.path, self.blob_root,
+                      deadline=DEFAULT_DEADLINE_S if deadline is None else deadline,
+                      flush_timeout=FLUSH_TIMEOUT_S if flush_timeout is None else flush_timeout)
+
+    def _after_download(self, nbytes: int) -> None:
+        """The remote tier stored a download: over the disk budget, gc runs (in the background,
+        one at a time, as the writer's after a batch)."""
+        if self.max_bytes is None or not self._budget_lock.acquire(blocking=False):
+            return
+
+        def run() -> None:
+            try:
+                self._after_batch()
+            except Exception as e:  # only the budget: the next download or batch tries again
+                log.warning("kvstore: gc after a download failed: %s", e)
+            finally:
+                self._budget_lock.release()
+
+        threading.Thread(target=run, name="kvstore-budget", daemon=True).start()
 
     def _tiers(self) -> Tiers:
         """Where fetch reads records from, in order."""
@@ -112,7 +136,8 @@ class Store:
             disk = DiskTier(self.index, self.blob_root, self.writer.touch, self._count_quarantine)
             tiers.append(disk)
             if self.remote is not None:
-                tiers.append(RemoteTier(self.remote.bucket, self.remote.health, disk, deadline=self.remote.deadline))
+                tiers.append(RemoteTier(self.remote.bucket, self.remote.health, disk, self.remote.fleet,
+                                        deadline=self.remote.deadline, stored=self._after_download))
         return Tiers(tiers)
 
     def _count_quarantine(self) -> None:
@@ -285,7 +310,10 @@ def open(path: str | os.PathLike | None = None, *, max_bytes: int | str | None =
     store; `read_only=True` (or `None`: when this user may not write it) writes nothing.
     `remote="s3://BUCKET/PREFIX"` shares the store with other nodes through an S3-compatible
     object store (see `kvstore.tiers.remote`); `remote_deadline` (seconds, default 1) bounds the
-    remote part of each fetch.
+    remote part of each fetch. The fleet's secret is `remote_key` (32 bytes, or the base64url text
+    `kvstore remote-key` prints), else `$KVSTORE_REMOTE_KEY`: a remote without one is refused.
+    `remote_flush_timeout` (seconds, default 10) bounds how long `flush()` and `close()` wait
+    for uploads.
     """
     return Store(path, max_bytes=max_bytes, memory_bytes=memory_bytes, chunk_size=chunk_size,
                  remote=remote, **options)
