@@ -52,6 +52,7 @@ class Uploader:
         self._queue: deque[list[Row]] = deque()
         self._queued_bytes = 0
         self._active = 0
+        self._active_rows = 0  # rows of the batches being uploaded now
         self._cond = threading.Condition()
         self._stop = False
         self._workers = [threading.Thread(target=self._loop, name=f"kvstore-remote-put-{i}", daemon=True)
@@ -88,7 +89,7 @@ class Uploader:
     def pending_uploads(self) -> int:
         """Records queued or being uploaded now."""
         with self._cond:
-            return sum(len(rows) for rows in self._queue) + self._active
+            return sum(len(rows) for rows in self._queue) + self._active_rows
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued upload is done (or dropped). False if `timeout` ran out."""
@@ -105,9 +106,9 @@ class Uploader:
         """Flush for at most `timeout`, then stop; how many records were left not uploaded."""
         self.flush(timeout)
         with self._cond:
-            left = sum(len(rows) for rows in self._queue) + self._active
-            if self._queue:
-                self.health.count("left_uploads", sum(len(rows) for rows in self._queue))
+            left = sum(len(rows) for rows in self._queue) + self._active_rows
+            if left:
+                self.health.count("left_uploads", left)
             self._queue.clear()
             self._queued_bytes = 0
             self._stop = True
@@ -125,18 +126,22 @@ class Uploader:
                     return
                 rows = self._queue.popleft()
                 self._active += 1
+                self._active_rows += len(rows)
             try:
                 self._upload_batch(rows)
             finally:
                 with self._cond:
                     self._active -= 1
+                    self._active_rows -= len(rows)
                     self._queued_bytes -= sum(r.size for r in rows)
                     self._cond.notify_all()
 
     def _upload_batch(self, rows: list[Row]) -> None:
         for row in rows:
             try:
-                if self._stop or self.health.down():  # left alone after a failure: skip, count
+                if self._stop:  # closed: counted as left by `close`
+                    continue
+                if self.health.down():  # left alone after a failure: skipped, counted
                     self.health.count("skipped_down_uploads")
                 elif self._upload(row):
                     self._remember(row.hash)
