@@ -7,7 +7,9 @@ For each prompt length (2k and 8k tokens by default), in one run:
   local write, restore) against `fetch` from node A's local disk (page cache warm), and against
   recomputing the prompt with the Qwen3-0.6B architecture (random float32 weights; the lengths up
   to `--recompute-max` only: CPU prefill here is far slower than on a Mac);
-- lookup: the binary search of HEADs for chains of 8 to 128 chunks, all present or half present.
+- lookup: the binary search of HEADs for chains of 8 to 128 chunks, all present or half present;
+- sealing: AES-256-GCM seal and open throughput of one 64 MiB object on one thread, and whether
+  two threads run at once (the library releases the GIL).
 
 The restore times are the time until the cache is ready; the first decode step adds the same to
 each of them. The remote deadline is set high here so that the whole download is measured.
@@ -116,13 +118,16 @@ def lookups(server, reps: int) -> list[dict]:
     from kvstore.remote.s3 import S3Bucket
     from kvstore.tiers.remote import RemoteTier
 
+    from kvstore.remote.seal import Fleet, fleet_secret
+
     url = server.url("lookup")
-    tier = RemoteTier(S3Bucket(url), Health(), disk=None)
+    fleet = Fleet(fleet_secret())
+    tier = RemoteTier(S3Bucket(url), Health(), None, fleet)
     ns = b"\x07" * 16
     out = []
     for chunks in (8, 32, 128):
         toks = np.random.default_rng(chunks).integers(0, 150_000, chunks * 256).astype(np.int32)
-        names = [key_of(r) for r in prompt_records(ns, toks, 256, tail=False)]
+        names = [key_of(fleet.sealer(ns), r) for r in prompt_records(ns, toks, 256, tail=False)]
         for present in (chunks, chunks // 2):
             for name in names[:present]:
                 try:
@@ -170,12 +175,45 @@ def clients(server, reps: int) -> dict | None:
     return out
 
 
+def sealing(reps: int, mib: int = 64) -> dict:
+    """What sealing costs: AES-256-GCM seal and open of one `mib` MiB object (the size of a chunk
+    of a large model), one thread; and two threads at once against one, which is about 1x when
+    the library releases the GIL (and 2 cores are free), 2x when it does not."""
+    import threading
+
+    from kvstore.remote.seal import Fleet
+
+    s = Fleet(os.urandom(32)).sealer(b"\x07" * 16)
+    data = os.urandom(mib << 20)
+    sealed = s.seal("k", data)
+    seal_s = C.summary(C.measure(lambda: s.seal("k", data), reps))
+    open_s = C.summary(C.measure(lambda: s.open("k", sealed), reps))
+
+    def both() -> None:
+        threads = [threading.Thread(target=s.seal, args=("k", data)) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    two = C.summary(C.measure(both, reps))
+    gb = (mib << 20) / 1e9
+    return {"object_mib": mib, "seal": seal_s, "open": open_s, "seal_gbps": gb / seal_s["median"],
+            "open_gbps": gb / open_s["median"], "seal_s_per_gb": seal_s["median"] / gb,
+            "open_s_per_gb": open_s["median"] / gb,
+            "two_threads_over_one": two["median"] / seal_s["median"], "loadavg": os.getloadavg()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--recompute-max", type=int, default=2048)
+    ap.add_argument("--sealing-only", action="store_true", help="only the AES-256-GCM micro-benchmark")
     args = ap.parse_args()
+    if args.sealing_only:
+        print(sealing(args.reps))
+        return
     earlier = {}
     try:
         import json
@@ -218,6 +256,7 @@ def main() -> None:
             shutil.rmtree(d, ignore_errors=True)
         results["lookup"] = lookups(server, args.reps * 5)
         results["clients"] = clients(server, 200)
+        results["sealing"] = sealing(args.reps)
     finally:
         server.kill()
     C.write_result("remote", results)

@@ -53,7 +53,7 @@ _OPEN_STORES: "weakref.WeakSet[Store]" = weakref.WeakSet()
 def _flush_open_stores() -> None:
     for store in list(_OPEN_STORES):
         try:
-            store.flush(timeout=30)
+            store.flush(timeout=30 if store.remote is None else min(30.0, store.remote.flush_timeout))
         except Exception:
             pass
 
@@ -188,8 +188,8 @@ class Store:
                                      self.chunk_size, stamps)
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every insert so far is durable (and uploaded, with a remote tier).
-        False if `timeout` ran out first."""
+        """Wait until every insert so far is durable (and uploaded, with a remote tier: without
+        `timeout`, for at most `remote_flush_timeout`). False if the time ran out first."""
         end = None if timeout is None else time.monotonic() + timeout
         done = self.writer.flush(timeout)
         if self.remote is not None:

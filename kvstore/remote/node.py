@@ -64,9 +64,9 @@ class Remote:
                 "totals": self.health.totals(stored)}
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every queued upload is done (or dropped), for at most `timeout` (and never
-        longer than `flush_timeout`). False, said with what is left, if the time ran out."""
-        limit = self.flush_timeout if timeout is None else min(timeout, self.flush_timeout)
+        """Wait until every queued upload is done (or dropped), for at most `timeout` seconds
+        (default `flush_timeout`). False, said with what is left, if the time ran out."""
+        limit = self.flush_timeout if timeout is None else timeout
         done = self.uploader.flush(limit)
         if not done:
             log.warning("kvstore: remote %s: %d uploads still pending after %.1f s (they go on in the "

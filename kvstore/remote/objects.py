@@ -53,9 +53,16 @@ def open_record(s: Sealer, key: str, body, rid: RecordId, chunk_size: int, *,
     the record's name is known (`rid.hash` holds it): its hash is the one its header states,
     which must be what the name is of."""
     plain = s.open(key, body)
+    tokens, rid = check_opened(s, plain, rid, chunk_size, named=named)
+    return plain, tokens, rid
+
+
+def check_opened(s: Sealer, plain: bytes, rid: RecordId, chunk_size: int, *,
+                 named: bool = False) -> tuple[np.ndarray, RecordId]:
+    """(token ids, record) of an object already opened (see `open_record`)."""
     if named:
         rid = named_record(s, plain, rid)
-    return plain, check_record(plain, rid, chunk_size), rid
+    return check_record(plain, rid, chunk_size), rid
 
 
 def named_record(s: Sealer, plain: bytes, rid: RecordId) -> RecordId:

@@ -35,7 +35,7 @@ from kvstore.records import CHECKPOINT, TAIL, RecordId
 from kvstore.remote.bucket import MAX_OBJECT_BYTES, Bucket, RemoteError, TooLarge
 from kvstore.remote.health import Health
 from kvstore.remote.layout import ObjectKey, children_prefix, key_of, parse_key
-from kvstore.remote.objects import open_record
+from kvstore.remote.objects import check_opened
 from kvstore.remote.seal import OVERHEAD, Fleet, Sealer, Unauthenticated
 from kvstore.storage.index import Row
 from kvstore.tiers.base import Lookup
@@ -168,7 +168,20 @@ class RemoteTier:
             self._too_large(ref)
             return None
         until = ref.lookup.started + self.deadline
-        return self._pool.submit(self.bucket.get, ref.key, ref.cap, until)
+        return self._pool.submit(self._get_open, self.fleet.sealer(ref.lookup.ns), ref.key, ref.cap, until)
+
+    def _get_open(self, s: Sealer, key: str, cap: int, until: float) -> tuple[int, bytes] | None:
+        """(sealed size, plaintext) of the object at `key`, or None: on a download thread, so that
+        opening overlaps the other downloads. Unauthenticated if it does not open."""
+        body = self.bucket.get(key, cap, until)
+        if body is None:
+            return None
+        size = len(body)
+        plain = s.open(key, body)
+        del body  # only the plaintext is held from here on
+        if time.monotonic() > until:
+            return None
+        return size, plain
 
     def _too_large(self, ref: _Ref) -> None:
         self.health.count("oversized_objects")
@@ -180,10 +193,10 @@ class RemoteTier:
         if ref is None:
             raise KeyError(h)
         if ref.body is None:
-            body = self._fetch(ref)
-            if body is None:
+            plain = self._fetch(ref)  # BlobError if it does not open
+            if plain is None:
                 raise KeyError(h)
-            self._check(ref, body)
+            self._check(ref, plain)
         r = ref.rid
         row = Row(r.hash, r.ns, r.parent, r.depth, r.kind, r.ntokens, r.first_token, len(ref.body),
                   xxhash.xxh3_64_intdigest(ref.body))
@@ -280,16 +293,17 @@ class RemoteTier:
             fut.cancel()
             raise _Late from None
 
-    def _fetch(self, ref: _Ref):
-        """The record's sealed object, from its download in flight or a new one, within the
-        deadline (a download past it stops and drops what it read)."""
+    def _fetch(self, ref: _Ref) -> bytes | None:
+        """The record's object, opened, from its download in flight or a new one, within the
+        deadline (a download past it stops and drops what it read). Unauthenticated if it does
+        not open with the fleet's key."""
         end = ref.lookup.started + self.deadline
         if ref.future is None:
             ref.future = self._get(ref)
             if ref.future is None:
                 return None
         try:
-            body = ref.future.result(timeout=max(0.0, end - time.monotonic()))
+            got = ref.future.result(timeout=max(0.0, end - time.monotonic()))
         except FutureTimeout:  # past the deadline: what is local is served
             ref.future.cancel()
             self.health.count("deadline_misses")
@@ -302,16 +316,17 @@ class RemoteTier:
             self.health.error(e, down=True)
             return None
         finally:
-            ref.future = None  # the future holds the bytes: only `body` may from here on
-        if body is not None:
-            self.health.count("downloads")
-            self.health.count("download_bytes", len(body))
-        return body
+            ref.future = None  # the future holds the bytes: only what is returned may from here on
+        if got is None:
+            return None
+        self.health.count("downloads")
+        self.health.count("download_bytes", got[0])
+        return got[1]
 
-    def _check(self, ref: _Ref, body) -> None:
-        """Open a downloaded object and check it is the record it is fetched as (BlobError)."""
+    def _check(self, ref: _Ref, plain: bytes) -> None:
+        """Check an opened object is the record it is fetched as (BlobError)."""
         s: Sealer = self.fleet.sealer(ref.lookup.ns)
-        plain, tokens, rid = open_record(s, ref.key, body, ref.rid, ref.lookup.chunk_size, named=ref.named)
+        tokens, rid = check_opened(s, plain, ref.rid, ref.lookup.chunk_size, named=ref.named)
         ref.body, ref.tokens, ref.rid, ref.named = plain, tokens, rid, False
 
     def _download(self, refs: list[_Ref], end: float) -> list[_Ref]:
@@ -319,11 +334,11 @@ class RemoteTier:
         self._start(refs)
         got = []
         for ref in refs:
-            body = self._fetch(ref)
-            if body is None:
-                continue
             try:
-                self._check(ref, body)
+                plain = self._fetch(ref)
+                if plain is None:
+                    continue
+                self._check(ref, plain)
             except BlobError as e:
                 self.damaged(ref.rid.hash, e, ref)
                 continue
