@@ -81,6 +81,7 @@ class Store:
             raise InvalidInputError("a RAM-only store needs memory_bytes > 0")
         if self.ram_only and remote:
             raise InvalidInputError("a remote tier needs a store directory (not kvstore.MEMORY)")
+        secret = fleet_secret(remote_key) if remote else None  # refused before anything is created
         self.memory = MemoryTier(DEFAULT_MEMORY_BYTES if memory_bytes is None else memory_bytes)
         self.files = None if self.ram_only else LocalStore(
             Path(path) if path is not None else default_path(), create=create, read_only=read_only)
@@ -92,7 +93,7 @@ class Store:
             self.max_bytes, self.max_bytes_rule = self.files.auto_budget() if self.files else (
                 None, "auto: a RAM-only store writes no disk (memory_bytes bounds it)")
         self.counters = {"quarantined": 0, "skipped_inserts": 0, "fetches": 0, "reused_tokens": 0}
-        self.remote = self._open_remote(remote, remote_deadline, remote_key, remote_flush_timeout)
+        self.remote = self._open_remote(remote, remote_deadline, secret, remote_flush_timeout)
         writes = self.files is not None and not self.read_only
         self.writer = Writer(self.index if writes else None, self.blob_root if writes else None, self.memory,
                              max_pending_bytes, after_batch=self._after_batch if self.max_bytes is not None else None,
@@ -101,31 +102,38 @@ class Store:
         self._closed = False
         _OPEN_STORES.add(self)
 
-    def _open_remote(self, url: str | None, deadline: float | None, key: str | bytes | None,
+    def _open_remote(self, url: str | None, deadline: float | None, secret: bytes | None,
                      flush_timeout: float | None) -> Remote | None:
-        """This node's side of the bucket at `url`, or None. Contacts nothing yet. The fleet
-        secret is `key`, else `$KVSTORE_REMOTE_KEY`: a remote without one is refused."""
+        """This node's side of the bucket at `url` (its objects sealed with the fleet `secret`),
+        or None. Contacts nothing yet."""
         if not url:
             return None
-        fleet = Fleet(fleet_secret(key))
-        self._budget_lock = threading.Lock()
+        fleet = Fleet(secret)
+        self._budget_lock, self._budget_due = threading.Lock(), threading.Event()
         return Remote(open_bucket(url), fleet, self.index, self.path, self.blob_root,
                       deadline=DEFAULT_DEADLINE_S if deadline is None else deadline,
                       flush_timeout=FLUSH_TIMEOUT_S if flush_timeout is None else flush_timeout)
 
-    def _after_download(self, nbytes: int) -> None:
-        """The remote tier stored a download: over the disk budget, gc runs (in the background,
-        one at a time, as the writer's after a batch)."""
-        if self.max_bytes is None or not self._budget_lock.acquire(blocking=False):
+    def _after_download(self, nbytes: int = 0) -> None:
+        """The remote tier stored a download: over the disk budget, gc runs (on a thread of its
+        own, one at a time, as after the writer's batches; downloads during it check again)."""
+        if self.max_bytes is None:
             return
+        self._budget_due.set()
+        if not self._budget_lock.acquire(blocking=False):
+            return  # the running check sees `_budget_due` and goes round once more
 
         def run() -> None:
             try:
-                self._after_batch()
+                while self._budget_due.is_set():
+                    self._budget_due.clear()
+                    self._after_batch()
             except Exception as e:  # only the budget: the next download or batch tries again
                 log.warning("kvstore: gc after a download failed: %s", e)
             finally:
                 self._budget_lock.release()
+            if self._budget_due.is_set():  # a download came between the last check and the release
+                self._after_download()
 
         threading.Thread(target=run, name="kvstore-budget", daemon=True).start()
 

@@ -362,3 +362,7 @@ def test_an_oversized_object_is_never_read_into_memory(tmp_path, s3, llama):
         assert asked.count(victim.path) == 1
         reused, _ = fetch_checked(mc, model, prompt[: 2 * C] + [7, 8])  # the bad key is remembered
         assert reused == C and asked.count(victim.path) == 1
+        # verify --remote judges it by its listed size, and does not read it either.
+        problems = b.remote.verify()
+        assert [(p.kind, p.path) for p in problems] == [("corrupt_object", victim.path)]
+        assert "more than a record of its namespace" in problems[0].detail and asked.count(victim.path) == 1

@@ -52,6 +52,16 @@ def evil(llama):
     return model
 
 
+def store_prompts(store_dir: Path, url: str, model, path, prompts, *, fingerprint=None, **options):
+    """Store `prompts` on a node and wait for its uploads: (its stats, its ModelCache, its fleet)."""
+    with kvstore.open(store_dir, chunk_size=C, remote=url, **options) as node:
+        mc = node.bind(model, path, fingerprint=fingerprint)
+        for p in prompts:
+            mc.insert(p, prefill(model, p))
+        assert node.flush(30)
+        return node.stats(), mc, node.remote.fleet
+
+
 def fleet_fetch_is_honest(store, model, path, prompt) -> int:
     """Fetch `prompt` + one token on a fleet node: the logits are the honest model's (from scratch).
     Returns how many tokens were reused."""
@@ -93,13 +103,8 @@ def test_a_bucket_writer_without_the_secret_never_changes_what_the_fleet_restore
         honest = probe.bind(model, path)
         fp, ns = honest.fingerprint, honest.ns
     # The attacker stores the prompts with its model under the fleet's fingerprint (same namespace).
-    with kvstore.open(tmp_path / "evil", chunk_size=C, remote=url, remote_key=new_key()) as attacker:
-        emc = attacker.bind(evil, path, fingerprint=fp)
-        assert emc.ns == ns
-        for p in prompts:
-            emc.insert(p, prefill(evil, p))
-        assert attacker.flush(30)
-        source = attacker.remote.fleet
+    _, emc, source = store_prompts(tmp_path / "evil", url, evil, path, prompts, fingerprint=fp, remote_key=new_key())
+    assert emc.ns == ns
     n = plant(url, tmp_path / "evil", source, ns, prompts, sealed)
     # Planted before any honest node: a fleet node gets a miss, counted, and stores nothing of it.
     with kvstore.open(tmp_path / "b", chunk_size=C, remote=url, memory_bytes=0) as b:
@@ -107,13 +112,8 @@ def test_a_bucket_writer_without_the_secret_never_changes_what_the_fleet_restore
         assert b.stats()["remote"]["unauthenticated"] >= 1 and b.stats()["chunks"] == 0
     # An honest node stores the same prompts: its create-only PUTs find the planted objects,
     # which do not open, and replace them.
-    with kvstore.open(tmp_path / "a", chunk_size=C, remote=url) as a:
-        mc = a.bind(model, path)
-        for p in prompts:
-            mc.insert(p, prefill(model, p))
-        assert a.flush(30)
-        r = a.stats()["remote"]
-        assert r["replaced"] == n + 1 and r["uploads"] == 0, r  # the records, and the manifest
+    r = store_prompts(tmp_path / "a", url, model, path, prompts)[0]["remote"]
+    assert r["replaced"] == n + 1 and r["uploads"] == 0, r  # the records, and the manifest
     # Every node of the fleet now restores the honest prompts from the bucket.
     with kvstore.open(tmp_path / "c", chunk_size=C, remote=url, memory_bytes=0) as c:
         for p in prompts:
@@ -121,12 +121,7 @@ def test_a_bucket_writer_without_the_secret_never_changes_what_the_fleet_restore
         assert c.stats()["remote"]["unauthenticated"] == 0 and c.verify() == []
     # The attacker deletes the fleet's objects and plants its own again: misses, never its K/V.
     delete_everything(url)
-    with kvstore.open(tmp_path / "evil2", chunk_size=C, remote=url, remote_key=new_key()) as attacker:
-        emc = attacker.bind(evil, path, fingerprint=fp)
-        for p in prompts:
-            emc.insert(p, prefill(evil, p))
-        assert attacker.flush(30)
-        source = attacker.remote.fleet
+    source = store_prompts(tmp_path / "evil2", url, evil, path, prompts, fingerprint=fp, remote_key=new_key())[2]
     plant(url, tmp_path / "evil2", source, ns, prompts, sealed)
     with kvstore.open(tmp_path / "d", chunk_size=C, remote=url, memory_bytes=0) as d:
         for p in prompts:
@@ -174,6 +169,8 @@ def test_a_remote_without_a_secret_is_refused(tmp_path, s3, monkeypatch):
     monkeypatch.delenv("KVSTORE_REMOTE_KEY")
     with pytest.raises(kvstore.InvalidInputError, match="KVSTORE_REMOTE_KEY.*kvstore remote-key"):
         kvstore.open(tmp_path / "s", remote=s3.url())
+    assert not (tmp_path / "s").exists()  # refused before anything is created
+    kvstore.open(tmp_path / "s").close()
     with pytest.raises(kvstore.InvalidInputError, match="fleet secret is 32 random bytes"):
         kvstore.open(tmp_path / "s", remote=s3.url(), remote_key="too-short")
     env = {"KVSTORE_REMOTE_KEY": ""}
@@ -197,12 +194,9 @@ def test_an_object_that_states_chunk_size_zero_is_a_counted_bad_object(tmp_path,
     path, model = llama
     url = s3.url()
     prompt = toks(2 * C + 3, 9)
-    with kvstore.open(tmp_path / "a", chunk_size=C, remote=url) as a:
-        mc = a.bind(model, path)
-        mc.insert(prompt, prefill(model, prompt))
-        assert a.flush(30)
-        first = prompt_records(mc.ns, np.asarray(prompt), C)[0]
-        blob = blob_path(a.blob_root, first.hash).read_bytes()
+    mc = store_prompts(tmp_path / "a", url, model, path, [prompt])[1]
+    first = prompt_records(mc.ns, np.asarray(prompt), C)[0]
+    blob = blob_path(tmp_path / "a" / "blobs", first.hash).read_bytes()
     # A fleet node with a bug seals a record whose header says chunk size 0.
     (n,) = struct.unpack_from("<Q", blob, 0)
     header = json.loads(blob[8 : 8 + n])
@@ -280,3 +274,22 @@ def test_keys_a_listing_shows_are_of_the_layout_only():
     for rec in r:
         assert parse_key(key_of(s, rec)) is not None
         assert parse_key("team/" + key_of(s, rec)) is None
+
+
+def test_downloads_count_against_the_local_budget(tmp_path, s3, llama):
+    """A node with a disk budget that restores more than it from the bucket: gc runs after the
+    downloads as it does after the writer's batches, and the store ends within its budget."""
+    import time
+
+    path, model = llama
+    url = s3.url()
+    prompts = [toks(4 * C + 3, 30 + i) for i in range(3)]
+    budget = store_prompts(tmp_path / "a", url, model, path, prompts)[0]["bytes"] // 2
+    with kvstore.open(tmp_path / "b", chunk_size=C, remote=url, max_bytes=budget, memory_bytes=0) as b:
+        for p in prompts:
+            assert fleet_fetch_is_honest(b, model, path, p) == len(p)
+        assert b.stats()["remote"]["downloads"] == 3 * 5
+        end = time.monotonic() + 30  # gc runs on a thread of its own: wait for it, boundedly
+        while b.stats()["bytes"] > budget and time.monotonic() < end:
+            time.sleep(0.1)
+        assert b.stats()["bytes"] <= budget

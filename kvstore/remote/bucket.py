@@ -29,6 +29,10 @@ class TooLarge(RemoteError):
     """The object is larger than what was asked for could be: it is not read."""
 
 
+class TooLate(RemoteError):
+    """A download ran past the time it was given: what it read is dropped."""
+
+
 class RemoteAuthError(RemoteError):
     """The object store refused the credentials (wrong key or secret, or no right to the bucket)."""
 
@@ -41,7 +45,7 @@ class Bucket(Protocol):
 
     def get(self, key: str, max_bytes: int = MAX_OBJECT_BYTES, until: float | None = None) -> bytearray | None:
         """The object's bytes, or None if there is none; TooLarge (read no further) if it is
-        over `max_bytes`; RemoteError once `time.monotonic()` passes `until` (what was read is
+        over `max_bytes`; TooLate once `time.monotonic()` passes `until` (what was read is
         dropped)."""
 
     def put_new(self, key: str, data: bytes) -> bool:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Iterator
 
 from kvstore.errors import InvalidInputError
-from kvstore.remote.bucket import MAX_OBJECT_BYTES, RemoteAuthError, RemoteError, TooLarge
+from kvstore.remote.bucket import MAX_OBJECT_BYTES, RemoteAuthError, RemoteError, TooLarge, TooLate
 
 log = logging.getLogger("kvstore")
 
@@ -147,7 +147,7 @@ class S3Bucket:
     def get(self, key: str, max_bytes: int = MAX_OBJECT_BYTES, until: float | None = None) -> bytearray | None:
         """The object's bytes, or None if there is none. Its size is checked against `max_bytes`
         before its body is read (TooLarge), and the body is read into one buffer of that size,
-        stopping once `time.monotonic()` passes `until` (RemoteError)."""
+        stopping once `time.monotonic()` passes `until` (TooLate)."""
         import obstore
 
         try:
@@ -164,7 +164,7 @@ class S3Bucket:
                 view[pos : pos + n] = part
                 pos += n
                 if until is not None and time.monotonic() > until:
-                    raise RemoteError("GET: past the deadline, dropped")
+                    raise TooLate("GET: past the deadline, dropped")
             if pos != size:
                 raise RemoteError(f"GET: {pos} of {size} bytes came")
             return buf

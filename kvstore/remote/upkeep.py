@@ -24,12 +24,13 @@ import os
 import re
 import time
 import uuid
+from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvstore.errors import BlobError
-from kvstore.records import CHECKPOINT, RecordId
+from kvstore.records import CHECKPOINT, TAIL, RecordId
 from kvstore.remote.bucket import MAX_OBJECT_BYTES, Bucket, RemoteError
 from kvstore.remote.layout import ObjectKey, manifest_key, parse_key, parse_other, pins_key
 from kvstore.remote.seal import Fleet, Sealer, Unauthenticated
@@ -268,6 +269,7 @@ def verify_remote(bucket: Bucket, fleet: Fleet, local=(), *, repair: bool = Fals
     deletes the bad records and, to keep every chain a prefix, everything below them."""
     tree = _Tree(bucket)
     spaces = namespaces(bucket, fleet, {k.ns.hex() for k in tree.objects.values()}, local)
+    caps = _size_caps(tree.objects.values())
     problems: list[Problem] = []
     bad: set[bytes] = set()
 
@@ -275,8 +277,11 @@ def verify_remote(bucket: Bucket, fleet: Fleet, local=(), *, repair: bool = Fals
         known = spaces.get(k.ns.hex())
         if known is None:
             return None  # said once per namespace below
+        cap = caps[(k.ns, k.kind == CHECKPOINT)]
+        if k.size > cap:  # planted: never read
+            return "corrupt_object", f"{k.size} bytes, more than a record of its namespace is ({cap})"
         try:
-            buf = bucket.get(k.path, max_bytes=MAX_OBJECT_BYTES)
+            buf = bucket.get(k.path, max_bytes=cap)
         except RemoteError as e:
             return "corrupt_object", f"cannot download: {e}"
         if buf is None:
@@ -310,6 +315,18 @@ def verify_remote(bucket: Bucket, fleet: Fleet, local=(), *, repair: bool = Fals
     if repair and bad:
         tree.delete(bucket, tree.subtree(bad) & set(tree.objects))
     return problems
+
+
+def _size_caps(objects) -> dict[tuple[bytes, bool], int]:
+    """(namespace, is a checkpoint) -> the most bytes verify reads of one object: twice the
+    median size of the namespace's chunks (a tail is smaller), or checkpoints (all one size),
+    and 1 MiB. A bucket writer would have to plant more objects than the fleet wrote to raise it."""
+    sizes: dict[tuple[bytes, bool], list[int]] = {}
+    for k in objects:
+        if k.kind != TAIL:
+            sizes.setdefault((k.ns, k.kind == CHECKPOINT), []).append(k.size)
+    caps = {key: min(MAX_OBJECT_BYTES, 2 * sorted(v)[(len(v) - 1) // 2] + (1 << 20)) for key, v in sizes.items()}
+    return defaultdict(lambda: MAX_OBJECT_BYTES, caps)
 
 
 def _check_listed(s: Sealer, k: ObjectKey, buf, depth: int | None, chunk_size: int | None) -> None:

@@ -46,6 +46,7 @@ class Uploader:
         self.max_upload_bytes = max_upload_bytes
         self.manifests: dict[bytes, bytes] = {}  # ns -> manifest JSON (uploaded once per process)
         self._manifest_done: set[bytes] = set()
+        self._manifest_lock = threading.Lock()  # one upload (or replacement) of each manifest
         self._known: OrderedDict[bytes, None] = OrderedDict()  # hashes the bucket is known to hold
         self._known_lock = threading.Lock()
         self._inflight: dict[bytes, threading.Event] = {}
@@ -226,6 +227,12 @@ class Uploader:
         """The namespace's manifest, once per process; a planted one is replaced."""
         if ns in self._manifest_done or ns not in self.manifests:
             return
+        with self._manifest_lock:
+            if ns not in self._manifest_done:
+                self._put_manifest_once(ns)
+                self._manifest_done.add(ns)
+
+    def _put_manifest_once(self, ns: bytes) -> None:
         folder = self.fleet.sealer(ns).folder
         key, box = manifest_key(folder), self.fleet.manifest_box(folder)
         if not self.bucket.put_new(key, box.seal(key, self.manifests[ns])):
@@ -236,7 +243,6 @@ class Uploader:
             except (Unauthenticated, TooLarge):
                 self.bucket.put(key, box.seal(key, self.manifests[ns]))
                 self.health.count("replaced")
-        self._manifest_done.add(ns)
 
     def _remember(self, h: bytes) -> None:
         with self._known_lock:

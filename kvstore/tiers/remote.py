@@ -32,7 +32,7 @@ import xxhash
 from kvstore import keys
 from kvstore.errors import BlobError
 from kvstore.records import CHECKPOINT, TAIL, RecordId
-from kvstore.remote.bucket import MAX_OBJECT_BYTES, Bucket, RemoteError, TooLarge
+from kvstore.remote.bucket import MAX_OBJECT_BYTES, Bucket, RemoteError, TooLarge, TooLate
 from kvstore.remote.health import Health
 from kvstore.remote.layout import ObjectKey, children_prefix, key_of, parse_key
 from kvstore.remote.objects import check_opened
@@ -57,8 +57,8 @@ class _Late(Exception):
 
 
 class _Ref:
-    """A record the bucket holds, as this tier found it: its identity, key, and its bytes once
-    downloaded (checked ones only in `checked`)."""
+    """A record the bucket holds, as this tier found it: its identity, key, and its plaintext
+    once downloaded, opened and checked."""
 
     __slots__ = ("rid", "key", "lookup", "future", "body", "tokens", "named", "size")
 
@@ -138,7 +138,7 @@ class RemoteTier:
             exact, others = _best_children(keys_, s, parent, rest)
             out = []
             if exact is not None:  # its name proves its tokens: rest[:n]
-                rid = RecordId(exact_hash(parent, rest[: exact.ntokens]), lookup.ns, parent, depth, TAIL,
+                rid = RecordId(keys.tail_hash(parent, rest[: exact.ntokens]), lookup.ns, parent, depth, TAIL,
                                exact.ntokens, int(rest[0]))
                 out.append((rid.hash, rest[: exact.ntokens], _Ref(rid, exact.path, lookup, size=exact.size)))
             refs = [_Ref(RecordId(k.hash, lookup.ns, parent, depth, k.kind, k.ntokens, int(rest[0])), k.path,
@@ -311,6 +311,9 @@ class RemoteTier:
         except TooLarge:
             self._too_large(ref)
             return None
+        except TooLate:  # it ran into the deadline (as the waiter did): dropped, not remembered
+            self.health.count("deadline_misses")
+            return None
         except RemoteError as e:
             self._remember_bad(ref.key)
             self.health.error(e, down=True)
@@ -351,10 +354,6 @@ def _depth_of(lookup: Lookup, h: bytes) -> int:
     return 0 if h == lookup.ns else lookup.chain.index(h) + 1
 
 
-def exact_hash(parent: bytes, tokens: np.ndarray) -> bytes:
-    return keys.tail_hash(parent, tokens)
-
-
 def _best_children(children: list[ObjectKey], s: Sealer, parent: bytes,
                    rest: np.ndarray) -> tuple[ObjectKey | None, list]:
     """The children worth downloading: the longest one whose name proves it is a prefix of `rest`
@@ -363,7 +362,7 @@ def _best_children(children: list[ObjectKey], s: Sealer, parent: bytes,
     exact, others = None, []
     for k in children:
         if k.kind == TAIL and k.ntokens <= len(rest) and \
-                s.name(exact_hash(parent, rest[: k.ntokens])) == k.hash.hex():
+                s.name(keys.tail_hash(parent, rest[: k.ntokens])) == k.hash.hex():
             if exact is None or k.ntokens > exact.ntokens:
                 exact = k
         else:
