@@ -20,10 +20,10 @@ object metadata.
 from __future__ import annotations
 
 import base64
-import binascii
 import hashlib
 import hmac
 import os
+import re
 import secrets
 import struct
 import threading
@@ -46,6 +46,8 @@ TAG_BYTES = 16
 #: What sealing adds to an object.
 OVERHEAD = len(MAGIC) + NONCE_BYTES + TAG_BYTES
 _PURPOSE = b"kvstore-remote-2"
+_HEX = re.compile(r"[0-9a-fA-F]{64}")
+_BASE64URL = re.compile(r"[A-Za-z0-9_-]{43}=?")
 
 
 class Unauthenticated(BlobError):
@@ -67,13 +69,10 @@ def parse_key(value: str | bytes, where: str) -> bytes:
         raise InvalidInputError(f"{where}: the fleet secret must be text or bytes, got {type(value).__name__}")
     text = text.strip()
     raw = b""
-    try:
-        if len(text) == 2 * KEY_BYTES:
-            raw = bytes.fromhex(text)
-        else:
-            raw = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
-    except (ValueError, binascii.Error):
-        pass
+    if _HEX.fullmatch(text):
+        raw = bytes.fromhex(text)
+    elif _BASE64URL.fullmatch(text):
+        raw = base64.urlsafe_b64decode(text.rstrip("=") + "=")
     if len(raw) != KEY_BYTES:
         raise InvalidInputError(f"{where}: a fleet secret is {KEY_BYTES} random bytes in base64url (43 characters) "
                                 f"or hex (64); this is not one (make one with `{KEY_COMMAND}`)")
@@ -100,7 +99,7 @@ def read_key_file(path: str) -> bytes:
             text = f.read(4096)
     except OSError as e:
         raise InvalidInputError(f"cannot read the remote key file {path}: {e.strerror or e}") from None
-    return parse_key(text, f"the remote key file {path}")
+    return parse_key(text.decode("ascii", "replace"), f"the remote key file {path}")
 
 
 def _derive(secret: bytes, info: bytes) -> bytes:
