@@ -114,8 +114,9 @@ class Uploader:
             self._queued_bytes = 0
             self._stop = True
             self._cond.notify_all()
+        end = time.monotonic() + 1.0  # a worker stuck in a request is a daemon: not waited out
         for w in self._workers:
-            w.join(timeout=1.0)
+            w.join(timeout=max(0.0, end - time.monotonic()))
         return left
 
     def _loop(self) -> None:
