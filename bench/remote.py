@@ -7,7 +7,9 @@ For each prompt length (2k and 8k tokens by default), in one run:
   local write, restore) against `fetch` from node A's local disk (page cache warm), and against
   recomputing the prompt with the Qwen3-0.6B architecture (random float32 weights; the lengths up
   to `--recompute-max` only: CPU prefill here is far slower than on a Mac);
-- lookup: the binary search of HEADs for chains of 8 to 128 chunks, all present or half present.
+- lookup: the binary search of HEADs for chains of 8 to 128 chunks, all present or half present;
+- sealing: AES-256-GCM seal and open throughput of one 64 MiB object on one thread, and whether
+  Python runs on another thread meanwhile (the library releases the GIL).
 
 The restore times are the time until the cache is ready; the first decode step adds the same to
 each of them. The remote deadline is set high here so that the whole download is measured.
@@ -21,6 +23,7 @@ kept, marked `recompute_from_earlier_run`.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -114,15 +117,17 @@ def lookups(server, reps: int) -> list[dict]:
     """Latency of the binary search alone, on chains whose chunk objects are tiny stand-ins."""
     from kvstore.remote.health import Health
     from kvstore.remote.s3 import S3Bucket
+    from kvstore.remote.seal import Fleet, fleet_secret
     from kvstore.tiers.remote import RemoteTier
 
     url = server.url("lookup")
-    tier = RemoteTier(S3Bucket(url), Health(), disk=None)
+    fleet = Fleet(fleet_secret())
+    tier = RemoteTier(S3Bucket(url), Health(), None, fleet)
     ns = b"\x07" * 16
     out = []
     for chunks in (8, 32, 128):
         toks = np.random.default_rng(chunks).integers(0, 150_000, chunks * 256).astype(np.int32)
-        names = [key_of(r) for r in prompt_records(ns, toks, 256, tail=False)]
+        names = [key_of(fleet.sealer(ns), r) for r in prompt_records(ns, toks, 256, tail=False)]
         for present in (chunks, chunks // 2):
             for name in names[:present]:
                 try:
@@ -170,16 +175,59 @@ def clients(server, reps: int) -> dict | None:
     return out
 
 
+def sealing(reps: int, mib: int = 64) -> dict:
+    """What sealing costs: AES-256-GCM seal and open of one `mib` MiB object (the size of a chunk
+    of a large model), one thread; and whether it releases the GIL: how fast a pure-Python loop
+    on another thread runs during an open, against during a sleep (about 0 if the GIL is held;
+    below 1 on a busy machine either way)."""
+    import threading
+
+    from kvstore.remote.seal import Fleet
+
+    s = Fleet(os.urandom(32)).sealer(b"\x07" * 16)
+    data = os.urandom(mib << 20)
+    sealed = s.seal("k", data)
+    seal_s = C.summary(C.measure(lambda: s.seal("k", data), reps))
+    open_s = C.summary(C.measure(lambda: s.open("k", sealed), reps))
+
+    def spin_rate(fn) -> float:
+        count, stop = [0], [False]
+
+        def spin() -> None:
+            while not stop[0]:
+                count[0] += 1
+
+        t = threading.Thread(target=spin)
+        t.start()
+        time.sleep(0.05)
+        c0, t0 = count[0], time.perf_counter()
+        fn()
+        rate = (count[0] - c0) / (time.perf_counter() - t0)
+        stop[0] = True
+        t.join()
+        return rate
+
+    during_open = spin_rate(lambda: s.open("k", sealed))
+    during_sleep = spin_rate(lambda: time.sleep(open_s["median"]))
+    gb = (mib << 20) / 1e9
+    return {"object_mib": mib, "seal": seal_s, "open": open_s, "seal_gbps": gb / seal_s["median"],
+            "open_gbps": gb / open_s["median"], "seal_s_per_gb": seal_s["median"] / gb,
+            "open_s_per_gb": open_s["median"] / gb, "python_runs_during_open": during_open / during_sleep,
+            "loadavg": os.getloadavg()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--recompute-max", type=int, default=2048)
+    ap.add_argument("--sealing-only", action="store_true", help="only the AES-256-GCM micro-benchmark")
     args = ap.parse_args()
+    if args.sealing_only:
+        print(json.dumps(sealing(args.reps), indent=1))
+        return
     earlier = {}
     try:
-        import json
-
         for r in json.loads((C.RESULTS / "remote.json").read_text())["lengths"]:
             if "recompute_s" in r:
                 earlier[r["length"]] = r["recompute_s"]
@@ -218,6 +266,7 @@ def main() -> None:
             shutil.rmtree(d, ignore_errors=True)
         results["lookup"] = lookups(server, args.reps * 5)
         results["clients"] = clients(server, 200)
+        results["sealing"] = sealing(args.reps)
     finally:
         server.kill()
     C.write_result("remote", results)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import threading
 import time
 import weakref
 from pathlib import Path
@@ -26,7 +27,8 @@ from kvstore.model import fingerprint as fingerprints
 from kvstore.model.cache import Backing, ModelCache
 from kvstore.model.layout import describe, make_template
 from kvstore.remote.bucket import check_url, open_bucket
-from kvstore.remote.node import Remote
+from kvstore.remote.node import FLUSH_TIMEOUT_S, Remote
+from kvstore.remote.seal import Fleet, fleet_secret
 from kvstore.storage.storedir import default_path
 from kvstore.tiers.base import Tiers
 from kvstore.tiers.disk import DiskTier
@@ -53,7 +55,7 @@ _OPEN_STORES: "weakref.WeakSet[Store]" = weakref.WeakSet()
 def _flush_open_stores() -> None:
     for store in list(_OPEN_STORES):
         try:
-            store.flush(timeout=30)
+            store.flush(timeout=30 if store.remote is None else min(30.0, store.remote.flush_timeout))
         except Exception:
             pass
 
@@ -71,6 +73,7 @@ class Store:
                  max_pending_bytes: int = DEFAULT_PENDING_BYTES, fsync: bool = True,
                  create: bool = True, read_only: bool | None = False,
                  remote: str | None = None, remote_deadline: float | None = None,
+                 remote_key: str | bytes | None = None, remote_flush_timeout: float | None = None,
                  admit: str | None = None, max_write_rate: int | str | None = None):
         _check_options(chunk_size, max_bytes, memory_bytes, remote, remote_deadline)
         check_policy(admit)
@@ -83,6 +86,7 @@ class Store:
             raise InvalidInputError("a RAM-only store needs memory_bytes > 0")
         if self.ram_only and remote:
             raise InvalidInputError("a remote tier needs a store directory (not kvstore.MEMORY)")
+        secret = fleet_secret(remote_key) if remote else None  # refused before anything is created
         self.memory = MemoryTier(DEFAULT_MEMORY_BYTES if memory_bytes is None else memory_bytes)
         self.files = None if self.ram_only else LocalStore(
             Path(path) if path is not None else default_path(), create=create, read_only=read_only)
@@ -94,7 +98,7 @@ class Store:
             self.max_bytes, self.max_bytes_rule = self.files.auto_budget() if self.files else (
                 None, "auto: a RAM-only store writes no disk (memory_bytes bounds it)")
         self.counters = {"quarantined": 0, "skipped_inserts": 0, "fetches": 0, "reused_tokens": 0}
-        self.remote = self._open_remote(remote, remote_deadline)
+        self.remote = self._open_remote(remote, remote_deadline, secret, remote_flush_timeout)
         writes = self.files is not None and not self.read_only
         self.gate = self._gate(admit, max_write_rate, writes)
         self.writer = Writer(self.index if writes else None, self.blob_root if writes else None, self.memory,
@@ -127,12 +131,40 @@ class Store:
         return write_budget.summary(self.index, policy=self.gate.policy, per_day=self.gate.per_day,
                                     unsaved=self.gate.unsaved(), now=self.gate.clock())
 
-    def _open_remote(self, url: str | None, deadline: float | None) -> Remote | None:
-        """This node's side of the bucket at `url`, or None. Contacts nothing yet."""
+    def _open_remote(self, url: str | None, deadline: float | None, secret: bytes | None,
+                     flush_timeout: float | None) -> Remote | None:
+        """This node's side of the bucket at `url` (its objects sealed with the fleet `secret`),
+        or None. Contacts nothing yet."""
         if not url:
             return None
-        return Remote(open_bucket(url), self.index, self.path, self.blob_root,
-                      deadline=DEFAULT_DEADLINE_S if deadline is None else deadline)
+        fleet = Fleet(secret)
+        self._budget_lock, self._budget_due = threading.Lock(), threading.Event()
+        return Remote(open_bucket(url), fleet, self.index, self.path, self.blob_root,
+                      deadline=DEFAULT_DEADLINE_S if deadline is None else deadline,
+                      flush_timeout=FLUSH_TIMEOUT_S if flush_timeout is None else flush_timeout)
+
+    def _after_download(self, nbytes: int = 0) -> None:
+        """The remote tier stored a download: over the disk budget, gc runs (on a thread of its
+        own, one at a time, as after the writer's batches; downloads during it check again)."""
+        if self.max_bytes is None:
+            return
+        self._budget_due.set()
+        if not self._budget_lock.acquire(blocking=False):
+            return  # the running check sees `_budget_due` and goes round once more
+
+        def run() -> None:
+            try:
+                while self._budget_due.is_set():
+                    self._budget_due.clear()
+                    self._after_batch()
+            except Exception as e:  # only the budget: the next download or batch tries again
+                log.warning("kvstore: gc after a download failed: %s", e)
+            finally:
+                self._budget_lock.release()
+            if self._budget_due.is_set():  # a download came between the last check and the release
+                self._after_download()
+
+        threading.Thread(target=run, name="kvstore-budget", daemon=True).start()
 
     def _tiers(self) -> Tiers:
         """Where fetch reads records from, in order."""
@@ -141,7 +173,8 @@ class Store:
             disk = DiskTier(self.index, self.blob_root, self.writer.touch, self._count_quarantine)
             tiers.append(disk)
             if self.remote is not None:
-                tiers.append(RemoteTier(self.remote.bucket, self.remote.health, disk, deadline=self.remote.deadline))
+                tiers.append(RemoteTier(self.remote.bucket, self.remote.health, disk, self.remote.fleet,
+                                        deadline=self.remote.deadline, stored=self._after_download))
         return Tiers(tiers)
 
     def _count_quarantine(self) -> None:
@@ -192,8 +225,8 @@ class Store:
                                      self.chunk_size, stamps)
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every insert so far is durable (and uploaded, with a remote tier).
-        False if `timeout` ran out first."""
+        """Wait until every insert so far is durable (and uploaded, with a remote tier: without
+        `timeout`, for at most `remote_flush_timeout`). False if the time ran out first."""
         end = None if timeout is None else time.monotonic() + timeout
         done = self.writer.flush(timeout)
         if self.remote is not None:
@@ -315,7 +348,10 @@ def open(path: str | os.PathLike | None = None, *, max_bytes: int | str | None =
     store; `read_only=True` (or `None`: when this user may not write it) writes nothing.
     `remote="s3://BUCKET/PREFIX"` shares the store with other nodes through an S3-compatible
     object store (see `kvstore.tiers.remote`); `remote_deadline` (seconds, default 1) bounds the
-    remote part of each fetch.
+    remote part of each fetch. The fleet's secret is `remote_key` (32 bytes, or the base64url text
+    `kvstore remote-key` prints), else `$KVSTORE_REMOTE_KEY`: a remote without one is refused.
+    `remote_flush_timeout` (seconds, default 10) bounds how long `flush()` and `close()` wait
+    for uploads.
 
     `admit` says which records go to disk: `"all"` (the default), `"reused"` (a prefix asked
     for a second time, or warmed or pinned) or `"pinned"` (warmed and pinned only); the others

@@ -3,7 +3,7 @@
 One server per test session (per pytest-xdist worker, each on ports of its own), on 127.0.0.1
 only, with its sockets and data in a temporary folder. Credentials reach it (and every client and
 subprocess) through AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, which `weed mini` turns into its
-admin identity. Ready when a signed HEAD of the bucket answers 200. Tests may kill and restart
+admin identity; the fleet secret through KVSTORE_REMOTE_KEY. Ready when a signed HEAD of the bucket answers 200. Tests may kill and restart
 it (same ports, same data); it is stopped by its PID at the end of the session whatever happened.
 (After a restart the fixture also writes and reads a probe object: the volume server needs a
 moment to rejoin.)
@@ -11,6 +11,7 @@ moment to rejoin.)
 
 from __future__ import annotations
 
+import base64
 import datetime
 import os
 import shutil
@@ -68,7 +69,9 @@ class Seaweed:
         self.endpoint = f"http://127.0.0.1:{self.ports['s3.port']}"
         self.env = {"AWS_ACCESS_KEY_ID": "kvtest-" + uuid.uuid4().hex[:8],
                     "AWS_SECRET_ACCESS_KEY": uuid.uuid4().hex, "AWS_REGION": "us-east-1",
-                    "AWS_ENDPOINT_URL": self.endpoint}
+                    "AWS_ENDPOINT_URL": self.endpoint,
+                    # The fleet secret of the tests' nodes (a test that plays an attacker uses another).
+                    "KVSTORE_REMOTE_KEY": base64.urlsafe_b64encode(os.urandom(32)).rstrip(b"=").decode()}
         self.proc: subprocess.Popen | None = None
 
     def url(self, prefix: str | None = None) -> str:
@@ -167,3 +170,16 @@ def s3(seaweed):
     """The session's SeaweedFS, started again if a test before killed it."""
     seaweed.ensure_running()
     return seaweed
+
+
+def fleet():
+    """The fleet of the tests' nodes (its secret is KVSTORE_REMOTE_KEY)."""
+    from kvstore.remote.seal import Fleet, fleet_secret
+
+    return Fleet(fleet_secret())
+
+
+def names(ns: bytes, hashes) -> set[bytes]:
+    """The names the bucket's keys give these records of namespace `ns` (as `parse_key` reads them)."""
+    s = fleet().sealer(ns)
+    return {bytes.fromhex(s.name(h)) for h in hashes}

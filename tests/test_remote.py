@@ -22,6 +22,7 @@ import kvstore
 from kvstore.records import RecordId
 from kvstore.remote import s3 as remote_client
 from kvstore.remote.layout import key_of, manifest_key, parse_key
+from kvstore.remote.seal import Fleet
 
 C = 16
 
@@ -67,14 +68,23 @@ def test_url_and_keys():
     for bad in ("http://b/x", "s3://", "s3:///x", "s3://b/a//c", "s3://b/../x"):
         with pytest.raises(kvstore.InvalidInputError):
             remote_client.parse_url(bad)
+    fleet = Fleet(b"\x07" * 32)
     ns, parent, h = b"\x01" * 16, b"\xab" * 16, b"\x02" * 16
-    key = key_of(RecordId(h, ns, parent, None, 1, 7, 42))
-    assert key == f"{ns.hex()}/ab/{parent.hex()}/42/{h.hex()}.tail.7"
+    s = fleet.sealer(ns)
+    key = key_of(s, RecordId(h, ns, parent, None, 1, 7, 42))
+    p = s.name(parent)
+    assert key == f"{s.folder}/{p[:2]}/{p}/{s.children(parent, 42)}/{s.name(h)}.tail.7"
+    # The key holds no hash and no token of the chain: names are MACs under the fleet secret.
+    assert ns.hex() not in key and parent.hex() not in key and h.hex() not in key and "/42/" not in key
+    assert key_of(Fleet(b"\x08" * 32).sealer(ns), RecordId(h, ns, parent, None, 1, 7, 42)) != key
     k = parse_key(key)
-    assert (k.ns, k.parent, k.hash, k.kind, k.ntokens, k.first_token) == (ns, parent, h, 1, 7, 42)
-    ck = parse_key(key_of(RecordId(h, ns, parent, None, 2, 0, None)))
-    assert ck.kind == 2 and ck.parent == parent
-    assert parse_key(manifest_key(ns)) is None
+    assert (k.ns.hex(), k.parent.hex(), k.hash.hex(), k.kind, k.ntokens) == (s.folder, p, s.name(h), 1, 7)
+    assert s.name(ns) == s.folder  # a root chunk's parent reads as its namespace
+    ck = parse_key(key_of(s, RecordId(h, ns, parent, None, 2, 0, None)))
+    assert ck.kind == 2 and ck.parent.hex() == p
+    assert parse_key(manifest_key(s.folder)) is None
+    # Only exactly the layout counts: the same key under a nested prefix is another team's.
+    assert parse_key("sub/" + key) is None and parse_key(key + "x") is None
 
 
 def test_aws_profile_files(tmp_path):

@@ -17,6 +17,7 @@ import time
 import numpy as np
 import pytest
 from kvtest import logits_diff, prefill
+from remote_fixture import names
 
 import kvstore
 from kvstore.remote.bucket import RemoteError
@@ -128,10 +129,10 @@ def test_killed_mid_download(tmp_path, s3, llama):
     with kvstore.open(tmp_path / "b", chunk_size=C, remote=url) as b:
         real = b.remote.bucket.get
 
-        def get(key):
+        def get(key, *args, **kwargs):
             if key == third:
                 s3.kill()
-            return real(key)
+            return real(key, *args, **kwargs)
 
         b.remote.bucket.get = get
         mc = b.bind(model, path)
@@ -201,7 +202,7 @@ def test_a_failed_upload_keeps_what_hangs_below_it_out_of_the_bucket(tmp_path, s
     prompt = toks(5 * C + 3, 72)
     with kvstore.open(tmp_path / "a", chunk_size=C, remote=url) as a:
         mc = a.bind(model, path)
-        victim = mc.record_hashes(prompt)[1].hex()  # the second chunk
+        victim = names(mc.ns, mc.record_hashes(prompt)[1:2]).pop().hex()  # the second chunk
         real, failed = a.remote.bucket.put_new, []
 
         def put_new(key, data):
@@ -265,17 +266,24 @@ def test_damaged_objects_are_never_served(tmp_path, s3, llama, damage):
         reused, _ = fetch_checked(mc, model, prompt + [1])
         assert reused == 2 * C
         r = b.stats()["remote"]
-        assert r["corrupt_objects"] == 1
+        assert r["unauthenticated"] == 1 and r["corrupt_objects"] == 0
         assert b.verify() == []
-        assert_only_checked_records(b, {k.hash for k in chain[:2]})
+        assert_only_checked_records(b, real_hashes(mc, prompt, chain[:2]))
     # The tail damaged instead: every chunk is used, the tail is not.
     bucket.put(victim.path, data)
     tail = chain[-1]
     bucket.put(tail.path, bucket.get(tail.path)[:-3])
     with kvstore.open(tmp_path / "c", chunk_size=C, remote=url, memory_bytes=0) as c:
-        reused, _ = fetch_checked(c.bind(model, path), model, prompt + [1])
+        mc = c.bind(model, path)
+        reused, _ = fetch_checked(mc, model, prompt + [1])
         assert reused == 4 * C
-        assert_only_checked_records(c, {k.hash for k in chain[:-1]})
+        assert_only_checked_records(c, real_hashes(mc, prompt, chain[:-1]))
+
+
+def real_hashes(mc, prompt, objects) -> set[bytes]:
+    """The chain hashes of the records these objects (named by MAC) are, of a stored prompt."""
+    by_name = {names(mc.ns, [h]).pop(): h for h in mc.record_hashes(prompt)}
+    return {by_name[k.hash] for k in objects}
 
 
 def assert_only_checked_records(store, good: set[bytes]) -> None:
@@ -320,7 +328,7 @@ def test_a_damaged_local_copy_is_downloaded_again(tmp_path, s3, llama):
     with kvstore.open(tmp_path / "b", chunk_size=C, remote=url, memory_bytes=0) as b:
         mc = b.bind(model, path)
         assert fetch_checked(mc, model, prompt + [1])[0] == len(prompt)
-        second = chain_objects(url)[1].hash
+        (second,) = real_hashes(mc, prompt, chain_objects(url)[1:2])
         f = blobtree.blob_path(b.blob_root, second)
         f.write_bytes(f.read_bytes()[:-10])  # torn, as a power cut could leave it
         reused, _ = fetch_checked(mc, model, prompt + [1])
@@ -329,17 +337,32 @@ def test_a_damaged_local_copy_is_downloaded_again(tmp_path, s3, llama):
         assert b.stats()["remote"]["downloads"] == 4 + 1 and b.verify() == []  # only the torn one again
 
 
-def test_an_oversized_object_is_never_read_into_memory(tmp_path, s3, llama, monkeypatch):
-    from kvstore.remote import s3 as remote_client
-
+def test_an_oversized_object_is_never_read_into_memory(tmp_path, s3, llama):
+    """A huge object planted at a chunk's key: its size is checked before its body is read, and
+    the key is not asked for again (the download is not repeated on the next fetch)."""
     path, model = llama
     url = s3.url()
     prompt = toks(2 * C + 5, 68)
     stored(tmp_path, "a", url, model, path, prompt)
     victim = chain_objects(url)[1]
-    Bucket(url).put(victim.path, b"\0" * (1 << 20))
-    monkeypatch.setattr(remote_client.S3Bucket.get, "__defaults__", (1 << 19,))  # the cap, lowered
-    with kvstore.open(tmp_path / "b", chunk_size=C, remote=url) as b:
-        reused, _ = fetch_checked(b.bind(model, path), model, prompt + [1])
+    Bucket(url).put(victim.path, b"\0" * (64 << 20))
+    with kvstore.open(tmp_path / "b", chunk_size=C, remote=url, memory_bytes=0) as b:
+        mc = b.bind(model, path)
+        real, asked = b.remote.bucket.get, []
+
+        def get(key, *args, **kwargs):
+            asked.append(key)
+            return real(key, *args, **kwargs)
+
+        b.remote.bucket.get = get
+        reused, _ = fetch_checked(mc, model, prompt + [1])
         assert reused == C
-        assert "more than any record" in b.stats()["remote"]["last_error"]
+        r = b.stats()["remote"]
+        assert r["oversized_objects"] == 1 and r["download_bytes"] < (1 << 20), r
+        assert asked.count(victim.path) == 1
+        reused, _ = fetch_checked(mc, model, prompt[: 2 * C] + [7, 8])  # the bad key is remembered
+        assert reused == C and asked.count(victim.path) == 1
+        # verify --remote judges it by its listed size, and does not read it either.
+        problems = b.remote.verify()
+        assert [(p.kind, p.path) for p in problems] == [("corrupt_object", victim.path)]
+        assert "more than a record of its namespace" in problems[0].detail and asked.count(victim.path) == 1

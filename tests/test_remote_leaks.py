@@ -25,6 +25,7 @@ import kvstore
 from kvstore.errors import InvalidInputError
 from kvstore.remote.bucket import RemoteError, open_bucket
 from kvstore.remote.health import Health
+from kvstore.remote.seal import Fleet
 from kvstore.remote.layout import key_of
 from kvstore.remote.s3 import S3Bucket
 from kvstore.remote.uploader import Uploader
@@ -141,7 +142,8 @@ def test_the_uploader_opens_only_a_regular_blob_of_its_rows_size(tmp_path, llama
         path.rename(aside)
         path.symlink_to(aside)
     health = Health()
-    uploader = Uploader(S3Bucket("s3://kvtest/team"), health, root, lambda h: None, lambda ns: 0, threads=1)
+    fleet = Fleet(secrets.token_bytes(32))
+    uploader = Uploader(S3Bucket("s3://kvtest/team"), health, fleet, root, lambda h: None, lambda ns: 0, threads=1)
     try:
         uploader.submit([row])
         assert uploader.flush(timeout=60), "the upload is stuck"

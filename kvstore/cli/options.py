@@ -23,6 +23,9 @@ def store_parent() -> argparse.ArgumentParser:
     p.add_argument("--remote", metavar="URL", nargs="?", const="",
                    help="share the store through an S3 bucket, s3://BUCKET/PREFIX (default: "
                         "$KVSTORE_REMOTE); gc and verify act on the bucket when it is given")
+    p.add_argument("--remote-key-file", metavar="PATH",
+                   help="file holding the fleet secret the remote's objects are sealed with (default: "
+                        "$KVSTORE_REMOTE_KEY); `kvstore remote-key` prints a new one")
     return p
 
 
@@ -72,6 +75,16 @@ def remote_url(args) -> str | None:
     return url
 
 
+def remote_key(args) -> bytes | None:
+    """The fleet secret in `--remote-key-file`, or None (then `$KVSTORE_REMOTE_KEY` is read)."""
+    path = getattr(args, "remote_key_file", None)
+    if not path:
+        return None
+    from kvstore.remote.seal import read_key_file
+
+    return read_key_file(path)
+
+
 def read_prompts(path: str) -> list:
     """Every line of a prompt file, parsed (`jsonl.PromptLine` or `jsonl.LineError`)."""
     from kvstore.model import jsonl
@@ -97,10 +110,12 @@ def open_remote(args, url: str, **local) -> Iterator[tuple]:
     `open_local`, which takes `local`) and a `remote.node.Remote` over its index."""
     from kvstore.remote.bucket import open_bucket
     from kvstore.remote.node import Remote
+    from kvstore.remote.seal import Fleet, fleet_secret
 
-    bucket = open_bucket(url)  # a bad URL is refused before the store is opened
+    bucket = open_bucket(url)  # a bad URL (or no fleet secret) is refused before the store is opened
+    fleet = Fleet(fleet_secret(remote_key(args)))
     with open_local(args, **local) as files:
-        remote = Remote(bucket, files.index, files.path, files.blob_root, deadline=0.0)  # (no fetches here)
+        remote = Remote(bucket, fleet, files.index, files.path, files.blob_root, deadline=0.0)  # (no fetches here)
         try:
             yield files, remote
         finally:
@@ -115,10 +130,13 @@ def remote_upkeep(args, url: str, action: str, **kw):
 
     if is_absent(store_path(args).expanduser()):
         from kvstore.remote.bucket import open_bucket
+        from kvstore.remote.seal import Fleet, fleet_secret
         from kvstore.remote.upkeep import collect_remote, verify_remote
 
         run = {"gc": collect_remote, "verify": verify_remote}[action]
-        return run(open_bucket(url), **kw)
+        bucket = open_bucket(url)  # a bad URL (or no fleet secret) is refused before anything else
+        fleet = Fleet(fleet_secret(remote_key(args)))
+        return run(bucket, fleet, (), **kw)  # no local index: namespaces come from the manifests
     with open_remote(args, url, must_exist=True) as (_, remote):
         return getattr(remote, action)(**kw)
 
@@ -127,7 +145,9 @@ def open_store(args):
     """The whole store (`kvstore.open`: tiers, writer, models), for the model commands."""
     import kvstore
 
-    return kvstore.open(store_path(args), remote=remote_url(args), **write_settings(args))
+    url = remote_url(args)
+    return kvstore.open(store_path(args), remote=url, remote_key=remote_key(args) if url else None,
+                        **write_settings(args))
 
 
 def model_to_load(args) -> str:

@@ -101,7 +101,8 @@ class ModelCache:
         reached: list[bytes] = []
         try:
             chain = prompt_records(self.ns, toks, self.chunk_size, tail=False)
-            lookup = Lookup(self.ns, toks, self.chunk_size, [s.hash for s in chain])
+            lookup = Lookup(self.ns, toks, self.chunk_size, [s.hash for s in chain],
+                            object_bytes=self.check.object_bytes)
             try:
                 for _ in range(_ATTEMPTS):  # a damaged record found while filling: plan again without it
                     done = self._restore(toks, lookup, chain, reached)

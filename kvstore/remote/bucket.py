@@ -25,6 +25,14 @@ class RemoteError(KVStoreError):
     """The object store could not be reached or answered with an error; the caller goes local."""
 
 
+class TooLarge(RemoteError):
+    """The object is larger than what was asked for could be: it is not read."""
+
+
+class TooLate(RemoteError):
+    """A download ran past the time it was given: what it read is dropped."""
+
+
 class RemoteAuthError(RemoteError):
     """The object store refused the credentials (wrong key or secret, or no right to the bucket)."""
 
@@ -35,8 +43,10 @@ class Bucket(Protocol):
     def head(self, key: str) -> int | None:
         """The object's size, or None if there is none."""
 
-    def get(self, key: str, max_bytes: int = MAX_OBJECT_BYTES) -> bytes | None:
-        """The object's bytes, or None if there is none; RemoteError if it is over `max_bytes`."""
+    def get(self, key: str, max_bytes: int = MAX_OBJECT_BYTES, until: float | None = None) -> bytearray | None:
+        """The object's bytes, or None if there is none; TooLarge (read no further) if it is
+        over `max_bytes`; TooLate once `time.monotonic()` passes `until` (what was read is
+        dropped)."""
 
     def put_new(self, key: str, data: bytes) -> bool:
         """Create-only PUT: False if the object exists already (another node stored it)."""

@@ -1,84 +1,102 @@
 """Object keys of the remote tier: where each record, manifest and pins object lives in the bucket.
 
-Layout under `s3://BUCKET/PREFIX/` (hashes in hex; `pp` is the first two hex digits of `parent`):
+Layout under `s3://BUCKET/PREFIX/` (every name is a MAC under the fleet secret, 32 or 16 hex
+digits, see `remote.seal`; `pp` is the first two digits of `parent`):
 
-    <ns>/manifest.json                                 model fingerprint, layout, model id
-    <ns>/<pp>/<parent>/<first token>/<hash>.chunk.<n>  a chunk: n == chunk size tokens
-    <ns>/<pp>/<parent>/<first token>/<hash>.tail.<n>   a tail of n tokens
-    <ns>/<pp>/<record>/ckpt/<hash>.ckpt                the checkpoint at the end of <record>
-    <ns>/pins/<node>.json                              what one node has pinned
+    <ns>/manifest                                   model fingerprint, layout, model id
+    <ns>/<pp>/<parent>/<branch>/<record>.chunk.<n>  a chunk: n == chunk size tokens
+    <ns>/<pp>/<parent>/<branch>/<record>.tail.<n>   a tail of n tokens
+    <ns>/<pp>/<record>/ckpt/<checkpoint>.ckpt       the checkpoint at the end of <record>
+    <ns>/pins/<node>                                what one node has pinned
 
-Every key is computed from the chain: a chunk's parent and first token are known from the prompt,
-so a HEAD finds it; one listing of `<ns>/<pp>/<parent>/<token>/` finds every child of a chunk
-that starts with the next token; a checkpoint hangs under its record. The key names the parent of
-every object, so gc can keep the tree whole from a listing alone.
+`<ns>` names the namespace, `<parent>` and `<record>` chain hashes (a root chunk's parent is
+named `<ns>`), `<branch>` the pair (parent, first token). A node that knows the prompt computes
+every key: a HEAD finds a chunk, one listing of `<ns>/<pp>/<parent>/<branch>/` finds every child of
+a chunk that starts with the next token, a checkpoint hangs under its record. The key names the
+parent of every object, so gc keeps the tree whole from a listing alone. A key counts only if it
+has exactly this shape: anything longer is under another team's prefix, and left alone.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from kvstore.records import CHECKPOINT, CHUNK, TAIL, RecordId
+from kvstore.remote.seal import Sealer
 
-LAYOUT_VERSION = "kvstore-remote-1"
+LAYOUT_VERSION = "kvstore-remote-2"
 _KIND_NAMES = {CHUNK: "chunk", TAIL: "tail", CHECKPOINT: "ckpt"}
 _KINDS = {v: k for k, v in _KIND_NAMES.items()}
+_NAME = re.compile(r"[0-9a-f]{32}")
+_BRANCH = re.compile(r"[0-9a-f]{16}")
+_RECORD = re.compile(r"([0-9a-f]{32})\.(chunk|tail)\.([1-9][0-9]{0,8})")
+_CKPT = re.compile(r"([0-9a-f]{32})\.ckpt")
 
 
 @dataclass(slots=True)
 class ObjectKey(RecordId):
-    """A record object as a listing shows it: what its key says (no depth), where it is, its
-    size and when it was last written."""
+    """A record object as a listing shows it: its names (in place of the hashes: `hash`,
+    `ns`, `parent`), its branch, where it is, its size and when it was last written."""
 
     path: str = ""
     size: int = 0
     modified: float = 0.0
+    branch: str = ""
 
 
-def manifest_key(ns: bytes) -> str:
-    return f"{ns.hex()}/manifest.json"
+def manifest_key(folder: str) -> str:
+    return f"{folder}/manifest"
 
 
-def pins_key(ns: bytes, node: str) -> str:
-    return f"{ns.hex()}/pins/{node}.json"
+def pins_key(folder: str, node: str) -> str:
+    return f"{folder}/pins/{node}"
 
 
-def children_prefix(ns: bytes, parent: bytes, first_token: int) -> str:
+def children_prefix(s: Sealer, parent: bytes, first_token: int) -> str:
     """The folder of `parent`'s chunks and tails that start with `first_token`."""
-    p = parent.hex()
-    return f"{ns.hex()}/{p[:2]}/{p}/{int(first_token)}/"
+    p = s.name(parent)
+    return f"{s.folder}/{p[:2]}/{p}/{s.children(parent, first_token)}/"
 
 
-def key_of(r: RecordId) -> str:
+def key_of(s: Sealer, r: RecordId) -> str:
     """The object key of a record."""
-    p = r.parent.hex()
     if r.kind == CHECKPOINT:
-        return f"{r.ns.hex()}/{p[:2]}/{p}/ckpt/{r.hash.hex()}.ckpt"
+        p = s.name(r.parent)
+        return f"{s.folder}/{p[:2]}/{p}/ckpt/{s.name(r.hash)}.ckpt"
     if r.first_token is None or r.kind not in (CHUNK, TAIL):
         raise ValueError(f"a {r.kind} record needs its first token for its key")
-    return f"{children_prefix(r.ns, r.parent, r.first_token)}{r.hash.hex()}.{_KIND_NAMES[r.kind]}.{int(r.ntokens)}"
+    return f"{children_prefix(s, r.parent, r.first_token)}{s.name(r.hash)}.{_KIND_NAMES[r.kind]}.{int(r.ntokens)}"
 
 
 def parse_key(path: str, size: int = 0, modified: float = 0.0) -> ObjectKey | None:
-    """The record an object key names, or None if it is not a record's key (manifest, pins,
-    anything foreign)."""
+    """The record an object key names (by names, not hashes), or None if it is not a record's
+    key of exactly this layout (manifest, pins, a nested prefix's object, anything foreign)."""
     parts = path.split("/")
-    if len(parts) < 5:
+    if len(parts) != 5:
         return None
-    ns_hex, pp, parent_hex, folder, name = parts[-5:]
-    try:
-        ns, parent = bytes.fromhex(ns_hex), bytes.fromhex(parent_hex)
-        pieces = name.split(".")
-        h = bytes.fromhex(pieces[0])
-    except ValueError:
+    ns_name, pp, parent_name, branch, name = parts
+    if not (_NAME.fullmatch(ns_name) and _NAME.fullmatch(parent_name) and pp == parent_name[:2]):
         return None
-    if len(ns) != 16 or len(parent) != 16 or len(h) != 16 or pp != parent_hex[:2]:
-        return None
-    if folder == "ckpt":
-        if pieces[1:] != ["ckpt"]:
+    ns, parent = bytes.fromhex(ns_name), bytes.fromhex(parent_name)
+    if branch == "ckpt":
+        m = _CKPT.fullmatch(name)
+        if m is None:
             return None
-        return ObjectKey(h, ns, parent, None, CHECKPOINT, 0, None, path=path, size=size, modified=modified)
-    if len(pieces) != 3 or pieces[1] not in ("chunk", "tail") or not folder.isdigit() or not pieces[2].isdigit():
+        return ObjectKey(bytes.fromhex(m[1]), ns, parent, None, CHECKPOINT, 0, None, path=path, size=size,
+                         modified=modified, branch=branch)
+    m = _RECORD.fullmatch(name)
+    if m is None or not _BRANCH.fullmatch(branch):
         return None
-    return ObjectKey(h, ns, parent, None, _KINDS[pieces[1]], int(pieces[2]), int(folder), path=path, size=size,
-                     modified=modified)
+    return ObjectKey(bytes.fromhex(m[1]), ns, parent, None, _KINDS[m[2]], int(m[3]), None, path=path, size=size,
+                     modified=modified, branch=branch)
+
+
+def parse_other(path: str) -> tuple[str, str] | None:
+    """("manifest", ns name) or ("pins", ns name) for those keys of exactly this layout."""
+    parts = path.split("/")
+    if len(parts) == 2 and parts[1] == "manifest" and _NAME.fullmatch(parts[0]):
+        return "manifest", parts[0]
+    if len(parts) == 3 and parts[1] == "pins" and _NAME.fullmatch(parts[0]) and _NAME.fullmatch(parts[2]):
+        return "pins", parts[0]
+    return None

@@ -5,29 +5,40 @@ the bucket is the remote tier's (`tiers.remote`); what is here is everything els
 with the bucket: write-behind of what its writer stored (`Uploader`), the manifest of each bound
 model, publishing its pins (what gc on any node must keep), `gc` and `verify` of the bucket, and
 the counters `stats` shows, kept in the store's index so they add up over processes.
+
+Waits for uploads are bounded (`flush_timeout`, default `FLUSH_TIMEOUT_S`): a hanging endpoint
+costs at most that, and what was left is counted and said, never waited out.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
 from kvstore import keys
-from kvstore.remote.bucket import Bucket
+from kvstore.remote.bucket import Bucket, TooLarge
 from kvstore.remote.health import Health
 from kvstore.remote.layout import LAYOUT_VERSION, pins_key
+from kvstore.remote.seal import Fleet, Unauthenticated
 from kvstore.remote.uploader import Uploader
 from kvstore.storage.index import Index
 
+log = logging.getLogger("kvstore")
+
+#: The longest `flush()` (and so a command's exit) waits for uploads, in seconds.
+FLUSH_TIMEOUT_S = 10.0
+
 
 class Remote:
-    def __init__(self, bucket: Bucket, index: Index, store_dir: Path, blob_root: Path, *, deadline: float,
-                 health: Health | None = None, upload_threads: int = 4):
-        self.bucket, self.index, self.store_dir = bucket, index, store_dir
-        self.url, self.deadline = bucket.url, deadline
+    def __init__(self, bucket: Bucket, fleet: Fleet, index: Index, store_dir: Path, blob_root: Path, *,
+                 deadline: float, health: Health | None = None, upload_threads: int = 4,
+                 flush_timeout: float = FLUSH_TIMEOUT_S):
+        self.bucket, self.fleet, self.index, self.store_dir = bucket, fleet, index, store_dir
+        self.url, self.deadline, self.flush_timeout = bucket.url, deadline, flush_timeout
         self.health = health or Health()
-        self.uploader = Uploader(bucket, self.health, blob_root, index.get, self.publish_pins,
+        self.uploader = Uploader(bucket, self.health, fleet, blob_root, index.get, self.publish_pins,
                                  threads=upload_threads)
 
     @property
@@ -48,41 +59,54 @@ class Remote:
         except Exception:  # only statistics (the index may be busy)
             stored = {}
         return {"url": self.url, "deadline_s": self.deadline, "pending_upload_bytes": self.uploader.pending_bytes,
+                "pending_uploads": self.uploader.pending_uploads, "flush_timeout_s": self.flush_timeout,
                 "last_error": self.health.last_error, **self.health.counters,
                 "totals": self.health.totals(stored)}
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every queued upload is done (or dropped). False if `timeout` ran out."""
-        done = self.uploader.flush(timeout)
+        """Wait until every queued upload is done (or dropped), for at most `timeout` seconds
+        (default `flush_timeout`). False, said with what is left, if the time ran out."""
+        limit = self.flush_timeout if timeout is None else timeout
+        done = self.uploader.flush(limit)
+        if not done:
+            log.warning("kvstore: remote %s: %d uploads still pending after %.1f s (they go on in the "
+                        "background while this process runs)", self.url, self.uploader.pending_uploads, limit)
         self.save_counters()
         return done
 
-    def close(self, timeout: float = 30.0) -> None:
-        self.uploader.flush(timeout)
-        self.sync_pins()
-        self.uploader.close(timeout=1.0)
+    def close(self, timeout: float | None = None) -> None:
+        """Upload what is queued (for at most `flush_timeout`), publish pins, stop; what was left
+        is counted (`left_uploads`) and said."""
+        limit = self.flush_timeout if timeout is None else min(timeout, self.flush_timeout)
+        if self.uploader.flush(limit):
+            self.sync_pins()
+        left = self.uploader.close(timeout=0.0)
+        if left:
+            log.warning("kvstore: remote %s: %d uploads left undone at close (the endpoint did not answer "
+                        "within %.1f s)", self.url, left, limit)
         self.save_counters()
 
     def gc(self, *, max_bytes: int | None = None, max_age: float | None = None, dry_run: bool = False) -> dict:
         """Bound the bucket (see `upkeep.collect_remote`); this node's pins are published first."""
         from kvstore.remote.upkeep import collect_remote
 
-        self.flush(60)
+        self.flush()
         self.publish_pins()
-        return collect_remote(self.bucket, max_bytes=max_bytes, max_age=max_age, dry_run=dry_run)
+        return collect_remote(self.bucket, self.fleet, self.index.namespaces(), max_bytes=max_bytes,
+                              max_age=max_age, dry_run=dry_run)
 
     def verify(self, *, repair: bool = False) -> list:
         """Problems of the bucket's objects (see `upkeep.verify_remote`)."""
         from kvstore.remote.upkeep import verify_remote
 
-        self.flush(60)
-        return verify_remote(self.bucket, repair=repair)
+        self.flush()
+        return verify_remote(self.bucket, self.fleet, self.index.namespaces(), repair=repair)
 
     def publish_pins(self, namespaces=None) -> int:
         """Write this node's pins object(s): what gc on any node must keep."""
         from kvstore.remote.upkeep import node_id, publish_pins
 
-        return publish_pins(self.bucket, self.index, node_id(self.store_dir), namespaces)
+        return publish_pins(self.bucket, self.fleet, self.index, node_id(self.store_dir), namespaces)
 
     def sync_pins(self) -> None:
         """Publish this node's pins of the models bound here if the bucket's copy differs (a
@@ -94,9 +118,14 @@ class Remote:
         try:
             node = node_id(self.store_dir)
             for ns in self.uploader.manifests:
-                mine = sorted(h.hex() for h in self.index.pinned(ns))
-                body = self.bucket.get(pins_key(ns, node))
-                theirs = json.loads(body).get("pinned") if body else []
+                s = self.fleet.sealer(ns)
+                mine = sorted(s.name(h) for h in self.index.pinned(ns))
+                key = pins_key(s.folder, node)
+                try:
+                    body = self.bucket.get(key, max_bytes=64 << 20)
+                    theirs = json.loads(s.open(key, body)).get("pinned") if body else []
+                except (Unauthenticated, TooLarge, ValueError, AttributeError):
+                    theirs = None  # not ours (planted or damaged): written again
                 if mine != theirs:
                     self.publish_pins([ns])
         except Exception as e:

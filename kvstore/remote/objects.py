@@ -15,6 +15,7 @@ import numpy as np
 from kvstore import records
 from kvstore.errors import BlobError
 from kvstore.records import RecordId
+from kvstore.remote.seal import Sealer
 from kvstore.storage import blobformat
 
 
@@ -43,3 +44,33 @@ def check_record(buf: bytes, rid: RecordId, chunk_size: int) -> np.ndarray:
     tokens = object_tokens(buf, entries)
     records.check(rid, meta, tokens, chunk_size=chunk_size, where=f"record {rid.hash.hex()}")
     return tokens
+
+
+def open_record(s: Sealer, key: str, body, rid: RecordId, chunk_size: int, *,
+                named: bool = False) -> tuple[bytes, np.ndarray, RecordId]:
+    """(plaintext, token ids, record) of the sealed object at `key`, fetched as `rid`; BlobError
+    (`seal.Unauthenticated` if it does not open) unless it is that record, intact. `named`: only
+    the record's name is known (`rid.hash` holds it): its hash is the one its header states,
+    which must be what the name is of."""
+    plain = s.open(key, body)
+    tokens, rid = check_opened(s, plain, rid, chunk_size, named=named)
+    return plain, tokens, rid
+
+
+def check_opened(s: Sealer, plain: bytes, rid: RecordId, chunk_size: int, *,
+                 named: bool = False) -> tuple[np.ndarray, RecordId]:
+    """(token ids, record) of an object already opened (see `open_record`)."""
+    if named:
+        rid = named_record(s, plain, rid)
+    return check_record(plain, rid, chunk_size), rid
+
+
+def named_record(s: Sealer, plain: bytes, rid: RecordId) -> RecordId:
+    """`rid` with the hash the object's header states, if its name is of that hash."""
+    try:
+        h = bytes.fromhex(blobformat.header_metadata(plain).get("hash", ""))
+    except Exception as e:  # garbage of any shape
+        raise BlobError(f"its header names no record ({e})") from e
+    if len(h) != 16 or s.name(h) != rid.hash.hex():
+        raise BlobError("its header names another record than its key")
+    return RecordId(h, rid.ns, rid.parent, rid.depth, rid.kind, rid.ntokens, rid.first_token)

@@ -12,12 +12,13 @@ from __future__ import annotations
 import configparser
 import logging
 import os
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Iterator
 
 from kvstore.errors import InvalidInputError
-from kvstore.remote.bucket import MAX_OBJECT_BYTES, RemoteAuthError, RemoteError
+from kvstore.remote.bucket import MAX_OBJECT_BYTES, RemoteAuthError, RemoteError, TooLarge, TooLate
 
 log = logging.getLogger("kvstore")
 
@@ -143,17 +144,30 @@ class S3Bucket:
         except Exception as e:
             raise _error(self.url, "HEAD", key, e) from None
 
-    def get(self, key: str, max_bytes: int = MAX_OBJECT_BYTES) -> bytes | None:
-        """The object's bytes, or None if there is none. An object larger than `max_bytes` (no
-        record is: a chunk of a 70B model is under 100 MB) is an error, never read into memory."""
+    def get(self, key: str, max_bytes: int = MAX_OBJECT_BYTES, until: float | None = None) -> bytearray | None:
+        """The object's bytes, or None if there is none. Its size is checked against `max_bytes`
+        before its body is read (TooLarge), and the body is read into one buffer of that size,
+        stopping once `time.monotonic()` passes `until` (TooLate)."""
         import obstore
 
         try:
             result = obstore.get(self._read, key)
             size = int(result.meta["size"])
             if size > max_bytes:
-                raise RemoteError(f"GET {key}: {size} bytes, more than any record ({max_bytes})")
-            return bytes(result.bytes())
+                raise TooLarge(f"GET: {size} bytes, more than the record can be ({max_bytes})")
+            buf = bytearray(size)
+            view, pos = memoryview(buf), 0
+            for part in result.stream(min_chunk_size=1 << 20):
+                n = len(part)
+                if pos + n > size:
+                    raise TooLarge(f"GET: more bytes than its stated {size}")
+                view[pos : pos + n] = part
+                pos += n
+                if until is not None and time.monotonic() > until:
+                    raise TooLate("GET: past the deadline, dropped")
+            if pos != size:
+                raise RemoteError(f"GET: {pos} of {size} bytes came")
+            return buf
         except FileNotFoundError:
             return None
         except RemoteError:

@@ -1,14 +1,19 @@
 """Keeping the bucket of a remote tier bounded (`collect_remote`) and whole (`verify_remote`).
 
-Both work from one listing of `PREFIX/`: every record's key names its namespace and parent, so
-the tree of records is known without reading any object. gc chooses what goes by local gc's rule
-(`upkeep.evict`); deletions go children first, a level at a time, so at every instant each
-remaining record's parent is still there (the binary search of a lookup relies on it).
+Both work from one listing of `PREFIX/`: every record's key names (by MAC, `remote.seal`) its
+namespace and parent, so the tree of records is known without reading any object. Only keys of
+exactly the layout count (`layout.parse_key`): a nested prefix is another team's, never touched.
+gc chooses what goes by local gc's rule (`upkeep.evict`); deletions go children first, a level
+at a time, so at every instant each remaining record's parent is still there (the binary search
+of a lookup relies on it). Records whose parents go round in a cycle are orphans.
 
-Pins are known only to the node that pinned a prompt. Each node publishes them as
-`<ns>/pins/<node>.json` (the hashes of its pinned records, which include their ancestors):
-after it uploads pinned records, and before it runs `gc --remote` or `verify --remote`. gc reads
-every node's pins object and keeps those records, their ancestors and their checkpoints.
+Pins are known only to the node that pinned a prompt. Each node publishes them, sealed, as
+`<ns>/pins/<node>` (the names of its pinned records, which include their ancestors): after it
+uploads pinned records, and before it runs `gc --remote` or `verify --remote`. gc reads every
+node's pins object and keeps those records, their ancestors and their checkpoints; one that does
+not open with the fleet's key is ignored. A namespace is known from this node's index or from
+its manifest (sealed under a key derived from its folder name); gc keeps every record of a
+namespace with pins it cannot read, and verify reports such namespaces without judging them.
 """
 
 from __future__ import annotations
@@ -16,16 +21,19 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import time
 import uuid
+from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvstore.errors import BlobError
-from kvstore.records import CHECKPOINT
-from kvstore.remote.bucket import Bucket, RemoteError
-from kvstore.remote.layout import ObjectKey, parse_key, pins_key
+from kvstore.records import CHECKPOINT, TAIL, RecordId
+from kvstore.remote.bucket import MAX_OBJECT_BYTES, Bucket, RemoteError
+from kvstore.remote.layout import ObjectKey, manifest_key, parse_key, parse_other, pins_key
+from kvstore.remote.seal import Fleet, Sealer, Unauthenticated
 from kvstore.storage.storedir import NODE_ID_NAME
 from kvstore.upkeep import evict
 from kvstore.upkeep.verify import Problem
@@ -60,33 +68,40 @@ def node_id(store_dir: Path) -> str:
     return text
 
 
-def publish_pins(bucket: Bucket, index: "Index", node: str, namespaces=None) -> int:
+def publish_pins(bucket: Bucket, fleet: Fleet, index: "Index", node: str, namespaces=None) -> int:
     """Write this node's pins object for each namespace (`namespaces`, default all it knows).
     Returns how many pinned records were published."""
     total = 0
     for ns in sorted(namespaces if namespaces is not None else index.namespaces()):
-        hashes = sorted(h.hex() for h in index.pinned(ns))
-        body = json.dumps({"node": node, "updated": time.time(), "pinned": hashes}).encode()
-        bucket.put(pins_key(ns, node), body)
-        total += len(hashes)
+        s = fleet.sealer(ns)
+        names = sorted(s.name(h) for h in index.pinned(ns))
+        body = json.dumps({"node": node, "updated": time.time(), "pinned": names}).encode()
+        key = pins_key(s.folder, node)
+        bucket.put(key, s.seal(key, body))
+        total += len(names)
     return total
 
 
 class _Tree:
-    """The records of one listing, as a tree per namespace."""
+    """The records of one listing, as a tree per namespace (by names)."""
 
     def __init__(self, bucket: Bucket):
         self.objects: dict[bytes, ObjectKey] = {}
-        self.pins_objects: list[str] = []
+        self.pins_objects: list[tuple[str, str]] = []  # (key, namespace folder)
+        self.manifests: list[str] = []
         self.foreign: list[str] = []
         for path, size, modified in bucket.walk(""):
             key = parse_key(path, size, modified)
+            other = None if key is not None else parse_other(path)
             if key is not None:
                 self.objects[key.hash] = key
-            elif "/pins/" in path and path.endswith(".json"):
-                self.pins_objects.append(path)
-            elif not path.endswith("/manifest.json"):
-                self.foreign.append(path)
+            elif other is not None and other[0] == "pins":
+                self.pins_objects.append((path, other[1]))
+            elif other is not None:
+                self.manifests.append(other[1])
+            elif _NAME.fullmatch(path.partition("/")[0]):  # in a namespace folder, not of the layout
+                self.foreign.append(path)  # (anything else may be a nested prefix: another team's)
+        _break_cycles(self.objects)
         self.children: dict[bytes, list[bytes]] = {}
         for k in self.objects.values():
             self.children.setdefault(k.parent, []).append(k.hash)
@@ -146,10 +161,49 @@ class _Tree:
 
 
 _UNREACHABLE = 1 << 20
+_NAME = re.compile(r"[0-9a-f]{32}")
+#: The parent a record in a cycle of parents is given: none, so it is an orphan.
+_NO_PARENT = b"\xff" * 16
 
 
-def collect_remote(bucket: Bucket, *, max_bytes: int | None = None, max_age: float | None = None,
-                   dry_run: bool = False, now: float | None = None) -> dict:
+def _break_cycles(objects: dict[bytes, ObjectKey]) -> None:
+    """Records whose parents go round in a cycle (planted: a name is a MAC of a chain hash) lose
+    their parent, so every walk ends and they are orphans."""
+    done: set[bytes] = set()
+    for start in list(objects):
+        walk: dict[bytes, int] = {}
+        h = start
+        while h in objects and h not in done and h not in walk:
+            walk[h] = len(walk)
+            k = objects[h]
+            h = k.parent if k.parent != k.ns else b""
+        if h in walk:  # came back: the records from h on are a cycle
+            cycle = list(walk)[walk[h]:]
+            for c in cycle:
+                objects[c] = dataclasses.replace(objects[c], parent=_NO_PARENT)
+        done.update(walk)
+
+
+def namespaces(bucket: Bucket, fleet: Fleet, folders, local=()) -> dict[str, tuple[bytes, int | None]]:
+    """Namespace folder -> (namespace, chunk size if its manifest says) for the folders given:
+    from this node's own namespaces (`local`) and from the manifests that open."""
+    out: dict[str, tuple[bytes, int | None]] = {fleet.ns_name(ns): (ns, None) for ns in local}
+    for folder in folders:
+        key = manifest_key(folder)
+        try:
+            body = bucket.get(key, max_bytes=1 << 20)
+            m = json.loads(fleet.manifest_box(folder).open(key, body)) if body is not None else None
+            ns = bytes.fromhex(m["namespace"])
+            size = int(m["chunk_size"])
+        except (RemoteError, Unauthenticated, ValueError, KeyError, TypeError):
+            continue
+        if fleet.ns_name(ns) == folder and size >= 1:
+            out[folder] = (ns, size)
+    return out
+
+
+def collect_remote(bucket: Bucket, fleet: Fleet, local=(), *, max_bytes: int | None = None,
+                   max_age: float | None = None, dry_run: bool = False, now: float | None = None) -> dict:
     """Delete records of the bucket older than `max_age` seconds, then until it holds at most
     `max_bytes`, by the rule local gc follows (`upkeep.evict`: least recently used leaf first,
     an object's last-modified time standing for its last access; records whose parent is gone
@@ -157,7 +211,7 @@ def collect_remote(bucket: Bucket, *, max_bytes: int | None = None, max_age: flo
     its children."""
     started = time.perf_counter()
     tree = _Tree(bucket)
-    keep = _kept(bucket, tree)
+    keep = _kept(bucket, fleet, tree, local)
     objects = list(tree.objects.values())
     total = sum(k.size for k in objects)
     cutoff = None if max_age is None else (time.time() if now is None else now) - max_age
@@ -174,15 +228,27 @@ def collect_remote(bucket: Bucket, *, max_bytes: int | None = None, max_age: flo
             "seconds": time.perf_counter() - started}
 
 
-def _kept(bucket: Bucket, tree: _Tree) -> set[bytes]:
-    """The records every node's pins object keeps: the pinned, their ancestors and their checkpoints."""
+def _kept(bucket: Bucket, fleet: Fleet, tree: _Tree, local) -> set[bytes]:
+    """The records every node's pins object keeps: the pinned, their ancestors and their
+    checkpoints; every record of a namespace whose pins this node cannot read (not its own
+    namespace, and no manifest that opens)."""
+    spaces = namespaces(bucket, fleet, {folder for _, folder in tree.pins_objects}, local)
     pinned: set[bytes] = set()
-    for path in tree.pins_objects:
-        body = bucket.get(path)
+    unknown: set[bytes] = set()
+    for path, folder in tree.pins_objects:
+        if folder not in spaces:
+            unknown.add(bytes.fromhex(folder))
+            continue
+        s = fleet.sealer(spaces[folder][0])
         try:
-            pinned.update(bytes.fromhex(h) for h in json.loads(body or b"{}").get("pinned", []))
+            body = bucket.get(path, max_bytes=64 << 20)
+            names = json.loads(s.open(path, body)).get("pinned", []) if body is not None else []
+            pinned.update(bytes.fromhex(h) for h in names)
+        except Unauthenticated:  # not a fleet node's: ignored
+            continue
         except (ValueError, AttributeError, TypeError) as e:
-            raise RemoteError(f"pins object {path} is unreadable ({e}): fix or delete it before gc") from e
+            raise RemoteError(f"a pins object of the bucket is unreadable ({e}): fix or delete it before gc") from e
+    pinned |= {h for h, k in tree.objects.items() if k.ns in unknown}
     keep = tree.ancestors(pinned)
     return keep | {c for h in keep for c in tree.children.get(h, []) if tree.objects[c].kind == CHECKPOINT}
 
@@ -197,41 +263,51 @@ def _delete_in_rounds(bucket: Bucket, tree: _Tree, p: evict.Plan) -> None:
         bucket.delete(rounds[height])
 
 
-def verify_remote(bucket: Bucket, *, repair: bool = False, threads: int = 8) -> list[Problem]:
-    """Download and check every record of the bucket (checksums, header, tokens against its key)
-    and the tree (no record without its parent). `repair` deletes the bad records and, to keep
-    every chain a prefix, everything below them."""
-    from kvstore.remote.objects import check_record
-
+def verify_remote(bucket: Bucket, fleet: Fleet, local=(), *, repair: bool = False,
+                  threads: int = 8) -> list[Problem]:
+    """Download and check every record of the bucket (sealed by the fleet for its key, checksums,
+    header, tokens against its names) and the tree (no record without its parent). `repair`
+    deletes the bad records and, to keep every chain a prefix, everything below them."""
     tree = _Tree(bucket)
+    spaces = namespaces(bucket, fleet, {k.ns.hex() for k in tree.objects.values()}, local)
+    caps = _size_caps(tree.objects.values())
     problems: list[Problem] = []
     bad: set[bytes] = set()
 
-    def check(k: ObjectKey) -> str | None:
+    def check(k: ObjectKey) -> tuple[str, str] | None:
+        known = spaces.get(k.ns.hex())
+        if known is None:
+            return None  # said once per namespace below
+        cap = caps[(k.ns, k.kind == CHECKPOINT)]
+        if k.size > cap:  # planted: never read
+            return "corrupt_object", f"{k.size} bytes, more than a record of its namespace is ({cap})"
         try:
-            buf = bucket.get(k.path)
+            buf = bucket.get(k.path, max_bytes=cap)
         except RemoteError as e:
-            return f"cannot download: {e}"
+            return "corrupt_object", f"cannot download: {e}"
         if buf is None:
             return None  # deleted since the listing
         depth = None
         if k.parent == k.ns or k.parent in tree.objects:
             depth = tree.depth(k.parent) if k.kind == CHECKPOINT else tree.depth(k.hash)
         try:
-            tokens = check_record(buf, dataclasses.replace(k, depth=depth), _chunk_size(buf))
+            _check_listed(fleet.sealer(known[0]), k, buf, depth, known[1])
+        except Unauthenticated as e:
+            return "unauthenticated_object", str(e)
         except BlobError as e:
-            return str(e)
-        if k.kind != CHECKPOINT and int(tokens[0]) != k.first_token:
-            return f"its key says its first token is {k.first_token}, it holds {int(tokens[0])}"
+            return "corrupt_object", str(e)
         return None
 
     keys_ = list(tree.objects.values())
     with ThreadPoolExecutor(threads) as pool:
-        for k, detail in zip(keys_, pool.map(check, keys_)):
-            if detail is not None:
-                problems.append(Problem("corrupt_object", k.path, detail, k.hash.hex()))
-                if not detail.startswith("cannot download"):
+        for k, found in zip(keys_, pool.map(check, keys_)):
+            if found is not None:
+                problems.append(Problem(found[0], k.path, found[1], k.hash.hex()))
+                if not found[1].startswith("cannot download"):
                     bad.add(k.hash)
+    for folder in sorted({k.ns.hex() for k in keys_} - set(spaces)):
+        problems.append(Problem("unknown_namespace", folder, "no manifest that opens with the fleet's key, and "
+                                "not a namespace of this store: its records are not checked (left alone)"))
     for k in tree.orphans():
         problems.append(Problem("orphan_object", k.path, "its parent is not in the bucket", k.hash.hex()))
         bad.add(k.hash)
@@ -242,11 +318,35 @@ def verify_remote(bucket: Bucket, *, repair: bool = False, threads: int = 8) -> 
     return problems
 
 
-def _chunk_size(buf: bytes) -> int:
-    """The chunk size a blob's header states (checked against its tokens by `check_record`)."""
+def _size_caps(objects) -> dict[tuple[bytes, bool], int]:
+    """(namespace, is a checkpoint) -> the most bytes verify reads of one object: twice the
+    median size of the namespace's chunks (a tail is smaller), or checkpoints (all one size),
+    and 1 MiB. A bucket writer would have to plant more objects than the fleet wrote to raise it."""
+    sizes: dict[tuple[bytes, bool], list[int]] = {}
+    for k in objects:
+        if k.kind != TAIL:
+            sizes.setdefault((k.ns, k.kind == CHECKPOINT), []).append(k.size)
+    caps = {key: min(MAX_OBJECT_BYTES, 2 * sorted(v)[(len(v) - 1) // 2] + (1 << 20)) for key, v in sizes.items()}
+    return defaultdict(lambda: MAX_OBJECT_BYTES, caps)
+
+
+def _check_listed(s: Sealer, k: ObjectKey, buf, depth: int | None, chunk_size: int | None) -> None:
+    """Raise BlobError unless the object at `k` opens and is the record its names say."""
+    from kvstore.remote.objects import check_record, named_record
     from kvstore.storage import blobformat
 
+    plain = s.open(k.path, buf)
     try:
-        return int(blobformat.header_metadata(buf).get("chunk_size", ""))
+        meta = blobformat.header_metadata(plain)
+        parent = bytes.fromhex(meta.get("parent", ""))
+        stated = int(meta.get("chunk_size", ""))
     except Exception as e:  # garbage of any shape
-        raise BlobError(f"its header states no chunk size ({e})") from e
+        raise BlobError(f"its header states no parent or chunk size ({e})") from None
+    if chunk_size is None:
+        chunk_size = stated
+    if chunk_size < 1 or s.name(parent) != k.parent.hex():
+        raise BlobError(f"its header states chunk size {stated} and a parent its key does not name")
+    rid = named_record(s, plain, RecordId(k.hash, s.ns, parent, depth, k.kind, k.ntokens, None))
+    tokens = check_record(plain, rid, chunk_size)
+    if k.kind != CHECKPOINT and s.children(parent, int(tokens[0])) != k.branch:
+        raise BlobError("its key's branch is not that of its first token")

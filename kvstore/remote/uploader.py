@@ -5,6 +5,10 @@ create-only PUT, parents before children (a child waits for its parent's upload 
 its parent is not in the bucket). The queue is bounded by bytes; what it cannot hold is dropped
 and counted. Only rows the writer wrote are ever queued, so a node never uploads what it
 downloaded (the remote tier stores downloads through the disk tier, never through the writer).
+Every object is sealed with the fleet's key (`remote.seal`). A create-only PUT that finds the
+object there already reads it back: if it does not open, or is not the record, it was planted by
+someone without the secret, and is overwritten (counted as `replaced`). While the remote is left
+alone after a failure (`Health.down`), uploads are skipped and counted, manifests too.
 Nothing here raises into the writer: failures are counted (`Health`).
 """
 
@@ -19,10 +23,12 @@ from typing import Callable
 import xxhash
 
 from kvstore.errors import BlobError
-from kvstore.remote.bucket import Bucket, RemoteError
+from kvstore.records import RecordId
+from kvstore.remote.bucket import Bucket, RemoteError, TooLarge
 from kvstore.remote.health import Health
 from kvstore.remote.layout import key_of, manifest_key
-from kvstore.remote.objects import check_object
+from kvstore.remote.objects import check_object, open_record
+from kvstore.remote.seal import Fleet, Sealer, Unauthenticated
 from kvstore.storage.blobfile import read_file
 from kvstore.storage.blobtree import blob_path
 from kvstore.storage.index import Row
@@ -32,20 +38,22 @@ _KNOWN_LIMIT = 1 << 16
 
 
 class Uploader:
-    def __init__(self, bucket: Bucket, health: Health, blob_root: Path, row_of: Callable[[bytes], Row | None],
-                 publish_pins: Callable[[set[bytes]], None], *, max_upload_bytes: int = DEFAULT_UPLOAD_BYTES,
-                 threads: int = 4):
-        self.bucket, self.health, self.blob_root = bucket, health, blob_root
+    def __init__(self, bucket: Bucket, health: Health, fleet: Fleet, blob_root: Path,
+                 row_of: Callable[[bytes], Row | None], publish_pins: Callable[[set[bytes]], None], *,
+                 max_upload_bytes: int = DEFAULT_UPLOAD_BYTES, threads: int = 4):
+        self.bucket, self.health, self.fleet, self.blob_root = bucket, health, fleet, blob_root
         self._row_of, self._publish_pins = row_of, publish_pins
         self.max_upload_bytes = max_upload_bytes
         self.manifests: dict[bytes, bytes] = {}  # ns -> manifest JSON (uploaded once per process)
         self._manifest_done: set[bytes] = set()
+        self._manifest_lock = threading.Lock()  # one upload (or replacement) of each manifest
         self._known: OrderedDict[bytes, None] = OrderedDict()  # hashes the bucket is known to hold
         self._known_lock = threading.Lock()
         self._inflight: dict[bytes, threading.Event] = {}
         self._queue: deque[list[Row]] = deque()
         self._queued_bytes = 0
         self._active = 0
+        self._active_rows = 0  # rows of the batches being uploaded now
         self._cond = threading.Condition()
         self._stop = False
         self._workers = [threading.Thread(target=self._loop, name=f"kvstore-remote-put-{i}", daemon=True)
@@ -78,6 +86,12 @@ class Uploader:
         except Exception as e:  # the writer thread must go on whatever happens here
             self.health.error(e)
 
+    @property
+    def pending_uploads(self) -> int:
+        """Records queued or being uploaded now."""
+        with self._cond:
+            return sum(len(rows) for rows in self._queue) + self._active_rows
+
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued upload is done (or dropped). False if `timeout` ran out."""
         end = None if timeout is None else time.monotonic() + timeout
@@ -89,13 +103,21 @@ class Uploader:
                 self._cond.wait(0.5 if left is None else min(left, 0.5))
         return True
 
-    def close(self, timeout: float = 30.0) -> None:
+    def close(self, timeout: float = 30.0) -> int:
+        """Flush for at most `timeout`, then stop; how many records were left not uploaded."""
         self.flush(timeout)
         with self._cond:
+            left = sum(len(rows) for rows in self._queue) + self._active_rows
+            if left:
+                self.health.count("left_uploads", left)
+            self._queue.clear()
+            self._queued_bytes = 0
             self._stop = True
             self._cond.notify_all()
+        end = time.monotonic() + 1.0  # a worker stuck in a request is a daemon: not waited out
         for w in self._workers:
-            w.join(timeout=1.0)
+            w.join(timeout=max(0.0, end - time.monotonic()))
+        return left
 
     def _loop(self) -> None:
         while True:
@@ -106,18 +128,24 @@ class Uploader:
                     return
                 rows = self._queue.popleft()
                 self._active += 1
+                self._active_rows += len(rows)
             try:
                 self._upload_batch(rows)
             finally:
                 with self._cond:
                     self._active -= 1
+                    self._active_rows -= len(rows)
                     self._queued_bytes -= sum(r.size for r in rows)
                     self._cond.notify_all()
 
     def _upload_batch(self, rows: list[Row]) -> None:
         for row in rows:
             try:
-                if self._upload(row):
+                if self._stop:  # closed: counted as left by `close`
+                    continue
+                if self.health.down():  # left alone after a failure: skipped, counted
+                    self.health.count("skipped_down_uploads")
+                elif self._upload(row):
                     self._remember(row.hash)
             except Exception as e:
                 self.health.count("upload_errors")
@@ -152,11 +180,32 @@ class Uploader:
         if meta.get("ns") != row.ns.hex():
             return False
         self._put_manifest(row.ns)
-        if self.bucket.put_new(key_of(row), buf):
+        s = self.fleet.sealer(row.ns)
+        key = key_of(s, row)
+        body = s.seal(key, buf)
+        if self.bucket.put_new(key, body):
             self.health.count("uploads")
-            self.health.count("upload_bytes", len(buf))
-        else:
+            self.health.count("upload_bytes", len(body))
+        elif self._theirs_good(s, key, row, int(meta.get("chunk_size", "0")), len(body)):
             self.health.count("already_there")
+        else:  # planted by someone without the fleet secret (or damaged): ours replaces it
+            self.bucket.put(key, body)
+            self.health.count("replaced")
+        return True
+
+    def _theirs_good(self, s: Sealer, key: str, row: Row, chunk_size: int, size: int) -> bool:
+        """Whether the object another node stored at `key` is this record, sealed by the fleet."""
+        try:
+            theirs = self.bucket.get(key, max_bytes=2 * size + (1 << 20))
+        except TooLarge:
+            return False
+        if theirs is None:  # deleted since: the next node to store it uploads it again
+            return True
+        rid = RecordId(row.hash, row.ns, row.parent, row.depth, row.kind, row.ntokens, row.first_token)
+        try:
+            open_record(s, key, theirs, rid, chunk_size)
+        except BlobError:
+            return False
         return True
 
     def _parent_uploaded(self, row: Row) -> bool:
@@ -169,16 +218,31 @@ class Uploader:
         parent = self._row_of(row.parent)
         if parent is None:
             return False
-        found = self.bucket.head(key_of(parent)) is not None
+        found = self.bucket.head(key_of(self.fleet.sealer(parent.ns), parent)) is not None
         if found:
             self._remember(row.parent)
         return found
 
     def _put_manifest(self, ns: bytes) -> None:
+        """The namespace's manifest, once per process; a planted one is replaced."""
         if ns in self._manifest_done or ns not in self.manifests:
             return
-        self.bucket.put_new(manifest_key(ns), self.manifests[ns])
-        self._manifest_done.add(ns)
+        with self._manifest_lock:
+            if ns not in self._manifest_done:
+                self._put_manifest_once(ns)
+                self._manifest_done.add(ns)
+
+    def _put_manifest_once(self, ns: bytes) -> None:
+        folder = self.fleet.sealer(ns).folder
+        key, box = manifest_key(folder), self.fleet.manifest_box(folder)
+        if not self.bucket.put_new(key, box.seal(key, self.manifests[ns])):
+            try:
+                theirs = self.bucket.get(key, max_bytes=1 << 20)
+                if theirs is not None:
+                    box.open(key, theirs)
+            except (Unauthenticated, TooLarge):
+                self.bucket.put(key, box.seal(key, self.manifests[ns]))
+                self.health.count("replaced")
 
     def _remember(self, h: bytes) -> None:
         with self._known_lock:

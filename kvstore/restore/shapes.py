@@ -47,6 +47,18 @@ class RecordCheck:
             self._known.clear()
         self._known.setdefault(id(entries), (entries, set()))[1].add((kind, ntokens))
 
+    def object_bytes(self, kind: int, ntokens: int) -> int:
+        """An upper bound on the bytes of a record of this model (a remote GET reads no more):
+        its arrays at `ntokens` tokens, its token ids, and room for its header, twice over."""
+        expected = self._expected_shapes()
+        if expected is None:
+            return 1 << 30
+        deltas, states = expected
+        arrays = sum(_nbytes(shape, dtype) for shape, dtype in states.values())
+        if kind != CHECKPOINT:
+            arrays = sum(_nbytes(shape, dtype) for shape, dtype, _ in deltas.values()) * ntokens + 4 * ntokens
+        return 2 * (arrays + 512 * (len(deltas) + len(states) + 1)) + (1 << 20)
+
     def _check_arrays(self, kind: int, ntokens: int, arrays: dict) -> None:
         deltas, states = self._expected_shapes()
         if kind == CHECKPOINT:
@@ -97,6 +109,13 @@ class RecordCheck:
                 log.warning("kvstore: cannot trace %s to check record shapes (%s)", self.model_id, e)
                 self._shapes = None
         return self._shapes
+
+
+def _nbytes(shape: tuple[int, ...], dtype: mx.Dtype) -> int:
+    n = dtype.size
+    for d in shape:
+        n *= d
+    return n
 
 
 class _Shaped:

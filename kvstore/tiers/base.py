@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
@@ -40,6 +40,8 @@ class Lookup:
     chain: list[bytes] = field(default_factory=list)
     started: float = field(default_factory=time.monotonic)
     notes: set[str] = field(default_factory=set)  # what tiers noted of this fetch (to count once)
+    #: (kind, ntokens) -> the most bytes such a record of this model can be (None: unbounded)
+    object_bytes: Callable[[int, int], int] | None = None
 
 
 class Tier(Protocol):

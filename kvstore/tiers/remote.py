@@ -6,8 +6,11 @@ children first, so presence along a chain is a prefix), and downloads the checkp
 `children` lists a chunk's children that start with the next token. `open` downloads a record
 (`prefetch` starts the downloads of a whole path at once), checks it (intact, and the record
 it is fetched as: `remote.objects.check_record`) and writes it through to the local disk tier,
-then opens it from there: the next fetch finds it locally. A record that fails its check is a
-miss, counted, and never stored.
+then opens it from there: the next fetch finds it locally. Every object is sealed with the
+fleet's key (`remote.seal`): one that does not open (planted or copied by someone without the
+secret) is a miss, counted as `unauthenticated`, and never stored; one that opens but fails its
+check is counted as corrupt. Either key is not asked for again for a while, nor is one that
+failed to download or was larger than the record can be (a GET reads at most that much).
 
 All of it keeps to one deadline per fetch, from the `Lookup`'s start: past it, what is local is
 served. Nothing here raises into the caller but BlobError and KeyError (the tier protocol's);
@@ -29,10 +32,11 @@ import xxhash
 from kvstore import keys
 from kvstore.errors import BlobError
 from kvstore.records import CHECKPOINT, TAIL, RecordId
-from kvstore.remote.bucket import Bucket, RemoteError
+from kvstore.remote.bucket import MAX_OBJECT_BYTES, Bucket, RemoteError, TooLarge, TooLate
 from kvstore.remote.health import Health
 from kvstore.remote.layout import ObjectKey, children_prefix, key_of, parse_key
-from kvstore.remote.objects import check_record
+from kvstore.remote.objects import check_opened
+from kvstore.remote.seal import OVERHEAD, Fleet, Sealer, Unauthenticated
 from kvstore.storage.index import Row
 from kvstore.tiers.base import Lookup
 from kvstore.tiers.disk import DiskTier
@@ -42,7 +46,8 @@ log = logging.getLogger("kvstore")
 #: Default deadline of the remote part of one fetch, in seconds.
 DEFAULT_DEADLINE_S = 1.0
 MAX_CANDIDATES = 4  # children of the deepest chunk downloaded to compare their tokens
-#: A record whose object failed its check is not asked for again for this long.
+#: An object key that failed (unauthenticated, corrupt, too large, or its download failed) is not
+#: asked for again for this long.
 BAD_FOR_S = 300.0
 _BAD_MAX = 4096
 
@@ -52,16 +57,25 @@ class _Late(Exception):
 
 
 class _Ref:
-    """A record the bucket holds, as this tier found it: its identity, key, and its bytes once
-    downloaded (checked ones only in `checked`)."""
+    """A record the bucket holds, as this tier found it: its identity, key, and its plaintext
+    once downloaded, opened and checked."""
 
-    __slots__ = ("rid", "key", "lookup", "future", "body", "tokens")
+    __slots__ = ("rid", "key", "lookup", "future", "body", "tokens", "named", "size")
 
-    def __init__(self, rid: RecordId, key: str, lookup: Lookup, body: bytes | None = None,
-                 tokens: np.ndarray | None = None):
+    def __init__(self, rid: RecordId, key: str, lookup: Lookup, *, named: bool = False, size: int | None = None):
         self.rid, self.key, self.lookup = rid, key, lookup
         self.future: Future | None = None
-        self.body, self.tokens = body, tokens
+        self.body: bytes | None = None  # the plaintext, once downloaded and checked
+        self.tokens: np.ndarray | None = None
+        self.named = named  # known by its name only: its hash is read from the object
+        self.size = size  # as the listing showed it
+
+    @property
+    def cap(self) -> int:
+        """The most bytes this record's object can hold (as the model's shapes say)."""
+        bound = self.lookup.object_bytes
+        most = MAX_OBJECT_BYTES if bound is None else bound(self.rid.kind, self.rid.ntokens)
+        return min(MAX_OBJECT_BYTES, most + OVERHEAD)
 
 
 class RemoteTier:
@@ -69,12 +83,13 @@ class RemoteTier:
     in_process = False
     shared = True  # not on this machine: `Tiers.holds` never asks it
 
-    def __init__(self, bucket: Bucket, health: Health, disk: DiskTier, *, deadline: float = DEFAULT_DEADLINE_S,
-                 threads: int = 8):
-        self.bucket, self.health, self.disk = bucket, health, disk
+    def __init__(self, bucket: Bucket, health: Health, disk: DiskTier, fleet: Fleet, *,
+                 deadline: float = DEFAULT_DEADLINE_S, threads: int = 8, stored=None):
+        self.bucket, self.health, self.disk, self.fleet = bucket, health, disk, fleet
         self.deadline = float(deadline)
+        self._stored = stored  # told the bytes of each record written through to the disk
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvstore-remote-get")
-        self._bad: OrderedDict[bytes, float] = OrderedDict()  # record -> until when it is not asked for
+        self._bad: OrderedDict[str, float] = OrderedDict()  # object key -> until when it is not asked for
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -85,17 +100,18 @@ class RemoteTier:
         if lookup is None or not ids or not self._usable(lookup):
             return {}
         end = lookup.started + self.deadline
-        records = [r for r in ids if r.kind != CHECKPOINT]
-        bad = next((i for i, r in enumerate(records) if self._known_bad(r.hash)), None)
+        s = self.fleet.sealer(lookup.ns)
+        records = [(r, key_of(s, r)) for r in ids if r.kind != CHECKPOINT]
+        bad = next((i for i, (_, k) in enumerate(records) if self._known_bad(k)), None)
         records = records[:bad]  # a chain ends at a damaged record
         found: dict[bytes, _Ref] = {}
         try:
             if records:
                 self.health.count("lookups")
-                depth = self.deepest([key_of(r) for r in records], 0, end)
-                found.update((r.hash, _Ref(r, key_of(r), lookup)) for r in records[:depth])
-            checkpoints = [_Ref(r, key_of(r), lookup) for r in ids
-                           if r.kind == CHECKPOINT and not self._known_bad(r.hash)]
+                depth = self.deepest([k for _, k in records], 0, end)
+                found.update((r.hash, _Ref(r, k, lookup)) for r, k in records[:depth])
+            checkpoints = [_Ref(r, k, lookup) for r, k in ((r, key_of(s, r)) for r in ids if r.kind == CHECKPOINT)
+                           if not self._known_bad(k)]
             for ref in self._download(checkpoints, end):
                 found[ref.rid.hash] = ref
         except _Late:  # the lookup itself was too slow: leave the remote alone for a while
@@ -111,16 +127,22 @@ class RemoteTier:
             return []
         end = lookup.started + self.deadline
         depth = _depth_of(lookup, parent) + 1
+        s = self.fleet.sealer(lookup.ns)
+        folder = children_prefix(s, parent, int(rest[0]))
         try:
-            listed = self._call(self.bucket.list, children_prefix(lookup.ns, parent, int(rest[0])), end=end)
+            listed = self._call(self.bucket.list, folder, end=end)
             self.health.count("lists")
-            keys_ = [k for k in (parse_key(p, s, t) for p, s, t in listed)
-                     if k is not None and k.parent == parent and k.ns == lookup.ns and not self._known_bad(k.hash)]
-            exact, others = _best_children(keys_, parent, rest)
+            keys_ = [k for k in (parse_key(p, n, t) for p, n, t in listed)
+                     if k is not None and k.path.startswith(folder) and k.kind != CHECKPOINT
+                     and not self._known_bad(k.path)]
+            exact, others = _best_children(keys_, s, parent, rest)
             out = []
-            if exact is not None:  # its key proves its tokens: rest[:n]
-                out.append((exact.hash, rest[: exact.ntokens], _Ref(_placed(exact, depth), exact.path, lookup)))
-            refs = [_Ref(_placed(k, depth), k.path, lookup) for k in others]
+            if exact is not None:  # its name proves its tokens: rest[:n]
+                rid = RecordId(keys.tail_hash(parent, rest[: exact.ntokens]), lookup.ns, parent, depth, TAIL,
+                               exact.ntokens, int(rest[0]))
+                out.append((rid.hash, rest[: exact.ntokens], _Ref(rid, exact.path, lookup, size=exact.size)))
+            refs = [_Ref(RecordId(k.hash, lookup.ns, parent, depth, k.kind, k.ntokens, int(rest[0])), k.path,
+                         lookup, named=True, size=k.size) for k in others]
             for ref in self._download(refs, end):
                 out.append((ref.rid.hash, ref.tokens, ref))
             return out
@@ -137,7 +159,33 @@ class RemoteTier:
     def _start(self, refs: Iterable[_Ref]) -> None:
         for ref in refs:
             if ref.body is None and ref.future is None:
-                ref.future = self._pool.submit(self.bucket.get, ref.key)
+                ref.future = self._get(ref)
+
+    def _get(self, ref: _Ref) -> Future | None:
+        """Start the download of a record's object, at most its size (None if it is known to be
+        larger: a planted object is never read)."""
+        if ref.size is not None and ref.size > ref.cap:
+            self._too_large(ref)
+            return None
+        until = ref.lookup.started + self.deadline
+        return self._pool.submit(self._get_open, self.fleet.sealer(ref.lookup.ns), ref.key, ref.cap, until)
+
+    def _get_open(self, s: Sealer, key: str, cap: int, until: float) -> tuple[int, bytes] | None:
+        """(sealed size, plaintext) of the object at `key`, or None: on a download thread, so that
+        opening overlaps the other downloads. Unauthenticated if it does not open."""
+        body = self.bucket.get(key, cap, until)
+        if body is None:
+            return None
+        size = len(body)
+        plain = s.open(key, body)
+        del body  # only the plaintext is held from here on
+        if time.monotonic() > until:
+            return None
+        return size, plain
+
+    def _too_large(self, ref: _Ref) -> None:
+        self.health.count("oversized_objects")
+        self._remember_bad(ref.key)
 
     def open(self, h: bytes, ref: _Ref | None):
         """The record, downloaded, checked, written through to the local disk and opened there.
@@ -145,11 +193,10 @@ class RemoteTier:
         if ref is None:
             raise KeyError(h)
         if ref.body is None:
-            ref.body = self._fetch(ref)
-            if ref.body is None:
+            plain = self._fetch(ref)  # BlobError if it does not open
+            if plain is None:
                 raise KeyError(h)
-        if ref.tokens is None:
-            ref.tokens = check_record(ref.body, ref.rid, ref.lookup.chunk_size)
+            self._check(ref, plain)
         r = ref.rid
         row = Row(r.hash, r.ns, r.parent, r.depth, r.kind, r.ntokens, r.first_token, len(ref.body),
                   xxhash.xxh3_64_intdigest(ref.body))
@@ -158,6 +205,8 @@ class RemoteTier:
         except OSError as e:  # a full disk: the record stays a miss here
             self.health.error(e)
             raise KeyError(h) from None
+        if self._stored is not None:
+            self._stored(len(ref.body))
         if "remote" not in ref.lookup.notes:
             ref.lookup.notes.add("remote")
             self.health.count("remote_hits")
@@ -167,17 +216,25 @@ class RemoteTier:
 
     def damaged(self, h: bytes, error: BlobError, ref: _Ref | None = None) -> None:
         """An object that failed its check: counted, and not asked for again for a while."""
-        self.health.count("corrupt_objects")
-        log.warning("kvstore: a remote object is damaged, not used: %s", error)
-        self._bad[h] = time.monotonic() + BAD_FOR_S
-        self._bad.move_to_end(h)
+        if isinstance(error, Unauthenticated):
+            self.health.count("unauthenticated")
+            log.warning("kvstore: a remote object failed authentication, not used: %s", error)
+        else:
+            self.health.count("corrupt_objects")
+            log.warning("kvstore: a remote object is damaged, not used: %s", error)
+        if ref is not None:
+            self._remember_bad(ref.key)
+
+    def _remember_bad(self, key: str) -> None:
+        self._bad[key] = time.monotonic() + BAD_FOR_S
+        self._bad.move_to_end(key)
         while len(self._bad) > _BAD_MAX:
             self._bad.popitem(last=False)
 
-    def _known_bad(self, h: bytes) -> bool:
-        until = self._bad.get(h)
+    def _known_bad(self, key: str) -> bool:
+        until = self._bad.get(key)
         if until is not None and until < time.monotonic():
-            self._bad.pop(h, None)
+            self._bad.pop(key, None)
             return False
         return until is not None
 
@@ -237,35 +294,54 @@ class RemoteTier:
             raise _Late from None
 
     def _fetch(self, ref: _Ref) -> bytes | None:
-        """The record's bytes, from its download in flight or a new one, within the deadline."""
+        """The record's object, opened, from its download in flight or a new one, within the
+        deadline (a download past it stops and drops what it read). Unauthenticated if it does
+        not open with the fleet's key."""
         end = ref.lookup.started + self.deadline
         if ref.future is None:
-            ref.future = self._pool.submit(self.bucket.get, ref.key)
+            ref.future = self._get(ref)
+            if ref.future is None:
+                return None
         try:
-            body = ref.future.result(timeout=max(0.0, end - time.monotonic()))
+            got = ref.future.result(timeout=max(0.0, end - time.monotonic()))
         except FutureTimeout:  # past the deadline: what is local is served
             ref.future.cancel()
             self.health.count("deadline_misses")
             return None
+        except TooLarge:
+            self._too_large(ref)
+            return None
+        except TooLate:  # it ran into the deadline (as the waiter did): dropped, not remembered
+            self.health.count("deadline_misses")
+            return None
         except RemoteError as e:
+            self._remember_bad(ref.key)
             self.health.error(e, down=True)
             return None
-        if body is not None:
-            self.health.count("downloads")
-            self.health.count("download_bytes", len(body))
-        return body
+        finally:
+            ref.future = None  # the future holds the bytes: only what is returned may from here on
+        if got is None:
+            return None
+        self.health.count("downloads")
+        self.health.count("download_bytes", got[0])
+        return got[1]
+
+    def _check(self, ref: _Ref, plain: bytes) -> None:
+        """Check an opened object is the record it is fetched as (BlobError)."""
+        s: Sealer = self.fleet.sealer(ref.lookup.ns)
+        tokens, rid = check_opened(s, plain, ref.rid, ref.lookup.chunk_size, named=ref.named)
+        ref.body, ref.tokens, ref.rid, ref.named = plain, tokens, rid, False
 
     def _download(self, refs: list[_Ref], end: float) -> list[_Ref]:
         """Download these records at once, within the deadline; the checked ones that came."""
         self._start(refs)
         got = []
         for ref in refs:
-            body = self._fetch(ref)
-            if body is None:
-                continue
-            ref.body = body
             try:
-                ref.tokens = check_record(body, ref.rid, ref.lookup.chunk_size)
+                plain = self._fetch(ref)
+                if plain is None:
+                    continue
+                self._check(ref, plain)
             except BlobError as e:
                 self.damaged(ref.rid.hash, e, ref)
                 continue
@@ -278,17 +354,15 @@ def _depth_of(lookup: Lookup, h: bytes) -> int:
     return 0 if h == lookup.ns else lookup.chain.index(h) + 1
 
 
-def _placed(k: ObjectKey, depth: int) -> RecordId:
-    return RecordId(k.hash, k.ns, k.parent, depth, k.kind, k.ntokens, k.first_token)
-
-
-def _best_children(children: list[ObjectKey], parent: bytes, rest: np.ndarray) -> tuple[ObjectKey | None, list]:
-    """The children worth downloading: the longest one whose key proves it is a prefix of `rest`
+def _best_children(children: list[ObjectKey], s: Sealer, parent: bytes,
+                   rest: np.ndarray) -> tuple[ObjectKey | None, list]:
+    """The children worth downloading: the longest one whose name proves it is a prefix of `rest`
     (a tail's hash is of its parent and tokens), and, when it does not cover `rest`, a few others
     to compare by their tokens (a branch inside a stored tail reuses the common part)."""
     exact, others = None, []
     for k in children:
-        if k.kind == TAIL and k.ntokens <= len(rest) and keys.tail_hash(parent, rest[: k.ntokens]) == k.hash:
+        if k.kind == TAIL and k.ntokens <= len(rest) and \
+                s.name(keys.tail_hash(parent, rest[: k.ntokens])) == k.hash.hex():
             if exact is None or k.ntokens > exact.ntokens:
                 exact = k
         else:

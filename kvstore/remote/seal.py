@@ -1,0 +1,187 @@
+"""The fleet secret, and what it does to every object of the bucket: sealed, and named by MAC.
+
+The nodes of one fleet share a 32-byte secret (`KVSTORE_REMOTE_KEY`, or `kvstore.open(...,
+remote_key=...)`, or a key file in the CLI; `kvstore remote-key` prints a new one, in base64url).
+Whoever lacks it (a bucket reader or writer, the network path) can neither read an object nor
+make a node use one it wrote: every object is AES-256-GCM sealed, under a key derived per
+namespace with HKDF-SHA256, with a fresh random 96-bit nonce, and with its key (its path
+relative to the remote's prefix, so a fleet may move its whole prefix) as associated data, so an
+object copied to another key fails to open.
+
+Object keys hold no tokens either: a record is named by an HMAC-SHA256 (truncated to 128 bits)
+of its chain hash under a per-namespace naming key, a children folder by one of (parent, first
+token), a namespace by one of its hash under a fleet-wide key. A node that knows the prompt
+computes every key it asks for; gc rebuilds the tree from the names alone.
+
+A sealed object is `MAGIC ‖ nonce (12 bytes) ‖ ciphertext ‖ tag (16 bytes)`; nothing else, no
+object metadata.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import os
+import re
+import secrets
+import struct
+import threading
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from kvstore.errors import BlobError, InvalidInputError
+
+#: The environment variable that holds the fleet secret.
+KEY_ENV = "KVSTORE_REMOTE_KEY"
+#: The command that prints a new one.
+KEY_COMMAND = "kvstore remote-key"
+KEY_BYTES = 32
+MAGIC = b"kvs2"
+NONCE_BYTES = 12
+TAG_BYTES = 16
+#: What sealing adds to an object.
+OVERHEAD = len(MAGIC) + NONCE_BYTES + TAG_BYTES
+_PURPOSE = b"kvstore-remote-2"
+_HEX = re.compile(r"[0-9a-fA-F]{64}")
+_BASE64URL = re.compile(r"[A-Za-z0-9_-]{43}=?")
+
+
+class Unauthenticated(BlobError):
+    """An object that does not open with the fleet's key (planted, copied, damaged or old)."""
+
+
+def new_key() -> str:
+    """A new random fleet secret, as `kvstore remote-key` prints it (base64url, 43 characters)."""
+    return base64.urlsafe_b64encode(secrets.token_bytes(KEY_BYTES)).rstrip(b"=").decode()
+
+
+def parse_key(value: str | bytes, where: str) -> bytes:
+    """The 32 bytes of a fleet secret given as base64url (or hex) text, or as raw bytes;
+    InvalidInputError naming `where` (never the value) otherwise."""
+    if isinstance(value, (bytes, bytearray, memoryview)) and len(value) == KEY_BYTES:
+        return bytes(value)
+    text = value.decode("ascii", "replace") if isinstance(value, (bytes, bytearray, memoryview)) else value
+    if not isinstance(text, str):
+        raise InvalidInputError(f"{where}: the fleet secret must be text or bytes, got {type(value).__name__}")
+    text = text.strip()
+    raw = b""
+    if _HEX.fullmatch(text):
+        raw = bytes.fromhex(text)
+    elif _BASE64URL.fullmatch(text):
+        raw = base64.urlsafe_b64decode(text.rstrip("=") + "=")
+    if len(raw) != KEY_BYTES:
+        raise InvalidInputError(f"{where}: a fleet secret is {KEY_BYTES} random bytes in base64url (43 characters) "
+                                f"or hex (64); this is not one (make one with `{KEY_COMMAND}`)")
+    return raw
+
+
+def fleet_secret(remote_key: str | bytes | None = None, env: dict | None = None) -> bytes:
+    """The fleet secret: `remote_key` if given, else `$KVSTORE_REMOTE_KEY`; a remote tier
+    without one is refused."""
+    if remote_key is not None:
+        return parse_key(remote_key, "remote_key")
+    value = (os.environ if env is None else env).get(KEY_ENV)
+    if not value:
+        raise InvalidInputError(
+            f"a remote tier needs the fleet secret: set {KEY_ENV} (or pass remote_key=, or "
+            f"--remote-key-file) to the key every node of the fleet shares; make one with `{KEY_COMMAND}`")
+    return parse_key(value, KEY_ENV)
+
+
+def read_key_file(path: str) -> bytes:
+    """The fleet secret in a key file (as `kvstore remote-key` prints it)."""
+    try:
+        with open(path, "rb") as f:
+            text = f.read(4096)
+    except OSError as e:
+        raise InvalidInputError(f"cannot read the remote key file {path}: {e.strerror or e}") from None
+    return parse_key(text.decode("ascii", "replace"), f"the remote key file {path}")
+
+
+def _derive(secret: bytes, info: bytes) -> bytes:
+    return HKDF(algorithm=hashes.SHA256(), length=KEY_BYTES, salt=None, info=info).derive(secret)
+
+
+class Fleet:
+    """What the fleet secret gives: a `Sealer` per namespace, and the namespaces' folder names."""
+
+    def __init__(self, secret: bytes):
+        if not isinstance(secret, bytes) or len(secret) != KEY_BYTES:
+            raise InvalidInputError(f"a fleet secret is {KEY_BYTES} bytes")
+        self._secret = secret
+        self._ns_names = _derive(secret, _PURPOSE + b" namespace names")
+        self._sealers: dict[bytes, Sealer] = {}
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:  # never shows the secret
+        return "Fleet(<secret>)"
+
+    def ns_name(self, ns: bytes) -> str:
+        """The folder of a namespace (32 hex digits)."""
+        return hmac.new(self._ns_names, ns, hashlib.sha256).digest()[:16].hex()
+
+    def manifest_box(self, folder: str) -> "Box":
+        """The key of a namespace's manifest, derived from its folder name: gc and verify open a
+        manifest to learn which namespace a folder is before they know its hash."""
+        return Box(_derive(self._secret, _PURPOSE + b" manifest " + folder.encode()))
+
+    def sealer(self, ns: bytes) -> "Sealer":
+        with self._lock:
+            s = self._sealers.get(ns)
+            if s is None:
+                s = self._sealers[ns] = Sealer(self, ns)
+            return s
+
+
+class Box:
+    """Sealing and opening objects under one AES-256-GCM key."""
+
+    __slots__ = ("_aead",)
+
+    def __init__(self, key: bytes):
+        self._aead = AESGCM(key)
+
+    def seal(self, key: str, data) -> bytes:
+        """`data` sealed for the object key `key` (relative to the prefix)."""
+        nonce = secrets.token_bytes(NONCE_BYTES)
+        return MAGIC + nonce + self._aead.encrypt(nonce, data, key.encode())
+
+    def open(self, key: str, body) -> bytes:
+        """The plaintext of the object at `key`; Unauthenticated if it was not sealed for that
+        key by a holder of the fleet secret (or is damaged)."""
+        view = memoryview(body)
+        if len(view) < OVERHEAD or view[: len(MAGIC)] != MAGIC:
+            raise Unauthenticated("it is not a sealed object of this layout")
+        nonce = bytes(view[len(MAGIC): len(MAGIC) + NONCE_BYTES])
+        try:
+            return self._aead.decrypt(nonce, view[len(MAGIC) + NONCE_BYTES:], key.encode())
+        except InvalidTag:
+            raise Unauthenticated("it does not open with the fleet's key (planted, copied or damaged)") from None
+
+
+class Sealer(Box):
+    """One namespace's keys: sealing its objects and naming its records."""
+
+    __slots__ = ("ns", "folder", "_names")
+
+    def __init__(self, fleet: Fleet, ns: bytes):
+        super().__init__(_derive(fleet._secret, _PURPOSE + b" seal " + ns))
+        self.ns = ns
+        self.folder = fleet.ns_name(ns)
+        self._names = _derive(fleet._secret, _PURPOSE + b" names " + ns)
+
+    def name(self, h: bytes) -> str:
+        """A record's name (32 hex digits); the namespace itself is named by its folder, so a
+        root chunk's parent reads as its namespace."""
+        if h == self.ns:
+            return self.folder
+        return hmac.new(self._names, b"r" + h, hashlib.sha256).digest()[:16].hex()
+
+    def children(self, parent: bytes, first_token: int) -> str:
+        """The name of the folder of `parent`'s children that start with `first_token`."""
+        msg = b"c" + parent + struct.pack("<i", int(first_token))
+        return hmac.new(self._names, msg, hashlib.sha256).digest()[:8].hex()
