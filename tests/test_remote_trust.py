@@ -11,6 +11,7 @@ object, key or object metadata holds the prompt's token ids or the model's path 
 from __future__ import annotations
 
 import json
+import os
 import socket
 import struct
 import subprocess
@@ -188,6 +189,10 @@ def test_a_remote_without_a_secret_is_refused(tmp_path, s3, monkeypatch):
     keyfile.write_text("not a key\n")
     out = _cli("stats", "--store", str(tmp_path / "s"), "--remote", s3.url(), "--remote-key-file", str(keyfile))
     assert out.returncode == 1 and "fleet.key" in out.stderr and "not a key" not in out.stderr
+    serve = subprocess.run([sys.executable, "-m", "kvstore.serve", "--store", str(tmp_path / "s"), "--remote",
+                            s3.url(), "--remote-key-file", str(keyfile)], capture_output=True, text=True,
+                           timeout=120, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), **env})
+    assert serve.returncode == 1 and "fleet.key" in serve.stderr and "not a key" not in serve.stderr, serve.stderr
 
 
 def test_an_object_that_states_chunk_size_zero_is_a_counted_bad_object(tmp_path, s3, llama):
@@ -261,8 +266,6 @@ def test_flush_with_a_hanging_endpoint_is_bounded_and_says_what_was_left(tmp_pat
 
 
 def _cli(*args, env=None) -> subprocess.CompletedProcess:
-    import os
-
     return subprocess.run([sys.executable, "-m", "kvstore.cli", *args], capture_output=True, text=True,
                           timeout=120, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
 

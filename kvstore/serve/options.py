@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "by default they are left out")
     p.add_argument("--remote", metavar="URL", default=os.environ.get("KVSTORE_REMOTE") or None,
                    help="share the cache through an S3 bucket, s3://BUCKET/PREFIX (default: $KVSTORE_REMOTE)")
+    p.add_argument("--remote-key-file", metavar="PATH",
+                   help="file holding the fleet secret the remote's objects are sealed with (default: "
+                        "$KVSTORE_REMOTE_KEY); `kvstore remote-key` prints a new one")
     # What the writer puts on disk (kept in the store; a later start without them uses them).
     p.add_argument("--admit", choices=("all", "reused", "pinned"),
                    help="which requests' caches are written to disk: all (the default), reused (a "

@@ -78,8 +78,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if peek.model is not None:
             resolve_model(peek.model)  # a path that is no model folder: said before anything starts
+        remote_key = None
+        if ours.remote and ours.remote_key_file:
+            from kvstore.remote.seal import read_key_file
+
+            remote_key = read_key_file(ours.remote_key_file)
         store = kvstore.open(ours.store, max_bytes=ours.store_max_bytes, memory_bytes=memory_bytes,
-                             remote=ours.remote, admit=ours.admit, max_write_rate=ours.max_write_rate)
+                             remote=ours.remote, remote_key=remote_key, admit=ours.admit,
+                             max_write_rate=ours.max_write_rate)
     except KVStoreError as e:
         print(f"kvstore serve: {e}", file=sys.stderr)
         return 1
