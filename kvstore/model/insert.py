@@ -32,9 +32,10 @@ def held_range(a: mx.array, first: int, end: int) -> np.ndarray:
 class Views:
     """Every tensor a cache holds for `n` tokens, as the writer takes them: "layer.name" -> a view
     with its token axis 2, the token its element 0 holds, names carried as raw bits, and the
-    checkpoint state (when one is wanted)."""
+    checkpoint state (when one is wanted). `first`: the first token any record of the job starts
+    at (a codec that computes its deltas may leave out the tokens before it)."""
 
-    def __init__(self, codecs: list[Codec], cache: list, n: int, *, checkpoint: bool):
+    def __init__(self, codecs: list[Codec], cache: list, n: int, *, checkpoint: bool, first: int = 0):
         self.arrays: dict = {}
         self.origins: dict[str, int] = {}
         self.views: dict[str, mx.Dtype] = {}
@@ -42,7 +43,7 @@ class Views:
         lazy: list[mx.array] = []
         try:
             for i, (codec, layer) in enumerate(zip(codecs, cache)):
-                self._layer(i, codec, layer, n, lazy)
+                self._layer(i, codec, layer, n, first, lazy)
                 if checkpoint:
                     for name, a in codec.checkpoint(layer).items():
                         self.saved[f"{i}.{name}"], view = host_bits(a)
@@ -58,7 +59,7 @@ class Views:
         if lazy:
             mx.async_eval(lazy)
 
-    def _layer(self, i: int, codec: Codec, layer, n: int, lazy: list) -> None:
+    def _layer(self, i: int, codec: Codec, layer, n: int, first: int, lazy: list) -> None:
         plain = codec.slices(layer, n)
         if plain is not None:  # plain ranges of the layer's arrays: numpy views, no mlx op
             for name, (a, origin, end) in plain.items():
@@ -67,7 +68,7 @@ class Views:
                 if a.dtype == mx.bfloat16:
                     self.views[f"{i}.{name}"] = mx.bfloat16
             return
-        for name, (a, origin) in codec.deltas(layer, n).items():
+        for name, (a, origin) in codec.deltas_from(layer, n, first).items():
             self.arrays[f"{i}.{name}"], view = host_bits(a)
             lazy.append(self.arrays[f"{i}.{name}"])
             self.origins[f"{i}.{name}"] = origin

@@ -80,6 +80,11 @@ class Codec:
         """Lazy views of the token-axis data the layer still holds: name -> (array, first token)."""
         return {}
 
+    def deltas_from(self, layer, n: int, first: int) -> dict[str, tuple[mx.array, int]]:
+        """`deltas`, where tokens before `first` are not needed: a codec whose deltas cost work
+        per token may leave them out (a later first token); by default, all of them."""
+        return self.deltas(layer, n)
+
     def slices(self, layer, n: int) -> dict[str, tuple[mx.array, int, int]] | None:
         """`deltas` as plain token ranges of the layer's own arrays, when that is all they are:
         name -> (array, first token, end), the tokens [first, end) of axis 2. None when a delta

@@ -126,6 +126,15 @@ class Index(EvictionSQL):
 
     # -- settings ---------------------------------------------------------------------------
 
+    def setting(self, name: str) -> str | None:
+        """A store setting remembered across opens (`set_setting`), or None if never set."""
+        row = self.conn.execute("SELECT value FROM meta WHERE key = ?", (f"setting.{name}",)).fetchone()
+        return row[0] if row else None
+
+    def set_setting(self, name: str, value: str) -> None:
+        with self.transaction() as conn:
+            conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (f"setting.{name}", value))
+
     def bump_counter(self, key: str, by: int = 1) -> None:
         with self.transaction() as conn:
             conn.execute("INSERT OR IGNORE INTO meta (key, value) VALUES (?, '0')", (key,))
