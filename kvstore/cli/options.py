@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 from typing import Iterator
 
+from kvstore.argv import add_disk_kv_bits
 from kvstore.cli.output import EXIT_USAGE, PROG, CommandError, say
 
 
@@ -31,7 +32,9 @@ def model_parent() -> argparse.ArgumentParser:
     p.add_argument("--model", metavar="M",
                    help="model folder or Hugging Face repo id, as mlx_lm.load takes "
                         "(default: the built-in demo model, random weights)")
+    add_disk_kv_bits(p)
     return p
+
 
 
 
@@ -89,7 +92,7 @@ def open_store(args):
     """The whole store (`kvstore.open`: tiers, writer, models), for the model commands."""
     import kvstore
 
-    return kvstore.open(store_path(args), remote=remote_url(args))
+    return kvstore.open(store_path(args), remote=remote_url(args), disk_kv_bits=getattr(args, "disk_kv_bits", None))
 
 
 def model_to_load(args) -> str:

@@ -11,7 +11,7 @@ import ipaddress
 import os
 import socket
 
-from kvstore.argv import Parser, size
+from kvstore.argv import Parser, add_disk_kv_bits, size
 
 #: Default of --store-max-tokens: a longer request is served but not stored.
 DEFAULT_MAX_STORED_TOKENS = 32768
@@ -55,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "cannot use the server)")
     p.add_argument("--remote", metavar="URL", default=os.environ.get("KVSTORE_REMOTE") or None,
                    help="share the cache through an S3 bucket, s3://BUCKET/PREFIX (default: $KVSTORE_REMOTE)")
+    add_disk_kv_bits(p)
     return p
 
 
