@@ -64,6 +64,7 @@ class Codec:
     """Stores and restores one cache class."""
 
     checkpointed = False  # True: whole-state checkpoints instead of per-token deltas
+    deferred = False  # True: `encode` costs real work, done off the caller's thread
 
     def __init__(self, template):
         self.cls = type(template)
@@ -80,16 +81,16 @@ class Codec:
         """Lazy views of the token-axis data the layer still holds: name -> (array, first token)."""
         return {}
 
-    def deltas_from(self, layer, n: int, first: int) -> dict[str, tuple[mx.array, int]]:
-        """`deltas`, where tokens before `first` are not needed: a codec whose deltas cost work
-        per token may leave them out (a later first token); by default, all of them."""
-        return self.deltas(layer, n)
-
     def slices(self, layer, n: int) -> dict[str, tuple[mx.array, int, int]] | None:
         """`deltas` as plain token ranges of the layer's own arrays, when that is all they are:
         name -> (array, first token, end), the tokens [first, end) of axis 2. None when a delta
         needs computing (then `deltas` is used). Saving such a range needs no mlx op at all."""
         return None
+
+    def encode(self, name: str, a: mx.array) -> Arrays:
+        """What the store keeps of delta `name` (lazy mlx ops, token axis 2 kept): by default the
+        delta itself. A `deferred` codec's encoding runs on the writer's thread (see insert)."""
+        return {name: a}
 
     def checkpoint(self, layer) -> Arrays:
         """The whole state of the layer, for a checkpoint record."""

@@ -16,6 +16,9 @@ serves the same K/V, and a chain mixing records of several tiers restores consis
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import mlx.core as mx
 
 from kvstore.errors import InvalidInputError
@@ -60,8 +63,33 @@ def decode(q: mx.array, scales: mx.array, biases: mx.array, bits: int, group_siz
     return out.astype(scales.dtype).reshape(*q.shape[:-1], scales.shape[-1] * group_size)
 
 
+_DECODE_THREADS = 2  # keys and values of a layer; mlx-cpu runs each op on one core
+_decoders: ThreadPoolExecutor | None = None
+_streams = threading.local()  # mlx streams belong to the thread that made them
+
+
+def _pool() -> ThreadPoolExecutor:
+    global _decoders
+    if _decoders is None:
+        _decoders = ThreadPoolExecutor(max_workers=_DECODE_THREADS, thread_name_prefix="kvstore-decode")
+    return _decoders
+
+
+def _decoded(q: mx.array, scales: mx.array, biases: mx.array, bits: int, group_size: int) -> mx.array:
+    """`decode`, evaluated on this thread's own stream."""
+    stream = getattr(_streams, "decode", None)
+    if stream is None:
+        stream = _streams.decode = mx.new_stream(mx.cpu)
+    with mx.stream(stream):
+        out = decode(q, scales, biases, bits, group_size)
+        mx.eval(out)
+    return out
+
+
 class _OnDisk:
     """Mixed into a codec of a token-axis class: its `keys` and `values` deltas are stored quantized."""
+
+    deferred = True  # quantizing costs about what reading the bytes does: not on the caller's thread
 
     def __init__(self, template, bits: int, group_size: int):
         super().__init__(template)
@@ -70,34 +98,19 @@ class _OnDisk:
     def layout(self) -> dict:
         return {**super().layout(), "disk_bits": self.bits, "disk_group_size": self.group_size}
 
-    def slices(self, layer, n):
-        return None  # quantizing is an mlx op: the deltas are lazy views (scheduled by insert)
-
-    def deltas(self, layer, n):
-        return self.deltas_from(layer, n, 0)
-
-    def deltas_from(self, layer, n, first):
-        out = {}
-        for name, (a, origin) in super().deltas(layer, n).items():
-            if first > origin:  # tokens before `first` are stored already: not quantized again
-                a, origin = a[:, :, first - origin :, :], first
-            if name in _QUANTIZED:
-                for part, t in zip(_PARTS, mx.quantize(a, group_size=self.group_size, bits=self.bits)):
-                    out[f"{name}.{part}"] = (t, origin)
-            else:
-                out[name] = (a, origin)
-        return out
+    def encode(self, name, a):
+        if name not in _QUANTIZED:
+            return {name: a}
+        return dict(zip((f"{name}.{part}" for part in _PARTS),
+                        mx.quantize(a, group_size=self.group_size, bits=self.bits)))
 
     def build(self, p, arrays: Arrays, checkpoint):
         decoded = dict(arrays)
-        for name in _QUANTIZED:
-            if f"{name}.q" in arrays:
-                parts = [decoded.pop(f"{name}.{part}") for part in _PARTS]
-                decoded[name] = decode(*parts, self.bits, self.group_size)
-        layer = super().build(p, decoded, checkpoint)
-        if layer.keys is not None:  # decoded now, as part of the restore, not in the first step
-            mx.eval(layer.keys, layer.values)
-        return layer
+        names = [name for name in _QUANTIZED if f"{name}.q" in arrays]
+        parts = [[decoded.pop(f"{name}.{part}") for part in _PARTS] for name in names]
+        # Keys and values decoded side by side, now (part of the restore, not of the first step).
+        decoded.update(zip(names, _pool().map(lambda qsb: _decoded(*qsb, self.bits, self.group_size), parts)))
+        return super().build(p, decoded, checkpoint)
 
 
 class KVOnDisk(_OnDisk, KVCodec):
