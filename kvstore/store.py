@@ -26,8 +26,8 @@ from kvstore.model import fingerprint as fingerprints
 from kvstore.model.cache import Backing, ModelCache
 from kvstore.model.layout import describe, make_template
 from kvstore.remote.bucket import check_url, open_bucket
-from kvstore.restore.quant import check_disk_kv_bits
 from kvstore.remote.node import Remote
+from kvstore.restore.quant import check_disk_kv_bits
 from kvstore.storage.storedir import default_path
 from kvstore.tiers.base import Tiers
 from kvstore.tiers.disk import DiskTier

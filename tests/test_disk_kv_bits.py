@@ -5,38 +5,24 @@ still guard what is on disk; bad values refused."""
 
 from __future__ import annotations
 
-import json
 import sqlite3
 import subprocess
 import sys
 from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
+from test_restore import run, toks  # restore_proc.py in a fresh process; random token ids
 
 import kvstore
 from kvstore.errors import InvalidInputError, StoreOpenError
 from kvstore.storage import blobformat, blobtree
 
-HERE = Path(__file__).parent
 C = 16  # chunk size of every store here (restore_proc.C)
 # Largest |logit - recompute| on the demo models, bench/kv8.py: 0.094 at 8 bits, 0.91 at 4 bits
 # (bf16 logits near 8 are 0.0625 apart). The bounds leave room for other seeds.
 BOUND = {8: 0.25, 4: 1.5}
-
-
-def run(mode, store, model_dir, spec, tokens, tier="disk"):
-    cmd = [sys.executable, str(HERE / "restore_proc.py"), mode, str(store), str(model_dir),
-           json.dumps(spec), json.dumps(tokens), tier]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def toks(n, seed):
-    return [int(t) for t in np.random.default_rng(seed).integers(1, 250, n)]
 
 
 def prefill(model, tokens):

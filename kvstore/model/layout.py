@@ -40,5 +40,5 @@ def _traced(model, template: list) -> list:
     except Exception as e:
         raise InvalidInputError(
             f"disk_kv_bits needs to run the model on one token to find its K/V dtype, which "
-            f"failed ({type(e).__name__}: {e}): open the store without disk_kv_bits") from e
+            f"failed ({type(e).__name__}: {e}): open the store with disk_kv_bits=0") from e
     return template
