@@ -1,6 +1,6 @@
 """K/V quantized on disk (`kvstore.open(disk_kv_bits=8)`) against bf16 on disk: accuracy, bytes, speed.
 
-    python bench/kv8.py [--quick]
+    python bench/kv8.py [--quick]     (--table: print the last run's table again)
 
 1. Demo models (kvstore/demo.py, "small": head_dim 32, so group size 32; bf16 and f16): a prompt
    is stored, restored from disk in this process (memory tier off) and compared with a recompute
@@ -11,12 +11,14 @@
    read-out per layer with a random query, bytes on disk, and restore speed from disk with the
    page cache warm, bf16 and quantized stores fetched round by round in one process.
 
-Writes bench/results/kv8.json and prints a markdown table. Nothing here is a test.
+Writes bench/results/kv8.json and prints its tables (bench/README.md's "8-bit K/V on disk"
+section, from report_sections.kv8_table). Nothing here is a test.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -27,6 +29,7 @@ from pathlib import Path
 import common as C
 import mlx.core as mx
 import numpy as np
+import report_sections
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 import kvstore
@@ -58,6 +61,8 @@ def demo_accuracy(work: Path, arch: str, dtype: str, tokens: int) -> list[dict]:
     query = prompt + [7]
     ref_cache = make_prompt_cache(model)
     ref = model(mx.array([query]), cache=ref_cache)
+    top = mx.sort(ref[0, -1].astype(mx.float32))
+    margin = float(top[-1] - top[-2])  # how near a tie the recompute's first greedy token is
     ref_tokens = greedy(model, ref_cache, ref, GREEDY)
     rows = []
     for bits in BITS:
@@ -77,7 +82,7 @@ def demo_accuracy(work: Path, arch: str, dtype: str, tokens: int) -> list[dict]:
         first = next((i for i, (a, b) in enumerate(zip(got, ref_tokens)) if a != b), None)
         rows.append({"model": f"{arch} small {dtype}", "bits": bits, "reused": len(query) - len(rest),
                      "max_logit_diff": float(diff.max()), "mean_logit_diff": float(diff.mean()),
-                     "logit_scale": float(mx.abs(ref[0, -1]).max()),
+                     "logit_scale": float(mx.abs(ref[0, -1]).max()), "ref_margin": margin,
                      "greedy_agree": sum(a == b for a, b in zip(got, ref_tokens)), "greedy_first_diff": first,
                      "disk_bytes": disk})
         C.log(f"[kv8] {rows[-1]}")
@@ -179,36 +184,14 @@ def restore_times(stores: dict[int, Path], shape: C.Shape, query: np.ndarray, ro
     return times
 
 
-def markdown(data: dict) -> str:
-    lines = [f"Run {data['written']} on {data['cpu']}, load average {data['load_before']} before, "
-             f"{data['load_after']} after.", "",
-             "| demo model | on disk | max \\|logit diff\\| | mean | greedy agreement (of 50) | first differing token | disk bytes |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
-    for r in data["demo"]:
-        width = f"{r['bits']} bits" if r["bits"] else "bf16/f16 (exact)"
-        lines.append(f"| {r['model']} | {width} | {r['max_logit_diff']:.4f} (of {r['logit_scale']:.1f}) | "
-                     f"{r['mean_logit_diff']:.4f} | {r['greedy_agree']} | {r['greedy_first_diff'] or '-'} | "
-                     f"{r['disk_bytes']:,} |")
-    for q in data["qwen"]:
-        lines += ["", f"Qwen3-0.6B-shaped cache, {q['tokens']} tokens ({q['kv_bytes']:,} bytes of bf16 K/V), "
-                      "restore from disk with the page cache warm:", "",
-                  "| K/V | on disk | disk bytes | vs bf16 | max / mean K/V error | max / mean attention read-out error | restore (warm) | speed vs bf16 | insert call |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-        for name, r in q["stores"].items():
-            kind, width = name.split(", ")
-            speed = (f"{r['restore_warm_ms']:.0f} ms | {r['restore_vs_bf16']:.2f}x" if "restore_warm_ms" in r
-                     else "- | -")
-            lines.append(f"| {kind} | {width} | {r['disk_bytes']:,} | {r['vs_bf16_kv']:.3f}x | "
-                         f"{r['kv_max_err']:.4f} / {r['kv_mean_err']:.5f} | "
-                         f"{r['readout_max_err']:.4f} / {r['readout_mean_err']:.5f} | {speed} | "
-                         f"{r['insert_call_ms']:.1f} ms |")
-    return "\n".join(lines) + "\n"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="shorter prompts, fewer rounds")
+    ap.add_argument("--table", action="store_true", help="print the table of the last run's results, run nothing")
     args = ap.parse_args()
+    if args.table:
+        sys.stdout.write(report_sections.kv8_table(json.loads((C.RESULTS / "kv8.json").read_text())))
+        return
     work = C.scratch_dir("kv8")
     load_before = os.getloadavg()
     try:
@@ -221,7 +204,7 @@ def main() -> None:
             "load_before": [round(x, 2) for x in load_before], "load_after": [round(x, 2) for x in os.getloadavg()],
             "written": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     C.write_result("kv8", data)
-    sys.stdout.write(markdown(data))
+    sys.stdout.write(report_sections.kv8_table(data))
 
 
 if __name__ == "__main__":

@@ -119,6 +119,9 @@ def write_report() -> str:
         report_sections.conversation(add, conversation)
     if remote:
         report_sections.remote(add, remote)
+    kv8 = _load("kv8")
+    if kv8:
+        report_sections.kv8(add, kv8)
     if run.get("steps"):
         add("## Run")
         add("")
