@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import sqlite3
 import time
 import weakref
 from pathlib import Path
@@ -91,7 +92,11 @@ class Store:
         if max_bytes == AUTO:
             self.max_bytes, self.max_bytes_rule = self.files.auto_budget() if self.files else (
                 None, "auto: a RAM-only store writes no disk (memory_bytes bounds it)")
-        self.disk_kv_bits = self._disk_kv_bits(disk_kv_bits)
+        try:
+            self.disk_kv_bits = self._disk_kv_bits(disk_kv_bits)
+        except StoreOpenError:
+            self.files.close()
+            raise
         self.counters = {"quarantined": 0, "skipped_inserts": 0, "fetches": 0, "reused_tokens": 0}
         self.remote = self._open_remote(remote, remote_deadline)
         writes = self.files is not None and not self.read_only
@@ -134,8 +139,11 @@ class Store:
                 raise StoreOpenError(f"{self.path}: the store's disk_kv_bits setting {saved!r} "
                                      "is not valid: open it with disk_kv_bits=8 or 0") from e
         bits = check_disk_kv_bits(given)
-        if not self.read_only and self.index.setting("disk_kv_bits") != str(bits or 0):
-            self.index.set_setting("disk_kv_bits", str(bits or 0))
+        try:
+            if not self.read_only and self.index.setting("disk_kv_bits") != str(bits or 0):
+                self.index.set_setting("disk_kv_bits", str(bits or 0))
+        except sqlite3.OperationalError as e:  # a full disk or a busy index: used, not remembered
+            log.warning("kvstore: cannot remember disk_kv_bits=%s in the index (%s)", bits, e)
         return bits
 
     def _count_quarantine(self) -> None:

@@ -135,4 +135,5 @@ def make_job(ns: bytes, toks: np.ndarray, views: Views, new: list[Span], refill:
     specs = views.sizes(new)
     again = views.sizes(refill, whole=True)
     return Job(ns, toks, views.arrays, views.origins, views.views, specs, metadata, checkpoint=views.saved,
-               prepare=views.encode if views.deferred else None, pin=pin, nbytes=sum(s.nbytes for s in specs) + sum(s.nbytes for s in again), refill=again)
+               pin=pin, nbytes=sum(s.nbytes for s in specs) + sum(s.nbytes for s in again), refill=again,
+               prepare=views.encode if views.deferred else None)
