@@ -121,6 +121,9 @@ def write_report() -> str:
         report_sections.remote(add, remote)
     if agent:
         report_sections.agent_trace(add, agent)
+    kv8 = _load("kv8")
+    if kv8:
+        report_sections.kv8(add, kv8)
     if run.get("steps"):
         add("## Run")
         add("")

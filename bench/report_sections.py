@@ -108,3 +108,50 @@ def agent_trace(add, out) -> None:
         "hits there, and the repeat writes it, so after a restart the repeats hit the disk in both rows. "
         "\"Not admitted\" counts every record at its first sight, those written later at their second too.")
     add("")
+
+def kv8(add, data) -> None:
+    """The 8-bit K/V on disk section (bench/kv8.py)."""
+    add("## 8-bit K/V on disk")
+    add("")
+    add("`PYTHONPATH=. python bench/kv8.py` (docs/kv8.md): stores written with `disk_kv_bits=8` and `4` against "
+        "bf16/f16 ones. Demo models: a 1,000-token prompt restored from disk and compared with a recompute of the "
+        "whole prompt (logits at the first step, then 50 greedy tokens). Qwen3-0.6B-shaped cache: random K/V, "
+        "the error of the K/V and of one attention read-out per layer (a random query), bytes on disk, restore "
+        "from disk with the page cache warm (memory tier off; the stores fetched round by round in one process), "
+        "and the `insert` call.")
+    add("")
+    for line in kv8_table(data).splitlines():
+        add(line)
+    add("")
+
+
+def kv8_table(data: dict) -> str:
+    """The tables of bench/kv8.py's results."""
+    lines = [f"Run {data['written']} on {data['cpu']}, load average {data['load_before']} before, "
+             f"{data['load_after']} after.", "",
+             "| demo model | on disk | max \\|logit diff\\| | mean | greedy: tokens before the first difference (of 50) | same token at the same step (of 50) | recompute's top-2 margin | disk bytes |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in data["demo"]:
+        width = f"{r['bits']} bits" if r["bits"] else "bf16/f16 (exact)"
+        lines.append(f"| {r['model']} | {width} | {r['max_logit_diff']:.4f} (of {r['logit_scale']:.1f}) | "
+                     f"{r['mean_logit_diff']:.4f} | {_prefix(r)} | {r['greedy_agree']} | "
+                     f"{r.get('ref_margin', float('nan')):.4f} | "
+                     f"{r['disk_bytes']:,} |")
+    for q in data["qwen"]:
+        lines += ["", f"Qwen3-0.6B-shaped cache, {q['tokens']} tokens ({q['kv_bytes']:,} bytes of bf16 K/V), "
+                      "restore from disk with the page cache warm:", "",
+                  "| K/V | on disk | disk bytes | vs bf16 | max / mean K/V error | max / mean attention read-out error | restore (warm) | speed vs bf16 | insert call |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for name, r in q["stores"].items():
+            kind, width = name.split(", ")
+            speed = (f"{r['restore_warm_ms']:.0f} ms | {r['restore_vs_bf16']:.2f}x" if "restore_warm_ms" in r
+                     else "- | -")
+            lines.append(f"| {kind} | {width} | {r['disk_bytes']:,} | {r['vs_bf16_kv']:.3f}x | "
+                         f"{r['kv_max_err']:.4f} / {r['kv_mean_err']:.5f} | "
+                         f"{r['readout_max_err']:.4f} / {r['readout_mean_err']:.5f} | {speed} | "
+                         f"{r['insert_call_ms']:.1f} ms |")
+    return "\n".join(lines) + "\n"
+
+
+def _prefix(r: dict) -> int:
+    return 50 if r["greedy_first_diff"] is None else r["greedy_first_diff"]

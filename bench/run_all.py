@@ -23,7 +23,8 @@ import time
 
 import common as C
 
-STEPS = ["restore", "write_path", "index_scale", "conversation", "before_after", "ttft", "serve", "agent_trace"]
+STEPS = ["restore", "write_path", "index_scale", "conversation", "before_after", "ttft", "serve", "agent_trace",
+         "kv8"]
 
 
 def run_step(name: str, quick: bool, env: dict | None = None) -> dict:

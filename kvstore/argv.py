@@ -106,3 +106,11 @@ def duration(text: str) -> float:
         return parse_duration(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_disk_kv_bits(p: argparse.ArgumentParser) -> None:
+    """`--disk-kv-bits`, for every command that opens the store with a model (warm, generate, serve)."""
+    p.add_argument("--disk-kv-bits", metavar="BITS", type=int, choices=(0, 4, 8),
+                   help="store the K/V of bf16/f16 attention layers quantized to 8 (or 4) bits: lossy, "
+                        "about half the disk of bf16 at 8 bits; the store remembers it (0: off; "
+                        "default: what the store remembers, else off)")

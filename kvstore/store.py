@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import sqlite3
 import threading
 import time
 import weakref
@@ -29,6 +30,7 @@ from kvstore.model.layout import describe, make_template
 from kvstore.remote.bucket import check_url, open_bucket
 from kvstore.remote.node import FLUSH_TIMEOUT_S, Remote
 from kvstore.remote.seal import Fleet, fleet_secret
+from kvstore.restore.quant import check_disk_kv_bits
 from kvstore.storage.storedir import default_path
 from kvstore.tiers.base import Tiers
 from kvstore.tiers.disk import DiskTier
@@ -74,10 +76,12 @@ class Store:
                  create: bool = True, read_only: bool | None = False,
                  remote: str | None = None, remote_deadline: float | None = None,
                  remote_key: str | bytes | None = None, remote_flush_timeout: float | None = None,
-                 admit: str | None = None, max_write_rate: int | str | None = None):
+                 admit: str | None = None, max_write_rate: int | str | None = None,
+                 disk_kv_bits: int | None = None):
         _check_options(chunk_size, max_bytes, memory_bytes, remote, remote_deadline)
         check_policy(admit)
         write_budget.parse_rate(max_write_rate)
+        check_disk_kv_bits(disk_kv_bits)
         self.chunk_size = chunk_size
         self.max_bytes = None if max_bytes == AUTO else max_bytes
         self.max_bytes_rule: str | None = None  # how an automatic budget was found
@@ -97,6 +101,11 @@ class Store:
         if max_bytes == AUTO:
             self.max_bytes, self.max_bytes_rule = self.files.auto_budget() if self.files else (
                 None, "auto: a RAM-only store writes no disk (memory_bytes bounds it)")
+        try:
+            self.disk_kv_bits = self._disk_kv_bits(disk_kv_bits)
+        except StoreOpenError:
+            self.files.close()
+            raise
         self.counters = {"quarantined": 0, "skipped_inserts": 0, "fetches": 0, "reused_tokens": 0}
         self.remote = self._open_remote(remote, remote_deadline, secret, remote_flush_timeout)
         writes = self.files is not None and not self.read_only
@@ -177,6 +186,28 @@ class Store:
                                         deadline=self.remote.deadline, stored=self._after_download))
         return Tiers(tiers)
 
+    # -- K/V quantized on disk (restore/quant.py) --
+
+    def _disk_kv_bits(self, given: int | None) -> int | None:
+        """`disk_kv_bits` as given (and remembered in the store for later opens), else as the
+        store remembers it; None: K/V stored as the caches hold them."""
+        if self.index is None:
+            return check_disk_kv_bits(given)
+        if given is None:
+            saved = self.index.setting("disk_kv_bits")
+            try:
+                return check_disk_kv_bits(int(saved)) if saved is not None else None
+            except (ValueError, InvalidInputError) as e:
+                raise StoreOpenError(f"{self.path}: the store's disk_kv_bits setting {saved!r} "
+                                     "is not valid: open it with disk_kv_bits=8 or 0") from e
+        bits = check_disk_kv_bits(given)
+        try:
+            if not self.read_only and self.index.setting("disk_kv_bits") != str(bits or 0):
+                self.index.set_setting("disk_kv_bits", str(bits or 0))
+        except sqlite3.OperationalError as e:  # a full disk or a busy index: used, not remembered
+            log.warning("kvstore: cannot remember disk_kv_bits=%s in the index (%s)", bits, e)
+        return bits
+
     def _count_quarantine(self) -> None:
         self.counters["quarantined"] += 1
 
@@ -200,7 +231,7 @@ class Store:
         self._check_open()
         if kv_bits is not None and kv_bits not in (2, 3, 4, 5, 6, 8):
             raise InvalidInputError(f"kv_bits must be one of 2, 3, 4, 5, 6, 8, got {kv_bits!r}")
-        layout, codecs = describe(model, make_template(model, kv_bits, kv_group_size))
+        layout, codecs = describe(model, make_template(model, kv_bits, kv_group_size), self.disk_kv_bits)
         stamps = None
         if fingerprint is None:
             fingerprint, stamps = fingerprints.fingerprint(model_id, adapter_path, self.index,
@@ -259,6 +290,7 @@ class Store:
             "path": str(self.path) if self.path else MEMORY,
             "read_only": self.read_only,
             "chunk_size": self.chunk_size,
+            "disk_kv_bits": self.disk_kv_bits,
             "max_bytes": self.max_bytes,
             "max_bytes_auto": self.max_bytes_rule is not None,
             "max_bytes_rule": self.max_bytes_rule,
@@ -358,6 +390,11 @@ def open(path: str | os.PathLike | None = None, *, max_bytes: int | str | None =
     stay in the memory tier. `max_write_rate="20GB/day"` (or `"500MB/h"`, or bytes per day)
     bounds what is written in any rolling day. Both are kept in the store: a later open that
     does not give them uses them. `stats()["writes"]` counts what was written and kept out.
+
+    `disk_kv_bits=8` (or 4) stores the K/V of bf16/f16 attention layers quantized (lossy, about
+    half the bytes of bf16 at 8 bits); restored, they are the model's own cache class and dtype.
+    The store remembers the setting: later opens without it use it too (`0` turns it off). See
+    docs/kv8.md.
     """
     return Store(path, max_bytes=max_bytes, memory_bytes=memory_bytes, chunk_size=chunk_size,
                  remote=remote, **options)
@@ -369,7 +406,8 @@ def open(path: str | os.PathLike | None = None, *, max_bytes: int | str | None =
 STORE_TOTALS = ("path", "bytes", "chunks", "tails", "checkpoints", "models", "quarantined_total",
                 "quarantined_now", "quarantine_folder")
 PER_PROCESS = ("chunk_size", "max_bytes", "memory", "writer", "quarantined", "skipped_inserts",
-               "fetches", "reused_tokens", "read_only", "max_bytes_auto", "max_bytes_rule")
+               "fetches", "reused_tokens", "read_only", "max_bytes_auto", "max_bytes_rule",
+               "disk_kv_bits")
 # `remote`: this process's counters, and under `totals` the store's (kept in its index).
 # `writes`: the store's write log (every process's), and the settings this process opened it with.
 MIXED = {"remote": "process; its totals: store", "writes": "store; admit and max_write_rate: process"}

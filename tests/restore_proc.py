@@ -5,7 +5,8 @@ and compare with a recompute.
     python tests/restore_proc.py checks STORES_JSON MODEL_DIR SPEC_JSON TOKENS_JSON [TIER]
 
 SPEC: {"kv_bits": 8} for quantized caches, {"cachelist": true} for the model wrapped so every
-layer's cache is a `CacheList`. TIER (check): "disk" (memory tier off, records from blob files),
+layer's cache is a `CacheList`, {"disk_kv_bits": 8} for a store that quantizes K/V on disk
+(compared with a recompute, like the others). TIER (check): "disk" (memory tier off, records from blob files),
 "memory" (inserted, written, then served by the memory tier) or "pending" (inserted while the
 writer is held: served from the writer's queue). `checks` checks several stores one after the
 other, each opened afresh, in one process (one model load and interpreter start for all: the
@@ -96,7 +97,8 @@ def address(a: mx.array) -> int:
 
 def room(layer) -> dict:
     keys = first_keys(layer)
-    return {"class": type(layer).__name__, "capacity": int(keys.shape[2]), "offset": int(layer.offset),
+    return {"class": type(layer).__name__, "dtype": str(keys.dtype), "capacity": int(keys.shape[2]),
+            "offset": int(layer.offset),
             "max_size": getattr(layer, "max_size", None), "idx": getattr(layer, "_idx", None)}
 
 
@@ -116,7 +118,7 @@ def one(mode: str, store_dir: str, model, model_dir: str, spec: dict, tokens: li
     prompt = tokens[:-1]  # stored; the last token is what the restored cache processes first
     fingerprint = b"cachelist-model!" if spec.get("cachelist") else None
     memory = 0 if tier == "disk" else 1 << 30
-    with kvstore.open(store_dir, chunk_size=C, memory_bytes=memory) as store:
+    with kvstore.open(store_dir, chunk_size=C, memory_bytes=memory, disk_kv_bits=spec.get("disk_kv_bits")) as store:
         mc = store.bind(model, model_dir, kv_bits=spec.get("kv_bits"), kv_group_size=spec.get("kv_group_size", 64),
                         fingerprint=fingerprint)
         if mode == "insert" or tier in ("memory", "pending"):

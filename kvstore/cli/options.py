@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Iterator
 
-from kvstore.argv import rate
+from kvstore.argv import add_disk_kv_bits, rate
 from kvstore.cli.output import EXIT_USAGE, PROG, CommandError, say
 
 
@@ -35,6 +35,7 @@ def model_parent() -> argparse.ArgumentParser:
     p.add_argument("--model", metavar="M",
                    help="model folder or Hugging Face repo id, as mlx_lm.load takes "
                         "(default: the built-in demo model, random weights)")
+    add_disk_kv_bits(p)
     return p
 
 
@@ -147,7 +148,7 @@ def open_store(args):
 
     url = remote_url(args)
     return kvstore.open(store_path(args), remote=url, remote_key=remote_key(args) if url else None,
-                        **write_settings(args))
+                        disk_kv_bits=getattr(args, "disk_kv_bits", None), **write_settings(args))
 
 
 def model_to_load(args) -> str:

@@ -283,7 +283,8 @@ class ModelCache:
                   and not b.writer.known_complete(s.hash)] if self._windowed else []
         if not new and not pin and not stored:
             return 0
-        views = Views(self.codecs, cache, len(toks), checkpoint=any(s.kind == CHECKPOINT for s in new))
+        first = min((s.start for s in new + stored if s.kind != CHECKPOINT), default=len(toks))
+        views = Views(self.codecs, cache, len(toks), checkpoint=any(s.kind == CHECKPOINT for s in new), first=first)
         refill = [s for s in stored if views.complete_from(s.start)]
         if not new and not pin and not refill:
             return 0

@@ -3,10 +3,13 @@ that goes into the namespace (changed caches never share records)."""
 
 from __future__ import annotations
 
+import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
+from kvstore.errors import InvalidInputError
 from kvstore.restore.codecs import Codec, make_codec
+from kvstore.restore.quant import quantized_codecs
 
 
 def make_template(model, kv_bits: int | None, kv_group_size: int) -> list:
@@ -19,8 +22,23 @@ def make_template(model, kv_bits: int | None, kv_group_size: int) -> list:
     return cache
 
 
-def describe(model, template: list) -> tuple[dict, list[Codec]]:
-    """The cache layout (part of the namespace) and one codec per layer."""
+def describe(model, template: list, disk_kv_bits: int | None = None) -> tuple[dict, list[Codec]]:
+    """The cache layout (part of the namespace) and one codec per layer. With `disk_kv_bits`, the
+    layers whose K/V are bf16/f16 are stored quantized (`restore.quant`); the model runs one token
+    into `template` to tell their dtype and head_dim (the graph is built, never computed)."""
     codecs = [make_codec(layer) for layer in template]
+    if disk_kv_bits is not None:
+        codecs = quantized_codecs(codecs, _traced(model, template), disk_kv_bits)
     dtypes = sorted({str(v.dtype) for _, v in tree_flatten(model.parameters())})
     return {"layers": [c.layout() for c in codecs], "param_dtypes": dtypes}, codecs
+
+
+def _traced(model, template: list) -> list:
+    """`template` after the model ran one token into it (lazily)."""
+    try:
+        model(mx.array([[0]]), cache=template)
+    except Exception as e:
+        raise InvalidInputError(
+            f"disk_kv_bits needs to run the model on one token to find its K/V dtype, which "
+            f"failed ({type(e).__name__}: {e}): open the store with disk_kv_bits=0") from e
+    return template

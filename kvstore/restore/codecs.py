@@ -64,6 +64,7 @@ class Codec:
     """Stores and restores one cache class."""
 
     checkpointed = False  # True: whole-state checkpoints instead of per-token deltas
+    deferred = False  # True: `encode` costs real work, done off the caller's thread
 
     def __init__(self, template):
         self.cls = type(template)
@@ -85,6 +86,11 @@ class Codec:
         name -> (array, first token, end), the tokens [first, end) of axis 2. None when a delta
         needs computing (then `deltas` is used). Saving such a range needs no mlx op at all."""
         return None
+
+    def encode(self, name: str, a: mx.array) -> Arrays:
+        """What the store keeps of delta `name` (lazy mlx ops, token axis 2 kept): by default the
+        delta itself. A `deferred` codec's encoding runs on the writer's thread (see insert)."""
+        return {name: a}
 
     def checkpoint(self, layer) -> Arrays:
         """The whole state of the layer, for a checkpoint record."""

@@ -96,8 +96,9 @@ class RecordCheck:
                         for j, (c, sub_layer) in enumerate(zip(codec.subs, layer.caches)):
                             leaves(c, sub_layer, f"{prefix}.{j}")
                         return
-                    for name, (a, _) in codec.deltas(layer, 1).items():
-                        deltas[f"{prefix}.{name}"] = (tuple(a.shape), a.dtype, prefix)
+                    for raw, (delta, _) in codec.deltas(layer, 1).items():
+                        for name, a in codec.encode(raw, delta).items():  # what records hold
+                            deltas[f"{prefix}.{name}"] = (tuple(a.shape), a.dtype, prefix)
                     if isinstance(codec, ArraysCodec):
                         for name, a in codec.checkpoint(layer).items():
                             states[f"{prefix}.{name}"] = (tuple(a.shape), a.dtype)

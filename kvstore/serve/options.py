@@ -11,7 +11,7 @@ import ipaddress
 import os
 import socket
 
-from kvstore.argv import Parser, rate, size
+from kvstore.argv import Parser, add_disk_kv_bits, rate, size
 
 #: Default of --store-max-tokens: a longer request is served but not stored.
 DEFAULT_MAX_STORED_TOKENS = 32768
@@ -74,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-write-rate", metavar="RATE", type=rate,
                    help="write at most this much to disk in any rolling day, e.g. 20GB/day or "
                         "500MB/h (`off`: no limit)")
+    add_disk_kv_bits(p)
     return p
 
 

@@ -133,8 +133,6 @@ class Index(EvictionSQL, WriteLogSQL):
         done = set(self.applied())
         return [m for m in available_migrations() if m[0] not in done]
 
-    # -- settings ---------------------------------------------------------------------------
-
     def bump_counter(self, key: str, by: int = 1) -> None:
         with self.transaction() as conn:
             conn.execute("INSERT OR IGNORE INTO meta (key, value) VALUES (?, '0')", (key,))

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import errno
 import logging
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import mlx.core as mx
 import numpy as np
@@ -54,6 +55,18 @@ class Job:
     # (a sliding window had slid past them when it was written) is written again, complete.
     refill: list[Span] = field(default_factory=list)
     durable: bool = False  # warmed or pinned: written whatever the admission policy says
+    # Work insert left for the first thread that reads the job (the writer's, or a fetch's from
+    # the pending tier), never the caller's: it may replace `arrays`, `origins` and `views`.
+    prepare: Callable[["Job"], None] | None = None
+    _prepare_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def ready(self) -> None:
+        """Run `prepare`, if that is not done yet (one thread does it; others wait for it)."""
+        if self.prepare is not None:
+            with self._prepare_lock:
+                if self.prepare is not None:
+                    self.prepare(self)
+                    self.prepare = None
 
     def slices(self, spec: Span, arrays: dict) -> dict:
         """The part of each array that falls in the spec's tokens (always a suffix of them)."""
@@ -67,6 +80,7 @@ class Job:
 
     def record(self, spec: Span) -> Record:
         """The record `spec` as zero-copy views of the queued arrays (visible before it is written)."""
+        self.ready()
         return held(spec, self.tokens[spec.start : spec.end],
                     dict(self.checkpoint) if spec.kind == CHECKPOINT else self.slices(spec, self.arrays),
                     dict(self.views), nbytes=spec.nbytes)
@@ -134,6 +148,7 @@ class Hosts:
 
     @classmethod
     def of(cls, job: Job) -> "Hosts":
+        job.ready()
         tags = {name: "BF16" if name in job.views else tag_of(a.dtype)
                 for name, a in {**job.arrays, **job.checkpoint}.items()}
         return cls(tags, {name: np.asarray(a) for name, a in job.arrays.items()},

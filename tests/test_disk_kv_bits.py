@@ -1,0 +1,224 @@
+"""K/V quantized on disk (`disk_kv_bits`): restored from a fresh process to the model's own cache
+class, dtype and room, with logits within the measured bound of a recompute; never mixed with an
+unquantized store's records; remembered across restarts; stores without it unchanged; checksums
+still guard what is on disk; bad values refused."""
+
+from __future__ import annotations
+
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+from test_restore import run, toks  # restore_proc.py in a fresh process; random token ids
+
+import kvstore
+from kvstore.errors import InvalidInputError, StoreOpenError
+from kvstore.storage import blobformat, blobtree
+
+C = 16  # chunk size of every store here (restore_proc.C)
+# Largest |logit - recompute| on the demo models, bench/kv8.py: 0.094 at 8 bits, 0.91 at 4 bits
+# (bf16 logits near 8 are 0.0625 apart). The bounds leave room for other seeds.
+BOUND = {8: 0.25, 4: 1.5}
+
+
+def prefill(model, tokens):
+    cache = make_prompt_cache(model)
+    model(mx.array([tokens]), cache=cache)
+    mx.eval([c.state for c in cache])
+    return cache
+
+
+CASES = {  # name -> (demo arch, dtype, bits, tier)
+    "kv-bf16-disk": ("llama", "bfloat16", 8, "disk"),
+    "kv-bf16-memory": ("llama", "bfloat16", 8, "memory"),
+    "kv-bf16-pending": ("llama", "bfloat16", 8, "pending"),
+    "kv-f16-disk": ("llama", "float16", 8, "disk"),
+    "kv-4bit-disk": ("llama", "bfloat16", 4, "disk"),
+    "sliding-window-disk": ("gemma3_text", "bfloat16", 8, "disk"),
+    "hybrid-f16-disk": ("qwen3_5", "float16", 8, "disk"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_restored_caches_are_the_models_own_within_the_bound(tmp_path, demo_model, case):
+    arch, dtype, bits, tier = CASES[case]
+    model_dir = demo_model(arch, "small", dtype)  # head_dim 32: group size 32
+    tokens = toks(4 * C + 6, 3) + [7]
+    spec = {"disk_kv_bits": bits}
+    if tier == "disk":
+        run("insert", tmp_path / "q", model_dir, spec, tokens)
+    got = run("check", tmp_path / "q", model_dir, spec, tokens, tier)
+    assert got["reused"] == len(tokens) - 1
+    assert 0 < got["max_abs_diff"] <= BOUND[bits], got["max_abs_diff"]  # lossy, but close
+    assert all(got["in_place"])  # the first step wrote into the restored arrays' spare room
+    assert [r["capacity"] for r in got["after"]] == [r["capacity"] for r in got["before"]]
+    # Exactly what an unquantized store restores: classes, dtype, capacity, offset, window index.
+    run("insert", tmp_path / "plain", model_dir, {}, tokens)
+    plain = run("check", tmp_path / "plain", model_dir, {}, tokens)
+    assert got["classes"] == plain["classes"] and got["before"] == plain["before"]
+    assert {r["dtype"] for r in got["before"]} == {f"mlx.core.{dtype}"}
+    if tier == "memory":
+        assert got["memory_hits"] > 0
+    if tier == "pending":
+        assert got["pending_bytes"] > 0
+
+
+def test_greedy_tokens_agree_with_a_recompute_at_8_bits(tmp_path, demo_model):
+    model_dir = demo_model("llama", "small", "bfloat16")
+    tokens = toks(4 * C + 6, 5) + [9]
+    run("insert", tmp_path / "q", model_dir, {"disk_kv_bits": 8}, tokens)
+    got = run("check", tmp_path / "q", model_dir, {"disk_kv_bits": 8}, tokens)
+    assert got["greedy"] == got["greedy_ref"]
+
+
+def _models(store_dir: Path) -> list[dict]:
+    with kvstore.open(store_dir, chunk_size=C, create=False) as store:
+        return store.stats()["models"]
+
+
+def test_a_quantized_and_a_bf16_store_in_one_directory_never_serve_each_others_records(tmp_path, demo_model):
+    from mlx_lm import load
+
+    model_dir = demo_model("llama", "small", "bfloat16")
+    model, _ = load(str(model_dir))
+    tokens = toks(3 * C + 5, 7)
+    exact = prefill(model, tokens)
+    query = tokens + [3]
+
+    def fetched(bits):
+        with kvstore.open(tmp_path / "s", chunk_size=C, memory_bytes=0, disk_kv_bits=bits) as store:
+            cache, rest = store.bind(model, model_dir).fetch(query)
+            return cache, len(query) - len(rest)
+
+    with kvstore.open(tmp_path / "s", chunk_size=C, memory_bytes=0, disk_kv_bits=8) as store:
+        store.bind(model, model_dir).insert(tokens, exact)
+    assert fetched(0)[1] == 0  # the bf16 namespace holds nothing yet
+    with kvstore.open(tmp_path / "s", chunk_size=C, memory_bytes=0, disk_kv_bits=0) as store:
+        store.bind(model, model_dir).insert(tokens, exact)
+    n = len(tokens)
+    for bits, lossless in ((8, False), (0, True), (8, False)):
+        cache, reused = fetched(bits)
+        assert reused == n
+        for mine, want in zip(cache, exact):
+            diff = float(mx.abs(mine.keys[:, :, :n] - want.keys[:, :, :n]).max())
+            assert (diff == 0) == lossless, (bits, diff)
+            assert diff < 0.1
+    models = _models(tmp_path / "s")
+    assert len(models) == 2 and len({m["namespace"] for m in models}) == 2
+
+
+def test_the_setting_survives_a_restart_and_0_turns_it_off(tmp_path, demo_model):
+    model_dir = demo_model("llama", "small", "bfloat16")
+    tokens = toks(4 * C + 6, 11) + [5]
+    run("insert", tmp_path / "s", model_dir, {"disk_kv_bits": 8}, tokens)
+    got = run("check", tmp_path / "s", model_dir, {}, tokens)  # a fresh process, setting not given
+    assert got["reused"] == len(tokens) - 1 and 0 < got["max_abs_diff"] <= BOUND[8]
+    for options in ({}, {"read_only": True}):
+        with kvstore.open(tmp_path / "s", chunk_size=C, **options) as store:
+            assert store.disk_kv_bits == 8 and store.stats()["disk_kv_bits"] == 8
+    with kvstore.open(tmp_path / "s", chunk_size=C, disk_kv_bits=0) as store:
+        assert store.disk_kv_bits is None
+    with kvstore.open(tmp_path / "s", chunk_size=C) as store:
+        assert store.disk_kv_bits is None
+    assert run("check", tmp_path / "s", model_dir, {}, tokens)["reused"] == 0
+
+
+def test_a_store_without_the_setting_is_unchanged(tmp_path, demo_model):
+    from mlx_lm import load
+
+    model_dir = demo_model("llama", "small", "bfloat16")
+    model, _ = load(str(model_dir))
+    tokens = toks(2 * C + 3, 2)
+    with kvstore.open(tmp_path / "s", chunk_size=C) as store:
+        mc = store.bind(model, model_dir)
+        assert store.disk_kv_bits is None
+        # The layout (and so the namespace) a store had before disk_kv_bits existed.
+        assert mc.layout == {"layers": [{"class": "KVCache"}] * 4, "param_dtypes": ["mlx.core.bfloat16"]}
+        mc.insert(tokens, prefill(model, tokens))
+        ns = mc.ns
+    with sqlite3.connect(tmp_path / "s" / "index.sqlite") as conn:  # opening wrote no setting
+        assert conn.execute("SELECT count(*) FROM meta WHERE key LIKE 'setting.%'").fetchone() == (0,)
+    with kvstore.open(tmp_path / "s", chunk_size=C, memory_bytes=0) as store:
+        mc = store.bind(model, model_dir)
+        _, rest = mc.fetch(tokens + [1])
+        assert mc.ns == ns and len(rest) == 1
+
+
+@pytest.mark.parametrize("size, dtype", [("tiny", "bfloat16"), ("small", "float32")])
+def test_layers_that_cannot_be_quantized_are_stored_as_before(tmp_path, demo_model, size, dtype):
+    # tiny: head_dim 16, which neither 64 nor 32 divides; float32: not a bf16/f16 cache. Nothing
+    # is quantized, so the namespace is the unquantized store's (their records are the same bytes).
+    from mlx_lm import load
+
+    model_dir = demo_model("llama", size, dtype)
+    model, _ = load(str(model_dir))
+    namespaces = []
+    for bits in (8, 0):
+        with kvstore.open(tmp_path / "s", chunk_size=C, disk_kv_bits=bits) as store:
+            mc = store.bind(model, model_dir)
+            assert all("disk_bits" not in layer for layer in mc.layout["layers"])
+            namespaces.append(mc.ns)
+    assert namespaces[0] == namespaces[1]
+
+
+def test_a_damaged_quantized_tensor_is_never_served(tmp_path, demo_model):
+    from mlx_lm import load
+
+    model_dir = demo_model("llama", "small", "bfloat16")
+    model, _ = load(str(model_dir))
+    tokens = toks(3 * C + 6, 13)
+    with kvstore.open(tmp_path / "s", chunk_size=C, disk_kv_bits=8) as store:
+        store.bind(model, model_dir).insert(tokens, prefill(model, tokens))
+        store.flush()
+        target = next(r for r in store.index.rows() if r.depth == 2 and r.kind == 0)
+    blob = blobtree.blob_path(tmp_path / "s" / "blobs", target.hash)
+    raw = bytearray(blob.read_bytes())
+    header, base = blobformat.parse_header(bytes(raw))
+    assert {"0.keys.q", "0.keys.scales", "0.keys.biases", "0.values.q"} <= set(header)
+    assert "0.keys" not in header and header["0.keys.q"]["dtype"] == "U32"
+    start, end = header["0.values.scales"]["data_offsets"]
+    raw[base + (start + end) // 2] ^= 0x10
+    blob.write_bytes(bytes(raw))
+    with kvstore.open(tmp_path / "s", chunk_size=C, memory_bytes=0) as store:
+        _, rest = store.bind(model, model_dir).fetch(tokens + [5])
+        assert len(tokens) + 1 - len(rest) == C  # the prefix ends where the damaged record starts
+        assert store.counters["quarantined"] == 1
+
+
+def test_records_are_the_same_whether_inserted_at_once_or_chunk_by_chunk(tmp_path, demo_model):
+    # An insert quantizes only the tokens of its new records; each token is quantized on its own.
+    from mlx_lm import load
+
+    model_dir = demo_model("llama", "small", "bfloat16")
+    model, _ = load(str(model_dir))
+    tokens = toks(4 * C + 3, 17)
+    restored = []
+    for name, step in (("once", None), ("steps", C)):
+        with kvstore.open(tmp_path / name, chunk_size=C, memory_bytes=0, disk_kv_bits=8) as store:
+            mc = store.bind(model, model_dir)
+            mc.prefill(tokens, step=step or len(tokens))
+            store.flush()
+            cache, rest = mc.fetch(tokens + [2])
+            assert len(rest) == 1
+            restored.append(cache)
+    for a, b in zip(*restored):
+        assert mx.array_equal(a.keys, b.keys) and mx.array_equal(a.values, b.values)
+
+
+def test_bad_values_are_refused_with_a_clear_error(tmp_path):
+    for bad in (3, 16, 1, -8, True, "8", 8.5):
+        with pytest.raises(InvalidInputError, match="disk_kv_bits must be one of 4, 8"):
+            kvstore.open(tmp_path / "s", disk_kv_bits=bad)
+    with kvstore.open(tmp_path / "s", disk_kv_bits=4) as store:
+        assert store.disk_kv_bits == 4
+    with sqlite3.connect(tmp_path / "s" / "index.sqlite") as conn:
+        conn.execute("UPDATE meta SET value = '5' WHERE key = 'setting.disk_kv_bits'")
+    with pytest.raises(StoreOpenError, match="disk_kv_bits setting '5'"):
+        kvstore.open(tmp_path / "s")
+    for argv in (["generate", "--disk-kv-bits", "3", "hi"], ["serve", "--disk-kv-bits", "16"]):
+        out = subprocess.run([sys.executable, "-m", "kvstore.cli", *argv], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2 and "--disk-kv-bits: invalid choice: " in out.stderr, out.stderr
