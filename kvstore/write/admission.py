@@ -168,6 +168,8 @@ class Gate:
             if self._held.get(spec.hash) == reason:
                 return  # tried again and kept again: counted once
             self._held.remember(spec.hash, reason)
+            if self._seen.get(spec.hash):  # a fetch restored from it while it was queued
+                self._reached.remember(spec.hash, None)
             for key, n in ((reason, 1), (reason + "_bytes", spec.nbytes)):
                 self.counts[key] += n
                 self._unsaved[key] += n
