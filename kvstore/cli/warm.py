@@ -10,6 +10,7 @@ from typing import Callable
 from kvstore.cli.options import bound, read_prompts
 from kvstore.cli.output import EXIT_INTERRUPTED, EXIT_PROBLEMS, PROG, say
 from kvstore.model.blas import long_prefill_note
+from kvstore.model.jsonl import segments
 from kvstore.sizes import format_size
 
 EXAMPLES = """examples:
@@ -18,7 +19,8 @@ EXAMPLES = """examples:
   cat prompts.jsonl | kvstore warm --prompts -
 
 Each line is {"prompt": "..."}, {"messages": [{"role": ..., "content": ...}]} or {"tokens": [...]},
-with optional "id" and "pin": true. Exit code 1 if a line was bad (it is skipped, the others are
+with optional "id" and "pin": true. A messages line's leading system messages are stored as a
+"system" prompt, which a disk budget evicts last. Exit code 1 if a line was bad (it is skipped, the others are
 stored), 130 after Ctrl-C (everything stored so far is kept)."""
 
 
@@ -54,7 +56,7 @@ def cmd_warm(args) -> int:
         ctrl_c = _FirstCtrlC()
         previous = signal.signal(signal.SIGINT, ctrl_c)
         try:
-            _warm_all(mc, work, totals, lambda: ctrl_c.requested)
+            _warm_all(mc, work, totals, lambda: ctrl_c.requested, loaded.tokenizer)
         except (_Stop, KeyboardInterrupt):
             interrupted = True
         finally:
@@ -95,7 +97,21 @@ def _bars(work: list):
                  **common))
 
 
-def _warm_all(mc, work: list, totals: dict, stop: Callable[[], bool]) -> None:
+def _prefill(mc, item, tokens, progress, tokenizer) -> tuple[int, int]:
+    """Prefill the prompt part by part, each with its cache type (a messages line's system
+    prompt is "system"); (tokens reused, tokens computed)."""
+    parts = segments(item, tokenizer, tokens) if tokenizer is not None else [(len(tokens), "user")]
+    reused = computed = 0
+    start = 0
+    for end, cache_type in parts:
+        _, r, c = mc.prefill(tokens[:end], progress=progress, pin=item.pin and end == len(tokens),
+                             cache_type=cache_type)
+        reused, computed = reused + max(0, r - start), computed + c
+        start = end
+    return reused, computed
+
+
+def _warm_all(mc, work: list, totals: dict, stop: Callable[[], bool], tokenizer=None) -> None:
     """Prefill each prompt, with a progress bar on a terminal and a log line per prompt otherwise."""
     bars = _bars(work)
     current = {"computed": 0}  # tokens computed for the prompt in progress
@@ -118,7 +134,7 @@ def _warm_all(mc, work: list, totals: dict, stop: Callable[[], bool]) -> None:
             t0 = time.perf_counter()
             current["computed"] = 0
             try:
-                _, reused, computed = mc.prefill(tokens, progress=progress, pin=item.pin)
+                reused, computed = _prefill(mc, item, tokens, progress, tokenizer)
             except (_Stop, KeyboardInterrupt):
                 # Stopped after the prompt's last chunk was inserted: it is stored whole, so it
                 # counts as warmed, not as "not reached".

@@ -36,6 +36,7 @@ from kvstore.storage.blobformat import nbytes
 from kvstore.storage.index import Index
 from kvstore.tiers.base import Lookup, Source, Tiers, Where
 from kvstore.tiers.memory import MemoryTier, held
+from kvstore.upkeep.evict import role_class
 from kvstore.write.writer import Writer
 
 log = logging.getLogger("kvstore")
@@ -226,16 +227,23 @@ class ModelCache:
 
     # -- insert -----------------------------------------------------------------------------
 
-    def insert(self, tokens: Tokens, cache: list, *, pin: bool = False, checkpoint: bool = True) -> int:
+    def insert(self, tokens: Tokens, cache: list, *, pin: bool = False, checkpoint: bool = True,
+               cache_type: str = "assistant") -> int:
         """Store the cache of `tokens` (it must hold exactly `len(tokens)` processed tokens).
 
         Returns at once: new chunks, the tail and (for recurrent layers, when `checkpoint`) a
         checkpoint at the end are queued for the background writer and visible to `fetch`
         immediately. Returns how many new records were queued.
+
+        `cache_type` is mlx-lm's (`LRUPromptCache.insert_cache`): "assistant" (the default, as
+        there), "user" or "system". Every record the insert reaches, stored ones too, keeps the
+        strongest type that reached it; a budget evicts assistant-only records first, then
+        user-reached ones, then system prompts (LRU inside each).
         """
         toks = as_tokens(tokens)
         b = self.backing
         b.check_open()
+        role = _role(cache_type)
         if len(toks) == 0:
             raise InvalidInputError("insert needs at least one token")
         self._check_cache(cache, len(toks))
@@ -255,28 +263,33 @@ class ModelCache:
         # Stored records a sliding window may have been missing data for (see the writer's refill).
         stored = [s for s in spans if s.kind != CHECKPOINT and s.hash in held
                   and not b.writer.known_complete(s.hash)] if self._windowed else []
-        if not new and not pin and not stored:
+        reached = [s.hash for s in spans] if role else []  # the weakest type raises nothing
+        if not new and not pin and not stored and not reached:
             return 0
-        views = Views(self.codecs, cache, len(toks), checkpoint=any(s.kind == CHECKPOINT for s in new))
-        refill = [s for s in stored if views.complete_from(s.start)]
-        if not new and not pin and not refill:
+        views = Views(self.codecs, cache, len(toks), checkpoint=any(s.kind == CHECKPOINT for s in new)) \
+            if new or stored else None
+        refill = [s for s in stored if views.complete_from(s.start)] if views is not None else []
+        if not new and not pin and not refill and not reached:
             return 0
-        b.writer.submit(make_job(self.ns, toks, views, new, refill, self._metadata,
-                                 [s.hash for s in spans] if pin else []))
+        b.writer.submit(make_job(self.ns, toks, views if new or refill else None, new, refill, self._metadata,
+                                 [s.hash for s in spans] if pin else [], role, reached))
         return len(new)
 
     def prefill(self, tokens: Tokens, *, step: int | None = None, checkpoint_every: int = CHECKPOINT_EVERY,
-                pin: bool = False, progress: Callable[[int], None] | None = None) -> tuple[list | None, int, int]:
+                pin: bool = False, progress: Callable[[int], None] | None = None,
+                cache_type: str = "assistant") -> tuple[list | None, int, int]:
         """Make sure the cache of `tokens` is stored, computing only what is missing.
 
         Processes the missing tokens up to each chunk boundary (or `step` at a time) and inserts
-        after each, so a crash or Ctrl-C keeps everything computed so far. Recurrent layers get a
-        checkpoint every `checkpoint_every` chunks and at the end. Returns (the cache, or None if
-        nothing had to be computed; tokens reused; tokens computed).
+        after each (with `cache_type`, as `insert`), so a crash or Ctrl-C keeps everything
+        computed so far. Recurrent layers get a checkpoint every `checkpoint_every` chunks and at
+        the end. Returns (the cache, or None if nothing had to be computed; tokens reused; tokens
+        computed).
         """
         toks = as_tokens(tokens)
         if len(toks) == 0:
             raise InvalidInputError("prefill needs at least one token")
+        role = _role(cache_type)
         for _ in range(PIN_ATTEMPTS):
             # What this process holds in RAM may be gone from disk (gc in another process): a
             # prefill answers for the disk, so records the disk lost are forgotten and recomputed.
@@ -284,6 +297,9 @@ class ModelCache:
             if self.stored_length(toks) < len(toks) or self._needs_end_checkpoint(toks):
                 break
             if not pin or self._pin(toks):
+                if role and self.backing.index is not None:  # stored already: its type only
+                    self.backing.flush()
+                    self.backing.index.raise_role([s.hash for s in self._durable(toks)], role)
                 return None, len(toks), 0
         cache, rest = self.fetch(toks)
         reused = pos = len(toks) - len(rest)
@@ -294,7 +310,7 @@ class ModelCache:
             mx.eval(arrays_of(cache))
             at_boundary = end % C == 0 and checkpoint_every > 0 and (end // C) % checkpoint_every == 0
             self.insert(toks[:end], cache, pin=pin and end == len(toks),
-                        checkpoint=end == len(toks) or at_boundary)
+                        checkpoint=end == len(toks) or at_boundary, cache_type=cache_type)
             if progress is not None:
                 progress(end - pos)
             pos = end
@@ -358,3 +374,10 @@ def _span(source: Source, start: int) -> Span:
     """A record that was opened, as a span of the prompt starting at `start`."""
     r = source.id
     return Span(r.hash, r.ns, r.parent, r.depth, r.kind, r.ntokens, r.first_token, start=start)
+
+
+def _role(cache_type: str) -> int:
+    try:
+        return role_class(cache_type)
+    except ValueError as e:
+        raise InvalidInputError(str(e)) from None

@@ -98,10 +98,14 @@ class Views:
         return out
 
 
-def make_job(ns: bytes, toks: np.ndarray, views: Views, new: list[Span], refill: list[Span],
-             metadata: dict[str, str], pin: list[bytes]) -> Job:
-    """The writer's job: the new records, and stored ones to write again, complete."""
+def make_job(ns: bytes, toks: np.ndarray, views: Views | None, new: list[Span], refill: list[Span],
+             metadata: dict[str, str], pin: list[bytes], role: int = 0, reached: list[bytes] = ()) -> Job:
+    """The writer's job: the new records, and stored ones to write again, complete; with no
+    `views`, only the pins and the role of stored records."""
+    if views is None:
+        return Job(ns, toks, {}, {}, {}, [], metadata, pin=pin, role=role, reached=list(reached))
     specs = views.sizes(new)
     again = views.sizes(refill, whole=True)
     return Job(ns, toks, views.arrays, views.origins, views.views, specs, metadata, checkpoint=views.saved,
-               pin=pin, nbytes=sum(s.nbytes for s in specs) + sum(s.nbytes for s in again), refill=again)
+               pin=pin, nbytes=sum(s.nbytes for s in specs) + sum(s.nbytes for s in again), refill=again,
+               role=role, reached=list(reached))

@@ -26,21 +26,22 @@ class EvictionSQL:
         return schema.transaction(self.conn)
 
     def eviction_graph(self, stale: Sequence[bytes] = ()) -> list[tuple]:
-        """(hash + parent, last access, size * 16 + flags) of every record, for planning an
-        eviction (`evict.Graph.from_index`); flags: 1 pinned, 2 of a namespace in `stale`, 4 hangs
-        from its namespace, 8 quarantined. Three columns, two of them numbers: at a million rows
-        making the Python values is most of the time this takes."""
+        """(hash + parent, last access, (size * 4 + role) * 16 + flags) of every record, for
+        planning an eviction (`evict.Graph.from_index`); flags: 1 pinned, 2 of a namespace in
+        `stale`, 4 hangs from its namespace, 8 quarantined. Three columns, two of them numbers: at
+        a million rows making the Python values is most of the time this takes."""
         stale = list(stale)[:_MAX_PARAMS]
         marks = ",".join("?" * len(stale))
         flag = f"(ns IN ({marks})) * 2" if stale else "0"
         return self.conn.execute(
             f"SELECT CAST(hash || parent AS BLOB), last_access, "
-            f"size * 16 + (pinned != 0) + {flag} + (parent = ns) * 4 + (bad != 0) * 8 FROM records"
+            f"size * 64 + min(max(role, 0), 2) * 16 + (pinned != 0) + {flag} + (parent = ns) * 4 + (bad != 0) * 8 "
+            "FROM records"
             # A row of the wrong type (a TEXT hash, say) is never planned: verify reports it.
             " WHERE typeof(hash) = 'blob' AND length(hash) = 16 AND typeof(parent) = 'blob'"
             " AND length(parent) = 16 AND typeof(size) = 'integer'"
             " AND typeof(last_access) IN ('integer', 'real') AND typeof(pinned) = 'integer'"
-            " AND typeof(bad) = 'integer'",
+            " AND typeof(bad) = 'integer' AND typeof(role) = 'integer'",
             stale).fetchall()
 
     @contextmanager

@@ -17,7 +17,10 @@ first by (E, H) among those left is a leaf, since a child c has E(c) <= E(x) and
 its own (last access, hash) is the smallest of every leaf left, since a leaf y with a smaller one
 would have E(y) < E(x), or share E with x through a common descendant, which makes y an ancestor
 of x and so no leaf.) Ties between equal access times go by hash, as the old rule's heap broke
-them. Records of stale model versions (see `stale.py`) go before all others, and before them
+them. The proof holds for any total order of the records, and the rule's key is in fact
+(class, last access, hash), where the class is the strongest role an insert that reached the
+record gave it (`ROLES`: assistant < user < system, mlx-lm's `LRUPromptCache` order), or -1 for a
+record last used before an age cutoff, so that everything too old goes before any role counts. Records of stale model versions (see `stale.py`) go before all others, and before them
 records no lookup can reach: those under a parent that is gone (a gc that stopped half-way, or
 raced a writer, leaves them), and quarantined records (a lookup stops at them: they failed a
 read) with everything below them.
@@ -34,6 +37,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
+# The role classes, weakest first: mlx-lm's `LRUPromptCache` evicts assistant turns, then user
+# turns, then system prompts. A record keeps the strongest role of the inserts that reached it.
+ROLES = ("assistant", "user", "system")
+
+
+def role_class(cache_type: str) -> int:
+    """The class of an insert's `cache_type` (ValueError for a name not in `ROLES`)."""
+    try:
+        return ROLES.index(cache_type)
+    except ValueError:
+        raise ValueError(f"cache_type must be one of {', '.join(map(repr, ROLES))}, got {cache_type!r}") from None
+
 
 @dataclass
 class Graph:
@@ -47,11 +62,12 @@ class Graph:
     stale: np.ndarray  # bool: of a stale model version
     root: np.ndarray | None = None  # bool: hangs from its namespace (None: every parentless record)
     bad: np.ndarray | None = None  # bool: quarantined (None: none is)
+    role: np.ndarray | None = None  # int64: class in `ROLES` (None: all assistant)
 
     @classmethod
     def from_index(cls, rows: list[tuple]) -> "Graph":
-        """From `Index.eviction_graph`: (hash + parent, last access, size * 16 + flags) tuples,
-        flags 1 pinned, 2 stale, 4 hangs from its namespace, 8 quarantined."""
+        """From `Index.eviction_graph`: (hash + parent, last access, (size * 4 + role) * 16 +
+        flags) tuples, flags 1 pinned, 2 stale, 4 hangs from its namespace, 8 quarantined."""
         if not rows:
             return cls.from_rows([])
         # numpy copies the tuples into one record array in C; "S32" keeps every byte (a hash
@@ -59,12 +75,12 @@ class Graph:
         packed = np.array(rows, dtype=[("hp", "S32"), ("last", "f8"), ("sf", "i8")])
         cols = np.frombuffer(packed.tobytes(), dtype=[("h", "V16"), ("p", "V16"), ("last", "f8"), ("sf", "i8")])
         sf = cols["sf"]
-        return cls(cols["h"].copy(), cols["p"].copy(), sf >> 4, cols["last"].copy(),
-                   (sf & 1) > 0, (sf & 2) > 0, (sf & 4) > 0, (sf & 8) > 0)
+        return cls(cols["h"].copy(), cols["p"].copy(), sf >> 6, cols["last"].copy(),
+                   (sf & 1) > 0, (sf & 2) > 0, (sf & 4) > 0, (sf & 8) > 0, (sf >> 4) & 3)
 
     @classmethod
     def from_rows(cls, rows: list[tuple]) -> "Graph":
-        """From (hash, parent, size, last access, pinned, stale[, root]) tuples."""
+        """From (hash, parent, size, last access, pinned, stale[, root[, role]]) tuples."""
         if not rows:
             empty = np.zeros(0, dtype="V16")
             return cls(empty, empty, np.zeros(0, np.int64), np.zeros(0), np.zeros(0, bool), np.zeros(0, bool))
@@ -73,7 +89,8 @@ class Graph:
         return cls(np.frombuffer(b"".join(hashes), dtype="V16"), np.frombuffer(b"".join(parents), dtype="V16"),
                    np.array(sizes, dtype=np.int64), np.array(last, dtype=np.float64),
                    np.array(pinned, dtype=bool), np.array(stale, dtype=bool),
-                   np.array(columns[6], dtype=bool) if len(columns) > 6 else None)
+                   np.array(columns[6], dtype=bool) if len(columns) > 6 else None,
+                   role=np.array(columns[7], dtype=np.int64) if len(columns) > 7 else None)
 
 
 @dataclass
@@ -138,18 +155,30 @@ def unreachable(g: Graph, parent: np.ndarray) -> np.ndarray:
         lost |= below
 
 
-def order(g: Graph, parent: np.ndarray | None = None, by_hash: np.ndarray | None = None
-          ) -> tuple[np.ndarray, np.ndarray]:
-    """(indices of the evictable records in eviction order, H of every record, 0 if never)."""
+def classes(g: Graph, cutoff: float | None) -> np.ndarray:
+    """Each record's class: its role, or -1 if it was last used before `cutoff`."""
+    out = g.role.copy() if g.role is not None else np.zeros(len(g.hashes), np.int64)
+    if cutoff is not None:
+        out[g.last < cutoff] = -1
+    return out
+
+
+def order(g: Graph, parent: np.ndarray | None = None, by_hash: np.ndarray | None = None,
+          cls: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(indices of the evictable records in eviction order, H of every record, 0 if never; the
+    class of each record's E, by `classes`, all 0 when `cls` is None)."""
     n = len(g.hashes)
     if parent is None or by_hash is None:
         parent, by_hash = parents(g)
+    if cls is None:
+        cls = np.zeros(n, np.int64)
     children = np.bincount(parent[parent >= 0], minlength=n)
-    # Rank of (last access, hash): the heap's key of the leaf-by-leaf rule.
+    # Rank of (class, last access, hash): the heap's key of the leaf-by-leaf rule.
     rank = np.empty(n, dtype=np.int64)
     hash_rank = np.empty(n, dtype=np.int64)
     hash_rank[by_hash] = np.arange(n)
-    rank[np.lexsort((hash_rank, g.last))] = np.arange(n)
+    by_rank = np.lexsort((hash_rank, g.last, cls))
+    rank[by_rank] = np.arange(n)
     top = rank.copy()  # E, as a rank
     height = np.zeros(n, dtype=np.int64)
     frontier = np.nonzero((children == 0) & ~g.pinned)[0]
@@ -165,7 +194,8 @@ def order(g: Graph, parent: np.ndarray | None = None, by_hash: np.ndarray | None
         up = np.unique(up)
         frontier = up[(children[up] == 0) & ~g.pinned[up] & (height[up] == 0)]
     evictable = np.nonzero(height > 0)[0]
-    return evictable[np.lexsort((height[evictable], top[evictable]))], height
+    idx = evictable[np.lexsort((height[evictable], top[evictable]))]
+    return idx, height, cls[by_rank[top[idx]]]
 
 
 def plan(g: Graph, *, max_bytes: int | None, cutoff: float | None, stale: bool) -> Plan:
@@ -174,25 +204,28 @@ def plan(g: Graph, *, max_bytes: int | None, cutoff: float | None, stale: bool) 
 
     Records of stale versions go first (in their own LRU order), then the others: each part is
     evicted up to the first record that neither the budget, the age nor `stale` asks for, where
-    the leaf-by-leaf rule would stop. Unreachable records (`unreachable`) go first, all of them
-    but the pinned. The parts' trees are disjoint, so each part alone keeps children before
-    parents."""
+    the leaf-by-leaf rule would stop. Inside a part, whole subtrees last used before `cutoff` go
+    first (by last access alone: age does not look at roles), then the budget takes records by
+    role class, weakest first, LRU inside each. Unreachable records (`unreachable`) go first, all
+    of them but the pinned. The parts' trees are disjoint, so each part alone keeps children
+    before parents."""
     parent, by_hash = parents(g)
     lost = unreachable(g, parent)
     if max_bytes is None and cutoff is None and not (stale and g.stale.any()) and not lost.any():
         return Plan.empty()
-    idx, height = order(g, parent, by_hash)
+    idx, height, top_class = order(g, parent, by_hash, classes(g, cutoff))
     left = int(g.sizes.sum())
     taken = []
     gone, old = lost[idx], g.stale[idx] & ~lost[idx]
-    for part, drop_all in ((idx[gone], True), (idx[old], stale), (idx[~gone & ~old], False)):
+    for take, drop_all in ((gone, True), (old, stale), (~gone & ~old, False)):
+        part = idx[take]
         sizes = g.sizes[part]
         before = left - np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
         wanted = np.full(len(part), drop_all)
         if max_bytes is not None:
             wanted |= before > max_bytes
-        if cutoff is not None:
-            wanted |= g.last[part] < cutoff
+        if cutoff is not None:  # its whole subtree was last used before the cutoff
+            wanted |= top_class[take] < 0
         stop = len(part) if wanted.all() else int(np.argmin(wanted))
         taken.append(part[:stop])
         left -= int(sizes[:stop].sum())

@@ -49,6 +49,10 @@ class Job:
     # Stored chunks and tails this job holds every layer's K/V for: a stored one that lacks some
     # (a sliding window had slid past them when it was written) is written again, complete.
     refill: list[Span] = field(default_factory=list)
+    # The insert's role class (`upkeep.evict.ROLES`) and, when above the weakest, every record it
+    # reaches (stored ones too): their rows' role is raised to it.
+    role: int = 0
+    reached: list[bytes] = field(default_factory=list)
 
     def slices(self, spec: Span, arrays: dict) -> dict:
         """The part of each array that falls in the spec's tokens (always a suffix of them)."""
