@@ -231,7 +231,7 @@ def test_evict_refuses_a_pinned_record_and_one_with_a_child_it_was_not_given(tmp
         assert evict({parent, pinned_leaf}) == []
         assert {parent, pinned_leaf} <= _hashes(store)
         r = rows[leaf]
-        assert evict({leaf}) == [(leaf, r.size, r.parent[:2])]
+        assert evict({leaf}) == [(leaf, r.size, r.parent, -1 if r.first_token is None else r.first_token)]
         assert leaf not in _hashes(store)
         # A parent whose children are all victims may go first: its children are unreachable
         # from then on (no lookup finds them), and go in a later transaction.
@@ -239,17 +239,18 @@ def test_evict_refuses_a_pinned_record_and_one_with_a_child_it_was_not_given(tmp
                     and all(k not in kids_of and not rows[k].pinned for k in kids))
         kids = kids_of[only]
         victims = {only, *kids}
-        assert [h for h, _, _ in evict(victims, [only])] == [only]
+        assert [h for h, *_ in evict(victims, [only])] == [only]
         assert all(k in _hashes(store) for k in kids)
-        assert {h for h, _, _ in evict(victims, kids)} == set(kids)
+        assert {h for h, *_ in evict(victims, kids)} == set(kids)
         # Edges: kept until forgotten, ignored by readers meanwhile, then gone; an edge whose
         # record is stored is never forgotten.
         edges = lambda: set(index.conn.execute("SELECT parent, hash FROM children"))  # noqa: E731
         before = edges()
         gone = {(rows[h].parent, h) for h in (leaf, only, *kids)}
         assert gone <= before
-        with index.victims({h for _, h in gone} | {parent}):  # (parent: stored, its edge stays)
-            assert index.forget_edges(b"", None) == len(gone)
+        first = lambda h: -1 if rows[h].first_token is None else rows[h].first_token  # noqa: E731
+        stored = next(r for h, r in rows.items() if h == parent)  # stored: its edge stays
+        assert index.forget_edges(sorted((p, first(h), h) for p, h in gone | {(stored.parent, parent)})) == len(gone)
         assert edges() == before - gone
         assert {(r.parent, r.hash) for r in index.rows()} == edges()
         for h in (leaf, only, *kids):  # gc deletes the files after each commit

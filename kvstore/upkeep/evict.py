@@ -164,9 +164,9 @@ def classes(g: Graph, cutoff: float | None) -> np.ndarray:
 
 
 def order(g: Graph, parent: np.ndarray | None = None, by_hash: np.ndarray | None = None,
-          cls: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(indices of the evictable records in eviction order, H of every record, 0 if never; the
-    class of each record's E, by `classes`, all 0 when `cls` is None)."""
+          cls: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(indices of the evictable records in eviction order, H of every record, 0 if never),
+    with each record's class by `classes` (None: all of one class)."""
     n = len(g.hashes)
     if parent is None or by_hash is None:
         parent, by_hash = parents(g)
@@ -177,8 +177,8 @@ def order(g: Graph, parent: np.ndarray | None = None, by_hash: np.ndarray | None
     rank = np.empty(n, dtype=np.int64)
     hash_rank = np.empty(n, dtype=np.int64)
     hash_rank[by_hash] = np.arange(n)
-    by_rank = np.lexsort((hash_rank, g.last, cls))
-    rank[by_rank] = np.arange(n)
+    keys = (hash_rank, g.last, cls) if cls.any() else (hash_rank, g.last)  # one class: one key less
+    rank[np.lexsort(keys)] = np.arange(n)
     top = rank.copy()  # E, as a rank
     height = np.zeros(n, dtype=np.int64)
     frontier = np.nonzero((children == 0) & ~g.pinned)[0]
@@ -194,8 +194,7 @@ def order(g: Graph, parent: np.ndarray | None = None, by_hash: np.ndarray | None
         up = np.unique(up)
         frontier = up[(children[up] == 0) & ~g.pinned[up] & (height[up] == 0)]
     evictable = np.nonzero(height > 0)[0]
-    idx = evictable[np.lexsort((height[evictable], top[evictable]))]
-    return idx, height, cls[by_rank[top[idx]]]
+    return evictable[np.lexsort((height[evictable], top[evictable]))], height
 
 
 def plan(g: Graph, *, max_bytes: int | None, cutoff: float | None, stale: bool) -> Plan:
@@ -204,28 +203,27 @@ def plan(g: Graph, *, max_bytes: int | None, cutoff: float | None, stale: bool) 
 
     Records of stale versions go first (in their own LRU order), then the others: each part is
     evicted up to the first record that neither the budget, the age nor `stale` asks for, where
-    the leaf-by-leaf rule would stop. Inside a part, whole subtrees last used before `cutoff` go
-    first (by last access alone: age does not look at roles), then the budget takes records by
-    role class, weakest first, LRU inside each. Unreachable records (`unreachable`) go first, all
+    the leaf-by-leaf rule would stop. Inside a part, records last used before `cutoff` go first
+    (by last access alone: age does not look at roles), then the budget takes records by role
+    class, weakest first, LRU inside each. Unreachable records (`unreachable`) go first, all
     of them but the pinned. The parts' trees are disjoint, so each part alone keeps children
     before parents."""
     parent, by_hash = parents(g)
     lost = unreachable(g, parent)
     if max_bytes is None and cutoff is None and not (stale and g.stale.any()) and not lost.any():
         return Plan.empty()
-    idx, height, top_class = order(g, parent, by_hash, classes(g, cutoff))
+    idx, height = order(g, parent, by_hash, classes(g, cutoff))
     left = int(g.sizes.sum())
     taken = []
     gone, old = lost[idx], g.stale[idx] & ~lost[idx]
-    for take, drop_all in ((gone, True), (old, stale), (~gone & ~old, False)):
-        part = idx[take]
+    for part, drop_all in ((idx[gone], True), (idx[old], stale), (idx[~gone & ~old], False)):
         sizes = g.sizes[part]
         before = left - np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
         wanted = np.full(len(part), drop_all)
         if max_bytes is not None:
             wanted |= before > max_bytes
-        if cutoff is not None:  # its whole subtree was last used before the cutoff
-            wanted |= top_class[take] < 0
+        if cutoff is not None:
+            wanted |= g.last[part] < cutoff
         stop = len(part) if wanted.all() else int(np.argmin(wanted))
         taken.append(part[:stop])
         left -= int(sizes[:stop].sum())
