@@ -10,7 +10,7 @@ from typing import Callable
 from kvstore.cli.options import bound, read_prompts
 from kvstore.cli.output import EXIT_INTERRUPTED, EXIT_PROBLEMS, PROG, say
 from kvstore.model.blas import long_prefill_note
-from kvstore.model.jsonl import segments
+from kvstore.model.jsonl import cache_types
 from kvstore.sizes import format_size
 
 EXAMPLES = """examples:
@@ -98,16 +98,12 @@ def _bars(work: list):
 
 
 def _prefill(mc, item, tokens, progress, tokenizer) -> tuple[int, int]:
-    """Prefill the prompt part by part, each with its cache type (a messages line's system
-    prompt is "system"); (tokens reused, tokens computed)."""
-    parts = segments(item, tokenizer, tokens) if tokenizer is not None else [(len(tokens), "user")]
-    reused = computed = 0
-    start = 0
-    for end, cache_type in parts:
-        _, r, c = mc.prefill(tokens[:end], progress=progress, pin=item.pin and end == len(tokens),
-                             cache_type=cache_type)
-        reused, computed = reused + max(0, r - start), computed + c
-        start = end
+    """Prefill the prompt with its cache type, then mark the records that hold a messages line's
+    system prompt as "system"; (tokens reused, tokens computed)."""
+    cache_type, system = cache_types(item, tokenizer, tokens) if tokenizer is not None else ("user", 0)
+    _, reused, computed = mc.prefill(tokens, progress=progress, pin=item.pin, cache_type=cache_type)
+    if system:
+        mc.mark(tokens, "system", first=system)
     return reused, computed
 
 

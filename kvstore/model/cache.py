@@ -297,9 +297,8 @@ class ModelCache:
             if self.stored_length(toks) < len(toks) or self._needs_end_checkpoint(toks):
                 break
             if not pin or self._pin(toks):
-                if role and self.backing.index is not None:  # stored already: its type only
-                    self.backing.flush()
-                    self.backing.index.raise_role([s.hash for s in self._durable(toks)], role)
+                if role:  # stored already: its type only
+                    self.mark(toks, cache_type)
                 return None, len(toks), 0
         cache, rest = self.fetch(toks)
         reused = pos = len(toks) - len(rest)
@@ -315,6 +314,18 @@ class ModelCache:
                 progress(end - pos)
             pos = end
         return cache, reused, len(toks) - reused
+
+    def mark(self, tokens: Tokens, cache_type: str, *, first: int | None = None) -> None:
+        """Raise to `cache_type` the role of the stored records of `tokens` that hold any of its
+        first `first` tokens (all of them by default), as an insert of that type would, without
+        writing K/V: `warm` marks a prompt's system messages this way. Waits for queued writes."""
+        role, b = _role(cache_type), self.backing
+        toks = as_tokens(tokens)
+        if not role or b.index is None or len(toks) == 0:
+            return
+        first = len(toks) if first is None else first
+        b.flush()
+        b.index.raise_role([s.hash for s in self._durable(toks) if s.start < first], role)
 
     def _durable(self, toks: np.ndarray):
         """The records that must be on disk for `toks` to be stored whole (with the end checkpoint

@@ -6,7 +6,7 @@
     optional: "id": "name", "pin": true                  (pinned prompts are never evicted by gc)
 
 A messages line's leading system messages are stored as a "system" prompt, which a disk budget
-evicts last (`segments`).
+evicts last (`cache_types`).
 
 Parsing never stops at a bad line: each one becomes a `LineError` naming the file, line and field,
 and the good lines around it are still returned. A field kvstore does not know is an error too (a
@@ -287,26 +287,26 @@ def _encode(tokenizer, text: str, add_special: bool) -> np.ndarray:
     return np.asarray(ids, dtype=np.int32).reshape(-1)
 
 
-def segments(item: PromptLine, tokenizer, tokens: np.ndarray) -> list[tuple[int, str]]:
-    """(end, cache type) of the parts of a prompt's tokens to store, as `mlx_lm.server` types
-    them: the leading system messages' tokens as "system", then the whole prompt as "user" when
-    its last message is the user's (else "assistant"). A text or token line is one "user" part:
-    a warmed prompt counts as a request's prompt would."""
+def cache_types(item: PromptLine, tokenizer, tokens: np.ndarray) -> tuple[str, int]:
+    """(the cache type of the prompt, how many of its first tokens are its system prompt), as
+    `mlx_lm.server` types them: a prompt whose last message is the user's is "user" (else
+    "assistant"), and its leading system messages are "system". A text or token line is "user",
+    with no system prompt: a warmed prompt counts as a request's prompt would."""
     if item.kind != "messages":
-        return [(len(tokens), "user")]
+        return "user", 0
     whole = "user" if item.value[-1]["role"] == "user" else "assistant"
     system = 0
     while system < len(item.value) and item.value[system]["role"] == "system":
         system += 1
     if not system:
-        return [(len(tokens), whole)]
+        return whole, 0
     # The system messages with an empty user turn, rendered: where they stop matching the prompt.
     text = tokenizer.apply_chat_template(item.value[:system] + [{"role": "user", "content": ""}],
                                          add_generation_prompt=False, tokenize=False)
     ids = _encode(tokenizer, text, False)[: len(tokens)]
     differ = np.nonzero(ids != tokens[: len(ids)])[0]
     end = int(differ[0]) if len(differ) else len(ids)
-    return ([(end, "system")] if 0 < end < len(tokens) else []) + [(len(tokens), whole)]
+    return whole, end if end < len(tokens) else 0
 
 
 def _kinds() -> str:

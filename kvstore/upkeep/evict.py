@@ -97,16 +97,20 @@ class Graph:
 class Plan:
     """The records to evict: in eviction order (children before parents), with H of each."""
 
-    hashes: list[bytes]
+    keys: np.ndarray  # V16: their hashes
     sizes: np.ndarray
     heights: np.ndarray
 
     def __len__(self) -> int:
-        return len(self.hashes)
+        return len(self.keys)
+
+    @property
+    def hashes(self) -> list[bytes]:
+        return _split(self.keys.tobytes())
 
     @classmethod
     def empty(cls) -> "Plan":
-        return cls([], np.zeros(0, np.int64), np.zeros(0, np.int64))
+        return cls(np.zeros(0, "V16"), np.zeros(0, np.int64), np.zeros(0, np.int64))
 
 
 def _halves(hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -228,12 +232,13 @@ def plan(g: Graph, *, max_bytes: int | None, cutoff: float | None, stale: bool) 
         taken.append(part[:stop])
         left -= int(sizes[:stop].sum())
     idx = np.concatenate(taken)
-    return Plan([bytes(h) for h in g.hashes[idx]], g.sizes[idx], height[idx])
+    return Plan(g.hashes[idx], g.sizes[idx], height[idx])
 
 
 def in_key_order(p: Plan) -> list[bytes]:
     """The plan's hashes sorted: the order of the table's primary key."""
-    if not len(p):
-        return []
-    raw = np.sort(np.frombuffer(b"".join(p.hashes), dtype="V16")).tobytes()
+    return _split(np.sort(p.keys).tobytes()) if len(p) else []
+
+
+def _split(raw: bytes) -> list[bytes]:
     return [raw[i : i + 16] for i in range(0, len(raw), 16)]

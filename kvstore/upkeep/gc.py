@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
+from operator import itemgetter
 from pathlib import Path
 from typing import Iterator
 
@@ -70,7 +71,7 @@ def collect(index: Index, root: Path, *, max_bytes: int | None = None, max_age: 
                 hashes += [row[0] for row in deleted]
                 edges += [(parent, first, h) for h, _, parent, first in deleted]
             # Sweep 2, in the order of the `children` table: the edges of the rows deleted.
-            edges.sort()
+            edges.sort(key=itemgetter(0))  # by parent: the table's pages in order (what follows is one page)
             for took, _ in _batches(index, edges, lambda part: _forget_edges(index, root, part)):
                 longest = max(longest, took)
     return {
@@ -93,7 +94,7 @@ def _evict(index: Index, root: Path, lo: bytes, hi: bytes, pool: ThreadPoolExecu
         if deleted:
             faults.hit("gc_deleted")
         # after the commit: a crash before here leaves orphan files only
-        gone = sorted(row[0] for row in deleted)
+        gone = [row[0] for row in deleted]  # in hash order, as the delete went: neighbours share folders
         step = max(_UNLINKS_PER_TASK, -(-len(gone) // _UNLINK_THREADS))
         list(pool.map(lambda i: blobtree.remove_all(root, gone[i : i + step]), range(0, len(gone), step)))
     return deleted
