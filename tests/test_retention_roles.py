@@ -1,11 +1,11 @@
 """Retention by role: a budget evicts records that only assistant-typed inserts reached, then
 user-reached ones, then system prompts, LRU inside each class and never a parent before its
 children; pins override; the roles live in the index (a restart keeps them) and a store written
-before them opens and evicts as it did."""
+before them opens and evicts as it did. (The rule against a one-leaf-at-a-time reference, roles
+included, is tests/test_gc.py's property test.)"""
 
 from __future__ import annotations
 
-import heapq
 import json
 import shutil
 import sqlite3
@@ -14,10 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from kvtest import prefill
 
 import kvstore
@@ -130,9 +127,10 @@ def test_a_store_written_before_roles_opens_unchanged_and_evicts_by_lru(llama, t
         assert rest == [1] and cache[0].offset == len(ASSISTANT)
         store.flush()
         # Every record is of one class: the order is the LRU rule's, the other turn's tail first.
-        rows = [(hp[:16], hp[16:], sf >> 6, last, sf & 1, 0, True, 0) for hp, last, sf in store.index.eviction_graph()]
+        graph = evict.Graph.from_index(store.index.eviction_graph())
+        graph.role = None
         plan = store.files.gc(max_bytes=0, dry_run=True)["hashes"]
-        assert plan == leaf_by_leaf(rows, sum(r[2] for r in rows), 0, None) and plan[0] == side[-1]
+        assert plan == evict.plan(graph, max_bytes=0, cutoff=None, stale=False).hashes and plan[0] == side[-1]
 
 
 def test_max_age_does_not_look_at_roles(llama, tmp_path):
@@ -189,62 +187,6 @@ def test_warm_marks_the_system_prompt_of_a_messages_line(demo_model_path, tmp_pa
         assert 0 < k < len(full)
         assert [got[h] for h in full] == [2] * k + [1] * (len(full) - k)
         assert got[mc.record_hashes(tokenizer.encode("a plain one"))[-1]] == 1
-
-
-# -- the rule, against the leaf-by-leaf reference ------------------------------------------------
-
-def leaf_by_leaf(rows, total: int, max_bytes: int | None, cutoff: float | None) -> list[bytes]:
-    """Pop the unpinned leaf of the smallest (class, last access, hash), class -1 for a record
-    last used before `cutoff` and its role otherwise, while over budget or too old."""
-    info, children = {}, {}
-    for h, parent, size, last, pinned, _, _, role in rows:
-        info[h] = (parent, size, (-1 if cutoff is not None and last < cutoff else role, last, h), pinned)
-        children[parent] = children.get(parent, 0) + 1
-    heap = [key for h, (_, _, key, pinned) in info.items() if not pinned and h not in children]
-    heapq.heapify(heap)
-    out = []
-    while heap:
-        cls, last, h = heap[0]
-        if not ((max_bytes is not None and total > max_bytes) or cls < 0):
-            break
-        heapq.heappop(heap)
-        parent, size, _, _ = info[h]
-        out.append(h)
-        total -= size
-        children[parent] -= 1
-        if children[parent] == 0 and parent in info and not info[parent][3]:
-            heapq.heappush(heap, info[parent][2])
-    return out
-
-
-def role_forest(rng: np.random.Generator, n: int, ties: int, pin_share: float) -> list[tuple]:
-    """A random forest whose roles never grow downwards (an insert reaching a record reaches
-    its ancestors), with ties in access times."""
-    roots = [bytes(rng.integers(0, 256, 16, dtype=np.uint8)) for _ in range(3)]
-    rows: list[tuple] = []
-    for _ in range(n):
-        h = bytes(rng.integers(0, 256, 16, dtype=np.uint8))
-        if not rows or rng.random() < 0.1:
-            parent, role = roots[int(rng.integers(0, 3))], int(rng.integers(0, 3))
-        else:
-            up = rows[int(rng.integers(max(0, len(rows) - 20), len(rows)))]
-            parent, role = up[0], int(rng.integers(0, up[7] + 1))
-        rows.append((h, parent, int(rng.integers(1, 100)), float(rng.integers(0, ties)),
-                     int(rng.random() < pin_share), 0, True, role))
-    return rows
-
-
-@settings(max_examples=150, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), n=st.integers(0, 300), ties=st.sampled_from([1, 3, 50, 10**6]),
-       pin_share=st.sampled_from([0.0, 0.02, 0.2]), budget=st.floats(0, 1.1), age=st.none() | st.integers(0, 60))
-def test_plan_equals_the_leaf_by_leaf_rule_with_roles(seed, n, ties, pin_share, budget, age):
-    rows = role_forest(np.random.default_rng(seed), n, ties, pin_share)
-    total = sum(r[2] for r in rows)
-    max_bytes = int(total * budget)
-    cutoff = None if age is None else float(age)
-    want = leaf_by_leaf(rows, total, max_bytes, cutoff)
-    got = evict.plan(evict.Graph.from_rows(rows), max_bytes=max_bytes, cutoff=cutoff, stale=False)
-    assert got.hashes == want
 
 
 def test_the_index_graph_carries_the_role(tmp_path):

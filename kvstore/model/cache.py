@@ -263,16 +263,15 @@ class ModelCache:
         # Stored records a sliding window may have been missing data for (see the writer's refill).
         stored = [s for s in spans if s.kind != CHECKPOINT and s.hash in held
                   and not b.writer.known_complete(s.hash)] if self._windowed else []
+        pins = [s.hash for s in spans] if pin else []
         reached = [s.hash for s in spans] if role else []  # the weakest type raises nothing
-        if not new and not pin and not stored and not reached:
-            return 0
         views = Views(self.codecs, cache, len(toks), checkpoint=any(s.kind == CHECKPOINT for s in new)) \
             if new or stored else None
-        refill = [s for s in stored if views.complete_from(s.start)] if views is not None else []
-        if not new and not pin and not refill and not reached:
-            return 0
-        b.writer.submit(make_job(self.ns, toks, views if new or refill else None, new, refill, self._metadata,
-                                 [s.hash for s in spans] if pin else [], role, reached))
+        refill = [s for s in stored if views.complete_from(s.start)] if stored else []
+        if new or refill:
+            b.writer.submit(make_job(self.ns, toks, views, new, refill, self._metadata, pins, role, reached))
+        elif pins or reached:  # nothing to write: the pins and roles of stored records only
+            b.writer.submit(make_job(self.ns, toks, None, [], [], self._metadata, pins, role, reached))
         return len(new)
 
     def prefill(self, tokens: Tokens, *, step: int | None = None, checkpoint_every: int = CHECKPOINT_EVERY,
