@@ -1,7 +1,8 @@
 """Index-scale benchmark: lookups, open and gc with 10k, 100k and 1M chunk rows.
 
 Rows are synthesised through the index layer (`kvstore.storage.index.Index.insert`, real `Row`s); their
-blob files do not exist. The rows form a realistic forest: groups of prompts that share an
+blob files do not exist, unless `--files`: then every row gets an empty file where its blob would be,
+so that gc pays for the unlinks a real store's gc makes (one per record). The rows form a realistic forest: groups of prompts that share an
 8-chunk system prompt and branch into chains of 1 to 120 chunks, spread over four model
 namespaces, plus one real 32k-token prompt of the bound model (128 chunks, hashed by
 `kvstore.keys`), so lookups walk real chains and hit.
@@ -14,7 +15,7 @@ disk; and `gc` down to half the bytes, while another process fetches (the lookup
 prompt) and inserts (a small record through the store's writer, waiting until it is durable) in a
 loop: the longest each of them took during gc, next to the same before gc started.
 
-    python bench/index_scale.py [--quick] [--rows 10000 100000]
+    python bench/index_scale.py [--quick] [--rows 10000 100000] [--files]
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import numpy as np
 import kvstore
 from kvstore import keys
 from kvstore.records import CHUNK, TAIL
-from kvstore.storage import blobwrite
+from kvstore.storage import blobtree, blobwrite
 from kvstore.storage.index import Row
 
 FINGERPRINT = b"kvstore-bench-ix"
@@ -100,6 +101,22 @@ def insert_prompt(store, ns: bytes, prompt: np.ndarray, rng) -> None:
         size, checksum = blobwrite.write(store.blob_root, h, {"tokens": ("I32", toks)}, meta, fsync=False)
         rows.append(Row(h, ns, parent, i + 1, CHUNK, CHUNK_TOKENS, int(toks[0]), size, checksum))
     store.index.insert(rows)
+
+
+def touch_blobs(store) -> int:
+    """An empty file at the blob path of every row that has none (`--files`). Returns how many."""
+    made, folders = 0, set()
+    for (h,) in store.index.conn.execute("SELECT hash FROM records"):
+        path = blobtree.blob_path(store.blob_root, h)
+        if path.parent not in folders:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            folders.add(path.parent)
+        try:
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+            made += 1
+        except FileExistsError:
+            pass
+    return made
 
 
 def index_bytes(path) -> int:
@@ -193,7 +210,7 @@ def gc_with_clients(path, work, query_file) -> dict:
     return res
 
 
-def run_one(rows: int, lookups: int) -> dict:
+def run_one(rows: int, lookups: int, files: bool = False) -> dict:
     C.log(f"[index] {rows} rows: synthesising")
     rng = np.random.default_rng(rows)
     work = C.scratch_dir(f"index-{rows}")
@@ -209,6 +226,7 @@ def run_one(rows: int, lookups: int) -> dict:
     insert_prompt(store, mc.ns, prompt, rng)
     filler = synthesise(store.index, mc.ns, rows - PROMPT_CHUNKS, rng)
     build_s = time.perf_counter() - t
+    blob_files = touch_blobs(store) if files else 0
     total_rows = store.stats()["chunks"] + store.stats()["tails"]
     # A store that grew over time has had its WAL checkpointed into the main file; lookups are
     # measured in that steady state, with the index in the OS page cache (cold open is below).
@@ -224,7 +242,8 @@ def run_one(rows: int, lookups: int) -> dict:
     branch[cut:] = C.random_tokens(len(prompt) - cut, seed=rows + 1)
     assert mc.stored_length(hit) == len(prompt), "the 32k-token prompt is not found"
     assert mc.stored_length(branch) == cut, "the branching prompt does not stop where it branches"
-    out = {"rows": total_rows, "filler_rows": filler, "build_s": build_s}
+    out = {"rows": total_rows, "filler_rows": filler, "build_s": build_s, "empty_blob_files": blob_files,
+           "load_at_start": os.getloadavg()}
     for name, query in (("lookup_hit", hit), ("lookup_branch", branch)):
         s = C.summary(C.measure(lambda: mc.stored_length(query), lookups, warmup=5))
         out[name] = {"p50_ms": s["p50"] * 1e3, "p99_ms": s["p99"] * 1e3, "n": s["n"]}
@@ -264,6 +283,8 @@ def run_one(rows: int, lookups: int) -> dict:
     result = store.gc(max_bytes=store.stats()["bytes"] // 2)
     out["gc_alone_s"] = time.perf_counter() - t
     out["gc_alone_longest_transaction_ms"] = result["longest_transaction_seconds"] * 1e3
+    out["gc_alone_plan_s"] = result["plan_seconds"]
+    out["load_after_gc_alone"] = os.getloadavg()
     store.close()
     shutil.rmtree(alone)
     out.update(gc_with_clients(path, work, query_file))
@@ -279,10 +300,11 @@ def run_one(rows: int, lookups: int) -> dict:
     return out
 
 
-def run(quick: bool = False, sizes=None) -> dict:
+def run(quick: bool = False, sizes=None, files: bool = False) -> dict:
     sizes = sizes or ([10_000, 100_000] if quick else [10_000, 100_000, 1_000_000])
-    results = [run_one(n, 200 if n < 1_000_000 else 300) for n in sizes]
-    return {"machine": C.machine(), "quick": quick, "chunk_tokens": CHUNK_TOKENS,
+    results = [run_one(n, 200 if n < 1_000_000 else 300, files) for n in sizes]
+    return {"machine": C.machine(), "quick": quick, "files": files, "chunk_tokens": CHUNK_TOKENS,
+            "kvstore": os.path.dirname(os.path.dirname(kvstore.__file__)),
             "prompt_tokens": PROMPT_CHUNKS * CHUNK_TOKENS, "results": results}
 
 
@@ -290,8 +312,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="10k and 100k rows only")
     ap.add_argument("--rows", type=int, nargs="*", help="index sizes to run")
+    ap.add_argument("--files", action="store_true", help="an empty blob file for every row, which gc unlinks")
     args = ap.parse_args()
-    print(C.write_result("index_scale", run(args.quick, args.rows)))
+    print(C.write_result("index_scale" + ("_files" if args.files else ""), run(args.quick, args.rows, args.files)))
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from typing import Callable
 from kvstore.cli.options import add_write_options, bound, read_prompts
 from kvstore.cli.output import EXIT_INTERRUPTED, EXIT_PROBLEMS, PROG, say
 from kvstore.model.blas import long_prefill_note
+from kvstore.model.jsonl import cache_types
 from kvstore.sizes import format_size
 
 EXAMPLES = """examples:
@@ -18,7 +19,8 @@ EXAMPLES = """examples:
   cat prompts.jsonl | kvstore warm --prompts -
 
 Each line is {"prompt": "..."}, {"messages": [{"role": ..., "content": ...}]} or {"tokens": [...]},
-with optional "id" and "pin": true. Exit code 1 if a line was bad (it is skipped, the others are
+with optional "id" and "pin": true. A messages line's leading system messages are stored as a
+"system" prompt, which a disk budget evicts last. Exit code 1 if a line was bad (it is skipped, the others are
 stored), 130 after Ctrl-C (everything stored so far is kept)."""
 
 
@@ -55,7 +57,7 @@ def cmd_warm(args) -> int:
         ctrl_c = _FirstCtrlC()
         previous = signal.signal(signal.SIGINT, ctrl_c)
         try:
-            _warm_all(mc, work, totals, lambda: ctrl_c.requested)
+            _warm_all(mc, work, totals, lambda: ctrl_c.requested, loaded.tokenizer)
         except (_Stop, KeyboardInterrupt):
             interrupted = True
         finally:
@@ -96,7 +98,17 @@ def _bars(work: list):
                  **common))
 
 
-def _warm_all(mc, work: list, totals: dict, stop: Callable[[], bool]) -> None:
+def _prefill(mc, item, tokens, progress, tokenizer) -> tuple[int, int]:
+    """Prefill the prompt with its cache type, then mark the records that hold a messages line's
+    system prompt as "system"; (tokens reused, tokens computed)."""
+    cache_type, system = cache_types(item, tokenizer, tokens) if tokenizer is not None else ("user", 0)
+    _, reused, computed = mc.prefill(tokens, progress=progress, pin=item.pin, cache_type=cache_type)
+    if system:
+        mc.mark(tokens, "system", first=system)
+    return reused, computed
+
+
+def _warm_all(mc, work: list, totals: dict, stop: Callable[[], bool], tokenizer=None) -> None:
     """Prefill each prompt, with a progress bar on a terminal and a log line per prompt otherwise."""
     bars = _bars(work)
     current = {"computed": 0}  # tokens computed for the prompt in progress
@@ -119,7 +131,7 @@ def _warm_all(mc, work: list, totals: dict, stop: Callable[[], bool]) -> None:
             t0 = time.perf_counter()
             current["computed"] = 0
             try:
-                _, reused, computed = mc.prefill(tokens, progress=progress, pin=item.pin)
+                reused, computed = _prefill(mc, item, tokens, progress, tokenizer)
             except (_Stop, KeyboardInterrupt):
                 # Stopped after the prompt's last chunk was inserted: it is stored whole, so it
                 # counts as warmed, not as "not reached".

@@ -37,6 +37,7 @@ from kvstore.storage.index import Index
 from kvstore.tiers.base import Lookup, Source, Tiers, Where
 from kvstore.tiers.memory import MemoryTier, held
 from kvstore.write.admission import Gate
+from kvstore.upkeep.evict import role_class
 from kvstore.write.writer import Writer
 
 log = logging.getLogger("kvstore")
@@ -245,7 +246,7 @@ class ModelCache:
     # -- insert -----------------------------------------------------------------------------
 
     def insert(self, tokens: Tokens, cache: list, *, pin: bool = False, checkpoint: bool = True,
-               durable: bool = False) -> int:
+               durable: bool = False, cache_type: str = "assistant") -> int:
         """Store the cache of `tokens` (it must hold exactly `len(tokens)` processed tokens).
 
         Returns at once: new chunks, the tail and (for recurrent layers, when `checkpoint`) a
@@ -253,10 +254,16 @@ class ModelCache:
         immediately. Returns how many new records were queued. The store's admission policy
         (`kvstore.open(admit=...)`) says which go to disk; `durable` (as `pin`) writes them
         whatever it says, within the write budget.
+
+        `cache_type` is mlx-lm's (`LRUPromptCache.insert_cache`): "assistant" (the default, as
+        there), "user" or "system". Every record the insert reaches, stored ones too, keeps the
+        strongest type that reached it; a budget evicts assistant-only records first, then
+        user-reached ones, then system prompts (LRU inside each).
         """
         toks = as_tokens(tokens)
         b = self.backing
         b.check_open()
+        role = _role(cache_type)
         if len(toks) == 0:
             raise InvalidInputError("insert needs at least one token")
         self._check_cache(cache, len(toks))
@@ -281,15 +288,19 @@ class ModelCache:
         # Stored records a sliding window may have been missing data for (see the writer's refill).
         stored = [s for s in spans if s.kind != CHECKPOINT and s.hash in held
                   and not b.writer.known_complete(s.hash)] if self._windowed else []
-        if not new and not pin and not stored:
-            return 0
-        first = min((s.start for s in new + stored if s.kind != CHECKPOINT), default=len(toks))
-        views = Views(self.codecs, cache, len(toks), checkpoint=any(s.kind == CHECKPOINT for s in new), first=first)
-        refill = [s for s in stored if views.complete_from(s.start)]
-        if not new and not pin and not refill:
-            return 0
-        b.writer.submit(make_job(self.ns, toks, views, new, refill, self._metadata,
-                                 [s.hash for s in spans] if pin else [], durable=durable))
+        pins = [s.hash for s in spans] if pin else []
+        reached = [s.hash for s in spans] if role else []  # the weakest type raises nothing
+        views = None
+        if new or stored:
+            first = min((s.start for s in new + stored if s.kind != CHECKPOINT), default=len(toks))
+            views = Views(self.codecs, cache, len(toks), checkpoint=any(s.kind == CHECKPOINT for s in new),
+                          first=first)
+        refill = [s for s in stored if views.complete_from(s.start)] if stored else []
+        if new or refill:
+            b.writer.submit(make_job(self.ns, toks, views, new, refill, self._metadata, pins, role, reached,
+                                     durable=durable))
+        elif pins or reached:  # nothing to write: the pins and roles of stored records only
+            b.writer.submit(make_job(self.ns, toks, None, [], [], self._metadata, pins, role, reached))
         return len(new)
 
     def _reached_tails(self, toks: np.ndarray, spans: list[Span], reached: list[bytes]) -> list[Span]:
@@ -311,20 +322,22 @@ class ModelCache:
 
     def prefill(self, tokens: Tokens, *, step: int | None = None, checkpoint_every: int = CHECKPOINT_EVERY,
                 pin: bool = False, progress: Callable[[int], None] | None = None,
-                durable: bool = True) -> tuple[list | None, int, int]:
+                durable: bool = True, cache_type: str = "assistant") -> tuple[list | None, int, int]:
         """Make sure the cache of `tokens` is stored, computing only what is missing.
 
         It is written to disk whatever the admission policy says (`durable=False`: as the
         policy says, and a record kept in RAM counts as stored).
 
         Processes the missing tokens up to each chunk boundary (or `step` at a time) and inserts
-        after each, so a crash or Ctrl-C keeps everything computed so far. Recurrent layers get a
-        checkpoint every `checkpoint_every` chunks and at the end. Returns (the cache, or None if
-        nothing had to be computed; tokens reused; tokens computed).
+        after each (with `cache_type`, as `insert`), so a crash or Ctrl-C keeps everything
+        computed so far. Recurrent layers get a checkpoint every `checkpoint_every` chunks and at
+        the end. Returns (the cache, or None if nothing had to be computed; tokens reused; tokens
+        computed).
         """
         toks = as_tokens(tokens)
         if len(toks) == 0:
             raise InvalidInputError("prefill needs at least one token")
+        role = _role(cache_type)
         for _ in range(PIN_ATTEMPTS):
             # What this process holds in RAM may be gone from disk (gc in another process): a
             # prefill answers for the disk, so records the disk lost are forgotten and recomputed.
@@ -334,6 +347,8 @@ class ModelCache:
             if durable and self._held_back(toks):
                 break  # in RAM only: restored from there and written by the insert below
             if not pin or self._pin(toks):
+                if role:  # stored already: its type only
+                    self.mark(toks, cache_type)
                 return None, len(toks), 0
         cache, rest = self.fetch(toks)
         reused = pos = len(toks) - len(rest)
@@ -344,11 +359,23 @@ class ModelCache:
             mx.eval(arrays_of(cache))
             at_boundary = end % C == 0 and checkpoint_every > 0 and (end // C) % checkpoint_every == 0
             self.insert(toks[:end], cache, pin=pin and end == len(toks),
-                        checkpoint=end == len(toks) or at_boundary, durable=durable)
+                        checkpoint=end == len(toks) or at_boundary, durable=durable, cache_type=cache_type)
             if progress is not None:
                 progress(end - pos)
             pos = end
         return cache, reused, len(toks) - reused
+
+    def mark(self, tokens: Tokens, cache_type: str, *, first: int | None = None) -> None:
+        """Raise to `cache_type` the role of the stored records of `tokens` that hold any of its
+        first `first` tokens (all of them by default), as an insert of that type would, without
+        writing K/V: `warm` marks a prompt's system messages this way. Waits for queued writes."""
+        role, b = _role(cache_type), self.backing
+        toks = as_tokens(tokens)
+        if not role or b.index is None or len(toks) == 0:
+            return
+        first = len(toks) if first is None else first
+        b.flush()
+        b.index.raise_role([s.hash for s in self._durable(toks) if s.start < first], role)
 
     def _durable(self, toks: np.ndarray):
         """The records that must be on disk for `toks` to be stored whole (with the end checkpoint
@@ -419,3 +446,10 @@ def _span(source: Source, start: int) -> Span:
     """A record that was opened, as a span of the prompt starting at `start`."""
     r = source.id
     return Span(r.hash, r.ns, r.parent, r.depth, r.kind, r.ntokens, r.first_token, start=start)
+
+
+def _role(cache_type: str) -> int:
+    try:
+        return role_class(cache_type)
+    except ValueError as e:
+        raise InvalidInputError(str(e)) from None

@@ -129,12 +129,17 @@ class Views:
         return out
 
 
-def make_job(ns: bytes, toks: np.ndarray, views: Views, new: list[Span], refill: list[Span],
-             metadata: dict[str, str], pin: list[bytes], *, durable: bool = False) -> Job:
-    """The writer's job: the new records, and stored ones to write again, complete. `durable`:
-    written whatever the admission policy says."""
+def make_job(ns: bytes, toks: np.ndarray, views: Views | None, new: list[Span], refill: list[Span],
+             metadata: dict[str, str], pin: list[bytes], role: int = 0, reached: list[bytes] = (), *,
+             durable: bool = False) -> Job:
+    """The writer's job: the new records, and stored ones to write again, complete; with no
+    `views`, only the pins and the role of stored records. `durable`: written whatever the
+    admission policy says."""
+    if views is None:
+        return Job(ns, toks, {}, {}, {}, [], metadata, pin=pin, role=role, reached=list(reached))
     specs = views.sizes(new)
     again = views.sizes(refill, whole=True)
     return Job(ns, toks, views.arrays, views.origins, views.views, specs, metadata, checkpoint=views.saved,
                pin=pin, nbytes=sum(s.nbytes for s in specs) + sum(s.nbytes for s in again), refill=again,
-               durable=durable, prepare=views.encode if views.deferred else None)
+               durable=durable, prepare=views.encode if views.deferred else None, role=role,
+               reached=list(reached))

@@ -5,6 +5,9 @@
     {"tokens": [1, 2, 3]}                                token ids, used as they are
     optional: "id": "name", "pin": true                  (pinned prompts are never evicted by gc)
 
+A messages line's leading system messages are stored as a "system" prompt, which a disk budget
+evicts last (`cache_types`).
+
 Parsing never stops at a bad line: each one becomes a `LineError` naming the file, line and field,
 and the good lines around it are still returned. A field kvstore does not know is an error too (a
 typo of "pin" would otherwise leave the prompt unpinned), with the known field it resembles.
@@ -272,12 +275,38 @@ def tokenize(item: PromptLine, tokenizer) -> np.ndarray:
         # Rendered, then encoded without added specials: what tokenize=True does inside transformers.
         text = tokenizer.apply_chat_template(item.value, add_generation_prompt=True, tokenize=False)
         add_special = False
+    return _encode(tokenizer, text, add_special)
+
+
+def _encode(tokenizer, text: str, add_special: bool) -> np.ndarray:
     # verbose=False: the caller reports prompts longer than the context itself.
     try:
         ids = tokenizer.encode(text, add_special_tokens=add_special, verbose=False)
     except TypeError:  # a tokenizer that is not a transformers one
         ids = tokenizer.encode(text, add_special_tokens=add_special)
     return np.asarray(ids, dtype=np.int32).reshape(-1)
+
+
+def cache_types(item: PromptLine, tokenizer, tokens: np.ndarray) -> tuple[str, int]:
+    """(the cache type of the prompt, how many of its first tokens are its system prompt), as
+    `mlx_lm.server` types them: a prompt whose last message is the user's is "user" (else
+    "assistant"), and its leading system messages are "system". A text or token line is "user",
+    with no system prompt: a warmed prompt counts as a request's prompt would."""
+    if item.kind != "messages":
+        return "user", 0
+    whole = "user" if item.value[-1]["role"] == "user" else "assistant"
+    system = 0
+    while system < len(item.value) and item.value[system]["role"] == "system":
+        system += 1
+    if not system:
+        return whole, 0
+    # The system messages with an empty user turn, rendered: where they stop matching the prompt.
+    text = tokenizer.apply_chat_template(item.value[:system] + [{"role": "user", "content": ""}],
+                                         add_generation_prompt=False, tokenize=False)
+    ids = _encode(tokenizer, text, False)[: len(tokens)]
+    differ = np.nonzero(ids != tokens[: len(ids)])[0]
+    end = int(differ[0]) if len(differ) else len(ids)
+    return whole, end if end < len(tokens) else 0
 
 
 def _kinds() -> str:

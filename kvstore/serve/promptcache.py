@@ -251,12 +251,12 @@ class PersistentPromptCache:
             log.info("kvstore: not stored: %d tokens is over the cap of %d tokens per request",
                      len(held), self.max_insert_tokens)
             return
-        mc = binding.for_cache(prompt_cache)
-        mc.insert(held, prompt_cache)
-        self.counters["inserts"] += 1
-        hashes = mc.record_hashes(held)
         if cache_type not in CACHE_TYPES:
             cache_type = "assistant"
+        mc = binding.for_cache(prompt_cache)
+        mc.insert(held, prompt_cache, cache_type=cache_type)  # the store keeps it by type too
+        self.counters["inserts"] += 1
+        hashes = mc.record_hashes(held)
         seq = (key, mc.ns, tuple(held))
         self._ram.add(seq, hashes, cache_type)
         self._evicted.difference_update(hashes)

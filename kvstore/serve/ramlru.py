@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-#: `insert_cache` types, in the order mlx-lm's LRUPromptCache evicts them.
-CACHE_TYPES = ("assistant", "user", "system")
+from kvstore.upkeep.evict import ROLES
+
+#: `insert_cache` types, in the order mlx-lm's LRUPromptCache evicts them (the store's order too).
+CACHE_TYPES = ROLES
 
 
 class RamSequences:

@@ -26,21 +26,22 @@ class EvictionSQL:
         return schema.transaction(self.conn)
 
     def eviction_graph(self, stale: Sequence[bytes] = ()) -> list[tuple]:
-        """(hash + parent, last access, size * 16 + flags) of every record, for planning an
-        eviction (`evict.Graph.from_index`); flags: 1 pinned, 2 of a namespace in `stale`, 4 hangs
-        from its namespace, 8 quarantined. Three columns, two of them numbers: at a million rows
-        making the Python values is most of the time this takes."""
+        """(hash + parent, last access, (size * 4 + role) * 16 + flags) of every record, for
+        planning an eviction (`evict.Graph.from_index`); flags: 1 pinned, 2 of a namespace in
+        `stale`, 4 hangs from its namespace, 8 quarantined. Three columns, two of them numbers: at
+        a million rows making the Python values is most of the time this takes."""
         stale = list(stale)[:_MAX_PARAMS]
         marks = ",".join("?" * len(stale))
         flag = f"(ns IN ({marks})) * 2" if stale else "0"
         return self.conn.execute(
             f"SELECT CAST(hash || parent AS BLOB), last_access, "
-            f"size * 16 + (pinned != 0) + {flag} + (parent = ns) * 4 + (bad != 0) * 8 FROM records"
+            f"size * 64 + min(max(role, 0), 2) * 16 + (pinned != 0) + {flag} + (parent = ns) * 4 + (bad != 0) * 8 "
+            "FROM records"
             # A row of the wrong type (a TEXT hash, say) is never planned: verify reports it.
             " WHERE typeof(hash) = 'blob' AND length(hash) = 16 AND typeof(parent) = 'blob'"
             " AND length(parent) = 16 AND typeof(size) = 'integer'"
             " AND typeof(last_access) IN ('integer', 'real') AND typeof(pinned) = 'integer'"
-            " AND typeof(bad) = 'integer'",
+            " AND typeof(bad) = 'integer' AND typeof(role) = 'integer'",
             stale).fetchall()
 
     @contextmanager
@@ -65,31 +66,32 @@ class EvictionSQL:
         finally:
             conn.execute("DROP TABLE IF EXISTS temp.victims")
 
-    def evict(self, lo: bytes, hi: bytes) -> list[tuple[bytes, int, bytes]]:
+    def evict(self, lo: bytes, hi: bytes) -> list[tuple[bytes, int, bytes, int]]:
         """Delete, in one transaction, the records of `victims` from `lo` to `hi` (hashes,
         inclusive: neighbours in the table) that are unpinned and have no stored child outside
         the victims. The check is made here, so a record pinned, or given a new child by another
-        process, since gc chose it stays. Returns (hash, size, first 2 bytes of its parent) of
-        the rows deleted: delete their files only now that this has committed, and then their
-        edges (`forget_edges`)."""
+        process, since gc chose it stays. Returns (hash, size, parent, first token or -1) of the
+        rows deleted: delete their files only now that this has committed, and then their edges
+        (`forget_edges`)."""
         with self.transaction() as conn:
+            # Most children are victims too: that probe comes first, the row's only for the rest.
             return conn.execute(
                 "DELETE FROM records WHERE hash IN (SELECT hash FROM temp.victims WHERE hash BETWEEN ? AND ?) "
-                "AND pinned = 0 AND NOT EXISTS (SELECT 1 FROM children c JOIN records k ON k.hash = c.hash "
-                "WHERE c.parent = records.hash AND c.hash NOT IN (SELECT hash FROM temp.victims)) "
-                "RETURNING hash, size, substr(parent, 1, 2)", (lo, hi)).fetchall()
+                "AND pinned = 0 AND NOT EXISTS (SELECT 1 FROM children c WHERE c.parent = records.hash "
+                "AND c.hash NOT IN (SELECT hash FROM temp.victims) "
+                "AND EXISTS (SELECT 1 FROM records k WHERE k.hash = c.hash)) "
+                "RETURNING hash, size, parent, coalesce(first_token, -1)", (lo, hi)).fetchall()
 
-    def forget_edges(self, lo: bytes, hi: bytes | None) -> int:
-        """Delete, in one transaction, the edges of `children` from parents `lo` (a hash prefix,
-        inclusive) to `hi` (exclusive; None: to the end) to the records of `victims` that are not
-        stored (any more). Returns how many went."""
+    def forget_edges(self, edges: Sequence[tuple[bytes, int, bytes]]) -> int:
+        """Delete, in one transaction, these (parent, first token or -1, hash) edges of
+        `children` (give them in that order: neighbours in the table), each unless its record is
+        stored (again: another process may have written it since). Returns how many went."""
         with self.transaction() as conn:
-            bound = "" if hi is None else " AND parent < ?"
-            return conn.execute(
-                f"DELETE FROM children WHERE parent >= ?{bound} "
-                "AND hash IN (SELECT hash FROM temp.victims) AND NOT EXISTS "
-                "(SELECT 1 FROM records r WHERE r.hash = children.hash)",
-                (lo,) if hi is None else (lo, hi)).rowcount
+            before = conn.total_changes
+            conn.executemany(
+                "DELETE FROM children WHERE parent = ? AND first_token = ? AND hash = ? "
+                "AND NOT EXISTS (SELECT 1 FROM records r WHERE r.hash = ?3)", edges)
+            return conn.total_changes - before
 
     def forget_lost_edges(self) -> int:
         """Delete every edge whose record is gone (a gc stopped between its two sweeps leaves

@@ -47,6 +47,7 @@ class Row(RecordId):
     hits: int = 0
     pinned: int = 0
     bad: int = 0
+    role: int = 0  # the strongest role class that reached it (`upkeep.evict.ROLES`)
 
 
 _ROW_COLUMNS = ", ".join(Row.__dataclass_fields__)
@@ -249,7 +250,7 @@ class Index(EvictionSQL, WriteLogSQL):
         now = time.time()
         values = [
             (r.hash, r.ns, r.parent, r.depth, r.kind, r.ntokens, r.first_token, r.size,
-             _u64_to_i64(r.checksum), now, now, 0, r.pinned, 0)
+             _u64_to_i64(r.checksum), now, now, 0, r.pinned, 0, r.role)
             for r in rows
         ]
         with self.transaction() as conn:
@@ -258,7 +259,7 @@ class Index(EvictionSQL, WriteLogSQL):
             before = conn.total_changes
             conn.executemany(
                 f"INSERT OR IGNORE INTO records ({_ROW_COLUMNS}) "
-                f"VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                f"VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 values,
             )
             # A record stored again with pin=True gets pinned.
@@ -288,6 +289,16 @@ class Index(EvictionSQL, WriteLogSQL):
                 "UPDATE records SET pinned = ? WHERE hash = ?", [(int(pinned), h) for h in hashes]
             )
             return cur.rowcount
+
+    def raise_role(self, hashes: Sequence[bytes], role: int) -> None:
+        """Raise these records' role class to `role` where it is lower (never lowers one)."""
+        if not hashes:
+            return
+        with self.transaction() as conn:
+            for start in range(0, len(hashes), _MAX_PARAMS):
+                part = list(hashes[start : start + _MAX_PARAMS])
+                conn.execute(f"UPDATE records SET role = ? WHERE hash IN ({','.join('?' * len(part))}) "
+                             "AND role < ?", [role, *part, role])
 
     def pinned(self, ns: bytes) -> set[bytes]:
         """Hashes of the pinned records of a namespace (published to a remote tier)."""
@@ -341,7 +352,8 @@ class Index(EvictionSQL, WriteLogSQL):
     def drop_redundant(self, pairs: Sequence[tuple[bytes, bytes]]) -> list[tuple[bytes, int]]:
         """Delete, in one transaction, the old tail of each (old, newer) pair whose tokens the
         newer record holds, if it is still an unpinned leaf and the newer record is still stored
-        and usable. Returns (hash, size) of the rows deleted: delete their files after this."""
+        and usable; the newer record takes its role if stronger (it now serves those tokens).
+        Returns (hash, size) of the rows deleted: delete their files after this."""
         deleted: list[tuple[bytes, int]] = []
         with self.transaction() as conn:
             for old, newer in pairs:
@@ -349,9 +361,11 @@ class Index(EvictionSQL, WriteLogSQL):
                     f"DELETE FROM records WHERE hash = ? AND kind = {TAIL} AND pinned = 0 AND NOT EXISTS "
                     "(SELECT 1 FROM children c JOIN records k ON k.hash = c.hash WHERE c.parent = ?) "
                     "AND EXISTS (SELECT 1 FROM records n WHERE n.hash = ? AND n.bad = 0) "
-                    "RETURNING hash, size, parent, coalesce(first_token, -1)", (old, old, newer)).fetchall()
-                _drop_edges(conn, [(parent, first, h) for h, _, parent, first in gone])
-                deleted += [(h, size) for h, size, _, _ in gone]
+                    "RETURNING hash, size, parent, coalesce(first_token, -1), role", (old, old, newer)).fetchall()
+                _drop_edges(conn, [(parent, first, h) for h, _, parent, first, _ in gone])
+                for *_, role in gone:
+                    conn.execute("UPDATE records SET role = ? WHERE hash = ? AND role < ?", (role, newer, role))
+                deleted += [(h, size) for h, size, _, _, _ in gone]
         return deleted
 
     def file_bytes(self) -> int:

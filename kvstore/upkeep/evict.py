@@ -17,7 +17,10 @@ first by (E, H) among those left is a leaf, since a child c has E(c) <= E(x) and
 its own (last access, hash) is the smallest of every leaf left, since a leaf y with a smaller one
 would have E(y) < E(x), or share E with x through a common descendant, which makes y an ancestor
 of x and so no leaf.) Ties between equal access times go by hash, as the old rule's heap broke
-them. Records of stale model versions (see `stale.py`) go before all others, and before them
+them. The proof holds for any total order of the records, and the rule's key is in fact
+(class, last access, hash), where the class is the strongest role an insert that reached the
+record gave it (`ROLES`: assistant < user < system, mlx-lm's `LRUPromptCache` order), or -1 for a
+record last used before an age cutoff, so that everything too old goes before any role counts. Records of stale model versions (see `stale.py`) go before all others, and before them
 records no lookup can reach: those under a parent that is gone (a gc that stopped half-way, or
 raced a writer, leaves them), and quarantined records (a lookup stops at them: they failed a
 read) with everything below them.
@@ -34,6 +37,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
+# The role classes, weakest first: mlx-lm's `LRUPromptCache` evicts assistant turns, then user
+# turns, then system prompts. A record keeps the strongest role of the inserts that reached it.
+ROLES = ("assistant", "user", "system")
+
+
+def role_class(cache_type: str) -> int:
+    """The class of an insert's `cache_type` (ValueError for a name not in `ROLES`)."""
+    try:
+        return ROLES.index(cache_type)
+    except ValueError:
+        raise ValueError(f"cache_type must be one of {', '.join(map(repr, ROLES))}, got {cache_type!r}") from None
+
 
 @dataclass
 class Graph:
@@ -47,11 +62,12 @@ class Graph:
     stale: np.ndarray  # bool: of a stale model version
     root: np.ndarray | None = None  # bool: hangs from its namespace (None: every parentless record)
     bad: np.ndarray | None = None  # bool: quarantined (None: none is)
+    role: np.ndarray | None = None  # int64: class in `ROLES` (None: all assistant)
 
     @classmethod
     def from_index(cls, rows: list[tuple]) -> "Graph":
-        """From `Index.eviction_graph`: (hash + parent, last access, size * 16 + flags) tuples,
-        flags 1 pinned, 2 stale, 4 hangs from its namespace, 8 quarantined."""
+        """From `Index.eviction_graph`: (hash + parent, last access, (size * 4 + role) * 16 +
+        flags) tuples, flags 1 pinned, 2 stale, 4 hangs from its namespace, 8 quarantined."""
         if not rows:
             return cls.from_rows([])
         # numpy copies the tuples into one record array in C; "S32" keeps every byte (a hash
@@ -59,12 +75,12 @@ class Graph:
         packed = np.array(rows, dtype=[("hp", "S32"), ("last", "f8"), ("sf", "i8")])
         cols = np.frombuffer(packed.tobytes(), dtype=[("h", "V16"), ("p", "V16"), ("last", "f8"), ("sf", "i8")])
         sf = cols["sf"]
-        return cls(cols["h"].copy(), cols["p"].copy(), sf >> 4, cols["last"].copy(),
-                   (sf & 1) > 0, (sf & 2) > 0, (sf & 4) > 0, (sf & 8) > 0)
+        return cls(cols["h"].copy(), cols["p"].copy(), sf >> 6, cols["last"].copy(),
+                   (sf & 1) > 0, (sf & 2) > 0, (sf & 4) > 0, (sf & 8) > 0, (sf >> 4) & 3)
 
     @classmethod
     def from_rows(cls, rows: list[tuple]) -> "Graph":
-        """From (hash, parent, size, last access, pinned, stale[, root]) tuples."""
+        """From (hash, parent, size, last access, pinned, stale[, root[, role]]) tuples."""
         if not rows:
             empty = np.zeros(0, dtype="V16")
             return cls(empty, empty, np.zeros(0, np.int64), np.zeros(0), np.zeros(0, bool), np.zeros(0, bool))
@@ -73,23 +89,28 @@ class Graph:
         return cls(np.frombuffer(b"".join(hashes), dtype="V16"), np.frombuffer(b"".join(parents), dtype="V16"),
                    np.array(sizes, dtype=np.int64), np.array(last, dtype=np.float64),
                    np.array(pinned, dtype=bool), np.array(stale, dtype=bool),
-                   np.array(columns[6], dtype=bool) if len(columns) > 6 else None)
+                   np.array(columns[6], dtype=bool) if len(columns) > 6 else None,
+                   role=np.array(columns[7], dtype=np.int64) if len(columns) > 7 else None)
 
 
 @dataclass
 class Plan:
     """The records to evict: in eviction order (children before parents), with H of each."""
 
-    hashes: list[bytes]
+    keys: np.ndarray  # V16: their hashes
     sizes: np.ndarray
     heights: np.ndarray
 
     def __len__(self) -> int:
-        return len(self.hashes)
+        return len(self.keys)
+
+    @property
+    def hashes(self) -> list[bytes]:
+        return _split(self.keys.tobytes())
 
     @classmethod
     def empty(cls) -> "Plan":
-        return cls([], np.zeros(0, np.int64), np.zeros(0, np.int64))
+        return cls(np.zeros(0, "V16"), np.zeros(0, np.int64), np.zeros(0, np.int64))
 
 
 def _halves(hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -138,18 +159,30 @@ def unreachable(g: Graph, parent: np.ndarray) -> np.ndarray:
         lost |= below
 
 
-def order(g: Graph, parent: np.ndarray | None = None, by_hash: np.ndarray | None = None
-          ) -> tuple[np.ndarray, np.ndarray]:
-    """(indices of the evictable records in eviction order, H of every record, 0 if never)."""
+def classes(g: Graph, cutoff: float | None) -> np.ndarray:
+    """Each record's class: its role, or -1 if it was last used before `cutoff`."""
+    out = g.role.copy() if g.role is not None else np.zeros(len(g.hashes), np.int64)
+    if cutoff is not None:
+        out[g.last < cutoff] = -1
+    return out
+
+
+def order(g: Graph, parent: np.ndarray | None = None, by_hash: np.ndarray | None = None,
+          cls: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(indices of the evictable records in eviction order, H of every record, 0 if never),
+    with each record's class by `classes` (None: all of one class)."""
     n = len(g.hashes)
     if parent is None or by_hash is None:
         parent, by_hash = parents(g)
+    if cls is None:
+        cls = np.zeros(n, np.int64)
     children = np.bincount(parent[parent >= 0], minlength=n)
-    # Rank of (last access, hash): the heap's key of the leaf-by-leaf rule.
+    # Rank of (class, last access, hash): the heap's key of the leaf-by-leaf rule.
     rank = np.empty(n, dtype=np.int64)
     hash_rank = np.empty(n, dtype=np.int64)
     hash_rank[by_hash] = np.arange(n)
-    rank[np.lexsort((hash_rank, g.last))] = np.arange(n)
+    keys = (hash_rank, g.last, cls) if cls.any() else (hash_rank, g.last)  # one class: one key less
+    rank[np.lexsort(keys)] = np.arange(n)
     top = rank.copy()  # E, as a rank
     height = np.zeros(n, dtype=np.int64)
     frontier = np.nonzero((children == 0) & ~g.pinned)[0]
@@ -174,14 +207,16 @@ def plan(g: Graph, *, max_bytes: int | None, cutoff: float | None, stale: bool) 
 
     Records of stale versions go first (in their own LRU order), then the others: each part is
     evicted up to the first record that neither the budget, the age nor `stale` asks for, where
-    the leaf-by-leaf rule would stop. Unreachable records (`unreachable`) go first, all of them
-    but the pinned. The parts' trees are disjoint, so each part alone keeps children before
-    parents."""
+    the leaf-by-leaf rule would stop. Inside a part, records last used before `cutoff` go first
+    (by last access alone: age does not look at roles), then the budget takes records by role
+    class, weakest first, LRU inside each. Unreachable records (`unreachable`) go first, all
+    of them but the pinned. The parts' trees are disjoint, so each part alone keeps children
+    before parents."""
     parent, by_hash = parents(g)
     lost = unreachable(g, parent)
     if max_bytes is None and cutoff is None and not (stale and g.stale.any()) and not lost.any():
         return Plan.empty()
-    idx, height = order(g, parent, by_hash)
+    idx, height = order(g, parent, by_hash, classes(g, cutoff))
     left = int(g.sizes.sum())
     taken = []
     gone, old = lost[idx], g.stale[idx] & ~lost[idx]
@@ -197,12 +232,13 @@ def plan(g: Graph, *, max_bytes: int | None, cutoff: float | None, stale: bool) 
         taken.append(part[:stop])
         left -= int(sizes[:stop].sum())
     idx = np.concatenate(taken)
-    return Plan([bytes(h) for h in g.hashes[idx]], g.sizes[idx], height[idx])
+    return Plan(g.hashes[idx], g.sizes[idx], height[idx])
 
 
 def in_key_order(p: Plan) -> list[bytes]:
     """The plan's hashes sorted: the order of the table's primary key."""
-    if not len(p):
-        return []
-    raw = np.sort(np.frombuffer(b"".join(p.hashes), dtype="V16")).tobytes()
+    return _split(np.sort(p.keys).tobytes()) if len(p) else []
+
+
+def _split(raw: bytes) -> list[bytes]:
     return [raw[i : i + 16] for i in range(0, len(raw), 16)]

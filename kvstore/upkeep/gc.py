@@ -1,14 +1,17 @@
 """Keeping a store within bounds: `collect`, behind `LocalStore.gc` (and so `kvstore gc`).
 
 Which records gc evicts is the leaf-by-leaf LRU rule (`evict` computes it for the whole store at
-once); pinned records and their ancestors stay. Their rows go in hash order (neighbours in the
-table), in short transactions, each file right after the one that dropped its row; then their
-edges in the `children` table, in its own order (see `evict` for why a parent may go first).
+once, with retention by role); pinned records and their ancestors stay. Their rows go in hash
+order (neighbours in the table), in short transactions, each file right after the one that
+dropped its row; then their edges in the `children` table, by key in its own order (see `evict`
+for why a parent may go first).
 """
 
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
+from operator import itemgetter
 from pathlib import Path
 from typing import Iterator
 
@@ -31,6 +34,8 @@ _CACHE_MIN_KIB, _CACHE_MAX_KIB = 64 << 10, 1 << 20
 # After each transaction gc waits this long, so that a writer waiting for the blob-tree lock
 # (or in SQLite's busy handler) gets its turn before the next one.
 _YIELD_S = 0.002
+# Threads that unlink a transaction's files (sorted, in runs that share folders).
+_UNLINK_THREADS, _UNLINKS_PER_TASK = 4, 256
 
 
 def collect(index: Index, root: Path, *, max_bytes: int | None = None, max_age: float | None = None,
@@ -54,21 +59,20 @@ def collect(index: Index, root: Path, *, max_bytes: int | None = None, max_age: 
         freed, hashes = int(p.sizes.sum()) if len(p) else 0, list(p.hashes)
     else:
         order = evict.in_key_order(p)
-        prefixes: set[bytes] = set()
-        # A page cache as big as the index (up to 1 GiB) while gc runs.
+        edges: list[tuple[bytes, int, bytes]] = []
+        # A page cache as big as the index (up to 1 GiB) while gc runs; files unlinked on threads
+        # (the syscall releases the GIL, and unlinks in different folders run side by side).
         with index.bulk(cache_kib=min(_CACHE_MAX_KIB, max(_CACHE_MIN_KIB, index.file_bytes() // 1024))), \
-                index.victims(order):
+                index.victims(order), ThreadPoolExecutor(_UNLINK_THREADS, thread_name_prefix="kvstore-gc") as pool:
             # Sweep 1, in hash order: the rows, and each record's file right after its commit.
-            for took, deleted in _batches(index, order, lambda part: _evict(index, root, part[0], part[-1])):
+            for took, deleted in _batches(index, order, lambda part: _evict(index, root, part[0], part[-1], pool)):
                 longest = max(longest, took)
-                freed += sum(size for _, size, _ in deleted)
-                hashes += [h for h, _, _ in deleted]
-                prefixes.update(prefix for _, _, prefix in deleted)
-            # Sweep 2, in the order of the `children` table: the edges under the parents of the
-            # rows deleted (by the first two bytes of the parent's hash).
-            ranges = sorted(prefixes)
-            for took, _ in _batches(index, ranges, lambda part: _forget_edges(index, root, part[0], part[-1]),
-                                    start=8):
+                freed += sum(row[1] for row in deleted)
+                hashes += [row[0] for row in deleted]
+                edges += [(parent, first, h) for h, _, parent, first in deleted]
+            # Sweep 2, in the order of the `children` table: the edges of the rows deleted.
+            edges.sort(key=itemgetter(0))  # by parent: the table's pages in order (what follows is one page)
+            for took, _ in _batches(index, edges, lambda part: _forget_edges(index, root, part)):
                 longest = max(longest, took)
     return {
         "evicted": len(hashes),
@@ -83,24 +87,24 @@ def collect(index: Index, root: Path, *, max_bytes: int | None = None, max_age: 
     }
 
 
-def _evict(index: Index, root: Path, lo: bytes, hi: bytes) -> list[tuple]:
+def _evict(index: Index, root: Path, lo: bytes, hi: bytes, pool: ThreadPoolExecutor) -> list[tuple]:
     # Exclusive of writers: none can find a row here and then lose its file to us.
     with blobtree.tree_lock(root, exclusive=True):
         deleted = index.evict(lo, hi)
         if deleted:
             faults.hit("gc_deleted")
         # after the commit: a crash before here leaves orphan files only
-        blobtree.remove_all(root, sorted(h for h, _, _ in deleted))
+        gone = [row[0] for row in deleted]  # in hash order, as the delete went: neighbours share folders
+        step = max(_UNLINKS_PER_TASK, -(-len(gone) // _UNLINK_THREADS))
+        list(pool.map(lambda i: blobtree.remove_all(root, gone[i : i + step]), range(0, len(gone), step)))
     return deleted
 
 
-def _forget_edges(index: Index, root: Path, first: bytes, last: bytes) -> int:
-    """The edges under parents whose hash starts with 2-byte prefixes `first` to `last`."""
-    n = int.from_bytes(last, "big") + 1
+def _forget_edges(index: Index, root: Path, edges: list[tuple[bytes, int, bytes]]) -> int:
     # Under the lock too: a writer then waits on it, and is woken the moment this commits,
     # instead of polling SQLite's lock with sleeps of up to 100 ms.
     with blobtree.tree_lock(root, exclusive=True):
-        return index.forget_edges(first, n.to_bytes(2, "big") if n < 1 << 16 else None)
+        return index.forget_edges(edges)
 
 
 def _batches(index: Index, items: list, step, start: int = _BATCH_START) -> Iterator[tuple[float, object]]:

@@ -66,6 +66,8 @@ def write(dest: Destination, job: Job,
                 after_write(rows)
         if job.pin and dest.index is not None:
             dest.index.pin(job.pin)
+        if job.reached and dest.index is not None:
+            dest.index.raise_role(job.reached, job.role)
     _give_back(dest, staged, rows)
     if copies:
         dest.memory.put(reversed(copies))
@@ -163,7 +165,7 @@ def _place(dest: Destination, job: Job, hosts: Hosts, todo: list[Span], staged: 
                 break  # later records hang from this one; without it they are unreachable
             faults.hit("after_rename")
             rows.append(Row(spec.hash, spec.ns, spec.parent, spec.depth, spec.kind, spec.ntokens,
-                            spec.first_token, size, checksum, pinned=int(spec.hash in job.pin)))
+                            spec.first_token, size, checksum, pinned=int(spec.hash in job.pin), role=job.role))
             dest.stats.bytes_written += size
         if keep:
             copies.append(jobs.compact(job, spec, tokens, tensors))

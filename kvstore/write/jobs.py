@@ -67,6 +67,10 @@ class Job:
                 if self.prepare is not None:
                     self.prepare(self)
                     self.prepare = None
+    # The insert's role class (`upkeep.evict.ROLES`) and, when above the weakest, every record it
+    # reaches (stored ones too): their rows' role is raised to it.
+    role: int = 0
+    reached: list[bytes] = field(default_factory=list)
 
     def slices(self, spec: Span, arrays: dict) -> dict:
         """The part of each array that falls in the spec's tokens (always a suffix of them)."""
