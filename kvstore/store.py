@@ -27,6 +27,7 @@ from kvstore.model.cache import Backing, ModelCache
 from kvstore.model.layout import describe, make_template
 from kvstore.remote.bucket import check_url, open_bucket
 from kvstore.remote.node import Remote
+from kvstore.restore import buffers
 from kvstore.storage.storedir import default_path
 from kvstore.tiers.base import Tiers
 from kvstore.tiers.disk import DiskTier
@@ -68,8 +69,10 @@ class Store:
                  memory_bytes: int | None = None, chunk_size: int = 256,
                  max_pending_bytes: int = DEFAULT_PENDING_BYTES, fsync: bool = True,
                  create: bool = True, read_only: bool | None = False,
-                 remote: str | None = None, remote_deadline: float | None = None):
+                 remote: str | None = None, remote_deadline: float | None = None,
+                 buffer_cache_bytes: int | None = None):
         _check_options(chunk_size, max_bytes, memory_bytes, remote, remote_deadline)
+        _bound_buffer_cache(buffer_cache_bytes)
         self.chunk_size = chunk_size
         self.max_bytes = None if max_bytes == AUTO else max_bytes
         self.max_bytes_rule: str | None = None  # how an automatic budget was found
@@ -209,6 +212,7 @@ class Store:
                        "redundant_bytes": w.redundant_bytes, "refilled": w.refilled},
             **self.counters,
             "remote": self.remote.stats() if self.remote is not None else None,
+            "buffer_cache": buffers.held(),
         }
         if self.files is not None:
             out.update(self.files.stats())
@@ -270,6 +274,18 @@ def _check_options(chunk_size, max_bytes, memory_bytes, remote, remote_deadline)
         raise InvalidInputError(f"remote_deadline must be a non-negative number of seconds, got {remote_deadline!r}")
 
 
+# -- mlx's buffer cache: freed restore memory kept for the next restore (kvstore.restore.buffers)
+
+def _bound_buffer_cache(nbytes: int | None) -> None:
+    """`buffer_cache_bytes`: the most mlx may keep (process-wide); None keeps the default (RAM / 8)."""
+    if nbytes is None:
+        return
+    try:
+        buffers.set_bound(nbytes)
+    except ValueError as e:
+        raise InvalidInputError(str(e)) from None
+
+
 def open(path: str | os.PathLike | None = None, *, max_bytes: int | str | None = None,
          memory_bytes: int | None = None, chunk_size: int = 256, remote: str | None = None,
          **options) -> Store:
@@ -285,7 +301,8 @@ def open(path: str | os.PathLike | None = None, *, max_bytes: int | str | None =
     store; `read_only=True` (or `None`: when this user may not write it) writes nothing.
     `remote="s3://BUCKET/PREFIX"` shares the store with other nodes through an S3-compatible
     object store (see `kvstore.tiers.remote`); `remote_deadline` (seconds, default 1) bounds the
-    remote part of each fetch.
+    remote part of each fetch. `buffer_cache_bytes` bounds the freed restore memory mlx keeps
+    for the next restore, for the whole process (default: an eighth of RAM; 0: mlx's own limit).
     """
     return Store(path, max_bytes=max_bytes, memory_bytes=memory_bytes, chunk_size=chunk_size,
                  remote=remote, **options)
@@ -297,7 +314,7 @@ def open(path: str | os.PathLike | None = None, *, max_bytes: int | str | None =
 STORE_TOTALS = ("path", "bytes", "chunks", "tails", "checkpoints", "models", "quarantined_total",
                 "quarantined_now", "quarantine_folder")
 PER_PROCESS = ("chunk_size", "max_bytes", "memory", "writer", "quarantined", "skipped_inserts",
-               "fetches", "reused_tokens", "read_only", "max_bytes_auto", "max_bytes_rule")
+               "fetches", "reused_tokens", "read_only", "max_bytes_auto", "max_bytes_rule", "buffer_cache")
 # `remote`: this process's counters, and under `totals` the store's (kept in its index).
 MIXED = {"remote": "process; its totals: store"}
 

@@ -78,7 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if peek.model is not None:
             resolve_model(peek.model)  # a path that is no model folder: said before anything starts
         store = kvstore.open(ours.store, max_bytes=ours.store_max_bytes, memory_bytes=memory_bytes,
-                             remote=ours.remote)
+                             remote=ours.remote, buffer_cache_bytes=ours.buffer_cache_bytes)
     except KVStoreError as e:
         print(f"kvstore serve: {e}", file=sys.stderr)
         return 1
