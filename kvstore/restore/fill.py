@@ -47,9 +47,12 @@ def fill(pl: Plan, sources: Sequence[Source]) -> tuple[dict[str, mx.array], list
     keys = list(jobs)
     failed: dict[int, BlobError] = {}
 
-    def zero() -> None:  # numpy lets go of the GIL while it fills
+    def zero_one(name: str) -> None:  # numpy lets go of the GIL while it fills
+        views[name].array[:, :, pl.filled[name]:] = 0
+
+    def zero() -> None:
         for name in spare:
-            views[name].array[:, :, pl.filled[name]:] = 0
+            zero_one(name)
 
     def copy(ks: list[int]) -> None:
         for k in ks:
@@ -72,8 +75,8 @@ def fill(pl: Plan, sources: Sequence[Source]) -> tuple[dict[str, mx.array], list
             # it and the first are asked (one syscall each; asking all 128 of a 32k-token prompt
             # took 2.5 ms). A cold disk wants many reads in flight; the page cache one reader.
             cold = any(_cold(sources[k]) for k in {staged[-1], staged[0]})
-            _overlapped(sources, jobs, staged, views, failed, _READ_THREADS if cold else _WARM_READERS,
-                        lambda: (zero(), copy(rest)))
+            idle = [lambda: copy(rest)] + [lambda name=name: zero_one(name) for name in spare]
+            _overlapped(sources, jobs, staged, views, failed, _READ_THREADS if cold else _WARM_READERS, idle)
         elif gather:
             zero()
             _gather(pl, sources, views)
@@ -92,11 +95,12 @@ def fill(pl: Plan, sources: Sequence[Source]) -> tuple[dict[str, mx.array], list
 
 
 def _overlapped(sources: Sequence[Source], jobs: Mapping[int, tuple[Copy, ...]], keys: list[int],
-                views: Mapping[str, Target], failed: dict[int, BlobError], readers: int, meanwhile) -> None:
+                views: Mapping[str, Target], failed: dict[int, BlobError], readers: int, idle: list) -> None:
     """Read the records `keys` on `readers` pool threads, step by step (a `preadv` each, which
     lets go of the GIL), and check every step on this thread as soon as it has landed, while its
     bytes are still in the CPU's caches: xxhash holds the GIL, so one thread checking while another
-    copies is what keeps both cores busy. `meanwhile` runs on this thread first, as they read.
+    copies is what keeps both cores busy. The small tasks `idle` run on this thread whenever no
+    step is waiting to be checked (zeroing the spare, one tensor each: checks never fall behind).
     A record whose step fails is read no further; its error goes in `failed`."""
     landed: queue.SimpleQueue = queue.SimpleQueue()
 
@@ -118,11 +122,14 @@ def _overlapped(sources: Sequence[Source], jobs: Mapping[int, tuple[Copy, ...]],
     pool = _threads()
     futures = [pool.submit(read, keys[i::readers]) for i in range(readers)]
     running = len(futures)
+    todo = list(reversed(idle))
     try:
-        meanwhile()
-    finally:
         while running:  # never return while a reader may still write into the arrays
-            item = landed.get()
+            try:
+                item = landed.get(block=not todo)
+            except queue.Empty:
+                todo.pop()()
+                continue
             if item is None:
                 running -= 1
                 continue
@@ -136,8 +143,13 @@ def _overlapped(sources: Sequence[Source], jobs: Mapping[int, tuple[Copy, ...]],
                 sources[k].check_step(step)
             except BlobError as e:
                 failed[k] = e
+    finally:
+        while running:  # an idle task raised: wait for the readers all the same
+            running -= landed.get() is None
         for f in futures:
             f.result()
+    while todo:
+        todo.pop()()
 
 
 def _gather(pl: Plan, sources: Sequence[Source], views: Mapping[str, Target]) -> None:
