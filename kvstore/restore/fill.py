@@ -29,6 +29,9 @@ from kvstore.storage.readplan import Target, target
 _POOL_MIN_BYTES = 4 << 20  # below this, threads cost more than they save
 _READ_THREADS = 8  # reader threads when records come from a cold disk
 _WARM_READERS = 1  # ... and from the page cache: one copies while this thread checks
+# Landed steps are handed to the checking thread this many bytes at a time: each hand-off wakes it
+# (a few µs of CPU each, 448 of them for 235 MB in 512 KiB steps), and 2 MiB is still in L3 when hashed.
+_HANDOFF_BYTES = 2 << 20
 _SMALL_COPY_BYTES = 64 << 10  # records in RAM copied in pieces smaller than this: on one thread
 _pool: ThreadPoolExecutor | None = None
 
@@ -108,12 +111,19 @@ def _overlapped(sources: Sequence[Source], jobs: Mapping[int, tuple[Copy, ...]],
         try:
             for k in group:
                 src = sources[k]
+                steps, nbytes = [], 0
                 try:
                     for step in src.read_steps(jobs[k], views):
                         if k in failed:
                             break
                         src.read_step(step)
-                        landed.put((k, step))
+                        steps.append(step)
+                        nbytes += step.nbytes
+                        if nbytes >= _HANDOFF_BYTES:  # a wake-up of the checking thread per few steps
+                            landed.put((k, steps))
+                            steps, nbytes = [], 0
+                    if steps:
+                        landed.put((k, steps))
                 except BlobError as e:
                     landed.put((k, e))
         finally:
@@ -133,14 +143,15 @@ def _overlapped(sources: Sequence[Source], jobs: Mapping[int, tuple[Copy, ...]],
             if item is None:
                 running -= 1
                 continue
-            k, step = item
+            k, steps = item
             if k in failed:
                 continue
-            if isinstance(step, BlobError):
-                failed[k] = step
+            if isinstance(steps, BlobError):
+                failed[k] = steps
                 continue
             try:
-                sources[k].check_step(step)
+                for step in steps:
+                    sources[k].check_step(step)
             except BlobError as e:
                 failed[k] = e
     finally:
