@@ -277,7 +277,7 @@ def _check_options(chunk_size, max_bytes, memory_bytes, remote, remote_deadline)
 # -- mlx's buffer cache: freed restore memory kept for the next restore (kvstore.restore.buffers)
 
 def _bound_buffer_cache(nbytes: int | None) -> None:
-    """`buffer_cache_bytes`: the most mlx may keep (process-wide); None keeps the default (RAM / 8)."""
+    """`buffer_cache_bytes`: the most mlx may keep (process-wide); None keeps the default (RAM / 4)."""
     if nbytes is None:
         return
     try:
@@ -302,7 +302,7 @@ def open(path: str | os.PathLike | None = None, *, max_bytes: int | str | None =
     `remote="s3://BUCKET/PREFIX"` shares the store with other nodes through an S3-compatible
     object store (see `kvstore.tiers.remote`); `remote_deadline` (seconds, default 1) bounds the
     remote part of each fetch. `buffer_cache_bytes` bounds the freed restore memory mlx keeps
-    for the next restore, for the whole process (default: an eighth of RAM; 0: mlx's own limit).
+    for the next restore, for the whole process (default: a quarter of RAM; 0: mlx's own limit).
     """
     return Store(path, max_bytes=max_bytes, memory_bytes=memory_bytes, chunk_size=chunk_size,
                  remote=remote, **options)
