@@ -1,11 +1,14 @@
-"""Filling the final arrays of a plan from the records' sources, on a small thread pool.
+"""Filling the final arrays of a plan from the records' sources.
 
 Each final array is allocated once (`alloc`), not zeroed (small ones are, which is cheaper),
-with spare capacity after the restored tokens (zeroed) so the first decode step writes
-in place; every record's `Source` copies its tokens straight into place (disk: `preadv` from the
-page cache, checksummed per tensor). Records held in RAM, in small pieces, are gathered tensor by
-tensor instead, one numpy call per final tensor. A record that fails its check is reported,
-never used.
+with spare capacity after the restored tokens (zeroed) so the first decode step writes in place.
+Sources that read in steps (the disk: `read_steps`) are read on pool threads, a `preadv` per step
+straight into place, which lets go of the GIL, while this thread checks every step that landed
+against its tensors' checksums (xxhash holds the GIL) and zeroes the spare when nothing waits:
+one core copies while the other hashes what is still in the CPU's caches. What a step is (and any
+decoding of landed bytes) is the source's; this loop only moves steps between the two threads.
+Records held in RAM are copied, or gathered tensor by tensor when in small pieces. A record that
+fails its check is reported, never used.
 """
 
 from __future__ import annotations
