@@ -2,7 +2,8 @@
 
     python bench/restore_methods.py SPEC.json OUT.json    # started by bench/restore.py
 
-SPEC names the method, the cache shape, the files `restore.py` prepared (a kvstore store holding
+SPEC names the method (or "shared" and a list of `methods`: all of them in this one process,
+interleaved), the cache shape, the files `restore.py` prepared (a kvstore store holding
 one sequence, the same cache in one `save_prompt_cache` file, its token ids) and the repetitions.
 Every call is timed alone, with the page faults it took (getrusage: every thread of the process);
 what it returns is freed (and garbage-collected) untimed before the next call. kvstore is used only
@@ -237,7 +238,7 @@ def kvstore_disk(ctx: Ctx, *, cold: bool = False, step: bool = False) -> Method:
 
 def kvstore_memory(ctx: Ctx, *, step: bool = False) -> Method:
     """A repeated prompt from RAM: a fresh store with a memory tier, the cache inserted, fetched once."""
-    path = ctx.work / f"memory-store-{os.getpid()}"
+    path = ctx.work / f"memory-store-{os.getpid()}{'-step' if step else ''}"  # two in a shared process
     shutil.rmtree(path, ignore_errors=True)
     kv_bytes = ctx.shape.bytes_per_token * ctx.tokens
     store, mc = open_bound(path, ctx, memory_bytes=3 * kv_bytes + (64 << 20))
@@ -311,40 +312,65 @@ METHODS: dict[str, tuple[str, Callable[[Ctx], Method]]] = {
 }
 
 
-def run(spec: dict) -> dict:
+def make_ctx(spec: dict) -> Ctx:
     sh = spec["shape"]
     ctx = Ctx(shape=C.Shape(sh["name"], sh["layers"], sh["kv_heads"], sh["head_dim"]), tokens=spec["tokens"],
               work=Path(spec["work"]), store=Path(spec["store"]), one_file=Path(spec["one_file"]),
               toks=np.load(spec["tokens_file"]))
     ctx.files = C.blob_files(ctx.store)
-    t0 = time.perf_counter()
-    method = METHODS[spec["method"]][1](ctx)
-    setup_s = time.perf_counter() - t0
-    samples, minflt, majflt, cpu = [], [], [], []
+    return ctx
+
+
+def one_call(method: Method, check: bool) -> tuple[float, int, int, float]:
+    """One timed call: (seconds, minor faults, major faults, CPU seconds); what it returns is
+    checked (`check`) and freed, untimed."""
+    if method.before:
+        method.before()
+    gc.collect()
+    f0 = C.page_faults()
+    c0 = C.cpu_seconds()
+    t = time.perf_counter()
+    out = method.call()
+    dt = time.perf_counter() - t
+    c1 = C.cpu_seconds()
+    f1 = C.page_faults()
+    if check and method.check:
+        method.check(out)
+    del out  # free, untimed, before the next call
+    gc.collect()
+    return dt, f1[0] - f0[0], f1[1] - f0[1], c1 - c0
+
+
+def run(spec: dict) -> dict:
+    """One method in this process (spec["method"]), or every method of spec["methods"] in this
+    one process, interleaved call by call (the order reversed every other round), as a server
+    runs them: they share mlx's buffer cache. Cold calls are followed by warming the files again."""
+    names = spec["methods"] if spec.get("method") == "shared" else [spec["method"]]
+    built, ctxs, setup = {}, {}, {}
+    for name in names:
+        ctx = ctxs[name] = make_ctx(spec)
+        t0 = time.perf_counter()
+        built[name] = METHODS[name][1](ctx)
+        setup[name] = time.perf_counter() - t0
+    rows = {name: {"samples_s": [], "minflt": [], "majflt": [], "cpu_s": []} for name in names}
     for i in range(spec["warmup"] + spec["reps"]):
-        if method.before:
-            method.before()
-        gc.collect()
-        f0 = C.page_faults()
-        c0 = C.cpu_seconds()
-        t = time.perf_counter()
-        out = method.call()
-        dt = time.perf_counter() - t
-        c1 = C.cpu_seconds()
-        f1 = C.page_faults()
-        if i == 0 and method.check:
-            method.check(out)
-        del out  # free, untimed, before the next call
-        gc.collect()
-        if i >= spec["warmup"]:
-            samples.append(dt)
-            minflt.append(f1[0] - f0[0])
-            majflt.append(f1[1] - f0[1])
-            cpu.append(c1 - c0)
-    if method.after_all:
-        method.after_all()
-    return {"method": spec["method"], "samples_s": samples, "minflt": minflt, "majflt": majflt, "cpu_s": cpu,
-            "setup_s": setup_s, "checks": ctx.checks, "cold": method.cold}
+        for name in (names if i % 2 == 0 else names[::-1]):
+            method = built[name]
+            dt, minor, major, cpu = one_call(method, check=i == 0)
+            if method.cold and len(names) > 1:
+                C.warm(ctxs[name].files)  # the next method finds the page cache as it expects
+            if i >= spec["warmup"]:
+                row = rows[name]
+                row["samples_s"].append(dt)
+                row["minflt"].append(minor)
+                row["majflt"].append(major)
+                row["cpu_s"].append(cpu)
+    for name in names:
+        if built[name].after_all:
+            built[name].after_all()
+    out = {name: dict(rows[name], method=name, setup_s=setup[name], checks=ctxs[name].checks,
+                      cold=built[name].cold) for name in names}
+    return out[names[0]] if len(names) == 1 and spec.get("method") != "shared" else {"method": "shared", "runs": out}
 
 
 def main() -> None:

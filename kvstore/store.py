@@ -30,6 +30,7 @@ from kvstore.model.layout import describe, make_template
 from kvstore.remote.bucket import check_url, open_bucket
 from kvstore.remote.node import FLUSH_TIMEOUT_S, Remote
 from kvstore.remote.seal import Fleet, fleet_secret
+from kvstore.restore import buffers
 from kvstore.restore.quant import check_disk_kv_bits
 from kvstore.storage.storedir import default_path
 from kvstore.tiers.base import Tiers
@@ -77,11 +78,12 @@ class Store:
                  remote: str | None = None, remote_deadline: float | None = None,
                  remote_key: str | bytes | None = None, remote_flush_timeout: float | None = None,
                  admit: str | None = None, max_write_rate: int | str | None = None,
-                 disk_kv_bits: int | None = None):
+                 disk_kv_bits: int | None = None, buffer_cache_bytes: int | None = None):
         _check_options(chunk_size, max_bytes, memory_bytes, remote, remote_deadline)
         check_policy(admit)
         write_budget.parse_rate(max_write_rate)
         check_disk_kv_bits(disk_kv_bits)
+        _bound_buffer_cache(buffer_cache_bytes)
         self.chunk_size = chunk_size
         self.max_bytes = None if max_bytes == AUTO else max_bytes
         self.max_bytes_rule: str | None = None  # how an automatic budget was found
@@ -304,6 +306,7 @@ class Store:
             **self.counters,
             "remote": self.remote.stats() if self.remote is not None else None,
             "writes": self.write_stats(),
+            "buffer_cache": buffers.held(),
         }
         if self.files is not None:
             out.update(self.files.stats())
@@ -365,6 +368,18 @@ def _check_options(chunk_size, max_bytes, memory_bytes, remote, remote_deadline)
         raise InvalidInputError(f"remote_deadline must be a non-negative number of seconds, got {remote_deadline!r}")
 
 
+# -- mlx's buffer cache: freed restore memory kept for the next restore (kvstore.restore.buffers)
+
+def _bound_buffer_cache(nbytes: int | None) -> None:
+    """`buffer_cache_bytes`: the most mlx may keep (process-wide); None keeps the default (RAM / 4)."""
+    if nbytes is None:
+        return
+    try:
+        buffers.set_bound(nbytes)
+    except ValueError as e:
+        raise InvalidInputError(str(e)) from None
+
+
 def open(path: str | os.PathLike | None = None, *, max_bytes: int | str | None = None,
          memory_bytes: int | None = None, chunk_size: int = 256, remote: str | None = None,
          **options) -> Store:
@@ -395,6 +410,9 @@ def open(path: str | os.PathLike | None = None, *, max_bytes: int | str | None =
     half the bytes of bf16 at 8 bits); restored, they are the model's own cache class and dtype.
     The store remembers the setting: later opens without it use it too (`0` turns it off). See
     docs/kv8.md.
+
+    `buffer_cache_bytes` bounds the freed restore memory mlx keeps for the next restore, for the
+    whole process (default: a quarter of RAM; 0: mlx's own limit).
     """
     return Store(path, max_bytes=max_bytes, memory_bytes=memory_bytes, chunk_size=chunk_size,
                  remote=remote, **options)
@@ -407,7 +425,7 @@ STORE_TOTALS = ("path", "bytes", "chunks", "tails", "checkpoints", "models", "qu
                 "quarantined_now", "quarantine_folder")
 PER_PROCESS = ("chunk_size", "max_bytes", "memory", "writer", "quarantined", "skipped_inserts",
                "fetches", "reused_tokens", "read_only", "max_bytes_auto", "max_bytes_rule",
-               "disk_kv_bits")
+               "disk_kv_bits", "buffer_cache")
 # `remote`: this process's counters, and under `totals` the store's (kept in its index).
 # `writes`: the store's write log (every process's), and the settings this process opened it with.
 MIXED = {"remote": "process; its totals: store", "writes": "store; admit and max_write_rate: process"}

@@ -58,13 +58,19 @@ def test_restore_bench_quick_reports_every_method(tmp_path):
         checks = methods[name]["checks"]
         assert checks["capacity_after_step"] >= 513, name
         assert isinstance(checks["first_step_reallocates"], bool), name
-    for key in ("warm", "cold", "first_step", "memory"):
+    # Every method ran twice: all in one process (the headline, judged) and each in its own.
+    assert set(result["separate"]) == set(methods)
+    for name in REQUIRED:
+        assert result["separate"][name]["exit_codes"] == [0] and result["separate"][name]["n"] >= 1, name
+    assert set(result["targets_separate"]) == set(result["targets"])
+    for key in ("warm", "alone", "cold", "first_step", "memory"):
         target = result["targets"][key]
         assert target["ratio"] is not None and target["ratio"] > 0, key
         assert isinstance(target["met"], bool), key
 
     table = out.with_suffix(".md").read_text()
     assert table.startswith("## Restore")
+    assert "one process" in table and "a process of its own" in table and data["machine"]["cpu"] in table
     for name in REQUIRED:
         assert f"| {name} |" in table, name
 

@@ -384,7 +384,8 @@ def test_help_lists_kvstore_and_mlx_lm_options():
     out = subprocess.run([sys.executable, "-m", "kvstore.serve", "--help"], capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    for flag in ("--store", "--store-max-bytes", "--memory-bytes", "--store-max-tokens", "--allowed-origins",
+    for flag in ("--store", "--store-max-bytes", "--memory-bytes", "--buffer-cache-bytes", "--store-max-tokens",
+                 "--allowed-origins",
                  "--prompt-cache-size", "--port", "/metrics"):
         assert flag in out.stdout
     assert "default: *" not in out.stdout  # mlx_lm.server's own --allowed-origins entry is left out

@@ -36,8 +36,8 @@ from kvstore.storage.blobformat import nbytes
 from kvstore.storage.index import Index
 from kvstore.tiers.base import Lookup, Source, Tiers, Where
 from kvstore.tiers.memory import MemoryTier, held
-from kvstore.write.admission import Gate
 from kvstore.upkeep.evict import role_class
+from kvstore.write.admission import Gate
 from kvstore.write.writer import Writer
 
 log = logging.getLogger("kvstore")

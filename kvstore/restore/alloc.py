@@ -36,14 +36,14 @@ from typing import Mapping, Sequence
 
 import mlx.core as mx
 
+from kvstore.restore import buffers
 from kvstore.restore.arrays import MX_DTYPES
 from kvstore.storage.blobformat import DTYPES
 
 _LIVE: "weakref.WeakSet[_Shell]" = weakref.WeakSet()
 _EXIT_WAIT_S = 5.0
 ZERO_BELOW = 512 << 10  # average bytes an array under which mx.zeros is cheaper (see above)
-_cache_floor = 0  # the mlx buffer-cache limit this module has made sure of
-_LOCK = threading.Lock()
+_LOCK = buffers.LOCK  # loads and changes of mlx's buffer-cache limit never overlap
 _streams = threading.local()  # mlx streams belong to the thread that made them
 
 
@@ -103,18 +103,9 @@ class _Shell:
 
 
 def keep_buffers(nbytes: int) -> None:
-    """Make mlx keep freed buffers of up to twice `nbytes` for reuse (never lowering a limit the
-    user set). mlx-cpu caches only 32 MiB by default: larger buffers go back to the OS when freed,
-    so every restore would page-fault fresh memory, which costs more here than reading the bytes."""
-    global _cache_floor
-    want = min(2 * nbytes, mx.get_memory_limit() // 2)
-    if want <= _cache_floor:
-        return
-    with _LOCK:  # never while one of our loads waits for the GIL (see the module's docstring)
-        previous = mx.set_cache_limit(want)
-        if previous > want:
-            mx.set_cache_limit(previous)
-        _cache_floor = max(want, previous)
+    """Make mlx keep freed buffers for reuse by a restore of `nbytes` (`buffers.keep`: twice
+    it, within the configured bound, never lowering a limit someone else set)."""
+    buffers.keep(nbytes)
 
 
 def zeroed(specs: Mapping[str, tuple[str, Sequence[int]]]) -> bool:

@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "what it holds plus the disk's free space, at start; `none`: unbounded")
     p.add_argument("--memory-bytes", metavar="SIZE", type=size,
                    help="bound the store's memory tier, e.g. 2GiB (default: 1 GiB)")
+    p.add_argument("--buffer-cache-bytes", metavar="SIZE", type=size,
+                   help="freed restore memory mlx may keep for the next restore, e.g. 4GiB "
+                        "(default: a quarter of RAM; 0: mlx's own limit)")
     p.add_argument("--store-max-tokens", metavar="N", type=_tokens, default=DEFAULT_MAX_STORED_TOKENS,
                    help="store the cache of a request only up to N tokens (prompt and generated "
                         f"together); longer ones are served, not stored (default: {DEFAULT_MAX_STORED_TOKENS}; "

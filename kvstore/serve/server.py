@@ -85,7 +85,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             remote_key = read_key_file(ours.remote_key_file)
         store = kvstore.open(ours.store, max_bytes=ours.store_max_bytes, memory_bytes=memory_bytes,
                              remote=ours.remote, remote_key=remote_key, admit=ours.admit,
-                             max_write_rate=ours.max_write_rate, disk_kv_bits=ours.disk_kv_bits)
+                             max_write_rate=ours.max_write_rate, disk_kv_bits=ours.disk_kv_bits,
+                             buffer_cache_bytes=ours.buffer_cache_bytes)
     except KVStoreError as e:
         print(f"kvstore serve: {e}", file=sys.stderr)
         return 1
