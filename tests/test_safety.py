@@ -436,7 +436,9 @@ def _rewrite(store: Path, h: bytes, edit) -> None:
     header = json.loads(buf[8 : 8 + n])
     edit(header)
     raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
+    # Padded to the old header's length when it fits: the file keeps its size, and the store's
+    # totals (kept by the index's triggers, which an UPDATE of a size bypasses) still hold.
+    raw += b" " * (n - len(raw) if len(raw) <= n else -len(raw) % 8)
     new = struct.pack("<Q", len(raw)) + raw + buf[8 + n :]
     path.write_bytes(new)
     checksum = xxhash.xxh3_64_intdigest(new)
