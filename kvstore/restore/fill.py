@@ -1,19 +1,15 @@
-"""Filling the final arrays of a plan from the records' sources.
+"""Filling the final arrays of a plan from the records' sources, on a small thread pool.
 
 Each final array is allocated once (`alloc`), not zeroed (small ones are, which is cheaper),
-with spare capacity after the restored tokens (zeroed) so the first decode step writes in place.
-Sources that read in steps (the disk: `read_steps`) are read on pool threads, a `preadv` per step
-straight into place, which lets go of the GIL, while this thread checks every step that landed
-against its tensors' checksums (xxhash holds the GIL) and zeroes the spare when nothing waits:
-one core copies while the other hashes what is still in the CPU's caches. What a step is (and any
-decoding of landed bytes) is the source's; this loop only moves steps between the two threads.
-Records held in RAM are copied, or gathered tensor by tensor when in small pieces. A record that
-fails its check is reported, never used.
+with spare capacity after the restored tokens (zeroed) so the first decode step writes
+in place; every record's `Source` copies its tokens straight into place (disk: `preadv` from the
+page cache, checksummed per tensor). Records held in RAM, in small pieces, are gathered tensor by
+tensor instead, one numpy call per final tensor. A record that fails its check is reported,
+never used.
 """
 
 from __future__ import annotations
 
-import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Mapping, Sequence
@@ -31,10 +27,7 @@ from kvstore.storage.readplan import Target, target
 
 _POOL_MIN_BYTES = 4 << 20  # below this, threads cost more than they save
 _READ_THREADS = 8  # reader threads when records come from a cold disk
-_WARM_READERS = 1  # ... and from the page cache: one copies while this thread checks
-# Landed steps are handed to the checking thread this many bytes at a time: each hand-off wakes it
-# (a few µs of CPU each, 448 of them for 235 MB in 512 KiB steps), and 2 MiB is still in L3 when hashed.
-_HANDOFF_BYTES = 2 << 20
+_WARM_THREADS = 2  # ... and from RAM or the page cache
 _SMALL_COPY_BYTES = 64 << 10  # records in RAM copied in pieces smaller than this: on one thread
 _pool: ThreadPoolExecutor | None = None
 
@@ -50,120 +43,51 @@ def fill(pl: Plan, sources: Sequence[Source]) -> tuple[dict[str, mx.array], list
     spare = [] if zeroed(specs) else [name for name, view in views.items()
                                            if pl.filled[name] < view.array.shape[2]]
     jobs = pl.jobs
+
+    def run(k: int) -> BlobError | None:
+        try:
+            sources[k].read_copies(jobs[k], views)
+        except BlobError as e:
+            return e
+        return None
+
+    def zero(names: list[str]) -> None:  # numpy lets go of the GIL while it fills
+        for name in names:
+            views[name].array[:, :, pl.filled[name]:] = 0
+
+    def runs(ks: list[int]) -> list[BlobError | None]:
+        return [run(k) for k in ks]
+
     keys = list(jobs)
-    failed: dict[int, BlobError] = {}
-
-    def zero_one(name: str) -> None:  # numpy lets go of the GIL while it fills
-        views[name].array[:, :, pl.filled[name]:] = 0
-
-    def zero() -> None:
-        for name in spare:
-            zero_one(name)
-
-    def copy(ks: list[int]) -> None:
-        for k in ks:
-            try:
-                sources[k].read_copies(jobs[k], views)
-            except BlobError as e:
-                failed[k] = e
-
     # Records in RAM copied in small pieces: gathered tensor by tensor, on this thread. Each copy
     # lets go of the GIL and takes it back, and two threads doing that fight over it (32k tokens
-    # of head_dim 4: 63 ms on two threads, 41 ms on one, 30 ms gathered).
+    # of head_dim 4: 63 ms on two threads, 41 ms on one, 30 ms gathered; from 64 KiB a copy, two
+    # threads copying record by record win).
     copied = sum(nbytes(e) * pl.filled[name] // max(1, e.shape[2]) for name, e in pl.finals.items())
-    in_ram = [k for k in keys if getattr(sources[k], "in_ram", False)]
-    staged = [k for k in keys if hasattr(sources[k], "read_steps")] if pl.nbytes >= _POOL_MIN_BYTES else []
-    rest = [k for k in keys if k not in set(staged)]
-    gather = len(in_ram) == len(keys) and copied < _SMALL_COPY_BYTES * max(1, len(pl.copies))
-    try:
-        if staged:
-            # The chain's last record is the least shared, so the first to leave the page cache:
-            # it and the first are asked (one syscall each; asking all 128 of a 32k-token prompt
-            # took 2.5 ms). A cold disk wants many reads in flight; the page cache one reader.
-            cold = any(_cold(sources[k]) for k in {staged[-1], staged[0]})
-            idle = [lambda: copy(rest)] + [lambda name=name: zero_one(name) for name in spare]
-            _overlapped(sources, jobs, staged, views, failed, _READ_THREADS if cold else _WARM_READERS, idle)
-        elif gather:
-            zero()
-            _gather(pl, sources, views)
-        elif len(keys) > 1 and pl.nbytes >= _POOL_MIN_BYTES:  # numpy copies let go of the GIL
-            pool = _threads()
-            halves = [pool.submit(copy, keys[i::2]) for i in range(2)]
-            zero()
-            for f in halves:
-                f.result()
-        else:
-            zero()
-            copy(keys)
-    finally:
-        views.clear()  # the final arrays are their memory's only owners again (donatable, in place)
-    return finals, sorted(failed.items())
-
-
-def _overlapped(sources: Sequence[Source], jobs: Mapping[int, tuple[Copy, ...]], keys: list[int],
-                views: Mapping[str, Target], failed: dict[int, BlobError], readers: int, idle: list) -> None:
-    """Read the records `keys` on `readers` pool threads, step by step (a `preadv` each, which
-    lets go of the GIL), and check every step on this thread as soon as it has landed, while its
-    bytes are still in the CPU's caches: xxhash holds the GIL, so one thread checking while another
-    copies is what keeps both cores busy. The small tasks `idle` run on this thread whenever no
-    step is waiting to be checked (zeroing the spare, one tensor each: checks never fall behind).
-    A record whose step fails is read no further; its error goes in `failed`."""
-    landed: queue.SimpleQueue = queue.SimpleQueue()
-
-    def read(group: list[int]) -> None:
-        try:
-            for k in group:
-                src = sources[k]
-                steps, nbytes = [], 0
-                try:
-                    for step in src.read_steps(jobs[k], views):
-                        if k in failed:
-                            break
-                        src.read_step(step)
-                        steps.append(step)
-                        nbytes += step.nbytes
-                        if nbytes >= _HANDOFF_BYTES:  # a wake-up of the checking thread per few steps
-                            landed.put((k, steps))
-                            steps, nbytes = [], 0
-                    if steps:
-                        landed.put((k, steps))
-                except BlobError as e:
-                    landed.put((k, e))
-        finally:
-            landed.put(None)
-
-    pool = _threads()
-    futures = [pool.submit(read, keys[i::readers]) for i in range(readers)]
-    running = len(futures)
-    todo = list(reversed(idle))
-    try:
-        while running:  # never return while a reader may still write into the arrays
-            try:
-                item = landed.get(block=not todo)
-            except queue.Empty:
-                todo.pop()()
-                continue
-            if item is None:
-                running -= 1
-                continue
-            k, steps = item
-            if k in failed:
-                continue
-            if isinstance(steps, BlobError):
-                failed[k] = steps
-                continue
-            try:
-                for step in steps:
-                    sources[k].check_step(step)
-            except BlobError as e:
-                failed[k] = e
-    finally:
-        while running:  # an idle task raised: wait for the readers all the same
-            running -= landed.get() is None
-        for f in futures:
+    alone = (copied < _SMALL_COPY_BYTES * max(1, len(pl.copies))
+             and all(getattr(sources[k], "in_ram", False) for k in keys))
+    if len(jobs) > 1 and pl.nbytes >= _POOL_MIN_BYTES and not alone:
+        pool = _threads()
+        zeroing = [pool.submit(zero, spare[i::2]) for i in range(2)]
+        # From RAM or the page cache, more threads than cores only fight over the GIL; reads
+        # that wait for a disk want many in flight. The chain's last record is the least shared,
+        # so the first to leave the page cache: it and the first are asked (one syscall each;
+        # asking all 128 records of a 32k-token prompt took 2.5 ms).
+        n = _READ_THREADS if any(_cold(sources[k]) for k in {keys[-1], keys[0]}) else _WARM_THREADS
+        groups = [keys[i::n] for i in range(n)]
+        got = dict(zip((k for g in groups for k in g), (e for es in pool.map(runs, groups) for e in es)))
+        results = [got[k] for k in keys]
+        for f in zeroing:
             f.result()
-    while todo:
-        todo.pop()()
+    elif alone:
+        zero(spare)
+        _gather(pl, sources, views)
+        results = [None] * len(keys)
+    else:
+        zero(spare)
+        results = runs(keys)
+    views.clear()  # the final arrays are their memory's only owners again (donatable, in place)
+    return finals, [(k, e) for k, e in zip(keys, results) if e is not None]
 
 
 def _gather(pl: Plan, sources: Sequence[Source], views: Mapping[str, Target]) -> None:
@@ -234,7 +158,7 @@ def _threads() -> ThreadPoolExecutor:
     global _pool
     if _pool is None:
         # A cold disk keeps 8 reads in flight (2k tokens of a Qwen3-0.6B cache: ~15% faster than
-        # 2); the page cache one, RAM two (more only fight over the GIL).
+        # 2); from the page cache or RAM 2 are used (8 fight over the GIL: ~10% slower here).
         _pool = ThreadPoolExecutor(max_workers=_READ_THREADS, thread_name_prefix="kvstore-read")
     return _pool
 

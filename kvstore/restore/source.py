@@ -8,7 +8,7 @@ The restore never knows which tier a source came from.
 
 from __future__ import annotations
 
-from typing import Iterable, Protocol, Sequence
+from typing import Protocol, Sequence
 
 import numpy as np
 
@@ -34,17 +34,3 @@ class Source(Protocol):
         """Whether reading it will wait for a disk (then the restore reads more records at once)."""
 
     def close(self) -> None: ...
-
-
-class SteppedSource(Source, Protocol):
-    """A source that can also be read in steps (the disk): the restore lands each step on a pool
-    thread (`read_step`, which must let go of the GIL) and checks it on its own (`check_step`)."""
-
-    def read_steps(self, copies: Sequence, targets: dict[str, Target]) -> Iterable:
-        """`read_copies` cut in steps, in the order they should be read."""
-
-    def read_step(self, step) -> None:
-        """Land one step's bytes where they go, unchecked."""
-
-    def check_step(self, step) -> None:
-        """BlobError if the bytes a landed step holds are damaged."""

@@ -13,7 +13,7 @@ import stat
 import threading
 from collections import OrderedDict
 from pathlib import Path
-from typing import Iterator, Mapping, NamedTuple, Sequence
+from typing import Mapping, NamedTuple, Sequence
 
 import numpy as np
 import xxhash
@@ -57,16 +57,6 @@ def read_checked(root: Path, h: bytes, *, size: int, checksum: int) -> tuple[byt
     if blob.checksums is not None:
         verify_bytes(buf, h, blob.path)
     return buf, blob
-
-
-class Step(NamedTuple):
-    """One `preadv` of a blob: its buffers, offset from the data start and bytes, and the checks
-    of the tensors it lands (see `ReadPlan`)."""
-
-    views: list[memoryview]
-    start: int
-    nbytes: int
-    checks: list[tuple[str, int, int, bool]]
 
 
 class Layout:
@@ -209,44 +199,27 @@ class BlobFile:
 
         The buffers and checks are worked out once per layout and `copies` object (the restore
         passes the same tuple for every record of a cached plan) and target shapes."""
-        for step in self.read_steps(copies, targets):
-            self.read_step(step)
-            self.check_step(step)
-
-    def read_steps(self, copies: Sequence, targets: Mapping[str, Target]) -> Iterator[Step]:
-        """`read_copies` cut in steps, in file order: `read_step` of each lands its bytes (the GIL
-        let go: another thread may check the step before), `check_step` then checks them."""
         plan = self._read_plan(copies, targets)
         flats = [targets[name].flat for name in plan.names]
         scratch = memoryview(bytearray(plan.scratch)) if plan.scratch else None
         for start, nbytes, buffers, checks in plan.batches:
-            yield Step([flats[t][a:b] if t >= 0 else scratch[a:b] for t, a, b in buffers], start, nbytes, checks)
-
-    def read_step(self, step: Step) -> None:
-        """Land one step's bytes where they go (unchecked until `check_step`)."""
-        if self._whole is not None:  # 0.1 blob: already read and checked
-            self._copy_whole(step.views, self.base + step.start)
-        else:
-            _preadv_all(self.fd, step.views, self.base + step.start, self.path, step.nbytes)
-
-    def check_step(self, step: Step) -> None:
-        """Check the tensors one landed step holds against their checksums (BlobError names the
-        first bad one). xxhash holds the GIL: one thread checks while others read."""
-        if self._whole is not None:
-            return
-        views = step.views
-        for name, i, j, join in step.checks:
-            if j - i == 1:
-                got = xxhash.xxh3_64_intdigest(views[i])
-            elif join:
-                got = xxhash.xxh3_64_intdigest(b"".join(views[i:j]))
-            else:
-                digest = xxhash.xxh3_64()
-                for v in views[i:j]:
-                    digest.update(v)
-                got = digest.intdigest()
-            if got != self.checksums[name]:
-                raise BlobError(f"{self.path}: tensor {name!r} does not match its checksum")
+            views = [flats[t][a:b] if t >= 0 else scratch[a:b] for t, a, b in buffers]
+            if self._whole is not None:  # 0.1 blob: already read and checked
+                self._copy_whole(views, self.base + start)
+                continue
+            _preadv_all(self.fd, views, self.base + start, self.path, nbytes)
+            for name, i, j, join in checks:
+                if j - i == 1:
+                    got = xxhash.xxh3_64_intdigest(views[i])
+                elif join:
+                    got = xxhash.xxh3_64_intdigest(b"".join(views[i:j]))
+                else:
+                    digest = xxhash.xxh3_64()
+                    for v in views[i:j]:
+                        digest.update(v)
+                    got = digest.intdigest()
+                if got != self.checksums[name]:
+                    raise BlobError(f"{self.path}: tensor {name!r} does not match its checksum")
 
     def _read_plan(self, copies: Sequence, targets: Mapping[str, Target]) -> ReadPlan:
         reads = self.layout.reads

@@ -47,15 +47,6 @@ class BlobSource:
     def read_copies(self, copies, targets):
         self.blob.read_copies(copies, targets)
 
-    def read_steps(self, copies, targets):
-        return self.blob.read_steps(copies, targets)
-
-    def read_step(self, step) -> None:
-        self.blob.read_step(step)
-
-    def check_step(self, step) -> None:
-        self.blob.check_step(step)
-
     def array(self, name: str) -> np.ndarray:
         return self.blob.array(name)
 
