@@ -11,7 +11,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 
-# Every method issue 10's benchmark asks for: baselines, then kvstore.
+# Every method the restore benchmark measures: baselines, then kvstore.
 REQUIRED = [
     "raw_read_aligned_1t", "raw_read_aligned_2t", "raw_read_new_memory", "buffered_cold_read",
     "load_prompt_cache", "load_prompt_cache_first_step", "lru_fetch_first_step",

@@ -495,7 +495,7 @@ def test_verify_finds_and_repairs_damage(kv, capsys, store_copy):
     assert code == 0 and out.strip() == f"the store {store_copy} is clean"
 
 
-# -- first contact (issue 11, section 3) ------------------------------------------------------
+# -- first contact: what a new user meets first -------------------------------------
 
 def test_every_command_uses_one_default_demo_model(capsys, monkeypatch, tmp_path):
     """warm/generate and serve default to the same demo model, so what `kvstore warm` stores

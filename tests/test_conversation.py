@@ -1,5 +1,5 @@
 """Multi-turn conversations store each prefix once: a newer record drops the older tails whose
-tokens it holds (issue 11 sec. 1)."""
+tokens it holds."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The store touches only what is its own; hostile files never hang, crash or mislead it (issue 14).
+"""The store touches only what is its own; hostile files never hang, crash or mislead it.
 
 Every test breaks a store (or a folder that is not one) on purpose and asserts what the user
 keeps: files outside the store unchanged, nothing created where nothing should be, blobs still
@@ -758,7 +758,7 @@ def test_a_store_owned_by_another_user_is_only_read(tmp_path, llama, caplog):
     assert snapshot(store) == before
 
 
-# -- issue 11: a store the user may read but not write ----------------------------------------
+# -- a store the user may read but not write ----------------------------------------
 
 def _as_reader(args: list[str], home: Path) -> subprocess.CompletedProcess:
     """`kvstore ARGS` as a user who may read the store but not write it (nobody, under root)."""
