@@ -105,16 +105,23 @@ def open_local(args, *, must_exist: bool = False, read_only: bool | None = False
     return LocalStore(store_path(args), create=not must_exist, read_only=read_only)
 
 
+def bucket_and_fleet(args, url: str) -> tuple:
+    """The bucket at `url` and the fleet whose secret seals its objects; a bad URL, or no fleet
+    secret, is refused here, before any store is opened."""
+    from kvstore.remote.bucket import open_bucket
+    from kvstore.remote.seal import Fleet, fleet_secret
+
+    bucket = open_bucket(url)
+    return bucket, Fleet(fleet_secret(remote_key(args)))
+
+
 @contextlib.contextmanager
 def open_remote(args, url: str, **local) -> Iterator[tuple]:
     """(the store directory, this node's side of the bucket at `url`): a `LocalStore` (see
     `open_local`, which takes `local`) and a `remote.node.Remote` over its index."""
-    from kvstore.remote.bucket import open_bucket
     from kvstore.remote.node import Remote
-    from kvstore.remote.seal import Fleet, fleet_secret
 
-    bucket = open_bucket(url)  # a bad URL (or no fleet secret) is refused before the store is opened
-    fleet = Fleet(fleet_secret(remote_key(args)))
+    bucket, fleet = bucket_and_fleet(args, url)
     with open_local(args, **local) as files:
         remote = Remote(bucket, fleet, files.index, files.path, files.blob_root, deadline=0.0)  # (no fetches here)
         try:
@@ -130,14 +137,10 @@ def remote_upkeep(args, url: str, action: str, **kw):
     from kvstore.storage.storedir import is_absent
 
     if is_absent(store_path(args).expanduser()):
-        from kvstore.remote.bucket import open_bucket
-        from kvstore.remote.seal import Fleet, fleet_secret
         from kvstore.remote.upkeep import collect_remote, verify_remote
 
         run = {"gc": collect_remote, "verify": verify_remote}[action]
-        bucket = open_bucket(url)  # a bad URL (or no fleet secret) is refused before anything else
-        fleet = Fleet(fleet_secret(remote_key(args)))
-        return run(bucket, fleet, (), **kw)  # no local index: namespaces come from the manifests
+        return run(*bucket_and_fleet(args, url), (), **kw)  # no local index: namespaces come from the manifests
     with open_remote(args, url, must_exist=True) as (_, remote):
         return getattr(remote, action)(**kw)
 

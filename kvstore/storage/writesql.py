@@ -15,6 +15,13 @@ from kvstore.storage import schema
 
 _MAX_PARAMS = schema.MAX_PARAMS
 HOUR_S = 3600
+
+
+def hour_of(t: float) -> int:
+    """The write log's hour of unix time `t`."""
+    return int(t // HOUR_S)
+
+
 #: The columns of `write_log` a caller may add to.
 LOG_COLUMNS = ("bytes", "records", "downloaded", "not_admitted", "not_admitted_bytes", "over_budget",
                "over_budget_bytes")

@@ -19,7 +19,7 @@ from kvstore import records
 from kvstore.errors import BlobError
 from kvstore.storage import blobfile, blobtree, blobwrite
 from kvstore.storage.index import Index, Row
-from kvstore.storage.writesql import HOUR_S
+from kvstore.storage.writesql import hour_of
 
 log = logging.getLogger("kvstore")
 
@@ -109,7 +109,7 @@ class DiskTier:
             blobwrite.write_bytes(self.root, row.hash, data, fsync=False)
             self.index.insert([row])
         try:  # the store's write log counts what reaches its disk from elsewhere too
-            self.index.log_writes(int(time.time() // HOUR_S), {"downloaded": len(data)})
+            self.index.log_writes(hour_of(time.time()), {"downloaded": len(data)})
         except Exception as e:
             log.debug("kvstore: a download was not counted (%s)", e)
         return True

@@ -22,7 +22,8 @@ from typing import Callable, Iterable, Sequence
 from kvstore.errors import InvalidInputError
 from kvstore.records import CHECKPOINT, Span
 from kvstore.storage.index import Index
-from kvstore.write.budget import DAY_S, WriteBudget, hour_of
+from kvstore.storage.writesql import hour_of
+from kvstore.write.budget import DAY_S, WriteBudget
 
 POLICIES = ("all", "reused", "pinned")
 DEFAULT_POLICY = "all"

@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 from kvstore.errors import InvalidInputError
 from kvstore.sizes import parse_rate as parse_rate_text
 from kvstore.storage.index import Index
-from kvstore.storage.writesql import HOUR_S
+from kvstore.storage.writesql import hour_of
 
 DAY_S = 86400
 #: Hours of the write log the budget sums: the current one and the 24 before it.
@@ -41,11 +41,6 @@ def parse_rate(value: int | str | None, name: str = "max_write_rate") -> int | N
         return parse_rate_text(value)
     except ValueError as e:
         raise InvalidInputError(f"{name}: {e}") from None
-
-
-def hour_of(t: float) -> int:
-    """The write log's hour of unix time `t`."""
-    return int(t // HOUR_S)
 
 
 class WriteBudget:
