@@ -48,6 +48,7 @@ def test_reused_writes_on_the_second_sight_from_ram(tmp_path, llama):
     with kvstore.open(tmp_path / "s", chunk_size=C, admit="reused") as store:
         mc = store.bind(model, path)
         first_sight(store, mc, PROMPT)
+        store.flush()  # the writer has kept the first sight in RAM (see the race in docs/writes.md)
         cache, rest = mc.fetch(longer)  # the second sight: restored from RAM
         assert rest == [7, 8, 9]
         model(mx.array([rest]), cache=cache)
