@@ -107,6 +107,11 @@ def write_report() -> str:
         _before_after(add, ba)
     if restore:
         _restore(add, restore)
+    restore_parts = _load("restore_parts")
+    if restore_parts:
+        from restore_parts import markdown as parts_markdown
+
+        lines.extend(parts_markdown(restore_parts))
     if ttft:
         _ttft(add, ttft)
     if serve:

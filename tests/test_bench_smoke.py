@@ -92,3 +92,27 @@ def test_serve_bench_quick_compares_both_servers(tmp_path):
         assert side["repeat"]["cached_tokens"][0] > 500 and side["shared"]["cached_tokens"][0] > 500
     assert stock["restart"]["cached_tokens"] == [0]
     assert ours["restart"]["cached_tokens"] == ours["repeat"]["cached_tokens"]
+
+
+def test_restore_parts_bench_times_every_part_and_checks_its_reads(tmp_path):
+    out = tmp_path / "parts.json"
+    env = dict(os.environ, PYTHONPATH=str(REPO), KVSTORE_BENCH_DIR=str(tmp_path / "scratch"))
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "restore_parts.py"), "--shape", "tiny", "--tokens", "1024",
+         "--reps", "1", "--out", str(out)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    (result,) = data["results"]
+    assert (result["shape"], result["tokens"], result["records"]) == ("tiny", 1024, 4)
+    parts = ("raw_1t", "raw_2t", "fetch", "load_prompt_cache", "allocate", "reads_1t", "reads_2t",
+             "reads_unchecked_2t", "hash_pieces_1t", "hash_pieces_2t")
+    assert set(result["median_s"]) == set(parts)
+    assert all(result["median_s"][p] > 0 and len(result["samples_s"][p]) == 1 for p in parts)
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        from restore_parts import markdown
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    text = "\n".join(markdown(data))
+    assert "tiny shape, 1,024 tokens" in text and "| `reads_2t` |" in text
