@@ -208,7 +208,7 @@ def markdown(data: dict) -> list[str]:
             f"{r['records']} records, {r['final_arrays']} final arrays; load average "
             + ", ".join(f"{x:.2f}" for x in r["load_average"][:: max(1, len(r['load_average']) // 4)]) + ".")
         add("")
-        add("| part | median | vs raw read, 1 thread | minor faults |")
+        add("| part | median | raw read (1 thread) time / this | minor faults |")
         add("| --- | ---: | ---: | ---: |")
         for name, v in ms.items():
             add(f"| `{name}` | {v:.1f} ms | {m['raw_1t'] / m[name]:.2f}x | {r['minflt_median'][name]:,.0f} |")
@@ -220,7 +220,7 @@ def markdown(data: dict) -> list[str]:
             f"{ms['allocate'] * 1e3 / r['final_arrays']:.0f} µs each), the checked reads on two threads "
             f"{ms['reads_2t']:.1f} ms ({m['raw_1t'] / m['reads_2t']:.2f}x the raw read; unchecked "
             f"{ms['reads_unchecked_2t']:.1f} ms, so checking costs {ms['reads_2t'] - ms['reads_unchecked_2t']:.1f} ms), "
-            f"and the rest (lookup, opening {r['records']} files, plan, build) {rest:.1f} ms. Hashing "
+            f"and the rest (lookup, opening {r['records']} files, plan, build, page faults) {rest:.1f} ms. Hashing "
             f"{r['piece_bytes'] // 1024} KiB pieces takes {ms['hash_pieces_1t']:.1f} ms on one thread and "
             f"{ms['hash_pieces_2t']:.1f} ms on two: xxhash lets go of the GIL only above 64 KiB.")
         faulted = r["minflt_median"]["fetch"] * 4096
@@ -230,7 +230,7 @@ def markdown(data: dict) -> list[str]:
                 f"buffer only for a request of its own size, and the buffer cache's bound "
                 f"({r['buffer_cache_bound'] / 1e9:.1f} GB, a quarter of RAM) holds less than this restore's "
                 f"{r['final_bytes'] / 1e9:.1f} GB and `load_prompt_cache`'s arrays, which this run interleaves "
-                "with it; in a process that restores only, they are reused.")
+                "with it.")
         add("")
     return lines
 
