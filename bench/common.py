@@ -437,9 +437,10 @@ def blob_files(store_path: Path) -> list[Path]:
     return sorted(p for p in (store_path / "blobs").rglob("*") if p.is_file() and not p.name.startswith("."))
 
 
-def write_result(name: str, data: dict) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / f"{name}.json"
+def write_result(name: str, data: dict, out: Path | None = None) -> Path:
+    """Write `data` (with the time) to results/<name>.json, or to `out` when given."""
+    out = out or RESULTS / f"{name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".json.tmp")
     data = dict(data, written_utc=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))  # when, for readers of it
     tmp.write_text(json.dumps(data, indent=2, default=_jsonable) + "\n")

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import resource
 import shutil
@@ -248,12 +247,7 @@ def main() -> None:
         gc.collect()
         mx.clear_cache()
     data = {"machine": C.machine(), "blas": C.blas_in_use(), "reps": args.reps, "results": results}
-    if args.out:
-        args.out.write_text(json.dumps(dict(data, written_utc=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())),
-                                       indent=2, default=C._jsonable) + "\n")
-        out = args.out
-    else:
-        out = C.write_result("restore_parts", data)
+    out = C.write_result("restore_parts", data, args.out)
     for line in markdown(dict(data, written_utc="now")):
         if line.startswith("The whole"):
             C.log("[parts] " + line)
