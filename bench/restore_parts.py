@@ -16,6 +16,11 @@ once per round, in the same process, round after round (medians):
 - `hash_pieces_1t`, `hash_pieces_2t`: xxh3 of the K/V bytes in the pieces the restore hashes
   (one head of one record), on 1 and 2 threads: xxhash keeps the GIL for pieces of 64 KiB or less.
 
+Then, in two small processes of their own (one free to use every core, one pinned to one core),
+what a hand-off between threads costs: a round trip between two Python threads, a trivial mlx
+evaluation (the caller wakes mlx's stream thread and waits for it) and the final arrays of the
+first cache's shape. Waking a thread on another core is what the final arrays wait for.
+
 Writes bench/results/restore_parts.json; bench/report.py puts it in bench/README.md.
 """
 
@@ -23,9 +28,12 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import resource
 import shutil
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -175,6 +183,7 @@ def _parts(SHAPE: C.Shape, tokens: int, reps: int, work) -> dict:
     return {"shape": SHAPE.name, "tokens": tokens, "kv_bytes": kv_bytes, "blob_bytes": total, "blob_files": len(files),
             "final_arrays": len(specs), "records": len(keys), "piece_bytes": piece, "load_average": load,
             "buffer_cache_bound": buffers.bound(), "final_bytes": pl.nbytes,
+            "specs": {name: [tag, [int(d) for d in shape]] for name, (tag, shape) in specs.items()},
             "median_s": med, "samples_s": samples,
             "minflt_median": {n: float(np.median(f)) for n, f in faults.items()}}
 
@@ -190,6 +199,54 @@ def _unchecked(source, copies, views) -> None:
     for start, nbytes, pieces, _ in plan.batches:
         bufs = [flats[t][a:b] if t >= 0 else scratch[a:b] for t, a, b in pieces]
         _preadv_all(blob.fd, bufs, blob.base + start, blob.path, nbytes)
+
+
+_HANDOFF_CHILD = r"""
+import json, math, statistics, sys, threading, time
+import mlx.core as mx
+from kvstore.restore import alloc, buffers
+from kvstore.storage.blobformat import DTYPES
+specs = {name: (tag, tuple(shape)) for name, (tag, shape) in json.loads(sys.argv[1]).items()}
+ping, pong = threading.Event(), threading.Event()
+N = 2000
+def other():
+    for _ in range(N):
+        ping.wait(); ping.clear(); pong.set()
+t = threading.Thread(target=other); t.start()
+trips = []
+for _ in range(N):
+    t0 = time.perf_counter(); ping.set(); pong.wait(); pong.clear(); trips.append(time.perf_counter() - t0)
+t.join()
+stream, tiny, evals = mx.new_stream(mx.cpu), mx.zeros((4,)), []
+for _ in range(500):
+    t0 = time.perf_counter(); mx.eval(mx.add(tiny, 1, stream=stream)); evals.append(time.perf_counter() - t0)
+buffers.keep(sum(DTYPES[tag].itemsize * math.prod(shape) for tag, shape in specs.values()))
+allocs = []
+for _ in range(21):
+    t0 = time.perf_counter(); out = alloc.allocate(specs); allocs.append(time.perf_counter() - t0); del out
+print(json.dumps({"thread_round_trip_s": statistics.median(trips[100:]),
+                  "mlx_eval_round_trip_s": statistics.median(evals[50:]),
+                  "allocate_s": statistics.median(allocs[1:]), "arrays": len(specs)}))
+"""
+
+
+def handoffs(specs: dict) -> dict:
+    """What waking another thread costs, in a process free to use every core and in one pinned to
+    one (`_HANDOFF_CHILD`; bfloat16 final arrays of `specs`' shapes)."""
+    arg = json.dumps({name: [tag, list(shape)] for name, (tag, shape) in specs.items()})
+    out = {}
+    pinned = getattr(os, "sched_setaffinity", None)
+    for where in ("every core", "one core"):
+        if where == "one core" and pinned is None:
+            continue
+        first = sorted(os.sched_getaffinity(0))[0] if pinned else 0
+        proc = subprocess.run([sys.executable, "-c", _HANDOFF_CHILD, arg], capture_output=True, text=True,
+                              timeout=600, cwd=str(C.REPO), env=dict(os.environ, PYTHONPATH=str(C.REPO)),
+                              preexec_fn=(lambda: os.sched_setaffinity(0, {first})) if where == "one core" else None)
+        if proc.returncode != 0:
+            raise RuntimeError(f"the hand-off child ({where}) failed: {proc.stderr[-2000:]}")
+        out[where] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return out
 
 
 def markdown(data: dict) -> list[str]:
@@ -225,11 +282,28 @@ def markdown(data: dict) -> list[str]:
         faulted = r["minflt_median"]["fetch"] * 4096
         if faulted > 0.05 * r["kv_bytes"] and "buffer_cache_bound" in r:
             add("")
-            add(f"Here the restore page-faulted {faulted / 1e9:.2f} GB of fresh memory a call: mlx reuses a freed "
-                f"buffer only for a request of its own size, and the buffer cache's bound "
+            add(f"Here the restore page-faulted {faulted / 1e9:.2f} GB of fresh memory a call: mlx-cpu reuses a freed "
+                f"buffer only for a request of its own size, keeps a freed buffer only while its cache has room "
+                f"(once it is full, what is freed goes back to the OS and what it holds stays), and the bound "
                 f"({r['buffer_cache_bound'] / 1e9:.1f} GB, a quarter of RAM) holds less than this restore's "
                 f"{r['final_bytes'] / 1e9:.1f} GB and `load_prompt_cache`'s arrays, which this run interleaves "
                 "with it.")
+        add("")
+    hand = data.get("handoffs")
+    if hand:
+        every, one = hand.get("every core"), hand.get("one core")
+        shape, tokens = data.get("handoffs_shape", ["", 0])
+        add(f"**What the final arrays wait for.** In a process of its own free to use every core, a round trip "
+            f"between two Python threads takes {every['thread_round_trip_s'] * 1e6:.0f} µs and a trivial mlx "
+            f"evaluation {every['mlx_eval_round_trip_s'] * 1e6:.0f} µs (the caller wakes mlx's stream thread and "
+            f"waits for it); the {every['arrays']} final arrays of {shape} at {tokens:,} tokens take "
+            f"{every['allocate_s'] * 1e3:.1f} ms."
+            + (f" Pinned to one core, the same take {one['thread_round_trip_s'] * 1e6:.0f} µs, "
+               f"{one['mlx_eval_round_trip_s'] * 1e6:.0f} µs and {one['allocate_s'] * 1e3:.1f} ms"
+               + (f": {1 - one['allocate_s'] / every['allocate_s']:.0%} of the final arrays' time is spent waking "
+                  "a thread on the other core (each array is an evaluation that goes through mlx's stream and "
+                  "I/O threads), not in work." if one["allocate_s"] < 0.5 * every["allocate_s"] else ".")
+               if one else ""))
         add("")
     return lines
 
@@ -246,7 +320,10 @@ def main() -> None:
         results.append(parts(SHAPES[args.shape], n, args.reps if n < 16384 else max(3, args.reps // 2)))
         gc.collect()
         mx.clear_cache()
-    data = {"machine": C.machine(), "blas": C.blas_in_use(), "reps": args.reps, "results": results}
+    C.log("[parts] hand-offs between threads, on every core and on one")
+    first = {name: (tag, tuple(shape)) for name, (tag, shape) in results[0]["specs"].items()}
+    data = {"machine": C.machine(), "blas": C.blas_in_use(), "reps": args.reps, "results": results,
+            "handoffs": handoffs(first), "handoffs_shape": [results[0]["shape"], results[0]["tokens"]]}
     out = C.write_result("restore_parts", data, args.out)
     for line in markdown(dict(data, written_utc="now")):
         if line.startswith("The whole"):

@@ -116,3 +116,10 @@ def test_restore_parts_bench_times_every_part_and_checks_its_reads(tmp_path):
         sys.path.remove(str(REPO / "bench"))
     text = "\n".join(markdown(data))
     assert "tiny shape, 1,024 tokens" in text and "| `reads_2t` |" in text
+    # What a hand-off between threads costs, free on every core and (on Linux) pinned to one core.
+    hand = data["handoffs"]
+    assert set(hand) == ({"every core", "one core"} if hasattr(os, "sched_setaffinity") else {"every core"})
+    for got in hand.values():
+        assert got["arrays"] == result["final_arrays"]
+        assert all(got[k] > 0 for k in ("thread_round_trip_s", "mlx_eval_round_trip_s", "allocate_s"))
+    assert "What the final arrays wait for" in text
