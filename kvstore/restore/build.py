@@ -7,7 +7,7 @@ from typing import Mapping, Sequence
 import mlx.core as mx
 
 from kvstore.restore.arrays import mx_dtype
-from kvstore.restore.codecs import Codec, sub
+from kvstore.restore.codecs import Codec, by_prefix
 from kvstore.restore.plan import Plan
 from kvstore.restore.source import Source
 
@@ -25,9 +25,9 @@ def checkpoint_arrays(source: Source) -> dict[str, mx.array]:
 def build(pl: Plan, codecs: Sequence[Codec], finals: Mapping[str, mx.array],
           checkpoint: Mapping[str, mx.array] | None) -> list:
     """The mlx-lm cache objects, one per layer, at position `pl.p`."""
-    cache = [codec.build(pl.p, sub(dict(finals), str(i)),
-                         sub(dict(checkpoint), str(i)) if checkpoint is not None else None)
-             for i, codec in enumerate(codecs)]
-    return cache
+    layers = by_prefix(finals)
+    kept = by_prefix(checkpoint) if checkpoint is not None else None
+    return [codec.build(pl.p, layers.get(str(i), {}), kept.get(str(i), {}) if kept is not None else None)
+            for i, codec in enumerate(codecs)]
 
 

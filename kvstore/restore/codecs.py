@@ -19,7 +19,7 @@ mlx-lm cache object from arrays the restore (`restore.fill`) has already filled.
 from __future__ import annotations
 
 import json
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
@@ -42,6 +42,17 @@ def sub(arrays: Arrays, prefix: str) -> Arrays:
     """The entries of `arrays` under `prefix.`, with the prefix removed."""
     head = prefix + "."
     return {k[len(head):]: v for k, v in arrays.items() if k.startswith(head)}
+
+
+def by_prefix(arrays: Mapping[str, mx.array]) -> dict[str, Arrays]:
+    """`arrays` split at the first dot of their names: {"3": {"keys": ..., "values": ...}, ...}
+    (`sub` of every prefix at once, in one pass instead of one pass per layer)."""
+    out: dict[str, Arrays] = {}
+    for k, v in arrays.items():
+        head, dot, rest = k.partition(".")
+        if dot:
+            out.setdefault(head, {})[rest] = v
+    return out
 
 
 def covered(pieces: Sequence[Piece], start: int, end: int) -> bool:
