@@ -328,6 +328,42 @@ def test_insert_returns_before_anything_is_written(tmp_path, llama):
         assert len(store.bind(model, path).fetch(tokens)[1]) == 1
 
 
+def test_insert_takes_no_view_of_an_mlx_array_on_the_callers_thread(tmp_path, llama, monkeypatch):
+    # mlx lets go of the GIL to hand out an array's memory, and a busy writer thread then holds
+    # it for up to Python's switch interval: the caller only holds its arrays, the writer views them.
+    import threading
+
+    from kvstore.model import insert as insert_mod
+
+    path, model = llama
+    tokens = rand_tokens(3 * C, seed=17)
+    viewed_on = []
+    real = insert_mod.host_array
+
+    def spy(a):
+        viewed_on.append(threading.get_ident())
+        return real(a)
+
+    monkeypatch.setattr(insert_mod, "host_array", spy)
+    with kvstore.open(tmp_path / "s", chunk_size=C, memory_bytes=0) as store:
+        mc = store.bind(model, path)
+        cache = prefill(model, tokens)
+        want = [np.array(a.astype(mx.float32)) for c in cache for a in (c.keys[..., :3 * C, :], c.values[..., :3 * C, :])]
+        store.writer.pause()
+        try:
+            assert mc.insert(tokens, cache) == 3
+            assert viewed_on == []  # nothing taken on this thread by the insert itself
+        finally:
+            store.writer.resume()
+        assert store.flush(timeout=60)
+        assert viewed_on and threading.get_ident() not in viewed_on  # the writer took them
+    with kvstore.open(tmp_path / "s", chunk_size=C, memory_bytes=0) as store:
+        got, rest = store.bind(model, path).fetch(tokens + [1])
+        assert rest == [1]
+        restored = [np.array(a.astype(mx.float32)) for c in got for a in (c.keys[..., :3 * C, :], c.values[..., :3 * C, :])]
+        assert all(np.array_equal(w, r) for w, r in zip(want, restored))
+
+
 def test_a_cache_changed_in_place_after_insert_does_not_change_what_was_stored(tmp_path, llama):
     # insert keeps numpy views of the caller's own K/V buffers (no copy, no mlx op) until the
     # writer has written them. Generation then goes on in the same cache: here it trims back into

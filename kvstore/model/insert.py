@@ -1,8 +1,14 @@
 """An insert: the records a cache holds for a prompt, as a job for the background writer.
 
 Nothing is copied on the caller's thread: a `KVCache`'s deltas are plain token ranges of its
-arrays, handed over as numpy views of their memory; codecs that compute their deltas hand over
-lazy mlx views, scheduled (not waited for). The writer copies each new record out of them.
+arrays, handed over as second references to them (`second_ref`), whose numpy views the first thread
+that reads the job takes; codecs that compute their deltas hand over lazy mlx views, scheduled
+(not waited for). The writer copies each new record out of them.
+
+The caller's thread takes no numpy view itself: mlx lets go of the GIL to hand out an array's
+memory, even an evaluated one's, and a busy writer thread then takes it for up to Python's switch
+interval; 56 views an insert made the insert wait up to 57 ms (1k tokens of a Qwen3-0.6B-shaped
+cache, writer busy).
 """
 
 from __future__ import annotations
@@ -20,13 +26,11 @@ from kvstore.restore.codecs import Codec
 from kvstore.write.writer import Job
 
 
-def held_range(a: mx.array, first: int, end: int) -> np.ndarray:
-    """Tokens [first, end) of axis 2 of `a` as a numpy view of its memory (bfloat16 as its bits),
-    through a second reference to the same array: the layer's next update then writes a new
-    buffer (mlx updates in place only an array nothing else holds), so what the view sees never
-    changes, and the memory lives as long as the view. Evaluates `a` if it is not yet."""
-    held = copy.copy(a)  # the same data, one more holder; no op
-    return host_array(held)[:, :, first:end]
+def second_ref(a: mx.array) -> mx.array:
+    """A second reference to the same array: the layer's next update then writes a new buffer
+    (mlx updates in place only an array nothing else holds), so what a view of it sees later never
+    changes, and the memory lives as long as the reference. No op, nothing waited for."""
+    return copy.copy(a)
 
 
 class Views:
@@ -41,6 +45,7 @@ class Views:
         self.views: dict[str, mx.Dtype] = {}
         self.saved: dict = {}
         self.deferred: list[tuple[str, str, Codec]] = []  # (tensor, its name in the layer, codec)
+        self.ranges: dict[str, tuple[int, int]] = {}  # tensor -> tokens [lo, hi) of its held array
         lazy: list[mx.array] = []
         try:
             for i, (codec, layer) in enumerate(zip(codecs, cache)):
@@ -58,17 +63,21 @@ class Views:
         # Lazy views (a codec that computes its deltas) are scheduled, not waited for: the writer
         # reads them later and waits if it must. Even scheduling them waits for mlx's thread
         # while the writer keeps the cores busy (milliseconds for 56 views), which is why plain
-        # token ranges are numpy views instead.
+        # token ranges are held arrays instead. Those are scheduled here too, in the same call (an
+        # array is evaluated on the thread whose stream made it; a cache's arrays usually are
+        # already, and then this costs microseconds).
+        lazy += [self.arrays[name] for name in self.ranges]
         if lazy:
             mx.async_eval(lazy)
 
     def _layer(self, i: int, codec: Codec, layer, n: int, first: int, lazy: list) -> list[str]:
         """Takes the layer's deltas from token `first` on; returns their names."""
         plain = codec.slices(layer, n)
-        if plain is not None:  # plain ranges of the layer's arrays: numpy views, no mlx op
+        if plain is not None:  # plain ranges of the layer's arrays: held, viewed by the reader
             for name, (a, origin, end) in plain.items():
                 start = max(origin, min(first, end))
-                self.arrays[f"{i}.{name}"] = held_range(a, start, end)
+                self.arrays[f"{i}.{name}"] = second_ref(a)
+                self.ranges[f"{i}.{name}"] = (start, end)
                 self.origins[f"{i}.{name}"] = start
                 if a.dtype == mx.bfloat16:
                     self.views[f"{i}.{name}"] = mx.bfloat16
@@ -83,6 +92,18 @@ class Views:
             if view is not None:
                 self.views[f"{i}.{name}"] = view
         return list(deltas)
+
+    def prepare(self, job: Job) -> None:
+        """Make `job`'s tensors what the writer reads: numpy views of the held token ranges,
+        then the deferred codecs' encodings (`encode`). Run once, by the first thread that reads
+        the job (`Job.ready`), never the caller's."""
+        if self.ranges:
+            arrays = dict(job.arrays)
+            for name, (lo, hi) in self.ranges.items():
+                arrays[name] = host_array(arrays[name])[:, :, lo:hi]  # evaluates it if it is not yet
+            job.arrays = arrays  # swapped whole
+        if self.deferred:
+            self.encode(job)
 
     def encode(self, job: Job) -> None:
         """Replace the deferred codecs' tensors of `job` with what the store keeps of them
@@ -113,7 +134,7 @@ class Views:
         """These records, with the bytes each will take (its tokens, and
         what of its range each tensor holds; `whole`: every tensor holds all of it)."""
         per_token: dict[int, int] = {}  # origin -> bytes per token of the arrays starting there
-        for name, a in self.arrays.items():
+        for name, a in self.arrays.items():  # a held array's bytes per token are its range's
             origin = self.origins[name]
             per_token[origin] = per_token.get(origin, 0) + a.nbytes // max(1, a.shape[2])
         checkpoint_bytes = sum(a.nbytes for a in self.saved.values())
@@ -141,5 +162,5 @@ def make_job(ns: bytes, toks: np.ndarray, views: Views | None, new: list[Span], 
     again = views.sizes(refill, whole=True)
     return Job(ns, toks, views.arrays, views.origins, views.views, specs, metadata, checkpoint=views.saved,
                pin=pin, nbytes=sum(s.nbytes for s in specs) + sum(s.nbytes for s in again), refill=again,
-               durable=durable, prepare=views.encode if views.deferred else None, role=role,
+               durable=durable, prepare=views.prepare if views.deferred or views.ranges else None, role=role,
                reached=list(reached))

@@ -1,9 +1,10 @@
 """The shapes the writer works on: a queued `Job` and the records (`Span`) it holds, the host
 copies a job's records are written from, and where they go (`Destination`, with its counters).
 
-The caller's thread only builds a `Job` (views of its cache, no copy: numpy views of the memory
-of its arrays, or lazy mlx views where a codec computes its deltas); the writer's thread turns
-those views into blob tensors (`Hosts`) and into compact copies for the memory tier (`compact`).
+The caller's thread only builds a `Job` (its cache's arrays, no copy: second references to them,
+or lazy mlx views where a codec computes its deltas); the first thread that reads the job makes
+them numpy views (`Job.ready`), and the writer's thread turns those into blob tensors (`Hosts`)
+and into compact copies for the memory tier (`compact`).
 """
 
 from __future__ import annotations
@@ -43,8 +44,10 @@ class Job:
 
     ns: bytes
     tokens: np.ndarray
-    arrays: dict[str, np.ndarray | mx.array]  # "layer.name" -> view (numpy, or mlx scheduled), token axis 2
-    origins: dict[str, int]  # "layer.name" -> the token its element 0 holds
+    # "layer.name" -> its tokens, token axis 2: after `ready`, a numpy view (or an mlx view,
+    # scheduled); before it, possibly the whole array they are a range of (`prepare` cuts it)
+    arrays: dict[str, np.ndarray | mx.array]
+    origins: dict[str, int]  # "layer.name" -> the token element 0 of its view (after `ready`) holds
     views: dict[str, mx.Dtype]  # names carried as raw bits (bfloat16 as uint16) -> real dtype
     specs: list[Span]
     metadata: dict[str, str]
