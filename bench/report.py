@@ -18,12 +18,15 @@ TARGETS = {
 
 # Why a target is missed, as the profiles of these runs showed it (see the sections below).
 CAUSES = {
-    "insert_p99_ms": ("per-step timers: the median is Python taking a numpy view of each tensor's "
-                      "token range (56 for Qwen3-0.6B; no copy, no mlx op), the chunk hashes and one index "
-                      "query for what is new; no disk I/O and no copy happen on the caller's thread. What "
-                      "is left over the control (plain Python work of the same size, timed the same way, "
-                      "in the write-path section) is the caller competing for 2 cores and the GIL with the "
-                      "writer thread, and Python's own garbage collector (a full collection is about 20 ms)"),
+    "insert_p99_ms": ("per-step timers: the median is Python keeping a second reference to each "
+                      "tensor's array (56 for Qwen3-0.6B; no copy, no numpy view: mlx lets go of the GIL to "
+                      "hand out memory), the chunk hashes and one index query for what is new; no disk I/O "
+                      "and no copy happen on the caller's thread. What is left over the control (plain Python "
+                      "work of the same size, timed the same way, in the write-path section) is the caller "
+                      "competing for 2 cores and the GIL with the writer thread (each call that lets go of "
+                      "the GIL, such as the index query, can leave the caller waiting for the writer's Python "
+                      "up to the switch interval, 5 ms), and Python's own garbage collector (a full "
+                      "collection is about 20 ms)"),
     "lookup_p99_ms": ("the 128 chunk hashes are probed in one query; the p99 tail is the OS page "
                       "cache and CPU contention on a shared 2-core machine (the median is under 1 ms)"),
     "open_ms": "opening reads the schema and one row; see the cold numbers",
