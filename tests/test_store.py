@@ -364,6 +364,28 @@ def test_insert_takes_no_view_of_an_mlx_array_on_the_callers_thread(tmp_path, ll
         assert all(np.array_equal(w, r) for w, r in zip(want, restored))
 
 
+def test_the_writer_waits_between_records_while_a_restore_runs_but_never_stops(tmp_path, llama):
+    import time
+
+    path, model = llama
+    tokens = rand_tokens(3 * C, seed=19)
+    with kvstore.open(tmp_path / "s", chunk_size=C, memory_bytes=0) as store:
+        mc = store.bind(model, path)
+        store.writer.pause()
+        assert mc.insert(tokens, prefill(model, tokens)) == 3
+        with store.writer.reading():  # as a fetch does while it restores
+            store.writer.resume()
+            time.sleep(0.1)  # the writer may not pass its first wait before 0.25 s
+            assert store.stats()["chunks"] == 0 and list(blobtree.walk(store.blob_root)) == []
+            # A restore that never ends does not stop it: each wait is bounded.
+            assert store.flush(timeout=30)
+            assert store.stats()["chunks"] == 3
+        tokens2 = rand_tokens(3 * C, seed=23)
+        assert mc.insert(tokens2, prefill(model, tokens2)) == 3
+        assert store.flush(timeout=30) and store.stats()["chunks"] == 6
+        assert len(mc.fetch(tokens2 + [1])[1]) == 1
+
+
 def test_a_cache_changed_in_place_after_insert_does_not_change_what_was_stored(tmp_path, llama):
     # insert keeps numpy views of the caller's own K/V buffers (no copy, no mlx op) until the
     # writer has written them. Generation then goes on in the same cache: here it trims back into

@@ -105,14 +105,15 @@ class ModelCache:
             lookup = Lookup(self.ns, toks, self.chunk_size, [s.hash for s in chain],
                             object_bytes=self.check.object_bytes)
             try:
-                for _ in range(_ATTEMPTS):  # a damaged record found while filling: plan again without it
-                    done = self._restore(toks, lookup, chain, reached)
-                    if done is not None:
-                        cache, p = done
-                        if p <= 0:
-                            break
-                        b.counters["reused_tokens"] += p
-                        return cache, toks[p:].tolist()
+                with b.writer.reading():  # the writer waits between records while this restores
+                    for _ in range(_ATTEMPTS):  # a damaged record found while filling: plan again without it
+                        done = self._restore(toks, lookup, chain, reached)
+                        if done is not None:
+                            cache, p = done
+                            if p <= 0:
+                                break
+                            b.counters["reused_tokens"] += p
+                            return cache, toks[p:].tolist()
             finally:
                 self._sighted(lookup, reached)
         except Exception as e:  # a broken disk or index is a miss, never an error in generation

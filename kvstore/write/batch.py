@@ -98,6 +98,7 @@ def _stage(dest: Destination, job: Job, hosts: Hosts) -> _Staged:
     for spec, parts in _admit(dest, job, hosts, still_needed(dest.index, job), staged):
         if dest.memory.keeps(spec.nbytes):
             staged.parts[spec.hash] = parts
+        dest.between_records()
         try:
             staged.files[spec.hash] = blobwrite.stage(dest.root, spec.hash, *parts[1:], fsync=dest.fsync)
         except OSError as e:
@@ -112,11 +113,11 @@ def _admit(dest: Destination, job: Job, hosts: Hosts, specs: list[Span], staged:
     them; the others are marked kept in `staged`, in RAM only."""
     gate = dest.gate
     if gate is None:
-        return [(spec, hosts.parts(job, spec)) for spec in specs]
+        return [(spec, _parts(dest, job, hosts, spec)) for spec in specs]
     admitted = gate.admitted(specs, job.durable)
     chosen_hashes = {s.hash for s in admitted}
     staged.kept.update((s.hash, "not_admitted") for s in specs if s.hash not in chosen_hashes)
-    chosen = [(spec, hosts.parts(job, spec)) for spec in admitted]
+    chosen = [(spec, _parts(dest, job, hosts, spec)) for spec in admitted]
     sizes = [blobwrite.blob_size(tensors, meta) for _, (_, tensors, meta) in chosen]
     try:
         k = gate.budget.take(sizes)
@@ -129,6 +130,12 @@ def _admit(dest: Destination, job: Job, hosts: Hosts, specs: list[Span], staged:
         if dest.memory.keeps(spec.nbytes):
             staged.parts[spec.hash] = parts
     return chosen[:k]
+
+
+def _parts(dest: Destination, job: Job, hosts: Hosts, spec: Span) -> Parts:
+    """The blob parts of one record (a copy of its tensors), after letting a restore go first."""
+    dest.between_records()
+    return hosts.parts(job, spec)
 
 
 def _place(dest: Destination, job: Job, hosts: Hosts, todo: list[Span], staged: _Staged

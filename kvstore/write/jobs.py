@@ -130,6 +130,9 @@ class Destination:
     stats: WriterStats = field(default_factory=WriterStats)
     complete: dict[bytes, None] = field(default_factory=dict)  # insertion-ordered, bounded
     gate: "Gate | None" = None  # what may go to disk (None: everything)
+    # Called before each record's copy and file: waits (bounded) while a restore runs, so that
+    # the restore has the cores and the memory bandwidth (see `Writer.reading`).
+    between_records: Callable[[], None] = lambda: None
 
     def remember_complete(self, h: bytes) -> None:
         self.complete[h] = None

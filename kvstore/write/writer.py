@@ -12,9 +12,9 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -29,6 +29,9 @@ from kvstore.write.jobs import Destination, Job, WriterStats
 __all__ = ["Writer", "Job", "WriterStats"]
 
 TOUCH_INTERVAL_S = 2.0
+# The longest the writer waits for restores between two records (then it writes one anyway:
+# a stream of restores never stops it).
+YIELD_MAX_S = 0.25
 
 
 class Writer:
@@ -42,7 +45,8 @@ class Writer:
         self.max_pending_bytes = max_pending_bytes
         self.after_batch = after_batch
         self.after_write = after_write  # gets the rows of each committed batch (the remote uploader)
-        self._dest = Destination(index, root, memory, fsync, gate=gate)
+        self._dest = Destination(index, root, memory, fsync, gate=gate, between_records=self._let_reads_go)
+        self._reads = 0  # restores running now (`reading`): the writer waits for them between records
         self.gate = gate
         self.stats: WriterStats = self._dest.stats
         self._jobs: deque[Job] = deque()
@@ -131,6 +135,30 @@ class Writer:
         self._thread.join(timeout=30)
 
     # -- for tests: hold the writer before it starts the next job ---------------------------
+
+    @contextmanager
+    def reading(self) -> Iterator[None]:
+        """Around a restore: while one runs, the writer waits between records (at most
+        `YIELD_MAX_S` each time), so the restore has both cores and the memory bandwidth to itself.
+        (A warm 2k-token restore took 62 ms beside a writer writing, 37 ms alone, here.)"""
+        with self._cond:
+            self._reads += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._reads -= 1
+                if not self._reads:
+                    self._cond.notify_all()
+
+    def _let_reads_go(self) -> None:
+        deadline = time.monotonic() + YIELD_MAX_S
+        with self._cond:
+            while self._reads and not self._stop:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self._cond.wait(left)
 
     def pause(self) -> None:
         self._paused.clear()
