@@ -321,7 +321,7 @@ def main() -> None:
         gc.collect()
         mx.clear_cache()
     C.log("[parts] hand-offs between threads, on every core and on one")
-    first = {name: (tag, tuple(shape)) for name, (tag, shape) in results[0]["specs"].items()}
+    first = {name: (tag, tuple(shape)) for name, (tag, shape) in [r.pop("specs") for r in results][0].items()}
     data = {"machine": C.machine(), "blas": C.blas_in_use(), "reps": args.reps, "results": results,
             "handoffs": handoffs(first), "handoffs_shape": [results[0]["shape"], results[0]["tokens"]]}
     out = C.write_result("restore_parts", data, args.out)

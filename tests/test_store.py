@@ -328,6 +328,11 @@ def test_insert_returns_before_anything_is_written(tmp_path, llama):
         assert len(store.bind(model, path).fetch(tokens)[1]) == 1
 
 
+def _kv(cache, n: int) -> list[np.ndarray]:
+    """The first `n` tokens of every layer's keys and values, as float32 copies."""
+    return [np.array(a.astype(mx.float32)) for c in cache for a in (c.keys[..., :n, :], c.values[..., :n, :])]
+
+
 def test_insert_takes_no_view_of_an_mlx_array_on_the_callers_thread(tmp_path, llama, monkeypatch):
     # mlx lets go of the GIL to hand out an array's memory, and a busy writer thread then holds
     # it for up to Python's switch interval: the caller only holds its arrays, the writer views them.
@@ -348,7 +353,7 @@ def test_insert_takes_no_view_of_an_mlx_array_on_the_callers_thread(tmp_path, ll
     with kvstore.open(tmp_path / "s", chunk_size=C, memory_bytes=0) as store:
         mc = store.bind(model, path)
         cache = prefill(model, tokens)
-        want = [np.array(a.astype(mx.float32)) for c in cache for a in (c.keys[..., :3 * C, :], c.values[..., :3 * C, :])]
+        want = _kv(cache, 3 * C)
         store.writer.pause()
         try:
             assert mc.insert(tokens, cache) == 3
@@ -360,7 +365,7 @@ def test_insert_takes_no_view_of_an_mlx_array_on_the_callers_thread(tmp_path, ll
     with kvstore.open(tmp_path / "s", chunk_size=C, memory_bytes=0) as store:
         got, rest = store.bind(model, path).fetch(tokens + [1])
         assert rest == [1]
-        restored = [np.array(a.astype(mx.float32)) for c in got for a in (c.keys[..., :3 * C, :], c.values[..., :3 * C, :])]
+        restored = _kv(got, 3 * C)
         assert all(np.array_equal(w, r) for w, r in zip(want, restored))
 
 
@@ -387,7 +392,7 @@ def test_the_writer_waits_between_records_while_a_restore_runs_but_never_stops(t
 
 
 def test_a_cache_changed_in_place_after_insert_does_not_change_what_was_stored(tmp_path, llama):
-    # insert keeps numpy views of the caller's own K/V buffers (no copy, no mlx op) until the
+    # insert keeps references to the caller's own K/V arrays (no copy, no mlx op) until the
     # writer has written them. Generation then goes on in the same cache: here it trims back into
     # the stored tokens and writes other tokens over them. What the queue serves, and what
     # reaches the disk, must still be the K/V of the tokens inserted.
@@ -396,7 +401,7 @@ def test_a_cache_changed_in_place_after_insert_does_not_change_what_was_stored(t
     with kvstore.open(tmp_path / "s", chunk_size=C, memory_bytes=0) as store:
         mc = store.bind(model, path)
         cache = prefill(model, tokens)
-        want = [np.array(a.astype(mx.float32)) for c in cache for a in (c.keys[..., :3 * C, :], c.values[..., :3 * C, :])]
+        want = _kv(cache, 3 * C)
         store.writer.pause()
         try:
             assert mc.insert(tokens, cache) == 3
@@ -408,7 +413,7 @@ def test_a_cache_changed_in_place_after_insert_does_not_change_what_was_stored(t
                                       want[0][..., 2 * C:, :])
             pending, rest = mc.fetch(tokens + [1])
             assert len(rest) == 1
-            got = [np.array(a.astype(mx.float32)) for c in pending for a in (c.keys[..., :3 * C, :], c.values[..., :3 * C, :])]
+            got = _kv(pending, 3 * C)
             assert all(np.array_equal(g, w) for g, w in zip(got, want)), "the queued record changed with the cache"
         finally:
             store.writer.resume()
@@ -416,7 +421,7 @@ def test_a_cache_changed_in_place_after_insert_does_not_change_what_was_stored(t
     with kvstore.open(tmp_path / "s", chunk_size=C, memory_bytes=0) as store:
         restored, rest = store.bind(model, path).fetch(tokens + [1])
         assert len(rest) == 1
-        got = [np.array(a.astype(mx.float32)) for c in restored for a in (c.keys[..., :3 * C, :], c.values[..., :3 * C, :])]
+        got = _kv(restored, 3 * C)
         assert all(np.array_equal(g, w) for g, w in zip(got, want)), "the stored record changed with the cache"
 
 

@@ -134,8 +134,6 @@ class Writer:
             self._cond.notify_all()
         self._thread.join(timeout=30)
 
-    # -- for tests: hold the writer before it starts the next job ---------------------------
-
     @contextmanager
     def reading(self) -> Iterator[None]:
         """Around a restore: while one runs, the writer waits between records (at most
@@ -151,14 +149,7 @@ class Writer:
                 if not self._reads:
                     self._cond.notify_all()
 
-    def _let_reads_go(self) -> None:
-        deadline = time.monotonic() + YIELD_MAX_S
-        with self._cond:
-            while self._reads and not self._stop:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return
-                self._cond.wait(left)
+    # -- for tests: hold the writer before it starts the next job ---------------------------
 
     def pause(self) -> None:
         self._paused.clear()
@@ -210,6 +201,16 @@ class Writer:
             self._pending_bytes -= job.nbytes
             self._busy = False
             self._cond.notify_all()
+
+    def _let_reads_go(self) -> None:
+        """Between two records: wait while a restore runs (`reading`), at most `YIELD_MAX_S`."""
+        deadline = time.monotonic() + YIELD_MAX_S
+        with self._cond:
+            while self._reads and not self._stop:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self._cond.wait(left)
 
     def _write(self, job: Job) -> None:
         self.stats.jobs += 1
