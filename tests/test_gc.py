@@ -283,3 +283,29 @@ def test_readers_in_other_processes_restore_correctly_during_gc(tmp_path, small_
     for res in results:
         assert res["fetches"] >= 2 * len(prompts) and res["reused"] > 0
         assert res["wrong"] == 0, res
+
+
+def test_index_writes_wait_for_gc_on_the_tree_lock_not_in_sqlites_busy_handler(tmp_path):
+    """Every index transaction of a store (the write budget, settings, access times, pins) takes
+    the blob tree's lock shared first. While gc holds it exclusive, a write waits on the lock,
+    whose release wakes it, instead of sleeping in SQLite's busy handler between gc's
+    transactions; the thread that holds the lock writes without waiting for itself."""
+    import threading
+
+    with kvstore.open(tmp_path / "s", memory_bytes=0) as store:
+        index = store.index
+        done = threading.Event()
+
+        def write():
+            index.set_setting("admit", "reused")
+            done.set()
+
+        with blobtree.tree_lock(store.blob_root, exclusive=True):  # as gc holds it
+            index.set_setting("admit", "all")  # this thread holds it: no wait for itself
+            t = threading.Thread(target=write)
+            t.start()
+            # SQLite is free (no transaction is open), so only the tree lock can hold it back.
+            assert not done.wait(0.3)
+            assert index.setting("admit") == "all"
+        t.join(timeout=30)
+        assert done.is_set() and index.setting("admit") == "reused"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import sqlite3
 from contextlib import contextmanager
-from typing import Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 from kvstore.storage import schema
 
@@ -20,10 +20,16 @@ class EvictionSQL:
     """gc's statements, and the transactions every statement of the index writes in."""
 
     conn: sqlite3.Connection
+    #: Entered around every transaction before it begins (`LocalStore` sets the blob tree's
+    #: `write_turn`, so that writes queue behind gc on its lock); None: none.
+    write_gate: Callable[[], contextlib.AbstractContextManager] | None = None
 
-    def transaction(self) -> contextlib.AbstractContextManager[sqlite3.Connection]:
+    @contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
         """`BEGIN IMMEDIATE ... COMMIT` on this thread's connection, rolled back on any exception."""
-        return schema.transaction(self.conn)
+        gate = self.write_gate
+        with gate() if gate is not None else contextlib.nullcontext(), schema.transaction(self.conn) as conn:
+            yield conn
 
     def eviction_graph(self, stale: Sequence[bytes] = ()) -> list[tuple]:
         """(hash + parent, last access, (size * 4 + role) * 16 + flags) of every record, for

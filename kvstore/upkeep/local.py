@@ -8,6 +8,7 @@ writer and the models on top.
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import sqlite3
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.errors import StoreOpenError
+from kvstore.storage import blobtree
 from kvstore.storage.index import Index, is_corruption
 from kvstore.storage.stale import status as model_status
 from kvstore.storage.storedir import BLOBS_NAME, INDEX_NAME, QUARANTINE_NAME, open_dir
@@ -43,6 +45,8 @@ class LocalStore:
             flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
             os.close(os.open(index_file, flags, 0o600))
         self.index = Index(index_file, read_only=self.read_only)
+        if not self.read_only:  # the index's writes queue behind gc on the blob tree's lock
+            self.index.write_gate = functools.partial(blobtree.write_turn, self.blob_root)
         self.gc_lock = threading.Lock()  # one gc at a time in this process (the writer's budget too)
 
     def close(self) -> None:
