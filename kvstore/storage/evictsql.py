@@ -76,22 +76,30 @@ class EvictionSQL:
         """Delete, in one transaction, the records of `victims` from `lo` to `hi` (hashes,
         inclusive: neighbours in the table) that are unpinned and have no stored child outside
         the victims. The check is made here, so a record pinned, or given a new child by another
-        process, since gc chose it stays. Returns (hash, size, parent, first token or -1) of the
-        rows deleted: delete their files only now that this has committed, and then their edges
-        (`forget_edges`)."""
+        process, since gc chose it stays. The edges out of the records deleted go in the same
+        transaction: they are neighbours in `children` too (its key starts with the parent), and
+        no lookup can walk them once their parent is gone. Returns (hash, size, parent, first
+        token or -1) of the rows deleted: delete their files only now that this has committed,
+        and then the edges into them whose parent is still stored (`forget_edges`)."""
         with self.transaction() as conn:
             # Most children are victims too: that probe comes first, the row's only for the rest.
-            return conn.execute(
+            deleted = conn.execute(
                 "DELETE FROM records WHERE hash IN (SELECT hash FROM temp.victims WHERE hash BETWEEN ? AND ?) "
                 "AND pinned = 0 AND NOT EXISTS (SELECT 1 FROM children c WHERE c.parent = records.hash "
                 "AND c.hash NOT IN (SELECT hash FROM temp.victims) "
                 "AND EXISTS (SELECT 1 FROM records k WHERE k.hash = c.hash)) "
                 "RETURNING hash, size, parent, coalesce(first_token, -1)", (lo, hi)).fetchall()
+            if deleted:
+                conn.execute(
+                    "DELETE FROM children WHERE parent IN (SELECT hash FROM temp.victims WHERE hash BETWEEN ? AND ?) "
+                    "AND NOT EXISTS (SELECT 1 FROM records r WHERE r.hash = children.parent)", (lo, hi))
+            return deleted
 
     def forget_edges(self, edges: Sequence[tuple[bytes, int, bytes]]) -> int:
         """Delete, in one transaction, these (parent, first token or -1, hash) edges of
         `children` (give them in that order: neighbours in the table), each unless its record is
-        stored (again: another process may have written it since). Returns how many went."""
+        stored (again: another process may have written it since). Returns how many went.
+        gc gives it the edges `evict` left: those whose parent is still stored."""
         with self.transaction() as conn:
             before = conn.total_changes
             conn.executemany(

@@ -68,7 +68,8 @@ def write(dest: Destination, job: Job,
             dest.index.pin(job.pin)
         if job.reached and dest.index is not None:
             dest.index.raise_role(job.reached, job.role)
-    _give_back(dest, staged, rows)
+        _give_back(dest, staged, rows)
+        _settle(dest)  # under the lock, which its transaction would otherwise wait for again
     if copies:
         dest.memory.put(reversed(copies))
     kept = {s.hash for s in written if s.hash in staged.kept}
@@ -87,6 +88,15 @@ def _give_back(dest: Destination, staged: _Staged, rows: list[Row]) -> None:
         try:
             dest.gate.budget.give_back(unused, max(0, staged.taken_records - len(rows)))
         except Exception as e:
+            dest.count_error(e)
+
+
+def _settle(dest: Destination) -> None:
+    """Log the writes an unlimited budget counted (`WriteBudget.settle`)."""
+    if dest.gate is not None and dest.gate.budget is not None:
+        try:
+            dest.gate.budget.settle()
+        except Exception as e:  # only counts: kept for the next write
             dest.count_error(e)
 
 

@@ -11,6 +11,7 @@ per day.
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Callable, Sequence
 
@@ -49,13 +50,39 @@ class WriteBudget:
 
     def __init__(self, index: Index, per_day: int | None, clock: Callable[[], float] = time.time):
         self.index, self.per_day, self.clock = index, per_day, clock
+        # Without a limit nothing is refused, so nothing is reserved before a write: what is
+        # taken and given back is summed here and logged by `settle`, which the writer calls
+        # while it holds the blob tree's lock for the rows (an index transaction of its own
+        # would wait for gc's lock once more, per write).
+        self._lock = threading.Lock()
+        self._unsettled = [0, 0]  # bytes, records
 
     def take(self, sizes: Sequence[int]) -> int:
         """Count as written the leading `sizes` the budget has room for; how many. The caller
         writes exactly those (and gives back what it did not write: `give_back`)."""
         if not sizes:
             return 0
+        if self.per_day is None:
+            self._add(sum(sizes), len(sizes))
+            return len(sizes)
         return self.index.reserve_writes(list(sizes), hour_of(self.clock()), WINDOW_HOURS, self.per_day)
+
+    def settle(self) -> None:
+        """Log what was taken (and given back) without a limit since the last call. Raises what
+        the index raises, keeping the counts for the next call."""
+        with self._lock:
+            (nbytes, records), self._unsettled = self._unsettled, [0, 0]
+        if nbytes or records:
+            try:
+                self.index.log_writes(hour_of(self.clock()), {"bytes": nbytes, "records": records})
+            except BaseException:
+                self._add(nbytes, records)
+                raise
+
+    def _add(self, nbytes: int, records: int) -> None:
+        with self._lock:
+            self._unsettled[0] += nbytes
+            self._unsettled[1] += records
 
     def count(self, nbytes: int, records: int = 1) -> None:
         """Count a write the budget does not gate (a record completed again in place)."""
@@ -64,7 +91,9 @@ class WriteBudget:
     def give_back(self, nbytes: int, records: int) -> None:
         """What was taken and then not written (a failed write, or a record another process
         stored meanwhile)."""
-        if nbytes or records:
+        if self.per_day is None:
+            self._add(-nbytes, -records)
+        elif nbytes or records:
             self.index.log_writes(hour_of(self.clock()), {"bytes": -nbytes, "records": -records})
 
     def used(self) -> int:
