@@ -89,7 +89,9 @@ def write_report() -> str:
     add("The machine is a 2-core VM shared with other work: the load average above says how busy it was. "
         "Fresh memory is expensive here (a first touch of a 4 KiB page costs more than reading it from the "
         "page cache), which is why two baselines are shown: into a reused buffer (the strict physical "
-        "limit) and into new memory (what any restore that returns new arrays must pay).")
+        "limit) and into new memory (what any restore that returns new arrays must pay). The table is the "
+        "machine of the last full run; sessions land on an Intel Xeon or an AMD EPYC, which differ about 3x in "
+        "page-cache read speed, and a section run again since names the CPU it ran on.")
     add("")
     conversation, remote, agent = _load("conversation"), _load("remote"), _load("agent_trace")
     summary, missed = _targets(restore, write, index, conversation)
@@ -356,7 +358,9 @@ def _write(add, write) -> None:
     add("## Write path")
     add("")
     if write.get("written_utc"):
-        add(f"Run {write['written_utc']} (`PYTHONPATH=. python bench/write_path.py`).")
+        cpu = write.get("machine", {}).get("cpu")
+        add(f"Run {write['written_utc']} (`PYTHONPATH=. python bench/write_path.py`)"
+            + (f" on {cpu}, {write['machine'].get('cores', '?')} cores." if cpu else "."))
         add("")
     add(f"Cache shape {write['shape']}. `insert` timed on the caller's thread, with the writer idle (flushed "
         "before) and busy (writing a fresh insert of the same length queued just before); each timed insert "
@@ -414,7 +418,9 @@ def _index(add, index) -> None:
         "longest in the 3 s before it.")
     add("")
     load = index.get("machine", {}).get("load_average_1m")
+    cpu = index.get("machine", {}).get("cpu")
     add(f"Run {index.get('written_utc', '?')} (`PYTHONPATH=. python bench/index_scale.py`)"
+        + (f" on {cpu}, {index['machine'].get('cores', '?')} cores" if cpu else "")
         + (f", load average {load:.2f} at the start (this benchmark adds about 1.5)." if load is not None else "."))
     add("")
     add("| rows | lookup p50 / p99 (hit) | lookup p50 / p99 (branch) | open warm | open cold | first lookup, cold "
@@ -456,23 +462,32 @@ alone and {beside:.1f} s beside the other process (runs vary by about ±10%). Be
 process's writer renames a blob and commits its row; the writer writes and fsyncs each blob
 before taking the lock (before that change: 10.3 to 10.6 s).
 
-How (migration 0016 and `kvstore/upkeep/maintenance.py`): before it, the index kept each chunk's 1 KiB
-of token ids in its row, with three indexes (parent, hash+bad, namespace), and gc deleted level by
-level; a deleted row changed a leaf page of the table and of each index at random places of a
-1.4 GB file, about 90 KiB of page writes per row (measured with `/proc/self/io`): 111 s for half of
-1M rows, 5.4 s of it planning, inserts of another process waiting up to 367 ms. Now a row holds no
-token ids (they are in the blob; the hash proves them), so the 1M-row index is 198 MB; edges live
-in `children (parent, first token, hash)`; gc deletes the rows in hash order (sweep 1) and then
-their edges in `children`'s order (sweep 2), so each transaction rewrites neighbouring pages once.
-A parent may go before its children; they are unreachable from then on and go later in the same
-gc. Planning reads three columns per row into a numpy record array (hash and parent as one blob,
-size and flags as one integer) and searches parents with integer keys: 2.0 s. Writers wait for gc
-on the blob-tree lock instead of in SQLite's busy handler, whose sleeps of up to 100 ms made them
-miss the gaps between gc's transactions; transactions are adapted to about 40 ms; the WAL is
-checkpointed every 0.25 s outside any lock. Profile of half of 1M rows alone (load average 2 to
-4): planning 2.3 to 2.8 s, sweep 1 2.8 s, sweep 2 2.3 s, checkpoints 0.8 s, the rest files, the
-victims table and pauses. The blob files do not exist in this benchmark: a real gc also unlinks
-one file per record (roughly 10 to 20 µs each on ext4), which this does not count.
+How (migration 0016, `kvstore/upkeep/gc.py` and `kvstore/storage/evictsql.py`): before it, the
+index kept each chunk's 1 KiB of token ids in its row, with three indexes (parent, hash+bad,
+namespace), and gc deleted level by level; a deleted row changed a leaf page of the table and of
+each index at random places of a 1.4 GB file, about 90 KiB of page writes per row (measured with
+`/proc/self/io`): 111 s for half of 1M rows, 5.4 s of it planning, inserts of another process
+waiting up to 367 ms. Now a row holds no token ids (they are in the blob; the hash proves them), so
+the 1M-row index is 198 MB; edges live in `children (parent, first token, hash)`. gc deletes the
+rows in hash order, and in the same transaction the edges out of them: the key of `children`
+starts with the parent, so those edges are neighbours too, and no lookup walks them once their
+parent is gone. Each transaction rewrites neighbouring pages once. A parent may go before its
+children; they are unreachable from then on and go later in the same gc. A second sweep, in the
+order of `children`, deletes the edges into deleted records from parents that stay: 577 of
+500,094 here (gc mostly takes whole branches; it deleted all 500,094 edges in a sweep of its own
+before, 2.3 to 3.4 s). Planning reads three columns per row (hash and parent as one blob, size
+and flags as one integer), each into a numpy array in one C loop, and searches parents with
+integer keys. Every index write of the store, the write budget's and the access times' too, waits
+for gc on the blob-tree lock instead of in SQLite's busy handler, whose sleeps of up to 100 ms
+missed the gaps between gc's transactions (a write-budget reservation outside the lock once kept
+an insert waiting 1.5 s); a store without a write limit counts its writes in memory and logs them
+while it holds the lock for its rows, so an insert waits for gc at most once. Transactions are
+adapted to about 40 ms; the WAL is checkpointed every 0.25 s outside any lock. Profile of half of
+1M rows alone (AMD EPYC, load average 1 to 2): planning 3.0 to 3.5 s (the query 1.3 s), the
+sweep of rows and their edges 4.0 to 4.4 s, the second sweep 0.01 s, checkpoints 0.6 s, the
+victims table 0.3 s, the rest files and pauses. The blob files do not exist in this benchmark: a
+real gc also unlinks one file per record (roughly 10 to 20 µs each on ext4), which this does not
+count.
 """
 
 
