@@ -169,9 +169,6 @@ def _targets(restore, write, index, conversation=None):
         ctrl = write.get("control")
         ctrl_text = (f"; the control's p99 is {ctrl['idle']['p99_ms']:.2f} ms idle, {ctrl['busy']['p99_ms']:.2f} ms busy"
                      if ctrl else "")
-        served = [r["busy_serve_switch"]["p99_ms"] for r in write["insert"] if r.get("busy_serve_switch", {}).get("n")]
-        if served:
-            ctrl_text += f"; with the writer busy in `kvstore serve`'s process (0.5 ms switch interval): worst p99 {max(served):.2f} ms"
         target("insert on the caller's thread, p99 < 2 ms", f"worst p99 {p99:.2f} ms (worst p50 {p50:.2f} ms{ctrl_text})",
                p99 < TARGETS["insert_p99_ms"], "insert_p99_ms", f"{p99 / TARGETS['insert_p99_ms']:.1f}x the target")
         sh = write["shared_prefix"]
@@ -370,27 +367,17 @@ def _write(add, write) -> None:
         "is a chat turn's (the prefix stored, one new 256-token chunk), page faults are the caller thread's "
         "per call (median / max), \"all new\" is 10 inserts of wholly new sequences (p50 / max):")
     add("")
-    serve = any("busy_serve_switch" in r for r in write["insert"])
-    if serve:
-        add("Busy spells alternate between Python's thread switch interval (5 ms) and the 0.5 ms `kvstore serve` "
-            "sets for its process (\"busy, serve\"): an insert that lets go of the GIL (its index query does) waits "
-            "for the writer's Python at most that long.")
-        add("")
-    add("| tokens | K/V | samples | idle p50 / p99 / max | busy p50 / p99 / max |"
-        + (" busy, serve: p50 / p99 / max |" if serve else "") + " faults idle / busy | busy > 2 ms (preempted) | all new |")
-    add("| ---: | ---: | ---: | ---: | ---: |" + (" ---: |" if serve else "") + " ---: | ---: | ---: |")
+    add("| tokens | K/V | samples | idle p50 / p99 / max | busy p50 / p99 / max | faults idle / busy | busy > 2 ms (preempted) | all new |")
+    add("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in write["insert"]:
         i, b, a = r["idle"], r["busy"], r.get("all_new")
-        f = r.get("busy_serve_switch")
-        fast = (f"| {f['p50_ms']:.2f} / {f['p99_ms']:.2f} / {f['max_ms']:.2f} ms " if f and f.get("n") else
-                ("| - " if serve else ""))
         faults = (f"{i['faults_p50']:.0f} ({i['faults_max']}) / {b['faults_p50']:.0f} ({b['faults_max']})"
                   if "faults_p50" in i else "")
         new = f"{a['p50_ms']:.2f} / {a['max_ms']:.2f} ms" if a else ""
         slow = f"{b['over_2ms']} ({b['over_2ms_preempted']})" if "over_2ms" in b else ""
         add(f"| {r['tokens']:,} | {_mb(r['kv_bytes'])} | {i['n']} + {b['n']} "
             f"| {i['p50_ms']:.2f} / {i['p99_ms']:.2f} / {i.get('max_ms', float('nan')):.2f} ms "
-            f"| {b['p50_ms']:.2f} / {b['p99_ms']:.2f} / {b.get('max_ms', float('nan')):.2f} ms {fast}| {faults} | {slow} | {new} |")
+            f"| {b['p50_ms']:.2f} / {b['p99_ms']:.2f} / {b.get('max_ms', float('nan')):.2f} ms | {faults} | {slow} | {new} |")
     add("")
     if write.get("control"):
         j = write["control"]

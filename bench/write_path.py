@@ -2,8 +2,7 @@
 
 - `insert` latency on the caller's thread (p50/p99/max, page faults per call), with the writer idle
   and with the writer busy writing an earlier insert (the usual case in a server), for caches of
-  1k/4k/16k tokens, 200 samples per case; busy spells alternate between Python's thread switch
-  interval (5 ms) and the one `kvstore serve` sets for its process (0.5 ms);
+  1k/4k/16k tokens, 200 samples per case;
 - background write throughput (insert -> flush) vs a raw write of the same bytes to as many files
   with an fsync each;
 - disk bytes for 100 prompts that share a 2,048-token system prompt, vs the KV bytes of their
@@ -18,7 +17,6 @@ import argparse
 import os
 import resource
 import shutil
-import sys
 import time
 
 import common as C
@@ -27,7 +25,6 @@ from mlx_lm.models.cache import KVCache, save_prompt_cache
 
 import kvstore
 from kvstore import keys
-from kvstore.serve.server import SWITCH_INTERVAL_S as SERVE_SWITCH_INTERVAL_S
 
 FINGERPRINT = b"kvstore-bench-wp"
 SHAPE = C.SHAPES["qwen3-0.6b"]
@@ -90,18 +87,11 @@ def insert_latency(tokens: int, reps: int, busy_reps: int | None = None) -> dict
     mc.insert(turn(), base)  # warm-up (first-use costs)
     store.flush()
     idle, idle_faults, busy, busy_faults, all_new = [], [], [], [], []
-    fast, fast_faults = [], []  # busy, with kvstore serve's switch interval
     for _ in range(reps):
         timed(turn(), idle, idle_faults)
         store.flush()
     not_busy = 0
-    default_interval = sys.getswitchinterval()
-    spell = 0
-    while min(len(busy), len(fast)) < (reps if busy_reps is None else busy_reps):
-        # Busy spells alternate between Python's switch interval and the one `kvstore serve` sets.
-        into, into_faults = (busy, busy_faults) if spell % 2 == 0 else (fast, fast_faults)
-        sys.setswitchinterval(default_interval if spell % 2 == 0 else SERVE_SWITCH_INTERVAL_S)
-        spell += 1
+    while len(busy) < (reps if busy_reps is None else busy_reps):
         load = fresh()
         mc.insert(load, base)  # the writer starts on this one...
         first = keys.chain(mc.ns, load[:chunk], chunk)[0]
@@ -110,8 +100,7 @@ def insert_latency(tokens: int, reps: int, busy_reps: int | None = None) -> dict
             if not store.writer.is_pending(first):
                 not_busy += 1  # it finished already: not a busy sample
                 break
-            timed(turn(), into, into_faults)  # ...while these are timed
-        sys.setswitchinterval(default_interval)
+            timed(turn(), busy, busy_faults)  # ...while these are timed
         store.flush()
         store.gc(max_bytes=0)  # untimed: drops all but the pinned prefix
     for _ in range(10):
@@ -135,7 +124,6 @@ def insert_latency(tokens: int, reps: int, busy_reps: int | None = None) -> dict
 
     return {"tokens": tokens, "kv_bytes": SHAPE.bytes_per_token * tokens,
             "idle": stats(idle, idle_faults), "busy": stats(busy, busy_faults), "all_new": stats(all_new),
-            "busy_serve_switch": stats(fast, fast_faults), "switch_interval_s": [default_interval, SERVE_SWITCH_INTERVAL_S],
             "loads_finished_early": not_busy, "dropped_jobs": dropped,
             "idle_samples": idle, "busy_samples": busy}
 

@@ -47,13 +47,6 @@ __all__ = ["DEFAULT_MAX_STORED_TOKENS", "PersistentPromptCache", "main", "run"]
 
 _parser = build_parser  # kvstore serve's options, under the name tests read them by
 
-#: The thread switch interval `kvstore serve` sets for its process (Python's default is 5 ms). An
-#: `insert` that waits on the index lets go of the GIL, and a writer busy in Python then kept it
-#: for up to the whole interval: with the writer busy, an insert's p99 was 4 to 7 ms at the
-#: default, about 2 ms at this (a 2-core AMD EPYC; bench/write_path.py measures both). Python
-#: code that runs alone (generation runs in mlx, without the GIL) is not slowed.
-SWITCH_INTERVAL_S = 0.0005
-
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`kvstore serve`: mlx_lm.server with a `PersistentPromptCache`. Returns the exit code."""
@@ -170,8 +163,6 @@ def _serve(server, store: Store, ours: argparse.Namespace, passthrough: list[str
     stopper = Stopper(store)
     started: list = []
     code = 0
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(SWITCH_INTERVAL_S)  # this process is ours (see SWITCH_INTERVAL_S)
     try:
         stopper.install()
         with persistent(server, cache, started, stopper.requests, make_handler):
@@ -195,7 +186,6 @@ def _serve(server, store: Store, ours: argparse.Namespace, passthrough: list[str
         if started:
             log.info("kvstore: %s", _final_counts(cache))
         stopper.uninstall()
-        sys.setswitchinterval(interval)
     return code
 
 
