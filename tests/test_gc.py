@@ -312,3 +312,29 @@ def test_index_writes_wait_for_gc_on_the_tree_lock_not_in_sqlites_busy_handler(t
             assert index.setting("admit") == "all"
         t.join(timeout=30)
         assert done.is_set() and index.setting("admit") == "reused"
+
+
+def test_only_the_tops_of_what_gc_evicts_are_checked_for_new_children(tmp_path, small_store):
+    """A top (a victim whose parent stays) that has a stored child outside the victims stays; below
+    a top the check is not made: once the top goes, nothing below it is reachable anyway."""
+    src, _ = small_store
+    path = tmp_path / "s"
+    shutil.copytree(src, path)
+    with kvstore.open(path, chunk_size=C, memory_bytes=0) as store:
+        index = store.index
+        rows = {r.hash: r for r in index.rows()}
+        kids_of: dict[bytes, list[bytes]] = {}
+        for r in rows.values():
+            kids_of.setdefault(r.parent, []).append(r.hash)
+        # p -> k -> kk, none pinned: as if kk had come in after gc chose p and k
+        p, k = next((rows[k].parent, k) for k in rows if k in kids_of and rows[k].parent in rows
+                    and kids_of[rows[k].parent] == [k] and not rows[k].pinned and not rows[rows[k].parent].pinned)
+
+        def evict(victims, tops):
+            with index.victims(victims, tops):
+                batch = sorted(victims)
+                return {h for h, *_ in index.evict(batch[0], batch[-1])}
+
+        assert evict({k}, {k}) == set()  # a top with a child outside the victims stays
+        assert evict({p, k}, {p}) == {p, k}  # below the top p, k's child is not looked for
+        assert k not in _hashes(store) and p not in _hashes(store)

@@ -51,19 +51,24 @@ class EvictionSQL:
             stale).fetchall()
 
     @contextmanager
-    def victims(self, hashes: Iterable[bytes]) -> Iterator[None]:
-        """What gc evicts, held for `evict` in a table of this connection's own (in memory)."""
+    def victims(self, hashes: Iterable[bytes], tops: Iterable[bytes] | None = None) -> Iterator[None]:
+        """What gc evicts, held for `evict` in a table of this connection's own (in memory), with
+        which of them are `tops` (their parent stays; None: all of them are)."""
         conn = self.conn
         conn.execute("PRAGMA temp_store = MEMORY")
         conn.execute("DROP TABLE IF EXISTS temp.victims")
-        conn.execute("CREATE TEMP TABLE victims (hash BLOB PRIMARY KEY) WITHOUT ROWID")
+        conn.execute("CREATE TEMP TABLE victims (hash BLOB PRIMARY KEY, top INTEGER NOT NULL) WITHOUT ROWID")
         try:
             hashes = sorted(hashes)
+            top = None if tops is None else set(tops)
+            rows = [(h, 1 if top is None or h in top else 0) for h in hashes]
+            step = _MAX_PARAMS // 2
             conn.execute("BEGIN")  # (of the temporary table only: no lock on the index)
             try:
-                for start in range(0, len(hashes), _MAX_PARAMS):
-                    part = hashes[start : start + _MAX_PARAMS]
-                    conn.execute("INSERT OR IGNORE INTO temp.victims VALUES " + ",".join(["(?)"] * len(part)), part)
+                for start in range(0, len(rows), step):
+                    part = rows[start : start + step]
+                    conn.execute("INSERT OR IGNORE INTO temp.victims VALUES " + ",".join(["(?, ?)"] * len(part)),
+                                 [v for r in part for v in r])
             except BaseException:
                 conn.execute("ROLLBACK")
                 raise
@@ -74,20 +79,22 @@ class EvictionSQL:
 
     def evict(self, lo: bytes, hi: bytes) -> list[tuple[bytes, int, bytes, int]]:
         """Delete, in one transaction, the records of `victims` from `lo` to `hi` (hashes,
-        inclusive: neighbours in the table) that are unpinned and have no stored child outside
-        the victims. The check is made here, so a record pinned, or given a new child by another
-        process, since gc chose it stays. The edges out of the records deleted go in the same
-        transaction: they are neighbours in `children` too (its key starts with the parent), and
-        no lookup can walk them once their parent is gone. Returns (hash, size, parent, first
-        token or -1) of the rows deleted: delete their files only now that this has committed,
-        and then the edges into them whose parent is still stored (`forget_edges`)."""
+        inclusive: neighbours in the table) that are unpinned and, for the tops, have no stored
+        child outside the victims. The checks are made here, so a record pinned since gc chose
+        it stays, and so does the top of a branch that another process gave a new child. (Below
+        a top a new child would be lost whatever this did: the top goes, and every lookup walks
+        down through it. Checking only the tops took 3.5 s instead of 4.5 s at half of 1M rows.)
+        The edges out of the records deleted go in the same transaction: they are neighbours in
+        `children` too (its key starts with the parent), and no lookup can walk them once their
+        parent is gone. Returns (hash, size, parent, first token or -1) of the rows deleted:
+        delete their files only now that this has committed, and then the edges into them whose
+        parent is still stored (`forget_edges`)."""
         with self.transaction() as conn:
-            # Most children are victims too: that probe comes first, the row's only for the rest.
             deleted = conn.execute(
-                "DELETE FROM records WHERE hash IN (SELECT hash FROM temp.victims WHERE hash BETWEEN ? AND ?) "
-                "AND pinned = 0 AND NOT EXISTS (SELECT 1 FROM children c WHERE c.parent = records.hash "
+                "DELETE FROM records WHERE hash IN (SELECT hash FROM temp.victims v WHERE hash BETWEEN ? AND ? "
+                "AND (v.top = 0 OR NOT EXISTS (SELECT 1 FROM children c WHERE c.parent = v.hash "
                 "AND c.hash NOT IN (SELECT hash FROM temp.victims) "
-                "AND EXISTS (SELECT 1 FROM records k WHERE k.hash = c.hash)) "
+                "AND EXISTS (SELECT 1 FROM records k WHERE k.hash = c.hash)))) AND pinned = 0 "
                 "RETURNING hash, size, parent, coalesce(first_token, -1)", (lo, hi)).fetchall()
             if deleted:
                 conn.execute(

@@ -101,11 +101,13 @@ class Graph:
 
 @dataclass
 class Plan:
-    """The records to evict: in eviction order (children before parents), with H of each."""
+    """The records to evict: in eviction order (children before parents), with H of each, and
+    which are the tops of what goes (their parent is not in the plan)."""
 
     keys: np.ndarray  # V16: their hashes
     sizes: np.ndarray
     heights: np.ndarray
+    tops: np.ndarray | None = None  # bool; None: every record counts as a top
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -113,6 +115,11 @@ class Plan:
     @property
     def hashes(self) -> list[bytes]:
         return _split(self.keys.tobytes())
+
+    @property
+    def top_hashes(self) -> list[bytes]:
+        """The hashes of the tops: the records whose parent stays."""
+        return self.hashes if self.tops is None else _split(self.keys[self.tops].tobytes())
 
     @classmethod
     def empty(cls) -> "Plan":
@@ -238,7 +245,11 @@ def plan(g: Graph, *, max_bytes: int | None, cutoff: float | None, stale: bool) 
         taken.append(part[:stop])
         left -= int(sizes[:stop].sum())
     idx = np.concatenate(taken)
-    return Plan(g.hashes[idx], g.sizes[idx], height[idx])
+    planned = np.zeros(len(g.hashes), bool)
+    planned[idx] = True
+    up = parent[idx]
+    tops = (up < 0) | ~planned[np.maximum(up, 0)]
+    return Plan(g.hashes[idx], g.sizes[idx], height[idx], tops)
 
 
 def in_key_order(p: Plan) -> list[bytes]:

@@ -64,7 +64,7 @@ def collect(index: Index, root: Path, *, max_bytes: int | None = None, max_age: 
         # A page cache as big as the index (up to 1 GiB) while gc runs; files unlinked on threads
         # (the syscall releases the GIL, and unlinks in different folders run side by side).
         with index.bulk(cache_kib=min(_CACHE_MAX_KIB, max(_CACHE_MIN_KIB, index.file_bytes() // 1024))), \
-                index.victims(order), ThreadPoolExecutor(_UNLINK_THREADS, thread_name_prefix="kvstore-gc") as pool:
+                index.victims(order, p.top_hashes), ThreadPoolExecutor(_UNLINK_THREADS, thread_name_prefix="kvstore-gc") as pool:
             # Sweep 1, in hash order: the rows and the edges out of them, and each record's file
             # right after its commit.
             for took, deleted in _batches(index, order, lambda part: _evict(index, root, part[0], part[-1], pool)):
