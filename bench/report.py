@@ -471,7 +471,10 @@ waiting up to 367 ms. Now a row holds no token ids (they are in the blob; the ha
 the 1M-row index is 198 MB; edges live in `children (parent, first token, hash)`. gc deletes the
 rows in hash order, and in the same transaction the edges out of them: the key of `children`
 starts with the parent, so those edges are neighbours too, and no lookup walks them once their
-parent is gone. Each transaction rewrites neighbouring pages once. A parent may go before its
+parent is gone. Each transaction rewrites neighbouring pages once. Only the tops of what goes
+(victims whose parent stays, 577 here) are checked for a child another process added since gc
+planned: below a top such a child is lost anyway, since the top goes and lookups walk down
+through it (checking every victim took 1 s more). A parent may go before its
 children; they are unreachable from then on and go later in the same gc. A second sweep, in the
 order of `children`, deletes the edges into deleted records from parents that stay: 577 of
 500,094 here (gc mostly takes whole branches; it deleted all 500,094 edges in a sweep of its own
@@ -483,9 +486,9 @@ missed the gaps between gc's transactions (a write-budget reservation outside th
 an insert waiting 1.5 s); a store without a write limit counts its writes in memory and logs them
 while it holds the lock for its rows, so an insert waits for gc at most once. Transactions are
 adapted to about 40 ms; the WAL is checkpointed every 0.25 s outside any lock. Profile of half of
-1M rows alone (AMD EPYC, load average 1 to 2): planning 3.0 to 3.5 s (the query 1.3 s), the
-sweep of rows and their edges 4.0 to 4.4 s, the second sweep 0.01 s, checkpoints 0.6 s, the
-victims table 0.3 s, the rest files and pauses. The blob files do not exist in this benchmark: a
+1M rows alone (AMD EPYC, load average 1 to 2; 8.2 to 8.6 s in all): planning 2.7 to 2.8 s (the
+query 1.3 s), the sweep of rows and their edges 2.8 to 3.2 s, the second sweep 0.01 s,
+checkpoints 0.5 s, the victims table 0.3 s, the rest files and pauses. The blob files do not exist in this benchmark: a
 real gc also unlinks one file per record (roughly 10 to 20 µs each on ext4), which this does not
 count.
 """
