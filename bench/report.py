@@ -453,6 +453,18 @@ def _index(add, index) -> None:
     for paragraph in prose.split("\n\n"):
         add(" ".join(paragraph.split()))
         add("")
+    files = _load("index_scale_files")
+    if files and files.get("results"):
+        r = max(files["results"], key=lambda r: r["rows"])
+        n, f = r["insert_during_gc"], r["fetch_during_gc"]
+        add(f"With a blob file for every row (`--files`: empty files, which gc unlinks; "
+            f"`PYTHONPATH=. python bench/index_scale.py --rows {round(r['rows'], -3)} --files`, run {files.get('written_utc', '?')} "
+            f"on {files.get('machine', {}).get('cpu', '?')}): gc of half of {r['rows']:,} rows took "
+            f"{r['gc_alone_s']:.1f} s alone and {r['gc_half_s']:.1f} s beside the other process, whose fetches "
+            f"waited at most {f['max_ms']:.1f} ms and inserts {n['max_ms']:.0f} ms (the files of each transaction "
+            "are unlinked before it lets go of the lock, so that no writer re-creates a record whose file is "
+            "about to go).")
+        add("")
 
 
 _INDEX_PROSE = """
