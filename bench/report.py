@@ -496,7 +496,7 @@ integer keys. Every index write of the store, the write budget's and the access 
 for gc on the blob-tree lock instead of in SQLite's busy handler, whose sleeps of up to 100 ms
 missed the gaps between gc's transactions (a write-budget reservation outside the lock once kept
 an insert waiting 1.5 s); a store without a write limit counts its writes in memory and logs them
-while it holds the lock for its rows, so an insert waits for gc at most once. Transactions are
+while it holds the lock for its rows, so writing an insert waits for gc once, not twice. Transactions are
 adapted to about 40 ms; the WAL is checkpointed every 0.25 s outside any lock. Profile of half of
 1M rows alone (AMD EPYC, load average 1 to 2; 8.2 to 8.6 s in all): planning 2.7 to 2.8 s (the
 query 1.3 s), the sweep of rows and their edges 2.8 to 3.2 s, the second sweep 0.01 s,
