@@ -47,6 +47,12 @@ def _load(name: str) -> dict | None:
 _mb = report_sections.mb
 
 
+def _ran_on(data: dict) -> str:
+    """" on <CPU>, <n> cores" of a results file's machine (empty when it does not say)."""
+    machine = data.get("machine", {})
+    return f" on {machine['cpu']}, {machine.get('cores', '?')} cores" if machine.get("cpu") else ""
+
+
 def _ok(good: bool) -> str:
     return "met" if good else "**missed**"
 
@@ -358,9 +364,7 @@ def _write(add, write) -> None:
     add("## Write path")
     add("")
     if write.get("written_utc"):
-        cpu = write.get("machine", {}).get("cpu")
-        add(f"Run {write['written_utc']} (`PYTHONPATH=. python bench/write_path.py`)"
-            + (f" on {cpu}, {write['machine'].get('cores', '?')} cores." if cpu else "."))
+        add(f"Run {write['written_utc']} (`PYTHONPATH=. python bench/write_path.py`){_ran_on(write)}.")
         add("")
     add(f"Cache shape {write['shape']}. `insert` timed on the caller's thread, with the writer idle (flushed "
         "before) and busy (writing a fresh insert of the same length queued just before); each timed insert "
@@ -418,9 +422,7 @@ def _index(add, index) -> None:
         "longest in the 3 s before it.")
     add("")
     load = index.get("machine", {}).get("load_average_1m")
-    cpu = index.get("machine", {}).get("cpu")
-    add(f"Run {index.get('written_utc', '?')} (`PYTHONPATH=. python bench/index_scale.py`)"
-        + (f" on {cpu}, {index['machine'].get('cores', '?')} cores" if cpu else "")
+    add(f"Run {index.get('written_utc', '?')} (`PYTHONPATH=. python bench/index_scale.py`){_ran_on(index)}"
         + (f", load average {load:.2f} at the start (this benchmark adds about 1.5)." if load is not None else "."))
     add("")
     add("| rows | lookup p50 / p99 (hit) | lookup p50 / p99 (branch) | open warm | open cold | first lookup, cold "
@@ -458,8 +460,8 @@ def _index(add, index) -> None:
         r = max(files["results"], key=lambda r: r["rows"])
         n, f = r["insert_during_gc"], r["fetch_during_gc"]
         add(f"With a blob file for every row (`--files`: empty files, which gc unlinks; "
-            f"`PYTHONPATH=. python bench/index_scale.py --rows {round(r['rows'], -3)} --files`, run {files.get('written_utc', '?')} "
-            f"on {files.get('machine', {}).get('cpu', '?')}): gc of half of {r['rows']:,} rows took "
+            f"`PYTHONPATH=. python bench/index_scale.py --rows {round(r['rows'], -3)} --files`, run {files.get('written_utc', '?')}"
+            f"{_ran_on(files)}): gc of half of {r['rows']:,} rows took "
             f"{r['gc_alone_s']:.1f} s alone and {r['gc_half_s']:.1f} s beside the other process, whose fetches "
             f"waited at most {f['max_ms']:.1f} ms and inserts {n['max_ms']:.0f} ms (the files of each transaction "
             "are unlinked before it lets go of the lock, so that no writer re-creates a record whose file is "

@@ -214,16 +214,22 @@ def test_gc_evicts_what_the_leaf_by_leaf_rule_would(tmp_path, small_store, share
         assert store.verify() == []
 
 
+def _rows_and_children(index) -> tuple[dict, dict[bytes, list[bytes]]]:
+    """Every row of the index by hash, and the hashes of each parent's children."""
+    rows = {r.hash: r for r in index.rows()}
+    kids_of: dict[bytes, list[bytes]] = {}
+    for r in rows.values():
+        kids_of.setdefault(r.parent, []).append(r.hash)
+    return rows, kids_of
+
+
 def test_evict_refuses_a_pinned_record_and_one_with_a_child_it_was_not_given(tmp_path, small_store):
     src, _ = small_store
     path = tmp_path / "s"
     shutil.copytree(src, path)
     with kvstore.open(path, chunk_size=C, memory_bytes=0) as store:
         index = store.index
-        rows = {r.hash: r for r in index.rows()}
-        kids_of: dict[bytes, list[bytes]] = {}
-        for r in rows.values():
-            kids_of.setdefault(r.parent, []).append(r.hash)
+        rows, kids_of = _rows_and_children(index)
         parent = next(h for h, r in rows.items() if h in kids_of and not r.pinned)
         pinned_leaf = next(h for h, r in rows.items() if r.pinned and h not in kids_of)
         leaf = next(h for h, r in rows.items() if not r.pinned and h not in kids_of)
@@ -322,10 +328,7 @@ def test_only_the_tops_of_what_gc_evicts_are_checked_for_new_children(tmp_path, 
     shutil.copytree(src, path)
     with kvstore.open(path, chunk_size=C, memory_bytes=0) as store:
         index = store.index
-        rows = {r.hash: r for r in index.rows()}
-        kids_of: dict[bytes, list[bytes]] = {}
-        for r in rows.values():
-            kids_of.setdefault(r.parent, []).append(r.hash)
+        rows, kids_of = _rows_and_children(index)
         # p -> k -> kk, none pinned: as if kk had come in after gc chose p and k
         p, k = next((rows[k].parent, k) for k in rows if k in kids_of and rows[k].parent in rows
                     and kids_of[rows[k].parent] == [k] and not rows[k].pinned and not rows[rows[k].parent].pinned)

@@ -14,7 +14,7 @@ import os
 import stat
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -197,19 +197,13 @@ def write_turn(root: Path) -> Iterator[None]:
     woken the moment one commits, instead of in SQLite's busy handler, whose sleeps of up to
     100 ms kept missing the gaps between them: a write-budget reservation waited up to 1.5 s
     during a gc of half of 1M rows. Best effort: without a lock file to take, it goes ahead."""
-    if getattr(_held, "depth", 0):  # inside this thread's own lock (flock would wait for itself)
+    with ExitStack() as stack:
+        if not getattr(_held, "depth", 0):  # else inside this thread's own lock (flock would wait for itself)
+            try:
+                stack.enter_context(tree_lock(root, exclusive=False, create=False))
+            except OSError:
+                pass
         yield
-        return
-    try:
-        lock = tree_lock(root, exclusive=False, create=False)
-        lock.__enter__()
-    except OSError:
-        yield
-        return
-    try:
-        yield
-    finally:
-        lock.__exit__(None, None, None)
 
 
 def walk(root: Path) -> Iterator[Path]:
