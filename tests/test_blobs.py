@@ -53,6 +53,32 @@ def test_write_records_format_and_every_tensors_checksum(tmp_path):
         assert len(sums[name]) == 16
 
 
+def test_tensor_data_starts_on_64_bytes_and_the_blob_stays_plain_safetensors(tmp_path):
+    """The restore copies fastest when a tensor's bytes in the file and its place in memory are
+    aligned alike, so every tensor whose size is a multiple of 64 starts on 64 bytes (those of
+    other sizes, such as 7 token ids, come after them); the file is still one a safetensors
+    reader loads, with no gaps between tensors."""
+    from safetensors.numpy import load_file
+
+    big = {"tokens": ("I32", np.arange(7, dtype="<i4")),  # 28 bytes: not a multiple of 64
+           "0.keys": ("F16", np.arange(2 * 7 * 32, dtype="<f2").reshape(1, 2, 7, 32)),  # rows of 64 bytes
+           "0.values": ("F32", np.ones((1, 2, 7, 16), dtype="<f4"))}
+    blobwrite.write(tmp_path, H, big, {"hash": H.hex(), "kind": "0"}, fsync=False)
+    buf = blobtree.blob_path(tmp_path, H).read_bytes()
+    header, base = blobformat.parse_header(buf)
+    assert base % blobformat.ALIGN == 0
+    for name in ("0.keys", "0.values"):
+        assert (base + header[name]["data_offsets"][0]) % blobformat.ALIGN == 0, name
+    spans = sorted(tuple(header[name]["data_offsets"]) for name in header)
+    assert spans[0][0] == 0 and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    assert spans[-1][1] == len(buf) - base
+    loaded = load_file(str(blobtree.blob_path(tmp_path, H)))
+    for name, (_, arr) in big.items():
+        assert np.array_equal(loaded[name], arr), name
+    with blobfile.open_blob(tmp_path, H, size=len(buf)) as blob:
+        assert blob.alignment("0.keys") == 0 and blob.alignment("tokens") == header["tokens"]["data_offsets"][0] % 64
+
+
 def test_verify_bytes_returns_entries_and_metadata(tmp_path):
     buf, _, _ = written(tmp_path)
     entries, meta = blobformat.verify_bytes(buf, H)

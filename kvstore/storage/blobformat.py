@@ -31,6 +31,13 @@ _HEX16 = re.compile(r"[0-9a-f]{16}")
 MAX_BLOB_BYTES = 4 << 30
 _MAX_DIM = 1 << 40  # bounds every dimension so that no product of them overflows int64
 BLOB_FORMAT = "2"  # `blob_format` in the metadata of every blob written now; 0.1 wrote none
+# Tensor data in a blob file starts on this many bytes (every tensor whose size is a multiple of it),
+# and the restore places each final array at the same offset within this many bytes as the bytes it
+# is read from: the kernel's copy from the page cache runs at full speed only when source and
+# destination are aligned alike (AMD EPYC, 2k tokens of Qwen3-0.6B: 47.7 ms misaligned, 36.8 ms
+# co-aligned, against 30.3 ms for a raw read of the same files; a copy with the destination 8
+# bytes ahead of the source takes 3.3 times as long as an aligned one).
+ALIGN = 64
 
 #: safetensors dtype tag -> the numpy dtype that carries its bytes (bfloat16 as uint16 bits)
 DTYPES: dict[str, np.dtype] = {
@@ -69,17 +76,22 @@ def nbytes(e: Entry) -> int:
 
 
 def encode(tensors: Mapping[str, Tensor], metadata: Mapping[str, str]) -> tuple[bytes, list[np.ndarray]]:
-    """The safetensors header and the contiguous payload pieces, in file order."""
+    """The safetensors header and the contiguous payload pieces, in file order.
+
+    The header is padded with spaces so that the data starts on `ALIGN` bytes, and tensors whose
+    size is a multiple of `ALIGN` come first (in the order given; the others after them), so that
+    each of them starts on `ALIGN` bytes too. Readers find tensors by the header's offsets."""
     header: dict[str, object] = {"__metadata__": dict(metadata)}
     pieces: list[np.ndarray] = []
     offset = 0
-    for name, (tag, arr) in tensors.items():
+    order = sorted(tensors.items(), key=lambda kv: kv[1][1].nbytes % ALIGN != 0)
+    for name, (tag, arr) in order:
         data = np.ascontiguousarray(arr)
         header[name] = {"dtype": tag, "shape": list(arr.shape), "data_offsets": [offset, offset + data.nbytes]}
         offset += data.nbytes
         pieces.append(data)
     raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # keeps every tensor 8-byte aligned
+    raw += b" " * (-(8 + len(raw)) % ALIGN)  # the data starts on ALIGN bytes
     return struct.pack("<Q", len(raw)) + raw, pieces
 
 

@@ -50,6 +50,9 @@ class BlobSource:
     def array(self, name: str) -> np.ndarray:
         return self.blob.array(name)
 
+    def alignment(self, name: str) -> int | None:
+        return self.blob.alignment(name)
+
     def cold(self) -> bool:
         return not self.blob.cached()
 
