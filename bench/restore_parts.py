@@ -13,8 +13,6 @@ once per round, in the same process, round after round (medians):
 - `reads_1t`, `reads_2t`: only the restore's reads into those arrays (already allocated), every
   tensor checked against its checksum, on 1 and 2 threads;
 - `reads_unchecked_2t`: the same `preadv` calls into the same places, no checksum: what checking costs;
-- `reads_unaligned_1t`, `reads_unaligned_2t`: the checked reads into arrays where mlx places them, not
-  aligned like the bytes in the files (what the restore did before it aligned them);
 - `hash_pieces_1t`, `hash_pieces_2t`: xxh3 of the K/V bytes in the pieces the restore hashes
   (one head of one record), on 1 and 2 threads: xxhash keeps the GIL for pieces of 64 KiB or less.
 
@@ -110,11 +108,8 @@ def _parts(SHAPE: C.Shape, tokens: int, reps: int, work) -> dict:
     seen = captured_fill(mc, query)
     pl, sources = seen["plan"], seen["sources"]
     specs = {name: (e.tag, e.shape) for name, e in pl.finals.items()}
-    align = fill._alignments(pl, sources)  # as the restore places them: aligned like their source
-    finals = alloc.allocate(specs, align)
+    finals = alloc.allocate(specs)
     views = {name: target(fill._host(a)) for name, a in finals.items()}
-    plain = alloc.allocate(specs)  # where mlx places them: aligned with the source only by chance
-    plain_views = {name: target(fill._host(a)) for name, a in plain.items()}
     keys = list(pl.jobs)
     pool = ThreadPoolExecutor(2)
     groups_files = C.split_by_bytes(files, 2)
@@ -127,12 +122,12 @@ def _parts(SHAPE: C.Shape, tokens: int, reps: int, work) -> dict:
         C.eval_cache(c)
         return c
 
-    def reads(ks, check=True, into=views):
+    def reads(ks, check=True):
         for k in ks:
             if check:
-                sources[k].read_copies(pl.jobs[k], into)
+                sources[k].read_copies(pl.jobs[k], views)
             else:
-                _unchecked(sources[k], pl.jobs[k], into)
+                _unchecked(sources[k], pl.jobs[k], views)
 
     def on_two(fn):
         halves = [keys[0::2], keys[1::2]]
@@ -151,12 +146,10 @@ def _parts(SHAPE: C.Shape, tokens: int, reps: int, work) -> dict:
         "raw_2t": raw_2t,
         "fetch": fetch,
         "load_prompt_cache": lambda: C.eval_cache(load_prompt_cache(str(one_file))),
-        "allocate": lambda: alloc.allocate(specs, align),
+        "allocate": lambda: alloc.allocate(specs),
         "reads_1t": lambda: reads(keys),
         "reads_2t": on_two(reads),
         "reads_unchecked_2t": on_two(lambda ks: reads(ks, check=False)),
-        "reads_unaligned_1t": lambda: reads(keys, into=plain_views),
-        "reads_unaligned_2t": on_two(lambda ks: reads(ks, into=plain_views)),
         "hash_pieces_1t": lambda: hash_pieces(pieces),
         "hash_pieces_2t": lambda: list(pool.map(hash_pieces, [pieces[0::2], pieces[1::2]])),
     }
@@ -183,7 +176,6 @@ def _parts(SHAPE: C.Shape, tokens: int, reps: int, work) -> dict:
             if not np.array_equal(views[name].array[:, :, :n], np.asarray(got.view(mx.uint16))[:, :, :n]):
                 raise AssertionError(f"the timed reads of {name} differ from what fetch restores")
     del restored
-    misaligned = sorted({(v.array.ctypes.data - align.get(n, 0)) % 64 for n, v in plain_views.items()})
     for close in seen["closes"]:
         close()
     store.close()
@@ -192,7 +184,7 @@ def _parts(SHAPE: C.Shape, tokens: int, reps: int, work) -> dict:
             "final_arrays": len(specs), "records": len(keys), "piece_bytes": piece, "load_average": load,
             "buffer_cache_bound": buffers.bound(), "final_bytes": pl.nbytes,
             "specs": {name: [tag, [int(d) for d in shape]] for name, (tag, shape) in specs.items()},
-            "median_s": med, "samples_s": samples, "unaligned_by": misaligned,
+            "median_s": med, "samples_s": samples,
             "minflt_median": {n: float(np.median(f)) for n, f in faults.items()}}
 
 
@@ -287,14 +279,6 @@ def markdown(data: dict) -> list[str]:
             f"and the rest (lookup, opening {r['records']} files, plan, build, page faults) {rest:.1f} ms. Hashing "
             f"{r['piece_bytes'] // 1024} KiB pieces takes {ms['hash_pieces_1t']:.1f} ms on one thread and "
             f"{ms['hash_pieces_2t']:.1f} ms on two: xxhash lets go of the GIL only above 64 KiB.")
-        if "reads_unaligned_1t" in ms:
-            add("")
-            add(f"**Alignment.** The restore places each final array at the offset within 64 bytes of its "
-                f"tensors in the blob files, because the kernel's copy out of the page cache is slow when source "
-                f"and destination are aligned differently. The same checked reads into arrays where mlx puts them "
-                f"(off the source's alignment by {', '.join(str(b) for b in r.get('unaligned_by', []))} bytes) take "
-                f"{ms['reads_unaligned_1t']:.1f} ms on one thread and {ms['reads_unaligned_2t']:.1f} ms on two, "
-                f"against {ms['reads_1t']:.1f} ms and {ms['reads_2t']:.1f} ms aligned.")
         faulted = r["minflt_median"]["fetch"] * 4096
         if faulted > 0.05 * r["kv_bytes"] and "buffer_cache_bound" in r:
             add("")

@@ -106,7 +106,7 @@ def test_restore_parts_bench_times_every_part_and_checks_its_reads(tmp_path):
     (result,) = data["results"]
     assert (result["shape"], result["tokens"], result["records"]) == ("tiny", 1024, 4)
     parts = ("raw_1t", "raw_2t", "fetch", "load_prompt_cache", "allocate", "reads_1t", "reads_2t",
-             "reads_unchecked_2t", "reads_unaligned_1t", "reads_unaligned_2t", "hash_pieces_1t", "hash_pieces_2t")
+             "reads_unchecked_2t", "hash_pieces_1t", "hash_pieces_2t")
     assert set(result["median_s"]) == set(parts)
     assert all(result["median_s"][p] > 0 and len(result["samples_s"][p]) == 1 for p in parts)
     sys.path.insert(0, str(REPO / "bench"))

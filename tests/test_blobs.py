@@ -54,10 +54,10 @@ def test_write_records_format_and_every_tensors_checksum(tmp_path):
 
 
 def test_tensor_data_starts_on_64_bytes_and_the_blob_stays_plain_safetensors(tmp_path):
-    """The restore copies fastest when a tensor's bytes in the file and its place in memory are
-    aligned alike, so every tensor whose size is a multiple of 64 starts on 64 bytes (those of
-    other sizes, such as 7 token ids, come after them); the file is still one a safetensors
-    reader loads, with no gaps between tensors."""
+    """The kernel copies out of the page cache fastest when a tensor's bytes in the file and its
+    place in memory are aligned alike, so every tensor whose size is a multiple of 64 starts on 64
+    bytes (those of other sizes, such as 7 token ids, come after them); the file is still one a
+    safetensors reader loads, with no gaps between tensors."""
     from safetensors.numpy import load_file
 
     big = {"tokens": ("I32", np.arange(7, dtype="<i4")),  # 28 bytes: not a multiple of 64
@@ -75,8 +75,6 @@ def test_tensor_data_starts_on_64_bytes_and_the_blob_stays_plain_safetensors(tmp
     loaded = load_file(str(blobtree.blob_path(tmp_path, H)))
     for name, (_, arr) in big.items():
         assert np.array_equal(loaded[name], arr), name
-    with blobfile.open_blob(tmp_path, H, size=len(buf)) as blob:
-        assert blob.alignment("0.keys") == 0 and blob.alignment("tokens") == header["tokens"]["data_offsets"][0] % 64
 
 
 def test_verify_bytes_returns_entries_and_metadata(tmp_path):

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import struct
 import subprocess
 import sys
 import threading
@@ -22,7 +21,7 @@ from mlx_lm.models.cache import make_prompt_cache
 import kvstore
 from kvstore.restore import fill as restore_fill
 from kvstore.restore.arrays import host_array
-from kvstore.storage import blobfile, blobformat, blobtree, blobwrite
+from kvstore.storage import blobfile, blobformat, blobtree
 
 HERE = Path(__file__).parent
 C = 16
@@ -117,48 +116,6 @@ def test_arrays_restored_on_two_threads_keep_their_spare_room_and_the_first_step
         assert restored.keys.shape[2] == capacity  # no reallocation
         assert [host_array(a).ctypes.data for a in (restored.keys, restored.values)] == before  # in place
         assert mx.array_equal(restored.keys[..., n, :], (one + 1)[..., 0, :])
-
-
-@pytest.mark.parametrize("shift", [0, 16])
-def test_restored_arrays_start_aligned_like_the_bytes_they_are_read_from(tmp_path, llama, overlapped, monkeypatch,
-                                                                         shift):
-    """The kernel copies from the page cache fastest when source and destination are aligned
-    alike: each final array's data starts at the offset within 64 bytes of its tensors in the
-    blobs (0 for blobs written now; 16 for a blob whose header left it there, as older kvstore
-    versions could), is still its memory's only owner (the first step writes in place), and holds
-    exactly what was stored."""
-    from kvstore.restore import alloc
-
-    monkeypatch.setattr(alloc, "ZERO_BELOW", 0)  # the demo model's arrays are small: use mlx's loader
-    if shift:
-        encode = blobformat.encode
-
-        def shifted(tensors, metadata):  # 16 more bytes of header padding, length prefix to match
-            head, pieces = encode(tensors, metadata)
-            return struct.pack("<Q", len(head) - 8 + shift) + head[8:] + b" " * shift, pieces
-
-        monkeypatch.setattr(blobwrite, "encode", shifted)
-    model_dir, model = llama
-    store_dir, tokens, cache = stored(tmp_path, llama, 6 * C + 3, seed=4)
-    row = model.args.head_dim * 4  # float32
-    assert row % blobformat.ALIGN == 0  # so one offset aligns every head and token of a tensor
-    for blob in (store_dir / "blobs").rglob("*.safetensors"):
-        header, base = blobformat.parse_header(blob.read_bytes())
-        assert {(base + header[n]["data_offsets"][0]) % 64 for n in header if n != "tokens"} == {shift}
-    with kvstore.open(store_dir, chunk_size=C, memory_bytes=0) as store:
-        got, rest = store.bind(model, model_dir).fetch(tokens + [3])
-    assert rest == [3]
-    one = mx.zeros((1, model.args.num_key_value_heads, 1, model.args.head_dim), mx.float32)
-    for restored, original in zip(got, cache):
-        n = restored.offset
-        for a, b in ((restored.keys, original.keys), (restored.values, original.values)):
-            assert host_array(a).ctypes.data % blobformat.ALIGN == shift
-            assert mx.array_equal(a[..., :n, :], b[..., :n, :])
-            assert not mx.any(a[..., n:, :]).item()
-        before = [host_array(a).ctypes.data for a in (restored.keys, restored.values)]
-        restored.update_and_fetch(one + 1, one + 2)
-        mx.eval(restored.keys, restored.values)
-        assert [host_array(a).ctypes.data for a in (restored.keys, restored.values)] == before  # in place
 
 
 BOUNDED = """

@@ -37,8 +37,8 @@ from typing import Mapping, Sequence
 import mlx.core as mx
 
 from kvstore.restore import buffers
-from kvstore.restore.arrays import MX_DTYPES, host_array
-from kvstore.storage.blobformat import ALIGN, DTYPES
+from kvstore.restore.arrays import MX_DTYPES
+from kvstore.storage.blobformat import DTYPES
 
 _LIVE: "weakref.WeakSet[_Shell]" = weakref.WeakSet()
 _EXIT_WAIT_S = 5.0
@@ -135,17 +135,9 @@ def zeroed(specs: Mapping[str, tuple[str, Sequence[int]]]) -> bool:
     return bool(sizes) and sum(sizes) < ZERO_BELOW * len(sizes)
 
 
-def allocate(specs: Mapping[str, tuple[str, Sequence[int]]],
-             align: Mapping[str, int] | None = None) -> dict[str, mx.array]:
+def allocate(specs: Mapping[str, tuple[str, Sequence[int]]]) -> dict[str, mx.array]:
     """Evaluated mlx arrays of these (safetensors dtype tag, shape)s whose memory holds whatever
-    it held before: the caller must write every element.
-
-    `align`: for some of them, the offset within `ALIGN` bytes their data should start at (that of
-    the bytes they will be read from: see `blobformat.ALIGN`). mlx-cpu's allocator hands out
-    memory 8 bytes past what malloc gives, at no fixed offset within 64 bytes, so each such array
-    is a view of a buffer `ALIGN` bytes larger, at the offset that aligns it. It is still its
-    buffer's only owner, so the first step writes in place (mlx donates a buffer up to 16 KiB
-    larger than an array). Large arrays only: small ones are zeroed (`zeroed`)."""
+    it held before: the caller must write every element."""
     itemsize = {tag: np_dtype.itemsize for tag, np_dtype in DTYPES.items()}
     empty = {n: s for n, s in specs.items() if any(int(d) == 0 for d in s[1])}
     real = {n: s for n, s in specs.items() if n not in empty}
@@ -158,34 +150,15 @@ def allocate(specs: Mapping[str, tuple[str, Sequence[int]]],
                for name, (tag, shape) in real.items()}
         mx.eval(list(out.values()))
     elif real:
-        align = {n: a for n, a in (align or {}).items() if n in real}
-        padded = {n: (tag, (math.prod(int(d) for d in shape) + ALIGN // itemsize[tag],)) if n in align else (tag, shape)
-                  for n, (tag, shape) in real.items()}
-        shell = _Shell(padded, itemsize)
+        shell = _Shell(real, itemsize)
         _LIVE.add(shell)
         with _LOCK:
             out = mx.load(shell, format="safetensors", stream=stream)
             del shell
             mx.eval(list(out.values()))
-        if align:
-            for name, want in align.items():
-                out[name] = _aligned(out[name], real[name], want, stream)
-            mx.eval([out[name] for name in align])
     for name, (tag, shape) in empty.items():
         out[name] = mx.zeros([int(d) for d in shape], MX_DTYPES[tag])
     return out
-
-
-def _aligned(flat: mx.array, spec: tuple[str, Sequence[int]], want: int, stream) -> mx.array:
-    """A (lazy) view of `flat`, `ALIGN` bytes longer than `spec` needs, of `spec`'s shape, whose
-    data starts at `want` modulo `ALIGN` (or at `flat`'s start when no offset gets it there)."""
-    tag, shape = spec
-    shape = [int(d) for d in shape]
-    item = DTYPES[tag].itemsize
-    shift = (want - host_array(flat).ctypes.data) % ALIGN
-    strides = [math.prod(shape[i + 1:]) for i in range(len(shape))]
-    offset = shift // item if shift % item == 0 else 0
-    return mx.as_strided(flat, shape, strides, offset, stream=stream)
 
 
 @atexit.register

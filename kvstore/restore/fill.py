@@ -22,7 +22,7 @@ from kvstore.restore.alloc import allocate, keep_buffers, zeroed
 from kvstore.restore.arrays import host_array
 from kvstore.restore.plan import Copy, Plan
 from kvstore.restore.source import Source
-from kvstore.storage.blobformat import ALIGN, nbytes
+from kvstore.storage.blobformat import nbytes
 from kvstore.storage.readplan import Target, target
 
 _POOL_MIN_BYTES = 4 << 20  # below this, threads cost more than they save
@@ -38,7 +38,7 @@ def fill(pl: Plan, sources: Sequence[Source]) -> tuple[dict[str, mx.array], list
     past that part's start)."""
     keep_buffers(pl.nbytes)
     specs = {name: (e.tag, e.shape) for name, e in pl.finals.items()}
-    finals = allocate(specs, _alignments(pl, sources))
+    finals = allocate(specs)
     views = {name: target(_host(a)) for name, a in finals.items()}
     spare = [] if zeroed(specs) else [name for name, view in views.items()
                                            if pl.filled[name] < view.array.shape[2]]
@@ -88,27 +88,6 @@ def fill(pl: Plan, sources: Sequence[Source]) -> tuple[dict[str, mx.array], list
         results = runs(keys)
     views.clear()  # the final arrays are their memory's only owners again (donatable, in place)
     return finals, [(k, e) for k, e in zip(keys, results) if e is not None]
-
-
-def _alignments(pl: Plan, sources: Sequence[Source]) -> dict[str, int]:
-    """For each final tensor, the offset within `ALIGN` bytes its data should start at for the
-    copies from the first record that fills it to land as aligned as their source (see
-    `blobformat.ALIGN`): records written alike are aligned alike, so one choice suits them all."""
-    out: dict[str, int] = {}
-    for k, copies in pl.jobs.items():
-        where = getattr(sources[k], "alignment", None)
-        if where is None:
-            continue
-        for c in copies:
-            if c.name not in out:
-                at = where(c.name)
-                if at is not None:
-                    e = pl.finals[c.name]
-                    row = nbytes(e) // max(1, e.shape[2] * e.shape[0] * e.shape[1]) if len(e.shape) >= 3 else 0
-                    out[c.name] = (at + (c.lo - c.dst) * row) % ALIGN
-        if len(out) == len(pl.finals):
-            break
-    return out
 
 
 def _gather(pl: Plan, sources: Sequence[Source], views: Mapping[str, Target]) -> None:

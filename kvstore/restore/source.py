@@ -30,12 +30,6 @@ class Source(Protocol):
     def array(self, name: str) -> np.ndarray:
         """A whole tensor, checked (bfloat16 as its uint16 bits)."""
 
-    def alignment(self, name: str) -> int | None:
-        """Where tensor `name`'s first byte lies within `blobformat.ALIGN` bytes in the file it
-        is read from (None: unknown). Optional, for sources read through the kernel: the
-        restore aligns its final arrays alike, which the kernel's copy needs for full speed (a
-        copy in user space, from RAM, runs as fast at any alignment)."""
-
     def cold(self) -> bool:
         """Whether reading it will wait for a disk (then the restore reads more records at once)."""
 

@@ -20,7 +20,6 @@ import xxhash
 
 from kvstore.errors import BlobError
 from kvstore.storage.blobformat import (
-    ALIGN,
     DTYPES,
     HEAD_GUESS,
     MAX_BLOB_BYTES,
@@ -191,12 +190,6 @@ class BlobFile:
         if xxhash.xxh3_64_intdigest(view) != self.checksums[name]:
             raise BlobError(f"{self.path}: tensor {name!r} does not match its checksum")
         return out
-
-    def alignment(self, name: str) -> int | None:
-        """The offset within `ALIGN` bytes of tensor `name`'s first byte in the file (pages of
-        the page cache start on 4 KiB, so also in memory); None if there is no such tensor."""
-        info = self.layout.infos.get(name)
-        return None if info is None else (self.base + info[2]) % ALIGN
 
     def read_copies(self, copies: Sequence, targets: Mapping[str, Target]) -> None:
         """Several tensors' token ranges at once: each copy `(name, lo, hi, dst)` puts tokens

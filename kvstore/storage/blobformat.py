@@ -31,12 +31,12 @@ _HEX16 = re.compile(r"[0-9a-f]{16}")
 MAX_BLOB_BYTES = 4 << 30
 _MAX_DIM = 1 << 40  # bounds every dimension so that no product of them overflows int64
 BLOB_FORMAT = "2"  # `blob_format` in the metadata of every blob written now; 0.1 wrote none
-# Tensor data in a blob file starts on this many bytes (every tensor whose size is a multiple of it),
-# and the restore places each final array at the same offset within this many bytes as the bytes it
-# is read from: the kernel's copy from the page cache runs at full speed only when source and
-# destination are aligned alike (AMD EPYC, 2k tokens of Qwen3-0.6B: 47.7 ms misaligned, 36.8 ms
-# co-aligned, against 30.3 ms for a raw read of the same files; a copy with the destination 8
-# bytes ahead of the source takes 3.3 times as long as an aligned one).
+# Tensor data in a blob file starts on this many bytes (every tensor whose size is a multiple of it).
+# The kernel's copy out of the page cache runs at full speed only when source and destination are
+# aligned alike (AMD EPYC: a read whose destination is 8 bytes past the source's alignment takes 3.3
+# times as long as an aligned one), so a restore into buffers that start on a page or a cache line
+# (mlx's Metal buffers) copies aligned. mlx-cpu's buffers start 8 bytes past malloc's, at no fixed
+# offset within 64 bytes.
 ALIGN = 64
 
 #: safetensors dtype tag -> the numpy dtype that carries its bytes (bfloat16 as uint16 bits)

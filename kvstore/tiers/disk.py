@@ -50,9 +50,6 @@ class BlobSource:
     def array(self, name: str) -> np.ndarray:
         return self.blob.array(name)
 
-    def alignment(self, name: str) -> int | None:
-        return self.blob.alignment(name)
-
     def cold(self) -> bool:
         return not self.blob.cached()
 
