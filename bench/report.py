@@ -123,6 +123,11 @@ def write_report() -> str:
         from restore_parts import markdown as parts_markdown
 
         lines.extend(parts_markdown(restore_parts))
+    alignment = _load("copy_alignment")
+    if alignment:
+        from copy_alignment import markdown as alignment_markdown
+
+        lines.extend(alignment_markdown(alignment))
     if ttft:
         _ttft(add, ttft)
     if serve:

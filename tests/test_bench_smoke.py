@@ -94,27 +94,40 @@ def test_serve_bench_quick_compares_both_servers(tmp_path):
     assert ours["restart"]["cached_tokens"] == ours["repeat"]["cached_tokens"]
 
 
-def test_restore_parts_bench_times_every_part_and_checks_its_reads(tmp_path):
-    out = tmp_path / "parts.json"
+def _bench(tmp_path, script: str, *args: str) -> tuple[dict, str]:
+    """Run `bench/<script>.py` with `args` into a scratch folder: its JSON, and its section of
+    bench/README.md as `markdown` renders it."""
+    out = tmp_path / f"{script}.json"
     env = dict(os.environ, PYTHONPATH=str(REPO), KVSTORE_BENCH_DIR=str(tmp_path / "scratch"))
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "restore_parts.py"), "--shape", "tiny", "--tokens", "1024",
-         "--reps", "1", "--out", str(out)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / f"{script}.py"), *args, "--out", str(out)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        markdown = __import__(script).markdown
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    return data, "\n".join(markdown(data))
+
+
+def test_copy_alignment_bench_times_every_pairing_and_reports_where_mlx_puts_arrays(tmp_path):
+    data, text = _bench(tmp_path, "copy_alignment", "--quick")
+    result = data["result"]
+    assert len(result["median_s"]) == 3 * 8 and all(v > 0 for v in result["median_s"].values())
+    assert result["copied_bytes"] > 0 and sum(result["mlx_offsets"].values()) == 56
+    assert all(0 <= int(k) < 64 for k in result["mlx_offsets"])
+    assert "| `preadv`, source at 16 |" in text and "Aligned alike" in text
+
+
+def test_restore_parts_bench_times_every_part_and_checks_its_reads(tmp_path):
+    data, text = _bench(tmp_path, "restore_parts", "--shape", "tiny", "--tokens", "1024", "--reps", "1")
     (result,) = data["results"]
     assert (result["shape"], result["tokens"], result["records"]) == ("tiny", 1024, 4)
     parts = ("raw_1t", "raw_2t", "fetch", "load_prompt_cache", "allocate", "reads_1t", "reads_2t",
              "reads_unchecked_2t", "hash_pieces_1t", "hash_pieces_2t")
     assert set(result["median_s"]) == set(parts)
     assert all(result["median_s"][p] > 0 and len(result["samples_s"][p]) == 1 for p in parts)
-    sys.path.insert(0, str(REPO / "bench"))
-    try:
-        from restore_parts import markdown
-    finally:
-        sys.path.remove(str(REPO / "bench"))
-    text = "\n".join(markdown(data))
     assert "tiny shape, 1,024 tokens" in text and "| `reads_2t` |" in text
     # What a hand-off between threads costs, free on every core and (on Linux) pinned to one core.
     hand = data["handoffs"]

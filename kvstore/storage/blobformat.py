@@ -33,10 +33,9 @@ _MAX_DIM = 1 << 40  # bounds every dimension so that no product of them overflow
 BLOB_FORMAT = "2"  # `blob_format` in the metadata of every blob written now; 0.1 wrote none
 # Tensor data in a blob file starts on this many bytes (every tensor whose size is a multiple of it).
 # The kernel's copy out of the page cache runs at full speed only when source and destination are
-# aligned alike (AMD EPYC: a read whose destination is 8 bytes past the source's alignment takes 3.3
-# times as long as an aligned one), so a restore into buffers that start on a page or a cache line
-# (mlx's Metal buffers) copies aligned. mlx-cpu's buffers start 8 bytes past malloc's, at no fixed
-# offset within 64 bytes.
+# aligned alike (bench/copy_alignment.py on an AMD EPYC: up to 1.6 times as long misaligned), so
+# a restore into buffers that start on a page or a cache line (mlx's Metal buffers) copies
+# aligned. mlx-cpu's buffers start 8 bytes past malloc's, at no fixed offset within 64 bytes.
 ALIGN = 64
 
 #: safetensors dtype tag -> the numpy dtype that carries its bytes (bfloat16 as uint16 bits)
