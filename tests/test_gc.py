@@ -8,7 +8,9 @@ from __future__ import annotations
 import heapq
 import shutil
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import pytest
@@ -214,22 +216,23 @@ def test_gc_evicts_what_the_leaf_by_leaf_rule_would(tmp_path, small_store, share
         assert store.verify() == []
 
 
-def _rows_and_children(index) -> tuple[dict, dict[bytes, list[bytes]]]:
-    """Every row of the index by hash, and the hashes of each parent's children."""
-    rows = {r.hash: r for r in index.rows()}
-    kids_of: dict[bytes, list[bytes]] = {}
-    for r in rows.values():
-        kids_of.setdefault(r.parent, []).append(r.hash)
-    return rows, kids_of
+@contextmanager
+def _copy_of(tmp_path, small_store) -> Iterator[tuple]:
+    """A copy of the small store, open (memory tier off): (store, its rows by hash, the hashes of
+    each parent's children)."""
+    src, _ = small_store
+    shutil.copytree(src, tmp_path / "s")
+    with kvstore.open(tmp_path / "s", chunk_size=C, memory_bytes=0) as store:
+        rows = {r.hash: r for r in store.index.rows()}
+        kids_of: dict[bytes, list[bytes]] = {}
+        for r in rows.values():
+            kids_of.setdefault(r.parent, []).append(r.hash)
+        yield store, rows, kids_of
 
 
 def test_evict_refuses_a_pinned_record_and_one_with_a_child_it_was_not_given(tmp_path, small_store):
-    src, _ = small_store
-    path = tmp_path / "s"
-    shutil.copytree(src, path)
-    with kvstore.open(path, chunk_size=C, memory_bytes=0) as store:
+    with _copy_of(tmp_path, small_store) as (store, rows, kids_of):
         index = store.index
-        rows, kids_of = _rows_and_children(index)
         parent = next(h for h, r in rows.items() if h in kids_of and not r.pinned)
         pinned_leaf = next(h for h, r in rows.items() if r.pinned and h not in kids_of)
         leaf = next(h for h, r in rows.items() if not r.pinned and h not in kids_of)
@@ -323,12 +326,8 @@ def test_index_writes_wait_for_gc_on_the_tree_lock_not_in_sqlites_busy_handler(t
 def test_only_the_tops_of_what_gc_evicts_are_checked_for_new_children(tmp_path, small_store):
     """A top (a victim whose parent stays) that has a stored child outside the victims stays; below
     a top the check is not made: once the top goes, nothing below it is reachable anyway."""
-    src, _ = small_store
-    path = tmp_path / "s"
-    shutil.copytree(src, path)
-    with kvstore.open(path, chunk_size=C, memory_bytes=0) as store:
+    with _copy_of(tmp_path, small_store) as (store, rows, kids_of):
         index = store.index
-        rows, kids_of = _rows_and_children(index)
         # p -> k -> kk, none pinned: as if kk had come in after gc chose p and k
         p, k = next((rows[k].parent, k) for k in rows if k in kids_of and rows[k].parent in rows
                     and kids_of[rows[k].parent] == [k] and not rows[k].pinned and not rows[rows[k].parent].pinned)
