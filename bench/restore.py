@@ -316,6 +316,8 @@ def target_rows(data: dict, with_insert: bool = True) -> list[tuple[str, str, bo
         why = "; ".join(f"{_label(r)}: {_fmt_ratio(t)}, "
                         f"{t['ratio'] / t['need']:.0%} of the target; {evidence(r, key)}"
                         for r, t in per if t["met"] is False)
+        if key == "warm" and why:
+            why += ". What the final arrays and the checks leave of the raw read: \"Where a warm restore's time goes\""
         rows.append((text, measured, met, why))
     if with_insert:
         ins = data.get("insert")

@@ -249,6 +249,28 @@ def handoffs(specs: dict) -> dict:
     return out
 
 
+def _ceiling(r: dict, ms: dict) -> str:
+    """What the parts allow: the restore against the raw read if its reads ran as fast as the raw
+    read on two threads, without and with the checks."""
+    checks = ms["reads_2t"] - ms["reads_unchecked_2t"]
+    best = ms["raw_2t"] + ms["allocate"]
+    out = (f"**What this allows.** Were the reads as fast as the raw read on two threads and the checks "
+            f"free, the final arrays alone would hold the restore to {ms['raw_1t'] / best:.2f}x the raw read "
+            f"({ms['raw_2t']:.1f} + {ms['allocate']:.1f} ms); with the checks, {ms['raw_1t'] / (best + checks):.2f}x.")
+    gap = ms["reads_unchecked_2t"] - ms["raw_2t"]
+    if gap <= 0:
+        return out + (f" Unchecked, the restore's reads into the final arrays took {-gap:.1f} ms less than the raw "
+                      f"read on two threads here, where two threads read little faster than one ({ms['raw_1t']:.1f} "
+                      f"against {ms['raw_2t']:.1f} ms).")
+    return out + (f" The same `preadv` calls take {gap:.1f} ms more into the final arrays than into one "
+                  f"page-aligned buffer: they land in pieces of {r['piece_bytes'] // 1024} KiB (one head of one "
+                  "record), at addresses mlx-cpu's allocator puts 8 bytes past a multiple of 16, which the kernel "
+                  "copies to more slowly (`bench/copy_alignment.py`). mlx makes every array it hands out itself: "
+                  "its zero-copy import of memory allocated elsewhere (`mx.asarray(a, copy=False)`) takes only "
+                  "Metal buffers (on the CPU: \"Cannot import a CPU array without a copy\"), and asking for more "
+                  "bytes to align the data leaves the sizes its buffer cache reuses.")
+
+
 def markdown(data: dict) -> list[str]:
     lines = ["## Where a warm restore's time goes", ""]
     add = lines.append
@@ -279,6 +301,8 @@ def markdown(data: dict) -> list[str]:
             f"and the rest (lookup, opening {r['records']} files, plan, build, page faults) {rest:.1f} ms. Hashing "
             f"{r['piece_bytes'] // 1024} KiB pieces takes {ms['hash_pieces_1t']:.1f} ms on one thread and "
             f"{ms['hash_pieces_2t']:.1f} ms on two: xxhash lets go of the GIL only above 64 KiB.")
+        add("")
+        add(_ceiling(r, ms))
         faulted = r["minflt_median"]["fetch"] * 4096
         if faulted > 0.05 * r["kv_bytes"] and "buffer_cache_bound" in r:
             add("")

@@ -129,6 +129,9 @@ def test_restore_parts_bench_times_every_part_and_checks_its_reads(tmp_path):
     assert set(result["median_s"]) == set(parts)
     assert all(result["median_s"][p] > 0 and len(result["samples_s"][p]) == 1 for p in parts)
     assert "tiny shape, 1,024 tokens" in text and "| `reads_2t` |" in text
+    # The ceiling the parts allow, worked out from them: raw read / (raw read on 2 threads + arrays).
+    m = result["median_s"]
+    assert f"to {m['raw_1t'] / (m['raw_2t'] + m['allocate']):.2f}x the raw read" in text
     # What a hand-off between threads costs, free on every core and (on Linux) pinned to one core.
     hand = data["handoffs"]
     assert set(hand) == ({"every core", "one core"} if hasattr(os, "sched_setaffinity") else {"every core"})
