@@ -493,7 +493,9 @@ starts with the parent, so those edges are neighbours too, and no lookup walks t
 parent is gone. Each transaction rewrites neighbouring pages once. Only the tops of what goes
 (victims whose parent stays, 577 here) are checked for a child another process added since gc
 planned: below a top such a child is lost anyway, since the top goes and lookups walk down
-through it (checking every victim took 1 s more). A parent may go before its
+through it (checking every victim took 1 s more); at its end gc finds such records (stored
+since it began, their parent gone) in one scan and drops them (65 to 78 ms at half of 1M rows,
+measured beside the same gc without it: that scan came after this section's run). A parent may go before its
 children; they are unreachable from then on and go later in the same gc. A second sweep, in the
 order of `children`, deletes the edges into deleted records from parents that stay: 577 of
 500,094 here (gc mostly takes whole branches; it deleted all 500,094 edges in a sweep of its own

@@ -323,14 +323,20 @@ def test_index_writes_wait_for_gc_on_the_tree_lock_not_in_sqlites_busy_handler(t
         assert done.is_set() and index.setting("admit") == "reused"
 
 
-def test_only_the_tops_of_what_gc_evicts_are_checked_for_new_children(tmp_path, small_store):
+def test_only_the_tops_of_what_gc_evicts_are_checked_for_new_children_and_one_below_is_dropped(
+        tmp_path, small_store):
     """A top (a victim whose parent stays) that has a stored child outside the victims stays; below
-    a top the check is not made: once the top goes, nothing below it is reachable anyway."""
+    a top the check is not made (once the top goes, nothing below it is reachable): a child stored
+    there is then found without its parent, and dropped with all below it."""
     with _copy_of(tmp_path, small_store) as (store, rows, kids_of):
         index = store.index
         # p -> k -> kk, none pinned: as if kk had come in after gc chose p and k
         p, k = next((rows[k].parent, k) for k in rows if k in kids_of and rows[k].parent in rows
                     and kids_of[rows[k].parent] == [k] and not rows[k].pinned and not rows[rows[k].parent].pinned)
+        below, todo = set(), list(kids_of[k])
+        while todo:
+            below.add(h := todo.pop())
+            todo += kids_of.get(h, [])
 
         def evict(victims, tops):
             with index.victims(victims, tops):
@@ -339,4 +345,36 @@ def test_only_the_tops_of_what_gc_evicts_are_checked_for_new_children(tmp_path, 
 
         assert evict({k}, {k}) == set()  # a top with a child outside the victims stays
         assert evict({p, k}, {p}) == {p, k}  # below the top p, k's child is not looked for
-        assert k not in _hashes(store) and p not in _hashes(store)
+        assert set(index.lost_since(0.0)) == set(kids_of[k])  # k's children have lost their parent
+        assert {h for h, *_ in index.drop_lost(index.lost_since(0.0))} == below  # and go, with all below
+        assert index.lost_since(0.0) == [] and not ({p, k} | below) & _hashes(store)
+        left = {r.hash: r for r in store.index.rows()}
+        assert all(r.depth == 1 or r.parent in left for r in left.values())  # no row lost its parent
+
+
+def test_a_record_stored_below_a_branch_gc_evicts_while_it_runs_goes_too(tmp_path, llama, monkeypatch):
+    """Another process extends a branch after gc chose it and before gc deletes it: the new record
+    hangs from a victim below the branch's top, which no check keeps. gc drops it once its parent
+    is gone, file and all, and `verify` finds nothing (it used to find the new row, an orphan)."""
+    path, model = llama
+    rng = np.random.default_rng(7)
+    base = rng.integers(1, 200, 3 * C).tolist()  # three chunks: the top, then two below it
+    longer = base + rng.integers(1, 200, C).tolist()  # one chunk more, under the third
+    with kvstore.open(tmp_path / "s", chunk_size=C, memory_bytes=0) as store, \
+            kvstore.open(tmp_path / "s", chunk_size=C, memory_bytes=0) as other:
+        store.bind(model, path).insert(base, prefill(model, base))
+        store.flush()
+        assert len(_hashes(store)) == 3
+        planned = evict.in_key_order
+
+        def then_extend(p):  # gc has planned: the other store writes the longer prompt now
+            out = planned(p)
+            assert other.bind(model, path).insert(longer, prefill(model, longer)) == 1
+            other.flush()
+            assert len(_hashes(store)) == 4
+            return out
+
+        monkeypatch.setattr(evict, "in_key_order", then_extend)
+        result = store.gc(max_bytes=0)
+        assert result["evicted"] == 4 and _hashes(store) == set()
+        assert store.verify() == []  # no orphan row, and the new record's file is gone too

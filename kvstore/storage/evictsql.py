@@ -83,7 +83,8 @@ class EvictionSQL:
         child outside the victims. The checks are made here, so a record pinned since gc chose
         it stays, and so does the top of a branch that another process gave a new child. (Below
         a top a new child would be lost whatever this did: the top goes, and every lookup walks
-        down through it. Checking only the tops took 3.5 s instead of 4.5 s at half of 1M rows.)
+        down through it. Checking only the tops took 3.5 s instead of 4.5 s at half of 1M rows.
+        Such a child is left without its parent: `lost_since` finds it, `drop_lost` deletes it.)
         The edges out of the records deleted go in the same transaction: they are neighbours in
         `children` too (its key starts with the parent), and no lookup can walk them once their
         parent is gone. Returns (hash, size, parent, first token or -1) of the rows deleted:
@@ -101,6 +102,36 @@ class EvictionSQL:
                     "DELETE FROM children WHERE parent IN (SELECT hash FROM temp.victims WHERE hash BETWEEN ? AND ?) "
                     "AND NOT EXISTS (SELECT 1 FROM records r WHERE r.hash = children.parent)", (lo, hi))
             return deleted
+
+    def lost_since(self, since: float) -> list[bytes]:
+        """Records stored since `since` (a time) whose parent is neither stored nor a model's
+        root: another process stored them under a record that gc then deleted. One scan of the
+        table (the creation time is read first: the parent is looked up only for new rows), in
+        no transaction: nothing waits for it."""
+        return [h for (h,) in self.conn.execute(
+            "SELECT hash FROM records r WHERE created >= ? "
+            "AND NOT EXISTS (SELECT 1 FROM records p WHERE p.hash = r.parent) "
+            "AND NOT EXISTS (SELECT 1 FROM models m WHERE m.ns = r.parent)", (since,))]
+
+    def drop_lost(self, hashes: Sequence[bytes]) -> list[tuple[bytes, int, bytes, int]]:
+        """Delete, in one transaction, these records if their parent is still neither stored
+        nor a root (`lost_since`), with everything below them and the edges out of them;
+        pinned ones stay. Returns (hash, size, parent, first token or -1) of the rows deleted:
+        delete their files once this has committed."""
+        gone: list[tuple[bytes, int, bytes, int]] = []
+        with self.transaction() as conn:
+            for start in range(0, len(hashes), _MAX_PARAMS):
+                seeds = list(hashes[start : start + _MAX_PARAMS])
+                gone += conn.execute(
+                    "WITH RECURSIVE lost(hash) AS ("
+                    " SELECT r.hash FROM records r WHERE r.hash IN (" + ",".join("?" * len(seeds)) + ")"
+                    " AND NOT EXISTS (SELECT 1 FROM records p WHERE p.hash = r.parent)"
+                    " AND NOT EXISTS (SELECT 1 FROM models m WHERE m.ns = r.parent)"
+                    " UNION SELECT c.hash FROM children c JOIN lost l ON c.parent = l.hash) "
+                    "DELETE FROM records WHERE hash IN (SELECT hash FROM lost) AND pinned = 0 "
+                    "RETURNING hash, size, parent, coalesce(first_token, -1)", seeds).fetchall()
+            conn.executemany("DELETE FROM children WHERE parent = ?", [(row[0],) for row in gone])
+        return gone
 
     def forget_edges(self, edges: Sequence[tuple[bytes, int, bytes]]) -> int:
         """Delete, in one transaction, these (parent, first token or -1, hash) edges of

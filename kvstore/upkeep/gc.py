@@ -37,6 +37,9 @@ _CACHE_MIN_KIB, _CACHE_MAX_KIB = 64 << 10, 1 << 20
 _YIELD_S = 0.002
 # Threads that unlink a transaction's files (sorted, in runs that share folders).
 _UNLINK_THREADS, _UNLINKS_PER_TASK = 4, 256
+# Records stored this long before gc read the clock count as stored while it ran (`lost_since`
+# looks up the parent of each of them, so not more: a store warmed just before has many).
+_CLOCK_SLACK_S = 1.0
 
 
 def collect(index: Index, root: Path, *, max_bytes: int | None = None, max_age: float | None = None,
@@ -46,6 +49,7 @@ def collect(index: Index, root: Path, *, max_bytes: int | None = None, max_age: 
     evicts first, too). See `evict` for the order; rows go in transactions of a bounded number
     of rows, each record's file right after the commit that dropped its row."""
     started = time.perf_counter()
+    since = time.time() - _CLOCK_SLACK_S  # records stored from here on may hang from a victim
     total = index.totals()["bytes"]
     cutoff = time.time() - max_age if max_age is not None else None
     p = evict.Plan.empty()
@@ -79,6 +83,16 @@ def collect(index: Index, root: Path, *, max_bytes: int | None = None, max_age: 
             edges.sort(key=itemgetter(0))  # by parent: the table's pages in order (what follows is one page)
             for took, _ in _batches(index, edges, lambda part: _forget_edges(index, root, part)):
                 longest = max(longest, took)
+            # Records another process stored under a victim below a top while gc ran: their parent
+            # is gone, so nothing reaches them (`Index.evict`). They go too, files and all.
+            if hashes:
+                lost = index.lost_since(since)
+                if lost:
+                    t = time.perf_counter()
+                    deleted = _drop_lost(index, root, lost, pool)
+                    longest = max(longest, time.perf_counter() - t)
+                    freed += sum(row[1] for row in deleted)
+                    hashes += [row[0] for row in deleted]
     return {
         "evicted": len(hashes),
         "freed_bytes": freed,
@@ -102,6 +116,15 @@ def _evict(index: Index, root: Path, lo: bytes, hi: bytes, pool: ThreadPoolExecu
         gone = [row[0] for row in deleted]  # in hash order, as the delete went: neighbours share folders
         step = max(_UNLINKS_PER_TASK, -(-len(gone) // _UNLINK_THREADS))
         list(pool.map(lambda i: blobtree.remove_all(root, gone[i : i + step]), range(0, len(gone), step)))
+    return deleted
+
+
+def _drop_lost(index: Index, root: Path, lost: list[bytes], pool: ThreadPoolExecutor) -> list[tuple]:
+    with blobtree.tree_lock(root, exclusive=True):  # as `_evict`: files after the commit
+        deleted = index.drop_lost(lost)
+        gone = [row[0] for row in deleted]
+        list(pool.map(lambda i: blobtree.remove_all(root, gone[i : i + _UNLINKS_PER_TASK]),
+                      range(0, len(gone), _UNLINKS_PER_TASK)))
     return deleted
 
 
