@@ -5,7 +5,8 @@ once, with retention by role); pinned records and their ancestors stay. Their ro
 order (neighbours in the table), in short transactions, each file right after the one that
 dropped its row, and with them the edges out of the rows they drop (neighbours in the `children`
 table too, whose key starts with the parent); then the few edges left, into records whose parent
-stays, by key in the table's own order (see `evict` for why a parent may go first).
+stays, by key in the table's own order (see `evict` for why a parent may go first); last, the
+records another process stored below what went while gc ran, which nothing reaches any more.
 """
 
 from __future__ import annotations
