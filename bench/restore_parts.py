@@ -262,10 +262,11 @@ def _ceiling(r: dict, ms: dict) -> str:
         return out + (f" Unchecked, the restore's reads into the final arrays took {-gap:.1f} ms less than the raw "
                       f"read on two threads here, where two threads read little faster than one ({ms['raw_1t']:.1f} "
                       f"against {ms['raw_2t']:.1f} ms).")
-    return out + (f" The same `preadv` calls take {gap:.1f} ms more into the final arrays than into one "
-                  f"page-aligned buffer: they land in pieces of {r['piece_bytes'] // 1024} KiB (one head of one "
-                  "record), at addresses mlx-cpu's allocator puts 8 bytes past a multiple of 16, which the kernel "
-                  "copies to more slowly (`bench/copy_alignment.py`). mlx makes every array it hands out itself: "
+    return out + (f" Unchecked, the restore's reads take {gap:.1f} ms more than the raw read on two threads, "
+                  f"which reads whole files into one page-aligned buffer: they land in pieces of "
+                  f"{r['piece_bytes'] // 1024} KiB (one head of one record), one `preadv` a batch, at addresses "
+                  "mlx-cpu's allocator puts 8 bytes past a multiple of 16, which the kernel copies to more "
+                  "slowly (`bench/copy_alignment.py`). mlx makes every array it hands out itself: "
                   "its zero-copy import of memory allocated elsewhere (`mx.asarray(a, copy=False)`) takes only "
                   "Metal buffers (on the CPU: \"Cannot import a CPU array without a copy\"), and asking for more "
                   "bytes to align the data leaves the sizes its buffer cache reuses.")
