@@ -14,6 +14,9 @@ from typing import Callable, Iterable, Iterator, Sequence
 from kvstore.storage import schema
 
 _MAX_PARAMS = schema.MAX_PARAMS
+# Of `records r`: its parent is neither stored nor a model's root (nothing reaches it).
+_PARENT_GONE = ("NOT EXISTS (SELECT 1 FROM records p WHERE p.hash = r.parent) "
+                "AND NOT EXISTS (SELECT 1 FROM models m WHERE m.ns = r.parent)")
 
 
 class EvictionSQL:
@@ -109,9 +112,7 @@ class EvictionSQL:
         table (the creation time is read first: the parent is looked up only for new rows), in
         no transaction: nothing waits for it."""
         return [h for (h,) in self.conn.execute(
-            "SELECT hash FROM records r WHERE created >= ? "
-            "AND NOT EXISTS (SELECT 1 FROM records p WHERE p.hash = r.parent) "
-            "AND NOT EXISTS (SELECT 1 FROM models m WHERE m.ns = r.parent)", (since,))]
+            "SELECT hash FROM records r WHERE created >= ? AND " + _PARENT_GONE, (since,))]
 
     def drop_lost(self, hashes: Sequence[bytes]) -> list[tuple[bytes, int, bytes, int]]:
         """Delete, in one transaction, these records if their parent is still neither stored
@@ -125,8 +126,7 @@ class EvictionSQL:
                 gone += conn.execute(
                     "WITH RECURSIVE lost(hash) AS ("
                     " SELECT r.hash FROM records r WHERE r.hash IN (" + ",".join("?" * len(seeds)) + ")"
-                    " AND NOT EXISTS (SELECT 1 FROM records p WHERE p.hash = r.parent)"
-                    " AND NOT EXISTS (SELECT 1 FROM models m WHERE m.ns = r.parent)"
+                    " AND " + _PARENT_GONE +
                     " UNION SELECT c.hash FROM children c JOIN lost l ON c.parent = l.hash) "
                     "DELETE FROM records WHERE hash IN (SELECT hash FROM lost) AND pinned = 0 "
                     "RETURNING hash, size, parent, coalesce(first_token, -1)", seeds).fetchall()

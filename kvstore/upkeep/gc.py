@@ -113,19 +113,21 @@ def _evict(index: Index, root: Path, lo: bytes, hi: bytes, pool: ThreadPoolExecu
         deleted = index.evict(lo, hi)
         if deleted:
             faults.hit("gc_deleted")
-        # after the commit: a crash before here leaves orphan files only
-        gone = [row[0] for row in deleted]  # in hash order, as the delete went: neighbours share folders
-        step = max(_UNLINKS_PER_TASK, -(-len(gone) // _UNLINK_THREADS))
-        list(pool.map(lambda i: blobtree.remove_all(root, gone[i : i + step]), range(0, len(gone), step)))
+        _remove_files(root, deleted, pool)  # after the commit: a crash before here leaves orphan files only
     return deleted
+
+
+def _remove_files(root: Path, deleted: list[tuple], pool: ThreadPoolExecutor) -> None:
+    """The files of the rows just deleted, on the pool's threads."""
+    gone = [row[0] for row in deleted]  # in hash order, as the delete went: neighbours share folders
+    step = max(_UNLINKS_PER_TASK, -(-len(gone) // _UNLINK_THREADS))
+    list(pool.map(lambda i: blobtree.remove_all(root, gone[i : i + step]), range(0, len(gone), step)))
 
 
 def _drop_lost(index: Index, root: Path, lost: list[bytes], pool: ThreadPoolExecutor) -> list[tuple]:
     with blobtree.tree_lock(root, exclusive=True):  # as `_evict`: files after the commit
         deleted = index.drop_lost(lost)
-        gone = [row[0] for row in deleted]
-        list(pool.map(lambda i: blobtree.remove_all(root, gone[i : i + _UNLINKS_PER_TASK]),
-                      range(0, len(gone), _UNLINKS_PER_TASK)))
+        _remove_files(root, deleted, pool)
     return deleted
 
 
