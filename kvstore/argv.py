@@ -13,7 +13,7 @@ import re
 import sys
 from typing import Iterable, Sequence
 
-from kvstore.sizes import parse_duration, parse_rate, parse_size
+from kvstore.sizes import parse_duration, parse_size
 
 _NEGATIVE = re.compile(r"-\.?\d")  # -5, -5MB, -.5G: a value, never one of our options
 _OPTION = re.compile(r"--?[A-Za-z]")
@@ -89,28 +89,9 @@ def size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def rate(text: str) -> str:
-    """An argparse type: `20GB/day`, `500MB/h`, or `off` (`sizes.parse_rate`), passed on as given."""
-    if text.strip().lower() in ("off", "none", "unlimited"):
-        return text
-    try:
-        parse_rate(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return text
-
-
 def duration(text: str) -> float:
     """An argparse type: `30m`, `7d` (`sizes.parse_duration`)."""
     try:
         return parse_duration(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def add_disk_kv_bits(p: argparse.ArgumentParser) -> None:
-    """`--disk-kv-bits`, for every command that opens the store with a model (warm, generate, serve)."""
-    p.add_argument("--disk-kv-bits", metavar="BITS", type=int, choices=(0, 4, 8),
-                   help="store the K/V of bf16/f16 attention layers quantized to 8 (or 4) bits: lossy, "
-                        "about half the disk of bf16 at 8 bits; the store remembers it (0: off; "
-                        "default: what the store remembers, else off)")

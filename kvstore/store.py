@@ -22,7 +22,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-from kvstore import keys
+from kvstore import keys, settings
 from kvstore.errors import InvalidInputError, StoreOpenError
 from kvstore.model import fingerprint as fingerprints
 from kvstore.model.cache import Backing, ModelCache
@@ -31,7 +31,6 @@ from kvstore.remote.bucket import check_url, open_bucket
 from kvstore.remote.node import FLUSH_TIMEOUT_S, Remote
 from kvstore.remote.seal import Fleet, fleet_secret
 from kvstore.restore import buffers
-from kvstore.restore.quant import check_disk_kv_bits
 from kvstore.storage.storedir import default_path
 from kvstore.tiers.base import Tiers
 from kvstore.tiers.disk import DiskTier
@@ -39,16 +38,16 @@ from kvstore.tiers.memory import MemoryTier, MemoryTierView
 from kvstore.tiers.remote import DEFAULT_DEADLINE_S, RemoteTier
 from kvstore.upkeep.local import LocalStore
 from kvstore.write import budget as write_budget
-from kvstore.write.admission import DEFAULT_POLICY, Gate, check_policy
+from kvstore.write.admission import Gate
 from kvstore.write.pending import PendingTier
 from kvstore.write.writer import Writer
 
 log = logging.getLogger("kvstore")
 
 MEMORY = ":memory:"
-DEFAULT_MEMORY_BYTES = 1 << 30
-DEFAULT_PENDING_BYTES = 2 << 30
-AUTO = "auto"
+DEFAULT_MEMORY_BYTES = settings.BY_NAME["memory_bytes"].default
+DEFAULT_PENDING_BYTES = settings.BY_NAME["max_pending_bytes"].default
+AUTO = settings.AUTO
 
 # Stores still open at interpreter exit get their queued writes flushed (bounded in time).
 _OPEN_STORES: "weakref.WeakSet[Store]" = weakref.WeakSet()
@@ -72,70 +71,79 @@ class Store:
     """
 
     def __init__(self, path: str | os.PathLike | None = None, *, max_bytes: int | str | None = None,
-                 memory_bytes: int | None = None, chunk_size: int = 256,
-                 max_pending_bytes: int = DEFAULT_PENDING_BYTES, fsync: bool = True,
+                 memory_bytes: int | str | None = None, chunk_size: int | None = None,
+                 max_pending_bytes: int | str | None = None, fsync: bool = True,
                  create: bool = True, read_only: bool | None = False,
-                 remote: str | None = None, remote_deadline: float | None = None,
-                 remote_key: str | bytes | None = None, remote_flush_timeout: float | None = None,
+                 remote: str | None = None, remote_deadline: float | str | None = None,
+                 remote_key: str | bytes | None = None, remote_flush_timeout: float | str | None = None,
                  admit: str | None = None, max_write_rate: int | str | None = None,
-                 disk_kv_bits: int | None = None, buffer_cache_bytes: int | None = None):
-        _check_options(chunk_size, max_bytes, memory_bytes, remote, remote_deadline)
-        check_policy(admit)
-        write_budget.parse_rate(max_write_rate)
-        check_disk_kv_bits(disk_kv_bits)
-        _bound_buffer_cache(buffer_cache_bytes)
-        self.chunk_size = chunk_size
-        self.max_bytes = None if max_bytes == AUTO else max_bytes
+                 disk_kv_bits: int | str | None = None, buffer_cache_bytes: int | str | None = None):
+        given = {k: v for k, v in dict(
+            max_bytes=max_bytes, memory_bytes=memory_bytes, chunk_size=chunk_size,
+            max_pending_bytes=max_pending_bytes, remote_deadline=remote_deadline,
+            remote_flush_timeout=remote_flush_timeout, admit=admit, max_write_rate=max_write_rate,
+            disk_kv_bits=disk_kv_bits, buffer_cache_bytes=buffer_cache_bytes).items() if v is not None}
+        parsed = settings.resolve(given, {})  # bad settings are an error before anything is opened
+        value = {name: v for name, (v, _) in parsed.items()}
+        if remote:
+            check_url(remote)
+        _bound_buffer_cache(value["buffer_cache_bytes"])
+        self.chunk_size = value["chunk_size"]
+        self.max_bytes = None if value["max_bytes"] == AUTO else value["max_bytes"]
         self.max_bytes_rule: str | None = None  # how an automatic budget was found
         self.ram_only = str(path) == MEMORY
-        if self.ram_only and memory_bytes == 0:
+        if self.ram_only and value["memory_bytes"] == 0:
             raise InvalidInputError("a RAM-only store needs memory_bytes > 0")
         if self.ram_only and remote:
             raise InvalidInputError("a remote tier needs a store directory (not kvstore.MEMORY)")
         secret = fleet_secret(remote_key) if remote else None  # refused before anything is created
-        self.memory = MemoryTier(DEFAULT_MEMORY_BYTES if memory_bytes is None else memory_bytes)
+        self.memory = MemoryTier(value["memory_bytes"])
         self.files = None if self.ram_only else LocalStore(
             Path(path) if path is not None else default_path(), create=create, read_only=read_only)
         self.path = self.files.path if self.files else None
         self.read_only = self.files.read_only if self.files else False
         self.index = self.files.index if self.files else None
         self.blob_root = self.files.blob_root if self.files else None
-        if max_bytes == AUTO:
+        if value["max_bytes"] == AUTO:
             self.max_bytes, self.max_bytes_rule = self.files.auto_budget() if self.files else (
                 None, "auto: a RAM-only store writes no disk (memory_bytes bounds it)")
-        try:
-            self.disk_kv_bits = self._disk_kv_bits(disk_kv_bits)
-        except StoreOpenError:
-            self.files.close()
-            raise
-        self.counters = {"quarantined": 0, "skipped_inserts": 0, "fetches": 0, "reused_tokens": 0}
-        self.remote = self._open_remote(remote, remote_deadline, secret, remote_flush_timeout)
         writes = self.files is not None and not self.read_only
-        self.gate = self._gate(admit, max_write_rate, writes)
+        self.settings = self._settings(given, writes)
+        value = {name: v for name, (v, _) in self.settings.items()}
+        self.disk_kv_bits = value["disk_kv_bits"]
+        self.counters = {"quarantined": 0, "skipped_inserts": 0, "fetches": 0, "reused_tokens": 0}
+        self.remote = self._open_remote(remote, value["remote_deadline"], secret, value["remote_flush_timeout"])
+        self.gate = Gate(self.index if writes else None, value["admit"], value["max_write_rate"])
         self.writer = Writer(self.index if writes else None, self.blob_root if writes else None, self.memory,
-                             max_pending_bytes, after_batch=self._after_batch if self.max_bytes is not None else None,
+                             value["max_pending_bytes"],
+                             after_batch=self._after_batch if self.max_bytes is not None else None,
                              fsync=fsync, after_write=self.remote.uploader.submit if self.remote else None,
                              gate=self.gate)
         self.tiers = self._tiers()
         self._closed = False
         _OPEN_STORES.add(self)
 
-    # -- what the writer puts on disk -------------------------------------------------------
+    def _settings(self, given: dict, writes: bool) -> dict[str, tuple[Any, str]]:
+        """Every setting's (value, source) for this open (`kvstore.settings.resolve`). Given kept
+        settings are remembered in the store for later opens that do not give them."""
+        if self.index is None:
+            return settings.resolve(given, {})
+        try:
+            kept = self.index.settings()
+        except sqlite3.DatabaseError as e:  # an unreadable index opens with the defaults, said once
+            log.warning("kvstore: cannot read the store's kept settings (%s): using the defaults", e)
+            kept = {}
+        resolved = settings.resolve(given, kept, warn=lambda message: log.warning("kvstore: %s", message))
+        for s in settings.KEPT_SETTINGS:
+            value, source = resolved[s.name]
+            if writes and source == settings.GIVEN and kept.get(s.name) != s.encode(value):
+                try:
+                    self.index.set_setting(s.name, s.encode(value))
+                except sqlite3.OperationalError as e:  # a full disk or a busy index: used, not kept
+                    log.warning("kvstore: cannot keep %s=%s in the store (%s)", s.name, s.encode(value), e)
+        return resolved
 
-    def _gate(self, admit: str | None, max_write_rate: int | str | None, writes: bool) -> Gate:
-        """The admission policy and write budget. Each is kept in the store when given, and
-        later opens that do not give it use the kept one (defaults: "all", no budget)."""
-        per_day = write_budget.parse_rate(max_write_rate)
-        if self.index is not None:
-            if writes and admit is not None:
-                self.index.set_setting("admit", admit)
-            if writes and max_write_rate is not None:
-                self.index.set_setting("max_write_rate", None if per_day is None else str(per_day))
-            if admit is None:
-                admit = check_policy(self.index.setting("admit"), "the store's kept admit setting")
-            if max_write_rate is None:
-                per_day = write_budget.parse_rate(self.index.setting("max_write_rate"))
-        return Gate(self.index if writes else None, admit or DEFAULT_POLICY, per_day)
+    # -- what the writer puts on disk -------------------------------------------------------
 
     def write_stats(self) -> dict:
         """`stats()["writes"]`: see `write.budget.summary`."""
@@ -187,28 +195,6 @@ class Store:
                 tiers.append(RemoteTier(self.remote.bucket, self.remote.health, disk, self.remote.fleet,
                                         deadline=self.remote.deadline, stored=self._after_download))
         return Tiers(tiers)
-
-    # -- K/V quantized on disk (restore/quant.py) --
-
-    def _disk_kv_bits(self, given: int | None) -> int | None:
-        """`disk_kv_bits` as given (and remembered in the store for later opens), else as the
-        store remembers it; None: K/V stored as the caches hold them."""
-        if self.index is None:
-            return check_disk_kv_bits(given)
-        if given is None:
-            saved = self.index.setting("disk_kv_bits")
-            try:
-                return check_disk_kv_bits(int(saved)) if saved is not None else None
-            except (ValueError, InvalidInputError) as e:
-                raise StoreOpenError(f"{self.path}: the store's disk_kv_bits setting {saved!r} "
-                                     "is not valid: open it with disk_kv_bits=8 or 0") from e
-        bits = check_disk_kv_bits(given)
-        try:
-            if not self.read_only and self.index.setting("disk_kv_bits") != str(bits or 0):
-                self.index.set_setting("disk_kv_bits", str(bits or 0))
-        except sqlite3.OperationalError as e:  # a full disk or a busy index: used, not remembered
-            log.warning("kvstore: cannot remember disk_kv_bits=%s in the index (%s)", bits, e)
-        return bits
 
     def _count_quarantine(self) -> None:
         self.counters["quarantined"] += 1
@@ -293,6 +279,7 @@ class Store:
             "read_only": self.read_only,
             "chunk_size": self.chunk_size,
             "disk_kv_bits": self.disk_kv_bits,
+            "settings": settings.report(self.settings),
             "max_bytes": self.max_bytes,
             "max_bytes_auto": self.max_bytes_rule is not None,
             "max_bytes_rule": self.max_bytes_rule,
@@ -354,20 +341,6 @@ class Store:
             raise StoreOpenError("this store is closed")
 
 
-def _check_options(chunk_size, max_bytes, memory_bytes, remote, remote_deadline) -> None:
-    """Bad settings are an error before anything is opened."""
-    if not isinstance(chunk_size, int) or chunk_size < 1:
-        raise InvalidInputError(f"chunk_size must be a positive integer, got {chunk_size!r}")
-    for name, value in (("max_bytes", None if max_bytes == AUTO else max_bytes), ("memory_bytes", memory_bytes)):
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-            extra = ' or "auto"' if name == "max_bytes" else ""
-            raise InvalidInputError(f"{name} must be a non-negative integer{extra}, got {value!r}")
-    if remote:
-        check_url(remote)
-    if remote_deadline is not None and (not isinstance(remote_deadline, (int, float)) or remote_deadline < 0):
-        raise InvalidInputError(f"remote_deadline must be a non-negative number of seconds, got {remote_deadline!r}")
-
-
 # -- mlx's buffer cache: freed restore memory kept for the next restore (kvstore.restore.buffers)
 
 def _bound_buffer_cache(nbytes: int | None) -> None:
@@ -381,7 +354,7 @@ def _bound_buffer_cache(nbytes: int | None) -> None:
 
 
 def open(path: str | os.PathLike | None = None, *, max_bytes: int | str | None = None,
-         memory_bytes: int | None = None, chunk_size: int = 256, remote: str | None = None,
+         memory_bytes: int | str | None = None, chunk_size: int | None = None, remote: str | None = None,
          **options) -> Store:
     """Open (creating if needed) the store at `path`, `$KVSTORE_DIR` or `~/.cache/kvstore`.
 
@@ -403,8 +376,10 @@ def open(path: str | os.PathLike | None = None, *, max_bytes: int | str | None =
     `admit` says which records go to disk: `"all"` (the default), `"reused"` (a prefix asked
     for a second time, or warmed or pinned) or `"pinned"` (warmed and pinned only); the others
     stay in the memory tier. `max_write_rate="20GB/day"` (or `"500MB/h"`, or bytes per day)
-    bounds what is written in any rolling day. Both are kept in the store: a later open that
-    does not give them uses them. `stats()["writes"]` counts what was written and kept out.
+    bounds what is written in any rolling day by automatic writes (`off`: no limit; 0 is refused).
+    Warmed, prefilled and pinned prompts are always written and count against it. Both are kept
+    in the store: a later open that does not give them uses them. `stats()["writes"]` counts
+    what was written and kept out.
 
     `disk_kv_bits=8` (or 4) stores the K/V of bf16/f16 attention layers quantized (lossy, about
     half the bytes of bf16 at 8 bits); restored, they are the model's own cache class and dtype.
@@ -413,6 +388,10 @@ def open(path: str | os.PathLike | None = None, *, max_bytes: int | str | None =
 
     `buffer_cache_bytes` bounds the freed restore memory mlx keeps for the next restore, for the
     whole process (default: a quarter of RAM; 0: mlx's own limit).
+
+    Every setting is a row of `kvstore.settings.STORE_SETTINGS` (its kind, default, whether the
+    store keeps it, what 0 means); sizes, rates and durations may be given as text ("2GiB",
+    "20GB/day", "10s"), and `stats()["settings"]` tells each one's value and source.
     """
     return Store(path, max_bytes=max_bytes, memory_bytes=memory_bytes, chunk_size=chunk_size,
                  remote=remote, **options)
@@ -425,7 +404,7 @@ STORE_TOTALS = ("path", "bytes", "chunks", "tails", "checkpoints", "models", "qu
                 "quarantined_now", "quarantine_folder")
 PER_PROCESS = ("chunk_size", "max_bytes", "memory", "writer", "quarantined", "skipped_inserts",
                "fetches", "reused_tokens", "read_only", "max_bytes_auto", "max_bytes_rule",
-               "disk_kv_bits", "buffer_cache")
+               "disk_kv_bits", "buffer_cache", "settings")
 # `remote`: this process's counters, and under `totals` the store's (kept in its index).
 # `writes`: the store's write log (every process's), and the settings this process opened it with.
 MIXED = {"remote": "process; its totals: store", "writes": "store; admit and max_write_rate: process"}

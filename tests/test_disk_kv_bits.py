@@ -16,7 +16,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from test_restore import run, toks  # restore_proc.py in a fresh process; random token ids
 
 import kvstore
-from kvstore.errors import InvalidInputError, StoreOpenError
+from kvstore.errors import InvalidInputError
 from kvstore.storage import blobformat, blobtree
 
 C = 16  # chunk size of every store here (restore_proc.C)
@@ -209,16 +209,18 @@ def test_records_are_the_same_whether_inserted_at_once_or_chunk_by_chunk(tmp_pat
         assert mx.array_equal(a.keys, b.keys) and mx.array_equal(a.values, b.values)
 
 
-def test_bad_values_are_refused_with_a_clear_error(tmp_path):
-    for bad in (3, 16, 1, -8, True, "8", 8.5):
-        with pytest.raises(InvalidInputError, match="disk_kv_bits must be one of 4, 8"):
+def test_bad_values_are_refused_with_a_clear_error(tmp_path, caplog):
+    for bad in (3, 16, 1, -8, True, "3", 8.5):
+        with pytest.raises(InvalidInputError, match="disk_kv_bits: must be one of 4, 8"):
             kvstore.open(tmp_path / "s", disk_kv_bits=bad)
     with kvstore.open(tmp_path / "s", disk_kv_bits=4) as store:
         assert store.disk_kv_bits == 4
     with sqlite3.connect(tmp_path / "s" / "index.sqlite") as conn:
         conn.execute("UPDATE meta SET value = '5' WHERE key = 'setting.disk_kv_bits'")
-    with pytest.raises(StoreOpenError, match="disk_kv_bits setting '5'"):
-        kvstore.open(tmp_path / "s")
+    with caplog.at_level("WARNING", logger="kvstore"), kvstore.open(tmp_path / "s") as store:
+        assert store.disk_kv_bits is None  # a damaged kept value opens with the default, said once
+        assert store.stats()["settings"]["disk_kv_bits"] == {"value": None, "source": "default"}
+    assert [r for r in caplog.records if "kept disk_kv_bits" in r.getMessage()]
     for argv in (["generate", "--disk-kv-bits", "3", "hi"], ["serve", "--disk-kv-bits", "16"]):
         out = subprocess.run([sys.executable, "-m", "kvstore.cli", *argv], capture_output=True, text=True, timeout=120)
-        assert out.returncode == 2 and "--disk-kv-bits: invalid choice: " in out.stderr, out.stderr
+        assert out.returncode == 2 and "--disk-kv-bits: must be one of 4, 8" in out.stderr, out.stderr

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 
-from kvstore.cli.options import add_write_options, bound, read_prompts
+from kvstore.cli.options import bound, read_prompts
 from kvstore.cli.output import EXIT_PROBLEMS, EXIT_USAGE, PROG, CommandError, out, say
 
 EXAMPLES = """examples:
@@ -27,7 +27,6 @@ def register(add, store_opts, model_opts) -> None:
     p.add_argument("--max-tokens", metavar="N", type=int, default=128, help="tokens to generate at most (default: 128)")
     p.add_argument("--temp", metavar="T", type=float, default=0.0, help="sampling temperature (default: 0, greedy)")
     p.add_argument("--seed", metavar="S", type=int, help="random seed for sampling")
-    add_write_options(p)
 
 
 def _items(args) -> list:

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Iterator
 
-from kvstore.argv import add_disk_kv_bits, rate
+from kvstore import settings
 from kvstore.cli.output import EXIT_USAGE, PROG, CommandError, say
 
 
@@ -30,35 +30,13 @@ def store_parent() -> argparse.ArgumentParser:
 
 
 def model_parent() -> argparse.ArgumentParser:
-    """`--model`, for the commands that run a model."""
+    """`--model`, and the store's settings (`kvstore.settings`), for the commands that run a model."""
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--model", metavar="M",
                    help="model folder or Hugging Face repo id, as mlx_lm.load takes "
                         "(default: the built-in demo model, random weights)")
-    add_disk_kv_bits(p)
+    settings.add_options(p.add_argument_group("store settings (see `kvstore settings`)"))
     return p
-
-
-
-# -- what the writer puts on disk: --admit and --max-write-rate ------------------------------
-
-ADMIT_HELP = ("which prompts are written to disk: all (the default), reused (a prefix asked for a "
-              "second time; a first sight stays in RAM), pinned (warmed and pinned only); kept in the store")
-RATE_HELP = ("write at most this much to disk in any rolling day, e.g. 20GB/day or 500MB/h (`off`: no "
-             "limit); past it, prompts stay in RAM only; kept in the store")
-
-
-def add_write_options(p: argparse.ArgumentParser) -> None:
-    """`--admit` and `--max-write-rate`, for the commands that write prompts."""
-    p.add_argument("--admit", choices=("all", "reused", "pinned"), help=ADMIT_HELP)
-    p.add_argument("--max-write-rate", metavar="RATE", type=rate, help=RATE_HELP)
-
-
-def write_settings(args) -> dict:
-    """The `kvstore.open` settings of `--admit` and `--max-write-rate` (left out when not given,
-    so the store's kept ones apply)."""
-    given = {"admit": getattr(args, "admit", None), "max_write_rate": getattr(args, "max_write_rate", None)}
-    return {k: v for k, v in given.items() if v is not None}
 
 
 def store_path(args) -> Path:
@@ -151,7 +129,7 @@ def open_store(args):
 
     url = remote_url(args)
     return kvstore.open(store_path(args), remote=url, remote_key=remote_key(args) if url else None,
-                        disk_kv_bits=getattr(args, "disk_kv_bits", None), **write_settings(args))
+                        **settings.given(args))
 
 
 def model_to_load(args) -> str:

@@ -7,7 +7,7 @@ import sys
 import time
 from typing import Callable
 
-from kvstore.cli.options import add_write_options, bound, read_prompts
+from kvstore.cli.options import bound, read_prompts
 from kvstore.cli.output import EXIT_INTERRUPTED, EXIT_PROBLEMS, PROG, say
 from kvstore.model.blas import long_prefill_note
 from kvstore.model.jsonl import cache_types
@@ -28,7 +28,6 @@ def register(add, store_opts, model_opts) -> None:
     p = add("warm", cmd_warm, "store the KV cache of every prompt in a JSONL file", [store_opts, model_opts],
             EXAMPLES)
     p.add_argument("--prompts", metavar="FILE.jsonl", required=True, help="prompt file, or - for standard input")
-    add_write_options(p)  # warmed prompts are always admitted; the budget still holds
 
 
 class _Stop(Exception):

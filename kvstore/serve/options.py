@@ -11,10 +11,28 @@ import ipaddress
 import os
 import socket
 
-from kvstore.argv import Parser, add_disk_kv_bits, rate, size
+from kvstore import settings
+from kvstore.argv import Parser
+from kvstore.settings import Setting
 
 #: Default of --store-max-tokens: a longer request is served but not stored.
 DEFAULT_MAX_STORED_TOKENS = 32768
+
+#: The settings only `kvstore serve` has (not kept in the store), built like the store's.
+SERVE_SETTINGS: tuple[Setting, ...] = (
+    Setting("store_max_tokens", "count", DEFAULT_MAX_STORED_TOKENS, zero="no cap",
+            help="store the cache of a request only up to N tokens (prompt and generated together); "
+                 "longer ones are served, not stored; 0: no cap"),
+    Setting("allowed_origins", "list", [], default_text="none: a web page cannot use the server",
+            help="comma-separated web origins whose requests are served, e.g. http://localhost:3000, "
+                 "or `*` for every origin"),
+    Setting("allowed_hosts", "list", [], default_text="none; others get 421, which stops DNS rebinding",
+            help="comma-separated host names requests may be addressed to (their Host header) besides "
+                 "localhost, 127.0.0.1, [::1] and --host, e.g. a reverse proxy's name, or `*` for any"),
+    Setting("stats_paths", "flag", False,
+            help="show paths in GET /kvstore/stats (the store's, the models', the remote's URL); "
+                 "by default they are left out"),
+)
 
 PROG = "kvstore serve"
 EPILOG = """\
@@ -42,70 +60,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-h", "--help", action="store_true", help="show this help (and mlx_lm.server's) and exit")
     p.add_argument("--store", metavar="DIR",
                    help="store directory (default: $KVSTORE_DIR, else ~/.cache/kvstore)")
-    p.add_argument("--store-max-bytes", metavar="SIZE", type=_budget, default="auto",
-                   help="bound the store on disk, e.g. 20GB; `auto` (the default): a quarter of "
-                        "what it holds plus the disk's free space, at start; `none`: unbounded")
-    p.add_argument("--memory-bytes", metavar="SIZE", type=size,
-                   help="bound the store's memory tier, e.g. 2GiB (default: 1 GiB)")
-    p.add_argument("--buffer-cache-bytes", metavar="SIZE", type=size,
-                   help="freed restore memory mlx may keep for the next restore, e.g. 4GiB "
-                        "(default: a quarter of RAM; 0: mlx's own limit)")
-    p.add_argument("--store-max-tokens", metavar="N", type=_tokens, default=DEFAULT_MAX_STORED_TOKENS,
-                   help="store the cache of a request only up to N tokens (prompt and generated "
-                        f"together); longer ones are served, not stored (default: {DEFAULT_MAX_STORED_TOKENS}; "
-                        "0: no cap)")
-    p.add_argument("--allowed-origins", metavar="LIST", type=_origins, default=[],
-                   help="comma-separated web origins whose requests are served, e.g. "
-                        "http://localhost:3000, or `*` for every origin (default: none: a web page "
-                        "cannot use the server)")
-    p.add_argument("--allowed-hosts", metavar="LIST", type=_hosts, default=[],
-                   help="comma-separated host names requests may be addressed to (their Host header) "
-                        "besides localhost, 127.0.0.1, [::1] and --host, e.g. a reverse proxy's name, "
-                        "or `*` for any (default: none; others get 421, which stops DNS rebinding)")
-    p.add_argument("--stats-paths", action="store_true",
-                   help="show paths in GET /kvstore/stats (the store's, the models', the remote's URL); "
-                        "by default they are left out")
+    settings.add_options(p.add_argument_group("store settings (see `kvstore settings`)"), serve=True)
+    settings.add_options(p.add_argument_group("server settings"), SERVE_SETTINGS, serve=True)
     p.add_argument("--remote", metavar="URL", default=os.environ.get("KVSTORE_REMOTE") or None,
                    help="share the cache through an S3 bucket, s3://BUCKET/PREFIX (default: $KVSTORE_REMOTE)")
     p.add_argument("--remote-key-file", metavar="PATH",
                    help="file holding the fleet secret the remote's objects are sealed with (default: "
                         "$KVSTORE_REMOTE_KEY); `kvstore remote-key` prints a new one")
-    # What the writer puts on disk (kept in the store; a later start without them uses them).
-    p.add_argument("--admit", choices=("all", "reused", "pinned"),
-                   help="which requests' caches are written to disk: all (the default), reused (a "
-                        "prefix asked for a second time), pinned (warmed and pinned only)")
-    p.add_argument("--max-write-rate", metavar="RATE", type=rate,
-                   help="write at most this much to disk in any rolling day, e.g. 20GB/day or "
-                        "500MB/h (`off`: no limit)")
-    add_disk_kv_bits(p)
     return p
 
 
-def _budget(text: str) -> int | str | None:
-    word = text.strip().lower()
-    if word == "auto":
-        return "auto"
-    if word in ("none", "unbounded"):
-        return None
-    return size(text)
-
-
-def _tokens(text: str) -> int | None:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of tokens") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"{n} is negative: give a number of tokens, or 0 for no cap")
-    return n or None
-
-
-def _origins(text: str) -> list[str]:
-    return [o.strip().rstrip("/") for o in text.split(",") if o.strip()]
-
-
-def _hosts(text: str) -> list[str]:
-    return [h.strip().lower().strip("[]").rstrip(".") for h in text.split(",") if h.strip()]
+def server_settings(args: argparse.Namespace) -> dict:
+    """The `SERVE_SETTINGS` of the parsed arguments, defaults filled in and normalised (origins
+    without a trailing slash, host names lower-case without brackets; a cap of 0 is None)."""
+    given = settings.given(args, SERVE_SETTINGS)
+    out = {s.name: given.get(s.name, s.default) for s in SERVE_SETTINGS}
+    out["allowed_origins"] = [o.rstrip("/") for o in out["allowed_origins"]]
+    out["allowed_hosts"] = [h.lower().strip("[]").rstrip(".") for h in out["allowed_hosts"]]
+    out["store_max_tokens"] = out["store_max_tokens"] or None
+    return out
 
 
 def peek_mlx_options(args: list[str]) -> argparse.Namespace:

@@ -25,6 +25,7 @@ import re
 import sys
 from typing import Sequence
 
+from kvstore import settings
 from kvstore.argv import option_strings, unknown_options, unrecognized
 from kvstore.errors import KVStoreError
 from kvstore.serve.mlxserver import persistent, server_module
@@ -34,6 +35,7 @@ from kvstore.serve.options import (
     build_parser,
     is_loopback,
     peek_mlx_options,
+    server_settings,
     without_option,
 )
 from kvstore.serve.promptcache import PersistentPromptCache
@@ -70,7 +72,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     peek = peek_mlx_options(passthrough)
     served_model, passthrough = _with_defaults(peek, passthrough)
-    memory_bytes = _memory_bytes(ours.memory_bytes, peek.prompt_cache_bytes)
+    store_settings = settings.given(ours, serve=True)
+    memory_bytes = _memory_bytes(store_settings.pop("memory_bytes", None), peek.prompt_cache_bytes)
 
     import kvstore
     from kvstore.model.loading import resolve_model
@@ -83,10 +86,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             from kvstore.remote.seal import read_key_file
 
             remote_key = read_key_file(ours.remote_key_file)
-        store = kvstore.open(ours.store, max_bytes=ours.store_max_bytes, memory_bytes=memory_bytes,
-                             remote=ours.remote, remote_key=remote_key, admit=ours.admit,
-                             max_write_rate=ours.max_write_rate, disk_kv_bits=ours.disk_kv_bits,
-                             buffer_cache_bytes=ours.buffer_cache_bytes)
+        store = kvstore.open(ours.store, memory_bytes=memory_bytes, remote=ours.remote,
+                             remote_key=remote_key, **store_settings)
     except KVStoreError as e:
         print(f"kvstore serve: {e}", file=sys.stderr)
         return 1
@@ -152,13 +153,14 @@ def _serve(server, store: Store, ours: argparse.Namespace, passthrough: list[str
     from kvstore.serve.endpoints import Hosts, handler_class
     from kvstore.serve.metrics import ServerMetrics
 
-    cache = PersistentPromptCache(store, max_insert_tokens=ours.store_max_tokens)
+    served = server_settings(ours)
+    cache = PersistentPromptCache(store, max_insert_tokens=served["store_max_tokens"])
     metrics = ServerMetrics(cache)
-    hosts = Hosts(peek_mlx_options(passthrough).host, ours.allowed_hosts)
+    hosts = Hosts(peek_mlx_options(passthrough).host, served["allowed_hosts"])
 
     def make_handler(base: type) -> type:
-        return handler_class(base, cache, metrics, ours.allowed_origins, served_model, hosts=hosts,
-                             stats_paths=ours.stats_paths)
+        return handler_class(base, cache, metrics, served["allowed_origins"], served_model, hosts=hosts,
+                             stats_paths=served["stats_paths"])
 
     stopper = Stopper(store)
     started: list = []

@@ -131,6 +131,11 @@ class WriteLogSQL:
         row = self.conn.execute("SELECT value FROM meta WHERE key = ?", (_SETTING + name,)).fetchone()
         return row[0] if row else None
 
+    def settings(self) -> dict[str, str]:
+        """Every setting the store keeps, by name (as text: the reader checks it)."""
+        rows = self.conn.execute("SELECT key, value FROM meta WHERE key LIKE ?", (_SETTING + "%",)).fetchall()
+        return {key[len(_SETTING):]: value for key, value in rows if isinstance(value, str)}
+
     def set_setting(self, name: str, value: str | None) -> None:
         """Keep a setting in the store for later opens (None forgets it)."""
         with self.transaction() as conn:

@@ -1,0 +1,345 @@
+"""Every setting of a store, as data: one row each, which `kvstore.open`, the `kvstore` commands,
+`kvstore serve`, `stats` and `kvstore settings` are all built from.
+
+A row says the setting's name (the keyword of `kvstore.open`), its kind (which fixes the one
+parser its values go through), its default, whether the store keeps it (a later open that does
+not give it uses the kept value), its command-line option, and its help, which always says what
+0 means. `off` is the one word for "no limit" (`none` is an alias). A 0 that would silently mean
+"never" is refused with what to use instead.
+
+`resolve` tells, for one open, each setting's value and where it came from: `given` (passed to
+this open), `kept` (remembered by the store) or `default`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from kvstore.errors import InvalidInputError
+from kvstore.sizes import format_age, format_size, parse_duration, parse_rate, parse_size
+
+OFF_WORDS = ("off", "none")
+AUTO = "auto"
+GIVEN, KEPT, DEFAULT = "given", "kept", "default"
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One setting: see the module docstring. `kind` is one of `size`, `rate`, `duration`,
+    `choice`, `bits`, `count`, `flag`, `list`."""
+
+    name: str
+    kind: str
+    default: Any
+    help: str
+    kept: bool = False
+    option: str | None = ""  # "" : "--" + name with dashes; None: library only
+    choices: tuple = ()
+    off: bool = False  # takes `off` (no limit): the value None
+    auto: bool = False  # takes `auto`
+    zero: str | None = ""  # what 0 means ("" : not a number kind); None: 0 is refused
+    refuse_zero: str = ""  # why 0 is refused and what to use instead
+    unit: str = ""
+    default_text: str = ""  # how the default reads when it is not a plain value (None: "RAM / 4")
+    serve_default: Any = field(default=None)  # `kvstore serve`'s own default, where it differs
+    serve_note: str = ""
+
+    @property
+    def flag(self) -> str | None:
+        if self.option is None:
+            return None
+        return self.option or "--" + self.name.replace("_", "-")
+
+    def parse(self, value: Any, where: str | None = None) -> Any:
+        """`value` (text from a command line or a file, or a Python value) as the store uses it;
+        `InvalidInputError` naming `where` (else the setting) and what to give instead."""
+        return _parse(self, value, where or self.name)
+
+    def show(self, value: Any) -> str:
+        """`value` in a user's words: `20.0 GiB/day`, `off`, `8 bits`."""
+        if value is None:
+            return self.default_text or "off"
+        if self.kind == "size":
+            return AUTO if value == AUTO else format_size(value)
+        if self.kind == "rate":
+            return f"{format_size(value)}/day"
+        if self.kind == "duration":
+            return f"{value:g} s" if value < 60 else format_age(value)
+        if self.kind == "bits":
+            return f"{value} bits"
+        if self.kind == "list":
+            return ",".join(value) or "none"
+        return str(value)
+
+    def encode(self, value: Any) -> str:
+        """How a kept value is written in the store's index (`decode` reads it back)."""
+        return "off" if value is None else str(value)
+
+    def decode(self, text: str) -> Any:
+        """A kept value, checked like a given one, except that a 0 kept before 0 was refused is
+        kept as it is. Raises `InvalidInputError` for a damaged one."""
+        if self.kind in ("rate", "size") and text.strip() == "0":
+            return 0
+        return self.parse(text, f"the store's kept {self.name}")
+
+    def help_text(self, serve: bool = False) -> str:
+        default = self.serve_default if serve and self.serve_default is not None else self.default
+        text = f"{self.help} (default: {self.show(default) if default is not None else self.default_text or 'off'}"
+        if serve and self.serve_note:
+            text += f"; {self.serve_note}"
+        if self.kept:
+            text += "; kept in the store: later runs without it use it"
+        return text.replace("%", "%%") + ")"
+
+
+def _parse(s: Setting, value: Any, where: str) -> Any:
+    if isinstance(value, str):
+        word = value.strip().lower()
+        if s.off and word in OFF_WORDS:
+            return None
+        if s.auto and word == AUTO:
+            return AUTO
+    elif value is None and (s.off or s.kind in ("bits", "choice")):
+        return None
+    try:
+        parsed = _KINDS[s.kind](s, value)
+    except (ValueError, TypeError) as e:
+        raise InvalidInputError(f"{where}: {e}") from None
+    if parsed == 0 and s.kind in ("size", "rate", "duration", "count") and s.zero is None:
+        raise InvalidInputError(f"{where}: {s.refuse_zero}")
+    return parsed
+
+
+def _number(value: Any, text_parser: Callable[[str], Any], what: str, example: str) -> Any:
+    if isinstance(value, bool) or value is None:
+        raise ValueError(f"must be {what}, like {example}, got {value!r}")
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if value < 0:
+            raise ValueError(f"{value!r} is negative: give 0 or more, like {example}")
+        return value
+    if isinstance(value, str):
+        return text_parser(value)
+    raise ValueError(f"must be {what}, like {example}, got {value!r}")
+
+
+def _size(s: Setting, value: Any) -> int:
+    n = _number(value, parse_size, "a size", "500MB or 2GiB" + (" (or off)" if s.off else ""))
+    if isinstance(n, float):
+        raise ValueError(f"{value!r} is not a whole number of bytes")
+    return n
+
+
+def _rate(s: Setting, value: Any) -> int:
+    n = _number(value, parse_rate, "a rate", "20GB/day or 500MB/h (or off)")
+    return int(n)
+
+
+def _duration(s: Setting, value: Any) -> float:
+    return float(_number(value, parse_duration, "a duration", "10s or 2m"))
+
+
+def _count(s: Setting, value: Any) -> int:
+    if isinstance(value, str):
+        try:
+            value = int(value.strip())
+        except ValueError:
+            raise ValueError(f"{value!r} is not a whole number") from None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"must be a whole number, got {value!r}")
+    if value < 0:
+        raise ValueError(f"{value} is negative: give 0 or more")
+    return value
+
+
+def _choice(s: Setting, value: Any) -> str:
+    text = value.strip().lower() if isinstance(value, str) else value
+    if text not in s.choices:
+        raise ValueError(f"must be one of {', '.join(s.choices)}, got {value!r}")
+    return text
+
+
+def _bits(s: Setting, value: Any) -> int | None:
+    if isinstance(value, str):
+        word = value.strip().lower()
+        value = 0 if word in OFF_WORDS else int(word) if word.isdigit() else value
+    if value == 0 and not isinstance(value, bool):
+        return None
+    if isinstance(value, bool) or value not in s.choices:
+        raise ValueError(f"must be one of {', '.join(map(str, s.choices))}, or 0 (off), got {value!r}")
+    return int(value)
+
+
+def _flag(s: Setting, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    word = str(value).strip().lower()
+    if word in ("1", "true", "yes", "on"):
+        return True
+    if word in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"must be true or false, got {value!r}")
+
+
+def _list(s: Setting, value: Any) -> list[str]:
+    if isinstance(value, (list, tuple)):
+        return [str(v) for v in value]
+    return [part.strip() for part in str(value).split(",") if part.strip()]
+
+
+_KINDS: dict[str, Callable[[Setting, Any], Any]] = {
+    "size": _size, "rate": _rate, "duration": _duration, "count": _count, "choice": _choice,
+    "bits": _bits, "flag": _flag, "list": _list}
+
+
+# -- the store's settings -----------------------------------------------------------------------
+
+STORE_SETTINGS: tuple[Setting, ...] = (
+    Setting("max_bytes", "size", None, option="--store-max-bytes", off=True, auto=True, zero=None,
+            refuse_zero="0 would keep nothing on disk: use off for no limit, --admit pinned to write "
+                        "only warmed and pinned prompts, or `kvstore gc --max-bytes 0` to empty the store once",
+            help="bound the store on disk, e.g. 20GB: past it, gc evicts the least recently used "
+                 "records; auto: a quarter of what the store holds plus its disk's free space, at "
+                 "start; off: no bound",
+            serve_default=AUTO),
+    Setting("memory_bytes", "size", 1 << 30, zero="no memory tier",
+            help="bound the memory tier (decoded records in RAM, in front of the disk), e.g. 2GiB; "
+                 "0: no memory tier (every fetch reads the disk)",
+            serve_note="--prompt-cache-bytes when that is given"),
+    Setting("buffer_cache_bytes", "size", None, zero="mlx's own limit", default_text="a quarter of RAM",
+            help="freed restore memory mlx may keep for the next restore, for the whole process, "
+                 "e.g. 4GiB; 0: mlx's own limit"),
+    Setting("admit", "choice", "all", kept=True, choices=("all", "reused", "pinned"),
+            help="which prompts automatic writes put on disk: all; reused (a prefix asked for a "
+                 "second time; a first sight stays in RAM); pinned (only warmed and pinned "
+                 "prompts, which are always written)"),
+    Setting("max_write_rate", "rate", None, kept=True, off=True, zero=None,
+            refuse_zero="0 would never write: use off for no limit, or --admit pinned to write only "
+                        "warmed and pinned prompts",
+            help="write at most this much to disk in any rolling day, e.g. 20GB/day or 500MB/h; "
+                 "past it, automatic writes stay in RAM only (warmed and pinned prompts are always "
+                 "written, and count); off: no limit; 0 is refused"),
+    Setting("disk_kv_bits", "bits", None, kept=True, choices=(4, 8), zero="off",
+            help="store the K/V of bf16/f16 attention layers quantized to 8 (or 4) bits: lossy, "
+                 "about half the disk of bf16 at 8 bits; other dtypes are stored as they are; 0: off"),
+    Setting("remote_deadline", "duration", 1.0, zero="never wait for the bucket",
+            help="how long a fetch waits for the remote tier, e.g. 2s; past it, the fetch serves "
+                 "what is local; 0: never wait for the bucket"),
+    Setting("remote_flush_timeout", "duration", 10.0, zero="do not wait for uploads",
+            help="how long one command, or one close, waits in all for uploads to the remote "
+                 "tier, e.g. 30s; uploads left undone are counted and said; 0: do not wait"),
+    Setting("chunk_size", "count", 256, option=None, zero=None, refuse_zero="a chunk needs at least one token",
+            help="tokens per chunk record (part of the namespace: another size stores apart)"),
+    Setting("max_pending_bytes", "size", 2 << 30, option=None, zero="every insert is dropped",
+            help="bound the background writer's queue; an insert that does not fit is dropped and counted"),
+)
+BY_NAME: dict[str, Setting] = {s.name: s for s in STORE_SETTINGS}
+KEPT_SETTINGS = tuple(s for s in STORE_SETTINGS if s.kept)
+
+
+def resolve(given: Mapping[str, Any], kept: Mapping[str, str | None],
+            warn: Callable[[str], None] = lambda message: None) -> dict[str, tuple[Any, str]]:
+    """`{name: (value, source)}` for every store setting: given (not None in `given`: parsed
+    here, `InvalidInputError` when bad), else kept (the text the store keeps; a damaged one
+    falls back to the default with one `warn`), else the default."""
+    out: dict[str, tuple[Any, str]] = {}
+    for s in STORE_SETTINGS:
+        if given.get(s.name) is not None:
+            out[s.name] = (s.parse(given[s.name]), GIVEN)
+            continue
+        text = kept.get(s.name) if s.kept else None
+        if text is not None:
+            try:
+                out[s.name] = (s.decode(text), KEPT)
+                continue
+            except InvalidInputError as e:
+                warn(f"{e}; using the default, {s.show(s.default)} (`kvstore settings --reset {s.name}` "
+                     "forgets it)")
+        out[s.name] = (s.default, DEFAULT)
+    return out
+
+
+def report(resolved: Mapping[str, tuple[Any, str]]) -> dict[str, dict]:
+    """`stats()["settings"]`: `{name: {"value": ..., "source": ...}}`."""
+    return {name: {"value": value, "source": source} for name, (value, source) in resolved.items()}
+
+
+def not_default(settings: Mapping[str, Mapping[str, Any]]) -> str:
+    """`admit=reused (kept), max_write_rate=1.0 MiB/day (given)`: the settings that are not their
+    defaults, for a start line or a report (empty when all are)."""
+    parts = []
+    for name, entry in settings.items():
+        s = BY_NAME.get(name)
+        if s is not None and entry["source"] != DEFAULT and entry["value"] != s.default:
+            parts.append(f"{name}={s.show(entry['value'])} ({entry['source']}){_zero_note(s, entry['value'])}")
+    return ", ".join(parts)
+
+
+def _zero_note(s: Setting, value: Any) -> str:
+    if value == 0 and s.name == "max_write_rate":
+        return ": automatic writes never reach the disk (warmed and pinned prompts still do)"
+    return ""
+
+
+# -- command-line options built from a table ---------------------------------------------------
+
+def add_options(parser: argparse.ArgumentParser, table: tuple[Setting, ...] = STORE_SETTINGS, *,
+                serve: bool = False) -> None:
+    """An option for every setting of `table` that has one, its value parsed by the setting. An
+    option not given is left out of the parsed arguments (`given` then leaves the setting to
+    the store: its kept value, or the default)."""
+    for s in table:
+        if s.flag is None:
+            continue
+        common = {"dest": dest(s), "default": argparse.SUPPRESS, "help": s.help_text(serve)}
+        if s.kind == "flag":
+            parser.add_argument(s.flag, action="store_true", **common)
+            continue
+        metavar = {"size": "SIZE", "rate": "RATE", "duration": "TIME", "count": "N", "list": "LIST",
+                   "bits": "BITS", "choice": "{" + ",".join(map(str, s.choices)) + "}"}[s.kind]
+        parser.add_argument(s.flag, metavar=metavar, type=_argtype(s), **common)
+
+
+def dest(s: Setting) -> str:
+    """The attribute of the parsed arguments that holds the option of `s`."""
+    return s.flag.lstrip("-").replace("-", "_") if s.flag else s.name
+
+
+def _argtype(s: Setting) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        try:
+            return s.parse(text, s.flag)
+        except InvalidInputError as e:
+            raise argparse.ArgumentTypeError(str(e).removeprefix(f"{s.flag}: ")) from None
+
+    parse.__name__ = s.kind  # argparse names the type in its message
+    return parse
+
+
+def given(args: argparse.Namespace, table: tuple[Setting, ...] = STORE_SETTINGS, *,
+          serve: bool = False) -> dict[str, Any]:
+    """`{name: value}` of the settings of `table` given on the command line (`add_options`),
+    with `kvstore serve`'s own defaults for those it has and that were not given (`serve`)."""
+    out = {}
+    for s in table:
+        if hasattr(args, dest(s)):
+            value = getattr(args, dest(s))
+            out[s.name] = "off" if value is None and s.off else value  # None would mean "not given"
+        elif serve and s.serve_default is not None:
+            out[s.name] = s.serve_default
+    return out
+
+
+def table_text(table: tuple[Setting, ...] = STORE_SETTINGS) -> str:
+    """The settings as a Markdown table (for the docs: name, option, default, kept, what it does)."""
+    rows = ["| setting | option | default | kept | what it does |", "| --- | --- | --- | --- | --- |"]
+    for s in table:
+        default = s.show(s.default) if s.default is not None else s.default_text or "off"
+        if s.serve_default is not None:
+            default += f" (`kvstore serve`: {s.show(s.serve_default)})"
+        elif s.serve_note:
+            default += f" (`kvstore serve`: {s.serve_note})"
+        rows.append(f"| `{s.name}` | {f'`{s.flag}`' if s.flag else 'library only'} | {default} | "
+                    f"{'yes' if s.kept else 'no'} | {s.help} |")
+    return "\n".join(rows)
