@@ -276,6 +276,15 @@ def not_default(settings: Mapping[str, Mapping[str, Any]]) -> str:
     return ", ".join(parts)
 
 
+def notes(resolved: Mapping[str, tuple[Any, str]]) -> list[str]:
+    """What a user must know of these settings' values, one line each (a kept 0 rate)."""
+    value, source = resolved["max_write_rate"]
+    if value == 0:
+        return [f"max_write_rate is 0 ({source}){_zero_note(BY_NAME['max_write_rate'], 0)}; "
+                "`kvstore settings max_write_rate=off` lifts it"]
+    return []
+
+
 def _zero_note(s: Setting, value: Any) -> str:
     if value == 0 and s.name == "max_write_rate":
         return ": automatic writes never reach the disk (warmed and pinned prompts still do)"

@@ -404,10 +404,11 @@ STORE_TOTALS = ("path", "bytes", "chunks", "tails", "checkpoints", "models", "qu
                 "quarantined_now", "quarantine_folder")
 PER_PROCESS = ("chunk_size", "max_bytes", "memory", "writer", "quarantined", "skipped_inserts",
                "fetches", "reused_tokens", "read_only", "max_bytes_auto", "max_bytes_rule",
-               "disk_kv_bits", "buffer_cache", "settings")
+               "disk_kv_bits", "buffer_cache")
 # `remote`: this process's counters, and under `totals` the store's (kept in its index).
 # `writes`: the store's write log (every process's), and the settings this process opened it with.
-MIXED = {"remote": "process; its totals: store", "writes": "store; admit and max_write_rate: process"}
+MIXED = {"remote": "process; its totals: store", "writes": "store; admit and max_write_rate: process",
+         "settings": "process; kept ones: store"}
 
 
 def stats_scope(stats: dict) -> dict[str, str]:

@@ -99,9 +99,16 @@ def _generate_one(args, store, loaded, mc, tokens, sampler) -> bool:
     if not stored:
         say(f"{PROG} generate: not stored: the cache does not say which of the "
             f"{len(tokens) + len(generated)} tokens it holds")
-    store.flush()  # to know whether it was stored, not only queued
+    store.writer.flush()  # to know what reached the disk, not only what was queued
     problem = _write_problems(store) != before
-    stored_text = f"not stored ({_write_error(store)})" if problem else f"stored {stored} tokens"
+    placed = mc.placement(list(tokens) + list(generated))
+    if stored and stored < placed.tokens:  # the cache held fewer tokens than were generated
+        placed = mc.placement((list(tokens) + list(generated))[:stored])
+    stored_text = f"stored {placed.summary()}" if stored else "nothing stored"
+    if problem and not placed.on_disk:
+        stored_text = f"not stored ({_write_error(store)}); {placed.text()}"
+    elif problem:
+        stored_text += f" ({_write_error(store)})"
     where = (f"reused ({from_bucket} from the bucket {store.remote.url}, {reused - from_bucket} from the "
              "local store)") if from_bucket else "reused from the store"
     say(f"prompt: {len(tokens)} tokens, {reused} {where}, "

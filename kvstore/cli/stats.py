@@ -18,7 +18,8 @@ EXAMPLES = """examples:
 # that opens it; how this process opened it is its own; the remote's counters are this
 # process's, their `totals` every process's on this store.
 PROCESS_KEYS = ("read_only",)
-MIXED = {"remote": "process; its totals: store", "writes": "store; admit and max_write_rate: process"}
+MIXED = {"remote": "process; its totals: store", "writes": "store; admit and max_write_rate: process",
+         "settings": "process; kept ones: store"}
 WRITE_DAYS = 7
 
 
@@ -40,18 +41,21 @@ def read_stats(args) -> dict:
     url = remote_url(args)
     if not url:
         with open_local(args, must_exist=True, read_only=None) as files:
-            return {**files.stats(), "read_only": files.read_only, "writes": _writes(files.index)}
+            return _local(files)
     with open_remote(args, url, must_exist=True, read_only=None) as (files, remote):
-        return {**files.stats(), "read_only": files.read_only, "remote": remote.stats(),
-                "writes": _writes(files.index)}
+        return {**_local(files), "remote": remote.stats()}
 
 
-def _writes(index) -> dict:
-    """The store's write log and the write settings it keeps (`write.budget.summary`)."""
-    from kvstore.write.budget import parse_rate, summary
+def _local(files) -> dict:
+    """What the store directory holds, its kept settings and its write log (`write.budget.summary`)."""
+    from kvstore import settings
+    from kvstore.write.budget import summary
 
-    return summary(index, policy=index.setting("admit") or "all",
-                   per_day=parse_rate(index.setting("max_write_rate")), days=WRITE_DAYS)
+    resolved = files.settings()
+    writes = summary(files.index, policy=resolved["admit"][0], per_day=resolved["max_write_rate"][0],
+                     days=WRITE_DAYS)
+    return {**files.stats(), "read_only": files.read_only, "writes": writes,
+            "disk_kv_bits": resolved["disk_kv_bits"][0], "settings": settings.report(resolved)}
 
 
 def cmd_stats(args) -> int:
@@ -64,12 +68,21 @@ def cmd_stats(args) -> int:
     print(f"bytes: {stats['bytes']} ({format_size(stats['bytes'])})   chunks: {stats['chunks']}   "
           f"tails: {stats['tails']}   models: {len(stats['models'])}   "
           f"chunk size: {', '.join(map(str, sizes)) or '-'}")
+    _print_settings(stats.get("settings"))
     _print_remote(stats.get("remote"))
     _print_writes(stats.get("writes"))
     _print_quarantine(stats)
     if stats["models"]:
         _print_models(stats["models"])
     return 0
+
+
+def _print_settings(entries: dict | None) -> None:
+    """The settings that are not their defaults (`kvstore settings` shows them all)."""
+    from kvstore import settings
+
+    changed = settings.not_default(entries or {})
+    print(f"settings: {changed or 'all defaults'} (`{PROG} settings` shows them all)")
 
 
 def _print_remote(remote: dict | None) -> None:
@@ -87,8 +100,9 @@ def _print_writes(writes: dict | None) -> None:
         return
     rate = writes["max_write_rate"]
     budget = (f"budget: {format_size(rate)}/day, {format_size(writes['budget_left'])} left"
-              if rate is not None else "budget: none")
-    print(f"writes: {format_size(writes['bytes_last_day'])} in the last day, "
+              if rate is not None else "budget: off")
+    print(f"writes: {format_size(writes['bytes_last_day'])} in the last day "
+          f"({format_size(writes.get('explicit_last_day', 0))} of it explicit: warmed and pinned), "
           f"{format_size(writes['bytes_lifetime'])} in all (remote downloads: "
           f"{format_size(writes['downloaded_lifetime'])})   admit: {writes['admit']}   {budget}")
     print(f"kept in RAM only: not admitted: {writes['not_admitted']} ({format_size(writes['not_admitted_bytes'])}), "

@@ -50,7 +50,7 @@ class _FirstCtrlC:
 def cmd_warm(args) -> int:
     items = read_prompts(args.prompts)
     with bound(args, items, "warm") as (store, loaded, mc, work, errors):
-        totals = {"done": 0, "reused": 0, "computed": 0}
+        totals = {"done": 0, "reused": 0, "computed": 0, "warmed": []}
         started = time.perf_counter()
         interrupted = False
         ctrl_c = _FirstCtrlC()
@@ -65,7 +65,8 @@ def cmd_warm(args) -> int:
         writer = store.stats()["writer"]
         if interrupted:
             say(f"{PROG} warm: interrupted; everything stored so far is kept")
-        _summary(totals, len(errors), len(work), writer, time.perf_counter() - started)
+        placed = [mc.placement(tokens) for tokens in totals["warmed"]]
+        _summary(totals, len(errors), len(work), writer, time.perf_counter() - started, placed)
         if writer["dropped_jobs"] or writer["write_errors"]:
             say(f"{PROG} warm: {writer['dropped_jobs']} inserts were dropped and {writer['write_errors']} "
                 f"writes failed (last error: {writer['last_error'] or 'none'})")
@@ -75,14 +76,29 @@ def cmd_warm(args) -> int:
     return EXIT_PROBLEMS if errors else 0
 
 
-def _summary(totals: dict, skipped: int, planned: int, writer: dict, seconds: float) -> None:
+def _summary(totals: dict, skipped: int, planned: int, writer: dict, seconds: float, placed: list) -> None:
     print(f"prompts: {totals['done']} warmed, {skipped} skipped (bad lines), "
           f"{planned - totals['done']} not reached")
     print(f"tokens reused: {totals['reused']}")
     print(f"tokens computed: {totals['computed']}")
+    whole = sum(p.on_disk == p.tokens for p in placed)
+    print(f"on disk: {whole} of {len(placed)} warmed prompts whole; "
+          f"{sum(p.on_disk for p in placed)} of {sum(p.tokens for p in placed)} tokens"
+          + ("" if whole == len(placed) else
+             f" ({sum(p.in_ram for p in placed)} in RAM only, lost at exit: {_reasons(placed)})"))
     print(f"bytes written: {writer['bytes_written']} ({format_size(writer['bytes_written'])}, "
           f"{writer['records_written']} records)")
     print(f"time: {seconds:.1f} s")
+
+
+def _reasons(placed: list) -> str:
+    from kvstore.write.placement import REASONS
+
+    why: dict[str, int] = {}
+    for p in placed:
+        for reason, n in p.why.items():
+            why[reason] = why.get(reason, 0) + n
+    return ", ".join(f"{REASONS.get(r, r)} {n}" for r, n in why.items()) or "queued"
 
 
 def _bars(work: list):
@@ -136,16 +152,20 @@ def _warm_all(mc, work: list, totals: dict, stop: Callable[[], bool], tokenizer=
                 # counts as warmed, not as "not reached".
                 if mc.stored_length(tokens) >= len(tokens):
                     totals["done"] += 1
+                    totals["warmed"].append(tokens)
                     totals["reused"] += len(tokens) - current["computed"]
                 raise
             totals["done"] += 1
+            totals["warmed"].append(tokens)
             totals["reused"] += reused
             if bars:
                 bars[0].update(1)
                 bars[1].update(reused)
             else:
+                placed = mc.placement(tokens)
+                pinned = ", pinned" if item.pin and placed.on_disk + placed.queued == placed.tokens else ""
                 say(f"[{i}/{len(work)}] {item.where}: {len(tokens)} tokens, {reused} reused, "
-                    f"{computed} computed{', pinned' if item.pin else ''} ({time.perf_counter() - t0:.1f} s)")
+                    f"{computed} computed, {placed.text()}{pinned} ({time.perf_counter() - t0:.1f} s)")
     finally:
         for bar in bars or ():
             bar.close()

@@ -38,6 +38,7 @@ from kvstore.tiers.base import Lookup, Source, Tiers, Where
 from kvstore.tiers.memory import MemoryTier, held
 from kvstore.upkeep.evict import role_class
 from kvstore.write.admission import Gate
+from kvstore.write.placement import Placement, place
 from kvstore.write.writer import Writer
 
 log = logging.getLogger("kvstore")
@@ -234,6 +235,12 @@ class ModelCache:
     def record_hashes(self, tokens: Tokens) -> list[bytes]:
         """The keys of the chunks and tail that `insert(tokens, ...)` stores, root first."""
         return [s.hash for s in prompt_records(self.ns, as_tokens(tokens), self.chunk_size)]
+
+    def placement(self, tokens: Tokens) -> Placement:
+        """How many of the tokens of `tokens` have their records on disk, queued for the writer,
+        or in RAM only (and why): what a report says was stored (flush first to know it all)."""
+        b = self.backing
+        return place(self._durable(as_tokens(tokens)), b.index, b.writer, b.gate)
 
     def stored_length(self, tokens: Tokens) -> int:
         """How many leading tokens of `tokens` this machine has stored K/V for (no cap, nothing

@@ -3,6 +3,8 @@ that goes into the namespace (changed caches never share records)."""
 
 from __future__ import annotations
 
+import logging
+
 import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
@@ -10,6 +12,9 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 from kvstore.errors import InvalidInputError
 from kvstore.restore.codecs import Codec, make_codec
 from kvstore.restore.quant import quantized_codecs
+
+log = logging.getLogger("kvstore")
+_SAID: set[int] = set()  # models told that disk_kv_bits does nothing for them (once each)
 
 
 def make_template(model, kv_bits: int | None, kv_group_size: int) -> list:
@@ -27,9 +32,15 @@ def describe(model, template: list, disk_kv_bits: int | None = None) -> tuple[di
     layers whose K/V are bf16/f16 are stored quantized (`restore.quant`); the model runs one token
     into `template` to tell their dtype and head_dim (the graph is built, never computed)."""
     codecs = [make_codec(layer) for layer in template]
-    if disk_kv_bits is not None:
-        codecs = quantized_codecs(codecs, _traced(model, template), disk_kv_bits)
     dtypes = sorted({str(v.dtype) for _, v in tree_flatten(model.parameters())})
+    if disk_kv_bits is not None:
+        plain = codecs
+        codecs = quantized_codecs(codecs, _traced(model, template), disk_kv_bits)
+        if all(a is b for a, b in zip(plain, codecs)) and id(model) not in _SAID:
+            _SAID.add(id(model))
+            log.warning("kvstore: disk_kv_bits=%d has no effect on this model: none of its attention "
+                        "layers holds bf16 or f16 K/V (its parameters are %s), so its K/V are stored as "
+                        "they are", disk_kv_bits, ", ".join(dtypes))
     return {"layers": [c.layout() for c in codecs], "param_dtypes": dtypes}, codecs
 
 

@@ -19,7 +19,7 @@ from typing import Any, Callable, Hashable, Sequence
 
 import numpy as np
 
-from kvstore import keys
+from kvstore import keys, settings
 from kvstore.keys import checkpoint_hash
 from kvstore.model.blas import long_prefill_note
 from kvstore.model.cache import ModelCache
@@ -231,9 +231,11 @@ class PersistentPromptCache:
         remote = getattr(store, "remote", None)
         below = (f"; remote tier {remote.url} (read through, written behind; deadline "
                  f"{remote.deadline:g} s a fetch)") if remote is not None else "; no remote tier"
+        changed = settings.not_default(settings.report(store.settings))
         return (f"kvstore: store {store.path}: {format_size(totals['bytes'])} in "
                 f"{plural(totals['chunks'] + totals['tails'], 'record')} ({plural(totals['chunks'], 'chunk')}, "
-                f"{plural(totals['tails'], 'tail')}){bound}; memory tier {format_size(store.memory.capacity)}{below}")
+                f"{plural(totals['tails'], 'tail')}){bound}; memory tier {format_size(store.memory.capacity)}{below}"
+                f"; settings: {changed or 'defaults'}")
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for pending writes (False if `timeout` ran out first)."""

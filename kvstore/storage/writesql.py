@@ -24,7 +24,7 @@ def hour_of(t: float) -> int:
 
 #: The columns of `write_log` a caller may add to.
 LOG_COLUMNS = ("bytes", "records", "downloaded", "not_admitted", "not_admitted_bytes", "over_budget",
-               "over_budget_bytes")
+               "over_budget_bytes", "explicit")
 _SETTING = "setting."
 
 

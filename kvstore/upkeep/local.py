@@ -9,6 +9,7 @@ writer and the models on top.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import shutil
 import sqlite3
@@ -18,11 +19,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from kvstore import settings
 from kvstore.errors import StoreOpenError
 from kvstore.storage import blobtree
 from kvstore.storage.index import Index, is_corruption
 from kvstore.storage.stale import status as model_status
 from kvstore.storage.storedir import BLOBS_NAME, INDEX_NAME, QUARANTINE_NAME, open_dir
+
+log = logging.getLogger("kvstore")
 
 #: max_bytes="auto": 1/AUTO_SHARE of (what the store holds + the disk's free space)
 AUTO_SHARE = 4
@@ -133,6 +137,11 @@ class LocalStore:
             self.check_writable("verify --repair")
         with self.damage_is_an_error():
             return verify(self.index, self.blob_root, repair=repair, force=force, read_only=self.read_only)
+
+    def settings(self) -> dict[str, tuple[Any, str]]:
+        """Every store setting as an open that gives none would have it: (value, source), from
+        the settings the store keeps (a damaged one: the default, with a warning)."""
+        return settings.resolve({}, self.index.settings(), warn=lambda m: log.warning("kvstore: %s", m))
 
     def auto_budget(self) -> tuple[int, str]:
         """`max_bytes="auto"`: a quarter of the space the store could use at open (what it holds

@@ -126,6 +126,11 @@ class Gate:
         with self._lock:
             return list(self._reached)
 
+    def kept_reason(self, h: bytes) -> str | None:
+        """Why this record is kept in RAM only ("not_admitted", "over_budget"), or None."""
+        with self._lock:
+            return self._held.get(h)
+
     def holds_back(self, hashes: Iterable[bytes]) -> bool:
         """Whether any of these records is kept in RAM only (not on disk)."""
         with self._lock:

@@ -6,6 +6,8 @@ rows inserted in one transaction, so a row never points to a file that is not co
 memory tier gets compact copies of what it keeps (with it off, nothing is copied for RAM).
 Before any file is written, the store's `admission.Gate` says which records go to disk: what its
 policy does not admit, or its write budget has no room for, is kept in RAM only and counted.
+Explicit writes (a durable job: warmed, prefilled, pinned) are admitted and never refused by the
+budget; they count in it.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ def write(dest: Destination, job: Job,
             blobwrite.discard(st)
         if rows and dest.index is not None:
             if not _insert(dest, rows):
-                _give_back(dest, staged, [])
+                _give_back(dest, job, staged, [])
                 return None
             if after_write is not None:
                 after_write(rows)
@@ -68,7 +70,7 @@ def write(dest: Destination, job: Job,
             dest.index.pin(job.pin)
         if job.reached and dest.index is not None:
             dest.index.raise_role(job.reached, job.role)
-        _give_back(dest, staged, rows)
+        _give_back(dest, job, staged, rows)
         _settle(dest)  # under the lock, which its transaction would otherwise wait for again
     if copies:
         dest.memory.put(reversed(copies))
@@ -81,12 +83,12 @@ def write(dest: Destination, job: Job,
     return Batch(written, rows, hosts, kept)
 
 
-def _give_back(dest: Destination, staged: _Staged, rows: list[Row]) -> None:
+def _give_back(dest: Destination, job: Job, staged: _Staged, rows: list[Row]) -> None:
     """Return to the write budget what was taken for files that were not stored after all."""
     unused = staged.taken - sum(row.size for row in rows)
     if dest.gate is not None and dest.gate.budget is not None and unused > 0:
         try:
-            dest.gate.budget.give_back(unused, max(0, staged.taken_records - len(rows)))
+            dest.gate.budget.give_back(unused, max(0, staged.taken_records - len(rows)), explicit=job.durable)
         except Exception as e:
             dest.count_error(e)
 
@@ -130,10 +132,10 @@ def _admit(dest: Destination, job: Job, hosts: Hosts, specs: list[Span], staged:
     chosen = [(spec, _parts(dest, job, hosts, spec)) for spec in admitted]
     sizes = [blobwrite.blob_size(tensors, meta) for _, (_, tensors, meta) in chosen]
     try:
-        k = gate.budget.take(sizes)
-    except Exception as e:  # the write log cannot be read or written: nothing is written
+        k = gate.budget.take(sizes, explicit=job.durable)
+    except Exception as e:  # the write log cannot be read or written: automatic writes wait
         dest.count_error(e)
-        k = 0
+        k = len(sizes) if job.durable else 0
     staged.taken, staged.taken_records = sum(sizes[:k]), k
     for spec, parts in chosen[k:]:
         staged.kept[spec.hash] = "over_budget"
@@ -169,7 +171,7 @@ def _place(dest: Destination, job: Job, hosts: Hosts, todo: list[Span], staged: 
         if spec.hash in staged.kept:
             if st is not None:
                 blobwrite.discard(st)
-        elif st is None and not _unstaged_allowed(dest, staged, spec, tensors, meta):
+        elif st is None and not _unstaged_allowed(dest, job, staged, spec, tensors, meta):
             staged.kept[spec.hash] = "over_budget"
         elif dest.root is not None:
             try:
@@ -192,7 +194,7 @@ def _place(dest: Destination, job: Job, hosts: Hosts, todo: list[Span], staged: 
     return written, rows, copies
 
 
-def _unstaged_allowed(dest: Destination, staged: _Staged, spec: Span, tensors, meta) -> bool:
+def _unstaged_allowed(dest: Destination, job: Job, staged: _Staged, spec: Span, tensors, meta) -> bool:
     """A record found missing only under the lock (gc evicted an ancestor meanwhile) is written
     there and then: the gate and the budget decide for it as for the others."""
     gate = dest.gate
@@ -202,11 +204,11 @@ def _unstaged_allowed(dest: Destination, staged: _Staged, spec: Span, tensors, m
         return True  # its budget is taken: the failure is raised where it is placed
     size = blobwrite.blob_size(tensors, meta)
     try:
-        if gate.budget.take([size]) < 1:
+        if gate.budget.take([size], explicit=job.durable) < 1:
             return False
     except Exception as e:
         dest.count_error(e)
-        return False
+        return job.durable
     staged.taken += size
     staged.taken_records += 1
     return True

@@ -5,8 +5,10 @@ process on the store, and what the remote tier downloaded to it) counts for 24 h
 store's hourly write log (`storage.writesql`), and the writer takes from what is left before it
 writes a file, in one transaction. Counting by the hour, the window reaches 24 to 25 hours back,
 so no 24 hours ever hold more than the budget. Downloads are counted, never refused: a fetch
-needs them. Rates are given per day, per hour, per week (`sizes.parse_rate`) and kept as bytes
-per day.
+needs them. Explicit writes (warmed, prefilled and pinned prompts, durable inserts) are counted
+too, and logged apart (`explicit`), but never refused: they use up what automatic writes may
+write, never the other way round. Rates are given per day, per hour, per week
+(`sizes.parse_rate`) and kept as bytes per day.
 """
 
 from __future__ import annotations
@@ -55,15 +57,20 @@ class WriteBudget:
         # while it holds the blob tree's lock for the rows (an index transaction of its own
         # would wait for gc's lock once more, per write).
         self._lock = threading.Lock()
-        self._unsettled = [0, 0]  # bytes, records
+        self._unsettled = [0, 0, 0]  # bytes, records, explicit bytes
 
-    def take(self, sizes: Sequence[int]) -> int:
-        """Count as written the leading `sizes` the budget has room for; how many. The caller
-        writes exactly those (and gives back what it did not write: `give_back`)."""
+    def take(self, sizes: Sequence[int], explicit: bool = False) -> int:
+        """Count as written the leading `sizes` the budget has room for (all of them when the
+        write is `explicit`: counted, never refused); how many. The caller writes exactly those
+        (and gives back what it did not write: `give_back`)."""
         if not sizes:
             return 0
         if self.per_day is None:
-            self._add(sum(sizes), len(sizes))
+            self._add(sum(sizes), len(sizes), sum(sizes) if explicit else 0)
+            return len(sizes)
+        if explicit:
+            self.index.log_writes(hour_of(self.clock()), {"bytes": sum(sizes), "records": len(sizes),
+                                                          "explicit": sum(sizes)})
             return len(sizes)
         return self.index.reserve_writes(list(sizes), hour_of(self.clock()), WINDOW_HOURS, self.per_day)
 
@@ -71,30 +78,33 @@ class WriteBudget:
         """Log what was taken (and given back) without a limit since the last call. Raises what
         the index raises, keeping the counts for the next call."""
         with self._lock:
-            (nbytes, records), self._unsettled = self._unsettled, [0, 0]
-        if nbytes or records:
+            (nbytes, records, explicit), self._unsettled = self._unsettled, [0, 0, 0]
+        if nbytes or records or explicit:
             try:
-                self.index.log_writes(hour_of(self.clock()), {"bytes": nbytes, "records": records})
+                self.index.log_writes(hour_of(self.clock()), {"bytes": nbytes, "records": records,
+                                                              "explicit": explicit})
             except BaseException:
-                self._add(nbytes, records)
+                self._add(nbytes, records, explicit)
                 raise
 
-    def _add(self, nbytes: int, records: int) -> None:
+    def _add(self, nbytes: int, records: int, explicit: int = 0) -> None:
         with self._lock:
             self._unsettled[0] += nbytes
             self._unsettled[1] += records
+            self._unsettled[2] += explicit
 
     def count(self, nbytes: int, records: int = 1) -> None:
         """Count a write the budget does not gate (a record completed again in place)."""
         self.index.log_writes(hour_of(self.clock()), {"bytes": nbytes, "records": records})
 
-    def give_back(self, nbytes: int, records: int) -> None:
+    def give_back(self, nbytes: int, records: int, explicit: bool = False) -> None:
         """What was taken and then not written (a failed write, or a record another process
         stored meanwhile)."""
         if self.per_day is None:
-            self._add(-nbytes, -records)
+            self._add(-nbytes, -records, -nbytes if explicit else 0)
         elif nbytes or records:
-            self.index.log_writes(hour_of(self.clock()), {"bytes": -nbytes, "records": -records})
+            self.index.log_writes(hour_of(self.clock()), {"bytes": -nbytes, "records": -records,
+                                                          "explicit": -nbytes if explicit else 0})
 
     def used(self) -> int:
         """Bytes written (and downloaded) in the budget's window."""
@@ -119,20 +129,22 @@ def summary(index: Index | None, *, policy: str, per_day: int | None, unsaved: d
     kept = {k: totals.get(k, 0) + (unsaved or {}).get(k, 0)
             for k in ("not_admitted", "not_admitted_bytes", "over_budget", "over_budget_bytes")}
     last_day = sum(h[1] + h[3] for h in hours if h[0] > hour - WINDOW_HOURS)
-    by_day = {d: dict(bytes=0, downloaded=0, records=0, not_admitted=0, over_budget=0)
+    explicit_last_day = sum(h[8] for h in hours if h[0] > hour - WINDOW_HOURS)
+    by_day = {d: dict(bytes=0, explicit=0, downloaded=0, records=0, not_admitted=0, over_budget=0)
               for d in range(hour // 24 - days + 1, hour // 24 + 1)}
-    for h, nbytes, records, downloaded, not_admitted, _, over_budget, _ in hours:
+    for h, nbytes, records, downloaded, not_admitted, _, over_budget, _, explicit in hours:
         day = by_day.get(h // 24)
         if day is not None:
             for key, n in (("bytes", nbytes), ("records", records), ("downloaded", downloaded),
-                           ("not_admitted", not_admitted), ("over_budget", over_budget)):
+                           ("not_admitted", not_admitted), ("over_budget", over_budget), ("explicit", explicit)):
                 day[key] += n
     return {
         "admit": policy, "max_write_rate": per_day,
         "budget_left": None if per_day is None else max(0, per_day - last_day),
-        "bytes_last_day": last_day,
+        "bytes_last_day": last_day, "explicit_last_day": explicit_last_day,
         "bytes_lifetime": totals.get("bytes", 0) + totals.get("downloaded", 0),
         "downloaded_lifetime": totals.get("downloaded", 0), "records_lifetime": totals.get("records", 0),
+        "explicit_lifetime": totals.get("explicit", 0),
         **kept,
         "days": [{"day": time.strftime("%Y-%m-%d", time.gmtime(d * DAY_S)), **v} for d, v in by_day.items()],
     }

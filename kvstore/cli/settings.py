@@ -1,0 +1,92 @@
+"""`kvstore settings`: every store setting with its value and where it came from; change or
+forget the ones the store keeps."""
+
+from __future__ import annotations
+
+import json
+
+from kvstore import settings as table
+from kvstore.argv import did_you_mean
+from kvstore.cli.options import open_local
+from kvstore.cli.output import EXIT_USAGE, PROG, CommandError, out, say
+
+EXAMPLES = """examples:
+  kvstore settings --store ~/kv                        # every setting, its value and source
+  kvstore settings --store ~/kv admit=reused max_write_rate=20GB/day
+  kvstore settings --store ~/kv --reset max_write_rate # forget it: the default applies again
+
+A source is `kept` (the store remembers it: every run that does not give the option uses it) or
+`default`. Settings that are not kept apply to one run: give their option to that command (or the
+keyword to kvstore.open)."""
+
+
+def register(add, store_opts, model_opts) -> None:
+    p = add("settings", cmd_settings, "show the store's settings; change or forget the kept ones",
+            [store_opts], EXAMPLES)
+    p.add_argument("changes", nargs="*", metavar="NAME=VALUE", help="keep this value in the store")
+    p.add_argument("--reset", metavar="NAME", action="append", default=[],
+                   help="forget a kept setting (its default applies again); may be repeated")
+    p.add_argument("--json", action="store_true", help="print one JSON object: {name: {value, source}}")
+
+
+def _setting(name: str, what: str) -> table.Setting:
+    s = table.BY_NAME.get(name.strip().replace("-", "_"))
+    if s is None:
+        raise CommandError(f"{what}: no setting {did_you_mean(name, table.BY_NAME)}", EXIT_USAGE)
+    if not s.kept:
+        hint = f"give {s.flag} to each command that should use it" if s.flag else f"pass {s.name}= to kvstore.open"
+        raise CommandError(f"{what}: {s.name} is not kept in the store, it applies to one run: {hint}", EXIT_USAGE)
+    return s
+
+
+def _changes(args) -> list[tuple[table.Setting, object]]:
+    out_ = []
+    for text in args.changes:
+        name, eq, value = text.partition("=")
+        if not eq:
+            raise CommandError(f"{text!r}: give NAME=VALUE, like admit=reused", EXIT_USAGE)
+        s = _setting(name, text)
+        try:
+            out_.append((s, s.parse(value, s.name)))
+        except Exception as e:  # InvalidInputError: what was wrong with the value
+            raise CommandError(str(e), EXIT_USAGE) from None
+    return out_
+
+
+def cmd_settings(args) -> int:
+    changes = _changes(args)
+    resets = [_setting(name, f"--reset {name}") for name in args.reset]
+    writes = bool(changes or resets)
+    with open_local(args, must_exist=not writes, read_only=None if not writes else False) as files:
+        before = files.settings()
+        for s in resets:
+            files.index.set_setting(s.name, None)
+            value, source = before[s.name]
+            say(f"{PROG} settings: forgot {s.name}" + (f" (was {s.show(value)})" if source == table.KEPT else
+                                                        " (it was not kept)") + f"; now {s.show(s.default)}, the default")
+        for s, value in changes:
+            files.index.set_setting(s.name, s.encode(value))
+            old, source = before[s.name]
+            say(f"{PROG} settings: kept {s.name}={s.show(value)} (was {s.show(old)}, {source})")
+        resolved = files.settings()
+        if args.json:
+            print(json.dumps(table.report(resolved), indent=2, sort_keys=True))
+            return 0
+        out(f"store: {files.path}")
+    _print(resolved)
+    return 0
+
+
+def _print(resolved: dict) -> None:
+    rows = [("setting", "value", "source", "option")]
+    for s in table.STORE_SETTINGS:
+        value, source = resolved[s.name]
+        option = s.flag or "library only"
+        if s.serve_default is not None:
+            option += f" (kvstore serve: {s.show(s.serve_default)})"
+        rows.append((s.name, s.show(value), source if s.kept else f"{source}, per run", option))
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    for r in rows:
+        out("  ".join(c.ljust(w) for c, w in zip(r[:3], widths)) + "  " + r[3])
+    for note in table.notes(resolved):
+        out(note)

@@ -1,0 +1,68 @@
+"""Where a prompt's records are now: on disk, queued for the writer, or in RAM only (and why).
+
+Reports are built from this, never from what was asked for: `kvstore warm` and `generate` say
+how many of a prompt's tokens reached the disk after their writes, `kvstore serve` how many were
+queued and how many stay in RAM only when it stores a request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Iterable
+
+from kvstore.records import CHECKPOINT, Span
+from kvstore.sizes import plural
+from kvstore.storage.index import Index
+
+if TYPE_CHECKING:
+    from kvstore.write.admission import Gate
+    from kvstore.write.writer import Writer
+
+#: Why a record is in RAM only, in a report's words.
+REASONS = {"not_admitted": "not admitted", "over_budget": "over budget", "ram_only": "RAM-only store",
+           "not_written": "not written"}
+
+
+@dataclass
+class Placement:
+    """Tokens of a prompt by where their records are (checkpoints hold no tokens of their own)."""
+
+    tokens: int = 0
+    on_disk: int = 0
+    queued: int = 0
+    in_ram: int = 0  # in RAM only: `why` says why, by reason
+    why: dict[str, int] = field(default_factory=dict)
+
+    def text(self) -> str:
+        """`1065 on disk`; `0 on disk, 849 in RAM only (not admitted)`; `256 queued for disk`."""
+        parts = [f"{self.on_disk} on disk"]
+        if self.queued:
+            parts.append(f"{self.queued} queued for disk")
+        if self.in_ram:
+            reasons = ", ".join(f"{REASONS.get(r, r)}" + (f": {n}" if len(self.why) > 1 else "")
+                                for r, n in self.why.items())
+            parts.append(f"{self.in_ram} in RAM only ({reasons})")
+        return ", ".join(parts)
+
+    def summary(self) -> str:
+        """The same, as a sentence about `plural(tokens)`."""
+        return f"{plural(self.tokens, 'token')}: {self.text()}"
+
+
+def place(spans: Iterable[Span], index: Index | None, writer: "Writer", gate: "Gate | None") -> Placement:
+    """Where the records `spans` (a prompt's, root first) are. A record queued for the writer
+    counts as queued even if the writer will keep it in RAM: flush first to know."""
+    spans = [s for s in spans if s.kind != CHECKPOINT]
+    out = Placement(tokens=sum(s.ntokens for s in spans))
+    pending = {s.hash for s in spans if writer.is_pending(s.hash)}
+    on_disk = index.present([s.hash for s in spans if s.hash not in pending]) if index is not None else set()
+    for s in spans:
+        if s.hash in on_disk:
+            out.on_disk += s.ntokens
+        elif s.hash in pending:
+            out.queued += s.ntokens
+        else:
+            reason = "ram_only" if index is None else (gate.kept_reason(s.hash) if gate else None) or "not_written"
+            out.in_ram += s.ntokens
+            out.why[reason] = out.why.get(reason, 0) + s.ntokens
+    return out
