@@ -232,7 +232,8 @@ STORE_SETTINGS: tuple[Setting, ...] = (
     Setting("chunk_size", "count", 256, option=None, zero=None, refuse_zero="a chunk needs at least one token",
             help="tokens per chunk record (part of the namespace: another size stores apart)"),
     Setting("max_pending_bytes", "size", 2 << 30, option=None, zero="every insert is dropped",
-            help="bound the background writer's queue; an insert that does not fit is dropped and counted"),
+            help="bound the background writer's queue; an insert that does not fit is dropped and counted; "
+                 "0: every insert is dropped"),
 )
 BY_NAME: dict[str, Setting] = {s.name: s for s in STORE_SETTINGS}
 KEPT_SETTINGS = tuple(s for s in STORE_SETTINGS if s.kept)

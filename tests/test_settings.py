@@ -1,0 +1,158 @@
+"""One table of settings, and reports that tell what reached the disk.
+
+Every store setting is a row of `kvstore.settings.STORE_SETTINGS`: `kvstore.open`, the commands'
+options, `stats()["settings"]` and `kvstore settings` are built from it. Explicit writes (warm,
+prefill, pins) are never refused by the write budget, and every per-prompt line says how many
+tokens are on disk and how many stay in RAM only, and why.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sqlite3
+
+import pytest
+from test_cli import EXAMPLES, home, kv  # noqa: F401 -- fixtures
+
+import kvstore
+from kvstore import settings
+from kvstore.errors import InvalidInputError
+from kvstore.model.loading import load_model
+
+C = 16
+
+
+def _warm_lines(stderr: str) -> list[tuple[int, int, int]]:
+    """(tokens, reused, computed) of each per-prompt line of `kvstore warm`."""
+    return [tuple(map(int, m)) for m in re.findall(r": (\d+) tokens, (\d+) reused, (\d+) computed", stderr)]
+
+
+def test_warm_under_a_write_budget_stores_every_prompt_for_the_next_process(kv, tmp_path, demo_model_path):
+    """Warmed prompts are explicit writes: a budget far below them writes them all the same, and
+    a new process reuses every one in full (they used to stay in RAM, lost at exit)."""
+    store = tmp_path / "w5"
+    first = kv("warm", "--store", store, "--model", demo_model_path, "--max-write-rate", "1MB/day",
+               "--prompts", EXAMPLES)
+    lines = _warm_lines(first.stderr)
+    assert len(lines) == 7
+    for (n, _, _), line in zip(lines, re.findall(r"^\[\d/7\].*$", first.stderr, re.M)):
+        assert re.search(rf"computed, (\d+) on disk(, (\d+) queued for disk)?", line), line
+        assert "in RAM only" not in line, line
+    assert "on disk: 7 of 7 warmed prompts whole" in first.stdout, first.stdout
+    again = kv("warm", "--store", store, "--model", demo_model_path, "--prompts", EXAMPLES)
+    assert [(n, r) for n, r, _ in _warm_lines(again.stderr)] == [(n, n) for n, _, _ in lines], again.stderr
+    stats = json.loads(kv("stats", "--store", store, "--json").stdout)
+    writes = stats["writes"]
+    assert writes["over_budget"] == 0 and writes["explicit_last_day"] == writes["bytes_last_day"] > 1_000_000
+    assert writes["budget_left"] == 0  # explicit writes used the automatic writes' allowance up
+
+
+def test_generate_says_nothing_reached_the_disk_under_admit_reused(kv, tmp_path, demo_model_path):
+    result = kv("generate", "--store", tmp_path / "s", "--model", demo_model_path, "--admit", "reused",
+                "--max-tokens", "4", "--prompt", "You are a helpful assistant. What is a KV cache, really?")
+    line = next(x for x in result.stderr.splitlines() if x.startswith("prompt:"))
+    assert re.search(r"stored (\d+) tokens: 0 on disk, \1 in RAM only \(not admitted\)", line), line
+
+
+def test_a_write_rate_of_0_is_refused_naming_off(kv, tmp_path, demo_model_path):
+    for bad in (0, "0", "0MB/day"):
+        with pytest.raises(InvalidInputError, match="off"):
+            kvstore.open(tmp_path / "s", max_write_rate=bad)
+    result = kv("generate", "--store", tmp_path / "s", "--model", demo_model_path, "--max-write-rate", "0",
+                "--prompt", "hi", code=2)
+    assert "--max-write-rate" in result.stderr and "use off for no limit" in result.stderr, result.stderr
+    assert "--admit pinned" in result.stderr
+    refused = kv("settings", "--store", tmp_path / "s", "max_write_rate=0", code=2)
+    assert "use off" in refused.stderr
+
+
+def test_a_store_that_keeps_0_keeps_it_and_says_so(kv, tmp_path):
+    with kvstore.open(tmp_path / "s"):
+        pass
+    with sqlite3.connect(tmp_path / "s" / "index.sqlite") as conn:  # kept before 0 was refused
+        conn.execute("INSERT INTO meta (key, value) VALUES ('setting.max_write_rate', '0')")
+    with kvstore.open(tmp_path / "s") as store:
+        assert store.gate.per_day == 0
+        assert store.stats()["settings"]["max_write_rate"] == {"value": 0, "source": "kept"}
+    text = kv("stats", "--store", tmp_path / "s").stdout
+    assert "max_write_rate=0 B/day (kept): automatic writes never reach the disk" in text, text
+    listed = kv("settings", "--store", tmp_path / "s").stdout
+    assert "max_write_rate is 0 (kept)" in listed and "max_write_rate=off" in listed
+
+
+def test_stats_json_shows_the_settings_with_their_sources(kv, tmp_path, demo_model_path):
+    store = tmp_path / "s"
+    kv("generate", "--store", store, "--model", demo_model_path, "--max-tokens", "1", "--prompt", "hi there",
+       "--disk-kv-bits", "8", "--admit", "reused", "--max-write-rate", "20GB/day")
+    shown = json.loads(kv("stats", "--store", store, "--json").stdout)
+    assert shown["settings"]["disk_kv_bits"] == {"value": 8, "source": "kept"}
+    assert shown["settings"]["admit"] == {"value": "reused", "source": "kept"}
+    assert shown["settings"]["max_write_rate"] == {"value": 20_000_000_000, "source": "kept"}
+    assert shown["settings"]["memory_bytes"]["source"] == "default" and shown["disk_kv_bits"] == 8
+    assert shown["scope"]["settings"] == "process; kept ones: store"
+    text = kv("stats", "--store", store).stdout
+    assert "settings: admit=reused (kept), max_write_rate=18.6 GiB/day (kept), disk_kv_bits=8 bits (kept)" in text
+    with kvstore.open(store, admit="all") as s:  # given beats kept, and is kept in turn
+        assert s.stats()["settings"]["admit"] == {"value": "all", "source": "given"}
+        assert s.stats()["settings"]["max_write_rate"]["source"] == "kept"
+
+
+def test_settings_keeps_and_forgets_and_refuses_what_it_cannot_keep(kv, tmp_path):
+    store = tmp_path / "s"
+    with kvstore.open(store):
+        pass
+    changed = kv("settings", "--store", store, "admit=pinned", "max_write_rate=500MB/h", "--json")
+    assert json.loads(changed.stdout)["max_write_rate"] == {"value": 12_000_000_000, "source": "kept"}
+    assert "kept admit=pinned (was all, default)" in changed.stderr
+    with kvstore.open(store) as s:
+        assert (s.gate.policy, s.gate.per_day) == ("pinned", 12_000_000_000)
+    forgot = kv("settings", "--store", store, "--reset", "admit")
+    assert "forgot admit (was pinned); now all, the default" in forgot.stderr
+    assert re.search(r"^admit\s+all\s+default", forgot.stdout, re.M), forgot.stdout
+    not_kept = kv("settings", "--store", store, "memory_bytes=1G", code=2)
+    assert "not kept in the store" in not_kept.stderr and "--memory-bytes" in not_kept.stderr
+    typo = kv("settings", "--store", store, "admt=all", code=2)
+    assert "did you mean admit" in typo.stderr
+
+
+def test_explicit_writes_count_in_the_budget_and_automatic_ones_then_wait(tmp_path, demo_model_path):
+    """A prefill past the budget is written (and logged as explicit); an insert after it finds
+    no allowance left and stays in RAM, said so by its placement."""
+    import mlx.core as mx
+
+    loaded = load_model(str(demo_model_path))
+    model = loaded.model
+    with kvstore.open(tmp_path / "s", chunk_size=C, max_write_rate="1KB/day", memory_bytes=1 << 26) as store:
+        mc = store.bind(model, str(demo_model_path))
+        warm = list(range(3, 3 + 3 * C + 5))
+        mc.prefill(warm)
+        store.flush()
+        assert mc.placement(warm).on_disk == len(warm)
+        other = list(range(100, 100 + 2 * C))
+        cache = mc.new_cache()
+        model(mx.array(other)[None], cache=cache)
+        mx.eval([c.state for c in cache])
+        mc.insert(other, cache)
+        store.flush()
+        placed = mc.placement(other)
+        assert (placed.on_disk, placed.in_ram, placed.why) == (0, len(other), {"over_budget": len(other)})
+        assert placed.text() == f"0 on disk, {len(other)} in RAM only (over budget)"
+        writes = store.stats()["writes"]
+        assert writes["explicit_last_day"] == writes["bytes_last_day"] > 1000 and writes["over_budget"] == 2
+
+
+def test_every_setting_says_what_0_means_and_the_options_come_from_the_table():
+    from kvstore.cli.main import build_parser
+    from kvstore.serve.options import build_parser as serve_parser
+
+    for s in settings.STORE_SETTINGS:
+        if s.kind in ("size", "rate", "duration", "count"):
+            assert "0" in s.help or s.zero is None, s.name  # 0's meaning, or 0 is refused
+    warm = next(a for a in build_parser()._subparsers._group_actions[0].choices["warm"]._actions
+                if a.dest == "max_write_rate")
+    serve = next(a for a in serve_parser()._actions if a.dest == "max_write_rate")
+    assert warm.help == serve.help  # one definition
+    table = settings.table_text()
+    assert "| `max_write_rate` | `--max-write-rate` | off | yes |" in table
+    assert "(`kvstore serve`: auto)" in table
