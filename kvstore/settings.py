@@ -201,7 +201,7 @@ STORE_SETTINGS: tuple[Setting, ...] = (
                         "only warmed and pinned prompts, or `kvstore gc --max-bytes 0` to empty the store once",
             help="bound the store on disk, e.g. 20GB: past it, gc evicts the least recently used "
                  "records; auto: a quarter of what the store holds plus its disk's free space, at "
-                 "start; off: no bound",
+                 "start; off: no bound; 0 is refused (`kvstore gc --max-bytes 0` empties the store once)",
             serve_default=AUTO),
     Setting("memory_bytes", "size", 1 << 30, zero="no memory tier",
             help="bound the memory tier (decoded records in RAM, in front of the disk), e.g. 2GiB; "
@@ -230,7 +230,7 @@ STORE_SETTINGS: tuple[Setting, ...] = (
             help="how long one command, or one close, waits in all for uploads to the remote "
                  "tier, e.g. 30s; uploads left undone are counted and said; 0: do not wait"),
     Setting("chunk_size", "count", 256, option=None, zero=None, refuse_zero="a chunk needs at least one token",
-            help="tokens per chunk record (part of the namespace: another size stores apart)"),
+            help="tokens per chunk record (part of the namespace: another size stores apart); 0 is refused"),
     Setting("max_pending_bytes", "size", 2 << 30, option=None, zero="every insert is dropped",
             help="bound the background writer's queue; an insert that does not fit is dropped and counted; "
                  "0: every insert is dropped"),

@@ -156,3 +156,14 @@ def test_every_setting_says_what_0_means_and_the_options_come_from_the_table():
     table = settings.table_text()
     assert "| `max_write_rate` | `--max-write-rate` | off | yes |" in table
     assert "(`kvstore serve`: auto)" in table
+
+
+def test_the_docs_show_the_table_as_it_is():
+    from pathlib import Path
+
+    from kvstore.serve.options import SERVE_SETTINGS
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "settings.md").read_text()
+    for name, table in (("store", settings.STORE_SETTINGS), ("serve", SERVE_SETTINGS)):
+        block = doc.split(f"<!-- settings:{name} -->\n", 1)[1].split("\n<!-- /settings -->", 1)[0]
+        assert block == settings.table_text(table), f"docs/settings.md's {name} table: paste\n{settings.table_text(table)}"

@@ -12,6 +12,7 @@ budget; they count in it.
 
 from __future__ import annotations
 
+import logging
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Callable
@@ -23,6 +24,9 @@ from kvstore.storage.index import Index, Row
 from kvstore.tiers.memory import Record
 from kvstore.write import jobs
 from kvstore.write.jobs import Destination, Hosts, Job, Parts
+from kvstore.write.placement import REASONS
+
+log = logging.getLogger("kvstore")
 
 
 @dataclass
@@ -75,12 +79,23 @@ def write(dest: Destination, job: Job,
     if copies:
         dest.memory.put(reversed(copies))
     kept = {s.hash for s in written if s.hash in staged.kept}
+    if kept and log.isEnabledFor(logging.INFO):
+        _say_kept([s for s in written if s.hash in kept and s.kind != CHECKPOINT], staged.kept)
     if dest.gate is not None:
         for spec in written:
             if spec.hash in staged.kept:
                 dest.gate.kept(spec, staged.kept[spec.hash])
         dest.gate.written(row.hash for row in rows)
     return Batch(written, rows, hosts, kept)
+
+
+def _say_kept(spans: list[Span], why: dict[bytes, str]) -> None:
+    """One log line for the tokens of a job that the writer keeps in RAM only, by reason."""
+    by_reason: dict[str, int] = {}
+    for s in spans:
+        by_reason[why[s.hash]] = by_reason.get(why[s.hash], 0) + s.ntokens
+    log.info("kvstore: %s stay in RAM only, not written", ", ".join(
+        f"{n} tokens ({REASONS.get(r, r)})" for r, n in by_reason.items()))
 
 
 def _give_back(dest: Destination, job: Job, staged: _Staged, rows: list[Row]) -> None:
