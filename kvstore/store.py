@@ -239,8 +239,9 @@ class Store:
             fingerprint, stamps = fingerprints.fingerprint(model_id, adapter_path, self.index,
                                                            remember=not self.read_only)
         ns = keys.namespace(fingerprint, layout, self.chunk_size)
+        # Marks and pins need the rows on this disk only: uploads are waited for by `flush`/`close`.
         backing = Backing(self.tiers, self.memory, self.writer, self.index, self.counters, self._check_open,
-                          self._register, self.flush, self.gate)
+                          self._register, self.writer.flush, self.gate)
         mc = ModelCache(backing, model, str(model_id), ns, fingerprint, layout, codecs, self.chunk_size,
                         kv_bits=kv_bits, kv_group_size=kv_group_size)
         mc.registered = self._register(mc, stamps)
@@ -258,8 +259,9 @@ class Store:
                                      self.chunk_size, stamps)
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every insert so far is durable (and uploaded, with a remote tier: without
-        `timeout`, for at most `remote_flush_timeout`). False if the time ran out first."""
+        """Wait until every insert so far is durable (and uploaded, with a remote tier: for at most
+        `remote_flush_timeout` over all the store's flushes and its close, until the uploads are all
+        done again). False if the time ran out first."""
         end = None if timeout is None else time.monotonic() + timeout
         done = self.writer.flush(timeout)
         if self.remote is not None:

@@ -60,7 +60,7 @@ class Backing:
     counters: dict  # the store's fetch and insert counters
     check_open: Callable[[], None]  # raises once the store is closed
     register: Callable[["ModelCache"], bool]  # records the model version in the index
-    flush: Callable[[], bool]  # waits until every insert so far is durable
+    flush: Callable[[], bool]  # waits until every insert so far is durable here (not uploaded)
     gate: Gate | None = None  # the admission policy: told what each fetch asked for
 
 
