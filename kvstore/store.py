@@ -28,14 +28,14 @@ from kvstore.model import fingerprint as fingerprints
 from kvstore.model.cache import Backing, ModelCache
 from kvstore.model.layout import describe, make_template
 from kvstore.remote.bucket import check_url, open_bucket
-from kvstore.remote.node import FLUSH_TIMEOUT_S, Remote
+from kvstore.remote.node import Remote
 from kvstore.remote.seal import Fleet, fleet_secret
 from kvstore.restore import buffers
 from kvstore.storage.storedir import default_path
 from kvstore.tiers.base import Tiers
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.memory import MemoryTier, MemoryTierView
-from kvstore.tiers.remote import DEFAULT_DEADLINE_S, RemoteTier
+from kvstore.tiers.remote import RemoteTier
 from kvstore.upkeep.local import LocalStore
 from kvstore.write import budget as write_budget
 from kvstore.write.admission import Gate
@@ -159,8 +159,7 @@ class Store:
         fleet = Fleet(secret)
         self._budget_lock, self._budget_due = threading.Lock(), threading.Event()
         return Remote(open_bucket(url), fleet, self.index, self.path, self.blob_root,
-                      deadline=DEFAULT_DEADLINE_S if deadline is None else deadline,
-                      flush_timeout=FLUSH_TIMEOUT_S if flush_timeout is None else flush_timeout)
+                      deadline=deadline, flush_timeout=flush_timeout)
 
     def _after_download(self, nbytes: int = 0) -> None:
         """The remote tier stored a download: over the disk budget, gc runs (on a thread of its
@@ -225,8 +224,9 @@ class Store:
             fingerprint, stamps = fingerprints.fingerprint(model_id, adapter_path, self.index,
                                                            remember=not self.read_only)
         ns = keys.namespace(fingerprint, layout, self.chunk_size)
+        # Marks and pins need the rows on this disk only: uploads are waited for by `flush`/`close`.
         backing = Backing(self.tiers, self.memory, self.writer, self.index, self.counters, self._check_open,
-                          self._register, self.flush, self.gate)
+                          self._register, self.writer.flush, self.gate)
         mc = ModelCache(backing, model, str(model_id), ns, fingerprint, layout, codecs, self.chunk_size,
                         kv_bits=kv_bits, kv_group_size=kv_group_size)
         mc.registered = self._register(mc, stamps)
@@ -244,8 +244,9 @@ class Store:
                                      self.chunk_size, stamps)
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every insert so far is durable (and uploaded, with a remote tier: without
-        `timeout`, for at most `remote_flush_timeout`). False if the time ran out first."""
+        """Wait until every insert so far is durable (and uploaded, with a remote tier: for at most
+        `remote_flush_timeout` over all the store's flushes and its close, until the uploads are all
+        done again). False if the time ran out first."""
         end = None if timeout is None else time.monotonic() + timeout
         done = self.writer.flush(timeout)
         if self.remote is not None:

@@ -19,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -183,3 +184,64 @@ def names(ns: bytes, hashes) -> set[bytes]:
     """The names the bucket's keys give these records of namespace `ns` (as `parse_key` reads them)."""
     s = fleet().sealer(ns)
     return {bytes.fromhex(s.name(h)) for h in hashes}
+
+
+class StallingProxy:
+    """An HTTP proxy on 127.0.0.1 in front of the S3 endpoint that forwards reads (GET, HEAD, and
+    so listings) and holds every PUT unanswered until it is closed: an endpoint that answers
+    reads and hangs on writes. Headers go through unchanged (the Host a client signed with too),
+    so the endpoint checks each request's signature as if it came directly."""
+
+    def __init__(self, upstream: str):
+        import http.client
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        from urllib.parse import urlsplit
+
+        target = urlsplit(upstream)
+        release = self.release = threading.Event()
+        self.stalled = 0
+
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args) -> None:
+                pass
+
+            def _forward(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if self.command in ("PUT", "POST"):
+                    proxy.stalled += 1
+                    release.wait()  # never answered while the proxy is open
+                    self.close_connection = True
+                    return
+                conn = http.client.HTTPConnection(target.hostname, target.port, timeout=30)
+                try:
+                    conn.request(self.command, self.path, body=body or None, headers=dict(self.headers.items()))
+                    resp = conn.getresponse()
+                    data = resp.read()
+                finally:
+                    conn.close()
+                self.send_response(resp.status)
+                for name, value in resp.getheaders():
+                    if name.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(name, value)
+                length = resp.getheader("Content-Length") if self.command == "HEAD" else str(len(data))
+                self.send_header("Content-Length", length or "0")
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+
+            do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _forward
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self.release.set()
+        self.server.shutdown()
+        self.server.server_close()

@@ -48,11 +48,11 @@ def test_reused_writes_on_the_second_sight_from_ram(tmp_path, llama):
     with kvstore.open(tmp_path / "s", chunk_size=C, admit="reused") as store:
         mc = store.bind(model, path)
         first_sight(store, mc, PROMPT)
-        store.flush()  # the writer has kept the first sight in RAM (see the race in docs/writes.md)
+        store.flush()  # the writer has kept the first sight in RAM
         cache, rest = mc.fetch(longer)  # the second sight: restored from RAM
         assert rest == [7, 8, 9]
         model(mx.array([rest]), cache=cache)
-        mc.insert(longer, cache)  # written from this cache: nothing recomputed
+        mc.insert(longer, cache)
         store.flush()
         chunks = mc.record_hashes(PROMPT)[:-1]
         assert store.index.present(chunks) == set(chunks)
@@ -60,7 +60,7 @@ def test_reused_writes_on_the_second_sight_from_ram(tmp_path, llama):
     with kvstore.open(tmp_path / "s", chunk_size=C) as store:  # a restart: the chunks are on disk
         mc = store.bind(model, path)
         cache, rest = mc.fetch(PROMPT)
-        assert rest == PROMPT[-1:]  # the first tail too: the fetch restored from it, the insert held it
+        assert rest == PROMPT[-1:]  # the first tail too: the fetch restored from it in RAM
         assert logits_diff(model, cache, rest, PROMPT) < 1e-4
 
 
@@ -249,3 +249,57 @@ def test_generate_with_admit_reused_writes_a_prompt_on_its_second_run(demo_model
         assert third >= n // 256 * 256 > 0
     # (qwen3_5 restores only from a checkpoint: the one at the prompt's end hangs from its tail,
     # which is not written under reused; one every 4 chunks is, with its chunk: docs/writes.md)
+
+
+def test_reused_a_fetch_alone_writes_what_it_restored_from_ram(tmp_path, llama):
+    """Insert once, fetch twice, no second insert: the fetches write the prompt from the memory
+    tier's copies, and a new process restores it in full (its tail too)."""
+    from kvtest import run_procs
+
+    path, model = llama
+    with kvstore.open(tmp_path / "s", chunk_size=C, admit="reused") as store:
+        mc = store.bind(model, path)
+        first_sight(store, mc, PROMPT)
+        assert on_disk(store, mc, PROMPT) == 0  # seen once: RAM only
+        for _ in range(2):
+            _, rest = mc.fetch(PROMPT + [1])
+            assert rest == [1]  # from RAM
+    got = run_procs("check", tmp_path / "s", path, C, PROMPT + [1])
+    assert got["reused"] == len(PROMPT) and got["max_abs_diff"] < 1e-4
+    assert got["greedy"] == got["greedy_ref"]
+
+
+def test_reused_a_fetch_while_the_first_sight_is_in_the_writer_keeps_its_tail(tmp_path, llama, monkeypatch):
+    """The writer has decided the job (its chunks reused, its tail not: in RAM only) and is
+    placing it when a fetch restores the tail from its queue: the tail is written once the job
+    is done, and a new process restores the whole prompt."""
+    import threading
+
+    from kvtest import run_procs
+
+    from kvstore import faults
+
+    path, model = llama
+    placing, go = threading.Event(), threading.Event()
+    real_hit = faults.hit
+
+    def hold(point):
+        if point == "after_rename" and not placing.is_set():
+            placing.set()
+            assert go.wait(60)
+        real_hit(point)
+
+    monkeypatch.setattr(faults, "hit", hold)
+    with kvstore.open(tmp_path / "s", chunk_size=C, admit="reused") as store:
+        mc = store.bind(model, path)
+        for _ in range(2):  # its chunks asked for twice: they are admitted, the tail (no chunk key) is not
+            assert len(mc.fetch(PROMPT)[1]) == len(PROMPT)
+        mc.insert(PROMPT, prefill(model, PROMPT))
+        assert placing.wait(60)  # the first chunk is in place: the tail is decided, not yet kept
+        _, rest = mc.fetch(PROMPT + [1])  # from the writer's queue
+        assert rest == [1]
+        go.set()
+        store.flush()
+        assert on_disk(store, mc, PROMPT) == 7
+    got = run_procs("check", tmp_path / "s", path, C, PROMPT + [1])
+    assert got["reused"] == len(PROMPT) and got["max_abs_diff"] < 1e-4

@@ -366,3 +366,84 @@ def test_an_oversized_object_is_never_read_into_memory(tmp_path, s3, llama):
         problems = b.remote.verify()
         assert [(p.kind, p.path) for p in problems] == [("corrupt_object", victim.path)]
         assert "more than a record of its namespace" in problems[0].detail and asked.count(victim.path) == 1
+
+
+HUNG_FLUSH_S = 2.0  # remote_flush_timeout of the hung-endpoint tests: short, so a hang shows
+
+
+def _chat_lines(path, n: int = 3) -> None:
+    """`n` messages lines with a system prompt each (warm marks them), the first one pinned."""
+    import json
+
+    system = "You are a careful assistant of a bike shop. Answer in at most three sentences. " * 3
+    lines = [{"messages": [{"role": "system", "content": system + f"Shop {i}."},
+                           {"role": "user", "content": f"When are you open on day {i}?"}], **({"pin": True} if not i else {})}
+             for i in range(n)]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+
+def _warm(capsys, store, model, prompts, url) -> tuple[float, str]:
+    from kvstore.cli.main import main
+
+    t0 = time.monotonic()
+    code = main(["warm", "--store", str(store), "--model", str(model), "--prompts", str(prompts), "--remote", url,
+                 "--remote-flush-timeout", f"{HUNG_FLUSH_S:g}s"])
+    took = time.monotonic() - t0
+    assert code == 0
+    return took, capsys.readouterr().out
+
+
+def test_warm_against_an_endpoint_that_hangs_on_writes_waits_one_flush_timeout(
+        tmp_path, s3, demo_model, monkeypatch, capsys):
+    """Each prompt's system part is marked and one is pinned: those wait for the local writer
+    only, and the command waits for uploads once, within remote_flush_timeout in all."""
+    from remote_fixture import StallingProxy
+
+    model, prompts = demo_model("llama"), tmp_path / "chat.jsonl"
+    _chat_lines(prompts)
+    baseline, out = _warm(capsys, tmp_path / "healthy", model, prompts, s3.url())  # compute time, uploads done
+    assert "prompts: 3 warmed" in out and "uploads not done" not in out
+    proxy = StallingProxy(s3.endpoint)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    try:
+        took, out = _warm(capsys, tmp_path / "hung", model, prompts, s3.url())
+    finally:
+        proxy.close()
+    assert proxy.stalled >= 1  # the uploads did reach the hanging endpoint
+    assert took < baseline + HUNG_FLUSH_S + 4.0, (took, baseline)  # a bound on the hang, not a speed test
+    assert "prompts: 3 warmed" in out
+    line = next(s for s in out.splitlines() if "uploads not done" in s)
+    assert f"did not answer in {HUNG_FLUSH_S:g} s" in line and "no later process uploads them" in line
+    with kvstore.open(tmp_path / "hung", read_only=True) as store:  # the local store is whole
+        healthy = kvstore.open(tmp_path / "healthy", read_only=True)
+        assert store.stats()["chunks"] == healthy.stats()["chunks"] > 0
+        assert store.stats()["remote"] is None
+        healthy.close()
+
+
+def test_flush_and_close_against_an_endpoint_that_hangs_on_writes_wait_one_timeout(tmp_path, s3, llama, monkeypatch):
+    from remote_fixture import StallingProxy
+
+    path, model = llama
+    proxy = StallingProxy(s3.endpoint)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    timeout = 3.0
+    try:
+        store = kvstore.open(tmp_path / "a", chunk_size=C, remote=s3.url(), remote_flush_timeout=timeout)
+        mc = store.bind(model, path)
+        for i in range(3):
+            p = toks(2 * C + 1, 70 + i)
+            mc.insert(p, prefill(model, p))
+            mc.mark(p, "system")  # waits for the local writer only
+        assert store.writer.flush(30)
+        t0 = time.monotonic()
+        flushed = [store.flush(), store.flush()]  # the second wait is not spent again
+        undone = store.stats()["remote"]["undone_uploads"]
+        remote = store.remote
+        store.close()
+        took = time.monotonic() - t0
+    finally:
+        proxy.close()
+    assert timeout <= took < 1.5 * timeout + 0.5, took  # one timeout in all, not one per call
+    assert flushed == [False, False] and undone >= 1
+    assert remote.counters["left_uploads"] == remote.stats()["undone_uploads"] >= undone

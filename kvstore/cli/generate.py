@@ -6,7 +6,7 @@ import json
 import time
 
 from kvstore.cli.options import bound, read_prompts
-from kvstore.cli.output import EXIT_PROBLEMS, EXIT_USAGE, PROG, CommandError, out, say
+from kvstore.cli.output import EXIT_PROBLEMS, EXIT_USAGE, PROG, CommandError, out, say, uploads_undone
 
 EXAMPLES = """examples:
   kvstore generate --prompt "You are a helpful assistant. What is a KV cache?"
@@ -68,6 +68,9 @@ def cmd_generate(args) -> int:
         if failed:
             say(f"{PROG} generate: {failed} of {len(work)} generations were not stored: "
                 f"{_write_error(store)}")
+        undone = uploads_undone(store)
+        if undone:
+            say(f"{PROG} generate: {undone}")
     return EXIT_PROBLEMS if errors or failed else 0
 
 

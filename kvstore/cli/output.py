@@ -34,3 +34,13 @@ def out(*parts: Any, **kw: Any) -> None:
     """One line on stdout, escaped (everything but generated text goes through here)."""
     print(*map(printable, parts), **kw)
 
+
+
+def uploads_undone(store) -> str | None:
+    """What a command's uploads left undone, in one line (None when nothing was, or no remote)."""
+    remote = store.remote
+    n = remote.undone_uploads if remote is not None else 0
+    if not n:
+        return None
+    return (f"{plural(n, 'upload')} not done (the remote did not answer in {remote.flush_timeout:g} s); "
+            "those records are stored on this machine only: no later process uploads them")

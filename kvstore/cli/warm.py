@@ -8,7 +8,7 @@ import time
 from typing import Callable
 
 from kvstore.cli.options import bound, read_prompts
-from kvstore.cli.output import EXIT_INTERRUPTED, EXIT_PROBLEMS, PROG, say
+from kvstore.cli.output import EXIT_INTERRUPTED, EXIT_PROBLEMS, PROG, say, uploads_undone
 from kvstore.model.blas import long_prefill_note
 from kvstore.model.jsonl import cache_types
 from kvstore.sizes import format_size
@@ -67,6 +67,9 @@ def cmd_warm(args) -> int:
             say(f"{PROG} warm: interrupted; everything stored so far is kept")
         placed = [mc.placement(tokens) for tokens in totals["warmed"]]
         _summary(totals, len(errors), len(work), writer, time.perf_counter() - started, placed)
+        undone = uploads_undone(store)
+        if undone:
+            print(f"remote: {undone}")
         if writer["dropped_jobs"] or writer["write_errors"]:
             say(f"{PROG} warm: {writer['dropped_jobs']} inserts were dropped and {writer['write_errors']} "
                 f"writes failed (last error: {writer['last_error'] or 'none'})")

@@ -26,7 +26,7 @@ from kvstore.model.insert import Views, make_job
 from kvstore.model.layout import make_template
 from kvstore.model.lookup import Opening, match
 from kvstore.model.tokens import Tokens, arrays_of, as_tokens
-from kvstore.records import CHECKPOINT, TAIL, Span, checkpoint_of, prompt_records
+from kvstore.records import CHECKPOINT, Span, checkpoint_of, prompt_records
 from kvstore.restore.build import build, checkpoint_arrays
 from kvstore.restore.codecs import CacheListCodec, Codec, RotatingCodec
 from kvstore.restore.fill import fill, host_slice
@@ -61,7 +61,7 @@ class Backing:
     counters: dict  # the store's fetch and insert counters
     check_open: Callable[[], None]  # raises once the store is closed
     register: Callable[["ModelCache"], bool]  # records the model version in the index
-    flush: Callable[[], bool]  # waits until every insert so far is durable
+    flush: Callable[[], bool]  # waits until every insert so far is durable here (not uploaded)
     gate: Gate | None = None  # the admission policy: told what each fetch asked for
 
 
@@ -123,11 +123,15 @@ class ModelCache:
         return self.new_cache(), toks.tolist()
 
     def _sighted(self, lookup: Lookup, reached: list[bytes]) -> None:
-        """Tell the admission policy what this fetch asked for (a prefix asked for again is
-        written to disk under `admit="reused"`); never raises into the fetch."""
-        if self.backing.gate is not None:
+        """Tell the admission policy what this fetch asked for; what it restored from that was
+        kept in RAM only is queued for the writer now (`admit="reused"`: seen again). Never
+        raises into the fetch, never waits on disk."""
+        b = self.backing
+        if b.gate is not None:
             try:
-                self.backing.gate.sighted(lookup.chain, reached)
+                due = b.gate.sighted(lookup.chain, reached)
+                if due:
+                    b.writer.write_held(due, lookup.tokens, self._metadata, whole=not self._windowed)
             except Exception as e:
                 log.warning("kvstore: a fetch was not counted for admission (%s: %s)", type(e).__name__, e)
 
@@ -291,8 +295,6 @@ class ModelCache:
         # Records kept in RAM that may go to disk now (seen again, or durable): from this cache.
         again = b.gate.rewrite(spans, held, durable) if b.gate is not None else set()
         new = [s for s in spans if s.hash not in held or s.hash in again]
-        if b.gate is not None and not self._windowed:
-            new += self._reached_tails(toks, spans, b.gate.reached_held())
         # Stored records a sliding window may have been missing data for (see the writer's refill).
         stored = [s for s in spans if s.kind != CHECKPOINT and s.hash in held
                   and not b.writer.known_complete(s.hash)] if self._windowed else []
@@ -310,23 +312,6 @@ class ModelCache:
         elif pins or reached:  # nothing to write: the pins and roles of stored records only
             b.writer.submit(make_job(self.ns, toks, None, [], [], self._metadata, pins, role, reached))
         return len(new)
-
-    def _reached_tails(self, toks: np.ndarray, spans: list[Span], reached: list[bytes]) -> list[Span]:
-        """The tails kept in RAM that a fetch restored from and that this insert's cache holds
-        too (their tokens a prefix of its own past their chunk): as records of it, to write."""
-        C, memory, out = self.chunk_size, self.backing.memory, []
-        mine = {s.hash for s in spans}
-        for h in reached:
-            rec = memory.get(h)
-            if rec is None or rec.kind != TAIL or rec.ns != self.ns or h in mine:
-                continue
-            end = (rec.depth - 1) * C + rec.ntokens
-            if end >= len(toks) or not np.array_equal(toks[end - rec.ntokens : end], rec.tokens):
-                continue
-            tail = prompt_records(self.ns, toks[:end], C, checkpoint=False)[-1]
-            if tail.hash == h:
-                out.append(tail)
-        return out
 
     def prefill(self, tokens: Tokens, *, step: int | None = None, checkpoint_every: int = CHECKPOINT_EVERY,
                 pin: bool = False, progress: Callable[[int], None] | None = None,

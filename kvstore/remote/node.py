@@ -6,18 +6,23 @@ with the bucket: write-behind of what its writer stored (`Uploader`), the manife
 model, publishing its pins (what gc on any node must keep), `gc` and `verify` of the bucket, and
 the counters `stats` shows, kept in the store's index so they add up over processes.
 
-Waits for uploads are bounded (`flush_timeout`, default `FLUSH_TIMEOUT_S`): a hanging endpoint
-costs at most that, and what was left is counted and said, never waited out.
+Waits for uploads are bounded by one allowance per store (`flush_timeout`, default
+`FLUSH_TIMEOUT_S`), not per call: however many times a command flushes, an endpoint that hangs
+costs it at most that, once. The allowance comes back when every queued upload is done. What was
+left is counted and said once, never waited out; no later process uploads it (the uploader is fed
+only by this process's writer).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
-from kvstore import keys
+from kvstore import keys, settings
 from kvstore.remote.bucket import Bucket, TooLarge
 from kvstore.remote.health import Health
 from kvstore.remote.layout import LAYOUT_VERSION, pins_key
@@ -28,7 +33,7 @@ from kvstore.storage.index import Index
 log = logging.getLogger("kvstore")
 
 #: The longest `flush()` (and so a command's exit) waits for uploads, in seconds.
-FLUSH_TIMEOUT_S = 10.0
+FLUSH_TIMEOUT_S: float = settings.BY_NAME["remote_flush_timeout"].default
 
 
 class Remote:
@@ -40,6 +45,10 @@ class Remote:
         self.health = health or Health()
         self.uploader = Uploader(bucket, self.health, fleet, blob_root, index.get, self.publish_pins,
                                  threads=upload_threads)
+        self._spent = 0.0  # seconds of the allowance waited out on uploads not done since
+        self._said = False  # that the allowance ran out (said once until the uploads are all done)
+        self._left = 0  # uploads left undone at close
+        self._lock = threading.Lock()
 
     @property
     def counters(self) -> dict[str, int]:
@@ -60,30 +69,55 @@ class Remote:
             stored = {}
         return {"url": self.url, "deadline_s": self.deadline, "pending_upload_bytes": self.uploader.pending_bytes,
                 "pending_uploads": self.uploader.pending_uploads, "flush_timeout_s": self.flush_timeout,
+                "undone_uploads": self.undone_uploads,
                 "last_error": self.health.last_error, **self.health.counters,
                 "totals": self.health.totals(stored)}
 
+    @property
+    def undone_uploads(self) -> int:
+        """Uploads this store no longer waits for (its allowance ran out on them), or left at close."""
+        with self._lock:
+            spent = self._spent >= self.flush_timeout
+        return self._left or (self.uploader.pending_uploads if spent else 0)
+
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every queued upload is done (or dropped), for at most `timeout` seconds
-        (default `flush_timeout`). False, said with what is left, if the time ran out."""
-        limit = self.flush_timeout if timeout is None else timeout
-        done = self.uploader.flush(limit)
-        if not done:
-            log.warning("kvstore: remote %s: %d uploads still pending after %.1f s (they go on in the "
-                        "background while this process runs)", self.url, self.uploader.pending_uploads, limit)
+        """Wait until every queued upload is done (or dropped), for at most `timeout` seconds and
+        what is left of the store's allowance (`flush_timeout`). False if the time ran out."""
+        done = self._wait(self.flush_timeout if timeout is None else timeout)
         self.save_counters()
         return done
 
+    def _wait(self, limit: float) -> bool:
+        """`Uploader.flush` within `limit` and the allowance; the time waited in vain is spent."""
+        with self._lock:
+            allowance = max(0.0, self.flush_timeout - self._spent)
+        wait = min(limit, allowance)
+        t0 = time.monotonic()
+        done = self.uploader.flush(wait)
+        with self._lock:
+            if done:  # the endpoint answers: the next wait has the whole allowance
+                self._spent, self._said = 0.0, False
+                return True
+            self._spent = self.flush_timeout if wait >= allowance else self._spent + time.monotonic() - t0
+            say = self._spent >= self.flush_timeout and not self._said
+            self._said = self._said or say
+        if say:
+            log.warning("kvstore: remote %s did not take %d uploads within %.1f s; this store waits for "
+                        "them no longer (they go on in the background while this process runs; what is "
+                        "not uploaded by its exit stays on this machine only)", self.url,
+                        self.uploader.pending_uploads, self.flush_timeout)
+        return False
+
     def close(self, timeout: float | None = None) -> None:
-        """Upload what is queued (for at most `flush_timeout`), publish pins, stop; what was left
-        is counted (`left_uploads`) and said."""
-        limit = self.flush_timeout if timeout is None else min(timeout, self.flush_timeout)
-        if self.uploader.flush(limit):
+        """Upload what is queued (within what is left of the allowance), publish pins, stop; what
+        was left is counted (`left_uploads`) and said, unless the allowance running out was."""
+        if self._wait(self.flush_timeout if timeout is None else timeout):
             self.sync_pins()
         left = self.uploader.close(timeout=0.0)
-        if left:
+        self._left = left
+        if left and not self._said:
             log.warning("kvstore: remote %s: %d uploads left undone at close (the endpoint did not answer "
-                        "within %.1f s)", self.url, left, limit)
+                        "within %.1f s); they stay on this machine only", self.url, left, self.flush_timeout)
         self.save_counters()
 
     def gc(self, *, max_bytes: int | None = None, max_age: float | None = None, dry_run: bool = False) -> dict:

@@ -114,7 +114,8 @@ class Uploader:
             self._queued_bytes = 0
             self._stop = True
             self._cond.notify_all()
-        end = time.monotonic() + 1.0  # a worker stuck in a request is a daemon: not waited out
+        # Idle workers end at once; one stuck in a request (something was left) is a daemon: not waited out.
+        end = time.monotonic() + (0.0 if left else 1.0)
         for w in self._workers:
             w.join(timeout=max(0.0, end - time.monotonic()))
         return left

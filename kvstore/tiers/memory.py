@@ -76,6 +76,11 @@ class MemoryTier:
                 self.hits += 1
             return rec
 
+    def peek(self, h: bytes) -> Record | None:
+        """The record `h`, if held, without counting a hit or moving it in the LRU order."""
+        with self._lock:
+            return self._records.get(h)
+
     def kinds(self) -> dict[int, int]:
         """How many records of each kind (chunk, tail, checkpoint) are held."""
         with self._lock:

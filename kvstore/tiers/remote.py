@@ -29,7 +29,7 @@ from typing import Iterable, Sequence
 import numpy as np
 import xxhash
 
-from kvstore import keys
+from kvstore import keys, settings
 from kvstore.errors import BlobError
 from kvstore.records import CHECKPOINT, TAIL, RecordId
 from kvstore.remote.bucket import MAX_OBJECT_BYTES, Bucket, RemoteError, TooLarge, TooLate
@@ -44,7 +44,7 @@ from kvstore.tiers.disk import DiskTier
 log = logging.getLogger("kvstore")
 
 #: Default deadline of the remote part of one fetch, in seconds.
-DEFAULT_DEADLINE_S = 1.0
+DEFAULT_DEADLINE_S: float = settings.BY_NAME["remote_deadline"].default
 MAX_CANDIDATES = 4  # children of the deepest chunk downloaded to compare their tokens
 #: An object key that failed (unauthenticated, corrupt, too large, or its download failed) is not
 #: asked for again for this long.

@@ -3,8 +3,10 @@
 - `all` writes every new record (the default).
 - `reused` writes a record once its prefix is asked for again: a fetch (in any process on the
   store) reaches a record key that an earlier fetch or insert saw. Until then it stays in the
-  memory tier only, and the first insert after the second sight writes it from the caller's
-  cache, with nothing recomputed. Seen keys are kept in the index (`seen_prefixes`).
+  memory tier only; a fetch that restores from it there queues it for the writer, which writes
+  it from the memory tier's copy (`Writer.write_held`), with nothing recomputed. One the writer
+  kept out while a fetch restored from its queued job is queued so when the job is done. Seen
+  keys are kept in the index (`seen_prefixes`).
 - `pinned` writes only what is pinned or warmed (`insert(..., durable=True)`, `prefill`).
 
 Warmed and pinned records are always admitted; the write budget (`budget.WriteBudget`) still
@@ -62,8 +64,7 @@ class Gate:
         self.counts = dict.fromkeys(KEPT_COUNTS, 0)  # this process's, since the store was opened
         self._unsaved = dict.fromkeys(KEPT_COUNTS, 0)
         self._seen: _Bounded = _Bounded()  # hash -> reused, as this process knows it
-        self._held: _Bounded = _Bounded()  # records kept in RAM only
-        self._reached: _Bounded = _Bounded()  # of those, the ones a fetch restored from since
+        self._held: _Bounded = _Bounded()  # records kept in RAM only -> (why, the role of its insert)
         self._new_seen: list[bytes] = []
         self._new_reused: list[bytes] = []
         self._lock = threading.Lock()
@@ -87,13 +88,14 @@ class Gate:
 
     # -- caller side ------------------------------------------------------------------------
 
-    def sighted(self, chain: Sequence[bytes], reached: Iterable[bytes] = ()) -> None:
+    def sighted(self, chain: Sequence[bytes], reached: Sequence[bytes] = ()) -> list[bytes]:
         """A fetch asked for the prompt whose chunk keys are `chain` and restored from the
-        records `reached`: keys seen before (by this process or another) are reused now; the
-        rest are seen once. Only `reused` keeps count."""
+        records `reached` (parents first): keys seen before (by this process or another) are
+        reused now; the rest are seen once. Only `reused` keeps count. Returns the records of
+        `reached` kept in RAM only, in order: seen again, they are to be written now."""
         if self.policy != "reused" or self.index is None:
-            return
-        reached = set(reached)
+            return []
+        order, reached = list(reached), set(reached)
         with self._lock:
             unknown = [h for h in chain if h not in self._seen and h not in reached]
         try:
@@ -101,10 +103,8 @@ class Gate:
         except Exception:  # the index is busy or unreadable: this sight counts as a first one
             stored = {}
         with self._lock:
-            for h in reached:
-                if h in self._held:
-                    self._reached.remember(h, None)
-            for h in list(chain) + [h for h in reached if h not in chain]:
+            due = [h for h in order if h in self._held]
+            for h in list(chain) + [h for h in order if h not in chain]:
                 if h in reached or h in self._seen or h in stored:
                     if not self._seen.get(h):
                         self._new_reused.append(h)
@@ -112,6 +112,7 @@ class Gate:
                 else:
                     self._new_seen.append(h)
                     self._seen.remember(h, False)
+        return due
 
     def rewrite(self, spans: Sequence[Span], held: set[bytes], durable: bool) -> set[bytes]:
         """Of `spans` some tier holds (`held`), those kept in RAM that may now be written: seen
@@ -120,11 +121,10 @@ class Gate:
             return {s.hash for s in spans if s.hash in held and s.hash in self._held
                     and (durable or self.policy == "all" or self._seen.get(s.hash))}
 
-    def reached_held(self) -> list[bytes]:
-        """Records kept in RAM that a fetch restored from since (under `reused`): an insert whose
-        cache holds them too writes them (a tail is not in the next insert's own records)."""
+    def role_of(self, h: bytes) -> int:
+        """The role class of the insert that left record `h` in RAM only (0 if it is not held)."""
         with self._lock:
-            return list(self._reached)
+            return self._held.get(h, (None, 0))[1]
 
     def kept_reason(self, h: bytes) -> str | None:
         """Why this record is kept in RAM only ("not_admitted", "over_budget"), or None."""
@@ -165,27 +165,27 @@ class Gate:
                 pass
         return known
 
-    def kept(self, spec: Span, reason: str) -> None:
-        """A record stays in RAM only: `reason` is "not_admitted" or "over_budget"."""
+    def kept(self, spec: Span, reason: str, role: int = 0) -> bool:
+        """A record stays in RAM only: `reason` is "not_admitted" or "over_budget"; `role`, its
+        insert's. True if a fetch restored from it while it was queued (after `admitted` said
+        no): it is to be written now, as a fetch that finds it held would have it."""
         with self._lock:
             if reason == "not_admitted" and spec.hash not in self._seen:
                 self._seen.remember(spec.hash, False)
                 self._new_seen.append(spec.hash)
-            if self._held.get(spec.hash) == reason:
-                return  # tried again and kept again: counted once
-            self._held.remember(spec.hash, reason)
-            if self._seen.get(spec.hash):  # a fetch restored from it while it was queued
-                self._reached.remember(spec.hash, None)
-            for key, n in ((reason, 1), (reason + "_bytes", spec.nbytes)):
-                self.counts[key] += n
-                self._unsaved[key] += n
+            again = self._held.get(spec.hash, (None,))[0] == reason  # tried again and kept again
+            self._held.remember(spec.hash, (reason, max(role, self._held.get(spec.hash, (None, 0))[1])))
+            if not again:  # counted once
+                for key, n in ((reason, 1), (reason + "_bytes", spec.nbytes)):
+                    self.counts[key] += n
+                    self._unsaved[key] += n
+            return reason == "not_admitted" and bool(self._seen.get(spec.hash))
 
     def written(self, hashes: Iterable[bytes]) -> None:
         """These records are on disk now."""
         with self._lock:
             for h in hashes:
                 self._held.pop(h, None)
-                self._reached.pop(h, None)
 
     @property
     def dirty(self) -> bool:

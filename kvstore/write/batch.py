@@ -38,6 +38,7 @@ class Batch:
     rows: list[Row]
     hosts: Hosts
     kept: set[bytes] = field(default_factory=set)  # of `written`, kept in RAM only (not on disk)
+    due: list[Span] = field(default_factory=list)  # of those, the ones to write now (`Gate.kept`)
 
 
 @dataclass
@@ -81,12 +82,12 @@ def write(dest: Destination, job: Job,
     kept = {s.hash for s in written if s.hash in staged.kept}
     if kept and log.isEnabledFor(logging.INFO):
         _say_kept([s for s in written if s.hash in kept and s.kind != CHECKPOINT], staged.kept)
+    due = []
     if dest.gate is not None:
-        for spec in written:
-            if spec.hash in staged.kept:
-                dest.gate.kept(spec, staged.kept[spec.hash])
+        due = [spec for spec in written if spec.hash in staged.kept
+               and dest.gate.kept(spec, staged.kept[spec.hash], job.role)]
         dest.gate.written(row.hash for row in rows)
-    return Batch(written, rows, hosts, kept)
+    return Batch(written, rows, hosts, kept, due)
 
 
 def _say_kept(spans: list[Span], why: dict[bytes, str]) -> None:
@@ -246,7 +247,8 @@ def _insert(dest: Destination, rows: list[Row]) -> bool:
 def still_needed(index: Index, job: Job) -> list[Span]:
     """The job's records that are not stored yet, parents first. If gc (in any process)
     evicted a record the job hangs from after `insert` looked, the chain is written again
-    from the job's own tokens and arrays: no record is ever stored under a missing parent."""
+    from the job's own tokens and arrays where it holds them; the records it cannot hang from
+    a stored parent are left out: no record is ever stored under a missing parent."""
     inside = {s.hash for s in job.specs}
     outside = {s.parent for s in job.specs if s.parent not in inside and s.parent != job.ns}
     present = index.present([s.hash for s in job.specs] + list(outside))
@@ -257,7 +259,12 @@ def still_needed(index: Index, job: Job) -> list[Span]:
             C = int(job.metadata["chunk_size"])
             ancestors = prompt_records(job.ns, job.tokens[: (first.depth - 1) * C], C, tail=False)
             present |= index.present([a.hash for a in ancestors])
-            specs = ancestors + specs
-        have = present | {s.hash for s in specs}
-        specs = [s for s in specs if s.parent == job.ns or s.parent in have]
+            if ancestors and job.holds_all_layers(ancestors[0]):  # (a record copied from RAM does not)
+                specs = ancestors + specs
+        have, hung = set(present), []
+        for s in specs:  # parents first: a record under one left out is left out too
+            if s.parent == job.ns or s.parent in have:
+                hung.append(s)
+                have.add(s.hash)
+        specs = hung
     return [s for s in specs if s.hash not in present]

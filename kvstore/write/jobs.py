@@ -74,6 +74,9 @@ class Job:
     # reaches (stored ones too): their rows' role is raised to it.
     role: int = 0
     reached: list[bytes] = field(default_factory=list)
+    # False: its records' arrays are not known to hold every layer's K/V (copied back from RAM
+    # for a model with a sliding window): nothing is completed or dropped as redundant by them.
+    whole: bool = True
 
     def slices(self, spec: Span, arrays: dict) -> dict:
         """The part of each array that falls in the spec's tokens (always a suffix of them)."""
@@ -99,7 +102,7 @@ class Job:
     def holds_all_layers(self, spec: Span) -> bool:
         """Whether every layer's K/V for the spec's first token is in the job (no sliding
         window slid past it)."""
-        return all(origin <= spec.start for origin in self.origins.values())
+        return self.whole and all(origin <= spec.start for origin in self.origins.values())
 
 
 @dataclass
@@ -186,3 +189,19 @@ def compact(job: Job, spec: Span, tokens: np.ndarray, tensors: dict[str, blobfor
         if tag == "BF16":
             views[name] = mx.bfloat16
     return held(spec, tokens, arrays, views)
+
+
+def from_memory(rec: Record, start: int, prefix: np.ndarray, metadata: dict[str, str], *,
+                role: int = 0, whole: bool = True) -> Job:
+    """A job that writes `rec`, a record held in RAM, from its own arrays: its tokens start at
+    `start` of a prompt that begins with `prefix`. Nothing is copied here (the writer copies
+    them into the blob); its parent must be stored, or the writer leaves it out."""
+    spec = Span(rec.hash, rec.ns, rec.parent, rec.depth, rec.kind, rec.ntokens, rec.first_token,
+                start=start, nbytes=rec.nbytes)
+    tokens = np.concatenate([np.asarray(prefix[:start], dtype=rec.tokens.dtype), rec.tokens])
+    if rec.kind == CHECKPOINT:
+        arrays, checkpoint = {}, dict(rec.arrays)
+    else:
+        arrays, checkpoint = dict(rec.arrays), {}
+    return Job(rec.ns, tokens, arrays, dict.fromkeys(arrays, start), dict(rec.views), [spec], metadata,
+               checkpoint=checkpoint, nbytes=rec.nbytes, role=role, whole=whole)

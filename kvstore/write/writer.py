@@ -24,7 +24,7 @@ from kvstore.storage.index import Index, Row
 from kvstore.tiers.memory import MemoryTier, Record
 from kvstore.write import batch, dedup
 from kvstore.write.admission import Gate
-from kvstore.write.jobs import Destination, Job, WriterStats
+from kvstore.write.jobs import Destination, Job, WriterStats, from_memory
 
 __all__ = ["Writer", "Job", "WriterStats"]
 
@@ -79,6 +79,26 @@ class Writer:
             self._pending_bytes += job.nbytes
             self._cond.notify_all()
             return True
+
+    def write_held(self, hashes: list[bytes], prompt: np.ndarray, metadata: dict[str, str], *,
+                   whole: bool = True) -> int:
+        """Queue for writing, from the memory tier's copies, these records of `prompt` that the
+        admission policy kept in RAM only (parents first): seen again, they may go to disk now.
+        Never waits on disk; a record no longer in RAM, or queued already, is left out. How many
+        were queued. (`whole`: see `Job.whole`.)"""
+        C, ends, queued = int(metadata["chunk_size"]), {}, 0
+        for h in hashes:
+            rec = self.memory.peek(h)
+            if rec is None:
+                continue
+            start = ends.get(rec.parent, rec.depth * C) if rec.kind == CHECKPOINT else (rec.depth - 1) * C
+            ends[h] = start + rec.ntokens
+            role = self.gate.role_of(h) if self.gate is not None else 0
+            job = from_memory(rec, start, prompt, metadata, role=role, whole=whole)
+            with self._cond:  # checked and queued at once: a fetch and this thread may both find it
+                if h not in self._pending:
+                    queued += self.submit(job)
+        return queued
 
     def pending(self, h: bytes) -> Record | None:
         """The queued record `h` as views of its job (None if it is not queued)."""
@@ -177,17 +197,19 @@ class Writer:
                 self._flush_touches()
                 continue
             self._paused.wait()
+            due = []
             try:
-                self._write(job)
+                due = self._write(job)
             except Exception as e:  # never let one bad job kill the thread
                 self._count_error(e)
             finally:
-                self._done(job)
+                self._done(job, due)
             if time.monotonic() - self._last_touch_flush > TOUCH_INTERVAL_S:
                 self._flush_touches()
 
-    def _done(self, job: Job) -> None:
-        """Take a finished job off the queue: its records are no longer pending."""
+    def _done(self, job: Job, due: list[Span]) -> None:
+        """Take a finished job off the queue: its records are no longer pending. Those of them
+        to write from RAM now (`Gate.kept`) are queued before it counts as done (for `flush`)."""
         with self._cond:
             self._jobs.popleft()
             for spec in job.specs:
@@ -198,6 +220,12 @@ class Writer:
                         siblings.discard(spec.hash)
                         if not siblings:
                             del self._children[spec.parent]
+            if due:
+                try:
+                    self.write_held([s.hash for s in due], job.tokens, job.metadata,
+                                    whole=all(job.holds_all_layers(s) for s in due if s.kind != CHECKPOINT))
+                except Exception as e:  # they stay in RAM; the next fetch of them tries again
+                    self._count_error(e)
             self._pending_bytes -= job.nbytes
             self._busy = False
             self._cond.notify_all()
@@ -212,17 +240,19 @@ class Writer:
                     return
                 self._cond.wait(left)
 
-    def _write(self, job: Job) -> None:
+    def _write(self, job: Job) -> list[Span]:
+        """Write `job`; the records of it to write again from RAM (see `batch.Batch.due`)."""
         self.stats.jobs += 1
         done = batch.write(self._dest, job, self.after_write)
         if done is None:  # its rows could not be inserted: nothing of it is stored
-            return
+            return []
         if done.written and (done.rows or self.index is None):
             self._drop_redundant(job, [s for s in done.written if s.kind != CHECKPOINT and s.hash not in done.kept])
         if job.refill and self.index is not None:
             dedup.refill(self._dest, job, done.hosts)
         if self.after_batch is not None and done.rows:
             self.after_batch()
+        return done.due
 
     def _drop_redundant(self, job: Job, written: list[Span]) -> None:
         # A method of its own so that a benchmark can switch dedup off to measure what it saves.
