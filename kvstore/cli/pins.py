@@ -89,6 +89,6 @@ def _remove(args) -> int:
 def _say_unpinned(d: dict) -> None:
     if d["records"]:
         out(f"{d['where']}: unpinned {plural(d['records'], 'record')} ({format_size(d['bytes'])}) of "
-            f"{plural(d['tokens'], 'token')}; gc may now evict them")
+            f"{plural(d['tokens'], 'token')}; gc may now evict {'it' if d['records'] == 1 else 'them'}")
     else:
         out(f"{d['where']}: nothing was pinned for this prompt ({plural(d['tokens'], 'token')})")
