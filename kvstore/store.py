@@ -307,8 +307,8 @@ class Store:
     def gc(self, max_bytes: int | None = None, max_age: float | None = None, dry_run: bool = False,
            stale: bool = False) -> dict:
         """Evict down to `max_bytes` (and records unused for `max_age` seconds; with `stale`, every
-        record of a model version whose files are gone or changed, pins aside). A budget evicts
-        stale versions first. See `upkeep.gc` and `upkeep.evict`."""
+        record of a model version whose files are gone or changed, pinned ones too). A budget
+        evicts stale versions first (their pins kept). See `upkeep.gc` and `upkeep.evict`."""
         self._check_open()
         if self.files is None:
             if max_bytes is not None:
@@ -319,6 +319,12 @@ class Store:
         if not dry_run:
             self.memory.discard(hashes)
         return result
+
+    def pins(self) -> list[dict]:
+        """What is pinned, one dict per model version (`upkeep.local.LocalStore.pins`); `[]` in RAM."""
+        self._check_open()
+        self.writer.flush()  # pins queued with inserts land first
+        return self.files.pins() if self.files is not None else []
 
     def verify(self, repair: bool = False, force: bool = False) -> list:
         """Problems found (empty when clean); `repair=True` fixes them. See `upkeep.verify`.

@@ -135,10 +135,12 @@ def test_stale_versions_go_first_and_all_of_them_with_stale():
     p = evict.plan(g, max_bytes=total - stale_bytes // 2, cutoff=None, stale=False)
     stale_hashes = {r[0] for r in old}
     assert p.hashes and set(p.hashes) <= stale_hashes
-    # --stale: every evictable stale record, and nothing else without a budget.
+    # A budget keeps stale pins; --stale takes every stale record, pinned ones too (no lookup can
+    # use them again), and nothing else without a budget.
+    assert any(r[4] for r in old) and not {r[0] for r in old if r[4]} & set(p.hashes)
     p = evict.plan(g, max_bytes=None, cutoff=None, stale=True)
-    assert set(p.hashes) == set(leaf_by_leaf([r for r in old], stale_bytes, -1, None))
-    assert set(p.hashes) <= stale_hashes
+    unpinned = [(*r[:4], 0, 1) for r in old]
+    assert set(p.hashes) == set(leaf_by_leaf(unpinned, stale_bytes, -1, None)) == stale_hashes
 
 
 # -- on a real store ----------------------------------------------------------------------------

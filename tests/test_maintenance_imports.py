@@ -1,4 +1,4 @@
-"""`kvstore stats`, `gc` and `verify` import no mlx and no mlx-lm, with or without a remote.
+"""`kvstore stats`, `gc`, `verify` and `pins` (listing) import no mlx and no mlx-lm, with or without a remote.
 
 Each command runs in a process of its own (`kvstore.cli.main.main`), which then lists the mlx
 modules it imported: maintenance must start fast and work where no model could run.
@@ -31,7 +31,7 @@ sys.exit(code)
 
 LOCAL = [["stats"], ["stats", "--json"], ["gc", "--max-bytes", "0", "--dry-run"], ["gc", "--stale"],
          ["gc", "--max-age", "30d"], ["verify"], ["verify", "--json"], ["verify", "--repair"],
-         ["gc", "--max-bytes", "0"]]
+         ["gc", "--max-bytes", "0"], ["pins"], ["pins", "--json"]]
 REMOTE = [["stats"], ["stats", "--json"], ["gc", "--max-bytes", "0", "--dry-run"], ["verify", "--json"],
           ["verify", "--repair"], ["gc", "--max-age", "30d"]]
 

@@ -11,6 +11,7 @@ from mlx_lm import load
 import kvstore
 from kvstore.cli import main as cli
 from kvstore.storage.stale import NOT_RECHECKED
+from kvstore.upkeep.local import LocalStore
 
 C = 16
 PROMPT = list(range(1, 60))
@@ -75,10 +76,9 @@ def test_stale_version_is_reported_and_evicted_by_gc_stale(tmp_path, demo_model_
     assert cli.main(["gc", "--stale", "--store", str(path)]) == 0
     capsys.readouterr()
     after = by_ns(path)
-    # The old version keeps only its pinned prompt; the current one keeps everything.
-    pinned_records = len(PINNED) // C + 1
-    assert after[old_ns]["chunks"] + after[old_ns]["tails"] == pinned_records
-    assert before[old_ns]["chunks"] + before[old_ns]["tails"] > pinned_records
+    # The old version goes, its pinned prompt too (no lookup can use it); the current one stays.
+    assert after[old_ns]["chunks"] + after[old_ns]["tails"] == 0
+    assert before[old_ns]["chunks"] + before[old_ns]["tails"] > len(PINNED) // C + 1
     assert {k: after[new_ns][k] for k in ("chunks", "tails", "bytes")} == \
         {k: before[new_ns][k] for k in ("chunks", "tails", "bytes")}
     with kvstore.open(path, chunk_size=C) as store:
@@ -170,18 +170,21 @@ def test_identical_files_at_new_inodes_are_not_stale(tmp_path, demo_model_path, 
 
 def test_changed_bytes_of_the_same_size_are_evicted_after_a_rehash(tmp_path, demo_model_path, capsys):
     """Weights rewritten with the same size and no new version bound: `gc --stale` hashes the
-    file again, finds other bytes, and evicts (pins aside); `stats` then says STALE, on a line
-    of its own."""
+    file again, finds other bytes, and evicts (pins too); once hashed again, `stats` says STALE,
+    on a line of its own."""
     folder, path, _ = store_one_version(tmp_path, demo_model_path)
     flip_a_byte(folder)
     [m] = by_ns(path).values()
     assert m["stale"] is None and NOT_RECHECKED in m["stale_reason"]  # until hashed again
+    every = len(PROMPT) // C + 1 + len(PINNED) // C + 1
     assert cli.main(["gc", "--stale", "--dry-run", "--store", str(path)]) == 0
-    assert f"{len(PROMPT) // C + 1} records" in capsys.readouterr().out
-    assert cli.main(["gc", "--stale", "--store", str(path)]) == 0
-    assert f"{len(PROMPT) // C + 1} records" in capsys.readouterr().out
+    assert f"{every} records" in capsys.readouterr().out
+    with LocalStore(path) as files:  # hashed again and recorded, as a gc over its budget does
+        files.model_status(rehash=True, record=True)
     assert cli.main(["stats", "--store", str(path)]) == 0
     out = capsys.readouterr().out
     assert "\nSTALE: " in out and "\\x0a" not in out
+    assert cli.main(["gc", "--stale", "--store", str(path)]) == 0
+    assert f"{every} records" in capsys.readouterr().out
     [m] = by_ns(path).values()
-    assert m["stale"] is True and m["chunks"] + m["tails"] == len(PINNED) // C + 1
+    assert m["stale"] is True and m["chunks"] + m["tails"] == 0

@@ -13,7 +13,8 @@ EXAMPLES = """examples:
   kvstore gc --remote s3://team-cache/kv --max-age 7d     # the shared bucket, deepest first
 
 SIZE: bytes, or a number with KB/MB/GB/TB (x1000) or K/M/G/T, KiB/MiB/GiB/TiB (x1024).
-DURATION: a number with s, m, h, d or w, like 30m, 12h, 7d. Pinned prompts are never evicted."""
+DURATION: a number with s, m, h, d or w, like 30m, 12h, 7d. Pinned prompts are never evicted
+(but --stale evicts those of stale model versions; `kvstore pins --remove` unpins a prompt)."""
 
 
 def register(add, store_opts, model_opts) -> None:
@@ -22,7 +23,8 @@ def register(add, store_opts, model_opts) -> None:
     p.add_argument("--max-bytes", metavar="SIZE", type=size, help="keep at most this many bytes, like 500MB or 2GiB")
     p.add_argument("--max-age", metavar="DURATION", type=duration, help="also evict records unused for this long, like 7d")
     p.add_argument("--stale", action="store_true",
-                   help="evict model versions whose files are gone or changed (pins aside); a budget evicts them first anyway")
+                   help="evict model versions whose files are gone or changed, pinned records too (no lookup "
+                        "can use them again); a budget evicts them first anyway, pins kept")
     p.add_argument("--dry-run", action="store_true", help="only report what would be freed")
 
 
@@ -37,6 +39,11 @@ def cmd_gc(args) -> int:
     print(f"{verb} {format_size(result['freed_bytes'])} ({result['freed_bytes']} bytes, "
           f"{plural(result['evicted'], 'record')}); the store {holds} {format_size(result['bytes'])} "
           f"(was {format_size(result.get('bytes_before', result['bytes'] + result['freed_bytes']))})")
+    stale_pins = result.get("stale_pins") or {}
+    if stale_pins.get("records"):
+        out(f"{plural(stale_pins['records'], 'pinned record')} of stale models "
+            f"{'would be ' if args.dry_run else ''}freed ({format_size(stale_pins['bytes'])}): their model "
+            "files are gone or changed, so no lookup could use them again")
     if args.max_bytes is not None and result["bytes"] > args.max_bytes:
         say(f"{PROG} gc: still above the budget of {args.max_bytes} bytes: pinned records and their ancestors are kept")
     return 0

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import json
 import time
 
-from kvstore.cli.options import bound, read_prompts
+from kvstore.cli.options import add_prompt_source, bound, prompt_items
 from kvstore.cli.output import EXIT_PROBLEMS, EXIT_USAGE, PROG, CommandError, out, say, uploads_undone
 
 EXAMPLES = """examples:
@@ -19,11 +18,7 @@ Run it twice: the second run reuses the stored prompt (see "reused from the stor
 def register(add, store_opts, model_opts) -> None:
     p = add("generate", cmd_generate, "generate text, reusing the store and adding to it",
             [store_opts, model_opts], EXAMPLES)
-    source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--prompt", metavar="TEXT", help="prompt text, tokenized as is")
-    source.add_argument("--messages", metavar="JSON",
-                        help='chat messages as JSON, like \'[{"role": "user", "content": "Hi"}]\' (chat template applied)')
-    source.add_argument("--prompts", metavar="FILE.jsonl", help="generate for every line of a prompt file (- for stdin)")
+    add_prompt_source(p, "generate for every line of a prompt file (- for stdin)")
     p.add_argument("--max-tokens", metavar="N", type=int, default=128, help="tokens to generate at most (default: 128)")
     p.add_argument("--temp", metavar="T", type=float, default=0.0, help="sampling temperature (default: 0, greedy)")
     p.add_argument("--seed", metavar="S", type=int, help="random seed for sampling")
@@ -31,21 +26,7 @@ def register(add, store_opts, model_opts) -> None:
 
 def _items(args) -> list:
     """The prompt lines to generate for: `--prompt`, `--messages` or the lines of `--prompts`."""
-    from kvstore.model import jsonl
-
-    if args.prompt is not None:
-        items = [jsonl.parse_object({"prompt": args.prompt}, "--prompt", None)]
-    elif args.messages is not None:
-        try:
-            value = json.loads(args.messages)
-        except json.JSONDecodeError as e:
-            raise CommandError(f"--messages: not valid JSON ({e.msg} at column {e.colno})") from e
-        # Always the list itself: a lone {"role": ...} object is an error that says so.
-        items = [jsonl.parse_object({"messages": value}, "--messages", None)]
-    else:
-        items = read_prompts(args.prompts)
-    if args.prompts is None and isinstance(items[0], jsonl.LineError):  # no model to load for nothing
-        raise CommandError(str(items[0]))
+    items = prompt_items(args)
     if args.max_tokens < 1:
         raise CommandError(f"--max-tokens must be at least 1, got {args.max_tokens}", EXIT_USAGE)
     return items

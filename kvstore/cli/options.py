@@ -74,6 +74,38 @@ def read_prompts(path: str) -> list:
         raise CommandError(f"cannot read the prompt file {path}: {e.strerror or e}") from e
 
 
+def add_prompt_source(p: argparse.ArgumentParser, prompts_help: str, *, required: bool = True) -> None:
+    """`--prompt`, `--messages` and `--prompts` (one of them), for the commands that take prompts."""
+    source = p.add_mutually_exclusive_group(required=required)
+    source.add_argument("--prompt", metavar="TEXT", help="prompt text, tokenized as is")
+    source.add_argument("--messages", metavar="JSON",
+                        help='chat messages as JSON, like \'[{"role": "user", "content": "Hi"}]\' (chat template applied)')
+    source.add_argument("--prompts", metavar="FILE.jsonl", help=prompts_help)
+
+
+def prompt_items(args) -> list:
+    """The prompt lines `--prompt`, `--messages` or `--prompts` name (`jsonl.PromptLine` or
+    `jsonl.LineError`); a bad `--prompt` or `--messages` is an error here, before a model loads."""
+    import json
+
+    from kvstore.model import jsonl
+
+    if args.prompts is not None:
+        return read_prompts(args.prompts)
+    if args.prompt is not None:
+        item = jsonl.parse_object({"prompt": args.prompt}, "--prompt", None)
+    else:
+        try:
+            value = json.loads(args.messages)
+        except json.JSONDecodeError as e:
+            raise CommandError(f"--messages: not valid JSON ({e.msg} at column {e.colno})") from e
+        # Always the list itself: a lone {"role": ...} object is an error that says so.
+        item = jsonl.parse_object({"messages": value}, "--messages", None)
+    if isinstance(item, jsonl.LineError):  # no model to load for nothing
+        raise CommandError(str(item))
+    return [item]
+
+
 def open_local(args, *, must_exist: bool = False, read_only: bool | None = False):
     """The store directory alone, for maintenance (`upkeep.local.LocalStore`: no mlx).
     `must_exist`: create nothing; `read_only=None`: read-only when this user may not write it."""

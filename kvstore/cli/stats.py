@@ -144,7 +144,7 @@ def _print_models(models: list[dict]) -> None:
         print()
     if held:
         out(f"STALE: {format_size(held)} of K/V whose model files changed or are gone since they were stored; "
-            f"`{PROG} gc --stale` evicts it (pins aside)")
+            f"`{PROG} gc --stale` evicts it, pinned records too")
     for m in unsure:  # the bytes may be the same (a folder copied away and back): not stale yet
         out(f"changed: {m['fingerprint'][:12]}: {m['stale_reason']}; `{PROG} gc --stale` hashes "
             f"the changed files again and evicts the version only if their bytes differ")

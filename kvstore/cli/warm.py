@@ -8,7 +8,7 @@ import time
 from typing import Callable
 
 from kvstore.cli.options import bound, read_prompts
-from kvstore.cli.output import EXIT_INTERRUPTED, EXIT_PROBLEMS, PROG, say, uploads_undone
+from kvstore.cli.output import EXIT_INTERRUPTED, EXIT_PROBLEMS, PROG, plural, say, uploads_undone
 from kvstore.model.blas import long_prefill_note
 from kvstore.model.jsonl import cache_types
 from kvstore.sizes import format_size
@@ -19,7 +19,8 @@ EXAMPLES = """examples:
   cat prompts.jsonl | kvstore warm --prompts -
 
 Each line is {"prompt": "..."}, {"messages": [{"role": ..., "content": ...}]} or {"tokens": [...]},
-with optional "id" and "pin": true. A messages line's leading system messages are stored as a
+with optional "id" and "pin": true ("pin": false unpins a prompt pinned before; a line with no
+"pin" leaves its pins as they are). A messages line's leading system messages are stored as a
 "system" prompt, which a disk budget evicts last. Exit code 1 if a line was bad (it is skipped, the others are
 stored), 130 after Ctrl-C (everything stored so far is kept)."""
 
@@ -116,14 +117,19 @@ def _bars(work: list):
                  **common))
 
 
-def _prefill(mc, item, tokens, progress, tokenizer) -> tuple[int, int]:
+def _prefill(mc, item, tokens, progress, tokenizer) -> tuple[int, int, str]:
     """Prefill the prompt with its cache type, then mark the records that hold a messages line's
-    system prompt as "system"; (tokens reused, tokens computed)."""
+    system prompt as "system", and unpin it if the line says `"pin": false`; (tokens reused,
+    tokens computed, what happened to its pins, in words)."""
     cache_type, system = cache_types(item, tokenizer, tokens) if tokenizer is not None else ("user", 0)
-    _, reused, computed = mc.prefill(tokens, progress=progress, pin=item.pin, cache_type=cache_type)
+    _, reused, computed = mc.prefill(tokens, progress=progress, pin=bool(item.pin), cache_type=cache_type)
     if system:
         mc.mark(tokens, "system", first=system)
-    return reused, computed
+    pins = ", pinned" if item.pin else ""
+    if item.pin is False:
+        unpinned = mc.unpin(tokens)
+        pins = f", unpinned {plural(unpinned['records'], 'record')}" if unpinned["records"] else ", not pinned"
+    return reused, computed, pins
 
 
 def _warm_all(mc, work: list, totals: dict, stop: Callable[[], bool], tokenizer=None) -> None:
@@ -149,7 +155,7 @@ def _warm_all(mc, work: list, totals: dict, stop: Callable[[], bool], tokenizer=
             t0 = time.perf_counter()
             current["computed"] = 0
             try:
-                reused, computed = _prefill(mc, item, tokens, progress, tokenizer)
+                reused, computed, pins = _prefill(mc, item, tokens, progress, tokenizer)
             except (_Stop, KeyboardInterrupt):
                 # Stopped after the prompt's last chunk was inserted: it is stored whole, so it
                 # counts as warmed, not as "not reached".
@@ -166,9 +172,10 @@ def _warm_all(mc, work: list, totals: dict, stop: Callable[[], bool], tokenizer=
                 bars[1].update(reused)
             else:
                 placed = mc.placement(tokens)
-                pinned = ", pinned" if item.pin and placed.on_disk + placed.queued == placed.tokens else ""
+                if item.pin and placed.on_disk + placed.queued < placed.tokens:
+                    pins = ", not pinned: not all on disk"
                 say(f"[{i}/{len(work)}] {item.where}: {len(tokens)} tokens, {reused} reused, "
-                    f"{computed} computed, {placed.text()}{pinned} ({time.perf_counter() - t0:.1f} s)")
+                    f"{computed} computed, {placed.text()}{pins} ({time.perf_counter() - t0:.1f} s)")
     finally:
         for bar in bars or ():
             bar.close()

@@ -21,7 +21,7 @@ import numpy as np
 from mlx_lm.models.cache import QuantizedKVCache
 
 from kvstore import keys
-from kvstore.errors import BlobError, InvalidInputError
+from kvstore.errors import BlobError, InvalidInputError, StoreOpenError
 from kvstore.model.insert import Views, make_job
 from kvstore.model.layout import make_template
 from kvstore.model.lookup import Opening, match
@@ -411,6 +411,26 @@ class ModelCache:
         b.flush()
         wanted = [s.hash for s in self._durable(toks)]
         return b.index.pin(wanted) >= len(wanted)
+
+    def unpin(self, tokens: Tokens) -> dict:
+        """Unpin what pinning `tokens` pinned (`prefill(..., pin=True)`, `insert(..., pin=True)`):
+        the prompt's chunks, its tail and (with recurrent layers) its end checkpoint, so that gc
+        may evict them again. Returns {"records": how many were pinned, "bytes": their size}.
+
+        Every record of the prompt is unpinned, shared ones too. Another pinned prompt that goes
+        on past a shared record still keeps it (gc keeps what a pin hangs from); one that ends on
+        it (a whole number of chunks, on a model with no recurrent layers) loses its pin: pin it
+        again. Waits for queued writes first (their pins land before this)."""
+        toks = as_tokens(tokens)
+        b = self.backing
+        b.check_open()
+        if b.index is None or len(toks) == 0:
+            return {"records": 0, "bytes": 0}
+        if b.index.read_only:
+            raise StoreOpenError("this store is open read-only: unpin needs to write to it")
+        b.writer.flush()
+        n, size = b.index.unpin([s.hash for s in self._durable(toks)])
+        return {"records": n, "bytes": size}
 
     def _check_cache(self, cache: list, n: int) -> None:
         if not isinstance(cache, (list, tuple)):

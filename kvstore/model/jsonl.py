@@ -3,7 +3,8 @@
     {"prompt": "text"}                                   the text, tokenized as mlx-lm does
     {"messages": [{"role": "user", "content": "..."}]}   the chat template, with the generation prompt
     {"tokens": [1, 2, 3]}                                token ids, used as they are
-    optional: "id": "name", "pin": true                  (pinned prompts are never evicted by gc)
+    optional: "id": "name", "pin": true                  (pinned prompts are never evicted by gc;
+                                                          "pin": false unpins a pinned one)
 
 A messages line's leading system messages are stored as a "system" prompt, which a disk budget
 evicts last (`cache_types`).
@@ -44,7 +45,7 @@ class PromptLine:
     kind: str  # one of KINDS
     value: Any  # str, list of message dicts, or list of ints
     id: str | None = None
-    pin: bool = False
+    pin: bool | None = None  # None: the line says nothing of pins (a pinned prompt stays pinned)
 
     @property
     def where(self) -> str:
@@ -166,8 +167,8 @@ def parse_object(obj: Any, source: str, line: int | None) -> Parsed:
         if isinstance(ident, bool) or not isinstance(ident, (str, int)):
             return bad("id", f"must be a string or an integer, got {_json_type(ident)}")
         ident = str(ident)
-    pin = obj.get("pin", False)
-    if not isinstance(pin, bool):
+    pin = obj.get("pin")
+    if pin is not None and not isinstance(pin, bool):
         return bad("pin", f"must be true or false, got {_json_type(pin)}")
     return PromptLine(source, line, kind, value, ident, pin)
 

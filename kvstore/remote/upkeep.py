@@ -34,7 +34,7 @@ from kvstore.records import CHECKPOINT, TAIL, RecordId
 from kvstore.remote.bucket import MAX_OBJECT_BYTES, Bucket, RemoteError
 from kvstore.remote.layout import ObjectKey, manifest_key, parse_key, parse_other, pins_key
 from kvstore.remote.seal import Fleet, Sealer, Unauthenticated
-from kvstore.storage.storedir import NODE_ID_NAME
+from kvstore.storage.storedir import NODE_ID_NAME, write_own_file
 from kvstore.upkeep import evict
 from kvstore.upkeep.verify import Problem
 
@@ -56,15 +56,7 @@ def node_id(store_dir: Path) -> str:
     except OSError:
         pass
     text = uuid.uuid4().hex
-    tmp = path.with_name(f".{NODE_FILE}.{os.getpid()}")
-    try:
-        os.unlink(tmp)  # a leftover of a dead process with this pid
-    except FileNotFoundError:
-        pass
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text + "\n")
-    os.replace(tmp, path)
+    write_own_file(path, text + "\n")
     return text
 
 

@@ -21,6 +21,7 @@ from kvstore.errors import CorruptIndexError, StoreOpenError
 from kvstore.records import CHECKPOINT, CHUNK, TAIL, RecordId  # noqa: F401 -- the kinds' home is records
 from kvstore.storage import schema
 from kvstore.storage.evictsql import EvictionSQL
+from kvstore.storage.pins import PinSQL
 from kvstore.storage.schema import available_migrations, connect_read_only, is_corruption
 from kvstore.storage.writesql import WriteLogSQL
 
@@ -62,7 +63,7 @@ def _i64_to_u64(v: int) -> int:
     return v + (1 << 64) if v < 0 else v
 
 
-class Index(EvictionSQL, WriteLogSQL):
+class Index(EvictionSQL, WriteLogSQL, PinSQL):
     """The index of one store directory (`index.sqlite`), shared by threads and processes.
 
     `read_only=True` never writes (nor migrates) the index: for a store this user may only read.
@@ -282,14 +283,6 @@ class Index(EvictionSQL, WriteLogSQL):
                 [(t, n, h) for h, (t, n) in accesses.items()],
             )
 
-    def pin(self, hashes: Sequence[bytes], pinned: bool = True) -> int:
-        """Set the pin flag of these records; returns how many of them exist (and so were set)."""
-        with self.transaction() as conn:
-            cur = conn.executemany(
-                "UPDATE records SET pinned = ? WHERE hash = ?", [(int(pinned), h) for h in hashes]
-            )
-            return cur.rowcount
-
     def raise_role(self, hashes: Sequence[bytes], role: int) -> None:
         """Raise these records' role class to `role` where it is lower (never lowers one)."""
         if not hashes:
@@ -299,10 +292,6 @@ class Index(EvictionSQL, WriteLogSQL):
                 part = list(hashes[start : start + _MAX_PARAMS])
                 conn.execute(f"UPDATE records SET role = ? WHERE hash IN ({','.join('?' * len(part))}) "
                              "AND role < ?", [role, *part, role])
-
-    def pinned(self, ns: bytes) -> set[bytes]:
-        """Hashes of the pinned records of a namespace (published to a remote tier)."""
-        return {h for (h,) in self.conn.execute("SELECT hash FROM records WHERE ns = ? AND pinned = 1", (ns,))}
 
     def mark_bad(self, h: bytes) -> bool:
         """Quarantine a record whose blob failed to read; True if it was usable until now."""

@@ -27,6 +27,7 @@ BLOBS_NAME = "blobs"
 LOCK_NAME = BLOBS_NAME + ".lock"
 QUARANTINE_NAME = "quarantine"  # where `verify --repair` moves files that kvstore did not write
 NODE_ID_NAME = "remote-node-id"  # this store's name among the nodes of a shared bucket
+PINS_NAME = "index.pins"  # the pinned records, for a rebuild of the index (`storage.pins`)
 INDEX_FILES = tuple(INDEX_NAME + s for s in ("", "-wal", "-shm", "-journal"))
 # Left beside the index by a rebuild, or when a stale journal is moved aside.
 _INDEX_LEFTOVERS = (".damaged-", ".rebuilding", "-wal.stale-", "-shm.stale-", "-journal.stale-")
@@ -53,9 +54,37 @@ def is_absent(path: Path) -> bool:
 
 def own_name(name: str) -> bool:
     """An entry kvstore itself makes at the top of a store directory."""
-    return (name in INDEX_FILES or name in (BLOBS_NAME, LOCK_NAME, QUARANTINE_NAME, NODE_ID_NAME)
+    return (name in INDEX_FILES or name in (BLOBS_NAME, LOCK_NAME, QUARANTINE_NAME, NODE_ID_NAME, PINS_NAME)
             or any(name.startswith(INDEX_NAME + x) for x in _INDEX_LEFTOVERS)
-            or name.startswith(f".{NODE_ID_NAME}."))  # written aside, then renamed into place
+            or name.startswith((f".{NODE_ID_NAME}.", f".{PINS_NAME}.")))  # written aside, then renamed into place
+
+
+def write_own_file(path: Path, text: str) -> None:
+    """Replace one of the store's own small files (`.NAME.<pid>` beside it, fsync, rename, fsync
+    of the folder): a reader sees the old file or the new one whole. Raises OSError."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    try:
+        os.unlink(tmp)  # a leftover of a dead process with this pid
+    except FileNotFoundError:
+        pass
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    dirfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dirfd)
+    finally:
+        os.close(dirfd)
 
 
 def open_dir(path: Path, *, create: bool, read_only: bool | None) -> tuple[Path, bool]:
@@ -128,7 +157,7 @@ def _check_mode(path: Path, st: os.stat_result, read_only: bool) -> None:
 
 def _check_own_entries(path: Path) -> None:
     """Refuse a store whose own entries are symbolic links or the wrong kind of file."""
-    for name in (*INDEX_FILES, BLOBS_NAME, LOCK_NAME, QUARANTINE_NAME, NODE_ID_NAME):
+    for name in (*INDEX_FILES, BLOBS_NAME, LOCK_NAME, QUARANTINE_NAME, NODE_ID_NAME, PINS_NAME):
         try:
             st = os.lstat(path / name)
         except FileNotFoundError:

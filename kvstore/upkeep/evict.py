@@ -3,7 +3,7 @@
 The one tree-eviction rule of kvstore: local gc, the write budget and `gc --remote` (on a bucket
 listing, last-modified standing for last access) all plan with it. The rule: evict the least
 recently used leaf, again and again; a record whose last child went becomes a leaf; pinned
-records and their ancestors never go. Run one leaf at a time it costs a heap operation per record
+records and their ancestors never go (but `stale` takes stale versions whole, pins and all). Run one leaf at a time it costs a heap operation per record
 and a transaction per leaf. The same order comes out of one sort. Give every record two numbers,
 from its subtree:
 
@@ -33,7 +33,7 @@ root) and goes in a later transaction of the same gc.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from operator import itemgetter
 
 import numpy as np
@@ -216,7 +216,8 @@ def order(g: Graph, parent: np.ndarray | None = None, by_hash: np.ndarray | None
 
 def plan(g: Graph, *, max_bytes: int | None, cutoff: float | None, stale: bool) -> Plan:
     """The records to evict so that the store holds at most `max_bytes`, nothing last used
-    before `cutoff` (a time) is left and, with `stale`, nothing of a stale model version.
+    before `cutoff` (a time) is left and, with `stale`, nothing of a stale model version, pins
+    and all (no lookup can use them again).
 
     Records of stale versions go first (in their own LRU order), then the others: each part is
     evicted up to the first record that neither the budget, the age nor `stale` asks for, where
@@ -225,6 +226,8 @@ def plan(g: Graph, *, max_bytes: int | None, cutoff: float | None, stale: bool) 
     class, weakest first, LRU inside each. Unreachable records (`unreachable`) go first, all
     of them but the pinned. The parts' trees are disjoint, so each part alone keeps children
     before parents."""
+    if stale:
+        g = replace(g, pinned=g.pinned & ~g.stale)
     parent, by_hash = parents(g)
     lost = unreachable(g, parent)
     if max_bytes is None and cutoff is None and not (stale and g.stale.any()) and not lost.any():

@@ -1,7 +1,8 @@
 """Keeping a store within bounds: `collect`, behind `LocalStore.gc` (and so `kvstore gc`).
 
 Which records gc evicts is the leaf-by-leaf LRU rule (`evict` computes it for the whole store at
-once, with retention by role); pinned records and their ancestors stay. Their rows go in hash
+once, with retention by role); pinned records and their ancestors stay, except that `stale`
+unpins the records of stale model versions first (no lookup can use them again). Their rows go in hash
 order (neighbours in the table), in short transactions, each file right after the one that
 dropped its row, and with them the edges out of the rows they drop (neighbours in the `children`
 table too, whose key starts with the parent); then the few edges left, into records whose parent
@@ -54,11 +55,19 @@ def collect(index: Index, root: Path, *, max_bytes: int | None = None, max_age: 
     total = index.totals()["bytes"]
     cutoff = time.time() - max_age if max_age is not None else None
     p = evict.Plan.empty()
+    # `stale`: the pins of stale versions go first (no lookup can use them again), so that the
+    # deletes, which keep whatever is pinned, take those records too.
+    unpinned = (0, 0)
+    if stale and stale_namespaces and not dry_run:
+        unpinned = index.unpin_namespaces(stale_namespaces)
     # Quarantined records are never served: any gc drops them (and what hangs below them).
     if ((max_bytes is not None and total > max_bytes) or cutoff is not None or (stale and stale_namespaces)
             or index.quarantined()[0]):
         graph = evict.Graph.from_index(index.eviction_graph(sorted(stale_namespaces)))
         p = evict.plan(graph, max_bytes=max_bytes, cutoff=cutoff, stale=stale)
+        if dry_run and stale:
+            held = graph.pinned & graph.stale
+            unpinned = (int(held.sum()), int(graph.sizes[held].sum()))
     planned = time.perf_counter() - started
     freed, hashes, longest = 0, [], 0.0
     if dry_run:
@@ -103,6 +112,7 @@ def collect(index: Index, root: Path, *, max_bytes: int | None = None, max_age: 
         "seconds": time.perf_counter() - started,
         "plan_seconds": planned,
         "longest_transaction_seconds": longest,
+        "stale_pins": {"records": unpinned[0], "bytes": unpinned[1]},  # unpinned, then evicted
         "hashes": hashes,
     }
 

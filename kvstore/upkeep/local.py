@@ -24,7 +24,7 @@ from kvstore.errors import StoreOpenError
 from kvstore.storage import blobtree
 from kvstore.storage.index import Index, is_corruption
 from kvstore.storage.stale import status as model_status
-from kvstore.storage.storedir import BLOBS_NAME, INDEX_NAME, QUARANTINE_NAME, open_dir
+from kvstore.storage.storedir import BLOBS_NAME, INDEX_NAME, PINS_NAME, QUARANTINE_NAME, open_dir
 
 log = logging.getLogger("kvstore")
 
@@ -51,6 +51,11 @@ class LocalStore:
         self.index = Index(index_file, read_only=self.read_only)
         if not self.read_only:  # the index's writes queue behind gc on the blob tree's lock
             self.index.write_gate = functools.partial(blobtree.write_turn, self.blob_root)
+            self.index.pins_file = self.path / PINS_NAME  # kept for a rebuild of the index
+            try:
+                self.index.keep_pins_file(missing_only=True)  # a new store, or one from before the file
+            except sqlite3.Error:
+                pass  # only a copy: a damaged index says so where it is used
         self.gc_lock = threading.Lock()  # one gc at a time in this process (the writer's budget too)
 
     def close(self) -> None:
@@ -92,11 +97,22 @@ class LocalStore:
         out["quarantine_folder"] = folder_usage(self.path / QUARANTINE_NAME)
         return out
 
+    def pins(self) -> list[dict]:
+        """What is pinned, one dict per model version that has pinned records: `namespace`,
+        `fingerprint`, `model_id`, `records`, `bytes`, `tokens` (those its pinned chunks and
+        tails hold, shared ones once) and `stale` (as `stats` says it: True, False or None)."""
+        with self.damage_is_an_error():
+            out = self.index.pins_by_model()
+            found = self.model_status(rehash=False)
+        for m in out:
+            m["stale"] = found.get(bytes.fromhex(m["namespace"]) if m["namespace"] != "?" else b"", (None, None))[0]
+        return out
+
     def gc(self, max_bytes: int | None = None, max_age: float | None = None, dry_run: bool = False,
            stale: bool = False) -> dict:
         """Evict down to `max_bytes` (and records unused for `max_age` seconds; with `stale`, every
-        record of a model version whose files are gone or changed, pins aside); see `gc.collect`.
-        The result's `hashes` are the records evicted."""
+        record of a model version whose files are gone or changed, pinned ones too: the result's
+        `stale_pins` counts those); see `gc.collect`. The result's `hashes` are the records evicted."""
         from kvstore.upkeep.gc import collect
 
         if not dry_run:

@@ -11,7 +11,9 @@ blob); anything else named like a blob (a user's file) is moved to `quarantine/`
 
 The damaged index is moved aside (`index.sqlite.damaged-<time>`, with its -wal/-shm), not
 deleted. What the blobs do not carry is read from it when it still can be (pins, access times,
-hit counts, model layouts); otherwise pins are lost and access times become the files' mtimes.
+hit counts, model layouts); otherwise access times become the files' mtimes, and pins come from
+the pins file the store keeps beside the index (`storage.pins`; a damaged one gives what it
+still holds, and the result says what was wrong with it).
 
 Run it with no other process using the store (`kvstore verify --repair` does, when the index
 cannot be read): a process that still has the old index open keeps writing to the moved file.
@@ -34,7 +36,8 @@ from kvstore.records import CHECKPOINT, CHUNK, TAIL
 from kvstore.storage import blobfile, blobformat, blobtree
 from kvstore.storage.index import Index, _u64_to_i64
 from kvstore.storage.schema import connect_read_only
-from kvstore.storage.storedir import BLOBS_NAME, INDEX_FILES, INDEX_NAME, has_blob_files, open_dir
+from kvstore.storage.pins import PinsFile, read_pins_file, write_pins_file
+from kvstore.storage.storedir import BLOBS_NAME, INDEX_FILES, INDEX_NAME, PINS_NAME, has_blob_files, open_dir
 
 
 def rebuild_index(path: str | os.PathLike) -> dict:
@@ -42,8 +45,9 @@ def rebuild_index(path: str | os.PathLike) -> dict:
 
     Returns what was done: `records`, `chunks`, `tails`, `checkpoints`, `bytes`, `models`,
     `skipped` (a list of {"path", "reason"} for blob-named files that were not taken back),
-    `salvaged` (records whose pin and access times came from the old index) and `damaged_index`
-    (where the old index was moved, or None if there was none).
+    `salvaged` (records whose pin and access times came from the old index), `pinned` (records
+    pinned again), `pins` (where their pins came from, and what was lost, in words) and
+    `damaged_index` (where the old index was moved, or None if there was none).
     """
     store = Path(path).expanduser().resolve()
     root = store / BLOBS_NAME
@@ -62,6 +66,7 @@ def rebuild_index(path: str | os.PathLike) -> dict:
         # After a rebuild that crashed, the index moved aside last time is the one to read.
         earlier = sorted(store.glob(f"{INDEX_NAME}.damaged-*[0-9]"), key=lambda p: os.lstat(p).st_mtime)
         old = _salvage(aside or (earlier[-1] if earlier else None))
+        old.pins_file = read_pins_file(store / PINS_NAME)
 
         found, skipped = _scan(root)
         accepted = _chain(found, skipped)
@@ -79,6 +84,12 @@ def rebuild_index(path: str | os.PathLike) -> dict:
         finally:
             index.close()
         os.replace(building, index_file)
+        pinned = {r["hash"] for r in accepted if old.pinned(r["hash"])}
+        pins = _pins_note(old, len(pinned), store / PINS_NAME)
+        try:  # the file now holds what the new index pins (a damaged one is made whole)
+            write_pins_file(store / PINS_NAME, pinned)
+        except OSError as e:
+            pins += f"; the pins file could not be rewritten ({e.strerror or e})"
     kinds = [r["kind"] for r in accepted]
     return {
         "records": len(accepted),
@@ -88,6 +99,8 @@ def rebuild_index(path: str | os.PathLike) -> dict:
         "bytes": sum(r["size"] for r in accepted),
         "models": len({r["ns"] for r in accepted}),
         "salvaged": sum(1 for r in accepted if r["hash"] in old.records),
+        "pinned": len(pinned),
+        "pins": pins,
         "skipped": [{"path": str(p), "reason": why} for p, why in skipped],
         "damaged_index": str(aside) if aside is not None else None,
     }
@@ -119,6 +132,28 @@ class _Salvage:
     def __init__(self):
         self.records: dict[bytes, tuple[float, float, int, int]] = {}  # created, last_access, hits, pinned
         self.layouts: dict[bytes, str] = {}
+        self.pins_file: PinsFile | None = None
+
+    def pinned(self, h: bytes) -> int:
+        """The old index's pin of a record where it could tell, else the pins file's."""
+        if h in self.records:
+            return int(self.records[h][3] != 0)
+        return int(self.pins_file is not None and h in self.pins_file.hashes)
+
+
+def _pins_note(old: _Salvage, pinned: int, path: Path) -> str:
+    """Where the pins of a rebuilt index came from, and what may have been lost, in words."""
+    told = f"{pinned} pinned record{'s' if pinned != 1 else ''} kept"
+    f = old.pins_file
+    if f is None:
+        if old.records:
+            return f"{told} (from the old index; there was no pins file {path}, so pins it could not tell are lost)"
+        return (f"{told}: the old index could not be read and there was no pins file {path}, so any "
+                "pins are lost (warm the prompts again with \"pin\": true)")
+    if f.problem is not None:
+        return (f"{told}; the pins file {path} was damaged ({f.problem}): what it no longer held is "
+                "not pinned (warm those prompts again with \"pin\": true)")
+    return told
 
 
 def _salvage(old_file: Path | None) -> _Salvage:
@@ -269,5 +304,5 @@ def _write(index: Index, records: list[dict], old: _Salvage) -> None:
             "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0)",
             [(r["hash"], r["ns"], r["parent"], r["depth"], r["kind"], r["ntokens"],
               keys.first_token(r["tokens"]), r["size"], _u64_to_i64(r["checksum"]),
-              *old.records.get(r["hash"], (r["mtime"], r["mtime"], 0, 0)))
+              *old.records.get(r["hash"], (r["mtime"], r["mtime"], 0, 0))[:3], old.pinned(r["hash"]))
              for r in records])

@@ -8,15 +8,20 @@ queued and how many stay in RAM only when it stores a request.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable
+from typing import Iterable, Protocol
 
 from kvstore.records import CHECKPOINT, Span
 from kvstore.sizes import plural
 from kvstore.storage.index import Index
 
-if TYPE_CHECKING:
-    from kvstore.write.admission import Gate
-    from kvstore.write.writer import Writer
+
+
+class _Queue(Protocol):  # the writer (`write.writer.Writer`, which imports this module's batch)
+    def is_pending(self, h: bytes) -> bool: ...
+
+
+class _Gate(Protocol):  # `write.admission.Gate`
+    def kept_reason(self, h: bytes) -> str | None: ...
 
 #: Why a record is in RAM only, in a report's words.
 REASONS = {"not_admitted": "not admitted", "over_budget": "over budget", "ram_only": "RAM-only store",
@@ -49,7 +54,7 @@ class Placement:
         return f"{plural(self.tokens, 'token')}: {self.text()}"
 
 
-def place(spans: Iterable[Span], index: Index | None, writer: "Writer", gate: "Gate | None") -> Placement:
+def place(spans: Iterable[Span], index: Index | None, writer: _Queue, gate: _Gate | None) -> Placement:
     """Where the records `spans` (a prompt's, root first) are. A record queued for the writer
     counts as queued even if the writer will keep it in RAM: flush first to know."""
     spans = [s for s in spans if s.kind != CHECKPOINT]

@@ -1,0 +1,168 @@
+"""Pins have a life cycle: unpinned (library, `kvstore pins --remove`, a warm line with
+`"pin": false`), listed (`kvstore pins`), kept through a rebuild of a damaged or lost index, and
+dropped with the stale model version they belong to (`gc --stale`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from kvtest import logits_diff, prefill
+from test_stale import C as STALE_C, PINNED, by_ns, store_two_versions
+
+import kvstore
+from kvstore.cli import main as cli
+
+C = 16
+TOL = 1e-4
+SYSTEM = list(range(1, 1 + 2 * C))  # two whole chunks both prompts start with
+A = SYSTEM + list(range(100, 125))
+B = SYSTEM + list(range(150, 170))
+
+
+def _bytes_of(store, mc, tokens) -> int:
+    return sum(store.index.get(h).size for h in mc.record_hashes(tokens))
+
+
+def _pinned_pair(path, llama):
+    """A store holding A and B, both pinned, and an unpinned third prompt."""
+    model_path, model = llama
+    with kvstore.open(path, chunk_size=C) as store:
+        mc = store.bind(model, model_path)
+        for p in (A, B):
+            mc.prefill(p, pin=True)
+        mc.prefill(list(range(200, 240)))
+        store.flush()
+
+
+def test_unpin_lets_gc_free_the_prompt_and_keeps_the_other_pinned_one(tmp_path, llama):
+    model_path, model = llama
+    path = tmp_path / "s"
+    _pinned_pair(path, llama)
+    with kvstore.open(path, chunk_size=C) as store:
+        mc = store.bind(model, model_path)
+        store.gc(max_bytes=0)  # pinned: both stay (the third prompt goes)
+        a_bytes, b_bytes, shared = (_bytes_of(store, mc, p) for p in (A, B, SYSTEM))
+        assert store.stats()["bytes"] == a_bytes + b_bytes - shared
+        [listed] = store.pins()
+        # The two shared chunks once, then a chunk and a tail of each prompt.
+        assert listed["model_id"] == str(model_path) and listed["records"] == 6
+        assert listed["bytes"] == a_bytes + b_bytes - shared and listed["tokens"] == len(A) + len(B) - len(SYSTEM)
+        result = mc.unpin(A)
+        assert result == {"records": len(mc.record_hashes(A)), "bytes": a_bytes}  # shared chunks too
+        assert mc.unpin(A) == {"records": 0, "bytes": 0}
+        assert store.gc(max_bytes=0)["freed_bytes"] == a_bytes - shared
+        # A's own records went; B keeps its pin, and so the shared chunks it hangs from.
+        assert store.stats()["bytes"] == b_bytes
+        [listed] = store.pins()
+        assert (listed["records"], listed["bytes"]) == (2, b_bytes - shared)
+    with kvstore.open(path, chunk_size=C, memory_bytes=0) as store:
+        mc = store.bind(model, model_path)
+        cache, rest = mc.fetch(A + [9])
+        assert len(A) + 1 - len(rest) == len(SYSTEM)
+        cache, rest = mc.fetch(B + [9])
+        assert rest == [9] and logits_diff(model, cache, rest, B + [9]) <= TOL
+
+
+def _run(*args, check=True):
+    out = subprocess.run([sys.executable, "-m", "kvstore.cli", *map(str, args)],
+                         capture_output=True, text=True, timeout=300)
+    if check:
+        assert out.returncode == 0 and "Traceback" not in out.stderr, out.stdout + out.stderr
+    return out
+
+
+def test_kvstore_pins_lists_and_removes(tmp_path, demo_model_path):
+    store, model = tmp_path / "s", str(demo_model_path)
+    messages = [{"role": "system", "content": "You answer in one word."}, {"role": "user", "content": "Why?"}]
+    lines = [{"prompt": "a pinned prompt about kv caches", "pin": True},
+             {"messages": messages, "pin": True},
+             {"prompt": "not pinned at all"}]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    _run("warm", "--store", store, "--model", model, "--prompts", prompts)
+
+    listed = json.loads(_run("pins", "--store", store, "--json").stdout)
+    assert listed["records"] >= 2 and listed["bytes"] > 0
+    [m] = listed["models"]
+    assert m["model_id"] == model and m["records"] == listed["records"] and m["stale"] is False
+    text = _run("pins", "--store", store).stdout
+    assert "pinned in" in text and model in text
+
+    out = _run("pins", "--store", store, "--model", model, "--remove", "--prompt", lines[0]["prompt"])
+    assert "--prompt: unpinned 1 record" in out.stdout and "gc may now evict" in out.stdout
+    out = _run("pins", "--store", store, "--model", model, "--remove", "--prompt", lines[0]["prompt"])
+    assert "nothing was pinned" in out.stdout
+    out = _run("pins", "--store", store, "--model", model, "--remove", "--messages", json.dumps(messages))
+    assert "--messages: unpinned" in out.stdout
+    assert json.loads(_run("pins", "--store", store, "--json").stdout)["models"] == []
+    assert "nothing is pinned" in _run("pins", "--store", store).stdout
+    _run("gc", "--store", store, "--max-bytes", "0")
+    assert json.loads(_run("stats", "--store", store, "--json").stdout)["bytes"] == 0
+
+    # Warmed pinned again, then a line with "pin": false unpins it (no "pin" leaves it alone).
+    _run("warm", "--store", store, "--model", model, "--prompts", prompts)
+    prompts.write_text(json.dumps({"prompt": lines[0]["prompt"], "pin": False}) + "\n"
+                       + json.dumps({"messages": messages}) + "\n")
+    out = _run("warm", "--store", store, "--model", model, "--prompts", prompts)
+    assert "unpinned 1 record" in out.stderr, out.stderr
+    [m] = json.loads(_run("pins", "--store", store, "--json").stdout)["models"]
+    assert m["records"] == listed["records"] - 1  # the messages line's pins stay
+
+    bad = _run("pins", "--store", store, "--prompt", "x", check=False)
+    assert bad.returncode == 2 and "add --remove" in bad.stderr
+
+
+@pytest.mark.parametrize("how", ["garbage", "lost", "garbage-and-damaged-pins-file"])
+def test_pins_survive_a_rebuild_of_a_damaged_index(tmp_path, llama, capsys, how):
+    model_path, model = llama
+    path = tmp_path / "s"
+    with kvstore.open(path, chunk_size=C) as store:
+        mc = store.bind(model, model_path)
+        mc.prefill(A, pin=True)
+        mc.prefill(list(range(200, 240)))
+        store.flush()
+        a_bytes = _bytes_of(store, mc, A)
+        assert store.stats()["bytes"] > a_bytes
+    db = path / "index.sqlite"
+    if how == "lost":
+        for name in os.listdir(path):
+            if name.startswith("index.sqlite"):
+                os.unlink(path / name)
+    else:
+        db.write_bytes(b"this is not a database" * 200)
+    if how == "garbage-and-damaged-pins-file":
+        pins = path / "index.pins"
+        pins.write_text(pins.read_text()[:-3] + "zz\n")  # the count at its end is cut short
+    assert cli.main(["verify", "--repair", "--store", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert "rebuilt the index" in err and "4 pinned records kept" in err, err
+    if how == "garbage-and-damaged-pins-file":
+        assert "pins file" in err and "damaged" in err
+    assert cli.main(["gc", "--max-bytes", "0", "--store", str(path)]) == 0
+    with kvstore.open(path, chunk_size=C, memory_bytes=0) as store:
+        assert store.stats()["bytes"] == a_bytes
+        mc = store.bind(model, model_path)
+        cache, rest = mc.fetch(A + [9])
+        assert rest == [9] and logits_diff(model, cache, rest, A + [9]) <= TOL
+        assert store.verify() == []
+
+
+def test_gc_stale_frees_a_stale_models_pinned_bytes(tmp_path, demo_model_path, capsys):
+    path, folder, old_ns, new_ns = store_two_versions(tmp_path, demo_model_path)
+    before = by_ns(path)
+    pinned_records = len(PINNED) // STALE_C + 1
+    assert cli.main(["gc", "--stale", "--dry-run", "--store", str(path)]) == 0
+    assert f"{pinned_records} pinned records of stale models would be freed" in capsys.readouterr().out
+    assert cli.main(["gc", "--stale", "--store", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert f"{pinned_records} pinned records of stale models freed" in out, out
+    after = by_ns(path)
+    assert after[old_ns]["bytes"] == 0 and after[new_ns]["bytes"] == before[new_ns]["bytes"]
+    assert cli.main(["stats", "--store", str(path)]) == 0
+    assert "STALE:" not in capsys.readouterr().out  # no more nagging about what gc --stale keeps
+    assert cli.main(["pins", "--store", str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["models"] == []
