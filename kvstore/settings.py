@@ -45,6 +45,7 @@ class Setting:
     default_text: str = ""  # how the default reads when it is not a plain value (None: "RAM / 4")
     serve_default: Any = field(default=None)  # `kvstore serve`'s own default, where it differs
     serve_note: str = ""
+    damaged: str | None = None  # what a kept value that does not parse reads as (None: the default)
 
     @property
     def flag(self) -> str | None:
@@ -214,7 +215,7 @@ STORE_SETTINGS: tuple[Setting, ...] = (
             help="which prompts automatic writes put on disk: all; reused (a prefix asked for a "
                  "second time; a first sight stays in RAM); pinned (only warmed and pinned "
                  "prompts, which are always written)"),
-    Setting("max_write_rate", "rate", None, kept=True, off=True, zero=None,
+    Setting("max_write_rate", "rate", None, kept=True, off=True, zero=None, damaged="0",
             refuse_zero="0 would never write: use off for no limit, or --admit pinned to write only "
                         "warmed and pinned prompts",
             help="write at most this much to disk in any rolling day, e.g. 20GB/day or 500MB/h; "
@@ -255,8 +256,13 @@ def resolve(given: Mapping[str, Any], kept: Mapping[str, str | None],
                 out[s.name] = (s.decode(text), KEPT)
                 continue
             except InvalidInputError as e:
+                if s.damaged is not None:  # a limit: a damaged one never turns it off
+                    out[s.name] = (s.decode(s.damaged), KEPT)
+                    warn(f"{e}: it reads as {s.show(out[s.name][0])} (no automatic writes) until it is "
+                         f"given again, `kvstore settings {s.name}=...` keeps another or `kvstore verify --repair` forgets it")
+                    continue
                 warn(f"{e}; using the default, {s.show(s.default)} (`kvstore settings --reset {s.name}` "
-                     "forgets it)")
+                     "or `kvstore verify --repair` forgets it)")
         out[s.name] = (s.default, DEFAULT)
     return out
 

@@ -147,3 +147,63 @@ def test_remote_downloads_count_in_the_lifetime_bytes(tmp_path, s3, llama):
         assert writes["records_lifetime"] == 0  # the writer wrote nothing
         assert writes["downloaded_lifetime"] == writes["bytes_lifetime"] == b.stats()["bytes"] == written
         assert writes["days"][-1]["downloaded"] == written
+
+
+def test_the_window_reaches_back_over_24_hours_not_to_the_last_whole_hour(tmp_path, llama):
+    """Counted by the hour, what was written early in one hour must still count at the start of
+    the hour 24 hours later (less than 24 hours after it): the window is 25 hourly buckets."""
+    path, model = llama
+    hour = int(START // HOUR_S)
+    clock = Clock(hour * HOUR_S + 10)
+    with kvstore.open(tmp_path / "s", chunk_size=C) as store:
+        mc = store.bind(model, path)
+        mc.insert(prompt(0), prefill(model, prompt(0)))
+        store.flush()
+        one = store.stats()["bytes"]
+    with kvstore.open(tmp_path / "b", chunk_size=C, max_write_rate=one) as store:
+        store.gate.use_clock(clock)
+        mc = store.bind(model, path)
+        written = []
+        for i, at in enumerate((10, 24 * HOUR_S + 5, 25 * HOUR_S + 5)):  # 23:59:55 and 24:59:55 later
+            clock.t = hour * HOUR_S + at
+            mc.insert(prompt(i), prefill(model, prompt(i)))
+            store.flush()
+            written.append(store.stats()["bytes"])
+    assert written == [one, one, 2 * one], written  # refused within 24 hours, written after
+
+
+_TAKE = """
+import json, os, sys, time
+from pathlib import Path
+from kvstore.storage.index import Index
+from kvstore.write.budget import WriteBudget
+
+store, limit, n, now = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+budget = WriteBudget(Index(store / "index.sqlite"), limit, clock=lambda: now)
+(store / f"ready.{os.getpid()}").touch()
+while not (store / "go").exists():  # the barrier: both start at once
+    time.sleep(0.001)
+print(json.dumps(sum(budget.take([n]) for _ in range(40))))
+"""
+
+
+def test_two_processes_never_both_take_the_last_of_the_budget(tmp_path):
+    """Two processes take from one budget at once: what both took never exceeds it (the check
+    and the take are one transaction)."""
+    import subprocess
+    import sys
+
+    store = tmp_path / "s"
+    kvstore.open(store).close()
+    n, limit = 1000, 30_500  # room for 30 writes, and 80 asked for
+    procs = [subprocess.Popen([sys.executable, "-c", _TAKE, str(store), str(limit), str(n), str(START)],
+                              stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    deadline = time.monotonic() + 60
+    while len(list(store.glob("ready.*"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    (store / "go").touch()
+    taken = [int(p.communicate(timeout=60)[0]) for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    with kvstore.open(store) as s:
+        logged = sum(h[1] for h in s.index.write_hours(0))
+    assert sum(taken) == 30 and logged == 30 * n, (taken, logged)

@@ -17,6 +17,12 @@ _MAX_PARAMS = schema.MAX_PARAMS
 # Of `records r`: its parent is neither stored nor a model's root (nothing reaches it).
 _PARENT_GONE = ("NOT EXISTS (SELECT 1 FROM records p WHERE p.hash = r.parent) "
                 "AND NOT EXISTS (SELECT 1 FROM models m WHERE m.ns = r.parent)")
+#: The strongest role class (`upkeep.evict.ROLES`: 0 assistant, 1 user, 2 system).
+MAX_ROLE = 2
+#: A record's role as gc may trust it: a damaged one (text, NULL, out of range) is the weakest,
+#: so gc can always evict it and the disk budget holds.
+ROLE_OK = f"(typeof(role) = 'integer' AND role BETWEEN 0 AND {MAX_ROLE})"
+_ROLE = f"(CASE WHEN {ROLE_OK} THEN role ELSE 0 END)"
 
 
 class EvictionSQL:
@@ -44,14 +50,24 @@ class EvictionSQL:
         flag = f"(ns IN ({marks})) * 2" if stale else "0"
         return self.conn.execute(
             f"SELECT CAST(hash || parent AS BLOB), last_access, "
-            f"size * 64 + min(max(role, 0), 2) * 16 + (pinned != 0) + {flag} + (parent = ns) * 4 + (bad != 0) * 8 "
+            f"size * 64 + {_ROLE} * 16 + (pinned != 0) + {flag} + (parent = ns) * 4 + (bad != 0) * 8 "
             "FROM records"
             # A row of the wrong type (a TEXT hash, say) is never planned: verify reports it.
             " WHERE typeof(hash) = 'blob' AND length(hash) = 16 AND typeof(parent) = 'blob'"
             " AND length(parent) = 16 AND typeof(size) = 'integer'"
             " AND typeof(last_access) IN ('integer', 'real') AND typeof(pinned) = 'integer'"
-            " AND typeof(bad) = 'integer' AND typeof(role) = 'integer'",
+            " AND typeof(bad) = 'integer'",
             stale).fetchall()
+
+    def damaged_roles(self) -> list[tuple[bytes, object]]:
+        """(hash, role) of every record whose role gc reads as the weakest because it is
+        damaged (for verify: a full scan)."""
+        return self.conn.execute(f"SELECT hash, role FROM records WHERE NOT {ROLE_OK}").fetchall()
+
+    def reset_damaged_roles(self) -> int:
+        """Set every damaged role to the weakest (0), as gc already reads it; how many."""
+        with self.transaction() as conn:
+            return conn.execute(f"UPDATE records SET role = 0 WHERE NOT {ROLE_OK}").rowcount
 
     @contextmanager
     def victims(self, hashes: Iterable[bytes], tops: Iterable[bytes] | None = None) -> Iterator[None]:

@@ -20,7 +20,7 @@ from kvstore import faults
 from kvstore.errors import CorruptIndexError, StoreOpenError
 from kvstore.records import CHECKPOINT, CHUNK, TAIL, RecordId  # noqa: F401 -- the kinds' home is records
 from kvstore.storage import schema
-from kvstore.storage.evictsql import EvictionSQL
+from kvstore.storage.evictsql import MAX_ROLE, ROLE_OK, EvictionSQL
 from kvstore.storage.pins import PinSQL
 from kvstore.storage.schema import available_migrations, connect_read_only, is_corruption
 from kvstore.storage.writesql import WriteLogSQL
@@ -34,7 +34,12 @@ _MODEL_COLUMNS = ", ".join(f"m.{c}" for c in MODEL_FIELDS)
 # The sums of `totals` and how many of its values are not whole numbers of 0 or more, in one scan.
 _TOTALS_SUMS = ("SELECT " + ", ".join(f"coalesce(sum({c}), 0)" for c in TOTALS) + ", coalesce(sum("
                 + " OR ".join(f"typeof({c}) != 'integer' OR {c} < 0" for c in TOTALS) + "), 0) FROM totals")
-
+# A model_files row as `storage.stale` may read it, and a memoised digest: a damaged one is left
+# out (the file is checked on its other stamps, or hashed again); verify reports it.
+_FILE_OK = ("typeof(ns) = 'blob' AND typeof(path) = 'text' AND typeof(size) = 'integer' AND typeof(mtime_ns) = "
+            "'integer' AND typeof(ino) = 'integer' AND typeof(ctime_ns) = 'integer' AND (digest IS NULL OR "
+            "(typeof(digest) = 'blob' AND length(digest) = 16))")
+_DIGEST_OK = "typeof(digest) = 'blob' AND length(digest) = 16"
 
 
 @dataclass(slots=True)
@@ -136,11 +141,7 @@ class Index(EvictionSQL, WriteLogSQL, PinSQL):
         return [m for m in available_migrations() if m[0] not in done]
 
     def bump_counter(self, key: str, by: int = 1) -> None:
-        with self.transaction() as conn:
-            conn.execute("INSERT OR IGNORE INTO meta (key, value) VALUES (?, '0')", (key,))
-            conn.execute(
-                "UPDATE meta SET value = CAST(value AS INTEGER) + ? WHERE key = ?", (by, key)
-            )
+        self.bump_counters({key: by})
 
     def bump_counters(self, deltas: dict[str, int]) -> None:
         """`bump_counter` for several keys in one transaction."""
@@ -155,8 +156,8 @@ class Index(EvictionSQL, WriteLogSQL, PinSQL):
         """The memoised digest of a model file, if it is the same file as when it was hashed:
         same size, mtime, device, inode and ctime (ctime cannot be set back by a user)."""
         row = self.conn.execute(
-            "SELECT digest FROM file_digests WHERE path = ? AND size = ? AND mtime_ns = ? "
-            "AND dev = ? AND inode = ? AND ctime_ns = ?",
+            f"SELECT digest FROM file_digests WHERE path = ? AND size = ? AND mtime_ns = ? "
+            f"AND dev = ? AND inode = ? AND ctime_ns = ? AND {_DIGEST_OK}",
             (str(path), st.st_size, st.st_mtime_ns, st.st_dev, st.st_ino, st.st_ctime_ns),
         ).fetchone()
         return row[0] if row else None
@@ -192,13 +193,25 @@ class Index(EvictionSQL, WriteLogSQL, PinSQL):
                 "VALUES (?, ?, ?, ?, ?, ?, ?)",
                 [(ns, *f) for f in files])
 
-    def model_files(self) -> dict[bytes, list[tuple]]:
-        """ns -> the files recorded for it by `record_model_files`."""
+    def model_files(self, damaged: bool = False) -> dict[bytes, list[tuple]]:
+        """ns -> the files recorded for it by `record_model_files` (`damaged`: only the rows
+        that are left out, for verify)."""
         out: dict[bytes, list[tuple]] = {}
-        for ns, *f in self.conn.execute(
-                "SELECT ns, path, size, mtime_ns, ino, ctime_ns, digest FROM model_files ORDER BY ns, path"):
+        for ns, *f in self.conn.execute("SELECT ns, path, size, mtime_ns, ino, ctime_ns, digest FROM model_files "
+                                        f"WHERE {'NOT' if damaged else ''} ({_FILE_OK}) ORDER BY ns, path"):
             out.setdefault(ns, []).append(tuple(f))
         return out
+
+    def damaged_digests(self) -> list[object]:
+        """Paths of the memoised digests that are not a file's digest (for verify)."""
+        return [p for (p,) in self.conn.execute(f"SELECT path FROM file_digests WHERE NOT ({_DIGEST_OK})")]
+
+    def forget_damaged_files(self) -> None:
+        """Delete the damaged rows of `model_files` and of the digest memo (the next bind records
+        its files again; a file is hashed again)."""
+        with self.transaction() as conn:
+            conn.execute(f"DELETE FROM model_files WHERE NOT ({_FILE_OK})")
+            conn.execute(f"DELETE FROM file_digests WHERE NOT ({_DIGEST_OK})")
 
     # -- records ----------------------------------------------------------------------------
 
@@ -208,12 +221,8 @@ class Index(EvictionSQL, WriteLogSQL, PinSQL):
         for start in range(0, len(hashes), _MAX_PARAMS):
             part = hashes[start : start + _MAX_PARAMS]
             marks = ",".join("?" * len(part))
-            found.update(
-                h
-                for (h,) in self.conn.execute(
-                    f"SELECT hash FROM records WHERE hash IN ({marks}) AND bad = 0", part
-                )
-            )
+            found.update(h for (h,) in self.conn.execute(
+                f"SELECT hash FROM records WHERE hash IN ({marks}) AND bad = 0", part))
         return found
 
     def rows_of(self, hashes: Sequence[bytes]) -> dict[bytes, Row]:
@@ -231,9 +240,7 @@ class Index(EvictionSQL, WriteLogSQL, PinSQL):
         return found
 
     def get(self, h: bytes) -> Row | None:
-        row = self.conn.execute(
-            f"SELECT {_ROW_COLUMNS} FROM records WHERE hash = ?", (h,)
-        ).fetchone()
+        row = self.conn.execute(f"SELECT {_ROW_COLUMNS} FROM records WHERE hash = ?", (h,)).fetchone()
         return _row(row) if row else None
 
     def children(self, parent: bytes, first_token: int | None = None) -> list[Row]:
@@ -291,7 +298,7 @@ class Index(EvictionSQL, WriteLogSQL, PinSQL):
             for start in range(0, len(hashes), _MAX_PARAMS):
                 part = list(hashes[start : start + _MAX_PARAMS])
                 conn.execute(f"UPDATE records SET role = ? WHERE hash IN ({','.join('?' * len(part))}) "
-                             "AND role < ?", [role, *part, role])
+                             f"AND (role < ? OR NOT {ROLE_OK})", [role, *part, role])  # damaged: the weakest
 
     def mark_bad(self, h: bytes) -> bool:
         """Quarantine a record whose blob failed to read; True if it was usable until now."""
@@ -306,12 +313,8 @@ class Index(EvictionSQL, WriteLogSQL, PinSQL):
             for start in range(0, len(hashes), _MAX_PARAMS):
                 part = list(hashes[start : start + _MAX_PARAMS])
                 marks = ",".join("?" * len(part))
-                deleted += [
-                    _row(r)
-                    for r in conn.execute(
-                        f"SELECT {_ROW_COLUMNS} FROM records WHERE hash IN ({marks})", part
-                    )
-                ]
+                deleted += [_row(r) for r in conn.execute(
+                    f"SELECT {_ROW_COLUMNS} FROM records WHERE hash IN ({marks})", part)]
                 conn.execute(f"DELETE FROM records WHERE hash IN ({marks})", part)
             _drop_edges(conn, [(r.parent, -1 if r.first_token is None else r.first_token, r.hash)
                                for r in deleted])
@@ -352,8 +355,9 @@ class Index(EvictionSQL, WriteLogSQL, PinSQL):
                     "AND EXISTS (SELECT 1 FROM records n WHERE n.hash = ? AND n.bad = 0) "
                     "RETURNING hash, size, parent, coalesce(first_token, -1), role", (old, old, newer)).fetchall()
                 _drop_edges(conn, [(parent, first, h) for h, _, parent, first, _ in gone])
-                for *_, role in gone:
-                    conn.execute("UPDATE records SET role = ? WHERE hash = ? AND role < ?", (role, newer, role))
+                for role in [r for *_, r in gone if type(r) is int and 0 < r <= MAX_ROLE]:
+                    conn.execute(f"UPDATE records SET role = ? WHERE hash = ? AND (role < ? OR NOT {ROLE_OK})",
+                                 (role, newer, role))
                 deleted += [(h, size) for h, size, _, _, _ in gone]
         return deleted
 

@@ -3,18 +3,33 @@ seen marks of `admit="reused"`, and the store's own settings.
 
 Mixed into `Index` (which gives it `conn` and `transaction`), as `evictsql` is. A store opened
 read-only whose index predates these tables reads them as empty.
+
+Every row is checked where it is read, and a damaged one never turns a limit off: a write-log
+value that is not a whole number of 0 to `MAX_HOUR_BYTES` reads as None, and its hour as the
+whole budget (`window_bytes`); a seen mark of the wrong type is not seen; a kept setting that
+its row of `kvstore.settings` does not parse reads as that row says a damaged one reads (the
+default, or no automatic writes for `max_write_rate`), with one warning. `verify` reports each
+(`damaged_log`, `damaged_seen`, `damaged_settings`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import sqlite3
-from typing import Sequence
+import time
+from typing import Iterable, Sequence
 
+from kvstore import settings
+from kvstore.errors import InvalidInputError
 from kvstore.storage import schema
 
 _MAX_PARAMS = schema.MAX_PARAMS
 HOUR_S = 3600
+#: Hours of the write log the write budget sums: the current one and the 24 before it. A row of
+#: a later hour (logged by a clock that was ahead) counts too, up to this many hours ahead.
+WINDOW_HOURS = 25
+#: More than any disk writes in an hour (about 300 GB/s): a write-log value above it is damage.
+MAX_HOUR_BYTES = 1 << 50
 
 
 def hour_of(t: float) -> int:
@@ -26,6 +41,41 @@ def hour_of(t: float) -> int:
 LOG_COLUMNS = ("bytes", "records", "downloaded", "not_admitted", "not_admitted_bytes", "over_budget",
                "over_budget_bytes", "explicit")
 _SETTING = "setting."
+#: The columns of `seen_prefixes` as a reader may trust them.
+_SEEN_OK = ("typeof(hash) = 'blob' AND length(hash) = 16 AND typeof(seen) IN ('integer', 'real') "
+            "AND typeof(reused) = 'integer' AND reused IN (0, 1)")
+
+
+def count_ok(value: object) -> bool:
+    """Whether a write-log value is what the writer logs: a whole number of 0 to `MAX_HOUR_BYTES`."""
+    return type(value) is int and 0 <= value <= MAX_HOUR_BYTES
+
+
+def window_bytes(rows: Iterable[Sequence], hour: int, window: int, limit: int | None) -> int:
+    """Bytes written and downloaded in the `window` hours up to `hour` (and as many ahead), from
+    (hour, bytes, downloaded) rows. An hour whose values are damaged (None, or not `count_ok`)
+    counts as the whole `limit` (0 without one): it keeps the budget closed until it leaves the
+    window, and no longer."""
+    used = 0
+    for h, nbytes, downloaded in rows:
+        if hour - window < h <= hour + window:
+            used += nbytes + downloaded if count_ok(nbytes) and count_ok(downloaded) else limit or 0
+    return used
+
+
+def kept_problem(name: str, value: object) -> str | None:
+    """What is wrong with `value` as the kept form of setting `name` (None: nothing, or not a
+    setting the store keeps). The one definition is `kvstore.settings`."""
+    s = settings.BY_NAME.get(name)
+    if s is None or not s.kept:
+        return None
+    if not isinstance(value, str):
+        return f"not text but {type(value).__name__}"
+    try:
+        s.decode(value)
+    except InvalidInputError as e:
+        return str(e).split(": ", 1)[-1]
+    return None
 
 
 def _missing_table(e: sqlite3.OperationalError) -> bool:
@@ -55,8 +105,9 @@ class WriteLogSQL:
         with self.transaction() as conn:
             k = len(sizes)
             if limit is not None:
-                used = conn.execute("SELECT coalesce(sum(bytes + downloaded), 0) FROM write_log WHERE hour > ?",
-                                    (hour - window_hours,)).fetchone()[0]
+                used = window_bytes(conn.execute(
+                    "SELECT hour, bytes, downloaded FROM write_log WHERE hour > ? AND hour <= ?",
+                    (hour - window_hours, hour + window_hours)), hour, window_hours, limit)
                 k = 0
                 for n in sizes:
                     if used + n > limit:
@@ -68,25 +119,64 @@ class WriteLogSQL:
         return k
 
     def write_hours(self, since_hour: int) -> list[tuple]:
-        """(hour, *LOG_COLUMNS) of every logged hour from `since_hour` on, in order."""
+        """(hour, *LOG_COLUMNS) of every logged hour from `since_hour` on, in order; a damaged
+        value is None (see `window_bytes`)."""
         try:
-            return self.conn.execute(f"SELECT hour, {', '.join(LOG_COLUMNS)} FROM write_log WHERE hour >= ? "
+            rows = self.conn.execute(f"SELECT hour, {', '.join(LOG_COLUMNS)} FROM write_log WHERE hour >= ? "
                                      "ORDER BY hour", (since_hour,)).fetchall()
         except sqlite3.OperationalError as e:
             if _missing_table(e):
                 return []
             raise
+        return [(h, *(v if count_ok(v) else None for v in values)) for h, *values in rows]
 
     def write_totals(self) -> dict[str, int]:
-        """Every column of `write_log` summed over the store's life."""
+        """Every column of `write_log` summed over the store's life (damaged values left out)."""
+        ok = "typeof({0}) = 'integer' AND {0} BETWEEN 0 AND " + str(MAX_HOUR_BYTES)
         try:
-            row = self.conn.execute(
-                f"SELECT {', '.join(f'coalesce(sum({c}), 0)' for c in LOG_COLUMNS)} FROM write_log").fetchone()
+            row = self.conn.execute("SELECT " + ", ".join(
+                f"coalesce(sum(CASE WHEN {ok.format(c)} THEN {c} END), 0)" for c in LOG_COLUMNS)
+                + " FROM write_log").fetchone()
         except sqlite3.OperationalError as e:
             if not _missing_table(e):
                 raise
             row = (0,) * len(LOG_COLUMNS)
         return dict(zip(LOG_COLUMNS, row))
+
+    def damaged_log(self) -> list[tuple[int, str, object]]:
+        """(hour, column, value) of every write-log value that is not `count_ok`, and (hour,
+        "hour", hour) of every row before 1970 or more than a window ahead of `now_hour`
+        (for verify: a full scan, a few thousand rows a year)."""
+        now_hour = hour_of(time.time())
+        out: list[tuple[int, str, object]] = []
+        try:
+            rows = self.conn.execute(f"SELECT hour, {', '.join(LOG_COLUMNS)} FROM write_log ORDER BY hour").fetchall()
+        except sqlite3.OperationalError as e:
+            if _missing_table(e):
+                return []
+            raise
+        for h, *values in rows:
+            if not 0 <= h <= now_hour + WINDOW_HOURS:
+                out.append((h, "hour", h))
+            out += [(h, c, v) for c, v in zip(LOG_COLUMNS, values) if not count_ok(v)]
+        return out
+
+    def mend_log(self, closed: int) -> None:
+        """Rewrite `damaged_log`'s rows, in one transaction: a row of an impossible hour goes;
+        every damaged value becomes 0, and an hour of the budget's window whose bytes or
+        downloads were damaged is then counted as at least `closed` bytes (the budget: that hour
+        stays full until it leaves the window, as it read before)."""
+        hour = hour_of(time.time())
+        damaged = self.damaged_log()
+        with self.transaction() as conn:
+            for h, column, _ in damaged:
+                if column == "hour":
+                    conn.execute("DELETE FROM write_log WHERE hour = ?", (h,))
+                    continue
+                conn.execute(f"UPDATE write_log SET {column} = 0 WHERE hour = ?", (h,))
+            full = {h for h, column, _ in damaged if column in ("bytes", "downloaded") and h > hour - WINDOW_HOURS}
+            conn.executemany("UPDATE write_log SET bytes = max(bytes, ? - downloaded) WHERE hour = ?",
+                             [(closed, h) for h in full])
 
     # -- seen marks (admit="reused") --------------------------------------------------------
 
@@ -98,7 +188,8 @@ class WriteLogSQL:
             for i in range(0, len(hashes), _MAX_PARAMS):
                 part = hashes[i : i + _MAX_PARAMS]
                 out.update((h, bool(r)) for h, r in self.conn.execute(
-                    f"SELECT hash, reused FROM seen_prefixes WHERE hash IN ({','.join('?' * len(part))})", part))
+                    f"SELECT hash, reused FROM seen_prefixes WHERE hash IN ({','.join('?' * len(part))}) "
+                    f"AND {_SEEN_OK}", part))
         except sqlite3.OperationalError as e:
             if not _missing_table(e):
                 raise
@@ -124,17 +215,38 @@ class WriteLogSQL:
                                      "ORDER BY seen LIMIT ?)", (extra,)).rowcount
         return gone
 
+    def damaged_seen(self) -> list[tuple[object, object, object]]:
+        """(hash, seen, reused) of every seen mark a reader ignores (for verify: a full scan)."""
+        try:
+            return self.conn.execute(f"SELECT hash, seen, reused FROM seen_prefixes WHERE NOT ({_SEEN_OK})").fetchall()
+        except sqlite3.OperationalError as e:
+            if _missing_table(e):
+                return []
+            raise
+
+    def forget_damaged_seen(self) -> int:
+        """Delete the seen marks `damaged_seen` finds (the key is merely seen afresh); how many."""
+        with self.transaction() as conn:
+            return conn.execute(f"DELETE FROM seen_prefixes WHERE NOT ({_SEEN_OK})").rowcount
+
     # -- settings kept in the store ---------------------------------------------------------
 
+    def damaged_settings(self) -> list[tuple[str, object, str]]:
+        """(name, value, what is wrong) of every kept setting not in its kept form."""
+        rows = self.conn.execute("SELECT key, value FROM meta WHERE key LIKE 'setting.%'").fetchall()
+        out = [(key[len(_SETTING):], value, kept_problem(key[len(_SETTING):], value)) for key, value in rows]
+        return [row for row in out if row[2] is not None]
+
     def setting(self, name: str) -> str | None:
-        """A setting the store keeps (`set_setting`), or None."""
+        """The text a setting is kept as (`set_setting`), or None; `kvstore.settings` checks it."""
         row = self.conn.execute("SELECT value FROM meta WHERE key = ?", (_SETTING + name,)).fetchone()
         return row[0] if row else None
 
     def settings(self) -> dict[str, str]:
         """Every setting the store keeps, by name (as text: the reader checks it)."""
         rows = self.conn.execute("SELECT key, value FROM meta WHERE key LIKE ?", (_SETTING + "%",)).fetchall()
-        return {key[len(_SETTING):]: value for key, value in rows if isinstance(value, str)}
+        # Not text is damage: it is handed on in a form no setting parses, so it reads as damaged.
+        return {key[len(_SETTING):]: value if isinstance(value, str) else f"\0{value!r}" for key, value in rows}
 
     def set_setting(self, name: str, value: str | None) -> None:
         """Keep a setting in the store for later opens (None forgets it)."""
@@ -147,10 +259,22 @@ class WriteLogSQL:
 
 
 def _add(conn: sqlite3.Connection, hour: int, deltas: dict[str, int]) -> None:
-    """Add to the row of `hour`, in the caller's transaction."""
+    """Add to the row of `hour`, in the caller's transaction. What is given back (a negative
+    delta: taken, then not written) comes off this hour and the one before, never below 0 (what
+    is left stays counted), so no row is ever negative: a negative row is damage."""
     bad = set(deltas) - set(LOG_COLUMNS)
     if bad:
         raise ValueError(f"write_log has no column {sorted(bad)[0]!r}")
-    conn.execute("INSERT OR IGNORE INTO write_log (hour) VALUES (?)", (hour,))
-    conn.execute(f"UPDATE write_log SET {', '.join(f'{c} = {c} + ?' for c in deltas)} WHERE hour = ?",
-                 (*deltas.values(), hour))
+    up = {c: n for c, n in deltas.items() if n > 0}
+    if up:
+        conn.execute("INSERT OR IGNORE INTO write_log (hour) VALUES (?)", (hour,))
+        conn.execute(f"UPDATE write_log SET {', '.join(f'{c} = {c} + ?' for c in up)} WHERE hour = ?",
+                     (*up.values(), hour))
+    for c, n in deltas.items():
+        rows = conn.execute(f"SELECT hour, {c} FROM write_log WHERE hour IN (?, ?) ORDER BY hour DESC",
+                            (hour, hour - 1)).fetchall() if n < 0 else []
+        for h, have in rows:
+            off = min(-n, have) if count_ok(have) else 0
+            if off:
+                conn.execute(f"UPDATE write_log SET {c} = {c} - ? WHERE hour = ?", (off, h))
+                n += off

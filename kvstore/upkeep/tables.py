@@ -1,12 +1,18 @@
 """The index's bookkeeping, checked by `verify` and rewritten by its repair: the `totals` table
-(counted again from the records) and the `models` rows (every field of the type it must have).
+(counted again from the records), the `models` rows (every field of the type it must have), and
+the rows every reader checks and reads past (`storage.writesql`, `storage.evictsql`): the write
+log, the seen marks, the records' roles, the kept settings, the model files and digest memo.
 
 Nothing here deletes a record or a file. A damaged total is counted again. A damaged field of a
 models row is taken again from the header of one of its blobs (fingerprint, model id, chunk
 size), or set to now (when it was made), to 0 (its last use: its records' access times say it)
 or to "{}" (a layout, which the next bind writes again). A row that names no namespace, or whose
 fields no blob can give back, is deleted: its records are then orphans, which the next `verify`
-reports.
+reports. A damaged write-log value becomes 0, and an hour in the budget's window whose bytes were
+damaged is counted as the store's kept budget (full until it leaves the window, as the budget
+read it); a damaged role becomes the weakest, 0, as gc read it; a damaged kept setting is
+forgotten, so its default applies; a damaged seen mark, model file or memoised digest is
+deleted (the key is seen afresh, the next bind records its files, the file is hashed again).
 """
 
 from __future__ import annotations
@@ -17,7 +23,10 @@ from typing import Iterable
 
 from kvstore import keys
 from kvstore.storage import blobfile, blobtree
+from kvstore.storage.evictsql import MAX_ROLE
 from kvstore.storage.index import MODEL_FIELDS, TOTALS, Index
+from kvstore import settings
+from kvstore.storage.writesql import MAX_HOUR_BYTES
 
 
 def _hash(text: str) -> bytes:
@@ -35,7 +44,7 @@ _WANT = {"ns": "a 16-byte hash", "fingerprint": "a 16-byte hash", "model_id": "t
 
 
 def table_problems(index: Index) -> list[tuple[str, str, str]]:
-    """(kind, namespace in hex or "", what is wrong) for the totals and the models rows."""
+    """(kind, where, what is wrong) for the totals, the models rows and `row_problems`."""
     out = []
     raw = index.stored_totals()
     counted = index.counted_totals()
@@ -45,14 +54,47 @@ def table_problems(index: Index) -> list[tuple[str, str, str]]:
         if have != want:
             said = ", ".join(f"{name} {v!r:.40}" for name, v in zip(TOTALS, have))
             real = ", ".join(f"{name} {v}" for name, v in zip(TOTALS, want))
-            out.append(("bad_totals", ns.hex() if isinstance(ns, bytes) else "",
+            out.append(("bad_totals", f"namespace {ns.hex() if isinstance(ns, bytes) else '?'}",
                         f"the totals table says {said}; the records hold {real}"))
     for row in index.model_rows():
         fields = dict(zip(MODEL_FIELDS, row))
-        ns = fields["ns"].hex() if isinstance(fields["ns"], bytes) else ""
-        out += [("bad_model_row", ns, f"its {name} is {fields[name]!r:.60}, not {_WANT[name]}")
+        ns = fields["ns"].hex() if isinstance(fields["ns"], bytes) else "?"
+        out += [("bad_model_row", f"namespace {ns}", f"its {name} is {fields[name]!r:.60}, not {_WANT[name]}")
                 for name in _wrong(fields)]
+    return out + row_problems(index)
+
+
+def row_problems(index: Index) -> list[tuple[str, str, str]]:
+    """(kind, where, what is wrong) of the rows the store's readers check and read past."""
+    out = []
+    for hour, column, value in index.damaged_log():
+        at = time.strftime("%Y-%m-%d %H:00 UTC", time.gmtime(hour * 3600)) if 0 <= hour < 1 << 32 else "?"
+        why = ("an hour before 1970 or more than a day ahead: the budget ignores it; repair deletes the row"
+               if column == "hour" else f"its {column} is {value!r:.40}, not a whole number of 0 to {MAX_HOUR_BYTES}: "
+               "the budget counts this hour as the whole budget until it leaves the window; repair sets it to 0, "
+               "and an hour still in the window to the kept budget")
+        out.append(("bad_write_log", f"write_log hour {hour} ({at})", why))
+    for h, role in index.damaged_roles():
+        out.append(("bad_role", f"records {_hex(h)}", f"its role is {role!r:.40}, not 0 to {MAX_ROLE}: gc evicts it "
+                    "as the weakest (0); repair sets it to 0"))
+    for name, value, why in index.damaged_settings():
+        fallback = settings.BY_NAME[name].damaged
+        reads = "a budget of 0 (no automatic writes)" if fallback == "0" else "its default"
+        out.append(("bad_setting", f"meta setting.{name}", f"the kept value {value!r:.40} is {why}: it reads as "
+                    f"{reads} unless given; repair forgets it, so the default applies (give it again to keep one)"))
+    for h, seen, reused in index.damaged_seen():
+        out.append(("bad_seen_row", f"seen_prefixes {_hex(h)}", f"seen {seen!r:.30}, reused {reused!r:.30}: "
+                    "not a 16-byte key, a time and 0 or 1, so it is not seen; repair deletes it"))
+    for ns, files in index.model_files(damaged=True).items():
+        out += [("bad_model_file", f"model_files {_hex(ns)} {f[0]!r:.80}", "a stamp of the wrong type: the file is "
+                 "not checked for staleness; repair deletes the row (the next bind records it again)") for f in files]
+    out += [("bad_digest", f"file_digests {path!r:.80}", "a digest that is not a 16-byte hash: it is not used; "
+             "repair deletes it (the file is hashed again)") for path in index.damaged_digests()]
     return out
+
+
+def _hex(value: object) -> str:
+    return value.hex() if isinstance(value, bytes) else repr(value)[:40]
 
 
 def _wrong(fields: dict) -> list[str]:
@@ -75,6 +117,17 @@ def repair_tables(index: Index, root: Path, records_of: dict[bytes, list[bytes]]
     """Rewrite what `table_problems` found: the totals counted again, each damaged models row
     mended from the header of one of its blobs (`records_of`: ns -> hashes of good records)."""
     kinds = {kind for kind, _, _ in problems}
+    if "bad_write_log" in kinds:
+        kept = index.setting("max_write_rate")
+        index.mend_log(int(kept) if kept is not None else 0)
+    if "bad_role" in kinds:
+        index.reset_damaged_roles()
+    for name, _, _ in index.damaged_settings() if "bad_setting" in kinds else ():
+        index.set_setting(name, None)
+    if "bad_seen_row" in kinds:
+        index.forget_damaged_seen()
+    if kinds & {"bad_model_file", "bad_digest"}:
+        index.forget_damaged_files()
     if "bad_model_row" in kinds:
         for row in index.model_rows():
             fields = dict(zip(MODEL_FIELDS, row))

@@ -39,7 +39,8 @@ class Problem:
     """One thing `verify` found wrong."""
 
     # missing_blob, corrupt_blob, quarantined, bad_row, orphan_row, orphan_file, temp_file,
-    # foreign_file, repair_refused, bad_totals, bad_model_row
+    # foreign_file, repair_refused, bad_totals, bad_model_row, bad_write_log, bad_role, bad_setting,
+    # bad_seen_row, bad_model_file, bad_digest
     kind: str
     path: str
     detail: str
@@ -99,7 +100,7 @@ def verify(index: Index, root: Path, *, repair: bool = False, force: bool = Fals
             if problem is not None:
                 problems.append(problem)
         tables = table_problems(index)
-        problems += [Problem(kind, str(index.path), f"namespace {ns or '?'}: {why}") for kind, ns, why in tables]
+        problems += [Problem(kind, str(index.path), f"{where}: {why}") for kind, where, why in tables]
         if repair and problems:
             blob_files = sum(1 for p in strays if blobtree.hash_of(p, root) is not None) + len(rows)
             problems += _repair(index, root, problems, bad, orphans, known, {r.hash: r.depth for r in rows},

@@ -9,6 +9,13 @@ needs them. Explicit writes (warmed, prefilled and pinned prompts, durable inser
 too, and logged apart (`explicit`), but never refused: they use up what automatic writes may
 write, never the other way round. Rates are given per day, per hour, per week
 (`sizes.parse_rate`) and kept as bytes per day.
+
+The log is checked where it is read, and damage fails closed for as long as it is in the window
+and no longer: an hour whose bytes or downloads are not a whole number of 0 to
+`writesql.MAX_HOUR_BYTES` (negative, text, NULL, fractional, huge) counts as the whole day's
+budget, so nothing automatic is written until that hour has left the window (25 hours at most),
+and then the budget is whole again. A damaged kept `max_write_rate` reads as 0 (no automatic
+writes) until it is given again or `verify --repair` forgets it.
 """
 
 from __future__ import annotations
@@ -20,11 +27,9 @@ from typing import Callable, Sequence
 from kvstore.errors import InvalidInputError
 from kvstore.sizes import parse_rate as parse_rate_text
 from kvstore.storage.index import Index
-from kvstore.storage.writesql import hour_of
+from kvstore.storage.writesql import WINDOW_HOURS, hour_of, window_bytes
 
 DAY_S = 86400
-#: Hours of the write log the budget sums: the current one and the 24 before it.
-WINDOW_HOURS = 25
 _OFF = ("off", "none", "unlimited")
 
 
@@ -108,8 +113,9 @@ class WriteBudget:
 
     def used(self) -> int:
         """Bytes written (and downloaded) in the budget's window."""
-        since = hour_of(self.clock()) - WINDOW_HOURS + 1
-        return sum(h[1] + h[3] for h in self.index.write_hours(since))
+        hour = hour_of(self.clock())
+        return window_bytes(((h[0], h[1], h[3]) for h in self.index.write_hours(hour - WINDOW_HOURS + 1)),
+                            hour, WINDOW_HOURS, self.per_day)
 
     def left(self) -> int | None:
         """Bytes the writer may still write now (None: no limit)."""
@@ -128,8 +134,9 @@ def summary(index: Index | None, *, policy: str, per_day: int | None, unsaved: d
     totals = index.write_totals() if index is not None else {}
     kept = {k: totals.get(k, 0) + (unsaved or {}).get(k, 0)
             for k in ("not_admitted", "not_admitted_bytes", "over_budget", "over_budget_bytes")}
-    last_day = sum(h[1] + h[3] for h in hours if h[0] > hour - WINDOW_HOURS)
-    explicit_last_day = sum(h[8] for h in hours if h[0] > hour - WINDOW_HOURS)
+    window = [(h[0], h[1], h[3]) for h in hours]
+    last_day = window_bytes(window, hour, WINDOW_HOURS, None)  # damaged hours left out; the budget counts them full
+    explicit_last_day = window_bytes([(h[0], h[8], 0) for h in hours], hour, WINDOW_HOURS, None)
     by_day = {d: dict(bytes=0, explicit=0, downloaded=0, records=0, not_admitted=0, over_budget=0)
               for d in range(hour // 24 - days + 1, hour // 24 + 1)}
     for h, nbytes, records, downloaded, not_admitted, _, over_budget, _, explicit in hours:
@@ -137,10 +144,10 @@ def summary(index: Index | None, *, policy: str, per_day: int | None, unsaved: d
         if day is not None:
             for key, n in (("bytes", nbytes), ("records", records), ("downloaded", downloaded),
                            ("not_admitted", not_admitted), ("over_budget", over_budget), ("explicit", explicit)):
-                day[key] += n
+                day[key] += n if isinstance(n, int) else 0  # damaged: left out here, checked by verify
     return {
         "admit": policy, "max_write_rate": per_day,
-        "budget_left": None if per_day is None else max(0, per_day - last_day),
+        "budget_left": None if per_day is None else max(0, per_day - window_bytes(window, hour, WINDOW_HOURS, per_day)),
         "bytes_last_day": last_day, "explicit_last_day": explicit_last_day,
         "bytes_lifetime": totals.get("bytes", 0) + totals.get("downloaded", 0),
         "downloaded_lifetime": totals.get("downloaded", 0), "records_lifetime": totals.get("records", 0),

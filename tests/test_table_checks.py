@@ -1,0 +1,210 @@
+"""The store's own tables as damage leaves them: every reader checks its rows, and a damaged one
+never turns a limit off. A bad `role` is the weakest (gc still holds its byte budget), a bad
+`write_log` hour is a full budget until it leaves the window (the write budget still holds, and
+comes back after), a bad seen mark is not seen, and a bad kept setting reads as its default (or,
+for the write budget, as 0) with one warning: the store always opens. `verify` reports each and
+`verify --repair` rewrites it.
+
+Every test breaks a real store on purpose (SQL written by hand into its index) and uses the
+real store, `kvstore gc` and `kvstore verify`.
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+import time
+from pathlib import Path
+
+import pytest
+from kvtest import prefill
+
+import kvstore
+from kvstore.cli.main import main
+from kvstore.storage.writesql import HOUR_S, hour_of
+
+C = 16
+
+
+def prompt(i: int) -> list[int]:
+    return [1 + (i * 7 + j) % 250 for j in range(64)]  # 4 chunks, no prefix shared with another
+
+
+def sql(store: Path, statement: str, rows=((),)) -> list:
+    """Run `statement` once per parameter row of `rows`; what the last one returned."""
+    con = sqlite3.connect(store / "index.sqlite")
+    try:
+        with con:
+            out = []
+            for params in rows:
+                out = con.execute(statement, params).fetchall()
+            return out
+    finally:
+        con.close()
+
+
+def fill(store: Path, llama, n: int = 4, **kw) -> list[list]:
+    """A store holding prompts 0..n-1; the rows each prompt added."""
+    path, model = llama
+    added, seen = [], set()
+    with kvstore.open(store, chunk_size=C, **kw) as s:
+        mc = s.bind(model, path)
+        for i in range(n):
+            mc.insert(prompt(i), prefill(model, prompt(i)))
+            s.flush()
+            rows = [r for r in s.index.rows() if r.hash not in seen]
+            seen |= {r.hash for r in rows}
+            added.append(rows)
+    return added
+
+
+def verify(store: Path, capsys, *extra: str) -> tuple[int, str]:
+    code = main(["verify", "--store", str(store), *extra])
+    return code, capsys.readouterr().out
+
+
+def repaired(store: Path, capsys, kind: str) -> None:
+    """`verify` reports `kind`, `--repair` fixes it, and `verify` is clean afterwards."""
+    code, out = verify(store, capsys)
+    assert code == 1 and f"{kind}:" in out, out
+    code, out = verify(store, capsys, "--repair")
+    assert f"{kind}:" in out, out
+    code, out = verify(store, capsys)
+    assert code == 0, out
+
+
+@pytest.mark.parametrize("role", ["'system'", "7", "-1", "1.5"])
+def test_a_damaged_role_is_the_weakest_so_gc_holds_its_byte_budget(tmp_path, llama, capsys, role):
+    store = tmp_path / "s"
+    added = fill(store, llama)
+    victim = {r.hash for r in added[0]}
+    held = sum(r.size for rows in added for r in rows)
+    budget = held - sum(r.size for r in added[0])
+    # The others are system prompts, and the damaged prompt the one used last: only a damaged
+    # role read as the weakest makes it go first.
+    sql(store, "UPDATE records SET role = 2")
+    sql(store, f"UPDATE records SET role = {role}, last_access = last_access + 1000 WHERE hash = ?",
+        [(h,) for h in victim])
+    code, out = verify(store, capsys)
+    assert code == 1 and out.count("bad_role:") == len(victim), out
+
+    assert main(["gc", "--store", str(store), "--max-bytes", str(budget)]) == 0
+    with kvstore.open(store, chunk_size=C) as s:
+        left = {r.hash for r in s.index.rows()}
+        assert s.stats()["bytes"] <= budget
+    assert not victim & left and len(left) == sum(len(rows) for rows in added[1:])
+
+    other = tmp_path / "t"
+    fill(other, llama, 1)
+    sql(other, f"UPDATE records SET role = {role}")
+    repaired(other, capsys, "bad_role")
+    assert sql(other, "SELECT DISTINCT role, typeof(role) FROM records") == [(0, "integer")]
+
+
+def one_prompt_bytes(tmp_path: Path, llama) -> int:
+    return sum(r.size for r in fill(tmp_path / "one", llama, 1)[0])
+
+
+@pytest.mark.parametrize("value", ["-1000000000000", "'many'", "2.5", "1 << 55"])
+def test_a_damaged_write_log_hour_keeps_the_budget_closed_and_repair_keeps_it_so(tmp_path, llama, capsys, value):
+    path, model = llama
+    limit = int(2.5 * one_prompt_bytes(tmp_path, llama))
+    store = tmp_path / "s"
+    with kvstore.open(store, chunk_size=C, max_write_rate=limit):
+        pass
+    hour = hour_of(time.time())
+    sql(store, f"INSERT INTO write_log (hour, bytes) VALUES (?, {value})", [(hour - 1,)])
+    with kvstore.open(store, chunk_size=C) as s:
+        mc = s.bind(model, path)
+        for i in range(6):
+            mc.insert(prompt(i), prefill(model, prompt(i)))
+        s.flush()
+        writes = s.stats()["writes"]
+        assert s.stats()["bytes"] == 0 and writes["over_budget"] > 0, writes
+        assert writes["budget_left"] == 0
+    repaired(store, capsys, "bad_write_log")
+    # The hour is still in the window: repaired, it still holds the whole (kept) budget.
+    assert sql(store, "SELECT bytes FROM write_log WHERE hour = ?", [(hour - 1,)]) == [(limit,)]
+    with kvstore.open(store, chunk_size=C) as s:
+        assert s.stats()["writes"]["budget_left"] == 0
+
+
+class Clock:
+    def __init__(self, t: float):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.mark.parametrize("value", ["-1000000000000", "'many'", "2.5"])
+def test_a_damaged_write_log_hour_closes_the_budget_only_while_it_is_in_the_window(tmp_path, llama, value):
+    path, model = llama
+    limit = int(2.5 * one_prompt_bytes(tmp_path, llama))
+    store = tmp_path / "s"
+    clock = Clock(hour_of(time.time()) * HOUR_S + 60.0)
+    with kvstore.open(store, chunk_size=C, max_write_rate=limit):
+        pass
+    sql(store, f"INSERT INTO write_log (hour, bytes) VALUES (?, {value})", [(hour_of(clock.t),)])
+    with kvstore.open(store, chunk_size=C) as s:
+        s.gate.use_clock(clock)
+        mc = s.bind(model, path)
+        for i, step in enumerate((0, 24 * HOUR_S, HOUR_S)):  # now, 24 hours on, 25 hours on
+            clock.t += step
+            mc.insert(prompt(i), prefill(model, prompt(i)))
+            s.flush()
+            if i < 2:
+                assert s.stats()["bytes"] == 0, f"written {step} s on"
+        assert 0 < s.stats()["bytes"] <= limit  # the hour left the window: the budget is whole again
+
+
+def test_a_damaged_seen_mark_is_not_seen(tmp_path, llama):
+    """Under admit="reused" a record is written once its key is seen again; a mark whose
+    `reused` is not 0 or 1 is no sight at all."""
+    path, model = llama
+    store = tmp_path / "s"
+    with kvstore.open(store, chunk_size=C, admit="reused") as s:
+        s.bind(model, path).insert(prompt(0), prefill(model, prompt(0)))
+        s.flush()
+    assert sql(store, "SELECT count(*) FROM seen_prefixes")[0][0] > 0
+    sql(store, "UPDATE seen_prefixes SET reused = 'yes'")
+    with kvstore.open(store, chunk_size=C) as s:
+        s.bind(model, path).insert(prompt(0), prefill(model, prompt(0)))
+        s.flush()
+        assert s.stats()["bytes"] == 0
+    code = main(["verify", "--store", str(store)])
+    assert code == 1
+    assert main(["verify", "--store", str(store), "--repair"]) == 1
+    assert main(["verify", "--store", str(store)]) == 0
+    assert sql(store, "SELECT count(*) FROM seen_prefixes")[0][0] == 0
+
+
+@pytest.mark.parametrize("name,value", [("admit", "'bogus'"), ("admit", "x'00'"), ("disk_kv_bits", "'eight'"),
+                                        ("max_write_rate", "'fast'")])
+def test_a_damaged_kept_setting_opens_the_store_with_one_warning(tmp_path, llama, capsys, caplog, name, value):
+    path, model = llama
+    store = tmp_path / "s"
+    with kvstore.open(store, chunk_size=C, admit="reused", max_write_rate="1GB/day"):
+        pass
+    sql(store, "INSERT OR REPLACE INTO meta (key, value) VALUES (?, " + value + ")", [(f"setting.{name}",)])
+    with caplog.at_level(logging.WARNING, logger="kvstore"):
+        with kvstore.open(store, chunk_size=C) as s:
+            mc = s.bind(model, path)
+            mc.insert(prompt(0), prefill(model, prompt(0)), durable=True)
+            s.flush()
+            stats = s.stats()
+    warned = [r.getMessage() for r in caplog.records if name in r.getMessage()]
+    assert len(warned) == 1 and "damaged" in warned[0], warned
+    if name == "admit":
+        assert stats["writes"]["admit"] == "all" and stats["bytes"] > 0
+    if name == "disk_kv_bits":
+        assert stats["disk_kv_bits"] is None and stats["bytes"] > 0
+    if name == "max_write_rate":  # a limit: it fails closed
+        assert stats["writes"]["max_write_rate"] == 0
+    repaired(store, capsys, "bad_setting")
+    assert sql(store, "SELECT count(*) FROM meta WHERE key = ?", [(f"setting.{name}",)]) == [(0,)]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kvstore"):
+        with kvstore.open(store, chunk_size=C):
+            pass
+    assert not [r for r in caplog.records if "damaged" in r.getMessage()]
