@@ -776,15 +776,22 @@ def test_loopback_hosts():
 def test_serve_defaults_are_bounded():
     """Disk: the `auto` budget (`none` asks for an unbounded store); tokens stored per request:
     capped; web origins: none."""
+    from kvstore import settings
+    from kvstore.serve.options import server_settings
     from kvstore.serve.server import DEFAULT_MAX_STORED_TOKENS, _parser
 
-    defaults = _parser().parse_args([])
-    assert defaults.store_max_bytes == "auto"
-    assert defaults.store_max_tokens == DEFAULT_MAX_STORED_TOKENS == 32768
-    assert defaults.allowed_origins == []
-    assert _parser().parse_args(["--store-max-bytes", "none"]).store_max_bytes is None
-    assert _parser().parse_args(["--store-max-tokens", "0"]).store_max_tokens is None
-    assert _parser().parse_args(["--allowed-origins", "http://a.example/, *"]).allowed_origins == ["http://a.example", "*"]
+    def parsed(*argv):
+        args = _parser().parse_args(list(argv))
+        return settings.given(args, serve=True), server_settings(args)
+
+    store, served = parsed()
+    assert store == {"max_bytes": "auto"}  # kvstore serve's own default; the rest: the store's
+    assert served["store_max_tokens"] == DEFAULT_MAX_STORED_TOKENS == 32768
+    assert served["allowed_origins"] == []
+    assert parsed("--store-max-bytes", "none")[0]["max_bytes"] == "off"
+    assert parsed("--store-max-bytes", "off")[0]["max_bytes"] == "off"
+    assert parsed("--store-max-tokens", "0")[1]["store_max_tokens"] is None
+    assert parsed("--allowed-origins", "http://a.example/, *")[1]["allowed_origins"] == ["http://a.example", "*"]
 
 
 # A stand-in for an mlx_lm.server defect: one input its generation loop does not survive.

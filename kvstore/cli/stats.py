@@ -54,8 +54,7 @@ def _local(files) -> dict:
     resolved = files.settings()
     writes = summary(files.index, policy=resolved["admit"][0], per_day=resolved["max_write_rate"][0],
                      days=WRITE_DAYS)
-    return {**files.stats(), "read_only": files.read_only, "writes": writes,
-            "disk_kv_bits": resolved["disk_kv_bits"][0], "settings": settings.report(resolved)}
+    return {**files.stats(), "read_only": files.read_only, "writes": writes, "settings": settings.report(resolved)}
 
 
 def cmd_stats(args) -> int:
