@@ -99,6 +99,7 @@ def write_report() -> str:
         "machine of the last full run; sessions land on an Intel Xeon or an AMD EPYC, which differ about 3x in "
         "page-cache read speed, and a section run again since names the CPU it ran on.")
     add("")
+    report_sections.commands(add)
     conversation, remote, agent = _load("conversation"), _load("remote"), _load("agent_trace")
     summary, missed = _targets(restore, write, index, conversation)
     add("## Targets")
@@ -142,9 +143,11 @@ def write_report() -> str:
         report_sections.remote(add, remote)
     if agent:
         report_sections.agent_trace(add, agent)
-    kv8 = _load("kv8")
+    kv8, stats_scale = _load("kv8"), _load("stats_scale")
     if kv8:
         report_sections.kv8(add, kv8)
+    if stats_scale:
+        report_sections.stats_scale(add, stats_scale)
     if run.get("steps"):
         add("## Run")
         add("")
@@ -302,7 +305,7 @@ def _restore(add, restore) -> None:
 def _ttft(add, ttft) -> None:
     add("## Time to first token")
     add("")
-    add(f"BLAS: **{ttft['blas']}**. ![time to first token](results/ttft.png)")
+    add(f"`python bench/ttft.py`, BLAS: **{ttft['blas']}**. ![time to first token](results/ttft.png)")
     add("")
     add("[results/ttft.png](results/ttft.png). Each number is the whole time from the token ids to the first "
         f"sampled token: restore, prefill of the rest in steps of {ttft['prefill_step']} tokens as "

@@ -1,5 +1,6 @@
-"""The sections of bench/README.md for bench/conversation.py and bench/remote.py, whose results
-files record no date of their own, and for bench/agent_trace.py (written by report.py)."""
+"""Sections of bench/README.md written by report.py: how to run each benchmark, and the sections for
+bench/conversation.py and bench/remote.py (whose results files record no date of their own),
+bench/agent_trace.py, bench/kv8.py and bench/stats_scale.py."""
 
 from __future__ import annotations
 
@@ -21,6 +22,56 @@ def _committed(name: str) -> str:
     except (OSError, subprocess.SubprocessError):
         out = ""
     return f"results committed {out}" if out else "date not recorded"
+
+
+# Every benchmark: its command (with the venv active) and whether `make bench` runs it.
+COMMANDS = [
+    ("restore from disk and memory vs raw reads and mlx-lm", "python bench/restore.py [--quick]", True),
+    ("where a warm restore's time goes", "python bench/restore_parts.py [--tokens 2048] [--reps 11]", False),
+    ("alignment of the kernel's copy", "python bench/copy_alignment.py [--quick]", False),
+    ("time to first token", "python bench/ttft.py [--quick] [--budget SECONDS]", True),
+    ("through the server", "python bench/serve.py [--quick] [--tokens 2048 8192] [--reps 3]", True),
+    ("write path", "python bench/write_path.py [--quick]", True),
+    ("index scale and gc", "python bench/index_scale.py [--quick] [--rows 10000 100000] [--files]", True),
+    ("`kvstore stats` at 100,000 records", "python bench/stats_scale.py [--rows 100000] [--runs 7]", False),
+    ("conversations", "python bench/conversation.py [--arch llama] [--turns 20]", True),
+    ("remote tier (starts a local SeaweedFS)", "python bench/remote.py [--lengths 2048 8192] [--reps 3]", False),
+    ("agent trace under `admit`", "python bench/agent_trace.py [--prompts 200] [--tokens 2048]", True),
+    ("8-bit K/V on disk", "python bench/kv8.py [--quick]", True),
+    ("what the benchmarks changed", "python bench/before_after.py [--quick]", True),
+    ("checkpoint bytes of a hybrid model (arithmetic)", "python bench/checkpoint_bytes.py CONFIG.json", False),
+    ("a profile of `fetch` (a quick look)", "python bench/profile_fetch.py [--tokens 2048] [--cprofile]", False),
+]
+
+
+def commands(add) -> None:
+    """How to run every benchmark: `make bench`, and each script on its own."""
+    add("## How to run")
+    add("")
+    add("`make bench` runs every benchmark marked below, one after the other (about 25 minutes on 2 cores), "
+        "then writes the JSON files, the plot and this page; `python bench/run_all.py --only NAME ...` runs some "
+        "of them and keeps the others' results. Each script also runs on its own, with the venv active "
+        "(`. .venv/bin/activate`), and writes its results file; `python bench/report.py` then writes this page "
+        "again. On Linux, `make bench` preloads Debian's OpenBLAS for the time-to-first-token benchmarks when "
+        "`libopenblas0-pthread` is installed.")
+    add("")
+    add("| benchmark | command | in `make bench` |")
+    add("| --- | --- | --- |")
+    for what, command, in_all in COMMANDS:
+        add(f"| {what} | `{command}` | {'yes' if in_all else '-'} |")
+    add("")
+
+
+def stats_scale(add, data) -> None:
+    """The section of bench/stats_scale.py: `kvstore stats` at 100,000 records."""
+    add("## `kvstore stats` on a large store")
+    add("")
+    add(f"`python bench/stats_scale.py` (run {data.get('written_utc', '?')} on {data.get('cpu', '?')}): "
+        f"`python -m kvstore.cli stats` on a store of {data['records']:,} records, from start to exit "
+        f"(interpreter start-up, imports, open, queries, printing), median of {data['runs']} runs: "
+        f"**{data['stats_median_s']:.2f} s** (target < {data['target_s']} s; a bare `python -c pass` takes "
+        f"{data['python_start_median_s'] * 1000:.0f} ms).")
+    add("")
 
 
 def conversation(add, conversation) -> None:
@@ -78,6 +129,13 @@ def remote(add, remote) -> None:
             f"with obstore vs {c['boto3_head']['median'] * 1e3:.2f} ms with boto3 ({c['head_speedup']:.1f}x); a LIST "
             f"{c['obstore_list']['median'] * 1e3:.2f} ms vs {c['boto3_list']['median'] * 1e3:.2f} ms "
             f"({c['list_speedup']:.1f}x).")
+        add("")
+    seal = remote.get("sealing")
+    if seal:
+        add(f"Sealing (AES-256-GCM, one {seal['object_mib']} MiB object, one thread, medians of "
+            f"{seal['seal']['n']}): seal {seal['seal_gbps']:.1f} GB/s, open {seal['open_gbps']:.1f} GB/s "
+            f"({seal['open_s_per_gb']:.2f} s per GB opened); `python bench/remote.py --sealing-only` measures "
+            "it alone.")
         add("")
 
 

@@ -1,5 +1,6 @@
 """Every ```python block of README.md and docs/*.md runs as written, each in a fresh process; the
-links between those pages resolve, and they keep to the project's wording rules.
+links between those pages resolve, and they keep to the project's wording rules. README.md's
+option blocks are the commands' own usage, as their parsers print it.
 
 A block is run exactly as it is on the page: nothing is substituted. The only things the test
 sets are outside the code: HOME and the working directory are temporary folders (so the demo
@@ -31,6 +32,10 @@ LINK = re.compile(r"\]\(([^)\s]+)\)")
 BANNED = re.compile(r"\bissue \d+|\bmilestones?\b|\bthis session\b|\b\d+\.\d+ (did|had|was)\b|DESIGN\.md|STYLE\.md"
                     r"|\.\./shared", re.I)
 README_MAX_LINES = 300
+# One block a command: `<!-- options:NAME -->`, a ```text fence with the command's usage, `<!-- /options -->`.
+OPTION_BLOCK = re.compile(r"^<!-- options:(\S+) -->\n```text\n(.*?)^```\n<!-- /options -->$", re.M | re.S)
+USAGE_WIDTH = 100
+SERVE_TAIL = "[mlx_lm.server options]"
 
 
 def python_blocks(text: str) -> list[tuple[int, str, str | None]]:
@@ -113,3 +118,35 @@ def test_no_development_history_or_outside_notes(page):
 
 def test_the_readme_stays_short():
     assert len(README.read_text().splitlines()) < README_MAX_LINES, "move the detail to docs/"
+
+
+def option_blocks(text: str) -> dict[str, str]:
+    """{command: the text of its options block} of a page."""
+    return {m.group(1): m.group(2) for m in OPTION_BLOCK.finditer(text)}
+
+
+def usage(parser) -> str:
+    """A parser's usage as `--help` prints it, without "usage: ", wrapped at USAGE_WIDTH."""
+    formatter = parser.formatter_class(prog=parser.prog, width=USAGE_WIDTH)
+    formatter.add_usage(parser.usage, parser._actions, parser._mutually_exclusive_groups, prefix="")
+    return formatter.format_help().strip("\n") + "\n"
+
+
+def expected_option_blocks() -> dict[str, str]:
+    """What README.md's option blocks hold: every `kvstore` command's usage, and serve's own options
+    followed by mlx_lm.server's (which it passes on unchanged)."""
+    from kvstore.cli.main import build_parser
+    from kvstore.serve.options import build_parser as serve_parser
+
+    commands = build_parser()._subparsers._group_actions[0].choices
+    blocks = {name: usage(p) for name, p in commands.items() if name != "serve"}
+    serve = usage(serve_parser())
+    blocks["serve"] = serve + " " * len("kvstore serve ") + SERVE_TAIL + "\n"
+    return blocks
+
+
+def test_the_readme_has_every_command_with_the_options_its_parser_has():
+    expected, found = expected_option_blocks(), option_blocks(README.read_text())
+    wrong = [name for name in expected if found.get(name) != expected[name]] + sorted(set(found) - set(expected))
+    blocks = "\n\n".join(f"<!-- options:{n} -->\n```text\n{b}```\n<!-- /options -->" for n, b in expected.items())
+    assert not wrong, f"README.md's option blocks of {wrong} differ from the parsers; they are:\n\n{blocks}"
