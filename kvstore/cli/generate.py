@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from kvstore.cli.options import add_prompt_source, bound, prompt_items
+from kvstore.cli.options import add_store_settings, add_prompt_source, bound, prompt_items
 from kvstore.cli.output import EXIT_PROBLEMS, EXIT_USAGE, PROG, CommandError, out, say, uploads_undone
 
 EXAMPLES = """examples:
@@ -22,6 +22,7 @@ def register(add, store_opts, model_opts) -> None:
     p.add_argument("--max-tokens", metavar="N", type=int, default=128, help="tokens to generate at most (default: 128)")
     p.add_argument("--temp", metavar="T", type=float, default=0.0, help="sampling temperature (default: 0, greedy)")
     p.add_argument("--seed", metavar="S", type=int, help="random seed for sampling")
+    add_store_settings(p)
 
 
 def _items(args) -> list:

@@ -30,13 +30,17 @@ def store_parent() -> argparse.ArgumentParser:
 
 
 def model_parent() -> argparse.ArgumentParser:
-    """`--model`, and the store's settings (`kvstore.settings`), for the commands that run a model."""
+    """`--model`, for the commands that run a model."""
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--model", metavar="M",
                    help="model folder or Hugging Face repo id, as mlx_lm.load takes "
                         "(default: the built-in demo model, random weights)")
-    settings.add_options(p.add_argument_group("store settings (see `kvstore settings`)"))
     return p
+
+
+def add_store_settings(p: argparse.ArgumentParser) -> None:
+    """The store's settings (`kvstore.settings`) as options, for the commands that store prompts."""
+    settings.add_options(p.add_argument_group("store settings (see `kvstore settings`)"))
 
 
 def store_path(args) -> Path:
