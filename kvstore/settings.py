@@ -256,12 +256,14 @@ def resolve(given: Mapping[str, Any], kept: Mapping[str, str | None],
                 out[s.name] = (s.decode(text), KEPT)
                 continue
             except InvalidInputError as e:
+                why = f"the store's kept {s.name} setting {text!r:.40} is damaged ({str(e).split(': ', 1)[-1]})"
                 if s.damaged is not None:  # a limit: a damaged one never turns it off
                     out[s.name] = (s.decode(s.damaged), KEPT)
-                    warn(f"{e}: it reads as {s.show(out[s.name][0])} (no automatic writes) until it is "
-                         f"given again, `kvstore settings {s.name}=...` keeps another or `kvstore verify --repair` forgets it")
+                    warn(f"{why}: it reads as {s.show(out[s.name][0])} (no automatic writes) until it is "
+                         f"given again, `kvstore settings {s.name}=...` keeps another or `kvstore verify --repair` "
+                         "forgets it")
                     continue
-                warn(f"{e}; using the default, {s.show(s.default)} (`kvstore settings --reset {s.name}` "
+                warn(f"{why}: using the default, {s.show(s.default)} (`kvstore settings --reset {s.name}` "
                      "or `kvstore verify --repair` forgets it)")
         out[s.name] = (s.default, DEFAULT)
     return out
