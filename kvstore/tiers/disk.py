@@ -36,9 +36,7 @@ log = logging.getLogger("kvstore")
 def record_tokens(blob: blobfile.BlobFile, row: Row) -> np.ndarray:
     """The token ids of a record, read from its blob and checked against its row: the header
     names it and the record's hash is the xxh3 of its parent and these ids (BlobError if not)."""
-    if "tokens" not in blob.entries or blob.entries["tokens"].tag != "I32":
-        raise BlobError(f"{blob.path}: no int32 token ids")
-    tokens = blob.array("tokens").astype("<i4", copy=False)
+    tokens = blob.tokens()
     records.check(row, blob.metadata, tokens, where=blob.path)
     return tokens
 
