@@ -3,8 +3,9 @@
 A `Store` is a store directory (`upkeep.local.LocalStore`: the index and the blob tree), the
 tiers a lookup asks in order (memory, pending writes, local disk, and a remote bucket when one is
 given), the background writer, and the models bound to it (`ModelCache`s). Each part is given
-what it works with and holds no reference to the store; what must travel up is wired here: a
-batch the writer committed is handed to the uploader and checked against the disk budget.
+what it works with and holds no reference to the store or to any layer above its own. The one
+event that leaves a part is wired here, once: the rows of a batch the writer committed go to the
+uploader and to the disk budget (`Writer.on_commit`).
 
 `fetch` never raises for anything that went wrong on disk or remotely: a bad record is
 quarantined and the caller gets the longest prefix that is still correct.
@@ -16,24 +17,23 @@ import atexit
 import logging
 import os
 import sqlite3
-import threading
-import time
 import weakref
 from pathlib import Path
 from typing import Any
 
 from kvstore import keys, settings
-from kvstore.errors import InvalidInputError, StoreOpenError
+from kvstore.errors import InvalidInputError
 from kvstore.model import fingerprint as fingerprints
-from kvstore.model.cache import Backing, ModelCache
+from kvstore.model.backing import Backing
+from kvstore.model.cache import ModelCache
 from kvstore.model.layout import describe, make_template
+from kvstore.model.lookup import Tiers
 from kvstore.remote.bucket import check_url, open_bucket
 from kvstore.remote.node import Remote
 from kvstore.remote.seal import Fleet, fleet_secret
 from kvstore.restore import buffers
 from kvstore.storage.storedir import default_path
-from kvstore.tiers.base import Tiers
-from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.disk import DiskBudget, DiskTier, evict
 from kvstore.tiers.memory import MemoryTier, MemoryTierView
 from kvstore.tiers.remote import RemoteTier
 from kvstore.upkeep.local import LocalStore
@@ -111,16 +111,21 @@ class Store:
         self.settings = self._settings(given, writes)
         value = {name: v for name, (v, _) in self.settings.items()}
         self.disk_kv_bits = value["disk_kv_bits"]
-        self.counters = {"quarantined": 0, "skipped_inserts": 0, "fetches": 0, "reused_tokens": 0}
         self.remote = self._open_remote(remote, value["remote_deadline"], secret, value["remote_flush_timeout"])
         self.gate = Gate(self.index if writes else None, value["admit"], value["max_write_rate"])
+        budget = DiskBudget(self.files, self.memory, self.max_bytes) if writes and self.max_bytes is not None else None
+        disk = DiskTier(self.index, self.blob_root, budget) if self.files is not None else None
         self.writer = Writer(self.index if writes else None, self.blob_root if writes else None, self.memory,
-                             value["max_pending_bytes"],
-                             after_batch=self._after_batch if self.max_bytes is not None else None,
-                             fsync=fsync, after_write=self.remote.uploader.submit if self.remote else None,
-                             gate=self.gate)
-        self.tiers = self._tiers()
-        self._closed = False
+                             value["max_pending_bytes"], fsync=fsync, gate=self.gate,
+                             access=disk.access if disk else None)
+        if self.remote is not None:
+            self.writer.on_commit.append(self.remote.uploader.submit)
+        if budget is not None:
+            self.writer.on_commit.append(budget.check)
+        self.disk = disk
+        self.tiers = self._tiers(disk)
+        self.backing = Backing(self.tiers, self.memory, self.writer, self.index, read_only=self.read_only,
+                               gate=self.gate, remote=self.remote, budget=budget)
         _OPEN_STORES.add(self)
 
     def _settings(self, given: dict, writes: bool) -> dict[str, tuple[Any, str]]:
@@ -157,51 +162,19 @@ class Store:
         if not url:
             return None
         fleet = Fleet(secret)
-        self._budget_lock, self._budget_due = threading.Lock(), threading.Event()
         return Remote(open_bucket(url), fleet, self.index, self.path, self.blob_root,
                       deadline=deadline, flush_timeout=flush_timeout)
 
-    def _after_download(self, nbytes: int = 0) -> None:
-        """The remote tier stored a download: over the disk budget, gc runs (on a thread of its
-        own, one at a time, as after the writer's batches; downloads during it check again)."""
-        if self.max_bytes is None:
-            return
-        self._budget_due.set()
-        if not self._budget_lock.acquire(blocking=False):
-            return  # the running check sees `_budget_due` and goes round once more
-
-        def run() -> None:
-            try:
-                while self._budget_due.is_set():
-                    self._budget_due.clear()
-                    self._after_batch()
-            except Exception as e:  # only the budget: the next download or batch tries again
-                log.warning("kvstore: gc after a download failed: %s", e)
-            finally:
-                self._budget_lock.release()
-            if self._budget_due.is_set():  # a download came between the last check and the release
-                self._after_download()
-
-        threading.Thread(target=run, name="kvstore-budget", daemon=True).start()
-
-    def _tiers(self) -> Tiers:
+    def _tiers(self, disk: DiskTier | None) -> Tiers:
         """Where fetch reads records from, in order."""
         tiers: list = [MemoryTierView(self.memory), PendingTier(self.writer)]
-        if self.files is not None:
-            disk = DiskTier(self.index, self.blob_root, self.writer.touch, self._count_quarantine)
+        if disk is not None:
             tiers.append(disk)
-            if self.remote is not None:
+            if self.remote is not None:  # its downloads are stored through `disk`, within its budget
                 tiers.append(RemoteTier(self.remote.bucket, self.remote.health, disk, self.remote.fleet,
-                                        deadline=self.remote.deadline, stored=self._after_download))
+                                        deadline=self.remote.deadline))
         return Tiers(tiers)
 
-    def _count_quarantine(self) -> None:
-        self.counters["quarantined"] += 1
-
-    def _after_batch(self) -> None:
-        """The writer committed a batch: keep the disk within its budget."""
-        if self.max_bytes is not None and self.files.over_budget(self.max_bytes):
-            self.gc(max_bytes=self.max_bytes)
 
     # -- public surface ---------------------------------------------------------------------
 
@@ -224,39 +197,31 @@ class Store:
             fingerprint, stamps = fingerprints.fingerprint(model_id, adapter_path, self.index,
                                                            remember=not self.read_only)
         ns = keys.namespace(fingerprint, layout, self.chunk_size)
-        # Marks and pins need the rows on this disk only: uploads are waited for by `flush`/`close`.
-        backing = Backing(self.tiers, self.memory, self.writer, self.index, self.counters, self._check_open,
-                          self._register, self.writer.flush, self.gate)
-        mc = ModelCache(backing, model, str(model_id), ns, fingerprint, layout, codecs, self.chunk_size,
+        mc = ModelCache(self.backing, model, str(model_id), ns, fingerprint, layout, codecs, self.chunk_size,
                         kv_bits=kv_bits, kv_group_size=kv_group_size)
-        mc.registered = self._register(mc, stamps)
+        mc.registered = mc.register(stamps)
         if self.remote is not None:
             self.remote.bind(ns, fingerprint, mc.model_id, self.chunk_size, layout)
         return mc
 
-    def _register(self, mc: ModelCache, stamps: list | None = None) -> bool:
-        """Record a bound model version in the index; False while that cannot be done."""
-        if self.index is None:
-            return True
-        if self.read_only:
-            return False
-        return fingerprints.register(self.index, mc.ns, mc.fingerprint, mc.model_id, mc.layout,
-                                     self.chunk_size, stamps)
-
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every insert so far is durable (and uploaded, with a remote tier: for at most
-        `remote_flush_timeout` over all the store's flushes and its close, until the uploads are all
-        done again). False if the time ran out first."""
-        end = None if timeout is None else time.monotonic() + timeout
-        done = self.writer.flush(timeout)
-        if self.remote is not None:
-            done = self.remote.flush(None if end is None else max(0.0, end - time.monotonic())) and done
-        return done
+        """Wait until every insert so far is durable (and uploaded, with a remote tier: without
+        `timeout`, for at most `remote_flush_timeout`). False if the time ran out first."""
+        return self.backing.flush(timeout)
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """This process's counters: records the disk tier quarantined, and the models' fetches
+        and inserts (`model.backing.Counters`)."""
+        return {"quarantined": self.disk.quarantined if self.disk is not None else 0,
+                **self.backing.counters.as_dict()}
 
     def close(self) -> None:
-        if self._closed:
+        if self.backing.closed.is_set():
             return
         self.writer.close()
+        if self.backing.budget is not None:  # a gc it runs now uses the index: let it finish
+            self.backing.budget.settle()
         for tier in self.tiers:
             getattr(tier, "close", lambda: None)()
         if self.remote is not None:
@@ -264,7 +229,7 @@ class Store:
         _OPEN_STORES.discard(self)
         if self.files is not None:
             self.files.close()
-        self._closed = True
+        self.backing.closed.set()
 
     def __enter__(self) -> "Store":
         return self
@@ -314,11 +279,7 @@ class Store:
             if max_bytes is not None:
                 self.memory.trim_to(max_bytes)
             return {"evicted": 0, "freed_bytes": 0, "bytes": self.memory.nbytes, "dry_run": dry_run}
-        result = self.files.gc(max_bytes=max_bytes, max_age=max_age, dry_run=dry_run, stale=stale)
-        hashes = result.pop("hashes")
-        if not dry_run:
-            self.memory.discard(hashes)
-        return result
+        return evict(self.files, self.memory, max_bytes=max_bytes, max_age=max_age, dry_run=dry_run, stale=stale)
 
     def pins(self) -> list[dict]:
         """What is pinned, one dict per model version (`upkeep.local.LocalStore.pins`); `[]` in RAM."""
@@ -344,8 +305,7 @@ class Store:
         return problems
 
     def _check_open(self) -> None:
-        if self._closed:
-            raise StoreOpenError("this store is closed")
+        self.backing.check_open()
 
 
 # -- mlx's buffer cache: freed restore memory kept for the next restore (kvstore.restore.buffers)

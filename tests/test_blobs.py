@@ -298,3 +298,52 @@ def test_prefetch_asks_for_readahead_only_when_a_blob_has_left_the_page_cache(tm
         pytest.skip("this filesystem keeps the file in the page cache despite DONTNEED")
     inodes = {blobtree.blob_path(tmp_path, h).stat().st_ino for h in hashes}
     assert set(advised) == inodes
+
+
+def _record_blob(tmp_path, **extra) -> bytes:
+    meta = {"hash": H.hex(), "ns": "11" * 16, "parent": "22" * 16, "depth": "3", "kind": "1", **extra}
+    blobwrite.write(tmp_path, H, tensors(), meta, fsync=False)
+    return blobtree.blob_path(tmp_path, H).read_bytes()
+
+
+def test_one_reader_gives_the_record_its_header_names_its_tokens_and_entries(tmp_path):
+    stored = blobformat.read_record(_record_blob(tmp_path))
+    rid = stored.identity
+    assert (rid.hash, rid.ns, rid.parent, rid.depth, rid.kind) == (H, b"\x11" * 16, b"\x22" * 16, 3, 1)
+    assert rid.ntokens == 7 and rid.first_token == 0 and stored.tokens.tolist() == list(range(7))
+    assert set(stored.entries) == set(tensors()) and stored.extensions == {}
+    with blobfile.open_blob(tmp_path, H, size=len(_record_blob(tmp_path))) as blob:  # the disk tier's read
+        assert blob.tokens().tolist() == list(range(7))
+    blobwrite.write(tmp_path, H, {k: v for k, v in tensors().items() if k != "tokens"}, {"hash": H.hex()}, fsync=False)
+    with pytest.raises(BlobError, match="no int32 token ids"):
+        blobformat.read_record(blobtree.blob_path(tmp_path, H).read_bytes())
+
+
+def test_the_header_extension_point_adds_a_checked_field_and_leaves_other_blobs_as_they_were(tmp_path):
+    plain = _record_blob(tmp_path)
+    assert not [k for k in blobformat.header_metadata(plain) if k.startswith("x-")]
+
+    def canary(text: str) -> bytes:
+        if len(text) != 16:
+            raise ValueError("not 16 hex digits")
+        return bytes.fromhex(text)
+
+    blobformat.register_extension("testcanary", canary)
+    try:
+        with pytest.raises(ValueError, match="registered already"):
+            blobformat.register_extension("testcanary", lambda t: t)
+        with pytest.raises(ValueError, match="no blob header extension"):
+            blobformat.with_extensions({}, {"unknown": "x"})
+        meta = blobformat.with_extensions({}, {"testcanary": "00ff" * 4})
+        buf = _record_blob(tmp_path, **meta, **{"x-someone-else": "kept, not read"})
+        stored = blobformat.read_record(buf)
+        assert stored.extensions == {"testcanary": bytes.fromhex("00ff" * 4)}
+        assert stored.identity.hash == H
+        assert blobformat.read_record(plain).tokens.tolist() == stored.tokens.tolist()  # old blobs read alike
+        bad = _record_blob(tmp_path, **{"x-testcanary": "short"})
+        with pytest.raises(BlobError, match="x-testcanary"):  # every reader: whole bytes, and a file
+            blobformat.read_record(bad)
+        with pytest.raises(BlobError, match="x-testcanary"):
+            blobfile.open_blob(tmp_path, H, size=len(bad))
+    finally:
+        blobformat._EXTENSIONS.pop("testcanary", None)

@@ -67,3 +67,49 @@ def test_bad_max_bytes_is_refused(tmp_path, bad):
 def test_serve_accepts_auto():
     assert _parser().parse_args(["--store-max-bytes", "auto"]).store_max_bytes == "auto"
     assert _parser().parse_args(["--store-max-bytes", "2GiB"]).store_max_bytes == 2 << 30
+
+
+def test_the_disk_budget_runs_one_gc_at_a_time_for_batches_and_downloads_alike(tmp_path, llama):
+    # One object, one trigger: the writer's batches and the disk tier's downloads both call
+    # `DiskBudget.check`; checks that come while a gc runs make it run once more, never twice at once.
+    import threading
+
+    path, model = llama
+    with kvstore.open(tmp_path / "s", chunk_size=16, max_bytes=10**12) as store:
+        budget = store.disk.budget
+        assert budget is not None and budget.check in store.writer.on_commit
+        mc = store.bind(model, path)
+        first = list(range(1, 100))
+        mc.insert(first, prefill(model, first))
+        assert store.flush(60) and store.stats()["bytes"] > 0
+        running, most, runs, release = [0], [0], [0], threading.Event()
+        real = store.files.gc
+
+        def gc(**kw):
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+            runs[0] += 1
+            release.wait(30)
+            try:
+                return real(**kw)
+            finally:
+                running[0] -= 1
+
+        store.files.gc = gc
+        budget.max_bytes = 0  # over budget from now on: every check evicts everything
+        for _ in range(20):
+            budget.check()  # from the writer's thread, or a download's: the same call
+        threads = [threading.Thread(target=budget.check) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        release.set()
+        assert budget.settle(60)
+        assert most[0] == 1 and 1 <= runs[0] <= 2  # the one running, then once more for the rest
+        assert store.stats()["bytes"] == 0
+        more = list(range(300, 400))
+        before = runs[0]
+        mc.insert(more, prefill(model, more))
+        assert store.flush(60)  # flush lets the budget settle: the batch's check has run
+        assert store.stats()["bytes"] == 0 and runs[0] > before

@@ -84,7 +84,7 @@ def test_plan_equals_the_leaf_by_leaf_rule(seed, n, ties, pin_share, budget, age
     max_bytes = int(total * budget)
     cutoff = None if age is None else float(age)
     want = leaf_by_leaf(rows, total, max_bytes, cutoff)
-    got = evict.plan(evict.Graph.from_rows(rows), max_bytes=max_bytes, cutoff=cutoff, stale=False)
+    got = evict.choose_victims(evict.Graph.from_rows(rows), max_bytes=max_bytes, cutoff=cutoff, stale=False)
     assert got.hashes == want  # the same records, in the same order
     # The deleter takes them in the table's order: the same records, sorted by hash.
     order = evict.in_key_order(got)
@@ -109,7 +109,7 @@ def test_records_under_a_lost_parent_go_first_and_all_of_them(seed, n, cut):
 
     lost = {r[0] for r in rows if not reachable(r[0])}
     graph = evict.Graph.from_rows([(*r, r[1] in roots) for r in rows])
-    p = evict.plan(graph, max_bytes=None, cutoff=None, stale=False)
+    p = evict.choose_victims(graph, max_bytes=None, cutoff=None, stale=False)
     pinned_below = set()  # lost records kept: pinned, or above a pinned one
     for r in rows:
         if r[4] and r[0] in lost:
@@ -119,7 +119,7 @@ def test_records_under_a_lost_parent_go_first_and_all_of_them(seed, n, cut):
                 h = parents[h]
     assert set(p.hashes) == lost - pinned_below
     total = sum(r[2] for r in rows)
-    p = evict.plan(graph, max_bytes=total // 2, cutoff=None, stale=False)
+    p = evict.choose_victims(graph, max_bytes=total // 2, cutoff=None, stale=False)
     assert set(p.hashes[: len(lost - pinned_below)]) == lost - pinned_below
 
 
@@ -132,13 +132,13 @@ def test_stale_versions_go_first_and_all_of_them_with_stale():
     stale_bytes = sum(r[2] for r in old)
     total = sum(r[2] for r in rows)
     # A budget takes stale records first, even the most recently used of them.
-    p = evict.plan(g, max_bytes=total - stale_bytes // 2, cutoff=None, stale=False)
+    p = evict.choose_victims(g, max_bytes=total - stale_bytes // 2, cutoff=None, stale=False)
     stale_hashes = {r[0] for r in old}
     assert p.hashes and set(p.hashes) <= stale_hashes
     # A budget keeps stale pins; --stale takes every stale record, pinned ones too (no lookup can
     # use them again), and nothing else without a budget.
     assert any(r[4] for r in old) and not {r[0] for r in old if r[4]} & set(p.hashes)
-    p = evict.plan(g, max_bytes=None, cutoff=None, stale=True)
+    p = evict.choose_victims(g, max_bytes=None, cutoff=None, stale=True)
     unpinned = [(*r[:4], 0, 1) for r in old]
     assert set(p.hashes) == set(leaf_by_leaf(unpinned, stale_bytes, -1, None)) == stale_hashes
 

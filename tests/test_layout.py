@@ -6,6 +6,7 @@ is imported to check it."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -120,6 +121,41 @@ def test_maintenance_reaches_no_mlx():
             for m in mods:
                 assert m.split(".")[0] not in ("mlx", "mlx_lm"), f"{name} imports {m}, reached from maintenance"
         todo += [t for t in _imports(name) if t not in seen]
+
+
+def _architecture_rows() -> dict[str, str]:
+    """docs/architecture.md's layer table: its first cell ("cli/", "store.py", "base") -> its text."""
+    text = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    table = text[text.index("| layer | what it is |") :].split("\n\n", 1)[0]
+    rows = {}
+    for line in table.splitlines()[2:]:
+        cells = [c.strip() for c in line.strip("|").split("|", 1)]
+        rows[cells[0].strip("`")] = cells[1]
+    return rows
+
+
+def test_the_architecture_page_lists_every_module():
+    rows = _architecture_rows()
+    top = "`store.py` " + rows["store.py"] + rows["base"]
+    for name, path in MODULES.items():
+        if path.name == "__init__.py":
+            continue
+        folder = path.parent.name
+        where = top if path.parent == PACKAGE else rows.get(f"{folder}/", "")
+        assert f"`{path.name}`" in where, f"docs/architecture.md's table does not list {folder}/{path.name}"
+    for key, text in rows.items():
+        folder = PACKAGE / key.rstrip("/") if key.endswith("/") else PACKAGE
+        for named in re.findall(r"`([a-z_]+\.py)`", text):
+            assert (folder / named).exists(), f"docs/architecture.md's table names {key} {named}, which is gone"
+
+
+def test_only_the_composition_root_subscribes_to_events():
+    # The writer's `on_commit` carries what leaves a part; it is wired once, where the store is built.
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == "on_commit" and name not in (
+                    "kvstore.store", "kvstore.write.writer"):
+                raise AssertionError(f"{name} uses on_commit: subscribe in kvstore/store.py only")
 
 
 def test_modules_functions_and_folders_stay_small():

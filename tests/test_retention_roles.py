@@ -130,7 +130,7 @@ def test_a_store_written_before_roles_opens_unchanged_and_evicts_by_lru(llama, t
         graph = evict.Graph.from_index(store.index.eviction_graph())
         graph.role = None
         plan = store.files.gc(max_bytes=0, dry_run=True)["hashes"]
-        assert plan == evict.plan(graph, max_bytes=0, cutoff=None, stale=False).hashes and plan[0] == side[-1]
+        assert plan == evict.choose_victims(graph, max_bytes=0, cutoff=None, stale=False).hashes and plan[0] == side[-1]
 
 
 def test_max_age_does_not_look_at_roles(llama, tmp_path):

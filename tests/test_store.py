@@ -338,7 +338,7 @@ def test_insert_takes_no_view_of_an_mlx_array_on_the_callers_thread(tmp_path, ll
     # it for up to Python's switch interval: the caller only holds its arrays, the writer views them.
     import threading
 
-    from kvstore.model import insert as insert_mod
+    from kvstore.write import views as insert_mod
 
     path, model = llama
     tokens = rand_tokens(3 * C, seed=17)

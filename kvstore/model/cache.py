@@ -2,18 +2,17 @@
 
 Fetch looks the prompt up in the tiers (`lookup.match`: memory, pending writes, disk, remote, in
 that order), opens the records it needs, checked (`lookup.Opening`; records from beyond this
-process are checked against the model's shapes too, `restore.shapes`), and hands them to the
+process are checked against the model's shapes too, `shapes.RecordCheck`), and hands them to the
 restore pipeline (`restore`: plan, fill, build), always leaving at least one token to
-process. Insert hands the new records to the background writer (`insert`).
+process. Insert hands the new records to the background writer (`write.views`).
 
-A `ModelCache` is made by `Store.bind` and given what it works through (`Backing`); it holds no
-reference to the store.
+A `ModelCache` is made by `Store.bind` and given what it works through (`backing.Backing`); it
+holds no reference to the store.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Callable
 
 import mlx.core as mx
@@ -22,24 +21,23 @@ from mlx_lm.models.cache import QuantizedKVCache
 
 from kvstore import keys
 from kvstore.errors import BlobError, InvalidInputError, StoreOpenError
-from kvstore.model.insert import Views, make_job
+from kvstore.model import fingerprint as fingerprints
+from kvstore.model.backing import Backing
 from kvstore.model.layout import make_template
 from kvstore.model.lookup import Opening, match
+from kvstore.model.shapes import RecordCheck
 from kvstore.model.tokens import Tokens, arrays_of, as_tokens
 from kvstore.records import CHECKPOINT, Span, checkpoint_of, prompt_records
 from kvstore.restore.build import build, checkpoint_arrays
 from kvstore.restore.codecs import CacheListCodec, Codec, RotatingCodec
 from kvstore.restore.fill import fill, host_slice
 from kvstore.restore.plan import Plan, plan
-from kvstore.restore.shapes import RecordCheck
 from kvstore.storage.blobformat import nbytes
-from kvstore.storage.index import Index
-from kvstore.tiers.base import Lookup, Source, Tiers, Where
-from kvstore.tiers.memory import MemoryTier, held
+from kvstore.tiers.base import Lookup, Source, Where
+from kvstore.tiers.memory import held
 from kvstore.upkeep.evict import role_class
-from kvstore.write.admission import Gate
 from kvstore.write.placement import Placement, place
-from kvstore.write.writer import Writer
+from kvstore.write.views import Views, make_job
 
 log = logging.getLogger("kvstore")
 
@@ -48,21 +46,6 @@ CHECKPOINT_EVERY = 4
 # A pin that finds its records evicted under it (by another process) stores them again, this often.
 PIN_ATTEMPTS = 3
 _ATTEMPTS = 3  # plans per fetch: each damaged record found while filling costs one more
-
-
-@dataclass(frozen=True)
-class Backing:
-    """What a `ModelCache` reads and writes through, from the store that bound it."""
-
-    tiers: Tiers
-    memory: MemoryTier
-    writer: Writer
-    index: Index | None  # None for a store in RAM only
-    counters: dict  # the store's fetch and insert counters
-    check_open: Callable[[], None]  # raises once the store is closed
-    register: Callable[["ModelCache"], bool]  # records the model version in the index
-    flush: Callable[[], bool]  # waits until every insert so far is durable here (not uploaded)
-    gate: Gate | None = None  # the admission policy: told what each fetch asked for
 
 
 class ModelCache:
@@ -81,6 +64,17 @@ class ModelCache:
         self.check = RecordCheck(model, codecs, self.new_cache, model_id)
         self.registered = True  # False while the index could not record this model (Store.bind)
 
+    def register(self, stamps: list | None = None) -> bool:
+        """Record this model version in the index (`stamps`: its files'); False while that
+        cannot be done (a read-only store, a full disk): inserts wait until it can."""
+        b = self.backing
+        if b.index is None:
+            return True
+        if b.read_only:
+            return False
+        return fingerprints.register(b.index, self.ns, self.fingerprint, self.model_id, self.layout,
+                                     self.chunk_size, stamps)
+
     def new_cache(self) -> list:
         """Fresh, empty caches for this model (quantized when bound with `kv_bits`)."""
         return make_template(self.model, self.kv_bits, self.kv_group_size)
@@ -97,14 +91,14 @@ class ModelCache:
         toks = as_tokens(tokens)
         b = self.backing
         b.check_open()
-        b.counters["fetches"] += 1
+        b.counters.fetches += 1
         if len(toks) < 2:
             return self.new_cache(), toks.tolist()
         reached: list[bytes] = []
         try:
             chain = prompt_records(self.ns, toks, self.chunk_size, tail=False)
             lookup = Lookup(self.ns, toks, self.chunk_size, [s.hash for s in chain],
-                            object_bytes=self.check.object_bytes)
+                            object_bytes=self.check.bound())
             try:
                 with b.writer.reading():  # the writer waits between records while this restores
                     for _ in range(_ATTEMPTS):  # a damaged record found while filling: plan again without it
@@ -113,13 +107,13 @@ class ModelCache:
                             cache, p = done
                             if p <= 0:
                                 break
-                            b.counters["reused_tokens"] += p
+                            b.counters.reused_tokens += p
                             return cache, toks[p:].tolist()
             finally:
                 self._sighted(lookup, reached)
         except Exception as e:  # a broken disk or index is a miss, never an error in generation
             log.error("kvstore: fetch failed, serving a miss (%s: %s)", type(e).__name__, e)
-            b.counters["fetch_errors"] = b.counters.get("fetch_errors", 0) + 1
+            b.counters.fetch_errors += 1
         return self.new_cache(), toks.tolist()
 
     def _sighted(self, lookup: Lookup, reached: list[bytes]) -> None:
@@ -280,16 +274,16 @@ class ModelCache:
             raise InvalidInputError("insert needs at least one token")
         self._check_cache(cache, len(toks))
         if not self.registered:  # rows need their model's row, which bind could not write
-            self.registered = b.register(self)
+            self.registered = self.register()
             if not self.registered:
-                b.counters["skipped_inserts"] += 1
+                b.counters.skipped_inserts += 1
                 return 0
         spans = prompt_records(self.ns, toks, self.chunk_size, checkpoint=self.checkpointed and checkpoint)
         try:
             held = b.tiers.holds(spans)
         except Exception as e:  # the index is unreachable: drop this insert, keep serving
             log.error("kvstore: insert dropped (%s: %s)", type(e).__name__, e)
-            b.counters["skipped_inserts"] += 1
+            b.counters.skipped_inserts += 1
             return 0
         durable = durable or pin
         # Records kept in RAM that may go to disk now (seen again, or durable): from this cache.
@@ -367,7 +361,7 @@ class ModelCache:
         if not role or b.index is None or len(toks) == 0:
             return
         first = len(toks) if first is None else first
-        b.flush()
+        b.writer.flush()  # the rows, on this machine: uploads are the command's to wait for, once
         b.index.raise_role([s.hash for s in self._durable(toks) if s.start < first], role)
 
     def _durable(self, toks: np.ndarray):
@@ -408,7 +402,7 @@ class ModelCache:
         b = self.backing
         if b.index is None:
             return True
-        b.flush()
+        b.writer.flush()  # the rows, on this machine (as `mark`)
         wanted = [s.hash for s in self._durable(toks)]
         return b.index.pin(wanted) >= len(wanted)
 

@@ -5,20 +5,21 @@ opening them (checked) from the first tier that has them.
 for the deepest run of stored chunks from the start (one query per tier for the whole chain),
 then the children of the last one that share tokens with what follows. A later tier is asked for
 children only while the earlier ones left the prompt uncovered. `Opening` opens the records of
-one restore attempt, each once, and remembers which could not be used.
+one restore attempt, each once, and remembers which could not be used. `Tiers` holds the tiers
+(`tiers.base.Tier`, from every layer below: the pending writes are the writer's) in that order.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
 from kvstore import keys
 from kvstore.errors import BlobError
-from kvstore.records import Span, prompt_records
+from kvstore.records import RecordId, Span, prompt_records
 from kvstore.restore.plan import Part
-from kvstore.tiers.base import Lookup, Source, Tiers, Where
+from kvstore.tiers.base import Lookup, Source, Tier, Where
 
 Options = list[tuple[bytes | None, int]]  # (child, tokens it shares with the rest), best first
 
@@ -144,3 +145,47 @@ class _Named:
 
     def __init__(self, h: bytes):
         self.hash = h
+
+
+class Tiers:
+    """The tiers of a store in lookup order."""
+
+    def __init__(self, tiers: Sequence[Tier]):
+        self.all = list(tiers)
+
+    def __iter__(self):
+        return iter(self.all)
+
+    def find(self, lookup: Lookup | None, ids: Sequence[RecordId], *, after: Tier | None = None,
+             local: bool = False) -> Where:
+        """Where each of `ids` can be read from: the first tier (in order; with `after`, of those
+        after it; with `local`, of those on this machine) that holds it."""
+        out: Where = {}
+        tiers = self.all[self.all.index(after) + 1 :] if after is not None else self.all
+        for tier in tiers:
+            if local and getattr(tier, "shared", False):
+                continue
+            rest = [r for r in ids if r.hash not in out]
+            if not rest:
+                break
+            for h, ref in tier.find(lookup, rest).items():
+                out[h] = (tier, ref)
+        return out
+
+    def holds(self, ids: Sequence[RecordId]) -> set[bytes]:
+        """Which of `ids` some tier on this machine holds (nothing remote is asked). A tier may
+        answer this with a cheaper `holds(hashes)` of its own."""
+        out: set[bytes] = set()
+        for tier in self.all:
+            if getattr(tier, "shared", False):
+                continue
+            rest = [r for r in ids if r.hash not in out]
+            if not rest:
+                break
+            cheap = getattr(tier, "holds", None)
+            out |= cheap([r.hash for r in rest]) if cheap is not None else set(tier.find(None, rest))
+        return out
+
+    def touch(self, hashes: list[bytes]) -> None:
+        for tier in self.all:
+            tier.touch(hashes)

@@ -8,8 +8,6 @@ which for a chunk of a prompt means they are the prompt's own tokens).
 
 from __future__ import annotations
 
-import struct
-
 import numpy as np
 
 from kvstore import records
@@ -28,22 +26,13 @@ def check_object(buf: bytes, h: bytes) -> tuple[dict, dict[str, str]]:
     return entries, meta
 
 
-def object_tokens(buf: bytes, entries: dict) -> np.ndarray:
-    """The token ids an object holds (its header checked already)."""
-    info = entries.get("tokens")
-    if not info or info.get("dtype") != "I32" or len(info.get("shape", ())) != 1:
-        raise BlobError("it holds no int32 tokens")
-    (n,) = struct.unpack_from("<Q", buf, 0)
-    start, stop = (8 + n + o for o in info["data_offsets"])
-    return np.frombuffer(buf, dtype="<i4", count=(stop - start) // 4, offset=start)
-
-
 def check_record(buf: bytes, rid: RecordId, chunk_size: int) -> np.ndarray:
     """Raise BlobError unless `buf` is record `rid`, intact; its token ids."""
-    entries, meta = check_object(buf, rid.hash)
-    tokens = object_tokens(buf, entries)
-    records.check(rid, meta, tokens, chunk_size=chunk_size, where=f"record {rid.hash.hex()}")
-    return tokens
+    where = f"record {rid.hash.hex()}"
+    check_object(buf, rid.hash)
+    stored = blobformat.read_record(buf, where)
+    records.check(rid, stored.metadata, stored.tokens, chunk_size=chunk_size, where=where)
+    return stored.tokens
 
 
 def open_record(s: Sealer, key: str, body, rid: RecordId, chunk_size: int, *,

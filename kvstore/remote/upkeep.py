@@ -207,11 +207,11 @@ def collect_remote(bucket: Bucket, fleet: Fleet, local=(), *, max_bytes: int | N
     objects = list(tree.objects.values())
     total = sum(k.size for k in objects)
     cutoff = None if max_age is None else (time.time() if now is None else now) - max_age
-    p = evict.Plan.empty()
+    p = evict.Victims.empty()
     if cutoff is not None or (max_bytes is not None and total > max_bytes):  # as local gc: only when asked
         graph = evict.Graph.from_rows([(k.hash, k.parent, k.size, k.modified, k.hash in keep, False, k.parent == k.ns)
                                        for k in objects])
-        p = evict.plan(graph, max_bytes=max_bytes, cutoff=cutoff, stale=False)
+        p = evict.choose_victims(graph, max_bytes=max_bytes, cutoff=cutoff, stale=False)
     freed = int(p.sizes.sum()) if len(p) else 0
     if not dry_run and len(p):
         _delete_in_rounds(bucket, tree, p)
@@ -245,7 +245,7 @@ def _kept(bucket: Bucket, fleet: Fleet, tree: _Tree, local) -> set[bytes]:
     return keep | {c for h in keep for c in tree.children.get(h, []) if tree.objects[c].kind == CHECKPOINT}
 
 
-def _delete_in_rounds(bucket: Bucket, tree: _Tree, p: evict.Plan) -> None:
+def _delete_in_rounds(bucket: Bucket, tree: _Tree, p: evict.Victims) -> None:
     """Delete the plan a round of leaf peeling at a time (its H): every child of a record is in
     an earlier round, so at every instant each remaining record's parent is still there."""
     rounds: dict[int, list[str]] = {}

@@ -27,6 +27,7 @@ from kvstore.storage.blobformat import (
     parse,
     read_head,
     tensor_checksums,
+    token_span,
     verify_bytes,
 )
 from kvstore.storage.blobtree import blob_file
@@ -174,6 +175,13 @@ class BlobFile:
     def read_exact(self, view: memoryview, offset: int) -> None:
         """Fill `view` from `offset` (finishing short reads); BlobError if the file ends early."""
         _preadv_all(self.fd, [view], offset, self.path)
+
+    def tokens(self) -> np.ndarray:
+        """The record's token ids (the entry `blobformat.token_span` names), checked."""
+        info = self.layout.infos.get("tokens")
+        entry = {"tokens": {"dtype": info[0], "shape": info[1], "data_offsets": info[2:]}} if info else {}
+        token_span(entry, self.path)
+        return self.array("tokens")
 
     def array(self, name: str) -> np.ndarray:
         """One whole tensor as numpy (bfloat16 as its uint16 bits), checked."""

@@ -7,6 +7,12 @@ A blob is a safetensors file: an 8-byte header length, a JSON header (tensor tab
 its own, in any order, on any thread. Blobs written by 0.1 have no `checksums` and are checked by
 the whole-file checksum their index row keeps.
 
+`read_record` is the one reader of what a record's blob states: the record its header names, its
+token ids and its tensor entries (the disk tier reads the same token entry from a file,
+`token_span`). Fields later added to the header go through one extension point: a name
+registered here (`register_extension`, with a validator of its text) is stored in the metadata as
+`x-<name>` and checked by every reader; blobs without such fields are as they always were.
+
 Knows bytes and numpy dtypes; no files, no SQL, no mlx.
 """
 
@@ -16,12 +22,14 @@ import json
 import os
 import re
 import struct
-from typing import Mapping, NamedTuple
+from typing import Callable, Mapping, NamedTuple
 
 import numpy as np
 import xxhash
 
+from kvstore import keys
 from kvstore.errors import BlobError
+from kvstore.records import RecordId
 
 HEADER_LIMIT = 100 << 20  # safetensors' own cap on header size
 HEAD_GUESS = 64 << 10  # first read of a blob: its whole header, as a rule
@@ -176,7 +184,9 @@ def parse(buf, where: object = "blob", size: int | None = None) -> tuple[dict[st
     for name, info in header.items():
         if not _good_entry(info, payload):
             raise BlobError(f"{where}: tensor {name!r} has a bad header entry")
-    return header, base, {str(k): str(v) for k, v in meta.items()}
+    meta = {str(k): str(v) for k, v in meta.items()}
+    extensions(meta, where)  # a registered field that is not valid is damage, as a bad entry is
+    return header, base, meta
 
 
 def _header_json(buf: bytes | bytearray, n: int, where: object) -> dict:
@@ -230,3 +240,106 @@ def read_head(fd: int, size: int) -> bytes:
         if len(head) < 8 + n <= min(size, HEADER_LIMIT + 8):
             head += os.pread(fd, 8 + n - len(head), len(head))
     return head
+
+
+# -- fields later added to the header: one namespace, one registry ---------------------------
+
+EXTENSION_PREFIX = "x-"
+_EXTENSION_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
+#: name -> validator of its text (raises ValueError if it is not valid; returns the value)
+_EXTENSIONS: dict[str, Callable[[str], object]] = {}
+
+
+def register_extension(name: str, validate: Callable[[str], object]) -> None:
+    """Let blobs carry the field `name` (stored as `x-<name>` in the metadata). Every reader of a
+    header checks it with `validate`; an `x-` field no one registered is kept and not read."""
+    if not _EXTENSION_NAME.fullmatch(name):
+        raise ValueError(f"a blob header extension is named by [a-z][a-z0-9_]*, got {name!r}")
+    if _EXTENSIONS.get(name, validate) is not validate:
+        raise ValueError(f"the blob header extension {name!r} is registered already")
+    _EXTENSIONS[name] = validate
+
+
+def with_extensions(metadata: Mapping[str, str], fields: Mapping[str, str]) -> dict[str, str]:
+    """`metadata` with these registered extension fields added, each checked first."""
+    out = dict(metadata)
+    for name, text in fields.items():
+        if name not in _EXTENSIONS:
+            raise ValueError(f"no blob header extension {name!r} is registered")
+        _EXTENSIONS[name](text)
+        out[EXTENSION_PREFIX + name] = text
+    return out
+
+
+def extensions(metadata: Mapping[str, str], where: object = "blob") -> dict[str, object]:
+    """The registered extension fields a header holds, validated: name -> value. BlobError if one
+    is not valid."""
+    out = {}
+    for key, text in metadata.items():
+        name = key[len(EXTENSION_PREFIX):] if key.startswith(EXTENSION_PREFIX) else None
+        if name in _EXTENSIONS:
+            try:
+                out[name] = _EXTENSIONS[name](text)
+            except (ValueError, TypeError) as e:
+                raise BlobError(f"{where}: its header field {key!r} is not valid ({e})") from e
+    return out
+
+
+# -- a record's blob: the one reader of what it states ---------------------------------------
+
+def token_span(entries: Mapping[str, dict], where: object = "blob") -> tuple[int, int]:
+    """Where a record's token ids lie, from the data start: a 1-D int32 tensor `tokens`."""
+    info = entries.get("tokens")
+    if info is None or info["dtype"] != "I32" or len(info["shape"]) != 1:
+        raise BlobError(f"{where}: no int32 token ids")
+    start, end = info["data_offsets"]
+    return start, end
+
+
+def meta_field(metadata: Mapping[str, str], name: str, parse: Callable[[str], object], where: object = "blob"):
+    """A metadata field, parsed; BlobError if it is missing or `parse` refuses it."""
+    try:
+        return parse(metadata[name])
+    except (KeyError, ValueError) as e:
+        raise BlobError(f"{where}: metadata field {name!r} is missing or bad") from e
+
+
+def hash16(text: str) -> bytes:
+    """A record or namespace hash from its hex (ValueError unless it is 16 bytes)."""
+    b = bytes.fromhex(text)
+    if len(b) != keys.HASH_BYTES:
+        raise ValueError(text)
+    return b
+
+
+class StoredRecord(NamedTuple):
+    """A record's blob as `read_record` reads it: token ids (a view of the buffer), tensor entries
+    (name -> dtype, shape, data_offsets), metadata; `identity` is the record its header names."""
+
+    tokens: np.ndarray
+    entries: dict[str, dict]
+    metadata: dict[str, str]
+    where: object
+
+    @property
+    def identity(self) -> RecordId:
+        """The record the header names (BlobError if a field is missing or bad): compare it with
+        what the record was asked for as, with `records.check`."""
+        meta, where = self.metadata, self.where
+        return RecordId(meta_field(meta, "hash", hash16, where), meta_field(meta, "ns", hash16, where),
+                        meta_field(meta, "parent", hash16, where), meta_field(meta, "depth", int, where),
+                        meta_field(meta, "kind", int, where), len(self.tokens), keys.first_token(self.tokens))
+
+    @property
+    def extensions(self) -> dict[str, object]:
+        return extensions(self.metadata, self.where)
+
+
+def read_record(buf: bytes | bytearray | memoryview, where: object = "blob") -> StoredRecord:
+    """The one reader of a whole record's blob in memory: its header checked (entries, metadata,
+    extension fields) and its token ids. BlobError if it is not a blob of a record."""
+    entries, base, metadata = parse(buf, where)
+    start, end = token_span(entries, where)
+    tokens = np.frombuffer(buf, dtype="<i4", count=(end - start) // 4, offset=base + start)
+    return StoredRecord(tokens, entries, metadata, where)
+

@@ -9,8 +9,8 @@
 - `damaged(h, error, ref)`: told when a record it gave could not be used (the disk quarantines it);
 - `touch(hashes)`: these records were used (LRU order, last-access times).
 
-`Tiers` asks them in order: memory, pending writes, local disk, remote. A record is opened from
-the first tier that holds it. A `Lookup` is one fetch as the tiers see it: its prompt, and the
+The lookup (`model.lookup.Tiers`) asks them in order: memory, pending writes, local disk,
+remote. A record is opened from the first tier that holds it. A `Lookup` is one fetch as the tiers see it: its prompt, and the
 time it started (a slow tier keeps to a deadline from there). A tier that is `in_process` holds
 only records this process made from a model's own caches: they need no checking.
 
@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 import numpy as np
 
 from kvstore.errors import BlobError
-from kvstore.records import RecordId
+from kvstore.records import CHECKPOINT, RecordId
 from kvstore.restore.source import Source
 
 
@@ -41,7 +41,21 @@ class Lookup:
     started: float = field(default_factory=time.monotonic)
     notes: set[str] = field(default_factory=set)  # what tiers noted of this fetch (to count once)
     #: (kind, ntokens) -> the most bytes such a record of this model can be (None: unbounded)
-    object_bytes: Callable[[int, int], int] | None = None
+    object_bytes: "SizeBound | None" = None
+
+
+@dataclass(frozen=True)
+class SizeBound:
+    """The most bytes a record of one model can be (a remote GET reads no more): its arrays at
+    its tokens, its token ids, and room for its header, twice over."""
+
+    per_token: int  # bytes a chunk or tail holds per token, its token id included
+    checkpoint: int  # bytes of a checkpoint's arrays
+    tensors: int  # how many tensors a record holds at most
+
+    def __call__(self, kind: int, ntokens: int) -> int:
+        arrays = self.checkpoint if kind == CHECKPOINT else self.per_token * ntokens
+        return 2 * (arrays + 512 * (self.tensors + 1)) + (1 << 20)
 
 
 class Tier(Protocol):
@@ -60,47 +74,3 @@ class Tier(Protocol):
 
 
 Where = dict[bytes, tuple[Tier, Any]]  # record -> the tier that holds it, and the tier's ref
-
-
-class Tiers:
-    """The tiers of a store in lookup order."""
-
-    def __init__(self, tiers: Sequence[Tier]):
-        self.all = list(tiers)
-
-    def __iter__(self):
-        return iter(self.all)
-
-    def find(self, lookup: Lookup | None, ids: Sequence[RecordId], *, after: Tier | None = None,
-             local: bool = False) -> Where:
-        """Where each of `ids` can be read from: the first tier (in order; with `after`, of those
-        after it; with `local`, of those on this machine) that holds it."""
-        out: Where = {}
-        tiers = self.all[self.all.index(after) + 1 :] if after is not None else self.all
-        for tier in tiers:
-            if local and getattr(tier, "shared", False):
-                continue
-            rest = [r for r in ids if r.hash not in out]
-            if not rest:
-                break
-            for h, ref in tier.find(lookup, rest).items():
-                out[h] = (tier, ref)
-        return out
-
-    def holds(self, ids: Sequence[RecordId]) -> set[bytes]:
-        """Which of `ids` some tier on this machine holds (nothing remote is asked). A tier may
-        answer this with a cheaper `holds(hashes)` of its own."""
-        out: set[bytes] = set()
-        for tier in self.all:
-            if getattr(tier, "shared", False):
-                continue
-            rest = [r for r in ids if r.hash not in out]
-            if not rest:
-                break
-            cheap = getattr(tier, "holds", None)
-            out |= cheap([r.hash for r in rest]) if cheap is not None else set(tier.find(None, rest))
-        return out
-
-    def touch(self, hashes: list[bytes]) -> None:
-        for tier in self.all:
-            tier.touch(hashes)

@@ -4,14 +4,19 @@ Every record opened here is checked against its row as it is opened (`records.ch
 header, and that its token ids hash to its key), and each tensor against its own checksum as
 it is read. `put` stores a record that came from elsewhere (the remote tier), already checked,
 the way the writer does: blob first, then its row.
+
+The disk tier owns what it knows of its records: how many it quarantined, the access times of
+the ones it served (`AccessTimes`, written to the index by the writer's thread in batches) and
+the byte budget of the disk (`DiskBudget`: over `max_bytes`, gc runs).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import numpy as np
 
@@ -21,15 +26,17 @@ from kvstore.storage import blobfile, blobtree, blobwrite
 from kvstore.storage.index import Index, Row
 from kvstore.storage.writesql import hour_of
 
+if TYPE_CHECKING:
+    from kvstore.tiers.memory import MemoryTier
+    from kvstore.upkeep.local import LocalStore
+
 log = logging.getLogger("kvstore")
 
 
 def record_tokens(blob: blobfile.BlobFile, row: Row) -> np.ndarray:
     """The token ids of a record, read from its blob and checked against its row: the header
     names it and the record's hash is the xxh3 of its parent and these ids (BlobError if not)."""
-    if "tokens" not in blob.entries or blob.entries["tokens"].tag != "I32":
-        raise BlobError(f"{blob.path}: no int32 token ids")
-    tokens = blob.array("tokens").astype("<i4", copy=False)
+    tokens = blob.tokens()
     records.check(row, blob.metadata, tokens, where=blob.path)
     return tokens
 
@@ -57,14 +64,86 @@ class BlobSource:
         self.blob.close()
 
 
+class AccessTimes:
+    """Uses of records not written to the index yet: hash -> (last use, uses since)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._uses: dict[bytes, tuple[float, int]] = {}
+
+    def add(self, hashes: Iterable[bytes]) -> None:
+        now = time.time()
+        with self._lock:
+            for h in hashes:
+                self._uses[h] = (now, self._uses.get(h, (0.0, 0))[1] + 1)
+
+    def take(self) -> dict[bytes, tuple[float, int]]:
+        """What was counted since the last take (for `Index.touch`)."""
+        with self._lock:
+            uses, self._uses = self._uses, {}
+        return uses
+
+    def __bool__(self) -> bool:
+        return bool(self._uses)
+
+
+class DiskBudget:
+    """Keeps the disk within `max_bytes`: `check()`, told whenever something reached the disk (a
+    batch the writer committed, a download stored), runs gc on a thread of its own when the store
+    is over it, one at a time; checks asked for while one runs make it check once more."""
+
+    def __init__(self, files: "LocalStore", memory: "MemoryTier", max_bytes: int):
+        self.files, self.memory, self.max_bytes = files, memory, max_bytes
+        self._cond = threading.Condition()
+        self._due = self._running = False
+
+    def check(self, *_: object) -> None:
+        """Something reached the disk (the arguments, what it was, are not needed). Never waits."""
+        with self._cond:
+            self._due = True
+            if self._running:
+                return
+            self._running = True
+        threading.Thread(target=self._run, name="kvstore-budget", daemon=True).start()
+
+    def settle(self, timeout: float | None = None) -> bool:
+        """Wait until no check is due or running; False if `timeout` ran out first."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._running, timeout)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if not self._due:
+                    self._running = False
+                    self._cond.notify_all()
+                    return
+                self._due = False
+            try:
+                if self.files.over_budget(self.max_bytes):
+                    evict(self.files, self.memory, max_bytes=self.max_bytes)
+            except Exception as e:  # only the budget: the next check tries again
+                log.warning("kvstore: gc for the disk budget failed: %s", e)
+
+
+def evict(files: "LocalStore", memory: "MemoryTier", **options) -> dict:
+    """`LocalStore.gc(**options)`, and the evicted records dropped from the memory tier too (a
+    record held in RAM only would let a later insert store its children with no parent on disk)."""
+    result = files.gc(**options)
+    hashes = result.pop("hashes")
+    if not options.get("dry_run"):
+        memory.discard(hashes)
+    return result
+
+
 class DiskTier:
     name = "disk"
     in_process = False
 
-    def __init__(self, index: Index, root: Path, touch: Callable[[list[bytes]], None],
-                 on_quarantine: Callable[[], None]):
-        self.index, self.root = index, root
-        self._touch, self._on_quarantine = touch, on_quarantine
+    def __init__(self, index: Index, root: Path, budget: DiskBudget | None = None):
+        self.index, self.root, self.budget = index, root, budget
+        self.access = AccessTimes()
+        self.quarantined = 0  # records this process found damaged
 
     def find(self, lookup, ids):
         return self.index.rows_of([r.hash for r in ids]) if ids else {}
@@ -112,6 +191,8 @@ class DiskTier:
             self.index.log_writes(hour_of(time.time()), {"downloaded": len(data)})
         except Exception as e:
             log.debug("kvstore: a download was not counted (%s)", e)
+        if self.budget is not None:
+            self.budget.check()
         return True
 
     def damaged(self, h, error, ref=None):
@@ -125,7 +206,7 @@ class DiskTier:
         if self._replaced(h, ref):  # completed by a writer under the read: the new blob is good
             return
         log.warning("kvstore: quarantined a damaged record: %s", error)
-        self._on_quarantine()
+        self.quarantined += 1
         try:
             if self.index.mark_bad(h):
                 self.index.bump_counter("count.quarantined")
@@ -144,4 +225,4 @@ class DiskTier:
         return ref is not None and row is not None and (row.size, row.checksum) != (ref.size, ref.checksum)
 
     def touch(self, hashes):
-        self._touch(list(hashes))
+        self.access.add(hashes)

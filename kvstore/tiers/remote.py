@@ -84,10 +84,9 @@ class RemoteTier:
     shared = True  # not on this machine: `Tiers.holds` never asks it
 
     def __init__(self, bucket: Bucket, health: Health, disk: DiskTier, fleet: Fleet, *,
-                 deadline: float = DEFAULT_DEADLINE_S, threads: int = 8, stored=None):
+                 deadline: float = DEFAULT_DEADLINE_S, threads: int = 8):
         self.bucket, self.health, self.disk, self.fleet = bucket, health, disk, fleet
         self.deadline = float(deadline)
-        self._stored = stored  # told the bytes of each record written through to the disk
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvstore-remote-get")
         self._bad: OrderedDict[str, float] = OrderedDict()  # object key -> until when it is not asked for
 
@@ -205,8 +204,6 @@ class RemoteTier:
         except OSError as e:  # a full disk: the record stays a miss here
             self.health.error(e)
             raise KeyError(h) from None
-        if self._stored is not None:
-            self._stored(len(ref.body))
         if "remote" not in ref.lookup.notes:
             ref.lookup.notes.add("remote")
             self.health.count("remote_hits")

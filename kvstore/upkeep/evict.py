@@ -1,7 +1,7 @@
 """Which records gc evicts, and in which order: the leaf-by-leaf LRU rule, for the whole store at once.
 
 The one tree-eviction rule of kvstore: local gc, the write budget and `gc --remote` (on a bucket
-listing, last-modified standing for last access) all plan with it. The rule: evict the least
+listing, last-modified standing for last access) all choose with it. The rule: evict the least
 recently used leaf, again and again; a record whose last child went becomes a leaf; pinned
 records and their ancestors never go (but `stale` takes stale versions whole, pins and all). Run one leaf at a time it costs a heap operation per record
 and a transaction per leaf. The same order comes out of one sort. Give every record two numbers,
@@ -100,9 +100,9 @@ class Graph:
 
 
 @dataclass
-class Plan:
+class Victims:
     """The records to evict: in eviction order (children before parents), with H of each, and
-    which are the tops of what goes (their parent is not in the plan)."""
+    which are the tops of what goes (their parent does not go)."""
 
     keys: np.ndarray  # V16: their hashes
     sizes: np.ndarray
@@ -122,7 +122,7 @@ class Plan:
         return self.hashes if self.tops is None else _split(self.keys[self.tops].tobytes())
 
     @classmethod
-    def empty(cls) -> "Plan":
+    def empty(cls) -> "Victims":
         return cls(np.zeros(0, "V16"), np.zeros(0, np.int64), np.zeros(0, np.int64))
 
 
@@ -214,7 +214,7 @@ def order(g: Graph, parent: np.ndarray | None = None, by_hash: np.ndarray | None
     return evictable[np.lexsort((height[evictable], top[evictable]))], height
 
 
-def plan(g: Graph, *, max_bytes: int | None, cutoff: float | None, stale: bool) -> Plan:
+def choose_victims(g: Graph, *, max_bytes: int | None, cutoff: float | None, stale: bool) -> Victims:
     """The records to evict so that the store holds at most `max_bytes`, nothing last used
     before `cutoff` (a time) is left and, with `stale`, nothing of a stale model version, pins
     and all (no lookup can use them again).
@@ -231,7 +231,7 @@ def plan(g: Graph, *, max_bytes: int | None, cutoff: float | None, stale: bool) 
     parent, by_hash = parents(g)
     lost = unreachable(g, parent)
     if max_bytes is None and cutoff is None and not (stale and g.stale.any()) and not lost.any():
-        return Plan.empty()
+        return Victims.empty()
     idx, height = order(g, parent, by_hash, classes(g, cutoff))
     left = int(g.sizes.sum())
     taken = []
@@ -252,11 +252,11 @@ def plan(g: Graph, *, max_bytes: int | None, cutoff: float | None, stale: bool) 
     planned[idx] = True
     up = parent[idx]
     tops = (up < 0) | ~planned[np.maximum(up, 0)]
-    return Plan(g.hashes[idx], g.sizes[idx], height[idx], tops)
+    return Victims(g.hashes[idx], g.sizes[idx], height[idx], tops)
 
 
-def in_key_order(p: Plan) -> list[bytes]:
-    """The plan's hashes sorted: the order of the table's primary key."""
+def in_key_order(p: Victims) -> list[bytes]:
+    """The victims' hashes sorted: the order of the table's primary key."""
     return _split(np.sort(p.keys).tobytes()) if len(p) else []
 
 

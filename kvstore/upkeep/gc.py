@@ -54,7 +54,7 @@ def collect(index: Index, root: Path, *, max_bytes: int | None = None, max_age: 
     since = time.time() - _CLOCK_SLACK_S  # records stored from here on may hang from a victim
     total = index.totals()["bytes"]
     cutoff = time.time() - max_age if max_age is not None else None
-    p = evict.Plan.empty()
+    p = evict.Victims.empty()
     # `stale`: the pins of stale versions go first (no lookup can use them again), so that the
     # deletes, which keep whatever is pinned, take those records too.
     unpinned = (0, 0)
@@ -64,7 +64,7 @@ def collect(index: Index, root: Path, *, max_bytes: int | None = None, max_age: 
     if ((max_bytes is not None and total > max_bytes) or cutoff is not None or (stale and stale_namespaces)
             or index.quarantined()[0]):
         graph = evict.Graph.from_index(index.eviction_graph(sorted(stale_namespaces)))
-        p = evict.plan(graph, max_bytes=max_bytes, cutoff=cutoff, stale=stale)
+        p = evict.choose_victims(graph, max_bytes=max_bytes, cutoff=cutoff, stale=stale)
         if dry_run and stale:
             held = graph.pinned & graph.stale
             unpinned = (int(held.sum()), int(graph.sizes[held].sum()))

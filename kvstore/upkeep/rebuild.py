@@ -23,11 +23,9 @@ from __future__ import annotations
 
 import os
 import sqlite3
-import struct
 import time
 from pathlib import Path
 
-import numpy as np
 import xxhash
 
 from kvstore import keys, records
@@ -211,39 +209,19 @@ def _read_record(path: Path, h: bytes) -> dict:
         mtime = os.lstat(path).st_mtime
     except OSError as e:
         raise BlobError(f"{path}: cannot read ({e.strerror or e})") from e
-    entries, base = blobformat.parse_header(buf, path)
-    try:
-        meta = blobformat.header_metadata(buf)
-    except (ValueError, AttributeError, struct.error) as e:
-        raise BlobError(f"{path}: bad metadata ({e})") from e
-
-    def field(name: str, parse):
-        try:
-            return parse(meta[name])
-        except (KeyError, ValueError) as e:
-            raise BlobError(f"{path}: metadata field {name!r} is missing or bad") from e
-
-    def hash16(text: str) -> bytes:
-        b = bytes.fromhex(text)
-        if len(b) != keys.HASH_BYTES:
-            raise ValueError(text)
-        return b
-
+    stored = blobformat.read_record(buf, path)  # BlobError unless it is a record's blob
+    entries, meta, tokens = stored.entries, stored.metadata, stored.tokens
     if meta.get("format") != str(keys.FORMAT_VERSION):
         raise BlobError(f"{path}: format {meta.get('format')!r}, this kvstore writes {keys.FORMAT_VERSION}")
-    ns, parent, fingerprint = field("ns", hash16), field("parent", hash16), field("fingerprint", hash16)
-    depth, kind, chunk_size = field("depth", int), field("kind", int), field("chunk_size", int)
-    model_id = field("model_id", str)
+    rid = stored.identity  # the record its header describes
+    fingerprint = blobformat.meta_field(meta, "fingerprint", blobformat.hash16, path)
+    chunk_size = blobformat.meta_field(meta, "chunk_size", int, path)
+    model_id = blobformat.meta_field(meta, "model_id", str, path)
+    ns, parent, depth, kind, n = rid.ns, rid.parent, rid.depth, rid.kind, rid.ntokens
     if depth < 1 or kind not in (CHUNK, TAIL, CHECKPOINT) or chunk_size < 1:
         raise BlobError(f"{path}: depth {depth}, kind {kind} or chunk size {chunk_size} is impossible")
-    info = entries.get("tokens")
-    if info is None or info["dtype"] != "I32" or len(info["shape"]) != 1:
-        raise BlobError(f"{path}: no int32 token ids")
-    start, end = info["data_offsets"]
-    tokens = np.frombuffer(buf, dtype="<i4", count=(end - start) // 4, offset=base + start)
-    n = len(tokens)
-    # The record its header describes, named as the file is: the one check every reader makes.
-    rid = records.RecordId(h, ns, parent, depth, kind, n, keys.first_token(tokens))
+    # Named as the file is: the one check every reader makes.
+    rid.hash = h
     records.check(rid, meta, tokens, chunk_size=chunk_size, where=path)
     for name, entry in entries.items():
         shape = entry["shape"]

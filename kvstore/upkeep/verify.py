@@ -21,8 +21,6 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import numpy as np
-
 from kvstore import keys, records
 from kvstore.errors import BlobError
 from kvstore.storage import blobfile, blobformat, blobtree
@@ -153,12 +151,8 @@ def check_blob(root: Path, row, chunk_size: int | None = None) -> None:
     """Raise BlobError unless the blob of `row` is whole (its size and checksums) and is the
     record the row names (`records.check`: its header, and that its token ids hash to its key)."""
     buf, blob = blobfile.read_checked(root, row.hash, size=row.size, checksum=row.checksum)
-    info = blob.layout.infos.get("tokens")
-    if info is None or info[0] != "I32" or len(info[1]) != 1:
-        raise BlobError(f"{blob.path}: no int32 token ids")
-    _, _, start, end = info
-    tokens = np.frombuffer(buf, dtype="<i4", count=(end - start) // 4, offset=blob.base + start)
-    records.check(row, blob.metadata, tokens, chunk_size=chunk_size, where=blob.path)
+    stored = blobformat.read_record(buf, blob.path)
+    records.check(row, stored.metadata, stored.tokens, chunk_size=chunk_size, where=blob.path)
 
 
 def _confirm(index: Index, root: Path, row, chunk_size: int | None) -> Problem | None:

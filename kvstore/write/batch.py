@@ -52,8 +52,8 @@ class _Staged:
 
 
 def write(dest: Destination, job: Job,
-          after_write: Callable[[list[Row]], None] | None = None) -> Batch | None:
-    """Write the records of `job` not stored yet; `after_write` gets their rows once committed
+          committed: Callable[[list[Row]], None] | None = None) -> Batch | None:
+    """Write the records of `job` not stored yet; `committed` gets their rows once committed
     (still under the lock). None when the rows could not be inserted (their files are removed
     again and the error counted)."""
     hosts = Hosts.of(job)
@@ -69,8 +69,8 @@ def write(dest: Destination, job: Job,
             if not _insert(dest, rows):
                 _give_back(dest, job, staged, [])
                 return None
-            if after_write is not None:
-                after_write(rows)
+            if committed is not None:
+                committed(rows)
         if job.pin and dest.index is not None:
             dest.index.pin(job.pin)
         if job.reached and dest.index is not None:

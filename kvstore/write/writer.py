@@ -21,6 +21,7 @@ import numpy as np
 from kvstore.records import CHECKPOINT, Span
 from kvstore.storage import blobtree
 from kvstore.storage.index import Index, Row
+from kvstore.tiers.disk import AccessTimes
 from kvstore.tiers.memory import MemoryTier, Record
 from kvstore.write import batch, dedup
 from kvstore.write.admission import Gate
@@ -38,13 +39,14 @@ class Writer:
     """One daemon thread per open store. `root=None` means RAM only: nothing is written."""
 
     def __init__(self, index: Index | None, root: Path | None, memory: MemoryTier,
-                 max_pending_bytes: int, after_batch: Callable[[], None] | None = None,
-                 fsync: bool = True, after_write: Callable[[list[Row]], None] | None = None,
-                 gate: Gate | None = None):
+                 max_pending_bytes: int, fsync: bool = True, gate: Gate | None = None,
+                 access: AccessTimes | None = None):
         self.index, self.root, self.memory = index, root, memory
         self.max_pending_bytes = max_pending_bytes
-        self.after_batch = after_batch
-        self.after_write = after_write  # gets the rows of each committed batch (the remote uploader)
+        # Told the rows of each batch once committed (still under the tree lock), on this thread:
+        # the one event that leaves the writer. Subscribed once, where the store is built.
+        self.on_commit: list[Callable[[list[Row]], None]] = []
+        self.access = access  # the disk tier's uses of records: written with the gate's counts
         self._dest = Destination(index, root, memory, fsync, gate=gate, between_records=self._let_reads_go)
         self._reads = 0  # restores running now (`reading`): the writer waits for them between records
         self.gate = gate
@@ -55,7 +57,6 @@ class Writer:
         self._pending_bytes = 0
         self._busy = False
         self._cond = threading.Condition()
-        self._touches: dict[bytes, tuple[float, int]] = {}
         self._last_touch_flush = time.monotonic()
         self._stop = False
         self._paused = threading.Event()
@@ -125,14 +126,6 @@ class Writer:
         """Bytes of the jobs queued now (bounded by `max_pending_bytes`)."""
         return self._pending_bytes
 
-    def touch(self, hashes: list[bytes]) -> None:
-        """Count a use of these records; their access times reach the index in batches."""
-        now = time.time()
-        with self._cond:
-            for h in hashes:
-                _, n = self._touches.get(h, (0.0, 0))
-                self._touches[h] = (now, n + 1)
-
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued job is durable (and access times are written)."""
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -184,7 +177,7 @@ class Writer:
             with self._cond:
                 while not self._jobs and not self._stop:
                     self._cond.wait(TOUCH_INTERVAL_S)
-                    due = self._touches or (self.gate is not None and self.gate.dirty)
+                    due = bool(self.access) or (self.gate is not None and self.gate.dirty)
                     if due and time.monotonic() - self._last_touch_flush > TOUCH_INTERVAL_S:
                         break
                 if self._stop and not self._jobs:
@@ -243,16 +236,18 @@ class Writer:
     def _write(self, job: Job) -> list[Span]:
         """Write `job`; the records of it to write again from RAM (see `batch.Batch.due`)."""
         self.stats.jobs += 1
-        done = batch.write(self._dest, job, self.after_write)
+        done = batch.write(self._dest, job, self._committed)
         if done is None:  # its rows could not be inserted: nothing of it is stored
             return []
         if done.written and (done.rows or self.index is None):
             self._drop_redundant(job, [s for s in done.written if s.kind != CHECKPOINT and s.hash not in done.kept])
         if job.refill and self.index is not None:
             dedup.refill(self._dest, job, done.hosts)
-        if self.after_batch is not None and done.rows:
-            self.after_batch()
         return done.due
+
+    def _committed(self, rows: list[Row]) -> None:
+        for listener in self.on_commit:
+            listener(rows)
 
     def _drop_redundant(self, job: Job, written: list[Span]) -> None:
         # A method of its own so that a benchmark can switch dedup off to measure what it saves.
@@ -260,8 +255,8 @@ class Writer:
 
     def _flush_touches(self) -> None:
         """Write the access times, and what the gate counted and saw, to the index."""
+        touches = self.access.take() if self.access is not None else {}
         with self._cond:
-            touches, self._touches = self._touches, {}
             self._last_touch_flush = time.monotonic()
         marks = self.gate is not None and self.gate.dirty
         if (touches or marks) and self.index is not None:

@@ -14,6 +14,7 @@ from kvstore.errors import BlobError
 from kvstore.records import CHECKPOINT
 from kvstore.restore.arrays import mx_dtype
 from kvstore.restore.codecs import ArraysCodec, CacheListCodec, Codec
+from kvstore.tiers.base import SizeBound
 
 log = logging.getLogger("kvstore")
 
@@ -47,17 +48,15 @@ class RecordCheck:
             self._known.clear()
         self._known.setdefault(id(entries), (entries, set()))[1].add((kind, ntokens))
 
-    def object_bytes(self, kind: int, ntokens: int) -> int:
-        """An upper bound on the bytes of a record of this model (a remote GET reads no more):
-        its arrays at `ntokens` tokens, its token ids, and room for its header, twice over."""
+    def bound(self) -> SizeBound | None:
+        """The most bytes a record of this model can be (None if the model cannot be traced)."""
         expected = self._expected_shapes()
         if expected is None:
-            return 1 << 30
+            return None
         deltas, states = expected
-        arrays = sum(_nbytes(shape, dtype) for shape, dtype in states.values())
-        if kind != CHECKPOINT:
-            arrays = sum(_nbytes(shape, dtype) for shape, dtype, _ in deltas.values()) * ntokens + 4 * ntokens
-        return 2 * (arrays + 512 * (len(deltas) + len(states) + 1)) + (1 << 20)
+        return SizeBound(per_token=sum(_nbytes(shape, dtype) for shape, dtype, _ in deltas.values()) + 4,
+                         checkpoint=sum(_nbytes(shape, dtype) for shape, dtype in states.values()),
+                         tensors=len(deltas) + len(states))
 
     def _check_arrays(self, kind: int, ntokens: int, arrays: dict) -> None:
         deltas, states = self._expected_shapes()

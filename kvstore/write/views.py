@@ -23,7 +23,7 @@ from kvstore.errors import BlobError, InvalidInputError
 from kvstore.records import CHECKPOINT, Span
 from kvstore.restore.arrays import host_array, host_bits
 from kvstore.restore.codecs import Codec
-from kvstore.write.writer import Job
+from kvstore.write.jobs import Job
 
 
 def second_ref(a: mx.array) -> mx.array:

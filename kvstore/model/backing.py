@@ -1,0 +1,75 @@
+"""What every `ModelCache` of one store works through (`Backing`), and the counters they share.
+
+The store builds one `Backing` of its parts and gives it to each model it binds; nothing in it
+refers back to the store. The store's `flush` is `Backing.flush`, and a closed store is a flag
+the store sets here (`closed`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+from kvstore.errors import StoreOpenError
+from kvstore.model.lookup import Tiers
+from kvstore.remote.node import Remote
+from kvstore.storage.index import Index
+from kvstore.tiers.disk import DiskBudget
+from kvstore.tiers.memory import MemoryTier
+from kvstore.write.admission import Gate
+from kvstore.write.writer import Writer
+
+
+@dataclass
+class Counters:
+    """What the models of one store fetched and inserted (in this process)."""
+
+    fetches: int = 0
+    reused_tokens: int = 0
+    skipped_inserts: int = 0  # inserts dropped: the index could not take them
+    fetch_errors: int = 0  # fetches served as a miss because the disk or index failed
+
+    def as_dict(self) -> dict[str, int]:
+        """As `Store.stats()` shows them (`fetch_errors` only once there is one)."""
+        out = {"skipped_inserts": self.skipped_inserts, "fetches": self.fetches,
+               "reused_tokens": self.reused_tokens}
+        if self.fetch_errors:
+            out["fetch_errors"] = self.fetch_errors
+        return out
+
+
+@dataclass(frozen=True)
+class Backing:
+    """What a `ModelCache` reads and writes through, from the store that bound it."""
+
+    tiers: Tiers
+    memory: MemoryTier
+    writer: Writer
+    index: Index | None  # None for a store in RAM only
+    read_only: bool = False  # nothing is written to the index (model versions are not recorded)
+    gate: Gate | None = None  # the admission policy: told what each fetch asked for
+    remote: Remote | None = None  # uploads, which `flush` waits for too
+    budget: DiskBudget | None = None  # the disk's byte budget, which `flush` lets settle
+    counters: Counters = field(default_factory=Counters)
+    closed: threading.Event = field(default_factory=threading.Event)  # set by the store's close
+
+    def check_open(self) -> None:
+        if self.closed.is_set():
+            raise StoreOpenError("this store is closed")
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every insert so far is durable, within the disk budget (and uploaded, with
+        a remote tier: without `timeout`, for at most `remote_flush_timeout`). False if the time
+        ran out first."""
+        end = None if timeout is None else time.monotonic() + timeout
+
+        def left() -> float | None:
+            return None if end is None else max(0.0, end - time.monotonic())
+
+        done = self.writer.flush(timeout)
+        if self.budget is not None:
+            done = self.budget.settle(left()) and done
+        if self.remote is not None:
+            done = self.remote.flush(left()) and done
+        return done
