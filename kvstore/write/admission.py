@@ -129,7 +129,7 @@ class Gate:
     def kept_reason(self, h: bytes) -> str | None:
         """Why this record is kept in RAM only ("not_admitted", "over_budget"), or None."""
         with self._lock:
-            return self._held.get(h)
+            return self._held.get(h, (None,))[0]
 
     def holds_back(self, hashes: Iterable[bytes]) -> bool:
         """Whether any of these records is kept in RAM only (not on disk)."""
