@@ -17,7 +17,8 @@ EXAMPLES = """examples:
 
 A source is `kept` (the store remembers it: every run that does not give the option uses it) or
 `default`. Settings that are not kept apply to one run: give their option to that command (or the
-keyword to kvstore.open)."""
+keyword to kvstore.open). A process that has the store open (kvstore serve) keeps the values it
+opened with until it starts again."""
 
 
 def register(add, store_opts, model_opts) -> None:
