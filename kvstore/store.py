@@ -135,9 +135,9 @@ class Store:
             return settings.resolve(given, {})
         try:
             kept = self.index.settings()
-        except sqlite3.DatabaseError as e:  # an unreadable index opens with the defaults, said once
+        except sqlite3.DatabaseError as e:  # unreadable: the defaults, and limits closed (as if damaged)
             log.warning("kvstore: cannot read the store's kept settings (%s): using the defaults", e)
-            kept = {}
+            kept = {s.name: "\0unreadable" for s in settings.KEPT_SETTINGS if s.damaged is not None}
         resolved = settings.resolve(given, kept, warn=lambda message: log.warning("kvstore: %s", message))
         for s in settings.KEPT_SETTINGS:
             value, source = resolved[s.name]
