@@ -366,7 +366,7 @@ def test_generate_twice_shows_reuse(kv, demo_model, tmp_path, arch):
     assert "time to first token:" in second.stderr
     assert first.stdout.strip() and first.stdout == second.stdout  # greedy: same text from the store
     # Prompt and generated tokens were stored: exactly what the cache had processed.
-    stored = int(re.search(r"stored (\d+) tokens", first.stderr).group(1))
+    stored = int(re.search(r"cache of (\d+) tokens: \1 on disk", first.stderr).group(1))
     assert n < stored <= n + 8
     assert problems_of(tmp_path / "s") == []
 
@@ -537,7 +537,7 @@ def test_generate_whose_write_failed_says_not_stored(kv, demo_model_path, tmp_pa
     try:
         args = ("generate", "--store", store, "--model", demo_model_path, "--max-tokens", 4)
         first = kv(*args, "--prompt", "a first prompt, stored")
-        assert re.search(r"; stored \d+ tokens", first.stderr)
+        assert re.search(r"; cache of (\d+) tokens: \1 on disk", first.stderr)
         # Another process (a server, say) has the store open while the disk fills up, so the
         # index's WAL files exist; with none open, SQLite could not even open the index.
         other = kvstore.open(store)
@@ -556,7 +556,7 @@ def test_generate_whose_write_failed_says_not_stored(kv, demo_model_path, tmp_pa
         assert failed.stdout.strip(), "the answer is still printed"
         assert "not stored (" in failed.stderr, failed.stderr
         assert "1 of 1 generations were not stored" in failed.stderr
-        assert not re.search(r"; stored \d+ tokens", failed.stderr)
+        assert not re.search(r"; cache of \d+ tokens: [1-9]\d* on disk", failed.stderr)
         assert after["chunks"] == before["chunks"]  # nothing was added to the index either
     finally:
         if how == "full-disk":

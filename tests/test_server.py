@@ -9,6 +9,7 @@ import re
 import shutil
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -428,12 +429,23 @@ def test_a_port_in_use_is_named(models, tmp_path):
 
 def test_the_log_counts_in_the_right_words(models, tmp_path):
     """The disk's count is records, not "sequences"; one is "1 sequence", not "1 sequences"; no
-    remote tier is said as such. (mlx_lm.server logs the counts before each request.)"""
-    with Server(models["llama"], tmp_path / "store", tmp_path / "server.log") as server:
+    remote tier is said as such. (mlx_lm.server logs the counts before each request.) The start
+    line names the settings that are not defaults, a kept 0 write rate plainly; each stored
+    request says where its tokens went, and the writer what it kept in RAM and why."""
+    store = tmp_path / "store"
+    with kvstore.open(store, admit="reused"):
+        pass
+    with sqlite3.connect(store / "index.sqlite") as conn:  # a 0 kept before 0 was refused
+        conn.execute("INSERT INTO meta (key, value) VALUES ('setting.max_write_rate', '0')")
+    with Server(models["llama"], store, tmp_path / "server.log") as server:
         ask(server, prompt=SYSTEM)
         ask(server, prompt=SYSTEM)
         assert server.stop() == 0
     log = server.log()
+    assert re.search(r"settings: max_bytes=auto \(given\), admit=reused \(kept\), max_write_rate=0 B/day "
+                     r"\(kept\): automatic writes never reach the disk", log), log
+    assert re.search(r"kvstore: cache of \d+ tokens: 0 on disk, \d+ queued for disk", log), log
+    assert re.search(r"kvstore: \d+ tokens \((not admitted|over budget)\)(, \d+ tokens \(\w+ \w+\))? stay in RAM only", log), log
     assert "; no remote tier" in log
     assert re.search(r"- kvstore disk: \d+ records?, ", log) and "Prompt Cache: 1 sequence in RAM" in log, log
     assert not re.search(r"kvstore disk: \d+ sequence|\b1 sequences\b|\b1 requests\b", log), log

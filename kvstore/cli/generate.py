@@ -89,7 +89,7 @@ def _generate_one(args, store, loaded, mc, tokens, sampler) -> bool:
     placed = mc.placement(list(tokens) + list(generated))
     if stored and stored < placed.tokens:  # the cache held fewer tokens than were generated
         placed = mc.placement((list(tokens) + list(generated))[:stored])
-    stored_text = f"stored {placed.summary()}" if stored else "nothing stored"
+    stored_text = placed.summary() if stored else "nothing stored"
     if problem and not placed.on_disk:
         stored_text = f"not stored ({_write_error(store)}); {placed.text()}"
     elif problem:

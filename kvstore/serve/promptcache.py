@@ -259,7 +259,7 @@ class PersistentPromptCache:
         mc.insert(held, prompt_cache, cache_type=cache_type)  # the store keeps it by type too
         self.counters["inserts"] += 1
         if log.isEnabledFor(logging.INFO):
-            log.info("kvstore: stored %s", mc.placement(held).summary())
+            log.info("kvstore: %s", mc.placement(held).summary())
         hashes = mc.record_hashes(held)
         seq = (key, mc.ns, tuple(held))
         self._ram.add(seq, hashes, cache_type)

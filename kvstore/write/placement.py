@@ -50,8 +50,8 @@ class Placement:
         return ", ".join(parts)
 
     def summary(self) -> str:
-        """The same, as a sentence about `plural(tokens)`."""
-        return f"{plural(self.tokens, 'token')}: {self.text()}"
+        """`cache of 1065 tokens: 1065 on disk`: the same, of the whole prompt."""
+        return f"cache of {plural(self.tokens, 'token')}: {self.text()}"
 
 
 def place(spans: Iterable[Span], index: Index | None, writer: _Queue, gate: _Gate | None) -> Placement:
