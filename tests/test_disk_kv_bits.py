@@ -43,8 +43,25 @@ CASES = {  # name -> (demo arch, dtype, bits, tier)
 }
 
 
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    """`plain(model_dir, tokens)`: what a store without `disk_kv_bits` restores (insert and check,
+    each in a fresh process), once per model and prompt: four cases share llama bfloat16's."""
+    done: dict[tuple[str, tuple[int, ...]], dict] = {}
+
+    def get(model_dir: Path, tokens: list[int]) -> dict:
+        key = (str(model_dir), tuple(tokens))
+        if key not in done:
+            store = tmp_path_factory.mktemp("plain") / "s"
+            run("insert", store, model_dir, {}, tokens)
+            done[key] = run("check", store, model_dir, {}, tokens)
+        return done[key]
+
+    return get
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_restored_caches_are_the_models_own_within_the_bound(tmp_path, demo_model, case):
+def test_restored_caches_are_the_models_own_within_the_bound(tmp_path, demo_model, plain, case):
     arch, dtype, bits, tier = CASES[case]
     model_dir = demo_model(arch, "small", dtype)  # head_dim 32: group size 32
     tokens = toks(4 * C + 6, 3) + [7]
@@ -57,9 +74,8 @@ def test_restored_caches_are_the_models_own_within_the_bound(tmp_path, demo_mode
     assert all(got["in_place"])  # the first step wrote into the restored arrays' spare room
     assert [r["capacity"] for r in got["after"]] == [r["capacity"] for r in got["before"]]
     # Exactly what an unquantized store restores: classes, dtype, capacity, offset, window index.
-    run("insert", tmp_path / "plain", model_dir, {}, tokens)
-    plain = run("check", tmp_path / "plain", model_dir, {}, tokens)
-    assert got["classes"] == plain["classes"] and got["before"] == plain["before"]
+    unquantized = plain(model_dir, tokens)
+    assert got["classes"] == unquantized["classes"] and got["before"] == unquantized["before"]
     assert {r["dtype"] for r in got["before"]} == {f"mlx.core.{dtype}"}
     if tier == "memory":
         assert got["memory_hits"] > 0

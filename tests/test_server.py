@@ -24,6 +24,7 @@ from mlx_lm import load
 import kvstore
 from kvstore.demo import EOS_ID, IM_END_ID
 from kvstore.serve.server import PersistentPromptCache
+from kvstore.serve.server import main as serve_main
 
 START_TIMEOUT = 90
 REQUEST_TIMEOUT = 120
@@ -452,24 +453,27 @@ def test_the_log_counts_in_the_right_words(models, tmp_path):
     assert "stopped: 2 requests, " in log, log
 
 
-def test_bad_size_is_a_clean_error(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "kvstore.serve", "--store", str(tmp_path / "s"),
-                          "--memory-bytes", "lots"], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2
-    assert "--memory-bytes" in out.stderr and "not a size" in out.stderr
+# Argument errors come before anything starts: `main` in this process is the same code without a
+# start-up each (`--help` above runs as a process, through `run`'s exit).
 
 
-def test_a_typo_names_the_option_it_resembles(tmp_path):
+def test_bad_size_is_a_clean_error(tmp_path, capsys):
+    assert serve_main(["--store", str(tmp_path / "s"), "--memory-bytes", "lots"]) == 2
+    err = capsys.readouterr().err
+    assert "--memory-bytes" in err and "not a size" in err
+
+
+def test_a_typo_names_the_option_it_resembles(tmp_path, capsys):
     """Options neither kvstore nor mlx_lm.server knows are refused by kvstore serve, with the one
     meant: mlx_lm.server's own usage lists no --store. A negative size says it is negative."""
     for args, message in ((["--stroe", str(tmp_path / "s")], "unknown option --stroe (did you mean --store?)"),
                           (["--prot", "8080"], "unknown option --prot (did you mean --port?)"),
                           (["--store-max-bytes", "-5MB"], "argument --store-max-bytes: '-5MB' is negative")):
-        out = subprocess.run([sys.executable, "-m", "kvstore.serve", *args], capture_output=True,
-                             text=True, timeout=120)
-        assert out.returncode == 2, out.stderr
-        assert message in out.stderr and "usage: kvstore serve" in out.stderr, out.stderr
-        assert "--adapter-path" not in out.stderr  # not mlx_lm.server's usage
+        code = serve_main(args)
+        err = capsys.readouterr().err
+        assert code == 2, err
+        assert message in err and "usage: kvstore serve" in err, err
+        assert "--adapter-path" not in err  # not mlx_lm.server's usage
     assert not (tmp_path / "s").exists()
 
 
