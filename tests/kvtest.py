@@ -67,3 +67,24 @@ def readers(store, model_dir, queries: list[list[int]], chunk: int, work: Path, 
             if p.poll() is None:
                 p.kill()
             p.wait()
+
+
+def run_cli(*args, check: bool = True) -> subprocess.CompletedProcess:
+    """`kvstore ARGS...` in this process (no interpreter and mlx-lm start-up to pay for: about
+    2 s of CPU a command), with what it printed; for tests of what a command says and does, not
+    of what a process of its own does at exit (those start one)."""
+    import io
+    from contextlib import redirect_stderr, redirect_stdout
+
+    from kvstore.cli.main import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        try:
+            code = main([str(a) for a in args])
+        except SystemExit as e:  # argparse's usage errors
+            code = e.code if isinstance(e.code, int) else 1
+    result = subprocess.CompletedProcess(["kvstore", *map(str, args)], code, out.getvalue(), err.getvalue())
+    if check:
+        assert code == 0 and "Traceback" not in result.stderr, result.stdout + result.stderr
+    return result

@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
-from kvtest import logits_diff, prefill
+from kvtest import logits_diff, prefill, run_cli
 from test_stale import C as STALE_C, PINNED, by_ns, store_two_versions
 
 import kvstore
@@ -68,11 +66,7 @@ def test_unpin_lets_gc_free_the_prompt_and_keeps_the_other_pinned_one(tmp_path, 
 
 
 def _run(*args, check=True):
-    out = subprocess.run([sys.executable, "-m", "kvstore.cli", *map(str, args)],
-                         capture_output=True, text=True, timeout=300)
-    if check:
-        assert out.returncode == 0 and "Traceback" not in out.stderr, out.stdout + out.stderr
-    return out
+    return run_cli(*args, check=check)
 
 
 def test_kvstore_pins_lists_and_removes(tmp_path, demo_model_path):

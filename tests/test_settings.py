@@ -11,9 +11,12 @@ from __future__ import annotations
 import json
 import re
 import sqlite3
+import subprocess
+import sys
 
 import pytest
-from test_cli import EXAMPLES, home, kv  # noqa: F401 -- fixtures
+from kvtest import run_cli
+from test_cli import EXAMPLES
 
 import kvstore
 from kvstore import settings
@@ -21,6 +24,16 @@ from kvstore.errors import InvalidInputError
 from kvstore.model.loading import load_model
 
 C = 16
+
+
+@pytest.fixture
+def kv():
+    """`kvstore ARGS...` in this process; `code`: the exit code it must give."""
+    def run(*args, code: int = 0):
+        result = run_cli(*args, check=False)
+        assert result.returncode == code, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
+        return result
+    return run
 
 
 def _warm_lines(stderr: str) -> list[tuple[int, int, int]]:
@@ -40,7 +53,10 @@ def test_warm_under_a_write_budget_stores_every_prompt_for_the_next_process(kv, 
         assert re.search(rf"computed, (\d+) on disk(, (\d+) queued for disk)?", line), line
         assert "in RAM only" not in line, line
     assert "on disk: 7 of 7 warmed prompts whole" in first.stdout, first.stdout
-    again = kv("warm", "--store", store, "--model", demo_model_path, "--prompts", EXAMPLES)
+    again = subprocess.run([sys.executable, "-m", "kvstore.cli", "warm", "--store", str(store), "--model",
+                            str(demo_model_path), "--prompts", str(EXAMPLES)],  # a process of its own
+                           capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
     assert [(n, r) for n, r, _ in _warm_lines(again.stderr)] == [(n, n) for n, _, _ in lines], again.stderr
     stats = json.loads(kv("stats", "--store", store, "--json").stdout)
     writes = stats["writes"]
