@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from kvtest import run_cli
 
 import kvstore
 from kvstore.cli import main as cli
@@ -38,13 +39,21 @@ def home(tmp_path_factory) -> Path:
 
 
 @pytest.fixture
-def kv(home):
-    """Run `kvstore ARGS...` in a new process; returns the CompletedProcess."""
+def kv(home, monkeypatch):
+    """Run `kvstore ARGS...`; returns the CompletedProcess. In this process (as `kvtest.run_cli`),
+    unless it reads standard input or needs an environment of its own: a new process then."""
     def run(*args, input: str | None = None, env: dict | None = None, code: int | None = 0):
         environ = {k: v for k, v in os.environ.items() if k != "KVSTORE_DIR"}
         environ.update({"HOME": str(home), "PYTHONUNBUFFERED": "1", **(env or {})})
-        result = subprocess.run([sys.executable, "-m", "kvstore.cli", *map(str, args)], input=input,
-                                capture_output=True, text=True, env=environ, cwd=REPO, timeout=300)
+        if input is None and env is None:
+            with monkeypatch.context() as m:
+                m.setenv("HOME", str(home))
+                m.delenv("KVSTORE_DIR", raising=False)
+                m.chdir(REPO)
+                result = run_cli(*args, check=False)
+        else:
+            result = subprocess.run([sys.executable, "-m", "kvstore.cli", *map(str, args)], input=input,
+                                    capture_output=True, text=True, env=environ, cwd=REPO, timeout=300)
         assert "Traceback" not in result.stderr, result.stderr
         if code is not None:
             assert result.returncode == code, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
