@@ -14,7 +14,7 @@ this open), `kept` (remembered by the store) or `default`.
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from kvstore.errors import InvalidInputError
@@ -39,11 +39,10 @@ class Setting:
     choices: tuple = ()
     off: bool = False  # takes `off` (no limit): the value None
     auto: bool = False  # takes `auto`
-    zero: str | None = ""  # what 0 means ("" : not a number kind); None: 0 is refused
+    zero: str | None = ""  # what 0 means, in short ("": not a number kind); None: 0 is refused
     refuse_zero: str = ""  # why 0 is refused and what to use instead
-    unit: str = ""
-    default_text: str = ""  # how the default reads when it is not a plain value (None: "RAM / 4")
-    serve_default: Any = field(default=None)  # `kvstore serve`'s own default, where it differs
+    default_text: str = ""  # how a default of None reads ("a quarter of RAM"; else "off")
+    serve_default: Any = None  # `kvstore serve`'s own default, where it differs
     serve_note: str = ""
     damaged: str | None = None  # what a kept value that does not parse reads as (None: the default)
 

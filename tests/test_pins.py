@@ -8,8 +8,9 @@ import json
 import os
 
 import pytest
-from kvtest import logits_diff, prefill, run_cli
-from test_stale import C as STALE_C, PINNED, by_ns, store_two_versions
+from kvtest import logits_diff, run_cli
+from test_stale import PINNED, by_ns, store_two_versions
+from test_stale import C as STALE_C
 
 import kvstore
 from kvstore.cli import main as cli

@@ -50,7 +50,7 @@ def test_warm_under_a_write_budget_stores_every_prompt_for_the_next_process(kv, 
     lines = _warm_lines(first.stderr)
     assert len(lines) == 7
     for (n, _, _), line in zip(lines, re.findall(r"^\[\d/7\].*$", first.stderr, re.M)):
-        assert re.search(rf"computed, (\d+) on disk(, (\d+) queued for disk)?", line), line
+        assert re.search(r"computed, (\d+) on disk(, (\d+) queued for disk)?", line), line
         assert "in RAM only" not in line, line
     assert "on disk: 7 of 7 warmed prompts whole" in first.stdout, first.stdout
     again = subprocess.run([sys.executable, "-m", "kvstore.cli", "warm", "--store", str(store), "--model",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from kvstore.cli.options import add_store_settings, add_prompt_source, bound, prompt_items
+from kvstore.cli.options import add_prompt_source, add_store_settings, bound, prompt_items
 from kvstore.cli.output import EXIT_PROBLEMS, EXIT_USAGE, PROG, CommandError, out, say, uploads_undone
 
 EXAMPLES = """examples:

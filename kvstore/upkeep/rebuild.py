@@ -33,8 +33,8 @@ from kvstore.errors import BlobError, CorruptIndexError, NotAStoreError
 from kvstore.records import CHECKPOINT, CHUNK, TAIL
 from kvstore.storage import blobfile, blobformat, blobtree
 from kvstore.storage.index import Index, _u64_to_i64
-from kvstore.storage.schema import connect_read_only
 from kvstore.storage.pins import PinsFile, read_pins_file, write_pins_file
+from kvstore.storage.schema import connect_read_only
 from kvstore.storage.storedir import BLOBS_NAME, INDEX_FILES, INDEX_NAME, PINS_NAME, has_blob_files, open_dir
 
 

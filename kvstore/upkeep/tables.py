@@ -21,11 +21,10 @@ import time
 from pathlib import Path
 from typing import Iterable
 
-from kvstore import keys
+from kvstore import keys, settings
 from kvstore.storage import blobfile, blobtree
 from kvstore.storage.evictsql import MAX_ROLE
 from kvstore.storage.index import MODEL_FIELDS, TOTALS, Index
-from kvstore import settings
 from kvstore.storage.writesql import MAX_HOUR_BYTES
 
 

@@ -15,7 +15,6 @@ from kvstore.sizes import plural
 from kvstore.storage.index import Index
 
 
-
 class _Queue(Protocol):  # the writer (`write.writer.Writer`, which imports this module's batch)
     def is_pending(self, h: bytes) -> bool: ...
 
