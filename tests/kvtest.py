@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -79,11 +80,20 @@ def run_cli(*args, check: bool = True) -> subprocess.CompletedProcess:
     from kvstore.cli.main import main
 
     out, err = io.StringIO(), io.StringIO()
-    with redirect_stdout(out), redirect_stderr(err):
-        try:
-            code = main([str(a) for a in args])
-        except SystemExit as e:  # argparse's usage errors
-            code = e.code if isinstance(e.code, int) else 1
+    # A command's own process logs kvstore's warnings to stderr, as bare messages (logging's last
+    # resort): the same here, where pytest's handlers would otherwise take them.
+    shown = logging.StreamHandler(err)
+    shown.setLevel(logging.WARNING)
+    logger = logging.getLogger("kvstore")
+    logger.addHandler(shown)
+    try:
+        with redirect_stdout(out), redirect_stderr(err):
+            try:
+                code = main([str(a) for a in args])
+            except SystemExit as e:  # argparse's usage errors
+                code = e.code if isinstance(e.code, int) else 1
+    finally:
+        logger.removeHandler(shown)
     result = subprocess.CompletedProcess(["kvstore", *map(str, args)], code, out.getvalue(), err.getvalue())
     if check:
         assert code == 0 and "Traceback" not in result.stderr, result.stdout + result.stderr

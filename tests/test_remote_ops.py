@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import requests
-from kvtest import logits_diff, prefill
+from kvtest import logits_diff, prefill, run_cli
 from remote_fixture import BUCKET, fleet, names
 
 import kvstore
@@ -42,8 +42,18 @@ def assert_whole(objs: dict) -> None:
 
 
 def cli(*args, env=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvstore.cli", *args], capture_output=True, text=True,
-                          timeout=120, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
+    """`kvstore ARGS...` in this process (`kvtest.run_cli`), with `env` added to the environment
+    for the command's length."""
+    saved = {k: os.environ.get(k) for k in (env or {})}
+    os.environ.update(env or {})
+    try:
+        return run_cli(*args, check=False)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def test_gc_remote_keeps_pins_and_never_orphans(tmp_path, s3, llama):
