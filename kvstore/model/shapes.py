@@ -26,6 +26,7 @@ class RecordCheck:
     def __init__(self, model, codecs: list[Codec], new_cache: Callable[[], list], model_id: str):
         self.model, self.codecs, self.new_cache, self.model_id = model, codecs, new_cache, model_id
         self._shapes: tuple[dict, dict] | None | bool = False  # False: not traced yet
+        self._bound: SizeBound | None | bool = False  # False: not worked out yet
         self._checked: set[tuple] = set()  # record layouts already found to be this model's
         # The same, by the identity of a tensor table shared by every blob of its layout (blobs
         # hands out one dict per table, never changed): a 32k-token prompt opens 128 records, and
@@ -49,7 +50,13 @@ class RecordCheck:
         self._known.setdefault(id(entries), (entries, set()))[1].add((kind, ntokens))
 
     def bound(self) -> SizeBound | None:
-        """The most bytes a record of this model can be (None if the model cannot be traced)."""
+        """The most bytes a record of this model can be (None if the model cannot be traced);
+        worked out once, as the shapes are (every fetch asks)."""
+        if self._bound is False:
+            self._bound = self._size_bound()
+        return self._bound
+
+    def _size_bound(self) -> SizeBound | None:
         expected = self._expected_shapes()
         if expected is None:
             return None
