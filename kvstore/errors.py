@@ -40,3 +40,7 @@ class BlobError(KVStoreError):
 
     Only the store catches this, and turns it into a cache miss.
     """
+
+
+class PackError(KVStoreError):
+    """A KV pack cannot be made, moved or imported; nothing was imported, and the message says why."""

@@ -1,7 +1,7 @@
 """The `kvstore` command: its parser, and the dispatch to one module per command.
 
 Each command module (`warm`, `generate`, `gc`, `stats`, `settings`, `verify`, `pins`, `remotekey`,
-`serve`) has `register`, which
+`pack.command`, `serve`) has `register`, which
 adds its subparser (with its options, help and examples), and a `cmd_*` function, which opens the
 store, calls the library and prints. To add a command, write such a module and list it in
 `COMMANDS`. Failures the user can fix (a bad path, a bad line, a store that cannot be opened)
@@ -17,11 +17,12 @@ from typing import Callable
 
 from kvstore.argv import Parser, option_strings, unrecognized
 from kvstore.cli import gc, generate, pins, remotekey, serve, settings, stats, verify, warm
+from kvstore.cli.pack import command as pack
 from kvstore.cli.options import model_parent, store_parent
 from kvstore.cli.output import EXIT_INTERRUPTED, EXIT_PROBLEMS, EXIT_USAGE, PROG, CommandError, say
 from kvstore.errors import KVStoreError
 
-COMMANDS = (warm, generate, gc, stats, settings, verify, pins, remotekey)  # `serve` is dispatched before parsing
+COMMANDS = (warm, generate, gc, stats, settings, verify, pins, remotekey, pack)  # `serve` is dispatched before parsing
 
 EPILOG = """examples:
   kvstore warm --prompts examples/prompts.jsonl      # store the KV cache of known prompts

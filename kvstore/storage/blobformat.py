@@ -223,6 +223,17 @@ def _good_entry(info: object, payload: int) -> bool:
     return 0 <= start <= end <= payload and end - start == count * DTYPES[tag].itemsize
 
 
+def restamp(buf: bytes | bytearray | memoryview, metadata: Mapping[str, str], where: object = "blob") -> bytes:
+    """The blob in `buf` with its header metadata replaced by `metadata`: the same tensor table
+    and tensor bytes (offsets count from the data start, which stays on `ALIGN` bytes), so every
+    tensor checksum still holds. BlobError if `buf` is not a safetensors file."""
+    entries, base, _ = parse(buf, where)
+    header: dict[str, object] = {"__metadata__": dict(metadata), **entries}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-(8 + len(raw)) % ALIGN)
+    return struct.pack("<Q", len(raw)) + raw + bytes(memoryview(buf)[base:])
+
+
 def header_metadata(buf: bytes | bytearray) -> dict[str, str]:
     """The `__metadata__` strings of a header (call `parse_header` first: this trusts it)."""
     (n,) = struct.unpack_from("<Q", buf, 0)

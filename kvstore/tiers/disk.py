@@ -178,14 +178,14 @@ class DiskTier:
         """Start reading these (record, row)s' files ahead, all at once."""
         blobfile.prefetch(self.root, [h for h, _ in items])
 
-    def put(self, row: Row, data: bytes) -> bool:
-        """Store a checked record that came from elsewhere: its blob (not fsynced: the copy
-        elsewhere stays, and a copy a power cut tears fails its checksums, is quarantined and
-        fetched again), then its row. False if it was stored already."""
+    def put(self, row: Row, data: bytes, *, fsync: bool = False) -> bool:
+        """Store a checked record that came from elsewhere: its blob, then its row. False if it
+        was stored already. The blob is fsynced only with `fsync` (a download's copy in the bucket
+        stays: one a power cut tears fails its checksums, is quarantined and fetched again)."""
         with blobtree.tree_lock(self.root, exclusive=False):
             if self.index.present([row.hash]):
                 return False
-            blobwrite.write_bytes(self.root, row.hash, data, fsync=False)
+            blobwrite.write_bytes(self.root, row.hash, data, fsync=fsync)
             self.index.insert([row])
         try:  # the store's write log counts what reaches its disk from elsewhere too
             self.index.log_writes(hour_of(time.time()), {"downloaded": len(data)})

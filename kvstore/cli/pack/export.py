@@ -1,0 +1,30 @@
+"""`kvstore pack export`: the stored records of some prompts, as a pack folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvstore.cli.options import bound, prompt_items
+from kvstore.cli.output import CommandError, out, plural
+from kvstore.sizes import format_size
+
+
+def cmd_export(args) -> int:
+    from kvstore.model.fingerprint import resolve_model_dir
+    from kvstore.packs.export import export_pack
+
+    items = prompt_items(args)
+    with bound(args, items, "pack export") as (store, loaded, mc, work, errors):
+        if errors:
+            raise CommandError(f"{plural(len(errors), 'prompt line')} could not be used (said above): "
+                               "nothing exported")
+        done = export_pack(store, mc, resolve_model_dir(loaded.model_id), loaded.tokenizer,
+                           [tokens for _, tokens in work], Path(args.out),
+                           sign_key=Path(args.sign_key) if args.sign_key else None)
+    out(f"pack {args.out}: {plural(done.prompts, 'prompt')}, {plural(done.tokens, 'token')} "
+        f"({done.computed} computed now, the others were stored), {plural(done.records, 'record')}, "
+        f"{done.bytes} bytes ({format_size(done.bytes)})")
+    out(f"signed with {args.sign_key}" if done.signed else "unsigned: an importer cannot tell who made it")
+    out("it holds its prompts in clear (every record holds its token ids): share it only with those "
+        "who may read them")
+    return 0

@@ -1,0 +1,34 @@
+"""`kvstore pack import`: check a pack, then store and pin its records."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvstore import settings
+from kvstore.cli.options import model_to_load, remote_key, remote_url, store_path
+from kvstore.cli.output import out, plural
+from kvstore.sizes import format_size
+
+
+def cmd_import(args) -> int:
+    from kvstore.model.loading import load_model
+    from kvstore.packs.importing import import_pack
+
+    model_id = model_to_load(args)
+    url = remote_url(args)
+    loaded = load_model(model_id)
+    done = import_pack(Path(args.pack), store_path(args), loaded.model, loaded.model_id, loaded.tokenizer,
+                       trust_key=Path(args.trust_key) if args.trust_key else None, replay=not args.no_replay,
+                       pin=not args.no_pin, remote=url, remote_key=remote_key(args) if url else None,
+                       **settings.given(args))
+    v = done.verified
+    out(f"signature: {v.signature}")
+    canaries = len(v.manifest.canaries)
+    out(f"checked: model files, chain, {plural(len(v.records), 'blob')} and their records; "
+        + (f"{v.canaries} {'canary' if v.canaries == 1 else 'canaries'} by a replayed step" if v.canaries
+           else "canaries not replayed (--no-replay)" if canaries else "no canaries in the pack"))
+    out(f"imported {args.pack}: {plural(len(v.manifest.prompts), 'prompt')}, {plural(v.tokens, 'token')}; "
+        f"{plural(done.stored, 'record')} stored on disk ({format_size(done.bytes)}), {done.present} were "
+        f"stored already; " + (f"{plural(done.pinned, 'record')} pinned" if not args.no_pin
+                               else "not pinned (--no-pin): gc may evict them"))
+    return 0

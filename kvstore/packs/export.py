@@ -1,0 +1,122 @@
+"""Exporting prompts from a store as a pack (see `packs.manifest` for what a pack is).
+
+Each prompt is stored first where it is not (`ModelCache.prefill`, written whatever the
+admission policy says), then its records are read back from disk, checked, and written to the
+pack without the exporter's `model_id` (a local path). Every blob holds its token ids: a pack
+carries its prompts in clear. Only the shared namespace is exported: a record a tenant wrote
+never leaves the store in a pack (`shared_only`).
+
+The pack is written into a temporary folder beside `out` and renamed to it once whole (signed,
+when a key is given), so an export that fails or is stopped leaves no partial pack.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+
+from kvstore import keys
+from kvstore.errors import BlobError, PackError
+from kvstore.packs import identity, signing
+from kvstore.packs.manifest import BLOBS, MANIFEST, Manifest, Prompt, blob_name, sha256
+from kvstore.packs.replay import canary_fields
+from kvstore.records import check, prompt_records
+from kvstore.storage import blobfile, blobformat
+
+
+@dataclass
+class Exported:
+    """What an export wrote: prompts, their tokens (and how many had to be computed first),
+    records and bytes in the pack, and whether it is signed."""
+
+    prompts: int
+    tokens: int
+    computed: int
+    records: int
+    bytes: int
+    signed: bool
+
+
+def shared_only(rows: Sequence) -> None:
+    """Refuse records of a tenant: only the shared namespace is exportable. A row that carries a
+    tenant's tag (`tenant`, None for the shared namespace) is a tenant's."""
+    theirs = [r for r in rows if getattr(r, "tenant", None) is not None]
+    if theirs:
+        raise PackError(f"{len(theirs)} of the prompts' records belong to a tenant: only the shared "
+                        "namespace (warmed and pinned prompts of a store bound without a tenant) is exportable")
+
+
+def export_pack(store, mc, model_dir: Path, tokenizer, prompts: list[np.ndarray], out: Path, *,
+                sign_key: Path | None = None, progress: Callable[[int], None] | None = None) -> Exported:
+    """Write the pack of `prompts` (token id arrays) of the model bound as `mc` to the folder
+    `out` (which must not exist, or be empty), signed with `sign_key` (an EC private key in PEM)
+    when given. PackError if it cannot."""
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise PackError(f"{out} exists and is not an empty folder: a pack is written to a new folder")
+    if store.disk is None:
+        raise PackError("a pack is exported from a store directory (not a RAM-only store)")
+    if sign_key is not None:
+        signing.check_private_key(sign_key)
+    ident = identity.identity(Path(model_dir), tokenizer)
+    computed = 0
+    for tokens in prompts:  # stored first where it is not: written whatever admission says
+        computed += mc.prefill(tokens, progress=progress)[2]
+    store.flush()
+    chains = [prompt_records(mc.ns, t, mc.chunk_size, checkpoint=mc.checkpointed) for t in prompts]
+    wanted = list(dict.fromkeys(s.hash for chain in chains for s in chain))
+    rows = store.index.rows_of(wanted)
+    missing = [h for h in wanted if h not in rows]
+    if missing:
+        raise PackError(f"{len(missing)} of the prompts' {len(wanted)} records did not reach the disk (a full "
+                        "disk, or a write that failed: see `kvstore stats`): nothing exported")
+    shared_only(list(rows.values()))
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{os.urandom(4).hex()}"
+    (tmp / BLOBS).mkdir(parents=True)
+    try:
+        records, canaries = {}, {}
+        for h in wanted:
+            size, digest, fields = _write_blob(store, rows[h], tmp / blob_name(h), mc.chunk_size)
+            records[h.hex()] = (size, digest)
+            if fields:
+                canaries[h.hex()] = fields
+        manifest = Manifest(
+            record_format=keys.FORMAT_VERSION, fingerprint=mc.fingerprint.hex(), files=ident.files,
+            tokenizer=ident.tokenizer, chat_template=ident.chat_template, namespace=mc.ns.hex(),
+            layout=mc.layout, chunk_size=mc.chunk_size, disk_kv_bits=store.disk_kv_bits,
+            prompts=tuple(Prompt(len(t), sha256(keys.token_bytes(t)), tuple(s.hash.hex() for s in chain))
+                          for t, chain in zip(prompts, chains)),
+            records=records, canaries=canaries)
+        (tmp / MANIFEST).write_bytes(manifest.to_json())
+        if sign_key is not None:
+            signing.sign(tmp, sign_key)
+        if out.exists():
+            out.rmdir()
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return Exported(len(prompts), sum(map(len, prompts)), computed, len(records),
+                    sum(n for n, _ in records.values()), sign_key is not None)
+
+
+def _write_blob(store, row, path: Path, chunk_size: int) -> tuple[int, str, dict[str, str]]:
+    """Write a stored record's blob to the pack, checked, without `model_id`: (size, SHA-256,
+    its canary fields)."""
+    try:
+        buf, _ = blobfile.read_checked(store.blob_root, row.hash, size=row.size, checksum=row.checksum)
+        stored = blobformat.read_record(buf, f"record {row.hash.hex()}")
+        check(row, stored.metadata, stored.tokens, chunk_size=chunk_size, where=f"record {row.hash.hex()}")
+        fields = canary_fields(stored.metadata)
+    except BlobError as e:
+        raise PackError(f"a stored record is damaged ({e}): run `kvstore verify --repair`, then export "
+                        "again") from None
+    meta = {k: v for k, v in stored.metadata.items() if k != "model_id"}
+    data = blobformat.restamp(buf, meta)
+    path.write_bytes(data)
+    return len(data), sha256(data), fields

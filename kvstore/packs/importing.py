@@ -1,0 +1,96 @@
+"""Importing a pack into a store: every check first (`packs.verify`), then the records, as any
+record that comes from elsewhere is stored (`DiskTier.put`: blob, fsynced, then its row), then
+their pins.
+
+The checks run against the store opened read-only (or, where there is no store yet, a store in
+RAM with the same settings), so a pack that is refused leaves the store exactly as it was: not
+even the model version is recorded in it. Only then is the store opened to write.
+
+A blob is stored with this store's own `model_id` in its header (the pack carries none), as the
+writer would have written it; its tensors and their checksums are the pack's.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import xxhash
+
+from kvstore.errors import PackError
+from kvstore.model.fingerprint import resolve_model_dir
+from kvstore.packs.verify import Target, Verified, verify
+from kvstore.storage import blobformat
+from kvstore.storage.index import Row
+from kvstore.storage.storedir import is_absent
+from kvstore.store import MEMORY, Store
+from kvstore.upkeep.evict import role_class
+
+
+@dataclass
+class Imported:
+    """What an import did: the check (`verified`), records stored now and already stored, their
+    bytes on disk, and records pinned."""
+
+    verified: Verified
+    stored: int
+    present: int
+    bytes: int
+    pinned: int
+
+
+def memory_bound() -> int:
+    """The most blob bytes an import holds in memory while it checks them: half of RAM."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+    except (ValueError, OSError):
+        return 8 << 30
+
+
+def import_pack(folder: Path, path: Path, model, model_id: str, tokenizer, *, trust_key: Path | None = None,
+                replay: bool = True, pin: bool = True, **options) -> Imported:
+    """Check the pack in `folder` for `model` (an mlx-lm model loaded from `model_id`, with its
+    `tokenizer`) and store its records in the store at `path` (opened with `options`, as
+    `kvstore.open` takes them), pinned unless `pin=False`. PackError, with the store unchanged,
+    if any check fails."""
+    model_dir = resolve_model_dir(str(model_id))
+    with _checking(Path(path), options) as store:
+        mc = store.bind(model, model_id)
+        target = Target(mc, model_dir, tokenizer, store.disk_kv_bits)
+        verified = verify(folder, target, trust_key=trust_key, replay_canaries=replay, max_bytes=memory_bound())
+    with Store(path, **options) as store:
+        if store.read_only:
+            raise PackError(f"the store {store.path} is read-only here: nothing imported")
+        mc = store.bind(model, model_id)
+        if mc.ns != target.mc.ns or not mc.registered:
+            raise PackError("the store changed while the pack was checked, or its index cannot be written "
+                            "now (full disk, busy): nothing imported")
+        return _store(store, mc, verified, pin)
+
+
+def _checking(path: Path, options: dict) -> Store:
+    """The store at `path` opened read-only to check a pack against, or a RAM-only store with the
+    same settings where there is no store yet."""
+    options = {k: v for k, v in options.items() if k not in ("remote", "remote_key")}
+    if is_absent(path):
+        return Store(MEMORY, **options)
+    return Store(path, read_only=True, create=False, **options)
+
+
+def _store(store: Store, mc, verified: Verified, pin: bool) -> Imported:
+    """Store the checked records, parents first (a row never hangs under one that is not there)."""
+    role = role_class("user")  # as a warmed prompt: evicted after assistant-only records
+    stored = present = nbytes = 0
+    for c in verified.records:
+        s = c.span
+        blob = blobformat.restamp(c.blob, dict(c.metadata, model_id=mc.model_id))
+        row = Row(s.hash, s.ns, s.parent, s.depth, s.kind, s.ntokens, s.first_token, len(blob),
+                  xxhash.xxh3_64_intdigest(blob), pinned=int(pin), role=role)
+        if store.disk.put(row, blob, fsync=True):
+            stored += 1
+            nbytes += len(blob)
+        else:
+            present += 1
+    pinned = store.index.pin([c.span.hash for c in verified.records]) if pin else 0
+    return Imported(verified, stored, present, nbytes, pinned)

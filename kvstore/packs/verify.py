@@ -1,0 +1,248 @@
+"""Everything a pack must be before one byte of it is stored, checked in this order:
+
+1. the signature, against the trusted key (`--trust-key`): it covers `manifest.json` as it is and
+   exactly the blobs the manifest lists, with the same SHA-256s;
+2. the model: the store's chunk size and `disk_kv_bits` (both named when they differ), the SHA-256
+   of every weight and tokenizer file and of the chat template, kvstore's fingerprint, the cache
+   layout and the namespace;
+3. the chain: each prompt's token ids, read from its blobs, have the manifest's count and SHA-256,
+   and hash to the manifest's chain of records;
+4. each blob's SHA-256;
+5. each record's own checks: every tensor's checksum, its header naming the record it is in the
+   chain (`records.check`, the one check every tier uses), and its tensors fitting the model's shapes;
+6. the canaries, by one replayed step in RAM (`replay`), unless told not to.
+
+Every blob is read once, into memory, and every check runs on those bytes: what is stored is what
+was checked. Nothing here writes. A failure is a `PackError` with a one-line reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from kvstore import keys
+from kvstore.errors import BlobError, PackError
+from kvstore.packs import identity, signing
+from kvstore.packs.manifest import MANIFEST, MAX_MANIFEST_BYTES, SIGNATURE, Manifest, blob_name, parse, sha256
+from kvstore.packs.replay import canary_fields, replay
+from kvstore.records import Span, prompt_records
+from kvstore.remote.objects import check_record
+from kvstore.storage import blobformat
+from kvstore.storage.blobformat import EXTENSION_PREFIX, Entry
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a pack is checked against: a bound model (`ModelCache`), its folder and tokenizer,
+    and the store's chunk size and `disk_kv_bits`."""
+
+    mc: object
+    model_dir: Path
+    tokenizer: object
+    disk_kv_bits: int | None
+
+
+@dataclass
+class Checked:
+    """A record of the pack, checked: its place in the chain and its blob's bytes."""
+
+    span: Span
+    tokens: np.ndarray
+    blob: bytes
+    metadata: dict[str, str]
+    prompt: int = 0  # (the first) prompt whose chain it is in
+
+
+@dataclass
+class Verified:
+    manifest: Manifest
+    records: list[Checked]  # parents first, each once
+    signature: str  # how the signature was checked, in words
+    canaries: int  # canaries checked by a replayed step
+    tokens: int  # of every prompt
+
+
+def verify(folder: Path, target: Target, *, trust_key: Path | None = None, replay_canaries: bool = True,
+           max_bytes: int | None = None) -> Verified:
+    """Check the pack in `folder` for `target` (see the module docstring); PackError if it fails.
+    `max_bytes`: the most blob bytes it may hold (they are all held in memory while checked)."""
+    folder = Path(folder)
+    raw = read_file(folder / MANIFEST, MAX_MANIFEST_BYTES)
+    signed = None
+    if trust_key is not None:
+        signed = signing.signed_files(folder, trust_key)
+        if signed.get(MANIFEST) != sha256(raw):
+            raise PackError(f"{MANIFEST} was changed after the pack was signed (its SHA-256 is not the signed one)")
+        said = f"signed by the trusted key {trust_key}"
+    else:
+        said = ("signed, but the signature was not checked (no --trust-key)"
+                if os.path.lexists(folder / SIGNATURE) else "unsigned: no signature to check")
+    m = parse(raw)
+    if signed is not None:
+        _signature_covers(signed, m)
+    _for_this_model(m, target)
+    if max_bytes is not None and m.total_bytes > max_bytes:
+        raise PackError(f"the pack's blobs are {m.total_bytes} bytes; an import holds them in memory while it "
+                        f"checks them, and at most {max_bytes} bytes fit here")
+    blobs = {h: _read_blob(folder, h, n) for h, (n, _) in m.records.items()}
+    spans, prompts = _chain(m, blobs, target.mc)
+    for h, (_, digest) in m.records.items():
+        if sha256(blobs[h]) != digest:
+            raise PackError(f"blob {blob_name(h)} does not match its SHA-256 in the manifest")
+    checked = [_record(*spans[h], blobs[h], target.mc) for h in _ordered(m)]
+    canaries = _canaries(m, checked, prompts)
+    n = 0
+    if canaries and replay_canaries:
+        n = replay(target.mc, target.disk_kv_bits, ((c.span, c.tokens, c.blob) for c in checked), canaries)
+    return Verified(m, checked, said, n, sum(p.tokens for p in m.prompts))
+
+
+def read_file(path: Path, limit: int) -> bytes:
+    """A pack file's bytes: a regular file (never through a link) of at most `limit` bytes."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise PackError(f"the pack has no {path.name} ({path})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise PackError(f"{path} is not a regular file")
+    if st.st_size > limit:
+        raise PackError(f"{path} is {st.st_size} bytes, more than it can be ({limit})")
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    with open(fd, "rb", buffering=0) as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise PackError(f"{path} grew past {limit} bytes while it was read")
+    return data
+
+
+def _signature_covers(signed: dict[str, str], m: Manifest) -> None:
+    """The signature names exactly the manifest and its blobs, with the manifest's SHA-256s."""
+    listed = m.files_listed()
+    extra = sorted(set(signed) - set(listed) - {MANIFEST})
+    if extra:
+        raise PackError(f"the signature covers files the manifest does not list: {extra[:3]}")
+    for name, digest in listed.items():
+        if name not in signed:
+            raise PackError(f"{name} is not covered by the signature")
+        if signed[name] != digest:
+            raise PackError(f"{name}: its SHA-256 in the manifest is not the signed one")
+
+
+def _for_this_model(m: Manifest, t: Target) -> None:
+    mc = t.mc
+    if m.record_format != keys.FORMAT_VERSION:
+        raise PackError(f"the pack's records are format {m.record_format}; this kvstore stores format "
+                        f"{keys.FORMAT_VERSION}")
+    if m.chunk_size != mc.chunk_size:
+        raise PackError(f"the pack's chunk size is {m.chunk_size} tokens, this store's is {mc.chunk_size}: "
+                        f"import it into a store opened with chunk_size={m.chunk_size}")
+    if m.disk_kv_bits != t.disk_kv_bits:
+        raise PackError(f"the pack's disk_kv_bits is {_bits(m.disk_kv_bits)}, this store's is "
+                        f"{_bits(t.disk_kv_bits)}: import it with --disk-kv-bits {m.disk_kv_bits or 0}")
+    why = identity.differences(identity.identity(t.model_dir, t.tokenizer), m.files, m.tokenizer, m.chat_template)
+    if why is not None:
+        raise PackError(why)
+    if m.fingerprint != mc.fingerprint.hex():
+        raise PackError(f"kvstore's fingerprint of this model is {mc.fingerprint.hex()}, the pack's is "
+                        f"{m.fingerprint}: it was made with other model files")
+    if _canonical(m.layout) != _canonical(mc.layout):
+        raise PackError("the pack's cache layout is not this model's as bound here (bind options such as "
+                        "kv_bits, or disk_kv_bits, differ)")
+    if m.namespace != mc.ns.hex():
+        raise PackError(f"the pack's namespace {m.namespace} is not this model's ({mc.ns.hex()})")
+
+
+def _bits(bits: int | None) -> str:
+    return "off" if bits is None else str(bits)
+
+
+def _canonical(obj) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"))
+
+
+def _read_blob(folder: Path, h: str, size: int) -> bytes:
+    path = folder / blob_name(h)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise PackError(f"blob {blob_name(h)} is missing from the pack") from None
+    if stat.S_ISREG(st.st_mode) and st.st_size != size:
+        raise PackError(f"blob {blob_name(h)} is {st.st_size} bytes, the manifest says {size}")
+    data = read_file(path, size)
+    if len(data) != size:
+        raise PackError(f"blob {blob_name(h)} is {len(data)} bytes, the manifest says {size}")
+    return data
+
+
+def _chain(m: Manifest, blobs: dict[str, bytes], mc) -> tuple[dict[str, tuple[Span, int]], list[np.ndarray]]:
+    """Each prompt's token ids, read from its blobs and checked against the manifest, and the
+    records they hash to: (record hash -> (its place in a chain, the first prompt it is in), every
+    prompt's tokens)."""
+    spans, prompts = {}, []
+    for i, p in enumerate(m.prompts):
+        parts = []
+        for h in p.records:
+            try:
+                parts.append(blobformat.read_record(blobs[h], blob_name(h)).tokens)
+            except BlobError as e:
+                raise PackError(f"blob {blob_name(h)} is not a record's blob: {e}") from None
+        tokens = np.concatenate(parts).astype("<i4")
+        if len(tokens) != p.tokens or sha256(tokens.tobytes()) != p.tokens_sha256:
+            raise PackError(f"prompt {i + 1}: the token ids its blobs hold ({len(tokens)}) are not the ones "
+                            f"the manifest names ({p.tokens}, by their SHA-256)")
+        chain = prompt_records(mc.ns, tokens, mc.chunk_size, checkpoint=mc.checkpointed)
+        got = [s.hash.hex() for s in chain]
+        if got != list(p.records):
+            k = next((j for j, (a, b) in enumerate(zip(got, p.records)) if a != b), min(len(got), len(p.records)))
+            raise PackError(f"prompt {i + 1}: the chain recomputed from its tokens differs from the manifest's "
+                            f"at record {k + 1} of {len(p.records)}")
+        for s in chain:
+            spans.setdefault(s.hash.hex(), (s, i))
+        prompts.append(tokens)
+    return spans, prompts
+
+
+def _ordered(m: Manifest) -> list[str]:
+    """Every record once, parents first (the chains' order)."""
+    return list(dict.fromkeys(h for p in m.prompts for h in p.records))
+
+
+def _record(span: Span, prompt: int, blob: bytes, mc) -> Checked:
+    """A record's own checks: intact, the record it is in the chain, and of the model's shapes."""
+    where = f"blob {blob_name(span.hash.hex())}"
+    try:
+        tokens = check_record(blob, span, mc.chunk_size)
+        stored = blobformat.read_record(blob, where)
+        meta = stored.metadata
+        if meta.get("fingerprint") != mc.fingerprint.hex() or meta.get("format") != str(keys.FORMAT_VERSION):
+            raise BlobError(f"{where}: its header names another model or record format")
+        mc.check(span.kind, span.ntokens, {n: Entry(i["dtype"], tuple(i["shape"]))
+                                           for n, i in stored.entries.items() if n != "tokens"})
+    except BlobError as e:
+        raise PackError(f"{where} fails its record checks: {e}") from None
+    return Checked(span, np.array(tokens), blob, meta, prompt)
+
+
+def _canaries(m: Manifest, checked: list[Checked], prompts: list[np.ndarray]) -> list:
+    """(record, a prompt's tokens, canary fields) of every record with canaries; the manifest must
+    list exactly the canary fields the blobs' headers carry."""
+    out = []
+    for c in checked:
+        h = c.span.hash.hex()
+        listed = m.canaries.get(h, {})
+        try:
+            fields = canary_fields(c.metadata)
+        except BlobError as e:
+            raise PackError(f"blob {blob_name(h)}: {e}") from None
+        fields.update({k: c.metadata.get(EXTENSION_PREFIX + k) for k in listed if k not in fields})
+        if fields != listed:
+            raise PackError(f"blob {blob_name(h)}: its header's canaries are not the ones the manifest lists")
+        if fields:
+            out.append((c.span, prompts[c.prompt], fields))
+    return out

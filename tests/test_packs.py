@@ -1,0 +1,358 @@
+"""KV packs (`kvstore pack`): a pack exported from one store and imported into a fresh store on
+another path restores its prompt in a fresh process, with the logits of a recompute; every kind
+of damage, another model or tokenizer, an untrusted signer, and another chunk size or
+`disk_kv_bits` are refused with their own one-line reason and leave the store as it was; a pack
+pushed to a real SeaweedFS and pulled by a node without the fleet secret imports; canaries are
+checked by a replayed step; third-party OpenSSF model-signing verifiers accept a signed pack."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import sqlite3
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from kvtest import run_cli, run_procs
+
+import kvstore
+from kvstore.demo import build_demo_model
+from kvstore.errors import PackError
+from kvstore.packs import manifest as packfile
+from kvstore.packs import replay
+from kvstore.packs.export import shared_only
+from kvstore.storage import blobformat
+
+PROMPT = "You are the assistant of a small team. Answer briefly. " + "Notes on the build: " * 40
+OTHER = "Another prompt that lives in the importing store already. " * 3
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory) -> dict[str, Path]:
+    """Two P-256 key pairs as PEM files: `key`/`pub` (the signer), `other_key`/`other_pub`."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    root = tmp_path_factory.mktemp("keys")
+    out = {}
+    for name in ("", "other_"):
+        key = ec.generate_private_key(ec.SECP256R1())
+        out[name + "key"] = root / f"{name}key.pem"
+        out[name + "key"].write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                        serialization.NoEncryption()))
+        out[name + "pub"] = root / f"{name}key.pub"
+        out[name + "pub"].write_bytes(key.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
+    return out
+
+
+@pytest.fixture(scope="module")
+def signed_pack(tmp_path_factory, demo_model, keys) -> tuple[Path, Path]:
+    """(a signed pack of PROMPT on the tiny llama demo model, the store it was exported from)."""
+    root = tmp_path_factory.mktemp("pack")
+    model = demo_model("llama")
+    result = run_cli("pack", "export", "--store", root / "a", "--model", model, "--prompt", PROMPT,
+                     "--sign-key", keys["key"], "--out", root / "pack")
+    assert "signed with" in result.stdout and "in clear" in result.stdout
+    return root / "pack", root / "a"
+
+
+def tokens_of(model: Path, text: str) -> list[int]:
+    from mlx_lm import load
+
+    _, tokenizer = load(str(model))
+    return tokenizer.encode(text)
+
+
+def snapshot(store: Path) -> dict:
+    """What a store holds: its records and models rows, its pins and its blob files (by content)."""
+    if not (store / "index.sqlite").exists():
+        return {}
+    conn = sqlite3.connect(f"file:{store / 'index.sqlite'}?mode=ro", uri=True)
+    try:
+        rows = {t: conn.execute(f"SELECT * FROM {t} ORDER BY 1").fetchall() for t in ("records", "models")}
+    finally:
+        conn.close()
+    blobs = {p.relative_to(store).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+             for p in sorted((store / "blobs").rglob("*")) if p.is_file()}
+    pins = (store / "index.pins").read_bytes() if (store / "index.pins").exists() else b""
+    return {"rows": rows, "blobs": blobs, "pins": pins}
+
+
+@pytest.mark.parametrize("dtype, size, bits", [("bfloat16", "tiny", None), ("bfloat16", "small", 8)],
+                         ids=["bf16", "8-bit"])
+def test_a_pack_imported_on_another_path_is_reused_whole(tmp_path, demo_model, keys, dtype, size, bits):
+    model = demo_model("llama", size, dtype)
+    opts = ["--disk-kv-bits", str(bits)] if bits else []
+    run_cli("pack", "export", "--store", tmp_path / "a", "--model", model, "--prompt", PROMPT,
+            "--sign-key", keys["key"], "--out", tmp_path / "pack", *opts)
+    result = run_cli("pack", "import", tmp_path / "pack", "--store", tmp_path / "b", "--model", model,
+                     "--trust-key", keys["pub"], *opts)
+    assert f"signed by the trusted key {keys['pub']}" in result.stdout
+    assert "records pinned" in result.stdout
+    tokens = tokens_of(model, PROMPT)
+    # In a fresh process: the first fetch reuses all but the last token, logits as a recompute.
+    got = run_procs("check", tmp_path / "b", model, 256, tokens)
+    assert got["reused"] == len(tokens) - 1
+    assert got["max_abs_diff"] < (0.25 if bits else 0.07)
+    # The imported records are the exported ones: both stores restore the same K/V, bit for bit.
+    from mlx_lm import load
+
+    loaded, _ = load(str(model))
+    restored = []
+    for name in ("a", "b"):
+        with kvstore.open(tmp_path / name, memory_bytes=0) as store:
+            cache, rest = store.bind(loaded, str(model)).fetch(tokens)
+            restored.append([mx.array(c.state[0]) for c in cache] + [mx.array(c.state[1]) for c in cache])
+            assert len(rest) == 1
+    assert all(bool(mx.array_equal(x, y)) for x, y in zip(*restored))
+
+
+def _flip_byte(pack: Path, model: Path, env: dict) -> str:
+    blob = sorted((pack / "blobs").iterdir())[0]
+    data = bytearray(blob.read_bytes())
+    entries, base, _ = blobformat.parse(bytes(data))
+    name = next(n for n in entries if n != "tokens")
+    data[base + entries[name]["data_offsets"][0] + 5] ^= 0x10  # in the K/V, not the token ids
+    blob.write_bytes(bytes(data))
+    return "does not match its SHA-256 in the manifest"
+
+
+def _swap_blobs(pack: Path, model: Path, env: dict) -> str:
+    a, b = [p for p in sorted((pack / "blobs").iterdir()) if p.stat().st_size == max(
+        q.stat().st_size for q in (pack / "blobs").iterdir())][:2]  # two chunks: the same size
+    da, db = a.read_bytes(), b.read_bytes()
+    a.write_bytes(db)
+    b.write_bytes(da)
+    return "the token ids its blobs hold"
+
+
+def _edit_manifest(pack: Path, model: Path, env: dict) -> str:
+    doc = json.loads((pack / "manifest.json").read_text())
+    doc["prompts"][0]["tokens"] += 0  # the same content, written another way
+    (pack / "manifest.json").write_text(json.dumps(doc))
+    return "manifest.json was changed after the pack was signed"
+
+
+def _other_model(pack: Path, model: Path, env: dict) -> str:
+    env["model"] = build_demo_model(pack.parent / "seed1", "llama", seed=1)  # same shapes, other weights
+    return "weight file model.safetensors has SHA-256"
+
+
+def _other_tokenizer(pack: Path, model: Path, env: dict) -> str:
+    other = shutil.copytree(model, pack.parent / "retokenized")
+    config = json.loads((other / "tokenizer_config.json").read_text())
+    config["model_max_length"] = 1234
+    (other / "tokenizer_config.json").write_text(json.dumps(config))
+    env["model"] = other
+    return "tokenizer file tokenizer_config.json has SHA-256"
+
+
+def _untrusted_signer(pack: Path, model: Path, env: dict) -> str:
+    env["trust"] = env["keys"]["other_pub"]
+    return "does not verify with the trusted key"
+
+
+def _missing_blob(pack: Path, model: Path, env: dict) -> str:
+    sorted((pack / "blobs").iterdir())[-1].unlink()
+    return "is missing from the pack"
+
+
+def _unsigned_with_trust_key(pack: Path, model: Path, env: dict) -> str:
+    (pack / "model.sig").unlink()
+    return "the pack is not signed"
+
+
+def _other_disk_kv_bits(pack: Path, model: Path, env: dict) -> str:
+    env["extra"] = ["--disk-kv-bits", "8"]
+    return "the pack's disk_kv_bits is off, this store's is 8"
+
+
+@pytest.mark.parametrize("damage", [_flip_byte, _swap_blobs, _edit_manifest, _other_model, _other_tokenizer,
+                                    _untrusted_signer, _missing_blob, _unsigned_with_trust_key,
+                                    _other_disk_kv_bits], ids=lambda f: f.__name__.strip("_"))
+def test_a_bad_pack_is_refused_with_its_reason_and_the_store_stays_as_it_was(
+        tmp_path, demo_model, keys, signed_pack, damage):
+    model = demo_model("llama")
+    pack = Path(shutil.copytree(signed_pack[0], tmp_path / "pack"))
+    store = tmp_path / "b"
+    run_cli("warm", "--store", store, "--model", model, "--prompts", _prompt_file(tmp_path, OTHER))
+    before = snapshot(store)
+    env = {"keys": keys, "model": model, "trust": keys["pub"], "extra": []}
+    reason = damage(pack, model, env)
+    result = run_cli("pack", "import", pack, "--store", store, "--model", env["model"],
+                     "--trust-key", env["trust"], *env["extra"], check=False)
+    assert result.returncode == 1, result.stdout + result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("kvstore: error:")]
+    assert len(errors) == 1 and reason in errors[0], result.stderr
+    assert "Traceback" not in result.stderr and result.stdout == ""
+    assert snapshot(store) == before
+
+
+def test_another_chunk_size_is_refused_with_both_values(tmp_path, demo_model, signed_pack):
+    from mlx_lm import load
+
+    from kvstore.packs.importing import import_pack
+
+    model = demo_model("llama")
+    loaded, tokenizer = load(str(model))
+    with pytest.raises(PackError, match="the pack's chunk size is 256 tokens, this store's is 64"):
+        import_pack(signed_pack[0], tmp_path / "b", loaded, str(model), tokenizer, chunk_size=64)
+    assert not (tmp_path / "b").exists()
+
+
+def test_an_unsigned_pack_imports_without_a_trust_key_and_says_so(tmp_path, demo_model):
+    model = demo_model("llama")
+    run_cli("pack", "export", "--store", tmp_path / "a", "--model", model, "--prompt", PROMPT, "--unsigned",
+            "--out", tmp_path / "pack")
+    assert not (tmp_path / "pack" / "model.sig").exists()
+    result = run_cli("pack", "import", tmp_path / "pack", "--store", tmp_path / "b", "--model", model, "--no-pin")
+    assert "signature: unsigned: no signature to check" in result.stdout
+    assert "not pinned (--no-pin)" in result.stdout
+    with kvstore.open(tmp_path / "b") as store:
+        assert store.pins() == [] and store.stats()["chunks"] > 0
+
+
+def test_a_signed_pack_verifies_with_model_signings_own_verifier(tmp_path, keys, signed_pack):
+    from model_signing import verifying
+
+    pack = Path(shutil.copytree(signed_pack[0], tmp_path / "copy-under-another-name"))
+    verifier = verifying.Config().use_elliptic_key_verifier(public_key=keys["pub"])
+    verifier.verify(pack, pack / "model.sig")
+    blob = sorted((pack / "blobs").iterdir())[0]
+    blob.write_bytes(blob.read_bytes()[:-1] + b"\0")
+    with pytest.raises(ValueError, match="Signature mismatch"):
+        verifier.verify(pack, pack / "model.sig")
+
+
+def test_no_local_path_goes_into_a_pack(signed_pack):
+    pack, store = signed_pack
+    text = b"".join(p.read_bytes() for p in pack.rglob("*") if p.is_file())
+    assert str(store).encode() not in text and b"model_id" not in text
+    assert b"demo-models" not in text  # the model's folder
+
+
+def test_push_and_pull_through_a_bucket_by_a_node_without_the_fleet_secret(tmp_path, demo_model, keys, signed_pack,
+                                                                          s3, monkeypatch):
+    url = s3.url()
+    pushed = run_cli("pack", "push", signed_pack[0], url)
+    assert "signed" in pushed.stdout
+    monkeypatch.delenv("KVSTORE_REMOTE_KEY")
+    run_cli("pack", "pull", url, tmp_path / "pulled")
+    run_cli("pack", "pull", f"file://{signed_pack[0]}", tmp_path / "copied")
+    model = demo_model("llama")
+    for name in ("pulled", "copied"):
+        run_cli("pack", "import", tmp_path / name, "--store", tmp_path / f"store-{name}", "--model", model,
+                "--trust-key", keys["pub"])
+    tokens = tokens_of(model, PROMPT)
+    from mlx_lm import load
+
+    loaded, _ = load(str(model))
+    with kvstore.open(tmp_path / "store-pulled") as store:
+        assert len(store.bind(loaded, str(model)).fetch(tokens)[1]) == 1
+    missing = run_cli("pack", "pull", s3.url(), tmp_path / "nothing", check=False)
+    assert missing.returncode == 1 and "has no manifest.json" in missing.stderr
+    assert not (tmp_path / "nothing").exists()
+
+
+# -- canaries: checked by one replayed step ---------------------------------------------------
+
+def _canary(text: str) -> dict:
+    value = json.loads(text)
+    if not isinstance(value, dict) or set(value) != {"top", "logit"}:
+        raise ValueError("not a test canary")
+    return value
+
+
+def _check_canary(value: dict, logits: mx.array) -> str | None:
+    top = int(mx.argmax(logits).item())
+    if top != value["top"] or abs(float(logits[top].item()) - value["logit"]) > 1e-3:
+        return f"top token {top} ({float(logits[top].item()):.4f}), the canary says {value['top']} ({value['logit']})"
+    return None
+
+
+def _with_canary(pack: Path, value: dict) -> None:
+    """Put a test canary in the header of the pack's last record, and in its manifest."""
+    doc = json.loads((pack / "manifest.json").read_text())
+    last = doc["prompts"][0]["records"][-1]
+    path = pack / packfile.blob_name(last)
+    data = path.read_bytes()
+    meta = blobformat.parse(data)[2]
+    data = blobformat.restamp(data, {**meta, "x-testcanary": json.dumps(value)})
+    path.write_bytes(data)
+    doc["records"][last] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    doc["canaries"] = {last: {"testcanary": json.dumps(value)}}
+    (pack / "manifest.json").write_text(json.dumps(doc))
+
+
+def test_canaries_are_checked_by_one_replayed_step(tmp_path, demo_model, monkeypatch):
+    from mlx_lm import load
+
+    blobformat.register_extension("testcanary", _canary)
+    monkeypatch.setitem(replay.CANARIES, "testcanary", _check_canary)
+    model = demo_model("llama")
+    run_cli("pack", "export", "--store", tmp_path / "a", "--model", model, "--prompt", PROMPT, "--unsigned",
+            "--out", tmp_path / "pack")
+    loaded, tokenizer = load(str(model))
+    logits = loaded(mx.array([tokenizer.encode(PROMPT)]))[0, -1]
+    top = int(mx.argmax(logits).item())
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    shutil.copytree(tmp_path / "pack", good)
+    shutil.copytree(tmp_path / "pack", bad)
+    _with_canary(good, {"top": top, "logit": float(logits[top].item())})
+    _with_canary(bad, {"top": (top + 1) % 256, "logit": 0.0})
+    result = run_cli("pack", "import", good, "--store", tmp_path / "b", "--model", model)
+    assert "1 canary by a replayed step" in result.stdout
+    refused = run_cli("pack", "import", bad, "--store", tmp_path / "c", "--model", model, check=False)
+    assert refused.returncode == 1 and "its canary testcanary does not hold" in refused.stderr
+    assert not (tmp_path / "c").exists()
+    skipped = run_cli("pack", "import", bad, "--store", tmp_path / "c", "--model", model, "--no-replay")
+    assert "canaries not replayed (--no-replay)" in skipped.stdout
+
+
+# -- the manifest and the tenant rule ----------------------------------------------------------
+
+def test_the_manifest_is_read_strictly(signed_pack):
+    raw = (signed_pack[0] / "manifest.json").read_bytes()
+    m = packfile.parse(raw)
+    assert packfile.parse(m.to_json()) == m
+    doc = json.loads(raw)
+    for edit, reason in [(lambda d: d.update(extra=1), "fields"),
+                         (lambda d: d["records"].update({"ab" * 16: {"bytes": 10, "sha256": "0" * 64}}),
+                          "in no prompt"),
+                         (lambda d: d["model"]["files"].update({"../x": "0" * 64}), "plain relative name"),
+                         (lambda d: d.update(kvstore_pack=2), "pack format 2"),
+                         (lambda d: d.update(chunk_size=True), "chunk_size")]:
+        bad = json.loads(json.dumps(doc))
+        edit(bad)
+        with pytest.raises(PackError, match=reason):
+            packfile.parse(json.dumps(bad).encode())
+
+
+def test_a_tenants_records_are_never_exported():
+    class Row:
+        def __init__(self, tenant):
+            self.tenant = tenant
+
+    shared_only([Row(None), Row(None)])
+    with pytest.raises(PackError, match="belong to a tenant"):
+        shared_only([Row(None), Row(b"\x01" * 8)])
+
+
+def test_record_arrays_read_a_blob_as_the_writer_stored_it(signed_pack):
+    blob = sorted((signed_pack[0] / "blobs").iterdir())[0].read_bytes()
+    arrays, views = replay.record_arrays(blob)
+    entries = blobformat.parse(blob)[0]
+    assert set(arrays) == set(entries) - {"tokens"} and not views
+    name = next(iter(arrays))
+    assert np.array_equal(np.asarray(arrays[name]).reshape(-1)[:4],
+                          np.frombuffer(blob, "<f4", 4, blobformat.parse(blob)[1] + entries[name]["data_offsets"][0]))
+
+
+def _prompt_file(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps({"prompt": text}) + "\n")
+    return path
