@@ -1,6 +1,6 @@
 """Sections of bench/README.md written by report.py: how to run each benchmark, and the sections for
 bench/conversation.py and bench/remote.py (whose results files record no date of their own),
-bench/agent_trace.py, bench/kv8.py and bench/stats_scale.py."""
+bench/agent_trace.py, bench/kv8.py, bench/packs.py and bench/stats_scale.py."""
 
 from __future__ import annotations
 
@@ -38,6 +38,8 @@ COMMANDS = [
     ("remote tier (starts a local SeaweedFS)", "python bench/remote.py [--lengths 2048 8192] [--reps 3]", False),
     ("agent trace under `admit`", "python bench/agent_trace.py [--prompts 200] [--tokens 2048]", True),
     ("8-bit K/V on disk", "python bench/kv8.py [--quick]", True),
+    ("KV packs: size per token, import against a raw read", "python bench/packs.py [--tokens 2048] [--reps 3]",
+     False),
     ("what the benchmarks changed", "python bench/before_after.py [--quick]", True),
     ("checkpoint bytes of a hybrid model (arithmetic)", "python bench/checkpoint_bytes.py CONFIG.json", False),
     ("a profile of `fetch` (a quick look)", "python bench/profile_fetch.py [--tokens 2048] [--cprofile]", False),
@@ -213,3 +215,46 @@ def kv8_table(data: dict) -> str:
 
 def _prefix(r: dict) -> int:
     return 50 if r["greedy_first_diff"] is None else r["greedy_first_diff"]
+
+
+def packs(add, data) -> None:
+    """The KV packs section (bench/packs.py)."""
+    add("## KV packs")
+    add("")
+    add("`LD_PRELOAD=.../libblas.so.3 python bench/packs.py` (docs/packs.md): a pack of one 2,048-token prompt per "
+        "model shape, at bf16 and with `disk_kv_bits=8` (real shapes: random bf16 K/V of every layer through a "
+        "shape-only model); the import of the Qwen3-0.6B-shaped bf16 pack against a raw read of its files (page "
+        "cache warm, medians, side by side in one process); and the demo model end to end.")
+    add("")
+    for line in packs_table(data).splitlines():
+        add(line)
+    add("")
+
+
+def packs_table(data: dict) -> str:
+    """The tables of bench/packs.py's results."""
+    m, imp, demo = data["machine"], data["import"], data["demo"]
+    lines = [f"Run {data.get('written_utc', 'now')} on {m['cpu']} ({m['cores']} cores); {demo['blas']}.", "",
+             "| model shape | layers x kv heads x head_dim | pack bytes per token, bf16 | at 8 bits | 8-bit / bf16 |",
+             "| --- | --- | ---: | ---: | ---: |"]
+    for r in data["sizes"]:
+        lines.append(f"| {r['model']} | {r['layers']} x {r['kv_heads']} x {r['head_dim']} | "
+                     f"{r['bytes_per_token_16']:,.0f} | {r['bytes_per_token_8']:,.0f} | {r['ratio_8']:.3f}x |")
+    lines += ["", f"Import of the Qwen3-0.6B-shaped pack ({mb(imp['bytes'])}, {imp['files']} files, "
+              f"{imp['tokens']:,} tokens):", "",
+              "| step | seconds | GB/s of pack bytes |", "| --- | ---: | ---: |"]
+    for key, what in (("raw_read", "raw read of the files into memory"), ("sha256", "SHA-256 of those bytes"),
+                      ("xxh3", "xxh3 of those bytes (the tensor checksums' hash)"),
+                      ("checks", "every check of `pack import` (reads once, hashes, checks records)"),
+                      ("import", "the whole import into a fresh store (checks, blobs fsynced, rows, pins)")):
+        lines.append(f"| {what} | {imp[key]['seconds']:.3f} | {imp[key]['gb_per_s']:.2f} |")
+    lines += ["", f"Page faults per import: {imp['import_minor_faults']:,.0f} minor ({imp['pages']:,} pages of "
+              "pack bytes).", "",
+              f"Demo model (llama small, bf16), {demo['tokens']:,} tokens: the export computed {demo['computed_by_export']:,} "
+              f"tokens in {demo['export_seconds']:.1f} s; the pack is {mb(demo['pack_bytes'])} and imports in "
+              f"{demo['import_seconds']:.2f} s; the first request after the import reuses "
+              f"{demo['reused_after_import']:,} tokens, first token in {demo['ttft_restored']:.3f} s against "
+              f"{demo['ttft_cold']:.2f} s cold (one step of all the tokens): "
+              f"{demo['prefill_seconds_saved_per_mb']:.2f} s of prefill saved per MB of pack, against the quicker "
+              "of the two prefills."]
+    return "\n".join(lines)

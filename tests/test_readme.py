@@ -150,3 +150,18 @@ def test_the_readme_has_every_command_with_the_options_its_parser_has():
     wrong = [name for name in expected if found.get(name) != expected[name]] + sorted(set(found) - set(expected))
     blocks = "\n\n".join(f"<!-- options:{n} -->\n```text\n{b}```\n<!-- /options -->" for n, b in expected.items())
     assert not wrong, f"README.md's option blocks of {wrong} differ from the parsers; they are:\n\n{blocks}"
+
+
+def pack_option_blocks() -> dict[str, str]:
+    """What docs/packs.md's option blocks hold: the usage of every `kvstore pack` subcommand."""
+    from kvstore.cli.main import build_parser
+
+    pack = build_parser()._subparsers._group_actions[0].choices["pack"]
+    return {f"pack-{name}": usage(p) for name, p in pack._subparsers._group_actions[0].choices.items()}
+
+
+def test_the_packs_page_has_every_pack_subcommand_with_its_options():
+    expected, found = pack_option_blocks(), option_blocks((REPO / "docs" / "packs.md").read_text())
+    wrong = [name for name in expected if found.get(name) != expected[name]] + sorted(set(found) - set(expected))
+    blocks = "\n\n".join(f"<!-- options:{n} -->\n```text\n{b}```\n<!-- /options -->" for n, b in expected.items())
+    assert not wrong, f"docs/packs.md's option blocks of {wrong} differ from the parsers; they are:\n\n{blocks}"
