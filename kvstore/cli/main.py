@@ -17,9 +17,9 @@ from typing import Callable
 
 from kvstore.argv import Parser, option_strings, unrecognized
 from kvstore.cli import gc, generate, pins, remotekey, serve, settings, stats, verify, warm
-from kvstore.cli.pack import command as pack
 from kvstore.cli.options import model_parent, store_parent
 from kvstore.cli.output import EXIT_INTERRUPTED, EXIT_PROBLEMS, EXIT_USAGE, PROG, CommandError, say
+from kvstore.cli.pack import command as pack
 from kvstore.errors import KVStoreError
 
 COMMANDS = (warm, generate, gc, stats, settings, verify, pins, remotekey, pack)  # `serve` is dispatched before parsing
