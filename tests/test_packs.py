@@ -262,16 +262,19 @@ def test_push_and_pull_through_a_bucket_by_a_node_without_the_fleet_secret(tmp_p
 
 def _canary(text: str) -> dict:
     value = json.loads(text)
-    if not isinstance(value, dict) or set(value) != {"top", "logit"}:
+    if not isinstance(value, dict) or set(value) != {"at", "token", "top", "logit"}:
         raise ValueError("not a test canary")
     return value
 
 
-def _check_canary(value: dict, logits: mx.array) -> str | None:
-    top = int(mx.argmax(logits).item())
-    if top != value["top"] or abs(float(logits[top].item()) - value["logit"]) > 1e-3:
-        return f"top token {top} ({float(logits[top].item()):.4f}), the canary says {value['top']} ({value['logit']})"
+def _check_canary(value: dict, logits: np.ndarray) -> str | None:
+    top = int(np.argmax(logits))
+    if top != value["top"] or abs(float(logits[top]) - value["logit"]) > 1e-3:
+        return f"top token {top} ({float(logits[top]):.4f}), the canary says {value['top']} ({value['logit']})"
     return None
+
+
+TEST_CANARY = replay.Kind(step=lambda v: (v["at"], v["token"]), check=_check_canary)
 
 
 def _with_canary(pack: Path, value: dict) -> None:
@@ -292,18 +295,20 @@ def test_canaries_are_checked_by_one_replayed_step(tmp_path, demo_model, monkeyp
     from mlx_lm import load
 
     blobformat.register_extension("testcanary", _canary)
-    monkeypatch.setitem(replay.CANARIES, "testcanary", _check_canary)
+    monkeypatch.setitem(replay.CANARIES, "testcanary", TEST_CANARY)
     model = demo_model("llama")
     run_cli("pack", "export", "--store", tmp_path / "a", "--model", model, "--prompt", PROMPT, "--unsigned",
             "--out", tmp_path / "pack")
     loaded, tokenizer = load(str(model))
-    logits = loaded(mx.array([tokenizer.encode(PROMPT)]))[0, -1]
+    tokens = tokenizer.encode(PROMPT)
+    logits = loaded(mx.array([tokens]))[0, -1]  # the step of the prompt's last token
     top = int(mx.argmax(logits).item())
+    step = {"at": len(tokens) - 1, "token": tokens[-1]}
     good, bad = tmp_path / "good", tmp_path / "bad"
     shutil.copytree(tmp_path / "pack", good)
     shutil.copytree(tmp_path / "pack", bad)
-    _with_canary(good, {"top": top, "logit": float(logits[top].item())})
-    _with_canary(bad, {"top": (top + 1) % 256, "logit": 0.0})
+    _with_canary(good, {**step, "top": top, "logit": float(logits[top].item())})
+    _with_canary(bad, {**step, "top": (top + 1) % 256, "logit": 0.0})
     result = run_cli("pack", "import", good, "--store", tmp_path / "b", "--model", model)
     assert "1 canary by a replayed step" in result.stdout
     refused = run_cli("pack", "import", bad, "--store", tmp_path / "c", "--model", model, check=False)
@@ -356,3 +361,17 @@ def _prompt_file(tmp_path: Path, text: str) -> Path:
     path = tmp_path / "prompts.jsonl"
     path.write_text(json.dumps({"prompt": text}) + "\n")
     return path
+
+
+def test_a_hybrid_models_pack_carries_its_checkpoint(tmp_path, demo_model):
+    model = demo_model("qwen3_5")  # recurrent layers: restored only from the checkpoint at the prompt's end
+    run_cli("pack", "export", "--store", tmp_path / "a", "--model", model, "--prompt", PROMPT, "--unsigned",
+            "--out", tmp_path / "pack")
+    doc = json.loads((tmp_path / "pack" / "manifest.json").read_text())
+    tokens = tokens_of(model, PROMPT)
+    assert len(doc["prompts"][0]["records"]) == len(tokens) // 256 + 2  # chunks, the tail, its checkpoint
+    run_cli("pack", "import", tmp_path / "pack", "--store", tmp_path / "b", "--model", model)
+    # A follow-up request restores the whole prompt from its checkpoint (the prompt alone cannot be:
+    # at least one token is left to compute, and no checkpoint is one token short of its end).
+    got = run_procs("check", tmp_path / "b", model, 256, tokens + tokens_of(model, " And then?"))
+    assert got["reused"] == len(tokens) and got["max_abs_diff"] < 1e-3

@@ -1,18 +1,21 @@
-"""Canaries: a record's small fingerprint of the logits that follow it, checked by one replayed step.
+"""Canaries: a record's small fingerprint of the logits of one step, checked by replaying that step.
 
 A canary is a field of a blob's header, stored through the header's extension point
-(`storage.blobformat.register_extension`: `x-<name>` in the metadata). `CANARIES` names the
-fields that are canaries and the function that checks one against the logits the model computes:
-`check(value, logits) -> None` when they agree, else why not (one line).
+(`storage.blobformat.register_extension`: `x-<name>` in the metadata, with a validator that
+parses it). `CANARIES` names the fields that are canaries, with their `Kind`: which step a canary
+is of (the prompt's first `at` tokens restored, then `token` processed alone) and how it is
+checked against the logits of that step.
 
 `replay` checks a pack's canaries before anything is stored: it puts the pack's records into a
-store of its own in RAM (`kvstore.MEMORY`), restores each canary's prompt through the ordinary
-fetch (all of it but its last token), runs the model one step on that token and hands the
-logits to the canary's check.
+store of its own in RAM (`kvstore.MEMORY`), restores the first `at` tokens of the canary's prompt
+through the ordinary fetch (a model with recurrent layers restores from the last checkpoint
+before them and computes the few tokens after it), runs `token`, and hands the logits to the
+canary's check.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Iterable
 
 import mlx.core as mx
@@ -24,8 +27,19 @@ from kvstore.storage import blobformat
 from kvstore.store import MEMORY, Store
 from kvstore.tiers.memory import held
 
-#: canary field (a registered blob header extension) -> check(value, logits): None, or why not.
-CANARIES: dict[str, Callable[[object, mx.array], str | None]] = {}
+@dataclass(frozen=True)
+class Kind:
+    """How one kind of canary is replayed and checked. `step(value)` gives (at, token): the step
+    restores the prompt's first `at` tokens and processes `token` alone; `check(value, logits)`
+    (the step's logits, a float32 numpy vector) is None when they agree with the canary, else why
+    not, in a few words."""
+
+    step: Callable[[object], tuple[int, int]]
+    check: Callable[[object, np.ndarray], str | None]
+
+
+#: canary field (a blob header extension registered with its validator) -> its `Kind`.
+CANARIES: dict[str, Kind] = {}
 
 
 def canary_fields(metadata: dict[str, str]) -> dict[str, str]:
@@ -70,21 +84,29 @@ def replay(mc, disk_kv_bits: int | None, records: Iterable[tuple[Span, np.ndarra
             kept.append(held(span, np.array(tokens), arrays, views))
         ram.memory.put(reversed(kept))
         for span, prompt, fields in canaries:
-            tokens = prompt[: span.end]
-            cache, rest = rc.fetch(tokens)
-            where = f"record {span.hash.hex()}"
-            if len(rest) != 1:
-                raise PackError(f"{where}: its canary cannot be replayed: only {len(tokens) - len(rest)} of "
-                                f"the {len(tokens)} tokens before it could be restored from the pack")
-            logits = rc.model(mx.array([rest]), cache=cache)[0, -1]
-            mx.eval(logits)
             values = blobformat.extensions({blobformat.EXTENSION_PREFIX + k: v for k, v in fields.items()})
             for name in fields:
-                if name not in CANARIES:
-                    raise PackError(f"{where}: its canary {name} is not one this kvstore can check: import "
-                                    "with --no-replay to skip the canaries")
-                why = CANARIES[name](values[name], logits)
-                if why is not None:
-                    raise PackError(f"{where}: its canary {name} does not hold for the replayed step ({why})")
+                _replay_one(rc, span, prompt, name, values.get(name))
                 checked += 1
     return checked
+
+
+def _replay_one(mc, span: Span, prompt: np.ndarray, name: str, value) -> None:
+    """Replay the step of one canary of record `span` (of `prompt`) from the pack's records."""
+    where = f"record {span.hash.hex()}"
+    kind = CANARIES.get(name)
+    if kind is None:
+        raise PackError(f"{where}: its canary {name} is not one this kvstore can check: import with "
+                        "--no-replay to skip the canaries")
+    at, token = kind.step(value)
+    if not (span.start <= at <= span.end and 0 < at <= len(prompt)):
+        raise PackError(f"{where}: its canary {name} is of the step at token {at}, which is not at this record")
+    tokens = np.append(prompt[:at], np.int32(token)).astype(np.int32)
+    cache, rest = mc.fetch(tokens)
+    if len(rest) == len(tokens):
+        raise PackError(f"{where}: its canary cannot be replayed: none of the {at} tokens before its step "
+                        "could be restored from the pack")
+    logits = mc.model(mx.array([rest]), cache=cache)[0, -1].astype(mx.float32)
+    why = kind.check(value, np.array(logits))
+    if why is not None:
+        raise PackError(f"{where}: its canary {name} does not hold for the replayed step ({why})")
