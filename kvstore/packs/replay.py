@@ -27,6 +27,7 @@ from kvstore.storage import blobformat
 from kvstore.store import MEMORY, Store
 from kvstore.tiers.memory import held
 
+
 @dataclass(frozen=True)
 class Kind:
     """How one kind of canary is replayed and checked. `step(value)` gives (at, token): the step
