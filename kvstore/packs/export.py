@@ -76,7 +76,9 @@ def export_pack(store, mc, model_dir: Path, tokenizer, prompts: list[np.ndarray]
         raise PackError(f"{len(missing)} of the prompts' {len(wanted)} records did not reach the disk (a full "
                         "disk, or a write that failed: see `kvstore stats`): nothing exported")
     shared_only(list(rows.values()))
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{os.urandom(4).hex()}"
+    # Made under its own name (the signature names the folder) in a temporary folder beside `out`.
+    staging = out.parent / f".{out.name}.tmp-{os.getpid()}-{os.urandom(4).hex()}"
+    tmp = staging / out.name
     (tmp / BLOBS).mkdir(parents=True)
     try:
         records, canaries = {}, {}
@@ -98,9 +100,8 @@ def export_pack(store, mc, model_dir: Path, tokenizer, prompts: list[np.ndarray]
         if out.exists():
             out.rmdir()
         os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return Exported(len(prompts), sum(map(len, prompts)), computed, len(records),
                     sum(n for n, _ in records.values()), sign_key is not None)
 

@@ -22,7 +22,7 @@ def cmd_export(args) -> int:
                            [tokens for _, tokens in work], Path(args.out),
                            sign_key=Path(args.sign_key) if args.sign_key else None)
     out(f"pack {args.out}: {plural(done.prompts, 'prompt')}, {plural(done.tokens, 'token')} "
-        f"({done.computed} computed now, the others were stored), {plural(done.records, 'record')}, "
+        f"({done.computed} computed now, {done.tokens - done.computed} stored already), {plural(done.records, 'record')}, "
         f"{done.bytes} bytes ({format_size(done.bytes)})")
     out(f"signed with {args.sign_key}" if done.signed else "unsigned: an importer cannot tell who made it")
     out("it holds its prompts in clear (every record holds its token ids): share it only with those "
