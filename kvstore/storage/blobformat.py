@@ -27,7 +27,7 @@ from typing import Callable, Mapping, NamedTuple
 import numpy as np
 import xxhash
 
-from kvstore import keys
+from kvstore import canary, keys
 from kvstore.errors import BlobError
 from kvstore.records import RecordId
 
@@ -258,6 +258,10 @@ def register_extension(name: str, validate: Callable[[str], object]) -> None:
     if _EXTENSIONS.get(name, validate) is not validate:
         raise ValueError(f"the blob header extension {name!r} is registered already")
     _EXTENSIONS[name] = validate
+
+
+# A record's canary (`kvstore.canary`): the top of the logits one step gave from its K/V.
+register_extension("canary", canary.parse)
 
 
 def with_extensions(metadata: Mapping[str, str], fields: Mapping[str, str]) -> dict[str, str]:

@@ -35,16 +35,19 @@ class Record(RecordId):
     nbytes: int = 0
     # How its arrays look to the restore, worked out once (`RecordSource`); never compared.
     read_view: tuple | None = field(default=None, repr=False, compare=False)
+    # Header extension fields its blob gets when it is written from RAM (a canary).
+    extensions: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.nbytes:
             self.nbytes = sum(a.nbytes for a in self.arrays.values()) + self.tokens.nbytes
 
 
-def held(rid: RecordId, tokens: np.ndarray, arrays: dict, views: dict | None = None, nbytes: int = 0) -> Record:
+def held(rid: RecordId, tokens: np.ndarray, arrays: dict, views: dict | None = None, nbytes: int = 0,
+         extensions: dict[str, str] | None = None) -> Record:
     """Record `rid` with these token ids and arrays, in RAM."""
     return Record(rid.hash, rid.ns, rid.parent, rid.depth, rid.kind, rid.ntokens, rid.first_token,
-                  tokens, arrays, views or {}, nbytes)
+                  tokens, arrays, views or {}, nbytes, extensions=dict(extensions or {}))
 
 
 class MemoryTier:

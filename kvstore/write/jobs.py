@@ -77,6 +77,8 @@ class Job:
     # False: its records' arrays are not known to hold every layer's K/V (copied back from RAM
     # for a model with a sliding window): nothing is completed or dropped as redundant by them.
     whole: bool = True
+    # Record key -> header extension fields of its blob (`storage.blobformat`: a canary).
+    extensions: dict[bytes, dict[str, str]] = field(default_factory=dict)
 
     def slices(self, spec: Span, arrays: dict) -> dict:
         """The part of each array that falls in the spec's tokens (always a suffix of them)."""
@@ -93,7 +95,7 @@ class Job:
         self.ready()
         return held(spec, self.tokens[spec.start : spec.end],
                     dict(self.checkpoint) if spec.kind == CHECKPOINT else self.slices(spec, self.arrays),
-                    dict(self.views), nbytes=spec.nbytes)
+                    dict(self.views), nbytes=spec.nbytes, extensions=self.extensions.get(spec.hash))
 
     def token_ids(self, spec: Span) -> np.ndarray:
         """The spec's token ids as a blob stores them (little-endian int32)."""
@@ -176,7 +178,7 @@ class Hosts:
             tensors[name] = (self.tags[name], np.ascontiguousarray(arr))
         meta = dict(job.metadata, hash=spec.hash.hex(), parent=spec.parent.hex(),
                     depth=str(spec.depth), kind=str(spec.kind))
-        return tokens, tensors, meta
+        return tokens, tensors, blobformat.with_extensions(meta, job.extensions.get(spec.hash, {}))
 
 
 def compact(job: Job, spec: Span, tokens: np.ndarray, tensors: dict[str, blobformat.Tensor]) -> Record:
@@ -188,7 +190,7 @@ def compact(job: Job, spec: Span, tokens: np.ndarray, tensors: dict[str, blobfor
         arrays[name] = mx.array(arr)
         if tag == "BF16":
             views[name] = mx.bfloat16
-    return held(spec, tokens, arrays, views)
+    return held(spec, tokens, arrays, views, extensions=job.extensions.get(spec.hash))
 
 
 def from_memory(rec: Record, start: int, prefix: np.ndarray, metadata: dict[str, str], *,
@@ -204,4 +206,5 @@ def from_memory(rec: Record, start: int, prefix: np.ndarray, metadata: dict[str,
     else:
         arrays, checkpoint = dict(rec.arrays), {}
     return Job(rec.ns, tokens, arrays, dict.fromkeys(arrays, start), dict(rec.views), [spec], metadata,
-               checkpoint=checkpoint, nbytes=rec.nbytes, role=role, whole=whole)
+               checkpoint=checkpoint, nbytes=rec.nbytes, role=role, whole=whole,
+               extensions={rec.hash: dict(rec.extensions)} if rec.extensions else {})
