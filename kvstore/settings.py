@@ -223,6 +223,12 @@ STORE_SETTINGS: tuple[Setting, ...] = (
     Setting("disk_kv_bits", "bits", None, kept=True, choices=(4, 8), zero="off",
             help="store the K/V of bf16/f16 attention layers quantized to 8 (or 4) bits: lossy, "
                  "about half the disk of bf16 at 8 bits; other dtypes are stored as they are; 0: off"),
+    Setting("exact_prefill", "count", None, kept=True, off=True, zero=None,
+            refuse_zero="0 is no step: use off for token-exact reuse, or a multiple of the chunk size such as 256",
+            help="exact mode: prefill prompts in steps of N tokens from token 0 (N a multiple of the chunk "
+                 "size, e.g. 256 or 2048) and restore only at multiples of N (or at a stored prompt's own "
+                 "end), so a restored run computes what a cold run does, bit for bit (docs/exact.md); "
+                 "off: reuse every stored token; 0 is refused"),
     Setting("remote_deadline", "duration", 1.0, zero="never wait for the bucket",
             help="how long a fetch waits for the remote tier, e.g. 2s; past it, the fetch serves "
                  "what is local; 0: never wait for the bucket"),

@@ -19,7 +19,7 @@ import os
 import sqlite3
 import weakref
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvstore import keys, settings
 from kvstore.errors import InvalidInputError
@@ -31,7 +31,7 @@ from kvstore.model.lookup import Tiers
 from kvstore.remote.bucket import check_url, open_bucket
 from kvstore.remote.node import Remote
 from kvstore.remote.seal import Fleet, fleet_secret
-from kvstore.restore import buffers
+from kvstore.restore import buffers, selfcheck
 from kvstore.storage.storedir import default_path
 from kvstore.tiers.disk import DiskBudget, DiskTier, evict
 from kvstore.tiers.memory import MemoryTier, MemoryTierView
@@ -41,6 +41,9 @@ from kvstore.write import budget as write_budget
 from kvstore.write.admission import Gate
 from kvstore.write.pending import PendingTier
 from kvstore.write.writer import Writer
+
+if TYPE_CHECKING:
+    from kvstore.certify import Report
 
 log = logging.getLogger("kvstore")
 
@@ -77,13 +80,16 @@ class Store:
                  remote: str | None = None, remote_deadline: float | str | None = None,
                  remote_key: str | bytes | None = None, remote_flush_timeout: float | str | None = None,
                  admit: str | None = None, max_write_rate: int | str | None = None,
-                 disk_kv_bits: int | str | None = None, buffer_cache_bytes: int | str | None = None):
+                 disk_kv_bits: int | str | None = None, buffer_cache_bytes: int | str | None = None,
+                 exact_prefill: int | str | None = None):
         given = {k: v for k, v in dict(
             max_bytes=max_bytes, memory_bytes=memory_bytes, chunk_size=chunk_size,
             max_pending_bytes=max_pending_bytes, remote_deadline=remote_deadline,
             remote_flush_timeout=remote_flush_timeout, admit=admit, max_write_rate=max_write_rate,
-            disk_kv_bits=disk_kv_bits, buffer_cache_bytes=buffer_cache_bytes).items() if v is not None}
+            disk_kv_bits=disk_kv_bits, buffer_cache_bytes=buffer_cache_bytes,
+            exact_prefill=exact_prefill).items() if v is not None}
         parsed = settings.resolve(given, {})  # bad settings are an error before anything is opened
+        _check_exact(parsed["exact_prefill"], parsed["chunk_size"][0])
         value = {name: v for name, (v, _) in parsed.items()}
         if remote:
             check_url(remote)
@@ -111,6 +117,13 @@ class Store:
         self.settings = self._settings(given, writes)
         value = {name: v for name, (v, _) in self.settings.items()}
         self.disk_kv_bits = value["disk_kv_bits"]
+        self.exact_prefill = value["exact_prefill"]
+        try:  # a kept value: checked against this open's chunk size
+            _check_exact(self.settings["exact_prefill"], self.chunk_size)
+        except InvalidInputError:
+            if self.files is not None:
+                self.files.close()
+            raise
         self.remote = self._open_remote(remote, value["remote_deadline"], secret, value["remote_flush_timeout"])
         self.gate = Gate(self.index if writes else None, value["admit"], value["max_write_rate"])
         budget = DiskBudget(self.files, self.memory, self.max_bytes) if writes and self.max_bytes is not None else None
@@ -192,16 +205,19 @@ class Store:
         if kv_bits is not None and kv_bits not in (2, 3, 4, 5, 6, 8):
             raise InvalidInputError(f"kv_bits must be one of 2, 3, 4, 5, 6, 8, got {kv_bits!r}")
         layout, codecs = describe(model, make_template(model, kv_bits, kv_group_size), self.disk_kv_bits)
+        chunk_size = self.chunk_size
+        if self.exact_prefill:  # its own namespace, of records one step long (see kvstore.model.prefill)
+            layout, chunk_size = {**layout, "exact_prefill": self.exact_prefill}, self.exact_prefill
         stamps = None
         if fingerprint is None:
             fingerprint, stamps = fingerprints.fingerprint(model_id, adapter_path, self.index,
                                                            remember=not self.read_only)
-        ns = keys.namespace(fingerprint, layout, self.chunk_size)
-        mc = ModelCache(self.backing, model, str(model_id), ns, fingerprint, layout, codecs, self.chunk_size,
-                        kv_bits=kv_bits, kv_group_size=kv_group_size)
+        ns = keys.namespace(fingerprint, layout, chunk_size)
+        mc = ModelCache(self.backing, model, str(model_id), ns, fingerprint, layout, codecs, chunk_size,
+                        kv_bits=kv_bits, kv_group_size=kv_group_size, exact=self.exact_prefill)
         mc.registered = mc.register(stamps)
         if self.remote is not None:
-            self.remote.bind(ns, fingerprint, mc.model_id, self.chunk_size, layout)
+            self.remote.bind(ns, fingerprint, mc.model_id, chunk_size, layout)
         return mc
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -260,6 +276,7 @@ class Store:
             "remote": self.remote.stats() if self.remote is not None else None,
             "writes": self.write_stats(),
             "buffer_cache": buffers.held(),
+            "restore_check": self.restore_check(),
         }
         if self.files is not None:
             out.update(self.files.stats())
@@ -268,6 +285,12 @@ class Store:
             out.update(bytes=self.memory.nbytes, chunks=kinds.get(0, 0), tails=kinds.get(1, 0),
                        checkpoints=kinds.get(2, 0), models=[])
         return out
+
+    def restore_check(self) -> dict:
+        """What the backend self-check of this process found (`restore.selfcheck.state`): whether
+        the first restore was compared with its records' bytes, and whether restores copy since
+        a mismatch (then `copy_restores` counts them)."""
+        return selfcheck.state()
 
     def gc(self, max_bytes: int | None = None, max_age: float | None = None, dry_run: bool = False,
            stale: bool = False) -> dict:
@@ -304,8 +327,37 @@ class Store:
             self.memory.clear()
         return problems
 
+    def verify_exact(self, model: Any, model_id: str | os.PathLike, *, sample: int | None = 8,
+                     **bind_options) -> "Report":
+        """Check that this store restores what a cold run computes, for `sample` stored prompts
+        of this model (all when None): K/V bit for bit (in exact mode; within bounds otherwise),
+        next-step logits, 32 greedy tokens and the records' canaries (`kvstore.certify`). The
+        check reads the store through a read-only opening of its directory, with no memory
+        tier: it writes nothing (no access times, no admission rows). Returns a `Report`
+        (`ok`, `table()`, `verdict()`, `as_dict()`); see docs/exact.md."""
+        from kvstore.certify import verify_exact
+
+        self._check_open()
+        if self.files is None:
+            raise InvalidInputError("verify_exact checks a store directory; a RAM-only store has nothing on disk")
+        if not (self.read_only and self.memory.capacity == 0):
+            self.flush()
+            with Store(self.path, read_only=True, create=False, memory_bytes=0, chunk_size=self.chunk_size) as twin:
+                return twin.verify_exact(model, model_id, sample=sample, **bind_options)
+        mc = self.bind(model, model_id, **bind_options)
+        return verify_exact(mc, self.index, self.blob_root, disk_kv_bits=self.disk_kv_bits, sample=sample)
+
     def _check_open(self) -> None:
         self.backing.check_open()
+
+
+def _check_exact(resolved: tuple[Any, str], chunk_size: int) -> None:
+    """`exact_prefill` must be a whole number of chunks."""
+    value, source = resolved
+    if value is not None and value % chunk_size:
+        raise InvalidInputError(
+            f"exact_prefill ({source}) is {value} tokens, not a multiple of the chunk size ({chunk_size}): "
+            f"give a multiple such as {max(1, round(value / chunk_size)) * chunk_size}, or off")
 
 
 # -- mlx's buffer cache: freed restore memory kept for the next restore (kvstore.restore.buffers)
@@ -371,7 +423,7 @@ STORE_TOTALS = ("path", "bytes", "chunks", "tails", "checkpoints", "models", "qu
                 "quarantined_now", "quarantine_folder")
 PER_PROCESS = ("chunk_size", "max_bytes", "memory", "writer", "quarantined", "skipped_inserts",
                "fetches", "reused_tokens", "read_only", "max_bytes_auto", "max_bytes_rule",
-               "disk_kv_bits", "buffer_cache")
+               "disk_kv_bits", "buffer_cache", "restore_check")
 # `remote`: this process's counters, and under `totals` the store's (kept in its index).
 # `writes`: the store's write log (every process's), and the settings this process opened it with.
 MIXED = {"remote": "process; its totals: store", "writes": "store; admit and max_write_rate: process",

@@ -20,13 +20,16 @@ import numpy as np
 from mlx_lm.models.cache import QuantizedKVCache
 
 from kvstore import keys
+from kvstore.canary import Canary
 from kvstore.errors import BlobError, InvalidInputError, StoreOpenError
 from kvstore.model import fingerprint as fingerprints
 from kvstore.model.backing import Backing
 from kvstore.model.layout import make_template
 from kvstore.model.lookup import Opening, match
+from kvstore.model.prefill import CHECKPOINT_EVERY
+from kvstore.model.prefill import prefill as prefill_prompt
 from kvstore.model.shapes import RecordCheck
-from kvstore.model.tokens import Tokens, arrays_of, as_tokens
+from kvstore.model.tokens import Tokens, as_tokens
 from kvstore.records import CHECKPOINT, Span, checkpoint_of, prompt_records
 from kvstore.restore.build import build, checkpoint_arrays
 from kvstore.restore.codecs import CacheListCodec, Codec, RotatingCodec
@@ -36,15 +39,12 @@ from kvstore.storage.blobformat import nbytes
 from kvstore.tiers.base import Lookup, Source, Where
 from kvstore.tiers.memory import held
 from kvstore.upkeep.evict import role_class
+from kvstore.write.jobs import Job
 from kvstore.write.placement import Placement, place
-from kvstore.write.views import Views, make_job
+from kvstore.write.views import Pending, Views, make_job
 
 log = logging.getLogger("kvstore")
 
-#: Default for `prefill`: a recurrent-state checkpoint every this many chunks (docs/library.md).
-CHECKPOINT_EVERY = 4
-# A pin that finds its records evicted under it (by another process) stores them again, this often.
-PIN_ATTEMPTS = 3
 _ATTEMPTS = 3  # plans per fetch: each damaged record found while filling costs one more
 
 
@@ -52,8 +52,12 @@ class ModelCache:
     """Fetch and insert the caches of one model version (made by `Store.bind`)."""
 
     def __init__(self, backing: Backing, model, model_id: str, ns: bytes, fingerprint: bytes, layout: dict,
-                 codecs: list[Codec], chunk_size: int, kv_bits: int | None = None, kv_group_size: int = 64):
+                 codecs: list[Codec], chunk_size: int, kv_bits: int | None = None, kv_group_size: int = 64,
+                 exact: int | None = None):
         self.backing, self.model, self.model_id = backing, model, model_id
+        # Exact mode (`exact_prefill`): records of `exact` tokens (the chunk size), restored only
+        # at their ends (see `model.prefill`); None: token-exact reuse.
+        self.exact = exact
         self.ns, self.fingerprint, self.layout, self.codecs = ns, fingerprint, layout, codecs
         self.chunk_size, self.kv_bits, self.kv_group_size = chunk_size, kv_bits, kv_group_size
         self.checkpointed = any(c.checkpointed for c in codecs)
@@ -180,7 +184,10 @@ class ModelCache:
                 continue
             path = chain + ([child] if child is not None else [])
             parts, sources = opening.path(path[: -(-length // C)], C)
-            length = min(length, sum(q.ntokens for q in parts))
+            stored = sum(q.ntokens for q in parts)
+            length = min(length, stored)
+            if self.exact and not length == stored == cap:  # whole steps, or a tail ending at the last token
+                length = length // C * C
             pl = plan(parts, self.codecs, length, self._checkpoints(parts, length, opening))
             if pl is not None and pl.p > (best[0].p if best else 0):
                 best = (pl, sources[: len(pl.parts)])
@@ -252,7 +259,7 @@ class ModelCache:
     # -- insert -----------------------------------------------------------------------------
 
     def insert(self, tokens: Tokens, cache: list, *, pin: bool = False, checkpoint: bool = True,
-               durable: bool = False, cache_type: str = "assistant") -> int:
+               durable: bool = False, cache_type: str = "assistant", canary: Canary | None = None) -> int:
         """Store the cache of `tokens` (it must hold exactly `len(tokens)` processed tokens).
 
         Returns at once: new chunks, the tail and (for recurrent layers, when `checkpoint`) a
@@ -265,7 +272,24 @@ class ModelCache:
         there), "user" or "system". Every record the insert reaches, stored ones too, keeps the
         strongest type that reached it; a budget evicts assistant-only records first, then
         user-reached ones, then system prompts (LRU inside each).
+
+        `canary` (`kvstore.canary`): the top of the logits of a step from this cache, kept in the
+        header of the new record that holds its token (or ends just before it).
         """
+        pending = self._taken(tokens, cache, pin=pin, checkpoint=checkpoint, durable=durable,
+                              cache_type=cache_type, detach=False)
+        return pending.submit(canary)
+
+    def insert_later(self, tokens: Tokens, cache: list, *, pin: bool = False, checkpoint: bool = True,
+                     durable: bool = False, cache_type: str = "assistant") -> Pending:
+        """`insert`, in two halves: the new records' K/V are copied out of `cache` now (the cache
+        may then move on: no reference to its arrays is kept), and `submit(canary)` queues them,
+        once the next step's logits are known. Returns the `Pending` insert."""
+        return self._taken(tokens, cache, pin=pin, checkpoint=checkpoint, durable=durable,
+                           cache_type=cache_type, detach=True)
+
+    def _taken(self, tokens: Tokens, cache: list, *, pin: bool, checkpoint: bool, durable: bool,
+               cache_type: str, detach: bool) -> Pending:
         toks = as_tokens(tokens)
         b = self.backing
         b.check_open()
@@ -277,14 +301,14 @@ class ModelCache:
             self.registered = self.register()
             if not self.registered:
                 b.counters.skipped_inserts += 1
-                return 0
+                return Pending(None, [])
         spans = prompt_records(self.ns, toks, self.chunk_size, checkpoint=self.checkpointed and checkpoint)
         try:
             held = b.tiers.holds(spans)
         except Exception as e:  # the index is unreachable: drop this insert, keep serving
             log.error("kvstore: insert dropped (%s: %s)", type(e).__name__, e)
             b.counters.skipped_inserts += 1
-            return 0
+            return Pending(None, [])
         durable = durable or pin
         # Records kept in RAM that may go to disk now (seen again, or durable): from this cache.
         again = b.gate.rewrite(spans, held, durable) if b.gate is not None else set()
@@ -299,13 +323,21 @@ class ModelCache:
             first = min((s.start for s in new + stored if s.kind != CHECKPOINT), default=len(toks))
             views = Views(self.codecs, cache, len(toks), checkpoint=any(s.kind == CHECKPOINT for s in new),
                           first=first)
+            if detach:
+                views.detach()
         refill = [s for s in stored if views.complete_from(s.start)] if stored else []
-        if new or refill:
-            b.writer.submit(make_job(self.ns, toks, views, new, refill, self._metadata, pins, role, reached,
-                                     durable=durable))
-        elif pins or reached:  # nothing to write: the pins and roles of stored records only
-            b.writer.submit(make_job(self.ns, toks, None, [], [], self._metadata, pins, role, reached))
-        return len(new)
+
+        def job(extensions: dict) -> Job | None:
+            if new or refill:
+                made = make_job(self.ns, toks, views, new, refill, self._metadata, pins, role, reached,
+                                durable=durable)
+                made.extensions = extensions
+                return made
+            if pins or reached:  # nothing to write: the pins and roles of stored records only
+                return make_job(self.ns, toks, None, [], [], self._metadata, pins, role, reached)
+            return None
+
+        return Pending(lambda extensions: b.writer.submit(j) if (j := job(extensions)) else None, new)
 
     def prefill(self, tokens: Tokens, *, step: int | None = None, checkpoint_every: int = CHECKPOINT_EVERY,
                 pin: bool = False, progress: Callable[[int], None] | None = None,
@@ -317,40 +349,14 @@ class ModelCache:
 
         Processes the missing tokens up to each chunk boundary (or `step` at a time) and inserts
         after each (with `cache_type`, as `insert`), so a crash or Ctrl-C keeps everything
-        computed so far. Recurrent layers get a checkpoint every `checkpoint_every` chunks and at
-        the end. Returns (the cache, or None if nothing had to be computed; tokens reused; tokens
-        computed).
+        computed so far; the last token is a step of its own, whose logits are kept as the
+        prompt's canary (`kvstore.canary`). Recurrent layers get a checkpoint every
+        `checkpoint_every` chunks and at the end. In exact mode (`exact_prefill`) the steps are
+        the store's, and the prompt but its last token is stored (`model.prefill`). Returns (the
+        cache, or None if nothing had to be computed; tokens reused; tokens computed).
         """
-        toks = as_tokens(tokens)
-        if len(toks) == 0:
-            raise InvalidInputError("prefill needs at least one token")
-        role = _role(cache_type)
-        for _ in range(PIN_ATTEMPTS):
-            # What this process holds in RAM may be gone from disk (gc in another process): a
-            # prefill answers for the disk, so records the disk lost are forgotten and recomputed.
-            self._forget_lost(toks)
-            if self.stored_length(toks) < len(toks) or self._needs_end_checkpoint(toks):
-                break
-            if durable and self._held_back(toks):
-                break  # in RAM only: restored from there and written by the insert below
-            if not pin or self._pin(toks):
-                if role:  # stored already: its type only
-                    self.mark(toks, cache_type)
-                return None, len(toks), 0
-        cache, rest = self.fetch(toks)
-        reused = pos = len(toks) - len(rest)
-        C = self.chunk_size
-        while pos < len(toks):
-            end = min(len(toks), pos + step) if step else min(len(toks), (pos // C + 1) * C)
-            self.model(mx.array(toks[pos:end])[None], cache=cache)
-            mx.eval(arrays_of(cache))
-            at_boundary = end % C == 0 and checkpoint_every > 0 and (end // C) % checkpoint_every == 0
-            self.insert(toks[:end], cache, pin=pin and end == len(toks),
-                        checkpoint=end == len(toks) or at_boundary, durable=durable, cache_type=cache_type)
-            if progress is not None:
-                progress(end - pos)
-            pos = end
-        return cache, reused, len(toks) - reused
+        return prefill_prompt(self, tokens, step=step, checkpoint_every=checkpoint_every, pin=pin,
+                              progress=progress, durable=durable, cache_type=cache_type)
 
     def mark(self, tokens: Tokens, cache_type: str, *, first: int | None = None) -> None:
         """Raise to `cache_type` the role of the stored records of `tokens` that hold any of its
@@ -364,18 +370,23 @@ class ModelCache:
         b.writer.flush()  # the rows, on this machine: uploads are the command's to wait for, once
         b.index.raise_role([s.hash for s in self._durable(toks) if s.start < first], role)
 
+    def stored_part(self, toks: np.ndarray) -> np.ndarray:
+        """What of a prompt is stored: all of it, or in exact mode all but its last token (which
+        is the first generation step's)."""
+        return toks[:-1] if self.exact and len(toks) > 1 else toks
+
     def _durable(self, toks: np.ndarray):
         """The records that must be on disk for `toks` to be stored whole (with the end checkpoint
         a recurrent model restores from)."""
-        return prompt_records(self.ns, toks, self.chunk_size, checkpoint=self.checkpointed)
+        return prompt_records(self.ns, self.stored_part(toks), self.chunk_size, checkpoint=self.checkpointed)
 
-    def _needs_end_checkpoint(self, toks: np.ndarray) -> bool:
+    def needs_end_checkpoint(self, toks: np.ndarray) -> bool:
         if not self.checkpointed:
             return False
         end = self._durable(toks)[-1]
         return end.hash not in self.backing.tiers.holds([end])
 
-    def _held_back(self, toks: np.ndarray) -> bool:
+    def held_back(self, toks: np.ndarray) -> bool:
         """Whether admission or the write budget keeps some record of `toks` in RAM only (once
         the writer has decided on what is queued)."""
         gate = self.backing.gate
@@ -384,7 +395,7 @@ class ModelCache:
         self.backing.writer.flush()
         return gate.holds_back(s.hash for s in self._durable(toks))
 
-    def _forget_lost(self, toks: np.ndarray) -> None:
+    def forget_lost(self, toks: np.ndarray) -> None:
         """Drop from the memory tier the records of `toks` that are neither queued nor on disk."""
         b = self.backing
         if b.index is None:
@@ -396,7 +407,7 @@ class ModelCache:
             on_disk = b.index.present(held)
             b.memory.discard([h for h in held if h not in on_disk and not b.writer.is_pending(h)])
 
-    def _pin(self, toks: np.ndarray) -> bool:
+    def pin_stored(self, toks: np.ndarray) -> bool:
         """Pin what is stored for `toks` (and so keep it through gc). False if some record is not
         on disk to be pinned (another process evicted it): the caller stores it again."""
         b = self.backing

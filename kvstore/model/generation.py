@@ -1,10 +1,9 @@
-"""A prompt's cache before generation, and what to store after it.
+"""What to store after a generation.
 
-`prompt_cache` is where a generation starts: the stored prefix, with the rule hybrid models need
-(prefill all but the last token, so that recurrent layers have a checkpoint to resume from).
 `held_length` is the one rule for how many tokens a cache really holds after generation (the
 `kvstore generate` command and the server adapter both store exactly those), and
-`insert_generated` stores a prompt and its generated tokens by it.
+`insert_generated` stores a prompt and its generated tokens by it. Where a generation starts is
+`model.prefill.prompt_cache`.
 """
 
 from __future__ import annotations
@@ -13,20 +12,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-
-def prompt_cache(mc, tokens: Sequence[int]) -> tuple[list, list[int], int]:
-    """(cache, tokens left for generation, tokens reused from the store) for a prompt.
-
-    Recurrent layers restore only where a checkpoint was stored, and the insert after
-    generation stores one after the generated text: so the prompt (but its last token) is
-    prefilled and stored first, which lets the same prompt resume from the store next time.
-    """
-    if mc.checkpointed and len(tokens) > 1:
-        cache, reused, _ = mc.prefill(tokens[:-1], durable=False)  # a request: admitted as any
-        if cache is not None:
-            return cache, [int(tokens[-1])], reused
-    cache, rest = mc.fetch(tokens)
-    return cache, rest, len(tokens) - len(rest)
+from kvstore.canary import Canary
 
 
 def held_length(offsets: Iterable[int | None], n: int) -> int | None:
@@ -47,12 +33,17 @@ def held_length(offsets: Iterable[int | None], n: int) -> int | None:
     return held if 0 < held <= n else None
 
 
-def insert_generated(mc, prompt: Sequence[int], generated: Sequence[int], cache: list) -> int:
-    """Insert exactly the tokens the cache has processed, the prompt and what was generated;
-    returns how many: 0 (nothing inserted) when the cache does not say (see `held_length`)."""
+def insert_generated(mc, prompt: Sequence[int], generated: Sequence[int], cache: list,
+                     canary: Canary | None = None) -> int:
+    """Insert exactly the tokens the cache has processed, the prompt and what was generated
+    (with the canary of the first generation step); returns how many: 0 (nothing inserted)
+    when the cache does not say (see `held_length`). In exact mode nothing is: the prompt was
+    stored as it was prefilled, and what a generation computes is not what a cold prefill does."""
+    if mc.exact:
+        return 0
     sequence = np.concatenate([np.asarray(prompt, dtype=np.int32), np.asarray(generated, dtype=np.int32)])
     held = held_length((codec.offset(layer) for codec, layer in zip(mc.codecs, cache)), len(sequence))
     if held is None:
         return 0
-    mc.insert(sequence[:held], cache)
+    mc.insert(sequence[:held], cache, canary=canary)
     return held

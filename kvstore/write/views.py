@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import copy
 from dataclasses import replace
+from typing import Callable
 
 import mlx.core as mx
 import numpy as np
 
+from kvstore.canary import Canary, holder
 from kvstore.errors import BlobError, InvalidInputError
 from kvstore.records import CHECKPOINT, Span
 from kvstore.restore.arrays import host_array, host_bits
@@ -93,6 +95,21 @@ class Views:
                 self.views[f"{i}.{name}"] = view
         return list(deltas)
 
+    def detach(self) -> None:
+        """Copy what the job takes out of the cache now, its records' token ranges only, so that
+        no reference to the cache's arrays is kept: the cache's next step then writes in place
+        (a held reference makes mlx copy a whole array). A copy of the records' bytes on the
+        caller's thread: for an insert held until a later step (`ModelCache.insert_later`)."""
+        mx.eval([a for a in [*self.arrays.values(), *self.saved.values()] if isinstance(a, mx.array)])
+        for name, a in list(self.arrays.items()):
+            view = host_array(a)
+            if name in self.ranges:
+                lo, hi = self.ranges.pop(name)
+                view = view[:, :, lo:hi]
+            self.arrays[name] = np.array(view)
+        for name, a in list(self.saved.items()):
+            self.saved[name] = np.array(host_array(a))
+
     def prepare(self, job: Job) -> None:
         """Make `job`'s tensors what the writer reads: numpy views of the held token ranges,
         then the deferred codecs' encodings (`encode`). Run once, by the first thread that reads
@@ -148,6 +165,29 @@ class Views:
                 nbytes = 4 * s.ntokens + sum(b * max(0, s.end - max(s.start, origin)) for origin, b in per_token.items())
             out.append(replace(s, nbytes=nbytes))
         return out
+
+
+class Pending:
+    """An insert whose records are taken from their cache and not queued yet
+    (`model.cache.ModelCache.insert_later`): `submit` queues them, once."""
+
+    def __init__(self, queue: Callable[[dict], object] | None, new: list[Span]):
+        self._queue, self.new = queue, new
+
+    def submit(self, canary: Canary | None = None) -> int:
+        """Queue the records, with `canary` in the header of the new record that holds its token
+        (or ends just before it; no new record there: no canary). How many new records."""
+        queue, self._queue = self._queue, None
+        if queue is None:
+            return 0
+        extensions = {}
+        if canary is not None:
+            spans = [s for s in self.new if s.kind != CHECKPOINT]
+            at = holder([(s.start, s.end) for s in spans], canary.at)
+            if at is not None:
+                extensions = {spans[at].hash: {"canary": canary.text()}}
+        queue(extensions)
+        return len(self.new)
 
 
 def make_job(ns: bytes, toks: np.ndarray, views: Views | None, new: list[Span], refill: list[Span],
