@@ -2,32 +2,57 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import shlex
 
-from kvstore.cli.options import open_local, remote_upkeep, remote_url, store_path
-from kvstore.cli.output import EXIT_PROBLEMS, PROG, out, plural, say
+from kvstore.cli.options import model_to_load, open_local, remote_upkeep, remote_url, store_path
+from kvstore.cli.output import EXIT_PROBLEMS, EXIT_USAGE, PROG, CommandError, out, plural, say
 from kvstore.errors import CorruptIndexError
 
 EXAMPLES = """examples:
   kvstore verify
   kvstore verify --repair
   kvstore verify --remote --repair                         # check every object of $KVSTORE_REMOTE
+  kvstore verify --exact --model ./my-model --sample 20    # restored = cold run? (writes nothing)
 
-Exit code 0 when the store is clean, 1 when problems were found (also when they were repaired)."""
+Exit code 0 when the store is clean, 1 when problems were found (also when they were repaired).
+With --exact: 0 when every prompt checked restores what a cold run computes, 1 on a mismatch
+that is not tie-sensitive (docs/exact.md)."""
 
 
 def register(add, store_opts, model_opts) -> None:
     p = add("verify", cmd_verify, "check every record against its file, and every file against the index",
-            [store_opts], EXAMPLES)
+            [store_opts, model_opts], EXAMPLES)
     p.add_argument("--repair", action="store_true",
                    help="drop damaged records and stray files; rebuild an unreadable index from the blobs")
     p.add_argument("--force", action="store_true",
                    help="with --repair: delete orphan blobs even when they are more than 10%% of the store")
     p.add_argument("--json", action="store_true", help="print the problems as JSON")
+    p.add_argument("--exact", action="store_true",
+                   help="recompute stored prompts of --model cold and compare: K/V, next-token logits, "
+                        "32 greedy tokens, canaries (runs the model; the store is only read)")
+    p.add_argument("--sample", metavar="N", type=_sample, default=8,
+                   help="with --exact: how many stored prompts to check, or all (default: 8)")
+
+
+def _sample(text: str) -> int | None:
+    if text.strip().lower() == "all":
+        return None
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of prompts (or all)") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n} would check nothing: give 1 or more, or all")
+    return n
 
 
 def cmd_verify(args) -> int:
+    if args.exact:
+        return _verify_exact(args)
+    if args.model is not None or args.sample != 8:
+        raise CommandError("--model and --sample go with --exact", EXIT_USAGE)
     if args.remote is not None:
         return _verify_remote(args)
     rebuilt = None
@@ -49,6 +74,30 @@ def cmd_verify(args) -> int:
             out(p)
         out(_summary(args, problems, rebuilt))
     return EXIT_PROBLEMS if problems or rebuilt else 0
+
+
+def _verify_exact(args) -> int:
+    """`verify --exact`: the store, opened read-only, against cold runs of the model."""
+    if args.repair or args.remote is not None:
+        raise CommandError("--exact checks the local store and repairs nothing: leave out --repair and --remote",
+                           EXIT_USAGE)
+    import kvstore
+    from kvstore.model.loading import load_model
+
+    model_id = model_to_load(args)
+    with kvstore.open(store_path(args), create=False, read_only=True, memory_bytes=0) as store:
+        loaded = load_model(model_id)
+        report = store.verify_exact(loaded.model, loaded.model_id, sample=args.sample)
+    if args.json:
+        print(json.dumps(report.as_dict(), indent=2))
+    else:
+        for line in report.table().splitlines() if report.checks else []:
+            out(line)
+        for c in report.checks:
+            for why in c.problems + c.notes[:3]:
+                out(f"{c.leaf[:12]}: {why}")
+        out(report.verdict())
+    return 0 if report.ok else EXIT_PROBLEMS
 
 
 def _summary(args, problems: list, rebuilt: dict | None) -> str:
