@@ -96,6 +96,12 @@ class _StoreCollector:
                        c["fetch_errors"] + store.counters.get("fetch_errors", 0))
         yield _counter("kvstore_quarantined", "Damaged records found and quarantined by this process.",
                        store.counters.get("quarantined", 0))
+        check = store.restore_check()
+        yield _counter("kvstore_restore_copies", "Restores done by copy because the first restore's "
+                       "self-check found mlx arrays that did not hold what was written into them.",
+                       check["copy_restores"])
+        yield _counter("kvstore_canaries", "First generation steps kept as their prompts' canaries.",
+                       cache.first_steps.canaries)
         yield from self._gauges(store)
         yield from self._writes(store)
         yield from self._remote(store)

@@ -1,8 +1,9 @@
 """mlx_lm.server, checked for what kvstore relies on, and with kvstore's cache and handler put in.
 
 `persistent()` is the one place that reaches into mlx_lm.server: within it, its `ResponseGenerator`
-is handed a `PersistentPromptCache`, its HTTP server uses kvstore's handler, and its generation
-loop survives a request that makes it fail.
+is handed a `PersistentPromptCache`, its HTTP server uses kvstore's handler, its generation
+loop survives a request that makes it fail, and the first generation step of every request is
+shown to the cache (`PersistentPromptCache.first_step`: the prompt's canary).
 """
 
 from __future__ import annotations
@@ -66,6 +67,11 @@ def persistent(server, cache: PersistentPromptCache, started: list,
     server.ResponseGenerator = _response_generator(original, cache, started)
     if isinstance(original_context, type) and callable(getattr(original_context, "stop", None)):
         server.GenerationContext = _listed_context(original_context, requests)
+    steps = {name: getattr(server, name, None) for name in ("stream_generate", "BatchGenerator")}
+    if callable(steps["stream_generate"]):
+        server.stream_generate = _first_step_stream(steps["stream_generate"], cache)
+    if isinstance(steps["BatchGenerator"], type):
+        server.BatchGenerator = _first_step_batches(steps["BatchGenerator"], cache)
     try:
         yield
     finally:
@@ -73,6 +79,51 @@ def persistent(server, cache: PersistentPromptCache, started: list,
         server._run_http_server = original_http
         if original_context is not None:
             server.GenerationContext = original_context
+        for name, value in steps.items():
+            if value is not None:
+                setattr(server, name, value)
+
+
+def _first_step_stream(original: Callable, cache: PersistentPromptCache) -> Callable:
+    """mlx_lm.server's `stream_generate` (a request served alone), showing `cache` its first step."""
+
+    def stream_generate(*args, **kwargs):
+        first = True
+        for gen in original(*args, **kwargs):
+            if first:
+                first = False
+                cache.first_step(getattr(gen, "logprobs", None), rest=kwargs.get("prompt"))
+            yield gen
+
+    return stream_generate
+
+
+def _first_step_batches(original: type, cache: PersistentPromptCache) -> type:
+    """mlx_lm.server's `BatchGenerator` (requests served in a batch), showing `cache` the first
+    generation step of each request with its whole prompt (the cached tokens and the segments)."""
+
+    class BatchGenerator(original):
+        def insert_segments(self, segments, *args, **kwargs):
+            uids = super().insert_segments(segments, *args, **kwargs)
+            with contextlib.suppress(Exception):
+                done = kwargs.get("all_tokens") or [[] for _ in segments]
+                prompts = self.__dict__.setdefault("_kvstore_prompts", {})
+                for uid, parts, cached in zip(uids, segments, done):
+                    prompts[uid] = [*cached, *(t for part in parts for t in part)]
+            return uids
+
+        def next(self, *args, **kwargs):
+            out = super().next(*args, **kwargs)
+            prompts = self.__dict__.get("_kvstore_prompts")
+            if prompts:
+                with contextlib.suppress(Exception):
+                    for r in out[1]:
+                        prompt = prompts.pop(r.uid, None)
+                        if prompt is not None:
+                            cache.first_step(r.logprobs, prompt=prompt)
+            return out
+
+    return BatchGenerator
 
 
 def _http_runner(server, original_http: Callable, make_handler: Callable[[type], type]) -> Callable:

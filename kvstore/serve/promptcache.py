@@ -23,7 +23,9 @@ from kvstore import keys, settings
 from kvstore.keys import checkpoint_hash
 from kvstore.model.blas import long_prefill_note
 from kvstore.model.cache import ModelCache
+from kvstore.model.prefill import prompt_cache
 from kvstore.serve.binding import IN_RAM, Binding, KeyBindings
+from kvstore.serve.firststeps import FirstSteps
 from kvstore.serve.ramlru import CACHE_TYPES, RamSequences, SystemPrompts
 from kvstore.sizes import format_size, plural
 from kvstore.store import Store
@@ -74,6 +76,8 @@ class PersistentPromptCache:
         self._evicted: set[bytes] = set()  # dropped from RAM while the writer still held them
         self._lock = threading.RLock()
         self.observers: list[Observer] = []  # called with (seconds, tokens reused) after each fetch
+        self.first_steps = FirstSteps()  # canaries of requests' first steps (see first_step)
+        self._fetched = threading.local()  # the prompt this thread fetched last
         self.counters = {"requests": 0, "prompt_tokens": 0, "reused_tokens": 0, "fallback_requests": 0,
                          "inserts": 0, "errors": 0, "fetch_errors": 0, "not_stored_too_long": 0,
                          "reused_by_tier": {"memory": 0, "disk": 0, "remote": 0}}
@@ -112,6 +116,8 @@ class PersistentPromptCache:
         """`(cache, tokens still to process)` for the longest stored prefix of `tokens`.
 
         A miss is `(None, tokens)`, as from `LRUPromptCache`; the server then makes a fresh cache.
+        In exact mode (`exact_prefill`) the prompt but its last token is prefilled here, in the
+        store's steps, and stored (outside this object's lock: stats answer meanwhile).
         """
         tokens = list(tokens)
         with self._lock:
@@ -125,28 +131,61 @@ class PersistentPromptCache:
                 mc = binding.choose(toks)
                 self._settle()  # records RAM let go while the writer held them are gone from it now
                 in_ram = self._ram_prefix(mc, toks)
-                remote_before = _remote_tokens(self.store)
-                started = time.perf_counter()
-                cache, rest = mc.fetch(toks)
-                seconds = time.perf_counter() - started
-                reused = len(tokens) - len(rest)
-                self._count_reuse(reused, in_ram, remote_before)
-                for observe in self.observers:
-                    observe(seconds, reused)
-                from_bucket = 0 if remote_before is None else min(reused, _remote_tokens(self.store) - remote_before)
-                where = (f"reused ({from_bucket} from the bucket {self.store.remote.url}, {reused - from_bucket} "
-                         "from the local store)") if from_bucket else "reused from the store"
-                log.info("kvstore: prompt %d tokens, %d %s", len(tokens), reused, where)
-                slow = long_prefill_note(lambda: len(rest))
-                if slow:
-                    log.warning("%s", slow)
-                if reused == 0:
-                    return None, tokens
-                return cache, list(rest)
+                self._fetched.tokens = tokens
+                if not mc.exact:
+                    return self._fetched_from(mc, toks, in_ram, lambda: (*mc.fetch(toks), 0))
             except Exception as e:  # never into the generation loop
-                self.counters["fetch_errors"] += 1
-                self._error("fetch", e)
-                return None, tokens
+                return self._fetch_failed(e, tokens)
+        try:
+            return self._fetched_from(mc, toks, in_ram, lambda: self._exact_start(model, mc, toks))
+        except Exception as e:
+            with self._lock:
+                return self._fetch_failed(e, tokens)
+
+    def _fetched_from(self, mc: ModelCache, toks: np.ndarray, in_ram: int,
+                      start: Callable[[], tuple[list, list[int], int]]) -> tuple[list | None, list[int]]:
+        """Run `start` (the fetch: cache, rest, tokens computed here), count and log it."""
+        tokens = toks.tolist()
+        remote_before = _remote_tokens(self.store)
+        started = time.perf_counter()
+        cache, rest, computed = start()
+        seconds = time.perf_counter() - started
+        reused = len(tokens) - len(rest) - computed
+        with self._lock:
+            self._count_reuse(reused, in_ram, remote_before)
+        for observe in self.observers:
+            observe(seconds, reused)
+        from_bucket = 0 if remote_before is None else min(reused, _remote_tokens(self.store) - remote_before)
+        where = (f"reused ({from_bucket} from the bucket {self.store.remote.url}, {reused - from_bucket} "
+                 "from the local store)") if from_bucket else "reused from the store"
+        log.info("kvstore: prompt %d tokens, %d %s%s", len(tokens), reused, where,
+                 f", {computed} computed in exact steps and stored" if mc.exact else "")
+        slow = long_prefill_note(lambda: len(rest))
+        if slow:
+            log.warning("%s", slow)
+        if reused + computed == 0:
+            return None, tokens
+        return cache, list(rest)
+
+    def _fetch_failed(self, e: Exception, tokens: list) -> tuple[None, list]:
+        self.counters["fetch_errors"] += 1
+        self._error("fetch", e)
+        return None, tokens
+
+    def first_step(self, logprobs, *, rest: Sequence[int] | None = None,
+                   prompt: Sequence[int] | None = None) -> None:
+        """The server ran a request's first generation step: its log-probabilities, with the
+        request's `prompt`, or the `rest` it was given after this thread's last fetch. Kept as
+        the prompt's canary (`FirstSteps`). Never raises."""
+        try:
+            if prompt is None:
+                fetched = getattr(self._fetched, "tokens", None)
+                if fetched is None or rest is None or list(fetched[len(fetched) - len(rest):]) != list(rest):
+                    return  # not the prompt this thread fetched last (an image prompt's cache key)
+                prompt = fetched
+            self.first_steps.seen(list(prompt), logprobs)
+        except Exception as e:
+            self._error("canary", e)
 
     def insert_cache(self, model: Hashable, tokens: Sequence[int], prompt_cache: list, *,
                      cache_type: str = "assistant") -> None:
@@ -238,7 +277,9 @@ class PersistentPromptCache:
                 f"; settings: {changed or 'defaults'}")
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait for pending writes (False if `timeout` ran out first)."""
+        """Wait for pending writes (False if `timeout` ran out first); exact-mode inserts still
+        waiting for a first step are queued without their canary first."""
+        self.first_steps.release()
         return self.store.flush(timeout)
 
     # -- internals: inserting and holding sequences in RAM -------------------------------------
@@ -256,7 +297,10 @@ class PersistentPromptCache:
         if cache_type not in CACHE_TYPES:
             cache_type = "assistant"
         mc = binding.for_cache(prompt_cache)
-        mc.insert(held, prompt_cache, cache_type=cache_type)  # the store keeps it by type too
+        if mc.exact:  # stored as it was prefilled: what generation computed is not a cold prefill's
+            self.first_steps.settle(held)
+            return
+        mc.insert(held, prompt_cache, cache_type=cache_type, canary=self.first_steps.canary_for(held))
         self.counters["inserts"] += 1
         if log.isEnabledFor(logging.INFO):
             log.info("kvstore: %s", mc.placement(held).summary())
@@ -271,6 +315,19 @@ class PersistentPromptCache:
             self._system.remember(hashes)
         else:
             self.store.memory.touch(self._system.hashes())
+
+    def _exact_start(self, key: Hashable, mc: ModelCache, toks: np.ndarray) -> tuple[list, list[int], int]:
+        """Exact mode's start of a request: the stored prefix at a multiple of the step, the
+        prompt but its last token prefilled in full steps and stored (its end waits for the first
+        step's canary), the last token left to the server. Returns (cache, rest, computed)."""
+        start = prompt_cache(mc, toks)
+        if start.hold is not None:
+            self.first_steps.expect(toks.tolist(), start.hold)
+        computed = len(toks) - len(start.rest) - start.reused
+        if computed:  # held in RAM as an inserted sequence is (LRUPromptCache's bounds)
+            with self._lock:
+                self._ram.add((key, mc.ns, tuple(toks[:-1].tolist())), mc.record_hashes(toks[:-1]), "assistant")
+        return start.cache, start.rest, computed
 
     def _bound_ram(self) -> None:
         """`LRUPromptCache`'s bounds after an insert: `max_size` sequences, `max_bytes` bytes."""
