@@ -39,7 +39,6 @@ from kvstore.storage.blobformat import nbytes
 from kvstore.tiers.base import Lookup, Source, Where
 from kvstore.tiers.memory import held
 from kvstore.upkeep.evict import role_class
-from kvstore.write.jobs import Job
 from kvstore.write.placement import Placement, place
 from kvstore.write.views import Pending, Views, make_job
 
@@ -301,14 +300,14 @@ class ModelCache:
             self.registered = self.register()
             if not self.registered:
                 b.counters.skipped_inserts += 1
-                return Pending(None, [])
+                return Pending(None, None, [])
         spans = prompt_records(self.ns, toks, self.chunk_size, checkpoint=self.checkpointed and checkpoint)
         try:
             held = b.tiers.holds(spans)
         except Exception as e:  # the index is unreachable: drop this insert, keep serving
             log.error("kvstore: insert dropped (%s: %s)", type(e).__name__, e)
             b.counters.skipped_inserts += 1
-            return Pending(None, [])
+            return Pending(None, None, [])
         durable = durable or pin
         # Records kept in RAM that may go to disk now (seen again, or durable): from this cache.
         again = b.gate.rewrite(spans, held, durable) if b.gate is not None else set()
@@ -327,17 +326,12 @@ class ModelCache:
                 views.detach()
         refill = [s for s in stored if views.complete_from(s.start)] if stored else []
 
-        def job(extensions: dict) -> Job | None:
-            if new or refill:
-                made = make_job(self.ns, toks, views, new, refill, self._metadata, pins, role, reached,
-                                durable=durable)
-                made.extensions = extensions
-                return made
-            if pins or reached:  # nothing to write: the pins and roles of stored records only
-                return make_job(self.ns, toks, None, [], [], self._metadata, pins, role, reached)
-            return None
-
-        return Pending(lambda extensions: b.writer.submit(j) if (j := job(extensions)) else None, new)
+        job = None
+        if new or refill:
+            job = make_job(self.ns, toks, views, new, refill, self._metadata, pins, role, reached, durable=durable)
+        elif pins or reached:  # nothing to write: the pins and roles of stored records only
+            job = make_job(self.ns, toks, None, [], [], self._metadata, pins, role, reached)
+        return Pending(b.writer.submit if job is not None else None, job, new)
 
     def prefill(self, tokens: Tokens, *, step: int | None = None, checkpoint_every: int = CHECKPOINT_EVERY,
                 pin: bool = False, progress: Callable[[int], None] | None = None,

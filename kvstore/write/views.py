@@ -169,24 +169,23 @@ class Views:
 
 class Pending:
     """An insert whose records are taken from their cache and not queued yet
-    (`model.cache.ModelCache.insert_later`): `submit` queues them, once."""
+    (`model.cache.ModelCache.insert_later`): `submit` queues its job, once."""
 
-    def __init__(self, queue: Callable[[dict], object] | None, new: list[Span]):
-        self._queue, self.new = queue, new
+    def __init__(self, queue: Callable[[Job], object] | None, job: Job | None, new: list[Span]):
+        self._queue, self._job, self.new = queue, job, new
 
     def submit(self, canary: Canary | None = None) -> int:
         """Queue the records, with `canary` in the header of the new record that holds its token
         (or ends just before it; no new record there: no canary). How many new records."""
-        queue, self._queue = self._queue, None
-        if queue is None:
+        queue, job, self._queue, self._job = self._queue, self._job, None, None
+        if queue is None or job is None:
             return 0
-        extensions = {}
         if canary is not None:
             spans = [s for s in self.new if s.kind != CHECKPOINT]
             at = holder([(s.start, s.end) for s in spans], canary.at)
             if at is not None:
-                extensions = {spans[at].hash: {"canary": canary.text()}}
-        queue(extensions)
+                job.extensions = {spans[at].hash: {"canary": canary.text()}}
+        queue(job)
         return len(self.new)
 
 
