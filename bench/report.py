@@ -143,9 +143,11 @@ def write_report() -> str:
         report_sections.remote(add, remote)
     if agent:
         report_sections.agent_trace(add, agent)
-    kv8, stats_scale = _load("kv8"), _load("stats_scale")
+    kv8, stats_scale, exact = _load("kv8"), _load("stats_scale"), _load("exact")
     if kv8:
         report_sections.kv8(add, kv8)
+    if exact:
+        report_sections.exact(add, exact)
     if stats_scale:
         report_sections.stats_scale(add, stats_scale)
     if run.get("steps"):

@@ -1,6 +1,6 @@
 """Sections of bench/README.md written by report.py: how to run each benchmark, and the sections for
 bench/conversation.py and bench/remote.py (whose results files record no date of their own),
-bench/agent_trace.py, bench/kv8.py and bench/stats_scale.py."""
+bench/agent_trace.py, bench/kv8.py, bench/exact.py and bench/stats_scale.py."""
 
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ COMMANDS = [
     ("remote tier (starts a local SeaweedFS)", "python bench/remote.py [--lengths 2048 8192] [--reps 3]", False),
     ("agent trace under `admit`", "python bench/agent_trace.py [--prompts 200] [--tokens 2048]", True),
     ("8-bit K/V on disk", "python bench/kv8.py [--quick]", True),
+    ("exact mode on and off, `verify --exact` (OpenBLAS preloaded)", "python bench/exact.py [--quick]", True),
     ("what the benchmarks changed", "python bench/before_after.py [--quick]", True),
     ("checkpoint bytes of a hybrid model (arithmetic)", "python bench/checkpoint_bytes.py CONFIG.json", False),
     ("a profile of `fetch` (a quick look)", "python bench/profile_fetch.py [--tokens 2048] [--cprofile]", False),
@@ -213,3 +214,65 @@ def kv8_table(data: dict) -> str:
 
 def _prefix(r: dict) -> int:
     return 50 if r["greedy_first_diff"] is None else r["greedy_first_diff"]
+
+
+def exact(add, data) -> None:
+    """The exact mode section (bench/exact.py)."""
+    add("## Exact mode")
+    add("")
+    add("`LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 python bench/exact.py` "
+        "(docs/exact.md): a prompt of 2k or 8k tokens stored as `kvstore generate` stores it (demo models, "
+        "float32), then queries sharing a prefix of random length with it, and the prompt itself, restored from "
+        "disk and run as generation runs them, against a cold run of each query in the same steps (mlx-lm's "
+        "2048 with exact mode off). With exact mode off a sliding-window model reuses nothing here: its one "
+        "insert after generation holds only the last window, so no record before it has the window a restore "
+        "needs; exact mode stores each step as it goes.")
+    add("")
+    for line in exact_table(data).splitlines():
+        add(line)
+    add("")
+
+
+def exact_table(data: dict) -> str:
+    lines = [f"Last written {data['written_utc']} on {data['cpu']} ({data['blas']}; a part run again on its own keeps "
+             f"the others' numbers), load average {data['load_before']} before, {data['load_after']} after.", "",
+             "| demo model | prompt | exact_prefill | greedy agreement (32 tokens a query) | K/V bit for bit after the "
+             "restore point | max \\|logit diff\\| | tokens reused (of the queries') | restore + rest, median | "
+             "cold, median |",
+             "| --- | ---: | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in data["exactness"]:
+        lines.append(f"| {r['model']} | {r['tokens']:,} | {r['mode']} | {r['greedy_agree']}/{r['greedy_total']} | "
+                     f"{r['kv_bitwise']}/{r['queries']} | {r['max_logit_diff']:.2g} | "
+                     f"{r['reused']:,} of {r['query_tokens']:,} ({r['reused'] / r['query_tokens']:.0%}) | "
+                     f"{r['warm_s'] * 1000:.0f} ms | {r['cold_s'] * 1000:.0f} ms |")
+    lines += ["", "Cold prefill (demo llama small, float32), median of the rounds:", "",
+              "| prompt | steps of 256 | steps of 2048 | one piece | the last token alone (the canary's step) |",
+              "| ---: | --- | --- | --- | --- |"]
+    for r in data["prefill"]:
+        lines.append(f"| {r['tokens']:,} | {r['prefill_256'] * 1000:.0f} ms ({r['prefill_256'] / r['prefill_2048']:.2f}x) | "
+                     f"{r['prefill_2048'] * 1000:.0f} ms | {r['prefill_whole'] * 1000:.0f} ms "
+                     f"({r['prefill_whole'] / r['prefill_2048']:.2f}x) | {r['last_step'] * 1000:.1f} ms "
+                     f"({r['last_step'] / r['prefill_2048']:.1%} of the prefill) |")
+    lines += ["", "`verify --exact` on a store of 100 prompts (demo llama tiny, a 256-token system prompt each):", "",
+              "| exact_prefill | prompts checked | seconds a prompt | canaries reproduced | store files unchanged | verdict |",
+              "| --- | --- | --- | --- | --- | --- |"]
+    for r in data["verify"]:
+        lines.append(f"| {r['mode']} | {r['prompts']} | {r['per_prompt_s']:.2f} s | {r['canaries']} | "
+                     f"{'yes' if r['unchanged'] else 'NO'} | {'ok' if r['ok'] else 'MISMATCH'} |")
+    if data.get("conversation"):
+        lines += ["", "A conversation (demo llama tiny): a 1,024-token system prompt, then turns of a 64-token user "
+                      "message and a 48-token reply, each generated and stored as `kvstore generate` does:", "",
+                  "| exact_prefill | turns | prompt tokens reused (of all turns') |", "| --- | --- | --- |"]
+        for r in data["conversation"]:
+            lines.append(f"| {r['mode']} | {r['turns']} | {r['reused']:,} of {r['prompt_tokens']:,} "
+                         f"({r['reused'] / r['prompt_tokens']:.0%}) |")
+    c = data.get("selfcheck")
+    if c:
+        lines += ["", f"The backend self-check, on the first restore of a process (a Qwen3-0.6B-shaped cache of "
+                      f"{c['tokens']:,} tokens, {c['kv_bytes'] / 1e6:,.0f} MB, from disk with the page cache warm; fresh "
+                      "processes, alternating; medians): "
+                      f"{c['first_restore_checked_s'] * 1000:.0f} ms with it, {c['first_restore_skip_s'] * 1000:.0f} ms "
+                      "without it. It reads one record's tensors again and copies them through mlx, once per process."]
+    return "\n".join(lines) + "\n"
+
+
