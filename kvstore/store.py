@@ -342,7 +342,8 @@ class Store:
             raise InvalidInputError("verify_exact checks a store directory; a RAM-only store has nothing on disk")
         if not (self.read_only and self.memory.capacity == 0):
             self.flush()
-            with Store(self.path, read_only=True, create=False, memory_bytes=0, chunk_size=self.chunk_size) as twin:
+            with Store(self.path, read_only=True, create=False, memory_bytes=0, chunk_size=self.chunk_size,
+                       exact_prefill=self.exact_prefill or "off", disk_kv_bits=self.disk_kv_bits or 0) as twin:
                 return twin.verify_exact(model, model_id, sample=sample, **bind_options)
         mc = self.bind(model, model_id, **bind_options)
         return verify_exact(mc, self.index, self.blob_root, disk_kv_bits=self.disk_kv_bits, sample=sample)
