@@ -173,3 +173,26 @@ def test_nothing_computed_after_the_prompt_is_stored_in_exact_mode(tmp_path, lla
         with pytest.raises(InvalidInputError, match="steps"):
             mc.prefill(prompt, step=8)
 
+
+
+def test_ctrl_c_in_exact_mode_counts_a_prompt_stored_whole(tmp_path, llama):
+    """A stop raised from `prefill`'s progress once a prompt is stored (its last report comes after
+    its last insert) leaves it stored whole: all but its last token, in exact mode."""
+    path, model = llama
+    prompt = toks(70, 12)
+
+    class Stop(Exception):
+        pass
+
+    told = []
+
+    def progress(n: int) -> None:
+        told.append(n)
+        if sum(told) == len(prompt):
+            raise Stop
+
+    with kvstore.open(tmp_path / "s", chunk_size=C, exact_prefill=S) as store:
+        mc = store.bind(model, path)
+        with pytest.raises(Stop):
+            mc.prefill(prompt, progress=progress)
+        assert told == [32, 32, 6] and mc.stored_whole(prompt) and not mc.stored_whole(prompt + [1])

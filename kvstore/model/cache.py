@@ -255,6 +255,12 @@ class ModelCache:
         chain, options, _ = match(self.backing.tiers, None, self.ns, toks, self.chunk_size)
         return len(chain) * self.chunk_size + (options[0][1] if options else 0)
 
+    def stored_whole(self, tokens: Tokens) -> bool:
+        """Whether this machine stores all of `tokens` (in exact mode, all but the last one: the
+        first generation step's), as `prefill` stores a prompt."""
+        part = self.stored_part(as_tokens(tokens))
+        return self.stored_length(part) >= len(part)
+
     # -- insert -----------------------------------------------------------------------------
 
     def insert(self, tokens: Tokens, cache: list, *, pin: bool = False, checkpoint: bool = True,

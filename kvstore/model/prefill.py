@@ -127,8 +127,8 @@ def prefill(mc, tokens, *, step: int | None = None, checkpoint_every: int = CHEC
     cache, rest = mc.fetch(toks)
     reused = len(toks) - len(rest)
     stop = len(toks) - 1  # the last token is a step of its own
-    _steps(mc, toks, cache, reused, stop, step=step, checkpoint_every=checkpoint_every, durable=durable,
-           cache_type=cache_type, progress=progress)
+    unreported = _steps(mc, toks, cache, reused, stop, step=step, checkpoint_every=checkpoint_every,
+                        durable=durable, cache_type=cache_type, progress=progress)
     kept = dict(pin=pin, checkpoint=True, durable=durable, cache_type=cache_type)
     pending = mc.insert_later(toks[:stop], cache, **kept) if mc.exact and stop > 0 else None
     logprobs = last_step(mc.model, cache, toks[stop])
@@ -137,19 +137,18 @@ def prefill(mc, tokens, *, step: int | None = None, checkpoint_every: int = CHEC
         pending.submit(canary)
     elif not mc.exact:
         mc.insert(toks, cache, canary=canary, **kept)
-    if progress is not None:
-        progress(1)
+    if progress is not None:  # after the insert: a stop raised from it leaves the prompt stored whole
+        progress(unreported + 1)
     return cache, reused, len(toks) - reused
 
 
 def _stored(mc, toks: np.ndarray, *, pin: bool, durable: bool, cache_type: str) -> bool:
     """Whether the prompt is stored already (then pinned and typed as asked)."""
-    part = mc.stored_part(toks)
     for _ in range(PIN_ATTEMPTS):
         # What this process holds in RAM may be gone from disk (gc in another process): a
         # prefill answers for the disk, so records the disk lost are forgotten and recomputed.
         mc.forget_lost(toks)
-        if mc.stored_length(part) < len(part) or mc.needs_end_checkpoint(toks):
+        if not mc.stored_whole(toks) or mc.needs_end_checkpoint(toks):
             return False
         if durable and mc.held_back(toks):
             return False  # in RAM only: restored from there and written by the insert
@@ -161,18 +160,21 @@ def _stored(mc, toks: np.ndarray, *, pin: bool, durable: bool, cache_type: str) 
 
 def _steps(mc, toks: np.ndarray, cache: list, pos: int, stop: int, *, step: int | None,
            checkpoint_every: int, durable: bool, cache_type: str,
-           progress: Callable[[int], None] | None = None) -> None:
+           progress: Callable[[int], None] | None = None) -> int:
     """Process `toks[pos:stop]` to each chunk boundary (or `step` at a time), storing after each
-    piece but the last (the caller stores the end, with what the next step gives)."""
+    piece but the last (the caller stores the end, with what the next step gives). `progress`
+    hears of each piece once it is stored; returns the tokens of the last piece, not yet told."""
     C = mc.chunk_size
     last_full = stop // C * C  # exact mode: the end of the last full step, where the next prompt resumes
     while pos < stop:
         end = min(stop, pos + step) if step else min(stop, (pos // C + 1) * C)
         process(mc.model, cache, toks[pos:end], [end - pos])
-        if end < stop:
-            at_boundary = end % C == 0 and checkpoint_every > 0 and (end // C) % checkpoint_every == 0
-            mc.insert(toks[:end], cache, checkpoint=at_boundary or (mc.exact and end == last_full),
-                      durable=durable, cache_type=cache_type)
+        if end == stop:
+            return end - pos
+        at_boundary = end % C == 0 and checkpoint_every > 0 and (end // C) % checkpoint_every == 0
+        mc.insert(toks[:end], cache, checkpoint=at_boundary or (mc.exact and end == last_full),
+                  durable=durable, cache_type=cache_type)
         if progress is not None:
             progress(end - pos)
         pos = end
+    return 0
