@@ -49,7 +49,10 @@ class FirstSteps:
         """Exact mode: `hold` (a `Pending` insert) stores `prompt`'s end once its first step ran."""
         late = []
         with self._lock:
-            self._holds[_key(prompt)] = (len(prompt), hold)
+            key = _key(prompt)
+            if key in self._holds:  # the same prompt twice at once: the first waits no longer
+                late.append(self._holds.pop(key)[1])
+            self._holds[key] = (len(prompt), hold)
             while len(self._holds) > self.limit:
                 late.append(self._holds.popitem(last=False)[1][1])
         for pending in late:
