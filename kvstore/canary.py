@@ -16,7 +16,8 @@ A canary is JSON in the blob header field `x-canary` (`storage.blobformat`'s ext
   token after it. The record holding the canary is the one that holds token `at`, or the one that
   ends just before it.
 - `ids`/`logprobs`: the 8 largest log-probabilities (the logits less their logsumexp, as mlx-lm
-  hands them out), best first, as float16: about 100 bytes.
+  hands them out), best first, as float16: about 100 bytes. A canary of a later version (`"v"`
+  above 1) is kept and not read.
 
 To check one: restore the prompt's first `at` tokens, run `token` as one step, and call
 `check(canary, logprobs)`. Same machine, same kernels: the logprobs are bitwise those of the
@@ -78,16 +79,20 @@ def of(at: int, token: int, logprobs: Any) -> Canary:
                   tuple(float(np.float16(v)) for v in lp[top]))
 
 
-def parse(text: str) -> Canary:
+def parse(text: str) -> Canary | None:
     """A canary from its header text; ValueError naming what is wrong (the header extension's
-    validator: a damaged canary makes the blob damaged, as any bad header field does)."""
+    validator: a damaged canary makes the blob damaged, as any bad header field does). A canary
+    of a later version is kept and not read: None."""
     if not isinstance(text, str) or len(text) > _MAX_TEXT:
         raise ValueError("a canary is a short JSON object")
     try:
         raw = json.loads(text)
     except (json.JSONDecodeError, RecursionError) as e:
         raise ValueError(f"not JSON ({e})") from None
-    if not isinstance(raw, dict) or raw.get("v") != VERSION:
+    version = raw.get("v") if isinstance(raw, dict) else None
+    if type(version) is int and version > VERSION:
+        return None
+    if version != VERSION:
         raise ValueError(f"not a version {VERSION} canary")
     at, token, ids, lps = raw.get("at"), raw.get("token"), raw.get("ids"), raw.get("logprobs")
     if not (_whole(at) and _whole(token) and isinstance(ids, list) and isinstance(lps, list)):

@@ -69,6 +69,7 @@ def test_a_canary_round_trips_and_checks_a_replay():
     for bad in ('{"v":1}', "[]", "x" * 2000, c.text().replace('"token":7', '"token":-7')):
         with pytest.raises(ValueError):
             canaries.parse(bad)
+    assert canaries.parse('{"v":2,"what":"a later canary"}') is None  # kept, not read, not damage
     meta = blobformat.with_extensions({"hash": "00"}, {"canary": c.text()})
     assert blobformat.extensions(meta)["canary"] == c
     with pytest.raises(BlobError, match="x-canary"):
