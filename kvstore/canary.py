@@ -60,10 +60,6 @@ class Canary:
         return json.dumps({"v": VERSION, "at": self.at, "token": self.token, "ids": list(self.ids),
                            "logprobs": list(self.logprobs)}, separators=(",", ":"))
 
-    def moved(self, offset: int) -> "Canary":
-        """The same canary with `at` moved by `offset` (a prompt seen from another start)."""
-        return Canary(self.at + offset, self.token, self.ids, self.logprobs)
-
 
 def of(at: int, token: int, logprobs: Any) -> Canary:
     """The canary of one step: `logprobs` are its log-probabilities (or logits: they are
