@@ -1,4 +1,5 @@
-"""The SQL of gc: the eviction graph it plans from, and the deletes that carry the plan out.
+"""The SQL of gc: the eviction graph it plans from, the deletes that carry the plan out, and each
+tenant's totals, which its quota (`tenant_max_bytes`) is checked against.
 
 Mixed into `Index` (which gives it `conn`, this thread's connection): these statements are the
 index's, kept apart only because they are one job. What to evict is `upkeep/evict.py`'s choice.
@@ -40,18 +41,19 @@ class EvictionSQL:
         with gate() if gate is not None else contextlib.nullcontext(), schema.transaction(self.conn) as conn:
             yield conn
 
-    def eviction_graph(self, stale: Sequence[bytes] = ()) -> list[tuple]:
+    def eviction_graph(self, stale: Sequence[bytes] = (), tenants: bool = False) -> list[tuple]:
         """(hash + parent, last access, (size * 4 + role) * 16 + flags) of every record, for
         planning an eviction (`evict.Graph.from_index`); flags: 1 pinned, 2 of a namespace in
         `stale`, 4 hangs from its namespace, 8 quarantined. Three columns, two of them numbers: at
-        a million rows making the Python values is most of the time this takes."""
+        a million rows making the Python values is most of the time this takes. With `tenants`, a
+        fourth: the record's tenant tag (None: shared), for the tenants' quota."""
         stale = list(stale)[:_MAX_PARAMS]
         marks = ",".join("?" * len(stale))
         flag = f"(ns IN ({marks})) * 2" if stale else "0"
         return self.conn.execute(
             f"SELECT CAST(hash || parent AS BLOB), last_access, "
-            f"size * 64 + {_ROLE} * 16 + (pinned != 0) + {flag} + (parent = ns) * 4 + (bad != 0) * 8 "
-            "FROM records"
+            f"size * 64 + {_ROLE} * 16 + (pinned != 0) + {flag} + (parent = ns) * 4 + (bad != 0) * 8"
+            f"{', tenant' if tenants else ''} FROM records"
             # A row of the wrong type (a TEXT hash, say) is never planned: verify reports it.
             " WHERE typeof(hash) = 'blob' AND length(hash) = 16 AND typeof(parent) = 'blob'"
             " AND length(parent) = 16 AND typeof(size) = 'integer'"
@@ -193,3 +195,32 @@ class EvictionSQL:
             self.conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
         except sqlite3.OperationalError:  # busy: a later one does it
             pass
+
+    # -- per tenant (`tenant_totals` is kept by the triggers of migration 0022) ---------------
+
+    def tenant_totals(self) -> dict[str, tuple[int, int]]:
+        """tag -> (records, bytes) of every tenant that has records (from `tenant_totals`)."""
+        return {tag: (n, size) for tag, n, size in self.conn.execute(
+            "SELECT tenant, records, bytes FROM tenant_totals WHERE records > 0 ORDER BY bytes DESC, tenant")}
+
+    def tenants_over(self, max_bytes: int) -> list[str]:
+        """The tags of the tenants that hold more than `max_bytes`."""
+        return [tag for (tag,) in self.conn.execute(
+            "SELECT tenant FROM tenant_totals WHERE bytes > ? ORDER BY tenant", (max_bytes,))]
+
+    def stored_tenant_totals(self) -> dict[object, tuple]:
+        """tag -> (records, bytes) of `tenant_totals` as stored, whatever their types (for verify)."""
+        return {tag: (n, size) for tag, n, size in self.conn.execute("SELECT tenant, records, bytes FROM tenant_totals")}
+
+    def counted_tenant_totals(self) -> dict[str, tuple[int, int]]:
+        """tag -> (records, bytes) counted from the records (one scan: for verify)."""
+        return {tag: (n, size) for tag, n, size in self.conn.execute(
+            "SELECT tenant, count(*), coalesce(sum(CASE WHEN typeof(size) = 'integer' THEN size END), 0) "
+            "FROM records WHERE tenant IS NOT NULL GROUP BY tenant")}
+
+    def rewrite_tenant_totals(self) -> None:
+        """`tenant_totals` counted again from the records, in one transaction."""
+        with self.transaction() as conn:
+            conn.execute("DELETE FROM tenant_totals")
+            conn.executemany("INSERT INTO tenant_totals (tenant, records, bytes) VALUES (?, ?, ?)",
+                             [(tag, n, size) for tag, (n, size) in self.counted_tenant_totals().items()])

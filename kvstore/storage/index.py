@@ -56,8 +56,10 @@ class Row(RecordId):
     role: int = 0  # the strongest role class that reached it (`upkeep.evict.ROLES`)
 
 
-_ROW_COLUMNS = ", ".join(Row.__dataclass_fields__)
-_ROW_COLUMNS_R = ", ".join(f"r.{c}" for c in Row.__dataclass_fields__)  # of `records r` in a join
+# The columns of a row: its fields, the tenant's tag last (a record's link is in its blob only).
+_ROW_FIELDS = (*(f for f in Row.__dataclass_fields__ if f not in ("tenant", "link")), "tenant")
+_ROW_COLUMNS = ", ".join(_ROW_FIELDS)
+_ROW_COLUMNS_R = ", ".join(f"r.{c}" for c in _ROW_FIELDS)  # of `records r` in a join
 
 
 def _u64_to_i64(v: int) -> int:
@@ -258,7 +260,7 @@ class Index(EvictionSQL, WriteLogSQL, PinSQL):
         now = time.time()
         values = [
             (r.hash, r.ns, r.parent, r.depth, r.kind, r.ntokens, r.first_token, r.size,
-             _u64_to_i64(r.checksum), now, now, 0, r.pinned, 0, r.role)
+             _u64_to_i64(r.checksum), now, now, 0, r.pinned, 0, r.role, r.tenant)
             for r in rows
         ]
         with self.transaction() as conn:
@@ -267,7 +269,7 @@ class Index(EvictionSQL, WriteLogSQL, PinSQL):
             before = conn.total_changes
             conn.executemany(
                 f"INSERT OR IGNORE INTO records ({_ROW_COLUMNS}) "
-                f"VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                f"VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 values,
             )
             # A record stored again with pin=True gets pinned.
@@ -339,6 +341,8 @@ class Index(EvictionSQL, WriteLogSQL, PinSQL):
             conn.execute("UPDATE records SET size = ?, checksum = ? WHERE hash = ?",
                          (size, _u64_to_i64(checksum), h))
             conn.execute("UPDATE totals SET bytes = bytes + ? WHERE ns = ?", (size - row[1], row[0]))
+            conn.execute("UPDATE tenant_totals SET bytes = bytes + ? WHERE tenant = "
+                         "(SELECT tenant FROM records WHERE hash = ?)", (size - row[1], h))
         return True
 
     def drop_redundant(self, pairs: Sequence[tuple[bytes, bytes]]) -> list[tuple[bytes, int]]:
@@ -470,9 +474,10 @@ def _drop_edges(conn: sqlite3.Connection, edges: Iterable[tuple[bytes, int, byte
 
 def _row(r: tuple) -> Row:
     values = list(r)
+    tenant = values.pop()
     if isinstance(values[8], int):  # a row of the wrong type is left for verify to report
         values[8] = _i64_to_u64(values[8])
-    return Row(*values)
+    return Row(*values, tenant=tenant)
 
 
 def _whole(value: object) -> bool:
