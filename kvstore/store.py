@@ -179,7 +179,7 @@ class Store:
             tiers.append(disk)
             if self.remote is not None:  # its downloads are stored through `disk`, within its budget
                 tiers.append(RemoteTier(self.remote.bucket, self.remote.health, disk, self.remote.fleet,
-                                        deadline=self.remote.deadline))
+                                        deadline=self.remote.deadline, reupload=self.remote.uploader.submit))
         return Tiers(tiers)
 
 

@@ -243,12 +243,13 @@ class Box:
 class Sealer(Box):
     """One namespace's keys: sealing its objects and naming its records."""
 
-    __slots__ = ("ns", "folder", "_names")
+    __slots__ = ("ns", "folder", "key_id", "_names")
     owned = False  # a tenant's objects (`TenantSealer`)
 
     def __init__(self, fleet: Fleet, ns: bytes):
         super().__init__(_derive(fleet._secret, _PURPOSE + b" seal " + ns))
         self.ns = ns
+        self.key_id = fleet.key_id
         self.folder = fleet.ns_name(ns)
         self._names = _derive(fleet._secret, _PURPOSE + b" names " + ns)
 

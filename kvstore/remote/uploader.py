@@ -3,8 +3,10 @@
 After the writer commits rows, `submit` queues them; worker threads upload each blob with a
 create-only PUT, parents before children (a child waits for its parent's upload and is skipped if
 its parent is not in the bucket). The queue is bounded by bytes; what it cannot hold is dropped
-and counted. Only rows the writer wrote are ever queued, so a node never uploads what it
-downloaded (the remote tier stores downloads through the disk tier, never through the writer).
+and counted. Only rows the writer wrote are queued, so a node never uploads what it downloaded
+(the remote tier stores downloads through the disk tier, never through the writer), but for one
+case: a shared record it read with an older fleet key goes up again under the current key (the
+remote tier queues it), so a rotation leaves the shared prompts in the bucket.
 Every object is sealed with the fleet's key (`remote.seal`), a tenant's with its tenant's key (a
 row names its tenant by tag: the tenant must have been bound in this process, `Fleet.remember`;
 else it is not uploaded, and counted). A create-only PUT that finds the

@@ -29,7 +29,7 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 import xxhash
@@ -90,8 +90,11 @@ class RemoteTier:
     shared = True  # not on this machine: `Tiers.holds` never asks it
 
     def __init__(self, bucket: Bucket, health: Health, disk: DiskTier, fleet: Fleet, *,
-                 deadline: float = DEFAULT_DEADLINE_S, threads: int = 8):
+                 deadline: float = DEFAULT_DEADLINE_S, threads: int = 8,
+                 reupload: Callable[[list[Row]], None] | None = None):
         self.bucket, self.health, self.disk, self.fleet = bucket, health, disk, fleet
+        # Shared records read with an older key go back up under the current one (`Uploader.submit`).
+        self.reupload = reupload
         self.deadline = float(deadline)
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvstore-remote-get")
         self._bad: OrderedDict[str, float] = OrderedDict()  # object key -> until when it is not asked for
@@ -252,6 +255,8 @@ class RemoteTier:
         except OSError as e:  # a full disk: the record stays a miss here
             self.health.error(e)
             raise KeyError(h) from None
+        if r.tenant is None and ref.sealer.key_id != self.fleet.key_id and self.reupload is not None:
+            self.reupload([row])  # (a tenant's old records are stored again under its new salt as it uses them)
         if "remote" not in ref.lookup.notes:
             ref.lookup.notes.add("remote")
             self.health.count("remote_hits")
