@@ -245,15 +245,25 @@ class Index(EvictionSQL, WriteLogSQL, PinSQL):
         row = self.conn.execute(f"SELECT {_ROW_COLUMNS} FROM records WHERE hash = ?", (h,)).fetchone()
         return _row(row) if row else None
 
-    def children(self, parent: bytes, first_token: int | None = None) -> list[Row]:
+    def children(self, parent: bytes, first_token: int | None = None,
+                 tenants: Sequence[str | None] | None = None) -> list[Row]:
         """Usable records directly under `parent`; with `first_token`, only the chunks and tails
-        that start with it (the others share no token with what follows) and checkpoints."""
+        that start with it (the others share no token with what follows) and checkpoints; with
+        `tenants`, only those of these tenants (None: shared), each read by its own index range."""
         where = "" if first_token is None else " AND c.first_token IN (?, -1)"  # -1: not known
-        rows = self.conn.execute(
-            f"SELECT {_ROW_COLUMNS_R} FROM children c JOIN records r ON r.hash = c.hash "
-            f"WHERE c.parent = ?{where} AND r.bad = 0",
-            (parent,) if first_token is None else (parent, first_token))
-        return [_row(r) for r in rows]
+        args = (parent,) if first_token is None else (parent, first_token)
+        if tenants is None:
+            rows = self.conn.execute(f"SELECT {_ROW_COLUMNS_R} FROM children c JOIN records r ON r.hash = c.hash "
+                                     f"WHERE c.parent = ?{where} AND r.bad = 0", args)
+            return [_row(r) for r in rows]
+        out = []
+        for tag in tenants:
+            rows = self.conn.execute(
+                f"SELECT {_ROW_COLUMNS_R} FROM children c INDEXED BY children_by_tenant JOIN records r ON "
+                f"r.hash = c.hash WHERE c.parent = ? AND c.tenant IS ?{where} AND r.bad = 0 AND r.tenant IS ?",
+                (parent, tag, *args[1:], tag))
+            out += [_row(r) for r in rows]
+        return out
 
     def insert(self, rows: Iterable[Row]) -> int:
         """Add records (a record that exists already is left as it is). Returns how many."""

@@ -56,6 +56,10 @@ class Lookup:
         """Whether a record of tenant `tag` (None: shared) may serve this lookup."""
         return sees(self.tenant, tag)
 
+    def tags(self) -> list[str | None]:
+        """The tenants whose records may serve this lookup (None: shared)."""
+        return [None] + ([t.tag for t in self.tenant.variants()] if self.tenant is not None else [])
+
     def owner_of(self, tag: str | None) -> Tenant | None:
         """The tenant (under the key it was made with) whose tag is `tag`; None for shared."""
         if tag is None or self.tenant is None:

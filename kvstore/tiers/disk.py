@@ -161,9 +161,7 @@ class DiskTier:
         or its tenant's), with their token ids read from their blobs (a record whose blob cannot
         give them is quarantined, left out)."""
         found = []
-        for row in self.index.children(parent, int(rest[0])):
-            if not lookup.sees(row.tenant):  # another tenant's: never read
-                continue
+        for row in self.index.children(parent, int(rest[0]), lookup.tags()):  # never another tenant's
             try:
                 with blobfile.open_blob(self.root, row.hash, size=row.size, checksum=row.checksum) as blob:
                     found.append((row.hash, record_tokens(blob, row), row))
