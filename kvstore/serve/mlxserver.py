@@ -73,8 +73,9 @@ def persistent(server, cache: PersistentPromptCache, started: list,
     server.ResponseGenerator = _response_generator(original, cache, started)
     if isinstance(original_context, type) and callable(getattr(original_context, "stop", None)):
         server.GenerationContext = _listed_context(original_context, requests)
-    if cache.tenants.active:
-        server.BatchGenerator = _tenant_batches(original_batch, cache.tenants)
+    tenants = getattr(cache, "tenants", None)
+    if tenants is not None and tenants.active:
+        server.BatchGenerator = _tenant_batches(original_batch, tenants)
     try:
         yield
     finally:
