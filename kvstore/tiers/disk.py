@@ -117,18 +117,21 @@ class DiskBudget:
             return self._cond.wait_for(lambda: not self._running, timeout)
 
     def _run(self) -> None:
-        while True:
-            with self._cond:
-                if not self._due:
-                    self._running = False
-                    self._cond.notify_all()
-                    return
-                self._due = False
-            try:
-                if self.files.over_budget(self.max_bytes, self.tenant_max_bytes):
-                    evict(self.files, self.memory, max_bytes=self.max_bytes, tenant_max_bytes=self.tenant_max_bytes)
-            except Exception as e:  # only the budget: the next check tries again
-                log.warning("kvstore: gc for the disk budget failed: %s", e)
+        try:
+            while True:
+                with self._cond:
+                    if not self._due:
+                        self._running = False
+                        self._cond.notify_all()
+                        return
+                    self._due = False
+                try:
+                    if self.files.over_budget(self.max_bytes, self.tenant_max_bytes):
+                        evict(self.files, self.memory, max_bytes=self.max_bytes, tenant_max_bytes=self.tenant_max_bytes)
+                except Exception as e:  # only the budget: the next check tries again
+                    log.warning("kvstore: gc for the disk budget failed: %s", e)
+        finally:  # a thread a check: its index connection goes with it (else two open files each)
+            self.files.index.release()
 
 
 def evict(files: "LocalStore", memory: "MemoryTier", **options) -> dict:
