@@ -39,7 +39,7 @@ COMMANDS = [
     ("agent trace under `admit`", "python bench/agent_trace.py [--prompts 200] [--tokens 2048]", True),
     ("8-bit K/V on disk", "python bench/kv8.py [--quick]", True),
     ("tenants: one probe against another tenant's prompts; reuse against one shared cache",
-     "python bench/tenants.py [--quick] [--probes 200] [--system 1024] [--private 512]", False),
+     "python bench/tenants.py [--quick] [--probes 200] [--system 1024] [--private 256]", False),
     ("what the benchmarks changed", "python bench/before_after.py [--quick]", True),
     ("checkpoint bytes of a hybrid model (arithmetic)", "python bench/checkpoint_bytes.py CONFIG.json", False),
     ("a profile of `fetch` (a quick look)", "python bench/profile_fetch.py [--tokens 2048] [--cprofile]", False),

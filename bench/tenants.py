@@ -1,6 +1,7 @@
 """Tenants: can one client of `kvstore serve` tell another's prompts, and what does keeping them
-apart cost? Two servers on one warmed store, run side by side: `--tenant-from none` (today: one
-cache for every client) and `--tenant-from header:X-Tenant`.
+apart cost? Two servers, each on a store of its own warmed with the same system prompt, run side
+by side: `--tenant-from none` (today: one cache for every client) and `--tenant-from
+header:X-Tenant`.
 
 On each, the same sequence of requests (each sent to one server and then the other):
 
@@ -16,7 +17,7 @@ On each, the same sequence of requests (each sent to one server and then the oth
 The within-tenant and shared rows are compared between the two servers as a ratio of medians
 (the target: within 10%). Writes bench/results/tenants.json.
 
-    python bench/tenants.py [--quick] [--probes 200] [--system 1024] [--private 512]
+    python bench/tenants.py [--quick] [--probes 200] [--system 1024] [--private 256]
 """
 
 from __future__ import annotations
@@ -93,11 +94,12 @@ def classify(other: list[tuple[float, int]], fresh: list[tuple[float, int]]) -> 
 
 
 def run(model: Path, work: Path, system: str, probes: int, private: int, repeats: int, env: dict) -> dict:
-    store, prompts = work / "store", work / "system.jsonl"
+    prompts = work / "system.jsonl"
     prompts.write_text(json.dumps({"messages": [{"role": "system", "content": system}]}) + "\n")
-    subprocess.run([sys.executable, "-m", "kvstore.cli", "warm", "--store", str(store), "--model", str(model),
-                    "--prompts", str(prompts)], check=True, env=env, cwd=str(C.REPO), capture_output=True)
-    servers = {name: Server(name, model, store, work / f"{name}.log", env) for name in CONFIGS}
+    for name in CONFIGS:  # a store each: what one cache for every client stores is shared by definition
+        subprocess.run([sys.executable, "-m", "kvstore.cli", "warm", "--store", str(work / name), "--model",
+                        str(model), "--prompts", str(prompts)], check=True, env=env, cwd=str(C.REPO), capture_output=True)
+    servers = {name: Server(name, model, work / name, work / f"{name}.log", env) for name in CONFIGS}
     texts = [private_text(private) for _ in range(probes)]
     got = {name: {"victim": [], "other": [], "fresh": [], "repeat": [], "shared": []} for name in servers}
     try:
@@ -139,7 +141,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="20 probes of each kind, 5 repeats")
     ap.add_argument("--probes", type=int, default=None, help="the victim's prompts, and as many fresh probes (200)")
     ap.add_argument("--system", type=int, default=1024, help="tokens of the warmed system prompt")
-    ap.add_argument("--private", type=int, default=512, help="tokens of each private part")
+    ap.add_argument("--private", type=int, default=256, help="tokens of each private part")
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--out", type=Path, help="write the JSON here instead of bench/results/tenants.json")
     args = ap.parse_args()
