@@ -46,8 +46,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 import kvstore
 from kvstore.demo import build_demo_model
-from kvstore.model.generation import insert_generated
-from kvstore.model.prefill import canary_of, last_step, process, prompt_cache, run
+from kvstore.model.prefill import canary_of, insert_generated, last_step, process, prompt_cache, run
 
 GREEDY, MLX_STEP = 32, 2048
 MODELS = [("llama", "tiny", {}), ("gemma3_text", "tiny", {}), ("qwen3_5", "tiny", {}), ("baichuan_m1", "tiny", {}),

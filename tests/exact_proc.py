@@ -21,8 +21,7 @@ import mlx.core as mx
 import numpy as np
 
 import kvstore
-from kvstore.model.generation import insert_generated
-from kvstore.model.prefill import canary_of, last_step, prompt_cache, run
+from kvstore.model.prefill import canary_of, insert_generated, last_step, prompt_cache, run
 
 GREEDY = 32
 MLX_STEP = 2048  # mlx-lm's prefill_step_size

@@ -156,8 +156,7 @@ def test_the_setting_is_kept_checked_and_its_own_namespace(tmp_path, llama):
 
 
 def test_nothing_computed_after_the_prompt_is_stored_in_exact_mode(tmp_path, llama):
-    from kvstore.model.generation import insert_generated
-    from kvstore.model.prefill import prompt_cache, run
+    from kvstore.model.prefill import insert_generated, prompt_cache, run
 
     path, model = llama
     prompt = toks(50, 10)

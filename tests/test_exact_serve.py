@@ -37,7 +37,7 @@ def serve_one(pc: PersistentPromptCache, model, prompt: list[int], made: int = 3
     if len(rest) > 1:
         model(mx.array([rest[:-1]]), cache=cache)
     logprobs = last_step(model, cache, rest[-1])
-    pc.first_step(logprobs, rest=rest)
+    pc.first_steps.seen(logprobs, rest=rest)
     out = [int(mx.argmax(logprobs))]
     while len(out) < made:
         out.append(int(mx.argmax(last_step(model, cache, out[-1]))))
@@ -55,7 +55,7 @@ def test_exact_mode_prefills_stores_the_prompt_and_keeps_its_canary(tmp_path, ll
         assert len(rest) == 1 and cache[0].offset == 74  # prefilled here, in steps of 32
         assert pc.counters["reused_tokens"] == 0
         logprobs = last_step(model, cache, rest[0])
-        pc.first_step(logprobs, rest=rest)
+        pc.first_steps.seen(logprobs, rest=rest)
         pc.insert_cache("m", prompt + [int(mx.argmax(logprobs))], cache)  # computed by the server: not stored
         pc.flush()
         stats = store.stats()

@@ -63,8 +63,7 @@ def _generate_one(args, store, loaded, mc, tokens, sampler) -> bool:
     from mlx_lm import stream_generate
 
     from kvstore.model.blas import long_prefill_note
-    from kvstore.model.generation import insert_generated
-    from kvstore.model.prefill import canary_of, prompt_cache
+    from kvstore.model.prefill import canary_of, insert_generated, prompt_cache
 
     t0 = time.perf_counter()
     downloaded, before = _remote_tokens(store), _write_problems(store)

@@ -1,5 +1,9 @@
 """`ModelCache`: the store as one model version sees it — `fetch` and `insert` token sequences.
 
+Bound with a tenant (`Store.bind(..., tenant=...)`, `with_tenant`), it sees the shared records and
+the tenant's own: its records after the shared prefix are keyed under the tenant's salt
+(`records.prompt_records`), and it never writes, pins or marks a shared record.
+
 Fetch looks the prompt up in the tiers (`lookup.match`: memory, pending writes, disk, remote, in
 that order), opens the records it needs, checked (`lookup.Opening`; records from beyond this
 process are checked against the model's shapes too, `shapes.RecordCheck`), and hands them to the
@@ -12,8 +16,8 @@ holds no reference to the store.
 
 from __future__ import annotations
 
+import copy
 import logging
-from typing import Callable
 
 import mlx.core as mx
 import numpy as np
@@ -21,34 +25,35 @@ from mlx_lm.models.cache import QuantizedKVCache
 
 from kvstore import keys
 from kvstore.canary import Canary
-from kvstore.errors import BlobError, InvalidInputError, StoreOpenError
+from kvstore.errors import BlobError, InvalidInputError
 from kvstore.model import fingerprint as fingerprints
 from kvstore.model.backing import Backing
+from kvstore.model.explicit import CHECKPOINT_EVERY, PIN_ATTEMPTS, ExplicitWrites, _role
 from kvstore.model.layout import make_template
 from kvstore.model.lookup import Opening, match
-from kvstore.model.prefill import CHECKPOINT_EVERY
-from kvstore.model.prefill import prefill as prefill_prompt
 from kvstore.model.shapes import RecordCheck
 from kvstore.model.tokens import Tokens, as_tokens
-from kvstore.records import CHECKPOINT, Span, checkpoint_of, prompt_records
+from kvstore.records import CHECKPOINT, RecordId, Span, checkpoint_of, prompt_records
 from kvstore.restore.build import build, checkpoint_arrays
 from kvstore.restore.codecs import CacheListCodec, Codec, RotatingCodec
 from kvstore.restore.fill import fill, host_slice
 from kvstore.restore.plan import Plan, plan
 from kvstore.storage.blobformat import nbytes
+from kvstore.tenants import Tenant
 from kvstore.tiers.base import Lookup, Source, Where
 from kvstore.tiers.memory import held
-from kvstore.upkeep.evict import role_class
 from kvstore.write.placement import Placement, place
 from kvstore.write.views import Pending, Views, make_job
 
 log = logging.getLogger("kvstore")
 
+__all__ = ["CHECKPOINT_EVERY", "PIN_ATTEMPTS", "ModelCache"]
 _ATTEMPTS = 3  # plans per fetch: each damaged record found while filling costs one more
 
 
-class ModelCache:
-    """Fetch and insert the caches of one model version (made by `Store.bind`)."""
+class ModelCache(ExplicitWrites):
+    """Fetch and insert the caches of one model version (made by `Store.bind`); `tenant`: whose
+    (None: the shared namespace's)."""
 
     def __init__(self, backing: Backing, model, model_id: str, ns: bytes, fingerprint: bytes, layout: dict,
                  codecs: list[Codec], chunk_size: int, kv_bits: int | None = None, kv_group_size: int = 64,
@@ -66,6 +71,31 @@ class ModelCache:
                           "chunk_size": str(chunk_size)}
         self.check = RecordCheck(model, codecs, self.new_cache, model_id)
         self.registered = True  # False while the index could not record this model (Store.bind)
+        self.tenant: Tenant | None = None
+
+    def with_tenant(self, tenant: Tenant | None) -> "ModelCache":
+        """This model version as `tenant` sees it (None: the shared namespace), sharing this
+        one's store, model and checks (from `Store.tenant`)."""
+        mc = copy.copy(self)
+        mc.tenant = tenant
+        return mc
+
+    def owns(self, record: RecordId) -> bool:
+        """Whether this binding may write, pin or mark `record`: any without a tenant; with one,
+        only the tenant's own (shared records are the operator's)."""
+        return self.tenant is None or record.tenant is not None
+
+    def records(self, toks: np.ndarray, *, tail: bool = True, checkpoint: bool = False) -> list[Span]:
+        """The records that store `toks` for this binding (`records.prompt_records`): with a
+        tenant, the shared ones this machine holds, then the tenant's."""
+        C = self.chunk_size
+        if self.tenant is None:
+            return prompt_records(self.ns, toks, C, tail=tail, checkpoint=checkpoint)
+        chain = prompt_records(self.ns, toks, C, tail=False)
+        held = self.backing.tiers.holds(chain) if chain else set()
+        shared = next((i for i, s in enumerate(chain) if s.hash not in held), len(chain))
+        return prompt_records(self.ns, toks, C, tail=tail, checkpoint=checkpoint, tenant=self.tenant,
+                              shared=shared)
 
     def register(self, stamps: list | None = None) -> bool:
         """Record this model version in the index (`stamps`: its files'); False while that
@@ -101,7 +131,7 @@ class ModelCache:
         try:
             chain = prompt_records(self.ns, toks, self.chunk_size, tail=False)
             lookup = Lookup(self.ns, toks, self.chunk_size, [s.hash for s in chain],
-                            object_bytes=self.check.bound())
+                            object_bytes=self.check.bound(), tenant=self.tenant)
             try:
                 with b.writer.reading():  # the writer waits between records while this restores
                     for _ in range(_ATTEMPTS):  # a damaged record found while filling: plan again without it
@@ -238,7 +268,7 @@ class ModelCache:
 
     def record_hashes(self, tokens: Tokens) -> list[bytes]:
         """The keys of the chunks and tail that `insert(tokens, ...)` stores, root first."""
-        return [s.hash for s in prompt_records(self.ns, as_tokens(tokens), self.chunk_size)]
+        return [s.hash for s in self.records(as_tokens(tokens))]
 
     def placement(self, tokens: Tokens) -> Placement:
         """How many of the tokens of `tokens` have their records on disk, queued for the writer,
@@ -252,14 +282,9 @@ class ModelCache:
         toks = as_tokens(tokens)
         if len(toks) == 0:
             return 0
-        chain, options, _ = match(self.backing.tiers, None, self.ns, toks, self.chunk_size)
+        lookup = Lookup(self.ns, toks, self.chunk_size, tenant=self.tenant)
+        chain, options, _ = match(self.backing.tiers, lookup, self.ns, toks, self.chunk_size, local=True)
         return len(chain) * self.chunk_size + (options[0][1] if options else 0)
-
-    def stored_whole(self, tokens: Tokens) -> bool:
-        """Whether this machine stores all of `tokens` (in exact mode, all but the last one: the
-        first generation step's), as `prefill` stores a prompt."""
-        part = self.stored_part(as_tokens(tokens))
-        return self.stored_length(part) >= len(part)
 
     # -- insert -----------------------------------------------------------------------------
 
@@ -307,8 +332,8 @@ class ModelCache:
             if not self.registered:
                 b.counters.skipped_inserts += 1
                 return Pending(None, None, [])
-        spans = prompt_records(self.ns, toks, self.chunk_size, checkpoint=self.checkpointed and checkpoint)
         try:
+            spans = self.records(toks, checkpoint=self.checkpointed and checkpoint)
             held = b.tiers.holds(spans)
         except Exception as e:  # the index is unreachable: drop this insert, keep serving
             log.error("kvstore: insert dropped (%s: %s)", type(e).__name__, e)
@@ -317,6 +342,8 @@ class ModelCache:
         durable = durable or pin
         # Records kept in RAM that may go to disk now (seen again, or durable): from this cache.
         again = b.gate.rewrite(spans, held, durable) if b.gate is not None else set()
+        owner = {"tenant": self.tenant, "shared": sum(s.tenant is None and s.kind != CHECKPOINT for s in spans)}
+        spans = [s for s in spans if self.owns(s)]  # a tenant's insert never writes a shared record
         new = [s for s in spans if s.hash not in held or s.hash in again]
         # Stored records a sliding window may have been missing data for (see the writer's refill).
         stored = [s for s in spans if s.kind != CHECKPOINT and s.hash in held
@@ -331,111 +358,29 @@ class ModelCache:
             if detach:
                 views.detach()
         refill = [s for s in stored if views.complete_from(s.start)] if stored else []
-
         job = None
         if new or refill:
-            job = make_job(self.ns, toks, views, new, refill, self._metadata, pins, role, reached, durable=durable)
+            job = make_job(self.ns, toks, views, new, refill, self._metadata, pins, role, reached,
+                           durable=durable, **owner)
         elif pins or reached:  # nothing to write: the pins and roles of stored records only
-            job = make_job(self.ns, toks, None, [], [], self._metadata, pins, role, reached)
+            job = make_job(self.ns, toks, None, [], [], self._metadata, pins, role, reached, **owner)
         return Pending(b.writer.submit if job is not None else None, job, new)
-
-    def prefill(self, tokens: Tokens, *, step: int | None = None, checkpoint_every: int = CHECKPOINT_EVERY,
-                pin: bool = False, progress: Callable[[int], None] | None = None,
-                durable: bool = True, cache_type: str = "assistant") -> tuple[list | None, int, int]:
-        """Make sure the cache of `tokens` is stored, computing only what is missing.
-
-        It is written to disk whatever the admission policy says (`durable=False`: as the
-        policy says, and a record kept in RAM counts as stored).
-
-        Processes the missing tokens up to each chunk boundary (or `step` at a time) and inserts
-        after each (with `cache_type`, as `insert`), so a crash or Ctrl-C keeps everything
-        computed so far; the last token is a step of its own, whose logits are kept as the
-        prompt's canary (`kvstore.canary`). Recurrent layers get a checkpoint every
-        `checkpoint_every` chunks and at the end. In exact mode (`exact_prefill`) the steps are
-        the store's, and the prompt but its last token is stored (`model.prefill`). Returns (the
-        cache, or None if nothing had to be computed; tokens reused; tokens computed).
-        """
-        return prefill_prompt(self, tokens, step=step, checkpoint_every=checkpoint_every, pin=pin,
-                              progress=progress, durable=durable, cache_type=cache_type)
-
-    def mark(self, tokens: Tokens, cache_type: str, *, first: int | None = None) -> None:
-        """Raise to `cache_type` the role of the stored records of `tokens` that hold any of its
-        first `first` tokens (all of them by default), as an insert of that type would, without
-        writing K/V: `warm` marks a prompt's system messages this way. Waits for queued writes."""
-        role, b = _role(cache_type), self.backing
-        toks = as_tokens(tokens)
-        if not role or b.index is None or len(toks) == 0:
-            return
-        first = len(toks) if first is None else first
-        b.writer.flush()  # the rows, on this machine: uploads are the command's to wait for, once
-        b.index.raise_role([s.hash for s in self._durable(toks) if s.start < first], role)
 
     def stored_part(self, toks: np.ndarray) -> np.ndarray:
         """What of a prompt is stored: all of it, or in exact mode all but its last token (which
         is the first generation step's)."""
         return toks[:-1] if self.exact and len(toks) > 1 else toks
 
-    def _durable(self, toks: np.ndarray):
+    def stored_whole(self, tokens: Tokens) -> bool:
+        """Whether this machine stores all of `tokens` (in exact mode, all but the last one: the
+        first generation step's), as `prefill` stores a prompt."""
+        part = self.stored_part(as_tokens(tokens))
+        return self.stored_length(part) >= len(part)
+
+    def _durable(self, toks: np.ndarray) -> list[Span]:
         """The records that must be on disk for `toks` to be stored whole (with the end checkpoint
         a recurrent model restores from)."""
-        return prompt_records(self.ns, self.stored_part(toks), self.chunk_size, checkpoint=self.checkpointed)
-
-    def needs_end_checkpoint(self, toks: np.ndarray) -> bool:
-        if not self.checkpointed:
-            return False
-        end = self._durable(toks)[-1]
-        return end.hash not in self.backing.tiers.holds([end])
-
-    def held_back(self, toks: np.ndarray) -> bool:
-        """Whether admission or the write budget keeps some record of `toks` in RAM only (once
-        the writer has decided on what is queued)."""
-        gate = self.backing.gate
-        if gate is None or not gate.selective:
-            return False
-        self.backing.writer.flush()
-        return gate.holds_back(s.hash for s in self._durable(toks))
-
-    def forget_lost(self, toks: np.ndarray) -> None:
-        """Drop from the memory tier the records of `toks` that are neither queued nor on disk."""
-        b = self.backing
-        if b.index is None:
-            return
-        kept = b.gate.holds_back if b.gate is not None else (lambda hashes: False)
-        held = [s.hash for s in self._durable(toks) if s.hash in b.memory and not b.writer.is_pending(s.hash)
-                and not kept([s.hash])]  # kept in RAM by admission or budget: not lost
-        if held:
-            on_disk = b.index.present(held)
-            b.memory.discard([h for h in held if h not in on_disk and not b.writer.is_pending(h)])
-
-    def pin_stored(self, toks: np.ndarray) -> bool:
-        """Pin what is stored for `toks` (and so keep it through gc). False if some record is not
-        on disk to be pinned (another process evicted it): the caller stores it again."""
-        b = self.backing
-        if b.index is None:
-            return True
-        b.writer.flush()  # the rows, on this machine (as `mark`)
-        wanted = [s.hash for s in self._durable(toks)]
-        return b.index.pin(wanted) >= len(wanted)
-
-    def unpin(self, tokens: Tokens) -> dict:
-        """Unpin what pinning `tokens` pinned (`prefill(..., pin=True)`, `insert(..., pin=True)`):
-        the prompt's chunks, its tail and (with recurrent layers) its end checkpoint, so that gc
-        may evict them again. Returns {"records": how many were pinned, "bytes": their size}.
-
-        Every record of the prompt is unpinned, shared ones too. Another pinned prompt that goes
-        on past a shared record still keeps it (gc keeps what a pin hangs from); one that ends on
-        it (a whole number of chunks, on a model with no recurrent layers) loses its pin: pin it
-        again. Waits for queued writes first (their pins land before this)."""
-        toks = as_tokens(tokens)
-        b = self.backing
-        b.check_open()
-        if b.index is None or len(toks) == 0:
-            return {"records": 0, "bytes": 0}
-        if b.index.read_only:
-            raise StoreOpenError("this store is open read-only: unpin needs to write to it")
-        b.writer.flush()
-        n, size = b.index.unpin([s.hash for s in self._durable(toks)])
-        return {"records": n, "bytes": size}
+        return self.records(self.stored_part(toks), checkpoint=self.checkpointed)
 
     def _check_cache(self, cache: list, n: int) -> None:
         if not isinstance(cache, (list, tuple)):
@@ -463,11 +408,5 @@ def _windowed(c: Codec) -> bool:
 def _span(source: Source, start: int) -> Span:
     """A record that was opened, as a span of the prompt starting at `start`."""
     r = source.id
-    return Span(r.hash, r.ns, r.parent, r.depth, r.kind, r.ntokens, r.first_token, start=start)
-
-
-def _role(cache_type: str) -> int:
-    try:
-        return role_class(cache_type)
-    except ValueError as e:
-        raise InvalidInputError(str(e)) from None
+    return Span(r.hash, r.ns, r.parent, r.depth, r.kind, r.ntokens, r.first_token, start=start,
+                tenant=r.tenant)

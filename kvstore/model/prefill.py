@@ -19,24 +19,25 @@ The store's `exact_prefill` picks one of two modes:
   was then computed as this prompt's cold run computes it). Nothing computed after the prompt
   (generated tokens, decode steps) is stored: a later prompt recomputes those in full steps.
 
-`prompt_cache` is where a generation starts; `prefill` stores a prompt for later.
+`prompt_cache` is where a generation starts; `prefill` stores a prompt for later. After a
+generation, `held_length` is the one rule for how many tokens a cache really holds (`kvstore
+generate` and the server adapter both store exactly those), and `insert_generated` stores them.
 """
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, Iterable, NamedTuple, Sequence
 
 import mlx.core as mx
 import numpy as np
 
 from kvstore import canary as canaries
+from kvstore.canary import Canary
 from kvstore.errors import InvalidInputError
 from kvstore.model.tokens import arrays_of, as_tokens
 
 #: Default for `prefill`: a recurrent-state checkpoint every this many chunks (docs/library.md).
 CHECKPOINT_EVERY = 4
-# A prefill that finds its records evicted under it (by another process) stores them again, this often.
-PIN_ATTEMPTS = 3
 
 
 def process(model, cache: list, tokens: Sequence[int], ends: Sequence[int]) -> None:
@@ -122,7 +123,7 @@ def prefill(mc, tokens, *, step: int | None = None, checkpoint_every: int = CHEC
     if mc.exact and step not in (None, mc.chunk_size):
         raise InvalidInputError(f"exact_prefill steps are {mc.chunk_size} tokens: step={step} would "
                                 "compute what a cold run does not")
-    if _stored(mc, toks, pin=pin, durable=durable, cache_type=cache_type):
+    if mc.already_stored(toks, pin=pin, durable=durable, cache_type=cache_type):
         return None, len(toks), 0
     cache, rest = mc.fetch(toks)
     reused = len(toks) - len(rest)
@@ -140,22 +141,6 @@ def prefill(mc, tokens, *, step: int | None = None, checkpoint_every: int = CHEC
     if progress is not None:  # after the insert: a stop raised from it leaves the prompt stored whole
         progress(unreported + 1)
     return cache, reused, len(toks) - reused
-
-
-def _stored(mc, toks: np.ndarray, *, pin: bool, durable: bool, cache_type: str) -> bool:
-    """Whether the prompt is stored already (then pinned and typed as asked)."""
-    for _ in range(PIN_ATTEMPTS):
-        # What this process holds in RAM may be gone from disk (gc in another process): a
-        # prefill answers for the disk, so records the disk lost are forgotten and recomputed.
-        mc.forget_lost(toks)
-        if not mc.stored_whole(toks) or mc.needs_end_checkpoint(toks):
-            return False
-        if durable and mc.held_back(toks):
-            return False  # in RAM only: restored from there and written by the insert
-        if not pin or mc.pin_stored(toks):
-            mc.mark(toks, cache_type)  # stored already: its type only (nothing for "assistant")
-            return True
-    return False
 
 
 def _steps(mc, toks: np.ndarray, cache: list, pos: int, stop: int, *, step: int | None,
@@ -178,3 +163,39 @@ def _steps(mc, toks: np.ndarray, cache: list, pos: int, stop: int, *, step: int 
             progress(end - pos)
         pos = end
     return 0
+
+
+# -- after a generation ------------------------------------------------------------------------
+
+def held_length(offsets: Iterable[int | None], n: int) -> int | None:
+    """How many of the `n` tokens given a cache holds, from its layers' offsets (None for a layer
+    that does not count, like a recurrent one); None when it cannot be told (layers disagree, or
+    they hold none or more than `n`).
+
+    The model runs every layer on every token, so the layers that count say for the whole cache;
+    when none does, it holds all `n`. mlx_lm.server hands over every generated token, the last
+    of which the model never processed: its cache is then one token short.
+    """
+    counted = {o for o in offsets if isinstance(o, int) and not isinstance(o, bool)}
+    if not counted:
+        return n
+    if len(counted) > 1:
+        return None
+    (held,) = counted
+    return held if 0 < held <= n else None
+
+
+def insert_generated(mc, prompt: Sequence[int], generated: Sequence[int], cache: list,
+                     canary: Canary | None = None) -> int:
+    """Insert exactly the tokens the cache has processed, the prompt and what was generated
+    (with the canary of the first generation step); returns how many: 0 (nothing inserted)
+    when the cache does not say (see `held_length`). In exact mode nothing is: the prompt was
+    stored as it was prefilled, and what a generation computes is not what a cold prefill does."""
+    if mc.exact:
+        return 0
+    sequence = np.concatenate([np.asarray(prompt, dtype=np.int32), np.asarray(generated, dtype=np.int32)])
+    held = held_length((codec.offset(layer) for codec, layer in zip(mc.codecs, cache)), len(sequence))
+    if held is None:
+        return 0
+    mc.insert(sequence[:held], cache, canary=canary)
+    return held

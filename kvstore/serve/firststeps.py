@@ -2,8 +2,8 @@
 
 mlx_lm.server runs a request's first step (the prompt's last token) in its generation loop, out of
 the prompt cache's sight; `mlxserver` hooks that step and hands its log-probabilities here with
-the request's prompt (`PersistentPromptCache.first_step`). No step is added: the logits are the
-ones the server computed for its first token. `FirstSteps` matches them to what waits:
+the request's prompt (`PersistentPromptCache.first_steps.seen`; an own server calls it after its
+first step). No step is added: the logits are the ones the server computed for its first token. `FirstSteps` matches them to what waits:
 
 - in exact mode, the insert of the prompt's end that `PersistentPromptCache` prepared while it
   prefilled the prompt (`model.prefill.prompt_cache`): it is queued now, with the canary;
@@ -44,6 +44,11 @@ class FirstSteps:
         self._holds: OrderedDict[bytes, tuple[int, object]] = OrderedDict()  # prompt -> (length, Pending)
         self._canaries: OrderedDict[bytes, tuple[int, Canary]] = OrderedDict()
         self.canaries = 0  # first steps seen (each one a canary)
+        self._fetched = threading.local()  # the prompt this thread fetched last
+
+    def fetched(self, prompt: list[int]) -> None:
+        """This thread looked `prompt` up: a first step that only says its rest is of it."""
+        self._fetched.tokens = prompt
 
     def expect(self, prompt: Sequence[int], hold) -> None:
         """Exact mode: `hold` (a `Pending` insert) stores `prompt`'s end once its first step ran."""
@@ -58,9 +63,23 @@ class FirstSteps:
         for pending in late:
             pending.submit()
 
-    def seen(self, prompt: Sequence[int], logprobs) -> None:
-        """The first step of a request whose prompt is `prompt` gave these log-probabilities."""
-        if len(prompt) < 1:
+    def seen(self, logprobs, *, prompt: Sequence[int] | None = None, rest: Sequence[int] | None = None) -> None:
+        """The first step of a request gave these log-probabilities: its prompt is `prompt`, or
+        the one this thread fetched last if `rest` (what the server was left to compute) ends it.
+        Never raises (a failure is logged: the canary is lost, the request goes on)."""
+        try:
+            self._seen(logprobs, prompt, rest)
+        except Exception as e:
+            log.warning("kvstore: a first step was not kept as its prompt's canary (%s: %s)", type(e).__name__, e)
+
+    def _seen(self, logprobs, prompt: Sequence[int] | None, rest: Sequence[int] | None) -> None:
+        if prompt is None:
+            fetched = getattr(self._fetched, "tokens", None)
+            if fetched is None or rest is None or list(fetched[len(fetched) - len(rest):]) != list(rest):
+                return  # not the prompt this thread fetched last (an image prompt's cache key)
+            prompt = fetched
+        prompt = list(prompt)
+        if not prompt:
             return
         canary = canary_of(len(prompt) - 1, int(prompt[-1]), logprobs)
         key = _key(prompt)

@@ -8,6 +8,10 @@ What RAM holds is bounded as `LRUPromptCache` bounds it: `len()` counts the inse
 held in RAM, `max_size` bounds them, `max_bytes` and `trim_to(n_sequences=, n_bytes=)` evict them
 in mlx-lm's order (assistant, then user, then system turns, oldest first). A sequence evicted from
 RAM is still on disk (when the store has one) and is served from there: that is the point.
+
+With tenants (`tenants=True`; `kvstore serve --tenant-from`), each lookup and insert is of the
+tenant of the request it is for (`tenancy.RequestTenants`; a server of your own says it with
+`for_tenant`): it reuses shared prompts and that tenant's own, never another tenant's.
 """
 
 from __future__ import annotations
@@ -27,8 +31,10 @@ from kvstore.model.prefill import prompt_cache
 from kvstore.serve.binding import IN_RAM, Binding, KeyBindings
 from kvstore.serve.firststeps import FirstSteps
 from kvstore.serve.ramlru import CACHE_TYPES, RamSequences, SystemPrompts
+from kvstore.serve.tenancy import UNKNOWN, RequestTenants
 from kvstore.sizes import format_size, plural
 from kvstore.store import Store
+from kvstore.tenants import Tenant, sees
 
 log = logging.getLogger("kvstore")
 
@@ -60,12 +66,15 @@ class PersistentPromptCache:
     sequence holds no K/V, so it is neither stored nor counted.
 
     `max_insert_tokens`: a longer sequence is served but not stored (None: no cap).
+    `tenants`: every call is for a tenant (`for_tenant`, or `kvstore serve`'s requests); a lookup
+    or insert whose tenant is not known is served without the store.
     No call raises into the server: a failure is logged and served as a miss.
     """
 
     def __init__(self, store: Store, *, max_size: int = 10, max_bytes: int | None = None,
-                 max_insert_tokens: int | None = None):
+                 max_insert_tokens: int | None = None, tenants: bool = False):
         self.store = store
+        self.tenants = RequestTenants(tenants)
         self.max_size = max_size
         self.max_bytes = max_bytes
         self.max_insert_tokens = max_insert_tokens
@@ -76,10 +85,10 @@ class PersistentPromptCache:
         self._evicted: set[bytes] = set()  # dropped from RAM while the writer still held them
         self._lock = threading.RLock()
         self.observers: list[Observer] = []  # called with (seconds, tokens reused) after each fetch
-        self.first_steps = FirstSteps()  # canaries of requests' first steps (see first_step)
-        self._fetched = threading.local()  # the prompt this thread fetched last
+        self.first_steps = FirstSteps()  # requests' first steps: their prompts' canaries
         self.counters = {"requests": 0, "prompt_tokens": 0, "reused_tokens": 0, "fallback_requests": 0,
                          "inserts": 0, "errors": 0, "fetch_errors": 0, "not_stored_too_long": 0,
+                         "tenant_unknown": 0,
                          "reused_by_tier": {"memory": 0, "disk": 0, "remote": 0}}
 
     # -- telling it which model a key means --------------------------------------------------
@@ -110,6 +119,11 @@ class PersistentPromptCache:
             reset_and_forget._kvstore_wrapped = True
             model_provider.reset = reset_and_forget
 
+    def for_tenant(self, tenant_id: str | None):
+        """Within (a context manager): this thread's lookups and inserts are `tenant_id`'s (None:
+        the shared namespace's), for a server of your own made with `tenants=True`."""
+        return self.tenants.single(tenant_id)
+
     # -- what mlx_lm.server calls ------------------------------------------------------------
 
     def fetch_nearest_cache(self, model: Hashable, tokens: Sequence[int]) -> tuple[list | None, list[int]]:
@@ -120,18 +134,22 @@ class PersistentPromptCache:
         store's steps, and stored (outside this object's lock: stats answer meanwhile).
         """
         tokens = list(tokens)
+        tenant_id = self.tenants.take()
         with self._lock:
             self.counters["requests"] += 1
             self.counters["prompt_tokens"] += len(tokens)
             try:
+                if tenant_id is UNKNOWN:
+                    return self._unknown("lookup", tokens)
                 binding = self._resolve(model, tokens)
                 if not isinstance(binding, Binding):
-                    return self._fetch_elsewhere(binding, model, tokens)
+                    return self._fetch_elsewhere(binding, (model, tenant_id) if self.tenants.active else model,
+                                                 tokens)
                 toks = np.asarray(tokens, dtype=np.int32)  # once, for both lookups
-                mc = binding.choose(toks)
+                mc = binding.choose(toks, self._tenant(tenant_id))
                 self._settle()  # records RAM let go while the writer held them are gone from it now
                 in_ram = self._ram_prefix(mc, toks)
-                self._fetched.tokens = tokens
+                self.first_steps.fetched(tokens)
                 if not mc.exact:
                     return self._fetched_from(mc, toks, in_ram, lambda: (*mc.fetch(toks), 0))
             except Exception as e:  # never into the generation loop
@@ -172,32 +190,22 @@ class PersistentPromptCache:
         self._error("fetch", e)
         return None, tokens
 
-    def first_step(self, logprobs, *, rest: Sequence[int] | None = None,
-                   prompt: Sequence[int] | None = None) -> None:
-        """The server ran a request's first generation step: its log-probabilities, with the
-        request's `prompt`, or the `rest` it was given after this thread's last fetch. Kept as
-        the prompt's canary (`FirstSteps`). Never raises."""
-        try:
-            if prompt is None:
-                fetched = getattr(self._fetched, "tokens", None)
-                if fetched is None or rest is None or list(fetched[len(fetched) - len(rest):]) != list(rest):
-                    return  # not the prompt this thread fetched last (an image prompt's cache key)
-                prompt = fetched
-            self.first_steps.seen(list(prompt), logprobs)
-        except Exception as e:
-            self._error("canary", e)
-
     def insert_cache(self, model: Hashable, tokens: Sequence[int], prompt_cache: list, *,
                      cache_type: str = "assistant") -> None:
         """Store the cache of `tokens` (queued for the background writer; returns at once)."""
         tokens = list(tokens)
+        tenant_id = self.tenants.of_cache(prompt_cache)
         with self._lock:
             try:
+                if tenant_id is UNKNOWN:
+                    self._unknown("insert", tokens)
+                    return
                 binding = self._resolve(model, tokens)
                 if binding == IN_RAM:
-                    self._fallback().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
+                    key = (model, tenant_id) if self.tenants.active else model
+                    self._fallback().insert_cache(key, tokens, prompt_cache, cache_type=cache_type)
                 if isinstance(binding, Binding) and tokens:
-                    self._insert(binding, model, tokens, prompt_cache, cache_type)
+                    self._insert(binding, model, tokens, prompt_cache, cache_type, self._tenant(tenant_id))
             except Exception as e:
                 self._error("insert", e)
             self._bound_ram()
@@ -285,7 +293,7 @@ class PersistentPromptCache:
     # -- internals: inserting and holding sequences in RAM -------------------------------------
 
     def _insert(self, binding: Binding, key: Hashable, tokens: list, prompt_cache: list,
-                cache_type: str) -> None:
+                cache_type: str, tenant: Tenant | None = None) -> None:
         held = self._held_tokens(tokens, prompt_cache)
         if held is None:
             return
@@ -296,16 +304,17 @@ class PersistentPromptCache:
             return
         if cache_type not in CACHE_TYPES:
             cache_type = "assistant"
-        mc = binding.for_cache(prompt_cache)
+        mc = binding.for_cache(prompt_cache, tenant)
         if mc.exact:  # stored as it was prefilled: what generation computed is not a cold prefill's
             self.first_steps.settle(held)
             return
+        # The store keeps it by type too, with its first step's canary.
         mc.insert(held, prompt_cache, cache_type=cache_type, canary=self.first_steps.canary_for(held))
         self.counters["inserts"] += 1
         if log.isEnabledFor(logging.INFO):
             log.info("kvstore: %s", mc.placement(held).summary())
         hashes = mc.record_hashes(held)
-        seq = (key, mc.ns, tuple(held))
+        seq = ((key, tenant.tag) if tenant is not None else key, mc.ns, tuple(held))
         self._ram.add(seq, hashes, cache_type)
         self._evicted.difference_update(hashes)
         if _can_trim(prompt_cache):  # a trimmable cache makes every stored prefix of it redundant
@@ -326,7 +335,8 @@ class PersistentPromptCache:
         computed = len(toks) - len(start.rest) - start.reused
         if computed:  # held in RAM as an inserted sequence is (LRUPromptCache's bounds)
             with self._lock:
-                self._ram.add((key, mc.ns, tuple(toks[:-1].tolist())), mc.record_hashes(toks[:-1]), "assistant")
+                seq = ((key, mc.tenant.tag) if mc.tenant is not None else key, mc.ns, tuple(toks[:-1].tolist()))
+                self._ram.add(seq, mc.record_hashes(toks[:-1]), "assistant")
         return start.cache, start.rest, computed
 
     def _bound_ram(self) -> None:
@@ -386,13 +396,15 @@ class PersistentPromptCache:
         cover: what a fetch of them reuses without reading the disk."""
         store, C = self.store, mc.chunk_size
         covered, parent = 0, mc.ns
-        for h in keys.chain(mc.ns, toks, C):
-            if h not in store.memory and not store.writer.is_pending(h):
-                break
-            covered, parent = covered + C, h
+        links = [None] if mc.tenant is None else [None, mc.tenant.link]  # shared chunks, then the tenant's
+        for link in links:
+            for h in keys.chain(parent, toks[covered : len(toks) // C * C], C, link):
+                if h not in store.memory and not store.writer.is_pending(h):
+                    break
+                covered, parent = covered + C, h
         rest = toks[covered:]
-        children = [r.tokens for r in store.memory.children(parent)]
-        children += [t for _, t in store.writer.pending_children(parent)]
+        children = [r.tokens for r in store.memory.children(parent) if sees(mc.tenant, r.tenant)]
+        children += [t for _, t, tag in store.writer.pending_children(parent) if sees(mc.tenant, tag)]
         return covered + max((keys.common_prefix(t, rest) for t in children), default=0)
 
     def _count_reuse(self, reused: int, in_ram: int, remote_before: int | None) -> None:
@@ -410,6 +422,15 @@ class PersistentPromptCache:
         by_tier["disk"] += reused - from_ram - from_remote
 
     # -- internals: keys and models ----------------------------------------------------------
+
+    def _tenant(self, tenant_id: str | None) -> Tenant | None:
+        return None if tenant_id is None else self.store.tenant(tenant_id)
+
+    def _unknown(self, what: str, tokens: list) -> tuple[None, list]:
+        """A lookup or insert no request told the tenant of: served without the store."""
+        self.counters["tenant_unknown"] += 1
+        log.warning("kvstore: a %s of %d tokens came with no tenant: served without the store", what, len(tokens))
+        return None, tokens
 
     def _resolve(self, key: Hashable, tokens: list) -> Binding | str:
         """The bound model for `key`, else `IN_RAM` or `UNCACHED`."""
@@ -445,7 +466,7 @@ class PersistentPromptCache:
 
         mlx_lm.server inserts the prompt and every generated token, the last of which the model
         never processed: its cache is one token short."""
-        from kvstore.model.generation import held_length
+        from kvstore.model.prefill import held_length
 
         held = held_length((getattr(layer, "offset", None) for layer in cache), len(tokens))
         if held is None:
