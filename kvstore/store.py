@@ -359,6 +359,7 @@ class Store:
         """Check that this store restores what a cold run computes, for `sample` stored prompts
         of this model (all when None): K/V bit for bit (in exact mode; within bounds otherwise),
         next-step logits, 32 greedy tokens and the records' canaries (`kvstore.certify`). The
+        shared prompts, or with `tenant=ID` (a `bind` option, as the others) that tenant's. The
         check reads the store through a read-only opening of its directory, with no memory
         tier: it writes nothing (no access times, no admission rows). Returns a `Report`
         (`ok`, `table()`, `verdict()`, `as_dict()`); see docs/exact.md."""

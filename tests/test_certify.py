@@ -211,3 +211,17 @@ def test_a_backend_that_loses_the_restores_writes_falls_back_to_copies(tmp_path,
     said = [r.getMessage() for r in caplog.records if "self-check" in r.getMessage()]
     assert len(said) == 1 and "restores by copy" in said[0]
     assert os.environ.get("KVSTORE_FAULT") is None
+
+
+def test_a_tenants_prompts_are_checked_as_that_tenant(tmp_path, llama):
+    """A tenant's records are keyed under its salt: checked as that tenant they restore (and are
+    compared); the shared view holds none of them, and a prompt that restores nothing says so."""
+    path, model = llama
+    with kvstore.open(tmp_path / "s", chunk_size=C, exact_prefill=32) as store:
+        store.bind(model, path, tenant="alice").prefill(toks(70, 8))
+        store.bind(model, path).prefill(toks(40, 9))
+        store.flush()
+        mine = store.verify_exact(model, path, tenant="alice")
+        shared = store.verify_exact(model, path)
+    assert mine.ok and [(c.tokens, c.restored) for c in mine.checks] == [(69, 69)]
+    assert shared.ok and [(c.tokens, c.restored) for c in shared.checks] == [(39, 39)]

@@ -42,12 +42,14 @@ class Report:
 def verify_exact(mc, index, blob_root, *, disk_kv_bits: int | None = None, sample: int | None = 8,
                  seed: int = 0) -> Report:
     """Check `sample` stored prompts (all when None) of model cache `mc` (bound on a read-only
-    store: see the module docstring) against cold runs."""
+    store: see the module docstring) against cold runs: the shared prompts, or those of the
+    tenant `mc` is bound for."""
     from kvstore.certify import prompts
     from kvstore.certify.compare import bounds_for, check_prompt
 
     bounds = bounds_for(mc, disk_kv_bits)
-    leaves = prompts.leaves(index, mc.ns) if index is not None else []
+    tag = mc.tenant.tag if getattr(mc, "tenant", None) is not None else None
+    leaves = prompts.leaves(index, mc.ns, tag) if index is not None else []
     chosen = prompts.sample(leaves, sample, seed)
     checks = [check_prompt(mc, prompts.read_prompt(index, blob_root, leaf, mc.chunk_size), bounds)
               for leaf in chosen]

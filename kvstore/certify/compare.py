@@ -57,6 +57,8 @@ def check_prompt(mc, prompt: StoredPrompt, b: Bounds) -> PromptCheck:
     query = np.append(prompt.tokens, np.int32(last.token if last else prompt.tokens[-1]))
     restored, rest = mc.fetch(query)
     c.restored = len(query) - len(rest)
+    if c.restored == 0:  # then both runs are cold: the store was not put to the test
+        c.notes.append("nothing of it restores (a record the restore cannot use): compared cold with cold")
     mine = run(mc.model, restored, rest, step)
     cold = mc.new_cache()
     process(mc.model, cold, query[:n], prompt.ends)

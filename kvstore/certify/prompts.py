@@ -34,12 +34,14 @@ class StoredPrompt:
     damaged: str = ""  # what ended the chain early (a record that did not read), if anything
 
 
-def leaves(index: Index, ns: bytes) -> list[Row]:
+def leaves(index: Index, ns: bytes, tenant: str | None = None) -> list[Row]:
     """The records of namespace `ns` that end a chain: tails, and chunks with no chunk or tail
-    under them (checkpoints hang from records; quarantined records are left out)."""
-    rows = [r for r in index.rows() if r.ns == ns and r.kind != CHECKPOINT and not r.bad]
-    parents = {r.parent for r in rows}
-    return sorted((r for r in rows if r.hash not in parents), key=lambda r: r.hash)
+    under them (checkpoints hang from records; quarantined records are left out). The shared
+    prompts' (`tenant` None: what no shared record hangs from), or one tenant's (its tag)."""
+    rows = [r for r in index.rows() if r.ns == ns and r.kind != CHECKPOINT and not r.bad
+            and r.tenant in (None, tenant)]
+    parents = {r.parent for r in rows if r.tenant == tenant}
+    return sorted((r for r in rows if r.tenant == tenant and r.hash not in parents), key=lambda r: r.hash)
 
 
 def sample(rows: list[Row], n: int | None, seed: int = 0) -> list[Row]:

@@ -110,7 +110,8 @@ def verdict(checks: list[PromptCheck], b: Bounds, leaves: int) -> str:
     """One line: what was checked and whether every prompt is what a cold run computes."""
     n = len(checks)
     if not n:
-        return f"nothing to check: the store holds no prompt of this model ({b.label})"
+        return (f"nothing to check: the store holds no prompt of this model ({b.label}; a tenant's prompts "
+                "are checked when the tenant is given)")
     bad = [c for c in checks if not c.ok]
     ties = sum(c.tie for c in checks)
     per = sum(c.seconds for c in checks) / n
@@ -120,8 +121,10 @@ def verdict(checks: list[PromptCheck], b: Bounds, leaves: int) -> str:
         return (f"MISMATCH: {len(bad)} of the {n} stored prompts checked (of {leaves}; {b.label}) differ "
                 f"from a cold run: {bad[0].problems[0]}{tied}")
     same = "bit for bit" if b.exact else "within the bounds"
+    cold = sum(c.restored == 0 for c in checks)
+    untested = f"; {cold} restored nothing, so compared nothing" if cold else ""
     return (f"exact: {what}: each restores {same} what a cold run computes (K/V, next-token logits, "
-            f"{GREEDY} greedy tokens), {sum(c.canaries for c in checks)} canaries reproduced{tied}")
+            f"{GREEDY} greedy tokens), {sum(c.canaries for c in checks)} canaries reproduced{tied}{untested}")
 
 
 def as_dict(checks: list[PromptCheck], b: Bounds, leaves: int) -> dict:

@@ -50,6 +50,8 @@ def register(add, store_opts, model_opts) -> None:
                         "32 greedy tokens, canaries (runs the model; the store is only read)")
     p.add_argument("--sample", metavar="N", type=_sample, default=8,
                    help="with --exact: how many stored prompts to check, or all (default: 8)")
+    p.add_argument("--tenant", metavar="ID",
+                   help="with --exact: check this tenant's prompts (default: the shared ones)")
 
 
 def _sample(text: str) -> int | None:
@@ -67,8 +69,8 @@ def _sample(text: str) -> int | None:
 def cmd_verify(args) -> int:
     if args.exact:
         return _verify_exact(args)
-    if args.sample != 8:
-        raise CommandError("--sample goes with --exact", EXIT_USAGE)
+    if args.sample != 8 or args.tenant is not None:
+        raise CommandError("--sample and --tenant go with --exact", EXIT_USAGE)
     if args.isolation is not None:
         return _isolation(args)
     if args.model is not None:
@@ -107,7 +109,7 @@ def _verify_exact(args) -> int:
     model_id = model_to_load(args)
     with kvstore.open(store_path(args), create=False, read_only=True, memory_bytes=0) as store:
         loaded = load_model(model_id)
-        report = store.verify_exact(loaded.model, loaded.model_id, sample=args.sample)
+        report = store.verify_exact(loaded.model, loaded.model_id, sample=args.sample, tenant=args.tenant)
     if args.json:
         print(json.dumps(report.as_dict(), indent=2))
     else:
