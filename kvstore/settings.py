@@ -14,6 +14,7 @@ this open), `kept` (remembered by the store) or `default`.
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -28,7 +29,7 @@ GIVEN, KEPT, DEFAULT = "given", "kept", "default"
 @dataclass(frozen=True)
 class Setting:
     """One setting: see the module docstring. `kind` is one of `size`, `rate`, `duration`,
-    `choice`, `bits`, `count`, `flag`, `list`."""
+    `choice`, `bits`, `count`, `flag`, `list`, `json` (a JSON object, given as text or a dict)."""
 
     name: str
     kind: str
@@ -71,6 +72,8 @@ class Setting:
             return f"{value} bits"
         if self.kind == "list":
             return ",".join(value) or "none"
+        if self.kind == "json":
+            return json.dumps(value, separators=(",", ":"))
         return str(value)
 
     def encode(self, value: Any) -> str:
@@ -188,9 +191,20 @@ def _list(s: Setting, value: Any) -> list[str]:
     return [part.strip() for part in str(value).split(",") if part.strip()]
 
 
+def _json(s: Setting, value: Any) -> dict:
+    if isinstance(value, (str, bytes)):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise ValueError(f"not JSON ({e})") from None
+    if not isinstance(value, Mapping):
+        raise ValueError(f"must be a JSON object, got {type(value).__name__}")
+    return dict(value)
+
+
 _KINDS: dict[str, Callable[[Setting, Any], Any]] = {
     "size": _size, "rate": _rate, "duration": _duration, "count": _count, "choice": _choice,
-    "bits": _bits, "flag": _flag, "list": _list}
+    "bits": _bits, "flag": _flag, "list": _list, "json": _json}
 
 
 # -- the store's settings -----------------------------------------------------------------------
@@ -234,6 +248,10 @@ STORE_SETTINGS: tuple[Setting, ...] = (
     Setting("max_pending_bytes", "size", 2 << 30, option=None, zero="every insert is dropped",
             help="bound the background writer's queue; an insert that does not fit is dropped and counted; "
                  "0: every insert is dropped"),
+    Setting("kv_events", "json", None, option=None, default_text="none: nothing is published",
+            help="publish the store's records as vLLM's KV events for cache-aware routers: vLLM's "
+                 "KVEventsConfig as JSON text or a dict, with kvstore's block_size and encoding "
+                 "(docs/serve.md); kvstore serve builds it from --kv-events-config"),
 )
 BY_NAME: dict[str, Setting] = {s.name: s for s in STORE_SETTINGS}
 KEPT_SETTINGS = tuple(s for s in STORE_SETTINGS if s.kept)

@@ -23,6 +23,7 @@ from typing import Any
 
 from kvstore import keys, settings
 from kvstore.errors import InvalidInputError
+from kvstore.events import config as events_config
 from kvstore.model import fingerprint as fingerprints
 from kvstore.model.backing import Backing
 from kvstore.model.cache import ModelCache
@@ -77,16 +78,21 @@ class Store:
                  remote: str | None = None, remote_deadline: float | str | None = None,
                  remote_key: str | bytes | None = None, remote_flush_timeout: float | str | None = None,
                  admit: str | None = None, max_write_rate: int | str | None = None,
-                 disk_kv_bits: int | str | None = None, buffer_cache_bytes: int | str | None = None):
+                 disk_kv_bits: int | str | None = None, buffer_cache_bytes: int | str | None = None,
+                 kv_events: str | dict | None = None):
         given = {k: v for k, v in dict(
             max_bytes=max_bytes, memory_bytes=memory_bytes, chunk_size=chunk_size,
             max_pending_bytes=max_pending_bytes, remote_deadline=remote_deadline,
             remote_flush_timeout=remote_flush_timeout, admit=admit, max_write_rate=max_write_rate,
-            disk_kv_bits=disk_kv_bits, buffer_cache_bytes=buffer_cache_bytes).items() if v is not None}
+            disk_kv_bits=disk_kv_bits, buffer_cache_bytes=buffer_cache_bytes, kv_events=kv_events).items()
+            if v is not None}
         parsed = settings.resolve(given, {})  # bad settings are an error before anything is opened
         value = {name: v for name, (v, _) in parsed.items()}
         if remote:
             check_url(remote)
+        events = None if value["kv_events"] is None else events_config.parse(value["kv_events"])
+        if events is not None and events.publishes:
+            events_config.check_block_size(events, value["chunk_size"])
         _bound_buffer_cache(value["buffer_cache_bytes"])
         self.chunk_size = value["chunk_size"]
         self.max_bytes = None if value["max_bytes"] == AUTO else value["max_bytes"]
@@ -112,6 +118,7 @@ class Store:
         value = {name: v for name, (v, _) in self.settings.items()}
         self.disk_kv_bits = value["disk_kv_bits"]
         self.remote = self._open_remote(remote, value["remote_deadline"], secret, value["remote_flush_timeout"])
+        self.events = self._publisher(events)
         self.gate = Gate(self.index if writes else None, value["admit"], value["max_write_rate"])
         budget = DiskBudget(self.files, self.memory, self.max_bytes) if writes and self.max_bytes is not None else None
         disk = DiskTier(self.index, self.blob_root, budget) if self.files is not None else None
@@ -122,6 +129,11 @@ class Store:
             self.writer.on_commit.append(self.remote.uploader.submit)
         if budget is not None:
             self.writer.on_commit.append(budget.check)
+        if self.events is not None:  # what reaches the disk or RAM, and what leaves RAM
+            self.writer.on_commit.append(self.events.committed)
+            self.memory.on_change.append(self.events.memory_changed)
+            if disk is not None:
+                disk.on_store.append(self.events.committed)
         self.disk = disk
         self.tiers = self._tiers(disk)
         self.backing = Backing(self.tiers, self.memory, self.writer, self.index, read_only=self.read_only,
@@ -165,6 +177,21 @@ class Store:
         return Remote(open_bucket(url), fleet, self.index, self.path, self.blob_root,
                       deadline=deadline, flush_timeout=flush_timeout)
 
+    def _publisher(self, config: events_config.EventsConfig | None):
+        """The KV events publisher `kv_events` asks for (`kvstore.events.kvevents`), or None."""
+        if config is None or not config.publishes:
+            if config is not None:
+                log.info("kvstore: kv_events: enable_kv_cache_events is not true: no KV events are published")
+            return None
+        from kvstore.events.kvevents import KVEvents
+
+        try:
+            return KVEvents(config, self.index, self.blob_root)
+        except BaseException:  # the endpoint cannot be used: nothing is left open
+            if self.files is not None:
+                self.files.close()
+            raise
+
     def _tiers(self, disk: DiskTier | None) -> Tiers:
         """Where fetch reads records from, in order."""
         tiers: list = [MemoryTierView(self.memory), PendingTier(self.writer)]
@@ -202,6 +229,8 @@ class Store:
         mc.registered = mc.register(stamps)
         if self.remote is not None:
             self.remote.bind(ns, fingerprint, mc.model_id, self.chunk_size, layout)
+        if self.events is not None:
+            self.events.announce(ns)
         return mc
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -226,6 +255,8 @@ class Store:
             getattr(tier, "close", lambda: None)()
         if self.remote is not None:
             self.remote.close()
+        if self.events is not None:  # after the writer: its last batches are published too
+            self.events.close()
         _OPEN_STORES.discard(self)
         if self.files is not None:
             self.files.close()
@@ -260,6 +291,7 @@ class Store:
             "remote": self.remote.stats() if self.remote is not None else None,
             "writes": self.write_stats(),
             "buffer_cache": buffers.held(),
+            "events": self.events.stats() if self.events is not None else None,
         }
         if self.files is not None:
             out.update(self.files.stats())
@@ -356,6 +388,13 @@ def open(path: str | os.PathLike | None = None, *, max_bytes: int | str | None =
     `buffer_cache_bytes` bounds the freed restore memory mlx keeps for the next restore, for the
     whole process (default: a quarter of RAM; 0: mlx's own limit).
 
+    `kv_events` publishes the store's records as vLLM's KV events (ZMQ, msgpack), for routers
+    that route by cache: vLLM's `KVEventsConfig` JSON (or a dict), e.g.
+    `{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:5557"}`, with `block_size`
+    (tokens per announced block, default 64, a divisor of `chunk_size`) and `encoding` ("map" or
+    "legacy"). Every bound model's records on disk are announced in the background after
+    `bind`; `stats()["events"]` counts what was published. See docs/serve.md.
+
     Every setting is a row of `kvstore.settings.STORE_SETTINGS` (its kind, default, whether the
     store keeps it, what 0 means); sizes, rates and durations may be given as text ("2GiB",
     "20GB/day", "10s"), and `stats()["settings"]` tells each one's value and source.
@@ -371,7 +410,7 @@ STORE_TOTALS = ("path", "bytes", "chunks", "tails", "checkpoints", "models", "qu
                 "quarantined_now", "quarantine_folder")
 PER_PROCESS = ("chunk_size", "max_bytes", "memory", "writer", "quarantined", "skipped_inserts",
                "fetches", "reused_tokens", "read_only", "max_bytes_auto", "max_bytes_rule",
-               "disk_kv_bits", "buffer_cache")
+               "disk_kv_bits", "buffer_cache", "events")
 # `remote`: this process's counters, and under `totals` the store's (kept in its index).
 # `writes`: the store's write log (every process's), and the settings this process opened it with.
 MIXED = {"remote": "process; its totals: store", "writes": "store; admit and max_write_rate: process",
