@@ -331,7 +331,7 @@ def add_options(parser: argparse.ArgumentParser, table: tuple[Setting, ...] = ST
         if s.kind == "flag":
             parser.add_argument(s.flag, action="store_true", **common)
             continue
-        metavar = {"size": "SIZE", "rate": "RATE", "duration": "TIME", "count": "N", "list": "LIST",
+        metavar = {"size": "SIZE", "rate": "RATE", "duration": "TIME", "count": "N", "list": "LIST", "json": "JSON",
                    "bits": "BITS", "choice": "{" + ",".join(map(str, s.choices)) + "}"}[s.kind]
         parser.add_argument(s.flag, metavar=metavar, type=_argtype(s), **common)
 

@@ -76,7 +76,8 @@ class PersistentPromptCache:
         self.observers: list[Observer] = []  # called with (seconds, tokens reused) after each fetch
         self.counters = {"requests": 0, "prompt_tokens": 0, "reused_tokens": 0, "fallback_requests": 0,
                          "inserts": 0, "errors": 0, "fetch_errors": 0, "not_stored_too_long": 0,
-                         "reused_by_tier": {"memory": 0, "disk": 0, "remote": 0}}
+                         "reused_by_tier": {"memory": 0, "disk": 0, "remote": 0},
+                         "prefetches": 0, "prefetch_tokens": 0, "prefetches_refused": 0, "warmed_prompts": 0}
 
     # -- telling it which model a key means --------------------------------------------------
 
@@ -217,6 +218,53 @@ class PersistentPromptCache:
                 for cache_type, stats in self._fallback_cache.stats_by_type().items():
                     out[f"in-RAM only, {cache_type}"] = dict(stats)
             return out
+
+    def prefetch(self, model: Hashable, tokens: Sequence[int], *, binding: Binding | None = None) -> dict:
+        """Restore what the store holds of `tokens` into the memory tier, ahead of the request that
+        will need it (`binding`: the bound model, else `model` is resolved as for a request).
+        Refused when it alone is larger than the memory tier (it would push itself out).
+        Returns `{"tokens", "stored", "in_ram", "loaded"}` (and `"refused"`: why)."""
+        tokens = list(tokens)
+        with self._lock:
+            self.counters["prefetches"] += 1
+            out = {"tokens": len(tokens), "stored": 0, "in_ram": 0, "loaded": 0}
+            try:
+                binding = binding or self._resolve(model, tokens)
+                if not isinstance(binding, Binding):
+                    return {**out, "refused": f"this model's caches are not stored ({binding})"}
+                toks = np.asarray(tokens, dtype=np.int32)
+                mc = binding.choose(toks)
+                out["stored"] = mc.stored_length(toks)
+                whole = _whole_records(mc, toks)
+                need, memory = self._stored_bytes(mc, whole), self.store.memory
+                if need > memory.capacity:
+                    self.counters["prefetches_refused"] += 1
+                    return {**out, "refused": f"its stored cache ({format_size(need)}) is larger than the "
+                                              f"memory tier ({format_size(memory.capacity)})"}
+                before = self._ram_prefix(mc, toks)
+                mc.fetch(np.append(whole, 0))  # one token more: every record restored whole
+                out["in_ram"] = min(len(tokens), self._ram_prefix(mc, toks))
+                out["loaded"] = max(0, out["in_ram"] - before)
+                self.counters["prefetch_tokens"] += out["loaded"]
+                return out
+            except Exception as e:
+                self._error("prefetch", e)
+                return {**out, "refused": f"{type(e).__name__}: {e}"}
+
+    def bind_served(self) -> Binding | str:
+        """The binding of the model the attached provider has loaded, made now: at start, so its
+        stored records are announced at once (KV events) and can be warmed."""
+        with self._lock:
+            provider = self._keys.provider
+            key = getattr(provider, "model_key", None)
+            return self._resolve(key, []) if key is not None else IN_RAM
+
+    def _stored_bytes(self, mc: ModelCache, toks: np.ndarray) -> int:
+        """Bytes on disk of the records that store `toks`."""
+        index = self.store.index
+        if index is None:
+            return 0
+        return sum(row.size for row in index.rows_of(mc.record_hashes(toks)).values())
 
     # -- start-up and shut-down --------------------------------------------------------------
 
@@ -400,6 +448,25 @@ class PersistentPromptCache:
         self.counters["errors"] += 1
         log.warning("kvstore: %s failed, served without the store: %s: %s", what, type(e).__name__, e,
                     exc_info=log.isEnabledFor(logging.DEBUG))
+
+
+def _whole_records(mc: ModelCache, toks: np.ndarray) -> np.ndarray:
+    """`toks` and the rest of the stored record its last tokens lie in (a prompt stored with its
+    answer ends inside a tail: restored up to its end, that record is only part restored, and
+    only whole records are kept in RAM)."""
+    from kvstore.model.lookup import match
+
+    chain, options, where = match(mc.backing.tiers, None, mc.ns, toks, mc.chunk_size)
+    rest = toks[len(chain) * mc.chunk_size :]
+    child, shared = options[0]
+    if child is None or not len(rest) or shared < len(rest):
+        return toks
+    tier, ref = where[child]
+    source = tier.open(child, ref)
+    try:
+        return np.concatenate([toks, np.asarray(source.tokens[len(rest) :], dtype=toks.dtype)])
+    finally:
+        source.close()
 
 
 def _can_trim(cache: list) -> bool:
