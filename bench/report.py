@@ -148,6 +148,11 @@ def write_report() -> str:
         report_sections.kv8(add, kv8)
     if stats_scale:
         report_sections.stats_scale(add, stats_scale)
+    kv_events, fleet = _load("kv_events"), _load("fleet")
+    if kv_events:
+        report_sections.kv_events(add, kv_events)
+    if fleet:
+        report_sections.fleet(add, fleet)
     if run.get("steps"):
         add("## Run")
         add("")

@@ -87,6 +87,8 @@ class Publisher:
 
 
 def _use(sock: zmq.Socket, address: str, *, bind: bool, what: str) -> None:
+    if "[" in address:  # an IPv6 address, e.g. tcp://[::1]:5557 (bound: on loopback only)
+        sock.setsockopt(zmq.IPV6, 1)
     try:
         sock.bind(address) if bind else sock.connect(address)
     except zmq.ZMQError as e:
