@@ -12,7 +12,7 @@
   believes the store holds must be what it holds.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 \\
-        python bench/kv_events.py [--records 1000] [--inserts 300] [--out FILE]
+        python bench/kv_events.py [--records 1000] [--inserts 600] [--out FILE]
 """
 
 from __future__ import annotations
@@ -153,8 +153,11 @@ def inserts(model_dir: Path, n: int, tmp: Path) -> dict:
         for name, ts in times.items():
             ts = sorted(ts)
             out[name] = {"median_ms": statistics.median(ts) * 1e3, "p99_ms": ts[int(0.99 * (len(ts) - 1))] * 1e3,
-                         "mean_ms": statistics.fmean(ts) * 1e3}
+                         "mean_ms": statistics.fmean(ts) * 1e3,
+                         # without the slowest 5% (a scheduler stall on a busy 2-core machine)
+                         "trimmed_mean_ms": statistics.fmean(ts[: int(0.95 * len(ts))]) * 1e3}
         out["overhead_mean"] = out["events"]["mean_ms"] / out["plain"]["mean_ms"] - 1
+        out["overhead_trimmed_mean"] = out["events"]["trimmed_mean_ms"] / out["plain"]["trimmed_mean_ms"] - 1
         out["overhead_median"] = out["events"]["median_ms"] / out["plain"]["median_ms"] - 1
         out["batches"], out["gapless"] = sent, gapless
         out["disk_view_equals_store"] = set(view.get("DISK", {})) == want
@@ -169,7 +172,7 @@ def inserts(model_dir: Path, n: int, tmp: Path) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--records", type=int, default=1000)
-    p.add_argument("--inserts", type=int, default=300)
+    p.add_argument("--inserts", type=int, default=600)
     p.add_argument("--out", default=str(C.RESULTS / "kv_events.json"))
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as d:

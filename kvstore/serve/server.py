@@ -190,9 +190,11 @@ def _serve(server, store: Store, ours: argparse.Namespace, passthrough: list[str
     metrics = ServerMetrics(cache, waiting, served_model)
 
     def on_start(cache: PersistentPromptCache) -> None:
-        """Once the model is loaded, before the server listens: bind it (its records are
-        announced at once) and warm the most-hit prompts (`--warm-top`)."""
-        cache.bind_served()
+        """Once the model is loaded, before the server listens: with KV events, bind it now (its
+        records are announced at once, not at the first request), and warm the most-hit prompts
+        (`--warm-top`)."""
+        if store.events is not None:
+            cache.bind_served()
         if served["warm_top"]:
             routing.warm_top(cache, served["warm_top"])
     hosts = Hosts(peek_mlx_options(passthrough).host, served["allowed_hosts"])
