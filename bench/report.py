@@ -100,8 +100,12 @@ def write_report() -> str:
         "page-cache read speed, and a section run again since names the CPU it ran on.")
     add("")
     report_sections.commands(add)
-    conversation, remote, agent = _load("conversation"), _load("remote"), _load("agent_trace")
+    conversation, remote, agent, tenants = (_load(n) for n in ("conversation", "remote", "agent_trace", "tenants"))
     summary, missed = _targets(restore, write, index, conversation)
+    for text, measured, met in report_sections.tenant_targets(tenants) if tenants else ():
+        summary.append(f"| {text} | {measured} | {_ok(met)} |")
+        if not met:
+            missed.append(f"{text}: {measured}: see the tenants section.")
     add("## Targets")
     add("")
     add("| target | measured | |")
@@ -148,6 +152,8 @@ def write_report() -> str:
         report_sections.kv8(add, kv8)
     if stats_scale:
         report_sections.stats_scale(add, stats_scale)
+    if tenants:
+        report_sections.tenants(add, tenants)
     kv_events, fleet = _load("kv_events"), _load("fleet")
     if kv_events:
         report_sections.kv_events(add, kv_events)

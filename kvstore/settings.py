@@ -29,7 +29,8 @@ GIVEN, KEPT, DEFAULT = "given", "kept", "default"
 @dataclass(frozen=True)
 class Setting:
     """One setting: see the module docstring. `kind` is one of `size`, `rate`, `duration`,
-    `choice`, `bits`, `count`, `flag`, `list`, `json` (a JSON object, given as text or a dict)."""
+    `choice`, `bits`, `count`, `flag`, `list`, `json` (a JSON object, given as text or a dict),
+    `text` (checked by `check`, which raises ValueError saying what is wrong)."""
 
     name: str
     kind: str
@@ -46,6 +47,7 @@ class Setting:
     serve_default: Any = None  # `kvstore serve`'s own default, where it differs
     serve_note: str = ""
     damaged: str | None = None  # what a kept value that does not parse reads as (None: the default)
+    check: Callable[[str], Any] | None = None  # a `text` setting's validator
 
     @property
     def flag(self) -> str | None:
@@ -185,6 +187,15 @@ def _flag(s: Setting, value: Any) -> bool:
     raise ValueError(f"must be true or false, got {value!r}")
 
 
+def _text(s: Setting, value: Any) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"must be text, got {value!r}")
+    value = value.strip()
+    if s.check is not None:
+        s.check(value)
+    return value
+
+
 def _list(s: Setting, value: Any) -> list[str]:
     if isinstance(value, (list, tuple)):
         return [str(v) for v in value]
@@ -204,7 +215,7 @@ def _json(s: Setting, value: Any) -> dict:
 
 _KINDS: dict[str, Callable[[Setting, Any], Any]] = {
     "size": _size, "rate": _rate, "duration": _duration, "count": _count, "choice": _choice,
-    "bits": _bits, "flag": _flag, "list": _list, "json": _json}
+    "bits": _bits, "flag": _flag, "list": _list, "json": _json, "text": _text}
 
 
 # -- the store's settings -----------------------------------------------------------------------
@@ -217,6 +228,11 @@ STORE_SETTINGS: tuple[Setting, ...] = (
                  "records; auto: a quarter of what the store holds plus its disk's free space, at "
                  "start; off: no bound; 0 is refused (`kvstore gc --max-bytes 0` empties the store once)",
             serve_default=AUTO),
+    Setting("tenant_max_bytes", "size", None, off=True, zero=None,
+            refuse_zero="0 would keep no tenant's records: use off for no quota",
+            help="bound what each tenant's records take on disk, e.g. 2GiB: past it, gc evicts that "
+                 "tenant's least recently used records (shared prompts do not count); off: no quota; "
+                 "0 is refused"),
     Setting("memory_bytes", "size", 1 << 30, zero="no memory tier",
             help="bound the memory tier (decoded records in RAM, in front of the disk), e.g. 2GiB; "
                  "0: no memory tier (every fetch reads the disk)",
@@ -331,8 +347,9 @@ def add_options(parser: argparse.ArgumentParser, table: tuple[Setting, ...] = ST
         if s.kind == "flag":
             parser.add_argument(s.flag, action="store_true", **common)
             continue
-        metavar = {"size": "SIZE", "rate": "RATE", "duration": "TIME", "count": "N", "list": "LIST", "json": "JSON",
-                   "bits": "BITS", "choice": "{" + ",".join(map(str, s.choices)) + "}"}[s.kind]
+        metavar = {"size": "SIZE", "rate": "RATE", "duration": "TIME", "count": "N", "list": "LIST",
+                   "json": "JSON", "bits": "BITS", "choice": "{" + ",".join(map(str, s.choices)) + "}",
+                   "text": s.name.split("_")[-1].upper()}[s.kind]
         parser.add_argument(s.flag, metavar=metavar, type=_argtype(s), **common)
 
 

@@ -14,6 +14,7 @@ quarantined and the caller gets the longest prefix that is still correct.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import os
 import sqlite3
@@ -21,7 +22,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-from kvstore import keys, settings
+from kvstore import keys, settings, tenants
 from kvstore.errors import InvalidInputError
 from kvstore.events import config as events_config
 from kvstore.model import fingerprint as fingerprints
@@ -31,9 +32,10 @@ from kvstore.model.layout import describe, make_template
 from kvstore.model.lookup import Tiers
 from kvstore.remote.bucket import check_url, open_bucket
 from kvstore.remote.node import Remote
-from kvstore.remote.seal import Fleet, fleet_secret
+from kvstore.remote.seal import Fleet, fleet_keys
 from kvstore.restore import buffers
-from kvstore.storage.storedir import default_path
+from kvstore.storage.storedir import default_path, tenant_key
+from kvstore.tenants import Tenant
 from kvstore.tiers.disk import DiskBudget, DiskTier, evict
 from kvstore.tiers.memory import MemoryTier, MemoryTierView
 from kvstore.tiers.remote import RemoteTier
@@ -79,13 +81,13 @@ class Store:
                  remote_key: str | bytes | None = None, remote_flush_timeout: float | str | None = None,
                  admit: str | None = None, max_write_rate: int | str | None = None,
                  disk_kv_bits: int | str | None = None, buffer_cache_bytes: int | str | None = None,
-                 kv_events: str | dict | None = None):
+                 tenant_max_bytes: int | str | None = None, kv_events: str | dict | None = None):
         given = {k: v for k, v in dict(
             max_bytes=max_bytes, memory_bytes=memory_bytes, chunk_size=chunk_size,
             max_pending_bytes=max_pending_bytes, remote_deadline=remote_deadline,
             remote_flush_timeout=remote_flush_timeout, admit=admit, max_write_rate=max_write_rate,
-            disk_kv_bits=disk_kv_bits, buffer_cache_bytes=buffer_cache_bytes, kv_events=kv_events).items()
-            if v is not None}
+            disk_kv_bits=disk_kv_bits, buffer_cache_bytes=buffer_cache_bytes,
+            tenant_max_bytes=tenant_max_bytes, kv_events=kv_events).items() if v is not None}
         parsed = settings.resolve(given, {})  # bad settings are an error before anything is opened
         value = {name: v for name, (v, _) in parsed.items()}
         if remote:
@@ -102,7 +104,7 @@ class Store:
             raise InvalidInputError("a RAM-only store needs memory_bytes > 0")
         if self.ram_only and remote:
             raise InvalidInputError("a remote tier needs a store directory (not kvstore.MEMORY)")
-        secret = fleet_secret(remote_key) if remote else None  # refused before anything is created
+        secrets = fleet_keys(remote_key) if remote else None  # refused before anything is created
         self.memory = MemoryTier(value["memory_bytes"])
         self.files = None if self.ram_only else LocalStore(
             Path(path) if path is not None else default_path(), create=create, read_only=read_only)
@@ -117,10 +119,13 @@ class Store:
         self.settings = self._settings(given, writes)
         value = {name: v for name, (v, _) in self.settings.items()}
         self.disk_kv_bits = value["disk_kv_bits"]
-        self.remote = self._open_remote(remote, value["remote_deadline"], secret, value["remote_flush_timeout"])
+        self.tenant_max_bytes = value["tenant_max_bytes"]
+        self.remote = self._open_remote(remote, value["remote_deadline"], secrets, value["remote_flush_timeout"])
+        self._tenant_secret: tuple[bytes, str] | None = None  # (secret, key id), made on first use
         self.events = self._publisher(events)
         self.gate = Gate(self.index if writes else None, value["admit"], value["max_write_rate"])
-        budget = DiskBudget(self.files, self.memory, self.max_bytes) if writes and self.max_bytes is not None else None
+        budget = DiskBudget(self.files, self.memory, self.max_bytes, self.tenant_max_bytes) \
+            if writes and (self.max_bytes is not None or self.tenant_max_bytes is not None) else None
         disk = DiskTier(self.index, self.blob_root, budget) if self.files is not None else None
         self.writer = Writer(self.index if writes else None, self.blob_root if writes else None, self.memory,
                              value["max_pending_bytes"], fsync=fsync, gate=self.gate,
@@ -167,13 +172,13 @@ class Store:
         return write_budget.summary(self.index, policy=self.gate.policy, per_day=self.gate.per_day,
                                     unsaved=self.gate.unsaved(), now=self.gate.clock())
 
-    def _open_remote(self, url: str | None, deadline: float | None, secret: bytes | None,
+    def _open_remote(self, url: str | None, deadline: float | None, secrets: list[bytes] | None,
                      flush_timeout: float | None) -> Remote | None:
-        """This node's side of the bucket at `url` (its objects sealed with the fleet `secret`),
-        or None. Contacts nothing yet."""
+        """This node's side of the bucket at `url` (its objects sealed with the first of the
+        fleet's `secrets`, read with each), or None. Contacts nothing yet."""
         if not url:
             return None
-        fleet = Fleet(secret)
+        fleet = Fleet(secrets[0], secrets[1:])
         return Remote(open_bucket(url), fleet, self.index, self.path, self.blob_root,
                       deadline=deadline, flush_timeout=flush_timeout)
 
@@ -199,21 +204,41 @@ class Store:
             tiers.append(disk)
             if self.remote is not None:  # its downloads are stored through `disk`, within its budget
                 tiers.append(RemoteTier(self.remote.bucket, self.remote.health, disk, self.remote.fleet,
-                                        deadline=self.remote.deadline))
+                                        deadline=self.remote.deadline, reupload=self.remote.uploader.submit))
         return Tiers(tiers)
 
 
     # -- public surface ---------------------------------------------------------------------
 
+    def tenant(self, tenant_id: str) -> Tenant:
+        """The tenant `tenant_id` of this store (its salt derived from it under the store's
+        secret: the fleet secret with a remote tier, else a key kept in the store). Errors name
+        what is wrong with an id, never the id itself (it may be a bearer token)."""
+        try:
+            if self.remote is not None:
+                fleets = self.remote.fleet.keyring()
+                first, *older = [tenants.derive(f.tenant_secret(), tenant_id, key_id=f.key_id) for f in fleets]
+                t = dataclasses.replace(first, previous=tuple(older))
+                self.remote.fleet.remember(t)
+                return t
+            if self._tenant_secret is None:
+                self._tenant_secret = (tenant_key(self.path, create=not self.read_only) if self.files is not None
+                                       else os.urandom(32), "")
+            return tenants.derive(self._tenant_secret[0], tenant_id)
+        except ValueError as e:
+            raise InvalidInputError(f"tenant: {e}") from None
+
     def bind(self, model: Any, model_id: str | os.PathLike, *, kv_bits: int | None = None,
              kv_group_size: int = 64, adapter_path: str | os.PathLike | None = None,
-             fingerprint: bytes | None = None) -> ModelCache:
+             fingerprint: bytes | None = None, tenant: str | None = None) -> ModelCache:
         """A `ModelCache` for a loaded mlx-lm model and the path or repo id it was loaded from.
 
         The model's files are fingerprinted (memoised in the index by path, size, mtime, inode
         and ctime), so changed weights at the same path never get old K/V. `kv_bits`/`kv_group_size`: the
         caller's caches are `QuantizedKVCache`s (mlx-lm's `--kv-bits`); part of the namespace.
         `fingerprint` skips hashing files (for models that were not loaded from a folder).
+        `tenant`: the id of the tenant it serves (its salt is derived inside, `Store.tenant`): it
+        reuses the shared prompts and its own, and stores what follows them as its own.
         """
         self._check_open()
         if kv_bits is not None and kv_bits not in (2, 3, 4, 5, 6, 8):
@@ -228,10 +253,10 @@ class Store:
                         kv_bits=kv_bits, kv_group_size=kv_group_size)
         mc.registered = mc.register(stamps)
         if self.remote is not None:
-            self.remote.bind(ns, fingerprint, mc.model_id, self.chunk_size, layout)
+            self.remote.bind(ns, fingerprint, self.chunk_size, layout)
         if self.events is not None:
             self.events.announce(ns)
-        return mc
+        return mc.with_tenant(self.tenant(tenant)) if tenant is not None else mc
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every insert so far is durable (and uploaded, with a remote tier: without
@@ -288,6 +313,7 @@ class Store:
                        "last_error": w.last_error, "redundant_dropped": w.redundant_dropped,
                        "redundant_bytes": w.redundant_bytes, "refilled": w.refilled},
             **self.counters,
+            "tenant_max_bytes": self.tenant_max_bytes,
             "remote": self.remote.stats() if self.remote is not None else None,
             "writes": self.write_stats(),
             "buffer_cache": buffers.held(),
@@ -298,7 +324,7 @@ class Store:
         else:
             kinds = self.memory.kinds()
             out.update(bytes=self.memory.nbytes, chunks=kinds.get(0, 0), tails=kinds.get(1, 0),
-                       checkpoints=kinds.get(2, 0), models=[])
+                       checkpoints=kinds.get(2, 0), models=[], tenants=[])
         return out
 
     def gc(self, max_bytes: int | None = None, max_age: float | None = None, dry_run: bool = False,
@@ -311,7 +337,8 @@ class Store:
             if max_bytes is not None:
                 self.memory.trim_to(max_bytes)
             return {"evicted": 0, "freed_bytes": 0, "bytes": self.memory.nbytes, "dry_run": dry_run}
-        return evict(self.files, self.memory, max_bytes=max_bytes, max_age=max_age, dry_run=dry_run, stale=stale)
+        return evict(self.files, self.memory, max_bytes=max_bytes, max_age=max_age, dry_run=dry_run, stale=stale,
+                     tenant_max_bytes=self.tenant_max_bytes)
 
     def pins(self) -> list[dict]:
         """What is pinned, one dict per model version (`upkeep.local.LocalStore.pins`); `[]` in RAM."""
@@ -407,10 +434,10 @@ def open(path: str | os.PathLike | None = None, *, max_bytes: int | str | None =
 # it), or counters of this one process (its memory tier, its writer, what it fetched, and the
 # settings it opened the store with). A key missing here is reported as "unknown", not guessed.
 STORE_TOTALS = ("path", "bytes", "chunks", "tails", "checkpoints", "models", "quarantined_total",
-                "quarantined_now", "quarantine_folder")
+                "quarantined_now", "quarantine_folder", "tenants")
 PER_PROCESS = ("chunk_size", "max_bytes", "memory", "writer", "quarantined", "skipped_inserts",
                "fetches", "reused_tokens", "read_only", "max_bytes_auto", "max_bytes_rule",
-               "disk_kv_bits", "buffer_cache", "events")
+               "disk_kv_bits", "buffer_cache", "tenant_max_bytes", "events")
 # `remote`: this process's counters, and under `totals` the store's (kept in its index).
 # `writes`: the store's write log (every process's), and the settings this process opened it with.
 MIXED = {"remote": "process; its totals: store", "writes": "store; admit and max_write_rate: process",

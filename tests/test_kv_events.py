@@ -226,3 +226,38 @@ def test_a_bad_config_is_refused_naming_what_is_wrong(tmp_path, config, message)
         kvstore.open(tmp_path / "s", chunk_size=C, kv_events=config)
     assert message in str(e.value)
     assert not (tmp_path / "s").exists()  # refused before anything was made
+
+
+def test_a_tenants_blocks_follow_the_shared_prompt_and_carry_its_tag_only(llama, tmp_path, consumer):
+    """Two tenants send the same prompt after a shared system prompt: the router sees the shared
+    blocks once, and each tenant's own blocks under their own ids (the same tokens, other ids),
+    chained to the shared prompt's last block, the first of them tagged in `extra_keys` with the
+    tenant's tag, never its id."""
+    path, model = llama
+    system, question = list(range(100, 132)), list(range(400, 421))  # 2 whole chunks, then 21 tokens
+    with kvstore.open(tmp_path / "s", chunk_size=C, kv_events=consumer.config(block_size=B)) as store:
+        shared = store.bind(model, str(path))
+        insert(shared, model, system)
+        tenants = {name: store.bind(model, str(path), tenant=name) for name in ("alice-id", "bob-id")}
+        for mc in tenants.values():
+            insert(mc, model, system + question)
+        batches = observed(consumer, store)
+        disk = consumer.view(batches)["DISK"]
+        stored = [e for _, b in batches for e in b.events if kind(e) == "BlockStored" and e.medium == "DISK"]
+        last_shared = prompt_records(shared.ns, system, C)[-1]
+        shared_last = block_ids(last_shared.parent, system[C:], B)[-1]
+        firsts = []
+        for name, mc in tenants.items():
+            tag = mc.tenant.tag
+            own = [s for s in prompt_records(mc.ns, system + question, C, tenant=mc.tenant, shared=2)
+                   if s.tenant is not None and s.kind != CHECKPOINT]
+            ids = [i for s in own for i in block_ids(s.parent, (system + question)[s.start : s.end], B, s.tenant)]
+            full = len(system + question) // B * B
+            assert set(ids[: (full - len(system)) // B]) <= set(disk)
+            assert chained_tokens(disk, ids[(full - len(system)) // B - 1]) == (system + question)[:full]
+            first = next(e for e in stored if e.block_hashes[0] == ids[0])
+            assert first.parent_block_hash == shared_last
+            assert first.extra_keys and list(first.extra_keys[0]) == [tag]
+            assert all(name not in repr(e) for e in stored)
+            firsts.append(set(ids))
+        assert not firsts[0] & firsts[1]  # the same tokens, each tenant's own ids

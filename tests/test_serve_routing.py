@@ -175,3 +175,26 @@ def test_events_beyond_this_machine_are_warned_about(capsys):
     served["kv_events_config"] = {"enable_kv_cache_events": True, "endpont": "x"}
     with pytest.raises(InvalidInputError, match="--kv-events-config: unknown key 'endpont'"):
         _kv_events(served, peek, "m")
+
+
+def test_prefetch_acts_within_the_callers_tenant(llama, tmp_path):
+    """A prefetch for a tenant brings into RAM the shared prompt and that tenant's own records,
+    never another tenant's: bob's prefetch of alice's exact prompt loads the shared part only."""
+    from kvstore.serve.binding import Binding
+    from kvstore.serve.promptcache import PersistentPromptCache
+
+    path, model = llama
+    system, question = list(range(100, 164)), list(range(300, 340))  # 4 chunks of 16, then 40 tokens
+    with kvstore.open(tmp_path / "s", chunk_size=16) as store:
+        store.bind(model, str(path)).insert(system, prefill(model, system))
+        alice = store.bind(model, str(path), tenant="alice")
+        alice.insert(system + question, prefill(model, system + question))
+    for who, expect in (("bob", len(system)), ("alice", len(system + question))):
+        with kvstore.open(tmp_path / "s", chunk_size=16) as store:  # a fresh memory tier
+            cache = PersistentPromptCache(store, tenants=True)
+            got = cache.prefetch(None, system + question, binding=Binding(store.bind(model, str(path))),
+                                 tenant_id=who)
+            assert got["stored"] == expect and got["in_ram"] == expect, (who, got)
+            hashes = store.bind(model, str(path), tenant="alice").record_hashes(system + question)
+            in_ram = [h in store.memory for h in hashes]  # 4 shared chunks, then alice's 2 chunks and tail
+            assert in_ram == [True] * 4 + [who == "alice"] * 3, (who, in_ram)

@@ -18,7 +18,7 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
-from kvstore import keys
+from kvstore import records
 from kvstore.errors import BlobError
 from kvstore.events import wire
 from kvstore.events.blocks import Holdings, block_id, block_ids
@@ -82,7 +82,11 @@ class Changes:
             known = holdings.records.get(record.parent)
             if known is not None and known.ids:
                 return known.ids[-1], known.tenant != tenant
-        return block_id(record.parent, tenant), True
+        # Not announced (yet): its last block's id is made with its own tenant's tag, which a
+        # tenant's first record (under a shared parent) does not share.
+        row = self.index.rows_of([record.parent]).get(record.parent) if self.index is not None else None
+        parent_tenant = row.tenant if row is not None else tenant
+        return block_id(record.parent, parent_tenant), parent_tenant != tenant
 
     def stored_rows(self, rows: Iterable[Row]) -> list[dict]:
         """Rows just committed to the index: their records are on disk now."""
@@ -102,10 +106,8 @@ class Changes:
         try:
             with open_blob(self.root, row.hash, size=row.size, checksum=row.checksum) as blob:
                 tokens = blob.tokens()
+                records.check(row, blob.metadata, tokens)  # the record's own (a tenant's key hashes its link)
         except (BlobError, OSError):  # gone (gc) or damaged: nothing to announce
-            self.unreadable += 1
-            return None
-        if not keys.is_address(row.hash, row.parent, row.kind, tokens):
             self.unreadable += 1
             return None
         return tokens

@@ -103,9 +103,30 @@ class _StoreCollector:
                        c["fetch_errors"] + store.counters.get("fetch_errors", 0))
         yield _counter("kvstore_quarantined", "Damaged records found and quarantined by this process.",
                        store.counters.get("quarantined", 0))
+        yield _counter("kvstore_tenant_unknown", "Lookups and inserts no request told the tenant of "
+                       "(served without the store).", c["tenant_unknown"])
         yield from self._gauges(store)
+        yield from self._tenants(store)
         yield from self._writes(store)
         yield from self._remote(store)
+
+    def _tenants(self, store) -> Iterator[Metric]:
+        """Each tenant's records on disk, by its tag (a short HMAC of its salt, never its id)."""
+        if store.index is None:
+            return
+        try:
+            found = self.read(store.index.tenant_totals)
+        except Exception:  # a busy or damaged index: leave them out, keep serving
+            return
+        if not found:
+            return
+        size = GaugeMetricFamily("kvstore_tenant_bytes", "Bytes of each tenant's records on disk.", labels=["tenant"])
+        count = GaugeMetricFamily("kvstore_tenant_records", "Each tenant's records on disk.", labels=["tenant"])
+        for tag, (n, nbytes) in found.items():
+            size.add_metric([tag], nbytes)
+            count.add_metric([tag], n)
+        yield size
+        yield count
 
     def _gauges(self, store) -> Iterator[Metric]:
         if store.index is None:  # a RAM-only store holds its records in the memory tier

@@ -1,8 +1,10 @@
 """mlx_lm.server, checked for what kvstore relies on, and with kvstore's cache and handler put in.
 
 `persistent()` is the one place that reaches into mlx_lm.server: within it, its `ResponseGenerator`
-is handed a `PersistentPromptCache`, its HTTP server uses kvstore's handler, and its generation
-loop survives a request that makes it fail.
+is handed a `PersistentPromptCache`, its HTTP server uses kvstore's handler, its generation
+loop survives a request that makes it fail, and each request's tenant reaches the cache
+(`tenancy`): its lookup is told it as the request is tokenized, and the caches its batch
+generator hands back for inserting are tagged with the tenant of the request they are of.
 """
 
 from __future__ import annotations
@@ -19,9 +21,13 @@ from typing import Callable, Iterator
 
 from kvstore.errors import KVStoreError, ModelFilesError
 from kvstore.serve.promptcache import DISK_TYPE, PersistentPromptCache
+from kvstore.serve.tenancy import UNKNOWN, RequestTenants
 from kvstore.sizes import plural
 
 log = logging.getLogger("kvstore")
+
+#: The attribute of mlx_lm.server's request object that carries its tenant's id (set by the handler).
+TENANT_ATTRIBUTE = "_kvstore_tenant"
 
 
 def server_module():
@@ -66,10 +72,14 @@ def persistent(server, cache: PersistentPromptCache, started: list,
     original = server.ResponseGenerator
     original_context = getattr(server, "GenerationContext", None)
     original_http = server._run_http_server
+    original_batch = getattr(server, "BatchGenerator", None)
     server._run_http_server = _http_runner(server, original_http, make_handler)
     server.ResponseGenerator = _response_generator(original, cache, started, on_start, waiting or Waiting())
     if isinstance(original_context, type) and callable(getattr(original_context, "stop", None)):
         server.GenerationContext = _listed_context(original_context, requests)
+    tenants = getattr(cache, "tenants", None)
+    if tenants is not None and tenants.active:
+        server.BatchGenerator = _tenant_batches(original_batch, tenants)
     try:
         yield
     finally:
@@ -77,6 +87,8 @@ def persistent(server, cache: PersistentPromptCache, started: list,
         server._run_http_server = original_http
         if original_context is not None:
             server.GenerationContext = original_context
+        if original_batch is not None:
+            server.BatchGenerator = original_batch
 
 
 def _http_runner(server, original_http: Callable, make_handler: Callable[[type], type]) -> Callable:
@@ -182,6 +194,17 @@ class _RecoveringGenerator:
         holder.append(on_progress)
         return ctx, watched
 
+    def _tokenize(self, tokenizer, request, *args, **kwargs):
+        # mlx_lm.server looks a request's prompt up right after it tokenizes it, on this thread.
+        self._kvstore_cache.tenants.begin(getattr(request, TENANT_ATTRIBUTE, None))
+        return super()._tokenize(tokenizer, request, *args, **kwargs)
+
+    def _serve_single(self, request, *args, **kwargs):
+        # One request at a time: its lookup and its insert are its tenant's.
+        tenant = getattr(request[1], TENANT_ATTRIBUTE, None) if isinstance(request, tuple) else UNKNOWN
+        with self._kvstore_cache.tenants.single(tenant):
+            return super()._serve_single(request, *args, **kwargs)
+
     def _next_request(self, *args, **kwargs):
         request = super()._next_request(*args, **kwargs)
         if request is not None:
@@ -231,6 +254,48 @@ class _RecoveringGenerator:
         for answers in list(self._kvstore_queues):
             answers.put(failure)
         self._kvstore_queues = weakref.WeakSet()
+
+
+def _tenant_batches(original: type | None, tenants: RequestTenants) -> type:
+    """mlx_lm.server's `BatchGenerator`, tagging each cache it hands back with the tenant of the
+    request it is of (the tenant of the lookup just made when the request was inserted)."""
+    if not isinstance(original, type):
+        raise KVStoreError("this mlx-lm has no BatchGenerator in mlx_lm.server, which kvstore serve needs to "
+                           "serve tenants apart; use mlx-lm 0.31 or 0.32, or --tenant-from none")
+
+    class BatchGenerator(original):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self._kvstore_tenants: dict[int, object] = {}  # uid -> tenant
+
+        def insert_segments(self, *args, **kwargs):
+            uids = super().insert_segments(*args, **kwargs)
+            for uid in uids:
+                self._kvstore_tenants[uid] = tenants.last()
+            return uids
+
+        def extract_cache(self, uids):
+            found = super().extract_cache(uids)
+            for uid, (cache, _) in found.items():
+                tenants.tag(cache, self._kvstore_tenants.get(uid, UNKNOWN))
+            return found
+
+        def next(self, *args, **kwargs):
+            prompts, generated = super().next(*args, **kwargs)
+            for r in generated:
+                if getattr(r, "prompt_cache", None) is not None:
+                    tenants.tag(r.prompt_cache, self._kvstore_tenants.get(r.uid, UNKNOWN))
+                if getattr(r, "finish_reason", None) is not None:
+                    self._kvstore_tenants.pop(r.uid, None)
+            return prompts, generated
+
+        def remove(self, uids, *args, **kwargs):
+            out = super().remove(uids, *args, **kwargs)
+            for uid in uids:
+                self._kvstore_tenants.pop(uid, None)
+            return out
+
+    return BatchGenerator
 
 
 def _load_default(model_provider) -> None:

@@ -8,6 +8,10 @@ What RAM holds is bounded as `LRUPromptCache` bounds it: `len()` counts the inse
 held in RAM, `max_size` bounds them, `max_bytes` and `trim_to(n_sequences=, n_bytes=)` evict them
 in mlx-lm's order (assistant, then user, then system turns, oldest first). A sequence evicted from
 RAM is still on disk (when the store has one) and is served from there: that is the point.
+
+With tenants (`tenants=True`; `kvstore serve --tenant-from`), each lookup and insert is of the
+tenant of the request it is for (`tenancy.RequestTenants`; a server of your own says it with
+`for_tenant`): it reuses shared prompts and that tenant's own, never another tenant's.
 """
 
 from __future__ import annotations
@@ -25,8 +29,10 @@ from kvstore.model.blas import long_prefill_note
 from kvstore.model.cache import ModelCache
 from kvstore.serve.binding import IN_RAM, Binding, KeyBindings
 from kvstore.serve.ramlru import CACHE_TYPES, RamSequences, SystemPrompts
+from kvstore.serve.tenancy import UNKNOWN, RequestTenants
 from kvstore.sizes import format_size, plural
 from kvstore.store import Store
+from kvstore.tenants import Tenant, sees
 
 log = logging.getLogger("kvstore")
 
@@ -58,12 +64,15 @@ class PersistentPromptCache:
     sequence holds no K/V, so it is neither stored nor counted.
 
     `max_insert_tokens`: a longer sequence is served but not stored (None: no cap).
+    `tenants`: every call is for a tenant (`for_tenant`, or `kvstore serve`'s requests); a lookup
+    or insert whose tenant is not known is served without the store.
     No call raises into the server: a failure is logged and served as a miss.
     """
 
     def __init__(self, store: Store, *, max_size: int = 10, max_bytes: int | None = None,
-                 max_insert_tokens: int | None = None):
+                 max_insert_tokens: int | None = None, tenants: bool = False):
         self.store = store
+        self.tenants = RequestTenants(tenants)
         self.max_size = max_size
         self.max_bytes = max_bytes
         self.max_insert_tokens = max_insert_tokens
@@ -76,7 +85,7 @@ class PersistentPromptCache:
         self.observers: list[Observer] = []  # called with (seconds, tokens reused) after each fetch
         self.counters = {"requests": 0, "prompt_tokens": 0, "reused_tokens": 0, "fallback_requests": 0,
                          "inserts": 0, "errors": 0, "fetch_errors": 0, "not_stored_too_long": 0,
-                         "reused_by_tier": {"memory": 0, "disk": 0, "remote": 0},
+                         "tenant_unknown": 0, "reused_by_tier": {"memory": 0, "disk": 0, "remote": 0},
                          "prefetches": 0, "prefetch_tokens": 0, "prefetches_refused": 0, "warmed_prompts": 0}
 
     # -- telling it which model a key means --------------------------------------------------
@@ -107,6 +116,11 @@ class PersistentPromptCache:
             reset_and_forget._kvstore_wrapped = True
             model_provider.reset = reset_and_forget
 
+    def for_tenant(self, tenant_id: str | None):
+        """Within (a context manager): this thread's lookups and inserts are `tenant_id`'s (None:
+        the shared namespace's), for a server of your own made with `tenants=True`."""
+        return self.tenants.single(tenant_id)
+
     # -- what mlx_lm.server calls ------------------------------------------------------------
 
     def fetch_nearest_cache(self, model: Hashable, tokens: Sequence[int]) -> tuple[list | None, list[int]]:
@@ -115,15 +129,19 @@ class PersistentPromptCache:
         A miss is `(None, tokens)`, as from `LRUPromptCache`; the server then makes a fresh cache.
         """
         tokens = list(tokens)
+        tenant_id = self.tenants.take()
         with self._lock:
             self.counters["requests"] += 1
             self.counters["prompt_tokens"] += len(tokens)
             try:
+                if tenant_id is UNKNOWN:
+                    return self._unknown("lookup", tokens)
                 binding = self._resolve(model, tokens)
                 if not isinstance(binding, Binding):
-                    return self._fetch_elsewhere(binding, model, tokens)
+                    return self._fetch_elsewhere(binding, (model, tenant_id) if self.tenants.active else model,
+                                                 tokens)
                 toks = np.asarray(tokens, dtype=np.int32)  # once, for both lookups
-                mc = binding.choose(toks)
+                mc = binding.choose(toks, self._tenant(tenant_id))
                 self._settle()  # records RAM let go while the writer held them are gone from it now
                 in_ram = self._ram_prefix(mc, toks)
                 remote_before = _remote_tokens(self.store)
@@ -153,13 +171,18 @@ class PersistentPromptCache:
                      cache_type: str = "assistant") -> None:
         """Store the cache of `tokens` (queued for the background writer; returns at once)."""
         tokens = list(tokens)
+        tenant_id = self.tenants.of_cache(prompt_cache)
         with self._lock:
             try:
+                if tenant_id is UNKNOWN:
+                    self._unknown("insert", tokens)
+                    return
                 binding = self._resolve(model, tokens)
                 if binding == IN_RAM:
-                    self._fallback().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
+                    key = (model, tenant_id) if self.tenants.active else model
+                    self._fallback().insert_cache(key, tokens, prompt_cache, cache_type=cache_type)
                 if isinstance(binding, Binding) and tokens:
-                    self._insert(binding, model, tokens, prompt_cache, cache_type)
+                    self._insert(binding, model, tokens, prompt_cache, cache_type, self._tenant(tenant_id))
             except Exception as e:
                 self._error("insert", e)
             self._bound_ram()
@@ -219,9 +242,11 @@ class PersistentPromptCache:
                     out[f"in-RAM only, {cache_type}"] = dict(stats)
             return out
 
-    def prefetch(self, model: Hashable, tokens: Sequence[int], *, binding: Binding | None = None) -> dict:
+    def prefetch(self, model: Hashable, tokens: Sequence[int], *, binding: Binding | None = None,
+                 tenant_id: str | None = None) -> dict:
         """Restore what the store holds of `tokens` into the memory tier, ahead of the request that
-        will need it (`binding`: the bound model, else `model` is resolved as for a request).
+        will need it (`binding`: the bound model, else `model` is resolved as for a request),
+        within `tenant_id`'s namespace (None: the shared one): what its request would reuse.
         Refused when it alone is larger than the memory tier (it would push itself out).
         Returns `{"tokens", "stored", "in_ram", "loaded"}` (and `"refused"`: why)."""
         tokens = list(tokens)
@@ -233,10 +258,11 @@ class PersistentPromptCache:
                 if not isinstance(binding, Binding):
                     return {**out, "refused": f"this model's caches are not stored ({binding})"}
                 toks = np.asarray(tokens, dtype=np.int32)
-                mc = binding.choose(toks)
+                mc = binding.choose(toks, self._tenant(tenant_id))
                 out["stored"] = mc.stored_length(toks)
-                whole = _whole_records(mc, toks)
-                need, memory = self._stored_bytes(mc, whole), self.store.memory
+                whole = mc.through_record_end(toks)
+                index, memory = self.store.index, self.store.memory  # bytes on disk of its records:
+                need = sum(r.size for r in index.rows_of(mc.record_hashes(whole)).values()) if index else 0
                 if need > memory.capacity:
                     self.counters["prefetches_refused"] += 1
                     return {**out, "refused": f"its stored cache ({format_size(need)}) is larger than the "
@@ -258,13 +284,6 @@ class PersistentPromptCache:
             provider = self._keys.provider
             key = getattr(provider, "model_key", None)
             return self._resolve(key, []) if key is not None else IN_RAM
-
-    def _stored_bytes(self, mc: ModelCache, toks: np.ndarray) -> int:
-        """Bytes on disk of the records that store `toks`."""
-        index = self.store.index
-        if index is None:
-            return 0
-        return sum(row.size for row in index.rows_of(mc.record_hashes(toks)).values())
 
     # -- start-up and shut-down --------------------------------------------------------------
 
@@ -292,7 +311,7 @@ class PersistentPromptCache:
     # -- internals: inserting and holding sequences in RAM -------------------------------------
 
     def _insert(self, binding: Binding, key: Hashable, tokens: list, prompt_cache: list,
-                cache_type: str) -> None:
+                cache_type: str, tenant: Tenant | None = None) -> None:
         held = self._held_tokens(tokens, prompt_cache)
         if held is None:
             return
@@ -303,13 +322,13 @@ class PersistentPromptCache:
             return
         if cache_type not in CACHE_TYPES:
             cache_type = "assistant"
-        mc = binding.for_cache(prompt_cache)
+        mc = binding.for_cache(prompt_cache, tenant)
         mc.insert(held, prompt_cache, cache_type=cache_type)  # the store keeps it by type too
         self.counters["inserts"] += 1
         if log.isEnabledFor(logging.INFO):
             log.info("kvstore: %s", mc.placement(held).summary())
         hashes = mc.record_hashes(held)
-        seq = (key, mc.ns, tuple(held))
+        seq = ((key, tenant.tag) if tenant is not None else key, mc.ns, tuple(held))
         self._ram.add(seq, hashes, cache_type)
         self._evicted.difference_update(hashes)
         if _can_trim(prompt_cache):  # a trimmable cache makes every stored prefix of it redundant
@@ -377,13 +396,15 @@ class PersistentPromptCache:
         cover: what a fetch of them reuses without reading the disk."""
         store, C = self.store, mc.chunk_size
         covered, parent = 0, mc.ns
-        for h in keys.chain(mc.ns, toks, C):
-            if h not in store.memory and not store.writer.is_pending(h):
-                break
-            covered, parent = covered + C, h
+        links = [None] if mc.tenant is None else [None, mc.tenant.link]  # shared chunks, then the tenant's
+        for link in links:
+            for h in keys.chain(parent, toks[covered : len(toks) // C * C], C, link):
+                if h not in store.memory and not store.writer.is_pending(h):
+                    break
+                covered, parent = covered + C, h
         rest = toks[covered:]
-        children = [r.tokens for r in store.memory.children(parent)]
-        children += [t for _, t in store.writer.pending_children(parent)]
+        children = [r.tokens for r in store.memory.children(parent) if sees(mc.tenant, r.tenant)]
+        children += [t for _, t, tag in store.writer.pending_children(parent) if sees(mc.tenant, tag)]
         return covered + max((keys.common_prefix(t, rest) for t in children), default=0)
 
     def _count_reuse(self, reused: int, in_ram: int, remote_before: int | None) -> None:
@@ -401,6 +422,15 @@ class PersistentPromptCache:
         by_tier["disk"] += reused - from_ram - from_remote
 
     # -- internals: keys and models ----------------------------------------------------------
+
+    def _tenant(self, tenant_id: str | None) -> Tenant | None:
+        return None if tenant_id is None else self.store.tenant(tenant_id)
+
+    def _unknown(self, what: str, tokens: list) -> tuple[None, list]:
+        """A lookup or insert no request told the tenant of: served without the store."""
+        self.counters["tenant_unknown"] += 1
+        log.warning("kvstore: a %s of %d tokens came with no tenant: served without the store", what, len(tokens))
+        return None, tokens
 
     def _resolve(self, key: Hashable, tokens: list) -> Binding | str:
         """The bound model for `key`, else `IN_RAM` or `UNCACHED`."""
@@ -448,25 +478,6 @@ class PersistentPromptCache:
         self.counters["errors"] += 1
         log.warning("kvstore: %s failed, served without the store: %s: %s", what, type(e).__name__, e,
                     exc_info=log.isEnabledFor(logging.DEBUG))
-
-
-def _whole_records(mc: ModelCache, toks: np.ndarray) -> np.ndarray:
-    """`toks` and the rest of the stored record its last tokens lie in (a prompt stored with its
-    answer ends inside a tail: restored up to its end, that record is only part restored, and
-    only whole records are kept in RAM)."""
-    from kvstore.model.lookup import match
-
-    chain, options, where = match(mc.backing.tiers, None, mc.ns, toks, mc.chunk_size)
-    rest = toks[len(chain) * mc.chunk_size :]
-    child, shared = options[0]
-    if child is None or not len(rest) or shared < len(rest):
-        return toks
-    tier, ref = where[child]
-    source = tier.open(child, ref)
-    try:
-        return np.concatenate([toks, np.asarray(source.tokens[len(rest) :], dtype=toks.dtype)])
-    finally:
-        source.close()
 
 
 def _can_trim(cache: list) -> bool:

@@ -41,6 +41,7 @@ from kvstore.serve.options import (
 )
 from kvstore.serve.promptcache import PersistentPromptCache
 from kvstore.serve.signals import Stopper
+from kvstore.serve.tenancy import describe_tenants
 from kvstore.sizes import plural
 from kvstore.store import Store
 
@@ -76,9 +77,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     store_settings = settings.given(ours, serve=True)
     memory_bytes = _memory_bytes(store_settings.pop("memory_bytes", None), peek.prompt_cache_bytes)
     try:
-        kv_events = _kv_events(server_settings(ours), peek, served_model)
+        served = server_settings(ours)
+        kv_events = _kv_events(served, peek, served_model)
     except KVStoreError as e:
-        print(f"kvstore serve: {e}", file=sys.stderr)
+        parser.print_usage(sys.stderr)
+        print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
 
     import kvstore
@@ -97,7 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KVStoreError as e:
         print(f"kvstore serve: {e}", file=sys.stderr)
         return 1
-    return _serve(server, store, ours, passthrough, served_model)
+    return _serve(server, store, served, passthrough, served_model)
 
 
 def _print_help(parser: argparse.ArgumentParser, server) -> int:
@@ -176,16 +179,15 @@ def _memory_bytes(memory_bytes: int | None, prompt_cache_bytes: str | None) -> i
     return memory_bytes
 
 
-def _serve(server, store: Store, ours: argparse.Namespace, passthrough: list[str],
-           served_model: str) -> int:
+def _serve(server, store: Store, served: dict, passthrough: list[str], served_model: str) -> int:
     """Run mlx_lm.server on `store` until it stops; then stop its generation, flush and close."""
     from kvstore.serve import routing
     from kvstore.serve.endpoints import Hosts, handler_class
     from kvstore.serve.metrics import ServerMetrics
     from kvstore.serve.mlxserver import Waiting
 
-    served = server_settings(ours)
-    cache = PersistentPromptCache(store, max_insert_tokens=served["store_max_tokens"])
+    tenants = served["tenants"]
+    cache = PersistentPromptCache(store, max_insert_tokens=served["store_max_tokens"], tenants=tenants.active)
     waiting = Waiting()
     metrics = ServerMetrics(cache, waiting, served_model)
 
@@ -198,10 +200,15 @@ def _serve(server, store: Store, ours: argparse.Namespace, passthrough: list[str
         if served["warm_top"]:
             routing.warm_top(cache, served["warm_top"])
     hosts = Hosts(peek_mlx_options(passthrough).host, served["allowed_hosts"])
+    if tenants.active:
+        log.info("kvstore: serving tenants apart (%s); shared prompts are the store's warmed and pinned ones",
+                 describe_tenants(tenants))
 
     def make_handler(base: type) -> type:
         return handler_class(base, cache, metrics, served["allowed_origins"], served_model, hosts=hosts,
-                             stats_paths=served["stats_paths"])
+                             stats_paths=served["stats_paths"], tenants=tenants,
+                             max_body_bytes=served["max_body_bytes"],
+                             report_cached_tokens=served["report_cached_tokens"] == "on")
 
     stopper = Stopper(store)
     started: list = []

@@ -230,7 +230,7 @@ class WriteLogSQL:
         with self.transaction() as conn:
             return conn.execute(f"DELETE FROM seen_prefixes WHERE NOT ({_SEEN_OK})").rowcount
 
-    # -- the deletion log (filled by triggers on `records`: migrations/0024) ------------------
+    # -- the deletion log (filled by triggers on `records`: migrations/0023) ------------------
 
     def deletions_end(self) -> int:
         """The number of the last deletion logged (0: none yet)."""

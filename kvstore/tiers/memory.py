@@ -44,7 +44,7 @@ class Record(RecordId):
 def held(rid: RecordId, tokens: np.ndarray, arrays: dict, views: dict | None = None, nbytes: int = 0) -> Record:
     """Record `rid` with these token ids and arrays, in RAM."""
     return Record(rid.hash, rid.ns, rid.parent, rid.depth, rid.kind, rid.ntokens, rid.first_token,
-                  tokens, arrays, views or {}, nbytes)
+                  tokens, arrays, views or {}, nbytes, **rid.owner())
 
 
 class MemoryTier:
@@ -215,7 +215,7 @@ class MemoryTierView:
         return {r.hash: None for r in ids if r.hash in self.memory}
 
     def children(self, lookup, parent, rest):
-        return [(r.hash, r.tokens, r) for r in self.memory.children(parent)]
+        return [(r.hash, r.tokens, r) for r in self.memory.children(parent) if lookup.sees(r.tenant)]
 
     def open(self, h, ref):
         rec = self.memory.get(h)

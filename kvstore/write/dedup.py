@@ -55,9 +55,10 @@ def _older_prefixes(dest: Destination, job: Job, spec: Span) -> list[tuple[bytes
         older.update((r.hash, r.ntokens) for r in dest.index.children(spec.parent, int(newer[0]))
                      if r.kind == TAIL and not r.pinned)
     # A tail of n tokens under the same parent is a prefix of the newer record exactly when its
-    # hash is that of the newer record's first n tokens (keys.tail_hash).
+    # hash is that of the newer record's first n tokens (keys.tail_hash; a tenant's, of its link:
+    # so only its own tails, never a shared one or another tenant's).
     return [(h, spec.hash) for h, n in older.items()
-            if h != spec.hash and 0 < n < len(newer) and keys.tail_hash(spec.parent, newer[:n]) == h]
+            if h != spec.hash and 0 < n < len(newer) and keys.tail_hash(spec.link or spec.parent, newer[:n]) == h]
 
 
 def refill(dest: Destination, job: Job, hosts: Hosts) -> None:

@@ -23,6 +23,7 @@ from kvstore.errors import BlobError, InvalidInputError
 from kvstore.records import CHECKPOINT, Span
 from kvstore.restore.arrays import host_array, host_bits
 from kvstore.restore.codecs import Codec
+from kvstore.tenants import Tenant
 from kvstore.write.jobs import Job
 
 
@@ -152,15 +153,16 @@ class Views:
 
 def make_job(ns: bytes, toks: np.ndarray, views: Views | None, new: list[Span], refill: list[Span],
              metadata: dict[str, str], pin: list[bytes], role: int = 0, reached: list[bytes] = (), *,
-             durable: bool = False) -> Job:
+             durable: bool = False, tenant: Tenant | None = None, shared: int = 0) -> Job:
     """The writer's job: the new records, and stored ones to write again, complete; with no
     `views`, only the pins and the role of stored records. `durable`: written whatever the
-    admission policy says."""
+    admission policy says. `tenant`, `shared`: whose records they are (`Job.tenant`)."""
     if views is None:
-        return Job(ns, toks, {}, {}, {}, [], metadata, pin=pin, role=role, reached=list(reached))
+        return Job(ns, toks, {}, {}, {}, [], metadata, pin=pin, role=role, reached=list(reached),
+                   tenant=tenant, shared=shared)
     specs = views.sizes(new)
     again = views.sizes(refill, whole=True)
     return Job(ns, toks, views.arrays, views.origins, views.views, specs, metadata, checkpoint=views.saved,
                pin=pin, nbytes=sum(s.nbytes for s in specs) + sum(s.nbytes for s in again), refill=again,
                durable=durable, prepare=views.prepare if views.deferred or views.ranges else None, role=role,
-               reached=list(reached))
+               reached=list(reached), tenant=tenant, shared=shared)
