@@ -156,6 +156,11 @@ def write_report() -> str:
         report_sections.stats_scale(add, stats_scale)
     if tenants:
         report_sections.tenants(add, tenants)
+    kv_events, fleet = _load("kv_events"), _load("fleet")
+    if kv_events:
+        report_sections.kv_events(add, kv_events)
+    if fleet:
+        report_sections.fleet(add, fleet)
     if run.get("steps"):
         add("## Run")
         add("")

@@ -1,6 +1,7 @@
 """Sections of bench/README.md written by report.py: how to run each benchmark, and the sections for
 bench/conversation.py and bench/remote.py (whose results files record no date of their own),
-bench/agent_trace.py, bench/kv8.py, bench/exact.py, bench/stats_scale.py and bench/tenants.py."""
+bench/agent_trace.py, bench/kv8.py, bench/exact.py, bench/stats_scale.py, bench/tenants.py,
+bench/kv_events.py and bench/fleet.py."""
 
 from __future__ import annotations
 
@@ -44,6 +45,10 @@ COMMANDS = [
     ("what the benchmarks changed", "python bench/before_after.py [--quick]", True),
     ("checkpoint bytes of a hybrid model (arithmetic)", "python bench/checkpoint_bytes.py CONFIG.json", False),
     ("a profile of `fetch` (a quick look)", "python bench/profile_fetch.py [--tokens 2048] [--cprofile]", False),
+    ("KV events: announce at restart, cost on insert", "python bench/kv_events.py [--records 1000] [--inserts 600]",
+     False),
+    ("a fleet of 3 nodes: round robin against routing by KV events",
+     "python bench/fleet.py [--conversations 8] [--turns 4] [--sglang-router PATH]", False),
 ]
 
 
@@ -339,4 +344,61 @@ def tenants(add, data) -> None:
         "tenants it reads the shared ones and its own only (`children_by_tenant`). In-process, with 400 other "
         "clients' prompts after a shared one, a fetch of a new prompt took 8.0 ms with one cache and 0.74 ms as a "
         "tenant (0.62 ms each with none).")
+
+
+def kv_events(add, data) -> None:
+    """The section of bench/kv_events.py: a restarted node's announce, and the cost on insert."""
+    a, i = data["announce"], data["insert"]
+    add("## KV events")
+    add("")
+    add(f"`LD_PRELOAD=.../libblas.so.3 python bench/kv_events.py` (run {data.get('written_utc', '?')} on "
+        f"{data['machine'].get('cpu', '?')}, {data['machine'].get('cores', '?')} cores, load average "
+        f"{data['machine'].get('load_average_1m', '?')} at the start; {data.get('blas')}; tiny demo llama, "
+        "256-token chunks, 64-token blocks).")
+    add("")
+    add(f"- **Announce at restart** (target: within 5 s of start): `kvstore serve` started on a store of "
+        f"{a['records']:,} records ({a['blocks']:,} blocks); a subscriber bound on 127.0.0.1 received every block "
+        f"**{a['announced_s']:.2f} s** after the process was started (`/health` said ready at "
+        f"{a['health_s']:.2f} s: most of it is loading Python, mlx and the model; the announce itself took "
+        f"{a['announce_in_process_s']:.2f} s in the server, in {a['batches']} batches of at most "
+        f"{a['largest_batch']} events). What the subscriber believed equals the store: {a['blocks_believed']:,} "
+        "blocks.")
+    add(f"- **Cost on insert** (target: under 5% of its caller-side time): {i['inserts']} inserts into a store "
+        f"that publishes and one that does not, the same caches, interleaved: median "
+        f"{i['events']['median_ms']:.3f} ms against {i['plain']['median_ms']:.3f} ms "
+        f"(**{i['overhead_median'] * 100:+.1f}%**), mean without the slowest 5% "
+        f"{i['events']['trimmed_mean_ms']:.3f} ms against {i['plain']['trimmed_mean_ms']:.3f} ms "
+        f"({i['overhead_trimmed_mean'] * 100:+.1f}%), mean {i['events']['mean_ms']:.3f} ms against "
+        f"{i['plain']['mean_ms']:.3f} ms ({i['overhead_mean'] * 100:+.1f}%; the slowest inserts are scheduler "
+        "stalls of a busy machine). Insert only queues; the publisher does its work on a thread of its own, "
+        f"so what differs is that thread's share of the GIL. {i['batches']} batches, sequence numbers {'without a gap' if i['gapless'] else 'WITH GAPS'}; "
+        f"the subscriber's view of the disk {'equals' if i['disk_view_equals_store'] else 'DIFFERS FROM'} the store "
+        f"({i['disk_blocks_held']:,} blocks).")
+    add("")
+
+
+def fleet(add, data) -> None:
+    """The section of bench/fleet.py: three nodes, round robin against routing by KV events."""
+    w, m = data["workload"], data["machine"]
+    add("## Fleet: routing by KV events")
+    add("")
+    add(f"`python bench/fleet.py --sglang-router PATH` (run {data.get('written_utc', '?')} on {m.get('cpu', '?')}, "
+        f"{m.get('cores', '?')} cores, load average {m.get('load_average_1m', '?')} at the start; "
+        f"{data.get('blas')}): fleets of three `kvstore serve` nodes (small demo llama, each node its own "
+        f"empty store), side by side, every request sent to each fleet in turn: {w['systems']} system prompts of "
+        f"{w['system_tokens']} tokens shared by {w['conversations']} conversations of {w['turns']} turns, each "
+        f"conversation with a document of {w['document_tokens']} tokens of its own, turns interleaved. The "
+        "hit rate is the share of prompt tokens the nodes reported cached; times to first token are the "
+        "client's, streamed.")
+    add("")
+    add("| router | requests | hit rate | median TTFT | p90 TTFT |")
+    add("| --- | ---: | ---: | ---: | ---: |")
+    for name, r in data["policies"].items():
+        add(f"| {name} | {r['requests']} | {r['hit_rate'] * 100:.1f}% | {r['ttft_median_ms']:.0f} ms "
+            f"| {r['ttft_p90_ms']:.0f} ms |")
+    add("")
+    add("Round robin sends each turn to the next node, which holds the shared system prompts after a few "
+        "requests but rarely the conversation's own document. The picker (in bench/fleet.py, not part of "
+        "kvstore) routes by the nodes' KV events. SGLang's gateway routes by request text, which on this "
+        "workload finds the same nodes; it cannot see what a node evicted or restored. See docs/fleet.md.")
     add("")

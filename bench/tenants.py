@@ -38,7 +38,7 @@ import requests
 import serve as S
 
 from kvstore.demo import ensure_demo_model
-from kvstore.serve.isolation import chance_p, threshold_split
+from kvstore.serve.tenancy.isolation import chance_p, threshold_split
 
 CONFIGS = {"today": ("--tenant-from", "none"), "tenants": ("--tenant-from", "header:X-Tenant")}
 

@@ -14,6 +14,7 @@ this open), `kept` (remembered by the store) or `default`.
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -28,8 +29,8 @@ GIVEN, KEPT, DEFAULT = "given", "kept", "default"
 @dataclass(frozen=True)
 class Setting:
     """One setting: see the module docstring. `kind` is one of `size`, `rate`, `duration`,
-    `choice`, `bits`, `count`, `flag`, `list`, `text` (checked by `check`, which raises
-    ValueError saying what is wrong)."""
+    `choice`, `bits`, `count`, `flag`, `list`, `json` (a JSON object, given as text or a dict),
+    `text` (checked by `check`, which raises ValueError saying what is wrong)."""
 
     name: str
     kind: str
@@ -73,6 +74,8 @@ class Setting:
             return f"{value} bits"
         if self.kind == "list":
             return ",".join(value) or "none"
+        if self.kind == "json":
+            return json.dumps(value, separators=(",", ":"))
         return str(value)
 
     def encode(self, value: Any) -> str:
@@ -199,9 +202,20 @@ def _list(s: Setting, value: Any) -> list[str]:
     return [part.strip() for part in str(value).split(",") if part.strip()]
 
 
+def _json(s: Setting, value: Any) -> dict:
+    if isinstance(value, (str, bytes)):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise ValueError(f"not JSON ({e})") from None
+    if not isinstance(value, Mapping):
+        raise ValueError(f"must be a JSON object, got {type(value).__name__}")
+    return dict(value)
+
+
 _KINDS: dict[str, Callable[[Setting, Any], Any]] = {
     "size": _size, "rate": _rate, "duration": _duration, "count": _count, "choice": _choice,
-    "bits": _bits, "flag": _flag, "list": _list, "text": _text}
+    "bits": _bits, "flag": _flag, "list": _list, "json": _json, "text": _text}
 
 
 # -- the store's settings -----------------------------------------------------------------------
@@ -256,6 +270,10 @@ STORE_SETTINGS: tuple[Setting, ...] = (
     Setting("max_pending_bytes", "size", 2 << 30, option=None, zero="every insert is dropped",
             help="bound the background writer's queue; an insert that does not fit is dropped and counted; "
                  "0: every insert is dropped"),
+    Setting("kv_events", "json", None, option=None, default_text="none: nothing is published",
+            help="publish the store's records as vLLM's KV events for cache-aware routers: vLLM's "
+                 "KVEventsConfig as JSON text or a dict, with kvstore's block_size and encoding "
+                 "(docs/serve.md); kvstore serve builds it from --kv-events-config"),
 )
 BY_NAME: dict[str, Setting] = {s.name: s for s in STORE_SETTINGS}
 KEPT_SETTINGS = tuple(s for s in STORE_SETTINGS if s.kept)
@@ -336,7 +354,7 @@ def add_options(parser: argparse.ArgumentParser, table: tuple[Setting, ...] = ST
             parser.add_argument(s.flag, action="store_true", **common)
             continue
         metavar = {"size": "SIZE", "rate": "RATE", "duration": "TIME", "count": "N", "list": "LIST",
-                   "bits": "BITS", "choice": "{" + ",".join(map(str, s.choices)) + "}",
+                   "json": "JSON", "bits": "BITS", "choice": "{" + ",".join(map(str, s.choices)) + "}",
                    "text": s.name.split("_")[-1].upper()}[s.kind]
         parser.add_argument(s.flag, metavar=metavar, type=_argtype(s), **common)
 
@@ -383,3 +401,13 @@ def table_text(table: tuple[Setting, ...] = STORE_SETTINGS) -> str:
         rows.append(f"| `{s.name}` | {f'`{s.flag}`' if s.flag else 'library only'} | {default} | "
                     f"{'yes' if s.kept else 'no'} | {s.help} |")
     return "\n".join(rows)
+
+
+def check_exact_prefill(resolved: tuple[Any, str], chunk_size: int) -> None:
+    """`exact_prefill` (its value and source, as `resolve` gives them) must be a whole number of
+    chunks of `chunk_size` tokens."""
+    value, source = resolved
+    if value is not None and value % chunk_size:
+        raise InvalidInputError(
+            f"exact_prefill ({source}) is {value} tokens, not a multiple of the chunk size ({chunk_size}): "
+            f"give a multiple such as {max(1, round(value / chunk_size)) * chunk_size}, or off")

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvstore import keys, settings, tenants
 from kvstore.errors import InvalidInputError
+from kvstore.events import config as events_config
 from kvstore.model import fingerprint as fingerprints
 from kvstore.model.backing import Backing
 from kvstore.model.cache import ModelCache
@@ -83,18 +84,23 @@ class Store:
                  remote_key: str | bytes | None = None, remote_flush_timeout: float | str | None = None,
                  admit: str | None = None, max_write_rate: int | str | None = None,
                  disk_kv_bits: int | str | None = None, buffer_cache_bytes: int | str | None = None,
-                 tenant_max_bytes: int | str | None = None, exact_prefill: int | str | None = None):
+                 tenant_max_bytes: int | str | None = None, exact_prefill: int | str | None = None,
+                 kv_events: str | dict | None = None):
         given = {k: v for k, v in dict(
             max_bytes=max_bytes, memory_bytes=memory_bytes, chunk_size=chunk_size,
             max_pending_bytes=max_pending_bytes, remote_deadline=remote_deadline,
             remote_flush_timeout=remote_flush_timeout, admit=admit, max_write_rate=max_write_rate,
             disk_kv_bits=disk_kv_bits, buffer_cache_bytes=buffer_cache_bytes,
-            tenant_max_bytes=tenant_max_bytes, exact_prefill=exact_prefill).items() if v is not None}
+            tenant_max_bytes=tenant_max_bytes, exact_prefill=exact_prefill, kv_events=kv_events).items()
+            if v is not None}
         parsed = settings.resolve(given, {})  # bad settings are an error before anything is opened
-        _check_exact(parsed["exact_prefill"], parsed["chunk_size"][0])
+        settings.check_exact_prefill(parsed["exact_prefill"], parsed["chunk_size"][0])
         value = {name: v for name, (v, _) in parsed.items()}
         if remote:
             check_url(remote)
+        events = None if value["kv_events"] is None else events_config.parse(value["kv_events"])
+        if events is not None and events.publishes:
+            events_config.check_block_size(events, value["chunk_size"])
         _bound_buffer_cache(value["buffer_cache_bytes"])
         self.chunk_size = value["chunk_size"]
         self.max_bytes = None if value["max_bytes"] == AUTO else value["max_bytes"]
@@ -121,7 +127,7 @@ class Store:
         self.disk_kv_bits = value["disk_kv_bits"]
         self.exact_prefill = value["exact_prefill"]
         try:  # a kept value: checked against this open's chunk size
-            _check_exact(self.settings["exact_prefill"], self.chunk_size)
+            settings.check_exact_prefill(self.settings["exact_prefill"], self.chunk_size)
         except InvalidInputError:
             if self.files is not None:
                 self.files.close()
@@ -129,6 +135,7 @@ class Store:
         self.tenant_max_bytes = value["tenant_max_bytes"]
         self.remote = self._open_remote(remote, value["remote_deadline"], secrets, value["remote_flush_timeout"])
         self._tenant_secret: tuple[bytes, str] | None = None  # (secret, key id), made on first use
+        self.events = self._publisher(events)
         self.gate = Gate(self.index if writes else None, value["admit"], value["max_write_rate"])
         budget = DiskBudget(self.files, self.memory, self.max_bytes, self.tenant_max_bytes) \
             if writes and (self.max_bytes is not None or self.tenant_max_bytes is not None) else None
@@ -136,15 +143,25 @@ class Store:
         self.writer = Writer(self.index if writes else None, self.blob_root if writes else None, self.memory,
                              value["max_pending_bytes"], fsync=fsync, gate=self.gate,
                              access=disk.access if disk else None)
-        if self.remote is not None:
-            self.writer.on_commit.append(self.remote.uploader.submit)
-        if budget is not None:
-            self.writer.on_commit.append(budget.check)
+        self._wire(budget, disk)
         self.disk = disk
         self.tiers = self._tiers(disk)
         self.backing = Backing(self.tiers, self.memory, self.writer, self.index, read_only=self.read_only,
                                gate=self.gate, remote=self.remote, budget=budget)
         _OPEN_STORES.add(self)
+
+    def _wire(self, budget: DiskBudget | None, disk: DiskTier | None) -> None:
+        """The events that leave the parts, subscribed here once: the writer's `on_commit` (the
+        uploader, the disk budget, KV events), and what the memory and disk tiers tell KV events."""
+        if self.remote is not None:
+            self.writer.on_commit.append(self.remote.uploader.submit)
+        if budget is not None:
+            self.writer.on_commit.append(budget.check)
+        if self.events is not None:  # what reaches the disk or RAM, and what leaves RAM
+            self.writer.on_commit.append(self.events.committed)
+            self.memory.on_change.append(self.events.memory_changed)
+            if disk is not None:
+                disk.on_store.append(self.events.committed)
 
     def _settings(self, given: dict, writes: bool) -> dict[str, tuple[Any, str]]:
         """Every setting's (value, source) for this open (`kvstore.settings.resolve`). Given kept
@@ -182,6 +199,21 @@ class Store:
         fleet = Fleet(secrets[0], secrets[1:])
         return Remote(open_bucket(url), fleet, self.index, self.path, self.blob_root,
                       deadline=deadline, flush_timeout=flush_timeout)
+
+    def _publisher(self, config: events_config.EventsConfig | None):
+        """The KV events publisher `kv_events` asks for (`kvstore.events.kvevents`), or None."""
+        if config is None or not config.publishes:
+            if config is not None:
+                log.info("kvstore: kv_events: enable_kv_cache_events is not true: no KV events are published")
+            return None
+        from kvstore.events.kvevents import KVEvents
+
+        try:
+            return KVEvents(config, self.index, self.blob_root)
+        except BaseException:  # the endpoint cannot be used: nothing is left open
+            if self.files is not None:
+                self.files.close()
+            raise
 
     def _tiers(self, disk: DiskTier | None) -> Tiers:
         """Where fetch reads records from, in order."""
@@ -243,6 +275,8 @@ class Store:
         mc.registered = mc.register(stamps)
         if self.remote is not None:
             self.remote.bind(ns, fingerprint, chunk_size, layout)
+        if self.events is not None:
+            self.events.announce(ns)
         return mc.with_tenant(self.tenant(tenant)) if tenant is not None else mc
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -267,6 +301,8 @@ class Store:
             getattr(tier, "close", lambda: None)()
         if self.remote is not None:
             self.remote.close()
+        if self.events is not None:  # after the writer: its last batches are published too
+            self.events.close()
         _OPEN_STORES.discard(self)
         if self.files is not None:
             self.files.close()
@@ -303,6 +339,7 @@ class Store:
             "writes": self.write_stats(),
             "buffer_cache": buffers.held(),
             "restore_check": self.restore_check(),
+            "events": self.events.stats() if self.events is not None else None,
         }
         if self.files is not None:
             out.update(self.files.stats())
@@ -380,15 +417,6 @@ class Store:
         self.backing.check_open()
 
 
-def _check_exact(resolved: tuple[Any, str], chunk_size: int) -> None:
-    """`exact_prefill` must be a whole number of chunks."""
-    value, source = resolved
-    if value is not None and value % chunk_size:
-        raise InvalidInputError(
-            f"exact_prefill ({source}) is {value} tokens, not a multiple of the chunk size ({chunk_size}): "
-            f"give a multiple such as {max(1, round(value / chunk_size)) * chunk_size}, or off")
-
-
 # -- mlx's buffer cache: freed restore memory kept for the next restore (kvstore.restore.buffers)
 
 def _bound_buffer_cache(nbytes: int | None) -> None:
@@ -437,6 +465,13 @@ def open(path: str | os.PathLike | None = None, *, max_bytes: int | str | None =
     `buffer_cache_bytes` bounds the freed restore memory mlx keeps for the next restore, for the
     whole process (default: a quarter of RAM; 0: mlx's own limit).
 
+    `kv_events` publishes the store's records as vLLM's KV events (ZMQ, msgpack), for routers
+    that route by cache: vLLM's `KVEventsConfig` JSON (or a dict), e.g.
+    `{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:5557"}`, with `block_size`
+    (tokens per announced block, default 64, a divisor of `chunk_size`) and `encoding` ("map" or
+    "legacy"). Every bound model's records on disk are announced in the background after
+    `bind`; `stats()["events"]` counts what was published. See docs/serve.md.
+
     Every setting is a row of `kvstore.settings.STORE_SETTINGS` (its kind, default, whether the
     store keeps it, what 0 means); sizes, rates and durations may be given as text ("2GiB",
     "20GB/day", "10s"), and `stats()["settings"]` tells each one's value and source.
@@ -452,7 +487,7 @@ STORE_TOTALS = ("path", "bytes", "chunks", "tails", "checkpoints", "models", "qu
                 "quarantined_now", "quarantine_folder", "tenants")
 PER_PROCESS = ("chunk_size", "max_bytes", "memory", "writer", "quarantined", "skipped_inserts",
                "fetches", "reused_tokens", "read_only", "max_bytes_auto", "max_bytes_rule",
-               "disk_kv_bits", "buffer_cache", "tenant_max_bytes", "restore_check")
+               "disk_kv_bits", "buffer_cache", "tenant_max_bytes", "restore_check", "events")
 # `remote`: this process's counters, and under `totals` the store's (kept in its index).
 # `writes`: the store's write log (every process's), and the settings this process opened it with.
 MIXED = {"remote": "process; its totals: store", "writes": "store; admit and max_write_rate: process",

@@ -1,6 +1,6 @@
 """Tenants of `kvstore serve`, end to end: real HTTP on 127.0.0.1 against `python -m kvstore.serve`
 subprocesses serving the tiny demo model, on a store warmed with a shared system prompt; and the
-request-to-cache plumbing (`serve.tenancy`) in this process."""
+request-to-cache plumbing (`serve.tenancy.policy`) in this process."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from test_server import Server, cached
 import kvstore
 from kvstore.serve.options import build_parser, server_settings
 from kvstore.serve.promptcache import PersistentPromptCache
-from kvstore.serve.tenancy import UNKNOWN, Refused, RequestTenants, TenantPolicy, parse_source
+from kvstore.serve.tenancy.policy import UNKNOWN, Refused, RequestTenants, TenantPolicy, parse_source
 
 SYSTEM = {"role": "system", "content": "You are the assistant of a clinic. Answer in one short sentence. " * 4}
 SECRET = "My diagnosis code is 4711-XQ; keep it between us. " * 4

@@ -164,8 +164,8 @@ def _verify_remote(args) -> int:
 
 
 def _isolation(args) -> int:
-    """`verify --isolation [URL]`: run `serve.isolation`'s checks and print the figures."""
-    from kvstore.serve import isolation
+    """`verify --isolation [URL]`: run `serve.tenancy.isolation`'s checks and print the figures."""
+    from kvstore.serve.tenancy import isolation
 
     if args.probes < 4:
         raise CommandError("--probes: at least 4 (half of them fit the threshold, half score it)", EXIT_USAGE)

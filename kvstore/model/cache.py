@@ -38,8 +38,9 @@ from kvstore.restore.build import build, checkpoint_arrays
 from kvstore.restore.codecs import CacheListCodec, Codec, RotatingCodec
 from kvstore.restore.fill import fill, host_slice
 from kvstore.restore.plan import Plan, plan
+from kvstore.sizes import format_size
 from kvstore.storage.blobformat import nbytes
-from kvstore.tenants import Tenant
+from kvstore.tenants import Tenant, sees
 from kvstore.tiers.base import Lookup, Source, Where
 from kvstore.tiers.memory import held
 from kvstore.write.placement import Placement, place
@@ -285,6 +286,59 @@ class ModelCache(ExplicitWrites):
         lookup = Lookup(self.ns, toks, self.chunk_size, tenant=self.tenant)
         chain, options, _ = match(self.backing.tiers, lookup, self.ns, toks, self.chunk_size, local=True)
         return len(chain) * self.chunk_size + (options[0][1] if options else 0)
+
+    def ram_length(self, tokens: Tokens) -> int:
+        """How many leading tokens of `tokens` the records in RAM (memory tier or write queue)
+        cover: what a fetch of them reuses without reading the disk."""
+        toks, C = as_tokens(tokens), self.chunk_size
+        memory, writer = self.backing.memory, self.backing.writer
+        covered, parent = 0, self.ns
+        links = [None] if self.tenant is None else [None, self.tenant.link]  # shared chunks, then the tenant's
+        for link in links:
+            for h in keys.chain(parent, toks[covered : len(toks) // C * C], C, link):
+                if h not in memory and not writer.is_pending(h):
+                    break
+                covered, parent = covered + C, h
+        rest = toks[covered:]
+        children = [r.tokens for r in memory.children(parent) if sees(self.tenant, r.tenant)]
+        children += [t for _, t, tag in writer.pending_children(parent) if sees(self.tenant, tag)]
+        return covered + max((keys.common_prefix(t, rest) for t in children), default=0)
+
+    def load_into_ram(self, tokens: Tokens) -> dict:
+        """Restore the stored records of `tokens` into the memory tier, whole, ahead of a request
+        that will need them: `{"tokens", "stored", "in_ram", "loaded"}` (tokens stored, held in
+        RAM after, loaded by this call), and `"refused"` (why) when they alone are larger than the
+        memory tier (they would push themselves out). It counts as a fetch."""
+        toks = as_tokens(tokens)
+        out = {"tokens": len(toks), "stored": self.stored_length(toks), "in_ram": 0, "loaded": 0}
+        whole, index, memory = self.through_record_end(toks), self.backing.index, self.backing.memory
+        need = sum(r.size for r in index.rows_of(self.record_hashes(whole)).values()) if index else 0
+        if need > memory.capacity:
+            return {**out, "refused": f"its stored cache ({format_size(need)}) is larger than the "
+                                      f"memory tier ({format_size(memory.capacity)})"}
+        before = self.ram_length(toks)
+        self.fetch(np.append(whole, 0))  # one token more: every record restored whole
+        out["in_ram"] = min(len(toks), self.ram_length(toks))
+        out["loaded"] = max(0, out["in_ram"] - before)
+        return out
+
+    def through_record_end(self, tokens: Tokens) -> np.ndarray:
+        """`tokens` and the rest of the stored record their last tokens lie in, as far as this
+        machine holds it: a prompt stored with its answer ends inside a tail, and a fetch of the
+        prompt alone restores only part of that record (what is kept in RAM is whole records)."""
+        toks = as_tokens(tokens)
+        lookup = Lookup(self.ns, toks, self.chunk_size, tenant=self.tenant)
+        chain, options, where = match(self.backing.tiers, lookup, self.ns, toks, self.chunk_size, local=True)
+        rest = toks[len(chain) * self.chunk_size :]
+        child, shared = options[0] if options else (None, 0)
+        if child is None or not len(rest) or shared < len(rest):
+            return toks
+        tier, ref = where[child]
+        source = tier.open(child, ref)
+        try:
+            return np.concatenate([toks, np.asarray(source.tokens[len(rest) :], dtype=toks.dtype)])
+        finally:
+            source.close()
 
     # -- insert -----------------------------------------------------------------------------
 

@@ -2,6 +2,7 @@
 
 Added, read-only: `GET /metrics` (Prometheus text format), `GET /kvstore/stats` (`store.stats()`
 as JSON, without paths unless asked) and a `GET /v1/models` that always lists the served model.
+Added for routers: vLLM's render endpoints and `POST /kvstore/prefetch` (see `routing`).
 Changed: a request addressed to a host name the server does not go by is refused (DNS
 rebinding); requests from a web origin that was not allowed are refused before they reach the
 model, and so are bodies sent as `text/plain` or as a form (a web page can send those to any
@@ -20,11 +21,12 @@ import time
 from typing import Any
 from urllib.parse import unquote
 
+from kvstore.serve import routing
 from kvstore.serve.metrics import ServerMetrics
 from kvstore.serve.mlxserver import TENANT_ATTRIBUTE
 from kvstore.serve.options import DEFAULT_MAX_BODY_BYTES
 from kvstore.serve.promptcache import PersistentPromptCache
-from kvstore.serve.tenancy import Refused, TenantPolicy
+from kvstore.serve.tenancy.policy import Refused, TenantPolicy
 from kvstore.sizes import printable
 
 log = logging.getLogger("kvstore")
@@ -118,6 +120,8 @@ class KVStoreEndpoints:
         return super().do_GET()
 
     def do_POST(self):
+        if self.path in (*routing.RENDER_PATHS, routing.PREFETCH_PATH):
+            return self._routing_post()
         if self.path not in POST_PATHS:
             return super().do_POST()
         if self._refused_origin() or self._refused_media_type():
@@ -144,6 +148,38 @@ class KVStoreEndpoints:
             return super().do_POST()
         finally:
             self.rfile = stream
+
+    def _routing_post(self):
+        """A render or prefetch request: answered here, nothing generated."""
+        if self._refused_origin() or self._refused_media_type():
+            return None
+        try:
+            length = int(self.headers.get("Content-Length"))
+        except (TypeError, ValueError):
+            return self._answer_json(411, {"error": "Content-Length header is required"})
+        if self._refused_size(length):
+            return None
+        raw = self.rfile.read(max(0, length))
+        problem = _body_problem(self.path, raw)
+        if problem is not None:
+            return self._malformed(*problem, len(raw))
+        body, served = json.loads(raw), self.kvstore_served_model
+        try:
+            if self.path == routing.PREFETCH_PATH:
+                # Within the caller's tenant: the shared prompts and its own, as its request will.
+                tenant = self.kvstore_tenants.tenant_of(self.headers, body)
+                tokens = routing.prompt_tokens(self.response_generator, body, served)
+                key = getattr(self.response_generator.model_provider, "model_key", None)
+                return self._answer_json(200, self.kvstore_cache.prefetch(key, tokens, tenant_id=tenant))
+            return self._answer_json(200, routing.render(self.response_generator, self.path, body, served))
+        except Refused as e:
+            log.warning("kvstore serve: refused a request to %s: %s", self.path, e)
+            return self._answer_json(e.status, {"error": str(e)})
+        except routing.RequestError as e:
+            return self._answer_json(e.status, {"error": str(e)})
+        except Exception as e:  # never the server down, never the prompt in the log
+            log.warning("kvstore serve: POST %s failed: %s", self.path, type(e).__name__)
+            return self._answer_json(500, {"error": type(e).__name__})
 
     def handle_chat_completions(self):
         return self._with_tenant(super().handle_chat_completions())

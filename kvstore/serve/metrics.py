@@ -26,15 +26,22 @@ RESTORED_TOKENS_BUCKETS = (0, 16, 64, 256, 1024, 4096, 16384, 32768, 65536, 1310
 
 
 class ServerMetrics:
-    """`render()` gives `(body, content type)` of the Prometheus text format."""
+    """`render()` gives `(body, content type)` of the Prometheus text format.
 
-    def __init__(self, cache: PersistentPromptCache):
+    With `waiting` (an object whose `count` is the requests not started yet), the two gauges the
+    Gateway API Inference Extension scrapes from a vLLM server are served too, labelled with
+    `model_name`: `vllm:num_requests_waiting` and `vllm:kv_cache_usage_perc` (the memory tier's
+    use of its bound, 0 to 1)."""
+
+    def __init__(self, cache: PersistentPromptCache, waiting: Any = None, model_name: str | None = None):
         self.cache = cache
         # The index keeps one SQLite connection per thread that uses it, for as long as the store
         # is open; HTTP requests each run on a new thread, so their reads go through this one.
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstore-metrics")
         self.registry = CollectorRegistry()
         self.registry.register(_StoreCollector(cache, self.read))
+        if waiting is not None:
+            self.registry.register(_VllmGauges(cache, waiting, model_name or ""))
         self.fetch_seconds = Histogram(
             "kvstore_fetch_seconds", "Time to look up and restore a prompt's cache from the store.",
             buckets=FETCH_SECONDS_BUCKETS, registry=self.registry)
@@ -181,6 +188,36 @@ class _StoreCollector:
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 family.add_metric([name], value)
         yield family
+
+
+class _VllmGauges:
+    """The gauges a vLLM server exports that routers read to pick a node."""
+
+    def __init__(self, cache: PersistentPromptCache, waiting: Any, model_name: str):
+        self.cache, self.waiting, self.model_name = cache, waiting, model_name
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        waiting = GaugeMetricFamily("vllm:num_requests_waiting", "Requests queued and not started yet.",
+                                    labels=["model_name"])
+        waiting.add_metric([self.model_name], max(0, self.waiting.count))
+        yield waiting
+        memory = self.cache.store.memory
+        usage = GaugeMetricFamily("vllm:kv_cache_usage_perc", "Share of the memory tier's bound in use "
+                                  "(1 means full).", labels=["model_name"])
+        usage.add_metric([self.model_name], memory.nbytes / memory.capacity if memory.capacity else 0.0)
+        yield usage
+        c = self.cache.counters
+        yield _counter("kvstore_prefetches", "POST /kvstore/prefetch requests (refused ones too).", c["prefetches"])
+        yield _counter("kvstore_prefetch_tokens", "Prompt tokens prefetches brought into RAM.", c["prefetch_tokens"])
+        yield _gauge("kvstore_warmed_prompts", "Prompts --warm-top loaded into RAM at start.", c["warmed_prompts"])
+        events = getattr(self.cache.store, "events", None)
+        if events is not None:
+            counts = events.stats()
+            yield _counter("kvstore_kv_events", "KV events published (vLLM's format).", counts["events"])
+            yield _counter("kvstore_kv_event_batches", "KV event batches published.", counts["batches"])
 
 
 def _has_remote(store) -> bool:

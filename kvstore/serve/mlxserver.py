@@ -16,14 +16,17 @@ import gc
 import inspect
 import logging
 import os
+import threading
 import traceback
 import weakref
 from typing import Callable, Iterator
 
+from kvstore import settings
 from kvstore.errors import KVStoreError, ModelFilesError
 from kvstore.serve.promptcache import DISK_TYPE, PersistentPromptCache
-from kvstore.serve.tenancy import UNKNOWN, RequestTenants
-from kvstore.sizes import plural
+from kvstore.serve.tenancy.policy import UNKNOWN, RequestTenants
+from kvstore.sizes import format_size, plural
+from kvstore.store import Store
 
 log = logging.getLogger("kvstore")
 
@@ -63,16 +66,19 @@ def _mlx_lm_version() -> str:
 
 @contextlib.contextmanager
 def persistent(server, cache: PersistentPromptCache, started: list,
-               requests: weakref.WeakValueDictionary, make_handler: Callable[[type], type]) -> Iterator[None]:
+               requests: weakref.WeakValueDictionary, make_handler: Callable[[type], type], *,
+               on_start: Callable[[PersistentPromptCache], None] | None = None,
+               waiting: Waiting | None = None) -> Iterator[None]:
     """Within: mlx_lm.server's ResponseGenerator gets `cache` instead of its own prompt cache, its
     HTTP server uses `make_handler(APIHandler)` as its handler, and the generation context of every
-    request is listed in `requests` (so shutdown can stop them)."""
+    request is listed in `requests` (so shutdown can stop them). `on_start(cache)` runs once the
+    model is loaded, before the server listens; `waiting` counts the requests not started yet."""
     original = server.ResponseGenerator
     original_context = getattr(server, "GenerationContext", None)
     original_http = server._run_http_server
     original_batch = getattr(server, "BatchGenerator", None)
     server._run_http_server = _http_runner(server, original_http, make_handler)
-    server.ResponseGenerator = _response_generator(original, cache, started)
+    server.ResponseGenerator = _response_generator(original, cache, started, on_start, waiting or Waiting())
     if isinstance(original_context, type) and callable(getattr(original_context, "stop", None)):
         server.GenerationContext = _listed_context(original_context, requests)
     tenants = getattr(cache, "tenants", None)
@@ -154,11 +160,51 @@ def _http_runner(server, original_http: Callable, make_handler: Callable[[type],
     return run_http_server
 
 
-def _response_generator(original: type, cache: PersistentPromptCache, started: list) -> type:
+def _response_generator(original: type, cache: PersistentPromptCache, started: list,
+                        on_start: Callable | None, waiting: Waiting) -> type:
     """A subclass of mlx_lm.server's `ResponseGenerator` that serves from `cache` and lists itself
     in `started` (see `_RecoveringGenerator`)."""
     return type("ResponseGenerator", (_RecoveringGenerator, original),
-                {"_kvstore_cache": cache, "_kvstore_started": started})
+                {"_kvstore_cache": cache, "_kvstore_started": started,
+                 "_kvstore_on_start": staticmethod(on_start) if on_start is not None else None,
+                 "_kvstore_waiting": waiting})
+
+
+class Waiting:
+    """Requests handed to the generation loop whose prompt processing has not started yet (no
+    progress reported, no token): vLLM's `num_requests_waiting`."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.count = 0
+
+    def add(self, n: int) -> None:
+        with self._lock:
+            self.count += n
+
+    def watch(self, progress: Callable | None, tokens: Iterator) -> tuple[Callable, Iterator]:
+        """`(progress callback, token iterator)` of one request, each ending its wait when first used."""
+        left = [True]
+
+        def started() -> None:
+            if left[0]:
+                left[0] = False
+                self.add(-1)
+
+        def on_progress(*args):
+            started()
+            if progress is not None:
+                progress(*args)
+
+        def watched():
+            try:
+                for item in tokens:
+                    started()
+                    yield item
+            finally:
+                started()
+
+        return on_progress, watched()
 
 
 class _RecoveringGenerator:
@@ -168,16 +214,38 @@ class _RecoveringGenerator:
 
     _kvstore_cache: PersistentPromptCache
     _kvstore_started: list
+    _kvstore_on_start: Callable | None
+    _kvstore_waiting: Waiting
 
     def __init__(self, model_provider, prompt_cache, *args, **kwargs):
         cache = self._kvstore_cache
         cache.attach(model_provider)
-        log.info("%s", cache.describe())
+        log.info("%s", describe_store(cache.store))
         _load_default(model_provider)
+        if self._kvstore_on_start is not None:
+            self._kvstore_on_start(cache)
         self._kvstore_queues: weakref.WeakSet = weakref.WeakSet()  # answer queues of requests taken
         self._kvstore_taken = 0
         super().__init__(model_provider, cache, *args, **kwargs)
         self._kvstore_started.append(self)
+
+    def generate(self, request, generation_args, progress_callback=None):
+        """mlx_lm.server's `generate`, the request counted as waiting until it starts."""
+        waiting = self._kvstore_waiting
+        waiting.add(1)
+        holder: list = []
+
+        def progress(*args):
+            holder[0](*args) if holder else None
+
+        try:
+            ctx, tokens = super().generate(request, generation_args, progress_callback=progress)
+        except BaseException:
+            waiting.add(-1)
+            raise
+        on_progress, watched = waiting.watch(progress_callback, tokens)
+        holder.append(on_progress)
+        return ctx, watched
 
     def _tokenize(self, tokenizer, request, *args, **kwargs):
         # mlx_lm.server looks a request's prompt up right after it tokenizes it, on this thread.
@@ -314,3 +382,21 @@ def _where(e: BaseException) -> str:
         return "an unknown place"
     f = frames[-1]
     return f"{os.path.basename(f.filename)}:{f.lineno} in {f.name}"
+
+
+def describe_store(store: Store) -> str:
+    """The start line: where the store is, how big, how many records, the remote tier, and the
+    settings that are not the defaults."""
+    if store.index is None:
+        return f"kvstore: RAM-only store, memory tier {format_size(store.memory.capacity)}"
+    totals = store.index.totals()
+    bound = f", bounded to {format_size(store.max_bytes)}" if store.max_bytes is not None else ""
+    bound += " (auto: 1/4 of held + free disk)" if getattr(store, "max_bytes_rule", None) else ""
+    remote = getattr(store, "remote", None)
+    below = (f"; remote tier {remote.url} (read through, written behind; deadline "
+             f"{remote.deadline:g} s a fetch)") if remote is not None else "; no remote tier"
+    changed = settings.not_default(settings.report(store.settings))
+    return (f"kvstore: store {store.path}: {format_size(totals['bytes'])} in "
+            f"{plural(totals['chunks'] + totals['tails'], 'record')} ({plural(totals['chunks'], 'chunk')}, "
+            f"{plural(totals['tails'], 'tail')}){bound}; memory tier {format_size(store.memory.capacity)}{below}"
+            f"; settings: {changed or 'defaults'}")

@@ -14,7 +14,7 @@ import socket
 from kvstore import settings
 from kvstore.argv import Parser
 from kvstore.errors import InvalidInputError
-from kvstore.serve.tenancy import TenantPolicy, parse_source
+from kvstore.serve.tenancy.policy import TenantPolicy, parse_source
 from kvstore.settings import Setting
 
 #: Default of --store-max-tokens: a longer request is served but not stored.
@@ -53,6 +53,16 @@ SERVE_SETTINGS: tuple[Setting, ...] = (
             refuse_zero="0 would refuse every request: use off for no limit",
             help="refuse a POST body larger than this with 413, unread, e.g. 16MiB; off: no limit; "
                  "0 is refused"),
+    Setting("kv_events_config", "json", None, default_text="none: nothing is published",
+            help="publish vLLM's KV events for cache-aware routers, with vLLM's JSON, e.g. "
+                 "'{\"enable_kv_cache_events\":true,\"publisher\":\"zmq\",\"endpoint\":\"tcp://*:5557\"}'; "
+                 "the topic defaults to kv@HOST:PORT@MODEL; events carry prompts' token ids (docs/serve.md)"),
+    Setting("kv_events_block_size", "count", 64, zero=None, refuse_zero="a block needs at least one token",
+            help="tokens per block in KV events; it must divide the store's chunk size (256), and a "
+                 "router such as Dynamo's uses the events only when it equals its own block size"),
+    Setting("warm_top", "count", 0, zero="warm nothing",
+            help="before /health says ready, load the N most-hit prompts (or shared system prompts) "
+                 "of the store into the memory tier, as far as it holds them; 0: warm nothing"),
 )
 
 PROG = "kvstore serve"
@@ -63,7 +73,9 @@ Every other option goes to mlx_lm.server unchanged (--model, --host, --port, --p
 --memory-bytes defaults to --prompt-cache-bytes when that is given.
 
 Also served, read-only: GET /metrics (Prometheus) and GET /kvstore/stats (store.stats() as JSON,
-without paths unless --stats-paths). Requests addressed to any other host than localhost,
+without paths unless --stats-paths); vLLM's POST /v1/chat/completions/render and
+/v1/completions/render (the token ids a request would prefill); POST /kvstore/prefetch (a
+prompt's stored cache into RAM ahead of its request). Requests addressed to any other host than localhost,
 127.0.0.1, [::1], --host and --allowed-hosts are refused (421).
 
 example:

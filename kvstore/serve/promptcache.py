@@ -23,7 +23,6 @@ from typing import Any, Callable, Hashable, Sequence
 
 import numpy as np
 
-from kvstore import keys, settings
 from kvstore.keys import checkpoint_hash
 from kvstore.model.blas import long_prefill_note
 from kvstore.model.cache import ModelCache
@@ -31,10 +30,9 @@ from kvstore.model.prefill import prompt_cache
 from kvstore.serve.binding import IN_RAM, Binding, KeyBindings
 from kvstore.serve.firststeps import FirstSteps
 from kvstore.serve.ramlru import CACHE_TYPES, RamSequences, SystemPrompts
-from kvstore.serve.tenancy import UNKNOWN, RequestTenants
-from kvstore.sizes import format_size, plural
+from kvstore.serve.tenancy.policy import UNKNOWN, RequestTenants
 from kvstore.store import Store
-from kvstore.tenants import Tenant, sees
+from kvstore.tenants import Tenant
 
 log = logging.getLogger("kvstore")
 
@@ -88,8 +86,8 @@ class PersistentPromptCache:
         self.first_steps = FirstSteps()  # requests' first steps: their prompts' canaries
         self.counters = {"requests": 0, "prompt_tokens": 0, "reused_tokens": 0, "fallback_requests": 0,
                          "inserts": 0, "errors": 0, "fetch_errors": 0, "not_stored_too_long": 0,
-                         "tenant_unknown": 0,
-                         "reused_by_tier": {"memory": 0, "disk": 0, "remote": 0}}
+                         "tenant_unknown": 0, "reused_by_tier": {"memory": 0, "disk": 0, "remote": 0},
+                         "prefetches": 0, "prefetch_tokens": 0, "prefetches_refused": 0, "warmed_prompts": 0}
 
     # -- telling it which model a key means --------------------------------------------------
 
@@ -148,7 +146,7 @@ class PersistentPromptCache:
                 toks = np.asarray(tokens, dtype=np.int32)  # once, for both lookups
                 mc = binding.choose(toks, self._tenant(tenant_id))
                 self._settle()  # records RAM let go while the writer held them are gone from it now
-                in_ram = self._ram_prefix(mc, toks)
+                in_ram = mc.ram_length(toks)
                 self.first_steps.fetched(tokens)
                 if not mc.exact:
                     return self._fetched_from(mc, toks, in_ram, lambda: (*mc.fetch(toks), 0))
@@ -265,24 +263,39 @@ class PersistentPromptCache:
                     out[f"in-RAM only, {cache_type}"] = dict(stats)
             return out
 
-    # -- start-up and shut-down --------------------------------------------------------------
+    def prefetch(self, model: Hashable, tokens: Sequence[int], *, binding: Binding | None = None,
+                 tenant_id: str | None = None) -> dict:
+        """Restore what the store holds of `tokens` into the memory tier, ahead of the request that
+        will need it (`binding`: the bound model, else `model` is resolved as for a request),
+        within `tenant_id`'s namespace (None: the shared one): what its request would reuse.
+        Returns `ModelCache.load_into_ram`'s answer (`"refused"` says why it did nothing)."""
+        tokens = list(tokens)
+        with self._lock:
+            self.counters["prefetches"] += 1
+            out = {"tokens": len(tokens), "stored": 0, "in_ram": 0, "loaded": 0}
+            try:
+                binding = binding or self._resolve(model, tokens)
+                if not isinstance(binding, Binding):
+                    return {**out, "refused": f"this model's caches are not stored ({binding})"}
+                toks = np.asarray(tokens, dtype=np.int32)
+                out = binding.choose(toks, self._tenant(tenant_id)).load_into_ram(toks)
+                if "refused" in out:
+                    self.counters["prefetches_refused"] += 1
+                self.counters["prefetch_tokens"] += out["loaded"]
+                return out
+            except Exception as e:
+                self._error("prefetch", e)
+                return {**out, "refused": f"{type(e).__name__}: {e}"}
 
-    def describe(self) -> str:
-        """One line: where the store is, how big, how many records, and the remote tier."""
-        store = self.store
-        if store.index is None:
-            return f"kvstore: RAM-only store, memory tier {format_size(store.memory.capacity)}"
-        totals = store.index.totals()
-        bound = f", bounded to {format_size(store.max_bytes)}" if store.max_bytes is not None else ""
-        bound += " (auto: 1/4 of held + free disk)" if getattr(store, "max_bytes_rule", None) else ""
-        remote = getattr(store, "remote", None)
-        below = (f"; remote tier {remote.url} (read through, written behind; deadline "
-                 f"{remote.deadline:g} s a fetch)") if remote is not None else "; no remote tier"
-        changed = settings.not_default(settings.report(store.settings))
-        return (f"kvstore: store {store.path}: {format_size(totals['bytes'])} in "
-                f"{plural(totals['chunks'] + totals['tails'], 'record')} ({plural(totals['chunks'], 'chunk')}, "
-                f"{plural(totals['tails'], 'tail')}){bound}; memory tier {format_size(store.memory.capacity)}{below}"
-                f"; settings: {changed or 'defaults'}")
+    def bind_served(self) -> Binding | str:
+        """The binding of the model the attached provider has loaded, made now: at start, so its
+        stored records are announced at once (KV events) and can be warmed."""
+        with self._lock:
+            provider = self._keys.provider
+            key = getattr(provider, "model_key", None)
+            return self._resolve(key, []) if key is not None else IN_RAM
+
+    # -- start-up and shut-down --------------------------------------------------------------
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for pending writes (False if `timeout` ran out first); exact-mode inserts still
@@ -390,22 +403,6 @@ class PersistentPromptCache:
                 rec = writer.pending(h)
             total += rec.nbytes if rec is not None else 0
         return total
-
-    def _ram_prefix(self, mc: ModelCache, toks: np.ndarray) -> int:
-        """How many leading tokens of `toks` the records in RAM (memory tier or write queue)
-        cover: what a fetch of them reuses without reading the disk."""
-        store, C = self.store, mc.chunk_size
-        covered, parent = 0, mc.ns
-        links = [None] if mc.tenant is None else [None, mc.tenant.link]  # shared chunks, then the tenant's
-        for link in links:
-            for h in keys.chain(parent, toks[covered : len(toks) // C * C], C, link):
-                if h not in store.memory and not store.writer.is_pending(h):
-                    break
-                covered, parent = covered + C, h
-        rest = toks[covered:]
-        children = [r.tokens for r in store.memory.children(parent) if sees(mc.tenant, r.tenant)]
-        children += [t for _, t, tag in store.writer.pending_children(parent) if sees(mc.tenant, tag)]
-        return covered + max((keys.common_prefix(t, rest) for t in children), default=0)
 
     def _count_reuse(self, reused: int, in_ram: int, remote_before: int | None) -> None:
         """Reused tokens by tier: what RAM held, what the remote tier filled in during this fetch,

@@ -342,9 +342,10 @@ class Index(EvictionSQL, WriteLogSQL, PinSQL):
                                for r in deleted])
         return deleted
 
-    def rows(self) -> Iterator[Row]:
-        """Every record (for verify)."""
-        for r in self.conn.execute(f"SELECT {_ROW_COLUMNS} FROM records"):
+    def rows(self, ns: bytes | None = None) -> Iterator[Row]:
+        """Every record (for verify); with `ns`, those of one namespace, parents before children."""
+        where = " WHERE ns = ? ORDER BY depth, kind" if ns is not None else ""
+        for r in self.conn.execute(f"SELECT {_ROW_COLUMNS} FROM records{where}", () if ns is None else (ns,)):
             yield _row(r)
 
     def namespaces(self) -> set[bytes]:

@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import numpy as np
 
@@ -152,6 +152,8 @@ class DiskTier:
         self.index, self.root, self.budget = index, root, budget
         self.access = AccessTimes()
         self.quarantined = 0  # records this process found damaged
+        # Told the row of each record `put` stored (a download): subscribed where the store is built.
+        self.on_store: list[Callable[[list[Row]], None]] = []
 
     def find(self, lookup, ids):
         return self.index.rows_of([r.hash for r in ids]) if ids else {}
@@ -196,6 +198,8 @@ class DiskTier:
                 return False
             blobwrite.write_bytes(self.root, row.hash, data, fsync=False)
             self.index.insert([row])
+            for listener in self.on_store:
+                listener([row])
         try:  # the store's write log counts what reaches its disk from elsewhere too
             self.index.log_writes(hour_of(time.time()), {"downloaded": len(data)})
         except Exception as e:

@@ -101,7 +101,7 @@ def check_server(url: str, tenant_from: str, shared: list[dict] | None, probes: 
     check is skipped)."""
     import requests
 
-    from kvstore.serve.tenancy import parse_source
+    from kvstore.serve.tenancy.policy import parse_source
 
     source = parse_source(tenant_from)
     if source == "none":
