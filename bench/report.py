@@ -100,8 +100,12 @@ def write_report() -> str:
         "page-cache read speed, and a section run again since names the CPU it ran on.")
     add("")
     report_sections.commands(add)
-    conversation, remote, agent = _load("conversation"), _load("remote"), _load("agent_trace")
+    conversation, remote, agent, tenants = (_load(n) for n in ("conversation", "remote", "agent_trace", "tenants"))
     summary, missed = _targets(restore, write, index, conversation)
+    for text, measured, met in report_sections.tenant_targets(tenants) if tenants else ():
+        summary.append(f"| {text} | {measured} | {_ok(met)} |")
+        if not met:
+            missed.append(f"{text}: {measured}: see the tenants section.")
     add("## Targets")
     add("")
     add("| target | measured | |")
@@ -143,13 +147,22 @@ def write_report() -> str:
         report_sections.remote(add, remote)
     if agent:
         report_sections.agent_trace(add, agent)
-    kv8, stats_scale, packs = _load("kv8"), _load("stats_scale"), _load("packs")
+    kv8, stats_scale, exact, packs = _load("kv8"), _load("stats_scale"), _load("exact"), _load("packs")
     if kv8:
         report_sections.kv8(add, kv8)
+    if exact:
+        report_sections.exact(add, exact)
     if packs:
         report_sections.packs(add, packs)
     if stats_scale:
         report_sections.stats_scale(add, stats_scale)
+    if tenants:
+        report_sections.tenants(add, tenants)
+    kv_events, fleet = _load("kv_events"), _load("fleet")
+    if kv_events:
+        report_sections.kv_events(add, kv_events)
+    if fleet:
+        report_sections.fleet(add, fleet)
     if run.get("steps"):
         add("## Run")
         add("")

@@ -1,6 +1,7 @@
 """Sections of bench/README.md written by report.py: how to run each benchmark, and the sections for
 bench/conversation.py and bench/remote.py (whose results files record no date of their own),
-bench/agent_trace.py, bench/kv8.py, bench/packs.py and bench/stats_scale.py."""
+bench/agent_trace.py, bench/kv8.py, bench/exact.py, bench/packs.py, bench/stats_scale.py,
+bench/tenants.py, bench/kv_events.py and bench/fleet.py."""
 
 from __future__ import annotations
 
@@ -38,11 +39,18 @@ COMMANDS = [
     ("remote tier (starts a local SeaweedFS)", "python bench/remote.py [--lengths 2048 8192] [--reps 3]", False),
     ("agent trace under `admit`", "python bench/agent_trace.py [--prompts 200] [--tokens 2048]", True),
     ("8-bit K/V on disk", "python bench/kv8.py [--quick]", True),
+    ("exact mode on and off, `verify --exact` (OpenBLAS preloaded)", "python bench/exact.py [--quick]", True),
     ("KV packs: size per token, import against a raw read", "python bench/packs.py [--tokens 2048] [--reps 3]",
      False),
+    ("tenants: one probe against another tenant's prompts; reuse against one shared cache",
+     "python bench/tenants.py [--quick] [--probes 200] [--system 1024] [--private 256]", False),
     ("what the benchmarks changed", "python bench/before_after.py [--quick]", True),
     ("checkpoint bytes of a hybrid model (arithmetic)", "python bench/checkpoint_bytes.py CONFIG.json", False),
     ("a profile of `fetch` (a quick look)", "python bench/profile_fetch.py [--tokens 2048] [--cprofile]", False),
+    ("KV events: announce at restart, cost on insert", "python bench/kv_events.py [--records 1000] [--inserts 600]",
+     False),
+    ("a fleet of 3 nodes: round robin against routing by KV events",
+     "python bench/fleet.py [--conversations 8] [--turns 4] [--sglang-router PATH]", False),
 ]
 
 
@@ -215,6 +223,187 @@ def kv8_table(data: dict) -> str:
 
 def _prefix(r: dict) -> int:
     return 50 if r["greedy_first_diff"] is None else r["greedy_first_diff"]
+
+
+def exact(add, data) -> None:
+    """The exact mode section (bench/exact.py)."""
+    add("## Exact mode")
+    add("")
+    add("`LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 python bench/exact.py` "
+        "(docs/exact.md): a prompt of 2k or 8k tokens stored as `kvstore generate` stores it (demo models, "
+        "float32), then queries sharing a prefix of random length with it, and the prompt itself, restored from "
+        "disk and run as generation runs them, against a cold run of each query in the same steps (mlx-lm's "
+        "2048 with exact mode off). With exact mode off a sliding-window model reuses nothing here: its one "
+        "insert after generation holds only the last window, so no record before it has the window a restore "
+        "needs; exact mode stores each step as it goes.")
+    add("")
+    for line in exact_table(data).splitlines():
+        add(line)
+    add("")
+
+
+def exact_table(data: dict) -> str:
+    lines = [f"Last written {data['written_utc']} on {data['cpu']} ({data['blas']}; a part run again on its own keeps "
+             f"the others' numbers), load average {data['load_before']} before, {data['load_after']} after.", "",
+             "| demo model | prompt | exact_prefill | greedy agreement (32 tokens a query) | K/V bit for bit after the "
+             "restore point | max \\|logit diff\\| | tokens reused (of the queries') | restore + rest, median | "
+             "cold, median |",
+             "| --- | ---: | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in data["exactness"]:
+        lines.append(f"| {r['model']} | {r['tokens']:,} | {r['mode']} | {r['greedy_agree']}/{r['greedy_total']} | "
+                     f"{r['kv_bitwise']}/{r['queries']} | {r['max_logit_diff']:.2g} | "
+                     f"{r['reused']:,} of {r['query_tokens']:,} ({r['reused'] / r['query_tokens']:.0%}) | "
+                     f"{r['warm_s'] * 1000:.0f} ms | {r['cold_s'] * 1000:.0f} ms |")
+    lines += ["", "Cold prefill (demo llama small, float32), median of the rounds:", "",
+              "| prompt | steps of 256 | steps of 2048 | one piece | the last token alone (the canary's step) |",
+              "| ---: | --- | --- | --- | --- |"]
+    for r in data["prefill"]:
+        lines.append(f"| {r['tokens']:,} | {r['prefill_256'] * 1000:.0f} ms ({r['prefill_256'] / r['prefill_2048']:.2f}x) | "
+                     f"{r['prefill_2048'] * 1000:.0f} ms | {r['prefill_whole'] * 1000:.0f} ms "
+                     f"({r['prefill_whole'] / r['prefill_2048']:.2f}x) | {r['last_step'] * 1000:.1f} ms "
+                     f"({r['last_step'] / r['prefill_2048']:.1%} of the prefill) |")
+    lines += ["", "`verify --exact` on a store of 100 prompts (demo llama tiny, a 256-token system prompt each):", "",
+              "| exact_prefill | prompts checked | seconds a prompt | canaries reproduced | store files unchanged | verdict |",
+              "| --- | --- | --- | --- | --- | --- |"]
+    for r in data["verify"]:
+        lines.append(f"| {r['mode']} | {r['prompts']} | {r['per_prompt_s']:.2f} s | {r['canaries']} | "
+                     f"{'yes' if r['unchanged'] else 'NO'} | {'ok' if r['ok'] else 'MISMATCH'} |")
+    if data.get("conversation"):
+        lines += ["", "A conversation (demo llama tiny): a 1,024-token system prompt, then turns of a 64-token user "
+                      "message and a 48-token reply, each generated and stored as `kvstore generate` does:", "",
+                  "| exact_prefill | turns | prompt tokens reused (of all turns') |", "| --- | --- | --- |"]
+        for r in data["conversation"]:
+            lines.append(f"| {r['mode']} | {r['turns']} | {r['reused']:,} of {r['prompt_tokens']:,} "
+                         f"({r['reused'] / r['prompt_tokens']:.0%}) |")
+    c = data.get("selfcheck")
+    if c:
+        lines += ["", f"The backend self-check, on the first restore of a process (a Qwen3-0.6B-shaped cache of "
+                      f"{c['tokens']:,} tokens, {c['kv_bytes'] / 1e6:,.0f} MB, from disk with the page cache warm; fresh "
+                      "processes, alternating; medians): "
+                      f"{c['first_restore_checked_s'] * 1000:.0f} ms with it, {c['first_restore_skip_s'] * 1000:.0f} ms "
+                      "without it. It reads one record's tensors again and copies them through mlx, once per process."]
+    return "\n".join(lines) + "\n"
+
+
+def tenant_targets(data) -> list[tuple[str, str, bool]]:
+    """(target, measured, met) of bench/tenants.py: a one-probe attacker's accuracy against
+    another tenant's prompts (at most 60%, by time and by cached tokens), and reuse within a
+    tenant and of the shared prompt within 10% of one shared cache."""
+    r = data["results"]
+    t, today = r["tenants"], r["today"]
+    out = []
+    for signal, label in (("ttft", "time to first token"), ("cached_tokens", "`cached_tokens`")):
+        a = t["attacker"][signal]
+        out.append((f"cross-tenant: a threshold on {label} tells another tenant's prompt from a new one <= 60% "
+                    f"of held-out probes", f"{a['accuracy']:.0%} with tenants ({today['attacker'][signal]['accuracy']:.0%} "
+                    "with one shared cache)", a["accuracy"] <= 0.60))
+    for case, label in (("repeat", "a tenant's own prompt again"), ("shared", "a new tenant after the shared prompt")):
+        ratio = r[f"{case}_ttft_ratio_tenants_to_today"]
+        out.append((f"time to first token of {label}, tenants / one shared cache, no more than 10% slower",
+                    f"{ratio:.2f}x" + (" (faster: see the tenants section)" if ratio < 0.9 else ""), ratio <= 1.1))
+    return out
+
+
+def tenants(add, data) -> None:
+    """The section of bench/tenants.py."""
+    r = data["results"]
+    add("## Tenants")
+    add("")
+    add(f"`python bench/tenants.py` (run {data.get('started', '?')} on {data.get('cpu', '?')}, BLAS: "
+        f"**{data.get('blas')}**), the built-in demo model: two `kvstore serve`, each on a store of its own warmed "
+        f"with the same {data['system_tokens']:,}-token system prompt, side by side: `--tenant-from none` (one cache for every "
+        "client, as before tenants) and `--tenant-from header:X-Tenant`. A victim stores "
+        f"{data['probes']} prompts (the system prompt and {data['private_tokens']} tokens of its own); an attacker "
+        "(another tenant) probes each once and as many new prompts, interleaved, each request streamed; a "
+        f"threshold fitted on the first {data['probes'] // 2} of each kind classifies the other "
+        f"{data['probes'] - data['probes'] // 2} + {data['probes'] - data['probes'] // 2}. Then the victim asks "
+        f"{data['repeats']} of its prompts again, and as many new tenants each send a first request.")
+    add("")
+    add("| | one shared cache | tenants |")
+    add("| --- | ---: | ---: |")
+    for signal, label in (("ttft", "time to first token"), ("cached_tokens", "`cached_tokens`")):
+        cells = []
+        for name in ("today", "tenants"):
+            a = r[name]["attacker"][signal]
+            unit = (lambda v: f"{v * 1e3:.1f} ms") if signal == "ttft" else (lambda v: f"{v:,.0f}")
+            cells.append(f"{a['accuracy']:.0%} ({unit(a['median_other'])} vs {unit(a['median_fresh'])})")
+        add(f"| one probe by {label}: accuracy (another tenant's prompts vs new, medians) | {cells[0]} | {cells[1]} |")
+    for case, label in (("victim", "a prompt's first request"), ("repeat", "a tenant's own prompt again"),
+                        ("shared", "a new tenant after the shared prompt")):
+        cells = [f"{r[n][case]['median_ttft_s'] * 1e3:.1f} ms ({r[n][case]['median_cached_tokens']:,.0f} cached)"
+                 for n in ("today", "tenants")]
+        add(f"| time to first token: {label} | {cells[0]} | {cells[1]} |")
+    add("")
+    add(f"`cached_tokens` of the attacker's probes of the victim's prompts, with tenants: "
+        f"{r['tenants']['cached_tokens_of_victims_prompts']}; of new prompts: {r['tenants']['cached_tokens_of_fresh_prompts']} "
+        "(the shared system prompt, and the opening tokens of the user turn its own earlier prompts hold). "
+        f"Tenants / one shared cache: a tenant's own prompt again {r['repeat_ttft_ratio_tenants_to_today']:.2f}x, "
+        f"a new tenant after the shared prompt {r['shared_ttft_ratio_tenants_to_today']:.2f}x.")
+    add("")
+    add("Why a new tenant's first request can be faster with tenants: with one cache for every client, every "
+        "client's prompt after the system prompt is a child of its last shared chunk, starting with the same "
+        "token (the system prompt's), and a lookup of a new prompt reads the tokens of each to compare them; with "
+        "tenants it reads the shared ones and its own only (`children_by_tenant`). In-process, with 400 other "
+        "clients' prompts after a shared one, a fetch of a new prompt took 8.0 ms with one cache and 0.74 ms as a "
+        "tenant (0.62 ms each with none).")
+
+
+def kv_events(add, data) -> None:
+    """The section of bench/kv_events.py: a restarted node's announce, and the cost on insert."""
+    a, i = data["announce"], data["insert"]
+    add("## KV events")
+    add("")
+    add(f"`LD_PRELOAD=.../libblas.so.3 python bench/kv_events.py` (run {data.get('written_utc', '?')} on "
+        f"{data['machine'].get('cpu', '?')}, {data['machine'].get('cores', '?')} cores, load average "
+        f"{data['machine'].get('load_average_1m', '?')} at the start; {data.get('blas')}; tiny demo llama, "
+        "256-token chunks, 64-token blocks).")
+    add("")
+    add(f"- **Announce at restart** (target: within 5 s of start): `kvstore serve` started on a store of "
+        f"{a['records']:,} records ({a['blocks']:,} blocks); a subscriber bound on 127.0.0.1 received every block "
+        f"**{a['announced_s']:.2f} s** after the process was started (`/health` said ready at "
+        f"{a['health_s']:.2f} s: most of it is loading Python, mlx and the model; the announce itself took "
+        f"{a['announce_in_process_s']:.2f} s in the server, in {a['batches']} batches of at most "
+        f"{a['largest_batch']} events). What the subscriber believed equals the store: {a['blocks_believed']:,} "
+        "blocks.")
+    add(f"- **Cost on insert** (target: under 5% of its caller-side time): {i['inserts']} inserts into a store "
+        f"that publishes and one that does not, the same caches, interleaved: median "
+        f"{i['events']['median_ms']:.3f} ms against {i['plain']['median_ms']:.3f} ms "
+        f"(**{i['overhead_median'] * 100:+.1f}%**), mean without the slowest 5% "
+        f"{i['events']['trimmed_mean_ms']:.3f} ms against {i['plain']['trimmed_mean_ms']:.3f} ms "
+        f"({i['overhead_trimmed_mean'] * 100:+.1f}%), mean {i['events']['mean_ms']:.3f} ms against "
+        f"{i['plain']['mean_ms']:.3f} ms ({i['overhead_mean'] * 100:+.1f}%; the slowest inserts are scheduler "
+        "stalls of a busy machine). Insert only queues; the publisher does its work on a thread of its own, "
+        f"so what differs is that thread's share of the GIL. {i['batches']} batches, sequence numbers {'without a gap' if i['gapless'] else 'WITH GAPS'}; "
+        f"the subscriber's view of the disk {'equals' if i['disk_view_equals_store'] else 'DIFFERS FROM'} the store "
+        f"({i['disk_blocks_held']:,} blocks).")
+    add("")
+
+
+def fleet(add, data) -> None:
+    """The section of bench/fleet.py: three nodes, round robin against routing by KV events."""
+    w, m = data["workload"], data["machine"]
+    add("## Fleet: routing by KV events")
+    add("")
+    add(f"`python bench/fleet.py --sglang-router PATH` (run {data.get('written_utc', '?')} on {m.get('cpu', '?')}, "
+        f"{m.get('cores', '?')} cores, load average {m.get('load_average_1m', '?')} at the start; "
+        f"{data.get('blas')}): fleets of three `kvstore serve` nodes (small demo llama, each node its own "
+        f"empty store), side by side, every request sent to each fleet in turn: {w['systems']} system prompts of "
+        f"{w['system_tokens']} tokens shared by {w['conversations']} conversations of {w['turns']} turns, each "
+        f"conversation with a document of {w['document_tokens']} tokens of its own, turns interleaved. The "
+        "hit rate is the share of prompt tokens the nodes reported cached; times to first token are the "
+        "client's, streamed.")
+    add("")
+    add("| router | requests | hit rate | median TTFT | p90 TTFT |")
+    add("| --- | ---: | ---: | ---: | ---: |")
+    for name, r in data["policies"].items():
+        add(f"| {name} | {r['requests']} | {r['hit_rate'] * 100:.1f}% | {r['ttft_median_ms']:.0f} ms "
+            f"| {r['ttft_p90_ms']:.0f} ms |")
+    add("")
+    add("Round robin sends each turn to the next node, which holds the shared system prompts after a few "
+        "requests but rarely the conversation's own document. The picker (in bench/fleet.py, not part of "
+        "kvstore) routes by the nodes' KV events. SGLang's gateway routes by request text, which on this "
+        "workload finds the same nodes; it cannot see what a node evicted or restored. See docs/fleet.md.")
+    add("")
 
 
 def packs(add, data) -> None:

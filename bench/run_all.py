@@ -5,7 +5,7 @@
 
 Each benchmark runs in its own process, one after the other (nothing else of ours competes for
 the CPU). The time-to-first-token benchmarks (ttft.py, and serve.py for the two servers it
-starts) run with Debian's OpenBLAS preloaded (`LD_PRELOAD`) when `libopenblas0-pthread` is
+starts) and exact.py (whose point is OpenBLAS's sums) run with Debian's OpenBLAS preloaded (`LD_PRELOAD`) when `libopenblas0-pthread` is
 installed, since the mlx-cpu wheel's bundled reference BLAS makes CPU prefill several times
 slower (how many depends on the CPU); the report says which BLAS each run used.
 Nothing here needs OpenBLAS: without it the same run uses the bundled BLAS (and fewer lengths fit
@@ -24,7 +24,7 @@ import time
 import common as C
 
 STEPS = ["restore", "write_path", "index_scale", "conversation", "before_after", "ttft", "serve", "agent_trace",
-         "kv8"]
+         "kv8", "exact"]
 
 
 def run_step(name: str, quick: bool, env: dict | None = None) -> dict:
@@ -51,7 +51,7 @@ def main() -> None:
     runs = []
     for name in steps:
         env = None
-        if name in ("ttft", "serve"):  # (serve.py preloads it for its servers itself)
+        if name in ("ttft", "serve", "exact"):  # (serve.py preloads it for its servers itself)
             blas = C.openblas_path()
             if blas and blas not in os.environ.get("LD_PRELOAD", ""):
                 env = dict(os.environ, LD_PRELOAD=blas)

@@ -42,14 +42,17 @@ def token_bytes(tokens: np.ndarray) -> bytes:
     return np.ascontiguousarray(tokens, dtype="<i4").tobytes()
 
 
-def chain(ns: bytes, tokens: np.ndarray, chunk_size: int) -> list[bytes]:
-    """Hashes `h_1..h_n` of the full chunks of `tokens`: `h_i = xxh3_128(h_{i-1} || chunk i)`."""
+def chain(ns: bytes, tokens: np.ndarray, chunk_size: int,
+          link: Callable[[bytes], bytes] | None = None) -> list[bytes]:
+    """Hashes `h_1..h_n` of the full chunks of `tokens`: `h_i = xxh3_128(h_{i-1} || chunk i)`,
+    from `h_0 = ns`. With a tenant's `link` (`tenants.Tenant.link`), `h_i = xxh3_128(link(h_{i-1})
+    || chunk i)`: a chain only that tenant can compute (`ns` is then the record it goes on from)."""
     raw = token_bytes(tokens)
     step = chunk_size * 4
     hashes: list[bytes] = []
     prev = ns
     for start in range(0, (len(raw) // step) * step, step):
-        prev = xxhash.xxh3_128_digest(prev + raw[start : start + step])
+        prev = xxhash.xxh3_128_digest((prev if link is None else link(prev)) + raw[start : start + step])
         hashes.append(prev)
     return hashes
 

@@ -14,6 +14,7 @@ this open), `kept` (remembered by the store) or `default`.
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -28,7 +29,8 @@ GIVEN, KEPT, DEFAULT = "given", "kept", "default"
 @dataclass(frozen=True)
 class Setting:
     """One setting: see the module docstring. `kind` is one of `size`, `rate`, `duration`,
-    `choice`, `bits`, `count`, `flag`, `list`."""
+    `choice`, `bits`, `count`, `flag`, `list`, `json` (a JSON object, given as text or a dict),
+    `text` (checked by `check`, which raises ValueError saying what is wrong)."""
 
     name: str
     kind: str
@@ -45,6 +47,7 @@ class Setting:
     serve_default: Any = None  # `kvstore serve`'s own default, where it differs
     serve_note: str = ""
     damaged: str | None = None  # what a kept value that does not parse reads as (None: the default)
+    check: Callable[[str], Any] | None = None  # a `text` setting's validator
 
     @property
     def flag(self) -> str | None:
@@ -71,6 +74,8 @@ class Setting:
             return f"{value} bits"
         if self.kind == "list":
             return ",".join(value) or "none"
+        if self.kind == "json":
+            return json.dumps(value, separators=(",", ":"))
         return str(value)
 
     def encode(self, value: Any) -> str:
@@ -182,15 +187,35 @@ def _flag(s: Setting, value: Any) -> bool:
     raise ValueError(f"must be true or false, got {value!r}")
 
 
+def _text(s: Setting, value: Any) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"must be text, got {value!r}")
+    value = value.strip()
+    if s.check is not None:
+        s.check(value)
+    return value
+
+
 def _list(s: Setting, value: Any) -> list[str]:
     if isinstance(value, (list, tuple)):
         return [str(v) for v in value]
     return [part.strip() for part in str(value).split(",") if part.strip()]
 
 
+def _json(s: Setting, value: Any) -> dict:
+    if isinstance(value, (str, bytes)):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise ValueError(f"not JSON ({e})") from None
+    if not isinstance(value, Mapping):
+        raise ValueError(f"must be a JSON object, got {type(value).__name__}")
+    return dict(value)
+
+
 _KINDS: dict[str, Callable[[Setting, Any], Any]] = {
     "size": _size, "rate": _rate, "duration": _duration, "count": _count, "choice": _choice,
-    "bits": _bits, "flag": _flag, "list": _list}
+    "bits": _bits, "flag": _flag, "list": _list, "json": _json, "text": _text}
 
 
 # -- the store's settings -----------------------------------------------------------------------
@@ -203,6 +228,11 @@ STORE_SETTINGS: tuple[Setting, ...] = (
                  "records; auto: a quarter of what the store holds plus its disk's free space, at "
                  "start; off: no bound; 0 is refused (`kvstore gc --max-bytes 0` empties the store once)",
             serve_default=AUTO),
+    Setting("tenant_max_bytes", "size", None, off=True, zero=None,
+            refuse_zero="0 would keep no tenant's records: use off for no quota",
+            help="bound what each tenant's records take on disk, e.g. 2GiB: past it, gc evicts that "
+                 "tenant's least recently used records (shared prompts do not count); off: no quota; "
+                 "0 is refused"),
     Setting("memory_bytes", "size", 1 << 30, zero="no memory tier",
             help="bound the memory tier (decoded records in RAM, in front of the disk), e.g. 2GiB; "
                  "0: no memory tier (every fetch reads the disk)",
@@ -223,6 +253,12 @@ STORE_SETTINGS: tuple[Setting, ...] = (
     Setting("disk_kv_bits", "bits", None, kept=True, choices=(4, 8), zero="off",
             help="store the K/V of bf16/f16 attention layers quantized to 8 (or 4) bits: lossy, "
                  "about half the disk of bf16 at 8 bits; other dtypes are stored as they are; 0: off"),
+    Setting("exact_prefill", "count", None, kept=True, off=True, zero=None,
+            refuse_zero="0 is no step: use off for token-exact reuse, or a multiple of the chunk size such as 256",
+            help="exact mode: prefill prompts in steps of N tokens from token 0 (N a multiple of the chunk "
+                 "size, e.g. 256 or 2048) and restore only at multiples of N (or at a stored prompt's own "
+                 "end), so a restored run computes what a cold run does, bit for bit (docs/exact.md); "
+                 "off: reuse every stored token; 0 is refused"),
     Setting("remote_deadline", "duration", 1.0, zero="never wait for the bucket",
             help="how long a fetch waits for the remote tier, e.g. 2s; past it, the fetch serves "
                  "what is local; 0: never wait for the bucket"),
@@ -234,6 +270,10 @@ STORE_SETTINGS: tuple[Setting, ...] = (
     Setting("max_pending_bytes", "size", 2 << 30, option=None, zero="every insert is dropped",
             help="bound the background writer's queue; an insert that does not fit is dropped and counted; "
                  "0: every insert is dropped"),
+    Setting("kv_events", "json", None, option=None, default_text="none: nothing is published",
+            help="publish the store's records as vLLM's KV events for cache-aware routers: vLLM's "
+                 "KVEventsConfig as JSON text or a dict, with kvstore's block_size and encoding "
+                 "(docs/serve.md); kvstore serve builds it from --kv-events-config"),
 )
 BY_NAME: dict[str, Setting] = {s.name: s for s in STORE_SETTINGS}
 KEPT_SETTINGS = tuple(s for s in STORE_SETTINGS if s.kept)
@@ -314,7 +354,8 @@ def add_options(parser: argparse.ArgumentParser, table: tuple[Setting, ...] = ST
             parser.add_argument(s.flag, action="store_true", **common)
             continue
         metavar = {"size": "SIZE", "rate": "RATE", "duration": "TIME", "count": "N", "list": "LIST",
-                   "bits": "BITS", "choice": "{" + ",".join(map(str, s.choices)) + "}"}[s.kind]
+                   "json": "JSON", "bits": "BITS", "choice": "{" + ",".join(map(str, s.choices)) + "}",
+                   "text": s.name.split("_")[-1].upper()}[s.kind]
         parser.add_argument(s.flag, metavar=metavar, type=_argtype(s), **common)
 
 
@@ -360,3 +401,13 @@ def table_text(table: tuple[Setting, ...] = STORE_SETTINGS) -> str:
         rows.append(f"| `{s.name}` | {f'`{s.flag}`' if s.flag else 'library only'} | {default} | "
                     f"{'yes' if s.kept else 'no'} | {s.help} |")
     return "\n".join(rows)
+
+
+def check_exact_prefill(resolved: tuple[Any, str], chunk_size: int) -> None:
+    """`exact_prefill` (its value and source, as `resolve` gives them) must be a whole number of
+    chunks of `chunk_size` tokens."""
+    value, source = resolved
+    if value is not None and value % chunk_size:
+        raise InvalidInputError(
+            f"exact_prefill ({source}) is {value} tokens, not a multiple of the chunk size ({chunk_size}): "
+            f"give a multiple such as {max(1, round(value / chunk_size)) * chunk_size}, or off")

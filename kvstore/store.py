@@ -14,15 +14,17 @@ quarantined and the caller gets the longest prefix that is still correct.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import os
 import sqlite3
 import weakref
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvstore import keys, settings
+from kvstore import keys, settings, tenants
 from kvstore.errors import InvalidInputError
+from kvstore.events import config as events_config
 from kvstore.model import fingerprint as fingerprints
 from kvstore.model.backing import Backing
 from kvstore.model.cache import ModelCache
@@ -30,9 +32,10 @@ from kvstore.model.layout import describe, make_template
 from kvstore.model.lookup import Tiers
 from kvstore.remote.bucket import check_url, open_bucket
 from kvstore.remote.node import Remote
-from kvstore.remote.seal import Fleet, fleet_secret
-from kvstore.restore import buffers
-from kvstore.storage.storedir import default_path
+from kvstore.remote.seal import Fleet, fleet_keys
+from kvstore.restore import buffers, selfcheck
+from kvstore.storage.storedir import default_path, tenant_key
+from kvstore.tenants import Tenant
 from kvstore.tiers.disk import DiskBudget, DiskTier, evict
 from kvstore.tiers.memory import MemoryTier, MemoryTierView
 from kvstore.tiers.remote import RemoteTier
@@ -41,6 +44,9 @@ from kvstore.write import budget as write_budget
 from kvstore.write.admission import Gate
 from kvstore.write.pending import PendingTier
 from kvstore.write.writer import Writer
+
+if TYPE_CHECKING:
+    from kvstore.certify import Report
 
 log = logging.getLogger("kvstore")
 
@@ -77,16 +83,24 @@ class Store:
                  remote: str | None = None, remote_deadline: float | str | None = None,
                  remote_key: str | bytes | None = None, remote_flush_timeout: float | str | None = None,
                  admit: str | None = None, max_write_rate: int | str | None = None,
-                 disk_kv_bits: int | str | None = None, buffer_cache_bytes: int | str | None = None):
+                 disk_kv_bits: int | str | None = None, buffer_cache_bytes: int | str | None = None,
+                 tenant_max_bytes: int | str | None = None, exact_prefill: int | str | None = None,
+                 kv_events: str | dict | None = None):
         given = {k: v for k, v in dict(
             max_bytes=max_bytes, memory_bytes=memory_bytes, chunk_size=chunk_size,
             max_pending_bytes=max_pending_bytes, remote_deadline=remote_deadline,
             remote_flush_timeout=remote_flush_timeout, admit=admit, max_write_rate=max_write_rate,
-            disk_kv_bits=disk_kv_bits, buffer_cache_bytes=buffer_cache_bytes).items() if v is not None}
+            disk_kv_bits=disk_kv_bits, buffer_cache_bytes=buffer_cache_bytes,
+            tenant_max_bytes=tenant_max_bytes, exact_prefill=exact_prefill, kv_events=kv_events).items()
+            if v is not None}
         parsed = settings.resolve(given, {})  # bad settings are an error before anything is opened
+        settings.check_exact_prefill(parsed["exact_prefill"], parsed["chunk_size"][0])
         value = {name: v for name, (v, _) in parsed.items()}
         if remote:
             check_url(remote)
+        events = None if value["kv_events"] is None else events_config.parse(value["kv_events"])
+        if events is not None and events.publishes:
+            events_config.check_block_size(events, value["chunk_size"])
         _bound_buffer_cache(value["buffer_cache_bytes"])
         self.chunk_size = value["chunk_size"]
         self.max_bytes = None if value["max_bytes"] == AUTO else value["max_bytes"]
@@ -96,7 +110,7 @@ class Store:
             raise InvalidInputError("a RAM-only store needs memory_bytes > 0")
         if self.ram_only and remote:
             raise InvalidInputError("a remote tier needs a store directory (not kvstore.MEMORY)")
-        secret = fleet_secret(remote_key) if remote else None  # refused before anything is created
+        secrets = fleet_keys(remote_key) if remote else None  # refused before anything is created
         self.memory = MemoryTier(value["memory_bytes"])
         self.files = None if self.ram_only else LocalStore(
             Path(path) if path is not None else default_path(), create=create, read_only=read_only)
@@ -111,22 +125,43 @@ class Store:
         self.settings = self._settings(given, writes)
         value = {name: v for name, (v, _) in self.settings.items()}
         self.disk_kv_bits = value["disk_kv_bits"]
-        self.remote = self._open_remote(remote, value["remote_deadline"], secret, value["remote_flush_timeout"])
+        self.exact_prefill = value["exact_prefill"]
+        try:  # a kept value: checked against this open's chunk size
+            settings.check_exact_prefill(self.settings["exact_prefill"], self.chunk_size)
+        except InvalidInputError:
+            if self.files is not None:
+                self.files.close()
+            raise
+        self.tenant_max_bytes = value["tenant_max_bytes"]
+        self.remote = self._open_remote(remote, value["remote_deadline"], secrets, value["remote_flush_timeout"])
+        self._tenant_secret: tuple[bytes, str] | None = None  # (secret, key id), made on first use
+        self.events = self._publisher(events)
         self.gate = Gate(self.index if writes else None, value["admit"], value["max_write_rate"])
-        budget = DiskBudget(self.files, self.memory, self.max_bytes) if writes and self.max_bytes is not None else None
+        budget = DiskBudget(self.files, self.memory, self.max_bytes, self.tenant_max_bytes) \
+            if writes and (self.max_bytes is not None or self.tenant_max_bytes is not None) else None
         disk = DiskTier(self.index, self.blob_root, budget) if self.files is not None else None
         self.writer = Writer(self.index if writes else None, self.blob_root if writes else None, self.memory,
                              value["max_pending_bytes"], fsync=fsync, gate=self.gate,
                              access=disk.access if disk else None)
-        if self.remote is not None:
-            self.writer.on_commit.append(self.remote.uploader.submit)
-        if budget is not None:
-            self.writer.on_commit.append(budget.check)
+        self._wire(budget, disk)
         self.disk = disk
         self.tiers = self._tiers(disk)
         self.backing = Backing(self.tiers, self.memory, self.writer, self.index, read_only=self.read_only,
                                gate=self.gate, remote=self.remote, budget=budget)
         _OPEN_STORES.add(self)
+
+    def _wire(self, budget: DiskBudget | None, disk: DiskTier | None) -> None:
+        """The events that leave the parts, subscribed here once: the writer's `on_commit` (the
+        uploader, the disk budget, KV events), and what the memory and disk tiers tell KV events."""
+        if self.remote is not None:
+            self.writer.on_commit.append(self.remote.uploader.submit)
+        if budget is not None:
+            self.writer.on_commit.append(budget.check)
+        if self.events is not None:  # what reaches the disk or RAM, and what leaves RAM
+            self.writer.on_commit.append(self.events.committed)
+            self.memory.on_change.append(self.events.memory_changed)
+            if disk is not None:
+                disk.on_store.append(self.events.committed)
 
     def _settings(self, given: dict, writes: bool) -> dict[str, tuple[Any, str]]:
         """Every setting's (value, source) for this open (`kvstore.settings.resolve`). Given kept
@@ -155,15 +190,30 @@ class Store:
         return write_budget.summary(self.index, policy=self.gate.policy, per_day=self.gate.per_day,
                                     unsaved=self.gate.unsaved(), now=self.gate.clock())
 
-    def _open_remote(self, url: str | None, deadline: float | None, secret: bytes | None,
+    def _open_remote(self, url: str | None, deadline: float | None, secrets: list[bytes] | None,
                      flush_timeout: float | None) -> Remote | None:
-        """This node's side of the bucket at `url` (its objects sealed with the fleet `secret`),
-        or None. Contacts nothing yet."""
+        """This node's side of the bucket at `url` (its objects sealed with the first of the
+        fleet's `secrets`, read with each), or None. Contacts nothing yet."""
         if not url:
             return None
-        fleet = Fleet(secret)
+        fleet = Fleet(secrets[0], secrets[1:])
         return Remote(open_bucket(url), fleet, self.index, self.path, self.blob_root,
                       deadline=deadline, flush_timeout=flush_timeout)
+
+    def _publisher(self, config: events_config.EventsConfig | None):
+        """The KV events publisher `kv_events` asks for (`kvstore.events.kvevents`), or None."""
+        if config is None or not config.publishes:
+            if config is not None:
+                log.info("kvstore: kv_events: enable_kv_cache_events is not true: no KV events are published")
+            return None
+        from kvstore.events.kvevents import KVEvents
+
+        try:
+            return KVEvents(config, self.index, self.blob_root)
+        except BaseException:  # the endpoint cannot be used: nothing is left open
+            if self.files is not None:
+                self.files.close()
+            raise
 
     def _tiers(self, disk: DiskTier | None) -> Tiers:
         """Where fetch reads records from, in order."""
@@ -172,37 +222,62 @@ class Store:
             tiers.append(disk)
             if self.remote is not None:  # its downloads are stored through `disk`, within its budget
                 tiers.append(RemoteTier(self.remote.bucket, self.remote.health, disk, self.remote.fleet,
-                                        deadline=self.remote.deadline))
+                                        deadline=self.remote.deadline, reupload=self.remote.uploader.submit))
         return Tiers(tiers)
 
 
     # -- public surface ---------------------------------------------------------------------
 
+    def tenant(self, tenant_id: str) -> Tenant:
+        """The tenant `tenant_id` of this store (its salt derived from it under the store's
+        secret: the fleet secret with a remote tier, else a key kept in the store). Errors name
+        what is wrong with an id, never the id itself (it may be a bearer token)."""
+        try:
+            if self.remote is not None:
+                fleets = self.remote.fleet.keyring()
+                first, *older = [tenants.derive(f.tenant_secret(), tenant_id, key_id=f.key_id) for f in fleets]
+                t = dataclasses.replace(first, previous=tuple(older))
+                self.remote.fleet.remember(t)
+                return t
+            if self._tenant_secret is None:
+                self._tenant_secret = (tenant_key(self.path, create=not self.read_only) if self.files is not None
+                                       else os.urandom(32), "")
+            return tenants.derive(self._tenant_secret[0], tenant_id)
+        except ValueError as e:
+            raise InvalidInputError(f"tenant: {e}") from None
+
     def bind(self, model: Any, model_id: str | os.PathLike, *, kv_bits: int | None = None,
              kv_group_size: int = 64, adapter_path: str | os.PathLike | None = None,
-             fingerprint: bytes | None = None) -> ModelCache:
+             fingerprint: bytes | None = None, tenant: str | None = None) -> ModelCache:
         """A `ModelCache` for a loaded mlx-lm model and the path or repo id it was loaded from.
 
         The model's files are fingerprinted (memoised in the index by path, size, mtime, inode
         and ctime), so changed weights at the same path never get old K/V. `kv_bits`/`kv_group_size`: the
         caller's caches are `QuantizedKVCache`s (mlx-lm's `--kv-bits`); part of the namespace.
         `fingerprint` skips hashing files (for models that were not loaded from a folder).
+        `tenant`: the id of the tenant it serves (its salt is derived inside, `Store.tenant`): it
+        reuses the shared prompts and its own, and stores what follows them as its own.
         """
         self._check_open()
         if kv_bits is not None and kv_bits not in (2, 3, 4, 5, 6, 8):
             raise InvalidInputError(f"kv_bits must be one of 2, 3, 4, 5, 6, 8, got {kv_bits!r}")
         layout, codecs = describe(model, make_template(model, kv_bits, kv_group_size), self.disk_kv_bits)
+        chunk_size = self.chunk_size
+        if self.exact_prefill:  # its own namespace, of records one step long (see kvstore.model.prefill)
+            layout, chunk_size = {**layout, "exact_prefill": self.exact_prefill}, self.exact_prefill
         stamps = None
         if fingerprint is None:
             fingerprint, stamps = fingerprints.fingerprint(model_id, adapter_path, self.index,
                                                            remember=not self.read_only)
-        ns = keys.namespace(fingerprint, layout, self.chunk_size)
-        mc = ModelCache(self.backing, model, str(model_id), ns, fingerprint, layout, codecs, self.chunk_size,
-                        kv_bits=kv_bits, kv_group_size=kv_group_size)
+        ns = keys.namespace(fingerprint, layout, chunk_size)
+        mc = ModelCache(self.backing, model, str(model_id), ns, fingerprint, layout, codecs, chunk_size,
+                        kv_bits=kv_bits, kv_group_size=kv_group_size, exact=self.exact_prefill)
         mc.registered = mc.register(stamps)
         if self.remote is not None:
-            self.remote.bind(ns, fingerprint, mc.model_id, self.chunk_size, layout)
-        return mc
+            self.remote.bind(ns, fingerprint, chunk_size, layout)
+        if self.events is not None:
+            self.events.announce(ns)
+        return mc.with_tenant(self.tenant(tenant)) if tenant is not None else mc
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every insert so far is durable (and uploaded, with a remote tier: without
@@ -226,6 +301,8 @@ class Store:
             getattr(tier, "close", lambda: None)()
         if self.remote is not None:
             self.remote.close()
+        if self.events is not None:  # after the writer: its last batches are published too
+            self.events.close()
         _OPEN_STORES.discard(self)
         if self.files is not None:
             self.files.close()
@@ -257,17 +334,26 @@ class Store:
                        "last_error": w.last_error, "redundant_dropped": w.redundant_dropped,
                        "redundant_bytes": w.redundant_bytes, "refilled": w.refilled},
             **self.counters,
+            "tenant_max_bytes": self.tenant_max_bytes,
             "remote": self.remote.stats() if self.remote is not None else None,
             "writes": self.write_stats(),
             "buffer_cache": buffers.held(),
+            "restore_check": self.restore_check(),
+            "events": self.events.stats() if self.events is not None else None,
         }
         if self.files is not None:
             out.update(self.files.stats())
         else:
             kinds = self.memory.kinds()
             out.update(bytes=self.memory.nbytes, chunks=kinds.get(0, 0), tails=kinds.get(1, 0),
-                       checkpoints=kinds.get(2, 0), models=[])
+                       checkpoints=kinds.get(2, 0), models=[], tenants=[])
         return out
+
+    def restore_check(self) -> dict:
+        """What the backend self-check of this process found (`restore.selfcheck.state`): whether
+        the first restore was compared with its records' bytes, and whether restores copy since
+        a mismatch (then `copy_restores` counts them)."""
+        return selfcheck.state()
 
     def gc(self, max_bytes: int | None = None, max_age: float | None = None, dry_run: bool = False,
            stale: bool = False) -> dict:
@@ -279,7 +365,8 @@ class Store:
             if max_bytes is not None:
                 self.memory.trim_to(max_bytes)
             return {"evicted": 0, "freed_bytes": 0, "bytes": self.memory.nbytes, "dry_run": dry_run}
-        return evict(self.files, self.memory, max_bytes=max_bytes, max_age=max_age, dry_run=dry_run, stale=stale)
+        return evict(self.files, self.memory, max_bytes=max_bytes, max_age=max_age, dry_run=dry_run, stale=stale,
+                     tenant_max_bytes=self.tenant_max_bytes)
 
     def pins(self) -> list[dict]:
         """What is pinned, one dict per model version (`upkeep.local.LocalStore.pins`); `[]` in RAM."""
@@ -303,6 +390,28 @@ class Store:
         if repair:
             self.memory.clear()
         return problems
+
+    def verify_exact(self, model: Any, model_id: str | os.PathLike, *, sample: int | None = 8,
+                     **bind_options) -> "Report":
+        """Check that this store restores what a cold run computes, for `sample` stored prompts
+        of this model (all when None): K/V bit for bit (in exact mode; within bounds otherwise),
+        next-step logits, 32 greedy tokens and the records' canaries (`kvstore.certify`). The
+        shared prompts, or with `tenant=ID` (a `bind` option, as the others) that tenant's. The
+        check reads the store through a read-only opening of its directory, with no memory
+        tier: it writes nothing (no access times, no admission rows). Returns a `Report`
+        (`ok`, `table()`, `verdict()`, `as_dict()`); see docs/exact.md."""
+        from kvstore.certify import verify_exact
+
+        self._check_open()
+        if self.files is None:
+            raise InvalidInputError("verify_exact checks a store directory; a RAM-only store has nothing on disk")
+        if not (self.read_only and self.memory.capacity == 0):
+            self.flush()
+            with Store(self.path, read_only=True, create=False, memory_bytes=0, chunk_size=self.chunk_size,
+                       exact_prefill=self.exact_prefill or "off", disk_kv_bits=self.disk_kv_bits or 0) as twin:
+                return twin.verify_exact(model, model_id, sample=sample, **bind_options)
+        mc = self.bind(model, model_id, **bind_options)
+        return verify_exact(mc, self.index, self.blob_root, disk_kv_bits=self.disk_kv_bits, sample=sample)
 
     def _check_open(self) -> None:
         self.backing.check_open()
@@ -356,6 +465,13 @@ def open(path: str | os.PathLike | None = None, *, max_bytes: int | str | None =
     `buffer_cache_bytes` bounds the freed restore memory mlx keeps for the next restore, for the
     whole process (default: a quarter of RAM; 0: mlx's own limit).
 
+    `kv_events` publishes the store's records as vLLM's KV events (ZMQ, msgpack), for routers
+    that route by cache: vLLM's `KVEventsConfig` JSON (or a dict), e.g.
+    `{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:5557"}`, with `block_size`
+    (tokens per announced block, default 64, a divisor of `chunk_size`) and `encoding` ("map" or
+    "legacy"). Every bound model's records on disk are announced in the background after
+    `bind`; `stats()["events"]` counts what was published. See docs/serve.md.
+
     Every setting is a row of `kvstore.settings.STORE_SETTINGS` (its kind, default, whether the
     store keeps it, what 0 means); sizes, rates and durations may be given as text ("2GiB",
     "20GB/day", "10s"), and `stats()["settings"]` tells each one's value and source.
@@ -368,10 +484,10 @@ def open(path: str | os.PathLike | None = None, *, max_bytes: int | str | None =
 # it), or counters of this one process (its memory tier, its writer, what it fetched, and the
 # settings it opened the store with). A key missing here is reported as "unknown", not guessed.
 STORE_TOTALS = ("path", "bytes", "chunks", "tails", "checkpoints", "models", "quarantined_total",
-                "quarantined_now", "quarantine_folder")
+                "quarantined_now", "quarantine_folder", "tenants")
 PER_PROCESS = ("chunk_size", "max_bytes", "memory", "writer", "quarantined", "skipped_inserts",
                "fetches", "reused_tokens", "read_only", "max_bytes_auto", "max_bytes_rule",
-               "disk_kv_bits", "buffer_cache")
+               "disk_kv_bits", "buffer_cache", "tenant_max_bytes", "restore_check", "events")
 # `remote`: this process's counters, and under `totals` the store's (kept in its index).
 # `writes`: the store's write log (every process's), and the settings this process opened it with.
 MIXED = {"remote": "process; its totals: store", "writes": "store; admit and max_write_rate: process",

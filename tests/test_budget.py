@@ -113,3 +113,22 @@ def test_the_disk_budget_runs_one_gc_at_a_time_for_batches_and_downloads_alike(t
         mc.insert(more, prefill(model, more))
         assert store.flush(60)  # flush lets the budget settle: the batch's check has run
         assert store.stats()["bytes"] == 0 and runs[0] > before
+
+
+def test_the_budgets_checks_leave_no_open_files_behind(tmp_path, llama):
+    """Each check of the disk budget runs on a thread of its own, which used the index through a
+    connection of its own: kept open with the store, two files a check, until a server that had
+    stored a few hundred prompts could open no more (`Too many open files`)."""
+    import os
+
+    path, model = llama
+    with kvstore.open(tmp_path / "s", chunk_size=16, max_bytes="1GB") as store:
+        mc = store.bind(model, path)
+        mc.insert(list(range(1, 40)), prefill(model, list(range(1, 40))))
+        store.flush()
+        before = len(os.listdir("/proc/self/fd"))
+        for i in range(40):
+            tokens = [i + 1] + list(range(2, 40))
+            mc.insert(tokens, prefill(model, tokens))
+            store.flush()  # each batch is checked against the budget, on a thread that then ends
+        assert len(os.listdir("/proc/self/fd")) - before < 10

@@ -240,3 +240,33 @@ def test_bad_values_are_refused_with_a_clear_error(tmp_path, caplog):
     for argv in (["generate", "--disk-kv-bits", "3", "hi"], ["serve", "--disk-kv-bits", "16"]):
         out = subprocess.run([sys.executable, "-m", "kvstore.cli", *argv], capture_output=True, text=True, timeout=120)
         assert out.returncode == 2 and "--disk-kv-bits: must be one of 4, 8" in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_round_trip_at_real_head_sizes(tmp_path, head_dim, bits):
+    """Real models' head_dim (64, 128, 256) holds one to four groups of 64 per row: a decode that
+    mixes up groups and group size passes at the demo models' head_dim 32 (one group) and
+    restores nothing, or garbage, here. Bounds: about one quantization step (bench/kv8.py)."""
+    from mlx_lm.models import llama
+
+    args = llama.ModelArgs(model_type="llama", hidden_size=128, num_hidden_layers=2, intermediate_size=256,
+                           num_attention_heads=2, num_key_value_heads=1, head_dim=head_dim,
+                           rms_norm_eps=1e-5, vocab_size=256)
+    model = llama.Model(args)
+    model.set_dtype(mx.bfloat16)
+    tokens = toks(2 * C + 8, head_dim + bits)
+    exact = prefill(model, tokens)
+    with kvstore.open(tmp_path / "s", chunk_size=C, disk_kv_bits=bits) as store:
+        mc = store.bind(model, f"head-dim-{head_dim}", fingerprint=bytes(16))
+        assert [layer["disk_group_size"] for layer in mc.layout["layers"]] == [64, 64]
+        mc.insert(tokens, exact)
+    with kvstore.open(tmp_path / "s", chunk_size=C, memory_bytes=0) as store:
+        cache, rest = store.bind(model, f"head-dim-{head_dim}", fingerprint=bytes(16)).fetch(tokens + [1])
+    assert len(rest) == 1
+    for mine, want in zip(cache, exact):
+        for got, ref in ((mine.keys, want.keys), (mine.values, want.values)):
+            got, ref = got[..., : len(tokens), :].astype(mx.float32), ref[..., : len(tokens), :].astype(mx.float32)
+            assert got.shape == ref.shape and mine.keys.dtype == mx.bfloat16
+            rel = float(mx.abs(got - ref).max() / mx.abs(ref).max())
+            assert 0 < rel <= {8: 1 / 64, 4: 1 / 6}[bits], rel

@@ -12,6 +12,7 @@ import multiprocessing
 import os
 import sqlite3
 import threading
+import traceback
 from pathlib import Path
 
 import numpy as np
@@ -131,7 +132,7 @@ def _open_many(path: str, barrier, opens: int, results) -> None:
             barrier.wait(timeout=120)
             kvstore.open(path).close()
         except BaseException as e:  # reported to the test, which fails on any
-            import traceback; errors.append(f"{type(e).__name__}: {e}" + traceback.format_exc())
+            errors.append(f"{type(e).__name__}: {e}" + traceback.format_exc())
 
     threads = [threading.Thread(target=one) for _ in range(opens)]
     for t in threads:

@@ -1,6 +1,6 @@
 """Fault suite, part 4: a full disk.
 
-A store on a tmpfs of 2 MB that the test mounts (we may be root; otherwise that case is skipped)
+A store on a tmpfs of 8 MB that the test mounts (we may be root; otherwise that case is skipped)
 and fills, and the same through the `enospc` fault point: writes are dropped and counted, never
 raised; reads, fetches and a fresh bind go on; nothing partial is left; once there is space again,
 writes resume and what they store restores exactly.
@@ -26,7 +26,7 @@ TOL = 1e-4
 
 
 class TmpfsFull:
-    """A 2 MB tmpfs; `fill()` takes every free byte with a filler file, `free()` gives it back."""
+    """An 8 MB tmpfs; `fill()` takes every free byte with a filler file, `free()` gives it back."""
 
     def __init__(self, mount: Path):
         self.mount, self.filler = mount, mount / "filler"
@@ -71,7 +71,7 @@ def full_disk(request, tmp_path):
         finally:
             faults.disarm()
         return
-    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m,mode=0700", "tmpfs", str(mount)],
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m,mode=0700", "tmpfs", str(mount)],
                           capture_output=True, text=True)
     if made.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here ({made.stderr.strip()}); the injected case covers it")

@@ -15,14 +15,16 @@ PACKAGE = Path(__file__).resolve().parent.parent / "kvstore"
 
 #: Lowest first. A module may import from its own layer's package and from layers below it.
 LAYERS = [
-    {"errors", "keys", "records", "sizes", "faults", "demo", "argv", "settings"},
+    {"errors", "keys", "records", "sizes", "faults", "demo", "argv", "settings", "canary", "tenants"},
     {"storage"},
     {"restore"},
     {"upkeep"},
     {"remote"},
+    {"events"},
     {"tiers"},
     {"write"},
     {"model"},
+    {"certify"},
     {"store"},
     {"serve"},
     {"packs"},
@@ -141,7 +143,7 @@ def test_the_architecture_page_lists_every_module():
     for name, path in MODULES.items():
         if path.name == "__init__.py":
             continue
-        folder = path.parent.relative_to(PACKAGE).as_posix()  # cli/pack for a folder in a folder
+        folder = path.parent.relative_to(PACKAGE).as_posix()  # cli/pack, serve/tenancy: for a folder in a folder
         where = top if path.parent == PACKAGE else rows.get(f"{folder}/", "")
         assert f"`{path.name}`" in where, f"docs/architecture.md's table does not list {folder}/{path.name}"
     for key, text in rows.items():
@@ -151,12 +153,14 @@ def test_the_architecture_page_lists_every_module():
 
 
 def test_only_the_composition_root_subscribes_to_events():
-    # The writer's `on_commit` carries what leaves a part; it is wired once, where the store is built.
+    # The parts' events (the writer's `on_commit`, the memory tier's `on_change`, the disk tier's
+    # `on_store`) carry what leaves a part; they are wired once, where the store is built.
     for name, path in MODULES.items():
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Attribute) and node.attr == "on_commit" and name not in (
-                    "kvstore.store", "kvstore.write.writer"):
-                raise AssertionError(f"{name} uses on_commit: subscribe in kvstore/store.py only")
+            owner = {"on_commit": "kvstore.write.writer", "on_change": "kvstore.tiers.memory",
+                     "on_store": "kvstore.tiers.disk"}.get(getattr(node, "attr", None))
+            if isinstance(node, ast.Attribute) and owner and name not in ("kvstore.store", owner):
+                raise AssertionError(f"{name} uses {node.attr}: subscribe in kvstore/store.py only")
 
 
 def test_modules_functions_and_folders_stay_small():

@@ -102,11 +102,13 @@ def kvstore_array(rest):
     return mx.array(rest)[None]
 
 
-@pytest.mark.parametrize("where", ["disk", "ram"])
+@pytest.mark.parametrize("where", ["disk", "ram", "events"])
 def test_no_object_holds_a_reference_to_a_layer_above_it(tmp_path, llama, where):
     path, model = llama
-    store = kvstore.open(tmp_path / "s" if where == "disk" else kvstore.MEMORY, chunk_size=C,
-                         max_bytes=1 << 30 if where == "disk" else None)
+    events = {"enable_kv_cache_events": True, "endpoint": f"inproc://objects-{id(tmp_path)}", "block_size": 4}
+    store = kvstore.open(tmp_path / "s" if where != "ram" else kvstore.MEMORY, chunk_size=C,
+                         max_bytes=1 << 30 if where != "ram" else None,
+                         kv_events=events if where == "events" else None)
     try:
         mc = _live(store, model, path)
         problems, walked = upward_references(store, mc)

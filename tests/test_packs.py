@@ -19,6 +19,7 @@ import pytest
 from kvtest import run_cli, run_procs
 
 import kvstore
+from kvstore import canary
 from kvstore.demo import build_demo_model
 from kvstore.errors import PackError
 from kvstore.packs import manifest as packfile
@@ -260,59 +261,38 @@ def test_push_and_pull_through_a_bucket_by_a_node_without_the_fleet_secret(tmp_p
 
 # -- canaries: checked by one replayed step ---------------------------------------------------
 
-def _canary(text: str) -> dict:
-    value = json.loads(text)
-    if not isinstance(value, dict) or set(value) != {"at", "token", "top", "logit"}:
-        raise ValueError("not a test canary")
-    return value
-
-
-def _check_canary(value: dict, logits: np.ndarray) -> str | None:
-    top = int(np.argmax(logits))
-    if top != value["top"] or abs(float(logits[top]) - value["logit"]) > 1e-3:
-        return f"top token {top} ({float(logits[top]):.4f}), the canary says {value['top']} ({value['logit']})"
-    return None
-
-
-TEST_CANARY = replay.Kind(step=lambda v: (v["at"], v["token"]), check=_check_canary)
-
-
-def _with_canary(pack: Path, value: dict) -> None:
-    """Put a test canary in the header of the pack's last record, and in its manifest."""
+def _with_canary(pack: Path, edit) -> None:
+    """Change the canary of the pack's last record (`edit(canary) -> canary`), in its blob header
+    and in the manifest, as someone rewriting the pack would."""
     doc = json.loads((pack / "manifest.json").read_text())
     last = doc["prompts"][0]["records"][-1]
     path = pack / packfile.blob_name(last)
     data = path.read_bytes()
     meta = blobformat.parse(data)[2]
-    data = blobformat.restamp(data, {**meta, "x-testcanary": json.dumps(value)})
+    text = edit(canary.parse(meta["x-canary"])).text()
+    data = blobformat.restamp(data, {**meta, "x-canary": text})
     path.write_bytes(data)
     doc["records"][last] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    doc["canaries"] = {last: {"testcanary": json.dumps(value)}}
+    doc["canaries"][last]["canary"] = text
     (pack / "manifest.json").write_text(json.dumps(doc))
 
 
-def test_canaries_are_checked_by_one_replayed_step(tmp_path, demo_model, monkeypatch):
-    from mlx_lm import load
-
-    blobformat.register_extension("testcanary", _canary)
-    monkeypatch.setitem(replay.CANARIES, "testcanary", TEST_CANARY)
+def test_the_prompts_canary_is_checked_by_one_replayed_step(tmp_path, demo_model):
+    """An export stores its prompt as warm does, whose last step is the prompt's canary: the pack
+    carries it, an import replays that step, and a canary whose log-probabilities were moved (the
+    pack rewritten, manifest and all, unsigned) is refused; `--no-replay` skips it."""
     model = demo_model("llama")
     run_cli("pack", "export", "--store", tmp_path / "a", "--model", model, "--prompt", PROMPT, "--unsigned",
             "--out", tmp_path / "pack")
-    loaded, tokenizer = load(str(model))
-    tokens = tokenizer.encode(PROMPT)
-    logits = loaded(mx.array([tokens]))[0, -1]  # the step of the prompt's last token
-    top = int(mx.argmax(logits).item())
-    step = {"at": len(tokens) - 1, "token": tokens[-1]}
-    good, bad = tmp_path / "good", tmp_path / "bad"
-    shutil.copytree(tmp_path / "pack", good)
-    shutil.copytree(tmp_path / "pack", bad)
-    _with_canary(good, {**step, "top": top, "logit": float(logits[top].item())})
-    _with_canary(bad, {**step, "top": (top + 1) % 256, "logit": 0.0})
-    result = run_cli("pack", "import", good, "--store", tmp_path / "b", "--model", model)
+    doc = json.loads((tmp_path / "pack" / "manifest.json").read_text())
+    assert [list(c) for c in doc["canaries"].values()] == [["canary"]]
+    result = run_cli("pack", "import", tmp_path / "pack", "--store", tmp_path / "b", "--model", model)
     assert "1 canary by a replayed step" in result.stdout
+    bad = tmp_path / "bad"
+    shutil.copytree(tmp_path / "pack", bad)
+    _with_canary(bad, lambda c: canary.Canary(c.at, c.token, c.ids, tuple(v - 1.0 for v in c.logprobs)))
     refused = run_cli("pack", "import", bad, "--store", tmp_path / "c", "--model", model, check=False)
-    assert refused.returncode == 1 and "its canary testcanary does not hold" in refused.stderr
+    assert refused.returncode == 1 and "its canary canary does not hold" in refused.stderr, refused.stderr
     assert not (tmp_path / "c").exists()
     skipped = run_cli("pack", "import", bad, "--store", tmp_path / "c", "--model", model, "--no-replay")
     assert "canaries not replayed (--no-replay)" in skipped.stdout
@@ -370,8 +350,26 @@ def test_a_hybrid_models_pack_carries_its_checkpoint(tmp_path, demo_model):
     doc = json.loads((tmp_path / "pack" / "manifest.json").read_text())
     tokens = tokens_of(model, PROMPT)
     assert len(doc["prompts"][0]["records"]) == len(tokens) // 256 + 2  # chunks, the tail, its checkpoint
-    run_cli("pack", "import", tmp_path / "pack", "--store", tmp_path / "b", "--model", model)
+    result = run_cli("pack", "import", tmp_path / "pack", "--store", tmp_path / "b", "--model", model)
+    assert "1 canary not replayable" in result.stdout  # its step is before the end checkpoint
     # A follow-up request restores the whole prompt from its checkpoint (the prompt alone cannot be:
     # at least one token is left to compute, and no checkpoint is one token short of its end).
     got = run_procs("check", tmp_path / "b", model, 256, tokens + tokens_of(model, " And then?"))
     assert got["reused"] == len(tokens) and got["max_abs_diff"] < 1e-3
+
+
+def test_a_pack_made_in_exact_mode_imports_into_an_exact_store_only(tmp_path, demo_model):
+    """In exact mode a prompt is stored but its last token (the first step's): the pack holds
+    that, its canary replays in an exact store, and a store not in exact mode refuses it, naming
+    the option."""
+    model = demo_model("llama")
+    run_cli("pack", "export", "--store", tmp_path / "a", "--model", model, "--prompt", PROMPT, "--unsigned",
+            "--exact-prefill", "256", "--out", tmp_path / "pack")
+    doc = json.loads((tmp_path / "pack" / "manifest.json").read_text())
+    assert doc["prompts"][0]["tokens"] == len(tokens_of(model, PROMPT)) - 1
+    result = run_cli("pack", "import", tmp_path / "pack", "--store", tmp_path / "b", "--model", model,
+                     "--exact-prefill", "256")
+    assert "1 canary by a replayed step" in result.stdout
+    refused = run_cli("pack", "import", tmp_path / "pack", "--store", tmp_path / "c", "--model", model, check=False)
+    assert refused.returncode == 1 and "--exact-prefill 256" in refused.stderr
+    assert not (tmp_path / "c").exists()

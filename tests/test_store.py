@@ -644,5 +644,5 @@ def test_blobs_are_standard_safetensors_and_the_index_a_plain_sqlite_file(tmp_pa
             "schema_migrations"} <= set(db.table_names())
     assert {"hash", "parent", "depth", "ntokens", "first_token", "size", "checksum", "last_access", "hits",
             "pinned"} <= set(db["records"].columns_dict)
-    assert {"parent", "first_token", "hash"} == set(db["children"].columns_dict)
+    assert {"parent", "first_token", "hash", "tenant"} == set(db["children"].columns_dict)
     assert [r["version"] for r in db["schema_migrations"].rows] == [v for v, *_ in available_migrations()]

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from kvstore import settings
 from kvstore.argv import duration, size
 from kvstore.cli.options import open_local, remote_upkeep, remote_url
 from kvstore.cli.output import EXIT_USAGE, PROG, CommandError, out, plural, say
@@ -11,6 +14,8 @@ EXAMPLES = """examples:
   kvstore gc --max-bytes 2GiB
   kvstore gc --max-bytes 500MB --max-age 7d --dry-run
   kvstore gc --remote s3://team-cache/kv --max-age 7d     # the shared bucket, deepest first
+  kvstore gc --max-bytes 20GiB --tenant-max-bytes 1GiB     # and no tenant above 1 GiB
+  kvstore gc --remote s3://team-cache/kv --remote-key-file fleet.key --drop-key 3fa2c1d0  # end a key rotation
 
 SIZE: bytes, or a number with KB/MB/GB/TB (x1000) or K/M/G/T, KiB/MiB/GiB/TiB (x1024).
 DURATION: a number with s, m, h, d or w, like 30m, 12h, 7d. Pinned prompts are never evicted
@@ -25,16 +30,24 @@ def register(add, store_opts, model_opts) -> None:
     p.add_argument("--stale", action="store_true",
                    help="evict model versions whose files are gone or changed, pinned records too (no lookup "
                         "can use them again); a budget evicts them first anyway, pins kept")
+    settings.add_options(p, (settings.BY_NAME["tenant_max_bytes"],))  # its row in the settings table
+    p.add_argument("--drop-key", metavar="ID",
+                   help="with --remote: delete every object only the older fleet key ID opens (the end of "
+                        "`kvstore remote-key --rotate`), and take it out of --remote-key-file")
     p.add_argument("--dry-run", action="store_true", help="only report what would be freed")
 
 
 def cmd_gc(args) -> int:
-    if args.max_bytes is None and args.max_age is None and not args.stale:
-        raise CommandError("gc needs --max-bytes and/or --max-age (or --stale)", EXIT_USAGE)
+    args.tenant_max_bytes = getattr(args, "tenant_max_bytes", None)
+    if args.drop_key is not None:
+        return _drop_key(args)
+    if args.max_bytes is None and args.max_age is None and not args.stale and args.tenant_max_bytes is None:
+        raise CommandError("gc needs --max-bytes and/or --max-age (or --tenant-max-bytes, or --stale)", EXIT_USAGE)
     if args.remote is not None:
         return _gc_remote(args)
     with open_local(args, must_exist=True) as files:
-        result = files.gc(max_bytes=args.max_bytes, max_age=args.max_age, dry_run=args.dry_run, stale=args.stale)
+        result = files.gc(max_bytes=args.max_bytes, max_age=args.max_age, dry_run=args.dry_run, stale=args.stale,
+                          tenant_max_bytes=args.tenant_max_bytes)
     verb, holds = ("would free", "would hold") if args.dry_run else ("freed", "holds")
     print(f"{verb} {format_size(result['freed_bytes'])} ({result['freed_bytes']} bytes, "
           f"{plural(result['evicted'], 'record')}); the store {holds} {format_size(result['bytes'])} "
@@ -44,8 +57,34 @@ def cmd_gc(args) -> int:
         out(f"{plural(stale_pins['records'], 'pinned record')} of stale models "
             f"{'would be ' if args.dry_run else ''}freed ({format_size(stale_pins['bytes'])}): their model "
             "files are gone or changed, so no lookup could use them again")
+    if result.get("tenants_over"):
+        out(f"{plural(result['tenants_over'], 'tenant')} held more than {format_size(args.tenant_max_bytes)}: "
+            f"their least recently used records {'would go' if args.dry_run else 'went'} first (pinned ones stay)")
     if args.max_bytes is not None and result["bytes"] > args.max_bytes:
         say(f"{PROG} gc: still above the budget of {args.max_bytes} bytes: pinned records and their ancestors are kept")
+    return 0
+
+
+def _drop_key(args) -> int:
+    """`gc --remote --drop-key ID`: delete what only an older fleet key opens, and forget it."""
+    url = remote_url(args)
+    if url is None:
+        raise CommandError("--drop-key deletes a key's objects from a bucket: give --remote URL", EXIT_USAGE)
+    result = remote_upkeep(args, url, "drop_key", key_id=args.drop_key, dry_run=args.dry_run)
+    verb = "would delete" if args.dry_run else "deleted"
+    out(f"remote {url}: {verb} {plural(result['objects'], 'object')} ({format_size(result['bytes'])}, "
+        f"{plural(result['namespaces'], 'namespace')}) that only key {args.drop_key} opens")
+    if args.dry_run:
+        return 0
+    if args.remote_key_file:
+        from kvstore.cli.remotekey import write_key_file
+        from kvstore.remote.seal import key_id, read_key_file
+
+        keys = read_key_file(args.remote_key_file)
+        write_key_file(Path(args.remote_key_file), [k for k in keys if key_id(k) != args.drop_key])
+        out(f"{args.remote_key_file}: key {args.drop_key} taken out")
+    else:
+        out(f"take key {args.drop_key} out of $KVSTORE_REMOTE_KEY on every node")
     return 0
 
 

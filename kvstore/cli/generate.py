@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
+
 from kvstore.cli.options import add_prompt_source, add_store_settings, bound, prompt_items
 from kvstore.cli.output import EXIT_PROBLEMS, EXIT_USAGE, PROG, CommandError, out, say, uploads_undone
 
@@ -61,34 +63,44 @@ def _generate_one(args, store, loaded, mc, tokens, sampler) -> bool:
     from mlx_lm import stream_generate
 
     from kvstore.model.blas import long_prefill_note
-    from kvstore.model.generation import insert_generated, prompt_cache
+    from kvstore.model.prefill import canary_of, insert_generated, prompt_cache
 
     t0 = time.perf_counter()
-    downloaded = _remote_tokens(store)
-    cache, rest, reused = prompt_cache(mc, tokens)
+    downloaded, before = _remote_tokens(store), _write_problems(store)
+    start = prompt_cache(mc, tokens)
+    cache, rest, reused = start.cache, start.rest, start.reused
     from_bucket = min(reused, _remote_tokens(store) - downloaded)
     slow = long_prefill_note(lambda: len(rest))
     if slow:
         say(slow)
-    ttft, generated, finish = None, [], None
+    ttft, generated, finish, canary = None, [], None, None
     for response in stream_generate(loaded.model, loaded.tokenizer, rest, max_tokens=args.max_tokens,
                                     prompt_cache=cache, sampler=sampler):
         if ttft is None:
             ttft = time.perf_counter() - t0
+            canary = canary_of(len(tokens) - 1, int(tokens[-1]), response.logprobs)
+            if start.hold is not None:  # exact mode: the prompt's end, stored with its canary
+                start.hold.submit(canary)
         print(response.text, end="", flush=True)
         generated.append(response.token)
         finish = response.finish_reason
     print(flush=True)
-    before = _write_problems(store)
-    stored = insert_generated(mc, tokens, generated, cache)
-    if not stored:
-        say(f"{PROG} generate: not stored: the cache does not say which of the "
-            f"{len(tokens) + len(generated)} tokens it holds")
+    if start.hold is not None:
+        start.hold.submit()  # no step ran: stored without a canary (a second submit does nothing)
+    stored = insert_generated(mc, tokens, generated, cache, canary)
+    if mc.exact:  # what exact mode stores: the prompt but its last token, as it was prefilled
+        stored = len(mc.stored_part(np.asarray(tokens)))
+        generated_stored = []
+    else:
+        generated_stored = generated
+        if not stored:
+            say(f"{PROG} generate: not stored: the cache does not say which of the "
+                f"{len(tokens) + len(generated)} tokens it holds")
     store.writer.flush()  # to know what reached the disk, not only what was queued
     problem = _write_problems(store) != before
-    placed = mc.placement(list(tokens) + list(generated))
+    placed = mc.placement(list(tokens) + list(generated_stored))
     if stored and stored < placed.tokens:  # the cache held fewer tokens than were generated
-        placed = mc.placement((list(tokens) + list(generated))[:stored])
+        placed = mc.placement((list(tokens) + list(generated_stored))[:stored])
     stored_text = placed.summary() if stored else "nothing stored"
     if problem and not placed.on_disk:
         stored_text = f"not stored ({_write_error(store)}); {placed.text()}"

@@ -58,8 +58,9 @@ def remote_url(args) -> str | None:
     return url
 
 
-def remote_key(args) -> bytes | None:
-    """The fleet secret in `--remote-key-file`, or None (then `$KVSTORE_REMOTE_KEY` is read)."""
+def remote_key(args) -> list[bytes] | None:
+    """The fleet's secrets in `--remote-key-file` (the one written with first), or None (then
+    `$KVSTORE_REMOTE_KEY` is read)."""
     path = getattr(args, "remote_key_file", None)
     if not path:
         return None
@@ -123,10 +124,11 @@ def bucket_and_fleet(args, url: str) -> tuple:
     """The bucket at `url` and the fleet whose secret seals its objects; a bad URL, or no fleet
     secret, is refused here, before any store is opened."""
     from kvstore.remote.bucket import open_bucket
-    from kvstore.remote.seal import Fleet, fleet_secret
+    from kvstore.remote.seal import Fleet, fleet_keys
 
     bucket = open_bucket(url)
-    return bucket, Fleet(fleet_secret(remote_key(args)))
+    secrets = fleet_keys(remote_key(args))
+    return bucket, Fleet(secrets[0], secrets[1:])
 
 
 @contextlib.contextmanager
@@ -145,15 +147,15 @@ def open_remote(args, url: str, **local) -> Iterator[tuple]:
 
 
 def remote_upkeep(args, url: str, action: str, **kw):
-    """`gc` or `verify` (`action`) of the bucket at `url`, with these keyword arguments: through
+    """`gc`, `verify` or `drop_key` (`action`) of the bucket at `url`, with these keyword arguments: through
     this node's `Remote` when its store is there (its pins are published first), else on the
     bucket alone, creating no store (a node with no store has nothing pinned)."""
     from kvstore.storage.storedir import is_absent
 
     if is_absent(store_path(args).expanduser()):
-        from kvstore.remote.upkeep import collect_remote, verify_remote
+        from kvstore.remote.upkeep import collect_remote, drop_key, verify_remote
 
-        run = {"gc": collect_remote, "verify": verify_remote}[action]
+        run = {"gc": collect_remote, "verify": verify_remote, "drop_key": drop_key}[action]
         return run(*bucket_and_fleet(args, url), (), **kw)  # no local index: namespaces come from the manifests
     with open_remote(args, url, must_exist=True) as (_, remote):
         return getattr(remote, action)(**kw)

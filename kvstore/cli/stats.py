@@ -71,9 +71,19 @@ def cmd_stats(args) -> int:
     _print_remote(stats.get("remote"))
     _print_writes(stats.get("writes"))
     _print_quarantine(stats)
+    _print_tenants(stats.get("tenants") or [])
     if stats["models"]:
         _print_models(stats["models"])
     return 0
+
+
+def _print_tenants(tenants: list[dict], most: int = 10) -> None:
+    """Each tenant's records, by its tag (never its id), the largest first."""
+    if not tenants:
+        return
+    shown = ", ".join(f"{t['tenant']} {format_size(t['bytes'])} ({plural(t['records'], 'record')})" for t in tenants[:most])
+    more = f", and {len(tenants) - most} more" if len(tenants) > most else ""
+    out(f"tenants: {len(tenants)} ({format_size(sum(t['bytes'] for t in tenants))}): {shown}{more}")
 
 
 def _print_settings(entries: dict | None) -> None:
@@ -91,6 +101,10 @@ def _print_remote(remote: dict | None) -> None:
     out(f"remote: {remote['url']}   uploads: {t['uploads']} ({format_size(t['upload_bytes'])})   "
         f"downloads: {t['downloads']} ({format_size(t['download_bytes'])})   remote hits: {t['remote_hits']}   "
         f"errors: {t['errors']}   dropped uploads: {t['dropped_uploads']}   deadline misses: {t['deadline_misses']}")
+    older = remote.get("older_keys") or []
+    if older:
+        out(f"remote key: {remote['key']} (written with); still read: {', '.join(older)} (a rotation not "
+            "finished: `kvstore gc --remote --drop-key ID` ends it)")
 
 
 def _print_writes(writes: dict | None) -> None:

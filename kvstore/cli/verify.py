@@ -2,32 +2,79 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import shlex
 
-from kvstore.cli.options import open_local, remote_upkeep, remote_url, store_path
-from kvstore.cli.output import EXIT_PROBLEMS, PROG, out, plural, say
+from kvstore.cli.options import model_to_load, open_local, remote_upkeep, remote_url, store_path
+from kvstore.cli.output import EXIT_PROBLEMS, EXIT_USAGE, PROG, CommandError, out, plural, say
 from kvstore.errors import CorruptIndexError
 
 EXAMPLES = """examples:
   kvstore verify
   kvstore verify --repair
   kvstore verify --remote --repair                         # check every object of $KVSTORE_REMOTE
+  kvstore verify --exact --model ./my-model --sample 20    # restored = cold run? (writes nothing)
+  kvstore verify --isolation http://127.0.0.1:8080 --tenant-from header:X-Tenant --prompts system.jsonl
+  kvstore verify --isolation --model M                     # the same through the library, on this store's keys
 
-Exit code 0 when the store is clean, 1 when problems were found (also when they were repaired)."""
+Exit code 0 when the store is clean, 1 when problems were found (also when they were repaired).
+With --exact: 0 when every prompt checked restores what a cold run computes, 1 on a mismatch
+that is not tie-sensitive (docs/exact.md).
+--isolation checks that a tenant's requests hit its own prompts, that another tenant's miss, that
+the shared prompt hits for both, and that no usage field nor the time to the first token tells
+another tenant's prompt from a new one (two made-up tenants; it prints the figures)."""
 
 
 def register(add, store_opts, model_opts) -> None:
     p = add("verify", cmd_verify, "check every record against its file, and every file against the index",
-            [store_opts], EXAMPLES)
+            [store_opts, model_opts], EXAMPLES)
     p.add_argument("--repair", action="store_true",
                    help="drop damaged records and stray files; rebuild an unreadable index from the blobs")
     p.add_argument("--force", action="store_true",
                    help="with --repair: delete orphan blobs even when they are more than 10%% of the store")
     p.add_argument("--json", action="store_true", help="print the problems as JSON")
+    p.add_argument("--isolation", metavar="URL", nargs="?", const="",
+                   help="check that tenants cannot tell each other's prompts: of the server at URL, or "
+                        "(no URL) through the library on a temporary copy of this store's keys (with --model)")
+    p.add_argument("--tenant-from", metavar="HOW", default="header:X-Tenant",
+                   help="with --isolation URL: how the server tells tenants, as its --tenant-from "
+                        "(header:NAME or bearer; default: header:X-Tenant)")
+    p.add_argument("--prompts", metavar="FILE",
+                   help="with --isolation: its first line is the shared prompt (as warmed; a chat line for a "
+                        "server); without it, a server's shared prompt is not checked")
+    p.add_argument("--probes", metavar="N", type=int, default=20,
+                   help="with --isolation: prompts of each kind another tenant probes (default 20)")
+    p.add_argument("--exact", action="store_true",
+                   help="recompute stored prompts of --model cold and compare: K/V, next-token logits, "
+                        "32 greedy tokens, canaries (runs the model; the store is only read)")
+    p.add_argument("--sample", metavar="N", type=_sample, default=8,
+                   help="with --exact: how many stored prompts to check, or all (default: 8)")
+    p.add_argument("--tenant", metavar="ID",
+                   help="with --exact: check this tenant's prompts (default: the shared ones)")
+
+
+def _sample(text: str) -> int | None:
+    if text.strip().lower() == "all":
+        return None
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of prompts (or all)") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n} would check nothing: give 1 or more, or all")
+    return n
 
 
 def cmd_verify(args) -> int:
+    if args.exact:
+        return _verify_exact(args)
+    if args.sample != 8 or args.tenant is not None:
+        raise CommandError("--sample and --tenant go with --exact", EXIT_USAGE)
+    if args.isolation is not None:
+        return _isolation(args)
+    if args.model is not None:
+        raise CommandError("--model goes with --exact or --isolation", EXIT_USAGE)
     if args.remote is not None:
         return _verify_remote(args)
     rebuilt = None
@@ -49,6 +96,30 @@ def cmd_verify(args) -> int:
             out(p)
         out(_summary(args, problems, rebuilt))
     return EXIT_PROBLEMS if problems or rebuilt else 0
+
+
+def _verify_exact(args) -> int:
+    """`verify --exact`: the store, opened read-only, against cold runs of the model."""
+    if args.repair or args.remote is not None:
+        raise CommandError("--exact checks the local store and repairs nothing: leave out --repair and --remote",
+                           EXIT_USAGE)
+    import kvstore
+    from kvstore.model.loading import load_model
+
+    model_id = model_to_load(args)
+    with kvstore.open(store_path(args), create=False, read_only=True, memory_bytes=0) as store:
+        loaded = load_model(model_id)
+        report = store.verify_exact(loaded.model, loaded.model_id, sample=args.sample, tenant=args.tenant)
+    if args.json:
+        print(json.dumps(report.as_dict(), indent=2))
+    else:
+        for line in report.table().splitlines() if report.checks else []:
+            out(line)
+        for c in report.checks:
+            for why in c.problems + c.notes[:3]:
+                out(f"{c.leaf[:12]}: {why}")
+        out(report.verdict())
+    return 0 if report.ok else EXIT_PROBLEMS
 
 
 def _summary(args, problems: list, rebuilt: dict | None) -> str:
@@ -90,3 +161,76 @@ def _verify_remote(args) -> int:
               f"{plural(len(problems), 'problem')} found"
               + ("; repaired" if args.repair else f"; run `{PROG} verify --remote --repair` to delete them")))
     return EXIT_PROBLEMS if problems else 0
+
+
+def _isolation(args) -> int:
+    """`verify --isolation [URL]`: run `serve.tenancy.isolation`'s checks and print the figures."""
+    from kvstore.serve.tenancy import isolation
+
+    if args.probes < 4:
+        raise CommandError("--probes: at least 4 (half of them fit the threshold, half score it)", EXIT_USAGE)
+    line = _shared_line(args.prompts) if args.prompts else None
+    if args.isolation:
+        if line is not None and line.kind != "messages":
+            raise CommandError(f"--prompts {args.prompts}: a server's shared prompt is a chat line "
+                               "({\"messages\": [...]}), as it was warmed", EXIT_USAGE)
+        try:
+            report = isolation.check_server(args.isolation, args.tenant_from, line.value if line else None,
+                                            args.probes)
+        except ValueError as e:
+            raise CommandError(str(e), EXIT_USAGE) from None
+        except Exception as e:  # the server is down or answers otherwise
+            raise CommandError(f"--isolation {args.isolation}: {type(e).__name__}: {e}") from None
+        where = args.isolation
+    else:
+        report, where = _isolation_in_store(args, line, isolation)
+    if args.json:
+        print(isolation.figures_json(report))
+    else:
+        out(f"isolation of tenants, {where}:")
+        for text in report.lines():
+            out("  " + text)
+        out("tenants are kept apart" if report.ok else "tenants are NOT kept apart")
+    return 0 if report.ok else EXIT_PROBLEMS
+
+
+def _shared_line(path: str):
+    from kvstore.cli.options import read_prompts
+    from kvstore.model import jsonl
+
+    lines = read_prompts(path)
+    if not lines or isinstance(lines[0], jsonl.LineError):
+        raise CommandError(f"--prompts {path}: {lines[0] if lines else 'holds no prompt line'}", EXIT_USAGE)
+    return lines[0]
+
+
+def _isolation_in_store(args, line, isolation) -> tuple:
+    """The checks through the library on a temporary store with this store's chunk size and
+    tenant key (so this store is never written)."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    import kvstore
+    from kvstore.cli.options import model_to_load
+    from kvstore.model.loading import load_model, prepare
+    from kvstore.storage.storedir import TENANT_KEY_NAME
+
+    with open_local(args, must_exist=True, read_only=True) as files:
+        sizes = [m["chunk_size"] for m in files.index.models() if m["chunk_size"]]
+    key = store_path(args) / TENANT_KEY_NAME
+    loaded = load_model(model_to_load(args))
+    shared = None
+    if line is not None:
+        good, errors = prepare([line], loaded)
+        if errors:
+            raise CommandError(f"--prompts {args.prompts}: {errors[0]}", EXIT_USAGE)
+        shared = good[0][1]
+    with tempfile.TemporaryDirectory(prefix="kvstore-isolation-") as tmp:
+        path = Path(tmp) / "store"
+        with kvstore.open(path, chunk_size=max(set(sizes), key=sizes.count) if sizes else None) as store:
+            if key.is_file():  # the store's own tenant key, so the tags are its tenants'
+                shutil.copyfile(key, path / TENANT_KEY_NAME)
+                (path / TENANT_KEY_NAME).chmod(0o600)
+            report = isolation.check_store(store, loaded.model, loaded.model_id, shared, args.probes)
+    return report, f"through the library on a temporary store with {store_path(args)}'s chunk size and tenant key"

@@ -160,7 +160,7 @@ def _warm_all(mc, work: list, totals: dict, stop: Callable[[], bool], tokenizer=
             except (_Stop, KeyboardInterrupt):
                 # Stopped after the prompt's last chunk was inserted: it is stored whole, so it
                 # counts as warmed, not as "not reached".
-                if mc.stored_length(tokens) >= len(tokens):
+                if mc.stored_whole(tokens):
                     totals["done"] += 1
                     totals["warmed"].append(tokens)
                     totals["reused"] += len(tokens) - current["computed"]

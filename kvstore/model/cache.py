@@ -1,5 +1,9 @@
 """`ModelCache`: the store as one model version sees it — `fetch` and `insert` token sequences.
 
+Bound with a tenant (`Store.bind(..., tenant=...)`, `with_tenant`), it sees the shared records and
+the tenant's own: its records after the shared prefix are keyed under the tenant's salt
+(`records.prompt_records`), and it never writes, pins or marks a shared record.
+
 Fetch looks the prompt up in the tiers (`lookup.match`: memory, pending writes, disk, remote, in
 that order), opens the records it needs, checked (`lookup.Opening`; records from beyond this
 process are checked against the model's shapes too, `shapes.RecordCheck`), and hands them to the
@@ -12,48 +16,53 @@ holds no reference to the store.
 
 from __future__ import annotations
 
+import copy
 import logging
-from typing import Callable
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import QuantizedKVCache
 
 from kvstore import keys
-from kvstore.errors import BlobError, InvalidInputError, StoreOpenError
+from kvstore.canary import Canary
+from kvstore.errors import BlobError, InvalidInputError
 from kvstore.model import fingerprint as fingerprints
 from kvstore.model.backing import Backing
+from kvstore.model.explicit import CHECKPOINT_EVERY, PIN_ATTEMPTS, ExplicitWrites, _role
 from kvstore.model.layout import make_template
 from kvstore.model.lookup import Opening, match
 from kvstore.model.shapes import RecordCheck
-from kvstore.model.tokens import Tokens, arrays_of, as_tokens
-from kvstore.records import CHECKPOINT, Span, checkpoint_of, prompt_records
+from kvstore.model.tokens import Tokens, as_tokens
+from kvstore.records import CHECKPOINT, RecordId, Span, checkpoint_of, prompt_records
 from kvstore.restore.build import build, checkpoint_arrays
 from kvstore.restore.codecs import CacheListCodec, Codec, RotatingCodec
 from kvstore.restore.fill import fill, host_slice
 from kvstore.restore.plan import Plan, plan
+from kvstore.sizes import format_size
 from kvstore.storage.blobformat import nbytes
+from kvstore.tenants import Tenant, sees
 from kvstore.tiers.base import Lookup, Source, Where
 from kvstore.tiers.memory import held
-from kvstore.upkeep.evict import role_class
 from kvstore.write.placement import Placement, place
-from kvstore.write.views import Views, make_job
+from kvstore.write.views import Pending, Views, make_job
 
 log = logging.getLogger("kvstore")
 
-#: Default for `prefill`: a recurrent-state checkpoint every this many chunks (docs/library.md).
-CHECKPOINT_EVERY = 4
-# A pin that finds its records evicted under it (by another process) stores them again, this often.
-PIN_ATTEMPTS = 3
+__all__ = ["CHECKPOINT_EVERY", "PIN_ATTEMPTS", "ModelCache"]
 _ATTEMPTS = 3  # plans per fetch: each damaged record found while filling costs one more
 
 
-class ModelCache:
-    """Fetch and insert the caches of one model version (made by `Store.bind`)."""
+class ModelCache(ExplicitWrites):
+    """Fetch and insert the caches of one model version (made by `Store.bind`); `tenant`: whose
+    (None: the shared namespace's)."""
 
     def __init__(self, backing: Backing, model, model_id: str, ns: bytes, fingerprint: bytes, layout: dict,
-                 codecs: list[Codec], chunk_size: int, kv_bits: int | None = None, kv_group_size: int = 64):
+                 codecs: list[Codec], chunk_size: int, kv_bits: int | None = None, kv_group_size: int = 64,
+                 exact: int | None = None):
         self.backing, self.model, self.model_id = backing, model, model_id
+        # Exact mode (`exact_prefill`): records of `exact` tokens (the chunk size), restored only
+        # at their ends (see `model.prefill`); None: token-exact reuse.
+        self.exact = exact
         self.ns, self.fingerprint, self.layout, self.codecs = ns, fingerprint, layout, codecs
         self.chunk_size, self.kv_bits, self.kv_group_size = chunk_size, kv_bits, kv_group_size
         self.checkpointed = any(c.checkpointed for c in codecs)
@@ -63,6 +72,31 @@ class ModelCache:
                           "chunk_size": str(chunk_size)}
         self.check = RecordCheck(model, codecs, self.new_cache, model_id)
         self.registered = True  # False while the index could not record this model (Store.bind)
+        self.tenant: Tenant | None = None
+
+    def with_tenant(self, tenant: Tenant | None) -> "ModelCache":
+        """This model version as `tenant` sees it (None: the shared namespace), sharing this
+        one's store, model and checks (from `Store.tenant`)."""
+        mc = copy.copy(self)
+        mc.tenant = tenant
+        return mc
+
+    def owns(self, record: RecordId) -> bool:
+        """Whether this binding may write, pin or mark `record`: any without a tenant; with one,
+        only the tenant's own (shared records are the operator's)."""
+        return self.tenant is None or record.tenant is not None
+
+    def records(self, toks: np.ndarray, *, tail: bool = True, checkpoint: bool = False) -> list[Span]:
+        """The records that store `toks` for this binding (`records.prompt_records`): with a
+        tenant, the shared ones this machine holds, then the tenant's."""
+        C = self.chunk_size
+        if self.tenant is None:
+            return prompt_records(self.ns, toks, C, tail=tail, checkpoint=checkpoint)
+        chain = prompt_records(self.ns, toks, C, tail=False)
+        held = self.backing.tiers.holds(chain) if chain else set()
+        shared = next((i for i, s in enumerate(chain) if s.hash not in held), len(chain))
+        return prompt_records(self.ns, toks, C, tail=tail, checkpoint=checkpoint, tenant=self.tenant,
+                              shared=shared)
 
     def register(self, stamps: list | None = None) -> bool:
         """Record this model version in the index (`stamps`: its files'); False while that
@@ -98,7 +132,7 @@ class ModelCache:
         try:
             chain = prompt_records(self.ns, toks, self.chunk_size, tail=False)
             lookup = Lookup(self.ns, toks, self.chunk_size, [s.hash for s in chain],
-                            object_bytes=self.check.bound())
+                            object_bytes=self.check.bound(), tenant=self.tenant)
             try:
                 with b.writer.reading():  # the writer waits between records while this restores
                     for _ in range(_ATTEMPTS):  # a damaged record found while filling: plan again without it
@@ -180,7 +214,10 @@ class ModelCache:
                 continue
             path = chain + ([child] if child is not None else [])
             parts, sources = opening.path(path[: -(-length // C)], C)
-            length = min(length, sum(q.ntokens for q in parts))
+            stored = sum(q.ntokens for q in parts)
+            length = min(length, stored)
+            if self.exact and not length == stored == cap:  # whole steps, or a tail ending at the last token
+                length = length // C * C
             pl = plan(parts, self.codecs, length, self._checkpoints(parts, length, opening))
             if pl is not None and pl.p > (best[0].p if best else 0):
                 best = (pl, sources[: len(pl.parts)])
@@ -232,7 +269,7 @@ class ModelCache:
 
     def record_hashes(self, tokens: Tokens) -> list[bytes]:
         """The keys of the chunks and tail that `insert(tokens, ...)` stores, root first."""
-        return [s.hash for s in prompt_records(self.ns, as_tokens(tokens), self.chunk_size)]
+        return [s.hash for s in self.records(as_tokens(tokens))]
 
     def placement(self, tokens: Tokens) -> Placement:
         """How many of the tokens of `tokens` have their records on disk, queued for the writer,
@@ -246,13 +283,67 @@ class ModelCache:
         toks = as_tokens(tokens)
         if len(toks) == 0:
             return 0
-        chain, options, _ = match(self.backing.tiers, None, self.ns, toks, self.chunk_size)
+        lookup = Lookup(self.ns, toks, self.chunk_size, tenant=self.tenant)
+        chain, options, _ = match(self.backing.tiers, lookup, self.ns, toks, self.chunk_size, local=True)
         return len(chain) * self.chunk_size + (options[0][1] if options else 0)
+
+    def ram_length(self, tokens: Tokens) -> int:
+        """How many leading tokens of `tokens` the records in RAM (memory tier or write queue)
+        cover: what a fetch of them reuses without reading the disk."""
+        toks, C = as_tokens(tokens), self.chunk_size
+        memory, writer = self.backing.memory, self.backing.writer
+        covered, parent = 0, self.ns
+        links = [None] if self.tenant is None else [None, self.tenant.link]  # shared chunks, then the tenant's
+        for link in links:
+            for h in keys.chain(parent, toks[covered : len(toks) // C * C], C, link):
+                if h not in memory and not writer.is_pending(h):
+                    break
+                covered, parent = covered + C, h
+        rest = toks[covered:]
+        children = [r.tokens for r in memory.children(parent) if sees(self.tenant, r.tenant)]
+        children += [t for _, t, tag in writer.pending_children(parent) if sees(self.tenant, tag)]
+        return covered + max((keys.common_prefix(t, rest) for t in children), default=0)
+
+    def load_into_ram(self, tokens: Tokens) -> dict:
+        """Restore the stored records of `tokens` into the memory tier, whole, ahead of a request
+        that will need them: `{"tokens", "stored", "in_ram", "loaded"}` (tokens stored, held in
+        RAM after, loaded by this call), and `"refused"` (why) when they alone are larger than the
+        memory tier (they would push themselves out). It counts as a fetch."""
+        toks = as_tokens(tokens)
+        out = {"tokens": len(toks), "stored": self.stored_length(toks), "in_ram": 0, "loaded": 0}
+        whole, index, memory = self.through_record_end(toks), self.backing.index, self.backing.memory
+        need = sum(r.size for r in index.rows_of(self.record_hashes(whole)).values()) if index else 0
+        if need > memory.capacity:
+            return {**out, "refused": f"its stored cache ({format_size(need)}) is larger than the "
+                                      f"memory tier ({format_size(memory.capacity)})"}
+        before = self.ram_length(toks)
+        self.fetch(np.append(whole, 0))  # one token more: every record restored whole
+        out["in_ram"] = min(len(toks), self.ram_length(toks))
+        out["loaded"] = max(0, out["in_ram"] - before)
+        return out
+
+    def through_record_end(self, tokens: Tokens) -> np.ndarray:
+        """`tokens` and the rest of the stored record their last tokens lie in, as far as this
+        machine holds it: a prompt stored with its answer ends inside a tail, and a fetch of the
+        prompt alone restores only part of that record (what is kept in RAM is whole records)."""
+        toks = as_tokens(tokens)
+        lookup = Lookup(self.ns, toks, self.chunk_size, tenant=self.tenant)
+        chain, options, where = match(self.backing.tiers, lookup, self.ns, toks, self.chunk_size, local=True)
+        rest = toks[len(chain) * self.chunk_size :]
+        child, shared = options[0] if options else (None, 0)
+        if child is None or not len(rest) or shared < len(rest):
+            return toks
+        tier, ref = where[child]
+        source = tier.open(child, ref)
+        try:
+            return np.concatenate([toks, np.asarray(source.tokens[len(rest) :], dtype=toks.dtype)])
+        finally:
+            source.close()
 
     # -- insert -----------------------------------------------------------------------------
 
     def insert(self, tokens: Tokens, cache: list, *, pin: bool = False, checkpoint: bool = True,
-               durable: bool = False, cache_type: str = "assistant") -> int:
+               durable: bool = False, cache_type: str = "assistant", canary: Canary | None = None) -> int:
         """Store the cache of `tokens` (it must hold exactly `len(tokens)` processed tokens).
 
         Returns at once: new chunks, the tail and (for recurrent layers, when `checkpoint`) a
@@ -265,7 +356,24 @@ class ModelCache:
         there), "user" or "system". Every record the insert reaches, stored ones too, keeps the
         strongest type that reached it; a budget evicts assistant-only records first, then
         user-reached ones, then system prompts (LRU inside each).
+
+        `canary` (`kvstore.canary`): the top of the logits of a step from this cache, kept in the
+        header of the new record that holds its token (or ends just before it).
         """
+        pending = self._taken(tokens, cache, pin=pin, checkpoint=checkpoint, durable=durable,
+                              cache_type=cache_type, detach=False)
+        return pending.submit(canary)
+
+    def insert_later(self, tokens: Tokens, cache: list, *, pin: bool = False, checkpoint: bool = True,
+                     durable: bool = False, cache_type: str = "assistant") -> Pending:
+        """`insert`, in two halves: the new records' K/V are copied out of `cache` now (the cache
+        may then move on: no reference to its arrays is kept), and `submit(canary)` queues them,
+        once the next step's logits are known. Returns the `Pending` insert."""
+        return self._taken(tokens, cache, pin=pin, checkpoint=checkpoint, durable=durable,
+                           cache_type=cache_type, detach=True)
+
+    def _taken(self, tokens: Tokens, cache: list, *, pin: bool, checkpoint: bool, durable: bool,
+               cache_type: str, detach: bool) -> Pending:
         toks = as_tokens(tokens)
         b = self.backing
         b.check_open()
@@ -277,17 +385,19 @@ class ModelCache:
             self.registered = self.register()
             if not self.registered:
                 b.counters.skipped_inserts += 1
-                return 0
-        spans = prompt_records(self.ns, toks, self.chunk_size, checkpoint=self.checkpointed and checkpoint)
+                return Pending(None, None, [])
         try:
+            spans = self.records(toks, checkpoint=self.checkpointed and checkpoint)
             held = b.tiers.holds(spans)
         except Exception as e:  # the index is unreachable: drop this insert, keep serving
             log.error("kvstore: insert dropped (%s: %s)", type(e).__name__, e)
             b.counters.skipped_inserts += 1
-            return 0
+            return Pending(None, None, [])
         durable = durable or pin
         # Records kept in RAM that may go to disk now (seen again, or durable): from this cache.
         again = b.gate.rewrite(spans, held, durable) if b.gate is not None else set()
+        owner = {"tenant": self.tenant, "shared": sum(s.tenant is None and s.kind != CHECKPOINT for s in spans)}
+        spans = [s for s in spans if self.owns(s)]  # a tenant's insert never writes a shared record
         new = [s for s in spans if s.hash not in held or s.hash in again]
         # Stored records a sliding window may have been missing data for (see the writer's refill).
         stored = [s for s in spans if s.kind != CHECKPOINT and s.hash in held
@@ -299,132 +409,32 @@ class ModelCache:
             first = min((s.start for s in new + stored if s.kind != CHECKPOINT), default=len(toks))
             views = Views(self.codecs, cache, len(toks), checkpoint=any(s.kind == CHECKPOINT for s in new),
                           first=first)
+            if detach:
+                views.detach()
         refill = [s for s in stored if views.complete_from(s.start)] if stored else []
+        job = None
         if new or refill:
-            b.writer.submit(make_job(self.ns, toks, views, new, refill, self._metadata, pins, role, reached,
-                                     durable=durable))
+            job = make_job(self.ns, toks, views, new, refill, self._metadata, pins, role, reached,
+                           durable=durable, **owner)
         elif pins or reached:  # nothing to write: the pins and roles of stored records only
-            b.writer.submit(make_job(self.ns, toks, None, [], [], self._metadata, pins, role, reached))
-        return len(new)
+            job = make_job(self.ns, toks, None, [], [], self._metadata, pins, role, reached, **owner)
+        return Pending(b.writer.submit if job is not None else None, job, new)
 
-    def prefill(self, tokens: Tokens, *, step: int | None = None, checkpoint_every: int = CHECKPOINT_EVERY,
-                pin: bool = False, progress: Callable[[int], None] | None = None,
-                durable: bool = True, cache_type: str = "assistant") -> tuple[list | None, int, int]:
-        """Make sure the cache of `tokens` is stored, computing only what is missing.
+    def stored_part(self, toks: np.ndarray) -> np.ndarray:
+        """What of a prompt is stored: all of it, or in exact mode all but its last token (which
+        is the first generation step's)."""
+        return toks[:-1] if self.exact and len(toks) > 1 else toks
 
-        It is written to disk whatever the admission policy says (`durable=False`: as the
-        policy says, and a record kept in RAM counts as stored).
+    def stored_whole(self, tokens: Tokens) -> bool:
+        """Whether this machine stores all of `tokens` (in exact mode, all but the last one: the
+        first generation step's), as `prefill` stores a prompt."""
+        part = self.stored_part(as_tokens(tokens))
+        return self.stored_length(part) >= len(part)
 
-        Processes the missing tokens up to each chunk boundary (or `step` at a time) and inserts
-        after each (with `cache_type`, as `insert`), so a crash or Ctrl-C keeps everything
-        computed so far. Recurrent layers get a checkpoint every `checkpoint_every` chunks and at
-        the end. Returns (the cache, or None if nothing had to be computed; tokens reused; tokens
-        computed).
-        """
-        toks = as_tokens(tokens)
-        if len(toks) == 0:
-            raise InvalidInputError("prefill needs at least one token")
-        role = _role(cache_type)
-        for _ in range(PIN_ATTEMPTS):
-            # What this process holds in RAM may be gone from disk (gc in another process): a
-            # prefill answers for the disk, so records the disk lost are forgotten and recomputed.
-            self._forget_lost(toks)
-            if self.stored_length(toks) < len(toks) or self._needs_end_checkpoint(toks):
-                break
-            if durable and self._held_back(toks):
-                break  # in RAM only: restored from there and written by the insert below
-            if not pin or self._pin(toks):
-                if role:  # stored already: its type only
-                    self.mark(toks, cache_type)
-                return None, len(toks), 0
-        cache, rest = self.fetch(toks)
-        reused = pos = len(toks) - len(rest)
-        C = self.chunk_size
-        while pos < len(toks):
-            end = min(len(toks), pos + step) if step else min(len(toks), (pos // C + 1) * C)
-            self.model(mx.array(toks[pos:end])[None], cache=cache)
-            mx.eval(arrays_of(cache))
-            at_boundary = end % C == 0 and checkpoint_every > 0 and (end // C) % checkpoint_every == 0
-            self.insert(toks[:end], cache, pin=pin and end == len(toks),
-                        checkpoint=end == len(toks) or at_boundary, durable=durable, cache_type=cache_type)
-            if progress is not None:
-                progress(end - pos)
-            pos = end
-        return cache, reused, len(toks) - reused
-
-    def mark(self, tokens: Tokens, cache_type: str, *, first: int | None = None) -> None:
-        """Raise to `cache_type` the role of the stored records of `tokens` that hold any of its
-        first `first` tokens (all of them by default), as an insert of that type would, without
-        writing K/V: `warm` marks a prompt's system messages this way. Waits for queued writes."""
-        role, b = _role(cache_type), self.backing
-        toks = as_tokens(tokens)
-        if not role or b.index is None or len(toks) == 0:
-            return
-        first = len(toks) if first is None else first
-        b.writer.flush()  # the rows, on this machine: uploads are the command's to wait for, once
-        b.index.raise_role([s.hash for s in self._durable(toks) if s.start < first], role)
-
-    def _durable(self, toks: np.ndarray):
+    def _durable(self, toks: np.ndarray) -> list[Span]:
         """The records that must be on disk for `toks` to be stored whole (with the end checkpoint
         a recurrent model restores from)."""
-        return prompt_records(self.ns, toks, self.chunk_size, checkpoint=self.checkpointed)
-
-    def _needs_end_checkpoint(self, toks: np.ndarray) -> bool:
-        if not self.checkpointed:
-            return False
-        end = self._durable(toks)[-1]
-        return end.hash not in self.backing.tiers.holds([end])
-
-    def _held_back(self, toks: np.ndarray) -> bool:
-        """Whether admission or the write budget keeps some record of `toks` in RAM only (once
-        the writer has decided on what is queued)."""
-        gate = self.backing.gate
-        if gate is None or not gate.selective:
-            return False
-        self.backing.writer.flush()
-        return gate.holds_back(s.hash for s in self._durable(toks))
-
-    def _forget_lost(self, toks: np.ndarray) -> None:
-        """Drop from the memory tier the records of `toks` that are neither queued nor on disk."""
-        b = self.backing
-        if b.index is None:
-            return
-        kept = b.gate.holds_back if b.gate is not None else (lambda hashes: False)
-        held = [s.hash for s in self._durable(toks) if s.hash in b.memory and not b.writer.is_pending(s.hash)
-                and not kept([s.hash])]  # kept in RAM by admission or budget: not lost
-        if held:
-            on_disk = b.index.present(held)
-            b.memory.discard([h for h in held if h not in on_disk and not b.writer.is_pending(h)])
-
-    def _pin(self, toks: np.ndarray) -> bool:
-        """Pin what is stored for `toks` (and so keep it through gc). False if some record is not
-        on disk to be pinned (another process evicted it): the caller stores it again."""
-        b = self.backing
-        if b.index is None:
-            return True
-        b.writer.flush()  # the rows, on this machine (as `mark`)
-        wanted = [s.hash for s in self._durable(toks)]
-        return b.index.pin(wanted) >= len(wanted)
-
-    def unpin(self, tokens: Tokens) -> dict:
-        """Unpin what pinning `tokens` pinned (`prefill(..., pin=True)`, `insert(..., pin=True)`):
-        the prompt's chunks, its tail and (with recurrent layers) its end checkpoint, so that gc
-        may evict them again. Returns {"records": how many were pinned, "bytes": their size}.
-
-        Every record of the prompt is unpinned, shared ones too. Another pinned prompt that goes
-        on past a shared record still keeps it (gc keeps what a pin hangs from); one that ends on
-        it (a whole number of chunks, on a model with no recurrent layers) loses its pin: pin it
-        again. Waits for queued writes first (their pins land before this)."""
-        toks = as_tokens(tokens)
-        b = self.backing
-        b.check_open()
-        if b.index is None or len(toks) == 0:
-            return {"records": 0, "bytes": 0}
-        if b.index.read_only:
-            raise StoreOpenError("this store is open read-only: unpin needs to write to it")
-        b.writer.flush()
-        n, size = b.index.unpin([s.hash for s in self._durable(toks)])
-        return {"records": n, "bytes": size}
+        return self.records(self.stored_part(toks), checkpoint=self.checkpointed)
 
     def _check_cache(self, cache: list, n: int) -> None:
         if not isinstance(cache, (list, tuple)):
@@ -452,11 +462,5 @@ def _windowed(c: Codec) -> bool:
 def _span(source: Source, start: int) -> Span:
     """A record that was opened, as a span of the prompt starting at `start`."""
     r = source.id
-    return Span(r.hash, r.ns, r.parent, r.depth, r.kind, r.ntokens, r.first_token, start=start)
-
-
-def _role(cache_type: str) -> int:
-    try:
-        return role_class(cache_type)
-    except ValueError as e:
-        raise InvalidInputError(str(e)) from None
+    return Span(r.hash, r.ns, r.parent, r.depth, r.kind, r.ntokens, r.first_token, start=start,
+                tenant=r.tenant)

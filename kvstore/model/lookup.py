@@ -19,44 +19,80 @@ from kvstore import keys
 from kvstore.errors import BlobError
 from kvstore.records import RecordId, Span, prompt_records
 from kvstore.restore.plan import Part
+from kvstore.tenants import Tenant
 from kvstore.tiers.base import Lookup, Source, Tier, Where
 
 Options = list[tuple[bytes | None, int]]  # (child, tokens it shares with the rest), best first
 
 
-def match(tiers: Tiers, lookup: Lookup | None, ns: bytes, toks: np.ndarray, chunk_size: int,
-          chain: list[Span] | None = None) -> tuple[list[bytes], Options, Where]:
+def match(tiers: Tiers, lookup: Lookup, ns: bytes, toks: np.ndarray, chunk_size: int,
+          chain: list[Span] | None = None, *, local: bool = False) -> tuple[list[bytes], Options, Where]:
     """The stored full chunks of `toks` (deepest run from the start); the children of the last
     one that share tokens with what follows: (hash, tokens shared), best first, then every other
     child it matches whole (a checkpoint or a sliding window may be restorable at a shorter
-    child's end where the longest match's is not); and where each one is held. With no
-    `lookup`, only the tiers of this machine are asked. `chain`: the prompt's chunks, if known."""
+    child's end where the longest match's is not); and where each one is held. With `local`,
+    only the tiers of this machine are asked. `chain`: the prompt's shared chunks, if known.
+
+    With the lookup's tenant, the shared chain is followed as far as it is stored, then the
+    tenant's own (`records.prompt_records`): under its current key, or, if that holds none of
+    it, under the keys it had before a rotation. `lookup.chain` is then that chain."""
     C = chunk_size
     if chain is None:
         chain = prompt_records(ns, toks, C, tail=False)
-    where = tiers.find(lookup, chain, local=lookup is None)
-    depth = 0
-    while depth < len(chain) and chain[depth].hash in where:
-        depth += 1
-    parent = chain[depth - 1].hash if depth else ns
-    rest = toks[depth * C :]
-    found: dict[bytes, tuple[bytes, int, bool]] = {}
+    where = tiers.find(lookup, chain, local=local)
+    depth = _run(chain, where)
+    found = chain[:depth]
+    if lookup.tenant is not None:
+        lookup.shared = depth
+        own, owner = _tenant_chain(tiers, lookup, ns, toks, C, depth, where, local)
+        lookup.chain, lookup.owner = [r.hash for r in chain[:depth] + own], owner
+        found += own[: _run(own, where)]
+    parent = found[-1].hash if found else ns
+    rest = toks[len(found) * C :]
+    kids: dict[bytes, tuple[bytes, int, bool]] = {}
     if len(rest):
         for tier in tiers:
-            if lookup is None and getattr(tier, "shared", False):
+            if local and getattr(tier, "shared", False):
                 continue
-            if any(n >= len(rest) - 1 for _, n, _ in found.values()):
+            if any(n >= len(rest) - 1 for _, n, _ in kids.values()):
                 break  # covered: nothing a later tier holds could restore more
             for h, child_tokens, ref in tier.children(lookup, parent, rest):
-                if len(child_tokens) == 0 or h in found:
+                if len(child_tokens) == 0 or h in kids:
                     continue
                 n = keys.common_prefix(child_tokens, rest)
                 if n:
-                    found[h] = (h, n, n == len(child_tokens))
+                    kids[h] = (h, n, n == len(child_tokens))
                     where.setdefault(h, (tier, ref))
-    ranked = sorted(found.values(), key=lambda f: -f[1])
+    ranked = sorted(kids.values(), key=lambda f: -f[1])
     options = ranked[:1] + [f for f in ranked[1:] if f[2]]
-    return [r.hash for r in chain[:depth]], [(h, n) for h, n, _ in options] or [(None, 0)], where
+    return [r.hash for r in found], [(h, n) for h, n, _ in options] or [(None, 0)], where
+
+
+def _run(chain: Sequence[RecordId], where: Where) -> int:
+    """How many records of `chain`, from its start, some tier holds."""
+    depth = 0
+    while depth < len(chain) and chain[depth].hash in where:
+        depth += 1
+    return depth
+
+
+def _tenant_chain(tiers: Tiers, lookup: Lookup, ns: bytes, toks: np.ndarray, C: int, shared: int,
+                  where: Where, local: bool) -> tuple[list[Span], Tenant]:
+    """The tenant's chunks of `toks` after the `shared` ones, under the key that holds the most
+    of them (the current one when none does), found in `where`; and the tenant under that key."""
+    best: tuple[list[Span], Tenant, int] | None = None
+    for owner in lookup.tenant.variants():
+        own = prompt_records(ns, toks, C, tail=False, tenant=owner, shared=shared)[shared:]
+        if not own:
+            return [], lookup.tenant
+        at = tiers.find(lookup, own, local=local)
+        depth = _run(own, at)
+        if best is None or depth > best[2]:
+            where.update(at)
+            best = (own, owner, depth)
+        if depth == len(own):
+            break
+    return best[0], best[1]
 
 
 class Opening:

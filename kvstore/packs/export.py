@@ -68,6 +68,8 @@ def export_pack(store, mc, model_dir: Path, tokenizer, prompts: list[np.ndarray]
     for tokens in prompts:  # stored first where it is not: written whatever admission says
         computed += mc.prefill(tokens, progress=progress)[2]
     store.flush()
+    # What `prefill` stores of each prompt: all of it, or in exact mode all but its last token.
+    prompts = [mc.stored_part(np.asarray(t)) for t in prompts]
     chains = [prompt_records(mc.ns, t, mc.chunk_size, checkpoint=mc.checkpointed) for t in prompts]
     wanted = list(dict.fromkeys(s.hash for chain in chains for s in chain))
     rows = store.index.rows_of(wanted)

@@ -21,6 +21,7 @@ from typing import Callable, Iterable
 import mlx.core as mx
 import numpy as np
 
+from kvstore import canary
 from kvstore.errors import PackError
 from kvstore.records import Span
 from kvstore.storage import blobformat
@@ -39,8 +40,14 @@ class Kind:
     check: Callable[[object, np.ndarray], str | None]
 
 
-#: canary field (a blob header extension registered with its validator) -> its `Kind`.
-CANARIES: dict[str, Kind] = {}
+def _check_canary(value: canary.Canary, logits: np.ndarray) -> str | None:
+    result = canary.check(value, logits)
+    return None if result.ok else result.reason
+
+
+#: canary field (a blob header extension registered with its validator) -> its `Kind`: the
+#: prompt's canary (`kvstore.canary`), kept from the first step after a prompt.
+CANARIES: dict[str, Kind] = {"canary": Kind(step=lambda c: (c.at, c.token), check=_check_canary)}
 
 
 def canary_fields(metadata: dict[str, str]) -> dict[str, str]:
@@ -66,15 +73,17 @@ def record_arrays(buf) -> tuple[dict[str, mx.array], dict[str, mx.Dtype]]:
 
 
 def replay(mc, disk_kv_bits: int | None, records: Iterable[tuple[Span, np.ndarray, bytes]],
-           canaries: list[tuple[Span, np.ndarray, dict[str, str]]]) -> int:
-    """Check every canary by one replayed step (see the module docstring); how many were checked.
+           canaries: list[tuple[Span, np.ndarray, dict[str, str]]]) -> tuple[int, int]:
+    """Check every canary by one replayed step (see the module docstring): (how many were
+    checked, how many could not be replayed from the pack: a model with recurrent layers restores
+    only at a checkpoint, and a prompt's canary is of the step before its end checkpoint).
     `records`: (record, its token ids, its blob); `canaries`: (record, the tokens of a prompt it
     is part of, its canary fields). PackError naming the record if one does not hold."""
     records = list(records)
     size = sum(len(buf) for _, _, buf in records)
-    checked = 0
+    checked = unreplayable = 0
     with Store(MEMORY, memory_bytes=2 * size + (64 << 20), chunk_size=mc.chunk_size,
-               disk_kv_bits=disk_kv_bits) as ram:
+               disk_kv_bits=disk_kv_bits, exact_prefill=mc.exact) as ram:
         rc = ram.bind(mc.model, mc.model_id, fingerprint=mc.fingerprint, kv_bits=mc.kv_bits,
                       kv_group_size=mc.kv_group_size)
         if rc.ns != mc.ns:
@@ -87,13 +96,19 @@ def replay(mc, disk_kv_bits: int | None, records: Iterable[tuple[Span, np.ndarra
         for span, prompt, fields in canaries:
             values = blobformat.extensions({blobformat.EXTENSION_PREFIX + k: v for k, v in fields.items()})
             for name in fields:
-                _replay_one(rc, span, prompt, name, values.get(name))
-                checked += 1
-    return checked
+                if values.get(name) is None:  # a canary of a later version: kept, not read
+                    continue
+                if _replay_one(rc, span, prompt, name, values.get(name)):
+                    checked += 1
+                else:
+                    unreplayable += 1
+    return checked, unreplayable
 
 
-def _replay_one(mc, span: Span, prompt: np.ndarray, name: str, value) -> None:
-    """Replay the step of one canary of record `span` (of `prompt`) from the pack's records."""
+def _replay_one(mc, span: Span, prompt: np.ndarray, name: str, value) -> bool:
+    """Replay the step of one canary of record `span` (of `prompt`) from the pack's records: True
+    once it held, False when the step's state cannot be restored from the pack (recurrent layers
+    with no checkpoint before it: nothing of the pack would be checked by it)."""
     where = f"record {span.hash.hex()}"
     kind = CANARIES.get(name)
     if kind is None:
@@ -105,9 +120,12 @@ def _replay_one(mc, span: Span, prompt: np.ndarray, name: str, value) -> None:
     tokens = np.append(prompt[:at], np.int32(token)).astype(np.int32)
     cache, rest = mc.fetch(tokens)
     if len(rest) == len(tokens):
+        if mc.checkpointed:
+            return False
         raise PackError(f"{where}: its canary cannot be replayed: none of the {at} tokens before its step "
                         "could be restored from the pack")
     logits = mc.model(mx.array([rest]), cache=cache)[0, -1].astype(mx.float32)
     why = kind.check(value, np.array(logits))
     if why is not None:
         raise PackError(f"{where}: its canary {name} does not hold for the replayed step ({why})")
+    return True

@@ -69,6 +69,7 @@ class Verified:
     signature: str  # how the signature was checked, in words
     canaries: int  # canaries checked by a replayed step
     tokens: int  # of every prompt
+    unreplayable: int = 0  # canaries whose step cannot be restored from the pack (recurrent layers)
 
 
 def verify(folder: Path, target: Target, *, trust_key: Path | None = None, replay_canaries: bool = True,
@@ -102,10 +103,11 @@ def verify(folder: Path, target: Target, *, trust_key: Path | None = None, repla
             raise PackError(f"blob {blob_name(h)} does not match its SHA-256 in the manifest")
     checked = [_record(*spans[h], blobs[h], target.mc) for h in _ordered(m)]
     canaries = _canaries(m, checked, prompts)
-    n = 0
+    n = skipped = 0
     if canaries and replay_canaries:
-        n = replay(target.mc, target.disk_kv_bits, ((c.span, c.tokens, c.blob) for c in checked), canaries)
-    return Verified(m, checked, said, n, sum(p.tokens for p in m.prompts))
+        n, skipped = replay(target.mc, target.disk_kv_bits, ((c.span, c.tokens, c.blob) for c in checked),
+                            canaries)
+    return Verified(m, checked, said, n, sum(p.tokens for p in m.prompts), skipped)
 
 
 def read_file(path: Path, limit: int) -> bytes:
@@ -156,6 +158,10 @@ def _for_this_model(m: Manifest, t: Target) -> None:
     if m.fingerprint != mc.fingerprint.hex():
         raise PackError(f"kvstore's fingerprint of this model is {mc.fingerprint.hex()}, the pack's is "
                         f"{m.fingerprint}: it was made with other model files")
+    theirs, ours = m.layout.get("exact_prefill") if isinstance(m.layout, dict) else None, mc.exact
+    if theirs != ours:
+        raise PackError(f"the pack was made in exact mode {_bits(theirs)}, this store's is {_bits(ours)}: "
+                        f"import it into a store opened with --exact-prefill {theirs or 'off'}")
     if _canonical(m.layout) != _canonical(mc.layout):
         raise PackError("the pack's cache layout is not this model's as bound here (bind options such as "
                         "kv_bits, or disk_kv_bits, differ)")

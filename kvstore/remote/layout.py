@@ -9,6 +9,10 @@ digits, see `remote.seal`; `pp` is the first two digits of `parent`):
     <ns>/<pp>/<record>/ckpt/<checkpoint>.ckpt       the checkpoint at the end of <record>
     <ns>/pins/<node>                                what one node has pinned
 
+A tenant's record is `.tchunk.<n>`, `.ttail.<n>` or `.tckpt` (sealed with its tenant's key, its
+`<branch>` named with its tenant's salt: `remote.seal.TenantSealer`): a listing tells that it is
+some tenant's, never whose.
+
 `<ns>` names the namespace, `<parent>` and `<record>` chain hashes (a root chunk's parent is
 named `<ns>`), `<branch>` the pair (parent, first token). A node that knows the prompt computes
 every key: a HEAD finds a chunk, one listing of `<ns>/<pp>/<parent>/<branch>/` finds every child of
@@ -28,10 +32,11 @@ from kvstore.remote.seal import Sealer
 LAYOUT_VERSION = "kvstore-remote-2"
 _KIND_NAMES = {CHUNK: "chunk", TAIL: "tail", CHECKPOINT: "ckpt"}
 _KINDS = {v: k for k, v in _KIND_NAMES.items()}
+TENANT_MARK = "t"  # before a tenant's record's kind name
 _NAME = re.compile(r"[0-9a-f]{32}")
 _BRANCH = re.compile(r"[0-9a-f]{16}")
-_RECORD = re.compile(r"([0-9a-f]{32})\.(chunk|tail)\.([1-9][0-9]{0,8})")
-_CKPT = re.compile(r"([0-9a-f]{32})\.ckpt")
+_RECORD = re.compile(r"([0-9a-f]{32})\.(t?)(chunk|tail)\.([1-9][0-9]{0,8})")
+_CKPT = re.compile(r"([0-9a-f]{32})\.(t?)ckpt")
 
 
 @dataclass(slots=True)
@@ -43,6 +48,7 @@ class ObjectKey(RecordId):
     size: int = 0
     modified: float = 0.0
     branch: str = ""
+    owned: bool = False  # a tenant's (sealed with a key only that tenant's nodes derive)
 
 
 def manifest_key(folder: str) -> str:
@@ -60,13 +66,17 @@ def children_prefix(s: Sealer, parent: bytes, first_token: int) -> str:
 
 
 def key_of(s: Sealer, r: RecordId) -> str:
-    """The object key of a record."""
+    """The object key of a record (a tenant's record: with its tenant's sealer)."""
+    if (r.tenant is not None) != s.owned:
+        raise ValueError("a tenant's record is named by its tenant's sealer, a shared one by the namespace's")
+    mark = TENANT_MARK if s.owned else ""
     if r.kind == CHECKPOINT:
         p = s.name(r.parent)
-        return f"{s.folder}/{p[:2]}/{p}/ckpt/{s.name(r.hash)}.ckpt"
+        return f"{s.folder}/{p[:2]}/{p}/ckpt/{s.name(r.hash)}.{mark}ckpt"
     if r.first_token is None or r.kind not in (CHUNK, TAIL):
         raise ValueError(f"a {r.kind} record needs its first token for its key")
-    return f"{children_prefix(s, r.parent, r.first_token)}{s.name(r.hash)}.{_KIND_NAMES[r.kind]}.{int(r.ntokens)}"
+    return (f"{children_prefix(s, r.parent, r.first_token)}{s.name(r.hash)}.{mark}{_KIND_NAMES[r.kind]}."
+            f"{int(r.ntokens)}")
 
 
 def parse_key(path: str, size: int = 0, modified: float = 0.0) -> ObjectKey | None:
@@ -84,12 +94,12 @@ def parse_key(path: str, size: int = 0, modified: float = 0.0) -> ObjectKey | No
         if m is None:
             return None
         return ObjectKey(bytes.fromhex(m[1]), ns, parent, None, CHECKPOINT, 0, None, path=path, size=size,
-                         modified=modified, branch=branch)
+                         modified=modified, branch=branch, owned=bool(m[2]))
     m = _RECORD.fullmatch(name)
     if m is None or not _BRANCH.fullmatch(branch):
         return None
-    return ObjectKey(bytes.fromhex(m[1]), ns, parent, None, _KINDS[m[2]], int(m[3]), None, path=path, size=size,
-                     modified=modified, branch=branch)
+    return ObjectKey(bytes.fromhex(m[1]), ns, parent, None, _KINDS[m[3]], int(m[4]), None, path=path, size=size,
+                     modified=modified, branch=branch, owned=bool(m[2]))
 
 
 def parse_other(path: str) -> tuple[str, str] | None:

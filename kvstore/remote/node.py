@@ -54,11 +54,12 @@ class Remote:
     def counters(self) -> dict[str, int]:
         return self.health.counters
 
-    def bind(self, ns: bytes, fingerprint: bytes, model_id: str, chunk_size: int, layout: dict) -> None:
-        """Remember a bound model's manifest, uploaded before the first record of its namespace."""
+    def bind(self, ns: bytes, fingerprint: bytes, chunk_size: int, layout: dict) -> None:
+        """Remember a bound model's manifest, uploaded before the first record of its namespace.
+        It names the model by its fingerprint only: never by its path on this node."""
         self.uploader.manifests[ns] = json.dumps({
             "layout_version": LAYOUT_VERSION, "format": keys.FORMAT_VERSION, "namespace": ns.hex(),
-            "fingerprint": fingerprint.hex(), "model_id": model_id, "chunk_size": chunk_size,
+            "fingerprint": fingerprint.hex(), "chunk_size": chunk_size,
             "layout": layout}, sort_keys=True).encode()
 
     def stats(self) -> dict[str, Any]:
@@ -67,7 +68,8 @@ class Remote:
             stored = self.index.counters()
         except Exception:  # only statistics (the index may be busy)
             stored = {}
-        return {"url": self.url, "deadline_s": self.deadline, "pending_upload_bytes": self.uploader.pending_bytes,
+        return {"url": self.url, "key": self.fleet.key_id, "older_keys": [f.key_id for f in self.fleet.older],
+                "deadline_s": self.deadline, "pending_upload_bytes": self.uploader.pending_bytes,
                 "pending_uploads": self.uploader.pending_uploads, "flush_timeout_s": self.flush_timeout,
                 "undone_uploads": self.undone_uploads,
                 "last_error": self.health.last_error, **self.health.counters,
@@ -128,6 +130,13 @@ class Remote:
         self.publish_pins()
         return collect_remote(self.bucket, self.fleet, self.index.namespaces(), max_bytes=max_bytes,
                               max_age=max_age, dry_run=dry_run)
+
+    def drop_key(self, *, key_id: str, dry_run: bool = False) -> dict:
+        """Delete what only the older fleet key `key_id` opens (see `upkeep.drop_key`)."""
+        from kvstore.remote.upkeep import drop_key
+
+        self.flush()
+        return drop_key(self.bucket, self.fleet, self.index.namespaces(), key_id=key_id, dry_run=dry_run)
 
     def verify(self, *, repair: bool = False) -> list:
         """Problems of the bucket's objects (see `upkeep.verify_remote`)."""

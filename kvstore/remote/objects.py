@@ -62,4 +62,4 @@ def named_record(s: Sealer, plain: bytes, rid: RecordId) -> RecordId:
         raise BlobError(f"its header names no record ({e})") from e
     if len(h) != 16 or s.name(h) != rid.hash.hex():
         raise BlobError("its header names another record than its key")
-    return RecordId(h, rid.ns, rid.parent, rid.depth, rid.kind, rid.ntokens, rid.first_token)
+    return RecordId(h, rid.ns, rid.parent, rid.depth, rid.kind, rid.ntokens, rid.first_token, **rid.owner())

@@ -13,6 +13,16 @@ of its chain hash under a per-namespace naming key, a children folder by one of 
 token), a namespace by one of its hash under a fleet-wide key. A node that knows the prompt
 computes every key it asks for; gc rebuilds the tree from the names alone.
 
+A tenant's records (`kvstore.tenants`) are sealed under a key of the tenant's own (`TenantSealer`:
+HKDF of the fleet secret, the namespace and the tenant's salt), and its children of any record go
+in a folder whose name is an HMAC of the salt too: only a node serving that tenant can name, list
+or open them. Tenants' salts are derived under a secret derived from the fleet secret
+(`Fleet.tenant_secret`), so every node of a fleet gives one tenant the same salt.
+
+Key rotation: a fleet may hold older secrets besides its own (`Fleet.older`): objects are written
+with the first key only, and read with it, then with the older ones; `kvstore gc --remote
+--drop-key ID` deletes what only an older key opens. A key is named by its `key_id`.
+
 A sealed object is `MAGIC ‖ nonce (12 bytes) ‖ ciphertext ‖ tag (16 bytes)`; nothing else, no
 object metadata.
 """
@@ -27,6 +37,7 @@ import re
 import secrets
 import struct
 import threading
+from collections import OrderedDict
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
@@ -34,6 +45,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from kvstore.errors import BlobError, InvalidInputError
+from kvstore.tenants import Tenant
 
 #: The environment variable that holds the fleet secret.
 KEY_ENV = "KVSTORE_REMOTE_KEY"
@@ -47,6 +59,8 @@ TAG_BYTES = 16
 OVERHEAD = len(MAGIC) + NONCE_BYTES + TAG_BYTES
 _PURPOSE = b"kvstore-remote-2"
 _HEX = re.compile(r"[0-9a-fA-F]{64}")
+_TENANTS_REMEMBERED = 1 << 16  # tenants a node seals uploads for (the least recent is forgotten)
+_SEALERS_KEPT = 1 << 12
 _BASE64URL = re.compile(r"[A-Za-z0-9_-]{43}=?")
 
 
@@ -79,27 +93,58 @@ def parse_key(value: str | bytes, where: str) -> bytes:
     return raw
 
 
-def fleet_secret(remote_key: str | bytes | None = None, env: dict | None = None) -> bytes:
-    """The fleet secret: `remote_key` if given, else `$KVSTORE_REMOTE_KEY`; a remote tier
-    without one is refused."""
+def parse_keys(value, where: str) -> list[bytes]:
+    """The fleet's secrets in `value`: one key, or several (text separated by commas or lines, or
+    a list), the one written with first and older ones, still read, after (key rotation)."""
+    if isinstance(value, (list, tuple)):
+        parts = list(value)
+    elif isinstance(value, (bytes, bytearray, memoryview)) and len(value) == KEY_BYTES:
+        parts = [bytes(value)]
+    else:
+        text = value.decode("ascii", "replace") if isinstance(value, (bytes, bytearray, memoryview)) else value
+        if not isinstance(text, str):
+            raise InvalidInputError(f"{where}: the fleet secret must be text or bytes, got {type(value).__name__}")
+        parts = [p for p in re.split(r"[\s,]+", text) if p]
+    keys = [parse_key(p, where) for p in parts]
+    if not keys:
+        raise InvalidInputError(f"{where}: holds no fleet secret (make one with `{KEY_COMMAND}`)")
+    if len(set(keys)) != len(keys):
+        raise InvalidInputError(f"{where}: holds the same fleet secret twice")
+    return keys
+
+
+def fleet_keys(remote_key=None, env: dict | None = None) -> list[bytes]:
+    """The fleet's secrets (`parse_keys`): `remote_key` if given, else `$KVSTORE_REMOTE_KEY`; a
+    remote tier without one is refused."""
     if remote_key is not None:
-        return parse_key(remote_key, "remote_key")
+        return parse_keys(remote_key, "remote_key")
     value = (os.environ if env is None else env).get(KEY_ENV)
     if not value:
         raise InvalidInputError(
             f"a remote tier needs the fleet secret: set {KEY_ENV} (or pass remote_key=, or "
             f"--remote-key-file) to the key every node of the fleet shares; make one with `{KEY_COMMAND}`")
-    return parse_key(value, KEY_ENV)
+    return parse_keys(value, KEY_ENV)
 
 
-def read_key_file(path: str) -> bytes:
-    """The fleet secret in a key file (as `kvstore remote-key` prints it)."""
+def fleet_secret(remote_key: str | bytes | None = None, env: dict | None = None) -> bytes:
+    """The fleet secret objects are written with (the first of `fleet_keys`)."""
+    return fleet_keys(remote_key, env)[0]
+
+
+def read_key_file(path: str) -> list[bytes]:
+    """The fleet's secrets in a key file (as `kvstore remote-key` prints one; after a rotation,
+    the new one first, then the older ones, a line each)."""
     try:
         with open(path, "rb") as f:
             text = f.read(4096)
     except OSError as e:
         raise InvalidInputError(f"cannot read the remote key file {path}: {e.strerror or e}") from None
-    return parse_key(text.decode("ascii", "replace"), f"the remote key file {path}")
+    return parse_keys(text.decode("ascii", "replace"), f"the remote key file {path}")
+
+
+def key_id(secret: bytes) -> str:
+    """A key's name (8 hex digits of an HMAC under it): what `stats` and `--drop-key` show."""
+    return hmac.new(secret, b"kvstore key id", hashlib.sha256).hexdigest()[:8]
 
 
 def _derive(secret: bytes, info: bytes) -> bytes:
@@ -107,18 +152,46 @@ def _derive(secret: bytes, info: bytes) -> bytes:
 
 
 class Fleet:
-    """What the fleet secret gives: a `Sealer` per namespace, and the namespaces' folder names."""
+    """What the fleet secret gives: a `Sealer` per namespace (and tenant), the namespaces' folder
+    names, the secret tenants' salts are derived under; `older`: the fleets of the older secrets
+    still read (a rotation not finished)."""
 
-    def __init__(self, secret: bytes):
+    def __init__(self, secret: bytes, older: list[bytes] | tuple = ()):
         if not isinstance(secret, bytes) or len(secret) != KEY_BYTES:
             raise InvalidInputError(f"a fleet secret is {KEY_BYTES} bytes")
         self._secret = secret
+        self.key_id = key_id(secret)
+        self.older = [Fleet(k) for k in older]
         self._ns_names = _derive(secret, _PURPOSE + b" namespace names")
-        self._sealers: dict[bytes, Sealer] = {}
+        self._sealers: dict[tuple, Sealer] = {}
+        self._tenants: OrderedDict[str, Tenant] = OrderedDict()  # tag -> tenant, for uploads
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:  # never shows the secret
-        return "Fleet(<secret>)"
+        return f"Fleet(<secret {self.key_id}>)"
+
+    def keyring(self) -> list["Fleet"]:
+        """This fleet, then the older ones: the order keys are tried in."""
+        return [self, *self.older]
+
+    def by_key(self, kid: str) -> "Fleet | None":
+        return next((f for f in self.keyring() if f.key_id == kid), None)
+
+    def tenant_secret(self) -> bytes:
+        """The server secret tenants' salts are derived under (`tenants.derive`)."""
+        return _derive(self._secret, _PURPOSE + b" tenants")
+
+    def remember(self, tenant: Tenant) -> None:
+        """Know `tenant` by its tag (the uploader seals its rows, which name it by tag only)."""
+        with self._lock:
+            self._tenants[tenant.tag] = tenant
+            self._tenants.move_to_end(tenant.tag)
+            while len(self._tenants) > _TENANTS_REMEMBERED:
+                self._tenants.popitem(last=False)
+
+    def tenant_of(self, tag: str) -> Tenant | None:
+        with self._lock:
+            return self._tenants.get(tag)
 
     def ns_name(self, ns: bytes) -> str:
         """The folder of a namespace (32 hex digits)."""
@@ -129,11 +202,15 @@ class Fleet:
         manifest to learn which namespace a folder is before they know its hash."""
         return Box(_derive(self._secret, _PURPOSE + b" manifest " + folder.encode()))
 
-    def sealer(self, ns: bytes) -> "Sealer":
+    def sealer(self, ns: bytes, tenant: Tenant | None = None) -> "Sealer":
+        """The keys of a namespace's shared objects, or (`tenant`) of that tenant's objects in it."""
+        slot = (ns, tenant.salt if tenant is not None else None)
         with self._lock:
-            s = self._sealers.get(ns)
+            s = self._sealers.get(slot)
             if s is None:
-                s = self._sealers[ns] = Sealer(self, ns)
+                if len(self._sealers) > _SEALERS_KEPT:
+                    self._sealers.clear()
+                s = self._sealers[slot] = Sealer(self, ns) if tenant is None else TenantSealer(self, ns, tenant)
             return s
 
 
@@ -166,11 +243,13 @@ class Box:
 class Sealer(Box):
     """One namespace's keys: sealing its objects and naming its records."""
 
-    __slots__ = ("ns", "folder", "_names")
+    __slots__ = ("ns", "folder", "key_id", "_names")
+    owned = False  # a tenant's objects (`TenantSealer`)
 
     def __init__(self, fleet: Fleet, ns: bytes):
         super().__init__(_derive(fleet._secret, _PURPOSE + b" seal " + ns))
         self.ns = ns
+        self.key_id = fleet.key_id
         self.folder = fleet.ns_name(ns)
         self._names = _derive(fleet._secret, _PURPOSE + b" names " + ns)
 
@@ -185,3 +264,22 @@ class Sealer(Box):
         """The name of the folder of `parent`'s children that start with `first_token`."""
         msg = b"c" + parent + struct.pack("<i", int(first_token))
         return hmac.new(self._names, msg, hashlib.sha256).digest()[:8].hex()
+
+
+class TenantSealer(Sealer):
+    """One tenant's keys in a namespace: its objects are sealed under a key of its own, and its
+    children folders are named with its salt; records are named as the namespace names them, so
+    gc, which sees names only, keeps the tree whole."""
+
+    __slots__ = ("tenant", "_branches")
+    owned = True
+
+    def __init__(self, fleet: Fleet, ns: bytes, tenant: Tenant):
+        super().__init__(fleet, ns)
+        self._aead = AESGCM(_derive(fleet._secret, _PURPOSE + b" tenant seal " + ns + tenant.salt))
+        self._branches = _derive(fleet._secret, _PURPOSE + b" tenant branches " + ns + tenant.salt)
+        self.tenant = tenant
+
+    def children(self, parent: bytes, first_token: int) -> str:
+        msg = b"t" + parent + struct.pack("<i", int(first_token))
+        return hmac.new(self._branches, msg, hashlib.sha256).digest()[:8].hex()

@@ -12,8 +12,12 @@ Pins are known only to the node that pinned a prompt. Each node publishes them, 
 uploads pinned records, and before it runs `gc --remote` or `verify --remote`. gc reads every
 node's pins object and keeps those records, their ancestors and their checkpoints; one that does
 not open with the fleet's key is ignored. A namespace is known from this node's index or from
-its manifest (sealed under a key derived from its folder name); gc keeps every record of a
-namespace with pins it cannot read, and verify reports such namespaces without judging them.
+its manifest (sealed under a key derived from its folder name), under any of the fleet's keys
+(a rotation not finished); a namespace no key opens keeps nothing by its pins: its records age
+out as any others do, and verify reports it without judging its records. A tenant's records
+(`.tchunk`...) are sealed with their tenant's key, which gc and verify do not have: gc keeps
+their tree by names as any other, verify counts them unopened. `drop_key` deletes every object
+of the namespaces of an older key (the end of a rotation).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvstore.errors import BlobError
+from kvstore.errors import BlobError, InvalidInputError
 from kvstore.records import CHECKPOINT, TAIL, RecordId
 from kvstore.remote.bucket import MAX_OBJECT_BYTES, Bucket, RemoteError
 from kvstore.remote.layout import ObjectKey, manifest_key, parse_key, parse_other, pins_key
@@ -176,21 +180,29 @@ def _break_cycles(objects: dict[bytes, ObjectKey]) -> None:
         done.update(walk)
 
 
-def namespaces(bucket: Bucket, fleet: Fleet, folders, local=()) -> dict[str, tuple[bytes, int | None]]:
-    """Namespace folder -> (namespace, chunk size if its manifest says) for the folders given:
-    from this node's own namespaces (`local`) and from the manifests that open."""
-    out: dict[str, tuple[bytes, int | None]] = {fleet.ns_name(ns): (ns, None) for ns in local}
+def namespaces(bucket: Bucket, fleet: Fleet, folders, local=()) -> dict[str, tuple[bytes, int | None, Fleet]]:
+    """Namespace folder -> (namespace, chunk size if its manifest says, the fleet key it is of)
+    for the folders given: from this node's own namespaces (`local`) and from the manifests that
+    open, under each key of the fleet."""
+    out: dict[str, tuple[bytes, int | None, Fleet]] = {}
+    for f in reversed(fleet.keyring()):  # the current key's names last: they win
+        out.update((f.ns_name(ns), (ns, None, f)) for ns in local)
     for folder in folders:
         key = manifest_key(folder)
         try:
             body = bucket.get(key, max_bytes=1 << 20)
-            m = json.loads(fleet.manifest_box(folder).open(key, body)) if body is not None else None
-            ns = bytes.fromhex(m["namespace"])
-            size = int(m["chunk_size"])
-        except (RemoteError, Unauthenticated, ValueError, KeyError, TypeError):
+        except RemoteError:
             continue
-        if fleet.ns_name(ns) == folder and size >= 1:
-            out[folder] = (ns, size)
+        for f in fleet.keyring():
+            try:
+                m = json.loads(f.manifest_box(folder).open(key, body)) if body is not None else None
+                ns = bytes.fromhex(m["namespace"])
+                size = int(m["chunk_size"])
+            except (Unauthenticated, ValueError, KeyError, TypeError):
+                continue
+            if f.ns_name(ns) == folder and size >= 1:
+                out[folder] = (ns, size, f)
+                break
     return out
 
 
@@ -222,16 +234,15 @@ def collect_remote(bucket: Bucket, fleet: Fleet, local=(), *, max_bytes: int | N
 
 def _kept(bucket: Bucket, fleet: Fleet, tree: _Tree, local) -> set[bytes]:
     """The records every node's pins object keeps: the pinned, their ancestors and their
-    checkpoints; every record of a namespace whose pins this node cannot read (not its own
-    namespace, and no manifest that opens)."""
+    checkpoints. The pins of a namespace no key of the fleet opens (not this node's, no manifest
+    that opens) keep nothing: nothing could ever be read from it."""
     spaces = namespaces(bucket, fleet, {folder for _, folder in tree.pins_objects}, local)
     pinned: set[bytes] = set()
-    unknown: set[bytes] = set()
     for path, folder in tree.pins_objects:
         if folder not in spaces:
-            unknown.add(bytes.fromhex(folder))
             continue
-        s = fleet.sealer(spaces[folder][0])
+        ns, _, f = spaces[folder]
+        s = f.sealer(ns)
         try:
             body = bucket.get(path, max_bytes=64 << 20)
             names = json.loads(s.open(path, body)).get("pinned", []) if body is not None else []
@@ -240,7 +251,6 @@ def _kept(bucket: Bucket, fleet: Fleet, tree: _Tree, local) -> set[bytes]:
             continue
         except (ValueError, AttributeError, TypeError) as e:
             raise RemoteError(f"a pins object of the bucket is unreadable ({e}): fix or delete it before gc") from e
-    pinned |= {h for h, k in tree.objects.items() if k.ns in unknown}
     keep = tree.ancestors(pinned)
     return keep | {c for h in keep for c in tree.children.get(h, []) if tree.objects[c].kind == CHECKPOINT}
 
@@ -268,8 +278,8 @@ def verify_remote(bucket: Bucket, fleet: Fleet, local=(), *, repair: bool = Fals
 
     def check(k: ObjectKey) -> tuple[str, str] | None:
         known = spaces.get(k.ns.hex())
-        if known is None:
-            return None  # said once per namespace below
+        if known is None or k.owned:
+            return None  # said once per namespace below; a tenant's: sealed with a key only its nodes derive
         cap = caps[(k.ns, k.kind == CHECKPOINT)]
         if k.size > cap:  # planted: never read
             return "corrupt_object", f"{k.size} bytes, more than a record of its namespace is ({cap})"
@@ -283,7 +293,7 @@ def verify_remote(bucket: Bucket, fleet: Fleet, local=(), *, repair: bool = Fals
         if k.parent == k.ns or k.parent in tree.objects:
             depth = tree.depth(k.parent) if k.kind == CHECKPOINT else tree.depth(k.hash)
         try:
-            _check_listed(fleet.sealer(known[0]), k, buf, depth, known[1])
+            _check_listed(known[2].sealer(known[0]), k, buf, depth, known[1])
         except Unauthenticated as e:
             return "unauthenticated_object", str(e)
         except BlobError as e:
@@ -298,8 +308,9 @@ def verify_remote(bucket: Bucket, fleet: Fleet, local=(), *, repair: bool = Fals
                 if not found[1].startswith("cannot download"):
                     bad.add(k.hash)
     for folder in sorted({k.ns.hex() for k in keys_} - set(spaces)):
-        problems.append(Problem("unknown_namespace", folder, "no manifest that opens with the fleet's key, and "
-                                "not a namespace of this store: its records are not checked (left alone)"))
+        problems.append(Problem("unknown_namespace", folder, "no manifest that opens with the fleet's keys, and "
+                                "not a namespace of this store: its records are not checked, and gc keeps "
+                                "none of them for its pins (they age out)"))
     for k in tree.orphans():
         problems.append(Problem("orphan_object", k.path, "its parent is not in the bucket", k.hash.hex()))
         bad.add(k.hash)
@@ -342,3 +353,25 @@ def _check_listed(s: Sealer, k: ObjectKey, buf, depth: int | None, chunk_size: i
     tokens = check_record(plain, rid, chunk_size)
     if k.kind != CHECKPOINT and s.children(parent, int(tokens[0])) != k.branch:
         raise BlobError("its key's branch is not that of its first token")
+
+
+def drop_key(bucket: Bucket, fleet: Fleet, local=(), *, key_id: str, dry_run: bool = False) -> dict:
+    """Delete every object of the namespaces of the older key `key_id` of `fleet` (records deepest
+    first, then pins and manifests): what only that key opens. The end of a key rotation."""
+    kid = key_id
+    old = next((f for f in fleet.older if f.key_id == kid), None)
+    if old is None:
+        known = ", ".join(f.key_id for f in fleet.older) or "none"
+        raise InvalidInputError(f"--drop-key {kid}: not an older key of this fleet (older keys: {known}; the key "
+                                f"written with, {fleet.key_id}, cannot be dropped)")
+    tree = _Tree(bucket)
+    folders = {k.ns.hex() for k in tree.objects.values()} | set(tree.manifests) | {f for _, f in tree.pins_objects}
+    mine = {folder for folder, (_, _, f) in namespaces(bucket, fleet, folders, local).items() if f is old}
+    records = {h for h, k in tree.objects.items() if k.ns.hex() in mine}
+    others = [manifest_key(f) for f in mine if f in tree.manifests] + [p for p, f in tree.pins_objects if f in mine]
+    size = sum(tree.objects[h].size for h in records)
+    if not dry_run:
+        tree.delete(bucket, records)
+        bucket.delete(others)
+    return {"key": kid, "namespaces": len(mine), "records": len(records), "objects": len(records) + len(others),
+            "bytes": size, "dry_run": dry_run}

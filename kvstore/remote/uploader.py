@@ -3,9 +3,13 @@
 After the writer commits rows, `submit` queues them; worker threads upload each blob with a
 create-only PUT, parents before children (a child waits for its parent's upload and is skipped if
 its parent is not in the bucket). The queue is bounded by bytes; what it cannot hold is dropped
-and counted. Only rows the writer wrote are ever queued, so a node never uploads what it
-downloaded (the remote tier stores downloads through the disk tier, never through the writer).
-Every object is sealed with the fleet's key (`remote.seal`). A create-only PUT that finds the
+and counted. Only rows the writer wrote are queued, so a node never uploads what it downloaded
+(the remote tier stores downloads through the disk tier, never through the writer), but for one
+case: a shared record it read with an older fleet key goes up again under the current key (the
+remote tier queues it), so a rotation leaves the shared prompts in the bucket.
+Every object is sealed with the fleet's key (`remote.seal`), a tenant's with its tenant's key (a
+row names its tenant by tag: the tenant must have been bound in this process, `Fleet.remember`;
+else it is not uploaded, and counted). A create-only PUT that finds the
 object there already reads it back: if it does not open, or is not the record, it was planted by
 someone without the secret, and is overwritten (counted as `replaced`). While the remote is left
 alone after a failure (`Health.down`), uploads are skipped and counted, manifests too.
@@ -180,8 +184,11 @@ class Uploader:
             return False
         if meta.get("ns") != row.ns.hex():
             return False
+        s = self._sealer(row)
+        if s is None:
+            self.health.count("skipped_unknown_tenant")
+            return False
         self._put_manifest(row.ns)
-        s = self.fleet.sealer(row.ns)
         key = key_of(s, row)
         body = s.seal(key, buf)
         if self.bucket.put_new(key, body):
@@ -202,7 +209,8 @@ class Uploader:
             return False
         if theirs is None:  # deleted since: the next node to store it uploads it again
             return True
-        rid = RecordId(row.hash, row.ns, row.parent, row.depth, row.kind, row.ntokens, row.first_token)
+        rid = RecordId(row.hash, row.ns, row.parent, row.depth, row.kind, row.ntokens, row.first_token,
+                       tenant=row.tenant)
         try:
             open_record(s, key, theirs, rid, chunk_size)
         except BlobError:
@@ -217,12 +225,21 @@ class Uploader:
         if row.parent in self._known:
             return True
         parent = self._row_of(row.parent)
-        if parent is None:
+        s = self._sealer(parent) if parent is not None else None
+        if s is None:
             return False
-        found = self.bucket.head(key_of(self.fleet.sealer(parent.ns), parent)) is not None
+        found = self.bucket.head(key_of(s, parent)) is not None
         if found:
             self._remember(row.parent)
         return found
+
+    def _sealer(self, row: Row) -> Sealer | None:
+        """The keys `row` is sealed and named with: its namespace's, or its tenant's (None when
+        this process does not know the tenant its tag names)."""
+        if row.tenant is None:
+            return self.fleet.sealer(row.ns)
+        tenant = self.fleet.tenant_of(row.tenant)
+        return None if tenant is None else self.fleet.sealer(row.ns, tenant)
 
     def _put_manifest(self, ns: bytes) -> None:
         """The namespace's manifest, once per process; a planted one is replaced."""

@@ -18,6 +18,7 @@ import mlx.core as mx
 import numpy as np
 
 from kvstore.errors import BlobError
+from kvstore.restore import selfcheck
 from kvstore.restore.alloc import allocate, keep_buffers, zeroed
 from kvstore.restore.arrays import host_array
 from kvstore.restore.plan import Copy, Plan
@@ -35,13 +36,27 @@ _pool: ThreadPoolExecutor | None = None
 def fill(pl: Plan, sources: Sequence[Source]) -> tuple[dict[str, mx.array], list[tuple[int, BlobError]]]:
     """The final arrays of the plan, filled from `sources` (one per part) and the spare zeroed;
     and the (part, error) of every part that failed its checks (then the arrays must not be used
-    past that part's start)."""
+    past that part's start). The first restore of the process is checked (`selfcheck`); after a
+    mismatch, restores fill memory of their own and hand it to mlx by copy."""
     keep_buffers(pl.nbytes)
     specs = {name: (e.tag, e.shape) for name, e in pl.finals.items()}
-    finals = allocate(specs)
-    views = {name: target(_host(a)) for name, a in finals.items()}
-    spare = [] if zeroed(specs) else [name for name, view in views.items()
-                                           if pl.filled[name] < view.array.shape[2]]
+    if selfcheck.copying():
+        return _fill(pl, sources, specs, copy=True)
+    finals, errors = _fill(pl, sources, specs, copy=False)
+    if not errors and selfcheck.due() and not selfcheck.check(pl, sources, finals):
+        return _fill(pl, sources, specs, copy=True)  # this restore too
+    return finals, errors
+
+
+def _fill(pl: Plan, sources: Sequence[Source], specs: dict, *, copy: bool
+          ) -> tuple[dict[str, mx.array], list[tuple[int, BlobError]]]:
+    """`fill`, into mlx's arrays' own memory, or (`copy`) into numpy's, copied to mlx after."""
+    host = selfcheck.allocate_host(specs) if copy else None
+    finals = {} if copy else allocate(specs)
+    views = {name: target(a) for name, a in host.items()} if copy else \
+        {name: target(_host(a)) for name, a in finals.items()}
+    spare = [] if not copy and zeroed(specs) else [name for name, view in views.items()
+                                                       if pl.filled[name] < view.array.shape[2]]
     jobs = pl.jobs
 
     def run(k: int) -> BlobError | None:
@@ -87,6 +102,8 @@ def fill(pl: Plan, sources: Sequence[Source]) -> tuple[dict[str, mx.array], list
         zero(spare)
         results = runs(keys)
     views.clear()  # the final arrays are their memory's only owners again (donatable, in place)
+    if copy:
+        finals = selfcheck.to_mlx(host, specs)
     return finals, [(k, e) for k, e in zip(keys, results) if e is not None]
 
 

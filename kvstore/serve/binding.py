@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import OrderedDict
 from typing import Any, Hashable
 
 import numpy as np
@@ -17,32 +18,50 @@ import numpy as np
 from kvstore.errors import KVStoreError
 from kvstore.model.cache import ModelCache
 from kvstore.store import Store
+from kvstore.tenants import Tenant
 
 log = logging.getLogger("kvstore")
 
 # What `KeyBindings.resolve` returns for a key the store does not serve.
 IN_RAM = "in RAM"  # mlx-lm's own LRUPromptCache, as stock mlx_lm.server
 UNCACHED = "uncached"  # no prompt caching at all: even mlx-lm's in-RAM reuse would be wrong
+MAX_VIEWS = 1024  # tenants' views of a binding kept (one is cheap to make again)
 
 
 class Binding:
-    """The store as one server model sees it: plain K/V, and with `--kv-bits` also quantized K/V."""
+    """The store as one server model sees it: plain K/V, and with `--kv-bits` also quantized K/V;
+    each as the shared namespace or as a tenant sees it (`tenant`, from `Store.tenant`)."""
 
     def __init__(self, plain: ModelCache, quantized: ModelCache | None = None):
         self.plain, self.quantized = plain, quantized
+        self._views: OrderedDict[tuple, ModelCache] = OrderedDict()  # (ns, tag) -> a tenant's view
 
-    def choose(self, tokens: np.ndarray) -> ModelCache:
-        """The namespace that holds more of `tokens`."""
-        mc = self.plain
-        if self.quantized is not None and self.quantized.stored_length(tokens) > mc.stored_length(tokens):
-            mc = self.quantized
+    def choose(self, tokens: np.ndarray, tenant: Tenant | None = None) -> ModelCache:
+        """The namespace that holds more of `tokens` (for `tenant`)."""
+        mc = self._view(self.plain, tenant)
+        if self.quantized is not None:
+            q = self._view(self.quantized, tenant)
+            if q.stored_length(tokens) > mc.stored_length(tokens):
+                mc = q
         return mc
 
-    def for_cache(self, cache: list) -> ModelCache:
-        """The namespace a server cache belongs in (quantized once mlx-lm quantized it)."""
+    def for_cache(self, cache: list, tenant: Tenant | None = None) -> ModelCache:
+        """The namespace a server cache belongs in (quantized once mlx-lm quantized it), for `tenant`."""
         if self.quantized is not None and any(type(c).__name__ == "QuantizedKVCache" for c in cache):
-            return self.quantized
-        return self.plain
+            return self._view(self.quantized, tenant)
+        return self._view(self.plain, tenant)
+
+    def _view(self, mc: ModelCache, tenant: Tenant | None) -> ModelCache:
+        if tenant is None:
+            return mc
+        slot = (mc.ns, tenant.tag, tenant.salt)
+        view = self._views.get(slot)
+        if view is None:
+            view = self._views[slot] = mc.with_tenant(tenant)
+            while len(self._views) > MAX_VIEWS:
+                self._views.popitem(last=False)
+        self._views.move_to_end(slot)
+        return view
 
 
 class KeyBindings:

@@ -2,6 +2,7 @@
 
 Added, read-only: `GET /metrics` (Prometheus text format), `GET /kvstore/stats` (`store.stats()`
 as JSON, without paths unless asked) and a `GET /v1/models` that always lists the served model.
+Added for routers: vLLM's render endpoints and `POST /kvstore/prefetch` (see `routing`).
 Changed: a request addressed to a host name the server does not go by is refused (DNS
 rebinding); requests from a web origin that was not allowed are refused before they reach the
 model, and so are bodies sent as `text/plain` or as a form (a web page can send those to any
@@ -20,8 +21,12 @@ import time
 from typing import Any
 from urllib.parse import unquote
 
+from kvstore.serve import routing
 from kvstore.serve.metrics import ServerMetrics
+from kvstore.serve.mlxserver import TENANT_ATTRIBUTE
+from kvstore.serve.options import DEFAULT_MAX_BODY_BYTES
 from kvstore.serve.promptcache import PersistentPromptCache
+from kvstore.serve.tenancy.policy import Refused, TenantPolicy
 from kvstore.sizes import printable
 
 log = logging.getLogger("kvstore")
@@ -57,18 +62,24 @@ class Hosts:
 
 def handler_class(base: type, cache: PersistentPromptCache, metrics: ServerMetrics,
                   allowed_origins: list[str], served_model: str | None, *,
-                  hosts: Hosts | None = None, stats_paths: bool = False) -> type:
+                  hosts: Hosts | None = None, stats_paths: bool = False, tenants: TenantPolicy | None = None,
+                  max_body_bytes: int | None = DEFAULT_MAX_BODY_BYTES, report_cached_tokens: bool = True) -> type:
     """A subclass of mlx_lm.server's `APIHandler` serving kvstore's endpoints and rules.
 
     `allowed_origins`: web origins whose requests are served and may read responses (`["*"]`:
     every origin; `[]`: none). `served_model`: the `--model` the server was started with.
     `hosts`: the names requests may be addressed to (default: the loopback names).
-    `stats_paths`: `/kvstore/stats` shows paths (else they are left out).
+    `stats_paths`: `/kvstore/stats` shows paths (else they are left out). `tenants`: how a
+    request's tenant is told (default: every request is the shared namespace's).
+    `max_body_bytes`: a larger POST body is refused (413) unread (None: no limit).
+    `report_cached_tokens`: False leaves `prompt_tokens_details.cached_tokens` out of every answer.
     """
     return type("KVStoreHandler", (KVStoreEndpoints, base), {
         "kvstore_cache": cache, "kvstore_metrics": metrics,
         "kvstore_allowed_origins": allowed_origins, "kvstore_served_model": served_model,
-        "kvstore_hosts": hosts or Hosts(None), "kvstore_stats_paths": stats_paths})
+        "kvstore_hosts": hosts or Hosts(None), "kvstore_stats_paths": stats_paths,
+        "kvstore_tenants": tenants or TenantPolicy(), "kvstore_max_body_bytes": max_body_bytes,
+        "kvstore_report_cached_tokens": report_cached_tokens})
 
 
 class KVStoreEndpoints:
@@ -82,6 +93,10 @@ class KVStoreEndpoints:
     kvstore_served_model: str | None
     kvstore_hosts: Hosts
     kvstore_stats_paths: bool
+    kvstore_tenants: TenantPolicy
+    kvstore_max_body_bytes: int | None
+    kvstore_report_cached_tokens: bool
+    _kvstore_tenant: str | None = None  # this request's (set in do_POST)
 
     def parse_request(self) -> bool:
         """The request line and headers, as mlx_lm.server reads them; then a request addressed
@@ -105,6 +120,8 @@ class KVStoreEndpoints:
         return super().do_GET()
 
     def do_POST(self):
+        if self.path in (*routing.RENDER_PATHS, routing.PREFETCH_PATH):
+            return self._routing_post()
         if self.path not in POST_PATHS:
             return super().do_POST()
         if self._refused_origin() or self._refused_media_type():
@@ -113,10 +130,17 @@ class KVStoreEndpoints:
             length = int(self.headers.get("Content-Length"))
         except (TypeError, ValueError):
             return super().do_POST()  # mlx_lm.server answers 411 / 400 without reading a body
+        if self._refused_size(length):
+            return None
         raw = self.rfile.read(max(0, length))
         problem = _body_problem(self.path, raw)
         if problem is not None:
             return self._malformed(*problem, len(raw))
+        try:
+            self._kvstore_tenant = self.kvstore_tenants.tenant_of(self.headers, json.loads(raw))
+        except Refused as e:
+            log.warning("kvstore serve: refused a request to %s: %s", self.path, e)
+            return self._answer_json(e.status, {"error": str(e)})
         # mlx_lm.server reads the body again: hand it the bytes it would have read.
         stream = self.rfile
         self.rfile = io.BytesIO(raw)
@@ -124,6 +148,63 @@ class KVStoreEndpoints:
             return super().do_POST()
         finally:
             self.rfile = stream
+
+    def _routing_post(self):
+        """A render or prefetch request: answered here, nothing generated."""
+        if self._refused_origin() or self._refused_media_type():
+            return None
+        try:
+            length = int(self.headers.get("Content-Length"))
+        except (TypeError, ValueError):
+            return self._answer_json(411, {"error": "Content-Length header is required"})
+        if self._refused_size(length):
+            return None
+        raw = self.rfile.read(max(0, length))
+        problem = _body_problem(self.path, raw)
+        if problem is not None:
+            return self._malformed(*problem, len(raw))
+        body, served = json.loads(raw), self.kvstore_served_model
+        try:
+            if self.path == routing.PREFETCH_PATH:
+                # Within the caller's tenant: the shared prompts and its own, as its request will.
+                tenant = self.kvstore_tenants.tenant_of(self.headers, body)
+                tokens = routing.prompt_tokens(self.response_generator, body, served)
+                key = getattr(self.response_generator.model_provider, "model_key", None)
+                return self._answer_json(200, self.kvstore_cache.prefetch(key, tokens, tenant_id=tenant))
+            return self._answer_json(200, routing.render(self.response_generator, self.path, body, served))
+        except Refused as e:
+            log.warning("kvstore serve: refused a request to %s: %s", self.path, e)
+            return self._answer_json(e.status, {"error": str(e)})
+        except routing.RequestError as e:
+            return self._answer_json(e.status, {"error": str(e)})
+        except Exception as e:  # never the server down, never the prompt in the log
+            log.warning("kvstore serve: POST %s failed: %s", self.path, type(e).__name__)
+            return self._answer_json(500, {"error": type(e).__name__})
+
+    def handle_chat_completions(self):
+        return self._with_tenant(super().handle_chat_completions())
+
+    def handle_text_completions(self):
+        return self._with_tenant(super().handle_text_completions())
+
+    def _with_tenant(self, request):
+        """mlx_lm.server's request object, carrying this request's tenant to the generation thread."""
+        setattr(request, TENANT_ATTRIBUTE, self._kvstore_tenant)
+        return request
+
+    def generate_response(self, *args, **kwargs):
+        return super().generate_response(*self._without_cached(args, 4, kwargs), **kwargs)
+
+    def completion_usage_response(self, *args, **kwargs):
+        return super().completion_usage_response(*self._without_cached(args, 2, kwargs), **kwargs)
+
+    def _without_cached(self, args: tuple, at: int, kwargs: dict) -> tuple:
+        """mlx_lm.server's arguments with its `prompt_cache_count` (positional `at`, or keyword)
+        taken out when cached tokens are not reported: the usage then has no cached_tokens."""
+        if self.kvstore_report_cached_tokens:
+            return args
+        kwargs.pop("prompt_cache_count", None)
+        return args[:at] + (None,) + args[at + 1:] if len(args) > at else args
 
     def _set_cors_headers(self):
         origin = self.headers.get("Origin")
@@ -165,6 +246,18 @@ class KVStoreEndpoints:
                     "--allowed-origins)", _printable(origin))
         self._answer_json(403, {"error": f"requests from the web origin {origin!r} are "
                                          "not allowed (kvstore serve --allowed-origins)"})
+        return True
+
+    def _refused_size(self, length: int) -> bool:
+        limit = self.kvstore_max_body_bytes
+        if limit is None or length <= limit:
+            return False
+        # Never read: the connection closes, with what the client still sends unread.
+        self.close_connection = True
+        log.warning("kvstore serve: refused a request to %s: its body of %d bytes is over --max-body-bytes "
+                    "(%d bytes)", self.path, length, limit)
+        self._answer_json(413, {"error": f"the body is {length} bytes, more than this server takes "
+                                         f"({limit} bytes: kvstore serve --max-body-bytes)"})
         return True
 
     def _refused_media_type(self) -> bool:

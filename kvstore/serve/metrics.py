@@ -26,15 +26,22 @@ RESTORED_TOKENS_BUCKETS = (0, 16, 64, 256, 1024, 4096, 16384, 32768, 65536, 1310
 
 
 class ServerMetrics:
-    """`render()` gives `(body, content type)` of the Prometheus text format."""
+    """`render()` gives `(body, content type)` of the Prometheus text format.
 
-    def __init__(self, cache: PersistentPromptCache):
+    With `waiting` (an object whose `count` is the requests not started yet), the two gauges the
+    Gateway API Inference Extension scrapes from a vLLM server are served too, labelled with
+    `model_name`: `vllm:num_requests_waiting` and `vllm:kv_cache_usage_perc` (the memory tier's
+    use of its bound, 0 to 1)."""
+
+    def __init__(self, cache: PersistentPromptCache, waiting: Any = None, model_name: str | None = None):
         self.cache = cache
         # The index keeps one SQLite connection per thread that uses it, for as long as the store
         # is open; HTTP requests each run on a new thread, so their reads go through this one.
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstore-metrics")
         self.registry = CollectorRegistry()
         self.registry.register(_StoreCollector(cache, self.read))
+        if waiting is not None:
+            self.registry.register(_VllmGauges(cache, waiting, model_name or ""))
         self.fetch_seconds = Histogram(
             "kvstore_fetch_seconds", "Time to look up and restore a prompt's cache from the store.",
             buckets=FETCH_SECONDS_BUCKETS, registry=self.registry)
@@ -96,9 +103,36 @@ class _StoreCollector:
                        c["fetch_errors"] + store.counters.get("fetch_errors", 0))
         yield _counter("kvstore_quarantined", "Damaged records found and quarantined by this process.",
                        store.counters.get("quarantined", 0))
+        yield _counter("kvstore_tenant_unknown", "Lookups and inserts no request told the tenant of "
+                       "(served without the store).", c["tenant_unknown"])
+        check = store.restore_check()
+        yield _counter("kvstore_restore_copies", "Restores done by copy because the first restore's "
+                       "self-check found mlx arrays that did not hold what was written into them.",
+                       check["copy_restores"])
+        yield _counter("kvstore_canaries", "First generation steps kept as their prompts' canaries.",
+                       cache.first_steps.canaries)
         yield from self._gauges(store)
+        yield from self._tenants(store)
         yield from self._writes(store)
         yield from self._remote(store)
+
+    def _tenants(self, store) -> Iterator[Metric]:
+        """Each tenant's records on disk, by its tag (a short HMAC of its salt, never its id)."""
+        if store.index is None:
+            return
+        try:
+            found = self.read(store.index.tenant_totals)
+        except Exception:  # a busy or damaged index: leave them out, keep serving
+            return
+        if not found:
+            return
+        size = GaugeMetricFamily("kvstore_tenant_bytes", "Bytes of each tenant's records on disk.", labels=["tenant"])
+        count = GaugeMetricFamily("kvstore_tenant_records", "Each tenant's records on disk.", labels=["tenant"])
+        for tag, (n, nbytes) in found.items():
+            size.add_metric([tag], nbytes)
+            count.add_metric([tag], n)
+        yield size
+        yield count
 
     def _gauges(self, store) -> Iterator[Metric]:
         if store.index is None:  # a RAM-only store holds its records in the memory tier
@@ -154,6 +188,36 @@ class _StoreCollector:
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 family.add_metric([name], value)
         yield family
+
+
+class _VllmGauges:
+    """The gauges a vLLM server exports that routers read to pick a node."""
+
+    def __init__(self, cache: PersistentPromptCache, waiting: Any, model_name: str):
+        self.cache, self.waiting, self.model_name = cache, waiting, model_name
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        waiting = GaugeMetricFamily("vllm:num_requests_waiting", "Requests queued and not started yet.",
+                                    labels=["model_name"])
+        waiting.add_metric([self.model_name], max(0, self.waiting.count))
+        yield waiting
+        memory = self.cache.store.memory
+        usage = GaugeMetricFamily("vllm:kv_cache_usage_perc", "Share of the memory tier's bound in use "
+                                  "(1 means full).", labels=["model_name"])
+        usage.add_metric([self.model_name], memory.nbytes / memory.capacity if memory.capacity else 0.0)
+        yield usage
+        c = self.cache.counters
+        yield _counter("kvstore_prefetches", "POST /kvstore/prefetch requests (refused ones too).", c["prefetches"])
+        yield _counter("kvstore_prefetch_tokens", "Prompt tokens prefetches brought into RAM.", c["prefetch_tokens"])
+        yield _gauge("kvstore_warmed_prompts", "Prompts --warm-top loaded into RAM at start.", c["warmed_prompts"])
+        events = getattr(self.cache.store, "events", None)
+        if events is not None:
+            counts = events.stats()
+            yield _counter("kvstore_kv_events", "KV events published (vLLM's format).", counts["events"])
+            yield _counter("kvstore_kv_event_batches", "KV event batches published.", counts["batches"])
 
 
 def _has_remote(store) -> bool:

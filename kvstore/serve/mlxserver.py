@@ -1,8 +1,12 @@
 """mlx_lm.server, checked for what kvstore relies on, and with kvstore's cache and handler put in.
 
 `persistent()` is the one place that reaches into mlx_lm.server: within it, its `ResponseGenerator`
-is handed a `PersistentPromptCache`, its HTTP server uses kvstore's handler, and its generation
-loop survives a request that makes it fail.
+is handed a `PersistentPromptCache`, its HTTP server uses kvstore's handler, its generation
+loop survives a request that makes it fail, and each request's tenant reaches the cache
+(`tenancy`): its lookup is told it as the request is tokenized, and the caches its batch
+generator hands back for inserting are tagged with the tenant of the request they are of. The
+first generation step of every request is shown to the cache (`PersistentPromptCache.first_steps`:
+the prompt's canary).
 """
 
 from __future__ import annotations
@@ -12,15 +16,22 @@ import gc
 import inspect
 import logging
 import os
+import threading
 import traceback
 import weakref
 from typing import Callable, Iterator
 
+from kvstore import settings
 from kvstore.errors import KVStoreError, ModelFilesError
 from kvstore.serve.promptcache import DISK_TYPE, PersistentPromptCache
-from kvstore.sizes import plural
+from kvstore.serve.tenancy.policy import UNKNOWN, RequestTenants
+from kvstore.sizes import format_size, plural
+from kvstore.store import Store
 
 log = logging.getLogger("kvstore")
+
+#: The attribute of mlx_lm.server's request object that carries its tenant's id (set by the handler).
+TENANT_ATTRIBUTE = "_kvstore_tenant"
 
 
 def server_module():
@@ -55,17 +66,29 @@ def _mlx_lm_version() -> str:
 
 @contextlib.contextmanager
 def persistent(server, cache: PersistentPromptCache, started: list,
-               requests: weakref.WeakValueDictionary, make_handler: Callable[[type], type]) -> Iterator[None]:
+               requests: weakref.WeakValueDictionary, make_handler: Callable[[type], type], *,
+               on_start: Callable[[PersistentPromptCache], None] | None = None,
+               waiting: Waiting | None = None) -> Iterator[None]:
     """Within: mlx_lm.server's ResponseGenerator gets `cache` instead of its own prompt cache, its
     HTTP server uses `make_handler(APIHandler)` as its handler, and the generation context of every
-    request is listed in `requests` (so shutdown can stop them)."""
+    request is listed in `requests` (so shutdown can stop them). `on_start(cache)` runs once the
+    model is loaded, before the server listens; `waiting` counts the requests not started yet."""
     original = server.ResponseGenerator
     original_context = getattr(server, "GenerationContext", None)
     original_http = server._run_http_server
+    original_batch = getattr(server, "BatchGenerator", None)
     server._run_http_server = _http_runner(server, original_http, make_handler)
-    server.ResponseGenerator = _response_generator(original, cache, started)
+    server.ResponseGenerator = _response_generator(original, cache, started, on_start, waiting or Waiting())
     if isinstance(original_context, type) and callable(getattr(original_context, "stop", None)):
         server.GenerationContext = _listed_context(original_context, requests)
+    tenants = getattr(cache, "tenants", None)
+    if tenants is not None and tenants.active:
+        server.BatchGenerator = _tenant_batches(original_batch, tenants)
+    original_stream = getattr(server, "stream_generate", None)
+    if callable(original_stream):
+        server.stream_generate = _first_step_stream(original_stream, cache)
+    if isinstance(getattr(server, "BatchGenerator", None), type):
+        server.BatchGenerator = _first_step_batches(server.BatchGenerator, cache)
     try:
         yield
     finally:
@@ -73,6 +96,52 @@ def persistent(server, cache: PersistentPromptCache, started: list,
         server._run_http_server = original_http
         if original_context is not None:
             server.GenerationContext = original_context
+        if original_batch is not None:
+            server.BatchGenerator = original_batch
+        if original_stream is not None:
+            server.stream_generate = original_stream
+
+
+def _first_step_stream(original: Callable, cache: PersistentPromptCache) -> Callable:
+    """mlx_lm.server's `stream_generate` (a request served alone), showing `cache` its first step."""
+
+    def stream_generate(*args, **kwargs):
+        first = True
+        for gen in original(*args, **kwargs):
+            if first:
+                first = False
+                cache.first_steps.seen(getattr(gen, "logprobs", None), rest=kwargs.get("prompt"))
+            yield gen
+
+    return stream_generate
+
+
+def _first_step_batches(original: type, cache: PersistentPromptCache) -> type:
+    """mlx_lm.server's `BatchGenerator` (requests served in a batch), showing `cache` the first
+    generation step of each request with its whole prompt (the cached tokens and the segments)."""
+
+    class BatchGenerator(original):
+        def insert_segments(self, segments, *args, **kwargs):
+            uids = super().insert_segments(segments, *args, **kwargs)
+            with contextlib.suppress(Exception):
+                done = kwargs.get("all_tokens") or [[] for _ in segments]
+                prompts = self.__dict__.setdefault("_kvstore_prompts", {})
+                for uid, parts, cached in zip(uids, segments, done):
+                    prompts[uid] = [*cached, *(t for part in parts for t in part)]
+            return uids
+
+        def next(self, *args, **kwargs):
+            out = super().next(*args, **kwargs)
+            prompts = self.__dict__.get("_kvstore_prompts")
+            if prompts:
+                with contextlib.suppress(Exception):
+                    for r in out[1]:
+                        prompt = prompts.pop(r.uid, None)
+                        if prompt is not None:
+                            cache.first_steps.seen(r.logprobs, prompt=prompt)
+            return out
+
+    return BatchGenerator
 
 
 def _http_runner(server, original_http: Callable, make_handler: Callable[[type], type]) -> Callable:
@@ -91,11 +160,51 @@ def _http_runner(server, original_http: Callable, make_handler: Callable[[type],
     return run_http_server
 
 
-def _response_generator(original: type, cache: PersistentPromptCache, started: list) -> type:
+def _response_generator(original: type, cache: PersistentPromptCache, started: list,
+                        on_start: Callable | None, waiting: Waiting) -> type:
     """A subclass of mlx_lm.server's `ResponseGenerator` that serves from `cache` and lists itself
     in `started` (see `_RecoveringGenerator`)."""
     return type("ResponseGenerator", (_RecoveringGenerator, original),
-                {"_kvstore_cache": cache, "_kvstore_started": started})
+                {"_kvstore_cache": cache, "_kvstore_started": started,
+                 "_kvstore_on_start": staticmethod(on_start) if on_start is not None else None,
+                 "_kvstore_waiting": waiting})
+
+
+class Waiting:
+    """Requests handed to the generation loop whose prompt processing has not started yet (no
+    progress reported, no token): vLLM's `num_requests_waiting`."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.count = 0
+
+    def add(self, n: int) -> None:
+        with self._lock:
+            self.count += n
+
+    def watch(self, progress: Callable | None, tokens: Iterator) -> tuple[Callable, Iterator]:
+        """`(progress callback, token iterator)` of one request, each ending its wait when first used."""
+        left = [True]
+
+        def started() -> None:
+            if left[0]:
+                left[0] = False
+                self.add(-1)
+
+        def on_progress(*args):
+            started()
+            if progress is not None:
+                progress(*args)
+
+        def watched():
+            try:
+                for item in tokens:
+                    started()
+                    yield item
+            finally:
+                started()
+
+        return on_progress, watched()
 
 
 class _RecoveringGenerator:
@@ -105,16 +214,49 @@ class _RecoveringGenerator:
 
     _kvstore_cache: PersistentPromptCache
     _kvstore_started: list
+    _kvstore_on_start: Callable | None
+    _kvstore_waiting: Waiting
 
     def __init__(self, model_provider, prompt_cache, *args, **kwargs):
         cache = self._kvstore_cache
         cache.attach(model_provider)
-        log.info("%s", cache.describe())
+        log.info("%s", describe_store(cache.store))
         _load_default(model_provider)
+        if self._kvstore_on_start is not None:
+            self._kvstore_on_start(cache)
         self._kvstore_queues: weakref.WeakSet = weakref.WeakSet()  # answer queues of requests taken
         self._kvstore_taken = 0
         super().__init__(model_provider, cache, *args, **kwargs)
         self._kvstore_started.append(self)
+
+    def generate(self, request, generation_args, progress_callback=None):
+        """mlx_lm.server's `generate`, the request counted as waiting until it starts."""
+        waiting = self._kvstore_waiting
+        waiting.add(1)
+        holder: list = []
+
+        def progress(*args):
+            holder[0](*args) if holder else None
+
+        try:
+            ctx, tokens = super().generate(request, generation_args, progress_callback=progress)
+        except BaseException:
+            waiting.add(-1)
+            raise
+        on_progress, watched = waiting.watch(progress_callback, tokens)
+        holder.append(on_progress)
+        return ctx, watched
+
+    def _tokenize(self, tokenizer, request, *args, **kwargs):
+        # mlx_lm.server looks a request's prompt up right after it tokenizes it, on this thread.
+        self._kvstore_cache.tenants.begin(getattr(request, TENANT_ATTRIBUTE, None))
+        return super()._tokenize(tokenizer, request, *args, **kwargs)
+
+    def _serve_single(self, request, *args, **kwargs):
+        # One request at a time: its lookup and its insert are its tenant's.
+        tenant = getattr(request[1], TENANT_ATTRIBUTE, None) if isinstance(request, tuple) else UNKNOWN
+        with self._kvstore_cache.tenants.single(tenant):
+            return super()._serve_single(request, *args, **kwargs)
 
     def _next_request(self, *args, **kwargs):
         request = super()._next_request(*args, **kwargs)
@@ -167,6 +309,48 @@ class _RecoveringGenerator:
         self._kvstore_queues = weakref.WeakSet()
 
 
+def _tenant_batches(original: type | None, tenants: RequestTenants) -> type:
+    """mlx_lm.server's `BatchGenerator`, tagging each cache it hands back with the tenant of the
+    request it is of (the tenant of the lookup just made when the request was inserted)."""
+    if not isinstance(original, type):
+        raise KVStoreError("this mlx-lm has no BatchGenerator in mlx_lm.server, which kvstore serve needs to "
+                           "serve tenants apart; use mlx-lm 0.31 or 0.32, or --tenant-from none")
+
+    class BatchGenerator(original):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self._kvstore_tenants: dict[int, object] = {}  # uid -> tenant
+
+        def insert_segments(self, *args, **kwargs):
+            uids = super().insert_segments(*args, **kwargs)
+            for uid in uids:
+                self._kvstore_tenants[uid] = tenants.last()
+            return uids
+
+        def extract_cache(self, uids):
+            found = super().extract_cache(uids)
+            for uid, (cache, _) in found.items():
+                tenants.tag(cache, self._kvstore_tenants.get(uid, UNKNOWN))
+            return found
+
+        def next(self, *args, **kwargs):
+            prompts, generated = super().next(*args, **kwargs)
+            for r in generated:
+                if getattr(r, "prompt_cache", None) is not None:
+                    tenants.tag(r.prompt_cache, self._kvstore_tenants.get(r.uid, UNKNOWN))
+                if getattr(r, "finish_reason", None) is not None:
+                    self._kvstore_tenants.pop(r.uid, None)
+            return prompts, generated
+
+        def remove(self, uids, *args, **kwargs):
+            out = super().remove(uids, *args, **kwargs)
+            for uid in uids:
+                self._kvstore_tenants.pop(uid, None)
+            return out
+
+    return BatchGenerator
+
+
 def _load_default(model_provider) -> None:
     """Load the served model before the HTTP server starts: mlx_lm.server loads it in its
     generation thread, and a model that does not load then leaves a server that answers 503
@@ -198,3 +382,21 @@ def _where(e: BaseException) -> str:
         return "an unknown place"
     f = frames[-1]
     return f"{os.path.basename(f.filename)}:{f.lineno} in {f.name}"
+
+
+def describe_store(store: Store) -> str:
+    """The start line: where the store is, how big, how many records, the remote tier, and the
+    settings that are not the defaults."""
+    if store.index is None:
+        return f"kvstore: RAM-only store, memory tier {format_size(store.memory.capacity)}"
+    totals = store.index.totals()
+    bound = f", bounded to {format_size(store.max_bytes)}" if store.max_bytes is not None else ""
+    bound += " (auto: 1/4 of held + free disk)" if getattr(store, "max_bytes_rule", None) else ""
+    remote = getattr(store, "remote", None)
+    below = (f"; remote tier {remote.url} (read through, written behind; deadline "
+             f"{remote.deadline:g} s a fetch)") if remote is not None else "; no remote tier"
+    changed = settings.not_default(settings.report(store.settings))
+    return (f"kvstore: store {store.path}: {format_size(totals['bytes'])} in "
+            f"{plural(totals['chunks'] + totals['tails'], 'record')} ({plural(totals['chunks'], 'chunk')}, "
+            f"{plural(totals['tails'], 'tail')}){bound}; memory tier {format_size(store.memory.capacity)}{below}"
+            f"; settings: {changed or 'defaults'}")

@@ -13,10 +13,14 @@ import socket
 
 from kvstore import settings
 from kvstore.argv import Parser
+from kvstore.errors import InvalidInputError
+from kvstore.serve.tenancy.policy import TenantPolicy, parse_source
 from kvstore.settings import Setting
 
 #: Default of --store-max-tokens: a longer request is served but not stored.
 DEFAULT_MAX_STORED_TOKENS = 32768
+#: Default of --max-body-bytes: a larger POST body is refused (413), never read.
+DEFAULT_MAX_BODY_BYTES = 64 << 20
 
 #: The settings only `kvstore serve` has (not kept in the store), built like the store's.
 SERVE_SETTINGS: tuple[Setting, ...] = (
@@ -32,6 +36,33 @@ SERVE_SETTINGS: tuple[Setting, ...] = (
     Setting("stats_paths", "flag", False,
             help="show paths in GET /kvstore/stats (the store's, the models', the remote's URL); "
                  "by default they are left out"),
+    Setting("tenant_from", "text", "none", check=parse_source,
+            help="serve tenants apart, telling a request's tenant by header:NAME (the value of that "
+                 "header), bearer (its Authorization: Bearer token) or none (one tenant: every request "
+                 "shares the store); a tenant reuses the shared prompts (warmed, pinned) and its own, "
+                 "never another tenant's; a request without it is refused unless --default-tenant"),
+    Setting("default_tenant", "text", None, default_text="none: such a request is refused (400; 401 for bearer)",
+            help="the tenant of a request that names none, with --tenant-from header:NAME or bearer"),
+    Setting("trust_client_salt", "flag", False,
+            help="let a request's cache_salt field (vLLM's, on /v1/chat/completions and /v1/completions) "
+                 "split its tenant further; without this flag the field is ignored"),
+    Setting("report_cached_tokens", "choice", "on", choices=("on", "off"),
+            help="on: usage.prompt_tokens_details.cached_tokens says how many prompt tokens came from "
+                 "the store (only ever the shared prompts and the request's tenant's own); off: never said"),
+    Setting("max_body_bytes", "size", DEFAULT_MAX_BODY_BYTES, off=True, zero=None,
+            refuse_zero="0 would refuse every request: use off for no limit",
+            help="refuse a POST body larger than this with 413, unread, e.g. 16MiB; off: no limit; "
+                 "0 is refused"),
+    Setting("kv_events_config", "json", None, default_text="none: nothing is published",
+            help="publish vLLM's KV events for cache-aware routers, with vLLM's JSON, e.g. "
+                 "'{\"enable_kv_cache_events\":true,\"publisher\":\"zmq\",\"endpoint\":\"tcp://*:5557\"}'; "
+                 "the topic defaults to kv@HOST:PORT@MODEL; events carry prompts' token ids (docs/serve.md)"),
+    Setting("kv_events_block_size", "count", 64, zero=None, refuse_zero="a block needs at least one token",
+            help="tokens per block in KV events; it must divide the store's chunk size (256), and a "
+                 "router such as Dynamo's uses the events only when it equals its own block size"),
+    Setting("warm_top", "count", 0, zero="warm nothing",
+            help="before /health says ready, load the N most-hit prompts (or shared system prompts) "
+                 "of the store into the memory tier, as far as it holds them; 0: warm nothing"),
 )
 
 PROG = "kvstore serve"
@@ -42,7 +73,9 @@ Every other option goes to mlx_lm.server unchanged (--model, --host, --port, --p
 --memory-bytes defaults to --prompt-cache-bytes when that is given.
 
 Also served, read-only: GET /metrics (Prometheus) and GET /kvstore/stats (store.stats() as JSON,
-without paths unless --stats-paths). Requests addressed to any other host than localhost,
+without paths unless --stats-paths); vLLM's POST /v1/chat/completions/render and
+/v1/completions/render (the token ids a request would prefill); POST /kvstore/prefetch (a
+prompt's stored cache into RAM ahead of its request). Requests addressed to any other host than localhost,
 127.0.0.1, [::1], --host and --allowed-hosts are refused (421).
 
 example:
@@ -75,9 +108,16 @@ def server_settings(args: argparse.Namespace) -> dict:
     without a trailing slash, host names lower-case without brackets; a cap of 0 is None)."""
     given = settings.given(args, SERVE_SETTINGS)
     out = {s.name: given.get(s.name, s.default) for s in SERVE_SETTINGS}
+    for s in SERVE_SETTINGS:
+        if s.off and out[s.name] in settings.OFF_WORDS:
+            out[s.name] = None
     out["allowed_origins"] = [o.rstrip("/") for o in out["allowed_origins"]]
     out["allowed_hosts"] = [h.lower().strip("[]").rstrip(".") for h in out["allowed_hosts"]]
     out["store_max_tokens"] = out["store_max_tokens"] or None
+    out["tenants"] = TenantPolicy.parse(out["tenant_from"], out["default_tenant"], out["trust_client_salt"])
+    if out["default_tenant"] is not None and out["tenants"].source == "none":
+        raise InvalidInputError("--default-tenant names the tenant of requests that name none: it needs "
+                                "--tenant-from header:NAME or bearer")
     return out
 
 

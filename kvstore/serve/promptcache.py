@@ -8,6 +8,10 @@ What RAM holds is bounded as `LRUPromptCache` bounds it: `len()` counts the inse
 held in RAM, `max_size` bounds them, `max_bytes` and `trim_to(n_sequences=, n_bytes=)` evict them
 in mlx-lm's order (assistant, then user, then system turns, oldest first). A sequence evicted from
 RAM is still on disk (when the store has one) and is served from there: that is the point.
+
+With tenants (`tenants=True`; `kvstore serve --tenant-from`), each lookup and insert is of the
+tenant of the request it is for (`tenancy.RequestTenants`; a server of your own says it with
+`for_tenant`): it reuses shared prompts and that tenant's own, never another tenant's.
 """
 
 from __future__ import annotations
@@ -19,14 +23,16 @@ from typing import Any, Callable, Hashable, Sequence
 
 import numpy as np
 
-from kvstore import keys, settings
 from kvstore.keys import checkpoint_hash
 from kvstore.model.blas import long_prefill_note
 from kvstore.model.cache import ModelCache
+from kvstore.model.prefill import prompt_cache
 from kvstore.serve.binding import IN_RAM, Binding, KeyBindings
+from kvstore.serve.firststeps import FirstSteps
 from kvstore.serve.ramlru import CACHE_TYPES, RamSequences, SystemPrompts
-from kvstore.sizes import format_size, plural
+from kvstore.serve.tenancy.policy import UNKNOWN, RequestTenants
 from kvstore.store import Store
+from kvstore.tenants import Tenant
 
 log = logging.getLogger("kvstore")
 
@@ -58,12 +64,15 @@ class PersistentPromptCache:
     sequence holds no K/V, so it is neither stored nor counted.
 
     `max_insert_tokens`: a longer sequence is served but not stored (None: no cap).
+    `tenants`: every call is for a tenant (`for_tenant`, or `kvstore serve`'s requests); a lookup
+    or insert whose tenant is not known is served without the store.
     No call raises into the server: a failure is logged and served as a miss.
     """
 
     def __init__(self, store: Store, *, max_size: int = 10, max_bytes: int | None = None,
-                 max_insert_tokens: int | None = None):
+                 max_insert_tokens: int | None = None, tenants: bool = False):
         self.store = store
+        self.tenants = RequestTenants(tenants)
         self.max_size = max_size
         self.max_bytes = max_bytes
         self.max_insert_tokens = max_insert_tokens
@@ -74,9 +83,11 @@ class PersistentPromptCache:
         self._evicted: set[bytes] = set()  # dropped from RAM while the writer still held them
         self._lock = threading.RLock()
         self.observers: list[Observer] = []  # called with (seconds, tokens reused) after each fetch
+        self.first_steps = FirstSteps()  # requests' first steps: their prompts' canaries
         self.counters = {"requests": 0, "prompt_tokens": 0, "reused_tokens": 0, "fallback_requests": 0,
                          "inserts": 0, "errors": 0, "fetch_errors": 0, "not_stored_too_long": 0,
-                         "reused_by_tier": {"memory": 0, "disk": 0, "remote": 0}}
+                         "tenant_unknown": 0, "reused_by_tier": {"memory": 0, "disk": 0, "remote": 0},
+                         "prefetches": 0, "prefetch_tokens": 0, "prefetches_refused": 0, "warmed_prompts": 0}
 
     # -- telling it which model a key means --------------------------------------------------
 
@@ -106,59 +117,93 @@ class PersistentPromptCache:
             reset_and_forget._kvstore_wrapped = True
             model_provider.reset = reset_and_forget
 
+    def for_tenant(self, tenant_id: str | None):
+        """Within (a context manager): this thread's lookups and inserts are `tenant_id`'s (None:
+        the shared namespace's), for a server of your own made with `tenants=True`."""
+        return self.tenants.single(tenant_id)
+
     # -- what mlx_lm.server calls ------------------------------------------------------------
 
     def fetch_nearest_cache(self, model: Hashable, tokens: Sequence[int]) -> tuple[list | None, list[int]]:
         """`(cache, tokens still to process)` for the longest stored prefix of `tokens`.
 
         A miss is `(None, tokens)`, as from `LRUPromptCache`; the server then makes a fresh cache.
+        In exact mode (`exact_prefill`) the prompt but its last token is prefilled here, in the
+        store's steps, and stored (outside this object's lock: stats answer meanwhile).
         """
         tokens = list(tokens)
+        tenant_id = self.tenants.take()
         with self._lock:
             self.counters["requests"] += 1
             self.counters["prompt_tokens"] += len(tokens)
             try:
+                if tenant_id is UNKNOWN:
+                    return self._unknown("lookup", tokens)
                 binding = self._resolve(model, tokens)
                 if not isinstance(binding, Binding):
-                    return self._fetch_elsewhere(binding, model, tokens)
+                    return self._fetch_elsewhere(binding, (model, tenant_id) if self.tenants.active else model,
+                                                 tokens)
                 toks = np.asarray(tokens, dtype=np.int32)  # once, for both lookups
-                mc = binding.choose(toks)
+                mc = binding.choose(toks, self._tenant(tenant_id))
                 self._settle()  # records RAM let go while the writer held them are gone from it now
-                in_ram = self._ram_prefix(mc, toks)
-                remote_before = _remote_tokens(self.store)
-                started = time.perf_counter()
-                cache, rest = mc.fetch(toks)
-                seconds = time.perf_counter() - started
-                reused = len(tokens) - len(rest)
-                self._count_reuse(reused, in_ram, remote_before)
-                for observe in self.observers:
-                    observe(seconds, reused)
-                from_bucket = 0 if remote_before is None else min(reused, _remote_tokens(self.store) - remote_before)
-                where = (f"reused ({from_bucket} from the bucket {self.store.remote.url}, {reused - from_bucket} "
-                         "from the local store)") if from_bucket else "reused from the store"
-                log.info("kvstore: prompt %d tokens, %d %s", len(tokens), reused, where)
-                slow = long_prefill_note(lambda: len(rest))
-                if slow:
-                    log.warning("%s", slow)
-                if reused == 0:
-                    return None, tokens
-                return cache, list(rest)
+                in_ram = mc.ram_length(toks)
+                self.first_steps.fetched(tokens)
+                if not mc.exact:
+                    return self._fetched_from(mc, toks, in_ram, lambda: (*mc.fetch(toks), 0))
             except Exception as e:  # never into the generation loop
-                self.counters["fetch_errors"] += 1
-                self._error("fetch", e)
-                return None, tokens
+                return self._fetch_failed(e, tokens)
+        try:
+            return self._fetched_from(mc, toks, in_ram, lambda: self._exact_start(model, mc, toks))
+        except Exception as e:
+            with self._lock:
+                return self._fetch_failed(e, tokens)
+
+    def _fetched_from(self, mc: ModelCache, toks: np.ndarray, in_ram: int,
+                      start: Callable[[], tuple[list, list[int], int]]) -> tuple[list | None, list[int]]:
+        """Run `start` (the fetch: cache, rest, tokens computed here), count and log it."""
+        tokens = toks.tolist()
+        remote_before = _remote_tokens(self.store)
+        started = time.perf_counter()
+        cache, rest, computed = start()
+        seconds = time.perf_counter() - started
+        reused = len(tokens) - len(rest) - computed
+        with self._lock:
+            self._count_reuse(reused, in_ram, remote_before)
+        for observe in self.observers:
+            observe(seconds, reused)
+        from_bucket = 0 if remote_before is None else min(reused, _remote_tokens(self.store) - remote_before)
+        where = (f"reused ({from_bucket} from the bucket {self.store.remote.url}, {reused - from_bucket} "
+                 "from the local store)") if from_bucket else "reused from the store"
+        log.info("kvstore: prompt %d tokens, %d %s%s", len(tokens), reused, where,
+                 f", {computed} computed in exact steps and stored" if mc.exact else "")
+        slow = long_prefill_note(lambda: len(rest))
+        if slow:
+            log.warning("%s", slow)
+        if reused + computed == 0:
+            return None, tokens
+        return cache, list(rest)
+
+    def _fetch_failed(self, e: Exception, tokens: list) -> tuple[None, list]:
+        self.counters["fetch_errors"] += 1
+        self._error("fetch", e)
+        return None, tokens
 
     def insert_cache(self, model: Hashable, tokens: Sequence[int], prompt_cache: list, *,
                      cache_type: str = "assistant") -> None:
         """Store the cache of `tokens` (queued for the background writer; returns at once)."""
         tokens = list(tokens)
+        tenant_id = self.tenants.of_cache(prompt_cache)
         with self._lock:
             try:
+                if tenant_id is UNKNOWN:
+                    self._unknown("insert", tokens)
+                    return
                 binding = self._resolve(model, tokens)
                 if binding == IN_RAM:
-                    self._fallback().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
+                    key = (model, tenant_id) if self.tenants.active else model
+                    self._fallback().insert_cache(key, tokens, prompt_cache, cache_type=cache_type)
                 if isinstance(binding, Binding) and tokens:
-                    self._insert(binding, model, tokens, prompt_cache, cache_type)
+                    self._insert(binding, model, tokens, prompt_cache, cache_type, self._tenant(tenant_id))
             except Exception as e:
                 self._error("insert", e)
             self._bound_ram()
@@ -218,33 +263,50 @@ class PersistentPromptCache:
                     out[f"in-RAM only, {cache_type}"] = dict(stats)
             return out
 
+    def prefetch(self, model: Hashable, tokens: Sequence[int], *, binding: Binding | None = None,
+                 tenant_id: str | None = None) -> dict:
+        """Restore what the store holds of `tokens` into the memory tier, ahead of the request that
+        will need it (`binding`: the bound model, else `model` is resolved as for a request),
+        within `tenant_id`'s namespace (None: the shared one): what its request would reuse.
+        Returns `ModelCache.load_into_ram`'s answer (`"refused"` says why it did nothing)."""
+        tokens = list(tokens)
+        with self._lock:
+            self.counters["prefetches"] += 1
+            out = {"tokens": len(tokens), "stored": 0, "in_ram": 0, "loaded": 0}
+            try:
+                binding = binding or self._resolve(model, tokens)
+                if not isinstance(binding, Binding):
+                    return {**out, "refused": f"this model's caches are not stored ({binding})"}
+                toks = np.asarray(tokens, dtype=np.int32)
+                out = binding.choose(toks, self._tenant(tenant_id)).load_into_ram(toks)
+                if "refused" in out:
+                    self.counters["prefetches_refused"] += 1
+                self.counters["prefetch_tokens"] += out["loaded"]
+                return out
+            except Exception as e:
+                self._error("prefetch", e)
+                return {**out, "refused": f"{type(e).__name__}: {e}"}
+
+    def bind_served(self) -> Binding | str:
+        """The binding of the model the attached provider has loaded, made now: at start, so its
+        stored records are announced at once (KV events) and can be warmed."""
+        with self._lock:
+            provider = self._keys.provider
+            key = getattr(provider, "model_key", None)
+            return self._resolve(key, []) if key is not None else IN_RAM
+
     # -- start-up and shut-down --------------------------------------------------------------
 
-    def describe(self) -> str:
-        """One line: where the store is, how big, how many records, and the remote tier."""
-        store = self.store
-        if store.index is None:
-            return f"kvstore: RAM-only store, memory tier {format_size(store.memory.capacity)}"
-        totals = store.index.totals()
-        bound = f", bounded to {format_size(store.max_bytes)}" if store.max_bytes is not None else ""
-        bound += " (auto: 1/4 of held + free disk)" if getattr(store, "max_bytes_rule", None) else ""
-        remote = getattr(store, "remote", None)
-        below = (f"; remote tier {remote.url} (read through, written behind; deadline "
-                 f"{remote.deadline:g} s a fetch)") if remote is not None else "; no remote tier"
-        changed = settings.not_default(settings.report(store.settings))
-        return (f"kvstore: store {store.path}: {format_size(totals['bytes'])} in "
-                f"{plural(totals['chunks'] + totals['tails'], 'record')} ({plural(totals['chunks'], 'chunk')}, "
-                f"{plural(totals['tails'], 'tail')}){bound}; memory tier {format_size(store.memory.capacity)}{below}"
-                f"; settings: {changed or 'defaults'}")
-
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait for pending writes (False if `timeout` ran out first)."""
+        """Wait for pending writes (False if `timeout` ran out first); exact-mode inserts still
+        waiting for a first step are queued without their canary first."""
+        self.first_steps.release()
         return self.store.flush(timeout)
 
     # -- internals: inserting and holding sequences in RAM -------------------------------------
 
     def _insert(self, binding: Binding, key: Hashable, tokens: list, prompt_cache: list,
-                cache_type: str) -> None:
+                cache_type: str, tenant: Tenant | None = None) -> None:
         held = self._held_tokens(tokens, prompt_cache)
         if held is None:
             return
@@ -255,13 +317,17 @@ class PersistentPromptCache:
             return
         if cache_type not in CACHE_TYPES:
             cache_type = "assistant"
-        mc = binding.for_cache(prompt_cache)
-        mc.insert(held, prompt_cache, cache_type=cache_type)  # the store keeps it by type too
+        mc = binding.for_cache(prompt_cache, tenant)
+        if mc.exact:  # stored as it was prefilled: what generation computed is not a cold prefill's
+            self.first_steps.settle(held)
+            return
+        # The store keeps it by type too, with its first step's canary.
+        mc.insert(held, prompt_cache, cache_type=cache_type, canary=self.first_steps.canary_for(held))
         self.counters["inserts"] += 1
         if log.isEnabledFor(logging.INFO):
             log.info("kvstore: %s", mc.placement(held).summary())
         hashes = mc.record_hashes(held)
-        seq = (key, mc.ns, tuple(held))
+        seq = ((key, tenant.tag) if tenant is not None else key, mc.ns, tuple(held))
         self._ram.add(seq, hashes, cache_type)
         self._evicted.difference_update(hashes)
         if _can_trim(prompt_cache):  # a trimmable cache makes every stored prefix of it redundant
@@ -271,6 +337,20 @@ class PersistentPromptCache:
             self._system.remember(hashes)
         else:
             self.store.memory.touch(self._system.hashes())
+
+    def _exact_start(self, key: Hashable, mc: ModelCache, toks: np.ndarray) -> tuple[list, list[int], int]:
+        """Exact mode's start of a request: the stored prefix at a multiple of the step, the
+        prompt but its last token prefilled in full steps and stored (its end waits for the first
+        step's canary), the last token left to the server. Returns (cache, rest, computed)."""
+        start = prompt_cache(mc, toks)
+        if start.hold is not None:
+            self.first_steps.expect(toks.tolist(), start.hold)
+        computed = len(toks) - len(start.rest) - start.reused
+        if computed:  # held in RAM as an inserted sequence is (LRUPromptCache's bounds)
+            with self._lock:
+                seq = ((key, mc.tenant.tag) if mc.tenant is not None else key, mc.ns, tuple(toks[:-1].tolist()))
+                self._ram.add(seq, mc.record_hashes(toks[:-1]), "assistant")
+        return start.cache, start.rest, computed
 
     def _bound_ram(self) -> None:
         """`LRUPromptCache`'s bounds after an insert: `max_size` sequences, `max_bytes` bytes."""
@@ -324,20 +404,6 @@ class PersistentPromptCache:
             total += rec.nbytes if rec is not None else 0
         return total
 
-    def _ram_prefix(self, mc: ModelCache, toks: np.ndarray) -> int:
-        """How many leading tokens of `toks` the records in RAM (memory tier or write queue)
-        cover: what a fetch of them reuses without reading the disk."""
-        store, C = self.store, mc.chunk_size
-        covered, parent = 0, mc.ns
-        for h in keys.chain(mc.ns, toks, C):
-            if h not in store.memory and not store.writer.is_pending(h):
-                break
-            covered, parent = covered + C, h
-        rest = toks[covered:]
-        children = [r.tokens for r in store.memory.children(parent)]
-        children += [t for _, t in store.writer.pending_children(parent)]
-        return covered + max((keys.common_prefix(t, rest) for t in children), default=0)
-
     def _count_reuse(self, reused: int, in_ram: int, remote_before: int | None) -> None:
         """Reused tokens by tier: what RAM held, what the remote tier filled in during this fetch,
         and the rest from the local disk."""
@@ -353,6 +419,15 @@ class PersistentPromptCache:
         by_tier["disk"] += reused - from_ram - from_remote
 
     # -- internals: keys and models ----------------------------------------------------------
+
+    def _tenant(self, tenant_id: str | None) -> Tenant | None:
+        return None if tenant_id is None else self.store.tenant(tenant_id)
+
+    def _unknown(self, what: str, tokens: list) -> tuple[None, list]:
+        """A lookup or insert no request told the tenant of: served without the store."""
+        self.counters["tenant_unknown"] += 1
+        log.warning("kvstore: a %s of %d tokens came with no tenant: served without the store", what, len(tokens))
+        return None, tokens
 
     def _resolve(self, key: Hashable, tokens: list) -> Binding | str:
         """The bound model for `key`, else `IN_RAM` or `UNCACHED`."""
@@ -388,7 +463,7 @@ class PersistentPromptCache:
 
         mlx_lm.server inserts the prompt and every generated token, the last of which the model
         never processed: its cache is one token short."""
-        from kvstore.model.generation import held_length
+        from kvstore.model.prefill import held_length
 
         held = held_length((getattr(layer, "offset", None) for layer in cache), len(tokens))
         if held is None:

@@ -9,7 +9,7 @@ in `mlxserver`, SIGTERM and Ctrl-C in `signals`; this module starts and stops th
 
 Run it as `kvstore serve [--store DIR] [--store-max-bytes SIZE|auto|none] [--memory-bytes SIZE]
 [--store-max-tokens N] [--allowed-origins LIST] [--allowed-hosts LIST] [--stats-paths]
-[mlx_lm.server options]` or
+[--kv-events-config JSON] [--kv-events-block-size N] [--warm-top N] [mlx_lm.server options]` or
 `python -m kvstore.serve ...`.
 """
 
@@ -22,6 +22,7 @@ import io
 import logging
 import os
 import re
+import socket
 import sys
 from typing import Sequence
 
@@ -40,6 +41,7 @@ from kvstore.serve.options import (
 )
 from kvstore.serve.promptcache import PersistentPromptCache
 from kvstore.serve.signals import Stopper
+from kvstore.serve.tenancy.policy import describe_tenants
 from kvstore.sizes import plural
 from kvstore.store import Store
 
@@ -74,6 +76,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     served_model, passthrough = _with_defaults(peek, passthrough)
     store_settings = settings.given(ours, serve=True)
     memory_bytes = _memory_bytes(store_settings.pop("memory_bytes", None), peek.prompt_cache_bytes)
+    try:
+        served = server_settings(ours)
+        kv_events = _kv_events(served, peek, served_model)
+    except KVStoreError as e:
+        parser.print_usage(sys.stderr)
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
 
     import kvstore
     from kvstore.model.loading import resolve_model
@@ -87,11 +96,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             remote_key = read_key_file(ours.remote_key_file)
         store = kvstore.open(ours.store, memory_bytes=memory_bytes, remote=ours.remote,
-                             remote_key=remote_key, **store_settings)
+                             remote_key=remote_key, kv_events=kv_events, **store_settings)
     except KVStoreError as e:
         print(f"kvstore serve: {e}", file=sys.stderr)
         return 1
-    return _serve(server, store, ours, passthrough, served_model)
+    return _serve(server, store, served, passthrough, served_model)
 
 
 def _print_help(parser: argparse.ArgumentParser, server) -> int:
@@ -135,6 +144,29 @@ def _with_defaults(peek: argparse.Namespace, passthrough: list[str]) -> tuple[st
     return served_model, passthrough
 
 
+def _kv_events(served: dict, peek: argparse.Namespace, served_model: str) -> dict | None:
+    """`kv_events` for the store, from --kv-events-config and --kv-events-block-size, with the
+    topic llm-d's guides use, `kv@HOST:PORT@MODEL`, unless the config names one. Warns when the
+    events can be read from beyond this machine: they carry every stored prompt's token ids."""
+    from kvstore.events import config as events_config
+
+    if served["kv_events_config"] is None:
+        return None
+    given = dict(served["kv_events_config"])
+    given.setdefault("block_size", served["kv_events_block_size"])
+    config = events_config.parse(given, "--kv-events-config")
+    host = peek.host or "127.0.0.1"
+    if host in ("0.0.0.0", "::", ""):
+        host = socket.gethostname()
+    config = config.with_defaults(topic=f"kv@{host}:{peek.port or 8080}@{served_model}")
+    exposed = [a for a in (config.endpoint, config.replay_endpoint) if events_config.beyond_loopback(a)]
+    if config.publishes and exposed:
+        print(f"kvstore serve: warning: KV events go to {' and '.join(exposed)}, not only to this machine: "
+              "they carry the token ids of every prompt the store holds (tenants' too); give the "
+              "router's loopback or private address unless that is what you want", file=sys.stderr)
+    return config.as_dict()
+
+
 def _memory_bytes(memory_bytes: int | None, prompt_cache_bytes: str | None) -> int | None:
     """--memory-bytes, else mlx_lm.server's --prompt-cache-bytes, else None (the store's default)."""
     if memory_bytes is None and prompt_cache_bytes is not None:
@@ -147,27 +179,44 @@ def _memory_bytes(memory_bytes: int | None, prompt_cache_bytes: str | None) -> i
     return memory_bytes
 
 
-def _serve(server, store: Store, ours: argparse.Namespace, passthrough: list[str],
-           served_model: str) -> int:
+def _serve(server, store: Store, served: dict, passthrough: list[str], served_model: str) -> int:
     """Run mlx_lm.server on `store` until it stops; then stop its generation, flush and close."""
+    from kvstore.serve import routing
     from kvstore.serve.endpoints import Hosts, handler_class
     from kvstore.serve.metrics import ServerMetrics
+    from kvstore.serve.mlxserver import Waiting
 
-    served = server_settings(ours)
-    cache = PersistentPromptCache(store, max_insert_tokens=served["store_max_tokens"])
-    metrics = ServerMetrics(cache)
+    tenants = served["tenants"]
+    cache = PersistentPromptCache(store, max_insert_tokens=served["store_max_tokens"], tenants=tenants.active)
+    waiting = Waiting()
+    metrics = ServerMetrics(cache, waiting, served_model)
+
+    def on_start(cache: PersistentPromptCache) -> None:
+        """Once the model is loaded, before the server listens: with KV events, bind it now (its
+        records are announced at once, not at the first request), and warm the most-hit prompts
+        (`--warm-top`)."""
+        if store.events is not None:
+            cache.bind_served()
+        if served["warm_top"]:
+            routing.warm_top(cache, served["warm_top"])
     hosts = Hosts(peek_mlx_options(passthrough).host, served["allowed_hosts"])
+    if tenants.active:
+        log.info("kvstore: serving tenants apart (%s); shared prompts are the store's warmed and pinned ones",
+                 describe_tenants(tenants))
 
     def make_handler(base: type) -> type:
         return handler_class(base, cache, metrics, served["allowed_origins"], served_model, hosts=hosts,
-                             stats_paths=served["stats_paths"])
+                             stats_paths=served["stats_paths"], tenants=tenants,
+                             max_body_bytes=served["max_body_bytes"],
+                             report_cached_tokens=served["report_cached_tokens"] == "on")
 
     stopper = Stopper(store)
     started: list = []
     code = 0
     try:
         stopper.install()
-        with persistent(server, cache, started, stopper.requests, make_handler):
+        with persistent(server, cache, started, stopper.requests, make_handler, on_start=on_start,
+                        waiting=waiting):
             code = _run_mlx_server_main(server, passthrough)
     except KeyboardInterrupt:
         pass  # stopped before mlx_lm.server's own Ctrl-C handling was in place

@@ -27,7 +27,7 @@ from typing import Callable, Mapping, NamedTuple
 import numpy as np
 import xxhash
 
-from kvstore import keys
+from kvstore import canary, keys, tenants
 from kvstore.errors import BlobError
 from kvstore.records import RecordId
 
@@ -271,6 +271,13 @@ def register_extension(name: str, validate: Callable[[str], object]) -> None:
     _EXTENSIONS[name] = validate
 
 
+# A record's canary (`kvstore.canary`): the top of the logits one step gave from its K/V.
+register_extension("canary", canary.parse)
+# A tenant's record states its tenant's tag and the link its key hashes (`kvstore.tenants`).
+register_extension(tenants.TAG_FIELD, tenants.parse_tag)
+register_extension(tenants.LINK_FIELD, tenants.parse_link)
+
+
 def with_extensions(metadata: Mapping[str, str], fields: Mapping[str, str]) -> dict[str, str]:
     """`metadata` with these registered extension fields added, each checked first."""
     out = dict(metadata)
@@ -334,12 +341,17 @@ class StoredRecord(NamedTuple):
 
     @property
     def identity(self) -> RecordId:
-        """The record the header names (BlobError if a field is missing or bad): compare it with
-        what the record was asked for as, with `records.check`."""
+        """The record the header names (BlobError if a field is missing or bad), its tenant's
+        too: compare it with what the record was asked for as, with `records.check`."""
         meta, where = self.metadata, self.where
+        try:
+            tenant, link = tenants.stated(meta)
+        except ValueError as e:
+            raise BlobError(f"{where}: its tenant fields are not valid ({e})") from None
         return RecordId(meta_field(meta, "hash", hash16, where), meta_field(meta, "ns", hash16, where),
                         meta_field(meta, "parent", hash16, where), meta_field(meta, "depth", int, where),
-                        meta_field(meta, "kind", int, where), len(self.tokens), keys.first_token(self.tokens))
+                        meta_field(meta, "kind", int, where), len(self.tokens), keys.first_token(self.tokens),
+                        tenant=tenant, link=link)
 
     @property
     def extensions(self) -> dict[str, object]:

@@ -20,20 +20,15 @@ from kvstore import faults
 from kvstore.errors import CorruptIndexError, StoreOpenError
 from kvstore.records import CHECKPOINT, CHUNK, TAIL, RecordId  # noqa: F401 -- the kinds' home is records
 from kvstore.storage import schema
-from kvstore.storage.evictsql import MAX_ROLE, ROLE_OK, EvictionSQL
+from kvstore.storage.evictsql import MAX_ROLE, ROLE_OK, TOTALS, EvictionSQL, whole  # noqa: F401 -- TOTALS: read from here
 from kvstore.storage.pins import PinSQL
 from kvstore.storage.schema import available_migrations, connect_read_only, is_corruption
 from kvstore.storage.writesql import WriteLogSQL
 
 _MAX_PARAMS = schema.MAX_PARAMS
 #: The columns of `totals` (per namespace), and of `models`.
-TOTALS = ("bytes", "chunks", "tails", "checkpoints")
-_TOTALS_SQL = ", ".join(TOTALS)
 MODEL_FIELDS = ("ns", "fingerprint", "model_id", "layout", "chunk_size", "created", "last_used")
 _MODEL_COLUMNS = ", ".join(f"m.{c}" for c in MODEL_FIELDS)
-# The sums of `totals` and how many of its values are not whole numbers of 0 or more, in one scan.
-_TOTALS_SUMS = ("SELECT " + ", ".join(f"coalesce(sum({c}), 0)" for c in TOTALS) + ", coalesce(sum("
-                + " OR ".join(f"typeof({c}) != 'integer' OR {c} < 0" for c in TOTALS) + "), 0) FROM totals")
 # A model_files row as `storage.stale` may read it, and a memoised digest: a damaged one is left
 # out (the file is checked on its other stamps, or hashed again); verify reports it.
 _FILE_OK = ("typeof(ns) = 'blob' AND typeof(path) = 'text' AND typeof(size) = 'integer' AND typeof(mtime_ns) = "
@@ -56,8 +51,10 @@ class Row(RecordId):
     role: int = 0  # the strongest role class that reached it (`upkeep.evict.ROLES`)
 
 
-_ROW_COLUMNS = ", ".join(Row.__dataclass_fields__)
-_ROW_COLUMNS_R = ", ".join(f"r.{c}" for c in Row.__dataclass_fields__)  # of `records r` in a join
+# The columns of a row: its fields, the tenant's tag last (a record's link is in its blob only).
+_ROW_FIELDS = (*(f for f in Row.__dataclass_fields__ if f not in ("tenant", "link")), "tenant")
+_ROW_COLUMNS = ", ".join(_ROW_FIELDS)
+_ROW_COLUMNS_R = ", ".join(f"r.{c}" for c in _ROW_FIELDS)  # of `records r` in a join
 
 
 def _u64_to_i64(v: int) -> int:
@@ -119,6 +116,21 @@ class Index(EvictionSQL, WriteLogSQL, PinSQL):
             with self._lock:
                 self._connections.append(conn)
         return conn
+
+    def release(self) -> None:
+        """Close this thread's connection, for a thread about to end (kept, it would hold two open
+        files for as long as the store is open)."""
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            return
+        self._local.conn = None
+        with self._lock:
+            if conn in self._connections:
+                self._connections.remove(conn)
+        try:
+            conn.close()
+        except sqlite3.Error:
+            pass
 
     def close(self) -> None:
         self._closed = True
@@ -243,22 +255,32 @@ class Index(EvictionSQL, WriteLogSQL, PinSQL):
         row = self.conn.execute(f"SELECT {_ROW_COLUMNS} FROM records WHERE hash = ?", (h,)).fetchone()
         return _row(row) if row else None
 
-    def children(self, parent: bytes, first_token: int | None = None) -> list[Row]:
+    def children(self, parent: bytes, first_token: int | None = None,
+                 tenants: Sequence[str | None] | None = None) -> list[Row]:
         """Usable records directly under `parent`; with `first_token`, only the chunks and tails
-        that start with it (the others share no token with what follows) and checkpoints."""
+        that start with it (the others share no token with what follows) and checkpoints; with
+        `tenants`, only those of these tenants (None: shared), each read by its own index range."""
         where = "" if first_token is None else " AND c.first_token IN (?, -1)"  # -1: not known
-        rows = self.conn.execute(
-            f"SELECT {_ROW_COLUMNS_R} FROM children c JOIN records r ON r.hash = c.hash "
-            f"WHERE c.parent = ?{where} AND r.bad = 0",
-            (parent,) if first_token is None else (parent, first_token))
-        return [_row(r) for r in rows]
+        args = (parent,) if first_token is None else (parent, first_token)
+        if tenants is None:
+            rows = self.conn.execute(f"SELECT {_ROW_COLUMNS_R} FROM children c JOIN records r ON r.hash = c.hash "
+                                     f"WHERE c.parent = ?{where} AND r.bad = 0", args)
+            return [_row(r) for r in rows]
+        out = []
+        for tag in tenants:
+            rows = self.conn.execute(
+                f"SELECT {_ROW_COLUMNS_R} FROM children c INDEXED BY children_by_tenant JOIN records r ON "
+                f"r.hash = c.hash WHERE c.parent = ? AND c.tenant IS ?{where} AND r.bad = 0 AND r.tenant IS ?",
+                (parent, tag, *args[1:], tag))
+            out += [_row(r) for r in rows]
+        return out
 
     def insert(self, rows: Iterable[Row]) -> int:
         """Add records (a record that exists already is left as it is). Returns how many."""
         now = time.time()
         values = [
             (r.hash, r.ns, r.parent, r.depth, r.kind, r.ntokens, r.first_token, r.size,
-             _u64_to_i64(r.checksum), now, now, 0, r.pinned, 0, r.role)
+             _u64_to_i64(r.checksum), now, now, 0, r.pinned, 0, r.role, r.tenant)
             for r in rows
         ]
         with self.transaction() as conn:
@@ -267,7 +289,7 @@ class Index(EvictionSQL, WriteLogSQL, PinSQL):
             before = conn.total_changes
             conn.executemany(
                 f"INSERT OR IGNORE INTO records ({_ROW_COLUMNS}) "
-                f"VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                f"VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 values,
             )
             # A record stored again with pin=True gets pinned.
@@ -320,9 +342,10 @@ class Index(EvictionSQL, WriteLogSQL, PinSQL):
                                for r in deleted])
         return deleted
 
-    def rows(self) -> Iterator[Row]:
-        """Every record (for verify)."""
-        for r in self.conn.execute(f"SELECT {_ROW_COLUMNS} FROM records"):
+    def rows(self, ns: bytes | None = None) -> Iterator[Row]:
+        """Every record (for verify); with `ns`, those of one namespace, parents before children."""
+        where = " WHERE ns = ? ORDER BY depth, kind" if ns is not None else ""
+        for r in self.conn.execute(f"SELECT {_ROW_COLUMNS} FROM records{where}", () if ns is None else (ns,)):
             yield _row(r)
 
     def namespaces(self) -> set[bytes]:
@@ -339,6 +362,8 @@ class Index(EvictionSQL, WriteLogSQL, PinSQL):
             conn.execute("UPDATE records SET size = ?, checksum = ? WHERE hash = ?",
                          (size, _u64_to_i64(checksum), h))
             conn.execute("UPDATE totals SET bytes = bytes + ? WHERE ns = ?", (size - row[1], row[0]))
+            conn.execute("UPDATE tenant_totals SET bytes = bytes + ? WHERE tenant = "
+                         "(SELECT tenant FROM records WHERE hash = ?)", (size - row[1], h))
         return True
 
     def drop_redundant(self, pairs: Sequence[tuple[bytes, bytes]]) -> list[tuple[bytes, int]]:
@@ -367,49 +392,6 @@ class Index(EvictionSQL, WriteLogSQL, PinSQL):
         except OSError:
             return 0
 
-    # -- totals -----------------------------------------------------------------------------
-
-    def totals(self) -> dict[str, int]:
-        """The store's totals: `bytes`, `chunks`, `tails`, `checkpoints` (counted from the
-        records when the `totals` table is damaged, as `namespace_totals` says)."""
-        *sums, damaged = self.conn.execute(_TOTALS_SUMS).fetchone()
-        if damaged:
-            sums = [sum(column) for column in zip(*self.counted_totals().values())] or [0, 0, 0, 0]
-        return dict(zip(TOTALS, sums))
-
-    def namespace_totals(self) -> dict[bytes, tuple[int, ...]]:
-        """ns -> its totals (in `TOTALS` order). When a value in the `totals` table is not a
-        whole number of 0 or more, the table is damaged: they are counted from the records
-        instead (`verify` reports it, `verify --repair` rewrites the table)."""
-        stored = self.stored_totals()
-        if all(_whole(v) for values in stored.values() for v in values):
-            return stored
-        return self.counted_totals()
-
-    def stored_totals(self) -> dict[object, tuple]:
-        """ns -> its row of the `totals` table as stored, whatever its types (for verify)."""
-        return {ns: tuple(values) for ns, *values in self.conn.execute(f"SELECT ns, {_TOTALS_SQL} FROM totals")}
-
-    def counted_totals(self) -> dict[bytes, tuple[int, ...]]:
-        """ns -> its totals (in `TOTALS` order) counted from the records (one scan of them)."""
-        return {ns: tuple(values) for ns, *values in self.conn.execute(
-            "SELECT ns, coalesce(sum(CASE WHEN typeof(size) = 'integer' THEN size END), 0), "
-            f"sum(kind = {CHUNK}), sum(kind = {TAIL}), sum(kind = {CHECKPOINT}) FROM records GROUP BY ns")}
-
-    def rewrite_totals(self) -> None:
-        """The `totals` table counted again from the records, in one transaction."""
-        with self.transaction() as conn:
-            conn.execute("DELETE FROM totals")
-            conn.executemany(f"INSERT INTO totals (ns, {_TOTALS_SQL}) VALUES (?, ?, ?, ?, ?)",
-                             [(ns, *values) for ns, values in self.counted_totals().items()])
-
-    def quarantined(self) -> tuple[int, int]:
-        """(records, bytes) of the records quarantined now: never served, held until a gc (one
-        scan of the table: 0.08 s at a million rows)."""
-        n, size = self.conn.execute(
-            "SELECT count(*), coalesce(sum(size), 0) FROM records WHERE bad != 0").fetchone()
-        return n, size
-
     def models(self) -> list[dict]:
         """One dict per bound model version, with its record totals and use. A field of the
         wrong type (damage, which `verify` reports) is None, or "?" for a hash; a row whose
@@ -431,7 +413,7 @@ class Index(EvictionSQL, WriteLogSQL, PinSQL):
                 "fingerprint": fingerprint.hex() if isinstance(fingerprint, bytes) else "?",
                 "model_id": str(model_id),
                 "layout": _layout(layout),
-                "chunk_size": chunk_size if _whole(chunk_size) and chunk_size > 0 else None,
+                "chunk_size": chunk_size if whole(chunk_size) and chunk_size > 0 else None,
                 "created": created if type(created) in (int, float) else None,
                 "last_used": max(used) if used else None,
                 "chunks": chunks,
@@ -470,14 +452,10 @@ def _drop_edges(conn: sqlite3.Connection, edges: Iterable[tuple[bytes, int, byte
 
 def _row(r: tuple) -> Row:
     values = list(r)
+    tenant = values.pop()
     if isinstance(values[8], int):  # a row of the wrong type is left for verify to report
         values[8] = _i64_to_u64(values[8])
-    return Row(*values)
-
-
-def _whole(value: object) -> bool:
-    """A whole number of 0 or more, as SQLite hands back an integer column that holds one."""
-    return type(value) is int and value >= 0
+    return Row(*values, tenant=tenant)
 
 
 def _layout(text: str) -> object:

@@ -28,6 +28,7 @@ LOCK_NAME = BLOBS_NAME + ".lock"
 QUARANTINE_NAME = "quarantine"  # where `verify --repair` moves files that kvstore did not write
 NODE_ID_NAME = "remote-node-id"  # this store's name among the nodes of a shared bucket
 PINS_NAME = "index.pins"  # the pinned records, for a rebuild of the index (`storage.pins`)
+TENANT_KEY_NAME = "tenant.key"  # the secret tenants' salts are derived under, without a remote tier
 INDEX_FILES = tuple(INDEX_NAME + s for s in ("", "-wal", "-shm", "-journal"))
 # Left beside the index by a rebuild, or when a stale journal is moved aside.
 _INDEX_LEFTOVERS = (".damaged-", ".rebuilding", "-wal.stale-", "-shm.stale-", "-journal.stale-")
@@ -54,9 +55,10 @@ def is_absent(path: Path) -> bool:
 
 def own_name(name: str) -> bool:
     """An entry kvstore itself makes at the top of a store directory."""
-    return (name in INDEX_FILES or name in (BLOBS_NAME, LOCK_NAME, QUARANTINE_NAME, NODE_ID_NAME, PINS_NAME)
+    return (name in INDEX_FILES or name in (BLOBS_NAME, LOCK_NAME, QUARANTINE_NAME, NODE_ID_NAME, PINS_NAME,
+                                            TENANT_KEY_NAME)
             or any(name.startswith(INDEX_NAME + x) for x in _INDEX_LEFTOVERS)
-            or name.startswith((f".{NODE_ID_NAME}.", f".{PINS_NAME}.")))  # written aside, then renamed into place
+            or name.startswith((f".{NODE_ID_NAME}.", f".{PINS_NAME}.", f".{TENANT_KEY_NAME}.")))  # written aside, then renamed
 
 
 def write_own_file(path: Path, text: str) -> None:
@@ -85,6 +87,46 @@ def write_own_file(path: Path, text: str) -> None:
         os.fsync(dirfd)
     finally:
         os.close(dirfd)
+
+
+def tenant_key(path: Path, *, create: bool) -> bytes:
+    """The store's own secret for tenants' salts (`kvstore.tenants`): 32 random bytes kept in
+    `tenant.key` (0600), made on first use (`create`). StoreOpenError if it cannot be read or made."""
+    file = path / TENANT_KEY_NAME
+    try:  # never through a symbolic link, never a FIFO
+        fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        with os.fdopen(fd, "r") as f:
+            text = f.read(128).strip()
+        key = bytes.fromhex(text)
+        if len(key) == 32:
+            return key
+        raise StoreOpenError(f"{file} does not hold a tenant key (64 hex digits): remove it to make a new "
+                             "one (every tenant's stored prompts are then lost to it)")
+    except FileNotFoundError:
+        if not create:
+            raise StoreOpenError(f"the store {path} has no tenant key yet and is open read-only: open it "
+                                 "once to write to bind a tenant") from None
+    except (OSError, ValueError) as e:
+        raise StoreOpenError(f"cannot read {file}: {e}") from None
+    tmp = file.with_name(f".{TENANT_KEY_NAME}.{os.getpid()}")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(os.urandom(32).hex() + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, file)  # never over another process's key: the first one made is the key
+        except FileExistsError:
+            pass
+    except OSError as e:
+        raise StoreOpenError(f"cannot write {file}: {e.strerror or e}") from None
+    finally:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+    return tenant_key(path, create=False)
 
 
 def open_dir(path: Path, *, create: bool, read_only: bool | None) -> tuple[Path, bool]:

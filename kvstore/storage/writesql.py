@@ -1,5 +1,6 @@
 """The SQL of what the store writes: the hourly write log the write budget and `stats` read, the
-seen marks of `admit="reused"`, and the store's own settings.
+seen marks of `admit="reused"`, the store's own settings, and the deletion log (what the index
+stopped serving, which servers that publish KV events read).
 
 Mixed into `Index` (which gives it `conn` and `transaction`), as `evictsql` is. A store opened
 read-only whose index predates these tables reads them as empty.
@@ -228,6 +229,19 @@ class WriteLogSQL:
         """Delete the seen marks `damaged_seen` finds (the key is merely seen afresh); how many."""
         with self.transaction() as conn:
             return conn.execute(f"DELETE FROM seen_prefixes WHERE NOT ({_SEEN_OK})").rowcount
+
+    # -- the deletion log (filled by triggers on `records`: migrations/0023) ------------------
+
+    def deletions_end(self) -> int:
+        """The number of the last deletion logged (0: none yet)."""
+        return self.conn.execute("SELECT coalesce(max(seq), 0) FROM deletion_log").fetchone()[0]
+
+    def deletions_since(self, seq: int, limit: int = 10_000) -> list[tuple[int, bytes, bytes]]:
+        """(number, hash, namespace) of the records deleted or quarantined after deletion `seq`,
+        oldest first, at most `limit`. The log keeps the last 100,000: when the first number is
+        past `seq + 1`, some were forgotten."""
+        return self.conn.execute("SELECT seq, hash, ns FROM deletion_log WHERE seq > ? ORDER BY seq LIMIT ?",
+                                 (seq, limit)).fetchall()
 
     # -- settings kept in the store ---------------------------------------------------------
 

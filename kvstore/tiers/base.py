@@ -28,11 +28,17 @@ import numpy as np
 from kvstore.errors import BlobError
 from kvstore.records import CHECKPOINT, RecordId
 from kvstore.restore.source import Source
+from kvstore.tenants import Tenant, sees
 
 
 @dataclass
 class Lookup:
-    """One fetch: the namespace, the prompt and its chunk hashes, and when the fetch started."""
+    """One fetch: the namespace, the prompt and its chunk hashes, and when the fetch started.
+
+    With a `tenant`, `chain` is the shared chunks found (the first `shared`), then the tenant's
+    (`owner`: the tenant under the key they were found with, see `tenants.Tenant.previous`);
+    a tier shows such a lookup shared records and the tenant's own, never another tenant's
+    (`sees`)."""
 
     ns: bytes
     tokens: np.ndarray
@@ -42,6 +48,23 @@ class Lookup:
     notes: set[str] = field(default_factory=set)  # what tiers noted of this fetch (to count once)
     #: (kind, ntokens) -> the most bytes such a record of this model can be (None: unbounded)
     object_bytes: "SizeBound | None" = None
+    tenant: Tenant | None = None
+    shared: int = 0
+    owner: Tenant | None = None
+
+    def sees(self, tag: str | None) -> bool:
+        """Whether a record of tenant `tag` (None: shared) may serve this lookup."""
+        return sees(self.tenant, tag)
+
+    def tags(self) -> list[str | None]:
+        """The tenants whose records may serve this lookup (None: shared)."""
+        return [None] + ([t.tag for t in self.tenant.variants()] if self.tenant is not None else [])
+
+    def owner_of(self, tag: str | None) -> Tenant | None:
+        """The tenant (under the key it was made with) whose tag is `tag`; None for shared."""
+        if tag is None or self.tenant is None:
+            return None
+        return next((t for t in self.tenant.variants() if t.tag == tag), None)
 
 
 @dataclass(frozen=True)

@@ -16,11 +16,11 @@ import logging
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import numpy as np
 
-from kvstore import records
+from kvstore import records, tenants
 from kvstore.errors import BlobError
 from kvstore.storage import blobfile, blobtree, blobwrite
 from kvstore.storage.index import Index, Row
@@ -38,6 +38,8 @@ def record_tokens(blob: blobfile.BlobFile, row: Row) -> np.ndarray:
     names it and the record's hash is the xxh3 of its parent and these ids (BlobError if not)."""
     tokens = blob.tokens()
     records.check(row, blob.metadata, tokens, where=blob.path)
+    if row.tenant is not None and row.link is None:  # a copy in RAM is written from it again, link and all
+        row.link = tenants.stated(blob.metadata)[1]
     return tokens
 
 
@@ -88,12 +90,15 @@ class AccessTimes:
 
 
 class DiskBudget:
-    """Keeps the disk within `max_bytes`: `check()`, told whenever something reached the disk (a
+    """Keeps the disk within `max_bytes` (and each tenant within `tenant_max_bytes`): `check()`,
+    told whenever something reached the disk (a
     batch the writer committed, a download stored), runs gc on a thread of its own when the store
     is over it, one at a time; checks asked for while one runs make it check once more."""
 
-    def __init__(self, files: "LocalStore", memory: "MemoryTier", max_bytes: int):
+    def __init__(self, files: "LocalStore", memory: "MemoryTier", max_bytes: int | None,
+                 tenant_max_bytes: int | None = None):
         self.files, self.memory, self.max_bytes = files, memory, max_bytes
+        self.tenant_max_bytes = tenant_max_bytes  # each tenant's share of the disk
         self._cond = threading.Condition()
         self._due = self._running = False
 
@@ -112,18 +117,21 @@ class DiskBudget:
             return self._cond.wait_for(lambda: not self._running, timeout)
 
     def _run(self) -> None:
-        while True:
-            with self._cond:
-                if not self._due:
-                    self._running = False
-                    self._cond.notify_all()
-                    return
-                self._due = False
-            try:
-                if self.files.over_budget(self.max_bytes):
-                    evict(self.files, self.memory, max_bytes=self.max_bytes)
-            except Exception as e:  # only the budget: the next check tries again
-                log.warning("kvstore: gc for the disk budget failed: %s", e)
+        try:
+            while True:
+                with self._cond:
+                    if not self._due:
+                        self._running = False
+                        self._cond.notify_all()
+                        return
+                    self._due = False
+                try:
+                    if self.files.over_budget(self.max_bytes, self.tenant_max_bytes):
+                        evict(self.files, self.memory, max_bytes=self.max_bytes, tenant_max_bytes=self.tenant_max_bytes)
+                except Exception as e:  # only the budget: the next check tries again
+                    log.warning("kvstore: gc for the disk budget failed: %s", e)
+        finally:  # a thread a check: its index connection goes with it (else two open files each)
+            self.files.index.release()
 
 
 def evict(files: "LocalStore", memory: "MemoryTier", **options) -> dict:
@@ -144,6 +152,8 @@ class DiskTier:
         self.index, self.root, self.budget = index, root, budget
         self.access = AccessTimes()
         self.quarantined = 0  # records this process found damaged
+        # Told the row of each record `put` stored (a download): subscribed where the store is built.
+        self.on_store: list[Callable[[list[Row]], None]] = []
 
     def find(self, lookup, ids):
         return self.index.rows_of([r.hash for r in ids]) if ids else {}
@@ -152,10 +162,11 @@ class DiskTier:
         return self.index.present(hashes)
 
     def children(self, lookup, parent, rest):
-        """The records under `parent` that start with the next token, with their token ids read
-        from their blobs (a record whose blob cannot give them is quarantined, left out)."""
+        """The records under `parent` that start with the next token and the lookup may see (shared,
+        or its tenant's), with their token ids read from their blobs (a record whose blob cannot
+        give them is quarantined, left out)."""
         found = []
-        for row in self.index.children(parent, int(rest[0])):
+        for row in self.index.children(parent, int(rest[0]), lookup.tags()):  # never another tenant's
             try:
                 with blobfile.open_blob(self.root, row.hash, size=row.size, checksum=row.checksum) as blob:
                     found.append((row.hash, record_tokens(blob, row), row))
@@ -187,6 +198,8 @@ class DiskTier:
                 return False
             blobwrite.write_bytes(self.root, row.hash, data, fsync=fsync)
             self.index.insert([row])
+            for listener in self.on_store:
+                listener([row])
         try:  # the store's write log counts what reaches its disk from elsewhere too
             self.index.log_writes(hour_of(time.time()), {"downloaded": len(data)})
         except Exception as e:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Callable, Iterable
 
 import mlx.core as mx
 import numpy as np
@@ -35,20 +35,27 @@ class Record(RecordId):
     nbytes: int = 0
     # How its arrays look to the restore, worked out once (`RecordSource`); never compared.
     read_view: tuple | None = field(default=None, repr=False, compare=False)
+    # Header extension fields its blob gets when it is written from RAM (a canary).
+    extensions: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.nbytes:
             self.nbytes = sum(a.nbytes for a in self.arrays.values()) + self.tokens.nbytes
 
 
-def held(rid: RecordId, tokens: np.ndarray, arrays: dict, views: dict | None = None, nbytes: int = 0) -> Record:
+def held(rid: RecordId, tokens: np.ndarray, arrays: dict, views: dict | None = None, nbytes: int = 0,
+         extensions: dict[str, str] | None = None) -> Record:
     """Record `rid` with these token ids and arrays, in RAM."""
     return Record(rid.hash, rid.ns, rid.parent, rid.depth, rid.kind, rid.ntokens, rid.first_token,
-                  tokens, arrays, views or {}, nbytes)
+                  tokens, arrays, views or {}, nbytes, extensions=dict(extensions or {}), **rid.owner())
 
 
 class MemoryTier:
-    """A thread-safe LRU of `Record`s. `capacity=0` keeps nothing."""
+    """A thread-safe LRU of `Record`s. `capacity=0` keeps nothing.
+
+    `on_change` listeners are told, under the tier's lock (so in the order it happened), the
+    records it took in and the ones it let go: they must only note it. Subscribed once, where
+    the store is built."""
 
     def __init__(self, capacity: int):
         self.capacity = max(0, int(capacity))
@@ -57,6 +64,7 @@ class MemoryTier:
         self._lock = threading.Lock()
         self.nbytes = 0
         self.hits = 0
+        self.on_change: list[Callable[[list[Record], list[Record]], None]] = []
 
     def __len__(self) -> int:
         return len(self._records)
@@ -99,16 +107,20 @@ class MemoryTier:
         if self.capacity == 0:
             return
         with self._lock:
+            added = []
             for rec in records:
                 if rec.nbytes > self.capacity:
                     continue
                 old = self._records.pop(rec.hash, None)
                 if old is not None:
                     self.nbytes -= old.nbytes
+                else:
+                    added.append(rec)
                 self._records[rec.hash] = rec
                 self._children.setdefault(rec.parent, set()).add(rec.hash)
                 self.nbytes += rec.nbytes
-            self._shrink(self.capacity)
+            dropped = self._shrink(self.capacity)
+            self._tell([r for r in added if r.hash in self._records], dropped)
 
     def touch(self, hashes: Iterable[bytes]) -> None:
         with self._lock:
@@ -119,30 +131,40 @@ class MemoryTier:
     def discard(self, hashes: Iterable[bytes]) -> None:
         with self._lock:
             # gc hands over every record it evicted (half a million): look up only what is held.
-            for h in self._records.keys() & set(hashes) if self._records else ():
-                self._drop(h)
+            dropped = [self._drop(h) for h in (self._records.keys() & set(hashes) if self._records else ())]
+            self._tell([], dropped)
 
     def trim_to(self, nbytes: int) -> None:
         with self._lock:
-            self._shrink(max(0, nbytes))
+            self._tell([], self._shrink(max(0, nbytes)))
 
     def clear(self) -> None:
         self.trim_to(0)
 
-    def _shrink(self, limit: int) -> None:
+    def _shrink(self, limit: int) -> list[Record]:
+        dropped = []
         while self.nbytes > limit and self._records:
-            self._drop(next(iter(self._records)))
+            dropped.append(self._drop(next(iter(self._records))))
+        return dropped
 
-    def _drop(self, h: bytes) -> None:
+    def _drop(self, h: bytes) -> Record | None:
         rec = self._records.pop(h, None)
         if rec is None:
-            return
+            return None
         self.nbytes -= rec.nbytes
         siblings = self._children.get(rec.parent)
         if siblings is not None:
             siblings.discard(h)
             if not siblings:
                 del self._children[rec.parent]
+        return rec
+
+    def _tell(self, added: list[Record], dropped: list[Record | None]) -> None:
+        """Tell the listeners (under the lock) what came in and what went."""
+        dropped = [r for r in dropped if r is not None]
+        if self.on_change and (added or dropped):
+            for listener in self.on_change:
+                listener(added, dropped)
 
 
 class RecordSource:
@@ -196,7 +218,7 @@ class MemoryTierView:
         return {r.hash: None for r in ids if r.hash in self.memory}
 
     def children(self, lookup, parent, rest):
-        return [(r.hash, r.tokens, r) for r in self.memory.children(parent)]
+        return [(r.hash, r.tokens, r) for r in self.memory.children(parent) if lookup.sees(r.tenant)]
 
     def open(self, h, ref):
         rec = self.memory.get(h)

@@ -12,6 +12,11 @@ secret) is a miss, counted as `unauthenticated`, and never stored; one that open
 check is counted as corrupt. Either key is not asked for again for a while, nor is one that
 failed to download or was larger than the record can be (a GET reads at most that much).
 
+A tenant's lookup asks for the shared chain with the namespace's keys and for the tenant's with
+the tenant's (`remote.seal.TenantSealer`), and lists a shared record's children in both folders
+(its tenant's folder only under one of its own records). With older fleet keys (a rotation not
+finished), what the current key does not find is asked for with each older one.
+
 All of it keeps to one deadline per fetch, from the `Lookup`'s start: past it, what is local is
 served. Nothing here raises into the caller but BlobError and KeyError (the tier protocol's);
 other failures are counted and leave the remote alone for a while (`Health`).
@@ -24,7 +29,7 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 import xxhash
@@ -60,10 +65,11 @@ class _Ref:
     """A record the bucket holds, as this tier found it: its identity, key, and its plaintext
     once downloaded, opened and checked."""
 
-    __slots__ = ("rid", "key", "lookup", "future", "body", "tokens", "named", "size")
+    __slots__ = ("rid", "key", "lookup", "sealer", "future", "body", "tokens", "named", "size")
 
-    def __init__(self, rid: RecordId, key: str, lookup: Lookup, *, named: bool = False, size: int | None = None):
-        self.rid, self.key, self.lookup = rid, key, lookup
+    def __init__(self, rid: RecordId, key: str, lookup: Lookup, sealer: Sealer, *, named: bool = False,
+                 size: int | None = None):
+        self.rid, self.key, self.lookup, self.sealer = rid, key, lookup, sealer
         self.future: Future | None = None
         self.body: bytes | None = None  # the plaintext, once downloaded and checked
         self.tokens: np.ndarray | None = None
@@ -84,8 +90,11 @@ class RemoteTier:
     shared = True  # not on this machine: `Tiers.holds` never asks it
 
     def __init__(self, bucket: Bucket, health: Health, disk: DiskTier, fleet: Fleet, *,
-                 deadline: float = DEFAULT_DEADLINE_S, threads: int = 8):
+                 deadline: float = DEFAULT_DEADLINE_S, threads: int = 8,
+                 reupload: Callable[[list[Row]], None] | None = None):
         self.bucket, self.health, self.disk, self.fleet = bucket, health, disk, fleet
+        # Shared records read with an older key go back up under the current one (`Uploader.submit`).
+        self.reupload = reupload
         self.deadline = float(deadline)
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvstore-remote-get")
         self._bad: OrderedDict[str, float] = OrderedDict()  # object key -> until when it is not asked for
@@ -99,20 +108,28 @@ class RemoteTier:
         if lookup is None or not ids or not self._usable(lookup):
             return {}
         end = lookup.started + self.deadline
-        s = self.fleet.sealer(lookup.ns)
-        records = [(r, key_of(s, r)) for r in ids if r.kind != CHECKPOINT]
-        bad = next((i for i, (_, k) in enumerate(records) if self._known_bad(k)), None)
-        records = records[:bad]  # a chain ends at a damaged record
+        records = [r for r in ids if r.kind != CHECKPOINT]
         found: dict[bytes, _Ref] = {}
         try:
-            if records:
-                self.health.count("lookups")
-                depth = self.deepest([k for _, k in records], 0, end)
-                found.update((r.hash, _Ref(r, k, lookup)) for r, k in records[:depth])
-            checkpoints = [_Ref(r, k, lookup) for r, k in ((r, key_of(s, r)) for r in ids if r.kind == CHECKPOINT)
-                           if not self._known_bad(k)]
-            for ref in self._download(checkpoints, end):
-                found[ref.rid.hash] = ref
+            got = 0  # records of the chain found so far, from its start
+            for s in self._sealers(lookup, records[0]) if records else []:
+                named = [key_of(s, r) for r in records]
+                bad = next((i for i, k in enumerate(named) if self._known_bad(k)), len(named))
+                if bad <= got:
+                    continue  # a chain ends at a damaged record
+                if not found:
+                    self.health.count("lookups")
+                depth = self.deepest(named[:bad], 0, end)
+                found.update((r.hash, _Ref(r, k, lookup, s)) for r, k in zip(records[got:depth], named[got:depth]))
+                got = max(got, depth)
+                if got == len(records):
+                    break
+            checkpoints = [(r, self._sealers(lookup, r)) for r in ids if r.kind == CHECKPOINT]
+            for turn in range(max((len(s) for _, s in checkpoints), default=0)):  # each key, all at once
+                refs = [_Ref(r, key_of(s[turn], r), lookup, s[turn]) for r, s in checkpoints
+                        if turn < len(s) and r.hash not in found and not self._known_bad(key_of(s[turn], r))]
+                for ref in self._download(refs, end):
+                    found[ref.rid.hash] = ref
         except _Late:  # the lookup itself was too slow: leave the remote alone for a while
             self._failed(lookup, None)
         except RemoteError as e:
@@ -126,30 +143,64 @@ class RemoteTier:
             return []
         end = lookup.started + self.deadline
         depth = _depth_of(lookup, parent) + 1
-        s = self.fleet.sealer(lookup.ns)
-        folder = children_prefix(s, parent, int(rest[0]))
+        out: list[tuple[bytes, np.ndarray, _Ref]] = []
         try:
-            listed = self._call(self.bucket.list, folder, end=end)
-            self.health.count("lists")
-            keys_ = [k for k in (parse_key(p, n, t) for p, n, t in listed)
-                     if k is not None and k.path.startswith(folder) and k.kind != CHECKPOINT
-                     and not self._known_bad(k.path)]
-            exact, others = _best_children(keys_, s, parent, rest)
-            out = []
-            if exact is not None:  # its name proves its tokens: rest[:n]
-                rid = RecordId(keys.tail_hash(parent, rest[: exact.ntokens]), lookup.ns, parent, depth, TAIL,
-                               exact.ntokens, int(rest[0]))
-                out.append((rid.hash, rest[: exact.ntokens], _Ref(rid, exact.path, lookup, size=exact.size)))
-            refs = [_Ref(RecordId(k.hash, lookup.ns, parent, depth, k.kind, k.ntokens, int(rest[0])), k.path,
-                         lookup, named=True, size=k.size) for k in others]
-            for ref in self._download(refs, end):
-                out.append((ref.rid.hash, ref.tokens, ref))
-            return out
+            for s in self._branches(lookup, depth):
+                out += self._children_in(lookup, s, parent, rest, depth, end)
+                if any(len(t) >= len(rest) - 1 for _, t, _ in out):
+                    break  # covered
         except _Late:
             self._failed(lookup, None)
         except RemoteError as e:
             self._failed(lookup, e)
-        return []
+        return out
+
+    def _children_in(self, lookup: Lookup, s: Sealer, parent: bytes, rest: np.ndarray, depth: int,
+                     end: float) -> list[tuple[bytes, np.ndarray, _Ref]]:
+        """The children of `parent` in one folder (`s`: whose, under which key) that may share
+        tokens with `rest`."""
+        folder = children_prefix(s, parent, int(rest[0]))
+        listed = self._call(self.bucket.list, folder, end=end)
+        self.health.count("lists")
+        keys_ = [k for k in (parse_key(p, n, t) for p, n, t in listed)
+                 if k is not None and k.path.startswith(folder) and k.kind != CHECKPOINT
+                 and k.owned == s.owned and not self._known_bad(k.path)]
+        owner = {"tenant": s.tenant.tag, "link": s.tenant.link(parent)} if s.owned else {}
+        base = owner.get("link") or parent
+        exact, others = _best_children(keys_, s, base, rest)
+        out = []
+        if exact is not None:  # its name proves its tokens: rest[:n]
+            rid = RecordId(keys.tail_hash(base, rest[: exact.ntokens]), lookup.ns, parent, depth, TAIL,
+                           exact.ntokens, int(rest[0]), **owner)
+            out.append((rid.hash, rest[: exact.ntokens], _Ref(rid, exact.path, lookup, s, size=exact.size)))
+        refs = [_Ref(RecordId(k.hash, lookup.ns, parent, depth, k.kind, k.ntokens, int(rest[0]), **owner), k.path,
+                     lookup, s, named=True, size=k.size) for k in others]
+        for ref in self._download(refs, end):
+            out.append((ref.rid.hash, ref.tokens, ref))
+        return out
+
+    def _sealers(self, lookup: Lookup, r: RecordId) -> list[Sealer]:
+        """The keys record `r` may be found under, in order: a shared record's, the namespace's
+        under every key of the fleet; a tenant's, its tenant's under the key it was made with."""
+        if r.tenant is None:
+            return [f.sealer(lookup.ns) for f in self.fleet.keyring()]
+        owner = lookup.owner_of(r.tenant)
+        fleet = self.fleet.by_key(owner.key_id) if owner is not None else None
+        return [] if fleet is None else [fleet.sealer(lookup.ns, owner)]
+
+    def _branches(self, lookup: Lookup, depth: int) -> list[Sealer]:
+        """The folders a lookup lists the children of its record at `depth - 1` in: under one of
+        its tenant's records, that tenant's; else the shared ones, then its tenant's (under each
+        key it may have been made with)."""
+        if lookup.tenant is not None and depth - 1 > lookup.shared and lookup.owner is not None:
+            fleet = self.fleet.by_key(lookup.owner.key_id)
+            return [] if fleet is None else [fleet.sealer(lookup.ns, lookup.owner)]
+        out = [f.sealer(lookup.ns) for f in self.fleet.keyring()]
+        for t in lookup.tenant.variants() if lookup.tenant is not None else ():
+            fleet = self.fleet.by_key(t.key_id)
+            if fleet is not None:
+                out.append(fleet.sealer(lookup.ns, t))
+        return out
 
     def prefetch(self, items: Iterable[tuple[bytes, _Ref]]) -> None:
         """Start downloading these (record, ref)s now, all at once (`open` then waits for each)."""
@@ -167,7 +218,7 @@ class RemoteTier:
             self._too_large(ref)
             return None
         until = ref.lookup.started + self.deadline
-        return self._pool.submit(self._get_open, self.fleet.sealer(ref.lookup.ns), ref.key, ref.cap, until)
+        return self._pool.submit(self._get_open, ref.sealer, ref.key, ref.cap, until)
 
     def _get_open(self, s: Sealer, key: str, cap: int, until: float) -> tuple[int, bytes] | None:
         """(sealed size, plaintext) of the object at `key`, or None: on a download thread, so that
@@ -198,12 +249,14 @@ class RemoteTier:
             self._check(ref, plain)
         r = ref.rid
         row = Row(r.hash, r.ns, r.parent, r.depth, r.kind, r.ntokens, r.first_token, len(ref.body),
-                  xxhash.xxh3_64_intdigest(ref.body))
+                  xxhash.xxh3_64_intdigest(ref.body), tenant=r.tenant)
         try:
             self.disk.put(row, ref.body)
         except OSError as e:  # a full disk: the record stays a miss here
             self.health.error(e)
             raise KeyError(h) from None
+        if r.tenant is None and ref.sealer.key_id != self.fleet.key_id and self.reupload is not None:
+            self.reupload([row])  # (a tenant's old records are stored again under its new salt as it uses them)
         if "remote" not in ref.lookup.notes:
             ref.lookup.notes.add("remote")
             self.health.count("remote_hits")
@@ -325,8 +378,7 @@ class RemoteTier:
 
     def _check(self, ref: _Ref, plain: bytes) -> None:
         """Check an opened object is the record it is fetched as (BlobError)."""
-        s: Sealer = self.fleet.sealer(ref.lookup.ns)
-        tokens, rid = check_opened(s, plain, ref.rid, ref.lookup.chunk_size, named=ref.named)
+        tokens, rid = check_opened(ref.sealer, plain, ref.rid, ref.lookup.chunk_size, named=ref.named)
         ref.body, ref.tokens, ref.rid, ref.named = plain, tokens, rid, False
 
     def _download(self, refs: list[_Ref], end: float) -> list[_Ref]:
@@ -351,15 +403,16 @@ def _depth_of(lookup: Lookup, h: bytes) -> int:
     return 0 if h == lookup.ns else lookup.chain.index(h) + 1
 
 
-def _best_children(children: list[ObjectKey], s: Sealer, parent: bytes,
+def _best_children(children: list[ObjectKey], s: Sealer, base: bytes,
                    rest: np.ndarray) -> tuple[ObjectKey | None, list]:
     """The children worth downloading: the longest one whose name proves it is a prefix of `rest`
-    (a tail's hash is of its parent and tokens), and, when it does not cover `rest`, a few others
-    to compare by their tokens (a branch inside a stored tail reuses the common part)."""
+    (a tail's hash is of its parent, or its tenant's link, `base`, and its tokens), and, when it
+    does not cover `rest`, a few others to compare by their tokens (a branch inside a stored
+    tail reuses the common part)."""
     exact, others = None, []
     for k in children:
         if k.kind == TAIL and k.ntokens <= len(rest) and \
-                s.name(keys.tail_hash(parent, rest[: k.ntokens])) == k.hash.hex():
+                s.name(keys.tail_hash(base, rest[: k.ntokens])) == k.hash.hex():
             if exact is None or k.ntokens > exact.ntokens:
                 exact = k
         else:

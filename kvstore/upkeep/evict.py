@@ -64,11 +64,13 @@ class Graph:
     root: np.ndarray | None = None  # bool: hangs from its namespace (None: every parentless record)
     bad: np.ndarray | None = None  # bool: quarantined (None: none is)
     role: np.ndarray | None = None  # int64: class in `ROLES` (None: all assistant)
+    tenant: np.ndarray | None = None  # int64: which tenant, -1 shared (None: not read)
 
     @classmethod
     def from_index(cls, rows: list[tuple]) -> "Graph":
         """From `Index.eviction_graph`: (hash + parent, last access, (size * 4 + role) * 16 +
-        flags) tuples, flags 1 pinned, 2 stale, 4 hangs from its namespace, 8 quarantined."""
+        flags[, tenant tag]) tuples, flags 1 pinned, 2 stale, 4 hangs from its namespace, 8
+        quarantined."""
         if not rows:
             return cls.from_rows([])
         n = len(rows)
@@ -81,8 +83,12 @@ class Graph:
         pairs = np.frombuffer(hp, dtype=[("h", "V16"), ("p", "V16")])
         last = np.fromiter(map(itemgetter(1), rows), np.float64, n)
         sf = np.fromiter(map(itemgetter(2), rows), np.int64, n)
+        tenant = None
+        if len(rows[0]) > 3:  # tags as numbers: -1 for a shared record
+            codes: dict[object, int] = {None: -1}
+            tenant = np.fromiter((codes.setdefault(r[3], len(codes) - 1) for r in rows), np.int64, n)
         return cls(pairs["h"].copy(), pairs["p"].copy(), sf >> 6, last,
-                   (sf & 1) > 0, (sf & 2) > 0, (sf & 4) > 0, (sf & 8) > 0, (sf >> 4) & 3)
+                   (sf & 1) > 0, (sf & 2) > 0, (sf & 4) > 0, (sf & 8) > 0, (sf >> 4) & 3, tenant)
 
     @classmethod
     def from_rows(cls, rows: list[tuple]) -> "Graph":
@@ -108,6 +114,7 @@ class Victims:
     sizes: np.ndarray
     heights: np.ndarray
     tops: np.ndarray | None = None  # bool; None: every record counts as a top
+    index: np.ndarray | None = None  # where each is in the graph it was chosen from
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -123,7 +130,7 @@ class Victims:
 
     @classmethod
     def empty(cls) -> "Victims":
-        return cls(np.zeros(0, "V16"), np.zeros(0, np.int64), np.zeros(0, np.int64))
+        return cls(np.zeros(0, "V16"), np.zeros(0, np.int64), np.zeros(0, np.int64), index=np.zeros(0, np.int64))
 
 
 def _halves(hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -214,7 +221,58 @@ def order(g: Graph, parent: np.ndarray | None = None, by_hash: np.ndarray | None
     return evictable[np.lexsort((height[evictable], top[evictable]))], height
 
 
-def choose_victims(g: Graph, *, max_bytes: int | None, cutoff: float | None, stale: bool) -> Victims:
+def choose_victims(g: Graph, *, max_bytes: int | None, cutoff: float | None, stale: bool,
+                   tenant_max_bytes: int | None = None) -> Victims:
+    """`store_victims`, after each tenant over `tenant_max_bytes` has been brought down to it by
+    the same rule among its own records (`tenant_victims`): the store's budget then counts what
+    is left."""
+    quota = tenant_victims(g, tenant_max_bytes) if tenant_max_bytes is not None and g.tenant is not None \
+        else np.zeros(0, np.int64)
+    if not len(quota):
+        return store_victims(g, max_bytes=max_bytes, cutoff=cutoff, stale=stale)
+    left = np.ones(len(g.hashes), bool)
+    left[quota] = False
+    rest_idx = np.nonzero(left)[0]
+    more = store_victims(_subgraph(g, rest_idx), max_bytes=max_bytes, cutoff=cutoff, stale=stale)
+    idx = np.concatenate([quota, rest_idx[more.index]]) if more.index is not None else quota
+    planned = ~left
+    planned[idx] = True
+    up = parents(g)[0][idx]
+    tops = (up < 0) | ~planned[np.maximum(up, 0)]
+    heights = np.concatenate([np.zeros(len(quota), np.int64), more.heights])
+    return Victims(g.hashes[idx], g.sizes[idx], heights, tops, idx)
+
+
+def tenant_victims(g: Graph, max_bytes: int) -> np.ndarray:
+    """Indices of the records that bring every tenant within `max_bytes`: for each tenant over
+    it, the leaf-by-leaf LRU rule among that tenant's records alone (its pins kept). A tenant's
+    records hang below shared ones (or its namespace): to its rule, those are its roots."""
+    out = []
+    tenant = g.tenant
+    parent, _ = parents(g)
+    for t in np.unique(tenant[tenant >= 0]):
+        mine = np.nonzero(tenant == t)[0]
+        if int(g.sizes[mine].sum()) <= max_bytes:
+            continue
+        up = parent[mine]
+        root = (up < 0) | (tenant[np.maximum(up, 0)] != t)  # hangs from outside the tenant
+        sub = replace(_subgraph(g, mine), root=root, stale=np.zeros(len(mine), bool))
+        p = store_victims(sub, max_bytes=max_bytes, cutoff=None, stale=False)
+        if len(p):
+            out.append(mine[p.index])
+    return np.concatenate(out) if out else np.zeros(0, np.int64)
+
+
+def _subgraph(g: Graph, idx: np.ndarray) -> Graph:
+    """The records `idx` of `g`, as a graph of their own (a record whose parent is left out is
+    not told from an orphan unless `root` says so)."""
+    def pick(a):
+        return None if a is None else a[idx]
+    return Graph(g.hashes[idx], g.parents[idx], g.sizes[idx], g.last[idx], g.pinned[idx], g.stale[idx],
+                 pick(g.root), pick(g.bad), pick(g.role), pick(g.tenant))
+
+
+def store_victims(g: Graph, *, max_bytes: int | None, cutoff: float | None, stale: bool) -> Victims:
     """The records to evict so that the store holds at most `max_bytes`, nothing last used
     before `cutoff` (a time) is left and, with `stale`, nothing of a stale model version, pins
     and all (no lookup can use them again).
@@ -252,7 +310,7 @@ def choose_victims(g: Graph, *, max_bytes: int | None, cutoff: float | None, sta
     planned[idx] = True
     up = parent[idx]
     tops = (up < 0) | ~planned[np.maximum(up, 0)]
-    return Victims(g.hashes[idx], g.sizes[idx], height[idx], tops)
+    return Victims(g.hashes[idx], g.sizes[idx], height[idx], tops, idx)
 
 
 def in_key_order(p: Victims) -> list[bytes]:

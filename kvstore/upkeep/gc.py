@@ -45,11 +45,13 @@ _CLOCK_SLACK_S = 1.0
 
 
 def collect(index: Index, root: Path, *, max_bytes: int | None = None, max_age: float | None = None,
-            stale: bool = False, stale_namespaces: set[bytes] = frozenset(), dry_run: bool = False) -> dict:
-    """Evict until the store holds at most `max_bytes`, nothing unused for `max_age` seconds
-    and, with `stale`, nothing of the model versions in `stale_namespaces` (which a budget
-    evicts first, too). See `evict` for the order; rows go in transactions of a bounded number
-    of rows, each record's file right after the commit that dropped its row."""
+            stale: bool = False, stale_namespaces: set[bytes] = frozenset(), dry_run: bool = False,
+            tenant_max_bytes: int | None = None) -> dict:
+    """Evict until every tenant holds at most `tenant_max_bytes`, the store at most `max_bytes`,
+    nothing unused for `max_age` seconds and, with `stale`, nothing of the model versions in
+    `stale_namespaces` (which a budget evicts first, too). See `evict` for the order; rows go in
+    transactions of a bounded number of rows, each record's file right after the commit that
+    dropped its row."""
     started = time.perf_counter()
     since = time.time() - _CLOCK_SLACK_S  # records stored from here on may hang from a victim
     total = index.totals()["bytes"]
@@ -61,10 +63,12 @@ def collect(index: Index, root: Path, *, max_bytes: int | None = None, max_age: 
     if stale and stale_namespaces and not dry_run:
         unpinned = index.unpin_namespaces(stale_namespaces)
     # Quarantined records are never served: any gc drops them (and what hangs below them).
+    over = index.tenants_over(tenant_max_bytes) if tenant_max_bytes is not None else []
     if ((max_bytes is not None and total > max_bytes) or cutoff is not None or (stale and stale_namespaces)
-            or index.quarantined()[0]):
-        graph = evict.Graph.from_index(index.eviction_graph(sorted(stale_namespaces)))
-        p = evict.choose_victims(graph, max_bytes=max_bytes, cutoff=cutoff, stale=stale)
+            or over or index.quarantined()[0]):
+        graph = evict.Graph.from_index(index.eviction_graph(sorted(stale_namespaces), tenants=bool(over)))
+        p = evict.choose_victims(graph, max_bytes=max_bytes, cutoff=cutoff, stale=stale,
+                                 tenant_max_bytes=tenant_max_bytes if over else None)
         if dry_run and stale:
             held = graph.pinned & graph.stale
             unpinned = (int(held.sum()), int(graph.sizes[held].sum()))
@@ -113,6 +117,7 @@ def collect(index: Index, root: Path, *, max_bytes: int | None = None, max_age: 
         "plan_seconds": planned,
         "longest_transaction_seconds": longest,
         "stale_pins": {"records": unpinned[0], "bytes": unpinned[1]},  # unpinned, then evicted
+        "tenants_over": len(over),  # tenants that held more than `tenant_max_bytes`
         "hashes": hashes,
     }
 

@@ -91,6 +91,8 @@ class LocalStore:
             found = self.model_status(rehash=False)  # no hashing here: stats stays fast
             for m in out["models"]:  # not found: bound with a fingerprint, or before files were recorded
                 m["stale"], m["stale_reason"] = found.get(bytes.fromhex(m["namespace"]), (None, None))
+            out["tenants"] = [{"tenant": tag, "records": n, "bytes": size}
+                              for tag, (n, size) in self.index.tenant_totals().items()]
             out["quarantined_total"] = self.index.counters().get("count.quarantined", 0)
             n, size = self.index.quarantined()
             out["quarantined_now"] = {"records": n, "bytes": size}
@@ -109,10 +111,11 @@ class LocalStore:
         return out
 
     def gc(self, max_bytes: int | None = None, max_age: float | None = None, dry_run: bool = False,
-           stale: bool = False) -> dict:
-        """Evict down to `max_bytes` (and records unused for `max_age` seconds; with `stale`, every
-        record of a model version whose files are gone or changed, pinned ones too: the result's
-        `stale_pins` counts those); see `gc.collect`. The result's `hashes` are the records evicted."""
+           stale: bool = False, tenant_max_bytes: int | None = None) -> dict:
+        """Evict down to `max_bytes` (and records unused for `max_age` seconds; each tenant down to
+        `tenant_max_bytes`; with `stale`, every record of a model version whose files are gone or
+        changed, pinned ones too: the result's `stale_pins` counts those); see `gc.collect`. The
+        result's `hashes` are the records evicted."""
         from kvstore.upkeep.gc import collect
 
         if not dry_run:
@@ -124,7 +127,7 @@ class LocalStore:
                 found = self.model_status(rehash=True, record=not dry_run and not self.read_only)
                 old = {ns for ns, (is_stale, _) in found.items() if is_stale}
             return collect(self.index, self.blob_root, max_bytes=max_bytes, max_age=max_age,
-                           stale=stale, stale_namespaces=old, dry_run=dry_run)
+                           stale=stale, stale_namespaces=old, dry_run=dry_run, tenant_max_bytes=tenant_max_bytes)
 
     def model_status(self, *, rehash: bool, record: bool = False) -> dict[bytes, tuple[bool | None, str | None]]:
         """ns -> (stale, why) of every version with recorded files (see `storage.stale.status`).
@@ -169,8 +172,15 @@ class LocalStore:
         return budget, (f"auto: 1/{AUTO_SHARE} of ({held} bytes held + {free} bytes free on the "
                         f"store's disk at open) = {budget} bytes")
 
-    def over_budget(self, max_bytes: int) -> bool:
-        return self.index.totals()["bytes"] > max_bytes
+    def over_budget(self, max_bytes: int | None, tenant_max_bytes: int | None = None) -> bool:
+        """Whether the store holds more than `max_bytes`, or a tenant more than `tenant_max_bytes`."""
+        return ((max_bytes is not None and self.index.totals()["bytes"] > max_bytes)
+                or (tenant_max_bytes is not None and bool(self.index.tenants_over(tenant_max_bytes))))
+
+    def tenants(self) -> list[dict]:
+        """One dict per tenant that has records: its `tenant` tag, `records` and `bytes`."""
+        with self.damage_is_an_error():
+            return [{"tenant": tag, "records": n, "bytes": size} for tag, (n, size) in self.index.tenant_totals().items()]
 
 
 def folder_usage(folder: Path) -> dict[str, int]:

@@ -229,7 +229,8 @@ def _read_record(path: Path, h: bytes) -> dict:
             raise BlobError(f"{path}: tensor {name!r} of shape {shape} does not fit {n} tokens")
     return {"hash": h, "ns": ns, "parent": parent, "depth": depth, "kind": kind, "ntokens": n,
             "tokens": tokens.tobytes(), "size": len(buf), "checksum": xxhash.xxh3_64_intdigest(buf),
-            "path": path, "mtime": mtime, "fingerprint": fingerprint, "model_id": model_id, "chunk_size": chunk_size}
+            "path": path, "mtime": mtime, "fingerprint": fingerprint, "model_id": model_id, "chunk_size": chunk_size,
+            "tenant": rid.tenant}
 
 
 def _chain(found: dict[bytes, dict], skipped: list[tuple[Path, str]]) -> list[dict]:
@@ -278,9 +279,9 @@ def _write(index: Index, records: list[dict], old: _Salvage) -> None:
                  first, r["mtime"]))
         conn.executemany(
             "INSERT OR IGNORE INTO records (hash, ns, parent, depth, kind, ntokens, first_token, size, "
-            "checksum, created, last_access, hits, pinned, bad) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0)",
+            "checksum, created, last_access, hits, pinned, bad, tenant) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?)",
             [(r["hash"], r["ns"], r["parent"], r["depth"], r["kind"], r["ntokens"],
               keys.first_token(r["tokens"]), r["size"], _u64_to_i64(r["checksum"]),
-              *old.records.get(r["hash"], (r["mtime"], r["mtime"], 0, 0))[:3], old.pinned(r["hash"]))
+              *old.records.get(r["hash"], (r["mtime"], r["mtime"], 0, 0))[:3], old.pinned(r["hash"]), r["tenant"])
              for r in records])

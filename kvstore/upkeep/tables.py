@@ -1,5 +1,5 @@
-"""The index's bookkeeping, checked by `verify` and rewritten by its repair: the `totals` table
-(counted again from the records), the `models` rows (every field of the type it must have), and
+"""The index's bookkeeping, checked by `verify` and rewritten by its repair: the `totals` and
+`tenant_totals` tables (counted again from the records), the `models` rows (every field of the type it must have), and
 the rows every reader checks and reads past (`storage.writesql`, `storage.evictsql`): the write
 log, the seen marks, the records' roles, the kept settings, the model files and digest memo.
 
@@ -55,6 +55,14 @@ def table_problems(index: Index) -> list[tuple[str, str, str]]:
             real = ", ".join(f"{name} {v}" for name, v in zip(TOTALS, want))
             out.append(("bad_totals", f"namespace {ns.hex() if isinstance(ns, bytes) else '?'}",
                         f"the totals table says {said}; the records hold {real}"))
+    stored = {tag: v for tag, v in index.stored_tenant_totals().items() if v != (0, 0)}
+    counted = index.counted_tenant_totals()
+    for tag in sorted(set(stored) | set(counted), key=repr):
+        if stored.get(tag) != counted.get(tag, (0, 0)):
+            have = stored.get(tag, (0, 0))
+            want = counted.get(tag, (0, 0))
+            out.append(("bad_totals", f"tenant {str(tag)[:40]}", f"the tenant_totals table says records "
+                        f"{have[0]!r:.40}, bytes {have[1]!r:.40}; its records are {want[0]}, {want[1]} bytes"))
     for row in index.model_rows():
         fields = dict(zip(MODEL_FIELDS, row))
         ns = fields["ns"].hex() if isinstance(fields["ns"], bytes) else "?"
@@ -135,6 +143,7 @@ def repair_tables(index: Index, root: Path, records_of: dict[bytes, list[bytes]]
                 index.rewrite_model(fields["ns"], _mended(root, fields["ns"], wrong, records_of))
     if "bad_totals" in kinds:
         index.rewrite_totals()
+        index.rewrite_tenant_totals()
 
 
 def _mended(root: Path, ns: object, wrong: list[str], records_of: dict[bytes, list[bytes]]) -> dict:

@@ -200,7 +200,8 @@ def _place(dest: Destination, job: Job, hosts: Hosts, todo: list[Span], staged: 
                 break  # later records hang from this one; without it they are unreachable
             faults.hit("after_rename")
             rows.append(Row(spec.hash, spec.ns, spec.parent, spec.depth, spec.kind, spec.ntokens,
-                            spec.first_token, size, checksum, pinned=int(spec.hash in job.pin), role=job.role))
+                            spec.first_token, size, checksum, pinned=int(spec.hash in job.pin), role=job.role,
+                            tenant=spec.tenant))
             dest.stats.bytes_written += size
         if keep:
             copies.append(jobs.compact(job, spec, tokens, tensors))
@@ -257,7 +258,10 @@ def still_needed(index: Index, job: Job) -> list[Span]:
         first = next((s for s in specs if s.kind != CHECKPOINT), None)
         if first is not None and first.parent != job.ns and first.parent not in present:
             C = int(job.metadata["chunk_size"])
-            ancestors = prompt_records(job.ns, job.tokens[: (first.depth - 1) * C], C, tail=False)
+            ancestors = prompt_records(job.ns, job.tokens[: (first.depth - 1) * C], C, tail=False,
+                                       tenant=job.tenant, shared=job.shared)
+            if job.tenant is not None:  # a tenant's insert never writes a shared record
+                ancestors = [a for a in ancestors if a.tenant is not None]
             present |= index.present([a.hash for a in ancestors])
             if ancestors and job.holds_all_layers(ancestors[0]):  # (a record copied from RAM does not)
                 specs = ancestors + specs

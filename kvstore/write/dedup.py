@@ -55,9 +55,10 @@ def _older_prefixes(dest: Destination, job: Job, spec: Span) -> list[tuple[bytes
         older.update((r.hash, r.ntokens) for r in dest.index.children(spec.parent, int(newer[0]))
                      if r.kind == TAIL and not r.pinned)
     # A tail of n tokens under the same parent is a prefix of the newer record exactly when its
-    # hash is that of the newer record's first n tokens (keys.tail_hash).
+    # hash is that of the newer record's first n tokens (keys.tail_hash; a tenant's, of its link:
+    # so only its own tails, never a shared one or another tenant's).
     return [(h, spec.hash) for h, n in older.items()
-            if h != spec.hash and 0 < n < len(newer) and keys.tail_hash(spec.parent, newer[:n]) == h]
+            if h != spec.hash and 0 < n < len(newer) and keys.tail_hash(spec.link or spec.parent, newer[:n]) == h]
 
 
 def refill(dest: Destination, job: Job, hosts: Hosts) -> None:
@@ -69,12 +70,13 @@ def refill(dest: Destination, job: Job, hosts: Hosts) -> None:
     for spec in job.refill:
         if spec.hash in dest.complete:
             continue
-        stored = stored_lengths(dest, spec.hash)
+        stored, kept = stored_lengths(dest, spec.hash), _extension_fields(dest, spec.hash)
         want = {name: a.shape[2] for name, a in job.slices(spec, hosts.arrays).items()}
         if stored is None or all(stored.get(name, 0) >= n for name, n in want.items()):
             dest.remember_complete(spec.hash)
             continue
         tokens, tensors, meta = hosts.parts(job, spec)
+        meta.update(kept)  # its canary stays with it
         try:
             with blobtree.tree_lock(dest.root, exclusive=True):
                 row = dest.index.get(spec.hash)
@@ -115,3 +117,23 @@ def stored_lengths(dest: Destination, h: bytes) -> dict[str, int] | None:
     finally:
         os.close(fd)
     return {name: e["shape"][2] for name, e in header.items() if name != "tokens" and len(e["shape"]) >= 3}
+
+
+def _extension_fields(dest: Destination, h: bytes) -> dict[str, str]:
+    """The header extension fields (`x-...`: a canary) of a stored record, as text."""
+    rec = dest.memory.peek(h)
+    if rec is not None and rec.extensions:
+        return {blobformat.EXTENSION_PREFIX + k: v for k, v in rec.extensions.items()}
+    path = blobtree.blob_path(dest.root, h)
+    try:
+        fd = blobfile.open_regular(path)
+    except OSError:
+        return {}
+    try:
+        size = os.fstat(fd).st_size
+        meta = blobformat.parse(blobformat.read_head(fd, size), path, size)[2]
+    except (OSError, BlobError):
+        return {}
+    finally:
+        os.close(fd)
+    return {k: v for k, v in meta.items() if k.startswith(blobformat.EXTENSION_PREFIX)}

@@ -19,10 +19,12 @@ from typing import TYPE_CHECKING, Callable
 import mlx.core as mx
 import numpy as np
 
+from kvstore import tenants
 from kvstore.records import CHECKPOINT, Span
 from kvstore.restore.arrays import tag_of
 from kvstore.storage import blobformat
 from kvstore.storage.index import Index
+from kvstore.tenants import Tenant
 from kvstore.tiers.memory import MemoryTier, Record, held
 
 if TYPE_CHECKING:
@@ -77,6 +79,12 @@ class Job:
     # False: its records' arrays are not known to hold every layer's K/V (copied back from RAM
     # for a model with a sliding window): nothing is completed or dropped as redundant by them.
     whole: bool = True
+    # Record key -> header extension fields of its blob (`storage.blobformat`: a canary).
+    extensions: dict[bytes, dict[str, str]] = field(default_factory=dict)
+    # The tenant that inserted it (None: shared) and how many chunks of its prompt were shared
+    # (`records.prompt_records`): its records are remade from these if an ancestor went meanwhile.
+    tenant: Tenant | None = None
+    shared: int = 0
 
     def slices(self, spec: Span, arrays: dict) -> dict:
         """The part of each array that falls in the spec's tokens (always a suffix of them)."""
@@ -93,7 +101,7 @@ class Job:
         self.ready()
         return held(spec, self.tokens[spec.start : spec.end],
                     dict(self.checkpoint) if spec.kind == CHECKPOINT else self.slices(spec, self.arrays),
-                    dict(self.views), nbytes=spec.nbytes)
+                    dict(self.views), nbytes=spec.nbytes, extensions=self.extensions.get(spec.hash))
 
     def token_ids(self, spec: Span) -> np.ndarray:
         """The spec's token ids as a blob stores them (little-endian int32)."""
@@ -176,7 +184,9 @@ class Hosts:
             tensors[name] = (self.tags[name], np.ascontiguousarray(arr))
         meta = dict(job.metadata, hash=spec.hash.hex(), parent=spec.parent.hex(),
                     depth=str(spec.depth), kind=str(spec.kind))
-        return tokens, tensors, meta
+        if spec.tenant is not None:
+            meta = blobformat.with_extensions(meta, tenants.header_fields(spec.tenant, spec.link))
+        return tokens, tensors, blobformat.with_extensions(meta, job.extensions.get(spec.hash, {}))
 
 
 def compact(job: Job, spec: Span, tokens: np.ndarray, tensors: dict[str, blobformat.Tensor]) -> Record:
@@ -188,7 +198,7 @@ def compact(job: Job, spec: Span, tokens: np.ndarray, tensors: dict[str, blobfor
         arrays[name] = mx.array(arr)
         if tag == "BF16":
             views[name] = mx.bfloat16
-    return held(spec, tokens, arrays, views)
+    return held(spec, tokens, arrays, views, extensions=job.extensions.get(spec.hash))
 
 
 def from_memory(rec: Record, start: int, prefix: np.ndarray, metadata: dict[str, str], *,
@@ -197,11 +207,12 @@ def from_memory(rec: Record, start: int, prefix: np.ndarray, metadata: dict[str,
     `start` of a prompt that begins with `prefix`. Nothing is copied here (the writer copies
     them into the blob); its parent must be stored, or the writer leaves it out."""
     spec = Span(rec.hash, rec.ns, rec.parent, rec.depth, rec.kind, rec.ntokens, rec.first_token,
-                start=start, nbytes=rec.nbytes)
+                start=start, nbytes=rec.nbytes, **rec.owner())
     tokens = np.concatenate([np.asarray(prefix[:start], dtype=rec.tokens.dtype), rec.tokens])
     if rec.kind == CHECKPOINT:
         arrays, checkpoint = {}, dict(rec.arrays)
     else:
         arrays, checkpoint = dict(rec.arrays), {}
     return Job(rec.ns, tokens, arrays, dict.fromkeys(arrays, start), dict(rec.views), [spec], metadata,
-               checkpoint=checkpoint, nbytes=rec.nbytes, role=role, whole=whole)
+               checkpoint=checkpoint, nbytes=rec.nbytes, role=role, whole=whole,
+               extensions={rec.hash: dict(rec.extensions)} if rec.extensions else {})

@@ -18,7 +18,7 @@ class PendingTier:
         return {r.hash: None for r in ids if self.writer.is_pending(r.hash)}
 
     def children(self, lookup, parent, rest):
-        return [(h, t, None) for h, t in self.writer.pending_children(parent)]
+        return [(h, t, None) for h, t, tenant in self.writer.pending_children(parent) if lookup.sees(tenant)]
 
     def open(self, h, ref):
         rec = self.writer.pending(h)

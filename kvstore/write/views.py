@@ -15,14 +15,17 @@ from __future__ import annotations
 
 import copy
 from dataclasses import replace
+from typing import Callable
 
 import mlx.core as mx
 import numpy as np
 
+from kvstore.canary import Canary, holder
 from kvstore.errors import BlobError, InvalidInputError
 from kvstore.records import CHECKPOINT, Span
 from kvstore.restore.arrays import host_array, host_bits
 from kvstore.restore.codecs import Codec
+from kvstore.tenants import Tenant
 from kvstore.write.jobs import Job
 
 
@@ -93,6 +96,21 @@ class Views:
                 self.views[f"{i}.{name}"] = view
         return list(deltas)
 
+    def detach(self) -> None:
+        """Copy what the job takes out of the cache now, its records' token ranges only, so that
+        no reference to the cache's arrays is kept: the cache's next step then writes in place
+        (a held reference makes mlx copy a whole array). A copy of the records' bytes on the
+        caller's thread: for an insert held until a later step (`ModelCache.insert_later`)."""
+        mx.eval([a for a in [*self.arrays.values(), *self.saved.values()] if isinstance(a, mx.array)])
+        for name, a in list(self.arrays.items()):
+            view = host_array(a)
+            if name in self.ranges:
+                lo, hi = self.ranges.pop(name)
+                view = view[:, :, lo:hi]
+            self.arrays[name] = np.array(view)
+        for name, a in list(self.saved.items()):
+            self.saved[name] = np.array(host_array(a))
+
     def prepare(self, job: Job) -> None:
         """Make `job`'s tensors what the writer reads: numpy views of the held token ranges,
         then the deferred codecs' encodings (`encode`). Run once, by the first thread that reads
@@ -150,17 +168,40 @@ class Views:
         return out
 
 
+class Pending:
+    """An insert whose records are taken from their cache and not queued yet
+    (`model.cache.ModelCache.insert_later`): `submit` queues its job, once."""
+
+    def __init__(self, queue: Callable[[Job], object] | None, job: Job | None, new: list[Span]):
+        self._queue, self._job, self.new = queue, job, new
+
+    def submit(self, canary: Canary | None = None) -> int:
+        """Queue the records, with `canary` in the header of the new record that holds its token
+        (or ends just before it; no new record there: no canary). How many new records."""
+        queue, job, self._queue, self._job = self._queue, self._job, None, None
+        if queue is None or job is None:
+            return 0
+        if canary is not None:
+            spans = [s for s in self.new if s.kind != CHECKPOINT]
+            at = holder([(s.start, s.end) for s in spans], canary.at)
+            if at is not None:
+                job.extensions = {spans[at].hash: {"canary": canary.text()}}
+        queue(job)
+        return len(self.new)
+
+
 def make_job(ns: bytes, toks: np.ndarray, views: Views | None, new: list[Span], refill: list[Span],
              metadata: dict[str, str], pin: list[bytes], role: int = 0, reached: list[bytes] = (), *,
-             durable: bool = False) -> Job:
+             durable: bool = False, tenant: Tenant | None = None, shared: int = 0) -> Job:
     """The writer's job: the new records, and stored ones to write again, complete; with no
     `views`, only the pins and the role of stored records. `durable`: written whatever the
-    admission policy says."""
+    admission policy says. `tenant`, `shared`: whose records they are (`Job.tenant`)."""
     if views is None:
-        return Job(ns, toks, {}, {}, {}, [], metadata, pin=pin, role=role, reached=list(reached))
+        return Job(ns, toks, {}, {}, {}, [], metadata, pin=pin, role=role, reached=list(reached),
+                   tenant=tenant, shared=shared)
     specs = views.sizes(new)
     again = views.sizes(refill, whole=True)
     return Job(ns, toks, views.arrays, views.origins, views.views, specs, metadata, checkpoint=views.saved,
                pin=pin, nbytes=sum(s.nbytes for s in specs) + sum(s.nbytes for s in again), refill=again,
                durable=durable, prepare=views.prepare if views.deferred or views.ranges else None, role=role,
-               reached=list(reached))
+               reached=list(reached), tenant=tenant, shared=shared)

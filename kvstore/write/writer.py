@@ -107,11 +107,11 @@ class Writer:
             found = self._pending.get(h)
         return found[0].record(found[1]) if found else None
 
-    def pending_children(self, parent: bytes) -> list[tuple[bytes, np.ndarray]]:
-        """(hash, tokens) of the queued records under `parent`: what a lookup compares."""
+    def pending_children(self, parent: bytes) -> list[tuple[bytes, np.ndarray, str | None]]:
+        """(hash, tokens, tenant tag) of the queued records under `parent`: what a lookup compares."""
         with self._cond:
             found = [self._pending[h] for h in self._children.get(parent, ())]
-            return [(s.hash, j.tokens[s.start : s.end]) for j, s in found]
+            return [(s.hash, j.tokens[s.start : s.end], s.tenant) for j, s in found]
 
     def known_complete(self, h: bytes) -> bool:
         """Whether a stored record is known to hold every layer's K/V (nothing to refill)."""

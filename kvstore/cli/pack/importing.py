@@ -24,9 +24,13 @@ def cmd_import(args) -> int:
     v = done.verified
     out(f"signature: {v.signature}")
     canaries = len(v.manifest.canaries)
-    out(f"checked: model files, chain, {plural(len(v.records), 'blob')} and their records; "
-        + (f"{v.canaries} {'canary' if v.canaries == 1 else 'canaries'} by a replayed step" if v.canaries
-           else "canaries not replayed (--no-replay)" if canaries else "no canaries in the pack"))
+    replayed = (f"{v.canaries} {'canary' if v.canaries == 1 else 'canaries'} by a replayed step" if v.canaries
+                else "canaries not replayed (--no-replay)" if canaries and args.no_replay
+                else "no canaries in the pack" if not canaries else "no canary replayed")
+    if v.unreplayable:
+        replayed += (f"; {v.unreplayable} {'canary' if v.unreplayable == 1 else 'canaries'} not replayable: "
+                     "this model's recurrent layers restore only at a checkpoint, and none is before the step")
+    out(f"checked: model files, chain, {plural(len(v.records), 'blob')} and their records; {replayed}")
     out(f"imported {args.pack}: {plural(len(v.manifest.prompts), 'prompt')}, {plural(v.tokens, 'token')}; "
         f"{plural(done.stored, 'record')} stored on disk ({format_size(done.bytes)}), {done.present} were "
         f"stored already; " + (f"{plural(done.pinned, 'record')} pinned" if not args.no_pin

@@ -1,0 +1,141 @@
+"""One stored prompt against a cold run of it: K/V, next-token logits, greedy tokens, canaries.
+
+The restored run fetches the prompt and one more token from the store (so every stored token is
+restored where the store's rules allow) and runs what is left as generation does
+(`model.prefill.run`: in the store's steps in exact mode). The cold run processes the same tokens
+from an empty cache, one step per stored record (the steps that stored them: in exact mode the
+full steps and the tail), then the last token alone. Both then decode `GREEDY` tokens greedily.
+Every canary of the prompt's records is replayed: its prefix restored, its token run as one step.
+"""
+
+from __future__ import annotations
+
+import time
+
+import mlx.core as mx
+import numpy as np
+
+from kvstore import canary as canaries
+from kvstore.certify.prompts import StoredPrompt
+from kvstore.certify.report import GREEDY, Bounds, PromptCheck, judge
+from kvstore.model.prefill import last_step, process, run
+
+DEFAULT_STEP = 2048  # mlx-lm's prefill_step_size, for what a token-exact store leaves to compute
+# K/V quantized on disk (docs/kv8.md): the restored K/V within this share of each tensor's largest
+# |value| (one quantization step of the widest group, with the scales' and biases' own rounding:
+# up to 0.027 measured at 8 bits on the demo models, 0.14 at 4), and next-token logits within
+# twice what the demo models showed (0.125 at 8 bits, 0.75 at 4).
+_KV8 = {8: (1 / 16, 0.25), 4: (1 / 3, 1.5)}
+
+
+def bounds_for(mc, disk_kv_bits: int | None) -> Bounds:
+    """What counts as the same for the prompts of model cache `mc` (see `report`)."""
+    lossy = disk_kv_bits if any("disk_bits" in str(layer) for layer in mc.layout.get("layers", [])) else None
+    if lossy:
+        kv, logits = _KV8[lossy]
+        return Bounds(f"{lossy}-bit K/V on disk, judged against its bounds", exact=False, kv=kv, logprobs=logits,
+                      canary=logits, greedy=False, tie=logits, kv_after=False)
+    if mc.exact:
+        return Bounds(f"exact mode, steps of {mc.exact}", exact=True)
+    dtype = str((mc.layout.get("param_dtypes") or ["float32"])[0])
+    low = "bfloat16" in dtype or "float16" in dtype
+    return Bounds("token-exact reuse: exact mode off", exact=False, kv=2.0 ** -6 if low else 1e-4,
+                  logprobs=0.1 if low else 1e-3)
+
+
+def check_prompt(mc, prompt: StoredPrompt, b: Bounds) -> PromptCheck:
+    """Compare one stored prompt with a cold run of it (see the module docstring)."""
+    started = time.perf_counter()
+    c = PromptCheck(prompt.leaf.hex(), len(prompt.tokens))
+    if prompt.damaged:
+        c.notes.append(prompt.damaged)
+    if len(prompt.tokens) == 0:
+        return judge(c, b)
+    n = len(prompt.tokens)
+    last = next((k for k in prompt.canaries if k.at == n), None)
+    step = mc.exact or DEFAULT_STEP
+    query = np.append(prompt.tokens, np.int32(last.token if last else prompt.tokens[-1]))
+    restored, rest = mc.fetch(query)
+    c.restored = len(query) - len(rest)
+    if c.restored == 0:  # then both runs are cold: the store was not put to the test
+        c.notes.append("nothing of it restores (a record the restore cannot use): compared cold with cold")
+    mine = run(mc.model, restored, rest, step)
+    cold = mc.new_cache()
+    process(mc.model, cold, query[:n], prompt.ends)
+    theirs = last_step(mc.model, cold, int(query[n]))
+    _compare_kv(c, mc, restored, cold, n + 1)
+    a, z = _host(mine), _host(theirs)
+    c.logprobs = float(np.max(np.abs(a - z)))
+    c.top1 = int(np.argmax(a)) == int(np.argmax(z))
+    c.margin = _lead(z)
+    ours, _ = _greedy(mc.model, restored, mine)
+    ref, leads = _greedy(mc.model, cold, theirs)
+    c.greedy = next((i for i, (x, y) in enumerate(zip(ours, ref)) if x != y), GREEDY)
+    c.greedy_tie = c.greedy < GREEDY and leads[c.greedy] < b.tie
+    for k in prompt.canaries:
+        c.canaries += 1
+        got = canaries.check(k, a if k is last else _replay(mc, prompt, k, step), b.canary)
+        c.canaries_ok += got.ok
+        if not got.ok:
+            c.notes.append(f"canary at token {k.at}: {got.reason}")
+    c.seconds = time.perf_counter() - started
+    return judge(c, b)
+
+
+def _replay(mc, prompt: StoredPrompt, k: canaries.Canary, step: int) -> np.ndarray:
+    """The log-probabilities of a canary's step: its prefix restored, then its token."""
+    query = np.append(prompt.tokens[: k.at], np.int32(k.token))
+    cache, rest = mc.fetch(query)
+    return _host(run(mc.model, cache, rest, step))
+
+
+def _compare_kv(c: PromptCheck, mc, restored: list, cold: list, n: int) -> None:
+    """Max |difference| of every stored tensor of the two caches (`n` tokens each), split at
+    the restore point: what was read from the store, and what was computed after it."""
+    for codec, x, y in zip(mc.codecs, restored, cold):
+        mine, theirs = _tensors(codec, x, n), _tensors(codec, y, n)
+        for name, (a, origin) in mine.items():
+            b = theirs.get(name)
+            if b is None or b[0].shape != a.shape:
+                c.kv_bitwise, c.kv_after, c.kv_after_rel = False, float("inf"), float("inf")
+                continue
+            diff = mx.abs(a.astype(mx.float32) - b[0].astype(mx.float32))
+            scale = max(float(mx.abs(b[0].astype(mx.float32)).max()) if b[0].size else 0.0, 1e-30)
+            cut = max(0, min(a.shape[2], c.restored - origin)) if origin is not None else 0
+            if not mx.array_equal(a, b[0]).item():
+                c.kv_bitwise = False
+            for part, attr in ((diff[:, :, :cut], "kv_restored"), (diff[:, :, cut:], "kv_after")):
+                if part.size:
+                    worst = float(part.max())
+                    setattr(c, attr, max(getattr(c, attr), worst))
+                    setattr(c, attr + "_rel", max(getattr(c, attr + "_rel"), worst / scale))
+
+
+def _tensors(codec, layer, n: int) -> dict[str, tuple[mx.array, int | None]]:
+    """A layer's token-axis tensors (name -> array, its first token) and its whole state (first
+    token None: computed after the restore point, as a recurrent state is)."""
+    out = {name: (a, origin) for name, (a, origin) in codec.deltas(layer, n).items()}
+    out.update({f"state.{name}": (a, None) for name, a in codec.checkpoint(layer).items()
+                if isinstance(a, mx.array) and a.ndim >= 3})
+    return out
+
+
+def _greedy(model, cache: list, logprobs: mx.array) -> tuple[list[int], list[float]]:
+    """`GREEDY` tokens decoded greedily from these log-probabilities on, and each step's lead."""
+    tokens, leads = [], []
+    for i in range(GREEDY):
+        lp = _host(logprobs)
+        tokens.append(int(np.argmax(lp)))
+        leads.append(_lead(lp))
+        if i + 1 < GREEDY:
+            logprobs = last_step(model, cache, tokens[-1])
+    return tokens, leads
+
+
+def _lead(lp: np.ndarray) -> float:
+    top = np.partition(lp, -2)[-2:]
+    return float(top[1] - top[0])
+
+
+def _host(a: mx.array) -> np.ndarray:
+    return np.asarray(a.astype(mx.float32), dtype=np.float64)

@@ -1,0 +1,81 @@
+"""The stored prompts `verify --exact` checks: read from the index and the blobs, never written.
+
+A stored prompt is the chain of records from the root of a model's namespace to a leaf (a tail,
+or a chunk nothing hangs from): the token ids of its records, in order, with where each record
+ends and the canaries their headers keep (`kvstore.canary`). Every blob read is checked whole
+(its size, checksums and header, `storage.blobfile.read_checked`); a damaged one ends the prompt
+there. No mlx here.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from kvstore.canary import Canary
+from kvstore.errors import BlobError
+from kvstore.records import CHECKPOINT, check
+from kvstore.storage import blobfile, blobformat
+from kvstore.storage.index import Index, Row
+
+
+@dataclass
+class StoredPrompt:
+    """One chain of records, root first: its token ids, the end of each record, and the
+    canaries the records keep (their `at` positions are in these tokens)."""
+
+    leaf: bytes
+    tokens: np.ndarray
+    ends: list[int]
+    canaries: list[Canary] = field(default_factory=list)
+    damaged: str = ""  # what ended the chain early (a record that did not read), if anything
+
+
+def leaves(index: Index, ns: bytes, tenant: str | None = None) -> list[Row]:
+    """The records of namespace `ns` that end a chain: tails, and chunks with no chunk or tail
+    under them (checkpoints hang from records; quarantined records are left out). The shared
+    prompts' (`tenant` None: what no shared record hangs from), or one tenant's (its tag)."""
+    rows = [r for r in index.rows() if r.ns == ns and r.kind != CHECKPOINT and not r.bad
+            and r.tenant in (None, tenant)]
+    parents = {r.parent for r in rows if r.tenant == tenant}
+    return sorted((r for r in rows if r.tenant == tenant and r.hash not in parents), key=lambda r: r.hash)
+
+
+def sample(rows: list[Row], n: int | None, seed: int = 0) -> list[Row]:
+    """`n` of `rows` (all when None or more), the same ones every time for the same store."""
+    if n is None or n >= len(rows):
+        return list(rows)
+    return sorted(random.Random(seed).sample(rows, n), key=lambda r: r.hash)
+
+
+def read_prompt(index: Index, root: Path, leaf: Row, chunk_size: int) -> StoredPrompt:
+    """The chain from the namespace's root to `leaf`, read and checked."""
+    chain = [leaf]
+    while chain[-1].parent != leaf.ns:
+        parent = index.get(chain[-1].parent)
+        if parent is None or len(chain) > 1 << 20:
+            return StoredPrompt(leaf.hash, np.zeros(0, np.int32), [], damaged="its chain has a missing record")
+        chain.append(parent)
+    chain.reverse()
+    tokens, ends, canaries = [], [], []
+    for row in chain:
+        try:
+            buf, blob = blobfile.read_checked(root, row.hash, size=row.size, checksum=row.checksum)
+            stored = blobformat.read_record(buf, blob.path)
+            check(row, stored.metadata, stored.tokens, chunk_size=chunk_size, where=blob.path)
+            kept = stored.extensions.get("canary")
+        except (BlobError, OSError) as e:
+            return StoredPrompt(leaf.hash, _joined(tokens), ends, canaries,
+                                damaged=f"record {row.hash.hex()} does not read: {e}")
+        tokens.append(np.array(stored.tokens, dtype=np.int32))
+        ends.append((ends[-1] if ends else 0) + len(stored.tokens))
+        if isinstance(kept, Canary):
+            canaries.append(kept)
+    return StoredPrompt(leaf.hash, _joined(tokens), ends, canaries)
+
+
+def _joined(parts: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate(parts) if parts else np.zeros(0, np.int32)

@@ -1,0 +1,236 @@
+"""`KVEvents`: a store's records published as vLLM's KV events, on a thread of their own.
+
+The store (`kvstore/store.py`) subscribes its methods to the events of its parts: `committed`
+to the writer's `on_commit` and the disk tier's `on_store` (records that reached the disk),
+`memory_changed` to the memory tier's `on_change` (records that came into RAM or left it), and
+calls `announce(ns)` for every model it binds. Each only queues what happened (the callers'
+threads never hash, read or send); the thread turns it into events (`changes.Changes`), reads
+the index's deletion log every `POLL_S` for what any process removed, and publishes batches of at
+most `MAX_BATCH` events (`publisher.Publisher`).
+
+At start the thread sends `AllBlocksCleared`; each bound namespace is then announced whole, from
+the index and the blobs, in the background. When more changes wait than `max_queue_size`, or the
+deletion log has forgotten entries not read yet, what was announced can no longer be trusted:
+the thread sends `AllBlocksCleared` and announces the store again (counted as a resync; the
+records it held in RAM are announced again as they come back).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from typing import Any, Iterable, Iterator
+
+from kvstore.events import wire
+from kvstore.events.changes import Changes
+from kvstore.events.config import EventsConfig
+from kvstore.events.publisher import Publisher
+from kvstore.storage.index import Index
+
+log = logging.getLogger("kvstore")
+
+#: Events per batch, at most.
+MAX_BATCH = 512
+#: How often the index's deletion log is read.
+POLL_S = 0.5
+
+
+class KVEvents:
+    """The publisher of one open store (see the module docstring)."""
+
+    def __init__(self, config: EventsConfig, index: Index | None, root, *, poll_s: float = POLL_S):
+        self.config = config
+        self.publisher = Publisher(config)
+        self.changes = Changes(index, root, config.block_size)
+        self.index, self.poll_s = index, poll_s
+        self._cond = threading.Condition()
+        self._queue: deque[tuple] = deque()
+        self._queued = 0
+        self._stop = self._lost = self._busy = False
+        self._bound: list[bytes] = []  # namespaces announced (or to be), in order
+        self._todo: deque[bytes] = deque()
+        self._announcing: Iterator[list[dict]] | None = None
+        self._seen_deletion = index.deletions_end() if index is not None else 0
+        self._polled = 0.0
+        self._polls_asked = self._polls_done = 0  # reads of the deletion log asked for (`settle`), made
+        self.counts = {"events": 0, "batches": 0, "dropped_changes": 0, "resyncs": 0, "errors": 0}
+        self.announce_started: float | None = None
+        self.announced_at: float | None = None  # when the last namespace was announced whole
+        self._thread = threading.Thread(target=self._run, name="kvstore-events", daemon=True)
+        self._thread.start()
+
+    # -- what the store's parts tell (any thread; never waits) --------------------------------
+
+    def committed(self, rows: list) -> None:
+        """Rows the index has now: their records are on disk."""
+        self._put(("disk", list(rows)), len(rows))
+
+    def memory_changed(self, added: list, dropped: list) -> None:
+        """Records the memory tier took in, and those it let go."""
+        self._put(("ram", list(added), [r.hash for r in dropped]), len(added) + len(dropped))
+
+    def announce(self, ns: bytes) -> None:
+        """Announce every record of namespace `ns` on disk (once per namespace)."""
+        with self._cond:
+            if ns in self._bound:
+                return
+            self._bound.append(ns)
+            self._todo.append(ns)
+            self._cond.notify_all()
+
+    def _put(self, item: tuple, n: int) -> None:
+        with self._cond:
+            if self._queued + n > self.config.max_queue_size:
+                self._lost = True
+                self.counts["dropped_changes"] += n
+                return
+            self._queue.append(item)
+            self._queued += n
+            self._cond.notify_all()
+
+    # -- for tests, benchmarks and shutdown ----------------------------------------------------
+
+    def settle(self, timeout: float | None = None) -> bool:
+        """Wait until everything told so far is published and every namespace announced whole
+        (the deletion log read once more). False if `timeout` ran out first."""
+        with self._cond:
+            self._polls_asked += 1
+            ticket = self._polls_asked if self.index is not None else 0
+            self._cond.notify_all()
+            return self._cond.wait_for(lambda: self._stop or (
+                not self._queue and not self._todo and self._announcing is None and not self._busy
+                and self._polls_done >= ticket), timeout)
+
+    def close(self) -> None:
+        """Publish what is queued, then stop the thread and close the sockets."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self._thread.join(timeout=30)
+        self.publisher.close()
+
+    def stats(self) -> dict[str, Any]:
+        announce_s = (self.announced_at - self.announce_started
+                      if self.announced_at is not None and self.announce_started is not None else None)
+        return {"endpoint": self.publisher.address, "topic": self.config.topic,
+                "replay_endpoint": self.publisher.replay_address, "block_size": self.config.block_size,
+                "encoding": self.config.encoding, "next_sequence": self.publisher.sent,
+                "blocks": self.changes.blocks(), "announced": self.announced_at is not None,
+                "announce_seconds": announce_s, "unreadable": self.changes.unreadable, **self.counts}
+
+    # -- the thread ---------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        self._publish([wire.cleared()])
+        wait = 0.05 if self.config.replay_endpoint is not None else 0.25
+        while True:
+            with self._cond:
+                if not (self._queue or self._todo or self._announcing or self._stop or self._lost
+                        or self._polls_asked > self._polls_done):
+                    self._cond.wait(wait)
+                items, self._queue, self._queued = self._queue, deque(), 0
+                lost, self._lost = self._lost, False
+                stopping = self._stop
+                self._busy = True
+            try:
+                self._step(items, lost, final=stopping)
+            except Exception as e:  # never let the publisher die: count, say once, go on
+                self.counts["errors"] += 1
+                if self.counts["errors"] == 1:
+                    log.warning("kvstore: KV events: %s: %s (counted in stats()['events']['errors'])",
+                                type(e).__name__, e)
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
+                if stopping and not self._queue:
+                    return
+
+    def _step(self, items: Iterable[tuple], lost: bool, final: bool) -> None:
+        self.publisher.serve_replay()
+        events: list[dict] = []
+        now = time.monotonic()
+        with self._cond:
+            asked = self._polls_asked
+        if self.index is not None and (final or now - self._polled >= self.poll_s or asked > self._polls_done):
+            events += self._deletions()
+            self._polled = now
+            with self._cond:
+                self._polls_done = asked
+        if lost:
+            events += self._resync()
+        for item in items:
+            if item[0] == "disk":
+                events += self.changes.stored_rows(item[1])
+            else:
+                for rec in sorted(item[1], key=lambda r: (r.depth or 0, r.kind)):  # parents first
+                    events += self.changes.stored(rec, rec.tokens, wire.MEDIUM_RAM)
+                events += self.changes.dropped(item[2], wire.MEDIUM_RAM)
+        events += self._announce_step()
+        self._publish(events)
+
+    def _deletions(self) -> list[dict]:
+        """What the deletion log holds past what was read (a resync if it forgot some of it)."""
+        events = []
+        while True:
+            entries = self.index.deletions_since(self._seen_deletion)
+            end = self.index.deletions_end() if not entries else entries[-1][0]
+            if (entries and entries[0][0] > self._seen_deletion + 1) or end < self._seen_deletion:
+                self._seen_deletion = end  # forgotten (or a rebuilt index): announce again
+                with self._cond:
+                    self._lost = True
+                return events
+            if not entries:
+                return events
+            self._seen_deletion = end
+            events += self.changes.deleted(entries)
+
+    def _resync(self) -> list[dict]:
+        self.counts["resyncs"] += 1
+        log.warning("kvstore: KV events: changes were lost (more than max_queue_size waited, or the "
+                    "deletion log moved on): announcing the store again")
+        self.changes.clear()
+        with self._cond:
+            self._todo = deque(self._bound)
+        self._announcing = None
+        return [wire.cleared()]
+
+    def _announce_step(self) -> list[dict]:
+        """The next step of the namespace being announced (the next namespace once one is done)."""
+        while True:
+            if self._announcing is None:
+                with self._cond:
+                    if not self._todo:
+                        return []
+                    ns = self._todo.popleft()
+                if self.announce_started is None:
+                    self.announce_started = time.monotonic()
+                self._announcing = self.changes.announce(ns)
+            step = next(self._announcing, None)
+            if step is not None:
+                return step
+            self._announcing = None
+            with self._cond:
+                if not self._todo:
+                    self.announced_at = time.monotonic()
+
+    def _publish(self, events: list[dict]) -> None:
+        for start in range(0, len(events), MAX_BATCH):
+            batch = _merged(events[start : start + MAX_BATCH])
+            self.publisher.send(wire.encode(batch, self.config.encoding))
+            self.counts["batches"] += 1
+            self.counts["events"] += len(batch)
+
+
+def _merged(events: list[dict]) -> list[dict]:
+    """Removals in a row from one medium as one `BlockRemoved`."""
+    out: list[dict] = []
+    for e in events:
+        last = out[-1] if out else None
+        if (last is not None and e["type"] == "BlockRemoved" and last["type"] == "BlockRemoved"
+                and last["medium"] == e["medium"]):
+            last["block_hashes"] = last["block_hashes"] + e["block_hashes"]
+        else:
+            out.append(e)
+    return out

@@ -1,0 +1,95 @@
+"""The ZMQ side of KV events, as vLLM's publisher does it: a PUB socket and a replay ROUTER.
+
+Every batch goes out as three frames, `(topic, sequence number as 8 bytes big-endian, payload)`;
+numbers start at 0 and have no gaps. The last `buffer_steps` batches are kept: a subscriber
+that missed some sends the first number it wants, as 8 bytes big-endian, to the replay socket
+(a DEALER or REQ: the frames the ROUTER gets are `identity, "", start`) and gets every kept batch
+from there as `(number, payload)`, then `(-1, b"")`.
+
+Sockets are not thread-safe: after it is made, a `Publisher` is used by one thread only.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+
+import zmq
+
+from kvstore.errors import KVStoreError
+from kvstore.events.config import EventsConfig, binds
+
+log = logging.getLogger("kvstore")
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+#: How long closing waits for batches still in the PUB socket's queue to go out.
+LINGER_MS = 1000
+
+
+class Publisher:
+    """A PUB socket (bound or connected to `config.endpoint`) and, with `replay_endpoint`, a
+    ROUTER bound there. Raises `KVStoreError` naming an address it cannot use."""
+
+    def __init__(self, config: EventsConfig):
+        self.topic = config.topic.encode()
+        self.sent = 0  # the next sequence number
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
+        self._ctx = zmq.Context()
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._replay = None
+        try:
+            self._pub.setsockopt(zmq.SNDHWM, config.hwm)
+            self._pub.setsockopt(zmq.LINGER, LINGER_MS)
+            _use(self._pub, config.endpoint, bind=binds(config.endpoint), what="KV events")
+            if config.replay_endpoint is not None:
+                self._replay = self._ctx.socket(zmq.ROUTER)
+                self._replay.setsockopt(zmq.LINGER, 0)
+                _use(self._replay, config.replay_endpoint, bind=True, what="KV event replay")
+        except BaseException:
+            self.close()
+            raise
+        # Where they are (a port of 0 or `*` filled in): read now, as only one thread uses a socket.
+        self.address = self._pub.getsockopt_string(zmq.LAST_ENDPOINT) or config.endpoint
+        self.replay_address = self._replay.getsockopt_string(zmq.LAST_ENDPOINT) if self._replay else None
+
+    def send(self, payload: bytes) -> int:
+        """Publish one batch; its sequence number. Never blocks: past the high-water mark, the
+        PUB socket drops (a subscriber then asks the replay socket)."""
+        seq = self.sent
+        self._pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK)
+        self._buffer.append((seq, payload))
+        self.sent = seq + 1
+        return seq
+
+    def serve_replay(self, wait_ms: int = 0) -> int:
+        """Answer the replay requests waiting (or arriving within `wait_ms`); how many."""
+        if self._replay is None:
+            return 0
+        answered = 0
+        while self._replay.poll(wait_ms if not answered else 0):
+            frames = self._replay.recv_multipart()
+            if len(frames) != 3 or len(frames[2]) != 8:
+                log.warning("kvstore: ignored a KV event replay request of %d frames", len(frames))
+                continue
+            client, start = frames[0], int.from_bytes(frames[2], "big")
+            for seq, payload in list(self._buffer):
+                if seq >= start:
+                    self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
+            self._replay.send_multipart((client, b"", END_SEQ, b""))
+            answered += 1
+        return answered
+
+    def close(self) -> None:
+        for sock in (self._pub, self._replay):
+            if sock is not None and not sock.closed:
+                sock.close()
+        self._ctx.term()
+
+
+def _use(sock: zmq.Socket, address: str, *, bind: bool, what: str) -> None:
+    if "[" in address:  # an IPv6 address, e.g. tcp://[::1]:5557 (bound: on loopback only)
+        sock.setsockopt(zmq.IPV6, 1)
+    try:
+        sock.bind(address) if bind else sock.connect(address)
+    except zmq.ZMQError as e:
+        raise KVStoreError(f"cannot {'listen on' if bind else 'connect to'} {address} for {what}: {e}") from None

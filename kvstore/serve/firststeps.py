@@ -1,0 +1,120 @@
+"""The first generation step of each request: its canary, and what waits for it.
+
+mlx_lm.server runs a request's first step (the prompt's last token) in its generation loop, out of
+the prompt cache's sight; `mlxserver` hooks that step and hands its log-probabilities here with
+the request's prompt (`PersistentPromptCache.first_steps.seen`; an own server calls it after its
+first step). No step is added: the logits are the ones the server computed for its first token. `FirstSteps` matches them to what waits:
+
+- in exact mode, the insert of the prompt's end that `PersistentPromptCache` prepared while it
+  prefilled the prompt (`model.prefill.prompt_cache`): it is queued now, with the canary;
+- otherwise the insert of the request's cache after generation, whose record holding the
+  prompt's last token keeps the canary (`canary_for`).
+
+Prompts are known by a hash of their token ids. What waits is bounded: past `limit`, the oldest
+exact-mode insert is queued without a canary, and the oldest canary is forgotten.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from typing import Sequence
+
+import numpy as np
+import xxhash
+
+from kvstore.canary import Canary
+from kvstore.model.prefill import canary_of
+
+log = logging.getLogger("kvstore")
+LIMIT = 64
+
+
+def _key(tokens: Sequence[int]) -> bytes:
+    return xxhash.xxh3_128_digest(np.asarray(tokens, dtype="<i4").tobytes())
+
+
+class FirstSteps:
+    """Canaries of requests' first steps, and the exact-mode inserts waiting for them."""
+
+    def __init__(self, limit: int = LIMIT):
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._holds: OrderedDict[bytes, tuple[int, object]] = OrderedDict()  # prompt -> (length, Pending)
+        self._canaries: OrderedDict[bytes, tuple[int, Canary]] = OrderedDict()
+        self.canaries = 0  # first steps seen (each one a canary)
+        self._fetched = threading.local()  # the prompt this thread fetched last
+
+    def fetched(self, prompt: list[int]) -> None:
+        """This thread looked `prompt` up: a first step that only says its rest is of it."""
+        self._fetched.tokens = prompt
+
+    def expect(self, prompt: Sequence[int], hold) -> None:
+        """Exact mode: `hold` (a `Pending` insert) stores `prompt`'s end once its first step ran."""
+        late = []
+        with self._lock:
+            key = _key(prompt)
+            if key in self._holds:  # the same prompt twice at once: the first waits no longer
+                late.append(self._holds.pop(key)[1])
+            self._holds[key] = (len(prompt), hold)
+            while len(self._holds) > self.limit:
+                late.append(self._holds.popitem(last=False)[1][1])
+        for pending in late:
+            pending.submit()
+
+    def seen(self, logprobs, *, prompt: Sequence[int] | None = None, rest: Sequence[int] | None = None) -> None:
+        """The first step of a request gave these log-probabilities: its prompt is `prompt`, or
+        the one this thread fetched last if `rest` (what the server was left to compute) ends it.
+        Never raises (a failure is logged: the canary is lost, the request goes on)."""
+        try:
+            self._seen(logprobs, prompt, rest)
+        except Exception as e:
+            log.warning("kvstore: a first step was not kept as its prompt's canary (%s: %s)", type(e).__name__, e)
+
+    def _seen(self, logprobs, prompt: Sequence[int] | None, rest: Sequence[int] | None) -> None:
+        if prompt is None:
+            fetched = getattr(self._fetched, "tokens", None)
+            if fetched is None or rest is None or list(fetched[len(fetched) - len(rest):]) != list(rest):
+                return  # not the prompt this thread fetched last (an image prompt's cache key)
+            prompt = fetched
+        prompt = list(prompt)
+        if not prompt:
+            return
+        canary = canary_of(len(prompt) - 1, int(prompt[-1]), logprobs)
+        key = _key(prompt)
+        with self._lock:
+            self.canaries += 1
+            held = self._holds.pop(key, None)
+            if held is None:
+                self._canaries[key] = (len(prompt), canary)
+                while len(self._canaries) > self.limit:
+                    self._canaries.popitem(last=False)
+        if held is not None:
+            held[1].submit(canary)
+
+    def canary_for(self, tokens: Sequence[int]) -> Canary | None:
+        """The canary of the prompt `tokens` begins with, taken (one insert keeps it)."""
+        with self._lock:
+            for key, (n, canary) in reversed(self._canaries.items()):
+                if n <= len(tokens) and _key(tokens[:n]) == key:
+                    del self._canaries[key]
+                    return canary
+        return None
+
+    def settle(self, tokens: Sequence[int]) -> None:
+        """The request whose cache holds `tokens` is over: the insert of its prompt's end, if its
+        first step was never seen, is queued without a canary."""
+        with self._lock:
+            done = [key for key, (n, _) in self._holds.items() if n <= len(tokens) and _key(tokens[:n]) == key]
+            pending = [self._holds.pop(key)[1] for key in done]
+        for p in pending:
+            p.submit()
+
+    def release(self) -> None:
+        """Queue every insert still waiting, without its canary (the server stops)."""
+        with self._lock:
+            pending = [p for _, p in self._holds.values()]
+            self._holds.clear()
+        for p in pending:
+            p.submit()

@@ -1,0 +1,193 @@
+"""What `kvstore serve` gives routers and agent harnesses besides KV events.
+
+- vLLM's render endpoints, `POST /v1/chat/completions/render` and `/v1/completions/render`: the
+  token ids mlx_lm.server would prefill for a request, made by the very function its generation
+  path calls (`ResponseGenerator._tokenize`), with nothing generated. A router such as llm-d's
+  precise scorer hashes them to find the node that holds them.
+- `POST /kvstore/prefetch` with `messages`, `prompt` or `tokens`: that prompt's stored cache
+  restored into the memory tier ahead of its request (`PersistentPromptCache.prefetch`).
+- `--warm-top N` (`warm_top`): the N most-hit prompts of the store loaded into the memory tier
+  before the server listens, so before `/health` says ready.
+
+A prompt's "most hit" is read from the index: every fetch counts a hit on each record it
+restored from, so hits only fall along a chain. A record is where prompts end or part (a system
+prompt, a conversation) when it has more hits than any of its children; those are ranked by hits
+(deeper first on a tie), each with the chain that leads to it.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+import uuid
+from typing import Any
+
+import numpy as np
+
+from kvstore.errors import BlobError
+from kvstore.records import CHECKPOINT
+from kvstore.serve.binding import Binding
+from kvstore.serve.promptcache import PersistentPromptCache
+from kvstore.sizes import format_size, plural
+from kvstore.storage.blobfile import open_blob
+from kvstore.storage.index import Index, Row
+
+log = logging.getLogger("kvstore")
+
+RENDER_PATHS = ("/v1/chat/completions/render", "/v1/completions/render")
+PREFETCH_PATH = "/kvstore/prefetch"
+
+
+class RequestError(Exception):
+    """A request this module cannot serve: its HTTP status and message."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+# -- render ------------------------------------------------------------------------------------
+
+def render(generator: Any, path: str, body: dict, served_model: str | None) -> Any:
+    """The answer to a render request: for chat, `{request_id, model, token_ids, features,
+    sampling_params}`; for completions, a list of those, one per prompt (as vLLM answers)."""
+    tokenizer = _tokenizer(generator, body, served_model)
+    args = types.SimpleNamespace(chat_template_kwargs=body.get("chat_template_kwargs"))
+    model = body.get("model") or served_model
+    params = _sampling(generator, body)
+    if path == "/v1/chat/completions/render":
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise RequestError(400, "the request has no messages (a list of {role, content})")
+        request = _completion_request("chat", "", messages, body.get("tools") or None, body.get("role_mapping"))
+        ids = _prompt_of(generator, tokenizer, request, args)
+        return {"request_id": f"chatcmpl-{uuid.uuid4().hex}", "model": model, "token_ids": ids,
+                "features": None, "sampling_params": params}
+    prompts = body.get("prompt")
+    prompts = [prompts] if isinstance(prompts, str) else prompts
+    if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) and p for p in prompts):
+        raise RequestError(400, "prompt must be a non-empty string or a list of them")
+    rid = uuid.uuid4().hex
+    return [{"request_id": f"cmpl-{rid}-{i}", "model": model, "features": None, "sampling_params": params,
+             "token_ids": _prompt_of(generator, tokenizer, _completion_request("text", p, [], None, None), args)}
+            for i, p in enumerate(prompts)]
+
+
+def prompt_tokens(generator: Any, body: dict, served_model: str | None) -> list[int]:
+    """The token ids of a prefetch request: `tokens` as given, else those its `messages` or
+    `prompt` render to (as a request's would)."""
+    tokens = body.get("tokens")
+    if tokens is not None:
+        if not isinstance(tokens, list) or not tokens or not all(type(t) is int and 0 <= t < 2**31 for t in tokens):
+            raise RequestError(400, "tokens must be a non-empty list of token ids (whole numbers, 0 to 2**31-1)")
+        return tokens
+    if "messages" in body:
+        return render(generator, "/v1/chat/completions/render", body, served_model)["token_ids"]
+    if "prompt" in body:
+        out = render(generator, "/v1/completions/render", body, served_model)
+        if len(out) != 1:
+            raise RequestError(400, "prefetch takes one prompt")
+        return out[0]["token_ids"]
+    raise RequestError(400, "the request has none of messages, prompt or tokens")
+
+
+def _tokenizer(generator: Any, body: dict, served_model: str | None) -> Any:
+    provider = generator.model_provider
+    tokenizer = getattr(provider, "tokenizer", None)
+    if tokenizer is None:
+        raise RequestError(503, "no model is loaded yet")
+    wanted = body.get("model")
+    loaded = (getattr(provider, "model_key", None) or (None,))[0]
+    if wanted not in (None, "default_model", served_model, loaded):
+        raise RequestError(404, f"the model {wanted!r} is not loaded here: render serves the loaded model, "
+                                f"{served_model!r}")
+    return tokenizer
+
+
+def _completion_request(*fields: Any) -> Any:
+    from mlx_lm.server import CompletionRequest
+
+    return CompletionRequest(*fields)
+
+
+def _prompt_of(generator: Any, tokenizer: Any, request: Any, args: Any) -> list[int]:
+    """The tokens mlx_lm.server's generation path prefills for `request`."""
+    try:
+        prompt = generator._tokenize(tokenizer, request, args)[0]
+    except Exception as e:  # a template that refuses the messages, say
+        raise RequestError(400, f"cannot render the request: {type(e).__name__}: {e}") from None
+    if any(t < 0 for t in prompt):
+        raise RequestError(400, "requests with images are not rendered")
+    return [int(t) for t in prompt]
+
+
+def _sampling(generator: Any, body: dict) -> dict:
+    args = generator.cli_args
+    stop = body.get("stop") or []
+    return {"max_tokens": body.get("max_completion_tokens") or body.get("max_tokens", args.max_tokens),
+            "temperature": body.get("temperature", args.temp), "top_p": body.get("top_p", args.top_p),
+            "top_k": body.get("top_k", args.top_k), "min_p": body.get("min_p", args.min_p),
+            "stop": [stop] if isinstance(stop, str) else stop}
+
+
+# -- warm the most-hit prompts ------------------------------------------------------------------
+
+def most_hit(index: Index, ns: bytes, n: int) -> list[list[Row]]:
+    """The chains (root first) of the `n` most-hit prompt ends of namespace `ns`, in the shared
+    namespace only (records with a tenant tag are left out)."""
+    rows = {r.hash: r for r in index.rows(ns) if r.kind != CHECKPOINT and not r.bad
+            and getattr(r, "tenant", None) is None}
+    most_child: dict[bytes, int] = {}
+    for r in rows.values():
+        most_child[r.parent] = max(most_child.get(r.parent, 0), r.hits)
+    ends = sorted((r for r in rows.values() if r.hits > most_child.get(r.hash, 0)),
+                  key=lambda r: (-r.hits, -(r.depth or 0), r.hash))
+    chains = []
+    for end in ends[:n]:
+        chain, h = [], end.hash
+        while h in rows:
+            chain.append(rows[h])
+            h = rows[h].parent
+        if h == ns:  # a chain that reaches its root (else a record is missing: skipped)
+            chains.append(chain[::-1])
+    return chains
+
+
+def chain_tokens(root, chain: list[Row]) -> np.ndarray | None:
+    """The token ids of a chain, from its blobs (None if one cannot be read)."""
+    parts = []
+    for row in chain:
+        try:
+            with open_blob(root, row.hash, size=row.size, checksum=row.checksum) as blob:
+                parts.append(blob.tokens())
+        except (BlobError, OSError):
+            return None
+    return np.concatenate(parts) if parts else None
+
+
+def warm_top(cache: PersistentPromptCache, n: int) -> dict:
+    """Load the `n` most-hit prompts of the served model into the memory tier, while it has room.
+    Returns what was done; says it in one log line."""
+    done = {"asked": n, "prompts": 0, "tokens": 0, "skipped": 0}
+    store = cache.store
+    binding = cache.bind_served()
+    if n <= 0 or store.index is None or not isinstance(binding, Binding):
+        return done
+    memory = store.memory
+    for chain in most_hit(store.index, binding.plain.ns, n):
+        if memory.nbytes + sum(r.size for r in chain) > memory.capacity:
+            done["skipped"] += 1  # it would push out what was warmed before it
+            continue
+        tokens = chain_tokens(store.blob_root, chain)
+        if tokens is None:
+            done["skipped"] += 1
+            continue
+        got = cache.prefetch(None, tokens.tolist(), binding=binding)
+        done["prompts"] += got.get("in_ram", 0) == len(tokens)
+        done["tokens"] += got.get("loaded", 0)
+    cache.counters["warmed_prompts"] = done["prompts"]
+    log.info("kvstore: warmed %s of the %d most hit into RAM (%s tokens; memory tier %s of %s)%s",
+             plural(done["prompts"], "prompt"), n, done["tokens"], format_size(memory.nbytes),
+             format_size(memory.capacity), f"; {done['skipped']} left out (no room, or unreadable)"
+             if done["skipped"] else "")
+    return done

@@ -1,0 +1,178 @@
+"""Tenants of `kvstore serve`: which tenant a request is (`TenantPolicy`, on the HTTP handler's
+thread), and carrying that to the cache lookup and inserts of mlx_lm.server's generation thread
+(`RequestTenants`), which calls the prompt cache knowing nothing of the request.
+
+The handler reads the tenant from the request (`--tenant-from header:NAME | bearer | none`, and
+with `--trust-client-salt` vLLM's `cache_salt` field) and puts its id on the request object mlx-lm
+queues for the generation thread. There, `begin` is told it just before the request's lookup
+(mlx_lm.server tokenizes each request right before it looks its prompt up, in its batched path
+and its one-at-a-time path alike); the lookup `take`s it. The caches mlx_lm.server later inserts
+come from its batch generator (`mlxserver` tags them with the tenant of the request they are of)
+or, one request at a time, from the request being served (`single`). An insert whose tenant is
+not known is not stored: it can never land in another tenant's namespace.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping
+
+from kvstore.tenants import check_id
+
+#: A tenant not known (no request told it): nothing is reused or stored for it.
+UNKNOWN = object()
+#: Tags of caches kept for inserts still to come, at most (the oldest are dropped: not stored).
+MAX_TAGS = 4096
+_SALT_SEPARATOR = "\x1fcache_salt:"
+
+
+class Refused(Exception):
+    """A request whose tenant cannot be told: answered with `status` and this message."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class TenantPolicy:
+    """How `kvstore serve` tells a request's tenant: `source` is "none", "bearer" or a header
+    name; `default` the tenant of a request that names none (None: such a request is refused);
+    `trust_client_salt`: a request's `cache_salt` splits its tenant further (vLLM's field)."""
+
+    source: str = "none"
+    default: str | None = None
+    trust_client_salt: bool = False
+
+    @classmethod
+    def parse(cls, text: str, default: str | None = None, trust_client_salt: bool = False) -> "TenantPolicy":
+        return cls(parse_source(text), default, trust_client_salt)
+
+    @property
+    def active(self) -> bool:
+        """Whether requests may have tenants at all (else every request is the shared namespace's)."""
+        return self.source != "none" or self.trust_client_salt
+
+    def tenant_of(self, headers: Mapping[str, str], body: Mapping[str, Any]) -> str | None:
+        """The tenant id of a request (None: the shared namespace); Refused if it has none and
+        there is no default, or its `cache_salt` is not text. Messages never quote a value."""
+        tenant = self._named(headers)
+        if not self.trust_client_salt or "cache_salt" not in body:
+            return tenant
+        salt = body["cache_salt"]
+        if not isinstance(salt, str) or not salt:
+            raise Refused(400, "cache_salt must be a non-empty string")
+        return check_id((tenant or "") + _SALT_SEPARATOR + salt)
+
+    def _named(self, headers: Mapping[str, str]) -> str | None:
+        if self.source == "none":
+            return None
+        if self.source == "bearer":
+            auth = headers.get("Authorization") or ""
+            scheme, _, token = auth.strip().partition(" ")
+            value = token.strip() if scheme.lower() == "bearer" else ""
+            what, status = "an Authorization: Bearer header", 401
+        else:
+            value = (headers.get(self.source) or "").strip()
+            what, status = f"a {self.source} header", 400
+        if not value:
+            if self.default is not None:
+                return self.default
+            raise Refused(status, f"this server serves each tenant apart and takes the tenant from {what}, "
+                                  "which this request does not have")
+        try:
+            return check_id(value)
+        except ValueError as e:
+            raise Refused(400, f"the tenant in {what}: {e}") from None
+
+
+def parse_source(text: str) -> str:
+    """`--tenant-from`: "none", "bearer" or "header:NAME" (-> the header name); ValueError if not."""
+    word = str(text).strip()
+    if word.lower() in ("none", "bearer"):
+        return word.lower()
+    kind, _, name = word.partition(":")
+    if kind.lower() == "header" and name.strip() and all(c.isalnum() or c in "-_" for c in name.strip()):
+        return name.strip()
+    raise ValueError(f"must be header:NAME (a header name of letters, digits, - and _), bearer or none, got {text!r}")
+
+
+class RequestTenants:
+    """The tenant of each request on mlx_lm.server's generation thread (see the module docstring).
+    With `active` False every request is the shared namespace's (None)."""
+
+    def __init__(self, active: bool):
+        self.active = active
+        self._local = threading.local()
+        self._tags: dict[int, tuple[weakref.ref, object]] = {}
+        self._lock = threading.Lock()
+        self.unknown = 0  # lookups and inserts served without the store: no tenant known
+
+    def begin(self, tenant: str | None) -> None:
+        """The next lookup on this thread is for a request of `tenant`."""
+        self._local.next = tenant
+
+    def take(self) -> object:
+        """The tenant of the lookup now being made on this thread (told by `begin`; `UNKNOWN`
+        when nothing was); it is then this thread's last lookup's (`last`)."""
+        if not self.active:
+            return None
+        tenant = getattr(self._local, "next", UNKNOWN)
+        self._local.next = UNKNOWN
+        self._local.last = tenant
+        return tenant
+
+    def last(self) -> object:
+        """The tenant of this thread's last lookup."""
+        return getattr(self._local, "last", UNKNOWN) if self.active else None
+
+    @contextlib.contextmanager
+    def single(self, tenant: object) -> Iterator[None]:
+        """Within: this thread serves one request of `tenant`, whose lookup and inserts are its."""
+        before = getattr(self._local, "single", UNKNOWN)
+        self._local.single = tenant
+        self.begin(tenant)
+        try:
+            yield
+        finally:
+            self._local.single = before
+
+    def tag(self, cache: Any, tenant: object) -> None:
+        """`cache` (a list of cache layers) belongs to a request of `tenant`."""
+        if not self.active or not cache or tenant is UNKNOWN:
+            return
+        try:
+            ref = weakref.ref(cache[0])
+        except TypeError:
+            return
+        with self._lock:
+            if len(self._tags) >= MAX_TAGS:
+                self._tags = {k: v for k, v in self._tags.items() if v[0]() is not None}
+                while len(self._tags) >= MAX_TAGS:
+                    self._tags.pop(next(iter(self._tags)))
+            self._tags[id(cache)] = (ref, tenant)
+
+    def of_cache(self, cache: Any) -> object:
+        """The tenant of the request `cache` is of: as tagged, else the request this thread serves
+        alone, else `UNKNOWN`."""
+        if not self.active:
+            return None
+        with self._lock:
+            found = self._tags.pop(id(cache), None)
+        if found is not None and cache and found[0]() is cache[0]:
+            return found[1]
+        return getattr(self._local, "single", UNKNOWN)
+
+
+def describe_tenants(policy: TenantPolicy) -> str:
+    """How a server tells tenants, in a log line's words (never a value)."""
+    how = {"none": "one tenant", "bearer": "the tenant is the bearer token"}.get(
+        policy.source, f"the tenant is the {policy.source} header")
+    if policy.default is not None:
+        how += ", a default tenant for requests without it"
+    if policy.trust_client_salt:
+        how += ", a request's cache_salt splits it further"
+    return how

@@ -1,0 +1,110 @@
+"""Tenants: whose cache a record is, as the keys and the headers see it.
+
+A tenant is a salt the store derives from the tenant's id with an HMAC under a server secret
+(`derive`): the fleet secret when the store has a remote tier, else a key kept in the store. The
+salt never leaves the process; what is shown of a tenant is its `tag`, a short HMAC of the salt.
+
+A prompt's records follow the shared namespace (records the operator stored without a tenant) for
+as many whole chunks as shared records cover; every record after that is the tenant's: its key is
+the hash of its `link` (an HMAC of its parent under the salt) and its tokens, where a shared
+record's is the hash of its parent and its tokens (`keys.chain`, `records.prompt_records`). So no
+one without the salt can name a tenant's record, and a record of one tenant is never a key of
+another's prompt. A tenant's record carries its tag and its link in its blob header (the header
+fields `x-tenant` and `x-link`), so any reader can check that its tokens are its key's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+from dataclasses import dataclass, field
+
+SALT_BYTES = 32
+TAG_HEX = 16  # 64 bits: two tenants of a store never share a tag by chance
+MAX_ID_BYTES = 4096
+#: The blob header fields of a tenant's record (`storage.blobformat` registers them, with `x-`).
+TAG_FIELD, LINK_FIELD = "tenant", "link"
+HEADER_PREFIX = "x-"  # (blobformat.EXTENSION_PREFIX: records.check reads the fields without it)
+_TAG = re.compile(r"[0-9a-f]{%d}" % TAG_HEX)
+_LINK = re.compile(r"[0-9a-f]{32}")
+_PURPOSE = b"kvstore tenant salt\0"
+
+
+@dataclass(frozen=True)
+class Tenant:
+    """One tenant: its salt (secret) and its tag (what stats, metrics and headers show).
+    `previous`: the same tenant under the keys a store still reads from after a key rotation
+    (`remote.seal`): its old records are found under those salts until they go."""
+
+    salt: bytes = field(repr=False)
+    tag: str
+    key_id: str = ""  # the server secret it was derived under ("" : the store's own key)
+    previous: tuple["Tenant", ...] = field(default=(), repr=False)
+
+    def link(self, parent: bytes) -> bytes:
+        """What a record of this tenant under `parent` hashes its tokens with, in place of the
+        parent: a keyed BLAKE2b of the parent (16 bytes)."""
+        return hashlib.blake2b(parent, key=self.salt, digest_size=16, person=b"kvstore-link").digest()
+
+    def variants(self) -> tuple["Tenant", ...]:
+        """This tenant under the current key, then under each older key still read."""
+        return (self, *self.previous)
+
+
+def sees(tenant: Tenant | None, tag: str | None) -> bool:
+    """Whether a record of tenant `tag` (None: shared) may serve `tenant` (None: the shared
+    namespace, which sees shared records only)."""
+    return tag is None or (tenant is not None and any(t.tag == tag for t in tenant.variants()))
+
+
+def derive(secret: bytes, tenant_id: str, *, key_id: str = "") -> Tenant:
+    """The tenant `tenant_id` under the server `secret` (ValueError for an id that is not one)."""
+    raw = check_id(tenant_id).encode("utf-8")
+    salt = hmac.new(secret, _PURPOSE + raw, hashlib.sha256).digest()
+    return Tenant(salt, tag_of(salt), key_id)
+
+
+def tag_of(salt: bytes) -> str:
+    """A tenant's tag: 16 hex digits of an HMAC of its salt (tells nothing of the salt or the id)."""
+    return hmac.new(salt, b"kvstore tenant tag", hashlib.sha256).hexdigest()[:TAG_HEX]
+
+
+def check_id(tenant_id: object) -> str:
+    """A tenant id as given (text of 1 to 4096 bytes), or ValueError saying what is wrong (never
+    quoting it: an id may be a bearer token)."""
+    if not isinstance(tenant_id, str):
+        raise ValueError(f"a tenant id is text, got {type(tenant_id).__name__}")
+    n = len(tenant_id.encode("utf-8", "surrogatepass"))
+    if not 0 < n <= MAX_ID_BYTES:
+        raise ValueError(f"a tenant id is 1 to {MAX_ID_BYTES} bytes, this one is {n}")
+    return tenant_id
+
+
+def parse_tag(text: str) -> str:
+    """A tag as a header or the index holds it (ValueError if it is not one)."""
+    if not isinstance(text, str) or not _TAG.fullmatch(text):
+        raise ValueError(f"a tenant tag is {TAG_HEX} hex digits")
+    return text
+
+
+def parse_link(text: str) -> bytes:
+    """A record's link as its header holds it: 32 hex digits (ValueError if not)."""
+    if not isinstance(text, str) or not _LINK.fullmatch(text):
+        raise ValueError("a link is 32 hex digits")
+    return bytes.fromhex(text)
+
+
+def header_fields(tag: str | None, link: bytes | None) -> dict[str, str]:
+    """The header fields a record of tenant `tag` carries (none for a shared record; no link for
+    a checkpoint, whose key is made from its record's alone)."""
+    if tag is None:
+        return {}
+    return {TAG_FIELD: tag, **({LINK_FIELD: link.hex()} if link is not None else {})}
+
+
+def stated(metadata) -> tuple[str | None, bytes | None]:
+    """(tag, link) a blob header states (None, None for a shared record); ValueError if bad."""
+    tag = metadata.get(HEADER_PREFIX + TAG_FIELD)
+    link = metadata.get(HEADER_PREFIX + LINK_FIELD)
+    return (None if tag is None else parse_tag(tag)), (None if link is None else parse_link(link))

@@ -1,0 +1,227 @@
+"""Canaries, `verify --exact` and the restore's backend self-check.
+
+- A canary is kept in the header of the record that stores a prompt's end, by `warm` (one step
+  of the last token) and by `generate` (its first step), in exact mode and out of it; it survives
+  a rebuilt index; its text is checked as any header field.
+- `kvstore verify --exact` exits 0 on a healthy store and never modifies it (every file's bytes
+  and times, the index included, are the same after); a record whose K/V were altered together
+  with their checksums (so no checksum can see it) makes it exit 1, caught by the record's canary
+  and by the K/V comparison; `Store.verify_exact` is the same check.
+- The first restore of a process compares its arrays, through mlx, with the bytes they were read
+  from; when they differ (here: the restore made to write into a copy instead of mlx's memory)
+  the process restores by copy from then on, says so once and counts it, and serves exact K/V.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sqlite3
+import struct
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import xxhash
+from kvtest import run_cli
+
+import kvstore
+from kvstore import canary as canaries
+from kvstore.errors import BlobError
+from kvstore.model.prefill import run
+from kvstore.restore import fill, selfcheck
+from kvstore.storage import blobformat, blobtree
+
+C = 16
+
+
+def toks(n: int, seed: int) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(1, 250, n)]
+
+
+def stored_canaries(store: Path) -> list[canaries.Canary]:
+    out = []
+    for path in sorted((store / "blobs").rglob("*.safetensors")):
+        found = blobformat.read_record(path.read_bytes(), path).extensions.get("canary")
+        if found is not None:
+            out.append(found)
+    return out
+
+
+def snapshot(store: Path) -> dict[str, tuple]:
+    """Every file under the store: its bytes' hash, size and modification time."""
+    return {str(p.relative_to(store)): (xxhash.xxh3_64_hexdigest(p.read_bytes()), p.stat().st_size,
+                                        p.stat().st_mtime_ns)
+            for p in sorted(store.rglob("*")) if p.is_file()}
+
+
+def test_a_canary_round_trips_and_checks_a_replay():
+    lp = np.log(np.array([0.5, 0.2, 0.1, 0.1, 0.05, 0.03, 0.01, 0.005, 0.005]))
+    c = canaries.of(41, 7, lp)
+    assert c.ids[:3] == (0, 1, 2) and len(c.ids) == 8 and c.at == 41 and c.token == 7
+    assert canaries.parse(c.text()) == c
+    assert canaries.check(c, lp).ok and canaries.check(c, lp + 3.0).ok  # logits: normalised first
+    moved = lp.copy()
+    moved[0], moved[1] = moved[1], moved[0]
+    assert canaries.check(c, moved).reason.startswith("the best token")
+    for bad in ('{"v":1}', "[]", "x" * 2000, c.text().replace('"token":7', '"token":-7')):
+        with pytest.raises(ValueError):
+            canaries.parse(bad)
+    assert canaries.parse('{"v":2,"what":"a later canary"}') is None  # kept, not read, not damage
+    meta = blobformat.with_extensions({"hash": "00"}, {"canary": c.text()})
+    assert blobformat.extensions(meta)["canary"] == c
+    with pytest.raises(BlobError, match="x-canary"):
+        blobformat.extensions({"x-canary": '{"v":1,"at":1}'})
+
+
+@pytest.mark.parametrize("exact", [256, "off"])
+def test_warm_and_generate_keep_the_canary_of_the_prompts_end(tmp_path, demo_model_path, exact):
+    store = tmp_path / "s"
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"tokens": toks(300, 1)}) + "\n")
+    run_cli("warm", "--store", store, "--model", demo_model_path, "--prompts", prompts, "--exact-prefill", exact)
+    run_cli("generate", "--store", store, "--model", demo_model_path, "--prompt", "a" * 40, "--max-tokens", "4")
+    found = {c.at: c for c in stored_canaries(store)}
+    assert set(found) == {299, 39}  # each prompt's last token
+    assert found[299].token == toks(300, 1)[-1] and found[39].token == ord("a")
+    result = run_cli("verify", "--store", store, "--exact", "--sample", "all", "--model", demo_model_path)
+    assert "2 canaries reproduced" in result.stdout and "exact: 2 of 2" in result.stdout
+
+
+def test_verify_exact_passes_a_healthy_store_and_writes_nothing(tmp_path, demo_model_path, llama):
+    path, model = llama
+    with kvstore.open(tmp_path / "s", exact_prefill=256) as store:  # the command's chunk size
+        mc = store.bind(model, path)
+        base = toks(260, 2)
+        for i in range(3):
+            mc.prefill(base + toks(30 + 9 * i, 3 + i))
+    before = snapshot(tmp_path / "s")
+    result = run_cli("verify", "--store", tmp_path / "s", "--exact", "--model", demo_model_path)
+    assert result.returncode == 0
+    assert "exact: 3 of 3 stored prompts checked (exact mode, steps of 256" in result.stdout
+    assert "bit for bit" in result.stdout and "3 canaries reproduced" in result.stdout
+    with kvstore.open(tmp_path / "s") as store:  # the library, through a read-only twin
+        report = store.verify_exact(model, path, sample=2)
+    assert report.ok and len(report.checks) == 2 and report.stored_prompts == 3
+    assert all(c.kv_bitwise and c.logprobs == 0 and c.greedy == 32 for c in report.checks)
+    assert snapshot(tmp_path / "s") == before  # no access time, no admission row, nothing
+
+
+def alter(store: Path, h: bytes, name: str, factor: float) -> None:
+    """Scale tensor `name` of record `h` and write its checksum with it (and the row's size and
+    checksum): only the values can tell the record from the one that was stored."""
+    path = blobtree.blob_path(store / "blobs", h)
+    buf = bytearray(path.read_bytes())
+    (n,) = struct.unpack_from("<Q", buf, 0)
+    header = json.loads(buf[8 : 8 + n])
+    start, end = header[name]["data_offsets"]
+    data = np.frombuffer(bytes(buf[8 + n + start : 8 + n + end]), dtype="<f4") * np.float32(factor)
+    buf[8 + n + start : 8 + n + end] = data.tobytes()
+    sums = json.loads(header["__metadata__"]["checksums"])
+    sums[name] = blobformat.tensor_checksum(data)
+    header["__metadata__"]["checksums"] = json.dumps(sums, separators=(",", ":"))
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (n - len(raw))  # the same header length: the payload stays where it was
+    buf[8 : 8 + n] = raw
+    path.write_bytes(bytes(buf))
+    checksum = xxhash.xxh3_64_intdigest(bytes(buf))
+    with sqlite3.connect(store / "index.sqlite") as con:
+        con.execute("UPDATE records SET size = ?, checksum = ? WHERE hash = ?",
+                    (len(buf), checksum - (1 << 64) if checksum >= 1 << 63 else checksum, h))
+    con.close()
+
+
+def test_an_altered_record_is_caught_by_its_canary_and_verify_exact(tmp_path, demo_model_path, llama):
+    path, model = llama
+    prompt = toks(300, 4)
+    with kvstore.open(tmp_path / "s", exact_prefill=256) as store:
+        mc = store.bind(model, path)
+        mc.prefill(prompt)
+        store.flush()
+        first = next(r for r in store.index.rows() if r.kind == 0)  # tokens [0, 256)
+    alter(tmp_path / "s", first.hash, "1.keys", 1.5)
+    assert run_cli("verify", "--store", tmp_path / "s").returncode == 0  # every checksum agrees
+    before = snapshot(tmp_path / "s")
+    result = run_cli("verify", "--store", tmp_path / "s", "--exact", "--model", demo_model_path, check=False)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "MISMATCH: 1 of the 1 stored prompts checked" in result.stdout
+    assert "not bit for bit" in result.stdout and "canary at token 299" in result.stdout
+    assert snapshot(tmp_path / "s") == before
+    # The canary alone: the prompt's first 59 tokens restored, its last token run as one step.
+    (kept,) = stored_canaries(tmp_path / "s")
+    with kvstore.open(tmp_path / "s", read_only=True, memory_bytes=0) as store:
+        cache, rest = store.bind(model, path).fetch(prompt[: kept.at] + [kept.token])
+        assert not canaries.check(kept, np.asarray(run(model, cache, rest, 256).astype(mx.float32))).ok
+
+
+def test_the_canary_survives_a_rebuilt_index(tmp_path, llama):
+    from kvstore.upkeep.rebuild import rebuild_index
+
+    path, model = llama
+    with kvstore.open(tmp_path / "s", chunk_size=C) as store:
+        store.bind(model, path).prefill(toks(50, 5))
+    (tmp_path / "s" / "index.sqlite").unlink()
+    for extra in ("index.sqlite-wal", "index.sqlite-shm"):
+        (tmp_path / "s" / extra).unlink(missing_ok=True)
+    rebuild_index(tmp_path / "s")
+    with kvstore.open(tmp_path / "s", chunk_size=C, read_only=True) as store:
+        report = store.verify_exact(model, path)
+    assert report.ok and sum(c.canaries_ok for c in report.checks) == 1
+
+
+@pytest.fixture
+def fresh_check():
+    selfcheck.reset()
+    yield
+    selfcheck.reset()
+
+
+def test_the_first_restore_is_checked_and_passes_on_this_backend(tmp_path, llama, fresh_check):
+    path, model = llama
+    with kvstore.open(tmp_path / "s", chunk_size=C, memory_bytes=0) as store:
+        mc = store.bind(model, path)
+        mc.prefill(toks(80, 6))
+        mc.fetch(toks(80, 6))
+        got = store.stats()["restore_check"]
+    assert got["checked"] and not got["copying"] and got["arrays_checked"] == 8 and got["mismatches"] == 0
+
+
+def test_a_backend_that_loses_the_restores_writes_falls_back_to_copies(tmp_path, llama, fresh_check,
+                                                                      monkeypatch, caplog):
+    from mlx_lm.models.cache import make_prompt_cache
+
+    path, model = llama
+    prompt = toks(90, 7)
+    with kvstore.open(tmp_path / "s", chunk_size=C) as store:
+        store.bind(model, path).prefill(prompt)
+    real = fill._host
+    monkeypatch.setattr(fill, "_host", lambda a: np.array(real(a)))  # writes land in a copy, not in mlx's memory
+    cold = run(model, make_prompt_cache(model), prompt)
+    with caplog.at_level(logging.WARNING, logger="kvstore"), \
+            kvstore.open(tmp_path / "s", chunk_size=C, memory_bytes=0) as store:
+        mc = store.bind(model, path)
+        for _ in range(2):
+            cache, rest = mc.fetch(prompt)
+            assert len(rest) == 1
+            assert mx.array_equal(run(model, cache, rest), cold).item()  # exact K/V, by copy
+        got = store.stats()["restore_check"]
+    assert got["copying"] and got["mismatches"] == 8 and got["copy_restores"] == 2
+    said = [r.getMessage() for r in caplog.records if "self-check" in r.getMessage()]
+    assert len(said) == 1 and "restores by copy" in said[0]
+    assert os.environ.get("KVSTORE_FAULT") is None
+
+
+def test_a_tenants_prompts_are_checked_as_that_tenant(tmp_path, llama):
+    """A tenant's records are keyed under its salt: checked as that tenant they restore (and are
+    compared); the shared view holds none of them, and a prompt that restores nothing says so."""
+    path, model = llama
+    with kvstore.open(tmp_path / "s", chunk_size=C, exact_prefill=32) as store:
+        store.bind(model, path, tenant="alice").prefill(toks(70, 8))
+        store.bind(model, path).prefill(toks(40, 9))
+        store.flush()
+        mine = store.verify_exact(model, path, tenant="alice")
+        shared = store.verify_exact(model, path)
+    assert mine.ok and [(c.tokens, c.restored) for c in mine.checks] == [(69, 69)]
+    assert shared.ok and [(c.tokens, c.restored) for c in shared.checks] == [(39, 39)]

@@ -1,0 +1,263 @@
+"""KV events (`kvstore.open(kv_events=...)`) as a router receives them: a ZMQ subscriber decodes
+every batch with structs written from vLLM's schema (tests/vllm_events.py), never with kvstore's
+own code, in both encodings. What it ends up believing must be what the store holds, in RAM and
+on disk; the token ids of the blocks, chained, must be the prompts; sequence numbers have no gap
+and replay gives exactly what was asked for."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from kvtest import prefill
+from vllm_events import Consumer, chained_tokens, kind
+
+import kvstore
+from kvstore.errors import InvalidInputError
+from kvstore.events.blocks import block_ids
+from kvstore.records import CHECKPOINT, prompt_records
+
+C, B = 16, 4
+
+
+@pytest.fixture
+def consumer(request):
+    c = Consumer(getattr(request, "param", "map"))
+    yield c
+    c.close()
+
+
+def held_blocks(store, mc, prompts) -> dict[str, set[int]]:
+    """medium -> the ids of the blocks the store holds for `prompts` (computed here from the
+    records, as the docs define the ids: by the parent's key and the tokens)."""
+    out = {"DISK": set(), "CPU_TIER1": set()}
+    for tokens in prompts:
+        for s in prompt_records(mc.ns, tokens, C):
+            if s.kind == CHECKPOINT:
+                continue
+            ids = block_ids(s.parent, tokens[s.start : s.end], B)
+            if store.index.present([s.hash]):
+                out["DISK"].update(ids)
+            if s.hash in store.memory:
+                out["CPU_TIER1"].update(ids)
+    return out
+
+
+def believed(view) -> dict[str, set[int]]:
+    return {m: set(view.get(m, {})) for m in ("DISK", "CPU_TIER1")}
+
+
+def insert(mc, model, tokens) -> None:
+    mc.insert(tokens, prefill(model, tokens))
+
+
+def settle(store) -> int:
+    """Wait until the store's publisher sent all it knows of; how many batches it sent."""
+    store.flush()
+    assert store.events.settle(30)
+    return store.stats()["events"]["next_sequence"]
+
+
+def observed(consumer, store) -> list:
+    """Every batch the store published so far, as the consumer got them."""
+    return consumer.batches(settle(store))
+
+
+@pytest.mark.parametrize("consumer", ["map", "legacy"], indirect=True)
+def test_a_router_sees_what_the_store_holds_stored_and_evicted(llama, tmp_path, consumer):
+    path, model = llama
+    prompts = [list(range(30, 30 + n)) + [7] * i for i, n in enumerate((40, 23, 57))]
+    config = consumer.config(block_size=B, encoding=consumer.encoding)
+    # A memory tier that holds about two chunks: later records push earlier ones out (its LRU).
+    with kvstore.open(tmp_path / "s", chunk_size=C, kv_events=config, memory_bytes=60_000) as store:
+        mc = store.bind(model, str(path))
+        for tokens in prompts:
+            insert(mc, model, tokens)
+        batches = observed(consumer, store)
+        assert [n for n, _ in batches] == list(range(len(batches)))  # from 0, no gap
+        assert kind(batches[0][1].events[0]) == "AllBlocksCleared"
+        assert all(b.data_parallel_rank == 0 for _, b in batches)
+        assert believed(consumer.view(batches)) == held_blocks(store, mc, prompts)
+        removed = [e for _, b in batches for e in b.events if kind(e) == "BlockRemoved"]
+        assert removed and all(e.medium == "CPU_TIER1" for e in removed)  # the LRU let some go
+        assert all(e.block_size == B for _, b in batches for e in b.events if kind(e) == "BlockStored")
+
+        store.gc(max_bytes=0)  # gc evicts every record: removed from disk (and RAM)
+        batches = observed(consumer, store)
+        assert believed(consumer.view(batches)) == {"DISK": set(), "CPU_TIER1": set()}
+        assert any(kind(e) == "BlockRemoved" and e.medium == "DISK" for _, b in batches for e in b.events)
+
+
+def test_chained_token_ids_rebuild_the_prompts(llama, tmp_path, consumer):
+    path, model = llama
+    system = list(range(100, 140))
+    prompts = [system + [1, 2, 3, 4, 5, 6, 7, 8, 9], system + list(range(200, 226)), list(range(50, 83))]
+    with kvstore.open(tmp_path / "s", chunk_size=C, kv_events=consumer.config(block_size=B)) as store:
+        mc = store.bind(model, str(path))
+        for tokens in prompts:
+            insert(mc, model, tokens)
+        disk = consumer.view(observed(consumer, store))["DISK"]
+        for tokens in prompts:
+            full = len(tokens) // B * B  # the tail's last partial block is not announced
+            end = next(s for s in prompt_records(mc.ns, tokens, C) if s.start < full <= s.end)
+            last = block_ids(end.parent, tokens[end.start : full], B)[-1]  # the block ending at `full`
+            assert chained_tokens(disk, last) == tokens[:full]
+
+
+def test_a_tail_and_the_chunk_that_covers_it_share_their_blocks(llama, tmp_path, consumer):
+    """A 24-token prompt is a chunk and an 8-token tail; extended to 40 tokens, the tail's tokens
+    are covered by a chunk and the writer drops the tail. Its two blocks stay announced, with
+    the same ids: no BlockRemoved on disk, and the chunk announces only its two new blocks."""
+    path, model = llama
+    short = list(range(60, 84))
+    longer = short + list(range(300, 316))
+    with kvstore.open(tmp_path / "s", chunk_size=C, kv_events=consumer.config(block_size=B)) as store:
+        mc = store.bind(model, str(path))
+        insert(mc, model, short)
+        n = settle(store)
+        insert(mc, model, longer)
+        batches = observed(consumer, store)
+        assert store.stats()["writer"]["redundant_dropped"] == 1  # the tail is gone from the index
+        later = [e for _, b in batches[n:] for e in b.events]
+        assert not [e for e in later if kind(e) == "BlockRemoved" and e.medium == "DISK"]
+        stored = [e for e in later if kind(e) == "BlockStored" and e.medium == "DISK"]
+        assert [len(e.block_hashes) for e in stored] == [2, 2]  # the chunk's 2 new ones, the new tail's
+        assert set(consumer.view(batches)["DISK"]) == held_blocks(store, mc, [longer])["DISK"]
+
+
+def test_a_restart_clears_and_announces_the_whole_store(llama, tmp_path):
+    path, model = llama
+    prompts = [list(range(10 + i, 60 + i)) for i in range(0, 60, 12)]
+    with kvstore.open(tmp_path / "s", chunk_size=C) as store:  # no events: a store from before
+        mc = store.bind(model, str(path))
+        for tokens in prompts:
+            insert(mc, model, tokens)
+    consumer = Consumer()
+    try:
+        with kvstore.open(tmp_path / "s", chunk_size=C, kv_events=consumer.config(block_size=B)) as store:
+            mc = store.bind(model, str(path))
+            batches = observed(consumer, store)
+            assert kind(batches[0][1].events[0]) == "AllBlocksCleared"
+            assert all(len(b.events) <= 512 for _, b in batches)
+            assert believed(consumer.view(batches)) == {"DISK": held_blocks(store, mc, prompts)["DISK"],
+                                                        "CPU_TIER1": set()}
+            assert store.stats()["events"]["announced"]
+    finally:
+        consumer.close()
+
+
+def test_removals_by_another_process_are_announced(llama, tmp_path, consumer):
+    path, model = llama
+    prompts = [list(range(30, 70)), list(range(130, 165))]
+    with kvstore.open(tmp_path / "s", chunk_size=C, kv_events=consumer.config(block_size=B),
+                      memory_bytes=0) as store:
+        mc = store.bind(model, str(path))
+        for tokens in prompts:
+            insert(mc, model, tokens)
+        assert consumer.view(observed(consumer, store))["DISK"]
+        done = subprocess.run([sys.executable, "-m", "kvstore.cli", "gc", "--store", str(tmp_path / "s"),
+                               "--max-bytes", "0"], capture_output=True, text=True, timeout=120,
+                              cwd=Path(__file__).parent.parent)
+        assert done.returncode == 0, done.stderr
+        deadline = time.monotonic() + 30  # the deletion log is read every half second, unasked
+        while consumer.view(consumer.batches(store.events.publisher.sent)).get("DISK") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert consumer.view(consumer.batches(store.events.publisher.sent))["DISK"] == {}
+
+
+def test_replay_returns_exactly_the_missed_batches_then_the_end_marker(llama, tmp_path, consumer):
+    path, model = llama
+    with kvstore.open(tmp_path / "s", chunk_size=C, kv_events=consumer.config(block_size=B, buffer_steps=3),
+                      memory_bytes=0) as store:
+        mc = store.bind(model, str(path))
+        for i in range(6):  # one batch each
+            insert(mc, model, list(range(400 + 20 * i, 420 + 20 * i)))
+            settle(store)
+        last = settle(store) - 1
+        deadline = time.monotonic() + 10
+        while not {last - 1, last} <= set(consumer.live) and time.monotonic() < deadline:
+            time.sleep(0.02)  # the live socket gets them
+        assert last >= 6
+        got = consumer.replay(last - 1)
+        assert [n for n, _ in got] == [last - 1, last]
+        with consumer._lock:
+            live = [consumer.live[n] for n in (last - 1, last)]
+        assert [b for _, b in got] == live
+        assert [n for n, _ in consumer.replay(0)] == [last - 2, last - 1, last]  # the last 3 kept
+        assert consumer.replay(last + 1) == []
+
+
+def test_a_lost_change_makes_the_publisher_announce_again(llama, tmp_path, consumer):
+    path, model = llama
+    with kvstore.open(tmp_path / "s", chunk_size=C, memory_bytes=0,
+                      kv_events=consumer.config(block_size=B, max_queue_size=1)) as store:
+        mc = store.bind(model, str(path))
+        insert(mc, model, list(range(30, 70)))  # three records at once: more than may wait
+        batches = observed(consumer, store)
+        stats = store.stats()["events"]
+        assert stats["dropped_changes"] > 0 and stats["resyncs"] == 1
+        clears = [n for n, b in batches for e in b.events if kind(e) == "AllBlocksCleared"]
+        assert len(clears) == 2
+        assert set(consumer.view(batches)["DISK"]) == held_blocks(store, mc, [list(range(30, 70))])["DISK"]
+
+
+def test_nothing_is_published_unless_asked(llama, tmp_path):
+    path, model = llama
+    with kvstore.open(tmp_path / "a", chunk_size=C) as store:
+        assert store.events is None and store.stats()["events"] is None
+    with kvstore.open(tmp_path / "b", chunk_size=C, kv_events={"endpoint": "tcp://127.0.0.1:1"}) as store:
+        assert store.events is None  # enable_kv_cache_events is false, as vLLM's default
+
+
+@pytest.mark.parametrize("config, message", [
+    ('{"enable_kv_cache_events": true, "endpont": "tcp://*:1"}', "unknown key 'endpont' (did you mean 'endpoint'?)"),
+    ('{"enable_kv_cache_events": true, "block_size": 5}', "block_size 5 does not divide the store's chunk size 16"),
+    ('{"enable_kv_cache_events": true, "buffer_steps": true}', "buffer_steps must be a whole number, got true"),
+    ('{"enable_kv_cache_events": true, "encoding": "arrays"}', "encoding must be one of map, legacy"),
+    ('{"enable_kv_cache_events": true, "endpoint": "127.0.0.1:5557"}', "endpoint must be a ZMQ address"),
+    ("[1]", "must be a JSON object"),
+    ("{", "not JSON"),
+])
+def test_a_bad_config_is_refused_naming_what_is_wrong(tmp_path, config, message):
+    with pytest.raises(InvalidInputError, match="kv_events") as e:
+        kvstore.open(tmp_path / "s", chunk_size=C, kv_events=config)
+    assert message in str(e.value)
+    assert not (tmp_path / "s").exists()  # refused before anything was made
+
+
+def test_a_tenants_blocks_follow_the_shared_prompt_and_carry_its_tag_only(llama, tmp_path, consumer):
+    """Two tenants send the same prompt after a shared system prompt: the router sees the shared
+    blocks once, and each tenant's own blocks under their own ids (the same tokens, other ids),
+    chained to the shared prompt's last block, the first of them tagged in `extra_keys` with the
+    tenant's tag, never its id."""
+    path, model = llama
+    system, question = list(range(100, 132)), list(range(400, 421))  # 2 whole chunks, then 21 tokens
+    with kvstore.open(tmp_path / "s", chunk_size=C, kv_events=consumer.config(block_size=B)) as store:
+        shared = store.bind(model, str(path))
+        insert(shared, model, system)
+        tenants = {name: store.bind(model, str(path), tenant=name) for name in ("alice-id", "bob-id")}
+        for mc in tenants.values():
+            insert(mc, model, system + question)
+        batches = observed(consumer, store)
+        disk = consumer.view(batches)["DISK"]
+        stored = [e for _, b in batches for e in b.events if kind(e) == "BlockStored" and e.medium == "DISK"]
+        last_shared = prompt_records(shared.ns, system, C)[-1]
+        shared_last = block_ids(last_shared.parent, system[C:], B)[-1]
+        firsts = []
+        for name, mc in tenants.items():
+            tag = mc.tenant.tag
+            own = [s for s in prompt_records(mc.ns, system + question, C, tenant=mc.tenant, shared=2)
+                   if s.tenant is not None and s.kind != CHECKPOINT]
+            ids = [i for s in own for i in block_ids(s.parent, (system + question)[s.start : s.end], B, s.tenant)]
+            full = len(system + question) // B * B
+            assert set(ids[: (full - len(system)) // B]) <= set(disk)
+            assert chained_tokens(disk, ids[(full - len(system)) // B - 1]) == (system + question)[:full]
+            first = next(e for e in stored if e.block_hashes[0] == ids[0])
+            assert first.parent_block_hash == shared_last
+            assert first.extra_keys and list(first.extra_keys[0]) == [tag]
+            assert all(name not in repr(e) for e in stored)
+            firsts.append(set(ids))
+        assert not firsts[0] & firsts[1]  # the same tokens, each tenant's own ids

@@ -1,0 +1,237 @@
+"""Tenants of `kvstore serve`, end to end: real HTTP on 127.0.0.1 against `python -m kvstore.serve`
+subprocesses serving the tiny demo model, on a store warmed with a shared system prompt; and the
+request-to-cache plumbing (`serve.tenancy.policy`) in this process."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import requests
+from kvtest import prefill, run_cli
+from test_server import Server, cached
+
+import kvstore
+from kvstore.serve.options import build_parser, server_settings
+from kvstore.serve.promptcache import PersistentPromptCache
+from kvstore.serve.tenancy.policy import UNKNOWN, Refused, RequestTenants, TenantPolicy, parse_source
+
+SYSTEM = {"role": "system", "content": "You are the assistant of a clinic. Answer in one short sentence. " * 4}
+SECRET = "My diagnosis code is 4711-XQ; keep it between us. " * 4
+# What a tenant reuses of its own earlier, unrelated requests past the shared prompt: the user
+# turn's opening tokens of the chat template, and a few letters its text shares by chance.
+OWN = 8
+
+
+@pytest.fixture(scope="module")
+def warmed(demo_model, tmp_path_factory):
+    """(model folder, a store warmed with SYSTEM, the prompt file it was warmed from)."""
+    model, work = demo_model("llama"), tmp_path_factory.mktemp("tenants")
+    prompts = work / "system.jsonl"
+    prompts.write_text(json.dumps({"messages": [SYSTEM]}) + "\n")
+    run_cli("warm", "--store", work / "store", "--model", model, "--prompts", prompts)
+    return model, work / "store", prompts
+
+
+def chat(server, user: str, headers=None, **body):
+    r = requests.post(server.url + "/v1/chat/completions", headers=headers or {}, timeout=120, json={
+        "messages": [SYSTEM, {"role": "user", "content": user}], "max_tokens": 2, "temperature": 0.0, **body})
+    return r
+
+
+def usage(server, user: str, tenant: str | None, **body) -> dict:
+    r = chat(server, user, {"X-Tenant": tenant} if tenant else None, **body)
+    assert r.status_code == 200, r.text
+    return r.json()["usage"]
+
+
+def test_two_tenants_by_header_share_only_the_warmed_system_prompt(warmed, tmp_path):
+    model, store, prompts = warmed
+    with Server(model, store, tmp_path / "log", "--tenant-from", "header:X-Tenant") as server:
+        first = usage(server, SECRET, "alice")
+        shared = cached(first)
+        assert 0 < shared < first["prompt_tokens"] - 150  # the warmed system prompt, none of the secret
+        assert cached(usage(server, SECRET, "alice")) == first["prompt_tokens"] - 1  # A's second: all of it
+        assert cached(usage(server, SECRET, "bob")) == shared  # B with A's exact prompt: the shared part only
+        # Without the header: refused, and nothing is computed for it.
+        r = chat(server, SECRET)
+        assert r.status_code == 400 and "X-Tenant header" in r.json()["error"]
+        # A request with a seed is served alone (mlx_lm.server's one-at-a-time path): the same.
+        alone = usage(server, "a seeded question of alice's " * 8, "alice", seed=3)
+        assert cached(usage(server, "a seeded question of alice's " * 8, "alice", seed=3)) == alone["prompt_tokens"] - 1
+        assert cached(usage(server, "a seeded question of alice's " * 8, "bob", seed=3)) <= shared + OWN
+        # cache_salt is ignored without --trust-client-salt: alice with a salt is still alice.
+        assert cached(usage(server, SECRET, "alice", cache_salt="other")) == first["prompt_tokens"] - 1
+        # Two tenants at once (mlx_lm.server batches them): each request's cache lands in its own tenant.
+        texts = {who: f"{who} asks about the results of the tests of {who}. " * 6 for who in ("carol", "dave")}
+        got: dict = {}
+        threads = [threading.Thread(target=lambda w=w: got.__setitem__(w, usage(server, texts[w], w))) for w in texts]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        for who, text in texts.items():
+            other = "dave" if who == "carol" else "carol"
+            assert cached(usage(server, text, who)) == got[who]["prompt_tokens"] - 1
+            assert cached(usage(server, text, other)) <= shared + OWN
+        log = server.log()
+        stats = requests.get(server.url + "/kvstore/stats", timeout=10).json()
+        metrics = requests.get(server.url + "/metrics", timeout=10).text
+        # verify --isolation against it, as an operator runs it (in this process: it is an HTTP client)
+        out = run_cli("verify", "--isolation", server.url, "--tenant-from", "header:X-Tenant",
+                      "--prompts", prompts, "--probes", "10")
+    for who in ("alice", "bob", "carol", "dave"):
+        assert who not in log  # tenants are named by tag, never by the header's value
+    tags = {t["tenant"] for t in stats["tenants"]}
+    assert len(tags) >= 4 and all(len(t) == 16 for t in tags)
+    assert all(f'kvstore_tenant_bytes{{tenant="{t}"}}' in metrics for t in tags)
+    assert "tenants are kept apart" in out.stdout, out.stdout
+    for check in ("the same tenant hits", "another tenant misses", "the shared prompt hits for both",
+                  "time to first token tells nothing", "cached_tokens tells nothing"):
+        assert f"ok   {check}" in out.stdout, out.stdout
+    assert "median" in out.stdout
+
+
+def test_a_trusted_cache_salt_keeps_clients_apart(warmed, tmp_path):
+    model, store, _ = warmed
+    with Server(model, store, tmp_path / "log", "--trust-client-salt") as server:
+        first = usage(server, SECRET, None, cache_salt="team-a")
+        shared = cached(first)
+        assert shared > 0
+        assert cached(usage(server, SECRET, None, cache_salt="team-a")) == first["prompt_tokens"] - 1
+        assert cached(usage(server, SECRET, None, cache_salt="team-b")) == shared
+        assert cached(usage(server, SECRET, None)) == shared  # no salt: the shared namespace, not team-a's
+        r = chat(server, SECRET, cache_salt=7)
+        assert r.status_code == 400 and "cache_salt" in r.json()["error"]
+        # /v1/completions reads it too
+        body = {"prompt": SECRET * 2, "max_tokens": 2, "temperature": 0.0}
+        one = requests.post(server.url + "/v1/completions", json={**body, "cache_salt": "x"}, timeout=120).json()
+        two = requests.post(server.url + "/v1/completions", json={**body, "cache_salt": "y"}, timeout=120).json()
+        again = requests.post(server.url + "/v1/completions", json={**body, "cache_salt": "x"}, timeout=120).json()
+    assert cached(two["usage"]) == 0 and cached(again["usage"]) == one["usage"]["prompt_tokens"] - 1
+
+
+def _rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_bearer_default_tenant_no_cached_tokens_and_a_body_over_the_limit(warmed, tmp_path):
+    model, store, _ = warmed
+    extra = ("--tenant-from", "bearer", "--default-tenant", "guest", "--report-cached-tokens", "off",
+             "--max-body-bytes", "1MiB")
+    with Server(model, store, tmp_path / "log", *extra) as server:
+        for _ in range(2):  # a repeated request: it hits, and still says nothing of it
+            r = chat(server, SECRET, {"Authorization": "Bearer token-of-alice"})
+            assert r.status_code == 200 and "prompt_tokens_details" not in r.json()["usage"]
+        r = chat(server, SECRET)  # no token: the default tenant
+        assert r.status_code == 200 and "prompt_tokens_details" not in r.json()["usage"]
+        before = _rss(server.proc.pid)
+        status = _post_huge(server.port, 200 << 20)
+        time.sleep(0.5)
+        grew = _rss(server.proc.pid) - before
+        assert chat(server, "still serving?").status_code == 200
+        log = server.log()
+    assert status == 413
+    assert grew < 32 << 20, f"RSS grew by {grew} bytes"
+    assert "token-of-alice" not in log and "over --max-body-bytes" in log
+
+
+def _post_huge(port: int, size: int) -> int:
+    """POST a body of `size` bytes (sent for real, from a thread, until the server closes); the
+    status the server answers."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=60)
+    sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {size}\r\n\r\n".encode())
+
+    def send():
+        chunk = b" " * (1 << 20)
+        try:
+            for _ in range(size >> 20):
+                sock.sendall(chunk)
+        except OSError:
+            pass  # the server closed the connection: what is left is never read
+
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+    head = sock.recv(4096).decode(errors="replace")
+    sender.join(60)
+    sock.close()
+    return int(head.split()[1])
+
+
+# -- in this process ------------------------------------------------------------------------------
+
+def test_the_tenant_policy():
+    header = TenantPolicy.parse("header:X-Tenant")
+    assert header.tenant_of({"X-Tenant": " alice "}, {}) == "alice"
+    with pytest.raises(Refused) as e:
+        header.tenant_of({}, {})
+    assert e.value.status == 400
+    assert TenantPolicy.parse("header:X-Tenant", "guest").tenant_of({}, {}) == "guest"
+    bearer = TenantPolicy.parse("bearer")
+    assert bearer.tenant_of({"Authorization": "Bearer abc"}, {}) == "abc"
+    with pytest.raises(Refused) as e:
+        bearer.tenant_of({"Authorization": "Basic abc"}, {})
+    assert e.value.status == 401 and "abc" not in str(e.value)
+    assert not TenantPolicy().active and TenantPolicy().tenant_of({"X-Tenant": "a"}, {"cache_salt": "s"}) is None
+    salted = TenantPolicy.parse("none", trust_client_salt=True)
+    assert salted.active and salted.tenant_of({}, {"cache_salt": "s"}) != salted.tenant_of({}, {"cache_salt": "t"})
+    assert salted.tenant_of({}, {}) is None
+    for bad in ("header:", "header:a b", "cookie", "header:a:b"):
+        with pytest.raises(ValueError):
+            parse_source(bad)
+    args, _ = build_parser().parse_known_args(["--default-tenant", "guest"])
+    with pytest.raises(kvstore.InvalidInputError, match="--tenant-from"):
+        server_settings(args)
+    args, _ = build_parser().parse_known_args([])
+    assert server_settings(args)["max_body_bytes"] == 64 << 20
+    args, _ = build_parser().parse_known_args(["--max-body-bytes", "off"])
+    assert server_settings(args)["max_body_bytes"] is None
+
+
+def test_requests_carry_their_tenant_to_the_cache(llama, tmp_path):
+    path, model = llama
+    tokens = list(range(3, 70))
+    with kvstore.open(tmp_path / "s", chunk_size=16) as store:
+        cache = PersistentPromptCache(store, tenants=True)
+        cache.register("m", store.bind(model, str(path)))
+        with cache.for_tenant("alice"):
+            assert cache.fetch_nearest_cache("m", tokens) == (None, tokens)
+            cache.insert_cache("m", tokens, prefill(model, tokens))
+            cache.tenants.begin("alice")
+            _, rest = cache.fetch_nearest_cache("m", tokens + [1])
+            assert len(rest) == 1
+        cache.tenants.begin("bob")
+        assert cache.fetch_nearest_cache("m", tokens + [1]) == (None, tokens + [1])
+        # No request said whose these are: neither looked up nor stored.
+        assert cache.fetch_nearest_cache("m", tokens + [1]) == (None, tokens + [1])
+        cache.insert_cache("m", tokens[:20], prefill(model, tokens[:20]))
+        assert cache.counters["tenant_unknown"] == 2
+        store.flush()
+        assert {t["records"] for t in store.stats()["tenants"]} == {5}  # alice's 4 chunks and tail
+
+
+def test_caches_are_tagged_with_their_requests_tenant():
+    tenants = RequestTenants(True)
+    a, b = [_Layer(), _Layer()], [_Layer()]
+    tenants.begin("alice")
+    assert tenants.take() == "alice" and tenants.last() == "alice" and tenants.take() is UNKNOWN
+    tenants.tag(a, "alice")
+    tenants.tag(b, None)
+    assert tenants.of_cache(b) is None and tenants.of_cache(a) == "alice"
+    assert tenants.of_cache(a) is UNKNOWN  # a tag is used once
+    with tenants.single("carol"):
+        assert tenants.take() == "carol" and tenants.of_cache([_Layer()]) == "carol"
+    assert tenants.of_cache([_Layer()]) is UNKNOWN
+    assert RequestTenants(False).of_cache([object()]) is None
+
+
+class _Layer:
+    """A cache layer as a tag sees it (mlx-lm's are plain objects too)."""

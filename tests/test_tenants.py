@@ -1,0 +1,200 @@
+"""Tenants in the library: a tenant's chain follows the shared records, then is its own; lookups
+see shared records and their own tenant's, in every tier; a tenant never writes a shared record;
+quotas, stats, verify and the index rebuild know each record's tenant. Real demo models, chunk 16;
+every restore is checked against a recompute."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import numpy as np
+import pytest
+import xxhash
+from kvtest import logits_diff, prefill
+
+import kvstore
+from kvstore import keys, tenants
+from kvstore.records import CHECKPOINT, prompt_records
+from kvstore.storage import blobformat, blobtree
+from kvstore.upkeep.rebuild import rebuild_index
+
+C = 16
+
+
+def toks(n: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(1, 250, n).tolist()
+
+
+SYSTEM = toks(40, 1)  # 2 chunks and a tail of 8: the operator's shared prompt
+
+
+def reused(mc, query) -> int:
+    _, rest = mc.fetch(query)
+    return len(query) - len(rest)
+
+
+def test_a_tenants_keys_follow_the_shared_chunks_then_its_salt():
+    alice, bob = tenants.derive(b"k" * 32, "alice"), tenants.derive(b"k" * 32, "bob")
+    assert alice.tag != bob.tag and tenants.parse_tag(alice.tag) == alice.tag
+    assert tenants.derive(b"k" * 32, "alice") == alice and tenants.derive(b"j" * 32, "alice").salt != alice.salt
+    ns, prompt = b"\x01" * 16, np.array(SYSTEM + toks(30, 2))
+    shared = prompt_records(ns, prompt, C, checkpoint=True)
+    a = prompt_records(ns, prompt, C, checkpoint=True, tenant=alice, shared=2)
+    b = prompt_records(ns, prompt, C, checkpoint=True, tenant=bob, shared=2)
+    assert [s.hash for s in a[:2]] == [s.hash for s in shared[:2]] and all(s.tenant is None for s in a[:2])
+    assert all(s.tenant == alice.tag and s.link == alice.link(s.parent) for s in a[2:] if s.kind != CHECKPOINT)
+    assert a[-1].kind == CHECKPOINT and a[-1].tenant == alice.tag and a[-1].link is None
+    assert not {s.hash for s in a[2:]} & ({s.hash for s in b} | {s.hash for s in shared})
+    # The salt enters every key after the shared ones: a tenant key is its link's and its tokens' hash.
+    for s in a[2:-1]:
+        assert keys.is_address(s.hash, s.link, s.kind, prompt[s.start:s.end])
+        assert not keys.is_address(s.hash, s.parent, s.kind, prompt[s.start:s.end])
+    with pytest.raises(ValueError):
+        tenants.derive(b"k" * 32, "")
+
+
+@pytest.mark.parametrize("where", ["memory", "pending", "disk", "fresh process"])
+def test_another_tenant_reuses_only_the_shared_prompt(llama, tmp_path, where):
+    path, model = llama
+    secret = SYSTEM + toks(37, 3)
+    store = kvstore.open(tmp_path / "s", chunk_size=C, memory_bytes=0 if where == "disk" else None)
+    try:
+        store.bind(model, str(path)).prefill(SYSTEM, pin=True)
+        a, b = (store.bind(model, str(path), tenant=t) for t in ("alice", "bob"))
+        if where == "pending":
+            store.writer.pause()  # A's records stay queued: the pending tier serves them
+        a.insert(secret, prefill(model, secret))
+        if where != "pending":
+            store.flush()
+        if where == "fresh process":
+            store.close()
+            store = kvstore.open(tmp_path / "s", chunk_size=C)
+            a, b = (store.bind(model, str(path), tenant=t) for t in ("alice", "bob"))
+        query = secret + [7]
+        assert reused(b, query) == len(SYSTEM)  # the shared chunks and the shared tail, nothing of A's
+        assert reused(a, query) == len(secret)
+        cache, rest = a.fetch(query)
+        assert logits_diff(model, cache, rest, query) < 1e-4
+        assert reused(store.bind(model, str(path)), query) == len(SYSTEM)  # the shared namespace: A's is not its
+    finally:
+        if where == "pending":
+            store.writer.resume()
+        store.close()
+
+
+def test_a_tenant_never_writes_pins_or_marks_a_shared_record(llama, tmp_path):
+    path, model = llama
+    with kvstore.open(tmp_path / "s", chunk_size=C) as store:
+        shared = store.bind(model, str(path))
+        shared.prefill(SYSTEM[:32])  # two whole chunks, no tail
+        store.flush()
+        before = {r.hash: (r.pinned, r.role) for r in store.index.rows()}
+        a = store.bind(model, str(path), tenant="alice")
+        a.prefill(SYSTEM[:32] + toks(20, 4), pin=True, cache_type="system")
+        a.insert(SYSTEM[:32], prefill(model, SYSTEM[:32]), pin=True, cache_type="system")  # ends on a shared chunk
+        store.flush()
+        rows = list(store.index.rows())
+        assert {r.hash: (r.pinned, r.role) for r in rows if r.tenant is None} == before
+        mine = [r for r in rows if r.tenant is not None]
+        assert mine and all(r.tenant == a.tenant.tag for r in mine) and all(r.pinned for r in mine)
+        assert a.unpin(SYSTEM[:32] + toks(20, 4))["records"] == len(mine)
+        assert all(r.pinned == before[r.hash][0] for r in store.index.rows() if r.tenant is None)
+        stats = store.stats()
+        assert stats["tenants"] == [{"tenant": a.tenant.tag, "records": len(mine), "bytes": sum(r.size for r in mine)}]
+
+
+def test_a_tenants_records_survive_verify_and_a_rebuild_of_the_index(llama, tmp_path):
+    path, model = llama
+    prompt = SYSTEM + toks(21, 5)
+    with kvstore.open(tmp_path / "s", chunk_size=C) as store:
+        store.bind(model, str(path)).prefill(SYSTEM)
+        a = store.bind(model, str(path), tenant="alice")
+        a.prefill(prompt)
+        store.flush()
+        tags = {r.hash: r.tenant for r in store.index.rows()}
+        assert store.verify() == []
+        key = store.path / "tenant.key"
+        assert stat.S_IMODE(os.stat(key).st_mode) == 0o600
+    rebuilt = rebuild_index(tmp_path / "s")
+    assert rebuilt["records"] == len(tags) and not rebuilt["skipped"]
+    with kvstore.open(tmp_path / "s", chunk_size=C) as store:
+        assert {r.hash: r.tenant for r in store.index.rows()} == tags
+        assert store.verify() == []
+        assert reused(store.bind(model, str(path), tenant="alice"), prompt + [1]) == len(prompt)
+        assert reused(store.bind(model, str(path), tenant="bob"), prompt + [1]) == len(SYSTEM)
+
+
+@pytest.mark.parametrize("field", ["x-tenant", "x-link"])
+def test_a_blob_whose_tenant_fields_lie_is_never_served(llama, tmp_path, field):
+    path, model = llama
+    prompt = SYSTEM + toks(21, 6)
+    with kvstore.open(tmp_path / "s", chunk_size=C, memory_bytes=0) as store:
+        store.bind(model, str(path)).prefill(SYSTEM)
+        a = store.bind(model, str(path), tenant="alice")
+        a.prefill(prompt)
+        store.flush()
+        row = next(r for r in store.index.rows() if r.tenant is not None and r.depth == 3)
+        blob = blobtree.blob_path(store.blob_root, row.hash)
+        stored = blobformat.read_record(blob.read_bytes())
+        assert stored.metadata["x-tenant"] == a.tenant.tag
+        assert stored.metadata["x-link"] == a.tenant.link(row.parent).hex()
+        # Another tenant's tag, or another link (bob's, under the same parent): not alice's record.
+        lie = store.tenant("bob").tag if field == "x-tenant" else store.tenant("bob").link(row.parent).hex()
+        raw = blob.read_bytes().replace(stored.metadata[field].encode(), lie.encode())
+        blob.write_bytes(raw)  # and its row agrees, as a rebuild of the index would take it back
+        store.index.replace_blob(row.hash, len(raw), xxhash.xxh3_64_intdigest(raw))
+        problems = store.verify()
+        said = {"x-tenant": "its header says tenant", "x-link": "its token ids are not those"}[field]
+        assert problems[0].hash == row.hash.hex() and said in problems[0].detail, problems
+        assert all("parent record is missing or damaged" in p.detail for p in problems[1:])  # what hangs below
+        # A miss from there on (the shared prompt still serves); the record is quarantined.
+        assert reused(a, prompt + [1]) == len(SYSTEM)
+        assert store.index.get(row.hash).bad
+
+
+def test_each_tenant_is_kept_within_its_quota_by_the_same_rule(llama, tmp_path):
+    path, model = llama
+    with kvstore.open(tmp_path / "s", chunk_size=C) as store:
+        store.bind(model, str(path)).prefill(SYSTEM)
+        a, b = (store.bind(model, str(path), tenant=t) for t in ("alice", "bob"))
+        for i in range(4):
+            a.prefill(SYSTEM + toks(32, 10 + i))
+        b.prefill(SYSTEM + toks(32, 20))
+        store.flush()
+        per = {t["tenant"]: t["bytes"] for t in store.stats()["tenants"]}
+        one = per[b.tenant.tag]  # one prompt of 32 private tokens
+        shared = sum(r.size for r in store.index.rows() if r.tenant is None)
+        result = store.files.gc(tenant_max_bytes=2 * one)
+        assert result["tenants_over"] == 1
+        per = {t["tenant"]: t["bytes"] for t in store.files.tenants()}
+        assert per == {a.tenant.tag: 2 * one, b.tenant.tag: one}
+        assert sum(r.size for r in store.index.rows() if r.tenant is None) == shared
+        store.memory.clear()
+        # The least recently used went: alice's last two prompts are whole, the first two gone.
+        assert [reused(a, SYSTEM + toks(32, 10 + i) + [1]) for i in range(4)] == [40, 40, 72, 72]
+        assert store.verify() == []
+
+
+def test_the_disk_budget_keeps_tenants_within_their_quota_as_records_land(llama, tmp_path):
+    path, model = llama
+    with kvstore.open(tmp_path / "s", chunk_size=C, tenant_max_bytes="60KB") as store:
+        a = store.bind(model, str(path), tenant="alice")
+        for i in range(6):
+            a.prefill(toks(32, 30 + i))
+        store.flush()
+        assert store.stats()["tenant_max_bytes"] == 60_000
+        assert 0 < store.files.tenants()[0]["bytes"] <= 60_000
+
+
+def test_a_read_only_store_without_a_tenant_key_says_so(llama, tmp_path):
+    path, model = llama
+    kvstore.open(tmp_path / "s", chunk_size=C).close()
+    with kvstore.open(tmp_path / "s", chunk_size=C, read_only=True) as store:
+        with pytest.raises(kvstore.StoreOpenError, match="tenant key"):
+            store.bind(model, str(path), tenant="alice")
+    with kvstore.open(kvstore.MEMORY, chunk_size=C) as store:  # in RAM: a key of this process's
+        a = store.bind(model, str(path), tenant="alice")
+        a.insert(SYSTEM, prefill(model, SYSTEM))
+        assert reused(a, SYSTEM + [1]) == len(SYSTEM)
+        assert reused(store.bind(model, str(path), tenant="bob"), SYSTEM + [1]) == 0
