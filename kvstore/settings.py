@@ -259,9 +259,14 @@ STORE_SETTINGS: tuple[Setting, ...] = (
                  "size, e.g. 256 or 2048) and restore only at multiples of N (or at a stored prompt's own "
                  "end), so a restored run computes what a cold run does, bit for bit (docs/exact.md); "
                  "off: reuse every stored token; 0 is refused"),
-    Setting("remote_deadline", "duration", 1.0, zero="never wait for the bucket",
-            help="how long a fetch waits for the remote tier, e.g. 2s; past it, the fetch serves "
-                 "what is local; 0: never wait for the bucket"),
+    Setting("remote_prefetch", "choice", "timeout", choices=("timeout", "best_effort", "wait_complete"),
+            help="how long a fetch waits for the remote tier: timeout (1 s + 0.1 s per 1,024 tokens "
+                 "not held locally, at most 10 s; what arrived is restored, the rest prefilled); "
+                 "best_effort (serve what is local now, download in the background for the next "
+                 "fetch); wait_complete (wait for the whole path)"),
+    Setting("remote_deadline", "duration", None, off=True, zero="never wait for the bucket",
+            help="the longest a fetch waits for the remote tier whatever --remote-prefetch says, "
+                 "e.g. 2s; off: the policy alone decides; 0: never wait for the bucket"),
     Setting("remote_flush_timeout", "duration", 10.0, zero="do not wait for uploads",
             help="how long one command, or one close, waits in all for uploads to the remote "
                  "tier, e.g. 30s; uploads left undone are counted and said; 0: do not wait"),

@@ -80,7 +80,8 @@ class Store:
                  memory_bytes: int | str | None = None, chunk_size: int | None = None,
                  max_pending_bytes: int | str | None = None, fsync: bool = True,
                  create: bool = True, read_only: bool | None = False,
-                 remote: str | None = None, remote_deadline: float | str | None = None,
+                 remote: str | None = None, remote_prefetch: str | None = None,
+                 remote_deadline: float | str | None = None,
                  remote_key: str | bytes | None = None, remote_flush_timeout: float | str | None = None,
                  admit: str | None = None, max_write_rate: int | str | None = None,
                  disk_kv_bits: int | str | None = None, buffer_cache_bytes: int | str | None = None,
@@ -88,7 +89,7 @@ class Store:
                  kv_events: str | dict | None = None):
         given = {k: v for k, v in dict(
             max_bytes=max_bytes, memory_bytes=memory_bytes, chunk_size=chunk_size,
-            max_pending_bytes=max_pending_bytes, remote_deadline=remote_deadline,
+            max_pending_bytes=max_pending_bytes, remote_prefetch=remote_prefetch, remote_deadline=remote_deadline,
             remote_flush_timeout=remote_flush_timeout, admit=admit, max_write_rate=max_write_rate,
             disk_kv_bits=disk_kv_bits, buffer_cache_bytes=buffer_cache_bytes,
             tenant_max_bytes=tenant_max_bytes, exact_prefill=exact_prefill, kv_events=kv_events).items()
@@ -133,7 +134,8 @@ class Store:
                 self.files.close()
             raise
         self.tenant_max_bytes = value["tenant_max_bytes"]
-        self.remote = self._open_remote(remote, value["remote_deadline"], secrets, value["remote_flush_timeout"])
+        self.remote = self._open_remote(remote, value["remote_deadline"], secrets, value["remote_flush_timeout"],
+                                        value["remote_prefetch"])
         self._tenant_secret: tuple[bytes, str] | None = None  # (secret, key id), made on first use
         self.events = self._publisher(events)
         self.gate = Gate(self.index if writes else None, value["admit"], value["max_write_rate"])
@@ -191,14 +193,14 @@ class Store:
                                     unsaved=self.gate.unsaved(), now=self.gate.clock())
 
     def _open_remote(self, url: str | None, deadline: float | None, secrets: list[bytes] | None,
-                     flush_timeout: float | None) -> Remote | None:
+                     flush_timeout: float | None, prefetch: str) -> Remote | None:
         """This node's side of the bucket at `url` (its objects sealed with the first of the
         fleet's `secrets`, read with each), or None. Contacts nothing yet."""
         if not url:
             return None
         fleet = Fleet(secrets[0], secrets[1:])
         return Remote(open_bucket(url), fleet, self.index, self.path, self.blob_root,
-                      deadline=deadline, flush_timeout=flush_timeout)
+                      deadline=deadline, flush_timeout=flush_timeout, prefetch=prefetch)
 
     def _publisher(self, config: events_config.EventsConfig | None):
         """The KV events publisher `kv_events` asks for (`kvstore.events.kvevents`), or None."""
@@ -222,7 +224,8 @@ class Store:
             tiers.append(disk)
             if self.remote is not None:  # its downloads are stored through `disk`, within its budget
                 tiers.append(RemoteTier(self.remote.bucket, self.remote.health, disk, self.remote.fleet,
-                                        deadline=self.remote.deadline, reupload=self.remote.uploader.submit))
+                                        policy=self.remote.prefetch, deadline=self.remote.deadline,
+                                        reupload=self.remote.uploader.submit))
         return Tiers(tiers)
 
 
@@ -443,8 +446,11 @@ def open(path: str | os.PathLike | None = None, *, max_bytes: int | str | None =
     files but no kvstore index) is refused, never used. `create=False` opens only an existing
     store; `read_only=True` (or `None`: when this user may not write it) writes nothing.
     `remote="s3://BUCKET/PREFIX"` shares the store with other nodes through an S3-compatible
-    object store (see `kvstore.tiers.remote`); `remote_deadline` (seconds, default 1) bounds the
-    remote part of each fetch. The fleet's secret is `remote_key` (32 bytes, or the base64url text
+    object store (see `kvstore.tiers.remote`); `remote_prefetch` says how long a fetch waits for
+    it: `"timeout"` (the default: 1 s + 0.1 s per 1,024 tokens not held locally, at most 10 s;
+    what arrived by then is restored), `"best_effort"` (what is local now; the downloads finish in
+    the background for the next fetch) or `"wait_complete"`; `remote_deadline` (seconds), when
+    given, bounds any of them. The fleet's secret is `remote_key` (32 bytes, or the base64url text
     `kvstore remote-key` prints), else `$KVSTORE_REMOTE_KEY`: a remote without one is refused.
     `remote_flush_timeout` (seconds, default 10) bounds how long `flush()` and `close()` wait
     for uploads.

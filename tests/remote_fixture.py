@@ -190,9 +190,12 @@ class StallingProxy:
     """An HTTP proxy on 127.0.0.1 in front of the S3 endpoint that forwards reads (GET, HEAD, and
     so listings) and holds every PUT unanswered until it is closed: an endpoint that answers
     reads and hangs on writes. Headers go through unchanged (the Host a client signed with too),
-    so the endpoint checks each request's signature as if it came directly."""
+    so the endpoint checks each request's signature as if it came directly.
 
-    def __init__(self, upstream: str):
+    With `slow_gets` (seconds), it is also a slow endpoint: downloads of objects (GETs that are
+    not listings) are answered one at a time, each after that long (`gets` counts them)."""
+
+    def __init__(self, upstream: str, slow_gets: float = 0.0):
         import http.client
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
         from urllib.parse import urlsplit
@@ -200,6 +203,8 @@ class StallingProxy:
         target = urlsplit(upstream)
         release = self.release = threading.Event()
         self.stalled = 0
+        self.gets = 0
+        one_at_a_time = threading.Lock()
 
         proxy = self
 
@@ -216,6 +221,10 @@ class StallingProxy:
                     release.wait()  # never answered while the proxy is open
                     self.close_connection = True
                     return
+                if slow_gets and self.command == "GET" and "list-type=" not in self.path:
+                    with one_at_a_time:
+                        proxy.gets += 1
+                        time.sleep(slow_gets)
                 conn = http.client.HTTPConnection(target.hostname, target.port, timeout=30)
                 try:
                     conn.request(self.command, self.path, body=body or None, headers=dict(self.headers.items()))

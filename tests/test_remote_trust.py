@@ -81,9 +81,10 @@ def plant(url: str, store_dir: Path, source, ns: bytes, prompts, sealed: bool) -
     planted = 0
     for p in prompts:
         for r in prompt_records(ns, np.asarray(p), C):
-            body = bucket.get(key_of(theirs, r)) if sealed else blob_path(store_dir / "blobs", r.hash).read_bytes()
+            t = np.asarray(p)[r.start : r.end]
+            body = bucket.get(key_of(theirs, r, t)) if sealed else blob_path(store_dir / "blobs", r.hash).read_bytes()
             assert body is not None
-            bucket.put(key_of(ours, r), bytes(body))
+            bucket.put(key_of(ours, r, t), bytes(body))
             planted += 1
     manifest = bucket.get(manifest_key(theirs.folder))
     bucket.put(manifest_key(ours.folder), bytes(manifest))
@@ -209,7 +210,7 @@ def test_an_object_that_states_chunk_size_zero_is_a_counted_bad_object(tmp_path,
     text = json.dumps(header).encode()
     text += b" " * (-len(text) % 8)
     s = fleet().sealer(mc.ns)
-    key = key_of(s, first)
+    key = key_of(s, first, np.asarray(prompt)[: first.ntokens])
     Bucket(url).put(key, s.seal(key, struct.pack("<Q", len(text)) + text + blob[8 + n :]))
     with kvstore.open(tmp_path / "b", chunk_size=C, remote=url, memory_bytes=0) as b:
         assert fleet_fetch_is_honest(b, model, path, prompt) == 0
@@ -273,10 +274,11 @@ def _cli(*args, env=None) -> subprocess.CompletedProcess:
 def test_keys_a_listing_shows_are_of_the_layout_only():
     f = fleet()
     s = f.sealer(b"\x05" * 16)
-    r = prompt_records(s.ns, np.arange(1, C + 4), C)
+    t = np.arange(1, C + 4)
+    r = prompt_records(s.ns, t, C)
     for rec in r:
-        assert parse_key(key_of(s, rec)) is not None
-        assert parse_key("team/" + key_of(s, rec)) is None
+        assert parse_key(key_of(s, rec, t[rec.start : rec.end])) is not None
+        assert parse_key("team/" + key_of(s, rec, t[rec.start : rec.end])) is None
 
 
 def test_downloads_count_against_the_local_budget(tmp_path, s3, llama):

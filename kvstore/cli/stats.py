@@ -98,8 +98,11 @@ def _print_remote(remote: dict | None) -> None:
     if not remote:
         return
     t = remote["totals"]
+    unused = max(0, t["downloads"] - t["downloads_used"] - t["prefetched"])
+    prefetched = f", {t['prefetched']} fetched ahead" if t["prefetched"] else ""
     out(f"remote: {remote['url']}   uploads: {t['uploads']} ({format_size(t['upload_bytes'])})   "
-        f"downloads: {t['downloads']} ({format_size(t['download_bytes'])})   remote hits: {t['remote_hits']}   "
+        f"downloads: {t['downloads']} ({format_size(t['download_bytes'])}; {t['downloads_used']} used{prefetched}, "
+        f"{unused} unused)   remote hits: {t['remote_hits']} ({t['partial_restores']} partial)   "
         f"errors: {t['errors']}   dropped uploads: {t['dropped_uploads']}   deadline misses: {t['deadline_misses']}")
     older = remote.get("older_keys") or []
     if older:

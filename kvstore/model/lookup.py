@@ -56,6 +56,7 @@ def match(tiers: Tiers, lookup: Lookup, ns: bytes, toks: np.ndarray, chunk_size:
                 continue
             if any(n >= len(rest) - 1 for _, n, _ in kids.values()):
                 break  # covered: nothing a later tier holds could restore more
+            lookup.local_children = {h: n for h, n, _ in kids.values()}  # what a shared tier need not fetch
             for h, child_tokens, ref in tier.children(lookup, parent, rest):
                 if len(child_tokens) == 0 or h in kids:
                     continue

@@ -1,4 +1,4 @@
-"""The bucket protocol: the seven calls the remote tier makes of an object store.
+"""The bucket protocol: the nine calls the remote tier makes of an object store.
 
 A backend is one module with a class that answers these (see `s3.S3Bucket`), taking the URL, and
 a `check_url(url)` that raises InvalidInputError for a URL it cannot use; it is chosen by the
@@ -33,8 +33,22 @@ class TooLate(RemoteError):
     """A download ran past the time it was given: what it read is dropped."""
 
 
-class RemoteAuthError(RemoteError):
+class RemoteSetupError(RemoteError):
+    """A mistake in how the remote is set up, not a passing failure: every request fails the same
+    way until it is fixed. Its message is kvstore's own (it names the URL and what to check, never
+    a secret) and is said once."""
+
+
+class RemoteAuthError(RemoteSetupError):
     """The object store refused the credentials (wrong key or secret, or no right to the bucket)."""
+
+
+class RemoteUnreachable(RemoteSetupError):
+    """The endpoint does not answer (down, or the wrong address)."""
+
+
+class BucketMissing(RemoteSetupError):
+    """The endpoint answers, and has no such bucket."""
 
 
 class Bucket(Protocol):
@@ -56,6 +70,13 @@ class Bucket(Protocol):
 
     def list(self, prefix: str) -> list[tuple[str, int, float]]:
         """(key, size, last modified as a Unix time) of every object under `prefix`, quickly."""
+
+    def list_page(self, prefix: str, limit: int) -> tuple[list[tuple[str, int, float]], bool]:
+        """The first `limit` of `list(prefix)` at most, in one request, and whether there may be more."""
+
+    def folders(self, prefix: str) -> list[str]:
+        """The names of the folders right under `prefix` (a listing with a delimiter);
+        BucketMissing if the bucket does not exist."""
 
     def walk(self, prefix: str) -> Iterator[tuple[str, int, float]]:
         """The same as `list`, lazily, for a whole bucket (maintenance)."""

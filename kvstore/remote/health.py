@@ -10,7 +10,7 @@ import re
 import threading
 import time
 
-from kvstore.remote.bucket import RemoteAuthError
+from kvstore.remote.bucket import RemoteSetupError
 from kvstore.sizes import printable
 
 log = logging.getLogger("kvstore")
@@ -20,7 +20,9 @@ COUNTERS = (
     "uploads", "upload_bytes", "already_there", "upload_errors", "dropped_uploads", "dropped_upload_bytes",
     "skipped_old_format", "skipped_no_parent", "lookups", "heads", "lists", "downloads", "download_bytes",
     "remote_hits", "remote_tokens", "corrupt_objects", "errors", "deadline_misses", "skipped_down",
-    "unauthenticated", "replaced", "oversized_objects", "skipped_down_uploads", "left_uploads")
+    "unauthenticated", "replaced", "oversized_objects", "skipped_down_uploads", "left_uploads",
+    "downloads_used", "prefetched", "partial_restores", "truncated_lists", "dropped_prefetches",
+    "foreign_namespaces")
 #: Counters are added to the store's index under this prefix, so `kvstore stats` shows every
 #: process's totals.
 COUNTER_PREFIX = "count.remote."
@@ -47,7 +49,7 @@ class Health:
         self._down_until = 0.0
         self._lock = threading.Lock()
         self._persisted: dict[str, int] = {}
-        self._refused = False  # the bucket refused the credentials (said once)
+        self._said: set[str] = set()  # the kinds of setup mistakes said (each once)
 
     def count(self, key: str, n: int = 1) -> None:
         with self._lock:
@@ -55,16 +57,18 @@ class Health:
 
     def error(self, e: BaseException, *, down: bool = False) -> None:
         """Count a failure; `down`: the remote itself failed, so leave it alone for a while.
-        Refused credentials are said once: every request after the first fails the same way."""
+        A setup mistake (credentials refused, endpoint down, no such bucket) is said once, in
+        full: every request after the first fails the same way."""
         self.count("errors")
-        refused = isinstance(e, RemoteAuthError)  # (its message is kvstore's own: the bucket, never a key)
-        self.last_error = printable(str(e)) if refused else short_error(e)
-        if down or refused:
+        setup = isinstance(e, RemoteSetupError)  # (its message is kvstore's own: the URL, never a key)
+        self.last_error = printable(str(e)) if setup else short_error(e)
+        if down or setup:
             self.mark_down()
         with self._lock:
-            if refused and self._refused:
+            if setup and type(e).__name__ in self._said:
                 return
-            self._refused = self._refused or refused
+            if setup:
+                self._said.add(type(e).__name__)
         log.warning("kvstore: remote tier: %s", self.last_error)
 
     def mark_down(self) -> None:

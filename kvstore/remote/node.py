@@ -38,10 +38,11 @@ FLUSH_TIMEOUT_S: float = settings.BY_NAME["remote_flush_timeout"].default
 
 class Remote:
     def __init__(self, bucket: Bucket, fleet: Fleet, index: Index, store_dir: Path, blob_root: Path, *,
-                 deadline: float, health: Health | None = None, upload_threads: int = 4,
-                 flush_timeout: float = FLUSH_TIMEOUT_S):
+                 deadline: float | None, health: Health | None = None, upload_threads: int = 4,
+                 flush_timeout: float = FLUSH_TIMEOUT_S, prefetch: str = "timeout"):
         self.bucket, self.fleet, self.index, self.store_dir = bucket, fleet, index, store_dir
         self.url, self.deadline, self.flush_timeout = bucket.url, deadline, flush_timeout
+        self.prefetch = prefetch  # the remote tier's policy (`tiers.remote`)
         self.health = health or Health()
         self.uploader = Uploader(bucket, self.health, fleet, blob_root, index.get, self.publish_pins,
                                  threads=upload_threads)
@@ -69,7 +70,7 @@ class Remote:
         except Exception:  # only statistics (the index may be busy)
             stored = {}
         return {"url": self.url, "key": self.fleet.key_id, "older_keys": [f.key_id for f in self.fleet.older],
-                "deadline_s": self.deadline, "pending_upload_bytes": self.uploader.pending_bytes,
+                "prefetch": self.prefetch, "deadline_s": self.deadline, "pending_upload_bytes": self.uploader.pending_bytes,
                 "pending_uploads": self.uploader.pending_uploads, "flush_timeout_s": self.flush_timeout,
                 "undone_uploads": self.undone_uploads,
                 "last_error": self.health.last_error, **self.health.counters,

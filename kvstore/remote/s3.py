@@ -18,7 +18,15 @@ from pathlib import Path
 from typing import Iterator
 
 from kvstore.errors import InvalidInputError
-from kvstore.remote.bucket import MAX_OBJECT_BYTES, RemoteAuthError, RemoteError, TooLarge, TooLate
+from kvstore.remote.bucket import (
+    MAX_OBJECT_BYTES,
+    BucketMissing,
+    RemoteAuthError,
+    RemoteError,
+    RemoteUnreachable,
+    TooLarge,
+    TooLate,
+)
 
 log = logging.getLogger("kvstore")
 
@@ -202,6 +210,29 @@ class S3Bucket:
         """(key, size, last modified as a Unix time) of every object under `prefix`."""
         return list(self.walk(prefix, reading=True))
 
+    def list_page(self, prefix: str, limit: int) -> tuple[list[tuple[str, int, float]], bool]:
+        """The first `limit` keys under `prefix` at most (S3 gives up to 1,000 a request), and
+        whether there may be more: a folder flooded with keys costs one bounded request."""
+        import obstore
+
+        try:
+            for batch in obstore.list(self._read, prefix or None, chunk_size=limit):
+                got = [(m["path"], int(m["size"]), m["last_modified"].timestamp()) for m in batch[:limit]]
+                return got, len(batch) >= limit
+            return [], False
+        except Exception as e:
+            raise _error(self.url, "LIST", prefix, e) from None
+
+    def folders(self, prefix: str) -> list[str]:
+        """The names of the folders right under `prefix`."""
+        import obstore
+
+        try:
+            found = obstore.list_with_delimiter(self._read, prefix or None)
+        except Exception as e:
+            raise _error(self.url, "LIST", prefix, e) from None
+        return [p.rstrip("/").rpartition("/")[2] for p in found["common_prefixes"]]
+
     def walk(self, prefix: str, reading: bool = False) -> Iterator[tuple[str, int, float]]:
         import obstore
 
@@ -230,13 +261,32 @@ def _error(url: str, method: str, key: str, e: BaseException) -> RemoteError:
     from obstore.exceptions import PermissionDeniedError, UnauthenticatedError
 
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    settings = aws_settings()
+    if "NoSuchBucket" in str(e) or (method == "LIST" and "404 Not Found" in str(e)):
+        bucket = parse_url(url)[0]
+        return BucketMissing(f"the remote {url}: the bucket {bucket!r} does not exist ({_endpoint_note(settings)}): "
+                             "create it, or fix the bucket's name in the URL")
+    if any(word in str(e) for word in _UNREACHABLE):
+        return RemoteUnreachable(f"the remote {url}: cannot reach the object store ({_endpoint_note(settings)}; "
+                                 f"{method} failed: {_UNREACHABLE_WORDS.get(_unreachable(str(e)), 'no answer')}): "
+                                 "is it running, and is AWS_ENDPOINT_URL (or endpoint_url in the AWS profile) right?")
     if isinstance(e, (PermissionDeniedError, UnauthenticatedError)) or any(
             code in str(e) for code in ("SignatureDoesNotMatch", "InvalidAccessKeyId")):
         return RemoteAuthError(
             f"the bucket {url} refused the credentials ({method} was denied): check "
             "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), and that they may use "
-            f"this bucket; {_endpoint_note(aws_settings())}")
+            f"this bucket; {_endpoint_note(settings)}")
     return RemoteError(f"{method} {key}: {type(e).__name__}: {first[:300]}")
+
+
+#: What obstore's message says when the endpoint does not answer, and how kvstore says it.
+_UNREACHABLE_WORDS = {"Connection refused": "connection refused", "dns error": "no such host",
+                      "error sending request": "no answer"}
+_UNREACHABLE = tuple(_UNREACHABLE_WORDS)
+
+
+def _unreachable(text: str) -> str:
+    return next((w for w in _UNREACHABLE if w in text), "")
 
 
 def _endpoint_note(settings: dict) -> str:

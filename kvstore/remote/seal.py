@@ -39,6 +39,7 @@ import struct
 import threading
 from collections import OrderedDict
 
+import numpy as np
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -62,6 +63,7 @@ _HEX = re.compile(r"[0-9a-fA-F]{64}")
 _TENANTS_REMEMBERED = 1 << 16  # tenants a node seals uploads for (the least recent is forgotten)
 _SEALERS_KEPT = 1 << 12
 _BASE64URL = re.compile(r"[A-Za-z0-9_-]{43}=?")
+MARK_HEX = 4  # hex digits of a mark: a false match (1 in 65,536) costs one download, caught by its check
 
 
 class Unauthenticated(BlobError):
@@ -243,7 +245,7 @@ class Box:
 class Sealer(Box):
     """One namespace's keys: sealing its objects and naming its records."""
 
-    __slots__ = ("ns", "folder", "key_id", "_names")
+    __slots__ = ("ns", "folder", "key_id", "_names", "_mark_key")
     owned = False  # a tenant's objects (`TenantSealer`)
 
     def __init__(self, fleet: Fleet, ns: bytes):
@@ -252,6 +254,7 @@ class Sealer(Box):
         self.key_id = fleet.key_id
         self.folder = fleet.ns_name(ns)
         self._names = _derive(fleet._secret, _PURPOSE + b" names " + ns)
+        self._mark_key = self._names
 
     def name(self, h: bytes) -> str:
         """A record's name (32 hex digits); the namespace itself is named by its folder, so a
@@ -264,6 +267,19 @@ class Sealer(Box):
         """The name of the folder of `parent`'s children that start with `first_token`."""
         msg = b"c" + parent + struct.pack("<i", int(first_token))
         return hmac.new(self._names, msg, hashlib.sha256).digest()[:8].hex()
+
+    def marks(self, parent: bytes, tokens: np.ndarray, lengths: list[int]) -> list[str]:
+        """A short MAC (4 hex digits) of each prefix of a child of `parent`'s tokens, one per
+        length in `lengths` (`layout.mark_lengths`): what a key says of its tokens, so a node
+        that knows a prompt tells how far a child shares it without downloading it."""
+        data = parent + np.ascontiguousarray(tokens, dtype="<i4").tobytes()
+        base = hmac.new(self._mark_key, b"m", hashlib.sha256)
+        out = []
+        for n in lengths:
+            h = base.copy()
+            h.update(data[: len(parent) + 4 * n])
+            out.append(h.hexdigest()[:MARK_HEX])
+        return out
 
 
 class TenantSealer(Sealer):
@@ -278,6 +294,7 @@ class TenantSealer(Sealer):
         super().__init__(fleet, ns)
         self._aead = AESGCM(_derive(fleet._secret, _PURPOSE + b" tenant seal " + ns + tenant.salt))
         self._branches = _derive(fleet._secret, _PURPOSE + b" tenant branches " + ns + tenant.salt)
+        self._mark_key = self._branches  # what a tenant's keys say of its tokens, only its nodes read
         self.tenant = tenant
 
     def children(self, parent: bytes, first_token: int) -> str:

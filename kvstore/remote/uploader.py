@@ -33,7 +33,8 @@ from kvstore.remote.health import Health
 from kvstore.remote.layout import key_of, manifest_key
 from kvstore.remote.objects import check_object, open_record
 from kvstore.remote.seal import Fleet, Sealer, Unauthenticated
-from kvstore.storage.blobfile import read_file
+from kvstore.storage import blobformat
+from kvstore.storage.blobfile import open_blob, read_file
 from kvstore.storage.blobtree import blob_path
 from kvstore.storage.index import Row
 
@@ -189,7 +190,7 @@ class Uploader:
             self.health.count("skipped_unknown_tenant")
             return False
         self._put_manifest(row.ns)
-        key = key_of(s, row)
+        key = key_of(s, row, blobformat.read_record(buf, row.hash.hex()).tokens)
         body = s.seal(key, buf)
         if self.bucket.put_new(key, body):
             self.health.count("uploads")
@@ -228,7 +229,12 @@ class Uploader:
         s = self._sealer(parent) if parent is not None else None
         if s is None:
             return False
-        found = self.bucket.head(key_of(s, parent)) is not None
+        try:  # its key is made from its tokens, read from its blob
+            with open_blob(self.blob_root, parent.hash, size=parent.size, checksum=parent.checksum) as blob:
+                tokens = blob.tokens()
+        except BlobError:
+            return False
+        found = self.bucket.head(key_of(s, parent, tokens)) is not None
         if found:
             self._remember(row.parent)
         return found

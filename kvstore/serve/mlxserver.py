@@ -393,8 +393,9 @@ def describe_store(store: Store) -> str:
     bound = f", bounded to {format_size(store.max_bytes)}" if store.max_bytes is not None else ""
     bound += " (auto: 1/4 of held + free disk)" if getattr(store, "max_bytes_rule", None) else ""
     remote = getattr(store, "remote", None)
-    below = (f"; remote tier {remote.url} (read through, written behind; deadline "
-             f"{remote.deadline:g} s a fetch)") if remote is not None else "; no remote tier"
+    below = (f"; remote tier {remote.url} (read through, written behind; prefetch {remote.prefetch}"
+             + (f", at most {remote.deadline:g} s a fetch)" if remote.deadline is not None else ")")
+             ) if remote is not None else "; no remote tier"
     changed = settings.not_default(settings.report(store.settings))
     return (f"kvstore: store {store.path}: {format_size(totals['bytes'])} in "
             f"{plural(totals['chunks'] + totals['tails'], 'record')} ({plural(totals['chunks'], 'chunk')}, "

@@ -51,6 +51,10 @@ class Lookup:
     tenant: Tenant | None = None
     shared: int = 0
     owner: Tenant | None = None
+    #: when the remote tier stops waiting for this fetch (`tiers.remote`: set by its policy)
+    remote_until: float | None = None
+    #: children of the chain's end the tiers of this machine hold: hash -> tokens it shares
+    local_children: dict[bytes, int] = field(default_factory=dict)
 
     def sees(self, tag: str | None) -> bool:
         """Whether a record of tenant `tag` (None: shared) may serve this lookup."""

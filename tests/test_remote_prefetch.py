@@ -1,0 +1,270 @@
+"""What the remote tier downloads and how long a fetch waits for it, on a real SeaweedFS.
+
+A node downloads only what no tier of its machine holds (the node that uploaded everything
+downloads nothing); children are compared by what their keys say before any body is fetched; a
+children folder flooded with keys costs one bounded listing; the prefetch policies (`timeout`,
+`best_effort`, `wait_complete`) keep to their waits; a key that failed is asked for again once
+its time is up; the local disk is asked before the bucket whatever the memory tier holds; and
+the mistakes a user makes (a wrong fleet secret, a bucket that does not exist) are said once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+from kvtest import logits_diff, prefill
+
+import kvstore
+from kvstore.records import prompt_records
+from kvstore.remote.layout import children_prefix, key_of
+from kvstore.remote.s3 import S3Bucket as Bucket
+from kvstore.remote.seal import new_key
+from kvstore.tiers.remote import BAD_FOR_S, LIST_LIMIT, PREFETCH_BASE_S, PREFETCH_PER_1K_S, RemoteTier
+
+C = 16
+REPO = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.usefixtures("s3")
+
+
+def toks(n: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(1, 250, n).tolist()
+
+
+def reused(mc, model, query) -> int:
+    cache, rest = mc.fetch(query)
+    n = len(query) - len(rest)
+    if n:
+        assert logits_diff(model, cache, rest, query) < 1e-4
+    return n
+
+
+def remote_tier(store) -> RemoteTier:
+    return next(t for t in store.tiers if isinstance(t, RemoteTier))
+
+
+def store_all(directory, url, model, path, prompts, **kw) -> None:
+    with kvstore.open(directory, chunk_size=C, remote=url, **kw) as a:
+        mc = a.bind(model, path)
+        for p in prompts:
+            mc.insert(p, prefill(model, p))
+        assert a.flush(60)
+        assert a.stats()["remote"]["errors"] == 0
+
+
+def test_the_uploading_node_downloads_nothing_and_another_only_what_it_lacks(tmp_path, s3, llama):
+    path, model = llama
+    url = s3.url()
+    system = toks(3 * C + 5, 1)
+    convs = [system + toks(C + 3 + i, 10 + i) for i in range(6)]
+    store_all(tmp_path / "a", url, model, path, convs)
+    # Node A, opened again (nothing in RAM), asks for its own prompts and for new conversations
+    # over the same system prompt: every child the bucket lists under it is one A holds.
+    with kvstore.open(tmp_path / "a", chunk_size=C, remote=url) as a:
+        mc = a.bind(model, path)
+        for p in convs:
+            assert reused(mc, model, p + [7]) == len(p)
+        for i in range(4):
+            assert reused(mc, model, system + toks(2 * C, 50 + i)) == len(system)
+        r = a.stats()["remote"]
+        assert r["downloads"] == 0 and r["download_bytes"] == 0 and r["lists"] >= 4, r
+    # Node B holds the system prompt of its own: it downloads conversation 0's chunk and tail,
+    # nothing of what it holds, and uses all it downloads.
+    store_all(tmp_path / "b", url, model, path, [system])
+    with kvstore.open(tmp_path / "b", chunk_size=C, remote=url) as b:
+        mc = b.bind(model, path)
+        assert reused(mc, model, convs[0] + [7]) == len(convs[0])
+        r = b.stats()["remote"]
+        assert r["downloads"] == 2 and r["downloads_used"] == 2 and r["remote_hits"] == 1, r
+
+
+def test_a_child_is_downloaded_only_when_its_key_says_it_is_worth_it(tmp_path, s3, llama):
+    path, model = llama
+    url = s3.url()
+    stored = toks(2 * C + C - 1, 2)  # two chunks and a tail of 15 tokens
+    store_all(tmp_path / "a", url, model, path, [stored])
+    with kvstore.open(tmp_path / "b", chunk_size=C, remote=url, memory_bytes=0) as b:
+        mc = b.bind(model, path)
+        # Two tokens of the 15-token tail: too little of it to be worth its download.
+        assert reused(mc, model, stored[: 2 * C + 2] + [251, 252, 253]) == 2 * C
+        assert b.stats()["remote"]["downloads"] == 2  # the two chunks only
+        # Nine tokens of it: its key's marks say it shares 8 at least; downloaded, and all 9 reused.
+        assert reused(mc, model, stored[: 2 * C + 9] + [251, 252, 253]) == 2 * C + 9
+        r = b.stats()["remote"]
+        assert r["downloads"] == 3 and r["downloads_used"] == 3, r
+
+
+def test_a_children_folder_flooded_with_keys_costs_one_bounded_listing(tmp_path, s3, llama):
+    path, model = llama
+    url = s3.url()
+    prompt = toks(2 * C + 9, 3)
+    store_all(tmp_path / "a", url, model, path, [prompt])
+    with kvstore.open(tmp_path / "probe", chunk_size=C) as probe:
+        ns = probe.bind(model, path).ns
+    from remote_fixture import fleet
+
+    s = fleet().sealer(ns)
+    chunks = prompt_records(ns, np.asarray(prompt), C, tail=False)
+    folder = children_prefix(s, chunks[-1].hash, prompt[2 * C])  # where the prompt's tail is
+    bucket = Bucket(url)
+    junk = [f"{folder}{uuid.uuid4().hex}.tail.1." for _ in range(20_000)]  # one-token tails: no marks
+    with ThreadPoolExecutor(32) as pool:
+        list(pool.map(lambda k: bucket.put(k, b"x"), junk))
+    with kvstore.open(tmp_path / "b", chunk_size=C, remote=url, memory_bytes=0, remote_deadline=2.0) as b:
+        mc = b.bind(model, path)
+        t0 = time.monotonic()
+        got = reused(mc, model, prompt[: 2 * C + 5] + [251, 252])
+        took = time.monotonic() - t0
+        r = b.stats()["remote"]
+    assert r["lists"] == 1 and r["truncated_lists"] == 1 and r["deadline_misses"] == 0, r
+    assert got >= 2 * C and took < 2.0, (got, took)  # within the deadline: a bound, not a speed test
+    assert LIST_LIMIT < 20_000
+
+
+def test_a_key_that_failed_is_asked_for_again_once_its_time_is_up(tmp_path, s3, llama):
+    path, model = llama
+    url = s3.url()
+    prompt = toks(3 * C + 4, 4)
+    store_all(tmp_path / "a", url, model, path, [prompt])
+    from remote_fixture import fleet
+
+    with kvstore.open(tmp_path / "probe", chunk_size=C) as probe:
+        ns = probe.bind(model, path).ns
+    second = prompt_records(ns, np.asarray(prompt), C)[1]
+    key = key_of(fleet().sealer(ns), second, np.asarray(prompt[C : 2 * C]))
+    bucket = Bucket(url)
+    good = bytes(bucket.get(key))
+    bucket.put(key, b"planted")  # does not open: unauthenticated, remembered as bad
+    now = [1000.0]
+    with kvstore.open(tmp_path / "b", chunk_size=C, remote=url, memory_bytes=0) as b:
+        mc = b.bind(model, path)
+        remote_tier(b).clock = lambda: now[0]
+        query = prompt + [7]
+        assert reused(mc, model, query) == C
+        bucket.put(key, good)  # put right
+        gets = b.stats()["remote"]["downloads"]
+        assert reused(mc, model, query) == C  # still bad for a while: not asked for
+        assert b.stats()["remote"]["downloads"] == gets
+        now[0] += BAD_FOR_S + 1
+        assert reused(mc, model, query) == len(prompt)
+        assert b.stats()["remote"]["unauthenticated"] == 1
+
+
+@pytest.mark.parametrize("memory_bytes", [None, 0], ids=["memory-tier", "no-memory-tier"])
+def test_the_local_disk_is_asked_before_the_bucket(tmp_path, s3, llama, memory_bytes):
+    """Whether or not the memory tier is on (and empty, in a new open), what the local disk holds
+    is never asked of the bucket."""
+    path, model = llama
+    url = s3.url()
+    prompt = toks(3 * C + 4, 5)
+    store_all(tmp_path / "a", url, model, path, [prompt])
+    kw = {} if memory_bytes is None else {"memory_bytes": memory_bytes}
+    with kvstore.open(tmp_path / "a", chunk_size=C, remote=url, **kw) as a:
+        mc = a.bind(model, path)
+        for _ in range(2):
+            assert reused(mc, model, prompt + [7]) == len(prompt)
+        r = a.stats()["remote"]
+        assert r["heads"] == 0 and r["lists"] == 0 and r["downloads"] == 0, r
+
+
+def test_timeout_restores_what_arrived_within_its_wait(tmp_path, s3, llama, monkeypatch):
+    from remote_fixture import StallingProxy
+
+    path, model = llama
+    url = s3.url()
+    prompt = toks(8 * C + 3, 6)
+    store_all(tmp_path / "a", url, model, path, [prompt])
+    proxy = StallingProxy(s3.endpoint, slow_gets=0.3)  # downloads one at a time, 0.3 s each
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    try:
+        with kvstore.open(tmp_path / "b", chunk_size=C, remote=url, memory_bytes=0) as b:
+            mc = b.bind(model, path)
+            t0 = time.monotonic()
+            got = reused(mc, model, prompt + [7])
+            took = time.monotonic() - t0
+            r = b.stats()["remote"]
+    finally:
+        proxy.close()
+    wait = PREFETCH_BASE_S + PREFETCH_PER_1K_S * len(prompt) / 1024
+    assert 0 < got < len(prompt) and got % C == 0, got  # a partial restore: a prefix of the path
+    assert r["partial_restores"] == 1 and r["remote_hits"] == 1 and r["downloads_used"] == got // C, r
+    assert took < wait + 1.5, (took, wait)  # the policy's wait and a generous margin: a bound
+
+
+def test_best_effort_serves_what_is_local_and_fetches_for_the_next_request(tmp_path, s3, llama):
+    path, model = llama
+    url = s3.url()
+    prompt = toks(4 * C + 6, 7)
+    store_all(tmp_path / "a", url, model, path, [prompt])
+    with kvstore.open(tmp_path / "b", chunk_size=C, remote=url, remote_prefetch="best_effort") as b:
+        mc = b.bind(model, path)
+        query = prompt + [7]
+        assert reused(mc, model, query) == 0  # nothing local: served at once, a miss
+        end = time.monotonic() + 30
+        while b.stats()["remote"]["prefetched"] < 5 and time.monotonic() < end:
+            time.sleep(0.05)
+        r = b.stats()["remote"]
+        assert r["prefetched"] == 5 and r["remote_hits"] == 0, r  # four chunks and the tail, on disk now
+        assert reused(mc, model, query) == len(prompt)
+        r = b.stats()["remote"]
+        assert r["downloads"] == 5 and r["remote_hits"] == 0, r  # the second fetch read the local disk
+
+
+def test_wait_complete_waits_for_the_whole_path(tmp_path, s3, llama, monkeypatch):
+    from remote_fixture import StallingProxy
+
+    path, model = llama
+    url = s3.url()
+    prompt = toks(6 * C + 3, 8)
+    store_all(tmp_path / "a", url, model, path, [prompt])
+    proxy = StallingProxy(s3.endpoint, slow_gets=0.3)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    try:
+        with kvstore.open(tmp_path / "b", chunk_size=C, remote=url, memory_bytes=0,
+                          remote_prefetch="wait_complete") as b:
+            mc = b.bind(model, path)
+            assert reused(mc, model, prompt + [7]) == len(prompt)  # 7 downloads, 2.1 s: more than `timeout` waits
+            assert b.stats()["remote"]["partial_restores"] == 0
+    finally:
+        proxy.close()
+
+
+def test_a_wrong_fleet_secret_is_said_once(tmp_path, s3, llama, caplog):
+    path, model = llama
+    url = s3.url()
+    prompt = toks(2 * C + 3, 9)
+    store_all(tmp_path / "a", url, model, path, [prompt])
+    with caplog.at_level(logging.WARNING, logger="kvstore"):
+        with kvstore.open(tmp_path / "b", chunk_size=C, remote=url, remote_key=new_key()) as b:
+            mc = b.bind(model, path)
+            assert reused(mc, model, prompt + [7]) == 0
+            assert reused(mc, model, toks(2 * C, 10)) == 0
+    said = [r.getMessage() for r in caplog.records if "none opens with this key" in r.getMessage()]
+    assert len(said) == 1 and "holds 1 namespace" in said[0] and "KVSTORE_REMOTE_KEY" in said[0], said
+    # With the fleet's own secret, nothing is said.
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kvstore"):
+        with kvstore.open(tmp_path / "c", chunk_size=C, remote=url) as c:
+            assert reused(c.bind(model, path), model, toks(2 * C, 11)) == 0
+    assert not [r for r in caplog.records if "none opens" in r.getMessage()]
+
+
+def test_a_missing_bucket_is_said_by_generate_and_raised_by_the_library(tmp_path, s3, demo_model_path):
+    url = f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/team"
+    run = subprocess.run([sys.executable, "-m", "kvstore.cli", "generate", "--store", str(tmp_path / "s"),
+                          "--model", str(demo_model_path), "--remote", url, "--prompt", "hello there, bucket",
+                          "--max-tokens", "2"], capture_output=True, text=True, timeout=300, cwd=REPO,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    lines = [line for line in run.stderr.splitlines() if "does not exist" in line]
+    assert len(lines) == 1 and url in lines[0] and "create it" in lines[0], run.stderr
+    with kvstore.open(tmp_path / "lib", chunk_size=C, remote=url) as store:
+        with pytest.raises(kvstore.KVStoreError, match="does not exist"):
+            store.remote.verify()
