@@ -44,7 +44,7 @@ FINGERPRINT = b"bench-remote-qwen3-0.6b"
 
 
 def upload(work, url, tokens, cache) -> dict:
-    with kvstore.open(work / "a", remote=url, memory_bytes=0) as a:
+    with kvstore.open(work / "a", remote=url, memory_bytes=0, remote_flush_timeout=600) as a:
         mc = a.bind(SHAPE.model(), "qwen3-0.6b-shape", fingerprint=FINGERPRINT)
         t0 = time.perf_counter()
         mc.insert(tokens, cache)
@@ -69,11 +69,57 @@ def raw_put(bucket, files, prefix) -> float:
     return time.perf_counter() - t0
 
 
+def raw_gets(url, threads: int = 8) -> tuple[float, int]:
+    """Parallel GETs of every record object under `url` (the same client settings and as many
+    threads as the remote tier downloads with): (seconds, bytes)."""
+    import obstore
+
+    from kvstore.remote.layout import parse_key
+    from kvstore.remote.s3 import S3Bucket
+
+    bucket = S3Bucket(url)
+    keys = [p for p, _, _ in bucket.list("") if parse_key(p) is not None]
+
+    def get(key: str) -> int:
+        return len(obstore.get(bucket._read, key).bytes())
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(threads) as pool:
+        t0 = time.perf_counter()
+        n = sum(pool.map(get, keys))
+        return time.perf_counter() - t0, n
+
+
+def path_download(work, url, query) -> float:
+    """The remote tier's download of a prompt's whole path (HEADs, GETs, opening each sealed
+    object, its checks), without the local write or the restore: the seconds it takes."""
+    from kvstore.tiers.base import Lookup
+    from kvstore.tiers.remote import RemoteTier
+
+    d = work / "path"
+    with kvstore.open(d, remote=url, memory_bytes=0, remote_prefetch="wait_complete") as b:
+        mc = b.bind(SHAPE.model(), "qwen3-0.6b-shape", fingerprint=FINGERPRINT)
+        tier = next(t for t in b.tiers if isinstance(t, RemoteTier))
+        toks = np.asarray(query, dtype=np.int32)
+        chain = prompt_records(mc.ns, toks, mc.chunk_size, tail=False)
+        t0 = time.perf_counter()
+        lookup = Lookup(mc.ns, toks, mc.chunk_size, [r.hash for r in chain], object_bytes=mc.check.bound())
+        found = tier.find(lookup, chain)
+        tier.prefetch(found.items())
+        for h, ref in found.items():
+            assert tier._fetch(ref) is not None
+        took = time.perf_counter() - t0
+        assert len(found) == len(chain)
+    shutil.rmtree(d)
+    return took
+
+
 def restore_remote(work, url, query, reps) -> tuple[list[float], dict]:
     samples, stats = [], {}
     for i in range(reps):
         d = work / f"b{i}"
-        with kvstore.open(d, remote=url, memory_bytes=0, remote_deadline=120) as b:
+        with kvstore.open(d, remote=url, memory_bytes=0, remote_prefetch="wait_complete") as b:
             mc = b.bind(SHAPE.model(), "qwen3-0.6b-shape", fingerprint=FINGERPRINT)
             t0 = time.perf_counter()
             cache, rest = mc.fetch(query)

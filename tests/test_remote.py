@@ -128,8 +128,8 @@ def test_node_b_restores_what_node_a_stored(tmp_path, s3, llama_model):
         # Now local: no more remote requests for it.
         mc.fetch(query)
         assert b.stats()["remote"]["heads"] == heads
+        b.flush()  # (downloads are stored locally in the background)
         assert b.stats()["chunks"] == 5 and b.stats()["tails"] == 1
-        b.flush()
         # What it downloaded is never uploaded again.
         assert b.stats()["remote"]["uploads"] == 0 and b.stats()["remote"]["already_there"] == 0
 

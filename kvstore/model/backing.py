@@ -59,8 +59,9 @@ class Backing:
             raise StoreOpenError("this store is closed")
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every insert so far is durable, within the disk budget (and uploaded, with
-        a remote tier: without `timeout`, for at most `remote_flush_timeout`). False if the time
+        """Wait until every insert so far is durable (and every download stored locally), within
+        the disk budget (and uploaded, with a remote tier: without `timeout`, for at most
+        `remote_flush_timeout`). False if the time
         ran out first."""
         end = None if timeout is None else time.monotonic() + timeout
 
@@ -68,6 +69,10 @@ class Backing:
             return None if end is None else max(0.0, end - time.monotonic())
 
         done = self.writer.flush(timeout)
+        for tier in self.tiers:  # downloads being stored on the local disk
+            settle = getattr(tier, "settle", None)
+            if settle is not None:
+                done = settle(left()) and done
         if self.budget is not None:
             done = self.budget.settle(left()) and done
         if self.remote is not None:

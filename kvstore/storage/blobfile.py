@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import struct
 import threading
 from collections import OrderedDict
 from pathlib import Path
@@ -137,15 +138,16 @@ class BlobFile:
     per-tensor checksums) is read whole when opened and checked by `checksum`, the old way.
     """
 
-    def __init__(self, fd: int, path: Path | str, size: int, header: _Header, h: bytes, checksum: int | None):
+    def __init__(self, fd: int, path: Path | str, size: int, header: _Header, h: bytes, checksum: int | None,
+                 whole=None):
         self.fd, self.path, self.size = fd, path, size
         self.layout, self.base, self.metadata = header.layout, header.length, header.metadata
         self.entries = self.layout.entries
         if self.metadata.get("hash") != h.hex():
             raise BlobError(f"{path}: its header names record {self.metadata.get('hash')!r}")
         self.checksums = header.checksums
-        self._whole: bytearray | None = None
-        if self.checksums is None:  # 0.1: no per-tensor sums, so the whole file is checked now
+        self._whole = whole  # held whole in memory, and checked whole already (see `in_memory`)
+        if self._whole is None and self.checksums is None:  # 0.1: no per-tensor sums, so the whole file is checked now
             if checksum is None:
                 raise BlobError(f"{path}: a blob without tensor checksums needs its row's checksum")
             self._whole = bytearray(size)
@@ -247,6 +249,17 @@ class BlobFile:
             v[:] = whole[start : start + len(v)]
             start += len(v)
 
+
+
+def in_memory(buf, h: bytes, where: str) -> BlobFile:
+    """A blob of record `h` held whole in memory, every tensor checked already (a download, see
+    `remote.objects.check_object`): read from there, with nothing checked again."""
+    view = memoryview(buf)
+    if len(view) < 8:
+        raise BlobError(f"{where}: {len(view)} bytes, no blob")
+    (n,) = struct.unpack_from("<Q", view, 0)
+    header = _header(bytes(view[: min(len(view), 8 + n)]), where, len(view))
+    return BlobFile(-1, where, len(view), header, h, None, whole=view)
 
 
 def open_blob(root: Path, h: bytes, *, size: int, checksum: int | None = None) -> BlobFile:

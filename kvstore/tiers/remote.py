@@ -56,9 +56,10 @@ from kvstore.remote.health import Health
 from kvstore.remote.layout import ObjectKey, children_prefix, key_of, manifest_key, mark_lengths, parse_key
 from kvstore.remote.objects import check_opened
 from kvstore.remote.seal import KEY_ENV, OVERHEAD, Fleet, Sealer, Unauthenticated
+from kvstore.storage import blobfile
 from kvstore.storage.index import Row
 from kvstore.tiers.base import Lookup
-from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.disk import BlobSource, DiskTier
 
 log = logging.getLogger("kvstore")
 
@@ -94,7 +95,7 @@ class _Ref:
     """A record the bucket holds, as this tier found it: its identity, key, and its plaintext
     once downloaded, opened and checked."""
 
-    __slots__ = ("rid", "key", "lookup", "sealer", "future", "body", "tokens", "named", "size", "queued")
+    __slots__ = ("rid", "key", "lookup", "sealer", "future", "body", "tokens", "named", "size", "queued", "again")
 
     def __init__(self, rid: RecordId, key: str, lookup: Lookup, sealer: Sealer, *, named: bool = False,
                  size: int | None = None):
@@ -105,6 +106,7 @@ class _Ref:
         self.named = named  # known by its name only: its hash is read from the object
         self.size = size  # as the listing showed it
         self.queued = False  # waiting for the bytes in flight to allow its download
+        self.again = False  # downloaded by an earlier fetch, still being stored: no new download
 
     @property
     def estimate(self) -> int:
@@ -144,10 +146,16 @@ class RemoteTier:
         self._inflight = 0  # bytes of downloads started and not yet stored or dropped
         self._waiting: deque[_Ref] = deque()  # downloads to start as the bytes in flight allow
         self._key_checked = False  # whether the bucket was asked if any namespace opens with the key
+        self._disk_writes = ThreadPoolExecutor(1, thread_name_prefix="kvstore-remote-store")
+        self._writing: dict[bytes, tuple[Row, object]] = {}  # downloaded, not on the local disk yet
+        self._settled = threading.Condition(self._lock)
 
-    def close(self) -> None:
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop; what was downloaded is stored on the local disk first (within `timeout`)."""
         self._later.shutdown(wait=False, cancel_futures=True)
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self.settle(timeout)
+        self._disk_writes.shutdown(wait=False)
 
     # -- how long a fetch waits (the prefetch policy) -------------------------------------------
 
@@ -248,7 +256,8 @@ class RemoteTier:
                     continue  # a chain ends at a damaged record
                 if not found:
                     self.health.count("lookups")
-                depth = self.deepest(named[:bad], 0, end)
+                    got = self._downloaded(lookup, s, records, named, found)
+                depth = self.deepest(named[:bad], min(got, bad), end)
                 found.update((r.hash, _Ref(r, k, lookup, s)) for r, k in zip(records[got:depth], named[got:depth]))
                 got = max(got, depth)
                 if got == len(records):
@@ -266,6 +275,22 @@ class RemoteTier:
         except RemoteError as e:
             self._failed(lookup, e)
         return found
+
+    def _downloaded(self, lookup: Lookup, s: Sealer, records: list[RecordId], named: list[str],
+                    found: dict[bytes, _Ref]) -> int:
+        """How many records of the chain, from its start, were downloaded and are still being
+        stored locally: found as they are, with no request (a fetch right after another)."""
+        with self._lock:
+            held = []
+            for r in records:
+                got = self._writing.get(r.hash)
+                if got is None:
+                    break
+                held.append(got[1])
+        for r, k, body in zip(records, named, held):
+            ref = found[r.hash] = _Ref(r, k, lookup, s)
+            ref.body, ref.again = body, True
+        return len(held)
 
     def children(self, lookup: Lookup | None, parent: bytes, rest: np.ndarray) -> list[tuple[bytes, np.ndarray, _Ref]]:
         if lookup is None or len(rest) <= 1 or not self._usable(lookup):
@@ -481,8 +506,7 @@ class RemoteTier:
         if body is None:
             return None
         size = len(body)
-        plain = s.open(key, body)
-        del body  # only the plaintext is held from here on
+        plain = s.open(key, body, in_place=True)  # a view of `body`: no second copy
         if time.monotonic() > until:
             return None
         return size, plain
@@ -492,8 +516,10 @@ class RemoteTier:
         self._remember_bad(ref.key)
 
     def open(self, h: bytes, ref: _Ref | None):
-        """The record, downloaded, checked, written through to the local disk and opened there.
-        KeyError if it cannot be had in time (or is gone); BlobError if it is not what it claims."""
+        """The record, downloaded and checked, as a source read from memory; it is written
+        through to the local disk in the background (`settle` waits for that), so the next fetch
+        finds it locally. KeyError if it cannot be had in time (or is gone); BlobError if it is
+        not what it claims."""
         if ref is None:
             raise KeyError(h)
         if ref.body is None:
@@ -501,26 +527,61 @@ class RemoteTier:
             if plain is None:
                 raise KeyError(h)
             self._check(ref, plain)
-        r = ref.rid
-        row = Row(r.hash, r.ns, r.parent, r.depth, r.kind, r.ntokens, r.first_token, len(ref.body),
-                  xxhash.xxh3_64_intdigest(ref.body), tenant=r.tenant)
-        try:
-            self.disk.put(row, ref.body)
-        except OSError as e:  # a full disk: the record stays a miss here
-            self.health.error(e)
-            raise KeyError(h) from None
-        if r.tenant is None and ref.sealer.key_id != self.fleet.key_id and self.reupload is not None:
-            self.reupload([row])  # (a tenant's old records are stored again under its new salt as it uses them)
+        r, body = ref.rid, ref.body
+        row = Row(r.hash, r.ns, r.parent, r.depth, r.kind, r.ntokens, r.first_token, len(body),
+                  xxhash.xxh3_64_intdigest(body), tenant=r.tenant)
+        source = BlobSource(blobfile.in_memory(body, h, f"remote record {h.hex()}"), row)
+        self._write_through(row, body, reupload=r.tenant is None and ref.sealer.key_id != self.fleet.key_id)
         if "background" in ref.lookup.notes:  # `best_effort`: stored for the next fetch
             self.health.count("prefetched")
         else:
             if "remote" not in ref.lookup.notes:
                 ref.lookup.notes.add("remote")
                 self.health.count("remote_hits")
-            self.health.count("downloads_used")
+            if not ref.again:
+                self.health.count("downloads_used")
             self.health.count("remote_tokens", r.ntokens)
-        ref.body = None  # on disk now: hold no copy
-        return self.disk.open(h, row)
+        ref.body = None  # the source and the write hold it: nothing else
+        return source
+
+    def _write_through(self, row: Row, body, *, reupload: bool) -> None:
+        """Store a downloaded record on the local disk, in the background (one writer thread);
+        until it is there, `find` gives it from memory."""
+        with self._lock:
+            if row.hash in self._writing:
+                return
+            self._writing[row.hash] = (row, body)
+        try:
+            self._disk_writes.submit(self._write, row, body, reupload)
+        except RuntimeError:  # closed
+            with self._lock:
+                self._writing.pop(row.hash, None)
+
+    def _write(self, row: Row, body, reupload: bool) -> None:
+        try:
+            self.disk.put(row, body)
+            if reupload and self.reupload is not None:  # read with an older key: up again under the current one
+                self.reupload([row])  # (a tenant's old records are stored again under its new salt as it uses them)
+        except OSError as e:  # a full disk: the record stays a miss here
+            self.health.error(e)
+        except Exception as e:  # never raises anywhere: a cache write that failed is a miss later
+            log.warning("kvstore: a downloaded record was not stored locally (%s: %s)", type(e).__name__, e)
+        finally:
+            with self._lock:
+                self._writing.pop(row.hash, None)
+                if not self._writing:
+                    self._settled.notify_all()
+
+    def settle(self, timeout: float | None = None) -> bool:
+        """Wait until what was downloaded is on the local disk; False if `timeout` ran out."""
+        end = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while self._writing:
+                left = None if end is None else end - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._settled.wait(left)
+        return True
 
     def damaged(self, h: bytes, error: BlobError, ref: _Ref | None = None) -> None:
         """An object that failed its check: counted, and not asked for again for a while."""
