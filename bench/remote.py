@@ -159,6 +159,114 @@ def recompute(length: int) -> float:
     return time.perf_counter() - t0
 
 
+def conversations(server, n: int = 30, system_tokens: int = 600) -> dict:
+    """30 conversations over one system prompt (Qwen3-0.6B-shaped random K/V): node A stores
+    them all; then, opened again (nothing in RAM), it asks for each of them and for 30 new ones
+    over the same system prompt; node B, which holds the system prompt of its own, asks for A's.
+    What each downloads, against what it lacks."""
+    work = C.scratch_dir("remote-conversations")
+    url = server.url("conversations")
+    system = C.random_tokens(system_tokens, seed=1)
+    convs = [np.concatenate([system, C.random_tokens(150 + 11 * i, seed=100 + i)]) for i in range(n)]
+    fresh = [np.concatenate([system, C.random_tokens(200, seed=500 + i)]) for i in range(n)]
+    out = {"conversations": n, "system_tokens": system_tokens}
+
+    def node(name: str, prompts) -> dict:
+        with kvstore.open(work / name, remote=url, remote_flush_timeout=600) as s:
+            mc = s.bind(SHAPE.model(), "qwen3-0.6b-shape", fingerprint=FINGERPRINT)
+            for p in prompts:
+                mc.insert(p, C.random_cache(SHAPE, len(p), seed=len(p)))
+            assert s.flush(600)
+            return s.stats()["remote"]
+
+    up = node("a", convs)
+    out["a_stores"] = {k: up[k] for k in ("uploads", "upload_bytes")}
+
+    def asks(name: str, prompts) -> tuple[dict, int]:
+        with kvstore.open(work / name, remote=url) as s:
+            mc = s.bind(SHAPE.model(), "qwen3-0.6b-shape", fingerprint=FINGERPRINT)
+            lacked = sum(len(prompt_records(mc.ns, p, mc.chunk_size)) - len(s.backing.tiers.holds(
+                prompt_records(mc.ns, p, mc.chunk_size))) for p in prompts)
+            reused = 0
+            for p in prompts:
+                cache, rest = mc.fetch(p.tolist() + [1])
+                reused += len(p) + 1 - len(rest)
+                del cache
+            s.flush()
+            r = s.stats()["remote"]
+        return {k: r[k] for k in ("downloads", "download_bytes", "downloads_used", "lists", "heads",
+                                  "remote_hits")} | {"reused_tokens": reused}, lacked
+
+    out["a_own_and_new"], _ = asks("a", convs + fresh)
+    node("b", [system])
+    out["b_asks_a"], out["b_lacked_records"] = asks("b", convs)
+    shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
+def policy_ttft(server, length: int, slow_get_s: float, reps: int) -> dict:
+    """Time to first token of a prompt node A stored, on node B (empty local folder), through an
+    endpoint that answers downloads one at a time, `slow_get_s` each (a slow link), under each
+    prefetch policy; beside the cold prefill of the same prompt. The model is Qwen3-0.6B's
+    architecture with random float32 weights."""
+    import mlx.core as mx
+    from mlx_lm.models import qwen3
+    from mlx_lm.models.cache import make_prompt_cache
+    from remote_fixture import StallingProxy
+    from ttft import QWEN3_0_6B, first_token
+
+    from kvstore.tiers import remote as tier
+
+    mx.random.seed(0)
+    model = qwen3.Model(qwen3.ModelArgs.from_dict(QWEN3_0_6B))
+    mx.eval(model.parameters())
+    prompt = C.random_tokens(length, seed=7).tolist()
+    work = C.scratch_dir("remote-policy")
+    url = server.url(f"policy{length}")
+    cold = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        first_token(model, prompt, make_prompt_cache(model))
+        cold.append(time.perf_counter() - t0)
+    with kvstore.open(work / "a", remote=url, remote_flush_timeout=600) as a:
+        mc = a.bind(model, "qwen3-0.6b-random", fingerprint=b"bench-remote-policy")
+        cache = make_prompt_cache(model)
+        model(mx.array(prompt)[None], cache=cache)
+        C.eval_cache(cache)
+        mc.insert(prompt, cache)
+        assert a.flush(600)
+    wait = min(tier.PREFETCH_CAP_S, tier.PREFETCH_BASE_S + tier.PREFETCH_PER_1K_S * (length + 1) / 1024)
+    out = {"length": length, "slow_get_s": slow_get_s, "timeout_s": wait, "cold": C.summary(cold)}
+    proxy = StallingProxy(server.endpoint, slow_gets=slow_get_s)
+    saved = os.environ["AWS_ENDPOINT_URL"]
+    os.environ["AWS_ENDPOINT_URL"] = proxy.url
+    try:
+        for policy in ("timeout", "wait_complete", "best_effort"):
+            rows = []
+            for i in range(reps):
+                d = work / f"b-{policy}-{i}"
+                with kvstore.open(d, remote=url, memory_bytes=0, remote_prefetch=policy) as b:
+                    mc = b.bind(model, "qwen3-0.6b-random", fingerprint=b"bench-remote-policy")
+                    t0 = time.perf_counter()
+                    cache, rest = mc.fetch(prompt + [1])
+                    C.eval_cache(cache)
+                    t_restore = time.perf_counter() - t0
+                    first_token(model, rest, cache)
+                    ttft = time.perf_counter() - t0
+                    restored = len(prompt) + 1 - len(rest)
+                    rows.append({"ttft_s": ttft, "restore_s": t_restore, "prefill_rest_s": ttft - t_restore,
+                                 "restored_tokens": restored,
+                                 "partial": b.stats()["remote"]["partial_restores"]})
+                    del cache
+                shutil.rmtree(d, ignore_errors=True)
+            out[policy] = {"ttft": C.summary([r["ttft_s"] for r in rows]), "runs": rows}
+    finally:
+        proxy.close()
+        os.environ["AWS_ENDPOINT_URL"] = saved
+    shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
 def lookups(server, reps: int) -> list[dict]:
     """Latency of the binary search alone, on chains whose chunk objects are tiny stand-ins."""
     from kvstore.remote.health import Health
@@ -268,6 +376,10 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--recompute-max", type=int, default=2048)
     ap.add_argument("--sealing-only", action="store_true", help="only the AES-256-GCM micro-benchmark")
+    ap.add_argument("--policy-lengths", type=int, nargs="*", default=[2048],
+                    help="prompt lengths of the prefetch-policy TTFT runs (a real prefill each)")
+    ap.add_argument("--slow-get", type=float, default=0.25,
+                    help="seconds the slow endpoint of the policy runs takes per download")
     args = ap.parse_args()
     if args.sealing_only:
         print(json.dumps(sealing(args.reps), indent=1))
@@ -296,12 +408,20 @@ def main() -> None:
             del cache
             raw = raw_put(__import__("kvstore.remote.s3").remote.s3.S3Bucket(url), up.pop("files"), "raw")
             query = tokens.tolist() + [1]
+            gets = [raw_gets(url) for _ in range(args.reps)]
+            paths = [path_download(d, url, query) for _ in range(args.reps)]
             remote_s, rstats = restore_remote(d, url, query, args.reps)
             local_s = restore_local(d, query, args.reps)
+            raw_s = C.summary([g[0] for g in gets])
+            got_bytes = gets[0][1]
             row = {"length": length, "kv_bytes": length * SHAPE.bytes_per_token, **up, "raw_put_s": raw,
                    "upload_gbps": C.gbps(up["upload_bytes"], up["upload_s"]),
                    "raw_put_gbps": C.gbps(up["upload_bytes"], raw),
                    "restore_remote": C.summary(remote_s), "restore_local": C.summary(local_s),
+                   "raw_gets": raw_s, "raw_get_gbps": C.gbps(got_bytes, raw_s["median"]),
+                   "path_download": C.summary(paths),
+                   "path_vs_raw_gets": raw_s["median"] / C.summary(paths)["median"],
+                   "restore_vs_raw_gets": raw_s["median"] / C.summary(remote_s)["median"],
                    "remote_requests": {k: rstats[k] for k in ("heads", "lists", "downloads", "download_bytes")}}
             if length <= args.recompute_max:
                 C.log(f"[remote] recompute {length} tokens (slow on this CPU)")
@@ -310,18 +430,39 @@ def main() -> None:
                 row["recompute_s"], row["recompute_from_earlier_run"] = earlier[length], True
             results["lengths"].append(row)
             shutil.rmtree(d, ignore_errors=True)
+        C.log("[remote] 30 conversations, one node and two")
+        results["conversations"] = conversations(server)
+        for length in args.policy_lengths:
+            C.log(f"[remote] prefetch policies, {length} tokens, slow endpoint")
+            results.setdefault("policies", []).append(policy_ttft(server, length, args.slow_get, args.reps))
         results["lookup"] = lookups(server, args.reps * 5)
         results["clients"] = clients(server, 200)
         results["sealing"] = sealing(args.reps)
     finally:
         server.kill()
     C.write_result("remote", results)
-    print(f"{'tokens':>7} {'MB':>7} {'remote s':>9} {'local s':>8} {'recompute s':>12} "
-          f"{'upload GB/s':>12} {'raw PUT GB/s':>13} {'HEADs':>6}")
+    print(f"{'tokens':>7} {'MB':>7} {'raw GETs s':>10} {'path s':>7} {'x raw':>6} {'remote s':>9} {'x raw':>6} "
+          f"{'local s':>8} {'recompute s':>12} {'upload GB/s':>12} {'raw PUT GB/s':>13} {'HEADs':>6}")
     for r in results["lengths"]:
-        print(f"{r['length']:>7} {r['kv_bytes'] / 1e6:>7.0f} {r['restore_remote']['median']:>9.3f} "
+        print(f"{r['length']:>7} {r['kv_bytes'] / 1e6:>7.0f} {r['raw_gets']['median']:>10.3f} "
+              f"{r['path_download']['median']:>7.3f} {r['path_vs_raw_gets']:>6.2f} "
+              f"{r['restore_remote']['median']:>9.3f} {r['restore_vs_raw_gets']:>6.2f} "
               f"{r['restore_local']['median']:>8.3f} {r.get('recompute_s', float('nan')):>12.1f} "
               f"{r['upload_gbps']:>12.3f} {r['raw_put_gbps']:>13.3f} {r['remote_requests']['heads']:>6}")
+    cv = results["conversations"]
+    print(f"\n{cv['conversations']} conversations over one system prompt: node A stores them "
+          f"({cv['a_stores']['uploads']} uploads); A asks for them and {cv['conversations']} new ones: "
+          f"{cv['a_own_and_new']['downloads']} downloads ({cv['a_own_and_new']['download_bytes']} bytes); "
+          f"node B (own system prompt) asks for A's: {cv['b_asks_a']['downloads']} downloads, "
+          f"{cv['b_asks_a']['downloads_used']} used, of {cv['b_lacked_records']} records it lacked")
+    for p in results.get("policies", []):
+        print(f"\nprefetch policies, {p['length']} tokens, {p['slow_get_s']:g} s a download: cold "
+              f"{p['cold']['median']:.2f} s; timeout ({p['timeout_s']:.2f} s):")
+        for policy in ("timeout", "wait_complete", "best_effort"):
+            runs = p[policy]["runs"]
+            mid = sorted(runs, key=lambda r: r["ttft_s"])[len(runs) // 2]
+            print(f"  {policy:>13}: TTFT {mid['ttft_s']:.2f} s (restore {mid['restore_s']:.2f} s of "
+                  f"{mid['restored_tokens']} tokens, prefill of the rest {mid['prefill_rest_s']:.2f} s)")
     print(f"\n{'chunks':>7} {'present':>8} {'HEADs':>6} {'median ms':>10} {'p99 ms':>8}")
     for r in results["lookup"]:
         print(f"{r['chunks']:>7} {r['present']:>8} {r['heads']:>6} {r['median'] * 1e3:>10.2f} {r['p99'] * 1e3:>8.2f}")

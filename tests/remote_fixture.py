@@ -242,7 +242,13 @@ class StallingProxy:
                 if self.command != "HEAD":
                     self.wfile.write(data)
 
-            do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _forward
+            def _answer(self) -> None:
+                try:
+                    self._forward()
+                except (BrokenPipeError, ConnectionResetError):  # the client gave up (its deadline)
+                    self.close_connection = True
+
+            do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _answer
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
