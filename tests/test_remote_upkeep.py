@@ -100,6 +100,11 @@ def test_a_rolled_back_pins_object_is_detected_and_gc_keeps_the_pinned_prompt(tm
         assert result["held_namespaces"] == 0 and result["evicted"] > 0 and not result["rollbacks"]
     left = set(records(url))
     assert pinned <= left and names(mca.ns, mca.record_hashes(np.asarray(first))) <= left
+    bucket.put(pins, os.urandom(300))  # an object that does not open, in the place of one seen
+    with kvstore.open(tmp_path / "a", chunk_size=C, remote=url) as a:
+        result = a.remote.gc(max_bytes=0)
+        assert result["held_namespaces"] == 1 and "does not open" in result["rollbacks"][0]
+    assert set(records(url)) == left
 
 
 def test_a_junk_namespace_with_a_pins_object_never_makes_gc_evict_the_fleets_records(tmp_path, s3, llama):

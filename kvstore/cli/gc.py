@@ -116,8 +116,5 @@ def _gc_remote(args) -> int:
         out(f"remote {url}: {plural(left, 'namespace')} none of this node's keys opens "
             f"({format_size(result['unknown_bytes'] - result['dropped_bytes'])}) not counted against --max-bytes: "
             f"they go with --drop-unknown, or once their newest object is {days} days old")
-    if result["held_namespaces"]:
-        say(f"{PROG} gc: {plural(result['held_namespaces'], 'namespace')} kept whole: a node's pins object in "
-            "it is older than one this node saw (put back in the bucket); it is collected again once that "
-            "node publishes its pins (it does when it next uploads, pins or closes)")
+    # (A pins object put back in the bucket is said by the library's warning, once per object.)
     return 0

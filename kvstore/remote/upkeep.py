@@ -39,7 +39,7 @@ from kvstore.records import CHECKPOINT, RecordId, SizeBound
 from kvstore.remote.bucket import MAX_OBJECT_BYTES, Bucket, RemoteError
 from kvstore.remote.layout import ObjectKey, manifest_key, parse_key, parse_other
 from kvstore.remote.pins import Ledger, Pins, publish, read_all
-from kvstore.remote.seal import Fleet, Sealer, Unauthenticated
+from kvstore.remote.seal import OVERHEAD, Fleet, Sealer, Unauthenticated
 from kvstore.sizes import format_size
 from kvstore.upkeep import evict
 from kvstore.upkeep.verify import Problem
@@ -67,7 +67,7 @@ class Space:
         """The most bytes the record at `k` can be (its sealing included), or None if not known."""
         if self.bound is None or self.chunk_size is None:
             return None
-        return min(MAX_OBJECT_BYTES, self.bound(k.kind, min(k.ntokens, self.chunk_size)))
+        return min(MAX_OBJECT_BYTES, self.bound(k.kind, min(k.ntokens, self.chunk_size)) + OVERHEAD)
 
 
 class Findings(list):
