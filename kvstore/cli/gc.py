@@ -115,6 +115,7 @@ def _gc_remote(args) -> int:
     if left > 0:
         out(f"remote {url}: {plural(left, 'namespace')} none of this node's keys opens "
             f"({format_size(result['unknown_bytes'] - result['dropped_bytes'])}) not counted against --max-bytes: "
-            f"they go with --drop-unknown, or once their newest object is {days} days old")
+            f"{'it goes' if left == 1 else 'they go'} with --drop-unknown, or once "
+            f"{'its' if left == 1 else 'their'} newest object is {days} days old")
     # (A pins object put back in the bucket is said by the library's warning, once per object.)
     return 0
