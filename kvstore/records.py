@@ -68,6 +68,36 @@ class Span(RecordId):
         return self.start + self.ntokens
 
 
+@dataclass(frozen=True)
+class SizeBound:
+    """The most bytes a record of one model can be (a remote GET reads no more, verify of the
+    bucket calls a larger object not a record): its arrays at its tokens, its token ids, and
+    room for its header, twice over. Worked out from the model's shapes; a bucket's manifest
+    carries it (`as_dict`) so that a node without the model knows it too."""
+
+    per_token: int  # bytes a chunk or tail holds per token, its token id included
+    checkpoint: int  # bytes of a checkpoint's arrays
+    tensors: int  # how many tensors a record holds at most
+
+    def __call__(self, kind: int, ntokens: int) -> int:
+        arrays = self.checkpoint if kind == CHECKPOINT else self.per_token * ntokens
+        return 2 * (arrays + 512 * (self.tensors + 1)) + (1 << 20)
+
+    def as_dict(self) -> dict[str, int]:
+        return {"per_token": self.per_token, "checkpoint": self.checkpoint, "tensors": self.tensors}
+
+    @classmethod
+    def from_dict(cls, d: object) -> "SizeBound | None":
+        """The bound a manifest states, or None if it states none (or nonsense)."""
+        try:
+            values = [d[k] for k in ("per_token", "checkpoint", "tensors")]  # type: ignore[index]
+        except (TypeError, KeyError):
+            return None
+        if not all(type(v) is int and 0 <= v < 1 << 40 for v in values):
+            return None
+        return cls(*values)
+
+
 def prompt_records(ns: bytes, tokens: np.ndarray, chunk_size: int, *, tail: bool = True,
                    checkpoint: bool = False, tenant: Tenant | None = None, shared: int = 0) -> list[Span]:
     """The records that store `tokens`, parents first: a chunk for every full chunk, then (with

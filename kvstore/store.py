@@ -277,7 +277,7 @@ class Store:
                         kv_bits=kv_bits, kv_group_size=kv_group_size, exact=self.exact_prefill)
         mc.registered = mc.register(stamps)
         if self.remote is not None:
-            self.remote.bind(ns, fingerprint, chunk_size, layout)
+            self.remote.bind(ns, fingerprint, chunk_size, layout, mc.check.bound())
         if self.events is not None:
             self.events.announce(ns)
         return mc.with_tenant(self.tenant(tenant)) if tenant is not None else mc

@@ -34,6 +34,9 @@ def register(add, store_opts, model_opts) -> None:
     p.add_argument("--drop-key", metavar="ID",
                    help="with --remote: delete every object only the older fleet key ID opens (the end of "
                         "`kvstore remote-key --rotate`), and take it out of --remote-key-file")
+    p.add_argument("--drop-unknown", action="store_true",
+                   help="with --remote: also delete every namespace folder none of this node's keys opens "
+                        "(any gc --remote deletes one whose newest object is 30 days old)")
     p.add_argument("--dry-run", action="store_true", help="only report what would be freed")
 
 
@@ -41,7 +44,10 @@ def cmd_gc(args) -> int:
     args.tenant_max_bytes = getattr(args, "tenant_max_bytes", None)
     if args.drop_key is not None:
         return _drop_key(args)
-    if args.max_bytes is None and args.max_age is None and not args.stale and args.tenant_max_bytes is None:
+    if args.drop_unknown and args.remote is None:
+        raise CommandError("--drop-unknown deletes namespaces of a bucket: give --remote URL", EXIT_USAGE)
+    if args.max_bytes is None and args.max_age is None and not args.stale and args.tenant_max_bytes is None \
+            and not args.drop_unknown:
         raise CommandError("gc needs --max-bytes and/or --max-age (or --tenant-max-bytes, or --stale)", EXIT_USAGE)
     if args.remote is not None:
         return _gc_remote(args)
@@ -89,11 +95,27 @@ def _drop_key(args) -> int:
 
 
 def _gc_remote(args) -> int:
-    """`gc --remote`: bound the bucket, deepest records first; pins of every node are kept."""
+    """`gc --remote`: bound the bucket, deepest records first; pins of every node are kept;
+    namespaces no key of this node opens are not counted, and go when told or when old."""
+    from kvstore.remote.upkeep import UNKNOWN_MAX_AGE
+
     url = remote_url(args)
-    result = remote_upkeep(args, url, "gc", max_bytes=args.max_bytes, max_age=args.max_age, dry_run=args.dry_run)
+    days = int(UNKNOWN_MAX_AGE // 86400)
+    result = remote_upkeep(args, url, "gc", max_bytes=args.max_bytes, max_age=args.max_age, dry_run=args.dry_run,
+                           drop_unknown=args.drop_unknown)
     verb, holds = ("would delete", "would hold") if args.dry_run else ("deleted", "holds")
     out(f"remote {url}: {verb} {result['evicted']} objects ({format_size(result['freed_bytes'])}); "
           f"the bucket {holds} {result['records']} records, {format_size(result['bytes'])} "
           f"({result['kept_pinned']} pinned records kept)")
+    if result["dropped_namespaces"]:
+        out(f"remote {url}: {verb} {plural(result['dropped_namespaces'], 'namespace')} none of this node's keys "
+            f"opens ({plural(result['dropped_objects'], 'object')}, {format_size(result['dropped_bytes'])}"
+            + (")" if args.drop_unknown else f", newest object over {days} days old)"))
+    left = result["unknown_namespaces"] - result["dropped_namespaces"]
+    if left > 0:
+        out(f"remote {url}: {plural(left, 'namespace')} none of this node's keys opens "
+            f"({format_size(result['unknown_bytes'] - result['dropped_bytes'])}) not counted against --max-bytes: "
+            f"{'it goes' if left == 1 else 'they go'} with --drop-unknown, or once "
+            f"{'its' if left == 1 else 'their'} newest object is {days} days old")
+    # (A pins object put back in the bucket is said by the library's warning, once per object.)
     return 0

@@ -148,17 +148,24 @@ def open_remote(args, url: str, **local) -> Iterator[tuple]:
 
 def remote_upkeep(args, url: str, action: str, **kw):
     """`gc`, `verify` or `drop_key` (`action`) of the bucket at `url`, with these keyword arguments: through
-    this node's `Remote` when its store is there (its pins are published first), else on the
-    bucket alone, creating no store (a node with no store has nothing pinned)."""
+    this node's `Remote` when its store is there (it knows its pins), else on the bucket alone,
+    creating no store (a node with no store has nothing pinned). A bucket that cannot be reached,
+    or is refused, is one line that names it."""
+    from kvstore.remote.bucket import RemoteError
     from kvstore.storage.storedir import is_absent
 
-    if is_absent(store_path(args).expanduser()):
-        from kvstore.remote.upkeep import collect_remote, drop_key, verify_remote
+    try:
+        if is_absent(store_path(args).expanduser()):
+            from kvstore.remote.upkeep import collect_remote, drop_key, verify_remote
 
-        run = {"gc": collect_remote, "verify": verify_remote, "drop_key": drop_key}[action]
-        return run(*bucket_and_fleet(args, url), (), **kw)  # no local index: namespaces come from the manifests
-    with open_remote(args, url, must_exist=True) as (_, remote):
-        return getattr(remote, action)(**kw)
+            run = {"gc": collect_remote, "verify": verify_remote, "drop_key": drop_key}[action]
+            return run(*bucket_and_fleet(args, url), (), **kw)  # no local index: namespaces come from the manifests
+        with open_remote(args, url, must_exist=True) as (_, remote):
+            return getattr(remote, action)(**kw)
+    except RemoteError as e:
+        text = " ".join(str(e).split())
+        text = text if len(text) <= 300 else text[:297] + "..."
+        raise CommandError(text if url in text else f"remote {url}: {text}") from None
 
 
 def open_store(args):

@@ -148,19 +148,32 @@ def _rebuild(args, why: CorruptIndexError) -> dict:
 
 
 def _verify_remote(args) -> int:
-    """`verify --remote`: download and check every object of the bucket."""
+    """`verify --remote`: download and check every object of the bucket. Namespaces no key of
+    this node opens are notes: the verdict and the exit code are the problems'."""
     url = remote_url(args)
     problems = remote_upkeep(args, url, "verify", repair=args.repair)
+    notes = getattr(problems, "notes", [])
     if args.json:
         print(json.dumps({"clean": not problems, "repaired": bool(args.repair and problems),
-                          "problems": [p.to_dict() for p in problems]}, indent=2))
+                          "problems": [p.to_dict() for p in problems], "notes": [n.to_dict() for n in notes]},
+                         indent=2))
     else:
         for p in problems:
             out(p)  # object keys are the bucket's: any writer of it chose them
+        for n in notes:
+            out(f"note: {n}")
         out(f"remote {url}: " + ("clean" if not problems else
               f"{plural(len(problems), 'problem')} found"
-              + ("; repaired" if args.repair else f"; run `{PROG} verify --remote --repair` to delete them")))
+              + ("; repaired" if args.repair else f"; run `{_repair_command(args, url)}` to delete them")))
     return EXIT_PROBLEMS if problems else 0
+
+
+def _repair_command(args, url: str) -> str:
+    """The command that was run, with `--repair`: the same bucket, store and key file."""
+    words = [PROG, "verify", "--remote", url, "--store", str(store_path(args))]
+    if args.remote_key_file:
+        words += ["--remote-key-file", args.remote_key_file]
+    return " ".join(shlex.quote(w) for w in words + ["--repair"])
 
 
 def _isolation(args) -> int:

@@ -23,9 +23,11 @@ from pathlib import Path
 from typing import Any
 
 from kvstore import keys, settings
-from kvstore.remote.bucket import Bucket, TooLarge
+from kvstore.records import SizeBound
+from kvstore.remote.bucket import Bucket
 from kvstore.remote.health import Health
 from kvstore.remote.layout import LAYOUT_VERSION, pins_key
+from kvstore.remote.pins import Ledger, node_id, publish, read_one
 from kvstore.remote.seal import Fleet, Unauthenticated
 from kvstore.remote.uploader import Uploader
 from kvstore.storage.index import Index
@@ -55,13 +57,16 @@ class Remote:
     def counters(self) -> dict[str, int]:
         return self.health.counters
 
-    def bind(self, ns: bytes, fingerprint: bytes, chunk_size: int, layout: dict) -> None:
+    def bind(self, ns: bytes, fingerprint: bytes, chunk_size: int, layout: dict, bound: SizeBound | None = None) -> None:
         """Remember a bound model's manifest, uploaded before the first record of its namespace.
-        It names the model by its fingerprint only: never by its path on this node."""
-        self.uploader.manifests[ns] = json.dumps({
-            "layout_version": LAYOUT_VERSION, "format": keys.FORMAT_VERSION, "namespace": ns.hex(),
-            "fingerprint": fingerprint.hex(), "chunk_size": chunk_size,
-            "layout": layout}, sort_keys=True).encode()
+        It names the model by its fingerprint only: never by its path on this node. `bound`: the
+        model's geometry (the most bytes a record can be), which lets `verify --remote` judge
+        sizes on a node without the model."""
+        manifest = {"layout_version": LAYOUT_VERSION, "format": keys.FORMAT_VERSION, "namespace": ns.hex(),
+                    "fingerprint": fingerprint.hex(), "chunk_size": chunk_size, "layout": layout}
+        if bound is not None:
+            manifest["geometry"] = bound.as_dict()
+        self.uploader.manifests[ns] = json.dumps(manifest, sort_keys=True).encode()
 
     def stats(self) -> dict[str, Any]:
         """This process's counters, and `totals`: every process's on this store, so far."""
@@ -123,14 +128,17 @@ class Remote:
                         "within %.1f s); they stay on this machine only", self.url, left, self.flush_timeout)
         self.save_counters()
 
-    def gc(self, *, max_bytes: int | None = None, max_age: float | None = None, dry_run: bool = False) -> dict:
-        """Bound the bucket (see `upkeep.collect_remote`); this node's pins are published first."""
+    def gc(self, *, max_bytes: int | None = None, max_age: float | None = None, dry_run: bool = False,
+           drop_unknown: bool = False) -> dict:
+        """Bound the bucket (see `upkeep.collect_remote`); this node's pins are published after
+        (gc itself keeps them from the index)."""
         from kvstore.remote.upkeep import collect_remote
 
         self.flush()
+        result = collect_remote(self.bucket, self.fleet, self.index.namespaces(), max_bytes=max_bytes,
+                                max_age=max_age, dry_run=dry_run, ledger=self.ledger(), drop_unknown=drop_unknown)
         self.publish_pins()
-        return collect_remote(self.bucket, self.fleet, self.index.namespaces(), max_bytes=max_bytes,
-                              max_age=max_age, dry_run=dry_run)
+        return result
 
     def drop_key(self, *, key_id: str, dry_run: bool = False) -> dict:
         """Delete what only the older fleet key `key_id` opens (see `upkeep.drop_key`)."""
@@ -140,37 +148,39 @@ class Remote:
         return drop_key(self.bucket, self.fleet, self.index.namespaces(), key_id=key_id, dry_run=dry_run)
 
     def verify(self, *, repair: bool = False) -> list:
-        """Problems of the bucket's objects (see `upkeep.verify_remote`)."""
+        """Problems of the bucket's objects, and `notes` (see `upkeep.verify_remote`)."""
         from kvstore.remote.upkeep import verify_remote
 
         self.flush()
-        return verify_remote(self.bucket, self.fleet, self.index.namespaces(), repair=repair)
+        return verify_remote(self.bucket, self.fleet, self.index.namespaces(), repair=repair, ledger=self.ledger())
+
+    def ledger(self) -> Ledger:
+        """What this node knows of pins that the bucket cannot tell it (`remote.pins.Ledger`)."""
+        return Ledger(self.index, node_id(self.store_dir))
 
     def publish_pins(self, namespaces=None) -> int:
         """Write this node's pins object(s): what gc on any node must keep."""
-        from kvstore.remote.upkeep import node_id, publish_pins
-
-        return publish_pins(self.bucket, self.fleet, self.index, node_id(self.store_dir), namespaces)
+        return publish(self.bucket, self.fleet, self.ledger(),
+                       self.index.namespaces() if namespaces is None else namespaces)
 
     def sync_pins(self) -> None:
         """Publish this node's pins of the models bound here if the bucket's copy differs (a
-        prompt pinned without a new upload, like `warm` pinning what it downloaded)."""
-        from kvstore.remote.upkeep import node_id
-
+        prompt pinned without a new upload, like `warm` pinning what it downloaded) or is older
+        than the last this node published (put back by a bucket writer)."""
         if self.health.down():
             return
         try:
-            node = node_id(self.store_dir)
+            ledger = self.ledger()
             for ns in self.uploader.manifests:
                 s = self.fleet.sealer(ns)
-                mine = sorted(s.name(h) for h in self.index.pinned(ns))
-                key = pins_key(s.folder, node)
+                mine = sorted(s.name(h) for h in ledger.pinned(ns))
                 try:
-                    body = self.bucket.get(key, max_bytes=64 << 20)
-                    theirs = json.loads(s.open(key, body)).get("pinned") if body else []
-                except (Unauthenticated, TooLarge, ValueError, AttributeError):
+                    theirs = read_one(self.bucket, s, pins_key(s.folder, ledger.node))
+                except (Unauthenticated, ValueError):
                     theirs = None  # not ours (planted or damaged): written again
-                if mine != theirs:
+                if theirs is None and not mine:
+                    continue
+                if theirs is None or sorted(theirs[0]) != mine or theirs[1] < ledger.expected(s.folder, ledger.node):
                     self.publish_pins([ns])
         except Exception as e:
             self.health.error(e)

@@ -7,96 +7,119 @@ gc chooses what goes by local gc's rule (`upkeep.evict`); deletions go children 
 at a time, so at every instant each remaining record's parent is still there (the binary search
 of a lookup relies on it). Records whose parents go round in a cycle are orphans.
 
-Pins are known only to the node that pinned a prompt. Each node publishes them, sealed, as
-`<ns>/pins/<node>` (the names of its pinned records, which include their ancestors): after it
-uploads pinned records, and before it runs `gc --remote` or `verify --remote`. gc reads every
-node's pins object and keeps those records, their ancestors and their checkpoints; one that does
-not open with the fleet's key is ignored. A namespace is known from this node's index or from
-its manifest (sealed under a key derived from its folder name), under any of the fleet's keys
-(a rotation not finished); a namespace no key opens keeps nothing by its pins: its records age
-out as any others do, and verify reports it without judging its records. A tenant's records
-(`.tchunk`...) are sealed with their tenant's key, which gc and verify do not have: gc keeps
-their tree by names as any other, verify counts them unopened. `drop_key` deletes every object
-of the namespaces of an older key (the end of a rotation).
+Nothing a bucket writer can put in the bucket steers either (it holds no fleet secret):
+- A namespace folder is known from this node's index or from its manifest (sealed under a key
+  derived from its folder name), under any of the fleet's keys (a rotation not finished). One no
+  key opens is an unknown namespace: verify notes it (not a problem: another fleet's, or a key
+  since dropped) and checks nothing in it; gc counts none of its bytes against `max_bytes`, and
+  deletes it only when told (`drop_unknown`) or once its newest object is `UNKNOWN_MAX_AGE`
+  old. Its pins keep nothing.
+- The most bytes a record can be comes from the model's geometry, which the sealed manifest
+  states (written by a node that has the model), never from the sizes the bucket holds. A
+  namespace whose manifest states none (written before it did) is judged by its contents only.
+- Pins (`remote.pins`) carry a serial: an older copy put back is detected, and gc keeps this
+  node's pinned records from its index.
+A tenant's records (`.tchunk`...) are sealed with their tenant's key, which gc and verify do not
+have: gc keeps their tree by names as any other, verify counts them unopened. `drop_key` deletes
+every object of the namespaces of an older key (the end of a rotation).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
+import logging
 import re
 import time
-import uuid
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
-from typing import TYPE_CHECKING
 
 from kvstore.errors import BlobError, InvalidInputError
-from kvstore.records import CHECKPOINT, TAIL, RecordId
+from kvstore.records import CHECKPOINT, RecordId, SizeBound
 from kvstore.remote.bucket import MAX_OBJECT_BYTES, Bucket, RemoteError
-from kvstore.remote.layout import ObjectKey, manifest_key, parse_key, parse_other, pins_key
-from kvstore.remote.seal import Fleet, Sealer, Unauthenticated
-from kvstore.storage.storedir import NODE_ID_NAME, write_own_file
+from kvstore.remote.layout import ObjectKey, manifest_key, parse_key, parse_other
+from kvstore.remote.pins import Ledger, Pins, publish, read_all
+from kvstore.remote.seal import OVERHEAD, Fleet, Sealer, Unauthenticated
+from kvstore.sizes import format_size
 from kvstore.upkeep import evict
 from kvstore.upkeep.verify import Problem
 
-if TYPE_CHECKING:
-    from kvstore.storage.index import Index
+log = logging.getLogger("kvstore")
 
-NODE_FILE = NODE_ID_NAME
-
-
-def node_id(store_dir: Path) -> str:
-    """This store's name among the nodes of a bucket: random, made once, kept in the store."""
-    path = Path(store_dir) / NODE_FILE
-    try:  # the store's own entries are never read or written through a symbolic link
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        with os.fdopen(fd, "r") as f:
-            text = f.read(64).strip()
-        if len(text) == 32 and all(c in "0123456789abcdef" for c in text):
-            return text
-    except OSError:
-        pass
-    text = uuid.uuid4().hex
-    write_own_file(path, text + "\n")
-    return text
+#: An unknown namespace goes at the first gc --remote after its newest object is this old (seconds).
+UNKNOWN_MAX_AGE = 30 * 86400.0
 
 
-def publish_pins(bucket: Bucket, fleet: Fleet, index: "Index", node: str, namespaces=None) -> int:
-    """Write this node's pins object for each namespace (`namespaces`, default all it knows).
-    Returns how many pinned records were published."""
-    total = 0
-    for ns in sorted(namespaces if namespaces is not None else index.namespaces()):
-        s = fleet.sealer(ns)
-        names = sorted(s.name(h) for h in index.pinned(ns))
-        body = json.dumps({"node": node, "updated": time.time(), "pinned": names}).encode()
-        key = pins_key(s.folder, node)
-        bucket.put(key, s.seal(key, body))
-        total += len(names)
-    return total
+@dataclasses.dataclass(frozen=True)
+class Space:
+    """A namespace folder this node can read: its namespace, the key that opens it, and what its
+    manifest states (None: no manifest that opens, or one written before it said so)."""
+
+    ns: bytes
+    fleet: Fleet
+    chunk_size: int | None = None
+    bound: SizeBound | None = None  # the most bytes a record of it can be
+
+    def sealer(self) -> Sealer:
+        return self.fleet.sealer(self.ns)
+
+    def cap(self, k: ObjectKey) -> int | None:
+        """The most bytes the record at `k` can be (its sealing included), or None if not known."""
+        if self.bound is None or self.chunk_size is None:
+            return None
+        return min(MAX_OBJECT_BYTES, self.bound(k.kind, min(k.ntokens, self.chunk_size)) + OVERHEAD)
 
 
-class _Tree:
-    """The records of one listing, as a tree per namespace (by names)."""
+class Findings(list):
+    """What `verify_remote` found: a list of problems, and `notes` (unknown namespaces: nothing
+    in them is judged, and nothing needs doing)."""
+
+    def __init__(self, problems=(), notes=()):
+        super().__init__(problems)
+        self.notes: list[Problem] = list(notes)
+
+
+class _Listing:
+    """One listing of the bucket: its records, pins objects, manifests, and the objects in a
+    namespace folder that are not of the layout."""
 
     def __init__(self, bucket: Bucket):
-        self.objects: dict[bytes, ObjectKey] = {}
+        self.records: list[ObjectKey] = []
         self.pins_objects: list[tuple[str, str]] = []  # (key, namespace folder)
         self.manifests: list[str] = []
+        self.others: dict[str, list[tuple[str, int, float]]] = defaultdict(list)  # folder -> pins, manifest
         self.foreign: list[str] = []
         for path, size, modified in bucket.walk(""):
             key = parse_key(path, size, modified)
             other = None if key is not None else parse_other(path)
             if key is not None:
-                self.objects[key.hash] = key
-            elif other is not None and other[0] == "pins":
-                self.pins_objects.append((path, other[1]))
-            elif other is not None:
-                self.manifests.append(other[1])
+                self.records.append(key)
+                continue
+            if other is not None:
+                (self.pins_objects.append((path, other[1])) if other[0] == "pins" else self.manifests.append(other[1]))
+                self.others[other[1]].append((path, size, modified))
             elif _NAME.fullmatch(path.partition("/")[0]):  # in a namespace folder, not of the layout
                 self.foreign.append(path)  # (anything else may be a nested prefix: another team's)
+
+    def folders(self) -> set[str]:
+        return {k.ns.hex() for k in self.records} | set(self.others)
+
+    def split(self, known) -> tuple["_Tree", dict[str, list[ObjectKey]]]:
+        """The tree of the records of the `known` folders, and the records of each other folder."""
+        strays: dict[str, list[ObjectKey]] = defaultdict(list)
+        for k in self.records:
+            if k.ns.hex() not in known:
+                strays[k.ns.hex()].append(k)
+        return _Tree([k for k in self.records if k.ns.hex() in known]), strays
+
+
+class _Tree:
+    """Records of a listing, as a tree per namespace (by names; the first of a name listed wins)."""
+
+    def __init__(self, records):
+        self.objects: dict[bytes, ObjectKey] = {}
+        for k in records:
+            self.objects.setdefault(k.hash, k)
         _break_cycles(self.objects)
         self.children: dict[bytes, list[bytes]] = {}
         for k in self.objects.values():
@@ -180,13 +203,13 @@ def _break_cycles(objects: dict[bytes, ObjectKey]) -> None:
         done.update(walk)
 
 
-def namespaces(bucket: Bucket, fleet: Fleet, folders, local=()) -> dict[str, tuple[bytes, int | None, Fleet]]:
-    """Namespace folder -> (namespace, chunk size if its manifest says, the fleet key it is of)
-    for the folders given: from this node's own namespaces (`local`) and from the manifests that
-    open, under each key of the fleet."""
-    out: dict[str, tuple[bytes, int | None, Fleet]] = {}
+
+def namespaces(bucket: Bucket, fleet: Fleet, folders, local=()) -> dict[str, Space]:
+    """Namespace folder -> `Space` for the folders given that this node can read: its own
+    namespaces (`local`) and those whose manifest opens, under each key of the fleet."""
+    out: dict[str, Space] = {}
     for f in reversed(fleet.keyring()):  # the current key's names last: they win
-        out.update((f.ns_name(ns), (ns, None, f)) for ns in local)
+        out.update((f.ns_name(ns), Space(ns, f)) for ns in local)
     for folder in folders:
         key = manifest_key(folder)
         try:
@@ -201,58 +224,91 @@ def namespaces(bucket: Bucket, fleet: Fleet, folders, local=()) -> dict[str, tup
             except (Unauthenticated, ValueError, KeyError, TypeError):
                 continue
             if f.ns_name(ns) == folder and size >= 1:
-                out[folder] = (ns, size, f)
+                out[folder] = Space(ns, f, size, SizeBound.from_dict(m.get("geometry")))
                 break
     return out
 
 
 def collect_remote(bucket: Bucket, fleet: Fleet, local=(), *, max_bytes: int | None = None,
-                   max_age: float | None = None, dry_run: bool = False, now: float | None = None) -> dict:
+                   max_age: float | None = None, dry_run: bool = False, now: float | None = None,
+                   ledger: Ledger | None = None, drop_unknown: bool = False) -> dict:
     """Delete records of the bucket older than `max_age` seconds, then until it holds at most
     `max_bytes`, by the rule local gc follows (`upkeep.evict`: least recently used leaf first,
     an object's last-modified time standing for its last access; records whose parent is gone
     first); never a pinned record, its ancestors or its checkpoints, and never a record before
-    its children."""
+    its children. Only namespaces this node can read count; unknown ones are deleted whole
+    when `drop_unknown`, or once their newest object is `UNKNOWN_MAX_AGE` old. `ledger`: what
+    this node knows of pins (`remote.pins`; default: nothing, with no store)."""
     started = time.perf_counter()
-    tree = _Tree(bucket)
-    keep = _kept(bucket, fleet, tree, local)
+    now = time.time() if now is None else now
+    listing = _Listing(bucket)
+    spaces = namespaces(bucket, fleet, listing.folders(), local)
+    tree, strays = listing.split(spaces)
+    keep = _kept(bucket, listing, tree, spaces, ledger or Ledger())
     objects = list(tree.objects.values())
     total = sum(k.size for k in objects)
-    cutoff = None if max_age is None else (time.time() if now is None else now) - max_age
+    cutoff = None if max_age is None else now - max_age
     p = evict.Victims.empty()
     if cutoff is not None or (max_bytes is not None and total > max_bytes):  # as local gc: only when asked
-        graph = evict.Graph.from_rows([(k.hash, k.parent, k.size, k.modified, k.hash in keep, False, k.parent == k.ns)
-                                       for k in objects])
+        graph = evict.Graph.from_rows([(k.hash, k.parent, k.size, k.modified, k.hash in keep.kept, False,
+                                        k.parent == k.ns) for k in objects])
         p = evict.choose_victims(graph, max_bytes=max_bytes, cutoff=cutoff, stale=False)
     freed = int(p.sizes.sum()) if len(p) else 0
     if not dry_run and len(p):
         _delete_in_rounds(bucket, tree, p)
+    unknown = _unknown(listing, strays, set(spaces), now)
+    dropped = {f: u for f, u in unknown.items() if drop_unknown or now - u["newest"] >= UNKNOWN_MAX_AGE}
+    if not dry_run:
+        for folder in dropped:
+            _drop_folder(bucket, listing, strays.get(folder, []), folder)
     return {"evicted": len(p), "freed_bytes": freed, "bytes_before": total, "bytes": total - freed,
-            "records": len(objects) - len(p), "kept_pinned": len(keep), "dry_run": dry_run,
-            "seconds": time.perf_counter() - started}
+            "records": len(objects) - len(p), "kept_pinned": len(keep.kept), "dry_run": dry_run,
+            "held_namespaces": len(keep.held), "rollbacks": [str(r) for r in keep.rollbacks],
+            "unknown_namespaces": len(unknown), "unknown_bytes": sum(u["bytes"] for u in unknown.values()),
+            "dropped_namespaces": len(dropped), "dropped_objects": sum(u["objects"] for u in dropped.values()),
+            "dropped_bytes": sum(u["bytes"] for u in dropped.values()), "seconds": time.perf_counter() - started}
 
 
-def _kept(bucket: Bucket, fleet: Fleet, tree: _Tree, local) -> set[bytes]:
-    """The records every node's pins object keeps: the pinned, their ancestors and their
-    checkpoints. The pins of a namespace no key of the fleet opens (not this node's, no manifest
-    that opens) keep nothing: nothing could ever be read from it."""
-    spaces = namespaces(bucket, fleet, {folder for _, folder in tree.pins_objects}, local)
-    pinned: set[bytes] = set()
-    for path, folder in tree.pins_objects:
-        if folder not in spaces:
-            continue
-        ns, _, f = spaces[folder]
-        s = f.sealer(ns)
-        try:
-            body = bucket.get(path, max_bytes=64 << 20)
-            names = json.loads(s.open(path, body)).get("pinned", []) if body is not None else []
-            pinned.update(bytes.fromhex(h) for h in names)
-        except Unauthenticated:  # not a fleet node's: ignored
-            continue
-        except (ValueError, AttributeError, TypeError) as e:
-            raise RemoteError(f"a pins object of the bucket is unreadable ({e}): fix or delete it before gc") from e
-    keep = tree.ancestors(pinned)
-    return keep | {c for h in keep for c in tree.children.get(h, []) if tree.objects[c].kind == CHECKPOINT}
+@dataclasses.dataclass
+class _Kept(Pins):
+    kept: set[bytes] = dataclasses.field(default_factory=set)
+
+
+def _kept(bucket: Bucket, listing: _Listing, tree: _Tree, spaces: dict[str, Space], ledger: Ledger) -> _Kept:
+    """The records the pins keep: every node's pinned (this node's from its index), their
+    ancestors and their checkpoints; every record of a namespace whose pins were rolled back by
+    another node's (said). A pins object that opens and is not one stops gc."""
+    pins = read_all(bucket, listing.pins_objects, {f: s.sealer() for f, s in spaces.items()}, ledger)
+    if pins.unreadable:
+        path, why = pins.unreadable[0]
+        raise RemoteError(f"a pins object of the bucket is unreadable ({why}): fix or delete it before gc ({path})")
+    for r in pins.rollbacks:
+        log.warning("kvstore: remote %s: %s; %s", bucket.url, r, "gc keeps this node's pinned records (its index "
+                    "says which), and publishes its pins again" if r.own else "gc deletes nothing of that "
+                    "namespace until that node publishes its pins again")
+    keep = tree.ancestors(pins.names)
+    keep |= {h for h, k in tree.objects.items() if k.ns.hex() in pins.held}
+    keep |= {c for h in keep for c in tree.children.get(h, []) if tree.objects[c].kind == CHECKPOINT}
+    return _Kept(pins.names, pins.held, pins.rollbacks, pins.unreadable, keep)
+
+
+def _unknown(listing: _Listing, strays: dict[str, list[ObjectKey]], known: set[str], now: float) -> dict[str, dict]:
+    """Folder -> {objects, bytes, newest, age} of every namespace folder no key of the fleet opens."""
+    out = {}
+    for folder in sorted(listing.folders() - known):
+        found = [(k.size, k.modified) for k in strays.get(folder, [])] + [(s, m) for _, s, m in listing.others[folder]]
+        newest = max(m for _, m in found)
+        out[folder] = {"objects": len(found), "bytes": sum(s for s, _ in found), "newest": newest, "age": now - newest}
+    return out
+
+
+def _drop_folder(bucket: Bucket, listing: _Listing, records: list[ObjectKey], folder: str) -> None:
+    """Delete every object of the layout in a namespace folder: records deepest first, then pins
+    and manifest. Objects not of the layout are left (they may be a nested prefix's)."""
+    tree = _Tree(records)
+    tree.delete(bucket, set(tree.objects))
+    bucket.delete([k.path for k in records if tree.objects.get(k.hash) is not k])  # a name listed twice
+    bucket.delete([path for path, _, _ in listing.others[folder]])
 
 
 def _delete_in_rounds(bucket: Bucket, tree: _Tree, p: evict.Victims) -> None:
@@ -265,72 +321,89 @@ def _delete_in_rounds(bucket: Bucket, tree: _Tree, p: evict.Victims) -> None:
         bucket.delete(rounds[height])
 
 
-def verify_remote(bucket: Bucket, fleet: Fleet, local=(), *, repair: bool = False,
-                  threads: int = 8) -> list[Problem]:
-    """Download and check every record of the bucket (sealed by the fleet for its key, checksums,
-    header, tokens against its names) and the tree (no record without its parent). `repair`
-    deletes the bad records and, to keep every chain a prefix, everything below them."""
-    tree = _Tree(bucket)
-    spaces = namespaces(bucket, fleet, {k.ns.hex() for k in tree.objects.values()}, local)
-    caps = _size_caps(tree.objects.values())
-    problems: list[Problem] = []
-    bad: set[bytes] = set()
+def verify_remote(bucket: Bucket, fleet: Fleet, local=(), *, repair: bool = False, threads: int = 8,
+                  ledger: Ledger | None = None, now: float | None = None) -> Findings:
+    """Download and check every record of the namespaces this node can read (sealed by the fleet
+    for its key, no larger than its manifest's geometry allows, checksums, header, tokens against
+    its names), the tree (no record without its parent) and the pins (no older copy put back).
+    `repair` deletes the bad records and, to keep every chain a prefix, everything below them,
+    and publishes this node's pins again if they were rolled back. Unknown namespaces are notes."""
+    ledger = ledger or Ledger()
+    listing = _Listing(bucket)
+    spaces = namespaces(bucket, fleet, listing.folders(), local)
+    tree, strays = listing.split(spaces)
+    problems, bad = _check_records(bucket, tree, spaces, threads)
+    pins = read_all(bucket, listing.pins_objects, {f: s.sealer() for f, s in spaces.items()}, ledger)
+    for r in pins.rollbacks:
+        problems.append(Problem("rolled_back_pins", r.path, f"{r}; " + (
+            "gc keeps this node's pinned records (its index says which); --repair publishes them again" if r.own
+            else "gc deletes nothing of this namespace until that node publishes its pins again")))
+    for path, why in pins.unreadable:
+        problems.append(Problem("corrupt_object", path, f"a pins object that opens and is not one ({why})"))
+    for k in tree.orphans():
+        problems.append(Problem("orphan_object", k.path, "its parent is not in the bucket", k.hash.hex()))
+        bad.add(k.hash)
+    for path in listing.foreign:  # (those in an unknown namespace's folder are in its note)
+        if path.partition("/")[0] in spaces or path.partition("/")[0] not in listing.folders():
+            problems.append(Problem("foreign_object", path, "not a kvstore object (left alone)"))
+    if repair and bad:
+        tree.delete(bucket, tree.subtree(bad) & set(tree.objects))
+    own = {spaces[r.path.partition("/")[0]] for r in pins.rollbacks if r.own}
+    if repair and own and ledger.node is not None:
+        publish(bucket, fleet, ledger, [s.ns for s in own if s.fleet is fleet])
+    notes = [Problem("unknown_namespace", folder, _unknown_note(u, listing, folder))
+             for folder, u in _unknown(listing, strays, set(spaces), time.time() if now is None else now).items()]
+    return Findings(problems, notes)
 
-    def check(k: ObjectKey) -> tuple[str, str] | None:
-        known = spaces.get(k.ns.hex())
-        if known is None or k.owned:
-            return None  # said once per namespace below; a tenant's: sealed with a key only its nodes derive
-        cap = caps[(k.ns, k.kind == CHECKPOINT)]
-        if k.size > cap:  # planted: never read
-            return "corrupt_object", f"{k.size} bytes, more than a record of its namespace is ({cap})"
+
+def _unknown_note(u: dict, listing: _Listing, folder: str) -> str:
+    foreign = sum(1 for p in listing.foreign if p.partition("/")[0] == folder)
+    days = max(0, int((UNKNOWN_MAX_AGE - u["age"]) // 86400))
+    return (f"{u['objects']} objects ({format_size(u['bytes'])}{f', and {foreign} not of the layout' if foreign else ''})"
+            " that none of this node's keys opens (another fleet's, a key since dropped, or planted): not "
+            f"checked, and not counted by gc --remote; it goes with `gc --remote --drop-unknown`, or by any "
+            f"gc --remote in {days} days (once its newest object is {int(UNKNOWN_MAX_AGE // 86400)} days old)")
+
+
+def _check_records(bucket: Bucket, tree: _Tree, spaces: dict[str, Space], threads: int) -> tuple[list, set]:
+    """The problems of the records of `tree` (downloaded on `threads`), and the bad ones."""
+    def check(k: ObjectKey) -> tuple[str, str, bool] | None:
+        space = spaces[k.ns.hex()]
+        if k.owned:
+            return None  # a tenant's: sealed with a key only its nodes derive
+        cap = space.cap(k)
+        if cap is not None and k.size > cap:  # planted: never read
+            return "corrupt_object", f"{k.size} bytes, more than a record of its namespace is ({cap})", True
+        if cap is None and k.size > MAX_OBJECT_BYTES:  # no geometry to judge it by: its size alone deletes nothing
+            return ("oversized_object", f"{k.size} bytes, more than any record is ({MAX_OBJECT_BYTES}); its "
+                    "namespace's manifest states no geometry, so it is left (gc --remote ages it out)", False)
         try:
-            buf = bucket.get(k.path, max_bytes=cap)
+            buf = bucket.get(k.path, max_bytes=cap or MAX_OBJECT_BYTES)
         except RemoteError as e:
-            return "corrupt_object", f"cannot download: {e}"
+            return "corrupt_object", f"cannot download: {e}", False
         if buf is None:
             return None  # deleted since the listing
         depth = None
         if k.parent == k.ns or k.parent in tree.objects:
             depth = tree.depth(k.parent) if k.kind == CHECKPOINT else tree.depth(k.hash)
         try:
-            _check_listed(known[2].sealer(known[0]), k, buf, depth, known[1])
+            _check_listed(space.sealer(), k, buf, depth, space.chunk_size)
         except Unauthenticated as e:
-            return "unauthenticated_object", str(e)
+            return "unauthenticated_object", str(e), True
         except BlobError as e:
-            return "corrupt_object", str(e)
+            return "corrupt_object", str(e), True
         return None
 
+    problems: list[Problem] = []
+    bad: set[bytes] = set()
     keys_ = list(tree.objects.values())
     with ThreadPoolExecutor(threads) as pool:
         for k, found in zip(keys_, pool.map(check, keys_)):
             if found is not None:
                 problems.append(Problem(found[0], k.path, found[1], k.hash.hex()))
-                if not found[1].startswith("cannot download"):
+                if found[2]:
                     bad.add(k.hash)
-    for folder in sorted({k.ns.hex() for k in keys_} - set(spaces)):
-        problems.append(Problem("unknown_namespace", folder, "no manifest that opens with the fleet's keys, and "
-                                "not a namespace of this store: its records are not checked, and gc keeps "
-                                "none of them for its pins (they age out)"))
-    for k in tree.orphans():
-        problems.append(Problem("orphan_object", k.path, "its parent is not in the bucket", k.hash.hex()))
-        bad.add(k.hash)
-    for path in tree.foreign:
-        problems.append(Problem("foreign_object", path, "not a kvstore object (left alone)"))
-    if repair and bad:
-        tree.delete(bucket, tree.subtree(bad) & set(tree.objects))
-    return problems
-
-
-def _size_caps(objects) -> dict[tuple[bytes, bool], int]:
-    """(namespace, is a checkpoint) -> the most bytes verify reads of one object: twice the
-    median size of the namespace's chunks (a tail is smaller), or checkpoints (all one size),
-    and 1 MiB. A bucket writer would have to plant more objects than the fleet wrote to raise it."""
-    sizes: dict[tuple[bytes, bool], list[int]] = {}
-    for k in objects:
-        if k.kind != TAIL:
-            sizes.setdefault((k.ns, k.kind == CHECKPOINT), []).append(k.size)
-    caps = {key: min(MAX_OBJECT_BYTES, 2 * sorted(v)[(len(v) - 1) // 2] + (1 << 20)) for key, v in sizes.items()}
-    return defaultdict(lambda: MAX_OBJECT_BYTES, caps)
+    return problems, bad
 
 
 def _check_listed(s: Sealer, k: ObjectKey, buf, depth: int | None, chunk_size: int | None) -> None:
@@ -364,11 +437,12 @@ def drop_key(bucket: Bucket, fleet: Fleet, local=(), *, key_id: str, dry_run: bo
         known = ", ".join(f.key_id for f in fleet.older) or "none"
         raise InvalidInputError(f"--drop-key {kid}: not an older key of this fleet (older keys: {known}; the key "
                                 f"written with, {fleet.key_id}, cannot be dropped)")
-    tree = _Tree(bucket)
-    folders = {k.ns.hex() for k in tree.objects.values()} | set(tree.manifests) | {f for _, f in tree.pins_objects}
-    mine = {folder for folder, (_, _, f) in namespaces(bucket, fleet, folders, local).items() if f is old}
+    listing = _Listing(bucket)
+    spaces = namespaces(bucket, fleet, listing.folders(), local)
+    tree, _ = listing.split(spaces)
+    mine = {folder for folder, space in spaces.items() if space.fleet is old}
     records = {h for h, k in tree.objects.items() if k.ns.hex() in mine}
-    others = [manifest_key(f) for f in mine if f in tree.manifests] + [p for p, f in tree.pins_objects if f in mine]
+    others = [path for f in mine for path, _, _ in listing.others[f]]
     size = sum(tree.objects[h].size for h in records)
     if not dry_run:
         tree.delete(bucket, records)

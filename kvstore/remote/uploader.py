@@ -18,6 +18,7 @@ Nothing here raises into the writer: failures are counted (`Health`).
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections import OrderedDict, deque
@@ -257,14 +258,17 @@ class Uploader:
                 self._manifest_done.add(ns)
 
     def _put_manifest_once(self, ns: bytes) -> None:
+        """A planted manifest is replaced; one written before manifests stated the model's
+        geometry is completed by a node that knows it."""
         folder = self.fleet.sealer(ns).folder
         key, box = manifest_key(folder), self.fleet.manifest_box(folder)
         if not self.bucket.put_new(key, box.seal(key, self.manifests[ns])):
             try:
                 theirs = self.bucket.get(key, max_bytes=1 << 20)
-                if theirs is not None:
-                    box.open(key, theirs)
-            except (Unauthenticated, TooLarge):
+                if theirs is not None and "geometry" not in json.loads(box.open(key, theirs)) \
+                        and "geometry" in json.loads(self.manifests[ns]):
+                    self.bucket.put(key, box.seal(key, self.manifests[ns]))
+            except (Unauthenticated, TooLarge, ValueError, TypeError):
                 self.bucket.put(key, box.seal(key, self.manifests[ns]))
                 self.health.count("replaced")
 

@@ -26,7 +26,7 @@ from typing import Any, Protocol, Sequence
 import numpy as np
 
 from kvstore.errors import BlobError
-from kvstore.records import CHECKPOINT, RecordId
+from kvstore.records import RecordId, SizeBound
 from kvstore.restore.source import Source
 from kvstore.tenants import Tenant, sees
 
@@ -69,20 +69,6 @@ class Lookup:
         if tag is None or self.tenant is None:
             return None
         return next((t for t in self.tenant.variants() if t.tag == tag), None)
-
-
-@dataclass(frozen=True)
-class SizeBound:
-    """The most bytes a record of one model can be (a remote GET reads no more): its arrays at
-    its tokens, its token ids, and room for its header, twice over."""
-
-    per_token: int  # bytes a chunk or tail holds per token, its token id included
-    checkpoint: int  # bytes of a checkpoint's arrays
-    tensors: int  # how many tensors a record holds at most
-
-    def __call__(self, kind: int, ntokens: int) -> int:
-        arrays = self.checkpoint if kind == CHECKPOINT else self.per_token * ntokens
-        return 2 * (arrays + 512 * (self.tensors + 1)) + (1 << 20)
 
 
 class Tier(Protocol):

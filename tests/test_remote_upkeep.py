@@ -1,0 +1,169 @@
+"""Bucket upkeep a bucket writer cannot steer, against a real SeaweedFS: verify judges sizes by the
+geometry the sealed manifest states (planted tiny objects never make the fleet's records look too
+large), a pins object put back at its key is a rollback gc does not act on, and a namespace no
+key opens is a note that gc neither counts nor keeps, deleted only when told or when old."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import numpy as np
+from kvtest import prefill
+from remote_fixture import fleet, names
+from test_remote_ops import C, cli, records, toks
+
+import kvstore
+from kvstore.records import CHUNK, RecordId
+from kvstore.remote.layout import key_of, manifest_key, parse_other
+from kvstore.remote.s3 import S3Bucket as Bucket
+from kvstore.remote.upkeep import UNKNOWN_MAX_AGE, collect_remote
+
+BIG = 2048  # a chunk of the demo model is then 2.1 MB: far above what five 100-byte objects are
+
+
+def plant_tiny(url: str, ns: bytes, n: int = 5) -> None:
+    """`n` objects of 100 bytes at chunk keys of the fleet's namespace (root chunks)."""
+    s, bucket = fleet().sealer(ns), Bucket(url)
+    for i in range(n):
+        bucket.put(key_of(s, RecordId(os.urandom(16), ns, ns, None, CHUNK, BIG, i + 1), np.arange(i + 1, i + 1 + BIG)),
+                   b"x" * 100)
+
+
+def test_five_planted_tiny_objects_never_make_verify_repair_delete_the_fleets_records(tmp_path, s3, llama):
+    path, model = llama
+    url = s3.url()
+    prompt = toks(2 * BIG + 5, 60)
+    with kvstore.open(tmp_path / "a", chunk_size=BIG, remote=url) as a:
+        mc = a.bind(model, path)
+        mc.insert(prompt, prefill(model, prompt))
+        assert a.flush(60)
+    fleet_records = records(url)
+    assert len(fleet_records) == 3 and sorted(k.size for k in fleet_records.values())[-1] > 2_000_000
+    plant_tiny(url, mc.ns)
+    # A node with no store and no model: the cap is the manifest's, and the hint repeats the command.
+    key_file = tmp_path / "fleet.key"
+    key_file.write_text(os.environ["KVSTORE_REMOTE_KEY"] + "\n")
+    where = ["--store", str(tmp_path / "none"), "--remote", url, "--remote-key-file", str(key_file)]
+    out = cli("verify", *where)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert f"run `kvstore verify --remote {url} --store {tmp_path / 'none'} --remote-key-file {key_file} --repair`" \
+        in out.stdout, out.stdout
+    out = cli("verify", *where, "--repair", "--json")
+    problems = json.loads(out.stdout)["problems"]
+    assert [p["kind"] for p in problems] == ["unauthenticated_object"] * 5, problems
+    assert records(url).keys() == fleet_records.keys()
+    # A manifest written before manifests stated the geometry: sizes are not judged, contents are.
+    folder = fleet().ns_name(mc.ns)
+    bucket, box, key = Bucket(url), fleet().manifest_box(folder), manifest_key(folder)
+    manifest = json.loads(box.open(key, bucket.get(key)))
+    assert manifest["geometry"]["per_token"] > 0
+    del manifest["geometry"]
+    bucket.put(key, box.seal(key, json.dumps(manifest).encode()))
+    plant_tiny(url, mc.ns)
+    out = cli("verify", *where, "--repair")
+    assert out.returncode == 1 and records(url).keys() == fleet_records.keys(), out.stdout
+    out = cli("verify", *where)
+    assert out.returncode == 0 and out.stdout.endswith("clean\n"), out.stdout + out.stderr
+
+
+def test_a_rolled_back_pins_object_is_detected_and_gc_keeps_the_pinned_prompt(tmp_path, s3, llama):
+    path, model = llama
+    url = s3.url()
+    first, second, other = toks(2 * C + 3, 70), toks(3 * C + 4, 71), toks(2 * C + 2, 72)
+    bucket = Bucket(url)
+    with kvstore.open(tmp_path / "b", chunk_size=C, remote=url) as b:  # node B pins one prompt, then another
+        mc = b.bind(model, path)
+        mc.insert(first, prefill(model, first), pin=True)
+        assert b.flush(30)
+        pins = next(p for p, _, _ in bucket.list("") if (parse_other(p) or ("",))[0] == "pins")
+        old = bytes(bucket.get(pins))  # what a bucket writer keeps, to put back later
+        mc.insert(second, prefill(model, second), pin=True)
+        assert b.flush(30)
+        pinned = names(mc.ns, mc.record_hashes(np.asarray(second)))
+    with kvstore.open(tmp_path / "a", chunk_size=C, remote=url) as a:  # node A reads B's pins once
+        mca = a.bind(model, path)
+        mca.insert(other, prefill(model, other))
+        assert a.flush(30)
+        assert a.remote.verify() == []
+    bucket.put(pins, old)  # the rollback: `second` is not in it
+    with kvstore.open(tmp_path / "a", chunk_size=C, remote=url) as a:
+        result = a.remote.gc(max_bytes=0)
+        assert result["held_namespaces"] == 1 and result["evicted"] == 0 and len(result["rollbacks"]) == 1
+    assert pinned <= set(records(url))
+    with kvstore.open(tmp_path / "b", chunk_size=C, remote=url) as b:  # B's own: a problem verify reports
+        found = b.remote.verify()
+        assert [p.kind for p in found] == ["rolled_back_pins"] and "this node's" in found[0].detail
+        assert b.remote.verify(repair=True) and b.remote.verify() == []  # published again
+    with kvstore.open(tmp_path / "a", chunk_size=C, remote=url) as a:  # gc goes on, and keeps both pins
+        result = a.remote.gc(max_bytes=0)
+        assert result["held_namespaces"] == 0 and result["evicted"] > 0 and not result["rollbacks"]
+    left = set(records(url))
+    assert pinned <= left and names(mca.ns, mca.record_hashes(np.asarray(first))) <= left
+    bucket.put(pins, os.urandom(300))  # an object that does not open, in the place of one seen
+    with kvstore.open(tmp_path / "a", chunk_size=C, remote=url) as a:
+        result = a.remote.gc(max_bytes=0)
+        assert result["held_namespaces"] == 1 and "does not open" in result["rollbacks"][0]
+    assert set(records(url)) == left
+
+
+def test_a_junk_namespace_with_a_pins_object_never_makes_gc_evict_the_fleets_records(tmp_path, s3, llama):
+    path, model = llama
+    url = s3.url()
+    store = tmp_path / "a"
+    with kvstore.open(store, chunk_size=C, remote=url) as a:
+        mc = a.bind(model, path)
+        for i in range(3):
+            p = toks(3 * C + 5, 90 + i)
+            mc.insert(p, prefill(model, p))
+        assert a.flush(30)
+    fleet_records = records(url)
+    total = sum(k.size for k in fleet_records.values())
+    junk = plant_junk(url)
+    out = cli("gc", "--store", str(store), "--remote", url, "--max-bytes", str(total))
+    assert out.returncode == 0 and "deleted 0 objects" in out.stdout, out.stdout + out.stderr
+    assert "1 namespace none of this node's keys opens (20.0 MiB) not counted" in out.stdout, out.stdout
+    assert records(url).keys() == fleet_records.keys() | junk
+    out = cli("verify", "--store", str(store), "--remote", url)
+    assert out.returncode == 0 and out.stdout.endswith("clean\n"), out.stdout + out.stderr
+    assert "note: unknown_namespace" in out.stdout and "--drop-unknown" in out.stdout
+    out = cli("gc", "--store", str(store), "--remote", url, "--drop-unknown", "--dry-run")
+    assert out.returncode == 0 and "would delete 1 namespace" in out.stdout, out.stdout + out.stderr
+    assert records(url).keys() == fleet_records.keys() | junk
+    out = cli("gc", "--store", str(store), "--remote", url, "--drop-unknown")
+    assert out.returncode == 0 and "deleted 1 namespace" in out.stdout, out.stdout + out.stderr
+    assert records(url).keys() == fleet_records.keys()
+    assert not [p for p, _, _ in Bucket(url).list("") if p.startswith(JUNK)]
+    # Without --drop-unknown, past the documented age only (since its newest object).
+    plant_junk(url, n=2)
+    kept = collect_remote(Bucket(url), fleet(), now=time.time() + UNKNOWN_MAX_AGE - 86400)
+    assert kept["dropped_namespaces"] == 0 and kept["unknown_namespaces"] == 1
+    gone = collect_remote(Bucket(url), fleet(), now=time.time() + UNKNOWN_MAX_AGE + 60)
+    assert gone["dropped_namespaces"] == 1 and gone["evicted"] == 0 and records(url).keys() == fleet_records.keys()
+
+
+JUNK = "0123456789abcdef0123456789abcdef"
+
+
+def plant_junk(url: str, n: int = 20) -> set[bytes]:
+    """A made-up namespace folder: a pins object, a manifest and `n` MiB of root chunks (their
+    names), newer than the fleet's (least recently used goes first)."""
+    bucket, ns = Bucket(url), bytes.fromhex(JUNK)
+    bucket.put(f"{JUNK}/pins/{os.urandom(16).hex()}", os.urandom(200))
+    bucket.put(f"{JUNK}/manifest", os.urandom(200))
+    made = set()
+    for _ in range(n):
+        h = os.urandom(16)
+        bucket.put(f"{JUNK}/{JUNK[:2]}/{JUNK}/{os.urandom(8).hex()}/{h.hex()}.chunk.{C}", os.urandom(1 << 20))
+        made.add(h)
+    assert ns.hex() == JUNK
+    return made
+
+
+def test_a_missing_bucket_is_one_line_that_names_it(tmp_path, s3):
+    url = s3.url().replace("s3://kvtest/", "s3://no-such-bucket-kv/")
+    for args in (["verify", "--remote", url], ["gc", "--remote", url, "--max-age", "7d"]):
+        out = cli(*args, "--store", str(tmp_path / "none"))
+        assert out.returncode == 1 and out.stdout == "", out.stdout
+        assert out.stderr.count("\n") == 1 and f"remote {url}" in out.stderr, out.stderr
