@@ -79,9 +79,8 @@ class Store:
     def __init__(self, path: str | os.PathLike | None = None, *, max_bytes: int | str | None = None,
                  memory_bytes: int | str | None = None, chunk_size: int | None = None,
                  max_pending_bytes: int | str | None = None, fsync: bool = True,
-                 create: bool = True, read_only: bool | None = False,
-                 remote: str | None = None, remote_prefetch: str | None = None,
-                 remote_deadline: float | str | None = None,
+                 create: bool = True, read_only: bool | None = False, remote: str | None = None,
+                 remote_prefetch: str | None = None, remote_deadline: float | str | None = None,
                  remote_key: str | bytes | None = None, remote_flush_timeout: float | str | None = None,
                  admit: str | None = None, max_write_rate: int | str | None = None,
                  disk_kv_bits: int | str | None = None, buffer_cache_bytes: int | str | None = None,
@@ -134,8 +133,7 @@ class Store:
                 self.files.close()
             raise
         self.tenant_max_bytes = value["tenant_max_bytes"]
-        self.remote = self._open_remote(remote, value["remote_deadline"], secrets, value["remote_flush_timeout"],
-                                        value["remote_prefetch"])
+        self.remote = self._open_remote(remote, secrets, value)
         self._tenant_secret: tuple[bytes, str] | None = None  # (secret, key id), made on first use
         self.events = self._publisher(events)
         self.gate = Gate(self.index if writes else None, value["admit"], value["max_write_rate"])
@@ -192,15 +190,14 @@ class Store:
         return write_budget.summary(self.index, policy=self.gate.policy, per_day=self.gate.per_day,
                                     unsaved=self.gate.unsaved(), now=self.gate.clock())
 
-    def _open_remote(self, url: str | None, deadline: float | None, secrets: list[bytes] | None,
-                     flush_timeout: float | None, prefetch: str) -> Remote | None:
+    def _open_remote(self, url: str | None, secrets: list[bytes] | None, value: dict) -> Remote | None:
         """This node's side of the bucket at `url` (its objects sealed with the first of the
-        fleet's `secrets`, read with each), or None. Contacts nothing yet."""
+        fleet's `secrets`, read with each; `value`: the settings), or None. Contacts nothing yet."""
         if not url:
             return None
-        fleet = Fleet(secrets[0], secrets[1:])
-        return Remote(open_bucket(url), fleet, self.index, self.path, self.blob_root,
-                      deadline=deadline, flush_timeout=flush_timeout, prefetch=prefetch)
+        return Remote(open_bucket(url), Fleet(secrets[0], secrets[1:]), self.index, self.path, self.blob_root,
+                      deadline=value["remote_deadline"], flush_timeout=value["remote_flush_timeout"],
+                      prefetch=value["remote_prefetch"])
 
     def _publisher(self, config: events_config.EventsConfig | None):
         """The KV events publisher `kv_events` asks for (`kvstore.events.kvevents`), or None."""
@@ -223,11 +220,10 @@ class Store:
         if disk is not None:
             tiers.append(disk)
             if self.remote is not None:  # its downloads are stored through `disk`, within its budget
-                tiers.append(RemoteTier(self.remote.bucket, self.remote.health, disk, self.remote.fleet,
-                                        policy=self.remote.prefetch, deadline=self.remote.deadline,
-                                        reupload=self.remote.uploader.submit))
+                r = self.remote
+                tiers.append(RemoteTier(r.bucket, r.health, disk, r.fleet, policy=r.prefetch, deadline=r.deadline,
+                                        reupload=r.uploader.submit))
         return Tiers(tiers)
-
 
     # -- public surface ---------------------------------------------------------------------
 
@@ -446,11 +442,9 @@ def open(path: str | os.PathLike | None = None, *, max_bytes: int | str | None =
     files but no kvstore index) is refused, never used. `create=False` opens only an existing
     store; `read_only=True` (or `None`: when this user may not write it) writes nothing.
     `remote="s3://BUCKET/PREFIX"` shares the store with other nodes through an S3-compatible
-    object store (see `kvstore.tiers.remote`); `remote_prefetch` says how long a fetch waits for
-    it: `"timeout"` (the default: 1 s + 0.1 s per 1,024 tokens not held locally, at most 10 s;
-    what arrived by then is restored), `"best_effort"` (what is local now; the downloads finish in
-    the background for the next fetch) or `"wait_complete"`; `remote_deadline` (seconds), when
-    given, bounds any of them. The fleet's secret is `remote_key` (32 bytes, or the base64url text
+    object store; how long a fetch waits for it is `remote_prefetch`'s (`"timeout"`,
+    `"best_effort"`, `"wait_complete"`: see `kvstore.tiers.remote`), at most `remote_deadline`
+    seconds when given. The fleet's secret is `remote_key` (32 bytes, or the base64url text
     `kvstore remote-key` prints), else `$KVSTORE_REMOTE_KEY`: a remote without one is refused.
     `remote_flush_timeout` (seconds, default 10) bounds how long `flush()` and `close()` wait
     for uploads.

@@ -25,10 +25,11 @@ from kvtest import logits_diff, prefill
 
 import kvstore
 from kvstore.records import prompt_records
+from kvstore.remote.downloads import BAD_FOR_S
 from kvstore.remote.layout import children_prefix, key_of
 from kvstore.remote.s3 import S3Bucket as Bucket
 from kvstore.remote.seal import new_key
-from kvstore.tiers.remote import BAD_FOR_S, LIST_LIMIT, PREFETCH_BASE_S, PREFETCH_PER_1K_S, RemoteTier
+from kvstore.tiers.remote import LIST_LIMIT, PREFETCH_BASE_S, PREFETCH_PER_1K_S, RemoteTier
 
 C = 16
 REPO = Path(__file__).resolve().parent.parent

@@ -10,7 +10,7 @@ import re
 import threading
 import time
 
-from kvstore.remote.bucket import RemoteSetupError
+from kvstore.remote.bucket import Bucket, RemoteError, RemoteSetupError
 from kvstore.sizes import printable
 
 log = logging.getLogger("kvstore")
@@ -98,3 +98,38 @@ class Health:
         for key, value in self.counters.items():
             out[key] += value - self._persisted.get(key, 0)
         return out
+
+
+#: The namespaces' manifests read at most to tell whether any opens with this node's key.
+KEY_CHECK_FOLDERS = 16
+_NAME = re.compile(r"[0-9a-f]{32}")
+
+
+def say_if_no_namespace_opens(bucket: Bucket, fleet, ns: bytes, health: Health) -> None:
+    """Whether the bucket exists, and whether it holds namespaces of which none opens with this
+    node's keys (by their manifests; names are MACs, so which model they are of cannot be told):
+    a wrong fleet secret. Said once (the remote tier asks once a process, after a lookup that
+    found nothing of its prompt); a bucket that does not exist is said by `Health.error`."""
+    from kvstore.remote.layout import manifest_key
+    from kvstore.remote.seal import KEY_ENV, Unauthenticated
+
+    try:
+        folders = [f for f in bucket.folders("") if _NAME.fullmatch(f)]
+        if not folders or any(f.ns_name(ns) in folders for f in fleet.keyring()):
+            return
+        for folder in folders[:KEY_CHECK_FOLDERS]:
+            key = manifest_key(folder)
+            body = bucket.get(key, max_bytes=1 << 20)
+            for f in fleet.keyring() if body is not None else ():
+                try:
+                    f.manifest_box(folder).open(key, body)
+                    return  # a namespace of this fleet (another model's)
+                except Unauthenticated:
+                    pass
+    except RemoteError as e:  # no such bucket, no answer...: said once
+        health.error(e, down=True)
+        return
+    health.count("foreign_namespaces", len(folders))
+    log.warning("kvstore: the bucket %s holds %d namespace%s and none opens with this key (%s): is %s the "
+                "fleet's? (nothing stored by the nodes that wrote them can be reused here)", bucket.url,
+                len(folders), "" if len(folders) == 1 else "s", fleet.key_id, KEY_ENV)

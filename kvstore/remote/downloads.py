@@ -1,0 +1,313 @@
+"""Downloads of the remote tier: each record's object fetched, opened and checked, within the
+fetch's wait and a bound of bytes in flight, then stored on the local disk in the background.
+
+`Downloads` belongs to one `tiers.remote.RemoteTier`: it runs the GETs (and the tier's HEADs and
+listings) on its pool, opens each sealed object in place (`remote.seal`), checks it is the record
+it is fetched as (`remote.objects.check_opened`), and remembers for a while the object keys that
+failed (unauthenticated, corrupt, too large, or their download failed: not asked for again until
+`BAD_FOR_S` has passed, on its `clock`). A downloaded record is restored from memory and written
+through to the local disk tier by one writer thread; until it is there, a fetch finds it here.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict, deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any, Callable, Iterable
+
+import numpy as np
+
+from kvstore.errors import BlobError
+from kvstore.records import RecordId
+from kvstore.remote.bucket import MAX_OBJECT_BYTES, Bucket, RemoteError, TooLarge, TooLate
+from kvstore.remote.health import Health
+from kvstore.remote.objects import check_opened
+from kvstore.remote.seal import OVERHEAD, Sealer, Unauthenticated
+from kvstore.storage.index import Row
+
+log = logging.getLogger("kvstore")
+
+#: The bytes of downloads started and not yet ended (a path's downloads start as this allows).
+INFLIGHT_BYTES = 512 << 20
+#: What a download waits at most when its fetch set no wait (none does: see `RemoteTier.until`).
+LONGEST_S = 600.0
+
+
+#: An object key that failed (unauthenticated, corrupt, too large, or its download failed) is not
+#: asked for again for this long.
+BAD_FOR_S = 300.0
+_BAD_MAX = 4096
+
+
+class Ref:
+    """A record the bucket holds, as this tier found it: its identity, key, and its plaintext
+    once downloaded, opened and checked."""
+
+    __slots__ = ("rid", "key", "lookup", "sealer", "future", "body", "tokens", "named", "size", "queued", "again")
+
+    def __init__(self, rid: RecordId, key: str, lookup: Any, sealer: Sealer, *, named: bool = False,
+                 size: int | None = None):
+        self.rid, self.key, self.lookup, self.sealer = rid, key, lookup, sealer
+        self.future: Future | None = None
+        self.body: bytes | None = None  # the plaintext, once downloaded and checked
+        self.tokens: np.ndarray | None = None
+        self.named = named  # known by its name only: its hash is read from the object
+        self.size = size  # as the listing showed it
+        self.queued = False  # waiting for the bytes in flight to allow its download
+        self.again = False  # downloaded by an earlier fetch, still being stored: no new download
+
+    @property
+    def estimate(self) -> int:
+        """What its download is likely to hold: its size as listed, else about what the model's
+        shapes say (`cap` is twice that, and more)."""
+        return self.size if self.size is not None else max(1, (self.cap - (1 << 20)) // 2)
+
+    @property
+    def cap(self) -> int:
+        """The most bytes this record's object can hold (as the model's shapes say)."""
+        bound = self.lookup.object_bytes
+        most = MAX_OBJECT_BYTES if bound is None else bound(self.rid.kind, self.rid.ntokens)
+        return min(MAX_OBJECT_BYTES, most + OVERHEAD)
+
+
+class Downloads:
+    def __init__(self, bucket: Bucket, health: Health, store: Callable[[Row, object, bool], None], *,
+                 threads: int = 8, clock: Callable[[], float] = time.monotonic):
+        self.bucket, self.health, self._store = bucket, health, store
+        self.clock = clock  # of the memory of bad keys (a test moves it on)
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="kvstore-remote-get")
+        self._bad: OrderedDict[str, float] = OrderedDict()  # object key -> until when it is not asked for
+        self._lock = threading.Lock()
+        self._inflight = 0  # bytes of downloads started and not yet ended
+        self._waiting: deque[Ref] = deque()  # downloads to start as the bytes in flight allow
+        self._disk_writes = ThreadPoolExecutor(1, thread_name_prefix="kvstore-remote-store")
+        self._writing: dict[bytes, tuple[Row, object]] = {}  # downloaded, not on the local disk yet
+        self._settled = threading.Condition(self._lock)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop; what was downloaded is stored on the local disk first (within `timeout`)."""
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.settle(timeout)
+        self._disk_writes.shutdown(wait=False)
+
+    def bad_object(self, error: BlobError, ref: Ref | None) -> None:
+        """An object that failed its check: counted, and not asked for again for a while."""
+        if isinstance(error, Unauthenticated):
+            self.health.count("unauthenticated")
+            log.warning("kvstore: a remote object failed authentication, not used: %s", error)
+        else:
+            self.health.count("corrupt_objects")
+            log.warning("kvstore: a remote object is damaged, not used: %s", error)
+        if ref is not None:
+            self.remember_bad(ref.key)
+
+    def held(self, records: list[RecordId]) -> list:
+        """The downloaded bodies of `records`, from the first, that are still being stored."""
+        with self._lock:
+            out = []
+            for r in records:
+                got = self._writing.get(r.hash)
+                if got is None:
+                    break
+                out.append(got[1])
+            return out
+
+    def prefetch(self, items: Iterable[tuple[bytes, Ref]]) -> None:
+        """Start downloading these (record, ref)s now, in order, as many at once as the bound of
+        bytes in flight allows (`open` then waits for each; the rest start as others finish)."""
+        self.start(ref for _, ref in items)
+
+    def start(self, refs: Iterable[Ref]) -> None:
+        for ref in refs:
+            with self._lock:
+                if ref.body is not None or ref.future is not None or ref.queued:
+                    continue
+                if self._inflight and self._inflight + ref.estimate > INFLIGHT_BYTES:
+                    ref.queued = True
+                    self._waiting.append(ref)
+                    continue
+            self._launch(ref)
+
+    def _launch(self, ref: Ref) -> None:
+        """Start `ref`'s download now (if it has none), counted in the bytes in flight until it ends."""
+        with self._lock:
+            if ref.future is not None or ref.body is not None:
+                return
+            ref.queued = False
+            ref.future = self._get(ref)
+            if ref.future is None:
+                return
+            n = ref.estimate
+            self._inflight += n
+        ref.future.add_done_callback(lambda _, n=n: self._ended(n))
+
+    def _ended(self, n: int) -> None:
+        """A download ended: start the ones waiting that now fit (not those past their fetch's wait)."""
+        start = []
+        with self._lock:
+            self._inflight -= n
+            while self._waiting:
+                ref = self._waiting[0]
+                if not ref.queued or ref.future is not None:
+                    self._waiting.popleft()
+                    continue
+                if self._inflight and self._inflight + ref.estimate > INFLIGHT_BYTES:
+                    break
+                self._waiting.popleft()
+                ref.queued = False
+                if time.monotonic() < (ref.lookup.remote_until or 0.0):
+                    start.append(ref)
+                    self._inflight += ref.estimate  # (taken back by `_launch`'s own count below)
+        for ref in start:
+            with self._lock:
+                self._inflight -= ref.estimate
+            self._launch(ref)
+
+    def _get(self, ref: Ref) -> Future | None:
+        """Start the download of a record's object, at most its size (None if it is known to be
+        larger: a planted object is never read)."""
+        if ref.size is not None and ref.size > ref.cap:
+            self._too_large(ref)
+            return None
+        until = _until(ref.lookup)
+        try:
+            return self.pool.submit(self._get_open, ref.sealer, ref.key, ref.cap, until)
+        except RuntimeError:  # closed
+            return None
+
+    def _get_open(self, s: Sealer, key: str, cap: int, until: float) -> tuple[int, bytes] | None:
+        """(sealed size, plaintext) of the object at `key`, or None: on a download thread, so that
+        opening overlaps the other downloads. Unauthenticated if it does not open."""
+        body = self.bucket.get(key, cap, until)
+        if body is None:
+            return None
+        size = len(body)
+        plain = s.open(key, body, in_place=True)  # a view of `body`: no second copy
+        if time.monotonic() > until:
+            return None
+        return size, plain
+
+    def _too_large(self, ref: Ref) -> None:
+        self.health.count("oversized_objects")
+        self.remember_bad(ref.key)
+
+    def fetch(self, ref: Ref) -> bytes | None:
+        """The record's object, opened, from its download in flight or a new one, within the
+        deadline (a download past it stops and drops what it read). Unauthenticated if it does
+        not open with the fleet's key."""
+        end = _until(ref.lookup)
+        if ref.future is None:  # not started yet (or waiting for room): needed now
+            self._launch(ref)
+            if ref.future is None:
+                return None
+        try:
+            got = ref.future.result(timeout=max(0.0, end - time.monotonic()))
+        except FutureTimeout:  # past the policy's wait: what arrived is restored, the rest prefilled
+            ref.future.cancel()
+            self._late(ref.lookup)
+            return None
+        except TooLarge:
+            self._too_large(ref)
+            return None
+        except TooLate:  # it ran into the deadline (as the waiter did): dropped, not remembered
+            self._late(ref.lookup)
+            return None
+        except RemoteError as e:
+            self.remember_bad(ref.key)
+            self.health.error(e, down=True)
+            return None
+        finally:
+            ref.future = None  # the future holds the bytes: only what is returned may from here on
+        if got is None:
+            return None
+        self.health.count("downloads")
+        self.health.count("download_bytes", got[0])
+        return got[1]
+
+    def _late(self, lookup: Any) -> None:
+        """A download of this fetch missed its wait: counted, and if some of its path came, the
+        fetch is a partial remote restore (counted once)."""
+        self.health.count("deadline_misses")
+        if "remote" in lookup.notes and "partial" not in lookup.notes:
+            lookup.notes.add("partial")
+            self.health.count("partial_restores")
+
+    def check(self, ref: Ref, plain: bytes) -> None:
+        """Check an opened object is the record it is fetched as (BlobError)."""
+        tokens, rid = check_opened(ref.sealer, plain, ref.rid, ref.lookup.chunk_size, named=ref.named)
+        ref.body, ref.tokens, ref.rid, ref.named = plain, tokens, rid, False
+
+    def download(self, refs: list[Ref], end: float) -> list[Ref]:
+        """Download these records at once, within the deadline; the checked ones that came."""
+        self.start(refs)
+        got = []
+        for ref in refs:
+            try:
+                plain = self.fetch(ref)
+                if plain is None:
+                    continue
+                self.check(ref, plain)
+            except BlobError as e:
+                self.bad_object(e, ref)
+                continue
+            got.append(ref)
+        return got
+
+    def remember_bad(self, key: str) -> None:
+        self._bad[key] = self.clock() + BAD_FOR_S
+        self._bad.move_to_end(key)
+        while len(self._bad) > _BAD_MAX:
+            self._bad.popitem(last=False)
+
+    def known_bad(self, key: str) -> bool:
+        until = self._bad.get(key)
+        if until is not None and until < self.clock():
+            self._bad.pop(key, None)
+            return False
+        return until is not None
+
+    def write_through(self, row: Row, body, *, reupload: bool) -> None:
+        """Store a downloaded record on the local disk, in the background (one writer thread);
+        until it is there, `find` gives it from memory."""
+        with self._lock:
+            if row.hash in self._writing:
+                return
+            self._writing[row.hash] = (row, body)
+        try:
+            self._disk_writes.submit(self._write, row, body, reupload)
+        except RuntimeError:  # closed
+            with self._lock:
+                self._writing.pop(row.hash, None)
+
+    def _write(self, row: Row, body, reupload: bool) -> None:
+        try:
+            self._store(row, body, reupload)  # the tier's: the disk tier's `put`, and up again if asked
+        except OSError as e:  # a full disk: the record stays a miss here
+            self.health.error(e)
+        except Exception as e:  # never raises anywhere: a cache write that failed is a miss later
+            log.warning("kvstore: a downloaded record was not stored locally (%s: %s)", type(e).__name__, e)
+        finally:
+            with self._lock:
+                self._writing.pop(row.hash, None)
+                if not self._writing:
+                    self._settled.notify_all()
+
+    def settle(self, timeout: float | None = None) -> bool:
+        """Wait until what was downloaded is on the local disk; False if `timeout` ran out."""
+        end = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while self._writing:
+                left = None if end is None else end - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._settled.wait(left)
+        return True
+
+
+def _until(lookup: Any) -> float:
+    """When the fetch of `lookup` (a `tiers.base.Lookup`) stops waiting for the bucket."""
+    return lookup.remote_until if lookup.remote_until is not None else time.monotonic() + LONGEST_S
