@@ -20,7 +20,8 @@ COUNTERS = (
     "uploads", "upload_bytes", "already_there", "upload_errors", "dropped_uploads", "dropped_upload_bytes",
     "skipped_old_format", "skipped_no_parent", "lookups", "heads", "lists", "downloads", "download_bytes",
     "remote_hits", "remote_tokens", "corrupt_objects", "errors", "deadline_misses", "skipped_down",
-    "unauthenticated", "replaced", "oversized_objects", "skipped_down_uploads", "left_uploads")
+    "unauthenticated", "replaced", "oversized_objects", "skipped_down_uploads", "left_uploads",
+    "refused_uploads", "tagged_records")
 #: Counters are added to the store's index under this prefix, so `kvstore stats` shows every
 #: process's totals.
 COUNTER_PREFIX = "count.remote."

@@ -29,6 +29,8 @@ from kvstore.remote.layout import LAYOUT_VERSION, pins_key
 from kvstore.remote.seal import Fleet, Unauthenticated
 from kvstore.remote.uploader import Uploader
 from kvstore.storage.index import Index
+from kvstore.trust import Trust
+from kvstore.upkeep.anchors import Anchors
 
 log = logging.getLogger("kvstore")
 
@@ -39,12 +41,13 @@ FLUSH_TIMEOUT_S: float = settings.BY_NAME["remote_flush_timeout"].default
 class Remote:
     def __init__(self, bucket: Bucket, fleet: Fleet, index: Index, store_dir: Path, blob_root: Path, *,
                  deadline: float, health: Health | None = None, upload_threads: int = 4,
-                 flush_timeout: float = FLUSH_TIMEOUT_S):
+                 flush_timeout: float = FLUSH_TIMEOUT_S, trust: Trust | None = None):
         self.bucket, self.fleet, self.index, self.store_dir = bucket, fleet, index, store_dir
         self.url, self.deadline, self.flush_timeout = bucket.url, deadline, flush_timeout
         self.health = health or Health()
         self.uploader = Uploader(bucket, self.health, fleet, blob_root, index.get, self.publish_pins,
-                                 threads=upload_threads)
+                                 threads=upload_threads,  # `trust`: what judges uploads (none: nothing goes up)
+                                 anchors=Anchors(trust, index, blob_root) if trust is not None else None)
         self._spent = 0.0  # seconds of the allowance waited out on uploads not done since
         self._said = False  # that the allowance ran out (said once until the uploads are all done)
         self._left = 0  # uploads left undone at close
