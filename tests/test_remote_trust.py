@@ -392,6 +392,8 @@ def test_a_parent_altered_with_its_checksums_fixed_is_refused_and_nothing_below_
     said = [m.getMessage() for m in caplog.records if "refused to upload" in m.getMessage()]
     assert len(said) == 2 and "changed after it was committed" in said[0] and "trust tag does not hold" in said[1]
     assert not any(str(tmp_path) in m or hashes[1].hex() in m for m in said)
+    out = _cli("stats", "--store", str(tmp_path / "a"), "--remote", url)
+    assert "refused uploads: 2" in out.stdout, out.stdout + out.stderr
 
 
 def test_a_continuation_of_an_altered_parent_never_reaches_the_fleet(tmp_path, s3, llama):
