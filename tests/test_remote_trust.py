@@ -279,7 +279,8 @@ def _cli(*args, env=None) -> subprocess.CompletedProcess:
                           timeout=120, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
 
 
-def test_keys_a_listing_shows_are_of_the_layout_only():
+def test_keys_a_listing_shows_are_of_the_layout_only(monkeypatch):
+    monkeypatch.setenv("KVSTORE_REMOTE_KEY", new_key())  # (no server: the s3 fixture may not have set it)
     f = fleet()
     s = f.sealer(b"\x05" * 16)
     r = prompt_records(s.ns, np.arange(1, C + 4), C)

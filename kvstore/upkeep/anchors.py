@@ -68,7 +68,9 @@ class Anchors:
     def tag_in_place(self, row: Row, buf) -> bytes | None:
         """Tag record `row`'s blob on disk, whose whole bytes `buf` were just checked: the new
         blob (same tensors, one more header field) replaces it atomically, then its row's size
-        and checksum. None if the record changed or went meanwhile (nothing is written then)."""
+        and checksum. None if the record changed or went meanwhile (nothing is written then).
+        A crash between the two leaves a row whose size is not its blob's: a miss (quarantined
+        when read), never other K/V."""
         data = self.tagged(buf)
         with blobtree.tree_lock(self.root, exclusive=True):
             now = self.index.get(row.hash)

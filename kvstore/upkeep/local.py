@@ -163,18 +163,19 @@ class LocalStore:
             self.check_writable("verify --repair")
         with self.damage_is_an_error():
             return verify(self.index, self.blob_root, repair=repair, force=force, read_only=self.read_only,
-                          trust=trust or self.trust())
+                          trust=trust or self.trust(create=False))
 
-    def trust(self, fleet_secrets: list[bytes] | None = None) -> Trust | None:
+    def trust(self, fleet_secrets: list[bytes] | None = None, *, create: bool = True) -> Trust | None:
         """The keys this store tags its trust anchors with (`kvstore.trust`): from the fleet's
-        secrets when it has a remote tier, else from its own key (made now if it may write;
-        None for a store open read-only that has none yet: it has nothing tagged under one)."""
+        secrets when it has a remote tier, else from its own key (made now with `create`, if it
+        may write; None when it has none yet: then nothing is tagged under one)."""
         if fleet_secrets:
             return Trust.for_fleet(fleet_secrets)
+        make = create and not self.read_only
         try:
-            return Trust.for_store(trust_key(self.path, create=not self.read_only))
+            return Trust.for_store(trust_key(self.path, create=make))
         except StoreOpenError as e:
-            if not self.read_only:
+            if make:
                 raise
             log.debug("kvstore: %s", e)
             return None
