@@ -116,6 +116,7 @@ class Store:
             Path(path) if path is not None else default_path(), create=create, read_only=read_only)
         self.path = self.files.path if self.files else None
         self.read_only = self.files.read_only if self.files else False
+        self.trust = self.files.trust(secrets) if self.files else None  # what tags its anchors (kvstore.trust)
         self.index = self.files.index if self.files else None
         self.blob_root = self.files.blob_root if self.files else None
         if value["max_bytes"] == AUTO:
@@ -139,10 +140,10 @@ class Store:
         self.gate = Gate(self.index if writes else None, value["admit"], value["max_write_rate"])
         budget = DiskBudget(self.files, self.memory, self.max_bytes, self.tenant_max_bytes) \
             if writes and (self.max_bytes is not None or self.tenant_max_bytes is not None) else None
-        disk = DiskTier(self.index, self.blob_root, budget) if self.files is not None else None
+        disk = DiskTier(self.index, self.blob_root, budget, self.trust) if self.files is not None else None
         self.writer = Writer(self.index if writes else None, self.blob_root if writes else None, self.memory,
                              value["max_pending_bytes"], fsync=fsync, gate=self.gate,
-                             access=disk.access if disk else None)
+                             access=disk.access if disk else None, trust=self.trust)
         self._wire(budget, disk)
         self.disk = disk
         self.tiers = self._tiers(disk)
@@ -197,7 +198,7 @@ class Store:
             return None
         return Remote(open_bucket(url), Fleet(secrets[0], secrets[1:]), self.index, self.path, self.blob_root,
                       deadline=value["remote_deadline"], flush_timeout=value["remote_flush_timeout"],
-                      prefetch=value["remote_prefetch"])
+                      prefetch=value["remote_prefetch"], trust=self.trust)
 
     def _publisher(self, config: events_config.EventsConfig | None):
         """The KV events publisher `kv_events` asks for (`kvstore.events.kvevents`), or None."""
@@ -267,7 +268,7 @@ class Store:
         stamps = None
         if fingerprint is None:
             fingerprint, stamps = fingerprints.fingerprint(model_id, adapter_path, self.index,
-                                                           remember=not self.read_only)
+                                                           remember=not self.read_only, trust=self.trust)
         ns = keys.namespace(fingerprint, layout, chunk_size)
         mc = ModelCache(self.backing, model, str(model_id), ns, fingerprint, layout, codecs, chunk_size,
                         kv_bits=kv_bits, kv_group_size=kv_group_size, exact=self.exact_prefill)
@@ -385,7 +386,7 @@ class Store:
         if repair:
             self.files.check_writable("verify --repair")
         self.flush()
-        problems = self.files.verify(repair=repair, force=force)
+        problems = self.files.verify(repair=repair, force=force, trust=self.trust)
         if repair:
             self.memory.clear()
         return problems

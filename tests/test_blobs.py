@@ -152,7 +152,7 @@ def test_verify_bytes_refuses_a_blob_without_per_tensor_checksums(tmp_path):
 
 # -- stores written by 0.1 ------------------------------------------------------------------------
 
-def stage_v01(root: Path, h: bytes, tensors, metadata, *, fsync: bool = True) -> blobwrite.Staged:
+def stage_v01(root: Path, h: bytes, tensors, metadata, *, fsync: bool = True, trust=None) -> blobwrite.Staged:
     """`blobwrite.stage` (the writer's first half of `blobwrite.write`) as kvstore 0.1 wrote blobs: the
     safetensors header carries only the writer's own metadata (no `blob_format`, no
     `checksums`); the row's checksum is xxh3_64 of the whole file."""
@@ -347,3 +347,29 @@ def test_the_header_extension_point_adds_a_checked_field_and_leaves_other_blobs_
             blobfile.open_blob(tmp_path, H, size=len(bad))
     finally:
         blobformat._EXTENSIONS.pop("testcanary", None)
+
+
+def test_a_record_altered_with_its_checksums_fixed_is_refused_by_its_trust_tag(tmp_path, llama):
+    """A writer of the store folder scales a chunk's keys and writes their checksum (and the row's)
+    to match: no checksum sees it, but its header's trust tag (under the store's own key) no longer
+    holds. verify reports it; a fetch never restores it (the prefix ends before it, quarantined)."""
+    from kvtest import alter_record, logits_diff, prefill
+
+    path, model = llama
+    c = 16
+    prompt = [int(t) for t in np.random.default_rng(11).integers(1, 250, 3 * c + 5)]
+    with kvstore.open(tmp_path / "s", chunk_size=c) as store:
+        mc = store.bind(model, path)
+        mc.insert(prompt, prefill(model, prompt))
+        store.flush()
+        second = mc.record_hashes(prompt)[1]
+    alter_record(tmp_path / "s", second, "1.keys", 1.5)
+    with kvstore.open(tmp_path / "s", chunk_size=c, memory_bytes=0) as store:
+        problems = store.verify()  # it, and what hangs below it
+        damaged = [p for p in problems if p.kind == "corrupt_blob"]
+        assert [p.hash for p in damaged] == [second.hex()] and "trust tag does not hold" in damaged[0].detail
+        assert {p.kind for p in problems} == {"corrupt_blob", "orphan_row"}, problems
+        query = prompt + [7]
+        cache, rest = store.bind(model, path).fetch(query)
+        assert len(query) - len(rest) == c and logits_diff(model, cache, rest, query) < 1e-4
+        assert store.index.get(second).bad

@@ -17,22 +17,20 @@ from __future__ import annotations
 import json
 import logging
 import os
-import sqlite3
-import struct
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
 import xxhash
-from kvtest import run_cli
+from kvtest import alter_record, run_cli
 
 import kvstore
 from kvstore import canary as canaries
 from kvstore.errors import BlobError
 from kvstore.model.prefill import run
 from kvstore.restore import fill, selfcheck
-from kvstore.storage import blobformat, blobtree
+from kvstore.storage import blobformat
 
 C = 16
 
@@ -109,30 +107,6 @@ def test_verify_exact_passes_a_healthy_store_and_writes_nothing(tmp_path, demo_m
     assert snapshot(tmp_path / "s") == before  # no access time, no admission row, nothing
 
 
-def alter(store: Path, h: bytes, name: str, factor: float) -> None:
-    """Scale tensor `name` of record `h` and write its checksum with it (and the row's size and
-    checksum): only the values can tell the record from the one that was stored."""
-    path = blobtree.blob_path(store / "blobs", h)
-    buf = bytearray(path.read_bytes())
-    (n,) = struct.unpack_from("<Q", buf, 0)
-    header = json.loads(buf[8 : 8 + n])
-    start, end = header[name]["data_offsets"]
-    data = np.frombuffer(bytes(buf[8 + n + start : 8 + n + end]), dtype="<f4") * np.float32(factor)
-    buf[8 + n + start : 8 + n + end] = data.tobytes()
-    sums = json.loads(header["__metadata__"]["checksums"])
-    sums[name] = blobformat.tensor_checksum(data)
-    header["__metadata__"]["checksums"] = json.dumps(sums, separators=(",", ":"))
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (n - len(raw))  # the same header length: the payload stays where it was
-    buf[8 : 8 + n] = raw
-    path.write_bytes(bytes(buf))
-    checksum = xxhash.xxh3_64_intdigest(bytes(buf))
-    with sqlite3.connect(store / "index.sqlite") as con:
-        con.execute("UPDATE records SET size = ?, checksum = ? WHERE hash = ?",
-                    (len(buf), checksum - (1 << 64) if checksum >= 1 << 63 else checksum, h))
-    con.close()
-
-
 def test_an_altered_record_is_caught_by_its_canary_and_verify_exact(tmp_path, demo_model_path, llama):
     path, model = llama
     prompt = toks(300, 4)
@@ -141,7 +115,8 @@ def test_an_altered_record_is_caught_by_its_canary_and_verify_exact(tmp_path, de
         mc.prefill(prompt)
         store.flush()
         first = next(r for r in store.index.rows() if r.kind == 0)  # tokens [0, 256)
-    alter(tmp_path / "s", first.hash, "1.keys", 1.5)
+    # Its trust tag taken away too: a store without a remote tier takes an untagged record as it is.
+    alter_record(tmp_path / "s", first.hash, "1.keys", 1.5, strip_tag=True)
     assert run_cli("verify", "--store", tmp_path / "s").returncode == 0  # every checksum agrees
     before = snapshot(tmp_path / "s")
     result = run_cli("verify", "--store", tmp_path / "s", "--exact", "--model", demo_model_path, check=False)

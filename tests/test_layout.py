@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "kvstore"
 
 #: Lowest first. A module may import from its own layer's package and from layers below it.
 LAYERS = [
-    {"errors", "keys", "records", "sizes", "faults", "demo", "argv", "settings", "canary", "tenants"},
+    {"errors", "keys", "records", "sizes", "faults", "demo", "argv", "settings", "canary", "tenants", "trust"},
     {"storage"},
     {"restore"},
     {"upkeep"},

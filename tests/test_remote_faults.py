@@ -226,6 +226,33 @@ def test_a_failed_upload_keeps_what_hangs_below_it_out_of_the_bucket(tmp_path, s
         assert reused == C
 
 
+def test_a_failed_upload_that_does_not_pause_the_remote_still_keeps_its_children_out(tmp_path, s3, llama):
+    # The second chunk's PUT fails with an error that is not the endpoint's (so the remote is not
+    # left alone, and every later record reaches the parent check): none below it is uploaded.
+    path, model = llama
+    url = s3.url()
+    prompt = toks(5 * C + 3, 73)
+    with kvstore.open(tmp_path / "a", chunk_size=C, remote=url) as a:
+        mc = a.bind(model, path)
+        victim = names(mc.ns, mc.record_hashes(prompt)[1:2]).pop().hex()
+        real, failed = a.remote.bucket.put_new, []
+
+        def put_new(key, data):
+            if victim in key:
+                failed.append(key)
+                raise ValueError("the request could not be made (injected)")
+            return real(key, data)
+
+        a.remote.bucket.put_new = put_new
+        mc.insert(prompt, prefill(model, prompt))
+        assert a.flush(timeout=30)
+        assert not a.remote.health.down()
+        objs = {k.hash: k for k in (parse_key(p, s, t) for p, s, t in Bucket(url).list("")) if k}
+        assert len(objs) == 1 and len(failed) == 1
+        r = a.stats()["remote"]
+        assert (r["uploads"], r["upload_errors"], r["skipped_no_parent"], r["skipped_down_uploads"]) == (1, 1, 4, 0), r
+
+
 def test_wrong_credentials_are_an_error_not_a_crash(tmp_path, s3, llama, monkeypatch):
     path, model = llama
     url = s3.url()

@@ -31,6 +31,8 @@ from kvstore.remote.s3 import S3Bucket
 from kvstore.remote.seal import Fleet
 from kvstore.remote.uploader import Uploader
 from kvstore.storage import blobtree
+from kvstore.upkeep.anchors import Anchors
+from kvstore.upkeep.local import LocalStore
 
 C = 16
 REPO = Path(__file__).resolve().parents[1]
@@ -151,12 +153,14 @@ def test_the_uploader_opens_only_a_regular_blob_of_its_rows_size(tmp_path, llama
         path.symlink_to(aside)
     health = Health()
     fleet = Fleet(secrets.token_bytes(32))
-    uploader = Uploader(S3Bucket("s3://kvtest/team"), health, fleet, root, lambda h: None, lambda ns: 0, threads=1)
-    try:
-        uploader.submit([row])
-        assert uploader.flush(timeout=60), "the upload is stuck"
-    finally:
-        uploader.close(timeout=5)
+    with LocalStore(store) as files:  # its records' tags are under the store's own key
+        uploader = Uploader(S3Bucket("s3://kvtest/team"), health, fleet, root, lambda h: None, lambda ns: 0,
+                            threads=1, anchors=Anchors(files.trust(), files.index, root))
+        try:
+            uploader.submit([row])
+            assert uploader.flush(timeout=60), "the upload is stuck"
+        finally:
+            uploader.close(timeout=5)
     assert health.counters["uploads"] == 0
     assert health.counters["upload_errors"] == (1 if replace == "none" else 0), health.counters
 

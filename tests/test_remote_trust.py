@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
+import sqlite3
 import struct
 import subprocess
 import sys
@@ -23,17 +25,24 @@ import mlx.core as mx
 import numpy as np
 import obstore
 import pytest
-from kvtest import logits_diff, prefill
-from mlx.utils import tree_map
+import xxhash
+from kvtest import alter_record, logits_diff, prefill
+from mlx.utils import tree_flatten, tree_map
 from mlx_lm import load
-from remote_fixture import fleet
+from remote_fixture import fleet, names
 
 import kvstore
+from kvstore import keys, trust
 from kvstore.records import prompt_records
+from kvstore.remote.health import Health
 from kvstore.remote.layout import key_of, manifest_key, parse_key
 from kvstore.remote.s3 import S3Bucket as Bucket
-from kvstore.remote.seal import new_key
+from kvstore.remote.seal import fleet_secret, new_key
+from kvstore.remote.uploader import Uploader
+from kvstore.storage import blobformat
 from kvstore.storage.blobtree import blob_path
+from kvstore.upkeep.anchors import Anchors
+from kvstore.upkeep.local import LocalStore
 
 C = 16
 REPO = Path(__file__).resolve().parents[1]
@@ -272,7 +281,8 @@ def _cli(*args, env=None) -> subprocess.CompletedProcess:
                           timeout=120, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
 
 
-def test_keys_a_listing_shows_are_of_the_layout_only():
+def test_keys_a_listing_shows_are_of_the_layout_only(monkeypatch):
+    monkeypatch.setenv("KVSTORE_REMOTE_KEY", new_key())  # (no server: the s3 fixture may not have set it)
     f = fleet()
     s = f.sealer(b"\x05" * 16)
     t = np.arange(1, C + 4)
@@ -299,3 +309,169 @@ def test_downloads_count_against_the_local_budget(tmp_path, s3, llama):
         while b.stats()["bytes"] > budget and time.monotonic() < end:
             time.sleep(0.1)
         assert b.stats()["bytes"] <= budget
+
+
+# -- laundering: what a writer of one node's store folder can make an honest node upload -----------
+
+def record_objects(url: str) -> dict[bytes, object]:
+    """The bucket's record objects under `url`, by name."""
+    return {k.hash: k for k in (parse_key(p, s, t) for p, s, t in Bucket(url).list("")) if k}
+
+
+@pytest.mark.parametrize("tag", [None, "0123abcd:" + "ab" * 32], ids=["untagged", "made-up-tag"])
+def test_planted_fingerprint_memo_rows_never_put_other_weights_under_the_fleet_namespace(tmp_path, s3, llama,
+                                                                                        evil, tag):
+    """The folder's writer plants rows in the node's fingerprint memo (`file_digests`) that give the
+    files of a model with other weights the fleet model's digests (so, unchecked, its fingerprint
+    and namespace). The rows hold no trust tag of the node: its files are hashed again, and nothing
+    of the other model's K/V goes into the fleet's namespace."""
+    path, model = llama
+    url = s3.url()
+    prompts = [toks(3 * C + 5, 41)]
+    with kvstore.open(tmp_path / "probe", chunk_size=C) as probe:
+        fleet_ns = probe.bind(model, path).ns
+    other = tmp_path / "other-weights"
+    shutil.copytree(path, other)
+    (weights,) = other.glob("*.safetensors")
+    mx.save_safetensors(str(weights), dict(tree_flatten(evil.parameters())))
+    kvstore.open(tmp_path / "node", chunk_size=C).close()  # the node's store, as the writer finds it
+    files = keys.model_files(other.resolve())
+    with sqlite3.connect(tmp_path / "node" / "index.sqlite") as con:
+        for f in files:
+            st = os.stat(f)
+            honest = keys.file_digest(Path(path).resolve() / f.relative_to(other.resolve()))
+            con.execute("INSERT OR REPLACE INTO file_digests (path, size, mtime_ns, dev, inode, ctime_ns, digest, tag) "
+                        "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                        (str(f), st.st_size, st.st_mtime_ns, st.st_dev, st.st_ino, st.st_ctime_ns, honest, tag))
+    con.close()
+    _, mc, _ = store_prompts(tmp_path / "node", url, evil, other, prompts)
+    assert mc.ns != fleet_ns  # the files as they are: another model
+    fleet_folder = fleet().sealer(fleet_ns).folder
+    listed = [p for p, _, _ in Bucket(url).list("")]
+    assert listed and not any(p.startswith(fleet_folder + "/") for p in listed), listed
+    with kvstore.open(tmp_path / "c", chunk_size=C, remote=url, memory_bytes=0) as c:
+        assert fleet_fetch_is_honest(c, model, path, prompts[0]) == 0
+
+
+def test_a_parent_altered_with_its_checksums_fixed_is_refused_and_nothing_below_it_goes_up(
+        tmp_path, s3, llama, caplog):
+    """While a node's uploads are under way, the folder's writer scales the second chunk's keys and
+    writes their checksums (and its row's) to match. The uploader finds the blob changed since its
+    commit: refused (counted, said once, no path), nothing that hangs below it is uploaded though
+    the remote was never paused (so the parent check itself keeps them out). Sent again as the
+    index now has it (as a key rotation's re-upload sends rows), its trust tag is found wrong:
+    refused again. `verify` reports it."""
+    path, model = llama
+    url = s3.url()
+    prompt = toks(4 * C + 5, 42)
+    with kvstore.open(tmp_path / "a", chunk_size=C, remote=url) as a:
+        mc = a.bind(model, path)
+        hashes = mc.record_hashes(prompt)
+        real, waiting, go = a.remote.bucket.put_new, threading.Event(), threading.Event()
+
+        def put_new(key, data):  # the first PUT (the manifest) waits: the first chunk was read already
+            if not waiting.is_set():
+                waiting.set()
+                assert go.wait(60)
+            return real(key, data)
+
+        a.remote.bucket.put_new = put_new
+        mc.insert(prompt, prefill(model, prompt))
+        assert waiting.wait(60)
+        alter_record(tmp_path / "a", hashes[1], "1.keys", 1.5)
+        go.set()
+        assert a.flush(30)
+        assert not a.remote.health.down()
+        r = a.stats()["remote"]
+        assert set(record_objects(url)) == names(mc.ns, hashes[:1])
+        assert (r["uploads"], r["refused_uploads"], r["skipped_no_parent"], r["upload_errors"]) == (1, 1, 3, 0), r
+        a.remote.uploader.submit([a.index.get(h) for h in hashes[1:]])
+        assert a.flush(30)
+        r = a.stats()["remote"]
+        assert set(record_objects(url)) == names(mc.ns, hashes[:1])
+        assert (r["uploads"], r["refused_uploads"], r["skipped_no_parent"]) == (1, 2, 6), r
+        problems = a.verify()
+        damaged = [p for p in problems if p.kind == "corrupt_blob"]
+        assert [p.hash for p in damaged] == [hashes[1].hex()] and "trust tag does not hold" in damaged[0].detail
+    said = [m.getMessage() for m in caplog.records if "refused to upload" in m.getMessage()]
+    assert len(said) == 2 and "changed after it was committed" in said[0] and "trust tag does not hold" in said[1]
+    assert not any(str(tmp_path) in m or hashes[1].hex() in m for m in said)
+    out = _cli("stats", "--store", str(tmp_path / "a"), "--remote", url)
+    assert "refused uploads: 2" in out.stdout, out.stdout + out.stderr
+
+
+def test_a_continuation_of_an_altered_parent_never_reaches_the_fleet(tmp_path, s3, llama):
+    """The node stored and uploaded a prompt; then the folder's writer alters its first chunk (keys
+    scaled, checksums fixed). The node continues the prompt as a server does (fetch, prefill the
+    rest on the restored cache, insert): the altered chunk is refused as it is opened (the prompt
+    comes from the bucket instead), so the continuation is computed from the honest prompt and
+    what the fleet restores is honest."""
+    path, model = llama
+    url = s3.url()
+    prompt = toks(2 * C + 3, 43)
+    with kvstore.open(tmp_path / "a", chunk_size=C, remote=url, memory_bytes=0) as a:
+        mc = a.bind(model, path)
+        mc.insert(prompt, prefill(model, prompt))
+        assert a.flush(30)
+        first = mc.record_hashes(prompt)[0]
+    alter_record(tmp_path / "a", first, "0.keys", 1.7)
+    longer = prompt + toks(3 * C + 4, 44)
+    with kvstore.open(tmp_path / "a", chunk_size=C, remote=url, memory_bytes=0) as a:
+        mc = a.bind(model, path)
+        cache, rest = mc.fetch(longer)  # the altered chunk is quarantined; the bucket's copy is honest
+        assert a.disk.quarantined == 1 and logits_diff(model, cache, rest, longer) < 1e-4
+        cache, rest = mc.fetch(longer)  # (the check ran the model on that cache)
+        model(mx.array(rest)[None], cache=cache)
+        mx.eval([c.state for c in cache])
+        mc.insert(longer, cache)
+        assert a.flush(30)
+    with kvstore.open(tmp_path / "c", chunk_size=C, remote=url, memory_bytes=0) as c:
+        assert fleet_fetch_is_honest(c, model, path, longer) >= 2 * C
+
+
+def test_a_record_from_before_tags_is_tagged_once_checked_and_a_later_untagged_one_is_refused(tmp_path, s3, llama):
+    """A store from before trust tags (its blobs untagged, its rows older than the tags): the
+    uploader checks each record whole, tags its blob in place (same tensors, row updated) and
+    uploads it. A record written since tags existed that has none (stripped) is refused."""
+    path, model = llama
+    url = s3.url()
+    prompt = toks(3 * C + 5, 45)
+    with kvstore.open(tmp_path / "s", chunk_size=C) as s:
+        mc = s.bind(model, path)
+        mc.insert(prompt, prefill(model, prompt))
+        s.flush()
+        hashes = mc.record_hashes(prompt)
+    root = tmp_path / "s" / "blobs"
+    tensors_before = {}
+    with LocalStore(tmp_path / "s") as files:
+        for h in hashes:  # as a store from before tags wrote them
+            buf = blob_path(root, h).read_bytes()
+            entries, base, meta = blobformat.parse(buf)
+            tensors_before[h] = {n: buf[base + i["data_offsets"][0]: base + i["data_offsets"][1]]
+                                 for n, i in entries.items()}
+            data = blobformat.restamp(buf, trust.unsigned(meta))
+            blob_path(root, h).write_bytes(data)
+            files.index.replace_blob(h, len(data), xxhash.xxh3_64_intdigest(data))
+        old = hashes[:-1]  # the tail's row stays new: written after tags, untagged
+        files.index.conn.execute(f"UPDATE records SET created = 0 WHERE hash IN ({','.join('?' * len(old))})", old)
+        health = Health()
+        f = fleet()
+        anchors = Anchors(trust.Trust.for_fleet([fleet_secret()]), files.index, root)
+        uploader = Uploader(Bucket(url), health, f, root, files.index.get, lambda ns: 0, threads=1, anchors=anchors)
+        try:
+            uploader.submit(sorted(files.index.rows(), key=lambda r: r.depth))
+            assert uploader.flush(timeout=60)
+        finally:
+            uploader.close(timeout=5)
+        c = health.counters
+        assert (c["uploads"], c["tagged_records"], c["refused_uploads"]) == (len(old), len(old), 1), c
+        assert set(record_objects(url)) == names(mc.ns, old)
+        for h in old:  # tagged, the same tensors, its row agrees
+            buf = blob_path(root, h).read_bytes()
+            assert anchors.verdict(buf) is trust.Verdict.GOOD
+            entries, base, _ = blobformat.parse(buf)
+            assert {n: buf[base + i["data_offsets"][0]: base + i["data_offsets"][1]]
+                    for n, i in entries.items()} == tensors_before[h]
+        problems = files.verify(trust=anchors.trust)
+        assert [(p.kind, p.hash) for p in problems] == [("corrupt_blob", hashes[-1].hex())], problems
+        assert "no trust tag of this fleet" in problems[0].detail

@@ -104,6 +104,9 @@ def _print_remote(remote: dict | None) -> None:
         f"downloads: {t['downloads']} ({format_size(t['download_bytes'])}; {t['downloads_used']} used{prefetched}, "
         f"{unused} unused)   remote hits: {t['remote_hits']} ({t['partial_restores']} partial)   "
         f"errors: {t['errors']}   dropped uploads: {t['dropped_uploads']}   deadline misses: {t['deadline_misses']}")
+    if t.get("refused_uploads"):
+        out(f"remote: refused uploads: {t['refused_uploads']} (a blob changed after it was written, or without "
+            "a trust tag of this fleet: the warning in the log says which; `kvstore verify` finds them)")
     older = remote.get("older_keys") or []
     if older:
         out(f"remote key: {remote['key']} (written with); still read: {', '.join(older)} (a rotation not "

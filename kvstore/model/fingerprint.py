@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sqlite3
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from kvstore.errors import ModelFilesError
 from kvstore.storage.index import Index
 from kvstore.storage.stale import RecordedFile
 from kvstore.storage.stale import stamps as file_stamps
+from kvstore.trust import Trust
 
 log = logging.getLogger("kvstore")
 
@@ -32,10 +34,13 @@ def resolve_model_dir(model_id: str) -> Path:
             "folder it was loaded from (or a repo id that is already downloaded)") from e
 
 
-def fingerprint(model_id: str, adapter_path, index: Index | None, *,
-                remember: bool) -> tuple[bytes, list[RecordedFile]]:
+def fingerprint(model_id: str, adapter_path, index: Index | None, *, remember: bool,
+                trust: Trust | None = None) -> tuple[bytes, list[RecordedFile]]:
     """(the fingerprint of a model's files (config, weights, adapter), each file's stamp and
-    digest); each digest memoised in `index` (and, with `remember`, written there)."""
+    digest); each digest memoised in `index` (and, with `remember`, written there). A memo row
+    is used only if its tag holds under `trust` (a writer of the store folder could plant one
+    that names other weights' digest, and so another model's namespace): else the file is
+    hashed again (and, with `remember`, the row written again with its tag)."""
     model_dir = resolve_model_dir(str(model_id))
     adapter_dir = Path(adapter_path) if adapter_path is not None else None
     if adapter_dir is not None and not adapter_dir.is_dir():
@@ -45,18 +50,33 @@ def fingerprint(model_id: str, adapter_path, index: Index | None, *,
         raise ModelFilesError(f"{model_dir} has no config.json: is it an mlx-lm model folder?")
     # Stamped before hashing: a file that changes meanwhile shows as changed later.
     stamps = file_stamps(files)
-    lookup = index.file_digest if index is not None else None
+    lookup = _trusted_memo(index, trust) if index is not None and trust is not None else None
     keep = None
-    if index is not None and remember:
+    if index is not None and remember and trust is not None:
 
-        def keep(*args) -> None:
+        def keep(path: Path, st: os.stat_result, digest: bytes) -> None:
             try:
-                index.remember_file_digest(*args)
+                index.remember_file_digest(path, st, digest, trust.memo_tag(str(path), _memo_stamp(st), digest))
             except sqlite3.OperationalError:  # only a memo (the disk may be full)
                 pass
     digests = keys.file_digests(files, lookup, keep)
     recorded = [(*s, d) for s, d in zip(stamps, digests)]
     return keys.combine(files, model_dir, digests), recorded
+
+
+def _memo_stamp(st: os.stat_result) -> tuple[int, ...]:
+    return (st.st_size, st.st_mtime_ns, st.st_dev, st.st_ino, st.st_ctime_ns)
+
+
+def _trusted_memo(index: Index, trust: Trust):
+    """The memo's lookup, answering only with rows whose tag holds."""
+
+    def lookup(path: Path, st: os.stat_result) -> bytes | None:
+        found = index.file_digest(path, st)
+        if found is None or not trust.memo_ok(str(path), _memo_stamp(st), *found):
+            return None
+        return found[0]
+    return lookup
 
 
 def register(index: Index, ns: bytes, fingerprint: bytes, model_id: str, layout: dict, chunk_size: int,

@@ -31,6 +31,8 @@ from kvstore.remote.pins import Ledger, node_id, publish, read_one
 from kvstore.remote.seal import Fleet, Unauthenticated
 from kvstore.remote.uploader import Uploader
 from kvstore.storage.index import Index
+from kvstore.trust import Trust
+from kvstore.upkeep.anchors import Anchors
 
 log = logging.getLogger("kvstore")
 
@@ -41,13 +43,14 @@ FLUSH_TIMEOUT_S: float = settings.BY_NAME["remote_flush_timeout"].default
 class Remote:
     def __init__(self, bucket: Bucket, fleet: Fleet, index: Index, store_dir: Path, blob_root: Path, *,
                  deadline: float | None, health: Health | None = None, upload_threads: int = 4,
-                 flush_timeout: float = FLUSH_TIMEOUT_S, prefetch: str = "timeout"):
+                 flush_timeout: float = FLUSH_TIMEOUT_S, prefetch: str = "timeout", trust: Trust | None = None):
         self.bucket, self.fleet, self.index, self.store_dir = bucket, fleet, index, store_dir
         self.url, self.deadline, self.flush_timeout = bucket.url, deadline, flush_timeout
         self.prefetch = prefetch  # the remote tier's policy (`tiers.remote`)
         self.health = health or Health()
         self.uploader = Uploader(bucket, self.health, fleet, blob_root, index.get, self.publish_pins,
-                                 threads=upload_threads)
+                                 threads=upload_threads,  # `trust`: what judges uploads (none: nothing goes up)
+                                 anchors=Anchors(trust, index, blob_root) if trust is not None else None)
         self._spent = 0.0  # seconds of the allowance waited out on uploads not done since
         self._said = False  # that the allowance ran out (said once until the uploads are all done)
         self._left = 0  # uploads left undone at close

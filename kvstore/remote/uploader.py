@@ -14,11 +14,20 @@ object there already reads it back: if it does not open, or is not the record, i
 someone without the secret, and is overwritten (counted as `replaced`). While the remote is left
 alone after a failure (`Health.down`), uploads are skipped and counted, manifests too.
 Nothing here raises into the writer: failures are counted (`Health`).
+
+What a node uploads is decided by its disk, which a writer of its store folder could change:
+every blob's header carries a trust tag (`kvstore.trust`, judged by `upkeep.anchors`). A record
+whose blob changed since its commit (whole-file checksum), whose tag does not hold, or which has
+no tag of this fleet and was written after the store had tags, is refused: counted
+(`refused_uploads`) and said once per reason, naming neither the record nor a path. A record
+from before the store had tags is tagged in place once checked whole, then uploaded. A child
+whose parent is not in the bucket (refused, or failed) is not uploaded either.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections import OrderedDict, deque
@@ -38,6 +47,10 @@ from kvstore.storage import blobformat
 from kvstore.storage.blobfile import open_blob, read_file
 from kvstore.storage.blobtree import blob_path
 from kvstore.storage.index import Row
+from kvstore.trust import Verdict
+from kvstore.upkeep.anchors import Anchors
+
+log = logging.getLogger("kvstore")
 
 DEFAULT_UPLOAD_BYTES = 1 << 30
 _KNOWN_LIMIT = 1 << 16
@@ -46,8 +59,10 @@ _KNOWN_LIMIT = 1 << 16
 class Uploader:
     def __init__(self, bucket: Bucket, health: Health, fleet: Fleet, blob_root: Path,
                  row_of: Callable[[bytes], Row | None], publish_pins: Callable[[set[bytes]], None], *,
-                 max_upload_bytes: int = DEFAULT_UPLOAD_BYTES, threads: int = 4):
+                 max_upload_bytes: int = DEFAULT_UPLOAD_BYTES, threads: int = 4, anchors: Anchors | None = None):
         self.bucket, self.health, self.fleet, self.blob_root = bucket, health, fleet, blob_root
+        self.anchors = anchors  # the store's trust tags (None: every record is refused)
+        self._said: set[str] = set()  # the reasons for refusing an upload said so far
         self._row_of, self._publish_pins = row_of, publish_pins
         self.max_upload_bytes = max_upload_bytes
         self.manifests: dict[bytes, bytes] = {}  # ns -> manifest JSON (uploaded once per process)
@@ -178,13 +193,16 @@ class Uploader:
         except BlobError:  # evicted (or damaged) locally since it was written: nothing to share
             return False
         if xxhash.xxh3_64_intdigest(buf) != row.checksum:
-            return False
+            return self._refuse("its blob changed after it was committed (checksum mismatch)")
         try:
             _, meta = check_object(buf, row.hash)
         except BlobError:
             self.health.count("skipped_old_format")
             return False
         if meta.get("ns") != row.ns.hex():
+            return False
+        buf = self._trusted(row, buf)
+        if buf is None:
             return False
         s = self._sealer(row)
         if s is None:
@@ -202,6 +220,33 @@ class Uploader:
             self.bucket.put(key, body)
             self.health.count("replaced")
         return True
+
+    def _trusted(self, row: Row, buf: bytearray) -> bytes | bytearray | None:
+        """The blob to upload if its trust tag lets it go (tagged first if it is from before
+        the store had tags); None if refused (counted, said once)."""
+        if self.anchors is None:
+            return self._refuse("the store has no trust key to check its records with")
+        verdict, why = self.anchors.judge(row, buf)
+        if why is not None:
+            return self._refuse(why)
+        if verdict is Verdict.GOOD:
+            return buf
+        tagged = self.anchors.tag_in_place(row, buf)
+        if tagged is None:  # written again or evicted meanwhile: the next commit uploads it
+            return None
+        self.health.count("tagged_records")
+        return tagged
+
+    def _refuse(self, why: str) -> None:
+        """A record refused: counted, and said once per reason (no record, path or key named)."""
+        self.health.count("refused_uploads")
+        with self._known_lock:
+            say = why not in self._said
+            self._said.add(why)
+        if say:
+            log.warning("kvstore: remote tier: refused to upload a record: %s; its children are not "
+                        "uploaded either (`kvstore verify` finds it)", why)
+        return None
 
     def _theirs_good(self, s: Sealer, key: str, row: Row, chunk_size: int, size: int) -> bool:
         """Whether the object another node stored at `key` is this record, sealed by the fleet."""

@@ -155,6 +155,12 @@ class BlobFile:
             if xxhash.xxh3_64_intdigest(self._whole) != checksum:
                 raise BlobError(f"{path}: checksum mismatch")
 
+    def trust_table(self) -> dict[str, tuple[str, tuple[int, ...], int]] | None:
+        """What a trust tag covers of the tensors (`kvstore.trust`); None for a 0.1 blob."""
+        if self.checksums is None:
+            return None
+        return {name: (tag, shape, self.checksums[name]) for name, (tag, shape, _, _) in self.layout.infos.items()}
+
     def __enter__(self) -> "BlobFile":
         return self
 

@@ -27,7 +27,7 @@ from typing import Callable, Mapping, NamedTuple
 import numpy as np
 import xxhash
 
-from kvstore import canary, keys, tenants
+from kvstore import canary, keys, tenants, trust
 from kvstore.errors import BlobError
 from kvstore.records import RecordId
 
@@ -276,6 +276,15 @@ register_extension("canary", canary.parse)
 # A tenant's record states its tenant's tag and the link its key hashes (`kvstore.tenants`).
 register_extension(tenants.TAG_FIELD, tenants.parse_tag)
 register_extension(tenants.LINK_FIELD, tenants.parse_link)
+# The node's MAC over the header and its checksums (`kvstore.trust`): what decides its uploads.
+register_extension(trust.FIELD, trust.parse_tag)
+
+
+def trust_table(entries: Mapping[str, dict], sums: Mapping[str, object]) -> dict[str, tuple[str, list, int]]:
+    """What a header's trust tag covers of its tensors (`kvstore.trust`): name -> (dtype, shape,
+    checksum as an int), from its entries and its checksums (hex text or ints)."""
+    return {name: (info["dtype"], info["shape"], int(sums[name], 16) if isinstance(sums[name], str) else sums[name])
+            for name, info in entries.items()}
 
 
 def with_extensions(metadata: Mapping[str, str], fields: Mapping[str, str]) -> dict[str, str]:

@@ -17,6 +17,7 @@ import xxhash
 from kvstore import faults
 from kvstore.storage.blobformat import BLOB_FORMAT, Tensor, encode, tensor_checksum
 from kvstore.storage.blobtree import TMP_PREFIX, blob_path
+from kvstore.trust import Trust, unsigned
 
 
 class Staged(NamedTuple):
@@ -30,19 +31,20 @@ class Staged(NamedTuple):
 
 
 def write(root: Path, h: bytes, tensors: Mapping[str, Tensor], metadata: Mapping[str, str],
-          *, fsync: bool = True) -> tuple[int, int]:
+          *, fsync: bool = True, trust: Trust | None = None) -> tuple[int, int]:
     """Write a blob atomically. Returns (size in bytes, checksum). Raises OSError (ENOSPC...)."""
-    return place(stage(root, h, tensors, metadata, fsync=fsync))
+    return place(stage(root, h, tensors, metadata, fsync=fsync, trust=trust))
 
 
 def stage(root: Path, h: bytes, tensors: Mapping[str, Tensor], metadata: Mapping[str, str],
-          *, fsync: bool = True) -> Staged:
+          *, fsync: bool = True, trust: Trust | None = None) -> Staged:
     """The first half of `write`: the blob in a temporary file in its folder, fsynced. `place`
-    then renames it into place (or `discard` drops it). Raises OSError."""
+    then renames it into place (or `discard` drops it). `trust`: the header is tagged with it
+    (any tag in `metadata` is dropped: it was of other bytes). Raises OSError."""
     path = blob_path(root, h)
     _makedirs(path.parent)
     sums = {name: tensor_checksum(arr) for name, (_, arr) in tensors.items()}
-    head, pieces = encode(tensors, _sealed(metadata, sums))
+    head, pieces = encode(tensors, _sealed(metadata, sums, tensors, trust))
     digest = xxhash.xxh3_64(head)
 
     def body(f) -> None:
@@ -60,13 +62,20 @@ def stage(root: Path, h: bytes, tensors: Mapping[str, Tensor], metadata: Mapping
 def blob_size(tensors: Mapping[str, Tensor], metadata: Mapping[str, str]) -> int:
     """The bytes `stage` will write for these tensors, without writing or checksumming them."""
     sums = {name: "0" * 16 for name in tensors}  # every checksum is 16 hex digits
-    head, pieces = encode(tensors, _sealed(metadata, sums))
+    head, pieces = encode(tensors, _sealed(metadata, sums, tensors, _SIZE_ONLY))
     return len(head) + sum(p.nbytes for p in pieces)
 
 
-def _sealed(metadata: Mapping[str, str], sums: Mapping[str, str]) -> dict[str, str]:
-    """A blob's metadata: the caller's, its format and its tensors' checksums."""
-    return dict(metadata, blob_format=BLOB_FORMAT, checksums=json.dumps(sums, separators=(",", ":")))
+_SIZE_ONLY = Trust([b"\0" * 32], fleet=False)  # a tag of the right length, for `blob_size`
+
+
+def _sealed(metadata: Mapping[str, str], sums: Mapping[str, str], tensors: Mapping[str, Tensor],
+            trust: Trust | None) -> dict[str, str]:
+    """A blob's metadata: the caller's, its format, its tag (`trust`) and its tensors' checksums."""
+    meta = dict(unsigned(metadata), blob_format=BLOB_FORMAT)
+    if trust is not None:
+        meta = trust.sign(meta, {name: (tag, arr.shape, int(sums[name], 16)) for name, (tag, arr) in tensors.items()})
+    return dict(meta, checksums=json.dumps(sums, separators=(",", ":")))
 
 
 def place(st: Staged) -> tuple[int, int]:

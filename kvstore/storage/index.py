@@ -164,23 +164,30 @@ class Index(EvictionSQL, WriteLogSQL, PinSQL):
 
     # -- model fingerprints -----------------------------------------------------------------
 
-    def file_digest(self, path: Path, st: "os.stat_result") -> bytes | None:
-        """The memoised digest of a model file, if it is the same file as when it was hashed:
-        same size, mtime, device, inode and ctime (ctime cannot be set back by a user)."""
+    def file_digest(self, path: Path, st: "os.stat_result") -> tuple[bytes, str | None] | None:
+        """The memoised digest of a model file and its trust tag, if it is the same file as when
+        it was hashed: same size, mtime, device, inode and ctime (ctime cannot be set back by a
+        user). The caller checks the tag (`kvstore.trust`): a row is only a claim."""
         row = self.conn.execute(
-            f"SELECT digest FROM file_digests WHERE path = ? AND size = ? AND mtime_ns = ? "
+            f"SELECT digest, tag FROM file_digests WHERE path = ? AND size = ? AND mtime_ns = ? "
             f"AND dev = ? AND inode = ? AND ctime_ns = ? AND {_DIGEST_OK}",
             (str(path), st.st_size, st.st_mtime_ns, st.st_dev, st.st_ino, st.st_ctime_ns),
         ).fetchone()
-        return row[0] if row else None
+        return (row[0], row[1] if isinstance(row[1], str) else None) if row else None
 
-    def remember_file_digest(self, path: Path, st: "os.stat_result", digest: bytes) -> None:
+    def remember_file_digest(self, path: Path, st: "os.stat_result", digest: bytes, tag: str | None = None) -> None:
         with self.transaction() as conn:
             conn.execute(
                 "INSERT OR REPLACE INTO file_digests (path, size, mtime_ns, dev, inode, ctime_ns, "
-                "digest) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (str(path), st.st_size, st.st_mtime_ns, st.st_dev, st.st_ino, st.st_ctime_ns, digest),
+                "digest, tag) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (str(path), st.st_size, st.st_mtime_ns, st.st_dev, st.st_ino, st.st_ctime_ns, digest, tag),
             )
+
+    def trust_epoch(self) -> float:
+        """When this index got trust tags (migration 0024): every record created since was
+        written with a tagged blob. 0.0 if unknown (read as: no record is from before)."""
+        row = self.conn.execute("SELECT applied_at FROM schema_migrations WHERE version = 24").fetchone()
+        return float(row[0]) if row and isinstance(row[0], (int, float)) else 0.0
 
     def register_model(
         self, ns: bytes, fingerprint: bytes, model_id: str, layout: str, chunk_size: int

@@ -29,6 +29,7 @@ QUARANTINE_NAME = "quarantine"  # where `verify --repair` moves files that kvsto
 NODE_ID_NAME = "remote-node-id"  # this store's name among the nodes of a shared bucket
 PINS_NAME = "index.pins"  # the pinned records, for a rebuild of the index (`storage.pins`)
 TENANT_KEY_NAME = "tenant.key"  # the secret tenants' salts are derived under, without a remote tier
+TRUST_KEY_NAME = "trust.key"  # the store's own key for trust tags, without a remote tier (`kvstore.trust`)
 INDEX_FILES = tuple(INDEX_NAME + s for s in ("", "-wal", "-shm", "-journal"))
 # Left beside the index by a rebuild, or when a stale journal is moved aside.
 _INDEX_LEFTOVERS = (".damaged-", ".rebuilding", "-wal.stale-", "-shm.stale-", "-journal.stale-")
@@ -56,9 +57,10 @@ def is_absent(path: Path) -> bool:
 def own_name(name: str) -> bool:
     """An entry kvstore itself makes at the top of a store directory."""
     return (name in INDEX_FILES or name in (BLOBS_NAME, LOCK_NAME, QUARANTINE_NAME, NODE_ID_NAME, PINS_NAME,
-                                            TENANT_KEY_NAME)
+                                            TENANT_KEY_NAME, TRUST_KEY_NAME)
             or any(name.startswith(INDEX_NAME + x) for x in _INDEX_LEFTOVERS)
-            or name.startswith((f".{NODE_ID_NAME}.", f".{PINS_NAME}.", f".{TENANT_KEY_NAME}.")))  # written aside, then renamed
+            or name.startswith((f".{NODE_ID_NAME}.", f".{PINS_NAME}.", f".{TENANT_KEY_NAME}.",
+                                f".{TRUST_KEY_NAME}.")))  # written aside, then renamed
 
 
 def write_own_file(path: Path, text: str) -> None:
@@ -92,7 +94,21 @@ def write_own_file(path: Path, text: str) -> None:
 def tenant_key(path: Path, *, create: bool) -> bytes:
     """The store's own secret for tenants' salts (`kvstore.tenants`): 32 random bytes kept in
     `tenant.key` (0600), made on first use (`create`). StoreOpenError if it cannot be read or made."""
-    file = path / TENANT_KEY_NAME
+    return _own_key(path, TENANT_KEY_NAME, "a tenant key", "every tenant's stored prompts are then lost to it",
+                    "to bind a tenant", create=create)
+
+
+def trust_key(path: Path, *, create: bool) -> bytes:
+    """The store's own key for trust tags (`kvstore.trust`) when it has no remote tier: 32 random
+    bytes kept in `trust.key` (0600), made once (`create`). StoreOpenError if it cannot be read or made."""
+    return _own_key(path, TRUST_KEY_NAME, "a trust key", "the model's files are then hashed again once",
+                    "to tag its records", create=create)
+
+
+def _own_key(path: Path, name: str, what: str, lost: str, why: str, *, create: bool) -> bytes:
+    """32 random bytes kept in the store's file `name`, never read through a symbolic link nor
+    from a FIFO, made once: the first process to make it wins (a hard link, never a rename over)."""
+    file = path / name
     try:  # never through a symbolic link, never a FIFO
         fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         with os.fdopen(fd, "r") as f:
@@ -100,15 +116,15 @@ def tenant_key(path: Path, *, create: bool) -> bytes:
         key = bytes.fromhex(text)
         if len(key) == 32:
             return key
-        raise StoreOpenError(f"{file} does not hold a tenant key (64 hex digits): remove it to make a new "
-                             "one (every tenant's stored prompts are then lost to it)")
+        raise StoreOpenError(f"{file} does not hold {what} (64 hex digits): remove it to make a new "
+                             f"one ({lost})")
     except FileNotFoundError:
         if not create:
-            raise StoreOpenError(f"the store {path} has no tenant key yet and is open read-only: open it "
-                                 "once to write to bind a tenant") from None
+            raise StoreOpenError(f"the store {path} has no {what[2:]} yet and is open read-only: open it "
+                                 f"once to write {why}") from None
     except (OSError, ValueError) as e:
         raise StoreOpenError(f"cannot read {file}: {e}") from None
-    tmp = file.with_name(f".{TENANT_KEY_NAME}.{os.getpid()}")
+    tmp = file.with_name(f".{name}.{os.getpid()}")
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "w") as f:
@@ -126,7 +142,7 @@ def tenant_key(path: Path, *, create: bool) -> bytes:
             os.unlink(tmp)
         except OSError:
             pass
-    return tenant_key(path, create=False)
+    return _own_key(path, name, what, lost, why, create=False)
 
 
 def open_dir(path: Path, *, create: bool, read_only: bool | None) -> tuple[Path, bool]:

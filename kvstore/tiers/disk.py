@@ -19,12 +19,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable
 
 import numpy as np
+import xxhash
 
 from kvstore import records, tenants
 from kvstore.errors import BlobError
 from kvstore.storage import blobfile, blobtree, blobwrite
 from kvstore.storage.index import Index, Row
 from kvstore.storage.writesql import hour_of
+from kvstore.trust import Trust
+from kvstore.upkeep.anchors import Anchors
 
 if TYPE_CHECKING:
     from kvstore.tiers.memory import MemoryTier
@@ -148,8 +151,9 @@ class DiskTier:
     name = "disk"
     in_process = False
 
-    def __init__(self, index: Index, root: Path, budget: DiskBudget | None = None):
+    def __init__(self, index: Index, root: Path, budget: DiskBudget | None = None, trust: Trust | None = None):
         self.index, self.root, self.budget = index, root, budget
+        self.anchors = Anchors(trust, index, root) if trust is not None else None
         self.access = AccessTimes()
         self.quarantined = 0  # records this process found damaged
         # Told the row of each record `put` stored (a download): subscribed where the store is built.
@@ -169,6 +173,7 @@ class DiskTier:
         for row in self.index.children(parent, int(rest[0]), lookup.tags()):  # never another tenant's
             try:
                 with blobfile.open_blob(self.root, row.hash, size=row.size, checksum=row.checksum) as blob:
+                    self._check_trust(blob, row)
                     found.append((row.hash, record_tokens(blob, row), row))
             except BlobError as e:
                 self.damaged(row.hash, e, row)
@@ -180,10 +185,22 @@ class DiskTier:
             raise KeyError(h)
         blob = blobfile.open_blob(self.root, h, size=row.size, checksum=row.checksum)
         try:
+            self._check_trust(blob, row)
             return BlobSource(blob, row)
         except BaseException:
             blob.close()
             raise
+
+    def _check_trust(self, blob: blobfile.BlobFile, row: Row) -> None:
+        """BlobError if the blob's trust tag is refused (`Trust.refusal`): a record changed
+        after it was written is never restored, nor continued from and uploaded."""
+        table = blob.trust_table() if self.anchors is not None else None
+        if table is None:
+            return
+        trust = self.anchors.trust
+        why = trust.refusal(trust.check(blob.metadata, table), row.created, self.anchors.epoch)
+        if why is not None:
+            raise BlobError(f"{blob.path}: {why}")
 
     def prefetch(self, items: Iterable[tuple[bytes, Row]]) -> None:
         """Start reading these (record, row)s' files ahead, all at once."""
@@ -192,7 +209,11 @@ class DiskTier:
     def put(self, row: Row, data: bytes, *, fsync: bool = False) -> bool:
         """Store a checked record that came from elsewhere: its blob, then its row. False if it
         was stored already. The blob is fsynced only with `fsync` (a download's copy in the bucket
-        stays: one a power cut tears fails its checksums, is quarantined and fetched again)."""
+        stays: one a power cut tears fails its checksums, is quarantined and fetched again).
+        The blob is tagged as this store's (`Anchors.tagged`): `row` gets its new size and checksum."""
+        if self.anchors is not None:
+            data = self.anchors.tagged(data)
+            row.size, row.checksum = len(data), xxhash.xxh3_64_intdigest(data)
         with blobtree.tree_lock(self.root, exclusive=False):
             if self.index.present([row.hash]):
                 return False

@@ -24,7 +24,8 @@ from kvstore.errors import StoreOpenError
 from kvstore.storage import blobtree
 from kvstore.storage.index import Index, is_corruption
 from kvstore.storage.stale import status as model_status
-from kvstore.storage.storedir import BLOBS_NAME, INDEX_NAME, PINS_NAME, QUARANTINE_NAME, open_dir
+from kvstore.storage.storedir import BLOBS_NAME, INDEX_NAME, PINS_NAME, QUARANTINE_NAME, open_dir, trust_key
+from kvstore.trust import Trust
 
 log = logging.getLogger("kvstore")
 
@@ -136,11 +137,16 @@ class LocalStore:
         remember = self._remember if record else None
         out = {}
         for ns, files in self.index.model_files().items():
-            is_stale, why, now = model_status(files, self.index.file_digest, rehash=rehash, remember=remember)
+            is_stale, why, now = model_status(files, self._memo, rehash=rehash, remember=remember)
             if record and now is not None and now != files:
                 self.index.record_model_files(ns, now)
             out[ns] = (is_stale, why)
         return out
+
+    def _memo(self, path: Path, st: os.stat_result) -> bytes | None:
+        """A memoised digest, for staleness only (it decides what gc keeps, never a namespace)."""
+        found = self.index.file_digest(path, st)
+        return found[0] if found else None
 
     def _remember(self, path: Path, st: os.stat_result, digest: bytes) -> None:
         try:
@@ -148,14 +154,31 @@ class LocalStore:
         except sqlite3.OperationalError:  # only a memo (the disk may be full)
             pass
 
-    def verify(self, repair: bool = False, force: bool = False) -> list:
-        """Problems found (empty when clean); `repair=True` fixes them. See `upkeep.verify`."""
+    def verify(self, repair: bool = False, force: bool = False, trust: Trust | None = None) -> list:
+        """Problems found (empty when clean); `repair=True` fixes them. See `upkeep.verify`.
+        `trust`: the keys blob tags are checked with (else the store's own key, if it has one)."""
         from kvstore.upkeep.verify import verify
 
         if repair:
             self.check_writable("verify --repair")
         with self.damage_is_an_error():
-            return verify(self.index, self.blob_root, repair=repair, force=force, read_only=self.read_only)
+            return verify(self.index, self.blob_root, repair=repair, force=force, read_only=self.read_only,
+                          trust=trust or self.trust(create=False))
+
+    def trust(self, fleet_secrets: list[bytes] | None = None, *, create: bool = True) -> Trust | None:
+        """The keys this store tags its trust anchors with (`kvstore.trust`): from the fleet's
+        secrets when it has a remote tier, else from its own key (made now with `create`, if it
+        may write; None when it has none yet: then nothing is tagged under one)."""
+        if fleet_secrets:
+            return Trust.for_fleet(fleet_secrets)
+        make = create and not self.read_only
+        try:
+            return Trust.for_store(trust_key(self.path, create=make))
+        except StoreOpenError as e:
+            if make:
+                raise
+            log.debug("kvstore: %s", e)
+            return None
 
     def settings(self) -> dict[str, tuple[Any, str]]:
         """Every store setting as an open that gives none would have it: (value, source), from

@@ -15,6 +15,7 @@ under a record gc deleted: those are always cleaned up.)
 
 from __future__ import annotations
 
+import functools
 import os
 import stat
 import time
@@ -26,6 +27,7 @@ from kvstore.errors import BlobError
 from kvstore.storage import blobfile, blobformat, blobtree
 from kvstore.storage.index import Index
 from kvstore.storage.storedir import QUARANTINE_NAME
+from kvstore.trust import Trust
 from kvstore.upkeep.tables import repair_tables, table_problems
 
 ORPHAN_SHARE = 0.10
@@ -52,13 +54,14 @@ class Problem:
 
 
 def verify(index: Index, root: Path, *, repair: bool = False, force: bool = False,
-           read_only: bool = False) -> list[Problem]:
+           read_only: bool = False, trust: Trust | None = None) -> list[Problem]:
     """Check every row against its blob, the chain, and every file against the rows.
 
     The reading needs no lock. What looks wrong is looked at again holding the tree lock
     exclusively (no writer between its blob and its row, no gc between its row and its file), so
     work in flight in other processes is neither reported nor repaired away. `force` lets repair
     delete more orphans than `ORPHAN_SHARE`; `read_only` takes the lock only if it exists.
+    `trust`: blob tags are checked with it too (`kvstore.trust`): one that is refused is damage.
     """
     rows, bad_rows = [], []
     for row in index.rows():  # one snapshot: no read transaction stays open below
@@ -69,11 +72,12 @@ def verify(index: Index, root: Path, *, repair: bool = False, force: bool = Fals
             bad_rows.append((row.hash, why))
     known = {row.hash: row.parent for row in rows}
     chunk_sizes = {bytes.fromhex(m["namespace"]): m["chunk_size"] for m in index.models()}
+    check = functools.partial(check_blob, trust=trust, epoch=index.trust_epoch() if trust else 0.0)
     suspects = []
     for row in rows:
         try:
             if not row.bad:
-                check_blob(root, row, chunk_sizes.get(row.ns))
+                check(root, row, chunk_sizes.get(row.ns))
                 continue
         except BlobError:
             pass
@@ -84,7 +88,7 @@ def verify(index: Index, root: Path, *, repair: bool = False, force: bool = Fals
             Problem("bad_row", str(root), f"a row of the index has {why} (hash {h!r:.80})",
                     h.hex() if isinstance(h, bytes) else "") for h, why in bad_rows]
         for row in suspects:
-            problem = _confirm(index, root, row, chunk_sizes.get(row.ns))
+            problem = _confirm(index, root, row, chunk_sizes.get(row.ns), check)
             if problem is not None:
                 problems.append(problem)
         bad = {bytes.fromhex(p.hash) for p in problems if p.kind != "bad_row"}
@@ -147,15 +151,23 @@ def _row_problem(row) -> str | None:
     return None
 
 
-def check_blob(root: Path, row, chunk_size: int | None = None) -> None:
+def check_blob(root: Path, row, chunk_size: int | None = None, *, trust: Trust | None = None,
+               epoch: float = 0.0) -> None:
     """Raise BlobError unless the blob of `row` is whole (its size and checksums) and is the
-    record the row names (`records.check`: its header, and that its token ids hash to its key)."""
+    record the row names (`records.check`: its header, and that its token ids hash to its key),
+    and (`trust`) its tag is not refused (`Trust.refusal`)."""
     buf, blob = blobfile.read_checked(root, row.hash, size=row.size, checksum=row.checksum)
     stored = blobformat.read_record(buf, blob.path)
     records.check(row, stored.metadata, stored.tokens, chunk_size=chunk_size, where=blob.path)
+    sums = blobformat.tensor_checksums(stored.metadata, blob.path)
+    if trust is not None and sums is not None:
+        verdict = trust.check(stored.metadata, blobformat.trust_table(stored.entries, sums))
+        why = trust.refusal(verdict, row.created, epoch)
+        if why is not None:
+            raise BlobError(f"{blob.path}: {why}")
 
 
-def _confirm(index: Index, root: Path, row, chunk_size: int | None) -> Problem | None:
+def _confirm(index: Index, root: Path, row, chunk_size: int | None, check=check_blob) -> Problem | None:
     """The problem of a row whose blob did not read, if it still has one now."""
     now = index.get(row.hash)
     path = blobtree.blob_path(root, row.hash)
@@ -164,7 +176,7 @@ def _confirm(index: Index, root: Path, row, chunk_size: int | None) -> Problem |
     if now.bad:
         return Problem("quarantined", str(path), "record was quarantined after a failed read", row.hash.hex())
     try:
-        check_blob(root, now, chunk_size)
+        check(root, now, chunk_size)
         return None  # written again since
     except BlobError as e:
         kind = "missing_blob" if not os.path.lexists(path) else "corrupt_blob"

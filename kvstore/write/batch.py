@@ -128,7 +128,8 @@ def _stage(dest: Destination, job: Job, hosts: Hosts) -> _Staged:
             staged.parts[spec.hash] = parts
         dest.between_records()
         try:
-            staged.files[spec.hash] = blobwrite.stage(dest.root, spec.hash, *parts[1:], fsync=dest.fsync)
+            staged.files[spec.hash] = blobwrite.stage(dest.root, spec.hash, *parts[1:], fsync=dest.fsync,
+                                                          trust=dest.trust)
         except OSError as e:
             staged.failed = (spec.hash, e)  # later records hang from this one: stop there
             break
@@ -194,7 +195,7 @@ def _place(dest: Destination, job: Job, hosts: Hosts, todo: list[Span], staged: 
                 if staged.failed is not None and staged.failed[0] == spec.hash:
                     raise staged.failed[1]
                 size, checksum = blobwrite.place(st) if st is not None else \
-                    blobwrite.write(dest.root, spec.hash, tensors, meta, fsync=dest.fsync)
+                    blobwrite.write(dest.root, spec.hash, tensors, meta, fsync=dest.fsync, trust=dest.trust)
             except OSError as e:
                 dest.count_error(e)
                 break  # later records hang from this one; without it they are unreachable

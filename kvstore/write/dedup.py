@@ -82,7 +82,8 @@ def refill(dest: Destination, job: Job, hosts: Hosts) -> None:
                 row = dest.index.get(spec.hash)
                 if row is None or row.bad or row.ntokens != len(tokens):
                     continue  # evicted (or quarantined) meanwhile: nothing to complete
-                size, checksum = blobwrite.write(dest.root, spec.hash, tensors, meta, fsync=dest.fsync)
+                size, checksum = blobwrite.write(dest.root, spec.hash, tensors, meta, fsync=dest.fsync,
+                                                 trust=dest.trust)
                 dest.index.replace_blob(spec.hash, size, checksum)
         except Exception as e:  # the old, shorter record stays; only reuse is lost
             dest.count_error(e)

@@ -26,6 +26,7 @@ from kvstore.storage import blobformat
 from kvstore.storage.index import Index
 from kvstore.tenants import Tenant
 from kvstore.tiers.memory import MemoryTier, Record, held
+from kvstore.trust import Trust
 
 if TYPE_CHECKING:
     from kvstore.write.admission import Gate
@@ -144,6 +145,7 @@ class Destination:
     # Called before each record's copy and file: waits (bounded) while a restore runs, so that
     # the restore has the cores and the memory bandwidth (see `Writer.reading`).
     between_records: Callable[[], None] = lambda: None
+    trust: Trust | None = None  # what tags every blob's header (`kvstore.trust`)
 
     def remember_complete(self, h: bytes) -> None:
         self.complete[h] = None

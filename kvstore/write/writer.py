@@ -23,6 +23,7 @@ from kvstore.storage import blobtree
 from kvstore.storage.index import Index, Row
 from kvstore.tiers.disk import AccessTimes
 from kvstore.tiers.memory import MemoryTier, Record
+from kvstore.trust import Trust
 from kvstore.write import batch, dedup
 from kvstore.write.admission import Gate
 from kvstore.write.jobs import Destination, Job, WriterStats, from_memory
@@ -40,14 +41,15 @@ class Writer:
 
     def __init__(self, index: Index | None, root: Path | None, memory: MemoryTier,
                  max_pending_bytes: int, fsync: bool = True, gate: Gate | None = None,
-                 access: AccessTimes | None = None):
+                 access: AccessTimes | None = None, trust: Trust | None = None):
         self.index, self.root, self.memory = index, root, memory
         self.max_pending_bytes = max_pending_bytes
         # Told the rows of each batch once committed (still under the tree lock), on this thread:
         # the one event that leaves the writer. Subscribed once, where the store is built.
         self.on_commit: list[Callable[[list[Row]], None]] = []
         self.access = access  # the disk tier's uses of records: written with the gate's counts
-        self._dest = Destination(index, root, memory, fsync, gate=gate, between_records=self._let_reads_go)
+        self._dest = Destination(index, root, memory, fsync, gate=gate, between_records=self._let_reads_go,
+                                 trust=trust)
         self._reads = 0  # restores running now (`reading`): the writer waits for them between records
         self.gate = gate
         self.stats: WriterStats = self._dest.stats
