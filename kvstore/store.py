@@ -117,8 +117,7 @@ class Store:
         self.path = self.files.path if self.files else None
         self.read_only = self.files.read_only if self.files else False
         self.trust = self.files.trust(secrets) if self.files else None  # what tags its anchors (kvstore.trust)
-        self.index = self.files.index if self.files else None
-        self.blob_root = self.files.blob_root if self.files else None
+        self.index, self.blob_root = (self.files.index, self.files.blob_root) if self.files else (None, None)
         if value["max_bytes"] == AUTO:
             self.max_bytes, self.max_bytes_rule = self.files.auto_budget() if self.files else (
                 None, "auto: a RAM-only store writes no disk (memory_bytes bounds it)")

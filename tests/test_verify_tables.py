@@ -21,7 +21,7 @@ from test_safety import kv
 
 import kvstore
 from kvstore.errors import IndexLostError
-from kvstore.remote.upkeep import node_id
+from kvstore.remote.pins import node_id
 from kvstore.storage import blobtree
 
 C = 16

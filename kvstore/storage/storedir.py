@@ -13,6 +13,7 @@ import logging
 import os
 import sqlite3
 import stat
+import threading
 import time
 from pathlib import Path
 
@@ -124,7 +125,7 @@ def _own_key(path: Path, name: str, what: str, lost: str, why: str, *, create: b
                                  f"once to write {why}") from None
     except (OSError, ValueError) as e:
         raise StoreOpenError(f"cannot read {file}: {e}") from None
-    tmp = file.with_name(f".{name}.{os.getpid()}")
+    tmp = file.with_name(f".{name}.{os.getpid()}.{threading.get_ident()}")  # (threads of one process open stores too)
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "w") as f:
