@@ -5,15 +5,16 @@ with HEADs for the deepest chunk the bucket holds (chunks are uploaded parents f
 children first, so presence along a chain is a prefix), and downloads the checkpoints asked for;
 `children` lists a chunk's children that start with the next token, one bounded listing, and
 compares them with the prompt by what their keys say (`layout.mark_lengths`): the one that goes
-furthest is downloaded, and only if it goes further than what this machine holds (a child this
-machine holds is never downloaded). `open` downloads a record (`prefetch` starts the downloads
-of a whole path at once, within a bound of bytes in flight), checks it (intact, and the record
-it is fetched as: `remote.objects.check_record`) and writes it through to the local disk tier,
-then opens it from there: the next fetch finds it locally. Every object is sealed with the
-fleet's key (`remote.seal`): one that does not open (planted or copied by someone without the
-secret) is a miss, counted as `unauthenticated`, and never stored; one that opens but fails its
-check is counted as corrupt. Either key is not asked for again for a while, nor is one that
-failed to download or was larger than the record can be (a GET reads at most that much).
+furthest is downloaded, and only if it goes further than what this machine holds and shares at
+least a quarter of its tokens (a child this machine holds is never downloaded). `open` downloads
+a record (`prefetch` starts the downloads of a whole path at once: `remote.downloads`), checks it
+(intact, and the record it is fetched as: `remote.objects.check_record`) and gives the restore a
+source in memory; it is written through to the local disk tier in the background, so the next
+fetch finds it locally. Every object is sealed with the fleet's key (`remote.seal`): one that
+does not open (planted or copied by someone without the secret) is a miss, counted as
+`unauthenticated`, and never stored; one that opens but fails its check is counted as corrupt.
+Either key is not asked for again for a while, nor is one that failed to download or was larger
+than the record can be (a GET reads at most that much).
 
 A tenant's lookup asks for the shared chain with the namespace's keys and for the tenant's with
 the tenant's (`remote.seal.TenantSealer`), and lists a shared record's children in both folders
