@@ -1,12 +1,11 @@
 """Downloads of the remote tier: each record's object fetched, opened and checked, within the
-fetch's wait and a bound of bytes in flight, then stored on the local disk in the background.
+fetch's wait and a bound of bytes in flight.
 
 `Downloads` belongs to one `tiers.remote.RemoteTier`: it runs the GETs (and the tier's HEADs and
 listings) on its pool, opens each sealed object in place (`remote.seal`), checks it is the record
 it is fetched as (`remote.objects.check_opened`), and remembers for a while the object keys that
 failed (unauthenticated, corrupt, too large, or their download failed: not asked for again until
-`BAD_FOR_S` has passed, on its `clock`). A downloaded record is restored from memory and written
-through to the local disk tier by one writer thread; until it is there, a fetch finds it here.
+`BAD_FOR_S` has passed, on its `clock`).
 """
 
 from __future__ import annotations
@@ -27,7 +26,6 @@ from kvstore.remote.bucket import MAX_OBJECT_BYTES, Bucket, RemoteError, TooLarg
 from kvstore.remote.health import Health
 from kvstore.remote.objects import check_opened
 from kvstore.remote.seal import OVERHEAD, Sealer, Unauthenticated
-from kvstore.storage.index import Row
 
 log = logging.getLogger("kvstore")
 
@@ -75,24 +73,18 @@ class Ref:
 
 
 class Downloads:
-    def __init__(self, bucket: Bucket, health: Health, store: Callable[[Row, object, bool], None], *,
-                 threads: int = 8, clock: Callable[[], float] = time.monotonic):
-        self.bucket, self.health, self._store = bucket, health, store
+    def __init__(self, bucket: Bucket, health: Health, *, threads: int = 8,
+                 clock: Callable[[], float] = time.monotonic):
+        self.bucket, self.health = bucket, health
         self.clock = clock  # of the memory of bad keys (a test moves it on)
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="kvstore-remote-get")
         self._bad: OrderedDict[str, float] = OrderedDict()  # object key -> until when it is not asked for
         self._lock = threading.Lock()
         self._inflight = 0  # bytes of downloads started and not yet ended
         self._waiting: deque[Ref] = deque()  # downloads to start as the bytes in flight allow
-        self._disk_writes = ThreadPoolExecutor(1, thread_name_prefix="kvstore-remote-store")
-        self._writing: dict[bytes, tuple[Row, object]] = {}  # downloaded, not on the local disk yet
-        self._settled = threading.Condition(self._lock)
 
-    def close(self, timeout: float = 30.0) -> None:
-        """Stop; what was downloaded is stored on the local disk first (within `timeout`)."""
+    def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
-        self.settle(timeout)
-        self._disk_writes.shutdown(wait=False)
 
     def bad_object(self, error: BlobError, ref: Ref | None) -> None:
         """An object that failed its check: counted, and not asked for again for a while."""
@@ -104,17 +96,6 @@ class Downloads:
             log.warning("kvstore: a remote object is damaged, not used: %s", error)
         if ref is not None:
             self.remember_bad(ref.key)
-
-    def held(self, records: list[RecordId]) -> list:
-        """The downloaded bodies of `records`, from the first, that are still being stored."""
-        with self._lock:
-            out = []
-            for r in records:
-                got = self._writing.get(r.hash)
-                if got is None:
-                    break
-                out.append(got[1])
-            return out
 
     def prefetch(self, items: Iterable[tuple[bytes, Ref]]) -> None:
         """Start downloading these (record, ref)s now, in order, as many at once as the bound of
@@ -269,43 +250,6 @@ class Downloads:
             self._bad.pop(key, None)
             return False
         return until is not None
-
-    def write_through(self, row: Row, body, *, reupload: bool) -> None:
-        """Store a downloaded record on the local disk, in the background (one writer thread);
-        until it is there, `find` gives it from memory."""
-        with self._lock:
-            if row.hash in self._writing:
-                return
-            self._writing[row.hash] = (row, body)
-        try:
-            self._disk_writes.submit(self._write, row, body, reupload)
-        except RuntimeError:  # closed
-            with self._lock:
-                self._writing.pop(row.hash, None)
-
-    def _write(self, row: Row, body, reupload: bool) -> None:
-        try:
-            self._store(row, body, reupload)  # the tier's: the disk tier's `put`, and up again if asked
-        except OSError as e:  # a full disk: the record stays a miss here
-            self.health.error(e)
-        except Exception as e:  # never raises anywhere: a cache write that failed is a miss later
-            log.warning("kvstore: a downloaded record was not stored locally (%s: %s)", type(e).__name__, e)
-        finally:
-            with self._lock:
-                self._writing.pop(row.hash, None)
-                if not self._writing:
-                    self._settled.notify_all()
-
-    def settle(self, timeout: float | None = None) -> bool:
-        """Wait until what was downloaded is on the local disk; False if `timeout` ran out."""
-        end = None if timeout is None else time.monotonic() + timeout
-        with self._lock:
-            while self._writing:
-                left = None if end is None else end - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self._settled.wait(left)
-        return True
 
 
 def _until(lookup: Any) -> float:

@@ -59,6 +59,7 @@ from kvstore.storage import blobfile
 from kvstore.storage.index import Row
 from kvstore.tiers.base import Lookup
 from kvstore.tiers.disk import BlobSource, DiskTier
+from kvstore.tiers.writethrough import WriteThrough
 
 log = logging.getLogger("kvstore")
 
@@ -96,7 +97,8 @@ class RemoteTier:
         # Shared records read with an older key go back up under the current one (`Uploader.submit`).
         self.reupload = reupload
         self.policy, self.deadline = policy, None if deadline is None else float(deadline)
-        self.downloads = Downloads(bucket, health, self._put, threads=threads, clock=clock)
+        self.downloads = Downloads(bucket, health, threads=threads, clock=clock)
+        self.stored = WriteThrough(disk, health, reupload)  # downloads on their way to the local disk
         self._later = ThreadPoolExecutor(1, thread_name_prefix="kvstore-remote-later")  # best_effort's
         self._jobs: set = set()  # what the background is doing or will do (each once)
         self._lock = threading.Lock()
@@ -113,21 +115,16 @@ class RemoteTier:
     def close(self, timeout: float = 30.0) -> None:
         """Stop; what was downloaded is stored on the local disk first (within `timeout`)."""
         self._later.shutdown(wait=False, cancel_futures=True)
-        self.downloads.close(timeout)
+        self.downloads.close()
+        self.stored.close(timeout)
 
     def settle(self, timeout: float | None = None) -> bool:
         """Wait until what was downloaded is on the local disk; False if `timeout` ran out."""
-        return self.downloads.settle(timeout)
+        return self.stored.settle(timeout)
 
     def prefetch(self, items: Iterable[tuple[bytes, Ref]]) -> None:
         """Start downloading these (record, ref)s now (`Downloads.prefetch`)."""
         self.downloads.prefetch(items)
-
-    def _put(self, row: Row, body, reupload: bool) -> None:
-        """Store a downloaded record on the local disk (on the downloads' writer thread)."""
-        self.disk.put(row, body)
-        if reupload and self.reupload is not None:  # read with an older key: up again under the current one
-            self.reupload([row])  # (a tenant's old records are stored again under its new salt as it uses them)
 
     # -- how long a fetch waits (the prefetch policy) -------------------------------------------
 
@@ -252,7 +249,7 @@ class RemoteTier:
                     found: dict[bytes, Ref]) -> int:
         """How many records of the chain, from its start, were downloaded and are still being
         stored locally: found as they are, with no request (a fetch right after another)."""
-        held = self.downloads.held(records)
+        held = self.stored.held(records)
         for r, k, body in zip(records, named, held):
             ref = found[r.hash] = Ref(r, k, lookup, s)
             ref.body, ref.again = body, True
@@ -393,7 +390,7 @@ class RemoteTier:
         row = Row(r.hash, r.ns, r.parent, r.depth, r.kind, r.ntokens, r.first_token, len(body),
                   xxhash.xxh3_64_intdigest(body), tenant=r.tenant)
         source = BlobSource(blobfile.in_memory(body, h, f"remote record {h.hex()}"), row)
-        self.downloads.write_through(row, body, reupload=r.tenant is None and ref.sealer.key_id != self.fleet.key_id)
+        self.stored.put(row, body, reupload=r.tenant is None and ref.sealer.key_id != self.fleet.key_id)
         if "background" in ref.lookup.notes:  # `best_effort`: stored for the next fetch
             self.health.count("prefetched")
         else:

@@ -1,0 +1,85 @@
+"""Downloaded records on their way to the local disk: the remote tier restores a download from
+memory and stores it here, on one background thread, so that a fetch does not wait for the disk.
+
+`WriteThrough.put` queues a checked record (its row and plaintext) for the disk tier's `put`;
+until it is there, `held` gives it to the remote tier's lookup again (a fetch right after another
+needs no request). `settle` waits for the queue (`Store.flush` and close do).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+from kvstore.records import RecordId
+from kvstore.storage.index import Row
+from kvstore.tiers.disk import DiskTier
+
+log = logging.getLogger("kvstore")
+
+
+class WriteThrough:
+    def __init__(self, disk: DiskTier, health, reupload: Callable[[list[Row]], None] | None):
+        self.disk, self.health, self.reupload = disk, health, reupload
+        self._lock = threading.Lock()
+        self._settled = threading.Condition(self._lock)
+        self._writing: dict[bytes, tuple[Row, object]] = {}  # downloaded, not on the local disk yet
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvstore-remote-store")
+
+    def put(self, row: Row, body, *, reupload: bool) -> None:
+        """Store a downloaded record on the local disk, in the background (`reupload`: read with
+        an older fleet key, it goes up again under the current one once it is there)."""
+        with self._lock:
+            if row.hash in self._writing:
+                return
+            self._writing[row.hash] = (row, body)
+        try:
+            self._pool.submit(self._write, row, body, reupload)
+        except RuntimeError:  # closed
+            with self._lock:
+                self._writing.pop(row.hash, None)
+
+    def _write(self, row: Row, body, reupload: bool) -> None:
+        try:
+            self.disk.put(row, body)
+            if reupload and self.reupload is not None:
+                self.reupload([row])  # (a tenant's old records are stored again under its new salt as it uses them)
+        except OSError as e:  # a full disk: the record stays a miss here
+            self.health.error(e)
+        except Exception as e:  # never raises anywhere: a cache write that failed is a miss later
+            log.warning("kvstore: a downloaded record was not stored locally (%s: %s)", type(e).__name__, e)
+        finally:
+            with self._lock:
+                self._writing.pop(row.hash, None)
+                if not self._writing:
+                    self._settled.notify_all()
+
+    def held(self, records: list[RecordId]) -> list:
+        """The downloaded bodies of `records`, from the first, that are still being stored."""
+        with self._lock:
+            out = []
+            for r in records:
+                got = self._writing.get(r.hash)
+                if got is None:
+                    break
+                out.append(got[1])
+            return out
+
+    def settle(self, timeout: float | None = None) -> bool:
+        """Wait until what was queued is on the local disk; False if `timeout` ran out."""
+        end = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while self._writing:
+                left = None if end is None else end - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._settled.wait(left)
+        return True
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop, once what was queued is stored (within `timeout`)."""
+        self.settle(timeout)
+        self._pool.shutdown(wait=False)
