@@ -108,7 +108,7 @@ def path_download(work, url, query) -> float:
         found = tier.find(lookup, chain)
         tier.prefetch(found.items())
         for h, ref in found.items():
-            assert tier._fetch(ref) is not None
+            assert tier.downloads.fetch(ref) is not None
         took = time.perf_counter() - t0
         assert len(found) == len(chain)
     shutil.rmtree(d)

@@ -156,30 +156,36 @@ class Downloads:
             return None
         until = _until(ref.lookup)
         try:
-            return self.pool.submit(self._get_open, ref.sealer, ref.key, ref.cap, until)
+            return self.pool.submit(self._get_open, ref.sealer, ref.key, ref.cap, until, ref.rid,
+                                    ref.lookup.chunk_size, ref.named)
         except RuntimeError:  # closed
             return None
 
-    def _get_open(self, s: Sealer, key: str, cap: int, until: float) -> tuple[int, bytes] | None:
-        """(sealed size, plaintext) of the object at `key`, or None: on a download thread, so that
-        opening overlaps the other downloads. Unauthenticated if it does not open."""
+    def _get_open(self, s: Sealer, key: str, cap: int, until: float, rid: RecordId, chunk_size: int,
+                  named: bool) -> tuple | None:
+        """(sealed size, plaintext, token ids, record) of the object at `key`, or None: on a
+        download thread, so that opening and checking overlap the other downloads.
+        Unauthenticated if it does not open; BlobError if it is not the record `rid` (`named`:
+        known by its name only), intact."""
         body = self.bucket.get(key, cap, until)
         if body is None:
             return None
         size = len(body)
         plain = s.open(key, body, in_place=True)  # a view of `body`: no second copy
+        tokens, rid = check_opened(s, plain, rid, chunk_size, named=named)
         if time.monotonic() > until:
             return None
-        return size, plain
+        return size, plain, tokens, rid
 
     def _too_large(self, ref: Ref) -> None:
         self.health.count("oversized_objects")
         self.remember_bad(ref.key)
 
     def fetch(self, ref: Ref) -> bytes | None:
-        """The record's object, opened, from its download in flight or a new one, within the
-        deadline (a download past it stops and drops what it read). Unauthenticated if it does
-        not open with the fleet's key."""
+        """The record's object, opened and checked (`ref.body`, `ref.tokens` and `ref.rid` are
+        then set), from its download in flight or a new one, within the fetch's wait (a download
+        past it stops and drops what it read); None if it did not come. BlobError if it is not
+        the record (Unauthenticated if it does not open with the fleet's key)."""
         end = _until(ref.lookup)
         if ref.future is None:  # not started yet (or waiting for room): needed now
             self._launch(ref)
@@ -207,6 +213,7 @@ class Downloads:
             return None
         self.health.count("downloads")
         self.health.count("download_bytes", got[0])
+        ref.body, ref.tokens, ref.rid, ref.named = got[1], got[2], got[3], False
         return got[1]
 
     def _late(self, lookup: Any) -> None:
@@ -217,21 +224,14 @@ class Downloads:
             lookup.notes.add("partial")
             self.health.count("partial_restores")
 
-    def check(self, ref: Ref, plain: bytes) -> None:
-        """Check an opened object is the record it is fetched as (BlobError)."""
-        tokens, rid = check_opened(ref.sealer, plain, ref.rid, ref.lookup.chunk_size, named=ref.named)
-        ref.body, ref.tokens, ref.rid, ref.named = plain, tokens, rid, False
-
     def download(self, refs: list[Ref], end: float) -> list[Ref]:
         """Download these records at once, within the deadline; the checked ones that came."""
         self.start(refs)
         got = []
         for ref in refs:
             try:
-                plain = self.fetch(ref)
-                if plain is None:
+                if self.fetch(ref) is None:
                     continue
-                self.check(ref, plain)
             except BlobError as e:
                 self.bad_object(e, ref)
                 continue

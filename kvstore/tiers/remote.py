@@ -45,7 +45,6 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Callable, Iterable, Sequence
 
 import numpy as np
-import xxhash
 
 from kvstore import keys, settings
 from kvstore.errors import BlobError
@@ -375,22 +374,18 @@ class RemoteTier:
         return out
 
     def open(self, h: bytes, ref: Ref | None):
-        """The record, downloaded and checked, as a source read from memory; it is written
-        through to the local disk in the background (`settle` waits for that), so the next fetch
-        finds it locally. KeyError if it cannot be had in time (or is gone); BlobError if it is
+        """The record, downloaded and checked, as a source read from memory; once the restore
+        closes it, it is written through to the local disk in the background (`settle` waits for
+        that), so the next fetch finds it locally. KeyError if it cannot be had in time (or is gone); BlobError if it is
         not what it claims."""
         if ref is None:
             raise KeyError(h)
-        if ref.body is None:
-            plain = self.downloads.fetch(ref)  # BlobError if it does not open
-            if plain is None:
-                raise KeyError(h)
-            self.downloads.check(ref, plain)
+        if ref.body is None and self.downloads.fetch(ref) is None:  # BlobError if it is not the record
+            raise KeyError(h)
         r, body = ref.rid, ref.body
-        row = Row(r.hash, r.ns, r.parent, r.depth, r.kind, r.ntokens, r.first_token, len(body),
-                  xxhash.xxh3_64_intdigest(body), tenant=r.tenant)
-        source = BlobSource(blobfile.in_memory(body, h, f"remote record {h.hex()}"), row)
-        self.stored.put(row, body, reupload=r.tenant is None and ref.sealer.key_id != self.fleet.key_id)
+        row = Row(r.hash, r.ns, r.parent, r.depth, r.kind, r.ntokens, r.first_token, len(body), 0, tenant=r.tenant)
+        source = _Downloaded(blobfile.in_memory(body, h, f"remote record {h.hex()}"), row, self.stored)
+        self.stored.hold(row, body, reupload=r.tenant is None and ref.sealer.key_id != self.fleet.key_id)
         if "background" in ref.lookup.notes:  # `best_effort`: stored for the next fetch
             self.health.count("prefetched")
         else:
@@ -461,6 +456,19 @@ class RemoteTier:
         except FutureTimeout:
             fut.cancel()
             raise _Late from None
+
+
+class _Downloaded(BlobSource):
+    """A downloaded record read from memory: closed (the restore is done with it), it goes to
+    the local disk."""
+
+    def __init__(self, blob, row: Row, stored: WriteThrough):
+        super().__init__(blob, row)
+        self._stored = stored
+
+    def close(self) -> None:
+        super().close()
+        self._stored.release(self.id.hash)
 
 
 def _depth_of(lookup: Lookup, h: bytes) -> int:

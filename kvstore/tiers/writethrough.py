@@ -1,9 +1,11 @@
 """Downloaded records on their way to the local disk: the remote tier restores a download from
 memory and stores it here, on one background thread, so that a fetch does not wait for the disk.
 
-`WriteThrough.put` queues a checked record (its row and plaintext) for the disk tier's `put`;
-until it is there, `held` gives it to the remote tier's lookup again (a fetch right after another
-needs no request). `settle` waits for the queue (`Store.flush` and close do).
+`WriteThrough.hold` keeps a checked record (its row and plaintext) and `release`, once the
+restore that reads it is done, queues it for the disk tier's `put`; until it is there, `held`
+gives it to the remote tier's lookup again (a fetch right after another needs no request).
+`settle` waits for the queue (`Store.flush` and close do); what was never released is dropped
+at close.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
+
+import xxhash
 
 from kvstore.records import RecordId
 from kvstore.storage.index import Row
@@ -26,24 +30,35 @@ class WriteThrough:
         self.disk, self.health, self.reupload = disk, health, reupload
         self._lock = threading.Lock()
         self._settled = threading.Condition(self._lock)
-        self._writing: dict[bytes, tuple[Row, object]] = {}  # downloaded, not on the local disk yet
+        self._writing: dict[bytes, tuple] = {}  # downloaded, not on the local disk yet: (row, body, reupload, started)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvstore-remote-store")
 
-    def put(self, row: Row, body, *, reupload: bool) -> None:
-        """Store a downloaded record on the local disk, in the background (`reupload`: read with
-        an older fleet key, it goes up again under the current one once it is there)."""
+    def hold(self, row: Row, body, *, reupload: bool) -> None:
+        """A downloaded record to store on the local disk once the restore that reads it is done
+        (`release`), so that writing it never competes with the fetch (`reupload`: read with an
+        older fleet key, it goes up again under the current one once it is there)."""
         with self._lock:
-            if row.hash in self._writing:
+            if row.hash not in self._writing:
+                self._writing[row.hash] = (row, body, reupload, False)
+
+    def release(self, h: bytes) -> None:
+        """Store record `h` now, in the background (once)."""
+        with self._lock:
+            got = self._writing.get(h)
+            if got is None or got[3]:
                 return
-            self._writing[row.hash] = (row, body)
+            row, body, reupload, _ = got
+            self._writing[h] = (row, body, reupload, True)
         try:
             self._pool.submit(self._write, row, body, reupload)
         except RuntimeError:  # closed
             with self._lock:
-                self._writing.pop(row.hash, None)
+                self._writing.pop(h, None)
+                self._settled.notify_all()
 
     def _write(self, row: Row, body, reupload: bool) -> None:
         try:
+            row.size, row.checksum = len(body), xxhash.xxh3_64_intdigest(body)
             self.disk.put(row, body)
             if reupload and self.reupload is not None:
                 self.reupload([row])  # (a tenant's old records are stored again under its new salt as it uses them)
@@ -81,5 +96,7 @@ class WriteThrough:
 
     def close(self, timeout: float = 30.0) -> None:
         """Stop, once what was queued is stored (within `timeout`)."""
+        for h in list(self._writing):
+            self.release(h)
         self.settle(timeout)
         self._pool.shutdown(wait=False)
