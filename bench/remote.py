@@ -378,6 +378,7 @@ def main() -> None:
     ap.add_argument("--sealing-only", action="store_true", help="only the AES-256-GCM micro-benchmark")
     ap.add_argument("--policy-lengths", type=int, nargs="*", default=[2048],
                     help="prompt lengths of the prefetch-policy TTFT runs (a real prefill each)")
+    ap.add_argument("--policy-reps", type=int, default=1, help="runs of each policy (each a prefill here)")
     ap.add_argument("--slow-get", type=float, default=0.25,
                     help="seconds the slow endpoint of the policy runs takes per download")
     args = ap.parse_args()
@@ -434,7 +435,7 @@ def main() -> None:
         results["conversations"] = conversations(server)
         for length in args.policy_lengths:
             C.log(f"[remote] prefetch policies, {length} tokens, slow endpoint")
-            results.setdefault("policies", []).append(policy_ttft(server, length, args.slow_get, args.reps))
+            results.setdefault("policies", []).append(policy_ttft(server, length, args.slow_get, args.policy_reps))
         results["lookup"] = lookups(server, args.reps * 5)
         results["clients"] = clients(server, 200)
         results["sealing"] = sealing(args.reps)
