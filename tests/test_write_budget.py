@@ -143,6 +143,7 @@ def test_remote_downloads_count_in_the_lifetime_bytes(tmp_path, s3, llama):
     with kvstore.open(tmp_path / "b", chunk_size=C, remote=url) as b:
         _, rest = b.bind(model, path).fetch(prompt(3))
         assert len(rest) == 1
+        assert b.flush(30)  # (downloads are stored locally in the background)
         writes = b.stats()["writes"]
         assert writes["records_lifetime"] == 0  # the writer wrote nothing
         assert writes["downloaded_lifetime"] == writes["bytes_lifetime"] == b.stats()["bytes"] == written

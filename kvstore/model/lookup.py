@@ -64,7 +64,7 @@ def match(tiers: Tiers, lookup: Lookup, ns: bytes, toks: np.ndarray, chunk_size:
                 if n:
                     kids[h] = (h, n, n == len(child_tokens))
                     where.setdefault(h, (tier, ref))
-    ranked = sorted(kids.values(), key=lambda f: -f[1])
+    ranked = sorted(kids.values(), key=lambda f: (-f[1], not f[2]))  # a tie: the child used whole (no other touched)
     options = ranked[:1] + [f for f in ranked[1:] if f[2]]
     return [r.hash for r in found], [(h, n) for h, n, _ in options] or [(None, 0)], where
 
