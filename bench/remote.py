@@ -281,7 +281,7 @@ def lookups(server, reps: int) -> list[dict]:
     out = []
     for chunks in (8, 32, 128):
         toks = np.random.default_rng(chunks).integers(0, 150_000, chunks * 256).astype(np.int32)
-        names = [key_of(fleet.sealer(ns), r) for r in prompt_records(ns, toks, 256, tail=False)]
+        names = [key_of(fleet.sealer(ns), r, toks[r.start : r.end]) for r in prompt_records(ns, toks, 256, tail=False)]
         for present in (chunks, chunks // 2):
             for name in names[:present]:
                 try:
