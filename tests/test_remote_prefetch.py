@@ -250,6 +250,12 @@ def test_a_wrong_fleet_secret_is_said_once(tmp_path, s3, llama, caplog):
             assert reused(mc, model, toks(2 * C, 10)) == 0
     said = [r.getMessage() for r in caplog.records if "none opens with this key" in r.getMessage()]
     assert len(said) == 1 and "holds 1 namespace" in said[0] and "KVSTORE_REMOTE_KEY" in said[0], said
+    # A prompt shorter than a chunk (a tail only: no HEAD, a listing) is a first miss too.
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kvstore"):
+        with kvstore.open(tmp_path / "d", chunk_size=C, remote=url, remote_key=new_key()) as d:
+            assert reused(d.bind(model, path), model, prompt[: C - 3]) == 0
+    assert [r for r in caplog.records if "none opens with this key" in r.getMessage()]
     # With the fleet's own secret, nothing is said.
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="kvstore"):

@@ -279,6 +279,8 @@ class RemoteTier:
                     best = (*found, s)
                 if best is not None and best[0] >= len(rest) - 1:
                     break  # covered
+            if best is None and parent == lookup.ns and not have:  # nothing of the prompt anywhere
+                self._check_key(lookup, end)
         except _Late:
             self._failed(lookup, None)
             return []
