@@ -275,3 +275,24 @@ def test_a_missing_bucket_is_said_by_generate_and_raised_by_the_library(tmp_path
     with kvstore.open(tmp_path / "lib", chunk_size=C, remote=url) as store:
         with pytest.raises(kvstore.KVStoreError, match="does not exist"):
             store.remote.verify()
+
+
+def test_a_store_used_alone_keeps_its_records_once_it_has_a_remote(tmp_path, s3, llama):
+    """What a store wrote without a remote tier (tagged under its own key) is restored, not
+    quarantined, once it is opened with one (trust on first use, as for records from before tags);
+    what it writes from then on goes up."""
+    path, model = llama
+    url = s3.url()
+    prompt = toks(3 * C + 5, 12)
+    with kvstore.open(tmp_path / "a", chunk_size=C) as alone:
+        alone.bind(model, path).insert(prompt, prefill(model, prompt))
+        assert alone.flush(30)
+    with kvstore.open(tmp_path / "a", chunk_size=C, remote=url, memory_bytes=0) as a:
+        mc = a.bind(model, path)
+        assert reused(mc, model, prompt + [7]) == len(prompt)
+        other = toks(2 * C + 3, 14)
+        mc.insert(other, prefill(model, other))
+        assert a.flush(30)
+        r = a.stats()["remote"]
+        assert a.stats()["quarantined"] == 0 and r["refused_uploads"] == 0 and r["uploads"] == 3, r
+        assert reused(mc, model, prompt + [7]) == len(prompt)  # still whole

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sqlite3
 import threading
 import time
 from pathlib import Path
@@ -32,7 +33,7 @@ from kvstore.remote.seal import Fleet, Unauthenticated
 from kvstore.remote.uploader import Uploader
 from kvstore.storage.index import Index
 from kvstore.trust import Trust
-from kvstore.upkeep.anchors import Anchors
+from kvstore.upkeep.anchors import REMOTE_SINCE, Anchors
 
 log = logging.getLogger("kvstore")
 
@@ -55,6 +56,11 @@ class Remote:
         self._said = False  # that the allowance ran out (said once until the uploads are all done)
         self._left = 0  # uploads left undone at close
         self._lock = threading.Lock()
+        try:  # when this store first had a remote: what it wrote before, under its own key, is trusted on first use
+            if not index.marks(REMOTE_SINCE):
+                index.raise_mark(REMOTE_SINCE, int(time.time()) + 1)
+        except sqlite3.Error:  # read-only: nothing of it is uploaded anyway
+            pass
 
     @property
     def counters(self) -> dict[str, int]:

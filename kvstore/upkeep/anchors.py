@@ -20,6 +20,9 @@ from kvstore.storage import blobformat, blobtree, blobwrite
 from kvstore.storage.index import Index, Row
 from kvstore.trust import Trust, Verdict
 
+#: The `meta` key of when the store was first opened with a remote tier (`remote.node.Remote`).
+REMOTE_SINCE = "trust.remote_since"
+
 
 class Anchors:
     def __init__(self, trust: Trust, index: Index, root: Path):
@@ -28,8 +31,14 @@ class Anchors:
 
     @property
     def epoch(self) -> float:
+        """Records created before it are taken as they are (tagged once checked whole): those from
+        before the store had tags and, under a fleet's keys, those it wrote (under its own key)
+        before it was first opened with a remote tier, as with tags (trust on first use)."""
         if self._epoch is None:
-            self._epoch = self.index.trust_epoch()
+            epoch = self.index.trust_epoch()
+            if self.trust.fleet:
+                epoch = max(epoch, float(self.index.marks(REMOTE_SINCE).get(REMOTE_SINCE, 0)))
+            self._epoch = epoch
         return self._epoch
 
     def verdict(self, buf) -> Verdict:
