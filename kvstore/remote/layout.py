@@ -61,11 +61,11 @@ class ObjectKey(RecordId):
 def mark_lengths(n: int) -> list[int]:
     """The prefix lengths a record of `n` tokens is marked at: 2, 3, 4, 6, 8, 12, 16, 24...
     below `n` (a step of at most half: a node knows how far a child goes along its prompt to
-    within a third of it; 15 marks for a 256-token chunk)."""
+    within a third of it; 14 marks for a 256-token chunk)."""
     out, p = [], 2
     while p < n:
         out.append(p)
-        if p * 3 // 2 < n and p * 3 // 2 != p:
+        if p * 3 // 2 < n:
             out.append(p * 3 // 2)
         p *= 2
     return out
