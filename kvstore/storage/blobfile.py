@@ -81,6 +81,7 @@ class _Header(NamedTuple):
     layout: Layout
     metadata: dict[str, str]
     checksums: dict[str, int] | None  # name -> xxh3_64; None for a blob written by 0.1
+    verdicts: dict  # what a trust tag check said of this header, by `kvstore.trust.Trust` (see `verdict`)
 
 
 _LAYOUTS: dict[tuple, Layout] = {}
@@ -127,7 +128,7 @@ def _header(head: bytes, path: Path, size: int) -> _Header:
         raise BlobError(f"{path}: its checksums do not name exactly its tensors")
     metadata.pop("checksums", None)  # kept parsed, as ints: the JSON string is most of a header
     return _Header(xxhash.xxh3_128_intdigest(head[:base]), base, _layout_of(entries), metadata,
-                   {name: int(v, 16) for name, v in sums.items()} if sums is not None else None)
+                   {name: int(v, 16) for name, v in sums.items()} if sums is not None else None, {})
 
 
 class BlobFile:
@@ -146,6 +147,7 @@ class BlobFile:
         if self.metadata.get("hash") != h.hex():
             raise BlobError(f"{path}: its header names record {self.metadata.get('hash')!r}")
         self.checksums = header.checksums
+        self._verdicts = header.verdicts
         self._whole = whole  # held whole in memory, and checked whole already (see `in_memory`)
         if self._whole is None and self.checksums is None:  # 0.1: no per-tensor sums, so the whole file is checked now
             if checksum is None:
@@ -160,6 +162,18 @@ class BlobFile:
         if self.checksums is None:
             return None
         return {name: (tag, shape, self.checksums[name]) for name, (tag, shape, _, _) in self.layout.infos.items()}
+
+    def verdict(self, trust):
+        """What `trust` says of this blob's trust tag (None for a 0.1 blob), worked out once per
+        parsed header: a file opened again with the same header bytes reuses its parse, and so
+        the verdict on it (every open of a record in a fetch checks it)."""
+        got = self._verdicts.get(trust)
+        if got is None:
+            table = self.trust_table()
+            if table is None:
+                return None
+            got = self._verdicts[trust] = trust.check(self.metadata, table)
+        return got
 
     def __enter__(self) -> "BlobFile":
         return self

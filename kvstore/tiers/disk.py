@@ -194,11 +194,11 @@ class DiskTier:
     def _check_trust(self, blob: blobfile.BlobFile, row: Row) -> None:
         """BlobError if the blob's trust tag is refused (`Trust.refusal`): a record changed
         after it was written is never restored, nor continued from and uploaded."""
-        table = blob.trust_table() if self.anchors is not None else None
-        if table is None:
+        trust = self.anchors.trust if self.anchors is not None else None
+        verdict = blob.verdict(trust) if trust is not None else None
+        if verdict is None:
             return
-        trust = self.anchors.trust
-        why = trust.refusal(trust.check(blob.metadata, table), row.created, self.anchors.epoch)
+        why = trust.refusal(verdict, row.created, self.anchors.epoch)
         if why is not None:
             raise BlobError(f"{blob.path}: {why}")
 
