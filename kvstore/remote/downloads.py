@@ -31,7 +31,8 @@ log = logging.getLogger("kvstore")
 
 #: The bytes of downloads started and not yet ended (a path's downloads start as this allows).
 INFLIGHT_BYTES = 512 << 20
-#: What a download waits at most when its fetch set no wait (none does: see `RemoteTier.until`).
+#: The longest a fetch waits for the bucket (`wait_complete`); what a download waits when its
+#: fetch set no wait (none does: see `RemoteTier.until`).
 LONGEST_S = 600.0
 
 

@@ -50,7 +50,7 @@ from kvstore import keys, settings
 from kvstore.errors import BlobError
 from kvstore.records import CHECKPOINT, TAIL, RecordId
 from kvstore.remote.bucket import Bucket, RemoteError
-from kvstore.remote.downloads import Downloads, Ref
+from kvstore.remote.downloads import LONGEST_S, Downloads, Ref
 from kvstore.remote.health import Health, say_if_no_namespace_opens
 from kvstore.remote.layout import ObjectKey, children_prefix, key_of, mark_lengths, parse_key
 from kvstore.remote.seal import Fleet, Sealer
@@ -69,7 +69,7 @@ PREFETCH_BASE_S = 1.0
 PREFETCH_PER_1K_S = 0.1
 PREFETCH_CAP_S = 10.0
 #: What `wait_complete` and the background lookups of `best_effort` wait at most, in all.
-WAIT_COMPLETE_S = 600.0
+WAIT_COMPLETE_S = LONGEST_S
 #: The keys one listing of a children folder reads at most (one request): a folder flooded with
 #: keys costs one bounded LIST; the children past it are not seen.
 LIST_LIMIT = 1000
@@ -93,11 +93,11 @@ class RemoteTier:
         if policy not in POLICIES:
             raise ValueError(f"remote_prefetch must be one of {', '.join(POLICIES)}, got {policy!r}")
         self.bucket, self.health, self.disk, self.fleet = bucket, health, disk, fleet
-        # Shared records read with an older key go back up under the current one (`Uploader.submit`).
-        self.reupload = reupload
         self.policy, self.deadline = policy, None if deadline is None else float(deadline)
         self.downloads = Downloads(bucket, health, threads=threads, clock=clock)
-        self.stored = WriteThrough(disk, health, reupload)  # downloads on their way to the local disk
+        # Downloads on their way to the local disk; shared records read with an older key go back
+        # up under the current one (`reupload`: `Uploader.submit`).
+        self.stored = WriteThrough(disk, health, reupload)
         self._later = ThreadPoolExecutor(1, thread_name_prefix="kvstore-remote-later")  # best_effort's
         self._jobs: set = set()  # what the background is doing or will do (each once)
         self._lock = threading.Lock()
@@ -151,9 +151,7 @@ class RemoteTier:
                 return
             self._jobs.add(job)
         later = dataclasses.replace(lookup, started=time.monotonic(), notes={"background"}, remote_until=None,
-                                    local_children=dict(lookup.local_children))
-        later.remote_until = later.started + min(WAIT_COMPLETE_S, self.deadline if self.deadline is not None
-                                                 else WAIT_COMPLETE_S)
+                                    local_children=dict(lookup.local_children))  # (`until`: WAIT_COMPLETE_S)
 
         def run() -> None:
             try:
@@ -209,7 +207,11 @@ class RemoteTier:
         parent = got[-1].hash if got else chain[0].parent
         rest = later.tokens[_start(later, got[-1]) + got[-1].ntokens if got else _start(later, chain[0]):]
         if len(rest) > 1 and (parent == later.ns or parent in later.chain):
-            self._store(later, [(h, ref) for h, _, ref in self._children(later, parent, rest)])
+            self._store_child(later, parent, rest)
+
+    def _store_child(self, later: Lookup, parent: bytes, rest: np.ndarray) -> None:
+        """The child of `parent` worth downloading for `rest`, if any, stored on the local disk."""
+        self._store(later, [(h, ref) for h, _, ref in self._children(later, parent, rest)])
 
     def _find(self, lookup: Lookup, ids: Sequence[RecordId]) -> dict[bytes, Ref]:
         records = [r for r in ids if r.kind != CHECKPOINT]
@@ -262,8 +264,8 @@ class RemoteTier:
         if self.policy == "best_effort" and "background" not in lookup.notes:
             if "later" in lookup.notes:  # the lookup's job asks for them
                 return []
-            self._in_background(lookup, ("children", parent, len(rest)), lambda later: self._store(
-                later, [(h, ref) for h, _, ref in self._children(later, parent, rest)][:1]))
+            self._in_background(lookup, ("children", parent, len(rest)),
+                                lambda later: self._store_child(later, parent, rest))
             return []
         return self._children(lookup, parent, rest)
 
@@ -271,7 +273,7 @@ class RemoteTier:
         end = self.until(lookup, len(rest))
         depth = _depth_of(lookup, parent) + 1
         have = max(lookup.local_children.values(), default=0)  # what this machine restores already
-        best: tuple[int, Sealer, ObjectKey, bool] | None = None
+        best: tuple[int, ObjectKey, bool, Sealer] | None = None  # (tokens shared, key, proven, folder's sealer)
         try:
             for s in self._branches(lookup, depth):
                 found = self._best_in(lookup, s, parent, rest, end)
@@ -311,7 +313,7 @@ class RemoteTier:
             self.health.count("truncated_lists")
         held = {s.name(h) for h in lookup.local_children}
         base = s.tenant.link(parent) if s.owned else parent
-        marks: dict[int, str] = {}  # length -> the prompt's mark there
+        marks: dict[int, str] | None = None  # length -> the prompt's mark there (made once, if needed)
         best: tuple[int, ObjectKey, bool] | None = None
         for k in (parse_key(p, n, t) for p, n, t in listed):
             if k is None or not k.path.startswith(folder) or k.kind == CHECKPOINT or k.owned != s.owned \
@@ -321,17 +323,12 @@ class RemoteTier:
                     s.name(keys.tail_hash(base, rest[: k.ntokens])) == k.hash.hex():
                 shared, exact = k.ntokens, True
             else:
-                shared, exact = 0, False
-                lengths = mark_lengths(k.ntokens)
-                for i in range(len(lengths) - 1, -1, -1):  # the longest prefix whose mark matches
-                    n = lengths[i]
-                    if n > len(rest):
-                        continue
-                    if n not in marks:
-                        marks[n] = s.marks(parent, rest[:n], [n])[0]
-                    if marks[n] == k.marks[i]:
-                        shared = n
-                        break
+                if marks is None:  # the lengths are one ladder: the prompt's marks, up to a chunk
+                    top = min(len(rest), lookup.chunk_size)
+                    ladder = mark_lengths(top + 1)
+                    marks = dict(zip(ladder, s.marks(parent, rest[:top], ladder)))
+                shared = max((n for n, m in zip(mark_lengths(k.ntokens), k.marks) if marks.get(n) == m), default=0)
+                exact = False
             if shared and (best is None or shared > best[0] or shared == best[0] and exact > best[2]):
                 best = (shared, k, exact)
         return best
@@ -348,7 +345,8 @@ class RemoteTier:
         if "background" in lookup.notes:  # (on the background thread already)
             return say_if_no_namespace_opens(self.bucket, self.fleet, lookup.ns, self.health)
         try:
-            self._later.submit(say_if_no_namespace_opens, self.bucket, self.fleet, lookup.ns, self.health).result(timeout=max(0.0, end - time.monotonic()))
+            said = self._later.submit(say_if_no_namespace_opens, self.bucket, self.fleet, lookup.ns, self.health)
+            said.result(timeout=max(0.0, end - time.monotonic()))
         except (FutureTimeout, RuntimeError):  # slow (it goes on), or closed
             pass
 
@@ -378,8 +376,8 @@ class RemoteTier:
     def open(self, h: bytes, ref: Ref | None):
         """The record, downloaded and checked, as a source read from memory; once the restore
         closes it, it is written through to the local disk in the background (`settle` waits for
-        that), so the next fetch finds it locally. KeyError if it cannot be had in time (or is gone); BlobError if it is
-        not what it claims."""
+        that), so the next fetch finds it locally. KeyError if it cannot be had in time (or is
+        gone); BlobError if it is not what it claims."""
         if ref is None:
             raise KeyError(h)
         if ref.body is None and self.downloads.fetch(ref) is None:  # BlobError if it is not the record
