@@ -194,6 +194,21 @@ def test_a_download_frozen_at_its_first_get_costs_at_most_the_deadline(tmp_path,
         assert b.stats()["remote"]["deadline_misses"] >= 1
 
 
+def fail_the_second_chunks_put(a, mc, prompt, error: Exception) -> list[str]:
+    """Make the PUT of `prompt`'s second chunk raise `error` on store `a`: the keys it failed."""
+    victim = names(mc.ns, mc.record_hashes(prompt)[1:2]).pop().hex()
+    real, failed = a.remote.bucket.put_new, []
+
+    def put_new(key, data):
+        if victim in key:
+            failed.append(key)
+            raise error
+        return real(key, data)
+
+    a.remote.bucket.put_new = put_new
+    return failed
+
+
 def test_a_failed_upload_keeps_what_hangs_below_it_out_of_the_bucket(tmp_path, s3, llama):
     # One PUT fails while the object store stays up: the records below it are not uploaded
     # (orphans would break the rule that presence along a chain is a prefix).
@@ -202,16 +217,7 @@ def test_a_failed_upload_keeps_what_hangs_below_it_out_of_the_bucket(tmp_path, s
     prompt = toks(5 * C + 3, 72)
     with kvstore.open(tmp_path / "a", chunk_size=C, remote=url) as a:
         mc = a.bind(model, path)
-        victim = names(mc.ns, mc.record_hashes(prompt)[1:2]).pop().hex()  # the second chunk
-        real, failed = a.remote.bucket.put_new, []
-
-        def put_new(key, data):
-            if victim in key:
-                failed.append(key)
-                raise RemoteError(f"PUT {key}: 503 Slow Down (injected)")
-            return real(key, data)
-
-        a.remote.bucket.put_new = put_new
+        failed = fail_the_second_chunks_put(a, mc, prompt, RemoteError("PUT: 503 Slow Down (injected)"))
         mc.insert(prompt, prefill(model, prompt))
         assert a.flush(timeout=30)
         objs = {k.hash: k for k in (parse_key(p, s, t) for p, s, t in Bucket(url).list("")) if k}
@@ -234,16 +240,7 @@ def test_a_failed_upload_that_does_not_pause_the_remote_still_keeps_its_children
     prompt = toks(5 * C + 3, 73)
     with kvstore.open(tmp_path / "a", chunk_size=C, remote=url) as a:
         mc = a.bind(model, path)
-        victim = names(mc.ns, mc.record_hashes(prompt)[1:2]).pop().hex()
-        real, failed = a.remote.bucket.put_new, []
-
-        def put_new(key, data):
-            if victim in key:
-                failed.append(key)
-                raise ValueError("the request could not be made (injected)")
-            return real(key, data)
-
-        a.remote.bucket.put_new = put_new
+        failed = fail_the_second_chunks_put(a, mc, prompt, ValueError("the request could not be made (injected)"))
         mc.insert(prompt, prefill(model, prompt))
         assert a.flush(timeout=30)
         assert not a.remote.health.down()

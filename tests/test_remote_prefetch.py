@@ -52,6 +52,12 @@ def remote_tier(store) -> RemoteTier:
     return next(t for t in store.tiers if isinstance(t, RemoteTier))
 
 
+def namespace(tmp_path, model, path) -> bytes:
+    """The namespace the tests' model is stored under (chunk size C)."""
+    with kvstore.open(tmp_path / "probe", chunk_size=C) as probe:
+        return probe.bind(model, path).ns
+
+
 def store_all(directory, url, model, path, prompts, **kw) -> None:
     with kvstore.open(directory, chunk_size=C, remote=url, **kw) as a:
         mc = a.bind(model, path)
@@ -108,10 +114,9 @@ def test_a_children_folder_flooded_with_keys_costs_one_bounded_listing(tmp_path,
     url = s3.url()
     prompt = toks(2 * C + 9, 3)
     store_all(tmp_path / "a", url, model, path, [prompt])
-    with kvstore.open(tmp_path / "probe", chunk_size=C) as probe:
-        ns = probe.bind(model, path).ns
     from remote_fixture import fleet
 
+    ns = namespace(tmp_path, model, path)
     s = fleet().sealer(ns)
     chunks = prompt_records(ns, np.asarray(prompt), C, tail=False)
     folder = children_prefix(s, chunks[-1].hash, prompt[2 * C])  # where the prompt's tail is
@@ -137,8 +142,7 @@ def test_a_key_that_failed_is_asked_for_again_once_its_time_is_up(tmp_path, s3, 
     store_all(tmp_path / "a", url, model, path, [prompt])
     from remote_fixture import fleet
 
-    with kvstore.open(tmp_path / "probe", chunk_size=C) as probe:
-        ns = probe.bind(model, path).ns
+    ns = namespace(tmp_path, model, path)
     second = prompt_records(ns, np.asarray(prompt), C)[1]
     key = key_of(fleet().sealer(ns), second, np.asarray(prompt[C : 2 * C]))
     bucket = Bucket(url)

@@ -61,8 +61,7 @@ class Backing:
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every insert so far is durable (and every download stored locally), within
         the disk budget (and uploaded, with a remote tier: without `timeout`, for at most
-        `remote_flush_timeout`). False if the time
-        ran out first."""
+        `remote_flush_timeout`). False if the time ran out first."""
         end = None if timeout is None else time.monotonic() + timeout
 
         def left() -> float | None:

@@ -266,9 +266,10 @@ def _error(url: str, method: str, key: str, e: BaseException) -> RemoteError:
         bucket = parse_url(url)[0]
         return BucketMissing(f"the remote {url}: the bucket {bucket!r} does not exist ({_endpoint_note(settings)}): "
                              "create it, or fix the bucket's name in the URL")
-    if any(word in str(e) for word in _UNREACHABLE):
+    unreachable = next((w for w in _UNREACHABLE if w in str(e)), None)
+    if unreachable is not None:
         return RemoteUnreachable(f"the remote {url}: cannot reach the object store ({_endpoint_note(settings)}; "
-                                 f"{method} failed: {_UNREACHABLE_WORDS.get(_unreachable(str(e)), 'no answer')}): "
+                                 f"{method} failed: {_UNREACHABLE[unreachable]}): "
                                  "is it running, and is AWS_ENDPOINT_URL (or endpoint_url in the AWS profile) right?")
     if isinstance(e, (PermissionDeniedError, UnauthenticatedError)) or any(
             code in str(e) for code in ("SignatureDoesNotMatch", "InvalidAccessKeyId")):
@@ -280,13 +281,8 @@ def _error(url: str, method: str, key: str, e: BaseException) -> RemoteError:
 
 
 #: What obstore's message says when the endpoint does not answer, and how kvstore says it.
-_UNREACHABLE_WORDS = {"Connection refused": "connection refused", "dns error": "no such host",
-                      "error sending request": "no answer"}
-_UNREACHABLE = tuple(_UNREACHABLE_WORDS)
-
-
-def _unreachable(text: str) -> str:
-    return next((w for w in _UNREACHABLE if w in text), "")
+_UNREACHABLE = {"Connection refused": "connection refused", "dns error": "no such host",
+                "error sending request": "no answer"}
 
 
 def _endpoint_note(settings: dict) -> str:

@@ -280,7 +280,7 @@ class Sealer(Box):
         """A short MAC (4 hex digits) of each prefix of a child of `parent`'s tokens, one per
         length in `lengths` (`layout.mark_lengths`): what a key says of its tokens, so a node
         that knows a prompt tells how far a child shares it without downloading it."""
-        data = parent + np.ascontiguousarray(tokens, dtype="<i4").tobytes()
+        data = memoryview(parent + np.ascontiguousarray(tokens, dtype="<i4").tobytes())
         base = hmac.new(self._mark_key, b"m", hashlib.sha256)
         out = []
         for n in lengths:
