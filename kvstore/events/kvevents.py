@@ -130,34 +130,56 @@ class KVEvents:
                 if not (self._queue or self._todo or self._announcing or self._stop or self._lost
                         or self._polls_asked > self._polls_done):
                     self._cond.wait(wait)
+                stopping = self._stop
+            try:
+                # The deletion log is read before the queue is taken: a commit that replaced a
+                # record (a tail by the chunk that covers it) is then in the queue taken, and
+                # applied before the deletion it logged (its blocks never look removed).
+                deletions = self._poll(final=stopping)
+            except Exception as e:
+                deletions = []
+                self._failed(e)
+            with self._cond:
                 items, self._queue, self._queued = self._queue, deque(), 0
                 lost, self._lost = self._lost, False
+                final = self._stop and not stopping  # stopped meanwhile: the log is read once more
                 stopping = self._stop
                 self._busy = True
             try:
-                self._step(items, lost, final=stopping)
-            except Exception as e:  # never let the publisher die: count, say once, go on
-                self.counts["errors"] += 1
-                if self.counts["errors"] == 1:
-                    log.warning("kvstore: KV events: %s: %s (counted in stats()['events']['errors'])",
-                                type(e).__name__, e)
+                self._step(items, lost, deletions, final=final)
+            except Exception as e:
+                self._failed(e)
             with self._cond:
                 self._busy = False
                 self._cond.notify_all()
                 if stopping and not self._queue:
                     return
 
-    def _step(self, items: Iterable[tuple], lost: bool, final: bool) -> None:
-        self.publisher.serve_replay()
-        events: list[dict] = []
+    def _failed(self, e: Exception) -> None:
+        """Never let the publisher die: count, say once, go on."""
+        self.counts["errors"] += 1
+        if self.counts["errors"] == 1:
+            log.warning("kvstore: KV events: %s: %s (counted in stats()['events']['errors'])", type(e).__name__, e)
+
+    def _poll(self, final: bool) -> list:
+        """The deletion log's new entries, when it is due (every `poll_s`, when `settle` asks, at
+        the end)."""
         now = time.monotonic()
         with self._cond:
             asked = self._polls_asked
-        if self.index is not None and (final or now - self._polled >= self.poll_s or asked > self._polls_done):
-            events += self._deletions()
-            self._polled = now
-            with self._cond:
-                self._polls_done = asked
+        if self.index is None or not (final or now - self._polled >= self.poll_s or asked > self._polls_done):
+            return []
+        events = self._deletions()
+        self._polled = now
+        with self._cond:
+            self._polls_done = asked
+        return events
+
+    def _step(self, items: Iterable[tuple], lost: bool, deletions: list, final: bool) -> None:
+        """Publish what this turn took: the commits and RAM changes queued, then the deletions
+        read before them (and, at the end, once more)."""
+        self.publisher.serve_replay()
+        events: list[dict] = []
         if lost:
             events += self._resync()
         for item in items:
@@ -167,12 +189,13 @@ class KVEvents:
                 for rec in sorted(item[1], key=lambda r: (r.depth or 0, r.kind)):  # parents first
                     events += self.changes.stored(rec, rec.tokens, wire.MEDIUM_RAM)
                 events += self.changes.dropped(item[2], wire.MEDIUM_RAM)
+        events += self.changes.deleted(deletions + (self._poll(final=True) if final else []))
         events += self._announce_step()
         self._publish(events)
 
-    def _deletions(self) -> list[dict]:
-        """What the deletion log holds past what was read (a resync if it forgot some of it)."""
-        events = []
+    def _deletions(self) -> list:
+        """The entries of the deletion log past what was read (a resync if it forgot some of it)."""
+        out: list = []
         while True:
             entries = self.index.deletions_since(self._seen_deletion)
             end = self.index.deletions_end() if not entries else entries[-1][0]
@@ -180,11 +203,11 @@ class KVEvents:
                 self._seen_deletion = end  # forgotten (or a rebuilt index): announce again
                 with self._cond:
                     self._lost = True
-                return events
+                return out
             if not entries:
-                return events
+                return out
             self._seen_deletion = end
-            events += self.changes.deleted(entries)
+            out += entries
 
     def _resync(self) -> list[dict]:
         self.counts["resyncs"] += 1
