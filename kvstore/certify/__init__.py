@@ -13,30 +13,36 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvstore.certify.report import Bounds, PromptCheck, as_dict, table, verdict
+from kvstore.certify.report import Bounds, PromptCheck, as_dict, checked_nothing, table, verdict
 
 
 @dataclass
 class Report:
-    """What `verify_exact` found: `ok` unless some prompt differs from a cold run (a difference
-    that a tie explains is not one)."""
+    """What `verify_exact` found: `ok` when something was checked and every prompt checked is,
+    whole, what a cold run computes (a difference that a tie explains is not one); `checked_nothing`
+    when no prompt was put to the test (none stored, or none restores anything)."""
 
     checks: list[PromptCheck]
     bounds: Bounds
     stored_prompts: int  # leaves of the model's records, of which `checks` are a sample
+    cause: str = ""  # what likely explains a mismatch (the records were computed with another BLAS or mlx)
 
     @property
     def ok(self) -> bool:
-        return all(c.ok for c in self.checks)
+        return bool(self.checks) and all(c.ok for c in self.checks)
+
+    @property
+    def checked_nothing(self) -> bool:
+        return checked_nothing(self.checks)
 
     def table(self) -> str:
         return table(self.checks)
 
     def verdict(self) -> str:
-        return verdict(self.checks, self.bounds, self.stored_prompts)
+        return verdict(self.checks, self.bounds, self.stored_prompts, self.cause)
 
     def as_dict(self) -> dict:
-        return as_dict(self.checks, self.bounds, self.stored_prompts)
+        return as_dict(self.checks, self.bounds, self.stored_prompts, self.cause)
 
 
 def verify_exact(mc, index, blob_root, *, disk_kv_bits: int | None = None, sample: int | None = 8,

@@ -5,7 +5,9 @@ restored where the store's rules allow) and runs what is left as generation does
 (`model.prefill.run`: in the store's steps in exact mode). The cold run processes the same tokens
 from an empty cache, one step per stored record (the steps that stored them: in exact mode the
 full steps and the tail), then the last token alone. Both then decode `GREEDY` tokens greedily.
-Every canary of the prompt's records is replayed: its prefix restored, its token run as one step.
+At the end of every record but the last, the cold run's cache is compared with what the store
+restores there (every restore point a query that branches off the prompt could use: in exact
+mode the multiples of S; a hybrid model's checkpoints). Every canary of the prompt's records is replayed: its prefix restored, its token run as one step.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ def check_prompt(mc, prompt: StoredPrompt, b: Bounds) -> PromptCheck:
     started = time.perf_counter()
     c = PromptCheck(prompt.leaf.hex(), len(prompt.tokens))
     if prompt.damaged:
-        c.notes.append(prompt.damaged)
+        c.partial = prompt.damaged
     if len(prompt.tokens) == 0:
         return judge(c, b)
     n = len(prompt.tokens)
@@ -61,9 +63,10 @@ def check_prompt(mc, prompt: StoredPrompt, b: Bounds) -> PromptCheck:
         c.notes.append("nothing of it restores (a record the restore cannot use): compared cold with cold")
     mine = run(mc.model, restored, rest, step)
     cold = mc.new_cache()
-    process(mc.model, cold, query[:n], prompt.ends)
+    _cold_through_restore_points(c, mc, prompt, cold)
     theirs = last_step(mc.model, cold, int(query[n]))
-    _compare_kv(c, mc, restored, cold, n + 1)
+    _compare_kv(c, mc, restored, cold, n + 1, c.restored, at=c.restored)
+    c.restore_points += c.restored > 0
     a, z = _host(mine), _host(theirs)
     c.logprobs = float(np.max(np.abs(a - z)))
     c.top1 = int(np.argmax(a)) == int(np.argmax(z))
@@ -82,6 +85,26 @@ def check_prompt(mc, prompt: StoredPrompt, b: Bounds) -> PromptCheck:
     return judge(c, b)
 
 
+def _cold_through_restore_points(c: PromptCheck, mc, prompt: StoredPrompt, cold: list) -> None:
+    """Process the prompt cold into `cold`, one step per stored record, and at the end of every
+    record but the last compare the cold cache with what the store restores there: a query that
+    branches off the prompt after that record restores exactly this (a sliding window's K/V
+    before the prompt's last window, a recurrent checkpoint before its end), which the restore
+    of the whole prompt never reads. A record end the store cannot restore at (no checkpoint
+    there) is no restore point; the one it restores at instead is checked at its own end."""
+    pos, n = 0, len(prompt.tokens)
+    for end in prompt.ends:
+        process(mc.model, cold, prompt.tokens[pos:end], [end - pos])
+        pos = end
+        if end >= n:
+            break
+        query = prompt.tokens[: end + 1]  # this prefix and the prompt's next token: restores [0, end)
+        restored, rest = mc.fetch(query)
+        if len(query) - len(rest) == end:
+            _compare_kv(c, mc, restored, cold, end, end, at=end)
+            c.restore_points += 1
+
+
 def _replay(mc, prompt: StoredPrompt, k: canaries.Canary, step: int) -> np.ndarray:
     """The log-probabilities of a canary's step: its prefix restored, then its token."""
     query = np.append(prompt.tokens[: k.at], np.int32(k.token))
@@ -89,26 +112,50 @@ def _replay(mc, prompt: StoredPrompt, k: canaries.Canary, step: int) -> np.ndarr
     return _host(run(mc.model, cache, rest, step))
 
 
-def _compare_kv(c: PromptCheck, mc, restored: list, cold: list, n: int) -> None:
+def _compare_kv(c: PromptCheck, mc, restored: list, cold: list, n: int, until: int, *, at: int) -> None:
     """Max |difference| of every stored tensor of the two caches (`n` tokens each), split at
-    the restore point: what was read from the store, and what was computed after it."""
-    for codec, x, y in zip(mc.codecs, restored, cold):
+    `until`, the restore point: what was read from the store (tokens before it, and a recurrent
+    state when all `n` were restored), and what was computed after it. Each tensor's own figures
+    go to `c.tensors` (named layer.tensor, with `at`, the restore point they were worst at)."""
+    for i, (codec, x, y) in enumerate(zip(mc.codecs, restored, cold)):
         mine, theirs = _tensors(codec, x, n), _tensors(codec, y, n)
         for name, (a, origin) in mine.items():
-            b = theirs.get(name)
-            if b is None or b[0].shape != a.shape:
+            key = f"{i}.{name}"
+            b = _aligned(theirs.get(name), a, origin)
+            if b is None:
                 c.kv_bitwise, c.kv_after, c.kv_after_rel = False, float("inf"), float("inf")
+                c.note_tensor(key, "after", float("inf"), float("inf"), False, at)
                 continue
-            diff = mx.abs(a.astype(mx.float32) - b[0].astype(mx.float32))
-            scale = max(float(mx.abs(b[0].astype(mx.float32)).max()) if b[0].size else 0.0, 1e-30)
-            cut = max(0, min(a.shape[2], c.restored - origin)) if origin is not None else 0
-            if not mx.array_equal(a, b[0]).item():
+            diff = mx.abs(a.astype(mx.float32) - b.astype(mx.float32))
+            scale = max(float(mx.abs(b.astype(mx.float32)).max()) if b.size else 0.0, 1e-30)
+            if origin is None:
+                cut = a.shape[2] if until >= n else 0
+            else:
+                cut = max(0, min(a.shape[2], until - origin))
+            same = bool(mx.array_equal(a, b).item())
+            if not same:
                 c.kv_bitwise = False
             for part, attr in ((diff[:, :, :cut], "kv_restored"), (diff[:, :, cut:], "kv_after")):
                 if part.size:
                     worst = float(part.max())
                     setattr(c, attr, max(getattr(c, attr), worst))
                     setattr(c, attr + "_rel", max(getattr(c, attr + "_rel"), worst / scale))
+                    c.note_tensor(key, attr[3:], worst, worst / scale, same, at)
+
+
+def _aligned(theirs: tuple[mx.array, int | None] | None, a: mx.array, origin: int | None) -> mx.array | None:
+    """The cold run's tensor over the tokens the restored one holds (a cold sliding window may
+    hold more: after a step of many tokens it keeps the window before each of them); None when
+    it does not hold them all."""
+    if theirs is None:
+        return None
+    b, start = theirs
+    if origin is not None and start is not None and b.ndim == a.ndim and b.ndim >= 3:
+        lo = origin - start
+        if lo < 0 or lo + a.shape[2] > b.shape[2]:
+            return None
+        b = b[:, :, lo : lo + a.shape[2]]
+    return b if b.shape == a.shape else None
 
 
 def _tensors(codec, layer, n: int) -> dict[str, tuple[mx.array, int | None]]:

@@ -63,21 +63,47 @@ class PromptCheck:
     seconds: float = 0.0
     problems: list[str] = field(default_factory=list)  # why it is a mismatch (empty: it is not)
     tie: bool = False  # a difference that a tie explains
+    partial: str = ""  # why only a part of the prompt could be checked (a record that does not read)
+    restore_points: int = 0  # positions compared with the cold run: record ends the store restores at
+    # layer.tensor -> its largest |difference| "restored" (read from the store) and "after" (computed
+    # after the restore point), relative ones, whether it was bit for bit, and the restore point it was worst at
+    tensors: dict[str, dict] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
-        return not self.problems
+        """The same as a cold run, and checked whole."""
+        return not self.problems and self.complete
+
+    @property
+    def complete(self) -> bool:
+        """Every token of the prompt was read, and something of it was restored and compared."""
+        return not self.partial and self.restored > 0
+
+    def note_tensor(self, name: str, part: str, worst: float, rel: float, bitwise: bool, at: int) -> None:
+        t = self.tensors.setdefault(name, {"restored": 0.0, "after": 0.0, "relative": 0.0, "bitwise": True,
+                                           "worst_at": None})
+        t["bitwise"] = t["bitwise"] and bitwise
+        t[part] = max(t[part], worst)
+        if rel > t["relative"]:
+            t["relative"], t["worst_at"] = rel, at
+
+    def worst_tensor(self) -> str:
+        """The tensor that differs most (relative to its largest value), with its restore point."""
+        name, t = max(self.tensors.items(), key=lambda kv: (kv[1]["relative"], not kv[1]["bitwise"]),
+                      default=(None, None))
+        if name is None or t["bitwise"]:
+            return ""
+        return f"{name}@{t['worst_at']}" if t["worst_at"] is not None else name
 
 
 def judge(c: PromptCheck, b: Bounds) -> PromptCheck:
     """Fill `problems` and `tie` of a check by the bounds."""
-    if c.notes and c.tokens == 0:
-        c.problems.append(c.notes[0])
+    worst = f" (most in {c.worst_tensor()}: layer.tensor@restore point)" if c.worst_tensor() else ""
     if b.exact and not c.kv_bitwise:
-        c.problems.append(f"K/V differ by up to {max(c.kv_restored, c.kv_after):.3g}, not bit for bit")
+        c.problems.append(f"K/V differ by up to {max(c.kv_restored, c.kv_after):.3g}, not bit for bit{worst}")
     elif not b.exact and max(c.kv_restored_rel, c.kv_after_rel if b.kv_after else 0.0) > b.kv:
         c.problems.append(f"K/V differ by {max(c.kv_restored_rel, c.kv_after_rel if b.kv_after else 0.0):.3g} "
-                          f"of their largest value (bound {b.kv:g})")
+                          f"of their largest value (bound {b.kv:g}){worst}")
     if c.logprobs > b.logprobs:
         c.problems.append(f"next-token log-probabilities differ by up to {c.logprobs:.3g}"
                           + ("" if b.exact else f" (bound {b.logprobs:g})"))
@@ -93,41 +119,77 @@ def judge(c: PromptCheck, b: Bounds) -> PromptCheck:
 
 
 def table(checks: list[PromptCheck]) -> str:
-    """The checks as a fixed-width table."""
-    head = ("prompt", "tokens", "restored", "K/V max |Δ|", "logprob |Δ|", "best", "lead", "greedy", "canaries", "")
+    """The checks as a fixed-width table (`points`: restore points compared; the K/V column names
+    the tensor that differs most, as layer.tensor@restore point)."""
+    head = ("prompt", "tokens", "restored", "points", "K/V max |Δ|", "logprob |Δ|", "best", "lead", "greedy",
+            "canaries", "")
     rows = [head]
     for c in checks:
-        kv = "bit for bit" if c.kv_bitwise else f"{max(c.kv_restored, c.kv_after):.2g}"
-        flag = "ok" if c.ok and not c.tie else "tie" if c.ok else "MISMATCH"
-        rows.append((c.leaf[:12], str(c.tokens), str(c.restored), kv, f"{c.logprobs:.2g}",
+        kv = "bit for bit" if c.kv_bitwise else f"{max(c.kv_restored, c.kv_after):.2g} {c.worst_tensor()}".rstrip()
+        rows.append((c.leaf[:12], str(c.tokens), str(c.restored), str(c.restore_points), kv, f"{c.logprobs:.2g}",
                      "same" if c.top1 else "other", f"{c.margin:.3f}" + ("*" if c.margin < TIE_MARGIN else ""),
-                     f"{c.greedy}/{GREEDY}", f"{c.canaries_ok}/{c.canaries}", flag))
+                     f"{c.greedy}/{GREEDY}", f"{c.canaries_ok}/{c.canaries}", _flag(c)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     return "\n".join("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows)
 
 
-def verdict(checks: list[PromptCheck], b: Bounds, leaves: int) -> str:
-    """One line: what was checked and whether every prompt is what a cold run computes."""
+def _flag(c: PromptCheck) -> str:
+    if c.problems:
+        return "MISMATCH"
+    if c.partial:
+        return "PARTIAL"
+    if not c.restored:
+        return "UNCHECKED"
+    return "tie" if c.tie else "ok"
+
+
+def checked_nothing(checks: list[PromptCheck]) -> bool:
+    """No prompt was put to the test: none sampled, or none restores anything (cold against cold)."""
+    return not any(c.restored for c in checks)
+
+
+def verdict(checks: list[PromptCheck], b: Bounds, leaves: int, cause: str = "") -> str:
+    """One line: what was checked and whether every prompt is what a cold run computes. `cause`:
+    what likely explains a mismatch (another BLAS or mlx than the records were computed with)."""
     n = len(checks)
     if not n:
-        return (f"nothing to check: the store holds no prompt of this model ({b.label}; a tenant's prompts "
+        return (f"NOTHING CHECKED: the store holds no prompt of this model ({b.label}; a tenant's prompts "
                 "are checked when the tenant is given)")
-    bad = [c for c in checks if not c.ok]
+    if checked_nothing(checks):
+        return (f"NOTHING CHECKED: none of the {n} stored prompts sampled (of {leaves}; {b.label}) restores "
+                f"anything from the store, so nothing was compared: {_first_reason(checks)}")
+    bad = [c for c in checks if c.problems]
+    part = [c for c in checks if not c.problems and not c.complete]
     ties = sum(c.tie for c in checks)
-    per = sum(c.seconds for c in checks) / n
-    what = f"{n} of {leaves} stored prompts checked ({b.label}; {per:.2f} s a prompt)"
+    points = sum(c.restore_points for c in checks)
     tied = f"; {ties} tie-sensitive (a lead under {b.tie:g})" if ties else ""
+    incomplete = (f"; {len(part)} of them could not be checked whole ({_first_reason(part)})" if part else "")
     if bad:
-        return (f"MISMATCH: {len(bad)} of the {n} stored prompts checked (of {leaves}; {b.label}) differ "
-                f"from a cold run: {bad[0].problems[0]}{tied}")
+        return (f"MISMATCH: {len(bad)} of the {n} stored prompts checked (of {leaves}; {b.label}; {points} restore "
+                f"points) differ from a cold run: {bad[0].problems[0]}{cause and '; ' + cause}{tied}{incomplete}")
+    if part:
+        return (f"INCOMPLETE: {len(part)} of the {n} stored prompts sampled (of {leaves}; {b.label}) could be "
+                f"checked only in part, or not at all: {_first_reason(part)}; the other {n - len(part)} restore "
+                f"what a cold run computes at {sum(c.restore_points for c in checks if c.complete)} restore points{tied}")
+    per = sum(c.seconds for c in checks) / n
     same = "bit for bit" if b.exact else "within the bounds"
-    cold = sum(c.restored == 0 for c in checks)
-    untested = f"; {cold} restored nothing, so compared nothing" if cold else ""
-    return (f"exact: {what}: each restores {same} what a cold run computes (K/V, next-token logits, "
-            f"{GREEDY} greedy tokens), {sum(c.canaries for c in checks)} canaries reproduced{tied}{untested}")
+    return (f"exact: {n} of {leaves} stored prompts checked ({b.label}; {per:.2f} s a prompt), at {points} "
+            f"restore points ({points / n:.1f} a prompt: every record end the store restores at): each restores "
+            f"{same} what a cold run computes (K/V, next-token logits, {GREEDY} greedy tokens), "
+            f"{sum(c.canaries for c in checks)} canaries reproduced{tied}")
 
 
-def as_dict(checks: list[PromptCheck], b: Bounds, leaves: int) -> dict:
+def _first_reason(checks: list[PromptCheck]) -> str:
+    """Why the first of these prompts was not checked whole."""
+    c = checks[0]
+    if c.partial:
+        return f"{c.leaf[:12]} was read only to token {c.tokens}: {c.partial}"
+    return f"{c.leaf[:12]} restores nothing (a record the restore cannot use)"
+
+
+def as_dict(checks: list[PromptCheck], b: Bounds, leaves: int, cause: str = "") -> dict:
     """The report as JSON-ready data (`verify --exact --json`)."""
-    return {"ok": all(c.ok for c in checks), "bounds": asdict(b), "stored_prompts": leaves,
-            "verdict": verdict(checks, b, leaves), "prompts": [{**asdict(c), "ok": c.ok} for c in checks]}
+    return {"ok": bool(checks) and all(c.ok for c in checks), "checked_nothing": checked_nothing(checks),
+            "bounds": asdict(b), "stored_prompts": leaves, "likely_cause": cause or None,
+            "verdict": verdict(checks, b, leaves, cause),
+            "prompts": [{**asdict(c), "ok": c.ok, "complete": c.complete} for c in checks]}

@@ -14,6 +14,7 @@ from kvstore.sizes import plural, printable  # noqa: F401 -- the commands print 
 PROG = "kvstore"
 EXIT_PROBLEMS = 1
 EXIT_USAGE = 2
+EXIT_NOTHING_CHECKED = 3  # verify --exact: no stored prompt of the model was put to the test
 EXIT_INTERRUPTED = 130
 
 

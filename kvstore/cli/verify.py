@@ -7,7 +7,7 @@ import json
 import shlex
 
 from kvstore.cli.options import model_to_load, open_local, remote_upkeep, remote_url, store_path
-from kvstore.cli.output import EXIT_PROBLEMS, EXIT_USAGE, PROG, CommandError, out, plural, say
+from kvstore.cli.output import EXIT_NOTHING_CHECKED, EXIT_PROBLEMS, EXIT_USAGE, PROG, CommandError, out, plural, say
 from kvstore.errors import CorruptIndexError
 
 EXAMPLES = """examples:
@@ -19,8 +19,10 @@ EXAMPLES = """examples:
   kvstore verify --isolation --model M                     # the same through the library, on this store's keys
 
 Exit code 0 when the store is clean, 1 when problems were found (also when they were repaired).
-With --exact: 0 when every prompt checked restores what a cold run computes, 1 on a mismatch
-that is not tie-sensitive (docs/exact.md).
+With --exact: 0 when every prompt checked restores what a cold run computes, at every restore
+point; 1 on a mismatch that is not tie-sensitive, or when a prompt could be checked only in part
+(a damaged record); 3 when nothing was checked (no stored prompt of --model, or none restores
+anything) (docs/exact.md).
 --isolation checks that a tenant's requests hit its own prompts, that another tenant's miss, that
 the shared prompt hits for both, and that no usage field nor the time to the first token tells
 another tenant's prompt from a new one (two made-up tenants; it prints the figures)."""
@@ -116,9 +118,11 @@ def _verify_exact(args) -> int:
         for line in report.table().splitlines() if report.checks else []:
             out(line)
         for c in report.checks:
-            for why in c.problems + c.notes[:3]:
+            for why in c.problems + ([c.partial] if c.partial else []) + c.notes[:3]:
                 out(f"{c.leaf[:12]}: {why}")
         out(report.verdict())
+    if report.checked_nothing:
+        return EXIT_NOTHING_CHECKED
     return 0 if report.ok else EXIT_PROBLEMS
 
 

@@ -1,0 +1,119 @@
+"""`verify --exact` checks every restore point, names the tensor that differs, and fails when it
+could not check.
+
+- A query that branches off a stored prompt restores the prompt's prefix up to a record's end: a
+  sliding window's K/V before the prompt's last window, a hybrid model's checkpoint before its
+  end. The restore of the whole prompt never reads those; the certificate compares every record
+  end the store restores at with the cold run there, so a record altered together with its
+  checksums is caught there, and the table and `--json` name the tensor (layer.tensor@point).
+- A prompt whose record does not read (a flipped byte) was checked only in part: exit 1, and the
+  verdict says how many and why. A certificate that checked nothing exits 3.
+"""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from kvtest import alter_record, run_cli
+
+import kvstore
+from kvstore.model.prefill import run
+from kvstore.storage import blobtree
+
+C, S = 16, 32
+
+
+def toks(n: int, seed: int) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(1, 250, n)]
+
+
+def stored(path, model, model_dir, prompt, exact) -> list:
+    with kvstore.open(path, chunk_size=C, exact_prefill=exact) as store:
+        store.bind(model, model_dir).prefill(prompt)
+        store.flush()
+        return sorted(store.index.rows(), key=lambda r: (r.depth, r.kind))
+
+
+def certify(path, model, model_dir, exact):
+    with kvstore.open(path, chunk_size=C, exact_prefill=exact, read_only=True, memory_bytes=0) as store:
+        return store.verify_exact(model, model_dir, sample=None)
+
+
+@pytest.mark.parametrize("exact", [S, "off"])
+def test_a_sliding_window_altered_before_the_prompts_last_window_is_caught(tmp_path, demo_model, exact):
+    from mlx_lm import load
+
+    model_dir = str(demo_model("gemma3_text"))  # layer 0 slides over a window of 32 tokens
+    model = load(model_dir)[0]
+    prompt = toks(150, 1)
+    rows = stored(tmp_path / "s", model, model_dir, prompt, exact)
+    healthy = certify(tmp_path / "s", model, model_dir, exact)
+    assert healthy.ok and healthy.checks[0].restore_points >= 4, healthy.table()
+    assert "restore points" in healthy.verdict()
+    record = next(r for r in rows if r.kind == 0 and r.depth == (2 if exact == S else 4))  # ends at token 64
+    alter_record(tmp_path / "s", record.hash, "0.keys", -5.0, strip_tag=True)
+    # What the alteration does: a query branching off the prompt at token 70 restores those keys.
+    with kvstore.open(tmp_path / "s", chunk_size=C, exact_prefill=exact, read_only=True, memory_bytes=0) as store:
+        mc = store.bind(model, model_dir)
+        query = prompt[:70] + [7, 8, 9]
+        cache, rest = mc.fetch(query)
+        assert len(query) - len(rest) >= 64
+        differs = float(mx.abs(run(model, cache, rest, S) - run(model, mc.new_cache(), query, S)).max())
+        assert differs > 1e-3
+    report = certify(tmp_path / "s", model, model_dir, exact)
+    assert not report.ok and report.verdict().startswith("MISMATCH"), report.table()
+    (check,) = report.checks
+    assert check.worst_tensor() == "0.keys@64" and "0.keys@64" in report.table()
+    tensors = report.as_dict()["prompts"][0]["tensors"]
+    assert tensors["0.keys"]["restored"] > 1 and not tensors["0.keys"]["bitwise"]
+    assert tensors["1.keys"]["relative"] < 1e-4 and (tensors["1.keys"]["bitwise"] or exact == "off")
+
+
+def test_a_hybrid_checkpoint_before_the_prompts_end_is_caught(tmp_path, demo_model):
+    from mlx_lm import load
+
+    model_dir = str(demo_model("qwen3_5"))
+    model = load(model_dir)[0]
+    rows = stored(tmp_path / "s", model, model_dir, toks(150, 2), S)
+    checkpoints = [r for r in rows if r.kind == 2]
+    assert len(checkpoints) == 2  # at 128 (the last full step) and at the prompt's end
+    alter_record(tmp_path / "s", checkpoints[0].hash, "0.1", -20.0, strip_tag=True)
+    report = certify(tmp_path / "s", model, model_dir, S)
+    assert not report.ok and "0.state.1@128" in report.table(), report.table()
+
+
+def test_a_record_that_does_not_read_fails_the_certificate(tmp_path, llama):
+    model_dir, model = llama
+    base = toks(260, 3)
+    with kvstore.open(tmp_path / "s", exact_prefill=256) as store:  # the command's chunk size
+        mc = store.bind(model, model_dir)
+        for i in range(3):
+            mc.prefill(base + toks(300 + 10 * i, 4 + i))
+        store.flush()
+        second = [r for r in store.index.rows() if r.kind == 0 and r.depth == 2]
+    path = blobtree.blob_path(tmp_path / "s" / "blobs", second[0].hash)
+    data = bytearray(path.read_bytes())
+    data[-7] ^= 0x40
+    path.write_bytes(bytes(data))
+    result = run_cli("verify", "--store", tmp_path / "s", "--exact", "--sample", "all", "--model", model_dir,
+                     check=False)
+    assert result.returncode == 1, result.stdout + result.stderr
+    last = result.stdout.strip().splitlines()[-1]
+    assert last.startswith("INCOMPLETE: 1 of the 3 stored prompts sampled"), last
+    assert "was read only to token 256" in last and "checksum" in last and "the other 2 restore" in last
+    assert "PARTIAL" in result.stdout
+
+
+def test_a_certificate_that_checked_nothing_exits_3(tmp_path, llama, demo_model):
+    model_dir, model = llama
+    with kvstore.open(tmp_path / "s", exact_prefill=256) as store:
+        store.bind(model, model_dir).prefill(toks(40, 8))
+    other = demo_model("llama", "tiny", "bfloat16")  # another model: none of its prompts is stored
+    result = run_cli("verify", "--store", tmp_path / "s", "--exact", "--model", other, check=False)
+    assert result.returncode == 3 and result.stdout.startswith("NOTHING CHECKED"), result.stdout
+    result = run_cli("verify", "--store", tmp_path / "s", "--exact", "--model", model_dir, "--json")
+    got = json.loads(result.stdout)
+    assert got["ok"] and not got["checked_nothing"] and got["prompts"][0]["restore_points"] == 1
