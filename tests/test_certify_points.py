@@ -117,3 +117,30 @@ def test_a_certificate_that_checked_nothing_exits_3(tmp_path, llama, demo_model)
     result = run_cli("verify", "--store", tmp_path / "s", "--exact", "--model", model_dir, "--json")
     got = json.loads(result.stdout)
     assert got["ok"] and not got["checked_nothing"] and got["prompts"][0]["restore_points"] == 1
+
+
+def test_another_blas_is_named_when_an_exact_store_is_opened_and_when_it_mismatches(tmp_path, llama, caplog):
+    """The store keeps what computed its exact-mode records (mlx, device, BLAS); a process that
+    computes otherwise is told once when it binds, and `verify --exact` names it on a mismatch."""
+    import logging
+
+    from kvstore.model import blas
+
+    model_dir, model = llama
+    prompt = toks(80, 9)
+    with kvstore.open(tmp_path / "s", chunk_size=C, exact_prefill=S) as store:
+        mc = store.bind(model, model_dir)
+        mc.prefill(prompt)
+        store.flush()
+        assert store.index.computed_with(mc.ns) == [blas.compute()]
+        assert blas.compute().startswith("mlx ") and "BLAS" in blas.compute()
+        store.index.add_computed_with(mc.ns, "mlx 0.1.0 on Device(gpu, 0), Accelerate")  # as a Mac would
+        first = next(r for r in store.index.rows() if r.kind == 0)
+    alter_record(tmp_path / "s", first.hash, "1.keys", 1.5, strip_tag=True)
+    with caplog.at_level(logging.WARNING, logger="kvstore"):
+        report = certify(tmp_path / "s", model, model_dir, S)
+        certify(tmp_path / "s", model, model_dir, S)
+    told = [r.getMessage() for r in caplog.records if "were computed with" in r.getMessage()]
+    assert len(told) == 1 and "Accelerate" in told[0] and blas.compute() in told[0]
+    assert not report.ok and "computed with mlx 0.1.0 on Device(gpu, 0), Accelerate" in report.verdict()
+    assert "likely cause" in report.verdict() and report.as_dict()["likely_cause"]

@@ -59,4 +59,9 @@ def verify_exact(mc, index, blob_root, *, disk_kv_bits: int | None = None, sampl
     chosen = prompts.sample(leaves, sample, seed)
     checks = [check_prompt(mc, prompts.read_prompt(index, blob_root, leaf, mc.chunk_size), bounds)
               for leaf in chosen]
-    return Report(checks, bounds, len(leaves))
+    cause = ""
+    if mc.exact and index is not None and any(c.problems for c in checks):
+        from kvstore.model.blas import mismatch_cause
+
+        cause = mismatch_cause(index, mc.ns)
+    return Report(checks, bounds, len(leaves), cause)

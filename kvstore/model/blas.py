@@ -1,14 +1,19 @@
-"""Which BLAS mlx computes with on Linux, and the note that says how to get a faster one.
+"""Which BLAS mlx computes with on Linux, the note that says how to get a faster one, and what
+computed an exact-mode store's records.
 
 On Linux, `mlx[cpu]` multiplies matrices with the reference BLAS bundled in its wheel, which
 makes prefill several times slower than OpenBLAS; the time-to-first-token numbers in
-bench/README.md were measured with Debian's OpenBLAS preloaded. Nothing else changes: the same
-tokens come out either way.
+bench/README.md were measured with Debian's OpenBLAS preloaded. The two BLAS sum in other orders:
+their logits differ in the last bits (about 1e-6 in float32), which can flip a near-tied token.
+So an exact-mode store (docs/exact.md) is exact only under the BLAS and mlx that computed its
+records: the store keeps which (`computed_with`), and a process that computes otherwise is told
+once, and `verify --exact` names it as the likely cause of a mismatch.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import sys
 from pathlib import Path
 from typing import Callable
@@ -21,6 +26,8 @@ FIX = ("sudo apt-get install libopenblas0-pthread; "
        "export LD_PRELOAD=/usr/lib/$(uname -m)-linux-gnu/openblas-pthread/libblas.so.3")
 
 _said = False
+_told: set[bytes] = set()  # namespaces whose other BLAS this process was told of
+log = logging.getLogger("kvstore")
 
 
 @functools.cache
@@ -34,6 +41,65 @@ def bundled_blas(maps: str = "/proc/self/maps") -> bool:
     except OSError:
         return False  # cannot tell: say nothing
     return not any("openblas" in line.lower() and "scipy" not in line.lower() for line in lines)
+
+
+@functools.cache
+def blas_name(maps: str = "/proc/self/maps") -> str:
+    """The BLAS mlx multiplies with here, in a few words (the OpenBLAS library's file name)."""
+    if sys.platform == "darwin":
+        return "Accelerate"
+    if not sys.platform.startswith("linux"):
+        return "unknown BLAS"
+    if bundled_blas(maps):
+        return "the mlx-cpu wheel's bundled BLAS"
+    try:
+        paths = [line.split()[-1] for line in Path(maps).read_text().splitlines() if len(line.split()) >= 6]
+    except OSError:
+        return "unknown BLAS"
+    names = [Path(p).name for p in paths if "openblas" in p.lower() and "scipy" not in p.lower()]
+    best = next((n for n in names if "openblas" in n.lower()), names[0] if names else "")
+    return f"OpenBLAS ({best})" if best else "OpenBLAS"
+
+
+def compute() -> str:
+    """What this process computes with: mlx's version, its default device and the BLAS."""
+    import mlx.core as mx
+
+    return f"mlx {mx.__version__} on {mx.default_device()}, {blas_name()}"
+
+
+def check_exact_store(index, ns: bytes, *, record: bool) -> str | None:
+    """An exact-mode namespace is bound: keep what this process computes with among those that
+    computed its records (`record`: the store is written), and warn once per namespace when its
+    records were computed otherwise. Returns that warning, or None."""
+    mine = compute()
+    try:
+        known = index.computed_with(ns)
+        if record and mine not in known:
+            index.add_computed_with(ns, mine)
+    except Exception as e:  # only a note: a busy or read-only index does not stop a bind
+        log.debug("kvstore: cannot read or keep what computed the records (%s)", e)
+        return None
+    others = [k for k in known if k != mine]
+    if not others or ns in _told:
+        return None
+    _told.add(ns)
+    text = (f"kvstore: this exact-mode store's records were computed with {'; '.join(others)}, and this process "
+            f"computes with {mine}: restored runs may differ from cold ones in their last bits (kvstore verify "
+            "--exact says); compute with the same BLAS and mlx, or warm the store again")
+    log.warning(text)
+    return text
+
+
+def mismatch_cause(index, ns: bytes) -> str:
+    """What likely explains a mismatch found by `verify --exact`: the records were computed with
+    another BLAS or mlx than this process computes with ("" when not, or not known)."""
+    try:
+        others = [k for k in index.computed_with(ns) if k != compute()]
+    except Exception:
+        return ""
+    return (f"the store's records were computed with {'; '.join(others)}, this process computes with "
+            f"{compute()}: that is the likely cause") if others else ""
 
 
 def note() -> str:

@@ -26,6 +26,7 @@ from mlx_lm.models.cache import QuantizedKVCache
 from kvstore import keys
 from kvstore.canary import Canary
 from kvstore.errors import BlobError, InvalidInputError
+from kvstore.model import blas
 from kvstore.model import fingerprint as fingerprints
 from kvstore.model.backing import Backing
 from kvstore.model.explicit import CHECKPOINT_EVERY, PIN_ATTEMPTS, ExplicitWrites, _role
@@ -104,6 +105,8 @@ class ModelCache(ExplicitWrites):
         b = self.backing
         if b.index is None:
             return True
+        if self.exact:  # exact only under what computed the records: keep it, say when it differs
+            blas.check_exact_store(b.index, self.ns, record=not b.read_only)
         if b.read_only:
             return False
         return fingerprints.register(b.index, self.ns, self.fingerprint, self.model_id, self.layout,

@@ -1,6 +1,6 @@
 """The SQL of what the store writes: the hourly write log the write budget and `stats` read, the
-seen marks of `admit="reused"`, the store's own settings, and the deletion log (what the index
-stopped serving, which servers that publish KV events read).
+seen marks of `admit="reused"`, the store's own settings, what computed its exact-mode records,
+and the deletion log (what the index stopped serving, which servers that publish KV events read).
 
 Mixed into `Index` (which gives it `conn` and `transaction`), as `evictsql` is. A store opened
 read-only whose index predates these tables reads them as empty.
@@ -16,6 +16,7 @@ default, or no automatic writes for `max_write_rate`), with one warning. `verify
 from __future__ import annotations
 
 import contextlib
+import json
 import sqlite3
 import time
 from typing import Iterable, Sequence
@@ -42,6 +43,8 @@ def hour_of(t: float) -> int:
 LOG_COLUMNS = ("bytes", "records", "downloaded", "not_admitted", "not_admitted_bytes", "over_budget",
                "over_budget_bytes", "explicit")
 _SETTING = "setting."
+_COMPUTED = "computed_with."  # + a namespace's hex: a JSON list of what computed its exact-mode records
+_MAX_COMPUTED = 4
 #: The columns of `seen_prefixes` as a reader may trust them.
 _SEEN_OK = ("typeof(hash) = 'blob' AND length(hash) = 16 AND typeof(seen) IN ('integer', 'real') "
             "AND typeof(reused) = 'integer' AND reused IN (0, 1)")
@@ -270,6 +273,30 @@ class WriteLogSQL:
             else:
                 conn.execute("INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT (key) DO UPDATE "
                              "SET value = excluded.value", (_SETTING + name, value))
+
+    # -- what computed a model's exact-mode records (`kvstore.model.blas`) ------------------
+
+    def computed_with(self, ns: bytes) -> list[str]:
+        """What computed the exact-mode records of namespace `ns` (mlx, device, BLAS), first first."""
+        row = self.conn.execute("SELECT value FROM meta WHERE key = ?", (_COMPUTED + ns.hex(),)).fetchone()
+        try:
+            got = json.loads(row[0]) if row else []
+        except (TypeError, ValueError):
+            return []
+        return [str(k) for k in got if isinstance(k, str)][:_MAX_COMPUTED] if isinstance(got, list) else []
+
+    def add_computed_with(self, ns: bytes, what: str) -> None:
+        """Add `what` to `computed_with(ns)` (at most a few are kept: the first ones)."""
+        with self.transaction() as conn:
+            row = conn.execute("SELECT value FROM meta WHERE key = ?", (_COMPUTED + ns.hex(),)).fetchone()
+            try:
+                known = json.loads(row[0]) if row else []
+            except (TypeError, ValueError):
+                known = []
+            known = [k for k in known if isinstance(k, str)] if isinstance(known, list) else []
+            if what not in known and len(known) < _MAX_COMPUTED:
+                conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)",
+                             (_COMPUTED + ns.hex(), json.dumps(known + [what])))
 
 
 def _add(conn: sqlite3.Connection, hour: int, deltas: dict[str, int]) -> None:
