@@ -12,6 +12,7 @@ mode the multiples of S; a hybrid model's checkpoints). Every canary of the prom
 
 from __future__ import annotations
 
+import re
 import time
 
 import mlx.core as mx
@@ -27,14 +28,14 @@ DEFAULT_STEP = 2048  # mlx-lm's prefill_step_size, for what a token-exact store 
 # |value| (one quantization step of the widest group, with the scales' and biases' own rounding:
 # up to 0.027 measured at 8 bits on the demo models, 0.14 at 4), and next-token logits within
 # twice what the demo models showed (0.125 at 8 bits, 0.75 at 4).
-_KV8 = {8: (1 / 16, 0.25), 4: (1 / 3, 1.5)}
+KV_BITS_BOUNDS = {8: (1 / 16, 0.25), 4: (1 / 3, 1.5)}
 
 
 def bounds_for(mc, disk_kv_bits: int | None) -> Bounds:
     """What counts as the same for the prompts of model cache `mc` (see `report`)."""
-    lossy = disk_kv_bits if any("disk_bits" in str(layer) for layer in mc.layout.get("layers", [])) else None
+    lossy = disk_kv_bits if disk_bits(mc) else None
     if lossy:
-        kv, logits = _KV8[lossy]
+        kv, logits = KV_BITS_BOUNDS[lossy]
         return Bounds(f"{lossy}-bit K/V on disk, judged against its bounds", exact=False, kv=kv, logprobs=logits,
                       canary=logits, greedy=False, tie=logits, kv_after=False)
     if mc.exact:
@@ -43,6 +44,15 @@ def bounds_for(mc, disk_kv_bits: int | None) -> Bounds:
     low = "bfloat16" in dtype or "float16" in dtype
     return Bounds("token-exact reuse: exact mode off", exact=False, kv=2.0 ** -6 if low else 1e-4,
                   logprobs=0.1 if low else 1e-3)
+
+
+def disk_bits(mc) -> int | None:
+    """The bits K/V of model cache `mc` are quantized to on disk (`disk_kv_bits`), or None."""
+    for layer in mc.layout.get("layers", []):  # a layer's own, or a CacheList's part's
+        found = re.search(r"'disk_bits': (\d+)", str(layer))
+        if found and int(found[1]) in KV_BITS_BOUNDS:
+            return int(found[1])
+    return None
 
 
 def check_prompt(mc, prompt: StoredPrompt, b: Bounds) -> PromptCheck:

@@ -62,6 +62,7 @@ def _generate_one(args, store, loaded, mc, tokens, sampler) -> bool:
     """Generate for one prompt, print the text and a report line; False if it was not stored."""
     from mlx_lm import stream_generate
 
+    from kvstore.certify.firststep import check_first_step
     from kvstore.model.blas import long_prefill_note
     from kvstore.model.prefill import canary_of, insert_generated, prompt_cache
 
@@ -73,12 +74,13 @@ def _generate_one(args, store, loaded, mc, tokens, sampler) -> bool:
     slow = long_prefill_note(lambda: len(rest))
     if slow:
         say(slow)
-    ttft, generated, finish, canary = None, [], None, None
+    ttft, generated, finish, canary, moved = None, [], None, None, None
     for response in stream_generate(loaded.model, loaded.tokenizer, rest, max_tokens=args.max_tokens,
                                     prompt_cache=cache, sampler=sampler):
         if ttft is None:
             ttft = time.perf_counter() - t0
             canary = canary_of(len(tokens) - 1, int(tokens[-1]), response.logprobs)
+            moved = check_first_step(mc, tokens, response.logprobs)  # the stored prompt again: its canary's step
             if start.hold is not None:  # exact mode: the prompt's end, stored with its canary
                 start.hold.submit(canary)
         print(response.text, end="", flush=True)
@@ -87,13 +89,17 @@ def _generate_one(args, store, loaded, mc, tokens, sampler) -> bool:
     print(flush=True)
     if start.hold is not None:
         start.hold.submit()  # no step ran: stored without a canary (a second submit does nothing)
-    stored = insert_generated(mc, tokens, generated, cache, canary)
+    wrong = moved is not None and not moved.ok  # the restored K/V are not what was stored: keep none of it
+    stored = insert_generated(mc, tokens, generated, cache, canary) if not wrong else 0
     if mc.exact:  # what exact mode stores: the prompt but its last token, as it was prefilled
         stored = len(mc.stored_part(np.asarray(tokens)))
         generated_stored = []
     else:
         generated_stored = generated
-        if not stored:
+        if wrong:
+            say(f"{PROG} generate: not stored: the restored prompt did not give its canary ({moved.reason}); "
+                "its record is quarantined, the next run computes it")
+        elif not stored:
             say(f"{PROG} generate: not stored: the cache does not say which of the "
                 f"{len(tokens) + len(generated)} tokens it holds")
     store.writer.flush()  # to know what reached the disk, not only what was queued

@@ -29,13 +29,16 @@ class Counters:
     reused_tokens: int = 0
     skipped_inserts: int = 0  # inserts dropped: the index could not take them
     fetch_errors: int = 0  # fetches served as a miss because the disk or index failed
+    canary_mismatches: int = 0  # first steps after a restore that did not give the record's canary
 
     def as_dict(self) -> dict[str, int]:
-        """As `Store.stats()` shows them (`fetch_errors` only once there is one)."""
+        """As `Store.stats()` shows them (`fetch_errors` and `canary_mismatches` only once there is one)."""
         out = {"skipped_inserts": self.skipped_inserts, "fetches": self.fetches,
                "reused_tokens": self.reused_tokens}
         if self.fetch_errors:
             out["fetch_errors"] = self.fetch_errors
+        if self.canary_mismatches:
+            out["canary_mismatches"] = self.canary_mismatches
         return out
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import threading
 
 import mlx.core as mx
 import numpy as np
@@ -31,7 +32,7 @@ from kvstore.model import fingerprint as fingerprints
 from kvstore.model.backing import Backing
 from kvstore.model.explicit import CHECKPOINT_EVERY, PIN_ATTEMPTS, ExplicitWrites, _role
 from kvstore.model.layout import make_template
-from kvstore.model.lookup import Opening, match
+from kvstore.model.lookup import Opening, kept_canary, match
 from kvstore.model.shapes import RecordCheck
 from kvstore.model.tokens import Tokens, as_tokens
 from kvstore.records import CHECKPOINT, RecordId, Span, checkpoint_of, prompt_records
@@ -74,6 +75,7 @@ class ModelCache(ExplicitWrites):
         self.check = RecordCheck(model, codecs, self.new_cache, model_id)
         self.registered = True  # False while the index could not record this model (Store.bind)
         self.tenant: Tenant | None = None
+        self._last = threading.local()  # this thread's last restore: (tokens asked, p, last record, its canary)
 
     def with_tenant(self, tenant: Tenant | None) -> "ModelCache":
         """This model version as `tenant` sees it (None: the shared namespace), sharing this
@@ -112,6 +114,21 @@ class ModelCache(ExplicitWrites):
         return fingerprints.register(b.index, self.ns, self.fingerprint, self.model_id, self.layout,
                                      self.chunk_size, stamps)
 
+    def restored_canary(self, tokens: Tokens) -> tuple[bytes, Canary] | None:
+        """When this thread's last fetch was of `tokens` and restored all but the last: the record
+        it ended with and the canary that record keeps (if any), else None (`certify.firststep`)."""
+        last = getattr(self._last, "restore", None)
+        if last is None or last[1] != len(tokens) - 1 or last[3] is None:
+            return None
+        return (last[2], last[3]) if np.array_equal(last[0], np.asarray(tokens, dtype=np.int32)) else None
+
+    def quarantine(self, h: bytes, why: str) -> None:
+        """Serve record `h` no more from this machine (what it restores is wrong): a miss from it
+        on, counted as a damaged record is."""
+        for tier in self.backing.tiers:
+            if not getattr(tier, "shared", False):
+                tier.damaged(h, BlobError(why), None)
+
     def new_cache(self) -> list:
         """Fresh, empty caches for this model (quantized when bound with `kv_bits`)."""
         return make_template(self.model, self.kv_bits, self.kv_group_size)
@@ -129,6 +146,7 @@ class ModelCache(ExplicitWrites):
         b = self.backing
         b.check_open()
         b.counters.fetches += 1
+        self._last.restore = None
         if len(toks) < 2:
             return self.new_cache(), toks.tolist()
         reached: list[bytes] = []
@@ -199,6 +217,7 @@ class ModelCache(ExplicitWrites):
                 return None
             cache = build(pl, self.codecs, finals, ckpt)
             reached.extend([q.hash for q in pl.parts] + ([pl.checkpoint] if pl.checkpoint else []))
+            self._last.restore = (toks, pl.p, pl.parts[-1].hash, kept_canary(sources[-1])) if pl.parts else None
             self._keep_in_memory(pl, finals, sources, where)
             self.backing.tiers.touch([q.hash for q in pl.parts] + ([pl.checkpoint] if pl.checkpoint else []))
             return cache, pl.p

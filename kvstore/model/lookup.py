@@ -15,10 +15,11 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from kvstore import keys
+from kvstore import canary, keys
 from kvstore.errors import BlobError
 from kvstore.records import RecordId, Span, prompt_records
 from kvstore.restore.plan import Part
+from kvstore.storage import blobformat
 from kvstore.tenants import Tenant
 from kvstore.tiers.base import Lookup, Source, Tier, Where
 
@@ -173,6 +174,20 @@ class Opening:
         if found is not None:
             self.where[h] = found
         return found
+
+
+def kept_canary(source: Source) -> canary.Canary | None:
+    """The canary an opened record keeps in its header (a blob's, or a RAM record's fields for
+    its blob); None when it keeps none or it does not read."""
+    blob = getattr(source, "blob", None)
+    if blob is not None:
+        text = blob.metadata.get(blobformat.EXTENSION_PREFIX + "canary")
+    else:
+        text = (getattr(getattr(source, "record", None), "extensions", None) or {}).get("canary")
+    try:
+        return canary.parse(text) if isinstance(text, str) else None
+    except ValueError:  # a header field that does not read failed the record's open already
+        return None
 
 
 class _Named:

@@ -10,6 +10,10 @@ first step). No step is added: the logits are the ones the server computed for i
 - otherwise the insert of the request's cache after generation, whose record holding the
   prompt's last token keeps the canary (`canary_for`).
 
+A request that restored a stored prompt whole (but its last token) ran its canary's step: the
+step is compared with the canary (`certify.firststep`); when it does not reproduce, the record is
+quarantined there, and the request's cache, which holds its K/V, is not stored (`wrong`).
+
 Prompts are known by a hash of their token ids. What waits is bounded: past `limit`, the oldest
 exact-mode insert is queued without a canary, and the oldest canary is forgotten.
 """
@@ -25,6 +29,7 @@ import numpy as np
 import xxhash
 
 from kvstore.canary import Canary
+from kvstore.certify.firststep import check_first_step
 from kvstore.model.prefill import canary_of
 
 log = logging.getLogger("kvstore")
@@ -44,11 +49,13 @@ class FirstSteps:
         self._holds: OrderedDict[bytes, tuple[int, object]] = OrderedDict()  # prompt -> (length, Pending)
         self._canaries: OrderedDict[bytes, tuple[int, Canary]] = OrderedDict()
         self.canaries = 0  # first steps seen (each one a canary)
-        self._fetched = threading.local()  # the prompt this thread fetched last
+        self._fetched = threading.local()  # the prompt this thread fetched last, and its model cache
+        self._wrong: OrderedDict[bytes, int] = OrderedDict()  # prompts whose restore missed their canary
 
-    def fetched(self, prompt: list[int]) -> None:
-        """This thread looked `prompt` up: a first step that only says its rest is of it."""
-        self._fetched.tokens = prompt
+    def fetched(self, prompt: list[int], mc=None) -> None:
+        """This thread looked `prompt` up (in model cache `mc`): a first step that only says its
+        rest is of it, and whose restore it compares with the canary."""
+        self._fetched.tokens, self._fetched.mc = prompt, mc
 
     def expect(self, prompt: Sequence[int], hold) -> None:
         """Exact mode: `hold` (a `Pending` insert) stores `prompt`'s end once its first step ran."""
@@ -83,6 +90,14 @@ class FirstSteps:
             return
         canary = canary_of(len(prompt) - 1, int(prompt[-1]), logprobs)
         key = _key(prompt)
+        mc = getattr(self._fetched, "mc", None)
+        moved = check_first_step(mc, prompt, logprobs) if mc is not None else None
+        if moved is not None and not moved.ok:
+            with self._lock:
+                self._wrong[key] = len(prompt)
+                while len(self._wrong) > self.limit:
+                    self._wrong.popitem(last=False)
+            return
         with self._lock:
             self.canaries += 1
             held = self._holds.pop(key, None)
@@ -101,6 +116,16 @@ class FirstSteps:
                     del self._canaries[key]
                     return canary
         return None
+
+    def wrong(self, tokens: Sequence[int]) -> bool:
+        """Whether the request whose cache holds `tokens` restored a prompt that missed its canary
+        (then none of the cache is stored); asked once."""
+        with self._lock:
+            for key, n in list(self._wrong.items()):
+                if n <= len(tokens) and _key(tokens[:n]) == key:
+                    del self._wrong[key]
+                    return True
+        return False
 
     def settle(self, tokens: Sequence[int]) -> None:
         """The request whose cache holds `tokens` is over: the insert of its prompt's end, if its

@@ -147,7 +147,7 @@ class PersistentPromptCache:
                 mc = binding.choose(toks, self._tenant(tenant_id))
                 self._settle()  # records RAM let go while the writer held them are gone from it now
                 in_ram = mc.ram_length(toks)
-                self.first_steps.fetched(tokens)
+                self.first_steps.fetched(tokens, mc)
                 if not mc.exact:
                     return self._fetched_from(mc, toks, in_ram, lambda: (*mc.fetch(toks), 0))
             except Exception as e:  # never into the generation loop
@@ -318,6 +318,8 @@ class PersistentPromptCache:
         if cache_type not in CACHE_TYPES:
             cache_type = "assistant"
         mc = binding.for_cache(prompt_cache, tenant)
+        if self.first_steps.wrong(held):  # its restore missed its canary: its K/V are not stored again
+            return
         if mc.exact:  # stored as it was prefilled: what generation computed is not a cold prefill's
             self.first_steps.settle(held)
             return

@@ -1,0 +1,63 @@
+"""A restored run's first step against the canary its record keeps: a check at no extra cost.
+
+When a stored prompt is asked for again, the restore gives all of it but its last token, and the
+first generation step runs that token from there: exactly the step whose logits the prompt's
+canary keeps (`kvstore.canary`: the same position, the same token, the same stored K/V). So the
+step that runs anyway can be compared with the canary. A canary that does not reproduce means
+the restored K/V are not what was stored (damage no checksum saw: a record rewritten with its
+checksums, a bad disk or RAM): the record is quarantined as a damaged one is (the next request
+computes it again), counted (`stats()["canary_mismatches"]`) and named once in a warning.
+K/V quantized on disk (`disk_kv_bits`) are judged within `verify --exact`'s bounds for them, and
+only reported: such a store never restores exactly what was computed.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from kvstore import canary as canaries
+from kvstore.certify.compare import KV_BITS_BOUNDS, disk_bits
+
+log = logging.getLogger("kvstore")
+_warned: set[bytes] = set()  # records this process warned of
+
+
+def check_first_step(mc, tokens: Sequence[int], logprobs: mx.array) -> canaries.Check | None:
+    """The first generation step after this thread's fetch of `tokens` gave `logprobs`: compare
+    them with the canary of the record the restore ended with, when that step is the canary's.
+    None when it is not (or no canary is kept); else the check. Never raises."""
+    try:
+        return _check(mc, tokens, logprobs)
+    except Exception as e:
+        log.warning("kvstore: a first step was not compared with its canary (%s: %s)", type(e).__name__, e)
+        return None
+
+
+def _check(mc, tokens: Sequence[int], logprobs: mx.array) -> canaries.Check | None:
+    found = mc.restored_canary(tokens)
+    if found is None:
+        return None
+    record, kept = found
+    if kept.at != len(tokens) - 1 or kept.token != int(tokens[-1]):
+        return None
+    lossy = disk_bits(mc)
+    tolerance = KV_BITS_BOUNDS[lossy][1] if lossy else canaries.TOLERANCE
+    got = canaries.check(kept, np.asarray(logprobs.astype(mx.float32)), tolerance)
+    if got.ok:
+        return got
+    mc.backing.counters.canary_mismatches += 1
+    what = (f"kvstore: the first step after restoring record {record.hex()} ({len(tokens) - 1} tokens) does not "
+            f"give the canary it keeps: {got.reason}")
+    if lossy:
+        what += f" (K/V stored in {lossy} bits: reported, the record is kept)"
+    else:
+        mc.quarantine(record, f"record {record.hex()}: its canary does not reproduce ({got.reason})")
+        what += "; the record is quarantined, the next request computes it again"
+    if record not in _warned:
+        _warned.add(record)
+        log.warning(what)
+    return got

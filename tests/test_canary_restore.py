@@ -1,0 +1,136 @@
+"""A restored run's first step is compared with the canary its record keeps, at no extra step.
+
+The stored prompt asked for again restores all but its last token, and the first generation step
+runs that token from there: the canary's own step. A record whose K/V were altered together with
+their checksums (no checksum sees it) then gives another answer: the run warns once, naming the
+record, counts it (`stats()["canary_mismatches"]`) and quarantines the record, so the next run
+computes the prompt again and answers as a cold run does. A store with 8-bit K/V on disk is
+judged within its bounds and only reported.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from kvtest import alter_record, run_cli
+
+import kvstore
+from kvstore import canary as canaries
+from kvstore.certify.firststep import check_first_step
+from kvstore.model.prefill import canary_of, insert_generated, prompt_cache, run
+from kvstore.storage import blobformat
+
+C = 16
+
+
+def toks(n: int, seed: int) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(1, 250, n)]
+
+
+def canary_record(store) -> bytes:
+    """The record that keeps the stored prompt's canary."""
+    for path in sorted((store / "blobs").rglob("*.safetensors")):
+        if isinstance(blobformat.read_record(path.read_bytes(), path).extensions.get("canary"), canaries.Canary):
+            return bytes.fromhex(path.stem)
+    raise AssertionError("no record keeps a canary")
+
+
+def generate(mc, prompt: list[int]):
+    """The first step of a generation as `kvstore generate` runs it, checked against the canary;
+    the prompt stored as it stores it. Returns (check, first step's log-probabilities, reused)."""
+    start = prompt_cache(mc, prompt)
+    logprobs = run(mc.model, start.cache, start.rest)
+    canary = canary_of(len(prompt) - 1, prompt[-1], logprobs)
+    if start.hold is not None:
+        start.hold.submit(canary)
+    moved = check_first_step(mc, prompt, logprobs)
+    logprobs = np.asarray(logprobs.astype(mx.float32))
+    if moved is None or moved.ok:
+        insert_generated(mc, prompt, [int(np.argmax(logprobs))], start.cache, canary)
+    return moved, logprobs, start.reused
+
+
+@pytest.mark.parametrize("exact", [32, "off"])
+def test_an_altered_record_is_caught_by_its_canary_on_a_repeat(tmp_path, llama, caplog, exact):
+    path, model = llama
+    prompt = toks(60, 1)
+    with kvstore.open(tmp_path / "s", chunk_size=C, exact_prefill=exact) as store:
+        mc = store.bind(model, path)
+        first, cold, _ = generate(mc, prompt)
+        assert first is None  # nothing was restored: no canary to compare
+        again, _, reused = generate(mc, prompt)
+        assert reused == len(prompt) - 1 and again is not None and again.ok  # the canary's step, reproduced
+        store.flush()
+    alter_record(tmp_path / "s", canary_record(tmp_path / "s"), "1.keys", 1.5, strip_tag=True)
+    with caplog.at_level(logging.WARNING, logger="kvstore"), \
+            kvstore.open(tmp_path / "s", chunk_size=C, exact_prefill=exact, memory_bytes=0) as store:
+        mc = store.bind(model, path)
+        moved, _, reused = generate(mc, prompt)
+        assert reused == len(prompt) - 1 and moved is not None and not moved.ok
+        assert store.stats()["canary_mismatches"] == 1
+        said = [r.getMessage() for r in caplog.records if "does not give the canary" in r.getMessage()]
+        assert len(said) == 1 and "quarantined" in said[0]
+        _, after, reused = generate(mc, prompt)  # the record is quarantined: computed again
+        assert reused < len(prompt) - 1
+        # What the first, cold run gave: bit for bit in exact mode, within kernel noise off it.
+        assert np.array_equal(after, cold) if exact != "off" else np.allclose(after, cold, atol=1e-4)
+
+
+def test_generate_warns_and_the_next_run_answers_as_a_cold_one(tmp_path, demo_model_path):
+    store = tmp_path / "s"
+    text = "the quick brown fox " * 16
+    common = ("--store", store, "--model", demo_model_path, "--prompt", text, "--max-tokens", "8")
+    cold = run_cli("generate", *common)
+    alter_record(store, canary_record(store), "1.keys", 1.5, strip_tag=True)
+    hit = run_cli("generate", *common)
+    assert "does not give the canary it keeps" in hit.stderr and "not stored: the restored prompt" in hit.stderr
+    again = run_cli("generate", *common)
+    assert "canary" not in again.stderr
+    assert again.stdout == cold.stdout
+
+
+def test_an_8bit_store_is_judged_within_its_bounds_and_only_reported(tmp_path, demo_model):
+    from mlx_lm import load
+
+    model_dir = str(demo_model("llama", "small", "bfloat16"))
+    model = load(model_dir)[0]
+    prompt = toks(60, 2)
+    with kvstore.open(tmp_path / "s", chunk_size=C, disk_kv_bits=8) as store:
+        mc = store.bind(model, model_dir)
+        generate(mc, prompt)
+        moved, _, reused = generate(mc, prompt)
+        assert reused == len(prompt) - 1 and moved is not None and moved.ok, moved  # within 8-bit K/V's bound
+
+
+def test_the_server_adapter_checks_the_first_step_and_stores_none_of_a_wrong_restore(tmp_path, llama, caplog):
+    """`PersistentPromptCache` (an own server's calls, as mlx_lm.server makes them): the first
+    step of a request that restored the stored prompt is compared with its canary; on a miss the
+    record is quarantined and the request's cache is not stored again."""
+    from kvstore.serve.promptcache import PersistentPromptCache
+
+    path, model = llama
+    prompt = toks(60, 3)
+
+    def request(store) -> int:
+        pc = PersistentPromptCache(store)
+        pc.register("m", store.bind(model, path))
+        cache, rest = pc.fetch_nearest_cache("m", prompt)
+        cache = cache if cache is not None else store.bind(model, path).new_cache()
+        logprobs = run(model, cache, rest)
+        pc.first_steps.seen(logprobs, rest=rest)
+        pc.insert_cache("m", prompt + [int(np.argmax(np.asarray(logprobs)))], cache)
+        store.flush()
+        return len(prompt) - len(rest)
+
+    with kvstore.open(tmp_path / "s", chunk_size=C) as store:
+        assert request(store) == 0
+    alter_record(tmp_path / "s", canary_record(tmp_path / "s"), "1.keys", 1.5, strip_tag=True)
+    with caplog.at_level(logging.WARNING, logger="kvstore"), \
+            kvstore.open(tmp_path / "s", chunk_size=C, memory_bytes=0) as store:
+        assert request(store) == len(prompt) - 1
+        assert store.stats()["canary_mismatches"] == 1
+        assert request(store) == len(prompt) - len(prompt) % C  # the tail is gone, and was not stored again
+    assert any("does not give the canary" in r.getMessage() for r in caplog.records)
