@@ -22,6 +22,7 @@ from kvstore import canary as canaries
 from kvstore.certify.prompts import StoredPrompt
 from kvstore.certify.report import GREEDY, Bounds, PromptCheck, judge
 from kvstore.model.prefill import last_step, process, run
+from kvstore.restore.codecs import RotatingCodec
 
 DEFAULT_STEP = 2048  # mlx-lm's prefill_step_size, for what a token-exact store leaves to compute
 # K/V quantized on disk (docs/kv8.md): the restored K/V within this share of each tensor's largest
@@ -101,13 +102,14 @@ def _cold_through_restore_points(c: PromptCheck, mc, prompt: StoredPrompt, cold:
     branches off the prompt after that record restores exactly this (a sliding window's K/V
     before the prompt's last window, a recurrent checkpoint before its end), which the restore
     of the whole prompt never reads. A record end the store cannot restore at (no checkpoint
-    there) is no restore point; the one it restores at instead is checked at its own end."""
-    pos, n = 0, len(prompt.tokens)
+    there) is no restore point; the one it restores at instead is checked at its own end. Models
+    with full attention only skip this: the whole prompt's restore compares the same bytes."""
+    pos, n, own = 0, len(prompt.tokens), _branches_read_more(mc)
     for end in prompt.ends:
         process(mc.model, cold, prompt.tokens[pos:end], [end - pos])
         pos = end
-        if end >= n:
-            break
+        if end >= n or not own:
+            continue
         query = prompt.tokens[: end + 1]  # this prefix and the prompt's next token: restores [0, end)
         restored, rest = mc.fetch(query)
         if len(query) - len(rest) == end:
@@ -120,6 +122,15 @@ def _replay(mc, prompt: StoredPrompt, k: canaries.Canary, step: int) -> np.ndarr
     query = np.append(prompt.tokens[: k.at], np.int32(k.token))
     cache, rest = mc.fetch(query)
     return _host(run(mc.model, cache, rest, step))
+
+
+def _branches_read_more(mc) -> bool:
+    """Whether a restore at a record end reads what the restore of the whole prompt does not: a
+    sliding window's K/V before the prompt's last window, a recurrent state's checkpoint. (What
+    full-attention layers restore there is a prefix of what the whole prompt's restore reads and
+    compares, from the same records: checking it again costs a read of it and tells nothing.)"""
+    return any(leaf.checkpointed or isinstance(leaf, RotatingCodec)
+               for codec in mc.codecs for _, leaf in codec.leaves(""))
 
 
 def _compare_kv(c: PromptCheck, mc, restored: list, cold: list, n: int, until: int, *, at: int) -> None:

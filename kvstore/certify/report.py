@@ -170,12 +170,13 @@ def verdict(checks: list[PromptCheck], b: Bounds, leaves: int, cause: str = "") 
     if part:
         return (f"INCOMPLETE: {len(part)} of the {n} stored prompts sampled (of {leaves}; {b.label}) could be "
                 f"checked only in part, or not at all: {_first_reason(part)}; the other {n - len(part)} restore "
-                f"what a cold run computes at {sum(c.restore_points for c in checks if c.complete)} restore points{tied}")
+                f"what a cold run computes at {sum(c.restore_points for c in checks if c.complete)} restore "
+                f"points{tied}")
     per = sum(c.seconds for c in checks) / n
     same = "bit for bit" if b.exact else "within the bounds"
     return (f"exact: {n} of {leaves} stored prompts checked ({b.label}; {per:.2f} s a prompt), at {points} "
-            f"restore points ({points / n:.1f} a prompt: every record end the store restores at): each restores "
-            f"{same} what a cold run computes (K/V, next-token logits, {GREEDY} greedy tokens), "
+            f"restore points ({points / n:.1f} a prompt: its end, and each record end where a sliding window or "
+            f"checkpoint is restored): each restores {same} what a cold run computes (K/V, next-token logits, {GREEDY} greedy tokens), "
             f"{sum(c.canaries for c in checks)} canaries reproduced{tied}")
 
 
