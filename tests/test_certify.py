@@ -180,7 +180,9 @@ def test_a_backend_that_loses_the_restores_writes_falls_back_to_copies(tmp_path,
         for _ in range(2):
             cache, rest = mc.fetch(prompt)
             assert len(rest) == 1
-            assert mx.array_equal(run(model, cache, rest), cold).item()  # exact K/V, by copy
+            # the K/V restored by copy (a backend that lost the writes would leave zeros); the cold
+            # run computes the prompt in other shapes, which OpenBLAS rounds differently
+            assert mx.allclose(run(model, cache, rest), cold, atol=1e-4, rtol=1e-4).item()
         got = store.stats()["restore_check"]
     assert got["copying"] and got["mismatches"] == 8 and got["copy_restores"] == 2
     said = [r.getMessage() for r in caplog.records if "self-check" in r.getMessage()]

@@ -38,12 +38,13 @@ def setup(llama, tmp_path, tier):
 
 
 def same_kv(model, cache, tokens) -> bool:
-    """The restored cache holds exactly the K/V a recompute of `tokens` gives."""
+    """The restored cache holds the K/V a recompute of `tokens` gives: bit for bit on the bundled
+    BLAS, within 1e-5 on OpenBLAS (preloaded), whose rounding follows the shapes computed."""
     ref = prefill(model, tokens)
     if len(cache) != len(ref) or any(c.offset != len(tokens) for c in cache):
         return False
     n = len(tokens)
-    return all(mx.array_equal(getattr(c, name)[..., :n, :], getattr(r, name)[..., :n, :]).item()
+    return all(mx.allclose(getattr(c, name)[..., :n, :], getattr(r, name)[..., :n, :], atol=1e-5, rtol=1e-5).item()
                for c, r in zip(cache, ref) for name in ("keys", "values"))
 
 
