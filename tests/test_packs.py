@@ -292,7 +292,7 @@ def test_the_prompts_canary_is_checked_by_one_replayed_step(tmp_path, demo_model
     shutil.copytree(tmp_path / "pack", bad)
     _with_canary(bad, lambda c: canary.Canary(c.at, c.token, c.ids, tuple(v - 1.0 for v in c.logprobs)))
     refused = run_cli("pack", "import", bad, "--store", tmp_path / "c", "--model", model, check=False)
-    assert refused.returncode == 1 and "its canary canary does not hold" in refused.stderr, refused.stderr
+    assert refused.returncode == 1 and "its canary does not hold" in refused.stderr, refused.stderr
     assert not (tmp_path / "c").exists()
     skipped = run_cli("pack", "import", bad, "--store", tmp_path / "c", "--model", model, "--no-replay")
     assert "canaries not replayed (--no-replay)" in skipped.stdout

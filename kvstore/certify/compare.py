@@ -28,8 +28,8 @@ DEFAULT_STEP = 2048  # mlx-lm's prefill_step_size, for what a token-exact store 
 # K/V quantized on disk (docs/kv8.md): the restored K/V within this share of each tensor's largest
 # |value| (one quantization step of the widest group, with the scales' and biases' own rounding:
 # up to 0.027 measured at 8 bits on the demo models, 0.14 at 4), and next-token logits within
-# twice what the demo models showed (0.125 at 8 bits, 0.75 at 4).
-KV_BITS_BOUNDS = {8: (1 / 16, 0.25), 4: (1 / 3, 1.5)}
+# twice what the demo models showed (`canary.QUANTIZED_TOLERANCE`).
+KV_BITS_BOUNDS = {bits: (kv, canaries.QUANTIZED_TOLERANCE[bits]) for bits, kv in ((8, 1 / 16), (4, 1 / 3))}
 
 
 def bounds_for(mc, disk_kv_bits: int | None) -> Bounds:

@@ -10,11 +10,13 @@ checked against the logits of that step.
 store of its own in RAM (`kvstore.MEMORY`), restores the first `at` tokens of the canary's prompt
 through the ordinary fetch (a model with recurrent layers restores from the last checkpoint
 before them and computes the few tokens after it), runs `token`, and hands the logits to the
-canary's check.
+canary's check. `replayed` runs the same steps and gives the canaries they make: what an export of
+K/V quantized on disk carries, so that an import replays like with like.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
@@ -33,21 +35,24 @@ from kvstore.tiers.memory import held
 class Kind:
     """How one kind of canary is replayed and checked. `step(value)` gives (at, token): the step
     restores the prompt's first `at` tokens and processes `token` alone; `check(value, logits)`
-    (the step's logits, a float32 numpy vector) is None when they agree with the canary, else why
-    not, in a few words."""
+    (the step's logits, a float32 numpy vector; optionally a tolerance) is None when they agree
+    with the canary, else why not, in a few words; `remake(value, logits)` is the field's text of
+    the canary those logits give."""
 
     step: Callable[[object], tuple[int, int]]
-    check: Callable[[object, np.ndarray], str | None]
+    check: Callable[..., str | None]  # (value, logits[, tolerance])
+    remake: Callable[[object, np.ndarray], str]  # (value, logits) -> the field's text those logits give
 
 
-def _check_canary(value: canary.Canary, logits: np.ndarray) -> str | None:
-    result = canary.check(value, logits)
+def _check_canary(value: canary.Canary, logits: np.ndarray, tolerance: float = canary.TOLERANCE) -> str | None:
+    result = canary.check(value, logits, tolerance)
     return None if result.ok else result.reason
 
 
 #: canary field (a blob header extension registered with its validator) -> its `Kind`: the
 #: prompt's canary (`kvstore.canary`), kept from the first step after a prompt.
-CANARIES: dict[str, Kind] = {"canary": Kind(step=lambda c: (c.at, c.token), check=_check_canary)}
+CANARIES: dict[str, Kind] = {"canary": Kind(step=lambda c: (c.at, c.token), check=_check_canary,
+                                            remake=lambda c, logits: canary.of(c.at, c.token, logits).text())}
 
 
 def canary_fields(metadata: dict[str, str]) -> dict[str, str]:
@@ -72,16 +77,11 @@ def record_arrays(buf) -> tuple[dict[str, mx.array], dict[str, mx.Dtype]]:
     return arrays, views
 
 
-def replay(mc, disk_kv_bits: int | None, records: Iterable[tuple[Span, np.ndarray, bytes]],
-           canaries: list[tuple[Span, np.ndarray, dict[str, str]]]) -> tuple[int, int]:
-    """Check every canary by one replayed step (see the module docstring): (how many were
-    checked, how many could not be replayed from the pack: a model with recurrent layers restores
-    only at a checkpoint, and a prompt's canary is of the step before its end checkpoint).
-    `records`: (record, its token ids, its blob); `canaries`: (record, the tokens of a prompt it
-    is part of, its canary fields). PackError naming the record if one does not hold."""
+@contextmanager
+def _in_ram(mc, disk_kv_bits: int | None, records: Iterable[tuple[Span, np.ndarray, bytes]]):
+    """A store in RAM holding `records` (record, its token ids, its blob), bound as `mc` is."""
     records = list(records)
     size = sum(len(buf) for _, _, buf in records)
-    checked = unreplayable = 0
     with Store(MEMORY, memory_bytes=2 * size + (64 << 20), chunk_size=mc.chunk_size,
                disk_kv_bits=disk_kv_bits, exact_prefill=mc.exact) as ram:
         rc = ram.bind(mc.model, mc.model_id, fingerprint=mc.fingerprint, kv_bits=mc.kv_bits,
@@ -93,39 +93,87 @@ def replay(mc, disk_kv_bits: int | None, records: Iterable[tuple[Span, np.ndarra
             arrays, views = record_arrays(buf)
             kept.append(held(span, np.array(tokens), arrays, views))
         ram.memory.put(reversed(kept))
+        yield rc
+
+
+def _readable(fields: dict[str, str]) -> dict[str, object]:
+    """The canary values of these fields that this kvstore reads (a later version's are kept, not read)."""
+    values = blobformat.extensions({blobformat.EXTENSION_PREFIX + k: v for k, v in fields.items()})
+    return {name: values[name] for name in fields if values.get(name) is not None}
+
+
+def replay(mc, disk_kv_bits: int | None, records: Iterable[tuple[Span, np.ndarray, bytes]],
+           canaries: list[tuple[Span, np.ndarray, dict[str, str]]]) -> tuple[int, int]:
+    """Check every canary by one replayed step (see the module docstring): (how many were
+    checked, how many could not be replayed from the pack: a model with recurrent layers restores
+    only at a checkpoint, and a prompt's canary is of the step before its end checkpoint).
+    `records`: (record, its token ids, its blob); `canaries`: (record, the tokens of a prompt it
+    is part of, its canary fields). PackError naming the record if one does not hold."""
+    checked = unreplayable = 0
+    with _in_ram(mc, disk_kv_bits, records) as rc:
         for span, prompt, fields in canaries:
-            values = blobformat.extensions({blobformat.EXTENSION_PREFIX + k: v for k, v in fields.items()})
-            for name in fields:
-                if values.get(name) is None:  # a canary of a later version: kept, not read
-                    continue
-                if _replay_one(rc, span, prompt, name, values.get(name)):
-                    checked += 1
-                else:
+            for name, value in _readable(fields).items():
+                logits = _step(rc, span, prompt, name, value)
+                if logits is None:
                     unreplayable += 1
+                    continue
+                why = CANARIES[name].check(value, logits)
+                if why is not None:
+                    raise PackError(f"record {span.hash.hex()}: its {_called(name)} does not hold for the "
+                                    f"replayed step ({why})")
+                checked += 1
     return checked, unreplayable
 
 
-def _replay_one(mc, span: Span, prompt: np.ndarray, name: str, value) -> bool:
-    """Replay the step of one canary of record `span` (of `prompt`) from the pack's records: True
-    once it held, False when the step's state cannot be restored from the pack (recurrent layers
-    with no checkpoint before it: nothing of the pack would be checked by it)."""
+def replayed(mc, disk_kv_bits: int | None, records: Iterable[tuple[Span, np.ndarray, bytes]],
+             canaries: list[tuple[Span, np.ndarray, dict[str, str]]],
+             tolerance: float) -> dict[bytes, dict[str, str]]:
+    """The canary fields that one replayed step from `records` gives (arguments as `replay`'s):
+    record hash -> its fields, each canary remade from the replayed step's logits (a canary that
+    cannot be replayed, or of a later version, is kept as it is). What a pack of K/V quantized on
+    disk carries, so that an import's replay compares like with like. PackError naming the record
+    if a replayed step moved further than `tolerance` from the canary it replaces (the bound of
+    the quantization: more is damage, not rounding)."""
+    out = {}
+    with _in_ram(mc, disk_kv_bits, records) as rc:
+        for span, prompt, fields in canaries:
+            fields = dict(fields)
+            for name, value in _readable(fields).items():
+                logits = _step(rc, span, prompt, name, value)
+                if logits is None:
+                    continue
+                why = CANARIES[name].check(value, logits, tolerance)
+                if why is not None:
+                    raise PackError(f"record {span.hash.hex()}: its {_called(name)} is not reproduced by a step "
+                                    f"replayed from its stored K/V, even within the quantization's bound "
+                                    f"{tolerance:g} ({why}): run `kvstore verify --exact`")
+                fields[name] = CANARIES[name].remake(value, logits)
+            out[span.hash] = fields
+    return out
+
+
+def _called(name: str) -> str:
+    """How a message names a canary field: the prompt's is "canary"."""
+    return "canary" if name == "canary" else f"canary {name!r}"
+
+
+def _step(mc, span: Span, prompt: np.ndarray, name: str, value) -> np.ndarray | None:
+    """The logits (float32, host) of one canary's step of record `span` (of `prompt`), replayed
+    from the records in `mc`'s store: None when its state cannot be restored from them (recurrent
+    layers with no checkpoint before it: nothing of the records would be checked by it)."""
     where = f"record {span.hash.hex()}"
     kind = CANARIES.get(name)
     if kind is None:
-        raise PackError(f"{where}: its canary {name} is not one this kvstore can check: import with "
+        raise PackError(f"{where}: its {_called(name)} is not one this kvstore can check: import with "
                         "--no-replay to skip the canaries")
     at, token = kind.step(value)
     if not (span.start <= at <= span.end and 0 < at <= len(prompt)):
-        raise PackError(f"{where}: its canary {name} is of the step at token {at}, which is not at this record")
+        raise PackError(f"{where}: its {_called(name)} is of the step at token {at}, which is not at this record")
     tokens = np.append(prompt[:at], np.int32(token)).astype(np.int32)
     cache, rest = mc.fetch(tokens)
     if len(rest) == len(tokens):
         if mc.checkpointed:
-            return False
-        raise PackError(f"{where}: its canary cannot be replayed: none of the {at} tokens before its step "
-                        "could be restored from the pack")
-    logits = mc.model(mx.array([rest]), cache=cache)[0, -1].astype(mx.float32)
-    why = kind.check(value, np.array(logits))
-    if why is not None:
-        raise PackError(f"{where}: its canary {name} does not hold for the replayed step ({why})")
-    return True
+            return None
+        raise PackError(f"{where}: its {_called(name)} cannot be replayed: none of the {at} tokens before its "
+                        "step could be restored from the pack")
+    return np.array(mc.model(mx.array([rest]), cache=cache)[0, -1].astype(mx.float32))
