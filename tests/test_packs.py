@@ -23,7 +23,7 @@ from kvstore import canary
 from kvstore.demo import build_demo_model
 from kvstore.errors import PackError
 from kvstore.packs import manifest as packfile
-from kvstore.packs import replay
+from kvstore.packs import replay, signing
 from kvstore.packs.export import shared_only
 from kvstore.storage import blobformat
 
@@ -133,9 +133,32 @@ def _swap_blobs(pack: Path, model: Path, env: dict) -> str:
 
 def _edit_manifest(pack: Path, model: Path, env: dict) -> str:
     doc = json.loads((pack / "manifest.json").read_text())
-    doc["prompts"][0]["tokens"] += 0  # the same content, written another way
+    doc["prompts"][0]["tokens"] -= 1
     (pack / "manifest.json").write_text(json.dumps(doc))
     return "manifest.json was changed after the pack was signed"
+
+
+def _edit_manifest_and_sign_again(pack: Path, model: Path, env: dict) -> str:
+    _edit_manifest(pack, model, env)
+    (pack / "model.sig").unlink()
+    signing.sign(pack, env["keys"]["other_key"])  # a valid signature, by a key the importer does not trust
+    return "does not verify with the trusted key"
+
+
+def _extra_files(pack: Path, model: Path, env: dict) -> str:
+    (pack / "blobs" / "evil.safetensors").write_bytes(b"x" * 100)
+    (pack / "README.txt").write_text("read me")
+    return ("the pack folder holds 2 file(s) its signature and manifest do not cover: README.txt, "
+            "blobs/evil.safetensors")
+
+
+def _path_outside_the_pack_signed(pack: Path, model: Path, env: dict) -> str:
+    doc = json.loads((pack / "manifest.json").read_text())
+    doc["model"]["files"]["../../etc/passwd"] = "0" * 64
+    (pack / "manifest.json").write_text(json.dumps(doc))
+    (pack / "model.sig").unlink()
+    signing.sign(pack, env["keys"]["key"])  # by the trusted key: the manifest's own checks refuse it
+    return "names a file '../../etc/passwd' that is not a plain relative name"
 
 
 def _other_model(pack: Path, model: Path, env: dict) -> str:
@@ -172,7 +195,8 @@ def _other_disk_kv_bits(pack: Path, model: Path, env: dict) -> str:
     return "the pack's disk_kv_bits is off, this store's is 8"
 
 
-@pytest.mark.parametrize("damage", [_flip_byte, _swap_blobs, _edit_manifest, _other_model, _other_tokenizer,
+@pytest.mark.parametrize("damage", [_flip_byte, _swap_blobs, _edit_manifest, _edit_manifest_and_sign_again,
+                                    _extra_files, _path_outside_the_pack_signed, _other_model, _other_tokenizer,
                                     _untrusted_signer, _missing_blob, _unsigned_with_trust_key,
                                     _other_disk_kv_bits], ids=lambda f: f.__name__.strip("_"))
 def test_a_bad_pack_is_refused_with_its_reason_and_the_store_stays_as_it_was(
@@ -215,6 +239,50 @@ def test_an_unsigned_pack_imports_without_a_trust_key_and_says_so(tmp_path, demo
     assert "not pinned (--no-pin)" in result.stdout
     with kvstore.open(tmp_path / "b") as store:
         assert store.pins() == [] and store.stats()["chunks"] > 0
+
+
+def _unsigned_copy(signed_pack, tmp_path: Path, name: str) -> tuple[Path, dict]:
+    pack = Path(shutil.copytree(signed_pack[0], tmp_path / name))
+    (pack / "model.sig").unlink()
+    return pack, json.loads((pack / "manifest.json").read_text())
+
+
+def _write_manifest(pack: Path, doc: dict) -> None:
+    (pack / "manifest.json").write_text(json.dumps(doc))
+
+
+def test_an_unsigned_pack_edited_or_with_extra_files_is_refused_by_its_own_checks(tmp_path, demo_model, signed_pack):
+    """Without a signature to check, the manifest still binds the pack: a changed token count or
+    chain hash, a file it does not list, or a record named with a path out of the pack are each
+    refused, and nothing is imported."""
+    model = demo_model("llama")
+    count, doc = _unsigned_copy(signed_pack, tmp_path, "count")
+    doc["prompts"][0]["tokens"] += 1
+    _write_manifest(count, doc)
+    chain, doc = _unsigned_copy(signed_pack, tmp_path, "chain")
+    old = doc["prompts"][0]["records"][1]
+    new = format(int(old, 16) ^ 1, "032x")  # the record (and its blob) under another hash
+    doc["prompts"][0]["records"][1] = new
+    doc["records"][new] = doc["records"].pop(old)
+    if old in doc["canaries"]:
+        doc["canaries"][new] = doc["canaries"].pop(old)
+    (chain / packfile.blob_name(old)).rename(chain / packfile.blob_name(new))
+    _write_manifest(chain, doc)
+    extra, _ = _unsigned_copy(signed_pack, tmp_path, "extra")
+    (extra / "blobs" / "evil.safetensors").write_bytes(b"x" * 100)
+    outside, doc = _unsigned_copy(signed_pack, tmp_path, "outside")
+    first = doc["prompts"][0]["records"][0]
+    doc["prompts"][0]["records"][0] = "../../../../tmp/x"
+    doc["records"]["../../../../tmp/x"] = doc["records"].pop(first)
+    _write_manifest(outside, doc)
+    for pack, reason in [(count, "prompt 1: the token ids its blobs hold"),
+                         (chain, "prompt 1: the chain recomputed from its tokens differs from the manifest's at "
+                                 "record 2"),
+                         (extra, "the pack folder holds 1 file(s) its manifest does not list: blobs/evil.safetensors"),
+                         (outside, "a record hash must be 32 lower-case hex digits, got '../../../../tmp/x'")]:
+        result = run_cli("pack", "import", pack, "--store", tmp_path / "b", "--model", model, check=False)
+        assert result.returncode == 1 and reason in result.stderr, (pack.name, result.stderr)
+        assert not (tmp_path / "b").exists()
 
 
 def test_a_signed_pack_verifies_with_model_signings_own_verifier(tmp_path, keys, signed_pack):

@@ -61,6 +61,11 @@ def check_private_key(private_key: Path) -> None:
 def signed_files(folder: Path, public_key: Path) -> dict[str, str]:
     """What `folder/model.sig` signs (file -> SHA-256), once its signature is checked against
     `public_key`. PackError (one line) if there is no signature, it is not valid, or not by that key."""
+    # model_signing's public verifier (`verifying.Config().use_elliptic_key_verifier().verify`)
+    # hashes the files on disk itself and returns nothing: the importer would read and hash every
+    # blob twice, and what it checked would not be the bytes it stores. Its key verifier and
+    # bundle reader, which give the signed manifest, are only in `_signing` (the version is pinned,
+    # >=1.1,<2, in pyproject.toml; tests/test_packs.py runs the public verifier on a pack too).
     from model_signing._signing import sign_ec_key, sign_sigstore_pb
 
     try:

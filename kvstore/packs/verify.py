@@ -1,7 +1,8 @@
 """Everything a pack must be before one byte of it is stored, checked in this order:
 
 1. the signature, against the trusted key (`--trust-key`): it covers `manifest.json` as it is and
-   exactly the blobs the manifest lists, with the same SHA-256s;
+   exactly the blobs the manifest lists, with the same SHA-256s; and the folder holds those files
+   (and the signature) and nothing else, signed or not;
 2. the model: the store's chunk size and `disk_kv_bits` (both named when they differ), the SHA-256
    of every weight and tokenizer file and of the chat template, kvstore's fingerprint, the cache
    layout and the namespace;
@@ -30,7 +31,7 @@ import numpy as np
 from kvstore import keys
 from kvstore.errors import BlobError, PackError
 from kvstore.packs import identity, signing
-from kvstore.packs.manifest import MANIFEST, MAX_MANIFEST_BYTES, SIGNATURE, Manifest, blob_name, parse, sha256
+from kvstore.packs.manifest import BLOBS, MANIFEST, MAX_MANIFEST_BYTES, SIGNATURE, Manifest, blob_name, parse, sha256
 from kvstore.packs.replay import canary_fields, replay
 from kvstore.records import Span, prompt_records
 from kvstore.remote.objects import check_record
@@ -90,6 +91,7 @@ def verify(folder: Path, target: Target, *, trust_key: Path | None = None, repla
     m = parse(raw)
     if signed is not None:
         _signature_covers(signed, m)
+    _nothing_else(folder, m, signed is not None)
     _for_this_model(m, target)
     if max_bytes is not None and m.total_bytes > max_bytes:
         raise PackError(f"the pack's blobs are {m.total_bytes} bytes; an import holds them in memory while it "
@@ -139,6 +141,32 @@ def _signature_covers(signed: dict[str, str], m: Manifest) -> None:
             raise PackError(f"{name} is not covered by the signature")
         if signed[name] != digest:
             raise PackError(f"{name}: its SHA-256 in the manifest is not the signed one")
+
+
+def _nothing_else(folder: Path, m: Manifest, signed: bool) -> None:
+    """The folder holds the manifest, the blobs it lists, the signature if any, and nothing else
+    (as model_signing's own verifier requires: a file no signature covers is not part of what was
+    signed, and an importer cannot tell what it is for). PackError naming the first few others."""
+    expected = {MANIFEST, SIGNATURE, *m.files_listed()}
+    extra: list[str] = []
+    count = 0
+    pending = [(folder, "")]
+    while pending:
+        where, prefix = pending.pop()
+        with os.scandir(where) as entries:
+            for e in entries:
+                name = prefix + e.name
+                if name == BLOBS and e.is_dir(follow_symlinks=False):
+                    pending.append((Path(e.path), name + "/"))
+                elif name not in expected:  # (a listed name that is not a regular file: refused when read)
+                    count += 1
+                    if len(extra) < 3:
+                        extra.append(name + ("/" if e.is_dir(follow_symlinks=False) else ""))
+    if count:
+        covers = "its signature and manifest do not cover" if signed else "its manifest does not list"
+        more = f" and {count - len(extra)} more" if count > len(extra) else ""
+        raise PackError(f"the pack folder holds {count} file(s) {covers}: {', '.join(sorted(extra))}{more} "
+                        "(a pack is its manifest, the blobs it lists and model.sig: get the pack again from its maker)")
 
 
 def _for_this_model(m: Manifest, t: Target) -> None:
