@@ -105,13 +105,14 @@ class Trust:
 
     # -- the fingerprint memo -------------------------------------------------------------------
 
-    def memo_tag(self, path: str, stamp: Sequence[int], digest: bytes) -> str:
+    def memo_tag(self, path: str, stamp: Sequence[int], digest: bytes, kind: str = "xxh3") -> str:
         """The tag of a memo row: a file's path, its stamp (size, mtime, device, inode, ctime)
-        and the digest of its contents."""
-        return self._keys[0].tag(_memo_message(path, stamp, digest))
+        and the digest of its contents (`kind`: xxh3, or sha256: a row of one memo never holds
+        as a row of the other)."""
+        return self._keys[0].tag(_memo_message(path, stamp, digest, kind))
 
-    def memo_ok(self, path: str, stamp: Sequence[int], digest: bytes, tag: str | None) -> bool:
-        return self._check(_memo_message(path, stamp, digest), tag) is Verdict.GOOD
+    def memo_ok(self, path: str, stamp: Sequence[int], digest: bytes, tag: str | None, kind: str = "xxh3") -> bool:
+        return self._check(_memo_message(path, stamp, digest, kind), tag) is Verdict.GOOD
 
     # -- blob headers ---------------------------------------------------------------------------
 
@@ -141,8 +142,9 @@ class Trust:
         return f"it has no trust tag of this fleet ({verdict.value}, written after the store had tags)"
 
 
-def _memo_message(path: str, stamp: Sequence[int], digest: bytes) -> bytes:
-    return json.dumps(["memo", str(path), [int(v) for v in stamp], bytes(digest).hex()]).encode()
+def _memo_message(path: str, stamp: Sequence[int], digest: bytes, kind: str) -> bytes:
+    label = "memo" if kind == "xxh3" else f"memo-{kind}"  # (the xxh3 memo's rows from before kinds hold)
+    return json.dumps([label, str(path), [int(v) for v in stamp], bytes(digest).hex()]).encode()
 
 
 def _blob_message(metadata: Mapping[str, str], tensors: Mapping[str, tuple[str, Sequence[int], int]]) -> bytes:

@@ -441,3 +441,38 @@ def test_a_pack_made_in_exact_mode_imports_into_an_exact_store_only(tmp_path, de
     refused = run_cli("pack", "import", tmp_path / "pack", "--store", tmp_path / "c", "--model", model, check=False)
     assert refused.returncode == 1 and "--exact-prefill 256" in refused.stderr
     assert not (tmp_path / "c").exists()
+
+
+def test_an_import_reads_the_models_weights_once_and_then_not_again(tmp_path, demo_model, signed_pack, keys,
+                                                                     monkeypatch):
+    """The store's memo of file digests (xxh3 for the fingerprint, SHA-256 for the pack, each row
+    tagged) spares the weights' reads: an import into a new store reads each weight file once (its
+    SHA-256 and xxh3 from one read), and a second import, or a bind, reads none."""
+    import os as os_module
+
+    from mlx_lm import load
+
+    from kvstore.packs.importing import import_pack
+
+    model = Path(shutil.copytree(demo_model("llama"), tmp_path / "model"))  # its stamps change below
+    loaded, tokenizer = load(str(model))
+    weights = str(model / "model.safetensors")
+    real_open, opened = os_module.open, []
+
+    def counting_open(path, *args, **kwargs):
+        if str(path) == weights:
+            opened.append(path)
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(os_module, "open", counting_open)
+    import_pack(signed_pack[0], tmp_path / "b", loaded, str(model), tokenizer, trust_key=keys["pub"])
+    assert len(opened) == 1
+    opened.clear()
+    import_pack(signed_pack[0], tmp_path / "b", loaded, str(model), tokenizer, trust_key=keys["pub"])
+    with kvstore.open(tmp_path / "b") as store:
+        store.bind(loaded, str(model))
+    assert opened == []
+    touched = os_module.stat(weights)
+    os_module.utime(weights, ns=(touched.st_atime_ns, touched.st_mtime_ns + 1))  # changed: read again
+    import_pack(signed_pack[0], tmp_path / "b", loaded, str(model), tokenizer, trust_key=keys["pub"])
+    assert len(opened) == 1

@@ -37,10 +37,8 @@ def resolve_model_dir(model_id: str) -> Path:
 def fingerprint(model_id: str, adapter_path, index: Index | None, *, remember: bool,
                 trust: Trust | None = None) -> tuple[bytes, list[RecordedFile]]:
     """(the fingerprint of a model's files (config, weights, adapter), each file's stamp and
-    digest); each digest memoised in `index` (and, with `remember`, written there). A memo row
-    is used only if its tag holds under `trust` (a writer of the store folder could plant one
-    that names other weights' digest, and so another model's namespace): else the file is
-    hashed again (and, with `remember`, the row written again with its tag)."""
+    digest); each digest memoised in `index` (and, with `remember`, written there), used only
+    under `trust` (`Memo`)."""
     model_dir = resolve_model_dir(str(model_id))
     adapter_dir = Path(adapter_path) if adapter_path is not None else None
     if adapter_dir is not None and not adapter_dir.is_dir():
@@ -50,33 +48,49 @@ def fingerprint(model_id: str, adapter_path, index: Index | None, *, remember: b
         raise ModelFilesError(f"{model_dir} has no config.json: is it an mlx-lm model folder?")
     # Stamped before hashing: a file that changes meanwhile shows as changed later.
     stamps = file_stamps(files)
-    lookup = _trusted_memo(index, trust) if index is not None and trust is not None else None
-    keep = None
-    if index is not None and remember and trust is not None:
-
-        def keep(path: Path, st: os.stat_result, digest: bytes) -> None:
-            try:
-                index.remember_file_digest(path, st, digest, trust.memo_tag(str(path), _memo_stamp(st), digest))
-            except sqlite3.OperationalError:  # only a memo (the disk may be full)
-                pass
-    digests = keys.file_digests(files, lookup, keep)
+    memo = Memo(index, trust, remember=remember) if index is not None and trust is not None else None
+    digests = keys.file_digests(files, memo and memo.lookup("xxh3"), memo and memo.keeper("xxh3"))
     recorded = [(*s, d) for s, d in zip(stamps, digests)]
     return keys.combine(files, model_dir, digests), recorded
 
 
-def _memo_stamp(st: os.stat_result) -> tuple[int, ...]:
-    return (st.st_size, st.st_mtime_ns, st.st_dev, st.st_ino, st.st_ctime_ns)
+class Memo:
+    """A store's memo of file digests (`kind`: xxh3, which fingerprints use, or sha256, which
+    packs name), keyed by each file's path and stamp. A row is used only if its tag holds under
+    `trust` (a writer of the store folder could plant one that names other weights' digest, and
+    so another model's namespace): else the file is hashed again. With `remember`, what is
+    hashed is written, with its tag (a full disk or a busy index only loses the memo)."""
 
+    def __init__(self, index: Index, trust: Trust, *, remember: bool):
+        self.index, self.trust, self.remember = index, trust, remember
 
-def _trusted_memo(index: Index, trust: Trust):
-    """The memo's lookup, answering only with rows whose tag holds."""
-
-    def lookup(path: Path, st: os.stat_result) -> bytes | None:
-        found = index.file_digest(path, st)
-        if found is None or not trust.memo_ok(str(path), _memo_stamp(st), *found):
+    def get(self, kind: str, path: Path, st: os.stat_result) -> bytes | None:
+        try:
+            found = self.index.file_digest(path, st, kind)
+        except sqlite3.OperationalError:  # only a memo
+            return None
+        if found is None or not self.trust.memo_ok(str(path), _memo_stamp(st), *found, kind=kind):
             return None
         return found[0]
-    return lookup
+
+    def put(self, kind: str, path: Path, st: os.stat_result, digest: bytes) -> None:
+        if not self.remember:
+            return
+        try:
+            self.index.remember_file_digest(path, st, digest,
+                                            self.trust.memo_tag(str(path), _memo_stamp(st), digest, kind), kind)
+        except sqlite3.OperationalError:  # only a memo (the disk may be full)
+            pass
+
+    def lookup(self, kind: str):
+        return lambda path, st: self.get(kind, path, st)
+
+    def keeper(self, kind: str):
+        return lambda path, st, digest: self.put(kind, path, st, digest)
+
+
+def _memo_stamp(st: os.stat_result) -> tuple[int, ...]:
+    return (st.st_size, st.st_mtime_ns, st.st_dev, st.st_ino, st.st_ctime_ns)
 
 
 def register(index: Index, ns: bytes, fingerprint: bytes, model_id: str, layout: dict, chunk_size: int,

@@ -63,7 +63,7 @@ def export_pack(store, mc, model_dir: Path, tokenizer, prompts: list[np.ndarray]
         raise PackError("a pack is exported from a store directory (not a RAM-only store)")
     if sign_key is not None:
         signing.check_private_key(sign_key)
-    ident = identity.identity(Path(model_dir), tokenizer)
+    ident = identity.identity(Path(model_dir), tokenizer, identity.memo_of(store, remember=not store.read_only))
     computed = 0
     for tokens in prompts:  # stored first where it is not: written whatever admission says
         computed += mc.prefill(tokens, progress=progress)[2]

@@ -20,10 +20,11 @@ import xxhash
 
 from kvstore.errors import PackError
 from kvstore.model.fingerprint import resolve_model_dir
+from kvstore.packs import identity
 from kvstore.packs.verify import Target, Verified, verify
 from kvstore.storage import blobformat
-from kvstore.storage.index import Row
-from kvstore.storage.storedir import is_absent
+from kvstore.storage.index import Index, Row
+from kvstore.storage.storedir import INDEX_NAME, is_absent
 from kvstore.store import MEMORY, Store
 from kvstore.upkeep.evict import role_class
 
@@ -56,12 +57,18 @@ def import_pack(folder: Path, path: Path, model, model_id: str, tokenizer, *, tr
     if any check fails."""
     model_dir = resolve_model_dir(str(model_id))
     with _checking(Path(path), options) as store:
-        mc = store.bind(model, model_id)
-        target = Target(mc, model_dir, tokenizer, store.disk_kv_bits)
+        # The model's files are hashed once (or not at all, where the store's memo holds them):
+        # their SHA-256s and, from the same reads, the fingerprint the store binds the model with.
+        ident = identity.identity(model_dir, tokenizer, identity.memo_of(store, remember=False))
+        mc = store.bind(model, model_id, fingerprint=ident.fingerprint)
+        target = Target(mc, model_dir, tokenizer, store.disk_kv_bits, ident)
         verified = verify(folder, target, trust_key=trust_key, replay_canaries=replay, max_bytes=memory_bound())
     with Store(path, **options) as store:
         if store.read_only:
             raise PackError(f"the store {store.path} is read-only here: nothing imported")
+        memo = identity.memo_of(store, remember=True)
+        if memo is not None:  # then the bind finds the files' digests in the memo, and reads none
+            identity.remember(memo, ident.fresh)
         mc = store.bind(model, model_id)
         if mc.ns != target.mc.ns or not mc.registered:
             raise PackError("the store changed while the pack was checked, or its index cannot be written "
@@ -75,6 +82,9 @@ def _checking(path: Path, options: dict) -> Store:
     options = {k: v for k, v in options.items() if k not in ("remote", "remote_key")}
     if is_absent(path):
         return Store(MEMORY, **options)
+    index = path / INDEX_NAME
+    if index.is_file() and os.access(index, os.W_OK):  # an older kvstore's index is upgraded first,
+        Index(index).close()  # as any open to write does: read-only, it could not be read
     return Store(path, read_only=True, create=False, **options)
 
 

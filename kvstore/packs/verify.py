@@ -44,12 +44,13 @@ HASH_THREADS = max(1, min(4, os.cpu_count() or 1))
 @dataclass(frozen=True)
 class Target:
     """What a pack is checked against: a bound model (`ModelCache`), its folder and tokenizer,
-    and the store's chunk size and `disk_kv_bits`."""
+    the store's chunk size and `disk_kv_bits`, and the model's `identity` (hashed here if not given)."""
 
     mc: object
     model_dir: Path
     tokenizer: object
     disk_kv_bits: int | None
+    identity: identity.Identity | None = None
 
 
 @dataclass
@@ -180,7 +181,8 @@ def _for_this_model(m: Manifest, t: Target) -> None:
     if m.disk_kv_bits != t.disk_kv_bits:
         raise PackError(f"the pack's disk_kv_bits is {_bits(m.disk_kv_bits)}, this store's is "
                         f"{_bits(t.disk_kv_bits)}: import it with --disk-kv-bits {m.disk_kv_bits or 0}")
-    why = identity.differences(identity.identity(t.model_dir, t.tokenizer), m.files, m.tokenizer, m.chat_template)
+    mine = t.identity if t.identity is not None else identity.identity(t.model_dir, t.tokenizer)
+    why = identity.differences(mine, m.files, m.tokenizer, m.chat_template)
     if why is not None:
         raise PackError(why)
     if m.fingerprint != mc.fingerprint.hex():

@@ -35,6 +35,7 @@ _FILE_OK = ("typeof(ns) = 'blob' AND typeof(path) = 'text' AND typeof(size) = 'i
             "'integer' AND typeof(ino) = 'integer' AND typeof(ctime_ns) = 'integer' AND (digest IS NULL OR "
             "(typeof(digest) = 'blob' AND length(digest) = 16))")
 _DIGEST_OK = "typeof(digest) = 'blob' AND length(digest) = 16"
+_MEMOS = {"xxh3": ("file_digests", 16), "sha256": ("file_sha256", 32)}  # file digest memos: table, bytes
 
 
 @dataclass(slots=True)
@@ -164,21 +165,24 @@ class Index(EvictionSQL, WriteLogSQL, PinSQL):
 
     # -- model fingerprints -----------------------------------------------------------------
 
-    def file_digest(self, path: Path, st: "os.stat_result") -> tuple[bytes, str | None] | None:
-        """The memoised digest of a model file and its trust tag, if it is the same file as when
-        it was hashed: same size, mtime, device, inode and ctime (ctime cannot be set back by a
-        user). The caller checks the tag (`kvstore.trust`): a row is only a claim."""
+    def file_digest(self, path: Path, st: "os.stat_result", kind: str = "xxh3") -> tuple[bytes, str | None] | None:
+        """The memoised digest (`kind`: xxh3 for fingerprints, sha256 for packs) of a model file
+        and its trust tag, if it is the same file as when it was hashed: same size, mtime, device,
+        inode and ctime (ctime cannot be set back by a user). The caller checks the tag
+        (`kvstore.trust`): a row is only a claim."""
+        table, n = _MEMOS[kind]
         row = self.conn.execute(
-            f"SELECT digest, tag FROM file_digests WHERE path = ? AND size = ? AND mtime_ns = ? "
-            f"AND dev = ? AND inode = ? AND ctime_ns = ? AND {_DIGEST_OK}",
+            f"SELECT digest, tag FROM {table} WHERE path = ? AND size = ? AND mtime_ns = ? AND dev = ? "
+            f"AND inode = ? AND ctime_ns = ? AND typeof(digest) = 'blob' AND length(digest) = {n}",
             (str(path), st.st_size, st.st_mtime_ns, st.st_dev, st.st_ino, st.st_ctime_ns),
         ).fetchone()
         return (row[0], row[1] if isinstance(row[1], str) else None) if row else None
 
-    def remember_file_digest(self, path: Path, st: "os.stat_result", digest: bytes, tag: str | None = None) -> None:
+    def remember_file_digest(self, path: Path, st: "os.stat_result", digest: bytes, tag: str | None = None,
+                             kind: str = "xxh3") -> None:
         with self.transaction() as conn:
             conn.execute(
-                "INSERT OR REPLACE INTO file_digests (path, size, mtime_ns, dev, inode, ctime_ns, "
+                f"INSERT OR REPLACE INTO {_MEMOS[kind][0]} (path, size, mtime_ns, dev, inode, ctime_ns, "
                 "digest, tag) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                 (str(path), st.st_size, st.st_mtime_ns, st.st_dev, st.st_ino, st.st_ctime_ns, digest, tag),
             )
