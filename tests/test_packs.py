@@ -476,3 +476,18 @@ def test_an_import_reads_the_models_weights_once_and_then_not_again(tmp_path, de
     os_module.utime(weights, ns=(touched.st_atime_ns, touched.st_mtime_ns + 1))  # changed: read again
     import_pack(signed_pack[0], tmp_path / "b", loaded, str(model), tokenizer, trust_key=keys["pub"])
     assert len(opened) == 1
+
+
+def test_imported_records_count_as_explicit_writes_not_downloads(tmp_path, signed_pack, keys, demo_model):
+    """An import writes its records on purpose, pinned, as `warm` does: `stats` counts them as
+    explicit writes (bytes and records, by day), not as the remote tier's downloads."""
+    model = demo_model("llama")
+    run_cli("pack", "import", signed_pack[0], "--store", tmp_path / "b", "--model", model, "--trust-key", keys["pub"])
+    writes = json.loads(run_cli("stats", "--store", tmp_path / "b", "--json").stdout)["writes"]
+    with kvstore.open(tmp_path / "b") as store:
+        stored = store.stats()
+    on_disk = sum(p.stat().st_size for p in (tmp_path / "b" / "blobs").rglob("*.safetensors"))
+    assert writes["downloaded_lifetime"] == 0
+    assert writes["explicit_lifetime"] == writes["bytes_lifetime"] == on_disk
+    assert writes["records_lifetime"] == stored["chunks"] + stored["tails"] > 0
+    assert [d["records"] for d in writes["days"] if d["bytes"]] == [writes["records_lifetime"]]

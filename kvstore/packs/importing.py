@@ -97,7 +97,7 @@ def _store(store: Store, mc, verified: Verified, pin: bool) -> Imported:
         blob = blobformat.restamp(c.blob, dict(c.metadata, model_id=mc.model_id))
         row = Row(s.hash, s.ns, s.parent, s.depth, s.kind, s.ntokens, s.first_token, len(blob),
                   xxhash.xxh3_64_intdigest(blob), pinned=int(pin), role=role)
-        if store.disk.put(row, blob, fsync=True):
+        if store.disk.put(row, blob, fsync=True, explicit=True):
             stored += 1
             nbytes += len(blob)
         else:

@@ -206,11 +206,13 @@ class DiskTier:
         """Start reading these (record, row)s' files ahead, all at once."""
         blobfile.prefetch(self.root, [h for h, _ in items])
 
-    def put(self, row: Row, data: bytes, *, fsync: bool = False) -> bool:
+    def put(self, row: Row, data: bytes, *, fsync: bool = False, explicit: bool = False) -> bool:
         """Store a checked record that came from elsewhere: its blob, then its row. False if it
         was stored already. The blob is fsynced only with `fsync` (a download's copy in the bucket
         stays: one a power cut tears fails its checksums, is quarantined and fetched again).
-        The blob is tagged as this store's (`Anchors.tagged`): `row` gets its new size and checksum."""
+        The blob is tagged as this store's (`Anchors.tagged`): `row` gets its new size and checksum.
+        The write log counts it as a download, or with `explicit` (a pack's record, imported on
+        purpose) as an explicit write, as a warmed prompt's."""
         if self.anchors is not None:
             data = self.anchors.tagged(data)
             row.size, row.checksum = len(data), xxhash.xxh3_64_intdigest(data)
@@ -221,8 +223,9 @@ class DiskTier:
             self.index.insert([row])
             for listener in self.on_store:
                 listener([row])
+        counts = {"bytes": len(data), "records": 1, "explicit": len(data)} if explicit else {"downloaded": len(data)}
         try:  # the store's write log counts what reaches its disk from elsewhere too
-            self.index.log_writes(hour_of(time.time()), {"downloaded": len(data)})
+            self.index.log_writes(hour_of(time.time()), counts)
         except Exception as e:
             log.debug("kvstore: a download was not counted (%s)", e)
         if self.budget is not None:
