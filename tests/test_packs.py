@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 import sqlite3
 from pathlib import Path
@@ -491,3 +492,59 @@ def test_imported_records_count_as_explicit_writes_not_downloads(tmp_path, signe
     assert writes["explicit_lifetime"] == writes["bytes_lifetime"] == on_disk
     assert writes["records_lifetime"] == stored["chunks"] + stored["tails"] > 0
     assert [d["records"] for d in writes["days"] if d["bytes"]] == [writes["records_lifetime"]]
+
+
+def test_a_tenants_prompt_never_leaves_in_a_pack(tmp_path, demo_model):
+    """End to end: a tenant stores a prompt; a shared export of the same text computes it again
+    in the shared namespace and carries none of the tenant's records; an export through a model
+    bound for the tenant is refused, saying that only the shared namespace is exportable."""
+    from mlx_lm import load
+
+    from kvstore.packs.export import export_pack
+
+    model = demo_model("llama")
+    loaded, tokenizer = load(str(model))
+    secret = "Alice's private notes: the vault code is 4417. " * 12
+    tokens = tokenizer.encode(secret)
+    with kvstore.open(tmp_path / "s") as store:
+        alice = store.bind(loaded, str(model), tenant="alice")
+        alice.prefill(tokens)
+        store.flush()
+        theirs = {h.hex() for (h,) in store.index.conn.execute("SELECT hash FROM records WHERE tenant IS NOT NULL")}
+        assert theirs
+        with pytest.raises(PackError, match="bound for a tenant: only the shared namespace is exportable"):
+            export_pack(store, alice, model, tokenizer, [np.array(tokens)], tmp_path / "refused")
+    assert not (tmp_path / "refused").exists()
+    result = run_cli("pack", "export", "--store", tmp_path / "s", "--model", model, "--prompt", secret, "--unsigned",
+                     "--out", tmp_path / "pack")
+    assert f"({len(tokens)} computed now, 0 stored before this export)" in result.stdout, result.stdout
+    doc = json.loads((tmp_path / "pack" / "manifest.json").read_text())
+    assert not theirs & set(doc["records"])
+    for blob in (tmp_path / "pack" / "blobs").iterdir():
+        assert "x-tenant" not in blobformat.parse(blob.read_bytes())[2]
+
+
+def test_an_export_says_which_tokens_it_computed_and_which_it_shared(tmp_path, demo_model):
+    model = demo_model("llama")
+    lines = tmp_path / "two.jsonl"
+    lines.write_text("".join(json.dumps({"prompt": PROMPT + q}) + "\n" for q in (" First?", " Then a second one?")))
+    n = len(tokens_of(model, PROMPT))
+    result = run_cli("pack", "export", "--store", tmp_path / "a", "--model", model, "--prompts", lines, "--unsigned",
+                     "--out", tmp_path / "pack")
+    # The second prompt restores what it shares with the first, stored earlier by this same export.
+    said = re.search(r"(\d+) tokens \((\d+) computed now, 0 stored before this export, (\d+) shared with an "
+                     r"earlier prompt of it\)", result.stdout)
+    assert said, result.stdout
+    tokens, computed, shared = map(int, said.groups())
+    assert computed + shared == tokens and shared >= n
+
+
+def test_disk_kv_bits_that_do_not_act_on_a_float32_model_do_not_refuse_its_pack(tmp_path, demo_model):
+    """disk_kv_bits has no effect on K/V in float32 (the store warns so): a pack of such a model
+    is the same with or without it, and imports either way."""
+    model = demo_model("llama")  # float32
+    run_cli("pack", "export", "--store", tmp_path / "a", "--model", model, "--prompt", PROMPT, "--unsigned",
+            "--disk-kv-bits", "8", "--out", tmp_path / "pack")
+    assert json.loads((tmp_path / "pack" / "manifest.json").read_text())["disk_kv_bits"] is None
+    run_cli("pack", "import", tmp_path / "pack", "--store", tmp_path / "b", "--model", model)
+    run_cli("pack", "import", tmp_path / "pack", "--store", tmp_path / "c", "--model", model, "--disk-kv-bits", "8")

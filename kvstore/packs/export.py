@@ -25,13 +25,15 @@ from kvstore.errors import BlobError, PackError
 from kvstore.packs import identity, replay, signing
 from kvstore.packs.manifest import BLOBS, MANIFEST, Manifest, Prompt, blob_name, sha256
 from kvstore.packs.replay import canary_fields
+from kvstore.packs.verify import acting_disk_kv_bits
 from kvstore.records import check, prompt_records
 from kvstore.storage import blobfile, blobformat
 
 
 @dataclass
 class Exported:
-    """What an export wrote: prompts, their tokens (and how many had to be computed first),
+    """What an export wrote: prompts, their tokens (how many had to be computed first, and how
+    many were stored before the export: the rest were shared with an earlier prompt of it),
     records and bytes in the pack, and whether it is signed."""
 
     prompts: int
@@ -40,6 +42,7 @@ class Exported:
     records: int
     bytes: int
     signed: bool
+    stored_before: int = 0
 
 
 def shared_only(rows: Sequence) -> None:
@@ -61,9 +64,13 @@ def export_pack(store, mc, model_dir: Path, tokenizer, prompts: list[np.ndarray]
         raise PackError(f"{out} exists and is not an empty folder: a pack is written to a new folder")
     if store.disk is None:
         raise PackError("a pack is exported from a store directory (not a RAM-only store)")
+    if getattr(mc, "tenant", None) is not None:
+        raise PackError("the model is bound for a tenant: only the shared namespace is exportable (bind it "
+                        "without a tenant, as `kvstore pack export` does)")
     if sign_key is not None:
         signing.check_private_key(sign_key)
     ident = identity.identity(Path(model_dir), tokenizer, identity.memo_of(store, remember=not store.read_only))
+    before = sum(min(mc.stored_length(t), len(mc.stored_part(np.asarray(t)))) for t in prompts)
     computed = 0
     for tokens in prompts:  # stored first where it is not: written whatever admission says
         computed += mc.prefill(tokens, progress=progress)[2]
@@ -89,12 +96,13 @@ def export_pack(store, mc, model_dir: Path, tokenizer, prompts: list[np.ndarray]
             records[h.hex()] = (size, digest)
             if fields:
                 canaries[h.hex()] = fields
-        if store.disk_kv_bits and canaries:
-            _replayed_canaries(mc, store.disk_kv_bits, tmp, prompts, chains, records, canaries)
+        bits = acting_disk_kv_bits(mc.layout, store.disk_kv_bits)
+        if bits and canaries:
+            _replayed_canaries(mc, bits, tmp, prompts, chains, records, canaries)
         manifest = Manifest(
             record_format=keys.FORMAT_VERSION, fingerprint=mc.fingerprint.hex(), files=ident.files,
             tokenizer=ident.tokenizer, chat_template=ident.chat_template, namespace=mc.ns.hex(),
-            layout=mc.layout, chunk_size=mc.chunk_size, disk_kv_bits=store.disk_kv_bits,
+            layout=mc.layout, chunk_size=mc.chunk_size, disk_kv_bits=bits,
             prompts=tuple(Prompt(len(t), sha256(keys.token_bytes(t)), tuple(s.hash.hex() for s in chain))
                           for t, chain in zip(prompts, chains)),
             records=records, canaries=canaries)
@@ -107,7 +115,8 @@ def export_pack(store, mc, model_dir: Path, tokenizer, prompts: list[np.ndarray]
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return Exported(len(prompts), sum(map(len, prompts)), computed, len(records),
-                    sum(n for n, _ in records.values()), sign_key is not None)
+                    sum(n for n, _ in records.values()), sign_key is not None,
+                    min(before, sum(map(len, prompts)) - computed))
 
 
 def _replayed_canaries(mc, bits: int, folder: Path, prompts: list[np.ndarray], chains: list,

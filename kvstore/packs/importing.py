@@ -21,7 +21,7 @@ import xxhash
 from kvstore.errors import PackError
 from kvstore.model.fingerprint import resolve_model_dir
 from kvstore.packs import identity
-from kvstore.packs.verify import Target, Verified, verify
+from kvstore.packs.verify import Target, Verified, acting_disk_kv_bits, verify
 from kvstore.storage import blobformat
 from kvstore.storage.index import Index, Row
 from kvstore.storage.storedir import INDEX_NAME, is_absent
@@ -61,7 +61,7 @@ def import_pack(folder: Path, path: Path, model, model_id: str, tokenizer, *, tr
         # their SHA-256s and, from the same reads, the fingerprint the store binds the model with.
         ident = identity.identity(model_dir, tokenizer, identity.memo_of(store, remember=False))
         mc = store.bind(model, model_id, fingerprint=ident.fingerprint)
-        target = Target(mc, model_dir, tokenizer, store.disk_kv_bits, ident)
+        target = Target(mc, model_dir, tokenizer, acting_disk_kv_bits(mc.layout, store.disk_kv_bits), ident)
         verified = verify(folder, target, trust_key=trust_key, replay_canaries=replay, max_bytes=memory_bound())
     with Store(path, **options) as store:
         if store.read_only:

@@ -178,9 +178,10 @@ def _for_this_model(m: Manifest, t: Target) -> None:
     if m.chunk_size != mc.chunk_size:
         raise PackError(f"the pack's chunk size is {m.chunk_size} tokens, this store's is {mc.chunk_size}: "
                         f"import it into a store opened with chunk_size={m.chunk_size}")
-    if m.disk_kv_bits != t.disk_kv_bits:
-        raise PackError(f"the pack's disk_kv_bits is {_bits(m.disk_kv_bits)}, this store's is "
-                        f"{_bits(t.disk_kv_bits)}: import it with --disk-kv-bits {m.disk_kv_bits or 0}")
+    theirs, ours = acting_disk_kv_bits(m.layout, m.disk_kv_bits), acting_disk_kv_bits(mc.layout, t.disk_kv_bits)
+    if theirs != ours:
+        raise PackError(f"the pack's disk_kv_bits is {_bits(theirs)}, this store's is "
+                        f"{_bits(ours)}: import it with --disk-kv-bits {theirs or 0}")
     mine = t.identity if t.identity is not None else identity.identity(t.model_dir, t.tokenizer)
     why = identity.differences(mine, m.files, m.tokenizer, m.chat_template)
     if why is not None:
@@ -197,6 +198,14 @@ def _for_this_model(m: Manifest, t: Target) -> None:
                         "kv_bits, or disk_kv_bits, differ)")
     if m.namespace != mc.ns.hex():
         raise PackError(f"the pack's namespace {m.namespace} is not this model's ({mc.ns.hex()})")
+
+
+def acting_disk_kv_bits(layout: object, bits: int | None) -> int | None:
+    """`disk_kv_bits` as it acts on a model of this cache layout: None where no layer is stored
+    quantized (K/V in float32: the setting has no effect, and the records are those of a store
+    without it)."""
+    layers = layout.get("layers") if isinstance(layout, dict) else None
+    return bits if isinstance(layers, list) and any("disk_bits" in str(layer) for layer in layers) else None
 
 
 def _bits(bits: int | None) -> str:

@@ -21,9 +21,11 @@ def cmd_export(args) -> int:
         done = export_pack(store, mc, resolve_model_dir(loaded.model_id), loaded.tokenizer,
                            [tokens for _, tokens in work], Path(args.out),
                            sign_key=Path(args.sign_key) if args.sign_key else None)
+    shared = done.tokens - done.computed - done.stored_before
     out(f"pack {args.out}: {plural(done.prompts, 'prompt')}, {plural(done.tokens, 'token')} "
-        f"({done.computed} computed now, {done.tokens - done.computed} stored already), {plural(done.records, 'record')}, "
-        f"{done.bytes} bytes ({format_size(done.bytes)})")
+        f"({done.computed} computed now, {done.stored_before} stored before this export"
+        + (f", {shared} shared with an earlier prompt of it" if shared > 0 else "")
+        + f"), {plural(done.records, 'record')}, {done.bytes} bytes ({format_size(done.bytes)})")
     out(f"signed with {args.sign_key}" if done.signed else "unsigned: an importer cannot tell who made it")
     out("it holds its prompts in clear (every record holds its token ids): share it only with those "
         "who may read them")
