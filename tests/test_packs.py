@@ -553,3 +553,26 @@ def test_disk_kv_bits_that_do_not_act_on_a_float32_model_do_not_refuse_its_pack(
     assert json.loads((tmp_path / "pack" / "manifest.json").read_text())["disk_kv_bits"] is None
     run_cli("pack", "import", tmp_path / "pack", "--store", tmp_path / "b", "--model", model)
     run_cli("pack", "import", tmp_path / "pack", "--store", tmp_path / "c", "--model", model, "--disk-kv-bits", "8")
+
+
+def test_a_prompt_that_starts_another_of_the_pack_is_carried_within_it(tmp_path, demo_model):
+    """A prompt that is the start of a longer one is stored within the longer one's records (its
+    own last record folded into them): the pack carries the longer prompt, which restores both; a
+    prompt stored only that way, exported alone, is refused naming why, not as a failed write."""
+    model = demo_model("llama")
+    longer = PROMPT + " And then a follow-up question that runs past the next chunk. " * 6
+    lines = tmp_path / "two.jsonl"
+    lines.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in (PROMPT, longer)))
+    result = run_cli("pack", "export", "--store", tmp_path / "a", "--model", model, "--prompts", lines, "--unsigned",
+                     "--out", tmp_path / "pack")
+    assert "2 prompts (1 of them within a longer one)" in result.stdout
+    doc = json.loads((tmp_path / "pack" / "manifest.json").read_text())
+    assert [p["tokens"] for p in doc["prompts"]] == [len(tokens_of(model, longer))]
+    run_cli("pack", "import", tmp_path / "pack", "--store", tmp_path / "b", "--model", model)
+    short = tokens_of(model, PROMPT)
+    got = run_procs("check", tmp_path / "b", model, 256, short)
+    assert got["reused"] == len(short) - 1 and got["max_abs_diff"] < 1e-3
+    alone = run_cli("pack", "export", "--store", tmp_path / "a", "--model", model, "--prompt", PROMPT, "--unsigned",
+                    "--out", tmp_path / "pack2", check=False)
+    assert alone.returncode == 1 and "start of a longer stored prompt" in alone.stderr
+    assert not (tmp_path / "pack2").exists()

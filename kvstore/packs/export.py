@@ -34,7 +34,8 @@ from kvstore.storage import blobfile, blobformat
 class Exported:
     """What an export wrote: prompts, their tokens (how many had to be computed first, and how
     many were stored before the export: the rest were shared with an earlier prompt of it),
-    records and bytes in the pack, and whether it is signed."""
+    records and bytes in the pack, whether it is signed, and how many prompts it carries as the
+    start of a longer one of them."""
 
     prompts: int
     tokens: int
@@ -43,6 +44,7 @@ class Exported:
     bytes: int
     signed: bool
     stored_before: int = 0
+    within_another: int = 0  # prompts carried as the start of a longer prompt of the pack
 
 
 def shared_only(rows: Sequence) -> None:
@@ -76,11 +78,18 @@ def export_pack(store, mc, model_dir: Path, tokenizer, prompts: list[np.ndarray]
         computed += mc.prefill(tokens, progress=progress)[2]
     store.flush()
     # What `prefill` stores of each prompt: all of it, or in exact mode all but its last token.
-    prompts = [mc.stored_part(np.asarray(t)) for t in prompts]
+    given = [mc.stored_part(np.asarray(t)) for t in prompts]
+    prompts = _not_within_another(given)
     chains = [prompt_records(mc.ns, t, mc.chunk_size, checkpoint=mc.checkpointed) for t in prompts]
     wanted = list(dict.fromkeys(s.hash for chain in chains for s in chain))
     rows = store.index.rows_of(wanted)
     missing = [h for h in wanted if h not in rows]
+    within = [i for i, (t, chain) in enumerate(zip(prompts, chains), 1)
+              if any(s.hash not in rows for s in chain) and mc.stored_length(t) >= len(t)]
+    if within:
+        raise PackError(f"prompt {within[0]} of the pack is stored only as the start of a longer stored "
+                        "prompt (its own last record was folded into that prompt's): export the longer "
+                        "prompt, whose pack restores this one too; nothing exported")
     if missing:
         raise PackError(f"{len(missing)} of the prompts' {len(wanted)} records did not reach the disk (a full "
                         "disk, or a write that failed: see `kvstore stats`): nothing exported")
@@ -114,9 +123,22 @@ def export_pack(store, mc, model_dir: Path, tokenizer, prompts: list[np.ndarray]
         os.rename(tmp, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return Exported(len(prompts), sum(map(len, prompts)), computed, len(records),
+    return Exported(len(given), sum(map(len, given)), computed, len(records),
                     sum(n for n, _ in records.values()), sign_key is not None,
-                    min(before, sum(map(len, prompts)) - computed))
+                    min(before, sum(map(len, given)) - computed), len(given) - len(prompts))
+
+
+def _not_within_another(prompts: list[np.ndarray]) -> list[np.ndarray]:
+    """The prompts that are not the start of another one of them (nor a repeat of an earlier one):
+    the store keeps such a prompt within the longer one's records (its own last record folded into
+    the longer prompt's), and the longer prompt's pack restores it too."""
+    kept = []
+    for i, t in enumerate(prompts):
+        inside = any((len(u) > len(t) or (len(u) == len(t) and j < i)) and np.array_equal(u[: len(t)], t)
+                     for j, u in enumerate(prompts) if j != i)
+        if not inside:
+            kept.append(t)
+    return kept
 
 
 def _replayed_canaries(mc, bits: int, folder: Path, prompts: list[np.ndarray], chains: list,
