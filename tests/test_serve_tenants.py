@@ -18,7 +18,7 @@ from test_server import Server, cached
 import kvstore
 from kvstore.serve.options import build_parser, server_settings
 from kvstore.serve.promptcache import PersistentPromptCache
-from kvstore.serve.tenancy.policy import UNKNOWN, Refused, RequestTenants, TenantPolicy, parse_source
+from kvstore.serve.tenancy.policy import UNKNOWN, UNNAMED, Refused, RequestTenants, TenantPolicy, parse_source
 
 SYSTEM = {"role": "system", "content": "You are the assistant of a clinic. Answer in one short sentence. " * 4}
 SECRET = "My diagnosis code is 4711-XQ; keep it between us. " * 4
@@ -104,7 +104,14 @@ def test_a_trusted_cache_salt_keeps_clients_apart(warmed, tmp_path):
         assert shared > 0
         assert cached(usage(server, SECRET, None, cache_salt="team-a")) == first["prompt_tokens"] - 1
         assert cached(usage(server, SECRET, None, cache_salt="team-b")) == shared
-        assert cached(usage(server, SECRET, None)) == shared  # no salt: the shared namespace, not team-a's
+        assert cached(usage(server, SECRET, None)) == shared  # no salt: not team-a's
+        # Requests without a salt are a tenant of their own: they reuse each other's prompts, and a
+        # salted request for one of them reuses only the shared prompt (no oracle on them).
+        victim = "An unsalted client's own question, never sent before. " * 3
+        unsalted = usage(server, victim, None)
+        assert cached(unsalted) <= shared + OWN
+        assert cached(usage(server, victim, None)) == unsalted["prompt_tokens"] - 1
+        assert cached(usage(server, victim, None, cache_salt="evil")) == shared
         r = chat(server, SECRET, cache_salt=7)
         assert r.status_code == 400 and "cache_salt" in r.json()["error"]
         # /v1/completions reads it too
@@ -113,6 +120,34 @@ def test_a_trusted_cache_salt_keeps_clients_apart(warmed, tmp_path):
         two = requests.post(server.url + "/v1/completions", json={**body, "cache_salt": "y"}, timeout=120).json()
         again = requests.post(server.url + "/v1/completions", json={**body, "cache_salt": "x"}, timeout=120).json()
     assert cached(two["usage"]) == 0 and cached(again["usage"]) == one["usage"]["prompt_tokens"] - 1
+
+
+def test_a_server_without_tenants_never_shares_its_requests_with_tenants(demo_model, tmp_path):
+    """A `--tenant-from none` server on a store tenants use: before the tenants' server starts its
+    requests are shared; after, it stores none (it is told within seconds); started after it,
+    its requests are a tenant of their own. Tenants reuse none of them."""
+    model, prompts = demo_model("llama"), tmp_path / "system.jsonl"
+    prompts.write_text(json.dumps({"messages": [SYSTEM]}) + "\n")
+    store = tmp_path / "store"
+    run_cli("warm", "--store", store, "--model", model, "--prompts", prompts)
+    before, after, later = (f"Question {n} of a client of the plain server. " * 3 for n in ("one", "two", "three"))
+    with Server(model, store, tmp_path / "plain.log") as plain:
+        assert cached(usage(plain, before, None)) > 0  # the warmed prompt
+        with Server(model, store, tmp_path / "tenants.log", "--tenant-from", "header:X-Tenant") as tenants:
+            time.sleep(2.5)  # the plain server looks at its store every 2 s
+            sent = usage(plain, after, None)
+            shared = cached(usage(tenants, after, "mallory"))
+            assert shared < sent["prompt_tokens"] - 30  # the warmed prompt only: `after` was not stored
+            assert cached(usage(plain, after, None)) <= shared + OWN
+            # Started on the store the tenants use: its requests are a tenant of their own.
+            with Server(model, store, tmp_path / "plain2.log") as plain2:
+                first = usage(plain2, later, None)
+                assert cached(first) <= shared + OWN
+                assert cached(usage(plain2, later, None)) == first["prompt_tokens"] - 1
+                assert cached(usage(tenants, later, "mallory")) <= shared + OWN
+                start_line = plain2.log()
+    assert "stores none of its requests from now on" in plain.log()
+    assert "stored as one tenant of their own" in start_line
 
 
 def _rss(pid: int) -> int:
@@ -183,7 +218,12 @@ def test_the_tenant_policy():
     assert not TenantPolicy().active and TenantPolicy().tenant_of({"X-Tenant": "a"}, {"cache_salt": "s"}) is None
     salted = TenantPolicy.parse("none", trust_client_salt=True)
     assert salted.active and salted.tenant_of({}, {"cache_salt": "s"}) != salted.tenant_of({}, {"cache_salt": "t"})
-    assert salted.tenant_of({}, {}) is None
+    assert salted.tenant_of({}, {}) == UNNAMED  # no salt: a tenant of its own, not the shared namespace
+    assert salted.tenant_of({}, {"cache_salt": "s"}) != UNNAMED
+    assert TenantPolicy(unnamed=True).active and TenantPolicy(unnamed=True).tenant_of({}, {}) == UNNAMED
+    with pytest.raises(Refused, match="control characters"):
+        header.tenant_of({"X-Tenant": "a\x00b"}, {})
+    assert header.tenant_of({"X-Tenant": UNNAMED}, {}) != UNNAMED  # (\x1f is stripped as space)
     for bad in ("header:", "header:a b", "cookie", "header:a:b"):
         with pytest.raises(ValueError):
             parse_source(bad)

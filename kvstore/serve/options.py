@@ -45,7 +45,8 @@ SERVE_SETTINGS: tuple[Setting, ...] = (
             help="the tenant of a request that names none, with --tenant-from header:NAME or bearer"),
     Setting("trust_client_salt", "flag", False,
             help="let a request's cache_salt field (vLLM's, on /v1/chat/completions and /v1/completions) "
-                 "split its tenant further; without this flag the field is ignored"),
+                 "split its tenant further (requests without it are one tenant of their own, never the shared "
+                 "namespace); without this flag the field is ignored"),
     Setting("report_cached_tokens", "choice", "on", choices=("on", "off"),
             help="on: usage.prompt_tokens_details.cached_tokens says how many prompt tokens came from "
                  "the store (only ever the shared prompts and the request's tenant's own); off: never said"),

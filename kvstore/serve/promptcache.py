@@ -30,7 +30,7 @@ from kvstore.model.prefill import prompt_cache
 from kvstore.serve.binding import IN_RAM, Binding, KeyBindings
 from kvstore.serve.firststeps import FirstSteps
 from kvstore.serve.ramlru import CACHE_TYPES, RamSequences, SystemPrompts
-from kvstore.serve.tenancy.policy import UNKNOWN, RequestTenants
+from kvstore.serve.tenancy.policy import UNKNOWN, RequestTenants, SharedWrites
 from kvstore.store import Store
 from kvstore.tenants import Tenant
 
@@ -65,14 +65,17 @@ class PersistentPromptCache:
 
     `max_insert_tokens`: a longer sequence is served but not stored (None: no cap).
     `tenants`: every call is for a tenant (`for_tenant`, or `kvstore serve`'s requests); a lookup
-    or insert whose tenant is not known is served without the store.
+    or insert whose tenant is not known is served without the store. `shared_writes`: without
+    tenants, inserts go on only while it allows (`tenancy.policy.SharedWrites`).
     No call raises into the server: a failure is logged and served as a miss.
     """
 
     def __init__(self, store: Store, *, max_size: int = 10, max_bytes: int | None = None,
-                 max_insert_tokens: int | None = None, tenants: bool = False):
+                 max_insert_tokens: int | None = None, tenants: bool = False,
+                 shared_writes: SharedWrites | None = None):
         self.store = store
         self.tenants = RequestTenants(tenants)
+        self.shared_writes = shared_writes
         self.max_size = max_size
         self.max_bytes = max_bytes
         self.max_insert_tokens = max_insert_tokens
@@ -202,7 +205,8 @@ class PersistentPromptCache:
                 if binding == IN_RAM:
                     key = (model, tenant_id) if self.tenants.active else model
                     self._fallback().insert_cache(key, tokens, prompt_cache, cache_type=cache_type)
-                if isinstance(binding, Binding) and tokens:
+                stored = self.shared_writes is None or self.shared_writes.allowed(self.store)
+                if isinstance(binding, Binding) and tokens and stored:
                     self._insert(binding, model, tokens, prompt_cache, cache_type, self._tenant(tenant_id))
             except Exception as e:
                 self._error("insert", e)

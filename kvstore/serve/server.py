@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import errno
 import io
 import logging
@@ -41,8 +42,15 @@ from kvstore.serve.options import (
 )
 from kvstore.serve.promptcache import PersistentPromptCache
 from kvstore.serve.signals import Stopper
-from kvstore.serve.tenancy.policy import describe_tenants
-from kvstore.sizes import plural
+from kvstore.serve.tenancy.policy import (
+    SharedWrites,
+    TenantPolicy,
+    describe_tenants,
+    mark_tenants,
+    serves_tenants,
+    shared_bytes,
+)
+from kvstore.sizes import format_size, plural
 from kvstore.store import Store
 
 log = logging.getLogger("kvstore")
@@ -167,6 +175,22 @@ def _kv_events(served: dict, peek: argparse.Namespace, served_model: str) -> dic
     return config.as_dict()
 
 
+def _tenants_on(store: Store, tenants: TenantPolicy) -> TenantPolicy:
+    """How this server tells tenants on `store`: a server serving tenants apart marks the store;
+    a `--tenant-from none` server on a store that serves tenants serves its requests as one
+    tenant of their own (the shared namespace would let every tenant reuse them), and says so."""
+    if tenants.active:
+        mark_tenants(store)
+        return tenants
+    if not serves_tenants(store):
+        return tenants
+    log.warning("kvstore: warning: this store serves tenants apart (it holds tenants' records, or a server "
+                "with --tenant-from or --trust-client-salt has used it): this server's requests are stored "
+                "as one tenant of their own, not as shared prompts every tenant would reuse; they still "
+                "reuse the store's warmed and pinned prompts")
+    return dataclasses.replace(tenants, unnamed=True)
+
+
 def _memory_bytes(memory_bytes: int | None, prompt_cache_bytes: str | None) -> int | None:
     """--memory-bytes, else mlx_lm.server's --prompt-cache-bytes, else None (the store's default)."""
     if memory_bytes is None and prompt_cache_bytes is not None:
@@ -186,8 +210,9 @@ def _serve(server, store: Store, served: dict, passthrough: list[str], served_mo
     from kvstore.serve.metrics import ServerMetrics
     from kvstore.serve.mlxserver import Waiting
 
-    tenants = served["tenants"]
-    cache = PersistentPromptCache(store, max_insert_tokens=served["store_max_tokens"], tenants=tenants.active)
+    tenants = _tenants_on(store, served["tenants"])
+    cache = PersistentPromptCache(store, max_insert_tokens=served["store_max_tokens"], tenants=tenants.active,
+                                  shared_writes=None if tenants.active else SharedWrites())
     waiting = Waiting()
     metrics = ServerMetrics(cache, waiting, served_model)
 
@@ -201,8 +226,11 @@ def _serve(server, store: Store, served: dict, passthrough: list[str], served_mo
             routing.warm_top(cache, served["warm_top"])
     hosts = Hosts(peek_mlx_options(passthrough).host, served["allowed_hosts"])
     if tenants.active:
-        log.info("kvstore: serving tenants apart (%s); shared prompts are the store's warmed and pinned ones",
-                 describe_tenants(tenants))
+        shared = shared_bytes(store)
+        log.info("kvstore: serving tenants apart (%s); shared prompts, which every tenant reuses, are what the "
+                 "store holds without a tenant (%s: what `kvstore warm` and pins stored, and any request a "
+                 "server without tenants stored here before)", describe_tenants(tenants),
+                 "none" if not shared else format_size(shared))
 
     def make_handler(base: type) -> type:
         return handler_class(base, cache, metrics, served["allowed_origins"], served_model, hosts=hosts,

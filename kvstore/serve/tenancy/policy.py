@@ -10,18 +10,33 @@ and its one-at-a-time path alike); the lookup `take`s it. The caches mlx_lm.serv
 come from its batch generator (`mlxserver` tags them with the tenant of the request they are of)
 or, one request at a time, from the request being served (`single`). An insert whose tenant is
 not known is not stored: it can never land in another tenant's namespace.
+
+A request is written to the shared namespace (which every tenant's lookup follows) only on a
+server that serves every request alike (`--tenant-from none`) on a store no tenant uses: with
+`--trust-client-salt`, requests without a `cache_salt` are the tenant `UNNAMED`, and so are a
+`--tenant-from none` server's on a store that serves tenants (`serves_tenants`; one that finds
+out later stores nothing more, `SharedWrites`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
 from kvstore.tenants import check_id
 
+log = logging.getLogger("kvstore")
+
+#: The tenant of requests that name none where others do: they reuse the shared prompts and each
+#: other's, and write nothing into the shared namespace. (A header or token never holds "\x1f".)
+UNNAMED = "\x1fno tenant named"
+#: The `meta` mark a server serving tenants apart sets on its store (see `serves_tenants`).
+TENANTS_MARK = "serve.tenants_apart"
 #: A tenant not known (no request told it): nothing is reused or stored for it.
 UNKNOWN = object()
 #: Tags of caches kept for inserts still to come, at most (the oldest are dropped: not stored).
@@ -41,11 +56,14 @@ class Refused(Exception):
 class TenantPolicy:
     """How `kvstore serve` tells a request's tenant: `source` is "none", "bearer" or a header
     name; `default` the tenant of a request that names none (None: such a request is refused);
-    `trust_client_salt`: a request's `cache_salt` splits its tenant further (vLLM's field)."""
+    `trust_client_salt`: a request's `cache_salt` splits its tenant further (vLLM's field);
+    `unnamed`: a request that names no tenant is the tenant `UNNAMED`, not the shared namespace
+    (so it is too with `trust_client_salt` and no `cache_salt`)."""
 
     source: str = "none"
     default: str | None = None
     trust_client_salt: bool = False
+    unnamed: bool = False
 
     @classmethod
     def parse(cls, text: str, default: str | None = None, trust_client_salt: bool = False) -> "TenantPolicy":
@@ -54,14 +72,15 @@ class TenantPolicy:
     @property
     def active(self) -> bool:
         """Whether requests may have tenants at all (else every request is the shared namespace's)."""
-        return self.source != "none" or self.trust_client_salt
+        return self.source != "none" or self.trust_client_salt or self.unnamed
 
     def tenant_of(self, headers: Mapping[str, str], body: Mapping[str, Any]) -> str | None:
         """The tenant id of a request (None: the shared namespace); Refused if it has none and
         there is no default, or its `cache_salt` is not text. Messages never quote a value."""
         tenant = self._named(headers)
         if not self.trust_client_salt or "cache_salt" not in body:
-            return tenant
+            unnamed = tenant is None and (self.trust_client_salt or self.unnamed)
+            return UNNAMED if unnamed else tenant
         salt = body["cache_salt"]
         if not isinstance(salt, str) or not salt:
             raise Refused(400, "cache_salt must be a non-empty string")
@@ -83,6 +102,8 @@ class TenantPolicy:
                 return self.default
             raise Refused(status, f"this server serves each tenant apart and takes the tenant from {what}, "
                                   "which this request does not have")
+        if any(ord(c) < 32 or ord(c) == 127 for c in value):
+            raise Refused(400, f"the tenant in {what} holds control characters")
         try:
             return check_id(value)
         except ValueError as e:
@@ -175,4 +196,51 @@ def describe_tenants(policy: TenantPolicy) -> str:
         how += ", a default tenant for requests without it"
     if policy.trust_client_salt:
         how += ", a request's cache_salt splits it further"
+    if policy.trust_client_salt or policy.unnamed:
+        how += ("; requests that name no tenant" + (" nor cache_salt" if policy.trust_client_salt else "")
+                + " are one tenant of their own, never the shared prompts")
     return how
+
+
+def serves_tenants(store) -> bool:
+    """Whether `store` holds tenants' records or a server serving tenants apart has used it: then
+    a request written to its shared namespace would be reused (and so detectable) by every tenant."""
+    index = store.index
+    return index is not None and bool(index.tenant_totals() or index.marks(TENANTS_MARK))
+
+
+def shared_bytes(store) -> int | None:
+    """Bytes of the records `store` holds without a tenant (what every tenant reuses), or None."""
+    if store.index is None:
+        return None
+    return store.index.totals()["bytes"] - sum(size for _, size in store.index.tenant_totals().values())
+
+
+def mark_tenants(store) -> None:
+    """Record in `store` that a server serving tenants apart uses it (see `serves_tenants`)."""
+    if store.index is not None and not store.read_only:
+        store.index.raise_mark(TENANTS_MARK, 1)
+
+
+class SharedWrites:
+    """Whether a server that stores every request in the shared namespace (`--tenant-from none`)
+    may go on doing so: not once its store serves tenants (looked at every `EVERY_S` seconds),
+    whose requests would reuse this server's clients' prompts as shared ones."""
+
+    EVERY_S = 2.0
+
+    def __init__(self):
+        self._looked = -self.EVERY_S
+        self.stopped = False
+
+    def allowed(self, store) -> bool:
+        now = time.monotonic()
+        if not self.stopped and now - self._looked >= self.EVERY_S:
+            self._looked = now
+            self.stopped = serves_tenants(store)
+            if self.stopped:
+                log.warning("kvstore: warning: a server serving tenants apart now uses this store; this "
+                            "server (--tenant-from none) stores none of its requests from now on, since "
+                            "every tenant would reuse them as shared prompts: restart it to store them as "
+                            "a tenant of their own")
+        return not self.stopped
