@@ -23,6 +23,7 @@ from kvstore.remote.layout import manifest_key, parse_key, parse_other
 from kvstore.remote.seal import NONCE_BYTES, Fleet, Unauthenticated, fleet_secret, key_id, new_key, read_key_file
 from kvstore.remote.seal import parse_key as key_bytes
 from kvstore.remote.upkeep import collect_remote
+from kvstore.upkeep.rebuild import rebuild_index
 
 C = 16
 
@@ -85,6 +86,43 @@ def test_a_node_of_another_tenant_never_downloads_nor_opens_a_tenants_records(tm
         cache, rest = alice.fetch(secret + [1])
         assert len(rest) == 1 and logits_diff(model, cache, rest, secret + [1]) < 1e-4
         assert {r.hash for r in n3.index.rows() if r.tenant is not None} == set(mine)
+
+
+def test_no_object_the_fleet_key_opens_holds_the_uploading_nodes_model_path(tmp_path, s3, llama_model):
+    path, model = llama_model
+    url = s3.url()
+    secret = SYSTEM + toks(45, 3)
+    with node(tmp_path, "n1", url) as n1:
+        n1.bind(model, str(path)).prefill(SYSTEM, pin=True)
+        alice = n1.bind(model, str(path), tenant="alice")
+        alice.prefill(secret)
+        assert n1.flush()
+        fleet, ns, tenant = n1.remote.fleet, alice.ns, n1.tenant("alice")
+    bucket, local = open_bucket(url), [str(path).encode(), path.name.encode()]
+    kinds = set()
+    for key in objects(url):
+        body, record, other = bucket.get(key, max_bytes=64 << 20), parse_key(key), parse_other(key)
+        if record is not None:
+            plain = fleet.sealer(ns, tenant if record.owned else None).open(key, body)
+            kinds.add("owned" if record.owned else "shared")
+        else:
+            box = fleet.manifest_box(other[1]) if other[0] == "manifest" else fleet.sealer(ns)
+            plain = box.open(key, body)
+            kinds.add(other[0])
+        assert not any(p in bytes(plain) for p in local), key
+    assert kinds == {"owned", "shared", "manifest", "pins"}
+    # Another node still takes them: checked, stored, restored, and the bucket verifies clean.
+    with node(tmp_path, "n2", url) as n2:
+        mc = n2.bind(model, str(path), tenant="alice")
+        assert reused(mc, secret + [1]) == len(secret)
+        assert n2.flush()
+        assert reused(n2.bind(model, str(path), tenant="alice"), secret + [1]) == len(secret)
+        downloaded = len(list(n2.index.rows()))
+    assert run_cli("verify", "--remote", url, "--store", tmp_path / "n2").returncode == 0
+    # Their headers name no model: a lost index is still rebuilt from them.
+    for f in (tmp_path / "n2").glob("index.sqlite*"):
+        f.unlink()
+    assert rebuild_index(tmp_path / "n2")["records"] == downloaded > 0
 
 
 def test_a_key_rotation_reads_with_both_keys_then_leaves_nothing_only_the_old_key_opens(tmp_path, s3, llama_model):

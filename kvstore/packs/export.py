@@ -20,7 +20,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from kvstore import canary, keys, trust
+from kvstore import canary, keys
 from kvstore.errors import BlobError, PackError
 from kvstore.packs import identity, replay, signing
 from kvstore.packs.manifest import BLOBS, MANIFEST, Manifest, Prompt, blob_name, sha256
@@ -178,7 +178,6 @@ def _write_blob(store, row, path: Path, chunk_size: int) -> tuple[int, str, dict
     except BlobError as e:
         raise PackError(f"a stored record is damaged ({e}): run `kvstore verify --repair`, then export "
                         "again") from None
-    meta = {k: v for k, v in stored.metadata.items() if k not in ("model_id", trust.HEADER_KEY)}  # nor this node's tag
-    data = blobformat.restamp(buf, meta)
+    data = blobformat.restamp(buf, blobformat.portable(stored.metadata))  # nor this node's tag
     path.write_bytes(data)
     return len(data), sha256(data), fields

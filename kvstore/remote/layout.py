@@ -3,7 +3,7 @@
 Layout under `s3://BUCKET/PREFIX/` (every name is a MAC under the fleet secret, 32 or 16 hex
 digits, see `remote.seal`; `pp` is the first two digits of `parent`):
 
-    <ns>/manifest                                   model fingerprint, layout, model id
+    <ns>/manifest                                   model fingerprint, layout, geometry (no path)
     <ns>/<pp>/<parent>/<branch>/<record>.chunk.<n>.<marks>  a chunk: n == chunk size tokens
     <ns>/<pp>/<parent>/<branch>/<record>.tail.<n>.<marks>   a tail of n tokens
     <ns>/<pp>/<record>/ckpt/<checkpoint>.ckpt       the checkpoint at the end of <record>

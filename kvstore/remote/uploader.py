@@ -209,8 +209,10 @@ class Uploader:
             self.health.count("skipped_unknown_tenant")
             return False
         self._put_manifest(row.ns)
-        key = key_of(s, row, blobformat.read_record(buf, row.hash.hex()).tokens)
-        body = s.seal(key, buf)
+        stored = blobformat.read_record(buf, row.hash.hex())
+        key = key_of(s, row, stored.tokens)
+        # Without this node's model path and trust tag: the tensors' checksums still hold.
+        body = s.seal(key, blobformat.restamp(buf, blobformat.portable(stored.metadata)))
         if self.bucket.put_new(key, body):
             self.health.count("uploads")
             self.health.count("upload_bytes", len(body))

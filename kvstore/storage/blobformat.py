@@ -234,6 +234,16 @@ def restamp(buf: bytes | bytearray | memoryview, metadata: Mapping[str, str], wh
     return struct.pack("<Q", len(raw)) + raw + bytes(memoryview(buf)[base:])
 
 
+#: Header fields that are the writing node's own: its local model path (`model_id`) and its
+#: trust tag (a MAC under its keys). They stay out of what leaves it (packs, the bucket).
+LOCAL_FIELDS = ("model_id", trust.HEADER_KEY)
+
+
+def portable(metadata: Mapping[str, str]) -> dict[str, str]:
+    """`metadata` without the writing node's own fields (`LOCAL_FIELDS`)."""
+    return {k: v for k, v in metadata.items() if k not in LOCAL_FIELDS}
+
+
 def header_metadata(buf: bytes | bytearray) -> dict[str, str]:
     """The `__metadata__` strings of a header (call `parse_header` first: this trusts it)."""
     (n,) = struct.unpack_from("<Q", buf, 0)

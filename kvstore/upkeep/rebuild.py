@@ -216,7 +216,7 @@ def _read_record(path: Path, h: bytes) -> dict:
     rid = stored.identity  # the record its header describes
     fingerprint = blobformat.meta_field(meta, "fingerprint", blobformat.hash16, path)
     chunk_size = blobformat.meta_field(meta, "chunk_size", int, path)
-    model_id = blobformat.meta_field(meta, "model_id", str, path)
+    model_id = meta.get("model_id")  # none in a record from the bucket or a pack (`blobformat.portable`)
     ns, parent, depth, kind, n = rid.ns, rid.parent, rid.depth, rid.kind, rid.ntokens
     if depth < 1 or kind not in (CHUNK, TAIL, CHECKPOINT) or chunk_size < 1:
         raise BlobError(f"{path}: depth {depth}, kind {kind} or chunk size {chunk_size} is impossible")
@@ -267,7 +267,7 @@ def _write(index: Index, records: list[dict], old: _Salvage) -> None:
     models: dict[bytes, dict] = {}
     for r in records:
         m = models.get(r["ns"])
-        if m is None or r["mtime"] > m["mtime"]:
+        if m is None or (r["model_id"] is not None, r["mtime"]) > (m["model_id"] is not None, m["mtime"]):
             models[r["ns"]] = r
     with index.transaction() as conn:
         for ns, r in models.items():
@@ -275,7 +275,7 @@ def _write(index: Index, records: list[dict], old: _Salvage) -> None:
             conn.execute(
                 "INSERT OR IGNORE INTO models (ns, fingerprint, model_id, layout, chunk_size, created, "
                 "last_used) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (ns, r["fingerprint"], r["model_id"], old.layouts.get(ns, "{}"), r["chunk_size"],
+                (ns, r["fingerprint"], r["model_id"] or "", old.layouts.get(ns, "{}"), r["chunk_size"],
                  first, r["mtime"]))
         conn.executemany(
             "INSERT OR IGNORE INTO records (hash, ns, parent, depth, kind, ntokens, first_token, size, "
