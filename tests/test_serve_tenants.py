@@ -18,6 +18,7 @@ from test_server import Server, cached
 import kvstore
 from kvstore.serve.options import build_parser, server_settings
 from kvstore.serve.promptcache import PersistentPromptCache
+from kvstore.serve.tenancy.isolation import ALPHA, SHARED_CHECK, Report, chance_p, min_probes, scored
 from kvstore.serve.tenancy.policy import UNKNOWN, UNNAMED, Refused, RequestTenants, TenantPolicy, parse_source
 
 SYSTEM = {"role": "system", "content": "You are the assistant of a clinic. Answer in one short sentence. " * 4}
@@ -89,7 +90,7 @@ def test_two_tenants_by_header_share_only_the_warmed_system_prompt(warmed, tmp_p
     tags = {t["tenant"] for t in stats["tenants"]}
     assert len(tags) >= 4 and all(len(t) == 16 for t in tags)
     assert all(f'kvstore_tenant_bytes{{tenant="{t}"}}' in metrics for t in tags)
-    assert "tenants are kept apart" in out.stdout, out.stdout
+    assert "tenants are kept apart: 5 checks ran and passed" in out.stdout, out.stdout
     for check in ("the same tenant hits", "another tenant misses", "the shared prompt hits for both",
                   "time to first token tells nothing", "cached_tokens tells nothing"):
         assert f"ok   {check}" in out.stdout, out.stdout
@@ -148,6 +149,39 @@ def test_a_server_without_tenants_never_shares_its_requests_with_tenants(demo_mo
                 start_line = plain2.log()
     assert "stores none of its requests from now on" in plain.log()
     assert "stored as one tenant of their own" in start_line
+
+
+def test_verify_isolation_never_passes_a_server_that_does_not_isolate(warmed, tmp_path):
+    """Without cached_tokens in the answers, verify measures reuse through /metrics: a server
+    that ignores the tenants' header fails "another tenant misses"; a shared prompt nobody warmed
+    fails "the shared prompt hits for both"; too few probes to fail the timing check are refused."""
+    model, store, prompts = warmed
+    unwarmed = tmp_path / "unwarmed.jsonl"
+    unwarmed.write_text(json.dumps({"messages": [{"role": "system", "content": "Nobody warmed this. " * 40}]}) + "\n")
+    few = run_cli("verify", "--isolation", "http://127.0.0.1:9", "--probes", "6", check=False)
+    assert few.returncode == 2 and "at least 7" in few.stderr
+    off = ("--report-cached-tokens", "off")
+    with Server(model, store, tmp_path / "one.log", *off) as server:  # one tenant: the header is ignored
+        one = run_cli("verify", "--isolation", server.url, "--prompts", prompts, "--probes", "7", check=False)
+    assert one.returncode == 1 and "FAIL another tenant misses" in one.stdout, one.stdout
+    assert "tenants are NOT kept apart" in one.stdout and "from the server's /metrics" in one.stdout
+    with Server(model, store, tmp_path / "two.log", "--tenant-from", "header:X-Tenant", *off) as server:
+        two = run_cli("verify", "--isolation", server.url, "--prompts", unwarmed, "--probes", "7", check=False)
+    assert two.returncode == 1, two.stdout
+    for check in ("the same tenant hits", "another tenant misses", "cached_tokens tells nothing"):
+        assert f"ok   {check}" in two.stdout, two.stdout
+    assert "FAIL the shared prompt hits for both" in two.stdout
+    assert "left in the store: the two probe tenants' records" in two.stdout
+
+
+def test_an_isolation_report_with_a_check_not_run_is_no_pass():
+    report = Report(checks={"the same tenant hits": (True, ""), "another tenant misses": (None, "not known")})
+    assert not report.ok and "NOT shown to be kept apart" in report.verdict()
+    report.checks["another tenant misses"] = (True, "")
+    report.checks[SHARED_CHECK] = (None, "no shared prompt given")
+    report.not_asked.add(SHARED_CHECK)
+    assert report.ok and "not checked: the shared prompt" in report.verdict()
+    assert chance_p(1.0, scored(min_probes())) < ALPHA <= chance_p(1.0, scored(min_probes() - 1))
 
 
 def _rss(pid: int) -> int:

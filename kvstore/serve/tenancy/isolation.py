@@ -13,6 +13,12 @@ Against a running server (`check_server`: its tenants told as it tells them, `--
 shared prompt is the first line of a prompt file the operator warmed; against a store
 (`check_store`) the same runs through the library on a temporary store made with that store's
 chunk size and tenant key (the store itself is not written).
+
+The shared prompt hits when each tenant's first request (before it stored anything of its own)
+reuses all of its whole chunks. A server that tells clients no `cached_tokens`
+(`--report-cached-tokens off`) is measured through its `/metrics` (the reuse counters before and
+after each probe, kept only when the probe was the server's one request meanwhile). A check
+that cannot run is never a pass: the verdict names it (`Report.verdict`).
 """
 
 from __future__ import annotations
@@ -32,22 +38,57 @@ ALPHA = 0.01
 SLACK = 8
 
 
+#: The check the operator may leave out (no `--prompts`): its skip is no failure.
+SHARED_CHECK = "the shared prompt hits for both"
+
+
 @dataclass
 class Report:
-    """What `verify --isolation` found: its checks (name -> (passed or None if not run, detail))
-    and its figures (name -> value)."""
+    """What `verify --isolation` found: its checks (name -> (passed or None if not run, detail)),
+    its figures (name -> value) and notes (what the run left behind)."""
 
     checks: dict[str, tuple[bool | None, str]] = field(default_factory=dict)
     figures: dict[str, object] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    not_asked: set[str] = field(default_factory=set)  # checks skipped because the operator left them out
+
+    @property
+    def not_run(self) -> list[str]:
+        return [name for name, (p, _) in self.checks.items() if p is None and name not in self.not_asked]
 
     @property
     def ok(self) -> bool:
-        return all(passed is not False for passed, _ in self.checks.values())
+        """Every check that was asked for ran and passed."""
+        return not self.not_run and all(p is not False for p, _ in self.checks.values())
+
+    def verdict(self) -> str:
+        failed = [name for name, (p, _) in self.checks.items() if p is False]
+        if failed:
+            return "tenants are NOT kept apart (failed: " + "; ".join(failed) + ")"
+        if self.not_run:
+            return ("tenants are NOT shown to be kept apart: no check failed, but these could not run: "
+                    + "; ".join(self.not_run))
+        left = f" (not checked: {'; '.join(sorted(self.not_asked))})" if self.not_asked else ""
+        return f"tenants are kept apart: {len(self.checks) - len(self.not_asked)} checks ran and passed{left}"
 
     def lines(self) -> list[str]:
         out = [f"{'ok  ' if p else 'FAIL' if p is False else 'skip'} {name}: {detail}"
                for name, (p, detail) in self.checks.items()]
-        return out + [f"     {name}: {value}" for name, value in self.figures.items()]
+        return out + [f"     {name}: {value}" for name, value in self.figures.items()] + self.notes
+
+
+def scored(probes: int) -> int:
+    """How many probes a run of `probes` per kind scores the threshold on (the second halves)."""
+    return 2 * (probes - probes // 2)
+
+
+def min_probes() -> int:
+    """The fewest probes per kind with which the timing check can fail: below it, even a threshold
+    that classifies every scored probe right is as likely by chance as `ALPHA` or more."""
+    n = 4
+    while chance_p(1.0, scored(n)) >= ALPHA:
+        n += 1
+    return n
 
 
 def threshold_split(a: Sequence[float], b: Sequence[float]) -> tuple[float, float]:
@@ -74,14 +115,19 @@ def chance_p(accuracy: float, n: int) -> float:
     return sum(math.comb(n, i) for i in range(k, n + 1)) / 2 ** n
 
 
-def judge(report: Report, other: list[tuple[float, int]], fresh: list[tuple[float, int]], unit: str) -> None:
-    """The usage and timing figures of B's probes: (seconds, cached tokens) of A's prompts
-    (`other`) and of prompts nobody sent (`fresh`)."""
+def judge(report: Report, other: list[tuple[float, int]], fresh: list[tuple[float, int]], unit: str | None) -> None:
+    """The usage and timing figures of B's probes: (seconds, reused tokens) of A's prompts
+    (`other`) and of prompts nobody sent (`fresh`); `unit`: the usage field B is told its reuse
+    by (None: its answers tell none)."""
     n = len(other) - len(other) // 2 + len(fresh) - len(fresh) // 2  # scored probes
+    if unit is None:
+        report.checks["cached_tokens tells nothing"] = (True, "the server's answers carry no cached_tokens")
     for what, i, fmt in (("time to first token", 0, lambda v: f"{v * 1000:.1f} ms"), (unit, 1, str)):
+        if what is None:
+            continue
         xa, xb = [p[i] for p in other], [p[i] for p in fresh]
         if any(v is None for v in xa + xb):
-            report.checks[f"{what} tells nothing"] = (None, "not reported by the server")
+            report.checks[f"{what} tells nothing"] = (None, "not in every answer of the server")
             continue
         _, acc = threshold_split(xa, xb)
         p = chance_p(acc, n)
@@ -106,23 +152,98 @@ def check_server(url: str, tenant_from: str, shared: list[dict] | None, probes: 
     source = parse_source(tenant_from)
     if source == "none":
         raise ValueError("--tenant-from: give the way the server tells tenants (header:NAME or bearer)")
+    base, http = url.rstrip("/"), requests.Session()
     run = secrets.token_hex(4)
     tenants = {who: f"kvstore-verify-{who}-{run}" for who in "AB"}
+    told = {"cached_tokens": False}
+
+    def headers(who: str) -> dict:
+        return {"Authorization": f"Bearer {tenants[who]}"} if source == "bearer" else {source: tenants[who]}
 
     def ask(who: str, text: str) -> tuple[float, int | None, int]:
-        headers = {"Authorization": f"Bearer {tenants[who]}"} if source == "bearer" else {source: tenants[who]}
         body = {"messages": (shared or []) + [{"role": "user", "content": text}], "max_tokens": 1,
                 "temperature": 0.0}
+        before = _reuse_counters(http, base)
         t0 = time.perf_counter()
-        r = requests.post(url.rstrip("/") + "/v1/chat/completions", headers=headers, json=body, timeout=timeout)
+        r = http.post(base + "/v1/chat/completions", headers=headers(who), json=body, timeout=timeout)
         took = time.perf_counter() - t0
         if r.status_code != 200:
             raise RuntimeError(f"the server answered {r.status_code}: {r.text[:200]}")
         usage = r.json().get("usage") or {}
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        told["cached_tokens"] |= cached is not None
+        if cached is None:  # its /metrics, if this probe was its one request meanwhile
+            after = _reuse_counters(http, base)
+            if before is not None and after is not None and after[0] - before[0] == 1:
+                cached = after[1] - before[1]
         return took, cached, int(usage.get("prompt_tokens", 0))
 
-    return _protocol(ask, lambda: _words(text_tokens), probes, shared is not None, "cached_tokens")
+    need = _shared_need(http, base, shared, headers("A"), timeout) if shared is not None else None
+    stored_before = _tenant_bytes(http, base)
+    report = _protocol(ask, lambda: _words(text_tokens), probes, need, lambda: "cached_tokens" if told["cached_tokens"]
+                       else None, "tokens reused, from the server's /metrics")
+    stored_after = _tenant_bytes(http, base)
+    if stored_before is not None and stored_after is not None:
+        report.notes.extend(left_behind({t: b for t, b in stored_after.items() if t not in stored_before}))
+    return report
+
+
+def left_behind(tags: dict[str, int]) -> list[str]:
+    """What a run's probe tenants left in the server's store (their tags -> bytes), and how it goes."""
+    if not tags:
+        return []
+    from kvstore.sizes import format_size
+
+    each = ", ".join(f"{tag} ({format_size(size)})" for tag, size in sorted(tags.items()))
+    return [f"left in the store: the two probe tenants' records, {format_size(sum(tags.values()))} under "
+            f"the tenant tags {each}. No command drops one tenant's records: they go as any tenant's "
+            "do, least recently used first (kvstore gc --max-bytes, or --tenant-max-bytes SIZE for every "
+            "tenant's share)"]
+
+
+def _reuse_counters(http, base: str) -> tuple[int, int] | None:
+    """(requests, tokens reused) of the server's /metrics (None if it cannot be read)."""
+    try:
+        r = http.get(base + "/metrics", timeout=10)
+    except Exception:
+        return None
+    if r.status_code != 200:
+        return None
+    requests_seen, reused = None, 0
+    for line in r.text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name == "kvstore_requests_total":
+            requests_seen = int(float(value))
+        elif name.startswith("kvstore_reused_tokens_total{"):
+            reused += int(float(value))
+    return None if requests_seen is None else (requests_seen, reused)
+
+
+def _tenant_bytes(http, base: str) -> dict[str, int] | None:
+    """Tenant tag -> bytes on disk, from the server's /kvstore/stats (None if it cannot be read)."""
+    try:
+        r = http.get(base + "/kvstore/stats", timeout=30)
+        return {t["tenant"]: int(t["bytes"]) for t in r.json().get("tenants") or []} if r.status_code == 200 else None
+    except Exception:
+        return None
+
+
+def _shared_need(http, base: str, shared: list[dict], headers: dict, timeout: float) -> int:
+    """How many tokens of a request the shared prompt's stored records must give it: every whole
+    chunk of the part its warmed line (rendered as `kvstore warm` renders it) has in common with
+    a request that begins with it; all of that part when it is shorter than a chunk."""
+    def render(messages: list[dict]) -> list[int]:
+        r = http.post(base + "/v1/chat/completions/render", headers=headers, json={"messages": messages},
+                      timeout=timeout)
+        if r.status_code != 200:
+            raise RuntimeError(f"the server's render endpoint answered {r.status_code}: {r.text[:200]}")
+        return list(r.json()["token_ids"])
+
+    warmed, asked = render(shared), render(shared + [{"role": "user", "content": _words(40)}])
+    common = next((i for i, (a, b) in enumerate(zip(warmed, asked)) if a != b), min(len(warmed), len(asked)))
+    r = http.get(base + "/kvstore/stats", timeout=30)
+    chunk = int(r.json().get("chunk_size") or 256) if r.status_code == 200 else 256
+    return common // chunk * chunk or common
 
 
 def _words(n: int) -> str:
@@ -135,8 +256,11 @@ def _words(n: int) -> str:
 Ask = Callable[[str, str], tuple[float, "int | None", int]]
 
 
-def _protocol(ask: Ask, fresh_text: Callable[[], object], probes: int, has_shared: bool, unit: str) -> Report:
-    """The checks, through `ask(tenant, private part) -> (seconds, reused, prompt tokens)`."""
+def _protocol(ask: Ask, fresh_text: Callable[[], object], probes: int, need: int | None,
+              told: Callable[[], str | None], unit: str) -> Report:
+    """The checks, through `ask(tenant, private part) -> (seconds, reused, prompt tokens)`;
+    `need`: tokens the shared prompt must give each tenant's first request (None: not checked);
+    `told()`: the usage field that tells a client its reuse (None: none); `unit`: the reuse's name."""
     report = Report()
     texts = [fresh_text() for _ in range(probes)]
     first = [ask("A", t)[:2] for t in texts]  # A stores its prompts
@@ -145,26 +269,34 @@ def _protocol(ask: Ask, fresh_text: Callable[[], object], probes: int, has_share
     for t in texts:  # B probes each of A's prompts once, and as many new ones, interleaved
         other.append(ask("B", t)[:2])
         fresh.append(ask("B", fresh_text())[:2])
+    missing = f"{unit}: not known for every probe (other requests to the server meanwhile, or no /metrics)"
     if again is None:
-        report.checks["the same tenant hits"] = (None, f"{unit} not reported by the server")
+        report.checks["the same tenant hits"] = (None, missing)
     else:
         report.checks["the same tenant hits"] = (again >= n - 1, f"A's second request for its prompt of {n} "
                                                                  f"tokens reused {again}")
+    if any(c is None for _, c in other + fresh):
+        report.checks["another tenant misses"] = (None, missing)
+    else:
         shared_b = {c for _, c in fresh}
         worst = max(c for _, c in other)
         # (B's own earlier probes may share a few tokens with any new prompt: random text rarely more)
         report.checks["another tenant misses"] = (worst <= max(shared_b) + SLACK, f"B's requests for A's prompts "
                                                   f"reused at most {worst} tokens; for prompts nobody sent, "
                                                   f"{min(shared_b)} to {max(shared_b)}")
-        if has_shared:
-            least = min(c for _, c in first + fresh)
-            report.checks["the shared prompt hits for both"] = (least > 0, f"A and B reused at least {least} tokens "
-                                                                "of the shared prompt")
-    if not has_shared:
-        report.checks.setdefault("the shared prompt hits for both",
-                                 (None, "no shared prompt given (--prompts: a line the operator warmed)"))
-    judge(report, other, fresh, unit)
+    if need is None:
+        report.checks[SHARED_CHECK] = (None, "no shared prompt given (--prompts: a line the operator warmed)")
+        report.not_asked.add(SHARED_CHECK)
+    elif first[0][1] is None or other[0][1] is None:
+        report.checks[SHARED_CHECK] = (None, missing)
+    else:
+        least = min(first[0][1], other[0][1])
+        report.checks[SHARED_CHECK] = (least >= need, f"the first requests of A and B reused {first[0][1]} and "
+                                       f"{other[0][1]} tokens; the shared prompt's stored chunks are {need}")
+    judge(report, other, fresh, told())
     report.figures["probes"] = f"{probes} of A's prompts and {probes} new ones, by B"
+    if told() is None:
+        report.figures["reuse measured by"] = unit
     return report
 
 
@@ -198,9 +330,11 @@ def check_store(store, model, model_id: str, shared: Sequence[int] | None, probe
         store.flush()
         return took, len(toks) - len(rest), len(toks)
 
-    return _protocol(ask, lambda: make(private), probes, True, "reused tokens")
+    need = len(shared) // C * C or len(shared)
+    return _protocol(ask, lambda: make(private), probes, need, lambda: "reused tokens", "reused tokens")
 
 
 def figures_json(report: Report) -> str:
-    return json.dumps({"ok": report.ok, "checks": {k: {"passed": p, "detail": d} for k, (p, d) in report.checks.items()},
-                       "figures": report.figures}, indent=2, default=str)
+    return json.dumps({"ok": report.ok, "verdict": report.verdict(),
+                       "checks": {k: {"passed": p, "detail": d} for k, (p, d) in report.checks.items()},
+                       "figures": report.figures, "notes": report.notes}, indent=2, default=str)
