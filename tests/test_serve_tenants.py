@@ -87,6 +87,7 @@ def test_two_tenants_by_header_share_only_the_warmed_system_prompt(warmed, tmp_p
                       "--prompts", prompts, "--probes", "10")
     for who in ("alice", "bob", "carol", "dave"):
         assert who not in log  # tenants are named by tag, never by the header's value
+    assert "keep them for the operator" in log  # /metrics and /kvstore/stats show every tenant's bytes
     tags = {t["tenant"] for t in stats["tenants"]}
     assert len(tags) >= 4 and all(len(t) == 16 for t in tags)
     assert all(f'kvstore_tenant_bytes{{tenant="{t}"}}' in metrics for t in tags)

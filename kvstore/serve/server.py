@@ -231,6 +231,9 @@ def _serve(server, store: Store, served: dict, passthrough: list[str], served_mo
                  "store holds without a tenant (%s: what `kvstore warm` and pins stored, and any request a "
                  "server without tenants stored here before)", describe_tenants(tenants),
                  "none" if not shared else format_size(shared))
+        log.warning("kvstore: warning: GET /metrics and GET /kvstore/stats answer any client of this port and "
+                    "show every tenant's bytes on disk (by tag) as they change: keep them for the operator, "
+                    "behind your proxy")
 
     def make_handler(base: type) -> type:
         return handler_class(base, cache, metrics, served["allowed_origins"], served_model, hosts=hosts,

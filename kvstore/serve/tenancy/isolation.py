@@ -292,7 +292,8 @@ def _protocol(ask: Ask, fresh_text: Callable[[], object], probes: int, need: int
     else:
         least = min(first[0][1], other[0][1])
         report.checks[SHARED_CHECK] = (least >= need, f"the first requests of A and B reused {first[0][1]} and "
-                                       f"{other[0][1]} tokens; the shared prompt's stored chunks are {need}")
+                                       f"{other[0][1]} tokens; the shared prompt's whole chunks (all of it, if shorter) "
+                                       f"are {need}")
     judge(report, other, fresh, told())
     report.figures["probes"] = f"{probes} of A's prompts and {probes} new ones, by B"
     if told() is None:
