@@ -23,6 +23,9 @@ from kvstore.sizes import format_age, format_size, parse_duration, parse_rate, p
 
 OFF_WORDS = ("off", "none")
 AUTO = "auto"
+#: The chunk size of every open that does not give one (the command line's): a setting counted
+#: in chunks (`exact_prefill`) is checked against it where no open's own is known.
+CHUNK_SIZE = 256
 GIVEN, KEPT, DEFAULT = "given", "kept", "default"
 
 
@@ -48,6 +51,7 @@ class Setting:
     serve_note: str = ""
     damaged: str | None = None  # what a kept value that does not parse reads as (None: the default)
     check: Callable[[str], Any] | None = None  # a `text` setting's validator
+    chunks: bool = False  # a whole number of chunks of the open's chunk size (`check_chunks`)
 
     @property
     def flag(self) -> str | None:
@@ -82,12 +86,36 @@ class Setting:
         """How a kept value is written in the store's index (`decode` reads it back)."""
         return "off" if value is None else str(value)
 
-    def decode(self, text: str) -> Any:
-        """A kept value, checked like a given one, except that a 0 kept before 0 was refused is
-        kept as it is. Raises `InvalidInputError` for a damaged one."""
+    def decode(self, text: str, chunk_size: int = CHUNK_SIZE) -> Any:
+        """A kept value, checked like a given one (and against `chunk_size`, for a setting
+        counted in chunks), except that a 0 kept before 0 was refused is kept as it is. Raises
+        `InvalidInputError` for a damaged one, its message what is wrong, as a clause: `is not
+        one of all, reused, pinned`."""
+        if not isinstance(text, str) or text.startswith("\0"):  # (`Index.settings`: not text in the index)
+            raise InvalidInputError("is not text")
         if self.kind in ("rate", "size") and text.strip() == "0":
             return 0
-        return self.parse(text, f"the store's kept {self.name}")
+        try:
+            value = self.parse(text)
+        except InvalidInputError:
+            raise InvalidInputError(f"is not {self.allowed(chunk_size)}") from None
+        if self.chunks and value is not None and value % chunk_size:
+            raise InvalidInputError(f"is {value} tokens, not a multiple of the chunk size ({chunk_size})")
+        return value
+
+    def allowed(self, chunk_size: int = CHUNK_SIZE) -> str:
+        """What a value of this setting may be, in words: `one of all, reused, pinned`."""
+        more = " of 1 or more" if self.zero is None else ""
+        text = {
+            "size": f"a size{more} such as 500MB or 2GiB", "rate": "a rate above 0 such as 20GB/day or 500MB/h",
+            "duration": "a duration such as 10s or 2m", "count": f"a whole number{more or ' of 0 or more'}",
+            "choice": f"one of {', '.join(map(str, self.choices))}", "flag": "true or false",
+            "bits": f"{' or '.join(map(str, self.choices))} (bits), or 0 for off", "list": "a comma-separated list",
+            "json": "a JSON object", "text": "text"}[self.kind]
+        if self.chunks:
+            text = f"a multiple of the chunk size ({chunk_size}), such as {chunk_size} or {8 * chunk_size}"
+        extra = [word for word, yes in ((AUTO, self.auto), ("off", self.off)) if yes]
+        return text + (f", or {' or '.join(extra)}" if extra else "")
 
     def help_text(self, serve: bool = False) -> str:
         default = self.serve_default if serve and self.serve_default is not None else self.default
@@ -253,7 +281,7 @@ STORE_SETTINGS: tuple[Setting, ...] = (
     Setting("disk_kv_bits", "bits", None, kept=True, choices=(4, 8), zero="off",
             help="store the K/V of bf16/f16 attention layers quantized to 8 (or 4) bits: lossy, "
                  "about half the disk of bf16 at 8 bits; other dtypes are stored as they are; 0: off"),
-    Setting("exact_prefill", "count", None, kept=True, off=True, zero=None,
+    Setting("exact_prefill", "count", None, kept=True, off=True, zero=None, chunks=True,
             refuse_zero="0 is no step: use off for token-exact reuse, or a multiple of the chunk size such as 256",
             help="exact mode: prefill prompts in steps of N tokens from token 0 (N a multiple of the chunk "
                  "size, e.g. 256 or 2048) and restore only at multiples of N (or at a stored prompt's own "
@@ -270,7 +298,7 @@ STORE_SETTINGS: tuple[Setting, ...] = (
     Setting("remote_flush_timeout", "duration", 10.0, zero="do not wait for uploads",
             help="how long one command, or one close, waits in all for uploads to the remote "
                  "tier, e.g. 30s; uploads left undone are counted and said; 0: do not wait"),
-    Setting("chunk_size", "count", 256, option=None, zero=None, refuse_zero="a chunk needs at least one token",
+    Setting("chunk_size", "count", CHUNK_SIZE, option=None, zero=None, refuse_zero="a chunk needs at least one token",
             help="tokens per chunk record (part of the namespace: another size stores apart); 0 is refused"),
     Setting("max_pending_bytes", "size", 2 << 30, option=None, zero="every insert is dropped",
             help="bound the background writer's queue; an insert that does not fit is dropped and counted; "
@@ -285,10 +313,12 @@ KEPT_SETTINGS = tuple(s for s in STORE_SETTINGS if s.kept)
 
 
 def resolve(given: Mapping[str, Any], kept: Mapping[str, str | None],
-            warn: Callable[[str], None] = lambda message: None) -> dict[str, tuple[Any, str]]:
+            warn: Callable[[str], None] = lambda message: None,
+            chunk_size: int = CHUNK_SIZE) -> dict[str, tuple[Any, str]]:
     """`{name: (value, source)}` for every store setting: given (not None in `given`: parsed
-    here, `InvalidInputError` when bad), else kept (the text the store keeps; a damaged one
-    falls back to the default with one `warn`), else the default."""
+    here, `InvalidInputError` when bad), else kept (the text the store keeps, checked against
+    this open's `chunk_size` too; a damaged one never stops the open: it reads as its
+    `damaged` value, else the default, with one `warn`), else the default."""
     out: dict[str, tuple[Any, str]] = {}
     for s in STORE_SETTINGS:
         if given.get(s.name) is not None:
@@ -297,20 +327,31 @@ def resolve(given: Mapping[str, Any], kept: Mapping[str, str | None],
         text = kept.get(s.name) if s.kept else None
         if text is not None:
             try:
-                out[s.name] = (s.decode(text), KEPT)
+                out[s.name] = (s.decode(text, chunk_size), KEPT)
                 continue
             except InvalidInputError as e:
-                why = f"the store's kept {s.name} setting {text!r:.40} is damaged ({str(e).split(': ', 1)[-1]})"
+                why = f"the store's kept {s.name} {shown_kept(text)} is damaged ({str(e).removeprefix('is ')})"
                 if s.damaged is not None:  # a limit: a damaged one never turns it off
                     out[s.name] = (s.decode(s.damaged), KEPT)
-                    warn(f"{why}: it reads as {s.show(out[s.name][0])} (no automatic writes) until it is "
-                         f"given again, `kvstore settings {s.name}=...` keeps another or `kvstore verify --repair` "
-                         "forgets it")
+                    warn(f"{why}: it reads as {s.show(out[s.name][0])} ({damaged_means(s)}) until "
+                         f"`kvstore settings {s.name}=VALUE` keeps one ({s.allowed()}), or it is given")
                     continue
-                warn(f"{why}: using the default, {s.show(s.default)} (`kvstore settings --reset {s.name}` "
-                     "or `kvstore verify --repair` forgets it)")
+                warn(f"{why}: using the default, {s.show(s.default)}, until `kvstore settings {s.name}=...` "
+                     f"keeps a value (`kvstore verify --repair` forgets it)")
         out[s.name] = (s.default, DEFAULT)
     return out
+
+
+def shown_kept(text: object) -> str:
+    """A kept value as a message shows it: quoted and cut short (not text: what it was)."""
+    if isinstance(text, str) and text.startswith("\0"):
+        return text[1:41]
+    return f"{text!r:.40}"
+
+
+def damaged_means(s: Setting) -> str:
+    """What a damaged kept value of the limit `s` reading as `s.damaged` means, in words."""
+    return "no automatic writes" if s.name == "max_write_rate" else "closed"
 
 
 def report(resolved: Mapping[str, tuple[Any, str]]) -> dict[str, dict]:
@@ -334,6 +375,7 @@ def notes(resolved: Mapping[str, tuple[Any, str]]) -> list[str]:
     value, source = resolved["max_write_rate"]
     if value == 0:
         return [f"max_write_rate is 0 ({source}){_zero_note(BY_NAME['max_write_rate'], 0)}; "
+                "`kvstore settings max_write_rate=20GB/day` (or another rate) sets a budget, "
                 "`kvstore settings max_write_rate=off` lifts it"]
     return []
 
@@ -411,8 +453,13 @@ def table_text(table: tuple[Setting, ...] = STORE_SETTINGS) -> str:
 def check_exact_prefill(resolved: tuple[Any, str], chunk_size: int) -> None:
     """`exact_prefill` (its value and source, as `resolve` gives them) must be a whole number of
     chunks of `chunk_size` tokens."""
-    value, source = resolved
-    if value is not None and value % chunk_size:
+    check_chunks(BY_NAME["exact_prefill"], *resolved, chunk_size)
+
+
+def check_chunks(s: Setting, value: Any, source: str, chunk_size: int = CHUNK_SIZE) -> None:
+    """A value of `s` counted in chunks must be a whole number of chunks of `chunk_size` tokens;
+    `InvalidInputError` says which multiple to give."""
+    if s.chunks and value is not None and value % chunk_size:
         raise InvalidInputError(
-            f"exact_prefill ({source}) is {value} tokens, not a multiple of the chunk size ({chunk_size}): "
+            f"{s.name} ({source}) is {value} tokens, not a multiple of the chunk size ({chunk_size}): "
             f"give a multiple such as {max(1, round(value / chunk_size)) * chunk_size}, or off")

@@ -126,12 +126,6 @@ class Store:
         value = {name: v for name, (v, _) in self.settings.items()}
         self.disk_kv_bits = value["disk_kv_bits"]
         self.exact_prefill = value["exact_prefill"]
-        try:  # a kept value: checked against this open's chunk size
-            settings.check_exact_prefill(self.settings["exact_prefill"], self.chunk_size)
-        except InvalidInputError:
-            if self.files is not None:
-                self.files.close()
-            raise
         self.tenant_max_bytes = value["tenant_max_bytes"]
         self.remote = self._open_remote(remote, secrets, value)
         self._tenant_secret: tuple[bytes, str] | None = None  # (secret, key id), made on first use
@@ -173,7 +167,8 @@ class Store:
         except sqlite3.DatabaseError as e:  # unreadable: the defaults, and limits closed (as if damaged)
             log.warning("kvstore: cannot read the store's kept settings (%s): using the defaults", e)
             kept = {s.name: "\0unreadable" for s in settings.KEPT_SETTINGS if s.damaged is not None}
-        resolved = settings.resolve(given, kept, warn=lambda message: log.warning("kvstore: %s", message))
+        resolved = settings.resolve(given, kept, warn=lambda message: log.warning("kvstore: %s", message),
+                                    chunk_size=self.chunk_size)
         for s in settings.KEPT_SETTINGS:
             value, source = resolved[s.name]
             if writes and source == settings.GIVEN and kept.get(s.name) != s.encode(value):

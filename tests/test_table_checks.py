@@ -202,9 +202,73 @@ def test_a_damaged_kept_setting_opens_the_store_with_one_warning(tmp_path, llama
     if name == "max_write_rate":  # a limit: it fails closed
         assert stats["writes"]["max_write_rate"] == 0
     repaired(store, capsys, "bad_setting")
-    assert sql(store, "SELECT count(*) FROM meta WHERE key = ?", [(f"setting.{name}",)]) == [(0,)]
+    # A limit stays closed (0, kept) until a value is kept; the others are forgotten.
+    left = [("0",)] if name == "max_write_rate" else []
+    assert sql(store, "SELECT value FROM meta WHERE key = ?", [(f"setting.{name}",)]) == left
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="kvstore"):
         with kvstore.open(store, chunk_size=C):
             pass
     assert not [r for r in caplog.records if "damaged" in r.getMessage()]
+
+
+def test_a_kept_exact_prefill_of_no_whole_chunks_is_refused_and_a_planted_one_never_stops_an_open(
+        tmp_path, llama, capsys, caplog):
+    path, model = llama
+    store = tmp_path / "s"
+    assert main(["settings", "--store", str(store), "exact_prefill=100"]) == 2
+    err = capsys.readouterr().err
+    assert "exact_prefill (to keep) is 100 tokens, not a multiple of the chunk size (256)" in err, err
+    assert main(["settings", "--store", str(store), "exact_prefill=512"]) == 0  # a whole number of chunks is kept
+    sql(store, "UPDATE meta SET value = '100' WHERE key = 'setting.exact_prefill'")  # planted
+    with caplog.at_level(logging.WARNING, logger="kvstore"):
+        with kvstore.open(store, chunk_size=C) as s:  # opens, in the default mode
+            assert s.exact_prefill is None and s.settings["exact_prefill"] == (None, "default")
+            s.bind(model, path).insert(prompt(0), prefill(model, prompt(0)))
+    warned = [r.getMessage() for r in caplog.records if "exact_prefill" in r.getMessage()]
+    assert len(warned) == 1, warned
+    assert "kept exact_prefill '100' is damaged (100 tokens, not a multiple of the chunk size (16))" in warned[0]
+    code, out = verify(store, capsys)
+    assert code == 1 and (f"bad_setting: {store / 'index.sqlite'}: meta setting.exact_prefill: the kept value '100' "
+                          "is 100 tokens, not a multiple of the chunk size (256): it reads as its default (off)") in out, out
+    repaired(store, capsys, "bad_setting")
+    assert sql(store, "SELECT count(*) FROM meta WHERE key = 'setting.exact_prefill'") == [(0,)]
+
+
+@pytest.mark.parametrize("name, value, says", [
+    ("admit", "sometimes", "the kept value 'sometimes' is not one of all, reused, pinned: it reads as its default (all)"),
+    ("max_write_rate", "12 parsecs", "the kept value '12 parsecs' is not a rate above 0 such as 20GB/day or 500MB/h, "
+                                     "or off: it reads as 0 B/day (no automatic writes)"),
+    ("disk_kv_bits", "eight", "the kept value 'eight' is not 4 or 8 (bits), or 0 for off: it reads as its default (off)"),
+])
+def test_a_damaged_kept_setting_is_said_in_one_sentence(tmp_path, capsys, caplog, name, value, says):
+    store = tmp_path / "s"
+    with kvstore.open(store):
+        pass
+    sql(store, "INSERT INTO meta (key, value) VALUES (?, ?)", [(f"setting.{name}", value)])
+    code, out = verify(store, capsys)
+    assert f"meta setting.{name}: {says}" in out, out
+    with caplog.at_level(logging.WARNING, logger="kvstore"):
+        kvstore.open(store).close()
+    [warned] = [r.getMessage() for r in caplog.records if name in r.getMessage()]
+    assert f"the store's kept {name} {value!r} is damaged (not " in warned and " is is " not in warned, warned
+
+
+def test_repair_keeps_a_damaged_write_budget_closed_and_says_how_to_set_one(tmp_path, llama, capsys):
+    """Damage and repair never turn a write budget off: the repaired store keeps 0 (no
+    automatic writes), and verify, stats and settings say which command sets a rate."""
+    path, model = llama
+    store = tmp_path / "s"
+    with kvstore.open(store, max_write_rate="1GB/day"):
+        pass
+    sql(store, "UPDATE meta SET value = '12 parsecs' WHERE key = 'setting.max_write_rate'")
+    code, out = verify(store, capsys, "--repair")
+    assert f"`kvstore settings --store {store} max_write_rate=VALUE` keeps one" in out, out
+    assert verify(store, capsys)[0] == 0
+    with kvstore.open(store, chunk_size=C) as s:
+        assert s.settings["max_write_rate"] == (0, "kept")
+        s.bind(model, path).insert(prompt(0), prefill(model, prompt(0)))
+        s.flush()
+        assert s.stats()["bytes"] == 0 and s.stats()["writes"]["over_budget"] > 0
+    assert main(["settings", "--store", str(store)]) == 0
+    assert "`kvstore settings max_write_rate=20GB/day` (or another rate) sets a budget" in capsys.readouterr().out

@@ -9,6 +9,7 @@ from kvstore import settings as table
 from kvstore.argv import did_you_mean
 from kvstore.cli.options import open_local
 from kvstore.cli.output import EXIT_USAGE, PROG, CommandError, out, say
+from kvstore.errors import InvalidInputError
 
 EXAMPLES = """examples:
   kvstore settings --store ~/kv                        # every setting, its value and source
@@ -48,8 +49,10 @@ def _changes(args) -> list[tuple[table.Setting, object]]:
             raise CommandError(f"{text!r}: give NAME=VALUE, like admit=reused", EXIT_USAGE)
         s = _setting(name, text)
         try:
-            out_.append((s, s.parse(value, s.name)))
-        except Exception as e:  # InvalidInputError: what was wrong with the value
+            parsed = s.parse(value, s.name)
+            table.check_chunks(s, parsed, "to keep")  # (the chunk size of every command)
+            out_.append((s, parsed))
+        except InvalidInputError as e:  # what was wrong with the value
             raise CommandError(str(e), EXIT_USAGE) from None
     return out_
 
@@ -69,7 +72,7 @@ def cmd_settings(args) -> int:
             files.index.set_setting(s.name, s.encode(value))
             old, source = before[s.name]
             say(f"{PROG} settings: kept {s.name}={s.show(value)} (was {s.show(old)}, {source})")
-        resolved = files.settings()
+        resolved = files.settings() if writes else before  # (a damaged kept value is said once)
         if args.json:
             print(json.dumps(table.report(resolved), indent=2, sort_keys=True))
             return 0

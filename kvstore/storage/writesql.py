@@ -68,17 +68,18 @@ def window_bytes(rows: Iterable[Sequence], hour: int, window: int, limit: int | 
 
 
 def kept_problem(name: str, value: object) -> str | None:
-    """What is wrong with `value` as the kept form of setting `name` (None: nothing, or not a
-    setting the store keeps). The one definition is `kvstore.settings`."""
+    """What is wrong with `value` as the kept form of setting `name`, as a clause (`is not one
+    of all, reused, pinned`; None: nothing, or not a setting the store keeps). The one
+    definition is `kvstore.settings`."""
     s = settings.BY_NAME.get(name)
     if s is None or not s.kept:
         return None
     if not isinstance(value, str):
-        return f"not text but {type(value).__name__}"
+        return f"is not text but {'a blob' if isinstance(value, bytes) else type(value).__name__}"
     try:
         s.decode(value)
     except InvalidInputError as e:
-        return str(e).split(": ", 1)[-1]
+        return str(e)
     return None
 
 

@@ -11,7 +11,8 @@ fields no blob can give back, is deleted: its records are then orphans, which th
 reports. A damaged write-log value becomes 0, and an hour in the budget's window whose bytes were
 damaged is counted as the store's kept budget (full until it leaves the window, as the budget
 read it); a damaged role becomes the weakest, 0, as gc read it; a damaged kept setting is
-forgotten, so its default applies; a damaged seen mark, model file or memoised digest is
+forgotten, so its default applies, unless it is a limit (`max_write_rate`): that one is kept at
+what it read as (0: no automatic writes) until a value is kept again; a damaged seen mark, model file or memoised digest is
 deleted (the key is seen afresh, the next bind records its files, the file is hashed again).
 """
 
@@ -85,10 +86,14 @@ def row_problems(index: Index) -> list[tuple[str, str, str]]:
         out.append(("bad_role", f"records {_hex(h)}", f"its role is {role!r:.40}, not 0 to {MAX_ROLE}: gc evicts it "
                     "as the weakest (0); repair sets it to 0"))
     for name, value, why in index.damaged_settings():
-        fallback = settings.BY_NAME[name].damaged
-        reads = "a budget of 0 (no automatic writes)" if fallback == "0" else "its default"
-        out.append(("bad_setting", f"meta setting.{name}", f"the kept value {value!r:.40} is {why}: it reads as "
-                    f"{reads} unless given; repair forgets it, so the default applies (give it again to keep one)"))
+        s = settings.BY_NAME[name]
+        if s.damaged is not None:  # a limit: closed until a value is kept
+            reads = (f"it reads as {s.show(s.decode(s.damaged))} ({settings.damaged_means(s)}) unless given; repair "
+                     f"keeps it so until `kvstore settings --store {index.path.parent} {name}=VALUE` keeps one "
+                     f"({s.allowed()})")
+        else:
+            reads = f"it reads as its default ({s.show(s.default)}) unless given; repair forgets it"
+        out.append(("bad_setting", f"meta setting.{name}", f"the kept value {settings.shown_kept(value)} {why}: {reads}"))
     for h, seen, reused in index.damaged_seen():
         out.append(("bad_seen_row", f"seen_prefixes {_hex(h)}", f"seen {seen!r:.30}, reused {reused!r:.30}: "
                     "not a 16-byte key, a time and 0 or 1, so it is not seen; repair deletes it"))
@@ -125,12 +130,12 @@ def repair_tables(index: Index, root: Path, records_of: dict[bytes, list[bytes]]
     mended from the header of one of its blobs (`records_of`: ns -> hashes of good records)."""
     kinds = {kind for kind, _, _ in problems}
     if "bad_write_log" in kinds:
-        kept = index.setting("max_write_rate")
-        index.mend_log(int(kept) if kept is not None else 0)
+        kept = settings.resolve({}, index.settings())["max_write_rate"][0]  # None: off
+        index.mend_log(min(kept or 0, MAX_HOUR_BYTES))
     if "bad_role" in kinds:
         index.reset_damaged_roles()
     for name, _, _ in index.damaged_settings() if "bad_setting" in kinds else ():
-        index.set_setting(name, None)
+        index.set_setting(name, settings.BY_NAME[name].damaged)  # a limit stays closed; others are forgotten
     if "bad_seen_row" in kinds:
         index.forget_damaged_seen()
     if kinds & {"bad_model_file", "bad_digest"}:
