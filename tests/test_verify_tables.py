@@ -183,3 +183,32 @@ def test_remote_node_id_is_one_of_the_stores_own_names(tmp_path, lost):
     assert out.returncode == 1 and "rebuilt" in out.stdout + out.stderr, out.stdout + out.stderr
     assert kv("stats", "--store", store, home=tmp_path).returncode == 0
     assert node_id(store) == node
+
+
+@pytest.mark.parametrize("drop", ["totals", "meta", "write_log, totals"])
+def test_a_rebuilt_index_keeps_the_kept_settings_and_the_write_log_or_keeps_the_budget_closed(tmp_path, llama, drop):
+    """What the damaged index still holds of its kept settings and write log is kept; what it
+    cannot give back never turns the write budget off, and the rebuild says which."""
+    store = tmp_path / "s"
+    path, model = llama
+    with kvstore.open(store, chunk_size=C, admit="reused", max_write_rate="1GB/day"):
+        pass
+    rows = warm(store, llama)  # written under the budget, into the write log
+    written = sum(r.size for r in rows)
+    sql(store, *[f"DROP TABLE {table}" for table in drop.split(", ")])  # a store kvstore can no longer open
+    out = kv("verify", "--repair", "--store", store, home=tmp_path)
+    assert out.returncode == 1 and "rebuilt the index" in out.stderr, out.stderr
+    with kvstore.open(store, chunk_size=C) as s:
+        kept = {name: v for name, v in s.settings.items() if v[1] == "kept"}
+        writes = s.stats()["writes"]
+    if drop == "totals":
+        assert "settings kept: admit=reused, max_write_rate=953.7 MiB/day; write log kept (1 hour)" in out.stderr
+        assert kept == {"admit": ("reused", "kept"), "max_write_rate": (10**9, "kept")}
+        assert writes["bytes_last_day"] == written
+    elif drop == "meta":
+        assert (f"max_write_rate is kept as 0 B/day (no automatic writes) until `kvstore settings --store "
+                f"{store} max_write_rate=VALUE` keeps one") in out.stderr, out.stderr
+        assert kept == {"max_write_rate": (0, "kept")} and writes["budget_left"] == 0
+    else:
+        assert "the write log could not be read: this hour counts as the whole write budget" in out.stderr
+        assert kept["max_write_rate"] == (10**9, "kept") and writes["budget_left"] == 0

@@ -149,7 +149,7 @@ def _rebuild(args, why: CorruptIndexError) -> dict:
     say(f"{PROG} verify: {why}")
     rebuilt = rebuild_index(store_path(args))
     say(f"{PROG} verify: rebuilt the index from the blob files: {rebuilt['records']} records, "
-        f"{len(rebuilt['skipped'])} files not taken back; {rebuilt['pins']}"
+        f"{len(rebuilt['skipped'])} files not taken back; {rebuilt['pins']}; {rebuilt['settings']}"
         + (f"; the damaged index is kept as {rebuilt['damaged_index']}" if rebuilt["damaged_index"] else ""))
     return rebuilt
 

@@ -11,9 +11,13 @@ blob); anything else named like a blob (a user's file) is moved to `quarantine/`
 
 The damaged index is moved aside (`index.sqlite.damaged-<time>`, with its -wal/-shm), not
 deleted. What the blobs do not carry is read from it when it still can be (pins, access times,
-hit counts, model layouts); otherwise access times become the files' mtimes, and pins come from
-the pins file the store keeps beside the index (`storage.pins`; a damaged one gives what it
-still holds, and the result says what was wrong with it).
+hit counts, model layouts, the kept settings and the write log); otherwise access times become
+the files' mtimes, and pins come from the pins file the store keeps beside the index
+(`storage.pins`; a damaged one gives what it still holds, and the result says what was wrong
+with it). A limit never opens because its row was lost: when the damaged index's kept settings
+cannot be read, the write budget is kept closed (`max_write_rate` 0) until a value is kept again;
+when only its write log cannot be read, the hour of the rebuild counts as the whole budget.
+The result says what was kept and what was lost.
 
 Run it with no other process using the store (`kvstore verify --repair` does, when the index
 cannot be read): a process that still has the old index open keeps writing to the moved file.
@@ -28,14 +32,15 @@ from pathlib import Path
 
 import xxhash
 
-from kvstore import keys, records
-from kvstore.errors import BlobError, CorruptIndexError, NotAStoreError
+from kvstore import keys, records, settings
+from kvstore.errors import BlobError, CorruptIndexError, InvalidInputError, NotAStoreError
 from kvstore.records import CHECKPOINT, CHUNK, TAIL
 from kvstore.storage import blobfile, blobformat, blobtree
 from kvstore.storage.index import Index, _u64_to_i64
 from kvstore.storage.pins import PinsFile, read_pins_file, write_pins_file
 from kvstore.storage.schema import connect_read_only
 from kvstore.storage.storedir import BLOBS_NAME, INDEX_FILES, INDEX_NAME, PINS_NAME, has_blob_files, open_dir
+from kvstore.storage.writesql import LOG_COLUMNS, MAX_HOUR_BYTES, hour_of
 
 
 def rebuild_index(path: str | os.PathLike) -> dict:
@@ -44,7 +49,8 @@ def rebuild_index(path: str | os.PathLike) -> dict:
     Returns what was done: `records`, `chunks`, `tails`, `checkpoints`, `bytes`, `models`,
     `skipped` (a list of {"path", "reason"} for blob-named files that were not taken back),
     `salvaged` (records whose pin and access times came from the old index), `pinned` (records
-    pinned again), `pins` (where their pins came from, and what was lost, in words) and
+    pinned again), `pins` (where their pins came from, and what was lost, in words), `settings`
+    (which kept settings and write-log hours were kept, and what was lost, in words) and
     `damaged_index` (where the old index was moved, or None if there was none).
     """
     store = Path(path).expanduser().resolve()
@@ -65,6 +71,7 @@ def rebuild_index(path: str | os.PathLike) -> dict:
         earlier = sorted(store.glob(f"{INDEX_NAME}.damaged-*[0-9]"), key=lambda p: os.lstat(p).st_mtime)
         old = _salvage(aside or (earlier[-1] if earlier else None))
         old.pins_file = read_pins_file(store / PINS_NAME)
+        kept, log, settings_note = _kept_settings(old, store)
 
         found, skipped = _scan(root)
         accepted = _chain(found, skipped)
@@ -79,6 +86,7 @@ def rebuild_index(path: str | os.PathLike) -> dict:
         index = Index(building)
         try:
             _write(index, accepted, old)
+            _write_kept(index, kept, log)
         finally:
             index.close()
         os.replace(building, index_file)
@@ -99,6 +107,7 @@ def rebuild_index(path: str | os.PathLike) -> dict:
         "salvaged": sum(1 for r in accepted if r["hash"] in old.records),
         "pinned": len(pinned),
         "pins": pins,
+        "settings": settings_note,
         "skipped": [{"path": str(p), "reason": why} for p, why in skipped],
         "damaged_index": str(aside) if aside is not None else None,
     }
@@ -127,10 +136,13 @@ def _move_aside(index_file: Path) -> Path | None:
 
 
 class _Salvage:
-    def __init__(self):
+    def __init__(self, found: bool = False):
+        self.found = found  # there was an old index to read
         self.records: dict[bytes, tuple[float, float, int, int]] = {}  # created, last_access, hits, pinned
         self.layouts: dict[bytes, str] = {}
         self.pins_file: PinsFile | None = None
+        self.settings: dict[str, object] | None = None  # name -> kept value as stored; None: unreadable
+        self.write_log: list[tuple] | None = None  # (hour, *LOG_COLUMNS) as stored; None: unreadable
 
     def pinned(self, h: bytes) -> int:
         """The old index's pin of a record where it could tell, else the pins file's."""
@@ -156,9 +168,9 @@ def _pins_note(old: _Salvage, pinned: int, path: Path) -> str:
 
 def _salvage(old_file: Path | None) -> _Salvage:
     """What the old index can still tell, read-only and best effort (it is damaged)."""
-    out = _Salvage()
     if old_file is None or old_file.is_symlink() or not old_file.is_file():
-        return out
+        return _Salvage()
+    out = _Salvage(found=True)
     try:
         conn = connect_read_only(old_file, timeout=1.0)  # an escaped URI: `#` or `?` in the path
     except sqlite3.Error:
@@ -178,9 +190,69 @@ def _salvage(old_file: Path | None) -> _Salvage:
                             pass
             except sqlite3.Error:
                 pass  # keep whatever was read before the damaged page
+        try:  # all or nothing: a part of them would read as the rest being defaults
+            out.settings = {key.removeprefix("setting."): value for key, value in conn.execute(
+                "SELECT key, value FROM meta WHERE key LIKE 'setting.%'")}
+        except sqlite3.Error:
+            pass
+        try:
+            out.write_log = conn.execute(f"SELECT hour, {', '.join(LOG_COLUMNS)} FROM write_log").fetchall()
+        except sqlite3.Error:
+            pass
     finally:
         conn.close()
     return out
+
+
+def _kept_settings(old: _Salvage, store: Path) -> tuple[dict[str, object], list[tuple], str]:
+    """(the kept settings, the write-log rows, what was kept and lost in words) for the new
+    index. Unreadable kept settings keep every limit closed (each reads as its `damaged`
+    value); an unreadable write log with a budget counts this hour as the whole of it."""
+    if not old.found:
+        return {}, [], "no old index to read kept settings or the write log from: every setting is its default"
+    kept = dict(old.settings or {})
+    said = []
+    if old.settings is None:
+        closed = {s.name: s.damaged for s in settings.KEPT_SETTINGS if s.damaged is not None}
+        kept.update(closed)
+        said.append("the kept settings could not be read from the damaged index: " + ", ".join(
+            f"{name} is kept as {s.show(s.decode(s.damaged))} ({settings.damaged_means(s)}) until "
+            f"`kvstore settings --store {store} {name}=VALUE` keeps one ({s.allowed()})"
+            for name, s in ((name, settings.BY_NAME[name]) for name in closed)) + "; the others are their defaults")
+    else:
+        shown = [_shown(name, value) for name, value in sorted(kept.items())]
+        said.append(f"settings kept: {', '.join(shown)}" if shown else "no kept settings (every one its default)")
+    log = [row for row in old.write_log or [] if type(row[0]) is int]  # (the table's key)
+    if old.write_log is None:
+        limit = settings.resolve({}, {k: v for k, v in kept.items() if isinstance(v, str)})["max_write_rate"][0]
+        if limit:  # the window's use is unknown: this hour holds the whole budget, as a damaged hour does
+            log = [(hour_of(time.time()), min(limit, MAX_HOUR_BYTES), *[0] * (len(LOG_COLUMNS) - 1))]
+            said.append(f"the write log could not be read: this hour counts as the whole write budget "
+                        f"({settings.BY_NAME['max_write_rate'].show(limit)}) until it leaves the day")
+        else:
+            said.append("the write log could not be read (its counts of past writes are lost)")
+    else:
+        said.append(f"write log kept ({len(log)} hour{'s' if len(log) != 1 else ''})")
+    return kept, log, "; ".join(said)
+
+
+def _shown(name: str, value: object) -> str:
+    """`admit=reused`; a damaged value is copied as it is, for verify to report."""
+    s = settings.BY_NAME.get(name)
+    try:
+        return f"{name}={s.show(s.decode(value))}" if s is not None and s.kept else f"{name} (no setting kvstore keeps)"
+    except InvalidInputError:
+        return f"{name} (damaged, kept as it was: `kvstore verify` reports it)"
+
+
+def _write_kept(index: Index, kept: dict[str, object], log: list[tuple]) -> None:
+    """The kept settings and write-log rows, as they were stored (a damaged one stays damaged:
+    its readers read past it, fail closed, and verify reports it)."""
+    with index.transaction() as conn:
+        conn.executemany("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)",
+                         [(f"setting.{name}", value) for name, value in kept.items()])
+        conn.executemany(f"INSERT OR REPLACE INTO write_log (hour, {', '.join(LOG_COLUMNS)}) "
+                         f"VALUES (?{', ?' * len(LOG_COLUMNS)})", log)
 
 
 def _scan(root: Path) -> tuple[dict[bytes, dict], list[tuple[Path, str]]]:
