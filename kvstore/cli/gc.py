@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 from kvstore import settings
 from kvstore.argv import duration, size
-from kvstore.cli.options import open_local, remote_upkeep, remote_url
+from kvstore.cli.options import open_local, remote_upkeep, remote_url, store_path
 from kvstore.cli.output import EXIT_USAGE, PROG, CommandError, out, plural, say
 from kvstore.sizes import format_size
 
@@ -67,8 +68,21 @@ def cmd_gc(args) -> int:
         out(f"{plural(result['tenants_over'], 'tenant')} held more than {format_size(args.tenant_max_bytes)}: "
             f"their least recently used records {'would go' if args.dry_run else 'went'} first (pinned ones stay)")
     if args.max_bytes is not None and result["bytes"] > args.max_bytes:
-        say(f"{PROG} gc: still above the budget of {args.max_bytes} bytes: pinned records and their ancestors are kept")
+        say(f"{PROG} gc: still above the budget of {args.max_bytes} bytes: {_kept(args, result['kept_bytes'])}")
     return 0
+
+
+def _kept(args, kept: dict) -> str:
+    """What held the bytes gc did not free, in words."""
+    parts = []
+    if kept["records"]:
+        parts.append(f"{format_size(kept['records'])} {'would be' if args.dry_run else 'is'} held by pinned "
+                     "records and their ancestors (`kvstore pins` lists them)")
+    if kept["unread"]:
+        parts.append(f"{format_size(kept['unread'])} is counted by the index but held by no record gc could read "
+                     f"(damaged rows): `{PROG} verify --repair --store {shlex.quote(str(store_path(args)))}` "
+                     "mends them and counts again")
+    return "; ".join(parts) or "records written while gc ran"
 
 
 def _drop_key(args) -> int:

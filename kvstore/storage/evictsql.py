@@ -32,6 +32,13 @@ MAX_ROLE = 2
 #: so gc can always evict it and the disk budget holds.
 ROLE_OK = f"(typeof(role) = 'integer' AND role BETWEEN 0 AND {MAX_ROLE})"
 _ROLE = f"(CASE WHEN {ROLE_OK} THEN role ELSE 0 END)"
+#: A record's bookkeeping as gc may trust it: a damaged value never keeps a record. A size that is
+#: not a whole number of 0 or more counts 0 (gc then evicts more, never less), a last access that
+#: is not a time is the epoch (it goes first), a pin flag that is not a whole number is no pin,
+#: and a quarantine flag of the wrong type is a quarantine (readers never serve it).
+SIZE = "(CASE WHEN typeof(size) = 'integer' AND size >= 0 THEN size ELSE 0 END)"
+_LAST = "(CASE WHEN typeof(last_access) IN ('integer', 'real') THEN last_access ELSE 0 END)"
+PINNED = "(typeof(pinned) = 'integer' AND pinned != 0)"
 
 
 class EvictionSQL:
@@ -59,14 +66,12 @@ class EvictionSQL:
         marks = ",".join("?" * len(stale))
         flag = f"(ns IN ({marks})) * 2" if stale else "0"
         return self.conn.execute(
-            f"SELECT CAST(hash || parent AS BLOB), last_access, "
-            f"size * 64 + {_ROLE} * 16 + (pinned != 0) + {flag} + (parent = ns) * 4 + (bad != 0) * 8"
+            f"SELECT CAST(hash || parent AS BLOB), {_LAST}, "
+            f"{SIZE} * 64 + {_ROLE} * 16 + {PINNED} + {flag} + (parent = ns) * 4 + (bad != 0) * 8"
             f"{', tenant' if tenants else ''} FROM records"
-            # A row of the wrong type (a TEXT hash, say) is never planned: verify reports it.
+            # A row whose hash or parent is of the wrong type is never planned: verify reports it.
             " WHERE typeof(hash) = 'blob' AND length(hash) = 16 AND typeof(parent) = 'blob'"
-            " AND length(parent) = 16 AND typeof(size) = 'integer'"
-            " AND typeof(last_access) IN ('integer', 'real') AND typeof(pinned) = 'integer'"
-            " AND typeof(bad) = 'integer'",
+            " AND length(parent) = 16",
             stale).fetchall()
 
     def damaged_roles(self) -> list[tuple[bytes, object]]:
@@ -124,8 +129,8 @@ class EvictionSQL:
                 "DELETE FROM records WHERE hash IN (SELECT hash FROM temp.victims v WHERE hash BETWEEN ? AND ? "
                 "AND (v.top = 0 OR NOT EXISTS (SELECT 1 FROM children c WHERE c.parent = v.hash "
                 "AND c.hash NOT IN (SELECT hash FROM temp.victims) "
-                "AND EXISTS (SELECT 1 FROM records k WHERE k.hash = c.hash)))) AND pinned = 0 "
-                "RETURNING hash, size, parent, coalesce(first_token, -1)", (lo, hi)).fetchall()
+                f"AND EXISTS (SELECT 1 FROM records k WHERE k.hash = c.hash)))) AND NOT {PINNED} "
+                f"RETURNING hash, {SIZE}, parent, coalesce(first_token, -1)", (lo, hi)).fetchall()
             if deleted:
                 conn.execute(
                     "DELETE FROM children WHERE parent IN (SELECT hash FROM temp.victims WHERE hash BETWEEN ? AND ?) "
@@ -154,8 +159,8 @@ class EvictionSQL:
                     " SELECT r.hash FROM records r WHERE r.hash IN (" + ",".join("?" * len(seeds)) + ")"
                     " AND " + _PARENT_GONE +
                     " UNION SELECT c.hash FROM children c JOIN lost l ON c.parent = l.hash) "
-                    "DELETE FROM records WHERE hash IN (SELECT hash FROM lost) AND pinned = 0 "
-                    "RETURNING hash, size, parent, coalesce(first_token, -1)", seeds).fetchall()
+                    f"DELETE FROM records WHERE hash IN (SELECT hash FROM lost) AND NOT {PINNED} "
+                    f"RETURNING hash, {SIZE}, parent, coalesce(first_token, -1)", seeds).fetchall()
             conn.executemany("DELETE FROM children WHERE parent = ?", [(row[0],) for row in gone])
         return gone
 

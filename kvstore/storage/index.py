@@ -55,6 +55,8 @@ class Row(RecordId):
 # The columns of a row: its fields, the tenant's tag last (a record's link is in its blob only).
 _ROW_FIELDS = (*(f for f in Row.__dataclass_fields__ if f not in ("tenant", "link")), "tenant")
 _ROW_COLUMNS = ", ".join(_ROW_FIELDS)
+#: The columns `mend_rows` may rewrite: bookkeeping, never what names a record.
+_MENDABLE = ("size", "created", "last_access", "hits", "pinned", "bad")
 _ROW_COLUMNS_R = ", ".join(f"r.{c}" for c in _ROW_FIELDS)  # of `records r` in a join
 
 
@@ -352,6 +354,16 @@ class Index(EvictionSQL, WriteLogSQL, PinSQL):
             _drop_edges(conn, [(r.parent, -1 if r.first_token is None else r.first_token, r.hash)
                                for r in deleted])
         return deleted
+
+    def mend_rows(self, fields: dict[bytes, dict[str, object]]) -> None:
+        """Rewrite bookkeeping columns of records (`upkeep.rows`: hash -> {column: value}), in
+        one transaction."""
+        with self.transaction() as conn:
+            for h, values in fields.items():
+                columns = [c for c in values if c in _MENDABLE]
+                if columns:
+                    conn.execute(f"UPDATE records SET {', '.join(f'{c} = ?' for c in columns)} WHERE hash = ?",
+                                 (*(values[c] for c in columns), h))
 
     def rows(self, ns: bytes | None = None) -> Iterator[Row]:
         """Every record (for verify); with `ns`, those of one namespace, parents before children."""

@@ -56,7 +56,7 @@ def collect(index: Index, root: Path, *, max_bytes: int | None = None, max_age: 
     since = time.time() - _CLOCK_SLACK_S  # records stored from here on may hang from a victim
     total = index.totals()["bytes"]
     cutoff = time.time() - max_age if max_age is not None else None
-    p = evict.Victims.empty()
+    p, planned_from = evict.Victims.empty(), 0  # (and the bytes of the records gc read to plan from)
     # `stale`: the pins of stale versions go first (no lookup can use them again), so that the
     # deletes, which keep whatever is pinned, take those records too.
     unpinned = (0, 0)
@@ -67,6 +67,7 @@ def collect(index: Index, root: Path, *, max_bytes: int | None = None, max_age: 
     if ((max_bytes is not None and total > max_bytes) or cutoff is not None or (stale and stale_namespaces)
             or over or index.quarantined()[0]):
         graph = evict.Graph.from_index(index.eviction_graph(sorted(stale_namespaces), tenants=bool(over)))
+        planned_from = int(graph.sizes.sum())
         p = evict.choose_victims(graph, max_bytes=max_bytes, cutoff=cutoff, stale=stale,
                                  tenant_max_bytes=tenant_max_bytes if over else None)
         if dry_run and stale:
@@ -118,8 +119,18 @@ def collect(index: Index, root: Path, *, max_bytes: int | None = None, max_age: 
         "longest_transaction_seconds": longest,
         "stale_pins": {"records": unpinned[0], "bytes": unpinned[1]},  # unpinned, then evicted
         "tenants_over": len(over),  # tenants that held more than `tenant_max_bytes`
+        "kept_bytes": _kept_bytes(total, planned_from, freed),
         "hashes": hashes,
     }
+
+
+def _kept_bytes(total: int, read: int, freed: int) -> dict[str, int]:
+    """What a gc left, when it did not reach a budget: `records`, the bytes of the records it
+    read and kept (pinned ones and their ancestors, or ones pinned or given a child since), and
+    `unread`, the rest of what the totals count, which no record it could read holds (damaged
+    rows: verify reports them, and its repair counts again)."""
+    kept = max(0, read - freed)
+    return {"records": kept, "unread": max(0, total - freed - kept)}
 
 
 def _evict(index: Index, root: Path, lo: bytes, hi: bytes, pool: ThreadPoolExecutor) -> list[tuple]:

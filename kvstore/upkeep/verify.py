@@ -22,12 +22,13 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from kvstore import keys, records
+from kvstore import records
 from kvstore.errors import BlobError
 from kvstore.storage import blobfile, blobformat, blobtree
 from kvstore.storage.index import Index
 from kvstore.storage.storedir import QUARANTINE_NAME
 from kvstore.trust import Trust
+from kvstore.upkeep import rows as rowcheck
 from kvstore.upkeep.tables import repair_tables, table_problems
 
 ORPHAN_SHARE = 0.10
@@ -63,13 +64,16 @@ def verify(index: Index, root: Path, *, repair: bool = False, force: bool = Fals
     delete more orphans than `ORPHAN_SHARE`; `read_only` takes the lock only if it exists.
     `trust`: blob tags are checked with it too (`kvstore.trust`): one that is refused is damage.
     """
-    rows, bad_rows = [], []
+    rows, bad_rows, mended = [], [], []
     for row in index.rows():  # one snapshot: no read transaction stays open below
-        why = _row_problem(row)
-        if why is None:
-            rows.append(row)
-        else:
-            bad_rows.append((row.hash, why))
+        damaged = rowcheck.damaged_columns(row)
+        fixed = rowcheck.as_read(row, root, damaged) if damaged else row
+        if fixed is None:
+            bad_rows.append((row.hash, rowcheck.said(row, damaged)))
+            continue
+        rows.append(fixed)
+        if damaged:  # checked below as repair rewrites it
+            mended.append((fixed, [name for name, _, _ in damaged], rowcheck.said(row, damaged)))
     known = {row.hash: row.parent for row in rows}
     chunk_sizes = {bytes.fromhex(m["namespace"]): m["chunk_size"] for m in index.models()}
     check = functools.partial(check_blob, trust=trust, epoch=index.trust_epoch() if trust else 0.0)
@@ -85,13 +89,13 @@ def verify(index: Index, root: Path, *, repair: bool = False, force: bool = Fals
     strays = [path for path in blobtree.walk(root) if blobtree.hash_of(path, root) not in known]
     with blobtree.tree_lock(root, exclusive=True, create=not read_only):
         problems: list[Problem] = [
-            Problem("bad_row", str(root), f"a row of the index has {why} (hash {h!r:.80})",
-                    h.hex() if isinstance(h, bytes) else "") for h, why in bad_rows]
+            Problem("bad_row", str(index.path), why, h.hex() if isinstance(h, bytes) else "") for h, why in bad_rows]
+        problems += [Problem("bad_row", str(index.path), why) for _, _, why in mended]
         for row in suspects:
             problem = _confirm(index, root, row, chunk_sizes.get(row.ns), check)
             if problem is not None:
                 problems.append(problem)
-        bad = {bytes.fromhex(p.hash) for p in problems if p.kind != "bad_row"}
+        bad = {bytes.fromhex(p.hash) for p in problems if p.kind != "bad_row" and p.hash}
         # Rows whose chain is broken (parent gone or bad) can never be reached: orphans.
         orphans = _unreachable(index, known, bad)
         for h in orphans:
@@ -105,6 +109,8 @@ def verify(index: Index, root: Path, *, repair: bool = False, force: bool = Fals
         problems += [Problem(kind, str(index.path), f"{where}: {why}") for kind, where, why in tables]
         if repair and problems:
             blob_files = sum(1 for p in strays if blobtree.hash_of(p, root) is not None) + len(rows)
+            index.mend_rows({row.hash: {name: getattr(row, name) for name in names}
+                             for row, names, _ in mended if row.hash not in bad})
             problems += _repair(index, root, problems, bad, orphans, known, {r.hash: r.depth for r in rows},
                                 [h for h, _ in bad_rows], blob_files, force)
             good: dict[bytes, list[bytes]] = {}
@@ -130,27 +136,6 @@ def _unexplained(index: Index, orphan_files: list[Problem]) -> int:
     return n
 
 
-def _row_problem(row) -> str | None:
-    """What is wrong with the types or values of a row (None if nothing): verify reports such a
-    row and repair drops it, rather than either crashing on it."""
-    for name in ("hash", "ns", "parent"):
-        v = getattr(row, name)
-        if not isinstance(v, bytes) or len(v) != keys.HASH_BYTES:
-            return f"a {name} that is not {keys.HASH_BYTES} bytes"
-    for name in ("depth", "kind", "ntokens", "size", "checksum", "hits", "pinned", "bad"):
-        if type(getattr(row, name)) is not int:
-            return f"a {name} that is not an integer"
-    if type(row.created) not in (int, float) or type(row.last_access) not in (int, float):
-        return "times that are not numbers"
-    if row.depth < 1 or row.kind not in (0, 1, 2) or row.ntokens < 0:
-        return f"depth {row.depth}, kind {row.kind} or {row.ntokens} tokens, which is impossible"
-    if row.first_token is not None and type(row.first_token) is not int:
-        return "a first token id that is not an integer"
-    if not 0 <= row.size <= blobformat.MAX_BLOB_BYTES:
-        return f"a size of {row.size} bytes, which no blob has"
-    return None
-
-
 def check_blob(root: Path, row, chunk_size: int | None = None, *, trust: Trust | None = None,
                epoch: float = 0.0) -> None:
     """Raise BlobError unless the blob of `row` is whole (its size and checksums) and is the
@@ -173,6 +158,10 @@ def _confirm(index: Index, root: Path, row, chunk_size: int | None, check=check_
     path = blobtree.blob_path(root, row.hash)
     if now is None:
         return None  # evicted since
+    damaged = rowcheck.damaged_columns(now)
+    now = rowcheck.as_read(now, root, damaged) if damaged else now
+    if now is None:
+        return None  # damaged since: the next verify says how
     if now.bad:
         return Problem("quarantined", str(path), "record was quarantined after a failed read", row.hash.hex())
     try:

@@ -1,0 +1,84 @@
+"""A `records` row as damage leaves it, for `verify`: what is wrong with each column, what gc and
+the readers make of it, and what repair writes instead.
+
+A column that names the record (hash, namespace, parent, depth, kind, token count, first token,
+checksum) cannot be rewritten: the record is deleted, file and all. A column of bookkeeping is
+rewritten to a safe value, as gc already reads it, so a damaged row never hides its bytes from
+gc: a size that is not a whole number becomes the blob file's size (its checksum is then checked
+as any other row's), a last access time the epoch (gc evicts it first), a creation time now,
+hits 0, a quarantine flag 0 once the blob checks out, and a pin flag 0 (not pinned: said, so
+that the prompt can be pinned again).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from kvstore import keys
+from kvstore.storage import blobformat, blobtree
+
+#: Bookkeeping columns: what gc (and a reader) reads a damaged value as, and what repair writes.
+MENDED = {
+    "size": "gc counts it as 0 bytes and can evict it; repair sets the blob file's size",
+    "last_access": "gc reads it as never used and evicts it first; repair sets it to 0",
+    "created": "repair sets it to now",
+    "hits": "repair sets it to 0",
+    "pinned": "gc reads it as not pinned and may evict it; repair unpins it (warm its prompt again with "
+              "\"pin\": true to keep it)",
+    "bad": "readers take it as quarantined and never serve it; repair clears it if the blob checks out",
+}
+
+
+def damaged_columns(row) -> list[tuple[str, object, str]]:
+    """(column, value, what it must be) of every column of `row` of the wrong type or range."""
+    out = []
+    for name in ("hash", "ns", "parent"):
+        v = getattr(row, name)
+        if not isinstance(v, bytes) or len(v) != keys.HASH_BYTES:
+            out.append((name, v, f"a {keys.HASH_BYTES}-byte hash"))
+    for name, low, high in (("depth", 1, None), ("kind", 0, 2), ("ntokens", 0, None), ("checksum", None, None),
+                            ("hits", 0, None), ("pinned", None, None), ("bad", None, None)):
+        v = getattr(row, name)
+        if type(v) is not int or (low is not None and v < low) or (high is not None and v > high):
+            want = "a whole number" + (f" of {low} to {high}" if high is not None else f" of {low} or more"
+                                       if low is not None else "")
+            out.append((name, v, want))
+    if row.first_token is not None and type(row.first_token) is not int:
+        out.append(("first_token", row.first_token, "a token id"))
+    if type(row.size) is not int:
+        out.append(("size", row.size, "a whole number of bytes"))
+    elif not 0 <= row.size <= blobformat.MAX_BLOB_BYTES:
+        out.append(("size!", row.size, "a size a blob can have"))  # (a whole number: not mended)
+    for name in ("created", "last_access"):
+        if type(getattr(row, name)) not in (int, float):
+            out.append((name, getattr(row, name), "a time"))
+    return out
+
+
+def as_read(row, root: Path, damaged: list[tuple[str, object, str]]):
+    """`row` with its damaged bookkeeping columns as repair rewrites them (None if a column
+    that names the record is damaged: it cannot be mended)."""
+    if any(name not in MENDED for name, _, _ in damaged):
+        return None
+    safe = {"last_access": 0.0, "created": time.time(), "hits": 0, "pinned": 0, "bad": 0}
+    fields = {name: safe[name] for name, _, _ in damaged if name in safe}
+    if any(name == "size" for name, _, _ in damaged):
+        try:
+            fields["size"] = os.lstat(blobtree.blob_path(root, row.hash)).st_size
+        except OSError:
+            fields["size"] = 0  # no file: the blob check says so, and repair deletes the record
+    return replace(row, **fields)
+
+
+def said(row, damaged: list[tuple[str, object, str]]) -> str:
+    """`records 0982…: its size is 'big', not a whole number of bytes: ...`: what verify says."""
+    h = row.hash.hex() if isinstance(row.hash, bytes) else f"{row.hash!r:.40}"
+    if all(name in MENDED for name, _, _ in damaged):
+        return f"records {h}: " + "; ".join(f"its {name} is {value!r:.40}, not {want}: {MENDED[name]}"
+                                            for name, value, want in damaged)
+    return (f"records {h}: " + "; ".join(f"its {name.rstrip('!')} is {value!r:.40}, not {want}"
+                                        for name, value, want in damaged)
+            + ": no lookup or gc can use it; repair deletes the record")
