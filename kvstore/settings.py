@@ -314,11 +314,13 @@ KEPT_SETTINGS = tuple(s for s in STORE_SETTINGS if s.kept)
 
 def resolve(given: Mapping[str, Any], kept: Mapping[str, str | None],
             warn: Callable[[str], None] = lambda message: None,
-            chunk_size: int = CHUNK_SIZE) -> dict[str, tuple[Any, str]]:
+            chunk_size: int = CHUNK_SIZE, defaults: Mapping[str, Any] | None = None) -> dict[str, tuple[Any, str]]:
     """`{name: (value, source)}` for every store setting: given (not None in `given`: parsed
     here, `InvalidInputError` when bad), else kept (the text the store keeps, checked against
     this open's `chunk_size` too; a damaged one never stops the open: it reads as its
-    `damaged` value, else the default, with one `warn`), else the default."""
+    `damaged` value, else the default, with one `warn`), else the default: the table's, or an
+    interface's own in `defaults` (`kvstore serve`'s: `serve_defaults`)."""
+    defaults = defaults or {}
     out: dict[str, tuple[Any, str]] = {}
     for s in STORE_SETTINGS:
         if given.get(s.name) is not None:
@@ -338,7 +340,7 @@ def resolve(given: Mapping[str, Any], kept: Mapping[str, str | None],
                     continue
                 warn(f"{why}: using the default, {s.show(s.default)}, until `kvstore settings {s.name}=...` "
                      f"keeps a value (`kvstore verify --repair` forgets it)")
-        out[s.name] = (s.default, DEFAULT)
+        out[s.name] = (s.parse(defaults[s.name]) if s.name in defaults else s.default, DEFAULT)
     return out
 
 
@@ -422,18 +424,20 @@ def _argtype(s: Setting) -> Callable[[str], Any]:
     return parse
 
 
-def given(args: argparse.Namespace, table: tuple[Setting, ...] = STORE_SETTINGS, *,
-          serve: bool = False) -> dict[str, Any]:
-    """`{name: value}` of the settings of `table` given on the command line (`add_options`),
-    with `kvstore serve`'s own defaults for those it has and that were not given (`serve`)."""
+def given(args: argparse.Namespace, table: tuple[Setting, ...] = STORE_SETTINGS) -> dict[str, Any]:
+    """`{name: value}` of the settings of `table` given on the command line (`add_options`)."""
     out = {}
     for s in table:
         if hasattr(args, dest(s)):
             value = getattr(args, dest(s))
             out[s.name] = "off" if value is None and s.off else value  # None would mean "not given"
-        elif serve and s.serve_default is not None:
-            out[s.name] = s.serve_default
     return out
+
+
+def serve_defaults(table: tuple[Setting, ...] = STORE_SETTINGS) -> dict[str, Any]:
+    """`kvstore serve`'s own defaults, where they differ from the table's (`resolve`'s `defaults`:
+    they read as defaults, not as given)."""
+    return {s.name: s.serve_default for s in table if s.serve_default is not None}
 
 
 def table_text(table: tuple[Setting, ...] = STORE_SETTINGS) -> str:

@@ -85,7 +85,7 @@ class Store:
                  admit: str | None = None, max_write_rate: int | str | None = None,
                  disk_kv_bits: int | str | None = None, buffer_cache_bytes: int | str | None = None,
                  tenant_max_bytes: int | str | None = None, exact_prefill: int | str | None = None,
-                 kv_events: str | dict | None = None):
+                 kv_events: str | dict | None = None, defaults: dict[str, Any] | None = None):
         given = {k: v for k, v in dict(
             max_bytes=max_bytes, memory_bytes=memory_bytes, chunk_size=chunk_size,
             max_pending_bytes=max_pending_bytes, remote_prefetch=remote_prefetch, remote_deadline=remote_deadline,
@@ -93,7 +93,8 @@ class Store:
             disk_kv_bits=disk_kv_bits, buffer_cache_bytes=buffer_cache_bytes,
             tenant_max_bytes=tenant_max_bytes, exact_prefill=exact_prefill, kv_events=kv_events).items()
             if v is not None}
-        parsed = settings.resolve(given, {})  # bad settings are an error before anything is opened
+        self._defaults = defaults  # an interface's own defaults (kvstore serve's): they read as defaults
+        parsed = settings.resolve(given, {}, defaults=defaults)  # bad settings are an error before anything is opened
         settings.check_exact_prefill(parsed["exact_prefill"], parsed["chunk_size"][0])
         value = {name: v for name, (v, _) in parsed.items()}
         if remote:
@@ -161,14 +162,14 @@ class Store:
         """Every setting's (value, source) for this open (`kvstore.settings.resolve`). Given kept
         settings are remembered in the store for later opens that do not give them."""
         if self.index is None:
-            return settings.resolve(given, {})
+            return settings.resolve(given, {}, defaults=self._defaults)
         try:
             kept = self.index.settings()
         except sqlite3.DatabaseError as e:  # unreadable: the defaults, and limits closed (as if damaged)
             log.warning("kvstore: cannot read the store's kept settings (%s): using the defaults", e)
             kept = {s.name: "\0unreadable" for s in settings.KEPT_SETTINGS if s.damaged is not None}
         resolved = settings.resolve(given, kept, warn=lambda message: log.warning("kvstore: %s", message),
-                                    chunk_size=self.chunk_size)
+                                    chunk_size=self.chunk_size, defaults=self._defaults)
         for s in settings.KEPT_SETTINGS:
             value, source = resolved[s.name]
             if writes and source == settings.GIVEN and kept.get(s.name) != s.encode(value):
@@ -470,6 +471,8 @@ def open(path: str | os.PathLike | None = None, *, max_bytes: int | str | None =
     Every setting is a row of `kvstore.settings.STORE_SETTINGS` (its kind, default, whether the
     store keeps it, what 0 means); sizes, rates and durations may be given as text ("2GiB",
     "20GB/day", "10s"), and `stats()["settings"]` tells each one's value and source.
+    `defaults` (`{name: value}`) are an interface's own defaults (`kvstore serve`'s automatic
+    disk budget), used where a setting is neither given nor kept and reported as `default`.
     """
     return Store(path, max_bytes=max_bytes, memory_bytes=memory_bytes, chunk_size=chunk_size,
                  remote=remote, **options)

@@ -443,8 +443,9 @@ def test_the_log_counts_in_the_right_words(models, tmp_path):
         ask(server, prompt=SYSTEM)
         assert server.stop() == 0
     log = server.log()
-    assert re.search(r"settings: max_bytes=auto \(given\), admit=reused \(kept\), max_write_rate=0 B/day "
+    assert re.search(r"settings: admit=reused \(kept\), max_write_rate=0 B/day "
                      r"\(kept\): automatic writes never reach the disk", log), log
+    assert "(given)" not in log  # serve's own automatic disk budget is its default, not given
     assert re.search(r"kvstore: cache of \d+ tokens: 0 on disk, \d+ queued for disk", log), log
     assert re.search(r"kvstore: \d+ tokens \((not admitted|over budget)\)(, \d+ tokens \(\w+ \w+\))? stay in RAM only", log), log
     assert "; no remote tier" in log
@@ -798,10 +799,10 @@ def test_serve_defaults_are_bounded():
 
     def parsed(*argv):
         args = _parser().parse_args(list(argv))
-        return settings.given(args, serve=True), server_settings(args)
+        return settings.given(args), server_settings(args)
 
     store, served = parsed()
-    assert store == {"max_bytes": "auto"}  # kvstore serve's own default; the rest: the store's
+    assert store == {} and settings.serve_defaults() == {"max_bytes": "auto"}  # serve's own default, not given
     assert served["store_max_tokens"] == DEFAULT_MAX_STORED_TOKENS == 32768
     assert served["allowed_origins"] == []
     assert parsed("--store-max-bytes", "none")[0]["max_bytes"] == "off"

@@ -114,6 +114,19 @@ def test_stats_json_shows_the_settings_with_their_sources(kv, tmp_path, demo_mod
         assert s.stats()["settings"]["max_write_rate"]["source"] == "kept"
 
 
+def test_serves_own_defaults_read_as_defaults_not_as_given(tmp_path):
+    from kvstore.serve.server import _parser
+
+    args = _parser().parse_args([])
+    assert "max_bytes" not in settings.given(args)
+    with kvstore.open(tmp_path / "s", defaults=settings.serve_defaults(), **settings.given(args)) as store:
+        assert store.stats()["settings"]["max_bytes"] == {"value": "auto", "source": "default"}
+        assert store.max_bytes is not None  # the automatic budget applies all the same
+    given = _parser().parse_args(["--store-max-bytes", "auto"])
+    with kvstore.open(tmp_path / "s", defaults=settings.serve_defaults(), **settings.given(given)) as store:
+        assert store.stats()["settings"]["max_bytes"] == {"value": "auto", "source": "given"}
+
+
 def test_settings_keeps_and_forgets_and_refuses_what_it_cannot_keep(kv, tmp_path):
     store = tmp_path / "s"
     with kvstore.open(store):

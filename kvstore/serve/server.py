@@ -82,7 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     peek = peek_mlx_options(passthrough)
     served_model, passthrough = _with_defaults(peek, passthrough)
-    store_settings = settings.given(ours, serve=True)
+    store_settings = settings.given(ours)
     memory_bytes = _memory_bytes(store_settings.pop("memory_bytes", None), peek.prompt_cache_bytes)
     try:
         served = server_settings(ours)
@@ -104,7 +104,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             remote_key = read_key_file(ours.remote_key_file)
         store = kvstore.open(ours.store, memory_bytes=memory_bytes, remote=ours.remote,
-                             remote_key=remote_key, kv_events=kv_events, **store_settings)
+                             remote_key=remote_key, kv_events=kv_events, defaults=settings.serve_defaults(),
+                             **store_settings)
     except KVStoreError as e:
         print(f"kvstore serve: {e}", file=sys.stderr)
         return 1
