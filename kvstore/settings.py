@@ -297,7 +297,7 @@ STORE_SETTINGS: tuple[Setting, ...] = (
                  "e.g. 2s; off: the policy alone decides; 0: never wait for the bucket"),
     Setting("remote_flush_timeout", "duration", 10.0, zero="do not wait for uploads",
             help="how long one command, or one close, waits in all for uploads to the remote "
-                 "tier, e.g. 30s; uploads left undone are counted and said; 0: do not wait"),
+                 "tier, e.g. 30s; uploads left undone are counted and said; 0: do not wait for uploads"),
     Setting("chunk_size", "count", CHUNK_SIZE, option=None, zero=None, refuse_zero="a chunk needs at least one token",
             help="tokens per chunk record (part of the namespace: another size stores apart); 0 is refused"),
     Setting("max_pending_bytes", "size", 2 << 30, option=None, zero="every insert is dropped",

@@ -28,9 +28,11 @@ PAGES = [README, *sorted((REPO / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```python[ \t]*\n(.*?)^```[ \t]*$", re.M | re.S)
 NOT_RUN = re.compile(r"<!--\s*not run:\s*(\S.*?)\s*-->\s*$")
 LINK = re.compile(r"\]\(([^)\s]+)\)")
-# Development-history wording and notes that live outside the repository have no place in the docs.
+# Development-history wording and notes that live outside the repository have no place in the docs;
+# nor, in the user's guides, the numbers of schema migrations.
 BANNED = re.compile(r"\bissue \d+|\bmilestones?\b|\bthis session\b|\b\d+\.\d+ (did|had|was)\b|DESIGN\.md|STYLE\.md"
                     r"|\.\./shared", re.I)
+MIGRATION = re.compile(r"`?\b\d{4}`? migration|\bmigrations?/?\s*`?\d{4}", re.I)
 README_MAX_LINES = 300
 # One block a command: `<!-- options:NAME -->`, a ```text fence with the command's usage, `<!-- /options -->`.
 OPTION_BLOCK = re.compile(r"^<!-- options:(\S+) -->\n```text\n(.*?)^```\n<!-- /options -->$", re.M | re.S)
@@ -111,8 +113,9 @@ def test_links_resolve(page):
 
 @pytest.mark.parametrize("page", [*PAGES, REPO / "tests" / "README.md", REPO / "bench" / "README.md"], ids=_name)
 def test_no_development_history_or_outside_notes(page):
-    hits = [f"{_name(page)}:{page.read_text().count(chr(10), 0, m.start()) + 1}: {m.group(0)!r}"
-            for m in BANNED.finditer(page.read_text())]
+    text = page.read_text()
+    found = [*BANNED.finditer(text), *(MIGRATION.finditer(text) if page in PAGES else ())]
+    hits = [f"{_name(page)}:{text.count(chr(10), 0, m.start()) + 1}: {m.group(0)!r}" for m in found]
     assert not hits, "\n".join(hits)
 
 

@@ -175,9 +175,14 @@ def test_every_setting_says_what_0_means_and_the_options_come_from_the_table():
     from kvstore.cli.main import build_parser
     from kvstore.serve.options import build_parser as serve_parser
 
-    for s in settings.STORE_SETTINGS:
-        if s.kind in ("size", "rate", "duration", "count"):
-            assert "0" in s.help or s.zero is None, s.name  # 0's meaning, or 0 is refused
+    from kvstore.serve.options import SERVE_SETTINGS
+
+    for s in settings.STORE_SETTINGS + SERVE_SETTINGS:
+        if s.kind in ("size", "rate", "duration", "count", "bits"):  # its own words for 0, or that 0 is refused
+            if s.zero is None:
+                assert s.refuse_zero and "0 is refused" in s.help, s.name
+            else:
+                assert s.zero and f"0: {s.zero}" in s.help, s.name
     warm = next(a for a in build_parser()._subparsers._group_actions[0].choices["warm"]._actions
                 if a.dest == "max_write_rate")
     serve = next(a for a in serve_parser()._actions if a.dest == "max_write_rate")
