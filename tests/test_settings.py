@@ -173,9 +173,8 @@ def test_explicit_writes_count_in_the_budget_and_automatic_ones_then_wait(tmp_pa
 
 def test_every_setting_says_what_0_means_and_the_options_come_from_the_table():
     from kvstore.cli.main import build_parser
-    from kvstore.serve.options import build_parser as serve_parser
-
     from kvstore.serve.options import SERVE_SETTINGS
+    from kvstore.serve.options import build_parser as serve_parser
 
     for s in settings.STORE_SETTINGS + SERVE_SETTINGS:
         if s.kind in ("size", "rate", "duration", "count", "bits"):  # its own words for 0, or that 0 is refused
