@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import os
 import re
 import sys
 from typing import Iterable, Sequence
 
+from kvstore.settings import OFF_WORDS
 from kvstore.sizes import parse_duration, parse_size
 
 _NEGATIVE = re.compile(r"-\.?\d")  # -5, -5MB, -.5G: a value, never one of our options
@@ -36,6 +38,26 @@ class Parser(argparse.ArgumentParser):
         if "required" in message and unknown_options(getattr(self, "_seen", ()), option_strings(self)):
             message = unrecognized(self._seen, option_strings(self))
         super().error(message)
+
+
+def add_store_options(p: argparse.ArgumentParser) -> None:
+    """`--store`, `--remote` and `--remote-key-file`: declared once, for `kvstore` and `kvstore serve`."""
+    p.add_argument("--store", metavar="DIR", help="store directory (default: $KVSTORE_DIR, else ~/.cache/kvstore)")
+    p.add_argument("--remote", metavar="URL", nargs="?", const="",
+                   help="share the store through an S3 bucket, s3://BUCKET/PREFIX (default, and for a bare "
+                        "--remote: $KVSTORE_REMOTE); gc and verify act on the bucket when it is given")
+    p.add_argument("--remote-key-file", metavar="PATH",
+                   help="file holding the fleet secret the remote's objects are sealed with (default: "
+                        "$KVSTORE_REMOTE_KEY); `kvstore remote-key` prints a new one")
+
+
+def remote_url(args: argparse.Namespace) -> str | None:
+    """`--remote URL`, else `$KVSTORE_REMOTE` (also for a bare `--remote`), else None; ValueError
+    for a bare `--remote` without `$KVSTORE_REMOTE`."""
+    url = getattr(args, "remote", None) or os.environ.get("KVSTORE_REMOTE") or None
+    if url is None and getattr(args, "remote", None) is not None:
+        raise ValueError("--remote needs a URL (s3://BUCKET/PREFIX) or $KVSTORE_REMOTE")
+    return url
 
 
 def option_strings(parser: argparse.ArgumentParser) -> list[str]:
@@ -95,3 +117,13 @@ def duration(text: str) -> float:
         return parse_duration(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def or_off(parse):
+    """The argparse type `parse` that also takes the settings' word for no limit (`off`, or
+    `none`): None. Give the option `default=argparse.SUPPRESS` to tell it from one not given."""
+    def parse_or_off(text: str):
+        return None if text.strip().lower() in OFF_WORDS else parse(text)
+
+    parse_or_off.__name__ = parse.__name__
+    return parse_or_off

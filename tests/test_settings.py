@@ -200,3 +200,28 @@ def test_the_docs_show_the_table_as_it_is():
     for name, table in (("store", settings.STORE_SETTINGS), ("serve", SERVE_SETTINGS)):
         block = doc.split(f"<!-- settings:{name} -->\n", 1)[1].split("\n<!-- /settings -->", 1)[0]
         assert block == settings.table_text(table), f"docs/settings.md's {name} table: paste\n{settings.table_text(table)}"
+
+
+def test_one_parser_one_declaration_and_one_word_for_no_limit(tmp_path, capsys):
+    """Rates and admission policies go through the settings table alone; `--store`, `--remote`
+    and `--remote-key-file` are declared once for `kvstore` and `kvstore serve`; gc takes the
+    table's word for no limit."""
+    import kvstore.write.admission as admission
+    import kvstore.write.budget as budget
+    from kvstore.cli.main import build_parser, main
+    from kvstore.serve.options import build_parser as serve_parser
+
+    assert not hasattr(budget, "parse_rate") and not hasattr(admission, "check_policy")
+    with pytest.raises(InvalidInputError, match="admit: must be one of all, reused, pinned"):
+        admission.Gate(None, "sometimes")
+    gc = build_parser()._subparsers._group_actions[0].choices["gc"]
+    for flag in ("--store", "--remote", "--remote-key-file"):
+        ours = next(a for a in gc._actions if flag in a.option_strings)
+        theirs = next(a for a in serve_parser()._actions if flag in a.option_strings)
+        assert (ours.help, ours.nargs, ours.default) == (theirs.help, theirs.nargs, theirs.default), flag
+    with kvstore.open(tmp_path / "s"):
+        pass
+    for word in ("off", "none"):
+        assert main(["gc", "--store", str(tmp_path / "s"), "--max-bytes", word]) == 0
+        assert main(["gc", "--store", str(tmp_path / "s"), "--max-age", word]) == 0
+    assert "freed 0 B" in capsys.readouterr().out

@@ -11,8 +11,9 @@ from kvtest import prefill
 import kvstore
 from kvstore.cli.main import main
 from kvstore.errors import InvalidInputError
+from kvstore.settings import BY_NAME
 from kvstore.storage.writesql import HOUR_S
-from kvstore.write.budget import DAY_S, parse_rate
+from kvstore.write.budget import DAY_S
 
 C = 16
 START = 1_800_000_000.0  # a fixed unix time, so the test's day never spans a real one
@@ -26,15 +27,19 @@ class Clock:
         return self.t
 
 
+def parse_rate(value):
+    return BY_NAME["max_write_rate"].parse(value)  # the one parser of rates
+
+
 def test_rates_in_every_accepted_form():
     assert parse_rate("20GB/day") == 20 * 10**9
     assert parse_rate("500MB/h") == 500 * 10**6 * 24
     assert parse_rate("1GiB/week") == (1 << 30) // 7
     assert parse_rate("2GB") == 2 * 10**9  # a size alone is per day
     assert parse_rate(12345) == 12345
-    assert parse_rate("off") is None and parse_rate(None) is None
+    assert parse_rate("off") is None and parse_rate("none") is None and parse_rate(None) is None
     for bad, reason in (("20GB/fortnight", "period"), ("fast", "not a size"), (-1, "0 or more"),
-                        ("20XB/day", "unit"), (1.5, "rate")):
+                        ("20XB/day", "unit"), (True, "rate"), (0, "use off"), ("unlimited", "not a size")):
         with pytest.raises(InvalidInputError, match=f"max_write_rate.*{reason}"):
             parse_rate(bad)
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import shlex
 from pathlib import Path
 
 from kvstore import settings
-from kvstore.argv import duration, size
+from kvstore.argv import duration, or_off, size
 from kvstore.cli.options import open_local, remote_upkeep, remote_url, store_path
 from kvstore.cli.output import EXIT_USAGE, PROG, CommandError, out, plural, say
 from kvstore.sizes import format_size
@@ -26,8 +27,10 @@ DURATION: a number with s, m, h, d or w, like 30m, 12h, 7d. Pinned prompts are n
 def register(add, store_opts, model_opts) -> None:
     p = add("gc", cmd_gc, "evict least recently used records down to a size (and age) budget", [store_opts],
             EXAMPLES)
-    p.add_argument("--max-bytes", metavar="SIZE", type=size, help="keep at most this many bytes, like 500MB or 2GiB")
-    p.add_argument("--max-age", metavar="DURATION", type=duration, help="also evict records unused for this long, like 7d")
+    p.add_argument("--max-bytes", metavar="SIZE", type=or_off(size), default=argparse.SUPPRESS,
+                   help="keep at most this many bytes, like 500MB or 2GiB; 0 empties the store; off: no bound")
+    p.add_argument("--max-age", metavar="DURATION", type=or_off(duration), default=argparse.SUPPRESS,
+                   help="also evict records unused for this long, like 7d; off: no bound")
     p.add_argument("--stale", action="store_true",
                    help="evict model versions whose files are gone or changed, pinned records too (no lookup "
                         "can use them again); a budget evicts them first anyway, pins kept")
@@ -42,13 +45,14 @@ def register(add, store_opts, model_opts) -> None:
 
 
 def cmd_gc(args) -> int:
-    args.tenant_max_bytes = getattr(args, "tenant_max_bytes", None)
+    bounds = [name for name in ("max_bytes", "max_age", "tenant_max_bytes") if hasattr(args, name)]  # given, or off
+    for name in ("max_bytes", "max_age", "tenant_max_bytes"):
+        setattr(args, name, getattr(args, name, None))
     if args.drop_key is not None:
         return _drop_key(args)
     if args.drop_unknown and args.remote is None:
         raise CommandError("--drop-unknown deletes namespaces of a bucket: give --remote URL", EXIT_USAGE)
-    if args.max_bytes is None and args.max_age is None and not args.stale and args.tenant_max_bytes is None \
-            and not args.drop_unknown:
+    if not bounds and not args.stale and not args.drop_unknown:
         raise CommandError("gc needs --max-bytes and/or --max-age (or --tenant-max-bytes, or --stale)", EXIT_USAGE)
     if args.remote is not None:
         return _gc_remote(args)

@@ -8,24 +8,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 from pathlib import Path
 from typing import Iterator
 
-from kvstore import settings
+from kvstore import argv, settings
+from kvstore.argv import add_store_options
 from kvstore.cli.output import EXIT_USAGE, PROG, CommandError, say
 
 
 def store_parent() -> argparse.ArgumentParser:
-    """`--store` and `--remote`, for every command."""
+    """`--store`, `--remote` and `--remote-key-file`, for every command (`argv.add_store_options`)."""
     p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("--store", metavar="DIR", help="store directory (default: $KVSTORE_DIR, else ~/.cache/kvstore)")
-    p.add_argument("--remote", metavar="URL", nargs="?", const="",
-                   help="share the store through an S3 bucket, s3://BUCKET/PREFIX (default: "
-                        "$KVSTORE_REMOTE); gc and verify act on the bucket when it is given")
-    p.add_argument("--remote-key-file", metavar="PATH",
-                   help="file holding the fleet secret the remote's objects are sealed with (default: "
-                        "$KVSTORE_REMOTE_KEY); `kvstore remote-key` prints a new one")
+    add_store_options(p)
     return p
 
 
@@ -52,10 +46,10 @@ def store_path(args) -> Path:
 
 def remote_url(args) -> str | None:
     """`--remote URL`, else `$KVSTORE_REMOTE` (also for a bare `--remote`), else None."""
-    url = getattr(args, "remote", None) or os.environ.get("KVSTORE_REMOTE") or None
-    if url is None and getattr(args, "remote", None) is not None:
-        raise CommandError("--remote needs a URL (s3://BUCKET/PREFIX) or $KVSTORE_REMOTE", EXIT_USAGE)
-    return url
+    try:
+        return argv.remote_url(args)
+    except ValueError as e:
+        raise CommandError(str(e), EXIT_USAGE) from None
 
 
 def remote_key(args) -> list[bytes] | None:

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
-import os
 import socket
 
 from kvstore import settings
-from kvstore.argv import Parser
+from kvstore.argv import Parser, add_store_options
 from kvstore.errors import InvalidInputError
 from kvstore.serve.tenancy.policy import TenantPolicy, parse_source
 from kvstore.settings import Setting
@@ -92,15 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run mlx_lm.server with a prompt cache that survives restarts and is shared "
                     "by every server on the same store.")
     p.add_argument("-h", "--help", action="store_true", help="show this help (and mlx_lm.server's) and exit")
-    p.add_argument("--store", metavar="DIR",
-                   help="store directory (default: $KVSTORE_DIR, else ~/.cache/kvstore)")
+    add_store_options(p)
     settings.add_options(p.add_argument_group("store settings (see `kvstore settings`)"), serve=True)
     settings.add_options(p.add_argument_group("server settings"), SERVE_SETTINGS, serve=True)
-    p.add_argument("--remote", metavar="URL", default=os.environ.get("KVSTORE_REMOTE") or None,
-                   help="share the cache through an S3 bucket, s3://BUCKET/PREFIX (default: $KVSTORE_REMOTE)")
-    p.add_argument("--remote-key-file", metavar="PATH",
-                   help="file holding the fleet secret the remote's objects are sealed with (default: "
-                        "$KVSTORE_REMOTE_KEY); `kvstore remote-key` prints a new one")
     return p
 
 

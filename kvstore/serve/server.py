@@ -28,7 +28,7 @@ import sys
 from typing import Sequence
 
 from kvstore import settings
-from kvstore.argv import option_strings, unknown_options, unrecognized
+from kvstore.argv import option_strings, remote_url, unknown_options, unrecognized
 from kvstore.errors import KVStoreError
 from kvstore.serve.mlxserver import persistent, server_module
 from kvstore.serve.options import (
@@ -87,7 +87,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         served = server_settings(ours)
         kv_events = _kv_events(served, peek, served_model)
-    except KVStoreError as e:
+        ours.remote = remote_url(ours)  # (a bare --remote: $KVSTORE_REMOTE, as for every command)
+    except (KVStoreError, ValueError) as e:
         parser.print_usage(sys.stderr)
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2

@@ -21,14 +21,14 @@ import time
 from collections import OrderedDict
 from typing import Callable, Iterable, Sequence
 
-from kvstore.errors import InvalidInputError
+from kvstore import settings
 from kvstore.records import CHECKPOINT, Span
 from kvstore.storage.index import Index
 from kvstore.storage.writesql import hour_of
 from kvstore.write.budget import DAY_S, WriteBudget
 
-POLICIES = ("all", "reused", "pinned")
-DEFAULT_POLICY = "all"
+POLICIES = settings.BY_NAME["admit"].choices
+DEFAULT_POLICY = settings.BY_NAME["admit"].default
 #: Seen keys the index keeps: a week of them, at most this many (oldest go first).
 SEEN_KEPT = 1_000_000
 SEEN_MAX_AGE_S = 7 * DAY_S
@@ -36,13 +36,6 @@ SEEN_MAX_AGE_S = 7 * DAY_S
 _REMEMBERED = 200_000
 _PRUNE_EVERY_S = 3600.0
 KEPT_COUNTS = ("not_admitted", "not_admitted_bytes", "over_budget", "over_budget_bytes")
-
-
-def check_policy(value: str | None, name: str = "admit") -> str | None:
-    """`value` if it is a policy (or None); otherwise `InvalidInputError` naming `name`."""
-    if value is not None and value not in POLICIES:
-        raise InvalidInputError(f"{name} must be one of {', '.join(map(repr, POLICIES))}, got {value!r}")
-    return value
 
 
 class _Bounded(OrderedDict):
@@ -58,7 +51,7 @@ class Gate:
 
     def __init__(self, index: Index | None, policy: str = DEFAULT_POLICY, per_day: int | None = None,
                  clock: Callable[[], float] = time.time):
-        self.index, self.policy, self.clock = index, check_policy(policy) or DEFAULT_POLICY, clock
+        self.index, self.policy, self.clock = index, settings.BY_NAME["admit"].parse(policy) or DEFAULT_POLICY, clock
         self.budget = WriteBudget(index, per_day, clock) if index is not None else None
         self._per_day = per_day
         self.counts = dict.fromkeys(KEPT_COUNTS, 0)  # this process's, since the store was opened

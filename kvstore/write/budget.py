@@ -7,15 +7,15 @@ writes a file, in one transaction. Counting by the hour, the window reaches 24 t
 so no 24 hours ever hold more than the budget. Downloads are counted, never refused: a fetch
 needs them. Explicit writes (warmed, prefilled and pinned prompts, durable inserts) are counted
 too, and logged apart (`explicit`), but never refused: they use up what automatic writes may
-write, never the other way round. Rates are given per day, per hour, per week
-(`sizes.parse_rate`) and kept as bytes per day.
+write, never the other way round. Rates are given per day, per hour, per week (parsed by the
+`max_write_rate` row of `kvstore.settings`) and kept as bytes per day.
 
 The log is checked where it is read, and damage fails closed for as long as it is in the window
 and no longer: an hour whose bytes or downloads are not a whole number of 0 to
 `writesql.MAX_HOUR_BYTES` (negative, text, NULL, fractional, huge) counts as the whole day's
 budget, so nothing automatic is written until that hour has left the window (25 hours at most),
 and then the budget is whole again. A damaged kept `max_write_rate` reads as 0 (no automatic
-writes) until it is given again or `verify --repair` forgets it.
+writes) until it is given again or `kvstore settings` keeps a value (`verify --repair` keeps the 0).
 """
 
 from __future__ import annotations
@@ -24,33 +24,10 @@ import threading
 import time
 from typing import Callable, Sequence
 
-from kvstore.errors import InvalidInputError
-from kvstore.sizes import parse_rate as parse_rate_text
 from kvstore.storage.index import Index
 from kvstore.storage.writesql import WINDOW_HOURS, hour_of, window_bytes
 
 DAY_S = 86400
-_OFF = ("off", "none", "unlimited")
-
-
-def parse_rate(value: int | str | None, name: str = "max_write_rate") -> int | None:
-    """Bytes per day in `value`: `"20GB/day"`, `"500MB/h"`, `"1TB/week"`, `"20GB"` (per day) or a
-    number of bytes per day; None for no budget (`None`, `"off"`, `"none"`). Raises
-    `InvalidInputError` naming `name` and what was wrong."""
-    if value is None or (isinstance(value, str) and value.strip().lower() in _OFF):
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise InvalidInputError(f"{name} must be a rate like \"20GB/day\" or bytes per day, got {value!r}")
-    if isinstance(value, int):
-        if value < 0:
-            raise InvalidInputError(f"{name} must be 0 or more bytes per day, got {value}")
-        return value
-    try:
-        return parse_rate_text(value)
-    except ValueError as e:
-        raise InvalidInputError(f"{name}: {e}") from None
-
-
 class WriteBudget:
     """`per_day` bytes (None: no limit, only counted) in any rolling day of `index`'s store.
     `clock` gives unix time (a test passes its own to live a day without waiting)."""
