@@ -186,7 +186,8 @@ def test_remote_node_id_is_one_of_the_stores_own_names(tmp_path, lost):
 
 
 @pytest.mark.parametrize("drop", ["totals", "meta", "write_log, totals"])
-def test_a_rebuilt_index_keeps_the_kept_settings_and_the_write_log_or_keeps_the_budget_closed(tmp_path, llama, drop):
+def test_a_rebuilt_index_keeps_the_kept_settings_and_the_write_log_or_keeps_the_budget_closed(tmp_path, llama, drop,
+                                                                                              capsys):
     """What the damaged index still holds of its kept settings and write log is kept; what it
     cannot give back never turns the write budget off, and the rebuild says which."""
     store = tmp_path / "s"
@@ -196,19 +197,22 @@ def test_a_rebuilt_index_keeps_the_kept_settings_and_the_write_log_or_keeps_the_
     rows = warm(store, llama)  # written under the budget, into the write log
     written = sum(r.size for r in rows)
     sql(store, *[f"DROP TABLE {table}" for table in drop.split(", ")])  # a store kvstore can no longer open
-    out = kv("verify", "--repair", "--store", store, home=tmp_path)
-    assert out.returncode == 1 and "rebuilt the index" in out.stderr, out.stderr
+    from kvstore.cli.main import main
+
+    assert main(["verify", "--repair", "--store", str(store)]) == 1
+    out = capsys.readouterr()
+    assert "rebuilt the index" in out.err, out.err
     with kvstore.open(store, chunk_size=C) as s:
         kept = {name: v for name, v in s.settings.items() if v[1] == "kept"}
         writes = s.stats()["writes"]
     if drop == "totals":
-        assert "settings kept: admit=reused, max_write_rate=953.7 MiB/day; write log kept (1 hour)" in out.stderr
+        assert "settings kept: admit=reused, max_write_rate=953.7 MiB/day; write log kept (1 hour)" in out.err
         assert kept == {"admit": ("reused", "kept"), "max_write_rate": (10**9, "kept")}
         assert writes["bytes_last_day"] == written
     elif drop == "meta":
         assert (f"max_write_rate is kept as 0 B/day (no automatic writes) until `kvstore settings --store "
-                f"{store} max_write_rate=VALUE` keeps one") in out.stderr, out.stderr
+                f"{store} max_write_rate=VALUE` keeps one") in out.err, out.err
         assert kept == {"max_write_rate": (0, "kept")} and writes["budget_left"] == 0
     else:
-        assert "the write log could not be read: this hour counts as the whole write budget" in out.stderr
+        assert "the write log could not be read: this hour counts as the whole write budget" in out.err
         assert kept["max_write_rate"] == (10**9, "kept") and writes["budget_left"] == 0
