@@ -151,8 +151,9 @@ def test_the_setting_is_kept_checked_and_its_own_namespace(tmp_path, llama):
         assert mc.ns != exact_ns and mc.exact is None
         assert len(mc.fetch(prompt)[1]) == 70  # the exact records are not this namespace's
     kvstore.open(tmp_path / "s2", chunk_size=C, exact_prefill=48).close()
-    with pytest.raises(InvalidInputError, match=r"exact_prefill \(kept\) is 48 tokens"):
-        kvstore.open(tmp_path / "s2", chunk_size=32)  # a kept step this chunk size does not divide
+    # A kept step this chunk size does not divide never stops the open: the default, said once.
+    with kvstore.open(tmp_path / "s2", chunk_size=32) as store:
+        assert store.exact_prefill is None and store.settings["exact_prefill"] == (None, "default")
 
 
 def test_nothing_computed_after_the_prompt_is_stored_in_exact_mode(tmp_path, llama):

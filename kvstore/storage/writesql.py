@@ -67,20 +67,24 @@ def window_bytes(rows: Iterable[Sequence], hour: int, window: int, limit: int | 
     return used
 
 
-def kept_problem(name: str, value: object) -> str | None:
+def kept_problem(name: str, value: object, chunk_sizes: Iterable[int] = ()) -> str | None:
     """What is wrong with `value` as the kept form of setting `name`, as a clause (`is not one
-    of all, reused, pinned`; None: nothing, or not a setting the store keeps). The one
-    definition is `kvstore.settings`."""
+    of all, reused, pinned`; None: nothing, or not a setting the store keeps). A setting counted
+    in chunks is right if it fits the commands' chunk size or one of `chunk_sizes` (the store's
+    models'). The one definition is `kvstore.settings`."""
     s = settings.BY_NAME.get(name)
     if s is None or not s.kept:
         return None
     if not isinstance(value, str):
         return f"is not text but {'a blob' if isinstance(value, bytes) else type(value).__name__}"
-    try:
-        s.decode(value)
-    except InvalidInputError as e:
-        return str(e)
-    return None
+    problems = []
+    for size in (settings.CHUNK_SIZE, *chunk_sizes):
+        try:
+            s.decode(value, size)
+            return None
+        except InvalidInputError as e:
+            problems.append(str(e))
+    return problems[0]
 
 
 def _missing_table(e: sqlite3.OperationalError) -> bool:
@@ -252,7 +256,8 @@ class WriteLogSQL:
     def damaged_settings(self) -> list[tuple[str, object, str]]:
         """(name, value, what is wrong) of every kept setting not in its kept form."""
         rows = self.conn.execute("SELECT key, value FROM meta WHERE key LIKE 'setting.%'").fetchall()
-        out = [(key[len(_SETTING):], value, kept_problem(key[len(_SETTING):], value)) for key, value in rows]
+        sizes = [n for (n,) in self.conn.execute("SELECT DISTINCT chunk_size FROM models") if type(n) is int and n > 0]
+        out = [(key[len(_SETTING):], value, kept_problem(key[len(_SETTING):], value, sizes)) for key, value in rows]
         return [row for row in out if row[2] is not None]
 
     def setting(self, name: str) -> str | None:
