@@ -436,7 +436,7 @@ def test_gc_keeps_within_budget(kv, capsys, store_copy):
 
 def test_gc_keeps_pinned_prompts(kv, capsys, store_copy, demo_model_path):
     code, _, err = in_process(capsys, "gc", "--store", store_copy, "--max-bytes", 0)
-    assert code == 0 and "pinned records and their ancestors are kept" in err
+    assert code == 0 and "is held by pinned records and their ancestors" in err
     assert problems_of(store_copy) == []
     with sqlite3.connect(store_copy / "index.sqlite") as db:
         assert db.execute("SELECT count(*) FROM records WHERE pinned = 0").fetchone()[0] == 0
