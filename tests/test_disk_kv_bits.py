@@ -236,7 +236,7 @@ def test_bad_values_are_refused_with_a_clear_error(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="kvstore"), kvstore.open(tmp_path / "s") as store:
         assert store.disk_kv_bits is None  # a damaged kept value opens with the default, said once
         assert store.stats()["settings"]["disk_kv_bits"] == {"value": None, "source": "default"}
-    assert [r for r in caplog.records if "kept disk_kv_bits setting" in r.getMessage()]
+    assert [r for r in caplog.records if "kept disk_kv_bits '5' is damaged" in r.getMessage()]
     for argv in (["generate", "--disk-kv-bits", "3", "hi"], ["serve", "--disk-kv-bits", "16"]):
         out = subprocess.run([sys.executable, "-m", "kvstore.cli", *argv], capture_output=True, text=True, timeout=120)
         assert out.returncode == 2 and "--disk-kv-bits: must be one of 4, 8" in out.stderr, out.stderr

@@ -151,8 +151,9 @@ def test_remote_downloads_count_in_the_lifetime_bytes(tmp_path, s3, llama):
         assert b.flush(30)  # (downloads are stored locally in the background)
         writes = b.stats()["writes"]
         assert writes["records_lifetime"] == 0  # the writer wrote nothing
-        assert writes["downloaded_lifetime"] == writes["bytes_lifetime"] == b.stats()["bytes"] == written
-        assert writes["days"][-1]["downloaded"] == written
+        # (objects go up without the uploader's model path, so B's blobs are a few bytes smaller)
+        assert 0.9 * written < writes["downloaded_lifetime"] == writes["bytes_lifetime"] == b.stats()["bytes"] <= written
+        assert writes["days"][-1]["downloaded"] == writes["downloaded_lifetime"]
 
 
 def test_the_window_reaches_back_over_24_hours_not_to_the_last_whole_hour(tmp_path, llama):

@@ -55,12 +55,11 @@ class Row(RecordId):
 # The columns of a row: its fields, the tenant's tag last (a record's link is in its blob only).
 _ROW_FIELDS = (*(f for f in Row.__dataclass_fields__ if f not in ("tenant", "link")), "tenant")
 _ROW_COLUMNS = ", ".join(_ROW_FIELDS)
-#: The columns `mend_rows` may rewrite: bookkeeping, never what names a record.
-_MENDABLE = ("size", "created", "last_access", "hits", "pinned", "bad")
+_MENDABLE = ("size", "created", "last_access", "hits", "pinned", "bad")  # what `mend_rows` may rewrite: bookkeeping
 _ROW_COLUMNS_R = ", ".join(f"r.{c}" for c in _ROW_FIELDS)  # of `records r` in a join
 
 
-def _u64_to_i64(v: int) -> int:
+def _u64_to_i64(v: int) -> int:  # (SQLite's integers are signed: a checksum is stored as one)
     return v - (1 << 64) if v >= 1 << 63 else v
 
 
