@@ -216,6 +216,7 @@ def test_best_effort_serves_what_is_local_and_fetches_for_the_next_request(tmp_p
         end = time.monotonic() + 30
         while b.stats()["remote"]["prefetched"] < 5 and time.monotonic() < end:
             time.sleep(0.05)
+        assert b.flush(30)  # (counted when downloaded: written to the local disk in the background)
         r = b.stats()["remote"]
         assert r["prefetched"] == 5 and r["remote_hits"] == 0, r  # four chunks and the tail, on disk now
         assert reused(mc, model, query) == len(prompt)
