@@ -149,6 +149,24 @@ def test_a_restart_clears_and_announces_the_whole_store(llama, tmp_path):
         consumer.close()
 
 
+def test_a_router_that_binds_gets_the_start_batch_first_on_every_restart(llama, tmp_path, consumer):
+    """The router binds and the node connects to it (llm-d's layout): on each of five starts,
+    the first batch the live socket gets is number 0, `AllBlocksCleared` (a PUB socket drops
+    what it sends before the subscription reaches it), then the store's announcement."""
+    path, model = llama
+    with kvstore.open(tmp_path / "s", chunk_size=C) as store:
+        insert(store.bind(model, str(path)), model, list(range(30, 70)))
+    for _ in range(5):
+        with consumer._lock:
+            consumer.arrivals.clear()
+        with kvstore.open(tmp_path / "s", chunk_size=C, kv_events=consumer.config(block_size=B)) as store:
+            store.bind(model, str(path))
+            settle(store)
+            seq, batch = consumer.first_arrival()
+            assert (seq, [kind(e) for e in batch.events]) == (0, ["AllBlocksCleared"])
+            assert consumer.view(consumer.batches(settle(store)))["DISK"]
+
+
 def test_removals_by_another_process_are_announced(llama, tmp_path, consumer):
     path, model = llama
     prompts = [list(range(30, 70)), list(range(130, 165))]

@@ -105,6 +105,7 @@ class Consumer:
         self.sub.setsockopt(zmq.SUBSCRIBE, b"")
         self.sub.bind(self.endpoint)
         self.live: dict[int, Any] = {}
+        self.arrivals: list[tuple[int, Any]] = []  # (number, batch) in the order they came
         self.topics: set[bytes] = set()
         self._lock = threading.Lock()
         self._stop = False
@@ -121,7 +122,19 @@ class Consumer:
                 topic, seq, payload = self.sub.recv_multipart()
                 with self._lock:
                     self.topics.add(topic)
-                    self.live[int.from_bytes(seq, "big")] = self.decoder.decode(payload)
+                    batch = self.decoder.decode(payload)
+                    self.live[int.from_bytes(seq, "big")] = batch
+                    self.arrivals.append((int.from_bytes(seq, "big"), batch))
+
+    def first_arrival(self, timeout: float = 10.0) -> tuple[int, Any]:
+        """The first batch the live socket got since `arrivals` was last cleared."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                if self.arrivals:
+                    return self.arrivals[0]
+            time.sleep(0.01)
+        raise AssertionError(f"no batch came on the live socket within {timeout} s")
 
     def replay(self, start: int) -> list[tuple[int, Any]]:
         """Every batch the publisher kept from `start` on, then the end marker (checked)."""

@@ -8,7 +8,9 @@ threads never hash, read or send); the thread turns it into events (`changes.Cha
 the index's deletion log every `POLL_S` for what any process removed, and publishes batches of at
 most `MAX_BATCH` events (`publisher.Publisher`).
 
-At start the thread sends `AllBlocksCleared`; each bound namespace is then announced whole, from
+At start the thread waits (at most `START_WAIT_S`) for a first subscriber to reach the socket, so
+that a router the node connects to gets the start batch (`publisher`), then sends
+`AllBlocksCleared`; each bound namespace is then announced whole, from
 the index and the blobs, in the background. When more changes wait than `max_queue_size`, or the
 deletion log has forgotten entries not read yet, what was announced can no longer be trusted:
 the thread sends `AllBlocksCleared` and announces the store again (counted as a resync; the
@@ -35,6 +37,9 @@ log = logging.getLogger("kvstore")
 MAX_BATCH = 512
 #: How often the index's deletion log is read.
 POLL_S = 0.5
+#: How long the start batch waits for a first subscriber (then it is sent anyway: a router that
+#: comes later asks the replay socket for it, or starts from nothing).
+START_WAIT_S = 3.0
 
 
 class KVEvents:
@@ -123,6 +128,10 @@ class KVEvents:
     # -- the thread ---------------------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self.publisher.wait_for_subscriber(START_WAIT_S, stop=lambda: self._stop)
+        except Exception as e:
+            self._failed(e)
         self._publish([wire.cleared()])
         wait = 0.05 if self.config.replay_endpoint is not None else 0.25
         while True:
@@ -179,6 +188,7 @@ class KVEvents:
         """Publish what this turn took: the commits and RAM changes queued, then the deletions
         read before them (and, at the end, once more)."""
         self.publisher.serve_replay()
+        self.publisher.take_subscriptions()
         events: list[dict] = []
         if lost:
             events += self._resync()

@@ -1,5 +1,11 @@
 """The ZMQ side of KV events, as vLLM's publisher does it: a PUB socket and a replay ROUTER.
 
+The PUB socket is an XPUB (subscribers still use plain SUB sockets): it sees each subscription
+arrive, so the start batch (`AllBlocksCleared`) can wait for the first subscriber
+(`wait_for_subscriber`). A PUB drops what it sends before a subscription has reached it (ZMQ's
+"slow joiner"): a node that connects to a router which binds, as llm-d's does, would otherwise
+lose the start batch on most starts, and the router would keep a dead process's blocks.
+
 Every batch goes out as three frames, `(topic, sequence number as 8 bytes big-endian, payload)`;
 numbers start at 0 and have no gaps. The last `buffer_steps` batches are kept: a subscriber
 that missed some sends the first number it wants, as 8 bytes big-endian, to the replay socket
@@ -12,6 +18,7 @@ Sockets are not thread-safe: after it is made, a `Publisher` is used by one thre
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 
 import zmq
@@ -24,6 +31,8 @@ log = logging.getLogger("kvstore")
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 #: How long closing waits for batches still in the PUB socket's queue to go out.
 LINGER_MS = 1000
+#: A ZMQ subscription message starts with this byte (an unsubscription with 0).
+SUBSCRIBE = 1
 
 
 class Publisher:
@@ -35,7 +44,8 @@ class Publisher:
         self.sent = 0  # the next sequence number
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self._ctx = zmq.Context()
-        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub = self._ctx.socket(zmq.XPUB)
+        self.subscriptions = 0  # subscription messages seen (a router that reconnects sends another)
         self._replay = None
         try:
             self._pub.setsockopt(zmq.SNDHWM, config.hwm)
@@ -51,6 +61,28 @@ class Publisher:
         # Where they are (a port of 0 or `*` filled in): read now, as only one thread uses a socket.
         self.address = self._pub.getsockopt_string(zmq.LAST_ENDPOINT) or config.endpoint
         self.replay_address = self._replay.getsockopt_string(zmq.LAST_ENDPOINT) if self._replay else None
+
+    def wait_for_subscriber(self, timeout: float, stop=lambda: False) -> bool:
+        """Wait until a subscription has reached the socket, at most `timeout` seconds (or until
+        `stop()` says so); whether one has."""
+        deadline = time.monotonic() + timeout
+        while not self.subscriptions and not stop():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self.take_subscriptions(min(left, 0.05))
+        return self.subscriptions > 0
+
+    def take_subscriptions(self, wait_s: float = 0) -> int:
+        """Read the subscription messages waiting (an XPUB queues them: they must be read);
+        how many subscriptions they held."""
+        got, wait_ms = 0, int(wait_s * 1000)
+        while self._pub.poll(wait_ms):
+            message = self._pub.recv()
+            got += bool(message) and message[0] == SUBSCRIBE
+            wait_ms = 0
+        self.subscriptions += got
+        return got
 
     def send(self, payload: bytes) -> int:
         """Publish one batch; its sequence number. Never blocks: past the high-water mark, the
