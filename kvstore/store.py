@@ -3,9 +3,8 @@
 A `Store` is a store directory (`upkeep.local.LocalStore`: the index and the blob tree), the
 tiers a lookup asks in order (memory, pending writes, local disk, and a remote bucket when one is
 given), the background writer, and the models bound to it (`ModelCache`s). Each part is given
-what it works with and holds no reference to the store or to any layer above its own. The one
-event that leaves a part is wired here, once: the rows of a batch the writer committed go to the
-uploader and to the disk budget (`Writer.on_commit`).
+what it works with and holds no reference to the store or to any layer above its own. The events
+that leave the parts are wired here, once (`Store._wire`).
 
 `fetch` never raises for anything that went wrong on disk or remotely: a bad record is
 quarantined and the caller gets the longest prefix that is still correct.
@@ -146,17 +145,20 @@ class Store:
         _OPEN_STORES.add(self)
 
     def _wire(self, budget: DiskBudget | None, disk: DiskTier | None) -> None:
-        """The events that leave the parts, subscribed here once: the writer's `on_commit` (the
-        uploader, the disk budget, KV events), and what the memory and disk tiers tell KV events."""
+        """The events that leave the parts (to the uploader, the disk budget, KV events), subscribed once."""
+        writer, memory, events = self.writer, self.memory, self.events
         if self.remote is not None:
-            self.writer.on_commit.append(self.remote.uploader.submit)
+            writer.on_commit.append(self.remote.uploader.submit)
         if budget is not None:
-            self.writer.on_commit.append(budget.check)
-        if self.events is not None:  # what reaches the disk or RAM, and what leaves RAM
-            self.writer.on_commit.append(self.events.committed)
-            self.memory.on_change.append(self.events.memory_changed)
+            writer.on_commit.append(budget.check)
+        if events is not None:  # what reaches the disk or RAM (a queued record is in RAM), what leaves
+            writer.on_commit.append(events.committed)
+            memory.on_change.append(events.memory_changed)
+            if memory.capacity:  # the memory tier takes a queued record once written
+                writer.on_queue.append(events.queued)
+                writer.on_unqueue.append(events.unqueued)
             if disk is not None:
-                disk.on_store.append(self.events.committed)
+                disk.on_store.append(events.committed)
 
     def _settings(self, given: dict, writes: bool) -> dict[str, tuple[Any, str]]:
         """Every setting's (value, source) for this open (`kvstore.settings.resolve`). Given kept
@@ -196,15 +198,13 @@ class Store:
                       prefetch=value["remote_prefetch"], trust=self.trust)
 
     def _publisher(self, config: events_config.EventsConfig | None):
-        """The KV events publisher `kv_events` asks for (`kvstore.events.kvevents`), or None."""
-        if config is None or not config.publishes:
-            if config is not None:
-                log.info("kvstore: kv_events: enable_kv_cache_events is not true: no KV events are published")
+        """The KV events publisher `kv_events` asks for (`kvstore.events.kvevents.start`), or None."""
+        if config is None:
             return None
-        from kvstore.events.kvevents import KVEvents
+        from kvstore.events.kvevents import start
 
         try:
-            return KVEvents(config, self.index, self.blob_root)
+            return start(config, self.index, self.blob_root)
         except BaseException:  # the endpoint cannot be used: nothing is left open
             if self.files is not None:
                 self.files.close()
@@ -215,8 +215,7 @@ class Store:
         tiers: list = [MemoryTierView(self.memory), PendingTier(self.writer)]
         if disk is not None:
             tiers.append(disk)
-            if self.remote is not None:  # its downloads are stored through `disk`, within its budget
-                r = self.remote
+            if (r := self.remote) is not None:  # its downloads are stored through `disk`, within its budget
                 tiers.append(RemoteTier(r.bucket, r.health, disk, r.fleet, policy=r.prefetch, deadline=r.deadline,
                                         reupload=r.uploader.submit))
         return Tiers(tiers)

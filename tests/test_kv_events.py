@@ -128,6 +128,61 @@ def test_a_tail_and_the_chunk_that_covers_it_share_their_blocks(llama, tmp_path,
         assert set(consumer.view(batches)["DISK"]) == held_blocks(store, mc, [longer])["DISK"]
 
 
+def test_ram_is_announced_when_it_starts_holding_a_prompt(llama, tmp_path, consumer):
+    """A record is in RAM (queued for the writer, then in the memory tier) before it is on disk:
+    its blocks are announced on CPU_TIER1 first, and once, not again when the writer hands its
+    copy to the memory tier."""
+    path, model = llama
+    tokens = list(range(30, 70))
+    with kvstore.open(tmp_path / "s", chunk_size=C, kv_events=consumer.config(block_size=B)) as store:
+        mc = store.bind(model, str(path))
+        insert(mc, model, tokens)
+        stored = [e for _, b in observed(consumer, store) for e in b.events if kind(e) == "BlockStored"]
+        assert [e.medium for e in stored][:1] == ["CPU_TIER1"]
+        ram = [h for e in stored if e.medium == "CPU_TIER1" for h in e.block_hashes]
+        assert sorted(ram) == sorted(held_blocks(store, mc, [tokens])["CPU_TIER1"])  # each once
+
+
+def churn(batches) -> dict[str, list[int]]:
+    """medium -> ids a `BlockRemoved` took away that a later `BlockStored` brought back."""
+    removed: dict[str, set[int]] = {}
+    out: dict[str, list[int]] = {}
+    for _, b in batches:
+        for e in b.events:
+            if kind(e) == "BlockRemoved":
+                removed.setdefault(e.medium, set()).update(e.block_hashes)
+            elif kind(e) == "BlockStored":
+                out.setdefault(e.medium, []).extend(h for h in e.block_hashes if h in removed.get(e.medium, ()))
+    return {m: ids for m, ids in out.items() if ids}
+
+
+@pytest.mark.parametrize("written", [True, False], ids=["written", "still-queued"])
+def test_a_served_conversation_grows_without_churn(llama, tmp_path, consumer, written):
+    """mlx_lm.server inserts a request's prompt and then the prompt with its answer: the adapter
+    lets the shorter one go from RAM as the longer one (a trimmable cache) makes it redundant,
+    and the writer drops its tail from disk. Its blocks are the longer one's first blocks: on
+    neither medium is a block removed and stored again, and what the router ends up believing is
+    what RAM and disk hold (the shorter one's tail written before the longer one is inserted, or
+    still queued)."""
+    path, model = llama
+    short = list(range(60, 84))  # a chunk and an 8-token tail
+    turns = [short, short + list(range(300, 316)), short + list(range(300, 330))]
+    with kvstore.open(tmp_path / "s", chunk_size=C, kv_events=consumer.config(block_size=B)) as store:
+        pc = kvstore.PersistentPromptCache(store, max_size=10)
+        pc.register("m", mc := store.bind(model, str(path)))
+        for tokens in turns:
+            if not written:
+                store.writer.pause()
+            pc.insert_cache("m", tokens, prefill(model, tokens), cache_type="user")
+            store.writer.resume()
+            store.flush()
+            assert len(pc) == 1  # the longer sequence holds RAM; the shorter one is let go
+        batches = observed(consumer, store)
+        assert churn(batches) == {}
+        assert not [e for _, b in batches for e in b.events if kind(e) == "BlockRemoved"]
+        assert believed(consumer.view(batches)) == held_blocks(store, mc, [turns[-1]])
+
+
 def test_a_restart_clears_and_announces_the_whole_store(llama, tmp_path):
     path, model = llama
     prompts = [list(range(10 + i, 60 + i)) for i in range(0, 60, 12)]

@@ -157,7 +157,8 @@ def test_only_the_composition_root_subscribes_to_events():
     # `on_store`) carry what leaves a part; they are wired once, where the store is built.
     for name, path in MODULES.items():
         for node in ast.walk(ast.parse(path.read_text())):
-            owner = {"on_commit": "kvstore.write.writer", "on_change": "kvstore.tiers.memory",
+            owner = {"on_commit": "kvstore.write.writer", "on_queue": "kvstore.write.writer",
+                     "on_unqueue": "kvstore.write.writer", "on_change": "kvstore.tiers.memory",
                      "on_store": "kvstore.tiers.disk"}.get(getattr(node, "attr", None))
             if isinstance(node, ast.Attribute) and owner and name not in ("kvstore.store", owner):
                 raise AssertionError(f"{name} uses {node.attr}: subscribe in kvstore/store.py only")

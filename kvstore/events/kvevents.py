@@ -2,8 +2,11 @@
 
 The store (`kvstore/store.py`) subscribes its methods to the events of its parts: `committed`
 to the writer's `on_commit` and the disk tier's `on_store` (records that reached the disk),
-`memory_changed` to the memory tier's `on_change` (records that came into RAM or left it), and
-calls `announce(ns)` for every model it binds. Each only queues what happened (the callers'
+`memory_changed` to the memory tier's `on_change` and `queued`/`unqueued` to the writer's
+`on_queue`/`on_unqueue` (records that came into RAM or left it: a record is in RAM from the
+moment it is queued, and stays there when the writer hands its copy to the memory tier; it is
+announced gone from RAM when neither the queue nor the memory tier holds it), and calls
+`announce(ns)` for every model it binds. Each only queues what happened (the callers'
 threads never hash, read or send); the thread turns it into events (`changes.Changes`), reads
 the index's deletion log every `POLL_S` for what any process removed, and publishes batches of at
 most `MAX_BATCH` events (`publisher.Publisher`).
@@ -29,6 +32,7 @@ from kvstore.events import wire
 from kvstore.events.changes import Changes
 from kvstore.events.config import EventsConfig
 from kvstore.events.publisher import Publisher
+from kvstore.records import RecordId
 from kvstore.storage.index import Index
 
 log = logging.getLogger("kvstore")
@@ -42,6 +46,15 @@ POLL_S = 0.5
 START_WAIT_S = 3.0
 
 
+def start(config: EventsConfig, index: Index | None, root) -> "KVEvents | None":
+    """The publisher `config` asks for, started (None when it publishes nothing, as vLLM's
+    `NullEventPublisher`)."""
+    if not config.publishes:
+        log.info("kvstore: kv_events: enable_kv_cache_events is not true: no KV events are published")
+        return None
+    return KVEvents(config, index, root)
+
+
 class KVEvents:
     """The publisher of one open store (see the module docstring)."""
 
@@ -50,6 +63,7 @@ class KVEvents:
         self.publisher = Publisher(config)
         self.changes = Changes(index, root, config.block_size)
         self.index, self.poll_s = index, poll_s
+        self._ram: dict[str, set[bytes]] = {"queue": set(), "memory": set()}  # what holds which record
         self._cond = threading.Condition()
         self._queue: deque[tuple] = deque()
         self._queued = 0
@@ -74,7 +88,16 @@ class KVEvents:
 
     def memory_changed(self, added: list, dropped: list) -> None:
         """Records the memory tier took in, and those it let go."""
-        self._put(("ram", list(added), [r.hash for r in dropped]), len(added) + len(dropped))
+        self._put(("memory", [(_identity(r), r.tokens) for r in added], [r.hash for r in dropped]),
+                  len(added) + len(dropped))
+
+    def queued(self, records: list) -> None:
+        """Records queued for the writer, as (record, its token ids): in RAM from now on."""
+        self._put(("queue", list(records), []), len(records))
+
+    def unqueued(self, hashes: list[bytes]) -> None:
+        """Records the writer is done with: gone from RAM unless the memory tier holds them."""
+        self._put(("queue", [], list(hashes)), len(hashes))
 
     def announce(self, ns: bytes) -> None:
         """Announce every record of namespace `ns` on disk (once per namespace)."""
@@ -196,12 +219,21 @@ class KVEvents:
             if item[0] == "disk":
                 events += self.changes.stored_rows(item[1])
             else:
-                for rec in sorted(item[1], key=lambda r: (r.depth or 0, r.kind)):  # parents first
-                    events += self.changes.stored(rec, rec.tokens, wire.MEDIUM_RAM)
-                events += self.changes.dropped(item[2], wire.MEDIUM_RAM)
+                events += self._ram_changed(*item)
         events += self.changes.deleted(deletions + (self._poll(final=True) if final else []))
         events += self._announce_step()
         self._publish(events)
+
+    def _ram_changed(self, holder: str, added: list, dropped: list[bytes]) -> list[dict]:
+        """Records that came into the queue or the memory tier, and those that left it: RAM holds
+        a record while either of them does."""
+        held, other = self._ram[holder], self._ram["memory" if holder == "queue" else "queue"]
+        events = []
+        for rec, tokens in sorted(added, key=lambda r: (r[0].depth or 0, r[0].kind)):  # parents first
+            held.add(rec.hash)
+            events += self.changes.stored(rec, tokens, wire.MEDIUM_RAM)
+        held.difference_update(dropped)
+        return events + self.changes.dropped([h for h in dropped if h not in other], wire.MEDIUM_RAM)
 
     def _deletions(self) -> list:
         """The entries of the deletion log past what was read (a resync if it forgot some of it)."""
@@ -224,6 +256,8 @@ class KVEvents:
         log.warning("kvstore: KV events: changes were lost (more than max_queue_size waited, or the "
                     "deletion log moved on): announcing the store again")
         self.changes.clear()
+        for held in self._ram.values():
+            held.clear()
         with self._cond:
             self._todo = deque(self._bound)
         self._announcing = None
@@ -254,6 +288,12 @@ class KVEvents:
             self.publisher.send(wire.encode(batch, self.config.encoding))
             self.counts["batches"] += 1
             self.counts["events"] += len(batch)
+
+
+def _identity(record: RecordId) -> RecordId:
+    """Which record `record` is, without its arrays (the queue keeps no memory-tier record)."""
+    r = record
+    return RecordId(r.hash, r.ns, r.parent, r.depth, r.kind, r.ntokens, r.first_token, **r.owner())
 
 
 def _merged(events: list[dict]) -> list[dict]:

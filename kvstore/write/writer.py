@@ -47,6 +47,10 @@ class Writer:
         # Told the rows of each batch once committed (still under the tree lock), on this thread:
         # the one event that leaves the writer. Subscribed once, where the store is built.
         self.on_commit: list[Callable[[list[Row]], None]] = []
+        # Told, under the queue's lock (so in the order it happened), the records a job queued
+        # (with their token ids) and, once it is done, the keys no longer queued.
+        self.on_queue: list[Callable[[list[tuple[Span, np.ndarray]]], None]] = []
+        self.on_unqueue: list[Callable[[list[bytes]], None]] = []
         self.access = access  # the disk tier's uses of records: written with the gate's counts
         self._dest = Destination(index, root, memory, fsync, gate=gate, between_records=self._let_reads_go,
                                  trust=trust)
@@ -80,6 +84,8 @@ class Writer:
                 self._pending[spec.hash] = (job, spec)
                 self._children.setdefault(spec.parent, set()).add(spec.hash)
             self._pending_bytes += job.nbytes
+            for listener in self.on_queue if job.specs else ():
+                listener([(s, job.tokens[s.start : s.end]) for s in job.specs])
             self._cond.notify_all()
             return True
 
@@ -207,14 +213,18 @@ class Writer:
         to write from RAM now (`Gate.kept`) are queued before it counts as done (for `flush`)."""
         with self._cond:
             self._jobs.popleft()
+            unqueued = []
             for spec in job.specs:
                 if self._pending.get(spec.hash, (None,))[0] is job:
                     del self._pending[spec.hash]
+                    unqueued.append(spec.hash)
                     siblings = self._children.get(spec.parent)
                     if siblings is not None:
                         siblings.discard(spec.hash)
                         if not siblings:
                             del self._children[spec.parent]
+            for listener in self.on_unqueue if unqueued else ():
+                listener(unqueued)
             if due:
                 try:
                     self.write_held([s.hash for s in due], job.tokens, job.metadata,
