@@ -6,6 +6,7 @@ and replay gives exactly what was asked for."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -239,6 +240,33 @@ def test_removals_by_another_process_are_announced(llama, tmp_path, consumer):
         while consumer.view(consumer.batches(store.events.publisher.sent)).get("DISK") and time.monotonic() < deadline:
             time.sleep(0.1)
         assert consumer.view(consumer.batches(store.events.publisher.sent))["DISK"] == {}
+
+
+def test_records_another_process_stores_are_announced(llama, tmp_path, consumer):
+    """`kvstore warm` in a process of its own stores a prompt in the store a server publishes:
+    the publisher reads the index's insertion log and announces its blocks on DISK within
+    seconds, chained to the root (it never held them in its own RAM)."""
+    path, model = llama
+    tokens = [(7 * i) % 250 + 5 for i in range(300)]  # a 256-token chunk and a 44-token tail (no full block)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"tokens": tokens}) + "\n")
+    with kvstore.open(tmp_path / "s", kv_events=consumer.config()) as store:
+        mc = store.bind(model, str(path))
+        settle(store)
+        done = subprocess.run([sys.executable, "-m", "kvstore.cli", "warm", "--store", str(tmp_path / "s"),
+                               "--model", str(path), "--prompts", str(prompts)], capture_output=True, text=True,
+                              timeout=120, cwd=Path(__file__).parent.parent)
+        assert done.returncode == 0, done.stderr
+        spans = [s for s in prompt_records(mc.ns, tokens, 256) if s.kind != CHECKPOINT]
+        want = {i for s in spans for i in block_ids(s.parent, tokens[s.start : s.end], 64)}
+        assert len(want) == 4 and store.index.present([s.hash for s in spans])
+        deadline = time.monotonic() + 30  # the log is read every half second, unasked
+        while set(consumer.view(consumer.batches(store.events.publisher.sent)).get("DISK", {})) != want:
+            assert time.monotonic() < deadline, "the records warm stored were never announced"
+            time.sleep(0.1)
+        disk = consumer.view(consumer.batches(store.events.publisher.sent))
+        assert chained_tokens(disk["DISK"], block_ids(spans[0].parent, tokens[:256], 64)[-1]) == tokens[:256]
+        assert "CPU_TIER1" not in disk or not disk["CPU_TIER1"]
 
 
 def test_replay_returns_exactly_the_missed_batches_then_the_end_marker(llama, tmp_path, consumer):

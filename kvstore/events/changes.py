@@ -4,7 +4,8 @@
 into the events that make a router's view match: `BlockStored` for blocks no announced record
 held before, `BlockRemoved` for blocks no announced record holds any more. Records on disk are
 read from their blobs for their token ids (checked against their keys); deletions come from the
-index's deletion log, checked against the index first (a record stored again since is kept).
+index's deletion log, checked against the index first (a record stored again since is kept);
+records another process stored come from its insertion log.
 
 A record's tenant tag is `tenant_of(record)`: None (the shared namespace) until records carry one.
 It goes into the id of each of its blocks, and, where a record of a tenant follows one of
@@ -120,6 +121,16 @@ class Changes:
         for h in hashes:
             gone += self.held[medium].drop(h)
         return [wire.removed(gone, medium)] if gone else []
+
+    def inserted(self, entries: list[tuple[int, bytes, bytes]], namespaces: set[bytes]) -> list[dict]:
+        """Entries of the index's insertion log: the records of them in `namespaces` that are
+        not announced on disk (another process stored them) and still served are, parents first."""
+        announced = self.held[wire.MEDIUM_DISK].records
+        hashes = list(dict.fromkeys(h for _, h, ns in entries if ns in namespaces and h not in announced))
+        if not hashes or self.index is None:
+            return []
+        rows = sorted(self.index.rows_of(hashes).values(), key=lambda r: (r.depth or 0, r.kind))
+        return self.stored_rows(rows)
 
     def deleted(self, entries: list[tuple[int, bytes, bytes]]) -> list[dict]:
         """Entries of the index's deletion log: the records of them that were announced on disk

@@ -8,16 +8,17 @@ moment it is queued, and stays there when the writer hands its copy to the memor
 announced gone from RAM when neither the queue nor the memory tier holds it), and calls
 `announce(ns)` for every model it binds. Each only queues what happened (the callers'
 threads never hash, read or send); the thread turns it into events (`changes.Changes`), reads
-the index's deletion log every `POLL_S` for what any process removed, and publishes batches of at
-most `MAX_BATCH` events (`publisher.Publisher`).
+the index's deletion and insertion logs every `POLL_S` for what any process removed or added
+(`kvstore gc`, `kvstore warm`, another server), and publishes batches of at most `MAX_BATCH`
+events (`publisher.Publisher`).
 
 At start the thread waits (at most `START_WAIT_S`) for a first subscriber to reach the socket, so
 that a router the node connects to gets the start batch (`publisher`), then sends
-`AllBlocksCleared`; each bound namespace is then announced whole, from
-the index and the blobs, in the background. When more changes wait than `max_queue_size`, or the
-deletion log has forgotten entries not read yet, what was announced can no longer be trusted:
-the thread sends `AllBlocksCleared` and announces the store again (counted as a resync; the
-records it held in RAM are announced again as they come back).
+`AllBlocksCleared`; each bound namespace is then announced whole, from the index and the blobs,
+in the background. When more changes wait than `max_queue_size`, or the index's logs have
+forgotten entries not read yet, what was announced can no longer be trusted: the thread sends
+`AllBlocksCleared` and announces the store again (counted as a resync; the records it held in
+RAM are announced again as they come back).
 """
 
 from __future__ import annotations
@@ -39,8 +40,10 @@ log = logging.getLogger("kvstore")
 
 #: Events per batch, at most.
 MAX_BATCH = 512
-#: How often the index's deletion log is read.
+#: How often the index's deletion and insertion logs are read.
 POLL_S = 0.5
+#: The index's logs of what any process removed from it and added to it.
+LOGS = ("deletions", "insertions")
 #: How long the start batch waits for a first subscriber (then it is sent anyway: a router that
 #: comes later asks the replay socket for it, or starts from nothing).
 START_WAIT_S = 3.0
@@ -71,9 +74,10 @@ class KVEvents:
         self._bound: list[bytes] = []  # namespaces announced (or to be), in order
         self._todo: deque[bytes] = deque()
         self._announcing: Iterator[list[dict]] | None = None
-        self._seen_deletion = index.deletions_end() if index is not None else 0
+        # The last entry read of the index's deletion and insertion logs.
+        self._seen = {log: getattr(index, f"{log}_end")() if index is not None else 0 for log in LOGS}
         self._polled = 0.0
-        self._polls_asked = self._polls_done = 0  # reads of the deletion log asked for (`settle`), made
+        self._polls_asked = self._polls_done = 0  # reads of the logs asked for (`settle`), made
         self.counts = {"events": 0, "batches": 0, "dropped_changes": 0, "resyncs": 0, "errors": 0}
         self.announce_started: float | None = None
         self.announced_at: float | None = None  # when the last namespace was announced whole
@@ -122,7 +126,7 @@ class KVEvents:
 
     def settle(self, timeout: float | None = None) -> bool:
         """Wait until everything told so far is published and every namespace announced whole
-        (the deletion log read once more). False if `timeout` ran out first."""
+        (the index's logs read once more). False if `timeout` ran out first."""
         with self._cond:
             self._polls_asked += 1
             ticket = self._polls_asked if self.index is not None else 0
@@ -167,9 +171,9 @@ class KVEvents:
                 # The deletion log is read before the queue is taken: a commit that replaced a
                 # record (a tail by the chunk that covers it) is then in the queue taken, and
                 # applied before the deletion it logged (its blocks never look removed).
-                deletions = self._poll(final=stopping)
+                logged = self._poll(final=stopping)
             except Exception as e:
-                deletions = []
+                logged = {}
                 self._failed(e)
             with self._cond:
                 items, self._queue, self._queued = self._queue, deque(), 0
@@ -178,7 +182,7 @@ class KVEvents:
                 stopping = self._stop
                 self._busy = True
             try:
-                self._step(items, lost, deletions, final=final)
+                self._step(items, lost, logged, final=final)
             except Exception as e:
                 self._failed(e)
             with self._cond:
@@ -193,23 +197,23 @@ class KVEvents:
         if self.counts["errors"] == 1:
             log.warning("kvstore: KV events: %s: %s (counted in stats()['events']['errors'])", type(e).__name__, e)
 
-    def _poll(self, final: bool) -> list:
-        """The deletion log's new entries, when it is due (every `poll_s`, when `settle` asks, at
-        the end)."""
+    def _poll(self, final: bool) -> dict[str, list]:
+        """The new entries of the index's logs, by log, when it is due (every `poll_s`, when
+        `settle` asks, at the end)."""
         now = time.monotonic()
         with self._cond:
             asked = self._polls_asked
         if self.index is None or not (final or now - self._polled >= self.poll_s or asked > self._polls_done):
-            return []
-        events = self._deletions()
+            return {}
+        events = {log: self._read(log) for log in LOGS}
         self._polled = now
         with self._cond:
             self._polls_done = asked
         return events
 
-    def _step(self, items: Iterable[tuple], lost: bool, deletions: list, final: bool) -> None:
-        """Publish what this turn took: the commits and RAM changes queued, then the deletions
-        read before them (and, at the end, once more)."""
+    def _step(self, items: Iterable[tuple], lost: bool, logged: dict[str, list], final: bool) -> None:
+        """Publish what this turn took: the commits and RAM changes queued, then what the logs
+        said was added and deleted, read before them (and, at the end, once more)."""
         self.publisher.serve_replay()
         self.publisher.take_subscriptions()
         events: list[dict] = []
@@ -220,7 +224,11 @@ class KVEvents:
                 events += self.changes.stored_rows(item[1])
             else:
                 events += self._ram_changed(*item)
-        events += self.changes.deleted(deletions + (self._poll(final=True) if final else []))
+        last = self._poll(final=True) if final else {}
+        with self._cond:
+            bound = set(self._bound)
+        events += self.changes.inserted(logged.get("insertions", []) + last.get("insertions", []), bound)
+        events += self.changes.deleted(logged.get("deletions", []) + last.get("deletions", []))
         events += self._announce_step()
         self._publish(events)
 
@@ -235,26 +243,29 @@ class KVEvents:
         held.difference_update(dropped)
         return events + self.changes.dropped([h for h in dropped if h not in other], wire.MEDIUM_RAM)
 
-    def _deletions(self) -> list:
-        """The entries of the deletion log past what was read (a resync if it forgot some of it)."""
+    def _read(self, log: str) -> list:
+        """The entries of one of the index's logs past what was read (a resync if it forgot some
+        of them)."""
+        since, end_of = getattr(self.index, f"{log}_since"), getattr(self.index, f"{log}_end")
         out: list = []
         while True:
-            entries = self.index.deletions_since(self._seen_deletion)
-            end = self.index.deletions_end() if not entries else entries[-1][0]
-            if (entries and entries[0][0] > self._seen_deletion + 1) or end < self._seen_deletion:
-                self._seen_deletion = end  # forgotten (or a rebuilt index): announce again
+            seen = self._seen[log]
+            entries = since(seen)
+            end = end_of() if not entries else entries[-1][0]
+            if (entries and entries[0][0] > seen + 1) or end < seen:
+                self._seen[log] = end  # forgotten (or a rebuilt index): announce again
                 with self._cond:
                     self._lost = True
                 return out
             if not entries:
                 return out
-            self._seen_deletion = end
+            self._seen[log] = end
             out += entries
 
     def _resync(self) -> list[dict]:
         self.counts["resyncs"] += 1
         log.warning("kvstore: KV events: changes were lost (more than max_queue_size waited, or the "
-                    "deletion log moved on): announcing the store again")
+                    "index's logs moved on): announcing the store again")
         self.changes.clear()
         for held in self._ram.values():
             held.clear()

@@ -1,6 +1,7 @@
 """The SQL of what the store writes: the hourly write log the write budget and `stats` read, the
 seen marks of `admit="reused"`, the store's own settings, what computed its exact-mode records,
-and the deletion log (what the index stopped serving, which servers that publish KV events read).
+and the deletion and insertion logs (what the index stopped and started serving, which servers
+that publish KV events read).
 
 Mixed into `Index` (which gives it `conn` and `transaction`), as `evictsql` is. A store opened
 read-only whose index predates these tables reads them as empty.
@@ -26,6 +27,7 @@ from kvstore.errors import InvalidInputError
 from kvstore.storage import schema
 
 _MAX_PARAMS = schema.MAX_PARAMS
+_LOGS = {"deletion_log": "deletion_log", "insertion_log": "insertion_log"}  # the only tables a log name may be
 HOUR_S = 3600
 #: Hours of the write log the write budget sums: the current one and the 24 before it. A row of
 #: a later hour (logged by a clock that was ahead) counts too, up to this many hours ahead.
@@ -238,18 +240,43 @@ class WriteLogSQL:
         with self.transaction() as conn:
             return conn.execute(f"DELETE FROM seen_prefixes WHERE NOT ({_SEEN_OK})").rowcount
 
-    # -- the deletion log (filled by triggers on `records`: migrations/0023) ------------------
+    # -- the deletion and insertion logs (filled by triggers on `records`: migrations 0023, 0026) --
 
     def deletions_end(self) -> int:
         """The number of the last deletion logged (0: none yet)."""
-        return self.conn.execute("SELECT coalesce(max(seq), 0) FROM deletion_log").fetchone()[0]
+        return self._log_end("deletion_log")
 
     def deletions_since(self, seq: int, limit: int = 10_000) -> list[tuple[int, bytes, bytes]]:
         """(number, hash, namespace) of the records deleted or quarantined after deletion `seq`,
         oldest first, at most `limit`. The log keeps the last 100,000: when the first number is
         past `seq + 1`, some were forgotten."""
-        return self.conn.execute("SELECT seq, hash, ns FROM deletion_log WHERE seq > ? ORDER BY seq LIMIT ?",
-                                 (seq, limit)).fetchall()
+        return self._log_since("deletion_log", seq, limit)
+
+    def insertions_end(self) -> int:
+        """The number of the last insertion logged (0: none yet)."""
+        return self._log_end("insertion_log")
+
+    def insertions_since(self, seq: int, limit: int = 10_000) -> list[tuple[int, bytes, bytes]]:
+        """(number, hash, namespace) of the rows inserted after insertion `seq`, by any process,
+        oldest first, at most `limit` (the last 100,000 are kept, as deletions are)."""
+        return self._log_since("insertion_log", seq, limit)
+
+    def _log_end(self, table: str) -> int:
+        try:
+            return self.conn.execute(f"SELECT coalesce(max(seq), 0) FROM {_LOGS[table]}").fetchone()[0]
+        except sqlite3.OperationalError as e:  # a read-only index from before the log
+            if _missing_table(e):
+                return 0
+            raise
+
+    def _log_since(self, table: str, seq: int, limit: int) -> list[tuple[int, bytes, bytes]]:
+        try:
+            return self.conn.execute(f"SELECT seq, hash, ns FROM {_LOGS[table]} WHERE seq > ? ORDER BY seq LIMIT ?",
+                                     (seq, limit)).fetchall()
+        except sqlite3.OperationalError as e:
+            if _missing_table(e):
+                return []
+            raise
 
     # -- settings kept in the store ---------------------------------------------------------
 
