@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 from kvtest import prefill
 from vllm_events import Consumer, chained_tokens, kind
@@ -90,6 +91,34 @@ def test_a_router_sees_what_the_store_holds_stored_and_evicted(llama, tmp_path, 
         batches = observed(consumer, store)
         assert believed(consumer.view(batches)) == {"DISK": set(), "CPU_TIER1": set()}
         assert any(kind(e) == "BlockRemoved" and e.medium == "DISK" for _, b in batches for e in b.events)
+
+
+@pytest.mark.parametrize("consumer", ["map", "legacy"], indirect=True)
+def test_events_carry_the_fields_of_their_encoding(llama, tmp_path, consumer):
+    """Maps carry what current vLLM sends: `extra_keys` with one entry per block (None for an
+    untagged one), `group_idx` 0 and `kv_cache_spec_kind` "full_attention" on stored blocks,
+    `group_idx` on removals. Legacy arrays stay as vLLM sent them before: 8 items for a stored
+    event (no `extra_keys` when no block is tagged), 3 for a removal."""
+    path, model = llama
+    config = consumer.config(block_size=B, encoding=consumer.encoding)
+    with kvstore.open(tmp_path / "s", chunk_size=C, kv_events=config, memory_bytes=30_000) as store:
+        mc = store.bind(model, str(path))
+        for n in (30, 50, 70):
+            insert(mc, model, list(range(n, n + 40)))
+        batches = observed(consumer, store)
+        events = [e for _, b in batches for e in b.events]
+        with consumer._lock:
+            raw = [msgspec.msgpack.decode(consumer.raw[n]) for n, _ in batches if n in consumer.raw]
+    stored = [e for e in events if kind(e) == "BlockStored"]
+    removed = [e for e in events if kind(e) == "BlockRemoved"]
+    assert stored and removed
+    if consumer.encoding == "map":
+        assert all(e.extra_keys == [None] * len(e.block_hashes) for e in stored)
+        assert {(e.group_idx, e.kv_cache_spec_kind) for e in stored} == {(0, "full_attention")}
+        assert {e.group_idx for e in removed} == {0}
+    else:
+        lengths = {(e[0], len(e)) for _, evs, _ in raw for e in evs if e[0] != "AllBlocksCleared"}
+        assert lengths == {("BlockStored", 8), ("BlockRemoved", 3)}
 
 
 def test_chained_token_ids_rebuild_the_prompts(llama, tmp_path, consumer):

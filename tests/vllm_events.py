@@ -28,11 +28,15 @@ class BlockStored(MapEvent):
     medium: Union[str, None]
     lora_name: Union[str, None]
     extra_keys: Union[list[Union[tuple[Any, ...], None]], None] = None
+    group_idx: Union[int, None] = None
+    kv_cache_spec_kind: Union[str, None] = None
+    kv_cache_spec_sliding_window: Union[int, None] = None
 
 
 class BlockRemoved(MapEvent):
     block_hashes: list[int]
     medium: Union[str, None]
+    group_idx: Union[int, None] = None
 
 
 class AllBlocksCleared(MapEvent):
@@ -106,6 +110,7 @@ class Consumer:
         self.sub.bind(self.endpoint)
         self.live: dict[int, Any] = {}
         self.arrivals: list[tuple[int, Any]] = []  # (number, batch) in the order they came
+        self.raw: dict[int, bytes] = {}  # number -> the payload as it came
         self.topics: set[bytes] = set()
         self._lock = threading.Lock()
         self._stop = False
@@ -124,6 +129,7 @@ class Consumer:
                     self.topics.add(topic)
                     batch = self.decoder.decode(payload)
                     self.live[int.from_bytes(seq, "big")] = batch
+                    self.raw[int.from_bytes(seq, "big")] = payload
                     self.arrivals.append((int.from_bytes(seq, "big"), batch))
 
     def first_arrival(self, timeout: float = 10.0) -> tuple[int, Any]:
