@@ -177,6 +177,20 @@ def test_events_beyond_this_machine_are_warned_about(capsys):
         _kv_events(served, peek, "m")
 
 
+def test_a_block_size_given_twice_and_different_is_refused_naming_both():
+    peek = argparse.Namespace(host=None, port="8123")
+    config = {"enable_kv_cache_events": True, "endpoint": "tcp://127.0.0.1:9", "block_size": 32}
+    served = {"kv_events_config": config, "kv_events_block_size": 16, "given": {"kv_events_block_size"}}
+    with pytest.raises(InvalidInputError) as e:
+        _kv_events(served, peek, "m")
+    assert str(e.value) == ('--kv-events-block-size 16 and --kv-events-config\'s "block_size": 32 differ: '
+                            "give the block size once")
+    served["kv_events_block_size"] = 32  # the same twice, or the JSON's with the flag left at its default
+    assert _kv_events(served, peek, "m")["block_size"] == 32
+    served.update(kv_events_block_size=64, given=set())
+    assert _kv_events(served, peek, "m")["block_size"] == 32
+
+
 def test_prefetch_acts_within_the_callers_tenant(llama, tmp_path):
     """A prefetch for a tenant brings into RAM the shared prompt and that tenant's own records,
     never another tenant's: bob's prefetch of alice's exact prompt loads the shared part only."""

@@ -108,6 +108,7 @@ def server_settings(args: argparse.Namespace) -> dict:
     out["allowed_origins"] = [o.rstrip("/") for o in out["allowed_origins"]]
     out["allowed_hosts"] = [h.lower().strip("[]").rstrip(".") for h in out["allowed_hosts"]]
     out["store_max_tokens"] = out["store_max_tokens"] or None
+    out["given"] = frozenset(given)  # the settings the command line named
     out["tenants"] = TenantPolicy.parse(out["tenant_from"], out["default_tenant"], out["trust_client_salt"])
     if out["default_tenant"] is not None and out["tenants"].source == "none":
         raise InvalidInputError("--default-tenant names the tenant of requests that name none: it needs "

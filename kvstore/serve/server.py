@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import errno
 import io
+import json
 import logging
 import os
 import re
@@ -29,7 +30,7 @@ from typing import Sequence
 
 from kvstore import settings
 from kvstore.argv import option_strings, remote_url, unknown_options, unrecognized
-from kvstore.errors import KVStoreError
+from kvstore.errors import InvalidInputError, KVStoreError
 from kvstore.serve.mlxserver import persistent, server_module
 from kvstore.serve.options import (
     DEFAULT_MAX_STORED_TOKENS,
@@ -162,8 +163,11 @@ def _kv_events(served: dict, peek: argparse.Namespace, served_model: str) -> dic
 
     if served["kv_events_config"] is None:
         return None
-    given = dict(served["kv_events_config"])
-    given.setdefault("block_size", served["kv_events_block_size"])
+    given, flag = dict(served["kv_events_config"]), served["kv_events_block_size"]
+    if "kv_events_block_size" in served.get("given", ()) and given.get("block_size", flag) != flag:
+        raise InvalidInputError(f"--kv-events-block-size {flag} and --kv-events-config's \"block_size\": "
+                                f"{json.dumps(given['block_size'])} differ: give the block size once")
+    given.setdefault("block_size", flag)
     config = events_config.parse(given, "--kv-events-config")
     host = peek.host or "127.0.0.1"
     if host in ("0.0.0.0", "::", ""):
