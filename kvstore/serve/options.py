@@ -59,7 +59,8 @@ SERVE_SETTINGS: tuple[Setting, ...] = (
                  "the topic defaults to kv@HOST:PORT@MODEL; events carry prompts' token ids (docs/serve.md)"),
     Setting("kv_events_block_size", "count", 64, zero=None, refuse_zero="a block needs at least one token",
             help="tokens per block in KV events; it must divide the store's chunk size (256), and a "
-                 "router such as Dynamo's uses the events only when it equals its own block size; 0 is refused"),
+                 "router such as Dynamo's uses the events only when it equals its own block size; a "
+                 "different block_size in --kv-events-config is refused; 0 is refused"),
     Setting("warm_top", "count", 0, zero="warm nothing",
             help="before /health says ready, load the N most-hit prompts (or shared system prompts) "
                  "of the store into the memory tier, as far as it holds them; 0: warm nothing"),
