@@ -304,3 +304,29 @@ def test_damaged_bookkeeping_never_hides_a_record_from_gc_and_repair_mends_the_r
         for r in victim:
             assert getattr(rows[r.hash], column) == {"last_access": 0.0, "pinned": 0, "size": r.size}[column]
     assert verify(store, capsys)[0] == 0
+
+
+def test_repair_of_a_damaged_pin_flag_takes_the_pins_files_word(tmp_path, llama, capsys):
+    """A pinned record whose flag was damaged is pinned again by repair (the pins file beside the
+    index lists it), so the flags and the file agree and gc keeps it; an unpinned one stays
+    unpinned."""
+    path, model = llama
+    store = tmp_path / "s"
+    with kvstore.open(store, chunk_size=C) as s:
+        mc = s.bind(model, path)
+        mc.prefill(prompt(0), pin=True)
+        mc.prefill(prompt(1))
+        s.flush()
+        pinned = {r.hash for r in s.index.rows() if r.pinned}
+        loose = {r.hash for r in s.index.rows() if not r.pinned}
+    assert pinned and loose
+    sql(store, "UPDATE records SET pinned = 'no'")
+    verify(store, capsys, "--repair")
+    with kvstore.open(store, chunk_size=C) as s:
+        rows = list(s.index.rows())
+        assert {r.hash for r in rows if r.pinned == 1} == pinned
+        assert {r.hash for r in rows if r.pinned == 0} == loose
+    assert verify(store, capsys)[0] == 0
+    assert main(["gc", "--store", str(store), "--max-bytes", "0"]) == 0
+    with kvstore.open(store, chunk_size=C) as s:
+        assert {r.hash for r in s.index.rows()} == pinned

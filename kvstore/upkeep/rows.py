@@ -6,8 +6,9 @@ checksum) cannot be rewritten: the record is deleted, file and all. A column of 
 rewritten to a safe value, as gc already reads it, so a damaged row never hides its bytes from
 gc: a size that is not a whole number becomes the blob file's size (its checksum is then checked
 as any other row's), a last access time the epoch (gc evicts it first), a creation time now,
-hits 0, a quarantine flag 0 once the blob checks out, and a pin flag 0 (not pinned: said, so
-that the prompt can be pinned again).
+hits 0, a quarantine flag 0 once the blob checks out, and a pin flag as the pins file beside the
+index has it (`storage.pins`: pinned if it lists the record, else not, said so that the prompt
+can be pinned again), so that the flags and the file agree.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import os
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Collection
 
 from kvstore import keys
 from kvstore.storage import blobformat, blobtree
@@ -26,8 +28,8 @@ MENDED = {
     "last_access": "gc reads it as never used and evicts it first; repair sets it to 0",
     "created": "repair sets it to now",
     "hits": "repair sets it to 0",
-    "pinned": "gc reads it as not pinned and may evict it; repair unpins it (warm its prompt again with "
-              "\"pin\": true to keep it)",
+    "pinned": "gc reads it as not pinned and may evict it; repair takes the pins file's word (pinned if "
+              "it lists the record, else unpinned: warm its prompt again with \"pin\": true to keep it)",
     "bad": "readers take it as quarantined and never serve it; repair clears it if the blob checks out",
 }
 
@@ -58,12 +60,12 @@ def damaged_columns(row) -> list[tuple[str, object, str]]:
     return out
 
 
-def as_read(row, root: Path, damaged: list[tuple[str, object, str]]):
+def as_read(row, root: Path, damaged: list[tuple[str, object, str]], pinned: Collection[bytes] = ()):
     """`row` with its damaged bookkeeping columns as repair rewrites them (None if a column
-    that names the record is damaged: it cannot be mended)."""
+    that names the record is damaged: it cannot be mended); `pinned`: the pins file's hashes."""
     if any(name not in MENDED for name, _, _ in damaged):
         return None
-    safe = {"last_access": 0.0, "created": time.time(), "hits": 0, "pinned": 0, "bad": 0}
+    safe = {"last_access": 0.0, "created": time.time(), "hits": 0, "pinned": int(row.hash in pinned), "bad": 0}
     fields = {name: safe[name] for name, _, _ in damaged if name in safe}
     if any(name == "size" for name, _, _ in damaged):
         try:

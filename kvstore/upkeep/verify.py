@@ -26,7 +26,8 @@ from kvstore import records
 from kvstore.errors import BlobError
 from kvstore.storage import blobfile, blobformat, blobtree
 from kvstore.storage.index import Index
-from kvstore.storage.storedir import QUARANTINE_NAME
+from kvstore.storage.pins import read_pins_file
+from kvstore.storage.storedir import PINS_NAME, QUARANTINE_NAME
 from kvstore.trust import Trust
 from kvstore.upkeep import rows as rowcheck
 from kvstore.upkeep.tables import repair_tables, table_problems
@@ -65,9 +66,12 @@ def verify(index: Index, root: Path, *, repair: bool = False, force: bool = Fals
     `trust`: blob tags are checked with it too (`kvstore.trust`): one that is refused is damage.
     """
     rows, bad_rows, mended = [], [], []
+    pinned = None  # the pins file's hashes, read once a pin flag is damaged
     for row in index.rows():  # one snapshot: no read transaction stays open below
         damaged = rowcheck.damaged_columns(row)
-        fixed = rowcheck.as_read(row, root, damaged) if damaged else row
+        if pinned is None and any(name == "pinned" for name, _, _ in damaged):
+            pinned = _pins_file(index)
+        fixed = rowcheck.as_read(row, root, damaged, pinned or ()) if damaged else row
         if fixed is None:
             bad_rows.append((row.hash, rowcheck.said(row, damaged)))
             continue
@@ -150,6 +154,12 @@ def check_blob(root: Path, row, chunk_size: int | None = None, *, trust: Trust |
         why = trust.refusal(verdict, row.created, epoch)
         if why is not None:
             raise BlobError(f"{blob.path}: {why}")
+
+
+def _pins_file(index: Index) -> set[bytes]:
+    """The hashes the pins file beside the index lists (none if it cannot be read)."""
+    got = read_pins_file(index.path.parent / PINS_NAME)
+    return got.hashes if got is not None else set()
 
 
 def _confirm(index: Index, root: Path, row, chunk_size: int | None, check=check_blob) -> Problem | None:
