@@ -446,8 +446,11 @@ def test_the_log_counts_in_the_right_words(models, tmp_path):
     assert re.search(r"settings: admit=reused \(kept\), max_write_rate=0 B/day "
                      r"\(kept\): automatic writes never reach the disk", log), log
     assert "(given)" not in log  # serve's own automatic disk budget is its default, not given
-    assert re.search(r"kvstore: cache of \d+ tokens: 0 on disk, \d+ queued for disk", log), log
-    assert re.search(r"kvstore: \d+ tokens \((not admitted|over budget)\)(, \d+ tokens \(\w+ \w+\))? stay in RAM only", log), log
+    queued = re.search(r"kvstore: cache of \d+ tokens up to record ([0-9a-f]{8}): 0 on disk, \d+ queued for disk", log)
+    assert queued, log
+    # the writer's line names the same record, so that the log ties it to the request that queued it
+    assert re.search(r"kvstore: \d+ tokens \((not admitted|over budget)\)(, \d+ tokens \(\w+ \w+\))? up to "
+                     rf"record {queued.group(1)} stay in RAM only", log), log
     assert "; no remote tier" in log
     assert re.search(r"- kvstore disk: \d+ records?, ", log) and "Prompt Cache: 1 sequence in RAM" in log, log
     assert not re.search(r"kvstore disk: \d+ sequence|\b1 sequences\b|\b1 requests\b", log), log

@@ -331,7 +331,7 @@ class PersistentPromptCache:
         mc.insert(held, prompt_cache, cache_type=cache_type, canary=self.first_steps.canary_for(held))
         self.counters["inserts"] += 1
         if log.isEnabledFor(logging.INFO):
-            log.info("kvstore: %s", mc.placement(held).summary())
+            log.info("kvstore: %s", mc.placement(held).summary(named=True))
         hashes = mc.record_hashes(held)
         seq = ((key, tenant.tag) if tenant is not None else key, mc.ns, tuple(held))
         self._ram.add(seq, hashes, cache_type)

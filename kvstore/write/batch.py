@@ -91,12 +91,13 @@ def write(dest: Destination, job: Job,
 
 
 def _say_kept(spans: list[Span], why: dict[bytes, str]) -> None:
-    """One log line for the tokens of a job that the writer keeps in RAM only, by reason."""
+    """One log line for the tokens of a job that the writer keeps in RAM only, by reason, naming
+    its last record (as `kvstore serve`'s line for the request that queued it does)."""
     by_reason: dict[str, int] = {}
     for s in spans:
         by_reason[why[s.hash]] = by_reason.get(why[s.hash], 0) + s.ntokens
-    log.info("kvstore: %s stay in RAM only, not written", ", ".join(
-        f"{n} tokens ({REASONS.get(r, r)})" for r, n in by_reason.items()))
+    log.info("kvstore: %s up to record %s stay in RAM only, not written", ", ".join(
+        f"{n} tokens ({REASONS.get(r, r)})" for r, n in by_reason.items()), spans[-1].hash.hex()[:8])
 
 
 def _give_back(dest: Destination, job: Job, staged: _Staged, rows: list[Row]) -> None:

@@ -36,6 +36,7 @@ class Placement:
     queued: int = 0
     in_ram: int = 0  # in RAM only: `why` says why, by reason
     why: dict[str, int] = field(default_factory=dict)
+    last: bytes | None = None  # the prompt's last record: the writer's own line names it too
 
     def text(self) -> str:
         """`1065 on disk`; `0 on disk, 849 in RAM only (not admitted)`; `256 queued for disk`."""
@@ -48,16 +49,19 @@ class Placement:
             parts.append(f"{self.in_ram} in RAM only ({reasons})")
         return ", ".join(parts)
 
-    def summary(self) -> str:
-        """`cache of 1065 tokens: 1065 on disk`: the same, of the whole prompt."""
-        return f"cache of {plural(self.tokens, 'token')}: {self.text()}"
+    def summary(self, *, named: bool = False) -> str:
+        """`cache of 1065 tokens: 1065 on disk`: the same, of the whole prompt; `named`, with its
+        last record's id (`cache of 743 tokens up to record 3f9a12bc: ...`), as the writer names
+        the records it then keeps in RAM only (`batch`), so that a log ties the two lines."""
+        at = f" up to record {self.last.hex()[:8]}" if named and self.last else ""
+        return f"cache of {plural(self.tokens, 'token')}{at}: {self.text()}"
 
 
 def place(spans: Iterable[Span], index: Index | None, writer: _Queue, gate: _Gate | None) -> Placement:
     """Where the records `spans` (a prompt's, root first) are. A record queued for the writer
     counts as queued even if the writer will keep it in RAM: flush first to know."""
     spans = [s for s in spans if s.kind != CHECKPOINT]
-    out = Placement(tokens=sum(s.ntokens for s in spans))
+    out = Placement(tokens=sum(s.ntokens for s in spans), last=spans[-1].hash if spans else None)
     pending = {s.hash for s in spans if writer.is_pending(s.hash)}
     on_disk = index.present([s.hash for s in spans if s.hash not in pending]) if index is not None else set()
     for s in spans:
