@@ -176,6 +176,41 @@ def test_each_tenant_is_kept_within_its_quota_by_the_same_rule(llama, tmp_path):
         assert store.verify() == []
 
 
+def test_gc_drop_tenant_deletes_every_record_of_one_tenant_and_no_other(llama, tmp_path, capsys):
+    """`kvstore gc --drop-tenant TAG`: all of that tenant's records go, its pinned ones too, files
+    and all; the shared prompt and the other tenant's stay and restore; a dry run deletes nothing
+    and a tag the store does not hold deletes nothing, said."""
+    from kvstore.cli.main import main
+
+    path, model = llama
+    with kvstore.open(tmp_path / "s", chunk_size=C) as store:
+        store.bind(model, str(path)).prefill(SYSTEM)
+        a, b = (store.bind(model, str(path), tenant=t) for t in ("alice", "bob"))
+        a.prefill(SYSTEM + toks(32, 10), pin=True)
+        a.prefill(SYSTEM + toks(40, 11))
+        b.prefill(SYSTEM + toks(32, 20))
+        store.flush()
+        alice = a.tenant.tag
+        mine = {r.hash for r in store.index.rows() if r.tenant == alice}
+        others = {r.hash for r in store.index.rows() if r.tenant != alice}
+        assert any(r.pinned for r in store.index.rows() if r.tenant == alice)
+    s = str(tmp_path / "s")
+    assert main(["gc", "--store", s, "--drop-tenant", alice, "--dry-run"]) == 0
+    assert f"tenant {alice}: {len(mine)} records (" in capsys.readouterr().out
+    assert main(["gc", "--store", s, "--drop-tenant", alice, "--drop-tenant", "0" * 16]) == 1
+    assert "no record of tenant 0000000000000000 in this store" in capsys.readouterr().err
+    assert main(["gc", "--store", s, "--drop-tenant", alice]) == 0
+    assert "deleted, pinned ones too" in capsys.readouterr().out
+    with kvstore.open(tmp_path / "s", chunk_size=C) as store:
+        assert {r.hash for r in store.index.rows()} == others
+        assert not any(blobtree.blob_path(store.blob_root, h).exists() for h in mine)
+        assert alice not in {t["tenant"] for t in store.stats()["tenants"]}
+        a, b = (store.bind(model, str(path), tenant=t) for t in ("alice", "bob"))
+        assert reused(a, SYSTEM + toks(32, 10) + [1]) == len(SYSTEM)  # the shared prompt only
+        assert reused(b, SYSTEM + toks(32, 20) + [1]) == len(SYSTEM) + 32
+        assert store.verify() == []
+
+
 def test_the_disk_budget_keeps_tenants_within_their_quota_as_records_land(llama, tmp_path):
     path, model = llama
     with kvstore.open(tmp_path / "s", chunk_size=C, tenant_max_bytes="60KB") as store:

@@ -17,6 +17,7 @@ EXAMPLES = """examples:
   kvstore gc --max-bytes 500MB --max-age 7d --dry-run
   kvstore gc --remote s3://team-cache/kv --max-age 7d     # the shared bucket, deepest first
   kvstore gc --max-bytes 20GiB --tenant-max-bytes 1GiB     # and no tenant above 1 GiB
+  kvstore gc --drop-tenant 94006b12d940acf3                # every record of one tenant, pins too
   kvstore gc --remote s3://team-cache/kv --remote-key-file fleet.key --drop-key 3fa2c1d0  # end a key rotation
 
 SIZE: bytes, or a number with KB/MB/GB/TB (x1000) or K/M/G/T, KiB/MiB/GiB/TiB (x1024).
@@ -35,6 +36,10 @@ def register(add, store_opts, model_opts) -> None:
                    help="evict model versions whose files are gone or changed, pinned records too (no lookup "
                         "can use them again); a budget evicts them first anyway, pins kept")
     settings.add_options(p, (settings.BY_NAME["tenant_max_bytes"],))  # its row in the settings table
+    p.add_argument("--drop-tenant", metavar="TAG", action="append", type=_tenant_tag, default=[],
+                   help="delete every record of the tenant with this tag (as `kvstore stats` lists tenants), "
+                        "its pinned ones too; repeatable. The local store only: the bucket's copies stay "
+                        "until `gc --remote` bounds it")
     p.add_argument("--drop-key", metavar="ID",
                    help="with --remote: delete every object only the older fleet key ID opens (the end of "
                         "`kvstore remote-key --rotate`), and take it out of --remote-key-file")
@@ -52,13 +57,21 @@ def cmd_gc(args) -> int:
         return _drop_key(args)
     if args.drop_unknown and args.remote is None:
         raise CommandError("--drop-unknown deletes namespaces of a bucket: give --remote URL", EXIT_USAGE)
-    if not bounds and not args.stale and not args.drop_unknown:
-        raise CommandError("gc needs --max-bytes and/or --max-age (or --tenant-max-bytes, or --stale)", EXIT_USAGE)
+    if not bounds and not args.stale and not args.drop_unknown and not args.drop_tenant:
+        raise CommandError("gc needs --max-bytes and/or --max-age (or --tenant-max-bytes, --drop-tenant or "
+                           "--stale)", EXIT_USAGE)
     if args.remote is not None:
+        if args.drop_tenant:
+            raise CommandError("--drop-tenant deletes a tenant's records from the local store: run it without "
+                               "--remote", EXIT_USAGE)
         return _gc_remote(args)
     with open_local(args, must_exist=True) as files:
+        unknown = [tag for tag in args.drop_tenant if tag not in files.index.tenant_totals()]
+        if unknown:  # (a mistyped tag deletes nothing, and neither do the others given with it)
+            raise CommandError(f"no record of tenant {', '.join(unknown)} in this store (`{PROG} stats --store "
+                               f"{shlex.quote(str(store_path(args)))}` lists its tenants' tags): nothing deleted")
         result = files.gc(max_bytes=args.max_bytes, max_age=args.max_age, dry_run=args.dry_run, stale=args.stale,
-                          tenant_max_bytes=args.tenant_max_bytes)
+                          tenant_max_bytes=args.tenant_max_bytes, drop_tenants=args.drop_tenant)
     verb, holds = ("would free", "would hold") if args.dry_run else ("freed", "holds")
     print(f"{verb} {format_size(result['freed_bytes'])} ({result['freed_bytes']} bytes, "
           f"{plural(result['evicted'], 'record')}); the store {holds} {format_size(result['bytes'])} "
@@ -71,9 +84,21 @@ def cmd_gc(args) -> int:
     if result.get("tenants_over"):
         out(f"{plural(result['tenants_over'], 'tenant')} held more than {format_size(args.tenant_max_bytes)}: "
             f"their least recently used records {'would go' if args.dry_run else 'went'} first (pinned ones stay)")
+    for tag, held in (result.get("tenants_dropped") or {}).items():
+        out(f"tenant {tag}: {plural(held['records'], 'record')} ({format_size(held['bytes'])}) "
+            f"{'would be deleted' if args.dry_run else 'deleted'}, pinned ones too")
     if args.max_bytes is not None and result["bytes"] > args.max_bytes:
         say(f"{PROG} gc: still above the budget of {args.max_bytes} bytes: {_kept(args, result['kept_bytes'])}")
     return 0
+
+
+def _tenant_tag(text: str) -> str:
+    from kvstore.tenants import parse_tag
+
+    try:
+        return parse_tag(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{e} (as `kvstore stats` lists tenants), not {text!r:.40}") from None
 
 
 def _kept(args, kept: dict) -> str:

@@ -109,7 +109,11 @@ class PinSQL:
         """Unpin every record of these model versions: (how many were pinned, their bytes)."""
         return self._unpin("ns", sorted(namespaces))
 
-    def _unpin(self, column: str, values: list[bytes]) -> tuple[int, int]:
+    def unpin_tenants(self, tags: Iterable[str]) -> tuple[int, int]:
+        """Unpin every record of these tenants: (how many were pinned, their bytes)."""
+        return self._unpin("tenant", sorted(tags))
+
+    def _unpin(self, column: str, values: list) -> tuple[int, int]:
         n = size = 0
         with self.transaction() as conn:
             for start in range(0, len(values), _MAX_PARAMS):

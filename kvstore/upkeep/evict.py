@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from operator import itemgetter
+from typing import Collection
 
 import numpy as np
 
@@ -65,6 +66,7 @@ class Graph:
     bad: np.ndarray | None = None  # bool: quarantined (None: none is)
     role: np.ndarray | None = None  # int64: class in `ROLES` (None: all assistant)
     tenant: np.ndarray | None = None  # int64: which tenant, -1 shared (None: not read)
+    tags: tuple = ()  # the tenant tag of each number in `tenant`
 
     @classmethod
     def from_index(cls, rows: list[tuple]) -> "Graph":
@@ -83,12 +85,13 @@ class Graph:
         pairs = np.frombuffer(hp, dtype=[("h", "V16"), ("p", "V16")])
         last = np.fromiter(map(itemgetter(1), rows), np.float64, n)
         sf = np.fromiter(map(itemgetter(2), rows), np.int64, n)
-        tenant = None
+        tenant, tags = None, ()
         if len(rows[0]) > 3:  # tags as numbers: -1 for a shared record
             codes: dict[object, int] = {None: -1}
             tenant = np.fromiter((codes.setdefault(r[3], len(codes) - 1) for r in rows), np.int64, n)
+            tags = tuple(tag for tag in codes if tag is not None)
         return cls(pairs["h"].copy(), pairs["p"].copy(), sf >> 6, last,
-                   (sf & 1) > 0, (sf & 2) > 0, (sf & 4) > 0, (sf & 8) > 0, (sf >> 4) & 3, tenant)
+                   (sf & 1) > 0, (sf & 2) > 0, (sf & 4) > 0, (sf & 8) > 0, (sf >> 4) & 3, tenant, tags)
 
     @classmethod
     def from_rows(cls, rows: list[tuple]) -> "Graph":
@@ -222,12 +225,15 @@ def order(g: Graph, parent: np.ndarray | None = None, by_hash: np.ndarray | None
 
 
 def choose_victims(g: Graph, *, max_bytes: int | None, cutoff: float | None, stale: bool,
-                   tenant_max_bytes: int | None = None) -> Victims:
+                   tenant_max_bytes: int | None = None, drop_tenants: Collection[str] = ()) -> Victims:
     """`store_victims`, after each tenant over `tenant_max_bytes` has been brought down to it by
-    the same rule among its own records (`tenant_victims`): the store's budget then counts what
-    is left."""
-    quota = tenant_victims(g, tenant_max_bytes) if tenant_max_bytes is not None and g.tenant is not None \
-        else np.zeros(0, np.int64)
+    the same rule among its own records (`tenant_victims`), and every record of the tenants
+    `drop_tenants` (tags) taken, their pins too: the store's budget then counts what is left."""
+    dropped = {i for i, tag in enumerate(g.tags) if tag in drop_tenants}
+    if dropped:
+        g = replace(g, pinned=g.pinned & ~np.isin(g.tenant, list(dropped)))
+    quota = tenant_victims(g, tenant_max_bytes, dropped) \
+        if (tenant_max_bytes is not None or dropped) and g.tenant is not None else np.zeros(0, np.int64)
     if not len(quota):
         return store_victims(g, max_bytes=max_bytes, cutoff=cutoff, stale=stale)
     left = np.ones(len(g.hashes), bool)
@@ -243,21 +249,23 @@ def choose_victims(g: Graph, *, max_bytes: int | None, cutoff: float | None, sta
     return Victims(g.hashes[idx], g.sizes[idx], heights, tops, idx)
 
 
-def tenant_victims(g: Graph, max_bytes: int) -> np.ndarray:
-    """Indices of the records that bring every tenant within `max_bytes`: for each tenant over
-    it, the leaf-by-leaf LRU rule among that tenant's records alone (its pins kept). A tenant's
-    records hang below shared ones (or its namespace): to its rule, those are its roots."""
+def tenant_victims(g: Graph, max_bytes: int | None, emptied: Collection[int] = ()) -> np.ndarray:
+    """Indices of the records that bring every tenant within `max_bytes` (None: no bound), and
+    the tenants numbered `emptied` to nothing: for each tenant over its bound, the leaf-by-leaf
+    LRU rule among that tenant's records alone (its pins kept). A tenant's records hang below
+    shared ones (or its namespace): to its rule, those are its roots."""
     out = []
     tenant = g.tenant
     parent, _ = parents(g)
     for t in np.unique(tenant[tenant >= 0]):
+        bound = 0 if int(t) in emptied else max_bytes
         mine = np.nonzero(tenant == t)[0]
-        if int(g.sizes[mine].sum()) <= max_bytes:
+        if bound is None or int(g.sizes[mine].sum()) <= bound:
             continue
         up = parent[mine]
         root = (up < 0) | (tenant[np.maximum(up, 0)] != t)  # hangs from outside the tenant
         sub = replace(_subgraph(g, mine), root=root, stale=np.zeros(len(mine), bool))
-        p = store_victims(sub, max_bytes=max_bytes, cutoff=None, stale=False)
+        p = store_victims(sub, max_bytes=bound, cutoff=None, stale=False)
         if len(p):
             out.append(mine[p.index])
     return np.concatenate(out) if out else np.zeros(0, np.int64)

@@ -16,7 +16,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from operator import itemgetter
 from pathlib import Path
-from typing import Iterator
+from typing import Collection, Iterator
 
 from kvstore import faults
 from kvstore.storage import blobtree
@@ -46,8 +46,9 @@ _CLOCK_SLACK_S = 1.0
 
 def collect(index: Index, root: Path, *, max_bytes: int | None = None, max_age: float | None = None,
             stale: bool = False, stale_namespaces: set[bytes] = frozenset(), dry_run: bool = False,
-            tenant_max_bytes: int | None = None) -> dict:
-    """Evict until every tenant holds at most `tenant_max_bytes`, the store at most `max_bytes`,
+            tenant_max_bytes: int | None = None, drop_tenants: Collection[str] = ()) -> dict:
+    """Evict every record of the tenants `drop_tenants` (tags), pinned ones too, then until every
+    tenant holds at most `tenant_max_bytes`, the store at most `max_bytes`,
     nothing unused for `max_age` seconds and, with `stale`, nothing of the model versions in
     `stale_namespaces` (which a budget evicts first, too). See `evict` for the order; rows go in
     transactions of a bounded number of rows, each record's file right after the commit that
@@ -62,14 +63,18 @@ def collect(index: Index, root: Path, *, max_bytes: int | None = None, max_age: 
     unpinned = (0, 0)
     if stale and stale_namespaces and not dry_run:
         unpinned = index.unpin_namespaces(stale_namespaces)
+    totals = index.tenant_totals() if drop_tenants else {}
+    dropping = {t: totals.get(t, (0, 0)) for t in drop_tenants}  # (records, bytes) of each before
+    if drop_tenants and not dry_run:  # (a dry run plans them unpinned: `choose_victims`)
+        index.unpin_tenants(drop_tenants)
     # Quarantined records are never served: any gc drops them (and what hangs below them).
     over = index.tenants_over(tenant_max_bytes) if tenant_max_bytes is not None else []
     if ((max_bytes is not None and total > max_bytes) or cutoff is not None or (stale and stale_namespaces)
-            or over or index.quarantined()[0]):
-        graph = evict.Graph.from_index(index.eviction_graph(sorted(stale_namespaces), tenants=bool(over)))
+            or over or any(n for n, _ in dropping.values()) or index.quarantined()[0]):
+        graph = evict.Graph.from_index(index.eviction_graph(sorted(stale_namespaces), tenants=bool(over or dropping)))
         planned_from = int(graph.sizes.sum())
         p = evict.choose_victims(graph, max_bytes=max_bytes, cutoff=cutoff, stale=stale,
-                                 tenant_max_bytes=tenant_max_bytes if over else None)
+                                 tenant_max_bytes=tenant_max_bytes if over else None, drop_tenants=set(dropping))
         if dry_run and stale:
             held = graph.pinned & graph.stale
             unpinned = (int(held.sum()), int(graph.sizes[held].sum()))
@@ -78,36 +83,7 @@ def collect(index: Index, root: Path, *, max_bytes: int | None = None, max_age: 
     if dry_run:
         freed, hashes = int(p.sizes.sum()) if len(p) else 0, list(p.hashes)
     else:
-        order = evict.in_key_order(p)
-        edges: list[tuple[bytes, int, bytes]] = []
-        # A page cache as big as the index (up to 1 GiB) while gc runs; files unlinked on threads
-        # (the syscall releases the GIL, and unlinks in different folders run side by side).
-        with index.bulk(cache_kib=min(_CACHE_MAX_KIB, max(_CACHE_MIN_KIB, index.file_bytes() // 1024))), \
-                index.victims(order, p.top_hashes), ThreadPoolExecutor(_UNLINK_THREADS, thread_name_prefix="kvstore-gc") as pool:
-            # Sweep 1, in hash order: the rows and the edges out of them, and each record's file
-            # right after its commit.
-            for took, deleted in _batches(index, order, lambda part: _evict(index, root, part[0], part[-1], pool)):
-                longest = max(longest, took)
-                freed += sum(row[1] for row in deleted)
-                hashes += [row[0] for row in deleted]
-                edges += [(parent, first, h) for h, _, parent, first in deleted]
-            # Sweep 2, in the order of the `children` table: the edges into the rows deleted whose
-            # parent was not (at half of 1M rows, 577 of 500,094: gc mostly takes whole branches).
-            gone = set(hashes)
-            edges = [e for e in edges if e[0] not in gone]
-            edges.sort(key=itemgetter(0))  # by parent: the table's pages in order (what follows is one page)
-            for took, _ in _batches(index, edges, lambda part: _forget_edges(index, root, part)):
-                longest = max(longest, took)
-            # Records another process stored under a victim below a top while gc ran: their parent
-            # is gone, so nothing reaches them (`Index.evict`). They go too, files and all.
-            if hashes:
-                lost = index.lost_since(since)
-                if lost:
-                    t = time.perf_counter()
-                    deleted = _drop_lost(index, root, lost, pool)
-                    longest = max(longest, time.perf_counter() - t)
-                    freed += sum(row[1] for row in deleted)
-                    hashes += [row[0] for row in deleted]
+        freed, hashes, longest = _delete(index, root, p, since)
     return {
         "evicted": len(hashes),
         "freed_bytes": freed,
@@ -119,9 +95,46 @@ def collect(index: Index, root: Path, *, max_bytes: int | None = None, max_age: 
         "longest_transaction_seconds": longest,
         "stale_pins": {"records": unpinned[0], "bytes": unpinned[1]},  # unpinned, then evicted
         "tenants_over": len(over),  # tenants that held more than `tenant_max_bytes`
+        "tenants_dropped": {t: {"records": n, "bytes": b} for t, (n, b) in dropping.items()},  # what each held before
         "kept_bytes": _kept_bytes(total, planned_from, freed),
         "hashes": hashes,
     }
+
+
+def _delete(index: Index, root: Path, p: evict.Victims, since: float) -> tuple[int, list[bytes], float]:
+    """Delete the victims `p`: (bytes freed, hashes deleted, the longest transaction's seconds)."""
+    freed, hashes, longest = 0, [], 0.0
+    order = evict.in_key_order(p)
+    edges: list[tuple[bytes, int, bytes]] = []
+    # A page cache as big as the index (up to 1 GiB) while gc runs; files unlinked on threads
+    # (the syscall releases the GIL, and unlinks in different folders run side by side).
+    with index.bulk(cache_kib=min(_CACHE_MAX_KIB, max(_CACHE_MIN_KIB, index.file_bytes() // 1024))), \
+            index.victims(order, p.top_hashes), ThreadPoolExecutor(_UNLINK_THREADS, thread_name_prefix="kvstore-gc") as pool:
+        # Sweep 1, in hash order: the rows and the edges out of them, and each record's file
+        # right after its commit.
+        for took, deleted in _batches(index, order, lambda part: _evict(index, root, part[0], part[-1], pool)):
+            longest = max(longest, took)
+            freed += sum(row[1] for row in deleted)
+            hashes += [row[0] for row in deleted]
+            edges += [(parent, first, h) for h, _, parent, first in deleted]
+        # Sweep 2, in the order of the `children` table: the edges into the rows deleted whose
+        # parent was not (at half of 1M rows, 577 of 500,094: gc mostly takes whole branches).
+        gone = set(hashes)
+        edges = [e for e in edges if e[0] not in gone]
+        edges.sort(key=itemgetter(0))  # by parent: the table's pages in order (what follows is one page)
+        for took, _ in _batches(index, edges, lambda part: _forget_edges(index, root, part)):
+            longest = max(longest, took)
+        # Records another process stored under a victim below a top while gc ran: their parent
+        # is gone, so nothing reaches them (`Index.evict`). They go too, files and all.
+        if hashes:
+            lost = index.lost_since(since)
+            if lost:
+                t = time.perf_counter()
+                deleted = _drop_lost(index, root, lost, pool)
+                longest = max(longest, time.perf_counter() - t)
+                freed += sum(row[1] for row in deleted)
+                hashes += [row[0] for row in deleted]
+    return freed, hashes, longest
 
 
 def _kept_bytes(total: int, read: int, freed: int) -> dict[str, int]:

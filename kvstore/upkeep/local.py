@@ -17,7 +17,7 @@ import stat
 import threading
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from kvstore import settings
 from kvstore.errors import StoreOpenError
@@ -112,9 +112,10 @@ class LocalStore:
         return out
 
     def gc(self, max_bytes: int | None = None, max_age: float | None = None, dry_run: bool = False,
-           stale: bool = False, tenant_max_bytes: int | None = None) -> dict:
+           stale: bool = False, tenant_max_bytes: int | None = None, drop_tenants: Sequence[str] = ()) -> dict:
         """Evict down to `max_bytes` (and records unused for `max_age` seconds; each tenant down to
-        `tenant_max_bytes`; with `stale`, every record of a model version whose files are gone or
+        `tenant_max_bytes`; every record of the tenants `drop_tenants` (tags), pinned ones too;
+        with `stale`, every record of a model version whose files are gone or
         changed, pinned ones too: the result's `stale_pins` counts those); see `gc.collect`. The
         result's `hashes` are the records evicted."""
         from kvstore.upkeep.gc import collect
@@ -128,7 +129,8 @@ class LocalStore:
                 found = self.model_status(rehash=True, record=not dry_run and not self.read_only)
                 old = {ns for ns, (is_stale, _) in found.items() if is_stale}
             return collect(self.index, self.blob_root, max_bytes=max_bytes, max_age=max_age,
-                           stale=stale, stale_namespaces=old, dry_run=dry_run, tenant_max_bytes=tenant_max_bytes)
+                           stale=stale, stale_namespaces=old, dry_run=dry_run, tenant_max_bytes=tenant_max_bytes,
+                           drop_tenants=drop_tenants)
 
     def model_status(self, *, rehash: bool, record: bool = False) -> dict[bytes, tuple[bool | None, str | None]]:
         """ns -> (stale, why) of every version with recorded files (see `storage.stale.status`).

@@ -196,9 +196,8 @@ def left_behind(tags: dict[str, int]) -> list[str]:
 
     each = ", ".join(f"{tag} ({format_size(size)})" for tag, size in sorted(tags.items()))
     return [f"left in the store: the two probe tenants' records, {format_size(sum(tags.values()))} under "
-            f"the tenant tags {each}. No command drops one tenant's records: they go as any tenant's "
-            "do, least recently used first (kvstore gc --max-bytes, or --tenant-max-bytes SIZE for every "
-            "tenant's share)"]
+            f"the tenant tags {each}; `kvstore gc --store STORE "
+            + " ".join(f"--drop-tenant {tag}" for tag in sorted(tags)) + "` deletes them"]
 
 
 def _reuse_counters(http, base: str) -> tuple[int, int] | None:
