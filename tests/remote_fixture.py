@@ -247,6 +247,8 @@ class StallingProxy:
                     self._forward()
                 except (BrokenPipeError, ConnectionResetError):  # the client gave up (its deadline)
                     self.close_connection = True
+                except ConnectionRefusedError:  # a download past its wait, queued until the store stopped
+                    self.close_connection = True
 
             do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _answer
 

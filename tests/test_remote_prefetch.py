@@ -185,9 +185,11 @@ def test_timeout_restores_what_arrived_within_its_wait(tmp_path, s3, llama, monk
 
     path, model = llama
     url = s3.url()
-    prompt = toks(8 * C + 3, 6)
+    prompt = toks(10 * C + 3, 6)
     store_all(tmp_path / "a", url, model, path, [prompt])
-    proxy = StallingProxy(s3.endpoint, slow_gets=0.3)  # downloads one at a time, 0.3 s each
+    # Downloads one at a time, 0.2 s each: 11 take 2.2 s, past the wait (1.0 s here), and the
+    # first ones arrive within it even when the lookup's requests are slow (a loaded machine).
+    proxy = StallingProxy(s3.endpoint, slow_gets=0.2)
     monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
     try:
         with kvstore.open(tmp_path / "b", chunk_size=C, remote=url, memory_bytes=0) as b:
