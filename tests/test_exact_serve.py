@@ -13,7 +13,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 from test_certify import stored_canaries
-from test_server import NO_END, Server, ask, cached
+from test_server import Server, ask, cached
 
 import kvstore
 from kvstore.model.prefill import last_step
@@ -87,12 +87,15 @@ def test_out_of_exact_mode_the_canary_goes_with_the_requests_insert(tmp_path, ll
 def test_kvstore_serve_in_exact_mode(demo_model, tmp_path):
     """Over real HTTP (mlx_lm.server's batched path): the first request is prefilled by kvstore
     in steps of 256 and stored; the same prompt again reuses all but its last token and answers
-    as the cold request did; the first step's canary reached the disk."""
+    as the cold request did; the first step's canary reached the disk. A request whose logits a
+    logit bias changes is neither a canary nor checked against one: the record stays."""
     model = demo_model("llama")
     prompt = "".join(chr(97 + i % 26) for i in range(300))
     with Server(model, tmp_path / "store", tmp_path / "log", "--exact-prefill", "256") as server:
-        cold, usage = ask(server, prompt=prompt, max_tokens=8, logit_bias=NO_END)
-        again, usage2 = ask(server, prompt=prompt, max_tokens=8, logit_bias=NO_END)
+        cold, usage = ask(server, prompt=prompt, max_tokens=8, logit_bias={})  # the model's own logits
+        again, usage2 = ask(server, prompt=prompt, max_tokens=8, logit_bias={})
+        _, biased = ask(server, prompt=prompt, max_tokens=8, logit_bias={"65": 50.0})  # another best token
+        _, usage4 = ask(server, prompt=prompt, max_tokens=8, logit_bias={})
         assert server.stop() == 0
     log = server.log()
     assert "computed in exact steps and stored" in log
@@ -100,3 +103,5 @@ def test_kvstore_serve_in_exact_mode(demo_model, tmp_path):
     assert cached(usage2) == usage2["prompt_tokens"] - 1
     assert cached(usage) == usage["prompt_tokens"] - 1  # handed over in the cache, computed by kvstore (see docs/exact.md)
     assert [c.at for c in stored_canaries(tmp_path / "store")] == [usage["prompt_tokens"] - 1]
+    assert "does not give the canary" not in log and "quarantined" not in log, log
+    assert cached(biased) == cached(usage4) == usage["prompt_tokens"] - 1

@@ -27,8 +27,9 @@ _warned: set[bytes] = set()  # records this process warned of
 
 
 def check_first_step(mc, tokens: Sequence[int], logprobs: mx.array) -> canaries.Check | None:
-    """The first generation step after this thread's fetch of `tokens` gave `logprobs`: compare
-    them with the canary of the record the restore ended with, when that step is the canary's.
+    """The first generation step after this thread's fetch of `tokens` gave `logprobs` (the
+    model's own: before a logit bias or a penalty changes them): compare them with the canary of
+    the record the restore ended with, when that step is the canary's.
     None when it is not (or no canary is kept); else the check. Never raises."""
     try:
         return _check(mc, tokens, logprobs)

@@ -70,16 +70,20 @@ class FirstSteps:
         for pending in late:
             pending.submit()
 
-    def seen(self, logprobs, *, prompt: Sequence[int] | None = None, rest: Sequence[int] | None = None) -> None:
+    def seen(self, logprobs, *, prompt: Sequence[int] | None = None, rest: Sequence[int] | None = None,
+             processed: bool = False) -> None:
         """The first step of a request gave these log-probabilities: its prompt is `prompt`, or
         the one this thread fetched last if `rest` (what the server was left to compute) ends it.
+        `processed`: the request's logits processors (a logit bias, a repetition, presence or
+        frequency penalty) changed them, so they are not the model's: neither kept as the prompt's
+        canary nor compared with it (an exact-mode insert waiting for it is queued without one).
         Never raises (a failure is logged: the canary is lost, the request goes on)."""
         try:
-            self._seen(logprobs, prompt, rest)
+            self._seen(logprobs, prompt, rest, processed)
         except Exception as e:
             log.warning("kvstore: a first step was not kept as its prompt's canary (%s: %s)", type(e).__name__, e)
 
-    def _seen(self, logprobs, prompt: Sequence[int] | None, rest: Sequence[int] | None) -> None:
+    def _seen(self, logprobs, prompt: Sequence[int] | None, rest: Sequence[int] | None, processed: bool) -> None:
         if prompt is None:
             fetched = getattr(self._fetched, "tokens", None)
             if fetched is None or rest is None or list(fetched[len(fetched) - len(rest):]) != list(rest):
@@ -88,8 +92,14 @@ class FirstSteps:
         prompt = list(prompt)
         if not prompt:
             return
-        canary = canary_of(len(prompt) - 1, int(prompt[-1]), logprobs)
         key = _key(prompt)
+        if processed:
+            with self._lock:
+                held = self._holds.pop(key, None)
+            if held is not None:
+                held[1].submit()
+            return
+        canary = canary_of(len(prompt) - 1, int(prompt[-1]), logprobs)
         mc = getattr(self._fetched, "mc", None)
         moved = check_first_step(mc, prompt, logprobs) if mc is not None else None
         if moved is not None and not moved.ok:

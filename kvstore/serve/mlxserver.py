@@ -107,10 +107,12 @@ def _first_step_stream(original: Callable, cache: PersistentPromptCache) -> Call
 
     def stream_generate(*args, **kwargs):
         first = True
+        processed = bool(kwargs.get("logits_processors"))  # (a logit bias or a penalty: not the model's)
         for gen in original(*args, **kwargs):
             if first:
                 first = False
-                cache.first_steps.seen(getattr(gen, "logprobs", None), rest=kwargs.get("prompt"))
+                cache.first_steps.seen(getattr(gen, "logprobs", None), rest=kwargs.get("prompt"),
+                                       processed=processed)
             yield gen
 
     return stream_generate
@@ -125,9 +127,12 @@ def _first_step_batches(original: type, cache: PersistentPromptCache) -> type:
             uids = super().insert_segments(segments, *args, **kwargs)
             with contextlib.suppress(Exception):
                 done = kwargs.get("all_tokens") or [[] for _ in segments]
+                # (a request's logit bias or penalties: its first step's logits are not the model's)
+                processors = kwargs.get("logits_processors", args[4] if len(args) > 4 else None)
+                processed = [bool(p) for p in processors] if processors else [False] * len(segments)
                 prompts = self.__dict__.setdefault("_kvstore_prompts", {})
-                for uid, parts, cached in zip(uids, segments, done):
-                    prompts[uid] = [*cached, *(t for part in parts for t in part)]
+                for uid, parts, cached, changed in zip(uids, segments, done, processed):
+                    prompts[uid] = ([*cached, *(t for part in parts for t in part)], changed)
             return uids
 
         def next(self, *args, **kwargs):
@@ -136,9 +141,9 @@ def _first_step_batches(original: type, cache: PersistentPromptCache) -> type:
             if prompts:
                 with contextlib.suppress(Exception):
                     for r in out[1]:
-                        prompt = prompts.pop(r.uid, None)
+                        prompt, processed = prompts.pop(r.uid, (None, False))
                         if prompt is not None:
-                            cache.first_steps.seen(r.logprobs, prompt=prompt)
+                            cache.first_steps.seen(r.logprobs, prompt=prompt, processed=processed)
             return out
 
     return BatchGenerator
