@@ -56,6 +56,7 @@ AUTO = settings.AUTO
 
 # Stores still open at interpreter exit get their queued writes flushed (bounded in time).
 _OPEN_STORES: "weakref.WeakSet[Store]" = weakref.WeakSet()
+_LANDING_S = 10.0  # the writer's longest wait for a download being stored locally (`Writer.landing`)
 
 
 @atexit.register
@@ -216,8 +217,9 @@ class Store:
         if disk is not None:
             tiers.append(disk)
             if (r := self.remote) is not None:  # its downloads are stored through `disk`, within its budget
-                tiers.append(RemoteTier(r.bucket, r.health, disk, r.fleet, policy=r.prefetch, deadline=r.deadline,
-                                        reupload=r.uploader.submit))
+                tiers.append(remote := RemoteTier(r.bucket, r.health, disk, r.fleet, policy=r.prefetch,
+                                                  deadline=r.deadline, reupload=r.uploader.submit))
+                self.writer.landing(lambda hashes: remote.stored.landed(hashes, _LANDING_S))
         return Tiers(tiers)
 
     # -- public surface ---------------------------------------------------------------------

@@ -303,3 +303,33 @@ def test_a_store_used_alone_keeps_its_records_once_it_has_a_remote(tmp_path, s3,
         r = a.stats()["remote"]
         assert a.stats()["quarantined"] == 0 and r["refused_uploads"] == 0 and r["uploads"] == 3, r
         assert reused(mc, model, prompt + [7]) == len(prompt)  # still whole
+
+
+def test_a_downloaded_record_inserted_again_is_written_once(tmp_path, s3, llama, monkeypatch):
+    """A prompt restored from the bucket and then inserted (as `warm` and a server do) while its
+    downloads are still being stored locally: the writer waits for them instead of writing the
+    same records itself (a slow local disk here makes the write-through the slower of the two)."""
+    from kvstore.tiers.disk import DiskTier
+
+    path, model = llama
+    url = s3.url()
+    prompt = toks(3 * C + 5, 12)
+    store_all(tmp_path / "a", url, model, path, [prompt])
+    real = DiskTier.put
+
+    def slow_put(self, row, body):
+        time.sleep(0.5)
+        return real(self, row, body)
+
+    monkeypatch.setattr(DiskTier, "put", slow_put)
+    with kvstore.open(tmp_path / "b", chunk_size=C, remote=url, memory_bytes=0,
+                      remote_prefetch="wait_complete") as b:
+        mc = b.bind(model, path)
+        cache, rest = mc.fetch(prompt + [7])
+        assert len(rest) == 1
+        mc.insert(prompt, prefill(model, prompt))  # its records: downloaded, still being stored
+        assert b.flush(60)
+        writes = b.stats()["writes"]
+        assert writes["records_lifetime"] == 0, writes  # the writer wrote none of them
+        assert b.stats()["remote"]["downloads"] == 4 and writes["downloaded_lifetime"] > 0
+        assert {r.hash for r in b.index.rows()} == {s.hash for s in prompt_records(mc.ns, np.asarray(prompt), C)}

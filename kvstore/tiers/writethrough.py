@@ -69,8 +69,7 @@ class WriteThrough:
         finally:
             with self._lock:
                 self._writing.pop(row.hash, None)
-                if not self._writing:
-                    self._settled.notify_all()
+                self._settled.notify_all()  # (`landed` waits for some, `settle` for all)
 
     def held(self, records: list[RecordId]) -> list:
         """The downloaded bodies of `records`, from the first, that are still being stored."""
@@ -82,6 +81,18 @@ class WriteThrough:
                     break
                 out.append(got[1])
             return out
+
+    def landed(self, hashes, timeout: float) -> None:
+        """Wait (at most `timeout`) until those of `hashes` that are being stored are on the local
+        disk: the writer asks before it decides what of a job is still to write, so that a record
+        downloaded and then inserted is written once (by this), not twice."""
+        end = time.monotonic() + timeout
+        with self._lock:
+            while any(h in self._writing and self._writing[h][3] for h in hashes):
+                left = end - time.monotonic()
+                if left <= 0:
+                    return
+                self._settled.wait(left)
 
     def settle(self, timeout: float | None = None) -> bool:
         """Wait until what was queued is on the local disk; False if `timeout` ran out."""

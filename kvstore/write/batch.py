@@ -57,6 +57,8 @@ def write(dest: Destination, job: Job,
     (still under the lock). None when the rows could not be inserted (their files are removed
     again and the error counted)."""
     hosts = Hosts.of(job)
+    if job.specs and dest.index is not None:
+        dest.landing([spec.hash for spec in job.specs])  # (a download being stored is not written again)
     staged = _stage(dest, job, hosts)
     # Shared with other writers, exclusive of gc and repair: from "is it stored?" to the row.
     lock = blobtree.tree_lock(dest.root, exclusive=False) if dest.root is not None else nullcontext()

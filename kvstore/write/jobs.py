@@ -146,6 +146,10 @@ class Destination:
     # the restore has the cores and the memory bandwidth (see `Writer.reading`).
     between_records: Callable[[], None] = lambda: None
     trust: Trust | None = None  # what tags every blob's header (`kvstore.trust`)
+    # Called with a job's record hashes before what it still needs is decided: waits (bounded)
+    # for those a download is storing on the local disk (`tiers.writethrough`), so none is
+    # written twice; set where the store is built, when it has a remote tier.
+    landing: Callable[[list[bytes]], None] = lambda hashes: None
 
     def remember_complete(self, h: bytes) -> None:
         self.complete[h] = None

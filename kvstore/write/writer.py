@@ -70,6 +70,11 @@ class Writer:
         self._thread = threading.Thread(target=self._run, name="kvstore-writer", daemon=True)
         self._thread.start()
 
+    def landing(self, wait: Callable[[list[bytes]], None]) -> None:
+        """Before a job's records are checked against the index, `wait` for those being stored
+        by another path (the remote tier's downloads), so that none is written twice."""
+        self._dest.landing = wait
+
     # -- caller side ------------------------------------------------------------------------
 
     def submit(self, job: Job) -> bool:
