@@ -56,7 +56,6 @@ AUTO = settings.AUTO
 
 # Stores still open at interpreter exit get their queued writes flushed (bounded in time).
 _OPEN_STORES: "weakref.WeakSet[Store]" = weakref.WeakSet()
-_LANDING_S = 10.0  # the writer's longest wait for a download being stored locally (`Writer.landing`)
 
 
 @atexit.register
@@ -219,7 +218,7 @@ class Store:
             if (r := self.remote) is not None:  # its downloads are stored through `disk`, within its budget
                 tiers.append(remote := RemoteTier(r.bucket, r.health, disk, r.fleet, policy=r.prefetch,
                                                   deadline=r.deadline, reupload=r.uploader.submit))
-                self.writer.landing(lambda hashes: remote.stored.landed(hashes, _LANDING_S))
+                self.writer.landing(remote.stored.landed)
         return Tiers(tiers)
 
     # -- public surface ---------------------------------------------------------------------

@@ -23,6 +23,9 @@ from kvstore.storage.index import Row
 from kvstore.tiers.disk import DiskTier
 
 log = logging.getLogger("kvstore")
+#: The longest the writer waits for a download being stored here (`landed`) before it writes the
+#: record itself: a local write of bytes already in RAM takes milliseconds, unless the disk is stuck.
+LANDING_S = 10.0
 
 
 class WriteThrough:
@@ -82,7 +85,7 @@ class WriteThrough:
                 out.append(got[1])
             return out
 
-    def landed(self, hashes, timeout: float) -> None:
+    def landed(self, hashes, timeout: float = LANDING_S) -> None:
         """Wait (at most `timeout`) until those of `hashes` that are being stored are on the local
         disk: the writer asks before it decides what of a job is still to write, so that a record
         downloaded and then inserted is written once (by this), not twice."""
