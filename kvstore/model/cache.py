@@ -26,6 +26,7 @@ from mlx_lm.models.cache import QuantizedKVCache
 
 from kvstore import keys
 from kvstore.canary import Canary
+from kvstore.canary import parse as parse_canary
 from kvstore.errors import BlobError, InvalidInputError
 from kvstore.model import blas
 from kvstore.model import fingerprint as fingerprints
@@ -75,7 +76,7 @@ class ModelCache(ExplicitWrites):
         self.check = RecordCheck(model, codecs, self.new_cache, model_id)
         self.registered = True  # False while the index could not record this model (Store.bind)
         self.tenant: Tenant | None = None
-        self._last = threading.local()  # this thread's last restore: (tokens asked, p, last record, its canary)
+        self._last = threading.local()  # this thread's last restore: (tokens asked, p, last record, its canary's text)
 
     def with_tenant(self, tenant: Tenant | None) -> "ModelCache":
         """This model version as `tenant` sees it (None: the shared namespace), sharing this
@@ -120,7 +121,12 @@ class ModelCache(ExplicitWrites):
         last = getattr(self._last, "restore", None)
         if last is None or last[1] != len(tokens) - 1 or last[3] is None:
             return None
-        return (last[2], last[3]) if np.array_equal(last[0], np.asarray(tokens, dtype=np.int32)) else None
+        if not np.array_equal(last[0], np.asarray(tokens, dtype=np.int32)):
+            return None
+        try:  # read only now: a fetch keeps the header's text, most are never compared
+            return last[2], parse_canary(last[3])
+        except ValueError:  # a header field that does not read failed the record's open already
+            return None
 
     def quarantine(self, h: bytes, why: str) -> None:
         """Serve record `h` no more from this machine (what it restores is wrong): a miss from it

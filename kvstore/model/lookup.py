@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from kvstore import canary, keys
+from kvstore import keys
 from kvstore.errors import BlobError
 from kvstore.records import RecordId, Span, prompt_records
 from kvstore.restore.plan import Part
@@ -176,18 +176,16 @@ class Opening:
         return found
 
 
-def kept_canary(source: Source) -> canary.Canary | None:
-    """The canary an opened record keeps in its header (a blob's, or a RAM record's fields for
-    its blob); None when it keeps none or it does not read."""
+def kept_canary(source: Source) -> str | None:
+    """The canary text an opened record keeps in its header (a blob's, or a RAM record's fields
+    for its blob), unparsed (`canary.parse` reads it when a first step is compared with it);
+    None when it keeps none."""
     blob = getattr(source, "blob", None)
     if blob is not None:
         text = blob.metadata.get(blobformat.EXTENSION_PREFIX + "canary")
     else:
         text = (getattr(getattr(source, "record", None), "extensions", None) or {}).get("canary")
-    try:
-        return canary.parse(text) if isinstance(text, str) else None
-    except ValueError:  # a header field that does not read failed the record's open already
-        return None
+    return text if isinstance(text, str) else None
 
 
 class _Named:
