@@ -66,7 +66,8 @@ def cmd_gc(args) -> int:
                                "--remote", EXIT_USAGE)
         return _gc_remote(args)
     with open_local(args, must_exist=True) as files:
-        unknown = [tag for tag in args.drop_tenant if tag not in files.index.tenant_totals()]
+        held = files.index.tenant_totals() if args.drop_tenant else {}
+        unknown = [tag for tag in args.drop_tenant if tag not in held]
         if unknown:  # (a mistyped tag deletes nothing, and neither do the others given with it)
             raise CommandError(f"no record of tenant {', '.join(unknown)} in this store (`{PROG} stats --store "
                                f"{shlex.quote(str(store_path(args)))}` lists its tenants' tags): nothing deleted")
