@@ -96,6 +96,47 @@ def test_url_and_keys():
     assert parse_key("sub/" + key) is None and parse_key(key + "x") is None
 
 
+
+def test_an_object_opened_as_its_bytes_arrive_is_the_object_opened_whole():
+    """A download is opened part by part as it arrives (no copy of the sealed bytes): whatever
+    the parts (the tag or the nonce split between them), it gives the plaintext `open` gives, and
+    a changed byte anywhere, a missing or extra byte, another key or another object key never
+    gives any."""
+    from kvstore.remote.seal import OVERHEAD, Unauthenticated
+
+    s = Fleet(b"\x07" * 32).sealer(b"\x01" * 16)
+    data = np.random.default_rng(0).integers(0, 256, 100_003, dtype=np.uint8).tobytes()
+    sealed = s.seal("k/1", data)
+
+    def opened(body, sizes, key="k/1", box=s):
+        o = box.opener(key)(len(body))
+        at, i = 0, 0
+        while at < len(body):
+            n = sizes[i % len(sizes)]
+            o.write(body[at : at + n])
+            at, i = at + n, i + 1
+        return bytes(o.done())
+
+    for sizes in ([len(sealed)], [1], [3, 7], [len(sealed) - 10, 10], [15, 1 << 16], [4096]):
+        assert opened(sealed, sizes) == data == bytes(s.open("k/1", sealed)), sizes
+    for at in (0, 5, len(sealed) // 2, len(sealed) - 17, len(sealed) - 1):  # magic, nonce, text, tag
+        bad = bytearray(sealed)
+        bad[at] ^= 1
+        with pytest.raises(Unauthenticated):
+            opened(bytes(bad), [1000])
+    with pytest.raises(Unauthenticated):
+        opened(sealed, [1000], key="k/2")  # copied to another key
+    with pytest.raises(Unauthenticated):
+        opened(sealed, [1000], box=Fleet(b"\x08" * 32).sealer(b"\x01" * 16))
+    o = s.opener("k/1")(len(sealed))
+    o.write(sealed[:-1])
+    with pytest.raises(Unauthenticated):
+        o.done()  # a byte short
+    with pytest.raises(Unauthenticated):
+        s.opener("k/1")(len(sealed) - 1).write(sealed)  # more than its stated size
+    with pytest.raises(Unauthenticated):
+        s.opener("k/1")(OVERHEAD - 1)
+
 def test_aws_profile_files(tmp_path):
     (tmp_path / ".aws").mkdir()
     (tmp_path / ".aws" / "credentials").write_text("[team]\naws_access_key_id = AK\naws_secret_access_key = SK\n")

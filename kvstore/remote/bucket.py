@@ -57,10 +57,11 @@ class Bucket(Protocol):
     def head(self, key: str) -> int | None:
         """The object's size, or None if there is none."""
 
-    def get(self, key: str, max_bytes: int = MAX_OBJECT_BYTES, until: float | None = None) -> bytearray | None:
-        """The object's bytes, or None if there is none; TooLarge (read no further) if it is
-        over `max_bytes`; TooLate once `time.monotonic()` passes `until` (what was read is
-        dropped)."""
+    def get(self, key: str, max_bytes: int = MAX_OBJECT_BYTES, until: float | None = None, into=None):
+        """The object's bytes (a bytearray), or None if there is none; TooLarge (read no further)
+        if it is over `max_bytes`; TooLate once `time.monotonic()` passes `until` (what was read
+        is dropped). `into`: a function of the object's size giving what the bytes are written
+        to as they arrive (its `write(part)`), which is returned instead of a buffer."""
 
     def put_new(self, key: str, data: bytes) -> bool:
         """Create-only PUT: False if the object exists already (another node stored it)."""

@@ -2,9 +2,9 @@
 fetch's wait and a bound of bytes in flight.
 
 `Downloads` belongs to one `tiers.remote.RemoteTier`: it runs the GETs (and the tier's HEADs and
-listings) on its pool, opens each sealed object in place (`remote.seal`), checks it is the record
-it is fetched as (`remote.objects.check_opened`), and remembers for a while the object keys that
-failed (unauthenticated, corrupt, too large, or their download failed: not asked for again until
+listings) on its pool, opens each sealed object as its bytes arrive (`remote.seal.Opening`: no
+copy of the sealed bytes), checks it is the record it is fetched as
+(`remote.objects.check_opened`), and remembers for a while the object keys that failed (unauthenticated, corrupt, too large, or their download failed: not asked for again until
 `BAD_FOR_S` has passed, on its `clock`).
 """
 
@@ -168,11 +168,10 @@ class Downloads:
         download thread, so that opening and checking overlap the other downloads.
         Unauthenticated if it does not open; BlobError if it is not the record `rid` (`named`:
         known by its name only), intact."""
-        body = self.bucket.get(key, cap, until)
-        if body is None:
+        opening = self.bucket.get(key, cap, until, into=s.opener(key))  # opened as it arrives
+        if opening is None:
             return None
-        size = len(body)
-        plain = s.open(key, body, in_place=True)  # a view of `body`: no second copy
+        size, plain = opening.size, opening.done()  # (Unauthenticated unless every byte came, intact)
         tokens, rid = check_opened(s, plain, rid, chunk_size, named=named)
         if time.monotonic() > until:
             return None

@@ -17,7 +17,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Iterator
 
-from kvstore.errors import InvalidInputError
+from kvstore.errors import BlobError, InvalidInputError
 from kvstore.remote.bucket import (
     MAX_OBJECT_BYTES,
     BucketMissing,
@@ -152,10 +152,13 @@ class S3Bucket:
         except Exception as e:
             raise _error(self.url, "HEAD", key, e) from None
 
-    def get(self, key: str, max_bytes: int = MAX_OBJECT_BYTES, until: float | None = None) -> bytearray | None:
+    def get(self, key: str, max_bytes: int = MAX_OBJECT_BYTES, until: float | None = None, into=None):
         """The object's bytes, or None if there is none. Its size is checked against `max_bytes`
         before its body is read (TooLarge), and the body is read into one buffer of that size,
-        stopping once `time.monotonic()` passes `until` (TooLate)."""
+        stopping once `time.monotonic()` passes `until` (TooLate). `into`: a function of the
+        object's size that gives what its bytes are written to instead, part by part (its
+        `write(part)`), returned once they all came (a download opened as it arrives:
+        `seal.Box.opener`; a BlobError it raises is not the remote's error)."""
         import obstore
 
         try:
@@ -163,22 +166,22 @@ class S3Bucket:
             size = int(result.meta["size"])
             if size > max_bytes:
                 raise TooLarge(f"GET: {size} bytes, more than the record can be ({max_bytes})")
-            buf = bytearray(size)
-            view, pos = memoryview(buf), 0
+            sink = into(size) if into is not None else _Buffer(size)
+            pos = 0
             for part in result.stream(min_chunk_size=1 << 20):
                 n = len(part)
                 if pos + n > size:
                     raise TooLarge(f"GET: more bytes than its stated {size}")
-                view[pos : pos + n] = part
+                sink.write(part)
                 pos += n
                 if until is not None and time.monotonic() > until:
                     raise TooLate("GET: past the deadline, dropped")
             if pos != size:
                 raise RemoteError(f"GET: {pos} of {size} bytes came")
-            return buf
+            return sink if into is not None else sink.buf
         except FileNotFoundError:
             return None
-        except RemoteError:
+        except (RemoteError, BlobError):
             raise
         except Exception as e:
             raise _error(self.url, "GET", key, e) from None
@@ -253,6 +256,21 @@ class S3Bucket:
                 pass
             except Exception as e:
                 raise _error(self.url, "DELETE", keys[start], e) from None
+
+
+class _Buffer:
+    """A download's bytes, copied into one buffer of the object's size as they arrive."""
+
+    __slots__ = ("buf", "_view", "_pos")
+
+    def __init__(self, size: int):
+        self.buf = bytearray(size)
+        self._view, self._pos = memoryview(self.buf), 0
+
+    def write(self, part) -> None:
+        n = len(part)
+        self._view[self._pos : self._pos + n] = part
+        self._pos += n
 
 
 def _error(url: str, method: str, key: str, e: BaseException) -> RemoteError:

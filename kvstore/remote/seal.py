@@ -38,10 +38,12 @@ import secrets
 import struct
 import threading
 from collections import OrderedDict
+from typing import Callable
 
 import numpy as np
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
@@ -219,10 +221,10 @@ class Fleet:
 class Box:
     """Sealing and opening objects under one AES-256-GCM key."""
 
-    __slots__ = ("_aead",)
+    __slots__ = ("_aead", "_key")
 
     def __init__(self, key: bytes):
-        self._aead = AESGCM(key)
+        self._aead, self._key = AESGCM(key), key
 
     def seal(self, key: str, data) -> bytes:
         """`data` sealed for the object key `key` (relative to the prefix)."""
@@ -248,6 +250,64 @@ class Box:
             return plain
         except InvalidTag:
             raise Unauthenticated("it does not open with the fleet's key (planted, copied or damaged)") from None
+
+    def opener(self, key: str) -> Callable[[int], "Opening"]:
+        """What a download of the object at `key` writes its bytes to as they arrive (a
+        `Bucket.get`'s `into`): they are opened part by part into one buffer, with no copy of the
+        sealed bytes, and authenticated at the end (`Opening.done`)."""
+        return lambda size: Opening(self._key, key.encode(), size)
+
+
+class Opening:
+    """A sealed object opened as its bytes arrive, in order (`write`), into one buffer of its
+    size; `done` authenticates it and gives the plaintext (a view of that buffer). Nothing of
+    what was written may be used unless `done` returns: until the tag is checked it is only
+    what someone sent."""
+
+    __slots__ = ("_key", "_aad", "size", "_pos", "_head", "_tag", "_out", "_view", "_done", "_opener")
+
+    def __init__(self, key: bytes, aad: bytes, size: int):
+        if size < OVERHEAD:
+            raise Unauthenticated("it is not a sealed object of this layout")
+        self._key, self._aad, self.size = key, aad, size
+        self._pos = 0  # bytes of the object written so far
+        self._head, self._tag = bytearray(), bytearray()
+        # update_into wants room for a block more than it writes: the overhead's bytes give it.
+        self._out = bytearray(size)
+        self._view = memoryview(self._out)
+        self._done = 0  # plaintext bytes written
+        self._opener = None
+
+    def write(self, part) -> None:
+        part = memoryview(part)
+        head, tag_at = len(MAGIC) + NONCE_BYTES, self.size - TAG_BYTES
+        start, end = self._pos, self._pos + len(part)
+        if end > self.size:
+            raise Unauthenticated("more bytes than its stated size")
+        if start < head:  # magic and nonce
+            self._head += part[: head - start]
+            if len(self._head) == head:
+                if self._head[: len(MAGIC)] != MAGIC:
+                    raise Unauthenticated("it is not a sealed object of this layout")
+                opener = Cipher(algorithms.AES(self._key), modes.GCM(bytes(self._head[len(MAGIC):]))).decryptor()
+                opener.authenticate_additional_data(self._aad)
+                self._opener = opener
+        lo, hi = max(start, head), min(end, tag_at)
+        if lo < hi:
+            self._done += self._opener.update_into(part[lo - start : hi - start], self._view[self._done :])
+        if end > tag_at:
+            self._tag += part[max(start, tag_at) - start :]
+        self._pos = end
+
+    def done(self) -> memoryview:
+        """The plaintext, once every byte came and the tag holds; Unauthenticated if not."""
+        if self._pos != self.size or self._opener is None:
+            raise Unauthenticated(f"{self._pos} of its {self.size} bytes came")
+        try:
+            self._opener.finalize_with_tag(bytes(self._tag))
+        except (InvalidTag, ValueError):
+            raise Unauthenticated("it does not open with the fleet's key (planted, copied or damaged)") from None
+        return self._view[: self._done]
 
 
 class Sealer(Box):
@@ -300,7 +360,8 @@ class TenantSealer(Sealer):
 
     def __init__(self, fleet: Fleet, ns: bytes, tenant: Tenant):
         super().__init__(fleet, ns)
-        self._aead = AESGCM(_derive(fleet._secret, _PURPOSE + b" tenant seal " + ns + tenant.salt))
+        self._key = _derive(fleet._secret, _PURPOSE + b" tenant seal " + ns + tenant.salt)
+        self._aead = AESGCM(self._key)
         self._branches = _derive(fleet._secret, _PURPOSE + b" tenant branches " + ns + tenant.salt)
         self._mark_key = self._branches  # what a tenant's keys say of its tokens, only its nodes read
         self.tenant = tenant
