@@ -27,9 +27,12 @@ import sys
 import time
 from pathlib import Path
 
+# First: in this process too, it imports mlx-lm's cache code without mlx_lm/__init__ (transformers).
+from restore_methods import FINGERPRINT, METHODS, MODEL_ID
+
+# isort: split
 import common as C
 import numpy as np
-from restore_methods import FINGERPRINT, METHODS, MODEL_ID
 
 FULL = [("qwen3-0.6b", 2048), ("qwen3-0.6b", 8192), ("llama-3-8b", 4096)]
 QUICK = [("qwen3-0.6b", 1024)]

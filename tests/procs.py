@@ -1,5 +1,11 @@
 """Scripts the tests run in fresh processes: insert a prompt, or restore one and compare it with
-a recompute. Run as `python tests/procs.py insert|check STORE MODEL CHUNK TOKENS_JSON`."""
+a recompute. Run as `python tests/procs.py insert|check STORE MODEL CHUNK TOKENS_JSON [EXTRA_JSON]`,
+or `python tests/procs.py checks STORE MODEL CHUNK QUERIES_JSON`: QUERIES is a list of
+[TOKENS, EXTRA] checked one after the other in one process (one interpreter and mlx-lm start-up
+for all), each as `check` does it alone: the model loaded and the store opened afresh.
+
+`insert_here` is `insert` in the calling process, for tests whose insert is only setup (the
+restores they check run in a fresh process): the store is flushed and closed when it returns."""
 
 from __future__ import annotations
 
@@ -38,13 +44,22 @@ def build(model, mc, tokens, extra, insert):
     return cache
 
 
-def main(argv: list[str]) -> dict:
+def insert_here(store, model_dir, chunk: int, tokens: list[int], **extra) -> dict:
+    """`insert` in this process (no interpreter and mlx-lm start-up to pay for); the store is
+    flushed and closed on return, before any checking process opens it."""
+    return main(["insert", str(store), str(model_dir), str(chunk), json.dumps(tokens), json.dumps(extra)])
+
+
+def main(argv: list[str]) -> dict | list[dict]:
     from mlx_lm import load
     from mlx_lm.models.cache import make_prompt_cache
 
     import kvstore
 
     mode, store_dir, model_dir, chunk, tokens_json = argv[:5]
+    if mode == "checks":
+        return [main(["check", store_dir, model_dir, chunk, json.dumps(tokens), json.dumps(extra)])
+                for tokens, extra in json.loads(tokens_json)]
     extra = json.loads(argv[5]) if len(argv) > 5 else {}
     tokens = json.loads(tokens_json)
     model, _ = load(model_dir)

@@ -132,6 +132,47 @@ class Seaweed:
             except subprocess.TimeoutExpired:
                 self.kill()
 
+    def plant_empty(self, url: str, keys: list[str], threads: int = 4, batch: int = 100) -> None:
+        """Empty objects at `keys` under the bucket prefix of `url` (`s3://BUCKET/PREFIX`), written
+        straight to the filer over its HTTP API: the S3 gateway lists and serves the filer's
+        entries under /buckets/BUCKET/, so they are objects of the bucket like any other. Requests
+        are pipelined (`batch` at a time on each of `threads` connections): planting 20,000 keys
+        costs about a fifth of the CPU of as many signed S3 PUTs."""
+        import socket
+        from urllib.parse import quote
+
+        bucket, _, prefix = url.removeprefix("s3://").partition("/")
+        base = f"/buckets/{bucket}/" + (prefix.strip("/") + "/" if prefix.strip("/") else "")
+        host = f"127.0.0.1:{self.ports['filer.port']}"
+        failed: list[str] = []
+
+        def put(part: list[str]) -> None:
+            with socket.create_connection(("127.0.0.1", self.ports["filer.port"]), timeout=60) as sock, \
+                    sock.makefile("rb") as answers:
+                for i in range(0, len(part), batch):
+                    keys_now = part[i : i + batch]
+                    sock.sendall(b"".join(f"PUT {quote(base + key)} HTTP/1.1\r\nHost: {host}\r\n"
+                                          "Content-Length: 0\r\n\r\n".encode() for key in keys_now))
+                    for key in keys_now:  # one answer each, in order
+                        status, length = answers.readline(), 0
+                        while (line := answers.readline()) not in (b"\r\n", b""):
+                            name, _, value = line.partition(b":")
+                            if name.strip().lower() == b"content-length":
+                                length = int(value)
+                            elif name.strip().lower() == b"transfer-encoding":
+                                raise AssertionError(f"the filer answered with {line!r}: not read here")
+                        answers.read(length)
+                        if status.split(b" ")[1:2] not in ([b"200"], [b"201"]):
+                            failed.append(f"{key}: {status!r}")
+                            return
+
+        workers = [threading.Thread(target=put, args=(keys[i::threads],)) for i in range(threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        assert not failed, failed[:5]
+
     def ensure_running(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
             self.start()

@@ -4,6 +4,9 @@ and compare with a recompute.
     python tests/restore_proc.py insert|check STORE MODEL_DIR SPEC_JSON TOKENS_JSON [TIER]
     python tests/restore_proc.py checks STORES_JSON MODEL_DIR SPEC_JSON TOKENS_JSON [TIER]
 
+STORES: a list of store folders, or of {"store": FOLDER, "spec": SPEC, "tier": TIER} for a store
+checked with its own spec and tier (a quantized store and an unquantized one side by side).
+
 SPEC: {"kv_bits": 8} for quantized caches, {"cachelist": true} for the model wrapped so every
 layer's cache is a `CacheList`, {"disk_kv_bits": 8} for a store that quantizes K/V on disk
 (compared with a recompute, like the others). TIER (check): "disk" (memory tier off, records from blob files),
@@ -11,6 +14,9 @@ layer's cache is a `CacheList`, {"disk_kv_bits": 8} for a store that quantizes K
 writer is held: served from the writer's queue). `checks` checks several stores one after the
 other, each opened afresh, in one process (one model load and interpreter start for all: the
 damaged-blob tests check dozens of copies). Prints one JSON line (a list for `checks`).
+
+`insert_here` is the `insert` mode in the calling process, for tests whose insert is only setup
+(the restore they check runs in a fresh process): the store is flushed and closed when it returns.
 """
 
 from __future__ import annotations
@@ -108,11 +114,32 @@ def main(argv: list[str]) -> dict | list[dict]:
     spec, tokens = json.loads(spec_json), json.loads(tokens_json)
     model = load_model(model_dir, spec)
     if mode == "checks":
-        return [one("check", store_dir, model, model_dir, spec, tokens, tier) for store_dir in json.loads(store_arg)]
+        models = {bool(spec.get("cachelist")): model}
+        refs: dict = {}  # the recompute of a restore point, the same for every store of a spec
+        out = []
+        for item in json.loads(store_arg):
+            item = {"store": item} if isinstance(item, str) else item
+            its_spec, its_tier = item.get("spec", spec), item.get("tier", tier)
+            cachelist = bool(its_spec.get("cachelist"))
+            if cachelist not in models:
+                models[cachelist] = load_model(model_dir, its_spec)
+            out.append(one("check", item["store"], models[cachelist], model_dir, its_spec, tokens, its_tier,
+                           refs.setdefault(json.dumps(its_spec, sort_keys=True), {})))
+        return out
     return one(mode, store_arg, model, model_dir, spec, tokens, tier)
 
 
-def one(mode: str, store_dir: str, model, model_dir: str, spec: dict, tokens: list[int], tier: str) -> dict:
+def insert_here(store_dir, model_dir, spec: dict, tokens: list[int]) -> dict:
+    """`insert` in this process (no interpreter and mlx-lm start-up to pay for), the store
+    flushed and closed on return, before any checking process opens it."""
+    model = load_model(str(model_dir), spec)
+    return one("insert", str(store_dir), model, str(model_dir), spec, tokens, "disk")
+
+
+def one(mode: str, store_dir: str, model, model_dir: str, spec: dict, tokens: list[int], tier: str,
+        refs: dict | None = None) -> dict:
+    """Insert, or restore from `tier` and compare with a recompute. The recompute depends only on
+    the model, spec, tokens and restore point: `refs` keeps it for the next store checked."""
     import kvstore
 
     prompt = tokens[:-1]  # stored; the last token is what the restored cache processes first
@@ -144,19 +171,24 @@ def one(mode: str, store_dir: str, model, model_dir: str, spec: dict, tokens: li
         after = [room(layer) for layer in layers]
         if tier == "pending":
             store.writer.resume()
-        if spec.get("kv_bits"):  # the reference: the quantized prompt cache, cut to the restore point
-            ref_cache = prefill(model, prompt, spec)
-            for c in ref_cache:
-                c.trim(c.offset - reused)
-            ref = model(mx.array([rest]), cache=ref_cache)
-        else:
-            ref_cache = new_cache(model, spec)
-            ref = model(mx.array([tokens]), cache=ref_cache)
+        refs = {} if refs is None else refs
+        if reused not in refs:
+            if spec.get("kv_bits"):  # the reference: the quantized prompt cache, cut to the restore point
+                ref_cache = prefill(model, prompt, spec)
+                for c in ref_cache:
+                    c.trim(c.offset - reused)
+                ref = model(mx.array([rest]), cache=ref_cache)
+            else:
+                ref_cache = new_cache(model, spec)
+                ref = model(mx.array([tokens]), cache=ref_cache)
+            mx.eval(ref)
+            refs[reused] = (ref[0, -1], greedy(model, ref_cache, ref, GREEDY))
+        ref_logits, greedy_ref = refs[reused]
         return {
             "reused": reused,
-            "max_abs_diff": float(mx.abs(logits[0, -1] - ref[0, -1]).max().item()),
+            "max_abs_diff": float(mx.abs(logits[0, -1] - ref_logits).max().item()),
             "greedy": greedy(model, cache, logits, GREEDY),
-            "greedy_ref": greedy(model, ref_cache, ref, GREEDY),
+            "greedy_ref": greedy_ref,
             "classes": sorted({type(c).__name__ for c in cache}),
             "before": before,
             "after": after,

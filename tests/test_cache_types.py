@@ -1,5 +1,7 @@
 """Every mlx-lm cache type restores exactly: sliding window, hybrid/SSM, quantized KV, CacheList,
-and classes kvstore does not know. Every restore that matters runs in a fresh process."""
+and classes kvstore does not know. Every restore that matters runs in a fresh process (a test's
+queries one after the other in one, each with the model loaded and the store opened afresh); the
+inserts before them are setup, run here and closed before it starts."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import pytest
 from kvtest import run_procs
 from mlx_lm import load
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, QuantizedKVCache, RotatingKVCache
+from procs import insert_here
 
 import kvstore
 from kvstore.demo import build_demo_model
@@ -29,14 +32,29 @@ def run(mode, store, model, tokens, **extra) -> dict:
     return run_procs(mode, store, model, C, tokens, **extra)
 
 
+def insert(store, model, tokens, **extra) -> dict:
+    """procs.py's `insert` in this process: flushed and closed before any check starts."""
+    return insert_here(store, model, C, tokens, **extra)
+
+
 def toks(n, seed):
     return [int(t) for t in np.random.default_rng(seed).integers(0, 250, n)]
 
 
 def check(store, model, query, **extra):
-    got = run("check", store, model, query, memory_bytes=0, **extra)
-    assert got["max_abs_diff"] <= 1e-4, got
-    assert got["greedy"] == got["greedy_ref"]
+    return checks(store, model, (query, extra))[0]
+
+
+def checks(store, model, *queries) -> list[dict]:
+    """Each (query, extra) restored from disk and compared with a recompute, in one fresh process."""
+    if len(queries) == 1:
+        (query, extra), = queries
+        got = [run("check", store, model, query, memory_bytes=0, **extra)]
+    else:
+        got = run("checks", store, model, [[query, {"memory_bytes": 0, **extra}] for query, extra in queries])
+    for one in got:
+        assert one["max_abs_diff"] <= 1e-4, one
+        assert one["greedy"] == one["greedy_ref"]
     return got
 
 
@@ -44,28 +62,27 @@ def test_sliding_window_prefilled_in_steps_larger_than_the_window(tmp_path, mode
     model = models["gemma3_text"]  # window 32 on every other layer
     prompt = toks(100, 1)
     # Inserted after each 48-token step, the way a chunked prefill would.
-    run("insert", tmp_path / "s", model, prompt, step=48, insert_each_step=True)
-    full = check(tmp_path / "s", model, prompt + toks(3, 2))
+    insert(tmp_path / "s", model, prompt, step=48, insert_each_step=True)
+    full, branch = checks(tmp_path / "s", model, (prompt + toks(3, 2), {}), (prompt[:70] + toks(6, 3), {}))
     assert full["reused"] == 100
     assert "RotatingKVCache" in full["classes"]
-    branch = check(tmp_path / "s", model, prompt[:70] + toks(6, 3))
     assert branch["reused"] == 70
 
 
 def test_sliding_window_one_shot_insert_restores_at_its_end_only(tmp_path, models):
     model = models["gemma3_text"]
     prompt = toks(100, 4)
-    run("insert", tmp_path / "s", model, prompt, step=48)  # the window only holds the last tokens
-    assert check(tmp_path / "s", model, prompt + toks(2, 5))["reused"] == 100
+    insert(tmp_path / "s", model, prompt, step=48)  # the window only holds the last tokens
+    full, got = checks(tmp_path / "s", model, (prompt + toks(2, 5), {}), (prompt[:70] + toks(6, 6), {}))
+    assert full["reused"] == 100
     # Inside the prompt, the window's tokens were gone at insert time: nothing wrong is restored.
-    got = check(tmp_path / "s", model, prompt[:70] + toks(6, 6))
     assert got["reused"] == 0
 
 
 def test_sliding_window_stores_deltas_not_windows(tmp_path, models):
     model = models["gemma3_text"]
     prompt = toks(8 * C, 7)
-    stats = run("insert", tmp_path / "s", model, prompt)["stats"]
+    stats = insert(tmp_path / "s", model, prompt)["stats"]
     # 4 layers x (K + V) x 2 heads x 16 dims x 4 bytes = 1 KiB of K/V per token, plus headers.
     per_token = stats["bytes"] / len(prompt)
     assert 1024 <= per_token < 1024 * 1.25, per_token
@@ -74,21 +91,22 @@ def test_sliding_window_stores_deltas_not_windows(tmp_path, models):
 def test_hybrid_restores_at_the_insert_point_and_never_from_a_mismatched_state(tmp_path, models):
     model = models["qwen3_5"]
     prompt = toks(45, 8)
-    stats = run("insert", tmp_path / "s", model, prompt)["stats"]
+    stats = insert(tmp_path / "s", model, prompt)["stats"]
     assert stats["checkpoints"] == 1
-    exact = check(tmp_path / "s", model, prompt + toks(4, 9))
+    exact, branch, again = checks(tmp_path / "s", model, (prompt + toks(4, 9), {}),
+                                  (prompt[:30] + toks(5, 10), {}), (prompt, {}))
     assert exact["reused"] == 45
     assert exact["classes"].count("ArraysCache") == 3
     # A branch before the only checkpoint: the recurrent state there is unknown, so nothing.
-    assert check(tmp_path / "s", model, prompt[:30] + toks(5, 10))["reused"] == 0
+    assert branch["reused"] == 0
     # The same prompt again: one token must be left, and there is no checkpoint before it.
-    assert check(tmp_path / "s", model, prompt)["reused"] == 0
+    assert again["reused"] == 0
 
 
 def test_hybrid_warmed_with_boundary_checkpoints_restores_at_the_deepest_one(tmp_path, models):
     model = models["qwen3_5"]
     prompt = toks(5 * C + 7, 11)
-    stats = run("insert", tmp_path / "s", model, prompt, prefill=True, checkpoint_every=1)["stats"]
+    stats = insert(tmp_path / "s", model, prompt, prefill=True, checkpoint_every=1)["stats"]
     assert stats["checkpoints"] == 6  # one per chunk boundary and one at the end
     got = check(tmp_path / "s", model, prompt[: 3 * C + 9] + toks(4, 12))
     assert got["reused"] == 3 * C
@@ -97,7 +115,7 @@ def test_hybrid_warmed_with_boundary_checkpoints_restores_at_the_deepest_one(tmp
 def test_hybrid_checkpoint_every_two_chunks(tmp_path, models):
     model = models["qwen3_5"]
     prompt = toks(5 * C + 7, 13)
-    stats = run("insert", tmp_path / "s", model, prompt, prefill=True, checkpoint_every=2)["stats"]
+    stats = insert(tmp_path / "s", model, prompt, prefill=True, checkpoint_every=2)["stats"]
     assert stats["checkpoints"] == 3  # after chunks 2 and 4, and at the end
     assert check(tmp_path / "s", model, prompt[: 3 * C + 9] + toks(4, 14))["reused"] == 2 * C
 
@@ -107,9 +125,10 @@ def test_quantized_kv_restores_identical_data(tmp_path, models, bits):
     model = models["llama-small"]
     prompt = toks(3 * C + 5, 15)
     q = dict(kv_bits=bits, kv_group_size=32, step=20)
-    run("insert", tmp_path / "s", model, prompt, **q)
-    for query in (prompt + toks(3, 16), prompt[: 2 * C + 3] + toks(3, 17)):
-        got = run("check", tmp_path / "s", model, query, memory_bytes=0, inserted=prompt, **q)
+    insert(tmp_path / "s", model, prompt, **q)
+    queries = (prompt + toks(3, 16), prompt[: 2 * C + 3] + toks(3, 17))
+    results = checks(tmp_path / "s", model, *((query, dict(inserted=prompt, **q)) for query in queries))
+    for query, got in zip(queries, results, strict=True):
         assert got["classes"] == ["QuantizedKVCache"] * 4
         assert got["reused"] == min(len(prompt), len(query) - 3)
         assert got["same_data"] is True

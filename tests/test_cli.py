@@ -63,13 +63,15 @@ def kv(home, monkeypatch):
 
 @pytest.fixture(scope="module")
 def warmed(tmp_path_factory, demo_model_path, home):
-    """A store warmed with examples/prompts.jsonl, and the output of that first warm."""
+    """A store warmed with examples/prompts.jsonl, and the output of that first warm (in this
+    process, as the `kv` fixture runs a command)."""
     store = tmp_path_factory.mktemp("warmed") / "store"
-    result = subprocess.run([sys.executable, "-m", "kvstore.cli", "warm", "--store", str(store),
-                             "--model", str(demo_model_path), "--prompts", str(EXAMPLES)],
-                            capture_output=True, text=True, cwd=REPO, timeout=300,
-                            env={**os.environ, "HOME": str(home)})
-    assert result.returncode == 0, result.stderr
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("HOME", str(home))
+        m.delenv("KVSTORE_DIR", raising=False)
+        m.chdir(REPO)
+        result = run_cli("warm", "--store", store, "--model", demo_model_path, "--prompts", EXAMPLES, check=False)
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
     return store, result
 
 
@@ -692,22 +694,26 @@ def test_a_long_prefill_on_the_bundled_blas_says_how_to_get_openblas(kv, demo_mo
     from kvstore.model.blas import LONG_PREFILL_TOKENS
 
     note = "kvstore: note: mlx is running on the reference BLAS bundled with the mlx-cpu wheel"
+    # The demo tokenizer gives a token a character: a short prompt first, then two prompts that
+    # share nothing, each long, all in one process.
+    long = [json.dumps({"prompt": c * (LONG_PREFILL_TOKENS + 50)}) + "\n" for c in "ab"]
     prompts = tmp_path / "long.jsonl"
-    # The demo tokenizer gives a token a character: two prompts that share nothing, each long.
-    prompts.write_text("".join(json.dumps({"prompt": c * (LONG_PREFILL_TOKENS + 50)}) + "\n" for c in "ab"))
+    prompts.write_text(json.dumps({"prompt": "Hello"}) + "\n" + "".join(long))
     no_openblas = {"LD_PRELOAD": ""}
     result = kv("generate", "--store", tmp_path / "s", "--model", demo_model_path, "--prompts", prompts,
                 "--max-tokens", "1", env=no_openblas)
     assert result.stderr.count(note) == 1, result.stderr
     assert "sudo apt-get install libopenblas0-pthread; export LD_PRELOAD=" in result.stderr
-    short = kv("generate", "--store", tmp_path / "s", "--model", demo_model_path, "--prompt", "Hello",
-               "--max-tokens", "1", env=no_openblas)
-    assert note not in short.stderr
+    # The short prompt said nothing (its report comes before the note), the first long one said it.
+    reports = [line for line in result.stderr.splitlines() if line.startswith("prompt: ") or note in line]
+    assert len(reports) == 4 and reports[0].startswith("prompt: 5 tokens") and note in reports[1], result.stderr
+    assert all(f"prompt: {LONG_PREFILL_TOKENS + 50} tokens, 0 reused" in r for r in reports[2:]), result.stderr
     openblas = Path(f"/usr/lib/{os.uname().machine}-linux-gnu/openblas-pthread/libblas.so.3")
     if openblas.exists():  # preloaded as the note says: nothing to say
+        prompts.write_text(long[0])
         fixed = kv("generate", "--store", tmp_path / "s2", "--model", demo_model_path, "--prompts", prompts,
                    "--max-tokens", "1", env={"LD_PRELOAD": str(openblas)})
-        assert note not in fixed.stderr
+        assert note not in fixed.stderr and f"prompt: {LONG_PREFILL_TOKENS + 50} tokens" in fixed.stderr
 
 
 def test_demo_store_is_ignored_by_git():

@@ -5,6 +5,7 @@ still guard what is on disk; bad values refused."""
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import subprocess
 import sys
@@ -13,7 +14,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
-from test_restore import run, toks  # restore_proc.py in a fresh process; random token ids
+from test_restore import insert, run, toks  # insert here, check in a fresh process (restore_proc.py); random ids
 
 import kvstore
 from kvstore.errors import InvalidInputError
@@ -45,16 +46,17 @@ CASES = {  # name -> (demo arch, dtype, bits, tier)
 
 @pytest.fixture(scope="module")
 def plain(tmp_path_factory):
-    """`plain(model_dir, tokens)`: what a store without `disk_kv_bits` restores (insert and check,
-    each in a fresh process), once per model and prompt: four cases share llama bfloat16's."""
-    done: dict[tuple[str, tuple[int, ...]], dict] = {}
+    """`plain(model_dir, tokens)`: a store without `disk_kv_bits` holding the prompt, inserted (here)
+    once per model and prompt, four cases share llama bfloat16's; each case restores it from disk
+    in its own checking process, after its quantized store."""
+    done: dict[tuple[str, tuple[int, ...]], Path] = {}
 
-    def get(model_dir: Path, tokens: list[int]) -> dict:
+    def get(model_dir: Path, tokens: list[int]) -> Path:
         key = (str(model_dir), tuple(tokens))
         if key not in done:
             store = tmp_path_factory.mktemp("plain") / "s"
-            run("insert", store, model_dir, {}, tokens)
-            done[key] = run("check", store, model_dir, {}, tokens)
+            insert(store, model_dir, {}, tokens)
+            done[key] = store
         return done[key]
 
     return get
@@ -67,14 +69,17 @@ def test_restored_caches_are_the_models_own_within_the_bound(tmp_path, demo_mode
     tokens = toks(4 * C + 6, 3) + [7]
     spec = {"disk_kv_bits": bits}
     if tier == "disk":
-        run("insert", tmp_path / "q", model_dir, spec, tokens)
-    got = run("check", tmp_path / "q", model_dir, spec, tokens, tier)
+        insert(tmp_path / "q", model_dir, spec, tokens)
+    # The quantized store from `tier`, then an unquantized one from disk, in one fresh process.
+    stores = [{"store": str(tmp_path / "q"), "spec": spec, "tier": tier},
+              {"store": str(plain(model_dir, tokens)), "spec": {}, "tier": "disk"}]
+    got, unquantized = run("checks", json.dumps(stores), model_dir, spec, tokens, tier)
     assert got["reused"] == len(tokens) - 1
     assert 0 < got["max_abs_diff"] <= BOUND[bits], got["max_abs_diff"]  # lossy, but close
     assert all(got["in_place"])  # the first step wrote into the restored arrays' spare room
     assert [r["capacity"] for r in got["after"]] == [r["capacity"] for r in got["before"]]
     # Exactly what an unquantized store restores: classes, dtype, capacity, offset, window index.
-    unquantized = plain(model_dir, tokens)
+    assert unquantized["reused"] == got["reused"]
     assert got["classes"] == unquantized["classes"] and got["before"] == unquantized["before"]
     assert {r["dtype"] for r in got["before"]} == {f"mlx.core.{dtype}"}
     if tier == "memory":
@@ -86,7 +91,7 @@ def test_restored_caches_are_the_models_own_within_the_bound(tmp_path, demo_mode
 def test_greedy_tokens_agree_with_a_recompute_at_8_bits(tmp_path, demo_model):
     model_dir = demo_model("llama", "small", "bfloat16")
     tokens = toks(4 * C + 6, 5) + [9]
-    run("insert", tmp_path / "q", model_dir, {"disk_kv_bits": 8}, tokens)
+    insert(tmp_path / "q", model_dir, {"disk_kv_bits": 8}, tokens)
     got = run("check", tmp_path / "q", model_dir, {"disk_kv_bits": 8}, tokens)
     assert got["greedy"] == got["greedy_ref"]
 
@@ -130,7 +135,7 @@ def test_a_quantized_and_a_bf16_store_in_one_directory_never_serve_each_others_r
 def test_the_setting_survives_a_restart_and_0_turns_it_off(tmp_path, demo_model):
     model_dir = demo_model("llama", "small", "bfloat16")
     tokens = toks(4 * C + 6, 11) + [5]
-    run("insert", tmp_path / "s", model_dir, {"disk_kv_bits": 8}, tokens)
+    insert(tmp_path / "s", model_dir, {"disk_kv_bits": 8}, tokens)
     got = run("check", tmp_path / "s", model_dir, {}, tokens)  # a fresh process, setting not given
     assert got["reused"] == len(tokens) - 1 and 0 < got["max_abs_diff"] <= BOUND[8]
     for options in ({}, {"read_only": True}):

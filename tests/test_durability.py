@@ -143,7 +143,10 @@ def _open_many(path: str, barrier, opens: int, results) -> None:
 
 
 def test_migrations_are_applied_once_when_many_processes_open_a_new_store(tmp_path):
-    procs, opens = 6, 5
+    # 30 opens at one barrier, each on a connection of its own (threads race through SQLite's
+    # locks as processes do), in 3 processes: each costs ~2.5 s of CPU (opening a store imports
+    # mlx-lm), and 3 still race across processes as well as within one.
+    procs, opens = 3, 10
     ctx = multiprocessing.get_context("spawn")
     barrier = ctx.Barrier(procs * opens)  # every open of every process starts at the same moment
     results = ctx.Queue()

@@ -206,10 +206,11 @@ def test_verify_remote_finds_and_repairs_damaged_objects(tmp_path, s3, llama):
     assert out.returncode == 0 and "clean" in out.stdout, out.stdout + out.stderr
 
 
-def test_cli_remote_flag_and_env(tmp_path, s3):
+def test_cli_remote_flag_and_env(tmp_path, s3, demo_model_path):
     url = s3.url()
     store = tmp_path / "s"
-    out = cli("warm", "--store", str(store), "--prompts", str(REPO / "examples" / "prompts.jsonl"),
+    tiny = ("--model", str(demo_model_path))  # what is computed is not the point: the tiny model
+    out = cli("warm", "--store", str(store), "--prompts", str(REPO / "examples" / "prompts.jsonl"), *tiny,
               env={"KVSTORE_REMOTE": url})
     assert out.returncode == 0, out.stderr
     assert len(records(url)) > 0
@@ -226,7 +227,7 @@ def test_cli_remote_flag_and_env(tmp_path, s3):
     # A second node (fresh folder) warms the same prompts from the bucket: only the last token
     # of each prompt is computed (a fetch always leaves one), nothing new is written.
     out = cli("warm", "--store", str(tmp_path / "s2"), "--prompts", str(REPO / "examples" / "prompts.jsonl"),
-              "--remote", url)
+              *tiny, "--remote", url)
     assert out.returncode == 0, out.stderr
     assert "tokens computed: 7\n" in out.stdout and "bytes written: 0 " in out.stdout, out.stdout
     # Secrets never reach the output or the store.
@@ -237,13 +238,13 @@ def test_cli_remote_flag_and_env(tmp_path, s3):
             assert secret.encode() not in f.read_bytes()
 
 
-def test_refused_credentials_are_one_clear_line(tmp_path, s3):
+def test_refused_credentials_are_one_clear_line(tmp_path, s3, demo_model_path):
     """A wrong secret: one line that says the bucket refused the credentials, not a line per
     failed request; gc --remote, which cannot go on without the bucket, fails with it."""
     url = s3.url()
     wrong = {"AWS_SECRET_ACCESS_KEY": "not-the-secret"}
     out = cli("warm", "--store", str(tmp_path / "s"), "--prompts", str(REPO / "examples" / "prompts.jsonl"),
-              "--remote", url, env=wrong)
+              "--model", str(demo_model_path), "--remote", url, env=wrong)
     refused = [line for line in out.stderr.splitlines() if "refused the credentials" in line]
     assert len(refused) == 1 and url in refused[0], out.stderr
     assert "PermissionDenied" not in out.stderr and "remote tier: RemoteError" not in out.stderr, out.stderr
@@ -260,13 +261,14 @@ def test_without_an_endpoint_it_says_requests_go_to_aws(tmp_path):
     assert out.stderr.count("AWS_ENDPOINT_URL is not set") == 1 and "requests go to AWS S3" in out.stderr
 
 
-def test_generate_says_what_came_from_the_bucket(tmp_path, s3):
+def test_generate_says_what_came_from_the_bucket(tmp_path, s3, demo_model_path):
     url = s3.url()
     prompts = tmp_path / "one.jsonl"
     prompts.write_text((REPO / "examples" / "prompts.jsonl").read_text().splitlines()[0] + "\n")
-    out = cli("warm", "--store", str(tmp_path / "a"), "--prompts", str(prompts), "--remote", url)
+    tiny = ("--model", str(demo_model_path))
+    out = cli("warm", "--store", str(tmp_path / "a"), "--prompts", str(prompts), *tiny, "--remote", url)
     assert out.returncode == 0, out.stderr
-    out = cli("generate", "--store", str(tmp_path / "b"), "--prompts", str(prompts), "--max-tokens", "2",
+    out = cli("generate", "--store", str(tmp_path / "b"), "--prompts", str(prompts), "--max-tokens", "2", *tiny,
               "--remote", url)
     assert out.returncode == 0, out.stderr
     m = re.search(r"prompt: (\d+) tokens, (\d+) reused \((\d+) from the bucket (s3://[^,]+), 0 from the local "

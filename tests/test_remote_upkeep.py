@@ -9,8 +9,10 @@ import json
 import os
 import time
 
+import mlx.core as mx
 import numpy as np
 from kvtest import prefill
+from mlx_lm.models.cache import make_prompt_cache
 from remote_fixture import fleet, names
 from test_remote_ops import C, cli, records, toks
 
@@ -31,13 +33,25 @@ def plant_tiny(url: str, ns: bytes, n: int = 5) -> None:
                    b"x" * 100)
 
 
+def random_kv(model, n: int) -> list:
+    """The model's own cache classes holding `n` tokens of random K/V, of the shapes and dtype a
+    prefill gives: what verify judges here is the records' sizes, never their values, and a
+    prefill of 4,101 tokens costs seconds of CPU on the bundled BLAS."""
+    shapes = [(c.keys.shape, c.keys.dtype) for c in prefill(model, [1])]
+    cache = make_prompt_cache(model)
+    for layer, ((b, h, _, d), dtype) in zip(cache, shapes):
+        layer.update_and_fetch(mx.random.normal((b, h, n, d)).astype(dtype), mx.random.normal((b, h, n, d)).astype(dtype))
+    mx.eval([c.state for c in cache])
+    return cache
+
+
 def test_five_planted_tiny_objects_never_make_verify_repair_delete_the_fleets_records(tmp_path, s3, llama):
     path, model = llama
     url = s3.url()
     prompt = toks(2 * BIG + 5, 60)
     with kvstore.open(tmp_path / "a", chunk_size=BIG, remote=url) as a:
         mc = a.bind(model, path)
-        mc.insert(prompt, prefill(model, prompt))
+        mc.insert(prompt, random_kv(model, len(prompt)))
         assert a.flush(60)
     fleet_records = records(url)
     assert len(fleet_records) == 3 and sorted(k.size for k in fleet_records.values())[-1] > 2_000_000

@@ -90,6 +90,14 @@ def test_plan_refuses_records_that_disagree_and_goes_by_cachelist_leaves():
 
 # -- every cache class from every tier, in a fresh process ------------------------------------
 
+def insert(store, model_dir, spec, tokens):
+    """Store the prompt (`tokens` but the last) as restore_proc's `insert` does, in this process:
+    it is only setup, flushed and closed before `run` checks the restore in a fresh process."""
+    from restore_proc import insert_here
+
+    return insert_here(store, model_dir, spec, tokens)
+
+
 def run(mode, store, model_dir, spec, tokens, tier="disk"):
     cmd = [sys.executable, str(HERE / "restore_proc.py"), mode, str(store), str(model_dir),
            json.dumps(spec), json.dumps(tokens), tier]
@@ -118,7 +126,7 @@ def test_every_cache_class_from_every_tier_restores_exactly_with_room_to_grow(tm
     model_dir = demo_model(arch, size)
     tokens = toks(4 * C + 6, 3) + [7]  # 4 chunks and a tail stored, then one token to process
     if tier == "disk":
-        run("insert", tmp_path / "s", model_dir, spec, tokens)
+        insert(tmp_path / "s", model_dir, spec, tokens)
     got = run("check", tmp_path / "s", model_dir, spec, tokens, tier)
     assert got["reused"] == len(tokens) - 1
     assert cls in got["classes"]
@@ -145,7 +153,7 @@ def test_records_read_from_disk_are_kept_in_the_memory_tier(tmp_path, demo_model
     # The memory tier keeps copies of what fetch read from disk: the next fetch is served by it.
     model_dir = demo_model("llama")
     tokens = toks(3 * C + 2, 5) + [9]
-    run("insert", tmp_path / "s", model_dir, {}, tokens)
+    insert(tmp_path / "s", model_dir, {}, tokens)
     from mlx_lm import load
 
     model, _ = load(str(model_dir))
@@ -165,7 +173,7 @@ def _store_with(tmp_path, demo_model, layout):
     arch, size, spec, _ = LAYOUTS[layout]
     model_dir = demo_model(arch, size)
     tokens = toks(3 * C + 6, 11) + [5]
-    run("insert", tmp_path / "s", model_dir, spec, tokens)
+    insert(tmp_path / "s", model_dir, spec, tokens)
     return model_dir, spec, tokens
 
 
@@ -297,7 +305,7 @@ def test_processes_that_restore_and_exit_at_once_all_exit_0(tmp_path, demo_model
     n = 50 if request.config.getoption("--soak") else 12
     model_dir = demo_model("llama")
     tokens = toks(4 * C + 6, 21) + [3]
-    run("insert", tmp_path / "s", model_dir, {}, tokens)
+    insert(tmp_path / "s", model_dir, {}, tokens)
     arg = ",".join(map(str, tokens))
     procs = []
     codes = []

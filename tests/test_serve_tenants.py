@@ -4,6 +4,7 @@ request-to-cache plumbing (`serve.tenancy.policy`) in this process."""
 
 from __future__ import annotations
 
+import functools
 import json
 import socket
 import threading
@@ -18,6 +19,7 @@ from test_server import Server, cached
 import kvstore
 from kvstore.serve.options import build_parser, server_settings
 from kvstore.serve.promptcache import PersistentPromptCache
+from kvstore.serve.tenancy import isolation
 from kvstore.serve.tenancy.isolation import ALPHA, SHARED_CHECK, Report, chance_p, min_probes, scored
 from kvstore.serve.tenancy.policy import UNKNOWN, UNNAMED, Refused, RequestTenants, TenantPolicy, parse_source
 
@@ -38,6 +40,20 @@ def warmed(demo_model, tmp_path_factory):
     return model, work / "store", prompts
 
 
+PROBE_TEXT = 150  # characters of each probe's private part (the demo tokenizer: a token each)
+
+
+@pytest.fixture
+def short_probes(monkeypatch):
+    """`verify --isolation` in this process with probe texts of PROBE_TEXT characters instead of
+    600: every probe is a prompt the server computes (22 of them at `--probes 7`, more at 10), and
+    what the checks compare (reused tokens, by tenant) does not depend on the length. A server
+    that leaked would still give B's probes of A's prompts all of A's PROBE_TEXT private tokens,
+    far above the fresh prompts' reuse plus `isolation.SLACK` (8)."""
+    assert PROBE_TEXT > 10 * isolation.SLACK
+    monkeypatch.setattr(isolation, "check_server", functools.partial(isolation.check_server, text_tokens=PROBE_TEXT))
+
+
 def chat(server, user: str, headers=None, **body):
     r = requests.post(server.url + "/v1/chat/completions", headers=headers or {}, timeout=120, json={
         "messages": [SYSTEM, {"role": "user", "content": user}], "max_tokens": 2, "temperature": 0.0, **body})
@@ -50,7 +66,7 @@ def usage(server, user: str, tenant: str | None, **body) -> dict:
     return r.json()["usage"]
 
 
-def test_two_tenants_by_header_share_only_the_warmed_system_prompt(warmed, tmp_path):
+def test_two_tenants_by_header_share_only_the_warmed_system_prompt(warmed, tmp_path, short_probes):
     model, store, prompts = warmed
     with Server(model, store, tmp_path / "log", "--tenant-from", "header:X-Tenant") as server:
         first = usage(server, SECRET, "alice")
@@ -152,7 +168,7 @@ def test_a_server_without_tenants_never_shares_its_requests_with_tenants(demo_mo
     assert "stored as one tenant of their own" in start_line
 
 
-def test_verify_isolation_never_passes_a_server_that_does_not_isolate(warmed, tmp_path):
+def test_verify_isolation_never_passes_a_server_that_does_not_isolate(warmed, tmp_path, short_probes):
     """Without cached_tokens in the answers, verify measures reuse through /metrics: a server
     that ignores the tenants' header fails "another tenant misses"; a shared prompt nobody warmed
     fails "the shared prompt hits for both"; too few probes to fail the timing check are refused."""

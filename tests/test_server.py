@@ -649,19 +649,22 @@ def test_read_only_endpoints_answer_while_generating(models, tmp_path):
 
 def test_models_lists_the_served_model(models, tmp_path):
     """`GET /v1/models` is a valid list with the served model, with no Hugging Face cache folder and
-    with one holding another mlx model; the listed id is a name a request may send."""
+    with one holding another mlx model; the listed id is a name a request may send. (One server:
+    the cache folder is read at each request, and made between the two rounds.)"""
     hf_cache = tmp_path / "hf"
-    for with_cache in (False, True):
-        if with_cache:  # a downloaded mlx model, laid out as huggingface_hub lays it out
-            repo = hf_cache / "models--mlx-community--Other-4bit"
-            snap = repo / "snapshots" / "abc123"
-            snap.mkdir(parents=True)
-            (repo / "refs").mkdir()
-            (repo / "refs" / "main").write_text("abc123")
-            for name in ("config.json", "model.safetensors.index.json", "tokenizer_config.json"):
-                (snap / name).write_text("{}")
-        env = dict(os.environ, HF_HUB_CACHE=str(hf_cache))
-        with Server(models["llama"], tmp_path / "store", tmp_path / "server.log", env=env) as server:
+    env = dict(os.environ, HF_HUB_CACHE=str(hf_cache))
+    with Server(models["llama"], tmp_path / "store", tmp_path / "server.log", env=env) as server:
+        for with_cache in (False, True):
+            if with_cache:  # a downloaded mlx model, laid out as huggingface_hub lays it out
+                repo = hf_cache / "models--mlx-community--Other-4bit"
+                snap = repo / "snapshots" / "abc123"
+                snap.mkdir(parents=True)
+                (repo / "refs").mkdir()
+                (repo / "refs" / "main").write_text("abc123")
+                for name in ("config.json", "model.safetensors.index.json", "tokenizer_config.json"):
+                    (snap / name).write_text("{}")
+            else:
+                assert not hf_cache.exists()  # a fresh machine: no cache folder at all
             r = requests.get(server.url + "/v1/models", timeout=REQUEST_TIMEOUT)
             assert r.status_code == 200
             body = r.json()
@@ -677,8 +680,8 @@ def test_models_lists_the_served_model(models, tmp_path):
             # The listed id is the model to send: the served model answers under it.
             text, usage = ask(server, prompt="Which model?", model=ids[0])
             assert text and usage["prompt_tokens"] == len("Which model?")
-            assert server.stop() == 0
-        assert one.status_code == 200 and one.json()["id"] == ids[0]
+            assert one.status_code == 200 and one.json()["id"] == ids[0]
+        assert server.stop() == 0
 
 
 # -- bounded by default: web origins, request bodies, the log ---------------------------------------

@@ -4,7 +4,9 @@ the wrong type never crash `stats`, never make gc think the store is empty, are 
 is not kvstore's, even one named like a blob, and its `remote-node-id`.
 
 Every test breaks a real store on purpose (SQL written by hand into its index, files planted in
-its blob tree) and runs the real commands, in-process or as `kvstore` subprocesses.
+its blob tree) and runs the real commands in-process (`kv`, through `kvtest.run_cli`: what a
+command prints and returns, as a `kvstore` process of its own would; none of these is about a
+hang or what a process does at exit).
 """
 
 from __future__ import annotations
@@ -16,8 +18,7 @@ from pathlib import Path
 
 import pytest
 from faultproc import prompts
-from kvtest import prefill
-from test_safety import kv
+from kvtest import prefill, run_cli
 
 import kvstore
 from kvstore.errors import IndexLostError
@@ -35,6 +36,17 @@ def warm(store: Path, llama, n: int = 4, seed: int = 61) -> list:
             mc.insert(t, prefill(model, t))
         s.flush()
         return list(s.index.rows())
+
+
+def kv(*args, home: Path):
+    """`kvstore ARGS...` in this process, with HOME and KVSTORE_DIR as `test_safety.kv` gives its
+    process; a traceback fails the test, as there."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HOME", str(home))
+        mp.delenv("KVSTORE_DIR", raising=False)
+        result = run_cli(*args, check=False)
+    assert "Traceback" not in result.stderr, result.stderr
+    return result
 
 
 def sql(store: Path, *statements: str) -> None:
