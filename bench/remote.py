@@ -409,9 +409,12 @@ def main() -> None:
             del cache
             raw = raw_put(__import__("kvstore.remote.s3").remote.s3.S3Bucket(url), up.pop("files"), "raw")
             query = tokens.tolist() + [1]
-            gets = [raw_gets(url) for _ in range(args.reps)]
-            paths = [path_download(d, url, query) for _ in range(args.reps)]
-            remote_s, rstats = restore_remote(d, url, query, args.reps)
+            gets, paths, remote_s = [], [], []
+            for _ in range(args.reps):  # side by side: one of each in turn, so drift hits all three alike
+                gets.append(raw_gets(url))
+                paths.append(path_download(d, url, query))
+                took, rstats = restore_remote(d, url, query, 1)
+                remote_s += took
             local_s = restore_local(d, query, args.reps)
             raw_s = C.summary([g[0] for g in gets])
             got_bytes = gets[0][1]
