@@ -231,23 +231,16 @@ class Box:
         nonce = secrets.token_bytes(NONCE_BYTES)
         return MAGIC + nonce + self._aead.encrypt(nonce, data, key.encode())
 
-    def open(self, key: str, body, *, in_place: bool = False):
+    def open(self, key: str, body) -> bytes:
         """The plaintext of the object at `key`; Unauthenticated if it was not sealed for that
-        key by a holder of the fleet secret (or is damaged).
-
-        `in_place`: a writable `body` (a download's bytearray) is opened where it is, with no
-        copy, and what is returned is a view of it (undefined if it does not open)."""
+        key by a holder of the fleet secret (or is damaged). (A download is opened as it
+        arrives instead: `opener`.)"""
         view = memoryview(body)
         if len(view) < OVERHEAD or view[: len(MAGIC)] != MAGIC:
             raise Unauthenticated("it is not a sealed object of this layout")
         nonce = bytes(view[len(MAGIC): len(MAGIC) + NONCE_BYTES])
-        sealed = view[len(MAGIC) + NONCE_BYTES:]
         try:
-            if not in_place or view.readonly:
-                return self._aead.decrypt(nonce, sealed, key.encode())
-            plain = sealed[: len(sealed) - TAG_BYTES]  # (the same first byte: in place)
-            self._aead.decrypt_into(nonce, sealed, key.encode(), plain)
-            return plain
+            return self._aead.decrypt(nonce, view[len(MAGIC) + NONCE_BYTES:], key.encode())
         except InvalidTag:
             raise Unauthenticated("it does not open with the fleet's key (planted, copied or damaged)") from None
 
