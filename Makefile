@@ -34,10 +34,11 @@ demo: install
 		--prompt "You are a helpful assistant. Answer briefly. What is a KV cache?"
 	$(VENV)/bin/kvstore stats --store $(STORE)
 
-# Two pytest-xdist workers, one per core of the 2-core machines the suite runs on; every fixture
+# Two pytest-xdist workers, one per core of the 2-core machines the suite runs on (an idle one takes
+# tests queued for the other: the slowest tests do not end up in one tail); every fixture
 # works per worker (its own temporary folders, demo models and SeaweedFS).
 test: install
-	$(PY) -m pytest -q -n 2
+	$(PY) -m pytest -q -n 2 --dist worksteal
 
 bench: install
 	$(PY) bench/run_all.py
