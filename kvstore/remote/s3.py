@@ -104,6 +104,9 @@ def _say_aws_once(url: str, region: str) -> None:
                     "profile), so requests go to AWS S3 in %s", url, region)
 
 
+#: The parts a download is read in (obstore joins the network's pieces up to this size).
+_PART_BYTES = 1 << 20
+
 class S3Bucket:
     """One `s3://BUCKET/PREFIX`, through obstore, with bounded timeouts and retries.
 
@@ -168,7 +171,7 @@ class S3Bucket:
                 raise TooLarge(f"GET: {size} bytes, more than the record can be ({max_bytes})")
             sink = into(size) if into is not None else _Buffer(size)
             pos = 0
-            for part in result.stream(min_chunk_size=1 << 20):
+            for part in result.stream(min_chunk_size=_PART_BYTES):
                 n = len(part)
                 if pos + n > size:
                     raise TooLarge(f"GET: more bytes than its stated {size}")
