@@ -4,7 +4,8 @@ fetch's wait and a bound of bytes in flight.
 `Downloads` belongs to one `tiers.remote.RemoteTier`: it runs the GETs (and the tier's HEADs and
 listings) on its pool, opens each sealed object as its bytes arrive (`remote.seal.Opening`: no
 copy of the sealed bytes), checks it is the record it is fetched as
-(`remote.objects.check_opened`), and remembers for a while the object keys that failed (unauthenticated, corrupt, too large, or their download failed: not asked for again until
+(`remote.objects.check_opened`), and remembers for a while the object keys that failed
+(unauthenticated, corrupt, too large, or their download failed: not asked for again until
 `BAD_FOR_S` has passed, on its `clock`).
 """
 

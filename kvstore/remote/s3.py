@@ -107,6 +107,7 @@ def _say_aws_once(url: str, region: str) -> None:
 #: The parts a download is read in (obstore joins the network's pieces up to this size).
 _PART_BYTES = 1 << 20
 
+
 class S3Bucket:
     """One `s3://BUCKET/PREFIX`, through obstore, with bounded timeouts and retries.
 
