@@ -212,7 +212,6 @@ def policy_ttft(server, length: int, slow_get_s: float, reps: int) -> dict:
     import mlx.core as mx
     from mlx_lm.models import qwen3
     from mlx_lm.models.cache import make_prompt_cache
-    from remote_fixture import StallingProxy
     from ttft import QWEN3_0_6B, first_token
 
     from kvstore.tiers import remote as tier
@@ -237,7 +236,7 @@ def policy_ttft(server, length: int, slow_get_s: float, reps: int) -> dict:
         assert a.flush(600)
     wait = min(tier.PREFETCH_CAP_S, tier.PREFETCH_BASE_S + tier.PREFETCH_PER_1K_S * (length + 1) / 1024)
     out = {"length": length, "slow_get_s": slow_get_s, "timeout_s": wait, "cold": C.summary(cold)}
-    proxy = StallingProxy(server.endpoint, slow_gets=slow_get_s)
+    proxy = _ProxyProcess(server.endpoint, slow_get_s)
     saved = os.environ["AWS_ENDPOINT_URL"]
     os.environ["AWS_ENDPOINT_URL"] = proxy.url
     try:
@@ -265,6 +264,33 @@ def policy_ttft(server, length: int, slow_get_s: float, reps: int) -> dict:
         os.environ["AWS_ENDPOINT_URL"] = saved
     shutil.rmtree(work, ignore_errors=True)
     return out
+
+
+class _ProxyProcess:
+    """The tests' slow endpoint (`remote_fixture.StallingProxy`: downloads answered one at a time,
+    `slow_get_s` each) in a process of its own, as a remote endpoint is: in this process its
+    threads, forwarding every byte in Python, would hold the GIL the restore needs."""
+
+    def __init__(self, upstream: str, slow_get_s: float):
+        import subprocess
+
+        code = ("import sys; from remote_fixture import StallingProxy; "
+                f"p = StallingProxy({upstream!r}, slow_gets={slow_get_s!r}); print(p.url, flush=True); "
+                "sys.stdin.read(); p.close()")
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(C.REPO / "tests"), str(C.REPO)]))
+        self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     env=env, text=True)
+        self.url = self.proc.stdout.readline().strip()
+        if not self.url.startswith("http://"):
+            self.close()
+            raise RuntimeError("the slow endpoint did not start")
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=30)
+        except Exception:
+            self.proc.kill()
 
 
 def lookups(server, reps: int) -> list[dict]:
