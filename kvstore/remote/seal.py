@@ -257,7 +257,7 @@ class Opening:
     what was written may be used unless `done` returns: until the tag is checked it is only
     what someone sent."""
 
-    __slots__ = ("_key", "_aad", "size", "_pos", "_head", "_tag", "_out", "_view", "_done", "_opener")
+    __slots__ = ("_key", "_aad", "size", "_pos", "_head", "_tag", "_view", "_done", "_opener")
 
     def __init__(self, key: bytes, aad: bytes, size: int):
         if size < OVERHEAD:
@@ -266,8 +266,7 @@ class Opening:
         self._pos = 0  # bytes of the object written so far
         self._head, self._tag = bytearray(), bytearray()
         # update_into wants room for a block more than it writes: the overhead's bytes give it.
-        self._out = bytearray(size)
-        self._view = memoryview(self._out)
+        self._view = memoryview(bytearray(size))
         self._done = 0  # plaintext bytes written
         self._opener = None
 
