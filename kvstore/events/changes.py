@@ -66,9 +66,9 @@ class Changes:
             j = i
             while j < len(ids) and fresh[j]:
                 j += 1
-            extra: list = [None] * (j - i)
+            extra = None  # (`wire.stored`: no extra keys on any block)
             if tenant is not None and i == 0 and tenant_starts:
-                extra[0] = [str(tenant) if not isinstance(tenant, bytes) else tenant.hex()]
+                extra = [[str(tenant) if not isinstance(tenant, bytes) else tenant.hex()]] + [None] * (j - 1)
             events.append(wire.stored(ids[i:j], ids[i - 1] if i else first_parent,
                                       np.asarray(tokens[i * B : j * B]).tolist(), B, medium, extra))
             i = j

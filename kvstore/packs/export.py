@@ -99,15 +99,17 @@ def export_pack(store, mc, model_dir: Path, tokenizer, prompts: list[np.ndarray]
     tmp = staging / out.name
     (tmp / BLOBS).mkdir(parents=True)
     try:
-        records, canaries = {}, {}
+        records, canaries, held = {}, {}, {}
+        bits = acting_disk_kv_bits(mc.layout, store.disk_kv_bits)
         for h in wanted:
-            size, digest, fields = _write_blob(store, rows[h], tmp / blob_name(h), mc.chunk_size)
-            records[h.hex()] = (size, digest)
+            data, tokens, fields = _portable_blob(store, rows[h], mc.chunk_size)
+            records[h.hex()] = _write(tmp / blob_name(h), data)
             if fields:
                 canaries[h.hex()] = fields
-        bits = acting_disk_kv_bits(mc.layout, store.disk_kv_bits)
+            if bits:  # kept for the replay below (it holds every record of the pack in RAM anyway)
+                held[h.hex()] = (tokens, data)
         if bits and canaries:
-            _replayed_canaries(mc, bits, tmp, prompts, chains, records, canaries)
+            _replayed_canaries(mc, bits, tmp, prompts, chains, held, records, canaries)
         manifest = Manifest(
             record_format=keys.FORMAT_VERSION, fingerprint=mc.fingerprint.hex(), files=ident.files,
             tokenizer=ident.tokenizer, chat_template=ident.chat_template, namespace=mc.ns.hex(),
@@ -142,34 +144,34 @@ def _not_within_another(prompts: list[np.ndarray]) -> list[np.ndarray]:
 
 
 def _replayed_canaries(mc, bits: int, folder: Path, prompts: list[np.ndarray], chains: list,
-                       records: dict[str, tuple[int, str]], canaries: dict[str, dict[str, str]]) -> None:
+                       held: dict[str, tuple[np.ndarray, bytes]], records: dict[str, tuple[int, str]],
+                       canaries: dict[str, dict[str, str]]) -> None:
     """Give the pack's records of K/V quantized on disk the canaries their own replay gives.
 
     A prompt's canary was taken from the step computed at full precision; an import replays it
     from the quantized K/V, which moves the log-probabilities by up to 0.074 at 8 bits on the demo
     model (more than `canary.TOLERANCE`, and a bound wide enough for that would let K/V scaled by
-    1.5 through). So the export replays each canary's step from the pack's blobs, exactly as an
-    import does, and the pack carries that step's canary: an import compares like with like, by
-    the same tolerance as a pack at full precision. The replay must stay within the
-    quantization's bound of the canary it replaces (`canary.QUANTIZED_TOLERANCE`): more is damage.
-    The blobs and `records`/`canaries` are rewritten in place."""
+    1.5 through). So the export replays each canary's step from the pack's blobs (`held`: record
+    -> its token ids and the bytes written), exactly as an import does, and the pack carries that
+    step's canary: an import compares like with like, by the same tolerance as a pack at full
+    precision. The replay must stay within the quantization's bound of the canary it replaces
+    (`canary.QUANTIZED_TOLERANCE`): more is damage. The canaries' blobs and `records`/`canaries`
+    are rewritten in place."""
     spans = {s.hash.hex(): (s, t) for t, chain in zip(prompts, chains) for s in chain}
-    blobs = {h: (folder / blob_name(h)).read_bytes() for h in records}
-    kept = [(spans[h][0], blobformat.read_record(buf, blob_name(h)).tokens, buf) for h, buf in blobs.items()]
+    kept = [(spans[h][0], tokens, data) for h, (tokens, data) in held.items()]
     remade = replay.replayed(mc, bits, kept, [(spans[h][0], spans[h][1], f) for h, f in canaries.items()],
                              canary.QUANTIZED_TOLERANCE[bits])
     for h in list(canaries):
         fields = remade[bytes.fromhex(h)]
-        meta = blobformat.parse(blobs[h])[2]
-        data = blobformat.restamp(blobs[h], {**meta, **{blobformat.EXTENSION_PREFIX + k: v for k, v in fields.items()}})
-        (folder / blob_name(h)).write_bytes(data)
-        records[h] = (len(data), sha256(data))
+        data = held[h][1]
+        data = blobformat.restamp(data, blobformat.with_extensions(blobformat.header_metadata(data), fields))
+        records[h] = _write(folder / blob_name(h), data)
         canaries[h] = fields
 
 
-def _write_blob(store, row, path: Path, chunk_size: int) -> tuple[int, str, dict[str, str]]:
-    """Write a stored record's blob to the pack, checked, without `model_id`: (size, SHA-256,
-    its canary fields)."""
+def _portable_blob(store, row, chunk_size: int) -> tuple[bytes, np.ndarray, dict[str, str]]:
+    """A stored record's blob as a pack holds it, checked, without `model_id` nor this node's trust
+    tag: (its bytes, its token ids, its canary fields)."""
     try:
         buf, _ = blobfile.read_checked(store.blob_root, row.hash, size=row.size, checksum=row.checksum)
         stored = blobformat.read_record(buf, f"record {row.hash.hex()}")
@@ -178,6 +180,10 @@ def _write_blob(store, row, path: Path, chunk_size: int) -> tuple[int, str, dict
     except BlobError as e:
         raise PackError(f"a stored record is damaged ({e}): run `kvstore verify --repair`, then export "
                         "again") from None
-    data = blobformat.restamp(buf, blobformat.portable(stored.metadata))  # nor this node's tag
+    return blobformat.restamp(buf, blobformat.portable(stored.metadata)), stored.tokens, fields
+
+
+def _write(path: Path, data: bytes) -> tuple[int, str]:
+    """Write a blob of the pack: (its size, its SHA-256)."""
     path.write_bytes(data)
-    return len(data), sha256(data), fields
+    return len(data), sha256(data)

@@ -34,7 +34,6 @@ class Identity:
     tokenizer: dict[str, str]  # tokenizer files present -> SHA-256
     chat_template: str | None  # SHA-256 of the chat template's text, None without one
     fingerprint: bytes = b""  # kvstore's fingerprint of the same files (their xxh3, as a store binds them)
-    hashed: int = 0  # bytes read to hash them (0 when the store's memo held every file)
     fresh: tuple = ()  # (kind, path, stat, digest) of each digest read now, for a memo to remember
 
 
@@ -72,7 +71,7 @@ def identity(model_dir: Path, tokenizer, memo: Memo | None = None) -> Identity:
     model_files = keys.model_files(model_dir)
     names = [(p, True) for p in model_files] + [(model_dir / n, False) for n in TOKENIZER_FILES
                                                  if (model_dir / n).is_file()]
-    sha, xxh, hashed, fresh = {}, [], 0, []
+    sha, xxh, fresh = {}, [], []
     try:
         for path, fingerprinted in names:
             st = os.stat(path)
@@ -80,7 +79,6 @@ def identity(model_dir: Path, tokenizer, memo: Memo | None = None) -> Identity:
             x = memo.get("xxh3", path, st) if memo and fingerprinted else None
             if s is None or (fingerprinted and x is None):
                 s, x = _read_hashes(path, fingerprinted)
-                hashed += st.st_size
                 after = os.stat(path)  # written to while it was read: remembered next time, not now
                 if (after.st_mtime_ns, after.st_ctime_ns, after.st_size) == (st.st_mtime_ns, st.st_ctime_ns,
                                                                              st.st_size):
@@ -94,7 +92,7 @@ def identity(model_dir: Path, tokenizer, memo: Memo | None = None) -> Identity:
         remember(memo, fresh)
     return Identity({p.relative_to(model_dir).as_posix(): sha[p] for p in model_files},
                     {p.name: sha[p] for p, f in names if not f}, chat_template_sha256(tokenizer),
-                    keys.combine(model_files, model_dir, xxh), hashed, tuple(fresh))
+                    keys.combine(model_files, model_dir, xxh), tuple(fresh))
 
 
 def memo_of(store, *, remember: bool) -> Memo | None:

@@ -205,8 +205,8 @@ class PersistentPromptCache:
                 if binding == IN_RAM:
                     key = (model, tenant_id) if self.tenants.active else model
                     self._fallback().insert_cache(key, tokens, prompt_cache, cache_type=cache_type)
-                stored = self.shared_writes is None or self.shared_writes.allowed(self.store)
-                if isinstance(binding, Binding) and tokens and stored:
+                if isinstance(binding, Binding) and tokens and (
+                        self.shared_writes is None or self.shared_writes.allowed(self.store)):
                     self._insert(binding, model, tokens, prompt_cache, cache_type, self._tenant(tenant_id))
             except Exception as e:
                 self._error("insert", e)
