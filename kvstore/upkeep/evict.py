@@ -258,14 +258,16 @@ def tenant_victims(g: Graph, max_bytes: int | None, emptied: Collection[int] = (
     tenant = g.tenant
     parent, _ = parents(g)
     for t in np.unique(tenant[tenant >= 0]):
-        bound = 0 if int(t) in emptied else max_bytes
         mine = np.nonzero(tenant == t)[0]
-        if bound is None or int(g.sizes[mine].sum()) <= bound:
+        if int(t) in emptied:  # every record, even one of 0 bytes (a damaged size reads as 0)
+            out.append(mine)
+            continue
+        if max_bytes is None or int(g.sizes[mine].sum()) <= max_bytes:
             continue
         up = parent[mine]
         root = (up < 0) | (tenant[np.maximum(up, 0)] != t)  # hangs from outside the tenant
         sub = replace(_subgraph(g, mine), root=root, stale=np.zeros(len(mine), bool))
-        p = store_victims(sub, max_bytes=bound, cutoff=None, stale=False)
+        p = store_victims(sub, max_bytes=max_bytes, cutoff=None, stale=False)
         if len(p):
             out.append(mine[p.index])
     return np.concatenate(out) if out else np.zeros(0, np.int64)
