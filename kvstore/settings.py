@@ -335,8 +335,7 @@ def resolve(given: Mapping[str, Any], kept: Mapping[str, str | None],
                 why = f"the store's kept {s.name} {shown_kept(text)} is damaged ({str(e).removeprefix('is ')})"
                 if s.damaged is not None:  # a limit: a damaged one never turns it off
                     out[s.name] = (s.decode(s.damaged), KEPT)
-                    warn(f"{why}: it reads as {s.show(out[s.name][0])} ({damaged_means(s)}) until "
-                         f"`kvstore settings {s.name}=VALUE` keeps one ({s.allowed()}), or it is given")
+                    warn(f"{why}: it reads as {damaged_reads(s)} until {keep_one(s)}, or it is given")
                     continue
                 warn(f"{why}: using the default, {s.show(s.default)}, until `kvstore settings {s.name}=...` "
                      f"keeps a value (`kvstore verify --repair` forgets it)")
@@ -354,6 +353,17 @@ def shown_kept(text: object) -> str:
 def damaged_means(s: Setting) -> str:
     """What a damaged kept value of the limit `s` reading as `s.damaged` means, in words."""
     return "no automatic writes" if s.name == "max_write_rate" else "closed"
+
+
+def damaged_reads(s: Setting) -> str:
+    """What a damaged kept value of the limit `s` reads as, in words: `0 B/day (no automatic writes)`."""
+    return f"{s.show(s.decode(s.damaged))} ({damaged_means(s)})"
+
+
+def keep_one(s: Setting, store: object = None) -> str:
+    """The command that keeps a value of `s` (in `store`, when given), and what it may be."""
+    where = f" --store {store}" if store is not None else ""
+    return f"`kvstore settings{where} {s.name}=VALUE` keeps one ({s.allowed()})"
 
 
 def report(resolved: Mapping[str, tuple[Any, str]]) -> dict[str, dict]:

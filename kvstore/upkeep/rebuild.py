@@ -216,9 +216,8 @@ def _kept_settings(old: _Salvage, store: Path) -> tuple[dict[str, object], list[
         closed = {s.name: s.damaged for s in settings.KEPT_SETTINGS if s.damaged is not None}
         kept.update(closed)
         said.append("the kept settings could not be read from the damaged index: " + ", ".join(
-            f"{name} is kept as {s.show(s.decode(s.damaged))} ({settings.damaged_means(s)}) until "
-            f"`kvstore settings --store {store} {name}=VALUE` keeps one ({s.allowed()})"
-            for name, s in ((name, settings.BY_NAME[name]) for name in closed)) + "; the others are their defaults")
+            f"{name} is kept as {settings.damaged_reads(settings.BY_NAME[name])} until "
+            f"{settings.keep_one(settings.BY_NAME[name], store)}" for name in closed) + "; the others are their defaults")
     else:
         shown = [_shown(name, value) for name, value in sorted(kept.items())]
         said.append(f"settings kept: {', '.join(shown)}" if shown else "no kept settings (every one its default)")

@@ -88,9 +88,8 @@ def row_problems(index: Index) -> list[tuple[str, str, str]]:
     for name, value, why in index.damaged_settings():
         s = settings.BY_NAME[name]
         if s.damaged is not None:  # a limit: closed until a value is kept
-            reads = (f"it reads as {s.show(s.decode(s.damaged))} ({settings.damaged_means(s)}) unless given; repair "
-                     f"keeps it so until `kvstore settings --store {index.path.parent} {name}=VALUE` keeps one "
-                     f"({s.allowed()})")
+            reads = (f"it reads as {settings.damaged_reads(s)} unless given; repair keeps it so until "
+                     f"{settings.keep_one(s, index.path.parent)}")
         else:
             reads = f"it reads as its default ({s.show(s.default)}) unless given; repair forgets it"
         out.append(("bad_setting", f"meta setting.{name}", f"the kept value {settings.shown_kept(value)} {why}: {reads}"))
