@@ -12,7 +12,6 @@ mode the multiples of S; a hybrid model's checkpoints). Every canary of the prom
 
 from __future__ import annotations
 
-import re
 import time
 
 import mlx.core as mx
@@ -23,6 +22,7 @@ from kvstore.certify.prompts import StoredPrompt
 from kvstore.certify.report import GREEDY, Bounds, PromptCheck, judge
 from kvstore.model.prefill import last_step, process, run
 from kvstore.restore.codecs import RotatingCodec
+from kvstore.restore.quant import layout_bits
 
 DEFAULT_STEP = 2048  # mlx-lm's prefill_step_size, for what a token-exact store leaves to compute
 # K/V quantized on disk (docs/kv8.md): the restored K/V within this share of each tensor's largest
@@ -49,11 +49,8 @@ def bounds_for(mc, disk_kv_bits: int | None) -> Bounds:
 
 def disk_bits(mc) -> int | None:
     """The bits K/V of model cache `mc` are quantized to on disk (`disk_kv_bits`), or None."""
-    for layer in mc.layout.get("layers", []):  # a layer's own, or a CacheList's part's
-        found = re.search(r"'disk_bits': (\d+)", str(layer))
-        if found and int(found[1]) in KV_BITS_BOUNDS:
-            return int(found[1])
-    return None
+    bits = layout_bits(mc.layout)
+    return bits if bits in KV_BITS_BOUNDS else None
 
 
 def check_prompt(mc, prompt: StoredPrompt, b: Bounds) -> PromptCheck:

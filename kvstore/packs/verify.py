@@ -35,6 +35,7 @@ from kvstore.packs.manifest import BLOBS, MANIFEST, MAX_MANIFEST_BYTES, SIGNATUR
 from kvstore.packs.replay import canary_fields, replay
 from kvstore.records import Span, prompt_records
 from kvstore.remote.objects import check_record
+from kvstore.restore.quant import layout_bits
 from kvstore.storage import blobformat
 from kvstore.storage.blobformat import EXTENSION_PREFIX, Entry
 
@@ -204,8 +205,7 @@ def acting_disk_kv_bits(layout: object, bits: int | None) -> int | None:
     """`disk_kv_bits` as it acts on a model of this cache layout: None where no layer is stored
     quantized (K/V in float32: the setting has no effect, and the records are those of a store
     without it)."""
-    layers = layout.get("layers") if isinstance(layout, dict) else None
-    return bits if isinstance(layers, list) and any("disk_bits" in str(layer) for layer in layers) else None
+    return bits if layout_bits(layout) is not None else None
 
 
 def _bits(bits: int | None) -> str:

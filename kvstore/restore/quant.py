@@ -16,6 +16,7 @@ serves the same K/V, and a chain mixing records of several tiers restores consis
 
 from __future__ import annotations
 
+import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -142,3 +143,15 @@ def quantized_codecs(codecs: list, traced: list, bits: int | None) -> list:
         group = group_size_for([keys.shape[-1], values.shape[-1]])
         out.append(codec if group is None else kind(layer, bits, group))
     return out
+
+
+def layout_bits(layout: object) -> int | None:
+    """The bits a cache layout (a bound model's, or a pack manifest's, read as it comes) stores
+    K/V quantized to on disk (`disk_kv_bits`: a layer's own, or a CacheList part's), or None
+    where no layer is."""
+    layers = layout.get("layers") if isinstance(layout, dict) else None
+    for layer in layers if isinstance(layers, list) else ():
+        found = re.search(r"'disk_bits': (\d+)", str(layer))
+        if found:
+            return int(found[1])
+    return None
