@@ -16,7 +16,7 @@ K/V quantized on disk carries, so that an import replays like with like.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
@@ -102,6 +102,17 @@ def _readable(fields: dict[str, str]) -> dict[str, object]:
     return {name: values[name] for name in fields if values.get(name) is not None}
 
 
+def _steps(mc, disk_kv_bits: int | None, records: Iterable[tuple[Span, np.ndarray, bytes]],
+           canaries: list[tuple[Span, np.ndarray, dict[str, str]]]):
+    """Each canary record (arguments as `replay`'s) with its fields and, for every canary of them
+    this kvstore reads, (name, value, the logits of its replayed step or None where it cannot be
+    replayed), from `records` held in a store in RAM."""
+    with _in_ram(mc, disk_kv_bits, records) as rc:
+        for span, prompt, fields in canaries:
+            yield span, fields, [(name, value, _step(rc, span, prompt, name, value))
+                                 for name, value in _readable(fields).items()]
+
+
 def replay(mc, disk_kv_bits: int | None, records: Iterable[tuple[Span, np.ndarray, bytes]],
            canaries: list[tuple[Span, np.ndarray, dict[str, str]]]) -> tuple[int, int]:
     """Check every canary by one replayed step (see the module docstring): (how many were
@@ -110,10 +121,9 @@ def replay(mc, disk_kv_bits: int | None, records: Iterable[tuple[Span, np.ndarra
     `records`: (record, its token ids, its blob); `canaries`: (record, the tokens of a prompt it
     is part of, its canary fields). PackError naming the record if one does not hold."""
     checked = unreplayable = 0
-    with _in_ram(mc, disk_kv_bits, records) as rc:
-        for span, prompt, fields in canaries:
-            for name, value in _readable(fields).items():
-                logits = _step(rc, span, prompt, name, value)
+    with closing(_steps(mc, disk_kv_bits, records, canaries)) as each:  # the store in RAM goes at once
+        for span, _, steps in each:
+            for name, value, logits in steps:
                 if logits is None:
                     unreplayable += 1
                     continue
@@ -135,17 +145,16 @@ def replayed(mc, disk_kv_bits: int | None, records: Iterable[tuple[Span, np.ndar
     if a replayed step moved further than `tolerance` from the canary it replaces (the bound of
     the quantization: more is damage, not rounding)."""
     out = {}
-    with _in_ram(mc, disk_kv_bits, records) as rc:
-        for span, prompt, fields in canaries:
+    with closing(_steps(mc, disk_kv_bits, records, canaries)) as each:
+        for span, fields, steps in each:
             fields = dict(fields)
-            for name, value in _readable(fields).items():
-                logits = _step(rc, span, prompt, name, value)
+            for name, value, logits in steps:
                 if logits is None:
                     continue
                 why = CANARIES[name].check(value, logits, tolerance)
                 if why is not None:
-                    raise PackError(f"record {span.hash.hex()}: its {_called(name)} is not reproduced by a step "
-                                    f"replayed from its stored K/V, even within the quantization's bound "
+                    raise PackError(f"record {span.hash.hex()}: its {_called(name)} is not reproduced by a "
+                                    f"step replayed from its stored K/V, even within the quantization's bound "
                                     f"{tolerance:g} ({why}): run `kvstore verify --exact`")
                 fields[name] = CANARIES[name].remake(value, logits)
             out[span.hash] = fields
