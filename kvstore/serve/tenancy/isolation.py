@@ -156,6 +156,7 @@ def check_server(url: str, tenant_from: str, shared: list[dict] | None, probes: 
     run = secrets.token_hex(4)
     tenants = {who: f"kvstore-verify-{who}-{run}" for who in "AB"}
     told = {"cached_tokens": False}
+    counted: list[tuple[int, int] | None] = [None]  # /metrics' counters after the last probe that read them
 
     def headers(who: str) -> dict:
         return {"Authorization": f"Bearer {tenants[who]}"} if source == "bearer" else {source: tenants[who]}
@@ -163,7 +164,9 @@ def check_server(url: str, tenant_from: str, shared: list[dict] | None, probes: 
     def ask(who: str, text: str) -> tuple[float, int | None, int]:
         body = {"messages": (shared or []) + [{"role": "user", "content": text}], "max_tokens": 1,
                 "temperature": 0.0}
-        before = _reuse_counters(http, base)
+        # /metrics is read only while the server has not reported cached_tokens, once a probe (the
+        # reading after one probe is the one before the next)
+        before = None if told["cached_tokens"] else counted[0] or _reuse_counters(http, base)
         t0 = time.perf_counter()
         r = http.post(base + "/v1/chat/completions", headers=headers(who), json=body, timeout=timeout)
         took = time.perf_counter() - t0
@@ -172,8 +175,9 @@ def check_server(url: str, tenant_from: str, shared: list[dict] | None, probes: 
         usage = r.json().get("usage") or {}
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
         told["cached_tokens"] |= cached is not None
+        counted[0] = None
         if cached is None:  # its /metrics, if this probe was its one request meanwhile
-            after = _reuse_counters(http, base)
+            after = counted[0] = _reuse_counters(http, base)
             if before is not None and after is not None and after[0] - before[0] == 1:
                 cached = after[1] - before[1]
         return took, cached, int(usage.get("prompt_tokens", 0))
