@@ -22,7 +22,9 @@ from kvtest import prefill
 
 import kvstore
 from kvstore.cli.main import main
+from kvstore.storage.index import MENDABLE
 from kvstore.storage.writesql import HOUR_S, hour_of
+from kvstore.upkeep.rows import MENDED
 
 C = 16
 
@@ -275,7 +277,12 @@ def test_repair_keeps_a_damaged_write_budget_closed_and_says_how_to_set_one(tmp_
     assert "`kvstore settings max_write_rate=20GB/day` (or another rate) sets a budget" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("column, value", [("last_access", "yesterday"), ("pinned", "no"), ("size", "big")])
+def test_every_column_repair_mends_is_one_the_index_rewrites():
+    assert set(MENDED) == set(MENDABLE)
+
+
+@pytest.mark.parametrize("column, value", [("last_access", "yesterday"), ("pinned", "no"), ("size", "big"),
+                                           ("created", "then"), ("hits", -3), ("bad", "maybe")])
 def test_damaged_bookkeeping_never_hides_a_record_from_gc_and_repair_mends_the_row(tmp_path, llama, capsys,
                                                                                   column, value):
     store = tmp_path / "s"
@@ -302,7 +309,11 @@ def test_damaged_bookkeeping_never_hides_a_record_from_gc_and_repair_mends_the_r
         rows = {r.hash: r for r in s.index.rows()}
         assert {r.hash for rows_ in added for r in rows_} == set(rows)  # rewritten, not deleted
         for r in victim:
-            assert getattr(rows[r.hash], column) == {"last_access": 0.0, "pinned": 0, "size": r.size}[column]
+            mended = getattr(rows[r.hash], column)
+            if column == "created":
+                assert type(mended) is float and abs(mended - time.time()) < 600
+            else:
+                assert mended == {"last_access": 0.0, "pinned": 0, "size": r.size, "hits": 0, "bad": 0}[column]
     assert verify(store, capsys)[0] == 0
 
 

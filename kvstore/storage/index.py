@@ -55,7 +55,7 @@ class Row(RecordId):
 # The columns of a row: its fields, the tenant's tag last (a record's link is in its blob only).
 _ROW_FIELDS = (*(f for f in Row.__dataclass_fields__ if f not in ("tenant", "link")), "tenant")
 _ROW_COLUMNS = ", ".join(_ROW_FIELDS)
-_MENDABLE = ("size", "created", "last_access", "hits", "pinned", "bad")  # what `mend_rows` may rewrite: bookkeeping
+MENDABLE = ("size", "created", "last_access", "hits", "pinned", "bad")  # what `mend_rows` may rewrite: bookkeeping
 _ROW_COLUMNS_R = ", ".join(f"r.{c}" for c in _ROW_FIELDS)  # of `records r` in a join
 
 
@@ -356,10 +356,13 @@ class Index(EvictionSQL, WriteLogSQL, PinSQL):
 
     def mend_rows(self, fields: dict[bytes, dict[str, object]]) -> None:
         """Rewrite bookkeeping columns of records (`upkeep.rows`: hash -> {column: value}), in
-        one transaction."""
+        one transaction. ValueError for any other column (a record's identity is never rewritten)."""
+        other = {c for values in fields.values() for c in values} - set(MENDABLE)
+        if other:
+            raise ValueError(f"mend_rows rewrites only bookkeeping columns {MENDABLE}, not {sorted(other)}")
         with self.transaction() as conn:
             for h, values in fields.items():
-                columns = [c for c in values if c in _MENDABLE]
+                columns = list(values)
                 if columns:
                     conn.execute(f"UPDATE records SET {', '.join(f'{c} = ?' for c in columns)} WHERE hash = ?",
                                  (*(values[c] for c in columns), h))
