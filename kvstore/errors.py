@@ -31,6 +31,10 @@ class InvalidInputError(KVStoreError, ValueError):
     """Tokens, caches or settings handed to kvstore are not what it needs."""
 
 
+class UnknownTenantError(InvalidInputError):
+    """A tenant tag named for deletion has no record in the store."""
+
+
 class ModelFilesError(KVStoreError):
     """The files of a model (for its fingerprint) cannot be found or read."""
 

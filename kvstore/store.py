@@ -19,7 +19,7 @@ import os
 import sqlite3
 import weakref
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 from kvstore import keys, settings, tenants
 from kvstore.errors import InvalidInputError
@@ -351,17 +351,22 @@ class Store:
         return selfcheck.state()
 
     def gc(self, max_bytes: int | None = None, max_age: float | None = None, dry_run: bool = False,
-           stale: bool = False) -> dict:
+           stale: bool = False, drop_tenants: Sequence[str] = ()) -> dict:
         """Evict down to `max_bytes` (and records unused for `max_age` seconds; with `stale`, every
-        record of a model version whose files are gone or changed, pinned ones too). A budget
-        evicts stale versions first (their pins kept). See `upkeep.gc` and `upkeep.evict`."""
+        record of a model version whose files are gone or changed, pinned ones too; every record
+        of the tenants `drop_tenants` (their tags, as `stats()["tenants"]` lists them), pinned ones
+        too: UnknownTenantError, and nothing deleted, if one has no record). A budget evicts stale
+        versions first (their pins kept). See `upkeep.gc` and `upkeep.evict`."""
         self._check_open()
         if self.files is None:
+            if drop_tenants:
+                raise InvalidInputError("drop_tenants deletes records of a store on disk; this one is in RAM: "
+                                        "nothing deleted")
             if max_bytes is not None:
                 self.memory.trim_to(max_bytes)
             return {"evicted": 0, "freed_bytes": 0, "bytes": self.memory.nbytes, "dry_run": dry_run}
         return evict(self.files, self.memory, max_bytes=max_bytes, max_age=max_age, dry_run=dry_run, stale=stale,
-                     tenant_max_bytes=self.tenant_max_bytes)
+                     tenant_max_bytes=self.tenant_max_bytes, drop_tenants=list(drop_tenants))
 
     def pins(self) -> list[dict]:
         """What is pinned, one dict per model version (`upkeep.local.LocalStore.pins`); `[]` in RAM."""

@@ -211,6 +211,37 @@ def test_gc_drop_tenant_deletes_every_record_of_one_tenant_and_no_other(llama, t
         assert store.verify() == []
 
 
+def test_drop_tenant_takes_records_whose_size_reads_as_0_and_refuses_an_unknown_tag(llama, tmp_path):
+    """A tenant's records with a damaged size of 0 (gc counts them as 0 bytes) still go with their
+    tenant: a drop is every record, not a byte budget of 0. The library refuses a tag it does not
+    hold, and deletes nothing."""
+    import sqlite3
+
+    from kvstore.errors import UnknownTenantError
+
+    path, model = llama
+    with kvstore.open(tmp_path / "s", chunk_size=C) as store:
+        store.bind(model, str(path)).prefill(SYSTEM)
+        a, b = (store.bind(model, str(path), tenant=t) for t in ("alice", "bob"))
+        a.prefill(SYSTEM + toks(48, 10))
+        b.prefill(SYSTEM + toks(32, 20))
+        store.flush()
+        alice, bob = a.tenant.tag, b.tenant.tag
+    with sqlite3.connect(tmp_path / "s" / "index.sqlite") as conn:
+        conn.execute("UPDATE records SET size = 0 WHERE tenant = ?", (alice,))
+    conn.close()
+    with kvstore.open(tmp_path / "s", chunk_size=C) as store:
+        assert {r.size for r in store.index.rows() if r.tenant == alice} == {0}  # as gc reads them
+        before = {r.hash for r in store.index.rows()}
+        with pytest.raises(UnknownTenantError, match="no record of tenant 0000000000000000"):
+            store.gc(drop_tenants=[alice, "0" * 16])
+        assert {r.hash for r in store.index.rows()} == before
+        result = store.gc(drop_tenants=[alice])
+        assert result["tenants_dropped"][alice]["records"] == result["evicted"] > 0
+        assert not any(r.tenant == alice for r in store.index.rows())
+        assert any(r.tenant == bob for r in store.index.rows())
+
+
 def test_the_disk_budget_keeps_tenants_within_their_quota_as_records_land(llama, tmp_path):
     path, model = llama
     with kvstore.open(tmp_path / "s", chunk_size=C, tenant_max_bytes="60KB") as store:

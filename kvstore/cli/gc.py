@@ -10,6 +10,7 @@ from kvstore import settings
 from kvstore.argv import duration, or_off, size
 from kvstore.cli.options import open_local, remote_upkeep, remote_url, store_path
 from kvstore.cli.output import EXIT_USAGE, PROG, CommandError, out, plural, say
+from kvstore.errors import UnknownTenantError
 from kvstore.sizes import format_size
 
 EXAMPLES = """examples:
@@ -66,13 +67,12 @@ def cmd_gc(args) -> int:
                                "--remote", EXIT_USAGE)
         return _gc_remote(args)
     with open_local(args, must_exist=True) as files:
-        held = files.index.tenant_totals() if args.drop_tenant else {}
-        unknown = [tag for tag in args.drop_tenant if tag not in held]
-        if unknown:  # (a mistyped tag deletes nothing, and neither do the others given with it)
-            raise CommandError(f"no record of tenant {', '.join(unknown)} in this store (`{PROG} stats --store "
-                               f"{shlex.quote(str(store_path(args)))}` lists its tenants' tags): nothing deleted")
-        result = files.gc(max_bytes=args.max_bytes, max_age=args.max_age, dry_run=args.dry_run, stale=args.stale,
-                          tenant_max_bytes=args.tenant_max_bytes, drop_tenants=args.drop_tenant)
+        try:
+            result = files.gc(max_bytes=args.max_bytes, max_age=args.max_age, dry_run=args.dry_run,
+                              stale=args.stale, tenant_max_bytes=args.tenant_max_bytes, drop_tenants=args.drop_tenant)
+        except UnknownTenantError as e:
+            raise CommandError(f"{e} (`{PROG} stats --store {shlex.quote(str(store_path(args)))}` lists its "
+                               "tenants' tags)") from None
     verb, holds = ("would free", "would hold") if args.dry_run else ("freed", "holds")
     print(f"{verb} {format_size(result['freed_bytes'])} ({result['freed_bytes']} bytes, "
           f"{plural(result['evicted'], 'record')}); the store {holds} {format_size(result['bytes'])} "

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Collection, Iterator
 
 from kvstore import faults
+from kvstore.errors import UnknownTenantError
 from kvstore.storage import blobtree
 from kvstore.storage.index import Index
 from kvstore.upkeep import evict
@@ -64,7 +65,10 @@ def collect(index: Index, root: Path, *, max_bytes: int | None = None, max_age: 
     if stale and stale_namespaces and not dry_run:
         unpinned = index.unpin_namespaces(stale_namespaces)
     totals = index.tenant_totals() if drop_tenants else {}
-    dropping = {t: totals.get(t, (0, 0)) for t in drop_tenants}  # (records, bytes) of each before
+    unknown = [t for t in drop_tenants if t not in totals]
+    if unknown:  # (a mistyped tag deletes nothing, and neither do the others given with it)
+        raise UnknownTenantError(f"no record of tenant {', '.join(unknown)} in this store: nothing deleted")
+    dropping = {t: totals[t] for t in drop_tenants}  # (records, bytes) of each before
     if drop_tenants and not dry_run:  # (a dry run plans them unpinned: `choose_victims`)
         index.unpin_tenants(drop_tenants)
     # Quarantined records are never served: any gc drops them (and what hangs below them).
