@@ -59,6 +59,10 @@ def test_requests_for_another_host_are_refused_and_stats_keep_paths_out(demo_mod
                                    b"application/json\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}")
         assert status == 421, body
         assert get(server, "/health", None)[0] == 400  # HTTP/1.1 without a Host
+        for path in (b"/v1/completions", b"/v1/completions/render"):  # no Content-Length: never read, refused
+            status, body = raw(server, b"POST " + path + b" HTTP/1.1\r\nHost: " + host.encode() + b"\r\n"
+                                       b"Content-Type: application/json\r\nConnection: close\r\n\r\n{}")
+            assert status in (400, 411), (path, status, body)
         assert "refused a request addressed to the host evil.example" in server.log()
 
         status, body = get(server, "/kvstore/stats", host)

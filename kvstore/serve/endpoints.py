@@ -18,7 +18,7 @@ import logging
 import os
 import socket
 import time
-from typing import Any
+from typing import Any, Callable
 from urllib.parse import unquote
 
 from kvstore.serve import routing
@@ -124,18 +124,10 @@ class KVStoreEndpoints:
             return self._routing_post()
         if self.path not in POST_PATHS:
             return super().do_POST()
-        if self._refused_origin() or self._refused_media_type():
+        # (without a Content-Length, mlx_lm.server answers 411 / 400 without reading a body)
+        raw = self._read_body(super().do_POST)
+        if raw is None:
             return None
-        try:
-            length = int(self.headers.get("Content-Length"))
-        except (TypeError, ValueError):
-            return super().do_POST()  # mlx_lm.server answers 411 / 400 without reading a body
-        if self._refused_size(length):
-            return None
-        raw = self.rfile.read(max(0, length))
-        problem = _body_problem(self.path, raw)
-        if problem is not None:
-            return self._malformed(*problem, len(raw))
         try:
             self._kvstore_tenant = self.kvstore_tenants.tenant_of(self.headers, json.loads(raw))
         except Refused as e:
@@ -151,18 +143,9 @@ class KVStoreEndpoints:
 
     def _routing_post(self):
         """A render or prefetch request: answered here, nothing generated."""
-        if self._refused_origin() or self._refused_media_type():
+        raw = self._read_body(lambda: self._answer_json(411, {"error": "Content-Length header is required"}))
+        if raw is None:
             return None
-        try:
-            length = int(self.headers.get("Content-Length"))
-        except (TypeError, ValueError):
-            return self._answer_json(411, {"error": "Content-Length header is required"})
-        if self._refused_size(length):
-            return None
-        raw = self.rfile.read(max(0, length))
-        problem = _body_problem(self.path, raw)
-        if problem is not None:
-            return self._malformed(*problem, len(raw))
         body, served = json.loads(raw), self.kvstore_served_model
         try:
             if self.path == routing.PREFETCH_PATH:
@@ -180,6 +163,26 @@ class KVStoreEndpoints:
         except Exception as e:  # never the server down, never the prompt in the log
             log.warning("kvstore serve: POST %s failed: %s", self.path, type(e).__name__)
             return self._answer_json(500, {"error": type(e).__name__})
+
+    def _read_body(self, no_length: Callable[[], object]) -> bytes | None:
+        """The request's body, read once it passed the origin, media type and size checks and
+        checked to be a JSON object; None when the request was answered here instead (refused,
+        malformed, or without a Content-Length: `no_length()` answers that)."""
+        if self._refused_origin() or self._refused_media_type():
+            return None
+        try:
+            length = int(self.headers.get("Content-Length"))
+        except (TypeError, ValueError):
+            no_length()
+            return None
+        if self._refused_size(length):
+            return None
+        raw = self.rfile.read(max(0, length))
+        problem = _body_problem(self.path, raw)
+        if problem is not None:
+            self._malformed(*problem, len(raw))
+            return None
+        return raw
 
     def handle_chat_completions(self):
         return self._with_tenant(super().handle_chat_completions())
