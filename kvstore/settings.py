@@ -440,7 +440,9 @@ def given(args: argparse.Namespace, table: tuple[Setting, ...] = STORE_SETTINGS)
     for s in table:
         if hasattr(args, dest(s)):
             value = getattr(args, dest(s))
-            out[s.name] = "off" if value is None and s.off else value  # None would mean "not given"
+            if value is None and (s.off or s.kind == "bits"):
+                value = "off"  # given as off (or 0): None would mean "not given"
+            out[s.name] = value
     return out
 
 

@@ -112,6 +112,12 @@ def test_stats_json_shows_the_settings_with_their_sources(kv, tmp_path, demo_mod
     with kvstore.open(store, admit="all") as s:  # given beats kept, and is kept in turn
         assert s.stats()["settings"]["admit"] == {"value": "all", "source": "given"}
         assert s.stats()["settings"]["max_write_rate"]["source"] == "kept"
+    for off in ("0", "off"):  # an option given as off beats a kept value, and is kept
+        kv("settings", "--store", store, "disk_kv_bits=8")
+        kv("generate", "--store", store, "--model", demo_model_path, "--max-tokens", "1", "--prompt", "hi again",
+           "--disk-kv-bits", off)
+        shown = json.loads(kv("stats", "--store", store, "--json").stdout)
+        assert shown["settings"]["disk_kv_bits"] == {"value": None, "source": "kept"}, off
 
 
 def test_serves_own_defaults_read_as_defaults_not_as_given(tmp_path):
