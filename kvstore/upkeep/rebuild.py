@@ -207,15 +207,15 @@ def _salvage(old_file: Path | None) -> _Salvage:
 def _kept_settings(old: _Salvage, store: Path) -> tuple[dict[str, object], list[tuple], str]:
     """(the kept settings, the write-log rows, what was kept and lost in words) for the new
     index. Unreadable kept settings keep every limit closed (each reads as its `damaged`
-    value); an unreadable write log with a budget counts this hour as the whole of it."""
-    if not old.found:
-        return {}, [], "no old index to read kept settings or the write log from: every setting is its default"
+    value: a lost index counts as one whose settings cannot be read, since a budget it may have
+    had is never lifted); an unreadable write log with a budget counts this hour as the whole of it."""
     kept = dict(old.settings or {})
     said = []
     if old.settings is None:
         closed = {s.name: s.damaged for s in settings.KEPT_SETTINGS if s.damaged is not None}
         kept.update(closed)
-        said.append("the kept settings could not be read from the damaged index: " + ", ".join(
+        whence = "from the damaged index" if old.found else "(there was no old index to read them from)"
+        said.append(f"the kept settings could not be read {whence}: " + ", ".join(
             f"{name} is kept as {settings.damaged_reads(settings.BY_NAME[name])} until "
             f"{settings.keep_one(settings.BY_NAME[name], store)}" for name in closed) + "; the others are their defaults")
     else:
