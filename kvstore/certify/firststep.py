@@ -5,8 +5,9 @@ first generation step runs that token from there: exactly the step whose logits 
 canary keeps (`kvstore.canary`: the same position, the same token, the same stored K/V). So the
 step that runs anyway can be compared with the canary. A canary that does not reproduce means
 the restored K/V are not what was stored (damage no checksum saw: a record rewritten with its
-checksums, a bad disk or RAM): the record is quarantined as a damaged one is (the next request
-computes it again), counted (`stats()["canary_mismatches"]`) and named once in a warning.
+checksums, a bad disk or RAM), in any of the records the restore used: each of them is
+quarantined as a damaged one is (the next request computes the prompt again), counted
+(`stats()["canary_mismatches"]`) and named once in a warning.
 K/V quantized on disk (`disk_kv_bits`) are judged within `verify --exact`'s bounds for them, and
 only reported: such a store never restores exactly what was computed.
 """
@@ -42,7 +43,8 @@ def _check(mc, tokens: Sequence[int], logprobs: mx.array) -> canaries.Check | No
     found = mc.restored_canary(tokens)
     if found is None:
         return None
-    record, kept = found
+    used, kept = found
+    record = used[-1]
     if kept.at != len(tokens) - 1 or kept.token != int(tokens[-1]):
         return None
     lossy = disk_bits(mc)
@@ -56,8 +58,13 @@ def _check(mc, tokens: Sequence[int], logprobs: mx.array) -> canaries.Check | No
     if lossy:
         what += f" (K/V stored in {lossy} bits: reported, the record is kept)"
     else:
-        mc.quarantine(record, f"record {record.hex()}: its canary does not reproduce ({got.reason})")
-        what += "; the record is quarantined, the next request computes it again"
+        # The canary cannot tell which of the records the restore used holds the damage: none of
+        # them is served again, and the next request computes the whole prompt again.
+        for h in used:
+            mc.quarantine(h, f"record {h.hex()}: a canary restored through it does not reproduce "
+                             f"(record {record.hex()}: {got.reason})")
+        what += (f"; the {len(used)} record{'s' if len(used) != 1 else ''} it was restored from "
+                 f"{'are' if len(used) != 1 else 'is'} quarantined, the next request computes the prompt again")
     if record not in _warned:
         _warned.add(record)
         log.warning(what)

@@ -115,9 +115,10 @@ class ModelCache(ExplicitWrites):
         return fingerprints.register(b.index, self.ns, self.fingerprint, self.model_id, self.layout,
                                      self.chunk_size, stamps)
 
-    def restored_canary(self, tokens: Tokens) -> tuple[bytes, Canary] | None:
-        """When this thread's last fetch was of `tokens` and restored all but the last: the record
-        it ended with and the canary that record keeps (if any), else None (`certify.firststep`)."""
+    def restored_canary(self, tokens: Tokens) -> tuple[list[bytes], Canary] | None:
+        """When this thread's last fetch was of `tokens` and restored all but the last: the records
+        it restored from (the one it ended with, which keeps the canary, last) and that canary (if
+        any), else None (`certify.firststep`)."""
         last = getattr(self._last, "restore", None)
         if last is None or last[1] != len(tokens) - 1 or last[3] is None:
             return None
@@ -222,10 +223,11 @@ class ModelCache(ExplicitWrites):
                     opening.damaged(pl.parts[k].hash, e)
                 return None
             cache = build(pl, self.codecs, finals, ckpt)
-            reached.extend([q.hash for q in pl.parts] + ([pl.checkpoint] if pl.checkpoint else []))
-            self._last.restore = (toks, pl.p, pl.parts[-1].hash, kept_canary(sources[-1])) if pl.parts else None
+            used = ([pl.checkpoint] if pl.checkpoint else []) + [q.hash for q in pl.parts]
+            reached.extend(used)
+            self._last.restore = (toks, pl.p, used, kept_canary(sources[-1])) if pl.parts else None
             self._keep_in_memory(pl, finals, sources, where)
-            self.backing.tiers.touch([q.hash for q in pl.parts] + ([pl.checkpoint] if pl.checkpoint else []))
+            self.backing.tiers.touch(used)
             return cache, pl.p
         finally:
             opening.close()
