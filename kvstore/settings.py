@@ -426,7 +426,9 @@ def dest(s: Setting) -> str:
 def _argtype(s: Setting) -> Callable[[str], Any]:
     def parse(text: str) -> Any:
         try:
-            return s.parse(text, s.flag)
+            value = s.parse(text, s.flag)
+            check_chunks(s, value, "given")  # (the chunk size of every command)
+            return value
         except InvalidInputError as e:
             raise argparse.ArgumentTypeError(str(e).removeprefix(f"{s.flag}: ")) from None
 

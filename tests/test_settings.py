@@ -83,6 +83,15 @@ def test_a_write_rate_of_0_is_refused_naming_off(kv, tmp_path, demo_model_path):
     assert "use off" in refused.stderr
 
 
+def test_an_exact_step_of_no_whole_chunks_is_a_bad_command_line(kv, tmp_path, demo_model_path):
+    for command in ("generate", "warm"):  # refused before a model loads, as a bad option is
+        result = kv(command, "--store", tmp_path / "s", "--model", demo_model_path, "--exact-prefill", "300",
+                    "--prompt", "hi", code=2)
+        assert "argument --exact-prefill: exact_prefill (given) is 300 tokens, not a multiple of the chunk size " \
+               "(256): give a multiple such as 256, or off" in result.stderr, result.stderr
+    assert not (tmp_path / "s").exists()
+
+
 def test_a_store_that_keeps_0_keeps_it_and_says_so(kv, tmp_path):
     with kvstore.open(tmp_path / "s"):
         pass
