@@ -37,7 +37,8 @@ def parse_size(text: str) -> int:
 
 
 def parse_duration(text: str) -> float:
-    """Seconds in `text`: `30m`, `12h`, `7d`, `1h30m`, `2w`; a plain number is seconds."""
+    """Seconds in `text`: `30m`, `12h`, `7d`, `1h30m`, `2w`. Every number needs its unit but 0
+    (`--max-age 7` meant as days would read as seconds, and empty a store)."""
     s = str(text).strip()
     if s.startswith("-"):
         raise ValueError(f"{text!r} is negative: a duration is 0 or more, like 30m, 12h or 7d")
@@ -47,7 +48,12 @@ def parse_duration(text: str) -> float:
     total = 0.0
     for m in parts:
         number, unit = m.groups()
-        unit = unit.lower() or "s"
+        unit = unit.lower()
+        if not unit:
+            if float(number) == 0 and len(parts) == 1:
+                return 0.0
+            raise ValueError(f"{text!r} has no unit: a duration is a number with s, m, h, d or w, like "
+                             f"{number}s, {number}m, {number}h or {number}d")
         if unit not in _DURATION_UNITS:
             raise ValueError(f"{text!r}: unknown duration unit {unit!r}; use s, m, h, d or w")
         total += float(number) * _DURATION_UNITS[unit]

@@ -128,13 +128,14 @@ def test_parse_size_rejects(text):
 
 
 @pytest.mark.parametrize("text, expected", [
-    ("30m", 1800), ("12h", 43200), ("7d", 604800), ("45", 45), ("1h30m", 5400), ("2w", 1209600), ("0.5h", 1800),
+    ("30m", 1800), ("12h", 43200), ("7d", 604800), ("45s", 45), ("1h30m", 5400), ("2w", 1209600), ("0.5h", 1800),
+    ("0", 0),
 ])
 def test_parse_duration(text, expected):
     assert parse_duration(text) == expected
 
 
-@pytest.mark.parametrize("text", ["", "soon", "5y", "-3d", "3d x"])
+@pytest.mark.parametrize("text", ["", "soon", "5y", "-3d", "3d x", "45", "1h30", "7 "])
 def test_parse_duration_rejects(text):
     with pytest.raises(ValueError, match="duration"):
         parse_duration(text)
