@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -314,12 +315,15 @@ KEPT_SETTINGS = tuple(s for s in STORE_SETTINGS if s.kept)
 
 def resolve(given: Mapping[str, Any], kept: Mapping[str, str | None],
             warn: Callable[[str], None] = lambda message: None,
-            chunk_size: int = CHUNK_SIZE, defaults: Mapping[str, Any] | None = None) -> dict[str, tuple[Any, str]]:
+            chunk_size: int = CHUNK_SIZE, defaults: Mapping[str, Any] | None = None,
+            store: object = None) -> dict[str, tuple[Any, str]]:
     """`{name: (value, source)}` for every store setting: given (not None in `given`: parsed
     here, `InvalidInputError` when bad), else kept (the text the store keeps, checked against
     this open's `chunk_size` too; a damaged one never stops the open: it reads as its
-    `damaged` value, else the default, with one `warn`), else the default: the table's, or an
-    interface's own in `defaults` (`kvstore serve`'s: `serve_defaults`)."""
+    `damaged` value, else the default, with one `warn` naming the command that mends it in
+    `store`), else the default: the table's, or an interface's own in `defaults` (`kvstore
+    serve`'s: `serve_defaults`)."""
+    where = f" --store {shlex.quote(str(store))}" if store is not None else ""
     defaults = defaults or {}
     out: dict[str, tuple[Any, str]] = {}
     for s in STORE_SETTINGS:
@@ -335,10 +339,10 @@ def resolve(given: Mapping[str, Any], kept: Mapping[str, str | None],
                 why = f"the store's kept {s.name} {shown_kept(text)} is damaged ({str(e).removeprefix('is ')})"
                 if s.damaged is not None:  # a limit: a damaged one never turns it off
                     out[s.name] = (s.decode(s.damaged), KEPT)
-                    warn(f"{why}: it reads as {damaged_reads(s)} until {keep_one(s)}, or it is given")
+                    warn(f"{why}: it reads as {damaged_reads(s)} until {keep_one(s, store)}, or it is given")
                     continue
-                warn(f"{why}: using the default, {s.show(s.default)}, until `kvstore settings {s.name}=...` "
-                     f"keeps a value (`kvstore verify --repair` forgets it)")
+                warn(f"{why}: using the default, {s.show(s.default)}, until `kvstore settings{where} "
+                     f"{s.name}=...` keeps a value (`kvstore verify{where} --repair` forgets it)")
         out[s.name] = (s.parse(defaults[s.name]) if s.name in defaults else s.default, DEFAULT)
     return out
 
@@ -362,7 +366,7 @@ def damaged_reads(s: Setting) -> str:
 
 def keep_one(s: Setting, store: object = None) -> str:
     """The command that keeps a value of `s` (in `store`, when given), and what it may be."""
-    where = f" --store {store}" if store is not None else ""
+    where = f" --store {shlex.quote(str(store))}" if store is not None else ""
     return f"`kvstore settings{where} {s.name}=VALUE` keeps one ({s.allowed()})"
 
 

@@ -171,7 +171,7 @@ class Store:
             log.warning("kvstore: cannot read the store's kept settings (%s): using the defaults", e)
             kept = {s.name: "\0unreadable" for s in settings.KEPT_SETTINGS if s.damaged is not None}
         resolved = settings.resolve(given, kept, warn=lambda message: log.warning("kvstore: %s", message),
-                                    chunk_size=self.chunk_size, defaults=self._defaults)
+                                    chunk_size=self.chunk_size, defaults=self._defaults, store=self.path)
         for s in settings.KEPT_SETTINGS:
             value, source = resolved[s.name]
             if writes and source == settings.GIVEN and kept.get(s.name) != s.encode(value):

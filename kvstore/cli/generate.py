@@ -7,7 +7,7 @@ import time
 import numpy as np
 
 from kvstore.cli.options import add_prompt_source, add_store_settings, bound, prompt_items
-from kvstore.cli.output import EXIT_PROBLEMS, EXIT_USAGE, PROG, CommandError, out, say, uploads_undone
+from kvstore.cli.output import EXIT_PROBLEMS, EXIT_USAGE, PROG, CommandError, out, plural, say, uploads_undone
 
 EXAMPLES = """examples:
   kvstore generate --prompt "You are a helpful assistant. What is a KV cache?"
@@ -116,7 +116,7 @@ def _generate_one(args, store, loaded, mc, tokens, sampler) -> bool:
              "local store)") if from_bucket else "reused from the store"
     say(f"prompt: {len(tokens)} tokens, {reused} {where}, "
         f"{len(tokens) - reused} computed; time to first token: {ttft:.3f} s; "
-        f"generated {len(generated)} tokens ({finish}); {stored_text}")
+        f"generated {plural(len(generated), 'token')} ({finish}); {stored_text}")
     return not problem
 
 

@@ -185,7 +185,8 @@ class LocalStore:
     def settings(self) -> dict[str, tuple[Any, str]]:
         """Every store setting as an open that gives none would have it: (value, source), from
         the settings the store keeps (a damaged one: the default, with a warning)."""
-        return settings.resolve({}, self.index.settings(), warn=lambda m: log.warning("kvstore: %s", m))
+        return settings.resolve({}, self.index.settings(), warn=lambda m: log.warning("kvstore: %s", m),
+                                store=self.index.path.parent)
 
     def auto_budget(self) -> tuple[int, str]:
         """`max_bytes="auto"`: a quarter of the space the store could use at open (what it holds
