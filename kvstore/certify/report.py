@@ -122,7 +122,7 @@ def table(checks: list[PromptCheck]) -> str:
     """The checks as a fixed-width table (`points`: restore points compared; the K/V column names
     the tensor that differs most, as layer.tensor@restore point)."""
     head = ("prompt", "tokens", "restored", "points", "K/V max |Δ|", "logprob |Δ|", "best", "lead", "greedy",
-            "canaries", "")
+            "canaries", "verdict")
     rows = [head]
     for c in checks:
         kv = "bit for bit" if c.kv_bitwise else f"{max(c.kv_restored, c.kv_after):.2g} {c.worst_tensor()}".rstrip()
@@ -130,7 +130,11 @@ def table(checks: list[PromptCheck]) -> str:
                      "same" if c.top1 else "other", f"{c.margin:.3f}" + ("*" if c.margin < TIE_MARGIN else ""),
                      f"{c.greedy}/{GREEDY}", f"{c.canaries_ok}/{c.canaries}", _flag(c)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    return "\n".join("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows)
+    lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
+    if any(c.margin < TIE_MARGIN for c in checks):
+        lines.append(f"lead*: the cold run's best token led the next by under {TIE_MARGIN:g} (a log-probability): "
+                     "a different best token there is tie-sensitive, not a mismatch")
+    return "\n".join(lines)
 
 
 def _flag(c: PromptCheck) -> str:
@@ -176,7 +180,8 @@ def verdict(checks: list[PromptCheck], b: Bounds, leaves: int, cause: str = "") 
     same = "bit for bit" if b.exact else "within the bounds"
     return (f"exact: {n} of {leaves} stored prompts checked ({b.label}; {per:.2f} s a prompt), at {points} "
             f"restore points ({points / n:.1f} a prompt: its end, and each record end where a sliding window or "
-            f"checkpoint is restored): each restores {same} what a cold run computes (K/V, next-token logits, {GREEDY} greedy tokens), "
+            f"checkpoint is restored): each restores {same} what a cold run computes (K/V, next-token logits"
+            f"{f', {GREEDY} greedy tokens' if b.greedy else f'; {GREEDY} greedy tokens reported, not judged'}), "
             f"{sum(c.canaries for c in checks)} canaries reproduced{tied}")
 
 
