@@ -111,6 +111,21 @@ def size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def at_least(least: int, what: str):
+    """An argparse type: a whole number of `least` or more (`what` it counts, for the message)."""
+    def whole(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of {what}") from None
+        if n < least:
+            raise argparse.ArgumentTypeError(f"must be at least {least}, got {n}")
+        return n
+
+    whole.__name__ = "count"
+    return whole
+
+
 def duration(text: str) -> float:
     """An argparse type: `30m`, `7d` (`sizes.parse_duration`)."""
     try:

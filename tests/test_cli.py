@@ -407,7 +407,7 @@ def test_generate_bad_input(capsys, tmp_path):
     code, _, err = in_process(capsys, "generate", "--prompt", "hi", "--messages", "[]")
     assert code == 2 and "not allowed with argument" in err
     code, _, err = in_process(capsys, "generate", "--store", tmp_path / "s", "--prompt", "hi", "--max-tokens", 0)
-    assert code == 2 and "--max-tokens must be at least 1" in err
+    assert code == 2 and "kvstore generate: error: argument --max-tokens: must be at least 1, got 0" in err
 
 
 def test_default_model_and_store_location(kv, home, tmp_path):

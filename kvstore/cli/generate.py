@@ -6,8 +6,9 @@ import time
 
 import numpy as np
 
+from kvstore.argv import at_least
 from kvstore.cli.options import add_prompt_source, add_store_settings, bound, prompt_items
-from kvstore.cli.output import EXIT_PROBLEMS, EXIT_USAGE, PROG, CommandError, out, plural, say, uploads_undone
+from kvstore.cli.output import EXIT_PROBLEMS, PROG, out, plural, say, uploads_undone
 
 EXAMPLES = """examples:
   kvstore generate --prompt "You are a helpful assistant. What is a KV cache?"
@@ -21,7 +22,8 @@ def register(add, store_opts, model_opts) -> None:
     p = add("generate", cmd_generate, "generate text, reusing the store and adding to it",
             [store_opts, model_opts], EXAMPLES)
     add_prompt_source(p, "generate for every line of a prompt file (- for stdin)")
-    p.add_argument("--max-tokens", metavar="N", type=int, default=128, help="tokens to generate at most (default: 128)")
+    p.add_argument("--max-tokens", metavar="N", type=at_least(1, "tokens"), default=128,
+                   help="tokens to generate at most (default: 128)")
     p.add_argument("--temp", metavar="T", type=float, default=0.0, help="sampling temperature (default: 0, greedy)")
     p.add_argument("--seed", metavar="S", type=int, help="random seed for sampling")
     add_store_settings(p)
@@ -29,10 +31,7 @@ def register(add, store_opts, model_opts) -> None:
 
 def _items(args) -> list:
     """The prompt lines to generate for: `--prompt`, `--messages` or the lines of `--prompts`."""
-    items = prompt_items(args)
-    if args.max_tokens < 1:
-        raise CommandError(f"--max-tokens must be at least 1, got {args.max_tokens}", EXIT_USAGE)
-    return items
+    return prompt_items(args)
 
 
 def cmd_generate(args) -> int:
