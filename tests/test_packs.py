@@ -181,6 +181,17 @@ def _untrusted_signer(pack: Path, model: Path, env: dict) -> str:
     return "does not verify with the trusted key"
 
 
+def _ed25519_trust_key(pack: Path, model: Path, env: dict) -> str:
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+
+    public = ed25519.Ed25519PrivateKey.generate().public_key()
+    env["trust"] = pack.parent / "ed25519.pub"
+    env["trust"].write_bytes(public.public_bytes(serialization.Encoding.PEM,
+                                                 serialization.PublicFormat.SubjectPublicKeyInfo))
+    return "not an elliptic-curve public key in PEM (P-256, P-384 or P-521) that can be read (an Ed25519PublicKey)"
+
+
 def _missing_blob(pack: Path, model: Path, env: dict) -> str:
     sorted((pack / "blobs").iterdir())[-1].unlink()
     return "is missing from the pack"
@@ -193,7 +204,8 @@ def _unsigned_with_trust_key(pack: Path, model: Path, env: dict) -> str:
 
 @pytest.mark.parametrize("damage", [_flip_byte, _swap_blobs, _edit_manifest, _edit_manifest_and_sign_again,
                                     _extra_files, _path_outside_the_pack_signed, _other_model, _other_tokenizer,
-                                    _untrusted_signer, _missing_blob, _unsigned_with_trust_key], ids=lambda f: f.__name__.strip("_"))
+                                    _untrusted_signer, _ed25519_trust_key, _missing_blob, _unsigned_with_trust_key],
+                         ids=lambda f: f.__name__.strip("_"))
 def test_a_bad_pack_is_refused_with_its_reason_and_the_store_stays_as_it_was(
         tmp_path, demo_model, keys, signed_pack, damage):
     model = demo_model("llama")

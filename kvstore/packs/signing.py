@@ -50,7 +50,7 @@ def check_private_key(private_key: Path) -> None:
     try:
         key = serialization.load_pem_private_key(Path(private_key).read_bytes(), None)
         ok = isinstance(key, ec.EllipticCurvePrivateKey) and key.curve.name in _CURVES
-        why = "" if ok else f"a {type(key).__name__.lstrip('_')}"
+        why = "" if ok else _a(type(key).__name__.lstrip('_'))
     except (ValueError, TypeError, OSError) as e:
         why = _one_line(e)
     if why:
@@ -66,13 +66,20 @@ def signed_files(folder: Path, public_key: Path) -> dict[str, str]:
     # blob twice, and what it checked would not be the bytes it stores. Its key verifier and
     # bundle reader, which give the signed manifest, are only in `_signing` (the version is pinned,
     # >=1.1,<2, in pyproject.toml; tests/test_packs.py runs the public verifier on a pack too).
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
     from model_signing._signing import sign_ec_key, sign_sigstore_pb
 
-    try:
-        verifier = sign_ec_key.Verifier(Path(public_key))
-    except (ValueError, TypeError, OSError) as e:
+    try:  # its type first: the verifier takes any PEM key and fails on the first it cannot use
+        key = serialization.load_pem_public_key(Path(public_key).read_bytes())
+        why = "" if isinstance(key, ec.EllipticCurvePublicKey) and key.curve.name in _CURVES else \
+            _a(type(key).__name__.lstrip('_'))
+        verifier = None if why else sign_ec_key.Verifier(Path(public_key))
+    except (ValueError, TypeError, OSError, AttributeError) as e:
+        why = _one_line(e)
+    if why:
         raise PackError(f"--trust-key {public_key}: not an elliptic-curve public key in PEM (P-256, P-384 or "
-                        f"P-521) that can be read ({_one_line(e)})") from None
+                        f"P-521) that can be read ({why})")
     path = folder / SIGNATURE
     _check_signature_file(path)
     try:
@@ -102,6 +109,11 @@ def _check_signature_file(path: Path) -> None:
                         "by that key: import it without --trust-key only if you trust where it came from") from None
     if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_SIGNATURE_BYTES:
         raise PackError(f"{path} is not a signature file (a regular file of at most {MAX_SIGNATURE_BYTES} bytes)")
+
+
+def _a(name: str) -> str:
+    """`an Ed25519PublicKey`, `a RSAPublicKey`: a key type's name with its article."""
+    return f"{'an' if name[:1] in 'AEIOU' else 'a'} {name}"
 
 
 def _one_line(e: BaseException) -> str:
