@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import socket
 import threading
 import time
@@ -104,6 +105,8 @@ def test_two_tenants_by_header_share_only_the_warmed_system_prompt(warmed, tmp_p
     for who in ("alice", "bob", "carol", "dave"):
         assert who not in log  # tenants are named by tag, never by the header's value
     assert "keep them for the operator" in log  # /metrics and /kvstore/stats show every tenant's bytes
+    assert "kvstore: serving tenants apart (the tenant is the X-Tenant header" in log, log  # the start line
+    assert re.search(r"what the store holds without a tenant \(\d+\.\d [KM]iB: what `kvstore warm`", log), log
     tags = {t["tenant"] for t in stats["tenants"]}
     assert len(tags) >= 4 and all(len(t) == 16 for t in tags)
     assert all(f'kvstore_tenant_bytes{{tenant="{t}"}}' in metrics for t in tags)
@@ -270,6 +273,10 @@ def test_the_tenant_policy():
     salted = TenantPolicy.parse("none", trust_client_salt=True)
     assert salted.active and salted.tenant_of({}, {"cache_salt": "s"}) != salted.tenant_of({}, {"cache_salt": "t"})
     assert salted.tenant_of({}, {}) == UNNAMED  # no salt: a tenant of its own, not the shared namespace
+    assert salted.tenant_of({}, {"cache_salt": None}) == UNNAMED  # null: an optional field left unset
+    for bad in ("", 7, ["s"]):
+        with pytest.raises(Refused, match="cache_salt must be a non-empty string"):
+            salted.tenant_of({}, {"cache_salt": bad})
     assert salted.tenant_of({}, {"cache_salt": "s"}) != UNNAMED
     assert TenantPolicy(unnamed=True).active and TenantPolicy(unnamed=True).tenant_of({}, {}) == UNNAMED
     with pytest.raises(Refused, match="control characters"):

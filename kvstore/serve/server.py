@@ -162,6 +162,9 @@ def _kv_events(served: dict, peek: argparse.Namespace, served_model: str) -> dic
     from kvstore.events import config as events_config
 
     if served["kv_events_config"] is None:
+        if "kv_events_block_size" in served.get("given", ()):
+            raise InvalidInputError("--kv-events-block-size goes with --kv-events-config (it is the block size "
+                                    "of the KV events, which that option turns on)")
         return None
     given, flag = dict(served["kv_events_config"]), served["kv_events_block_size"]
     if "kv_events_block_size" in served.get("given", ()) and given.get("block_size", flag) != flag:
@@ -169,6 +172,7 @@ def _kv_events(served: dict, peek: argparse.Namespace, served_model: str) -> dic
                                 f"{json.dumps(given['block_size'])} differ: give the block size once")
     given.setdefault("block_size", flag)
     config = events_config.parse(given, "--kv-events-config")
+    events_config.check_block_size(config, settings.CHUNK_SIZE)  # (the chunk size kvstore serve stores in)
     host = peek.host or "127.0.0.1"
     if host in ("0.0.0.0", "::", ""):
         host = socket.gethostname()
@@ -223,23 +227,24 @@ def _serve(server, store: Store, served: dict, passthrough: list[str], served_mo
     metrics = ServerMetrics(cache, waiting, served_model)
 
     def on_start(cache: PersistentPromptCache) -> None:
-        """Once the model is loaded, before the server listens: with KV events, bind it now (its
-        records are announced at once, not at the first request), and warm the most-hit prompts
-        (`--warm-top`)."""
+        """Once the model is loaded, before the server listens (and once mlx_lm.server set up its
+        logging: an info line before that is lost): say how tenants are served; with KV events,
+        bind the model now (its records are announced at once, not at the first request), and
+        warm the most-hit prompts (`--warm-top`)."""
+        if tenants.active:
+            shared = shared_bytes(store)
+            log.info("kvstore: serving tenants apart (%s); shared prompts, which every tenant reuses, are what "
+                     "the store holds without a tenant (%s: what `kvstore warm` and pins stored, and any request "
+                     "a server without tenants stored here before)", describe_tenants(tenants),
+                     "none" if not shared else format_size(shared))
+            log.warning("kvstore: warning: GET /metrics and GET /kvstore/stats answer any client of this port "
+                        "and show every tenant's bytes on disk (by tag) as they change: keep them for the "
+                        "operator, behind your proxy")
         if store.events is not None:
             cache.bind_served()
         if served["warm_top"]:
             routing.warm_top(cache, served["warm_top"])
     hosts = Hosts(peek_mlx_options(passthrough).host, served["allowed_hosts"])
-    if tenants.active:
-        shared = shared_bytes(store)
-        log.info("kvstore: serving tenants apart (%s); shared prompts, which every tenant reuses, are what the "
-                 "store holds without a tenant (%s: what `kvstore warm` and pins stored, and any request a "
-                 "server without tenants stored here before)", describe_tenants(tenants),
-                 "none" if not shared else format_size(shared))
-        log.warning("kvstore: warning: GET /metrics and GET /kvstore/stats answer any client of this port and "
-                    "show every tenant's bytes on disk (by tag) as they change: keep them for the operator, "
-                    "behind your proxy")
 
     def make_handler(base: type) -> type:
         return handler_class(base, cache, metrics, served["allowed_origins"], served_model, hosts=hosts,

@@ -76,9 +76,10 @@ class TenantPolicy:
 
     def tenant_of(self, headers: Mapping[str, str], body: Mapping[str, Any]) -> str | None:
         """The tenant id of a request (None: the shared namespace); Refused if it has none and
-        there is no default, or its `cache_salt` is not text. Messages never quote a value."""
+        there is no default, or its `cache_salt` is not text (null is no salt, as clients send an
+        optional field they leave unset). Messages never quote a value."""
         tenant = self._named(headers)
-        if not self.trust_client_salt or "cache_salt" not in body:
+        if not self.trust_client_salt or body.get("cache_salt") is None:  # (null: an optional field unset)
             unnamed = tenant is None and (self.trust_client_salt or self.unnamed)
             return UNNAMED if unnamed else tenant
         salt = body["cache_salt"]
@@ -96,7 +97,7 @@ class TenantPolicy:
             what, status = "an Authorization: Bearer header", 401
         else:
             value = (headers.get(self.source) or "").strip()
-            what, status = f"a {self.source} header", 400
+            what, status = f"the {self.source} header", 400
         if not value:
             if self.default is not None:
                 return self.default
