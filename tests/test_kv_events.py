@@ -358,6 +358,19 @@ def test_a_bad_config_is_refused_naming_what_is_wrong(tmp_path, config, message)
     assert not (tmp_path / "s").exists()  # refused before anything was made
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--kv-events-block-size", "16"], "--kv-events-block-size goes with --kv-events-config"),
+    (["--kv-events-config", '{"enable_kv_cache_events": true}', "--kv-events-block-size", "48"],
+     "block_size 48 does not divide the store's chunk size 256"),
+])
+def test_serve_refuses_a_block_size_it_cannot_use_as_a_bad_command_line(tmp_path, capsys, args, message):
+    from kvstore.serve.server import main
+
+    assert main(["--store", str(tmp_path / "s"), *args]) == 2  # before a model loads
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "s").exists()
+
+
 def test_a_tenants_blocks_follow_the_shared_prompt_and_carry_its_tag_only(llama, tmp_path, consumer):
     """Two tenants send the same prompt after a shared system prompt: the router sees the shared
     blocks once, and each tenant's own blocks under their own ids (the same tokens, other ids),

@@ -72,6 +72,9 @@ def test_render_is_what_generation_prefilled_and_events_carry_it(llama_dir, tmp_
                                for c in chains) for ids in (chat_ids, text_ids))
             wait_for(stored, what="the prompts' blocks in the events")
             assert consumer.topics == {f"kv@127.0.0.1:{server.port}@{llama_dir}".encode()}
+            shown = requests.get(server.url + "/kvstore/stats", timeout=10).text  # no --stats-paths: no path
+            assert str(llama_dir) not in shown and str(tmp_path) not in shown, shown
+            assert f"kv@127.0.0.1:{server.port}@{llama_dir.name}" in shown
 
             bad = post(server, "/v1/chat/completions/render", {"messages": messages, "model": "another/model"})
             assert bad.status_code == 404 and "not loaded here" in bad.json()["error"]
@@ -112,6 +115,47 @@ def test_the_gauges_move(llama_dir, tmp_path):
         assert value == pytest.approx(memory["bytes"] / memory["capacity"])
 
 
+def test_warm_top_counts_a_shared_system_prompt_once():
+    """The first chunk of a system prompt, restored by other prompts too, is hit more often than
+    the system prompt's own end: it is within that prompt, not a prompt of its own."""
+    from types import SimpleNamespace
+
+    from kvstore.serve.routing import most_hit
+
+    ns = b"n" * 16
+
+    def row(name: str, parent: bytes, depth: int, hits: int):
+        return SimpleNamespace(hash=name.encode().ljust(16, b"."), parent=parent, depth=depth, hits=hits, kind=0,
+                               bad=0, tenant=None)
+
+    first = row("sys1", ns, 1, 5)  # 5 hits: the system prompt's 3, and 2 other prompts' template
+    system = row("sys2", first.hash, 2, 3)
+    code = row("code1", ns, 1, 2)  # another prompt, hit twice
+    lone = row("lone1", ns, 1, 1)
+    index = SimpleNamespace(rows=lambda _ns: [first, system, code, lone])
+    chains = most_hit(index, ns, 2)
+    assert [[r.hash for r in c] for c in chains] == [[first.hash, system.hash], [code.hash]]
+    assert len(most_hit(index, ns, 5)) == 3
+
+
+def test_a_request_waits_until_the_generation_thread_takes_it_up():
+    """vLLM's num_requests_waiting: a request whose prompt is being processed is running, not
+    waiting; each request ends its wait once, whichever sign comes first."""
+    from kvstore.serve.mlxserver import Waiting
+
+    waiting, first, second = Waiting(), object(), object()
+    waiting.add(first)
+    waiting.add(second)
+    assert waiting.count == 2
+    waiting.start(first)  # taken up by the generation loop: its prefill runs now
+    assert waiting.count == 1
+    progress, tokens = waiting.watch(first, None, iter([1, 2]))
+    progress(1, 2)
+    assert list(tokens) == [1, 2] and waiting.count == 1  # started once only
+    _, tokens = waiting.watch(second, None, iter([3]))
+    assert list(tokens) == [3] and waiting.count == 0
+
+
 def test_warm_top_and_prefetch_across_a_restart(llama_dir, tmp_path):
     store, log = tmp_path / "store", tmp_path / "log"
     other = [{"role": "user", "content": "An unrelated question about caches, asked once."}]
@@ -136,14 +180,19 @@ def test_warm_top_and_prefetch_across_a_restart(llama_dir, tmp_path):
         assert got["in_ram"] == got["tokens"] and got["loaded"] > 0, got
         assert scrape(server)[("kvstore_prefetch_tokens_total", ())] == loaded + got["loaded"]
         assert post(server, "/kvstore/prefetch", {"tokens": [1, -2]}).status_code == 400
+        beyond = post(server, "/kvstore/prefetch", {"tokens": [1, 2, 99_999_999]})
+        assert beyond.status_code == 400 and "tokens[2]: 99999999 is outside the model's vocabulary" in beyond.text
+        typo = post(server, "/kvstore/prefetch", {"promt": "hello"})
+        assert typo.status_code == 400 and "promt (did you mean prompt?)" in typo.text, typo.text
     with Server(llama_dir, store, log, "--memory-bytes", "64KB") as server:  # too small for the prompt
         got = post(server, "/kvstore/prefetch", {"messages": chat_messages()}).json()
         assert "larger than the memory tier" in got["refused"] and got["in_ram"] == 0
 
 
 def test_most_hit_ranks_where_prompts_end_or_part(llama, tmp_path):
-    """A shared system prompt hit by every turn ranks first, then the conversations by their hits;
-    a prompt never asked for again not at all."""
+    """A shared system prompt hit by every turn ranks first, then the conversations by their hits
+    (each of which holds the system prompt: it takes its place, so no prompt is loaded twice); a
+    prompt never asked for again not at all."""
     path, model = llama
     system = list(range(100, 164))  # four 16-token chunks
     a, b, once = system + list(range(300, 330)), system + list(range(400, 425)), list(range(600, 650))
@@ -155,12 +204,15 @@ def test_most_hit_ranks_where_prompts_end_or_part(llama, tmp_path):
         for tokens in (a, a, b):
             mc.fetch(tokens + [1])
         store.flush()
+        top = most_hit(store.index, mc.ns, 1)
         chains = most_hit(store.index, mc.ns, 5)
-    # The system prompt's last chunk (3 hits: its children have 2 and 1), a's tail (2), b's (1);
-    # `once` was never asked for again (0 hits): not a prompt anyone uses.
-    assert [(len(c), c[-1].hits) for c in chains] == [(4, 3), (6, 2), (6, 1)]
-    assert [r.hits for r in chains[0]] == [3, 3, 3, 3]
-    assert chains[1][-2].first_token == 300 and chains[2][-2].first_token == 400  # after the system prompt
+    # The system prompt's last chunk (3 hits: its children have 2 and 1), then a's tail (2), whose
+    # chain holds the system prompt and takes its place, then b's (1); `once` was never asked for
+    # again (0 hits): not a prompt anyone uses.
+    assert [(len(c), c[-1].hits) for c in top] == [(4, 3)]
+    assert [(len(c), c[-1].hits) for c in chains] == [(6, 2), (6, 1)]
+    assert [r.hits for r in chains[0][:4]] == [3, 3, 3, 3] and chains[0][:4] == top[0] == chains[1][:4]
+    assert chains[0][-2].first_token == 300 and chains[1][-2].first_token == 400  # after the system prompt
 
 
 def test_events_beyond_this_machine_are_warned_about(capsys):

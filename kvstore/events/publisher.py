@@ -101,7 +101,9 @@ class Publisher:
         while self._replay.poll(wait_ms if not answered else 0):
             frames = self._replay.recv_multipart()
             if len(frames) != 3 or len(frames[2]) != 8:
-                log.warning("kvstore: ignored a KV event replay request of %d frames", len(frames))
+                log.warning("kvstore: ignored a KV event replay request: %s", "its start sequence is %d bytes, "
+                            "not 8 (big-endian)" % len(frames[2]) if len(frames) == 3 else
+                            "%d frames, not an empty frame and an 8-byte start sequence" % (len(frames) - 1))
                 continue
             client, start = frames[0], int.from_bytes(frames[2], "big")
             for seq, payload in list(self._buffer):

@@ -378,7 +378,11 @@ def _cached_mlx_models() -> list[str]:
 
 def without_paths(stats: dict) -> dict:
     """`store.stats()` without the paths it names: the store's, the remote's URL, and a model
-    id that is a folder (its last part is kept). Errors name them as STORE and REMOTE."""
+    id that is a folder (its last part is kept, wherever it shows: the KV events' topic names
+    it too), and an `ipc://` endpoint's folder. Errors name them as STORE and REMOTE."""
+    folders = {m["model_id"]: _last_part(m["model_id"]) for m in stats.get("models") or []
+               if isinstance(m.get("model_id"), str) and _last_part(m["model_id"]) != m["model_id"]}
+    stats = _replaced(stats, folders)
     out = {k: v for k, v in stats.items() if k != "path"}
     out["models"] = [{**m, "model_id": _last_part(m.get("model_id"))} for m in stats.get("models") or []]
     remote = stats.get("remote")
@@ -390,6 +394,21 @@ def without_paths(stats: dict) -> dict:
     if isinstance(writer, dict) and isinstance(writer.get("last_error"), str) and isinstance(store, str):
         out["writer"] = {**writer, "last_error": writer["last_error"].replace(store, "STORE")}
     return out
+
+
+def _replaced(value: object, folders: dict[str, str]) -> object:
+    """`value` (a stats answer, or part of one) with each of `folders` (path -> what to show)
+    replaced in every string, longest path first, and an `ipc://` endpoint shown by its file name."""
+    if isinstance(value, dict):
+        return {k: _replaced(v, folders) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_replaced(v, folders) for v in value]
+    if isinstance(value, str):
+        for path in sorted(folders, key=len, reverse=True):
+            value = value.replace(path, folders[path])
+        if value.startswith("ipc://"):
+            value = "ipc://" + os.path.basename(value[len("ipc://"):])
+    return value
 
 
 def _last_part(model_id: object) -> object:

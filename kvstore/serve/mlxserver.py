@@ -176,38 +176,43 @@ def _response_generator(original: type, cache: PersistentPromptCache, started: l
 
 
 class Waiting:
-    """Requests handed to the generation loop whose prompt processing has not started yet (no
-    progress reported, no token): vLLM's `num_requests_waiting`."""
+    """Requests handed to the generation loop whose prompt processing has not started yet:
+    vLLM's `num_requests_waiting`. A request served alone stops waiting when the generation
+    thread takes it up (`start`); one that joins a batch, at its first progress report or token:
+    it may wait inside the batch for a free slot, and mlx-lm tells no more than that, at the end
+    of each prefill step (`--prefill-step-size` tokens)."""
 
     def __init__(self):
         self._lock = threading.Lock()
+        self._waiting: dict[int, object] = {}  # id(request) -> request, until it starts
         self.count = 0
 
-    def add(self, n: int) -> None:
+    def add(self, request: object) -> None:
         with self._lock:
-            self.count += n
+            self._waiting[id(request)] = request
+            self.count = len(self._waiting)
 
-    def watch(self, progress: Callable | None, tokens: Iterator) -> tuple[Callable, Iterator]:
+    def start(self, request: object) -> None:
+        """`request` is taken up (at once, or when it ends: each time after the first does nothing)."""
+        with self._lock:
+            if self._waiting.get(id(request)) is request:
+                del self._waiting[id(request)]
+            self.count = len(self._waiting)
+
+    def watch(self, request: object, progress: Callable | None, tokens: Iterator) -> tuple[Callable, Iterator]:
         """`(progress callback, token iterator)` of one request, each ending its wait when first used."""
-        left = [True]
-
-        def started() -> None:
-            if left[0]:
-                left[0] = False
-                self.add(-1)
-
         def on_progress(*args):
-            started()
+            self.start(request)
             if progress is not None:
                 progress(*args)
 
         def watched():
             try:
                 for item in tokens:
-                    started()
+                    self.start(request)
                     yield item
             finally:
-                started()
+                self.start(request)
 
         return on_progress, watched()
 
@@ -237,7 +242,7 @@ class _RecoveringGenerator:
     def generate(self, request, generation_args, progress_callback=None):
         """mlx_lm.server's `generate`, the request counted as waiting until it starts."""
         waiting = self._kvstore_waiting
-        waiting.add(1)
+        waiting.add(request)
         holder: list = []
 
         def progress(*args):
@@ -246,9 +251,9 @@ class _RecoveringGenerator:
         try:
             ctx, tokens = super().generate(request, generation_args, progress_callback=progress)
         except BaseException:
-            waiting.add(-1)
+            waiting.start(request)
             raise
-        on_progress, watched = waiting.watch(progress_callback, tokens)
+        on_progress, watched = waiting.watch(request, progress_callback, tokens)
         holder.append(on_progress)
         return ctx, watched
 
@@ -260,6 +265,8 @@ class _RecoveringGenerator:
     def _serve_single(self, request, *args, **kwargs):
         # One request at a time: its lookup and its insert are its tenant's.
         tenant = getattr(request[1], TENANT_ATTRIBUTE, None) if isinstance(request, tuple) else UNKNOWN
+        if isinstance(request, tuple):  # served alone: its prompt processing starts now
+            self._kvstore_waiting.start(request[1])
         with self._kvstore_cache.tenants.single(tenant):
             return super()._serve_single(request, *args, **kwargs)
 

@@ -12,7 +12,9 @@
 A prompt's "most hit" is read from the index: every fetch counts a hit on each record it
 restored from, so hits only fall along a chain. A record is where prompts end or part (a system
 prompt, a conversation) when it has more hits than any of its children; those are ranked by hits
-(deeper first on a tie), each with the chain that leads to it.
+(deeper first on a tie), each with the chain that leads to it; one within a chain already
+chosen (the first chunk of a system prompt, restored by other prompts too) is not a prompt of its
+own.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ from typing import Any
 
 import numpy as np
 
+from kvstore.argv import did_you_mean
 from kvstore.errors import BlobError
+from kvstore.model.jsonl import check_tokens
 from kvstore.records import CHECKPOINT
 from kvstore.serve.binding import Binding
 from kvstore.serve.promptcache import PersistentPromptCache
@@ -78,8 +82,9 @@ def prompt_tokens(generator: Any, body: dict, served_model: str | None) -> list[
     `prompt` render to (as a request's would)."""
     tokens = body.get("tokens")
     if tokens is not None:
-        if not isinstance(tokens, list) or not tokens or not all(type(t) is int and 0 <= t < 2**31 for t in tokens):
-            raise RequestError(400, "tokens must be a non-empty list of token ids (whole numbers, 0 to 2**31-1)")
+        problem = check_tokens(tokens, _vocab_size(generator))
+        if problem is not None:
+            raise RequestError(400, f"{problem[0]}: {problem[1]}")
         return tokens
     if "messages" in body:
         return render(generator, "/v1/chat/completions/render", body, served_model)["token_ids"]
@@ -88,7 +93,21 @@ def prompt_tokens(generator: Any, body: dict, served_model: str | None) -> list[
         if len(out) != 1:
             raise RequestError(400, "prefetch takes one prompt")
         return out[0]["token_ids"]
-    raise RequestError(400, "the request has none of messages, prompt or tokens")
+    others = [key for key in body if key not in ("model", "tenant", "cache_salt")]
+    named = f" (it has {', '.join(did_you_mean(k, ('messages', 'prompt', 'tokens')) for k in others)})" if others else ""
+    raise RequestError(400, f"the request has none of messages, prompt or tokens{named}")
+
+
+def _vocab_size(generator: Any) -> int | None:
+    """The served model's vocabulary size, when its config says (None: token ids are not checked
+    against it)."""
+    model = getattr(getattr(generator, "model_provider", None), "model", None)
+    args = getattr(model, "args", None)
+    for config in (args, getattr(args, "text_config", None)):
+        size = config.get("vocab_size") if isinstance(config, dict) else getattr(config, "vocab_size", None)
+        if isinstance(size, int) and size > 0:
+            return size
+    return None
 
 
 def _tokenizer(generator: Any, body: dict, served_model: str | None) -> Any:
@@ -134,7 +153,10 @@ def _sampling(generator: Any, body: dict) -> dict:
 
 def most_hit(index: Index, ns: bytes, n: int) -> list[list[Row]]:
     """The chains (root first) of the `n` most-hit prompt ends of namespace `ns`, in the shared
-    namespace only (records with a tenant tag are left out)."""
+    namespace only (records with a tenant tag are left out). A prompt end is a record hit more
+    often than any of its children; one that lies within a chain already chosen is no prompt of
+    its own (a system prompt's first chunk, which other prompts restored from too), and a chain
+    that extends one chosen takes its place: each chain is a different prompt."""
     rows = {r.hash: r for r in index.rows(ns) if r.kind != CHECKPOINT and not r.bad
             and getattr(r, "tenant", None) is None}
     most_child: dict[bytes, int] = {}
@@ -142,14 +164,22 @@ def most_hit(index: Index, ns: bytes, n: int) -> list[list[Row]]:
         most_child[r.parent] = max(most_child.get(r.parent, 0), r.hits)
     ends = sorted((r for r in rows.values() if r.hits > most_child.get(r.hash, 0)),
                   key=lambda r: (-r.hits, -(r.depth or 0), r.hash))
-    chains = []
-    for end in ends[:n]:
+    chains: list[list[Row]] = []
+    within: set[bytes] = set()  # every record of the chosen chains
+    for end in ends:
+        if len(chains) >= n:
+            break
+        if end.hash in within:
+            continue
         chain, h = [], end.hash
         while h in rows:
             chain.append(rows[h])
             h = rows[h].parent
-        if h == ns:  # a chain that reaches its root (else a record is missing: skipped)
-            chains.append(chain[::-1])
+        if h != ns:  # a chain that does not reach its root (a record is missing): skipped
+            continue
+        held = {r.hash for r in chain}
+        chains = [c for c in chains if c[-1].hash not in held] + [chain[::-1]]
+        within |= held
     return chains
 
 
