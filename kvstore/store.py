@@ -352,16 +352,13 @@ class Store:
 
     def gc(self, max_bytes: int | None = None, max_age: float | None = None, dry_run: bool = False,
            stale: bool = False, drop_tenants: Sequence[str] = ()) -> dict:
-        """Evict down to `max_bytes` (and records unused for `max_age` seconds; with `stale`, every
-        record of a model version whose files are gone or changed, pinned ones too; every record
-        of the tenants `drop_tenants` (their tags, as `stats()["tenants"]` lists them), pinned ones
-        too: UnknownTenantError, and nothing deleted, if one has no record). A budget evicts stale
-        versions first (their pins kept). See `upkeep.gc` and `upkeep.evict`."""
+        """Evict down to `max_bytes` (and records unused for `max_age` seconds; with `stale`, every record of a
+        model version whose files are gone or changed, and all of the tenants `drop_tenants` (tags), pinned ones
+        too). A budget evicts stale versions first (their pins kept). See `upkeep.gc` and `upkeep.evict`."""
         self._check_open()
         if self.files is None:
-            if drop_tenants:
-                raise InvalidInputError("drop_tenants deletes records of a store on disk; this one is in RAM: "
-                                        "nothing deleted")
+            if drop_tenants:  # (a store in RAM keeps no tenant's records apart)
+                raise InvalidInputError("drop_tenants needs a store on disk, not one in RAM: nothing deleted")
             if max_bytes is not None:
                 self.memory.trim_to(max_bytes)
             return {"evicted": 0, "freed_bytes": 0, "bytes": self.memory.nbytes, "dry_run": dry_run}

@@ -183,6 +183,21 @@ def _repair_command(args, url: str) -> str:
     return " ".join(shlex.quote(w) for w in words + ["--repair"])
 
 
+def _server_problem(e: Exception, tenant_from: str) -> str:
+    """Why a server could not be checked, in a line: not reachable, or what it answered."""
+    import requests
+
+    if isinstance(e, requests.ConnectionError):
+        return "no server answers there (connection refused or unreachable): is `kvstore serve` running at that URL?"
+    if isinstance(e, requests.Timeout):
+        return "the server did not answer in time"
+    text = str(e)
+    if text.startswith("the server answered 40"):
+        return (f"{text} (is --tenant-from {tenant_from} how the server tells tenants, as its own "
+                "--tenant-from says?)")
+    return f"{type(e).__name__}: {text}"
+
+
 def _isolation(args) -> int:
     """`verify --isolation [URL]`: run `serve.tenancy.isolation`'s checks and print the figures."""
     from kvstore.serve.tenancy import isolation
@@ -203,7 +218,7 @@ def _isolation(args) -> int:
         except ValueError as e:
             raise CommandError(str(e), EXIT_USAGE) from None
         except Exception as e:  # the server is down or answers otherwise
-            raise CommandError(f"--isolation {args.isolation}: {type(e).__name__}: {e}") from None
+            raise CommandError(f"--isolation {args.isolation}: {_server_problem(e, args.tenant_from)}") from None
         where = args.isolation
     else:
         report, where = _isolation_in_store(args, line, isolation)

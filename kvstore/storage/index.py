@@ -355,17 +355,14 @@ class Index(EvictionSQL, WriteLogSQL, PinSQL):
         return deleted
 
     def mend_rows(self, fields: dict[bytes, dict[str, object]]) -> None:
-        """Rewrite bookkeeping columns of records (`upkeep.rows`: hash -> {column: value}), in
-        one transaction. ValueError for any other column (a record's identity is never rewritten)."""
-        other = {c for values in fields.values() for c in values} - set(MENDABLE)
-        if other:
+        """Rewrite records' bookkeeping (hash -> {column: value}) in one transaction; ValueError for other columns."""
+        if other := {c for values in fields.values() for c in values} - set(MENDABLE):
             raise ValueError(f"mend_rows rewrites only bookkeeping columns {MENDABLE}, not {sorted(other)}")
         with self.transaction() as conn:
             for h, values in fields.items():
-                columns = list(values)
-                if columns:
-                    conn.execute(f"UPDATE records SET {', '.join(f'{c} = ?' for c in columns)} WHERE hash = ?",
-                                 (*(values[c] for c in columns), h))
+                if values:
+                    conn.execute(f"UPDATE records SET {', '.join(f'{c} = ?' for c in values)} WHERE hash = ?",
+                                 (*values.values(), h))
 
     def rows(self, ns: bytes | None = None) -> Iterator[Row]:
         """Every record (for verify); with `ns`, those of one namespace, parents before children."""

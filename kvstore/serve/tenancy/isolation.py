@@ -185,7 +185,7 @@ def check_server(url: str, tenant_from: str, shared: list[dict] | None, probes: 
     need = _shared_need(http, base, shared, headers("A"), timeout) if shared is not None else None
     stored_before = _tenant_bytes(http, base)
     report = _protocol(ask, lambda: _words(text_tokens), probes, need, lambda: "cached_tokens" if told["cached_tokens"]
-                       else None, "tokens reused, from the server's /metrics")
+                       else None, "reuse (from the server's /metrics)")
     stored_after = _tenant_bytes(http, base)
     if stored_before is not None and stored_after is not None:
         report.notes.extend(left_behind({t: b for t, b in stored_after.items() if t not in stored_before}))
