@@ -334,6 +334,47 @@ def test_push_and_pull_through_a_bucket_by_a_node_without_the_fleet_secret(tmp_p
     assert not (tmp_path / "nothing").exists()
 
 
+def _held(place) -> dict[str, int]:
+    """What a push destination holds: key -> size (a folder's files, or the objects under a prefix)."""
+    from kvstore.packs import transfer
+
+    target = transfer.place(str(place))
+    if isinstance(target, transfer.Folder):
+        return {p.relative_to(target.path).as_posix(): p.stat().st_size
+                for p in target.path.rglob("*") if p.is_file()}
+    return {key: size for key, size, _ in target.list("")}
+
+
+def test_a_push_to_a_place_that_holds_anything_is_refused_and_writes_nothing(tmp_path, demo_model, signed_pack, s3):
+    """A push never merges into what a place holds (an unsigned 1-blob pack pushed onto a signed
+    4-blob one left its model.sig and blobs there: pulled, it read as signed, and its import was
+    refused for extra files): a folder, a file:// URL or an S3 prefix that holds anything is
+    refused, naming it and what to do, and is left as it was; an empty folder is pushed to."""
+    model = demo_model("llama")
+    run_cli("pack", "export", "--store", tmp_path / "a", "--model", model, "--prompt", OTHER, "--unsigned",
+            "--out", tmp_path / "small")
+    assert len(list((tmp_path / "small" / "blobs").iterdir())) == 1
+    folder, url = tmp_path / "dest", s3.url()
+    for place in (folder, url):
+        run_cli("pack", "push", signed_pack[0], place)
+    (tmp_path / "a-file").write_text("not a folder")
+    for place in (folder, f"file://{folder}", url, tmp_path / "a-file"):
+        before = _held(folder), _held(url)
+        refused = run_cli("pack", "push", tmp_path / "small", place, check=False)
+        assert refused.returncode == 1, refused.stdout + refused.stderr
+        errors = [line for line in refused.stderr.splitlines() if line.startswith("kvstore: error:")]
+        assert len(errors) == 1 and errors[0].startswith(f"kvstore: error: {place} "), refused.stderr
+        assert errors[0].endswith("a pack is pushed to a new or empty place, never merged into another (nothing "
+                                  "pushed: push to another place, or empty this one first)"), errors[0]
+        assert "Traceback" not in refused.stderr and refused.stdout == ""
+        assert (_held(folder), _held(url)) == before
+    assert (tmp_path / "a-file").read_text() == "not a folder"
+    (tmp_path / "empty").mkdir()
+    run_cli("pack", "push", tmp_path / "small", tmp_path / "empty")
+    pulled = run_cli("pack", "pull", tmp_path / "empty", tmp_path / "pulled")
+    assert "unsigned" in pulled.stdout and _held(tmp_path / "pulled") == _held(tmp_path / "small")
+
+
 # -- canaries: checked by one replayed step ---------------------------------------------------
 
 def _with_canary(pack: Path, edit) -> None:

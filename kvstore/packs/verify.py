@@ -132,6 +132,14 @@ def read_file(path: Path, limit: int) -> bytes:
     return data
 
 
+def is_free(path: Path) -> bool:
+    """Whether a pack may be written to the folder `path`: there is nothing there, or an empty
+    folder. A pack is never merged into what a folder holds (its files and another pack's would
+    make one that is neither), so export, pull and push all refuse any other."""
+    path = Path(path)
+    return not path.exists() or (path.is_dir() and not any(path.iterdir()))
+
+
 def _signature_covers(signed: dict[str, str], m: Manifest) -> None:
     """The signature names exactly the manifest and its blobs, with the manifest's SHA-256s."""
     listed = m.files_listed()
