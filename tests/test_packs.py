@@ -375,6 +375,22 @@ def test_a_push_to_a_place_that_holds_anything_is_refused_and_writes_nothing(tmp
     assert "unsigned" in pulled.stdout and _held(tmp_path / "pulled") == _held(tmp_path / "small")
 
 
+def test_an_import_of_a_folder_that_is_not_there_says_so(tmp_path, demo_model):
+    """A mistyped pack path (nothing there, or a file) is said as such by import and push, not as
+    a pack without its manifest.json, and nothing is created."""
+    model = demo_model("llama")
+    (tmp_path / "a-file").write_text("not a pack")
+    for pack, reason in [(tmp_path / "nonexist", f"no pack folder at {tmp_path / 'nonexist'}"),
+                         (tmp_path / "a-file", f"{tmp_path / 'a-file'} is not a folder: a pack is a folder")]:
+        for command in (["import", pack, "--store", tmp_path / "b", "--model", model],
+                        ["push", pack, tmp_path / "dest"]):
+            result = run_cli("pack", *command, check=False)
+            assert result.returncode == 1, result.stdout + result.stderr
+            errors = [line for line in result.stderr.splitlines() if line.startswith("kvstore: error:")]
+            assert len(errors) == 1 and reason in errors[0] and "has no manifest.json" not in errors[0], result.stderr
+    assert not (tmp_path / "b").exists() and not (tmp_path / "dest").exists()
+
+
 # -- canaries: checked by one replayed step ---------------------------------------------------
 
 def _with_canary(pack: Path, edit) -> None:

@@ -23,7 +23,7 @@ from pathlib import Path
 from kvstore.errors import InvalidInputError, PackError
 from kvstore.packs.manifest import BLOBS, MANIFEST, MAX_MANIFEST_BYTES, SIGNATURE, blob_name, parse
 from kvstore.packs.signing import MAX_SIGNATURE_BYTES
-from kvstore.packs.verify import is_free, read_file
+from kvstore.packs.verify import is_free, pack_folder, read_file
 from kvstore.remote.bucket import RemoteError, open_bucket
 
 
@@ -75,7 +75,7 @@ class Moved:
 def push(folder: Path, url: str) -> Moved:
     """Copy the pack in `folder` (its manifest, the blobs it lists, its signature) to `url`, which
     must hold nothing yet (PackError, and nothing written, if it holds anything)."""
-    folder = Path(folder)
+    folder = pack_folder(folder)
     raw = read_file(folder / MANIFEST, MAX_MANIFEST_BYTES)
     m = parse(raw)
     target = place(url)

@@ -79,7 +79,7 @@ def verify(folder: Path, target: Target, *, trust_key: Path | None = None, repla
            max_bytes: int | None = None) -> Verified:
     """Check the pack in `folder` for `target` (see the module docstring); PackError if it fails.
     `max_bytes`: the most blob bytes it may hold (they are all held in memory while checked)."""
-    folder = Path(folder)
+    folder = pack_folder(folder)
     raw = read_file(folder / MANIFEST, MAX_MANIFEST_BYTES)
     signed = None
     if trust_key is not None:
@@ -112,6 +112,17 @@ def verify(folder: Path, target: Target, *, trust_key: Path | None = None, repla
         n, skipped = replay(target.mc, target.disk_kv_bits, ((c.span, c.tokens, c.blob) for c in checked),
                             canaries)
     return Verified(m, checked, said, n, sum(p.tokens for p in m.prompts), skipped)
+
+
+def pack_folder(folder: Path) -> Path:
+    """`folder`, if it is a folder; PackError saying there is none otherwise (not that the pack
+    lacks its manifest: a mistyped path is not a damaged pack)."""
+    folder = Path(folder)
+    if not folder.exists():
+        raise PackError(f"no pack folder at {folder}")
+    if not folder.is_dir():
+        raise PackError(f"{folder} is not a folder: a pack is a folder (manifest.json, blobs/, model.sig)")
+    return folder
 
 
 def read_file(path: Path, limit: int) -> bytes:
