@@ -129,7 +129,11 @@ def _swap_blobs(pack: Path, model: Path, env: dict) -> str:
     da, db = a.read_bytes(), b.read_bytes()
     a.write_bytes(db)
     b.write_bytes(da)
-    return "the token ids its blobs hold"
+    chain = json.loads((pack / "manifest.json").read_text())["prompts"][0]["records"]
+    ha, hb = a.stem, b.stem
+    first, other = sorted((ha, hb), key=chain.index)  # the first out of place names the other
+    return (f"prompt 1: blob {packfile.blob_name(first)}, the manifest's record {chain.index(first) + 1} of "
+            f"{len(chain)}, holds record {other} (its record {chain.index(other) + 1}): blobs swapped or renamed")
 
 
 def _edit_manifest(pack: Path, model: Path, env: dict) -> str:
@@ -259,13 +263,17 @@ def _write_manifest(pack: Path, doc: dict) -> None:
 
 
 def test_an_unsigned_pack_edited_or_with_extra_files_is_refused_by_its_own_checks(tmp_path, demo_model, signed_pack):
-    """Without a signature to check, the manifest still binds the pack: a changed token count or
-    chain hash, a file it does not list, or a record named with a path out of the pack are each
+    """Without a signature to check, the manifest still binds the pack: a changed token count,
+    token SHA-256 or chain hash, a file it does not list, or a record named with a path out of the pack are each
     refused, and nothing is imported."""
     model = demo_model("llama")
     count, doc = _unsigned_copy(signed_pack, tmp_path, "count")
+    tokens = doc["prompts"][0]["tokens"]
     doc["prompts"][0]["tokens"] += 1
     _write_manifest(count, doc)
+    digest, doc = _unsigned_copy(signed_pack, tmp_path, "digest")
+    doc["prompts"][0]["tokens_sha256"] = "0" * 64
+    _write_manifest(digest, doc)
     chain, doc = _unsigned_copy(signed_pack, tmp_path, "chain")
     old = doc["prompts"][0]["records"][1]
     new = format(int(old, 16) ^ 1, "032x")  # the record (and its blob) under another hash
@@ -282,7 +290,9 @@ def test_an_unsigned_pack_edited_or_with_extra_files_is_refused_by_its_own_check
     doc["prompts"][0]["records"][0] = "../../../../tmp/x"
     doc["records"]["../../../../tmp/x"] = doc["records"].pop(first)
     _write_manifest(outside, doc)
-    for pack, reason in [(count, "prompt 1: the token ids its blobs hold"),
+    for pack, reason in [(count, f"prompt 1: its blobs hold {tokens} token ids, the manifest says {tokens + 1}"),
+                         (digest, f"prompt 1: the {tokens} token ids its blobs hold are not the ones the manifest "
+                                  "names (their SHA-256 is not its tokens_sha256)"),
                          (chain, "prompt 1: the chain recomputed from its tokens differs from the manifest's at "
                                  "record 2"),
                          (extra, "the pack folder holds 1 file(s) its manifest does not list: blobs/evil.safetensors"),
