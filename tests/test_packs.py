@@ -613,14 +613,26 @@ def test_an_export_says_which_tokens_it_computed_and_which_it_shared(tmp_path, d
 
 
 def test_another_disk_kv_bits_is_refused_with_both_values(tmp_path, demo_model):
+    """The refusal names both values and the option that imports the pack anyway, saying that the
+    store then keeps that value for later runs (a kept setting), which following it does."""
     model = demo_model("llama", "small", "bfloat16")  # bf16 K/V: disk_kv_bits acts on them
     run_cli("pack", "export", "--store", tmp_path / "a", "--model", model, "--prompt", OTHER, "--unsigned",
             "--out", tmp_path / "pack")
     refused = run_cli("pack", "import", tmp_path / "pack", "--store", tmp_path / "b", "--model", model,
                       "--disk-kv-bits", "8", check=False)
     assert refused.returncode == 1
-    assert "the pack's disk_kv_bits is off, this store's is 8: import it with --disk-kv-bits 0" in refused.stderr
+    hint = ("the pack's disk_kv_bits is off, this store's is 8: import it with --disk-kv-bits 0 (which the store "
+            "then keeps for later runs), or import it into another store")
+    assert hint in refused.stderr, refused.stderr
     assert not (tmp_path / "b").exists()
+    run_cli("settings", "--store", tmp_path / "b", "disk_kv_bits=8")  # a store that keeps 8 bits
+    before = snapshot(tmp_path / "b")
+    refused = run_cli("pack", "import", tmp_path / "pack", "--store", tmp_path / "b", "--model", model, check=False)
+    assert refused.returncode == 1 and hint in refused.stderr, refused.stderr
+    assert snapshot(tmp_path / "b") == before
+    run_cli("pack", "import", tmp_path / "pack", "--store", tmp_path / "b", "--model", model, "--disk-kv-bits", "0")
+    kept = json.loads(run_cli("stats", "--store", tmp_path / "b", "--json").stdout)["settings"]["disk_kv_bits"]
+    assert kept == {"value": None, "source": "kept"}, kept  # what the hint said: off from now on
 
 
 def test_disk_kv_bits_that_do_not_act_on_a_float32_model_do_not_refuse_its_pack(tmp_path, demo_model):

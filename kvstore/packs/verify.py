@@ -212,8 +212,10 @@ def _for_this_model(m: Manifest, t: Target) -> None:
                         f"import it into a store opened with chunk_size={m.chunk_size}")
     theirs, ours = acting_disk_kv_bits(m.layout, m.disk_kv_bits), acting_disk_kv_bits(mc.layout, t.disk_kv_bits)
     if theirs != ours:
-        raise PackError(f"the pack's disk_kv_bits is {_bits(theirs)}, this store's is "
-                        f"{_bits(ours)}: import it with --disk-kv-bits {theirs or 0}")
+        # (The option is a kept setting: the hint says so, as following it changes the store for good.)
+        raise PackError(f"the pack's disk_kv_bits is {_bits(theirs)}, this store's is {_bits(ours)}: import it "
+                        f"with --disk-kv-bits {theirs or 0} (which the store then keeps for later runs), or "
+                        "import it into another store")
     mine = t.identity if t.identity is not None else identity.identity(t.model_dir, t.tokenizer)
     why = identity.differences(mine, m.files, m.tokenizer, m.chat_template)
     if why is not None:
