@@ -129,7 +129,11 @@ def _swap_blobs(pack: Path, model: Path, env: dict) -> str:
     da, db = a.read_bytes(), b.read_bytes()
     a.write_bytes(db)
     b.write_bytes(da)
-    return "the token ids its blobs hold"
+    chain = json.loads((pack / "manifest.json").read_text())["prompts"][0]["records"]
+    ha, hb = a.stem, b.stem
+    first, other = sorted((ha, hb), key=chain.index)  # the first out of place names the other
+    return (f"prompt 1: blob {packfile.blob_name(first)}, the manifest's record {chain.index(first) + 1} of "
+            f"{len(chain)}, holds record {other} (its record {chain.index(other) + 1}): blobs swapped or renamed")
 
 
 def _edit_manifest(pack: Path, model: Path, env: dict) -> str:
@@ -259,13 +263,17 @@ def _write_manifest(pack: Path, doc: dict) -> None:
 
 
 def test_an_unsigned_pack_edited_or_with_extra_files_is_refused_by_its_own_checks(tmp_path, demo_model, signed_pack):
-    """Without a signature to check, the manifest still binds the pack: a changed token count or
-    chain hash, a file it does not list, or a record named with a path out of the pack are each
+    """Without a signature to check, the manifest still binds the pack: a changed token count,
+    token SHA-256 or chain hash, a file it does not list, or a record named with a path out of the pack are each
     refused, and nothing is imported."""
     model = demo_model("llama")
     count, doc = _unsigned_copy(signed_pack, tmp_path, "count")
+    tokens = doc["prompts"][0]["tokens"]
     doc["prompts"][0]["tokens"] += 1
     _write_manifest(count, doc)
+    digest, doc = _unsigned_copy(signed_pack, tmp_path, "digest")
+    doc["prompts"][0]["tokens_sha256"] = "0" * 64
+    _write_manifest(digest, doc)
     chain, doc = _unsigned_copy(signed_pack, tmp_path, "chain")
     old = doc["prompts"][0]["records"][1]
     new = format(int(old, 16) ^ 1, "032x")  # the record (and its blob) under another hash
@@ -282,7 +290,9 @@ def test_an_unsigned_pack_edited_or_with_extra_files_is_refused_by_its_own_check
     doc["prompts"][0]["records"][0] = "../../../../tmp/x"
     doc["records"]["../../../../tmp/x"] = doc["records"].pop(first)
     _write_manifest(outside, doc)
-    for pack, reason in [(count, "prompt 1: the token ids its blobs hold"),
+    for pack, reason in [(count, f"prompt 1: its blobs hold {tokens} token ids, the manifest says {tokens + 1}"),
+                         (digest, f"prompt 1: the {tokens} token ids its blobs hold are not the ones the manifest "
+                                  "names (their SHA-256 is not its tokens_sha256)"),
                          (chain, "prompt 1: the chain recomputed from its tokens differs from the manifest's at "
                                  "record 2"),
                          (extra, "the pack folder holds 1 file(s) its manifest does not list: blobs/evil.safetensors"),
@@ -332,6 +342,63 @@ def test_push_and_pull_through_a_bucket_by_a_node_without_the_fleet_secret(tmp_p
     missing = run_cli("pack", "pull", s3.url(), tmp_path / "nothing", check=False)
     assert missing.returncode == 1 and "has no manifest.json" in missing.stderr
     assert not (tmp_path / "nothing").exists()
+
+
+def _held(place) -> dict[str, int]:
+    """What a push destination holds: key -> size (a folder's files, or the objects under a prefix)."""
+    from kvstore.packs import transfer
+
+    target = transfer.place(str(place))
+    if isinstance(target, transfer.Folder):
+        return {p.relative_to(target.path).as_posix(): p.stat().st_size
+                for p in target.path.rglob("*") if p.is_file()}
+    return {key: size for key, size, _ in target.list("")}
+
+
+def test_a_push_to_a_place_that_holds_anything_is_refused_and_writes_nothing(tmp_path, demo_model, signed_pack, s3):
+    """A push never merges into what a place holds (an unsigned 1-blob pack pushed onto a signed
+    4-blob one left its model.sig and blobs there: pulled, it read as signed, and its import was
+    refused for extra files): a folder, a file:// URL or an S3 prefix that holds anything is
+    refused, naming it and what to do, and is left as it was; an empty folder is pushed to."""
+    model = demo_model("llama")
+    run_cli("pack", "export", "--store", tmp_path / "a", "--model", model, "--prompt", OTHER, "--unsigned",
+            "--out", tmp_path / "small")
+    assert len(list((tmp_path / "small" / "blobs").iterdir())) == 1
+    folder, url = tmp_path / "dest", s3.url()
+    for place in (folder, url):
+        run_cli("pack", "push", signed_pack[0], place)
+    (tmp_path / "a-file").write_text("not a folder")
+    for place in (folder, f"file://{folder}", url, tmp_path / "a-file"):
+        before = _held(folder), _held(url)
+        refused = run_cli("pack", "push", tmp_path / "small", place, check=False)
+        assert refused.returncode == 1, refused.stdout + refused.stderr
+        errors = [line for line in refused.stderr.splitlines() if line.startswith("kvstore: error:")]
+        assert len(errors) == 1 and errors[0].startswith(f"kvstore: error: {place} "), refused.stderr
+        assert errors[0].endswith("a pack is pushed to a new or empty place, never merged into another (nothing "
+                                  "pushed: push to another place, or empty this one first)"), errors[0]
+        assert "Traceback" not in refused.stderr and refused.stdout == ""
+        assert (_held(folder), _held(url)) == before
+    assert (tmp_path / "a-file").read_text() == "not a folder"
+    (tmp_path / "empty").mkdir()
+    run_cli("pack", "push", tmp_path / "small", tmp_path / "empty")
+    pulled = run_cli("pack", "pull", tmp_path / "empty", tmp_path / "pulled")
+    assert "unsigned" in pulled.stdout and _held(tmp_path / "pulled") == _held(tmp_path / "small")
+
+
+def test_an_import_of_a_folder_that_is_not_there_says_so(tmp_path, demo_model):
+    """A mistyped pack path (nothing there, or a file) is said as such by import and push, not as
+    a pack without its manifest.json, and nothing is created."""
+    model = demo_model("llama")
+    (tmp_path / "a-file").write_text("not a pack")
+    for pack, reason in [(tmp_path / "nonexist", f"no pack folder at {tmp_path / 'nonexist'}"),
+                         (tmp_path / "a-file", f"{tmp_path / 'a-file'} is not a folder: a pack is a folder")]:
+        for command in (["import", pack, "--store", tmp_path / "b", "--model", model],
+                        ["push", pack, tmp_path / "dest"]):
+            result = run_cli("pack", *command, check=False)
+            assert result.returncode == 1, result.stdout + result.stderr
+            errors = [line for line in result.stderr.splitlines() if line.startswith("kvstore: error:")]
+            assert len(errors) == 1 and reason in errors[0] and "has no manifest.json" not in errors[0], result.stderr
+    assert not (tmp_path / "b").exists() and not (tmp_path / "dest").exists()
 
 
 # -- canaries: checked by one replayed step ---------------------------------------------------
@@ -546,14 +613,26 @@ def test_an_export_says_which_tokens_it_computed_and_which_it_shared(tmp_path, d
 
 
 def test_another_disk_kv_bits_is_refused_with_both_values(tmp_path, demo_model):
+    """The refusal names both values and the option that imports the pack anyway, saying that the
+    store then keeps that value for later runs (a kept setting), which following it does."""
     model = demo_model("llama", "small", "bfloat16")  # bf16 K/V: disk_kv_bits acts on them
     run_cli("pack", "export", "--store", tmp_path / "a", "--model", model, "--prompt", OTHER, "--unsigned",
             "--out", tmp_path / "pack")
     refused = run_cli("pack", "import", tmp_path / "pack", "--store", tmp_path / "b", "--model", model,
                       "--disk-kv-bits", "8", check=False)
     assert refused.returncode == 1
-    assert "the pack's disk_kv_bits is off, this store's is 8: import it with --disk-kv-bits 0" in refused.stderr
+    hint = ("the pack's disk_kv_bits is off, this store's is 8: import it with --disk-kv-bits 0 (which the store "
+            "then keeps for later runs), or import it into another store")
+    assert hint in refused.stderr, refused.stderr
     assert not (tmp_path / "b").exists()
+    run_cli("settings", "--store", tmp_path / "b", "disk_kv_bits=8")  # a store that keeps 8 bits
+    before = snapshot(tmp_path / "b")
+    refused = run_cli("pack", "import", tmp_path / "pack", "--store", tmp_path / "b", "--model", model, check=False)
+    assert refused.returncode == 1 and hint in refused.stderr, refused.stderr
+    assert snapshot(tmp_path / "b") == before
+    run_cli("pack", "import", tmp_path / "pack", "--store", tmp_path / "b", "--model", model, "--disk-kv-bits", "0")
+    kept = json.loads(run_cli("stats", "--store", tmp_path / "b", "--json").stdout)["settings"]["disk_kv_bits"]
+    assert kept == {"value": None, "source": "kept"}, kept  # what the hint said: off from now on
 
 
 def test_disk_kv_bits_that_do_not_act_on_a_float32_model_do_not_refuse_its_pack(tmp_path, demo_model):

@@ -25,7 +25,7 @@ from kvstore.errors import BlobError, PackError
 from kvstore.packs import identity, replay, signing
 from kvstore.packs.manifest import BLOBS, MANIFEST, Manifest, Prompt, blob_name, sha256
 from kvstore.packs.replay import canary_fields
-from kvstore.packs.verify import acting_disk_kv_bits
+from kvstore.packs.verify import acting_disk_kv_bits, is_free
 from kvstore.records import check, prompt_records
 from kvstore.storage import blobfile, blobformat
 
@@ -62,7 +62,7 @@ def export_pack(store, mc, model_dir: Path, tokenizer, prompts: list[np.ndarray]
     `out` (which must not exist, or be empty), signed with `sign_key` (an EC private key in PEM)
     when given. PackError if it cannot."""
     out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    if not is_free(out):
         raise PackError(f"{out} exists and is not an empty folder: a pack is written to a new folder")
     if store.disk is None:
         raise PackError("a pack is exported from a store directory (not a RAM-only store)")

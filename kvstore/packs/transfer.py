@@ -5,7 +5,9 @@ the AWS settings of the environment), a `file://` URL or a plain folder. A pack'
 its files under the place, as they are: they are not sealed with a fleet secret, because a pack
 is public to whoever can read the place, and trusted only by its signature (checked on import).
 
-Push uploads the blobs first, then the signature, then `manifest.json`; pull reads the manifest
+Push goes only to a place that holds nothing (a new or empty folder, an S3 prefix with no object
+under it): a pack pushed over another would merge with it, and keep the other's signature and
+blobs. It uploads the blobs first, then the signature, then `manifest.json`; pull reads the manifest
 first and then only the files it lists, each no larger than it says (the signature at most
 `signing.MAX_SIGNATURE_BYTES`), into a temporary folder renamed to the target once whole. Pull
 checks nothing else: `kvstore pack import` does.
@@ -21,7 +23,7 @@ from pathlib import Path
 from kvstore.errors import InvalidInputError, PackError
 from kvstore.packs.manifest import BLOBS, MANIFEST, MAX_MANIFEST_BYTES, SIGNATURE, blob_name, parse
 from kvstore.packs.signing import MAX_SIGNATURE_BYTES
-from kvstore.packs.verify import read_file
+from kvstore.packs.verify import is_free, pack_folder, read_file
 from kvstore.remote.bucket import RemoteError, open_bucket
 
 
@@ -31,6 +33,10 @@ class Folder:
     def __init__(self, path: Path):
         self.path = Path(path)
         self.url = str(self.path)
+
+    def is_empty(self) -> bool:
+        """Whether the folder holds nothing (or is not there yet)."""
+        return is_free(self.path)
 
     def head(self, key: str) -> int | None:
         p = self.path / key
@@ -67,8 +73,9 @@ class Moved:
 
 
 def push(folder: Path, url: str) -> Moved:
-    """Copy the pack in `folder` (its manifest, the blobs it lists, its signature) to `url`."""
-    folder = Path(folder)
+    """Copy the pack in `folder` (its manifest, the blobs it lists, its signature) to `url`, which
+    must hold nothing yet (PackError, and nothing written, if it holds anything)."""
+    folder = pack_folder(folder)
     raw = read_file(folder / MANIFEST, MAX_MANIFEST_BYTES)
     m = parse(raw)
     target = place(url)
@@ -78,6 +85,7 @@ def push(folder: Path, url: str) -> Moved:
         names.append(SIGNATURE)
     total = 0
     try:
+        _holds_nothing(target, url)
         for name in names:  # the manifest last: a reader that finds it finds the rest
             limit = MAX_SIGNATURE_BYTES if name == SIGNATURE else m.records[Path(name).stem][0]
             data = read_file(folder / name, limit)
@@ -89,10 +97,26 @@ def push(folder: Path, url: str) -> Moved:
     return Moved(len(names) + 1, total + len(raw), signed)
 
 
+def _holds_nothing(target, url: str) -> None:
+    """PackError unless the place holds nothing: a folder that is not there or is empty, an S3
+    prefix with no object under it (one bounded LIST)."""
+    if isinstance(target, Folder):
+        if target.is_empty():
+            return
+        there = "exists and is not an empty folder"
+    else:
+        found, _ = target.list_page("", 1)
+        if not found:
+            return
+        there = f"already holds objects ({found[0][0]} and maybe more)"
+    raise PackError(f"{url} {there}: a pack is pushed to a new or empty place, never merged into another "
+                    "(nothing pushed: push to another place, or empty this one first)")
+
+
 def pull(url: str, folder: Path) -> Moved:
     """Copy the pack at `url` into the new folder `folder` (it must not exist, or be empty)."""
     folder = Path(folder)
-    if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
+    if not is_free(folder):
         raise PackError(f"{folder} exists and is not an empty folder: a pack is pulled into a new folder")
     source = place(url)
     tmp = folder.parent / f".{folder.name}.tmp-{os.getpid()}-{os.urandom(4).hex()}"

@@ -6,8 +6,10 @@
 2. the model: the store's chunk size and `disk_kv_bits` (both named when they differ), the SHA-256
    of every weight and tokenizer file and of the chat template, kvstore's fingerprint, the cache
    layout and the namespace;
-3. the chain: each prompt's token ids, read from its blobs, have the manifest's count and SHA-256,
-   and hash to the manifest's chain of records;
+3. the chain: each prompt's token ids, read from its blobs, have the manifest's count and SHA-256
+   (where they do not, the reason names the first blob whose header names another record than
+   the one the manifest puts there: blobs swapped or renamed), and hash to the manifest's chain
+   of records;
 4. each blob's SHA-256;
 5. each record's own checks: every tensor's checksum, its header naming the record it is in the
    chain (`records.check`, the one check every tier uses), and its tensors fitting the model's shapes;
@@ -31,7 +33,17 @@ import numpy as np
 from kvstore import keys
 from kvstore.errors import BlobError, PackError
 from kvstore.packs import identity, signing
-from kvstore.packs.manifest import BLOBS, MANIFEST, MAX_MANIFEST_BYTES, SIGNATURE, Manifest, blob_name, parse, sha256
+from kvstore.packs.manifest import (
+    BLOBS,
+    MANIFEST,
+    MAX_MANIFEST_BYTES,
+    SIGNATURE,
+    Manifest,
+    Prompt,
+    blob_name,
+    parse,
+    sha256,
+)
 from kvstore.packs.replay import canary_fields, replay
 from kvstore.records import Span, prompt_records
 from kvstore.remote.objects import check_record
@@ -79,7 +91,7 @@ def verify(folder: Path, target: Target, *, trust_key: Path | None = None, repla
            max_bytes: int | None = None) -> Verified:
     """Check the pack in `folder` for `target` (see the module docstring); PackError if it fails.
     `max_bytes`: the most blob bytes it may hold (they are all held in memory while checked)."""
-    folder = Path(folder)
+    folder = pack_folder(folder)
     raw = read_file(folder / MANIFEST, MAX_MANIFEST_BYTES)
     signed = None
     if trust_key is not None:
@@ -114,6 +126,17 @@ def verify(folder: Path, target: Target, *, trust_key: Path | None = None, repla
     return Verified(m, checked, said, n, sum(p.tokens for p in m.prompts), skipped)
 
 
+def pack_folder(folder: Path) -> Path:
+    """`folder`, if it is a folder; PackError saying there is none otherwise (not that the pack
+    lacks its manifest: a mistyped path is not a damaged pack)."""
+    folder = Path(folder)
+    if not folder.exists():
+        raise PackError(f"no pack folder at {folder}")
+    if not folder.is_dir():
+        raise PackError(f"{folder} is not a folder: a pack is a folder (manifest.json, blobs/, model.sig)")
+    return folder
+
+
 def read_file(path: Path, limit: int) -> bytes:
     """A pack file's bytes: a regular file (never through a link) of at most `limit` bytes."""
     try:
@@ -130,6 +153,14 @@ def read_file(path: Path, limit: int) -> bytes:
     if len(data) > limit:
         raise PackError(f"{path} grew past {limit} bytes while it was read")
     return data
+
+
+def is_free(path: Path) -> bool:
+    """Whether a pack may be written to the folder `path`: there is nothing there, or an empty
+    folder. A pack is never merged into what a folder holds (its files and another pack's would
+    make one that is neither), so export, pull and push all refuse any other."""
+    path = Path(path)
+    return not path.exists() or (path.is_dir() and not any(path.iterdir()))
 
 
 def _signature_covers(signed: dict[str, str], m: Manifest) -> None:
@@ -181,8 +212,10 @@ def _for_this_model(m: Manifest, t: Target) -> None:
                         f"import it into a store opened with chunk_size={m.chunk_size}")
     theirs, ours = acting_disk_kv_bits(m.layout, m.disk_kv_bits), acting_disk_kv_bits(mc.layout, t.disk_kv_bits)
     if theirs != ours:
-        raise PackError(f"the pack's disk_kv_bits is {_bits(theirs)}, this store's is "
-                        f"{_bits(ours)}: import it with --disk-kv-bits {theirs or 0}")
+        # (The option is a kept setting: the hint says so, as following it changes the store for good.)
+        raise PackError(f"the pack's disk_kv_bits is {_bits(theirs)}, this store's is {_bits(ours)}: import it "
+                        f"with --disk-kv-bits {theirs or 0} (which the store then keeps for later runs), or "
+                        "import it into another store")
     mine = t.identity if t.identity is not None else identity.identity(t.model_dir, t.tokenizer)
     why = identity.differences(mine, m.files, m.tokenizer, m.chat_template)
     if why is not None:
@@ -236,16 +269,17 @@ def _chain(m: Manifest, blobs: dict[str, bytes], mc) -> tuple[dict[str, tuple[Sp
     prompt's tokens)."""
     spans, prompts = {}, []
     for i, p in enumerate(m.prompts):
-        parts = []
+        parts, named = [], []
         for h in p.records:
             try:
-                parts.append(blobformat.read_record(blobs[h], blob_name(h)).tokens)
+                stored = blobformat.read_record(blobs[h], blob_name(h))
             except BlobError as e:
                 raise PackError(f"blob {blob_name(h)} is not a record's blob: {e}") from None
+            parts.append(stored.tokens)
+            named.append(stored.metadata.get("hash"))
         tokens = np.concatenate(parts).astype("<i4")
         if len(tokens) != p.tokens or sha256(tokens.tobytes()) != p.tokens_sha256:
-            raise PackError(f"prompt {i + 1}: the token ids its blobs hold ({len(tokens)}) are not the ones "
-                            f"the manifest names ({p.tokens}, by their SHA-256)")
+            raise PackError(f"prompt {i + 1}: {_tokens_differ(p, len(tokens), named)}")
         chain = prompt_records(mc.ns, tokens, mc.chunk_size, checkpoint=mc.checkpointed)
         got = [s.hash.hex() for s in chain]
         if got != list(p.records):
@@ -256,6 +290,24 @@ def _chain(m: Manifest, blobs: dict[str, bytes], mc) -> tuple[dict[str, tuple[Sp
             spans.setdefault(s.hash.hex(), (s, i))
         prompts.append(tokens)
     return spans, prompts
+
+
+def _tokens_differ(p: Prompt, count: int, named: list[str | None]) -> str:
+    """Why a prompt's token ids, read from its blobs in the manifest's order (`count` of them;
+    `named`: the record each blob's header names), are not the manifest's: first a blob that holds
+    another record than the one the manifest puts there (two blobs swapped: the ids are all
+    there, out of order), else their count, else their SHA-256."""
+    n = len(p.records)
+    for k, (h, other) in enumerate(zip(p.records, named)):
+        if other != h:
+            holds = (f"record {other} (its record {p.records.index(other) + 1}): blobs swapped or renamed"
+                     if other in p.records else f"record {other}, not one of this prompt's"
+                     if other else "a record its header does not name")
+            return f"blob {blob_name(h)}, the manifest's record {k + 1} of {n}, holds {holds}"
+    if count != p.tokens:
+        return f"its blobs hold {count} token ids, the manifest says {p.tokens}"
+    return (f"the {count} token ids its blobs hold are not the ones the manifest names (their SHA-256 is not "
+            "its tokens_sha256)")
 
 
 def _ordered(m: Manifest) -> list[str]:

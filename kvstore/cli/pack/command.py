@@ -41,7 +41,8 @@ MOVE = """examples:
   kvstore pack pull s3://team-packs/sys-v1 my-pack
   kvstore pack push my-pack file:///mnt/share/sys-v1
 
-No fleet secret is used: a pack is readable by whoever can read the place it is pushed to, and
+A pack is pushed to a place that holds nothing yet, and pulled into a new or empty folder. No
+fleet secret is used: a pack is readable by whoever can read the place it is pushed to, and
 trusted only by its signature (checked by `kvstore pack import --trust-key`)."""
 
 
@@ -77,7 +78,8 @@ def register(add, store_opts, model_opts) -> None:
 
     push = command("push", transfer.cmd_push, "copy a pack folder to s3://BUCKET/PREFIX or a folder", [], MOVE)
     push.add_argument("pack", metavar="DIR", help="the pack folder")
-    push.add_argument("url", metavar="URL", help="s3://BUCKET/PREFIX, file://PATH or a folder")
+    push.add_argument("url", metavar="URL", help="s3://BUCKET/PREFIX, file://PATH or a folder that holds "
+                                                 "nothing yet (new, or empty)")
     pull = command("pull", transfer.cmd_pull, "copy a pack from s3://BUCKET/PREFIX or a folder", [], MOVE)
     pull.add_argument("url", metavar="URL", help="s3://BUCKET/PREFIX, file://PATH or a folder")
     pull.add_argument("pack", metavar="DIR", help="the new pack folder")

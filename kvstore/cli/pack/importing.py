@@ -13,7 +13,9 @@ from kvstore.sizes import format_size
 def cmd_import(args) -> int:
     from kvstore.model.loading import load_model
     from kvstore.packs.importing import import_pack
+    from kvstore.packs.verify import pack_folder
 
+    pack_folder(Path(args.pack))  # a mistyped path is said before the model is loaded
     model_id = model_to_load(args)
     url = remote_url(args)
     loaded = load_model(model_id)
