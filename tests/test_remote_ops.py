@@ -206,6 +206,55 @@ def test_verify_remote_finds_and_repairs_damaged_objects(tmp_path, s3, llama):
     assert out.returncode == 0 and "clean" in out.stdout, out.stdout + out.stderr
 
 
+def test_objects_verify_leaves_alone_are_notes_and_the_repair_line_counts_what_it_did(tmp_path, s3, llama):
+    """Objects in a namespace folder whose names are not of the layout (here a marks field too
+    short for a 20-token tail) are not kvstore's to delete: `--repair` leaves them, so they are
+    notes, not problems. The bucket verifies clean with them there, the hint promises nothing of
+    them, and the repair line counts what was repaired and what was left."""
+    from kvstore.records import TAIL
+
+    path, model = llama
+    url = s3.url()
+    prompt = toks(3 * C + 3, 51)
+    with kvstore.open(tmp_path / "a", chunk_size=C, remote=url) as a:
+        a.bind(model, path).insert(prompt, prefill(model, prompt))
+        assert a.flush(30)
+    bucket = Bucket(url)
+    leaf = next(k for k in records(url).values() if k.kind == TAIL)  # nothing hangs below it
+    bucket.put(leaf.path, bucket.get(leaf.path)[:-7])  # truncated: kvstore's own, damaged
+    folder, parent = leaf.ns.hex(), os.urandom(16).hex()
+    planted = sorted(f"{folder}/{parent[:2]}/{parent}/{os.urandom(8).hex()}/{os.urandom(16).hex()}.tail.20."
+                     f"{os.urandom(10).hex()}" for _ in range(5))
+    for key in planted:
+        bucket.put(key, b"x" * 100)
+    assert not any(parse_key(key) for key in planted)
+    args = ("verify", "--store", str(tmp_path / "v"), "--remote", url)
+
+    found = json.loads(cli(*args, "--json").stdout)
+    assert [p["path"] for p in found["problems"]] == [leaf.path] and not found["clean"], found
+    assert [(n["kind"], n["path"]) for n in found["notes"]] == [("foreign_object", key) for key in planted], found
+    out = cli(*args)
+    assert out.returncode == 1, out.stdout + out.stderr
+    last = out.stdout.splitlines()[-1]
+    assert "1 problem found; run `" in last and "--repair` to delete it; 5 notes" in last, last
+    assert all(f"note: foreign_object: {key}" in out.stdout for key in planted), out.stdout
+    assert all(line.startswith("note: ") for line in out.stdout.splitlines() if "foreign_object" in line)
+
+    out = cli(*args, "--repair")
+    assert out.returncode == 1, out.stdout + out.stderr  # a problem was found (and repaired)
+    last = out.stdout.splitlines()[-1]
+    assert "1 problem found; repaired 1 (deleted 1 object" in last and "left 0" not in last, last
+    assert "5 notes" in last, last
+    assert bucket.head(leaf.path) is None and all(bucket.head(key) == 100 for key in planted)
+
+    out = cli(*args)  # every later run: clean, the planted objects listed as notes
+    assert out.returncode == 0, out.stdout + out.stderr
+    last = out.stdout.splitlines()[-1]
+    assert last.startswith(f"remote {url}: clean") and "5 notes" in last and "--repair" not in out.stdout, out.stdout
+    found = json.loads(cli(*args, "--json").stdout)
+    assert found["clean"] and found["problems"] == [] and len(found["notes"]) == 5, found
+
+
 def test_cli_remote_flag_and_env(tmp_path, s3, demo_model_path):
     url = s3.url()
     store = tmp_path / "s"
