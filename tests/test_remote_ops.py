@@ -310,6 +310,31 @@ def test_without_an_endpoint_it_says_requests_go_to_aws(tmp_path):
     assert out.stderr.count("AWS_ENDPOINT_URL is not set") == 1 and "requests go to AWS S3" in out.stderr
 
 
+def test_uploads_skipped_while_the_endpoint_is_down_are_said_and_shown(tmp_path, s3, demo_model_path):
+    """With the endpoint down, every upload is skipped (the remote is left alone after the first
+    failure): `warm` ends by saying how many records will not reach the bucket, and `stats`
+    shows the skipped uploads beside the dropped ones."""
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    prompts = tmp_path / "one.jsonl"
+    prompts.write_text((REPO / "examples" / "prompts.jsonl").read_text().splitlines()[0] + "\n")
+    store, url = tmp_path / "s", s3.url()
+    out = cli("warm", "--store", str(store), "--prompts", str(prompts), "--model", str(demo_model_path),
+              "--remote", url, env={"AWS_ENDPOINT_URL": closed})
+    assert out.returncode == 0 and "cannot reach the object store" in out.stderr, out.stdout + out.stderr
+    t = json.loads(cli("stats", "--store", str(store), "--remote", url, "--json").stdout)["remote"]["totals"]
+    undone = t["skipped_down_uploads"] + t["skipped_no_parent"] + t["upload_errors"]
+    assert t["uploads"] == 0 and t["skipped_down_uploads"] > 0 and undone > 1, t
+    line = next((s for s in out.stdout.splitlines() if "uploads not done" in s), None)
+    assert line is not None and line.startswith(f"remote: {undone} uploads not done ("), out.stdout
+    assert f"{t['skipped_down_uploads']} skipped while the remote was down" in line, line
+    assert "no later process uploads them" in line, line
+    text = cli("stats", "--store", str(store), "--remote", url).stdout
+    assert (f"skipped uploads: {t['skipped_down_uploads']} (remote down) / {t['skipped_no_parent']} (no parent)"
+            in text), text
+
+
 def test_generate_says_what_came_from_the_bucket(tmp_path, s3, demo_model_path):
     url = s3.url()
     prompts = tmp_path / "one.jsonl"
