@@ -193,7 +193,7 @@ class Store:
         fleet's `secrets`, read with each; `value`: the settings), or None. Contacts nothing yet."""
         if not url:
             return None
-        return Remote(open_bucket(url), Fleet(secrets[0], secrets[1:]), self.index, self.path, self.blob_root,
+        return Remote(open_bucket(url), Fleet.of(secrets), self.index, self.path, self.blob_root,
                       deadline=value["remote_deadline"], flush_timeout=value["remote_flush_timeout"],
                       prefetch=value["remote_prefetch"], trust=self.trust)
 

@@ -335,6 +335,31 @@ def test_uploads_skipped_while_the_endpoint_is_down_are_said_and_shown(tmp_path,
             in text), text
 
 
+def test_the_wrong_key_line_names_where_the_key_came_from(tmp_path, s3, demo_model_path):
+    """A node whose key opens none of the bucket's namespaces is told to check the key it was
+    given: the key file when it came from --remote-key-file, the environment variable otherwise."""
+    from kvstore.remote.seal import new_key
+
+    url = s3.url()
+    prompts = tmp_path / "one.jsonl"
+    lines = (REPO / "examples" / "prompts.jsonl").read_text().splitlines()
+    prompts.write_text(lines[0] + "\n")
+    tiny = ("--model", str(demo_model_path), "--remote", url)
+    assert cli("warm", "--store", str(tmp_path / "a"), "--prompts", str(prompts), *tiny).returncode == 0
+    prompts.write_text(lines[1] + "\n")  # another prompt: nothing of it is in the bucket
+    key_file = tmp_path / "wrong.key"
+    key_file.write_text(new_key() + "\n")
+    out = cli("warm", "--store", str(tmp_path / "b"), "--prompts", str(prompts), *tiny, "--remote-key-file",
+              str(key_file))
+    said = [line for line in out.stderr.splitlines() if "none opens with this key" in line]
+    assert len(said) == 1 and f"from the remote key file {key_file}" in said[0], out.stderr
+    assert "KVSTORE_REMOTE_KEY" not in said[0], said
+    out = cli("warm", "--store", str(tmp_path / "c"), "--prompts", str(prompts), *tiny,
+              env={"KVSTORE_REMOTE_KEY": new_key()})
+    said = [line for line in out.stderr.splitlines() if "none opens with this key" in line]
+    assert len(said) == 1 and "from KVSTORE_REMOTE_KEY" in said[0] and str(key_file) not in said[0], out.stderr
+
+
 def test_generate_says_what_came_from_the_bucket(tmp_path, s3, demo_model_path):
     url = s3.url()
     prompts = tmp_path / "one.jsonl"

@@ -118,7 +118,7 @@ def say_if_no_namespace_opens(bucket: Bucket, fleet, ns: bytes, health: Health) 
     costs a listing of the folders, a listing of at most one key per folder, and a GET of the
     manifest of the first `KEY_CHECK_FOLDERS` that hold an object: once a process."""
     from kvstore.remote.layout import manifest_key
-    from kvstore.remote.seal import KEY_ENV, Unauthenticated
+    from kvstore.remote.seal import Unauthenticated
 
     def holds(folder: str) -> bool:
         return bool(bucket.list_page(folder + "/", 1)[0])
@@ -147,6 +147,6 @@ def say_if_no_namespace_opens(bucket: Bucket, fleet, ns: bytes, health: Health) 
     if not live:
         return
     health.count("foreign_namespaces", live)
-    log.warning("kvstore: the bucket %s holds %d namespace%s and none opens with this key (%s): is %s the "
-                "fleet's? (nothing stored by the nodes that wrote them can be reused here)", bucket.url,
-                live, "" if live == 1 else "s", fleet.key_id, KEY_ENV)
+    log.warning("kvstore: the bucket %s holds %d namespace%s and none opens with this key (%s, from %s): is it "
+                "the fleet's? (nothing stored by the nodes that wrote them can be reused here)", bucket.url,
+                live, "" if live == 1 else "s", fleet.key_id, printable(fleet.where))
