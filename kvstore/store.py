@@ -193,7 +193,7 @@ class Store:
         fleet's `secrets`, read with each; `value`: the settings), or None. Contacts nothing yet."""
         if not url:
             return None
-        return Remote(open_bucket(url), Fleet(secrets[0], secrets[1:]), self.index, self.path, self.blob_root,
+        return Remote(open_bucket(url), Fleet.of(secrets), self.index, self.path, self.blob_root,
                       deadline=value["remote_deadline"], flush_timeout=value["remote_flush_timeout"],
                       prefetch=value["remote_prefetch"], trust=self.trust)
 
@@ -283,8 +283,7 @@ class Store:
     def counters(self) -> dict[str, int]:
         """This process's counters: records the disk tier quarantined, and the models' fetches
         and inserts (`model.backing.Counters`)."""
-        return {"quarantined": self.disk.quarantined if self.disk is not None else 0,
-                **self.backing.counters.as_dict()}
+        return {"quarantined": self.disk.quarantined if self.disk is not None else 0, **self.backing.counters.as_dict()}
 
     def close(self) -> None:
         if self.backing.closed.is_set():
@@ -328,11 +327,9 @@ class Store:
                        "dropped_bytes": w.dropped_bytes, "write_errors": w.write_errors,
                        "last_error": w.last_error, "redundant_dropped": w.redundant_dropped,
                        "redundant_bytes": w.redundant_bytes, "refilled": w.refilled},
-            **self.counters,
-            "tenant_max_bytes": self.tenant_max_bytes,
+            **self.counters, "tenant_max_bytes": self.tenant_max_bytes,
             "remote": self.remote.stats() if self.remote is not None else None,
-            "writes": self.write_stats(),
-            "buffer_cache": buffers.held(),
+            "writes": self.write_stats(), "buffer_cache": buffers.held(),
             "restore_check": self.restore_check(),
             "events": self.events.stats() if self.events is not None else None,
         }

@@ -206,6 +206,55 @@ def test_verify_remote_finds_and_repairs_damaged_objects(tmp_path, s3, llama):
     assert out.returncode == 0 and "clean" in out.stdout, out.stdout + out.stderr
 
 
+def test_objects_verify_leaves_alone_are_notes_and_the_repair_line_counts_what_it_did(tmp_path, s3, llama):
+    """Objects in a namespace folder whose names are not of the layout (here a marks field too
+    short for a 20-token tail) are not kvstore's to delete: `--repair` leaves them, so they are
+    notes, not problems. The bucket verifies clean with them there, the hint promises nothing of
+    them, and the repair line counts what was repaired and what was left."""
+    from kvstore.records import TAIL
+
+    path, model = llama
+    url = s3.url()
+    prompt = toks(3 * C + 3, 51)
+    with kvstore.open(tmp_path / "a", chunk_size=C, remote=url) as a:
+        a.bind(model, path).insert(prompt, prefill(model, prompt))
+        assert a.flush(30)
+    bucket = Bucket(url)
+    leaf = next(k for k in records(url).values() if k.kind == TAIL)  # nothing hangs below it
+    bucket.put(leaf.path, bucket.get(leaf.path)[:-7])  # truncated: kvstore's own, damaged
+    folder, parent = leaf.ns.hex(), os.urandom(16).hex()
+    planted = sorted(f"{folder}/{parent[:2]}/{parent}/{os.urandom(8).hex()}/{os.urandom(16).hex()}.tail.20."
+                     f"{os.urandom(10).hex()}" for _ in range(5))
+    for key in planted:
+        bucket.put(key, b"x" * 100)
+    assert not any(parse_key(key) for key in planted)
+    args = ("verify", "--store", str(tmp_path / "v"), "--remote", url)
+
+    found = json.loads(cli(*args, "--json").stdout)
+    assert [p["path"] for p in found["problems"]] == [leaf.path] and not found["clean"], found
+    assert [(n["kind"], n["path"]) for n in found["notes"]] == [("foreign_object", key) for key in planted], found
+    out = cli(*args)
+    assert out.returncode == 1, out.stdout + out.stderr
+    last = out.stdout.splitlines()[-1]
+    assert "1 problem found; run `" in last and "--repair` to delete it; 5 notes" in last, last
+    assert all(f"note: foreign_object: {key}" in out.stdout for key in planted), out.stdout
+    assert all(line.startswith("note: ") for line in out.stdout.splitlines() if "foreign_object" in line)
+
+    out = cli(*args, "--repair")
+    assert out.returncode == 1, out.stdout + out.stderr  # a problem was found (and repaired)
+    last = out.stdout.splitlines()[-1]
+    assert "1 problem found; repaired 1 (deleted 1 object" in last and "left 0" not in last, last
+    assert "5 notes" in last, last
+    assert bucket.head(leaf.path) is None and all(bucket.head(key) == 100 for key in planted)
+
+    out = cli(*args)  # every later run: clean, the planted objects listed as notes
+    assert out.returncode == 0, out.stdout + out.stderr
+    last = out.stdout.splitlines()[-1]
+    assert last.startswith(f"remote {url}: clean") and "5 notes" in last and "--repair" not in out.stdout, out.stdout
+    found = json.loads(cli(*args, "--json").stdout)
+    assert found["clean"] and found["problems"] == [] and len(found["notes"]) == 5, found
+
+
 def test_cli_remote_flag_and_env(tmp_path, s3, demo_model_path):
     url = s3.url()
     store = tmp_path / "s"
@@ -259,6 +308,56 @@ def test_without_an_endpoint_it_says_requests_go_to_aws(tmp_path):
     out = cli("stats", "--store", str(tmp_path / "s"), "--remote", "s3://kvcache/team", env=unset)
     assert out.returncode == 0, out.stderr
     assert out.stderr.count("AWS_ENDPOINT_URL is not set") == 1 and "requests go to AWS S3" in out.stderr
+
+
+def test_uploads_skipped_while_the_endpoint_is_down_are_said_and_shown(tmp_path, s3, demo_model_path):
+    """With the endpoint down, every upload is skipped (the remote is left alone after the first
+    failure): `warm` ends by saying how many records will not reach the bucket, and `stats`
+    shows the skipped uploads beside the dropped ones."""
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    prompts = tmp_path / "one.jsonl"
+    prompts.write_text((REPO / "examples" / "prompts.jsonl").read_text().splitlines()[0] + "\n")
+    store, url = tmp_path / "s", s3.url()
+    out = cli("warm", "--store", str(store), "--prompts", str(prompts), "--model", str(demo_model_path),
+              "--remote", url, env={"AWS_ENDPOINT_URL": closed})
+    assert out.returncode == 0 and "cannot reach the object store" in out.stderr, out.stdout + out.stderr
+    t = json.loads(cli("stats", "--store", str(store), "--remote", url, "--json").stdout)["remote"]["totals"]
+    undone = t["skipped_down_uploads"] + t["skipped_no_parent"] + t["upload_errors"]
+    assert t["uploads"] == 0 and t["skipped_down_uploads"] > 0 and undone > 1, t
+    line = next((s for s in out.stdout.splitlines() if "uploads not done" in s), None)
+    assert line is not None and line.startswith(f"remote: {undone} uploads not done ("), out.stdout
+    assert f"{t['skipped_down_uploads']} skipped while the remote was down" in line, line
+    assert "no later process uploads them" in line, line
+    text = cli("stats", "--store", str(store), "--remote", url).stdout
+    assert (f"skipped uploads: {t['skipped_down_uploads']} (remote down) / {t['skipped_no_parent']} (no parent)"
+            in text), text
+
+
+def test_the_wrong_key_line_names_where_the_key_came_from(tmp_path, s3, demo_model_path):
+    """A node whose key opens none of the bucket's namespaces is told to check the key it was
+    given: the key file when it came from --remote-key-file, the environment variable otherwise."""
+    from kvstore.remote.seal import new_key
+
+    url = s3.url()
+    prompts = tmp_path / "one.jsonl"
+    lines = (REPO / "examples" / "prompts.jsonl").read_text().splitlines()
+    prompts.write_text(lines[0] + "\n")
+    tiny = ("--model", str(demo_model_path), "--remote", url)
+    assert cli("warm", "--store", str(tmp_path / "a"), "--prompts", str(prompts), *tiny).returncode == 0
+    prompts.write_text(lines[1] + "\n")  # another prompt: nothing of it is in the bucket
+    key_file = tmp_path / "wrong.key"
+    key_file.write_text(new_key() + "\n")
+    out = cli("warm", "--store", str(tmp_path / "b"), "--prompts", str(prompts), *tiny, "--remote-key-file",
+              str(key_file))
+    said = [line for line in out.stderr.splitlines() if "none opens with this key" in line]
+    assert len(said) == 1 and f"from the remote key file {key_file}" in said[0], out.stderr
+    assert "KVSTORE_REMOTE_KEY" not in said[0], said
+    out = cli("warm", "--store", str(tmp_path / "c"), "--prompts", str(prompts), *tiny,
+              env={"KVSTORE_REMOTE_KEY": new_key()})
+    said = [line for line in out.stderr.splitlines() if "none opens with this key" in line]
+    assert len(said) == 1 and "from KVSTORE_REMOTE_KEY" in said[0] and str(key_file) not in said[0], out.stderr
 
 
 def test_generate_says_what_came_from_the_bucket(tmp_path, s3, demo_model_path):

@@ -256,7 +256,7 @@ def test_a_wrong_fleet_secret_is_said_once(tmp_path, s3, llama, caplog):
             assert reused(mc, model, prompt + [7]) == 0
             assert reused(mc, model, toks(2 * C, 10)) == 0
     said = [r.getMessage() for r in caplog.records if "none opens with this key" in r.getMessage()]
-    assert len(said) == 1 and "holds 1 namespace" in said[0] and "KVSTORE_REMOTE_KEY" in said[0], said
+    assert len(said) == 1 and "holds 1 namespace" in said[0] and "from remote_key)" in said[0], said
     # A prompt shorter than a chunk (a tail only: no HEAD, a listing) is a first miss too.
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="kvstore"):
@@ -269,6 +269,46 @@ def test_a_wrong_fleet_secret_is_said_once(tmp_path, s3, llama, caplog):
         with kvstore.open(tmp_path / "c", chunk_size=C, remote=url) as c:
             assert reused(c.bind(model, path), model, toks(2 * C, 11)) == 0
     assert not [r for r in caplog.records if "none opens" in r.getMessage()]
+
+
+def test_the_wrong_key_line_counts_only_namespaces_that_hold_objects(tmp_path, s3, llama, caplog):
+    """SeaweedFS lists a folder after its last object is deleted: an empty folder is no namespace.
+    After a rotation and `drop_key`, and folders emptied by deletions, a stranger's key is told of
+    the one namespace that holds objects, and a node that has only the dropped key (its own folder
+    still listed, empty) is told too."""
+    from kvstore.remote.seal import key_id, parse_key
+
+    path, model = llama
+    url = s3.url()
+    old, new = new_key(), new_key()
+    prompt = toks(2 * C + 3, 13)
+    store_all(tmp_path / "a", url, model, path, [prompt], remote_key=old)
+    with kvstore.open(tmp_path / "b", chunk_size=C, remote=url, remote_key=[new, old]) as b:
+        assert reused(b.bind(model, path), model, prompt + [7]) == len(prompt)  # stored again under the new key
+        assert b.flush(60)
+        assert b.remote.drop_key(key_id=key_id(parse_key(old, "old")))["records"] > 0
+    bucket = Bucket(url)
+    for i in range(5):  # more folders emptied (planted, then deleted)
+        bucket.put(f"{os.urandom(16).hex()}/manifest", b"x")
+    bucket.delete([p for p, _, _ in bucket.list("") if p.endswith("/manifest") and len(p) == 41
+                   and bucket.get(p) == b"x"])
+    assert len(bucket.folders("")) == 7 and len({p.split("/")[0] for p, _, _ in bucket.list("")}) == 1
+
+    def said(key) -> list[str]:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="kvstore"):
+            with kvstore.open(tmp_path / uuid.uuid4().hex[:8], chunk_size=C, remote=url, remote_key=key) as n:
+                assert reused(n.bind(model, path), model, toks(2 * C, 14)) == 0
+                counted = n.stats()["remote"]["foreign_namespaces"]
+        lines = [r.getMessage() for r in caplog.records if "none opens with this key" in r.getMessage()]
+        assert counted == (1 if lines else 0), (counted, lines)
+        return lines
+
+    stranger = said(new_key())
+    assert len(stranger) == 1 and "holds 1 namespace and none opens" in stranger[0], stranger
+    dropped = said(old)  # its own namespace's folder is listed, and empty
+    assert len(dropped) == 1 and "holds 1 namespace and none opens" in dropped[0], dropped
+    assert said(new) == []
 
 
 def test_a_missing_bucket_is_said_by_generate_and_raised_by_the_library(tmp_path, s3, demo_model_path):

@@ -121,8 +121,7 @@ def bucket_and_fleet(args, url: str) -> tuple:
     from kvstore.remote.seal import Fleet, fleet_keys
 
     bucket = open_bucket(url)
-    secrets = fleet_keys(remote_key(args))
-    return bucket, Fleet(secrets[0], secrets[1:])
+    return bucket, Fleet.of(fleet_keys(remote_key(args)))
 
 
 @contextlib.contextmanager

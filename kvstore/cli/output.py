@@ -38,10 +38,20 @@ def out(*parts: Any, **kw: Any) -> None:
 
 
 def uploads_undone(store) -> str | None:
-    """What a command's uploads left undone, in one line (None when nothing was, or no remote)."""
+    """What a command's uploads left undone, in one line with the count of each reason (None
+    when nothing was, or no remote): queued when the store stopped waiting, skipped while the
+    remote was down or for want of their parent, failed, dropped. Said because no later process
+    uploads them: without it, a command run while the endpoint is down ends as if all went up."""
     remote = store.remote
-    n = remote.undone_uploads if remote is not None else 0
+    if remote is None:
+        return None
+    why = remote.not_uploaded()
+    n = sum(why.values())
     if not n:
         return None
-    return (f"{plural(n, 'upload')} not done (the remote did not answer in {remote.flush_timeout:g} s); "
-            "those records are stored on this machine only: no later process uploads them")
+    reasons = {"left": f"still queued when the remote did not answer in {remote.flush_timeout:g} s",
+               "down": "skipped while the remote was down", "no_parent": "skipped for want of their parent in the bucket",
+               "failed": "failed", "dropped": "dropped from a full upload queue"}
+    parts = ", ".join(f"{why[k]} {text}" for k, text in reasons.items() if why[k])
+    return (f"{plural(n, 'upload')} not done ({parts}); those records are stored on this machine only: "
+            "no later process uploads them")

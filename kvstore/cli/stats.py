@@ -103,7 +103,9 @@ def _print_remote(remote: dict | None) -> None:
     out(f"remote: {remote['url']}   uploads: {t['uploads']} ({format_size(t['upload_bytes'])})   "
         f"downloads: {t['downloads']} ({format_size(t['download_bytes'])}; {t['downloads_used']} used{prefetched}, "
         f"{unused} unused)   remote hits: {t['remote_hits']} ({t['partial_restores']} partial)   "
-        f"errors: {t['errors']}   dropped uploads: {t['dropped_uploads']}   past the wait: {t['deadline_misses']}")
+        f"errors: {t['errors']}   dropped uploads: {t['dropped_uploads']}   skipped uploads: "
+        f"{t['skipped_down_uploads']} (remote down) / {t['skipped_no_parent']} (no parent)   "
+        f"past the wait: {t['deadline_misses']}")
     if t.get("refused_uploads"):
         out(f"remote: refused uploads: {t['refused_uploads']} (a blob changed after it was written, or without "
             "a trust tag of this fleet: the warning in the log says which; `kvstore verify` finds them)")

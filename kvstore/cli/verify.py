@@ -155,13 +155,18 @@ def _rebuild(args, why: CorruptIndexError) -> dict:
 
 
 def _verify_remote(args) -> int:
-    """`verify --remote`: download and check every object of the bucket. Namespaces no key of
-    this node opens are notes: the verdict and the exit code are the problems'."""
+    """`verify --remote`: download and check every object of the bucket. What it leaves alone
+    (namespaces no key of this node opens, objects not of the layout) are notes: the verdict and
+    the exit code are the problems'."""
     url = remote_url(args)
     problems = remote_upkeep(args, url, "verify", repair=args.repair)
     notes = getattr(problems, "notes", [])
+    repairable = getattr(problems, "repairable", [])
     if args.json:
-        print(json.dumps({"clean": not problems, "repaired": bool(args.repair and problems),
+        print(json.dumps({"clean": not problems, "repaired": bool(args.repair and repairable),
+                          "repaired_problems": len(repairable) if args.repair else 0,
+                          "left_problems": len(problems) - len(repairable) if args.repair else len(problems),
+                          "deleted_objects": getattr(problems, "deletes", 0) if args.repair else 0,
                           "problems": [p.to_dict() for p in problems], "notes": [n.to_dict() for n in notes]},
                          indent=2))
     else:
@@ -169,10 +174,38 @@ def _verify_remote(args) -> int:
             out(p)  # object keys are the bucket's: any writer of it chose them
         for n in notes:
             out(f"note: {n}")
-        out(f"remote {url}: " + ("clean" if not problems else
-              f"{plural(len(problems), 'problem')} found"
-              + ("; repaired" if args.repair else f"; run `{_repair_command(args, url)}` to delete them")))
+        out(f"remote {url}: " + _remote_summary(args, url, problems, notes))
     return EXIT_PROBLEMS if problems else 0
+
+
+def _remote_summary(args, url: str, problems: list, notes: list) -> str:
+    """The last line of `verify --remote`: what was found, what `--repair` did or would do and
+    what it leaves, in counts; notes are counted, never called problems."""
+    noted = f"{plural(len(notes), 'note')} (left alone: not problems)" if notes else ""
+    if not problems:
+        return "clean" + (f"; {noted}" if noted else "")
+    repairable = getattr(problems, "repairable", [])
+    n, k = len(problems), len(repairable)
+    parts = [f"{plural(n, 'problem')} found"]
+    if args.repair:
+        done = []
+        if getattr(problems, "deletes", 0):
+            done.append(f"deleted {plural(problems.deletes, 'object')}: each damaged one and all below it")
+        if any(p.kind == "rolled_back_pins" for p in repairable):
+            done.append("published this node's pins again")
+        parts.append(f"repaired {k}" + (f" ({'; '.join(done)})" if done else ""))
+        if n > k:
+            parts.append(f"left {n - k} (--repair does not mend them: see their lines)")
+    else:
+        verb = "repair" if any(p.kind == "rolled_back_pins" for p in repairable) else "delete"
+        command = _repair_command(args, url)
+        if k == n:
+            parts.append(f"run `{command}` to {verb} {'it' if n == 1 else 'them'}")
+        elif k:
+            parts.append(f"run `{command}` to {verb} {k} of them (it leaves the other {n - k}: see their lines)")
+        else:
+            parts.append("--repair does not mend them (see their lines)")
+    return "; ".join(parts + ([noted] if noted else []))
 
 
 def _repair_command(args, url: str) -> str:

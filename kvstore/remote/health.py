@@ -100,7 +100,7 @@ class Health:
         return out
 
 
-#: The namespaces' manifests read at most to tell whether any opens with this node's key.
+#: The namespaces' manifests read at most to tell whether any opens with this node's keys.
 KEY_CHECK_FOLDERS = 16
 _NAME = re.compile(r"[0-9a-f]{32}")
 
@@ -109,17 +109,32 @@ def say_if_no_namespace_opens(bucket: Bucket, fleet, ns: bytes, health: Health) 
     """Whether the bucket exists, and whether it holds namespaces of which none opens with this
     node's keys (by their manifests; names are MACs, so which model they are of cannot be told):
     a wrong fleet secret. Said once (the remote tier asks once a process, after a lookup that
-    found nothing of its prompt); a bucket that does not exist is said by `Health.error`."""
+    found nothing of its prompt); a bucket that does not exist is said by `Health.error`.
+
+    A namespace is a folder that holds an object: object stores that keep folders (SeaweedFS)
+    still list one after gc deleted its last object (`gc --remote --drop-key` empties the folders
+    of a dropped key), and it is no namespace. So this node's own folder counts only if it holds
+    something (a node left with a dropped key is told), and the count is of folders that do. It
+    costs a listing of the folders, a listing of at most one key per folder, and a GET of the
+    manifest of the first `KEY_CHECK_FOLDERS` that hold an object: once a process."""
     from kvstore.remote.layout import manifest_key
-    from kvstore.remote.seal import KEY_ENV, Unauthenticated
+    from kvstore.remote.seal import Unauthenticated
+
+    def holds(folder: str) -> bool:
+        return bool(bucket.list_page(folder + "/", 1)[0])
 
     try:
         folders = [f for f in bucket.folders("") if _NAME.fullmatch(f)]
-        if not folders or any(f.ns_name(ns) in folders for f in fleet.keyring()):
+        own = {f.ns_name(ns) for f in fleet.keyring()} & set(folders)
+        if any(holds(folder) for folder in own):
             return
-        for folder in folders[:KEY_CHECK_FOLDERS]:
+        live = 0  # folders that hold an object
+        for folder in (f for f in folders if f not in own):
+            if not holds(folder):
+                continue
+            live += 1
             key = manifest_key(folder)
-            body = bucket.get(key, max_bytes=1 << 20)
+            body = bucket.get(key, max_bytes=1 << 20) if live <= KEY_CHECK_FOLDERS else None
             for f in fleet.keyring() if body is not None else ():
                 try:
                     f.manifest_box(folder).open(key, body)
@@ -129,7 +144,9 @@ def say_if_no_namespace_opens(bucket: Bucket, fleet, ns: bytes, health: Health) 
     except RemoteError as e:  # no such bucket, no answer...: said once
         health.error(e, down=True)
         return
-    health.count("foreign_namespaces", len(folders))
-    log.warning("kvstore: the bucket %s holds %d namespace%s and none opens with this key (%s): is %s the "
-                "fleet's? (nothing stored by the nodes that wrote them can be reused here)", bucket.url,
-                len(folders), "" if len(folders) == 1 else "s", fleet.key_id, KEY_ENV)
+    if not live:
+        return
+    health.count("foreign_namespaces", live)
+    log.warning("kvstore: the bucket %s holds %d namespace%s and none opens with this key (%s, from %s): is it "
+                "the fleet's? (nothing stored by the nodes that wrote them can be reused here)", bucket.url,
+                live, "" if live == 1 else "s", fleet.key_id, printable(fleet.where))

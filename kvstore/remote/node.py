@@ -97,6 +97,16 @@ class Remote:
             spent = self._spent >= self.flush_timeout
         return self._left or (self.uploader.pending_uploads if spent else 0)
 
+    def not_uploaded(self) -> dict[str, int]:
+        """What this process's writer stored and this process did not upload, by why (each
+        record counted once): still queued when the store stopped waiting (`left`, as
+        `undone_uploads`), skipped while the remote was left alone after a failure (`down`),
+        skipped because its parent is not in the bucket (`no_parent`: below one of the others,
+        or a refused one), failed, or dropped from a full queue. No later process uploads them."""
+        c = self.health.counters
+        return {"left": self.undone_uploads, "down": c["skipped_down_uploads"], "no_parent": c["skipped_no_parent"],
+                "failed": c["upload_errors"], "dropped": c["dropped_uploads"]}
+
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued upload is done (or dropped), for at most `timeout` seconds and
         what is left of the store's allowance (`flush_timeout`). False if the time ran out."""

@@ -97,7 +97,16 @@ def parse_key(value: str | bytes, where: str) -> bytes:
     return raw
 
 
-def parse_keys(value, where: str) -> list[bytes]:
+class Keys(list):
+    """The fleet's secrets (the one written with first), and `where` they came from (the
+    environment variable, a key file, `remote_key`): what a message about the key names."""
+
+    def __init__(self, keys, where: str):
+        super().__init__(keys)
+        self.where = where
+
+
+def parse_keys(value, where: str) -> Keys:
     """The fleet's secrets in `value`: one key, or several (text separated by commas or lines, or
     a list), the one written with first and older ones, still read, after (key rotation)."""
     if isinstance(value, (list, tuple)):
@@ -114,14 +123,14 @@ def parse_keys(value, where: str) -> list[bytes]:
         raise InvalidInputError(f"{where}: holds no fleet secret (make one with `{KEY_COMMAND}`)")
     if len(set(keys)) != len(keys):
         raise InvalidInputError(f"{where}: holds the same fleet secret twice")
-    return keys
+    return Keys(keys, where)
 
 
-def fleet_keys(remote_key=None, env: dict | None = None) -> list[bytes]:
-    """The fleet's secrets (`parse_keys`): `remote_key` if given, else `$KVSTORE_REMOTE_KEY`; a
-    remote tier without one is refused."""
+def fleet_keys(remote_key=None, env: dict | None = None) -> Keys:
+    """The fleet's secrets (`parse_keys`): `remote_key` if given (`Keys` read from a key file keep
+    its name), else `$KVSTORE_REMOTE_KEY`; a remote tier without one is refused."""
     if remote_key is not None:
-        return parse_keys(remote_key, "remote_key")
+        return parse_keys(remote_key, getattr(remote_key, "where", "remote_key"))
     value = (os.environ if env is None else env).get(KEY_ENV)
     if not value:
         raise InvalidInputError(
@@ -135,7 +144,7 @@ def fleet_secret(remote_key: str | bytes | None = None, env: dict | None = None)
     return fleet_keys(remote_key, env)[0]
 
 
-def read_key_file(path: str) -> list[bytes]:
+def read_key_file(path: str) -> Keys:
     """The fleet's secrets in a key file (as `kvstore remote-key` prints one; after a rotation,
     the new one first, then the older ones, a line each)."""
     try:
@@ -158,18 +167,25 @@ def _derive(secret: bytes, info: bytes) -> bytes:
 class Fleet:
     """What the fleet secret gives: a `Sealer` per namespace (and tenant), the namespaces' folder
     names, the secret tenants' salts are derived under; `older`: the fleets of the older secrets
-    still read (a rotation not finished)."""
+    still read (a rotation not finished); `where`: where the secret came from, which a message
+    that doubts it names (never the secret)."""
 
-    def __init__(self, secret: bytes, older: list[bytes] | tuple = ()):
+    def __init__(self, secret: bytes, older: list[bytes] | tuple = (), where: str = KEY_ENV):
         if not isinstance(secret, bytes) or len(secret) != KEY_BYTES:
             raise InvalidInputError(f"a fleet secret is {KEY_BYTES} bytes")
         self._secret = secret
+        self.where = where
         self.key_id = key_id(secret)
         self.older = [Fleet(k) for k in older]
         self._ns_names = _derive(secret, _PURPOSE + b" namespace names")
         self._sealers: dict[tuple, Sealer] = {}
         self._tenants: OrderedDict[str, Tenant] = OrderedDict()  # tag -> tenant, for uploads
         self._lock = threading.Lock()
+
+    @classmethod
+    def of(cls, keys: list[bytes]) -> "Fleet":
+        """The fleet of `fleet_keys`' secrets: written with the first, read with each."""
+        return cls(keys[0], keys[1:], getattr(keys, "where", KEY_ENV))
 
     def __repr__(self) -> str:  # never shows the secret
         return f"Fleet(<secret {self.key_id}>)"

@@ -14,6 +14,8 @@ Nothing a bucket writer can put in the bucket steers either (it holds no fleet s
   since dropped) and checks nothing in it; gc counts none of its bytes against `max_bytes`, and
   deletes it only when told (`drop_unknown`) or once its newest object is `UNKNOWN_MAX_AGE`
   old. Its pins keep nothing.
+- An object in a namespace folder that is not of the layout cannot be told to be kvstore's:
+  verify notes it, and neither verify's repair nor gc deletes it.
 - The most bytes a record can be comes from the model's geometry, which the sealed manifest
   states (written by a node that has the model), never from the sizes the bucket holds. A
   namespace whose manifest states none (written before it did) is judged by its contents only.
@@ -71,12 +73,18 @@ class Space:
 
 
 class Findings(list):
-    """What `verify_remote` found: a list of problems, and `notes` (unknown namespaces: nothing
-    in them is judged, and nothing needs doing)."""
+    """What `verify_remote` found: a list of problems; `notes`, what it leaves alone (unknown
+    namespaces, objects in a namespace folder that are not of the layout: nothing in them is
+    judged, nothing needs doing, and they do not make the bucket unclean); `repairable`, the
+    problems repair deals with (with `repair`: dealt with), and `deletes`, the objects it deletes
+    for them (with `repair`: deleted), the damaged ones and everything below them. The other
+    problems are left by repair (each one's detail says why)."""
 
-    def __init__(self, problems=(), notes=()):
+    def __init__(self, problems=(), notes=(), repairable=(), deletes: int = 0):
         super().__init__(problems)
         self.notes: list[Problem] = list(notes)
+        self.repairable: list[Problem] = list(repairable)
+        self.deletes = deletes
 
 
 class _Listing:
@@ -327,33 +335,42 @@ def verify_remote(bucket: Bucket, fleet: Fleet, local=(), *, repair: bool = Fals
     for its key, no larger than its manifest's geometry allows, checksums, header, tokens against
     its names), the tree (no record without its parent) and the pins (no older copy put back).
     `repair` deletes the bad records and, to keep every chain a prefix, everything below them,
-    and publishes this node's pins again if they were rolled back. Unknown namespaces are notes."""
+    and publishes this node's pins again if they were rolled back. What it leaves alone are
+    notes, not problems: unknown namespaces, and objects that are not of the layout (kvstore
+    deletes only what it can tell is its own)."""
     ledger = ledger or Ledger()
     listing = _Listing(bucket)
     spaces = namespaces(bucket, fleet, listing.folders(), local)
     tree, strays = listing.split(spaces)
     problems, bad = _check_records(bucket, tree, spaces, threads)
     pins = read_all(bucket, listing.pins_objects, {f: s.sealer() for f, s in spaces.items()}, ledger)
+    republish: list[Problem] = []  # this node's own pins put back: repair publishes them again
     for r in pins.rollbacks:
         problems.append(Problem("rolled_back_pins", r.path, f"{r}; " + (
             "gc keeps this node's pinned records (its index says which); --repair publishes them again" if r.own
             else "gc deletes nothing of this namespace until that node publishes its pins again")))
+        if r.own and ledger.node is not None and spaces[r.path.partition("/")[0]].fleet is fleet:
+            republish.append(problems[-1])
     for path, why in pins.unreadable:
         problems.append(Problem("corrupt_object", path, f"a pins object that opens and is not one ({why})"))
     for k in tree.orphans():
         problems.append(Problem("orphan_object", k.path, "its parent is not in the bucket", k.hash.hex()))
         bad.add(k.hash)
-    for path in listing.foreign:  # (those in an unknown namespace's folder are in its note)
-        if path.partition("/")[0] in spaces or path.partition("/")[0] not in listing.folders():
-            problems.append(Problem("foreign_object", path, "not a kvstore object (left alone)"))
-    if repair and bad:
-        tree.delete(bucket, tree.subtree(bad) & set(tree.objects))
-    own = {spaces[r.path.partition("/")[0]] for r in pins.rollbacks if r.own}
-    if repair and own and ledger.node is not None:
-        publish(bucket, fleet, ledger, [s.ns for s in own if s.fleet is fleet])
+    gone = tree.subtree(bad) & set(tree.objects)  # what repair deletes
+    if repair and gone:
+        tree.delete(bucket, gone)
+    if repair and republish:
+        publish(bucket, fleet, ledger, [spaces[p.path.partition("/")[0]].ns for p in republish])
+    repairable = [p for p in problems if any(p is q for q in republish) or (p.hash and bytes.fromhex(p.hash) in gone)]
     notes = [Problem("unknown_namespace", folder, _unknown_note(u, listing, folder))
              for folder, u in _unknown(listing, strays, set(spaces), time.time() if now is None else now).items()]
-    return Findings(problems, notes)
+    # Not kvstore's to delete (a writer of the bucket put them there): listed, not judged.
+    # (Those in an unknown namespace's folder are counted in its note.)
+    notes += [Problem("foreign_object", path, "not a kvstore object: left alone (kvstore deletes only what it "
+                      "can tell is its own)")
+              for path in listing.foreign
+              if path.partition("/")[0] in spaces or path.partition("/")[0] not in listing.folders()]
+    return Findings(problems, notes, repairable, len(gone))
 
 
 def _unknown_note(u: dict, listing: _Listing, folder: str) -> str:

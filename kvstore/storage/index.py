@@ -305,10 +305,8 @@ class Index(EvictionSQL, WriteLogSQL, PinSQL):
                 values,
             )
             # A record stored again with pin=True gets pinned.
-            conn.executemany(
-                "UPDATE records SET pinned = 1 WHERE hash = ? AND pinned = 0",
-                [(v[0],) for v in values if v[12]],
-            )
+            conn.executemany("UPDATE records SET pinned = 1 WHERE hash = ? AND pinned = 0",
+                             [(v[0],) for v in values if v[12]])
             inserted = conn.total_changes - before
             faults.hit("in_transaction")
             return inserted
@@ -438,11 +436,7 @@ class Index(EvictionSQL, WriteLogSQL, PinSQL):
                 "chunk_size": chunk_size if whole(chunk_size) and chunk_size > 0 else None,
                 "created": created if type(created) in (int, float) else None,
                 "last_used": max(used) if used else None,
-                "chunks": chunks,
-                "tails": tails,
-                "bytes": stored,
-                "hits": hits,
-                "checkpoints": checkpoints,
+                "chunks": chunks, "tails": tails, "bytes": stored, "hits": hits, "checkpoints": checkpoints,
             })
         return out
 
