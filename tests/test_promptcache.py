@@ -258,6 +258,29 @@ def test_reuse_is_counted_by_tier(llama, tmp_path):
         assert pc.counters["reused_tokens"] == 40
 
 
+def test_a_prompt_restored_from_disk_stays_in_ram_after_its_request(llama, tmp_path):
+    """After a restart, a stored prompt asked for again restores all but its last token from the
+    disk, ending inside its last record; the server then stores prompt and answer (the records it
+    restored from). That sequence is held in RAM, so its next request is served from RAM: it was
+    dropped from RAM at once, its last record being on disk only."""
+    path, model = llama
+    tokens = list(range(100, 138))  # 2 chunks and a tail of 6
+    with kvstore.open(tmp_path / "store", chunk_size=CHUNK) as store:
+        store.bind(model, str(path)).insert(tokens, prefill(model, tokens))
+    with kvstore.open(tmp_path / "store", chunk_size=CHUNK) as store:  # a fresh process's RAM
+        pc = PersistentPromptCache(store)
+        pc.register(KEY, store.bind(model, str(path)))
+        cache, rest = pc.fetch_nearest_cache(KEY, tokens)
+        assert rest == tokens[-1:]
+        model(mx.array([rest]), cache=cache)  # the first step: the cache now holds the whole prompt
+        mx.eval([c.state for c in cache])
+        pc.insert_cache(KEY, tokens + [9], cache)  # prompt and answer, as mlx_lm.server inserts them
+        store.flush()
+        assert len(pc) == 1 and store.stats()["memory"]["records"] == 3
+        assert fetch(pc, model, tokens + [9]) == (len(tokens), [9])
+        assert pc.counters["reused_by_tier"]["memory"] == len(tokens)  # from RAM, not read again
+
+
 @pytest.mark.parametrize("arch", ["qwen3_5", "gemma3_text"])
 def test_inserted_tokens_are_trimmed_for_hybrid_and_sliding_window_caches(demo_model, tmp_path, tier, arch):
     """The same one-token-short insert with recurrent layers (no offset of their own) and sliding

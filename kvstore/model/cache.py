@@ -271,7 +271,10 @@ class ModelCache(ExplicitWrites):
 
     def _keep_in_memory(self, pl: Plan, finals: dict[str, mx.array], sources: list[Source], where: Where) -> None:
         """Records read from beyond RAM go into the memory tier too, as copies of their own (the
-        memory tier must not keep the restored arrays alive: they would stop being written in place)."""
+        memory tier must not keep the restored arrays alive: they would stop being written in place).
+        The last record, which the restore may end inside (a stored prompt asked for again restores
+        all but its last token), is kept whole from its source: else the sequence a server then
+        holds would end in a record that is not in RAM, and be dropped from it."""
         memory = self.backing.memory
         if not memory.capacity:
             return
@@ -281,14 +284,17 @@ class ModelCache(ExplicitWrites):
             if tier is None or tier.in_process:
                 continue
             got = {c.name: (c.lo, c.dst, c.hi) for c in pl.jobs.get(k, ())}
-            if set(got) != set(q.entries) or any(lo != 0 or hi != q.entries[n].shape[2]
-                                                 for n, (lo, _, hi) in got.items()):
+            if set(got) != set(q.entries) or any(lo != 0 for lo, _, _ in got.values()):
                 continue  # only part of it was restored (a sliding window): nothing to keep
+            whole = all(hi == q.entries[n].shape[2] for n, (_, _, hi) in got.items())
+            if not whole and k != len(pl.parts) - 1:
+                continue
             if sum(map(nbytes, q.entries.values())) + 4 * q.ntokens > memory.capacity:
                 continue
             arrays, views = {}, {}
             for name, (lo, dst, hi) in got.items():
-                arrays[name] = mx.array(host_slice(finals[name], dst, dst + hi - lo))
+                arrays[name] = mx.array(host_slice(finals[name], dst, dst + hi - lo) if whole
+                                        else sources[k].array(name))
                 if q.entries[name].tag == "BF16":
                     views[name] = mx.bfloat16
             r = sources[k].id
