@@ -349,11 +349,19 @@ def test_the_wrong_key_line_names_where_the_key_came_from(tmp_path, s3, demo_mod
     prompts.write_text(lines[1] + "\n")  # another prompt: nothing of it is in the bucket
     key_file = tmp_path / "wrong.key"
     key_file.write_text(new_key() + "\n")
+    key_file.chmod(0o644)
     out = cli("warm", "--store", str(tmp_path / "b"), "--prompts", str(prompts), *tiny, "--remote-key-file",
               str(key_file))
     said = [line for line in out.stderr.splitlines() if "none opens with this key" in line]
     assert len(said) == 1 and f"from the remote key file {key_file}" in said[0], out.stderr
     assert "KVSTORE_REMOTE_KEY" not in said[0], said
+    # (mode 644: others may read it, which is said once, with the fix)
+    mode = [line for line in out.stderr.splitlines() if "can be read by other users" in line]
+    assert len(mode) == 1 and f"`chmod 600 {key_file}`" in mode[0], out.stderr
+    key_file.chmod(0o600)
+    out = cli("warm", "--store", str(tmp_path / "b"), "--prompts", str(prompts), *tiny, "--remote-key-file",
+              str(key_file))
+    assert "can be read by other users" not in out.stderr
     out = cli("warm", "--store", str(tmp_path / "c"), "--prompts", str(prompts), *tiny,
               env={"KVSTORE_REMOTE_KEY": new_key()})
     said = [line for line in out.stderr.splitlines() if "none opens with this key" in line]

@@ -32,6 +32,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import logging
 import os
 import re
 import secrets
@@ -150,9 +151,18 @@ def read_key_file(path: str) -> Keys:
     try:
         with open(path, "rb") as f:
             text = f.read(4096)
+            mode = os.fstat(f.fileno()).st_mode
     except OSError as e:
         raise InvalidInputError(f"cannot read the remote key file {path}: {e.strerror or e}") from None
+    if mode & 0o077 and not _warned_modes.get(path):  # as ssh says of a private key others can read
+        _warned_modes[path] = True
+        logging.getLogger("kvstore").warning(
+            "kvstore: warning: the remote key file %s can be read by other users of this machine (mode %o): "
+            "anyone who reads it reads every prompt of the bucket; `chmod 600 %s`", path, mode & 0o777, path)
     return parse_keys(text.decode("ascii", "replace"), f"the remote key file {path}")
+
+
+_warned_modes: dict[str, bool] = {}  # key files whose mode this process warned of
 
 
 def key_id(secret: bytes) -> str:

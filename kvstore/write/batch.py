@@ -57,8 +57,9 @@ def write(dest: Destination, job: Job,
     (still under the lock). None when the rows could not be inserted (their files are removed
     again and the error counted)."""
     hosts = Hosts.of(job)
-    if job.specs and dest.index is not None:
-        dest.landing([spec.hash for spec in job.specs])  # (a download being stored is not written again)
+    if dest.index is not None and (job.specs or job.pin or job.reached):
+        # A download being stored is not written again, and its row is there to pin and type.
+        dest.landing(list(dict.fromkeys([*(spec.hash for spec in job.specs), *job.pin, *job.reached])))
     staged = _stage(dest, job, hosts)
     # Shared with other writers, exclusive of gc and repair: from "is it stored?" to the row.
     lock = blobtree.tree_lock(dest.root, exclusive=False) if dest.root is not None else nullcontext()
