@@ -323,7 +323,7 @@ def resolve(given: Mapping[str, Any], kept: Mapping[str, str | None],
     `damaged` value, else the default, with one `warn` naming the command that mends it in
     `store`), else the default: the table's, or an interface's own in `defaults` (`kvstore
     serve`'s: `serve_defaults`)."""
-    where = f" --store {shlex.quote(str(store))}" if store is not None else ""
+    where = store_option(store)
     defaults = defaults or {}
     out: dict[str, tuple[Any, str]] = {}
     for s in STORE_SETTINGS:
@@ -366,8 +366,12 @@ def damaged_reads(s: Setting) -> str:
 
 def keep_one(s: Setting, store: object = None) -> str:
     """The command that keeps a value of `s` (in `store`, when given), and what it may be."""
-    where = f" --store {shlex.quote(str(store))}" if store is not None else ""
-    return f"`kvstore settings{where} {s.name}=VALUE` keeps one ({s.allowed()})"
+    return f"`kvstore settings{store_option(store)} {s.name}=VALUE` keeps one ({s.allowed()})"
+
+
+def store_option(store: object = None) -> str:
+    """` --store PATH` (quoted for a shell) for a command a message suggests; "" without a store."""
+    return f" --store {shlex.quote(str(store))}" if store is not None else ""
 
 
 def report(resolved: Mapping[str, tuple[Any, str]]) -> dict[str, dict]:

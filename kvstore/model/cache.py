@@ -270,11 +270,10 @@ class ModelCache(ExplicitWrites):
         return {end: h for h, (_, end) in wanted.items() if h in opening.where}
 
     def _keep_in_memory(self, pl: Plan, finals: dict[str, mx.array], sources: list[Source], where: Where) -> None:
-        """Records read from beyond RAM go into the memory tier too, as copies of their own (the
-        memory tier must not keep the restored arrays alive: they would stop being written in place).
-        The last record, which the restore may end inside (a stored prompt asked for again restores
-        all but its last token), is kept whole from its source: else the sequence a server then
-        holds would end in a record that is not in RAM, and be dropped from it."""
+        """Records read from beyond RAM go into the memory tier too, as copies of their own (the memory tier
+        must not keep the restored arrays alive: they would stop being written in place). The last record, which
+        the restore may end inside (a prompt asked for again restores all but its last token), is kept whole
+        from its source: a server's sequence ends in it, and one whose end is not in RAM is dropped from RAM."""
         memory = self.backing.memory
         if not memory.capacity:
             return
@@ -287,9 +286,8 @@ class ModelCache(ExplicitWrites):
             if set(got) != set(q.entries) or any(lo != 0 for lo, _, _ in got.values()):
                 continue  # only part of it was restored (a sliding window): nothing to keep
             whole = all(hi == q.entries[n].shape[2] for n, (_, _, hi) in got.items())
-            if not whole and k != len(pl.parts) - 1:
-                continue
-            if sum(map(nbytes, q.entries.values())) + 4 * q.ntokens > memory.capacity:
+            if (not whole and k != len(pl.parts) - 1) or sum(map(nbytes, q.entries.values())) + 4 * q.ntokens > \
+                    memory.capacity:
                 continue
             arrays, views = {}, {}
             for name, (lo, dst, hi) in got.items():
