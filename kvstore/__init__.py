@@ -18,6 +18,7 @@ from kvstore.errors import (
     NotAStoreError,
     SchemaTooNewError,
     StoreOpenError,
+    UnknownTenantError,
 )
 
 # The rest is imported on first use (PEP 562): `import kvstore` then costs no mlx, so maintenance
@@ -63,6 +64,7 @@ __all__ = [
     "SchemaTooNewError",
     "Store",
     "StoreOpenError",
+    "UnknownTenantError",
     "default_path",
     "open",
 ]

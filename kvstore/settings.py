@@ -174,6 +174,18 @@ def _duration(s: Setting, value: Any) -> float:
     return float(_number(value, parse_duration, "a duration", "10s or 2m"))
 
 
+def gc_bounds(max_bytes: Any, max_age: Any) -> tuple[int | None, float | None]:
+    """A gc's bounds (`Store.gc`): `max_bytes` a size (`500MB`, or bytes) and `max_age` a duration
+    (`7d`, or seconds), each 0 or more, or None; `InvalidInputError` naming the one that is not."""
+    out = []
+    for name, value, kind in (("max_bytes", max_bytes, _size), ("max_age", max_age, _duration)):
+        try:
+            out.append(None if value is None else kind(BY_NAME["memory_bytes"], value))  # (a size with no "off")
+        except (ValueError, TypeError) as e:
+            raise InvalidInputError(f"{name}: {e}") from None
+    return out[0], out[1]
+
+
 def _count(s: Setting, value: Any) -> int:
     if isinstance(value, str):
         try:

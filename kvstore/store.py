@@ -256,6 +256,8 @@ class Store:
         self._check_open()
         if kv_bits is not None and kv_bits not in (2, 3, 4, 5, 6, 8):
             raise InvalidInputError(f"kv_bits must be one of 2, 3, 4, 5, 6, 8, got {kv_bits!r}")
+        if fingerprint is not None and (not isinstance(fingerprint, bytes) or len(fingerprint) != 16):
+            raise InvalidInputError(f"fingerprint must be kvstore's 16-byte fingerprint, not {fingerprint!r:.30}")
         layout, codecs = describe(model, make_template(model, kv_bits, kv_group_size), self.disk_kv_bits)
         chunk_size = self.chunk_size
         if self.exact_prefill:  # its own namespace, of records one step long (see kvstore.model.prefill)
@@ -353,6 +355,7 @@ class Store:
         model version whose files are gone or changed, and all of the tenants `drop_tenants` (tags), pinned ones
         too). A budget evicts stale versions first (their pins kept). See `upkeep.gc` and `upkeep.evict`."""
         self._check_open()
+        max_bytes, max_age = settings.gc_bounds(max_bytes, max_age)
         if self.files is None:
             if drop_tenants:  # (a store in RAM keeps no tenant's records apart)
                 raise InvalidInputError("drop_tenants needs a store on disk, not one in RAM: nothing deleted")

@@ -646,3 +646,34 @@ def test_blobs_are_standard_safetensors_and_the_index_a_plain_sqlite_file(tmp_pa
             "pinned"} <= set(db["records"].columns_dict)
     assert {"parent", "first_token", "hash", "tenant"} == set(db["children"].columns_dict)
     assert [r["version"] for r in db["schema_migrations"].rows] == [v for v, *_ in available_migrations()]
+
+
+def test_library_bounds_and_ids_of_the_wrong_kind_are_refused_and_delete_nothing(llama, tmp_path, caplog):
+    """gc's bounds read as `kvstore.open`'s settings do (a size, a duration, never negative), a
+    fingerprint is kvstore's 16 bytes, and a server's lookup of token ids that are no ids is a
+    logged miss: an InvalidInputError (or a miss), never a bare TypeError or a store emptied."""
+    from kvstore import PersistentPromptCache, UnknownTenantError
+
+    assert issubclass(UnknownTenantError, InvalidInputError)
+    path, model = llama
+    tokens = list(range(100, 140))
+    with kvstore.open(tmp_path / "s", chunk_size=16) as store:
+        mc = store.bind(model, str(path))
+        mc.insert(tokens, prefill(model, tokens))
+        store.flush()
+        held = store.stats()["bytes"]
+        for bad in (-5, "lots", True, [1]):
+            with pytest.raises(InvalidInputError, match="max_bytes"):
+                store.gc(max_bytes=bad)
+        with pytest.raises(InvalidInputError, match="max_age: -1 is negative"):
+            store.gc(max_age=-1)
+        assert store.stats()["bytes"] == held
+        assert store.gc(max_bytes="1GB")["evicted"] == 0 and store.gc(max_age="7d")["evicted"] == 0
+        for bad in ("abc", b"short"):
+            with pytest.raises(InvalidInputError, match="16-byte fingerprint"):
+                store.bind(model, str(path), fingerprint=bad)
+        pc = PersistentPromptCache(store)
+        pc.register("m", mc)
+        asked = [float(t) + 0.5 for t in tokens]
+        assert pc.fetch_nearest_cache("m", asked) == (None, asked)  # a miss, with what was asked
+        assert pc.counters["fetch_errors"] == 1

@@ -27,6 +27,7 @@ from kvstore.keys import checkpoint_hash
 from kvstore.model.blas import long_prefill_note
 from kvstore.model.cache import ModelCache
 from kvstore.model.prefill import prompt_cache
+from kvstore.model.tokens import as_tokens
 from kvstore.serve.binding import IN_RAM, Binding, KeyBindings
 from kvstore.serve.firststeps import FirstSteps
 from kvstore.serve.ramlru import CACHE_TYPES, RamSequences, SystemPrompts
@@ -146,7 +147,7 @@ class PersistentPromptCache:
                 if not isinstance(binding, Binding):
                     return self._fetch_elsewhere(binding, (model, tenant_id) if self.tenants.active else model,
                                                  tokens)
-                toks = np.asarray(tokens, dtype=np.int32)  # once, for both lookups
+                toks = as_tokens(tokens)  # once, for both lookups (InvalidInputError: a miss)
                 mc = binding.choose(toks, self._tenant(tenant_id))
                 self._settle()  # records RAM let go while the writer held them are gone from it now
                 in_ram = mc.ram_length(toks)
@@ -281,7 +282,7 @@ class PersistentPromptCache:
                 binding = binding or self._resolve(model, tokens)
                 if not isinstance(binding, Binding):
                     return {**out, "refused": f"this model's caches are not stored ({binding})"}
-                toks = np.asarray(tokens, dtype=np.int32)
+                toks = as_tokens(tokens)
                 out = binding.choose(toks, self._tenant(tenant_id)).load_into_ram(toks)
                 if "refused" in out:
                     self.counters["prefetches_refused"] += 1
