@@ -677,3 +677,23 @@ def test_library_bounds_and_ids_of_the_wrong_kind_are_refused_and_delete_nothing
         asked = [float(t) + 0.5 for t in tokens]
         assert pc.fetch_nearest_cache("m", asked) == (None, asked)  # a miss, with what was asked
         assert pc.counters["fetch_errors"] == 1
+
+
+def test_a_cache_of_another_model_is_refused_at_insert(llama, demo_model, tmp_path):
+    """The same layers and cache classes, other head sizes: refused with what differs, nothing
+    stored (it would be restored into this model and crash its next step)."""
+    from mlx_lm import load
+
+    path, model = llama
+    other = load(str(demo_model("llama", "small")))[0]
+    tokens = list(range(100, 140))
+    with kvstore.open(tmp_path / "s", chunk_size=16) as store:
+        mc = store.bind(model, str(path))
+        foreign = prefill(other, tokens)
+        if [type(c) for c in foreign] != [type(c) for c in mc.new_cache()] or len(foreign) != len(mc.new_cache()):
+            pytest.skip("the small demo model has another layer count: the layer check refuses it first")
+        with pytest.raises(InvalidInputError, match=r"cache layer 0's keys is .* not the .* a cache of another model"):
+            mc.insert(tokens, foreign)
+        store.flush()
+        assert store.stats()["bytes"] == 0 and store.stats()["memory"]["records"] == 0
+        assert mc.insert(tokens, prefill(model, tokens)) > 0  # its own still goes in

@@ -270,10 +270,9 @@ class ModelCache(ExplicitWrites):
         return {end: h for h, (_, end) in wanted.items() if h in opening.where}
 
     def _keep_in_memory(self, pl: Plan, finals: dict[str, mx.array], sources: list[Source], where: Where) -> None:
-        """Records read from beyond RAM go into the memory tier too, as copies of their own (the memory tier
-        must not keep the restored arrays alive: they would stop being written in place). The last record, which
-        the restore may end inside (a prompt asked for again restores all but its last token), is kept whole
-        from its source: a server's sequence ends in it, and one whose end is not in RAM is dropped from RAM."""
+        """Records read from beyond RAM go into the memory tier too, as copies (the restored arrays are written
+        in place later). The last, which the restore may end inside (a prompt asked again), is kept whole from
+        its source: a server's sequence ends in it, and one whose end is not in RAM is dropped from RAM."""
         memory = self.backing.memory
         if not memory.capacity:
             return
@@ -479,14 +478,15 @@ class ModelCache(ExplicitWrites):
             if type(layer) is not codec.cls:
                 hint = (" (bind with kv_bits to store quantized caches)" if isinstance(layer, QuantizedKVCache)
                         else " (quantize it as mlx-lm does, or bind without kv_bits)" if self.kv_bits else "")
-                raise InvalidInputError(
-                    f"cache layer {i} is a {type(layer).__name__}; this model's layout has "
-                    f"{codec.cls.__name__}{hint}")
+                raise InvalidInputError(f"cache layer {i} is a {type(layer).__name__}; this model's layout has "
+                                        f"{codec.cls.__name__}{hint}")
             offset = codec.offset(layer)
             if offset is not None and offset != n:
                 raise InvalidInputError(
                     f"cache layer {i} has processed {offset} tokens but {n} tokens were given: "
                     "insert the tokens the cache actually holds")
+        if (why := self.check.cache(cache, n)) is not None:
+            raise InvalidInputError(f"{why}: a cache of another model")
 
 
 def _windowed(c: Codec) -> bool:

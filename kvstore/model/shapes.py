@@ -26,6 +26,7 @@ class RecordCheck:
     def __init__(self, model, codecs: list[Codec], new_cache: Callable[[], list], model_id: str):
         self.model, self.codecs, self.new_cache, self.model_id = model, codecs, new_cache, model_id
         self._shapes: tuple[dict, dict] | None | bool = False  # False: not traced yet
+        self._raw: dict[str, tuple[tuple, mx.Dtype]] = {}  # what each layer holds, before encoding
         self._bound: SizeBound | None | bool = False  # False: not worked out yet
         self._checked: set[tuple] = set()  # record layouts already found to be this model's
         # The same, by the identity of a tensor table shared by every blob of its layout (blobs
@@ -48,6 +49,32 @@ class RecordCheck:
         if len(self._known) >= 1024:
             self._known.clear()
         self._known.setdefault(id(entries), (entries, set()))[1].add((kind, ntokens))
+
+    def cache(self, cache: list, n: int) -> str | None:
+        """Why the caller's `cache` (of `n` tokens) is not one of this model, or None: each
+        layer's arrays must have this model's shapes but for the token axis, and its dtypes (a
+        cache of another model would be stored, then restored into this one and crash it)."""
+        if self._expected_shapes() is None:
+            return None
+
+        def walk(codec: Codec, layer, prefix: str) -> str | None:
+            if isinstance(codec, CacheListCodec):
+                return next(filter(None, (walk(c, sub, f"{prefix}.{j}")
+                                          for j, (c, sub) in enumerate(zip(codec.subs, layer.caches)))), None)
+            plain = codec.slices(layer, n)  # the layer's own arrays, when they are: no mlx op made
+            held = {k: v[0] for k, v in plain.items()} if plain is not None else \
+                {k: v[0] for k, v in codec.deltas(layer, n).items()}
+            for raw, delta in held.items():
+                want = self._raw.get(f"{prefix}.{raw}")
+                shape = tuple(delta.shape)
+                if want is not None and (delta.dtype != want[1] or len(shape) != len(want[0]) or any(
+                        a != b for i, (a, b) in enumerate(zip(shape, want[0])) if i != 2)):
+                    return (f"cache layer {prefix}'s {raw} is {delta.dtype} {list(shape)}, not the "
+                            f"{want[1]} {list(want[0][:2]) + ['n'] + list(want[0][3:])} this model's cache holds")
+            return None
+
+        return next(filter(None, (walk(c, layer, str(i)) for i, (c, layer) in enumerate(zip(self.codecs, cache)))),
+                    None)
 
     def bound(self) -> SizeBound | None:
         """The most bytes a record of this model can be (None if the model cannot be traced);
@@ -103,6 +130,7 @@ class RecordCheck:
                             leaves(c, sub_layer, f"{prefix}.{j}")
                         return
                     for raw, (delta, _) in codec.deltas(layer, 1).items():
+                        self._raw[f"{prefix}.{raw}"] = (tuple(delta.shape), delta.dtype)
                         for name, a in codec.encode(raw, delta).items():  # what records hold
                             deltas[f"{prefix}.{name}"] = (tuple(a.shape), a.dtype, prefix)
                     if isinstance(codec, ArraysCodec):
