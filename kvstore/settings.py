@@ -175,12 +175,12 @@ def _duration(s: Setting, value: Any) -> float:
 
 
 def gc_bounds(max_bytes: Any, max_age: Any) -> tuple[int | None, float | None]:
-    """A gc's bounds (`Store.gc`): `max_bytes` a size (`500MB`, or bytes) and `max_age` a duration
-    (`7d`, or seconds), each 0 or more, or None; `InvalidInputError` naming the one that is not."""
+    """A gc's bounds (`Store.gc`): a size (`500MB`, or bytes) and a duration (`7d`, or seconds), 0
+    or more, or None; `InvalidInputError` naming the one that is not (read as a size with no off)."""
     out = []
     for name, value, kind in (("max_bytes", max_bytes, _size), ("max_age", max_age, _duration)):
         try:
-            out.append(None if value is None else kind(BY_NAME["memory_bytes"], value))  # (a size with no "off")
+            out.append(None if value is None else kind(BY_NAME["memory_bytes"], value))
         except (ValueError, TypeError) as e:
             raise InvalidInputError(f"{name}: {e}") from None
     return out[0], out[1]
@@ -381,8 +381,7 @@ def keep_one(s: Setting, store: object = None) -> str:
     return f"`kvstore settings{store_option(store)} {s.name}=VALUE` keeps one ({s.allowed()})"
 
 
-def store_option(store: object = None) -> str:
-    """` --store PATH` (quoted for a shell) for a command a message suggests; "" without a store."""
+def store_option(store: object = None) -> str:  # ` --store PATH` in a command a message suggests
     return f" --store {shlex.quote(str(store))}" if store is not None else ""
 
 
@@ -462,9 +461,7 @@ def given(args: argparse.Namespace, table: tuple[Setting, ...] = STORE_SETTINGS)
     for s in table:
         if hasattr(args, dest(s)):
             value = getattr(args, dest(s))
-            if value is None and (s.off or s.kind == "bits"):
-                value = "off"  # given as off (or 0): None would mean "not given"
-            out[s.name] = value
+            out[s.name] = "off" if value is None and (s.off or s.kind == "bits") else value  # (None: not given)
     return out
 
 

@@ -320,8 +320,7 @@ class PersistentPromptCache:
             log.info("kvstore: not stored: %d tokens is over the cap of %d tokens per request",
                      len(held), self.max_insert_tokens)
             return
-        if cache_type not in CACHE_TYPES:
-            cache_type = "assistant"
+        cache_type = cache_type if cache_type in CACHE_TYPES else "assistant"
         mc = binding.for_cache(prompt_cache, tenant)
         if self.first_steps.wrong(held):  # its restore missed its canary: its K/V are not stored again
             return
