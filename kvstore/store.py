@@ -136,7 +136,7 @@ class Store:
         disk = DiskTier(self.index, self.blob_root, budget, self.trust) if self.files is not None else None
         self.writer = Writer(self.index if writes else None, self.blob_root if writes else None, self.memory,
                              value["max_pending_bytes"], fsync=fsync, gate=self.gate,
-                             access=disk.access if disk else None, trust=self.trust)
+                             access=disk.access if disk else None, trust=self.trust, exact=bool(self.exact_prefill))
         self._wire(budget, disk)
         self.disk = disk
         self.tiers = self._tiers(disk)

@@ -196,3 +196,24 @@ def test_ctrl_c_in_exact_mode_counts_a_prompt_stored_whole(tmp_path, llama):
         with pytest.raises(Stop):
             mc.prefill(prompt, progress=progress)
         assert told == [32, 32, 6] and mc.stored_whole(prompt) and not mc.stored_whole(prompt + [1])
+
+
+def test_a_stored_prompt_keeps_its_own_restore_when_longer_and_shorter_ones_are_stored(llama, tmp_path):
+    """In exact mode a restore ends at a step or at a stored prompt's own end, never inside a
+    tail: so a prompt's tail is not dropped when a prompt one token longer is stored (the writer
+    drops such older tails out of exact mode), and a prompt whose tokens a longer one's records
+    hold, but not ending where its own restore must end, is stored with records of its own."""
+    path, model = llama
+    long = toks(3 * S + 12, 9)  # 3 steps and 12 tokens
+    longer, prefix = long + [7], long[: 2 * S]  # one token more; a whole number of steps, inside `long`
+    with kvstore.open(tmp_path / "s", chunk_size=C, exact_prefill=S) as store:
+        mc = store.bind(model, str(path))
+        for prompt in (long, longer, prefix, long):
+            mc.prefill(prompt)
+        store.flush()
+    with kvstore.open(tmp_path / "s", chunk_size=C, exact_prefill=S, memory_bytes=0) as store:
+        mc = store.bind(model, str(path))
+        for prompt in (long, longer, prefix):
+            _, rest = mc.fetch(prompt)
+            assert len(rest) == 1, (len(prompt), len(rest))  # all but the last token, each
+            assert mc.stored_whole(prompt)

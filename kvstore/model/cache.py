@@ -22,7 +22,6 @@ import threading
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import QuantizedKVCache
 
 from kvstore import keys
 from kvstore.canary import Canary
@@ -158,7 +157,9 @@ class ModelCache(ExplicitWrites):
             return self.new_cache(), toks.tolist()
         reached: list[bytes] = []
         try:
-            chain = prompt_records(self.ns, toks, self.chunk_size, tail=False)
+            # (exact: the whole steps of what may be restored, so a step that ends on the last token
+            # leaves room for a stored prompt's own tail, which ends just before it)
+            chain = prompt_records(self.ns, toks[:-1] if self.exact else toks, self.chunk_size, tail=False)
             lookup = Lookup(self.ns, toks, self.chunk_size, [s.hash for s in chain],
                             object_bytes=self.check.bound(), tenant=self.tenant)
             try:
@@ -413,7 +414,7 @@ class ModelCache(ExplicitWrites):
         role = _role(cache_type)
         if len(toks) == 0:
             raise InvalidInputError("insert needs at least one token")
-        self._check_cache(cache, len(toks))
+        self.check.caller(cache, len(toks), self.kv_bits)
         if not self.registered:  # rows need their model's row, which bind could not write
             self.registered = self.register()
             if not self.registered:
@@ -460,33 +461,19 @@ class ModelCache(ExplicitWrites):
 
     def stored_whole(self, tokens: Tokens) -> bool:
         """Whether this machine stores all of `tokens` (in exact mode, all but the last one: the
-        first generation step's), as `prefill` stores a prompt."""
-        part = self.stored_part(as_tokens(tokens))
+        first generation step's), as `prefill` stores a prompt: in exact mode, its own records,
+        since a restore ends only at a step or at a stored prompt's own end, never inside a tail."""
+        toks = as_tokens(tokens)
+        if self.exact:
+            need = self._durable(toks)
+            return {s.hash for s in need} <= self.backing.tiers.holds(need)
+        part = self.stored_part(toks)
         return self.stored_length(part) >= len(part)
 
     def _durable(self, toks: np.ndarray) -> list[Span]:
         """The records that must be on disk for `toks` to be stored whole (with the end checkpoint
         a recurrent model restores from)."""
         return self.records(self.stored_part(toks), checkpoint=self.checkpointed)
-
-    def _check_cache(self, cache: list, n: int) -> None:
-        if not isinstance(cache, (list, tuple)):
-            raise InvalidInputError(f"cache must be a list of mlx-lm cache objects, got {type(cache).__name__}")
-        if len(cache) != len(self.codecs):
-            raise InvalidInputError(f"cache has {len(cache)} layers; this model's cache has {len(self.codecs)}")
-        for i, (codec, layer) in enumerate(zip(self.codecs, cache)):
-            if type(layer) is not codec.cls:
-                hint = (" (bind with kv_bits to store quantized caches)" if isinstance(layer, QuantizedKVCache)
-                        else " (quantize it as mlx-lm does, or bind without kv_bits)" if self.kv_bits else "")
-                raise InvalidInputError(f"cache layer {i} is a {type(layer).__name__}; this model's layout has "
-                                        f"{codec.cls.__name__}{hint}")
-            offset = codec.offset(layer)
-            if offset is not None and offset != n:
-                raise InvalidInputError(
-                    f"cache layer {i} has processed {offset} tokens but {n} tokens were given: "
-                    "insert the tokens the cache actually holds")
-        if (why := self.check.cache(cache, n)) is not None:
-            raise InvalidInputError(f"{why}: a cache of another model")
 
 
 def _windowed(c: Codec) -> bool:

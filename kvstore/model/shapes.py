@@ -1,6 +1,7 @@
-"""What a record read from beyond this process must hold: the names, shapes and dtypes of the
-arrays this model's cache has. A blob that passed its checksums can still have been planted, or
-taken back by a rebuild from another model's files; a wrong one would crash generation or be wrong.
+"""What a record read from beyond this process must hold, and a cache a caller inserts: the
+names, shapes and dtypes of the arrays this model's cache has. A blob that passed its checksums
+can still have been planted, or taken back by a rebuild from another model's files; a wrong one
+would crash generation or be wrong.
 """
 
 from __future__ import annotations
@@ -9,8 +10,9 @@ import logging
 from typing import Callable
 
 import mlx.core as mx
+from mlx_lm.models.cache import QuantizedKVCache
 
-from kvstore.errors import BlobError
+from kvstore.errors import BlobError, InvalidInputError
 from kvstore.records import CHECKPOINT
 from kvstore.restore.arrays import mx_dtype
 from kvstore.restore.codecs import ArraysCodec, CacheListCodec, Codec
@@ -50,12 +52,27 @@ class RecordCheck:
             self._known.clear()
         self._known.setdefault(id(entries), (entries, set()))[1].add((kind, ntokens))
 
-    def cache(self, cache: list, n: int) -> str | None:
-        """Why the caller's `cache` (of `n` tokens) is not one of this model, or None: each
-        layer's arrays must have this model's shapes but for the token axis, and its dtypes (a
-        cache of another model would be stored, then restored into this one and crash it)."""
+    def caller(self, cache: list, n: int, kv_bits: int | None) -> None:
+        """InvalidInputError unless the caller's `cache` (of `n` tokens, to insert) is one of this
+        model: its layers, their classes (`kv_bits`: quantized, as bound), the tokens each has
+        processed, and each array's shape but for the token axis and its dtype (a cache of
+        another model would be stored, then restored into this one and crash its next step)."""
+        if not isinstance(cache, (list, tuple)):
+            raise InvalidInputError(f"cache must be a list of mlx-lm cache objects, got {type(cache).__name__}")
+        if len(cache) != len(self.codecs):
+            raise InvalidInputError(f"cache has {len(cache)} layers; this model's cache has {len(self.codecs)}")
+        for i, (codec, layer) in enumerate(zip(self.codecs, cache)):
+            if type(layer) is not codec.cls:
+                hint = (" (bind with kv_bits to store quantized caches)" if isinstance(layer, QuantizedKVCache)
+                        else " (quantize it as mlx-lm does, or bind without kv_bits)" if kv_bits else "")
+                raise InvalidInputError(f"cache layer {i} is a {type(layer).__name__}; this model's layout has "
+                                        f"{codec.cls.__name__}{hint}")
+            offset = codec.offset(layer)
+            if offset is not None and offset != n:
+                raise InvalidInputError(f"cache layer {i} has processed {offset} tokens but {n} tokens were given: "
+                                        "insert the tokens the cache actually holds")
         if self._expected_shapes() is None:
-            return None
+            return
 
         def walk(codec: Codec, layer, prefix: str) -> str | None:
             if isinstance(codec, CacheListCodec):
@@ -73,8 +90,10 @@ class RecordCheck:
                             f"{want[1]} {list(want[0][:2]) + ['n'] + list(want[0][3:])} this model's cache holds")
             return None
 
-        return next(filter(None, (walk(c, layer, str(i)) for i, (c, layer) in enumerate(zip(self.codecs, cache)))),
-                    None)
+        why = next(filter(None, (walk(c, layer, str(i)) for i, (c, layer) in enumerate(zip(self.codecs, cache)))),
+                   None)
+        if why is not None:
+            raise InvalidInputError(f"{why}: a cache of another model")
 
     def bound(self) -> SizeBound | None:
         """The most bytes a record of this model can be (None if the model cannot be traced);

@@ -23,7 +23,11 @@ def drop_redundant(dest: Destination, job: Job, written: list[Span]) -> None:
     parent, their tokens a prefix of its tokens, and every layer's K/V for those tokens in
     it (a sliding window that slid past them does not count). A multi-turn chat then keeps
     one tail per branch instead of one per turn. The DELETE refuses a pinned record, one with
-    children such as a checkpoint, and one whose newer record is gone."""
+    children such as a checkpoint, and one whose newer record is gone. In exact mode nothing is
+    dropped: a restore cannot end inside the newer tail, so the older one is the only restore of
+    its prompt."""
+    if dest.keep_prefixes:
+        return
     pairs = [pair for spec in written if job.holds_all_layers(spec) for pair in _older_prefixes(dest, job, spec)]
     if not pairs:
         return

@@ -150,6 +150,9 @@ class Destination:
     # for those a download is storing on the local disk (`tiers.writethrough`), so none is
     # written twice; set where the store is built, when it has a remote tier.
     landing: Callable[[list[bytes]], None] = lambda hashes: None
+    # Exact mode: an older tail is never dropped for a newer one that holds its tokens, since an
+    # exact restore ends only at a step or at a stored prompt's own end (`write.dedup`).
+    keep_prefixes: bool = False
 
     def remember_complete(self, h: bytes) -> None:
         self.complete[h] = None

@@ -41,7 +41,7 @@ class Writer:
 
     def __init__(self, index: Index | None, root: Path | None, memory: MemoryTier,
                  max_pending_bytes: int, fsync: bool = True, gate: Gate | None = None,
-                 access: AccessTimes | None = None, trust: Trust | None = None):
+                 access: AccessTimes | None = None, trust: Trust | None = None, exact: bool = False):
         self.index, self.root, self.memory = index, root, memory
         self.max_pending_bytes = max_pending_bytes
         # Told the rows of each batch once committed (still under the tree lock), on this thread:
@@ -53,7 +53,7 @@ class Writer:
         self.on_unqueue: list[Callable[[list[bytes]], None]] = []
         self.access = access  # the disk tier's uses of records: written with the gate's counts
         self._dest = Destination(index, root, memory, fsync, gate=gate, between_records=self._let_reads_go,
-                                 trust=trust)
+                                 trust=trust, keep_prefixes=exact)
         self._reads = 0  # restores running now (`reading`): the writer waits for them between records
         self.gate = gate
         self.stats: WriterStats = self._dest.stats
