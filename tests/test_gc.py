@@ -380,3 +380,23 @@ def test_a_record_stored_below_a_branch_gc_evicts_while_it_runs_goes_too(tmp_pat
         result = store.gc(max_bytes=0)
         assert result["evicted"] == 4 and _hashes(store) == set()
         assert store.verify() == []  # no orphan row, and the new record's file is gone too
+
+
+def test_warming_a_stored_prompt_again_counts_as_a_use(tmp_path, llama):
+    """A prompt warmed again (nothing to compute) is used now: a budget that holds one of two
+    prompts keeps it, and evicts the other, warmed once since."""
+    path, model = llama
+    first, second = [list(range(100 + k, 100 + k + 40)) for k in (0, 500)]
+    with kvstore.open(tmp_path / "s", chunk_size=16) as store:
+        mc = store.bind(model, str(path))
+        mc.prefill(first)
+        time.sleep(0.05)
+        mc.prefill(second)
+        time.sleep(0.05)
+        assert mc.prefill(first)[1:] == (40, 0)  # stored already: reused, nothing computed
+        store.flush()
+        rows = {r.hash: r for r in store.index.rows()}
+        keep = [rows[h] for h in mc.record_hashes(first)]
+        store.gc(max_bytes=sum(r.size for r in keep))
+        assert set(mc.record_hashes(first)) <= {r.hash for r in store.index.rows()}
+        assert not set(mc.record_hashes(second)) & {r.hash for r in store.index.rows()}

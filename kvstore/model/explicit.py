@@ -59,6 +59,9 @@ class ExplicitWrites:
             if not pin or self._pin(toks):
                 if role:  # stored already: its type only
                     self.mark(toks, cache_type)
+                # A use, as a fetch of it is: a budget evicts the least recently used first, and
+                # warming a prompt again (from cron, say) is how it is kept fresh.
+                self.backing.tiers.touch([s.hash for s in self._durable(toks)])
                 return True
         return False
 
