@@ -240,3 +240,21 @@ def test_one_parser_one_declaration_and_one_word_for_no_limit(tmp_path, capsys):
         assert main(["gc", "--store", str(tmp_path / "s"), "--max-bytes", word]) == 0
         assert main(["gc", "--store", str(tmp_path / "s"), "--max-age", word]) == 0
     assert "freed 0 B" in capsys.readouterr().out
+
+
+def test_a_prompt_whose_tail_a_longer_one_holds_is_said_to_be_on_disk(tmp_path, llama):
+    """The writer keeps one tail a branch: a prompt stored, then the same prompt and one token
+    more, leaves the first's tail to the longer one. Its tokens are on disk all the same, and the
+    report says so (it said they were in RAM only, lost at exit)."""
+    path, model = llama
+    prompt = list(range(100, 140))
+    with kvstore.open(tmp_path / "s", chunk_size=C) as store:
+        mc = store.bind(model, str(path))
+        mc.prefill(prompt)
+        mc.prefill(prompt + [7])
+        store.flush()
+        assert store.stats()["writer"]["redundant_dropped"] == 1
+        placed = mc.placement(prompt)
+        assert (placed.on_disk, placed.in_ram) == (40, 0), placed.text()
+    with kvstore.open(tmp_path / "s", chunk_size=C) as store:  # and so it is: a new process restores it
+        assert len(store.bind(model, str(path)).fetch(prompt)[1]) == 1

@@ -32,7 +32,7 @@ from kvstore.model import fingerprint as fingerprints
 from kvstore.model.backing import Backing
 from kvstore.model.explicit import CHECKPOINT_EVERY, PIN_ATTEMPTS, ExplicitWrites, _role
 from kvstore.model.layout import make_template
-from kvstore.model.lookup import Opening, kept_canary, match
+from kvstore.model.lookup import Opening, Tiers, kept_canary, match
 from kvstore.model.shapes import RecordCheck
 from kvstore.model.tokens import Tokens, as_tokens
 from kvstore.records import CHECKPOINT, RecordId, Span, checkpoint_of, prompt_records
@@ -308,17 +308,24 @@ class ModelCache(ExplicitWrites):
     def placement(self, tokens: Tokens) -> Placement:
         """How many of the tokens of `tokens` have their records on disk, queued for the writer,
         or in RAM only (and why): what a report says was stored (flush first to know it all)."""
-        b = self.backing
-        return place(self._durable(as_tokens(tokens)), b.index, b.writer, b.gate)
+        b, toks = self.backing, as_tokens(tokens)
+        out = place(self._durable(toks), b.index, b.writer, b.gate)
+        disk = next((t for t in b.tiers if t.name == "disk"), None)
+        if out.why.get("not_written") and disk is not None and not self.exact:
+            # A tail the writer dropped for a longer one that holds its tokens (one tail a branch):
+            # when the disk restores the whole prompt, it is on disk all the same.
+            if self.stored_length(toks, Tiers([disk])) >= out.tokens:
+                out.found_on_disk(out.tokens - out.on_disk - out.queued)
+        return out
 
-    def stored_length(self, tokens: Tokens) -> int:
+    def stored_length(self, tokens: Tokens, tiers: Tiers | None = None) -> int:
         """How many leading tokens of `tokens` this machine has stored K/V for (no cap, nothing
-        is loaded, nothing remote is asked)."""
+        is loaded, nothing remote is asked; `tiers`: in those only)."""
         toks = as_tokens(tokens)
         if len(toks) == 0:
             return 0
         lookup = Lookup(self.ns, toks, self.chunk_size, tenant=self.tenant)
-        chain, options, _ = match(self.backing.tiers, lookup, self.ns, toks, self.chunk_size, local=True)
+        chain, options, _ = match(tiers or self.backing.tiers, lookup, self.ns, toks, self.chunk_size, local=True)
         return len(chain) * self.chunk_size + (options[0][1] if options else 0)
 
     def ram_length(self, tokens: Tokens) -> int:

@@ -49,6 +49,15 @@ class Placement:
             parts.append(f"{self.in_ram} in RAM only ({reasons})")
         return ", ".join(parts)
 
+    def found_on_disk(self, n: int) -> None:
+        """Up to `n` tokens said to be not written are on disk after all (held by a longer record)."""
+        n = max(0, min(n, self.why.get("not_written", 0)))
+        if n:
+            self.on_disk, self.in_ram = self.on_disk + n, self.in_ram - n
+            self.why["not_written"] -= n
+            if not self.why["not_written"]:
+                del self.why["not_written"]
+
     def summary(self, *, named: bool = False) -> str:
         """`cache of 1065 tokens: 1065 on disk`: the same, of the whole prompt; `named`, with its
         last record's id (`cache of 743 tokens up to record 3f9a12bc: ...`), as the writer names
