@@ -455,6 +455,10 @@ def test_the_log_counts_in_the_right_words(models, tmp_path):
     assert re.search(r"- kvstore disk: \d+ records?, ", log) and "Prompt Cache: 1 sequence in RAM" in log, log
     assert not re.search(r"kvstore disk: \d+ sequence|\b1 sequences\b|\b1 requests\b", log), log
     assert "stopped: 2 requests, " in log, log
+    # what reached the disk, and what the exit loses, said at the end
+    assert "written to disk: 0 records (0 B)" in log, log
+    assert re.search(r"; \d+ records? kept in RAM only (is|are) not on disk, lost now \((not admitted|over budget): "
+                     r"\d+", log), log
 
 
 # Argument errors come before anything starts: `main` in this process is the same code without a

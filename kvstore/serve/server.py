@@ -53,6 +53,7 @@ from kvstore.serve.tenancy.policy import (
 )
 from kvstore.sizes import format_size, plural
 from kvstore.store import Store
+from kvstore.write.placement import REASONS
 
 log = logging.getLogger("kvstore")
 
@@ -272,12 +273,15 @@ def _serve(server, store: Store, served: dict, passthrough: list[str], served_mo
         stopper.stopping = True  # a signal from here on must not interrupt the flush
         for generator in started:  # its thread is not a daemon: left running, the process would hang
             generator.stop_and_join()
+        flushed, lost = True, {}
         if started:  # else nothing was served (the model did not load): no counts to give
             log.info("kvstore: flushing pending writes")
+            flushed = cache.flush()
+            lost = store.gate.held(lambda h: h in store.memory)
         metrics.close()
         store.close()
         if started:
-            log.info("kvstore: %s", _final_counts(cache))
+            log.info("kvstore: %s", _final_counts(cache, flushed, lost))
         stopper.uninstall()
     return code
 
@@ -310,10 +314,23 @@ def _call_main(server, args: list[str]) -> int:
     return 0
 
 
-def _final_counts(cache: PersistentPromptCache) -> str:
-    c = cache.counters
-    return (f"stopped: {plural(c['requests'], 'request')}, {plural(c['prompt_tokens'], 'prompt token')}, "
-            f"{c['reused_tokens']} reused from the store")
+def _final_counts(cache: PersistentPromptCache, flushed: bool, lost: dict[str, int]) -> str:
+    """The last line: what was served, what this run wrote to disk (and failed to), and what it
+    kept in RAM only, which the exit loses."""
+    c, w = cache.counters, cache.store.writer.stats
+    said = [f"stopped: {plural(c['requests'], 'request')}, {plural(c['prompt_tokens'], 'prompt token')}, "
+            f"{c['reused_tokens']} reused from the store; written to disk: {plural(w.records_written, 'record')} "
+            f"({format_size(w.bytes_written)})"]
+    if w.write_errors or w.dropped_jobs:
+        said.append(f"{plural(w.write_errors, 'write')} failed and {plural(w.dropped_jobs, 'insert')} dropped "
+                    f"(a full queue), not on disk" + (f" (last: {w.last_error})" if w.last_error else ""))
+    if not flushed:
+        said.append("the flush did not finish: what was still queued is not on disk")
+    if lost:
+        n = sum(lost.values())
+        said.append(f"{plural(n, 'record')} kept in RAM only {'is' if n == 1 else 'are'} not on disk, lost now ("
+                    + ", ".join(f"{REASONS.get(k, k)}: {n}" for k, n in lost.items()) + ")")
+    return "; ".join(said)
 
 
 def run(argv: Sequence[str] | None = None) -> None:

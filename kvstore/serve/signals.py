@@ -12,6 +12,7 @@ from typing import Any
 from kvstore.store import Store
 
 log = logging.getLogger("kvstore")
+EXIT_FLUSH_S = 10.0  # how long a second Ctrl-C waits for queued writes
 
 
 class Stopper:
@@ -47,7 +48,9 @@ class Stopper:
                     request.stop()  # mlx_lm.server's sequential path would otherwise finish it first
             raise KeyboardInterrupt
         if signum == signal.SIGINT:
-            log.warning("kvstore: second Ctrl-C: flushing pending writes and exiting now")
-            self.store.flush(timeout=10)
-            os._exit(0)
+            log.warning("kvstore: second Ctrl-C: flushing pending writes (at most %g s) and exiting now", EXIT_FLUSH_S)
+            done = self.store.flush(timeout=EXIT_FLUSH_S)
+            log.warning("kvstore: exiting: %s", "every queued write is on disk" if done else
+                        f"the flush did not finish in {EXIT_FLUSH_S:g} s: what was still queued is not on disk")
+            os._exit(0 if done else 1)
         log.info("kvstore: %s: already stopping", name)

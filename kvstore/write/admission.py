@@ -124,6 +124,16 @@ class Gate:
         with self._lock:
             return self._held.get(h, (None,))[0]
 
+    def held(self, present: Callable[[bytes], bool]) -> dict[str, int]:
+        """Records kept in RAM only that are still there (`present`), by why: what an exit loses."""
+        with self._lock:
+            held = list(self._held.items())
+        out: dict[str, int] = {}
+        for h, (why, _) in held:
+            if present(h):
+                out[why] = out.get(why, 0) + 1
+        return out
+
     def holds_back(self, hashes: Iterable[bytes]) -> bool:
         """Whether any of these records is kept in RAM only (not on disk)."""
         with self._lock:
