@@ -98,9 +98,9 @@ def format_age(seconds: float) -> str:
     raise AssertionError("unreachable")
 
 
-def plural(n: int, word: str) -> str:
-    """`1 problem`, `2 problems`."""
-    return f"{n} {word}{'s' if n != 1 else ''}"
+def plural(n: int, word: str, words: str | None = None) -> str:
+    """`1 problem`, `2 problems` (`words`: the plural, when it is not `word` + s)."""
+    return f"{n} {word if n == 1 else words or word + 's'}"
 
 
 def printable(text: object) -> str:

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from kvstore.canary import TIE_MARGIN
+from kvstore.sizes import plural
 
 GREEDY = 32  # greedy tokens compared per prompt
 
@@ -169,20 +170,22 @@ def verdict(checks: list[PromptCheck], b: Bounds, leaves: int, cause: str = "") 
     tied = f"; {ties} tie-sensitive (a lead under {b.tie:g})" if ties else ""
     incomplete = (f"; {len(part)} of them could not be checked whole ({_first_reason(part)})" if part else "")
     if bad:
-        return (f"MISMATCH: {len(bad)} of the {n} stored prompts checked (of {leaves}; {b.label}; {points} restore "
-                f"points) differ from a cold run: {bad[0].problems[0]}{cause and '; ' + cause}{tied}{incomplete}")
+        return (f"MISMATCH: {len(bad)} of the {n} stored prompts checked (of {leaves}; {b.label}; "
+                f"{plural(points, 'restore point')}) differ from a cold run: {bad[0].problems[0]}"
+                f"{cause and '; ' + cause}{tied}{incomplete}")
     if part:
         return (f"INCOMPLETE: {len(part)} of the {n} stored prompts sampled (of {leaves}; {b.label}) could be "
                 f"checked only in part, or not at all: {_first_reason(part)}; the other {n - len(part)} restore "
-                f"what a cold run computes at {sum(c.restore_points for c in checks if c.complete)} restore "
-                f"points{tied}")
+                f"what a cold run computes at "
+                f"{plural(sum(c.restore_points for c in checks if c.complete), 'restore point')}{tied}")
     per = sum(c.seconds for c in checks) / n
     same = "bit for bit" if b.exact else "within the bounds"
-    return (f"exact: {n} of {leaves} stored prompts checked ({b.label}; {per:.2f} s a prompt), at {points} "
-            f"restore points ({points / n:.1f} a prompt: its end, and each record end where a sliding window or "
-            f"checkpoint is restored): each restores {same} what a cold run computes (K/V, next-token logits"
+    return (f"exact: {n} of {leaves} stored prompts checked ({b.label}; {per:.2f} s a prompt), at "
+            f"{plural(points, 'restore point')} ({points / n:.1f} a prompt: its end, and each record end where a "
+            f"sliding window or checkpoint is restored): each restores {same} what a cold run computes (K/V, "
+            f"next-token logits"
             f"{f', {GREEDY} greedy tokens' if b.greedy else f'; {GREEDY} greedy tokens reported, not judged'}), "
-            f"{sum(c.canaries for c in checks)} canaries reproduced{tied}")
+            f"{plural(sum(c.canaries for c in checks), 'canary', 'canaries')} reproduced{tied}")
 
 
 def _first_reason(checks: list[PromptCheck]) -> str:
