@@ -107,6 +107,33 @@ def test_verify_exact_passes_a_healthy_store_and_writes_nothing(tmp_path, demo_m
     assert snapshot(tmp_path / "s") == before  # no access time, no admission row, nothing
 
 
+def test_verify_exact_checks_caches_stored_quantized_by_mlx_lm(tmp_path, demo_model):
+    """A store of QuantizedKVCache caches (bound with kv_bits, as mlx_lm.server --kv-bits makes
+    them): the command finds them by itself when they are all the store holds of the model, and
+    takes --kv-bits when it holds both kinds."""
+    from mlx_lm import load
+
+    path = demo_model_path = demo_model("llama", "small")  # head size 32: one group of 32
+    model = load(str(path))[0]
+    with kvstore.open(tmp_path / "s", exact_prefill=256) as store:
+        store.bind(model, path, kv_bits=8, kv_group_size=32).prefill(toks(300, 4))
+    before = snapshot(tmp_path / "s")
+    found = run_cli("verify", "--store", tmp_path / "s", "--exact", "--model", demo_model_path)
+    assert found.returncode == 0, found.stdout + found.stderr
+    assert "QuantizedKVCache, 8 bits, group size 32): checking those" in found.stderr
+    assert "exact: 1 of 1 stored prompts checked" in found.stdout and "bit for bit" in found.stdout
+    assert snapshot(tmp_path / "s") == before  # read, never written
+    with kvstore.open(tmp_path / "s", exact_prefill=256) as store:  # and the same model unquantized
+        store.bind(model, path).prefill(toks(300, 5))
+    plain = run_cli("verify", "--store", tmp_path / "s", "--exact", "--model", demo_model_path)
+    assert plain.returncode == 0 and "exact: 1 of 1" in plain.stdout
+    asked = run_cli("verify", "--store", tmp_path / "s", "--exact", "--model", demo_model_path,
+                    "--kv-bits", "8", "--kv-group-size", "32")
+    assert asked.returncode == 0 and "exact: 1 of 1" in asked.stdout and "checking those" not in asked.stderr
+    wrong = run_cli("verify", "--store", tmp_path / "s", "--kv-bits", "8", check=False)
+    assert wrong.returncode == 2 and "go with --exact" in wrong.stderr
+
+
 def test_an_altered_record_is_caught_by_its_canary_and_verify_exact(tmp_path, demo_model_path, llama):
     path, model = llama
     prompt = toks(300, 4)

@@ -55,6 +55,11 @@ def register(add, store_opts, model_opts) -> None:
                         "32 greedy tokens, canaries (runs the model; the store is only read)")
     p.add_argument("--sample", metavar="N", type=_sample, default=8,
                    help="with --exact: how many stored prompts to check, or all (default: 8)")
+    p.add_argument("--kv-bits", metavar="N", type=int, choices=(2, 3, 4, 5, 6, 8),
+                   help="with --exact: check the caches stored quantized by mlx-lm with N bits (mlx_lm.server's "
+                        "--kv-bits; found by itself when the store holds only those)")
+    p.add_argument("--kv-group-size", metavar="N", type=int, default=64,
+                   help="with --exact and --kv-bits: their group size (default: 64)")
     p.add_argument("--tenant", metavar="ID",
                    help="with --exact: check this tenant's prompts (default: the shared ones)")
 
@@ -74,8 +79,8 @@ def _sample(text: str) -> int | None:
 def cmd_verify(args) -> int:
     if args.exact:
         return _verify_exact(args)
-    if args.sample != 8 or args.tenant is not None:
-        raise CommandError("--sample and --tenant go with --exact", EXIT_USAGE)
+    if args.sample != 8 or args.tenant is not None or args.kv_bits is not None or args.kv_group_size != 64:
+        raise CommandError("--sample, --tenant, --kv-bits and --kv-group-size go with --exact", EXIT_USAGE)
     if args.isolation is not None:
         return _isolation(args)
     if args.model is not None:
@@ -114,7 +119,18 @@ def _verify_exact(args) -> int:
     model_id = model_to_load(args)
     with kvstore.open(store_path(args), create=False, read_only=True, memory_bytes=0) as store:
         loaded = load_model(model_id)
-        report = store.verify_exact(loaded.model, loaded.model_id, sample=args.sample, tenant=args.tenant)
+        quantized = _quantized(store, loaded)
+        bits, group = args.kv_bits, args.kv_group_size
+        if bits is None and len(quantized) == 1 and not _plain_held(store, loaded):
+            bits, group = quantized[0]  # the one way this store holds this model's caches
+            say(f"{PROG} verify: this store holds the model's caches quantized by mlx-lm (QuantizedKVCache, "
+                f"{bits} bits, group size {group}): checking those")
+        options = {"kv_bits": bits, "kv_group_size": group} if bits is not None else {}
+        report = store.verify_exact(loaded.model, loaded.model_id, sample=args.sample, tenant=args.tenant,
+                                    **options)
+        if report.checked_nothing and bits is None and quantized:
+            say(f"{PROG} verify: the store holds this model's caches quantized by mlx-lm too ("
+                + ", ".join(f"--kv-bits {b} --kv-group-size {g}" for b, g in quantized) + "): check them with that")
     if args.json:
         print(json.dumps(report.as_dict(), indent=2))
     else:
@@ -127,6 +143,30 @@ def _verify_exact(args) -> int:
     if report.checked_nothing:
         return EXIT_NOTHING_CHECKED
     return 0 if report.ok else EXIT_PROBLEMS
+
+
+def _quantized(store, loaded) -> list[tuple[int, int]]:
+    """(bits, group size) of each namespace of this model whose caches were quantized by mlx-lm
+    (`bind(kv_bits=...)`, `serve --kv-bits`) and that holds records."""
+    found = set()
+    for m in _this_models(store, loaded):
+        layers = (m.get("layout") or {}).get("layers") or []
+        quant = {(la.get("bits"), la.get("group_size")) for la in layers if isinstance(la, dict)
+                 and la.get("class") == "QuantizedKVCache"}
+        if len(quant) == 1:
+            found |= quant
+    return sorted(found)
+
+
+def _plain_held(store, loaded) -> bool:
+    """Whether this model's caches are stored unquantized (QuantizedKVCache nowhere in the layout)."""
+    return any("QuantizedKVCache" not in json.dumps(m.get("layout")) for m in _this_models(store, loaded))
+
+
+def _this_models(store, loaded) -> list[dict]:
+    """The store's model versions with this model's fingerprint that hold records."""
+    fp = store.bind(loaded.model, loaded.model_id).fingerprint.hex()
+    return [m for m in store.index.models() if m["fingerprint"] == fp and (m["chunks"] or m["tails"])]
 
 
 def _summary(args, problems: list, rebuilt: dict | None) -> str:
