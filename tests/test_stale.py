@@ -188,3 +188,26 @@ def test_changed_bytes_of_the_same_size_are_evicted_after_a_rehash(tmp_path, dem
     assert f"{every} records" in capsys.readouterr().out
     [m] = by_ns(path).values()
     assert m["stale"] is True and m["chunks"] + m["tails"] == 0
+
+
+def test_a_version_bound_from_two_copies_is_stale_only_when_both_changed(tmp_path, demo_model_path, capsys):
+    """The same model in two folders (a hub cache and a local copy) is one version: changing one
+    copy's weights leaves the other serving the records, so gc --stale keeps them (pins too);
+    when the second copy changes too, the version is stale."""
+    folder, path, ns = store_one_version(tmp_path, demo_model_path)
+    other = shutil.copytree(folder, tmp_path / "copy")
+    model, _ = load(str(other))
+    with kvstore.open(path, chunk_size=C) as store:
+        assert store.bind(model, other).ns == ns  # the same bytes: the same version
+        store.bind(model, folder)  # bound last from the first folder again
+    rewrite_weights(folder)  # the folder bound last changes; the other does not
+    assert by_ns(path)[ns]["stale"] is False
+    assert cli.main(["gc", "--stale", "--store", str(path)]) == 0
+    assert by_ns(path)[ns]["chunks"] + by_ns(path)[ns]["tails"] > 0
+    with kvstore.open(path, chunk_size=C) as store:
+        assert len(store.bind(model, other).fetch(PROMPT)[1]) == 1  # still served, to the copy
+    rewrite_weights(other)
+    assert by_ns(path)[ns]["stale"] is True
+    assert cli.main(["gc", "--stale", "--store", str(path)]) == 0
+    capsys.readouterr()
+    assert by_ns(path)[ns]["chunks"] + by_ns(path)[ns]["tails"] == 0

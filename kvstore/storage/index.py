@@ -208,10 +208,11 @@ class Index(EvictionSQL, WriteLogSQL, PinSQL):
             )
 
     def record_model_files(self, ns: bytes, files: Iterable[tuple]) -> None:
-        """The files a model version was fingerprinted from, as they are now: (path, size,
-        mtime_ns, inode, ctime_ns, digest or None). Replaces what was recorded for `ns`."""
+        """The files a model version was fingerprinted from, as they are now: (path, size, mtime_ns, inode,
+        ctime_ns, digest or None). Replaces what was recorded of those paths (another copy's stay)."""
+        files = list(files)
         with self.transaction() as conn:
-            conn.execute("DELETE FROM model_files WHERE ns = ?", (ns,))
+            conn.executemany("DELETE FROM model_files WHERE ns = ? AND path = ?", [(ns, f[0]) for f in files])
             conn.executemany(
                 "INSERT INTO model_files (ns, path, size, mtime_ns, ino, ctime_ns, digest) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?)",

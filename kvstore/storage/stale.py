@@ -8,6 +8,11 @@ and digest (`Index.record_model_files`). Checking a version costs one `stat` per
   bytes: its digest is looked up in the fingerprint memo, and with `rehash` the file is hashed
   again; until then the version is "changed since bound (not re-checked)", not stale.
 
+One version may be bound from several folders (the same files copied: a hub cache and a local
+folder): each copy's files are recorded, and the version is stale only when every copy is
+(`status_of_copies`); a copy is a folder holding a `config.json` with its files, plus the files
+of no such folder (an adapter's), which every copy shares.
+
 Nothing stored for a stale version can ever be restored (a model loaded from the changed files
 has another fingerprint, so another namespace); `gc --stale` evicts it and a budget evicts it
 first.
@@ -72,3 +77,25 @@ def status(recorded: Iterable[RecordedFile], lookup: Lookup | None = None, *, re
     if unsure is not None:
         return None, unsure, None
     return False, None, now_files
+
+
+def copies(recorded: Iterable[RecordedFile]) -> list[list[RecordedFile]]:
+    """The recorded files of a version, by the copy they belong to: each folder that holds a
+    `config.json`, with the files of folders that hold none (an adapter's) in every copy."""
+    by_folder: dict[str, list[RecordedFile]] = {}
+    for f in recorded:
+        by_folder.setdefault(os.path.dirname(f[0]), []).append(f)
+    models = [files for files in by_folder.values() if any(os.path.basename(f[0]) == "config.json" for f in files)]
+    shared = [f for files in by_folder.values() if files not in models for f in files]
+    return [files + shared for files in models] or [shared]
+
+
+def status_of_copies(recorded: Iterable[RecordedFile], lookup: Lookup | None = None, *, rehash: bool = False,
+                     remember: Remember | None = None) -> tuple[bool | None, str | None, list[RecordedFile] | None]:
+    """`status` of a version bound from one folder or several: not stale when one copy is not
+    (its files as they are now are returned), unsure when none is sure, else stale."""
+    found = [status(files, lookup, rehash=rehash, remember=remember) for files in copies(recorded)]
+    for result in found:
+        if result[0] is False:
+            return result
+    return next((r for r in found if r[0] is None), found[0])

@@ -23,7 +23,7 @@ from kvstore import settings
 from kvstore.errors import StoreOpenError
 from kvstore.storage import blobtree
 from kvstore.storage.index import Index, is_corruption
-from kvstore.storage.stale import status as model_status
+from kvstore.storage.stale import status_of_copies as model_status
 from kvstore.storage.storedir import BLOBS_NAME, INDEX_NAME, PINS_NAME, QUARANTINE_NAME, open_dir, trust_key
 from kvstore.trust import Trust
 
@@ -140,7 +140,7 @@ class LocalStore:
         out = {}
         for ns, files in self.index.model_files().items():
             is_stale, why, now = model_status(files, self._memo, rehash=rehash, remember=remember)
-            if record and now is not None and now != files:
+            if record and now is not None and not set(now) <= set(files):  # (its copy's new stamps)
                 self.index.record_model_files(ns, now)
             out[ns] = (is_stale, why)
         return out
