@@ -31,7 +31,7 @@ def tier(request):
 def setup(llama, tmp_path, tier):
     path, model = llama
     store = kvstore.open(kvstore.MEMORY if tier == "ram" else tmp_path / "store", chunk_size=CHUNK)
-    pc = PersistentPromptCache(store, max_size=10)
+    pc = PersistentPromptCache(store, 10)  # in place, as mlx_lm.server makes LRUPromptCache(prompt_cache_size)
     pc.register(KEY, store.bind(model, str(path)))
     yield pc, model, tier == "disk"
     store.close()

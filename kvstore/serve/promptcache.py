@@ -71,7 +71,7 @@ class PersistentPromptCache:
     No call raises into the server: a failure is logged and served as a miss.
     """
 
-    def __init__(self, store: Store, *, max_size: int = 10, max_bytes: int | None = None,
+    def __init__(self, store: Store, max_size: int = 10, max_bytes: int | None = None, *,
                  max_insert_tokens: int | None = None, tenants: bool = False,
                  shared_writes: SharedWrites | None = None):
         self.store = store
