@@ -148,9 +148,9 @@ def _gc_remote(args) -> int:
     result = remote_upkeep(args, url, "gc", max_bytes=args.max_bytes, max_age=args.max_age, dry_run=args.dry_run,
                            drop_unknown=args.drop_unknown)
     verb, holds = ("would delete", "would hold") if args.dry_run else ("deleted", "holds")
-    out(f"remote {url}: {verb} {result['evicted']} objects ({format_size(result['freed_bytes'])}); "
-          f"the bucket {holds} {result['records']} records, {format_size(result['bytes'])} "
-          f"({result['kept_pinned']} pinned records kept)")
+    out(f"remote {url}: {verb} {plural(result['evicted'], 'object')} ({format_size(result['freed_bytes'])}) "
+        f"of this node's namespaces; the bucket {holds} {plural(result['records'], 'record')}, "
+        f"{format_size(result['bytes'])} of them ({plural(result['kept_pinned'], 'pinned record')} kept)")
     if result["dropped_namespaces"]:
         out(f"remote {url}: {verb} {plural(result['dropped_namespaces'], 'namespace')} none of this node's keys "
             f"opens ({plural(result['dropped_objects'], 'object')}, {format_size(result['dropped_bytes'])}"
