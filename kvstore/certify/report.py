@@ -135,6 +135,9 @@ def table(checks: list[PromptCheck]) -> str:
     if any(c.margin < TIE_MARGIN for c in checks):
         lines.append(f"lead*: the cold run's best token led the next by under {TIE_MARGIN:g} (a log-probability): "
                      "a different best token there is tie-sensitive, not a mismatch")
+    if any(c.greedy_tie and c.greedy < GREEDY for c in checks):
+        lines.append("greedy tokens that part after a step whose lead was that close are tie-sensitive too "
+                     "(verdict: tie)")
     return "\n".join(lines)
 
 
