@@ -64,8 +64,9 @@ def cmd_stats(args) -> int:
         return 0
     out(f"store: {stats['path']}")
     sizes = sorted({m["chunk_size"] for m in stats["models"] if m["chunk_size"] is not None})
+    checkpoints = f"checkpoints: {stats['checkpoints']}   " if stats.get("checkpoints") else ""  # (recurrent layers)
     print(f"bytes: {stats['bytes']} ({format_size(stats['bytes'])})   chunks: {stats['chunks']}   "
-          f"tails: {stats['tails']}   models: {len(stats['models'])}   "
+          f"tails: {stats['tails']}   {checkpoints}models: {len(stats['models'])}   "
           f"chunk size: {', '.join(map(str, sizes)) or '-'}")
     _print_settings(stats.get("settings"))
     _print_remote(stats.get("remote"))
