@@ -347,8 +347,8 @@ class ModelCache(ExplicitWrites):
 
     def load_into_ram(self, tokens: Tokens) -> dict:
         """Restore the stored records of `tokens` into the memory tier, whole, ahead of a request
-        that will need them: `{"tokens", "stored", "in_ram", "loaded"}` (tokens stored, held in
-        RAM after, loaded by this call), and `"refused"` (why) when they alone are larger than the
+        that will need them: `{"tokens", "stored", "in_ram", "loaded"}` (tokens stored on this
+        machine, downloads included; held in RAM after; loaded by this call), and `"refused"` (why) when they alone are larger than the
         memory tier (they would push themselves out). It counts as a fetch."""
         toks = as_tokens(tokens)
         out = {"tokens": len(toks), "stored": self.stored_length(toks), "in_ram": 0, "loaded": 0}
@@ -359,6 +359,7 @@ class ModelCache(ExplicitWrites):
                                       f"memory tier ({format_size(memory.capacity)})"}
         before = self.ram_length(toks)
         self.fetch(np.append(whole, 0))  # one token more: every record restored whole
+        out["stored"] = max(out["stored"], self.stored_length(toks))  # (with what came from the bucket)
         out["in_ram"] = min(len(toks), self.ram_length(toks))
         out["loaded"] = max(0, out["in_ram"] - before)
         return out
