@@ -348,8 +348,9 @@ class ModelCache(ExplicitWrites):
     def load_into_ram(self, tokens: Tokens) -> dict:
         """Restore the stored records of `tokens` into the memory tier, whole, ahead of a request
         that will need them: `{"tokens", "stored", "in_ram", "loaded"}` (tokens stored on this
-        machine, downloads included; held in RAM after; loaded by this call), and `"refused"` (why) when they alone are larger than the
-        memory tier (they would push themselves out). It counts as a fetch."""
+        machine, downloads included; held in RAM after; loaded by this call), and `"refused"`
+        (why) when they alone are larger than the memory tier (they would push themselves out).
+        It counts as a fetch."""
         toks = as_tokens(tokens)
         out = {"tokens": len(toks), "stored": self.stored_length(toks), "in_ram": 0, "loaded": 0}
         whole, index, memory = self.through_record_end(toks), self.backing.index, self.backing.memory

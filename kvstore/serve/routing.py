@@ -94,7 +94,8 @@ def prompt_tokens(generator: Any, body: dict, served_model: str | None) -> list[
             raise RequestError(400, "prefetch takes one prompt")
         return out[0]["token_ids"]
     others = [key for key in body if key not in ("model", "tenant", "cache_salt")]
-    named = f" (it has {', '.join(did_you_mean(k, ('messages', 'prompt', 'tokens')) for k in others)})" if others else ""
+    named = (f" (it has {', '.join(did_you_mean(k, ('messages', 'prompt', 'tokens')) for k in others)})"
+             if others else "")
     raise RequestError(400, f"the request has none of messages, prompt or tokens{named}")
 
 
