@@ -264,3 +264,23 @@ def test_a_read_only_store_without_a_tenant_key_says_so(llama, tmp_path):
         a.insert(SYSTEM, prefill(model, SYSTEM))
         assert reused(a, SYSTEM + [1]) == len(SYSTEM)
         assert reused(store.bind(model, str(path), tenant="bob"), SYSTEM + [1]) == 0
+
+
+def test_records_another_process_deleted_are_not_served_from_ram(llama, tmp_path, monkeypatch):
+    """A server holds a tenant's prompt in RAM; `gc --drop-tenant` in another process deletes it
+    from disk: the server's next fetch no longer finds it in RAM either (it would go on serving
+    a dropped tenant's prompts until a restart). What the disk still holds is still served."""
+    from kvstore.model.backing import DeletedElsewhere
+
+    monkeypatch.setattr(DeletedElsewhere, "EVERY_S", 0.0)
+    path, model = llama
+    prompt = SYSTEM + toks(40, 12)
+    with kvstore.open(tmp_path / "s", chunk_size=C) as server:
+        server.bind(model, str(path)).prefill(SYSTEM)
+        alice = server.bind(model, str(path), tenant="alice")
+        alice.prefill(prompt)
+        server.flush()
+        assert reused(alice, prompt + [1]) == len(prompt) and server.stats()["memory"]["records"] > 0
+        with kvstore.open(tmp_path / "s", chunk_size=C) as other:  # another process's gc
+            other.gc(drop_tenants=[alice.tenant.tag])
+        assert reused(alice, prompt + [1]) == len(SYSTEM)  # the shared prompt only, from disk or RAM

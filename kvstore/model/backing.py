@@ -42,6 +42,41 @@ class Counters:
         return out
 
 
+class DeletedElsewhere:
+    """Records another process deleted from disk (a gc, `gc --drop-tenant`, a quarantine), read
+    from the index's deletion log at most every `EVERY_S` and dropped from this process's memory
+    tier, which would otherwise go on serving them: a dropped tenant's prompts too."""
+
+    EVERY_S = 1.0
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._seq: int | None = None  # the last deletion read (None: the log not read yet)
+        self._read = 0.0
+
+    def forget(self, b: "Backing") -> None:
+        if b.index is None or not b.memory.capacity:
+            return
+        now = time.monotonic()
+        with self._lock:
+            if now - self._read < self.EVERY_S:
+                return
+            self._read = now
+            try:
+                if self._seq is None:  # (what went before this process held anything)
+                    self._seq = b.index.deletions_end()
+                    return
+                rows = b.index.deletions_since(self._seq)
+                if rows:
+                    self._seq = rows[-1][0]
+                gone = [h for _, h, _ in rows if h in b.memory and not b.writer.is_pending(h)]
+                if gone:  # (a record stored again since stays)
+                    still = b.index.present(gone)
+                    b.memory.discard([h for h in gone if h not in still])
+            except Exception:  # the index is unreachable now: the next fetch reads the log again
+                self._read = 0.0
+
+
 @dataclass(frozen=True)
 class Backing:
     """What a `ModelCache` reads and writes through, from the store that bound it."""
@@ -56,6 +91,7 @@ class Backing:
     budget: DiskBudget | None = None  # the disk's byte budget, which `flush` lets settle
     counters: Counters = field(default_factory=Counters)
     closed: threading.Event = field(default_factory=threading.Event)  # set by the store's close
+    deleted_elsewhere: DeletedElsewhere = field(default_factory=DeletedElsewhere)
 
     def check_open(self) -> None:
         if self.closed.is_set():

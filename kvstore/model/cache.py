@@ -152,6 +152,7 @@ class ModelCache(ExplicitWrites):
         b = self.backing
         b.check_open()
         b.counters.fetches += 1
+        b.deleted_elsewhere.forget(b)  # (what gc in another process deleted is no longer served from RAM)
         self._last.restore = None
         if len(toks) < 2:
             return self.new_cache(), toks.tolist()
