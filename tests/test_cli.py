@@ -765,3 +765,11 @@ def test_what_warm_stores_by_default_is_what_serve_reuses(kv, monkeypatch, tmp_p
     with kvstore.open(store) as s:
         cache, rest = s.bind(model, model_path).fetch(tokens)
     assert len(tokens) > 1000 and len(rest) == 1
+
+
+def test_tenant_bounds_are_refused_for_the_bucket(tmp_path):
+    """The bucket is bounded as a whole: a tenant's quota or drop given with --remote would do
+    nothing there, so it is refused, before any request."""
+    for option in (("--tenant-max-bytes", "1MB"), ("--drop-tenant", "0" * 16)):
+        result = run_cli("gc", "--store", tmp_path / "s", "--remote", "s3://nowhere/p", *option, check=False)
+        assert result.returncode == 2 and "without --remote" in result.stderr, result.stderr

@@ -161,3 +161,34 @@ def test_gc_stale_frees_a_stale_models_pinned_bytes(tmp_path, demo_model_path, c
     assert "STALE:" not in capsys.readouterr().out  # no more nagging about what gc --stale keeps
     assert cli.main(["pins", "--store", str(path), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["models"] == []
+
+
+def test_a_tenants_pins_are_listed_by_tag_and_unpinned_as_that_tenant(tmp_path, demo_model_path):
+    """A tenant's pinned prompt (its own records after the shared system prompt): `pins` lists
+    them under the tenant's tag; `pins --remove --tenant ID` unpins those, and leaves the shared
+    system prompt's pins to the operator."""
+    from mlx_lm import load
+
+    store, model_path = tmp_path / "s", str(demo_model_path)
+    model, tokenizer = load(model_path)
+    system = tokenizer.encode("You are a careful assistant who answers in one short word. " * 8)
+    mine = system + tokenizer.encode("alice's own question, pinned by her")
+    with kvstore.open(store) as s:
+        s.bind(model, model_path).prefill(system, pin=True)
+        alice = s.bind(model, model_path, tenant="alice")
+        alice.prefill(mine, pin=True)
+        tag = alice.tenant.tag
+        s.flush()
+        shared = sum(1 for r in s.index.rows() if r.pinned and r.tenant is None)
+        own = sum(1 for r in s.index.rows() if r.pinned and r.tenant == tag)
+    assert shared and own
+    [m] = json.loads(_run("pins", "--store", store, "--json").stdout)["models"]
+    assert m["records"] == shared + own and m["tenants"][tag]["records"] == own
+    assert f"of them tenant {tag}'s own: {own} record" in _run("pins", "--store", store).stdout
+    prompts = tmp_path / "mine.jsonl"
+    prompts.write_text(json.dumps({"tokens": mine}) + "\n")
+    out = _run("pins", "--store", store, "--model", model_path, "--remove", "--tenant", "alice", "--prompts", prompts)
+    assert f"unpinned {own} record" in out.stdout, out.stdout
+    [m] = json.loads(_run("pins", "--store", store, "--json").stdout)["models"]
+    assert m["records"] == shared and m["tenants"] == {}  # the operator's shared pins stay
+    assert _run("pins", "--store", store, "--tenant", "alice", check=False).returncode == 2

@@ -62,9 +62,9 @@ def cmd_gc(args) -> int:
         raise CommandError("gc needs --max-bytes and/or --max-age (or --tenant-max-bytes, --drop-tenant or "
                            "--stale)", EXIT_USAGE)
     if args.remote is not None:
-        if args.drop_tenant:
-            raise CommandError("--drop-tenant deletes a tenant's records from the local store: run it without "
-                               "--remote", EXIT_USAGE)
+        if args.drop_tenant or getattr(args, "tenant_max_bytes", None) is not None:
+            raise CommandError("--drop-tenant and --tenant-max-bytes act on the local store's tenants: run them "
+                               "without --remote (the bucket is bounded as a whole)", EXIT_USAGE)
         return _gc_remote(args)
     with open_local(args, must_exist=True) as files:
         try:

@@ -25,6 +25,9 @@ def register(add, store_opts, model_opts) -> None:
     p.add_argument("--remove", action="store_true",
                    help="unpin the prompt given by --prompt, --messages or --prompts (gc may then evict it)")
     add_prompt_source(p, "with --remove: unpin every line of a prompt file (- for stdin)", required=False)
+    p.add_argument("--tenant", metavar="ID",
+                   help="with --remove: unpin the prompt as that tenant pinned it (its own records; without "
+                        "it, the shared ones)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -32,6 +35,9 @@ def cmd_pins(args) -> int:
     given = args.prompt is not None or args.messages is not None or args.prompts is not None
     if args.remove and not given:
         raise CommandError("pins --remove needs --prompt, --messages or --prompts", EXIT_USAGE)
+    if args.tenant is not None and not args.remove:
+        raise CommandError("--tenant goes with --remove (`kvstore pins` lists every tenant's pins by tag)",
+                           EXIT_USAGE)
     if given and not args.remove:
         raise CommandError("--prompt, --messages and --prompts name prompts to unpin: add --remove "
                            "(`kvstore pins` alone lists what is pinned)", EXIT_USAGE)
@@ -57,6 +63,9 @@ def _list(args) -> int:
                  if m["stale"] else "")
         out(f"  {m['fingerprint'][:12]}  {plural(m['records'], 'record')}, {format_size(m['bytes'])}, "
             f"{plural(m['tokens'], 'token')}  {m['model_id']}{stale}")
+        for tag, t in (m.get("tenants") or {}).items():
+            out(f"    of them tenant {tag}'s own: {plural(t['records'], 'record')}, {format_size(t['bytes'])} "
+                f"(`{PROG} pins --remove --tenant ID` unpins them)")
     return 0
 
 
@@ -67,6 +76,8 @@ def _remove(args) -> int:
         pass
     done = []
     with bound(args, items, "pins") as (store, loaded, mc, work, errors):
+        if args.tenant is not None:
+            mc = mc.with_tenant(store.tenant(args.tenant))
         for item, tokens in work:
             result = mc.unpin(tokens)
             done.append({"where": item.where, "tokens": len(tokens), **result})

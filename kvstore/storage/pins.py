@@ -133,16 +133,22 @@ class PinSQL:
 
     def pins_by_model(self) -> list[dict]:
         """One dict per model version that has pinned records: namespace, fingerprint, model_id,
-        records, bytes and tokens (those the pinned chunks and tails hold)."""
+        records, bytes and tokens (those the pinned chunks and tails hold), and `tenants`: tag ->
+        the records and bytes of them that are a tenant's own."""
         rows = self.conn.execute(
             "SELECT r.ns, m.fingerprint, m.model_id, count(*), "
             "coalesce(sum(CASE WHEN typeof(r.size) = 'integer' THEN r.size END), 0), "
             f"coalesce(sum(CASE WHEN r.kind != {CHECKPOINT} AND typeof(r.ntokens) = 'integer' THEN r.ntokens END), 0) "
             f"FROM records r LEFT JOIN models m ON m.ns = r.ns WHERE r.{_PINNED} GROUP BY r.ns ORDER BY m.model_id")
+        tenants: dict[object, dict] = {}  # ns -> tenant tag -> its pinned records and bytes
+        for ns, tag, n, size in self.conn.execute(
+                "SELECT ns, tenant, count(*), coalesce(sum(CASE WHEN typeof(size) = 'integer' THEN size END), 0) "
+                f"FROM records WHERE {_PINNED} AND tenant IS NOT NULL GROUP BY ns, tenant ORDER BY tenant"):
+            tenants.setdefault(ns, {})[str(tag)] = {"records": n, "bytes": size}
         return [{"namespace": ns.hex() if isinstance(ns, bytes) else "?",
                  "fingerprint": fp.hex() if isinstance(fp, bytes) else "?",
                  "model_id": "?" if model_id is None else str(model_id),
-                 "records": n, "bytes": size, "tokens": tokens}
+                 "records": n, "bytes": size, "tokens": tokens, "tenants": tenants.get(ns, {})}
                 for ns, fp, model_id, n, size, tokens in rows]
 
     def keep_pins_file(self, *, missing_only: bool = False) -> None:
