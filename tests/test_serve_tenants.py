@@ -333,3 +333,13 @@ def test_caches_are_tagged_with_their_requests_tenant():
 
 class _Layer:
     """A cache layer as a tag sees it (mlx-lm's are plain objects too)."""
+
+
+def test_what_probes_leave_behind_is_said_with_the_bucket_copies():
+    from kvstore.serve.tenancy.isolation import left_behind
+
+    [local] = left_behind({"aaaaaaaaaaaaaaaa": 1 << 20})
+    assert "--drop-tenant aaaaaaaaaaaaaaaa" in local and "bucket" not in local
+    [remote] = left_behind({"aaaaaaaaaaaaaaaa": 1 << 20}, bucket=True)
+    assert "the bucket's copies stay until `kvstore gc --remote`" in remote
+    assert left_behind({}) == []

@@ -186,14 +186,37 @@ def check_server(url: str, tenant_from: str, shared: list[dict] | None, probes: 
     stored_before = _tenant_bytes(http, base)
     report = _protocol(ask, lambda: _words(text_tokens), probes, need, lambda: "cached_tokens" if told["cached_tokens"]
                        else None, "reuse (from the server's /metrics)")
-    stored_after = _tenant_bytes(http, base)
+    stored_after = _settled_tenant_bytes(http, base)
     if stored_before is not None and stored_after is not None:
-        report.notes.extend(left_behind({t: b for t, b in stored_after.items() if t not in stored_before}))
+        report.notes.extend(left_behind({t: b for t, b in stored_after.items() if t not in stored_before},
+                                        bucket=_has_remote(http, base)))
     return report
 
 
-def left_behind(tags: dict[str, int]) -> list[str]:
-    """What a run's probe tenants left in the server's store (their tags -> bytes), and how it goes."""
+def _settled_tenant_bytes(http, base: str, wait: float = 10.0) -> dict[str, int] | None:
+    """`_tenant_bytes` once the server's writes of the last probes landed: two readings a
+    second apart that agree (at most `wait` seconds)."""
+    last, end = _tenant_bytes(http, base), time.monotonic() + wait
+    while last is not None and time.monotonic() < end:
+        time.sleep(1.0)
+        now = _tenant_bytes(http, base)
+        if now == last:
+            break
+        last = now
+    return last
+
+
+def _has_remote(http, base: str) -> bool:
+    """Whether the server has a remote tier (its /kvstore/stats says so; the URL is not shown)."""
+    try:
+        return bool(http.get(base + "/kvstore/stats", timeout=30).json().get("remote"))
+    except Exception:
+        return False
+
+
+def left_behind(tags: dict[str, int], bucket: bool = False) -> list[str]:
+    """What a run's probe tenants left in the server's store (their tags -> bytes), and how it
+    goes; `bucket`: the server has a remote tier, which uploaded them too."""
     if not tags:
         return []
     from kvstore.sizes import format_size
@@ -201,7 +224,9 @@ def left_behind(tags: dict[str, int]) -> list[str]:
     each = ", ".join(f"{tag} ({format_size(size)})" for tag, size in sorted(tags.items()))
     return [f"left in the store: the two probe tenants' records, {format_size(sum(tags.values()))} under "
             f"the tenant tags {each}; `kvstore gc --store STORE "
-            + " ".join(f"--drop-tenant {tag}" for tag in sorted(tags)) + "` deletes them"]
+            + " ".join(f"--drop-tenant {tag}" for tag in sorted(tags)) + "` deletes them"
+            + ("; its remote tier uploaded them too: the bucket's copies stay until `kvstore gc --remote` "
+               "bounds the bucket (by size or age)" if bucket else "")]
 
 
 def _reuse_counters(http, base: str) -> tuple[int, int] | None:
