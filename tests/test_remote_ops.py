@@ -472,3 +472,20 @@ def test_pins_made_on_another_node_are_kept(tmp_path, s3, llama):
     with kvstore.open(tmp_path / "c", chunk_size=C) as c:
         mc = c.bind(model, path)
         assert set(left) == names(mc.ns, mc.record_hashes(np.asarray(prompt)))
+
+
+def test_tokens_from_the_bucket_count_what_was_used_of_a_record(tmp_path, s3, llama):
+    """A prompt that shares part of a stored tail: the restore uses part of the downloaded tail,
+    and the count of tokens from the bucket (what the reports say) is what was used, not the
+    whole record."""
+    path, model = llama
+    url = s3.url()
+    stored = toks(2 * C + 10, 40)
+    asked = stored[: 2 * C + 6] + [7, 8, 9]  # 6 of the tail's 10 tokens, then others
+    with kvstore.open(tmp_path / "a", chunk_size=C, remote=url) as a:
+        a.bind(model, path).insert(stored, prefill(model, stored))
+        a.flush(30)
+    with kvstore.open(tmp_path / "b", chunk_size=C, remote=url, remote_prefetch="wait_complete") as b:
+        _, rest = b.bind(model, path).fetch(asked)
+        assert len(asked) - len(rest) == 2 * C + 6
+        assert b.stats()["remote"]["remote_tokens"] == 2 * C + 6

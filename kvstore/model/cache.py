@@ -229,6 +229,8 @@ class ModelCache(ExplicitWrites):
             reached.extend(used)
             self._last.restore = (toks, pl.p, used, kept_canary(sources[-1])) if pl.parts else None
             self._keep_in_memory(pl, finals, sources, where)
+            for tier in {t for t, _ in where.values() if t.name == "remote"}:  # what came from the bucket
+                tier.restored(pl.tokens_from({h for h, (t, _) in where.items() if t is tier}))
             self.backing.tiers.touch(used)
             return cache, pl.p
         finally:

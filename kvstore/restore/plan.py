@@ -61,6 +61,16 @@ class Plan:
     def nbytes(self) -> int:
         return sum(map(nbytes, self.finals.values()))
 
+    def tokens_from(self, records: set[bytes]) -> int:
+        """How many of the `p` tokens restored come from these records (the parts start at token
+        0, in chain order: the last one may be used in part)."""
+        n = start = 0
+        for q in self.parts:
+            if q.hash in records:
+                n += max(0, min(self.p, start + q.ntokens) - start)
+            start += q.ntokens
+        return n
+
 
 
 def plan(parts: Sequence[Part], codecs: Sequence[Codec], length: int,

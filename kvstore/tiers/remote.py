@@ -394,9 +394,14 @@ class RemoteTier:
                 self.health.count("remote_hits")
             if not ref.again:
                 self.health.count("downloads_used")
-            self.health.count("remote_tokens", r.ntokens)
         ref.body = None  # the source and the write hold it: nothing else
         return source
+
+    def restored(self, tokens: int) -> None:
+        """A restore took `tokens` tokens from records of the bucket (the count the reports give:
+        a record the restore ends inside counts only for what was used of it)."""
+        if tokens:
+            self.health.count("remote_tokens", tokens)
 
     def damaged(self, h: bytes, error: BlobError, ref: Ref | None = None) -> None:
         """An object that failed its check: counted, and not asked for again for a while."""
