@@ -97,7 +97,7 @@ def _tenant_tag(text: str) -> str:
     from kvstore.tenants import parse_tag
 
     try:
-        return parse_tag(text)
+        return parse_tag(text.strip().lower())  # (as typed: any case)
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"{e} (as `kvstore stats` lists tenants), not {text!r:.40}") from None
 
