@@ -379,6 +379,27 @@ def test_repair_never_deletes_most_blobs_as_orphans_without_force(tmp_path, llam
         assert list(blobtree.walk(store / "blobs")) == [] and s.verify() == []
 
 
+def test_repair_keeps_the_blobs_of_an_index_rolled_back_to_an_older_copy(tmp_path, llama):
+    """The index as it was before most of the store was written (a backup put back, a WAL lost
+    with the rows it held): the blobs it does not know are whole records of a model it knows,
+    and no gc deleted their rows, so repair keeps them (a rebuild takes them back)."""
+    import shutil
+
+    store = tmp_path / "s"
+    warm(store, llama, prompts(46, 1, C))
+    old = shutil.copy(store / "index.sqlite", tmp_path / "old.sqlite")  # (warm closed it: no WAL left)
+    warm(store, llama, prompts(47, 16, C))  # more than 8 blobs, most of the store
+    blob_files = sorted(blobtree.walk(store / "blobs"))
+    for name in ("index.sqlite-wal", "index.sqlite-shm"):
+        if (store / name).exists():
+            (store / name).unlink()
+    shutil.copy(old, store / "index.sqlite")
+    with kvstore.open(store, chunk_size=C) as s:
+        problems = s.verify(repair=True)
+        assert [p.kind for p in problems].count("repair_refused") == 1, problems
+        assert sorted(blobtree.walk(store / "blobs")) == blob_files  # every blob kept
+
+
 def test_repair_after_a_stopped_gc_drops_the_rows_it_left_unreachable_without_force(tmp_path, llama):
     # gc may delete a parent before its children (they go later in the same gc); stopped in
     # between, it leaves rows no chain reaches. That is not a lost index: repair drops them,

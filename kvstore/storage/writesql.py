@@ -252,6 +252,20 @@ class WriteLogSQL:
         past `seq + 1`, some were forgotten."""
         return self._log_since("deletion_log", seq, limit)
 
+    def logged_deleted(self, hashes: list[bytes]) -> set[bytes]:
+        """Which of `hashes` the deletion log holds: their rows were deleted (by a gc, say), so a
+        file of one left behind is a leftover of that, not of a lost index."""
+        out: set[bytes] = set()
+        try:
+            for i in range(0, len(hashes), 500):
+                part = hashes[i:i + 500]
+                out |= {h for (h,) in self.conn.execute(
+                    f"SELECT hash FROM deletion_log WHERE hash IN ({', '.join('?' * len(part))})", part)}
+        except sqlite3.OperationalError as e:
+            if not _missing_table(e):
+                raise
+        return out
+
     def insertions_end(self) -> int:
         """The number of the last insertion logged (0: none yet)."""
         return self._log_end("insertion_log")

@@ -125,21 +125,6 @@ def verify(index: Index, root: Path, *, repair: bool = False, force: bool = Fals
     return problems
 
 
-def _unexplained(index: Index, orphan_files: list[Problem]) -> int:
-    """Orphan files of models this index does not know (or not kvstore's at all): an
-    interrupted gc or writer leaves orphans of known models; a lost index, only these."""
-    known = index.namespaces()
-    n = 0
-    for p in orphan_files:
-        meta = blobfile.peek_metadata(Path(p.path))
-        try:
-            ns = bytes.fromhex(meta["ns"]) if meta else None
-        except (KeyError, ValueError):
-            ns = None
-        n += ns not in known
-    return n
-
-
 def check_blob(root: Path, row, chunk_size: int | None = None, *, trust: Trust | None = None,
                epoch: float = 0.0) -> None:
     """Raise BlobError unless the blob of `row` is whole (its size and checksums) and is the
@@ -258,7 +243,12 @@ def _repair(index: Index, root: Path, problems: list[Problem], bad: set[bytes], 
     orphan_files = [p for p in problems if p.kind == "orphan_file"]
     n_orphans = len(orphans) + len(orphan_files)
     refused: list[Problem] = []
-    unexplained = _rootless(orphans, known, bad, depths) + _unexplained(index, orphan_files)
+    # An orphan file is explained when its row's deletion was logged (a gc stopped between its
+    # rows and its files) and otherwise counts: a crashed writer leaves one batch of them at most,
+    # a lost or rolled-back index most of the store (whole blobs: a rebuild takes them back).
+    named = {h: p for p in orphan_files if (h := blobtree.hash_of(Path(p.path), root)) is not None}
+    unexplained = (_rootless(orphans, known, bad, depths) + len(orphan_files)
+                   - len(index.logged_deleted(list(named))))
     if unexplained > max(ORPHAN_FEW, ORPHAN_SHARE * blob_files) and not force:
         refused.append(Problem(
             "repair_refused", str(root),
