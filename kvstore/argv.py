@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import math
 import os
 import re
 import sys
@@ -111,19 +112,32 @@ def size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def at_least(least: int, what: str):
-    """An argparse type: a whole number of `least` or more (`what` it counts, for the message)."""
+def at_least(least: int, what: str, most: int | None = None):
+    """An argparse type: a whole number of `least` or more (and `most` or fewer; `what` it
+    counts, for the message)."""
     def whole(text: str) -> int:
         try:
             n = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of {what}") from None
-        if n < least:
-            raise argparse.ArgumentTypeError(f"must be at least {least}, got {n}")
+        if n < least or (most is not None and n > most):
+            raise argparse.ArgumentTypeError(f"must be at least {least}" + (f" and at most {most}" if most is not None
+                                                                             else "") + f", got {n}")
         return n
 
     whole.__name__ = "count"
     return whole
+
+
+def temperature(text: str) -> float:
+    """An argparse type: a sampling temperature, a finite number of 0 or more."""
+    try:
+        t = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(t) or t < 0:
+        raise argparse.ArgumentTypeError(f"a temperature is a finite number of 0 or more (0: greedy), got {text}")
+    return t
 
 
 def duration(text: str) -> float:

@@ -408,6 +408,10 @@ def test_generate_bad_input(capsys, tmp_path):
     assert code == 2 and "not allowed with argument" in err
     code, _, err = in_process(capsys, "generate", "--store", tmp_path / "s", "--prompt", "hi", "--max-tokens", 0)
     assert code == 2 and "kvstore generate: error: argument --max-tokens: must be at least 1, got 0" in err
+    for option, value, said in (("--seed", "-5", "must be at least 0"), ("--seed", str(2**70), "at most"),
+                                ("--temp", "nan", "a finite number of 0 or more"), ("--temp", "-1", "0 or more")):
+        code, _, err = in_process(capsys, "generate", "--store", tmp_path / "s", "--prompt", "hi", option, value)
+        assert code == 2 and f"argument {option}: " in err and said in err and "Traceback" not in err, err
 
 
 def test_default_model_and_store_location(kv, home, tmp_path):

@@ -6,7 +6,7 @@ import time
 
 import numpy as np
 
-from kvstore.argv import at_least
+from kvstore.argv import at_least, temperature
 from kvstore.cli.options import add_prompt_source, add_store_settings, bound, prompt_items
 from kvstore.cli.output import EXIT_PROBLEMS, PROG, out, plural, say, uploads_undone
 
@@ -24,8 +24,9 @@ def register(add, store_opts, model_opts) -> None:
     add_prompt_source(p, "generate for every line of a prompt file (- for stdin)")
     p.add_argument("--max-tokens", metavar="N", type=at_least(1, "tokens"), default=128,
                    help="tokens to generate at most (default: 128)")
-    p.add_argument("--temp", metavar="T", type=float, default=0.0, help="sampling temperature (default: 0, greedy)")
-    p.add_argument("--seed", metavar="S", type=int, help="random seed for sampling")
+    p.add_argument("--temp", metavar="T", type=temperature, default=0.0,
+                   help="sampling temperature (default: 0, greedy)")
+    p.add_argument("--seed", metavar="S", type=at_least(0, "a seed", 2**64 - 1), help="random seed for sampling")
     add_store_settings(p)
 
 
