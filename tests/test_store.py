@@ -697,3 +697,23 @@ def test_a_cache_of_another_model_is_refused_at_insert(llama, demo_model, tmp_pa
         store.flush()
         assert store.stats()["bytes"] == 0 and store.stats()["memory"]["records"] == 0
         assert mc.insert(tokens, prefill(model, tokens)) > 0  # its own still goes in
+
+
+def test_bytes_written_counts_only_records_whose_rows_went_in(llama, tmp_path):
+    """A batch whose rows the index refused (a full disk at the commit) removes its files again:
+    the bytes written count nothing of it (they were counted as the files were placed)."""
+    from kvstore import faults
+
+    path, model = llama
+    tokens = list(range(100, 140))
+    with kvstore.open(tmp_path / "s", chunk_size=16) as store:
+        mc = store.bind(model, str(path))
+        faults.arm("in_transaction", "enospc")
+        try:
+            mc.insert(tokens, prefill(model, tokens))
+            store.flush()
+        finally:
+            faults.disarm()
+        w = store.stats()["writer"]
+        assert w["write_errors"] >= 1 and store.stats()["bytes"] == 0
+        assert w["bytes_written"] == 0 and w["records_written"] == 0

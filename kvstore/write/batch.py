@@ -207,7 +207,6 @@ def _place(dest: Destination, job: Job, hosts: Hosts, todo: list[Span], staged: 
             rows.append(Row(spec.hash, spec.ns, spec.parent, spec.depth, spec.kind, spec.ntokens,
                             spec.first_token, size, checksum, pinned=int(spec.hash in job.pin), role=job.role,
                             tenant=spec.tenant))
-            dest.stats.bytes_written += size
         if keep:
             copies.append(jobs.compact(job, spec, tokens, tensors))
         written.append(spec)
@@ -247,6 +246,7 @@ def _insert(dest: Destination, rows: list[Row]) -> bool:
         dest.count_error(e)
         return False
     dest.stats.records_written += len(rows)
+    dest.stats.bytes_written += sum(row.size for row in rows)  # (counted once their rows are in)
     return True
 
 
