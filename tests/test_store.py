@@ -717,3 +717,20 @@ def test_bytes_written_counts_only_records_whose_rows_went_in(llama, tmp_path):
         w = store.stats()["writer"]
         assert w["write_errors"] >= 1 and store.stats()["bytes"] == 0
         assert w["bytes_written"] == 0 and w["records_written"] == 0
+
+
+def test_the_wal_is_cut_back_after_a_checkpoint(tmp_path):
+    """The index's WAL file keeps no more than `WAL_SIZE_LIMIT` once checkpointed: else it stays
+    as large as it ever grew (on a disk that filled up, taking back the space freed since)."""
+    from kvstore.storage.schema import WAL_SIZE_LIMIT
+
+    with kvstore.open(tmp_path / "s") as store:
+        conn = store.index.conn
+        assert conn.execute("PRAGMA journal_size_limit").fetchone()[0] == WAL_SIZE_LIMIT
+        conn.execute("CREATE TABLE scratch (x BLOB)")
+        conn.execute("INSERT INTO scratch VALUES (?)", (os.urandom(3 * WAL_SIZE_LIMIT),))  # a big WAL
+        assert os.path.getsize(tmp_path / "s" / "index.sqlite-wal") > 2 * WAL_SIZE_LIMIT
+        conn.execute("DROP TABLE scratch")
+        conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+        conn.execute("INSERT INTO meta (key, value) VALUES ('scratch', 'x')")  # the next write cuts it back
+        assert os.path.getsize(tmp_path / "s" / "index.sqlite-wal") <= WAL_SIZE_LIMIT

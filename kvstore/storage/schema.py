@@ -63,6 +63,9 @@ def sqlite_uri(path: Path, **params: str) -> str:
     return f"file:{urllib.parse.quote(str(Path(path).absolute()))}?{urllib.parse.urlencode(params)}"
 
 
+WAL_SIZE_LIMIT = 4 << 20  # bytes the WAL file is cut back to after a checkpoint
+
+
 def connect(path: Path) -> sqlite3.Connection:
     """A connection that writes `path`: WAL mode, a busy timeout, autocommit (transactions are
     `transaction`'s)."""
@@ -74,6 +77,9 @@ def connect(path: Path) -> sqlite3.Connection:
     _set_wal(conn)
     conn.execute("PRAGMA synchronous = NORMAL")
     conn.execute("PRAGMA foreign_keys = OFF")
+    # After a checkpoint the WAL file is cut back to this: else it keeps the largest size it
+    # ever reached (on a disk that was full, the space freed since).
+    conn.execute(f"PRAGMA journal_size_limit = {WAL_SIZE_LIMIT}")
     return conn
 
 
