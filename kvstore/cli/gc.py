@@ -73,6 +73,7 @@ def cmd_gc(args) -> int:
         except UnknownTenantError as e:
             raise CommandError(f"{e} (`{PROG} stats --store {shlex.quote(str(store_path(args)))}` lists its "
                                "tenants' tags)") from None
+        pinned = bool(files.pins()) if args.max_bytes is not None and result["bytes"] > args.max_bytes else False
     verb, holds = ("would free", "would hold") if args.dry_run else ("freed", "holds")
     print(f"{verb} {format_size(result['freed_bytes'])} ({result['freed_bytes']} bytes, "
           f"{plural(result['evicted'], 'record')}); the store {holds} {format_size(result['bytes'])} "
@@ -89,7 +90,8 @@ def cmd_gc(args) -> int:
         out(f"tenant {tag}: {plural(held['records'], 'record')} ({format_size(held['bytes'])}) "
             f"{'would be deleted' if args.dry_run else 'deleted'}, pinned ones too")
     if args.max_bytes is not None and result["bytes"] > args.max_bytes:
-        say(f"{PROG} gc: still above the budget of {args.max_bytes} bytes: {_kept(args, result['kept_bytes'])}")
+        say(f"{PROG} gc: still above the budget of {args.max_bytes} bytes: "
+            f"{_kept(args, result['kept_bytes'], pinned)}")
     return 0
 
 
@@ -102,12 +104,14 @@ def _tenant_tag(text: str) -> str:
         raise argparse.ArgumentTypeError(f"{e} (as `kvstore stats` lists tenants), not {text!r:.40}") from None
 
 
-def _kept(args, kept: dict) -> str:
-    """What held the bytes gc did not free, in words."""
+def _kept(args, kept: dict, pinned: bool) -> str:
+    """What held the bytes gc did not free, in words (`pinned`: the store has pinned records)."""
     parts = []
     if kept["records"]:
-        parts.append(f"{format_size(kept['records'])} {'would be' if args.dry_run else 'is'} held by pinned "
-                     "records and their ancestors (`kvstore pins` lists them)")
+        held = ("pinned records and their ancestors (`kvstore pins` lists them), or records given a child "
+                "while gc ran" if pinned else "records given a child or stored while gc ran (by a writer in "
+                "another process): a gc run again frees them")
+        parts.append(f"{format_size(kept['records'])} {'would be' if args.dry_run else 'is'} held by {held}")
     if kept["unread"]:
         parts.append(f"{format_size(kept['unread'])} is counted by the index but held by no record gc could read "
                      f"(damaged rows): `{PROG} verify --repair --store {shlex.quote(str(store_path(args)))}` "
