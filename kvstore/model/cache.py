@@ -313,11 +313,11 @@ class ModelCache(ExplicitWrites):
         or in RAM only (and why): what a report says was stored (flush first to know it all)."""
         b, toks = self.backing, as_tokens(tokens)
         out = place(self._durable(toks), b.index, b.writer, b.gate)
-        disk = next((t for t in b.tiers if t.name == "disk"), None)
-        if out.why.get("not_written") and disk is not None and not self.exact:
+        if out.why.get("not_written") and not self.exact:
             # A tail the writer dropped for a longer one that holds its tokens (one tail a branch):
             # when the disk restores the whole prompt, it is on disk all the same.
-            if self.stored_length(toks, Tiers([disk])) >= out.tokens:
+            disk = [t for t in b.tiers if t.name == "disk"]
+            if disk and self.stored_length(toks, Tiers(disk)) >= out.tokens:
                 out.found_on_disk(out.tokens - out.on_disk - out.queued)
         return out
 

@@ -246,9 +246,8 @@ def _repair(index: Index, root: Path, problems: list[Problem], bad: set[bytes], 
     # An orphan file is explained when its row's deletion was logged (a gc stopped between its
     # rows and its files) and otherwise counts: a crashed writer leaves one batch of them at most,
     # a lost or rolled-back index most of the store (whole blobs: a rebuild takes them back).
-    named = {h: p for p in orphan_files if (h := blobtree.hash_of(Path(p.path), root)) is not None}
-    unexplained = (_rootless(orphans, known, bad, depths) + len(orphan_files)
-                   - len(index.logged_deleted(list(named))))
+    named = [h for p in orphan_files if (h := blobtree.hash_of(Path(p.path), root)) is not None]
+    unexplained = _rootless(orphans, known, bad, depths) + len(orphan_files) - len(index.logged_deleted(named))
     if unexplained > max(ORPHAN_FEW, ORPHAN_SHARE * blob_files) and not force:
         refused.append(Problem(
             "repair_refused", str(root),
