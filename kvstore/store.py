@@ -254,8 +254,6 @@ class Store:
         reuses the shared prompts and its own, and stores what follows them as its own.
         """
         self._check_open()
-        if kv_bits is not None and kv_bits not in (2, 3, 4, 5, 6, 8):
-            raise InvalidInputError(f"kv_bits must be one of 2, 3, 4, 5, 6, 8, got {kv_bits!r}")
         if fingerprint is not None and (not isinstance(fingerprint, bytes) or len(fingerprint) != 16):
             raise InvalidInputError(f"fingerprint must be kvstore's 16-byte fingerprint, not {fingerprint!r:.30}")
         layout, codecs = describe(model, make_template(model, kv_bits, kv_group_size), self.disk_kv_bits)

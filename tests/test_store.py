@@ -672,6 +672,10 @@ def test_library_bounds_and_ids_of_the_wrong_kind_are_refused_and_delete_nothing
         for bad in ("abc", b"short"):
             with pytest.raises(InvalidInputError, match="16-byte fingerprint"):
                 store.bind(model, str(path), fingerprint=bad)
+        # MLX's quantize kills the process (SIGFPE) on a group size of 0: refused at bind
+        for bits, group, what in ((7, 64, "kv_bits"), (8, 0, "kv_group_size"), (4, 16, "kv_group_size")):
+            with pytest.raises(InvalidInputError, match=f"{what} must be"):
+                store.bind(model, str(path), kv_bits=bits, kv_group_size=group)
         pc = PersistentPromptCache(store)
         pc.register("m", mc)
         asked = [float(t) + 0.5 for t in tokens]

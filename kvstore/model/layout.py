@@ -20,6 +20,10 @@ _SAID: set[int] = set()  # models told that disk_kv_bits does nothing for them (
 def make_template(model, kv_bits: int | None, kv_group_size: int) -> list:
     """The caches this model's generation uses: `make_prompt_cache`, with `KVCache` layers
     quantized the way mlx-lm's `maybe_quantize_kv_cache` does when `kv_bits` is set."""
+    if kv_bits is not None and kv_bits not in (2, 3, 4, 5, 6, 8):
+        raise InvalidInputError(f"kv_bits must be one of 2, 3, 4, 5, 6, 8, got {kv_bits!r}")
+    if kv_bits is not None and kv_group_size not in (32, 64, 128):  # MLX's quantize aborts on 0
+        raise InvalidInputError(f"kv_group_size must be 32, 64 or 128, got {kv_group_size!r}")
     cache = make_prompt_cache(model)
     if kv_bits is not None:
         cache = [QuantizedKVCache(group_size=kv_group_size, bits=kv_bits) if type(c) is KVCache else c
