@@ -132,3 +132,20 @@ def test_the_budgets_checks_leave_no_open_files_behind(tmp_path, llama):
             mc.insert(tokens, prefill(model, tokens))
             store.flush()  # each batch is checked against the budget, on a thread that then ends
         assert len(os.listdir("/proc/self/fd")) - before < 10
+
+
+def test_a_budget_smaller_than_one_record_says_so_once(tmp_path, llama, caplog):
+    """A disk with a few MB free gives an automatic budget below one record: each record written
+    is evicted again at once, and that is said (once), not left to be found out."""
+    path, model = llama
+    with caplog.at_level("WARNING", logger="kvstore"), kvstore.open(tmp_path / "s", chunk_size=16,
+                                                                    max_bytes=1000) as store:
+        mc = store.bind(model, path)
+        for start in (1, 300):
+            tokens = list(range(start, start + 40))
+            mc.insert(tokens, prefill(model, tokens))
+            store.flush()
+            store.backing.budget.settle()
+        assert store.stats()["bytes"] <= 1000
+    said = [r.getMessage() for r in caplog.records if "larger than the disk budget" in r.getMessage()]
+    assert len(said) == 1 and "max_bytes 1000" in said[0], said

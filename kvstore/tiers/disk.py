@@ -104,9 +104,15 @@ class DiskBudget:
         self.tenant_max_bytes = tenant_max_bytes  # each tenant's share of the disk
         self._cond = threading.Condition()
         self._due = self._running = False
+        self._said_too_small = False
 
-    def check(self, *_: object) -> None:
-        """Something reached the disk (the arguments, what it was, are not needed). Never waits."""
+    def check(self, rows: list[Row] | None = None) -> None:
+        """Something reached the disk (`rows`, when known: what). Never waits."""
+        big = max((r.size for r in rows or ()), default=0)
+        if self.max_bytes is not None and big > self.max_bytes and not self._said_too_small:
+            self._said_too_small = True  # else every record written is evicted again, unsaid
+            log.warning("kvstore: a record of %d bytes is larger than the disk budget (max_bytes %d): "
+                        "records this big cannot stay on disk; raise the budget", big, self.max_bytes)
         with self._cond:
             self._due = True
             if self._running:
@@ -229,7 +235,7 @@ class DiskTier:
         except Exception as e:
             log.debug("kvstore: a download was not counted (%s)", e)
         if self.budget is not None:
-            self.budget.check()
+            self.budget.check([row])
         return True
 
     def damaged(self, h, error, ref=None):
