@@ -305,9 +305,9 @@ STORE_SETTINGS: tuple[Setting, ...] = (
                  "not held locally, at most 10 s; what arrived is restored, the rest prefilled); "
                  "best_effort (serve what is local now, download in the background for the next "
                  "fetch); wait_complete (wait for the whole path)"),
-    Setting("remote_deadline", "duration", None, off=True, zero="never wait for the bucket",
+    Setting("remote_deadline", "duration", None, off=True, zero="fetches never read the bucket",
             help="the longest a fetch waits for the remote tier whatever --remote-prefetch says, "
-                 "e.g. 2s; off: the policy alone decides; 0: never wait for the bucket"),
+                 "e.g. 2s; off: the policy alone decides; 0: fetches never read the bucket (uploads go on)"),
     Setting("remote_flush_timeout", "duration", 10.0, zero="do not wait for uploads",
             help="how long one command, or one close, waits in all for uploads to the remote "
                  "tier, e.g. 30s; uploads left undone are counted and said; 0: do not wait for uploads"),

@@ -198,12 +198,31 @@ def test_timeout_restores_what_arrived_within_its_wait(tmp_path, s3, llama, monk
             got = reused(mc, model, prompt + [7])
             took = time.monotonic() - t0
             r = b.stats()["remote"]
+            # a slow endpoint that answers is not down: this node's uploads and fetches go on
+            down = b.remote.health.down()
     finally:
         proxy.close()
     wait = PREFETCH_BASE_S + PREFETCH_PER_1K_S * len(prompt) / 1024
     assert 0 < got < len(prompt) and got % C == 0, got  # a partial restore: a prefix of the path
     assert r["partial_restores"] == 1 and r["remote_hits"] == 1 and r["downloads_used"] == got // C, r
     assert took < wait + 1.5, (took, wait)  # the policy's wait and a generous margin: a bound
+    assert not down and r["errors"] == 0, r
+
+
+def test_a_deadline_of_0_reads_nothing_from_the_bucket_and_still_uploads(tmp_path, s3, llama):
+    path, model = llama
+    url = s3.url()
+    prompt = toks(3 * C + 3, 16)
+    store_all(tmp_path / "a", url, model, path, [prompt])
+    with kvstore.open(tmp_path / "b", chunk_size=C, remote=url, remote_deadline=0) as b:
+        mc = b.bind(model, path)
+        assert reused(mc, model, prompt + [7]) == 0
+        other = toks(2 * C + 5, 17)
+        mc.insert(other, prefill(model, other))
+        assert b.flush(30)
+        r = b.stats()["remote"]
+    assert r["heads"] == r["downloads"] == r["skipped_down"] == 0, r
+    assert r["uploads"] == 3 and r["skipped_down_uploads"] == 0, r
 
 
 def test_best_effort_serves_what_is_local_and_fetches_for_the_next_request(tmp_path, s3, llama):

@@ -212,6 +212,7 @@ class Downloads:
             ref.future = None  # the future holds the bytes: only what is returned may from here on
         if got is None:
             return None
+        self.health.answered()
         self.health.count("downloads")
         self.health.count("download_bytes", got[0])
         ref.body, ref.tokens, ref.rid, ref.named = got[1], got[2], got[3], False

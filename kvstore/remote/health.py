@@ -47,6 +47,7 @@ class Health:
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.last_error = ""
         self._down_until = 0.0
+        self.answered_at = 0.0  # when a request last got its answer (`monotonic`)
         self._lock = threading.Lock()
         self._persisted: dict[str, int] = {}
         self._said: set[str] = set()  # the kinds of setup mistakes said (each once)
@@ -70,6 +71,10 @@ class Health:
             if setup:
                 self._said.add(type(e).__name__)
         log.warning("kvstore: remote tier: %s", self.last_error)
+
+    def answered(self) -> None:
+        """A request got its answer: the endpoint is up, however slow."""
+        self.answered_at = time.monotonic()
 
     def mark_down(self) -> None:
         self._down_until = time.monotonic() + self.retry_after

@@ -70,6 +70,9 @@ PREFETCH_PER_1K_S = 0.1
 PREFETCH_CAP_S = 10.0
 #: What `wait_complete` and the background lookups of `best_effort` wait at most, in all.
 WAIT_COMPLETE_S = LONGEST_S
+#: A lookup that ran out of its wait with no answer at all from the endpoint for this long leaves
+#: the remote alone for a while (`Health`): it hangs, and the next fetches would wait for it too.
+SILENT_S = 0.1
 #: The keys one listing of a children folder reads at most (one request): a folder flooded with
 #: keys costs one bounded LIST; the children past it are not seen.
 LIST_LIMIT = 1000
@@ -430,8 +433,11 @@ class RemoteTier:
         return lo
 
     def _usable(self, lookup: Lookup) -> bool:
-        """Whether to ask the bucket for this lookup: not while it is left alone after a failure
-        (counted once per lookup)."""
+        """Whether to ask the bucket for this lookup: not with a deadline of 0 (fetches never
+        wait for it), not once this lookup gave up on it, not while it is left alone after a
+        failure (counted once per lookup)."""
+        if self.deadline == 0 or "remote failed" in lookup.notes:
+            return False
         if self.health.down():
             if not lookup.notes & {"remote skipped", "remote failed"}:  # failed in this lookup: counted
                 lookup.notes.add("remote skipped")
@@ -440,12 +446,17 @@ class RemoteTier:
         return True
 
     def _failed(self, lookup: Lookup, e: RemoteError | None) -> None:
-        """A request of this lookup failed (`e`) or missed the deadline (None): the remote is
-        left alone for a while."""
+        """A request of this lookup failed (`e`): the remote is left alone for a while. Or the
+        lookup ran out of its wait (None): counted, and the remote is left alone only if nothing
+        answered since the lookup began, for at least SILENT_S (a hanging endpoint). A wait that
+        ends on a slow but answering endpoint is the policy's normal outcome: uploads and later
+        fetches go on."""
         lookup.notes.add("remote failed")
         if e is None:
             self.health.count("deadline_misses")
-            self.health.mark_down()
+            now = time.monotonic()
+            if self.health.answered_at < lookup.started and now - lookup.started >= SILENT_S:
+                self.health.mark_down()
         else:
             self.health.error(e, down=True)
 
@@ -457,7 +468,9 @@ class RemoteTier:
         """Run a request on the pool and wait for it until `end` (raises _Late after)."""
         fut: Future = self.downloads.pool.submit(fn, *args)
         try:
-            return fut.result(timeout=max(0.0, end - time.monotonic()))
+            answer = fut.result(timeout=max(0.0, end - time.monotonic()))
+            self.health.answered()
+            return answer
         except FutureTimeout:
             fut.cancel()
             raise _Late from None
