@@ -101,7 +101,7 @@ def test_kvstore_serve_in_exact_mode(demo_model, tmp_path):
     assert "computed in exact steps and stored" in log
     assert again == cold
     assert cached(usage2) == usage2["prompt_tokens"] - 1
-    assert cached(usage) == usage["prompt_tokens"] - 1  # handed over in the cache, computed by kvstore (see docs/exact.md)
+    assert cached(usage) == 0  # handed over in the cache, but computed by kvstore: not cached tokens
     assert [c.at for c in stored_canaries(tmp_path / "store")] == [usage["prompt_tokens"] - 1]
     assert "does not give the canary" not in log and "quarantined" not in log, log
     assert cached(biased) == cached(usage4) == usage["prompt_tokens"] - 1

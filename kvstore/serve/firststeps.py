@@ -51,6 +51,7 @@ class FirstSteps:
         self.canaries = 0  # first steps seen (each one a canary)
         self._fetched = threading.local()  # the prompt this thread fetched last, and its model cache
         self._wrong: OrderedDict[bytes, int] = OrderedDict()  # prompts whose restore missed their canary
+        self._computed: OrderedDict[bytes, int] = OrderedDict()  # exact mode: prompt -> tokens prefilled here
 
     def fetched(self, prompt: list[int], mc=None) -> None:
         """This thread looked `prompt` up (in model cache `mc`): a first step that only says its
@@ -69,6 +70,21 @@ class FirstSteps:
                 late.append(self._holds.popitem(last=False)[1][1])
         for pending in late:
             pending.submit()
+
+    def computed(self, prompt: Sequence[int], n: int) -> None:
+        """Exact mode: `n` tokens of `prompt` were prefilled here, in the cache the server was
+        handed (its usage would count them as cached: `cached_tokens`)."""
+        with self._lock:
+            self._computed[_key(prompt)] = n
+            while len(self._computed) > self.limit:
+                self._computed.popitem(last=False)
+
+    def take_computed(self, prompt: Sequence[int]) -> int:
+        """How many tokens of `prompt` were prefilled here (0 if none, or asked before)."""
+        if not self._computed:
+            return 0
+        with self._lock:
+            return self._computed.pop(_key(prompt), 0)
 
     def seen(self, logprobs, *, prompt: Sequence[int] | None = None, rest: Sequence[int] | None = None,
              processed: bool = False) -> None:

@@ -217,6 +217,26 @@ class Waiting:
         return on_progress, watched()
 
 
+def _reused_only(ctx, tokens: Iterator, first_steps) -> Iterator:
+    """`tokens`, with `ctx.prompt_cache_count` (the usage's `cached_tokens`) made what was reused
+    once the lookup is done: in exact mode the server is handed a cache that holds the tokens
+    kvstore prefilled too, which mlx_lm.server would count as cached."""
+    fixed = False
+
+    def fix() -> None:
+        nonlocal fixed
+        if not fixed and getattr(ctx, "prompt_cache_count", -1) > 0:
+            fixed = True
+            ctx.prompt_cache_count -= first_steps.take_computed(getattr(ctx, "prompt", None) or [])
+
+    try:
+        for item in tokens:
+            fix()
+            yield item
+    finally:
+        fix()
+
+
 class _RecoveringGenerator:
     """Put in front of mlx_lm.server's `ResponseGenerator` by `_response_generator` (which sets
     the two class attributes): its prompt cache is ours, and its generation loop starts again
@@ -255,7 +275,7 @@ class _RecoveringGenerator:
             raise
         on_progress, watched = waiting.watch(request, progress_callback, tokens)
         holder.append(on_progress)
-        return ctx, watched
+        return ctx, _reused_only(ctx, watched, self._kvstore_cache.first_steps)
 
     def _tokenize(self, tokenizer, request, *args, **kwargs):
         # mlx_lm.server looks a request's prompt up right after it tokenizes it, on this thread.

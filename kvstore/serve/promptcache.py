@@ -352,7 +352,8 @@ class PersistentPromptCache:
         if start.hold is not None:
             self.first_steps.expect(toks.tolist(), start.hold)
         computed = len(toks) - len(start.rest) - start.reused
-        if computed:  # held in RAM as an inserted sequence is (LRUPromptCache's bounds)
+        if computed:  # not reused (`cached_tokens`), and held in RAM as an inserted sequence is
+            self.first_steps.computed(toks.tolist(), computed)
             with self._lock:
                 seq = ((key, mc.tenant.tag) if mc.tenant is not None else key, mc.ns, tuple(toks[:-1].tolist()))
                 self._ram.add(seq, mc.record_hashes(toks[:-1]), "assistant")
@@ -465,10 +466,8 @@ class PersistentPromptCache:
 
     @staticmethod
     def _held_tokens(tokens: list, cache: list) -> list | None:
-        """The tokens the cache really holds: `tokens`, or a prefix if every layer has fewer.
-
-        mlx_lm.server inserts the prompt and every generated token, the last of which the model
-        never processed: its cache is one token short."""
+        """The tokens the cache really holds: `tokens`, or a prefix if every layer has fewer
+        (mlx_lm.server inserts the prompt and every generated token, the last never processed)."""
         from kvstore.model.prefill import held_length
 
         held = held_length((getattr(layer, "offset", None) for layer in cache), len(tokens))
