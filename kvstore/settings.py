@@ -146,20 +146,16 @@ def _parse(s: Setting, value: Any, where: str) -> Any:
     return parsed
 
 
-def _number(value: Any, text_parser: Callable[[str], Any], what: str, example: str) -> Any:
-    if isinstance(value, bool) or value is None:
+def _number(value: Any, text_parser: Callable[[str], Any], what: str, example: str, least: int = 0) -> Any:
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise ValueError(f"must be {what}, like {example}, got {value!r}")
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        if value < 0:
-            raise ValueError(f"{value!r} is negative: give 0 or more, like {example}")
-        return value
-    if isinstance(value, str):
-        return text_parser(value)
-    raise ValueError(f"must be {what}, like {example}, got {value!r}")
+    if value.strip().startswith("-") if isinstance(value, str) else value < 0:
+        raise ValueError(f"{value!r} is negative: give {least} or more, like {example}")
+    return text_parser(value) if isinstance(value, str) else value
 
 
 def _size(s: Setting, value: Any) -> int:
-    n = _number(value, parse_size, "a size", "500MB or 2GiB" + (" (or off)" if s.off else ""))
+    n = _number(value, parse_size, "a size", "500MB or 2GiB" + (" (or off)" if s.off else ""), int(s.zero is None))
     if isinstance(n, float):
         raise ValueError(f"{value!r} is not a whole number of bytes")
     return n
@@ -171,7 +167,7 @@ def _rate(s: Setting, value: Any) -> int:
 
 
 def _duration(s: Setting, value: Any) -> float:
-    return float(_number(value, parse_duration, "a duration", "10s or 2m"))
+    return float(_number(value, parse_duration, "a duration", "10s or 2m", int(s.zero is None)))
 
 
 def gc_bounds(max_bytes: Any, max_age: Any) -> tuple[int | None, float | None]:
@@ -195,7 +191,7 @@ def _count(s: Setting, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"must be a whole number, got {value!r}")
     if value < 0:
-        raise ValueError(f"{value} is negative: give 0 or more")
+        raise ValueError(f"{value} is negative: give {int(s.zero is None)} or more")
     return value
 
 

@@ -476,7 +476,9 @@ def test_a_typo_names_the_option_it_resembles(tmp_path, capsys):
     meant: mlx_lm.server's own usage lists no --store. A negative size says it is negative."""
     for args, message in ((["--stroe", str(tmp_path / "s")], "unknown option --stroe (did you mean --store?)"),
                           (["--prot", "8080"], "unknown option --prot (did you mean --port?)"),
-                          (["--store-max-bytes", "-5MB"], "argument --store-max-bytes: '-5MB' is negative")):
+                          (["--store-max-bytes", "-5MB"], "argument --store-max-bytes: '-5MB' is negative"),
+                          # 0 is refused too: the least it takes is 1
+                          (["--kv-events-block-size", "-16"], "-16 is negative: give 1 or more")):
         code = serve_main(args)
         err = capsys.readouterr().err
         assert code == 2, err
