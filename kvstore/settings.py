@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shlex
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
@@ -149,6 +150,8 @@ def _parse(s: Setting, value: Any, where: str) -> Any:
 def _number(value: Any, text_parser: Callable[[str], Any], what: str, example: str, least: int = 0) -> Any:
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise ValueError(f"must be {what}, like {example}, got {value!r}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{value!r} is not a finite number: give {what}, like {example}")
     if value.strip().startswith("-") if isinstance(value, str) else value < 0:
         raise ValueError(f"{value!r} is negative: give {least} or more, like {example}")
     return text_parser(value) if isinstance(value, str) else value

@@ -74,7 +74,10 @@ def parse_rate(text: str) -> int:
     seconds = _PERIODS.get((period or "day").lower())
     if seconds is None:
         raise ValueError(f"{text!r}: unknown period {period!r}; use s, min, h, day or week")
-    return int(parse_size(amount) * 86400 // seconds)
+    per_day = int(parse_size(amount) * 86400 // seconds)
+    if per_day == 0 and parse_size(amount) > 0:
+        raise ValueError(f"{text!r} is less than one byte a day: the least rate is 1B/day")
+    return per_day
 
 
 def format_size(n: int | float) -> str:

@@ -81,6 +81,13 @@ def test_a_write_rate_of_0_is_refused_naming_off(kv, tmp_path, demo_model_path):
     assert "--admit pinned" in result.stderr
     refused = kv("settings", "--store", tmp_path / "s", "max_write_rate=0", code=2)
     assert "use off" in refused.stderr
+    # a rate that rounds down to 0 bytes a day, and numbers that are none, are said as what they are
+    with pytest.raises(InvalidInputError, match="less than one byte a day"):
+        kvstore.open(tmp_path / "s", max_write_rate="1B/week")
+    for name, bad in (("max_write_rate", float("inf")), ("max_write_rate", float("nan")),
+                      ("remote_flush_timeout", float("nan")), ("remote_deadline", float("inf"))):
+        with pytest.raises(InvalidInputError, match=f"{name}: .* is not a finite number"):
+            kvstore.open(tmp_path / "s", **{name: bad})
 
 
 def test_an_exact_step_of_no_whole_chunks_is_a_bad_command_line(kv, tmp_path, demo_model_path):
@@ -158,6 +165,10 @@ def test_settings_keeps_and_forgets_and_refuses_what_it_cannot_keep(kv, tmp_path
     assert "not kept in the store" in not_kept.stderr and "--memory-bytes" in not_kept.stderr
     typo = kv("settings", "--store", store, "admt=all", code=2)
     assert "did you mean admit" in typo.stderr
+    for twice in (["admit=all", "admit=reused"], ["disk_kv_bits=8", "--reset", "disk_kv_bits"]):
+        refused = kv("settings", "--store", store, *twice, code=2)
+        assert "given more than once" in refused.stderr, refused.stderr
+    assert re.search(r"^admit\s+all\s+default", kv("settings", "--store", store).stdout, re.M)  # nothing kept
 
 
 def test_explicit_writes_count_in_the_budget_and_automatic_ones_then_wait(tmp_path, demo_model_path):

@@ -60,6 +60,11 @@ def _changes(args) -> list[tuple[table.Setting, object]]:
 def cmd_settings(args) -> int:
     changes = _changes(args)
     resets = [_setting(name, f"--reset {name}") for name in args.reset]
+    named = [s.name for s, _ in changes] + [s.name for s in resets]
+    twice = sorted({n for n in named if named.count(n) > 1})
+    if twice:  # which one would win is not what the user meant to say
+        raise CommandError(f"{', '.join(twice)} given more than once (to keep and to --reset, or twice): "
+                           "give each setting once", EXIT_USAGE)
     writes = bool(changes or resets)
     with open_local(args, must_exist=not writes, read_only=None if not writes else False) as files:
         before = files.settings()
