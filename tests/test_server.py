@@ -819,7 +819,8 @@ def test_serve_defaults_are_bounded():
     assert served["allowed_origins"] == []
     assert parsed("--store-max-bytes", "none")[0]["max_bytes"] == "off"
     assert parsed("--store-max-bytes", "off")[0]["max_bytes"] == "off"
-    assert parsed("--store-max-tokens", "0")[1]["store_max_tokens"] is None
+    for no_cap in ("0", "off", "none"):  # one word for no limit, as every setting takes
+        assert parsed("--store-max-tokens", no_cap)[1]["store_max_tokens"] is None
     assert parsed("--allowed-origins", "http://a.example/, *")[1]["allowed_origins"] == ["http://a.example", "*"]
 
 
