@@ -25,7 +25,7 @@ DEFAULT_MAX_BODY_BYTES = 64 << 20
 SERVE_SETTINGS: tuple[Setting, ...] = (
     Setting("store_max_tokens", "count", DEFAULT_MAX_STORED_TOKENS, zero="no cap", off=True,
             help="store the cache of a request only up to N tokens (prompt and generated together); "
-                 "longer ones are served, not stored; off (or 0): no cap"),
+                 "longer ones are served, not stored; off: no cap; 0: no cap"),
     Setting("allowed_origins", "list", [], default_text="none: a web page cannot use the server",
             help="comma-separated web origins whose requests are served, e.g. http://localhost:3000, "
                  "or `*` for every origin"),
