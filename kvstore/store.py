@@ -30,7 +30,7 @@ from kvstore.model.cache import ModelCache
 from kvstore.model.layout import describe, make_template
 from kvstore.model.lookup import Tiers
 from kvstore.remote.bucket import check_url, open_bucket
-from kvstore.remote.node import Remote
+from kvstore.remote.node import Remote, say_unused
 from kvstore.remote.seal import Fleet, fleet_keys
 from kvstore.restore import buffers, selfcheck
 from kvstore.storage.storedir import default_path, tenant_key
@@ -192,6 +192,7 @@ class Store:
         """This node's side of the bucket at `url` (its objects sealed with the first of the
         fleet's `secrets`, read with each; `value`: the settings), or None. Contacts nothing yet."""
         if not url:
+            say_unused(self.settings)
             return None
         return Remote(open_bucket(url), Fleet.of(secrets), self.index, self.path, self.blob_root,
                       deadline=value["remote_deadline"], flush_timeout=value["remote_flush_timeout"],

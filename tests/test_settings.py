@@ -269,3 +269,14 @@ def test_a_prompt_whose_tail_a_longer_one_holds_is_said_to_be_on_disk(tmp_path, 
         assert (placed.on_disk, placed.in_ram) == (40, 0), placed.text()
     with kvstore.open(tmp_path / "s", chunk_size=C) as store:  # and so it is: a new process restores it
         assert len(store.bind(model, str(path)).fetch(prompt)[1]) == 1
+
+
+def test_remote_settings_without_a_remote_say_they_do_nothing(tmp_path, caplog):
+    with caplog.at_level("WARNING", logger="kvstore"):
+        with kvstore.open(tmp_path / "s", remote_prefetch="best_effort", remote_deadline="2s"):
+            pass
+        with kvstore.open(tmp_path / "s"):  # nothing given: nothing said
+            pass
+    said = [r.getMessage() for r in caplog.records if "no remote tier" in r.getMessage()]
+    assert said == ["kvstore: remote_prefetch, remote_deadline given, but this store has no remote tier "
+                    "(--remote): they do nothing"], said

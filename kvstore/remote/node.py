@@ -214,3 +214,12 @@ class Remote:
             self.health.saved(deltas)
         except Exception:  # only statistics (the index may be busy or read-only)
             pass
+
+
+def say_unused(resolved: dict[str, tuple[Any, str]]) -> None:
+    """The remote tier's settings given to a store that has none do nothing: said once per open."""
+    given = [name for name, (_, source) in resolved.items()
+             if name.startswith("remote_") and source == settings.GIVEN]
+    if given:
+        log.warning("kvstore: %s given, but this store has no remote tier (--remote): %s nothing",
+                    ", ".join(given), "it does" if len(given) == 1 else "they do")
