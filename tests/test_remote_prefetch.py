@@ -245,6 +245,29 @@ def test_best_effort_serves_what_is_local_and_fetches_for_the_next_request(tmp_p
         assert r["downloads"] == 5 and r["remote_hits"] == 0, r  # the second fetch read the local disk
 
 
+def test_best_effort_cut_short_by_close_is_no_error(tmp_path, s3, llama, monkeypatch, caplog):
+    from remote_fixture import StallingProxy
+
+    path, model = llama
+    url = s3.url()
+    prompt = toks(6 * C + 3, 18)
+    store_all(tmp_path / "a", url, model, path, [prompt])
+    proxy = StallingProxy(s3.endpoint, slow_gets=0.3)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    try:
+        with caplog.at_level("WARNING", logger="kvstore"):
+            b = kvstore.open(tmp_path / "b", chunk_size=C, remote=url, remote_prefetch="best_effort",
+                             remote_flush_timeout=0)
+            assert reused(b.bind(model, path), model, prompt + [7]) == 0
+            time.sleep(0.5)  # the background job is downloading
+            b.close()
+            time.sleep(0.5)
+    finally:
+        proxy.close()
+    assert b.remote.health.counters["errors"] == 0
+    assert not [r for r in caplog.records if "remote tier:" in r.getMessage()], caplog.text
+
+
 def test_wait_complete_waits_for_the_whole_path(tmp_path, s3, llama, monkeypatch):
     from remote_fixture import StallingProxy
 

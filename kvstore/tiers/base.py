@@ -56,6 +56,19 @@ class Lookup:
     #: children of the chain's end the tiers of this machine hold: hash -> tokens it shares
     local_children: dict[bytes, int] = field(default_factory=dict)
 
+    def depth_of(self, h: bytes) -> int:
+        """The depth of a chunk of this lookup's chain (0 for its namespace)."""
+        return 0 if h == self.ns else self.chain.index(h) + 1
+
+    def start_of(self, r: RecordId) -> int:
+        """Where record `r` of this lookup's chain starts in its prompt."""
+        start = getattr(r, "start", None)
+        return start if start is not None else (r.depth - 1) * self.chunk_size
+
+    def tokens_of(self, r: RecordId) -> np.ndarray:
+        """The tokens of record `r` of this lookup's chain."""
+        return self.tokens[self.start_of(r) : self.start_of(r) + r.ntokens]
+
     def sees(self, tag: str | None) -> bool:
         """Whether a record of tenant `tag` (None: shared) may serve this lookup."""
         return sees(self.tenant, tag)

@@ -105,6 +105,7 @@ class RemoteTier:
         self._jobs: set = set()  # what the background is doing or will do (each once)
         self._lock = threading.Lock()
         self._key_checked = False  # whether the bucket was asked if any namespace opens with the key
+        self._closed = False
 
     @property
     def clock(self) -> Callable[[], float]:
@@ -116,6 +117,7 @@ class RemoteTier:
 
     def close(self, timeout: float = 30.0) -> None:
         """Stop; what was downloaded is stored on the local disk first (within `timeout`)."""
+        self._closed = True
         self._later.shutdown(wait=False, cancel_futures=True)
         self.downloads.close()
         self.stored.close(timeout)
@@ -160,7 +162,8 @@ class RemoteTier:
             try:
                 work(later)
             except Exception as e:  # a background job never raises anywhere
-                self.health.error(e)
+                if not self._closed:  # (one cut short by close: its pool refuses new requests)
+                    self.health.error(e)
             finally:
                 with self._lock:
                     self._jobs.discard(job)
@@ -208,7 +211,7 @@ class RemoteTier:
             return
         got = [r for r in chain if r.hash in found]
         parent = got[-1].hash if got else chain[0].parent
-        rest = later.tokens[_start(later, got[-1]) + got[-1].ntokens if got else _start(later, chain[0]):]
+        rest = later.tokens[later.start_of(got[-1]) + got[-1].ntokens if got else later.start_of(chain[0]):]
         if len(rest) > 1 and (parent == later.ns or parent in later.chain):
             self._store_child(later, parent, rest)
 
@@ -218,12 +221,12 @@ class RemoteTier:
 
     def _find(self, lookup: Lookup, ids: Sequence[RecordId]) -> dict[bytes, Ref]:
         records = [r for r in ids if r.kind != CHECKPOINT]
-        end = self.until(lookup, len(lookup.tokens) - (_start(lookup, records[0]) if records else len(lookup.tokens)))
+        end = self.until(lookup, len(lookup.tokens) - (lookup.start_of(records[0]) if records else len(lookup.tokens)))
         found: dict[bytes, Ref] = {}
         try:
             got = 0  # records of the chain found so far, from its start
             for s in self._sealers(lookup, records[0]) if records else []:
-                named = [key_of(s, r, _tokens(lookup, r)) for r in records]
+                named = [key_of(s, r, lookup.tokens_of(r)) for r in records]
                 bad = next((i for i, k in enumerate(named) if self.downloads.known_bad(k)), len(named))
                 if bad <= got:
                     continue  # a chain ends at a damaged record
@@ -274,7 +277,7 @@ class RemoteTier:
 
     def _children(self, lookup: Lookup, parent: bytes, rest: np.ndarray) -> list[tuple[bytes, np.ndarray, Ref]]:
         end = self.until(lookup, len(rest))
-        depth = _depth_of(lookup, parent) + 1
+        depth = lookup.depth_of(parent) + 1
         have = max(lookup.local_children.values(), default=0)  # what this machine restores already
         best: tuple[int, ObjectKey, bool, Sealer] | None = None  # (tokens shared, key, proven, folder's sealer)
         try:
@@ -487,20 +490,3 @@ class _Downloaded(BlobSource):
     def close(self) -> None:
         super().close()
         self._stored.release(self.id.hash)
-
-
-def _depth_of(lookup: Lookup, h: bytes) -> int:
-    """The depth of a chunk of the lookup's chain (0 for its namespace)."""
-    return 0 if h == lookup.ns else lookup.chain.index(h) + 1
-
-
-def _start(lookup: Lookup, r: RecordId) -> int:
-    """Where record `r` of the lookup's chain starts in its prompt."""
-    start = getattr(r, "start", None)
-    return start if start is not None else (r.depth - 1) * lookup.chunk_size
-
-
-def _tokens(lookup: Lookup, r: RecordId) -> np.ndarray:
-    """The tokens of record `r` of the lookup's chain."""
-    at = _start(lookup, r)
-    return lookup.tokens[at : at + r.ntokens]
