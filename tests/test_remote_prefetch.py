@@ -245,6 +245,42 @@ def test_best_effort_serves_what_is_local_and_fetches_for_the_next_request(tmp_p
         assert r["downloads"] == 5 and r["remote_hits"] == 0, r  # the second fetch read the local disk
 
 
+def test_best_effort_counts_as_fetched_ahead_only_what_it_stored(tmp_path, s3, llama, monkeypatch):
+    """The request that found nothing local prefills and stores the prompt itself while the
+    background job downloads it slowly: every record is stored once, by one of them, and only
+    those the job stored count as fetched ahead (the others are unused downloads, if any)."""
+    from remote_fixture import StallingProxy
+
+    path, model = llama
+    url = s3.url()
+    prompt = toks(6 * C + 3, 19)
+    store_all(tmp_path / "a", url, model, path, [prompt])
+    proxy = StallingProxy(s3.endpoint, slow_gets=0.4)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    try:
+        with kvstore.open(tmp_path / "b", chunk_size=C, remote=url, remote_prefetch="best_effort",
+                          remote_flush_timeout=0) as b:
+            mc = b.bind(model, path)
+            query = prompt + [7]
+            cache, rest = mc.fetch(query)
+            assert len(rest) == len(query)
+            mc.insert(prompt, prefill(model, prompt))
+            assert b.backing.writer.flush(30)
+            tier, end = remote_tier(b), time.monotonic() + 30
+            while tier._jobs:  # the background job's downloads
+                assert time.monotonic() < end
+                time.sleep(0.1)
+            assert tier.settle(30)
+            r, written = b.stats()["remote"], b.write_stats()["records_lifetime"]
+            problems = b.verify()
+            again = reused(mc, model, query)
+    finally:
+        proxy.close()
+    assert problems == [] and again == len(prompt), (problems, again)
+    assert r["prefetched"] + written == 7, (r, written)  # six chunks and the tail, each stored once
+    assert r["downloads"] >= r["prefetched"] and r["downloads_used"] == 0, r
+
+
 def test_best_effort_cut_short_by_close_is_no_error(tmp_path, s3, llama, monkeypatch, caplog):
     from remote_fixture import StallingProxy
 
@@ -264,8 +300,9 @@ def test_best_effort_cut_short_by_close_is_no_error(tmp_path, s3, llama, monkeyp
             time.sleep(0.5)
     finally:
         proxy.close()
-    assert b.remote.health.counters["errors"] == 0
-    assert not [r for r in caplog.records if "remote tier:" in r.getMessage()], caplog.text
+    # (the proxy holds PUTs: the manifest's upload may fail as it closes, and that is said)
+    assert "RuntimeError" not in caplog.text and "after shutdown" not in caplog.text, caplog.text
+    assert b.remote.health.last_error == "" or "PUT" in b.remote.health.last_error, b.remote.health.last_error
 
 
 def test_wait_complete_waits_for_the_whole_path(tmp_path, s3, llama, monkeypatch):

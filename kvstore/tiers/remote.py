@@ -179,6 +179,10 @@ class RemoteTier:
         (it stops at the first that does not come)."""
         self.prefetch(found)
         for h, ref in found:
+            if self.disk.holds([h]):  # the request stored it itself meanwhile: not downloaded again
+                if ref.future is not None:
+                    ref.future.cancel()
+                continue
             try:
                 self.open(h, ref).close()
             except KeyError:
@@ -391,10 +395,10 @@ class RemoteTier:
         r, body = ref.rid, ref.body
         row = Row(r.hash, r.ns, r.parent, r.depth, r.kind, r.ntokens, r.first_token, len(body), 0, tenant=r.tenant)
         source = _Downloaded(blobfile.in_memory(body, h, f"remote record {h.hex()}"), row, self.stored)
-        self.stored.hold(row, body, reupload=r.tenant is None and ref.sealer.key_id != self.fleet.key_id)
-        if "background" in ref.lookup.notes:  # `best_effort`: stored for the next fetch
-            self.health.count("prefetched")
-        else:
+        background = "background" in ref.lookup.notes  # `best_effort`: counted once stored, for the next fetch
+        self.stored.hold(row, body, reupload=r.tenant is None and ref.sealer.key_id != self.fleet.key_id,
+                         prefetched=background)
+        if not background:
             if "remote" not in ref.lookup.notes:
                 ref.lookup.notes.add("remote")
                 self.health.count("remote_hits")

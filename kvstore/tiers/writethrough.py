@@ -33,16 +33,17 @@ class WriteThrough:
         self.disk, self.health, self.reupload = disk, health, reupload
         self._lock = threading.Lock()
         self._settled = threading.Condition(self._lock)
-        self._writing: dict[bytes, tuple] = {}  # downloaded, not on the local disk yet: (row, body, reupload, started)
+        self._writing: dict[bytes, tuple] = {}  # downloaded, not on the local disk yet: (row, body, flags, started)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvstore-remote-store")
 
-    def hold(self, row: Row, body, *, reupload: bool) -> None:
+    def hold(self, row: Row, body, *, reupload: bool, prefetched: bool = False) -> None:
         """A downloaded record to store on the local disk once the restore that reads it is done
         (`release`), so that writing it never competes with the fetch (`reupload`: read with an
-        older fleet key, it goes up again under the current one once it is there)."""
+        older fleet key, it goes up again under the current one once it is there; `prefetched`:
+        downloaded for a later fetch, counted as such only if it is stored, not found there)."""
         with self._lock:
             if row.hash not in self._writing:
-                self._writing[row.hash] = (row, body, reupload, False)
+                self._writing[row.hash] = (row, body, (reupload, prefetched), False)
 
     def release(self, h: bytes) -> None:
         """Store record `h` now, in the background (once)."""
@@ -50,19 +51,21 @@ class WriteThrough:
             got = self._writing.get(h)
             if got is None or got[3]:
                 return
-            row, body, reupload, _ = got
-            self._writing[h] = (row, body, reupload, True)
+            row, body, flags, _ = got
+            self._writing[h] = (row, body, flags, True)
         try:
-            self._pool.submit(self._write, row, body, reupload)
+            self._pool.submit(self._write, row, body, *flags)
         except RuntimeError:  # closed
             with self._lock:
                 self._writing.pop(h, None)
                 self._settled.notify_all()
 
-    def _write(self, row: Row, body, reupload: bool) -> None:
+    def _write(self, row: Row, body, reupload: bool, prefetched: bool) -> None:
         try:
             row.size, row.checksum = len(body), xxhash.xxh3_64_intdigest(body)
-            self.disk.put(row, body)
+            stored = self.disk.put(row, body)
+            if stored and prefetched:
+                self.health.count("prefetched")
             if reupload and self.reupload is not None:
                 self.reupload([row])  # (a tenant's old records are stored again under its new salt as it uses them)
         except OSError as e:  # a full disk: the record stays a miss here
