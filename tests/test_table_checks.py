@@ -341,3 +341,28 @@ def test_repair_of_a_damaged_pin_flag_takes_the_pins_files_word(tmp_path, llama,
     assert main(["gc", "--store", str(store), "--max-bytes", "0"]) == 0
     with kvstore.open(store, chunk_size=C) as s:
         assert {r.hash for r in s.index.rows()} == pinned
+
+
+
+@pytest.mark.parametrize("value", ["'yes'", "1.5", "x'01'"])
+def test_pins_reads_a_damaged_pin_flag_as_gc_does(tmp_path, llama, value):
+    """What `pins` lists (and a remote is told is pinned) is what gc keeps: a flag gc reads as
+    no pin is no pin."""
+    path, model = llama
+    store = tmp_path / "s"
+    with kvstore.open(store, chunk_size=C) as s:
+        mc = s.bind(model, path)
+        mc.prefill(prompt(0), pin=True)
+        s.flush()
+        damaged = {r.hash for r in s.index.rows()}
+        mc.prefill(prompt(1), pin=True)
+        s.flush()
+    sql(store, f"UPDATE records SET pinned = {value} WHERE hash = ?", [(h,) for h in damaged])
+    with kvstore.open(store, chunk_size=C) as s:
+        listed = s.pins()[0]["records"]
+        published = s.index.pinned()
+    assert main(["gc", "--store", str(store), "--max-bytes", "0"]) == 0
+    with kvstore.open(store, chunk_size=C) as s:
+        kept = {r.hash for r in s.index.rows()}
+    assert kept and not damaged & kept
+    assert listed == len(kept) and published == kept
