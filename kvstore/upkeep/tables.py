@@ -8,9 +8,9 @@ models row is taken again from the header of one of its blobs (fingerprint, mode
 size), or set to now (when it was made), to 0 (its last use: its records' access times say it)
 or to "{}" (a layout, which the next bind writes again). A row that names no namespace, or whose
 fields no blob can give back, is deleted: its records are then orphans, which the next `verify`
-reports. A damaged write-log value becomes 0, and an hour in the budget's window whose bytes were
-damaged is counted as the store's kept budget (full until it leaves the window, as the budget
-read it); a damaged role becomes the weakest, 0, as gc read it; a damaged kept setting is
+reports. A damaged write-log value becomes 0 (nothing is counted as written that was not), and
+an hour in the budget's window whose bytes were damaged stays closed (`closed_hour`: full until
+it leaves the window, as the budget read it); a damaged role becomes the weakest, 0, as gc read it; a damaged kept setting is
 forgotten, so its default applies, unless it is a limit (`max_write_rate`): that one is kept at
 what it read as (0: no automatic writes) until a value is kept again; a damaged seen mark, model file or memoised digest is
 deleted (the key is seen afresh, the next bind records its files, the file is hashed again).
@@ -77,11 +77,7 @@ def row_problems(index: Index) -> list[tuple[str, str, str]]:
     out = []
     for hour, column, value in index.damaged_log():
         at = time.strftime("%Y-%m-%d %H:00 UTC", time.gmtime(hour * 3600)) if 0 <= hour < 1 << 32 else "?"
-        why = ("an hour before 1970 or more than a day ahead: the budget ignores it; repair deletes the row"
-               if column == "hour" else f"its {column} is {value!r:.40}, not a whole number of 0 to {MAX_HOUR_BYTES}: "
-               "the budget counts this hour as the whole budget until it leaves the window; repair sets it to 0, "
-               "and an hour still in the window to the kept budget")
-        out.append(("bad_write_log", f"write_log hour {hour} ({at})", why))
+        out.append(("bad_write_log", f"write_log hour {hour} ({at})", _log_damage(column, value)))
     for h, role in index.damaged_roles():
         out.append(("bad_role", f"records {_hex(h)}", f"its role is {role!r:.40}, not 0 to {MAX_ROLE}: gc evicts it "
                     "as the weakest (0); repair sets it to 0"))
@@ -102,6 +98,20 @@ def row_problems(index: Index) -> list[tuple[str, str, str]]:
     out += [("bad_digest", f"file_digests {path!r:.80}", "a digest that is not a 16-byte hash: it is not used; "
              "repair deletes it (the file is hashed again)") for path in index.damaged_digests()]
     return out
+
+
+def _log_damage(column: str, value: object) -> str:
+    """What a damaged write-log value does, and what repair writes, by the column it is in."""
+    if column == "hour":
+        return "an hour before 1970 or more than a day ahead: the budget ignores it; repair deletes the row"
+    said = f"its {column} is {value!r:.40}, not a whole number of 0 to {MAX_HOUR_BYTES}: "
+    if column == "closed":
+        return (f"the hour the budget counts as full is {value!r:.40}, not an hour: it reads as this hour; "
+                "repair keeps this hour")
+    if column in ("bytes", "downloaded"):
+        return said + ("the budget counts this hour as the whole budget until it leaves the window; repair sets "
+                       "it to 0 (nothing is counted as written) and keeps the budget closed for as long")
+    return said + "stats leaves it out of its counts (the budget does not read it); repair sets it to 0"
 
 
 def _hex(value: object) -> str:
@@ -129,8 +139,7 @@ def repair_tables(index: Index, root: Path, records_of: dict[bytes, list[bytes]]
     mended from the header of one of its blobs (`records_of`: ns -> hashes of good records)."""
     kinds = {kind for kind, _, _ in problems}
     if "bad_write_log" in kinds:
-        kept = settings.resolve({}, index.settings())["max_write_rate"][0]  # None: off
-        index.mend_log(min(kept or 0, MAX_HOUR_BYTES))
+        index.mend_log()
     if "bad_role" in kinds:
         index.reset_damaged_roles()
     for name, _, _ in index.damaged_settings() if "bad_setting" in kinds else ():
