@@ -1,7 +1,8 @@
 """The index's bookkeeping, checked by `verify` and rewritten by its repair: the `totals` and
 `tenant_totals` tables (counted again from the records), the `models` rows (every field of the type it must have), and
 the rows every reader checks and reads past (`storage.writesql`, `storage.evictsql`): the write
-log, the seen marks, the records' roles, the kept settings, the model files and digest memo.
+log, the seen marks, the records' roles, the kept settings, the model files and digest memo, and
+the `children` edges (written again from the records' parent, first token and tenant).
 
 Nothing here deletes a record or a file. A damaged total is counted again. A damaged field of a
 models row is taken again from the header of one of its blobs (fingerprint, model id, chunk
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Iterable
+from typing import Collection, Iterable
 
 from kvstore import keys, settings
 from kvstore.storage import blobfile, blobtree
@@ -43,8 +44,9 @@ _WANT = {"ns": "a 16-byte hash", "fingerprint": "a 16-byte hash", "model_id": "t
          "chunk_size": "a positive whole number", "created": "a time", "last_used": "a time"}
 
 
-def table_problems(index: Index) -> list[tuple[str, str, str]]:
-    """(kind, where, what is wrong) for the totals, the models rows and `row_problems`."""
+def table_problems(index: Index, skip: Collection[object] = ()) -> list[tuple[str, str, str]]:
+    """(kind, where, what is wrong) for the totals, the models rows, `row_problems` and
+    `edge_problems` (but the edges of `skip`, the records verify mends or deletes)."""
     out = []
     raw = index.stored_totals()
     counted = index.counted_totals()
@@ -69,7 +71,31 @@ def table_problems(index: Index) -> list[tuple[str, str, str]]:
         ns = fields["ns"].hex() if isinstance(fields["ns"], bytes) else "?"
         out += [("bad_model_row", f"namespace {ns}", f"its {name} is {fields[name]!r:.60}, not {_WANT[name]}")
                 for name in _wrong(fields)]
-    return out + row_problems(index)
+    return out + row_problems(index) + edge_problems(index, skip)
+
+
+def edge_problems(index: Index, skip: Collection[object] = ()) -> list[tuple[str, str, str]]:
+    """(kind, where, what is wrong) of the `children` edges: an edge that is no record's (of the
+    wrong type, or not what its record's parent, first token and tenant say), and a record with
+    no edge. A lookup reads a record only through its edge: without it the record is never found."""
+    out = []
+    want = {h: (parent, first, tag) for h, parent, first, tag in index.edgeless() if h not in skip}
+    told = set()
+    for parent, first, h, tag, stored in index.damaged_edges():
+        if h in skip:
+            continue
+        where = f"children edge ({_hex(parent)}, {first!r:.30}, {_hex(h)}, {tag!r:.30})"
+        if h in want:
+            p, f, t = want[h]
+            told.add(h)
+            out.append(("bad_edge", where, f"not the edge of record {h.hex()}, whose parent, first token and tenant "
+                        f"are ({p.hex()}, {f}, {t!r}): no lookup finds the record; repair writes its edge"))
+        else:
+            what = "an edge of a record whose own edge is there" if stored else "an edge to no record"
+            out.append(("bad_edge", where, f"{what}: readers ignore it; repair deletes it"))
+    out += [("bad_edge", f"records {h.hex()}", f"no edge in children from its parent {p.hex()} (first token {f}, "
+             f"tenant {t!r}): no lookup finds it; repair writes it") for h, (p, f, t) in want.items() if h not in told]
+    return out
 
 
 def row_problems(index: Index) -> list[tuple[str, str, str]]:
@@ -157,6 +183,7 @@ def repair_tables(index: Index, root: Path, records_of: dict[bytes, list[bytes]]
     if "bad_totals" in kinds:
         index.rewrite_totals()
         index.rewrite_tenant_totals()
+    index.mend_edges()  # from the records as repair left them (a mended tenant moves its edge too)
 
 
 def _mended(root: Path, ns: object, wrong: list[str], records_of: dict[bytes, list[bytes]]) -> dict:
