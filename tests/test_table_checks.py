@@ -126,10 +126,44 @@ def test_a_damaged_write_log_hour_keeps_the_budget_closed_and_repair_keeps_it_so
         assert s.stats()["bytes"] == 0 and writes["over_budget"] > 0, writes
         assert writes["budget_left"] == 0
     repaired(store, capsys, "bad_write_log")
-    # The hour is still in the window: repaired, it still holds the whole (kept) budget.
-    assert sql(store, "SELECT bytes FROM write_log WHERE hour = ?", [(hour - 1,)]) == [(limit,)]
+    # The hour is still in the window: repaired, it still closes the budget, but no bytes are
+    # logged that were never written (the lifetime counter is an SSD's written-bytes counter).
+    assert sql(store, "SELECT bytes FROM write_log WHERE hour = ?", [(hour - 1,)]) == [(0,)]
     with kvstore.open(store, chunk_size=C) as s:
-        assert s.stats()["writes"]["budget_left"] == 0
+        writes = s.stats()["writes"]
+        assert writes["budget_left"] == 0
+        assert writes["bytes_lifetime"] == writes["bytes_last_day"] == 0, writes
+        mc = s.bind(model, path)
+        mc.insert(prompt(7), prefill(model, prompt(7)))
+        s.flush()
+        assert s.stats()["bytes"] == 0
+
+
+def test_a_damaged_write_log_count_the_budget_does_not_read_leaves_it_open(tmp_path, llama, capsys):
+    """A bad `records`, `explicit` or `over_budget` value is said for what it does (stats leaves
+    it out), not as a closed budget, and repair sets it to 0 and closes nothing."""
+    path, model = llama
+    limit = int(2.5 * one_prompt_bytes(tmp_path, llama))
+    store = tmp_path / "s"
+    with kvstore.open(store, chunk_size=C, max_write_rate=limit):
+        pass
+    hour = hour_of(time.time())
+    sql(store, "INSERT INTO write_log (hour, bytes, records, explicit, over_budget) VALUES (?, 10, -1, 'x', 2.5)",
+        [(hour - 2,)])
+    code, out = verify(store, capsys)
+    lines = [line for line in out.splitlines() if line.startswith("bad_write_log:")]
+    assert code == 1 and len(lines) == 3, out
+    for line in lines:
+        assert "stats leaves it out of its counts (the budget does not read it); repair sets it to 0" in line, line
+        assert "whole budget" not in line and "closed" not in line, line
+    verify(store, capsys, "--repair")
+    assert verify(store, capsys)[0] == 0
+    assert sql(store, "SELECT bytes, records, explicit, over_budget FROM write_log") == [(10, 0, 0, 0)]
+    with kvstore.open(store, chunk_size=C) as s:
+        assert s.stats()["writes"]["budget_left"] == limit - 10
+        s.bind(model, path).insert(prompt(0), prefill(model, prompt(0)))
+        s.flush()
+        assert s.stats()["bytes"] > 0
 
 
 class Clock:
@@ -341,3 +375,28 @@ def test_repair_of_a_damaged_pin_flag_takes_the_pins_files_word(tmp_path, llama,
     assert main(["gc", "--store", str(store), "--max-bytes", "0"]) == 0
     with kvstore.open(store, chunk_size=C) as s:
         assert {r.hash for r in s.index.rows()} == pinned
+
+
+
+@pytest.mark.parametrize("value", ["'yes'", "1.5", "x'01'"])
+def test_pins_reads_a_damaged_pin_flag_as_gc_does(tmp_path, llama, value):
+    """What `pins` lists (and a remote is told is pinned) is what gc keeps: a flag gc reads as
+    no pin is no pin."""
+    path, model = llama
+    store = tmp_path / "s"
+    with kvstore.open(store, chunk_size=C) as s:
+        mc = s.bind(model, path)
+        mc.prefill(prompt(0), pin=True)
+        s.flush()
+        damaged = {r.hash for r in s.index.rows()}
+        mc.prefill(prompt(1), pin=True)
+        s.flush()
+    sql(store, f"UPDATE records SET pinned = {value} WHERE hash = ?", [(h,) for h in damaged])
+    with kvstore.open(store, chunk_size=C) as s:
+        listed = s.pins()[0]["records"]
+        published = s.index.pinned()
+    assert main(["gc", "--store", str(store), "--max-bytes", "0"]) == 0
+    with kvstore.open(store, chunk_size=C) as s:
+        kept = {r.hash for r in s.index.rows()}
+    assert kept and not damaged & kept
+    assert listed == len(kept) and published == kept

@@ -3,7 +3,8 @@ totals a budget is checked against: the store's (the `totals` table, per namespa
 tenant's, which its quota (`tenant_max_bytes`) is checked against.
 
 Mixed into `Index` (which gives it `conn`, this thread's connection): these statements are the
-index's, kept apart only because they are one job. What to evict is `upkeep/evict.py`'s choice.
+index's, kept apart only because they are one job. The `children` edges gc walks and deletes are
+checked here too (`damaged_edges`, `edgeless`) and rewritten from the records (`mend_edges`). What to evict is `upkeep/evict.py`'s choice.
 """
 
 from __future__ import annotations
@@ -39,6 +40,12 @@ _ROLE = f"(CASE WHEN {ROLE_OK} THEN role ELSE 0 END)"
 SIZE = "(CASE WHEN typeof(size) = 'integer' AND size >= 0 THEN size ELSE 0 END)"
 _LAST = "(CASE WHEN typeof(last_access) IN ('integer', 'real') THEN last_access ELSE 0 END)"
 PINNED = "(typeof(pinned) = 'integer' AND pinned != 0)"
+#: Of `records r`: a row whose identity a lookup can use (verify deletes or mends any other).
+_RECORD_OK = ("typeof(r.hash) = 'blob' AND length(r.hash) = 16 AND typeof(r.parent) = 'blob' AND length(r.parent) = 16 "
+              "AND (r.first_token IS NULL OR typeof(r.first_token) = 'integer') AND (r.tenant IS NULL OR "
+              "(typeof(r.tenant) = 'text' AND length(r.tenant) = 16 AND r.tenant NOT GLOB '*[^0-9a-f]*'))")
+#: Of `children c` and `records r`: `c` is the edge of `r` as a lookup reads it (`Index.children`).
+EDGE_OF = "c.parent = r.parent AND c.first_token = coalesce(r.first_token, -1) AND c.hash = r.hash AND c.tenant IS r.tenant"
 
 
 class EvictionSQL:
@@ -183,6 +190,33 @@ class EvictionSQL:
             return conn.execute(
                 "DELETE FROM children WHERE NOT EXISTS "
                 "(SELECT 1 FROM records r WHERE r.hash = children.hash)").rowcount
+
+    def damaged_edges(self) -> list[tuple]:
+        """(parent, first token, hash, tenant, whether a record has that hash) of every edge of
+        `children` that is no record's edge: a lookup never reads it (for verify: a full scan)."""
+        return self.conn.execute(
+            "SELECT parent, first_token, hash, tenant, EXISTS (SELECT 1 FROM records k WHERE k.hash = c.hash) "
+            f"FROM children c WHERE NOT EXISTS (SELECT 1 FROM records r WHERE r.hash = c.hash AND {_RECORD_OK} "
+            f"AND {EDGE_OF})").fetchall()
+
+    def edgeless(self) -> list[tuple[bytes, bytes, int, str | None]]:
+        """(hash, parent, first token or -1, tenant) of every record whose edge from its parent
+        is missing or wrong: no lookup finds it under its parent (for verify: a full scan)."""
+        return self.conn.execute(
+            f"SELECT hash, parent, coalesce(first_token, -1), tenant FROM records r WHERE {_RECORD_OK} "
+            f"AND NOT EXISTS (SELECT 1 FROM children c WHERE {EDGE_OF})").fetchall()
+
+    def mend_edges(self) -> int:
+        """Make `children` the records' edges again, in one transaction: every edge that is no
+        record's goes, and every record's missing one is written from its row; how many changed."""
+        with self.transaction() as conn:
+            before = conn.total_changes
+            conn.execute(f"DELETE FROM children AS c WHERE NOT EXISTS (SELECT 1 FROM records r WHERE "
+                         f"r.hash = c.hash AND {_RECORD_OK} AND {EDGE_OF})")
+            conn.execute("INSERT OR REPLACE INTO children (parent, first_token, hash, tenant) SELECT r.parent, "
+                         f"coalesce(r.first_token, -1), r.hash, r.tenant FROM records r WHERE {_RECORD_OK} "
+                         f"AND NOT EXISTS (SELECT 1 FROM children c WHERE {EDGE_OF})")
+            return conn.total_changes - before
 
     @contextmanager
     def bulk(self, cache_kib: int = 256 << 10) -> Iterator[None]:

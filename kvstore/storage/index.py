@@ -20,7 +20,7 @@ from kvstore import faults
 from kvstore.errors import CorruptIndexError, StoreOpenError
 from kvstore.records import CHECKPOINT, CHUNK, TAIL, RecordId  # noqa: F401 -- the kinds' home is records
 from kvstore.storage import schema
-from kvstore.storage.evictsql import MAX_ROLE, ROLE_OK, TOTALS, EvictionSQL, whole  # noqa: F401 -- TOTALS: read from here
+from kvstore.storage.evictsql import EDGE_OF, MAX_ROLE, ROLE_OK, TOTALS, EvictionSQL, whole  # noqa: F401 -- TOTALS: read from here
 from kvstore.storage.pins import PinSQL
 from kvstore.storage.schema import available_migrations, connect_read_only, is_corruption
 from kvstore.storage.writesql import WriteLogSQL
@@ -273,7 +273,8 @@ class Index(EvictionSQL, WriteLogSQL, PinSQL):
         """Usable records directly under `parent`; with `first_token`, only the chunks and tails
         that start with it (the others share no token with what follows) and checkpoints; with
         `tenants`, only those of these tenants (None: shared), each read by its own index range."""
-        where = "" if first_token is None else " AND c.first_token IN (?, -1)"  # -1: not known
+        # An edge is read only where its record agrees with it (a damaged one is verify's to mend).
+        where = f" AND {EDGE_OF}" + ("" if first_token is None else " AND c.first_token IN (?, -1)")  # -1: not known
         args = (parent,) if first_token is None else (parent, first_token)
         if tenants is None:
             rows = self.conn.execute(f"SELECT {_ROW_COLUMNS_R} FROM children c JOIN records r ON r.hash = c.hash "

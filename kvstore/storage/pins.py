@@ -18,6 +18,7 @@ from typing import Iterable, NamedTuple, Sequence
 from kvstore import keys
 from kvstore.records import CHECKPOINT
 from kvstore.storage import schema
+from kvstore.storage.evictsql import PINNED  # the one reader of the flag: see `PinSQL`
 from kvstore.storage.storedir import write_own_file
 
 log = logging.getLogger("kvstore")
@@ -25,7 +26,6 @@ log = logging.getLogger("kvstore")
 _MAX_PARAMS = schema.MAX_PARAMS
 _HEADER = "kvstore pins 1"
 _MAX_FILE_BYTES = 1 << 30  # 30 M pinned records; a bigger file is not one kvstore wrote
-_PINNED = "pinned != 0"  # as gc and the partial index `records_pinned` read the flag
 
 
 class PinsFile(NamedTuple):
@@ -83,7 +83,9 @@ def read_pins_file(path: Path) -> PinsFile | None:
 
 
 class PinSQL:
-    """The index's statements about pins, and the pins file they keep up to date.
+    """The index's statements about pins, and the pins file they keep up to date. They read the
+    flag as gc does (`PINNED`: a damaged flag is no pin), so what `pins` lists, the pins file and
+    the pins published to a remote are what gc keeps.
 
     Mixed into `Index` (which gives it `conn` and `transaction`)."""
 
@@ -120,7 +122,7 @@ class PinSQL:
                 part = values[start : start + _MAX_PARAMS]
                 for (s,) in conn.execute(
                         f"UPDATE records SET pinned = 0 WHERE {column} IN ({','.join('?' * len(part))}) "
-                        f"AND {_PINNED} RETURNING size", part).fetchall():
+                        f"AND {PINNED} RETURNING size", part).fetchall():
                     n, size = n + 1, size + (s if type(s) is int else 0)
             if n:
                 self._keep_pins_file(conn)
@@ -128,7 +130,7 @@ class PinSQL:
 
     def pinned(self, ns: bytes | None = None) -> set[bytes]:
         """Hashes of the pinned records of a namespace (published to a remote tier), or of all."""
-        where, args = (f"ns = ? AND {_PINNED}", (ns,)) if ns is not None else (_PINNED, ())
+        where, args = (f"ns = ? AND {PINNED}", (ns,)) if ns is not None else (PINNED, ())
         return {h for (h,) in self.conn.execute(f"SELECT hash FROM records WHERE {where}", args)}
 
     def pins_by_model(self) -> list[dict]:
@@ -139,11 +141,11 @@ class PinSQL:
             "SELECT r.ns, m.fingerprint, m.model_id, count(*), "
             "coalesce(sum(CASE WHEN typeof(r.size) = 'integer' THEN r.size END), 0), "
             f"coalesce(sum(CASE WHEN r.kind != {CHECKPOINT} AND typeof(r.ntokens) = 'integer' THEN r.ntokens END), 0) "
-            f"FROM records r LEFT JOIN models m ON m.ns = r.ns WHERE r.{_PINNED} GROUP BY r.ns ORDER BY m.model_id")
+            f"FROM records r LEFT JOIN models m ON m.ns = r.ns WHERE {PINNED} GROUP BY r.ns ORDER BY m.model_id")
         tenants: dict[object, dict] = {}  # ns -> tenant tag -> its pinned records and bytes
         for ns, tag, n, size in self.conn.execute(
                 "SELECT ns, tenant, count(*), coalesce(sum(CASE WHEN typeof(size) = 'integer' THEN size END), 0) "
-                f"FROM records WHERE {_PINNED} AND tenant IS NOT NULL GROUP BY ns, tenant ORDER BY tenant"):
+                f"FROM records WHERE {PINNED} AND tenant IS NOT NULL GROUP BY ns, tenant ORDER BY tenant"):
             tenants.setdefault(ns, {})[str(tag)] = {"records": n, "bytes": size}
         return [{"namespace": ns.hex() if isinstance(ns, bytes) else "?",
                  "fingerprint": fp.hex() if isinstance(fp, bytes) else "?",
@@ -166,7 +168,7 @@ class PinSQL:
         if self.pins_file is None:
             return
         try:
-            write_pins_file(self.pins_file, (h for (h,) in conn.execute(f"SELECT hash FROM records WHERE {_PINNED}")))
+            write_pins_file(self.pins_file, (h for (h,) in conn.execute(f"SELECT hash FROM records WHERE {PINNED}")))
         except OSError as e:
             log.warning("kvstore: the pins file %s was not updated (%s); the index holds the pins",
                         self.pins_file, e.strerror or e)

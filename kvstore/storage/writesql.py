@@ -8,9 +8,11 @@ read-only whose index predates these tables reads them as empty.
 
 Every row is checked where it is read, and a damaged one never turns a limit off: a write-log
 value that is not a whole number of 0 to `MAX_HOUR_BYTES` reads as None, and its hour as the
-whole budget (`window_bytes`); a seen mark of the wrong type is not seen; a kept setting that
-its row of `kvstore.settings` does not parse reads as that row says a damaged one reads (the
-default, or no automatic writes for `max_write_rate`), with one warning. `verify` reports each
+whole budget (`window_bytes`), and so does the hour verify's repair set to 0 (`closed_hour`: the
+log keeps only what was written, so the lifetime counts stay true); a seen mark of the wrong
+type is not seen; a kept setting that its row of `kvstore.settings` does not parse reads as that
+row says a damaged one reads (the default, or no automatic writes for `max_write_rate`), with
+one warning. `verify` reports each
 (`damaged_log`, `damaged_seen`, `damaged_settings`).
 """
 
@@ -45,6 +47,9 @@ def hour_of(t: float) -> int:
 LOG_COLUMNS = ("bytes", "records", "downloaded", "not_admitted", "not_admitted_bytes", "over_budget",
                "over_budget_bytes", "explicit")
 _SETTING = "setting."
+#: The last hour whose log `mend_log` set to 0 (or a rebuild could not read): the budget counts it
+#: as full while it is in the window, with no bytes logged that were never written.
+_CLOSED = "write_log.closed"
 _COMPUTED = "computed_with."  # + a namespace's hex: a JSON list of what computed its exact-mode records
 _MAX_COMPUTED = 4
 #: The columns of `seen_prefixes` as a reader may trust them.
@@ -57,15 +62,18 @@ def count_ok(value: object) -> bool:
     return type(value) is int and 0 <= value <= MAX_HOUR_BYTES
 
 
-def window_bytes(rows: Iterable[Sequence], hour: int, window: int, limit: int | None) -> int:
+def window_bytes(rows: Iterable[Sequence], hour: int, window: int, limit: int | None,
+                 closed: int | None = None) -> int:
     """Bytes written and downloaded in the `window` hours up to `hour` (and as many ahead), from
-    (hour, bytes, downloaded) rows. An hour whose values are damaged (None, or not `count_ok`)
-    counts as the whole `limit` (0 without one): it keeps the budget closed until it leaves the
-    window, and no longer."""
+    (hour, bytes, downloaded) rows. An hour whose values are damaged (None, or not `count_ok`),
+    and the hour `closed` (`closed_hour`: one whose damage repair set to 0), count as the whole
+    `limit` (0 without one): it keeps the budget closed until it leaves the window, and no longer."""
     used = 0
     for h, nbytes, downloaded in rows:
         if hour - window < h <= hour + window:
             used += nbytes + downloaded if count_ok(nbytes) and count_ok(downloaded) else limit or 0
+    if closed is not None and hour - window < closed <= hour + window:
+        used += limit or 0
     return used
 
 
@@ -118,7 +126,7 @@ class WriteLogSQL:
             if limit is not None:
                 used = window_bytes(conn.execute(
                     "SELECT hour, bytes, downloaded FROM write_log WHERE hour > ? AND hour <= ?",
-                    (hour - window_hours, hour + window_hours)), hour, window_hours, limit)
+                    (hour - window_hours, hour + window_hours)), hour, window_hours, limit, _closed(conn))
                 k = 0
                 for n in sizes:
                     if used + n > limit:
@@ -154,10 +162,20 @@ class WriteLogSQL:
             row = (0,) * len(LOG_COLUMNS)
         return dict(zip(LOG_COLUMNS, row))
 
+    def closed_hour(self) -> int | None:
+        """The hour the budget counts as full while it is in the window (see `window_bytes`)."""
+        return _closed(self.conn)
+
+    def close_hour(self, hour: int) -> None:
+        """Count `hour` as the whole budget while it is in the window (the latest such hour is
+        kept), logging no bytes: the lifetime counts stay what was written."""
+        with self.transaction() as conn:
+            _close(conn, hour)
+
     def damaged_log(self) -> list[tuple[int, str, object]]:
-        """(hour, column, value) of every write-log value that is not `count_ok`, and (hour,
-        "hour", hour) of every row before 1970 or more than a window ahead of `now_hour`
-        (for verify: a full scan, a few thousand rows a year)."""
+        """(hour, column, value) of every write-log value that is not `count_ok`, (hour, "hour",
+        hour) of every row before 1970 or more than a window ahead of now, and (now, "closed",
+        value) of a closed hour that is not one (for verify: a full scan, a few thousand rows a year)."""
         now_hour = hour_of(time.time())
         out: list[tuple[int, str, object]] = []
         try:
@@ -170,24 +188,28 @@ class WriteLogSQL:
             if not 0 <= h <= now_hour + WINDOW_HOURS:
                 out.append((h, "hour", h))
             out += [(h, c, v) for c, v in zip(LOG_COLUMNS, values) if not count_ok(v)]
+        row = self.conn.execute("SELECT value FROM meta WHERE key = ?", (_CLOSED,)).fetchone()
+        if row is not None and not _an_hour(row[0]):
+            out.append((now_hour, "closed", row[0]))
         return out
 
-    def mend_log(self, closed: int) -> None:
+    def mend_log(self) -> None:
         """Rewrite `damaged_log`'s rows, in one transaction: a row of an impossible hour goes;
-        every damaged value becomes 0, and an hour of the budget's window whose bytes or
-        downloads were damaged is then counted as at least `closed` bytes (the budget: that hour
-        stays full until it leaves the window, as it read before)."""
+        every damaged value becomes 0 (nothing is known to have been written), and the latest
+        hour of the budget's window whose bytes or downloads were damaged is closed
+        (`close_hour`: full until it leaves the window, as it read before)."""
         hour = hour_of(time.time())
         damaged = self.damaged_log()
         with self.transaction() as conn:
             for h, column, _ in damaged:
                 if column == "hour":
                     conn.execute("DELETE FROM write_log WHERE hour = ?", (h,))
-                    continue
-                conn.execute(f"UPDATE write_log SET {column} = 0 WHERE hour = ?", (h,))
-            full = {h for h, column, _ in damaged if column in ("bytes", "downloaded") and h > hour - WINDOW_HOURS}
-            conn.executemany("UPDATE write_log SET bytes = max(bytes, ? - downloaded) WHERE hour = ?",
-                             [(closed, h) for h in full])
+                elif column != "closed":
+                    conn.execute(f"UPDATE write_log SET {column} = 0 WHERE hour = ?", (h,))
+            full = [h for h, column, _ in damaged
+                    if column in ("bytes", "downloaded", "closed") and h > hour - WINDOW_HOURS]
+            if full:
+                _close(conn, max(full))
 
     # -- seen marks (admit="reused") --------------------------------------------------------
 
@@ -344,6 +366,30 @@ class WriteLogSQL:
             if what not in known and len(known) < _MAX_COMPUTED:
                 conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)",
                              (_COMPUTED + ns.hex(), json.dumps(known + [what])))
+
+
+def _an_hour(value: object) -> bool:
+    return isinstance(value, str) and value.isdigit() and len(value) < 12
+
+
+def _closed(conn: sqlite3.Connection) -> int | None:
+    """The closed hour (`WriteLogSQL.closed_hour`); a damaged one is this hour (it fails closed)."""
+    try:
+        row = conn.execute("SELECT value FROM meta WHERE key = ?", (_CLOSED,)).fetchone()
+    except sqlite3.OperationalError as e:
+        if _missing_table(e):
+            return None
+        raise
+    if row is None:
+        return None
+    return int(row[0]) if _an_hour(row[0]) else hour_of(time.time())
+
+
+def _close(conn: sqlite3.Connection, hour: int) -> None:
+    """Keep `hour` as the closed hour unless a later one is."""
+    row = conn.execute("SELECT value FROM meta WHERE key = ?", (_CLOSED,)).fetchone()
+    if row is None or not _an_hour(row[0]) or int(row[0]) < hour:
+        conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (_CLOSED, str(int(hour))))
 
 
 def _add(conn: sqlite3.Connection, hour: int, deltas: dict[str, int]) -> None:

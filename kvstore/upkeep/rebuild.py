@@ -40,7 +40,7 @@ from kvstore.storage.index import Index, _u64_to_i64
 from kvstore.storage.pins import PinsFile, read_pins_file, write_pins_file
 from kvstore.storage.schema import connect_read_only
 from kvstore.storage.storedir import BLOBS_NAME, INDEX_FILES, INDEX_NAME, PINS_NAME, has_blob_files, open_dir
-from kvstore.storage.writesql import LOG_COLUMNS, MAX_HOUR_BYTES, hour_of
+from kvstore.storage.writesql import LOG_COLUMNS, hour_of
 
 
 def rebuild_index(path: str | os.PathLike) -> dict:
@@ -71,7 +71,7 @@ def rebuild_index(path: str | os.PathLike) -> dict:
         earlier = sorted(store.glob(f"{INDEX_NAME}.damaged-*[0-9]"), key=lambda p: os.lstat(p).st_mtime)
         old = _salvage(aside or (earlier[-1] if earlier else None))
         old.pins_file = read_pins_file(store / PINS_NAME)
-        kept, log, settings_note = _kept_settings(old, store)
+        kept, log, closed, settings_note = _kept_settings(old, store)
 
         found, skipped = _scan(root)
         accepted = _chain(found, skipped)
@@ -87,6 +87,8 @@ def rebuild_index(path: str | os.PathLike) -> dict:
         try:
             _write(index, accepted, old)
             _write_kept(index, kept, log)
+            if closed is not None:
+                index.close_hour(closed)
         finally:
             index.close()
         os.replace(building, index_file)
@@ -204,9 +206,9 @@ def _salvage(old_file: Path | None) -> _Salvage:
     return out
 
 
-def _kept_settings(old: _Salvage, store: Path) -> tuple[dict[str, object], list[tuple], str]:
-    """(the kept settings, the write-log rows, what was kept and lost in words) for the new
-    index. Unreadable kept settings keep every limit closed (each reads as its `damaged`
+def _kept_settings(old: _Salvage, store: Path) -> tuple[dict[str, object], list[tuple], int | None, str]:
+    """(the kept settings, the write-log rows, the hour to count as the whole budget or None,
+    what was kept and lost in words) for the new index. Unreadable kept settings keep every limit closed (each reads as its `damaged`
     value: a lost index counts as one whose settings cannot be read, since a budget it may have
     had is never lifted); an unreadable write log with a budget counts this hour as the whole of it."""
     kept = dict(old.settings or {})
@@ -222,17 +224,18 @@ def _kept_settings(old: _Salvage, store: Path) -> tuple[dict[str, object], list[
         shown = [_shown(name, value) for name, value in sorted(kept.items())]
         said.append(f"settings kept: {', '.join(shown)}" if shown else "no kept settings (every one its default)")
     log = [row for row in old.write_log or [] if type(row[0]) is int]  # (the table's key)
+    closed = None
     if old.write_log is None:
         limit = settings.resolve({}, {k: v for k, v in kept.items() if isinstance(v, str)})["max_write_rate"][0]
         if limit:  # the window's use is unknown: this hour holds the whole budget, as a damaged hour does
-            log = [(hour_of(time.time()), min(limit, MAX_HOUR_BYTES), *[0] * (len(LOG_COLUMNS) - 1))]
+            closed = hour_of(time.time())  # (logging it as written would count bytes never written)
             said.append(f"the write log could not be read: this hour counts as the whole write budget "
                         f"({settings.BY_NAME['max_write_rate'].show(limit)}) until it leaves the day")
         else:
             said.append("the write log could not be read (its counts of past writes are lost)")
     else:
         said.append(f"write log kept ({len(log)} hour{'s' if len(log) != 1 else ''})")
-    return kept, log, "; ".join(said)
+    return kept, log, closed, "; ".join(said)
 
 
 def _shown(name: str, value: object) -> str:

@@ -1,16 +1,17 @@
 """The index's bookkeeping, checked by `verify` and rewritten by its repair: the `totals` and
 `tenant_totals` tables (counted again from the records), the `models` rows (every field of the type it must have), and
 the rows every reader checks and reads past (`storage.writesql`, `storage.evictsql`): the write
-log, the seen marks, the records' roles, the kept settings, the model files and digest memo.
+log, the seen marks, the records' roles, the kept settings, the model files and digest memo, and
+the `children` edges (written again from the records' parent, first token and tenant).
 
 Nothing here deletes a record or a file. A damaged total is counted again. A damaged field of a
 models row is taken again from the header of one of its blobs (fingerprint, model id, chunk
 size), or set to now (when it was made), to 0 (its last use: its records' access times say it)
 or to "{}" (a layout, which the next bind writes again). A row that names no namespace, or whose
 fields no blob can give back, is deleted: its records are then orphans, which the next `verify`
-reports. A damaged write-log value becomes 0, and an hour in the budget's window whose bytes were
-damaged is counted as the store's kept budget (full until it leaves the window, as the budget
-read it); a damaged role becomes the weakest, 0, as gc read it; a damaged kept setting is
+reports. A damaged write-log value becomes 0 (nothing is counted as written that was not), and
+an hour in the budget's window whose bytes were damaged stays closed (`closed_hour`: full until
+it leaves the window, as the budget read it); a damaged role becomes the weakest, 0, as gc read it; a damaged kept setting is
 forgotten, so its default applies, unless it is a limit (`max_write_rate`): that one is kept at
 what it read as (0: no automatic writes) until a value is kept again; a damaged seen mark, model file or memoised digest is
 deleted (the key is seen afresh, the next bind records its files, the file is hashed again).
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Iterable
+from typing import Collection, Iterable
 
 from kvstore import keys, settings
 from kvstore.storage import blobfile, blobtree
@@ -43,8 +44,9 @@ _WANT = {"ns": "a 16-byte hash", "fingerprint": "a 16-byte hash", "model_id": "t
          "chunk_size": "a positive whole number", "created": "a time", "last_used": "a time"}
 
 
-def table_problems(index: Index) -> list[tuple[str, str, str]]:
-    """(kind, where, what is wrong) for the totals, the models rows and `row_problems`."""
+def table_problems(index: Index, skip: Collection[object] = ()) -> list[tuple[str, str, str]]:
+    """(kind, where, what is wrong) for the totals, the models rows, `row_problems` and
+    `edge_problems` (but the edges of `skip`, the records verify mends or deletes)."""
     out = []
     raw = index.stored_totals()
     counted = index.counted_totals()
@@ -69,7 +71,31 @@ def table_problems(index: Index) -> list[tuple[str, str, str]]:
         ns = fields["ns"].hex() if isinstance(fields["ns"], bytes) else "?"
         out += [("bad_model_row", f"namespace {ns}", f"its {name} is {fields[name]!r:.60}, not {_WANT[name]}")
                 for name in _wrong(fields)]
-    return out + row_problems(index)
+    return out + row_problems(index) + edge_problems(index, skip)
+
+
+def edge_problems(index: Index, skip: Collection[object] = ()) -> list[tuple[str, str, str]]:
+    """(kind, where, what is wrong) of the `children` edges: an edge that is no record's (of the
+    wrong type, or not what its record's parent, first token and tenant say), and a record with
+    no edge. A lookup reads a record only through its edge: without it the record is never found."""
+    out = []
+    want = {h: (parent, first, tag) for h, parent, first, tag in index.edgeless() if h not in skip}
+    told = set()
+    for parent, first, h, tag, stored in index.damaged_edges():
+        if h in skip:
+            continue
+        where = f"children edge ({_hex(parent)}, {first!r:.30}, {_hex(h)}, {tag!r:.30})"
+        if h in want:
+            p, f, t = want[h]
+            told.add(h)
+            out.append(("bad_edge", where, f"not the edge of record {h.hex()}, whose parent, first token and tenant "
+                        f"are ({p.hex()}, {f}, {t!r}): no lookup finds the record; repair writes its edge"))
+        else:
+            what = "an edge of a record whose own edge is there" if stored else "an edge to no record"
+            out.append(("bad_edge", where, f"{what}: readers ignore it; repair deletes it"))
+    out += [("bad_edge", f"records {h.hex()}", f"no edge in children from its parent {p.hex()} (first token {f}, "
+             f"tenant {t!r}): no lookup finds it; repair writes it") for h, (p, f, t) in want.items() if h not in told]
+    return out
 
 
 def row_problems(index: Index) -> list[tuple[str, str, str]]:
@@ -77,11 +103,7 @@ def row_problems(index: Index) -> list[tuple[str, str, str]]:
     out = []
     for hour, column, value in index.damaged_log():
         at = time.strftime("%Y-%m-%d %H:00 UTC", time.gmtime(hour * 3600)) if 0 <= hour < 1 << 32 else "?"
-        why = ("an hour before 1970 or more than a day ahead: the budget ignores it; repair deletes the row"
-               if column == "hour" else f"its {column} is {value!r:.40}, not a whole number of 0 to {MAX_HOUR_BYTES}: "
-               "the budget counts this hour as the whole budget until it leaves the window; repair sets it to 0, "
-               "and an hour still in the window to the kept budget")
-        out.append(("bad_write_log", f"write_log hour {hour} ({at})", why))
+        out.append(("bad_write_log", f"write_log hour {hour} ({at})", _log_damage(column, value)))
     for h, role in index.damaged_roles():
         out.append(("bad_role", f"records {_hex(h)}", f"its role is {role!r:.40}, not 0 to {MAX_ROLE}: gc evicts it "
                     "as the weakest (0); repair sets it to 0"))
@@ -102,6 +124,20 @@ def row_problems(index: Index) -> list[tuple[str, str, str]]:
     out += [("bad_digest", f"file_digests {path!r:.80}", "a digest that is not a 16-byte hash: it is not used; "
              "repair deletes it (the file is hashed again)") for path in index.damaged_digests()]
     return out
+
+
+def _log_damage(column: str, value: object) -> str:
+    """What a damaged write-log value does, and what repair writes, by the column it is in."""
+    if column == "hour":
+        return "an hour before 1970 or more than a day ahead: the budget ignores it; repair deletes the row"
+    said = f"its {column} is {value!r:.40}, not a whole number of 0 to {MAX_HOUR_BYTES}: "
+    if column == "closed":
+        return (f"the hour the budget counts as full is {value!r:.40}, not an hour: it reads as this hour; "
+                "repair keeps this hour")
+    if column in ("bytes", "downloaded"):
+        return said + ("the budget counts this hour as the whole budget until it leaves the window; repair sets "
+                       "it to 0 (nothing is counted as written) and keeps the budget closed for as long")
+    return said + "stats leaves it out of its counts (the budget does not read it); repair sets it to 0"
 
 
 def _hex(value: object) -> str:
@@ -129,8 +165,7 @@ def repair_tables(index: Index, root: Path, records_of: dict[bytes, list[bytes]]
     mended from the header of one of its blobs (`records_of`: ns -> hashes of good records)."""
     kinds = {kind for kind, _, _ in problems}
     if "bad_write_log" in kinds:
-        kept = settings.resolve({}, index.settings())["max_write_rate"][0]  # None: off
-        index.mend_log(min(kept or 0, MAX_HOUR_BYTES))
+        index.mend_log()
     if "bad_role" in kinds:
         index.reset_damaged_roles()
     for name, _, _ in index.damaged_settings() if "bad_setting" in kinds else ():
@@ -148,6 +183,7 @@ def repair_tables(index: Index, root: Path, records_of: dict[bytes, list[bytes]]
     if "bad_totals" in kinds:
         index.rewrite_totals()
         index.rewrite_tenant_totals()
+    index.mend_edges()  # from the records as repair left them (a mended tenant moves its edge too)
 
 
 def _mended(root: Path, ns: object, wrong: list[str], records_of: dict[bytes, list[bytes]]) -> dict:

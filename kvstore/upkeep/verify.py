@@ -42,7 +42,7 @@ class Problem:
 
     # missing_blob, corrupt_blob, quarantined, bad_row, orphan_row, orphan_file, temp_file,
     # foreign_file, repair_refused, bad_totals, bad_model_row, bad_write_log, bad_role, bad_setting,
-    # bad_seen_row, bad_model_file, bad_digest
+    # bad_seen_row, bad_model_file, bad_digest, bad_edge
     kind: str
     path: str
     detail: str
@@ -109,7 +109,7 @@ def verify(index: Index, root: Path, *, repair: bool = False, force: bool = Fals
             problem = _stray(index, root, path)
             if problem is not None:
                 problems.append(problem)
-        tables = table_problems(index)
+        tables = table_problems(index, {h for h, _ in bad_rows} | {row.hash for row, _, _ in mended})
         problems += [Problem(kind, str(index.path), f"{where}: {why}") for kind, where, why in tables]
         if repair and problems:
             blob_files = sum(1 for p in strays if blobtree.hash_of(p, root) is not None) + len(rows)

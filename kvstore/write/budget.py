@@ -92,7 +92,7 @@ class WriteBudget:
         """Bytes written (and downloaded) in the budget's window."""
         hour = hour_of(self.clock())
         return window_bytes(((h[0], h[1], h[3]) for h in self.index.write_hours(hour - WINDOW_HOURS + 1)),
-                            hour, WINDOW_HOURS, self.per_day)
+                            hour, WINDOW_HOURS, self.per_day, self.index.closed_hour())
 
     def left(self) -> int | None:
         """Bytes the writer may still write now (None: no limit)."""
@@ -124,7 +124,8 @@ def summary(index: Index | None, *, policy: str, per_day: int | None, unsaved: d
                 day[key] += n if isinstance(n, int) else 0  # damaged: left out here, checked by verify
     return {
         "admit": policy, "max_write_rate": per_day,
-        "budget_left": None if per_day is None else max(0, per_day - window_bytes(window, hour, WINDOW_HOURS, per_day)),
+        "budget_left": None if per_day is None else max(0, per_day - window_bytes(
+            window, hour, WINDOW_HOURS, per_day, index.closed_hour() if index is not None else None)),
         "bytes_last_day": last_day, "explicit_last_day": explicit_last_day,
         "bytes_lifetime": totals.get("bytes", 0) + totals.get("downloaded", 0),
         "downloaded_lifetime": totals.get("downloaded", 0), "records_lifetime": totals.get("records", 0),
