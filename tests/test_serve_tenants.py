@@ -22,7 +22,15 @@ from kvstore.serve.options import build_parser, server_settings
 from kvstore.serve.promptcache import PersistentPromptCache
 from kvstore.serve.tenancy import isolation
 from kvstore.serve.tenancy.isolation import ALPHA, SHARED_CHECK, Report, chance_p, min_probes, scored
-from kvstore.serve.tenancy.policy import UNKNOWN, UNNAMED, Refused, RequestTenants, TenantPolicy, parse_source
+from kvstore.serve.tenancy.policy import (
+    UNKNOWN,
+    UNNAMED,
+    Refused,
+    RequestTenants,
+    TenantPolicy,
+    describe_tenants,
+    parse_source,
+)
 
 SYSTEM = {"role": "system", "content": "You are the assistant of a clinic. Answer in one short sentence. " * 4}
 SECRET = "My diagnosis code is 4711-XQ; keep it between us. " * 4
@@ -226,10 +234,27 @@ def test_bearer_default_tenant_no_cached_tokens_and_a_body_over_the_limit(warmed
         time.sleep(0.5)
         grew = _rss(server.proc.pid) - before
         assert chat(server, "still serving?").status_code == 200
+        # a client's own token before the one its proxy added: the request is refused, not alice's
+        twice = _post_raw(server.port, {"messages": [{"role": "user", "content": SECRET}], "max_tokens": 1},
+                          [("Authorization", "Bearer token-of-alice"), ("Authorization", "Bearer mallory")])
+        assert twice.split()[1] == "400" and "2 times" in twice, twice
         log = server.log()
     assert status == 413
     assert grew < 32 << 20, f"RSS grew by {grew} bytes"
     assert "token-of-alice" not in log and "over --max-body-bytes" in log
+
+
+def _post_raw(port: int, body: dict, headers: list[tuple[str, str]]) -> str:
+    """POST `body` to chat completions with exactly these headers (a name may repeat); the answer."""
+    data = json.dumps(body).encode()
+    head = "".join(f"{k}: {v}\r\n" for k, v in headers)
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+        sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     f"{head}Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode() + data)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    return answer.decode(errors="replace")
 
 
 def _post_huge(port: int, size: int) -> int:
@@ -282,6 +307,15 @@ def test_the_tenant_policy():
     with pytest.raises(Refused, match="control characters"):
         header.tenant_of({"X-Tenant": "a\x00b"}, {})
     assert header.tenant_of({"X-Tenant": UNNAMED}, {}) != UNNAMED  # (\x1f is stripped as space)
+    from email.message import Message
+
+    twice = Message()
+    twice["X-Tenant"], twice["x-tenant"] = "alice", "mallory"  # (a proxy that appends its header)
+    with pytest.raises(Refused, match="X-Tenant header 2 times") as e:
+        header.tenant_of(twice, {})
+    assert e.value.status == 400 and "alice" not in str(e.value)
+    assert "own" not in describe_tenants(TenantPolicy.parse("bearer", trust_client_salt=True))  # refused, not own
+    assert "one tenant of their own" in describe_tenants(salted)
     for bad in ("header:", "header:a b", "cookie", "header:a:b"):
         with pytest.raises(ValueError):
             parse_source(bad)

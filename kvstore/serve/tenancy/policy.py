@@ -91,12 +91,12 @@ class TenantPolicy:
         if self.source == "none":
             return None
         if self.source == "bearer":
-            auth = headers.get("Authorization") or ""
+            auth = _once(headers, "Authorization")
             scheme, _, token = auth.strip().partition(" ")
             value = token.strip() if scheme.lower() == "bearer" else ""
             what, status = "an Authorization: Bearer header", 401
         else:
-            value = (headers.get(self.source) or "").strip()
+            value = _once(headers, self.source).strip()
             what, status = f"the {self.source} header", 400
         if not value:
             if self.default is not None:
@@ -109,6 +109,17 @@ class TenantPolicy:
             return check_id(value)
         except ValueError as e:
             raise Refused(400, f"the tenant in {what}: {e}") from None
+
+
+def _once(headers: Mapping[str, str], name: str) -> str:
+    """The value of header `name` ("" if absent); Refused if the request has it more than once: a
+    proxy that adds the tenant's header after the client's own would let the client choose its
+    tenant (the first of two is what a plain lookup reads)."""
+    every = headers.get_all(name) if hasattr(headers, "get_all") else None
+    if every is not None and len(every) > 1:
+        raise Refused(400, f"this request has the {name} header {len(every)} times: a tenant is named once "
+                           "(a proxy that sets it must replace the client's, not add to it)")
+    return headers.get(name) or ""
 
 
 def parse_source(text: str) -> str:
@@ -197,7 +208,7 @@ def describe_tenants(policy: TenantPolicy) -> str:
         how += ", a default tenant for requests without it"
     if policy.trust_client_salt:
         how += ", a request's cache_salt splits it further"
-    if policy.trust_client_salt or policy.unnamed:
+    if (policy.trust_client_salt or policy.unnamed) and policy.source == "none":  # (else: refused or the default)
         how += ("; requests that name no tenant" + (" nor cache_salt" if policy.trust_client_salt else "")
                 + " are one tenant of their own, never the shared prompts")
     return how
