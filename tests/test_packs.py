@@ -93,7 +93,7 @@ def test_a_pack_imported_on_another_path_is_reused_whole(tmp_path, demo_model, k
             "--sign-key", keys["key"], "--out", tmp_path / "pack", *opts)
     result = run_cli("pack", "import", tmp_path / "pack", "--store", tmp_path / "b", "--model", model,
                      "--trust-key", keys["pub"], *opts)
-    assert f"signed by the trusted key {keys['pub']}" in result.stdout
+    assert f"signed by the trusted key {keys['pub']}" in result.stdout and "nothing vouches" not in result.stderr
     assert "records pinned" in result.stdout
     tokens = tokens_of(model, PROMPT)
     # In a fresh process: the first fetch reuses all but the last token, logits as a recompute.
@@ -248,6 +248,8 @@ def test_an_unsigned_pack_imports_without_a_trust_key_and_says_so(tmp_path, demo
     result = run_cli("pack", "import", tmp_path / "pack", "--store", tmp_path / "b", "--model", model, "--no-pin")
     assert "signature: unsigned: no signature to check" in result.stdout
     assert "not pinned (--no-pin)" in result.stdout
+    # its checks show it whole and for this model; only a trusted signature vouches for its K/V
+    assert "warning: nothing vouches for these K/V without --trust-key" in result.stderr, result.stderr
     with kvstore.open(tmp_path / "b") as store:
         assert store.pins() == [] and store.stats()["chunks"] > 0
 
@@ -342,6 +344,14 @@ def test_push_and_pull_through_a_bucket_by_a_node_without_the_fleet_secret(tmp_p
     missing = run_cli("pack", "pull", s3.url(), tmp_path / "nothing", check=False)
     assert missing.returncode == 1 and "has no manifest.json" in missing.stderr
     assert not (tmp_path / "nothing").exists()
+    from kvstore.packs import transfer
+
+    bucket = transfer.place(url)  # a blob bigger than the manifest says: the error names it
+    blob = next(key for key, _, _ in bucket.list("") if key.startswith("blobs/"))
+    bucket.put(blob, b"x" * (4 << 20))
+    big = run_cli("pack", "pull", url, tmp_path / "big", check=False)
+    assert big.returncode == 1 and f"{blob} is larger than the" in big.stderr, big.stderr
+    assert not (tmp_path / "big").exists()
 
 
 def _held(place) -> dict[str, int]:

@@ -24,7 +24,7 @@ from kvstore.errors import InvalidInputError, PackError
 from kvstore.packs.manifest import BLOBS, MANIFEST, MAX_MANIFEST_BYTES, SIGNATURE, blob_name, parse
 from kvstore.packs.signing import MAX_SIGNATURE_BYTES
 from kvstore.packs.verify import is_free, pack_folder, read_file
-from kvstore.remote.bucket import RemoteError, open_bucket
+from kvstore.remote.bucket import RemoteError, TooLarge, open_bucket
 
 
 class Folder:
@@ -148,7 +148,12 @@ def pull(url: str, folder: Path) -> Moved:
 
 
 def _get(source, key: str, limit: int, url: str) -> bytes:
-    data = source.get(key, limit)
+    try:
+        data = source.get(key, limit)
+    except TooLarge:
+        raise PackError(f"pull from {url} failed: {key} is larger than the {limit} bytes "
+                        + ("the manifest gives it" if key != MANIFEST and key != SIGNATURE else "such a file may be")
+                        + " (nothing pulled)") from None
     if data is None:
         raise PackError(f"{url} has no {key}: is it a pack pushed with `kvstore pack push`?")
     return bytes(data)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from kvstore import settings
 from kvstore.cli.options import model_to_load, remote_key, remote_url, store_path
-from kvstore.cli.output import out, plural
+from kvstore.cli.output import PROG, out, plural, say
 from kvstore.sizes import format_size
 
 
@@ -33,6 +33,11 @@ def cmd_import(args) -> int:
         replayed += (f"; {v.unreplayable} {'canary' if v.unreplayable == 1 else 'canaries'} not replayable: "
                      "this model's recurrent layers restore only at a checkpoint, and none is before the step")
     out(f"checked: model files, chain, {plural(len(v.records), 'blob')} and their records; {replayed}")
+    if not args.trust_key:  # steps 2 to 5 anyone who can write the folder can make hold again
+        say(f"{PROG} pack import: warning: nothing vouches for these K/V without --trust-key: whoever could "
+            "write the pack could have changed them and redone every check"
+            + (", its canaries too" if v.canaries else ", and no canary compared them with the model")
+            + "; import packs from elsewhere with --trust-key")
     out(f"imported {args.pack}: {plural(len(v.manifest.prompts), 'prompt')}, {plural(v.tokens, 'token')}; "
         f"{plural(done.stored, 'record')} stored on disk ({format_size(done.bytes)}), {done.present} were "
         f"stored already; " + (f"{plural(done.pinned, 'record')} pinned" if not args.no_pin
