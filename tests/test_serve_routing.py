@@ -184,6 +184,8 @@ def test_warm_top_and_prefetch_across_a_restart(llama_dir, tmp_path):
         assert beyond.status_code == 400 and "tokens[2]: 99999999 is outside the model's vocabulary" in beyond.text
         typo = post(server, "/kvstore/prefetch", {"promt": "hello"})
         assert typo.status_code == 400 and "promt (did you mean prompt?)" in typo.text, typo.text
+        both = post(server, "/kvstore/prefetch", {"prompt": "x", "tokens": [1]})  # which one was meant?
+        assert both.status_code == 400 and "not prompt and tokens" in both.text, both.text
     with Server(llama_dir, store, log, "--memory-bytes", "64KB") as server:  # too small for the prompt
         got = post(server, "/kvstore/prefetch", {"messages": chat_messages()}).json()
         assert "larger than the memory tier" in got["refused"] and got["in_ram"] == 0

@@ -80,6 +80,9 @@ def render(generator: Any, path: str, body: dict, served_model: str | None) -> A
 def prompt_tokens(generator: Any, body: dict, served_model: str | None) -> list[int]:
     """The token ids of a prefetch request: `tokens` as given, else those its `messages` or
     `prompt` render to (as a request's would)."""
+    given = [k for k in ("messages", "prompt", "tokens") if k in body]
+    if len(given) > 1:
+        raise RequestError(400, f"give one of messages, prompt or tokens, not {' and '.join(given)}")
     tokens = body.get("tokens")
     if tokens is not None:
         problem = check_tokens(tokens, _vocab_size(generator))
