@@ -221,9 +221,17 @@ def _rss(pid: int) -> int:
 
 def test_bearer_default_tenant_no_cached_tokens_and_a_body_over_the_limit(warmed, tmp_path):
     model, store, _ = warmed
+    (tmp_path / "admin").write_text("an-operator-token-0123456789\n")
     extra = ("--tenant-from", "bearer", "--default-tenant", "guest", "--report-cached-tokens", "off",
-             "--max-body-bytes", "1MiB")
+             "--max-body-bytes", "1MiB", "--admin-token-file", str(tmp_path / "admin"))
     with Server(model, store, tmp_path / "log", *extra) as server:
+        for path in ("/metrics", "/kvstore/stats"):  # the operator's, not a tenant's (its token is no key)
+            for auth in ({}, {"Authorization": "Bearer token-of-alice"}):
+                refused = requests.get(f"{server.url}{path}", headers=auth, timeout=30)
+                assert refused.status_code == 401 and refused.headers["WWW-Authenticate"].startswith("Bearer")
+            ok = requests.get(f"{server.url}{path}", headers={"Authorization": "Bearer an-operator-token-0123456789"},
+                              timeout=30)
+            assert ok.status_code == 200, ok.text
         for _ in range(2):  # a repeated request: it hits, and still says nothing of it
             r = chat(server, SECRET, {"Authorization": "Bearer token-of-alice"})
             assert r.status_code == 200 and "prompt_tokens_details" not in r.json()["usage"]

@@ -11,6 +11,7 @@ address without asking first); a malformed body is refused without writing it to
 
 from __future__ import annotations
 
+import hmac
 import io
 import ipaddress
 import json
@@ -33,6 +34,8 @@ log = logging.getLogger("kvstore")
 
 #: The POST paths of mlx_lm.server (others get its 404).
 POST_PATHS = ("/v1/completions", "/v1/chat/completions", "/chat/completions")
+#: What `--admin-token-file` keeps for the operator: they show every tenant's traffic as it changes.
+ADMIN_PATHS = ("/metrics", "/kvstore/stats")
 #: Content types a web page may POST to any origin without a CORS preflight.
 SIMPLE_TYPES = ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data")
 INVALID_JSON = "Invalid JSON in request body"
@@ -63,7 +66,8 @@ class Hosts:
 def handler_class(base: type, cache: PersistentPromptCache, metrics: ServerMetrics,
                   allowed_origins: list[str], served_model: str | None, *,
                   hosts: Hosts | None = None, stats_paths: bool = False, tenants: TenantPolicy | None = None,
-                  max_body_bytes: int | None = DEFAULT_MAX_BODY_BYTES, report_cached_tokens: bool = True) -> type:
+                  max_body_bytes: int | None = DEFAULT_MAX_BODY_BYTES, report_cached_tokens: bool = True,
+                  admin_token: bytes | None = None) -> type:
     """A subclass of mlx_lm.server's `APIHandler` serving kvstore's endpoints and rules.
 
     `allowed_origins`: web origins whose requests are served and may read responses (`["*"]`:
@@ -73,13 +77,14 @@ def handler_class(base: type, cache: PersistentPromptCache, metrics: ServerMetri
     request's tenant is told (default: every request is the shared namespace's).
     `max_body_bytes`: a larger POST body is refused (413) unread (None: no limit).
     `report_cached_tokens`: False leaves `prompt_tokens_details.cached_tokens` out of every answer.
+    `admin_token`: `/metrics` and `/kvstore/stats` answer only `Authorization: Bearer` it (None: anyone).
     """
     return type("KVStoreHandler", (KVStoreEndpoints, base), {
         "kvstore_cache": cache, "kvstore_metrics": metrics,
         "kvstore_allowed_origins": allowed_origins, "kvstore_served_model": served_model,
         "kvstore_hosts": hosts or Hosts(None), "kvstore_stats_paths": stats_paths,
         "kvstore_tenants": tenants or TenantPolicy(), "kvstore_max_body_bytes": max_body_bytes,
-        "kvstore_report_cached_tokens": report_cached_tokens})
+        "kvstore_report_cached_tokens": report_cached_tokens, "kvstore_admin_token": admin_token})
 
 
 class KVStoreEndpoints:
@@ -96,6 +101,7 @@ class KVStoreEndpoints:
     kvstore_tenants: TenantPolicy
     kvstore_max_body_bytes: int | None
     kvstore_report_cached_tokens: bool
+    kvstore_admin_token: bytes | None
     _kvstore_tenant: str | None = None  # this request's (set in do_POST)
 
     def parse_request(self) -> bool:
@@ -105,6 +111,11 @@ class KVStoreEndpoints:
 
     def do_GET(self):
         path = self.path.split("?", 1)[0]
+        if path in ADMIN_PATHS and not self._admin():
+            self.close_connection = True
+            return self._answer_json(401, {"error": f"{path} answers only the operator: send Authorization: "
+                                                    "Bearer and the token of --admin-token-file"},
+                                     headers={"WWW-Authenticate": 'Bearer realm="kvstore"'})
         try:
             if path == "/metrics":
                 body, content_type = self.kvstore_metrics.render()
@@ -209,6 +220,13 @@ class KVStoreEndpoints:
         kwargs.pop("prompt_cache_count", None)
         return args[:at] + (None,) + args[at + 1:] if len(args) > at else args
 
+    def _admin(self) -> bool:
+        """Whether this request may read the operator's endpoints (`admin_token`)."""
+        if self.kvstore_admin_token is None:
+            return True
+        scheme, _, token = (self.headers.get("Authorization") or "").strip().partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.kvstore_admin_token)
+
     def _set_cors_headers(self):
         origin = self.headers.get("Origin")
         allowed_origins = self.kvstore_allowed_origins
@@ -290,14 +308,16 @@ class KVStoreEndpoints:
         return self._answer_json(404, {"error": {"message": f"no model {wanted!r} here",
                                                  "type": "invalid_request_error", "code": "model_not_found"}})
 
-    def _answer_json(self, status: int, value: Any):
+    def _answer_json(self, status: int, value: Any, headers: dict[str, str] | None = None):
         body = json.dumps(value, default=str).encode()
-        return self._answer(status, body, "application/json")
+        return self._answer(status, body, "application/json", headers)
 
-    def _answer(self, status: int, body: bytes, content_type: str):
+    def _answer(self, status: int, body: bytes, content_type: str, headers: dict[str, str] | None = None):
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
         self._set_cors_headers()
         self.end_headers()
         self.wfile.write(body)

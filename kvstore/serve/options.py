@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import socket
+from pathlib import Path
 
 from kvstore import settings
 from kvstore.argv import Parser, add_store_options
@@ -44,8 +45,12 @@ SERVE_SETTINGS: tuple[Setting, ...] = (
             help="the tenant of a request that names none, with --tenant-from header:NAME or bearer"),
     Setting("trust_client_salt", "flag", False,
             help="let a request's cache_salt field (vLLM's, on /v1/chat/completions and /v1/completions) "
-                 "split its tenant further (requests without it are one tenant of their own, never the shared "
-                 "namespace); without this flag the field is ignored"),
+                 "split its tenant further (with --tenant-from none, requests without it are one tenant of "
+                 "their own, never the shared namespace); without this flag the field is ignored"),
+    Setting("admin_token_file", "text", None, default_text="none: any client of the port reads them",
+            help="a file holding a secret token: GET /metrics and GET /kvstore/stats then answer only "
+                 "requests with Authorization: Bearer TOKEN (401 else), so that tenants of a shared server "
+                 "cannot watch each other's traffic there (e.g. a Prometheus scrape with its bearer token)"),
     Setting("report_cached_tokens", "choice", "on", choices=("on", "off"),
             help="on: usage.prompt_tokens_details.cached_tokens says how many prompt tokens came from "
                  "the store (only ever the shared prompts and the request's tenant's own); off: never said"),
@@ -114,7 +119,23 @@ def server_settings(args: argparse.Namespace) -> dict:
     if out["default_tenant"] is not None and out["tenants"].source == "none":
         raise InvalidInputError("--default-tenant names the tenant of requests that name none: it needs "
                                 "--tenant-from header:NAME or bearer")
+    out["admin_token"] = _admin_token(out["admin_token_file"])
     return out
+
+
+def _admin_token(path: str | None) -> bytes | None:
+    """The token in `--admin-token-file` (its first line, at least 16 characters), or None."""
+    if path is None:
+        return None
+    try:
+        text = Path(path).read_text(encoding="utf-8").strip().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise InvalidInputError(f"--admin-token-file {path}: cannot read it ({e})") from None
+    token = text[0].strip() if text else ""
+    if len(token) < 16 or any(ord(c) <= 32 or ord(c) == 127 for c in token):
+        raise InvalidInputError(f"--admin-token-file {path}: its first line must be a token of 16 or more "
+                                "printable characters without spaces (e.g. from `openssl rand -hex 32`)")
+    return token.encode()
 
 
 def peek_mlx_options(args: list[str]) -> argparse.Namespace:

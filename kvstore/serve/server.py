@@ -238,9 +238,10 @@ def _serve(server, store: Store, served: dict, passthrough: list[str], served_mo
                      "the store holds without a tenant (%s: what `kvstore warm` and pins stored, and any request "
                      "a server without tenants stored here before)", describe_tenants(tenants),
                      "none" if not shared else format_size(shared))
-            log.warning("kvstore: warning: GET /metrics and GET /kvstore/stats answer any client of this port "
-                        "and show every tenant's bytes on disk (by tag) as they change: keep them for the "
-                        "operator, behind your proxy")
+            if served["admin_token"] is None:
+                log.warning("kvstore: warning: GET /metrics and GET /kvstore/stats answer any client of this "
+                            "port and show every tenant's requests, prompt tokens and bytes on disk (by tag) as "
+                            "they change: keep them for the operator, with --admin-token-file or behind your proxy")
         if store.events is not None:
             cache.bind_served()
         if served["warm_top"]:
@@ -251,7 +252,8 @@ def _serve(server, store: Store, served: dict, passthrough: list[str], served_mo
         return handler_class(base, cache, metrics, served["allowed_origins"], served_model, hosts=hosts,
                              stats_paths=served["stats_paths"], tenants=tenants,
                              max_body_bytes=served["max_body_bytes"],
-                             report_cached_tokens=served["report_cached_tokens"] == "on")
+                             report_cached_tokens=served["report_cached_tokens"] == "on",
+                             admin_token=served["admin_token"])
 
     stopper = Stopper(store)
     started: list = []
