@@ -31,17 +31,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import re
 import time
-from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 
 from kvstore.errors import BlobError, InvalidInputError
 from kvstore.records import CHECKPOINT, RecordId, SizeBound
 from kvstore.remote.bucket import MAX_OBJECT_BYTES, Bucket, RemoteError
-from kvstore.remote.layout import ObjectKey, manifest_key, parse_key, parse_other
+from kvstore.remote.layout import ObjectKey, manifest_key
 from kvstore.remote.pins import Ledger, Pins, publish, read_all
 from kvstore.remote.seal import OVERHEAD, Fleet, Sealer, Unauthenticated
+from kvstore.remote.tree import Listing, Tree
 from kvstore.sizes import format_size
 from kvstore.upkeep import evict
 from kvstore.upkeep.verify import Problem
@@ -87,130 +86,6 @@ class Findings(list):
         self.deletes = deletes
 
 
-class _Listing:
-    """One listing of the bucket: its records, pins objects, manifests, and the objects in a
-    namespace folder that are not of the layout."""
-
-    def __init__(self, bucket: Bucket):
-        self.records: list[ObjectKey] = []
-        self.pins_objects: list[tuple[str, str]] = []  # (key, namespace folder)
-        self.manifests: list[str] = []
-        self.others: dict[str, list[tuple[str, int, float]]] = defaultdict(list)  # folder -> pins, manifest
-        self.foreign: list[str] = []
-        for path, size, modified in bucket.walk(""):
-            key = parse_key(path, size, modified)
-            other = None if key is not None else parse_other(path)
-            if key is not None:
-                self.records.append(key)
-                continue
-            if other is not None:
-                (self.pins_objects.append((path, other[1])) if other[0] == "pins" else self.manifests.append(other[1]))
-                self.others[other[1]].append((path, size, modified))
-            elif _NAME.fullmatch(path.partition("/")[0]):  # in a namespace folder, not of the layout
-                self.foreign.append(path)  # (anything else may be a nested prefix: another team's)
-
-    def folders(self) -> set[str]:
-        return {k.ns.hex() for k in self.records} | set(self.others)
-
-    def split(self, known) -> tuple["_Tree", dict[str, list[ObjectKey]]]:
-        """The tree of the records of the `known` folders, and the records of each other folder."""
-        strays: dict[str, list[ObjectKey]] = defaultdict(list)
-        for k in self.records:
-            if k.ns.hex() not in known:
-                strays[k.ns.hex()].append(k)
-        return _Tree([k for k in self.records if k.ns.hex() in known]), strays
-
-
-class _Tree:
-    """Records of a listing, as a tree per namespace (by names; the first of a name listed wins)."""
-
-    def __init__(self, records):
-        self.objects: dict[bytes, ObjectKey] = {}
-        for k in records:
-            self.objects.setdefault(k.hash, k)
-        _break_cycles(self.objects)
-        self.children: dict[bytes, list[bytes]] = {}
-        for k in self.objects.values():
-            self.children.setdefault(k.parent, []).append(k.hash)
-        self._depth: dict[bytes, int] = {}
-
-    def depth(self, h: bytes) -> int:
-        """1 for a record under its namespace; a large number for one whose parent is gone, or
-        that no namespace reaches (its parents go round in a cycle)."""
-        path: list[bytes] = []
-        seen: set[bytes] = set()
-        while h not in self._depth:
-            k = self.objects.get(h)
-            if k is None or k.parent == k.ns:
-                self._depth[h] = 0 if k is None else 1
-                break
-            if k.parent not in self.objects or h in seen:
-                self._depth[h] = _UNREACHABLE  # an orphan: nothing reaches it, it goes first
-                break
-            seen.add(h)
-            path.append(h)
-            h = k.parent
-        for p in reversed(path):
-            if p not in self._depth:
-                self._depth[p] = min(self._depth[self.objects[p].parent] + 1, _UNREACHABLE)
-        return self._depth[path[0]] if path else self._depth[h]
-
-    def orphans(self) -> list[ObjectKey]:
-        return [k for k in self.objects.values() if k.parent != k.ns and k.parent not in self.objects]
-
-    def subtree(self, roots) -> set[bytes]:
-        out, todo = set(), list(roots)
-        while todo:
-            h = todo.pop()
-            if h in out:
-                continue
-            out.add(h)
-            todo += self.children.get(h, [])
-        return out
-
-    def ancestors(self, hashes: set[bytes]) -> set[bytes]:
-        """`hashes` and every record above them in the listing (a cycle ends the walk)."""
-        out = set(hashes) & set(self.objects)
-        for h in list(out):
-            k = self.objects[h]
-            while k.parent in self.objects and k.parent not in out:
-                out.add(k.parent)
-                k = self.objects[k.parent]
-        return out
-
-    def delete(self, bucket: Bucket, hashes: set[bytes]) -> None:
-        """Delete records a depth level at a time, deepest first."""
-        levels: dict[int, list[str]] = {}
-        for h in hashes:
-            levels.setdefault(self.depth(h), []).append(self.objects[h].path)
-        for depth in sorted(levels, reverse=True):
-            bucket.delete(levels[depth])
-
-
-_UNREACHABLE = 1 << 20
-_NAME = re.compile(r"[0-9a-f]{32}")
-#: The parent a record in a cycle of parents is given: none, so it is an orphan.
-_NO_PARENT = b"\xff" * 16
-
-
-def _break_cycles(objects: dict[bytes, ObjectKey]) -> None:
-    """Records whose parents go round in a cycle (planted: a name is a MAC of a chain hash) lose
-    their parent, so every walk ends and they are orphans."""
-    done: set[bytes] = set()
-    for start in list(objects):
-        walk: dict[bytes, int] = {}
-        h = start
-        while h in objects and h not in done and h not in walk:
-            walk[h] = len(walk)
-            k = objects[h]
-            h = k.parent if k.parent != k.ns else b""
-        if h in walk:  # came back: the records from h on are a cycle
-            cycle = list(walk)[walk[h]:]
-            for c in cycle:
-                objects[c] = dataclasses.replace(objects[c], parent=_NO_PARENT)
-        done.update(walk)
-
-
 
 def namespaces(bucket: Bucket, fleet: Fleet, folders, local=()) -> dict[str, Space]:
     """Namespace folder -> `Space` for the folders given that this node can read: its own
@@ -249,7 +124,7 @@ def collect_remote(bucket: Bucket, fleet: Fleet, local=(), *, max_bytes: int | N
     this node knows of pins (`remote.pins`; default: nothing, with no store)."""
     started = time.perf_counter()
     now = time.time() if now is None else now
-    listing = _Listing(bucket)
+    listing = Listing(bucket)
     spaces = namespaces(bucket, fleet, listing.folders(), local)
     tree, strays = listing.split(spaces)
     keep = _kept(bucket, listing, tree, spaces, ledger or Ledger())
@@ -282,7 +157,7 @@ class _Kept(Pins):
     kept: set[bytes] = dataclasses.field(default_factory=set)
 
 
-def _kept(bucket: Bucket, listing: _Listing, tree: _Tree, spaces: dict[str, Space], ledger: Ledger) -> _Kept:
+def _kept(bucket: Bucket, listing: Listing, tree: Tree, spaces: dict[str, Space], ledger: Ledger) -> _Kept:
     """The records the pins keep: every node's pinned (this node's from its index), their
     ancestors and their checkpoints; every record of a namespace whose pins were rolled back by
     another node's (said). A pins object that opens and is not one stops gc."""
@@ -300,7 +175,7 @@ def _kept(bucket: Bucket, listing: _Listing, tree: _Tree, spaces: dict[str, Spac
     return _Kept(pins.names, pins.held, pins.rollbacks, pins.unreadable, keep)
 
 
-def _unknown(listing: _Listing, strays: dict[str, list[ObjectKey]], known: set[str], now: float) -> dict[str, dict]:
+def _unknown(listing: Listing, strays: dict[str, list[ObjectKey]], known: set[str], now: float) -> dict[str, dict]:
     """Folder -> {objects, bytes, newest, age} of every namespace folder no key of the fleet opens."""
     out = {}
     for folder in sorted(listing.folders() - known):
@@ -310,16 +185,16 @@ def _unknown(listing: _Listing, strays: dict[str, list[ObjectKey]], known: set[s
     return out
 
 
-def _drop_folder(bucket: Bucket, listing: _Listing, records: list[ObjectKey], folder: str) -> None:
+def _drop_folder(bucket: Bucket, listing: Listing, records: list[ObjectKey], folder: str) -> None:
     """Delete every object of the layout in a namespace folder: records deepest first, then pins
     and manifest. Objects not of the layout are left (they may be a nested prefix's)."""
-    tree = _Tree(records)
+    tree = Tree(records)
     tree.delete(bucket, set(tree.objects))
     bucket.delete([k.path for k in records if tree.objects.get(k.hash) is not k])  # a name listed twice
     bucket.delete([path for path, _, _ in listing.others[folder]])
 
 
-def _delete_in_rounds(bucket: Bucket, tree: _Tree, p: evict.Victims) -> None:
+def _delete_in_rounds(bucket: Bucket, tree: Tree, p: evict.Victims) -> None:
     """Delete the plan a round of leaf peeling at a time (its H): every child of a record is in
     an earlier round, so at every instant each remaining record's parent is still there."""
     rounds: dict[int, list[str]] = {}
@@ -339,7 +214,7 @@ def verify_remote(bucket: Bucket, fleet: Fleet, local=(), *, repair: bool = Fals
     notes, not problems: unknown namespaces, and objects that are not of the layout (kvstore
     deletes only what it can tell is its own)."""
     ledger = ledger or Ledger()
-    listing = _Listing(bucket)
+    listing = Listing(bucket)
     spaces = namespaces(bucket, fleet, listing.folders(), local)
     tree, strays = listing.split(spaces)
     problems, bad = _check_records(bucket, tree, spaces, threads)
@@ -373,7 +248,7 @@ def verify_remote(bucket: Bucket, fleet: Fleet, local=(), *, repair: bool = Fals
     return Findings(problems, notes, repairable, len(gone))
 
 
-def _unknown_note(u: dict, listing: _Listing, folder: str) -> str:
+def _unknown_note(u: dict, listing: Listing, folder: str) -> str:
     foreign = sum(1 for p in listing.foreign if p.partition("/")[0] == folder)
     days = max(0, int((UNKNOWN_MAX_AGE - u["age"]) // 86400))
     return (f"{u['objects']} objects ({format_size(u['bytes'])}{f', and {foreign} not of the layout' if foreign else ''})"
@@ -382,7 +257,7 @@ def _unknown_note(u: dict, listing: _Listing, folder: str) -> str:
             f"gc --remote in {days} days (once its newest object is {int(UNKNOWN_MAX_AGE // 86400)} days old)")
 
 
-def _check_records(bucket: Bucket, tree: _Tree, spaces: dict[str, Space], threads: int) -> tuple[list, set]:
+def _check_records(bucket: Bucket, tree: Tree, spaces: dict[str, Space], threads: int) -> tuple[list, set]:
     """The problems of the records of `tree` (downloaded on `threads`), and the bad ones."""
     def check(k: ObjectKey) -> tuple[str, str, bool] | None:
         space = spaces[k.ns.hex()]
@@ -454,7 +329,7 @@ def drop_key(bucket: Bucket, fleet: Fleet, local=(), *, key_id: str, dry_run: bo
         known = ", ".join(f.key_id for f in fleet.older) or "none"
         raise InvalidInputError(f"--drop-key {kid}: not an older key of this fleet (older keys: {known}; the key "
                                 f"written with, {fleet.key_id}, cannot be dropped)")
-    listing = _Listing(bucket)
+    listing = Listing(bucket)
     spaces = namespaces(bucket, fleet, listing.folders(), local)
     tree, _ = listing.split(spaces)
     mine = {folder for folder, space in spaces.items() if space.fleet is old}
