@@ -8,12 +8,17 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
+import pytest
 from kvtest import alter_record, prefill
 from remote_fixture import fleet
-from test_remote_ops import C, cli, toks
+from test_remote_ops import C, cli, records, toks
 
 import kvstore
+from kvstore.remote.s3 import S3Bucket as Bucket
+from kvstore.remote.seal import Fleet, new_key, read_key_file
+from kvstore.remote.upkeep import UNKNOWN_MAX_AGE, collect_remote
 
 
 def key_file(path, secret: str) -> str:
@@ -67,3 +72,53 @@ def test_verify_of_the_store_checks_the_fleet_tags_with_the_fleets_key_and_says_
         pass
     out = cli("verify", "--store", str(tmp_path / "alone"))
     assert out.returncode == 0 and out.stdout.rstrip().endswith(f"({fleet_words})"), out.stdout + out.stderr
+
+
+@pytest.fixture
+def fleet_bucket(tmp_path, s3, llama):
+    """A bucket holding one namespace of the fleet (node A's, 3 records), and a wrong key file."""
+    path, model = llama
+    url = s3.url()
+    prompt = toks(3 * C + 2, 46)
+    with kvstore.open(tmp_path / "a", chunk_size=C, remote=url) as a:
+        a.bind(model, path).insert(prompt, prefill(model, prompt))
+        assert a.flush(30)
+    return url, key_file(tmp_path / "wrong.key", new_key()), records(url)
+
+
+def test_with_a_key_that_opens_nothing_verify_remote_is_not_clean_and_says_the_mistake(tmp_path, fleet_bucket):
+    url, wrong, fleet_records = fleet_bucket
+    wrong_id = Fleet.of(read_key_file(wrong)).key_id
+    line = f"holds 1 namespace and none opens with this key ({wrong_id}, from the remote key file {wrong})"
+    for store in (tmp_path / "none", tmp_path / "a"):  # a node with no store, and the fleet node's store
+        out = cli("verify", "--remote", url, "--store", str(store), "--remote-key-file", wrong)
+        assert out.returncode == 1, out.stdout + out.stderr
+        assert out.stderr.count(line) == 1 and "is it the fleet's?" in out.stderr, out.stderr
+        assert "wrong_key" in out.stdout and "clean" not in out.stdout.splitlines()[-1], out.stdout
+    found = json.loads(cli("verify", "--remote", url, "--store", str(tmp_path / "none"),
+                           "--remote-key-file", wrong, "--json").stdout)
+    assert not found["clean"] and [p["kind"] for p in found["problems"]] == ["wrong_key"], found
+    out = cli("verify", "--remote", url, "--store", str(tmp_path / "none"))  # the fleet's key: clean
+    assert out.returncode == 0 and "wrong_key" not in out.stdout + out.stderr, out.stdout + out.stderr
+
+
+def test_with_a_key_that_opens_nothing_gc_remote_deletes_no_unknown_namespace(tmp_path, fleet_bucket):
+    url, wrong, fleet_records = fleet_bucket
+    where = ["--remote", url, "--store", str(tmp_path / "none"), "--remote-key-file", wrong]
+    for extra in (["--drop-unknown", "--dry-run"], ["--drop-unknown"]):
+        out = cli("gc", *where, *extra)
+        assert out.returncode == 1, out.stdout + out.stderr
+        assert "none opens with this key" in out.stderr and "would delete 1 namespace" not in out.stdout
+        assert "deletes no namespace none of its keys opens" in out.stdout, out.stdout
+        assert records(url).keys() == fleet_records.keys()
+    out = cli("gc", *where, "--max-age", "7d")
+    assert out.returncode == 0 and "none opens with this key" in out.stderr, out.stdout + out.stderr
+    # The age rule holds back too: an idle fleet's namespace is 30 days old one day.
+    secret = Fleet.of(read_key_file(wrong))
+    kept = collect_remote(Bucket(url), secret, now=time.time() + UNKNOWN_MAX_AGE + 60)
+    assert kept["dropped_namespaces"] == 0 and kept["no_namespace_opens"] == 1, kept
+    assert records(url).keys() == fleet_records.keys()
+    # With the fleet's key the same run would delete nothing of it either (it opens), and a truly
+    # unknown namespace beside one that opens still goes past the age.
+    gone = collect_remote(Bucket(url), fleet(), now=time.time() + UNKNOWN_MAX_AGE + 60)
+    assert gone["no_namespace_opens"] == 0 and records(url).keys() == fleet_records.keys()

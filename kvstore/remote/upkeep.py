@@ -37,6 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from kvstore.errors import BlobError, InvalidInputError
 from kvstore.records import CHECKPOINT, RecordId, SizeBound
 from kvstore.remote.bucket import MAX_OBJECT_BYTES, Bucket, RemoteError
+from kvstore.remote.health import wrong_key_line
 from kvstore.remote.layout import ObjectKey, manifest_key
 from kvstore.remote.pins import Ledger, Pins, publish, read_all
 from kvstore.remote.seal import OVERHEAD, Fleet, Sealer, Unauthenticated
@@ -140,7 +141,9 @@ def collect_remote(bucket: Bucket, fleet: Fleet, local=(), *, max_bytes: int | N
     if not dry_run and len(p):
         _delete_in_rounds(bucket, tree, p)
     unknown = _unknown(listing, strays, set(spaces), now)
-    dropped = {f: u for f, u in unknown.items() if drop_unknown or now - u["newest"] >= UNKNOWN_MAX_AGE}
+    wrong_key = _none_opens(bucket, listing, spaces, fleet)  # then they may be the fleet's: none goes
+    dropped = {f: u for f, u in unknown.items()
+               if not wrong_key and (drop_unknown or now - u["newest"] >= UNKNOWN_MAX_AGE)}
     if not dry_run:
         for folder in dropped:
             _drop_folder(bucket, listing, strays.get(folder, []), folder)
@@ -149,7 +152,8 @@ def collect_remote(bucket: Bucket, fleet: Fleet, local=(), *, max_bytes: int | N
             "held_namespaces": len(keep.held), "rollbacks": [str(r) for r in keep.rollbacks],
             "unknown_namespaces": len(unknown), "unknown_bytes": sum(u["bytes"] for u in unknown.values()),
             "dropped_namespaces": len(dropped), "dropped_objects": sum(u["objects"] for u in dropped.values()),
-            "dropped_bytes": sum(u["bytes"] for u in dropped.values()), "seconds": time.perf_counter() - started}
+            "dropped_bytes": sum(u["bytes"] for u in dropped.values()), "no_namespace_opens": wrong_key,
+            "seconds": time.perf_counter() - started}
 
 
 @dataclasses.dataclass
@@ -173,6 +177,16 @@ def _kept(bucket: Bucket, listing: Listing, tree: Tree, spaces: dict[str, Space]
     keep |= {h for h, k in tree.objects.items() if k.ns.hex() in pins.held}
     keep |= {c for h in keep for c in tree.children.get(h, []) if tree.objects[c].kind == CHECKPOINT}
     return _Kept(pins.names, pins.held, pins.rollbacks, pins.unreadable, keep)
+
+
+def _none_opens(bucket: Bucket, listing: Listing, spaces: dict[str, Space], fleet: Fleet) -> int:
+    """How many namespaces the bucket holds when none opens with this node's keys (else 0): a
+    wrong fleet secret, most likely, so they may be the fleet's. Said as generate says it."""
+    held = listing.folders()
+    if not held or held & set(spaces):
+        return 0
+    log.warning("kvstore: %s", wrong_key_line(bucket.url, len(held), fleet))
+    return len(held)
 
 
 def _unknown(listing: Listing, strays: dict[str, list[ObjectKey]], known: set[str], now: float) -> dict[str, dict]:
@@ -218,6 +232,12 @@ def verify_remote(bucket: Bucket, fleet: Fleet, local=(), *, repair: bool = Fals
     spaces = namespaces(bucket, fleet, listing.folders(), local)
     tree, strays = listing.split(spaces)
     problems, bad = _check_records(bucket, tree, spaces, threads)
+    wrong_key = _none_opens(bucket, listing, spaces, fleet)
+    if wrong_key:  # nothing was checked, and it may all be the fleet's: not clean
+        problems.append(Problem("wrong_key", bucket.url, f"none of the bucket's {wrong_key} namespaces opens with "
+                                f"this node's keys ({fleet.key_id}, from {fleet.where}): nothing in them was "
+                                "checked, and gc --remote deletes none of them while none opens; give the "
+                                "fleet's secret (--remote-key-file, or KVSTORE_REMOTE_KEY)"))
     pins = read_all(bucket, listing.pins_objects, {f: s.sealer() for f, s in spaces.items()}, ledger)
     republish: list[Problem] = []  # this node's own pins put back: repair publishes them again
     for r in pins.rollbacks:
@@ -237,7 +257,7 @@ def verify_remote(bucket: Bucket, fleet: Fleet, local=(), *, repair: bool = Fals
     if repair and republish:
         publish(bucket, fleet, ledger, [spaces[p.path.partition("/")[0]].ns for p in republish])
     repairable = [p for p in problems if any(p is q for q in republish) or (p.hash and bytes.fromhex(p.hash) in gone)]
-    notes = [Problem("unknown_namespace", folder, _unknown_note(u, listing, folder))
+    notes = [Problem("unknown_namespace", folder, _unknown_note(u, listing, folder, bool(wrong_key)))
              for folder, u in _unknown(listing, strays, set(spaces), time.time() if now is None else now).items()]
     # Not kvstore's to delete (a writer of the bucket put them there): listed, not judged.
     # (Those in an unknown namespace's folder are counted in its note.)
@@ -248,13 +268,15 @@ def verify_remote(bucket: Bucket, fleet: Fleet, local=(), *, repair: bool = Fals
     return Findings(problems, notes, repairable, len(gone))
 
 
-def _unknown_note(u: dict, listing: Listing, folder: str) -> str:
+def _unknown_note(u: dict, listing: Listing, folder: str, wrong_key: bool) -> str:
     foreign = sum(1 for p in listing.foreign if p.partition("/")[0] == folder)
     days = max(0, int((UNKNOWN_MAX_AGE - u["age"]) // 86400))
+    goes = ("gc --remote deletes it neither with --drop-unknown nor by its age while no namespace of the bucket "
+            "opens with this node's keys" if wrong_key else f"it goes with `gc --remote --drop-unknown`, or by "
+            f"any gc --remote in {days} days (once its newest object is {int(UNKNOWN_MAX_AGE // 86400)} days old)")
     return (f"{u['objects']} objects ({format_size(u['bytes'])}{f', and {foreign} not of the layout' if foreign else ''})"
             " that none of this node's keys opens (another fleet's, a key since dropped, or planted): not "
-            f"checked, and not counted by gc --remote; it goes with `gc --remote --drop-unknown`, or by any "
-            f"gc --remote in {days} days (once its newest object is {int(UNKNOWN_MAX_AGE // 86400)} days old)")
+            f"checked, and not counted by gc --remote; {goes}")
 
 
 def _check_records(bucket: Bucket, tree: Tree, spaces: dict[str, Space], threads: int) -> tuple[list, set]:
