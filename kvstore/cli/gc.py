@@ -155,7 +155,12 @@ def _gc_remote(args) -> int:
     verb, holds = ("would delete", "would hold") if args.dry_run else ("deleted", "holds")
     out(f"remote {url}: {verb} {plural(result['evicted'], 'object')} ({format_size(result['freed_bytes'])}) "
         f"of this node's namespaces; the bucket {holds} {plural(result['records'], 'record')}, "
-        f"{format_size(result['bytes'])} of them ({plural(result['kept_pinned'], 'pinned record')} kept)")
+        f"{format_size(result['bytes'])} of them ({plural(result['kept_pinned'], 'pinned record')} kept"
+        + (f"; {plural(result['kept_held'], 'other record')} kept because gc was blocked, below)"
+           if result["kept_held"] else ")"))
+    for why in result["held"]:
+        out(f"remote {url}: gc kept every record of a namespace (it deletes none until that node publishes its "
+            f"pins again): {why}")
     if result["dropped_namespaces"]:
         out(f"remote {url}: {verb} {plural(result['dropped_namespaces'], 'namespace')} none of this node's keys "
             f"opens ({plural(result['dropped_objects'], 'object')}, {format_size(result['dropped_bytes'])}"

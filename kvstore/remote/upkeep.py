@@ -148,7 +148,8 @@ def collect_remote(bucket: Bucket, fleet: Fleet, local=(), *, max_bytes: int | N
         for folder in dropped:
             _drop_folder(bucket, listing, strays.get(folder, []), folder)
     return {"evicted": len(p), "freed_bytes": freed, "bytes_before": total, "bytes": total - freed,
-            "records": len(objects) - len(p), "kept_pinned": len(keep.kept), "dry_run": dry_run,
+            "records": len(objects) - len(p), "kept_pinned": len(keep.pinned), "dry_run": dry_run,
+            "kept_held": len(keep.kept - keep.pinned), "held": [str(r) for r in keep.rollbacks if not r.own],
             "held_namespaces": len(keep.held), "rollbacks": [str(r) for r in keep.rollbacks],
             "unknown_namespaces": len(unknown), "unknown_bytes": sum(u["bytes"] for u in unknown.values()),
             "dropped_namespaces": len(dropped), "dropped_objects": sum(u["objects"] for u in dropped.values()),
@@ -158,7 +159,8 @@ def collect_remote(bucket: Bucket, fleet: Fleet, local=(), *, max_bytes: int | N
 
 @dataclasses.dataclass
 class _Kept(Pins):
-    kept: set[bytes] = dataclasses.field(default_factory=set)
+    kept: set[bytes] = dataclasses.field(default_factory=set)  # every record gc must keep
+    pinned: set[bytes] = dataclasses.field(default_factory=set)  # of them, pinned (ancestors, checkpoints)
 
 
 def _kept(bucket: Bucket, listing: Listing, tree: Tree, spaces: dict[str, Space], ledger: Ledger) -> _Kept:
@@ -173,10 +175,10 @@ def _kept(bucket: Bucket, listing: Listing, tree: Tree, spaces: dict[str, Space]
         log.warning("kvstore: remote %s: %s; %s", bucket.url, r, "gc keeps this node's pinned records (its index "
                     "says which), and publishes its pins again" if r.own else "gc deletes nothing of that "
                     "namespace until that node publishes its pins again")
-    keep = tree.ancestors(pins.names)
-    keep |= {h for h, k in tree.objects.items() if k.ns.hex() in pins.held}
-    keep |= {c for h in keep for c in tree.children.get(h, []) if tree.objects[c].kind == CHECKPOINT}
-    return _Kept(pins.names, pins.held, pins.rollbacks, pins.unreadable, keep)
+    pinned = tree.ancestors(pins.names)
+    pinned |= {c for h in pinned for c in tree.children.get(h, []) if tree.objects[c].kind == CHECKPOINT}
+    keep = pinned | {h for h, k in tree.objects.items() if k.ns.hex() in pins.held}
+    return _Kept(pins.names, pins.held, pins.rollbacks, pins.unreadable, keep, pinned)
 
 
 def _none_opens(bucket: Bucket, listing: Listing, spaces: dict[str, Space], fleet: Fleet) -> int:
