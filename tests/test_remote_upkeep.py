@@ -218,3 +218,34 @@ def test_gc_says_apart_the_pinned_records_and_those_a_rolled_back_pins_object_ke
             "blocked, below)") in out.stdout, out.stdout
     assert "gc kept every record of a namespace" in out.stdout and "older than" in out.stdout, out.stdout
     assert len(records(url)) == total
+
+
+def test_a_deleted_pins_object_is_a_rollback_until_its_node_publishes_again_or_is_forgotten(tmp_path, s3, llama):
+    """B's pins object, seen by A, is deleted: A's gc deletes nothing of that namespace (what B
+    pinned is not known) and verify reports it, until B publishes again (at its next close) or
+    `verify --repair` on A takes B as retired. A's own, deleted, is published again."""
+    path, model = llama
+    url = s3.url()
+    pins, _, first, second, own = pinning_nodes(tmp_path, url, llama)
+    bucket, every = Bucket(url), set(records(url))
+    bucket.delete([pins])
+    with kvstore.open(tmp_path / "a", chunk_size=C, remote=url) as a:
+        result = a.remote.gc(max_bytes=0)
+        assert result["held_namespaces"] == 1 and result["evicted"] == 0, result
+        assert "was deleted" in result["rollbacks"][0] and result["kept_held"] == len(every) - len(own), result
+        found = a.remote.verify()
+        assert [p.kind for p in found] == ["rolled_back_pins"] and "retired for good" in found[0].detail, found
+    assert set(records(url)) == every
+    with kvstore.open(tmp_path / "b", chunk_size=C, remote=url) as b:  # B's next close publishes again
+        b.bind(model, path)
+    with kvstore.open(tmp_path / "a", chunk_size=C, remote=url) as a:
+        assert a.remote.verify() == []
+        result = a.remote.gc(max_bytes=0)
+        assert result["held_namespaces"] == 0 and set(records(url)) == first | second | own, result
+        mine = next(p for p, _, _ in bucket.list("") if p.endswith("/pins/" + a.remote.ledger().node))
+        bucket.delete([pins, mine])  # B retired, its pins deleted on purpose; A's own deleted too
+        found = a.remote.verify()
+        assert sorted(p.detail.split(" ")[0] for p in found) == ["node", "this"], found
+        assert a.remote.verify(repair=True) and a.remote.verify() == []  # A's published, B's forgotten
+        result = a.remote.gc(max_bytes=0)
+        assert result["held_namespaces"] == 0 and set(records(url)) == own, result

@@ -258,8 +258,10 @@ def _remote_summary(args, url: str, problems: list, notes: list) -> str:
         done = []
         if getattr(problems, "deletes", 0):
             done.append(f"deleted {plural(problems.deletes, 'object')}: each damaged one and all below it")
-        if any(p.kind == "rolled_back_pins" for p in repairable):
+        if any(p.kind == "rolled_back_pins" and "this node's" in p.detail[:12] for p in repairable):
             done.append("published this node's pins again")
+        if any(p.kind == "rolled_back_pins" and p.detail.startswith("node ") for p in repairable):
+            done.append("forgot the deleted pins of retired nodes")
         parts.append(f"repaired {k}" + (f" ({'; '.join(done)})" if done else ""))
         if n > k:
             parts.append(f"left {n - k} (--repair does not mend them: see their lines)")

@@ -19,8 +19,8 @@ Nothing a bucket writer can put in the bucket steers either (it holds no fleet s
 - The most bytes a record can be comes from the model's geometry, which the sealed manifest
   states (written by a node that has the model), never from the sizes the bucket holds. A
   namespace whose manifest states none (written before it did) is judged by its contents only.
-- Pins (`remote.pins`) carry a serial: an older copy put back is detected, and gc keeps this
-  node's pinned records from its index.
+- Pins (`remote.pins`) carry a serial: an older copy put back, or one seen deleted, is detected,
+  and gc keeps this node's pinned records from its index.
 A tenant's records (`.tchunk`...) are sealed with their tenant's key, which gc and verify do not
 have: gc keeps their tree by names as any other, verify counts them unopened. `drop_key` deletes
 every object of the namespaces of an older key (the end of a rotation).
@@ -167,7 +167,7 @@ def _kept(bucket: Bucket, listing: Listing, tree: Tree, spaces: dict[str, Space]
     """The records the pins keep: every node's pinned (this node's from its index), their
     ancestors and their checkpoints; every record of a namespace whose pins were rolled back by
     another node's (said). A pins object that opens and is not one stops gc."""
-    pins = read_all(bucket, listing.pins_objects, {f: s.sealer() for f, s in spaces.items()}, ledger)
+    pins = read_all(bucket, listing.pins_objects, {f: s.sealer() for f, s in spaces.items()}, ledger, listing.folders())
     if pins.unreadable:
         path, why = pins.unreadable[0]
         raise RemoteError(f"a pins object of the bucket is unreadable ({why}): fix or delete it before gc ({path})")
@@ -226,7 +226,8 @@ def verify_remote(bucket: Bucket, fleet: Fleet, local=(), *, repair: bool = Fals
     for its key, no larger than its manifest's geometry allows, checksums, header, tokens against
     its names), the tree (no record without its parent) and the pins (no older copy put back).
     `repair` deletes the bad records and, to keep every chain a prefix, everything below them,
-    and publishes this node's pins again if they were rolled back. What it leaves alone are
+    publishes this node's pins again if they were rolled back (or deleted), and forgets another
+    node's whose pins object was deleted (taken as retired: gc holds its namespace no longer). What it leaves alone are
     notes, not problems: unknown namespaces, and objects that are not of the layout (kvstore
     deletes only what it can tell is its own)."""
     ledger = ledger or Ledger()
@@ -240,14 +241,18 @@ def verify_remote(bucket: Bucket, fleet: Fleet, local=(), *, repair: bool = Fals
                                 f"this node's keys ({fleet.key_id}, from {fleet.where}): nothing in them was "
                                 "checked, and gc --remote deletes none of them while none opens; give the "
                                 "fleet's secret (--remote-key-file, or KVSTORE_REMOTE_KEY)"))
-    pins = read_all(bucket, listing.pins_objects, {f: s.sealer() for f, s in spaces.items()}, ledger)
+    pins = read_all(bucket, listing.pins_objects, {f: s.sealer() for f, s in spaces.items()}, ledger, listing.folders())
     republish: list[Problem] = []  # this node's own pins put back: repair publishes them again
+    forget: list[tuple[Problem, str]] = []  # another node's deleted: repair takes that node as retired
     for r in pins.rollbacks:
         problems.append(Problem("rolled_back_pins", r.path, f"{r}; " + (
             "gc keeps this node's pinned records (its index says which); --repair publishes them again" if r.own
-            else "gc deletes nothing of this namespace until that node publishes its pins again")))
+            else "gc deletes nothing of this namespace until that node publishes its pins again" + (
+                "; if that node is retired for good, --repair forgets its pins on this node" if r.missing else ""))))
         if r.own and ledger.node is not None and spaces[r.path.partition("/")[0]].fleet is fleet:
             republish.append(problems[-1])
+        elif not r.own and r.missing:
+            forget.append((problems[-1], r.node))
     for path, why in pins.unreadable:
         problems.append(Problem("corrupt_object", path, f"a pins object that opens and is not one ({why})"))
     for k in tree.orphans():
@@ -258,7 +263,10 @@ def verify_remote(bucket: Bucket, fleet: Fleet, local=(), *, repair: bool = Fals
         tree.delete(bucket, gone)
     if repair and republish:
         publish(bucket, fleet, ledger, [spaces[p.path.partition("/")[0]].ns for p in republish])
-    repairable = [p for p in problems if any(p is q for q in republish) or (p.hash and bytes.fromhex(p.hash) in gone)]
+    for p, node in forget if repair else ():
+        ledger.forget(p.path.partition("/")[0], node)
+    mended = republish + [p for p, _ in forget]
+    repairable = [p for p in problems if any(p is q for q in mended) or (p.hash and bytes.fromhex(p.hash) in gone)]
     notes = [Problem("unknown_namespace", folder, _unknown_note(u, listing, folder, bool(wrong_key)))
              for folder, u in _unknown(listing, strays, set(spaces), time.time() if now is None else now).items()]
     # Not kvstore's to delete (a writer of the bucket put them there): listed, not judged.
