@@ -508,7 +508,7 @@ def test_verify_finds_and_repairs_damage(kv, capsys, store_copy):
     assert code == 1 and "; repaired" in out
     assert problems_of(store_copy) == []
     code, out, _ = in_process(capsys, "verify", "--store", store_copy)
-    assert code == 0 and out.strip() == f"the store {store_copy} is clean"
+    assert code == 0 and out.strip() == f"the store {store_copy} is clean (trust tags checked with its own key)"
 
 
 # -- first contact: what a new user meets first -------------------------------------

@@ -168,12 +168,20 @@ def test_pins_nobody_can_open_no_longer_keep_a_namespace_for_ever(tmp_path, s3, 
         assert n1.flush()
     bucket = open_bucket(url)
     assert any(parse_other(p) == ("pins", p.split("/")[0]) for p in objects(url))
-    # Another fleet's namespace: gc neither counts nor keeps it; it goes whole once it is old.
-    result = collect_remote(bucket, Fleet(fleet_secret()), max_age=60)
-    assert result["evicted"] == 0 and result["unknown_namespaces"] == 1 and result["dropped_namespaces"] == 0
+    theirs = set(objects(url))
+    # While no namespace opens with the node's keys (a wrong secret?), it is kept even when old.
     result = collect_remote(bucket, Fleet(fleet_secret()), max_age=60, now=2e10)
+    assert result["no_namespace_opens"] == 1 and result["dropped_namespaces"] == 0 and set(objects(url)) == theirs
+    with node(tmp_path, "n2", url) as n2:  # the fleet's own namespace, beside it
+        n2.bind(model, str(path)).prefill(SYSTEM)
+        assert n2.flush()
+    ours = set(objects(url)) - theirs
+    # Another fleet's namespace: gc neither counts nor keeps it; it goes whole once it is old.
+    result = collect_remote(bucket, Fleet(fleet_secret()), max_age=2e10)
+    assert result["evicted"] == 0 and result["unknown_namespaces"] == 1 and result["dropped_namespaces"] == 0
+    result = collect_remote(bucket, Fleet(fleet_secret()), max_age=2e10, now=2e10)
     assert result["evicted"] == 0 and result["kept_pinned"] == 0 and result["dropped_namespaces"] == 1
-    assert objects(url) == []  # its records, pins and manifest
+    assert set(objects(url)) == ours  # its records, pins and manifest went
 
 
 def test_nonces_never_repeat_across_rewrites_of_one_key_and_across_processes(tmp_path, s3, llama_model):

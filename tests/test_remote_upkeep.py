@@ -181,3 +181,71 @@ def test_a_missing_bucket_is_one_line_that_names_it(tmp_path, s3):
         out = cli(*args, "--store", str(tmp_path / "none"))
         assert out.returncode == 1 and out.stdout == "", out.stdout
         assert out.stderr.count("\n") == 1 and f"remote {url}" in out.stderr, out.stderr
+
+
+def pinning_nodes(tmp_path, url: str, llama) -> tuple:
+    """Node B pins `first`, keeping a copy of its pins object then, and pins `second`; node A pins a
+    prompt of its own and reads B's pins once (its verify). (B's pins key, the copy, the names of
+    `first`'s, `second`'s and A's prompt's records.)"""
+    path, model = llama
+    first, second, other = toks(2 * C + 3, 70), toks(3 * C + 4, 71), toks(2 * C + 2, 72)
+    bucket = Bucket(url)
+    with kvstore.open(tmp_path / "b", chunk_size=C, remote=url) as b:
+        mc = b.bind(model, path)
+        mc.insert(first, prefill(model, first), pin=True)
+        assert b.flush(30)
+        pins = next(p for p, _, _ in bucket.list("") if (parse_other(p) or ("",))[0] == "pins")
+        old = bytes(bucket.get(pins))
+        mc.insert(second, prefill(model, second), pin=True)
+        assert b.flush(30)
+    with kvstore.open(tmp_path / "a", chunk_size=C, remote=url) as a:
+        a.bind(model, path).insert(other, prefill(model, other), pin=True)
+        assert a.flush(30)
+        assert a.remote.verify() == []
+    return pins, old, *(names(mc.ns, mc.record_hashes(np.asarray(p))) for p in (first, second, other))
+
+
+def test_gc_says_apart_the_pinned_records_and_those_a_rolled_back_pins_object_kept(tmp_path, s3, llama):
+    url = s3.url()
+    pins, old, first, second, own = pinning_nodes(tmp_path, url, llama)
+    Bucket(url).put(pins, old)  # the rollback: `second` is not pinned in it
+    total = len(records(url))
+    out = cli("gc", "--store", str(tmp_path / "a"), "--remote", url, "--max-bytes", "1")
+    assert out.returncode == 0 and "deleted 0 objects" in out.stdout, out.stdout + out.stderr
+    # A's own pins are pinned records (its index says so); the rest of the namespace is kept only
+    # because B's pins cannot be trusted now (what the older copy lacks is not known).
+    assert (f"({len(own)} pinned records kept; {total - len(own)} other records kept because gc was "
+            "blocked, below)") in out.stdout, out.stdout
+    assert "gc kept every record of a namespace" in out.stdout and "older than" in out.stdout, out.stdout
+    assert len(records(url)) == total
+
+
+def test_a_deleted_pins_object_is_a_rollback_until_its_node_publishes_again_or_is_forgotten(tmp_path, s3, llama):
+    """B's pins object, seen by A, is deleted: A's gc deletes nothing of that namespace (what B
+    pinned is not known) and verify reports it, until B publishes again (at its next close) or
+    `verify --repair` on A takes B as retired. A's own, deleted, is published again."""
+    path, model = llama
+    url = s3.url()
+    pins, _, first, second, own = pinning_nodes(tmp_path, url, llama)
+    bucket, every = Bucket(url), set(records(url))
+    bucket.delete([pins])
+    with kvstore.open(tmp_path / "a", chunk_size=C, remote=url) as a:
+        result = a.remote.gc(max_bytes=0)
+        assert result["held_namespaces"] == 1 and result["evicted"] == 0, result
+        assert "was deleted" in result["rollbacks"][0] and result["kept_held"] == len(every) - len(own), result
+        found = a.remote.verify()
+        assert [p.kind for p in found] == ["rolled_back_pins"] and "retired for good" in found[0].detail, found
+    assert set(records(url)) == every
+    with kvstore.open(tmp_path / "b", chunk_size=C, remote=url) as b:  # B's next close publishes again
+        b.bind(model, path)
+    with kvstore.open(tmp_path / "a", chunk_size=C, remote=url) as a:
+        assert a.remote.verify() == []
+        result = a.remote.gc(max_bytes=0)
+        assert result["held_namespaces"] == 0 and set(records(url)) == first | second | own, result
+        mine = next(p for p, _, _ in bucket.list("") if p.endswith("/pins/" + a.remote.ledger().node))
+        bucket.delete([pins, mine])  # B retired, its pins deleted on purpose; A's own deleted too
+        found = a.remote.verify()
+        assert sorted(p.detail.split(" ")[0] for p in found) == ["node", "this"], found
+        assert a.remote.verify(repair=True) and a.remote.verify() == []  # A's published, B's forgotten
+        result = a.remote.gc(max_bytes=0)
+        assert result["held_namespaces"] == 0 and set(records(url)) == own, result

@@ -46,7 +46,8 @@ def register(add, store_opts, model_opts) -> None:
                         "`kvstore remote-key --rotate`), and take it out of --remote-key-file")
     p.add_argument("--drop-unknown", action="store_true",
                    help="with --remote: also delete every namespace folder none of this node's keys opens "
-                        "(any gc --remote deletes one whose newest object is 30 days old)")
+                        "(any gc --remote deletes one whose newest object is 30 days old); none while no "
+                        "namespace of the bucket opens with this node's keys (a wrong secret?)")
     p.add_argument("--dry-run", action="store_true", help="only report what would be freed")
 
 
@@ -154,12 +155,23 @@ def _gc_remote(args) -> int:
     verb, holds = ("would delete", "would hold") if args.dry_run else ("deleted", "holds")
     out(f"remote {url}: {verb} {plural(result['evicted'], 'object')} ({format_size(result['freed_bytes'])}) "
         f"of this node's namespaces; the bucket {holds} {plural(result['records'], 'record')}, "
-        f"{format_size(result['bytes'])} of them ({plural(result['kept_pinned'], 'pinned record')} kept)")
+        f"{format_size(result['bytes'])} of them ({plural(result['kept_pinned'], 'pinned record')} kept"
+        + (f"; {plural(result['kept_held'], 'other record')} kept because gc was blocked, below)"
+           if result["kept_held"] else ")"))
+    for why in result["held"]:
+        out(f"remote {url}: gc kept every record of a namespace (it deletes none until that node publishes its "
+            f"pins again): {why}")
     if result["dropped_namespaces"]:
         out(f"remote {url}: {verb} {plural(result['dropped_namespaces'], 'namespace')} none of this node's keys "
             f"opens ({plural(result['dropped_objects'], 'object')}, {format_size(result['dropped_bytes'])}"
             + (")" if args.drop_unknown else f", newest object over {days} days old)"))
     left = result["unknown_namespaces"] - result["dropped_namespaces"]
+    if result.get("no_namespace_opens"):  # (the library said the wrong-key line)
+        out(f"remote {url}: gc deletes no namespace none of its keys opens ({plural(left, 'namespace')}, "
+            f"{format_size(result['unknown_bytes'])} kept) while none of the bucket's namespaces opens with this "
+            "node's keys: they may be the fleet's under the right secret. Give it (--remote-key-file, or "
+            "KVSTORE_REMOTE_KEY); to delete them anyway, use your object store's tools")
+        return 1 if args.drop_unknown else 0
     if left > 0:
         out(f"remote {url}: {plural(left, 'namespace')} none of this node's keys opens "
             f"({format_size(result['unknown_bytes'] - result['dropped_bytes'])}) not counted against --max-bytes: "

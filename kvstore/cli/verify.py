@@ -6,7 +6,7 @@ import argparse
 import json
 import shlex
 
-from kvstore.cli.options import model_to_load, open_local, remote_upkeep, remote_url, store_path
+from kvstore.cli.options import model_to_load, open_local, remote_key, remote_upkeep, remote_url, store_path
 from kvstore.cli.output import EXIT_NOTHING_CHECKED, EXIT_PROBLEMS, EXIT_USAGE, PROG, CommandError, out, plural, say
 from kvstore.errors import CorruptIndexError
 
@@ -90,22 +90,49 @@ def cmd_verify(args) -> int:
     rebuilt = None
     try:
         with open_local(args, must_exist=True, read_only=None if not args.repair else False) as files:
-            problems = files.verify(repair=args.repair, force=args.force)
+            trust, checked = _local_trust(args, files)
+            problems = files.verify(repair=args.repair, force=args.force, trust=trust)
     except CorruptIndexError as e:  # the index itself is unreadable (or lost): rebuild it from the blobs
         if not args.repair:
             raise
         rebuilt = _rebuild(args, e)
         with open_local(args, must_exist=True) as files:
-            problems = files.verify(repair=True, force=args.force)
+            trust, checked = _local_trust(args, files)
+            problems = files.verify(repair=True, force=args.force, trust=trust)
     if args.json:
         print(json.dumps({"clean": not problems and rebuilt is None,
-                          "repaired": bool(args.repair and (problems or rebuilt)),
-                          "rebuilt": rebuilt, "problems": [p.to_dict() for p in problems]}, indent=2))
+                          "repaired": bool(args.repair and (problems or rebuilt)), "rebuilt": rebuilt,
+                          "trust": checked, "problems": [p.to_dict() for p in problems]}, indent=2))
     else:
         for p in problems:
             out(p)
-        out(_summary(args, problems, rebuilt))
+        out(f"{_summary(args, problems, rebuilt)} ({checked})")
     return EXIT_PROBLEMS if problems or rebuilt else 0
+
+
+def _local_trust(args, files) -> tuple:
+    """(the keys the blobs' trust tags are checked with, what they are in words). The fleet's,
+    when its secret is given (`--remote-key-file`, `$KVSTORE_REMOTE_KEY`) and the store was opened
+    with a remote tier (what it wrote since carries fleet tags: a generating node refuses the rest,
+    and so does verify); else the store's own key, which tells damage only. The bucket is not asked."""
+    import os
+
+    from kvstore.remote.seal import KEY_ENV, Fleet, fleet_keys
+    from kvstore.upkeep.anchors import REMOTE_SINCE
+
+    secrets = fleet_keys(remote_key(args)) if args.remote_key_file or os.environ.get(KEY_ENV) else None
+    with files.damage_is_an_error():
+        joined = bool(files.index.marks(REMOTE_SINCE))
+    if secrets and joined:
+        fleet = Fleet.of(secrets)
+        return files.trust(secrets), f"trust tags checked with the fleet's key {fleet.key_id}, from {fleet.where}"
+    trust = files.trust(create=False)
+    words = "trust tags checked with its own key" if trust is not None else "no trust tags checked (no key)"
+    if secrets:
+        words += ": it was never opened with a remote tier, so it holds no fleet tags"
+    elif joined:
+        words += f"; the fleet's are not: give --remote-key-file or {KEY_ENV}"
+    return trust, words
 
 
 def _verify_exact(args) -> int:
@@ -231,8 +258,10 @@ def _remote_summary(args, url: str, problems: list, notes: list) -> str:
         done = []
         if getattr(problems, "deletes", 0):
             done.append(f"deleted {plural(problems.deletes, 'object')}: each damaged one and all below it")
-        if any(p.kind == "rolled_back_pins" for p in repairable):
+        if any(p.kind == "rolled_back_pins" and "this node's" in p.detail[:12] for p in repairable):
             done.append("published this node's pins again")
+        if any(p.kind == "rolled_back_pins" and p.detail.startswith("node ") for p in repairable):
+            done.append("forgot the deleted pins of retired nodes")
         parts.append(f"repaired {k}" + (f" ({'; '.join(done)})" if done else ""))
         if n > k:
             parts.append(f"left {n - k} (--repair does not mend them: see their lines)")

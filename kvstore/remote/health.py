@@ -152,6 +152,12 @@ def say_if_no_namespace_opens(bucket: Bucket, fleet, ns: bytes, health: Health) 
     if not live:
         return
     health.count("foreign_namespaces", live)
-    log.warning("kvstore: the bucket %s holds %d namespace%s and none opens with this key (%s, from %s): is it "
-                "the fleet's? (nothing stored by the nodes that wrote them can be reused here)", bucket.url,
-                live, "" if live == 1 else "s", fleet.key_id, printable(fleet.where))
+    log.warning("kvstore: %s", wrong_key_line(bucket.url, live, fleet))
+
+
+def wrong_key_line(url: str, namespaces: int, fleet) -> str:
+    """What is said when the bucket at `url` holds `namespaces` namespaces and none opens with
+    this node's keys (`fleet`): by generate and serve, and by gc and verify of the bucket."""
+    return (f"the bucket {url} holds {namespaces} namespace{'' if namespaces == 1 else 's'} and none opens with "
+            f"this key ({fleet.key_id}, from {printable(fleet.where)}): is it the fleet's? (nothing stored by the "
+            "nodes that wrote them can be reused here)")

@@ -197,8 +197,8 @@ class Remote:
                     theirs = read_one(self.bucket, s, pins_key(s.folder, ledger.node))
                 except (Unauthenticated, ValueError):
                     theirs = None  # not ours (planted or damaged): written again
-                if theirs is None and not mine:
-                    continue
+                if theirs is None and not mine and not ledger.expected(s.folder, ledger.node):
+                    continue  # (one published before and gone since was deleted: written again)
                 if theirs is None or sorted(theirs[0]) != mine or theirs[1] < ledger.expected(s.folder, ledger.node):
                     self.publish_pins([ns])
         except Exception as e:

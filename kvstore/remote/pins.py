@@ -15,9 +15,11 @@ holds against that:
   (`meta` `remote.pins_seen.<folder>.<node>`, raised by every gc and verify). A lower one is a
   rollback: gc deletes nothing of that namespace (what the older copy lacks is not known) and
   says so, until that node publishes again; so does an object that does not open in the place
-  of one seen. A copy put back before this node ever read a newer one is not detected: run gc
-  from the same node (one cron job), which then has seen them all. (A pins object deleted is
-  not told from one never written: a bucket writer can delete the records as well.)
+  of one seen, and a pins object seen that is gone (deleted: what it kept is not known either)
+  while its namespace folder still holds objects. A copy put back before this node ever read a
+  newer one is not detected: run gc from the same node (one cron job), which then has seen them
+  all. A node retired for good whose pins object was deleted on purpose holds its namespace
+  until `verify --remote --repair` forgets it (`Ledger.forget`).
 - A pins object of a namespace none of the fleet's keys opens keeps nothing.
 """
 
@@ -103,6 +105,17 @@ class Ledger:
             except (sqlite3.Error, KVStoreError, OSError) as e:
                 log.debug("kvstore: cannot remember the serial of a pins object (%s)", e)
 
+    def seen(self, folder: str) -> dict[str, int]:
+        """Node -> the highest serial seen of its pins in `folder` (other nodes only)."""
+        prefix = f"{_SEEN}{folder}."
+        return {k[len(prefix):]: v for k, v in self._marks.items() if k.startswith(prefix) and v > 0}
+
+    def forget(self, folder: str, node: str) -> None:
+        """Take another node's pins in `folder` as retired: its pins object is no longer expected."""
+        self._marks.pop(self._key(folder, node), None)
+        if self.index is not None:
+            self.index.drop_mark(self._key(folder, node))
+
     def _key(self, folder: str, node: str) -> str:
         return f"{_OWN}{folder}" if node == self.node else f"{_SEEN}{folder}.{node}"
 
@@ -149,12 +162,16 @@ class Rollback:
     serial: int
     expected: int
     own: bool
+    missing: bool = False  # deleted
 
     def __str__(self) -> str:
         whose = "this node's" if self.own else f"node {self.node}'s"
+        by = "published" if self.own else "seen"
+        if self.missing:
+            return f"{whose} pins object is gone, after serial {self.expected} ({by} by this node): it was deleted"
         found = f"has serial {self.serial}, older than" if self.serial >= 0 else "does not open, after"
-        return (f"{whose} pins object {found} {self.expected} ({'published' if self.own else 'seen'} by "
-                "this node): an older copy, or another object, was put in its place")
+        return f"{whose} pins object {found} {self.expected} ({by} by this node): an older copy, or another object, " \
+            "was put in its place"
 
 
 @dataclass
@@ -168,10 +185,21 @@ class Pins:
     unreadable: list[tuple[str, str]] = field(default_factory=list)  # (key, why): opened, not pins
 
 
-def read_all(bucket: Bucket, objects: list[tuple[str, str]], sealers: dict[str, Sealer], ledger: Ledger) -> Pins:
+def read_all(bucket: Bucket, objects: list[tuple[str, str]], sealers: dict[str, Sealer], ledger: Ledger,
+             live: set[str] = frozenset()) -> Pins:
     """What the pins objects at `objects` ((key, namespace folder)) keep, with this node's own
-    pins from its index; folders not in `sealers` (no key of the fleet opens them) keep nothing."""
+    pins from its index; folders not in `sealers` (no key of the fleet opens them) keep nothing.
+    A pins object this node published or saw that is not among them, in a folder of `live` (that
+    holds objects), was deleted: a rollback too."""
     out = Pins()
+    listed = {(folder, path.rpartition("/")[2]) for path, folder in objects}
+    for folder in sorted(live & set(sealers)):
+        nodes = {**ledger.seen(folder), **({ledger.node: ledger.expected(folder, ledger.node)} if ledger.node else {})}
+        for node, serial in nodes.items():
+            if serial > 0 and (folder, node) not in listed:
+                out.rollbacks.append(Rollback(pins_key(folder, node), node, -1, serial, node == ledger.node, True))
+                if node != ledger.node:
+                    out.held.add(folder)
     for folder, s in sealers.items():
         out.names.update(bytes.fromhex(s.name(h)) for h in ledger.pinned(s.ns))
     for path, folder in objects:

@@ -19,8 +19,8 @@ Nothing a bucket writer can put in the bucket steers either (it holds no fleet s
 - The most bytes a record can be comes from the model's geometry, which the sealed manifest
   states (written by a node that has the model), never from the sizes the bucket holds. A
   namespace whose manifest states none (written before it did) is judged by its contents only.
-- Pins (`remote.pins`) carry a serial: an older copy put back is detected, and gc keeps this
-  node's pinned records from its index.
+- Pins (`remote.pins`) carry a serial: an older copy put back, or one seen deleted, is detected,
+  and gc keeps this node's pinned records from its index.
 A tenant's records (`.tchunk`...) are sealed with their tenant's key, which gc and verify do not
 have: gc keeps their tree by names as any other, verify counts them unopened. `drop_key` deletes
 every object of the namespaces of an older key (the end of a rotation).
@@ -31,17 +31,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import re
 import time
-from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 
 from kvstore.errors import BlobError, InvalidInputError
 from kvstore.records import CHECKPOINT, RecordId, SizeBound
 from kvstore.remote.bucket import MAX_OBJECT_BYTES, Bucket, RemoteError
-from kvstore.remote.layout import ObjectKey, manifest_key, parse_key, parse_other
+from kvstore.remote.health import wrong_key_line
+from kvstore.remote.layout import ObjectKey, manifest_key
 from kvstore.remote.pins import Ledger, Pins, publish, read_all
 from kvstore.remote.seal import OVERHEAD, Fleet, Sealer, Unauthenticated
+from kvstore.remote.tree import Listing, Tree
 from kvstore.sizes import format_size
 from kvstore.upkeep import evict
 from kvstore.upkeep.verify import Problem
@@ -87,130 +87,6 @@ class Findings(list):
         self.deletes = deletes
 
 
-class _Listing:
-    """One listing of the bucket: its records, pins objects, manifests, and the objects in a
-    namespace folder that are not of the layout."""
-
-    def __init__(self, bucket: Bucket):
-        self.records: list[ObjectKey] = []
-        self.pins_objects: list[tuple[str, str]] = []  # (key, namespace folder)
-        self.manifests: list[str] = []
-        self.others: dict[str, list[tuple[str, int, float]]] = defaultdict(list)  # folder -> pins, manifest
-        self.foreign: list[str] = []
-        for path, size, modified in bucket.walk(""):
-            key = parse_key(path, size, modified)
-            other = None if key is not None else parse_other(path)
-            if key is not None:
-                self.records.append(key)
-                continue
-            if other is not None:
-                (self.pins_objects.append((path, other[1])) if other[0] == "pins" else self.manifests.append(other[1]))
-                self.others[other[1]].append((path, size, modified))
-            elif _NAME.fullmatch(path.partition("/")[0]):  # in a namespace folder, not of the layout
-                self.foreign.append(path)  # (anything else may be a nested prefix: another team's)
-
-    def folders(self) -> set[str]:
-        return {k.ns.hex() for k in self.records} | set(self.others)
-
-    def split(self, known) -> tuple["_Tree", dict[str, list[ObjectKey]]]:
-        """The tree of the records of the `known` folders, and the records of each other folder."""
-        strays: dict[str, list[ObjectKey]] = defaultdict(list)
-        for k in self.records:
-            if k.ns.hex() not in known:
-                strays[k.ns.hex()].append(k)
-        return _Tree([k for k in self.records if k.ns.hex() in known]), strays
-
-
-class _Tree:
-    """Records of a listing, as a tree per namespace (by names; the first of a name listed wins)."""
-
-    def __init__(self, records):
-        self.objects: dict[bytes, ObjectKey] = {}
-        for k in records:
-            self.objects.setdefault(k.hash, k)
-        _break_cycles(self.objects)
-        self.children: dict[bytes, list[bytes]] = {}
-        for k in self.objects.values():
-            self.children.setdefault(k.parent, []).append(k.hash)
-        self._depth: dict[bytes, int] = {}
-
-    def depth(self, h: bytes) -> int:
-        """1 for a record under its namespace; a large number for one whose parent is gone, or
-        that no namespace reaches (its parents go round in a cycle)."""
-        path: list[bytes] = []
-        seen: set[bytes] = set()
-        while h not in self._depth:
-            k = self.objects.get(h)
-            if k is None or k.parent == k.ns:
-                self._depth[h] = 0 if k is None else 1
-                break
-            if k.parent not in self.objects or h in seen:
-                self._depth[h] = _UNREACHABLE  # an orphan: nothing reaches it, it goes first
-                break
-            seen.add(h)
-            path.append(h)
-            h = k.parent
-        for p in reversed(path):
-            if p not in self._depth:
-                self._depth[p] = min(self._depth[self.objects[p].parent] + 1, _UNREACHABLE)
-        return self._depth[path[0]] if path else self._depth[h]
-
-    def orphans(self) -> list[ObjectKey]:
-        return [k for k in self.objects.values() if k.parent != k.ns and k.parent not in self.objects]
-
-    def subtree(self, roots) -> set[bytes]:
-        out, todo = set(), list(roots)
-        while todo:
-            h = todo.pop()
-            if h in out:
-                continue
-            out.add(h)
-            todo += self.children.get(h, [])
-        return out
-
-    def ancestors(self, hashes: set[bytes]) -> set[bytes]:
-        """`hashes` and every record above them in the listing (a cycle ends the walk)."""
-        out = set(hashes) & set(self.objects)
-        for h in list(out):
-            k = self.objects[h]
-            while k.parent in self.objects and k.parent not in out:
-                out.add(k.parent)
-                k = self.objects[k.parent]
-        return out
-
-    def delete(self, bucket: Bucket, hashes: set[bytes]) -> None:
-        """Delete records a depth level at a time, deepest first."""
-        levels: dict[int, list[str]] = {}
-        for h in hashes:
-            levels.setdefault(self.depth(h), []).append(self.objects[h].path)
-        for depth in sorted(levels, reverse=True):
-            bucket.delete(levels[depth])
-
-
-_UNREACHABLE = 1 << 20
-_NAME = re.compile(r"[0-9a-f]{32}")
-#: The parent a record in a cycle of parents is given: none, so it is an orphan.
-_NO_PARENT = b"\xff" * 16
-
-
-def _break_cycles(objects: dict[bytes, ObjectKey]) -> None:
-    """Records whose parents go round in a cycle (planted: a name is a MAC of a chain hash) lose
-    their parent, so every walk ends and they are orphans."""
-    done: set[bytes] = set()
-    for start in list(objects):
-        walk: dict[bytes, int] = {}
-        h = start
-        while h in objects and h not in done and h not in walk:
-            walk[h] = len(walk)
-            k = objects[h]
-            h = k.parent if k.parent != k.ns else b""
-        if h in walk:  # came back: the records from h on are a cycle
-            cycle = list(walk)[walk[h]:]
-            for c in cycle:
-                objects[c] = dataclasses.replace(objects[c], parent=_NO_PARENT)
-        done.update(walk)
-
-
 
 def namespaces(bucket: Bucket, fleet: Fleet, folders, local=()) -> dict[str, Space]:
     """Namespace folder -> `Space` for the folders given that this node can read: its own
@@ -249,7 +125,7 @@ def collect_remote(bucket: Bucket, fleet: Fleet, local=(), *, max_bytes: int | N
     this node knows of pins (`remote.pins`; default: nothing, with no store)."""
     started = time.perf_counter()
     now = time.time() if now is None else now
-    listing = _Listing(bucket)
+    listing = Listing(bucket)
     spaces = namespaces(bucket, fleet, listing.folders(), local)
     tree, strays = listing.split(spaces)
     keep = _kept(bucket, listing, tree, spaces, ledger or Ledger())
@@ -265,28 +141,33 @@ def collect_remote(bucket: Bucket, fleet: Fleet, local=(), *, max_bytes: int | N
     if not dry_run and len(p):
         _delete_in_rounds(bucket, tree, p)
     unknown = _unknown(listing, strays, set(spaces), now)
-    dropped = {f: u for f, u in unknown.items() if drop_unknown or now - u["newest"] >= UNKNOWN_MAX_AGE}
+    wrong_key = _none_opens(bucket, listing, spaces, fleet)  # then they may be the fleet's: none goes
+    dropped = {f: u for f, u in unknown.items()
+               if not wrong_key and (drop_unknown or now - u["newest"] >= UNKNOWN_MAX_AGE)}
     if not dry_run:
         for folder in dropped:
             _drop_folder(bucket, listing, strays.get(folder, []), folder)
     return {"evicted": len(p), "freed_bytes": freed, "bytes_before": total, "bytes": total - freed,
-            "records": len(objects) - len(p), "kept_pinned": len(keep.kept), "dry_run": dry_run,
+            "records": len(objects) - len(p), "kept_pinned": len(keep.pinned), "dry_run": dry_run,
+            "kept_held": len(keep.kept - keep.pinned), "held": [str(r) for r in keep.rollbacks if not r.own],
             "held_namespaces": len(keep.held), "rollbacks": [str(r) for r in keep.rollbacks],
             "unknown_namespaces": len(unknown), "unknown_bytes": sum(u["bytes"] for u in unknown.values()),
             "dropped_namespaces": len(dropped), "dropped_objects": sum(u["objects"] for u in dropped.values()),
-            "dropped_bytes": sum(u["bytes"] for u in dropped.values()), "seconds": time.perf_counter() - started}
+            "dropped_bytes": sum(u["bytes"] for u in dropped.values()), "no_namespace_opens": wrong_key,
+            "seconds": time.perf_counter() - started}
 
 
 @dataclasses.dataclass
 class _Kept(Pins):
-    kept: set[bytes] = dataclasses.field(default_factory=set)
+    kept: set[bytes] = dataclasses.field(default_factory=set)  # every record gc must keep
+    pinned: set[bytes] = dataclasses.field(default_factory=set)  # of them, pinned (ancestors, checkpoints)
 
 
-def _kept(bucket: Bucket, listing: _Listing, tree: _Tree, spaces: dict[str, Space], ledger: Ledger) -> _Kept:
+def _kept(bucket: Bucket, listing: Listing, tree: Tree, spaces: dict[str, Space], ledger: Ledger) -> _Kept:
     """The records the pins keep: every node's pinned (this node's from its index), their
     ancestors and their checkpoints; every record of a namespace whose pins were rolled back by
     another node's (said). A pins object that opens and is not one stops gc."""
-    pins = read_all(bucket, listing.pins_objects, {f: s.sealer() for f, s in spaces.items()}, ledger)
+    pins = read_all(bucket, listing.pins_objects, {f: s.sealer() for f, s in spaces.items()}, ledger, listing.folders())
     if pins.unreadable:
         path, why = pins.unreadable[0]
         raise RemoteError(f"a pins object of the bucket is unreadable ({why}): fix or delete it before gc ({path})")
@@ -294,13 +175,23 @@ def _kept(bucket: Bucket, listing: _Listing, tree: _Tree, spaces: dict[str, Spac
         log.warning("kvstore: remote %s: %s; %s", bucket.url, r, "gc keeps this node's pinned records (its index "
                     "says which), and publishes its pins again" if r.own else "gc deletes nothing of that "
                     "namespace until that node publishes its pins again")
-    keep = tree.ancestors(pins.names)
-    keep |= {h for h, k in tree.objects.items() if k.ns.hex() in pins.held}
-    keep |= {c for h in keep for c in tree.children.get(h, []) if tree.objects[c].kind == CHECKPOINT}
-    return _Kept(pins.names, pins.held, pins.rollbacks, pins.unreadable, keep)
+    pinned = tree.ancestors(pins.names)
+    pinned |= {c for h in pinned for c in tree.children.get(h, []) if tree.objects[c].kind == CHECKPOINT}
+    keep = pinned | {h for h, k in tree.objects.items() if k.ns.hex() in pins.held}
+    return _Kept(pins.names, pins.held, pins.rollbacks, pins.unreadable, keep, pinned)
 
 
-def _unknown(listing: _Listing, strays: dict[str, list[ObjectKey]], known: set[str], now: float) -> dict[str, dict]:
+def _none_opens(bucket: Bucket, listing: Listing, spaces: dict[str, Space], fleet: Fleet) -> int:
+    """How many namespaces the bucket holds when none opens with this node's keys (else 0): a
+    wrong fleet secret, most likely, so they may be the fleet's. Said as generate says it."""
+    held = listing.folders()
+    if not held or held & set(spaces):
+        return 0
+    log.warning("kvstore: %s", wrong_key_line(bucket.url, len(held), fleet))
+    return len(held)
+
+
+def _unknown(listing: Listing, strays: dict[str, list[ObjectKey]], known: set[str], now: float) -> dict[str, dict]:
     """Folder -> {objects, bytes, newest, age} of every namespace folder no key of the fleet opens."""
     out = {}
     for folder in sorted(listing.folders() - known):
@@ -310,16 +201,16 @@ def _unknown(listing: _Listing, strays: dict[str, list[ObjectKey]], known: set[s
     return out
 
 
-def _drop_folder(bucket: Bucket, listing: _Listing, records: list[ObjectKey], folder: str) -> None:
+def _drop_folder(bucket: Bucket, listing: Listing, records: list[ObjectKey], folder: str) -> None:
     """Delete every object of the layout in a namespace folder: records deepest first, then pins
     and manifest. Objects not of the layout are left (they may be a nested prefix's)."""
-    tree = _Tree(records)
+    tree = Tree(records)
     tree.delete(bucket, set(tree.objects))
     bucket.delete([k.path for k in records if tree.objects.get(k.hash) is not k])  # a name listed twice
     bucket.delete([path for path, _, _ in listing.others[folder]])
 
 
-def _delete_in_rounds(bucket: Bucket, tree: _Tree, p: evict.Victims) -> None:
+def _delete_in_rounds(bucket: Bucket, tree: Tree, p: evict.Victims) -> None:
     """Delete the plan a round of leaf peeling at a time (its H): every child of a record is in
     an earlier round, so at every instant each remaining record's parent is still there."""
     rounds: dict[int, list[str]] = {}
@@ -335,22 +226,33 @@ def verify_remote(bucket: Bucket, fleet: Fleet, local=(), *, repair: bool = Fals
     for its key, no larger than its manifest's geometry allows, checksums, header, tokens against
     its names), the tree (no record without its parent) and the pins (no older copy put back).
     `repair` deletes the bad records and, to keep every chain a prefix, everything below them,
-    and publishes this node's pins again if they were rolled back. What it leaves alone are
+    publishes this node's pins again if they were rolled back (or deleted), and forgets another
+    node's whose pins object was deleted (taken as retired: gc holds its namespace no longer). What it leaves alone are
     notes, not problems: unknown namespaces, and objects that are not of the layout (kvstore
     deletes only what it can tell is its own)."""
     ledger = ledger or Ledger()
-    listing = _Listing(bucket)
+    listing = Listing(bucket)
     spaces = namespaces(bucket, fleet, listing.folders(), local)
     tree, strays = listing.split(spaces)
     problems, bad = _check_records(bucket, tree, spaces, threads)
-    pins = read_all(bucket, listing.pins_objects, {f: s.sealer() for f, s in spaces.items()}, ledger)
+    wrong_key = _none_opens(bucket, listing, spaces, fleet)
+    if wrong_key:  # nothing was checked, and it may all be the fleet's: not clean
+        problems.append(Problem("wrong_key", bucket.url, f"none of the bucket's {wrong_key} namespaces opens with "
+                                f"this node's keys ({fleet.key_id}, from {fleet.where}): nothing in them was "
+                                "checked, and gc --remote deletes none of them while none opens; give the "
+                                "fleet's secret (--remote-key-file, or KVSTORE_REMOTE_KEY)"))
+    pins = read_all(bucket, listing.pins_objects, {f: s.sealer() for f, s in spaces.items()}, ledger, listing.folders())
     republish: list[Problem] = []  # this node's own pins put back: repair publishes them again
+    forget: list[tuple[Problem, str]] = []  # another node's deleted: repair takes that node as retired
     for r in pins.rollbacks:
         problems.append(Problem("rolled_back_pins", r.path, f"{r}; " + (
             "gc keeps this node's pinned records (its index says which); --repair publishes them again" if r.own
-            else "gc deletes nothing of this namespace until that node publishes its pins again")))
+            else "gc deletes nothing of this namespace until that node publishes its pins again" + (
+                "; if that node is retired for good, --repair forgets its pins on this node" if r.missing else ""))))
         if r.own and ledger.node is not None and spaces[r.path.partition("/")[0]].fleet is fleet:
             republish.append(problems[-1])
+        elif not r.own and r.missing:
+            forget.append((problems[-1], r.node))
     for path, why in pins.unreadable:
         problems.append(Problem("corrupt_object", path, f"a pins object that opens and is not one ({why})"))
     for k in tree.orphans():
@@ -361,8 +263,11 @@ def verify_remote(bucket: Bucket, fleet: Fleet, local=(), *, repair: bool = Fals
         tree.delete(bucket, gone)
     if repair and republish:
         publish(bucket, fleet, ledger, [spaces[p.path.partition("/")[0]].ns for p in republish])
-    repairable = [p for p in problems if any(p is q for q in republish) or (p.hash and bytes.fromhex(p.hash) in gone)]
-    notes = [Problem("unknown_namespace", folder, _unknown_note(u, listing, folder))
+    for p, node in forget if repair else ():
+        ledger.forget(p.path.partition("/")[0], node)
+    mended = republish + [p for p, _ in forget]
+    repairable = [p for p in problems if any(p is q for q in mended) or (p.hash and bytes.fromhex(p.hash) in gone)]
+    notes = [Problem("unknown_namespace", folder, _unknown_note(u, listing, folder, bool(wrong_key)))
              for folder, u in _unknown(listing, strays, set(spaces), time.time() if now is None else now).items()]
     # Not kvstore's to delete (a writer of the bucket put them there): listed, not judged.
     # (Those in an unknown namespace's folder are counted in its note.)
@@ -373,16 +278,18 @@ def verify_remote(bucket: Bucket, fleet: Fleet, local=(), *, repair: bool = Fals
     return Findings(problems, notes, repairable, len(gone))
 
 
-def _unknown_note(u: dict, listing: _Listing, folder: str) -> str:
+def _unknown_note(u: dict, listing: Listing, folder: str, wrong_key: bool) -> str:
     foreign = sum(1 for p in listing.foreign if p.partition("/")[0] == folder)
     days = max(0, int((UNKNOWN_MAX_AGE - u["age"]) // 86400))
+    goes = ("gc --remote deletes it neither with --drop-unknown nor by its age while no namespace of the bucket "
+            "opens with this node's keys" if wrong_key else f"it goes with `gc --remote --drop-unknown`, or by "
+            f"any gc --remote in {days} days (once its newest object is {int(UNKNOWN_MAX_AGE // 86400)} days old)")
     return (f"{u['objects']} objects ({format_size(u['bytes'])}{f', and {foreign} not of the layout' if foreign else ''})"
             " that none of this node's keys opens (another fleet's, a key since dropped, or planted): not "
-            f"checked, and not counted by gc --remote; it goes with `gc --remote --drop-unknown`, or by any "
-            f"gc --remote in {days} days (once its newest object is {int(UNKNOWN_MAX_AGE // 86400)} days old)")
+            f"checked, and not counted by gc --remote; {goes}")
 
 
-def _check_records(bucket: Bucket, tree: _Tree, spaces: dict[str, Space], threads: int) -> tuple[list, set]:
+def _check_records(bucket: Bucket, tree: Tree, spaces: dict[str, Space], threads: int) -> tuple[list, set]:
     """The problems of the records of `tree` (downloaded on `threads`), and the bad ones."""
     def check(k: ObjectKey) -> tuple[str, str, bool] | None:
         space = spaces[k.ns.hex()]
@@ -454,7 +361,7 @@ def drop_key(bucket: Bucket, fleet: Fleet, local=(), *, key_id: str, dry_run: bo
         known = ", ".join(f.key_id for f in fleet.older) or "none"
         raise InvalidInputError(f"--drop-key {kid}: not an older key of this fleet (older keys: {known}; the key "
                                 f"written with, {fleet.key_id}, cannot be dropped)")
-    listing = _Listing(bucket)
+    listing = Listing(bucket)
     spaces = namespaces(bucket, fleet, listing.folders(), local)
     tree, _ = listing.split(spaces)
     mine = {folder for folder, space in spaces.items() if space.fleet is old}

@@ -474,6 +474,11 @@ class Index(EvictionSQL, WriteLogSQL, PinSQL):
             if row is None or not str(row[0]).isdigit() or int(row[0]) < value:
                 conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, str(int(value))))
 
+    def drop_mark(self, key: str) -> None:
+        """Forget the mark `key` (a node's pins taken as retired: a mark only rises, but for this)."""
+        with self.transaction() as conn:
+            conn.execute("DELETE FROM meta WHERE key = ?", (key,))
+
 
 def _drop_edges(conn: sqlite3.Connection, edges: Iterable[tuple[bytes, int, bytes]]) -> None:
     """Delete these (parent, first token or -1, hash) edges of `children`, in the caller's transaction."""

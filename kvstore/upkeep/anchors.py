@@ -24,6 +24,15 @@ from kvstore.trust import Trust, Verdict
 REMOTE_SINCE = "trust.remote_since"
 
 
+def trusted_before(trust: Trust, index: Index) -> float:
+    """The time before which a record without a tag of `trust` is taken as it is (`Anchors.epoch`):
+    when the store got tags and, under a fleet's keys, when it was first opened with a remote."""
+    epoch = index.trust_epoch()
+    if trust.fleet:
+        epoch = max(epoch, float(index.marks(REMOTE_SINCE).get(REMOTE_SINCE, 0)))
+    return epoch
+
+
 class Anchors:
     def __init__(self, trust: Trust, index: Index, root: Path):
         self.trust, self.index, self.root = trust, index, root
@@ -35,10 +44,7 @@ class Anchors:
         before the store had tags and, under a fleet's keys, those it wrote (under its own key)
         before it was first opened with a remote tier, as with tags (trust on first use)."""
         if self._epoch is None:
-            epoch = self.index.trust_epoch()
-            if self.trust.fleet:
-                epoch = max(epoch, float(self.index.marks(REMOTE_SINCE).get(REMOTE_SINCE, 0)))
-            self._epoch = epoch
+            self._epoch = trusted_before(self.trust, self.index)
         return self._epoch
 
     def verdict(self, buf) -> Verdict:

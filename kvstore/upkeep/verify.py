@@ -30,6 +30,7 @@ from kvstore.storage.pins import read_pins_file
 from kvstore.storage.storedir import PINS_NAME, QUARANTINE_NAME
 from kvstore.trust import Trust
 from kvstore.upkeep import rows as rowcheck
+from kvstore.upkeep.anchors import trusted_before
 from kvstore.upkeep.tables import repair_tables, table_problems
 
 ORPHAN_SHARE = 0.10
@@ -80,7 +81,7 @@ def verify(index: Index, root: Path, *, repair: bool = False, force: bool = Fals
             mended.append((fixed, [name for name, _, _ in damaged], rowcheck.said(row, damaged)))
     known = {row.hash: row.parent for row in rows}
     chunk_sizes = {bytes.fromhex(m["namespace"]): m["chunk_size"] for m in index.models()}
-    check = functools.partial(check_blob, trust=trust, epoch=index.trust_epoch() if trust else 0.0)
+    check = functools.partial(check_blob, trust=trust, epoch=trusted_before(trust, index) if trust else 0.0)
     suspects = []
     for row in rows:
         try:

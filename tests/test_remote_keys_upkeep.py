@@ -1,0 +1,124 @@
+"""The fleet's keys in the maintenance commands, against a real SeaweedFS: `verify --store` checks
+the local blobs' fleet trust tags when the fleet secret is given (without asking the bucket), and
+with a key that opens none of the bucket's namespaces `verify --remote` is not clean and `gc
+--remote` deletes none of them (neither `--drop-unknown` nor the age rule): they may be the
+fleet's under the right key."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+from kvtest import alter_record, prefill
+from remote_fixture import fleet
+from test_remote_ops import C, cli, records, toks
+
+import kvstore
+from kvstore.remote.s3 import S3Bucket as Bucket
+from kvstore.remote.seal import Fleet, new_key, read_key_file
+from kvstore.remote.upkeep import UNKNOWN_MAX_AGE, collect_remote
+
+
+def key_file(path, secret: str) -> str:
+    path.write_text(secret + "\n")
+    path.chmod(0o600)
+    return str(path)
+
+
+def test_verify_of_the_store_checks_the_fleet_tags_with_the_fleets_key_and_says_so(tmp_path, s3, llama,
+                                                                                     monkeypatch):
+    """A writer of the folder scales a chunk's keys and fixes every checksum (its fleet tag kept):
+    `kvstore verify --store` with the fleet secret finds it, from the environment or a key file,
+    with the endpoint down (the bucket is not asked). Without the secret it can only say that it
+    checked the store's own key, and how to check the fleet's."""
+    path, model = llama
+    url, store = s3.url(), tmp_path / "a"
+    prompt = toks(2 * C + 3, 45)
+    with kvstore.open(store, chunk_size=C, remote=url) as a:
+        mc = a.bind(model, path)
+        mc.insert(prompt, prefill(model, prompt))
+        assert a.flush(30)
+        first = mc.record_hashes(prompt)[0]
+    out = cli("verify", "--store", str(store))
+    fleet_words = f"trust tags checked with the fleet's key {fleet().key_id}, from KVSTORE_REMOTE_KEY"
+    assert out.returncode == 0 and out.stdout.rstrip().endswith(f"is clean ({fleet_words})"), out.stdout + out.stderr
+    alter_record(store, first, "0.keys", 1.7)
+    monkeypatch.setenv("KVSTORE_REMOTE", url)
+    endpoint = os.environ["AWS_ENDPOINT_URL"]
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing answers: the bucket is not asked
+    out = cli("verify", "--store", str(store))
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "corrupt_blob" in out.stdout and "trust tag does not hold" in out.stdout and fleet_words in out.stdout
+    assert json.loads(cli("verify", "--store", str(store), "--json").stdout)["trust"] == fleet_words
+    secret = os.environ["KVSTORE_REMOTE_KEY"]
+    monkeypatch.delenv("KVSTORE_REMOTE_KEY")
+    keys = key_file(tmp_path / "fleet.key", secret)
+    out = cli("verify", "--store", str(store), "--remote-key-file", keys)
+    assert out.returncode == 1 and f"from the remote key file {keys})" in out.stdout, out.stdout + out.stderr
+    out = cli("verify", "--store", str(store))  # no secret: the store's own key tells damage only
+    assert out.returncode == 0 and "the fleet's are not: give --remote-key-file" in out.stdout, out.stdout
+    # A store never opened with a remote holds no fleet tags: its own key, said so, with a secret given.
+    with kvstore.open(tmp_path / "alone", chunk_size=C) as b:
+        b.bind(model, path).insert(prompt, prefill(model, prompt))
+    out = cli("verify", "--store", str(tmp_path / "alone"), "--remote-key-file", keys)
+    assert out.returncode == 0 and "never opened with a remote tier" in out.stdout, out.stdout + out.stderr
+    # Once it joins the fleet, what it wrote before under its own key is taken on first use, as a
+    # node's lookups take it: verify with the fleet's key does not call it damage.
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+    monkeypatch.setenv("KVSTORE_REMOTE_KEY", secret)
+    with kvstore.open(tmp_path / "alone", chunk_size=C, remote=url):
+        pass
+    out = cli("verify", "--store", str(tmp_path / "alone"))
+    assert out.returncode == 0 and out.stdout.rstrip().endswith(f"({fleet_words})"), out.stdout + out.stderr
+
+
+@pytest.fixture
+def fleet_bucket(tmp_path, s3, llama):
+    """A bucket holding one namespace of the fleet (node A's, 3 records), and a wrong key file."""
+    path, model = llama
+    url = s3.url()
+    prompt = toks(3 * C + 2, 46)
+    with kvstore.open(tmp_path / "a", chunk_size=C, remote=url) as a:
+        a.bind(model, path).insert(prompt, prefill(model, prompt))
+        assert a.flush(30)
+    return url, key_file(tmp_path / "wrong.key", new_key()), records(url)
+
+
+def test_with_a_key_that_opens_nothing_verify_remote_is_not_clean_and_says_the_mistake(tmp_path, fleet_bucket):
+    url, wrong, fleet_records = fleet_bucket
+    wrong_id = Fleet.of(read_key_file(wrong)).key_id
+    line = f"holds 1 namespace and none opens with this key ({wrong_id}, from the remote key file {wrong})"
+    for store in (tmp_path / "none", tmp_path / "a"):  # a node with no store, and the fleet node's store
+        out = cli("verify", "--remote", url, "--store", str(store), "--remote-key-file", wrong)
+        assert out.returncode == 1, out.stdout + out.stderr
+        assert out.stderr.count(line) == 1 and "is it the fleet's?" in out.stderr, out.stderr
+        assert "wrong_key" in out.stdout and "clean" not in out.stdout.splitlines()[-1], out.stdout
+    found = json.loads(cli("verify", "--remote", url, "--store", str(tmp_path / "none"),
+                           "--remote-key-file", wrong, "--json").stdout)
+    assert not found["clean"] and [p["kind"] for p in found["problems"]] == ["wrong_key"], found
+    out = cli("verify", "--remote", url, "--store", str(tmp_path / "none"))  # the fleet's key: clean
+    assert out.returncode == 0 and "wrong_key" not in out.stdout + out.stderr, out.stdout + out.stderr
+
+
+def test_with_a_key_that_opens_nothing_gc_remote_deletes_no_unknown_namespace(tmp_path, fleet_bucket):
+    url, wrong, fleet_records = fleet_bucket
+    where = ["--remote", url, "--store", str(tmp_path / "none"), "--remote-key-file", wrong]
+    for extra in (["--drop-unknown", "--dry-run"], ["--drop-unknown"]):
+        out = cli("gc", *where, *extra)
+        assert out.returncode == 1, out.stdout + out.stderr
+        assert "none opens with this key" in out.stderr and "would delete 1 namespace" not in out.stdout
+        assert "deletes no namespace none of its keys opens" in out.stdout, out.stdout
+        assert records(url).keys() == fleet_records.keys()
+    out = cli("gc", *where, "--max-age", "7d")
+    assert out.returncode == 0 and "none opens with this key" in out.stderr, out.stdout + out.stderr
+    # The age rule holds back too: an idle fleet's namespace is 30 days old one day.
+    secret = Fleet.of(read_key_file(wrong))
+    kept = collect_remote(Bucket(url), secret, now=time.time() + UNKNOWN_MAX_AGE + 60)
+    assert kept["dropped_namespaces"] == 0 and kept["no_namespace_opens"] == 1, kept
+    assert records(url).keys() == fleet_records.keys()
+    # With the fleet's key the same run would delete nothing of it either (it opens), and a truly
+    # unknown namespace beside one that opens still goes past the age.
+    gone = collect_remote(Bucket(url), fleet(), now=time.time() + UNKNOWN_MAX_AGE + 60)
+    assert gone["no_namespace_opens"] == 0 and records(url).keys() == fleet_records.keys()
