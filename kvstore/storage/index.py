@@ -462,23 +462,6 @@ class Index(EvictionSQL, WriteLogSQL, PinSQL):
         rows = self.conn.execute("SELECT key, value FROM meta WHERE key LIKE 'count.%'")
         return {k: int(v) for k, v in rows if str(v).lstrip("-").isdigit()}
 
-    def marks(self, prefix: str) -> dict[str, int]:
-        """The whole-number `meta` values under `prefix` (high-water marks, see `raise_mark`)."""
-        rows = self.conn.execute("SELECT key, value FROM meta WHERE substr(key, 1, ?) = ?", (len(prefix), prefix))
-        return {k: int(v) for k, v in rows if str(v).isdigit()}
-
-    def raise_mark(self, key: str, value: int) -> None:
-        """Set the `meta` value `key` to `value` unless it holds a larger one (a mark only rises)."""
-        with self.transaction() as conn:
-            row = conn.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
-            if row is None or not str(row[0]).isdigit() or int(row[0]) < value:
-                conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, str(int(value))))
-
-    def drop_mark(self, key: str) -> None:
-        """Forget the mark `key` (a node's pins taken as retired: a mark only rises, but for this)."""
-        with self.transaction() as conn:
-            conn.execute("DELETE FROM meta WHERE key = ?", (key,))
-
 
 def _drop_edges(conn: sqlite3.Connection, edges: Iterable[tuple[bytes, int, bytes]]) -> None:
     """Delete these (parent, first token or -1, hash) edges of `children`, in the caller's transaction."""
