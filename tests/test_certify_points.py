@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -176,6 +177,14 @@ def test_the_record_whose_restored_kv_differ_is_named(tmp_path, llama):
     assert [(r["record"], r["tokens"], r["tensor"], r["tensors"]) for r in got["differing_records"]] == [
         (second.hash.hex(), [256, 512], "2.values", ["2.values"])]
     assert got["worst_tensor"] == "2.values@599" and got["worst_after"] and not got["no_record_differs"]
+    # What it says to do drops that record and the tail after it: the rest restores as a cold run.
+    hint = next(line for line in result.stdout.splitlines() if line.startswith("to drop that record"))
+    (blob,) = re.findall(r"rm (\S+) &&", hint)
+    assert blob == str(blobtree.blob_path(tmp_path / "s" / "blobs", second.hash))
+    Path(blob).unlink()
+    assert run_cli("verify", "--store", tmp_path / "s", "--repair", check=False).returncode == 1  # repaired
+    again = run_cli("verify", "--store", tmp_path / "s", "--exact", "--model", model_dir)
+    assert "exact: 1 of 1" in again.stdout and "to drop" not in again.stdout
 
 
 def test_a_difference_after_the_restore_point_alone_blames_no_record(tmp_path, llama, monkeypatch):
