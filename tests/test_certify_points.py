@@ -6,6 +6,9 @@ could not check.
   end. The restore of the whole prompt never reads those; the certificate compares every record
   end the store restores at with the cold run there, so a record altered together with its
   checksums is caught there, and the table and `--json` name the tensor (layer.tensor@point).
+- A record altered together with its checksums is named, by its hash, token range and tensor
+  (the cause), apart from what differs after the restore point (its effect); a healthy store
+  names none, and a difference only in what was computed after the restore point blames none.
 - A prompt whose record does not read (a flipped byte) was checked only in part: exit 1, and the
   verdict says how many and why. A certificate that checked nothing exits 3.
 """
@@ -13,6 +16,8 @@ could not check.
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -144,3 +149,63 @@ def test_another_blas_is_named_when_an_exact_store_is_opened_and_when_it_mismatc
     assert len(told) == 1 and "Accelerate" in told[0] and blas.compute() in told[0]
     assert not report.ok and "computed with mlx 0.1.0 on Device(gpu, 0), Accelerate" in report.verdict()
     assert "likely cause" in report.verdict() and report.as_dict()["likely_cause"]
+
+
+def test_the_record_whose_restored_kv_differ_is_named(tmp_path, llama):
+    """The restored K/V are compared with the cold run's over each record's tokens: the report
+    names the altered record (hash, tokens, tensor), not only the K/V computed after the restore
+    point, which the alteration changes too."""
+    model_dir, model = llama
+    with kvstore.open(tmp_path / "s", exact_prefill=256) as store:  # the command's chunk size
+        store.bind(model, model_dir).prefill(toks(600, 10))
+        store.flush()
+        rows = sorted(store.index.rows(), key=lambda r: r.depth)
+    healthy = run_cli("verify", "--store", tmp_path / "s", "--exact", "--model", model_dir, "--json")
+    (prompt,) = json.loads(healthy.stdout)["prompts"]
+    assert prompt["ok"] and prompt["differing_records"] == [] and prompt["worst_tensor"] is None
+    second = next(r for r in rows if r.depth == 2)  # tokens [256, 512)
+    alter_record(tmp_path / "s", second.hash, "2.values", 1.001, strip_tag=True)
+    result = run_cli("verify", "--store", tmp_path / "s", "--exact", "--model", model_dir, check=False)
+    assert result.returncode == 1, result.stdout + result.stderr
+    named = f"record {second.hash.hex()[:12]} (tokens 256-512: most in 2.values"
+    assert named in result.stdout.splitlines()[-1], result.stdout  # the verdict names it
+    assert f"2.values@599 in {second.hash.hex()[:12]}" in result.stdout  # and the table
+    assert set(re.findall(r"(?:record|checkpoint) ([0-9a-f]{12})", result.stdout)) == {second.hash.hex()[:12]}
+    assert "computed after the restore point differ" in result.stdout  # the effect, apart
+    got = json.loads(run_cli("verify", "--store", tmp_path / "s", "--exact", "--model", model_dir, "--json",
+                             check=False).stdout)["prompts"][0]
+    assert [(r["record"], r["tokens"], r["tensor"], r["tensors"]) for r in got["differing_records"]] == [
+        (second.hash.hex(), [256, 512], "2.values", ["2.values"])]
+    assert got["worst_tensor"] == "2.values@599" and got["worst_after"] and not got["no_record_differs"]
+    # What it says to do drops that record and the tail after it: the rest restores as a cold run.
+    hint = next(line for line in result.stdout.splitlines() if line.startswith("to drop that record"))
+    (blob,) = re.findall(r"rm (\S+) &&", hint)
+    assert blob == str(blobtree.blob_path(tmp_path / "s" / "blobs", second.hash))
+    Path(blob).unlink()
+    assert run_cli("verify", "--store", tmp_path / "s", "--repair", check=False).returncode == 1  # repaired
+    again = run_cli("verify", "--store", tmp_path / "s", "--exact", "--model", model_dir)
+    assert "exact: 1 of 1" in again.stdout and "to drop" not in again.stdout
+
+
+def test_a_difference_after_the_restore_point_alone_blames_no_record(tmp_path, llama, monkeypatch):
+    """What the restored run computes after the restore point differs (as on another BLAS), the
+    restored K/V do not: no record is named, and the report says the difference is not in one."""
+    from kvstore.certify import compare
+
+    model_dir, model = llama
+    with kvstore.open(tmp_path / "s", exact_prefill=256) as store:
+        store.bind(model, model_dir).prefill(toks(300, 11))
+    real = compare.run
+
+    def otherwise(model, cache, rest, step):  # the last token's K/V computed a little otherwise
+        out = real(model, cache, rest, step)
+        layer = cache[1]
+        layer.keys[..., layer.offset - 1 :, :] *= 1.001
+        return out
+
+    monkeypatch.setattr(compare, "run", otherwise)
+    result = run_cli("verify", "--store", tmp_path / "s", "--exact", "--model", model_dir, "--json", check=False)
+    (prompt,) = json.loads(result.stdout)["prompts"]
+    assert not prompt["ok"] and prompt["differing_records"] == [] and prompt["no_record_differs"]
+    assert prompt["worst_after"] == "1.keys@299", prompt["problems"]
+    assert "no stored record differs (none to evict)" in prompt["problems"][0]

@@ -18,6 +18,7 @@ import mlx.core as mx
 import numpy as np
 
 from kvstore import canary as canaries
+from kvstore import keys
 from kvstore.certify.prompts import StoredPrompt
 from kvstore.certify.report import GREEDY, Bounds, PromptCheck, judge
 from kvstore.model.prefill import last_step, process, run
@@ -71,9 +72,9 @@ def check_prompt(mc, prompt: StoredPrompt, b: Bounds) -> PromptCheck:
         c.notes.append("nothing of it restores (a record the restore cannot use): compared cold with cold")
     mine = run(mc.model, restored, rest, step)
     cold = mc.new_cache()
-    _cold_through_restore_points(c, mc, prompt, cold)
+    _cold_through_restore_points(c, mc, prompt, cold, b)
     theirs = last_step(mc.model, cold, int(query[n]))
-    _compare_kv(c, mc, restored, cold, n + 1, c.restored, at=c.restored)
+    _compare_kv(c, mc, restored, cold, n + 1, c.restored, at=c.restored, prompt=prompt, bound=b.kv)
     c.restore_points += c.restored > 0
     a, z = _host(mine), _host(theirs)
     c.logprobs = float(np.max(np.abs(a - z)))
@@ -93,7 +94,7 @@ def check_prompt(mc, prompt: StoredPrompt, b: Bounds) -> PromptCheck:
     return judge(c, b)
 
 
-def _cold_through_restore_points(c: PromptCheck, mc, prompt: StoredPrompt, cold: list) -> None:
+def _cold_through_restore_points(c: PromptCheck, mc, prompt: StoredPrompt, cold: list, b: Bounds) -> None:
     """Process the prompt cold into `cold`, one step per stored record, and at the end of every
     record but the last compare the cold cache with what the store restores there: a query that
     branches off the prompt after that record restores exactly this (a sliding window's K/V
@@ -110,7 +111,7 @@ def _cold_through_restore_points(c: PromptCheck, mc, prompt: StoredPrompt, cold:
         query = prompt.tokens[: end + 1]  # this prefix and the prompt's next token: restores [0, end)
         restored, rest = mc.fetch(query)
         if len(query) - len(rest) == end:
-            _compare_kv(c, mc, restored, cold, end, end, at=end)
+            _compare_kv(c, mc, restored, cold, end, end, at=end, prompt=prompt, bound=b.kv)
             c.restore_points += 1
 
 
@@ -130,11 +131,14 @@ def _branches_read_more(mc) -> bool:
                for codec in mc.codecs for _, leaf in codec.leaves(""))
 
 
-def _compare_kv(c: PromptCheck, mc, restored: list, cold: list, n: int, until: int, *, at: int) -> None:
+def _compare_kv(c: PromptCheck, mc, restored: list, cold: list, n: int, until: int, *, at: int,
+                prompt: StoredPrompt, bound: float) -> None:
     """Max |difference| of every stored tensor of the two caches (`n` tokens each), split at
     `until`, the restore point: what was read from the store (tokens before it, and a recurrent
     state when all `n` were restored), and what was computed after it. Each tensor's own figures
-    go to `c.tensors` (named layer.tensor, with `at`, the restore point they were worst at)."""
+    go to `c.tensors` (named layer.tensor, with `at`, the restore point they were worst at). Where
+    what was read differs by more than `bound` (relative to the tensor's largest value), the
+    records of `prompt` it was read from are compared one by one (`_blame`)."""
     for i, (codec, x, y) in enumerate(zip(mc.codecs, restored, cold)):
         mine, theirs = _tensors(codec, x, n), _tensors(codec, y, n)
         for name, (a, origin) in mine.items():
@@ -159,6 +163,30 @@ def _compare_kv(c: PromptCheck, mc, restored: list, cold: list, n: int, until: i
                     setattr(c, attr, max(getattr(c, attr), worst))
                     setattr(c, attr + "_rel", max(getattr(c, attr + "_rel"), worst / scale))
                     c.note_tensor(key, attr[3:], worst, worst / scale, same, at)
+                    if attr == "kv_restored" and not worst / scale <= bound:  # (a NaN too)
+                        _blame(c, prompt, key, diff[:, :, :cut], origin, scale, bound, at)
+
+
+def _blame(c: PromptCheck, prompt: StoredPrompt, name: str, diff: mx.array, origin: int | None, scale: float,
+           bound: float, at: int) -> None:
+    """Which stored records hold the restored part of tensor `name` that differs from the cold run's
+    (`diff`, its |difference| over the tokens read from the store, the first at `origin`): each
+    record's token range compared alone, so that the report names the record to evict. A
+    recurrent state (`origin` None) was read from the checkpoint of the record that ends at `at`."""
+    if origin is None:
+        if at in prompt.ends:
+            worst = float(diff.max())
+            owner = prompt.hashes[prompt.ends.index(at)]
+            c.note_record(keys.checkpoint_hash(owner).hex(), "checkpoint", at, at, name, worst, worst / scale, at)
+        return
+    start = 0
+    for h, end in zip(prompt.hashes, prompt.ends):
+        lo, hi = max(start, origin), min(end, origin + diff.shape[2])
+        if lo < hi:
+            worst = float(diff[:, :, lo - origin : hi - origin].max())
+            if not worst / scale <= bound:
+                c.note_record(h.hex(), "record", start, end, name, worst, worst / scale, at)
+        start = end
 
 
 def _aligned(theirs: tuple[mx.array, int | None] | None, a: mx.array, origin: int | None) -> mx.array | None:

@@ -24,12 +24,13 @@ from kvstore.storage.index import Index, Row
 
 @dataclass
 class StoredPrompt:
-    """One chain of records, root first: its token ids, the end of each record, and the
-    canaries the records keep (their `at` positions are in these tokens)."""
+    """One chain of records, root first: its token ids, the end of each record, each record's
+    hash, and the canaries the records keep (their `at` positions are in these tokens)."""
 
     leaf: bytes
     tokens: np.ndarray
     ends: list[int]
+    hashes: list[bytes] = field(default_factory=list)  # of the records that end at `ends`
     canaries: list[Canary] = field(default_factory=list)
     damaged: str = ""  # what ended the chain early (a record that did not read), if anything
 
@@ -60,7 +61,7 @@ def read_prompt(index: Index, root: Path, leaf: Row, chunk_size: int) -> StoredP
             return StoredPrompt(leaf.hash, np.zeros(0, np.int32), [], damaged="its chain has a missing record")
         chain.append(parent)
     chain.reverse()
-    tokens, ends, canaries = [], [], []
+    tokens, ends, hashes, canaries = [], [], [], []
     for row in chain:
         try:
             buf, blob = blobfile.read_checked(root, row.hash, size=row.size, checksum=row.checksum)
@@ -68,13 +69,14 @@ def read_prompt(index: Index, root: Path, leaf: Row, chunk_size: int) -> StoredP
             check(row, stored.metadata, stored.tokens, chunk_size=chunk_size, where=blob.path)
             kept = stored.extensions.get("canary")
         except (BlobError, OSError) as e:
-            return StoredPrompt(leaf.hash, _joined(tokens), ends, canaries,
+            return StoredPrompt(leaf.hash, _joined(tokens), ends, hashes, canaries,
                                 damaged=f"record {row.hash.hex()} does not read: {e}")
         tokens.append(np.array(stored.tokens, dtype=np.int32))
         ends.append((ends[-1] if ends else 0) + len(stored.tokens))
+        hashes.append(row.hash)
         if isinstance(kept, Canary):
             canaries.append(kept)
-    return StoredPrompt(leaf.hash, _joined(tokens), ends, canaries)
+    return StoredPrompt(leaf.hash, _joined(tokens), ends, hashes, canaries)
 
 
 def _joined(parts: list[np.ndarray]) -> np.ndarray:

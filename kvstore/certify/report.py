@@ -69,6 +69,11 @@ class PromptCheck:
     # layer.tensor -> its largest |difference| "restored" (read from the store) and "after" (computed
     # after the restore point), relative ones, whether it was bit for bit, and the restore point it was worst at
     tensors: dict[str, dict] = field(default_factory=dict)
+    # the stored records whose restored K/V differ from what the cold run computed for their tokens
+    # (beyond the bound): each one's hash, kind (record or checkpoint), tokens [start, end), the
+    # tensor that differs most there, by how much (max, relative), at which restore point, and
+    # every tensor of it that differs
+    differing_records: list[dict] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -81,30 +86,53 @@ class PromptCheck:
         return not self.partial and self.restored > 0
 
     def note_tensor(self, name: str, part: str, worst: float, rel: float, bitwise: bool, at: int) -> None:
-        t = self.tensors.setdefault(name, {"restored": 0.0, "after": 0.0, "relative": 0.0, "bitwise": True,
-                                           "worst_at": None})
+        t = self.tensors.setdefault(name, {"restored": 0.0, "after": 0.0, "relative": 0.0, "after_relative": 0.0,
+                                           "bitwise": True, "worst_at": None})
         t["bitwise"] = t["bitwise"] and bitwise
         t[part] = max(t[part], worst)
+        if part == "after":
+            t["after_relative"] = max(t["after_relative"], rel)
         if rel > t["relative"]:
             t["relative"], t["worst_at"] = rel, at
 
+    def note_record(self, h: str, kind: str, start: int, end: int, tensor: str, worst: float, rel: float,
+                    at: int) -> None:
+        """Record `h` (hex) restores `tensor` over its tokens [start, end) `worst` away from the cold run."""
+        r = next((r for r in self.differing_records if r["record"] == h), None)
+        if r is None:
+            r = {"record": h, "kind": kind, "tokens": [start, end], "tensor": tensor, "max": worst,
+                 "relative": rel, "at": at, "tensors": []}
+            self.differing_records.append(r)
+        elif not rel <= r["relative"]:
+            r.update(tensor=tensor, max=worst, relative=rel, at=at)
+        if tensor not in r["tensors"]:
+            r["tensors"].append(tensor)
+
+    def worst_record(self) -> dict | None:
+        """The stored record whose restored K/V differ most from the cold run's, if any does."""
+        return max(self.differing_records, key=lambda r: r["relative"], default=None)
+
     def worst_tensor(self) -> str:
-        """The tensor that differs most (relative to its largest value), with its restore point."""
+        """The tensor that differs most (relative to its largest value), with its restore point:
+        the worst of the stored records' when one differs (the cause), else of all."""
+        r = self.worst_record()
+        if r is not None:
+            return f"{r['tensor']}@{r['at']}"
         name, t = max(self.tensors.items(), key=lambda kv: (kv[1]["relative"], not kv[1]["bitwise"]),
                       default=(None, None))
         if name is None or t["bitwise"]:
             return ""
         return f"{name}@{t['worst_at']}" if t["worst_at"] is not None else name
 
+    def worst_after(self) -> str:
+        """The tensor computed after the restore point that differs most, with the restore point."""
+        name, t = max(self.tensors.items(), key=lambda kv: kv[1]["after_relative"], default=(None, None))
+        return f"{name}@{self.restored}" if name is not None and t["after"] else ""
+
 
 def judge(c: PromptCheck, b: Bounds) -> PromptCheck:
     """Fill `problems` and `tie` of a check by the bounds."""
-    worst = f" (most in {c.worst_tensor()}: layer.tensor@restore point)" if c.worst_tensor() else ""
-    if b.exact and not c.kv_bitwise:
-        c.problems.append(f"K/V differ by up to {max(c.kv_restored, c.kv_after):.3g}, not bit for bit{worst}")
-    elif not b.exact and max(c.kv_restored_rel, c.kv_after_rel if b.kv_after else 0.0) > b.kv:
-        c.problems.append(f"K/V differ by {max(c.kv_restored_rel, c.kv_after_rel if b.kv_after else 0.0):.3g} "
-                          f"of their largest value (bound {b.kv:g}){worst}")
+    c.problems += _kv_problems(c, b)
     if c.logprobs > b.logprobs:
         c.problems.append(f"next-token log-probabilities differ by up to {c.logprobs:.3g}"
                           + ("" if b.exact else f" (bound {b.logprobs:g})"))
@@ -119,6 +147,40 @@ def judge(c: PromptCheck, b: Bounds) -> PromptCheck:
     return c
 
 
+def _kv_problems(c: PromptCheck, b: Bounds) -> list[str]:
+    """Why the K/V are a mismatch, cause first: the stored records whose restored K/V are not what
+    the cold run computed for their tokens, then what differs after the restore point (their
+    effect); or, when no record differs, that the difference is in what was computed after it."""
+    after = c.kv_after_rel if b.kv_after else 0.0
+    if b.exact and c.kv_bitwise or not b.exact and max(c.kv_restored_rel, after) <= b.kv:
+        return []
+    same = "not bit for bit" if b.exact else f"beyond the bound ({b.kv:g} of a tensor's largest value)"
+    records = sorted(c.differing_records, key=lambda r: (r["tokens"], r["kind"]))
+    after_said = (f"the K/V computed after the restore point differ by up to {c.kv_after:.3g} (most in "
+                  f"{c.worst_after()})") if (not c.kv_bitwise if b.exact else after > b.kv) and c.worst_after() else ""
+    if records:
+        named = "; ".join(_record_said(r) for r in records[:3]) + (
+            f"; and {len(records) - 3} more (--json lists them)" if len(records) > 3 else "")
+        said = [f"the K/V restored from {plural(len(records), 'stored record')} are {same} what a cold run "
+                f"computes for the same tokens: {named}"]
+        return said + ([f"and from them on, {after_said}"] if after_said else [])
+    if after_said and c.kv_restored_rel <= b.kv and (not b.exact or c.kv_restored == 0):
+        restored = "bit for bit" if b.exact else "within the bound of"
+        return [f"{after_said}, {same}: the K/V restored from the store are {restored} what a cold run computes, "
+                "so no stored record differs (none to evict): this machine computes the tokens after the "
+                "restore point otherwise than the cold run does"]
+    worst = f" (most in {c.worst_tensor()}: layer.tensor@restore point)" if c.worst_tensor() else ""
+    if b.exact:
+        return [f"K/V differ by up to {max(c.kv_restored, c.kv_after):.3g}, not bit for bit{worst}"]
+    return [f"K/V differ by {max(c.kv_restored_rel, after):.3g} of their largest value (bound {b.kv:g}){worst}"]
+
+
+def _record_said(r: dict) -> str:
+    what = (f"checkpoint {r['record'][:12]} (the state at token {r['at']}" if r["kind"] == "checkpoint"
+            else f"record {r['record'][:12]} (tokens {r['tokens'][0]}-{r['tokens'][1]}")
+    return f"{what}: most in {r['tensor']}, by up to {r['max']:.3g}, in the restore of tokens 0-{r['at']})"
+
+
 def table(checks: list[PromptCheck]) -> str:
     """The checks as a fixed-width table (`points`: restore points compared; the K/V column names
     the tensor that differs most, as layer.tensor@restore point)."""
@@ -127,6 +189,9 @@ def table(checks: list[PromptCheck]) -> str:
     rows = [head]
     for c in checks:
         kv = "bit for bit" if c.kv_bitwise else f"{max(c.kv_restored, c.kv_after):.2g} {c.worst_tensor()}".rstrip()
+        if c.worst_record() is not None:  # the cause: the record restored at that point
+            r = c.worst_record()
+            kv = f"{r['max']:.2g} {c.worst_tensor()} in {r['record'][:12]}"
         rows.append((c.leaf[:12], str(c.tokens), str(c.restored), str(c.restore_points), kv, f"{c.logprobs:.2g}",
                      "same" if c.top1 else "other", f"{c.margin:.3f}" + ("*" if c.margin < TIE_MARGIN else ""),
                      f"{c.greedy}/{GREEDY}", f"{c.canaries_ok}/{c.canaries}", _flag(c)))
@@ -204,4 +269,6 @@ def as_dict(checks: list[PromptCheck], b: Bounds, leaves: int, cause: str = "") 
     return {"ok": bool(checks) and all(c.ok for c in checks), "checked_nothing": checked_nothing(checks),
             "bounds": asdict(b), "stored_prompts": leaves, "likely_cause": cause or None,
             "verdict": verdict(checks, b, leaves, cause),
-            "prompts": [{**asdict(c), "ok": c.ok, "complete": c.complete} for c in checks]}
+            "prompts": [{**asdict(c), "ok": c.ok, "complete": c.complete, "worst_tensor": c.worst_tensor() or None,
+                         "worst_after": c.worst_after() or None,
+                         "no_record_differs": bool(c.problems) and not c.differing_records} for c in checks]}

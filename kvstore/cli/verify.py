@@ -166,10 +166,29 @@ def _verify_exact(args) -> int:
         for c in report.checks:
             for why in c.problems + ([c.partial] if c.partial else []) + c.notes[:3]:
                 out(f"{c.leaf[:12]}: {why}")
+        if not report.cause:  # (records computed with another BLAS are not damaged: the verdict says so)
+            hint = _drop_hint(args, report)
+            if hint:
+                out(hint)
         out(report.verdict())
     if report.checked_nothing:
         return EXIT_NOTHING_CHECKED
     return 0 if report.ok else EXIT_PROBLEMS
+
+
+def _drop_hint(args, report) -> str:
+    """How to take the stored records whose restored K/V differ out of the store: delete their blob
+    files, and `verify --repair` drops their rows and every record that hangs from them."""
+    from kvstore.storage import blobtree
+
+    records = sorted({r["record"] for c in report.checks for r in c.differing_records})
+    if not records:
+        return ""
+    root = store_path(args) / "blobs"
+    paths = " ".join(shlex.quote(str(blobtree.blob_path(root, bytes.fromhex(h)))) for h in records)
+    return (f"to drop {'that record' if len(records) == 1 else f'those {len(records)} records'} and the records "
+            f"that hang from {'it' if len(records) == 1 else 'them'}: rm {paths} && {PROG} verify --repair "
+            f"--store {shlex.quote(str(store_path(args)))}")
 
 
 def _quantized(store, loaded) -> list[tuple[int, int]]:
