@@ -44,9 +44,12 @@ _WANT = {"ns": "a 16-byte hash", "fingerprint": "a 16-byte hash", "model_id": "t
          "chunk_size": "a positive whole number", "created": "a time", "last_used": "a time"}
 
 
-def table_problems(index: Index, skip: Collection[object] = ()) -> list[tuple[str, str, str]]:
+def table_problems(index: Index, skip: Collection[object] = (),
+                   moved: Iterable[tuple[object, str | None, object]] = ()) -> list[tuple[str, str, str]]:
     """(kind, where, what is wrong) for the totals, the models rows, `row_problems` and
-    `edge_problems` (but the edges of `skip`, the records verify mends or deletes)."""
+    `edge_problems` (but the edges of `skip`, the records verify mends or deletes). `moved`:
+    (tenant, tenant its blob states, size) of each row verify retags: its tenant's totals are
+    counted as repair leaves them (the records, not the totals, were wrong)."""
     out = []
     raw = index.stored_totals()
     counted = index.counted_totals()
@@ -60,6 +63,12 @@ def table_problems(index: Index, skip: Collection[object] = ()) -> list[tuple[st
                         f"the totals table says {said}; the records hold {real}"))
     stored = {tag: v for tag, v in index.stored_tenant_totals().items() if v != (0, 0)}
     counted = index.counted_tenant_totals()
+    for old, new, size in moved:
+        size = size if type(size) is int else 0  # (as `counted_tenant_totals` counts it)
+        for tag, sign in ((old, -1), (new, 1)):
+            n, b = counted.get(tag, (0, 0))
+            counted[tag] = (n + sign, b + sign * size)
+    counted = {tag: v for tag, v in counted.items() if tag is not None and v != (0, 0)}
     for tag in sorted(set(stored) | set(counted), key=repr):
         if stored.get(tag) != counted.get(tag, (0, 0)):
             have = stored.get(tag, (0, 0))
