@@ -3,6 +3,9 @@ the right tenant, is intact). No lookup is served the record, and none quarantin
 reports a bad row, not a corrupt blob, and `verify --repair` takes the tenant back from the blob's
 header (the row, its children edge, the tenants' totals) and never deletes the blob.
 
+Also the index's deletion and insertion logs: a damaged entry is skipped by their readers,
+reported by `verify` and deleted by `--repair`.
+
 Every test breaks a real store on purpose (SQL written by hand into its index) and uses the real
 store and `kvstore verify`; the record is fetched again in a fresh process.
 """
@@ -118,3 +121,27 @@ def test_a_damaged_tenant_is_a_miss_a_bad_row_and_repair_takes_the_blobs(tmp_pat
     assert reused(store, path, "alice", PROMPT + [1]) == len(PROMPT)  # alice's again
     assert reused(store, path, "bob", PROMPT + [1]) == len(SYSTEM)  # and only hers
     assert reused(store, path, None, PROMPT + [1]) == len(SYSTEM)
+
+
+@pytest.mark.parametrize("log", ["deletion_log", "insertion_log"])
+def test_a_damaged_log_entry_is_skipped_reported_and_deleted(tmp_path, llama, capsys, log):
+    store = tmp_path / "s"
+    build(store, llama)
+    what = "deletions" if log == "deletion_log" else "insertions"
+    with kvstore.open(store, chunk_size=C) as s:
+        end = getattr(s.index, f"{what}_end")()
+    h = bytes(range(16))
+    sql(store, f"INSERT INTO {log} (seq, hash, ns) VALUES (?, ?, ?)", ((1 << 63) - 1, h, h))
+    sql(store, f"INSERT INTO {log} (seq, hash, ns) VALUES (?, ?, ?)", (end + 1, "abc", 5))
+    with kvstore.open(store, chunk_size=C) as s:  # the readers skip both
+        assert getattr(s.index, f"{what}_end")() == end
+        assert getattr(s.index, f"{what}_since")(end) == []
+
+    code, out = verify(store, capsys)
+    assert code == 1 and out.count(f"bad_log_row: {store / 'index.sqlite'}: {log} entry ") == 2, out
+    verify(store, capsys, "--repair")
+    assert verify(store, capsys)[0] == 0
+    assert sql(store, f"SELECT count(*) FROM {log} WHERE seq > ?", (end,)) == [(0,)]
+    with kvstore.open(store, chunk_size=C) as s:  # logged in order again
+        s.index.delete([r.hash for r in s.index.rows() if r.kind == 1][:1])
+        assert s.index.deletions_end() > 0 and s.index.deletions_end() < 1 << 62

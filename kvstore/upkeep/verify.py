@@ -42,7 +42,7 @@ class Problem:
 
     # missing_blob, corrupt_blob, quarantined, bad_row, orphan_row, orphan_file, temp_file,
     # foreign_file, repair_refused, bad_totals, bad_model_row, bad_write_log, bad_role, bad_setting,
-    # bad_seen_row, bad_model_file, bad_digest, bad_edge
+    # bad_seen_row, bad_model_file, bad_digest, bad_edge, bad_log_row
     kind: str
     path: str
     detail: str
