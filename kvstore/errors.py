@@ -46,5 +46,13 @@ class BlobError(KVStoreError):
     """
 
 
+class TenantMismatchError(BlobError):
+    """A record's blob states another tenant than the record was read as: never served.
+
+    On the local disk it is the index row that is wrong (the blob's checksum vouches for its
+    header): the record is not quarantined, and `kvstore verify --repair` mends the row.
+    """
+
+
 class PackError(KVStoreError):
     """A KV pack cannot be made, moved or imported; nothing was imported, and the message says why."""

@@ -17,7 +17,7 @@ from typing import Mapping
 import numpy as np
 
 from kvstore import keys, tenants
-from kvstore.errors import BlobError
+from kvstore.errors import BlobError, TenantMismatchError
 from kvstore.tenants import Tenant
 
 CHUNK, TAIL, CHECKPOINT = 0, 1, 2
@@ -179,7 +179,7 @@ def _owner_base(rid: RecordId, metadata: Mapping[str, str], where: object) -> by
     except ValueError as e:
         raise BlobError(f"{where}: its tenant fields are not valid ({e})") from None
     if tag != rid.tenant:
-        raise BlobError(f"{where}: its header says tenant {tag or 'none (shared)'}, expected "
+        raise TenantMismatchError(f"{where}: its header says tenant {tag or 'none (shared)'}, expected "
                         f"{rid.tenant or 'none (shared)'}")
     if (link is None) != (tag is None or rid.kind == CHECKPOINT):
         what = "a shared record or a checkpoint states a" if link is not None else "a tenant's record states no"

@@ -55,7 +55,7 @@ class Row(RecordId):
 # The columns of a row: its fields, the tenant's tag last (a record's link is in its blob only).
 _ROW_FIELDS = (*(f for f in Row.__dataclass_fields__ if f not in ("tenant", "link")), "tenant")
 _ROW_COLUMNS = ", ".join(_ROW_FIELDS)
-MENDABLE = ("size", "created", "last_access", "hits", "pinned", "bad")  # what `mend_rows` may rewrite: bookkeeping
+MENDABLE = ("size", "created", "last_access", "hits", "pinned", "bad", "tenant")  # `mend_rows`: bookkeeping, tenant
 _ROW_COLUMNS_R = ", ".join(f"r.{c}" for c in _ROW_FIELDS)  # of `records r` in a join
 
 
@@ -355,7 +355,7 @@ class Index(EvictionSQL, WriteLogSQL, PinSQL):
         return deleted
 
     def mend_rows(self, fields: dict[bytes, dict[str, object]]) -> None:
-        """Rewrite records' bookkeeping (hash -> {column: value}) in one transaction; ValueError for other columns."""
+        """Rewrite records' bookkeeping or tenant (hash -> {column: value}) in one transaction; ValueError for others."""
         if other := {c for values in fields.values() for c in values} - set(MENDABLE):
             raise ValueError(f"mend_rows rewrites only bookkeeping columns {MENDABLE}, not {sorted(other)}")
         with self.transaction() as conn:

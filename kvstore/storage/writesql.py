@@ -30,6 +30,11 @@ from kvstore.storage import schema
 
 _MAX_PARAMS = schema.MAX_PARAMS
 _LOGS = {"deletion_log": "deletion_log", "insertion_log": "insertion_log"}  # the only tables a log name may be
+#: An entry of those logs as their readers take it: numbered as the triggers number them (one up
+#: per change: no store reaches 2**62), naming a 16-byte record and namespace. Any other is skipped.
+MAX_LOG_SEQ = 1 << 62
+_LOG_OK = (f"seq BETWEEN 1 AND {MAX_LOG_SEQ} AND typeof(hash) = 'blob' AND length(hash) = 16 "
+           "AND typeof(ns) = 'blob' AND length(ns) = 16")
 HOUR_S = 3600
 #: Hours of the write log the write budget sums: the current one and the 24 before it. A row of
 #: a later hour (logged by a clock that was ahead) counts too, up to this many hours ahead.
@@ -299,7 +304,7 @@ class WriteLogSQL:
 
     def _log_end(self, table: str) -> int:
         try:
-            return self.conn.execute(f"SELECT coalesce(max(seq), 0) FROM {_LOGS[table]}").fetchone()[0]
+            return self.conn.execute(f"SELECT coalesce(max(seq), 0) FROM {_LOGS[table]} WHERE {_LOG_OK}").fetchone()[0]
         except sqlite3.OperationalError as e:  # a read-only index from before the log
             if _missing_table(e):
                 return 0
@@ -307,12 +312,35 @@ class WriteLogSQL:
 
     def _log_since(self, table: str, seq: int, limit: int) -> list[tuple[int, bytes, bytes]]:
         try:
-            return self.conn.execute(f"SELECT seq, hash, ns FROM {_LOGS[table]} WHERE seq > ? ORDER BY seq LIMIT ?",
-                                     (seq, limit)).fetchall()
+            return self.conn.execute(f"SELECT seq, hash, ns FROM {_LOGS[table]} WHERE seq > ? AND {_LOG_OK} "
+                                     "ORDER BY seq LIMIT ?", (seq, limit)).fetchall()
         except sqlite3.OperationalError as e:
             if _missing_table(e):
                 return []
             raise
+
+    def damaged_log_entries(self) -> list[tuple[str, object, object, object]]:
+        """(log, number, hash, namespace) of the entries of the deletion and insertion logs that
+        their readers skip (for verify)."""
+        out = []
+        for table in _LOGS:
+            try:
+                out += [(table, *r) for r in self.conn.execute(
+                    f"SELECT seq, hash, ns FROM {_LOGS[table]} WHERE NOT ({_LOG_OK}) ORDER BY seq")]
+            except sqlite3.OperationalError as e:
+                if not _missing_table(e):
+                    raise
+        return out
+
+    def forget_damaged_log_entries(self) -> None:
+        """Delete what `damaged_log_entries` finds."""
+        with self.transaction() as conn:
+            for table in _LOGS:
+                try:
+                    conn.execute(f"DELETE FROM {_LOGS[table]} WHERE NOT ({_LOG_OK})")
+                except sqlite3.OperationalError as e:
+                    if not _missing_table(e):
+                        raise
 
     # -- marks: whole numbers in `meta` that only rise (pins' serials, a tenants' server's mark) ---
 

@@ -1,4 +1,6 @@
-"""The local disk as a tier: blob files and their index rows. A damaged record is quarantined.
+"""The local disk as a tier: blob files and their index rows. A damaged record is quarantined
+(but a record whose row states another tenant than its blob: that row is what is damaged, and
+the record a miss until `verify --repair` mends it).
 
 Every record opened here is checked against its row as it is opened (`records.check`: its
 header, and that its token ids hash to its key), and each tensor against its own checksum as
@@ -22,7 +24,7 @@ import numpy as np
 import xxhash
 
 from kvstore import records, tenants
-from kvstore.errors import BlobError
+from kvstore.errors import BlobError, TenantMismatchError
 from kvstore.storage import blobfile, blobtree, blobwrite
 from kvstore.storage.index import Index, Row
 from kvstore.storage.writesql import hour_of
@@ -162,6 +164,7 @@ class DiskTier:
         self.anchors = Anchors(trust, index, root) if trust is not None else None
         self.access = AccessTimes()
         self.quarantined = 0  # records this process found damaged
+        self.mistagged: set[bytes] = set()  # records whose row's tenant is not their blob's: misses, not quarantined
         # Told the row of each record `put` stored (a download): subscribed where the store is built.
         self.on_store: list[Callable[[list[Row]], None]] = []
 
@@ -247,6 +250,11 @@ class DiskTier:
         except Exception:
             pass
         if self._replaced(h, ref):  # completed by a writer under the read: the new blob is good
+            return
+        if isinstance(error, TenantMismatchError):  # the row's tenant is wrong, not the blob: a miss
+            if h not in self.mistagged:  # (said once per record a process meets)
+                self.mistagged.add(h)
+                log.warning("kvstore: a record's index row is damaged (run `kvstore verify --repair`): %s", error)
             return
         log.warning("kvstore: quarantined a damaged record: %s", error)
         self.quarantined += 1

@@ -14,7 +14,8 @@ an hour in the budget's window whose bytes were damaged stays closed (`closed_ho
 it leaves the window, as the budget read it); a damaged role becomes the weakest, 0, as gc read it; a damaged kept setting is
 forgotten, so its default applies, unless it is a limit (`max_write_rate`): that one is kept at
 what it read as (0: no automatic writes) until a value is kept again; a damaged seen mark, model file or memoised digest is
-deleted (the key is seen afresh, the next bind records its files, the file is hashed again).
+deleted (the key is seen afresh, the next bind records its files, the file is hashed again), and
+so is a damaged entry of the deletion or insertion log (its readers skip it).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from kvstore import keys, settings
 from kvstore.storage import blobfile, blobtree
 from kvstore.storage.evictsql import MAX_ROLE
 from kvstore.storage.index import MODEL_FIELDS, TOTALS, Index
-from kvstore.storage.writesql import MAX_HOUR_BYTES
+from kvstore.storage.writesql import MAX_HOUR_BYTES, MAX_LOG_SEQ
 
 
 def _hash(text: str) -> bytes:
@@ -44,9 +45,12 @@ _WANT = {"ns": "a 16-byte hash", "fingerprint": "a 16-byte hash", "model_id": "t
          "chunk_size": "a positive whole number", "created": "a time", "last_used": "a time"}
 
 
-def table_problems(index: Index, skip: Collection[object] = ()) -> list[tuple[str, str, str]]:
+def table_problems(index: Index, skip: Collection[object] = (),
+                   moved: Iterable[tuple[object, str | None, object]] = ()) -> list[tuple[str, str, str]]:
     """(kind, where, what is wrong) for the totals, the models rows, `row_problems` and
-    `edge_problems` (but the edges of `skip`, the records verify mends or deletes)."""
+    `edge_problems` (but the edges of `skip`, the records verify mends or deletes). `moved`:
+    (tenant, tenant its blob states, size) of each row verify retags: its tenant's totals are
+    counted as repair leaves them (the records, not the totals, were wrong)."""
     out = []
     raw = index.stored_totals()
     counted = index.counted_totals()
@@ -60,6 +64,12 @@ def table_problems(index: Index, skip: Collection[object] = ()) -> list[tuple[st
                         f"the totals table says {said}; the records hold {real}"))
     stored = {tag: v for tag, v in index.stored_tenant_totals().items() if v != (0, 0)}
     counted = index.counted_tenant_totals()
+    for old, new, size in moved:
+        size = size if type(size) is int else 0  # (as `counted_tenant_totals` counts it)
+        for tag, sign in ((old, -1), (new, 1)):
+            n, b = counted.get(tag, (0, 0))
+            counted[tag] = (n + sign, b + sign * size)
+    counted = {tag: v for tag, v in counted.items() if tag is not None and v != (0, 0)}
     for tag in sorted(set(stored) | set(counted), key=repr):
         if stored.get(tag) != counted.get(tag, (0, 0)):
             have = stored.get(tag, (0, 0))
@@ -121,6 +131,12 @@ def row_problems(index: Index) -> list[tuple[str, str, str]]:
     for ns, files in index.model_files(damaged=True).items():
         out += [("bad_model_file", f"model_files {_hex(ns)} {f[0]!r:.80}", "a stamp of the wrong type: the file is "
                  "not checked for staleness; repair deletes the row (the next bind records it again)") for f in files]
+    for table, seq, h, ns in index.damaged_log_entries():
+        what = "deletions" if table == "deletion_log" else "insertions"
+        out.append(("bad_log_row", f"{table} entry {seq!r:.30} ({_hex(h)}, {_hex(ns)})", f"not numbered 1 to "
+                    f"{MAX_LOG_SEQ} or not naming a 16-byte record and namespace: the readers of {what} (KV events, "
+                    "the RAM tier's forgetting of deleted records) skip it (a number past any other also "
+                    "disorders the entries logged after it); repair deletes it"))
     out += [("bad_digest", f"file_digests {path!r:.80}", "a digest that is not a 16-byte hash: it is not used; "
              "repair deletes it (the file is hashed again)") for path in index.damaged_digests()]
     return out
@@ -172,6 +188,8 @@ def repair_tables(index: Index, root: Path, records_of: dict[bytes, list[bytes]]
         index.set_setting(name, settings.BY_NAME[name].damaged)  # a limit stays closed; others are forgotten
     if "bad_seen_row" in kinds:
         index.forget_damaged_seen()
+    if "bad_log_row" in kinds:
+        index.forget_damaged_log_entries()
     if kinds & {"bad_model_file", "bad_digest"}:
         index.forget_damaged_files()
     if "bad_model_row" in kinds:

@@ -19,7 +19,7 @@ import functools
 import os
 import stat
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from kvstore import records
@@ -43,7 +43,7 @@ class Problem:
 
     # missing_blob, corrupt_blob, quarantined, bad_row, orphan_row, orphan_file, temp_file,
     # foreign_file, repair_refused, bad_totals, bad_model_row, bad_write_log, bad_role, bad_setting,
-    # bad_seen_row, bad_model_file, bad_digest, bad_edge
+    # bad_seen_row, bad_model_file, bad_digest, bad_edge, bad_log_row
     kind: str
     path: str
     detail: str
@@ -67,6 +67,7 @@ def verify(index: Index, root: Path, *, repair: bool = False, force: bool = Fals
     `trust`: blob tags are checked with it too (`kvstore.trust`): one that is refused is damage.
     """
     rows, bad_rows, mended = [], [], []
+    moved, sizes = [], {}  # (tenant, tenant its blob's header states, size as read) of the rows retagged
     pinned = None  # the pins file's hashes, read once a pin flag is damaged
     for row in index.rows():  # one snapshot: no read transaction stays open below
         damaged = rowcheck.damaged_columns(row)
@@ -79,17 +80,24 @@ def verify(index: Index, root: Path, *, repair: bool = False, force: bool = Fals
         rows.append(fixed)
         if damaged:  # checked below as repair rewrites it
             mended.append((fixed, [name for name, _, _ in damaged], rowcheck.said(row, damaged)))
+            moved += [(row.tenant, fixed.tenant, row.size) for name, _, _ in damaged if name == "tenant"]
+            sizes[row.hash] = row.size
     known = {row.hash: row.parent for row in rows}
     chunk_sizes = {bytes.fromhex(m["namespace"]): m["chunk_size"] for m in index.models()}
     check = functools.partial(check_blob, trust=trust, epoch=trusted_before(trust, index) if trust else 0.0)
     suspects = []
-    for row in rows:
+    for i, row in enumerate(rows):
         try:
             if not row.bad:
                 check(root, row, chunk_sizes.get(row.ns))
                 continue
         except BlobError:
-            pass
+            retag = _retagged(root, row, chunk_sizes.get(row.ns), check)
+            if retag is not None:  # the row's tenant is what is wrong, not the blob
+                rows[i] = retag
+                mended.append((retag, ["tenant"], rowcheck.said(row, rowcheck.retagged(row, retag.tenant))))
+                moved.append((row.tenant, retag.tenant, sizes.get(row.hash, row.size)))
+                continue
         suspects.append(row)
     strays = [path for path in blobtree.walk(root) if blobtree.hash_of(path, root) not in known]
     with blobtree.tree_lock(root, exclusive=True, create=not read_only):
@@ -110,12 +118,15 @@ def verify(index: Index, root: Path, *, repair: bool = False, force: bool = Fals
             problem = _stray(index, root, path)
             if problem is not None:
                 problems.append(problem)
-        tables = table_problems(index, {h for h, _ in bad_rows} | {row.hash for row, _, _ in mended})
+        tables = table_problems(index, {h for h, _ in bad_rows} | {row.hash for row, _, _ in mended}, moved)
         problems += [Problem(kind, str(index.path), f"{where}: {why}") for kind, where, why in tables]
         if repair and problems:
             blob_files = sum(1 for p in strays if blobtree.hash_of(p, root) is not None) + len(rows)
-            index.mend_rows({row.hash: {name: getattr(row, name) for name in names}
-                             for row, names, _ in mended if row.hash not in bad})
+            fields: dict[bytes, dict] = {}  # (a row retagged after its bookkeeping was mended is in twice)
+            for row, names, _ in mended:
+                if row.hash not in bad:
+                    fields.setdefault(row.hash, {}).update({name: getattr(row, name) for name in names})
+            index.mend_rows(fields)
             problems += _repair(index, root, problems, bad, orphans, known, {r.hash: r.depth for r in rows},
                                 [h for h, _ in bad_rows], blob_files, force)
             good: dict[bytes, list[bytes]] = {}
@@ -140,6 +151,20 @@ def check_blob(root: Path, row, chunk_size: int | None = None, *, trust: Trust |
         why = trust.refusal(verdict, row.created, epoch)
         if why is not None:
             raise BlobError(f"{blob.path}: {why}")
+
+
+def _retagged(root: Path, row, chunk_size: int | None, check=check_blob):
+    """`row` with the tenant its blob's header states, if that one differs and the blob is whole
+    and the record under it (only the row's tenant was wrong); else None."""
+    readable, tag = rowcheck.header_tenant(root, row.hash)
+    if not readable or tag == row.tenant:
+        return None
+    fixed = replace(row, tenant=tag)
+    try:
+        check(root, fixed, chunk_size)
+    except BlobError:
+        return None
+    return fixed
 
 
 def _pins_file(index: Index) -> set[bytes]:

@@ -1,0 +1,147 @@
+"""A record's tenant as damage leaves it in the index (the row only: its blob, whose header states
+the right tenant, is intact). No lookup is served the record, and none quarantines it; `verify`
+reports a bad row, not a corrupt blob, and `verify --repair` takes the tenant back from the blob's
+header (the row, its children edge, the tenants' totals) and never deletes the blob.
+
+Also the index's deletion and insertion logs: a damaged entry is skipped by their readers,
+reported by `verify` and deleted by `--repair`.
+
+Every test breaks a real store on purpose (SQL written by hand into its index) and uses the real
+store and `kvstore verify`; the record is fetched again in a fresh process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import kvstore
+from kvstore.cli.main import main
+from kvstore.storage import blobtree
+
+C = 16
+
+
+def toks(n: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(1, 250, n).tolist()
+
+
+SYSTEM = toks(40, 1)  # 2 chunks and a tail of 8: shared
+PROMPT = SYSTEM + toks(21, 5)  # alice's: 2 shared chunks, then a chunk and a tail of her own
+
+
+def sql(store: Path, statement: str, params=()) -> list:
+    con = sqlite3.connect(store / "index.sqlite")
+    try:
+        with con:
+            return con.execute(statement, params).fetchall()
+    finally:
+        con.close()
+
+
+def verify(store: Path, capsys, *extra: str) -> tuple[int, str]:
+    code = main(["verify", "--store", str(store), *extra])
+    return code, capsys.readouterr().out
+
+
+def reused(store: Path, model_dir: Path, tenant: str | None, tokens: list[int]) -> int:
+    """Tokens of `tokens` a fetch in a fresh process (as `tenant`, None: shared) reuses."""
+    script = (
+        "import json, sys\nfrom mlx_lm import load\nimport kvstore\n"
+        "store, path, tenant, tokens = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4])\n"
+        "model, _ = load(path)\n"
+        f"with kvstore.open(store, chunk_size={C}, memory_bytes=0) as s:\n"
+        "    _, rest = s.bind(model, path, tenant=tenant).fetch(tokens)\n"
+        "print(len(tokens) - len(rest))\n")
+    out = subprocess.run([sys.executable, "-c", script, str(store), str(model_dir), json.dumps(tenant),
+                          json.dumps(tokens)], capture_output=True, text=True, env=os.environ, check=True)
+    return int(out.stdout.split()[-1])
+
+
+def build(store: Path, llama) -> dict[str, str]:
+    """A store holding SYSTEM (shared) and PROMPT (alice's); the tags of alice and bob."""
+    path, model = llama
+    with kvstore.open(store, chunk_size=C) as s:
+        s.bind(model, str(path)).prefill(SYSTEM)
+        s.bind(model, str(path), tenant="alice").prefill(PROMPT)
+        s.flush()
+        return {"alice": s.tenant("alice").tag, "bob": s.tenant("bob").tag}
+
+
+def state(store: Path) -> list:
+    """Every record's tenant, every edge's, and the tenants' totals."""
+    return [sql(store, "SELECT hash, tenant FROM records ORDER BY hash"),
+            sql(store, "SELECT hash, tenant FROM children ORDER BY hash"),
+            sql(store, "SELECT tenant, records, bytes FROM tenant_totals WHERE records > 0 ORDER BY tenant")]
+
+
+@pytest.mark.parametrize("record, value", [
+    ("alice", 5),  # TEXT affinity: stored as '5'
+    ("alice", "ABCDEF0123456789"),
+    ("alice", b"\x01" * 8),
+    ("alice", None),  # well formed: as shared
+    ("alice", "bob"),  # well formed: another tenant's
+    ("shared", "alice"),  # a shared record as alice's
+])
+def test_a_damaged_tenant_is_a_miss_a_bad_row_and_repair_takes_the_blobs(tmp_path, llama, capsys, record, value):
+    store = tmp_path / "s"
+    path, _ = llama
+    tags = build(store, llama)
+    before = state(store)
+    depth = 3 if record == "alice" else 2  # alice's own chunk, or the shared chunk it follows
+    (h,) = [h for (h,) in sql(store, "SELECT hash FROM records WHERE depth = ? AND kind = 0 AND tenant IS ?",
+                               (depth, tags["alice"] if record == "alice" else None))]
+    sql(store, "UPDATE records SET tenant = ? WHERE hash = ?", (tags.get(value, value), h))
+    blob = blobtree.blob_path(store / "blobs", h)
+    assert blob.exists()
+
+    # Until repaired: a miss for everyone (never served as another tenant's or as shared), no quarantine.
+    assert reused(store, path, "alice", PROMPT + [1]) < len(PROMPT)
+    assert reused(store, path, "bob", PROMPT + [1]) <= len(SYSTEM)
+    assert reused(store, path, None, PROMPT + [1]) <= len(SYSTEM)
+    assert sql(store, "SELECT bad FROM records WHERE hash = ?", (h,)) == [(0,)]
+
+    code, out = verify(store, capsys)
+    assert code == 1 and f"bad_row: {store / 'index.sqlite'}: records {h.hex()}: its tenant is " in out, out
+    assert "corrupt_blob" not in out and "quarantined" not in out and "orphan" not in out, out
+    assert "bad_totals" not in out and "bad_edge" not in out, out  # the row is what is wrong, not these
+    code, out = verify(store, capsys, "--repair")
+    assert "bad_row:" in out and "corrupt_blob" not in out, out
+    assert blob.exists()  # the intact blob is kept
+    assert state(store) == before  # the row, its edge and the totals as they were
+    assert verify(store, capsys)[0] == 0
+
+    assert reused(store, path, "alice", PROMPT + [1]) == len(PROMPT)  # alice's again
+    assert reused(store, path, "bob", PROMPT + [1]) == len(SYSTEM)  # and only hers
+    assert reused(store, path, None, PROMPT + [1]) == len(SYSTEM)
+
+
+@pytest.mark.parametrize("log", ["deletion_log", "insertion_log"])
+def test_a_damaged_log_entry_is_skipped_reported_and_deleted(tmp_path, llama, capsys, log):
+    store = tmp_path / "s"
+    build(store, llama)
+    what = "deletions" if log == "deletion_log" else "insertions"
+    with kvstore.open(store, chunk_size=C) as s:
+        end = getattr(s.index, f"{what}_end")()
+    h = bytes(range(16))
+    sql(store, f"INSERT INTO {log} (seq, hash, ns) VALUES (?, ?, ?)", ((1 << 63) - 1, h, h))
+    sql(store, f"INSERT INTO {log} (seq, hash, ns) VALUES (?, ?, ?)", (end + 1, "abc", 5))
+    with kvstore.open(store, chunk_size=C) as s:  # the readers skip both
+        assert getattr(s.index, f"{what}_end")() == end
+        assert getattr(s.index, f"{what}_since")(end) == []
+
+    code, out = verify(store, capsys)
+    assert code == 1 and out.count(f"bad_log_row: {store / 'index.sqlite'}: {log} entry ") == 2, out
+    verify(store, capsys, "--repair")
+    assert verify(store, capsys)[0] == 0
+    assert sql(store, f"SELECT count(*) FROM {log} WHERE seq > ?", (end,)) == [(0,)]
+    with kvstore.open(store, chunk_size=C) as s:  # logged in order again
+        s.index.delete([r.hash for r in s.index.rows() if r.kind == 1][:1])
+        assert s.index.deletions_end() > 0 and s.index.deletions_end() < 1 << 62
