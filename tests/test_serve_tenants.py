@@ -324,6 +324,17 @@ def test_the_tenant_policy():
     assert e.value.status == 400 and "alice" not in str(e.value)
     assert "own" not in describe_tenants(TenantPolicy.parse("bearer", trust_client_salt=True))  # refused, not own
     assert "one tenant of their own" in describe_tenants(salted)
+    from kvstore.serve.endpoints import KVStoreEndpoints
+
+    class Answered(KVStoreEndpoints):  # a refusal as the handler answers it: 401 carries its challenge
+        path, said = "/v1/completions", []
+
+        def _answer_json(self, status, value, headers=None):
+            self.said.append((status, headers))
+
+    for status, challenge in ((401, {"WWW-Authenticate": 'Bearer realm="kvstore"'}), (400, None)):
+        Answered()._refused(Refused(status, "no tenant"))
+        assert Answered.said[-1] == (status, challenge)
     for bad in ("header:", "header:a b", "cookie", "header:a:b"):
         with pytest.raises(ValueError):
             parse_source(bad)

@@ -142,8 +142,7 @@ class KVStoreEndpoints:
         try:
             self._kvstore_tenant = self.kvstore_tenants.tenant_of(self.headers, json.loads(raw))
         except Refused as e:
-            log.warning("kvstore serve: refused a request to %s: %s", self.path, e)
-            return self._answer_json(e.status, {"error": str(e)})
+            return self._refused(e)
         # mlx_lm.server reads the body again: hand it the bytes it would have read.
         stream = self.rfile
         self.rfile = io.BytesIO(raw)
@@ -167,8 +166,7 @@ class KVStoreEndpoints:
                 return self._answer_json(200, self.kvstore_cache.prefetch(key, tokens, tenant_id=tenant))
             return self._answer_json(200, routing.render(self.response_generator, self.path, body, served))
         except Refused as e:
-            log.warning("kvstore serve: refused a request to %s: %s", self.path, e)
-            return self._answer_json(e.status, {"error": str(e)})
+            return self._refused(e)
         except routing.RequestError as e:
             return self._answer_json(e.status, {"error": str(e)})
         except Exception as e:  # never the server down, never the prompt in the log
@@ -219,6 +217,11 @@ class KVStoreEndpoints:
             return args
         kwargs.pop("prompt_cache_count", None)
         return args[:at] + (None,) + args[at + 1:] if len(args) > at else args
+
+    def _refused(self, e: Refused):
+        log.warning("kvstore serve: refused a request to %s: %s", self.path, e)
+        challenge = {"WWW-Authenticate": 'Bearer realm="kvstore"'} if e.status == 401 else None  # (RFC 7235)
+        return self._answer_json(e.status, {"error": str(e)}, challenge)
 
     def _admin(self) -> bool:
         """Whether this request may read the operator's endpoints (`admin_token`)."""
