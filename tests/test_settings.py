@@ -69,6 +69,10 @@ def test_generate_says_nothing_reached_the_disk_under_admit_reused(kv, tmp_path,
                 "--max-tokens", "4", "--prompt", "You are a helpful assistant. What is a KV cache, really?")
     line = next(x for x in result.stderr.splitlines() if x.startswith("prompt:"))
     assert re.search(r"cache of (\d+) tokens: 0 on disk, \1 in RAM only \(not admitted\)", line), line
+    result = kv("generate", "--store", tmp_path / "s", "--model", demo_model_path, "--admit", "reused",
+                "--memory-bytes", "0", "--max-tokens", "4", "--prompt", "Another question, never asked before?")
+    line = next(x for x in result.stderr.splitlines() if x.startswith("prompt:"))  # no memory tier holds it
+    assert re.search(r"cache of (\d+) tokens: 0 on disk, \1 not stored \(not admitted\)", line), line
 
 
 def test_a_write_rate_of_0_is_refused_naming_off(kv, tmp_path, demo_model_path):

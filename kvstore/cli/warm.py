@@ -90,7 +90,7 @@ def _summary(totals: dict, skipped: int, planned: int, writer: dict, seconds: fl
     print(f"on disk: {whole} of {len(placed)} warmed prompts whole; "
           f"{sum(p.on_disk for p in placed)} of {sum(p.tokens for p in placed)} tokens"
           + ("" if whole == len(placed) else
-             f" ({sum(p.in_ram for p in placed)} in RAM only, lost at exit: {_reasons(placed)})"))
+             f" ({sum(p.in_ram for p in placed)} not on disk, lost at exit: {_reasons(placed)})"))
     print(f"bytes written: {writer['bytes_written']} ({format_size(writer['bytes_written'])}, "
           f"{writer['records_written']} records)")
     print(f"time: {seconds:.1f} s")

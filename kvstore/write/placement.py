@@ -8,7 +8,7 @@ queued and how many stay in RAM only when it stores a request.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Protocol
+from typing import Container, Iterable, Protocol
 
 from kvstore.records import CHECKPOINT, Span
 from kvstore.sizes import plural
@@ -34,7 +34,8 @@ class Placement:
     tokens: int = 0
     on_disk: int = 0
     queued: int = 0
-    in_ram: int = 0  # in RAM only: `why` says why, by reason
+    in_ram: int = 0  # not on disk nor queued: `why` says why, by reason
+    in_memory: int | None = None  # of those, the tokens the memory tier holds (None: all of them)
     why: dict[str, int] = field(default_factory=dict)
     last: bytes | None = None  # the prompt's last record: the writer's own line names it too
 
@@ -46,7 +47,10 @@ class Placement:
         if self.in_ram:
             reasons = ", ".join(f"{REASONS.get(r, r)}" + (f": {n}" if len(self.why) > 1 else "")
                                 for r, n in self.why.items())
-            parts.append(f"{self.in_ram} in RAM only ({reasons})")
+            kept = self.in_ram if self.in_memory is None else self.in_memory
+            held = [f"{kept} in RAM only"] if kept else []
+            held += [f"{self.in_ram - kept} not stored"] if kept < self.in_ram else []  # (no memory tier holds them)
+            parts.append(f"{', '.join(held)} ({reasons})")
         return ", ".join(parts)
 
     def found_on_disk(self, n: int) -> None:
@@ -54,6 +58,8 @@ class Placement:
         n = max(0, min(n, self.why.get("not_written", 0)))
         if n:
             self.on_disk, self.in_ram = self.on_disk + n, self.in_ram - n
+            if self.in_memory is not None:
+                self.in_memory = min(self.in_memory, self.in_ram)
             self.why["not_written"] -= n
             if not self.why["not_written"]:
                 del self.why["not_written"]
@@ -66,11 +72,14 @@ class Placement:
         return f"cache of {plural(self.tokens, 'token')}{at}: {self.text()}"
 
 
-def place(spans: Iterable[Span], index: Index | None, writer: _Queue, gate: _Gate | None) -> Placement:
+def place(spans: Iterable[Span], index: Index | None, writer: _Queue, gate: _Gate | None,
+          memory: Container[bytes] | None = None) -> Placement:
     """Where the records `spans` (a prompt's, root first) are. A record queued for the writer
-    counts as queued even if the writer will keep it in RAM: flush first to know."""
+    counts as queued even if the writer will keep it in RAM: flush first to know. `memory`: the
+    memory tier, to tell records kept in RAM from those not kept anywhere."""
     spans = [s for s in spans if s.kind != CHECKPOINT]
-    out = Placement(tokens=sum(s.ntokens for s in spans), last=spans[-1].hash if spans else None)
+    out = Placement(tokens=sum(s.ntokens for s in spans), last=spans[-1].hash if spans else None,
+                    in_memory=None if memory is None else 0)
     pending = {s.hash for s in spans if writer.is_pending(s.hash)}
     on_disk = index.present([s.hash for s in spans if s.hash not in pending]) if index is not None else set()
     for s in spans:
@@ -82,4 +91,6 @@ def place(spans: Iterable[Span], index: Index | None, writer: _Queue, gate: _Gat
             reason = "ram_only" if index is None else (gate.kept_reason(s.hash) if gate else None) or "not_written"
             out.in_ram += s.ntokens
             out.why[reason] = out.why.get(reason, 0) + s.ntokens
+            if memory is not None and s.hash in memory:
+                out.in_memory += s.ntokens
     return out
