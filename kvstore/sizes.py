@@ -33,6 +33,8 @@ def parse_size(text: str) -> int:
     if factor is None:
         raise ValueError(f"{text!r}: unknown size unit {unit!r}; use B, KB, MB, GB, TB (x1000) "
                          "or K, M, G, T, KiB, MiB, GiB, TiB (x1024)")
+    if factor == 1 and "." in number and float(number) != int(float(number)):
+        raise ValueError(f"{text!r} is not a whole number of bytes: give bytes, or a unit, like 1.5KB")
     return int(float(number) * factor) if "." in number else int(number) * factor
 
 
@@ -74,8 +76,12 @@ def parse_rate(text: str) -> int:
     seconds = _PERIODS.get((period or "day").lower())
     if seconds is None:
         raise ValueError(f"{text!r}: unknown period {period!r}; use s, min, h, day or week")
-    per_day = int(parse_size(amount) * 86400 // seconds)
-    if per_day == 0 and parse_size(amount) > 0:
+    try:
+        size = parse_size(amount)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a rate; use a size per period, like 20GB/day or 500MB/h") from None
+    per_day = int(size * 86400 // seconds)
+    if per_day == 0 and size > 0:
         raise ValueError(f"{text!r} is less than one byte a day: the least rate is 1B/day")
     return per_day
 

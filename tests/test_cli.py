@@ -204,8 +204,10 @@ def test_a_typo_of_generate_gets_its_usage_not_the_top_level_one(kv):
 @pytest.mark.parametrize("args, message", [
     (["gc", "--max-bytes", "-5MB"], "argument --max-bytes: '-5MB' is negative"),
     (["gc", "--max-age", "-3d"], "argument --max-age: '-3d' is negative"),
+    (["gc", "--max-bytes", "1.5"], "argument --max-bytes: '1.5' is not a whole number of bytes"),  # not 1 byte
+    (["warm", "--prompts", "x.jsonl", "--max-write-rate", "bogus"], "'bogus' is not a rate"),
 ])
-def test_a_negative_value_says_what_is_wrong_with_it(capsys, args, message):
+def test_a_bad_value_says_what_is_wrong_with_it(capsys, args, message):
     code, _, err = in_process(capsys, *args)
     assert code == 2 and message in err and "expected one argument" not in err, err
 
