@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from kvstore.errors import InvalidInputError
-from kvstore.sizes import format_age, format_size, parse_duration, parse_rate, parse_size
+from kvstore.sizes import format_age, format_setting, parse_duration, parse_rate, parse_size
 
 OFF_WORDS = ("off", "none")
 AUTO = "auto"
@@ -71,9 +71,9 @@ class Setting:
         if value is None:
             return self.default_text or "off"
         if self.kind == "size":
-            return AUTO if value == AUTO else format_size(value)
+            return AUTO if value == AUTO else format_setting(value)
         if self.kind == "rate":
-            return f"{format_size(value)}/day"
+            return f"{format_setting(value)}/day"
         if self.kind == "duration":
             return f"{value:g} s" if value < 60 else format_age(value)
         if self.kind == "bits":

@@ -96,6 +96,15 @@ def format_size(n: int | float) -> str:
     raise AssertionError("unreachable")
 
 
+def format_setting(n: int) -> str:
+    """A size as a user gives one: `20 GB` for 20e9 (a whole number of a power of 1000 that is
+    none of 1024), else binary units as `format_size` (`18.6 GiB` reads as another value)."""
+    for k, unit in ((4, "TB"), (3, "GB"), (2, "MB"), (1, "KB")):
+        if n and n % 1000**k == 0 and n % 1024**k:
+            return f"{n // 1000**k} {unit}"
+    return format_size(n)
+
+
 def format_age(seconds: float) -> str:
     """`5400` -> `1.5h`: the largest unit that keeps the number at least 1."""
     if seconds < 60:

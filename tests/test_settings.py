@@ -128,7 +128,7 @@ def test_stats_json_shows_the_settings_with_their_sources(kv, tmp_path, demo_mod
     assert shown["settings"]["memory_bytes"]["source"] == "default"
     assert shown["scope"]["settings"] == "process; kept ones: store"
     text = kv("stats", "--store", store).stdout
-    assert "settings: admit=reused (kept), max_write_rate=18.6 GiB/day (kept), disk_kv_bits=8 bits (kept)" in text
+    assert "settings: admit=reused (kept), max_write_rate=20 GB/day (kept), disk_kv_bits=8 bits (kept)" in text
     with kvstore.open(store, admit="all") as s:  # given beats kept, and is kept in turn
         assert s.stats()["settings"]["admit"] == {"value": "all", "source": "given"}
         assert s.stats()["settings"]["max_write_rate"]["source"] == "kept"

@@ -223,7 +223,7 @@ def test_a_rebuilt_index_keeps_the_kept_settings_and_the_write_log_or_keeps_the_
         kept = {name: v for name, v in s.settings.items() if v[1] == "kept"}
         writes = s.stats()["writes"]
     if drop == "totals":
-        assert "settings kept: admit=reused, max_write_rate=953.7 MiB/day; write log kept (1 hour)" in out.err
+        assert "settings kept: admit=reused, max_write_rate=1 GB/day; write log kept (1 hour)" in out.err
         assert kept == {"admit": ("reused", "kept"), "max_write_rate": (10**9, "kept")}
         assert writes["bytes_last_day"] == written
     elif drop in ("meta", "lost"):

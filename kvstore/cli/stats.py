@@ -7,7 +7,7 @@ import time
 
 from kvstore.cli.options import open_local, open_remote, remote_url
 from kvstore.cli.output import PROG, out, plural
-from kvstore.sizes import format_age, format_size
+from kvstore.sizes import format_age, format_setting, format_size
 
 EXAMPLES = """examples:
   kvstore stats
@@ -121,7 +121,7 @@ def _print_writes(writes: dict | None) -> None:
     if not writes:
         return
     rate = writes["max_write_rate"]
-    budget = (f"budget: {format_size(rate)}/day, {format_size(writes['budget_left'])} left"
+    budget = (f"budget: {format_setting(rate)}/day, {format_size(writes['budget_left'])} left"
               if rate is not None else "budget: off")
     print(f"writes: {format_size(writes['bytes_last_day'])} in the last day "
           f"({format_size(writes.get('explicit_last_day', 0))} of it explicit: warmed and pinned), "
