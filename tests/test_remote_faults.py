@@ -418,7 +418,7 @@ def _warm(capsys, store, model, prompts, url) -> tuple[float, str]:
 
 
 def test_warm_against_an_endpoint_that_hangs_on_writes_waits_one_flush_timeout(
-        tmp_path, s3, demo_model, monkeypatch, capsys):
+        tmp_path, s3, demo_model, monkeypatch, capsys, caplog):
     """Each prompt's system part is marked and one is pinned: those wait for the local writer
     only, and the command waits for uploads once, within remote_flush_timeout in all."""
     from remote_fixture import StallingProxy
@@ -438,6 +438,7 @@ def test_warm_against_an_endpoint_that_hangs_on_writes_waits_one_flush_timeout(
     assert "prompts: 3 warmed" in out
     line = next(s for s in out.splitlines() if "uploads not done" in s)
     assert f"did not answer in {HUNG_FLUSH_S:g} s" in line and "no later process uploads them" in line
+    assert "did not take" not in caplog.text and "left undone at close" not in caplog.text  # said once, above
     with kvstore.open(tmp_path / "hung", read_only=True) as store:  # the local store is whole
         healthy = kvstore.open(tmp_path / "healthy", read_only=True)
         assert store.stats()["chunks"] == healthy.stats()["chunks"] > 0

@@ -41,6 +41,8 @@ def cmd_generate(args) -> int:
 
     items = _items(args)
     with bound(args, items, "generate") as (store, loaded, mc, work, errors):
+        if store.remote is not None:  # what uploads were left undone is said once, in the last lines
+            store.remote.say_undone = False
         if args.seed is not None:
             mx.random.seed(args.seed)
         sampler = make_sampler(temp=args.temp)

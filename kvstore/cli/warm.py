@@ -52,6 +52,8 @@ class _FirstCtrlC:
 def cmd_warm(args) -> int:
     items = read_prompts(args.prompts)
     with bound(args, items, "warm") as (store, loaded, mc, work, errors):
+        if store.remote is not None:  # what uploads were left undone is said once, in the last lines
+            store.remote.say_undone = False
         totals = {"done": 0, "reused": 0, "computed": 0, "warmed": []}
         started = time.perf_counter()
         interrupted = False

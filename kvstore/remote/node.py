@@ -55,6 +55,7 @@ class Remote:
         self._spent = 0.0  # seconds of the allowance waited out on uploads not done since
         self._said = False  # that the allowance ran out (said once until the uploads are all done)
         self._left = 0  # uploads left undone at close
+        self.say_undone = True  # False: the caller says what was left undone (warm and generate end with it)
         self._lock = threading.Lock()
         try:  # when this store first had a remote: what it wrote before, under its own key, is trusted on first use
             if not index.marks(REMOTE_SINCE):
@@ -128,7 +129,7 @@ class Remote:
             self._spent = self.flush_timeout if wait >= allowance else self._spent + time.monotonic() - t0
             say = self._spent >= self.flush_timeout and not self._said
             self._said = self._said or say
-        if say:
+        if say and self.say_undone:
             log.warning("kvstore: remote %s did not take %d uploads within %.1f s; this store waits for "
                         "them no longer (they go on in the background while this process runs; what is "
                         "not uploaded by its exit stays on this machine only)", self.url,
@@ -142,7 +143,7 @@ class Remote:
             self.sync_pins()
         left = self.uploader.close(timeout=0.0)
         self._left = left
-        if left and not self._said:
+        if left and not self._said and self.say_undone:
             log.warning("kvstore: remote %s: %d uploads left undone at close (the endpoint did not answer "
                         "within %.1f s); they stay on this machine only", self.url, left, self.flush_timeout)
         self.save_counters()
