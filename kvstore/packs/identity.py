@@ -121,6 +121,7 @@ def differences(mine: Identity, files: dict[str, str], tokenizer: dict[str, str]
         return (f"this model's {what} files are {sorted(have)}, the pack's are {sorted(want)}: a pack is only "
                 "for the model and tokenizer it was made with")
     if mine.chat_template != chat_template:
-        return (f"this tokenizer's chat template has SHA-256 {str(mine.chat_template)[:16]}..., the pack was "
-                f"made with {str(chat_template)[:16]}...")
+        def said(digest: str | None) -> str:
+            return f"one with SHA-256 {digest[:16]}..." if digest else "no chat template"
+        return f"this tokenizer has {said(mine.chat_template)}, the pack was made with {said(chat_template)}"
     return None

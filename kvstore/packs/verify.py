@@ -209,7 +209,8 @@ def _for_this_model(m: Manifest, t: Target) -> None:
                         f"{keys.FORMAT_VERSION}")
     if m.chunk_size != mc.chunk_size:
         raise PackError(f"the pack's chunk size is {m.chunk_size} tokens, this store's is {mc.chunk_size}: "
-                        f"import it into a store opened with chunk_size={m.chunk_size}")
+                        f"import it into a store made with chunk_size={m.chunk_size} (kvstore.open's, in the "
+                        "library; the commands use 256)")
     theirs, ours = acting_disk_kv_bits(m.layout, m.disk_kv_bits), acting_disk_kv_bits(mc.layout, t.disk_kv_bits)
     if theirs != ours:
         # (The option is a kept setting: the hint says so, as following it changes the store for good.)
