@@ -197,7 +197,7 @@ def test_remote_node_id_is_one_of_the_stores_own_names(tmp_path, lost):
     assert node_id(store) == node
 
 
-@pytest.mark.parametrize("drop", ["totals", "meta", "write_log, totals", "lost"])
+@pytest.mark.parametrize("drop", ["totals", "meta", "write_log, totals", "lost", "lost, no copy"])
 def test_a_rebuilt_index_keeps_the_kept_settings_and_the_write_log_or_keeps_the_budget_closed(tmp_path, llama, drop,
                                                                                               capsys):
     """What the damaged index still holds of its kept settings and write log is kept; what it
@@ -208,10 +208,14 @@ def test_a_rebuilt_index_keeps_the_kept_settings_and_the_write_log_or_keeps_the_
         pass
     rows = warm(store, llama)  # written under the budget, into the write log
     written = sum(r.size for r in rows)
-    if drop == "lost":  # the index deleted (with blobs to rebuild it from): nothing of it is left to read
+    assert json.loads((store / "index.settings").read_text()) == {
+        "kvstore kept settings 1": {"admit": "reused", "max_write_rate": "1000000000"}}  # the copy beside it
+    if drop.startswith("lost"):  # the index deleted (with blobs to rebuild it from): nothing of it is left to read
         with kvstore.open(store, chunk_size=C) as s:
             s.bind(model, path).prefill(prompts(7, 1, C)[0])  # explicit: written
         (store / "index.sqlite").unlink()
+        if drop == "lost, no copy":
+            (store / "index.settings").write_text("{not json")  # nothing to read back: limits stay closed
     else:
         sql(store, *[f"DROP TABLE {table}" for table in drop.split(", ")])  # a store kvstore can no longer open
     from kvstore.cli.main import main
@@ -226,9 +230,12 @@ def test_a_rebuilt_index_keeps_the_kept_settings_and_the_write_log_or_keeps_the_
         assert "settings kept: admit=reused, max_write_rate=1 GB/day; write log kept (1 hour)" in out.err
         assert kept == {"admit": ("reused", "kept"), "max_write_rate": (10**9, "kept")}
         assert writes["bytes_last_day"] == written
-    elif drop in ("meta", "lost"):
-        if drop == "lost":
-            assert "the kept settings could not be read (there was no old index to read them from)" in out.err
+    elif drop in ("meta", "lost"):  # read back from the copy; a lost write log closes the budget's day
+        assert "read back from index.settings: admit=reused, max_write_rate=1 GB/day" in out.err, out.err
+        assert kept == {"admit": ("reused", "kept"), "max_write_rate": (10**9, "kept")}
+        assert writes["budget_left"] == (0 if drop == "lost" else 10**9 - written)
+    elif drop == "lost, no copy":
+        assert "the kept settings could not be read (there was no old index to read them from)" in out.err
         assert (f"max_write_rate is kept as 0 B/day (no automatic writes) until `kvstore settings --store "
                 f"{store} max_write_rate=VALUE` keeps one") in out.err, out.err
         assert kept == {"max_write_rate": (0, "kept")} and writes["budget_left"] == 0

@@ -29,6 +29,7 @@ LOCK_NAME = BLOBS_NAME + ".lock"
 QUARANTINE_NAME = "quarantine"  # where `verify --repair` moves files that kvstore did not write
 NODE_ID_NAME = "remote-node-id"  # this store's name among the nodes of a shared bucket
 PINS_NAME = "index.pins"  # the pinned records, for a rebuild of the index (`storage.pins`)
+SETTINGS_NAME = "index.settings"  # the kept settings, for a rebuild of the index (`WriteLogSQL.set_setting`)
 TENANT_KEY_NAME = "tenant.key"  # the secret tenants' salts are derived under, without a remote tier
 TRUST_KEY_NAME = "trust.key"  # the store's own key for trust tags, without a remote tier (`kvstore.trust`)
 INDEX_FILES = tuple(INDEX_NAME + s for s in ("", "-wal", "-shm", "-journal"))
@@ -58,9 +59,9 @@ def is_absent(path: Path) -> bool:
 def own_name(name: str) -> bool:
     """An entry kvstore itself makes at the top of a store directory."""
     return (name in INDEX_FILES or name in (BLOBS_NAME, LOCK_NAME, QUARANTINE_NAME, NODE_ID_NAME, PINS_NAME,
-                                            TENANT_KEY_NAME, TRUST_KEY_NAME)
+                                            SETTINGS_NAME, TENANT_KEY_NAME, TRUST_KEY_NAME)
             or any(name.startswith(INDEX_NAME + x) for x in _INDEX_LEFTOVERS)
-            or name.startswith((f".{NODE_ID_NAME}.", f".{PINS_NAME}.", f".{TENANT_KEY_NAME}.",
+            or name.startswith((f".{NODE_ID_NAME}.", f".{PINS_NAME}.", f".{SETTINGS_NAME}.", f".{TENANT_KEY_NAME}.",
                                 f".{TRUST_KEY_NAME}.")))  # written aside, then renamed
 
 

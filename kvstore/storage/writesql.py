@@ -20,13 +20,19 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
+import os
 import sqlite3
 import time
+from pathlib import Path
 from typing import Iterable, Sequence
 
 from kvstore import settings
 from kvstore.errors import InvalidInputError
 from kvstore.storage import schema
+from kvstore.storage.storedir import SETTINGS_NAME, write_own_file
+
+log = logging.getLogger("kvstore")
 
 _MAX_PARAMS = schema.MAX_PARAMS
 _LOGS = {"deletion_log": "deletion_log", "insertion_log": "insertion_log"}  # the only tables a log name may be
@@ -52,6 +58,7 @@ def hour_of(t: float) -> int:
 LOG_COLUMNS = ("bytes", "records", "downloaded", "not_admitted", "not_admitted_bytes", "over_budget",
                "over_budget_bytes", "explicit")
 _SETTING = "setting."
+SETTINGS_FORMAT = "kvstore kept settings 1"  # the one key of `index.settings`: {name: value as kept}
 #: The last hour whose log `mend_log` set to 0 (or a rebuild could not read): the budget counts it
 #: as full while it is in the window, with no bytes logged that were never written.
 _CLOSED = "write_log.closed"
@@ -382,13 +389,20 @@ class WriteLogSQL:
         return {key[len(_SETTING):]: value if isinstance(value, str) else f"\0{value!r}" for key, value in rows}
 
     def set_setting(self, name: str, value: str | None) -> None:
-        """Keep a setting in the store for later opens (None forgets it)."""
+        """Keep a setting in the store for later opens (None forgets it). The kept settings are
+        copied to the file beside the index (`index.settings`), which a rebuild reads them back from."""
         with self.transaction() as conn:
             if value is None:
                 conn.execute("DELETE FROM meta WHERE key = ?", (_SETTING + name,))
             else:
                 conn.execute("INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT (key) DO UPDATE "
                              "SET value = excluded.value", (_SETTING + name, value))
+            kept = {k[len(_SETTING):]: v for k, v in conn.execute(
+                "SELECT key, value FROM meta WHERE key LIKE ?", (_SETTING + "%",)) if isinstance(v, str)}
+            try:  # (in the transaction: two processes never leave the older copy last)
+                write_own_file(self.path.parent / SETTINGS_NAME, json.dumps({SETTINGS_FORMAT: kept}, sort_keys=True))
+            except OSError as e:  # kept in the index all the same; a rebuild then closes the limits
+                log.warning("kvstore: the copy of the kept settings (%s) was not written: %s", SETTINGS_NAME, e)
 
     # -- what computed a model's exact-mode records (`kvstore.model.blas`) ------------------
 
@@ -459,3 +473,19 @@ def _add(conn: sqlite3.Connection, hour: int, deltas: dict[str, int]) -> None:
             if off:
                 conn.execute(f"UPDATE write_log SET {c} = {c} - ? WHERE hour = ?", (off, h))
                 n += off
+
+
+def read_settings_copy(store: Path) -> dict[str, str] | None:
+    """The kept settings of the copy beside the index (`set_setting`), or None if there is none
+    or it is not one kvstore wrote (a rebuild then keeps the limits closed). Each value is
+    checked where it is read, as the index's are (`kvstore.settings.resolve`)."""
+    try:
+        fd = os.open(store / SETTINGS_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as f:
+            doc = json.loads(f.read(1 << 20))
+    except (OSError, ValueError):
+        return None
+    kept = doc.get(SETTINGS_FORMAT) if isinstance(doc, dict) else None
+    if not isinstance(kept, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in kept.items()):
+        return None
+    return kept

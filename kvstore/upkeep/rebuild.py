@@ -39,8 +39,16 @@ from kvstore.storage import blobfile, blobformat, blobtree
 from kvstore.storage.index import Index, _u64_to_i64
 from kvstore.storage.pins import PinsFile, read_pins_file, write_pins_file
 from kvstore.storage.schema import connect_read_only
-from kvstore.storage.storedir import BLOBS_NAME, INDEX_FILES, INDEX_NAME, PINS_NAME, has_blob_files, open_dir
-from kvstore.storage.writesql import LOG_COLUMNS, hour_of
+from kvstore.storage.storedir import (
+    BLOBS_NAME,
+    INDEX_FILES,
+    INDEX_NAME,
+    PINS_NAME,
+    SETTINGS_NAME,
+    has_blob_files,
+    open_dir,
+)
+from kvstore.storage.writesql import LOG_COLUMNS, hour_of, read_settings_copy
 
 
 def rebuild_index(path: str | os.PathLike) -> dict:
@@ -213,10 +221,16 @@ def _kept_settings(old: _Salvage, store: Path) -> tuple[dict[str, object], list[
     had is never lifted); an unreadable write log with a budget counts this hour as the whole of it."""
     kept = dict(old.settings or {})
     said = []
-    if old.settings is None:
+    whence = "from the damaged index" if old.found else "(there was no old index to read them from)"
+    copy = read_settings_copy(store) if old.settings is None else None
+    if copy is not None:  # the copy kept beside the index
+        kept = copy
+        shown = [_shown(name, value) for name, value in sorted(kept.items())]
+        said.append(f"the kept settings could not be read {whence}: read back from {SETTINGS_NAME}: "
+                    + (", ".join(shown) or "none kept (every one its default)"))
+    elif old.settings is None:
         closed = {s.name: s.damaged for s in settings.KEPT_SETTINGS if s.damaged is not None}
         kept.update(closed)
-        whence = "from the damaged index" if old.found else "(there was no old index to read them from)"
         said.append(f"the kept settings could not be read {whence}: " + ", ".join(
             f"{name} is kept as {settings.damaged_reads(settings.BY_NAME[name])} until "
             f"{settings.keep_one(settings.BY_NAME[name], store)}" for name in closed) + "; the others are their defaults")
