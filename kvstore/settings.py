@@ -165,7 +165,7 @@ def _size(s: Setting, value: Any) -> int:
 
 
 def _rate(s: Setting, value: Any) -> int:
-    n = _number(value, parse_rate, "a rate", "20GB/day or 500MB/h (or off)")
+    n = _number(value, parse_rate, "a rate", "20GB/day or 500MB/h (or off)", int(s.zero is None))
     return int(n)
 
 

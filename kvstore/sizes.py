@@ -78,7 +78,9 @@ def parse_rate(text: str) -> int:
         raise ValueError(f"{text!r}: unknown period {period!r}; use s, min, h, day or week")
     try:
         size = parse_size(amount)
-    except ValueError:
+    except ValueError as e:
+        if "is not a size" not in str(e):  # (a unit it does not know is said as such)
+            raise
         raise ValueError(f"{text!r} is not a rate; use a size per period, like 20GB/day or 500MB/h") from None
     per_day = int(size * 86400 // seconds)
     if per_day == 0 and size > 0:

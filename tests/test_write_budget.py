@@ -38,8 +38,8 @@ def test_rates_in_every_accepted_form():
     assert parse_rate("2GB") == 2 * 10**9  # a size alone is per day
     assert parse_rate(12345) == 12345
     assert parse_rate("off") is None and parse_rate("none") is None and parse_rate(None) is None
-    for bad, reason in (("20GB/fortnight", "period"), ("fast", "not a size"), (-1, "0 or more"),
-                        ("20XB/day", "unit"), (True, "rate"), (0, "use off"), ("unlimited", "not a size")):
+    for bad, reason in (("20GB/fortnight", "period"), ("fast", "not a rate"), (-1, "give 1 or more"),
+                        ("20XB/day", "unit"), (True, "rate"), (0, "use off"), ("unlimited", "not a rate")):
         with pytest.raises(InvalidInputError, match=f"max_write_rate.*{reason}"):
             parse_rate(bad)
 
