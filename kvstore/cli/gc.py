@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 from pathlib import Path
 
 from kvstore import settings
 from kvstore.argv import duration, or_off, size
-from kvstore.cli.options import open_local, remote_upkeep, remote_url, store_path
+from kvstore.cli.options import open_local, remote_key, remote_upkeep, remote_url, store_path
 from kvstore.cli.output import EXIT_USAGE, PROG, CommandError, out, plural, say
 from kvstore.errors import UnknownTenantError
 from kvstore.sizes import format_size
@@ -19,6 +20,7 @@ EXAMPLES = """examples:
   kvstore gc --remote s3://team-cache/kv --max-age 7d     # the shared bucket, deepest first
   kvstore gc --max-bytes 20GiB --tenant-max-bytes 1GiB     # and no tenant above 1 GiB
   kvstore gc --drop-tenant 94006b12d940acf3                # every record of one tenant, pins too
+  kvstore gc --drop-tenant-id customer-42                  # the same, by the id its requests name
   kvstore gc --remote s3://team-cache/kv --remote-key-file fleet.key --drop-key 3fa2c1d0  # end a key rotation
 
 SIZE: bytes, or a number with KB/MB/GB/TB (x1000) or K/M/G/T, KiB/MiB/GiB/TiB (x1024).
@@ -41,6 +43,11 @@ def register(add, store_opts, model_opts) -> None:
                    help="delete every record of the tenant with this tag (as `kvstore stats` lists tenants), "
                         "its pinned ones too; repeatable. The local store only: the bucket's copies stay "
                         "until `gc --remote` bounds it")
+    p.add_argument("--drop-tenant-id", metavar="ID", action="append", default=[],
+                   help="as --drop-tenant, for the tenant whose requests name this id (its header value or "
+                        "bearer token): its tag is derived as kvstore serve derives it, under the store's "
+                        "tenant.key and, when the fleet secret is given (--remote-key-file or "
+                        "$KVSTORE_REMOTE_KEY), the fleet's keys; repeatable")
     p.add_argument("--drop-key", metavar="ID",
                    help="with --remote: delete every object only the older fleet key ID opens (the end of "
                         "`kvstore remote-key --rotate`), and take it out of --remote-key-file")
@@ -59,15 +66,16 @@ def cmd_gc(args) -> int:
         return _drop_key(args)
     if args.drop_unknown and args.remote is None:
         raise CommandError("--drop-unknown deletes namespaces of a bucket: give --remote URL", EXIT_USAGE)
-    if not bounds and not args.stale and not args.drop_unknown and not args.drop_tenant:
+    if not bounds and not args.stale and not args.drop_unknown and not args.drop_tenant and not args.drop_tenant_id:
         raise CommandError("gc needs --max-bytes and/or --max-age (or --tenant-max-bytes, --drop-tenant or "
                            "--stale)", EXIT_USAGE)
     if args.remote is not None:
-        if args.drop_tenant or getattr(args, "tenant_max_bytes", None) is not None:
+        if args.drop_tenant or args.drop_tenant_id or getattr(args, "tenant_max_bytes", None) is not None:
             raise CommandError("--drop-tenant and --tenant-max-bytes act on the local store's tenants: run them "
                                "without --remote (the bucket is bounded as a whole)", EXIT_USAGE)
         return _gc_remote(args)
     with open_local(args, must_exist=True) as files:
+        args.drop_tenant += [tag for tenant_id in args.drop_tenant_id for tag in _tags_of(args, files, tenant_id)]
         try:
             result = files.gc(max_bytes=args.max_bytes, max_age=args.max_age, dry_run=args.dry_run,
                               stale=args.stale, tenant_max_bytes=args.tenant_max_bytes, drop_tenants=args.drop_tenant)
@@ -94,6 +102,38 @@ def cmd_gc(args) -> int:
         say(f"{PROG} gc: still above the budget of {args.max_bytes} bytes: "
             f"{_kept(args, result['kept_bytes'], pinned)}")
     return 0
+
+
+def _tags_of(args, files, tenant_id: str) -> list[str]:
+    """The tags the store holds records under for the tenant `tenant_id`, derived as a server
+    derives them (the store's tenant key; the fleet's keys, current and older, when given).
+    CommandError naming the keys tried when it holds none (the id is never quoted: it may be a
+    bearer token)."""
+    from kvstore import tenants
+    from kvstore.errors import StoreOpenError
+    from kvstore.remote.seal import KEY_ENV, Fleet, fleet_keys
+    from kvstore.storage.storedir import tenant_key
+
+    secrets, tried = [], []
+    try:
+        secrets.append(tenant_key(files.path, create=False))
+        tried.append("the store's tenant.key")
+    except StoreOpenError:
+        pass
+    given = remote_key(args)
+    if given is not None or os.environ.get(KEY_ENV):  # (without the fleet secret: the store's key alone)
+        fleet = Fleet.of(fleet_keys(given))
+        secrets += [f.tenant_secret() for f in fleet.keyring()]
+        tried.append(plural(len(fleet.keyring()), "fleet key"))
+    try:
+        tags = {tenants.derive(secret, tenant_id).tag for secret in secrets}
+    except ValueError as e:
+        raise CommandError(f"--drop-tenant-id: {e}", EXIT_USAGE) from None
+    held = tags & {t["tenant"] for t in files.tenants()}
+    if not held:
+        raise CommandError(f"the store holds no records of that tenant (its tag under {' and '.join(tried) or 'no key'}"
+                           f" is {', '.join(sorted(tags)) or 'unknown'}; `{PROG} stats` lists the tenants' tags)")
+    return sorted(held)
 
 
 def _tenant_tag(text: str) -> str:
