@@ -328,7 +328,7 @@ def test_uploads_skipped_while_the_endpoint_is_down_are_said_and_shown(tmp_path,
     assert t["uploads"] == 0 and t["skipped_down_uploads"] > 0 and undone > 1, t
     line = next((s for s in out.stdout.splitlines() if "uploads not done" in s), None)
     assert line is not None and line.startswith(f"remote: {undone} uploads not done ("), out.stdout
-    assert f"{t['skipped_down_uploads']} skipped while the remote was down" in line, line
+    assert f"{t['skipped_down_uploads']} skipped while the remote failed (said above)" in line, line
     assert "no later process uploads them" in line, line
     text = cli("stats", "--store", str(store), "--remote", url).stdout
     assert (f"skipped uploads: {t['skipped_down_uploads']} (remote down) / {t['skipped_no_parent']} (no parent)"

@@ -106,7 +106,7 @@ def parse(data: bytes) -> Manifest:
         doc = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise PackError(f"{MANIFEST} is not JSON ({e})") from None
-    _keys(doc, _FIELDS, MANIFEST)
+    _keys(doc, _FIELDS, "its top level")
     if doc["kvstore_pack"] != PACK_FORMAT or type(doc["kvstore_pack"]) is not int:
         raise PackError(f"{MANIFEST}: pack format {doc['kvstore_pack']!r} is not one this kvstore reads "
                         f"({PACK_FORMAT})")
@@ -139,9 +139,11 @@ def parse(data: bytes) -> Manifest:
 def _keys(obj: Any, fields: tuple, where: str) -> None:
     if not isinstance(obj, dict):
         raise PackError(f"{MANIFEST}: {where} must be an object")
-    if set(obj) != set(fields):
-        raise PackError(f"{MANIFEST}: {where} has fields {sorted(set(obj) - set(fields))} it should not "
-                        f"have, or lacks {sorted(set(fields) - set(obj))}")
+    extra, missing = sorted(set(obj) - set(fields)), sorted(set(fields) - set(obj))
+    if extra or missing:
+        what = ([f"fields it should not have: {', '.join(map(repr, extra))}"] if extra else []) + \
+               ([f"no {', '.join(map(repr, missing))}"] if missing else [])
+        raise PackError(f"{MANIFEST}: {where} has {' and '.join(what)}")
 
 
 def _int(v: Any, where: str, lo: int, hi: int) -> int:
