@@ -237,6 +237,12 @@ def test_bearer_default_tenant_no_cached_tokens_and_a_body_over_the_limit(warmed
             assert r.status_code == 200 and "prompt_tokens_details" not in r.json()["usage"]
         r = chat(server, SECRET)  # no token: the default tenant
         assert r.status_code == 200 and "prompt_tokens_details" not in r.json()["usage"]
+        # streamed: its progress comments tell no token counts (prompt - total was the cached count)
+        streamed = chat(server, SECRET, {"Authorization": "Bearer token-of-alice"}, stream=True,
+                        stream_options={"include_usage": True})
+        progress = [line for line in streamed.text.splitlines() if line.startswith(": keepalive")]
+        assert progress and all(line.endswith("/1000") for line in progress), progress
+        assert "prompt_tokens_details" not in streamed.text
         before = _rss(server.proc.pid)
         status = _post_huge(server.port, 200 << 20)
         time.sleep(0.5)

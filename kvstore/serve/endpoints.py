@@ -24,7 +24,7 @@ from urllib.parse import unquote
 
 from kvstore.serve import routing
 from kvstore.serve.metrics import ServerMetrics
-from kvstore.serve.mlxserver import TENANT_ATTRIBUTE
+from kvstore.serve.mlxserver import HIDE_COUNTS_ATTRIBUTE, TENANT_ATTRIBUTE
 from kvstore.serve.options import DEFAULT_MAX_BODY_BYTES
 from kvstore.serve.promptcache import PersistentPromptCache
 from kvstore.serve.tenancy.policy import Refused, TenantPolicy
@@ -200,8 +200,10 @@ class KVStoreEndpoints:
         return self._with_tenant(super().handle_text_completions())
 
     def _with_tenant(self, request):
-        """mlx_lm.server's request object, carrying this request's tenant to the generation thread."""
+        """mlx_lm.server's request object, carrying this request's tenant to the generation thread
+        (and, when cached tokens are not reported, that its progress must not tell them either)."""
         setattr(request, TENANT_ATTRIBUTE, self._kvstore_tenant)
+        setattr(request, HIDE_COUNTS_ATTRIBUTE, not self.kvstore_report_cached_tokens)
         return request
 
     def generate_response(self, *args, **kwargs):

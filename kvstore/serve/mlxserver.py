@@ -32,6 +32,11 @@ log = logging.getLogger("kvstore")
 
 #: The attribute of mlx_lm.server's request object that carries its tenant's id (set by the handler).
 TENANT_ATTRIBUTE = "_kvstore_tenant"
+#: Set on a request whose progress reports must not tell how many of its tokens were cached:
+#: mlx_lm.server streams `: keepalive processed/total` (total: the tokens left after the cache).
+HIDE_COUNTS_ATTRIBUTE = "_kvstore_hide_counts"
+#: What a hidden progress report counts in: per mille of the prompt processing, not tokens.
+PER_MILLE = 1000
 
 
 def server_module():
@@ -273,6 +278,12 @@ class _RecoveringGenerator:
         except BaseException:
             waiting.start(request)
             raise
+        if progress_callback is not None and getattr(request, HIDE_COUNTS_ATTRIBUTE, False):
+            told = progress_callback
+
+            def progress_callback(processed, total):  # (no absolute count: prompt - total = cached)
+                told(min(PER_MILLE, PER_MILLE * processed // max(1, total)), PER_MILLE)
+
         on_progress, watched = waiting.watch(request, progress_callback, tokens)
         holder.append(on_progress)
         return ctx, _reused_only(ctx, watched, self._kvstore_cache.first_steps)
