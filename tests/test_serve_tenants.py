@@ -320,7 +320,10 @@ def test_the_tenant_policy():
     assert TenantPolicy(unnamed=True).active and TenantPolicy(unnamed=True).tenant_of({}, {}) == UNNAMED
     with pytest.raises(Refused, match="control characters"):
         header.tenant_of({"X-Tenant": "a\x00b"}, {})
-    assert header.tenant_of({"X-Tenant": UNNAMED}, {}) != UNNAMED  # (\x1f is stripped as space)
+    for sly in (UNNAMED, "alice\x1f", "\x1calice", "alice\x85"):  # refused, not stripped into another's id
+        with pytest.raises(Refused, match="control characters"):
+            header.tenant_of({"X-Tenant": sly}, {})
+    assert header.tenant_of({"X-Tenant": "alice\xa0"}, {}) == "alice\xa0"  # (a space of its own: its own tenant)
     from email.message import Message
 
     twice = Message()

@@ -229,7 +229,10 @@ class KVStoreEndpoints:
         """Whether this request may read the operator's endpoints (`admin_token`)."""
         if self.kvstore_admin_token is None:
             return True
-        scheme, _, token = (self.headers.get("Authorization") or "").strip().partition(" ")
+        every = self.headers.get_all("Authorization") or []
+        if len(every) != 1:  # none, or two (which one a proxy added cannot be told)
+            return False
+        scheme, _, token = every[0].strip().partition(" ")
         return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.kvstore_admin_token)
 
     def _set_cors_headers(self):

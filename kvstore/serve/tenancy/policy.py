@@ -92,19 +92,24 @@ class TenantPolicy:
             return None
         if self.source == "bearer":
             auth = _once(headers, "Authorization")
-            scheme, _, token = auth.strip().partition(" ")
-            value = token.strip() if scheme.lower() == "bearer" else ""
             what, status = "an Authorization: Bearer header", 401
         else:
-            value = _once(headers, self.source).strip()
+            auth = _once(headers, self.source)
             what, status = f"the {self.source} header", 400
+        # Control characters (C0, DEL, C1) are refused before anything is stripped: str.strip
+        # takes some of them (and other Unicode spaces) off, which made several values one tenant.
+        if any(ord(c) < 32 and c != "\t" or 127 <= ord(c) < 160 for c in auth):
+            raise Refused(400, f"the tenant in {what} holds control characters")
+        if self.source == "bearer":
+            scheme, _, token = auth.strip(" \t").partition(" ")
+            value = token.strip(" \t") if scheme.lower() == "bearer" else ""
+        else:
+            value = auth.strip(" \t")
         if not value:
             if self.default is not None:
                 return self.default
             raise Refused(status, f"this server serves each tenant apart and takes the tenant from {what}, "
                                   "which this request does not have")
-        if any(ord(c) < 32 or ord(c) == 127 for c in value):
-            raise Refused(400, f"the tenant in {what} holds control characters")
         try:
             return check_id(value)
         except ValueError as e:
@@ -202,15 +207,17 @@ class RequestTenants:
 
 def describe_tenants(policy: TenantPolicy) -> str:
     """How a server tells tenants, in a log line's words (never a value)."""
-    how = {"none": "one tenant", "bearer": "the tenant is the bearer token"}.get(
-        policy.source, f"the tenant is the {policy.source} header")
+    if policy.source == "none":  # (requests name no tenant: a header's server refuses them, or takes the default)
+        if policy.trust_client_salt:
+            return ("the tenant is a request's cache_salt; requests without one are one tenant of their own, "
+                    "never the shared prompts")
+        return ("this server's requests are one tenant of their own, never the shared prompts (the store "
+                "serves tenants)") if policy.unnamed else "one tenant"
+    how = "the tenant is the bearer token" if policy.source == "bearer" else f"the tenant is the {policy.source} header"
     if policy.default is not None:
         how += ", a default tenant for requests without it"
     if policy.trust_client_salt:
         how += ", a request's cache_salt splits it further"
-    if (policy.trust_client_salt or policy.unnamed) and policy.source == "none":  # (else: refused or the default)
-        how += ("; requests that name no tenant" + (" nor cache_salt" if policy.trust_client_salt else "")
-                + " are one tenant of their own, never the shared prompts")
     return how
 
 
