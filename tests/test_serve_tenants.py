@@ -232,6 +232,11 @@ def test_bearer_default_tenant_no_cached_tokens_and_a_body_over_the_limit(warmed
             ok = requests.get(f"{server.url}{path}", headers={"Authorization": "Bearer an-operator-token-0123456789"},
                               timeout=30)
             assert ok.status_code == 200, ok.text
+        # verify --isolation needs the operator's token to read them: said at once, not as a missing check
+        (tmp_path / "wrong").write_text("not-the-operator-token-0123\n")
+        for extra_args in ([], ["--admin-token-file", str(tmp_path / "wrong")]):
+            told = run_cli("verify", "--isolation", server.url, "--tenant-from", "bearer", *extra_args, check=False)
+            assert told.returncode == 2 and "keeps /metrics and /kvstore/stats for its operator (401)" in told.stderr
         for _ in range(2):  # a repeated request: it hits, and still says nothing of it
             r = chat(server, SECRET, {"Authorization": "Bearer token-of-alice"})
             assert r.status_code == 200 and "prompt_tokens_details" not in r.json()["usage"]
@@ -405,3 +410,24 @@ def test_what_probes_leave_behind_is_said_with_the_bucket_copies():
     [remote] = left_behind({"aaaaaaaaaaaaaaaa": 1 << 20}, bucket=True)
     assert "the bucket's copies stay until `kvstore gc --remote`" in remote
     assert left_behind({}) == []
+
+
+def test_verify_isolation_reads_the_operators_endpoints_with_the_token_and_probes_without_it():
+    from kvstore.serve.tenancy.isolation import _Operator
+
+    class Session:
+        def __init__(self):
+            self.sent = []
+
+        def get(self, url, **kw):
+            self.sent.append(("GET", url, kw.get("headers", {})))
+
+        def post(self, url, **kw):
+            self.sent.append(("POST", url, kw.get("headers", {})))
+
+    session = Session()
+    http = _Operator(session, b"the-operator-token-0123")
+    http.get("http://s/metrics", timeout=1)
+    http.post("http://s/v1/chat/completions", headers={"Authorization": "Bearer tenant-a"})
+    assert session.sent == [("GET", "http://s/metrics", {"Authorization": "Bearer the-operator-token-0123"}),
+                            ("POST", "http://s/v1/chat/completions", {"Authorization": "Bearer tenant-a"})]

@@ -47,6 +47,9 @@ def register(add, store_opts, model_opts) -> None:
     p.add_argument("--prompts", metavar="FILE",
                    help="with --isolation: its first line is the shared prompt (as warmed; a chat line for a "
                         "server); without it, a server's shared prompt is not checked")
+    p.add_argument("--admin-token-file", metavar="PATH",
+                   help="with --isolation URL: the server's --admin-token-file, to read its /metrics and "
+                        "/kvstore/stats (they answer only its token)")
     p.add_argument("--probes", metavar="N", type=int, default=20,
                    help="with --isolation: prompts of each kind another tenant probes (default 20; at least 7, "
                         "below which the timing check could not fail)")
@@ -81,6 +84,8 @@ def cmd_verify(args) -> int:
         return _verify_exact(args)
     if args.sample != 8 or args.tenant is not None or args.kv_bits is not None or args.kv_group_size != 64:
         raise CommandError("--sample, --tenant, --kv-bits and --kv-group-size go with --exact", EXIT_USAGE)
+    if args.admin_token_file is not None and not args.isolation:
+        raise CommandError("--admin-token-file goes with --isolation URL", EXIT_USAGE)
     if args.isolation is not None:
         return _isolation(args)
     if args.model is not None:
@@ -334,8 +339,10 @@ def _isolation(args) -> int:
             raise CommandError(f"--prompts {args.prompts}: a server's shared prompt is a chat line "
                                "({\"messages\": [...]}), as it was warmed", EXIT_USAGE)
         try:
+            from kvstore.serve.options import admin_token
+
             report = isolation.check_server(args.isolation, args.tenant_from, line.value if line else None,
-                                            args.probes)
+                                            args.probes, admin_token=admin_token(args.admin_token_file))
         except ValueError as e:
             raise CommandError(str(e), EXIT_USAGE) from None
         except Exception as e:  # the server is down or answers otherwise

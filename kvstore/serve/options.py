@@ -119,11 +119,11 @@ def server_settings(args: argparse.Namespace) -> dict:
     if out["default_tenant"] is not None and out["tenants"].source == "none":
         raise InvalidInputError("--default-tenant names the tenant of requests that name none: it needs "
                                 "--tenant-from header:NAME or bearer")
-    out["admin_token"] = _admin_token(out["admin_token_file"])
+    out["admin_token"] = admin_token(out["admin_token_file"])
     return out
 
 
-def _admin_token(path: str | None) -> bytes | None:
+def admin_token(path: str | None) -> bytes | None:
     """The token in `--admin-token-file` (its first line, at least 16 characters), or None."""
     if path is None:
         return None

@@ -141,10 +141,11 @@ def judge(report: Report, other: list[tuple[float, int]], fresh: list[tuple[floa
 # -- against a running server --------------------------------------------------------------------
 
 def check_server(url: str, tenant_from: str, shared: list[dict] | None, probes: int = 20, *,
-                 text_tokens: int = 600, timeout: float = 120.0) -> Report:
+                 text_tokens: int = 600, timeout: float = 120.0, admin_token: bytes | None = None) -> Report:
     """Run the checks against the server at `url`, telling tenants as `tenant_from` says
     ("header:NAME" or "bearer"); `shared`: the chat messages the operator warmed (None: that
-    check is skipped)."""
+    check is skipped); `admin_token`: the server's `--admin-token-file` token, for its /metrics
+    and /kvstore/stats (ValueError if they ask for one and it is not given or not theirs)."""
     import requests
 
     from kvstore.serve.tenancy.policy import parse_source
@@ -152,7 +153,10 @@ def check_server(url: str, tenant_from: str, shared: list[dict] | None, probes: 
     source = parse_source(tenant_from)
     if source == "none":
         raise ValueError("--tenant-from: give the way the server tells tenants (header:NAME or bearer)")
-    base, http = url.rstrip("/"), requests.Session()
+    base, http = url.rstrip("/"), _Operator(requests.Session(), admin_token)
+    if http.get(base + "/kvstore/stats", timeout=timeout).status_code == 401:
+        raise ValueError(f"{base} keeps /metrics and /kvstore/stats for its operator (401): give its token "
+                         "with --admin-token-file" + (" (the one given is not it)" if admin_token else ""))
     run = secrets.token_hex(4)
     tenants = {who: f"kvstore-verify-{who}-{run}" for who in "AB"}
     told = {"cached_tokens": False}
@@ -191,6 +195,22 @@ def check_server(url: str, tenant_from: str, shared: list[dict] | None, probes: 
         report.notes.extend(left_behind({t: b for t, b in stored_after.items() if t not in stored_before},
                                         bucket=_has_remote(http, base)))
     return report
+
+
+class _Operator:
+    """A requests session whose GETs (the server's /metrics and /kvstore/stats) carry the
+    operator's token, if there is one; its POSTs (the probes) carry only their own headers."""
+
+    def __init__(self, session, token: bytes | None):
+        self.session, self.token = session, token
+
+    def get(self, url: str, **kw):
+        if self.token is not None:
+            kw["headers"] = {**kw.get("headers", {}), "Authorization": f"Bearer {self.token.decode()}"}
+        return self.session.get(url, **kw)
+
+    def post(self, url: str, **kw):
+        return self.session.post(url, **kw)
 
 
 def _settled_tenant_bytes(http, base: str, wait: float = 10.0) -> dict[str, int] | None:
