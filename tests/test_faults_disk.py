@@ -134,3 +134,30 @@ def test_full_disk_drops_and_counts_writes_and_serving_goes_on(llama, full_disk)
             cache, rest = mc.fetch(query)
             assert rest == [3] and logits_diff(model, cache, rest, query) <= TOL
         assert store.verify() == []
+
+
+def test_a_store_no_process_holds_open_opens_read_only_on_a_full_disk(llama, full_disk, caplog):
+    """SQLite cannot make the index's -wal and -shm on a full disk: a store that no process has
+    open then opens read-only (said), restores as before and stores nothing; once space is freed,
+    it opens to write again. (It would not open at all: stats, verify and serving stopped.)"""
+    if not isinstance(full_disk, TmpfsFull):
+        pytest.skip("needs a real full disk")
+    model_path, model = llama
+    store_dir = full_disk.mount / "s"
+    kept = prompts(42, 2, C)
+    with kvstore.open(store_dir, chunk_size=C) as store:
+        mc = store.bind(model, model_path)
+        for p in kept:
+            mc.insert(p, prefill(model, p))
+    full_disk.fill()
+    with caplog.at_level("WARNING", logger="kvstore"), kvstore.open(store_dir, chunk_size=C, memory_bytes=0) as s:
+        assert s.read_only and "is full" in caplog.text and "open read-only" in caplog.text
+        mc = s.bind(model, model_path)
+        for p in kept:
+            query = p + [3]
+            cache, rest = mc.fetch(query)
+            assert rest == [3] and logits_diff(model, cache, rest, query) <= TOL
+        assert s.stats()["chunks"] > 0 and s.verify() == []
+    full_disk.free()
+    with kvstore.open(store_dir, chunk_size=C) as s:
+        assert not s.read_only

@@ -242,3 +242,22 @@ def test_a_rebuilt_index_keeps_the_kept_settings_and_the_write_log_or_keeps_the_
     else:
         assert "the write log could not be read: this hour counts as the whole write budget" in out.err
         assert kept["max_write_rate"] == (10**9, "kept") and writes["budget_left"] == 0
+
+
+def test_a_rebuilt_index_of_a_store_that_kept_no_setting_keeps_writing(tmp_path, llama):
+    """A store with no kept setting has a copy that says so: the rebuild of its lost index keeps
+    the defaults (no budget to keep closed), and automatic writes go on."""
+    store = tmp_path / "s"
+    path, model = llama
+    warm(store, llama)
+    assert json.loads((store / "index.settings").read_text()) == {"kvstore kept settings 1": {}}
+    (store / "index.sqlite").unlink()
+    from kvstore.cli.main import main
+
+    assert main(["verify", "--repair", "--store", str(store)]) == 1
+    with kvstore.open(store, chunk_size=C) as s:
+        assert {name for name, v in s.settings.items() if v[1] == "kept"} == set()
+        tokens = prompts(9, 1, C)[0]
+        s.bind(model, path).insert(tokens, prefill(model, tokens))  # automatic: written
+        s.flush()
+        assert s.stats()["writes"]["max_write_rate"] is None and s.stats()["writer"]["records_written"] > 0

@@ -98,8 +98,9 @@ def connect_read_only(path: Path, timeout: float = BUSY_TIMEOUT_S, *,
         return conn
     except sqlite3.Error as e:
         conn.close()
-        # READONLY or CANTOPEN: this user cannot use the writer's -shm; read the snapshot.
-        if not live or journal or getattr(e, "sqlite_errorcode", 0) & 0xFF not in (8, 14):
+        # READONLY or CANTOPEN: this user cannot use the writer's -shm; IOERR or FULL: a full disk
+        # left an empty -shm (no writer made it) that cannot grow. Read the snapshot.
+        if not live or journal or getattr(e, "sqlite_errorcode", 0) & 0xFF not in (8, 10, 13, 14):
             raise
     return sqlite3.connect(sqlite_uri(path, mode="ro", immutable="1"), uri=True, timeout=timeout,
                            isolation_level=None, check_same_thread=False)

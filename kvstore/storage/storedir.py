@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import sqlite3
 import stat
 import threading
@@ -32,6 +33,8 @@ PINS_NAME = "index.pins"  # the pinned records, for a rebuild of the index (`sto
 SETTINGS_NAME = "index.settings"  # the kept settings, for a rebuild of the index (`WriteLogSQL.set_setting`)
 TENANT_KEY_NAME = "tenant.key"  # the secret tenants' salts are derived under, without a remote tier
 TRUST_KEY_NAME = "trust.key"  # the store's own key for trust tags, without a remote tier (`kvstore.trust`)
+#: Less free space than this, and an index that cannot be opened to write: the disk is full.
+FULL_DISK_BYTES = 1 << 20
 INDEX_FILES = tuple(INDEX_NAME + s for s in ("", "-wal", "-shm", "-journal"))
 # Left beside the index by a rebuild, or when a stale journal is moved aside.
 _INDEX_LEFTOVERS = (".damaged-", ".rebuilding", "-wal.stale-", "-shm.stale-", "-journal.stale-")
@@ -182,9 +185,29 @@ def open_dir(path: Path, *, create: bool, read_only: bool | None) -> tuple[Path,
         if st.st_uid != os.geteuid():
             raise StoreOpenError(f"the store {path} belongs to user id {st.st_uid}, not to you: "
                                  "kvstore only writes to a store you own (it can read this one)")
-    _check_is_store(path, create=create and not read_only, read_only=read_only)
+    try:
+        _check_is_store(path, create=create and not read_only, read_only=read_only)
+    except StoreOpenError as e:  # a full disk: SQLite cannot make the index's -wal and -shm
+        if read_only or not disk_full(path):
+            raise
+        say_full(path, e)
+        read_only = True
+        _check_is_store(path, create=False, read_only=True)
     _check_mode(path, st, read_only)  # only once it is known to be a store: nothing else changes
     return path, read_only
+
+
+def disk_full(path: Path) -> bool:
+    """Whether the disk of `path` has less than `FULL_DISK_BYTES` free."""
+    try:
+        return shutil.disk_usage(path).free < FULL_DISK_BYTES
+    except OSError:
+        return False
+
+
+def say_full(path: Path, e: BaseException) -> None:
+    log.warning("kvstore: the disk of the store %s is full (%s): it is open read-only, and nothing is "
+                "stored until space is freed and it is opened again", path, e)
 
 
 def _writable(file: Path) -> bool:

@@ -397,12 +397,22 @@ class WriteLogSQL:
             else:
                 conn.execute("INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT (key) DO UPDATE "
                              "SET value = excluded.value", (_SETTING + name, value))
-            kept = {k[len(_SETTING):]: v for k, v in conn.execute(
-                "SELECT key, value FROM meta WHERE key LIKE ?", (_SETTING + "%",)) if isinstance(v, str)}
             try:  # (in the transaction: two processes never leave the older copy last)
-                write_own_file(self.path.parent / SETTINGS_NAME, json.dumps({SETTINGS_FORMAT: kept}, sort_keys=True))
+                self._write_settings_copy(conn)
             except OSError as e:  # kept in the index all the same; a rebuild then closes the limits
                 log.warning("kvstore: the copy of the kept settings (%s) was not written: %s", SETTINGS_NAME, e)
+
+    def keep_settings_copy(self, *, missing_only: bool = False) -> None:
+        """Write the copy of the kept settings beside the index (`missing_only`: if there is none)."""
+        if missing_only and os.path.lexists(self.path.parent / SETTINGS_NAME):
+            return
+        with self.transaction() as conn:
+            self._write_settings_copy(conn)
+
+    def _write_settings_copy(self, conn) -> None:
+        kept = {k[len(_SETTING):]: v for k, v in conn.execute(
+            "SELECT key, value FROM meta WHERE key LIKE ?", (_SETTING + "%",)) if isinstance(v, str)}
+        write_own_file(self.path.parent / SETTINGS_NAME, json.dumps({SETTINGS_FORMAT: kept}, sort_keys=True))
 
     # -- what computed a model's exact-mode records (`kvstore.model.blas`) ------------------
 
@@ -477,8 +487,7 @@ def _add(conn: sqlite3.Connection, hour: int, deltas: dict[str, int]) -> None:
 
 def read_settings_copy(store: Path) -> dict[str, str] | None:
     """The kept settings of the copy beside the index (`set_setting`), or None if there is none
-    or it is not one kvstore wrote (a rebuild then keeps the limits closed). Each value is
-    checked where it is read, as the index's are (`kvstore.settings.resolve`)."""
+    or it is not one kvstore wrote (a rebuild then keeps the limits closed); values unchecked."""
     try:
         fd = os.open(store / SETTINGS_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         with os.fdopen(fd, "rb") as f:

@@ -24,7 +24,16 @@ from kvstore.errors import StoreOpenError
 from kvstore.storage import blobtree
 from kvstore.storage.index import Index, is_corruption
 from kvstore.storage.stale import status_of_copies as model_status
-from kvstore.storage.storedir import BLOBS_NAME, INDEX_NAME, PINS_NAME, QUARANTINE_NAME, open_dir, trust_key
+from kvstore.storage.storedir import (
+    BLOBS_NAME,
+    INDEX_NAME,
+    PINS_NAME,
+    QUARANTINE_NAME,
+    disk_full,
+    open_dir,
+    say_full,
+    trust_key,
+)
 from kvstore.trust import Trust
 
 log = logging.getLogger("kvstore")
@@ -49,14 +58,22 @@ class LocalStore:
         if not self.read_only:
             flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
             os.close(os.open(index_file, flags, 0o600))
-        self.index = Index(index_file, read_only=self.read_only)
+        try:
+            self.index = Index(index_file, read_only=self.read_only)
+        except StoreOpenError as e:  # a full disk: SQLite cannot make the index's -wal and -shm
+            if self.read_only or not disk_full(self.path):
+                raise
+            say_full(self.path, e)
+            self.read_only = True
+            self.index = Index(index_file, read_only=True)
         if not self.read_only:  # the index's writes queue behind gc on the blob tree's lock
             self.index.write_gate = functools.partial(blobtree.write_turn, self.blob_root)
             self.index.pins_file = self.path / PINS_NAME  # kept for a rebuild of the index
-            try:
-                self.index.keep_pins_file(missing_only=True)  # a new store, or one from before the file
-            except sqlite3.Error:
-                pass  # only a copy: a damaged index says so where it is used
+            try:  # a new store, or one from before these copies
+                self.index.keep_pins_file(missing_only=True)
+                self.index.keep_settings_copy(missing_only=True)
+            except (sqlite3.Error, OSError):
+                pass  # only copies: a damaged index says so where it is used
         self.gc_lock = threading.Lock()  # one gc at a time in this process (the writer's budget too)
 
     def close(self) -> None:
