@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import time
 
 import mlx.core as mx
@@ -19,6 +20,7 @@ from test_remote_ops import C, cli, records, toks
 import kvstore
 from kvstore.records import CHUNK, RecordId
 from kvstore.remote.layout import key_of, manifest_key, parse_other
+from kvstore.remote.pins import node_id
 from kvstore.remote.s3 import S3Bucket as Bucket
 from kvstore.remote.upkeep import UNKNOWN_MAX_AGE, collect_remote
 
@@ -249,3 +251,78 @@ def test_a_deleted_pins_object_is_a_rollback_until_its_node_publishes_again_or_i
         assert a.remote.verify(repair=True) and a.remote.verify() == []  # A's published, B's forgotten
         result = a.remote.gc(max_bytes=0)
         assert result["held_namespaces"] == 0 and set(records(url)) == own, result
+
+
+def test_a_store_folder_copied_takes_a_node_id_of_its_own_and_one_renamed_keeps_its_own(tmp_path):
+    """The node id is bound to the inode of its store folder: `cp -a` (or a restore from backup)
+    makes another folder, which takes a new id and takes the serials of its pins objects as the
+    original's; a folder renamed on its filesystem is the same folder, and keeps its id."""
+    kvstore.open(tmp_path / "p5").close()
+    with kvstore.open(tmp_path / "p5") as s:
+        node = node_id(tmp_path / "p5", s.index)
+        s.index.raise_mark("remote.pins.f0", 7)  # as if it had published pins, serial 7
+    subprocess.run(["cp", "-a", str(tmp_path / "p5"), str(tmp_path / "p6")], check=True)
+    with kvstore.open(tmp_path / "p6") as s:
+        copy = node_id(tmp_path / "p6", s.index)
+        assert copy != node and node_id(tmp_path / "p6", s.index) == copy
+        assert s.index.marks("remote.pins") == {f"remote.pins_seen.f0.{node}": 7}
+    os.rename(tmp_path / "p5", tmp_path / "p7")
+    with kvstore.open(tmp_path / "p7") as s:
+        assert node_id(tmp_path / "p7", s.index) == node and s.index.marks("remote.pins.") == {"remote.pins.f0": 7}
+
+
+def copied_node(tmp_path, url: str, llama, *, keep_id: bool) -> tuple:
+    """P5 pins a prompt and R5 stores one (read P5's pins once); P5's folder is copied to P6, and
+    P6 unpins the prompt. `keep_id`: P6 keeps P5's node id (a copy made before ids were bound to
+    the folder, or a cloned disk image). (P5's pinned records' names, P6's model cache.)"""
+    path, model = llama
+    pinned, other = toks(3 * C + 3, 80), toks(2 * C + 2, 81)
+    with kvstore.open(tmp_path / "p5", chunk_size=C, remote=url) as p5:
+        mc = p5.bind(model, path)
+        mc.insert(pinned, prefill(model, pinned), pin=True)
+        assert p5.flush(30)
+    with kvstore.open(tmp_path / "r5", chunk_size=C, remote=url) as r5:
+        r5.bind(model, path).insert(other, prefill(model, other))
+        assert r5.flush(30) and r5.remote.verify() == []
+    subprocess.run(["cp", "-a", str(tmp_path / "p5"), str(tmp_path / "p6")], check=True)
+    if keep_id:
+        with kvstore.open(tmp_path / "p6") as p6:
+            p6.index.drop_mark("remote.node_folder." + node_id(tmp_path / "p6"))
+    with kvstore.open(tmp_path / "p6", chunk_size=C, remote=url) as p6:
+        assert p6.bind(model, path).unpin(pinned)["records"] > 0
+    return names(mc.ns, mc.record_hashes(np.asarray(pinned))), pinned
+
+
+def test_a_copied_store_folder_never_publishes_over_the_originals_pins(tmp_path, s3, llama):
+    """The audit's case: P6, a copy of P5's folder, unpins P5's prompt; R5's gc with a small
+    budget keeps it (P6 published under a node id of its own), and a fresh node restores it."""
+    path, model = llama
+    url = s3.url()
+    kept, pinned = copied_node(tmp_path, url, llama, keep_id=False)
+    out = cli("gc", "--store", str(tmp_path / "r5"), "--remote", url, "--max-bytes", "1")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert kept <= set(records(url)), out.stdout
+    with kvstore.open(tmp_path / "p5", chunk_size=C, remote=url) as p5:
+        assert p5.remote.verify() == []
+    with kvstore.open(tmp_path / "fresh", chunk_size=C, remote=url, memory_bytes=0) as fresh:
+        _, rest = fresh.bind(model, path).fetch(pinned + [5])
+        assert len(rest) == 1
+
+
+def test_a_pins_object_another_store_wrote_under_this_nodes_id_is_reported_and_this_node_moves(tmp_path, s3, llama):
+    """A copy that kept the node id publishes over P5's pins: P5's verify reports `foreign_pins`
+    (not clean), and --repair gives P5 a new id and publishes its pins under it; R5's gc then
+    keeps P5's prompt. (P5's close does the same, unasked.)"""
+    url = s3.url()
+    kept, _ = copied_node(tmp_path, url, llama, keep_id=True)
+    with kvstore.open(tmp_path / "p5", chunk_size=C, remote=url) as p5:
+        node = p5.remote.ledger().node
+        found = p5.remote.verify()
+        assert [p.kind for p in found] == ["foreign_pins"] and "never wrote" in found[0].detail, found
+        assert p5.remote.verify(repair=True) and p5.remote.verify() == []
+        assert p5.remote.ledger().node != node
+    with kvstore.open(tmp_path / "p6", chunk_size=C, remote=url) as p6:
+        assert p6.remote.ledger().node == node and p6.remote.verify() == []
+    with kvstore.open(tmp_path / "r5", chunk_size=C, remote=url) as r5:
+        r5.remote.gc(max_bytes=1)
+    assert kept <= set(records(url))

@@ -269,6 +269,9 @@ def _verify_remote(args) -> int:
     return EXIT_PROBLEMS if problems else 0
 
 
+_OWN_PINS = ("rolled_back_pins", "foreign_pins", "unpublished_pins")  # what --repair publishes again
+
+
 def _remote_summary(args, url: str, problems: list, notes: list) -> str:
     """The last line of `verify --remote`: what was found, what `--repair` did or would do and
     what it leaves, in counts; notes are counted, never called problems."""
@@ -282,7 +285,9 @@ def _remote_summary(args, url: str, problems: list, notes: list) -> str:
         done = []
         if getattr(problems, "deletes", 0):
             done.append(f"deleted {plural(problems.deletes, 'object')}: each damaged one and all below it")
-        if any(p.kind == "rolled_back_pins" and "this node's" in p.detail[:12] for p in repairable):
+        if any(p.kind == "foreign_pins" for p in repairable):
+            done.append("gave this node a new id and published its pins under it")
+        elif any(p.kind in _OWN_PINS and "this node's" in p.detail[:12] for p in repairable):
             done.append("published this node's pins again")
         if any(p.kind == "rolled_back_pins" and p.detail.startswith("node ") for p in repairable):
             done.append("forgot the deleted pins of retired nodes")
@@ -290,7 +295,7 @@ def _remote_summary(args, url: str, problems: list, notes: list) -> str:
         if n > k:
             parts.append(f"left {n - k} (--repair does not mend them: see their lines)")
     else:
-        verb = "repair" if any(p.kind == "rolled_back_pins" for p in repairable) else "delete"
+        verb = "repair" if any(p.kind in _OWN_PINS for p in repairable) else "delete"
         command = _repair_command(args, url)
         if k == n:
             parts.append(f"run `{command}` to {verb} {'it' if n == 1 else 'them'}")

@@ -155,9 +155,12 @@ class Remote:
         from kvstore.remote.upkeep import collect_remote
 
         self.flush()
+        ledger = self.ledger()
         result = collect_remote(self.bucket, self.fleet, self.index.namespaces(), max_bytes=max_bytes,
-                                max_age=max_age, dry_run=dry_run, ledger=self.ledger(), drop_unknown=drop_unknown)
-        self.publish_pins()
+                                max_age=max_age, dry_run=dry_run, ledger=ledger, drop_unknown=drop_unknown)
+        if ledger.shared and not dry_run:  # another store publishes under this node's id: not any more
+            ledger.renew()
+        publish(self.bucket, self.fleet, ledger, self.index.namespaces())
         return result
 
     def drop_key(self, *, key_id: str, dry_run: bool = False) -> dict:
@@ -176,7 +179,7 @@ class Remote:
 
     def ledger(self) -> Ledger:
         """What this node knows of pins that the bucket cannot tell it (`remote.pins.Ledger`)."""
-        return Ledger(self.index, node_id(self.store_dir))
+        return Ledger(self.index, node_id(self.store_dir, self.index), self.store_dir)
 
     def publish_pins(self, namespaces=None) -> int:
         """Write this node's pins object(s): what gc on any node must keep."""
@@ -198,6 +201,10 @@ class Remote:
                     theirs = read_one(self.bucket, s, pins_key(s.folder, ledger.node))
                 except (Unauthenticated, ValueError):
                     theirs = None  # not ours (planted or damaged): written again
+                if theirs is not None and ledger.foreign(s.folder, theirs[1]):  # another store's (a copy)
+                    ledger.renew()
+                    publish(self.bucket, self.fleet, ledger, self.index.namespaces())
+                    return
                 if theirs is None and not mine and not ledger.expected(s.folder, ledger.node):
                     continue  # (one published before and gone since was deleted: written again)
                 if theirs is None or sorted(theirs[0]) != mine or theirs[1] < ledger.expected(s.folder, ledger.node):

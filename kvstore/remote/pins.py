@@ -21,6 +21,14 @@ holds against that:
   all. A node retired for good whose pins object was deleted on purpose holds its namespace
   until `verify --remote --repair` forgets it (`Ledger.forget`).
 - A pins object of a namespace none of the fleet's keys opens keeps nothing.
+
+Two stores must never publish under one node id: a copy of a store folder (`cp -a`, a restore
+from backup) would otherwise publish over the original's pins with a higher serial, and another
+node's gc would delete what the original pins. The id is bound (in the index) to the inode of the
+folder it was first used in; a folder with another inode takes a new id (`node_id`). A copy that
+keeps the inode (a cloned disk image) is caught in the bucket: this node's own pins object with a
+serial it never wrote (`Pins.shared`) makes it take a new id when it next publishes (at close,
+after gc, or by `verify --remote --repair`).
 """
 
 from __future__ import annotations
@@ -50,35 +58,94 @@ log = logging.getLogger("kvstore")
 NODE_FILE = NODE_ID_NAME
 MAX_PINS_BYTES = 64 << 20
 _OWN, _SEEN = "remote.pins.", "remote.pins_seen."
+_BOUND = "remote.node_folder."  # + node id: the inode of the store folder the id belongs to
 _NAME = re.compile(r"[0-9a-f]{32}")
 
 
-def node_id(store_dir: Path) -> str:
-    """This store's name among the nodes of a bucket: random, made once, kept in the store."""
+def node_id(store_dir: Path, index: "Index | None" = None, *, renew: bool = False) -> str:
+    """This store's name among the nodes of a bucket: random, made once, kept in the store
+    (`remote-node-id`). With `index`, bound to the inode of the store folder: a folder with
+    another inode (a copy, or a restore from backup) takes a new id, said once, and hands the
+    serials of its own pins objects over as another node's (the old id is the original's now).
+    A folder renamed or moved on its filesystem keeps its inode and its id. `renew`: take a new
+    id whatever the inode (another store was seen publishing under this one)."""
     path = Path(store_dir) / NODE_FILE
+    old = _read_id(path)
+    if old is None:
+        old = uuid.uuid4().hex
+        write_own_file(path, old + "\n")
+    if index is None:
+        return old
+    try:
+        here = os.stat(store_dir).st_ino & ((1 << 63) - 1)  # (a meta mark is a signed 64-bit integer)
+        bound = index.marks(_BOUND + old).get(_BOUND + old)
+        if bound is None and not renew:  # first used since ids were bound (or the index was rebuilt)
+            index.raise_mark(_BOUND + old, here)
+        if not renew and bound in (None, here):
+            return old
+        new = uuid.uuid4().hex
+        write_own_file(path, new + "\n")
+        for key, serial in index.marks(_OWN).items():
+            index.raise_mark(f"{_SEEN}{key[len(_OWN):]}.{old}", serial)
+            index.drop_mark(key)
+        index.drop_mark(_BOUND + old)
+        index.raise_mark(_BOUND + new, here)
+    except (sqlite3.Error, KVStoreError, OSError) as e:  # a store that cannot be written keeps its id
+        log.debug("kvstore: cannot bind the node id to the store folder (%s)", e)
+        return _read_id(path) or old
+    if renew:
+        log.warning("kvstore: %s: this store takes a new node id, %s (it was %s), and publishes its pins under it",
+                    store_dir, new, old)
+    else:
+        log.warning("kvstore: %s is not the folder its node id %s was made in (a copy, or restored from a backup): "
+                    "it takes a new one, %s, so that it never publishes its pins over the other store's",
+                    store_dir, old, new)
+    return new
+
+
+def _read_id(path: Path) -> str | None:
     try:  # the store's own entries are never read or written through a symbolic link
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         with os.fdopen(fd, "r") as f:
             text = f.read(64).strip()
-        if len(text) == 32 and all(c in "0123456789abcdef" for c in text):
-            return text
+        return text if _NAME.fullmatch(text) else None
     except OSError:
-        pass
-    text = uuid.uuid4().hex
-    write_own_file(path, text + "\n")
-    return text
+        return None
 
 
 class Ledger:
     """What this node knows of pins that the bucket cannot tell it: who it is (`node`), what it
     pinned (its index), the serial of its own last pins object per namespace folder and the
-    highest seen of each other node's. With no store (`index` None) it knows none of it."""
+    highest seen of each other node's. With no store (`index` None) it knows none of it.
+    `shared`: the folders where its own pins object holds a serial it never wrote (read_all)."""
 
-    def __init__(self, index: "Index | None" = None, node: str | None = None):
-        self.index, self.node = index, node
+    def __init__(self, index: "Index | None" = None, node: str | None = None, store_dir: Path | None = None):
+        self.index, self.node, self.store_dir = index, node, store_dir
+        self.shared: set[str] = set()
         self._marks: dict[str, int] = {}
         if index is not None:
             self._marks = {**index.marks(_OWN), **index.marks(_SEEN)}
+
+    def foreign(self, folder: str, serial: int) -> bool:
+        """A pins object of this node's id with `serial` was not written by this store: its
+        serial is above the last this store published (read again: another process of this
+        store may have published since). Unknown (no serial kept, as after a rebuild): False."""
+        key = self._key(folder, self.node or "")
+        mark = self._marks.get(key, 0)
+        if self.index is not None and serial > mark > 0:
+            try:
+                mark = self.index.marks(key).get(key, mark)
+            except sqlite3.Error:
+                pass
+        return serial > mark > 0
+
+    def renew(self) -> None:
+        """Take a new node id (`node_id`, renew): another store publishes under this one."""
+        if self.store_dir is None or self.index is None:
+            return
+        self.node = node_id(self.store_dir, self.index, renew=True)
+        self._marks = {**self.index.marks(_OWN), **self.index.marks(_SEEN)}
+        self.shared.clear()
 
     def pinned(self, ns: bytes) -> list[bytes]:
         """The records this node has pinned in namespace `ns`."""
@@ -183,6 +250,8 @@ class Pins:
     held: set[str] = field(default_factory=set)  # another node's pins rolled back: nothing of it goes
     rollbacks: list[Rollback] = field(default_factory=list)
     unreadable: list[tuple[str, str]] = field(default_factory=list)  # (key, why): opened, not pins
+    shared: list[tuple[str, int, int]] = field(default_factory=list)  # this node's, another store's serial, its own
+    behind: list[tuple[str, int]] = field(default_factory=list)  # this node's, lacking n records it pins
 
 
 def read_all(bucket: Bucket, objects: list[tuple[str, str]], sealers: dict[str, Sealer], ledger: Ledger,
@@ -224,6 +293,11 @@ def read_all(bucket: Bucket, objects: list[tuple[str, str]], sealers: dict[str, 
             if not own:  # what it lacks is not known: its namespace is kept whole
                 out.held.add(folder)
             continue
+        if own and ledger.foreign(folder, serial):  # another store (a copy of this one) publishes here
+            out.shared.append((path, serial, expected))
+            ledger.shared.add(folder)
+        elif own and (lacking := {s.name(h) for h in ledger.pinned(s.ns)} - set(names)):
+            out.behind.append((path, len(lacking)))  # pinned since, and not published (no remote then)
         if not own:  # (this node's own are its index's, above)
             ledger.remember(folder, node, serial)
         out.names.update(bytes.fromhex(n) for n in names)

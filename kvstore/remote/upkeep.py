@@ -178,7 +178,7 @@ def _kept(bucket: Bucket, listing: Listing, tree: Tree, spaces: dict[str, Space]
     pinned = tree.ancestors(pins.names)
     pinned |= {c for h in pinned for c in tree.children.get(h, []) if tree.objects[c].kind == CHECKPOINT}
     keep = pinned | {h for h, k in tree.objects.items() if k.ns.hex() in pins.held}
-    return _Kept(pins.names, pins.held, pins.rollbacks, pins.unreadable, keep, pinned)
+    return _Kept(**vars(pins), kept=keep, pinned=pinned)
 
 
 def _none_opens(bucket: Bucket, listing: Listing, spaces: dict[str, Space], fleet: Fleet) -> int:
@@ -242,17 +242,8 @@ def verify_remote(bucket: Bucket, fleet: Fleet, local=(), *, repair: bool = Fals
                                 "checked, and gc --remote deletes none of them while none opens; give the "
                                 "fleet's secret (--remote-key-file, or KVSTORE_REMOTE_KEY)"))
     pins = read_all(bucket, listing.pins_objects, {f: s.sealer() for f, s in spaces.items()}, ledger, listing.folders())
-    republish: list[Problem] = []  # this node's own pins put back: repair publishes them again
-    forget: list[tuple[Problem, str]] = []  # another node's deleted: repair takes that node as retired
-    for r in pins.rollbacks:
-        problems.append(Problem("rolled_back_pins", r.path, f"{r}; " + (
-            "gc keeps this node's pinned records (its index says which); --repair publishes them again" if r.own
-            else "gc deletes nothing of this namespace until that node publishes its pins again" + (
-                "; if that node is retired for good, --repair forgets its pins on this node" if r.missing else ""))))
-        if r.own and ledger.node is not None and spaces[r.path.partition("/")[0]].fleet is fleet:
-            republish.append(problems[-1])
-        elif not r.own and r.missing:
-            forget.append((problems[-1], r.node))
+    pinned, republish, forget = _pins_problems(pins, spaces, fleet, ledger)
+    problems += pinned
     for path, why in pins.unreadable:
         problems.append(Problem("corrupt_object", path, f"a pins object that opens and is not one ({why})"))
     for k in tree.orphans():
@@ -261,8 +252,12 @@ def verify_remote(bucket: Bucket, fleet: Fleet, local=(), *, repair: bool = Fals
     gone = tree.subtree(bad) & set(tree.objects)  # what repair deletes
     if repair and gone:
         tree.delete(bucket, gone)
-    if repair and republish:
-        publish(bucket, fleet, ledger, [spaces[p.path.partition("/")[0]].ns for p in republish])
+    again = {spaces[p.path.partition("/")[0]].ns for p in republish}
+    if repair and pins.shared:  # a new id: every namespace of this node is published under it
+        ledger.renew()
+        again |= set(local)
+    if repair and again:
+        publish(bucket, fleet, ledger, again)
     for p, node in forget if repair else ():
         ledger.forget(p.path.partition("/")[0], node)
     mended = republish + [p for p, _ in forget]
@@ -276,6 +271,34 @@ def verify_remote(bucket: Bucket, fleet: Fleet, local=(), *, repair: bool = Fals
               for path in listing.foreign
               if path.partition("/")[0] in spaces or path.partition("/")[0] not in listing.folders()]
     return Findings(problems, notes, repairable, len(gone))
+
+
+def _pins_problems(pins: Pins, spaces: dict[str, Space], fleet: Fleet, ledger: Ledger):
+    """verify's problems with the pins objects: (problems, those repair publishes again, (those
+    it forgets, the node))."""
+    problems: list[Problem] = []
+    republish: list[Problem] = []  # this node's own pins put back: repair publishes them again
+    forget: list[tuple[Problem, str]] = []  # another node's deleted: repair takes that node as retired
+    for r in pins.rollbacks:
+        problems.append(Problem("rolled_back_pins", r.path, f"{r}; " + (
+            "gc keeps this node's pinned records (its index says which); --repair publishes them again" if r.own
+            else "gc deletes nothing of this namespace until that node publishes its pins again" + (
+                "; if that node is retired for good, --repair forgets its pins on this node" if r.missing else ""))))
+        if r.own and ledger.node is not None and spaces[r.path.partition("/")[0]].fleet is fleet:
+            republish.append(problems[-1])
+        elif not r.own and r.missing:
+            forget.append((problems[-1], r.node))
+    for path, serial, mine in pins.shared:
+        problems.append(Problem("foreign_pins", path, f"this node's pins object has serial {serial}, which this "
+                                f"store never wrote (its last is {mine}): another store publishes under this node's "
+                                "id (a copy of this store folder?), and gc on other nodes goes by what it pins; "
+                                "--repair gives this node a new id and publishes its pins under it"))
+    for path, n in pins.behind:
+        problems.append(Problem("unpublished_pins", path, f"this node's pins object lacks {n} of the records it "
+                                "pins, which gc on other nodes may delete; --repair publishes its pins again"))
+    republish += [p for p in problems if p.kind in ("foreign_pins", "unpublished_pins")
+                  and spaces[p.path.partition("/")[0]].fleet is fleet]
+    return problems, republish, forget
 
 
 def _unknown_note(u: dict, listing: Listing, folder: str, wrong_key: bool) -> str:
