@@ -214,15 +214,18 @@ class DiskTier:
         """Start reading these (record, row)s' files ahead, all at once."""
         blobfile.prefetch(self.root, [h for h, _ in items])
 
-    def put(self, row: Row, data: bytes, *, fsync: bool = False, explicit: bool = False) -> bool:
+    def put(self, row: Row, data: bytes, *, fsync: bool = False, explicit: bool = False,
+            trust: Trust | None = None) -> bool:
         """Store a checked record that came from elsewhere: its blob, then its row. False if it
         was stored already. The blob is fsynced only with `fsync` (a download's copy in the bucket
         stays: one a power cut tears fails its checksums, is quarantined and fetched again).
         The blob is tagged as this store's (`Anchors.tagged`): `row` gets its new size and checksum.
         The write log counts it as a download, or with `explicit` (a pack's record, imported on
-        purpose) as an explicit write, as a warmed prompt's."""
-        if self.anchors is not None:
-            data = self.anchors.tagged(data)
+        purpose) as an explicit write, as a warmed prompt's. `trust`: tag it with these keys
+        instead (a pack imported into a fleet node's store opened without its remote)."""
+        anchors = Anchors(trust, self.index, self.root) if trust is not None else self.anchors
+        if anchors is not None:
+            data = anchors.tagged(data)
             row.size, row.checksum = len(data), xxhash.xxh3_64_intdigest(data)
         with blobtree.tree_lock(self.root, exclusive=False):
             if self.index.present([row.hash]):
