@@ -54,5 +54,10 @@ class TenantMismatchError(BlobError):
     """
 
 
+class WrongKeyError(BlobError):
+    """A record read with a fleet secret that is not the one the store's trust tags were made
+    with: never served nor uploaded, and never quarantined (the key is wrong, not the record)."""
+
+
 class PackError(KVStoreError):
     """A KV pack cannot be made, moved or imported; nothing was imported, and the message says why."""

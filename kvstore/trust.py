@@ -29,6 +29,8 @@ from typing import Mapping, Sequence
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
+from kvstore.errors import BlobError, WrongKeyError
+
 #: The blob header field (`x-trust`, through `blobformat.register_extension`).
 FIELD = "trust"
 HEADER_KEY = "x-" + FIELD
@@ -51,6 +53,12 @@ def parse_tag(text: str) -> str:
     return text
 
 
+def key_id(secret: bytes) -> str:
+    """A fleet secret's name (8 hex digits of an HMAC under it): what `stats`, `--drop-key` and a
+    message about a key show. (Not the id in a tag, which names the key derived from it.)"""
+    return hmac.new(secret, b"kvstore key id", hashlib.sha256).hexdigest()[:8]
+
+
 def _derive(secret: bytes, info: bytes) -> bytes:
     return HKDF(algorithm=hashes.SHA256(), length=KEY_BYTES, salt=None, info=_PURPOSE + info).derive(secret)
 
@@ -69,18 +77,22 @@ class _Key:
 class Trust:
     """The keys a node tags and checks its trust anchors with: it tags with the first, and checks
     with each. `fleet`: the keys come from the fleet secret (a writer of the folder cannot
-    tag); else from the store key (kept in the folder: it only tells damage from intent)."""
+    tag); else from the store key (kept in the folder: it only tells damage from intent).
+    `names`: the fleet secrets' own ids (`key_id`); `mismatch`: why these are not the keys the
+    store's tags were made with, or None (set by `upkeep.anchors.check_keys`)."""
 
-    def __init__(self, keys: Sequence[bytes], *, fleet: bool):
+    def __init__(self, keys: Sequence[bytes], *, fleet: bool, names: Sequence[str] = ()):
         if not keys:
             raise ValueError("trust needs a key")
         self._keys = [_Key(k) for k in keys]
         self.fleet = fleet
+        self.names = list(names)
+        self.mismatch: str | None = None
 
     @classmethod
     def for_fleet(cls, secrets: Sequence[bytes]) -> "Trust":
         """Keys derived from the fleet's secrets (the one objects are written with first)."""
-        return cls([_derive(s, b" fleet") for s in secrets], fleet=True)
+        return cls([_derive(s, b" fleet") for s in secrets], fleet=True, names=[key_id(s) for s in secrets])
 
     @classmethod
     def for_store(cls, store_key: bytes) -> "Trust":
@@ -90,6 +102,10 @@ class Trust:
     @property
     def key_id(self) -> str:
         return self._keys[0].key_id
+
+    def holds(self, tag_key_id: str) -> bool:
+        """Whether a tag's key id is one of these keys'."""
+        return any(k.key_id == tag_key_id for k in self._keys)
 
     def __repr__(self) -> str:  # never shows a key
         return f"Trust(<{'fleet' if self.fleet else 'store'} {self.key_id}>)"
@@ -140,6 +156,18 @@ class Trust:
         if verdict is Verdict.GOOD or created < epoch or not self.fleet:
             return None
         return f"it has no trust tag of this fleet ({verdict.value}, written after the store had tags)"
+
+    def refuse(self, verdict: Verdict, created: float, epoch: float, where: object) -> None:
+        """Raise BlobError (naming `where`) if a record whose blob got `verdict` is refused
+        (`refusal`): damage. But while these keys are not the ones the store's tags were made
+        with (`mismatch`: a wrong secret), a tag that is merely not theirs proves nothing: then
+        WrongKeyError, a miss that leaves the record as it is."""
+        why = self.refusal(verdict, created, epoch)
+        if why is None:
+            return
+        if self.mismatch is not None and verdict is not Verdict.WRONG:
+            raise WrongKeyError(f"{where}: {why}; {self.mismatch}")
+        raise BlobError(f"{where}: {why}")
 
 
 def _memo_message(path: str, stamp: Sequence[int], digest: bytes, kind: str) -> bytes:

@@ -129,8 +129,10 @@ def _local_trust(args, files) -> tuple:
     with files.damage_is_an_error():
         joined = bool(files.index.marks(REMOTE_SINCE))
     if secrets and joined:
-        fleet = Fleet.of(secrets)
-        return files.trust(secrets), f"trust tags checked with the fleet's key {fleet.key_id}, from {fleet.where}"
+        fleet, trust = Fleet.of(secrets), files.trust(secrets)
+        if trust.mismatch is not None:  # (reported as one `wrong_key` problem)
+            return trust, f"the store's fleet tags not checked: the key {fleet.key_id}, from {fleet.where}, is not its"
+        return trust, f"trust tags checked with the fleet's key {fleet.key_id}, from {fleet.where}"
     trust = files.trust(create=False)
     words = "trust tags checked with its own key" if trust is not None else "no trust tags checked (no key)"
     if secrets:
@@ -228,9 +230,15 @@ def _summary(args, problems: list, rebuilt: dict | None) -> str:
     found = plural(len(problems) + (rebuilt is not None), "problem") + " found"
     if rebuilt is not None:
         found += " (the index could not be read: it was rebuilt from the blob files)"
+    keyed = sum(p.kind == "wrong_key" for p in problems)  # the key is wrong, not the store: repair mends nothing
+    if keyed:
+        found += "; give the fleet's secret: --repair changes nothing for a wrong key"
+    if keyed == len(problems) and rebuilt is None:
+        return found
     if args.repair:
-        return f"{found}; repaired"
-    return f"{found}; run `{PROG} verify --repair --store {shlex.quote(str(store_path(args)))}` to fix them"
+        return f"{found}; repaired" + (" the others" if keyed else "")
+    return (f"{found}; run `{PROG} verify --repair --store {shlex.quote(str(store_path(args)))}` to fix "
+            + ("the others" if keyed else "them"))
 
 
 def _rebuild(args, why: CorruptIndexError) -> dict:

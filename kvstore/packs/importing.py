@@ -7,7 +7,8 @@ RAM with the same settings), so a pack that is refused leaves the store exactly 
 even the model version is recorded in it. Only then is the store opened to write.
 
 A blob is stored with this store's own `model_id` in its header (the pack carries none), as the
-writer would have written it; its tensors and their checksums are the pack's.
+writer would have written it; its tensors and their checksums are the pack's. Its trust tag is the
+store's, or, in a fleet node's store opened without its remote, the fleet's (`_fleet_trust`).
 """
 
 from __future__ import annotations
@@ -22,10 +23,13 @@ from kvstore.errors import PackError
 from kvstore.model.fingerprint import resolve_model_dir
 from kvstore.packs import identity
 from kvstore.packs.verify import Target, Verified, acting_disk_kv_bits, verify
+from kvstore.remote.seal import KEY_ENV, fleet_keys
 from kvstore.storage import blobformat
 from kvstore.storage.index import Index, Row
 from kvstore.storage.storedir import INDEX_NAME, is_absent
 from kvstore.store import MEMORY, Store
+from kvstore.trust import Trust
+from kvstore.upkeep.anchors import REMOTE_SINCE
 from kvstore.upkeep.evict import role_class
 
 
@@ -57,6 +61,7 @@ def import_pack(folder: Path, path: Path, model, model_id: str, tokenizer, *, tr
     if any check fails."""
     model_dir = resolve_model_dir(str(model_id))
     with _checking(Path(path), options) as store:
+        fleet = _fleet_trust(store, options)  # (refused here, before the pack is read, without the secret)
         # The model's files are hashed once (or not at all, where the store's memo holds them):
         # their SHA-256s and, from the same reads, the fingerprint the store binds the model with.
         ident = identity.identity(model_dir, tokenizer, identity.memo_of(store, remember=False))
@@ -73,7 +78,24 @@ def import_pack(folder: Path, path: Path, model, model_id: str, tokenizer, *, tr
         if mc.ns != target.mc.ns or not mc.registered:
             raise PackError("the store changed while the pack was checked, or its index cannot be written "
                             "now (full disk, busy): nothing imported")
-        return _store(store, mc, verified, pin)
+        return _store(store, mc, verified, pin, fleet)
+
+
+def _fleet_trust(store: Store, options: dict) -> Trust | None:
+    """The fleet's keys to tag the records with, when the store has joined a fleet (it has been
+    opened with a remote tier) but is not opened with it now: its records must carry the fleet's
+    tags, or the node quarantines them when it reads them with the remote. None when the store's
+    own trust does. PackError (nothing imported) without the fleet secret, or with another one."""
+    if options.get("remote") or store.files is None or not store.index.marks(REMOTE_SINCE):
+        return None
+    if options.get("remote_key") is None and not os.environ.get(KEY_ENV):
+        raise PackError(f"the store {store.path} is a fleet node's (it has been used with a remote tier), so "
+                        f"its records must carry the fleet's trust tags: give the fleet secret (--remote-key-file "
+                        f"or {KEY_ENV}): nothing imported")
+    trust = store.files.trust(fleet_keys(options.get("remote_key")))
+    if trust.mismatch is not None:
+        raise PackError(f"{trust.mismatch}: nothing imported")
+    return trust
 
 
 def _checking(path: Path, options: dict) -> Store:
@@ -88,8 +110,9 @@ def _checking(path: Path, options: dict) -> Store:
     return Store(path, read_only=True, create=False, **options)
 
 
-def _store(store: Store, mc, verified: Verified, pin: bool) -> Imported:
-    """Store the checked records, parents first (a row never hangs under one that is not there)."""
+def _store(store: Store, mc, verified: Verified, pin: bool, fleet: Trust | None) -> Imported:
+    """Store the checked records, parents first (a row never hangs under one that is not there),
+    tagged with the store's trust or (`fleet`) the fleet's keys."""
     role = role_class("user")  # as a warmed prompt: evicted after assistant-only records
     stored = present = nbytes = 0
     for c in verified.records:
@@ -97,7 +120,7 @@ def _store(store: Store, mc, verified: Verified, pin: bool) -> Imported:
         blob = blobformat.restamp(c.blob, dict(c.metadata, model_id=mc.model_id))
         row = Row(s.hash, s.ns, s.parent, s.depth, s.kind, s.ntokens, s.first_token, len(blob),
                   xxhash.xxh3_64_intdigest(blob), pinned=int(pin), role=role)
-        if store.disk.put(row, blob, fsync=True, explicit=True):
+        if store.disk.put(row, blob, fsync=True, explicit=True, trust=fleet):
             stored += 1
             nbytes += len(blob)
         else:

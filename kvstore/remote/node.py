@@ -33,7 +33,7 @@ from kvstore.remote.seal import Fleet, Unauthenticated
 from kvstore.remote.uploader import Uploader
 from kvstore.storage.index import Index
 from kvstore.trust import Trust
-from kvstore.upkeep.anchors import REMOTE_SINCE, Anchors
+from kvstore.upkeep.anchors import REMOTE_SINCE, Anchors, note_keys
 
 log = logging.getLogger("kvstore")
 
@@ -60,6 +60,8 @@ class Remote:
         try:  # when this store first had a remote: what it wrote before, under its own key, is trusted on first use
             if not index.marks(REMOTE_SINCE):
                 index.raise_mark(REMOTE_SINCE, int(time.time()) + 1)
+            if trust is not None:  # the fleet key its tags are made with (never a wrong one)
+                note_keys(trust, index)
         except sqlite3.Error:  # read-only: nothing of it is uploaded anyway
             pass
 

@@ -50,6 +50,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from kvstore.errors import BlobError, InvalidInputError
 from kvstore.tenants import Tenant
+from kvstore.trust import key_id  # a key's name: one for the fleet's seals and its trust tags
 
 #: The environment variable that holds the fleet secret.
 KEY_ENV = "KVSTORE_REMOTE_KEY"
@@ -163,11 +164,6 @@ def read_key_file(path: str) -> Keys:
 
 
 _warned_modes: dict[str, bool] = {}  # key files whose mode this process warned of
-
-
-def key_id(secret: bytes) -> str:
-    """A key's name (8 hex digits of an HMAC under it): what `stats` and `--drop-key` show."""
-    return hmac.new(secret, b"kvstore key id", hashlib.sha256).hexdigest()[:8]
 
 
 def _derive(secret: bytes, info: bytes) -> bytes:

@@ -370,6 +370,11 @@ class Index(EvictionSQL, WriteLogSQL, PinSQL):
         for r in self.conn.execute(f"SELECT {_ROW_COLUMNS} FROM records{where}", () if ns is None else (ns,)):
             yield _row(r)
 
+    def newest(self, n: int) -> list[Row]:
+        """The `n` usable records created last."""
+        return [_row(r) for r in self.conn.execute(
+            f"SELECT {_ROW_COLUMNS} FROM records WHERE bad = 0 ORDER BY created DESC LIMIT ?", (n,))]
+
     def namespaces(self) -> set[bytes]:
         """The namespace of every bound model version (the roots of every chain)."""
         return {ns for (ns,) in self.conn.execute("SELECT ns FROM models")}

@@ -1,6 +1,7 @@
 """The local disk as a tier: blob files and their index rows. A damaged record is quarantined
 (but a record whose row states another tenant than its blob: that row is what is damaged, and
-the record a miss until `verify --repair` mends it).
+the record a miss until `verify --repair` mends it; and one whose tag is not the fleet key's
+while the store is opened with another secret than its tags': a miss, kept as it is).
 
 Every record opened here is checked against its row as it is opened (`records.check`: its
 header, and that its token ids hash to its key), and each tensor against its own checksum as
@@ -24,7 +25,7 @@ import numpy as np
 import xxhash
 
 from kvstore import records, tenants
-from kvstore.errors import BlobError, TenantMismatchError
+from kvstore.errors import BlobError, TenantMismatchError, WrongKeyError
 from kvstore.storage import blobfile, blobtree, blobwrite
 from kvstore.storage.index import Index, Row
 from kvstore.storage.writesql import hour_of
@@ -165,6 +166,7 @@ class DiskTier:
         self.access = AccessTimes()
         self.quarantined = 0  # records this process found damaged
         self.mistagged: set[bytes] = set()  # records whose row's tenant is not their blob's: misses, not quarantined
+        self.said_wrong_key = False  # that the fleet secret is not the one the store's tags were made with
         # Told the row of each record `put` stored (a download): subscribed where the store is built.
         self.on_store: list[Callable[[list[Row]], None]] = []
 
@@ -201,29 +203,29 @@ class DiskTier:
             raise
 
     def _check_trust(self, blob: blobfile.BlobFile, row: Row) -> None:
-        """BlobError if the blob's trust tag is refused (`Trust.refusal`): a record changed
+        """BlobError if the blob's trust tag is refused (`Trust.refuse`): a record changed
         after it was written is never restored, nor continued from and uploaded."""
         trust = self.anchors.trust if self.anchors is not None else None
         verdict = blob.verdict(trust) if trust is not None else None
-        if verdict is None:
-            return
-        why = trust.refusal(verdict, row.created, self.anchors.epoch)
-        if why is not None:
-            raise BlobError(f"{blob.path}: {why}")
+        if verdict is not None:  # (WrongKeyError under a wrong fleet secret: a miss, kept)
+            trust.refuse(verdict, row.created, self.anchors.epoch, blob.path)
 
     def prefetch(self, items: Iterable[tuple[bytes, Row]]) -> None:
         """Start reading these (record, row)s' files ahead, all at once."""
         blobfile.prefetch(self.root, [h for h, _ in items])
 
-    def put(self, row: Row, data: bytes, *, fsync: bool = False, explicit: bool = False) -> bool:
+    def put(self, row: Row, data: bytes, *, fsync: bool = False, explicit: bool = False,
+            trust: Trust | None = None) -> bool:
         """Store a checked record that came from elsewhere: its blob, then its row. False if it
         was stored already. The blob is fsynced only with `fsync` (a download's copy in the bucket
         stays: one a power cut tears fails its checksums, is quarantined and fetched again).
         The blob is tagged as this store's (`Anchors.tagged`): `row` gets its new size and checksum.
         The write log counts it as a download, or with `explicit` (a pack's record, imported on
-        purpose) as an explicit write, as a warmed prompt's."""
-        if self.anchors is not None:
-            data = self.anchors.tagged(data)
+        purpose) as an explicit write, as a warmed prompt's. `trust`: tag it with these keys
+        instead (a pack imported into a fleet node's store opened without its remote)."""
+        anchors = Anchors(trust, self.index, self.root) if trust is not None else self.anchors
+        if anchors is not None:
+            data = anchors.tagged(data)
             row.size, row.checksum = len(data), xxhash.xxh3_64_intdigest(data)
         with blobtree.tree_lock(self.root, exclusive=False):
             if self.index.present([row.hash]):
@@ -255,6 +257,11 @@ class DiskTier:
             if h not in self.mistagged:  # (said once per record a process meets)
                 self.mistagged.add(h)
                 log.warning("kvstore: a record's index row is damaged (run `kvstore verify --repair`): %s", error)
+            return
+        if isinstance(error, WrongKeyError):  # the secret is wrong, not the record: a miss, kept
+            if not self.said_wrong_key:  # (said once: every record of the store may be one)
+                self.said_wrong_key = True
+                log.warning("kvstore: %s", self.anchors.trust.mismatch if self.anchors else error)
             return
         log.warning("kvstore: quarantined a damaged record: %s", error)
         self.quarantined += 1

@@ -11,17 +11,22 @@ from elsewhere (a download, an import), already checked whole, is tagged before 
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import xxhash
 
 from kvstore.errors import BlobError
-from kvstore.storage import blobformat, blobtree, blobwrite
+from kvstore.storage import blobfile, blobformat, blobtree, blobwrite
 from kvstore.storage.index import Index, Row
-from kvstore.trust import Trust, Verdict
+from kvstore.trust import HEADER_KEY, Trust, Verdict
 
 #: The `meta` key of when the store was first opened with a remote tier (`remote.node.Remote`).
 REMOTE_SINCE = "trust.remote_since"
+#: `meta` keys `trust.fleet_key.<key id>`: the fleet secrets (`trust.key_id`) the store's tags were made with.
+FLEET_KEYS = "trust.fleet_key."
+#: Records whose tags are read to tell the key of a store that joined before keys were noted.
+SAMPLE = 16
 
 
 def trusted_before(trust: Trust, index: Index) -> float:
@@ -31,6 +36,42 @@ def trusted_before(trust: Trust, index: Index) -> float:
     if trust.fleet:
         epoch = max(epoch, float(index.marks(REMOTE_SINCE).get(REMOTE_SINCE, 0)))
     return epoch
+
+
+def check_keys(trust: Trust, index: Index, root: Path, own: str | None = None) -> Trust:
+    """`trust` with its `mismatch` set when its fleet keys are not those the store's tags were
+    made with (a wrong secret: then a record's tag that is not theirs is no damage). Known from the
+    keys the store noted (`note_keys`); for a store that joined a fleet before keys were noted,
+    from the tags of its newest records (`own`: the tag key id of its own key, which proves
+    nothing): none under these keys and some under another, a mismatch; else they are taken."""
+    if not trust.fleet or not index.marks(REMOTE_SINCE):
+        return trust
+    noted = [k[len(FLEET_KEYS):] for k, _ in sorted(index.marks(FLEET_KEYS).items(), key=lambda kv: -kv[1])]
+    if noted:
+        if not set(noted) & set(trust.names):
+            trust.mismatch = _mismatch(trust, f"key {', '.join(noted)}")
+        return trust
+    tags = set()
+    for row in index.newest(SAMPLE):  # (a record from before it joined is fleet-tagged once uploaded)
+        tag = (blobfile.peek_metadata(blobtree.blob_path(root, row.hash)) or {}).get(HEADER_KEY, "")
+        tags.add(tag.split(":", 1)[0])
+    if not any(trust.holds(t) for t in tags) and tags - {"", own}:
+        trust.mismatch = _mismatch(trust, "another key (it joined before kvstore noted which)")
+    return trust
+
+
+def _mismatch(trust: Trust, theirs: str) -> str:
+    given = trust.names[0] + (f" and {len(trust.names) - 1} older" if len(trust.names) > 1 else "")
+    return (f"the fleet secret given (key {given}) is not the one this store's trust tags were made with "
+            f"({theirs}): its records are kept as they are, but not used; give the fleet's secret")
+
+
+def note_keys(trust: Trust, index: Index) -> None:
+    """Note that the store's tags are made with `trust`'s first fleet key (called when it is opened
+    with a remote tier): not while its keys are not the store's (`mismatch`), so a wrong secret
+    never becomes the store's own."""
+    if trust.fleet and trust.mismatch is None and FLEET_KEYS + trust.names[0] not in index.marks(FLEET_KEYS):
+        index.raise_mark(FLEET_KEYS + trust.names[0], int(time.time()))
 
 
 class Anchors:

@@ -35,6 +35,7 @@ from kvstore.storage.storedir import (
     trust_key,
 )
 from kvstore.trust import Trust
+from kvstore.upkeep.anchors import check_keys
 
 log = logging.getLogger("kvstore")
 
@@ -186,10 +187,12 @@ class LocalStore:
 
     def trust(self, fleet_secrets: list[bytes] | None = None, *, create: bool = True) -> Trust | None:
         """The keys this store tags its trust anchors with (`kvstore.trust`): from the fleet's
-        secrets when it has a remote tier, else from its own key (made now with `create`, if it
+        secrets when it has a remote tier (with `mismatch` set if they are not the ones its tags
+        were made with: `upkeep.anchors.check_keys`), else from its own key (made now with `create`, if it
         may write; None when it has none yet: then nothing is tagged under one)."""
-        if fleet_secrets:
-            return Trust.for_fleet(fleet_secrets)
+        if fleet_secrets:  # (a wrong secret is told by the keys the store noted: `Trust.mismatch`)
+            own = self.trust(create=False)
+            return check_keys(Trust.for_fleet(fleet_secrets), self.index, self.blob_root, own and own.key_id)
         make = create and not self.read_only
         try:
             return Trust.for_store(trust_key(self.path, create=make))

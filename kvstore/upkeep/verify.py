@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from kvstore import records
-from kvstore.errors import BlobError
+from kvstore.errors import BlobError, WrongKeyError
 from kvstore.storage import blobfile, blobformat, blobtree
 from kvstore.storage.index import Index
 from kvstore.storage.pins import read_pins_file
@@ -43,7 +43,7 @@ class Problem:
 
     # missing_blob, corrupt_blob, quarantined, bad_row, orphan_row, orphan_file, temp_file,
     # foreign_file, repair_refused, bad_totals, bad_model_row, bad_write_log, bad_role, bad_setting,
-    # bad_seen_row, bad_model_file, bad_digest, bad_edge, bad_log_row
+    # bad_seen_row, bad_model_file, bad_digest, bad_edge, bad_log_row, wrong_key
     kind: str
     path: str
     detail: str
@@ -64,7 +64,8 @@ def verify(index: Index, root: Path, *, repair: bool = False, force: bool = Fals
     exclusively (no writer between its blob and its row, no gc between its row and its file), so
     work in flight in other processes is neither reported nor repaired away. `force` lets repair
     delete more orphans than `ORPHAN_SHARE`; `read_only` takes the lock only if it exists.
-    `trust`: blob tags are checked with it too (`kvstore.trust`): one that is refused is damage.
+    `trust`: blob tags are checked with it too (`kvstore.trust`): one that is refused is damage;
+    but under fleet keys that are not the store's (`Trust.mismatch`), one `wrong_key` problem.
     """
     rows, bad_rows, mended = [], [], []
     moved, sizes = [], {}  # (tenant, tenant its blob's header states, size as read) of the rows retagged
@@ -85,25 +86,15 @@ def verify(index: Index, root: Path, *, repair: bool = False, force: bool = Fals
     known = {row.hash: row.parent for row in rows}
     chunk_sizes = {bytes.fromhex(m["namespace"]): m["chunk_size"] for m in index.models()}
     check = functools.partial(check_blob, trust=trust, epoch=trusted_before(trust, index) if trust else 0.0)
-    suspects = []
-    for i, row in enumerate(rows):
-        try:
-            if not row.bad:
-                check(root, row, chunk_sizes.get(row.ns))
-                continue
-        except BlobError:
-            retag = _retagged(root, row, chunk_sizes.get(row.ns), check)
-            if retag is not None:  # the row's tenant is what is wrong, not the blob
-                rows[i] = retag
-                mended.append((retag, ["tenant"], rowcheck.said(row, rowcheck.retagged(row, retag.tenant))))
-                moved.append((row.tenant, retag.tenant, sizes.get(row.hash, row.size)))
-                continue
-        suspects.append(row)
+    suspects, unchecked = _read_rows(root, rows, chunk_sizes, check, mended, moved, sizes)
     strays = [path for path in blobtree.walk(root) if blobtree.hash_of(path, root) not in known]
     with blobtree.tree_lock(root, exclusive=True, create=not read_only):
         problems: list[Problem] = [
             Problem("bad_row", str(index.path), why, h.hex() if isinstance(h, bytes) else "") for h, why in bad_rows]
         problems += [Problem("bad_row", str(index.path), why) for _, _, why in mended]
+        if trust is not None and trust.mismatch is not None:  # one problem, of the key: no record is dropped for it
+            problems.append(Problem("wrong_key", str(index.path), f"{trust.mismatch} ({unchecked} records "
+                                    "tagged under another key not checked; --repair deletes none of them)"))
         for row in suspects:
             problem = _confirm(index, root, row, chunk_sizes.get(row.ns), check)
             if problem is not None:
@@ -137,20 +128,42 @@ def verify(index: Index, root: Path, *, repair: bool = False, force: bool = Fals
     return problems
 
 
+def _read_rows(root: Path, rows: list, chunk_sizes: dict, check, mended: list, moved: list,
+               sizes: dict) -> tuple[list, int]:
+    """(the rows whose blob did not read, how many were not checked for a wrong key): each row
+    whose tenant alone is wrong is mended in `rows` (and told in `mended` and `moved`)."""
+    suspects, unchecked = [], 0  # (unchecked: tagged under the store's fleet key, which was not given)
+    for i, row in enumerate(rows):
+        try:
+            if not row.bad:
+                check(root, row, chunk_sizes.get(row.ns))
+                continue
+        except WrongKeyError:
+            unchecked += 1
+            continue
+        except BlobError:
+            retag = _retagged(root, row, chunk_sizes.get(row.ns), check)
+            if retag is not None:  # the row's tenant is what is wrong, not the blob
+                rows[i] = retag
+                mended.append((retag, ["tenant"], rowcheck.said(row, rowcheck.retagged(row, retag.tenant))))
+                moved.append((row.tenant, retag.tenant, sizes.get(row.hash, row.size)))
+                continue
+        suspects.append(row)
+    return suspects, unchecked
+
+
 def check_blob(root: Path, row, chunk_size: int | None = None, *, trust: Trust | None = None,
                epoch: float = 0.0) -> None:
     """Raise BlobError unless the blob of `row` is whole (its size and checksums) and is the
     record the row names (`records.check`: its header, and that its token ids hash to its key),
-    and (`trust`) its tag is not refused (`Trust.refusal`)."""
+    and (`trust`) its tag is not refused (`Trust.refuse`: WrongKeyError under a wrong secret)."""
     buf, blob = blobfile.read_checked(root, row.hash, size=row.size, checksum=row.checksum)
     stored = blobformat.read_record(buf, blob.path)
     records.check(row, stored.metadata, stored.tokens, chunk_size=chunk_size, where=blob.path)
     sums = blobformat.tensor_checksums(stored.metadata, blob.path)
     if trust is not None and sums is not None:
         verdict = trust.check(stored.metadata, blobformat.trust_table(stored.entries, sums))
-        why = trust.refusal(verdict, row.created, epoch)
-        if why is not None:
-            raise BlobError(f"{blob.path}: {why}")
+        trust.refuse(verdict, row.created, epoch, blob.path)
 
 
 def _retagged(root: Path, row, chunk_size: int | None, check=check_blob):

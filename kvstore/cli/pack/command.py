@@ -34,7 +34,9 @@ IMPORT = """examples:
 Everything is checked before one record is stored: the signature (with --trust-key), the model's
 weight and tokenizer files, the chain of records recomputed from the tokens, each blob's SHA-256,
 each record's own checks, and the canaries by one replayed step. Any failure: one line saying
-why, nothing imported, exit code 1."""
+why, nothing imported, exit code 1. Into a fleet node's store (one used with a remote tier) the
+records are tagged with the fleet's key: give its secret (--remote-key-file or KVSTORE_REMOTE_KEY;
+--remote is not needed), else nothing is imported."""
 
 MOVE = """examples:
   kvstore pack push my-pack s3://team-packs/sys-v1     # AWS_* settings from the environment

@@ -21,7 +21,7 @@ def cmd_import(args) -> int:
     loaded = load_model(model_id)
     done = import_pack(Path(args.pack), store_path(args), loaded.model, loaded.model_id, loaded.tokenizer,
                        trust_key=Path(args.trust_key) if args.trust_key else None, replay=not args.no_replay,
-                       pin=not args.no_pin, remote=url, remote_key=remote_key(args) if url else None,
+                       pin=not args.no_pin, remote=url, remote_key=remote_key(args),
                        **settings.given(args))
     v = done.verified
     out(f"signature: {v.signature}")
