@@ -285,9 +285,10 @@ def test_warm_bad_lines_are_reported_and_good_lines_stored(kv, demo_model_path, 
     assert f"{path}:{len(rows) + 2}: not UTF-8" in result.stderr
     assert f"prompts: 3 warmed, {len(bad) + 1} skipped (bad lines)" in result.stdout
 
-    # The good lines were stored: warming just them computes nothing.
+    # The good lines were stored: warming just them computes nothing (a BOM, as some editors
+    # write at a file's start, is no bad line).
     only_good = tmp_path / "good.jsonl"
-    only_good.write_text("\n".join(good) + "\n")
+    only_good.write_text("\ufeff" + "\n".join(good) + "\n")
     again = kv("warm", "--store", tmp_path / "s", "--model", demo_model_path, "--prompts", only_good)
     assert summary(again.stdout)["tokens computed"] == 0
 
@@ -405,7 +406,7 @@ def test_generate_reuses_what_warm_stored(kv, store_copy, demo_model_path, tmp_p
 
 def test_generate_bad_input(capsys, tmp_path):
     code, _, err = in_process(capsys, "generate", "--store", tmp_path / "s", "--messages", '[{"role": "user"')
-    assert code == 1 and "--messages: not valid JSON" in err
+    assert code == 2 and "--messages: not valid JSON" in err  # a bad command line
     code, _, err = in_process(capsys, "generate", "--prompt", "hi", "--messages", "[]")
     assert code == 2 and "not allowed with argument" in err
     code, _, err = in_process(capsys, "generate", "--store", tmp_path / "s", "--prompt", "hi", "--max-tokens", 0)
@@ -583,7 +584,7 @@ def test_generate_whose_write_failed_says_not_stored(kv, demo_model_path, tmp_pa
 
 def test_messages_must_be_a_list(capsys, tmp_path):
     code, _, err = in_process(capsys, "generate", "--store", tmp_path / "s", "--messages", '{"role": "user"}')
-    assert code == 1 and "--messages: messages: must be a list" in err and "got an object" in err
+    assert code == 2 and "--messages: messages: must be a list" in err and "got an object" in err
     assert not (tmp_path / "s").exists()  # refused before a store or a model was opened
 
 

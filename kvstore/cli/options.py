@@ -97,11 +97,11 @@ def prompt_items(args) -> list:
         try:
             value = json.loads(args.messages)
         except json.JSONDecodeError as e:
-            raise CommandError(f"--messages: not valid JSON ({e.msg} at column {e.colno})") from e
+            raise CommandError(f"--messages: not valid JSON ({e.msg} at column {e.colno})", EXIT_USAGE) from e
         # Always the list itself: a lone {"role": ...} object is an error that says so.
         item = jsonl.parse_object({"messages": value}, "--messages", None)
-    if isinstance(item, jsonl.LineError):  # no model to load for nothing
-        raise CommandError(str(item))
+    if isinstance(item, jsonl.LineError):  # no model to load for nothing; a bad command line
+        raise CommandError(str(item), EXIT_USAGE)
     return [item]
 
 

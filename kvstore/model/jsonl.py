@@ -124,7 +124,7 @@ def parse_stream(f: BinaryIO, source: str) -> Iterator[Parsed]:
         if not raw.strip():
             continue
         try:
-            text = raw.decode("utf-8")
+            text = raw.decode("utf-8-sig" if number == 1 else "utf-8")  # (a BOM, as some editors write)
         except UnicodeDecodeError as e:
             yield LineError(source, number, None, f"not UTF-8 text (bad byte at column {e.start + 1})")
             continue
