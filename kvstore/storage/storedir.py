@@ -180,7 +180,8 @@ def open_dir(path: Path, *, create: bool, read_only: bool | None) -> tuple[Path,
         read_only = not writable or st.st_uid != os.geteuid()
     if not read_only:
         if not writable:
-            raise StoreOpenError(f"the store {path} is not writable by this user: this needs to "
+            why = "is on a read-only file system" if _read_only_mount(path) else "is not writable by this user"
+            raise StoreOpenError(f"the store {path} {why}: this needs to "
                                  "write to it (`kvstore stats` and `kvstore verify` work read-only)")
         if st.st_uid != os.geteuid():
             raise StoreOpenError(f"the store {path} belongs to user id {st.st_uid}, not to you: "
@@ -195,6 +196,13 @@ def open_dir(path: Path, *, create: bool, read_only: bool | None) -> tuple[Path,
         _check_is_store(path, create=False, read_only=True)
     _check_mode(path, st, read_only)  # only once it is known to be a store: nothing else changes
     return path, read_only
+
+
+def _read_only_mount(path: Path) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
 
 
 def disk_full(path: Path) -> bool:
