@@ -780,3 +780,24 @@ def test_tenant_bounds_are_refused_for_the_bucket(tmp_path):
     for option in (("--tenant-max-bytes", "1MB"), ("--drop-tenant", "0" * 16)):
         result = run_cli("gc", "--store", tmp_path / "s", "--remote", "s3://nowhere/p", *option, check=False)
         assert result.returncode == 2 and "without --remote" in result.stderr, result.stderr
+
+
+def test_an_index_that_fails_under_a_command_is_one_line_not_a_traceback(tmp_path, capsys, monkeypatch):
+    """A full disk (or an index's -wal taken away) makes SQLite fail under a command: one line that
+    says what to do, exit 1 (it was a traceback)."""
+    import sqlite3
+
+    from kvstore.cli.main import main
+    from kvstore.upkeep.local import LocalStore
+
+    with kvstore.open(tmp_path / "s"):
+        pass
+
+    def full(*args, **kwargs):
+        raise sqlite3.OperationalError("database or disk is full")
+
+    monkeypatch.setattr(LocalStore, "gc", full)
+    assert main(["gc", "--store", str(tmp_path / "s"), "--max-bytes", "0"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("kvstore: error: the store's index failed (database or disk is full): free some space")
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sqlite3
 import sys
 from typing import Callable
 
@@ -95,6 +96,13 @@ def _run(command: Callable[[], int]) -> int:
         return EXIT_PROBLEMS
     except OSError as e:
         say(f"{PROG}: error: {_os_message(e)}")
+        return EXIT_PROBLEMS
+    except sqlite3.Error as e:  # the index failed under the command (a full disk, its -wal taken away)
+        full = "full" in str(e)
+        say(f"{PROG}: error: the store's index failed ({e})" + (
+            ": free some space on the store's disk (gc needs a little to record what it deletes), then run "
+            "the command again" if full else ": run the command again; `kvstore verify` says whether "
+            "anything needs repair"))
         return EXIT_PROBLEMS
     except KeyboardInterrupt:
         say(f"{PROG}: interrupted")
