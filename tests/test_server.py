@@ -746,7 +746,10 @@ def test_malformed_bodies_never_reach_the_log(models, tmp_path):
         bodies = ['{"messages": [{"role": "user", "content": "' + marker + '"}]',  # cut short
                   '["' + marker + '"]',  # JSON, not an object
                   '{"prompt": "' + marker + '", }',
-                  b'{"prompt": "\xff' + marker.encode() + b'"}']  # not UTF-8
+                  b'{"prompt": "\xff' + marker.encode() + b'"}',  # not UTF-8
+                  '{"prompt": "' + marker + '", "temperature": NaN}',  # no JSON number
+                  '{"prompt": "' + marker + '\\ud800"}',  # a lone surrogate: no tokenizer takes it
+                  '{"p": ' + "[" * 100_000 + "]" * 100_000 + "}"]  # nested too deeply to parse
         for raw in bodies:
             r = requests.post(url, data=raw, headers={"Content-Type": "application/json"},
                               timeout=REQUEST_TIMEOUT)
@@ -758,6 +761,12 @@ def test_malformed_bodies_never_reach_the_log(models, tmp_path):
                      {"prompt": marker, "stop": [None]}, {"prompt": marker, "stop": 5}):
             r = requests.post(completions, json=body, timeout=REQUEST_TIMEOUT)
             assert r.status_code == 400 and ("prompt" in r.json()["error"] or "stop" in r.json()["error"])
+        # What cannot fit the model's context (32,768 tokens) is refused before it is computed.
+        for body, said in (({"prompt": "a" * (33 * 32768)}, "more than any tokenizer fits"),
+                           ({"prompt": "a" * 40000, "max_tokens": 1}, "longer than the model's context"),
+                           ({"prompt": marker, "max_tokens": 10**20}, "more than the model's context")):
+            r = requests.post(completions, json=body, timeout=REQUEST_TIMEOUT)
+            assert r.status_code == 400 and said in r.json()["error"], r.text
         text, _ = ask(server, prompt="still serving")
         assert text
         assert server.stop() == 0

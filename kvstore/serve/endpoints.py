@@ -139,10 +139,15 @@ class KVStoreEndpoints:
         raw = self._read_body(super().do_POST)
         if raw is None:
             return None
+        body = json.loads(raw)
         try:
-            self._kvstore_tenant = self.kvstore_tenants.tenant_of(self.headers, json.loads(raw))
+            self._kvstore_tenant = self.kvstore_tenants.tenant_of(self.headers, body)
+            routing.check_fits(self.response_generator, "/v1/chat/completions" if "chat" in self.path else self.path,
+                               body, self.kvstore_served_model)
         except Refused as e:
             return self._refused(e)
+        except routing.RequestError as e:
+            return self._answer_json(e.status, {"error": str(e)})
         # mlx_lm.server reads the body again: hand it the bytes it would have read.
         stream = self.rfile
         self.rfile = io.BytesIO(raw)
@@ -335,15 +340,27 @@ class KVStoreEndpoints:
 def _body_problem(path: str, raw: bytes) -> tuple[str, str] | None:
     """`(why, error)` if mlx_lm.server cannot serve this POST body, else None."""
     try:
-        body = json.loads(raw.decode("utf-8"))
+        body = json.loads(raw.decode("utf-8"), parse_constant=_not_json)
     except UnicodeDecodeError as e:
         return f"it is not UTF-8 (byte {e.start})", INVALID_JSON
     except json.JSONDecodeError as e:
         return f"{e.msg} (line {e.lineno}, column {e.colno})", INVALID_JSON
+    except ValueError as e:  # NaN, Infinity (`_not_json`)
+        return str(e), INVALID_JSON
+    except RecursionError:
+        return "it is nested too deeply", INVALID_JSON
+    try:
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate (\ud800): no tokenizer takes it
+        return "it holds text that is not Unicode (a lone surrogate)", INVALID_JSON
     if not isinstance(body, dict):
         return f"it is a JSON {_json_type(body)}, not an object", INVALID_JSON
     wrong = _fatal_field(path, body)
     return (wrong, "Invalid request body") if wrong else None
+
+
+def _not_json(name: str):
+    raise ValueError(f"{name} is no JSON number")
 
 
 def _fatal_field(path: str, body: dict) -> str | None:

@@ -28,7 +28,8 @@ import numpy as np
 
 from kvstore.argv import did_you_mean
 from kvstore.errors import BlobError
-from kvstore.model.jsonl import check_tokens
+from kvstore.model.jsonl import MAX_CHARS_PER_TOKEN, check_tokens
+from kvstore.model.loading import CONTEXT_KEYS
 from kvstore.records import CHECKPOINT
 from kvstore.serve.binding import Binding
 from kvstore.serve.promptcache import PersistentPromptCache
@@ -77,6 +78,39 @@ def render(generator: Any, path: str, body: dict, served_model: str | None) -> A
             for i, p in enumerate(prompts)]
 
 
+def check_fits(generator: Any, path: str, body: dict, served_model: str | None) -> None:
+    """RequestError (400) for a generation request that cannot fit the served model's context:
+    a text longer than any tokenizer fits (before it is tokenized: that costs time and memory per
+    character), a prompt of more tokens (tokenized as the generation path does), or a max_tokens
+    beyond it. A model whose config names no context is not checked."""
+    context = _config_int(generator, CONTEXT_KEYS)
+    if context is None:
+        return
+    chars = sum(len(t) for t in _texts(body))
+    if chars > context * MAX_CHARS_PER_TOKEN:
+        raise RequestError(400, f"the prompt is {chars:,} characters: more than any tokenizer fits in the "
+                                f"model's context ({context:,} tokens)")
+    wanted = body.get("max_completion_tokens") or body.get("max_tokens")
+    if isinstance(wanted, int) and not isinstance(wanted, bool) and wanted > context:
+        raise RequestError(400, f"max_tokens is {wanted:,}, more than the model's context ({context:,} tokens)")
+    rendered = render(generator, path + "/render", body, served_model)
+    n = max(len(r["token_ids"]) for r in (rendered if isinstance(rendered, list) else [rendered]))
+    if n > context:
+        raise RequestError(400, f"the prompt is {n:,} tokens, longer than the model's context ({context:,} tokens)")
+
+
+def _texts(body: dict) -> list[str]:
+    """The texts of a request's prompt or messages (what its tokens come from)."""
+    prompt = body.get("prompt")
+    texts = [prompt] if isinstance(prompt, str) else [p for p in prompt if isinstance(p, str)] \
+        if isinstance(prompt, list) else []
+    for m in body.get("messages") or []:
+        content = m.get("content") if isinstance(m, dict) else None
+        parts = content if isinstance(content, list) else [content]
+        texts += [p if isinstance(p, str) else p.get("text") for p in parts if isinstance(p, (str, dict))]
+    return [t for t in texts if isinstance(t, str)]
+
+
 def prompt_tokens(generator: Any, body: dict, served_model: str | None) -> list[int]:
     """The token ids of a prefetch request: `tokens` as given, else those its `messages` or
     `prompt` render to (as a request's would)."""
@@ -105,12 +139,19 @@ def prompt_tokens(generator: Any, body: dict, served_model: str | None) -> list[
 def _vocab_size(generator: Any) -> int | None:
     """The served model's vocabulary size, when its config says (None: token ids are not checked
     against it)."""
+    return _config_int(generator, ("vocab_size",))
+
+
+def _config_int(generator: Any, names: tuple[str, ...]) -> int | None:
+    """The first of `names` the served model's config (or its text config) gives as a whole
+    number above 0, or None."""
     model = getattr(getattr(generator, "model_provider", None), "model", None)
     args = getattr(model, "args", None)
     for config in (args, getattr(args, "text_config", None)):
-        size = config.get("vocab_size") if isinstance(config, dict) else getattr(config, "vocab_size", None)
-        if isinstance(size, int) and size > 0:
-            return size
+        for name in names:
+            value = config.get(name) if isinstance(config, dict) else getattr(config, name, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
     return None
 
 
