@@ -12,7 +12,7 @@ import threading
 import time
 
 from kvstore.remote.bucket import Bucket, RemoteError, RemoteSetupError
-from kvstore.remote.layout import MARKERS, manifest_key, marker_key
+from kvstore.remote.layout import MARKERS, manifest_key, marker_key, parse_key, parse_other
 from kvstore.remote.seal import Unauthenticated
 from kvstore.sizes import printable
 
@@ -185,17 +185,19 @@ class KeyCheck:
         """(the namespaces of the bucket none of this node's keys opens, whether one opens), by
         their manifests (names are MACs, so which model they are of cannot be told).
 
-        A namespace is a folder that holds an object: object stores that keep folders
-        (SeaweedFS) still list one after gc deleted its last object (`gc --remote --drop-key`
-        empties the folders of a dropped key), and it is no namespace. It costs a listing of the
+        A namespace is a folder that holds an object of the layout (the first it lists): object
+        stores that keep folders (SeaweedFS) still list one after gc deleted its last object
+        (`gc --remote --drop-key` empties the folders of a dropped key), and it is no namespace;
+        nor is one that holds only objects kvstore does not write. It costs a listing of the
         folders, a listing of at most one key per folder, and a GET of the manifest of the first
         `KEY_CHECK_FOLDERS` that hold an object and are not this node's."""
         ring = self.fleet.keyring()
         own = {f.ns_name(ns) for f in ring for ns in local}
         foreign, opens, read = 0, False, 0
         for folder in (f for f in self.bucket.folders("") if _NAME.fullmatch(f)):
-            if not self.bucket.list_page(folder + "/", 1)[0]:
-                continue
+            first = self.bucket.list_page(folder + "/", 1)[0]
+            if not first or parse_key(first[0][0]) is None and parse_other(first[0][0]) is None:
+                continue  # (empty, or what it holds first is not kvstore's: no namespace)
             if folder in own:
                 opens = True
                 continue
