@@ -218,7 +218,7 @@ class Store:
             tiers.append(disk)
             if (r := self.remote) is not None:  # its downloads are stored through `disk`, within its budget
                 tiers.append(remote := RemoteTier(r.bucket, r.health, disk, r.fleet, policy=r.prefetch,
-                                                  deadline=r.deadline, reupload=r.uploader.submit))
+                                                  deadline=r.deadline, reupload=r.uploader.submit, keys=r.keys))
                 self.writer.landing(remote.stored.landed)
         return Tiers(tiers)
 

@@ -100,7 +100,7 @@ def test_killed_mid_upload(tmp_path, s3, llama):
 
         def put_new(key, data):
             calls.append(key)
-            if len(calls) == 4:  # manifest, chunk 1, chunk 2 went up: the server dies now
+            if len(calls) == 5:  # key marker, manifest, chunk 1, chunk 2 went up: the server dies now
                 s3.kill()
             return real(key, data)
 

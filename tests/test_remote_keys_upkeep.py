@@ -2,22 +2,26 @@
 the local blobs' fleet trust tags when the fleet secret is given (without asking the bucket), and
 with a key that opens none of the bucket's namespaces `verify --remote` is not clean and `gc
 --remote` deletes none of them (neither `--drop-unknown` nor the age rule): they may be the
-fleet's under the right key."""
+fleet's under the right key. The fleet's key markers (`keys/<marker>`) keep it so after a node
+with the wrong key ran: it uploads nothing, so it never makes a namespace that opens with its key;
+a rotation publishes the new key's marker and `--drop-key` deletes the old one's."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import time
 
 import pytest
 from kvtest import alter_record, prefill
 from remote_fixture import fleet
-from test_remote_ops import C, cli, records, toks
+from test_remote_ops import REPO, C, cli, records, toks
 
 import kvstore
+from kvstore.remote.layout import marker_key
 from kvstore.remote.s3 import S3Bucket as Bucket
-from kvstore.remote.seal import Fleet, new_key, read_key_file
+from kvstore.remote.seal import Fleet, key_id, new_key, parse_key, read_key_file
 from kvstore.remote.upkeep import UNKNOWN_MAX_AGE, collect_remote
 
 
@@ -122,3 +126,96 @@ def test_with_a_key_that_opens_nothing_gc_remote_deletes_no_unknown_namespace(tm
     # unknown namespace beside one that opens still goes past the age.
     gone = collect_remote(Bucket(url), fleet(), now=time.time() + UNKNOWN_MAX_AGE + 60)
     assert gone["no_namespace_opens"] == 0 and records(url).keys() == fleet_records.keys()
+
+
+def objects(url: str) -> set[str]:
+    return {p for p, _, _ in Bucket(url).list("")}
+
+
+def marked(url: str, secret) -> bool:
+    """Whether the bucket holds the key marker of `secret`."""
+    return Bucket(url).head(marker_key(Fleet(parse_key(secret, "key")).marker_name())) is not None
+
+
+def test_a_node_with_the_wrong_key_uploads_nothing_so_every_run_is_told_and_gc_deletes_nothing(tmp_path, s3,
+                                                                                               demo_model_path):
+    """The audit's run: the fleet's node A warms; W, with another key, generates twice and W2 with
+    the same key once. Each is told (the line, once a run), none uploads anything (so no
+    namespace opens with their key), and W's verify --remote reports wrong_key and its gc
+    --remote --drop-unknown deletes nothing: a fleet node still restores A's prompt from the bucket."""
+    url = s3.url()
+    prompts = tmp_path / "one.jsonl"
+    prompts.write_text((REPO / "examples" / "prompts.jsonl").read_text().splitlines()[0] + "\n")
+    tiny = ("--model", str(demo_model_path), "--remote", url)
+    assert cli("warm", "--store", str(tmp_path / "a"), "--prompts", str(prompts), *tiny).returncode == 0
+    before = objects(url)
+    assert marked(url, os.environ["KVSTORE_REMOTE_KEY"]) and any("/manifest" in p for p in before)
+    wrong = key_file(tmp_path / "wrong.key", new_key())
+    for i, store in enumerate(("w", "w", "w2")):  # (a prompt the store lacks: it asks the bucket)
+        out = cli("generate", "--store", str(tmp_path / store), *tiny, "--remote-key-file", wrong,
+                  "--prompt", f"hello there, a node with the wrong key, run {i}", "--max-tokens", "2")
+        assert out.returncode == 0, out.stderr
+        said = [line for line in out.stderr.splitlines() if "none opens with this key" in line]
+        assert len(said) == 1 and "uploads nothing" in said[0] and f"from the remote key file {wrong}" in said[0], \
+            out.stderr
+        assert objects(url) == before
+    with kvstore.open(tmp_path / "w", remote=url, remote_key=read_key_file(wrong)) as w:
+        assert w.stats()["remote"]["totals"]["skipped_wrong_key"] >= 2
+    where = ["--remote", url, "--store", str(tmp_path / "w"), "--remote-key-file", wrong]
+    out = cli("verify", *where)
+    assert out.returncode == 1 and "wrong_key" in out.stdout, out.stdout + out.stderr
+    out = cli("gc", *where, "--drop-unknown")
+    assert out.returncode == 1 and "deletes no namespace" in out.stdout, out.stdout + out.stderr
+    assert objects(url) == before
+    out = cli("generate", "--store", str(tmp_path / "b"), "--prompts", str(prompts), "--max-tokens", "2", *tiny)
+    assert out.returncode == 0 and "none opens" not in out.stderr, out.stderr
+    m = re.search(r"prompt: (\d+) tokens, (\d+) reused \((\d+) from the bucket", out.stderr)
+    assert m and int(m.group(3)) == int(m.group(1)) - 1, out.stderr
+
+
+def test_a_fetch_only_session_with_the_wrong_key_leaves_nothing_in_the_bucket(tmp_path, s3, llama):
+    """Not even the pins of what it pinned before it had a remote."""
+    path, model = llama
+    url = s3.url()
+    theirs, mine = toks(2 * C + 3, 47), toks(2 * C + 1, 48)
+    with kvstore.open(tmp_path / "a", chunk_size=C, remote=url) as a:
+        a.bind(model, path).insert(theirs, prefill(model, theirs))
+        assert a.flush(30)
+    with kvstore.open(tmp_path / "w", chunk_size=C) as w:
+        w.bind(model, path).insert(mine, prefill(model, mine), pin=True)
+    before = objects(url)
+    with kvstore.open(tmp_path / "w", chunk_size=C, remote=url, remote_key=new_key()) as w:
+        mc = w.bind(model, path)
+        assert len(theirs) - len(mc.fetch(theirs)[1]) == 0
+        assert len(mine) - len(mc.fetch(mine)[1]) == len(mine) - 1
+    assert objects(url) == before
+
+
+def test_a_rotation_keeps_the_fleet_and_drop_key_deletes_the_old_keys_marker(tmp_path, s3, llama):
+    path, model = llama
+    url = s3.url()
+    old, new = new_key(), new_key()
+    first, second, third = toks(2 * C + 3, 49), toks(2 * C + 5, 50), toks(2 * C + 7, 51)
+
+    def store(name, keys, prompt, reused: int) -> dict:
+        with kvstore.open(tmp_path / name, chunk_size=C, remote=url, remote_key=keys) as n:
+            mc = n.bind(model, path)
+            assert len(prompt) - len(mc.fetch(prompt)[1]) == reused
+            mc.insert(prompt, prefill(model, prompt))
+            assert n.flush(60)
+            return n.stats()["remote"]
+
+    assert store("a", old, first, 0)["uploads"] > 0 and marked(url, old) and not marked(url, new)
+    r = store("b", [new, old], first, len(first) - 1)  # read with the old key, stored again under the new
+    assert r["uploads"] > 0 and r["skipped_wrong_key"] == 0 and marked(url, new) and marked(url, old)
+    r = store("c", old, second, 0)  # a node not given the new key yet is still the fleet's
+    assert r["uploads"] > 0 and r["skipped_wrong_key"] == 0
+    with kvstore.open(tmp_path / "b", chunk_size=C, remote=url, remote_key=[new, old]) as b:
+        assert b.remote.drop_key(key_id=key_id(parse_key(old, "old")))["records"] > 0
+    assert marked(url, new) and not marked(url, old)
+    before = objects(url)
+    r = store("d", old, third, 0)  # only the dropped key: told, and nothing goes up
+    assert r["uploads"] == 0 and r["skipped_wrong_key"] > 0 and r["foreign_namespaces"] == 1
+    assert objects(url) == before
+    r = store("e", new, first, len(first) - 1)
+    assert r["skipped_wrong_key"] == 0 and r["foreign_namespaces"] == 0

@@ -371,7 +371,8 @@ def test_the_wrong_key_line_counts_only_namespaces_that_hold_objects(tmp_path, s
         bucket.put(f"{os.urandom(16).hex()}/manifest", b"x")
     bucket.delete([p for p, _, _ in bucket.list("") if p.endswith("/manifest") and len(p) == 41
                    and bucket.get(p) == b"x"])
-    assert len(bucket.folders("")) == 7 and len({p.split("/")[0] for p, _, _ in bucket.list("")}) == 1
+    folders = [f for f in bucket.folders("") if f != "keys"]  # (the key markers' folder is no namespace)
+    assert len(folders) == 7 and len({p.split("/")[0] for p, _, _ in bucket.list("")} - {"keys"}) == 1
 
     def said(key) -> list[str]:
         caplog.clear()

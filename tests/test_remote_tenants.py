@@ -19,7 +19,8 @@ from test_server import Server
 
 import kvstore
 from kvstore.remote.bucket import open_bucket
-from kvstore.remote.layout import manifest_key, parse_key, parse_other
+from kvstore.remote.health import Health, KeyCheck
+from kvstore.remote.layout import manifest_key, marker_key, parse_key, parse_other
 from kvstore.remote.seal import NONCE_BYTES, Fleet, Unauthenticated, fleet_secret, key_id, new_key, read_key_file
 from kvstore.remote.seal import parse_key as key_bytes
 from kvstore.remote.upkeep import collect_remote
@@ -105,12 +106,15 @@ def test_no_object_the_fleet_key_opens_holds_the_uploading_nodes_model_path(tmp_
         if record is not None:
             plain = fleet.sealer(ns, tenant if record.owned else None).open(key, body)
             kinds.add("owned" if record.owned else "shared")
+        elif key == marker_key(fleet.marker_name()):
+            plain = fleet.marker_box().open(key, body)
+            kinds.add("marker")
         else:
             box = fleet.manifest_box(other[1]) if other[0] == "manifest" else fleet.sealer(ns)
             plain = box.open(key, body)
             kinds.add(other[0])
         assert not any(p in bytes(plain) for p in local), key
-    assert kinds == {"owned", "shared", "manifest", "pins"}
+    assert kinds == {"owned", "shared", "manifest", "pins", "marker"}
     # Another node still takes them: checked, stored, restored, and the bucket verifies clean.
     with node(tmp_path, "n2", url) as n2:
         mc = n2.bind(model, str(path), tenant="alice")
@@ -151,7 +155,8 @@ def test_a_key_rotation_reads_with_both_keys_then_leaves_nothing_only_the_old_ke
             n2.remote.drop_key(key_id=key_id(new))
     current = Fleet(new)
     left = objects(url)
-    assert left and {p.split("/")[0] for p in left} == {current.ns_name(ns)}
+    assert left and {p.split("/")[0] for p in left} == {current.ns_name(ns), "keys"}
+    assert {p for p in left if p.startswith("keys/")} == {marker_key(current.marker_name())}
     manifest = manifest_key(current.ns_name(ns))
     assert current.manifest_box(current.ns_name(ns)).open(manifest, open_bucket(url).get(manifest, 1 << 20))
     with node(tmp_path, "n3", url, remote_key=new) as n3:  # after it: the new key alone
@@ -172,6 +177,10 @@ def test_pins_nobody_can_open_no_longer_keep_a_namespace_for_ever(tmp_path, s3, 
     # While no namespace opens with the node's keys (a wrong secret?), it is kept even when old.
     result = collect_remote(bucket, Fleet(fleet_secret()), max_age=60, now=2e10)
     assert result["no_namespace_opens"] == 1 and result["dropped_namespaces"] == 0 and set(objects(url)) == theirs
+    # As if it were from before key markers, and the fleet's node had claimed the bucket since.
+    bucket.delete([p for p in theirs if p.startswith("keys/")])
+    theirs = set(objects(url))
+    KeyCheck(bucket, Fleet(fleet_secret()), Health()).claim()
     with node(tmp_path, "n2", url) as n2:  # the fleet's own namespace, beside it
         n2.bind(model, str(path)).prefill(SYSTEM)
         assert n2.flush()

@@ -100,6 +100,11 @@ def plant(url: str, store_dir: Path, source, ns: bytes, prompts, sealed: bool) -
     return planted
 
 
+def delete_keys(url: str) -> None:
+    bucket = Bucket(url)
+    bucket.delete([p for p, _, _ in bucket.list("keys/")])
+
+
 def delete_everything(url: str) -> None:
     bucket = Bucket(url)
     bucket.delete([p for p, _, _ in bucket.list("")])
@@ -117,6 +122,7 @@ def test_a_bucket_writer_without_the_secret_never_changes_what_the_fleet_restore
     _, emc, source = store_prompts(tmp_path / "evil", url, evil, path, prompts, fingerprint=fp, remote_key=new_key())
     assert emc.ns == ns
     n = plant(url, tmp_path / "evil", source, ns, prompts, sealed)
+    delete_keys(url)  # (a bucket writer need not leave the key marker its own kvstore published)
     # Planted before any honest node: a fleet node gets a miss, counted, and stores nothing of it.
     with kvstore.open(tmp_path / "b", chunk_size=C, remote=url, memory_bytes=0) as b:
         assert fleet_fetch_is_honest(b, model, path, prompts[0]) == 0
@@ -134,6 +140,7 @@ def test_a_bucket_writer_without_the_secret_never_changes_what_the_fleet_restore
     delete_everything(url)
     source = store_prompts(tmp_path / "evil2", url, evil, path, prompts, fingerprint=fp, remote_key=new_key())[2]
     plant(url, tmp_path / "evil2", source, ns, prompts, sealed)
+    delete_keys(url)
     with kvstore.open(tmp_path / "d", chunk_size=C, remote=url, memory_bytes=0) as d:
         for p in prompts:
             assert fleet_fetch_is_honest(d, model, path, p) == 0

@@ -206,10 +206,10 @@ def _gc_remote(args) -> int:
             f"opens ({plural(result['dropped_objects'], 'object')}, {format_size(result['dropped_bytes'])}"
             + (")" if args.drop_unknown else f", newest object over {days} days old)"))
     left = result["unknown_namespaces"] - result["dropped_namespaces"]
-    if result.get("no_namespace_opens"):  # (the library said the wrong-key line)
+    if result.get("wrong_key"):  # (the library said the wrong-key line)
         out(f"remote {url}: gc deletes no namespace none of its keys opens ({plural(left, 'namespace')}, "
-            f"{format_size(result['unknown_bytes'])} kept) while none of the bucket's namespaces opens with this "
-            "node's keys: they may be the fleet's under the right secret. Give it (--remote-key-file, or "
+            f"{format_size(result['unknown_bytes'])} kept) while this node's key is not the fleet's (the "
+            "wrong-key line above says why): they may be the fleet's under the right secret. Give it (--remote-key-file, or "
             "KVSTORE_REMOTE_KEY); to delete them anyway, use your object store's tools")
         return 1 if args.drop_unknown else 0
     if left > 0:

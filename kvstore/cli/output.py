@@ -51,7 +51,8 @@ def uploads_undone(store) -> str | None:
         return None
     reasons = {"left": f"still queued when the remote did not answer in {remote.flush_timeout:g} s",
                "down": "skipped while the remote failed (said above)", "no_parent": "skipped for want of their parent in the bucket",
-               "failed": "failed", "dropped": "dropped from a full upload queue"}
+               "failed": "failed", "dropped": "dropped from a full upload queue",
+               "wrong_key": "skipped because this node's key is not the fleet's (said above)"}
     parts = ", ".join(f"{why[k]} {text}" for k, text in reasons.items() if why[k])
     return (f"{plural(n, 'upload')} not done ({parts}); those records are stored on this machine only: "
             "no later process uploads them")

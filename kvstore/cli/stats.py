@@ -107,6 +107,9 @@ def _print_remote(remote: dict | None) -> None:
         f"errors: {t['errors']}   dropped uploads: {t['dropped_uploads']}   skipped uploads: "
         f"{t['skipped_down_uploads']} (remote down) / {t['skipped_no_parent']} (no parent)   "
         f"past the wait: {t['deadline_misses']}")
+    if t.get("skipped_wrong_key"):
+        out(f"remote: uploads skipped because this node's key is not the fleet's: {t['skipped_wrong_key']} (the "
+            "wrong-key line in the log says why; give the fleet's secret)")
     if t.get("refused_uploads"):
         out(f"remote: refused uploads: {t['refused_uploads']} (a blob changed after it was written, or without "
             "a trust tag of this fleet: the warning in the log says which; `kvstore verify` finds them)")

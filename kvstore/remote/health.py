@@ -5,12 +5,15 @@ not one per fetch or upload). Shared by the remote tier (reads) and the uploader
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import threading
 import time
 
 from kvstore.remote.bucket import Bucket, RemoteError, RemoteSetupError
+from kvstore.remote.layout import MARKERS, manifest_key, marker_key, parse_key, parse_other
+from kvstore.remote.seal import Unauthenticated
 from kvstore.sizes import printable
 
 log = logging.getLogger("kvstore")
@@ -22,7 +25,7 @@ COUNTERS = (
     "remote_hits", "remote_tokens", "corrupt_objects", "errors", "deadline_misses", "skipped_down",
     "unauthenticated", "replaced", "oversized_objects", "skipped_down_uploads", "left_uploads",
     "downloads_used", "prefetched", "partial_restores", "truncated_lists", "dropped_prefetches",
-    "foreign_namespaces", "refused_uploads", "tagged_records")
+    "foreign_namespaces", "refused_uploads", "tagged_records", "skipped_wrong_key")
 #: Counters are added to the store's index under this prefix, so `kvstore stats` shows every
 #: process's totals.
 COUNTER_PREFIX = "count.remote."
@@ -110,54 +113,118 @@ KEY_CHECK_FOLDERS = 16
 _NAME = re.compile(r"[0-9a-f]{32}")
 
 
-def say_if_no_namespace_opens(bucket: Bucket, fleet, ns: bytes, health: Health) -> None:
-    """Whether the bucket exists, and whether it holds namespaces of which none opens with this
-    node's keys (by their manifests; names are MACs, so which model they are of cannot be told):
-    a wrong fleet secret. Said once (the remote tier asks once a process, after a lookup that
-    found nothing of its prompt); a bucket that does not exist is said by `Health.error`.
+class KeyCheck:
+    """Whether this node's keys are the fleet's of the bucket, told by the fleet's key markers
+    (`layout.marker_key`: a small sealed object per key, named by a MAC under that key, so only a
+    holder of the key can name it). Asked once a process, the answer kept: before the node's
+    first upload or pins object, after a fetch that found nothing, by gc and verify of the bucket.
 
-    A namespace is a folder that holds an object: object stores that keep folders (SeaweedFS)
-    still list one after gc deleted its last object (`gc --remote --drop-key` empties the folders
-    of a dropped key), and it is no namespace. So this node's own folder counts only if it holds
-    something (a node left with a dropped key is told), and the count is of folders that do. It
-    costs a listing of the folders, a listing of at most one key per folder, and a GET of the
-    manifest of the first `KEY_CHECK_FOLDERS` that hold an object: once a process."""
-    from kvstore.remote.layout import manifest_key
-    from kvstore.remote.seal import Unauthenticated
+    - A marker of one of this node's keys is there (a HEAD each, the current key's first): the
+      key is the fleet's. With `claim` the current key's marker is published if it is missing
+      (a rotation: the older key's is there).
+    - No marker at all (a new bucket, or one written before markers): the key is the fleet's
+      unless the bucket holds namespaces and none opens with it (`_namespaces`); with `claim`
+      its marker is published then, and the bucket is this fleet's from then on.
+    - Markers, none of this node's keys': a wrong key.
+    A wrong key is said once (`wrong_key_line`) and the namespaces its keys do not open are
+    counted (`foreign_namespaces`). Such a node writes nothing to the bucket (no record, manifest,
+    pins or marker: `Uploader`, `Remote`), so it never makes a namespace that would hide the
+    mistake from the next node with that key; and gc --remote deletes no unknown namespace.
+    RemoteError if the bucket cannot be asked (nothing is kept: asked again next time)."""
 
-    def holds(folder: str) -> bool:
-        return bool(bucket.list_page(folder + "/", 1)[0])
+    def __init__(self, bucket: Bucket, fleet, health: Health):
+        self.bucket, self.fleet, self.health = bucket, fleet, health
+        self.wrong: bool | None = None  # None: not known yet
+        self.foreign = 0  # namespaces of the bucket none of this node's keys opens (counted when wrong)
+        self.markers = False  # the bucket held key markers when asked
+        self._marked = False  # the current key's marker is in the bucket
+        self._lock = threading.Lock()
 
-    try:
-        folders = [f for f in bucket.folders("") if _NAME.fullmatch(f)]
-        own = {f.ns_name(ns) for f in fleet.keyring()} & set(folders)
-        if any(holds(folder) for folder in own):
-            return
-        live = 0  # folders that hold an object
-        for folder in (f for f in folders if f not in own):
-            if not holds(folder):
+    def judge(self, local=(), *, claim: bool = False) -> bool:
+        """True if this node's keys are not the fleet's. `local`: namespaces this node has (its
+        folders need no manifest to open). `claim`: this node is about to write to the bucket."""
+        with self._lock:
+            if self.wrong is None:
+                self.wrong = self._ask(local)
+                if self.wrong:
+                    self.health.count("foreign_namespaces", self.foreign)
+                    log.warning("kvstore: %s; this node uploads nothing to it (no records, manifests or pins) "
+                                "while its key is not the fleet's", self.line())
+            if claim and not self.wrong and not self._marked:
+                self.claim()
+            return self.wrong
+
+    def check(self, local=()) -> None:
+        """`judge`, for a fetch: a bucket that cannot be asked (no such bucket, no answer...) is
+        said once (`Health.error`), never raised."""
+        try:
+            self.judge(local)
+        except RemoteError as e:
+            self.health.error(e, down=True)
+
+    def line(self) -> str:
+        return wrong_key_line(self.bucket.url, self.foreign, self.fleet, markers=self.markers)
+
+    def claim(self) -> None:
+        """Publish the current key's marker: the bucket is this fleet's."""
+        key = marker_key(self.fleet.marker_name())
+        body = json.dumps({"key": self.fleet.key_id, "written": time.time()}).encode()
+        self.bucket.put_new(key, self.fleet.marker_box().seal(key, body))
+        self._marked = True
+
+    def _ask(self, local) -> bool:
+        for f in self.fleet.keyring():
+            if self.bucket.head(marker_key(f.marker_name())) is not None:
+                self._marked = f is self.fleet
+                return False
+        self.markers = bool(self.bucket.list_page(MARKERS, 1)[0])
+        self.foreign, opens = self._namespaces(local)
+        return self.markers or (self.foreign > 0 and not opens)
+
+    def _namespaces(self, local) -> tuple[int, bool]:
+        """(the namespaces of the bucket none of this node's keys opens, whether one opens), by
+        their manifests (names are MACs, so which model they are of cannot be told).
+
+        A namespace is a folder that holds an object of the layout (the first it lists): object
+        stores that keep folders (SeaweedFS) still list one after gc deleted its last object
+        (`gc --remote --drop-key` empties the folders of a dropped key), and it is no namespace;
+        nor is one that holds only objects kvstore does not write. It costs a listing of the
+        folders, a listing of at most one key per folder, and a GET of the manifest of the first
+        `KEY_CHECK_FOLDERS` that hold an object and are not this node's."""
+        ring = self.fleet.keyring()
+        own = {f.ns_name(ns) for f in ring for ns in local}
+        foreign, opens, read = 0, False, 0
+        for folder in (f for f in self.bucket.folders("") if _NAME.fullmatch(f)):
+            first = self.bucket.list_page(folder + "/", 1)[0]
+            if not first or parse_key(first[0][0]) is None and parse_other(first[0][0]) is None:
+                continue  # (empty, or what it holds first is not kvstore's: no namespace)
+            if folder in own:
+                opens = True
                 continue
-            live += 1
             key = manifest_key(folder)
-            body = bucket.get(key, max_bytes=1 << 20) if live <= KEY_CHECK_FOLDERS else None
-            for f in fleet.keyring() if body is not None else ():
-                try:
-                    f.manifest_box(folder).open(key, body)
-                    return  # a namespace of this fleet (another model's)
-                except Unauthenticated:
-                    pass
-    except RemoteError as e:  # no such bucket, no answer...: said once
-        health.error(e, down=True)
-        return
-    if not live:
-        return
-    health.count("foreign_namespaces", live)
-    log.warning("kvstore: %s", wrong_key_line(bucket.url, live, fleet))
+            read += 1
+            body = self.bucket.get(key, max_bytes=1 << 20) if read <= KEY_CHECK_FOLDERS else None
+            if body is not None and any(_opens(f.manifest_box(folder), key, body) for f in ring):
+                opens = True  # a namespace of this fleet (another model's)
+            else:
+                foreign += 1
+        return foreign, opens
 
 
-def wrong_key_line(url: str, namespaces: int, fleet) -> str:
-    """What is said when the bucket at `url` holds `namespaces` namespaces and none opens with
-    this node's keys (`fleet`): by generate and serve, and by gc and verify of the bucket."""
-    return (f"the bucket {url} holds {namespaces} namespace{'' if namespaces == 1 else 's'} and none opens with "
-            f"this key ({fleet.key_id}, from {printable(fleet.where)}): is it the fleet's? (nothing stored by the "
-            "nodes that wrote them can be reused here)")
+def _opens(box, key: str, body) -> bool:
+    try:
+        box.open(key, body)
+        return True
+    except Unauthenticated:
+        return False
+
+
+def wrong_key_line(url: str, namespaces: int, fleet, *, markers: bool = False) -> str:
+    """What is said when this node's keys (`fleet`) are not the fleet's of the bucket at `url`,
+    which holds `namespaces` namespaces none of them opens (`markers`: and key markers of other
+    keys only): by generate and serve, and by gc and verify of the bucket."""
+    held = f"holds {namespaces} namespace{'' if namespaces == 1 else 's'} and none opens with this key"
+    if markers:
+        held = f"is kept by another fleet key (its key markers are not of this key){' and ' + held if namespaces else ''}"
+    return (f"the bucket {url} {held} ({fleet.key_id}, from {printable(fleet.where)}): is it the fleet's? "
+            "(nothing stored by the nodes that wrote them can be reused here)")

@@ -8,6 +8,7 @@ digits, see `remote.seal`; `pp` is the first two digits of `parent`):
     <ns>/<pp>/<parent>/<branch>/<record>.tail.<n>.<marks>   a tail of n tokens
     <ns>/<pp>/<record>/ckpt/<checkpoint>.ckpt       the checkpoint at the end of <record>
     <ns>/pins/<node>                                what one node has pinned
+    keys/<marker>                                   a key of the fleet of this prefix (`Fleet.marker_name`)
 
 A tenant's record is `.tchunk.<n>`, `.ttail.<n>` or `.tckpt` (sealed with its tenant's key, its
 `<branch>` named with its tenant's salt: `remote.seal.TenantSealer`): a listing tells that it is
@@ -73,6 +74,14 @@ def mark_lengths(n: int) -> list[int]:
 
 def manifest_key(folder: str) -> str:
     return f"{folder}/manifest"
+
+
+#: The folder of the fleet's key markers (`remote.health.KeyCheck`); no namespace is named so.
+MARKERS = "keys/"
+
+
+def marker_key(name: str) -> str:
+    return f"{MARKERS}{name}"
 
 
 def pins_key(folder: str, node: str) -> str:

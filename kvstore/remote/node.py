@@ -26,7 +26,7 @@ from typing import Any
 from kvstore import keys, settings
 from kvstore.records import SizeBound
 from kvstore.remote.bucket import Bucket
-from kvstore.remote.health import Health
+from kvstore.remote.health import Health, KeyCheck
 from kvstore.remote.layout import LAYOUT_VERSION, pins_key
 from kvstore.remote.pins import Ledger, node_id, publish, read_one
 from kvstore.remote.seal import Fleet, Unauthenticated
@@ -49,8 +49,9 @@ class Remote:
         self.url, self.deadline, self.flush_timeout = bucket.url, deadline, flush_timeout
         self.prefetch = prefetch  # the remote tier's policy (`tiers.remote`)
         self.health = health or Health()
+        self.keys = KeyCheck(bucket, fleet, self.health)  # whether this node's key is the fleet's (asked once)
         self.uploader = Uploader(bucket, self.health, fleet, blob_root, index.get, self.publish_pins,
-                                 threads=upload_threads,  # `trust`: what judges uploads (none: nothing goes up)
+                                 threads=upload_threads, keys=self.keys,  # `trust`: judges uploads (none: none go up)
                                  anchors=Anchors(trust, index, blob_root) if trust is not None else None)
         self._spent = 0.0  # seconds of the allowance waited out on uploads not done since
         self._said = False  # that the allowance ran out (said once until the uploads are all done)
@@ -105,10 +106,11 @@ class Remote:
         record counted once): still queued when the store stopped waiting (`left`, as
         `undone_uploads`), skipped while the remote was left alone after a failure (`down`),
         skipped because its parent is not in the bucket (`no_parent`: below one of the others,
-        or a refused one), failed, or dropped from a full queue. No later process uploads them."""
+        or a refused one), failed, dropped from a full queue, or skipped because this node's key
+        is not the fleet's (`wrong_key`, `KeyCheck`). No later process uploads them."""
         c = self.health.counters
         return {"left": self.undone_uploads, "down": c["skipped_down_uploads"], "no_parent": c["skipped_no_parent"],
-                "failed": c["upload_errors"], "dropped": c["dropped_uploads"]}
+                "failed": c["upload_errors"], "dropped": c["dropped_uploads"], "wrong_key": c["skipped_wrong_key"]}
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued upload is done (or dropped), for at most `timeout` seconds and
@@ -159,10 +161,12 @@ class Remote:
         self.flush()
         ledger = self.ledger()
         result = collect_remote(self.bucket, self.fleet, self.index.namespaces(), max_bytes=max_bytes,
-                                max_age=max_age, dry_run=dry_run, ledger=ledger, drop_unknown=drop_unknown)
+                                max_age=max_age, dry_run=dry_run, ledger=ledger, drop_unknown=drop_unknown,
+                                keys=self.keys)
         if ledger.shared and not dry_run:  # another store publishes under this node's id: not any more
             ledger.renew()
-        publish(self.bucket, self.fleet, ledger, self.index.namespaces())
+        if not self.keys.judge(self.index.namespaces(), claim=True):  # (a wrong key writes nothing)
+            publish(self.bucket, self.fleet, ledger, self.index.namespaces())
         return result
 
     def drop_key(self, *, key_id: str, dry_run: bool = False) -> dict:
@@ -170,21 +174,26 @@ class Remote:
         from kvstore.remote.upkeep import drop_key
 
         self.flush()
-        return drop_key(self.bucket, self.fleet, self.index.namespaces(), key_id=key_id, dry_run=dry_run)
+        return drop_key(self.bucket, self.fleet, self.index.namespaces(), key_id=key_id, dry_run=dry_run,
+                        keys=self.keys)
 
     def verify(self, *, repair: bool = False) -> list:
         """Problems of the bucket's objects, and `notes` (see `upkeep.verify_remote`)."""
         from kvstore.remote.upkeep import verify_remote
 
         self.flush()
-        return verify_remote(self.bucket, self.fleet, self.index.namespaces(), repair=repair, ledger=self.ledger())
+        return verify_remote(self.bucket, self.fleet, self.index.namespaces(), repair=repair, ledger=self.ledger(),
+                             keys=self.keys)
 
     def ledger(self) -> Ledger:
         """What this node knows of pins that the bucket cannot tell it (`remote.pins.Ledger`)."""
         return Ledger(self.index, node_id(self.store_dir, self.index), self.store_dir)
 
     def publish_pins(self, namespaces=None) -> int:
-        """Write this node's pins object(s): what gc on any node must keep."""
+        """Write this node's pins object(s): what gc on any node must keep; none with a key that is
+        not the fleet's (`KeyCheck`: such a node writes nothing to the bucket)."""
+        if self.keys.judge(self.index.namespaces(), claim=True):
+            return 0
         return publish(self.bucket, self.fleet, self.ledger(),
                        self.index.namespaces() if namespaces is None else namespaces)
 

@@ -223,6 +223,15 @@ class Fleet:
         """The folder of a namespace (32 hex digits)."""
         return hmac.new(self._ns_names, ns, hashlib.sha256).digest()[:16].hex()
 
+    def marker_name(self) -> str:
+        """The name of this key's marker in the bucket (`layout.marker_key`): a MAC of a constant
+        under the key, so only a holder of the key can name it, and it tells nothing of the key."""
+        return hmac.new(self._secret, b"kvstore key marker", hashlib.sha256).digest()[:16].hex()
+
+    def marker_box(self) -> "Box":
+        """The key a marker's body is sealed with."""
+        return Box(_derive(self._secret, _PURPOSE + b" key marker"))
+
     def manifest_box(self, folder: str) -> "Box":
         """The key of a namespace's manifest, derived from its folder name: gc and verify open a
         manifest to learn which namespace a folder is before they know its hash."""

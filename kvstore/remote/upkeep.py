@@ -13,7 +13,8 @@ Nothing a bucket writer can put in the bucket steers either (it holds no fleet s
   key opens is an unknown namespace: verify notes it (not a problem: another fleet's, or a key
   since dropped) and checks nothing in it; gc counts none of its bytes against `max_bytes`, and
   deletes it only when told (`drop_unknown`) or once its newest object is `UNKNOWN_MAX_AGE`
-  old. Its pins keep nothing.
+  old. Its pins keep nothing. None is deleted while this node's key is not the fleet's (by the
+  bucket's key markers, `remote.health.KeyCheck`): verify reports `wrong_key` then.
 - An object in a namespace folder that is not of the layout cannot be told to be kvstore's:
   verify notes it, and neither verify's repair nor gc deletes it.
 - The most bytes a record can be comes from the model's geometry, which the sealed manifest
@@ -37,8 +38,8 @@ from concurrent.futures import ThreadPoolExecutor
 from kvstore.errors import BlobError, InvalidInputError
 from kvstore.records import CHECKPOINT, RecordId, SizeBound
 from kvstore.remote.bucket import MAX_OBJECT_BYTES, Bucket, RemoteError
-from kvstore.remote.health import wrong_key_line
-from kvstore.remote.layout import ObjectKey, manifest_key
+from kvstore.remote.health import Health, KeyCheck
+from kvstore.remote.layout import ObjectKey, manifest_key, marker_key
 from kvstore.remote.pins import Ledger, Pins, publish, read_all
 from kvstore.remote.seal import OVERHEAD, Fleet, Sealer, Unauthenticated
 from kvstore.remote.tree import Listing, Tree
@@ -115,16 +116,19 @@ def namespaces(bucket: Bucket, fleet: Fleet, folders, local=()) -> dict[str, Spa
 
 def collect_remote(bucket: Bucket, fleet: Fleet, local=(), *, max_bytes: int | None = None,
                    max_age: float | None = None, dry_run: bool = False, now: float | None = None,
-                   ledger: Ledger | None = None, drop_unknown: bool = False) -> dict:
+                   ledger: Ledger | None = None, drop_unknown: bool = False, keys: KeyCheck | None = None) -> dict:
     """Delete records of the bucket older than `max_age` seconds, then until it holds at most
     `max_bytes`, by the rule local gc follows (`upkeep.evict`: least recently used leaf first,
     an object's last-modified time standing for its last access; records whose parent is gone
     first); never a pinned record, its ancestors or its checkpoints, and never a record before
     its children. Only namespaces this node can read count; unknown ones are deleted whole
-    when `drop_unknown`, or once their newest object is `UNKNOWN_MAX_AGE` old. `ledger`: what
+    when `drop_unknown`, or once their newest object is `UNKNOWN_MAX_AGE` old, and never while
+    this node's key is not the fleet's (`KeyCheck`: they may be the fleet's). `ledger`: what
     this node knows of pins (`remote.pins`; default: nothing, with no store)."""
     started = time.perf_counter()
     now = time.time() if now is None else now
+    keys = keys or KeyCheck(bucket, fleet, Health())
+    wrong_key = keys.judge(local, claim=not dry_run)  # then the unknown may be the fleet's: none goes
     listing = Listing(bucket)
     spaces = namespaces(bucket, fleet, listing.folders(), local)
     tree, strays = listing.split(spaces)
@@ -141,7 +145,6 @@ def collect_remote(bucket: Bucket, fleet: Fleet, local=(), *, max_bytes: int | N
     if not dry_run and len(p):
         _delete_in_rounds(bucket, tree, p)
     unknown = _unknown(listing, strays, set(spaces), now)
-    wrong_key = _none_opens(bucket, listing, spaces, fleet)  # then they may be the fleet's: none goes
     dropped = {f: u for f, u in unknown.items()
                if not wrong_key and (drop_unknown or now - u["newest"] >= UNKNOWN_MAX_AGE)}
     if not dry_run:
@@ -153,7 +156,8 @@ def collect_remote(bucket: Bucket, fleet: Fleet, local=(), *, max_bytes: int | N
             "held_namespaces": len(keep.held), "rollbacks": [str(r) for r in keep.rollbacks],
             "unknown_namespaces": len(unknown), "unknown_bytes": sum(u["bytes"] for u in unknown.values()),
             "dropped_namespaces": len(dropped), "dropped_objects": sum(u["objects"] for u in dropped.values()),
-            "dropped_bytes": sum(u["bytes"] for u in dropped.values()), "no_namespace_opens": wrong_key,
+            "dropped_bytes": sum(u["bytes"] for u in dropped.values()), "wrong_key": wrong_key,
+            "no_namespace_opens": keys.foreign if wrong_key else 0,
             "seconds": time.perf_counter() - started}
 
 
@@ -179,16 +183,6 @@ def _kept(bucket: Bucket, listing: Listing, tree: Tree, spaces: dict[str, Space]
     pinned |= {c for h in pinned for c in tree.children.get(h, []) if tree.objects[c].kind == CHECKPOINT}
     keep = pinned | {h for h, k in tree.objects.items() if k.ns.hex() in pins.held}
     return _Kept(**vars(pins), kept=keep, pinned=pinned)
-
-
-def _none_opens(bucket: Bucket, listing: Listing, spaces: dict[str, Space], fleet: Fleet) -> int:
-    """How many namespaces the bucket holds when none opens with this node's keys (else 0): a
-    wrong fleet secret, most likely, so they may be the fleet's. Said as generate says it."""
-    held = listing.folders()
-    if not held or held & set(spaces):
-        return 0
-    log.warning("kvstore: %s", wrong_key_line(bucket.url, len(held), fleet))
-    return len(held)
 
 
 def _unknown(listing: Listing, strays: dict[str, list[ObjectKey]], known: set[str], now: float) -> dict[str, dict]:
@@ -221,7 +215,7 @@ def _delete_in_rounds(bucket: Bucket, tree: Tree, p: evict.Victims) -> None:
 
 
 def verify_remote(bucket: Bucket, fleet: Fleet, local=(), *, repair: bool = False, threads: int = 8,
-                  ledger: Ledger | None = None, now: float | None = None) -> Findings:
+                  ledger: Ledger | None = None, now: float | None = None, keys: KeyCheck | None = None) -> Findings:
     """Download and check every record of the namespaces this node can read (sealed by the fleet
     for its key, no larger than its manifest's geometry allows, checksums, header, tokens against
     its names), the tree (no record without its parent) and the pins (no older copy put back).
@@ -229,18 +223,19 @@ def verify_remote(bucket: Bucket, fleet: Fleet, local=(), *, repair: bool = Fals
     publishes this node's pins again if they were rolled back (or deleted), and forgets another
     node's whose pins object was deleted (taken as retired: gc holds its namespace no longer). What it leaves alone are
     notes, not problems: unknown namespaces, and objects that are not of the layout (kvstore
-    deletes only what it can tell is its own)."""
+    deletes only what it can tell is its own). With a key that is not the fleet's (`KeyCheck`)
+    it reports `wrong_key` and publishes nothing."""
     ledger = ledger or Ledger()
+    keys = keys or KeyCheck(bucket, fleet, Health())
+    wrong_key = keys.judge(local, claim=repair)
     listing = Listing(bucket)
     spaces = namespaces(bucket, fleet, listing.folders(), local)
     tree, strays = listing.split(spaces)
     problems, bad = _check_records(bucket, tree, spaces, threads)
-    wrong_key = _none_opens(bucket, listing, spaces, fleet)
-    if wrong_key:  # nothing was checked, and it may all be the fleet's: not clean
-        problems.append(Problem("wrong_key", bucket.url, f"none of the bucket's {wrong_key} namespaces opens with "
-                                f"this node's keys ({fleet.key_id}, from {fleet.where}): nothing in them was "
-                                "checked, and gc --remote deletes none of them while none opens; give the "
-                                "fleet's secret (--remote-key-file, or KVSTORE_REMOTE_KEY)"))
+    if wrong_key:  # what is the fleet's was not checked, and may be all of it: not clean
+        problems.append(Problem("wrong_key", bucket.url, f"{keys.line()}; nothing in the namespaces this node's "
+                                "keys do not open was checked, gc --remote deletes none of them, and this node "
+                                "uploads nothing: give the fleet's secret (--remote-key-file, or KVSTORE_REMOTE_KEY)"))
     pins = read_all(bucket, listing.pins_objects, {f: s.sealer() for f, s in spaces.items()}, ledger, listing.folders())
     pinned, republish, forget = _pins_problems(pins, spaces, fleet, ledger)
     problems += pinned
@@ -253,10 +248,10 @@ def verify_remote(bucket: Bucket, fleet: Fleet, local=(), *, repair: bool = Fals
     if repair and gone:
         tree.delete(bucket, gone)
     again = {spaces[p.path.partition("/")[0]].ns for p in republish}
-    if repair and pins.shared:  # a new id: every namespace of this node is published under it
+    if repair and pins.shared and not wrong_key:  # a new id: every namespace of this node is published under it
         ledger.renew()
         again |= set(local)
-    if repair and again:
+    if repair and again and not wrong_key:
         publish(bucket, fleet, ledger, again)
     for p, node in forget if repair else ():
         ledger.forget(p.path.partition("/")[0], node)
@@ -304,8 +299,8 @@ def _pins_problems(pins: Pins, spaces: dict[str, Space], fleet: Fleet, ledger: L
 def _unknown_note(u: dict, listing: Listing, folder: str, wrong_key: bool) -> str:
     foreign = sum(1 for p in listing.foreign if p.partition("/")[0] == folder)
     days = max(0, int((UNKNOWN_MAX_AGE - u["age"]) // 86400))
-    goes = ("gc --remote deletes it neither with --drop-unknown nor by its age while no namespace of the bucket "
-            "opens with this node's keys" if wrong_key else f"it goes with `gc --remote --drop-unknown`, or by "
+    goes = ("gc --remote deletes it neither with --drop-unknown nor by its age while this node's key is not "
+            "the fleet's" if wrong_key else f"it goes with `gc --remote --drop-unknown`, or by "
             f"any gc --remote in {days} days (once its newest object is {int(UNKNOWN_MAX_AGE // 86400)} days old)")
     return (f"{u['objects']} objects ({format_size(u['bytes'])}{f', and {foreign} not of the layout' if foreign else ''})"
             " that none of this node's keys opens (another fleet's, a key since dropped, or planted): not "
@@ -375,15 +370,20 @@ def _check_listed(s: Sealer, k: ObjectKey, buf, depth: int | None, chunk_size: i
         raise BlobError("its key's branch is not that of its first token")
 
 
-def drop_key(bucket: Bucket, fleet: Fleet, local=(), *, key_id: str, dry_run: bool = False) -> dict:
+def drop_key(bucket: Bucket, fleet: Fleet, local=(), *, key_id: str, dry_run: bool = False,
+             keys: KeyCheck | None = None) -> dict:
     """Delete every object of the namespaces of the older key `key_id` of `fleet` (records deepest
-    first, then pins and manifests): what only that key opens. The end of a key rotation."""
+    first, then pins and manifests), and that key's marker (the current key's is published
+    first if missing, `KeyCheck`): what only that key opens. The end of a key rotation."""
     kid = key_id
     old = next((f for f in fleet.older if f.key_id == kid), None)
     if old is None:
         known = ", ".join(f.key_id for f in fleet.older) or "none"
         raise InvalidInputError(f"--drop-key {kid}: not an older key of this fleet (older keys: {known}; the key "
                                 f"written with, {fleet.key_id}, cannot be dropped)")
+    (keys or KeyCheck(bucket, fleet, Health())).judge(local, claim=not dry_run)
+    marker = marker_key(old.marker_name())
+    marked = bucket.head(marker) is not None
     listing = Listing(bucket)
     spaces = namespaces(bucket, fleet, listing.folders(), local)
     tree, _ = listing.split(spaces)
@@ -393,6 +393,7 @@ def drop_key(bucket: Bucket, fleet: Fleet, local=(), *, key_id: str, dry_run: bo
     size = sum(tree.objects[h].size for h in records)
     if not dry_run:
         tree.delete(bucket, records)
-        bucket.delete(others)
-    return {"key": kid, "namespaces": len(mine), "records": len(records), "objects": len(records) + len(others),
+        bucket.delete(others + [marker] * marked)
+    return {"key": kid, "namespaces": len(mine), "records": len(records),
+            "objects": len(records) + len(others) + marked,
             "bytes": size, "dry_run": dry_run}

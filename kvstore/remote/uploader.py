@@ -13,6 +13,8 @@ else it is not uploaded, and counted). A create-only PUT that finds the
 object there already reads it back: if it does not open, or is not the record, it was planted by
 someone without the secret, and is overwritten (counted as `replaced`). While the remote is left
 alone after a failure (`Health.down`), uploads are skipped and counted, manifests too.
+A node whose key is not the fleet's of the bucket (`KeyCheck`, asked before its first upload)
+uploads nothing, manifests included: counted (`skipped_wrong_key`), the mistake said once.
 Nothing here raises into the writer: failures are counted (`Health`).
 
 What a node uploads is decided by its disk, which a writer of its store folder could change:
@@ -39,7 +41,7 @@ import xxhash
 from kvstore.errors import BlobError
 from kvstore.records import RecordId
 from kvstore.remote.bucket import Bucket, RemoteError, TooLarge
-from kvstore.remote.health import Health
+from kvstore.remote.health import Health, KeyCheck
 from kvstore.remote.layout import key_of, manifest_key
 from kvstore.remote.objects import check_object, open_record
 from kvstore.remote.seal import Fleet, Sealer, Unauthenticated
@@ -59,8 +61,10 @@ _KNOWN_LIMIT = 1 << 16
 class Uploader:
     def __init__(self, bucket: Bucket, health: Health, fleet: Fleet, blob_root: Path,
                  row_of: Callable[[bytes], Row | None], publish_pins: Callable[[set[bytes]], None], *,
-                 max_upload_bytes: int = DEFAULT_UPLOAD_BYTES, threads: int = 4, anchors: Anchors | None = None):
+                 max_upload_bytes: int = DEFAULT_UPLOAD_BYTES, threads: int = 4, anchors: Anchors | None = None,
+                 keys: KeyCheck | None = None):
         self.bucket, self.health, self.fleet, self.blob_root = bucket, health, fleet, blob_root
+        self.keys = keys or KeyCheck(bucket, fleet, health)  # whether this node's key is the fleet's
         self.anchors = anchors  # the store's trust tags (None: every record is refused)
         self._said: set[str] = set()  # the reasons for refusing an upload said so far
         self._row_of, self._publish_pins = row_of, publish_pins
@@ -207,6 +211,9 @@ class Uploader:
         s = self._sealer(row)
         if s is None:
             self.health.count("skipped_unknown_tenant")
+            return False
+        if self.keys.judge(list(self.manifests), claim=True):  # not the fleet's key: nothing goes up
+            self.health.count("skipped_wrong_key")
             return False
         self._put_manifest(row.ns)
         stored = blobformat.read_record(buf, row.hash.hex())

@@ -51,7 +51,7 @@ from kvstore.errors import BlobError
 from kvstore.records import CHECKPOINT, TAIL, RecordId
 from kvstore.remote.bucket import Bucket, RemoteError
 from kvstore.remote.downloads import LONGEST_S, Downloads, Ref
-from kvstore.remote.health import Health, say_if_no_namespace_opens
+from kvstore.remote.health import Health, KeyCheck
 from kvstore.remote.layout import ObjectKey, children_prefix, key_of, mark_lengths, parse_key
 from kvstore.remote.seal import Fleet, Sealer
 from kvstore.storage import blobfile
@@ -91,11 +91,12 @@ class RemoteTier:
 
     def __init__(self, bucket: Bucket, health: Health, disk: DiskTier, fleet: Fleet, *,
                  policy: str = "timeout", deadline: float | None = None, threads: int = 8,
-                 reupload: Callable[[list[Row]], None] | None = None,
+                 reupload: Callable[[list[Row]], None] | None = None, keys: KeyCheck | None = None,
                  clock: Callable[[], float] = time.monotonic):
         if policy not in POLICIES:
             raise ValueError(f"remote_prefetch must be one of {', '.join(POLICIES)}, got {policy!r}")
         self.bucket, self.health, self.disk, self.fleet = bucket, health, disk, fleet
+        self.keys = keys or KeyCheck(bucket, fleet, health)  # (the uploader's too: one answer a process)
         self.policy, self.deadline = policy, None if deadline is None else float(deadline)
         self.downloads = Downloads(bucket, health, threads=threads, clock=clock)
         # Downloads on their way to the local disk; shared records read with an older key go back
@@ -345,18 +346,16 @@ class RemoteTier:
 
     def _check_key(self, lookup: Lookup, end: float) -> None:
         """Once a process, after a lookup that found nothing of its prompt: whether the bucket
-        exists, and whether it holds namespaces of which none opens with this node's keys (its
-        manifests; names are MACs, so which model they are of cannot be told): a wrong fleet
-        secret, said once. Waited for within the fetch's wait; past it, it goes on in the background."""
+        exists, and whether this node's keys are the fleet's (`KeyCheck`: a wrong fleet secret is
+        said once). Waited for within the fetch's wait; past it, it goes on in the background."""
         with self._lock:
             if self._key_checked:
                 return
             self._key_checked = True
         if "background" in lookup.notes:  # (on the background thread already)
-            return say_if_no_namespace_opens(self.bucket, self.fleet, lookup.ns, self.health)
+            return self.keys.check([lookup.ns])
         try:
-            said = self._later.submit(say_if_no_namespace_opens, self.bucket, self.fleet, lookup.ns, self.health)
-            said.result(timeout=max(0.0, end - time.monotonic()))
+            self._later.submit(self.keys.check, [lookup.ns]).result(timeout=max(0.0, end - time.monotonic()))
         except (FutureTimeout, RuntimeError):  # slow (it goes on), or closed
             pass
 
