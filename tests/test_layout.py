@@ -175,3 +175,16 @@ def test_modules_functions_and_folders_stay_small():
     for folder in [PACKAGE, *(p for p in PACKAGE.rglob("*") if p.is_dir() and p.name != "__pycache__")]:
         modules = [p for p in folder.glob("*.py") if p.name not in ("__init__.py", "__main__.py")]
         assert len(modules) <= MAX_MODULES_PER_FOLDER, f"{folder.name}/ holds {len(modules)} modules"
+
+
+def test_every_remote_counter_counted_is_one_health_keeps():
+    """A name `Health.count` is given that is not in `COUNTERS` raises KeyError where it is
+    counted (an upload skipped for an unknown tenant was counted as an upload error)."""
+    import re
+
+    from kvstore.remote.health import COUNTERS
+
+    used = set()
+    for path in PACKAGE.rglob("*.py"):
+        used |= set(re.findall(r"""health\.count\(\s*["']([a-z_]+)["']""", path.read_text()))
+    assert used and used <= set(COUNTERS), sorted(used - set(COUNTERS))

@@ -25,7 +25,7 @@ COUNTERS = (
     "remote_hits", "remote_tokens", "corrupt_objects", "errors", "deadline_misses", "skipped_down",
     "unauthenticated", "replaced", "oversized_objects", "skipped_down_uploads", "left_uploads",
     "downloads_used", "prefetched", "partial_restores", "truncated_lists", "dropped_prefetches",
-    "foreign_namespaces", "refused_uploads", "tagged_records", "skipped_wrong_key")
+    "foreign_namespaces", "refused_uploads", "tagged_records", "skipped_wrong_key", "skipped_unknown_tenant")
 #: Counters are added to the store's index under this prefix, so `kvstore stats` shows every
 #: process's totals.
 COUNTER_PREFIX = "count.remote."
