@@ -54,6 +54,8 @@ def cmd_generate(args) -> int:
         if failed:
             say(f"{PROG} generate: {failed} of {len(work)} generations were not stored: "
                 f"{_write_error(store)}")
+        if store.remote is not None:
+            store.flush()  # (within the remote's flush timeout) to count what did not go up
         undone = uploads_undone(store)
         if undone:
             say(f"{PROG} generate: {undone}")
