@@ -738,3 +738,28 @@ def test_the_wal_is_cut_back_after_a_checkpoint(tmp_path):
         conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
         conn.execute("INSERT INTO meta (key, value) VALUES ('scratch', 'x')")  # the next write cuts it back
         assert os.path.getsize(tmp_path / "s" / "index.sqlite-wal") <= WAL_SIZE_LIMIT
+
+
+def test_last_uses_that_cannot_be_recorded_are_no_dropped_write(tmp_path, llama, caplog, monkeypatch):
+    """On a full disk a fetch-only process could not record its records' last uses: it said "a
+    write was dropped" each time and counted write errors, though no record was lost."""
+    import sqlite3
+
+    path, model = llama
+    tokens = list(range(100, 140))
+    with kvstore.open(tmp_path / "s", chunk_size=16, memory_bytes=0) as store:
+        mc = store.bind(model, str(path))
+        mc.insert(tokens, prefill(model, tokens))
+        store.flush()
+
+        def full(*args, **kwargs):
+            raise sqlite3.OperationalError("database or disk is full")
+
+        monkeypatch.setattr(store.index, "touch", full)
+        with caplog.at_level("WARNING", logger="kvstore"):
+            for _ in range(2):
+                mc.fetch(tokens + [1])
+                store.flush()
+        assert store.stats()["writer"]["write_errors"] == 0
+    said = [r.getMessage() for r in caplog.records if "last uses" in r.getMessage()]
+    assert len(said) == 1 and "no record is lost" in said[0] and "write was dropped" not in caplog.text

@@ -9,6 +9,7 @@ counted; they never reach the caller.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -27,6 +28,8 @@ from kvstore.trust import Trust
 from kvstore.write import batch, dedup
 from kvstore.write.admission import Gate
 from kvstore.write.jobs import Destination, Job, WriterStats, from_memory
+
+log = logging.getLogger("kvstore")
 
 __all__ = ["Writer", "Job", "WriterStats"]
 
@@ -64,6 +67,7 @@ class Writer:
         self._busy = False
         self._cond = threading.Condition()
         self._last_touch_flush = time.monotonic()
+        self._said_touches = False  # that access times could not be written (said once)
         self._stop = False
         self._paused = threading.Event()
         self._paused.set()
@@ -287,8 +291,11 @@ class Writer:
                         self.index.touch(touches)
                     if marks:
                         self.gate.save()
-            except Exception as e:
-                self._count_error(e)
+            except Exception as e:  # bookkeeping, no write of a record: said once, not counted as one
+                if not self._said_touches:
+                    self._said_touches = True
+                    log.warning("kvstore: the index cannot record the last uses of records (%s: %s): no "
+                                "record is lost, gc's order may be off until it can", type(e).__name__, e)
 
     def _count_error(self, e: BaseException) -> None:
         self._dest.count_error(e)
