@@ -801,3 +801,33 @@ def test_an_index_that_fails_under_a_command_is_one_line_not_a_traceback(tmp_pat
     err = capsys.readouterr().err
     assert err.startswith("kvstore: error: the store's index failed (database or disk is full): free some space")
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_prompt_cut_short_by_ctrl_c_is_said_with_what_of_it_is_stored(capsys, demo_model_path, tmp_path,
+                                                                        monkeypatch):
+    """The Ctrl-C lands inside a prompt of several chunks: the chunks before it are stored, and the
+    summary says so ("1 cut short (512 of its 900 tokens stored)"), not that it was not reached."""
+    import kvstore.cli.warm as warm
+
+    class LateCtrlC:  # as if Ctrl-C were pressed once the second prompt's second chunk is computed
+        asked = 0
+
+        @property
+        def requested(self):
+            LateCtrlC.asked += 1
+            return LateCtrlC.asked > 6
+
+        def __call__(self, signum, frame):
+            pass
+
+    monkeypatch.setattr(warm, "_FirstCtrlC", LateCtrlC)
+    path = tmp_path / "long.jsonl"
+    path.write_text("".join(json.dumps({"tokens": [i + 1] + [7 + (j * 13 + i) % 200 for j in range(899)]}) + "\n"
+                            for i in range(3)))
+    code, out, err = in_process(capsys, "warm", "--store", tmp_path / "s", "--model", demo_model_path,
+                                "--prompts", path)
+    assert code == 130, err
+    m = re.search(r"^prompts: (\d) warmed, 0 skipped \(bad lines\), 1 cut short \((\d+) of its 900 tokens "
+                  r"stored\), (\d) not reached", out, re.M)
+    assert m and int(m.group(2)) % 256 == 0 and 0 < int(m.group(2)) < 900, out
+    assert int(m.group(1)) + 1 + int(m.group(3)) == 3

@@ -70,6 +70,10 @@ def cmd_warm(args) -> int:
         if interrupted:
             say(f"{PROG} warm: interrupted; everything stored so far is kept")
         placed = [mc.placement(tokens) for tokens in totals["warmed"]]
+        if totals.get("cut") is not None:  # (nothing of it stored: not reached, as the others)
+            cut = mc.placement(totals["cut"])
+            stored = cut.on_disk + cut.queued
+            totals["cut"] = f", 1 cut short ({stored} of its {cut.tokens} tokens stored)" if stored else ""
         _summary(totals, len(errors), len(work), writer, time.perf_counter() - started, placed)
         undone = uploads_undone(store)
         if undone:
@@ -84,8 +88,9 @@ def cmd_warm(args) -> int:
 
 
 def _summary(totals: dict, skipped: int, planned: int, writer: dict, seconds: float, placed: list) -> None:
-    print(f"prompts: {totals['done']} warmed, {skipped} skipped (bad lines), "
-          f"{planned - totals['done']} not reached")
+    cut = totals.get("cut") or ""
+    print(f"prompts: {totals['done']} warmed, {skipped} skipped (bad lines){cut}, "
+          f"{planned - totals['done'] - bool(cut)} not reached")
     print(f"tokens reused: {totals['reused']}")
     print(f"tokens computed: {totals['computed']}")
     whole = sum(p.on_disk == p.tokens for p in placed)
@@ -166,6 +171,8 @@ def _warm_all(mc, work: list, totals: dict, stop: Callable[[], bool], tokenizer=
                     totals["done"] += 1
                     totals["warmed"].append(tokens)
                     totals["reused"] += len(tokens) - current["computed"]
+                else:  # part of it stored: said apart, not as "not reached"
+                    totals["cut"] = tokens
                 raise
             totals["done"] += 1
             totals["warmed"].append(tokens)
