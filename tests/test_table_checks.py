@@ -219,10 +219,13 @@ def test_a_damaged_seen_mark_is_not_seen(tmp_path, llama):
 @pytest.mark.parametrize("name,value", [("admit", "'bogus'"), ("admit", "x'00'"), ("disk_kv_bits", "'eight'"),
                                         ("max_write_rate", "'fast'")])
 def test_a_damaged_kept_setting_opens_the_store_with_one_warning(tmp_path, llama, capsys, caplog, name, value):
+    """With no right copy of it beside the index (index.settings): a limit fails closed, the others
+    read as their defaults; the next test reads them from the copy."""
     path, model = llama
     store = tmp_path / "s"
     with kvstore.open(store, chunk_size=C, admit="reused", max_write_rate="1GB/day"):
         pass
+    (store / "index.settings").unlink()
     sql(store, "INSERT OR REPLACE INTO meta (key, value) VALUES (?, " + value + ")", [(f"setting.{name}",)])
     with caplog.at_level(logging.WARNING, logger="kvstore"):
         with kvstore.open(store, chunk_size=C) as s:
@@ -249,6 +252,23 @@ def test_a_damaged_kept_setting_opens_the_store_with_one_warning(tmp_path, llama
     assert not [r for r in caplog.records if "damaged" in r.getMessage()]
 
 
+@pytest.mark.parametrize("name,value,kept", [("admit", "'bogus'", "reused"), ("max_write_rate", "x'00'", 10**9)])
+def test_a_damaged_kept_setting_is_read_from_its_copy_and_repaired_from_it(tmp_path, capsys, caplog, name, value, kept):
+    """The copy beside the index holds the right value: it is what the store uses (said once),
+    and what `verify --repair` writes back (an SSD-sparing admit was lifted to all)."""
+    store = tmp_path / "s"
+    with kvstore.open(store, chunk_size=C, admit="reused", max_write_rate="1GB/day"):
+        pass
+    sql(store, "INSERT OR REPLACE INTO meta (key, value) VALUES (?, " + value + ")", [(f"setting.{name}",)])
+    with caplog.at_level(logging.WARNING, logger="kvstore"), kvstore.open(store, chunk_size=C) as s:
+        assert s.settings[name] == (kept, "kept")
+    said = [r.getMessage() for r in caplog.records if "index.settings" in r.getMessage()]
+    assert len(said) == 1 and f"the kept {name} is damaged in the index: read from index.settings" in said[0]
+    repaired(store, capsys, "bad_setting")
+    assert sql(store, "SELECT value FROM meta WHERE key = ?", [(f"setting.{name}",)]) == [
+        ("reused" if name == "admit" else "1000000000",)]
+
+
 def test_a_kept_exact_prefill_of_no_whole_chunks_is_refused_and_a_planted_one_never_stops_an_open(
         tmp_path, llama, capsys, caplog):
     path, model = llama
@@ -257,6 +277,7 @@ def test_a_kept_exact_prefill_of_no_whole_chunks_is_refused_and_a_planted_one_ne
     err = capsys.readouterr().err
     assert "exact_prefill (to keep) is 100 tokens, not a multiple of the chunk size (256)" in err, err
     assert main(["settings", "--store", str(store), "exact_prefill=512"]) == 0  # a whole number of chunks is kept
+    (store / "index.settings").unlink()  # (with no right copy beside the index: see the test above)
     sql(store, "UPDATE meta SET value = '100' WHERE key = 'setting.exact_prefill'")  # planted
     with caplog.at_level(logging.WARNING, logger="kvstore"):
         with kvstore.open(store, chunk_size=C) as s:  # opens, in the default mode
@@ -298,6 +319,7 @@ def test_repair_keeps_a_damaged_write_budget_closed_and_says_how_to_set_one(tmp_
     store = tmp_path / "s"
     with kvstore.open(store, max_write_rate="1GB/day"):
         pass
+    (store / "index.settings").unlink()  # (a right copy beside the index is read instead: see above)
     sql(store, "UPDATE meta SET value = '12 parsecs' WHERE key = 'setting.max_write_rate'")
     code, out = verify(store, capsys, "--repair")
     assert f"`kvstore settings --store {store} max_write_rate=VALUE` keeps one" in out, out

@@ -9,6 +9,7 @@ deleted outside the store through them.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -31,6 +32,7 @@ QUARANTINE_NAME = "quarantine"  # where `verify --repair` moves files that kvsto
 NODE_ID_NAME = "remote-node-id"  # this store's name among the nodes of a shared bucket
 PINS_NAME = "index.pins"  # the pinned records, for a rebuild of the index (`storage.pins`)
 SETTINGS_NAME = "index.settings"  # the kept settings, for a rebuild of the index (`WriteLogSQL.set_setting`)
+SETTINGS_FORMAT = "kvstore kept settings 1"  # the one key of `index.settings`: {name: value as kept}
 TENANT_KEY_NAME = "tenant.key"  # the secret tenants' salts are derived under, without a remote tier
 TRUST_KEY_NAME = "trust.key"  # the store's own key for trust tags, without a remote tier (`kvstore.trust`)
 #: Less free space than this, and an index that cannot be opened to write: the disk is full.
@@ -390,3 +392,18 @@ def _set_aside_stale_journals(path: Path) -> None:
             aside = path / f"{name}.stale-{stamp}"
             os.replace(path / name, aside)
             log.warning("kvstore: %s had no index beside it; moved it to %s", path / name, aside)
+
+
+def read_settings_copy(store: Path) -> dict[str, str] | None:
+    """The kept settings of the copy beside the index (`set_setting`), or None if there is none
+    or it is not one kvstore wrote (a rebuild then keeps the limits closed); values unchecked."""
+    try:
+        fd = os.open(store / SETTINGS_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as f:
+            doc = json.loads(f.read(1 << 20))
+    except (OSError, ValueError):
+        return None
+    kept = doc.get(SETTINGS_FORMAT) if isinstance(doc, dict) else None
+    if not isinstance(kept, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in kept.items()):
+        return None
+    return kept

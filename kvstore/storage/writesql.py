@@ -24,13 +24,12 @@ import logging
 import os
 import sqlite3
 import time
-from pathlib import Path
 from typing import Iterable, Sequence
 
 from kvstore import settings
 from kvstore.errors import InvalidInputError
 from kvstore.storage import schema
-from kvstore.storage.storedir import SETTINGS_NAME, write_own_file
+from kvstore.storage.storedir import SETTINGS_FORMAT, SETTINGS_NAME, read_settings_copy, write_own_file
 
 log = logging.getLogger("kvstore")
 
@@ -58,7 +57,7 @@ def hour_of(t: float) -> int:
 LOG_COLUMNS = ("bytes", "records", "downloaded", "not_admitted", "not_admitted_bytes", "over_budget",
                "over_budget_bytes", "explicit")
 _SETTING = "setting."
-SETTINGS_FORMAT = "kvstore kept settings 1"  # the one key of `index.settings`: {name: value as kept}
+_SAID_COPY: set = set()  # (index, setting) read from the copy beside it: said once a process
 #: The last hour whose log `mend_log` set to 0 (or a rebuild could not read): the budget counts it
 #: as full while it is in the window, with no bytes logged that were never written.
 _CLOSED = "write_log.closed"
@@ -383,10 +382,20 @@ class WriteLogSQL:
         return row[0] if row else None
 
     def settings(self) -> dict[str, str]:
-        """Every setting the store keeps, by name (as text: the reader checks it)."""
+        """Every setting the store keeps, by name (as text: the reader checks it). A damaged one
+        is read from the copy beside the index (`index.settings`) when the copy's is right."""
         rows = self.conn.execute("SELECT key, value FROM meta WHERE key LIKE ?", (_SETTING + "%",)).fetchall()
         # Not text is damage: it is handed on in a form no setting parses, so it reads as damaged.
-        return {key[len(_SETTING):]: value if isinstance(value, str) else f"\0{value!r}" for key, value in rows}
+        kept = {key[len(_SETTING):]: value if isinstance(value, str) else f"\0{value!r}" for key, value in rows}
+        bad = [name for name, value in kept.items() if kept_problem(name, value) is not None]
+        copy = read_settings_copy(self.path.parent) if bad else None
+        for name in (n for n in bad if copy and n in copy and kept_problem(n, copy[n]) is None):
+            kept[name] = copy[name]
+            if (self.path, name) not in _SAID_COPY:
+                _SAID_COPY.add((self.path, name))
+                log.warning("kvstore: the kept %s is damaged in the index: read from %s (%s); `kvstore verify "
+                            "--repair` writes it back", name, SETTINGS_NAME, copy[name][:40])
+        return kept
 
     def set_setting(self, name: str, value: str | None) -> None:
         """Keep a setting in the store for later opens (None forgets it). The kept settings are
@@ -484,17 +493,3 @@ def _add(conn: sqlite3.Connection, hour: int, deltas: dict[str, int]) -> None:
                 conn.execute(f"UPDATE write_log SET {c} = {c} - ? WHERE hour = ?", (off, h))
                 n += off
 
-
-def read_settings_copy(store: Path) -> dict[str, str] | None:
-    """The kept settings of the copy beside the index (`set_setting`), or None if there is none
-    or it is not one kvstore wrote (a rebuild then keeps the limits closed); values unchecked."""
-    try:
-        fd = os.open(store / SETTINGS_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        with os.fdopen(fd, "rb") as f:
-            doc = json.loads(f.read(1 << 20))
-    except (OSError, ValueError):
-        return None
-    kept = doc.get(SETTINGS_FORMAT) if isinstance(doc, dict) else None
-    if not isinstance(kept, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in kept.items()):
-        return None
-    return kept

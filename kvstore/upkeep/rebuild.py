@@ -47,8 +47,9 @@ from kvstore.storage.storedir import (
     SETTINGS_NAME,
     has_blob_files,
     open_dir,
+    read_settings_copy,
 )
-from kvstore.storage.writesql import LOG_COLUMNS, hour_of, read_settings_copy
+from kvstore.storage.writesql import LOG_COLUMNS, hour_of
 
 
 def rebuild_index(path: str | os.PathLike) -> dict:

@@ -28,7 +28,8 @@ from kvstore import keys, settings
 from kvstore.storage import blobfile, blobtree
 from kvstore.storage.evictsql import MAX_ROLE
 from kvstore.storage.index import MODEL_FIELDS, TOTALS, Index
-from kvstore.storage.writesql import MAX_HOUR_BYTES, MAX_LOG_SEQ
+from kvstore.storage.storedir import SETTINGS_NAME, read_settings_copy
+from kvstore.storage.writesql import MAX_HOUR_BYTES, MAX_LOG_SEQ, kept_problem
 
 
 def _hash(text: str) -> bytes:
@@ -117,9 +118,12 @@ def row_problems(index: Index) -> list[tuple[str, str, str]]:
     for h, role in index.damaged_roles():
         out.append(("bad_role", f"records {_hex(h)}", f"its role is {role!r:.40}, not 0 to {MAX_ROLE}: gc evicts it "
                     "as the weakest (0); repair sets it to 0"))
+    copy = read_settings_copy(index.path.parent)
     for name, value, why in index.damaged_settings():
         s = settings.BY_NAME[name]
-        if s.damaged is not None:  # a limit: closed until a value is kept
+        if copy and name in copy and kept_problem(name, copy[name]) is None:  # (read from it meanwhile)
+            reads = f"it is read from {SETTINGS_NAME} ({s.show(s.decode(copy[name]))}); repair keeps that"
+        elif s.damaged is not None:  # a limit: closed until a value is kept
             reads = (f"it reads as {settings.damaged_reads(s)} unless given; repair keeps it so until "
                      f"{settings.keep_one(s, index.path.parent)}")
         else:
@@ -184,8 +188,11 @@ def repair_tables(index: Index, root: Path, records_of: dict[bytes, list[bytes]]
         index.mend_log()
     if "bad_role" in kinds:
         index.reset_damaged_roles()
+    copy = read_settings_copy(index.path.parent) if "bad_setting" in kinds else None
     for name, _, _ in index.damaged_settings() if "bad_setting" in kinds else ():
-        index.set_setting(name, settings.BY_NAME[name].damaged)  # a limit stays closed; others are forgotten
+        right = copy.get(name) if copy and kept_problem(name, copy.get(name)) is None else None
+        # from the copy beside the index when it holds it right; else a limit stays closed, others are forgotten
+        index.set_setting(name, right if right is not None else settings.BY_NAME[name].damaged)
     if "bad_seen_row" in kinds:
         index.forget_damaged_seen()
     if "bad_log_row" in kinds:
