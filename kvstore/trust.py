@@ -44,6 +44,7 @@ class Verdict(Enum):
     WRONG = "wrong"
     FOREIGN = "foreign"
     UNTAGGED = "untagged"
+    RETIRED = "retired"  # under a fleet key this store's tags were made with, dropped since (a rotation's end)
 
 
 def parse_tag(text: str) -> str:
@@ -88,6 +89,7 @@ class Trust:
         self.fleet = fleet
         self.names = list(names)
         self.mismatch: str | None = None
+        self.retired: set[str] = set()  # key ids of the store's own tags from before a rotation ended
 
     @classmethod
     def for_fleet(cls, secrets: Sequence[bytes]) -> "Trust":
@@ -103,6 +105,11 @@ class Trust:
     def key_id(self) -> str:
         return self._keys[0].key_id
 
+    @property
+    def tag_ids(self) -> list[str]:
+        """The key ids its tags carry, one per key."""
+        return [k.key_id for k in self._keys]
+
     def holds(self, tag_key_id: str) -> bool:
         """Whether a tag's key id is one of these keys'."""
         return any(k.key_id == tag_key_id for k in self._keys)
@@ -116,7 +123,7 @@ class Trust:
         kid = tag.split(":", 1)[0]
         key = next((k for k in self._keys if k.key_id == kid), None)
         if key is None:
-            return Verdict.FOREIGN
+            return Verdict.RETIRED if kid in self.retired else Verdict.FOREIGN
         return Verdict.GOOD if hmac.compare_digest(key.tag(message), tag) else Verdict.WRONG
 
     # -- the fingerprint memo -------------------------------------------------------------------
@@ -153,7 +160,7 @@ class Trust:
         tag or write one under a key of its own. Without one, only a wrong tag is refused."""
         if verdict is Verdict.WRONG:
             return "its trust tag does not hold (it changed after it was written)"
-        if verdict is Verdict.GOOD or created < epoch or not self.fleet:
+        if verdict in (Verdict.GOOD, Verdict.RETIRED) or created < epoch or not self.fleet:
             return None
         return f"it has no trust tag of this fleet ({verdict.value}, written after the store had tags)"
 

@@ -25,6 +25,9 @@ from kvstore.trust import HEADER_KEY, Trust, Verdict
 REMOTE_SINCE = "trust.remote_since"
 #: `meta` keys `trust.fleet_key.<key id>`: the fleet secrets (`trust.key_id`) the store's tags were made with.
 FLEET_KEYS = "trust.fleet_key."
+#: The id in the tags (`trust._Key.key_id`) of each fleet key the store's tags were made with: after
+#: a rotation's end those of the dropped key are the store's own, not foreign (`Verdict.RETIRED`).
+FLEET_TAGS = "trust.fleet_tag."
 #: Records whose tags are read to tell the key of a store that joined before keys were noted.
 SAMPLE = 16
 
@@ -50,6 +53,8 @@ def check_keys(trust: Trust, index: Index, root: Path, own: str | None = None) -
     if noted:
         if not set(noted) & set(trust.names):
             trust.mismatch = _mismatch(trust, f"key {', '.join(noted)}")
+        else:  # its tags under a key dropped at a rotation's end are its own: taken, tagged again
+            trust.retired = {k[len(FLEET_TAGS):] for k in index.marks(FLEET_TAGS)} - set(trust.tag_ids)
         return trust
     tags = set()
     for row in index.newest(SAMPLE):  # (a record from before it joined is fleet-tagged once uploaded)
@@ -72,6 +77,10 @@ def note_keys(trust: Trust, index: Index) -> None:
     never becomes the store's own."""
     if trust.fleet and trust.mismatch is None and FLEET_KEYS + trust.names[0] not in index.marks(FLEET_KEYS):
         index.raise_mark(FLEET_KEYS + trust.names[0], int(time.time()))
+    noted = index.marks(FLEET_TAGS) if trust.fleet and trust.mismatch is None else {}
+    for tag_id in trust.tag_ids if trust.fleet and trust.mismatch is None else ():  # (the older keys too:
+        if FLEET_TAGS + tag_id not in noted:  # the fleet's, which the store's tags may have been made with)
+            index.raise_mark(FLEET_TAGS + tag_id, int(time.time()))
 
 
 class Anchors:
@@ -101,7 +110,7 @@ class Anchors:
         A blob without a tag of this trust is uploadable only if its record is from before the
         store had tags (its row in the index says when): then it is to be tagged first."""
         verdict = self.verdict(buf)
-        if verdict is Verdict.GOOD:
+        if verdict in (Verdict.GOOD, Verdict.RETIRED):  # (a retired key's: tagged under the current one first)
             return verdict, None
         if verdict is Verdict.WRONG:
             return verdict, "its trust tag does not hold (it changed after it was written)"
