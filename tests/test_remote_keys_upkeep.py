@@ -61,6 +61,7 @@ def test_verify_of_the_store_checks_the_fleet_tags_with_the_fleets_key_and_says_
     keys = key_file(tmp_path / "fleet.key", secret)
     out = cli("verify", "--store", str(store), "--remote-key-file", keys)
     assert out.returncode == 1 and f"from the remote key file {keys})" in out.stdout, out.stdout + out.stderr
+    assert f"verify --repair --store {store} --remote-key-file {keys}`" in out.stdout  # the repair that can see it
     out = cli("verify", "--store", str(store))  # no secret: the store's own key tells damage only
     assert out.returncode == 0 and "the fleet's are not: give --remote-key-file" in out.stdout, out.stdout
     # A store never opened with a remote holds no fleet tags: its own key, said so, with a secret given.

@@ -237,7 +237,8 @@ def _summary(args, problems: list, rebuilt: dict | None) -> str:
         return found
     if args.repair:
         return f"{found}; repaired" + (" the others" if keyed else "")
-    return (f"{found}; run `{PROG} verify --repair --store {shlex.quote(str(store_path(args)))}` to fix "
+    key = f" --remote-key-file {shlex.quote(args.remote_key_file)}" if getattr(args, "remote_key_file", None) else ""
+    return (f"{found}; run `{PROG} verify --repair --store {shlex.quote(str(store_path(args)))}{key}` to fix "
             + ("the others" if keyed else "them"))
 
 
