@@ -154,14 +154,15 @@ def test_a_node_with_the_wrong_key_uploads_nothing_so_every_run_is_told_and_gc_d
     wrong = key_file(tmp_path / "wrong.key", new_key())
     for i, store in enumerate(("w", "w", "w2")):  # (a prompt the store lacks: it asks the bucket)
         out = cli("generate", "--store", str(tmp_path / store), *tiny, "--remote-key-file", wrong,
-                  "--prompt", f"hello there, a node with the wrong key, run {i}", "--max-tokens", "2")
+                  "--prompt", f"hello there, a node with the wrong key, run {i}. " * 8, "--max-tokens", "2")
         assert out.returncode == 0, out.stderr
         said = [line for line in out.stderr.splitlines() if "none opens with this key" in line]
         assert len(said) == 1 and "uploads nothing" in said[0] and f"from the remote key file {wrong}" in said[0], \
             out.stderr
         assert objects(url) == before
     with kvstore.open(tmp_path / "w", remote=url, remote_key=read_key_file(wrong)) as w:
-        assert w.stats()["remote"]["totals"]["skipped_wrong_key"] >= 2
+        totals = w.stats()["remote"]["totals"]  # every record is counted as such, none for want of a parent
+        assert totals["skipped_wrong_key"] >= 2 and totals["skipped_no_parent"] == 0, totals
     where = ["--remote", url, "--store", str(tmp_path / "w"), "--remote-key-file", wrong]
     out = cli("verify", *where)
     assert out.returncode == 1 and "wrong_key" in out.stdout, out.stdout + out.stderr

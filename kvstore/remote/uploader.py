@@ -189,6 +189,9 @@ class Uploader:
 
     def _upload(self, row: Row) -> bool:
         """Upload one record; True if the bucket holds it afterwards."""
+        if self.keys.judge(list(self.manifests), claim=True):  # not the fleet's key: nothing goes up
+            self.health.count("skipped_wrong_key")  # (each record: none for want of a parent)
+            return False
         if row.parent != row.ns and not self._parent_uploaded(row):
             self.health.count("skipped_no_parent")
             return False
@@ -211,9 +214,6 @@ class Uploader:
         s = self._sealer(row)
         if s is None:
             self.health.count("skipped_unknown_tenant")
-            return False
-        if self.keys.judge(list(self.manifests), claim=True):  # not the fleet's key: nothing goes up
-            self.health.count("skipped_wrong_key")
             return False
         self._put_manifest(row.ns)
         stored = blobformat.read_record(buf, row.hash.hex())
