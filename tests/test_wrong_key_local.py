@@ -99,7 +99,7 @@ def test_a_node_with_a_wrong_key_keeps_its_records_and_says_so_once(tmp_path, s3
                 _, rest = mc.fetch(p + [3])
                 assert len(rest) == len(p) + 1  # a miss
             assert a.disk.quarantined == 0
-            new = toks(C + 2, 65)
+            new = toks(3 * C + 2, 65)  # written under the wrong key: the store's own all the same
             mc.insert(new, prefill(model, new))
             assert a.flush(30)
         said = [r.getMessage() for r in caplog.records if "is not the one this store's trust tags" in r.getMessage()]
@@ -108,7 +108,7 @@ def test_a_node_with_a_wrong_key_keeps_its_records_and_says_so_once(tmp_path, s3
     monkeypatch.setenv("KVSTORE_REMOTE_KEY", right)
     with kvstore.open(store, chunk_size=C, remote=url, memory_bytes=0) as a:
         mc = a.bind(model, path)
-        for p in prompts:
+        for p in prompts + [new]:  # (what it wrote under the wrong key, whole: not one record a request)
             query = p + [3]
             cache, rest = mc.fetch(query)
             assert len(rest) == 1 and logits_diff(model, cache, rest, query) < 1e-4

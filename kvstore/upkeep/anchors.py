@@ -74,12 +74,14 @@ def _mismatch(trust: Trust, theirs: str) -> str:
 def note_keys(trust: Trust, index: Index) -> None:
     """Note that the store's tags are made with `trust`'s first fleet key (called when it is opened
     with a remote tier): not while its keys are not the store's (`mismatch`), so a wrong secret
-    never becomes the store's own."""
+    never becomes the store's own; and the ids its tags carry (`FLEET_TAGS`)."""
     if trust.fleet and trust.mismatch is None and FLEET_KEYS + trust.names[0] not in index.marks(FLEET_KEYS):
         index.raise_mark(FLEET_KEYS + trust.names[0], int(time.time()))
-    noted = index.marks(FLEET_TAGS) if trust.fleet and trust.mismatch is None else {}
-    for tag_id in trust.tag_ids if trust.fleet and trust.mismatch is None else ():  # (the older keys too:
-        if FLEET_TAGS + tag_id not in noted:  # the fleet's, which the store's tags may have been made with)
+    # The tag ids are noted even under a wrong secret: what this store then writes is its own (its
+    # model computed it), taken once the fleet's secret is back, as after a rotation (`RETIRED`).
+    noted = index.marks(FLEET_TAGS) if trust.fleet else {}
+    for tag_id in trust.tag_ids if trust.fleet else ():  # (the older keys' too: the store's tags may be theirs)
+        if FLEET_TAGS + tag_id not in noted:
             index.raise_mark(FLEET_TAGS + tag_id, int(time.time()))
 
 
