@@ -125,14 +125,17 @@ def _tags_of(args, files, tenant_id: str) -> list[str]:
         fleet = Fleet.of(fleet_keys(given))
         secrets += [f.tenant_secret() for f in fleet.keyring()]
         tried.append(plural(len(fleet.keyring()), "fleet key"))
+    if not secrets:
+        raise CommandError("--drop-tenant-id: this store has no tenant.key, so its tenants' tags come from the "
+                           "fleet secret: give it (--remote-key-file or $KVSTORE_REMOTE_KEY)", EXIT_USAGE)
     try:
         tags = {tenants.derive(secret, tenant_id).tag for secret in secrets}
     except ValueError as e:
         raise CommandError(f"--drop-tenant-id: {e}", EXIT_USAGE) from None
     held = tags & {t["tenant"] for t in files.tenants()}
     if not held:
-        raise CommandError(f"the store holds no records of that tenant (its tag under {' and '.join(tried) or 'no key'}"
-                           f" is {', '.join(sorted(tags)) or 'unknown'}; `{PROG} stats` lists the tenants' tags)")
+        raise CommandError(f"the store holds no records of that tenant (its tag under {' and '.join(tried)}"
+                           f" is {', '.join(sorted(tags))}; `{PROG} stats` lists the tenants' tags)")
     return sorted(held)
 
 
