@@ -88,8 +88,10 @@ def export_pack(store, mc, model_dir: Path, tokenizer, prompts: list[np.ndarray]
               if any(s.hash not in rows for s in chain) and mc.stored_length(t) >= len(t)]
     if within:
         raise PackError(f"prompt {within[0]} of the pack is stored only as the start of a longer stored "
-                        "prompt (its own last record was folded into that prompt's): export the longer "
-                        "prompt, whose pack restores this one too; nothing exported")
+                        "prompt (its own last record was folded into that prompt's, e.g. the prompt and an "
+                        "answer generated after it): export it from a store where it is warmed alone (`kvstore "
+                        "pack export --store NEW ...` warms it there first), or export the longer prompt, whose "
+                        "pack restores this one too; nothing exported")
     if missing:
         raise PackError(f"{len(missing)} of the prompts' {len(wanted)} records did not reach the disk (a full "
                         "disk, or a write that failed: see `kvstore stats`): nothing exported")
