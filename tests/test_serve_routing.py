@@ -266,3 +266,33 @@ def test_prefetch_acts_within_the_callers_tenant(llama, tmp_path):
             hashes = store.bind(model, str(path), tenant="alice").record_hashes(system + question)
             in_ram = [h in store.memory for h in hashes]  # 4 shared chunks, then alice's 2 chunks and tail
             assert in_ram == [True] * 4 + [who == "alice"] * 3, (who, in_ram)
+
+
+def test_the_context_checked_is_the_models_own_with_its_rope_scaling(tmp_path):
+    """A request is refused as too long only against what the model's own config.json states,
+    times its RoPE scaling factor (YaRN x4 serves 4 times the base context); a config that names
+    no context length, or a repo not on this machine, is no limit."""
+    import json
+    import types
+
+    from kvstore.serve import routing
+
+    def generator(config: dict | None):
+        folder = tmp_path / str(len(list(tmp_path.iterdir())))
+        folder.mkdir()
+        if config is not None:
+            (folder / "config.json").write_text(json.dumps(config))
+        provider = types.SimpleNamespace(model=types.SimpleNamespace(), model_key=(str(folder), None, None))
+        return types.SimpleNamespace(model_provider=provider)
+
+    assert routing._context(generator({"max_position_embeddings": 512})) == 512
+    assert routing._context(generator({"max_position_embeddings": 512,
+                                       "rope_scaling": {"type": "yarn", "factor": 4.0}})) == 2048
+    assert routing._context(generator({"text_config": {"max_position_embeddings": 1024}})) == 1024
+    assert routing._context(generator({"hidden_size": 8})) is None
+    assert routing._context(generator(None)) is None
+    small = generator({"max_position_embeddings": 4})  # 4 tokens: 128 characters at most
+    with pytest.raises(routing.RequestError, match="more than any tokenizer fits"):
+        routing.check_fits(small, "/v1/completions", {"prompt": "x" * 1000}, "served")
+    # Another model named: mlx_lm.server loads it and checks it; this one's context is not its.
+    assert routing.check_fits(small, "/v1/completions", {"prompt": "x" * 1000, "model": "another"}, "served") is None

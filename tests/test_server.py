@@ -761,6 +761,12 @@ def test_malformed_bodies_never_reach_the_log(models, tmp_path):
                      {"prompt": marker, "stop": [None]}, {"prompt": marker, "stop": 5}):
             r = requests.post(completions, json=body, timeout=REQUEST_TIMEOUT)
             assert r.status_code == 400 and ("prompt" in r.json()["error"] or "stop" in r.json()["error"])
+        r = requests.post(url, json={"messages": 5, "max_tokens": 1}, timeout=REQUEST_TIMEOUT)
+        assert r.status_code == 400, r.text  # (no messages: answered, not a dropped connection)
+        r = requests.post(completions, json={"prompt": "hi", "messages": 5, "max_tokens": 1}, timeout=REQUEST_TIMEOUT)
+        assert r.status_code == 200, r.text  # (a field completions do not read)
+        r = requests.post(completions, json={"prompt": "hi", "logit_bias": {"100000000": 1}}, timeout=REQUEST_TIMEOUT)
+        assert r.status_code == 400 and "not a token id of the model" in r.text  # (it killed the process)
         # What cannot fit the model's context (32,768 tokens) is refused before it is computed.
         for body, said in (({"prompt": "a" * (33 * 32768)}, "more than any tokenizer fits"),
                            ({"prompt": "a" * 40000, "max_tokens": 1}, "longer than the model's context"),

@@ -35,8 +35,6 @@ TENANT_ATTRIBUTE = "_kvstore_tenant"
 #: Set on a request whose progress reports must not tell how many of its tokens were cached:
 #: mlx_lm.server streams `: keepalive processed/total` (total: the tokens left after the cache).
 HIDE_COUNTS_ATTRIBUTE = "_kvstore_hide_counts"
-#: What a hidden progress report counts in: per mille of the prompt processing, not tokens.
-PER_MILLE = 1000
 
 
 def server_module():
@@ -281,8 +279,8 @@ class _RecoveringGenerator:
         if progress_callback is not None and getattr(request, HIDE_COUNTS_ATTRIBUTE, False):
             told = progress_callback
 
-            def progress_callback(processed, total):  # (no absolute count: prompt - total = cached)
-                told(min(PER_MILLE, PER_MILLE * processed // max(1, total)), PER_MILLE)
+            def progress_callback(processed, total):  # (no count: prompt - total = cached; nor a share of it)
+                told(0, 0)
 
         on_progress, watched = waiting.watch(request, progress_callback, tokens)
         holder.append(on_progress)

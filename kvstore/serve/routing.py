@@ -19,6 +19,7 @@ own.
 
 from __future__ import annotations
 
+import json
 import logging
 import types
 import uuid
@@ -83,9 +84,13 @@ def check_fits(generator: Any, path: str, body: dict, served_model: str | None) 
     a text longer than any tokenizer fits (before it is tokenized: that costs time and memory per
     character), a prompt of more tokens (tokenized as the generation path does), or a max_tokens
     beyond it. A model whose config names no context is not checked."""
-    context = _config_int(generator, CONTEXT_KEYS)
-    if context is None:
-        return
+    bias, vocab = body.get("logit_bias"), _vocab_size(generator)
+    for key in bias if isinstance(bias, dict) and vocab else ():  # (an id past the vocabulary kills mlx)
+        if not str(key).strip().isdigit() or int(key) >= vocab:
+            raise RequestError(400, f"logit_bias: {str(key)[:20]!r} is not a token id of the model (0 to {vocab - 1})")
+    context = _context(generator)
+    if context is None or body.get("model") not in (None, served_model, "default_model"):
+        return  # (another model is loaded for it: mlx_lm.server checks that one itself)
     chars = sum(len(t) for t in _texts(body))
     if chars > context * MAX_CHARS_PER_TOKEN:
         raise RequestError(400, f"the prompt is {chars:,} characters: more than any tokenizer fits in the "
@@ -93,18 +98,61 @@ def check_fits(generator: Any, path: str, body: dict, served_model: str | None) 
     wanted = body.get("max_completion_tokens") or body.get("max_tokens")
     if isinstance(wanted, int) and not isinstance(wanted, bool) and wanted > context:
         raise RequestError(400, f"max_tokens is {wanted:,}, more than the model's context ({context:,} tokens)")
+    if _has_images(body):  # (mlx_lm.server fetches and decodes them first: not rendered here)
+        return
     rendered = render(generator, path + "/render", body, served_model)
     n = max(len(r["token_ids"]) for r in (rendered if isinstance(rendered, list) else [rendered]))
     if n > context:
         raise RequestError(400, f"the prompt is {n:,} tokens, longer than the model's context ({context:,} tokens)")
 
 
+def _context(generator: Any) -> int | None:
+    """The served model's context in tokens, from its own config.json: its context length times
+    its RoPE scaling factor (YaRN, linear...); None when the config names none (a class default
+    is no limit the model states), or it cannot be read. Kept on the model, read once."""
+    provider = getattr(generator, "model_provider", None)
+    model = getattr(provider, "model", None)
+    if model is None:
+        return None
+    known = getattr(model, "_kvstore_context", False)
+    if known is not False:
+        return known
+    context = None
+    try:
+        from kvstore.model.fingerprint import resolve_model_dir
+
+        config = json.loads((resolve_model_dir(str(provider.model_key[0])) / "config.json").read_text())
+        for c in (config, config.get("text_config") or {}):
+            n = next((c[k] for k in CONTEXT_KEYS if isinstance(c.get(k), int) and c[k] > 0), None)
+            if n is not None:
+                scaling = c.get("rope_scaling") or {}
+                factor = scaling.get("factor") if isinstance(scaling, dict) else None
+                context = int(n * factor) if isinstance(factor, (int, float)) and factor > 1 else n
+                break
+    except Exception:  # (a repo id not in the local cache, no config...: nothing to check against)
+        context = None
+    try:
+        model._kvstore_context = context
+    except Exception:
+        pass
+    return context
+
+
+def _has_images(body: dict) -> bool:
+    messages = body.get("messages")
+    return any(isinstance(part, dict) and part.get("type") not in (None, "text")
+               for m in (messages if isinstance(messages, list) else []) if isinstance(m, dict)
+               for part in (m.get("content") if isinstance(m.get("content"), list) else []))
+
+
 def _texts(body: dict) -> list[str]:
-    """The texts of a request's prompt or messages (what its tokens come from)."""
+    """The texts of a request's prompt or messages (what its tokens come from); whatever is not
+    text is left for the generation path to refuse."""
     prompt = body.get("prompt")
     texts = [prompt] if isinstance(prompt, str) else [p for p in prompt if isinstance(p, str)] \
         if isinstance(prompt, list) else []
-    for m in body.get("messages") or []:
+    messages = body.get("messages")
+    for m in messages if isinstance(messages, list) else []:
         content = m.get("content") if isinstance(m, dict) else None
         parts = content if isinstance(content, list) else [content]
         texts += [p if isinstance(p, str) else p.get("text") for p in parts if isinstance(p, (str, dict))]

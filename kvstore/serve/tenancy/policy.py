@@ -105,6 +105,8 @@ class TenantPolicy:
             value = token.strip(" \t") if scheme.lower() == "bearer" else ""
         else:
             value = auth.strip(" \t")
+        if "\t" in value:  # (around it, a tab is the header's whitespace; within it, a control character)
+            raise Refused(400, f"the tenant in {what} holds control characters")
         if not value:
             if self.default is not None:
                 return self.default
