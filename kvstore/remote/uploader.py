@@ -189,11 +189,8 @@ class Uploader:
 
     def _upload(self, row: Row) -> bool:
         """Upload one record; True if the bucket holds it afterwards."""
-        if self.keys.judge(list(self.manifests), claim=True):  # not the fleet's key: nothing goes up
-            self.health.count("skipped_wrong_key")  # (each record: none for want of a parent)
-            return False
-        if row.parent != row.ns and not self._parent_uploaded(row):
-            self.health.count("skipped_no_parent")
+        if row.parent != row.ns and not self._parent_uploaded(row):  # (a wrong key's are all counted as such)
+            self.health.count("skipped_wrong_key" if self.keys.wrong else "skipped_no_parent")
             return False
         try:  # as the local reads do: a regular file, never a link nor a FIFO, its size checked first
             buf = read_file(blob_path(self.blob_root, row.hash), limit=row.size)
@@ -210,6 +207,9 @@ class Uploader:
             return False
         buf = self._trusted(row, buf)
         if buf is None:
+            return False
+        if self.keys.judge(list(self.manifests), claim=True):  # not the fleet's key: nothing goes up
+            self.health.count("skipped_wrong_key")
             return False
         s = self._sealer(row)
         if s is None:

@@ -138,10 +138,12 @@ class EvictionSQL:
                 "AND c.hash NOT IN (SELECT hash FROM temp.victims) "
                 f"AND EXISTS (SELECT 1 FROM records k WHERE k.hash = c.hash)))) AND NOT {PINNED} "
                 f"RETURNING hash, {SIZE}, parent, coalesce(first_token, -1)", (lo, hi)).fetchall()
-            if deleted:
+            if deleted:  # (the edge of a child stored meanwhile stays: its parent may be stored again)
                 conn.execute(
                     "DELETE FROM children WHERE parent IN (SELECT hash FROM temp.victims WHERE hash BETWEEN ? AND ?) "
-                    "AND NOT EXISTS (SELECT 1 FROM records r WHERE r.hash = children.parent)", (lo, hi))
+                    "AND NOT EXISTS (SELECT 1 FROM records r WHERE r.hash = children.parent) "
+                    "AND (children.hash IN (SELECT hash FROM temp.victims) "
+                    "OR NOT EXISTS (SELECT 1 FROM records k WHERE k.hash = children.hash))", (lo, hi))
             return deleted
 
     def lost_since(self, since: float) -> list[bytes]:
@@ -169,6 +171,8 @@ class EvictionSQL:
                     f"DELETE FROM records WHERE hash IN (SELECT hash FROM lost) AND NOT {PINNED} "
                     f"RETURNING hash, {SIZE}, parent, coalesce(first_token, -1)", seeds).fetchall()
             conn.executemany("DELETE FROM children WHERE parent = ?", [(row[0],) for row in gone])
+            conn.executemany("DELETE FROM children WHERE parent = ? AND first_token = ? AND hash = ?",
+                             [(row[2], row[3], row[0]) for row in gone])  # (and the edges into them)
         return gone
 
     def forget_edges(self, edges: Sequence[tuple[bytes, int, bytes]]) -> int:
