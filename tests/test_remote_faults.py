@@ -13,6 +13,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -172,12 +173,15 @@ def test_a_download_frozen_at_its_first_get_costs_at_most_the_deadline(tmp_path,
         local = prompt[: 2 * C]
         mc.insert(local, prefill(model, local))
         assert b.flush(30)
-        real, frozen = b.remote.bucket.get, []
+        real, frozen, freezing = b.remote.bucket.get, [], threading.Lock()
 
         def get(key, *args, **kwargs):
-            if not frozen:
-                frozen.append(key)
-                os.kill(s3.proc.pid, signal.SIGSTOP)
+            with freezing:  # no download goes out before the endpoint is stopped (a loaded machine)
+                if not frozen:
+                    frozen.append(key)
+                    os.kill(s3.proc.pid, signal.SIGSTOP)
+                    while Path(f"/proc/{s3.proc.pid}/stat").read_text().split(")")[-1].split()[0] != "T":
+                        time.sleep(0.001)
             return real(key, *args, **kwargs)
 
         b.remote.bucket.get = get
