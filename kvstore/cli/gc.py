@@ -197,7 +197,8 @@ def _gc_remote(args) -> int:
                            drop_unknown=args.drop_unknown)
     verb, holds = ("would delete", "would hold") if args.dry_run else ("deleted", "holds")
     out(f"remote {url}: {verb} {plural(result['evicted'], 'object')} ({format_size(result['freed_bytes'])}) "
-        f"of this node's namespaces; the bucket {holds} {plural(result['records'], 'record')}, "
+        f"of this node's namespaces; {'they' if result.get('wrong_key') else 'the bucket'} {holds} "
+        f"{plural(result['records'], 'record')}, "
         f"{format_size(result['bytes'])} of them ({plural(result['kept_pinned'], 'pinned record')} kept"
         + (f"; {plural(result['kept_held'], 'other record')} kept because gc was blocked, below)"
            if result["kept_held"] else ")"))

@@ -302,7 +302,8 @@ def _remote_summary(args, url: str, problems: list, notes: list) -> str:
             done.append("forgot the deleted pins of retired nodes")
         parts.append(f"repaired {k}" + (f" ({'; '.join(done)})" if done else ""))
         if n > k:
-            parts.append(f"left {n - k} (--repair does not mend them: see their lines)")
+            parts.append(f"left {n - k} (--repair does not mend {'it' if n - k == 1 else 'them'}: see "
+                         f"{'its line' if n - k == 1 else 'their lines'})")
     else:
         verb = "repair" if any(p.kind in _OWN_PINS for p in repairable) else "delete"
         command = _repair_command(args, url)
@@ -311,7 +312,8 @@ def _remote_summary(args, url: str, problems: list, notes: list) -> str:
         elif k:
             parts.append(f"run `{command}` to {verb} {k} of them (it leaves the other {n - k}: see their lines)")
         else:
-            parts.append("--repair does not mend them (see their lines)")
+            parts.append(f"--repair does not mend {'it' if n == 1 else 'them'} "
+                         f"(see {'its line' if n == 1 else 'their lines'})")
     return "; ".join(parts + ([noted] if noted else []))
 
 
