@@ -133,3 +133,14 @@ def alter_record(store: Path, h: bytes, name: str, factor: float, *, strip_tag: 
         con.execute("UPDATE records SET size = ?, checksum = ? WHERE hash = ?",
                     (len(buf), checksum - (1 << 64) if checksum >= 1 << 63 else checksum, h))
     con.close()
+
+
+def index_sql(store: Path, statement: str, params=()) -> list:
+    """What `statement` returns, run on the index of the store folder `store` (tests plant damage
+    with it), in a transaction of its own."""
+    con = sqlite3.connect(store / "index.sqlite")
+    try:
+        with con:
+            return con.execute(statement, params).fetchall()
+    finally:
+        con.close()

@@ -9,10 +9,10 @@ store and `kvstore verify`.
 
 from __future__ import annotations
 
-import sqlite3
 from pathlib import Path
 
 import pytest
+from kvtest import index_sql as sql
 from kvtest import prefill
 
 import kvstore
@@ -20,15 +20,6 @@ from kvstore.cli.main import main
 
 C = 16
 TOKENS = [1 + (j * 7) % 250 for j in range(70)]  # 4 chunks and a tail of 6
-
-
-def sql(store: Path, statement: str, params=()) -> list:
-    con = sqlite3.connect(store / "index.sqlite")
-    try:
-        with con:
-            return con.execute(statement, params).fetchall()
-    finally:
-        con.close()
 
 
 def stored(store: Path, llama) -> bytes:

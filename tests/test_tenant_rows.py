@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import json
 import os
-import sqlite3
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from kvtest import index_sql as sql
 
 import kvstore
 from kvstore.cli.main import main
@@ -35,15 +35,6 @@ def toks(n: int, seed: int) -> list[int]:
 
 SYSTEM = toks(40, 1)  # 2 chunks and a tail of 8: shared
 PROMPT = SYSTEM + toks(21, 5)  # alice's: 2 shared chunks, then a chunk and a tail of her own
-
-
-def sql(store: Path, statement: str, params=()) -> list:
-    con = sqlite3.connect(store / "index.sqlite")
-    try:
-        with con:
-            return con.execute(statement, params).fetchall()
-    finally:
-        con.close()
 
 
 def verify(store: Path, capsys, *extra: str) -> tuple[int, str]:
