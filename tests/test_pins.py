@@ -14,6 +14,7 @@ from test_stale import C as STALE_C
 
 import kvstore
 from kvstore.cli import main as cli
+from kvstore.sizes import format_size
 
 C = 16
 TOL = 1e-4
@@ -58,6 +59,10 @@ def test_unpin_lets_gc_free_the_prompt_and_keeps_the_other_pinned_one(tmp_path, 
         assert store.stats()["bytes"] == b_bytes
         [listed] = store.pins()
         assert (listed["records"], listed["bytes"]) == (2, b_bytes - shared)
+        # what gc keeps for them: the shared chunks they hang from too (said by `kvstore pins`)
+        assert (listed["held_records"], listed["held_bytes"]) == (4, b_bytes)
+    said = _run("pins", "--store", path).stdout
+    assert f"gc keeps them with the records they hang from: 4 records, {format_size(b_bytes)}" in said, said
     with kvstore.open(path, chunk_size=C, memory_bytes=0) as store:
         mc = store.bind(model, model_path)
         cache, rest = mc.fetch(A + [9])

@@ -63,6 +63,9 @@ def _list(args) -> int:
                  if m["stale"] else "")
         out(f"  {m['fingerprint'][:12]}  {plural(m['records'], 'record')}, {format_size(m['bytes'])}, "
             f"{plural(m['tokens'], 'token')}  {m['model_id']}{stale}")
+        if m["held_records"] > m["records"]:  # (a pinned tail's chunks, a pinned prompt's shared start)
+            out(f"    gc keeps them with the records they hang from: {plural(m['held_records'], 'record')}, "
+                f"{format_size(m['held_bytes'])}")
         for tag, t in (m.get("tenants") or {}).items():
             out(f"    of them tenant {tag}'s own: {plural(t['records'], 'record')}, {format_size(t['bytes'])} "
                 f"(`{PROG} pins --remove --tenant ID` unpins them)")

@@ -147,10 +147,16 @@ class PinSQL:
                 "SELECT ns, tenant, count(*), coalesce(sum(CASE WHEN typeof(size) = 'integer' THEN size END), 0) "
                 f"FROM records WHERE {PINNED} AND tenant IS NOT NULL GROUP BY ns, tenant ORDER BY tenant"):
             tenants.setdefault(ns, {})[str(tag)] = {"records": n, "bytes": size}
+        held = {ns: (n, size) for ns, n, size in self.conn.execute(  # what gc keeps for them: their ancestors too
+            f"WITH RECURSIVE up(hash) AS (SELECT hash FROM records WHERE {PINNED} "
+            "UNION SELECT r.parent FROM records r JOIN up ON r.hash = up.hash) "
+            "SELECT ns, count(*), coalesce(sum(CASE WHEN typeof(size) = 'integer' THEN size END), 0) "
+            "FROM records WHERE hash IN (SELECT hash FROM up) GROUP BY ns")}
         return [{"namespace": ns.hex() if isinstance(ns, bytes) else "?",
                  "fingerprint": fp.hex() if isinstance(fp, bytes) else "?",
                  "model_id": "?" if model_id is None else str(model_id),
-                 "records": n, "bytes": size, "tokens": tokens, "tenants": tenants.get(ns, {})}
+                 "records": n, "bytes": size, "tokens": tokens, "tenants": tenants.get(ns, {}),
+                 "held_records": held.get(ns, (n, size))[0], "held_bytes": held.get(ns, (n, size))[1]}
                 for ns, fp, model_id, n, size, tokens in rows]
 
     def keep_pins_file(self, *, missing_only: bool = False) -> None:
