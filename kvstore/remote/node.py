@@ -165,8 +165,7 @@ class Remote:
                                 keys=self.keys)
         if ledger.shared and not dry_run:  # another store publishes under this node's id: not any more
             ledger.renew()
-        if not self.keys.judge(self.index.namespaces(), claim=True):  # (a wrong key writes nothing)
-            publish(self.bucket, self.fleet, ledger, self.index.namespaces())
+        self.publish_pins()
         return result
 
     def drop_key(self, *, key_id: str, dry_run: bool = False) -> dict:
@@ -214,7 +213,7 @@ class Remote:
                     theirs = None  # not ours (planted or damaged): written again
                 if theirs is not None and ledger.foreign(s.folder, theirs[1]):  # another store's (a copy)
                     ledger.renew()
-                    publish(self.bucket, self.fleet, ledger, self.index.namespaces())
+                    self.publish_pins()
                     return
                 if theirs is None and not mine and not ledger.expected(s.folder, ledger.node):
                     continue  # (one published before and gone since was deleted: written again)
