@@ -69,8 +69,19 @@ def load_model(model_id: str) -> LoadedModel:
             vocab = len(tokenizer.get_vocab())
         except Exception:
             vocab = None
-    context = next((c[k] for c in configs for k in CONTEXT_KEYS if isinstance(c.get(k), int)), DEFAULT_CONTEXT)
-    return LoadedModel(model, tokenizer, model_id, vocab, context)
+    return LoadedModel(model, tokenizer, model_id, vocab, context_of(config) or DEFAULT_CONTEXT)
+
+
+def context_of(config: dict) -> int | None:
+    """The context in tokens a model's config states (or its text config's): its length times its
+    RoPE scaling factor (YaRN, linear...: a scaled model serves that much more); None if it names none."""
+    for c in (config, config.get("text_config") or {}):
+        n = next((c[k] for k in CONTEXT_KEYS if isinstance(c.get(k), int) and c[k] > 0), None)
+        if n is not None:
+            scaling = c.get("rope_scaling") or {}
+            factor = scaling.get("factor") if isinstance(scaling, dict) else None
+            return int(n * factor) if isinstance(factor, (int, float)) and factor > 1 else n
+    return None
 
 
 def prepare(items: list, loaded: LoadedModel) -> tuple[list, list]:

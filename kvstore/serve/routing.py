@@ -30,7 +30,7 @@ import numpy as np
 from kvstore.argv import did_you_mean
 from kvstore.errors import BlobError
 from kvstore.model.jsonl import MAX_CHARS_PER_TOKEN, check_tokens
-from kvstore.model.loading import CONTEXT_KEYS
+from kvstore.model.loading import context_of
 from kvstore.records import CHECKPOINT
 from kvstore.serve.binding import Binding
 from kvstore.serve.promptcache import PersistentPromptCache
@@ -42,6 +42,8 @@ log = logging.getLogger("kvstore")
 
 RENDER_PATHS = ("/v1/chat/completions/render", "/v1/completions/render")
 PREFETCH_PATH = "/kvstore/prefetch"
+#: What a request's chat template may add to its texts' tokens (`check_fits`): in all, and a message.
+TEMPLATE_TOKENS, MESSAGE_TOKENS = 1024, 32
 
 
 class RequestError(Exception):
@@ -82,8 +84,8 @@ def render(generator: Any, path: str, body: dict, served_model: str | None) -> A
 def check_fits(generator: Any, path: str, body: dict, served_model: str | None) -> None:
     """RequestError (400) for a generation request that cannot fit the served model's context:
     a text longer than any tokenizer fits (before it is tokenized: that costs time and memory per
-    character), a prompt of more tokens (tokenized as the generation path does), or a max_tokens
-    beyond it. A model whose config names no context is not checked."""
+    character), a prompt of more tokens (tokenized as the generation path does, when its bytes do
+    not show it fits), or a max_tokens beyond it. A model whose config names no context is not checked."""
     bias, vocab = body.get("logit_bias"), _vocab_size(generator)
     for key in bias if isinstance(bias, dict) and vocab else ():  # (an id past the vocabulary kills mlx)
         if not str(key).strip().isdigit() or int(key) >= vocab:
@@ -91,7 +93,8 @@ def check_fits(generator: Any, path: str, body: dict, served_model: str | None) 
     context = _context(generator)
     if context is None or body.get("model") not in (None, served_model, "default_model"):
         return  # (another model is loaded for it: mlx_lm.server checks that one itself)
-    chars = sum(len(t) for t in _texts(body))
+    texts = _texts(body)
+    chars = sum(len(t) for t in texts)
     if chars > context * MAX_CHARS_PER_TOKEN:
         raise RequestError(400, f"the prompt is {chars:,} characters: more than any tokenizer fits in the "
                                 f"model's context ({context:,} tokens)")
@@ -99,6 +102,13 @@ def check_fits(generator: Any, path: str, body: dict, served_model: str | None) 
     if isinstance(wanted, int) and not isinstance(wanted, bool) and wanted > context:
         raise RequestError(400, f"max_tokens is {wanted:,}, more than the model's context ({context:,} tokens)")
     if _has_images(body):  # (mlx_lm.server fetches and decodes them first: not rendered here)
+        return
+    # No tokenizer makes more tokens of a text than its UTF-8 bytes: a prompt that fits by them, with
+    # room for the chat template's own tokens, is not tokenized a second time (the generation path does).
+    messages = body.get("messages")
+    room = TEMPLATE_TOKENS + MESSAGE_TOKENS * (len(messages) if isinstance(messages, list) else 1) \
+        + len(json.dumps(body.get("tools") or []))
+    if sum(len(t.encode("utf-8")) for t in texts) + room <= context:
         return
     rendered = render(generator, path + "/render", body, served_model)
     n = max(len(r["token_ids"]) for r in (rendered if isinstance(rendered, list) else [rendered]))
@@ -117,18 +127,10 @@ def _context(generator: Any) -> int | None:
     known = getattr(model, "_kvstore_context", False)
     if known is not False:
         return known
-    context = None
     try:
         from kvstore.model.fingerprint import resolve_model_dir
 
-        config = json.loads((resolve_model_dir(str(provider.model_key[0])) / "config.json").read_text())
-        for c in (config, config.get("text_config") or {}):
-            n = next((c[k] for k in CONTEXT_KEYS if isinstance(c.get(k), int) and c[k] > 0), None)
-            if n is not None:
-                scaling = c.get("rope_scaling") or {}
-                factor = scaling.get("factor") if isinstance(scaling, dict) else None
-                context = int(n * factor) if isinstance(factor, (int, float)) and factor > 1 else n
-                break
+        context = context_of(json.loads((resolve_model_dir(str(provider.model_key[0])) / "config.json").read_text()))
     except Exception:  # (a repo id not in the local cache, no config...: nothing to check against)
         context = None
     try:
@@ -187,19 +189,12 @@ def prompt_tokens(generator: Any, body: dict, served_model: str | None) -> list[
 def _vocab_size(generator: Any) -> int | None:
     """The served model's vocabulary size, when its config says (None: token ids are not checked
     against it)."""
-    return _config_int(generator, ("vocab_size",))
-
-
-def _config_int(generator: Any, names: tuple[str, ...]) -> int | None:
-    """The first of `names` the served model's config (or its text config) gives as a whole
-    number above 0, or None."""
     model = getattr(getattr(generator, "model_provider", None), "model", None)
     args = getattr(model, "args", None)
     for config in (args, getattr(args, "text_config", None)):
-        for name in names:
-            value = config.get(name) if isinstance(config, dict) else getattr(config, name, None)
-            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                return value
+        size = config.get("vocab_size") if isinstance(config, dict) else getattr(config, "vocab_size", None)
+        if isinstance(size, int) and size > 0:
+            return size
     return None
 
 
