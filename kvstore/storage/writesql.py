@@ -492,4 +492,3 @@ def _add(conn: sqlite3.Connection, hour: int, deltas: dict[str, int]) -> None:
             if off:
                 conn.execute(f"UPDATE write_log SET {c} = {c} - ? WHERE hour = ?", (off, h))
                 n += off
-
