@@ -10,6 +10,7 @@ the mistakes a user makes (a wrong fleet secret, a bucket that does not exist) a
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import subprocess
@@ -45,6 +46,20 @@ def reused(mc, model, query) -> int:
     if n:
         assert logits_diff(model, cache, rest, query) < 1e-4
     return n
+
+
+@contextlib.contextmanager
+def slow_endpoint(s3, monkeypatch, seconds: float):
+    """The bucket behind a proxy that answers downloads one at a time, `seconds` each, and holds
+    every upload (`remote_fixture.StallingProxy`), for the stores opened within."""
+    from remote_fixture import StallingProxy
+
+    proxy = StallingProxy(s3.endpoint, slow_gets=seconds)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    try:
+        yield proxy
+    finally:
+        proxy.close()
 
 
 def remote_tier(store) -> RemoteTier:
@@ -181,17 +196,13 @@ def test_the_local_disk_is_asked_before_the_bucket(tmp_path, s3, llama, memory_b
 
 
 def test_timeout_restores_what_arrived_within_its_wait(tmp_path, s3, llama, monkeypatch):
-    from remote_fixture import StallingProxy
-
     path, model = llama
     url = s3.url()
     prompt = toks(10 * C + 3, 6)
     store_all(tmp_path / "a", url, model, path, [prompt])
     # Downloads one at a time, 0.2 s each: 11 take 2.2 s, past the wait (1.0 s here), and the
     # first ones arrive within it even when the lookup's requests are slow (a loaded machine).
-    proxy = StallingProxy(s3.endpoint, slow_gets=0.2)
-    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
-    try:
+    with slow_endpoint(s3, monkeypatch, 0.2):
         with kvstore.open(tmp_path / "b", chunk_size=C, remote=url, memory_bytes=0) as b:
             mc = b.bind(model, path)
             t0 = time.monotonic()
@@ -200,8 +211,6 @@ def test_timeout_restores_what_arrived_within_its_wait(tmp_path, s3, llama, monk
             r = b.stats()["remote"]
             # a slow endpoint that answers is not down: this node's uploads and fetches go on
             down = b.remote.health.down()
-    finally:
-        proxy.close()
     wait = PREFETCH_BASE_S + PREFETCH_PER_1K_S * len(prompt) / 1024
     assert 0 < got < len(prompt) and got % C == 0, got  # a partial restore: a prefix of the path
     assert r["partial_restores"] == 1 and r["remote_hits"] == 1 and r["downloads_used"] == got // C, r
@@ -249,15 +258,11 @@ def test_best_effort_counts_as_fetched_ahead_only_what_it_stored(tmp_path, s3, l
     """The request that found nothing local prefills and stores the prompt itself while the
     background job downloads it slowly: every record is stored once, by one of them, and only
     those the job stored count as fetched ahead (the others are unused downloads, if any)."""
-    from remote_fixture import StallingProxy
-
     path, model = llama
     url = s3.url()
     prompt = toks(6 * C + 3, 19)
     store_all(tmp_path / "a", url, model, path, [prompt])
-    proxy = StallingProxy(s3.endpoint, slow_gets=0.4)
-    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
-    try:
+    with slow_endpoint(s3, monkeypatch, 0.4):
         with kvstore.open(tmp_path / "b", chunk_size=C, remote=url, remote_prefetch="best_effort",
                           remote_flush_timeout=0) as b:
             mc = b.bind(model, path)
@@ -274,23 +279,17 @@ def test_best_effort_counts_as_fetched_ahead_only_what_it_stored(tmp_path, s3, l
             r, written = b.stats()["remote"], b.write_stats()["records_lifetime"]
             problems = b.verify()
             again = reused(mc, model, query)
-    finally:
-        proxy.close()
     assert problems == [] and again == len(prompt), (problems, again)
     assert r["prefetched"] + written == 7, (r, written)  # six chunks and the tail, each stored once
     assert r["downloads"] >= r["prefetched"] and r["downloads_used"] == 0, r
 
 
 def test_best_effort_cut_short_by_close_is_no_error(tmp_path, s3, llama, monkeypatch, caplog):
-    from remote_fixture import StallingProxy
-
     path, model = llama
     url = s3.url()
     prompt = toks(6 * C + 3, 18)
     store_all(tmp_path / "a", url, model, path, [prompt])
-    proxy = StallingProxy(s3.endpoint, slow_gets=0.3)
-    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
-    try:
+    with slow_endpoint(s3, monkeypatch, 0.3):
         with caplog.at_level("WARNING", logger="kvstore"):
             b = kvstore.open(tmp_path / "b", chunk_size=C, remote=url, remote_prefetch="best_effort",
                              remote_flush_timeout=0)
@@ -298,30 +297,22 @@ def test_best_effort_cut_short_by_close_is_no_error(tmp_path, s3, llama, monkeyp
             time.sleep(0.5)  # the background job is downloading
             b.close()
             time.sleep(0.5)
-    finally:
-        proxy.close()
     # (the proxy holds PUTs: the manifest's upload may fail as it closes, and that is said)
     assert "RuntimeError" not in caplog.text and "after shutdown" not in caplog.text, caplog.text
     assert b.remote.health.last_error == "" or "PUT" in b.remote.health.last_error, b.remote.health.last_error
 
 
 def test_wait_complete_waits_for_the_whole_path(tmp_path, s3, llama, monkeypatch):
-    from remote_fixture import StallingProxy
-
     path, model = llama
     url = s3.url()
     prompt = toks(6 * C + 3, 8)
     store_all(tmp_path / "a", url, model, path, [prompt])
-    proxy = StallingProxy(s3.endpoint, slow_gets=0.3)
-    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
-    try:
+    with slow_endpoint(s3, monkeypatch, 0.3):
         with kvstore.open(tmp_path / "b", chunk_size=C, remote=url, memory_bytes=0,
                           remote_prefetch="wait_complete") as b:
             mc = b.bind(model, path)
             assert reused(mc, model, prompt + [7]) == len(prompt)  # 7 downloads, 2.1 s: more than `timeout` waits
             assert b.stats()["remote"]["partial_restores"] == 0
-    finally:
-        proxy.close()
 
 
 def test_a_wrong_fleet_secret_is_said_once(tmp_path, s3, llama, caplog):
