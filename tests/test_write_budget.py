@@ -214,3 +214,26 @@ def test_two_processes_never_both_take_the_last_of_the_budget(tmp_path):
     with kvstore.open(store) as s:
         logged = sum(h[1] for h in s.index.write_hours(0))
     assert sum(taken) == 30 and logged == 30 * n, (taken, logged)
+
+
+def test_stats_does_not_call_records_written_since_kept_in_ram_only(tmp_path, llama, capsys):
+    """The not-admitted counts are of records kept out when inserted: one asked for again is on
+    disk now, and `stats` must not say it is in RAM only."""
+    path, model = llama
+    p = prompt(3)
+    with kvstore.open(tmp_path / "s", chunk_size=C, admit="reused") as store:
+        mc = store.bind(model, path)
+        mc.insert(p, prefill(model, p))  # seen once: kept out
+        store.flush()
+        assert store.stats()["chunks"] == 0
+        for _ in range(2):
+            mc.fetch(p)  # seen again: written from RAM
+        store.flush()
+        on_disk = store.stats()["chunks"]
+    assert on_disk > 0
+    assert main(["stats", "--store", str(tmp_path / "s")]) == 0
+    text = capsys.readouterr().out
+    assert "kept in RAM only" not in text
+    line = next(s for s in text.splitlines() if "not admitted: " in s)
+    assert line.startswith("kept out of the disk when inserted, in all: not admitted: ")
+    assert "written since if asked for again" in line

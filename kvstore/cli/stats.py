@@ -130,8 +130,12 @@ def _print_writes(writes: dict | None) -> None:
           f"({format_size(writes.get('explicit_last_day', 0))} of it explicit: warmed and pinned), "
           f"{format_size(writes['bytes_lifetime'])} in all (remote downloads: "
           f"{format_size(writes['downloaded_lifetime'])})   admit: {writes['admit']}   {budget}")
-    print(f"kept in RAM only: not admitted: {writes['not_admitted']} ({format_size(writes['not_admitted_bytes'])}), "
-          f"over budget: {writes['over_budget']} ({format_size(writes['over_budget_bytes'])})")
+    # Counted when a record is kept out, never taken back when it is written later: these are not
+    # what is in RAM now (no other process's RAM can be seen from here).
+    print(f"kept out of the disk when inserted, in all: not admitted: {writes['not_admitted']} "
+          f"({format_size(writes['not_admitted_bytes'])}), over budget: {writes['over_budget']} "
+          f"({format_size(writes['over_budget_bytes'])}); written since if asked for again (or inserted again "
+          "when the budget had room), else lost when their process exited")
     for day in writes["days"]:
         print(f"  {day['day']}  {format_size(day['bytes'] + day['downloaded']):>10}  "
               f"{plural(day['records'], 'record')}, not admitted {day['not_admitted']}, "

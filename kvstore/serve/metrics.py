@@ -168,7 +168,7 @@ class _StoreCollector:
         yield _counter("kvstore_writes_bytes_lifetime", "Bytes written to the store's disk over its life, "
                        "remote downloads included (as an SSD's written-bytes counter).", w["bytes_lifetime"])
         for key, why in (("not_admitted", "the admission policy"), ("over_budget", "the write budget")):
-            kept = CounterMetricFamily(f"kvstore_writes_{key}", f"Records {why} kept in RAM only "
+            kept = CounterMetricFamily(f"kvstore_writes_{key}", f"Records {why} kept in RAM only when inserted, written later or not "
                                        "(unit: records or bytes).", labels=["unit"])
             kept.add_metric(["records"], w[key])
             kept.add_metric(["bytes"], w[key + "_bytes"])
