@@ -66,7 +66,7 @@ def check(pl: Plan, sources: Sequence[Source], finals: Mapping[str, mx.array]) -
             want = sources[c.part].array(name)[:, :, c.lo : c.hi]
         except BlobError:
             continue  # the record is damaged: the restore reports it, not this check
-        if not np.array_equal(_through_mlx(finals[name], c.dst, c.dst + c.hi - c.lo), want):
+        if not _same_bits(_through_mlx(finals[name], c.dst, c.dst + c.hi - c.lo), want):
             bad.append(name)
     with _LOCK:
         first = not _STATE["copying"] and bool(bad)
@@ -90,6 +90,15 @@ def _one_copy_each(copies: Sequence[Copy]) -> dict[str, Copy]:
         if c.hi > c.lo:
             out[c.name] = c
     return out
+
+
+def _same_bits(got: np.ndarray, want: np.ndarray) -> bool:
+    """Whether two arrays hold the same bytes. Compared by value, K/V holding NaN (a float16
+    model that overflowed, token ids past the embedding) would never equal themselves, and the
+    process would be told its backend loses the restore's writes."""
+    if got.shape != want.shape or got.dtype.itemsize != want.dtype.itemsize:
+        return False
+    return np.ascontiguousarray(got).tobytes() == np.ascontiguousarray(want).tobytes()
 
 
 def _through_mlx(final: mx.array, lo: int, hi: int) -> np.ndarray:
