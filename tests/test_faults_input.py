@@ -319,6 +319,24 @@ def test_prompt_file_with_huge_lines_and_deep_nesting(tmp_path, llama):
     assert sorted(os.listdir(tmp_path)) == ["prompts.jsonl", "s"]
 
 
+
+def test_a_field_given_twice_is_a_bad_line_and_json_messages_read_as_written():
+    """JSON keeps the last of two equal keys: `"pin": true, "pin": false` would unpin silently."""
+    import io
+
+    from kvstore.model.jsonl import LineError, PromptLine, parse_stream
+
+    lines = [b'{"prompt": "a", "pin": true, "pin": false}',
+             b'{"messages": [{"role": "user", "content": "x", "content": "y"}]}',
+             b'{"prompt": "tab\\there"}',
+             b'{"prompt": "ok", "pin": true}']
+    got = list(parse_stream(io.BytesIO(b"\n".join(lines) + b"\n"), "p.jsonl"))
+    assert [type(g) for g in got] == [LineError, LineError, PromptLine, PromptLine]
+    assert str(got[0]).startswith('p.jsonl:1: the field "pin" is given twice in one object')
+    assert '"content" is given twice' in str(got[1])
+    raw_tab = list(parse_stream(io.BytesIO(b'{"prompt": "a\tb"}\n'), "p.jsonl"))[0]
+    assert str(raw_tab) == "p.jsonl:1: not valid JSON (Invalid control character at column 14)"
+
 # -- permissions ------------------------------------------------------------------------------
 
 def test_permissions_of_everything_kvstore_creates(tmp_path, llama):

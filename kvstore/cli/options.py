@@ -85,8 +85,6 @@ def add_prompt_source(p: argparse.ArgumentParser, prompts_help: str, *, required
 def prompt_items(args) -> list:
     """The prompt lines `--prompt`, `--messages` or `--prompts` name (`jsonl.PromptLine` or
     `jsonl.LineError`); a bad `--prompt` or `--messages` is an error here, before a model loads."""
-    import json
-
     from kvstore.model import jsonl
 
     if args.prompts is not None:
@@ -95,9 +93,9 @@ def prompt_items(args) -> list:
         item = jsonl.parse_object({"prompt": args.prompt}, "--prompt", None)
     else:
         try:
-            value = json.loads(args.messages)
-        except json.JSONDecodeError as e:
-            raise CommandError(f"--messages: not valid JSON ({e.msg} at column {e.colno})", EXIT_USAGE) from e
+            value = jsonl.loads(args.messages)
+        except ValueError as e:
+            raise CommandError(f"--messages: {e}", EXIT_USAGE) from None
         # Always the list itself: a lone {"role": ...} object is an error that says so.
         item = jsonl.parse_object({"messages": value}, "--messages", None)
     if isinstance(item, jsonl.LineError):  # no model to load for nothing; a bad command line

@@ -129,14 +129,34 @@ def parse_stream(f: BinaryIO, source: str) -> Iterator[Parsed]:
             yield LineError(source, number, None, f"not UTF-8 text (bad byte at column {e.start + 1})")
             continue
         try:
-            obj = json.loads(text)
-        except json.JSONDecodeError as e:
-            yield LineError(source, number, None, f"not valid JSON ({e.msg} at column {e.colno})")
+            obj = loads(text)
+        except ValueError as e:  # (json.JSONDecodeError is one)
+            yield LineError(source, number, None, str(e))
             continue
         except RecursionError:  # json.loads recurses once per level of [ or {
             yield LineError(source, number, None, "JSON nested too deeply")
             continue
         yield parse_object(obj, source, number)
+
+
+def loads(text: str) -> Any:
+    """One JSON value; a ValueError saying what is wrong, as `not valid JSON (...)`. A field
+    given twice in one object is refused: JSON would keep the last one silently (of
+    `"pin": true, ..., "pin": false`, the unpin)."""
+    try:
+        return json.loads(text, object_pairs_hook=_no_twice)
+    except json.JSONDecodeError as e:
+        # (some of json's messages end in "at": "Invalid control character at")
+        raise ValueError(f"not valid JSON ({e.msg.removesuffix(' at')} at column {e.colno})") from None
+
+
+def _no_twice(pairs: list[tuple[str, Any]]) -> dict:
+    out = dict(pairs)
+    if len(out) < len(pairs):
+        names = [k for k, _ in pairs]
+        twice = next(k for k in names if names.count(k) > 1)
+        raise ValueError(f"the field {_quoted(twice)} is given twice in one object (JSON would keep the last one): give it once")
+    return out
 
 
 def parse_object(obj: Any, source: str, line: int | None) -> Parsed:
