@@ -284,3 +284,30 @@ def test_remote_settings_without_a_remote_say_they_do_nothing(tmp_path, caplog):
     said = [r.getMessage() for r in caplog.records if "no remote tier" in r.getMessage()]
     assert said == ["kvstore: remote_prefetch, remote_deadline given, but this store has no remote tier "
                     "(--remote): they do nothing"], said
+
+
+def test_a_prompt_a_disk_budget_evicted_is_said_to_be_evicted_not_unwritten(tmp_path, llama, kv, demo_model_path):
+    """Under a disk budget smaller than what is warmed, gc evicts records just written: the
+    report says they were evicted, not 'not written' nor 'lost at exit' (they are gone already)."""
+    path, model = llama
+    first, second = list(range(100, 164)), list(range(10, 74))  # 4 chunks each, nothing shared
+    with kvstore.open(tmp_path / "s", chunk_size=C) as store:
+        mc = store.bind(model, str(path))
+        mc.prefill(first)
+        store.flush()
+        budget = store.stats()["bytes"] * 3 // 2
+    with kvstore.open(tmp_path / "s", chunk_size=C, max_bytes=budget) as store:
+        mc = store.bind(model, str(path))
+        mc.prefill(second)  # past the budget: gc evicts the least recently used, the first's
+        store.flush()
+        placed = mc.placement(first)
+        assert placed.on_disk < len(first) and placed.in_ram == len(first) - placed.on_disk
+        assert set(placed.why) == {"evicted"}, placed.text()
+        assert "(evicted since written)" in placed.text()
+    lines = tmp_path / "p.jsonl"
+    lines.write_text("".join(json.dumps({"prompt": f"{i} " + "the same long enough prompt " * 40}) + "\n"
+                             for i in range(3)))
+    out = kv("warm", "--store", tmp_path / "w", "--model", demo_model_path, "--prompts", lines,
+             "--store-max-bytes", "1MB")
+    summary = next(s for s in out.stdout.splitlines() if s.startswith("on disk:"))
+    assert "not on disk: evicted since written" in summary and "lost at exit" not in summary, summary

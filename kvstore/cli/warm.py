@@ -97,20 +97,21 @@ def _summary(totals: dict, skipped: int, planned: int, writer: dict, seconds: fl
     print(f"on disk: {whole} of {len(placed)} warmed prompts whole; "
           f"{sum(p.on_disk for p in placed)} of {sum(p.tokens for p in placed)} tokens"
           + ("" if whole == len(placed) else
-             f" ({sum(p.in_ram for p in placed)} not on disk, lost at exit: {_reasons(placed)})"))
+             f" ({sum(p.in_ram for p in placed)} not on disk: {_reasons(placed)})"))
     print(f"bytes written: {writer['bytes_written']} ({format_size(writer['bytes_written'])}, "
           f"{writer['records_written']} records)")
     print(f"time: {seconds:.1f} s")
 
 
 def _reasons(placed: list) -> str:
-    from kvstore.write.placement import REASONS
+    from kvstore.write.placement import HELD, REASONS
 
     why: dict[str, int] = {}
     for p in placed:
         for reason, n in p.why.items():
             why[reason] = why.get(reason, 0) + n
-    return ", ".join(f"{REASONS.get(r, r)} {n}" for r, n in why.items()) or "queued"
+    text = ", ".join(f"{REASONS.get(r, r)} {n}" for r, n in why.items()) or "queued"
+    return text + ("; those in RAM are lost at exit" if any(r in HELD for r in why) else "")
 
 
 def _bars(work: list):

@@ -313,7 +313,7 @@ class ModelCache(ExplicitWrites):
         or in RAM only (and why): what a report says was stored (flush first to know it all)."""
         b, toks = self.backing, as_tokens(tokens)
         out = place(self._durable(toks), b.index, b.writer, b.gate, b.memory)
-        if out.why.get("not_written") and not self.exact:
+        if out.unexplained and not self.exact:
             # A tail the writer dropped for a longer one that holds its tokens (one tail a branch):
             # when the disk restores the whole prompt, it is on disk all the same.
             disk = [t for t in b.tiers if t.name == "disk"]

@@ -24,7 +24,10 @@ class _Gate(Protocol):  # `write.admission.Gate`
 
 #: Why a record is in RAM only, in a report's words.
 REASONS = {"not_admitted": "not admitted", "over_budget": "over budget", "ram_only": "RAM-only store",
-           "not_written": "not written"}
+           "not_written": "not written", "evicted": "evicted since written"}
+#: Reasons whose records never reached the disk and stay in RAM (the others were not written, or
+#: were written and removed since: a gc under a disk budget, most often).
+HELD = ("not_admitted", "over_budget", "ram_only")
 
 
 @dataclass
@@ -53,16 +56,23 @@ class Placement:
             parts.append(f"{', '.join(held)} ({reasons})")
         return ", ".join(parts)
 
+    @property
+    def unexplained(self) -> int:
+        """Tokens of records neither admission nor the budget kept out that are not on disk."""
+        return self.why.get("not_written", 0) + self.why.get("evicted", 0)
+
     def found_on_disk(self, n: int) -> None:
-        """Up to `n` tokens said to be not written are on disk after all (held by a longer record)."""
-        n = max(0, min(n, self.why.get("not_written", 0)))
-        if n:
-            self.on_disk, self.in_ram = self.on_disk + n, self.in_ram - n
-            if self.in_memory is not None:
-                self.in_memory = min(self.in_memory, self.in_ram)
-            self.why["not_written"] -= n
-            if not self.why["not_written"]:
-                del self.why["not_written"]
+        """Up to `n` tokens said to be not written (or evicted) are on disk after all (held by a
+        longer record)."""
+        for reason in ("not_written", "evicted"):
+            k = max(0, min(n, self.why.get(reason, 0)))
+            if k:
+                self.on_disk, self.in_ram, n = self.on_disk + k, self.in_ram - k, n - k
+                if self.in_memory is not None:
+                    self.in_memory = min(self.in_memory, self.in_ram)
+                self.why[reason] -= k
+                if not self.why[reason]:
+                    del self.why[reason]
 
     def summary(self, *, named: bool = False) -> str:
         """`cache of 1065 tokens: 1065 on disk`: the same, of the whole prompt; `named`, with its
@@ -82,13 +92,18 @@ def place(spans: Iterable[Span], index: Index | None, writer: _Queue, gate: _Gat
                     in_memory=None if memory is None else 0)
     pending = {s.hash for s in spans if writer.is_pending(s.hash)}
     on_disk = index.present([s.hash for s in spans if s.hash not in pending]) if index is not None else set()
+    kept = {s.hash: "ram_only" if index is None else (gate.kept_reason(s.hash) if gate else None)
+            for s in spans if s.hash not in on_disk and s.hash not in pending}
+    # Neither admission nor the budget kept it out: written and deleted since (the deletion log
+    # has it: a gc under a disk budget), or never written.
+    gone = index.logged_deleted([h for h, why in kept.items() if why is None]) if index is not None else set()
     for s in spans:
         if s.hash in on_disk:
             out.on_disk += s.ntokens
         elif s.hash in pending:
             out.queued += s.ntokens
         else:
-            reason = "ram_only" if index is None else (gate.kept_reason(s.hash) if gate else None) or "not_written"
+            reason = kept[s.hash] or ("evicted" if s.hash in gone else "not_written")
             out.in_ram += s.ntokens
             out.why[reason] = out.why.get(reason, 0) + s.ntokens
             if memory is not None and s.hash in memory:
