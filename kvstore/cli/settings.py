@@ -7,9 +7,10 @@ import json
 
 from kvstore import settings as table
 from kvstore.argv import did_you_mean
-from kvstore.cli.options import open_local
+from kvstore.cli.options import open_local, store_path
 from kvstore.cli.output import EXIT_USAGE, PROG, CommandError, out, say
 from kvstore.errors import InvalidInputError
+from kvstore.storage.storedir import is_absent
 
 EXAMPLES = """examples:
   kvstore settings --store ~/kv                        # every setting, its value and source
@@ -66,7 +67,10 @@ def cmd_settings(args) -> int:
         raise CommandError(f"{', '.join(twice)} given more than once (to keep and to --reset, or twice): "
                            "give each setting once", EXIT_USAGE)
     writes = bool(changes or resets)
+    new = writes and is_absent(store_path(args))
     with open_local(args, must_exist=not writes, read_only=None if not writes else False) as files:
+        if new:  # (a mistyped --store would otherwise become a store without a word)
+            say(f"{PROG} settings: no store was at {files.path}: made a new, empty one to keep these settings")
         before = files.settings()
         for s in resets:
             files.index.set_setting(s.name, None)
