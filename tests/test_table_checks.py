@@ -422,3 +422,22 @@ def test_pins_reads_a_damaged_pin_flag_as_gc_does(tmp_path, llama, value):
         kept = {r.hash for r in s.index.rows()}
     assert kept and not damaged & kept
     assert listed == len(kept) and published == kept
+
+
+def test_explicit_bytes_past_the_hours_bytes_are_damage_stats_caps_and_repair_clears(tmp_path, capsys):
+    """Explicit writes are a part of an hour's bytes: a row saying more (damage, or a row whose
+    bytes were mended to 0) is reported, never shown as more explicit bytes than bytes, and repaired."""
+    store = tmp_path / "s"
+    with kvstore.open(store, chunk_size=C):
+        pass
+    hour = hour_of(time.time())
+    sql(store, "INSERT INTO write_log (hour, bytes, explicit) VALUES (?, 100, 7000000)", [(hour - 1,)])
+    with kvstore.open(store, chunk_size=C) as s:
+        writes = s.stats()["writes"]
+        assert writes["bytes_last_day"] == 100 and writes["explicit_last_day"] == 100, writes
+    code, out = verify(store, capsys)
+    lines = [line for line in out.splitlines() if line.startswith("bad_write_log:")]
+    assert code == 1 and len(lines) == 1 and "explicit bytes (7000000) are more than the hour's bytes" in lines[0], out
+    verify(store, capsys, "--repair")
+    assert verify(store, capsys)[0] == 0
+    assert sql(store, "SELECT bytes, explicit FROM write_log") == [(100, 0)]

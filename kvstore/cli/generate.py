@@ -118,7 +118,7 @@ def _generate_one(args, store, loaded, mc, tokens, sampler) -> bool:
         stored_text += f" ({_write_error(store)})"
     where = (f"reused ({from_bucket} from the bucket {store.remote.url}, {reused - from_bucket} from the "
              "local store)") if from_bucket else "reused from the store"
-    say(f"prompt: {len(tokens)} tokens, {reused} {where}, "
+    say(f"prompt: {plural(len(tokens), 'token')}, {reused} {where}, "
         f"{len(tokens) - reused} computed; time to first token: {ttft:.3f} s; "
         f"generated {plural(len(generated), 'token')} ({finish}); {stored_text}")
     return not problem

@@ -185,7 +185,7 @@ def _warm_all(mc, work: list, totals: dict, stop: Callable[[], bool], tokenizer=
                 placed = mc.placement(tokens)
                 if item.pin and placed.on_disk + placed.queued < placed.tokens:
                     pins = ", not pinned: not all on disk"
-                say(f"[{i}/{len(work)}] {item.where}: {len(tokens)} tokens, {reused} reused, "
+                say(f"[{i}/{len(work)}] {item.where}: {plural(len(tokens), 'token')}, {reused} reused, "
                     f"{computed} computed, {placed.text()}{pins} ({time.perf_counter() - t0:.1f} s)")
     finally:
         for bar in bars or ():

@@ -76,7 +76,7 @@ def read_pins_file(path: Path) -> PinsFile | None:
     if not lines or lines[0] != _HEADER:
         problems.append("it does not start as a kvstore pins file")
     if bad:
-        problems.append(f"{bad} of its lines are not record hashes")
+        problems.append(f"{bad} of its lines {'is' if bad == 1 else 'are'} not record hashes")
     if end is None or end != str(len(hashes)):
         problems.append("it is cut short" if end is None else f"it names {end!r} pins but holds {len(hashes)}")
     return PinsFile(hashes, "; ".join(problems) or None)

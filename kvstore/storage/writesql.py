@@ -199,6 +199,9 @@ class WriteLogSQL:
             if not 0 <= h <= now_hour + WINDOW_HOURS:
                 out.append((h, "hour", h))
             out += [(h, c, v) for c, v in zip(LOG_COLUMNS, values) if not count_ok(v)]
+            row = dict(zip(LOG_COLUMNS, values))
+            if count_ok(row["bytes"]) and count_ok(row["explicit"]) and row["explicit"] > row["bytes"]:
+                out.append((h, "explicit", row["explicit"]))  # (a part of the bytes, never more)
         row = self.conn.execute("SELECT value FROM meta WHERE key = ?", (_CLOSED,)).fetchone()
         if row is not None and not _an_hour(row[0]):
             out.append((now_hour, "closed", row[0]))

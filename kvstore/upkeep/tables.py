@@ -29,7 +29,7 @@ from kvstore.storage import blobfile, blobtree
 from kvstore.storage.evictsql import MAX_ROLE
 from kvstore.storage.index import MODEL_FIELDS, TOTALS, Index
 from kvstore.storage.storedir import SETTINGS_NAME, read_settings_copy
-from kvstore.storage.writesql import MAX_HOUR_BYTES, MAX_LOG_SEQ, kept_problem
+from kvstore.storage.writesql import MAX_HOUR_BYTES, MAX_LOG_SEQ, count_ok, kept_problem
 
 
 def _hash(text: str) -> bytes:
@@ -151,6 +151,8 @@ def _log_damage(column: str, value: object) -> str:
     if column == "hour":
         return "an hour before 1970 or more than a day ahead: the budget ignores it; repair deletes the row"
     said = f"its {column} is {value!r:.40}, not a whole number of 0 to {MAX_HOUR_BYTES}: "
+    if column == "explicit" and count_ok(value):  # (`damaged_log`: more than the bytes it is a part of)
+        said = f"its explicit bytes ({value}) are more than the hour's bytes written, of which they are a part: "
     if column == "closed":
         return (f"the hour the budget counts as full is {value!r:.40}, not an hour: it reads as this hour; "
                 "repair keeps this hour")

@@ -25,7 +25,7 @@ import time
 from typing import Callable, Sequence
 
 from kvstore.storage.index import Index
-from kvstore.storage.writesql import WINDOW_HOURS, hour_of, window_bytes
+from kvstore.storage.writesql import WINDOW_HOURS, count_ok, hour_of, window_bytes
 
 DAY_S = 86400
 class WriteBudget:
@@ -113,7 +113,9 @@ def summary(index: Index | None, *, policy: str, per_day: int | None, unsaved: d
             for k in ("not_admitted", "not_admitted_bytes", "over_budget", "over_budget_bytes")}
     window = [(h[0], h[1], h[3]) for h in hours]
     last_day = window_bytes(window, hour, WINDOW_HOURS, None)  # damaged hours left out; the budget counts them full
-    explicit_last_day = window_bytes([(h[0], h[8], 0) for h in hours], hour, WINDOW_HOURS, None)
+    # (a part of an hour's bytes: never more than them, none of a damaged hour's)
+    explicit_last_day = window_bytes([(h[0], min(h[8], h[1]) if count_ok(h[1]) and count_ok(h[8]) else None, 0)
+                                      for h in hours], hour, WINDOW_HOURS, None)
     by_day = {d: dict(bytes=0, explicit=0, downloaded=0, records=0, not_admitted=0, over_budget=0)
               for d in range(hour // 24 - days + 1, hour // 24 + 1)}
     for h, nbytes, records, downloaded, not_admitted, _, over_budget, _, explicit in hours:
