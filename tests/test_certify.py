@@ -229,3 +229,20 @@ def test_a_tenants_prompts_are_checked_as_that_tenant(tmp_path, llama):
         shared = store.verify_exact(model, path)
     assert mine.ok and [(c.tokens, c.restored) for c in mine.checks] == [(69, 69)]
     assert shared.ok and [(c.tokens, c.restored) for c in shared.checks] == [(39, 39)]
+
+
+def test_the_table_flags_leads_and_greedy_ties_by_the_stores_own_tie_margin():
+    # A store with K/V quantized on disk calls a lead under its logit bound (0.25 at 8 bits) a tie:
+    # the table's `*` and its footnotes must say that bound, not the 0.02 of an exact store.
+    from kvstore.certify import Report
+    from kvstore.certify.report import Bounds, PromptCheck, judge
+
+    bounds = Bounds("8-bit K/V on disk", exact=False, kv=1 / 16, logprobs=0.25, greedy=False, tie=0.25)
+    check = judge(PromptCheck("ab" * 16, 100, restored=100, margin=0.1, greedy=4, greedy_tie=True, restore_points=1),
+                  bounds)
+    text = Report([check], bounds, 1).table()
+    assert "0.100*" in text, text
+    assert "led the next by under 0.25" in text and "led by under 0.25 are tie-sensitive" in text, text
+    exact = Bounds("exact mode", exact=True)
+    assert "*" not in Report([judge(PromptCheck("cd" * 16, 100, restored=100, margin=0.1, restore_points=1), exact)],
+                             exact, 1).table()

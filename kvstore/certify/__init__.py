@@ -36,7 +36,7 @@ class Report:
         return checked_nothing(self.checks)
 
     def table(self) -> str:
-        return table(self.checks)
+        return table(self.checks, self.bounds.tie)
 
     def verdict(self) -> str:
         return verdict(self.checks, self.bounds, self.stored_prompts, self.cause)

@@ -181,9 +181,10 @@ def _record_said(r: dict) -> str:
     return f"{what}: most in {r['tensor']}, by up to {r['max']:.3g}, in the restore of tokens 0-{r['at']})"
 
 
-def table(checks: list[PromptCheck]) -> str:
+def table(checks: list[PromptCheck], tie: float = TIE_MARGIN) -> str:
     """The checks as a fixed-width table (`points`: restore points compared; the K/V column names
-    the tensor that differs most, as layer.tensor@restore point)."""
+    the tensor that differs most, as layer.tensor@restore point; `*`: a lead under `tie`, the
+    bounds' tie margin)."""
     head = ("prompt", "tokens", "restored", "points", "K/V max |Δ|", "logprob |Δ|", "best", "lead", "greedy",
             "canaries", "verdict")
     rows = [head]
@@ -193,16 +194,16 @@ def table(checks: list[PromptCheck]) -> str:
             r = c.worst_record()
             kv = f"{r['max']:.2g} {c.worst_tensor()} in {r['record'][:12]}"
         rows.append((c.leaf[:12], str(c.tokens), str(c.restored), str(c.restore_points), kv, f"{c.logprobs:.2g}",
-                     "same" if c.top1 else "other", f"{c.margin:.3f}" + ("*" if c.margin < TIE_MARGIN else ""),
+                     "same" if c.top1 else "other", f"{c.margin:.3f}" + ("*" if c.margin < tie else ""),
                      f"{c.greedy}/{GREEDY}", f"{c.canaries_ok}/{c.canaries}", _flag(c)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
-    if any(c.margin < TIE_MARGIN for c in checks):
-        lines.append(f"lead*: the cold run's best token led the next by under {TIE_MARGIN:g} (a log-probability): "
+    if any(c.margin < tie for c in checks):
+        lines.append(f"lead*: the cold run's best token led the next by under {tie:g} (a log-probability): "
                      "a different best token there is tie-sensitive, not a mismatch")
     if any(c.greedy_tie and c.greedy < GREEDY for c in checks):
-        lines.append("greedy tokens that part after a step whose lead was that close are tie-sensitive too "
-                     "(verdict: tie)")
+        lines.append(f"greedy tokens that part after a step whose best token led by under {tie:g} are "
+                     "tie-sensitive too (verdict: tie)")
     return "\n".join(lines)
 
 
