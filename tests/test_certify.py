@@ -246,3 +246,18 @@ def test_the_table_flags_leads_and_greedy_ties_by_the_stores_own_tie_margin():
     exact = Bounds("exact mode", exact=True)
     assert "*" not in Report([judge(PromptCheck("cd" * 16, 100, restored=100, margin=0.1, restore_points=1), exact)],
                              exact, 1).table()
+
+
+def test_the_library_check_refuses_a_sample_that_checks_nothing(tmp_path, llama):
+    # sample=0 said "the store holds no prompt of this model" of a store that holds one, and a
+    # negative one raised random's "Sample larger than population or is negative".
+    from kvstore.errors import InvalidInputError
+
+    path, model = llama
+    with kvstore.open(tmp_path / "s", chunk_size=C) as store:
+        store.bind(model, path).prefill(toks(40, 6))
+        for bad in (0, -3, "2", 1.5):
+            with pytest.raises(InvalidInputError, match=f"sample={bad!r}: give how many stored prompts"):
+                store.verify_exact(model, path, sample=bad)
+        report = store.verify_exact(model, path, sample=100)  # more than the store holds: all of them
+    assert report.ok and len(report.checks) == report.stored_prompts == 1

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvstore.certify.report import Bounds, PromptCheck, as_dict, checked_nothing, table, verdict
+from kvstore.errors import InvalidInputError
 
 
 @dataclass
@@ -53,6 +54,9 @@ def verify_exact(mc, index, blob_root, *, disk_kv_bits: int | None = None, sampl
     from kvstore.certify import prompts
     from kvstore.certify.compare import bounds_for, check_prompt
 
+    if sample is not None and (type(sample) is not int or sample < 1):
+        raise InvalidInputError(f"sample={sample!r}: give how many stored prompts to check (1 or more), "
+                                "or None for all")
     bounds = bounds_for(mc, disk_kv_bits)
     tag = mc.tenant.tag if getattr(mc, "tenant", None) is not None else None
     leaves = prompts.leaves(index, mc.ns, tag) if index is not None else []
