@@ -261,3 +261,24 @@ def test_the_library_check_refuses_a_sample_that_checks_nothing(tmp_path, llama)
                 store.verify_exact(model, path, sample=bad)
         report = store.verify_exact(model, path, sample=100)  # more than the store holds: all of them
     assert report.ok and len(report.checks) == report.stored_prompts == 1
+
+
+@pytest.mark.parametrize("exact", [None, 256])
+def test_a_step_whose_logits_are_not_numbers_stores_the_prompt_without_a_canary(tmp_path, llama, monkeypatch, exact):
+    # A model that overflows gives NaN logits: such a canary is a header the writer refuses, and
+    # the record holding the prompt's end was dropped with it ("a write was dropped").
+    from kvstore.model import prefill as prefilling
+
+    path, model = llama
+    real = prefilling.last_step
+    monkeypatch.setattr(prefilling, "last_step", lambda *a: real(*a) * mx.array(float("nan")))
+    prompt = toks(300, 7)
+    with kvstore.open(tmp_path / "s", chunk_size=256 if exact else C, exact_prefill=exact) as store:
+        store.bind(model, path).prefill(prompt)
+        store.flush()
+        assert store.stats()["writer"]["dropped_jobs"] == 0
+    with kvstore.open(tmp_path / "s", chunk_size=256 if exact else C, read_only=True, memory_bytes=0) as store:
+        # the prompt stored whole (exact mode: but its last token, restored for the same prompt again)
+        _, rest = store.bind(model, path).fetch(prompt if exact else prompt + [1])
+    assert len(rest) == 1
+    assert stored_canaries(tmp_path / "s") == []
