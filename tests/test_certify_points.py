@@ -122,6 +122,19 @@ def test_a_certificate_that_checked_nothing_exits_3(tmp_path, llama, demo_model)
     result = run_cli("verify", "--store", tmp_path / "s", "--exact", "--model", model_dir, "--json")
     got = json.loads(result.stdout)
     assert got["ok"] and not got["checked_nothing"] and got["prompts"][0]["restore_points"] == 1
+    # A tenant of a store that never stored one: no tenant key (a read-only opening must not make
+    # one), so nothing of it can be checked; that said, not "open it once to write", exit 1.
+    result = run_cli("verify", "--store", tmp_path / "s", "--exact", "--model", model_dir, "--tenant", "bob",
+                     check=False)
+    assert result.returncode == 3 and result.stdout.startswith("NOTHING CHECKED: the store"), result.stdout
+    assert "has no tenant key" in result.stdout and "Traceback" not in result.stderr
+    assert not (tmp_path / "s" / "tenant.key").exists()
+    with kvstore.open(tmp_path / "s") as store:
+        store.bind(model, model_dir, tenant="alice").prefill(toks(40, 9))
+    result = run_cli("verify", "--store", tmp_path / "s", "--exact", "--model", model_dir, "--tenant", "bob",
+                     check=False)
+    assert result.returncode == 3, result.stdout + result.stderr
+    assert result.stdout.startswith("NOTHING CHECKED: the store holds no prompt of this model for this tenant")
 
 
 def test_another_blas_is_named_when_an_exact_store_is_opened_and_when_it_mismatches(tmp_path, llama, caplog):

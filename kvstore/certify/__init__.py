@@ -27,6 +27,7 @@ class Report:
     bounds: Bounds
     stored_prompts: int  # leaves of the model's records, of which `checks` are a sample
     cause: str = ""  # what likely explains a mismatch (the records were computed with another BLAS or mlx)
+    tenant: bool = False  # a tenant's prompts were checked (not the shared ones)
 
     @property
     def ok(self) -> bool:
@@ -40,10 +41,10 @@ class Report:
         return table(self.checks, self.bounds.tie)
 
     def verdict(self) -> str:
-        return verdict(self.checks, self.bounds, self.stored_prompts, self.cause)
+        return verdict(self.checks, self.bounds, self.stored_prompts, self.cause, self.tenant)
 
     def as_dict(self) -> dict:
-        return as_dict(self.checks, self.bounds, self.stored_prompts, self.cause)
+        return as_dict(self.checks, self.bounds, self.stored_prompts, self.cause, self.tenant)
 
 
 def verify_exact(mc, index, blob_root, *, disk_kv_bits: int | None = None, sample: int | None = 8,
@@ -68,4 +69,4 @@ def verify_exact(mc, index, blob_root, *, disk_kv_bits: int | None = None, sampl
         from kvstore.model.blas import mismatch_cause
 
         cause = mismatch_cause(index, mc.ns)
-    return Report(checks, bounds, len(leaves), cause)
+    return Report(checks, bounds, len(leaves), cause, tag is not None)

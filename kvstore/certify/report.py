@@ -222,13 +222,16 @@ def checked_nothing(checks: list[PromptCheck]) -> bool:
     return not any(c.restored for c in checks)
 
 
-def verdict(checks: list[PromptCheck], b: Bounds, leaves: int, cause: str = "") -> str:
+def verdict(checks: list[PromptCheck], b: Bounds, leaves: int, cause: str = "", tenant: bool = False) -> str:
     """One line: what was checked and whether every prompt is what a cold run computes. `cause`:
-    what likely explains a mismatch (another BLAS or mlx than the records were computed with)."""
+    what likely explains a mismatch (another BLAS or mlx than the records were computed with);
+    `tenant`: the prompts were a tenant's (never named: its id may be a bearer token)."""
     n = len(checks)
+    if not n and tenant:
+        return f"NOTHING CHECKED: the store holds no prompt of this model for this tenant ({b.label})"
     if not n:
-        return (f"NOTHING CHECKED: the store holds no prompt of this model ({b.label}; a tenant's prompts "
-                "are checked when the tenant is given)")
+        return (f"NOTHING CHECKED: the store holds no shared prompt of this model ({b.label}; a tenant's "
+                "prompts are checked when the tenant is given)")
     if checked_nothing(checks):
         return (f"NOTHING CHECKED: none of the {n} stored prompts sampled (of {leaves}; {b.label}) restores "
                 f"anything from the store, so nothing was compared: {_first_reason(checks)}")
@@ -265,11 +268,11 @@ def _first_reason(checks: list[PromptCheck]) -> str:
     return f"{c.leaf[:12]} restores nothing (a record the restore cannot use)"
 
 
-def as_dict(checks: list[PromptCheck], b: Bounds, leaves: int, cause: str = "") -> dict:
+def as_dict(checks: list[PromptCheck], b: Bounds, leaves: int, cause: str = "", tenant: bool = False) -> dict:
     """The report as JSON-ready data (`verify --exact --json`)."""
     return {"ok": bool(checks) and all(c.ok for c in checks), "checked_nothing": checked_nothing(checks),
             "bounds": asdict(b), "stored_prompts": leaves, "likely_cause": cause or None,
-            "verdict": verdict(checks, b, leaves, cause),
+            "verdict": verdict(checks, b, leaves, cause, tenant),
             "prompts": [{**asdict(c), "ok": c.ok, "complete": c.complete, "worst_tensor": c.worst_tensor() or None,
                          "worst_after": c.worst_after() or None,
                          "no_record_differs": bool(c.problems) and not c.differing_records} for c in checks]}

@@ -149,9 +149,12 @@ def _verify_exact(args) -> int:
                            EXIT_USAGE)
     import kvstore
     from kvstore.model.loading import load_model
+    from kvstore.storage.storedir import TENANT_KEY_NAME
 
     model_id = model_to_load(args)
     with kvstore.open(store_path(args), create=False, read_only=True, memory_bytes=0) as store:
+        if args.tenant is not None and not (store_path(args) / TENANT_KEY_NAME).is_file():
+            return _no_tenant_key(args)
         loaded = load_model(model_id)
         quantized = _quantized(store, loaded)
         bits, group = args.kv_bits, args.kv_group_size
@@ -181,6 +184,21 @@ def _verify_exact(args) -> int:
     if report.checked_nothing:
         return EXIT_NOTHING_CHECKED
     return 0 if report.ok else EXIT_PROBLEMS
+
+
+def _no_tenant_key(args) -> int:
+    """`--exact --tenant` on a store without a tenant key: a tenant's records are keyed under a salt
+    derived from it, and the first tenant's prompt stored without a remote tier makes it, so no
+    tenant's prompt here can be checked (the read-only opening cannot make one, and must not)."""
+    verdict = (f"NOTHING CHECKED: the store {store_path(args)} has no tenant key, so it holds no tenant's "
+               "prompt --exact can check (a tenant's records are keyed under it; the first tenant's prompt "
+               "stored without a remote tier makes it): leave out --tenant to check the shared prompts")
+    if args.json:
+        print(json.dumps({"ok": False, "checked_nothing": True, "stored_prompts": 0, "verdict": verdict,
+                          "prompts": []}, indent=2))
+    else:
+        out(verdict)
+    return EXIT_NOTHING_CHECKED
 
 
 def _drop_hint(args, report) -> str:
