@@ -132,6 +132,12 @@ def test_verify_exact_checks_caches_stored_quantized_by_mlx_lm(tmp_path, demo_mo
     assert asked.returncode == 0 and "exact: 1 of 1" in asked.stdout and "checking those" not in asked.stderr
     wrong = run_cli("verify", "--store", tmp_path / "s", "--kv-bits", "8", check=False)
     assert wrong.returncode == 2 and "go with --exact" in wrong.stderr
+    alone = run_cli("verify", "--store", tmp_path / "s", "--exact", "--model", demo_model_path,
+                    "--kv-group-size", "32", check=False)  # was ignored: the unquantized caches checked
+    assert alone.returncode == 2 and "--kv-group-size goes with --kv-bits" in alone.stderr, alone.stdout
+    odd = run_cli("verify", "--store", tmp_path / "s", "--exact", "--kv-bits", "8", "--kv-group-size", "7",
+                  check=False)
+    assert odd.returncode == 2 and "argument --kv-group-size: invalid choice: 7" in odd.stderr, odd.stderr
 
 
 def test_an_altered_record_is_caught_by_its_canary_and_verify_exact(tmp_path, demo_model_path, llama):

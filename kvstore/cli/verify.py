@@ -61,7 +61,7 @@ def register(add, store_opts, model_opts) -> None:
     p.add_argument("--kv-bits", metavar="N", type=int, choices=(2, 3, 4, 5, 6, 8),
                    help="with --exact: check the caches stored quantized by mlx-lm with N bits (mlx_lm.server's "
                         "--kv-bits; found by itself when the store holds only those)")
-    p.add_argument("--kv-group-size", metavar="N", type=int, default=64,
+    p.add_argument("--kv-group-size", metavar="N", type=int, default=64, choices=(32, 64, 128),
                    help="with --exact and --kv-bits: their group size (default: 64)")
     p.add_argument("--tenant", metavar="ID",
                    help="with --exact: check this tenant's prompts (default: the shared ones)")
@@ -146,6 +146,9 @@ def _verify_exact(args) -> int:
     """`verify --exact`: the store, opened read-only, against cold runs of the model."""
     if args.repair or args.remote is not None:
         raise CommandError("--exact checks the local store and repairs nothing: leave out --repair and --remote",
+                           EXIT_USAGE)
+    if args.kv_group_size != 64 and args.kv_bits is None:  # (else it would be ignored without a word)
+        raise CommandError("--kv-group-size goes with --kv-bits (the caches mlx-lm quantized with that group size)",
                            EXIT_USAGE)
     import kvstore
     from kvstore.model.loading import load_model
