@@ -110,6 +110,11 @@ def test_a_record_that_does_not_read_fails_the_certificate(tmp_path, llama):
     assert last.startswith("INCOMPLETE: 1 of the 3 stored prompts sampled"), last
     assert "was read only to token 256" in last and "checksum" in last and "the other 2 restore" in last
     assert "PARTIAL" in result.stdout
+    hint = result.stdout.strip().splitlines()[-2]  # what to do about it, as docs/exact.md says
+    assert hint.endswith(f"kvstore verify --repair --store {tmp_path / 's'}"), hint
+    assert run_cli("verify", "--store", tmp_path / "s", "--repair", check=False).returncode == 1  # repaired
+    again = run_cli("verify", "--store", tmp_path / "s", "--exact", "--sample", "all", "--model", model_dir)
+    assert again.stdout.strip().splitlines()[-1].startswith("exact: 2 of 2"), again.stdout  # (the third dropped)
 
 
 def test_a_certificate_that_checked_nothing_exits_3(tmp_path, llama, demo_model):
