@@ -140,6 +140,8 @@ def test_a_certificate_that_checked_nothing_exits_3(tmp_path, llama, demo_model)
                      check=False)
     assert result.returncode == 3, result.stdout + result.stderr
     assert result.stdout.startswith("NOTHING CHECKED: the store holds no prompt of this model for this tenant")
+    empty = run_cli("verify", "--store", tmp_path / "s", "--exact", "--tenant", "", check=False)
+    assert empty.returncode == 2 and "argument --tenant: a tenant id is 1 to 4096 bytes" in empty.stderr
 
 
 def test_another_blas_is_named_when_an_exact_store_is_opened_and_when_it_mismatches(tmp_path, llama, caplog):

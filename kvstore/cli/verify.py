@@ -63,7 +63,7 @@ def register(add, store_opts, model_opts) -> None:
                         "--kv-bits; found by itself when the store holds only those)")
     p.add_argument("--kv-group-size", metavar="N", type=int, default=64, choices=(32, 64, 128),
                    help="with --exact and --kv-bits: their group size (default: 64)")
-    p.add_argument("--tenant", metavar="ID",
+    p.add_argument("--tenant", metavar="ID", type=_tenant_id,
                    help="with --exact: check this tenant's prompts (default: the shared ones)")
 
 
@@ -77,6 +77,15 @@ def _sample(text: str) -> int | None:
     if n < 1:
         raise argparse.ArgumentTypeError(f"{n} would check nothing: give 1 or more, or all")
     return n
+
+
+def _tenant_id(text: str) -> str:
+    from kvstore.tenants import check_id
+
+    try:
+        return check_id(text)
+    except ValueError as e:  # (it says what is wrong, never the id: it may be a bearer token)
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def cmd_verify(args) -> int:
