@@ -16,7 +16,7 @@ A canary is JSON in the blob header field `x-canary` (`storage.blobformat`'s ext
   token after it. The record holding the canary is the one that holds token `at`, or the one that
   ends just before it.
 - `ids`/`logprobs`: the 8 largest log-probabilities (the logits less their logsumexp, as mlx-lm
-  hands them out), best first, as float16: about 100 bytes. A canary of a later version (`"v"`
+  hands them out), best first, as float16: about 180 bytes of JSON. A canary of a later version (`"v"`
   above 1) is kept and not read.
 
 To check one: restore the prompt's first `at` tokens, run `token` as one step, and call

@@ -132,6 +132,12 @@ def test_verify_exact_checks_caches_stored_quantized_by_mlx_lm(tmp_path, demo_mo
     assert asked.returncode == 0 and "exact: 1 of 1" in asked.stdout and "checking those" not in asked.stderr
     wrong = run_cli("verify", "--store", tmp_path / "s", "--kv-bits", "8", check=False)
     assert wrong.returncode == 2 and "go with --exact" in wrong.stderr
+    alone = run_cli("verify", "--store", tmp_path / "s", "--exact", "--model", demo_model_path,
+                    "--kv-group-size", "32", check=False)  # was ignored: the unquantized caches checked
+    assert alone.returncode == 2 and "--kv-group-size goes with --kv-bits" in alone.stderr, alone.stdout
+    odd = run_cli("verify", "--store", tmp_path / "s", "--exact", "--kv-bits", "8", "--kv-group-size", "7",
+                  check=False)
+    assert odd.returncode == 2 and "argument --kv-group-size: invalid choice: 7" in odd.stderr, odd.stderr
 
 
 def test_an_altered_record_is_caught_by_its_canary_and_verify_exact(tmp_path, demo_model_path, llama):
@@ -250,3 +256,56 @@ def test_kv_holding_nan_passes_the_self_check(tmp_path, llama, fresh_check, capl
         got = store.stats()["restore_check"]
     assert got["checked"] and not got["copying"] and got["mismatches"] == 0
     assert "self-check" not in caplog.text
+
+
+def test_the_table_flags_leads_and_greedy_ties_by_the_stores_own_tie_margin():
+    # A store with K/V quantized on disk calls a lead under its logit bound (0.25 at 8 bits) a tie:
+    # the table's `*` and its footnotes must say that bound, not the 0.02 of an exact store.
+    from kvstore.certify import Report
+    from kvstore.certify.report import Bounds, PromptCheck, judge
+
+    bounds = Bounds("8-bit K/V on disk", exact=False, kv=1 / 16, logprobs=0.25, greedy=False, tie=0.25)
+    check = judge(PromptCheck("ab" * 16, 100, restored=100, margin=0.1, greedy=4, greedy_tie=True, restore_points=1),
+                  bounds)
+    text = Report([check], bounds, 1).table()
+    assert "0.100*" in text, text
+    assert "led the next by under 0.25" in text and "led by under 0.25 are tie-sensitive" in text, text
+    exact = Bounds("exact mode", exact=True)
+    assert "*" not in Report([judge(PromptCheck("cd" * 16, 100, restored=100, margin=0.1, restore_points=1), exact)],
+                             exact, 1).table()
+
+
+def test_the_library_check_refuses_a_sample_that_checks_nothing(tmp_path, llama):
+    # sample=0 said "the store holds no prompt of this model" of a store that holds one, and a
+    # negative one raised random's "Sample larger than population or is negative".
+    from kvstore.errors import InvalidInputError
+
+    path, model = llama
+    with kvstore.open(tmp_path / "s", chunk_size=C) as store:
+        store.bind(model, path).prefill(toks(40, 6))
+        for bad in (0, -3, "2", 1.5):
+            with pytest.raises(InvalidInputError, match=f"sample={bad!r}: give how many stored prompts"):
+                store.verify_exact(model, path, sample=bad)
+        report = store.verify_exact(model, path, sample=100)  # more than the store holds: all of them
+    assert report.ok and len(report.checks) == report.stored_prompts == 1
+
+
+@pytest.mark.parametrize("exact", [None, 256])
+def test_a_step_whose_logits_are_not_numbers_stores_the_prompt_without_a_canary(tmp_path, llama, monkeypatch, exact):
+    # A model that overflows gives NaN logits: such a canary is a header the writer refuses, and
+    # the record holding the prompt's end was dropped with it ("a write was dropped").
+    from kvstore.model import prefill as prefilling
+
+    path, model = llama
+    real = prefilling.last_step
+    monkeypatch.setattr(prefilling, "last_step", lambda *a: real(*a) * mx.array(float("nan")))
+    prompt = toks(300, 7)
+    with kvstore.open(tmp_path / "s", chunk_size=256 if exact else C, exact_prefill=exact) as store:
+        store.bind(model, path).prefill(prompt)
+        store.flush()
+        assert store.stats()["writer"]["dropped_jobs"] == 0
+    with kvstore.open(tmp_path / "s", chunk_size=256 if exact else C, read_only=True, memory_bytes=0) as store:
+        # the prompt stored whole (exact mode: but its last token, restored for the same prompt again)
+        _, rest = store.bind(model, path).fetch(prompt if exact else prompt + [1])
+    assert len(rest) == 1
+    assert stored_canaries(tmp_path / "s") == []

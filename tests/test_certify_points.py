@@ -110,6 +110,11 @@ def test_a_record_that_does_not_read_fails_the_certificate(tmp_path, llama):
     assert last.startswith("INCOMPLETE: 1 of the 3 stored prompts sampled"), last
     assert "was read only to token 256" in last and "checksum" in last and "the other 2 restore" in last
     assert "PARTIAL" in result.stdout
+    hint = result.stdout.strip().splitlines()[-2]  # what to do about it, as docs/exact.md says
+    assert hint.endswith(f"kvstore verify --repair --store {tmp_path / 's'}"), hint
+    assert run_cli("verify", "--store", tmp_path / "s", "--repair", check=False).returncode == 1  # repaired
+    again = run_cli("verify", "--store", tmp_path / "s", "--exact", "--sample", "all", "--model", model_dir)
+    assert again.stdout.strip().splitlines()[-1].startswith("exact: 2 of 2"), again.stdout  # (the third dropped)
 
 
 def test_a_certificate_that_checked_nothing_exits_3(tmp_path, llama, demo_model):
@@ -122,6 +127,21 @@ def test_a_certificate_that_checked_nothing_exits_3(tmp_path, llama, demo_model)
     result = run_cli("verify", "--store", tmp_path / "s", "--exact", "--model", model_dir, "--json")
     got = json.loads(result.stdout)
     assert got["ok"] and not got["checked_nothing"] and got["prompts"][0]["restore_points"] == 1
+    # A tenant of a store that never stored one: no tenant key (a read-only opening must not make
+    # one), so nothing of it can be checked; that said, not "open it once to write", exit 1.
+    result = run_cli("verify", "--store", tmp_path / "s", "--exact", "--model", model_dir, "--tenant", "bob",
+                     check=False)
+    assert result.returncode == 3 and result.stdout.startswith("NOTHING CHECKED: the store"), result.stdout
+    assert "has no tenant key" in result.stdout and "Traceback" not in result.stderr
+    assert not (tmp_path / "s" / "tenant.key").exists()
+    with kvstore.open(tmp_path / "s") as store:
+        store.bind(model, model_dir, tenant="alice").prefill(toks(40, 9))
+    result = run_cli("verify", "--store", tmp_path / "s", "--exact", "--model", model_dir, "--tenant", "bob",
+                     check=False)
+    assert result.returncode == 3, result.stdout + result.stderr
+    assert result.stdout.startswith("NOTHING CHECKED: the store holds no prompt of this model for this tenant")
+    empty = run_cli("verify", "--store", tmp_path / "s", "--exact", "--tenant", "", check=False)
+    assert empty.returncode == 2 and "argument --tenant: a tenant id is 1 to 4096 bytes" in empty.stderr
 
 
 def test_another_blas_is_named_when_an_exact_store_is_opened_and_when_it_mismatches(tmp_path, llama, caplog):

@@ -169,21 +169,27 @@ def test_a_store_without_the_setting_is_unchanged(tmp_path, demo_model):
         assert mc.ns == ns and len(rest) == 1
 
 
-@pytest.mark.parametrize("size, dtype", [("tiny", "bfloat16"), ("small", "float32")])
-def test_layers_that_cannot_be_quantized_are_stored_as_before(tmp_path, demo_model, size, dtype):
+@pytest.mark.parametrize("size, dtype, why", [
+    ("tiny", "bfloat16", "its bf16/f16 K/V have a head_dim of 16, which neither 64 nor 32"),
+    ("small", "float32", "none of its attention layers holds bf16 or f16 K/V (its parameters are mlx.core.float32)")])
+def test_layers_that_cannot_be_quantized_are_stored_as_before(tmp_path, demo_model, caplog, size, dtype, why):
     # tiny: head_dim 16, which neither 64 nor 32 divides; float32: not a bf16/f16 cache. Nothing
-    # is quantized, so the namespace is the unquantized store's (their records are the same bytes).
+    # is quantized, so the namespace is the unquantized store's (their records are the same bytes),
+    # and the warning gives the reason that holds (not "no bf16 K/V" for a bf16 model).
     from mlx_lm import load
 
     model_dir = demo_model("llama", size, dtype)
     model, _ = load(str(model_dir))
     namespaces = []
     for bits in (8, 0):
-        with kvstore.open(tmp_path / "s", chunk_size=C, disk_kv_bits=bits) as store:
+        with caplog.at_level("WARNING", logger="kvstore"), \
+                kvstore.open(tmp_path / "s", chunk_size=C, disk_kv_bits=bits) as store:
             mc = store.bind(model, model_dir)
             assert all("disk_bits" not in layer for layer in mc.layout["layers"])
             namespaces.append(mc.ns)
     assert namespaces[0] == namespaces[1]
+    said = [r.getMessage() for r in caplog.records if "has no effect on this model" in r.getMessage()]
+    assert len(said) == 1 and why in said[0], said
 
 
 def test_a_damaged_quantized_tensor_is_never_served(tmp_path, demo_model):

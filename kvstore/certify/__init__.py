@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvstore.certify.report import Bounds, PromptCheck, as_dict, checked_nothing, table, verdict
+from kvstore.errors import InvalidInputError
 
 
 @dataclass
@@ -26,6 +27,7 @@ class Report:
     bounds: Bounds
     stored_prompts: int  # leaves of the model's records, of which `checks` are a sample
     cause: str = ""  # what likely explains a mismatch (the records were computed with another BLAS or mlx)
+    tenant: bool = False  # a tenant's prompts were checked (not the shared ones)
 
     @property
     def ok(self) -> bool:
@@ -36,13 +38,13 @@ class Report:
         return checked_nothing(self.checks)
 
     def table(self) -> str:
-        return table(self.checks)
+        return table(self.checks, self.bounds.tie)
 
     def verdict(self) -> str:
-        return verdict(self.checks, self.bounds, self.stored_prompts, self.cause)
+        return verdict(self.checks, self.bounds, self.stored_prompts, self.cause, self.tenant)
 
     def as_dict(self) -> dict:
-        return as_dict(self.checks, self.bounds, self.stored_prompts, self.cause)
+        return as_dict(self.checks, self.bounds, self.stored_prompts, self.cause, self.tenant)
 
 
 def verify_exact(mc, index, blob_root, *, disk_kv_bits: int | None = None, sample: int | None = 8,
@@ -53,6 +55,9 @@ def verify_exact(mc, index, blob_root, *, disk_kv_bits: int | None = None, sampl
     from kvstore.certify import prompts
     from kvstore.certify.compare import bounds_for, check_prompt
 
+    if sample is not None and (type(sample) is not int or sample < 1):
+        raise InvalidInputError(f"sample={sample!r}: give how many stored prompts to check (1 or more), "
+                                "or None for all")
     bounds = bounds_for(mc, disk_kv_bits)
     tag = mc.tenant.tag if getattr(mc, "tenant", None) is not None else None
     leaves = prompts.leaves(index, mc.ns, tag) if index is not None else []
@@ -64,4 +69,4 @@ def verify_exact(mc, index, blob_root, *, disk_kv_bits: int | None = None, sampl
         from kvstore.model.blas import mismatch_cause
 
         cause = mismatch_cause(index, mc.ns)
-    return Report(checks, bounds, len(leaves), cause)
+    return Report(checks, bounds, len(leaves), cause, tag is not None)

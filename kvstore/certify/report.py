@@ -181,9 +181,10 @@ def _record_said(r: dict) -> str:
     return f"{what}: most in {r['tensor']}, by up to {r['max']:.3g}, in the restore of tokens 0-{r['at']})"
 
 
-def table(checks: list[PromptCheck]) -> str:
+def table(checks: list[PromptCheck], tie: float = TIE_MARGIN) -> str:
     """The checks as a fixed-width table (`points`: restore points compared; the K/V column names
-    the tensor that differs most, as layer.tensor@restore point)."""
+    the tensor that differs most, as layer.tensor@restore point; `*`: a lead under `tie`, the
+    bounds' tie margin)."""
     head = ("prompt", "tokens", "restored", "points", "K/V max |Δ|", "logprob |Δ|", "best", "lead", "greedy",
             "canaries", "verdict")
     rows = [head]
@@ -193,16 +194,16 @@ def table(checks: list[PromptCheck]) -> str:
             r = c.worst_record()
             kv = f"{r['max']:.2g} {c.worst_tensor()} in {r['record'][:12]}"
         rows.append((c.leaf[:12], str(c.tokens), str(c.restored), str(c.restore_points), kv, f"{c.logprobs:.2g}",
-                     "same" if c.top1 else "other", f"{c.margin:.3f}" + ("*" if c.margin < TIE_MARGIN else ""),
+                     "same" if c.top1 else "other", f"{c.margin:.3f}" + ("*" if c.margin < tie else ""),
                      f"{c.greedy}/{GREEDY}", f"{c.canaries_ok}/{c.canaries}", _flag(c)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
-    if any(c.margin < TIE_MARGIN for c in checks):
-        lines.append(f"lead*: the cold run's best token led the next by under {TIE_MARGIN:g} (a log-probability): "
+    if any(c.margin < tie for c in checks):
+        lines.append(f"lead*: the cold run's best token led the next by under {tie:g} (a log-probability): "
                      "a different best token there is tie-sensitive, not a mismatch")
     if any(c.greedy_tie and c.greedy < GREEDY for c in checks):
-        lines.append("greedy tokens that part after a step whose lead was that close are tie-sensitive too "
-                     "(verdict: tie)")
+        lines.append(f"greedy tokens that part after a step whose best token led by under {tie:g} are "
+                     "tie-sensitive too (verdict: tie)")
     return "\n".join(lines)
 
 
@@ -221,13 +222,16 @@ def checked_nothing(checks: list[PromptCheck]) -> bool:
     return not any(c.restored for c in checks)
 
 
-def verdict(checks: list[PromptCheck], b: Bounds, leaves: int, cause: str = "") -> str:
+def verdict(checks: list[PromptCheck], b: Bounds, leaves: int, cause: str = "", tenant: bool = False) -> str:
     """One line: what was checked and whether every prompt is what a cold run computes. `cause`:
-    what likely explains a mismatch (another BLAS or mlx than the records were computed with)."""
+    what likely explains a mismatch (another BLAS or mlx than the records were computed with);
+    `tenant`: the prompts were a tenant's (never named: its id may be a bearer token)."""
     n = len(checks)
+    if not n and tenant:
+        return f"NOTHING CHECKED: the store holds no prompt of this model for this tenant ({b.label})"
     if not n:
-        return (f"NOTHING CHECKED: the store holds no prompt of this model ({b.label}; a tenant's prompts "
-                "are checked when the tenant is given)")
+        return (f"NOTHING CHECKED: the store holds no shared prompt of this model ({b.label}; a tenant's "
+                "prompts are checked when the tenant is given)")
     if checked_nothing(checks):
         return (f"NOTHING CHECKED: none of the {n} stored prompts sampled (of {leaves}; {b.label}) restores "
                 f"anything from the store, so nothing was compared: {_first_reason(checks)}")
@@ -264,11 +268,11 @@ def _first_reason(checks: list[PromptCheck]) -> str:
     return f"{c.leaf[:12]} restores nothing (a record the restore cannot use)"
 
 
-def as_dict(checks: list[PromptCheck], b: Bounds, leaves: int, cause: str = "") -> dict:
+def as_dict(checks: list[PromptCheck], b: Bounds, leaves: int, cause: str = "", tenant: bool = False) -> dict:
     """The report as JSON-ready data (`verify --exact --json`)."""
     return {"ok": bool(checks) and all(c.ok for c in checks), "checked_nothing": checked_nothing(checks),
             "bounds": asdict(b), "stored_prompts": leaves, "likely_cause": cause or None,
-            "verdict": verdict(checks, b, leaves, cause),
+            "verdict": verdict(checks, b, leaves, cause, tenant),
             "prompts": [{**asdict(c), "ok": c.ok, "complete": c.complete, "worst_tensor": c.worst_tensor() or None,
                          "worst_after": c.worst_after() or None,
                          "no_record_differs": bool(c.problems) and not c.differing_records} for c in checks]}

@@ -61,9 +61,9 @@ def register(add, store_opts, model_opts) -> None:
     p.add_argument("--kv-bits", metavar="N", type=int, choices=(2, 3, 4, 5, 6, 8),
                    help="with --exact: check the caches stored quantized by mlx-lm with N bits (mlx_lm.server's "
                         "--kv-bits; found by itself when the store holds only those)")
-    p.add_argument("--kv-group-size", metavar="N", type=int, default=64,
+    p.add_argument("--kv-group-size", metavar="N", type=int, default=64, choices=(32, 64, 128),
                    help="with --exact and --kv-bits: their group size (default: 64)")
-    p.add_argument("--tenant", metavar="ID",
+    p.add_argument("--tenant", metavar="ID", type=_tenant_id,
                    help="with --exact: check this tenant's prompts (default: the shared ones)")
 
 
@@ -77,6 +77,15 @@ def _sample(text: str) -> int | None:
     if n < 1:
         raise argparse.ArgumentTypeError(f"{n} would check nothing: give 1 or more, or all")
     return n
+
+
+def _tenant_id(text: str) -> str:
+    from kvstore.tenants import check_id
+
+    try:
+        return check_id(text)
+    except ValueError as e:  # (it says what is wrong, never the id: it may be a bearer token)
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def cmd_verify(args) -> int:
@@ -147,11 +156,17 @@ def _verify_exact(args) -> int:
     if args.repair or args.remote is not None:
         raise CommandError("--exact checks the local store and repairs nothing: leave out --repair and --remote",
                            EXIT_USAGE)
+    if args.kv_group_size != 64 and args.kv_bits is None:  # (else it would be ignored without a word)
+        raise CommandError("--kv-group-size goes with --kv-bits (the caches mlx-lm quantized with that group size)",
+                           EXIT_USAGE)
     import kvstore
     from kvstore.model.loading import load_model
+    from kvstore.storage.storedir import TENANT_KEY_NAME
 
     model_id = model_to_load(args)
     with kvstore.open(store_path(args), create=False, read_only=True, memory_bytes=0) as store:
+        if args.tenant is not None and not (store_path(args) / TENANT_KEY_NAME).is_file():
+            return _no_tenant_key(args)
         loaded = load_model(model_id)
         quantized = _quantized(store, loaded)
         bits, group = args.kv_bits, args.kv_group_size
@@ -177,10 +192,28 @@ def _verify_exact(args) -> int:
             hint = _drop_hint(args, report)
             if hint:
                 out(hint)
+        if any(c.partial for c in report.checks):  # a record that does not read: repair drops it
+            out(f"to drop the records that do not read and those that hang from them: {PROG} verify --repair "
+                f"--store {shlex.quote(str(store_path(args)))}")
         out(report.verdict())
     if report.checked_nothing:
         return EXIT_NOTHING_CHECKED
     return 0 if report.ok else EXIT_PROBLEMS
+
+
+def _no_tenant_key(args) -> int:
+    """`--exact --tenant` on a store without a tenant key: a tenant's records are keyed under a salt
+    derived from it, and the first tenant's prompt stored without a remote tier makes it, so no
+    tenant's prompt here can be checked (the read-only opening cannot make one, and must not)."""
+    verdict = (f"NOTHING CHECKED: the store {store_path(args)} has no tenant key, so it holds no tenant's "
+               "prompt --exact can check (a tenant's records are keyed under it; the first tenant's prompt "
+               "stored without a remote tier makes it): leave out --tenant to check the shared prompts")
+    if args.json:
+        print(json.dumps({"ok": False, "checked_nothing": True, "stored_prompts": 0, "verdict": verdict,
+                          "prompts": []}, indent=2))
+    else:
+        out(verdict)
+    return EXIT_NOTHING_CHECKED
 
 
 def _drop_hint(args, report) -> str:

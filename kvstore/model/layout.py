@@ -42,10 +42,24 @@ def describe(model, template: list, disk_kv_bits: int | None = None) -> tuple[di
         codecs = quantized_codecs(codecs, _traced(model, template), disk_kv_bits)
         if all(a is b for a, b in zip(plain, codecs)) and id(model) not in _SAID:
             _SAID.add(id(model))
-            log.warning("kvstore: disk_kv_bits=%d has no effect on this model: none of its attention "
-                        "layers holds bf16 or f16 K/V (its parameters are %s), so its K/V are stored as "
-                        "they are", disk_kv_bits, ", ".join(dtypes))
+            log.warning("kvstore: disk_kv_bits=%d has no effect on this model: %s, so its K/V are stored as "
+                        "they are", disk_kv_bits, _why_unquantized(template, dtypes))
     return {"layers": [c.layout() for c in codecs], "param_dtypes": dtypes}, codecs
+
+
+def _why_unquantized(traced: list, dtypes: list[str]) -> str:
+    """Why no layer of `traced` (the layers after one token) is quantized on disk: no bf16/f16
+    K/V, or (a bf16 model of a small head_dim) no quantization group that divides its head_dim."""
+    half = [layer for layer in traced if isinstance(getattr(layer, "keys", None), mx.array)
+            and layer.keys.dtype in (mx.bfloat16, mx.float16)]
+    if not half and not {"mlx.core.bfloat16", "mlx.core.float16"} & set(dtypes):
+        return f"none of its attention layers holds bf16 or f16 K/V (its parameters are {', '.join(dtypes)})"
+    if not half:  # (a CacheList's parts, recurrent state, K/V quantized by mlx-lm: stored as they are)
+        kinds = ", ".join(sorted({type(layer).__name__ for layer in traced}))
+        return f"none of its layers is a KVCache or RotatingKVCache of bf16 or f16 K/V (its caches: {kinds})"
+    dims = sorted({d for layer in half for d in (layer.keys.shape[-1], layer.values.shape[-1])})
+    return (f"its bf16/f16 K/V have a head_dim of {', '.join(map(str, dims))}, which neither 64 nor 32 "
+            "(the quantization groups) divides")
 
 
 def _traced(model, template: list) -> list:

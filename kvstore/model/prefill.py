@@ -68,9 +68,12 @@ def run(model, cache: list, tokens: Sequence[int], step: int | None = None) -> m
     return last_step(model, cache, tokens[n])
 
 
-def canary_of(at: int, token: int, logprobs: mx.array) -> canaries.Canary:
-    """The canary of a step's log-probabilities (an mlx array of any float dtype)."""
-    return canaries.of(at, token, np.asarray(logprobs.astype(mx.float32)))
+def canary_of(at: int, token: int, logprobs: mx.array) -> canaries.Canary | None:
+    """The canary of a step's log-probabilities (an mlx array of any float dtype); None when they
+    are not numbers (NaN or +inf: a model that overflowed), which no canary can hold: the records
+    are then stored without one, rather than not at all (a header with such a canary is refused)."""
+    canary = canaries.of(at, token, np.asarray(logprobs.astype(mx.float32)))
+    return canary if all(v <= 0 for v in canary.logprobs) else None
 
 
 def _ends(start: int, stop: int, step: int) -> list[int]:
