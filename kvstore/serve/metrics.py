@@ -109,7 +109,8 @@ class _StoreCollector:
         yield _counter("kvstore_restore_copies", "Restores done by copy because the first restore's "
                        "self-check found mlx arrays that did not hold what was written into them.",
                        check["copy_restores"])
-        yield _counter("kvstore_canaries", "First generation steps kept as their prompts' canaries.",
+        yield _counter("kvstore_canaries", "First generation steps made into their prompts' canaries (a repeated prompt's too; "
+                       "a record keeps the canary it was written with).",
                        cache.first_steps.canaries)
         yield from self._gauges(store)
         yield from self._tenants(store)
