@@ -323,7 +323,7 @@ class _RecoveringGenerator:
                     # With no request taken yet no prompt can be in the message (a model
                     # that does not load): then the whole traceback helps.
                     log.error("mlx_lm.server generation thread died: %s at %s", type(e).__name__,
-                              _where(e), exc_info=self._kvstore_taken == 0)
+                              where_raised(e), exc_info=self._kvstore_taken == 0)
                     self._generation_failed = True
                     return
                 taken = self._kvstore_taken
@@ -342,7 +342,7 @@ class _RecoveringGenerator:
         """Answer the requests taken so far with an error (the loop is about to start again)."""
         log.error("kvstore serve: a request made mlx_lm.server's generation loop fail "
                   "(%s at %s); the requests in progress get an error and it starts again",
-                  type(e).__name__, _where(e))
+                  type(e).__name__, where_raised(e))
         failure = RuntimeError("generation failed on a request in this batch; the server "
                                "has recovered: send it again")
         for answers in list(self._kvstore_queues):
@@ -415,7 +415,7 @@ def _listed_context(original_context: type, requests: weakref.WeakValueDictionar
     return GenerationContext
 
 
-def _where(e: BaseException) -> str:
+def where_raised(e: BaseException) -> str:
     """Where an exception was raised (file:line in function), never its message: messages can
     quote the prompt."""
     frames = traceback.extract_tb(e.__traceback__)
