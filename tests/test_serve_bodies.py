@@ -41,6 +41,12 @@ def test_misshapen_fields_are_refused_by_name(demo_model, tmp_path):
         r = requests.post(chat, json={"messages": HI, "max_tokens": 2, "stream": True, "stream_options": {}},
                           timeout=REQUEST_TIMEOUT)
         assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]") and '"usage"' not in r.text
+        for path in (b"/v1/chat/completions", b"/kvstore/prefetch"):  # (read as an empty body: "Invalid JSON")
+            with socket.create_connection(("127.0.0.1", server.port), timeout=REQUEST_TIMEOUT) as s:
+                s.sendall(b"POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: -1\r\n\r\n{}" % path)
+                answer = s.makefile("rb").read()  # (then the server closes the connection)
+            assert answer.startswith(b"HTTP/1.0 400") and b"Content-Length header: -1 is negative" in answer, answer
         text, usage = ask(server, messages=HI, max_tokens=2, seed=2**64 - 1)
         assert usage["completion_tokens"] == 2
         assert server.stop() == 0

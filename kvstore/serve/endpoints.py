@@ -224,9 +224,13 @@ class KVStoreEndpoints:
         except (TypeError, ValueError):
             no_length()
             return None
+        if length < 0:  # (read as 0 it was "Invalid JSON", and what the client sent the next request)
+            self.close_connection = True
+            self._answer_json(400, {"error": f"Invalid Content-Length header: {length} is negative"})
+            return None
         if self._refused_size(length):
             return None
-        raw = self.rfile.read(max(0, length))
+        raw = self.rfile.read(length)
         problem = body_problem(self.path, raw)
         if problem is not None:
             self._malformed(*problem, len(raw))
