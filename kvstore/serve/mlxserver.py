@@ -220,17 +220,17 @@ class Waiting:
         return on_progress, watched()
 
 
-def _reused_only(ctx, tokens: Iterator, first_steps) -> Iterator:
+def _reused_only(ctx, tokens: Iterator, first_steps, tenant: object) -> Iterator:
     """`tokens`, with `ctx.prompt_cache_count` (the usage's `cached_tokens`) made what was reused
     once the lookup is done: in exact mode the server is handed a cache that holds the tokens
-    kvstore prefilled too, which mlx_lm.server would count as cached."""
+    kvstore prefilled too, which mlx_lm.server would count as cached. `tenant`: the request's."""
     fixed = False
 
     def fix() -> None:
         nonlocal fixed
         if not fixed and getattr(ctx, "prompt_cache_count", -1) > 0:
             fixed = True
-            ctx.prompt_cache_count -= first_steps.take_computed(getattr(ctx, "prompt", None) or [])
+            ctx.prompt_cache_count -= first_steps.take_computed(getattr(ctx, "prompt", None) or [], tenant)
 
     try:
         for item in tokens:
@@ -284,7 +284,7 @@ class _RecoveringGenerator:
 
         on_progress, watched = waiting.watch(request, progress_callback, tokens)
         holder.append(on_progress)
-        return ctx, _reused_only(ctx, watched, self._kvstore_cache.first_steps)
+        return ctx, _reused_only(ctx, watched, self._kvstore_cache.first_steps, getattr(request, TENANT_ATTRIBUTE, None))
 
     def _tokenize(self, tokenizer, request, *args, **kwargs):
         # mlx_lm.server looks a request's prompt up right after it tokenizes it, on this thread.
