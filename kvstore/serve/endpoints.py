@@ -121,8 +121,10 @@ class KVStoreEndpoints:
                      getattr(self, "command", None), getattr(self, "path", "?"), type(e).__name__)
         except Exception as e:
             self.close_connection = True
+            # (--log-level DEBUG, which logs every body anyway, also logs the traceback)
             log.warning("kvstore serve: %s %s failed: %s at %s", getattr(self, "command", None),
-                        getattr(self, "path", "?"), type(e).__name__, where_raised(e))
+                        getattr(self, "path", "?"), type(e).__name__, where_raised(e),
+                        exc_info=logging.getLogger().isEnabledFor(logging.DEBUG))
             if not self._kvstore_began:
                 self._headers_buffer = []  # (a status line mlx_lm.server queued but never sent)
                 with contextlib.suppress(Exception):
