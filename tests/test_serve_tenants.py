@@ -212,6 +212,9 @@ def test_verify_isolation_never_passes_a_server_that_does_not_isolate(warmed, tm
     unwarmed.write_text(json.dumps({"messages": [{"role": "system", "content": "Nobody warmed this. " * 40}]}) + "\n")
     few = run_cli("verify", "--isolation", "http://127.0.0.1:9", "--probes", "6", check=False)
     assert few.returncode == 2 and "at least 7" in few.stderr
+    for url in ("127.0.0.1:8080", "prompts.jsonl"):  # (requests said "Invalid URL '...': No scheme supplied")
+        wrong = run_cli("verify", "--isolation", url, check=False)
+        assert wrong.returncode == 2 and f"--isolation {url}: not a server's URL: give http://HOST:PORT" in wrong.stderr
     off = ("--report-cached-tokens", "off")
     with Server(model, store, tmp_path / "one.log", *off) as server:  # one tenant: the header is ignored
         one = run_cli("verify", "--isolation", server.url, "--prompts", prompts, "--probes", "7", check=False)
