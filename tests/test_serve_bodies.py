@@ -69,14 +69,22 @@ def test_a_client_that_hangs_up_mid_stream_is_one_line(demo_model, tmp_path):
                 assert got, seen
                 seen += got
             s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")  # RST
+        # Reset before the request line, and halfway through a body.
+        for sent in (b"", b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100\r\n\r\n{"):
+            with socket.create_connection(("127.0.0.1", server.port), timeout=REQUEST_TIMEOUT) as s:
+                s.sendall(sent)
+                time.sleep(0.3)
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
         deadline = time.monotonic() + REQUEST_TIMEOUT
-        while "hung up" not in server.log() and time.monotonic() < deadline:
+        while server.log().count("hung up") < 3 and time.monotonic() < deadline:
             time.sleep(0.2)
         text, _ = ask(server, messages=HI, max_tokens=2)
         assert text is not None
         assert server.stop() == 0
     out = log_path.read_text(errors="replace")
     assert "the client of POST /v1/chat/completions hung up before the end of its answer" in out
+    assert "the client of POST /v1/completions hung up before the end of its answer" in out
+    assert "a client hung up before its request was read (ConnectionResetError)" in out
     assert "Traceback" not in out
 
 

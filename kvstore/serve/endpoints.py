@@ -112,23 +112,26 @@ class KVStoreEndpoints:
         that fails in the handler is answered 500 if its answer had not begun (else the
         connection is closed), and logged by type and place: never its message, which may quote
         the prompt. (socketserver would print the traceback and drop the connection unanswered.)"""
-        self._kvstore_began = False
+        self._kvstore_began, self.command = False, None  # (parse_request sets the command once read)
         try:
             super().handle_one_request()
         except ConnectionError as e:  # BrokenPipeError, ConnectionResetError, ConnectionAbortedError
             self.close_connection = True
-            log.info("kvstore serve: the client of %s %s hung up before the end of its answer (%s)",
-                     getattr(self, "command", None), getattr(self, "path", "?"), type(e).__name__)
+            log.info("kvstore serve: %s (%s)", f"the client of {self._kvstore_request()} hung up before the end of "
+                     "its answer" if self.command else "a client hung up before its request was read", type(e).__name__)
         except Exception as e:
             self.close_connection = True
             # (--log-level DEBUG, which logs every body anyway, also logs the traceback)
-            log.warning("kvstore serve: %s %s failed: %s at %s", getattr(self, "command", None),
-                        getattr(self, "path", "?"), type(e).__name__, where_raised(e),
-                        exc_info=logging.getLogger().isEnabledFor(logging.DEBUG))
+            log.warning("kvstore serve: %s failed: %s at %s", self._kvstore_request(), type(e).__name__,
+                        where_raised(e), exc_info=logging.getLogger().isEnabledFor(logging.DEBUG))
             if not self._kvstore_began:
                 self._headers_buffer = []  # (a status line mlx_lm.server queued but never sent)
                 with contextlib.suppress(Exception):
                     self._answer_json(500, {"error": f"the server failed on this request ({type(e).__name__})"})
+
+    def _kvstore_request(self) -> str:
+        """The request being served, in a log line's words: its method and path (never more)."""
+        return f"{self.command} {_printable(self.path)}" if self.command else "a request not yet read"
 
     def end_headers(self):
         self._kvstore_began = True  # (from here on a status went out: no other can follow)
