@@ -125,6 +125,30 @@ def test_two_tenants_by_header_share_only_the_warmed_system_prompt(warmed, tmp_p
     assert "median" in out.stdout
 
 
+def test_exact_mode_reports_each_tenants_own_reuse_when_tenants_send_one_prompt_at_once(demo_model, tmp_path):
+    """In exact mode kvstore prefills the prompt itself and counts what it computed for each
+    request, to take it out of cached_tokens. That count was kept by prompt alone: four tenants
+    sending one new prompt at once left one count for four requests, and three of them were told
+    the whole prompt was cached (1 less than its length) though each computed all but the shared
+    part; the same prompt of another tenant could change what a request was told."""
+    model, prompts = demo_model("llama"), tmp_path / "system.jsonl"
+    prompts.write_text(json.dumps({"messages": [SYSTEM]}) + "\n")
+    run_cli("warm", "--store", tmp_path / "store", "--model", model, "--prompts", prompts, "--exact-prefill", "256")
+    with Server(model, tmp_path / "store", tmp_path / "log", "--tenant-from", "header:X-Tenant",
+                "--exact-prefill", "256") as server:
+        shared = cached(usage(server, "a first question " * 4, "erin"))
+        assert shared >= 256
+        got: dict = {}
+        who = [f"tenant-{i}" for i in range(4)]
+        threads = [threading.Thread(target=lambda w=w: got.__setitem__(w, usage(server, SECRET, w))) for w in who]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert [cached(got[w]) for w in who] == [shared] * 4, got  # each computed its own part
+        assert all(cached(usage(server, SECRET, w)) == got[w]["prompt_tokens"] - 1 for w in who)
+
+
 def test_a_trusted_cache_salt_keeps_clients_apart(warmed, tmp_path):
     model, store, _ = warmed
     with Server(model, store, tmp_path / "log", "--trust-client-salt") as server:
@@ -188,6 +212,9 @@ def test_verify_isolation_never_passes_a_server_that_does_not_isolate(warmed, tm
     unwarmed.write_text(json.dumps({"messages": [{"role": "system", "content": "Nobody warmed this. " * 40}]}) + "\n")
     few = run_cli("verify", "--isolation", "http://127.0.0.1:9", "--probes", "6", check=False)
     assert few.returncode == 2 and "at least 7" in few.stderr
+    for url in ("127.0.0.1:8080", "prompts.jsonl"):  # (requests said "Invalid URL '...': No scheme supplied")
+        wrong = run_cli("verify", "--isolation", url, check=False)
+        assert wrong.returncode == 2 and f"--isolation {url}: not a server's URL: give http://HOST:PORT" in wrong.stderr
     off = ("--report-cached-tokens", "off")
     with Server(model, store, tmp_path / "one.log", *off) as server:  # one tenant: the header is ignored
         one = run_cli("verify", "--isolation", server.url, "--prompts", prompts, "--probes", "7", check=False)

@@ -383,6 +383,9 @@ def _isolation(args) -> int:
                            f"right is {isolation.ALPHA:.0%} likely or more by chance, so the timing check "
                            "could never fail", EXIT_USAGE)
     line = _shared_line(args.prompts) if args.prompts else None
+    if args.isolation and not args.isolation.lower().startswith(("http://", "https://")):
+        raise CommandError(f"--isolation {args.isolation}: not a server's URL: give http://HOST:PORT (or no URL, "
+                           "with --model, to check through the library on a copy of the store's keys)", EXIT_USAGE)
     if args.isolation:
         if line is not None and line.kind != "messages":
             raise CommandError(f"--prompts {args.prompts}: a server's shared prompt is a chat line "

@@ -11,6 +11,7 @@ address without asking first); a malformed body is refused without writing it to
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import io
 import ipaddress
@@ -23,8 +24,9 @@ from typing import Any, Callable
 from urllib.parse import unquote
 
 from kvstore.serve import routing
+from kvstore.serve.bodies import body_problem
 from kvstore.serve.metrics import ServerMetrics
-from kvstore.serve.mlxserver import HIDE_COUNTS_ATTRIBUTE, TENANT_ATTRIBUTE
+from kvstore.serve.mlxserver import HIDE_COUNTS_ATTRIBUTE, TENANT_ATTRIBUTE, where_raised
 from kvstore.serve.options import DEFAULT_MAX_BODY_BYTES
 from kvstore.serve.promptcache import PersistentPromptCache
 from kvstore.serve.tenancy.policy import Refused, TenantPolicy
@@ -38,7 +40,6 @@ POST_PATHS = ("/v1/completions", "/v1/chat/completions", "/chat/completions")
 ADMIN_PATHS = ("/metrics", "/kvstore/stats")
 #: Content types a web page may POST to any origin without a CORS preflight.
 SIMPLE_TYPES = ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data")
-INVALID_JSON = "Invalid JSON in request body"
 #: Names every server answers for, and the addresses that mean "listen on every address".
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 WILDCARD_ADDRESSES = ("0.0.0.0", "::", "")
@@ -103,6 +104,45 @@ class KVStoreEndpoints:
     kvstore_report_cached_tokens: bool
     kvstore_admin_token: bytes | None
     _kvstore_tenant: str | None = None  # this request's (set in do_POST)
+    _kvstore_began = False  # whether this request's answer has begun (`end_headers`)
+
+    def handle_one_request(self):
+        """One request, as http.server serves it; but a client that hangs up before its answer
+        is sent (a stream closed mid-way) is one log line, not a traceback, and anything else
+        that fails in the handler is answered 500 if its answer had not begun (else the
+        connection is closed), and logged by type and place: never its message, which may quote
+        the prompt. (socketserver would print the traceback and drop the connection unanswered.)"""
+        self._kvstore_began, self.command = False, None  # (parse_request sets the command once read)
+        try:
+            super().handle_one_request()
+        except ConnectionError as e:  # BrokenPipeError, ConnectionResetError, ConnectionAbortedError
+            self.close_connection = True
+            log.info("kvstore serve: %s (%s)", f"the client of {self._kvstore_request()} hung up before the end of "
+                     "its answer" if self.command else "a client hung up before its request was read", type(e).__name__)
+        except Exception as e:
+            self.close_connection = True
+            # (--log-level DEBUG, which logs every body anyway, also logs the traceback)
+            log.warning("kvstore serve: %s failed: %s at %s", self._kvstore_request(), type(e).__name__,
+                        where_raised(e), exc_info=logging.getLogger().isEnabledFor(logging.DEBUG))
+            if not self._kvstore_began:
+                self._headers_buffer = []  # (a status line mlx_lm.server queued but never sent)
+                with contextlib.suppress(Exception):
+                    self._answer_json(500, {"error": f"the server failed on this request ({type(e).__name__})"})
+
+    def _kvstore_request(self) -> str:
+        """The request being served, in a log line's words: its method and path (never more)."""
+        return f"{self.command} {_printable(self.path)}" if self.command else "a request not yet read"
+
+    def end_headers(self):
+        self._kvstore_began = True  # (from here on a status went out: no other can follow)
+        super().end_headers()
+
+    def validate_model_parameters(self):
+        super().validate_model_parameters()
+        # mlx_lm.server 0.32 reads stream_options["include_usage"] after the stream has begun: an
+        # object without it (OpenAI's default, false) cut the answer short.
+        if isinstance(self.stream_options, dict):
+            self.stream_options = {**self.stream_options, "include_usage": bool(self.stream_options.get("include_usage"))}
 
     def parse_request(self) -> bool:
         """The request line and headers, as mlx_lm.server reads them; then a request addressed
@@ -189,10 +229,14 @@ class KVStoreEndpoints:
         except (TypeError, ValueError):
             no_length()
             return None
+        if length < 0:  # (read as 0 it was "Invalid JSON", and what the client sent the next request)
+            self.close_connection = True
+            self._answer_json(400, {"error": f"Invalid Content-Length header: {length} is negative"})
+            return None
         if self._refused_size(length):
             return None
-        raw = self.rfile.read(max(0, length))
-        problem = _body_problem(self.path, raw)
+        raw = self.rfile.read(length)
+        problem = body_problem(self.path, raw)
         if problem is not None:
             self._malformed(*problem, len(raw))
             return None
@@ -335,51 +379,6 @@ class KVStoreEndpoints:
         self.end_headers()
         self.wfile.write(body)
         self.wfile.flush()
-
-
-def _body_problem(path: str, raw: bytes) -> tuple[str, str] | None:
-    """`(why, error)` if mlx_lm.server cannot serve this POST body, else None."""
-    try:
-        body = json.loads(raw.decode("utf-8"), parse_constant=_not_json)
-    except UnicodeDecodeError as e:
-        return f"it is not UTF-8 (byte {e.start})", INVALID_JSON
-    except json.JSONDecodeError as e:
-        return f"{e.msg} (line {e.lineno}, column {e.colno})", INVALID_JSON
-    except ValueError as e:  # NaN, Infinity (`_not_json`)
-        return str(e), INVALID_JSON
-    except RecursionError:
-        return "it is nested too deeply", INVALID_JSON
-    try:
-        json.dumps(body, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:  # a lone surrogate (\ud800): no tokenizer takes it
-        return "it holds text that is not Unicode (a lone surrogate)", INVALID_JSON
-    if not isinstance(body, dict):
-        return f"it is a JSON {_json_type(body)}, not an object", INVALID_JSON
-    wrong = _fatal_field(path, body)
-    return (wrong, "Invalid request body") if wrong else None
-
-
-def _not_json(name: str):
-    raise ValueError(f"{name} is no JSON number")
-
-
-def _fatal_field(path: str, body: dict) -> str | None:
-    """What is wrong with a field that mlx_lm.server 0.32 would hand unchecked to its generation
-    thread, which then dies and fails every later request ("generation thread died")."""
-    if path == "/v1/completions" and "prompt" in body and not isinstance(body["prompt"], str):
-        return f"its prompt is a JSON {_json_type(body['prompt'])}, not a string"  # tokenized as a batch
-    if path == "/v1/completions" and body.get("prompt") == "":
-        return "its prompt is empty"
-    stop = body.get("stop")
-    if stop is not None and not isinstance(stop, str) and not (
-            isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
-        return "its stop is not a string or a list of strings"
-    return None
-
-
-def _json_type(value: Any) -> str:
-    names = {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}
-    return names.get(type(value), "number")
 
 
 def _allowed(origin: str, allowed: list[str]) -> bool:

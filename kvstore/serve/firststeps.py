@@ -51,7 +51,8 @@ class FirstSteps:
         self.canaries = 0  # first steps seen (each one a canary)
         self._fetched = threading.local()  # the prompt this thread fetched last, and its model cache
         self._wrong: OrderedDict[bytes, int] = OrderedDict()  # prompts whose restore missed their canary
-        self._computed: OrderedDict[bytes, int] = OrderedDict()  # exact mode: prompt -> tokens prefilled here
+        # Exact mode: (tenant, prompt) -> tokens prefilled here, one count a request still to take it.
+        self._computed: OrderedDict[tuple[object, bytes], list[int]] = OrderedDict()
 
     def fetched(self, prompt: list[int], mc=None) -> None:
         """This thread looked `prompt` up (in model cache `mc`): a first step that only says its
@@ -71,20 +72,30 @@ class FirstSteps:
         for pending in late:
             pending.submit()
 
-    def computed(self, prompt: Sequence[int], n: int) -> None:
-        """Exact mode: `n` tokens of `prompt` were prefilled here, in the cache the server was
-        handed (its usage would count them as cached: `cached_tokens`)."""
+    def computed(self, prompt: Sequence[int], n: int, tenant: object = None) -> None:
+        """Exact mode: `n` tokens of `prompt`, a request of `tenant` (its id), were prefilled here,
+        in the cache the server was handed (its usage would count them as cached: `cached_tokens`).
+        Kept per tenant and per request: the same prompt sent at once by two tenants (or twice by
+        one) must not give one request's count to another, nor another tenant's to it."""
         with self._lock:
-            self._computed[_key(prompt)] = n
+            self._computed.setdefault((tenant, _key(prompt)), []).append(n)
             while len(self._computed) > self.limit:
                 self._computed.popitem(last=False)
 
-    def take_computed(self, prompt: Sequence[int]) -> int:
-        """How many tokens of `prompt` were prefilled here (0 if none, or asked before)."""
+    def take_computed(self, prompt: Sequence[int], tenant: object = None) -> int:
+        """How many tokens of `prompt` were prefilled here for a request of `tenant` (0 if none,
+        or each count already taken)."""
         if not self._computed:
             return 0
         with self._lock:
-            return self._computed.pop(_key(prompt), 0)
+            key = (tenant, _key(prompt))
+            counts = self._computed.get(key)
+            if not counts:
+                return 0
+            n = counts.pop(0)
+            if not counts:
+                del self._computed[key]
+            return n
 
     def seen(self, logprobs, *, prompt: Sequence[int] | None = None, rest: Sequence[int] | None = None,
              processed: bool = False) -> None:

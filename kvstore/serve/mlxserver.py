@@ -220,17 +220,17 @@ class Waiting:
         return on_progress, watched()
 
 
-def _reused_only(ctx, tokens: Iterator, first_steps) -> Iterator:
+def _reused_only(ctx, tokens: Iterator, first_steps, tenant: object) -> Iterator:
     """`tokens`, with `ctx.prompt_cache_count` (the usage's `cached_tokens`) made what was reused
     once the lookup is done: in exact mode the server is handed a cache that holds the tokens
-    kvstore prefilled too, which mlx_lm.server would count as cached."""
+    kvstore prefilled too, which mlx_lm.server would count as cached. `tenant`: the request's."""
     fixed = False
 
     def fix() -> None:
         nonlocal fixed
         if not fixed and getattr(ctx, "prompt_cache_count", -1) > 0:
             fixed = True
-            ctx.prompt_cache_count -= first_steps.take_computed(getattr(ctx, "prompt", None) or [])
+            ctx.prompt_cache_count -= first_steps.take_computed(getattr(ctx, "prompt", None) or [], tenant)
 
     try:
         for item in tokens:
@@ -284,7 +284,7 @@ class _RecoveringGenerator:
 
         on_progress, watched = waiting.watch(request, progress_callback, tokens)
         holder.append(on_progress)
-        return ctx, _reused_only(ctx, watched, self._kvstore_cache.first_steps)
+        return ctx, _reused_only(ctx, watched, self._kvstore_cache.first_steps, getattr(request, TENANT_ATTRIBUTE, None))
 
     def _tokenize(self, tokenizer, request, *args, **kwargs):
         # mlx_lm.server looks a request's prompt up right after it tokenizes it, on this thread.
@@ -323,7 +323,7 @@ class _RecoveringGenerator:
                     # With no request taken yet no prompt can be in the message (a model
                     # that does not load): then the whole traceback helps.
                     log.error("mlx_lm.server generation thread died: %s at %s", type(e).__name__,
-                              _where(e), exc_info=self._kvstore_taken == 0)
+                              where_raised(e), exc_info=self._kvstore_taken == 0)
                     self._generation_failed = True
                     return
                 taken = self._kvstore_taken
@@ -342,7 +342,7 @@ class _RecoveringGenerator:
         """Answer the requests taken so far with an error (the loop is about to start again)."""
         log.error("kvstore serve: a request made mlx_lm.server's generation loop fail "
                   "(%s at %s); the requests in progress get an error and it starts again",
-                  type(e).__name__, _where(e))
+                  type(e).__name__, where_raised(e))
         failure = RuntimeError("generation failed on a request in this batch; the server "
                                "has recovered: send it again")
         for answers in list(self._kvstore_queues):
@@ -415,7 +415,7 @@ def _listed_context(original_context: type, requests: weakref.WeakValueDictionar
     return GenerationContext
 
 
-def _where(e: BaseException) -> str:
+def where_raised(e: BaseException) -> str:
     """Where an exception was raised (file:line in function), never its message: messages can
     quote the prompt."""
     frames = traceback.extract_tb(e.__traceback__)

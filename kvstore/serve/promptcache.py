@@ -157,7 +157,7 @@ class PersistentPromptCache:
             except Exception as e:  # never into the generation loop
                 return self._fetch_failed(e, tokens)
         try:
-            return self._fetched_from(mc, toks, in_ram, lambda: self._exact_start(model, mc, toks))
+            return self._fetched_from(mc, toks, in_ram, lambda: self._exact_start(model, mc, toks, tenant_id))
         except Exception as e:
             with self._lock:
                 return self._fetch_failed(e, tokens)
@@ -344,7 +344,8 @@ class PersistentPromptCache:
         else:
             self.store.memory.touch(self._system.hashes())
 
-    def _exact_start(self, key: Hashable, mc: ModelCache, toks: np.ndarray) -> tuple[list, list[int], int]:
+    def _exact_start(self, key: Hashable, mc: ModelCache, toks: np.ndarray,
+                     tenant_id: object = None) -> tuple[list, list[int], int]:
         """Exact mode's start of a request: the stored prefix at a multiple of the step, the
         prompt but its last token prefilled in full steps and stored (its end waits for the first
         step's canary), the last token left to the server. Returns (cache, rest, computed)."""
@@ -353,7 +354,7 @@ class PersistentPromptCache:
             self.first_steps.expect(toks.tolist(), start.hold)
         computed = len(toks) - len(start.rest) - start.reused
         if computed:  # not reused (`cached_tokens`), and held in RAM as an inserted sequence is
-            self.first_steps.computed(toks.tolist(), computed)
+            self.first_steps.computed(toks.tolist(), computed, tenant_id)
             with self._lock:
                 seq = ((key, mc.tenant.tag) if mc.tenant is not None else key, mc.ns, tuple(toks[:-1].tolist()))
                 self._ram.add(seq, mc.record_hashes(toks[:-1]), "assistant")

@@ -1,0 +1,123 @@
+"""Odd request bodies and clients that hang up, against a real `kvstore serve` on 127.0.0.1: each
+gets a 4xx naming its field (never a bare Python message, never a 404), an answer already begun
+is never cut by a field mlx_lm.server reads late, and nothing puts a traceback in the log."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import requests
+from test_server import REQUEST_TIMEOUT, Server, ask
+
+HI = [{"role": "user", "content": "hi"}]
+
+
+def test_misshapen_fields_are_refused_by_name(demo_model, tmp_path):
+    log_path = tmp_path / "server.log"
+    with Server(demo_model("llama"), tmp_path / "store", log_path) as server:
+        chat = server.url + "/v1/chat/completions"
+        refused = [  # (body, what the error names); mlx_lm.server 0.32 answered these 404 "'role'",
+            # 404 "'text'", or cut the answer after its 200 with a traceback in the log.
+            ({"messages": []}, "messages is empty"),
+            ({"messages": [{"content": "hi"}]}, "messages[0].role is missing"),
+            ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content[0]"),
+            ({"messages": [{"role": "user", "content": [{"type": "audio"}]}]}, "not a text or image part"),
+            ({"messages": HI, "tools": "x"}, "tools"),
+            ({"messages": HI, "chat_template_kwargs": [1]}, "chat_template_kwargs"),
+            ({"messages": HI, "seed": 2**64}, "seed"),
+            ({"messages": HI, "seed": -1}, "seed"),
+            ({"messages": HI, "stream": True, "stream_options": "usage"}, "stream_options"),
+            ({"messages": HI, "stream": True, "stream_options": {"include_usage": "yes"}}, "include_usage"),
+        ]
+        for body, named in refused:
+            r = requests.post(chat, json={"max_tokens": 2, **body}, timeout=REQUEST_TIMEOUT)
+            assert r.status_code == 400 and named in r.json()["error"], (body, r.status_code, r.text)
+        r = requests.post(server.url + "/v1/chat/completions/render", json={"messages": [{"content": "hi"}]},
+                          timeout=REQUEST_TIMEOUT)
+        assert r.status_code == 400 and "role is missing" in r.json()["error"], r.text
+        # OpenAI's stream_options without include_usage (false): the whole stream, without usage.
+        r = requests.post(chat, json={"messages": HI, "max_tokens": 2, "stream": True, "stream_options": {}},
+                          timeout=REQUEST_TIMEOUT)
+        assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]") and '"usage"' not in r.text
+        for path in (b"/v1/chat/completions", b"/kvstore/prefetch"):  # (read as an empty body: "Invalid JSON")
+            with socket.create_connection(("127.0.0.1", server.port), timeout=REQUEST_TIMEOUT) as s:
+                s.sendall(b"POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: -1\r\n\r\n{}" % path)
+                answer = s.makefile("rb").read()  # (then the server closes the connection)
+            assert answer.startswith(b"HTTP/1.0 400") and b"Content-Length header: -1 is negative" in answer, answer
+        text, usage = ask(server, messages=HI, max_tokens=2, seed=2**64 - 1)
+        assert usage["completion_tokens"] == 2
+        assert server.stop() == 0
+    out = log_path.read_text(errors="replace")
+    assert "Traceback" not in out and "generation thread died" not in out
+
+
+def test_a_client_that_hangs_up_mid_stream_is_one_line(demo_model, tmp_path):
+    """Stock, a stream whose client closed the connection printed socketserver's traceback of the
+    BrokenPipeError; the server goes on serving either way."""
+    log_path = tmp_path / "server.log"
+    with Server(demo_model("llama"), tmp_path / "store", log_path) as server:
+        body = json.dumps({"messages": HI, "max_tokens": 2000, "stream": True}).encode()
+        with socket.create_connection(("127.0.0.1", server.port), timeout=REQUEST_TIMEOUT) as s:
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: %d\r\n\r\n" % len(body) + body)
+            seen = b""
+            while b"data: " not in seen:  # (the stream has begun)
+                got = s.recv(65536)
+                assert got, seen
+                seen += got
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")  # RST
+        # Reset before the request line, and halfway through a body.
+        for sent in (b"", b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100\r\n\r\n{"):
+            with socket.create_connection(("127.0.0.1", server.port), timeout=REQUEST_TIMEOUT) as s:
+                s.sendall(sent)
+                time.sleep(0.3)
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        deadline = time.monotonic() + REQUEST_TIMEOUT
+        while server.log().count("hung up") < 3 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        text, _ = ask(server, messages=HI, max_tokens=2)
+        assert text is not None
+        assert server.stop() == 0
+    out = log_path.read_text(errors="replace")
+    assert "the client of POST /v1/chat/completions hung up before the end of its answer" in out
+    assert "the client of POST /v1/completions hung up before the end of its answer" in out
+    assert "a client hung up before its request was read (ConnectionResetError)" in out
+    assert "Traceback" not in out
+
+
+# A stand-in for a failure in mlx_lm.server's handler after it queued its 200 but before it sent it.
+BROKEN_HANDLER = """
+import sys
+import mlx_lm.server as server
+
+generate_response = server.APIHandler.generate_response
+
+def broken(self, text, *args, **kwargs):
+    if self.body.get("max_tokens") == 3:
+        raise KeyError("a defect of the handler on this input")
+    return generate_response(self, text, *args, **kwargs)
+
+server.APIHandler.generate_response = broken
+from kvstore.serve.server import run
+run(sys.argv[1:])
+"""
+
+
+def test_a_handler_failure_is_a_500_not_a_dropped_connection(demo_model, tmp_path):
+    script = tmp_path / "broken_handler.py"
+    script.write_text(BROKEN_HANDLER)
+    log_path = tmp_path / "server.log"
+    with Server(demo_model("llama"), tmp_path / "store", log_path, launcher=(str(script),)) as server:
+        r = requests.post(server.url + "/v1/chat/completions", json={"messages": HI, "max_tokens": 3},
+                          timeout=REQUEST_TIMEOUT)
+        assert r.status_code == 500 and "KeyError" in r.json()["error"], r.text
+        assert "defect" not in r.text  # (a message may quote the prompt: only its type)
+        text, _ = ask(server, messages=HI, max_tokens=2)
+        assert text is not None
+        assert server.stop() == 0
+    out = log_path.read_text(errors="replace")
+    assert "kvstore serve: POST /v1/chat/completions failed: KeyError at" in out
+    assert "Traceback" not in out and "defect" not in out
