@@ -348,6 +348,9 @@ def test_nothing_is_published_unless_asked(llama, tmp_path):
     ('{"enable_kv_cache_events": true, "buffer_steps": true}', "buffer_steps must be a whole number, got true"),
     ('{"enable_kv_cache_events": true, "encoding": "arrays"}', "encoding must be one of map, legacy"),
     ('{"enable_kv_cache_events": true, "endpoint": "127.0.0.1:5557"}', "endpoint must be a ZMQ address"),
+    ('{"enable_kv_cache_events": true, "endpoint": "tcp://[::1]:99999"}', "endpoint 'tcp://[::1]:99999' has a bad port"),
+    ('{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1"}', "endpoint 'tcp://127.0.0.1' has no port"),
+    ('{"enable_kv_cache_events": true, "replay_endpoint": "tcp://*:x"}', "replay_endpoint 'tcp://*:x' has a bad port"),
     ("[1]", "must be a JSON object"),
     ("{", "not JSON"),
 ])
@@ -362,8 +365,10 @@ def test_a_bad_config_is_refused_naming_what_is_wrong(tmp_path, config, message)
     (["--kv-events-block-size", "16"], "--kv-events-block-size goes with --kv-events-config"),
     (["--kv-events-config", '{"enable_kv_cache_events": true}', "--kv-events-block-size", "48"],
      "block_size 48 does not divide the store's chunk size 256"),
+    (["--kv-events-config", '{"enable_kv_cache_events": true, "endpoint": "tcp://*:notaport"}'],
+     "endpoint 'tcp://*:notaport' has a bad port 'notaport'"),
 ])
-def test_serve_refuses_a_block_size_it_cannot_use_as_a_bad_command_line(tmp_path, capsys, args, message):
+def test_serve_refuses_kv_events_options_it_cannot_use_as_a_bad_command_line(tmp_path, capsys, args, message):
     from kvstore.serve.server import main
 
     assert main(["--store", str(tmp_path / "s"), *args]) == 2  # before a model loads
