@@ -14,11 +14,13 @@ from pathlib import Path
 
 import msgspec
 import pytest
+import zmq
 from kvtest import prefill
-from vllm_events import Consumer, chained_tokens, kind
+from vllm_events import DECODERS, Consumer, chained_tokens, kind
 
 import kvstore
 from kvstore.errors import InvalidInputError
+from kvstore.events import kvevents
 from kvstore.events.blocks import block_ids
 from kvstore.records import CHECKPOINT, prompt_records
 
@@ -252,6 +254,65 @@ def test_a_router_that_binds_gets_the_start_batch_first_on_every_restart(llama, 
             assert consumer.view(consumer.batches(settle(store)))["DISK"]
 
 
+def test_a_router_that_connects_late_or_comes_back_gets_the_store_announced_again(llama, tmp_path, monkeypatch):
+    """Dynamo's indexer and vLLM's router connect to the node's bound socket and never ask the
+    replay socket: one that comes after the start batch went out (to nobody), comes back after a
+    restart (before the node saw the old one go), or comes beside another gets AllBlocksCleared
+    and the whole store; the router already there sees the same and its view stays whole."""
+    monkeypatch.setattr(kvevents, "START_WAIT_S", 0.1)
+    path, model = llama
+    prompts = [list(range(30, 70)), list(range(100, 130))]
+    with kvstore.open(tmp_path / "s", chunk_size=C) as store:
+        mc = store.bind(model, str(path))
+        for tokens in prompts:
+            insert(mc, model, tokens)
+    config = {"enable_kv_cache_events": True, "endpoint": "tcp://127.0.0.1:*", "block_size": B}
+    ctx = zmq.Context()
+
+    def router():
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(store.events.publisher.address)
+        return sub
+
+    def batches_until(sub, end):
+        got = []
+        while not got or got[-1][0] < end - 1:
+            assert sub.poll(10_000), f"batches up to {end - 1} did not all come"
+            _, seq, payload = sub.recv_multipart()
+            got.append((int.from_bytes(seq, "big"), DECODERS["map"].decode(payload)))
+        return got
+
+    try:
+        with kvstore.open(tmp_path / "s", chunk_size=C, kv_events=config) as store:
+            mc = store.bind(model, str(path))
+            sent = settle(store)  # the start batch and the store, to nobody
+            expected = held_blocks(store, mc, prompts)["DISK"]
+            first = router()
+            routers = [first]
+            for times, came in enumerate(("late", "restarted", "beside"), start=1):
+                if came == "restarted":  # a new socket before the old one is closed: the same topic
+                    routers = [router()]
+                    first.close(linger=0)
+                    first = routers[0]
+                elif came == "beside":
+                    routers.append(router())
+                deadline = time.monotonic() + 10
+                while store.stats()["events"]["subscriber_announces"] < times:
+                    assert time.monotonic() < deadline, f"the {came} router's subscription was not answered"
+                    time.sleep(0.02)
+                end = settle(store)
+                for sub in routers:
+                    got = batches_until(sub, end)
+                    news = [(n, b) for n, b in got if n >= sent]
+                    assert [n for n, _ in news] == list(range(sent, end)), came  # no gap
+                    assert kind(news[0][1].events[0]) == "AllBlocksCleared", came
+                    assert believed(Consumer.view(None, news))["DISK"] == expected, came
+                sent = end
+    finally:
+        ctx.destroy(linger=0)  # (closes the sockets an assertion left open)
+
+
 def test_removals_by_another_process_are_announced(llama, tmp_path, consumer):
     path, model = llama
     prompts = [list(range(30, 70)), list(range(130, 165))]
@@ -348,6 +409,9 @@ def test_nothing_is_published_unless_asked(llama, tmp_path):
     ('{"enable_kv_cache_events": true, "buffer_steps": true}', "buffer_steps must be a whole number, got true"),
     ('{"enable_kv_cache_events": true, "encoding": "arrays"}', "encoding must be one of map, legacy"),
     ('{"enable_kv_cache_events": true, "endpoint": "127.0.0.1:5557"}', "endpoint must be a ZMQ address"),
+    ('{"enable_kv_cache_events": true, "endpoint": "tcp://[::1]:99999"}', "endpoint 'tcp://[::1]:99999' has a bad port"),
+    ('{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1"}', "endpoint 'tcp://127.0.0.1' has no port"),
+    ('{"enable_kv_cache_events": true, "replay_endpoint": "tcp://*:x"}', "replay_endpoint 'tcp://*:x' has a bad port"),
     ("[1]", "must be a JSON object"),
     ("{", "not JSON"),
 ])
@@ -362,8 +426,10 @@ def test_a_bad_config_is_refused_naming_what_is_wrong(tmp_path, config, message)
     (["--kv-events-block-size", "16"], "--kv-events-block-size goes with --kv-events-config"),
     (["--kv-events-config", '{"enable_kv_cache_events": true}', "--kv-events-block-size", "48"],
      "block_size 48 does not divide the store's chunk size 256"),
+    (["--kv-events-config", '{"enable_kv_cache_events": true, "endpoint": "tcp://*:notaport"}'],
+     "endpoint 'tcp://*:notaport' has a bad port 'notaport'"),
 ])
-def test_serve_refuses_a_block_size_it_cannot_use_as_a_bad_command_line(tmp_path, capsys, args, message):
+def test_serve_refuses_kv_events_options_it_cannot_use_as_a_bad_command_line(tmp_path, capsys, args, message):
     from kvstore.serve.server import main
 
     assert main(["--store", str(tmp_path / "s"), *args]) == 2  # before a model loads

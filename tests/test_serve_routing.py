@@ -231,6 +231,19 @@ def test_events_beyond_this_machine_are_warned_about(capsys):
         _kv_events(served, peek, "m")
 
 
+def test_a_config_that_publishes_nothing_is_warned_about(capsys):
+    """vLLM's default is off: a config with an endpoint but no "enable_kv_cache_events": true would
+    leave a router waiting for events that never come, with nothing said."""
+    peek = argparse.Namespace(host=None, port="8123")
+    served = {"kv_events_config": {"endpoint": "tcp://127.0.0.1:9"}, "kv_events_block_size": 64}
+    assert _kv_events(served, peek, "m")["enable_kv_cache_events"] is False
+    assert capsys.readouterr().err == ('kvstore serve: warning: --kv-events-config publishes nothing: it does not '
+                                       'say "enable_kv_cache_events": true\n')
+    served["kv_events_config"] = {"enable_kv_cache_events": True, "publisher": "null", "endpoint": "tcp://127.0.0.1:9"}
+    _kv_events(served, peek, "m")
+    assert 'publishes nothing: "publisher" is "null"' in capsys.readouterr().err
+
+
 def test_a_block_size_given_twice_and_different_is_refused_naming_both():
     peek = argparse.Namespace(host=None, port="8123")
     config = {"enable_kv_cache_events": True, "endpoint": "tcp://127.0.0.1:9", "block_size": 32}

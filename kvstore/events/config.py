@@ -102,7 +102,25 @@ def parse(value: str | Mapping[str, Any] | EventsConfig, where: str = "kv_events
         if address is not None and not address.startswith(("tcp://", "ipc://", "inproc://")):
             raise InvalidInputError(f"{where}: {key} must be a ZMQ address (tcp://HOST:PORT, ipc://PATH "
                                     f"or inproc://NAME), got {address!r}")
+        problem = _tcp_port_problem(address, bound=key == "replay_endpoint" or binds(address)) \
+            if address and address.startswith("tcp://") else None
+        if problem:
+            raise InvalidInputError(f"{where}: {key} {address!r} {problem}")
     return config
+
+
+def _tcp_port_problem(address: str, *, bound: bool) -> str | None:
+    """What is wrong with the port of a `tcp://HOST:PORT` address, or None. Said here, as a bad
+    setting, rather than by ZMQ once the store is open (which also takes 99999 as a port)."""
+    host, colon, port = address[len("tcp://"):].rpartition(":")
+    if not colon or not host or host.endswith("[") or port.endswith("]"):  # (tcp://[::1] has no port)
+        return "has no port: give tcp://HOST:PORT"
+    if bound and port in ("*", "0"):  # any free port, which ZMQ picks
+        return None
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        return (f"has a bad port {port!r}: give a number from 1 to 65535"
+                + (" (or * for any free port)" if bound else ""))
+    return None
 
 
 def check_block_size(config: EventsConfig, chunk_size: int) -> None:

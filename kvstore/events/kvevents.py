@@ -15,10 +15,13 @@ events (`publisher.Publisher`).
 At start the thread waits (at most `START_WAIT_S`) for a first subscriber to reach the socket, so
 that a router the node connects to gets the start batch (`publisher`), then sends
 `AllBlocksCleared`; each bound namespace is then announced whole, from the index and the blobs,
-in the background. When more changes wait than `max_queue_size`, or the index's logs have
-forgotten entries not read yet, what was announced can no longer be trusted: the thread sends
-`AllBlocksCleared` and announces the store again (counted as a resync; the records it held in
-RAM are announced again as they come back).
+in the background. On a bound endpoint, every subscriber that comes later (a router started
+after the node, or restarted, or another beside it: Dynamo's indexer and vLLM's router do not ask
+the replay socket) is answered with `AllBlocksCleared` and the store announced again, to all.
+When more changes wait than `max_queue_size`, or the index's logs have forgotten entries not read
+yet, what was announced can no longer be trusted: the thread sends `AllBlocksCleared` and
+announces the store again (counted as a resync; the records it held in RAM are announced again as
+they come back).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from typing import Any, Iterable, Iterator
 
 from kvstore.events import wire
 from kvstore.events.changes import Changes
-from kvstore.events.config import EventsConfig
+from kvstore.events.config import EventsConfig, binds
 from kvstore.events.publisher import Publisher
 from kvstore.records import RecordId
 from kvstore.storage.index import Index
@@ -45,7 +48,8 @@ POLL_S = 0.5
 #: The index's logs of what any process removed from it and added to it.
 LOGS = ("deletions", "insertions")
 #: How long the start batch waits for a first subscriber (then it is sent anyway: a router that
-#: comes later asks the replay socket for it, or starts from nothing).
+#: comes later to a bound endpoint gets the store announced again; to a router the node connects
+#: to, it asks the replay socket for it, or starts from nothing).
 START_WAIT_S = 3.0
 
 
@@ -78,7 +82,10 @@ class KVEvents:
         self._seen = {log: getattr(index, f"{log}_end")() if index is not None else 0 for log in LOGS}
         self._polled = 0.0
         self._polls_asked = self._polls_done = 0  # reads of the logs asked for (`settle`), made
-        self.counts = {"events": 0, "batches": 0, "dropped_changes": 0, "resyncs": 0, "errors": 0}
+        self.counts = {"events": 0, "batches": 0, "dropped_changes": 0, "resyncs": 0,
+                       "subscriber_announces": 0, "errors": 0}
+        # A bound socket sees each router come and go; one the node connects to may not tell.
+        self._greets = binds(config.endpoint)
         self.announce_started: float | None = None
         self.announced_at: float | None = None  # when the last namespace was announced whole
         self._thread = threading.Thread(target=self._run, name="kvstore-events", daemon=True)
@@ -215,10 +222,15 @@ class KVEvents:
         """Publish what this turn took: the commits and RAM changes queued, then what the logs
         said was added and deleted, read before them (and, at the end, once more)."""
         self.publisher.serve_replay()
-        self.publisher.take_subscriptions()
+        came = self.publisher.take_subscriptions()
         events: list[dict] = []
         if lost:
             events += self._resync()
+        elif came and self._greets:
+            # A router that came (or came back) has not seen what was sent before it: all are
+            # told AllBlocksCleared and the store again (a router's view stays whole throughout).
+            self.counts["subscriber_announces"] += 1
+            events += self._announce_again()
         for item in items:
             if item[0] == "disk":
                 events += self.changes.stored_rows(item[1])
@@ -266,6 +278,11 @@ class KVEvents:
         self.counts["resyncs"] += 1
         log.warning("kvstore: KV events: changes were lost (more than max_queue_size waited, or the "
                     "index's logs moved on): announcing the store again")
+        return self._announce_again()
+
+    def _announce_again(self) -> list[dict]:
+        """`AllBlocksCleared`, and every bound namespace announced whole again (in steps)."""
+        self.announce_started = self.announced_at = None  # (the stats time this announcement)
         self.changes.clear()
         for held in self._ram.values():
             held.clear()

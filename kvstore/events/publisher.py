@@ -50,6 +50,9 @@ class Publisher:
         try:
             self._pub.setsockopt(zmq.SNDHWM, config.hwm)
             self._pub.setsockopt(zmq.LINGER, LINGER_MS)
+            # Every subscription is passed up, not only a topic's first: a router that comes back
+            # while the one it replaces is not yet gone, or beside another, is still seen.
+            self._pub.setsockopt(zmq.XPUB_VERBOSE, 1)
             _use(self._pub, config.endpoint, bind=binds(config.endpoint), what="KV events")
             if config.replay_endpoint is not None:
                 self._replay = self._ctx.socket(zmq.ROUTER)

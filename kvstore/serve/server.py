@@ -178,6 +178,10 @@ def _kv_events(served: dict, peek: argparse.Namespace, served_model: str) -> dic
     if host in ("0.0.0.0", "::", ""):
         host = socket.gethostname()
     config = config.with_defaults(topic=f"kv@{host}:{peek.port or 8080}@{served_model}")
+    if not config.publishes:  # (vLLM is silent here; a router would wait for events that never come)
+        why = ('"publisher" is "null"' if config.enable_kv_cache_events
+               else 'it does not say "enable_kv_cache_events": true')
+        print(f"kvstore serve: warning: --kv-events-config publishes nothing: {why}", file=sys.stderr)
     exposed = [a for a in (config.endpoint, config.replay_endpoint) if events_config.beyond_loopback(a)]
     if config.publishes and exposed:
         print(f"kvstore serve: warning: KV events go to {' and '.join(exposed)}, not only to this machine: "
