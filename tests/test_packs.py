@@ -341,8 +341,16 @@ def test_push_and_pull_through_a_bucket_by_a_node_without_the_fleet_secret(tmp_p
     loaded, _ = load(str(model))
     with kvstore.open(tmp_path / "store-pulled") as store:
         assert len(store.bind(loaded, str(model)).fetch(tokens)[1]) == 1
+    # Without --trust-key, a signed pack's import says its signature was not checked (as the docs show).
+    unchecked = run_cli("pack", "import", tmp_path / "copied", "--store", tmp_path / "store-unchecked", "--model",
+                        model)
+    assert "signature: signed, but the signature was not checked (no --trust-key)" in unchecked.stdout
     missing = run_cli("pack", "pull", s3.url(), tmp_path / "nothing", check=False)
     assert missing.returncode == 1 and "has no manifest.json" in missing.stderr
+    # A bucket that is not there is said so, not taken for a place without a pack.
+    gone = run_cli("pack", "pull", "s3://no-such-bucket/pack", tmp_path / "nothing", check=False)
+    assert gone.returncode == 1 and "the bucket 'no-such-bucket' does not exist" in gone.stderr, gone.stderr
+    assert "has no manifest.json" not in gone.stderr
     assert not (tmp_path / "nothing").exists()
     from kvstore.packs import transfer
 

@@ -100,7 +100,7 @@ def verify(folder: Path, target: Target, *, trust_key: Path | None = None, repla
             raise PackError(f"{MANIFEST} was changed after the pack was signed (its SHA-256 is not the signed one)")
         said = f"signed by the trusted key {trust_key}"
     else:
-        said = ("a signature file (model.sig) that was not checked (no --trust-key)"
+        said = ("signed, but the signature was not checked (no --trust-key)"
                 if os.path.lexists(folder / SIGNATURE) else "unsigned: no signature to check")
     m = parse(raw)
     if signed is not None:
