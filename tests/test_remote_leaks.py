@@ -149,6 +149,43 @@ def test_no_credentials_at_all_are_said_as_such(tmp_path, monkeypatch):
     assert "s3://kvtest/team" in said and "\n" not in said and "169.254" not in said
 
 
+def test_an_endpoint_that_is_not_an_s3_store_is_not_called_a_missing_bucket(tmp_path, monkeypatch):
+    """A server that answers 404 to everything (a web server, the object store's filer port) was
+    said to have no such bucket: only S3's NoSuchBucket says that."""
+    import http.server
+    import threading
+
+    class NotFound(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(404)
+            self.send_header("Content-Length", "9")
+            self.end_headers()
+            self.wfile.write(b"not found")
+
+        do_HEAD = do_GET
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+        for name, value in {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "kvtest",
+                            "AWS_SECRET_ACCESS_KEY": "kvtest"}.items():
+            monkeypatch.setenv(name, value)
+        with pytest.raises(RemoteUnreachable) as e:
+            S3Bucket("s3://kvtest/team").folders("")
+        said = str(e.value)
+        assert "does not exist" not in said and "not as an S3 store" in said and endpoint in said, said
+        run = cli("pack", "pull", "s3://kvtest/pack", tmp_path / "pulled", env={})
+        assert run.returncode == 1 and "not as an S3 store" in run.stderr, run.stderr
+        assert "has no manifest.json" not in run.stderr and "does not exist" not in run.stderr
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 # -- errors hold no object key -----------------------------------------------------------------
 
 def test_a_recorded_error_holds_no_object_key(tmp_path, llama, down_endpoint, caplog):

@@ -314,10 +314,17 @@ def _error(url: str, method: str, key: str, e: BaseException) -> RemoteError:
 
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     settings = aws_settings()
-    if "NoSuchBucket" in str(e) or (method == "LIST" and "404 Not Found" in str(e)):
+    if "NoSuchBucket" in str(e):
         bucket = parse_url(url)[0]
         return BucketMissing(f"the remote {url}: the bucket {bucket!r} does not exist ({_endpoint_note(settings)}): "
                              "create it, or fix the bucket's name in the URL")
+    if method == "LIST" and "404 Not Found" in str(e):
+        # An S3 store says NoSuchBucket; a bare 404 to a listing is another server at that
+        # address (a web server, the object store's other port): not a bucket that is missing.
+        return RemoteUnreachable(
+            f"the remote {url}: the endpoint answers, but not as an S3 store (a listing of the bucket got "
+            f"404 Not Found without S3's NoSuchBucket; {_endpoint_note(settings)}): is AWS_ENDPOINT_URL (or "
+            "endpoint_url in the AWS profile) the object store's S3 address and port?")
     if "access_key_id" not in settings and any(host in str(e) for host in _CREDENTIAL_SERVICES):
         # No key in the environment or the profile: the client asked the instance's credential
         # service, which is not there (it is not the endpoint that failed).
