@@ -221,3 +221,39 @@ def test_a_rotation_keeps_the_fleet_and_drop_key_deletes_the_old_keys_marker(tmp
     assert objects(url) == before
     r = store("e", new, first, len(first) - 1)
     assert r["skipped_wrong_key"] == 0 and r["foreign_namespaces"] == 0
+
+
+def test_a_node_not_given_the_rotated_key_file_drops_nothing_of_the_new_key(tmp_path, s3, llama):
+    """During a rotation a node with the old key alone is still the fleet's, but the new key's
+    namespace does not open with it: its gc --remote --drop-unknown (or the age rule) deleted
+    every record the fleet had written since the rotation. A key marker its keys do not name
+    (the new key's) holds them back; a node given the whole key file is not held back."""
+    path, model = llama
+    url = s3.url()
+    old, new = new_key(), new_key()
+    prompt = toks(2 * C + 3, 52)
+    for name, keys, reused in (("a", old, 0), ("b", [new, old], len(prompt) - 1)):
+        with kvstore.open(tmp_path / name, chunk_size=C, remote=url, remote_key=keys) as n:
+            mc = n.bind(model, path)
+            assert len(prompt) - len(mc.fetch(prompt)[1]) == reused
+            mc.insert(prompt, prefill(model, prompt))
+            assert n.flush(60)
+    assert marked(url, new) and marked(url, old)
+    before = objects(url)
+    stale = Fleet(parse_key(old, "old"))
+    for now in (None, time.time() + UNKNOWN_MAX_AGE + 60):
+        kept = collect_remote(Bucket(url), stale, drop_unknown=True, now=now)
+        assert kept["unknown_namespaces"] == 1 and kept["dropped_namespaces"] == 0, kept
+        assert kept["other_key_markers"] == 1 and not kept["wrong_key"], kept
+    assert objects(url) == before
+    old_file = key_file(tmp_path / "old.key", old)
+    where = ["--remote", url, "--store", str(tmp_path / "none"), "--remote-key-file", old_file]
+    out = cli("gc", *where, "--drop-unknown")
+    assert out.returncode == 1 and "1 key marker of a key this node does not hold" in out.stdout, out.stdout
+    assert "deletes no namespace none of its keys opens" in out.stdout and objects(url) == before
+    out = cli("verify", *where)
+    assert out.returncode == 0 and "neither with --drop-unknown nor by its age while the bucket holds 1 key " \
+        "marker" in out.stdout, out.stdout
+    both = Fleet.of([parse_key(new, "new"), parse_key(old, "old")])
+    done = collect_remote(Bucket(url), both, drop_unknown=True, dry_run=True)
+    assert done["unknown_namespaces"] == 0 and done["other_key_markers"] == 0, done
