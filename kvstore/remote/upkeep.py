@@ -305,11 +305,14 @@ def _pins_problems(pins: Pins, spaces: dict[str, Space], fleet: Fleet, ledger: L
 def _unknown_note(u: dict, listing: Listing, folder: str, wrong_key: bool, strangers: int = 0) -> str:
     foreign = sum(1 for p in listing.foreign if p.partition("/")[0] == folder)
     days = max(0, int((UNKNOWN_MAX_AGE - u["age"]) // 86400))
-    goes = ("gc --remote deletes it neither with --drop-unknown nor by its age while this node's key is not "
-            "the fleet's" if wrong_key else f"gc --remote deletes it neither with --drop-unknown nor by its age "
-            f"while the bucket holds {other_markers(strangers)}" if strangers else f"it goes with `gc --remote "
-            f"--drop-unknown`, or by any gc --remote in {days} days (once its newest object is "
-            f"{int(UNKNOWN_MAX_AGE // 86400)} days old)")
+    kept = "gc --remote deletes it neither with --drop-unknown nor by its age while "
+    if wrong_key:
+        goes = kept + "this node's key is not the fleet's"
+    elif strangers:
+        goes = kept + f"the bucket holds {other_markers(strangers)}"
+    else:
+        goes = (f"it goes with `gc --remote --drop-unknown`, or by any gc --remote in {days} days (once its newest "
+                f"object is {int(UNKNOWN_MAX_AGE // 86400)} days old)")
     return (f"{u['objects']} objects ({format_size(u['bytes'])}{f', and {foreign} not of the layout' if foreign else ''})"
             " that none of this node's keys opens (another fleet's, a key since dropped, or planted): not "
             f"checked, and not counted by gc --remote; {goes}")
