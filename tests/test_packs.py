@@ -201,6 +201,14 @@ def _missing_blob(pack: Path, model: Path, env: dict) -> str:
     return "is missing from the pack"
 
 
+def _signature_of_another_pack(pack: Path, model: Path, env: dict) -> str:
+    other = pack.parent / "other-pack"  # signed by the trusted key too, but of another prompt
+    run_cli("pack", "export", "--store", pack.parent / "other-store", "--model", model, "--prompt", OTHER,
+            "--sign-key", env["keys"]["key"], "--out", other)
+    shutil.copy(other / "model.sig", pack / "model.sig")
+    return "model.sig is the signature of another pack (it covers 1 blob, none of them in this folder)"
+
+
 def _unsigned_with_trust_key(pack: Path, model: Path, env: dict) -> str:
     (pack / "model.sig").unlink()
     return "the pack is not signed"
@@ -208,7 +216,8 @@ def _unsigned_with_trust_key(pack: Path, model: Path, env: dict) -> str:
 
 @pytest.mark.parametrize("damage", [_flip_byte, _swap_blobs, _edit_manifest, _edit_manifest_and_sign_again,
                                     _extra_files, _path_outside_the_pack_signed, _other_model, _other_tokenizer,
-                                    _untrusted_signer, _ed25519_trust_key, _missing_blob, _unsigned_with_trust_key],
+                                    _untrusted_signer, _ed25519_trust_key, _missing_blob, _signature_of_another_pack,
+                                    _unsigned_with_trust_key],
                          ids=lambda f: f.__name__.strip("_"))
 def test_a_bad_pack_is_refused_with_its_reason_and_the_store_stays_as_it_was(
         tmp_path, demo_model, keys, signed_pack, damage):
