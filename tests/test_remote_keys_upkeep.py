@@ -94,11 +94,12 @@ def fleet_bucket(tmp_path, s3, llama):
 def test_with_a_key_that_opens_nothing_verify_remote_is_not_clean_and_says_the_mistake(tmp_path, fleet_bucket):
     url, wrong, fleet_records = fleet_bucket
     wrong_id = Fleet.of(read_key_file(wrong)).key_id
-    line = f"holds 1 namespace and none opens with this key ({wrong_id}, from the remote key file {wrong})"
+    line = (f"holds 1 namespace and none opens with this key: is the remote key file {wrong} the fleet's? "
+            f"(this key is {wrong_id};")
     for store in (tmp_path / "none", tmp_path / "a"):  # a node with no store, and the fleet node's store
         out = cli("verify", "--remote", url, "--store", str(store), "--remote-key-file", wrong)
         assert out.returncode == 1, out.stdout + out.stderr
-        assert out.stderr.count(line) == 1 and "is it the fleet's?" in out.stderr, out.stderr
+        assert out.stderr.count(line) == 1, out.stderr
         assert "wrong_key" in out.stdout and "clean" not in out.stdout.splitlines()[-1], out.stdout
     found = json.loads(cli("verify", "--remote", url, "--store", str(tmp_path / "none"),
                            "--remote-key-file", wrong, "--json").stdout)
@@ -157,7 +158,7 @@ def test_a_node_with_the_wrong_key_uploads_nothing_so_every_run_is_told_and_gc_d
                   "--prompt", f"hello there, a node with the wrong key, run {i}. " * 8, "--max-tokens", "2")
         assert out.returncode == 0, out.stderr
         said = [line for line in out.stderr.splitlines() if "none opens with this key" in line]
-        assert len(said) == 1 and "uploads nothing" in said[0] and f"from the remote key file {wrong}" in said[0], \
+        assert len(said) == 1 and "uploads nothing" in said[0] and f"is the remote key file {wrong} the fleet's?" in said[0], \
             out.stderr
         assert objects(url) == before
     with kvstore.open(tmp_path / "w", remote=url, remote_key=read_key_file(wrong)) as w:

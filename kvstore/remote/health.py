@@ -239,5 +239,6 @@ def wrong_key_line(url: str, namespaces: int, fleet, *, markers: bool = False) -
     held = f"holds {namespaces} namespace{'' if namespaces == 1 else 's'} and none opens with this key"
     if markers:
         held = f"is kept by another fleet key (its key markers are not of this key){' and ' + held if namespaces else ''}"
-    return (f"the bucket {url} {held} ({fleet.key_id}, from {printable(fleet.where)}): is it the fleet's? "
-            "(nothing stored by the nodes that wrote them can be reused here)")
+    # (The question names where the key came from: what the user has to check.)
+    return (f"the bucket {url} {held}: is {printable(fleet.where)} the fleet's? (this key is {fleet.key_id}; "
+            "nothing stored by the nodes that wrote them can be reused here)")
