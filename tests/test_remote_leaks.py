@@ -186,6 +186,23 @@ def test_an_endpoint_that_is_not_an_s3_store_is_not_called_a_missing_bucket(tmp_
         server.server_close()
 
 
+def test_a_key_printed_into_a_file_makes_the_file_private(tmp_path):
+    """`kvstore remote-key > fleet.key`, as the docs show it: the shell made the file 0644, and
+    every command given it warned that other users can read the fleet's secret."""
+    from kvstore.remote.seal import read_key_file
+
+    target = tmp_path / "fleet.key"
+    with open(target, "w") as f:
+        target.chmod(0o644)
+        run = subprocess.run([sys.executable, "-m", "kvstore.cli", "remote-key"], stdout=f, stderr=subprocess.PIPE,
+                             text=True, timeout=120, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert run.returncode == 0 and run.stderr == "", run.stderr
+    assert target.stat().st_mode & 0o777 == 0o600 and len(read_key_file(str(target))) == 1
+    piped = subprocess.run([sys.executable, "-m", "kvstore.cli", "remote-key"], capture_output=True, text=True,
+                           timeout=120, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert piped.returncode == 0 and len(piped.stdout.strip()) == 43  # a pipe: printed as before
+
+
 # -- errors hold no object key -----------------------------------------------------------------
 
 def test_a_recorded_error_holds_no_object_key(tmp_path, llama, down_endpoint, caplog):
