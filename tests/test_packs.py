@@ -201,6 +201,14 @@ def _missing_blob(pack: Path, model: Path, env: dict) -> str:
     return "is missing from the pack"
 
 
+def _signature_of_another_pack(pack: Path, model: Path, env: dict) -> str:
+    other = pack.parent / "other-pack"  # signed by the trusted key too, but of another prompt
+    run_cli("pack", "export", "--store", pack.parent / "other-store", "--model", model, "--prompt", OTHER,
+            "--sign-key", env["keys"]["key"], "--out", other)
+    shutil.copy(other / "model.sig", pack / "model.sig")
+    return "model.sig is the signature of another pack (it covers 1 blob, none of them in this folder)"
+
+
 def _unsigned_with_trust_key(pack: Path, model: Path, env: dict) -> str:
     (pack / "model.sig").unlink()
     return "the pack is not signed"
@@ -208,7 +216,8 @@ def _unsigned_with_trust_key(pack: Path, model: Path, env: dict) -> str:
 
 @pytest.mark.parametrize("damage", [_flip_byte, _swap_blobs, _edit_manifest, _edit_manifest_and_sign_again,
                                     _extra_files, _path_outside_the_pack_signed, _other_model, _other_tokenizer,
-                                    _untrusted_signer, _ed25519_trust_key, _missing_blob, _unsigned_with_trust_key],
+                                    _untrusted_signer, _ed25519_trust_key, _missing_blob, _signature_of_another_pack,
+                                    _unsigned_with_trust_key],
                          ids=lambda f: f.__name__.strip("_"))
 def test_a_bad_pack_is_refused_with_its_reason_and_the_store_stays_as_it_was(
         tmp_path, demo_model, keys, signed_pack, damage):
@@ -341,8 +350,16 @@ def test_push_and_pull_through_a_bucket_by_a_node_without_the_fleet_secret(tmp_p
     loaded, _ = load(str(model))
     with kvstore.open(tmp_path / "store-pulled") as store:
         assert len(store.bind(loaded, str(model)).fetch(tokens)[1]) == 1
+    # Without --trust-key, a signed pack's import says its signature was not checked (as the docs show).
+    unchecked = run_cli("pack", "import", tmp_path / "copied", "--store", tmp_path / "store-unchecked", "--model",
+                        model)
+    assert "signature: signed, but the signature was not checked (no --trust-key)" in unchecked.stdout
     missing = run_cli("pack", "pull", s3.url(), tmp_path / "nothing", check=False)
     assert missing.returncode == 1 and "has no manifest.json" in missing.stderr
+    # A bucket that is not there is said so, not taken for a place without a pack.
+    gone = run_cli("pack", "pull", "s3://no-such-bucket/pack", tmp_path / "nothing", check=False)
+    assert gone.returncode == 1 and "the bucket 'no-such-bucket' does not exist" in gone.stderr, gone.stderr
+    assert "has no manifest.json" not in gone.stderr
     assert not (tmp_path / "nothing").exists()
     from kvstore.packs import transfer
 

@@ -94,11 +94,12 @@ def fleet_bucket(tmp_path, s3, llama):
 def test_with_a_key_that_opens_nothing_verify_remote_is_not_clean_and_says_the_mistake(tmp_path, fleet_bucket):
     url, wrong, fleet_records = fleet_bucket
     wrong_id = Fleet.of(read_key_file(wrong)).key_id
-    line = f"holds 1 namespace and none opens with this key ({wrong_id}, from the remote key file {wrong})"
+    line = (f"holds 1 namespace and none opens with this key: is the remote key file {wrong} the fleet's? "
+            f"(this key is {wrong_id};")
     for store in (tmp_path / "none", tmp_path / "a"):  # a node with no store, and the fleet node's store
         out = cli("verify", "--remote", url, "--store", str(store), "--remote-key-file", wrong)
         assert out.returncode == 1, out.stdout + out.stderr
-        assert out.stderr.count(line) == 1 and "is it the fleet's?" in out.stderr, out.stderr
+        assert out.stderr.count(line) == 1, out.stderr
         assert "wrong_key" in out.stdout and "clean" not in out.stdout.splitlines()[-1], out.stdout
     found = json.loads(cli("verify", "--remote", url, "--store", str(tmp_path / "none"),
                            "--remote-key-file", wrong, "--json").stdout)
@@ -157,7 +158,7 @@ def test_a_node_with_the_wrong_key_uploads_nothing_so_every_run_is_told_and_gc_d
                   "--prompt", f"hello there, a node with the wrong key, run {i}. " * 8, "--max-tokens", "2")
         assert out.returncode == 0, out.stderr
         said = [line for line in out.stderr.splitlines() if "none opens with this key" in line]
-        assert len(said) == 1 and "uploads nothing" in said[0] and f"from the remote key file {wrong}" in said[0], \
+        assert len(said) == 1 and "uploads nothing" in said[0] and f"is the remote key file {wrong} the fleet's?" in said[0], \
             out.stderr
         assert objects(url) == before
     with kvstore.open(tmp_path / "w", remote=url, remote_key=read_key_file(wrong)) as w:
@@ -221,3 +222,39 @@ def test_a_rotation_keeps_the_fleet_and_drop_key_deletes_the_old_keys_marker(tmp
     assert objects(url) == before
     r = store("e", new, first, len(first) - 1)
     assert r["skipped_wrong_key"] == 0 and r["foreign_namespaces"] == 0
+
+
+def test_a_node_not_given_the_rotated_key_file_drops_nothing_of_the_new_key(tmp_path, s3, llama):
+    """During a rotation a node with the old key alone is still the fleet's, but the new key's
+    namespace does not open with it: its gc --remote --drop-unknown (or the age rule) deleted
+    every record the fleet had written since the rotation. A key marker its keys do not name
+    (the new key's) holds them back; a node given the whole key file is not held back."""
+    path, model = llama
+    url = s3.url()
+    old, new = new_key(), new_key()
+    prompt = toks(2 * C + 3, 52)
+    for name, keys, reused in (("a", old, 0), ("b", [new, old], len(prompt) - 1)):
+        with kvstore.open(tmp_path / name, chunk_size=C, remote=url, remote_key=keys) as n:
+            mc = n.bind(model, path)
+            assert len(prompt) - len(mc.fetch(prompt)[1]) == reused
+            mc.insert(prompt, prefill(model, prompt))
+            assert n.flush(60)
+    assert marked(url, new) and marked(url, old)
+    before = objects(url)
+    stale = Fleet(parse_key(old, "old"))
+    for now in (None, time.time() + UNKNOWN_MAX_AGE + 60):
+        kept = collect_remote(Bucket(url), stale, drop_unknown=True, now=now)
+        assert kept["unknown_namespaces"] == 1 and kept["dropped_namespaces"] == 0, kept
+        assert kept["other_key_markers"] == 1 and not kept["wrong_key"], kept
+    assert objects(url) == before
+    old_file = key_file(tmp_path / "old.key", old)
+    where = ["--remote", url, "--store", str(tmp_path / "none"), "--remote-key-file", old_file]
+    out = cli("gc", *where, "--drop-unknown")
+    assert out.returncode == 1 and "1 key marker of a key this node does not hold" in out.stdout, out.stdout
+    assert "deletes no namespace none of its keys opens" in out.stdout and objects(url) == before
+    out = cli("verify", *where)
+    assert out.returncode == 0 and "neither with --drop-unknown nor by its age while the bucket holds 1 key " \
+        "marker" in out.stdout, out.stdout
+    both = Fleet.of([parse_key(new, "new"), parse_key(old, "old")])
+    done = collect_remote(Bucket(url), both, drop_unknown=True, dry_run=True)
+    assert done["unknown_namespaces"] == 0 and done["other_key_markers"] == 0, done

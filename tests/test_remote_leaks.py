@@ -24,7 +24,7 @@ from kvtest import prefill
 
 import kvstore
 from kvstore.errors import InvalidInputError
-from kvstore.remote.bucket import RemoteError, RemoteUnreachable, open_bucket
+from kvstore.remote.bucket import RemoteAuthError, RemoteError, RemoteUnreachable, open_bucket
 from kvstore.remote.health import Health
 from kvstore.remote.layout import key_of
 from kvstore.remote.s3 import S3Bucket
@@ -101,6 +101,106 @@ def test_credentials_in_the_url_are_refused_and_never_shown(tmp_path, url, demo_
         assert run.returncode != 0 and "AWS_ACCESS_KEY_ID" in said, said
         assert KEY_ID not in said and SECRET not in said, said
     assert not (tmp_path / "s").exists() and list(home.iterdir()) == []
+
+
+# -- a mistyped endpoint, bucket name or missing credentials: one line each -------------------
+
+@pytest.mark.parametrize("endpoint", ["notaurl", "127.0.0.1:9000", "http://", "http://127.0.0.1:99999",
+                                      "ftp://127.0.0.1:9000"])
+def test_an_endpoint_that_is_not_a_url_is_one_line_not_a_panic(tmp_path, endpoint, demo_model_path):
+    """The S3 client takes any endpoint and panics at its first request (a Rust panic, which no
+    `except Exception` catches): every command ended in a traceback. It is refused up front,
+    by name, and no store is made."""
+    env = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "kvtest", "AWS_SECRET_ACCESS_KEY": "kvtest",
+           "HOME": str(tmp_path)}
+    runs = [cli("verify", "--remote", "s3://kvtest/team", env=env),
+            cli("generate", "--store", tmp_path / "s", "--model", demo_model_path, "--prompt", "hi",
+                "--max-tokens", "1", "--remote", "s3://kvtest/team", env=env),
+            cli("pack", "pull", "s3://kvtest/pack", tmp_path / "pulled", env=env)]
+    for run in runs:
+        errors = [line for line in run.stderr.splitlines() if line.startswith("kvstore: error:")]
+        assert run.returncode == 1 and len(errors) == 1, run.stdout + run.stderr
+        assert f"endpoint {endpoint!r}" in errors[0] and "AWS_ENDPOINT_URL" in errors[0], errors[0]
+    assert not (tmp_path / "s").exists() and not (tmp_path / "pulled").exists()
+
+
+def test_a_bucket_name_no_store_takes_is_refused_by_name(tmp_path):
+    """Such a name reached the store, whose answer read as refused credentials."""
+    with pytest.raises(InvalidInputError, match="'Team_Cache!' is not a bucket name"):
+        kvstore.open(tmp_path / "lib", remote="s3://Team_Cache!/kv")
+    assert not (tmp_path / "lib").exists()
+    open_bucket("s3://Team_Cache.v2-x/kv")  # capitals, dots, dashes, underscores: some stores take them
+
+
+def test_no_credentials_at_all_are_said_as_such(tmp_path, monkeypatch):
+    """With no key set, the S3 client asks the instance's credential service: its failure was shown
+    raw (or, where that service does not answer, as an endpoint that cannot be reached)."""
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.aws either
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{closed_port()}")
+    try:
+        size = S3Bucket("s3://kvtest/team").head("x")
+    except RemoteAuthError as e:
+        said = str(e)
+    else:
+        pytest.skip(f"this machine's instance credentials answered ({size})")
+    assert "no credentials: AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY are not set" in said, said
+    assert "s3://kvtest/team" in said and "\n" not in said and "169.254" not in said
+
+
+def test_an_endpoint_that_is_not_an_s3_store_is_not_called_a_missing_bucket(tmp_path, monkeypatch):
+    """A server that answers 404 to everything (a web server, the object store's filer port) was
+    said to have no such bucket: only S3's NoSuchBucket says that."""
+    import http.server
+    import threading
+
+    class NotFound(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(404)
+            self.send_header("Content-Length", "9")
+            self.end_headers()
+            self.wfile.write(b"not found")
+
+        do_HEAD = do_GET
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+        for name, value in {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "kvtest",
+                            "AWS_SECRET_ACCESS_KEY": "kvtest"}.items():
+            monkeypatch.setenv(name, value)
+        with pytest.raises(RemoteUnreachable) as e:
+            S3Bucket("s3://kvtest/team").folders("")
+        said = str(e.value)
+        assert "does not exist" not in said and "not as an S3 store" in said and endpoint in said, said
+        run = cli("pack", "pull", "s3://kvtest/pack", tmp_path / "pulled", env={})
+        assert run.returncode == 1 and "not as an S3 store" in run.stderr, run.stderr
+        assert "has no manifest.json" not in run.stderr and "does not exist" not in run.stderr
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_key_printed_into_a_file_makes_the_file_private(tmp_path):
+    """`kvstore remote-key > fleet.key`, as the docs show it: the shell made the file 0644, and
+    every command given it warned that other users can read the fleet's secret."""
+    from kvstore.remote.seal import read_key_file
+
+    target = tmp_path / "fleet.key"
+    with open(target, "w") as f:
+        target.chmod(0o644)
+        run = subprocess.run([sys.executable, "-m", "kvstore.cli", "remote-key"], stdout=f, stderr=subprocess.PIPE,
+                             text=True, timeout=120, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert run.returncode == 0 and run.stderr == "", run.stderr
+    assert target.stat().st_mode & 0o777 == 0o600 and len(read_key_file(str(target))) == 1
+    piped = subprocess.run([sys.executable, "-m", "kvstore.cli", "remote-key"], capture_output=True, text=True,
+                           timeout=120, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert piped.returncode == 0 and len(piped.stdout.strip()) == 43  # a pipe: printed as before
 
 
 # -- errors hold no object key -----------------------------------------------------------------

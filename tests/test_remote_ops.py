@@ -354,7 +354,7 @@ def test_the_wrong_key_line_names_where_the_key_came_from(tmp_path, s3, demo_mod
     out = cli("warm", "--store", str(tmp_path / "b"), "--prompts", str(prompts), *tiny, "--remote-key-file",
               str(key_file))
     said = [line for line in out.stderr.splitlines() if "none opens with this key" in line]
-    assert len(said) == 1 and f"from the remote key file {key_file}" in said[0], out.stderr
+    assert len(said) == 1 and f"is the remote key file {key_file} the fleet's?" in said[0], out.stderr
     assert "KVSTORE_REMOTE_KEY" not in said[0], said
     # (mode 644: others may read it, which is said once, with the fix)
     mode = [line for line in out.stderr.splitlines() if "can be read by other users" in line]
@@ -366,7 +366,7 @@ def test_the_wrong_key_line_names_where_the_key_came_from(tmp_path, s3, demo_mod
     out = cli("warm", "--store", str(tmp_path / "c"), "--prompts", str(prompts), *tiny,
               env={"KVSTORE_REMOTE_KEY": new_key()})
     said = [line for line in out.stderr.splitlines() if "none opens with this key" in line]
-    assert len(said) == 1 and "from KVSTORE_REMOTE_KEY" in said[0] and str(key_file) not in said[0], out.stderr
+    assert len(said) == 1 and "none opens with this key: is KVSTORE_REMOTE_KEY the fleet's?" in said[0] and str(key_file) not in said[0], out.stderr
 
 
 def test_generate_says_what_came_from_the_bucket(tmp_path, s3, demo_model_path):

@@ -189,7 +189,7 @@ def _drop_key(args) -> int:
 def _gc_remote(args) -> int:
     """`gc --remote`: bound the bucket, deepest records first; pins of every node are kept;
     namespaces no key of this node opens are not counted, and go when told or when old."""
-    from kvstore.remote.upkeep import UNKNOWN_MAX_AGE
+    from kvstore.remote.upkeep import UNKNOWN_MAX_AGE, other_markers
 
     url = remote_url(args)
     days = int(UNKNOWN_MAX_AGE // 86400)
@@ -215,6 +215,12 @@ def _gc_remote(args) -> int:
             f"{format_size(result['unknown_bytes'])} kept) while this node's key is not the fleet's (the "
             "wrong-key line above says why): they may be the fleet's under the right secret. Give it (--remote-key-file, or "
             "KVSTORE_REMOTE_KEY); to delete them anyway, use your object store's tools")
+        return 1 if args.drop_unknown else 0
+    if result.get("other_key_markers"):
+        out(f"remote {url}: gc deletes no namespace none of its keys opens ({plural(left, 'namespace')}, "
+            f"{format_size(result['unknown_bytes'])} kept) while the bucket holds "
+            f"{other_markers(result['other_key_markers'])}: they may be the fleet's under that key. Run gc from a "
+            "node given the whole key file (`kvstore remote-key --rotate` keeps the older keys in it)")
         return 1 if args.drop_unknown else 0
     if left > 0:
         out(f"remote {url}: {plural(left, 'namespace')} none of this node's keys opens "

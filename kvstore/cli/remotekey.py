@@ -8,7 +8,7 @@ from pathlib import Path
 from kvstore.cli.output import CommandError, out
 
 EXAMPLES = """examples:
-  kvstore remote-key > fleet.key && chmod 600 fleet.key   # once, for the whole fleet
+  kvstore remote-key > fleet.key                           # once, for the whole fleet (made 0600)
   kvstore generate --remote s3://team-cache/kv --remote-key-file fleet.key --prompt "Hello"
   export KVSTORE_REMOTE_KEY=$(cat fleet.key)               # or give it by the environment
   kvstore remote-key --rotate fleet.key                    # a new key first, the old one still read
@@ -33,6 +33,7 @@ def cmd_remote_key(args) -> int:
     from kvstore.remote.seal import key_id, new_key, parse_key, read_key_file
 
     if args.rotate is None:
+        _private_if_a_file(1)
         print(new_key())
         return 0
     older = read_key_file(args.rotate)
@@ -43,6 +44,19 @@ def cmd_remote_key(args) -> int:
     out("give this file to every node of the fleet (and restart them); once all run with it: "
         f"kvstore gc --remote URL --remote-key-file {args.rotate} --drop-key {key_id(older[0])}")
     return 0
+
+
+def _private_if_a_file(fd: int) -> None:
+    """`kvstore remote-key > fleet.key`: the shell made the file with the umask's mode (0644,
+    readable by every user of the machine, and every command that reads it then warns): a file
+    the secret is written to is made 0600 first. A pipe or a terminal is left as it is."""
+    import stat
+
+    try:
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            os.fchmod(fd, 0o600)
+    except OSError:  # (not ours to change, or no such descriptor: the key is printed anyway)
+        pass
 
 
 def write_key_file(path: Path, keys: list[bytes]) -> None:

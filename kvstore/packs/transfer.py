@@ -155,5 +155,7 @@ def _get(source, key: str, limit: int, url: str) -> bytes:
                         + ("the manifest gives it" if key != MANIFEST and key != SIGNATURE else "such a file may be")
                         + " (nothing pulled)") from None
     if data is None:
+        if not isinstance(source, Folder):
+            source.list_page("", 1)  # a bucket that is not there is said so (BucketMissing), not "no manifest"
         raise PackError(f"{url} has no {key}: is it a pack pushed with `kvstore pack push`?")
     return bytes(data)

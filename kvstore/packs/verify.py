@@ -48,6 +48,7 @@ from kvstore.packs.replay import canary_fields, replay
 from kvstore.records import Span, prompt_records
 from kvstore.remote.objects import check_record
 from kvstore.restore.quant import layout_bits
+from kvstore.sizes import plural
 from kvstore.storage import blobformat
 from kvstore.storage.blobformat import EXTENSION_PREFIX, Entry
 
@@ -97,10 +98,15 @@ def verify(folder: Path, target: Target, *, trust_key: Path | None = None, repla
     if trust_key is not None:
         signed = signing.signed_files(folder, trust_key)
         if signed.get(MANIFEST) != sha256(raw):
+            blobs = [n for n in signed if n != MANIFEST]
+            if blobs and not any(os.path.lexists(folder / n) for n in blobs):
+                # (None of what it signs is here: not an edit of this pack's manifest.)
+                raise PackError(f"{SIGNATURE} is the signature of another pack (it covers {plural(len(blobs), 'blob')}, "
+                                "none of them in this folder): get the pack and its signature together from its maker")
             raise PackError(f"{MANIFEST} was changed after the pack was signed (its SHA-256 is not the signed one)")
         said = f"signed by the trusted key {trust_key}"
     else:
-        said = ("a signature file (model.sig) that was not checked (no --trust-key)"
+        said = ("signed, but the signature was not checked (no --trust-key)"
                 if os.path.lexists(folder / SIGNATURE) else "unsigned: no signature to check")
     m = parse(raw)
     if signed is not None:

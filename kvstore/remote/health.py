@@ -138,6 +138,7 @@ class KeyCheck:
         self.foreign = 0  # namespaces of the bucket none of this node's keys opens (counted when wrong)
         self.markers = False  # the bucket held key markers when asked
         self._marked = False  # the current key's marker is in the bucket
+        self._strangers: int | None = None  # markers none of this node's keys names (`strangers`)
         self._lock = threading.Lock()
 
     def judge(self, local=(), *, claim: bool = False) -> bool:
@@ -164,6 +165,18 @@ class KeyCheck:
 
     def line(self) -> str:
         return wrong_key_line(self.bucket.url, self.foreign, self.fleet, markers=self.markers)
+
+    def strangers(self) -> int:
+        """The key markers of the bucket that none of this node's keys names (one bounded LIST,
+        asked once): another key of the fleet's, which this node does not hold (a rotation under
+        way, and this node not given the rotated key file yet), or another fleet's. Namespaces no
+        key of this node opens may then be the fleet's under that key: gc drops none of them."""
+        with self._lock:
+            if self._strangers is None:
+                own = {marker_key(f.marker_name()) for f in self.fleet.keyring()}
+                found, _ = self.bucket.list_page(MARKERS, 1000)
+                self._strangers = sum(1 for key, _, _ in found if key not in own)
+            return self._strangers
 
     def claim(self) -> None:
         """Publish the current key's marker: the bucket is this fleet's."""
@@ -226,5 +239,6 @@ def wrong_key_line(url: str, namespaces: int, fleet, *, markers: bool = False) -
     held = f"holds {namespaces} namespace{'' if namespaces == 1 else 's'} and none opens with this key"
     if markers:
         held = f"is kept by another fleet key (its key markers are not of this key){' and ' + held if namespaces else ''}"
-    return (f"the bucket {url} {held} ({fleet.key_id}, from {printable(fleet.where)}): is it the fleet's? "
-            "(nothing stored by the nodes that wrote them can be reused here)")
+    # (The question names where the key came from: what the user has to check.)
+    return (f"the bucket {url} {held}: is {printable(fleet.where)} the fleet's? (this key is {fleet.key_id}; "
+            "nothing stored by the nodes that wrote them can be reused here)")

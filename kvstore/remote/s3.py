@@ -12,6 +12,7 @@ from __future__ import annotations
 import configparser
 import logging
 import os
+import re
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -33,10 +34,17 @@ log = logging.getLogger("kvstore")
 # -- the URL and the AWS configuration chain ---------------------------------------------------
 
 BUCKET_CLASS = "S3Bucket"
+#: What any S3 store may call a bucket (AWS's rules are narrower: lower case, 3 to 63; older
+#: buckets and other stores allow capitals and underscores).
+_BUCKET_NAME = re.compile(r"[A-Za-z0-9._-]{1,255}")
 
 
 def check_url(url: str) -> None:
+    """InvalidInputError unless `url`, and the endpoint the AWS settings give, can be used."""
     parse_url(url)
+    endpoint = aws_settings().get("endpoint")
+    if endpoint:
+        check_endpoint(endpoint)
 
 
 def parse_url(url: str) -> tuple[str, str]:
@@ -46,6 +54,10 @@ def parse_url(url: str) -> tuple[str, str]:
     bucket, _, prefix = url[len("s3://"):].partition("/")
     if not bucket or any(c in bucket for c in " ?#"):
         raise InvalidInputError(f"remote {url!r} names no bucket (expected s3://BUCKET/PREFIX)")
+    if not _BUCKET_NAME.fullmatch(bucket):
+        # (The store would answer such a name with an error that reads like refused credentials.)
+        raise InvalidInputError(f"remote {url!r}: {bucket!r} is not a bucket name (letters, digits, '.', "
+                                "'-' and '_' only, up to 255)")
     prefix = prefix.strip("/")
     if any(part in ("", ".", "..") for part in prefix.split("/")) and prefix:
         raise InvalidInputError(f"remote {url!r}: the prefix has an empty, '.' or '..' part")
@@ -90,6 +102,22 @@ def aws_settings(env: dict | None = None) -> dict[str, str]:
     return out
 
 
+def check_endpoint(endpoint: str) -> None:
+    """InvalidInputError unless `endpoint` is an http(s) URL with a host (and a port that can be):
+    the S3 client takes anything here and panics at the first request (a Rust panic, which is no
+    Python Exception, so it would end the command in a traceback)."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(endpoint)
+        port_ok = parts.port is None or parts.port > 0
+    except ValueError:
+        parts, port_ok = None, False
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname or not port_ok \
+            or any(c.isspace() for c in endpoint):
+        raise InvalidInputError(
+            f"the object store's endpoint {endpoint!r} (AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL or "
+            "endpoint_url in the AWS profile) is not a URL like http://HOST:PORT or https://HOST")
 
 
 _said_aws: set[str] = set()
@@ -123,7 +151,9 @@ class S3Bucket:
         bucket, self.prefix = parse_url(url)
         settings = aws_settings()
         endpoint = settings.get("endpoint", "")
-        if not endpoint:
+        if endpoint:
+            check_endpoint(endpoint)
+        else:
             _say_aws_once(url, settings["region"])
         base = {"allow_http": endpoint.startswith("http://"), "connect_timeout": timedelta(seconds=connect_timeout),
                 "pool_idle_timeout": timedelta(seconds=30)}
@@ -284,10 +314,24 @@ def _error(url: str, method: str, key: str, e: BaseException) -> RemoteError:
 
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     settings = aws_settings()
-    if "NoSuchBucket" in str(e) or (method == "LIST" and "404 Not Found" in str(e)):
+    if "NoSuchBucket" in str(e):
         bucket = parse_url(url)[0]
         return BucketMissing(f"the remote {url}: the bucket {bucket!r} does not exist ({_endpoint_note(settings)}): "
                              "create it, or fix the bucket's name in the URL")
+    if method == "LIST" and "404 Not Found" in str(e):
+        # An S3 store says NoSuchBucket; a bare 404 to a listing is another server at that
+        # address (a web server, the object store's other port): not a bucket that is missing.
+        return RemoteUnreachable(
+            f"the remote {url}: the endpoint answers, but not as an S3 store (a listing of the bucket got "
+            f"404 Not Found without S3's NoSuchBucket; {_endpoint_note(settings)}): is AWS_ENDPOINT_URL (or "
+            "endpoint_url in the AWS profile) the object store's S3 address and port?")
+    if "access_key_id" not in settings and any(host in str(e) for host in _CREDENTIAL_SERVICES):
+        # No key in the environment or the profile: the client asked the instance's credential
+        # service, which is not there (it is not the endpoint that failed).
+        return RemoteAuthError(
+            f"the remote {url}: no credentials: AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY are not set "
+            f"(nor in the AWS profile), and no instance credentials could be had ({method} failed): set them, "
+            f"or AWS_PROFILE; {_endpoint_note(settings)}")
     unreachable = next((w for w in _UNREACHABLE if w in str(e)), None)
     if unreachable is not None:
         return RemoteUnreachable(f"the remote {url}: cannot reach the object store ({_endpoint_note(settings)}; "
@@ -301,6 +345,10 @@ def _error(url: str, method: str, key: str, e: BaseException) -> RemoteError:
             f"this bucket; {_endpoint_note(settings)}")
     return RemoteError(f"{method} {key}: {type(e).__name__}: {first[:300]}")
 
+
+#: Where the S3 client asks for credentials when none are set: the instance metadata service
+#: (EC2) and the container credentials endpoint (ECS).
+_CREDENTIAL_SERVICES = ("169.254.169.254", "169.254.170.2", "[fd00:ec2::254]")
 
 #: What obstore's message says when the endpoint does not answer, and how kvstore says it.
 _UNREACHABLE = {"Connection refused": "connection refused", "dns error": "no such host",

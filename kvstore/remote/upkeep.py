@@ -145,8 +145,11 @@ def collect_remote(bucket: Bucket, fleet: Fleet, local=(), *, max_bytes: int | N
     if not dry_run and len(p):
         _delete_in_rounds(bucket, tree, p)
     unknown = _unknown(listing, strays, set(spaces), now)
+    # A key marker none of this node's keys names: a key of the fleet this node lacks (a rotation
+    # it was not given) may open them, so none goes, as with a wrong key.
+    strangers = keys.strangers() if unknown and not wrong_key else 0
     dropped = {f: u for f, u in unknown.items()
-               if not wrong_key and (drop_unknown or now - u["newest"] >= UNKNOWN_MAX_AGE)}
+               if not wrong_key and not strangers and (drop_unknown or now - u["newest"] >= UNKNOWN_MAX_AGE)}
     if not dry_run:
         for folder in dropped:
             _drop_folder(bucket, listing, strays.get(folder, []), folder)
@@ -157,6 +160,7 @@ def collect_remote(bucket: Bucket, fleet: Fleet, local=(), *, max_bytes: int | N
             "unknown_namespaces": len(unknown), "unknown_bytes": sum(u["bytes"] for u in unknown.values()),
             "dropped_namespaces": len(dropped), "dropped_objects": sum(u["objects"] for u in dropped.values()),
             "dropped_bytes": sum(u["bytes"] for u in dropped.values()), "wrong_key": wrong_key,
+            "other_key_markers": strangers,
             "no_namespace_opens": keys.foreign if wrong_key else 0,
             "seconds": time.perf_counter() - started}
 
@@ -257,8 +261,10 @@ def verify_remote(bucket: Bucket, fleet: Fleet, local=(), *, repair: bool = Fals
         ledger.forget(p.path.partition("/")[0], node)
     mended = republish + [p for p, _ in forget]
     repairable = [p for p in problems if any(p is q for q in mended) or (p.hash and bytes.fromhex(p.hash) in gone)]
-    notes = [Problem("unknown_namespace", folder, _unknown_note(u, listing, folder, bool(wrong_key)))
-             for folder, u in _unknown(listing, strays, set(spaces), time.time() if now is None else now).items()]
+    unknown = _unknown(listing, strays, set(spaces), time.time() if now is None else now)
+    strangers = keys.strangers() if unknown and not wrong_key else 0
+    notes = [Problem("unknown_namespace", folder, _unknown_note(u, listing, folder, bool(wrong_key), strangers))
+             for folder, u in unknown.items()]
     # Not kvstore's to delete (a writer of the bucket put them there): listed, not judged.
     # (Those in an unknown namespace's folder are counted in its note.)
     notes += [Problem("foreign_object", path, "not a kvstore object: left alone (kvstore deletes only what it "
@@ -296,15 +302,26 @@ def _pins_problems(pins: Pins, spaces: dict[str, Space], fleet: Fleet, ledger: L
     return problems, republish, forget
 
 
-def _unknown_note(u: dict, listing: Listing, folder: str, wrong_key: bool) -> str:
+def _unknown_note(u: dict, listing: Listing, folder: str, wrong_key: bool, strangers: int = 0) -> str:
     foreign = sum(1 for p in listing.foreign if p.partition("/")[0] == folder)
     days = max(0, int((UNKNOWN_MAX_AGE - u["age"]) // 86400))
-    goes = ("gc --remote deletes it neither with --drop-unknown nor by its age while this node's key is not "
-            "the fleet's" if wrong_key else f"it goes with `gc --remote --drop-unknown`, or by "
-            f"any gc --remote in {days} days (once its newest object is {int(UNKNOWN_MAX_AGE // 86400)} days old)")
+    kept = "gc --remote deletes it neither with --drop-unknown nor by its age while "
+    if wrong_key:
+        goes = kept + "this node's key is not the fleet's"
+    elif strangers:
+        goes = kept + f"the bucket holds {other_markers(strangers)}"
+    else:
+        goes = (f"it goes with `gc --remote --drop-unknown`, or by any gc --remote in {days} days (once its newest "
+                f"object is {int(UNKNOWN_MAX_AGE // 86400)} days old)")
     return (f"{u['objects']} objects ({format_size(u['bytes'])}{f', and {foreign} not of the layout' if foreign else ''})"
             " that none of this node's keys opens (another fleet's, a key since dropped, or planted): not "
             f"checked, and not counted by gc --remote; {goes}")
+
+
+def other_markers(n: int) -> str:
+    """What the bucket holds when `n` key markers are of keys this node does not hold."""
+    return (f"{n} key marker{'' if n == 1 else 's'} of {'a key' if n == 1 else 'keys'} this node does not hold (a "
+            "rotation this node was not given the key file of, or another fleet)")
 
 
 def _check_records(bucket: Bucket, tree: Tree, spaces: dict[str, Space], threads: int) -> tuple[list, set]:
