@@ -275,6 +275,9 @@ def test_bearer_default_tenant_no_cached_tokens_and_a_body_over_the_limit(warmed
         progress = [line for line in streamed.text.splitlines() if line.startswith(": keepalive")]
         assert progress and all(line == ": keepalive 0/0" for line in progress), progress
         assert "prompt_tokens_details" not in streamed.text
+        fetched = requests.post(f"{server.url}/kvstore/prefetch", json={"messages": [{"role": "user", "content": SECRET}]},
+                                headers={"Authorization": "Bearer token-of-alice"}, timeout=60)
+        assert fetched.status_code == 200 and set(fetched.json()) == {"tokens"}, fetched.text  # nor does a prefetch
         before = _rss(server.proc.pid)
         status = _post_huge(server.port, 200 << 20)
         time.sleep(0.5)

@@ -208,7 +208,10 @@ class KVStoreEndpoints:
                 tenant = self.kvstore_tenants.tenant_of(self.headers, body)
                 tokens = routing.prompt_tokens(self.response_generator, body, served)
                 key = getattr(self.response_generator.model_provider, "model_key", None)
-                return self._answer_json(200, self.kvstore_cache.prefetch(key, tokens, tenant_id=tenant))
+                got = self.kvstore_cache.prefetch(key, tokens, tenant_id=tenant)
+                if not self.kvstore_report_cached_tokens:  # (what is stored is not said, here either)
+                    got = {k: v for k, v in got.items() if k in ("tokens", "refused")}
+                return self._answer_json(200, got)
             return self._answer_json(200, routing.render(self.response_generator, self.path, body, served))
         except Refused as e:
             return self._refused(e)
