@@ -176,6 +176,9 @@ def test_settings_keeps_and_forgets_and_refuses_what_it_cannot_keep(kv, tmp_path
     assert "made a new" not in changed.stderr  # (the store was there)
     made = kv("settings", "--store", tmp_path / "typo", "admit=reused")
     assert f"no store was at {tmp_path / 'typo'}: made a new, empty one" in made.stderr, made.stderr
+    bucket = kv("settings", "--store", store, "--remote", "s3://team/kv", "admit=reused", code=2)
+    assert "--remote: settings are kept in the local store" in bucket.stderr, bucket.stderr  # not ignored
+    assert re.search(r"^admit\s+all\s+default", kv("settings", "--store", store).stdout, re.M)  # nor kept
 
 
 def test_explicit_writes_count_in_the_budget_and_automatic_ones_then_wait(tmp_path, demo_model_path):

@@ -59,6 +59,11 @@ def _changes(args) -> list[tuple[table.Setting, object]]:
 
 
 def cmd_settings(args) -> int:
+    given = [flag for flag, value in (("--remote", args.remote), ("--remote-key-file", args.remote_key_file))
+             if value is not None]
+    if given:  # (accepted and ignored, it would look as if the bucket's settings were shown or set)
+        raise CommandError(f"{' and '.join(given)}: settings are kept in the local store (--store), one store "
+                           "at a time; the bucket keeps none: leave it out", EXIT_USAGE)
     changes = _changes(args)
     resets = [_setting(name, f"--reset {name}") for name in args.reset]
     named = [s.name for s, _ in changes] + [s.name for s in resets]
