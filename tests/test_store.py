@@ -498,6 +498,9 @@ def test_bad_input_is_refused_with_a_clear_message(tmp_path, llama):
             mc.insert([1, 2, 3], cache[:1])
         with pytest.raises(InvalidInputError, match="not text"):
             mc.fetch("hello")
+        vocab = model.args.vocab_size  # (an id past it crashed the process in the embedding)
+        with pytest.raises(InvalidInputError, match=rf"tokens\[2\]: {vocab} is outside the model's vocabulary"):
+            mc.prefill([1, 2, vocab, 4])
         assert store.stats()["chunks"] == 0
     a_file = tmp_path / "file"
     a_file.write_text("x")

@@ -34,6 +34,7 @@ import numpy as np
 from kvstore import canary as canaries
 from kvstore.canary import Canary
 from kvstore.errors import InvalidInputError
+from kvstore.model.jsonl import check_vocab
 from kvstore.model.tokens import arrays_of, as_tokens
 
 #: Default for `prefill`: a recurrent-state checkpoint every this many chunks (docs/library.md).
@@ -68,6 +69,17 @@ def run(model, cache: list, tokens: Sequence[int], step: int | None = None) -> m
     return last_step(model, cache, tokens[n])
 
 
+def model_tokens(model, tokens) -> np.ndarray:
+    """`as_tokens(tokens)`, each of them an id of `model`'s vocabulary (as its config says): an id
+    past it makes the embedding read outside its table, which crashes the process."""
+    toks = as_tokens(tokens)
+    size = getattr(getattr(model, "args", None), "vocab_size", None)
+    problem = check_vocab(toks, size) if isinstance(size, int) and size > 0 else None
+    if problem is not None:
+        raise InvalidInputError(f"{problem[0]}: {problem[1]}")
+    return toks
+
+
 def canary_of(at: int, token: int, logprobs: mx.array) -> canaries.Canary | None:
     """The canary of a step's log-probabilities (an mlx array of any float dtype); None when they
     are not numbers (NaN or +inf: a model that overflowed), which no canary can hold: the records
@@ -100,7 +112,7 @@ def prompt_cache(mc, tokens: Sequence[int]) -> Start:
     first step's canary. Recurrent layers (off): the same without the rounding (they restore only
     where a checkpoint is, and the one at the last token but one lets the same prompt resume next
     time). Otherwise the longest stored prefix, the rest left to mlx-lm."""
-    toks = as_tokens(tokens)
+    toks = model_tokens(mc.model, tokens)
     cache, rest = mc.fetch(toks)
     reused = len(toks) - len(rest)
     if not (mc.exact or mc.checkpointed) or len(toks) < 2 or reused >= len(toks) - 1:
@@ -120,7 +132,7 @@ def prefill(mc, tokens, *, step: int | None = None, checkpoint_every: int = CHEC
     """`ModelCache.prefill`: make sure the cache of `tokens` is stored, computing only what is
     missing (see its docstring); the last token is one step of its own, whose logits are the
     prompt's canary."""
-    toks = as_tokens(tokens)
+    toks = model_tokens(mc.model, tokens)
     if len(toks) == 0:
         raise InvalidInputError("prefill needs at least one token")
     if mc.exact and step not in (None, mc.chunk_size):
