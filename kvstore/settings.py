@@ -262,7 +262,7 @@ _KINDS: dict[str, Callable[[Setting, Any], Any]] = {
 
 STORE_SETTINGS: tuple[Setting, ...] = (
     Setting("max_bytes", "size", None, option="--store-max-bytes", off=True, auto=True, zero=None,
-            refuse_zero="0 would keep nothing on disk: use off for no limit, --admit pinned to write "
+            refuse_zero="0 would keep nothing on disk: use off for no limit, admit=pinned (--admit pinned) to write "
                         "only warmed and pinned prompts, or `kvstore gc --max-bytes 0` to empty the store once",
             help="bound the store on disk, e.g. 20GB: past it, gc evicts the least recently used "
                  "records; auto: a quarter of what the store holds plus its disk's free space, at "
@@ -285,7 +285,7 @@ STORE_SETTINGS: tuple[Setting, ...] = (
                  "second time; a first sight stays in RAM); pinned (only warmed and pinned "
                  "prompts, which are always written)"),
     Setting("max_write_rate", "rate", None, kept=True, off=True, zero=None, damaged="0",
-            refuse_zero="0 would never write: use off for no limit, or --admit pinned to write only "
+            refuse_zero="0 would never write: use off for no limit, or admit=pinned (--admit pinned) to write only "
                         "warmed and pinned prompts",
             help="write at most this much to disk in any rolling day, e.g. 20GB/day or 500MB/h; "
                  "past it, automatic writes stay in RAM only (warmed and pinned prompts are always "
