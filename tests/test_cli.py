@@ -833,3 +833,22 @@ def test_a_prompt_cut_short_by_ctrl_c_is_said_with_what_of_it_is_stored(capsys, 
                   r"stored\), (\d) not reached", out, re.M)
     assert m and int(m.group(2)) % 256 == 0 and 0 < int(m.group(2)) < 900, out
     assert int(m.group(1)) + 1 + int(m.group(3)) == 3
+
+
+def test_warm_summary_counts_each_reason_once_and_says_record_in_the_singular(capsys):
+    """The summary's counts read as written: one reason is not given its count twice, several are
+    each counted, and one record is not `1 records`."""
+    from kvstore.cli.warm import _summary
+    from kvstore.write.placement import Placement
+
+    def summary(placed, records):
+        _summary({"done": len(placed), "reused": 0, "computed": 0}, 0, len(placed),
+                 {"bytes_written": 100, "records_written": records}, 0.1, placed)
+        return capsys.readouterr().out
+
+    out = summary([Placement(tokens=10, on_disk=10), Placement(tokens=8, in_ram=8, why={"evicted": 8})], 1)
+    assert "on disk: 1 of 2 warmed prompts whole; 10 of 18 tokens (8 not on disk: evicted since written)\n" in out
+    assert "bytes written: 100 (100 B, 1 record)\n" in out
+    out = summary([Placement(tokens=9, on_disk=1, in_ram=8, why={"evicted": 5, "not_admitted": 3})], 2)
+    assert "(8 not on disk: evicted since written: 5, not admitted: 3; those in RAM are lost at exit)" in out
+    assert "(100 B, 2 records)" in out

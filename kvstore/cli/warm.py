@@ -99,7 +99,7 @@ def _summary(totals: dict, skipped: int, planned: int, writer: dict, seconds: fl
           + ("" if whole == len(placed) else
              f" ({sum(p.in_ram for p in placed)} not on disk: {_reasons(placed)})"))
     print(f"bytes written: {writer['bytes_written']} ({format_size(writer['bytes_written'])}, "
-          f"{writer['records_written']} records)")
+          f"{plural(writer['records_written'], 'record')})")
     print(f"time: {seconds:.1f} s")
 
 
@@ -110,7 +110,8 @@ def _reasons(placed: list) -> str:
     for p in placed:
         for reason, n in p.why.items():
             why[reason] = why.get(reason, 0) + n
-    text = ", ".join(f"{REASONS.get(r, r)} {n}" for r, n in why.items()) or "queued"
+    # The count of each reason only when there are several: with one, it is the count just said.
+    text = ", ".join(REASONS.get(r, r) + (f": {n}" if len(why) > 1 else "") for r, n in why.items()) or "queued"
     return text + ("; those in RAM are lost at exit" if any(r in HELD for r in why) else "")
 
 
