@@ -852,3 +852,14 @@ def test_warm_summary_counts_each_reason_once_and_says_record_in_the_singular(ca
     out = summary([Placement(tokens=9, on_disk=1, in_ram=8, why={"evicted": 5, "not_admitted": 3})], 2)
     assert "(8 not on disk: evicted since written: 5, not admitted: 3; those in RAM are lost at exit)" in out
     assert "(100 B, 2 records)" in out
+
+
+def test_generate_under_a_disk_budget_too_small_says_what_is_left_on_disk(kv, demo_model_path, tmp_path):
+    """A budget smaller than the record: its gc evicts it right after the write, and the report
+    says so, as `stats` sees the store, not `on disk`."""
+    result = kv("generate", "--store", tmp_path / "s", "--model", demo_model_path, "--max-tokens", 2,
+                "--store-max-bytes", "10KB", "--prompt", "a prompt whose cache is larger than the budget")
+    assert re.search(r"cache of (\d+) tokens: 0 on disk, \1 not stored \(evicted since written\)", result.stderr), \
+        result.stderr
+    with kvstore.open(tmp_path / "s") as store:
+        assert store.stats()["bytes"] == 0
