@@ -509,8 +509,14 @@ def test_verify_finds_and_repairs_damage(kv, capsys, store_copy, monkeypatch):
     # The advice names the store it checked: without --store it would repair ~/.cache/kvstore.
     assert code == 1 and str(blobs[0]) in text and f"run `kvstore verify --repair --store {store_copy}`" in text
 
+    with kvstore.open(store_copy) as store:
+        was = store.stats()["bytes"]
     code, out, _ = in_process(capsys, "verify", "--store", store_copy, "--repair")
-    assert code == 1 and "; repaired" in out
+    with kvstore.open(store_copy) as store:
+        now = store.stats()["bytes"]
+    # It says what the records it dropped held, in the numbers `stats` gives.
+    assert code == 1 and f"; repaired: the store holds {format_size(now)} (was {format_size(was)})" in out, out
+    assert now < was
     assert problems_of(store_copy) == []
     code, out, _ = in_process(capsys, "verify", "--store", store_copy)
     assert code == 0 and out.strip() == f"the store {store_copy} is clean (trust tags checked with its own key)"
