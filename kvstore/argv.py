@@ -43,7 +43,7 @@ class Parser(argparse.ArgumentParser):
 
 def add_store_options(p: argparse.ArgumentParser) -> None:
     """`--store`, `--remote` and `--remote-key-file`: declared once, for `kvstore` and `kvstore serve`."""
-    p.add_argument("--store", metavar="DIR", type=folder,
+    p.add_argument("--store", metavar="DIR", type=not_empty("give a folder, or leave --store out for the default"),
                    help="store directory (default: $KVSTORE_DIR, else ~/.cache/kvstore)")
     p.add_argument("--remote", metavar="URL", nargs="?", const="",
                    help="share the store through an S3 bucket, s3://BUCKET/PREFIX (default, and for a bare "
@@ -105,12 +105,15 @@ def unrecognized(extras: Sequence[str], known: Iterable[str]) -> str:
     return "unexpected argument " + " ".join(extras)
 
 
-def folder(text: str) -> str:
-    """An argparse type: a path that is not empty (`--store "$DIR"` with DIR unset would
-    otherwise mean the default store, and write to it)."""
-    if not text.strip():
-        raise argparse.ArgumentTypeError("an empty path: give a folder, or leave the option out for the default")
-    return text
+def not_empty(hint: str):
+    """An argparse type: a path (or name) that is not empty, else `an empty value: {hint}`.
+    `--store "$DIR"` with DIR unset would otherwise mean the default store, and write to it; an
+    empty file or model path would be read as the current folder."""
+    def given(text: str) -> str:
+        if not text.strip():
+            raise argparse.ArgumentTypeError(f"an empty value: {hint}")
+        return text
+    return given
 
 
 def size(text: str) -> int:

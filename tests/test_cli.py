@@ -206,9 +206,13 @@ def test_a_typo_of_generate_gets_its_usage_not_the_top_level_one(kv):
     (["gc", "--max-age", "-3d"], "argument --max-age: '-3d' is negative"),
     (["gc", "--max-bytes", "1.5"], "argument --max-bytes: '1.5' is not a whole number of bytes"),  # not 1 byte
     (["warm", "--prompts", "x.jsonl", "--max-write-rate", "bogus"], "'bogus' is not a rate"),
-    # `--store "$DIR"` with DIR unset: refused, never read as "no --store" (the default store).
-    (["warm", "--store", "", "--prompts", "x.jsonl"], "argument --store: an empty path"),
-    (["stats", "--store", " "], "argument --store: an empty path"),
+    # `--store "$DIR"` with DIR unset: refused, never read as "no --store" (the default store);
+    # an empty file or model is not read as the current folder.
+    (["warm", "--store", "", "--prompts", "x.jsonl"], "argument --store: an empty value: give a folder"),
+    (["stats", "--store", " "], "argument --store: an empty value"),
+    (["warm", "--prompts", ""], "argument --prompts: an empty value: give a JSONL file"),
+    (["generate", "--prompts", ""], "argument --prompts: an empty value"),
+    (["generate", "--model", "", "--prompt", "hi"], "argument --model: an empty value"),
 ])
 def test_a_bad_value_says_what_is_wrong_with_it(capsys, args, message):
     code, _, err = in_process(capsys, *args)

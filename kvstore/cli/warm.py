@@ -7,7 +7,7 @@ import sys
 import time
 from typing import Callable
 
-from kvstore.cli.options import add_store_settings, bound, read_prompts
+from kvstore.cli.options import PROMPT_FILE, add_store_settings, bound, read_prompts
 from kvstore.cli.output import EXIT_INTERRUPTED, EXIT_PROBLEMS, PROG, plural, say, uploads_undone
 from kvstore.model.blas import long_prefill_note
 from kvstore.model.jsonl import cache_types
@@ -28,7 +28,7 @@ stored), 130 after Ctrl-C (everything stored so far is kept)."""
 def register(add, store_opts, model_opts) -> None:
     p = add("warm", cmd_warm, "store the KV cache of every prompt in a JSONL file", [store_opts, model_opts],
             EXAMPLES)
-    p.add_argument("--prompts", metavar="FILE.jsonl", required=True, help="prompt file, or - for standard input")
+    p.add_argument("--prompts", metavar="FILE.jsonl", required=True, type=PROMPT_FILE, help="prompt file, or - for standard input")
     add_store_settings(p)
 
 
