@@ -512,6 +512,8 @@ def test_verify_finds_and_repairs_damage(kv, capsys, store_copy, monkeypatch):
     found = kv("verify", "--store", store_copy, "--json", code=1)
     kinds = {p["kind"] for p in json.loads(found.stdout)["problems"]}
     assert {"missing_blob", "corrupt_blob", "foreign_file"} <= kinds
+    orphans = [p["hash"] for p in json.loads(found.stdout)["problems"] if p["kind"] == "orphan_row"]
+    assert len(orphans) > 2 and orphans == sorted(orphans)  # listed alike on every run, not in a set's order
     code, text, _ = in_process(capsys, "verify", "--store", store_copy)
     # The advice names the store it checked: without --store it would repair ~/.cache/kvstore.
     assert code == 1 and str(blobs[0]) in text and f"run `kvstore verify --repair --store {store_copy}`" in text
