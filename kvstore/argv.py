@@ -43,7 +43,8 @@ class Parser(argparse.ArgumentParser):
 
 def add_store_options(p: argparse.ArgumentParser) -> None:
     """`--store`, `--remote` and `--remote-key-file`: declared once, for `kvstore` and `kvstore serve`."""
-    p.add_argument("--store", metavar="DIR", help="store directory (default: $KVSTORE_DIR, else ~/.cache/kvstore)")
+    p.add_argument("--store", metavar="DIR", type=not_empty("give a folder, or leave --store out for the default"),
+                   help="store directory (default: $KVSTORE_DIR, else ~/.cache/kvstore)")
     p.add_argument("--remote", metavar="URL", nargs="?", const="",
                    help="share the store through an S3 bucket, s3://BUCKET/PREFIX (default, and for a bare "
                         "--remote: $KVSTORE_REMOTE); gc and verify act on the bucket when it is given")
@@ -102,6 +103,17 @@ def unrecognized(extras: Sequence[str], known: Iterable[str]) -> str:
         word = "option" if len(options) == 1 else "options"
         return f"unknown {word} " + ", ".join(did_you_mean(o, known) for o in options)
     return "unexpected argument " + " ".join(extras)
+
+
+def not_empty(hint: str):
+    """An argparse type: a path (or name) that is not empty, else `an empty value: {hint}`.
+    `--store "$DIR"` with DIR unset would otherwise mean the default store, and write to it; an
+    empty file or model path would be read as the current folder."""
+    def given(text: str) -> str:
+        if not text.strip():
+            raise argparse.ArgumentTypeError(f"an empty value: {hint}")
+        return text
+    return given
 
 
 def size(text: str) -> int:

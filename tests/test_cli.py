@@ -206,6 +206,13 @@ def test_a_typo_of_generate_gets_its_usage_not_the_top_level_one(kv):
     (["gc", "--max-age", "-3d"], "argument --max-age: '-3d' is negative"),
     (["gc", "--max-bytes", "1.5"], "argument --max-bytes: '1.5' is not a whole number of bytes"),  # not 1 byte
     (["warm", "--prompts", "x.jsonl", "--max-write-rate", "bogus"], "'bogus' is not a rate"),
+    # `--store "$DIR"` with DIR unset: refused, never read as "no --store" (the default store);
+    # an empty file or model is not read as the current folder.
+    (["warm", "--store", "", "--prompts", "x.jsonl"], "argument --store: an empty value: give a folder"),
+    (["stats", "--store", " "], "argument --store: an empty value"),
+    (["warm", "--prompts", ""], "argument --prompts: an empty value: give a JSONL file"),
+    (["generate", "--prompts", ""], "argument --prompts: an empty value"),
+    (["generate", "--model", "", "--prompt", "hi"], "argument --model: an empty value"),
 ])
 def test_a_bad_value_says_what_is_wrong_with_it(capsys, args, message):
     code, _, err = in_process(capsys, *args)
@@ -505,12 +512,20 @@ def test_verify_finds_and_repairs_damage(kv, capsys, store_copy, monkeypatch):
     found = kv("verify", "--store", store_copy, "--json", code=1)
     kinds = {p["kind"] for p in json.loads(found.stdout)["problems"]}
     assert {"missing_blob", "corrupt_blob", "foreign_file"} <= kinds
+    orphans = [p["hash"] for p in json.loads(found.stdout)["problems"] if p["kind"] == "orphan_row"]
+    assert len(orphans) > 2 and orphans == sorted(orphans)  # listed alike on every run, not in a set's order
     code, text, _ = in_process(capsys, "verify", "--store", store_copy)
     # The advice names the store it checked: without --store it would repair ~/.cache/kvstore.
     assert code == 1 and str(blobs[0]) in text and f"run `kvstore verify --repair --store {store_copy}`" in text
 
+    with kvstore.open(store_copy) as store:
+        was = store.stats()["bytes"]
     code, out, _ = in_process(capsys, "verify", "--store", store_copy, "--repair")
-    assert code == 1 and "; repaired" in out
+    with kvstore.open(store_copy) as store:
+        now = store.stats()["bytes"]
+    # It says what the records it dropped held, in the numbers `stats` gives.
+    assert code == 1 and f"; repaired: the store holds {format_size(now)} (was {format_size(was)})" in out, out
+    assert now < was
     assert problems_of(store_copy) == []
     code, out, _ = in_process(capsys, "verify", "--store", store_copy)
     assert code == 0 and out.strip() == f"the store {store_copy} is clean (trust tags checked with its own key)"
@@ -833,3 +848,33 @@ def test_a_prompt_cut_short_by_ctrl_c_is_said_with_what_of_it_is_stored(capsys, 
                   r"stored\), (\d) not reached", out, re.M)
     assert m and int(m.group(2)) % 256 == 0 and 0 < int(m.group(2)) < 900, out
     assert int(m.group(1)) + 1 + int(m.group(3)) == 3
+
+
+def test_warm_summary_counts_each_reason_once_and_says_record_in_the_singular(capsys):
+    """The summary's counts read as written: one reason is not given its count twice, several are
+    each counted, and one record is not `1 records`."""
+    from kvstore.cli.warm import _summary
+    from kvstore.write.placement import Placement
+
+    def summary(placed, records):
+        _summary({"done": len(placed), "reused": 0, "computed": 0}, 0, len(placed),
+                 {"bytes_written": 100, "records_written": records}, 0.1, placed)
+        return capsys.readouterr().out
+
+    out = summary([Placement(tokens=10, on_disk=10), Placement(tokens=8, in_ram=8, why={"evicted": 8})], 1)
+    assert "on disk: 1 of 2 warmed prompts whole; 10 of 18 tokens (8 not on disk: evicted since written)\n" in out
+    assert "bytes written: 100 (100 B, 1 record)\n" in out
+    out = summary([Placement(tokens=9, on_disk=1, in_ram=8, why={"evicted": 5, "not_admitted": 3})], 2)
+    assert "(8 not on disk: evicted since written: 5, not admitted: 3; those in RAM are lost at exit)" in out
+    assert "(100 B, 2 records)" in out
+
+
+def test_generate_under_a_disk_budget_too_small_says_what_is_left_on_disk(kv, demo_model_path, tmp_path):
+    """A budget smaller than the record: its gc evicts it right after the write, and the report
+    says so, as `stats` sees the store, not `on disk`."""
+    result = kv("generate", "--store", tmp_path / "s", "--model", demo_model_path, "--max-tokens", 2,
+                "--store-max-bytes", "10KB", "--prompt", "a prompt whose cache is larger than the budget")
+    assert re.search(r"cache of (\d+) tokens: 0 on disk, \1 not stored \(evicted since written\)", result.stderr), \
+        result.stderr
+    with kvstore.open(tmp_path / "s") as store:
+        assert store.stats()["bytes"] == 0

@@ -107,6 +107,8 @@ def _generate_one(args, store, loaded, mc, tokens, sampler) -> bool:
             say(f"{PROG} generate: not stored: the cache does not say which of the "
                 f"{len(tokens) + len(generated)} tokens it holds")
     store.writer.flush()  # to know what reached the disk, not only what was queued
+    if store.backing.budget is not None:  # and what is still there once the disk budget's gc ran
+        store.backing.budget.settle()
     problem = _write_problems(store) != before
     placed = mc.placement(list(tokens) + list(generated_stored))
     if stored and stored < placed.tokens:  # the cache held fewer tokens than were generated

@@ -12,8 +12,10 @@ from pathlib import Path
 from typing import Iterator
 
 from kvstore import argv, settings
-from kvstore.argv import add_store_options
+from kvstore.argv import add_store_options, not_empty
 from kvstore.cli.output import EXIT_USAGE, PROG, CommandError, say
+
+PROMPT_FILE = not_empty("give a JSONL file, or - for standard input")  # the type of every --prompts
 
 
 def store_parent() -> argparse.ArgumentParser:
@@ -26,7 +28,8 @@ def store_parent() -> argparse.ArgumentParser:
 def model_parent() -> argparse.ArgumentParser:
     """`--model`, for the commands that run a model."""
     p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("--model", metavar="M",
+    p.add_argument("--model", metavar="M", type=not_empty("give a folder or a Hugging Face repo id, or leave "
+                                                          "--model out for the demo model"),
                    help="model folder or Hugging Face repo id, as mlx_lm.load takes "
                         "(default: the built-in demo model, random weights)")
     return p
@@ -79,7 +82,7 @@ def add_prompt_source(p: argparse.ArgumentParser, prompts_help: str, *, required
     source.add_argument("--prompt", metavar="TEXT", help="prompt text, tokenized as is")
     source.add_argument("--messages", metavar="JSON",
                         help='chat messages as JSON, like \'[{"role": "user", "content": "Hi"}]\' (chat template applied)')
-    source.add_argument("--prompts", metavar="FILE.jsonl", help=prompts_help)
+    source.add_argument("--prompts", metavar="FILE.jsonl", type=PROMPT_FILE, help=prompts_help)
 
 
 def prompt_items(args) -> list:

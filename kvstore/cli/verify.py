@@ -9,6 +9,7 @@ import shlex
 from kvstore.cli.options import model_to_load, open_local, remote_key, remote_upkeep, remote_url, store_path
 from kvstore.cli.output import EXIT_NOTHING_CHECKED, EXIT_PROBLEMS, EXIT_USAGE, PROG, CommandError, out, plural, say
 from kvstore.errors import CorruptIndexError
+from kvstore.sizes import format_size
 
 EXAMPLES = """examples:
   kvstore verify
@@ -101,11 +102,14 @@ def cmd_verify(args) -> int:
         raise CommandError("--model goes with --exact or --isolation", EXIT_USAGE)
     if args.remote is not None:
         return _verify_remote(args)
-    rebuilt = None
+    rebuilt, held = None, None
     try:
         with open_local(args, must_exist=True, read_only=None if not args.repair else False) as files:
             trust, checked = _local_trust(args, files)
+            before = files.index.totals()["bytes"] if args.repair else None
             problems = files.verify(repair=args.repair, force=args.force, trust=trust)
+            if args.repair and problems:  # what the records repair dropped held, as `stats` counts it
+                held = (files.index.totals()["bytes"], before)
     except CorruptIndexError as e:  # the index itself is unreadable (or lost): rebuild it from the blobs
         if not args.repair:
             raise
@@ -120,7 +124,7 @@ def cmd_verify(args) -> int:
     else:
         for p in problems:
             out(p)
-        out(f"{_summary(args, problems, rebuilt)} ({checked})")
+        out(f"{_summary(args, problems, rebuilt, held)} ({checked})")
     return EXIT_PROBLEMS if problems or rebuilt else 0
 
 
@@ -255,9 +259,10 @@ def _this_models(store, loaded) -> list[dict]:
     return [m for m in store.index.models() if m["fingerprint"] == fp and (m["chunks"] or m["tails"])]
 
 
-def _summary(args, problems: list, rebuilt: dict | None) -> str:
+def _summary(args, problems: list, rebuilt: dict | None, held: tuple[int, int] | None = None) -> str:
     """The last line; it agrees with the exit code (a rebuilt index is a problem repaired), and
-    names the store it checked in the command that repairs it."""
+    names the store it checked in the command that repairs it; after a repair, what the store
+    holds now and held before (`held`), as gc says it."""
     if not problems and rebuilt is None:
         return f"the store {store_path(args)} is clean"
     found = plural(len(problems) + (rebuilt is not None), "problem") + " found"
@@ -269,7 +274,8 @@ def _summary(args, problems: list, rebuilt: dict | None) -> str:
     if keyed == len(problems) and rebuilt is None:
         return found
     if args.repair:
-        return f"{found}; repaired" + (" the others" if keyed else "")
+        now = f": the store holds {format_size(held[0])} (was {format_size(held[1])})" if held else ""
+        return f"{found}; repaired" + (" the others" if keyed else "") + now
     key = f" --remote-key-file {shlex.quote(args.remote_key_file)}" if getattr(args, "remote_key_file", None) else ""
     return (f"{found}; run `{PROG} verify --repair --store {shlex.quote(str(store_path(args)))}{key}` to fix "
             + ("the others" if keyed else "them"))

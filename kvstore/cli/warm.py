@@ -7,7 +7,7 @@ import sys
 import time
 from typing import Callable
 
-from kvstore.cli.options import add_store_settings, bound, read_prompts
+from kvstore.cli.options import PROMPT_FILE, add_store_settings, bound, read_prompts
 from kvstore.cli.output import EXIT_INTERRUPTED, EXIT_PROBLEMS, PROG, plural, say, uploads_undone
 from kvstore.model.blas import long_prefill_note
 from kvstore.model.jsonl import cache_types
@@ -28,7 +28,7 @@ stored), 130 after Ctrl-C (everything stored so far is kept)."""
 def register(add, store_opts, model_opts) -> None:
     p = add("warm", cmd_warm, "store the KV cache of every prompt in a JSONL file", [store_opts, model_opts],
             EXAMPLES)
-    p.add_argument("--prompts", metavar="FILE.jsonl", required=True, help="prompt file, or - for standard input")
+    p.add_argument("--prompts", metavar="FILE.jsonl", required=True, type=PROMPT_FILE, help="prompt file, or - for standard input")
     add_store_settings(p)
 
 
@@ -99,7 +99,7 @@ def _summary(totals: dict, skipped: int, planned: int, writer: dict, seconds: fl
           + ("" if whole == len(placed) else
              f" ({sum(p.in_ram for p in placed)} not on disk: {_reasons(placed)})"))
     print(f"bytes written: {writer['bytes_written']} ({format_size(writer['bytes_written'])}, "
-          f"{writer['records_written']} records)")
+          f"{plural(writer['records_written'], 'record')})")
     print(f"time: {seconds:.1f} s")
 
 
@@ -110,7 +110,8 @@ def _reasons(placed: list) -> str:
     for p in placed:
         for reason, n in p.why.items():
             why[reason] = why.get(reason, 0) + n
-    text = ", ".join(f"{REASONS.get(r, r)} {n}" for r, n in why.items()) or "queued"
+    # The count of each reason only when there are several: with one, it is the count just said.
+    text = ", ".join(REASONS.get(r, r) + (f": {n}" if len(why) > 1 else "") for r, n in why.items()) or "queued"
     return text + ("; those in RAM are lost at exit" if any(r in HELD for r in why) else "")
 
 

@@ -102,7 +102,7 @@ def verify(index: Index, root: Path, *, repair: bool = False, force: bool = Fals
         bad = {bytes.fromhex(p.hash) for p in problems if p.kind != "bad_row" and p.hash}
         # Rows whose chain is broken (parent gone or bad) can never be reached: orphans.
         orphans = _unreachable(index, known, bad)
-        for h in orphans:
+        for h in sorted(orphans):  # the same order on every run (a set's varies from process to process)
             problems.append(Problem("orphan_row", str(blobtree.blob_path(root, h)),
                                     "its parent record is missing or damaged", h.hex()))
         for path in strays:
