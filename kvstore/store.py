@@ -18,7 +18,6 @@ import logging
 import os
 import sqlite3
 import weakref
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 from kvstore import keys, settings, tenants
@@ -33,7 +32,7 @@ from kvstore.remote.bucket import check_url, open_bucket
 from kvstore.remote.node import Remote, say_unused
 from kvstore.remote.seal import Fleet, fleet_keys
 from kvstore.restore import buffers, selfcheck
-from kvstore.storage.storedir import default_path, tenant_key
+from kvstore.storage.storedir import store_dir, tenant_key
 from kvstore.tenants import Tenant
 from kvstore.tiers.disk import DiskBudget, DiskTier, evict
 from kvstore.tiers.memory import MemoryTier, MemoryTierView
@@ -113,7 +112,7 @@ class Store:
         secrets = fleet_keys(remote_key) if remote else None  # refused before anything is created
         self.memory = MemoryTier(value["memory_bytes"])
         self.files = None if self.ram_only else LocalStore(
-            Path(path) if path is not None else default_path(), create=create, read_only=read_only)
+            store_dir(path), create=create, read_only=read_only)
         self.path = self.files.path if self.files else None
         self.read_only = self.files.read_only if self.files else False
         self.trust = self.files.trust(secrets) if self.files else None  # what tags its anchors (kvstore.trust)

@@ -502,6 +502,8 @@ def test_bad_input_is_refused_with_a_clear_message(tmp_path, llama):
         with pytest.raises(InvalidInputError, match=rf"tokens\[2\]: {vocab} is outside the model's vocabulary"):
             mc.prefill([1, 2, vocab, 4])
         assert store.stats()["chunks"] == 0
+    with pytest.raises(InvalidInputError, match="the store's path is empty"):  # not the current folder
+        kvstore.open("")
     a_file = tmp_path / "file"
     a_file.write_text("x")
     with pytest.raises(StoreOpenError, match="not a directory"):

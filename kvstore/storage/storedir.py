@@ -19,7 +19,7 @@ import threading
 import time
 from pathlib import Path
 
-from kvstore.errors import CorruptIndexError, IndexLostError, NotAStoreError, StoreOpenError
+from kvstore.errors import CorruptIndexError, IndexLostError, InvalidInputError, NotAStoreError, StoreOpenError
 from kvstore.storage.blobtree import SUFFIX
 from kvstore.storage.schema import connect_read_only, is_corruption
 
@@ -49,6 +49,17 @@ def default_path() -> Path:
     """Where a store lives unless told: `$KVSTORE_DIR`, else `~/.cache/kvstore`."""
     env = os.environ.get("KVSTORE_DIR")
     return Path(env).expanduser() if env else Path.home() / ".cache" / "kvstore"
+
+
+def store_dir(path) -> Path:
+    """`path` as a Path (`default_path()` for None); an empty one is refused, as `Path("")` would
+    be the current folder."""
+    if path is None:
+        return default_path()
+    if not os.fspath(path).strip():
+        raise InvalidInputError("the store's path is empty: give a folder, or None for $KVSTORE_DIR "
+                                "(else ~/.cache/kvstore)")
+    return Path(path)
 
 
 def is_absent(path: Path) -> bool:
