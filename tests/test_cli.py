@@ -219,6 +219,15 @@ def test_a_bad_value_says_what_is_wrong_with_it(capsys, args, message):
     assert code == 2 and message in err and "expected one argument" not in err, err
 
 
+def test_a_prompt_file_without_a_prompt_is_refused_before_a_store_is_made(capsys, tmp_path):
+    for text in ("", "\n  \n"):
+        (tmp_path / "p.jsonl").write_text(text)
+        for command in ("warm", "generate"):  # (warm said "0 warmed", exit 0, and made the store)
+            code, _, err = in_process(capsys, command, "--store", str(tmp_path / "s"), "--prompts", str(tmp_path / "p.jsonl"))
+            assert code == 2 and "p.jsonl: holds no prompt line" in err, err
+    assert not (tmp_path / "s").exists()
+
+
 # -- warm -------------------------------------------------------------------------------------
 
 def test_warm_stores_shared_prefix_once_and_twice_computes_nothing(warmed, kv, demo_model_path):

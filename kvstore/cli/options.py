@@ -71,9 +71,12 @@ def read_prompts(path: str) -> list:
     from kvstore.model import jsonl
 
     try:
-        return list(jsonl.read(path))
+        lines = list(jsonl.read(path))
     except OSError as e:
         raise CommandError(f"cannot read the prompt file {path}: {e.strerror or e}") from e
+    if not lines:  # (before a model loads or a store is made: a command that would do nothing)
+        raise CommandError(f"--prompts {path}: holds no prompt line (it is empty, or blank lines only)", EXIT_USAGE)
+    return lines
 
 
 def add_prompt_source(p: argparse.ArgumentParser, prompts_help: str, *, required: bool = True) -> None:
