@@ -67,8 +67,8 @@ def cmd_gc(args) -> int:
     if args.drop_unknown and args.remote is None:
         raise CommandError("--drop-unknown deletes namespaces of a bucket: give --remote URL", EXIT_USAGE)
     if not bounds and not args.stale and not args.drop_unknown and not args.drop_tenant and not args.drop_tenant_id:
-        raise CommandError("gc needs --max-bytes and/or --max-age (or --tenant-max-bytes, --drop-tenant or "
-                           "--stale)", EXIT_USAGE)
+        raise CommandError("gc needs --max-bytes and/or --max-age (or --tenant-max-bytes, --drop-tenant, "
+                           "--drop-tenant-id or --stale; with --remote, --drop-unknown or --drop-key)", EXIT_USAGE)
     if args.remote is not None:
         if args.drop_tenant or args.drop_tenant_id or getattr(args, "tenant_max_bytes", None) is not None:
             raise CommandError("--drop-tenant and --tenant-max-bytes act on the local store's tenants: run them "
