@@ -386,7 +386,7 @@ def test_warming_a_stored_prompt_again_counts_as_a_use(tmp_path, llama):
     """A prompt warmed again (nothing to compute) is used now: a budget that holds one of two
     prompts keeps it, and evicts the other, warmed once since."""
     path, model = llama
-    first, second = [list(range(100 + k, 100 + k + 40)) for k in (0, 500)]
+    first, second = [list(range(100 + k, 100 + k + 40)) for k in (0, 100)]  # (ids of the vocabulary: 262)
     with kvstore.open(tmp_path / "s", chunk_size=16) as store:
         mc = store.bind(model, str(path))
         mc.prefill(first)
