@@ -422,9 +422,9 @@ def _shared_line(path: str):
     from kvstore.cli.options import read_prompts
     from kvstore.model import jsonl
 
-    lines = read_prompts(path)
-    if not lines or isinstance(lines[0], jsonl.LineError):
-        raise CommandError(f"--prompts {path}: {lines[0] if lines else 'holds no prompt line'}", EXIT_USAGE)
+    lines = read_prompts(path)  # (a file without a prompt line is refused there)
+    if isinstance(lines[0], jsonl.LineError):
+        raise CommandError(f"--prompts {path}: {lines[0]}", EXIT_USAGE)
     return lines[0]
 
 
