@@ -317,6 +317,7 @@ def real_hashes(mc, prompt, objects) -> set[bytes]:
 def assert_only_checked_records(store, good: set[bytes]) -> None:
     """The node's store holds exactly these downloaded records, as blobs and as rows: no byte of
     a damaged object reached it (not even as a quarantined row or a file left behind)."""
+    assert store.flush(timeout=30)  # (downloads are stored locally in the background: all of them first)
     rows = {r.hash: r for r in store.index.rows()}
     assert set(rows) == good and not any(r.bad for r in rows.values())
     files = {blobtree.hash_of(p, store.blob_root) for p in blobtree.walk(store.blob_root)}
