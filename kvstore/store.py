@@ -137,6 +137,8 @@ class Store:
                              value["max_pending_bytes"], fsync=fsync, gate=self.gate,
                              access=disk.access if disk else None, trust=self.trust, exact=bool(self.exact_prefill))
         self._wire(budget, disk)
+        if budget is not None:  # a store already past its budget is brought within it now, not at a first write
+            budget.check()
         self.disk = disk
         self.tiers = self._tiers(disk)
         self.backing = Backing(self.tiers, self.memory, self.writer, self.index, read_only=self.read_only,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
 from collections import namedtuple
 
@@ -149,3 +151,38 @@ def test_a_budget_smaller_than_one_record_says_so_once(tmp_path, llama, caplog):
         assert store.stats()["bytes"] <= 1000
     said = [r.getMessage() for r in caplog.records if "larger than the disk budget" in r.getMessage()]
     assert len(said) == 1 and "max_bytes 1000" in said[0], said
+
+
+def test_a_store_opened_past_its_budget_is_brought_within_it_without_a_write(tmp_path, llama):
+    path, model = llama
+    with kvstore.open(tmp_path / "s", chunk_size=16) as store:
+        for start in (1, 300, 600):
+            tokens = list(range(start, start + 150))
+            store.bind(model, path).insert(tokens, prefill(model, tokens))
+        store.flush()
+        held = store.stats()["bytes"]
+    with kvstore.open(tmp_path / "s", chunk_size=16, max_bytes=held // 2) as store:
+        store.backing.budget.settle()  # (its gc runs on a thread of its own)
+        assert 0 < store.stats()["bytes"] <= held // 2
+        assert store.backing.budget.evicted_bytes >= held - held // 2
+        assert store.backing.budget.evicted_records > 0
+
+
+def test_warm_says_what_its_budget_came_to_and_evicted(tmp_path, demo_model_path):
+    from kvtest import run_cli
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"{word} " * 100}) + "\n" for word in ("alpha", "bravo", "charlie")))
+    store = tmp_path / "s"
+    first = run_cli("warm", "--store", store, "--model", demo_model_path, "--prompts", prompts,
+                    "--store-max-bytes", "auto")
+    assert re.search(r"^disk budget: .* held of .* \(auto: 1/4 of what the store held plus its disk's free "
+                     r"space at open\); nothing evicted$", first.stdout, re.M), first.stdout
+    held = kvstore.open(store, read_only=True).stats()["bytes"]
+    second = run_cli("warm", "--store", store, "--model", demo_model_path, "--prompts", prompts,
+                     "--store-max-bytes", str(held // 3))
+    line = re.search(r"^disk budget: (.*) held of (.*); its gc evicted (\d+) records? \((.*)\) to stay within it$",
+                     second.stdout, re.M)
+    assert line, second.stdout
+    assert int(line.group(3)) > 0
+    assert kvstore.open(store, read_only=True).stats()["bytes"] <= held // 3

@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from kvstore.sizes import plural, printable  # noqa: F401 -- the commands print through here
+from kvstore.sizes import format_size, plural, printable  # noqa: F401 -- the commands print through here
 
 PROG = "kvstore"
 EXIT_PROBLEMS = 1
@@ -35,6 +35,23 @@ def out(*parts: Any, **kw: Any) -> None:
     """One line on stdout, escaped (everything but generated text goes through here)."""
     print(*map(printable, parts), **kw)
 
+
+def disk_budget(store) -> str | None:
+    """The disk budget a command ran under, in one line: what the store holds against it, what
+    `auto` came to, and what its gc evicted (None: no budget). Said because a budget given as
+    `auto` is a size only the store knows, and what it evicted is what the next run recomputes."""
+    budget = store.backing.budget
+    if store.max_bytes is None or budget is None:
+        return None
+    budget.settle()  # (what is on disk once its gc has run)
+    held = store.index.totals()["bytes"]
+    how = (" (auto: 1/4 of what the store held plus its disk's free space at open)"
+           if store.max_bytes_rule else "")
+    evicted = (f"; its gc evicted {plural(budget.evicted_records, 'record')} ({format_size(budget.evicted_bytes)}) "
+               "to stay within it" if budget.evicted_records else "; nothing evicted")
+    over = (f"; over it by {format_size(held - store.max_bytes)}: pinned prompts and the records they hang "
+            "from stay (`kvstore pins` lists them)" if held > store.max_bytes else "")
+    return f"disk budget: {format_size(held)} held of {format_size(store.max_bytes)}{how}{evicted}{over}"
 
 
 def uploads_undone(store) -> str | None:

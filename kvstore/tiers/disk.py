@@ -108,6 +108,7 @@ class DiskBudget:
         self._cond = threading.Condition()
         self._due = self._running = False
         self._said_too_small = False
+        self.evicted_records = self.evicted_bytes = 0  # what this process's budget gc took off the disk
 
     def check(self, rows: list[Row] | None = None) -> None:
         """Something reached the disk (`rows`, when known: what). Never waits."""
@@ -139,7 +140,10 @@ class DiskBudget:
                     self._due = False
                 try:
                     if self.files.over_budget(self.max_bytes, self.tenant_max_bytes):
-                        evict(self.files, self.memory, max_bytes=self.max_bytes, tenant_max_bytes=self.tenant_max_bytes)
+                        done = evict(self.files, self.memory, max_bytes=self.max_bytes,
+                                     tenant_max_bytes=self.tenant_max_bytes)
+                        self.evicted_records += done["evicted"]
+                        self.evicted_bytes += done["freed_bytes"]
                 except Exception as e:  # only the budget: the next check tries again
                     log.warning("kvstore: gc for the disk budget failed: %s", e)
         finally:  # a thread a check: its index connection goes with it (else two open files each)
