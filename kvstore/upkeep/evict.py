@@ -149,17 +149,26 @@ def parents(g: Graph) -> tuple[np.ndarray, np.ndarray]:
     if not n:
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
     hi, lo = _halves(g.hashes)
-    by_hash = np.lexsort((lo, hi))
-    shi, slo = hi[by_hash], lo[by_hash]
+    by_hash = np.argsort(hi)  # (a quarter of lexsort's time; it is needed only where first halves repeat)
+    shi = hi[by_hash]
+    repeats = bool((shi[1:] == shi[:-1]).any())
+    if repeats:
+        by_hash = np.lexsort((lo, hi))
+        shi = hi[by_hash]
+    slo = lo[by_hash]
     phi, plo = _halves(g.parents)
     # Searched in sorted order (then put back): each search starts where the last one ended,
     # reading the sorted keys once from end to end instead of at random.
-    by_parent = np.argsort(phi, kind="stable")
-    left, right = np.empty(n, np.int64), np.empty(n, np.int64)
-    left[by_parent] = np.searchsorted(shi, phi[by_parent], "left")
-    right[by_parent] = np.searchsorted(shi, phi[by_parent], "right")
+    by_parent = np.argsort(phi)
+    needles = phi[by_parent]
+    left = np.empty(n, np.int64)
+    left[by_parent] = np.searchsorted(shi, needles, "left")
     at = left.clip(0, n - 1)
-    found = (right > left) & (slo[at] == plo)
+    found = (shi[at] == phi) & (slo[at] == plo)
+    if not repeats:
+        return np.where(found, by_hash[at], -1), by_hash
+    right = np.empty(n, np.int64)
+    right[by_parent] = np.searchsorted(shi, needles, "right")
     for i in np.nonzero(right - left > 1)[0]:  # hashes sharing their first 8 bytes: rare
         j = left[i] + int(np.searchsorted(slo[left[i] : right[i]], plo[i]))
         if j < right[i] and slo[j] == plo[i]:
