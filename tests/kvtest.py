@@ -21,14 +21,25 @@ from mlx_lm.models.cache import make_prompt_cache
 
 def prefill(model, tokens):
     """A fresh cache of `model` holding `tokens`, computed in one step."""
+    _in_vocab(model, tokens)
     cache = make_prompt_cache(model)
     model(mx.array([tokens]), cache=cache)
     mx.eval([c.state for c in cache])
     return cache
 
 
+def _in_vocab(model, tokens) -> None:
+    """The model reads ids past its vocabulary outside its embedding table (garbage, or a crash):
+    a test that gives it one tests nothing."""
+    vocab = getattr(getattr(model, "args", None), "vocab_size", None)
+    ids = np.asarray(tokens).reshape(-1)
+    assert vocab is None or not len(ids) or (0 <= ids.min() and ids.max() < vocab), \
+        f"token ids {ids.min()}..{ids.max()} outside the model's vocabulary of {vocab}"
+
+
 def logits_diff(model, cache, rest, query) -> float:
     """Max |logits| difference at the last position: restored cache + `rest` vs `query` from scratch."""
+    _in_vocab(model, query)
     logits = model(mx.array([rest]), cache=cache)
     ref = model(mx.array([query]), cache=make_prompt_cache(model))
     return float(mx.abs(logits[0, -1] - ref[0, -1]).max().item())

@@ -48,7 +48,7 @@ def test_auto_budget_is_enforced_and_counts_what_the_store_holds(tmp_path, llama
     with kvstore.open(tmp_path / "s", chunk_size=16, max_bytes="auto") as store:
         budget = store.stats()["max_bytes"]
         assert budget == (held + free) // AUTO_SHARE
-        more = list(range(300, 400))
+        more = list(range(150, 250))
         store.bind(model, path).insert(more, prefill(model, more))
         store.flush()
         assert 0 < store.stats()["bytes"] <= budget
@@ -110,7 +110,7 @@ def test_the_disk_budget_runs_one_gc_at_a_time_for_batches_and_downloads_alike(t
         assert budget.settle(60)
         assert most[0] == 1 and 1 <= runs[0] <= 2  # the one running, then once more for the rest
         assert store.stats()["bytes"] == 0
-        more = list(range(300, 400))
+        more = list(range(150, 250))
         before = runs[0]
         mc.insert(more, prefill(model, more))
         assert store.flush(60)  # flush lets the budget settle: the batch's check has run
@@ -143,7 +143,7 @@ def test_a_budget_smaller_than_one_record_says_so_once(tmp_path, llama, caplog):
     with caplog.at_level("WARNING", logger="kvstore"), kvstore.open(tmp_path / "s", chunk_size=16,
                                                                     max_bytes=1000) as store:
         mc = store.bind(model, path)
-        for start in (1, 300):
+        for start in (1, 200):
             tokens = list(range(start, start + 40))
             mc.insert(tokens, prefill(model, tokens))
             store.flush()
@@ -156,8 +156,8 @@ def test_a_budget_smaller_than_one_record_says_so_once(tmp_path, llama, caplog):
 def test_a_store_opened_past_its_budget_is_brought_within_it_without_a_write(tmp_path, llama):
     path, model = llama
     with kvstore.open(tmp_path / "s", chunk_size=16) as store:
-        for start in (1, 300, 600):
-            tokens = list(range(start, start + 150))
+        for start in (1, 70, 140):
+            tokens = list(range(start, start + 100))
             store.bind(model, path).insert(tokens, prefill(model, tokens))
         store.flush()
         held = store.stats()["bytes"]

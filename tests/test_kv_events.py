@@ -145,7 +145,7 @@ def test_a_tail_and_the_chunk_that_covers_it_share_their_blocks(llama, tmp_path,
     the same ids: no BlockRemoved on disk, and the chunk announces only its two new blocks."""
     path, model = llama
     short = list(range(60, 84))
-    longer = short + list(range(300, 316))
+    longer = short + list(range(200, 216))
     with kvstore.open(tmp_path / "s", chunk_size=C, kv_events=consumer.config(block_size=B)) as store:
         mc = store.bind(model, str(path))
         insert(mc, model, short)
@@ -198,7 +198,7 @@ def test_a_served_conversation_grows_without_churn(llama, tmp_path, consumer, wr
     still queued)."""
     path, model = llama
     short = list(range(60, 84))  # a chunk and an 8-token tail
-    turns = [short, short + list(range(300, 316)), short + list(range(300, 330))]
+    turns = [short, short + list(range(200, 216)), short + list(range(200, 230))]
     with kvstore.open(tmp_path / "s", chunk_size=C, kv_events=consumer.config(block_size=B)) as store:
         pc = kvstore.PersistentPromptCache(store, max_size=10)
         pc.register("m", mc := store.bind(model, str(path)))
@@ -365,7 +365,7 @@ def test_replay_returns_exactly_the_missed_batches_then_the_end_marker(llama, tm
                       memory_bytes=0) as store:
         mc = store.bind(model, str(path))
         for i in range(6):  # one batch each
-            insert(mc, model, list(range(400 + 20 * i, 420 + 20 * i)))
+            insert(mc, model, list(range(100 + 20 * i, 120 + 20 * i)))
             settle(store)
         last = settle(store) - 1
         deadline = time.monotonic() + 10
@@ -443,7 +443,7 @@ def test_a_tenants_blocks_follow_the_shared_prompt_and_carry_its_tag_only(llama,
     chained to the shared prompt's last block, the first of them tagged in `extra_keys` with the
     tenant's tag, never its id."""
     path, model = llama
-    system, question = list(range(100, 132)), list(range(400, 421))  # 2 whole chunks, then 21 tokens
+    system, question = list(range(100, 132)), list(range(200, 221))  # 2 whole chunks, then 21 tokens
     with kvstore.open(tmp_path / "s", chunk_size=C, kv_events=consumer.config(block_size=B)) as store:
         shared = store.bind(model, str(path))
         insert(shared, model, system)

@@ -197,7 +197,7 @@ def test_most_hit_ranks_where_prompts_end_or_part(llama, tmp_path):
     prompt never asked for again not at all."""
     path, model = llama
     system = list(range(100, 164))  # four 16-token chunks
-    a, b, once = system + list(range(300, 330)), system + list(range(400, 425)), list(range(600, 650))
+    a, b, once = system + list(range(170, 200)), system + list(range(210, 235)), list(range(1, 51))
     with kvstore.open(tmp_path / "s", chunk_size=16) as store:
         mc = store.bind(model, str(path))
         for tokens in (a, b, once):
@@ -214,7 +214,7 @@ def test_most_hit_ranks_where_prompts_end_or_part(llama, tmp_path):
     assert [(len(c), c[-1].hits) for c in top] == [(4, 3)]
     assert [(len(c), c[-1].hits) for c in chains] == [(6, 2), (6, 1)]
     assert [r.hits for r in chains[0][:4]] == [3, 3, 3, 3] and chains[0][:4] == top[0] == chains[1][:4]
-    assert chains[0][-2].first_token == 300 and chains[1][-2].first_token == 400  # after the system prompt
+    assert chains[0][-2].first_token == 170 and chains[1][-2].first_token == 210  # after the system prompt
 
 
 def test_events_beyond_this_machine_are_warned_about(capsys):
@@ -265,7 +265,7 @@ def test_prefetch_acts_within_the_callers_tenant(llama, tmp_path):
     from kvstore.serve.promptcache import PersistentPromptCache
 
     path, model = llama
-    system, question = list(range(100, 164)), list(range(300, 340))  # 4 chunks of 16, then 40 tokens
+    system, question = list(range(100, 164)), list(range(200, 240))  # 4 chunks of 16, then 40 tokens
     with kvstore.open(tmp_path / "s", chunk_size=16) as store:
         store.bind(model, str(path)).insert(system, prefill(model, system))
         alice = store.bind(model, str(path), tenant="alice")
