@@ -56,7 +56,11 @@ def store_dir(path) -> Path:
     be the current folder."""
     if path is None:
         return default_path()
-    if not os.fspath(path).strip():
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        raise InvalidInputError(f"path: the store's path is a folder's name (text or a Path), or None for "
+                                f"$KVSTORE_DIR (else ~/.cache/kvstore), not {type(path).__name__} {path!r:.40}")
+    path = os.fsdecode(path)
+    if not path.strip():
         raise InvalidInputError("the store's path is empty: give a folder, or None for $KVSTORE_DIR "
                                 "(else ~/.cache/kvstore)")
     return Path(path)
