@@ -501,6 +501,10 @@ def test_bad_input_is_refused_with_a_clear_message(tmp_path, llama):
         vocab = model.args.vocab_size  # (an id past it crashed the process in the embedding)
         with pytest.raises(InvalidInputError, match=rf"tokens\[2\]: {vocab} is outside the model's vocabulary"):
             mc.prefill([1, 2, vocab, 4])
+        for bad in ({"step": -5}, {"step": 0}, {"step": "x"}, {"step": 1.5}, {"checkpoint_every": -2},
+                    {"checkpoint_every": "x"}):  # (a negative step cut nothing and blamed the cache)
+            with pytest.raises(InvalidInputError, match=f"{next(iter(bad))}: give a whole number"):
+                mc.prefill([1, 2, 3, 4], **bad)
         assert store.stats()["chunks"] == 0
     with pytest.raises(InvalidInputError, match="the store's path is empty"):  # not the current folder
         kvstore.open("")
