@@ -707,6 +707,9 @@ def test_a_server_authors_wrong_arguments_are_refused_when_given_naming_them(lla
                 store.bind(bad, str(path))
         with pytest.raises(InvalidInputError, match=r"model: .*\(model, tokenizer\)"):
             store.bind((model, None), str(path))
+        for bad in (model, None):  # (the message was the model's whole module tree, or 'None')
+            with pytest.raises(InvalidInputError, match=r"model_id: .*folder or Hugging Face repo id"):
+                store.bind(model, bad)
         with pytest.raises(InvalidInputError, match=r"store: .*kvstore\.open"):
             PersistentPromptCache(str(tmp_path / "s"))
         for kw in ({"max_size": -1}, {"max_size": "10"}, {"max_size": True}, {"max_bytes": -1}, {"max_bytes": 1.5}):
