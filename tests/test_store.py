@@ -534,6 +534,7 @@ def test_store_path_not_writable_is_refused(tmp_path):
             kvstore.open(ro)
         message = str(refused.value)  # names the folder and why
         assert str(ro) in message and re.search(r"not writable|read-only file system|Read-only file system|Permission denied", message)
+        assert "read_only=True" in message  # what a library user opens it with instead
         assert os.listdir(ro) == []  # nothing was made in it
     finally:
         if mounted:
