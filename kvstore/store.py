@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import difflib
+import inspect
 import logging
 import os
 import sqlite3
@@ -100,7 +102,8 @@ class Store:
         events = None if value["kv_events"] is None else events_config.parse(value["kv_events"])
         if events is not None and events.publishes:
             events_config.check_block_size(events, value["chunk_size"])
-        _bound_buffer_cache(value["buffer_cache_bytes"])
+        if value["buffer_cache_bytes"] is not None:  # (None keeps the bound another store set)
+            buffers.set_bound(value["buffer_cache_bytes"])
         self.chunk_size = value["chunk_size"]
         self.max_bytes = None if value["max_bytes"] == AUTO else value["max_bytes"]
         self.max_bytes_rule: str | None = None  # how an automatic budget was found
@@ -356,6 +359,7 @@ class Store:
         too). A budget evicts stale versions first (their pins kept). See `upkeep.gc` and `upkeep.evict`."""
         self._check_open()
         max_bytes, max_age = settings.gc_bounds(max_bytes, max_age)
+        drop_tenants = tenants.tag_list(drop_tenants)
         if self.files is None:
             if drop_tenants:  # (a store in RAM keeps no tenant's records apart)
                 raise InvalidInputError("drop_tenants needs a store on disk, not one in RAM: nothing deleted")
@@ -363,7 +367,7 @@ class Store:
                 self.memory.trim_to(max_bytes)
             return {"evicted": 0, "freed_bytes": 0, "bytes": self.memory.nbytes, "dry_run": dry_run}
         return evict(self.files, self.memory, max_bytes=max_bytes, max_age=max_age, dry_run=dry_run, stale=stale,
-                     tenant_max_bytes=self.tenant_max_bytes, drop_tenants=list(drop_tenants))
+                     tenant_max_bytes=self.tenant_max_bytes, drop_tenants=drop_tenants)
 
     def pins(self) -> list[dict]:
         """What is pinned, one dict per model version (`upkeep.local.LocalStore.pins`); `[]` in RAM."""
@@ -412,18 +416,6 @@ class Store:
 
     def _check_open(self) -> None:
         self.backing.check_open()
-
-
-# -- mlx's buffer cache: freed restore memory kept for the next restore (kvstore.restore.buffers)
-
-def _bound_buffer_cache(nbytes: int | None) -> None:
-    """`buffer_cache_bytes`: the most mlx may keep (process-wide); None keeps the default (RAM / 4)."""
-    if nbytes is None:
-        return
-    try:
-        buffers.set_bound(nbytes)
-    except ValueError as e:
-        raise InvalidInputError(str(e)) from None
 
 
 def open(path: str | os.PathLike | None = None, *, max_bytes: int | str | None = None,
@@ -476,6 +468,11 @@ def open(path: str | os.PathLike | None = None, *, max_bytes: int | str | None =
     `defaults` (`{name: value}`) are an interface's own defaults (`kvstore serve`'s automatic
     disk budget), used where a setting is neither given nor kept and reported as `default`.
     """
+    known = inspect.signature(Store).parameters
+    for name in options.keys() - known.keys():  # Store's own name would send the reader elsewhere
+        near = difflib.get_close_matches(name, known, n=1)
+        raise TypeError(f"kvstore.open() got an unexpected keyword argument {name!r}"
+                        + (f": did you mean {near[0]!r}?" if near else ""))
     return Store(path, max_bytes=max_bytes, memory_bytes=memory_bytes, chunk_size=chunk_size,
                  remote=remote, **options)
 

@@ -20,6 +20,8 @@ import hmac
 import re
 from dataclasses import dataclass, field
 
+from kvstore.errors import InvalidInputError
+
 SALT_BYTES = 32
 TAG_HEX = 16  # 64 bits: two tenants of a store never share a tag by chance
 MAX_ID_BYTES = 4096
@@ -86,6 +88,15 @@ def parse_tag(text: str) -> str:
     if not isinstance(text, str) or not _TAG.fullmatch(text):
         raise ValueError(f"a tenant tag is {TAG_HEX} hex digits")
     return text
+
+
+def tag_list(tags) -> list:
+    """`gc(drop_tenants=...)`'s tags as a list; one text alone is refused (it would read as one
+    tag per character)."""
+    if isinstance(tags, (str, bytes)):
+        raise InvalidInputError(f"drop_tenants: give a list of tenant tags, as stats()['tenants'] names "
+                                f"them, not one text: drop_tenants=[{tags!r:.40}]")
+    return list(tags)
 
 
 def parse_link(text: str) -> bytes:

@@ -501,6 +501,10 @@ def test_bad_input_is_refused_with_a_clear_message(tmp_path, llama):
         vocab = model.args.vocab_size  # (an id past it crashed the process in the embedding)
         with pytest.raises(InvalidInputError, match=rf"tokens\[2\]: {vocab} is outside the model's vocabulary"):
             mc.prefill([1, 2, vocab, 4])
+        for bad in ({"step": -5}, {"step": 0}, {"step": "x"}, {"step": 1.5}, {"checkpoint_every": -2},
+                    {"checkpoint_every": "x"}):  # (a negative step cut nothing and blamed the cache)
+            with pytest.raises(InvalidInputError, match=f"{next(iter(bad))}: give a whole number"):
+                mc.prefill([1, 2, 3, 4], **bad)
         assert store.stats()["chunks"] == 0
     with pytest.raises(InvalidInputError, match="the store's path is empty"):  # not the current folder
         kvstore.open("")
@@ -530,6 +534,7 @@ def test_store_path_not_writable_is_refused(tmp_path):
             kvstore.open(ro)
         message = str(refused.value)  # names the folder and why
         assert str(ro) in message and re.search(r"not writable|read-only file system|Read-only file system|Permission denied", message)
+        assert "read_only=True" in message  # what a library user opens it with instead
         assert os.listdir(ro) == []  # nothing was made in it
     finally:
         if mounted:
@@ -686,6 +691,49 @@ def test_library_bounds_and_ids_of_the_wrong_kind_are_refused_and_delete_nothing
         asked = [float(t) + 0.5 for t in tokens]
         assert pc.fetch_nearest_cache("m", asked) == (None, asked)  # a miss, with what was asked
         assert pc.counters["fetch_errors"] == 1
+
+
+def test_a_server_authors_wrong_arguments_are_refused_when_given_naming_them(llama, tmp_path):
+    """The mistakes of a first server: the store's path where the store goes, mlx_lm.load's
+    (model, tokenizer) pair as the model, a bound that is no count, text where a list or a flag
+    goes, a misspelt keyword. Each is refused when it is given, with an InvalidInputError (or, for
+    the keyword, a TypeError) that names the argument: never an AttributeError from inside, and
+    never a prompt cache that runs and silently stores nothing."""
+    from kvstore import PersistentPromptCache
+
+    path, model = llama
+    with kvstore.open(tmp_path / "s", chunk_size=16) as store:
+        for bad in ((model, None), str(path), None):
+            with pytest.raises(InvalidInputError, match=r"model: .*mlx-lm model"):
+                store.bind(bad, str(path))
+        with pytest.raises(InvalidInputError, match=r"model: .*\(model, tokenizer\)"):
+            store.bind((model, None), str(path))
+        for bad in (model, None):  # (the message was the model's whole module tree, or 'None')
+            with pytest.raises(InvalidInputError, match=r"model_id: .*folder or Hugging Face repo id"):
+                store.bind(model, bad)
+        with pytest.raises(InvalidInputError, match=r"store: .*kvstore\.open"):
+            PersistentPromptCache(str(tmp_path / "s"))
+        for kw in ({"max_size": -1}, {"max_size": "10"}, {"max_size": True}, {"max_bytes": -1}, {"max_bytes": 1.5}):
+            with pytest.raises(InvalidInputError, match=f"{next(iter(kw))}: "):
+                PersistentPromptCache(store, **kw)
+        assert PersistentPromptCache(store, 0, 2**30).max_bytes == 2**30  # LRUPromptCache's own values
+        pc = PersistentPromptCache(store)
+        with pytest.raises(InvalidInputError, match=r"model_cache: .*store\.bind"):
+            pc.register("m", model)
+        with pytest.raises(InvalidInputError, match="drop_tenants: .*list"):
+            store.gc(drop_tenants="abc")
+        with pytest.raises(InvalidInputError, match="timeout: "):
+            store.flush(timeout="1s")
+    for bad in (123, ["a"]):
+        with pytest.raises(InvalidInputError, match="path: "):
+            kvstore.open(bad)
+    kvstore.open(os.fsencode(tmp_path / "b")).close()  # a path in bytes, as os.fspath gives it
+    for kw in ({"read_only": "no"}, {"create": "yes"}):
+        with pytest.raises(InvalidInputError, match=f"{next(iter(kw))}: "):
+            kvstore.open(tmp_path / "t", **kw)
+    with pytest.raises(TypeError, match=r"kvstore\.open\(\) got an unexpected keyword argument 'max_byte'.*max_bytes"):
+        kvstore.open(tmp_path / "t", max_byte=5)
+    assert not (tmp_path / "t").exists()  # nothing was made for any of them
 
 
 def test_a_cache_of_another_model_is_refused_at_insert(llama, demo_model, tmp_path):

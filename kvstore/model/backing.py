@@ -11,7 +11,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from kvstore.errors import StoreOpenError
+from kvstore.errors import InvalidInputError, StoreOpenError
 from kvstore.model.lookup import Tiers
 from kvstore.remote.node import Remote
 from kvstore.storage.index import Index
@@ -101,6 +101,8 @@ class Backing:
         """Wait until every insert so far is durable (and every download stored locally), within
         the disk budget (and uploaded, with a remote tier: without `timeout`, for at most
         `remote_flush_timeout`). False if the time ran out first."""
+        if timeout is not None and (not isinstance(timeout, (int, float)) or isinstance(timeout, bool)):
+            raise InvalidInputError(f"timeout: give seconds (a number) or None to wait for all, not {timeout!r:.30}")
         end = None if timeout is None else time.monotonic() + timeout
 
         def left() -> float | None:

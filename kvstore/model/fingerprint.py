@@ -10,7 +10,7 @@ import sqlite3
 from pathlib import Path
 
 from kvstore import keys
-from kvstore.errors import ModelFilesError
+from kvstore.errors import InvalidInputError, ModelFilesError
 from kvstore.storage.index import Index
 from kvstore.storage.stale import RecordedFile
 from kvstore.storage.stale import stamps as file_stamps
@@ -39,6 +39,9 @@ def fingerprint(model_id: str, adapter_path, index: Index | None, *, remember: b
     """(the fingerprint of a model's files (config, weights, adapter), each file's stamp and
     digest); each digest memoised in `index` (and, with `remember`, written there), used only
     under `trust` (`Memo`)."""
+    if not isinstance(model_id, (str, os.PathLike)):  # (str() of a model is its whole module tree)
+        raise InvalidInputError(f"model_id: give the folder or Hugging Face repo id the model was loaded "
+                                f"from, not {type(model_id).__name__}")
     model_dir = resolve_model_dir(str(model_id))
     adapter_dir = Path(adapter_path) if adapter_path is not None else None
     if adapter_dir is not None and not adapter_dir.is_dir():

@@ -20,6 +20,7 @@ _SAID: set[int] = set()  # models told that disk_kv_bits does nothing for them (
 def make_template(model, kv_bits: int | None, kv_group_size: int) -> list:
     """The caches this model's generation uses: `make_prompt_cache`, with `KVCache` layers
     quantized the way mlx-lm's `maybe_quantize_kv_cache` does when `kv_bits` is set."""
+    check_model(model)
     if kv_bits is not None and kv_bits not in (2, 3, 4, 5, 6, 8):
         raise InvalidInputError(f"kv_bits must be one of 2, 3, 4, 5, 6, 8, got {kv_bits!r}")
     if kv_bits is not None and kv_group_size not in (32, 64, 128):  # MLX's quantize aborts on 0
@@ -29,6 +30,17 @@ def make_template(model, kv_bits: int | None, kv_group_size: int) -> list:
         cache = [QuantizedKVCache(group_size=kv_group_size, bits=kv_bits) if type(c) is KVCache else c
                  for c in cache]
     return cache
+
+
+def check_model(model) -> None:
+    """Refuse what is no loaded mlx-lm model, before mlx-lm's own code fails on it somewhere inside."""
+    if isinstance(model, tuple):
+        raise InvalidInputError("model: give the loaded mlx-lm model, not the (model, tokenizer) pair "
+                                "mlx_lm.load returns: `model, tokenizer = load(MODEL)`")
+    if not (callable(model) and hasattr(model, "parameters")
+            and (hasattr(model, "make_cache") or hasattr(model, "layers"))):
+        raise InvalidInputError(f"model: give the loaded mlx-lm model (from mlx_lm.load), not "
+                                f"{type(model).__name__} {model!r:.60}; its folder or repo id goes in model_id")
 
 
 def describe(model, template: list, disk_kv_bits: int | None = None) -> tuple[dict, list[Codec]]:

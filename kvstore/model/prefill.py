@@ -132,6 +132,11 @@ def prefill(mc, tokens, *, step: int | None = None, checkpoint_every: int = CHEC
     """`ModelCache.prefill`: make sure the cache of `tokens` is stored, computing only what is
     missing (see its docstring); the last token is one step of its own, whose logits are the
     prompt's canary."""
+    for name, value, least in (("step", step, 1), ("checkpoint_every", checkpoint_every, 0)):
+        if not ((value is None and name == "step")
+                or (isinstance(value, int) and not isinstance(value, bool) and value >= least)):
+            raise InvalidInputError(f"{name}: give a whole number of {'tokens' if least else 'chunks'}, "
+                                    f"{least} or more{' (or None)' if least else ''}, not {value!r:.30}")
     toks = model_tokens(mc.model, tokens)
     if len(toks) == 0:
         raise InvalidInputError("prefill needs at least one token")

@@ -21,6 +21,8 @@ import os
 import sys
 import threading
 
+from kvstore.errors import InvalidInputError
+
 RAM_SHARE = 4  # the default bound is 1/RAM_SHARE of the machine's RAM
 _bound: int | None = None  # bytes set by `set_bound`; None: the default
 _raised = 0  # the limit this module set last (0: it never raised it)
@@ -46,7 +48,7 @@ def set_bound(nbytes: int | None) -> None:
     cache): the last store opened with one decides. A raise already above it is taken back."""
     global _bound
     if nbytes is not None and (not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0):
-        raise ValueError(f"buffer_cache_bytes must be a non-negative integer, got {nbytes!r}")
+        raise InvalidInputError(f"buffer_cache_bytes must be a non-negative integer, got {nbytes!r}")
     _bound = nbytes
     if _raised > bound():
         _apply(max(bound(), _before or 0))

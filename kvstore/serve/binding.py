@@ -15,7 +15,7 @@ from typing import Any, Hashable
 
 import numpy as np
 
-from kvstore.errors import KVStoreError
+from kvstore.errors import InvalidInputError, KVStoreError
 from kvstore.model.cache import ModelCache
 from kvstore.store import Store
 from kvstore.tenants import Tenant
@@ -71,6 +71,9 @@ class KeyBindings:
     """
 
     def __init__(self, store: Store):
+        if not isinstance(store, Store):  # a path here would serve every request without a store
+            raise InvalidInputError(f"store: give an open kvstore Store, as kvstore.open(PATH) returns, not "
+                                    f"{type(store).__name__} {store!r:.60}")
         self.store = store
         self.registered: dict[Hashable, Binding] = {}
         self.provider: Any = None
@@ -79,6 +82,9 @@ class KeyBindings:
 
     def register(self, key: Hashable, model_cache: ModelCache) -> None:
         """Serve `key` from `model_cache`, whatever the provider has loaded."""
+        if not isinstance(model_cache, ModelCache):
+            raise InvalidInputError(f"model_cache: give what store.bind(model, model_id) returns, not "
+                                    f"{type(model_cache).__name__}")
         self.registered[key] = Binding(model_cache)
 
     def forget(self) -> None:

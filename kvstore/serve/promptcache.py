@@ -30,7 +30,7 @@ from kvstore.model.prefill import prompt_cache
 from kvstore.model.tokens import as_tokens
 from kvstore.serve.binding import IN_RAM, Binding, KeyBindings
 from kvstore.serve.firststeps import FirstSteps
-from kvstore.serve.ramlru import CACHE_TYPES, RamSequences, SystemPrompts
+from kvstore.serve.ramlru import CACHE_TYPES, RamSequences, SystemPrompts, can_trim, check_bounds
 from kvstore.serve.tenancy.policy import UNKNOWN, RequestTenants, SharedWrites
 from kvstore.store import Store
 from kvstore.tenants import Tenant
@@ -74,6 +74,7 @@ class PersistentPromptCache:
     def __init__(self, store: Store, max_size: int = 10, max_bytes: int | None = None, *,
                  max_insert_tokens: int | None = None, tenants: bool = False,
                  shared_writes: SharedWrites | None = None):
+        check_bounds(max_size, max_bytes)
         self.store = store
         self.tenants = RequestTenants(tenants)
         self.shared_writes = shared_writes
@@ -336,7 +337,7 @@ class PersistentPromptCache:
         seq = ((key, tenant.tag) if tenant is not None else key, mc.ns, tuple(held))
         self._ram.add(seq, hashes, cache_type)
         self._evicted.difference_update(hashes)
-        if _can_trim(prompt_cache):  # a trimmable cache makes every stored prefix of it redundant
+        if can_trim(prompt_cache):  # a trimmable cache makes every stored prefix of it redundant
             for prefix in self._ram.prefixes_of(seq):
                 self._evict(prefix, self._ram.remove(prefix))
         if cache_type == "system":
@@ -481,15 +482,6 @@ class PersistentPromptCache:
         self.counters["errors"] += 1
         log.warning("kvstore: %s failed, served without the store: %s: %s", what, type(e).__name__, e,
                     exc_info=log.isEnabledFor(logging.DEBUG))
-
-
-def _can_trim(cache: list) -> bool:
-    from mlx_lm.models.cache import can_trim_prompt_cache
-
-    try:
-        return bool(can_trim_prompt_cache(cache))
-    except Exception:
-        return False
 
 
 def _remote_tokens(store: Store) -> int | None:

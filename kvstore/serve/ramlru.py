@@ -9,10 +9,30 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from kvstore.errors import InvalidInputError
 from kvstore.upkeep.evict import ROLES
 
 #: `insert_cache` types, in the order mlx-lm's LRUPromptCache evicts them (the store's order too).
 CACHE_TYPES = ROLES
+
+
+def check_bounds(max_size, max_bytes) -> None:
+    """`LRUPromptCache`'s bounds: `max_size` sequences (a count), `max_bytes` bytes (or None)."""
+    for name, value, none in (("max_size", max_size, False), ("max_bytes", max_bytes, True)):
+        if (value is None and none) or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+            continue
+        raise InvalidInputError(f"{name}: give a whole number, 0 or more{' (or None)' if none else ''}, "
+                                f"as to mlx-lm's LRUPromptCache, not {value!r:.30}")
+
+
+def can_trim(cache: list) -> bool:
+    """Whether mlx-lm can trim `cache` (then it makes every held prefix of it redundant)."""
+    from mlx_lm.models.cache import can_trim_prompt_cache
+
+    try:
+        return bool(can_trim_prompt_cache(cache))
+    except Exception:
+        return False
 
 
 class RamSequences:

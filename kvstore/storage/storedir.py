@@ -40,6 +40,8 @@ FULL_DISK_BYTES = 1 << 20
 INDEX_FILES = tuple(INDEX_NAME + s for s in ("", "-wal", "-shm", "-journal"))
 # Left beside the index by a rebuild, or when a stale journal is moved aside.
 _INDEX_LEFTOVERS = (".damaged-", ".rebuilding", "-wal.stale-", "-shm.stale-", "-journal.stale-")
+# What may still open a store this process cannot write: named in the refusals of the others.
+_READERS = "`kvstore stats`, `kvstore verify` and, in Python, `kvstore.open(path, read_only=True)`"
 _IGNORABLE = {".DS_Store"}  # a folder opened in the macOS Finder is still empty
 _NO_TABLES = "it holds no tables"
 _TABLES = {"schema_migrations", "meta", "records", "models", "file_digests", "totals"}
@@ -56,7 +58,11 @@ def store_dir(path) -> Path:
     be the current folder."""
     if path is None:
         return default_path()
-    if not os.fspath(path).strip():
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        raise InvalidInputError(f"path: the store's path is a folder's name (text or a Path), or None for "
+                                f"$KVSTORE_DIR (else ~/.cache/kvstore), not {type(path).__name__} {path!r:.40}")
+    path = os.fsdecode(path)
+    if not path.strip():
         raise InvalidInputError("the store's path is empty: give a folder, or None for $KVSTORE_DIR "
                                 "(else ~/.cache/kvstore)")
     return Path(path)
@@ -195,10 +201,10 @@ def open_dir(path: Path, *, create: bool, read_only: bool | None) -> tuple[Path,
         if not writable:
             why = "is on a read-only file system" if _read_only_mount(path) else "is not writable by this user"
             raise StoreOpenError(f"the store {path} {why}: this needs to "
-                                 "write to it (`kvstore stats` and `kvstore verify` work read-only)")
+                                 f"write to it ({_READERS} read it without writing)")
         if st.st_uid != os.geteuid():
             raise StoreOpenError(f"the store {path} belongs to user id {st.st_uid}, not to you: "
-                                 "kvstore only writes to a store you own (it can read this one)")
+                                 f"kvstore only writes to a store you own ({_READERS} read this one)")
     try:
         _check_is_store(path, create=create and not read_only, read_only=read_only)
     except StoreOpenError as e:  # a full disk: SQLite cannot make the index's -wal and -shm

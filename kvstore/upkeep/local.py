@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from kvstore import settings
-from kvstore.errors import StoreOpenError
+from kvstore.errors import InvalidInputError, StoreOpenError
 from kvstore.storage import blobtree
 from kvstore.storage.index import Index, is_corruption
 from kvstore.storage.stale import status_of_copies as model_status
@@ -53,6 +53,9 @@ class LocalStore:
     """
 
     def __init__(self, path: Path, *, create: bool = True, read_only: bool | None = False):
+        for name, flag, allowed in (("create", create, (True, False)), ("read_only", read_only, (True, False, None))):
+            if not any(flag is a for a in allowed):  # "no" is true: a store opened the opposite way
+                raise InvalidInputError(f"{name}: give {' or '.join(map(str, allowed))}, not {flag!r:.30}")
         self.path, self.read_only = open_dir(Path(path), create=create, read_only=read_only)
         self.blob_root = self.path / BLOBS_NAME
         index_file = self.path / INDEX_NAME
