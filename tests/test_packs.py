@@ -263,6 +263,31 @@ def test_an_unsigned_pack_imports_without_a_trust_key_and_says_so(tmp_path, demo
         assert store.pins() == [] and store.stats()["chunks"] > 0
 
 
+def test_an_import_again_says_what_it_did_to_the_pins_an_earlier_import_made(tmp_path, demo_model, signed_pack):
+    """Importing a pack again stores nothing and says so; with --no-pin it does not say that gc
+    may evict records an earlier import pinned (they stay pinned), and with pins it says they were."""
+    model = demo_model("llama")
+    pack, store = signed_pack[0], tmp_path / "b"
+    first = run_cli("pack", "import", pack, "--store", store, "--model", model)
+    n = len(json.loads((pack / "manifest.json").read_text())["records"])
+    assert f"{n} records stored on disk" in first.stdout and "pinned already" not in first.stdout
+    again = run_cli("pack", "import", pack, "--store", store, "--model", model, "--no-pin")
+    assert f"0 records stored on disk (0 B), {n} were stored already" in again.stdout, again.stdout
+    assert f"not pinned by this import (--no-pin), but all {n} were pinned already: gc keeps them" in again.stdout
+    assert "gc may evict" not in again.stdout
+    assert sum(row[0] for row in _column(store, "pinned")) == n  # still pinned, as it said
+    pinned = run_cli("pack", "import", pack, "--store", store, "--model", model)
+    assert f"{n} records pinned ({n} of them were pinned already)" in pinned.stdout, pinned.stdout
+
+
+def _column(store: Path, name: str) -> list:
+    conn = sqlite3.connect(f"file:{store / 'index.sqlite'}?mode=ro", uri=True)
+    try:
+        return conn.execute(f"SELECT {name} FROM records").fetchall()
+    finally:
+        conn.close()
+
+
 def _unsigned_copy(signed_pack, tmp_path: Path, name: str) -> tuple[Path, dict]:
     pack = Path(shutil.copytree(signed_pack[0], tmp_path / name))
     (pack / "model.sig").unlink()

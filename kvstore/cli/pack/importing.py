@@ -40,6 +40,19 @@ def cmd_import(args) -> int:
             + "; import packs from elsewhere with --trust-key")
     out(f"imported {args.pack}: {plural(len(v.manifest.prompts), 'prompt')}, {plural(v.tokens, 'token')}; "
         f"{plural(done.stored, 'record')} stored on disk ({format_size(done.bytes)}), {done.present} were "
-        f"stored already; " + (f"{plural(done.pinned, 'record')} pinned" if not args.no_pin
-                               else "not pinned (--no-pin): gc may evict them"))
+        f"stored already; " + _pins(done, len(v.records), args.no_pin))
     return 0
+
+
+def _pins(done, records: int, no_pin: bool) -> str:
+    """What the import did to pins, and what an earlier import had pinned already (--no-pin
+    leaves those pinned: gc keeps them)."""
+    before = done.pinned_before
+    if not no_pin:
+        return f"{plural(done.pinned, 'record')} pinned" + (f" ({before} of them were pinned already)" if before else "")
+    if not before:
+        return "not pinned (--no-pin): gc may evict them"
+    if before == records:
+        return f"not pinned by this import (--no-pin), but all {records} were pinned already: gc keeps them"
+    return (f"not pinned by this import (--no-pin): {before} were pinned already (gc keeps them), gc may evict "
+            f"the other {records - before}")
