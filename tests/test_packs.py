@@ -26,7 +26,8 @@ from kvstore.errors import PackError
 from kvstore.packs import manifest as packfile
 from kvstore.packs import replay, signing
 from kvstore.packs.export import shared_only
-from kvstore.storage import blobformat
+from kvstore.records import prompt_records
+from kvstore.storage import blobfile, blobformat
 
 PROMPT = "You are the assistant of a small team. Answer briefly. " + "Notes on the build: " * 40
 OTHER = "Another prompt that lives in the importing store already. " * 3
@@ -647,6 +648,31 @@ def test_a_tenants_prompt_never_leaves_in_a_pack(tmp_path, demo_model):
     assert not theirs & set(doc["records"])
     for blob in (tmp_path / "pack" / "blobs").iterdir():
         assert "x-tenant" not in blobformat.parse(blob.read_bytes())[2]
+    # A pack made by other means of the tenant's records (their blobs, a manifest of their chain)
+    # is refused as a tenant's, naming the blob, and nothing is imported.
+    forged = Path(shutil.copytree(tmp_path / "pack", tmp_path / "forged"))
+    shutil.rmtree(forged / "blobs")
+    (forged / "blobs").mkdir()
+    with kvstore.open(tmp_path / "s") as store:
+        alice = store.bind(loaded, str(model), tenant="alice")
+        chain = prompt_records(alice.ns, tokens, alice.chunk_size, tenant=alice.tenant)
+        rows = store.index.rows_of([s.hash for s in chain])
+        assert len(rows) == len(chain) and all(r.tenant is not None for r in rows.values())
+        for h, r in rows.items():
+            data = blobfile.read_checked(store.blob_root, h, size=r.size, checksum=r.checksum)[0]
+            (forged / packfile.blob_name(h)).write_bytes(blobformat.restamp(data, blobformat.portable(
+                blobformat.header_metadata(data))))
+    doc["prompts"][0]["records"] = [s.hash.hex() for s in chain]
+    doc["records"] = {h.hex(): {"bytes": (forged / packfile.blob_name(h)).stat().st_size,
+                                "sha256": hashlib.sha256((forged / packfile.blob_name(h)).read_bytes()).hexdigest()}
+                      for h in rows}
+    doc["canaries"] = {}
+    _write_manifest(forged, doc)
+    refused = run_cli("pack", "import", forged, "--store", tmp_path / "b", "--model", model, check=False)
+    first = packfile.blob_name(chain[0].hash)
+    assert refused.returncode == 1, refused.stdout
+    assert f"blob {first} holds a record of tenant {chain[0].tenant}: only the shared namespace" in refused.stderr
+    assert not (tmp_path / "b").exists()
 
 
 def test_an_export_says_which_tokens_it_computed_and_which_it_shared(tmp_path, demo_model):
