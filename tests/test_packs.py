@@ -438,6 +438,29 @@ def test_a_push_to_a_place_that_holds_anything_is_refused_and_writes_nothing(tmp
     assert "unsigned" in pulled.stdout and _held(tmp_path / "pulled") == _held(tmp_path / "small")
 
 
+def test_a_push_of_a_pack_missing_a_blob_pushes_nothing(tmp_path, signed_pack, s3):
+    """A pack missing a blob its manifest lists (or holding one of another size) is refused before
+    anything is pushed: the blobs before it were left at the place, which then refused the whole
+    pack pushed again as a place that holds objects."""
+    broken = Path(shutil.copytree(signed_pack[0], tmp_path / "broken"))
+    chain = json.loads((broken / "manifest.json").read_text())["prompts"][0]["records"]
+    missing = broken / packfile.blob_name(chain[-1])
+    missing.unlink()
+    longer = Path(shutil.copytree(signed_pack[0], tmp_path / "longer"))
+    (longer / packfile.blob_name(chain[0])).open("ab").write(b"\0")
+    url, folder = s3.url(), tmp_path / "dest"
+    for pack, why in [(broken, f"the pack has no {packfile.blob_name(chain[-1])} ({missing}), which its manifest "
+                               "lists: nothing pushed"),
+                      (longer, "bytes, the manifest says")]:
+        for place in (url, folder):
+            refused = run_cli("pack", "push", pack, place, check=False)
+            assert refused.returncode == 1 and _held(place) == {}, (refused.stderr, _held(place))
+            assert why in refused.stderr, refused.stderr
+    for place in (url, folder):
+        run_cli("pack", "push", signed_pack[0], place)
+        assert _held(place) == _held(signed_pack[0])
+
+
 def test_an_import_of_a_folder_that_is_not_there_says_so(tmp_path, demo_model):
     """A mistyped pack path (nothing there, or a file) is said as such by import and push, not as
     a pack without its manifest.json, and nothing is created."""
