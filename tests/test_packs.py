@@ -768,3 +768,16 @@ def test_a_prompt_that_starts_another_of_the_pack_is_carried_within_it(tmp_path,
                     "--out", tmp_path / "pack2", check=False)
     assert alone.returncode == 1 and "start of a longer stored prompt" in alone.stderr
     assert not (tmp_path / "pack2").exists()
+
+
+def test_a_prompt_given_twice_is_said_as_a_repeat_not_as_within_a_longer_one(tmp_path, demo_model):
+    model = demo_model("llama")
+    lines = tmp_path / "three.jsonl"
+    longer = OTHER + " And a question after it."
+    lines.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in (OTHER, longer, longer)))
+    result = run_cli("pack", "export", "--store", tmp_path / "a", "--model", model, "--prompts", lines, "--unsigned",
+                     "--out", tmp_path / "pack")
+    assert "3 prompts (1 of them within a longer one, 1 of them a repeat of an earlier one)" in result.stdout, \
+        result.stdout
+    doc = json.loads((tmp_path / "pack" / "manifest.json").read_text())
+    assert [p["tokens"] for p in doc["prompts"]] == [len(tokens_of(model, longer))]

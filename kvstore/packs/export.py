@@ -45,6 +45,7 @@ class Exported:
     signed: bool
     stored_before: int = 0
     within_another: int = 0  # prompts carried as the start of a longer prompt of the pack
+    repeats: int = 0  # prompts given again (the same tokens as an earlier one): carried once
 
 
 def shared_only(rows: Sequence) -> None:
@@ -127,9 +128,10 @@ def export_pack(store, mc, model_dir: Path, tokenizer, prompts: list[np.ndarray]
         os.rename(tmp, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+    repeats = sum(any(np.array_equal(t, u) for u in given[:i]) for i, t in enumerate(given))
     return Exported(len(given), sum(map(len, given)), computed, len(records),
                     sum(n for n, _ in records.values()), sign_key is not None,
-                    min(before, sum(map(len, given)) - computed), len(given) - len(prompts))
+                    min(before, sum(map(len, given)) - computed), len(given) - len(prompts) - repeats, repeats)
 
 
 def _not_within_another(prompts: list[np.ndarray]) -> list[np.ndarray]:

@@ -22,7 +22,9 @@ def cmd_export(args) -> int:
                            [tokens for _, tokens in work], Path(args.out),
                            sign_key=Path(args.sign_key) if args.sign_key else None)
     shared = done.tokens - done.computed - done.stored_before
-    within = f" ({done.within_another} of them within a longer one)" if done.within_another else ""
+    within = ", ".join(([f"{done.within_another} of them within a longer one"] if done.within_another else [])
+                       + ([f"{done.repeats} of them a repeat of an earlier one"] if done.repeats else []))
+    within = f" ({within})" if within else ""
     out(f"pack {args.out}: {plural(done.prompts, 'prompt')}{within}, {plural(done.tokens, 'token')} "
         f"({done.computed} computed now, {done.stored_before} stored before this export"
         + (f", {shared} shared with an earlier prompt of it" if shared > 0 else "")
