@@ -781,3 +781,18 @@ def test_a_prompt_given_twice_is_said_as_a_repeat_not_as_within_a_longer_one(tmp
         result.stdout
     doc = json.loads((tmp_path / "pack" / "manifest.json").read_text())
     assert [p["tokens"] for p in doc["prompts"]] == [len(tokens_of(model, longer))]
+
+
+def test_a_key_that_cannot_be_used_is_said_before_the_model_is_loaded(tmp_path, signed_pack):
+    """A mistyped --sign-key or --trust-key is said at once, not after the model is loaded and its
+    weights hashed (here there is no model at all: the key is what is said)."""
+    no_model = tmp_path / "no-model"
+    export = run_cli("pack", "export", "--store", tmp_path / "a", "--model", no_model, "--prompt", "hi",
+                     "--sign-key", tmp_path / "none.pem", "--out", tmp_path / "pack", check=False)
+    assert export.returncode == 1 and f"--sign-key {tmp_path / 'none.pem'}: not an unencrypted" in export.stderr, \
+        export.stderr
+    imported = run_cli("pack", "import", signed_pack[0], "--store", tmp_path / "b", "--model", no_model,
+                       "--trust-key", tmp_path / "none.pub", check=False)
+    assert imported.returncode == 1 and f"--trust-key {tmp_path / 'none.pub'}: not an elliptic-curve public key" \
+        in imported.stderr, imported.stderr
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists() and not (tmp_path / "pack").exists()

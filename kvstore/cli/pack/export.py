@@ -12,7 +12,10 @@ from kvstore.sizes import format_size
 def cmd_export(args) -> int:
     from kvstore.model.fingerprint import resolve_model_dir
     from kvstore.packs.export import export_pack
+    from kvstore.packs.signing import check_private_key
 
+    if args.sign_key:  # a mistyped key is said before the model is loaded and the prompts computed
+        check_private_key(Path(args.sign_key))
     items = prompt_items(args)
     with bound(args, items, "pack export") as (store, loaded, mc, work, errors):
         if errors:

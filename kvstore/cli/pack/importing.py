@@ -13,9 +13,12 @@ from kvstore.sizes import format_size
 def cmd_import(args) -> int:
     from kvstore.model.loading import load_model
     from kvstore.packs.importing import import_pack
+    from kvstore.packs.signing import check_public_key
     from kvstore.packs.verify import pack_folder
 
-    pack_folder(Path(args.pack))  # a mistyped path is said before the model is loaded
+    pack_folder(Path(args.pack))  # a mistyped path or key is said before the model is loaded
+    if args.trust_key:
+        check_public_key(Path(args.trust_key))
     model_id = model_to_load(args)
     url = remote_url(args)
     loaded = load_model(model_id)
