@@ -42,7 +42,7 @@ def cmd_import(args) -> int:
             + (", its canaries too" if v.canaries else ", and no canary compared them with the model")
             + "; import packs from elsewhere with --trust-key")
     out(f"imported {args.pack}: {plural(len(v.manifest.prompts), 'prompt')}, {plural(v.tokens, 'token')}; "
-        f"{plural(done.stored, 'record')} stored on disk ({format_size(done.bytes)}), {done.present} were "
+        f"{plural(done.stored, 'record')} stored on disk ({format_size(done.bytes)}), {_were(done.present)} "
         f"stored already; " + _pins(done, len(v.records), args.no_pin))
     return 0
 
@@ -52,10 +52,20 @@ def _pins(done, records: int, no_pin: bool) -> str:
     leaves those pinned: gc keeps them)."""
     before = done.pinned_before
     if not no_pin:
-        return f"{plural(done.pinned, 'record')} pinned" + (f" ({before} of them were pinned already)" if before else "")
+        said = f"{plural(done.pinned, 'record')} pinned"
+        if before and before == done.pinned:
+            return said + (" (it was pinned already)" if before == 1 else " (all were pinned already)")
+        return said + (f" ({before} of them {_were(before, bare=True)} pinned already)" if before else "")
     if not before:
         return "not pinned (--no-pin): gc may evict them"
     if before == records:
-        return f"not pinned by this import (--no-pin), but all {records} were pinned already: gc keeps them"
-    return (f"not pinned by this import (--no-pin): {before} were pinned already (gc keeps them), gc may evict "
+        return ("not pinned by this import (--no-pin), but " + ("it was" if records == 1 else f"all {records} were")
+                + " pinned already: gc keeps " + ("it" if records == 1 else "them"))
+    return (f"not pinned by this import (--no-pin): {_were(before)} pinned already (gc keeps them), gc may evict "
             f"the other {records - before}")
+
+
+def _were(n: int, *, bare: bool = False) -> str:
+    """`1 was`, `3 were` (`was`, `were` if `bare`)."""
+    verb = "was" if n == 1 else "were"
+    return verb if bare else f"{n} {verb}"
