@@ -796,3 +796,23 @@ def test_a_key_that_cannot_be_used_is_said_before_the_model_is_loaded(tmp_path, 
     assert imported.returncode == 1 and f"--trust-key {tmp_path / 'none.pub'}: not an elliptic-curve public key" \
         in imported.stderr, imported.stderr
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists() and not (tmp_path / "pack").exists()
+
+
+def test_a_pack_is_exported_and_pulled_into_the_working_folder_as_dot(tmp_path, demo_model, keys, monkeypatch):
+    """`--out .` and `pack pull URL .` in an empty working folder write the pack there (it said
+    '.: Invalid argument': the folder was made as '' and renamed onto '.'), signed for a verifier."""
+    from model_signing import verifying
+
+    model = demo_model("llama")
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    run_cli("pack", "export", "--store", tmp_path / "a", "--model", model, "--prompt", OTHER,
+            "--sign-key", keys["key"], "--out", ".")
+    assert sorted(p.name for p in Path(".").iterdir()) == ["blobs", "manifest.json", "model.sig"]
+    verifying.Config().use_elliptic_key_verifier(public_key=keys["pub"]).verify(Path("."), Path("model.sig"))
+    (tmp_path / "there").mkdir()
+    monkeypatch.chdir(tmp_path / "there")
+    pulled = run_cli("pack", "pull", tmp_path / "here", ".")
+    assert "into .: 3 files" in pulled.stdout, pulled.stdout
+    run_cli("pack", "import", ".", "--store", tmp_path / "b", "--model", model, "--trust-key", keys["pub"])
+    assert [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name] == []

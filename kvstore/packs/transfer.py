@@ -24,7 +24,7 @@ from pathlib import Path
 from kvstore.errors import InvalidInputError, PackError
 from kvstore.packs.manifest import BLOBS, MANIFEST, MAX_MANIFEST_BYTES, SIGNATURE, blob_name, parse
 from kvstore.packs.signing import MAX_SIGNATURE_BYTES
-from kvstore.packs.verify import is_free, pack_folder, read_file
+from kvstore.packs.verify import is_free, pack_folder, read_file, settle
 from kvstore.remote.bucket import RemoteError, TooLarge, open_bucket
 from kvstore.sizes import plural
 
@@ -138,9 +138,10 @@ def _holds_nothing(target, url: str) -> None:
 
 def pull(url: str, folder: Path) -> Moved:
     """Copy the pack at `url` into the new folder `folder` (it must not exist, or be empty)."""
-    folder = Path(folder)
+    said = folder
+    folder = Path(os.path.abspath(folder))  # (`.` names no folder to pull into beside it)
     if not is_free(folder):
-        raise PackError(f"{folder} exists and is not an empty folder: a pack is pulled into a new folder")
+        raise PackError(f"{said} exists and is not an empty folder: a pack is pulled into a new folder")
     source = place(url)
     tmp = folder.parent / f".{folder.name}.tmp-{os.getpid()}-{os.urandom(4).hex()}"
     (tmp / BLOBS).mkdir(parents=True)
@@ -158,9 +159,7 @@ def pull(url: str, folder: Path) -> Moved:
             data = _get(source, SIGNATURE, MAX_SIGNATURE_BYTES, url)
             (tmp / SIGNATURE).write_bytes(data)
             total += len(data)
-        if folder.exists():
-            folder.rmdir()
-        os.rename(tmp, folder)
+        settle(tmp, folder)
     except RemoteError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise PackError(f"pull from {url} failed: {e}") from None

@@ -169,6 +169,18 @@ def is_free(path: Path) -> bool:
     return not path.exists() or (path.is_dir() and not any(path.iterdir()))
 
 
+def settle(made: Path, out: Path) -> None:
+    """Put the whole pack folder `made` at `out` (not there, or an empty folder: `is_free`): renamed
+    to it, or, where the folder is there (the working folder, say, which cannot be replaced), its
+    entries moved into it, `manifest.json` last (a reader that finds it finds the rest)."""
+    if not out.exists():
+        os.rename(made, out)
+        return
+    for name in sorted(os.listdir(made), key=lambda n: (n == MANIFEST, n)):
+        os.rename(made / name, out / name)
+    made.rmdir()
+
+
 def _signature_covers(signed: dict[str, str], m: Manifest) -> None:
     """The signature names exactly the manifest and its blobs, with the manifest's SHA-256s."""
     listed = m.files_listed()
