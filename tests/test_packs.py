@@ -667,6 +667,7 @@ def test_a_tenants_prompt_never_leaves_in_a_pack(tmp_path, demo_model):
     result = run_cli("pack", "export", "--store", tmp_path / "s", "--model", model, "--prompt", secret, "--unsigned",
                      "--out", tmp_path / "pack")
     assert f"({len(tokens)} computed now, 0 stored before this export)" in result.stdout, result.stdout
+    assert f"the {len(tokens)} tokens computed now are stored in {tmp_path / 's'} too (not pinned)" in result.stdout
     doc = json.loads((tmp_path / "pack" / "manifest.json").read_text())
     assert not theirs & set(doc["records"])
     for blob in (tmp_path / "pack" / "blobs").iterdir():
@@ -711,6 +712,9 @@ def test_an_export_says_which_tokens_it_computed_and_which_it_shared(tmp_path, d
     assert said, result.stdout
     tokens, computed, shared = map(int, said.groups())
     assert computed + shared == tokens and shared >= n
+    again = run_cli("pack", "export", "--store", tmp_path / "a", "--model", model, "--prompts", lines, "--unsigned",
+                    "--out", tmp_path / "pack2")
+    assert "(0 computed now," in again.stdout and "computed now are stored" not in again.stdout, again.stdout
 
 
 def test_another_disk_kv_bits_is_refused_with_both_values(tmp_path, demo_model):
