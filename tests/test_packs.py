@@ -820,3 +820,17 @@ def test_a_pack_is_exported_and_pulled_into_the_working_folder_as_dot(tmp_path, 
     assert "into .: 3 files" in pulled.stdout, pulled.stdout
     run_cli("pack", "import", ".", "--store", tmp_path / "b", "--model", model, "--trust-key", keys["pub"])
     assert [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name] == []
+
+
+def test_an_unpinned_import_that_gc_takes_off_the_disk_at_once_says_so(tmp_path, demo_model, signed_pack):
+    """With --no-pin into a store whose max_bytes cannot hold the pack, gc evicts its records as
+    they land: the import said they were stored on disk and nothing else, and the store held none."""
+    model = demo_model("llama")
+    n = len(json.loads((signed_pack[0] / "manifest.json").read_text())["records"])
+    small = run_cli("pack", "import", signed_pack[0], "--store", tmp_path / "b", "--model", model, "--no-pin",
+                    "--store-max-bytes", "1000")
+    assert f"warning: gc took {n} records of the pack off the disk again at once" in small.stderr, small.stderr
+    assert _column(tmp_path / "b", "hash") == []
+    pinned = run_cli("pack", "import", signed_pack[0], "--store", tmp_path / "c", "--model", model,
+                     "--store-max-bytes", "1000")
+    assert "gc took" not in pinned.stderr and len(_column(tmp_path / "c", "hash")) == n

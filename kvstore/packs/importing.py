@@ -44,6 +44,7 @@ class Imported:
     bytes: int
     pinned: int
     pinned_before: int = 0  # (an earlier import's pins, kept whether or not this one pins)
+    evicted: int = 0  # records of the pack gc took off the disk again at once (--no-pin, a small max_bytes)
 
 
 def memory_bound() -> int:
@@ -129,4 +130,7 @@ def _store(store: Store, mc, verified: Verified, pin: bool, fleet: Trust | None)
         else:
             present += 1
     pinned = store.index.pin(hashes) if pin else 0
-    return Imported(verified, stored, present, nbytes, pinned, pinned_before)
+    if store.disk.budget is not None:  # gc keeps the disk within max_bytes as records land: unpinned, they may go
+        store.disk.budget.settle()
+    evicted = len(hashes) - len(store.index.rows_of(hashes))
+    return Imported(verified, stored, present, nbytes, pinned, pinned_before, evicted)

@@ -44,6 +44,9 @@ def cmd_import(args) -> int:
     out(f"imported {args.pack}: {plural(len(v.manifest.prompts), 'prompt')}, {plural(v.tokens, 'token')}; "
         f"{plural(done.stored, 'record')} stored on disk ({format_size(done.bytes)}), {_were(done.present)} "
         f"stored already; " + _pins(done, len(v.records), args.no_pin))
+    if done.evicted:
+        say(f"{PROG} pack import: warning: gc took {plural(done.evicted, 'record')} of the pack off the disk again "
+            "at once, to keep the store within its max_bytes: import it pinned, or raise --store-max-bytes")
     return 0
 
 
