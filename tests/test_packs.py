@@ -26,7 +26,8 @@ from kvstore.errors import PackError
 from kvstore.packs import manifest as packfile
 from kvstore.packs import replay, signing
 from kvstore.packs.export import shared_only
-from kvstore.storage import blobformat
+from kvstore.records import prompt_records
+from kvstore.storage import blobfile, blobformat
 
 PROMPT = "You are the assistant of a small team. Answer briefly. " + "Notes on the build: " * 40
 OTHER = "Another prompt that lives in the importing store already. " * 3
@@ -263,6 +264,31 @@ def test_an_unsigned_pack_imports_without_a_trust_key_and_says_so(tmp_path, demo
         assert store.pins() == [] and store.stats()["chunks"] > 0
 
 
+def test_an_import_again_says_what_it_did_to_the_pins_an_earlier_import_made(tmp_path, demo_model, signed_pack):
+    """Importing a pack again stores nothing and says so; with --no-pin it does not say that gc
+    may evict records an earlier import pinned (they stay pinned), and with pins it says they were."""
+    model = demo_model("llama")
+    pack, store = signed_pack[0], tmp_path / "b"
+    first = run_cli("pack", "import", pack, "--store", store, "--model", model)
+    n = len(json.loads((pack / "manifest.json").read_text())["records"])
+    assert f"{n} records stored on disk" in first.stdout and "pinned already" not in first.stdout
+    again = run_cli("pack", "import", pack, "--store", store, "--model", model, "--no-pin")
+    assert f"0 records stored on disk (0 B), {n} were stored already" in again.stdout, again.stdout
+    assert f"not pinned by this import (--no-pin), but all {n} were pinned already: gc keeps them" in again.stdout
+    assert "gc may evict" not in again.stdout
+    assert sum(row[0] for row in _column(store, "pinned")) == n  # still pinned, as it said
+    pinned = run_cli("pack", "import", pack, "--store", store, "--model", model)
+    assert f"{n} were stored already; {n} records pinned (all were pinned already)" in pinned.stdout, pinned.stdout
+
+
+def _column(store: Path, name: str) -> list:
+    conn = sqlite3.connect(f"file:{store / 'index.sqlite'}?mode=ro", uri=True)
+    try:
+        return conn.execute(f"SELECT {name} FROM records").fetchall()
+    finally:
+        conn.close()
+
+
 def _unsigned_copy(signed_pack, tmp_path: Path, name: str) -> tuple[Path, dict]:
     pack = Path(shutil.copytree(signed_pack[0], tmp_path / name))
     (pack / "model.sig").unlink()
@@ -410,6 +436,29 @@ def test_a_push_to_a_place_that_holds_anything_is_refused_and_writes_nothing(tmp
     run_cli("pack", "push", tmp_path / "small", tmp_path / "empty")
     pulled = run_cli("pack", "pull", tmp_path / "empty", tmp_path / "pulled")
     assert "unsigned" in pulled.stdout and _held(tmp_path / "pulled") == _held(tmp_path / "small")
+
+
+def test_a_push_of_a_pack_missing_a_blob_pushes_nothing(tmp_path, signed_pack, s3):
+    """A pack missing a blob its manifest lists (or holding one of another size) is refused before
+    anything is pushed: the blobs before it were left at the place, which then refused the whole
+    pack pushed again as a place that holds objects."""
+    broken = Path(shutil.copytree(signed_pack[0], tmp_path / "broken"))
+    chain = json.loads((broken / "manifest.json").read_text())["prompts"][0]["records"]
+    missing = broken / packfile.blob_name(chain[-1])
+    missing.unlink()
+    longer = Path(shutil.copytree(signed_pack[0], tmp_path / "longer"))
+    (longer / packfile.blob_name(chain[0])).open("ab").write(b"\0")
+    url, folder = s3.url(), tmp_path / "dest"
+    for pack, why in [(broken, f"the pack has no {packfile.blob_name(chain[-1])} ({missing}), which its manifest "
+                               "lists: nothing pushed"),
+                      (longer, "bytes, the manifest says")]:
+        for place in (url, folder):
+            refused = run_cli("pack", "push", pack, place, check=False)
+            assert refused.returncode == 1 and _held(place) == {}, (refused.stderr, _held(place))
+            assert why in refused.stderr, refused.stderr
+    for place in (url, folder):
+        run_cli("pack", "push", signed_pack[0], place)
+        assert _held(place) == _held(signed_pack[0])
 
 
 def test_an_import_of_a_folder_that_is_not_there_says_so(tmp_path, demo_model):
@@ -618,10 +667,36 @@ def test_a_tenants_prompt_never_leaves_in_a_pack(tmp_path, demo_model):
     result = run_cli("pack", "export", "--store", tmp_path / "s", "--model", model, "--prompt", secret, "--unsigned",
                      "--out", tmp_path / "pack")
     assert f"({len(tokens)} computed now, 0 stored before this export)" in result.stdout, result.stdout
+    assert f"the {len(tokens)} tokens computed now are stored in {tmp_path / 's'} too (not pinned)" in result.stdout
     doc = json.loads((tmp_path / "pack" / "manifest.json").read_text())
     assert not theirs & set(doc["records"])
     for blob in (tmp_path / "pack" / "blobs").iterdir():
         assert "x-tenant" not in blobformat.parse(blob.read_bytes())[2]
+    # A pack made by other means of the tenant's records (their blobs, a manifest of their chain)
+    # is refused as a tenant's, naming the blob, and nothing is imported.
+    forged = Path(shutil.copytree(tmp_path / "pack", tmp_path / "forged"))
+    shutil.rmtree(forged / "blobs")
+    (forged / "blobs").mkdir()
+    with kvstore.open(tmp_path / "s") as store:
+        alice = store.bind(loaded, str(model), tenant="alice")
+        chain = prompt_records(alice.ns, tokens, alice.chunk_size, tenant=alice.tenant)
+        rows = store.index.rows_of([s.hash for s in chain])
+        assert len(rows) == len(chain) and all(r.tenant is not None for r in rows.values())
+        for h, r in rows.items():
+            data = blobfile.read_checked(store.blob_root, h, size=r.size, checksum=r.checksum)[0]
+            (forged / packfile.blob_name(h)).write_bytes(blobformat.restamp(data, blobformat.portable(
+                blobformat.header_metadata(data))))
+    doc["prompts"][0]["records"] = [s.hash.hex() for s in chain]
+    doc["records"] = {h.hex(): {"bytes": (forged / packfile.blob_name(h)).stat().st_size,
+                                "sha256": hashlib.sha256((forged / packfile.blob_name(h)).read_bytes()).hexdigest()}
+                      for h in rows}
+    doc["canaries"] = {}
+    _write_manifest(forged, doc)
+    refused = run_cli("pack", "import", forged, "--store", tmp_path / "b", "--model", model, check=False)
+    first = packfile.blob_name(chain[0].hash)
+    assert refused.returncode == 1, refused.stdout
+    assert f"blob {first} holds a record of tenant {chain[0].tenant}: only the shared namespace" in refused.stderr
+    assert not (tmp_path / "b").exists()
 
 
 def test_an_export_says_which_tokens_it_computed_and_which_it_shared(tmp_path, demo_model):
@@ -637,6 +712,9 @@ def test_an_export_says_which_tokens_it_computed_and_which_it_shared(tmp_path, d
     assert said, result.stdout
     tokens, computed, shared = map(int, said.groups())
     assert computed + shared == tokens and shared >= n
+    again = run_cli("pack", "export", "--store", tmp_path / "a", "--model", model, "--prompts", lines, "--unsigned",
+                    "--out", tmp_path / "pack2")
+    assert "(0 computed now," in again.stdout and "computed now are stored" not in again.stdout, again.stdout
 
 
 def test_another_disk_kv_bits_is_refused_with_both_values(tmp_path, demo_model):
@@ -694,3 +772,65 @@ def test_a_prompt_that_starts_another_of_the_pack_is_carried_within_it(tmp_path,
                     "--out", tmp_path / "pack2", check=False)
     assert alone.returncode == 1 and "start of a longer stored prompt" in alone.stderr
     assert not (tmp_path / "pack2").exists()
+
+
+def test_a_prompt_given_twice_is_said_as_a_repeat_not_as_within_a_longer_one(tmp_path, demo_model):
+    model = demo_model("llama")
+    lines = tmp_path / "three.jsonl"
+    longer = OTHER + " And a question after it."
+    lines.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in (OTHER, longer, longer)))
+    result = run_cli("pack", "export", "--store", tmp_path / "a", "--model", model, "--prompts", lines, "--unsigned",
+                     "--out", tmp_path / "pack")
+    assert "3 prompts (1 of them within a longer one, 1 of them a repeat of an earlier one)" in result.stdout, \
+        result.stdout
+    doc = json.loads((tmp_path / "pack" / "manifest.json").read_text())
+    assert [p["tokens"] for p in doc["prompts"]] == [len(tokens_of(model, longer))]
+
+
+def test_a_key_that_cannot_be_used_is_said_before_the_model_is_loaded(tmp_path, signed_pack):
+    """A mistyped --sign-key or --trust-key is said at once, not after the model is loaded and its
+    weights hashed (here there is no model at all: the key is what is said)."""
+    no_model = tmp_path / "no-model"
+    export = run_cli("pack", "export", "--store", tmp_path / "a", "--model", no_model, "--prompt", "hi",
+                     "--sign-key", tmp_path / "none.pem", "--out", tmp_path / "pack", check=False)
+    assert export.returncode == 1 and f"--sign-key {tmp_path / 'none.pem'}: not an unencrypted" in export.stderr, \
+        export.stderr
+    imported = run_cli("pack", "import", signed_pack[0], "--store", tmp_path / "b", "--model", no_model,
+                       "--trust-key", tmp_path / "none.pub", check=False)
+    assert imported.returncode == 1 and f"--trust-key {tmp_path / 'none.pub'}: not an elliptic-curve public key" \
+        in imported.stderr, imported.stderr
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists() and not (tmp_path / "pack").exists()
+
+
+def test_a_pack_is_exported_and_pulled_into_the_working_folder_as_dot(tmp_path, demo_model, keys, monkeypatch):
+    """`--out .` and `pack pull URL .` in an empty working folder write the pack there (it said
+    '.: Invalid argument': the folder was made as '' and renamed onto '.'), signed for a verifier."""
+    from model_signing import verifying
+
+    model = demo_model("llama")
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    run_cli("pack", "export", "--store", tmp_path / "a", "--model", model, "--prompt", OTHER,
+            "--sign-key", keys["key"], "--out", ".")
+    assert sorted(p.name for p in Path(".").iterdir()) == ["blobs", "manifest.json", "model.sig"]
+    verifying.Config().use_elliptic_key_verifier(public_key=keys["pub"]).verify(Path("."), Path("model.sig"))
+    (tmp_path / "there").mkdir()
+    monkeypatch.chdir(tmp_path / "there")
+    pulled = run_cli("pack", "pull", tmp_path / "here", ".")
+    assert "into .: 3 files" in pulled.stdout, pulled.stdout
+    run_cli("pack", "import", ".", "--store", tmp_path / "b", "--model", model, "--trust-key", keys["pub"])
+    assert [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name] == []
+
+
+def test_an_unpinned_import_that_gc_takes_off_the_disk_at_once_says_so(tmp_path, demo_model, signed_pack):
+    """With --no-pin into a store whose max_bytes cannot hold the pack, gc evicts its records as
+    they land: the import said they were stored on disk and nothing else, and the store held none."""
+    model = demo_model("llama")
+    n = len(json.loads((signed_pack[0] / "manifest.json").read_text())["records"])
+    small = run_cli("pack", "import", signed_pack[0], "--store", tmp_path / "b", "--model", model, "--no-pin",
+                    "--store-max-bytes", "1000")
+    assert f"warning: gc took {n} records of the pack off the disk again at once" in small.stderr, small.stderr
+    assert _column(tmp_path / "b", "hash") == []
+    pinned = run_cli("pack", "import", signed_pack[0], "--store", tmp_path / "c", "--model", model,
+                     "--store-max-bytes", "1000")
+    assert "gc took" not in pinned.stderr and len(_column(tmp_path / "c", "hash")) == n

@@ -25,7 +25,7 @@ from kvstore.errors import BlobError, PackError
 from kvstore.packs import identity, replay, signing
 from kvstore.packs.manifest import BLOBS, MANIFEST, Manifest, Prompt, blob_name, sha256
 from kvstore.packs.replay import canary_fields
-from kvstore.packs.verify import acting_disk_kv_bits, is_free
+from kvstore.packs.verify import acting_disk_kv_bits, is_free, settle
 from kvstore.records import check, prompt_records
 from kvstore.storage import blobfile, blobformat
 
@@ -45,6 +45,7 @@ class Exported:
     signed: bool
     stored_before: int = 0
     within_another: int = 0  # prompts carried as the start of a longer prompt of the pack
+    repeats: int = 0  # prompts given again (the same tokens as an earlier one): carried once
 
 
 def shared_only(rows: Sequence) -> None:
@@ -61,9 +62,9 @@ def export_pack(store, mc, model_dir: Path, tokenizer, prompts: list[np.ndarray]
     """Write the pack of `prompts` (token id arrays) of the model bound as `mc` to the folder
     `out` (which must not exist, or be empty), signed with `sign_key` (an EC private key in PEM)
     when given. PackError if it cannot."""
-    out = Path(out)
+    said, out = out, Path(os.path.abspath(out))  # (`.` names no folder to make the pack under, nor beside it)
     if not is_free(out):
-        raise PackError(f"{out} exists and is not an empty folder: a pack is written to a new folder")
+        raise PackError(f"{said} exists and is not an empty folder: a pack is written to a new folder")
     if store.disk is None:
         raise PackError("a pack is exported from a store directory (not a RAM-only store)")
     if getattr(mc, "tenant", None) is not None:
@@ -122,14 +123,13 @@ def export_pack(store, mc, model_dir: Path, tokenizer, prompts: list[np.ndarray]
         (tmp / MANIFEST).write_bytes(manifest.to_json())
         if sign_key is not None:
             signing.sign(tmp, sign_key)
-        if out.exists():
-            out.rmdir()
-        os.rename(tmp, out)
+        settle(tmp, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+    repeats = sum(any(np.array_equal(t, u) for u in given[:i]) for i, t in enumerate(given))
     return Exported(len(given), sum(map(len, given)), computed, len(records),
                     sum(n for n, _ in records.values()), sign_key is not None,
-                    min(before, sum(map(len, given)) - computed), len(given) - len(prompts))
+                    min(before, sum(map(len, given)) - computed), len(given) - len(prompts) - repeats, repeats)
 
 
 def _not_within_another(prompts: list[np.ndarray]) -> list[np.ndarray]:

@@ -36,13 +36,15 @@ from kvstore.upkeep.evict import role_class
 @dataclass
 class Imported:
     """What an import did: the check (`verified`), records stored now and already stored, their
-    bytes on disk, and records pinned."""
+    bytes on disk, records pinned, and how many of the pack's records were pinned before it."""
 
     verified: Verified
     stored: int
     present: int
     bytes: int
     pinned: int
+    pinned_before: int = 0  # (an earlier import's pins, kept whether or not this one pins)
+    evicted: int = 0  # records of the pack gc took off the disk again at once (--no-pin, a small max_bytes)
 
 
 def memory_bound() -> int:
@@ -115,6 +117,8 @@ def _store(store: Store, mc, verified: Verified, pin: bool, fleet: Trust | None)
     tagged with the store's trust or (`fleet`) the fleet's keys."""
     role = role_class("user")  # as a warmed prompt: evicted after assistant-only records
     stored = present = nbytes = 0
+    hashes = [c.span.hash for c in verified.records]
+    pinned_before = sum(1 for r in store.index.rows_of(hashes).values() if r.pinned)
     for c in verified.records:
         s = c.span
         blob = blobformat.restamp(c.blob, dict(c.metadata, model_id=mc.model_id))
@@ -125,5 +129,8 @@ def _store(store: Store, mc, verified: Verified, pin: bool, fleet: Trust | None)
             nbytes += len(blob)
         else:
             present += 1
-    pinned = store.index.pin([c.span.hash for c in verified.records]) if pin else 0
-    return Imported(verified, stored, present, nbytes, pinned)
+    pinned = store.index.pin(hashes) if pin else 0
+    if store.disk.budget is not None:  # gc keeps the disk within max_bytes as records land: unpinned, they may go
+        store.disk.budget.settle()
+    evicted = len(hashes) - len(store.index.rows_of(hashes))
+    return Imported(verified, stored, present, nbytes, pinned, pinned_before, evicted)

@@ -58,6 +58,23 @@ def check_private_key(private_key: Path) -> None:
                         f"(P-256, P-384 or P-521) that can be read ({why})")
 
 
+def check_public_key(public_key: Path) -> None:
+    """PackError unless `public_key` is an elliptic-curve public key the verifier takes (read
+    before the model is loaded, so a mistyped key fails at once)."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    try:
+        key = serialization.load_pem_public_key(Path(public_key).read_bytes())
+        why = "" if isinstance(key, ec.EllipticCurvePublicKey) and key.curve.name in _CURVES else \
+            _a(type(key).__name__.lstrip('_'))
+    except (ValueError, TypeError, OSError) as e:
+        why = _one_line(e)
+    if why:
+        raise PackError(f"--trust-key {public_key}: not an elliptic-curve public key in PEM (P-256, P-384 or "
+                        f"P-521) that can be read ({why})")
+
+
 def signed_files(folder: Path, public_key: Path) -> dict[str, str]:
     """What `folder/model.sig` signs (file -> SHA-256), once its signature is checked against
     `public_key`. PackError (one line) if there is no signature, it is not valid, or not by that key."""
@@ -66,20 +83,14 @@ def signed_files(folder: Path, public_key: Path) -> dict[str, str]:
     # blob twice, and what it checked would not be the bytes it stores. Its key verifier and
     # bundle reader, which give the signed manifest, are only in `_signing` (the version is pinned,
     # >=1.1,<2, in pyproject.toml; tests/test_packs.py runs the public verifier on a pack too).
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
     from model_signing._signing import sign_ec_key, sign_sigstore_pb
 
-    try:  # its type first: the verifier takes any PEM key and fails on the first it cannot use
-        key = serialization.load_pem_public_key(Path(public_key).read_bytes())
-        why = "" if isinstance(key, ec.EllipticCurvePublicKey) and key.curve.name in _CURVES else \
-            _a(type(key).__name__.lstrip('_'))
-        verifier = None if why else sign_ec_key.Verifier(Path(public_key))
+    check_public_key(public_key)  # its type first: the verifier takes any PEM key and fails on the first it cannot use
+    try:
+        verifier = sign_ec_key.Verifier(Path(public_key))
     except (ValueError, TypeError, OSError, AttributeError) as e:
-        why = _one_line(e)
-    if why:
         raise PackError(f"--trust-key {public_key}: not an elliptic-curve public key in PEM (P-256, P-384 or "
-                        f"P-521) that can be read ({why})")
+                        f"P-521) that can be read ({_one_line(e)})") from None
     path = folder / SIGNATURE
     _check_signature_file(path)
     try:

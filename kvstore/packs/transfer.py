@@ -17,14 +17,16 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvstore.errors import InvalidInputError, PackError
 from kvstore.packs.manifest import BLOBS, MANIFEST, MAX_MANIFEST_BYTES, SIGNATURE, blob_name, parse
 from kvstore.packs.signing import MAX_SIGNATURE_BYTES
-from kvstore.packs.verify import is_free, pack_folder, read_file
+from kvstore.packs.verify import is_free, pack_folder, read_file, settle
 from kvstore.remote.bucket import RemoteError, TooLarge, open_bucket
+from kvstore.sizes import plural
 
 
 class Folder:
@@ -83,18 +85,39 @@ def push(folder: Path, url: str) -> Moved:
     signed = os.path.lexists(folder / SIGNATURE)
     if signed:
         names.append(SIGNATURE)
-    total = 0
+    limits = {name: MAX_SIGNATURE_BYTES if name == SIGNATURE else m.records[Path(name).stem][0] for name in names}
+    for name in names:  # the whole pack is there before anything is pushed: no part of it is left there
+        _whole(folder, name, limits[name], exact=name != SIGNATURE)
+    total = done = 0
     try:
         _holds_nothing(target, url)
         for name in names:  # the manifest last: a reader that finds it finds the rest
-            limit = MAX_SIGNATURE_BYTES if name == SIGNATURE else m.records[Path(name).stem][0]
-            data = read_file(folder / name, limit)
+            data = read_file(folder / name, limits[name])
             target.put(name, data)
             total += len(data)
+            done += 1
         target.put(MANIFEST, raw)
-    except RemoteError as e:
-        raise PackError(f"push to {url} failed: {e}") from None
+    except (RemoteError, PackError) as e:
+        if not done:
+            raise PackError(f"push to {url} failed: {e}" if isinstance(e, RemoteError) else str(e)) from None
+        raise PackError(f"push to {url} failed after {plural(done, 'file')} of {len(names) + 1} reached it, "
+                        f"without manifest.json ({e}): empty it before pushing there again") from None
     return Moved(len(names) + 1, total + len(raw), signed)
+
+
+def _whole(folder: Path, name: str, limit: int, *, exact: bool) -> None:
+    """PackError unless the pack's file `name` is a regular file of its manifest's size (`exact`),
+    or of at most `limit` bytes."""
+    path = folder / name
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise PackError(f"the pack has no {name} ({path}), which its manifest lists: nothing pushed") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise PackError(f"{path} is not a regular file: nothing pushed")
+    if st.st_size > limit or (exact and st.st_size != limit):
+        raise PackError(f"{path} is {st.st_size} bytes, " + (f"the manifest says {limit}" if exact else
+                        f"more than it can be ({limit})") + ": nothing pushed")
 
 
 def _holds_nothing(target, url: str) -> None:
@@ -115,9 +138,10 @@ def _holds_nothing(target, url: str) -> None:
 
 def pull(url: str, folder: Path) -> Moved:
     """Copy the pack at `url` into the new folder `folder` (it must not exist, or be empty)."""
-    folder = Path(folder)
+    said = folder
+    folder = Path(os.path.abspath(folder))  # (`.` names no folder to pull into beside it)
     if not is_free(folder):
-        raise PackError(f"{folder} exists and is not an empty folder: a pack is pulled into a new folder")
+        raise PackError(f"{said} exists and is not an empty folder: a pack is pulled into a new folder")
     source = place(url)
     tmp = folder.parent / f".{folder.name}.tmp-{os.getpid()}-{os.urandom(4).hex()}"
     (tmp / BLOBS).mkdir(parents=True)
@@ -135,9 +159,7 @@ def pull(url: str, folder: Path) -> Moved:
             data = _get(source, SIGNATURE, MAX_SIGNATURE_BYTES, url)
             (tmp / SIGNATURE).write_bytes(data)
             total += len(data)
-        if folder.exists():
-            folder.rmdir()
-        os.rename(tmp, folder)
+        settle(tmp, folder)
     except RemoteError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise PackError(f"pull from {url} failed: {e}") from None

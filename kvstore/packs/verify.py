@@ -9,7 +9,7 @@
 3. the chain: each prompt's token ids, read from its blobs, have the manifest's count and SHA-256
    (where they do not, the reason names the first blob whose header names another record than
    the one the manifest puts there: blobs swapped or renamed), and hash to the manifest's chain
-   of records;
+   of records; no blob is a tenant's record (a tenant's records never leave its store);
 4. each blob's SHA-256;
 5. each record's own checks: every tensor's checksum, its header naming the record it is in the
    chain (`records.check`, the one check every tier uses), and its tensors fitting the model's shapes;
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvstore import keys
+from kvstore import keys, tenants
 from kvstore.errors import BlobError, PackError
 from kvstore.packs import identity, signing
 from kvstore.packs.manifest import (
@@ -169,6 +169,18 @@ def is_free(path: Path) -> bool:
     return not path.exists() or (path.is_dir() and not any(path.iterdir()))
 
 
+def settle(made: Path, out: Path) -> None:
+    """Put the whole pack folder `made` at `out` (not there, or an empty folder: `is_free`): renamed
+    to it, or, where the folder is there (the working folder, say, which cannot be replaced), its
+    entries moved into it, `manifest.json` last (a reader that finds it finds the rest)."""
+    if not out.exists():
+        os.rename(made, out)
+        return
+    for name in sorted(os.listdir(made), key=lambda n: (n == MANIFEST, n)):
+        os.rename(made / name, out / name)
+    made.rmdir()
+
+
 def _signature_covers(signed: dict[str, str], m: Manifest) -> None:
     """The signature names exactly the manifest and its blobs, with the manifest's SHA-256s."""
     listed = m.files_listed()
@@ -282,6 +294,7 @@ def _chain(m: Manifest, blobs: dict[str, bytes], mc) -> tuple[dict[str, tuple[Sp
                 stored = blobformat.read_record(blobs[h], blob_name(h))
             except BlobError as e:
                 raise PackError(f"blob {blob_name(h)} is not a record's blob: {e}") from None
+            _shared(stored.metadata, h)
             parts.append(stored.tokens)
             named.append(stored.metadata.get("hash"))
         tokens = np.concatenate(parts).astype("<i4")
@@ -297,6 +310,19 @@ def _chain(m: Manifest, blobs: dict[str, bytes], mc) -> tuple[dict[str, tuple[Sp
             spans.setdefault(s.hash.hex(), (s, i))
         prompts.append(tokens)
     return spans, prompts
+
+
+def _shared(metadata: dict[str, str], h: str) -> None:
+    """PackError if the blob of record `h` is a tenant's record: only the shared namespace goes in
+    a pack (a tenant's records are keyed under its own salt, so their chain is not the one the
+    tokens make, and that is not the reason to give)."""
+    try:
+        tag, _ = tenants.stated(metadata)
+    except ValueError as e:
+        raise PackError(f"blob {blob_name(h)}: its tenant fields are not valid ({e})") from None
+    if tag is not None:
+        raise PackError(f"blob {blob_name(h)} holds a record of tenant {tag}: only the shared namespace's "
+                        "records go in a pack (a tenant's never leave its store)")
 
 
 def _tokens_differ(p: Prompt, count: int, named: list[str | None]) -> str:
