@@ -37,7 +37,7 @@ def check_model(model) -> None:
     if isinstance(model, tuple):
         raise InvalidInputError("model: give the loaded mlx-lm model, not the (model, tokenizer) pair "
                                 "mlx_lm.load returns: `model, tokenizer = load(MODEL)`")
-    if not (callable(model) and hasattr(model, "parameters")
+    if not (hasattr(model, "parameters")
             and (hasattr(model, "make_cache") or hasattr(model, "layers"))):
         raise InvalidInputError(f"model: give the loaded mlx-lm model (from mlx_lm.load), not "
                                 f"{type(model).__name__} {model!r:.60}; its folder or repo id goes in model_id")
