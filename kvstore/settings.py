@@ -190,7 +190,8 @@ def _count(s: Setting, value: Any) -> int:
         try:
             value = int(value.strip())
         except ValueError:
-            raise ValueError(f"{value!r} is not a whole number") from None
+            raise ValueError(f"{value!r} is not a whole number" + (" of tokens: give a multiple of the chunk size, "
+                             "like 256, or off" if s.chunks else "")) from None
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"must be a whole number, got {value!r}")
     if value < 0:

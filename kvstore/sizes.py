@@ -73,9 +73,10 @@ def parse_rate(text: str) -> int:
     if not match:
         raise ValueError(f"{text!r} is not a rate; use a size per period, like 20GB/day or 500MB/h")
     amount, period = match.groups()
-    seconds = _PERIODS.get((period or "day").lower())
+    period = (period or "day").lower()
+    seconds = _PERIODS.get(period, _PERIODS.get(period[:-1]) if period.endswith("s") else None)  # (days, hours)
     if seconds is None:
-        raise ValueError(f"{text!r}: unknown period {period!r}; use s, min, h, day or week")
+        raise ValueError(f"{text!r}: unknown period {period!r}; use s, min, h (hour), d (day) or w (week)")
     try:
         size = parse_size(amount)
     except ValueError as e:

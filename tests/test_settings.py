@@ -100,6 +100,9 @@ def test_an_exact_step_of_no_whole_chunks_is_a_bad_command_line(kv, tmp_path, de
                     "--prompt", "hi", code=2)
         assert "argument --exact-prefill: exact_prefill (given) is 300 tokens, not a multiple of the chunk size " \
                "(256): give a multiple such as 256, or off" in result.stderr, result.stderr
+    result = kv("warm", "--store", tmp_path / "s", "--exact-prefill", "on", "--prompts", "p.jsonl", code=2)
+    assert "argument --exact-prefill: 'on' is not a whole number of tokens: give a multiple of the chunk size, " \
+           "like 256, or off" in result.stderr, result.stderr
     assert not (tmp_path / "s").exists()
 
 

@@ -36,6 +36,7 @@ def test_rates_in_every_accepted_form():
     assert parse_rate("500MB/h") == 500 * 10**6 * 24
     assert parse_rate("1GiB/week") == (1 << 30) // 7
     assert parse_rate("2GB") == 2 * 10**9  # a size alone is per day
+    assert parse_rate("2GB/days") == parse_rate("2GB/d") and parse_rate("24MB/hours") == parse_rate("24MB/hour")
     assert parse_rate(12345) == 12345
     assert parse_rate("off") is None and parse_rate("none") is None and parse_rate(None) is None
     for bad, reason in (("20GB/fortnight", "period"), ("fast", "not a rate"), (-1, "give 1 or more"),
