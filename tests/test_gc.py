@@ -193,7 +193,7 @@ def test_gc_evicts_what_the_leaf_by_leaf_rule_would(tmp_path, small_store, share
     shutil.copytree(src, path)
     with kvstore.open(path, chunk_size=C, memory_bytes=0) as store:
         rows = [(hp[:16], hp[16:], sf >> 6, last, sf & 1, 0)  # (size * 4 + role) * 16 + flags; 1: pinned
-                for hp, last, sf in store.index.eviction_graph()]
+                for part in store.index.eviction_graph() for hp, last, sf in part]
         before = {r[0] for r in rows}
         total = store.stats()["bytes"]
         max_bytes = None if share is None else int(total * share)

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from operator import itemgetter
-from typing import Collection
+from typing import Collection, Iterable
 
 import numpy as np
 
@@ -69,27 +69,31 @@ class Graph:
     tags: tuple = ()  # the tenant tag of each number in `tenant`
 
     @classmethod
-    def from_index(cls, rows: list[tuple]) -> "Graph":
-        """From `Index.eviction_graph`: (hash + parent, last access, (size * 4 + role) * 16 +
-        flags[, tenant tag]) tuples, flags 1 pinned, 2 stale, 4 hangs from its namespace, 8
-        quarantined."""
-        if not rows:
+    def from_index(cls, batches: Iterable[list[tuple]]) -> "Graph":
+        """From `Index.eviction_graph`: lists of (hash + parent, last access, (size * 4 + role)
+        * 16 + flags[, tenant tag]) tuples, flags 1 pinned, 2 stale, 4 hangs from its namespace,
+        8 quarantined."""
+        hps, lasts, sfs, tenants = [], [], [], []
+        codes: dict[object, int] = {None: -1}  # tenant tags as numbers: -1 for a shared record
+        for rows in batches:
+            n = len(rows)
+            # Each column in one C loop over the tuples (a structured np.array of them took 3x as
+            # long at 1M rows). The query gives 32 bytes of hash + parent a row; a total of any
+            # other length would misalign every row after it, so it is checked.
+            hp = b"".join(map(itemgetter(0), rows))
+            if len(hp) != 32 * n:
+                raise ValueError(f"the eviction graph's hash and parent columns hold {len(hp)} bytes for {n} rows")
+            hps.append(hp)
+            lasts.append(np.fromiter(map(itemgetter(1), rows), np.float64, n))
+            sfs.append(np.fromiter(map(itemgetter(2), rows), np.int64, n))
+            if len(rows[0]) > 3:
+                tenants.append(np.fromiter((codes.setdefault(r[3], len(codes) - 1) for r in rows), np.int64, n))
+        if not hps:
             return cls.from_rows([])
-        n = len(rows)
-        # Each column in one C loop over the tuples (a structured np.array of them took 3x as
-        # long at 1M rows). The query gives 32 bytes of hash + parent a row; a total of any other
-        # length would misalign every row after it, so it is checked.
-        hp = b"".join(map(itemgetter(0), rows))
-        if len(hp) != 32 * n:
-            raise ValueError(f"the eviction graph's hash and parent columns hold {len(hp)} bytes for {n} rows")
-        pairs = np.frombuffer(hp, dtype=[("h", "V16"), ("p", "V16")])
-        last = np.fromiter(map(itemgetter(1), rows), np.float64, n)
-        sf = np.fromiter(map(itemgetter(2), rows), np.int64, n)
-        tenant, tags = None, ()
-        if len(rows[0]) > 3:  # tags as numbers: -1 for a shared record
-            codes: dict[object, int] = {None: -1}
-            tenant = np.fromiter((codes.setdefault(r[3], len(codes) - 1) for r in rows), np.int64, n)
-            tags = tuple(tag for tag in codes if tag is not None)
+        pairs = np.frombuffer(b"".join(hps), dtype=[("h", "V16"), ("p", "V16")])
+        last, sf = np.concatenate(lasts), np.concatenate(sfs)
+        tenant = np.concatenate(tenants) if tenants else None
+        tags = tuple(tag for tag in codes if tag is not None)
         return cls(pairs["h"].copy(), pairs["p"].copy(), sf >> 6, last,
                    (sf & 1) > 0, (sf & 2) > 0, (sf & 4) > 0, (sf & 8) > 0, (sf >> 4) & 3, tenant, tags)
 
