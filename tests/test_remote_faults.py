@@ -10,6 +10,7 @@ bucket method to kill the server just before the real request goes out.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
@@ -477,3 +478,37 @@ def test_flush_and_close_against_an_endpoint_that_hangs_on_writes_wait_one_timeo
     assert timeout <= took < 1.5 * timeout + 0.5, took  # one timeout in all, not one per call
     assert flushed == [False, False] and undone >= 1
     assert remote.counters["left_uploads"] == remote.stats()["undone_uploads"] >= undone
+
+
+def test_serve_stopped_with_an_endpoint_that_hangs_on_writes_says_its_records_are_on_disk(
+        tmp_path, s3, demo_model, monkeypatch):
+    """SIGTERM: the server waits for its uploads once, within remote_flush_timeout, and its last
+    line tells the uploads left undone from the local writes: every record it wrote is on this
+    machine's disk (a restart restores it), so the line never says that something is not on disk."""
+    from remote_fixture import StallingProxy
+    from test_server import Server, ask, cached, chat_messages
+
+    model, store = demo_model("llama"), tmp_path / "store"
+    proxy = StallingProxy(s3.endpoint)
+    env = {**os.environ, "AWS_ENDPOINT_URL": proxy.url}
+    try:
+        with Server(model, store, tmp_path / "a.log", "--remote", s3.url(), "--remote-flush-timeout",
+                    f"{HUNG_FLUSH_S:g}s", env=env) as server:
+            _, first = ask(server, messages=chat_messages())
+            t0 = time.monotonic()
+            assert server.stop() == 0
+            took = time.monotonic() - t0
+            log = server.log()
+    finally:
+        proxy.close()
+    assert proxy.stalled >= 1
+    assert took < HUNG_FLUSH_S + 10.0, took  # one flush timeout, and the model's teardown
+    last = next(line for line in reversed(log.splitlines()) if "kvstore: stopped:" in line)
+    assert "not on disk" not in last and "did not finish" not in last, last
+    n = int(re.search(r"written to disk: (\d+) record", last).group(1))
+    assert n >= 1 and re.search(r"(\d+) uploads? to the remote not done: those records are on this machine's disk only",
+                                last), last
+    with Server(model, store, tmp_path / "b.log") as server:  # no remote: the local disk alone
+        _, again = ask(server, messages=chat_messages())
+        assert cached(again) >= first["prompt_tokens"] - 1
+        assert server.stop() == 0
