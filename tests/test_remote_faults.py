@@ -512,3 +512,35 @@ def test_serve_stopped_with_an_endpoint_that_hangs_on_writes_says_its_records_ar
         _, again = ask(server, messages=chat_messages())
         assert cached(again) >= first["prompt_tokens"] - 1
         assert server.stop() == 0
+
+
+def test_serve_a_second_ctrl_c_does_not_wait_for_a_hanging_endpoint(tmp_path, s3, demo_model):
+    """The first Ctrl-C waits for the uploads (remote_flush_timeout); a second one is to exit now:
+    it waits for this machine's disk only, exits 0 when every write is there, and says what did
+    not go up."""
+    from remote_fixture import StallingProxy
+    from test_server import Server, ask, chat_messages
+
+    model = demo_model("llama")
+    proxy = StallingProxy(s3.endpoint)
+    env = {**os.environ, "AWS_ENDPOINT_URL": proxy.url}
+    try:
+        with Server(model, tmp_path / "store", tmp_path / "a.log", "--remote", s3.url(), "--remote-flush-timeout",
+                    "60s", env=env) as server:
+            ask(server, messages=chat_messages())
+            server.proc.send_signal(signal.SIGINT)
+            end = time.monotonic() + 30
+            while "kvstore: flushing pending writes" not in server.log() and time.monotonic() < end:
+                time.sleep(0.1)
+            time.sleep(0.5)
+            t0 = time.monotonic()
+            server.proc.send_signal(signal.SIGINT)
+            code = server.proc.wait(timeout=60)
+            took = time.monotonic() - t0
+            log = server.log()
+    finally:
+        proxy.close()
+    assert proxy.stalled >= 1
+    last = next(line for line in reversed(log.splitlines()) if "kvstore: exiting:" in line)
+    assert code == 0 and took < 8.0, (code, took, last)
+    assert "every queued write is on disk" in last and re.search(r"\d+ uploads? to the remote not done", last), last

@@ -112,6 +112,12 @@ class Remote:
         return {"left": self.undone_uploads, "down": c["skipped_down_uploads"], "no_parent": c["skipped_no_parent"],
                 "failed": c["upload_errors"], "dropped": c["dropped_uploads"], "wrong_key": c["skipped_wrong_key"]}
 
+    def undone_now(self) -> int:
+        """Uploads not done were this process to stop now: those still queued, and those
+        `not_uploaded` counts for its other reasons."""
+        why = self.not_uploaded()
+        return self.uploader.pending_uploads + sum(n for k, n in why.items() if k != "left")
+
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued upload is done (or dropped), for at most `timeout` seconds and
         what is left of the store's allowance (`flush_timeout`). False if the time ran out."""
