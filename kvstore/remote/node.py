@@ -140,10 +140,11 @@ class Remote:
             say = self._spent >= self.flush_timeout and not self._said
             self._said = self._said or say
         if say and self.say_undone:
-            log.warning("kvstore: remote %s did not take %d uploads within %.1f s; this store waits for "
-                        "them no longer (they go on in the background while this process runs; what is "
-                        "not uploaded by its exit stays on this machine only)", self.url,
-                        self.uploader.pending_uploads, self.flush_timeout)
+            why = (f"did not take {self.uploader.pending_uploads} uploads within {self.flush_timeout:.1f} s; "
+                   "this store waits for them no longer" if self.flush_timeout else  # the remote is not to blame
+                   f"has {self.uploader.pending_uploads} uploads queued, not waited for (remote_flush_timeout is 0)")
+            log.warning("kvstore: remote %s %s (they go on in the background while this process runs; what is "
+                        "not uploaded by its exit stays on this machine only)", self.url, why)
         return False
 
     def close(self, timeout: float | None = None) -> None:
