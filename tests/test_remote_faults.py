@@ -567,3 +567,39 @@ def test_a_flush_timeout_of_0_says_the_uploads_were_not_waited_for(tmp_path, s3,
         done = a.flush()
     assert "did not take" not in caplog.text and "did not answer" not in caplog.text, caplog.text
     assert done or "not waited for (remote_flush_timeout is 0)" in caplog.text, caplog.text
+
+
+_LEFT_OPEN = """
+import sys, time
+sys.path.insert(0, {tests!r})
+from kvtest import prefill
+from mlx_lm import load
+import kvstore
+from kvstore import faults
+model, _ = load({model!r})
+real = faults.hit
+faults.hit = lambda point: (time.sleep(0.05), real(point))  # a slow disk: the writer is still busy at exit
+store = kvstore.open({store!r}, chunk_size={C}, remote={url!r}, remote_flush_timeout=0)
+mc = store.bind(model, {model!r})
+for i in range(3):
+    p = list(range(1 + i, 8 * {C} + 2 + i))
+    mc.insert(p, prefill(model, p))
+print("left open", flush=True)
+"""
+
+
+def test_a_store_left_open_at_exit_writes_its_queue_whatever_its_flush_timeout(tmp_path, s3, llama):
+    """A store left open is flushed at interpreter exit: its queued writes reach this machine's
+    disk (within 30 s) whatever `remote_flush_timeout` says: that bounds the uploads only."""
+    import subprocess
+    import sys
+
+    path, _ = llama
+    store = tmp_path / "s"
+    code = _LEFT_OPEN.format(tests=str(Path(__file__).parent), model=str(path), store=str(store), C=C, url=s3.url())
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).parent.parent)
+    assert out.returncode == 0 and "left open" in out.stdout, out.stderr[-2000:]
+    with kvstore.open(store, read_only=True) as s:
+        stats = s.stats()
+    assert (stats["chunks"], stats["tails"]) == (3 * 8, 3), stats
