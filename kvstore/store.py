@@ -63,7 +63,7 @@ _OPEN_STORES: "weakref.WeakSet[Store]" = weakref.WeakSet()
 def _flush_open_stores() -> None:
     for store in list(_OPEN_STORES):
         try:
-            store.flush(timeout=30 if store.remote is None else min(30.0, store.remote.flush_timeout))
+            store.flush(timeout=30)  # the uploads get their own bound within it, never the disk's
         except Exception:
             pass
 

@@ -10,6 +10,7 @@ bucket method to kill the server just before the real request goes out.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
@@ -477,3 +478,128 @@ def test_flush_and_close_against_an_endpoint_that_hangs_on_writes_wait_one_timeo
     assert timeout <= took < 1.5 * timeout + 0.5, took  # one timeout in all, not one per call
     assert flushed == [False, False] and undone >= 1
     assert remote.counters["left_uploads"] == remote.stats()["undone_uploads"] >= undone
+
+
+def test_serve_stopped_with_an_endpoint_that_hangs_on_writes_says_its_records_are_on_disk(
+        tmp_path, s3, demo_model, monkeypatch):
+    """SIGTERM: the server waits for its uploads once, within remote_flush_timeout, and its last
+    line tells the uploads left undone from the local writes: every record it wrote is on this
+    machine's disk (a restart restores it), so the line never says that something is not on disk."""
+    from remote_fixture import StallingProxy
+    from test_server import Server, ask, cached, chat_messages
+
+    model, store = demo_model("llama"), tmp_path / "store"
+    proxy = StallingProxy(s3.endpoint)
+    env = {**os.environ, "AWS_ENDPOINT_URL": proxy.url}
+    try:
+        with Server(model, store, tmp_path / "a.log", "--remote", s3.url(), "--remote-flush-timeout",
+                    f"{HUNG_FLUSH_S:g}s", env=env) as server:
+            _, first = ask(server, messages=chat_messages())
+            t0 = time.monotonic()
+            assert server.stop() == 0
+            took = time.monotonic() - t0
+            log = server.log()
+    finally:
+        proxy.close()
+    assert proxy.stalled >= 1
+    assert took < HUNG_FLUSH_S + 10.0, took  # one flush timeout, and the model's teardown
+    last = next(line for line in reversed(log.splitlines()) if "kvstore: stopped:" in line)
+    assert "not on disk" not in last and "did not finish" not in last, last
+    n = int(re.search(r"written to disk: (\d+) record", last).group(1))
+    assert n >= 1 and re.search(r"(\d+) uploads? to the remote not done: those records are on this machine's disk only",
+                                last), last
+    with Server(model, store, tmp_path / "b.log") as server:  # no remote: the local disk alone
+        _, again = ask(server, messages=chat_messages())
+        assert cached(again) >= first["prompt_tokens"] - 1
+        assert server.stop() == 0
+
+
+def test_serve_a_second_ctrl_c_does_not_wait_for_a_hanging_endpoint(tmp_path, s3, demo_model):
+    """The first Ctrl-C waits for the uploads (remote_flush_timeout); a second one is to exit now:
+    it waits for this machine's disk only, exits 0 when every write is there, and says what did
+    not go up."""
+    from remote_fixture import StallingProxy
+    from test_server import Server, ask, chat_messages
+
+    model = demo_model("llama")
+    proxy = StallingProxy(s3.endpoint)
+    env = {**os.environ, "AWS_ENDPOINT_URL": proxy.url}
+    try:
+        with Server(model, tmp_path / "store", tmp_path / "a.log", "--remote", s3.url(), "--remote-flush-timeout",
+                    "60s", env=env) as server:
+            ask(server, messages=chat_messages())
+            server.proc.send_signal(signal.SIGINT)
+            end = time.monotonic() + 30
+            while "kvstore: flushing pending writes" not in server.log() and time.monotonic() < end:
+                time.sleep(0.1)
+            time.sleep(0.5)
+            t0 = time.monotonic()
+            server.proc.send_signal(signal.SIGINT)
+            code = server.proc.wait(timeout=60)
+            took = time.monotonic() - t0
+            log = server.log()
+    finally:
+        proxy.close()
+    assert proxy.stalled >= 1
+    last = next(line for line in reversed(log.splitlines()) if "kvstore: exiting:" in line)
+    assert code == 0 and took < 8.0, (code, took, last)
+    assert "every queued write is on disk" in last and re.search(r"\d+ uploads? to the remote not done", last), last
+
+
+def test_a_flush_timeout_of_0_says_the_uploads_were_not_waited_for(tmp_path, s3, demo_model, llama, capsys, caplog):
+    """remote_flush_timeout 0 means "do not wait for uploads": what is left is said as not waited
+    for, never blamed on a healthy remote that "did not answer in 0 s"."""
+    from kvstore.cli.main import main
+
+    assert main(["generate", "--store", str(tmp_path / "g"), "--model", str(demo_model("llama")), "--max-tokens", "2",
+                 "--prompt", "Tell me about bikes. " * 20, "--remote", s3.url(), "--remote-flush-timeout", "0"]) == 0
+    err = capsys.readouterr().err
+    line = next((s for s in err.splitlines() if "not done" in s), "")
+    assert "did not answer" not in err, err
+    if line:  # (a fast machine may have uploaded it before the exit)
+        assert "not waited for (remote_flush_timeout 0)" in line, line
+    path, model = llama
+    with kvstore.open(tmp_path / "a", chunk_size=C, remote=s3.url(), remote_flush_timeout=0) as a:
+        mc = a.bind(model, path)
+        p = toks(8 * C + 1, 90)
+        mc.insert(p, prefill(model, p))
+        assert a.writer.flush(30)
+        done = a.flush()
+    assert "did not take" not in caplog.text and "did not answer" not in caplog.text, caplog.text
+    assert done or "not waited for (remote_flush_timeout is 0)" in caplog.text, caplog.text
+
+
+_LEFT_OPEN = """
+import sys, time
+sys.path.insert(0, {tests!r})
+from kvtest import prefill
+from mlx_lm import load
+import kvstore
+from kvstore import faults
+model, _ = load({model!r})
+real = faults.hit
+faults.hit = lambda point: (time.sleep(0.05), real(point))  # a slow disk: the writer is still busy at exit
+store = kvstore.open({store!r}, chunk_size={C}, remote={url!r}, remote_flush_timeout=0)
+mc = store.bind(model, {model!r})
+for i in range(3):
+    p = list(range(1 + i, 8 * {C} + 2 + i))
+    mc.insert(p, prefill(model, p))
+print("left open", flush=True)
+"""
+
+
+def test_a_store_left_open_at_exit_writes_its_queue_whatever_its_flush_timeout(tmp_path, s3, llama):
+    """A store left open is flushed at interpreter exit: its queued writes reach this machine's
+    disk (within 30 s) whatever `remote_flush_timeout` says: that bounds the uploads only."""
+    import subprocess
+    import sys
+
+    path, _ = llama
+    store = tmp_path / "s"
+    code = _LEFT_OPEN.format(tests=str(Path(__file__).parent), model=str(path), store=str(store), C=C, url=s3.url())
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).parent.parent)
+    assert out.returncode == 0 and "left open" in out.stdout, out.stderr[-2000:]
+    with kvstore.open(store, read_only=True) as s:
+        stats = s.stats()
+    assert (stats["chunks"], stats["tails"]) == (3 * 8, 3), stats

@@ -66,7 +66,9 @@ def uploads_undone(store) -> str | None:
     n = sum(why.values())
     if not n:
         return None
-    reasons = {"left": f"still queued when the remote did not answer in {remote.flush_timeout:g} s",
+    left = (f"still queued when the remote did not answer in {remote.flush_timeout:g} s" if remote.flush_timeout
+            else "still queued at exit, not waited for (remote_flush_timeout 0)")
+    reasons = {"left": left,
                "down": "skipped while the remote failed (said above)", "no_parent": "skipped for want of their parent in the bucket",
                "failed": "failed", "dropped": "dropped from a full upload queue",
                "wrong_key": "skipped because this node's key is not the fleet's (said above)"}

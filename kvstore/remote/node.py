@@ -112,6 +112,12 @@ class Remote:
         return {"left": self.undone_uploads, "down": c["skipped_down_uploads"], "no_parent": c["skipped_no_parent"],
                 "failed": c["upload_errors"], "dropped": c["dropped_uploads"], "wrong_key": c["skipped_wrong_key"]}
 
+    def undone_now(self) -> int:
+        """Uploads not done were this process to stop now: those still queued, and those
+        `not_uploaded` counts for its other reasons."""
+        why = self.not_uploaded()
+        return self.uploader.pending_uploads + sum(n for k, n in why.items() if k != "left")
+
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued upload is done (or dropped), for at most `timeout` seconds and
         what is left of the store's allowance (`flush_timeout`). False if the time ran out."""
@@ -134,10 +140,11 @@ class Remote:
             say = self._spent >= self.flush_timeout and not self._said
             self._said = self._said or say
         if say and self.say_undone:
-            log.warning("kvstore: remote %s did not take %d uploads within %.1f s; this store waits for "
-                        "them no longer (they go on in the background while this process runs; what is "
-                        "not uploaded by its exit stays on this machine only)", self.url,
-                        self.uploader.pending_uploads, self.flush_timeout)
+            why = (f"did not take {self.uploader.pending_uploads} uploads within {self.flush_timeout:.1f} s; "
+                   "this store waits for them no longer" if self.flush_timeout else  # the remote is not to blame
+                   f"has {self.uploader.pending_uploads} uploads queued, not waited for (remote_flush_timeout is 0)")
+            log.warning("kvstore: remote %s %s (they go on in the background while this process runs; what is "
+                        "not uploaded by its exit stays on this machine only)", self.url, why)
         return False
 
     def close(self, timeout: float | None = None) -> None:

@@ -282,7 +282,9 @@ def _serve(server, store: Store, served: dict, passthrough: list[str], served_mo
         flushed, lost = True, {}
         if started:  # else nothing was served (the model did not load): no counts to give
             log.info("kvstore: flushing pending writes")
-            flushed = cache.flush()
+            # A flush that ran out of time on the remote's uploads has still put every write on
+            # this machine's disk: only what the local writer still holds is not on disk.
+            flushed = cache.flush() or store.writer.flush(0)
             lost = store.gate.held(lambda h: h in store.memory)
         metrics.close()
         store.close()
@@ -321,8 +323,8 @@ def _call_main(server, args: list[str]) -> int:
 
 
 def _final_counts(cache: PersistentPromptCache, flushed: bool, lost: dict[str, int]) -> str:
-    """The last line: what was served, what this run wrote to disk (and failed to), and what it
-    kept in RAM only, which the exit loses."""
+    """The last line: what was served, what this run wrote to disk (and failed to), what it did
+    not upload to the remote, and what it kept in RAM only, which the exit loses."""
     c, w = cache.counters, cache.store.writer.stats
     said = [f"stopped: {plural(c['requests'], 'request')}, {plural(c['prompt_tokens'], 'prompt token')}, "
             f"{c['reused_tokens']} reused from the store; written to disk: {plural(w.records_written, 'record')} "
@@ -332,6 +334,10 @@ def _final_counts(cache: PersistentPromptCache, flushed: bool, lost: dict[str, i
                     f"(a full queue), not on disk" + (f" (last: {w.last_error})" if w.last_error else ""))
     if not flushed:
         said.append("the flush did not finish: what was still queued is not on disk")
+    remote = cache.store.remote
+    undone = sum(remote.not_uploaded().values()) if remote is not None else 0
+    if undone:  # no later process uploads them
+        said.append(f"{plural(undone, 'upload')} to the remote not done: those records are on this machine's disk only")
     if lost:
         n = sum(lost.values())
         said.append(f"{plural(n, 'record')} kept in RAM only {'is' if n == 1 else 'are'} not on disk, lost now ("

@@ -9,6 +9,7 @@ import signal
 import weakref
 from typing import Any
 
+from kvstore.sizes import plural
 from kvstore.store import Store
 
 log = logging.getLogger("kvstore")
@@ -49,8 +50,14 @@ class Stopper:
             raise KeyboardInterrupt
         if signum == signal.SIGINT:
             log.warning("kvstore: second Ctrl-C: flushing pending writes (at most %g s) and exiting now", EXIT_FLUSH_S)
-            done = self.store.flush(timeout=EXIT_FLUSH_S)
-            log.warning("kvstore: exiting: %s", "every queued write is on disk" if done else
-                        f"the flush did not finish in {EXIT_FLUSH_S:g} s: what was still queued is not on disk")
+            # This machine's disk only: the uploads are what the first stop was waiting for.
+            done = self.store.writer.flush(timeout=EXIT_FLUSH_S)
+            said = ("every queued write is on disk" if done else
+                    f"the flush did not finish in {EXIT_FLUSH_S:g} s: what was still queued is not on disk")
+            remote = self.store.remote
+            undone = remote.undone_now() if remote is not None else 0
+            if undone:
+                said += f"; {plural(undone, 'upload')} to the remote not done: those records are on this machine's disk only"
+            log.warning("kvstore: exiting: %s", said)
             os._exit(0 if done else 1)
         log.info("kvstore: %s: already stopping", name)
