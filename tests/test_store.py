@@ -724,6 +724,13 @@ def test_a_server_authors_wrong_arguments_are_refused_when_given_naming_them(lla
             store.gc(drop_tenants="abc")
         with pytest.raises(InvalidInputError, match="timeout: "):
             store.flush(timeout="1s")
+        mc, tokens = store.bind(model, str(path)), list(range(1, 40))
+        for kw in ({"pin": "yes"}, {"durable": 1}, {"checkpoint": None}):
+            with pytest.raises(InvalidInputError, match=f"{next(iter(kw))}: give True or False"):
+                mc.insert(tokens, prefill(model, tokens), **kw)
+        with pytest.raises(InvalidInputError, match="pin: give True or False"):
+            mc.prefill(tokens, pin="no")
+        assert store.stats()["chunks"] == 0  # nothing of any of them was stored
     for bad in (123, ["a"]):
         with pytest.raises(InvalidInputError, match="path: "):
             kvstore.open(bad)

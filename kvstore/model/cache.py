@@ -30,7 +30,7 @@ from kvstore.errors import BlobError, InvalidInputError
 from kvstore.model import blas
 from kvstore.model import fingerprint as fingerprints
 from kvstore.model.backing import Backing
-from kvstore.model.explicit import CHECKPOINT_EVERY, PIN_ATTEMPTS, ExplicitWrites, _role
+from kvstore.model.explicit import CHECKPOINT_EVERY, PIN_ATTEMPTS, ExplicitWrites, insert_options
 from kvstore.model.layout import make_template
 from kvstore.model.lookup import Opening, Tiers, kept_canary, match
 from kvstore.model.shapes import RecordCheck
@@ -423,7 +423,7 @@ class ModelCache(ExplicitWrites):
         toks = as_tokens(tokens)
         b = self.backing
         b.check_open()
-        role = _role(cache_type)
+        role = insert_options(cache_type, pin=pin, checkpoint=checkpoint, durable=durable)
         if len(toks) == 0:
             raise InvalidInputError("insert needs at least one token")
         self.check.caller(cache, len(toks), self.kv_bits)

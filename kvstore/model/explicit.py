@@ -47,7 +47,7 @@ class ExplicitWrites:
     def already_stored(self, toks: np.ndarray, *, pin: bool, durable: bool, cache_type: str) -> bool:
         """Whether a prefill of `toks` has nothing to compute: the prompt is stored (then it is
         pinned and typed as asked)."""
-        role = _role(cache_type)
+        role = insert_options(cache_type, pin=pin, durable=durable)
         for _ in range(PIN_ATTEMPTS):
             # What this process holds in RAM may be gone from disk (gc in another process): a
             # prefill answers for the disk, so records the disk lost are forgotten and recomputed.
@@ -134,6 +134,15 @@ class ExplicitWrites:
         b.writer.flush()
         n, size = b.index.unpin([s.hash for s in self._durable(toks) if self.owns(s)])
         return {"records": n, "bytes": size}
+
+
+def insert_options(cache_type: str, **flags) -> int:
+    """An insert's options checked (each flag True or False: "no" would read as true), and the
+    class of its `cache_type`."""
+    for name, flag in flags.items():
+        if not isinstance(flag, (bool, np.bool_)):
+            raise InvalidInputError(f"{name}: give True or False, not {flag!r:.30}")
+    return _role(cache_type)
 
 
 def _role(cache_type: str) -> int:

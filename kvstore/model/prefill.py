@@ -177,7 +177,7 @@ def _steps(mc, toks: np.ndarray, cache: list, pos: int, stop: int, *, step: int 
         if end == stop:
             return end - pos
         at_boundary = end % C == 0 and checkpoint_every > 0 and (end // C) % checkpoint_every == 0
-        mc.insert(toks[:end], cache, checkpoint=at_boundary or (mc.exact and end == last_full),
+        mc.insert(toks[:end], cache, checkpoint=at_boundary or (bool(mc.exact) and end == last_full),
                   durable=durable, cache_type=cache_type)
         if progress is not None:
             progress(end - pos)
