@@ -161,3 +161,36 @@ def test_a_store_no_process_holds_open_opens_read_only_on_a_full_disk(llama, ful
     full_disk.free()
     with kvstore.open(store_dir, chunk_size=C) as s:
         assert not s.read_only
+
+
+def test_a_pack_import_that_fills_the_disk_says_what_it_stored_and_leaves_no_orphan(tmp_path, demo_model):
+    """The disk fills part way through `kvstore pack import` (the index's insert of its third
+    record fails): the command says which records stayed and which were not imported, exits 1,
+    leaves no blob without its row, and the import run again stores only the rest."""
+    import re
+
+    from kvtest import run_cli
+    model = demo_model("llama")
+    pack, store = tmp_path / "pack", tmp_path / "b"
+    run_cli("pack", "export", "--store", tmp_path / "a", "--model", model, "--prompt", "Notes on the build: " * 30,
+            "--unsigned", "--out", pack)
+    faults.arm("in_transaction", "enospc", 3)
+    try:
+        cut = run_cli("pack", "import", pack, "--store", store, "--model", model, check=False)
+    finally:
+        faults.disarm()
+    assert cut.returncode == 1 and "Traceback" not in cut.stderr, cut.stderr
+    said = re.search(r"the import stopped at record (\d+) of (\d+) \(No space left on device \(injected at "
+                     r"in_transaction\)\): the (\d+) stored before it \(.+\) stays?, pinned, the other (\d+) (?:is|are) "
+                     r"not imported; free some space", cut.stderr)
+    assert said, cut.stderr
+    at, total, kept, rest = map(int, said.groups())
+    assert kept == at - 1 >= 1 and kept + rest == total
+    with kvstore.open(store) as s:
+        assert len(list(s.index.rows())) == kept and len(s.index.pinned()) == kept
+        assert s.verify() == []  # the blob of the record whose row failed is gone with it
+    again = run_cli("pack", "import", pack, "--store", store, "--model", model)
+    assert re.search(rf"; {rest} records? stored on disk \(.+\), {kept} (?:was|were) stored already", again.stdout)
+    with kvstore.open(store) as s:
+        assert s.verify() == [] and len(list(s.index.rows())) == total
+
