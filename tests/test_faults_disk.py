@@ -194,3 +194,32 @@ def test_a_pack_import_that_fills_the_disk_says_what_it_stored_and_leaves_no_orp
     with kvstore.open(store) as s:
         assert s.verify() == [] and len(list(s.index.rows())) == total
 
+
+def test_a_full_disk_is_said_once_not_once_per_failed_write(tmp_path, llama, caplog):
+    """Every write fails on a full disk: each is counted, but the log says it once (a server's log,
+    or `kvstore warm`'s stderr, is not flooded with a line per record); the next time it is said,
+    it says how many went unsaid."""
+    import logging
+
+    from kvstore.write import jobs
+    model_path, model = llama
+    with kvstore.open(tmp_path / "s", chunk_size=C) as store:
+        mc = store.bind(model, model_path)
+        faults.arm("blob_write", "enospc")
+        try:
+            with caplog.at_level(logging.WARNING, logger="kvstore"):
+                for p in prompts(42, 5, C):
+                    mc.insert(p, prefill(model, p))
+                store.flush()
+                failed = store.stats()["writer"]["write_errors"]
+                assert failed >= 5
+                said = [r.getMessage() for r in caplog.records if "a write was dropped" in r.getMessage()]
+                assert len(said) == 1 and "No space left on device" in said[0], said
+                with pytest.MonkeyPatch.context() as mp:  # the quiet time is over: said again, with the count
+                    mp.setattr(jobs, "ERROR_QUIET_S", 0.0)
+                    mc.insert(prompts(43, 1, C)[0], prefill(model, prompts(43, 1, C)[0]))
+                    store.flush()
+        finally:
+            faults.disarm()
+        said = [r.getMessage() for r in caplog.records if "a write was dropped" in r.getMessage()]
+        assert f"; {failed - 1} more like it since it was last said" in said[1], said
