@@ -161,3 +161,65 @@ def test_a_store_no_process_holds_open_opens_read_only_on_a_full_disk(llama, ful
     full_disk.free()
     with kvstore.open(store_dir, chunk_size=C) as s:
         assert not s.read_only
+
+
+def test_a_pack_import_that_fills_the_disk_says_what_it_stored_and_leaves_no_orphan(tmp_path, demo_model):
+    """The disk fills part way through `kvstore pack import` (the index's insert of its third
+    record fails): the command says which records stayed and which were not imported, exits 1,
+    leaves no blob without its row, and the import run again stores only the rest."""
+    import re
+
+    from kvtest import run_cli
+    model = demo_model("llama")
+    pack, store = tmp_path / "pack", tmp_path / "b"
+    run_cli("pack", "export", "--store", tmp_path / "a", "--model", model, "--prompt", "Notes on the build: " * 30,
+            "--unsigned", "--out", pack)
+    faults.arm("in_transaction", "enospc", 3)
+    try:
+        cut = run_cli("pack", "import", pack, "--store", store, "--model", model, check=False)
+    finally:
+        faults.disarm()
+    assert cut.returncode == 1 and "Traceback" not in cut.stderr, cut.stderr
+    said = re.search(r"the import stopped at record (\d+) of (\d+) \(No space left on device \(injected at "
+                     r"in_transaction\)\): the (\d+) stored before it \(.+\) stays?, pinned, the other (\d+) (?:is|are) "
+                     r"not imported; free some space", cut.stderr)
+    assert said, cut.stderr
+    at, total, kept, rest = map(int, said.groups())
+    assert kept == at - 1 >= 1 and kept + rest == total
+    with kvstore.open(store) as s:
+        assert len(list(s.index.rows())) == kept and len(s.index.pinned()) == kept
+        assert s.verify() == []  # the blob of the record whose row failed is gone with it
+    again = run_cli("pack", "import", pack, "--store", store, "--model", model)
+    assert re.search(rf"; {rest} records? stored on disk \(.+\), {kept} (?:was|were) stored already", again.stdout)
+    with kvstore.open(store) as s:
+        assert s.verify() == [] and len(list(s.index.rows())) == total
+
+
+def test_a_full_disk_is_said_once_not_once_per_failed_write(tmp_path, llama, caplog):
+    """Every write fails on a full disk: each is counted, but the log says it once (a server's log,
+    or `kvstore warm`'s stderr, is not flooded with a line per record); the next time it is said,
+    it says how many went unsaid."""
+    import logging
+
+    from kvstore.write import jobs
+    model_path, model = llama
+    with kvstore.open(tmp_path / "s", chunk_size=C) as store:
+        mc = store.bind(model, model_path)
+        faults.arm("blob_write", "enospc")
+        try:
+            with caplog.at_level(logging.WARNING, logger="kvstore"):
+                for p in prompts(42, 5, C):
+                    mc.insert(p, prefill(model, p))
+                store.flush()
+                failed = store.stats()["writer"]["write_errors"]
+                assert failed >= 5
+                said = [r.getMessage() for r in caplog.records if "a write was dropped" in r.getMessage()]
+                assert len(said) == 1 and "No space left on device" in said[0], said
+                with pytest.MonkeyPatch.context() as mp:  # the quiet time is over: said again, with the count
+                    mp.setattr(jobs, "ERROR_QUIET_S", 0.0)
+                    mc.insert(prompts(43, 1, C)[0], prefill(model, prompts(43, 1, C)[0]))
+                    store.flush()
+        finally:
+            faults.disarm()
+        said = [r.getMessage() for r in caplog.records if "a write was dropped" in r.getMessage()]
+        assert f"; {failed - 1} more like it since it was last said" in said[1], said

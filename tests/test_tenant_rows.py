@@ -136,3 +136,34 @@ def test_a_damaged_log_entry_is_skipped_reported_and_deleted(tmp_path, llama, ca
     with kvstore.open(store, chunk_size=C) as s:  # logged in order again
         s.index.delete([r.hash for r in s.index.rows() if r.kind == 1][:1])
         assert s.index.deletions_end() > 0 and s.index.deletions_end() < 1 << 62
+
+
+@pytest.mark.parametrize("damage", ["bytes = 'many'", "records = x'01', bytes = 3", "bytes = -5", "records = 'x'"])
+def test_damaged_tenant_totals_are_counted_from_the_records_by_every_reader(tmp_path, llama, capsys, damage):
+    """A `tenant_totals` row that does not hold two counts never reaches a reader as text or as a
+    wrong total: `kvstore stats`, gc's per-tenant quota, GET /metrics and the start of a server
+    that serves tenants apart (which failed on it) count that tenant from its records."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvstore import PersistentPromptCache
+    from kvstore.serve.metrics import ServerMetrics
+    from kvstore.serve.tenancy.policy import shared_bytes
+    store = tmp_path / "s"
+    tags = build(store, llama)
+    ((n, size),) = sql(store, "SELECT count(*), sum(size) FROM records WHERE tenant = ?", (tags["alice"],))
+    (shared,) = sql(store, "SELECT sum(size) FROM records WHERE tenant IS NULL")[0]
+    sql(store, f"UPDATE tenant_totals SET {damage}")
+
+    assert main(["stats", "--store", str(store)]) == 0
+    assert f"{tags['alice']} " in capsys.readouterr().out
+    with kvstore.open(store, chunk_size=C) as s:
+        assert s.index.tenant_totals() == {tags["alice"]: (n, size)}
+        assert s.index.tenants_over(size - 1) == [tags["alice"]] and s.index.tenants_over(size) == []
+        assert shared_bytes(s) == shared  # (what a server serving tenants apart says as it starts)
+        body, _ = ServerMetrics(PersistentPromptCache(s)).render()
+        got = {(x.name, x.labels.get("tenant")): x.value
+               for family in text_string_to_metric_families(body.decode()) for x in family.samples}
+        assert got[("kvstore_tenant_bytes", tags["alice"])] == size
+        assert got[("kvstore_tenant_records", tags["alice"])] == n
+    code, out = verify(store, capsys)
+    assert code == 1 and f"bad_totals: {store / 'index.sqlite'}: tenant {tags['alice']}: " in out, out

@@ -261,3 +261,40 @@ def test_a_rebuilt_index_of_a_store_that_kept_no_setting_keeps_writing(tmp_path,
         s.bind(model, path).insert(tokens, prefill(model, tokens))  # automatic: written
         s.flush()
         assert s.stats()["writes"]["max_write_rate"] is None and s.stats()["writer"]["records_written"] > 0
+
+
+@pytest.mark.parametrize("damage", ["settings stale", "settings garbage", "pins stale", "pins cut"])
+def test_a_copy_beside_the_index_that_a_rebuild_would_read_wrong_is_reported_and_rewritten(tmp_path, llama, damage):
+    """`index.settings` and `index.pins` are what a rebuild of a lost index reads the kept settings
+    and the pins back from. One whose write failed (a full disk, a crash) is found by verify, and
+    repair writes it from the index, so the rebuild after it keeps the budget and the pins."""
+    store = tmp_path / "s"
+    rows = warm(store, llama)
+    assert kv("settings", "--store", store, "max_write_rate=5GB/day", home=tmp_path).returncode == 0
+    with kvstore.open(store, chunk_size=C) as s:
+        s.index.pin([rows[0].hash])
+    name = "index.settings" if damage.startswith("settings") else "index.pins"
+    good = (store / name).read_text()
+    if damage == "settings stale":  # as when the copy's write failed after the index kept the value
+        (store / name).write_text(json.dumps({"kvstore kept settings 1": {}}))
+    elif damage == "pins stale":
+        (store / name).write_text("kvstore pins 1\nend 0\n")
+    else:
+        (store / name).write_text(good[: len(good) // 2])
+
+    out = kv("verify", "--store", store, home=tmp_path)
+    assert out.returncode == 1 and f"stale_copy: {store / 'index.sqlite'}: {name}: " in out.stdout, out.stdout
+    assert kv("verify", "--repair", "--store", store, home=tmp_path).returncode == 1
+    assert (store / name).read_text() == good
+    assert kv("verify", "--store", store, home=tmp_path).returncode == 0
+    # The rebuild of a lost index now reads both back.
+    for f in ("index.sqlite", "index.sqlite-wal", "index.sqlite-shm"):
+        (store / f).unlink(missing_ok=True)
+    assert kv("verify", "--repair", "--store", store, home=tmp_path).returncode == 1
+    with kvstore.open(store, chunk_size=C) as s:
+        assert s.index.pinned() == {rows[0].hash}
+        assert s.index.settings() == {"max_write_rate": good_rate(store)}
+
+
+def good_rate(store: Path) -> str:
+    return json.loads((store / "index.settings").read_text())["kvstore kept settings 1"]["max_write_rate"]

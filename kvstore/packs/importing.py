@@ -14,6 +14,7 @@ store's, or, in a fleet node's store opened without its remote, the fleet's (`_f
 from __future__ import annotations
 
 import os
+import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from kvstore.model.fingerprint import resolve_model_dir
 from kvstore.packs import identity
 from kvstore.packs.verify import Target, Verified, acting_disk_kv_bits, verify
 from kvstore.remote.seal import KEY_ENV, fleet_keys
+from kvstore.sizes import format_size
 from kvstore.storage import blobformat
 from kvstore.storage.index import Index, Row
 from kvstore.storage.storedir import INDEX_NAME, is_absent
@@ -124,7 +126,11 @@ def _store(store: Store, mc, verified: Verified, pin: bool, fleet: Trust | None)
         blob = blobformat.restamp(c.blob, dict(c.metadata, model_id=mc.model_id))
         row = Row(s.hash, s.ns, s.parent, s.depth, s.kind, s.ntokens, s.first_token, len(blob),
                   xxhash.xxh3_64_intdigest(blob), pinned=int(pin), role=role)
-        if store.disk.put(row, blob, fsync=True, explicit=True, trust=fleet):
+        try:
+            put = store.disk.put(row, blob, fsync=True, explicit=True, trust=fleet)
+        except (OSError, sqlite3.Error) as e:  # a full disk, most often: say what did land
+            raise PackError(_cut_short(store, e, stored, nbytes, present, len(hashes), pin)) from e
+        if put:
             stored += 1
             nbytes += len(blob)
         else:
@@ -134,3 +140,16 @@ def _store(store: Store, mc, verified: Verified, pin: bool, fleet: Trust | None)
         store.disk.budget.settle()
     evicted = len(hashes) - len(store.index.rows_of(hashes))
     return Imported(verified, stored, present, nbytes, pinned, pinned_before, evicted)
+
+
+def _cut_short(store: Store, e: BaseException, stored: int, nbytes: int, present: int, total: int, pin: bool) -> str:
+    """What an import that failed part way left in the store: the records stored before the
+    failure stay (each with its parents, so each restores), the rest are not imported."""
+    what = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+    kept = (f"the {stored} stored before it ({format_size(nbytes)}) stay{'s' if stored == 1 else ''}"
+            f"{', pinned' if pin else ''}" if stored else "none of its records was stored")
+    already = f" ({present} {'was' if present == 1 else 'were'} stored already)" if present else ""
+    rest = total - stored - present
+    return (f"the import stopped at record {stored + present + 1} of {total} ({what}): {kept}{already}, "
+            f"the other {rest} {'is' if rest == 1 else 'are'} not imported; free some space on the disk of "
+            f"{store.path} and import the pack again (what is stored is not written twice)")

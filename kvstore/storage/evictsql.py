@@ -301,14 +301,28 @@ class EvictionSQL:
     # -- per tenant (`tenant_totals` is kept by the triggers of migration 0022) ---------------
 
     def tenant_totals(self) -> dict[str, tuple[int, int]]:
-        """tag -> (records, bytes) of every tenant that has records (from `tenant_totals`)."""
-        return {tag: (n, size) for tag, n, size in self.conn.execute(
-            "SELECT tenant, records, bytes FROM tenant_totals WHERE records > 0 ORDER BY bytes DESC, tenant")}
+        """tag -> (records, bytes) of every tenant that has records (from `tenant_totals`). A row
+        that does not hold two counts (damage: verify reports it, its repair counts again) is
+        counted from the records meanwhile, so that no reader (stats, gc, /metrics, a server's
+        start) gets text for a number, or a wrong total."""
+        rows = self.conn.execute("SELECT tenant, records, bytes FROM tenant_totals").fetchall()
+        bad = [tag for tag, n, size in rows if not (whole(n) and whole(size))]
+        counted = self.counted_tenant_totals() if bad else {}
+        out = {}
+        for tag, n, size in rows:
+            if not isinstance(tag, str):  # (a tag no record can have)
+                continue
+            if tag in counted:
+                n, size = counted[tag]
+            elif tag in bad:
+                n, size = 0, 0
+            if n > 0:
+                out[tag] = (n, size)
+        return dict(sorted(out.items(), key=lambda item: (-item[1][1], item[0])))
 
     def tenants_over(self, max_bytes: int) -> list[str]:
         """The tags of the tenants that hold more than `max_bytes`."""
-        return [tag for (tag,) in self.conn.execute(
-            "SELECT tenant FROM tenant_totals WHERE bytes > ? ORDER BY tenant", (max_bytes,))]
+        return sorted(tag for tag, (_, size) in self.tenant_totals().items() if size > max_bytes)
 
     def stored_tenant_totals(self) -> dict[object, tuple]:
         """tag -> (records, bytes) of `tenant_totals` as stored, whatever their types (for verify)."""

@@ -311,6 +311,8 @@ class Index(EvictionSQL, WriteLogSQL, PinSQL):
                              [(v[0],) for v in values if v[12]])
             inserted = conn.total_changes - before
             faults.hit("in_transaction")
+            if any(v[12] for v in values):  # the pins file follows these pins too, as every other
+                self._keep_pins_file(conn)
             return inserted
 
     def touch(self, accesses: dict[bytes, tuple[float, int]]) -> None:

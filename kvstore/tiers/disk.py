@@ -235,7 +235,11 @@ class DiskTier:
             if self.index.present([row.hash]):
                 return False
             blobwrite.write_bytes(self.root, row.hash, data, fsync=fsync)
-            self.index.insert([row])
+            try:
+                self.index.insert([row])
+            except BaseException:  # (a full disk, most often): no row points to the file, which goes
+                blobtree.remove(self.root, row.hash)
+                raise
             for listener in self.on_store:
                 listener([row])
         counts = {"bytes": len(data), "records": 1, "explicit": len(data)} if explicit else {"downloaded": len(data)}

@@ -28,7 +28,8 @@ from kvstore import keys, settings
 from kvstore.storage import blobfile, blobtree
 from kvstore.storage.evictsql import MAX_ROLE
 from kvstore.storage.index import MODEL_FIELDS, TOTALS, Index
-from kvstore.storage.storedir import SETTINGS_NAME, read_settings_copy
+from kvstore.storage.pins import read_pins_file, write_pins_file
+from kvstore.storage.storedir import PINS_NAME, SETTINGS_NAME, read_settings_copy
 from kvstore.storage.writesql import MAX_HOUR_BYTES, MAX_LOG_SEQ, count_ok, kept_problem
 
 
@@ -82,7 +83,7 @@ def table_problems(index: Index, skip: Collection[object] = (),
         ns = fields["ns"].hex() if isinstance(fields["ns"], bytes) else "?"
         out += [("bad_model_row", f"namespace {ns}", f"its {name} is {fields[name]!r:.60}, not {_WANT[name]}")
                 for name in _wrong(fields)]
-    return out + row_problems(index) + edge_problems(index, skip)
+    return out + row_problems(index) + copy_problems(index, skip) + edge_problems(index, skip)
 
 
 def edge_problems(index: Index, skip: Collection[object] = ()) -> list[tuple[str, str, str]]:
@@ -143,6 +144,39 @@ def row_problems(index: Index) -> list[tuple[str, str, str]]:
                     "disorders the entries logged after it); repair deletes it"))
     out += [("bad_digest", f"file_digests {path!r:.80}", "a digest that is not a 16-byte hash: it is not used; "
              "repair deletes it (the file is hashed again)") for path in index.damaged_digests()]
+    return out
+
+
+def copy_problems(index: Index, skip: Collection[object] = ()) -> list[tuple[str, str, str]]:
+    """(kind, where, what is wrong) of the copies beside the index that a rebuild of it reads the
+    kept settings and the pins back from: one that cannot be read, or that says other than the
+    index (a write of it failed: a full disk, a crash), would lose them, or bring back old ones.
+    The pins of `skip` (rows verify mends or deletes) and damaged kept settings are not compared."""
+    out = []
+    folder = index.path.parent
+    damaged = {name for name, _, _ in index.damaged_settings()}
+    good = {name: value for name, value in index.settings().items() if name not in damaged}
+    copy = read_settings_copy(folder)
+    if copy is None:
+        out.append(("stale_copy", SETTINGS_NAME, "missing or not a kvstore settings file: a rebuild "
+                    "of the index would lose the kept settings (and keep the write budget closed); repair "
+                    "writes it from the index"))
+    else:
+        differ = sorted(n for n in set(good) | set(copy) if n not in damaged and copy.get(n) != good.get(n))
+        if differ:
+            out.append(("stale_copy", SETTINGS_NAME, f"says other than the index for "
+                        f"{', '.join(differ)[:200]}: a rebuild of the index would read those back wrong; repair "
+                        "writes it from the index"))
+    pinned = {h for h in index.pinned() if h not in skip}
+    pins = read_pins_file(folder / PINS_NAME)
+    if pins is None and pinned or pins is not None and pins.problem is not None:
+        out.append(("stale_copy", PINS_NAME, f"{'missing' if pins is None else pins.problem}: a "
+                    "rebuild of the index would lose pins; repair writes it from the index"))
+    elif pins is not None and {h for h in pins.hashes if h not in skip} != pinned:
+        lost, back = len(pinned - pins.hashes), len({h for h in pins.hashes if h not in skip} - pinned)
+        out.append(("stale_copy", PINS_NAME, f"lacks {lost} of the index's pinned records and lists "
+                    f"{back} it does not pin: a rebuild of the index would read those pins back wrong; repair "
+                    "writes it from the index"))
     return out
 
 
@@ -210,6 +244,12 @@ def repair_tables(index: Index, root: Path, records_of: dict[bytes, list[bytes]]
     if "bad_totals" in kinds:
         index.rewrite_totals()
         index.rewrite_tenant_totals()
+    if "stale_copy" in kinds:  # (after the settings and pins are mended above)
+        index.keep_settings_copy()
+        if index.pins_file is not None:
+            index.keep_pins_file()
+        else:
+            write_pins_file(index.path.parent / PINS_NAME, index.pinned())
     index.mend_edges()  # from the records as repair left them (a mended tenant moves its edge too)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
@@ -31,10 +32,14 @@ from kvstore.trust import Trust
 if TYPE_CHECKING:
     from kvstore.write.admission import Gate
 
+_said_lock = threading.Lock()
 log = logging.getLogger("kvstore")
 
 # Records known to hold every layer's K/V, remembered so that a refill is not looked for again.
 COMPLETE_REMEMBERED = 100_000
+# A write that fails as the one before it did (a full disk fails every write) is said at most
+# once in this many seconds, with how many were not said: each is counted all the same.
+ERROR_QUIET_S = 60.0
 
 Parts = tuple[np.ndarray, dict[str, blobformat.Tensor], dict[str, str]]  # tokens, tensors, metadata
 
@@ -153,6 +158,7 @@ class Destination:
     # Exact mode: an older tail is never dropped for a newer one that holds its tokens, since an
     # exact restore ends only at a step or at a stored prompt's own end (`write.dedup`).
     keep_prefixes: bool = False
+    said: dict[str, tuple[float, int]] = field(default_factory=dict)  # failure -> (when last said, not said since)
 
     def remember_complete(self, h: bytes) -> None:
         self.complete[h] = None
@@ -160,11 +166,22 @@ class Destination:
             del self.complete[next(iter(self.complete))]
 
     def count_error(self, e: BaseException) -> None:
-        """A write that failed and was dropped: counted and logged, never raised to a caller."""
+        """A write that failed and was dropped: counted and logged, never raised to a caller; the
+        same failure again within `ERROR_QUIET_S` is counted, and said with the next one after."""
         self.stats.write_errors += 1
-        self.stats.last_error = f"{type(e).__name__}: {e}"
+        said = self.stats.last_error = f"{type(e).__name__}: {e}"
         level = logging.WARNING if isinstance(e, OSError) and e.errno == errno.ENOSPC else logging.ERROR
-        log.log(level, "kvstore: a write was dropped (%s)", self.stats.last_error)
+        now = time.monotonic()
+        with _said_lock:
+            last, quiet = self.said.get(said, (None, 0))
+            if last is not None and now - last < ERROR_QUIET_S:
+                self.said[said] = (last, quiet + 1)
+                return
+            if len(self.said) > 64:  # (failures that name a file each: bounded)
+                self.said.clear()
+            self.said[said] = (now, 0)
+        more = f"; {quiet} more like it since it was last said" if quiet else ""
+        log.log(level, "kvstore: a write was dropped (%s)%s", said, more)
 
 
 @dataclass
