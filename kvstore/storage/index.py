@@ -354,6 +354,8 @@ class Index(EvictionSQL, WriteLogSQL, PinSQL):
                 conn.execute(f"DELETE FROM records WHERE hash IN ({marks})", part)
             _drop_edges(conn, [(r.parent, -1 if r.first_token is None else r.first_token, r.hash)
                                for r in deleted])
+            if any(r.pinned for r in deleted):  # (a rebuild would pin them again were they restored)
+                self._keep_pins_file(conn)
         return deleted
 
     def mend_rows(self, fields: dict[bytes, dict[str, object]]) -> None:
