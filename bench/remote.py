@@ -15,6 +15,7 @@ The restore times are the time until the cache is ready; the first decode step a
 each of them. The remote deadline is set high here so that the whole download is measured.
 
     python bench/remote.py [--lengths 2048 8192] [--reps 3] [--recompute-max 2048]
+    python bench/remote.py --policy-only [--policy-lengths 2048] [--policy-reps 1]
 
 With `--recompute-max 0` the recompute times of an earlier run (bench/results/remote.json) are
 kept, marked `recompute_from_earlier_run`.
@@ -40,7 +41,7 @@ sys.path.insert(0, str(C.REPO / "tests"))
 from remote_fixture import Seaweed  # noqa: E402  (the same server setup the tests use)
 
 SHAPE = C.SHAPES["qwen3-0.6b"]
-FINGERPRINT = b"bench-remote-qwen3-0.6b"
+FINGERPRINT = b"bench-remote-q06"  # (16 bytes, as `bind` takes)
 
 
 def upload(work, url, tokens, cache) -> dict:
@@ -228,7 +229,7 @@ def policy_ttft(server, length: int, slow_get_s: float, reps: int) -> dict:
         first_token(model, prompt, make_prompt_cache(model))
         cold.append(time.perf_counter() - t0)
     with kvstore.open(work / "a", remote=url, remote_flush_timeout=600) as a:
-        mc = a.bind(model, "qwen3-0.6b-random", fingerprint=b"bench-remote-policy")
+        mc = a.bind(model, "qwen3-0.6b-random", fingerprint=b"bench-rem-policy")
         cache = make_prompt_cache(model)
         model(mx.array(prompt)[None], cache=cache)
         C.eval_cache(cache)
@@ -245,7 +246,7 @@ def policy_ttft(server, length: int, slow_get_s: float, reps: int) -> dict:
             for i in range(reps):
                 d = work / f"b-{policy}-{i}"
                 with kvstore.open(d, remote=url, memory_bytes=0, remote_prefetch=policy) as b:
-                    mc = b.bind(model, "qwen3-0.6b-random", fingerprint=b"bench-remote-policy")
+                    mc = b.bind(model, "qwen3-0.6b-random", fingerprint=b"bench-rem-policy")
                     t0 = time.perf_counter()
                     cache, rest = mc.fetch(prompt + [1])
                     C.eval_cache(cache)
@@ -264,6 +265,17 @@ def policy_ttft(server, length: int, slow_get_s: float, reps: int) -> dict:
         os.environ["AWS_ENDPOINT_URL"] = saved
     shutil.rmtree(work, ignore_errors=True)
     return out
+
+
+def print_policies(policies: list[dict]) -> None:
+    for p in policies:
+        print(f"\nprefetch policies, {p['length']} tokens, {p['slow_get_s']:g} s a download: cold "
+              f"{p['cold']['median']:.2f} s; timeout ({p['timeout_s']:.2f} s):")
+        for policy in ("timeout", "wait_complete", "best_effort"):
+            runs = p[policy]["runs"]
+            mid = sorted(runs, key=lambda r: r["ttft_s"])[len(runs) // 2]
+            print(f"  {policy:>13}: TTFT {mid['ttft_s']:.2f} s (restore {mid['restore_s']:.2f} s of "
+                  f"{mid['restored_tokens']} tokens, prefill of the rest {mid['prefill_rest_s']:.2f} s)")
 
 
 class _ProxyProcess:
@@ -402,6 +414,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--recompute-max", type=int, default=2048)
     ap.add_argument("--sealing-only", action="store_true", help="only the AES-256-GCM micro-benchmark")
+    ap.add_argument("--policy-only", action="store_true",
+                    help="only the prefetch-policy runs (printed; bench/results/remote.json is left as it is)")
     ap.add_argument("--policy-lengths", type=int, nargs="*", default=[2048],
                     help="prompt lengths of the prefetch-policy TTFT runs (a real prefill each)")
     ap.add_argument("--policy-reps", type=int, default=1, help="runs of each policy (each a prefill here)")
@@ -410,6 +424,18 @@ def main() -> None:
     args = ap.parse_args()
     if args.sealing_only:
         print(json.dumps(sealing(args.reps), indent=1))
+        return
+    if args.policy_only:
+        work = C.scratch_dir("remote")
+        server = Seaweed(work / "seaweed")
+        os.environ.update(server.env)
+        server.start()
+        try:
+            policies = [policy_ttft(server, n, args.slow_get, args.policy_reps) for n in args.policy_lengths]
+        finally:
+            server.kill()
+        print(json.dumps(policies, indent=1))
+        print_policies(policies)
         return
     earlier = {}
     try:
@@ -485,14 +511,7 @@ def main() -> None:
           f"{cv['a_own_and_new']['downloads']} downloads ({cv['a_own_and_new']['download_bytes']} bytes); "
           f"node B (own system prompt) asks for A's: {cv['b_asks_a']['downloads']} downloads, "
           f"{cv['b_asks_a']['downloads_used']} used, of {cv['b_lacked_records']} records it lacked")
-    for p in results.get("policies", []):
-        print(f"\nprefetch policies, {p['length']} tokens, {p['slow_get_s']:g} s a download: cold "
-              f"{p['cold']['median']:.2f} s; timeout ({p['timeout_s']:.2f} s):")
-        for policy in ("timeout", "wait_complete", "best_effort"):
-            runs = p[policy]["runs"]
-            mid = sorted(runs, key=lambda r: r["ttft_s"])[len(runs) // 2]
-            print(f"  {policy:>13}: TTFT {mid['ttft_s']:.2f} s (restore {mid['restore_s']:.2f} s of "
-                  f"{mid['restored_tokens']} tokens, prefill of the rest {mid['prefill_rest_s']:.2f} s)")
+    print_policies(results.get("policies", []))
     print(f"\n{'chunks':>7} {'present':>8} {'HEADs':>6} {'median ms':>10} {'p99 ms':>8}")
     for r in results["lookup"]:
         print(f"{r['chunks']:>7} {r['present']:>8} {r['heads']:>6} {r['median'] * 1e3:>10.2f} {r['p99'] * 1e3:>8.2f}")
