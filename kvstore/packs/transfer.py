@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvstore.errors import InvalidInputError, PackError
 from kvstore.packs.manifest import BLOBS, MANIFEST, MAX_MANIFEST_BYTES, SIGNATURE, blob_name, parse
 from kvstore.packs.signing import MAX_SIGNATURE_BYTES
-from kvstore.packs.verify import is_free, pack_folder, read_file, settle
+from kvstore.packs.verify import check_file, is_free, pack_folder, read_file, settle
 from kvstore.remote.bucket import RemoteError, TooLarge, open_bucket
 from kvstore.sizes import plural
 
@@ -108,16 +107,10 @@ def push(folder: Path, url: str) -> Moved:
 def _whole(folder: Path, name: str, limit: int, *, exact: bool) -> None:
     """PackError unless the pack's file `name` is a regular file of its manifest's size (`exact`),
     or of at most `limit` bytes."""
-    path = folder / name
     try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        raise PackError(f"the pack has no {name} ({path}), which its manifest lists: nothing pushed") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise PackError(f"{path} is not a regular file: nothing pushed")
-    if st.st_size > limit or (exact and st.st_size != limit):
-        raise PackError(f"{path} is {st.st_size} bytes, " + (f"the manifest says {limit}" if exact else
-                        f"more than it can be ({limit})") + ": nothing pushed")
+        check_file(folder / name, limit, exact=exact, name=name, listed=", which its manifest lists")
+    except PackError as e:
+        raise PackError(f"{e}: nothing pushed") from None
 
 
 def _holds_nothing(target, url: str) -> None:

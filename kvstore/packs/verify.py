@@ -143,16 +143,24 @@ def pack_folder(folder: Path) -> Path:
     return folder
 
 
-def read_file(path: Path, limit: int) -> bytes:
-    """A pack file's bytes: a regular file (never through a link) of at most `limit` bytes."""
+def check_file(path: Path, limit: int, *, exact: bool = False, name: str = "", listed: str = "") -> None:
+    """PackError unless the pack's file `path` is a regular file (never a link) of at most `limit`
+    bytes (`exact`: of `limit` bytes, the size its manifest gives). Where it is missing, the
+    error names it as `name` (its file name by default), followed by `listed`."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
-        raise PackError(f"the pack has no {path.name} ({path})") from None
+        raise PackError(f"the pack has no {name or path.name} ({path}){listed}") from None
     if not stat.S_ISREG(st.st_mode):
         raise PackError(f"{path} is not a regular file")
-    if st.st_size > limit:
-        raise PackError(f"{path} is {st.st_size} bytes, more than it can be ({limit})")
+    if st.st_size > limit or (exact and st.st_size != limit):
+        raise PackError(f"{path} is {st.st_size} bytes, " + (f"the manifest says {limit}" if exact else
+                        f"more than it can be ({limit})"))
+
+
+def read_file(path: Path, limit: int) -> bytes:
+    """A pack file's bytes: a regular file (never through a link) of at most `limit` bytes."""
+    check_file(path, limit)
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     with open(fd, "rb", buffering=0) as f:
         data = f.read(limit + 1)
