@@ -136,6 +136,8 @@ def _parse(s: Setting, value: Any, where: str) -> Any:
             return None
         if s.auto and word == AUTO:
             return AUTO
+        if word in OFF_WORDS and s.zero and not s.off and s.kind != "bits":  # (memory_bytes: 0 is its "off")
+            raise InvalidInputError(f"{where}: {value!r} is not taken: use 0 ({s.zero})")
     elif value is None and (s.off or s.kind in ("bits", "choice")):
         return None
     try:
@@ -466,8 +468,7 @@ def given(args: argparse.Namespace, table: tuple[Setting, ...] = STORE_SETTINGS)
 
 
 def serve_defaults(table: tuple[Setting, ...] = STORE_SETTINGS) -> dict[str, Any]:
-    """`kvstore serve`'s own defaults, where they differ from the table's (`resolve`'s `defaults`:
-    they read as defaults, not as given)."""
+    """`kvstore serve`'s own defaults where they differ (`resolve`'s `defaults`: not as given)."""
     return {s.name: s.serve_default for s in table if s.serve_default is not None}
 
 
@@ -486,8 +487,7 @@ def table_text(table: tuple[Setting, ...] = STORE_SETTINGS) -> str:
 
 
 def check_exact_prefill(resolved: tuple[Any, str], chunk_size: int) -> None:
-    """`exact_prefill` (its value and source, as `resolve` gives them) must be a whole number of
-    chunks of `chunk_size` tokens."""
+    """`exact_prefill` (value and source, from `resolve`) must be whole chunks of `chunk_size`."""
     check_chunks(BY_NAME["exact_prefill"], *resolved, chunk_size)
 
 

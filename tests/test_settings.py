@@ -320,3 +320,14 @@ def test_a_prompt_a_disk_budget_evicted_is_said_to_be_evicted_not_unwritten(tmp_
              "--store-max-bytes", "1MB")
     summary = next(s for s in out.stdout.splitlines() if s.startswith("on disk:"))
     assert "not on disk: evicted since written" in summary and "lost at exit" not in summary, summary
+
+
+def test_off_on_a_setting_whose_off_is_0_names_the_0(tmp_path):
+    """`memory_bytes=off` is refused with what turns the memory tier off (0), not as a bad size;
+    a setting that takes off (`max_write_rate`, `disk_kv_bits`) still takes it."""
+    with pytest.raises(InvalidInputError, match=r"memory_bytes: 'off' is not taken: use 0 \(no memory tier\)"):
+        kvstore.open(tmp_path / "s", memory_bytes="off")
+    with pytest.raises(InvalidInputError, match=r"remote_flush_timeout: 'none' .* use 0 \(do not wait"):
+        kvstore.open(tmp_path / "s", remote_flush_timeout="none")
+    with kvstore.open(tmp_path / "s", max_write_rate="off", disk_kv_bits="off", memory_bytes=0) as store:
+        assert store.settings["max_write_rate"] == store.settings["disk_kv_bits"] == (None, "given")
