@@ -240,6 +240,23 @@ def test_sequences_over_the_cap_are_served_not_stored(llama, tmp_path):
         assert pc.counters["inserts"] == 1 and store.stats()["tails"] == 1
 
 
+def test_tokens_that_are_not_a_sequence_of_ids_are_refused_or_missed_saying_why(setup, caplog):
+    """None, a number or text (a caller's bug) is refused naming what tokens must be; ids that
+    are not ints are a miss, logged as such, and the store keeps serving."""
+    pc, model, _ = setup
+    for bad, what in ((None, "NoneType"), (5, "int"), ("abc", "str: tokenize first")):
+        with pytest.raises(kvstore.InvalidInputError, match=f"tokens must be a sequence of token ids, got {what}"):
+            pc.fetch_nearest_cache(KEY, bad)
+        with pytest.raises(kvstore.InvalidInputError, match="tokens must be a sequence of token ids"):
+            pc.insert_cache(KEY, bad, prefill(model, [1, 2]))
+    for bad in (["a", "b"], [1.5, 2]):
+        assert pc.fetch_nearest_cache(KEY, bad) == (None, bad)
+    assert "token ids must be ints" in caplog.text and "'<' not supported" not in caplog.text
+    tokens = list(range(1, 40))
+    insert(pc, model, tokens)
+    assert fetch(pc, model, tokens + [5])[0] == 39
+
+
 def test_reuse_is_counted_by_tier(llama, tmp_path):
     path, model = llama
     tokens = list(range(100, 140))

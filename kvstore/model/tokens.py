@@ -49,6 +49,17 @@ def as_tokens(tokens) -> np.ndarray:
     return arr.astype(np.int32)
 
 
+def token_list(tokens) -> list:
+    """`tokens` as a list, for an API that takes mlx-lm's lists (ids checked later, where a bad one
+    is a miss); `InvalidInputError` for text or what is not a sequence at all."""
+    if isinstance(tokens, (mx.array, np.ndarray)):
+        return np.asarray(tokens).tolist()
+    if isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__iter__"):
+        raise InvalidInputError(f"tokens must be a sequence of token ids, got {type(tokens).__name__}"
+                                + (": tokenize first" if isinstance(tokens, (str, bytes)) else ""))
+    return list(tokens)
+
+
 def arrays_of(cache: list) -> list[mx.array]:
     """Every mlx array a list of cache objects holds (to evaluate them)."""
     return [v for _, v in tree_flatten([c.state for c in cache]) if isinstance(v, mx.array)]

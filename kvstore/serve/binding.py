@@ -93,7 +93,11 @@ class KeyBindings:
 
     def resolve(self, key: Hashable, tokens: list) -> Binding | str:
         """The bound model for `key`, else `IN_RAM` or `UNCACHED`."""
-        if tokens and min(tokens) < 0:  # image placeholders (mlx_lm.server's vision cache keys)
+        try:
+            negative = bool(tokens) and min(tokens) < 0
+        except TypeError:
+            raise InvalidInputError("token ids must be ints") from None
+        if negative:  # image placeholders (mlx_lm.server's vision cache keys)
             return self._unstorable(key, "image prompts are cached in RAM only")
         binding = self.registered.get(key)
         if binding is not None:

@@ -27,7 +27,7 @@ from kvstore.keys import checkpoint_hash
 from kvstore.model.blas import long_prefill_note
 from kvstore.model.cache import ModelCache
 from kvstore.model.prefill import prompt_cache
-from kvstore.model.tokens import as_tokens
+from kvstore.model.tokens import as_tokens, token_list
 from kvstore.serve.binding import IN_RAM, Binding, KeyBindings
 from kvstore.serve.firststeps import FirstSteps
 from kvstore.serve.ramlru import CACHE_TYPES, RamSequences, SystemPrompts, can_trim, check_bounds
@@ -136,7 +136,7 @@ class PersistentPromptCache:
         In exact mode (`exact_prefill`) the prompt but its last token is prefilled here, in the
         store's steps, and stored (outside this object's lock: stats answer meanwhile).
         """
-        tokens = list(tokens)
+        tokens = token_list(tokens)
         tenant_id = self.tenants.take()
         with self._lock:
             self.counters["requests"] += 1
@@ -196,7 +196,7 @@ class PersistentPromptCache:
     def insert_cache(self, model: Hashable, tokens: Sequence[int], prompt_cache: list, *,
                      cache_type: str = "assistant") -> None:
         """Store the cache of `tokens` (queued for the background writer; returns at once)."""
-        tokens = list(tokens)
+        tokens = token_list(tokens)
         tenant_id = self.tenants.of_cache(prompt_cache)
         with self._lock:
             try:
@@ -275,7 +275,7 @@ class PersistentPromptCache:
         will need it (`binding`: the bound model, else `model` is resolved as for a request),
         within `tenant_id`'s namespace (None: the shared one): what its request would reuse.
         Returns `ModelCache.load_into_ram`'s answer (`"refused"` says why it did nothing)."""
-        tokens = list(tokens)
+        tokens = token_list(tokens)
         with self._lock:
             self.counters["prefetches"] += 1
             out = {"tokens": len(tokens), "stored": 0, "in_ram": 0, "loaded": 0}
