@@ -70,5 +70,7 @@ def test_every_example_prompts_8bit_canary_holds_and_scaled_kv_is_refused(tmp_pa
         scale_kv(bad, last, 1.5)
         refused = run_cli("pack", "import", bad, "--store", tmp_path / "c", "--model", model, *bits, check=False)
         assert refused.returncode == 1, refused.stdout
-        assert f"record {last}: its canary does not hold for the replayed step" in refused.stderr, refused.stderr
+        tokens = doc["prompts"][prompt]["tokens"]
+        assert f"blobs/{last}.safetensors (tokens " in refused.stderr, refused.stderr
+        assert f"of a prompt of {tokens} tokens): its canary does not hold for the replayed step" in refused.stderr
         assert not (tmp_path / "c").exists()

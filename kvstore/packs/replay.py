@@ -25,6 +25,7 @@ import numpy as np
 
 from kvstore import canary
 from kvstore.errors import PackError
+from kvstore.packs.manifest import blob_name
 from kvstore.records import Span
 from kvstore.storage import blobformat
 from kvstore.store import MEMORY, Store
@@ -109,8 +110,8 @@ def _steps(mc, disk_kv_bits: int | None, records: Iterable[tuple[Span, np.ndarra
     replayed), from `records` held in a store in RAM."""
     with _in_ram(mc, disk_kv_bits, records) as rc:
         for span, prompt, fields in canaries:
-            yield span, fields, [(name, value, _step(rc, span, prompt, name, value))
-                                 for name, value in _readable(fields).items()]
+            yield span, prompt, fields, [(name, value, _step(rc, span, prompt, name, value))
+                                         for name, value in _readable(fields).items()]
 
 
 def replay(mc, disk_kv_bits: int | None, records: Iterable[tuple[Span, np.ndarray, bytes]],
@@ -122,14 +123,14 @@ def replay(mc, disk_kv_bits: int | None, records: Iterable[tuple[Span, np.ndarra
     is part of, its canary fields). PackError naming the record if one does not hold."""
     checked = unreplayable = 0
     with closing(_steps(mc, disk_kv_bits, records, canaries)) as each:  # the store in RAM goes at once
-        for span, _, steps in each:
+        for span, prompt, _, steps in each:
             for name, value, logits in steps:
                 if logits is None:
                     unreplayable += 1
                     continue
                 why = CANARIES[name].check(value, logits)
                 if why is not None:
-                    raise PackError(f"record {span.hash.hex()}: its {_called(name)} does not hold for the "
+                    raise PackError(f"{_where(span, prompt)}: its {_called(name)} does not hold for the "
                                     f"replayed step ({why})")
                 checked += 1
     return checked, unreplayable
@@ -146,19 +147,24 @@ def replayed(mc, disk_kv_bits: int | None, records: Iterable[tuple[Span, np.ndar
     the quantization: more is damage, not rounding)."""
     out = {}
     with closing(_steps(mc, disk_kv_bits, records, canaries)) as each:
-        for span, fields, steps in each:
+        for span, prompt, fields, steps in each:
             fields = dict(fields)
             for name, value, logits in steps:
                 if logits is None:
                     continue
                 why = CANARIES[name].check(value, logits, tolerance)
                 if why is not None:
-                    raise PackError(f"record {span.hash.hex()}: its {_called(name)} is not reproduced by a "
+                    raise PackError(f"{_where(span, prompt)}: its {_called(name)} is not reproduced by a "
                                     f"step replayed from its stored K/V, even within the quantization's bound "
                                     f"{tolerance:g} ({why}): run `kvstore verify --exact`")
                 fields[name] = CANARIES[name].remake(value, logits)
             out[span.hash] = fields
     return out
+
+
+def _where(span: Span, prompt: np.ndarray) -> str:
+    """How a message names a canary's record: its blob file and the prompt's tokens it holds."""
+    return f"{blob_name(span.hash)} (tokens {span.start}-{span.end} of a prompt of {len(prompt)} tokens)"
 
 
 def _called(name: str) -> str:
