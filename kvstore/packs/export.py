@@ -45,7 +45,7 @@ class Exported:
     signed: bool
     stored_before: int = 0
     within_another: int = 0  # prompts carried as the start of a longer prompt of the pack
-    repeats: int = 0  # prompts given again (the same tokens as an earlier one): carried once
+    repeats: int = 0  # prompts given again (the same tokens as an earlier one): carried once, counted once
 
 
 def shared_only(rows: Sequence) -> None:
@@ -72,7 +72,9 @@ def export_pack(store, mc, model_dir: Path, tokenizer, prompts: list[np.ndarray]
                         "without a tenant, as `kvstore pack export` does)")
     if sign_key is not None:
         signing.check_private_key(sign_key)
+    repeats = len(prompts) - len(distinct(prompts))
     ident = identity.identity(Path(model_dir), tokenizer, identity.memo_of(store, remember=not store.read_only))
+    prompts = distinct(prompts)
     before = sum(min(mc.stored_length(t), len(mc.stored_part(np.asarray(t)))) for t in prompts)
     computed = 0
     for tokens in prompts:  # stored first where it is not: written whatever admission says
@@ -126,10 +128,21 @@ def export_pack(store, mc, model_dir: Path, tokenizer, prompts: list[np.ndarray]
         settle(tmp, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    repeats = sum(any(np.array_equal(t, u) for u in given[:i]) for i, t in enumerate(given))
     return Exported(len(given), sum(map(len, given)), computed, len(records),
                     sum(n for n, _ in records.values()), sign_key is not None,
-                    min(before, sum(map(len, given)) - computed), len(given) - len(prompts) - repeats, repeats)
+                    min(before, sum(map(len, given)) - computed), len(given) - len(prompts), repeats)
+
+
+def distinct(prompts: list) -> list:
+    """`prompts` without the repeats of an earlier one (in their order)."""
+    seen: set[bytes] = set()
+    out = []
+    for t in prompts:
+        key = np.asarray(t, dtype=np.int64).tobytes()
+        if key not in seen:
+            seen.add(key)
+            out.append(t)
+    return out
 
 
 def _not_within_another(prompts: list[np.ndarray]) -> list[np.ndarray]:

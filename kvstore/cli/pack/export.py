@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 from kvstore.cli.options import bound, prompt_items
-from kvstore.cli.output import CommandError, out, plural
+from kvstore.cli.output import CommandError, out, plural, say
 from kvstore.sizes import format_size
 
 
 def cmd_export(args) -> int:
     from kvstore.model.fingerprint import resolve_model_dir
-    from kvstore.packs.export import export_pack
+    from kvstore.packs.export import distinct, export_pack
     from kvstore.packs.signing import check_private_key
 
     if args.sign_key:  # a mistyped key is said before the model is loaded and the prompts computed
@@ -21,13 +23,15 @@ def cmd_export(args) -> int:
         if errors:
             raise CommandError(f"{plural(len(errors), 'prompt line')} could not be used (said above): "
                                "nothing exported")
-        done = export_pack(store, mc, resolve_model_dir(loaded.model_id), loaded.tokenizer,
-                           [tokens for _, tokens in work], Path(args.out),
-                           sign_key=Path(args.sign_key) if args.sign_key else None)
+        prompts = [tokens for _, tokens in work]
+        with _progress(mc, distinct(prompts)) as progress:
+            done = export_pack(store, mc, resolve_model_dir(loaded.model_id), loaded.tokenizer, prompts,
+                               Path(args.out), sign_key=Path(args.sign_key) if args.sign_key else None,
+                               progress=progress)
         where = store.path
     shared = done.tokens - done.computed - done.stored_before
     within = ", ".join(([f"{done.within_another} of them within a longer one"] if done.within_another else [])
-                       + ([f"{done.repeats} of them a repeat of an earlier one"] if done.repeats else []))
+                       + ([f"and {plural(done.repeats, 'repeat')} of them, carried once"] if done.repeats else []))
     within = f" ({within})" if within else ""
     out(f"pack {args.out}: {plural(done.prompts, 'prompt')}{within}, {plural(done.tokens, 'token')} "
         f"({done.computed} computed now, {done.stored_before} stored before this export"
@@ -39,3 +43,22 @@ def cmd_export(args) -> int:
     out("it holds its prompts in clear (every record holds its token ids): share it only with those "
         "who may read them")
     return 0
+
+
+@contextmanager
+def _progress(mc, prompts: list):
+    """What an export says while it computes the prompts not stored yet: a count of tokens on a
+    terminal, one line otherwise; nothing when all of them are stored."""
+    todo = [t for t in prompts if mc.stored_length(t) < len(t)]
+    if not todo:
+        yield None
+        return
+    if not sys.stderr.isatty():
+        say(f"computing {plural(len(todo), 'prompt')} not stored whole yet (at most "
+            f"{plural(sum(len(t) - mc.stored_length(t) for t in todo), 'token')}: what they share is computed once)")
+        yield None
+        return
+    from tqdm import tqdm
+
+    with tqdm(desc="tokens computed", unit="tok", unit_scale=True, file=sys.stderr, dynamic_ncols=True) as bar:
+        yield bar.update
