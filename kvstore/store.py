@@ -273,6 +273,8 @@ class Store:
         mc = ModelCache(self.backing, model, str(model_id), ns, fingerprint, layout, codecs, chunk_size,
                         kv_bits=kv_bits, kv_group_size=kv_group_size, exact=self.exact_prefill)
         mc.registered = mc.register(stamps)
+        if self.backing.budget is not None:
+            self.backing.budget.holds(mc.check.bound().per_token, chunk_size)
         if self.remote is not None:
             self.remote.bind(ns, fingerprint, chunk_size, layout, mc.check.bound())
         if self.events is not None:

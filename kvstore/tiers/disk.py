@@ -124,6 +124,15 @@ class DiskBudget:
             self._running = True
         threading.Thread(target=self._run, name="kvstore-budget", daemon=True).start()
 
+    def holds(self, per_token: int, chunk_size: int) -> None:
+        """A model was bound whose records take about `per_token` bytes a token: said now, not at
+        its first write, if one chunk of `chunk_size` tokens is more than the budget."""
+        if self.max_bytes is not None and per_token * chunk_size > self.max_bytes and not self._said_too_small:
+            self._said_too_small = True
+            log.warning("kvstore: a chunk (%d tokens) of this model takes about %d bytes on disk, more than the disk "
+                        "budget (max_bytes %d): no prompt of it longer than about %d tokens can stay on disk; raise "
+                        "the budget", chunk_size, per_token * chunk_size, self.max_bytes, self.max_bytes // per_token)
+
     def settle(self, timeout: float | None = None) -> bool:
         """Wait until no check is due or running; False if `timeout` ran out first."""
         with self._cond:
