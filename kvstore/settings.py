@@ -95,8 +95,8 @@ class Setting:
         one of all, reused, pinned`."""
         if not isinstance(text, str) or text.startswith("\0"):  # (`Index.settings`: not text in the index)
             raise InvalidInputError("is not text")
-        if self.kind in ("rate", "size") and text.strip() == "0":
-            return 0
+        if self.kind in ("rate", "size") and text.strip().isdigit():  # (kept as bytes; 0: kept before it was refused)
+            return int(text)
         try:
             value = self.parse(text)
         except InvalidInputError:

@@ -73,6 +73,9 @@ def parse_rate(text: str) -> int:
     if not match:
         raise ValueError(f"{text!r} is not a rate; use a size per period, like 20GB/day or 500MB/h")
     amount, period = match.groups()
+    if period is None and re.fullmatch(r"[0-9.]+", amount) and float(amount):  # (12 meant as 12 GB/day)
+        raise ValueError(f"{text!r} has no unit: a rate is a size per period, like {amount}GB/day or {amount}MB/h "
+                         f"({amount}B/day for bytes)")
     period = (period or "day").lower()
     seconds = _PERIODS.get(period, _PERIODS.get(period[:-1]) if period.endswith("s") else None)  # (days, hours)
     if seconds is None:

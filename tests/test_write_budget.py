@@ -37,10 +37,11 @@ def test_rates_in_every_accepted_form():
     assert parse_rate("1GiB/week") == (1 << 30) // 7
     assert parse_rate("2GB") == 2 * 10**9  # a size alone is per day
     assert parse_rate("2GB/days") == parse_rate("2GB/d") and parse_rate("24MB/hours") == parse_rate("24MB/hour")
-    assert parse_rate(12345) == 12345
+    assert parse_rate(12345) == 12345 and parse_rate("12345B") == 12345  # bytes a day: a number, or its unit
     assert parse_rate("off") is None and parse_rate("none") is None and parse_rate(None) is None
     for bad, reason in (("20GB/fortnight", "period"), ("fast", "not a rate"), (-1, "give 1 or more"),
-                        ("20XB/day", "unit"), (True, "rate"), (0, "use off"), ("unlimited", "not a rate")):
+                        ("20XB/day", "unit"), (True, "rate"), (0, "use off"), ("unlimited", "not a rate"),
+                        ("12", r"'12' has no unit: a rate is a size per period, like 12GB/day or 12MB/h \(12B/day")):
         with pytest.raises(InvalidInputError, match=f"max_write_rate.*{reason}"):
             parse_rate(bad)
 
