@@ -131,6 +131,31 @@ def test_crash_in_gc_between_row_and_file_deletion(tmp_path, llama):
         assert s.verify() == []
 
 
+def test_the_next_gc_unlinks_the_files_a_killed_gc_left(tmp_path, llama):
+    """A gc killed between a commit and its unlinks leaves files no row counts (and edges into the
+    rows it deleted); the next gc (the disk budget's, or `kvstore gc`) unlinks them and drops the
+    edges, with no `verify --repair` needed, and says how many files. Its restores are those of a store that was never interrupted."""
+    model_path, model = llama
+    store = tmp_path / "s"
+    pinned, rest = prompts(3, 2, C), prompts(4, 8, C)
+    warm_in_process(store, model_path, model, pinned, pin=True)
+    warm_in_process(store, model_path, model, rest)
+    with kvstore.open(store, chunk_size=C) as s:
+        total = s.stats()["bytes"]
+    child = Child("gc", store, model_path, C, total // 3, fault="gc_deleted:kill:1")
+    assert child.wait() == -signal.SIGKILL, child.stderr
+    with kvstore.open(store, chunk_size=C) as s:
+        left = [p for p in s.verify() if p.kind == "orphan_file"]
+        assert left
+        done = s.gc(max_bytes=total // 3)
+        assert done["leftover_files"] == len(left)
+        assert s.verify() == []  # no file, edge or row the killed gc left
+        assert s.gc(max_bytes=total // 3)["leftover_files"] == 0
+        mc = s.bind(model, model_path)
+        for tokens in pinned:
+            assert mc.stored_length(tokens) == len(tokens)
+
+
 def _random_kills(tmp_path, llama, runs: int, max_delay: float) -> dict:
     model_path, model = llama
     store = tmp_path / "s"

@@ -87,6 +87,9 @@ def cmd_gc(args) -> int:
     print(f"{verb} {format_size(result['freed_bytes'])} ({result['freed_bytes']} bytes, "
           f"{plural(result['evicted'], 'record')}); the store {holds} {format_size(result['bytes'])} "
           f"(was {format_size(result.get('bytes_before', result['bytes'] + result['freed_bytes']))})")
+    if result.get("leftover_files"):
+        out(f"and {plural(result['leftover_files'], 'file')} an earlier gc was stopped before unlinking "
+            "(their records were already deleted): unlinked now")
     stale_pins = result.get("stale_pins") or {}
     if stale_pins.get("records"):
         out(f"{plural(stale_pins['records'], 'pinned record')} of stale models "

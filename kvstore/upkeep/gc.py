@@ -12,6 +12,7 @@ records another process stored below what went while gc ran, which nothing reach
 
 from __future__ import annotations
 
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from operator import itemgetter
@@ -43,6 +44,8 @@ _UNLINK_THREADS, _UNLINKS_PER_TASK = 4, 256
 # Records stored this long before gc read the clock count as stored while it ran (`lost_since`
 # looks up the parent of each of them, so not more: a store warmed just before has many).
 _CLOCK_SLACK_S = 1.0
+# The last logged deletion (`Index.deletions_since`) whose file a gc made sure is gone.
+_UNLINKED_TO = "gc.unlinked_to"
 
 
 def collect(index: Index, root: Path, *, max_bytes: int | None = None, max_age: float | None = None,
@@ -83,11 +86,11 @@ def collect(index: Index, root: Path, *, max_bytes: int | None = None, max_age: 
             held = graph.pinned & graph.stale
             unpinned = (int(held.sum()), int(graph.sizes[held].sum()))
     planned = time.perf_counter() - started
-    freed, hashes, longest = 0, [], 0.0
+    freed, hashes, longest, leftovers = 0, [], 0.0, 0
     if dry_run:
         freed, hashes = int(p.sizes.sum()) if len(p) else 0, list(p.hashes)
     else:
-        freed, hashes, longest = _delete(index, root, p, since)
+        freed, hashes, longest, leftovers = _delete(index, root, p, since)
     return {
         "evicted": len(hashes),
         "freed_bytes": freed,
@@ -101,6 +104,7 @@ def collect(index: Index, root: Path, *, max_bytes: int | None = None, max_age: 
         "tenants_over": len(over),  # tenants that held more than `tenant_max_bytes`
         "tenants_dropped": {t: {"records": n, "bytes": b} for t, (n, b) in dropping.items()},  # what each held before
         "kept_bytes": _kept_bytes(total, planned_from, freed),
+        "leftover_files": leftovers,  # files an earlier gc stopped before unlinking: unlinked now
         "hashes": hashes,
     }
 
@@ -108,12 +112,15 @@ def collect(index: Index, root: Path, *, max_bytes: int | None = None, max_age: 
 def _delete(index: Index, root: Path, p: evict.Victims, since: float) -> tuple[int, list[bytes], float]:
     """Delete the victims `p`: (bytes freed, hashes deleted, the longest transaction's seconds)."""
     freed, hashes, longest = 0, [], 0.0
+    if not len(p) and index.deletions_end() <= index.marks(_UNLINKED_TO).get(_UNLINKED_TO, 0):
+        return freed, hashes, longest, 0  # (a budget's check that finds nothing to do reads no more)
     order = evict.in_key_order(p)
     edges: list[tuple[bytes, int, bytes]] = []
     # A page cache as big as the index (up to 1 GiB) while gc runs; files unlinked on threads
     # (the syscall releases the GIL, and unlinks in different folders run side by side).
     with index.bulk(cache_kib=min(_CACHE_MAX_KIB, max(_CACHE_MIN_KIB, index.file_bytes() // 1024))), \
             index.victims(order, p.top_hashes), ThreadPoolExecutor(_UNLINK_THREADS, thread_name_prefix="kvstore-gc") as pool:
+        leftovers = _unlink_leftovers(index, root, pool)
         # Sweep 1, in hash order: the rows and the edges out of them, and each record's file
         # right after its commit.
         for took, deleted in _batches(index, order, lambda part: _evict(index, root, part[0], part[-1], pool)):
@@ -138,7 +145,34 @@ def _delete(index: Index, root: Path, p: evict.Victims, since: float) -> tuple[i
                 longest = max(longest, time.perf_counter() - t)
                 freed += sum(row[1] for row in deleted)
                 hashes += [row[0] for row in deleted]
-    return freed, hashes, longest
+    index.raise_mark(_UNLINKED_TO, index.deletions_end())
+    return freed, hashes, longest, leftovers
+
+
+def _unlink_leftovers(index: Index, root: Path, pool: ThreadPoolExecutor) -> int:
+    """Unlink the files of records deleted since the last gc made sure of it whose rows are still
+    gone, and drop the edges into them: what a gc stopped between a commit and its unlinks left,
+    which no row counts. The deletion log says which (its last 100,000 entries). Returns how many
+    files were there. (`_delete` marks the log's end done once its own deletions' files are gone.)"""
+    done, end = index.marks(_UNLINKED_TO).get(_UNLINKED_TO, 0), index.deletions_end()
+    logged: list[bytes] = []
+    while done < end:
+        part = index.deletions_since(done, limit=50_000)
+        if not part:
+            break
+        logged += [h for _, h, _ in part]
+        done = part[-1][0]
+    found, gone = 0, []
+    if logged:
+        with blobtree.tree_lock(root, exclusive=True):  # no writer is between its file and its row
+            stored = index.rows_of(logged)
+            gone = sorted({h for h in logged if h not in stored})
+            found = sum(os.path.lexists(blobtree.blob_path(root, h)) for h in gone)
+            if found:
+                _remove_files(root, [(h,) for h in gone], pool)
+        if gone:  # and the edges into them that its second sweep did not reach (one scan of the table)
+            index.forget_lost_edges()
+    return found
 
 
 def _kept_bytes(total: int, read: int, freed: int) -> dict[str, int]:
