@@ -223,3 +223,39 @@ def test_a_full_disk_is_said_once_not_once_per_failed_write(tmp_path, llama, cap
             faults.disarm()
         said = [r.getMessage() for r in caplog.records if "a write was dropped" in r.getMessage()]
         assert f"; {failed - 1} more like it since it was last said" in said[1], said
+
+
+def test_a_batch_the_index_cannot_take_whole_stores_the_start_of_its_chain(tmp_path, llama, monkeypatch):
+    """When the disk fills under a batch's commit (its files took the room the index needed:
+    SQLite's "database or disk is full", injected here for batches of more than 2 rows), the
+    writer stores the longest first part of the chain it can and removes the rest's files, instead
+    of nothing; what it stored restores exactly in a fresh store, and verify finds nothing left."""
+    import sqlite3
+
+    from kvstore.storage.index import Index
+
+    model_path, model = llama
+    real = Index.insert
+
+    def insert(self, rows):
+        rows = list(rows)
+        if len(rows) > 2:
+            raise sqlite3.OperationalError("database or disk is full")
+        return real(self, rows)
+
+    tokens = [1 + (i * 7) % 250 for i in range(6 * C + 5)]  # 6 chunks and a tail: 7 rows
+    with kvstore.open(tmp_path / "s", chunk_size=C, memory_bytes=0) as store:
+        mc = store.bind(model, model_path)
+        monkeypatch.setattr(Index, "insert", insert)
+        mc.insert(tokens, prefill(model, tokens))
+        store.flush()
+        monkeypatch.setattr(Index, "insert", real)
+        assert mc.stored_length(tokens) == C  # 7 rows, then the first 3, then the first 1
+        w = store.stats()["writer"]
+        assert w["records_written"] == 1 and w["write_errors"] == 1 and "full" in w["last_error"], w
+        assert store.verify() == []  # no file of a row that did not go in
+    with kvstore.open(tmp_path / "s", chunk_size=C, memory_bytes=0) as store:
+        mc = store.bind(model, model_path)
+        query = tokens[:C] + [3]
+        cache, rest = mc.fetch(query)
+        assert rest == [3] and logits_diff(model, cache, rest, query) <= TOL

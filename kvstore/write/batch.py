@@ -12,7 +12,9 @@ budget; they count in it.
 
 from __future__ import annotations
 
+import errno
 import logging
+import sqlite3
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Callable
@@ -69,9 +71,14 @@ def write(dest: Destination, job: Job,
         for st in staged.files.values():  # stored meanwhile by another writer, or after a failure
             blobwrite.discard(st)
         if rows and dest.index is not None:
-            if not _insert(dest, rows):
+            inserted = _insert(dest, rows)
+            if not inserted:
                 _give_back(dest, job, staged, [])
                 return None
+            if len(inserted) < len(rows):  # a full disk took the rest: the chain ends at the last row in
+                cut = next(i for i, s in enumerate(written) if s.hash == rows[len(inserted)].hash)
+                written, rows = written[:cut], inserted
+                copies = [c for c in copies if c.hash in {s.hash for s in written}]
             if committed is not None:
                 committed(rows)
         if job.pin and dest.index is not None:
@@ -235,19 +242,36 @@ def _unstaged_allowed(dest: Destination, job: Job, staged: _Staged, spec: Span, 
     return True
 
 
-def _insert(dest: Destination, rows: list[Row]) -> bool:
-    """Insert the rows of the files just placed, in one transaction; on failure the files are
-    orphans, and are removed."""
-    try:
-        dest.index.insert(rows)
-    except Exception as e:
-        for row in rows:
-            blobtree.remove(dest.root, row.hash)
-        dest.count_error(e)
-        return False
-    dest.stats.records_written += len(rows)
-    dest.stats.bytes_written += sum(row.size for row in rows)  # (counted once their rows are in)
-    return True
+def _insert(dest: Destination, rows: list[Row]) -> list[Row]:
+    """Insert the rows of the files just placed, in one transaction, and return them. On a full
+    disk (the files may have taken the room the index needs), the first half of them, and so on
+    down to one: the files of those left out are removed first, to make room (a chain stored up
+    to where the disk allowed, rather than nothing of it). Files of rows not inserted are orphans,
+    removed; none inserted (another failure, or not even one): []."""
+    n, said = len(rows), False
+    while True:
+        try:
+            dest.index.insert(rows[:n])
+            break
+        except Exception as e:
+            full = _disk_full(e) and n > 1
+            for row in rows[n // 2 if full else 0 : n]:
+                blobtree.remove(dest.root, row.hash)
+            if not said:
+                said = True
+                dest.count_error(e)
+            if not full:
+                return []
+            n //= 2
+    dest.stats.records_written += n
+    dest.stats.bytes_written += sum(row.size for row in rows[:n])  # (counted once their rows are in)
+    return rows[:n]
+
+
+def _disk_full(e: BaseException) -> bool:
+    """Whether `e` is SQLite's or the OS's "no space left"."""
+    return (isinstance(e, OSError) and e.errno == errno.ENOSPC) or (
+        isinstance(e, sqlite3.OperationalError) and "full" in str(e))
 
 
 def still_needed(index: Index, job: Job) -> list[Span]:
