@@ -258,3 +258,40 @@ def test_a_node_not_given_the_rotated_key_file_drops_nothing_of_the_new_key(tmp_
     both = Fleet.of([parse_key(new, "new"), parse_key(old, "old")])
     done = collect_remote(Bucket(url), both, drop_unknown=True, dry_run=True)
     assert done["unknown_namespaces"] == 0 and done["other_key_markers"] == 0, done
+
+
+def test_a_node_left_running_through_a_rotation_stops_uploading_once_its_key_is_dropped(tmp_path, s3, llama,
+                                                                                          monkeypatch):
+    """A node opened with the old key alone, and not restarted when the rotation ended: it asked
+    once whether its key was the fleet's and went on uploading under it, so right after `--drop-key`
+    the bucket again held objects only the dropped (perhaps leaked) key opens, and nothing said so.
+    It now asks again (a HEAD of its marker) once `RECHECK_S` passed: it finds the marker gone, says
+    its key is not the fleet's, and uploads nothing more; the other nodes keep uploading."""
+    from kvstore.remote.health import KeyCheck
+
+    monkeypatch.setattr(KeyCheck, "RECHECK_S", 0.0)  # (a minute in production: every judgement asks here)
+    path, model = llama
+    url = s3.url()
+    old, new = new_key(), new_key()
+    first, second, third = toks(2 * C + 3, 53), toks(2 * C + 5, 54), toks(2 * C + 7, 55)
+    with kvstore.open(tmp_path / "stale", chunk_size=C, remote=url, remote_key=old) as stale:
+        smc = stale.bind(model, path)
+        smc.insert(first, prefill(model, first))
+        assert stale.flush(60) and stale.stats()["remote"]["uploads"] > 0 and marked(url, old)
+        with kvstore.open(tmp_path / "b", chunk_size=C, remote=url, remote_key=[new, old]) as b:
+            mc = b.bind(model, path)
+            assert len(first) - len(mc.fetch(first)[1]) == len(first) - 1  # read with the old key
+            mc.insert(first, prefill(model, first))
+            assert b.flush(60) and marked(url, new)
+            assert b.remote.drop_key(key_id=key_id(parse_key(old, "old")))["records"] > 0
+        assert not marked(url, old)
+        before = objects(url)
+        smc.insert(second, prefill(model, second))
+        assert stale.flush(60)
+        r = stale.stats()["remote"]
+        assert r["skipped_wrong_key"] > 0, r
+        assert objects(url) == before  # nothing more only the dropped key opens
+    with kvstore.open(tmp_path / "c", chunk_size=C, remote=url, remote_key=new) as c:
+        mc = c.bind(model, path)
+        mc.insert(third, prefill(model, third))
+        assert c.flush(60) and c.stats()["remote"]["uploads"] > 0 and c.stats()["remote"]["skipped_wrong_key"] == 0

@@ -116,8 +116,12 @@ _NAME = re.compile(r"[0-9a-f]{32}")
 class KeyCheck:
     """Whether this node's keys are the fleet's of the bucket, told by the fleet's key markers
     (`layout.marker_key`: a small sealed object per key, named by a MAC under that key, so only a
-    holder of the key can name it). Asked once a process, the answer kept: before the node's
-    first upload or pins object, after a fetch that found nothing, by gc and verify of the bucket.
+    holder of the key can name it). Asked before the node's first upload or pins object, after a
+    fetch that found nothing, by gc and verify of the bucket; then again (a HEAD of this node's
+    markers) when it judges once `RECHECK_S` have passed since it last asked: a node left running
+    through a rotation whose old key `gc --remote --drop-key` dropped finds its marker gone and
+    stops uploading under that key, instead of filling the bucket again with objects only the
+    dropped key opens.
 
     - A marker of one of this node's keys is there (a HEAD each, the current key's first): the
       key is the fleet's. With `claim` the current key's marker is published if it is missing
@@ -132,9 +136,12 @@ class KeyCheck:
     mistake from the next node with that key; and gc --remote deletes no unknown namespace.
     RemoteError if the bucket cannot be asked (nothing is kept: asked again next time)."""
 
+    RECHECK_S = 60.0
+
     def __init__(self, bucket: Bucket, fleet, health: Health):
         self.bucket, self.fleet, self.health = bucket, fleet, health
         self.wrong: bool | None = None  # None: not known yet
+        self._asked = 0.0  # (time.monotonic) when the answer was last asked for
         self.foreign = 0  # namespaces of the bucket none of this node's keys opens (counted when wrong)
         self.markers = False  # the bucket held key markers when asked
         self._marked = False  # the current key's marker is in the bucket
@@ -145,12 +152,17 @@ class KeyCheck:
         """True if this node's keys are not the fleet's. `local`: namespaces this node has (its
         folders need no manifest to open). `claim`: this node is about to write to the bucket."""
         with self._lock:
-            if self.wrong is None:
-                self.wrong = self._ask(local)
-                if self.wrong:
+            was = self.wrong
+            if was is None or time.monotonic() - self._asked >= self.RECHECK_S:
+                self._asked = time.monotonic()
+                self.wrong = self._ask(local) if was is None else self._again(local, was)
+                if self.wrong and not was:
                     self.health.count("foreign_namespaces", self.foreign)
                     log.warning("kvstore: %s; this node uploads nothing to it (no records, manifests or pins) "
                                 "while its key is not the fleet's", self.line())
+                elif was and not self.wrong:
+                    log.info("kvstore: the bucket %s now holds the marker of this node's key %s: it is the "
+                             "fleet's again, and this node uploads to it", self.bucket.url, self.fleet.key_id)
             if claim and not self.wrong and not self._marked:
                 self.claim()
             return self.wrong
@@ -184,6 +196,19 @@ class KeyCheck:
         body = json.dumps({"key": self.fleet.key_id, "written": time.time()}).encode()
         self.bucket.put_new(key, self.fleet.marker_box().seal(key, body))
         self._marked = True
+
+    def _again(self, local, was: bool) -> bool:
+        """The answer asked again, cheaply: a HEAD of this node's markers (one found: its key is
+        the fleet's); none found, a node that was the fleet's asks in full only when the bucket
+        now holds markers (of other keys: its own was dropped), else keeps its answer."""
+        for f in self.fleet.keyring():
+            if self.bucket.head(marker_key(f.marker_name())) is not None:
+                self._marked = f is self.fleet
+                return False
+        self._marked = False  # (the current key's marker is gone: a claim publishes it again)
+        if was or not self.bucket.list_page(MARKERS, 1)[0]:
+            return was
+        return self._ask(local)
 
     def _ask(self, local) -> bool:
         for f in self.fleet.keyring():

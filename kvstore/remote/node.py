@@ -49,7 +49,7 @@ class Remote:
         self.url, self.deadline, self.flush_timeout = bucket.url, deadline, flush_timeout
         self.prefetch = prefetch  # the remote tier's policy (`tiers.remote`)
         self.health = health or Health()
-        self.keys = KeyCheck(bucket, fleet, self.health)  # whether this node's key is the fleet's (asked once)
+        self.keys = KeyCheck(bucket, fleet, self.health)  # whether this node's key is the fleet's (asked again each minute)
         self.uploader = Uploader(bucket, self.health, fleet, blob_root, index.get, self.publish_pins,
                                  threads=upload_threads, keys=self.keys,  # `trust`: judges uploads (none: none go up)
                                  anchors=Anchors(trust, index, blob_root) if trust is not None else None)
