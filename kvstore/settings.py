@@ -167,8 +167,7 @@ def _size(s: Setting, value: Any) -> int:
 
 
 def _rate(s: Setting, value: Any) -> int:
-    n = _number(value, parse_rate, "a rate", "20GB/day or 500MB/h (or off)", int(s.zero is None))
-    return int(n)
+    return int(_number(value, parse_rate, "a rate", "20GB/day or 500MB/h (or off)", int(s.zero is None)))
 
 
 def _duration(s: Setting, value: Any) -> float:
@@ -188,16 +187,17 @@ def gc_bounds(max_bytes: Any, max_age: Any) -> tuple[int | None, float | None]:
 
 
 def _count(s: Setting, value: Any) -> int:
+    want = "a multiple of the chunk size, like 256, or off" if s.chunks else f"{int(s.zero is None)} or more"
     if isinstance(value, str):
         try:
             value = int(value.strip())
         except ValueError:
-            raise ValueError(f"{value!r} is not a whole number" + (" of tokens: give a multiple of the chunk size, "
-                             "like 256, or off" if s.chunks else "")) from None
+            of = f" of tokens: give {want}" if s.chunks else ""
+            raise ValueError(f"{value!r} is not a whole number{of}") from None
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"must be a whole number, got {value!r}")
     if value < 0:
-        raise ValueError(f"{value} is negative: give {int(s.zero is None)} or more")
+        raise ValueError(f"{value} is negative: give {want}")
     return value
 
 

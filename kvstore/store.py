@@ -414,7 +414,8 @@ class Store:
                        exact_prefill=self.exact_prefill or "off", disk_kv_bits=self.disk_kv_bits or 0) as twin:
                 return twin.verify_exact(model, model_id, sample=sample, **bind_options)
         mc = self.bind(model, model_id, **bind_options)
-        return verify_exact(mc, self.index, self.blob_root, disk_kv_bits=self.disk_kv_bits, sample=sample)
+        return verify_exact(mc, self.index, self.blob_root, disk_kv_bits=self.disk_kv_bits, sample=sample,
+                            anchors=self.disk.anchors if self.disk is not None else None)
 
     def _check_open(self) -> None:
         self.backing.check_open()

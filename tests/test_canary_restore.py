@@ -89,14 +89,18 @@ def test_an_altered_record_is_caught_by_its_canary_on_a_repeat(tmp_path, llama, 
         assert np.array_equal(after, cold) if exact != "off" else np.allclose(after, cold, atol=1e-4)
 
 
-def test_generate_warns_and_the_next_run_answers_as_a_cold_one(tmp_path, demo_model_path):
+@pytest.mark.parametrize("exact", ["off", "256"])
+def test_generate_warns_and_the_next_run_answers_as_a_cold_one(tmp_path, demo_model_path, exact):
+    """Its report says that nothing of the request was stored, in exact mode too (its last line
+    said the prompt's records were "evicted since written": they were quarantined)."""
     store = tmp_path / "s"
     text = "the quick brown fox " * 16
     common = ("--store", store, "--model", demo_model_path, "--prompt", text, "--max-tokens", "8")
-    cold = run_cli("generate", *common)
+    cold = run_cli("generate", *common, "--exact-prefill", exact)
     alter_record(store, canary_record(store), "1.keys", 1.5, strip_tag=True)
     hit = run_cli("generate", *common)
     assert "does not give the canary it keeps" in hit.stderr and "not stored: the restored prompt" in hit.stderr
+    assert hit.stderr.strip().splitlines()[-1].endswith("nothing stored"), hit.stderr
     again = run_cli("generate", *common)
     assert "canary" not in again.stderr
     assert again.stdout == cold.stdout

@@ -16,13 +16,14 @@ could not check.
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from kvtest import alter_record, run_cli
+from kvtest import alter_record, index_sql, run_cli
 
 import kvstore
 from kvstore.model.prefill import run
@@ -75,6 +76,9 @@ def test_a_sliding_window_altered_before_the_prompts_last_window_is_caught(tmp_p
     tensors = report.as_dict()["prompts"][0]["tensors"]
     assert tensors["0.keys"]["restored"] > 1 and not tensors["0.keys"]["bitwise"]
     assert tensors["1.keys"]["relative"] < 1e-4 and (tensors["1.keys"]["bitwise"] or exact == "off")
+    said = ("are not bit for bit what a cold run computes" if exact == S else
+            "differ by more than the bound (0.0001 of a tensor's largest value) from what a cold run computes")
+    assert f"the K/V restored from 1 stored record {said} for the same tokens: record" in report.verdict()
 
 
 def test_a_hybrid_checkpoint_before_the_prompts_end_is_caught(tmp_path, demo_model):
@@ -115,6 +119,39 @@ def test_a_record_that_does_not_read_fails_the_certificate(tmp_path, llama):
     assert run_cli("verify", "--store", tmp_path / "s", "--repair", check=False).returncode == 1  # repaired
     again = run_cli("verify", "--store", tmp_path / "s", "--exact", "--sample", "all", "--model", model_dir)
     assert again.stdout.strip().splitlines()[-1].startswith("exact: 2 of 2"), again.stdout  # (the third dropped)
+
+
+def test_a_record_whose_trust_tag_does_not_hold_fails_the_certificate(tmp_path, llama, caplog):
+    """A record altered with its checksums but not its trust tag reads whole, and the restore
+    refuses it (a miss there): the certificate checks the prompt only up to it, as the restore
+    does, and says so (it said `exact`, exit 0, over a prompt restored only in part). The
+    read-only opening quarantines nothing and says so."""
+    model_dir, model = llama
+    base = toks(260, 3)
+    with kvstore.open(tmp_path / "s", exact_prefill=256) as store:  # the command's chunk size
+        mc = store.bind(model, model_dir)
+        for i in range(2):
+            mc.prefill(base + toks(300 + 10 * i, 4 + i))
+        store.flush()
+        second = [r for r in store.index.rows() if r.kind == 0 and r.depth == 2]
+    alter_record(tmp_path / "s", second[0].hash, "1.keys", 1.01)  # its tag kept: it no longer holds
+    before = sorted((p.name, p.read_bytes()) for p in (tmp_path / "s").rglob("*") if p.is_file())
+    result = run_cli("verify", "--store", tmp_path / "s", "--exact", "--sample", "all", "--model", model_dir,
+                     check=False)
+    assert result.returncode == 1, result.stdout + result.stderr
+    last = result.stdout.strip().splitlines()[-1]
+    assert last.startswith("INCOMPLETE: 1 of the 2 stored prompts sampled"), last
+    assert "was read only to token 256" in last and "trust tag does not hold" in last
+    assert result.stdout.strip().splitlines()[-2].endswith(f"kvstore verify --repair --store {tmp_path / 's'}")
+    assert sorted((p.name, p.read_bytes()) for p in (tmp_path / "s").rglob("*") if p.is_file()) == before
+    with caplog.at_level(logging.WARNING, logger="kvstore"), kvstore.open(tmp_path / "s", read_only=True) as store:
+        prompt = base + toks(300, 4)
+        _, rest = store.bind(model, model_dir).fetch(prompt)
+        assert len(prompt) - len(rest) == 256  # a miss at the altered record
+        assert store.stats()["quarantined"] == 1
+    said = [r.getMessage() for r in caplog.records if "damaged record" in r.getMessage()]
+    assert len(said) == 1 and "not quarantined (the store is open read-only" in said[0], said
+    assert not index_sql(tmp_path / "s", "SELECT hash FROM records WHERE bad != 0")
 
 
 def test_a_certificate_that_checked_nothing_exits_3(tmp_path, llama, demo_model):

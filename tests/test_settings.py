@@ -103,6 +103,9 @@ def test_an_exact_step_of_no_whole_chunks_is_a_bad_command_line(kv, tmp_path, de
     result = kv("warm", "--store", tmp_path / "s", "--exact-prefill", "on", "--prompts", "p.jsonl", code=2)
     assert "argument --exact-prefill: 'on' is not a whole number of tokens: give a multiple of the chunk size, " \
            "like 256, or off" in result.stderr, result.stderr
+    result = kv("warm", "--store", tmp_path / "s", "--exact-prefill", "-256", "--prompts", "p.jsonl", code=2)
+    assert "argument --exact-prefill: -256 is negative: give a multiple of the chunk size, like 256, or off" \
+           in result.stderr, result.stderr  # (it said "give 1 or more", and 1 is refused)
     assert not (tmp_path / "s").exists()
 
 

@@ -48,10 +48,10 @@ class Report:
 
 
 def verify_exact(mc, index, blob_root, *, disk_kv_bits: int | None = None, sample: int | None = 8,
-                 seed: int = 0) -> Report:
+                 seed: int = 0, anchors=None) -> Report:
     """Check `sample` stored prompts (all when None) of model cache `mc` (bound on a read-only
     store: see the module docstring) against cold runs: the shared prompts, or those of the
-    tenant `mc` is bound for."""
+    tenant `mc` is bound for. `anchors`: the disk tier's trust anchors, to refuse what it refuses."""
     from kvstore.certify import prompts
     from kvstore.certify.compare import bounds_for, check_prompt
 
@@ -62,7 +62,7 @@ def verify_exact(mc, index, blob_root, *, disk_kv_bits: int | None = None, sampl
     tag = mc.tenant.tag if getattr(mc, "tenant", None) is not None else None
     leaves = prompts.leaves(index, mc.ns, tag) if index is not None else []
     chosen = prompts.sample(leaves, sample, seed)
-    checks = [check_prompt(mc, prompts.read_prompt(index, blob_root, leaf, mc.chunk_size), bounds)
+    checks = [check_prompt(mc, prompts.read_prompt(index, blob_root, leaf, mc.chunk_size, anchors), bounds)
               for leaf in chosen]
     cause = ""
     if mc.exact and index is not None and any(c.problems for c in checks):

@@ -20,6 +20,7 @@ from kvstore.errors import BlobError
 from kvstore.records import CHECKPOINT, check
 from kvstore.storage import blobfile, blobformat
 from kvstore.storage.index import Index, Row
+from kvstore.upkeep.anchors import Anchors
 
 
 @dataclass
@@ -52,8 +53,10 @@ def sample(rows: list[Row], n: int | None, seed: int = 0) -> list[Row]:
     return sorted(random.Random(seed).sample(rows, n), key=lambda r: r.hash)
 
 
-def read_prompt(index: Index, root: Path, leaf: Row, chunk_size: int) -> StoredPrompt:
-    """The chain from the namespace's root to `leaf`, read and checked."""
+def read_prompt(index: Index, root: Path, leaf: Row, chunk_size: int,
+                anchors: Anchors | None = None) -> StoredPrompt:
+    """The chain from the namespace's root to `leaf`, read and checked: each record whole, and
+    (`anchors`: the disk tier's) its trust tag, which the restore checks too."""
     chain = [leaf]
     while chain[-1].parent != leaf.ns:
         parent = index.get(chain[-1].parent)
@@ -67,6 +70,11 @@ def read_prompt(index: Index, root: Path, leaf: Row, chunk_size: int) -> StoredP
             buf, blob = blobfile.read_checked(root, row.hash, size=row.size, checksum=row.checksum)
             stored = blobformat.read_record(buf, blob.path)
             check(row, stored.metadata, stored.tokens, chunk_size=chunk_size, where=blob.path)
+            sums = blobformat.tensor_checksums(stored.metadata, blob.path)
+            if anchors is not None and sums is not None:  # what `DiskTier` refuses to restore
+                trust = anchors.trust
+                verdict = trust.check(stored.metadata, blobformat.trust_table(stored.entries, sums))
+                trust.refuse(verdict, row.created, anchors.epoch, blob.path)
             kept = stored.extensions.get("canary")
         except (BlobError, OSError) as e:
             return StoredPrompt(leaf.hash, _joined(tokens), ends, hashes, canaries,

@@ -161,7 +161,9 @@ def _kv_problems(c: PromptCheck, b: Bounds) -> list[str]:
     if records:
         named = "; ".join(_record_said(r) for r in records[:3]) + (
             f"; and {len(records) - 3} more (--json lists them)" if len(records) > 3 else "")
-        said = [f"the K/V restored from {plural(len(records), 'stored record')} are {same} what a cold run "
+        differ = ("are not bit for bit" if b.exact
+                  else f"differ by more than the bound ({b.kv:g} of a tensor's largest value) from")
+        said = [f"the K/V restored from {plural(len(records), 'stored record')} {differ} what a cold run "
                 f"computes for the same tokens: {named}"]
         return said + ([f"and from them on, {after_said}"] if after_said else [])
     if after_said and c.kv_restored_rel <= b.kv and (not b.exact or c.kv_restored == 0):

@@ -98,17 +98,15 @@ def _generate_one(args, store, loaded, mc, tokens, sampler) -> bool:
         start.hold.submit()  # no step ran: stored without a canary (a second submit does nothing)
     wrong = moved is not None and not moved.ok  # the restored K/V are not what was stored: keep none of it
     stored = insert_generated(mc, tokens, generated, cache, canary) if not wrong else 0
-    if mc.exact:  # what exact mode stores: the prompt but its last token, as it was prefilled
+    generated_stored = [] if mc.exact else generated
+    if wrong:  # (in exact mode too: the records the restore used are quarantined, not evicted)
+        say(f"{PROG} generate: not stored: the restored prompt did not give its canary ({moved.reason}); "
+            "the records it was restored from are quarantined, the next run computes it")
+    elif mc.exact:  # what exact mode stores: the prompt but its last token, as it was prefilled
         stored = len(mc.stored_part(np.asarray(tokens)))
-        generated_stored = []
-    else:
-        generated_stored = generated
-        if wrong:
-            say(f"{PROG} generate: not stored: the restored prompt did not give its canary ({moved.reason}); "
-                "its record is quarantined, the next run computes it")
-        elif not stored:
-            say(f"{PROG} generate: not stored: the cache does not say which of the "
-                f"{len(tokens) + len(generated)} tokens it holds")
+    elif not stored:
+        say(f"{PROG} generate: not stored: the cache does not say which of the "
+            f"{len(tokens) + len(generated)} tokens it holds")
     store.writer.flush()  # to know what reached the disk, not only what was queued
     if store.backing.budget is not None:  # and what is still there once the disk budget's gc ran
         store.backing.budget.settle()

@@ -179,6 +179,7 @@ class DiskTier:
         self.access = AccessTimes()
         self.quarantined = 0  # records this process found damaged
         self.mistagged: set[bytes] = set()  # records whose row's tenant is not their blob's: misses, not quarantined
+        self.damaged_read_only: set[bytes] = set()  # damaged records a read-only opening met (it marks none)
         self.said_wrong_key = False  # that the fleet secret is not the one the store's tags were made with
         # Told the row of each record `put` stored (a download): subscribed where the store is built.
         self.on_store: list[Callable[[list[Row]], None]] = []
@@ -279,6 +280,13 @@ class DiskTier:
             if not self.said_wrong_key:  # (said once: every record of the store may be one)
                 self.said_wrong_key = True
                 log.warning("kvstore: %s", self.anchors.trust.mismatch if self.anchors else error)
+            return
+        if self.index.read_only:  # a read-only opening marks nothing: it says what did happen, once a record
+            if h not in self.damaged_read_only:
+                self.damaged_read_only.add(h)
+                self.quarantined += 1
+                log.warning("kvstore: a damaged record is a miss, not quarantined (the store is open read-only; "
+                            "`kvstore verify --repair` drops it): %s", error)
             return
         log.warning("kvstore: quarantined a damaged record: %s", error)
         self.quarantined += 1
