@@ -81,28 +81,36 @@ def _generate_one(args, store, loaded, mc, tokens, sampler) -> bool:
     slow = long_prefill_note(lambda: len(rest))
     if slow:
         say(slow)
-    ttft, generated, finish, canary, moved = None, [], None, None, None
-    for response in stream_generate(loaded.model, loaded.tokenizer, rest, max_tokens=args.max_tokens,
-                                    prompt_cache=cache, sampler=sampler):
-        if ttft is None:
-            ttft = time.perf_counter() - t0
-            canary = canary_of(len(tokens) - 1, int(tokens[-1]), response.logprobs)
-            moved = check_first_step(mc, tokens, response.logprobs)  # the stored prompt again: its canary's step
-            if start.hold is not None:  # exact mode: the prompt's end, stored with its canary
-                start.hold.submit(canary)
-        print(response.text, end="", flush=True)
-        generated.append(response.token)
-        finish = response.finish_reason
+    wrong = None  # the first step's check, when the restored K/V were not what was stored
+    while True:
+        ttft, generated, finish, canary, moved = None, [], None, None, None
+        for response in stream_generate(loaded.model, loaded.tokenizer, rest, max_tokens=args.max_tokens,
+                                        prompt_cache=cache, sampler=sampler):
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+                canary = canary_of(len(tokens) - 1, int(tokens[-1]), response.logprobs)
+                moved = check_first_step(mc, tokens, response.logprobs)  # the stored prompt again: its canary's step
+                if moved is not None and not moved.ok and wrong is None:
+                    break  # nothing printed yet: the answer comes from the prompt computed again instead
+                if start.hold is not None:  # exact mode: the prompt's end, stored with its canary
+                    start.hold.submit(canary)
+            print(response.text, end="", flush=True)
+            generated.append(response.token)
+            finish = response.finish_reason
+        else:
+            break
+        wrong = moved  # (its records are quarantined now: the fetch below does not restore them)
+        say(f"{PROG} generate: the restored prompt did not give its canary ({moved.reason}); the records it "
+            "was restored from are quarantined, and the answer is computed again without them")
+        start = prompt_cache(mc, tokens)
+        cache, rest, reused = start.cache, start.rest, start.reused
+        from_bucket = min(reused, _remote_tokens(store) - downloaded)
     print(flush=True)
     if start.hold is not None:
         start.hold.submit()  # no step ran: stored without a canary (a second submit does nothing)
-    wrong = moved is not None and not moved.ok  # the restored K/V are not what was stored: keep none of it
-    stored = insert_generated(mc, tokens, generated, cache, canary) if not wrong else 0
+    stored = insert_generated(mc, tokens, generated, cache, canary)
     generated_stored = [] if mc.exact else generated
-    if wrong:  # (in exact mode too: the records the restore used are quarantined, not evicted)
-        say(f"{PROG} generate: not stored: the restored prompt did not give its canary ({moved.reason}); "
-            "the records it was restored from are quarantined, the next run computes it")
-    elif mc.exact:  # what exact mode stores: the prompt but its last token, as it was prefilled
+    if mc.exact:  # what exact mode stores: the prompt but its last token, as it was prefilled
         stored = len(mc.stored_part(np.asarray(tokens)))
     elif not stored:
         say(f"{PROG} generate: not stored: the cache does not say which of the "
