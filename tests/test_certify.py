@@ -140,6 +140,26 @@ def test_verify_exact_checks_caches_stored_quantized_by_mlx_lm(tmp_path, demo_mo
     assert odd.returncode == 2 and "argument --kv-group-size: invalid choice: 7" in odd.stderr, odd.stderr
 
 
+def test_prompts_stored_with_another_exact_step_are_named_and_checked_when_asked(tmp_path, demo_model_path):
+    """Each exact_prefill is a namespace of its own: a check of the store's own step says how many
+    records of the model it did not check and with which option to check them, and
+    `--exact-prefill` checks those, keeping nothing (the store's kept step is as it was)."""
+    common = ("--store", tmp_path / "s", "--model", demo_model_path, "--max-tokens", "2")
+    run_cli("generate", *common, "--prompt", "abc " * 100)  # exact mode off
+    run_cli("generate", *common, "--prompt", "xyz " * 100, "--exact-prefill", "256")  # kept: 256
+    before = snapshot(tmp_path / "s")
+    own = run_cli("verify", "--store", tmp_path / "s", "--exact", "--model", demo_model_path)
+    assert "exact: 1 of 1 stored prompts checked (exact mode, steps of 256" in own.stdout, own.stdout
+    assert ("not checked: this model's prompts stored with another exact_prefill (2 records under off): "
+            "check them with --exact-prefill off") in own.stderr, own.stderr
+    off = run_cli("verify", "--store", tmp_path / "s", "--exact", "--model", demo_model_path, "--exact-prefill", "off")
+    assert "exact: 1 of 1 stored prompts checked (token-exact reuse" in off.stdout, off.stdout
+    assert "(2 records under 256): check them with --exact-prefill 256" in off.stderr
+    assert snapshot(tmp_path / "s") == before
+    alone = run_cli("verify", "--store", tmp_path / "s", "--exact-prefill", "off", check=False)
+    assert alone.returncode == 2 and "--exact-prefill go with --exact" in alone.stderr
+
+
 def test_an_altered_record_is_caught_by_its_canary_and_verify_exact(tmp_path, demo_model_path, llama):
     path, model = llama
     prompt = toks(300, 4)

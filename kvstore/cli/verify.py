@@ -66,6 +66,21 @@ def register(add, store_opts, model_opts) -> None:
                    help="with --exact and --kv-bits: their group size (default: 64)")
     p.add_argument("--tenant", metavar="ID", type=_tenant_id,
                    help="with --exact: check this tenant's prompts (default: the shared ones)")
+    p.add_argument("--exact-prefill", metavar="N", type=_exact_step, default=argparse.SUPPRESS,
+                   help="with --exact: check the prompts stored with this exact_prefill (N tokens, or off) "
+                        "instead of those of the store's own (each is a namespace of its own; nothing is kept)")
+
+
+def _exact_step(text: str) -> int | None:
+    from kvstore.errors import InvalidInputError
+    from kvstore.settings import BY_NAME, check_chunks
+
+    try:
+        value = BY_NAME["exact_prefill"].parse(text, "--exact-prefill")
+        check_chunks(BY_NAME["exact_prefill"], value, "given")
+    except InvalidInputError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--exact-prefill: ")) from None
+    return value
 
 
 def _sample(text: str) -> int | None:
@@ -92,8 +107,10 @@ def _tenant_id(text: str) -> str:
 def cmd_verify(args) -> int:
     if args.exact:
         return _verify_exact(args)
-    if args.sample != 8 or args.tenant is not None or args.kv_bits is not None or args.kv_group_size != 64:
-        raise CommandError("--sample, --tenant, --kv-bits and --kv-group-size go with --exact", EXIT_USAGE)
+    if (args.sample != 8 or args.tenant is not None or args.kv_bits is not None or args.kv_group_size != 64
+            or hasattr(args, "exact_prefill")):
+        raise CommandError("--sample, --tenant, --kv-bits, --kv-group-size and --exact-prefill go with --exact",
+                           EXIT_USAGE)
     if args.admin_token_file is not None and not args.isolation:
         raise CommandError("--admin-token-file goes with --isolation URL", EXIT_USAGE)
     if args.isolation is not None:
@@ -168,7 +185,8 @@ def _verify_exact(args) -> int:
     from kvstore.storage.storedir import TENANT_KEY_NAME
 
     model_id = model_to_load(args)
-    with kvstore.open(store_path(args), create=False, read_only=True, memory_bytes=0) as store:
+    step = {"exact_prefill": getattr(args, "exact_prefill") or "off"} if hasattr(args, "exact_prefill") else {}
+    with kvstore.open(store_path(args), create=False, read_only=True, memory_bytes=0, **step) as store:
         if args.tenant is not None and not (store_path(args) / TENANT_KEY_NAME).is_file():
             return _no_tenant_key(args)
         loaded = load_model(model_id)
@@ -184,6 +202,11 @@ def _verify_exact(args) -> int:
         if report.checked_nothing and bits is None and quantized:
             say(f"{PROG} verify: the store holds this model's caches quantized by mlx-lm too ("
                 + ", ".join(f"--kv-bits {b} --kv-group-size {g}" for b, g in quantized) + "): check them with that")
+        others = _other_steps(store, loaded, store.exact_prefill)
+        if others:  # (a namespace of its own each: this run checked none of them)
+            say(f"{PROG} verify: not checked: this model's prompts stored with another exact_prefill ("
+                + ", ".join(f"{plural(n, 'record')} under {step or 'off'}" for step, n in others)
+                + "): check them with " + " or ".join(f"--exact-prefill {n or 'off'}" for n, _ in others))
     if args.json:
         print(json.dumps(report.as_dict(), indent=2))
     else:
@@ -246,6 +269,17 @@ def _quantized(store, loaded) -> list[tuple[int, int]]:
         if len(quant) == 1:
             found |= quant
     return sorted(found)
+
+
+def _other_steps(store, loaded, step: int | None) -> list[tuple[int | None, int]]:
+    """(exact_prefill, records) of this model's namespaces stored with another exact_prefill
+    than `step` (None: off) that hold records."""
+    found: dict[int | None, int] = {}
+    for m in _this_models(store, loaded):
+        other = (m.get("layout") or {}).get("exact_prefill")
+        if other != step and (other is None or isinstance(other, int)):
+            found[other] = found.get(other, 0) + m["chunks"] + m["tails"]
+    return sorted(found.items(), key=lambda kv: kv[0] or 0)
 
 
 def _plain_held(store, loaded) -> bool:
