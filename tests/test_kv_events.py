@@ -313,24 +313,28 @@ def test_a_router_that_connects_late_or_comes_back_gets_the_store_announced_agai
         ctx.destroy(linger=0)  # (closes the sockets an assertion left open)
 
 
-def test_removals_by_another_process_are_announced(llama, tmp_path, consumer):
+@pytest.mark.parametrize("memory_bytes", [0, None])
+def test_removals_by_another_process_are_announced(llama, tmp_path, consumer, memory_bytes):
+    """`kvstore gc` in a process of its own empties the store: its records leave the disk, and
+    RAM too, where this process still holds copies it will not serve (its next fetch drops them)."""
     path, model = llama
     prompts = [list(range(30, 70)), list(range(130, 165))]
     with kvstore.open(tmp_path / "s", chunk_size=C, kv_events=consumer.config(block_size=B),
-                      memory_bytes=0) as store:
+                      memory_bytes=memory_bytes) as store:
         mc = store.bind(model, str(path))
         for tokens in prompts:
             insert(mc, model, tokens)
-        assert consumer.view(observed(consumer, store))["DISK"]
+        view = consumer.view(observed(consumer, store))
+        assert view["DISK"] and bool(view.get("CPU_TIER1")) == bool(memory_bytes is None)
         done = subprocess.run([sys.executable, "-m", "kvstore.cli", "gc", "--store", str(tmp_path / "s"),
                                "--max-bytes", "0"], capture_output=True, text=True, timeout=120,
                               cwd=Path(__file__).parent.parent)
         assert done.returncode == 0, done.stderr
         deadline = time.monotonic() + 30  # the deletion log is read every half second, unasked
-        while consumer.view(consumer.batches(store.events.publisher.sent)).get("DISK") and time.monotonic() < deadline:
+        while any(consumer.view(consumer.batches(store.events.publisher.sent)).values()) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert consumer.view(consumer.batches(store.events.publisher.sent))["DISK"] == {}
-
+        assert not any(consumer.view(consumer.batches(store.events.publisher.sent)).values())
+        assert all(mc.fetch(tokens)[1] == tokens for tokens in prompts)  # (RAM served none of them)
 
 def test_records_another_process_stores_are_announced(llama, tmp_path, consumer):
     """`kvstore warm` in a process of its own stores a prompt in the store a server publishes:

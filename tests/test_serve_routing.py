@@ -176,9 +176,11 @@ def test_warm_top_and_prefetch_across_a_restart(llama_dir, tmp_path):
         assert tier(after, "memory") > tier(first, "memory") and tier(after, "disk") == tier(first, "disk")
 
         loaded = after[("kvstore_prefetch_tokens_total", ())]  # by --warm-top
+        assert after[("kvstore_prefetches_total", ())] == 0  # (no POST /kvstore/prefetch yet)
         got = post(server, "/kvstore/prefetch", {"messages": other}).json()
         assert got["in_ram"] == got["tokens"] and got["loaded"] > 0, got
         assert scrape(server)[("kvstore_prefetch_tokens_total", ())] == loaded + got["loaded"]
+        assert scrape(server)[("kvstore_prefetches_total", ())] == 1
         assert post(server, "/kvstore/prefetch", {"tokens": [1, -2]}).status_code == 400
         beyond = post(server, "/kvstore/prefetch", {"tokens": [1, 2, 99_999_999]})
         assert beyond.status_code == 400 and "tokens[2]: 99999999 is outside the model's vocabulary" in beyond.text

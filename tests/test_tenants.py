@@ -289,3 +289,19 @@ def test_records_another_process_deleted_are_not_served_from_ram(llama, tmp_path
         with kvstore.open(tmp_path / "s", chunk_size=C) as other:  # another process's gc
             other.gc(drop_tenants=[alice.tenant.tag])
         assert reused(alice, prompt + [1]) == len(SYSTEM)  # the shared prompt only, from disk or RAM
+
+
+def test_records_deleted_before_the_first_fetch_are_not_served_from_ram(llama, tmp_path):
+    """RAM filled by inserts alone (a library warming, before any fetch); another process's gc
+    then empties the disk: the first fetch must not serve what it deleted from RAM (the deletion
+    log was read from its end only at that fetch, after the deletions)."""
+    path, model = llama
+    prompt = SYSTEM + toks(40, 12)
+    with kvstore.open(tmp_path / "s", chunk_size=C) as server:
+        mc = server.bind(model, str(path), tenant="alice")
+        mc.insert(prompt, prefill(model, prompt))
+        server.flush()
+        assert server.stats()["memory"]["records"] > 0
+        with kvstore.open(tmp_path / "s", chunk_size=C) as other:  # another process's gc
+            other.gc(max_bytes=0)
+        assert reused(mc, prompt + [1]) == 0

@@ -132,15 +132,21 @@ class Changes:
         rows = sorted(self.index.rows_of(hashes).values(), key=lambda r: (r.depth or 0, r.kind))
         return self.stored_rows(rows)
 
-    def deleted(self, entries: list[tuple[int, bytes, bytes]]) -> list[dict]:
-        """Entries of the index's deletion log: the records of them that were announced on disk
-        and are still not served by the index are removed."""
-        announced = self.held[wire.MEDIUM_DISK].records
-        hashes = list(dict.fromkeys(h for _, h, _ in entries if h in announced))
+    def deleted(self, entries: list[tuple[int, bytes, bytes]], queued: Iterable[bytes] = ()) -> list[dict]:
+        """Entries of the index's deletion log: the records of them that were announced and are
+        still not served by the index are removed, from disk, and from RAM too unless they are
+        `queued` for the writer (stored again). The memory tier may still hold a copy another
+        process deleted from the index, but it serves none: it drops them on its next fetch
+        (`model.backing.DeletedElsewhere`), so a router must not send their prompts here for RAM."""
+        queued = set(queued)
+        disk, ram = self.held[wire.MEDIUM_DISK].records, self.held[wire.MEDIUM_RAM].records
+        hashes = list(dict.fromkeys(h for _, h, _ in entries if h in disk or (h in ram and h not in queued)))
         if not hashes or self.index is None:
             return []
         back = self.index.present(hashes)  # stored again since (or healed): still there
-        return self.dropped([h for h in hashes if h not in back], wire.MEDIUM_DISK)
+        gone = [h for h in hashes if h not in back]
+        return (self.dropped([h for h in gone if h in disk], wire.MEDIUM_DISK)
+                + self.dropped([h for h in gone if h not in queued], wire.MEDIUM_RAM))
 
     def clear(self) -> None:
         for holdings in self.held.values():

@@ -240,7 +240,7 @@ class KVEvents:
         with self._cond:
             bound = set(self._bound)
         events += self.changes.inserted(logged.get("insertions", []) + last.get("insertions", []), bound)
-        events += self.changes.deleted(logged.get("deletions", []) + last.get("deletions", []))
+        events += self.changes.deleted(logged.get("deletions", []) + last.get("deletions", []), self._ram["queue"])
         events += self._announce_step()
         self._publish(events)
 

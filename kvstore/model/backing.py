@@ -54,6 +54,15 @@ class DeletedElsewhere:
         self._seq: int | None = None  # the last deletion read (None: the log not read yet)
         self._read = 0.0
 
+    def begin(self, index: Index) -> None:
+        """Read the log from its end now: what is deleted later may be held in RAM by then. (Not
+        at the first fetch: inserts, `--warm-top` and prefetches fill RAM before one, and what
+        another process deleted meanwhile would go on being served.)"""
+        try:
+            self._seq = index.deletions_end()
+        except Exception:  # the index is unreachable now: the first fetch reads the log's end
+            pass
+
     def forget(self, b: "Backing") -> None:
         if b.index is None or not b.memory.capacity:
             return
@@ -92,6 +101,10 @@ class Backing:
     counters: Counters = field(default_factory=Counters)
     closed: threading.Event = field(default_factory=threading.Event)  # set by the store's close
     deleted_elsewhere: DeletedElsewhere = field(default_factory=DeletedElsewhere)
+
+    def __post_init__(self) -> None:
+        if self.index is not None and self.memory.capacity:
+            self.deleted_elsewhere.begin(self.index)
 
     def check_open(self) -> None:
         if self.closed.is_set():

@@ -270,14 +270,15 @@ class PersistentPromptCache:
             return out
 
     def prefetch(self, model: Hashable, tokens: Sequence[int], *, binding: Binding | None = None,
-                 tenant_id: str | None = None) -> dict:
+                 tenant_id: str | None = None, request: bool = True) -> dict:
         """Restore what the store holds of `tokens` into the memory tier, ahead of the request that
         will need it (`binding`: the bound model, else `model` is resolved as for a request),
         within `tenant_id`'s namespace (None: the shared one): what its request would reuse.
+        Counted as a prefetch request unless `request` is False (`--warm-top`: its tokens count).
         Returns `ModelCache.load_into_ram`'s answer (`"refused"` says why it did nothing)."""
         tokens = token_list(tokens)
         with self._lock:
-            self.counters["prefetches"] += 1
+            self.counters["prefetches"] += request
             out = {"tokens": len(tokens), "stored": 0, "in_ram": 0, "loaded": 0}
             try:
                 binding = binding or self._resolve(model, tokens)
@@ -286,7 +287,7 @@ class PersistentPromptCache:
                 toks = as_tokens(tokens)
                 out = binding.choose(toks, self._tenant(tenant_id)).load_into_ram(toks)
                 if "refused" in out:
-                    self.counters["prefetches_refused"] += 1
+                    self.counters["prefetches_refused"] += request
                 self.counters["prefetch_tokens"] += out["loaded"]
                 return out
             except Exception as e:

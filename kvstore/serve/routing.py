@@ -300,7 +300,7 @@ def warm_top(cache: PersistentPromptCache, n: int) -> dict:
         if tokens is None:
             done["skipped"] += 1
             continue
-        got = cache.prefetch(None, tokens.tolist(), binding=binding)
+        got = cache.prefetch(None, tokens.tolist(), binding=binding, request=False)
         done["prompts"] += got.get("in_ram", 0) == len(tokens)
         done["tokens"] += got.get("loaded", 0)
     cache.counters["warmed_prompts"] = done["prompts"]
