@@ -831,9 +831,9 @@ def test_an_unpinned_import_that_gc_takes_off_the_disk_at_once_says_so(tmp_path,
     model = demo_model("llama")
     n = len(json.loads((signed_pack[0] / "manifest.json").read_text())["records"])
     small = run_cli("pack", "import", signed_pack[0], "--store", tmp_path / "b", "--model", model, "--no-pin",
-                    "--store-max-bytes", "1000")
+                    "--store-max-bytes", "1000B")
     assert f"warning: gc took {n} records of the pack off the disk again at once" in small.stderr, small.stderr
     assert _column(tmp_path / "b", "hash") == []
     pinned = run_cli("pack", "import", signed_pack[0], "--store", tmp_path / "c", "--model", model,
-                     "--store-max-bytes", "1000")
+                     "--store-max-bytes", "1000B")
     assert "gc took" not in pinned.stderr and len(_column(tmp_path / "c", "hash")) == n
