@@ -33,8 +33,8 @@ def parse_size(text: str, *, budget: bool = False) -> int:
         raise ValueError(f"{text!r} is not a size: use bytes or a number with a unit, like 500MB, 2GiB or 1.5G")
     number, unit = match.groups()
     if budget and not unit and float(number):
-        raise ValueError(f"{text!r} has no unit: a disk budget is a size, like {number}GB or {number}GiB "
-                         f"({number}B for bytes)")
+        raise ValueError(f"{text!r} has no unit: a disk budget is a size, like {number}GB or {number}GiB"
+                         + (f" ({number}B for bytes)" if number.isdigit() else ""))
     factor = _SIZE_UNITS.get(unit.lower())
     if factor is None:
         raise ValueError(f"{text!r}: unknown size unit {unit!r}; use B, KB, MB, GB, TB (x1000) "

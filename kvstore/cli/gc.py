@@ -10,7 +10,7 @@ from pathlib import Path
 from kvstore import settings
 from kvstore.argv import disk_budget, duration, or_off
 from kvstore.cli.options import open_local, remote_key, remote_upkeep, remote_url, store_path
-from kvstore.cli.output import EXIT_USAGE, PROG, CommandError, out, plural, say
+from kvstore.cli.output import EXIT_USAGE, PROG, CommandError, on_store, out, plural, say
 from kvstore.errors import UnknownTenantError
 from kvstore.sizes import format_size
 
@@ -156,8 +156,8 @@ def _kept(args, kept: dict, pinned: bool) -> str:
     """What held the bytes gc did not free, in words (`pinned`: the store has pinned records)."""
     parts = []
     if kept["records"]:
-        held = ("pinned records and their ancestors (`kvstore pins` lists them), or records given a child "
-                "while gc ran" if pinned else "records given a child or stored while gc ran (by a writer in "
+        held = (f"pinned records and their ancestors (`{PROG} pins{on_store(args)}` lists them), or records "
+                "given a child while gc ran" if pinned else "records given a child or stored while gc ran (by a writer in "
                 "another process): a gc run again frees them")
         parts.append(f"{format_size(kept['records'])} {'would be' if args.dry_run else 'is'} held by {held}")
     if kept["unread"]:
