@@ -116,10 +116,11 @@ def not_empty(hint: str):
     return given
 
 
-def size(text: str) -> int:
-    """An argparse type: `500MB`, `2GiB` (`sizes.parse_size`; its message on a bad value)."""
+def disk_budget(text: str) -> int:
+    """An argparse type: a disk budget, `500MB`, `2GiB`, `0` (`sizes.parse_size` with its unit
+    needed; its message on a bad value)."""
     try:
-        return parse_size(text)
+        return parse_size(text, budget=True)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 

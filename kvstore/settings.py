@@ -54,6 +54,7 @@ class Setting:
     damaged: str | None = None  # what a kept value that does not parse reads as (None: the default)
     check: Callable[[str], Any] | None = None  # a `text` setting's validator
     chunks: bool = False  # a whole number of chunks of the open's chunk size (`check_chunks`)
+    budget: bool = False  # a disk budget: a size given as text needs its unit but 0 (`sizes.parse_size`)
 
     @property
     def flag(self) -> str | None:
@@ -160,7 +161,8 @@ def _number(value: Any, text_parser: Callable[[str], Any], what: str, example: s
 
 
 def _size(s: Setting, value: Any) -> int:
-    n = _number(value, parse_size, "a size", "500MB or 2GiB" + (" (or off)" if s.off else ""), int(s.zero is None))
+    n = _number(value, lambda text: parse_size(text, budget=s.budget), "a size",
+                "500MB or 2GiB" + (" (or off)" if s.off else ""), int(s.zero is None))
     if isinstance(n, float):
         raise ValueError(f"{value!r} is not a whole number of bytes")
     return n
@@ -175,12 +177,12 @@ def _duration(s: Setting, value: Any) -> float:
 
 
 def gc_bounds(max_bytes: Any, max_age: Any) -> tuple[int | None, float | None]:
-    """A gc's bounds (`Store.gc`): a size (`500MB`, or bytes) and a duration (`7d`, or seconds), 0
-    or more, or None; `InvalidInputError` naming the one that is not (read as a size with no off)."""
-    out = []
+    """A gc's bounds (`Store.gc`): a size (`500MB`, text with its unit, or an int of bytes) and a
+    duration (`7d`, or seconds), 0 or more, or None; `InvalidInputError` naming the one that is not."""
+    out, bound = [], Setting("gc", "size", None, "", budget=True)  # (a disk budget that takes 0, and no off)
     for name, value, kind in (("max_bytes", max_bytes, _size), ("max_age", max_age, _duration)):
         try:
-            out.append(None if value is None else kind(BY_NAME["memory_bytes"], value))
+            out.append(None if value is None else kind(bound, value))
         except (ValueError, TypeError) as e:
             raise InvalidInputError(f"{name}: {e}") from None
     return out[0], out[1]
@@ -264,14 +266,14 @@ _KINDS: dict[str, Callable[[Setting, Any], Any]] = {
 # -- the store's settings -----------------------------------------------------------------------
 
 STORE_SETTINGS: tuple[Setting, ...] = (
-    Setting("max_bytes", "size", None, option="--store-max-bytes", off=True, auto=True, zero=None,
+    Setting("max_bytes", "size", None, option="--store-max-bytes", off=True, auto=True, zero=None, budget=True,
             refuse_zero="0 would keep nothing on disk: use off for no limit, admit=pinned (--admit pinned) to write "
                         "only warmed and pinned prompts, or `kvstore gc --max-bytes 0` to empty the store once",
             help="bound the store on disk, e.g. 20GB: past it, gc evicts the least recently used "
                  "records; auto: a quarter of what the store holds plus its disk's free space, at "
                  "start; off: no bound; 0 is refused (`kvstore gc --max-bytes 0` empties the store once)",
             serve_default=AUTO),
-    Setting("tenant_max_bytes", "size", None, off=True, zero=None,
+    Setting("tenant_max_bytes", "size", None, off=True, zero=None, budget=True,
             refuse_zero="0 would keep no tenant's records: use off for no quota",
             help="bound what each tenant's records take on disk, e.g. 2GiB: past it, gc evicts that "
                  "tenant's least recently used records (shared prompts do not count); off: no quota; "
@@ -368,14 +370,10 @@ def shown_kept(text: object) -> str:
     return f"{text!r:.40}"
 
 
-def damaged_means(s: Setting) -> str:
-    """What a damaged kept value of the limit `s` reading as `s.damaged` means, in words."""
-    return "no automatic writes" if s.name == "max_write_rate" else "closed"
-
-
 def damaged_reads(s: Setting) -> str:
     """What a damaged kept value of the limit `s` reads as, in words: `0 B/day (no automatic writes)`."""
-    return f"{s.show(s.decode(s.damaged))} ({damaged_means(s)})"
+    means = "no automatic writes" if s.name == "max_write_rate" else "closed"
+    return f"{s.show(s.decode(s.damaged))} ({means})"
 
 
 def keep_one(s: Setting, store: object = None) -> str:

@@ -2,7 +2,8 @@
 `30m`, `7d`, `1 request`; and `printable`, which makes foreign text safe to show there.
 
 Sizes follow GNU coreutils: `KB`, `MB`, `GB`, `TB` are powers of 1000; `K`, `M`, `G`, `T` and
-`KiB`, `MiB`, `GiB`, `TiB` are powers of 1024; a plain number (or `B`) is bytes.
+`KiB`, `MiB`, `GiB`, `TiB` are powers of 1024; a plain number (or `B`) is bytes, except in a
+disk budget (`budget=True`), where every number but 0 needs its unit.
 """
 
 from __future__ import annotations
@@ -21,14 +22,19 @@ _SIZE_RE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*", re.IGNORECASE)
 _DURATION_PART_RE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*", re.IGNORECASE)
 
 
-def parse_size(text: str) -> int:
-    """Bytes in `text`: `500MB`, `2GiB`, `1.5G`, `4096` ... Raises ValueError with the reason."""
+def parse_size(text: str, *, budget: bool = False) -> int:
+    """Bytes in `text`: `500MB`, `2GiB`, `1.5G`, `4096` ... Raises ValueError with the reason.
+    `budget`: a disk budget, which evicts down to it, so a number needs its unit but 0
+    (`--store-max-bytes 10` meant as 10GB would read as 10 bytes, and empty a store)."""
     match = _SIZE_RE.fullmatch(str(text))
     if not match and str(text).strip().startswith("-"):
         raise ValueError(f"{text!r} is negative: a size is 0 or more bytes, like 500MB or 2GiB")
     if not match:
         raise ValueError(f"{text!r} is not a size: use bytes or a number with a unit, like 500MB, 2GiB or 1.5G")
     number, unit = match.groups()
+    if budget and not unit and float(number):
+        raise ValueError(f"{text!r} has no unit: a disk budget is a size, like {number}GB or {number}GiB"
+                         + (f" ({number}B for bytes)" if number.isdigit() else ""))
     factor = _SIZE_UNITS.get(unit.lower())
     if factor is None:
         raise ValueError(f"{text!r}: unknown size unit {unit!r}; use B, KB, MB, GB, TB (x1000) "

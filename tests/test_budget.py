@@ -147,8 +147,9 @@ def test_a_budget_smaller_than_one_record_says_so_once(tmp_path, llama, caplog):
         said = [r.getMessage() for r in caplog.records if "more than the disk budget" in r.getMessage()]
         per_token = mc.check.bound().per_token
         assert said == [f"kvstore: a chunk (16 tokens) of this model takes about {16 * per_token} bytes on disk, "
-                        f"more than the disk budget (max_bytes 1000): no prompt of it longer than about "
-                        f"{1000 // per_token} tokens can stay on disk; raise the budget"]
+                        f"more than the disk budget (max_bytes 1000): no prompt of it can stay on disk; raise the "
+                        "budget"]  # (below one token's bytes: it said "longer than about 0 tokens")
+        assert 1000 // per_token == 0
         for start in (1, 200):
             tokens = list(range(start, start + 40))
             mc.insert(tokens, prefill(model, tokens))
@@ -186,7 +187,7 @@ def test_warm_says_what_its_budget_came_to_and_evicted(tmp_path, demo_model_path
                      r"space at open\); nothing evicted$", first.stdout, re.M), first.stdout
     held = kvstore.open(store, read_only=True).stats()["bytes"]
     second = run_cli("warm", "--store", store, "--model", demo_model_path, "--prompts", prompts,
-                     "--store-max-bytes", str(held // 3))
+                     "--store-max-bytes", f"{held // 3}B")
     line = re.search(r"^disk budget: (.*) held of (.*); its gc evicted (\d+) records? \((.*)\) to stay within it$",
                      second.stdout, re.M)
     assert line, second.stdout

@@ -204,7 +204,9 @@ def test_a_typo_of_generate_gets_its_usage_not_the_top_level_one(kv):
 @pytest.mark.parametrize("args, message", [
     (["gc", "--max-bytes", "-5MB"], "argument --max-bytes: '-5MB' is negative"),
     (["gc", "--max-age", "-3d"], "argument --max-age: '-3d' is negative"),
-    (["gc", "--max-bytes", "1.5"], "argument --max-bytes: '1.5' is not a whole number of bytes"),  # not 1 byte
+    (["gc", "--max-bytes", "1.5B"], "argument --max-bytes: '1.5B' is not a whole number of bytes"),  # not 1 byte
+    (["gc", "--max-bytes", "1.5"], "argument --max-bytes: '1.5' has no unit: a disk budget is a size, like 1.5GB "
+                                   "or 1.5GiB\n"),  # (not "1.5B for bytes")
     (["warm", "--prompts", "x.jsonl", "--max-write-rate", "bogus"], "'bogus' is not a rate"),
     # `--store "$DIR"` with DIR unset: refused, never read as "no --store" (the default store);
     # an empty file or model is not read as the current folder.
@@ -887,3 +889,18 @@ def test_generate_under_a_disk_budget_too_small_says_what_is_left_on_disk(kv, de
         result.stderr
     with kvstore.open(tmp_path / "s") as store:
         assert store.stats()["bytes"] == 0
+
+
+def test_the_commands_a_report_suggests_name_the_store_it_ran_on(kv, store_copy, demo_model_path, tmp_path):
+    """`stats --store S` said "`kvstore settings` shows them all" and "`kvstore gc --stale`
+    evicts it", and gc "`kvstore pins` lists them": run as printed, each acted on the default
+    store, not on S. Each now names S, as verify's `verify --repair --store S` does."""
+    store, model = tmp_path / "s", Path(shutil.copytree(demo_model_path, tmp_path / "model"))
+    kv("generate", "--store", store, "--model", model, "--prompt", "hi", "--max-tokens", "1")
+    (model / "config.json").write_text((model / "config.json").read_text() + " ")  # its records go stale
+    kv("settings", "--store", store, "admit=reused")
+    stats = kv("stats", "--store", store).stdout
+    assert f"(`kvstore settings --store {store}` shows them all)" in stats, stats
+    assert f"`kvstore gc --stale --store {store}` evicts it" in stats, stats
+    gc = kv("gc", "--store", store_copy, "--max-bytes", "0").stderr
+    assert f"(`kvstore pins --store {store_copy}` lists them)" in gc, gc

@@ -831,9 +831,24 @@ def test_an_unpinned_import_that_gc_takes_off_the_disk_at_once_says_so(tmp_path,
     model = demo_model("llama")
     n = len(json.loads((signed_pack[0] / "manifest.json").read_text())["records"])
     small = run_cli("pack", "import", signed_pack[0], "--store", tmp_path / "b", "--model", model, "--no-pin",
-                    "--store-max-bytes", "1000")
+                    "--store-max-bytes", "1000B")
     assert f"warning: gc took {n} records of the pack off the disk again at once" in small.stderr, small.stderr
     assert _column(tmp_path / "b", "hash") == []
     pinned = run_cli("pack", "import", signed_pack[0], "--store", tmp_path / "c", "--model", model,
-                     "--store-max-bytes", "1000")
+                     "--store-max-bytes", "1000B")
     assert "gc took" not in pinned.stderr and len(_column(tmp_path / "c", "hash")) == n
+
+
+def test_an_export_to_a_used_folder_is_refused_before_it_computes_or_stores_anything(tmp_path, demo_model):
+    """`--out` naming a folder that holds files was refused only after the export said "computing 1
+    prompt not stored whole yet": it is said first, like a mistyped --sign-key, and the store is
+    neither made nor written."""
+    model = demo_model("llama")
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "notes.txt").write_text("mine\n")
+    result = run_cli("pack", "export", "--store", tmp_path / "a", "--model", model, "--prompt", OTHER,
+                     "--unsigned", "--out", tmp_path / "used", check=False)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert f"{tmp_path / 'used'} exists and is not an empty folder: a pack is written to a new folder" \
+           in result.stderr and "computing" not in result.stderr, result.stderr
+    assert not (tmp_path / "a").exists() and [p.name for p in (tmp_path / "used").iterdir()] == ["notes.txt"]

@@ -137,7 +137,7 @@ def test_a_junk_namespace_with_a_pins_object_never_makes_gc_evict_the_fleets_rec
     fleet_records = records(url)
     total = sum(k.size for k in fleet_records.values())
     junk = plant_junk(url)
-    out = cli("gc", "--store", str(store), "--remote", url, "--max-bytes", str(total))
+    out = cli("gc", "--store", str(store), "--remote", url, "--max-bytes", f"{total}B")
     assert out.returncode == 0 and "deleted 0 objects" in out.stdout, out.stdout + out.stderr
     assert "1 namespace none of this node's keys opens (20.0 MiB) not counted" in out.stdout, out.stdout
     assert records(url).keys() == fleet_records.keys() | junk
@@ -212,7 +212,7 @@ def test_gc_says_apart_the_pinned_records_and_those_a_rolled_back_pins_object_ke
     pins, old, first, second, own = pinning_nodes(tmp_path, url, llama)
     Bucket(url).put(pins, old)  # the rollback: `second` is not pinned in it
     total = len(records(url))
-    out = cli("gc", "--store", str(tmp_path / "a"), "--remote", url, "--max-bytes", "1")
+    out = cli("gc", "--store", str(tmp_path / "a"), "--remote", url, "--max-bytes", "1B")
     assert out.returncode == 0 and "deleted 0 objects" in out.stdout, out.stdout + out.stderr
     # A's own pins are pinned records (its index says so); the rest of the namespace is kept only
     # because B's pins cannot be trusted now (what the older copy lacks is not known).
@@ -299,7 +299,7 @@ def test_a_copied_store_folder_never_publishes_over_the_originals_pins(tmp_path,
     path, model = llama
     url = s3.url()
     kept, pinned = copied_node(tmp_path, url, llama, keep_id=False)
-    out = cli("gc", "--store", str(tmp_path / "r5"), "--remote", url, "--max-bytes", "1")
+    out = cli("gc", "--store", str(tmp_path / "r5"), "--remote", url, "--max-bytes", "1B")
     assert out.returncode == 0, out.stdout + out.stderr
     assert kept <= set(records(url)), out.stdout
     with kvstore.open(tmp_path / "p5", chunk_size=C, remote=url) as p5:

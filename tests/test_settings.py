@@ -334,3 +334,40 @@ def test_off_on_a_setting_whose_off_is_0_names_the_0(tmp_path):
         kvstore.open(tmp_path / "s", remote_flush_timeout="none")
     with kvstore.open(tmp_path / "s", max_write_rate="off", disk_kv_bits="off", memory_bytes=0) as store:
         assert store.settings["max_write_rate"] == store.settings["disk_kv_bits"] == (None, "given")
+
+
+def test_a_disk_budget_needs_its_unit_so_a_slip_empties_nothing(kv, tmp_path, demo_model_path, capsys):
+    """`--store-max-bytes 10` meant as 10GB read as 10 bytes, and the run's gc evicted every
+    record not pinned (with a warning, after the fact). A disk budget, like a rate and a
+    duration, takes a number only with its unit (`10B` for bytes), 0 aside; the store keeps all."""
+    store = tmp_path / "s"
+    lines = tmp_path / "p.jsonl"
+    lines.write_text(json.dumps({"prompt": "a prompt of a few chunks to keep " * 40}) + "\n")
+    kv("warm", "--store", store, "--model", demo_model_path, "--prompts", lines)
+    held = json.loads(kv("stats", "--store", store, "--json").stdout)["bytes"]
+    assert held > 0
+    for command, option, value in (("generate", "--store-max-bytes", "10"), ("generate", "--tenant-max-bytes", "5"),
+                                   ("gc", "--max-bytes", "10"), ("gc", "--tenant-max-bytes", "1.5")):
+        prompt = ["--model", demo_model_path, "--prompt", "hi"] if command == "generate" else []
+        result = kv(command, "--store", store, *prompt, option, value, code=2)
+        bytes_too = f" ({value}B for bytes)" if value.isdigit() else "\n"
+        assert f"argument {option}: '{value}' has no unit: a disk budget is a size, like {value}GB or {value}GiB" \
+               f"{bytes_too}" in result.stderr, result.stderr
+    from kvstore.serve.options import build_parser as serve_parser
+
+    with pytest.raises(SystemExit):
+        serve_parser().parse_args(["--store-max-bytes", "20"])
+    assert "'20' has no unit: a disk budget" in capsys.readouterr().err
+    assert json.loads(kv("stats", "--store", store, "--json").stdout)["bytes"] == held
+    for bad in ("10", " 7 "):
+        with pytest.raises(InvalidInputError, match="has no unit: a disk budget"):
+            kvstore.open(store, max_bytes=bad)
+    with kvstore.open(store) as s:
+        with pytest.raises(InvalidInputError, match="max_bytes: '10' has no unit"):
+            s.gc(max_bytes="10")
+        assert s.gc(max_bytes="10B", dry_run=True)["bytes"] == s.gc(max_bytes=10, dry_run=True)["bytes"] < held
+        assert s.gc(max_bytes="0", dry_run=True)["bytes"] == 0
+    # 0 needs no unit where it is taken; sizes that bound no disk still take bytes
+    assert "would free" in kv("gc", "--store", store, "--max-bytes", "0", "--dry-run").stdout
+    with kvstore.open(store, memory_bytes="4096", max_pending_bytes="65536") as s:
+        assert s.settings["memory_bytes"] == (4096, "given")

@@ -91,7 +91,7 @@ def test_a_damaged_role_is_the_weakest_so_gc_holds_its_byte_budget(tmp_path, lla
     code, out = verify(store, capsys)
     assert code == 1 and out.count("bad_role:") == len(victim), out
 
-    assert main(["gc", "--store", str(store), "--max-bytes", str(budget)]) == 0
+    assert main(["gc", "--store", str(store), "--max-bytes", f"{budget}B"]) == 0
     with kvstore.open(store, chunk_size=C) as s:
         left = {r.hash for r in s.index.rows()}
         assert s.stats()["bytes"] <= budget

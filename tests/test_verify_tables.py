@@ -80,7 +80,7 @@ def test_damaged_totals_never_crash_stats_or_empty_gc_and_repair_counts_them_aga
         assert stats["bytes"] == held and stats["chunks"] + stats["tails"] == len(rows), stats
         assert stats["models"][0]["bytes"] == held
     # gc sees what the store holds: a budget below it evicts (a dry run says how much).
-    out = kv("gc", "--store", store, "--max-bytes", str(held // 2), "--dry-run", home=tmp_path)
+    out = kv("gc", "--store", store, "--max-bytes", f"{held // 2}B", "--dry-run", home=tmp_path)
     assert out.returncode == 0, out.stderr
     if damage != "bytes = 5":
         assert "would free 0 B" not in out.stdout, out.stdout

@@ -8,9 +8,9 @@ import shlex
 from pathlib import Path
 
 from kvstore import settings
-from kvstore.argv import duration, or_off, size
+from kvstore.argv import disk_budget, duration, or_off
 from kvstore.cli.options import open_local, remote_key, remote_upkeep, remote_url, store_path
-from kvstore.cli.output import EXIT_USAGE, PROG, CommandError, out, plural, say
+from kvstore.cli.output import EXIT_USAGE, PROG, CommandError, on_store, out, plural, say
 from kvstore.errors import UnknownTenantError
 from kvstore.sizes import format_size
 
@@ -23,7 +23,7 @@ EXAMPLES = """examples:
   kvstore gc --drop-tenant-id customer-42                  # the same, by the id its requests name
   kvstore gc --remote s3://team-cache/kv --remote-key-file fleet.key --drop-key 3fa2c1d0  # end a key rotation
 
-SIZE: bytes, or a number with KB/MB/GB/TB (x1000) or K/M/G/T, KiB/MiB/GiB/TiB (x1024).
+SIZE: a number with KB/MB/GB/TB (x1000) or K/M/G/T, KiB/MiB/GiB/TiB (x1024), or B for bytes.
 DURATION: a number with s, m, h, d or w, like 30m, 12h, 7d. Pinned prompts are never evicted
 (but --stale evicts those of stale model versions; `kvstore pins --remove` unpins a prompt)."""
 
@@ -31,8 +31,9 @@ DURATION: a number with s, m, h, d or w, like 30m, 12h, 7d. Pinned prompts are n
 def register(add, store_opts, model_opts) -> None:
     p = add("gc", cmd_gc, "evict least recently used records down to a size (and age) budget", [store_opts],
             EXAMPLES)
-    p.add_argument("--max-bytes", metavar="SIZE", type=or_off(size), default=argparse.SUPPRESS,
-                   help="keep at most this many bytes, like 500MB or 2GiB; 0 empties the store; off: no bound")
+    p.add_argument("--max-bytes", metavar="SIZE", type=or_off(disk_budget), default=argparse.SUPPRESS,
+                   help="keep at most this many bytes, like 500MB or 2GiB (10B for bytes: a number needs its "
+                        "unit); 0 empties the store; off: no bound")
     p.add_argument("--max-age", metavar="DURATION", type=or_off(duration), default=argparse.SUPPRESS,
                    help="also evict records unused for this long, like 7d; off: no bound")
     p.add_argument("--stale", action="store_true",
@@ -155,8 +156,8 @@ def _kept(args, kept: dict, pinned: bool) -> str:
     """What held the bytes gc did not free, in words (`pinned`: the store has pinned records)."""
     parts = []
     if kept["records"]:
-        held = ("pinned records and their ancestors (`kvstore pins` lists them), or records given a child "
-                "while gc ran" if pinned else "records given a child or stored while gc ran (by a writer in "
+        held = (f"pinned records and their ancestors (`{PROG} pins{on_store(args)}` lists them), or records "
+                "given a child while gc ran" if pinned else "records given a child or stored while gc ran (by a writer in "
                 "another process): a gc run again frees them")
         parts.append(f"{format_size(kept['records'])} {'would be' if args.dry_run else 'is'} held by {held}")
     if kept["unread"]:

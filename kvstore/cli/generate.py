@@ -8,7 +8,7 @@ import numpy as np
 
 from kvstore.argv import at_least, temperature
 from kvstore.cli.options import add_prompt_source, add_store_settings, bound, prompt_items
-from kvstore.cli.output import EXIT_PROBLEMS, PROG, disk_budget, out, plural, say, uploads_undone
+from kvstore.cli.output import EXIT_PROBLEMS, PROG, disk_budget, on_store, out, plural, say, uploads_undone
 
 EXAMPLES = """examples:
   kvstore generate --prompt "You are a helpful assistant. What is a KV cache?"
@@ -59,7 +59,7 @@ def cmd_generate(args) -> int:
         undone = uploads_undone(store)
         if undone:
             say(f"{PROG} generate: {undone}")
-        budget = disk_budget(store)
+        budget = disk_budget(store, on_store(args))
         if budget:
             say(budget)
     return EXIT_PROBLEMS if errors or failed else 0

@@ -6,7 +6,9 @@ is printed with non-printable characters escaped, so none of it can drive the te
 
 from __future__ import annotations
 
+import shlex
 import sys
+from pathlib import Path
 from typing import Any
 
 from kvstore.sizes import format_size, plural, printable  # noqa: F401 -- the commands print through here
@@ -36,7 +38,14 @@ def out(*parts: Any, **kw: Any) -> None:
     print(*map(printable, parts), **kw)
 
 
-def disk_budget(store) -> str | None:
+def on_store(args) -> str:
+    """` --store PATH` for a command a message suggests, when this one was given `--store`: without
+    it the suggestion would act on another store (`$KVSTORE_DIR`, else `~/.cache/kvstore`)."""
+    store = getattr(args, "store", None)
+    return f" --store {shlex.quote(str(Path(store).expanduser()))}" if store else ""
+
+
+def disk_budget(store, where: str = "") -> str | None:
     """The disk budget a command ran under, in one line: what the store holds against it, what
     `auto` came to, and what its gc evicted (None: no budget). Said because a budget given as
     `auto` is a size only the store knows, and what it evicted is what the next run recomputes."""
@@ -50,7 +59,7 @@ def disk_budget(store) -> str | None:
     evicted = (f"; its gc evicted {plural(budget.evicted_records, 'record')} ({format_size(budget.evicted_bytes)}) "
                "to stay within it" if budget.evicted_records else "; nothing evicted")
     over = (f"; over it by {format_size(held - store.max_bytes)}: pinned prompts and the records they hang "
-            "from stay (`kvstore pins` lists them)" if held > store.max_bytes else "")
+            f"from stay (`kvstore pins{where}` lists them)" if held > store.max_bytes else "")
     return f"disk budget: {format_size(held)} held of {format_size(store.max_bytes)}{how}{evicted}{over}"
 
 

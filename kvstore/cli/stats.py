@@ -6,7 +6,7 @@ import json
 import time
 
 from kvstore.cli.options import open_local, open_remote, remote_url
-from kvstore.cli.output import PROG, out, plural
+from kvstore.cli.output import PROG, on_store, out, plural
 from kvstore.sizes import format_age, format_setting, format_size
 
 EXAMPLES = """examples:
@@ -68,13 +68,14 @@ def cmd_stats(args) -> int:
     print(f"bytes: {stats['bytes']} ({format_size(stats['bytes'])})   chunks: {stats['chunks']}   "
           f"tails: {stats['tails']}   {checkpoints}models: {len(stats['models'])}   "
           f"chunk size: {', '.join(map(str, sizes)) or '-'}")
-    _print_settings(stats.get("settings"))
+    where = on_store(args)  # (in the commands it suggests)
+    _print_settings(stats.get("settings"), where)
     _print_remote(stats.get("remote"))
     _print_writes(stats.get("writes"))
-    _print_quarantine(stats)
+    _print_quarantine(stats, where)
     _print_tenants(stats.get("tenants") or [])
     if stats["models"]:
-        _print_models(stats["models"])
+        _print_models(stats["models"], where)
     return 0
 
 
@@ -87,12 +88,12 @@ def _print_tenants(tenants: list[dict], most: int = 10) -> None:
     out(f"tenants: {len(tenants)} ({format_size(sum(t['bytes'] for t in tenants))}): {shown}{more}")
 
 
-def _print_settings(entries: dict | None) -> None:
+def _print_settings(entries: dict | None, where: str = "") -> None:
     """The settings that are not their defaults (`kvstore settings` shows them all)."""
     from kvstore import settings
 
     changed = settings.not_default(entries or {})
-    print(f"settings: {changed or 'all defaults'} (`{PROG} settings` shows them all)")
+    print(f"settings: {changed or 'all defaults'} (`{PROG} settings{where}` shows them all)")
 
 
 def _print_remote(remote: dict | None) -> None:
@@ -142,19 +143,19 @@ def _print_writes(writes: dict | None) -> None:
               f"over budget {day['over_budget']}")
 
 
-def _print_quarantine(stats: dict) -> None:
+def _print_quarantine(stats: dict, where: str = "") -> None:
     now_bad = stats.get("quarantined_now") or {}
     if stats.get("quarantined_total") or now_bad.get("records"):
         print(f"quarantined records: {now_bad.get('records', 0)} now ({format_size(now_bad.get('bytes', 0))}, "
-              f"never served; any `{PROG} gc` drops those not pinned, storing the prompt again heals "
-              f"it), {stats.get('quarantined_total', 0)} so far (run `{PROG} verify`)")
+              f"never served; any `{PROG} gc{where}` drops those not pinned, storing the prompt again heals "
+              f"it), {stats.get('quarantined_total', 0)} so far (run `{PROG} verify{where}`)")
     moved = stats.get("quarantine_folder") or {}
     if moved.get("files"):
         out(f"{stats['path']}/quarantine: {plural(moved['files'], 'file')} ({format_size(moved['bytes'])}) that "
-            f"`{PROG} verify --repair` moved aside (not kvstore's; never deleted by kvstore: look, then remove them)")
+            f"`{PROG} verify --repair{where}` moved aside (not kvstore's; never deleted by kvstore: look, then remove them)")
 
 
-def _print_models(models: list[dict]) -> None:
+def _print_models(models: list[dict], where: str = "") -> None:
     """One row per model version, and how much of it is stale."""
     now = time.time()
     header = ("fingerprint", "chunks", "tails", "bytes", "hits", "last use", "stale", "model")
@@ -173,9 +174,9 @@ def _print_models(models: list[dict]) -> None:
         print()
     if held:
         out(f"STALE: {format_size(held)} of K/V whose model files changed or are gone since they were stored; "
-            f"`{PROG} gc --stale` evicts it, pinned records too")
+            f"`{PROG} gc --stale{where}` evicts it, pinned records too")
     for m in unsure:  # the bytes may be the same (a folder copied away and back): not stale yet
-        out(f"changed: {m['fingerprint'][:12]}: {m['stale_reason']}; `{PROG} gc --stale` hashes "
+        out(f"changed: {m['fingerprint'][:12]}: {m['stale_reason']}; `{PROG} gc --stale{where}` hashes "
             f"the changed files again and evicts the version only if their bytes differ")
 
 

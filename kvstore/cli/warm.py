@@ -8,7 +8,7 @@ import time
 from typing import Callable
 
 from kvstore.cli.options import PROMPT_FILE, add_store_settings, bound, read_prompts
-from kvstore.cli.output import EXIT_INTERRUPTED, EXIT_PROBLEMS, PROG, disk_budget, plural, say, uploads_undone
+from kvstore.cli.output import EXIT_INTERRUPTED, EXIT_PROBLEMS, PROG, disk_budget, on_store, plural, say, uploads_undone
 from kvstore.model.blas import long_prefill_note
 from kvstore.model.jsonl import cache_types
 from kvstore.sizes import format_size
@@ -75,7 +75,7 @@ def cmd_warm(args) -> int:
             stored = cut.on_disk + cut.queued
             totals["cut"] = f", 1 cut short ({stored} of its {cut.tokens} tokens stored)" if stored else ""
         _summary(totals, len(errors), len(work), writer, time.perf_counter() - started, placed)
-        budget = disk_budget(store)
+        budget = disk_budget(store, on_store(args))
         if budget:
             print(budget)
         undone = uploads_undone(store)

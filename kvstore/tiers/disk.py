@@ -129,9 +129,11 @@ class DiskBudget:
         its first write, if one chunk of `chunk_size` tokens is more than the budget."""
         if self.max_bytes is not None and per_token * chunk_size > self.max_bytes and not self._said_too_small:
             self._said_too_small = True
+            longest = self.max_bytes // per_token
             log.warning("kvstore: a chunk (%d tokens) of this model takes about %d bytes on disk, more than the disk "
-                        "budget (max_bytes %d): no prompt of it longer than about %d tokens can stay on disk; raise "
-                        "the budget", chunk_size, per_token * chunk_size, self.max_bytes, self.max_bytes // per_token)
+                        "budget (max_bytes %d): %s can stay on disk; raise the budget", chunk_size,
+                        per_token * chunk_size, self.max_bytes,
+                        f"no prompt of it longer than about {longest} tokens" if longest else "no prompt of it")
 
     def settle(self, timeout: float | None = None) -> bool:
         """Wait until no check is due or running; False if `timeout` ran out first."""

@@ -15,9 +15,12 @@ def cmd_export(args) -> int:
     from kvstore.model.fingerprint import resolve_model_dir
     from kvstore.packs.export import distinct, export_pack
     from kvstore.packs.signing import check_private_key
+    from kvstore.packs.verify import is_free
 
     if args.sign_key:  # a mistyped key is said before the model is loaded and the prompts computed
         check_private_key(Path(args.sign_key))
+    if not is_free(Path(args.out).absolute()):  # and a used --out (it said "computing 1 prompt" first)
+        raise CommandError(f"{args.out} exists and is not an empty folder: a pack is written to a new folder")
     items = prompt_items(args)
     with bound(args, items, "pack export") as (store, loaded, mc, work, errors):
         if errors:
