@@ -490,3 +490,20 @@ def test_tokens_from_the_bucket_count_what_was_used_of_a_record(tmp_path, s3, ll
         _, rest = b.bind(model, path).fetch(asked)
         assert len(asked) - len(rest) == 2 * C + 6
         assert b.stats()["remote"]["remote_tokens"] == 2 * C + 6
+
+
+def test_uploads_that_find_the_record_there_are_shown_with_their_bytes(tmp_path, s3, llama):
+    """Two nodes store the same prompt (B never reads the bucket): B's create-only PUTs find A's
+    objects and read them back to check them. That traffic is counted and `stats` shows it."""
+    path, model = llama
+    url = s3.url()
+    prompt = toks(2 * C + 5, 90)
+    for node, options in (("a", {}), ("b", {"remote_deadline": 0})):
+        with kvstore.open(tmp_path / node, chunk_size=C, remote=url, **options) as n:
+            n.bind(model, path).insert(prompt, prefill(model, prompt))
+            assert n.flush(30)
+            r = n.stats()["remote"]
+    assert (r["uploads"], r["already_there"], r["downloads"]) == (0, 3, 0), r
+    assert r["already_there_bytes"] > 2 * C * 1000, r
+    out = cli("stats", "--store", str(tmp_path / "b"), "--remote", url).stdout
+    assert "uploads: 0 (0 B; 3 already there: " in out and "sent, and read back to check)" in out, out

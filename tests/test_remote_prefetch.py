@@ -218,6 +218,39 @@ def test_timeout_restores_what_arrived_within_its_wait(tmp_path, s3, llama, monk
     assert not down and r["errors"] == 0, r
 
 
+def test_downloads_a_fetch_did_not_take_are_counted_as_unused(tmp_path, s3, llama):
+    """The first chunk's GET is held until the fetch gave up on it; the other chunks of the path
+    and the tail arrive whole meanwhile (their downloads start at once). The fetch restores none
+    of them, and stats count each one that arrived as a download, unused: none is hidden."""
+    import threading
+
+    path, model = llama
+    url = s3.url()
+    prompt = toks(6 * C + 3, 26)
+    store_all(tmp_path / "a", url, model, path, [prompt])
+    with kvstore.open(tmp_path / "b", chunk_size=C, remote=url, memory_bytes=0, remote_deadline=0.5) as b:
+        mc = b.bind(model, path)
+        first = prompt_records(mc.ns, np.asarray(prompt), C)[0]
+        held = key_of(b.remote.fleet.sealer(mc.ns), first, np.asarray(prompt[:C]))
+        real, release = b.remote.bucket.get, threading.Event()
+
+        def get(key, *args, **kw):
+            if key == held:
+                assert release.wait(60)  # then past the wait: dropped as it arrives, not counted
+            return real(key, *args, **kw)
+
+        b.remote.bucket.get = get
+        assert reused(mc, model, prompt + [7]) == 0
+        release.set()
+        for _ in range(600):  # the 5 other chunks and the tail, each counted once it arrived whole
+            if b.stats()["remote"]["downloads"] >= 6:
+                break
+            time.sleep(0.05)
+        r = b.stats()["remote"]
+    assert r["downloads"] == 6 and r["download_bytes"] > 0, r
+    assert r["downloads_used"] == r["remote_hits"] == r["prefetched"] == 0, r
+
+
 def test_a_deadline_of_0_reads_nothing_from_the_bucket_and_still_uploads(tmp_path, s3, llama):
     path, model = llama
     url = s3.url()

@@ -159,6 +159,33 @@ def test_a_junk_namespace_with_a_pins_object_never_makes_gc_evict_the_fleets_rec
     assert gone["dropped_namespaces"] == 1 and gone["evicted"] == 0 and records(url).keys() == fleet_records.keys()
 
 
+def test_objects_too_large_for_a_record_planted_below_the_fleets_never_make_gc_evict_them(tmp_path, s3, llama):
+    """20 MiB of objects named as chunks below one of the fleet's records (the newest objects: least
+    recently used goes first), each larger than a chunk of the namespace can be by its manifest's
+    geometry (at most 1 MiB and twice its K/V): gc does not count them against --max-bytes, deletes them first, and
+    keeps every record of the fleet."""
+    path, model = llama
+    url = s3.url()
+    store = tmp_path / "a"
+    prompts = [toks(3 * C + 5, 95 + i) for i in range(3)]
+    with kvstore.open(store, chunk_size=C, remote=url) as a:
+        mc = a.bind(model, path)
+        for p in prompts:
+            mc.insert(p, prefill(model, p))
+        assert a.flush(30)
+        ns, parent = mc.ns, mc.record_hashes(prompts[0])[1]
+    fleet_records = records(url)
+    total = sum(k.size for k in fleet_records.values())
+    s, bucket = fleet().sealer(ns), Bucket(url)
+    for i in range(8):
+        rid = RecordId(os.urandom(16), ns, parent, None, CHUNK, C, i + 1)
+        bucket.put(key_of(s, rid, np.arange(i + 1, i + 1 + C)), os.urandom(5 << 19))
+    out = cli("gc", "--store", str(store), "--remote", url, "--max-bytes", str(total))
+    assert out.returncode == 0 and "deleted 8 objects (20.0 MiB)" in out.stdout, out.stdout + out.stderr
+    assert "8 of those objects (20.0 MiB) are larger than a record" in out.stdout, out.stdout
+    assert records(url).keys() == fleet_records.keys()
+
+
 JUNK = "0123456789abcdef0123456789abcdef"
 
 

@@ -206,6 +206,10 @@ def _gc_remote(args) -> int:
         f"{format_size(result['bytes'])} of them ({plural(result['kept_pinned'], 'pinned record')} kept"
         + (f"; {plural(result['kept_held'], 'other record')} kept because gc was blocked, below)"
            if result["kept_held"] else ")"))
+    if result.get("oversized"):
+        out(f"remote {url}: {result['oversized']} of those objects ({format_size(result['oversized_bytes'])}) "
+            f"{'are' if result['oversized'] > 1 else 'is'} larger than a record of the namespace can be (its "
+            "manifest says how large): planted, not records; they go first and do not count against --max-bytes")
     for why in result["held"]:
         out(f"remote {url}: gc kept every record of a namespace (it deletes none until that node publishes its "
             f"pins again): {why}")

@@ -102,7 +102,9 @@ def _print_remote(remote: dict | None) -> None:
     t = remote["totals"]
     unused = max(0, t["downloads"] - t["downloads_used"] - t["prefetched"])
     prefetched = f", {t['prefetched']} fetched ahead" if t["prefetched"] else ""
-    out(f"remote: {remote['url']}   uploads: {t['uploads']} ({format_size(t['upload_bytes'])})   "
+    there = (f"; {t['already_there']} already there: {format_size(t['already_there_bytes'])} sent, and read back "
+             "to check" if t["already_there"] else "")
+    out(f"remote: {remote['url']}   uploads: {t['uploads']} ({format_size(t['upload_bytes'])}{there})   "
         f"downloads: {t['downloads']} ({format_size(t['download_bytes'])}; {t['downloads_used']} used{prefetched}, "
         f"{unused} unused)   remote hits: {t['remote_hits']} ({t['partial_restores']} partial)   "
         f"errors: {t['errors']}   dropped uploads: {t['dropped_uploads']}   skipped uploads: "

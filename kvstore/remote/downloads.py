@@ -174,6 +174,10 @@ class Downloads:
             return None
         size, plain = opening.size, opening.done()  # (Unauthenticated unless every byte came, intact)
         tokens, rid = check_opened(s, plain, rid, chunk_size, named=named)
+        # Counted as it arrives, whether or not a fetch takes it (past its wait, after a record
+        # of its path that failed, or stored by the request meanwhile: a download unused).
+        self.health.count("downloads")
+        self.health.count("download_bytes", size)
         if time.monotonic() > until:
             return None
         return size, plain, tokens, rid
@@ -213,8 +217,6 @@ class Downloads:
         if got is None:
             return None
         self.health.answered()
-        self.health.count("downloads")
-        self.health.count("download_bytes", got[0])
         ref.body, ref.tokens, ref.rid, ref.named = got[1], got[2], got[3], False
         return got[1]
 

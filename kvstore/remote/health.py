@@ -20,7 +20,7 @@ log = logging.getLogger("kvstore")
 
 RETRY_AFTER_S = 5.0
 COUNTERS = (
-    "uploads", "upload_bytes", "already_there", "upload_errors", "dropped_uploads", "dropped_upload_bytes",
+    "uploads", "upload_bytes", "already_there", "already_there_bytes", "upload_errors", "dropped_uploads", "dropped_upload_bytes",
     "skipped_old_format", "skipped_no_parent", "lookups", "heads", "lists", "downloads", "download_bytes",
     "remote_hits", "remote_tokens", "corrupt_objects", "errors", "deadline_misses", "skipped_down",
     "unauthenticated", "replaced", "oversized_objects", "skipped_down_uploads", "left_uploads",

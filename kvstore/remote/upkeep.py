@@ -136,11 +136,12 @@ def collect_remote(bucket: Bucket, fleet: Fleet, local=(), *, max_bytes: int | N
     objects = list(tree.objects.values())
     total = sum(k.size for k in objects)
     cutoff = None if max_age is None else now - max_age
+    planted = _oversized(tree, spaces)  # no record: they go first, and never count against the budget
     p = evict.Victims.empty()
-    if cutoff is not None or (max_bytes is not None and total > max_bytes):  # as local gc: only when asked
-        graph = evict.Graph.from_rows([(k.hash, k.parent, k.size, k.modified, k.hash in keep.kept, False,
-                                        k.parent == k.ns) for k in objects])
-        p = evict.choose_victims(graph, max_bytes=max_bytes, cutoff=cutoff, stale=False)
+    if cutoff is not None or (max_bytes is not None and total > max_bytes) or planted:  # as local gc: when asked
+        graph = evict.Graph.from_rows([(k.hash, k.parent, k.size, k.modified, k.hash in keep.kept and k.hash
+                                        not in planted, k.hash in planted, k.parent == k.ns) for k in objects])
+        p = evict.choose_victims(graph, max_bytes=max_bytes, cutoff=cutoff, stale=bool(planted))
     freed = int(p.sizes.sum()) if len(p) else 0
     if not dry_run and len(p):
         _delete_in_rounds(bucket, tree, p)
@@ -160,9 +161,23 @@ def collect_remote(bucket: Bucket, fleet: Fleet, local=(), *, max_bytes: int | N
             "unknown_namespaces": len(unknown), "unknown_bytes": sum(u["bytes"] for u in unknown.values()),
             "dropped_namespaces": len(dropped), "dropped_objects": sum(u["objects"] for u in dropped.values()),
             "dropped_bytes": sum(u["bytes"] for u in dropped.values()), "wrong_key": wrong_key,
+            "oversized": len(planted), "oversized_bytes": sum(tree.objects[h].size for h in planted),
             "other_key_markers": strangers,
             "no_namespace_opens": keys.foreign if wrong_key else 0,
             "seconds": time.perf_counter() - started}
+
+
+def _oversized(tree: Tree, spaces: dict[str, Space]) -> set[bytes]:
+    """The objects larger than a record of their namespace can be (by its manifest's geometry),
+    with nothing below them but such objects: planted, not records (a bucket writer's junk would
+    otherwise count against `max_bytes` and make gc delete the fleet's records). One with a
+    record below it is left to `verify --remote --repair` (which deletes it and what is below)."""
+    big = set()
+    for h, k in tree.objects.items():
+        cap = spaces[k.ns.hex()].cap(k)
+        if cap is not None and k.size > cap:
+            big.add(h)
+    return {h for h in big if tree.subtree({h}) <= big}
 
 
 @dataclasses.dataclass

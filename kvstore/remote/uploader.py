@@ -224,7 +224,9 @@ class Uploader:
             self.health.count("uploads")
             self.health.count("upload_bytes", len(body))
         elif self._theirs_good(s, key, row, int(meta.get("chunk_size", "0")), len(body)):
+            # Sent (the create-only PUT carries the body) and read back to check: traffic too.
             self.health.count("already_there")
+            self.health.count("already_there_bytes", len(body))
         else:  # planted by someone without the fleet secret (or damaged): ours replaces it
             self.bucket.put(key, body)
             self.health.count("replaced")
