@@ -180,7 +180,7 @@ def test_objects_too_large_for_a_record_planted_below_the_fleets_never_make_gc_e
     for i in range(8):
         rid = RecordId(os.urandom(16), ns, parent, None, CHUNK, C, i + 1)
         bucket.put(key_of(s, rid, np.arange(i + 1, i + 1 + C)), os.urandom(5 << 19))
-    out = cli("gc", "--store", str(store), "--remote", url, "--max-bytes", str(total))
+    out = cli("gc", "--store", str(store), "--remote", url, "--max-bytes", f"{total}B")
     assert out.returncode == 0 and "deleted 8 objects (20.0 MiB)" in out.stdout, out.stdout + out.stderr
     assert "8 of those objects (20.0 MiB) are larger than a record" in out.stdout, out.stdout
     assert records(url).keys() == fleet_records.keys()
