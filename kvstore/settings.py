@@ -177,8 +177,8 @@ def _duration(s: Setting, value: Any) -> float:
 
 
 def gc_bounds(max_bytes: Any, max_age: Any) -> tuple[int | None, float | None]:
-    """A gc's bounds (`Store.gc`): a size (`500MB`, text with its unit, or an int of bytes) and a
-    duration (`7d`, or seconds), 0 or more, or None; `InvalidInputError` naming the one that is not."""
+    """A gc's bounds: a size (text with its unit, or an int of bytes) and a duration (`7d`, or
+    seconds), 0 or more, or None; `InvalidInputError` naming the one that is not."""
     out, bound = [], Setting("gc", "size", None, "", budget=True)  # (a disk budget that takes 0, and no off)
     for name, value, kind in (("max_bytes", max_bytes, _size), ("max_age", max_age, _duration)):
         try:
@@ -333,12 +333,10 @@ def resolve(given: Mapping[str, Any], kept: Mapping[str, str | None],
             warn: Callable[[str], None] = lambda message: None,
             chunk_size: int = CHUNK_SIZE, defaults: Mapping[str, Any] | None = None,
             store: object = None) -> dict[str, tuple[Any, str]]:
-    """`{name: (value, source)}` for every store setting: given (not None in `given`: parsed
-    here, `InvalidInputError` when bad), else kept (the text the store keeps, checked against
-    this open's `chunk_size` too; a damaged one never stops the open: it reads as its
-    `damaged` value, else the default, with one `warn` naming the command that mends it in
-    `store`), else the default: the table's, or an interface's own in `defaults` (`kvstore
-    serve`'s: `serve_defaults`)."""
+    """`{name: (value, source)}` for every store setting: given (not None in `given`: parsed,
+    `InvalidInputError` when bad), else kept (checked against `chunk_size` too; a damaged one
+    reads as its `damaged` value, else the default, with one `warn` naming the command that
+    mends it in `store`), else the default (the table's, or one of `defaults`: serve's)."""
     where = store_option(store)
     defaults = defaults or {}
     out: dict[str, tuple[Any, str]] = {}
@@ -381,6 +379,13 @@ def keep_one(s: Setting, store: object = None) -> str:
     return f"`kvstore settings{store_option(store)} {s.name}=VALUE` keeps one ({s.allowed()})"
 
 
+def now_kept(s: Setting, value: Any, was: str | None, store: object) -> str:
+    """The line that says a given value of `s` is kept from now on (`was`: the kept text before)."""
+    return (f"{s.name} {s.show(value)} is kept in the store {store} (was {shown_kept(was) if was else 'the default'}"
+            f"): later runs that do not give {s.flag or s.name} use it; `kvstore settings{store_option(store)} "
+            f"--reset {s.name}` forgets it")
+
+
 def store_option(store: object = None) -> str:  # ` --store PATH` in a command a message suggests
     return f" --store {shlex.quote(str(store))}" if store is not None else ""
 
@@ -391,8 +396,7 @@ def report(resolved: Mapping[str, tuple[Any, str]]) -> dict[str, dict]:
 
 
 def not_default(settings: Mapping[str, Mapping[str, Any]]) -> str:
-    """`admit=reused (kept), max_write_rate=1.0 MiB/day (given)`: the settings that are not their
-    defaults, for a start line or a report (empty when all are)."""
+    """`admit=reused (kept), max_write_rate=1.0 MiB/day (given)`: the settings not at their defaults."""
     parts = []
     for name, entry in settings.items():
         s = BY_NAME.get(name)
@@ -434,7 +438,7 @@ def add_options(parser: argparse.ArgumentParser, table: tuple[Setting, ...] = ST
         metavar = {"size": "SIZE", "rate": "RATE", "duration": "TIME", "count": "N", "list": "LIST",
                    "json": "JSON", "bits": "BITS", "choice": "{" + ",".join(map(str, s.choices)) + "}",
                    "text": s.name.split("_")[-1].upper()}[s.kind]
-        parser.add_argument(s.flag, metavar=metavar, type=_argtype(s), **common)
+        parser.add_argument(s.flag, metavar=metavar, type=argtype(s), **common)
 
 
 def dest(s: Setting) -> str:
@@ -442,7 +446,8 @@ def dest(s: Setting) -> str:
     return s.flag.lstrip("-").replace("-", "_") if s.flag else s.name
 
 
-def _argtype(s: Setting) -> Callable[[str], Any]:
+def argtype(s: Setting) -> Callable[[str], Any]:
+    """The argparse type of the option of `s`: its one parser, its message argparse's."""
     def parse(text: str) -> Any:
         try:
             value = s.parse(text, s.flag)
@@ -482,11 +487,6 @@ def table_text(table: tuple[Setting, ...] = STORE_SETTINGS) -> str:
         rows.append(f"| `{s.name}` | {f'`{s.flag}`' if s.flag else 'library only'} | {default} | "
                     f"{'yes' if s.kept else 'no'} | {s.help} |")
     return "\n".join(rows)
-
-
-def check_exact_prefill(resolved: tuple[Any, str], chunk_size: int) -> None:
-    """`exact_prefill` (value and source, from `resolve`) must be whole chunks of `chunk_size`."""
-    check_chunks(BY_NAME["exact_prefill"], *resolved, chunk_size)
 
 
 def check_chunks(s: Setting, value: Any, source: str, chunk_size: int = CHUNK_SIZE) -> None:

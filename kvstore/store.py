@@ -95,7 +95,7 @@ class Store:
             if v is not None}
         self._defaults = defaults  # an interface's own defaults (kvstore serve's): they read as defaults
         parsed = settings.resolve(given, {}, defaults=defaults)  # bad settings are an error before anything is opened
-        settings.check_exact_prefill(parsed["exact_prefill"], parsed["chunk_size"][0])
+        settings.check_chunks(settings.BY_NAME["exact_prefill"], *parsed["exact_prefill"], parsed["chunk_size"][0])
         value = {name: v for name, (v, _) in parsed.items()}
         if remote:
             check_url(remote)
@@ -165,8 +165,7 @@ class Store:
                 disk.on_store.append(events.committed)
 
     def _settings(self, given: dict, writes: bool) -> dict[str, tuple[Any, str]]:
-        """Every setting's (value, source) for this open (`kvstore.settings.resolve`). Given kept
-        settings are remembered in the store for later opens that do not give them."""
+        """Every setting's (value, source) for this open; given kept ones are kept (and said so)."""
         if self.index is None:
             return settings.resolve(given, {}, defaults=self._defaults)
         try:
@@ -181,6 +180,7 @@ class Store:
             if writes and source == settings.GIVEN and kept.get(s.name) != s.encode(value):
                 try:
                     self.index.set_setting(s.name, s.encode(value))
+                    log.warning("kvstore: %s", settings.now_kept(s, value, kept.get(s.name), self.path))
                 except sqlite3.OperationalError as e:  # a full disk or a busy index: used, not kept
                     log.warning("kvstore: cannot keep %s=%s in the store (%s)", s.name, s.encode(value), e)
         return resolved

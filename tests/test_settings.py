@@ -371,3 +371,16 @@ def test_a_disk_budget_needs_its_unit_so_a_slip_empties_nothing(kv, tmp_path, de
     assert "would free" in kv("gc", "--store", store, "--max-bytes", "0", "--dry-run").stdout
     with kvstore.open(store, memory_bytes="4096", max_pending_bytes="65536") as s:
         assert s.settings["memory_bytes"] == (4096, "given")
+
+
+def test_a_kept_setting_given_anew_says_it_is_kept_once(kv, tmp_path, demo_model_path):
+    """A kept setting given on a command changes every later run on that store: the run says so
+    (with the command that forgets it), once, not again when the same value is given again."""
+    common = ("generate", "--store", tmp_path / "s", "--model", demo_model_path, "--prompt", "hi", "--max-tokens", "1")
+    first = kv(*common, "--admit", "reused")
+    assert (f"kvstore: admit reused is kept in the store {tmp_path / 's'} (was the default): later runs that do "
+            f"not give --admit use it; `kvstore settings --store {tmp_path / 's'} --reset admit` forgets it"
+            ) in first.stderr, first.stderr
+    assert "is kept in the store" not in kv(*common, "--admit", "reused").stderr
+    changed = kv(*common, "--admit", "all")
+    assert "admit all is kept in the store" in changed.stderr and "(was 'reused')" in changed.stderr

@@ -9,6 +9,7 @@ import shlex
 from kvstore.cli.options import model_to_load, open_local, remote_key, remote_upkeep, remote_url, store_path
 from kvstore.cli.output import EXIT_NOTHING_CHECKED, EXIT_PROBLEMS, EXIT_USAGE, PROG, CommandError, out, plural, say
 from kvstore.errors import CorruptIndexError
+from kvstore.settings import BY_NAME, argtype
 from kvstore.sizes import format_size
 
 EXAMPLES = """examples:
@@ -66,21 +67,9 @@ def register(add, store_opts, model_opts) -> None:
                    help="with --exact and --kv-bits: their group size (default: 64)")
     p.add_argument("--tenant", metavar="ID", type=_tenant_id,
                    help="with --exact: check this tenant's prompts (default: the shared ones)")
-    p.add_argument("--exact-prefill", metavar="N", type=_exact_step, default=argparse.SUPPRESS,
+    p.add_argument("--exact-prefill", metavar="N", type=argtype(BY_NAME["exact_prefill"]), default=argparse.SUPPRESS,
                    help="with --exact: check the prompts stored with this exact_prefill (N tokens, or off) "
                         "instead of those of the store's own (each is a namespace of its own; nothing is kept)")
-
-
-def _exact_step(text: str) -> int | None:
-    from kvstore.errors import InvalidInputError
-    from kvstore.settings import BY_NAME, check_chunks
-
-    try:
-        value = BY_NAME["exact_prefill"].parse(text, "--exact-prefill")
-        check_chunks(BY_NAME["exact_prefill"], value, "given")
-    except InvalidInputError as e:
-        raise argparse.ArgumentTypeError(str(e).removeprefix("--exact-prefill: ")) from None
-    return value
 
 
 def _sample(text: str) -> int | None:
