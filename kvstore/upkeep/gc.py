@@ -227,7 +227,9 @@ def _batches(index: Index, items: list, step, start: int = _BATCH_START) -> Iter
         took = time.perf_counter() - t  # waiting for the locks, the transaction, the files
         done += batch
         yield took, result
-        batch = max(1, min(_BATCH_MAX, int(batch * _TX_TARGET_S / max(took, 1e-4))))
+        # (growing by at most a quarter a batch: a batch that went fast once, between two pages
+        # read from disk, grew the next one past the target, which another process then waited for)
+        batch = max(1, min(_BATCH_MAX, int(batch * min(1.25, _TX_TARGET_S / max(took, 1e-4)))))
         if done >= len(items) or time.perf_counter() - checkpointed > _CHECKPOINT_EVERY_S:
             index.checkpoint()
             checkpointed = time.perf_counter()
