@@ -420,6 +420,10 @@ def test_generate_reuses_what_warm_stored(kv, store_copy, demo_model_path, tmp_p
     assert [r[1] for r in report(result.stderr)] == [r[0] - 1 for r in report(result.stderr)]
     assert len(report(result.stderr)) == 2
     assert "[brakes]" in result.stdout and "[warranty]" in result.stdout
+    assert "pins nothing" not in result.stderr  # (no line of these asks for a pin)
+    pinned = kv("generate", "--store", store_copy, "--model", demo_model_path, "--max-tokens", 1, "--prompts", EXAMPLES)
+    assert (f'kvstore generate: pins nothing: "pin" of {EXAMPLES}:1 (id hours) is for `kvstore warm`, which pins '
+            "what it stores") in pinned.stderr, pinned.stderr
 
 
 def test_generate_bad_input(capsys, tmp_path):

@@ -47,6 +47,11 @@ def cmd_generate(args) -> int:
             mx.random.seed(args.seed)
         sampler = make_sampler(temp=args.temp)
         failed = 0
+        pinning = [item.where for item, _ in work if item.pin]
+        if pinning:  # (a line written for warm: said, not silently left unpinned)
+            say(f"{PROG} generate: pins nothing: \"pin\" of {pinning[0]}"
+                + (f" and {len(pinning) - 1} more line{'s' if len(pinning) > 2 else ''}" if len(pinning) > 1 else "")
+                + f" is for `{PROG} warm`, which pins what it stores")
         for item, tokens in work:
             if args.prompts is not None:
                 out(f"[{item.id if item.id is not None else item.where}]", flush=True)
