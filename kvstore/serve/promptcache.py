@@ -333,7 +333,9 @@ class PersistentPromptCache:
         mc.insert(held, prompt_cache, cache_type=cache_type, canary=self.first_steps.canary_for(held))
         self.counters["inserts"] += 1
         if log.isEnabledFor(logging.INFO):
-            log.info("kvstore: %s", mc.placement(held).summary(named=True))
+            placed = mc.placement(held)
+            placed.undecided = self.store.backing.gate is not None and self.store.backing.gate.selective
+            log.info("kvstore: %s", placed.summary(named=True))
         hashes = mc.record_hashes(held)
         seq = ((key, tenant.tag) if tenant is not None else key, mc.ns, tuple(held))
         self._ram.add(seq, hashes, cache_type)

@@ -41,12 +41,16 @@ class Placement:
     in_memory: int | None = None  # of those, the tokens the memory tier holds (None: all of them)
     why: dict[str, int] = field(default_factory=dict)
     last: bytes | None = None  # the prompt's last record: the writer's own line names it too
+    # Where the queued records go is decided by the writer (admission or a write budget may keep
+    # them in RAM): an automatic insert's, under a gate that may.
+    undecided: bool = False
 
     def text(self) -> str:
         """`1065 on disk`; `0 on disk, 849 in RAM only (not admitted)`; `256 queued for disk`."""
         parts = [f"{self.on_disk} on disk"]
         if self.queued:
-            parts.append(f"{self.queued} queued for disk")
+            parts.append(f"{self.queued} queued for the writer (admission or the write budget decides: disk or "
+                         "RAM only)" if self.undecided else f"{self.queued} queued for disk")
         if self.in_ram:
             reasons = ", ".join(f"{REASONS.get(r, r)}" + (f": {n}" if len(self.why) > 1 else "")
                                 for r, n in self.why.items())
