@@ -616,8 +616,13 @@ def test_generate_whose_write_failed_says_not_stored(kv, demo_model_path, tmp_pa
 
 def test_messages_must_be_a_list(capsys, tmp_path):
     code, _, err = in_process(capsys, "generate", "--store", tmp_path / "s", "--messages", '{"role": "user"}')
-    assert code == 2 and "--messages: messages: must be a list" in err and "got an object" in err
+    assert code == 2 and "--messages: must be a list" in err and "got an object" in err
     assert not (tmp_path / "s").exists()  # refused before a store or a model was opened
+    # The option names the field: not a second time, and a part of it in its own words.
+    for option, value, said in (("--prompt", "", "--prompt: is empty"),
+                                ("--messages", '[{"role": "user", "content": 5}]', "--messages[0].content: must be")):
+        code, _, err = in_process(capsys, "generate", "--store", tmp_path / "s", option, value)
+        assert code == 2 and f"kvstore: error: {said}" in err, err
 
 
 def test_long_text_is_refused_before_it_is_tokenized(tmp_path):

@@ -63,6 +63,9 @@ class LineError:
     message: str
 
     def __str__(self) -> str:
+        name = self.source.lstrip("-")  # (a command-line option names its field: `--messages[1].role`)
+        if self.line is None and self.field and self.field.startswith(name) and self.field[len(name):][:1] in "[.":
+            return f"{self.source}{self.field[len(name):]}: {self.message}"
         where = self.source if self.line is None else f"{self.source}:{self.line}"
         field = f" {self.field}:" if self.field else ""
         return f"{where}:{field} {self.message}"
