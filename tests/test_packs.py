@@ -581,10 +581,14 @@ def test_a_pack_made_in_exact_mode_imports_into_an_exact_store_only(tmp_path, de
     that, its canary replays in an exact store, and a store not in exact mode refuses it, naming
     the option."""
     model = demo_model("llama")
-    run_cli("pack", "export", "--store", tmp_path / "a", "--model", model, "--prompt", PROMPT, "--unsigned",
-            "--exact-prefill", "256", "--out", tmp_path / "pack")
+    exported = run_cli("pack", "export", "--store", tmp_path / "a", "--model", model, "--prompt", PROMPT,
+                       "--unsigned", "--exact-prefill", "256", "--out", tmp_path / "pack")
     doc = json.loads((tmp_path / "pack" / "manifest.json").read_text())
-    assert doc["prompts"][0]["tokens"] == len(tokens_of(model, PROMPT)) - 1
+    n = len(tokens_of(model, PROMPT)) - 1
+    assert doc["prompts"][0]["tokens"] == n
+    # The last token is computed (its own step) but not stored: not counted as computed for the pack.
+    assert f"{n} tokens ({n} computed now, 0 stored before this export)" in exported.stdout, exported.stdout
+    assert f"the {n} tokens computed now are stored in" in exported.stdout
     result = run_cli("pack", "import", tmp_path / "pack", "--store", tmp_path / "b", "--model", model,
                      "--exact-prefill", "256")
     assert "1 canary by a replayed step" in result.stdout

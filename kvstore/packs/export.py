@@ -76,9 +76,7 @@ def export_pack(store, mc, model_dir: Path, tokenizer, prompts: list[np.ndarray]
     ident = identity.identity(Path(model_dir), tokenizer, identity.memo_of(store, remember=not store.read_only))
     prompts = distinct(prompts)
     before = sum(min(mc.stored_length(t), len(mc.stored_part(np.asarray(t)))) for t in prompts)
-    computed = 0
-    for tokens in prompts:  # stored first where it is not: written whatever admission says
-        computed += mc.prefill(tokens, progress=progress)[2]
+    computed = _stored_first(mc, prompts, progress)
     store.flush()
     # What `prefill` stores of each prompt: all of it, or in exact mode all but its last token.
     given = [mc.stored_part(np.asarray(t)) for t in prompts]
@@ -131,6 +129,17 @@ def export_pack(store, mc, model_dir: Path, tokenizer, prompts: list[np.ndarray]
     return Exported(len(given), sum(map(len, given)), computed, len(records),
                     sum(n for n, _ in records.values()), sign_key is not None,
                     min(before, sum(map(len, given)) - computed), len(given) - len(prompts), repeats)
+
+
+def _stored_first(mc, prompts: list[np.ndarray], progress: Callable[[int], None] | None) -> int:
+    """Store each prompt where it is not (as `warm` does, written whatever admission says); the
+    tokens of the pack's records computed for it (in exact mode the last token is a step of its
+    own that is not stored: not one of them)."""
+    computed = 0
+    for tokens in prompts:
+        n = mc.prefill(tokens, progress=progress)[2]
+        computed += n - 1 if mc.exact and n and len(tokens) > 1 else n
+    return computed
 
 
 def distinct(prompts: list) -> list:
