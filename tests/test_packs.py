@@ -474,6 +474,11 @@ def test_an_import_of_a_folder_that_is_not_there_says_so(tmp_path, demo_model):
             assert result.returncode == 1, result.stdout + result.stderr
             errors = [line for line in result.stderr.splitlines() if line.startswith("kvstore: error:")]
             assert len(errors) == 1 and reason in errors[0] and "has no manifest.json" not in errors[0], result.stderr
+        for url in (str(pack), f"file://{pack}"):  # and pull, from a folder or a file:// URL
+            result = run_cli("pack", "pull", url, tmp_path / "dest", check=False)
+            errors = [line for line in result.stderr.splitlines() if line.startswith("kvstore: error:")]
+            assert result.returncode == 1 and len(errors) == 1, result.stdout + result.stderr
+            assert reason.replace(str(pack), url) in errors[0], errors
     assert not (tmp_path / "b").exists() and not (tmp_path / "dest").exists()
 
 
