@@ -124,6 +124,15 @@ def _flip_byte(pack: Path, model: Path, env: dict) -> str:
     return "does not match its SHA-256 in the manifest"
 
 
+def _flip_a_token_byte(pack: Path, model: Path, env: dict) -> str:
+    blob = sorted((pack / "blobs").iterdir())[0]
+    data = bytearray(blob.read_bytes())
+    entries, base, _ = blobformat.parse(bytes(data))
+    data[base + entries["tokens"]["data_offsets"][0] + 1] ^= 0x01  # a token id: the chain is checked first
+    blob.write_bytes(bytes(data))
+    return f"prompt 1: blob {packfile.blob_name(blob.stem)} does not match its SHA-256 in the manifest"
+
+
 def _swap_blobs(pack: Path, model: Path, env: dict) -> str:
     a, b = [p for p in sorted((pack / "blobs").iterdir()) if p.stat().st_size == max(
         q.stat().st_size for q in (pack / "blobs").iterdir())][:2]  # two chunks: the same size
@@ -215,7 +224,7 @@ def _unsigned_with_trust_key(pack: Path, model: Path, env: dict) -> str:
     return "the pack is not signed"
 
 
-@pytest.mark.parametrize("damage", [_flip_byte, _swap_blobs, _edit_manifest, _edit_manifest_and_sign_again,
+@pytest.mark.parametrize("damage", [_flip_byte, _flip_a_token_byte, _swap_blobs, _edit_manifest, _edit_manifest_and_sign_again,
                                     _extra_files, _path_outside_the_pack_signed, _other_model, _other_tokenizer,
                                     _untrusted_signer, _ed25519_trust_key, _missing_blob, _signature_of_another_pack,
                                     _unsigned_with_trust_key],

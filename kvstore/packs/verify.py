@@ -307,7 +307,8 @@ def _chain(m: Manifest, blobs: dict[str, bytes], mc) -> tuple[dict[str, tuple[Sp
             named.append(stored.metadata.get("hash"))
         tokens = np.concatenate(parts).astype("<i4")
         if len(tokens) != p.tokens or sha256(tokens.tobytes()) != p.tokens_sha256:
-            raise PackError(f"prompt {i + 1}: {_tokens_differ(p, len(tokens), named)}")
+            damaged = [h for h in p.records if sha256(blobs[h]) != m.records[h][1]]
+            raise PackError(f"prompt {i + 1}: {_tokens_differ(p, len(tokens), named, damaged)}")
         chain = prompt_records(mc.ns, tokens, mc.chunk_size, checkpoint=mc.checkpointed)
         got = [s.hash.hex() for s in chain]
         if got != list(p.records):
@@ -333,11 +334,13 @@ def _shared(metadata: dict[str, str], h: str) -> None:
                         "records go in a pack (a tenant's never leave its store)")
 
 
-def _tokens_differ(p: Prompt, count: int, named: list[str | None]) -> str:
+def _tokens_differ(p: Prompt, count: int, named: list[str | None], damaged: list[str]) -> str:
     """Why a prompt's token ids, read from its blobs in the manifest's order (`count` of them;
     `named`: the record each blob's header names), are not the manifest's: first a blob that holds
     another record than the one the manifest puts there (two blobs swapped: the ids are all
-    there, out of order), else their count, else their SHA-256."""
+    there, out of order), else a blob whose bytes are not the manifest's (`damaged`: their
+    SHA-256 differs; a byte flipped among its token ids), else their count, else their SHA-256
+    (the manifest's count or tokens_sha256 is not what its blobs were made with)."""
     n = len(p.records)
     for k, (h, other) in enumerate(zip(p.records, named)):
         if other != h:
@@ -345,6 +348,10 @@ def _tokens_differ(p: Prompt, count: int, named: list[str | None]) -> str:
                      if other in p.records else f"record {other}, not one of this prompt's"
                      if other else "a record its header does not name")
             return f"blob {blob_name(h)}, the manifest's record {k + 1} of {n}, holds {holds}"
+    if damaged:
+        more = f" (and {plural(len(damaged) - 1, 'other blob')})" if len(damaged) > 1 else ""
+        return (f"blob {blob_name(damaged[0])}{more} does not match its SHA-256 in the manifest, and the token ids "
+                "its blobs hold are not the manifest's")
     if count != p.tokens:
         return f"its blobs hold {count} token ids, the manifest says {p.tokens}"
     return (f"the {count} token ids its blobs hold are not the ones the manifest names (their SHA-256 is not "
