@@ -25,8 +25,8 @@ from kvstore.errors import BlobError, PackError
 from kvstore.packs import identity, replay, signing
 from kvstore.packs.manifest import BLOBS, MANIFEST, Manifest, Prompt, blob_name, sha256
 from kvstore.packs.replay import canary_fields
-from kvstore.packs.verify import acting_disk_kv_bits, is_free, settle
-from kvstore.records import check, prompt_records
+from kvstore.packs.verify import acting_disk_kv_bits, is_free, settle, with_checkpoints
+from kvstore.records import check, checkpoint_of, prompt_records
 from kvstore.storage import blobfile, blobformat
 
 
@@ -96,6 +96,11 @@ def export_pack(store, mc, model_dir: Path, tokenizer, prompts: list[np.ndarray]
     if missing:
         raise PackError(f"{len(missing)} of the prompts' {len(wanted)} records did not reach the disk (a full "
                         "disk, or a write that failed: see `kvstore stats`): nothing exported")
+    if mc.checkpointed:  # the shared checkpoints within each prompt that the store holds go too (a restore point each)
+        chains = [with_checkpoints(chain, {h for h, r in store.index.rows_of([checkpoint_of(s).hash for s in chain]).items()
+                                           if getattr(r, "tenant", None) is None}) for chain in chains]
+        wanted = list(dict.fromkeys(s.hash for chain in chains for s in chain))
+        rows = store.index.rows_of(wanted)
     shared_only(list(rows.values()))
     # Made under its own name (the signature names the folder) in a temporary folder beside `out`.
     staging = out.parent / f".{out.name}.tmp-{os.getpid()}-{os.urandom(4).hex()}"

@@ -45,7 +45,7 @@ from kvstore.packs.manifest import (
     sha256,
 )
 from kvstore.packs.replay import canary_fields, replay
-from kvstore.records import Span, prompt_records
+from kvstore.records import CHUNK, Span, checkpoint_of, prompt_records
 from kvstore.remote.objects import check_record
 from kvstore.restore.quant import layout_bits
 from kvstore.sizes import plural
@@ -310,6 +310,7 @@ def _chain(m: Manifest, blobs: dict[str, bytes], mc) -> tuple[dict[str, tuple[Sp
             damaged = [h for h in p.records if sha256(blobs[h]) != m.records[h][1]]
             raise PackError(f"prompt {i + 1}: {_tokens_differ(p, len(tokens), named, damaged)}")
         chain = prompt_records(mc.ns, tokens, mc.chunk_size, checkpoint=mc.checkpointed)
+        chain = with_checkpoints(chain, {bytes.fromhex(h) for h in p.records}) if mc.checkpointed else chain
         got = [s.hash.hex() for s in chain]
         if got != list(p.records):
             k = next((j for j, (a, b) in enumerate(zip(got, p.records)) if a != b), min(len(got), len(p.records)))
@@ -319,6 +320,22 @@ def _chain(m: Manifest, blobs: dict[str, bytes], mc) -> tuple[dict[str, tuple[Sp
             spans.setdefault(s.hash.hex(), (s, i))
         prompts.append(tokens)
     return spans, prompts
+
+
+def with_checkpoints(chain: list[Span], have) -> list[Span]:
+    """A prompt's records (`prompt_records`, with its end checkpoint) and, after each of its
+    chunks, the checkpoint taken at that chunk's end where `have` (a container of record hashes)
+    holds it: a model with recurrent layers restores only at a checkpoint, and `warm` stores one
+    every few chunks, where a request that leaves the prompt before its end (the same prompt
+    again, a conversation after a system prompt rendered with its generation prompt) resumes."""
+    out = []
+    for k, s in enumerate(chain):
+        out.append(s)
+        if s.kind == CHUNK:
+            c = checkpoint_of(s)
+            if c.hash in have and not (k + 1 < len(chain) and chain[k + 1].hash == c.hash):
+                out.append(c)
+    return out
 
 
 def _shared(metadata: dict[str, str], h: str) -> None:
