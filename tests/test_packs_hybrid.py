@@ -43,3 +43,24 @@ def test_a_checkpoint_out_of_its_place_in_the_chain_is_refused(tmp_path, demo_mo
     assert result.returncode == 1 and "the chain recomputed from its tokens differs from the manifest's at " \
         "record 3 of 7" in result.stderr, result.stderr
     assert not (tmp_path / "b").exists()
+
+
+def test_a_hybrid_prompt_within_a_longer_one_keeps_its_own_end(tmp_path, demo_model):
+    """A prompt that is the start of another of the export: a model with recurrent layers
+    restores it whole only from the checkpoint at its own end, which the llama-style folding into
+    the longer prompt left out (a continuation of it reused 1,024 tokens after an import, all of
+    it in the exporting store), so the pack carries it as a prompt of its own. A prompt given
+    twice is said as a repeat."""
+    model = demo_model("qwen3_5")
+    longer = PROMPT + " And a follow-up that runs on for a while. " * 2
+    lines = tmp_path / "p.jsonl"
+    lines.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in (PROMPT, longer, longer)))
+    result = run_cli("pack", "export", "--store", tmp_path / "a", "--model", model, "--prompts", lines, "--unsigned",
+                     "--out", tmp_path / "pack")
+    assert "2 prompts (1 repeat of them, carried once)" in result.stdout, result.stdout
+    doc = json.loads((tmp_path / "pack" / "manifest.json").read_text())
+    short = tokens_of(model, PROMPT)
+    assert [p["tokens"] for p in doc["prompts"]] == [len(short), len(tokens_of(model, longer))]
+    run_cli("pack", "import", tmp_path / "pack", "--store", tmp_path / "b", "--model", model)
+    got = run_procs("check", tmp_path / "b", model, 256, short + tokens_of(model, " Next?"))
+    assert got["reused"] == len(short) and got["max_abs_diff"] < 1e-3

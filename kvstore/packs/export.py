@@ -80,7 +80,8 @@ def export_pack(store, mc, model_dir: Path, tokenizer, prompts: list[np.ndarray]
     store.flush()
     # What `prefill` stores of each prompt: all of it, or in exact mode all but its last token.
     given = [mc.stored_part(np.asarray(t)) for t in prompts]
-    prompts = _not_within_another(given)
+    # (A model with recurrent layers restores such a prompt whole only from its own end checkpoint.)
+    prompts = _not_within_another(given, lambda t: mc.checkpointed and _held(store, mc, t))
     chains = [prompt_records(mc.ns, t, mc.chunk_size, checkpoint=mc.checkpointed) for t in prompts]
     wanted = list(dict.fromkeys(s.hash for chain in chains for s in chain))
     rows = store.index.rows_of(wanted)
@@ -159,17 +160,25 @@ def distinct(prompts: list) -> list:
     return out
 
 
-def _not_within_another(prompts: list[np.ndarray]) -> list[np.ndarray]:
-    """The prompts that are not the start of another one of them (nor a repeat of an earlier one):
-    the store keeps such a prompt within the longer one's records (its own last record folded into
-    the longer prompt's), and the longer prompt's pack restores it too."""
+def _not_within_another(prompts: list[np.ndarray], own: Callable[[np.ndarray], bool]) -> list[np.ndarray]:
+    """The prompts that are not the start of another one of them (nor a repeat of an earlier one),
+    or are and `own` says to carry them on their own: the store keeps such a prompt within the
+    longer one's records (its own last record folded into the longer prompt's), and the longer
+    prompt's pack restores it too, but a model with recurrent layers restores it whole only from
+    the checkpoint at its own end."""
     kept = []
     for i, t in enumerate(prompts):
         inside = any((len(u) > len(t) or (len(u) == len(t) and j < i)) and np.array_equal(u[: len(t)], t)
                      for j, u in enumerate(prompts) if j != i)
-        if not inside:
+        if not inside or (not any(np.array_equal(u, t) for u in prompts[:i]) and own(t)):
             kept.append(t)
     return kept
+
+
+def _held(store, mc, tokens: np.ndarray) -> bool:
+    """Whether the store holds every record of `tokens`, its end checkpoint too."""
+    chain = prompt_records(mc.ns, tokens, mc.chunk_size, checkpoint=mc.checkpointed)
+    return len(store.index.rows_of([s.hash for s in chain])) == len(chain)
 
 
 def _replayed_canaries(mc, bits: int, folder: Path, prompts: list[np.ndarray], chains: list,
