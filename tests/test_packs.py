@@ -124,6 +124,15 @@ def _flip_byte(pack: Path, model: Path, env: dict) -> str:
     return "does not match its SHA-256 in the manifest"
 
 
+def _flip_a_token_byte(pack: Path, model: Path, env: dict) -> str:
+    blob = sorted((pack / "blobs").iterdir())[0]
+    data = bytearray(blob.read_bytes())
+    entries, base, _ = blobformat.parse(bytes(data))
+    data[base + entries["tokens"]["data_offsets"][0] + 1] ^= 0x01  # a token id: the chain is checked first
+    blob.write_bytes(bytes(data))
+    return f"prompt 1: blob {packfile.blob_name(blob.stem)} does not match its SHA-256 in the manifest"
+
+
 def _swap_blobs(pack: Path, model: Path, env: dict) -> str:
     a, b = [p for p in sorted((pack / "blobs").iterdir()) if p.stat().st_size == max(
         q.stat().st_size for q in (pack / "blobs").iterdir())][:2]  # two chunks: the same size
@@ -215,7 +224,7 @@ def _unsigned_with_trust_key(pack: Path, model: Path, env: dict) -> str:
     return "the pack is not signed"
 
 
-@pytest.mark.parametrize("damage", [_flip_byte, _swap_blobs, _edit_manifest, _edit_manifest_and_sign_again,
+@pytest.mark.parametrize("damage", [_flip_byte, _flip_a_token_byte, _swap_blobs, _edit_manifest, _edit_manifest_and_sign_again,
                                     _extra_files, _path_outside_the_pack_signed, _other_model, _other_tokenizer,
                                     _untrusted_signer, _ed25519_trust_key, _missing_blob, _signature_of_another_pack,
                                     _unsigned_with_trust_key],
@@ -474,6 +483,11 @@ def test_an_import_of_a_folder_that_is_not_there_says_so(tmp_path, demo_model):
             assert result.returncode == 1, result.stdout + result.stderr
             errors = [line for line in result.stderr.splitlines() if line.startswith("kvstore: error:")]
             assert len(errors) == 1 and reason in errors[0] and "has no manifest.json" not in errors[0], result.stderr
+        for url in (str(pack), f"file://{pack}"):  # and pull, from a folder or a file:// URL
+            result = run_cli("pack", "pull", url, tmp_path / "dest", check=False)
+            errors = [line for line in result.stderr.splitlines() if line.startswith("kvstore: error:")]
+            assert result.returncode == 1 and len(errors) == 1, result.stdout + result.stderr
+            assert reason.replace(str(pack), url) in errors[0], errors
     assert not (tmp_path / "b").exists() and not (tmp_path / "dest").exists()
 
 
@@ -581,10 +595,14 @@ def test_a_pack_made_in_exact_mode_imports_into_an_exact_store_only(tmp_path, de
     that, its canary replays in an exact store, and a store not in exact mode refuses it, naming
     the option."""
     model = demo_model("llama")
-    run_cli("pack", "export", "--store", tmp_path / "a", "--model", model, "--prompt", PROMPT, "--unsigned",
-            "--exact-prefill", "256", "--out", tmp_path / "pack")
+    exported = run_cli("pack", "export", "--store", tmp_path / "a", "--model", model, "--prompt", PROMPT,
+                       "--unsigned", "--exact-prefill", "256", "--out", tmp_path / "pack")
     doc = json.loads((tmp_path / "pack" / "manifest.json").read_text())
-    assert doc["prompts"][0]["tokens"] == len(tokens_of(model, PROMPT)) - 1
+    n = len(tokens_of(model, PROMPT)) - 1
+    assert doc["prompts"][0]["tokens"] == n
+    # The last token is computed (its own step) but not stored: not counted as computed for the pack.
+    assert f"{n} tokens ({n} computed now, 0 stored before this export)" in exported.stdout, exported.stdout
+    assert f"the {n} tokens computed now are stored in" in exported.stdout
     result = run_cli("pack", "import", tmp_path / "pack", "--store", tmp_path / "b", "--model", model,
                      "--exact-prefill", "256")
     assert "1 canary by a replayed step" in result.stdout

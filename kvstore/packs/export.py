@@ -25,8 +25,8 @@ from kvstore.errors import BlobError, PackError
 from kvstore.packs import identity, replay, signing
 from kvstore.packs.manifest import BLOBS, MANIFEST, Manifest, Prompt, blob_name, sha256
 from kvstore.packs.replay import canary_fields
-from kvstore.packs.verify import acting_disk_kv_bits, is_free, settle
-from kvstore.records import check, prompt_records
+from kvstore.packs.verify import acting_disk_kv_bits, is_free, settle, with_checkpoints
+from kvstore.records import check, checkpoint_of, prompt_records
 from kvstore.storage import blobfile, blobformat
 
 
@@ -76,13 +76,12 @@ def export_pack(store, mc, model_dir: Path, tokenizer, prompts: list[np.ndarray]
     ident = identity.identity(Path(model_dir), tokenizer, identity.memo_of(store, remember=not store.read_only))
     prompts = distinct(prompts)
     before = sum(min(mc.stored_length(t), len(mc.stored_part(np.asarray(t)))) for t in prompts)
-    computed = 0
-    for tokens in prompts:  # stored first where it is not: written whatever admission says
-        computed += mc.prefill(tokens, progress=progress)[2]
+    computed = _stored_first(mc, prompts, progress)
     store.flush()
     # What `prefill` stores of each prompt: all of it, or in exact mode all but its last token.
     given = [mc.stored_part(np.asarray(t)) for t in prompts]
-    prompts = _not_within_another(given)
+    # (A model with recurrent layers restores such a prompt whole only from its own end checkpoint.)
+    prompts = _not_within_another(given, lambda t: mc.checkpointed and _held(store, mc, t))
     chains = [prompt_records(mc.ns, t, mc.chunk_size, checkpoint=mc.checkpointed) for t in prompts]
     wanted = list(dict.fromkeys(s.hash for chain in chains for s in chain))
     rows = store.index.rows_of(wanted)
@@ -98,6 +97,11 @@ def export_pack(store, mc, model_dir: Path, tokenizer, prompts: list[np.ndarray]
     if missing:
         raise PackError(f"{len(missing)} of the prompts' {len(wanted)} records did not reach the disk (a full "
                         "disk, or a write that failed: see `kvstore stats`): nothing exported")
+    if mc.checkpointed:  # the shared checkpoints within each prompt that the store holds go too (a restore point each)
+        chains = [with_checkpoints(chain, {h for h, r in store.index.rows_of([checkpoint_of(s).hash for s in chain]).items()
+                                           if getattr(r, "tenant", None) is None}) for chain in chains]
+        wanted = list(dict.fromkeys(s.hash for chain in chains for s in chain))
+        rows = store.index.rows_of(wanted)
     shared_only(list(rows.values()))
     # Made under its own name (the signature names the folder) in a temporary folder beside `out`.
     staging = out.parent / f".{out.name}.tmp-{os.getpid()}-{os.urandom(4).hex()}"
@@ -133,6 +137,17 @@ def export_pack(store, mc, model_dir: Path, tokenizer, prompts: list[np.ndarray]
                     min(before, sum(map(len, given)) - computed), len(given) - len(prompts), repeats)
 
 
+def _stored_first(mc, prompts: list[np.ndarray], progress: Callable[[int], None] | None) -> int:
+    """Store each prompt where it is not (as `warm` does, written whatever admission says); the
+    tokens of the pack's records computed for it (in exact mode the last token is a step of its
+    own that is not stored: not one of them)."""
+    computed = 0
+    for tokens in prompts:
+        n = mc.prefill(tokens, progress=progress)[2]
+        computed += n - 1 if mc.exact and n and len(tokens) > 1 else n
+    return computed
+
+
 def distinct(prompts: list) -> list:
     """`prompts` without the repeats of an earlier one (in their order)."""
     seen: set[bytes] = set()
@@ -145,17 +160,25 @@ def distinct(prompts: list) -> list:
     return out
 
 
-def _not_within_another(prompts: list[np.ndarray]) -> list[np.ndarray]:
-    """The prompts that are not the start of another one of them (nor a repeat of an earlier one):
-    the store keeps such a prompt within the longer one's records (its own last record folded into
-    the longer prompt's), and the longer prompt's pack restores it too."""
+def _not_within_another(prompts: list[np.ndarray], own: Callable[[np.ndarray], bool]) -> list[np.ndarray]:
+    """The prompts that are not the start of another one of them (nor a repeat of an earlier one),
+    or are and `own` says to carry them on their own: the store keeps such a prompt within the
+    longer one's records (its own last record folded into the longer prompt's), and the longer
+    prompt's pack restores it too, but a model with recurrent layers restores it whole only from
+    the checkpoint at its own end."""
     kept = []
     for i, t in enumerate(prompts):
         inside = any((len(u) > len(t) or (len(u) == len(t) and j < i)) and np.array_equal(u[: len(t)], t)
                      for j, u in enumerate(prompts) if j != i)
-        if not inside:
+        if not inside or (not any(np.array_equal(u, t) for u in prompts[:i]) and own(t)):
             kept.append(t)
     return kept
+
+
+def _held(store, mc, tokens: np.ndarray) -> bool:
+    """Whether the store holds every record of `tokens`, its end checkpoint too."""
+    chain = prompt_records(mc.ns, tokens, mc.chunk_size, checkpoint=mc.checkpointed)
+    return len(store.index.rows_of([s.hash for s in chain])) == len(chain)
 
 
 def _replayed_canaries(mc, bits: int, folder: Path, prompts: list[np.ndarray], chains: list,

@@ -136,6 +136,9 @@ def pull(url: str, folder: Path) -> Moved:
     if not is_free(folder):
         raise PackError(f"{said} exists and is not an empty folder: a pack is pulled into a new folder")
     source = place(url)
+    if isinstance(source, Folder) and not source.path.is_dir():  # a mistyped place, not a pack without a manifest
+        raise PackError(f"no pack folder at {url}" if not source.path.exists() else
+                        f"{url} is not a folder: a pack is a folder (manifest.json, blobs/, model.sig)")
     tmp = folder.parent / f".{folder.name}.tmp-{os.getpid()}-{os.urandom(4).hex()}"
     (tmp / BLOBS).mkdir(parents=True)
     try:

@@ -45,7 +45,7 @@ from kvstore.packs.manifest import (
     sha256,
 )
 from kvstore.packs.replay import canary_fields, replay
-from kvstore.records import Span, prompt_records
+from kvstore.records import CHUNK, Span, checkpoint_of, prompt_records
 from kvstore.remote.objects import check_record
 from kvstore.restore.quant import layout_bits
 from kvstore.sizes import plural
@@ -307,8 +307,10 @@ def _chain(m: Manifest, blobs: dict[str, bytes], mc) -> tuple[dict[str, tuple[Sp
             named.append(stored.metadata.get("hash"))
         tokens = np.concatenate(parts).astype("<i4")
         if len(tokens) != p.tokens or sha256(tokens.tobytes()) != p.tokens_sha256:
-            raise PackError(f"prompt {i + 1}: {_tokens_differ(p, len(tokens), named)}")
+            damaged = [h for h in p.records if sha256(blobs[h]) != m.records[h][1]]
+            raise PackError(f"prompt {i + 1}: {_tokens_differ(p, len(tokens), named, damaged)}")
         chain = prompt_records(mc.ns, tokens, mc.chunk_size, checkpoint=mc.checkpointed)
+        chain = with_checkpoints(chain, {bytes.fromhex(h) for h in p.records}) if mc.checkpointed else chain
         got = [s.hash.hex() for s in chain]
         if got != list(p.records):
             k = next((j for j, (a, b) in enumerate(zip(got, p.records)) if a != b), min(len(got), len(p.records)))
@@ -318,6 +320,22 @@ def _chain(m: Manifest, blobs: dict[str, bytes], mc) -> tuple[dict[str, tuple[Sp
             spans.setdefault(s.hash.hex(), (s, i))
         prompts.append(tokens)
     return spans, prompts
+
+
+def with_checkpoints(chain: list[Span], have) -> list[Span]:
+    """A prompt's records (`prompt_records`, with its end checkpoint) and, after each of its
+    chunks, the checkpoint taken at that chunk's end where `have` (a container of record hashes)
+    holds it: a model with recurrent layers restores only at a checkpoint, and `warm` stores one
+    every few chunks, where a request that leaves the prompt before its end (the same prompt
+    again, a conversation after a system prompt rendered with its generation prompt) resumes."""
+    out = []
+    for k, s in enumerate(chain):
+        out.append(s)
+        if s.kind == CHUNK:
+            c = checkpoint_of(s)
+            if c.hash in have and not (k + 1 < len(chain) and chain[k + 1].hash == c.hash):
+                out.append(c)
+    return out
 
 
 def _shared(metadata: dict[str, str], h: str) -> None:
@@ -333,11 +351,13 @@ def _shared(metadata: dict[str, str], h: str) -> None:
                         "records go in a pack (a tenant's never leave its store)")
 
 
-def _tokens_differ(p: Prompt, count: int, named: list[str | None]) -> str:
+def _tokens_differ(p: Prompt, count: int, named: list[str | None], damaged: list[str]) -> str:
     """Why a prompt's token ids, read from its blobs in the manifest's order (`count` of them;
     `named`: the record each blob's header names), are not the manifest's: first a blob that holds
     another record than the one the manifest puts there (two blobs swapped: the ids are all
-    there, out of order), else their count, else their SHA-256."""
+    there, out of order), else a blob whose bytes are not the manifest's (`damaged`: their
+    SHA-256 differs; a byte flipped among its token ids), else their count, else their SHA-256
+    (the manifest's count or tokens_sha256 is not what its blobs were made with)."""
     n = len(p.records)
     for k, (h, other) in enumerate(zip(p.records, named)):
         if other != h:
@@ -345,6 +365,10 @@ def _tokens_differ(p: Prompt, count: int, named: list[str | None]) -> str:
                      if other in p.records else f"record {other}, not one of this prompt's"
                      if other else "a record its header does not name")
             return f"blob {blob_name(h)}, the manifest's record {k + 1} of {n}, holds {holds}"
+    if damaged:
+        more = f" (and {plural(len(damaged) - 1, 'other blob')})" if len(damaged) > 1 else ""
+        return (f"blob {blob_name(damaged[0])}{more} does not match its SHA-256 in the manifest, and the token ids "
+                "its blobs hold are not the manifest's")
     if count != p.tokens:
         return f"its blobs hold {count} token ids, the manifest says {p.tokens}"
     return (f"the {count} token ids its blobs hold are not the ones the manifest names (their SHA-256 is not "

@@ -17,10 +17,11 @@ from kvstore.remote.seal import Sealer
 from kvstore.storage import blobformat
 
 
-def check_object(buf: bytes, h: bytes) -> tuple[dict, dict[str, str]]:
-    """The header entries and metadata of an intact format-2 blob named `h`; BlobError if the
-    bytes are damaged, are not that record, or have no per-tensor checksums (0.1 blobs)."""
-    entries, meta = blobformat.verify_bytes(buf, h)
+def check_object(buf: bytes, h: bytes, where: object = "blob") -> tuple[dict, dict[str, str]]:
+    """The header entries and metadata of an intact format-2 blob named `h`; BlobError (naming it
+    as `where`) if the bytes are damaged, are not that record, or have no per-tensor checksums
+    (0.1 blobs)."""
+    entries, meta = blobformat.verify_bytes(buf, h, where)
     if meta.get("blob_format") != "2" or not meta.get("checksums"):
         raise BlobError(f"record {h.hex()}: blob format {meta.get('blob_format')!r} has no tensor checksums")
     return entries, meta
@@ -29,7 +30,7 @@ def check_object(buf: bytes, h: bytes) -> tuple[dict, dict[str, str]]:
 def check_record(buf: bytes, rid: RecordId, chunk_size: int) -> np.ndarray:
     """Raise BlobError unless `buf` is record `rid`, intact; its token ids."""
     where = f"record {rid.hash.hex()}"
-    check_object(buf, rid.hash)
+    check_object(buf, rid.hash, where)
     stored = blobformat.read_record(buf, where)
     records.check(rid, stored.metadata, stored.tokens, chunk_size=chunk_size, where=where)
     return stored.tokens

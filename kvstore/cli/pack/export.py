@@ -34,7 +34,8 @@ def cmd_export(args) -> int:
         where = store.path
     shared = done.tokens - done.computed - done.stored_before
     within = ", ".join(([f"{done.within_another} of them within a longer one"] if done.within_another else [])
-                       + ([f"and {plural(done.repeats, 'repeat')} of them, carried once"] if done.repeats else []))
+                       + ([("and " if done.within_another else "") + f"{plural(done.repeats, 'repeat')} of them, "
+                           "carried once"] if done.repeats else []))
     within = f" ({within})" if within else ""
     out(f"pack {args.out}: {plural(done.prompts, 'prompt')}{within}, {plural(done.tokens, 'token')} "
         f"({done.computed} computed now, {done.stored_before} stored before this export"

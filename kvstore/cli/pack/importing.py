@@ -34,7 +34,8 @@ def cmd_import(args) -> int:
                 else "no canaries in the pack" if not canaries else "no canary replayed")
     if v.unreplayable:
         replayed += (f"; {v.unreplayable} {'canary' if v.unreplayable == 1 else 'canaries'} not replayable: "
-                     "this model's recurrent layers restore only at a checkpoint, and none is before the step")
+                     "this model's recurrent layers restore only at a checkpoint, and the pack has none at the "
+                     "step (the one at the prompt's end is after it)")
     out(f"checked: model files, chain, {plural(len(v.records), 'blob')} and their records; {replayed}")
     if not args.trust_key:  # steps 2 to 5 anyone who can write the folder can make hold again
         say(f"{PROG} pack import: warning: nothing vouches for these K/V without --trust-key: whoever could "
