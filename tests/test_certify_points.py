@@ -94,15 +94,22 @@ def test_a_hybrid_checkpoint_before_the_prompts_end_is_caught(tmp_path, demo_mod
     assert not report.ok and "0.state.1@128" in report.table(), report.table()
 
 
-def test_a_record_that_does_not_read_fails_the_certificate(tmp_path, llama):
+def _branching_prompts(store_dir, llama, n: int) -> list:
+    """`n` prompts over one 260-token start, prefilled in exact mode (steps of 256, the command's
+    chunk size); the rows of their second chunks."""
     model_dir, model = llama
     base = toks(260, 3)
-    with kvstore.open(tmp_path / "s", exact_prefill=256) as store:  # the command's chunk size
+    with kvstore.open(store_dir, exact_prefill=256) as store:
         mc = store.bind(model, model_dir)
-        for i in range(3):
+        for i in range(n):
             mc.prefill(base + toks(300 + 10 * i, 4 + i))
         store.flush()
-        second = [r for r in store.index.rows() if r.kind == 0 and r.depth == 2]
+        return [r for r in store.index.rows() if r.kind == 0 and r.depth == 2]
+
+
+def test_a_record_that_does_not_read_fails_the_certificate(tmp_path, llama):
+    model_dir, model = llama
+    second = _branching_prompts(tmp_path / "s", llama, 3)
     path = blobtree.blob_path(tmp_path / "s" / "blobs", second[0].hash)
     data = bytearray(path.read_bytes())
     data[-7] ^= 0x40
@@ -127,13 +134,7 @@ def test_a_record_whose_trust_tag_does_not_hold_fails_the_certificate(tmp_path, 
     does, and says so (it said `exact`, exit 0, over a prompt restored only in part). The
     read-only opening quarantines nothing and says so."""
     model_dir, model = llama
-    base = toks(260, 3)
-    with kvstore.open(tmp_path / "s", exact_prefill=256) as store:  # the command's chunk size
-        mc = store.bind(model, model_dir)
-        for i in range(2):
-            mc.prefill(base + toks(300 + 10 * i, 4 + i))
-        store.flush()
-        second = [r for r in store.index.rows() if r.kind == 0 and r.depth == 2]
+    second = _branching_prompts(tmp_path / "s", llama, 2)
     alter_record(tmp_path / "s", second[0].hash, "1.keys", 1.01)  # its tag kept: it no longer holds
     before = sorted((p.name, p.read_bytes()) for p in (tmp_path / "s").rglob("*") if p.is_file())
     result = run_cli("verify", "--store", tmp_path / "s", "--exact", "--sample", "all", "--model", model_dir,
@@ -145,7 +146,7 @@ def test_a_record_whose_trust_tag_does_not_hold_fails_the_certificate(tmp_path, 
     assert result.stdout.strip().splitlines()[-2].endswith(f"kvstore verify --repair --store {tmp_path / 's'}")
     assert sorted((p.name, p.read_bytes()) for p in (tmp_path / "s").rglob("*") if p.is_file()) == before
     with caplog.at_level(logging.WARNING, logger="kvstore"), kvstore.open(tmp_path / "s", read_only=True) as store:
-        prompt = base + toks(300, 4)
+        prompt = toks(260, 3) + toks(300, 4)  # (the first of `_branching_prompts`)
         _, rest = store.bind(model, model_dir).fetch(prompt)
         assert len(prompt) - len(rest) == 256  # a miss at the altered record
         assert store.stats()["quarantined"] == 1

@@ -107,7 +107,9 @@ def test_crash_at_a_write_point(tmp_path, llama, point, action, nth):
     assert kinds, "the crash should have left something for verify to find"
 
 
-def test_crash_in_gc_between_row_and_file_deletion(tmp_path, llama):
+def _gc_killed_after_its_commit(tmp_path, llama) -> tuple:
+    """A warmed store (2 pinned prompts, 8 others) whose gc down to a third of its bytes was
+    killed right after its first commit: (store, its bytes before, the pinned prompts, the rest)."""
     model_path, model = llama
     store = tmp_path / "s"
     pinned, rest = prompts(3, 2, C), prompts(4, 8, C)
@@ -117,6 +119,12 @@ def test_crash_in_gc_between_row_and_file_deletion(tmp_path, llama):
         total = s.stats()["bytes"]
     child = Child("gc", store, model_path, C, total // 3, fault="gc_deleted:kill:1")
     assert child.wait() == -signal.SIGKILL, child.stderr
+    return store, total, pinned, rest
+
+
+def test_crash_in_gc_between_row_and_file_deletion(tmp_path, llama):
+    model_path, model = llama
+    store, total, pinned, rest = _gc_killed_after_its_commit(tmp_path, llama)
     # gc deletes rows in hash order: a kill between two of its transactions may also leave
     # children of deleted rows, unreachable (`orphan_row`), and edges into deleted rows that its
     # second sweep had not dropped yet (`bad_edge`, which readers ignore), which repair drops.
@@ -134,16 +142,9 @@ def test_crash_in_gc_between_row_and_file_deletion(tmp_path, llama):
 def test_the_next_gc_unlinks_the_files_a_killed_gc_left(tmp_path, llama):
     """A gc killed between a commit and its unlinks leaves files no row counts (and edges into the
     rows it deleted); the next gc (the disk budget's, or `kvstore gc`) unlinks them and drops the
-    edges, with no `verify --repair` needed, and says how many files. Its restores are those of a store that was never interrupted."""
+    edges, with no `verify --repair` needed, and says how many files; the pinned prompts stay whole."""
     model_path, model = llama
-    store = tmp_path / "s"
-    pinned, rest = prompts(3, 2, C), prompts(4, 8, C)
-    warm_in_process(store, model_path, model, pinned, pin=True)
-    warm_in_process(store, model_path, model, rest)
-    with kvstore.open(store, chunk_size=C) as s:
-        total = s.stats()["bytes"]
-    child = Child("gc", store, model_path, C, total // 3, fault="gc_deleted:kill:1")
-    assert child.wait() == -signal.SIGKILL, child.stderr
+    store, total, pinned, _ = _gc_killed_after_its_commit(tmp_path, llama)
     with kvstore.open(store, chunk_size=C) as s:
         left = [p for p in s.verify() if p.kind == "orphan_file"]
         assert left
