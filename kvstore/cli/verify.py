@@ -174,7 +174,7 @@ def _verify_exact(args) -> int:
     from kvstore.storage.storedir import TENANT_KEY_NAME
 
     model_id = model_to_load(args)
-    step = {"exact_prefill": getattr(args, "exact_prefill") or "off"} if hasattr(args, "exact_prefill") else {}
+    step = {"exact_prefill": args.exact_prefill or "off"} if hasattr(args, "exact_prefill") else {}
     with kvstore.open(store_path(args), create=False, read_only=True, memory_bytes=0, **step) as store:
         if args.tenant is not None and not (store_path(args) / TENANT_KEY_NAME).is_file():
             return _no_tenant_key(args)

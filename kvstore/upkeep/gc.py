@@ -109,8 +109,9 @@ def collect(index: Index, root: Path, *, max_bytes: int | None = None, max_age: 
     }
 
 
-def _delete(index: Index, root: Path, p: evict.Victims, since: float) -> tuple[int, list[bytes], float]:
-    """Delete the victims `p`: (bytes freed, hashes deleted, the longest transaction's seconds)."""
+def _delete(index: Index, root: Path, p: evict.Victims, since: float) -> tuple[int, list[bytes], float, int]:
+    """Delete the victims `p`: (bytes freed, hashes deleted, the longest transaction's seconds,
+    files a gc stopped before left and this one unlinked first)."""
     freed, hashes, longest = 0, [], 0.0
     if not len(p) and index.deletions_end() <= index.marks(_UNLINKED_TO).get(_UNLINKED_TO, 0):
         return freed, hashes, longest, 0  # (a budget's check that finds nothing to do reads no more)

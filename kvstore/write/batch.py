@@ -78,7 +78,8 @@ def write(dest: Destination, job: Job,
             if len(inserted) < len(rows):  # a full disk took the rest: the chain ends at the last row in
                 cut = next(i for i, s in enumerate(written) if s.hash == rows[len(inserted)].hash)
                 written, rows = written[:cut], inserted
-                copies = [c for c in copies if c.hash in {s.hash for s in written}]
+                placed = {s.hash for s in written}
+                copies = [c for c in copies if c.hash in placed]
             if committed is not None:
                 committed(rows)
         if job.pin and dest.index is not None:
