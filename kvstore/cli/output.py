@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.sizes import format_size, plural, printable  # noqa: F401 -- the commands print through here
+from kvstore.upkeep.local import AUTO_SHARE
 
 PROG = "kvstore"
 EXIT_PROBLEMS = 1
@@ -54,7 +55,7 @@ def disk_budget(store, where: str = "") -> str | None:
         return None
     budget.settle()  # (what is on disk once its gc has run)
     held = store.index.totals()["bytes"]
-    how = (" (auto: 1/4 of what the store held plus its disk's free space at open)"
+    how = (f" (auto: 1/{AUTO_SHARE} of what the store held plus its disk's free space at open)"
            if store.max_bytes_rule else "")
     evicted = (f"; its gc evicted {plural(budget.evicted_records, 'record')} ({format_size(budget.evicted_bytes)}) "
                "to stay within it" if budget.evicted_records else "; nothing evicted")

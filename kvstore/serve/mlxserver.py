@@ -27,6 +27,7 @@ from kvstore.serve.promptcache import DISK_TYPE, PersistentPromptCache
 from kvstore.serve.tenancy.policy import UNKNOWN, RequestTenants
 from kvstore.sizes import format_size, plural
 from kvstore.store import Store
+from kvstore.upkeep.local import AUTO_SHARE
 
 log = logging.getLogger("kvstore")
 
@@ -432,7 +433,7 @@ def describe_store(store: Store) -> str:
         return f"kvstore: RAM-only store, memory tier {format_size(store.memory.capacity)}"
     totals = store.index.totals()
     bound = f", bounded to {format_size(store.max_bytes)}" if store.max_bytes is not None else ""
-    bound += " (auto: 1/4 of held + free disk)" if getattr(store, "max_bytes_rule", None) else ""
+    bound += f" (auto: 1/{AUTO_SHARE} of held + free disk)" if getattr(store, "max_bytes_rule", None) else ""
     remote = getattr(store, "remote", None)
     below = (f"; remote tier {remote.url} (read through, written behind; prefetch {remote.prefetch}"
              + (f", at most {remote.deadline:g} s a fetch)" if remote.deadline is not None else ")")
