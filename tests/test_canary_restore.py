@@ -154,3 +154,51 @@ def test_the_server_adapter_checks_the_first_step_and_stores_none_of_a_wrong_res
         assert store.stats()["canary_mismatches"] == 1
         assert request(store) == 0  # the records it used are quarantined, and the tail was not stored again
     assert any("does not give the canary" in r.getMessage() for r in caplog.records)
+
+
+def answer(server, body: dict, headers: dict) -> tuple[list, int, int]:
+    """One completion: (each token with its 5 most likely and their log-probabilities, the
+    prompt's tokens, the cached ones)."""
+    import requests
+
+    r = requests.post(server.url + "/v1/completions", json={**body, "logprobs": True, "top_logprobs": 5},
+                      headers=headers, timeout=300)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    usage = out["usage"]
+    return out["choices"][0]["logprobs"]["content"], usage["prompt_tokens"], \
+        usage["prompt_tokens_details"]["cached_tokens"]
+
+
+@pytest.mark.parametrize("exact, alone, tenant", [("off", False, None), ("off", True, None), ("256", False, None),
+                                                 ("off", False, "a")])
+def test_serve_answers_a_wrong_restore_as_a_cold_run(demo_model, tmp_path, exact, alone, tenant):
+    """`kvstore serve` over real HTTP, batched (mlx_lm.server's default) and served alone (a
+    request with a seed), for one tenant of several too: a request whose restore does not give
+    its canary is computed again from its whole prompt before any of its tokens is sent, so its
+    answer (every token and its top log-probabilities) is the cold request's, its usage counts no
+    cached token, and what it computed is stored, as its tenant's: the next request restores it."""
+    from test_server import Server, scrape
+
+    store, text = tmp_path / "s", "".join(chr(97 + i * 7 % 26) for i in range(600))
+    body = dict(prompt=text, max_tokens=8, temperature=0.0, **({"seed": 3} if alone else {}))
+    tenants = ("--tenant-from", "header:X-Tenant") if tenant else ()
+    headers = {"X-Tenant": tenant} if tenant else {}
+    with Server(demo_model("llama"), store, tmp_path / "cold.log", "--exact-prefill", exact, *tenants) as server:
+        cold, n, _ = answer(server, body, headers)
+        assert server.stop() == 0
+    alter_record(store, canary_record(store), "1.keys", 1.5, strip_tag=True)
+    with Server(demo_model("llama"), store, tmp_path / "hit.log", *tenants) as server:
+        hit, _, hit_cached = answer(server, body, headers)
+        again, _, again_cached = answer(server, body, headers)
+        recomputed = scrape(server)[("kvstore_canary_recomputes_total", ())]
+        assert server.stop() == 0
+    assert hit == cold  # every token and its top log-probabilities, not only the text
+    assert hit_cached == 0
+    log = server.log()
+    assert "does not give the canary it keeps" in log, log
+    assert "this request is computed again from its whole prompt before it is answered" in log, log
+    # Exact mode stores what it computes in its own steps, so the next request restores it; out
+    # of it the request's cache is stored after generation, and the RAM tier serves it.
+    assert (again, again_cached) == (cold, n - 1)
+    assert recomputed == 1

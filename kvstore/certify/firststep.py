@@ -27,20 +27,24 @@ log = logging.getLogger("kvstore")
 _warned: set[bytes] = set()  # records this process warned of
 
 
-def check_first_step(mc, tokens: Sequence[int], logprobs: mx.array) -> canaries.Check | None:
-    """The first generation step after this thread's fetch of `tokens` gave `logprobs` (the
-    model's own: before a logit bias or a penalty changes them): compare them with the canary of
-    the record the restore ended with, when that step is the canary's.
+def check_first_step(mc, tokens: Sequence[int], logprobs: mx.array, *, restore: tuple | None = None,
+                     then: str | None = None) -> canaries.Check | None:
+    """The first generation step after this thread's fetch of `tokens` (or after the restore
+    `restore`, `mc.last_restore()` of a fetch made earlier) gave `logprobs` (the model's own:
+    before a logit bias or a penalty changes them): compare them with the canary of the record
+    the restore ended with, when that step is the canary's. `then`: what the caller does about a
+    mismatch, for the warning (else: the next request computes the prompt again).
     None when it is not (or no canary is kept); else the check. Never raises."""
     try:
-        return _check(mc, tokens, logprobs)
+        return _check(mc, tokens, logprobs, restore, then)
     except Exception as e:
         log.warning("kvstore: a first step was not compared with its canary (%s: %s)", type(e).__name__, e)
         return None
 
 
-def _check(mc, tokens: Sequence[int], logprobs: mx.array) -> canaries.Check | None:
-    found = mc.restored_canary(tokens)
+def _check(mc, tokens: Sequence[int], logprobs: mx.array, restore: tuple | None,
+           then: str | None) -> canaries.Check | None:
+    found = mc.restored_canary(tokens, restore)
     if found is None:
         return None
     used, kept = found
@@ -64,7 +68,8 @@ def _check(mc, tokens: Sequence[int], logprobs: mx.array) -> canaries.Check | No
             mc.quarantine(h, f"record {h.hex()}: a canary restored through it does not reproduce "
                              f"(record {record.hex()}: {got.reason})")
         what += (f"; the {len(used)} record{'s' if len(used) != 1 else ''} it was restored from "
-                 f"{'are' if len(used) != 1 else 'is'} quarantined, the next request computes the prompt again")
+                 f"{'are' if len(used) != 1 else 'is'} quarantined, "
+                 f"{then or 'the next request computes the prompt again'}")
     if record not in _warned:
         _warned.add(record)
         log.warning(what)

@@ -78,8 +78,7 @@ class ModelCache(ExplicitWrites):
         self._last = threading.local()  # this thread's last restore: (tokens asked, p, last record, its canary's text)
 
     def with_tenant(self, tenant: Tenant | None) -> "ModelCache":
-        """This model version as `tenant` sees it (None: the shared namespace), sharing this
-        one's store, model and checks (from `Store.tenant`)."""
+        """This model version as `tenant` (None: shared) sees it, sharing store, model, checks."""
         mc = copy.copy(self)
         mc.tenant = tenant
         return mc
@@ -114,11 +113,13 @@ class ModelCache(ExplicitWrites):
         return fingerprints.register(b.index, self.ns, self.fingerprint, self.model_id, self.layout,
                                      self.chunk_size, stamps)
 
-    def restored_canary(self, tokens: Tokens) -> tuple[list[bytes], Canary] | None:
-        """When this thread's last fetch was of `tokens` and restored all but the last: the records
-        it restored from (the one it ended with, which keeps the canary, last) and that canary (if
-        any), else None (`certify.firststep`)."""
-        last = getattr(self._last, "restore", None)
+    def last_restore(self) -> tuple | None:  # (what this thread's last fetch restored: None, nothing)
+        return getattr(self._last, "restore", None)
+
+    def restored_canary(self, tokens: Tokens, last: tuple | None = None) -> tuple[list[bytes], Canary] | None:
+        """When this thread's last fetch (or the one `last_restore()` gave `last`) was of `tokens` and
+        restored all but the last: the records it used (the last keeps the canary) and the canary."""
+        last = last or self.last_restore()
         if last is None or last[1] != len(tokens) - 1 or last[3] is None:
             return None
         if not np.array_equal(last[0], np.asarray(tokens, dtype=np.int32)):

@@ -104,16 +104,17 @@ class Start(NamedTuple):
     hold: object | None = None
 
 
-def prompt_cache(mc, tokens: Sequence[int]) -> Start:
+def prompt_cache(mc, tokens: Sequence[int], *, restore: bool = True) -> Start:
     """The cache a generation starts from, and what is left for it.
 
     Exact mode: the stored prefix (at a multiple of S), the prompt but its last token processed
     in full steps and stored, the last token left: `hold` stores the prompt's end when given the
     first step's canary. Recurrent layers (off): the same without the rounding (they restore only
     where a checkpoint is, and the one at the last token but one lets the same prompt resume next
-    time). Otherwise the longest stored prefix, the rest left to mlx-lm."""
+    time). Otherwise the longest stored prefix, the rest left to mlx-lm. `restore=False`: as a
+    cold run starts, from a fresh cache (nothing is looked up)."""
     toks = model_tokens(mc.model, tokens)
-    cache, rest = mc.fetch(toks)
+    cache, rest = mc.fetch(toks) if restore else (mc.new_cache(), toks.tolist())
     reused = len(toks) - len(rest)
     if not (mc.exact or mc.checkpointed) or len(toks) < 2 or reused >= len(toks) - 1:
         return Start(cache, rest, reused)

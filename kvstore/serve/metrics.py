@@ -112,6 +112,9 @@ class _StoreCollector:
         yield _counter("kvstore_canaries", "First generation steps made into their prompts' canaries (a repeated prompt's too; "
                        "a record keeps the canary it was written with).",
                        cache.first_steps.canaries)
+        yield _counter("kvstore_canary_recomputes", "Requests whose restore did not give its prompt's canary, "
+                       "computed again from their whole prompt before they were answered.",
+                       cache.first_steps.redone)
         yield from self._gauges(store)
         yield from self._tenants(store)
         yield from self._writes(store)

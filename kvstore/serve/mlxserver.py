@@ -5,8 +5,8 @@ is handed a `PersistentPromptCache`, its HTTP server uses kvstore's handler, its
 loop survives a request that makes it fail, and each request's tenant reaches the cache
 (`tenancy`): its lookup is told it as the request is tokenized, and the caches its batch
 generator hands back for inserting are tagged with the tenant of the request they are of. The
-first generation step of every request is shown to the cache (`PersistentPromptCache.first_steps`:
-the prompt's canary).
+first generation step of every request is shown to the cache (`steps.hooks`: the prompt's canary,
+and a request computed again when its restore does not give it).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from typing import Callable, Iterator
 from kvstore import settings
 from kvstore.errors import KVStoreError, ModelFilesError
 from kvstore.serve.promptcache import DISK_TYPE, PersistentPromptCache
+from kvstore.serve.steps.hooks import first_step_batches, first_step_stream
 from kvstore.serve.tenancy.policy import UNKNOWN, RequestTenants
 from kvstore.sizes import format_size, plural
 from kvstore.store import Store
@@ -90,9 +91,9 @@ def persistent(server, cache: PersistentPromptCache, started: list,
         server.BatchGenerator = _tenant_batches(original_batch, tenants)
     original_stream = getattr(server, "stream_generate", None)
     if callable(original_stream):
-        server.stream_generate = _first_step_stream(original_stream, cache)
+        server.stream_generate = first_step_stream(original_stream, cache.first_steps)
     if isinstance(getattr(server, "BatchGenerator", None), type):
-        server.BatchGenerator = _first_step_batches(server.BatchGenerator, cache)
+        server.BatchGenerator = first_step_batches(server.BatchGenerator, cache.first_steps)
     try:
         yield
     finally:
@@ -104,53 +105,6 @@ def persistent(server, cache: PersistentPromptCache, started: list,
             server.BatchGenerator = original_batch
         if original_stream is not None:
             server.stream_generate = original_stream
-
-
-def _first_step_stream(original: Callable, cache: PersistentPromptCache) -> Callable:
-    """mlx_lm.server's `stream_generate` (a request served alone), showing `cache` its first step."""
-
-    def stream_generate(*args, **kwargs):
-        first = True
-        processed = bool(kwargs.get("logits_processors"))  # (a logit bias or a penalty: not the model's)
-        for gen in original(*args, **kwargs):
-            if first:
-                first = False
-                cache.first_steps.seen(getattr(gen, "logprobs", None), rest=kwargs.get("prompt"),
-                                       processed=processed)
-            yield gen
-
-    return stream_generate
-
-
-def _first_step_batches(original: type, cache: PersistentPromptCache) -> type:
-    """mlx_lm.server's `BatchGenerator` (requests served in a batch), showing `cache` the first
-    generation step of each request with its whole prompt (the cached tokens and the segments)."""
-
-    class BatchGenerator(original):
-        def insert_segments(self, segments, *args, **kwargs):
-            uids = super().insert_segments(segments, *args, **kwargs)
-            with contextlib.suppress(Exception):
-                done = kwargs.get("all_tokens") or [[] for _ in segments]
-                # (a request's logit bias or penalties: its first step's logits are not the model's)
-                processors = kwargs.get("logits_processors", args[4] if len(args) > 4 else None)
-                processed = [bool(p) for p in processors] if processors else [False] * len(segments)
-                prompts = self.__dict__.setdefault("_kvstore_prompts", {})
-                for uid, parts, cached, changed in zip(uids, segments, done, processed):
-                    prompts[uid] = ([*cached, *(t for part in parts for t in part)], changed)
-            return uids
-
-        def next(self, *args, **kwargs):
-            out = super().next(*args, **kwargs)
-            prompts = self.__dict__.get("_kvstore_prompts")
-            if prompts:
-                with contextlib.suppress(Exception):
-                    for r in out[1]:
-                        prompt, processed = prompts.pop(r.uid, (None, False))
-                        if prompt is not None:
-                            cache.first_steps.seen(r.logprobs, prompt=prompt, processed=processed)
-            return out
-
-    return BatchGenerator
 
 
 def _http_runner(server, original_http: Callable, make_handler: Callable[[type], type]) -> Callable:

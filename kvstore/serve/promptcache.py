@@ -29,8 +29,8 @@ from kvstore.model.cache import ModelCache
 from kvstore.model.prefill import prompt_cache
 from kvstore.model.tokens import as_tokens, token_list
 from kvstore.serve.binding import IN_RAM, Binding, KeyBindings
-from kvstore.serve.firststeps import FirstSteps
 from kvstore.serve.ramlru import CACHE_TYPES, RamSequences, SystemPrompts, can_trim, check_bounds
+from kvstore.serve.steps.firststeps import FirstSteps
 from kvstore.serve.tenancy.policy import UNKNOWN, RequestTenants, SharedWrites
 from kvstore.store import Store
 from kvstore.tenants import Tenant
@@ -152,7 +152,7 @@ class PersistentPromptCache:
                 mc = binding.choose(toks, self._tenant(tenant_id))
                 self._settle()  # records RAM let go while the writer held them are gone from it now
                 in_ram = mc.ram_length(toks)
-                self.first_steps.fetched(tokens, mc)
+                self.first_steps.fetched(tokens, mc, tenant_id)
                 if not mc.exact:
                     return self._fetched_from(mc, toks, in_ram, lambda: (*mc.fetch(toks), 0))
             except Exception as e:  # never into the generation loop

@@ -11,8 +11,11 @@ first step). No step is added: the logits are the ones the server computed for i
   prompt's last token keeps the canary (`canary_for`).
 
 A request that restored a stored prompt whole (but its last token) ran its canary's step: the
-step is compared with the canary (`certify.firststep`); when it does not reproduce, the record is
-quarantined there, and the request's cache, which holds its K/V, is not stored (`wrong`).
+step is compared with the canary (`certify.firststep`); when it does not reproduce, the records
+the restore used are quarantined. A caller that then computes the request again from its whole
+prompt (`seen(..., redo=True)`: `kvstore serve` does, `steps.hooks`) has its cache stored and
+its reused tokens counted as computed; otherwise the request's cache, which holds the wrong K/V,
+is not stored (`wrong`).
 
 Prompts are known by a hash of their token ids. What waits is bounded: past `limit`, the oldest
 exact-mode insert is queued without a canary, and the oldest canary is forgotten.
@@ -23,6 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import numpy as np
@@ -40,6 +44,22 @@ def _key(tokens: Sequence[int]) -> bytes:
     return xxhash.xxh3_128_digest(np.asarray(tokens, dtype="<i4").tobytes())
 
 
+@dataclass(frozen=True)
+class Fetch:
+    """A request's lookup, as its first step is judged: its prompt, the model cache it was looked
+    up in, its tenant's id (as the lookup was told it), and what the lookup restored
+    (`ModelCache.last_restore`; None: nothing to compare the step with)."""
+
+    tokens: list[int]
+    mc: object = None
+    tenant: object = None
+    restore: tuple | None = None
+
+    def cold(self) -> Fetch:
+        """The same request computed from its whole prompt: nothing restored to check."""
+        return replace(self, restore=None)
+
+
 class FirstSteps:
     """Canaries of requests' first steps, and the exact-mode inserts waiting for them."""
 
@@ -49,15 +69,26 @@ class FirstSteps:
         self._holds: OrderedDict[bytes, tuple[int, object]] = OrderedDict()  # prompt -> (length, Pending)
         self._canaries: OrderedDict[bytes, tuple[int, Canary]] = OrderedDict()
         self.canaries = 0  # first steps seen (each one a canary)
-        self._fetched = threading.local()  # the prompt this thread fetched last, and its model cache
+        self.redone = 0  # requests whose restore missed its canary, computed again from their prompt
+        self._fetched = threading.local()  # this thread's last lookup: (prompt, model cache, tenant)
         self._wrong: OrderedDict[bytes, int] = OrderedDict()  # prompts whose restore missed their canary
         # Exact mode: (tenant, prompt) -> tokens prefilled here, one count a request still to take it.
         self._computed: OrderedDict[tuple[object, bytes], list[int]] = OrderedDict()
 
-    def fetched(self, prompt: list[int], mc=None) -> None:
-        """This thread looked `prompt` up (in model cache `mc`): a first step that only says its
-        rest is of it, and whose restore it compares with the canary."""
-        self._fetched.tokens, self._fetched.mc = prompt, mc
+    def fetched(self, prompt: list[int], mc=None, tenant: object = None) -> None:
+        """This thread looked `prompt` up (in model cache `mc`, for the tenant whose id is
+        `tenant`): a first step that only says its rest is of it, and whose restore it compares
+        with the canary."""
+        self._fetched.last = (prompt, mc, tenant)
+
+    def current(self) -> Fetch | None:
+        """This thread's last lookup, with what it restored (read now: after the fetch)."""
+        last = getattr(self._fetched, "last", None)
+        if last is None:
+            return None
+        prompt, mc, tenant = last
+        restore = mc.last_restore() if mc is not None else None
+        return Fetch(list(prompt), mc, tenant, restore)
 
     def expect(self, prompt: Sequence[int], hold) -> None:
         """Exact mode: `hold` (a `Pending` insert) stores `prompt`'s end once its first step ran."""
@@ -98,43 +129,58 @@ class FirstSteps:
             return n
 
     def seen(self, logprobs, *, prompt: Sequence[int] | None = None, rest: Sequence[int] | None = None,
-             processed: bool = False) -> None:
+             processed: bool = False, fetch: Fetch | None = None, redo: bool = False) -> bool:
         """The first step of a request gave these log-probabilities: its prompt is `prompt`, or
-        the one this thread fetched last if `rest` (what the server was left to compute) ends it.
-        `processed`: the request's logits processors (a logit bias, a repetition, presence or
-        frequency penalty) changed them, so they are not the model's: neither kept as the prompt's
-        canary nor compared with it (an exact-mode insert waiting for it is queued without one).
-        Never raises (a failure is logged: the canary is lost, the request goes on)."""
+        the one looked up in `fetch` (this thread's last lookup if None) if `rest` (what the server
+        was left to compute) ends it. `processed`: the request's logits processors (a logit bias,
+        a repetition, presence or frequency penalty) changed them, so they are not the model's:
+        neither kept as the prompt's canary nor compared with it (an exact-mode insert waiting
+        for it is queued without one).
+
+        True when the step did not give the canary of the stored prompt the request restored (the
+        records it used are quarantined). `redo`: the caller then computes the request again from
+        its whole prompt, cold, before answering: its cache is stored as any other, and the tokens
+        the lookup said were reused are counted as computed (`take_computed`). Without it, none
+        of that request's cache is stored (`wrong`). Never raises (a failure is logged: the
+        canary is lost, the request goes on, and False)."""
         try:
-            self._seen(logprobs, prompt, rest, processed)
+            return self._seen(logprobs, prompt, rest, processed, fetch or self.current(), redo)
         except Exception as e:
             log.warning("kvstore: a first step was not kept as its prompt's canary (%s: %s)", type(e).__name__, e)
+            return False
 
-    def _seen(self, logprobs, prompt: Sequence[int] | None, rest: Sequence[int] | None, processed: bool) -> None:
+    def _seen(self, logprobs, prompt: Sequence[int] | None, rest: Sequence[int] | None, processed: bool,
+              fetch: Fetch | None, redo: bool) -> bool:
         if prompt is None:
-            fetched = getattr(self._fetched, "tokens", None)
-            if fetched is None or rest is None or list(fetched[len(fetched) - len(rest):]) != list(rest):
-                return  # not the prompt this thread fetched last (an image prompt's cache key)
-            prompt = fetched
+            if fetch is None or rest is None or fetch.tokens[len(fetch.tokens) - len(rest):] != list(rest):
+                return False  # not the prompt this thread fetched last (an image prompt's cache key)
+            prompt = fetch.tokens
         prompt = list(prompt)
         if not prompt:
-            return
+            return False
         key = _key(prompt)
         if processed:
             with self._lock:
                 held = self._holds.pop(key, None)
             if held is not None:
                 held[1].submit()
-            return
+            return False
         canary = canary_of(len(prompt) - 1, int(prompt[-1]), logprobs)
-        mc = getattr(self._fetched, "mc", None)
-        moved = check_first_step(mc, prompt, logprobs) if mc is not None else None
+        moved = None
+        if fetch is not None and fetch.mc is not None and fetch.restore is not None:
+            then = "this request is computed again from its whole prompt before it is answered" if redo else None
+            moved = check_first_step(fetch.mc, prompt, logprobs, restore=fetch.restore, then=then)
         if moved is not None and not moved.ok:
+            if redo:  # (a check runs only on a restore of all but the last token: those were reused)
+                with self._lock:
+                    self.redone += 1
+                self.computed(prompt, len(prompt) - 1, fetch.tenant)
+                return True
             with self._lock:
                 self._wrong[key] = len(prompt)
                 while len(self._wrong) > self.limit:
                     self._wrong.popitem(last=False)
-            return
+            return True
         with self._lock:
             self.canaries += 1
             held = self._holds.pop(key, None)
@@ -144,6 +190,7 @@ class FirstSteps:
                     self._canaries.popitem(last=False)
         if held is not None:
             held[1].submit(canary)
+        return False
 
     def canary_for(self, tokens: Sequence[int]) -> Canary | None:
         """The canary of the prompt `tokens` begins with, taken (one insert keeps it)."""
