@@ -202,3 +202,46 @@ def test_serve_answers_a_wrong_restore_as_a_cold_run(demo_model, tmp_path, exact
     # of it the request's cache is stored after generation, and the RAM tier serves it.
     assert (again, again_cached) == (cold, n - 1)
     assert recomputed == 1
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_the_request_is_computed_again_in_the_server_loop_or_answered_from_its_restore(tmp_path, llama, monkeypatch,
+                                                                                      caplog, fails):
+    """mlx_lm.server's `stream_generate`, as `kvstore serve` hooks it, in an own loop: a wrong
+    restore is computed again (its reused tokens then count as computed, and its cache, the cold
+    one, is stored: the next request restores it). When computing it again fails (its prefill
+    raises here), the request is answered from the restore after all: its tokens count as
+    reused, a warning says so, and none of its cache is stored."""
+    from mlx_lm import load, stream_generate
+
+    from kvstore.serve.promptcache import PersistentPromptCache
+    from kvstore.serve.steps import hooks
+
+    path, model = llama
+    tokenizer = load(str(path))[1]
+    prompt = toks(60, 6)
+
+    def request(store) -> tuple[int, int]:
+        pc = PersistentPromptCache(store)
+        pc.register("m", store.bind(model, path))
+        cache, rest = pc.fetch_nearest_cache("m", prompt)
+        cache = cache if cache is not None else store.bind(model, path).new_cache()
+        generate = hooks.first_step_stream(stream_generate, pc.first_steps)
+        out = [r.token for r in generate(model=model, tokenizer=tokenizer, prompt=rest, prompt_cache=cache,
+                                         max_tokens=3)]
+        pc.insert_cache("m", prompt + out, cache)
+        store.flush()
+        return len(prompt) - len(rest), pc.first_steps.take_computed(prompt)
+
+    with kvstore.open(tmp_path / "s", chunk_size=C) as store:
+        assert request(store) == (0, 0)
+    alter_record(tmp_path / "s", canary_record(tmp_path / "s"), "1.keys", 1.5, strip_tag=True)
+    with caplog.at_level(logging.WARNING, logger="kvstore"), \
+            kvstore.open(tmp_path / "s", chunk_size=C, memory_bytes=0) as store:
+        with monkeypatch.context() as patch:
+            if fails:
+                patch.setattr(hooks, "prompt_cache", lambda *a, **k: 1 / 0)
+            assert request(store) == (len(prompt) - 1, 0 if fails else len(prompt) - 1)
+        assert request(store)[0] == (0 if fails else len(prompt) - 1)
+    said = [r.getMessage() for r in caplog.records if "could not be computed again" in r.getMessage()]
+    assert len(said) == fails

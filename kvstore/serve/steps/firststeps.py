@@ -176,10 +176,7 @@ class FirstSteps:
                     self.redone += 1
                 self.computed(prompt, len(prompt) - 1, fetch.tenant)
                 return True
-            with self._lock:
-                self._wrong[key] = len(prompt)
-                while len(self._wrong) > self.limit:
-                    self._wrong.popitem(last=False)
+            self._mark_wrong(prompt)
             return True
         with self._lock:
             self.canaries += 1
@@ -191,6 +188,23 @@ class FirstSteps:
         if held is not None:
             held[1].submit(canary)
         return False
+
+    def not_redone(self, prompt: Sequence[int], tenant: object, e: Exception) -> None:
+        """A request `seen` with `redo` could not be computed again after all (`e`): it is answered
+        from its restore, its reused tokens count as reused, and none of its cache is stored."""
+        log.warning("kvstore: the request could not be computed again (%s: %s): it is answered from the "
+                    "restore that missed its canary, and none of its cache is stored", type(e).__name__, e)
+        self.take_computed(prompt, tenant)
+        with self._lock:
+            self.redone -= 1
+        self._mark_wrong(prompt)
+
+    def _mark_wrong(self, prompt: Sequence[int]) -> None:
+        """None of the cache of the request of `prompt` is stored (`wrong`)."""
+        with self._lock:
+            self._wrong[_key(prompt)] = len(prompt)
+            while len(self._wrong) > self.limit:
+                self._wrong.popitem(last=False)
 
     def canary_for(self, tokens: Sequence[int]) -> Canary | None:
         """The canary of the prompt `tokens` begins with, taken (one insert keeps it)."""

@@ -35,17 +35,21 @@ def first_step_stream(original: Callable, steps: FirstSteps) -> Callable:
     def stream_generate(*args, **kwargs):
         processed = bool(kwargs.get("logits_processors"))  # (a logit bias or a penalty: not the model's)
         fetch = steps.current()
-        again = _cold_again(kwargs, steps, fetch)
+        cache = kwargs.get("prompt_cache")
+        can = (fetch is not None and fetch.mc is not None and isinstance(cache, list) and "prompt" in kwargs
+               and kwargs.get("draft_model") is None and kwargs.get("input_embeddings") is None)
         gens = original(*args, **kwargs)
         try:
             gen = next(gens, None)
             if gen is None:
                 return
             wrong = steps.seen(getattr(gen, "logprobs", None), rest=kwargs.get("prompt"), processed=processed,
-                               fetch=fetch, redo=again is not None)
-            if wrong and again is not None:
+                               fetch=fetch, redo=can)
+            start = _cold_or_none(steps, fetch) if wrong and can else None
+            if start is not None:
                 gens.close()  # (its step is dropped: no token of it was handed on)
-                gens = original(*args, **again())
+                cache[:] = start.cache  # (in place: the server stores this list after, the cold K/V)
+                gens = original(*args, **{**kwargs, "prompt": start.rest})
                 gen = next(gens, None)
                 if gen is None:
                     return
@@ -59,21 +63,14 @@ def first_step_stream(original: Callable, steps: FirstSteps) -> Callable:
     return stream_generate
 
 
-def _cold_again(kwargs: dict, steps: FirstSteps, fetch: Fetch | None) -> Callable[[], dict] | None:
-    """How to start a request served alone again from its whole prompt, as a cold run starts it
-    (`_cold`): the keyword arguments of the new call. The server's cache list is filled in
-    place, so what it stores after is the cold K/V. None when it cannot be here."""
-    cache = kwargs.get("prompt_cache")
-    if (fetch is None or fetch.mc is None or not isinstance(cache, list) or "prompt" not in kwargs
-            or kwargs.get("draft_model") is not None or kwargs.get("input_embeddings") is not None):
+def _cold_or_none(steps: FirstSteps, fetch: Fetch):
+    """`_cold`, or None when it fails: the request is then answered from its restore after all,
+    and none of its cache is stored (`FirstSteps.not_redone`)."""
+    try:
+        return _cold(steps, fetch)
+    except Exception as e:
+        steps.not_redone(fetch.tokens, fetch.tenant, e)
         return None
-
-    def again() -> dict:
-        start = _cold(steps, fetch)
-        cache[:] = start.cache
-        return {**kwargs, "prompt": start.rest}
-
-    return again
 
 
 def _cold(steps: FirstSteps, fetch: Fetch):
@@ -145,27 +142,27 @@ class _FirstStepBatches:
         if not started:
             return prompts, generated
         dropped = set()
-        with contextlib.suppress(Exception):
-            for r in generated:
-                s = started.pop(r.uid, None)
-                if s is None:
-                    continue
-                wrong = self._kvstore_steps.seen(r.logprobs, prompt=s.prompt, processed=s.processed,
-                                                 fetch=s.fetch, redo=s.again is not None)
-                if wrong and s.again is not None:
-                    self._kvstore_again(r.uid, s)
+        for r in generated:
+            s = started.pop(getattr(r, "uid", None), None)
+            if s is None:
+                continue
+            wrong = self._kvstore_steps.seen(getattr(r, "logprobs", None), prompt=s.prompt, processed=s.processed,
+                                             fetch=s.fetch, redo=s.again is not None)
+            if wrong and s.again is not None:
+                start = _cold_or_none(self._kvstore_steps, s.fetch)
+                if start is not None:
+                    self._kvstore_again(r.uid, s, start)
                     dropped.add(id(r))
         return prompts, [r for r in generated if id(r) not in dropped] if dropped else generated
 
-    def _kvstore_again(self, uid: int, s: _Started) -> None:
-        """Insert request `uid` again from its whole prompt on a fresh cache (its first step is
-        dropped), then take its restored run out of the batch."""
+    def _kvstore_again(self, uid: int, s: _Started, start) -> None:
+        """Insert request `uid` again from its whole prompt on `start`'s fresh cache (its first
+        step is dropped), then take its restored run out of the batch."""
         now = self.__dict__.setdefault("_kvstore_now", {})  # the server's uid -> the generator's
         first = self.__dict__.setdefault("_kvstore_first", {})  # and back
         current = now.get(uid, uid)
         options = dict(s.again)
         segments = options.pop("segments")
-        start = _cold(self._kvstore_steps, s.fetch)
         done = s.prompt[:len(s.prompt) - len(start.rest)]  # (exact mode: computed in the store's steps)
         if done:
             segments = [[start.rest]]
