@@ -221,6 +221,19 @@ def test_a_bad_value_says_what_is_wrong_with_it(capsys, args, message):
     assert code == 2 and message in err and "expected one argument" not in err, err
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--force"], "--force goes with --repair"),
+    (["--prompts", "system.jsonl"], "--prompts and --probes go with --isolation"),
+    (["--probes", "7"], "--prompts and --probes go with --isolation"),
+    (["--tenant-from", "bearer"], "--tenant-from goes with --isolation URL"),
+])
+def test_verify_refuses_an_option_it_would_ignore(capsys, store_copy, args, message):
+    """An option of another mode of verify is refused, not ignored: `verify --prompts FILE` would
+    otherwise report the whole store clean as if it had checked those prompts."""
+    code, out, err = in_process(capsys, "verify", "--store", store_copy, *args)
+    assert code == 2 and message in err and out == "", (out, err)
+
+
 def test_a_prompt_file_without_a_prompt_is_refused_before_a_store_is_made(capsys, tmp_path):
     for text in ("", "\n  \n"):
         (tmp_path / "p.jsonl").write_text(text)
