@@ -627,6 +627,29 @@ def test_generate_whose_write_failed_says_not_stored(kv, demo_model_path, tmp_pa
             subprocess.run(["umount", str(mount)], check=True)
 
 
+def test_warm_whose_writes_failed_says_why_its_tokens_are_not_on_disk(kv, demo_model_path, tmp_path):
+    """Every blob write fails (the disk is full): each prompt's line and the summary say its
+    tokens were not written because the write failed, and with what error (they said "not stored
+    (not written)", which leaves the reader to guess), and warm exits 1."""
+    from kvstore import faults
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "a", "prompt": "' + "a prompt of some length " * 30 + '"}\n'
+                       '{"id": "b", "prompt": "' + "another prompt to store " * 30 + '"}\n')
+    faults.arm("blob_write", "enospc")
+    try:
+        ran = kv("warm", "--store", tmp_path / "s", "--model", demo_model_path, "--prompts", prompts, code=1)
+    finally:
+        faults.disarm()
+    failure = "not written; the write failed: OSError: [Errno 28] No space left on device"
+    assert re.search(r"^on disk: 0 of 2 warmed prompts whole; 0 of (\d+) tokens \(\1 not on disk: "
+                     + re.escape(failure), ran.stdout, re.M), ran.stdout
+    lines = [line for line in ran.stderr.splitlines() if line.startswith("[")]
+    assert len(lines) == 2 and all("not written" not in line or failure in line for line in lines), lines
+    assert re.search(r"kvstore warm: \d+ writes? failed \(last error: OSError: .*No space left on device.*\): "
+                     r"what they held is not on disk", ran.stderr), ran.stderr
+
+
 def test_messages_must_be_a_list(capsys, tmp_path):
     code, _, err = in_process(capsys, "generate", "--store", tmp_path / "s", "--messages", '{"role": "user"}')
     assert code == 2 and "--messages: must be a list" in err and "got an object" in err
