@@ -106,13 +106,16 @@ def export_pack(store, mc, model_dir: Path, tokenizer, prompts: list[np.ndarray]
     # Made under its own name (the signature names the folder) in a temporary folder beside `out`.
     staging = out.parent / f".{out.name}.tmp-{os.getpid()}-{os.urandom(4).hex()}"
     tmp = staging / out.name
-    (tmp / BLOBS).mkdir(parents=True)
+    writing = _writing(said, out)
     try:
+        with writing:
+            (tmp / BLOBS).mkdir(parents=True)
         records, canaries, held = {}, {}, {}
         bits = acting_disk_kv_bits(mc.layout, store.disk_kv_bits)
         for h in wanted:
             data, tokens, fields = _portable_blob(store, rows[h], mc.chunk_size)
-            records[h.hex()] = _write(tmp / blob_name(h), data)
+            with writing:
+                records[h.hex()] = _write(tmp / blob_name(h), data)
             if fields:
                 canaries[h.hex()] = fields
             if bits:  # kept for the replay below (it holds every record of the pack in RAM anyway)
@@ -126,10 +129,11 @@ def export_pack(store, mc, model_dir: Path, tokenizer, prompts: list[np.ndarray]
             prompts=tuple(Prompt(len(t), sha256(keys.token_bytes(t)), tuple(s.hash.hex() for s in chain))
                           for t, chain in zip(prompts, chains)),
             records=records, canaries=canaries)
-        (tmp / MANIFEST).write_bytes(manifest.to_json())
-        if sign_key is not None:
-            signing.sign(tmp, sign_key)
-        settle(tmp, out)
+        with writing:
+            (tmp / MANIFEST).write_bytes(manifest.to_json())
+            if sign_key is not None:
+                signing.sign(tmp, sign_key)
+            settle(tmp, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return Exported(len(given), sum(map(len, given)), computed, len(records),
@@ -219,6 +223,23 @@ def _portable_blob(store, row, chunk_size: int) -> tuple[bytes, np.ndarray, dict
         raise PackError(f"a stored record is damaged ({e}): run `kvstore verify --repair`, then export "
                         "again") from None
     return blobformat.restamp(buf, blobformat.portable(stored.metadata)), stored.tokens, fields
+
+
+class _writing:
+    """Around the writes of the pack folder: an OSError (a full disk, a file where a folder should
+    be) is a `PackError` that names the pack, not the temporary folder it is made in."""
+
+    def __init__(self, said, out: Path):
+        self.said, self.out = said, out
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, e, tb) -> None:
+        if isinstance(e, OSError):
+            there = next((p for p in (self.out.parent, *self.out.parent.parents) if os.path.lexists(p)), None)
+            why = f"{there} is not a folder" if there is not None and not there.is_dir() else e.strerror or e
+            raise PackError(f"cannot write the pack {self.said}: {why}; nothing exported") from e
 
 
 def _write(path: Path, data: bytes) -> tuple[int, str]:
