@@ -278,6 +278,12 @@ def test_warm_reads_standard_input(kv, demo_model_path, tmp_path):
     assert stats_of(tmp_path / "s")["tails"] == 2
 
 
+def test_a_line_with_an_empty_id_is_named_by_its_line_alone(kv, demo_model_path, tmp_path):
+    (tmp_path / "p.jsonl").write_text(json.dumps({"id": "", "prompt": "a prompt with an empty id"}) + "\n")
+    result = kv("warm", "--store", tmp_path / "s", "--model", demo_model_path, "--prompts", tmp_path / "p.jsonl")
+    assert "p.jsonl:1: 25 tokens" in result.stderr and "(id )" not in result.stderr, result.stderr
+
+
 def test_warm_bad_lines_are_reported_and_good_lines_stored(kv, demo_model_path, tmp_path):
     good = [json.dumps({"prompt": "the first good prompt", "id": "a"}),
             json.dumps({"tokens": [7, 8, 9, 10]}),
