@@ -105,8 +105,7 @@ def export_pack(store, mc, model_dir: Path, tokenizer, prompts: list[np.ndarray]
     shared_only(list(rows.values()))
     # Made under its own name (the signature names the folder) in a temporary folder beside `out`.
     staging = out.parent / f".{out.name}.tmp-{os.getpid()}-{os.urandom(4).hex()}"
-    tmp = staging / out.name
-    writing = _writing(said, out)
+    tmp, writing = staging / out.name, _writing(said, out)
     try:
         with writing:
             (tmp / BLOBS).mkdir(parents=True)
@@ -114,14 +113,13 @@ def export_pack(store, mc, model_dir: Path, tokenizer, prompts: list[np.ndarray]
         bits = acting_disk_kv_bits(mc.layout, store.disk_kv_bits)
         for h in wanted:
             data, tokens, fields = _portable_blob(store, rows[h], mc.chunk_size)
-            with writing:
-                records[h.hex()] = _write(tmp / blob_name(h), data)
+            records[h.hex()] = _write(tmp / blob_name(h), data, writing)
             if fields:
                 canaries[h.hex()] = fields
             if bits:  # kept for the replay below (it holds every record of the pack in RAM anyway)
                 held[h.hex()] = (tokens, data)
         if bits and canaries:
-            _replayed_canaries(mc, bits, tmp, prompts, chains, held, records, canaries)
+            _replayed_canaries(mc, bits, tmp, prompts, chains, held, records, canaries, writing)
         manifest = Manifest(
             record_format=keys.FORMAT_VERSION, fingerprint=mc.fingerprint.hex(), files=ident.files,
             tokenizer=ident.tokenizer, chat_template=ident.chat_template, namespace=mc.ns.hex(),
@@ -187,7 +185,7 @@ def _held(store, mc, tokens: np.ndarray) -> bool:
 
 def _replayed_canaries(mc, bits: int, folder: Path, prompts: list[np.ndarray], chains: list,
                        held: dict[str, tuple[np.ndarray, bytes]], records: dict[str, tuple[int, str]],
-                       canaries: dict[str, dict[str, str]]) -> None:
+                       canaries: dict[str, dict[str, str]], writing: _writing) -> None:
     """Give the pack's records of K/V quantized on disk the canaries their own replay gives.
 
     A prompt's canary was taken from the step computed at full precision; an import replays it
@@ -207,7 +205,7 @@ def _replayed_canaries(mc, bits: int, folder: Path, prompts: list[np.ndarray], c
         fields = remade[bytes.fromhex(h)]
         data = held[h][1]
         data = blobformat.restamp(data, blobformat.with_extensions(blobformat.header_metadata(data), fields))
-        records[h] = _write(folder / blob_name(h), data)
+        records[h] = _write(folder / blob_name(h), data, writing)
         canaries[h] = fields
 
 
@@ -242,7 +240,8 @@ class _writing:
             raise PackError(f"cannot write the pack {self.said}: {why}; nothing exported") from e
 
 
-def _write(path: Path, data: bytes) -> tuple[int, str]:
+def _write(path: Path, data: bytes, writing: _writing) -> tuple[int, str]:
     """Write a blob of the pack: (its size, its SHA-256)."""
-    path.write_bytes(data)
+    with writing:
+        path.write_bytes(data)
     return len(data), sha256(data)
