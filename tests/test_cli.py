@@ -221,6 +221,19 @@ def test_a_bad_value_says_what_is_wrong_with_it(capsys, args, message):
     assert code == 2 and message in err and "expected one argument" not in err, err
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--force"], "--force goes with --repair"),
+    (["--prompts", "system.jsonl"], "--prompts and --probes go with --isolation"),
+    (["--probes", "7"], "--prompts and --probes go with --isolation"),
+    (["--tenant-from", "bearer"], "--tenant-from goes with --isolation URL"),
+])
+def test_verify_refuses_an_option_it_would_ignore(capsys, store_copy, args, message):
+    """An option of another mode of verify is refused, not ignored: `verify --prompts FILE` would
+    otherwise report the whole store clean as if it had checked those prompts."""
+    code, out, err = in_process(capsys, "verify", "--store", store_copy, *args)
+    assert code == 2 and message in err and out == "", (out, err)
+
+
 def test_a_prompt_file_without_a_prompt_is_refused_before_a_store_is_made(capsys, tmp_path):
     for text in ("", "\n  \n"):
         (tmp_path / "p.jsonl").write_text(text)
@@ -263,6 +276,12 @@ def test_warm_reads_standard_input(kv, demo_model_path, tmp_path):
     assert "prompts: 2 warmed" in result.stdout
     assert "<stdin>:2" in result.stderr
     assert stats_of(tmp_path / "s")["tails"] == 2
+
+
+def test_a_line_with_an_empty_id_is_named_by_its_line_alone(kv, demo_model_path, tmp_path):
+    (tmp_path / "p.jsonl").write_text(json.dumps({"id": "", "prompt": "a prompt with an empty id"}) + "\n")
+    result = kv("warm", "--store", tmp_path / "s", "--model", demo_model_path, "--prompts", tmp_path / "p.jsonl")
+    assert "p.jsonl:1: 25 tokens" in result.stderr and "(id )" not in result.stderr, result.stderr
 
 
 def test_warm_bad_lines_are_reported_and_good_lines_stored(kv, demo_model_path, tmp_path):
@@ -612,6 +631,29 @@ def test_generate_whose_write_failed_says_not_stored(kv, demo_model_path, tmp_pa
     finally:
         if how == "full-disk":
             subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_warm_whose_writes_failed_says_why_its_tokens_are_not_on_disk(kv, demo_model_path, tmp_path):
+    """Every blob write fails (the disk is full): each prompt's line and the summary say its
+    tokens were not written because the write failed, and with what error (they said "not stored
+    (not written)", which leaves the reader to guess), and warm exits 1."""
+    from kvstore import faults
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "a", "prompt": "' + "a prompt of some length " * 30 + '"}\n'
+                       '{"id": "b", "prompt": "' + "another prompt to store " * 30 + '"}\n')
+    faults.arm("blob_write", "enospc")
+    try:
+        ran = kv("warm", "--store", tmp_path / "s", "--model", demo_model_path, "--prompts", prompts, code=1)
+    finally:
+        faults.disarm()
+    failure = "not written; the write failed: OSError: [Errno 28] No space left on device"
+    assert re.search(r"^on disk: 0 of 2 warmed prompts whole; 0 of (\d+) tokens \(\1 not on disk: "
+                     + re.escape(failure), ran.stdout, re.M), ran.stdout
+    lines = [line for line in ran.stderr.splitlines() if line.startswith("[")]
+    assert len(lines) == 2 and all("not written" not in line or failure in line for line in lines), lines
+    assert re.search(r"kvstore warm: \d+ writes? failed \(last error: OSError: .*No space left on device.*\): "
+                     r"what they held is not on disk", ran.stderr), ran.stderr
 
 
 def test_messages_must_be_a_list(capsys, tmp_path):

@@ -259,3 +259,26 @@ def test_a_batch_the_index_cannot_take_whole_stores_the_start_of_its_chain(tmp_p
         query = tokens[:C] + [3]
         cache, rest = mc.fetch(query)
         assert rest == [3] and logits_diff(model, cache, rest, query) <= TOL
+
+
+def test_a_store_made_on_a_full_disk_says_the_disk_is_full_and_works_once_freed(tmp_path, demo_model, full_disk):
+    """The disk fills while a new store's index is made (SQLite left a file with no tables yet):
+    every command says the disk is full and to free space, not that the index has "an older
+    schema" to open with `verify --repair` (which cannot help); once space is freed, warm makes
+    the store as if nothing happened."""
+    if not isinstance(full_disk, TmpfsFull):
+        pytest.skip("needs a real full disk")
+    from kvtest import run_cli
+    model, store = demo_model("llama"), full_disk.mount / "s"
+    prompts_file = tmp_path / "p.jsonl"
+    prompts_file.write_text('{"prompt": "A prompt for a full disk."}\n')
+    full_disk.fill()
+    for args in (["warm", "--prompts", prompts_file, "--model", model], ["verify"], ["stats"]):
+        ran = run_cli(*args, "--store", store, check=False)
+        assert ran.returncode == 1 and "Traceback" not in ran.stderr, ran.stderr
+        assert f"the disk of the store {store} is full" in ran.stderr and "until space is freed" in ran.stderr
+        assert "older schema" not in ran.stderr and "verify --repair" not in ran.stderr, ran.stderr
+    full_disk.free()
+    warmed = run_cli("warm", "--prompts", prompts_file, "--model", model, "--store", store)
+    assert "on disk: 1 of 1 warmed prompts whole" in warmed.stdout, warmed.stdout
+    assert run_cli("verify", "--store", store).returncode == 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import shutil
 import sqlite3
@@ -468,6 +469,35 @@ def test_a_push_of_a_pack_missing_a_blob_pushes_nothing(tmp_path, signed_pack, s
     for place in (url, folder):
         run_cli("pack", "push", signed_pack[0], place)
         assert _held(place) == _held(signed_pack[0])
+
+
+@pytest.mark.parametrize("where", ["under-a-file", "full-disk"])
+def test_an_export_that_cannot_write_its_pack_names_the_pack_and_why(tmp_path, demo_model, where):
+    """--out under a file, or on a full disk: the error names the pack and why (it named the
+    temporary folder the pack is made in, or only "[Errno 28] No space left on device"), exit 1,
+    and nothing is left beside it."""
+    import subprocess
+
+    model, parent = demo_model("llama"), tmp_path / "out"
+    parent.mkdir()
+    if where == "under-a-file":
+        (parent / "a-file").write_text("")
+        out, why = parent / "a-file" / "pack", f"{parent / 'a-file'} is not a folder"
+    else:
+        made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=200k", "tmpfs", str(parent)], capture_output=True)
+        if made.returncode != 0:
+            pytest.skip("cannot mount a tmpfs here")
+        out, why = parent / "pack", "No space left on device"
+    try:
+        result = run_cli("pack", "export", "--store", tmp_path / "a", "--model", model, "--prompt", PROMPT,
+                         "--unsigned", "--out", out, check=False)
+        assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+        assert f"kvstore: error: cannot write the pack {out}: {why}; nothing exported" in result.stderr, result.stderr
+        assert ".tmp-" not in result.stderr and not out.exists()
+        assert sorted(os.listdir(parent)) == (["a-file"] if where == "under-a-file" else [])
+    finally:
+        if where == "full-disk":
+            subprocess.run(["umount", str(parent)], capture_output=True)
 
 
 def test_an_import_of_a_folder_that_is_not_there_says_so(tmp_path, demo_model):

@@ -197,3 +197,33 @@ def test_a_tenants_pins_are_listed_by_tag_and_unpinned_as_that_tenant(tmp_path, 
     [m] = json.loads(_run("pins", "--store", store, "--json").stdout)["models"]
     assert m["records"] == shared and m["tenants"] == {}  # the operator's shared pins stay
     assert _run("pins", "--store", store, "--tenant", "alice", check=False).returncode == 2
+
+
+def test_a_pinned_record_stored_again_after_a_bad_read_stays_pinned(tmp_path, llama):
+    """A pinned prompt whose blobs went bad is quarantined at its next fetch and stored again
+    (healed) by the next insert of it, which does not pin: the pin stays, and the pins file a
+    rebuild reads back still agrees with the index (verify finds nothing)."""
+    from kvstore.storage.blobtree import blob_path
+
+    model_path, model = llama
+    with kvstore.open(tmp_path / "s", chunk_size=C) as store:
+        mc = store.bind(model, model_path)
+        mc.prefill(SYSTEM, pin=True)  # two whole chunks: no tail holds them
+        store.flush()
+        pinned = set(mc.record_hashes(SYSTEM))
+        assert set(store.index.pinned()) == pinned
+        for h in pinned:
+            path = blob_path(store.blob_root, h)
+            data = bytearray(path.read_bytes())
+            data[-1] ^= 0xFF  # in the last tensor's data: its checksum fails
+            path.write_bytes(bytes(data))
+    with kvstore.open(tmp_path / "s", chunk_size=C, memory_bytes=0) as store:  # (no copy in RAM)
+        mc = store.bind(model, model_path)
+        cache, rest = mc.fetch(SYSTEM + [3])
+        assert rest == SYSTEM + [3] and store.stats()["quarantined"] == len(pinned)
+        mc.prefill(SYSTEM)  # stored again, healed, by an insert that does not pin
+        store.flush()
+        assert set(store.index.pinned()) == pinned
+        assert store.verify() == []
+        cache, rest = mc.fetch(SYSTEM + [3])
+        assert rest == [3] and logits_diff(model, cache, rest, SYSTEM + [3]) <= TOL

@@ -75,6 +75,15 @@ def test_generate_says_nothing_reached_the_disk_under_admit_reused(kv, tmp_path,
     assert re.search(r"cache of (\d+) tokens: 0 on disk, \1 not stored \(not admitted\)", line), line
 
 
+def test_a_setting_it_does_not_know_names_those_the_store_keeps(kv, tmp_path, demo_model_path):
+    """A name with no close match (ADMIT, an empty one) was refused as "no setting ADMIT", which
+    says nothing of what to give: the refusal names the settings the store keeps."""
+    kv("generate", "--store", tmp_path / "s", "--model", demo_model_path, "--prompt", "hi", "--max-tokens", 1)
+    for given in (["ADMIT=all"], ["=all"], ["--reset", "everything"]):
+        refused = kv("settings", "--store", tmp_path / "s", *given, code=2)
+        assert "the store keeps admit, max_write_rate, disk_kv_bits, exact_prefill" in refused.stderr, refused.stderr
+
+
 def test_a_write_rate_of_0_is_refused_naming_off(kv, tmp_path, demo_model_path):
     for bad in (0, "0", "0MB/day"):
         with pytest.raises(InvalidInputError, match="off"):

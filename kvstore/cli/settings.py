@@ -35,7 +35,10 @@ def register(add, store_opts, model_opts) -> None:
 def _setting(name: str, what: str) -> table.Setting:
     s = table.BY_NAME.get(name.strip().replace("-", "_"))
     if s is None:
-        raise CommandError(f"{what}: no setting {did_you_mean(name, table.BY_NAME)}", EXIT_USAGE)
+        named = did_you_mean(name, table.BY_NAME) if name.strip() else "named"
+        kept = ", ".join(k.name for k in table.BY_NAME.values() if k.kept)
+        raise CommandError(f"{what}: no setting {named}; the store keeps {kept} (`kvstore settings` lists "
+                           "every setting)", EXIT_USAGE)
     if not s.kept:
         hint = f"give {s.flag} to each command that should use it" if s.flag else f"pass {s.name}= to kvstore.open"
         raise CommandError(f"{what}: {s.name} is not kept in the store, it applies to one run: {hint}", EXIT_USAGE)

@@ -43,7 +43,7 @@ def register(add, store_opts, model_opts) -> None:
     p.add_argument("--isolation", metavar="URL", nargs="?", const="",
                    help="check that tenants cannot tell each other's prompts: of the server at URL, or "
                         "(no URL) through the library on a temporary copy of this store's keys (with --model)")
-    p.add_argument("--tenant-from", metavar="HOW", default="header:X-Tenant",
+    p.add_argument("--tenant-from", metavar="HOW", default=None,
                    help="with --isolation URL: how the server tells tenants, as its --tenant-from "
                         "(header:NAME or bearer; default: header:X-Tenant)")
     p.add_argument("--prompts", metavar="FILE",
@@ -52,7 +52,7 @@ def register(add, store_opts, model_opts) -> None:
     p.add_argument("--admin-token-file", metavar="PATH",
                    help="with --isolation URL: the server's --admin-token-file, to read its /metrics and "
                         "/kvstore/stats (they answer only its token)")
-    p.add_argument("--probes", metavar="N", type=int, default=20,
+    p.add_argument("--probes", metavar="N", type=int, default=None,
                    help="with --isolation: prompts of each kind another tenant probes (default 20; at least 7, "
                         "below which the timing check could not fail)")
     p.add_argument("--exact", action="store_true",
@@ -94,6 +94,16 @@ def _tenant_id(text: str) -> str:
 
 
 def cmd_verify(args) -> int:
+    if args.tenant_from is not None and not args.isolation:
+        raise CommandError("--tenant-from goes with --isolation URL", EXIT_USAGE)
+    if args.isolation is None and (args.prompts is not None or args.probes is not None):
+        raise CommandError("--prompts and --probes go with --isolation (verify alone checks every record of the "
+                           "store, whatever prompts they hold)", EXIT_USAGE)
+    if args.force and not args.repair:
+        raise CommandError("--force goes with --repair (it lets a repair delete orphan blobs); verify alone "
+                           "changes nothing", EXIT_USAGE)
+    args.tenant_from = args.tenant_from or "header:X-Tenant"
+    args.probes = 20 if args.probes is None else args.probes
     if args.exact:
         return _verify_exact(args)
     if (args.sample != 8 or args.tenant is not None or args.kv_bits is not None or args.kv_group_size != 64

@@ -60,7 +60,7 @@ def cmd_warm(args) -> int:
         ctrl_c = _FirstCtrlC()
         previous = signal.signal(signal.SIGINT, ctrl_c)
         try:
-            _warm_all(mc, work, totals, lambda: ctrl_c.requested, loaded.tokenizer)
+            _warm_all(mc, work, totals, lambda: ctrl_c.requested, loaded.tokenizer, lambda: _write_failure(store))
         except (_Stop, KeyboardInterrupt):
             interrupted = True
         finally:
@@ -70,6 +70,8 @@ def cmd_warm(args) -> int:
         if interrupted:
             say(f"{PROG} warm: interrupted; everything stored so far is kept")
         placed = [mc.placement(tokens) for tokens in totals["warmed"]]
+        for p in placed:
+            p.failure = _write_failure(store)
         if totals.get("cut") is not None:  # (nothing of it stored: not reached, as the others)
             cut = mc.placement(totals["cut"])
             stored = cut.on_disk + cut.queued
@@ -82,8 +84,11 @@ def cmd_warm(args) -> int:
         if undone:
             print(f"remote: {undone}")
         if writer["dropped_jobs"] or writer["write_errors"]:
-            say(f"{PROG} warm: {writer['dropped_jobs']} inserts were dropped and {writer['write_errors']} "
-                f"writes failed (last error: {writer['last_error'] or 'none'})")
+            lost = [f"{plural(writer['write_errors'], 'write')} failed (last error: {writer['last_error']})"
+                    if writer["write_errors"] else "",
+                    f"{plural(writer['dropped_jobs'], 'insert')} dropped (the write queue was full)"
+                    if writer["dropped_jobs"] else ""]
+            say(f"{PROG} warm: {' and '.join(filter(None, lost))}: what they held is not on disk")
             return EXIT_PROBLEMS
     if interrupted:
         return EXIT_INTERRUPTED
@@ -106,15 +111,22 @@ def _summary(totals: dict, skipped: int, planned: int, writer: dict, seconds: fl
     print(f"time: {seconds:.1f} s")
 
 
+def _write_failure(store) -> str:
+    """What went wrong with this process's writes, in a few words ("" when nothing did)."""
+    from kvstore.cli.generate import _write_error, _write_problems
+
+    return _write_error(store) if any(_write_problems(store)) else ""
+
+
 def _reasons(placed: list) -> str:
-    from kvstore.write.placement import HELD, REASONS
+    from kvstore.write.placement import HELD
 
     why: dict[str, int] = {}
     for p in placed:
         for reason, n in p.why.items():
             why[reason] = why.get(reason, 0) + n
     # The count of each reason only when there are several: with one, it is the count just said.
-    text = ", ".join(REASONS.get(r, r) + (f": {n}" if len(why) > 1 else "") for r, n in why.items()) or "queued"
+    text = ", ".join(placed[0].reason(r, n if len(why) > 1 else None) for r, n in why.items()) or "queued"
     return text + ("; those in RAM are lost at exit" if any(r in HELD for r in why) else "")
 
 
@@ -145,7 +157,8 @@ def _prefill(mc, item, tokens, progress, tokenizer) -> tuple[int, int, str]:
     return reused, computed, pins
 
 
-def _warm_all(mc, work: list, totals: dict, stop: Callable[[], bool], tokenizer=None) -> None:
+def _warm_all(mc, work: list, totals: dict, stop: Callable[[], bool], tokenizer=None,
+              failure: Callable[[], str] = lambda: "") -> None:
     """Prefill each prompt, with a progress bar on a terminal and a log line per prompt otherwise."""
     bars = _bars(work)
     current = {"computed": 0}  # tokens computed for the prompt in progress
@@ -187,6 +200,7 @@ def _warm_all(mc, work: list, totals: dict, stop: Callable[[], bool], tokenizer=
                 bars[1].update(reused)
             else:
                 placed = mc.placement(tokens)
+                placed.failure = failure()
                 if item.pin and placed.on_disk + placed.queued < placed.tokens:
                     pins = ", not pinned: not all on disk"
                 say(f"[{i}/{len(work)}] {item.where}: {plural(len(tokens), 'token')}, {reused} reused, "

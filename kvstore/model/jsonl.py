@@ -50,7 +50,7 @@ class PromptLine:
     @property
     def where(self) -> str:
         here = self.source if self.line is None else f"{self.source}:{self.line}"
-        return f"{here} (id {self.id})" if self.id is not None else here
+        return f"{here} (id {self.id})" if self.id not in (None, "") else here  # (an empty id names nothing)
 
 
 @dataclass(frozen=True)

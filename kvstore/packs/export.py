@@ -105,20 +105,21 @@ def export_pack(store, mc, model_dir: Path, tokenizer, prompts: list[np.ndarray]
     shared_only(list(rows.values()))
     # Made under its own name (the signature names the folder) in a temporary folder beside `out`.
     staging = out.parent / f".{out.name}.tmp-{os.getpid()}-{os.urandom(4).hex()}"
-    tmp = staging / out.name
-    (tmp / BLOBS).mkdir(parents=True)
+    tmp, writing = staging / out.name, _writing(said, out)
     try:
+        with writing:
+            (tmp / BLOBS).mkdir(parents=True)
         records, canaries, held = {}, {}, {}
         bits = acting_disk_kv_bits(mc.layout, store.disk_kv_bits)
         for h in wanted:
             data, tokens, fields = _portable_blob(store, rows[h], mc.chunk_size)
-            records[h.hex()] = _write(tmp / blob_name(h), data)
+            records[h.hex()] = _write(tmp / blob_name(h), data, writing)
             if fields:
                 canaries[h.hex()] = fields
             if bits:  # kept for the replay below (it holds every record of the pack in RAM anyway)
                 held[h.hex()] = (tokens, data)
         if bits and canaries:
-            _replayed_canaries(mc, bits, tmp, prompts, chains, held, records, canaries)
+            _replayed_canaries(mc, bits, tmp, prompts, chains, held, records, canaries, writing)
         manifest = Manifest(
             record_format=keys.FORMAT_VERSION, fingerprint=mc.fingerprint.hex(), files=ident.files,
             tokenizer=ident.tokenizer, chat_template=ident.chat_template, namespace=mc.ns.hex(),
@@ -126,10 +127,11 @@ def export_pack(store, mc, model_dir: Path, tokenizer, prompts: list[np.ndarray]
             prompts=tuple(Prompt(len(t), sha256(keys.token_bytes(t)), tuple(s.hash.hex() for s in chain))
                           for t, chain in zip(prompts, chains)),
             records=records, canaries=canaries)
-        (tmp / MANIFEST).write_bytes(manifest.to_json())
-        if sign_key is not None:
-            signing.sign(tmp, sign_key)
-        settle(tmp, out)
+        with writing:
+            (tmp / MANIFEST).write_bytes(manifest.to_json())
+            if sign_key is not None:
+                signing.sign(tmp, sign_key)
+            settle(tmp, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return Exported(len(given), sum(map(len, given)), computed, len(records),
@@ -183,7 +185,7 @@ def _held(store, mc, tokens: np.ndarray) -> bool:
 
 def _replayed_canaries(mc, bits: int, folder: Path, prompts: list[np.ndarray], chains: list,
                        held: dict[str, tuple[np.ndarray, bytes]], records: dict[str, tuple[int, str]],
-                       canaries: dict[str, dict[str, str]]) -> None:
+                       canaries: dict[str, dict[str, str]], writing: _writing) -> None:
     """Give the pack's records of K/V quantized on disk the canaries their own replay gives.
 
     A prompt's canary was taken from the step computed at full precision; an import replays it
@@ -203,7 +205,7 @@ def _replayed_canaries(mc, bits: int, folder: Path, prompts: list[np.ndarray], c
         fields = remade[bytes.fromhex(h)]
         data = held[h][1]
         data = blobformat.restamp(data, blobformat.with_extensions(blobformat.header_metadata(data), fields))
-        records[h] = _write(folder / blob_name(h), data)
+        records[h] = _write(folder / blob_name(h), data, writing)
         canaries[h] = fields
 
 
@@ -221,7 +223,25 @@ def _portable_blob(store, row, chunk_size: int) -> tuple[bytes, np.ndarray, dict
     return blobformat.restamp(buf, blobformat.portable(stored.metadata)), stored.tokens, fields
 
 
-def _write(path: Path, data: bytes) -> tuple[int, str]:
+class _writing:
+    """Around the writes of the pack folder: an OSError (a full disk, a file where a folder should
+    be) is a `PackError` that names the pack, not the temporary folder it is made in."""
+
+    def __init__(self, said, out: Path):
+        self.said, self.out = said, out
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, e, tb) -> None:
+        if isinstance(e, OSError):
+            there = next((p for p in (self.out.parent, *self.out.parent.parents) if os.path.lexists(p)), None)
+            why = f"{there} is not a folder" if there is not None and not there.is_dir() else e.strerror or e
+            raise PackError(f"cannot write the pack {self.said}: {why}; nothing exported") from e
+
+
+def _write(path: Path, data: bytes, writing: _writing) -> tuple[int, str]:
     """Write a blob of the pack: (its size, its SHA-256)."""
-    path.write_bytes(data)
+    with writing:
+        path.write_bytes(data)
     return len(data), sha256(data)

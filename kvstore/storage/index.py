@@ -20,7 +20,7 @@ from kvstore import faults
 from kvstore.errors import CorruptIndexError, StoreOpenError
 from kvstore.records import CHECKPOINT, CHUNK, TAIL, RecordId  # noqa: F401 -- the kinds' home is records
 from kvstore.storage import schema
-from kvstore.storage.evictsql import EDGE_OF, MAX_ROLE, ROLE_OK, TOTALS, EvictionSQL, whole  # noqa: F401 -- TOTALS: read from here
+from kvstore.storage.evictsql import EDGE_OF, MAX_ROLE, PINNED, ROLE_OK, TOTALS, EvictionSQL, whole  # noqa: F401 -- TOTALS: read from here
 from kvstore.storage.pins import PinSQL
 from kvstore.storage.schema import available_migrations, connect_read_only, is_corruption
 from kvstore.storage.writesql import WriteLogSQL
@@ -299,7 +299,14 @@ class Index(EvictionSQL, WriteLogSQL, PinSQL):
         ]
         with self.transaction() as conn:
             # A quarantined record stored again is healed: its new blob has replaced the bad one.
-            conn.executemany("DELETE FROM records WHERE hash = ? AND bad = 1", [(v[0],) for v in values])
+            # A pinned one stays pinned (its tokens are the same; a pin outlives a bad read).
+            healed = [(v[0],) for v in values]
+            kept_pins = {h for h, in healed
+                         if conn.execute(f"SELECT 1 FROM records WHERE hash = ? AND bad = 1 AND {PINNED}",
+                                         (h,)).fetchone()}
+            if kept_pins:
+                values = [(*v[:12], 1, *v[13:]) if v[0] in kept_pins else v for v in values]
+            conn.executemany("DELETE FROM records WHERE hash = ? AND bad = 1", healed)
             before = conn.total_changes
             conn.executemany(
                 f"INSERT OR IGNORE INTO records ({_ROW_COLUMNS}) "

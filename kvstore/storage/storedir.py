@@ -17,9 +17,17 @@ import sqlite3
 import stat
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
-from kvstore.errors import CorruptIndexError, IndexLostError, InvalidInputError, NotAStoreError, StoreOpenError
+from kvstore.errors import (
+    CorruptIndexError,
+    IndexLostError,
+    InvalidInputError,
+    NotAStoreError,
+    SchemaTooNewError,
+    StoreOpenError,
+)
 from kvstore.storage.blobtree import SUFFIX
 from kvstore.storage.schema import connect_read_only, is_corruption
 
@@ -208,11 +216,13 @@ def open_dir(path: Path, *, create: bool, read_only: bool | None) -> tuple[Path,
     try:
         _check_is_store(path, create=create and not read_only, read_only=read_only)
     except StoreOpenError as e:  # a full disk: SQLite cannot make the index's -wal and -shm
-        if read_only or not disk_full(path):
+        if read_only or isinstance(e, (CorruptIndexError, SchemaTooNewError)) or not disk_full(path):
             raise
-        say_full(path, e)
+        if isinstance(e, NotAStoreError) and not os.path.lexists(path / INDEX_NAME):  # (none was begun here)
+            raise
+        with full_disk_open(path, e):
+            _check_is_store(path, create=False, read_only=True)
         read_only = True
-        _check_is_store(path, create=False, read_only=True)
     _check_mode(path, st, read_only)  # only once it is known to be a store: nothing else changes
     return path, read_only
 
@@ -235,6 +245,22 @@ def disk_full(path: Path) -> bool:
 def say_full(path: Path, e: BaseException) -> None:
     log.warning("kvstore: the disk of the store %s is full (%s): it is open read-only, and nothing is "
                 "stored until space is freed and it is opened again", path, e)
+
+
+@contextmanager
+def full_disk_open(path: Path, e: BaseException):
+    """Open the store read-only, as a full disk leaves it, and say so; when even that fails (a
+    store this disk left half made: an index with no tables yet, or one that needs an upgrade),
+    the error says the disk is full, not what the half-made index looks like."""
+    try:
+        yield
+    except (CorruptIndexError, SchemaTooNewError):
+        raise  # (about the index itself, whatever the disk)
+    except StoreOpenError as inner:
+        raise StoreOpenError(f"the disk of the store {path} is full ({_free(path)} free): its index could not "
+                             "be made or upgraded, so the store cannot be opened, even read-only, until space is freed; "
+                             "then run the command again (nothing stored so far is lost)") from inner
+    say_full(path, e)
 
 
 def _writable(file: Path) -> bool:
@@ -280,6 +306,13 @@ def _check_own_entries(path: Path) -> None:
             kind = "a folder" if want_dir else "a regular file"
             raise StoreOpenError(f"{path / name} is not {kind}: it is not kvstore's own "
                                  "(move it away, or use another store folder)")
+
+
+def _free(path: Path) -> str:
+    try:
+        return f"{shutil.disk_usage(path).free:,} bytes"
+    except OSError:
+        return "no space"
 
 
 def _check_is_store(path: Path, *, create: bool, read_only: bool) -> None:

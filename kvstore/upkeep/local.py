@@ -30,8 +30,8 @@ from kvstore.storage.storedir import (
     PINS_NAME,
     QUARANTINE_NAME,
     disk_full,
+    full_disk_open,
     open_dir,
-    say_full,
     trust_key,
 )
 from kvstore.trust import Trust
@@ -67,9 +67,9 @@ class LocalStore:
         except StoreOpenError as e:  # a full disk: SQLite cannot make the index's -wal and -shm
             if self.read_only or not disk_full(self.path):
                 raise
-            say_full(self.path, e)
+            with full_disk_open(self.path, e):
+                self.index = Index(index_file, read_only=True)
             self.read_only = True
-            self.index = Index(index_file, read_only=True)
         if not self.read_only:  # the index's writes queue behind gc on the blob tree's lock
             self.index.write_gate = functools.partial(blobtree.write_turn, self.blob_root)
             self.index.pins_file = self.path / PINS_NAME  # kept for a rebuild of the index

@@ -44,6 +44,8 @@ class Placement:
     # Where the queued records go is decided by the writer (admission or a write budget may keep
     # them in RAM): an automatic insert's, under a gate that may.
     undecided: bool = False
+    # Why the records "not written" were not, when the caller knows (`the write failed: ...`).
+    failure: str = ""
 
     def text(self) -> str:
         """`1065 on disk`; `0 on disk, 849 in RAM only (not admitted)`; `256 queued for disk`."""
@@ -52,13 +54,18 @@ class Placement:
             parts.append(f"{self.queued} queued for the writer (admission or the write budget decides: disk or "
                          "RAM only)" if self.undecided else f"{self.queued} queued for disk")
         if self.in_ram:
-            reasons = ", ".join(f"{REASONS.get(r, r)}" + (f": {n}" if len(self.why) > 1 else "")
-                                for r, n in self.why.items())
+            reasons = ", ".join(self.reason(r, n if len(self.why) > 1 else None) for r, n in self.why.items())
             kept = self.in_ram if self.in_memory is None else self.in_memory
             held = [f"{kept} in RAM only"] if kept else []
             held += [f"{self.in_ram - kept} not stored"] if kept < self.in_ram else []  # (no memory tier holds them)
             parts.append(f"{', '.join(held)} ({reasons})")
         return ", ".join(parts)
+
+    def reason(self, why: str, count: int | None = None) -> str:
+        """A reason in a report's words, with its count of tokens if given: `over budget: 256`,
+        `not written; the write failed: ...` when the failure is known."""
+        return (REASONS.get(why, why) + ("" if count is None else f": {count}")
+                + (f"; {self.failure}" if why == "not_written" and self.failure else ""))
 
     @property
     def unexplained(self) -> int:
