@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -467,16 +468,19 @@ def test_a_record_gone_between_lookup_and_read_is_looked_up_again(tmp_path, llam
         assert removed == [gone] and rest == [1]  # one token reused, from the longer tail
 
 
-def test_queue_bounded_by_bytes_counts_drops(tmp_path, llama):
+def test_queue_bounded_by_bytes_counts_drops(tmp_path, llama, caplog):
+    """A dropped insert says so: it returns 0 records queued, and the first drop is logged."""
     path, model = llama
     with kvstore.open(tmp_path / "s", chunk_size=C, max_pending_bytes=1) as store:
         mc = store.bind(model, path)
         store.writer.pause()
         try:
             a, b = rand_tokens(C, seed=14), rand_tokens(C, seed=15)
-            mc.insert(a, prefill(model, a))
-            mc.insert(b, prefill(model, b))  # the queue holds one job: this one is dropped
+            assert mc.insert(a, prefill(model, a)) == 1
+            with caplog.at_level(logging.WARNING, logger="kvstore"):
+                assert mc.insert(b, prefill(model, b)) == 0  # the queue holds one job: this one is dropped
             assert store.stats()["writer"]["dropped_jobs"] == 1
+            assert "was dropped: the write queue holds" in caplog.text
         finally:
             store.writer.resume()
         store.flush()

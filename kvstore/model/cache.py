@@ -395,7 +395,8 @@ class ModelCache(ExplicitWrites):
 
         Returns at once: new chunks, the tail and (for recurrent layers, when `checkpoint`) a
         checkpoint at the end are queued for the background writer and visible to `fetch`
-        immediately. Returns how many new records were queued. The store's admission policy
+        immediately. Returns how many new records were queued (0 when the write queue, full
+        past `max_pending_bytes`, dropped them). The store's admission policy
         (`kvstore.open(admit=...)`) says which go to disk; `durable` (as `pin`) writes them
         whatever it says, within the write budget.
 

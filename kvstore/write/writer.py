@@ -87,6 +87,10 @@ class Writer:
             if self._pending_bytes + job.nbytes > self.max_pending_bytes and self._pending_bytes:
                 self.stats.dropped_jobs += 1
                 self.stats.dropped_bytes += job.nbytes
+                if self.stats.dropped_jobs == 1:  # once: a busy server would say it at every insert
+                    log.warning("kvstore: an insert of %d bytes was dropped: the write queue holds %d of its "
+                                "max_pending_bytes=%d; stats()['writer']['dropped_jobs'] counts the drops",
+                                job.nbytes, self._pending_bytes, self.max_pending_bytes)
                 return False
             self._jobs.append(job)
             for spec in job.specs:
