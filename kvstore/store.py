@@ -267,7 +267,7 @@ class Store:
             layout, chunk_size = {**layout, "exact_prefill": self.exact_prefill}, self.exact_prefill
         stamps = None
         if fingerprint is None:
-            fingerprint, stamps = fingerprints.fingerprint(model_id, adapter_path, self.index,
+            fingerprint, stamps = fingerprints.fingerprint(model_id, adapter_path, self.index, model=model,
                                                            remember=not self.read_only, trust=self.trust)
         ns = keys.namespace(fingerprint, layout, chunk_size)
         mc = ModelCache(self.backing, model, str(model_id), ns, fingerprint, layout, codecs, chunk_size,

@@ -769,6 +769,26 @@ def test_a_cache_of_another_model_is_refused_at_insert(llama, demo_model, tmp_pa
         assert mc.insert(tokens, prefill(model, tokens)) > 0  # its own still goes in
 
 
+def test_a_model_bound_with_another_models_id_is_refused(llama, demo_model, tmp_path):
+    """`bind(model, model_id)` with the id of another model (its config.json says another
+    architecture or other sizes than the loaded model's own) is refused, naming the field: its
+    K/V would be stored under the other model's fingerprint and served to it. A model whose K/V
+    have the same shapes (here: another intermediate size) would not be caught at any insert."""
+    path, model = llama
+    other = tmp_path / "other"
+    shutil.copytree(path, other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "intermediate_size": config["intermediate_size"] * 2}))
+    with kvstore.open(tmp_path / "s", chunk_size=16) as store:
+        with pytest.raises(InvalidInputError, match=r"model_id: '.*other' is not the model given to bind: its "
+                                                     r"config.json has intermediate_size=256, the loaded model "
+                                                     r"intermediate_size=128"):
+            store.bind(model, other)
+        with pytest.raises(InvalidInputError, match=r"model_type='gemma3_text', the loaded model model_type='llama'"):
+            store.bind(model, demo_model("gemma3_text"))
+        assert store.bind(model, path).insert([1, 2, 3], prefill(model, [1, 2, 3])) == 1  # its own folder binds
+
+
 def test_bytes_written_counts_only_records_whose_rows_went_in(llama, tmp_path):
     """A batch whose rows the index refused (a full disk at the commit) removes its files again:
     the bytes written count nothing of it (they were counted as the files were placed)."""
