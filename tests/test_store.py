@@ -789,6 +789,18 @@ def test_a_model_bound_with_another_models_id_is_refused(llama, demo_model, tmp_
         assert store.bind(model, path).insert([1, 2, 3], prefill(model, [1, 2, 3])) == 1  # its own folder binds
 
 
+def test_prefill_on_a_read_only_store_is_refused(llama, tmp_path):
+    """`prefill` computes to store: on a store open read-only it computed the prompt, stored
+    nothing, pinned nothing and returned as if it had; it is refused, as `unpin` is. A fetch works."""
+    path, model = llama
+    kvstore.open(tmp_path / "s", chunk_size=16).close()
+    with kvstore.open(tmp_path / "s", chunk_size=16, read_only=True) as store:
+        mc = store.bind(model, path)
+        with pytest.raises(StoreOpenError, match="open read-only: prefill needs to write to it"):
+            mc.prefill(list(range(1, 40)), pin=True)
+        assert mc.fetch(list(range(1, 40)))[1] == list(range(1, 40))
+
+
 def test_bytes_written_counts_only_records_whose_rows_went_in(llama, tmp_path):
     """A batch whose rows the index refused (a full disk at the commit) removes its files again:
     the bytes written count nothing of it (they were counted as the files were placed)."""
