@@ -487,6 +487,19 @@ def test_queue_bounded_by_bytes_counts_drops(tmp_path, llama, caplog):
         assert store.stats()["chunks"] == 1
 
 
+def test_an_insert_that_races_close_is_counted_dropped_not_queued(tmp_path, llama):
+    """An insert on another thread that passed its open check as `close` stopped the writer (the
+    point in `Store.close` where it is): its records were queued where no thread writes them, and
+    it returned them as queued. It is counted as dropped and returns 0."""
+    path, model = llama
+    tokens = rand_tokens(C + 3, seed=16)
+    with kvstore.open(tmp_path / "s", chunk_size=C) as store:
+        mc = store.bind(model, path)
+        store.writer.close()
+        assert mc.insert(tokens, prefill(model, tokens)) == 0
+        assert store.stats()["writer"]["dropped_jobs"] == 1 and not store.writer.pending_bytes
+
+
 def test_bad_input_is_refused_with_a_clear_message(tmp_path, llama):
     path, model = llama
     with kvstore.open(tmp_path / "s", chunk_size=C) as store:

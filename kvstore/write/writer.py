@@ -82,15 +82,17 @@ class Writer:
     # -- caller side ------------------------------------------------------------------------
 
     def submit(self, job: Job) -> bool:
-        """Queue a job; False (and counted) when the queue is full."""
+        """Queue a job; False (and counted) when the queue is full, or closed (an insert that
+        raced the store's close: no thread would write it)."""
         with self._cond:
-            if self._pending_bytes + job.nbytes > self.max_pending_bytes and self._pending_bytes:
+            if self._stop or self._pending_bytes + job.nbytes > self.max_pending_bytes and self._pending_bytes:
                 self.stats.dropped_jobs += 1
                 self.stats.dropped_bytes += job.nbytes
                 if self.stats.dropped_jobs == 1:  # once: a busy server would say it at every insert
-                    log.warning("kvstore: an insert of %d bytes was dropped: the write queue holds %d of its "
-                                "max_pending_bytes=%d; stats()['writer']['dropped_jobs'] counts the drops",
-                                job.nbytes, self._pending_bytes, self.max_pending_bytes)
+                    why = "the store was closing" if self._stop else (
+                        f"the write queue holds {self._pending_bytes} of its max_pending_bytes={self.max_pending_bytes}")
+                    log.warning("kvstore: an insert of %d bytes was dropped: %s; stats()['writer']['dropped_jobs'] "
+                                "counts the drops", job.nbytes, why)
                 return False
             self._jobs.append(job)
             for spec in job.specs:
