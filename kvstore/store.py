@@ -365,9 +365,7 @@ class Store:
         if self.files is None:
             if drop_tenants:  # (a store in RAM keeps no tenant's records apart)
                 raise InvalidInputError("drop_tenants needs a store on disk, not one in RAM: nothing deleted")
-            if max_bytes is not None:
-                self.memory.trim_to(max_bytes)
-            return {"evicted": 0, "freed_bytes": 0, "bytes": self.memory.nbytes, "dry_run": dry_run}
+            return self.memory.gc(self.memory.nbytes if max_bytes is None else max_bytes, dry_run=dry_run)
         return evict(self.files, self.memory, max_bytes=max_bytes, max_age=max_age, dry_run=dry_run, stale=stale,
                      tenant_max_bytes=self.tenant_max_bytes, drop_tenants=drop_tenants)
 
