@@ -487,6 +487,19 @@ def test_queue_bounded_by_bytes_counts_drops(tmp_path, llama, caplog):
         assert store.stats()["chunks"] == 1
 
 
+def test_max_pending_bytes_0_drops_every_insert_as_documented(tmp_path, llama):
+    """`max_pending_bytes=0` is documented as "every insert is dropped": an insert into the empty
+    queue went in all the same (one alone always fits a bound above 0, however large)."""
+    path, model = llama
+    tokens = rand_tokens(C + 3, seed=17)
+    with kvstore.open(tmp_path / "s", chunk_size=C, max_pending_bytes=0) as store:
+        assert store.bind(model, path).insert(tokens, prefill(model, tokens)) == 0
+        store.flush()
+        assert (store.stats()["chunks"], store.stats()["writer"]["dropped_jobs"]) == (0, 1)
+    with kvstore.open(tmp_path / "s", chunk_size=C, max_pending_bytes=1) as store:
+        assert store.bind(model, path).insert(tokens, prefill(model, tokens)) == 2  # alone, larger than 1 byte
+
+
 def test_an_insert_that_races_close_is_counted_dropped_not_queued(tmp_path, llama):
     """An insert on another thread that passed its open check as `close` stopped the writer (the
     point in `Store.close` where it is): its records were queued where no thread writes them, and

@@ -82,10 +82,13 @@ class Writer:
     # -- caller side ------------------------------------------------------------------------
 
     def submit(self, job: Job) -> bool:
-        """Queue a job; False (and counted) when the queue is full, or closed (an insert that
-        raced the store's close: no thread would write it)."""
+        """Queue a job; False (and counted) when the queue is full (a job alone in an empty queue
+        fits, however large, unless the bound is 0: every insert is dropped), or closed (an insert
+        that raced the store's close: no thread would write it)."""
         with self._cond:
-            if self._stop or self._pending_bytes + job.nbytes > self.max_pending_bytes and self._pending_bytes:
+            full = self._pending_bytes + job.nbytes > self.max_pending_bytes and (
+                self._pending_bytes or not self.max_pending_bytes)
+            if self._stop or full:
                 self.stats.dropped_jobs += 1
                 self.stats.dropped_bytes += job.nbytes
                 if self.stats.dropped_jobs == 1:  # once: a busy server would say it at every insert
