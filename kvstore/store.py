@@ -394,20 +394,22 @@ class Store:
 
     def verify_exact(self, model: Any, model_id: str | os.PathLike, *, sample: int | None = 8,
                      **bind_options) -> "Report":
-        """Check that this store restores what a cold run computes, for `sample` stored prompts
-        of this model (all when None): K/V bit for bit (in exact mode; within bounds otherwise),
-        next-step logits, 32 greedy tokens and the records' canaries (`kvstore.certify`). The
-        shared prompts, or with `tenant=ID` (a `bind` option, as the others) that tenant's. The
-        check reads the store through a read-only opening of its directory, with no memory
-        tier: it writes nothing (no access times, no admission rows). Returns a `Report`
-        (`ok`, `table()`, `verdict()`, `as_dict()`); see docs/exact.md."""
+        """Check that this store restores what a cold run computes, for `sample` stored prompts of this model (all
+        when None): K/V bit for bit (in exact mode; within bounds otherwise), next-step logits, 32 greedy tokens and
+        the records' canaries (`kvstore.certify`). The shared prompts, or with `tenant=ID` (a `bind` option, as the
+        others) that tenant's. It reads the store through a read-only opening of its directory, with no memory tier:
+        it writes nothing (no access times, no admission rows). A `Report`: `ok`, `table()`, ...; docs/exact.md."""
         from kvstore.certify import verify_exact
 
         self._check_open()
+        if bad := sorted(bind_options.keys() - set(list(inspect.signature(Store.bind).parameters)[3:])):
+            raise TypeError(f"verify_exact() got an unexpected keyword argument {bad[0]!r} (it takes bind's options)")
         if self.files is None:
             raise InvalidInputError("verify_exact checks a store directory; a RAM-only store has nothing on disk")
         if not (self.read_only and self.memory.capacity == 0):
             self.flush()
+            if bind_options.get("tenant") is not None and not self.read_only:  # its key, which the twin only reads
+                self.tenant(bind_options["tenant"])
             with Store(self.path, read_only=True, create=False, memory_bytes=0, chunk_size=self.chunk_size,
                        exact_prefill=self.exact_prefill or "off", disk_kv_bits=self.disk_kv_bits or 0) as twin:
                 return twin.verify_exact(model, model_id, sample=sample, **bind_options)
