@@ -34,6 +34,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from kvstore.errors import InvalidInputError
+
 VERSION = 1
 TOP = 8  # token ids kept
 TIE_MARGIN = 0.02  # a top-1 lead smaller than this (in logits) may flip on kernel noise alone
@@ -77,6 +79,23 @@ def of(at: int, token: int, logprobs: Any) -> Canary:
     top = top[np.lexsort((top, -lp[top]))]  # best first; ties by id, so the order is stable
     return Canary(int(at), int(token), tuple(int(i) for i in top),
                   tuple(float(np.float16(v)) for v in lp[top]))
+
+
+def for_tokens(canary: object, tokens: np.ndarray) -> None:
+    """Refuse (`InvalidInputError`, naming what is wrong) a `canary` given with the insert of
+    `tokens` that is not a step of them: not a `Canary`, at a position past the token after
+    them, or of another token than theirs at its position. None passes."""
+    if canary is None:
+        return
+    if not isinstance(canary, Canary):
+        raise InvalidInputError(f"canary: give a kvstore.canary.Canary (kvstore.canary.of(at, token, logprobs)) "
+                                f"or None, not {type(canary).__name__}")
+    if not 0 <= canary.at <= len(tokens):
+        raise InvalidInputError(f"canary: its step is at position {canary.at}, past the {len(tokens)} tokens "
+                                "inserted and the one after them")
+    if canary.at < len(tokens) and canary.token != int(tokens[canary.at]):
+        raise InvalidInputError(f"canary: its step is of token {canary.token} at position {canary.at}, but the "
+                                f"tokens inserted have {int(tokens[canary.at])} there: a canary of another prompt")
 
 
 def parse(text: str) -> Canary | None:

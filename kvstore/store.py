@@ -267,7 +267,7 @@ class Store:
             layout, chunk_size = {**layout, "exact_prefill": self.exact_prefill}, self.exact_prefill
         stamps = None
         if fingerprint is None:
-            fingerprint, stamps = fingerprints.fingerprint(model_id, adapter_path, self.index,
+            fingerprint, stamps = fingerprints.fingerprint(model_id, adapter_path, self.index, model=model,
                                                            remember=not self.read_only, trust=self.trust)
         ns = keys.namespace(fingerprint, layout, chunk_size)
         mc = ModelCache(self.backing, model, str(model_id), ns, fingerprint, layout, codecs, chunk_size,
@@ -365,9 +365,7 @@ class Store:
         if self.files is None:
             if drop_tenants:  # (a store in RAM keeps no tenant's records apart)
                 raise InvalidInputError("drop_tenants needs a store on disk, not one in RAM: nothing deleted")
-            if max_bytes is not None:
-                self.memory.trim_to(max_bytes)
-            return {"evicted": 0, "freed_bytes": 0, "bytes": self.memory.nbytes, "dry_run": dry_run}
+            return self.memory.gc(self.memory.nbytes if max_bytes is None else max_bytes, dry_run=dry_run)
         return evict(self.files, self.memory, max_bytes=max_bytes, max_age=max_age, dry_run=dry_run, stale=stale,
                      tenant_max_bytes=self.tenant_max_bytes, drop_tenants=drop_tenants)
 
@@ -396,20 +394,22 @@ class Store:
 
     def verify_exact(self, model: Any, model_id: str | os.PathLike, *, sample: int | None = 8,
                      **bind_options) -> "Report":
-        """Check that this store restores what a cold run computes, for `sample` stored prompts
-        of this model (all when None): K/V bit for bit (in exact mode; within bounds otherwise),
-        next-step logits, 32 greedy tokens and the records' canaries (`kvstore.certify`). The
-        shared prompts, or with `tenant=ID` (a `bind` option, as the others) that tenant's. The
-        check reads the store through a read-only opening of its directory, with no memory
-        tier: it writes nothing (no access times, no admission rows). Returns a `Report`
-        (`ok`, `table()`, `verdict()`, `as_dict()`); see docs/exact.md."""
+        """Check that this store restores what a cold run computes, for `sample` stored prompts of this model (all
+        when None): K/V bit for bit (in exact mode; within bounds otherwise), next-step logits, 32 greedy tokens and
+        the records' canaries (`kvstore.certify`). The shared prompts, or with `tenant=ID` (a `bind` option, as the
+        others) that tenant's. It reads the store through a read-only opening of its directory, with no memory tier:
+        it writes nothing (no access times, no admission rows). A `Report`: `ok`, `table()`, ...; docs/exact.md."""
         from kvstore.certify import verify_exact
 
         self._check_open()
+        if bad := sorted(bind_options.keys() - set(list(inspect.signature(Store.bind).parameters)[3:])):
+            raise TypeError(f"verify_exact() got an unexpected keyword argument {bad[0]!r} (it takes bind's options)")
         if self.files is None:
             raise InvalidInputError("verify_exact checks a store directory; a RAM-only store has nothing on disk")
         if not (self.read_only and self.memory.capacity == 0):
             self.flush()
+            if bind_options.get("tenant") is not None and not self.read_only:  # its key, which the twin only reads
+                self.tenant(bind_options["tenant"])
             with Store(self.path, read_only=True, create=False, memory_bytes=0, chunk_size=self.chunk_size,
                        exact_prefill=self.exact_prefill or "off", disk_kv_bits=self.disk_kv_bits or 0) as twin:
                 return twin.verify_exact(model, model_id, sample=sample, **bind_options)

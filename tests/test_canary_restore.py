@@ -125,14 +125,16 @@ def test_an_8bit_store_is_judged_within_its_bounds_and_only_reported(tmp_path, d
         assert reused == len(prompt) - 1 and moved is not None and moved.ok, moved  # within 8-bit K/V's bound
 
 
-def test_the_server_adapter_checks_the_first_step_and_stores_none_of_a_wrong_restore(tmp_path, llama, caplog):
+@pytest.mark.parametrize("host", [False, True], ids=["mlx", "numpy"])
+def test_the_server_adapter_checks_the_first_step_and_stores_none_of_a_wrong_restore(tmp_path, llama, caplog, host):
     """`PersistentPromptCache` (an own server's calls, as mlx_lm.server makes them): the first
     step of a request that restored the stored prompt is compared with its canary; on a miss the
-    record is quarantined and the request's cache is not stored again."""
+    record is quarantined and the request's cache is not stored again. An own server may hand
+    `seen` its log-probabilities as a numpy array (`host`): they are kept and compared the same."""
     from kvstore.serve.promptcache import PersistentPromptCache
 
     path, model = llama
-    prompt = toks(60, 3)
+    prompt = toks(60, 3 + host)  # (another record each: a process warns of a record once)
 
     def request(store) -> int:
         pc = PersistentPromptCache(store)
@@ -140,7 +142,7 @@ def test_the_server_adapter_checks_the_first_step_and_stores_none_of_a_wrong_res
         cache, rest = pc.fetch_nearest_cache("m", prompt)
         cache = cache if cache is not None else store.bind(model, path).new_cache()
         logprobs = run(model, cache, rest)
-        pc.first_steps.seen(logprobs, rest=rest)
+        pc.first_steps.seen(np.asarray(logprobs) if host else logprobs, rest=rest)
         pc.insert_cache("m", prompt + [int(np.argmax(np.asarray(logprobs)))], cache)
         store.flush()
         return len(prompt) - len(rest)

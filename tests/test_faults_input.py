@@ -247,6 +247,27 @@ def test_token_ids_beyond_int32_are_refused(tmp_path, llama, bad):
         assert store.stats()["chunks"] + store.stats()["tails"] == 0
 
 
+def test_a_canary_that_is_not_a_step_of_the_tokens_is_refused(tmp_path, llama):
+    """`insert(..., canary=)` takes a `Canary` of one of its tokens (or of the one after them):
+    text, or another prompt's canary, raised an AttributeError or was kept, and every later
+    restore of the prompt would then miss it. Nothing is queued for a refused one."""
+    from kvstore import canary as canaries
+
+    model_path, model = llama
+    tokens = prompts(24, 1, C)[0][: C + 5]
+    cache, logits = prefill(model, tokens), np.arange(10.0)
+    with kvstore.open(tmp_path / "s", chunk_size=C) as store:
+        mc = store.bind(model, model_path)
+        for canary, said in [("x", "not str"), (canaries.of(len(tokens) + 1, 5, logits), "past the 21 tokens"),
+                             (canaries.of(3, tokens[3] + 1, logits), f"have {tokens[3]} there")]:
+            with pytest.raises(InvalidInputError, match=f"canary: .*{said}"):
+                mc.insert(tokens, cache, canary=canary)
+        assert mc.stored_length(tokens) == 0
+        assert mc.insert(tokens, cache, canary=canaries.of(len(tokens) - 1, tokens[-1], logits)) == 2
+        assert mc.insert(tokens + [7], prefill(model, tokens + [7]), canary=canaries.of(
+            len(tokens) + 1, 9, logits)) == 1  # (the step of the token after them: its record ends before it)
+
+
 def test_nan_and_inf_in_a_cache_are_stored_as_computed(tmp_path, llama):
     """Decision (tests/README.md): K/V are stored bit for bit, NaN and inf included."""
     model_path, model = llama

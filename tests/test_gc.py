@@ -404,3 +404,21 @@ def test_warming_a_stored_prompt_again_counts_as_a_use(tmp_path, llama):
         store.gc(max_bytes=sum(r.size for r in keep))
         assert set(mc.record_hashes(first)) <= {r.hash for r in store.index.rows()}
         assert not set(mc.record_hashes(second)) & {r.hash for r in store.index.rows()}
+
+
+def test_gc_of_a_store_in_ram_says_what_it_evicted_and_a_dry_run_evicts_nothing(llama):
+    """A RAM-only store's gc trimmed its records even with `dry_run=True`, and said 0 evicted,
+    0 bytes freed either way. It says what it evicts (or would), as a disk gc does."""
+    path, model = llama
+    tokens = list(range(1, 4 * C + 1))
+    with kvstore.open(kvstore.MEMORY, chunk_size=C) as store:
+        mc = store.bind(model, str(path))
+        mc.insert(tokens, prefill(model, tokens))
+        store.flush()
+        held = store.stats()["bytes"]
+        plan = store.gc(max_bytes=0, dry_run=True)
+        assert (plan["evicted"], plan["freed_bytes"], plan["bytes_before"], plan["bytes"]) == (4, held, held, 0)
+        assert store.stats()["bytes"] == held and mc.stored_length(tokens) == len(tokens)
+        done = store.gc(max_bytes=held // 2)
+        assert done["evicted"] == 2 and done["freed_bytes"] == held - store.stats()["bytes"] > 0
+        assert store.gc()["evicted"] == 0

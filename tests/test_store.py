@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -467,20 +468,49 @@ def test_a_record_gone_between_lookup_and_read_is_looked_up_again(tmp_path, llam
         assert removed == [gone] and rest == [1]  # one token reused, from the longer tail
 
 
-def test_queue_bounded_by_bytes_counts_drops(tmp_path, llama):
+def test_queue_bounded_by_bytes_counts_drops(tmp_path, llama, caplog):
+    """A dropped insert says so: it returns 0 records queued, and the first drop is logged."""
     path, model = llama
     with kvstore.open(tmp_path / "s", chunk_size=C, max_pending_bytes=1) as store:
         mc = store.bind(model, path)
         store.writer.pause()
         try:
             a, b = rand_tokens(C, seed=14), rand_tokens(C, seed=15)
-            mc.insert(a, prefill(model, a))
-            mc.insert(b, prefill(model, b))  # the queue holds one job: this one is dropped
+            assert mc.insert(a, prefill(model, a)) == 1
+            with caplog.at_level(logging.WARNING, logger="kvstore"):
+                assert mc.insert(b, prefill(model, b)) == 0  # the queue holds one job: this one is dropped
             assert store.stats()["writer"]["dropped_jobs"] == 1
+            assert "was dropped: the write queue holds" in caplog.text
         finally:
             store.writer.resume()
         store.flush()
         assert store.stats()["chunks"] == 1
+
+
+def test_max_pending_bytes_0_drops_every_insert_as_documented(tmp_path, llama):
+    """`max_pending_bytes=0` is documented as "every insert is dropped": an insert into the empty
+    queue went in all the same (one alone always fits a bound above 0, however large)."""
+    path, model = llama
+    tokens = rand_tokens(C + 3, seed=17)
+    with kvstore.open(tmp_path / "s", chunk_size=C, max_pending_bytes=0) as store:
+        assert store.bind(model, path).insert(tokens, prefill(model, tokens)) == 0
+        store.flush()
+        assert (store.stats()["chunks"], store.stats()["writer"]["dropped_jobs"]) == (0, 1)
+    with kvstore.open(tmp_path / "s", chunk_size=C, max_pending_bytes=1) as store:
+        assert store.bind(model, path).insert(tokens, prefill(model, tokens)) == 2  # alone, larger than 1 byte
+
+
+def test_an_insert_that_races_close_is_counted_dropped_not_queued(tmp_path, llama):
+    """An insert on another thread that passed its open check as `close` stopped the writer (the
+    point in `Store.close` where it is): its records were queued where no thread writes them, and
+    it returned them as queued. It is counted as dropped and returns 0."""
+    path, model = llama
+    tokens = rand_tokens(C + 3, seed=16)
+    with kvstore.open(tmp_path / "s", chunk_size=C) as store:
+        mc = store.bind(model, path)
+        store.writer.close()
+        assert mc.insert(tokens, prefill(model, tokens)) == 0
+        assert store.stats()["writer"]["dropped_jobs"] == 1 and not store.writer.pending_bytes
 
 
 def test_bad_input_is_refused_with_a_clear_message(tmp_path, llama):
@@ -763,6 +793,38 @@ def test_a_cache_of_another_model_is_refused_at_insert(llama, demo_model, tmp_pa
         store.flush()
         assert store.stats()["bytes"] == 0 and store.stats()["memory"]["records"] == 0
         assert mc.insert(tokens, prefill(model, tokens)) > 0  # its own still goes in
+
+
+def test_a_model_bound_with_another_models_id_is_refused(llama, demo_model, tmp_path):
+    """`bind(model, model_id)` with the id of another model (its config.json says another
+    architecture or other sizes than the loaded model's own) is refused, naming the field: its
+    K/V would be stored under the other model's fingerprint and served to it. A model whose K/V
+    have the same shapes (here: another intermediate size) would not be caught at any insert."""
+    path, model = llama
+    other = tmp_path / "other"
+    shutil.copytree(path, other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "intermediate_size": config["intermediate_size"] * 2}))
+    with kvstore.open(tmp_path / "s", chunk_size=16) as store:
+        with pytest.raises(InvalidInputError, match=r"model_id: '.*other' is not the model given to bind: its "
+                                                     r"config.json has intermediate_size=256, the loaded model "
+                                                     r"intermediate_size=128"):
+            store.bind(model, other)
+        with pytest.raises(InvalidInputError, match=r"model_type='gemma3_text', the loaded model model_type='llama'"):
+            store.bind(model, demo_model("gemma3_text"))
+        assert store.bind(model, path).insert([1, 2, 3], prefill(model, [1, 2, 3])) == 1  # its own folder binds
+
+
+def test_prefill_on_a_read_only_store_is_refused(llama, tmp_path):
+    """`prefill` computes to store: on a store open read-only it computed the prompt, stored
+    nothing, pinned nothing and returned as if it had; it is refused, as `unpin` is. A fetch works."""
+    path, model = llama
+    kvstore.open(tmp_path / "s", chunk_size=16).close()
+    with kvstore.open(tmp_path / "s", chunk_size=16, read_only=True) as store:
+        mc = store.bind(model, path)
+        with pytest.raises(StoreOpenError, match="open read-only: prefill needs to write to it"):
+            mc.prefill(list(range(1, 40)), pin=True)
+        assert mc.fetch(list(range(1, 40)))[1] == list(range(1, 40))
 
 
 def test_bytes_written_counts_only_records_whose_rows_went_in(llama, tmp_path):

@@ -305,3 +305,17 @@ def test_records_deleted_before_the_first_fetch_are_not_served_from_ram(llama, t
         with kvstore.open(tmp_path / "s", chunk_size=C) as other:  # another process's gc
             other.gc(max_bytes=0)
         assert reused(mc, prompt + [1]) == 0
+
+
+def test_verify_exact_of_a_tenant_on_a_store_with_no_tenant_key_yet(llama, tmp_path):
+    """`verify_exact(..., tenant=ID)` on a store open for writing that has bound no tenant yet:
+    the read-only opening it checks through said the store "is open read-only: open it once to
+    write" (it was open to write). It checks that tenant's prompts: none. A keyword that is not
+    one of bind's is named as verify_exact's."""
+    path, model = llama
+    with kvstore.open(tmp_path / "s", chunk_size=C) as store:
+        store.bind(model, str(path)).insert(SYSTEM, prefill(model, SYSTEM))
+        report = store.verify_exact(model, str(path), tenant="alice")
+        assert not report.checks and "NOTHING CHECKED" in report.verdict()
+        with pytest.raises(TypeError, match=r"verify_exact\(\) got an unexpected keyword argument 'tenantt'"):
+            store.verify_exact(model, str(path), tenantt="alice")

@@ -17,17 +17,15 @@ from __future__ import annotations
 import logging
 from typing import Sequence
 
-import mlx.core as mx
-import numpy as np
-
 from kvstore import canary as canaries
 from kvstore.certify.compare import KV_BITS_BOUNDS, disk_bits
+from kvstore.model.prefill import host_logprobs
 
 log = logging.getLogger("kvstore")
 _warned: set[bytes] = set()  # records this process warned of
 
 
-def check_first_step(mc, tokens: Sequence[int], logprobs: mx.array, *, restore: tuple | None = None,
+def check_first_step(mc, tokens: Sequence[int], logprobs, *, restore: tuple | None = None,
                      then: str | None = None) -> canaries.Check | None:
     """The first generation step after this thread's fetch of `tokens` (or after the restore
     `restore`, `mc.last_restore()` of a fetch made earlier) gave `logprobs` (the model's own:
@@ -42,7 +40,7 @@ def check_first_step(mc, tokens: Sequence[int], logprobs: mx.array, *, restore: 
         return None
 
 
-def _check(mc, tokens: Sequence[int], logprobs: mx.array, restore: tuple | None,
+def _check(mc, tokens: Sequence[int], logprobs, restore: tuple | None,
            then: str | None) -> canaries.Check | None:
     found = mc.restored_canary(tokens, restore)
     if found is None:
@@ -53,7 +51,7 @@ def _check(mc, tokens: Sequence[int], logprobs: mx.array, restore: tuple | None,
         return None
     lossy = disk_bits(mc)
     tolerance = KV_BITS_BOUNDS[lossy][1] if lossy else canaries.TOLERANCE
-    got = canaries.check(kept, np.asarray(logprobs.astype(mx.float32)), tolerance)
+    got = canaries.check(kept, host_logprobs(logprobs), tolerance)
     if got.ok:
         return got
     mc.backing.counters.canary_mismatches += 1

@@ -23,9 +23,9 @@ import threading
 import mlx.core as mx
 import numpy as np
 
+from kvstore import canary as canaries
 from kvstore import keys
 from kvstore.canary import Canary
-from kvstore.canary import parse as parse_canary
 from kvstore.errors import BlobError, InvalidInputError
 from kvstore.model import blas
 from kvstore.model import fingerprint as fingerprints
@@ -125,7 +125,7 @@ class ModelCache(ExplicitWrites):
         if not np.array_equal(last[0], np.asarray(tokens, dtype=np.int32)):
             return None
         try:  # read only now: a fetch keeps the header's text, most are never compared
-            return last[2], parse_canary(last[3])
+            return last[2], canaries.parse(last[3])
         except ValueError:  # a header field that does not read failed the record's open already
             return None
 
@@ -395,7 +395,8 @@ class ModelCache(ExplicitWrites):
 
         Returns at once: new chunks, the tail and (for recurrent layers, when `checkpoint`) a
         checkpoint at the end are queued for the background writer and visible to `fetch`
-        immediately. Returns how many new records were queued. The store's admission policy
+        immediately. Returns how many new records were queued (0 when the write queue, full
+        past `max_pending_bytes`, dropped them). The store's admission policy
         (`kvstore.open(admit=...)`) says which go to disk; `durable` (as `pin`) writes them
         whatever it says, within the write budget.
 
@@ -404,12 +405,11 @@ class ModelCache(ExplicitWrites):
         strongest type that reached it; a budget evicts assistant-only records first, then
         user-reached ones, then system prompts (LRU inside each).
 
-        `canary` (`kvstore.canary`): the top of the logits of a step from this cache, kept in the
-        header of the new record that holds its token (or ends just before it).
-        """
-        pending = self._taken(tokens, cache, pin=pin, checkpoint=checkpoint, durable=durable,
-                              cache_type=cache_type, detach=False)
-        return pending.submit(canary)
+        `canary` (`kvstore.canary.of`): the top of the logits of a step of `tokens` from this cache,
+        kept in the header of the new record that holds its token (or ends just before it)."""
+        canaries.for_tokens(canary, toks := as_tokens(tokens))  # (another prompt's would fail every restore)
+        return self._taken(toks, cache, pin=pin, checkpoint=checkpoint, durable=durable, cache_type=cache_type,
+                           detach=False).submit(canary)
 
     def insert_later(self, tokens: Tokens, cache: list, *, pin: bool = False, checkpoint: bool = True,
                      durable: bool = False, cache_type: str = "assistant") -> Pending:

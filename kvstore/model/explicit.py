@@ -39,8 +39,11 @@ class ExplicitWrites:
         prompt's canary (`kvstore.canary`). Recurrent layers get a checkpoint every
         `checkpoint_every` chunks and at the end. In exact mode (`exact_prefill`) the steps are
         the store's, and the prompt but its last token is stored (`model.prefill`). Returns (the
-        cache, or None if nothing had to be computed; tokens reused; tokens computed).
+        cache, or None if nothing had to be computed; tokens reused; tokens computed). A store
+        open read-only refuses it (`StoreOpenError`): it would compute and store nothing.
         """
+        if self.backing.read_only:
+            raise StoreOpenError("this store is open read-only: prefill needs to write to it (fetch works)")
         return prefill_prompt(self, tokens, step=step, checkpoint_every=checkpoint_every, pin=pin,
                               progress=progress, durable=durable, cache_type=cache_type)
 

@@ -34,15 +34,22 @@ def resolve_model_dir(model_id: str) -> Path:
             "folder it was loaded from (or a repo id that is already downloaded)") from e
 
 
+# The fields of a config that fix a model's architecture and shapes, as mlx-lm's `model.args` has them.
+_SHAPE_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                 "head_dim", "intermediate_size", "vocab_size")
+
+
 def fingerprint(model_id: str, adapter_path, index: Index | None, *, remember: bool,
-                trust: Trust | None = None) -> tuple[bytes, list[RecordedFile]]:
+                trust: Trust | None = None, model=None) -> tuple[bytes, list[RecordedFile]]:
     """(the fingerprint of a model's files (config, weights, adapter), each file's stamp and
     digest); each digest memoised in `index` (and, with `remember`, written there), used only
-    under `trust` (`Memo`)."""
+    under `trust` (`Memo`). `model`: the loaded model, refused when the files are another's."""
     if not isinstance(model_id, (str, os.PathLike)):  # (str() of a model is its whole module tree)
         raise InvalidInputError(f"model_id: give the folder or Hugging Face repo id the model was loaded "
                                 f"from, not {type(model_id).__name__}")
     model_dir = resolve_model_dir(str(model_id))
+    if model is not None:
+        check_loaded(model, model_dir, model_id)
     adapter_dir = Path(adapter_path) if adapter_path is not None else None
     if adapter_dir is not None and not adapter_dir.is_dir():
         raise ModelFilesError(f"adapter folder {adapter_dir} does not exist")
@@ -55,6 +62,25 @@ def fingerprint(model_id: str, adapter_path, index: Index | None, *, remember: b
     digests = keys.file_digests(files, memo and memo.lookup("xxh3"), memo and memo.keeper("xxh3"))
     recorded = [(*s, d) for s, d in zip(stamps, digests)]
     return keys.combine(files, model_dir, digests), recorded
+
+
+def check_loaded(model, model_dir: Path, model_id) -> None:
+    """Refuse a loaded `model` whose own config (mlx-lm's `model.args`) differs from the
+    config.json of `model_dir` in a field that fixes its architecture or shapes: its K/V would be
+    stored under the other model's fingerprint, and served to it when they have the same shapes."""
+    args = getattr(model, "args", None)
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # (fingerprinting says what is wrong with the folder)
+    if args is None or not isinstance(config, dict):
+        return
+    for name in _SHAPE_FIELDS:
+        loaded, files = getattr(args, name, None), config.get(name)
+        if type(loaded) is type(files) and type(loaded) in (int, str) and loaded != files:
+            raise InvalidInputError(
+                f"model_id: {str(model_id)!r} is not the model given to bind: its config.json has {name}={files!r}, "
+                f"the loaded model {name}={loaded!r}; give the folder or repo id the model was loaded from")
 
 
 class Memo:

@@ -80,11 +80,19 @@ def model_tokens(model, tokens) -> np.ndarray:
     return toks
 
 
-def canary_of(at: int, token: int, logprobs: mx.array) -> canaries.Canary | None:
-    """The canary of a step's log-probabilities (an mlx array of any float dtype); None when they
-    are not numbers (NaN or +inf: a model that overflowed), which no canary can hold: the records
-    are then stored without one, rather than not at all (a header with such a canary is refused)."""
-    canary = canaries.of(at, token, np.asarray(logprobs.astype(mx.float32)))
+def host_logprobs(logprobs) -> np.ndarray:
+    """A step's log-probabilities (or logits) as a numpy array: from an mlx array of any float
+    dtype (bfloat16 too, which numpy has not), a numpy array or a list, as an own server has them."""
+    if isinstance(logprobs, mx.array):
+        logprobs = logprobs.astype(mx.float32)
+    return np.asarray(logprobs, dtype=np.float64)
+
+
+def canary_of(at: int, token: int, logprobs) -> canaries.Canary | None:
+    """The canary of a step's log-probabilities (`host_logprobs`); None when they are not numbers
+    (NaN or +inf: a model that overflowed), which no canary can hold: the records are then stored
+    without one, rather than not at all (a header with such a canary is refused)."""
+    canary = canaries.of(at, token, host_logprobs(logprobs))
     return canary if all(v <= 0 for v in canary.logprobs) else None
 
 

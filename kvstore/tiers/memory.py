@@ -141,6 +141,21 @@ class MemoryTier:
     def clear(self) -> None:
         self.trim_to(0)
 
+    def gc(self, max_bytes: int, *, dry_run: bool = False) -> dict:
+        """`Store.gc` of a store in RAM: its least recently used records down to `max_bytes`
+        (with `dry_run`, what that would evict, evicting nothing), said as a disk gc says it."""
+        with self._lock:
+            before, going, freed = self.nbytes, [], 0
+            for rec in self._records.values():  # least recently used first
+                if before - freed <= max(0, max_bytes):
+                    break
+                going.append(rec)
+                freed += rec.nbytes
+            if not dry_run:
+                self._tell([], [self._drop(r.hash) for r in going])
+        return {"evicted": len(going), "freed_bytes": freed, "bytes_before": before, "bytes": before - freed,
+                "dry_run": dry_run, "hashes": [r.hash for r in going]}
+
     def _shrink(self, limit: int) -> list[Record]:
         dropped = []
         while self.nbytes > limit and self._records:

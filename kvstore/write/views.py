@@ -177,7 +177,8 @@ class Pending:
 
     def submit(self, canary: Canary | None = None) -> int:
         """Queue the records, with `canary` in the header of the new record that holds its token
-        (or ends just before it; no new record there: no canary). How many new records."""
+        (or ends just before it; no new record there: no canary). How many new records were
+        queued: 0 when the write queue was full and dropped them (`Writer.submit`)."""
         queue, job, self._queue, self._job = self._queue, self._job, None, None
         if queue is None or job is None:
             return 0
@@ -186,8 +187,7 @@ class Pending:
             at = holder([(s.start, s.end) for s in spans], canary.at)
             if at is not None:
                 job.extensions = {spans[at].hash: {"canary": canary.text()}}
-        queue(job)
-        return len(self.new)
+        return len(self.new) if queue(job) else 0
 
 
 def make_job(ns: bytes, toks: np.ndarray, views: Views | None, new: list[Span], refill: list[Span],

@@ -82,11 +82,20 @@ class Writer:
     # -- caller side ------------------------------------------------------------------------
 
     def submit(self, job: Job) -> bool:
-        """Queue a job; False (and counted) when the queue is full."""
+        """Queue a job; False (and counted) when the queue is full (a job alone in an empty queue
+        fits, however large, unless the bound is 0: every insert is dropped), or closed (an insert
+        that raced the store's close: no thread would write it)."""
         with self._cond:
-            if self._pending_bytes + job.nbytes > self.max_pending_bytes and self._pending_bytes:
+            full = self._pending_bytes + job.nbytes > self.max_pending_bytes and (
+                self._pending_bytes or not self.max_pending_bytes)
+            if self._stop or full:
                 self.stats.dropped_jobs += 1
                 self.stats.dropped_bytes += job.nbytes
+                if self.stats.dropped_jobs == 1:  # once: a busy server would say it at every insert
+                    why = "the store was closing" if self._stop else (
+                        f"the write queue holds {self._pending_bytes} of its max_pending_bytes={self.max_pending_bytes}")
+                    log.warning("kvstore: an insert of %d bytes was dropped: %s; stats()['writer']['dropped_jobs'] "
+                                "counts the drops", job.nbytes, why)
                 return False
             self._jobs.append(job)
             for spec in job.specs:

@@ -130,7 +130,8 @@ class FirstSteps:
 
     def seen(self, logprobs, *, prompt: Sequence[int] | None = None, rest: Sequence[int] | None = None,
              processed: bool = False, fetch: Fetch | None = None, redo: bool = False) -> bool:
-        """The first step of a request gave these log-probabilities: its prompt is `prompt`, or
+        """The first step of a request gave these log-probabilities (an mlx or numpy array of the
+        vocabulary's, or its logits: `model.prefill.host_logprobs`): its prompt is `prompt`, or
         the one looked up in `fetch` (this thread's last lookup if None) if `rest` (what the server
         was left to compute) ends it. `processed`: the request's logits processors (a logit bias,
         a repetition, presence or frequency penalty) changed them, so they are not the model's:
