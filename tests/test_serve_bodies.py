@@ -24,6 +24,9 @@ def test_misshapen_fields_are_refused_by_name(demo_model, tmp_path):
             ({"messages": [{"content": "hi"}]}, "messages[0].role is missing"),
             ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content[0]"),
             ({"messages": [{"role": "user", "content": [{"type": "audio"}]}]}, "not a text or image part"),
+            # Stock, these were rendered as "123" and "{'text': 'hi'}" into the prompt, and answered.
+            ({"messages": [{"role": "user", "content": 123}]}, "messages[0].content is a JSON number"),
+            ({"messages": [{"role": "user", "content": {"text": "hi"}}]}, "messages[0].content is a JSON object"),
             ({"messages": HI, "tools": "x"}, "tools"),
             ({"messages": HI, "chat_template_kwargs": [1]}, "chat_template_kwargs"),
             ({"messages": HI, "seed": 2**64}, "seed"),
