@@ -252,6 +252,29 @@ def test_what_a_failed_write_left_out_is_said_in_tokens(tmp_path, llama, caplog)
             assert mc.fetch(p + [3])[1] == p + [3]  # nothing of it is served
 
 
+def test_a_write_that_cannot_reach_the_store_says_what_it_left_out(tmp_path, llama, caplog):
+    """The store's folder removed under a running process: the write fails before any record is
+    placed (the store's lock), and the same line says the job's tokens were not stored."""
+    import logging
+    import shutil
+
+    model_path, model = llama
+    first, second = prompts(45, 2, C)
+    with kvstore.open(tmp_path / "s", chunk_size=C) as store:
+        mc = store.bind(model, model_path)
+        mc.insert(first, prefill(model, first))
+        store.flush()
+        shutil.rmtree(tmp_path / "s")
+        with caplog.at_level(logging.WARNING, logger="kvstore"):
+            mc.insert(second, prefill(model, second))
+            store.flush()
+        assert store.stats()["writer"]["write_errors"] >= 1
+    lost = [r.getMessage() for r in caplog.records if "not stored" in r.getMessage()]
+    shared = len(os.path.commonprefix([first, second])) // C * C  # the system prompt's chunks, stored before
+    assert len(lost) == 1 and lost[0].startswith(f"kvstore: {len(second) - shared} tokens up to record "), lost
+    assert "(neither on disk nor in RAM): a write failed (FileNotFoundError: " in lost[0], lost
+
+
 def test_a_batch_the_index_cannot_take_whole_stores_the_start_of_its_chain(tmp_path, llama, monkeypatch):
     """When the disk fills under a batch's commit (its files took the room the index needed:
     SQLite's "database or disk is full", injected here for batches of more than 2 rows), the

@@ -124,6 +124,16 @@ def _say_lost(dest: Destination, spans: list[Span]) -> None:
                     sum(s.ntokens for s in spans), spans[-1].hash.hex()[:8], dest.stats.last_error)
 
 
+def say_unstored(dest: Destination, job: Job) -> None:
+    """`_say_lost` for a job whose write failed as a whole (the store's lock or index could not be
+    reached): its records not stored, all of them when the index cannot say."""
+    try:
+        present = dest.index.present([s.hash for s in job.specs]) if dest.index is not None else set()
+    except Exception:
+        present = set()
+    _say_lost(dest, [s for s in job.specs if s.hash not in present])
+
+
 def _give_back(dest: Destination, job: Job, staged: _Staged, rows: list[Row]) -> None:
     """Return to the write budget what was taken for files that were not stored after all."""
     unused = staged.taken - sum(row.size for row in rows)
