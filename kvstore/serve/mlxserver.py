@@ -82,9 +82,10 @@ def persistent(server, cache: PersistentPromptCache, started: list,
     original_context = getattr(server, "GenerationContext", None)
     original_http = server._run_http_server
     original_batch = getattr(server, "BatchGenerator", None)
-    original_provider = server.ModelProvider
+    original_provider = getattr(server, "ModelProvider", None)
     server._run_http_server = _http_runner(server, original_http, make_handler)
-    server.ModelProvider = _restoring_provider(original_provider)
+    if isinstance(original_provider, type):
+        server.ModelProvider = _restoring_provider(original_provider)
     server.ResponseGenerator = _response_generator(original, cache, started, on_start, waiting or Waiting())
     if isinstance(original_context, type) and callable(getattr(original_context, "stop", None)):
         server.GenerationContext = _listed_context(original_context, requests)
@@ -101,7 +102,8 @@ def persistent(server, cache: PersistentPromptCache, started: list,
     finally:
         server.ResponseGenerator = original
         server._run_http_server = original_http
-        server.ModelProvider = original_provider
+        if original_provider is not None:
+            server.ModelProvider = original_provider
         if original_context is not None:
             server.GenerationContext = original_context
         if original_batch is not None:
