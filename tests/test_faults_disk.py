@@ -225,6 +225,56 @@ def test_a_full_disk_is_said_once_not_once_per_failed_write(tmp_path, llama, cap
         assert f"; {failed - 1} more like it since it was last said" in said[1], said
 
 
+def test_what_a_failed_write_left_out_is_said_in_tokens(tmp_path, llama, caplog):
+    """`kvstore serve` logs a request's cache as "N queued for disk"; when a write fails, the
+    writer's line says how many of those tokens were not stored, and that RAM does not hold them
+    either (the records after a missing one hang from it). Before, one "a write was dropped" line,
+    said once per quiet time, was all: the next requests' tokens vanished without a word."""
+    import logging
+
+    model_path, model = llama
+    first, second = prompts(44, 2, C)
+    with kvstore.open(tmp_path / "s", chunk_size=C) as store:
+        mc = store.bind(model, model_path)
+        faults.arm("blob_write", "enospc")
+        try:
+            with caplog.at_level(logging.WARNING, logger="kvstore"):
+                for p in (first, second):
+                    mc.insert(p, prefill(model, p))
+                    store.flush()
+        finally:
+            faults.disarm()
+        lost = [r.getMessage() for r in caplog.records if "not stored" in r.getMessage()]
+        assert len(lost) == 2, lost
+        for p, line in zip((first, second), lost):
+            assert line.startswith(f"kvstore: {len(p)} tokens up to record "), line
+            assert "not stored (neither on disk nor in RAM): a write failed (OSError: " in line, line
+            assert mc.fetch(p + [3])[1] == p + [3]  # nothing of it is served
+
+
+def test_a_write_that_cannot_reach_the_store_says_what_it_left_out(tmp_path, llama, caplog):
+    """The store's folder removed under a running process: the write fails before any record is
+    placed (the store's lock), and the same line says the job's tokens were not stored."""
+    import logging
+    import shutil
+
+    model_path, model = llama
+    first, second = prompts(45, 2, C)
+    with kvstore.open(tmp_path / "s", chunk_size=C) as store:
+        mc = store.bind(model, model_path)
+        mc.insert(first, prefill(model, first))
+        store.flush()
+        shutil.rmtree(tmp_path / "s")
+        with caplog.at_level(logging.WARNING, logger="kvstore"):
+            mc.insert(second, prefill(model, second))
+            store.flush()
+        assert store.stats()["writer"]["write_errors"] >= 1
+    lost = [r.getMessage() for r in caplog.records if "not stored" in r.getMessage()]
+    shared = len(os.path.commonprefix([first, second])) // C * C  # the system prompt's chunks, stored before
+    assert len(lost) == 1 and lost[0].startswith(f"kvstore: {len(second) - shared} tokens up to record "), lost
+    assert "(neither on disk nor in RAM): a write failed (FileNotFoundError: " in lost[0], lost
+
+
 def test_a_batch_the_index_cannot_take_whole_stores_the_start_of_its_chain(tmp_path, llama, monkeypatch):
     """When the disk fills under a batch's commit (its files took the room the index needed:
     SQLite's "database or disk is full", injected here for batches of more than 2 rows), the

@@ -5,6 +5,7 @@ is never cut by a field mlx_lm.server reads late, and nothing puts a traceback i
 from __future__ import annotations
 
 import json
+import os
 import socket
 import time
 
@@ -24,6 +25,9 @@ def test_misshapen_fields_are_refused_by_name(demo_model, tmp_path):
             ({"messages": [{"content": "hi"}]}, "messages[0].role is missing"),
             ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content[0]"),
             ({"messages": [{"role": "user", "content": [{"type": "audio"}]}]}, "not a text or image part"),
+            # Stock, these were rendered as "123" and "{'text': 'hi'}" into the prompt, and answered.
+            ({"messages": [{"role": "user", "content": 123}]}, "messages[0].content is a JSON number"),
+            ({"messages": [{"role": "user", "content": {"text": "hi"}}]}, "messages[0].content is a JSON object"),
             ({"messages": HI, "tools": "x"}, "tools"),
             ({"messages": HI, "chat_template_kwargs": [1]}, "chat_template_kwargs"),
             ({"messages": HI, "seed": 2**64}, "seed"),
@@ -121,3 +125,29 @@ def test_a_handler_failure_is_a_500_not_a_dropped_connection(demo_model, tmp_pat
     out = log_path.read_text(errors="replace")
     assert "kvstore serve: POST /v1/chat/completions failed: KeyError at" in out
     assert "Traceback" not in out and "defect" not in out
+
+
+def test_a_model_that_does_not_load_leaves_the_served_one_loaded(demo_model, tmp_path):
+    """OpenAI clients always send `model`. Stock, a name that does not load ("gpt-4", a folder
+    without a model) unloaded the served model first: the request got 404 with the loader's
+    message (a Hub connection error), and render answered 503 "no model is loaded yet" until
+    some later request loaded it back."""
+    model = demo_model("llama")
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    log_path = tmp_path / "server.log"
+    with Server(model, tmp_path / "store", log_path, env=env) as server:
+        for name in ("gpt-4", str(tmp_path)):
+            r = requests.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2, "model": name},
+                              timeout=REQUEST_TIMEOUT)
+            assert r.status_code == 404, r.text
+            error = r.json()["error"]
+            assert f"the model {name!r} cannot be loaded here" in error, error
+            assert f"this server serves {str(model)!r} (GET /v1/models)" in error, error
+            r = requests.post(server.url + "/v1/completions/render", json={"prompt": "hi"}, timeout=REQUEST_TIMEOUT)
+            assert r.status_code == 200 and r.json()[0]["token_ids"] == list(b"hi"), r.text
+        text, usage = ask(server, prompt="hi", max_tokens=2)
+        assert text is not None and usage["completion_tokens"] == 2
+        assert server.stop() == 0
+    out = log_path.read_text(errors="replace")
+    assert "kvstore serve: a request named the model 'gpt-4', which does not load" in out
+    assert f"{model} is loaded again" in out and "Traceback" not in out

@@ -167,6 +167,8 @@ def test_a_trusted_cache_salt_keeps_clients_apart(warmed, tmp_path):
         assert cached(usage(server, victim, None, cache_salt="evil")) == shared
         r = chat(server, SECRET, cache_salt=7)
         assert r.status_code == 400 and "cache_salt" in r.json()["error"]
+        r = chat(server, SECRET, cache_salt="s" * 5000)  # (was a 500 "ValueError")
+        assert r.status_code == 400 and "cache_salt is too long" in r.json()["error"], r.text
         # /v1/completions reads it too
         body = {"prompt": SECRET * 2, "max_tokens": 2, "temperature": 0.0}
         one = requests.post(server.url + "/v1/completions", json={**body, "cache_salt": "x"}, timeout=120).json()

@@ -426,6 +426,20 @@ def test_a_port_in_use_is_named(models, tmp_path):
                              capture_output=True, text=True, timeout=START_TIMEOUT)
     assert out.returncode == 1, out.stderr
     assert f"kvstore serve: cannot listen on 127.0.0.1:{port}: Address already in use" in out.stderr, out.stderr
+    # A host that names no address is named too (it was "cannot serve: [Errno -2] Name or service
+    # not known", with no address).
+    out = subprocess.run([sys.executable, "-m", "kvstore.serve", "--model", str(models["llama"]), "--store",
+                          str(tmp_path / "store"), "--port", str(port), "--host", "no-such-host.invalid"],
+                         capture_output=True, text=True, timeout=START_TIMEOUT)
+    assert out.returncode == 1, out.stderr
+    assert f"kvstore serve: cannot listen on no-such-host.invalid:{port}: " in out.stderr, out.stderr
+    assert "give --host an IP address, or a name that resolves to one" in out.stderr, out.stderr
+    # mlx_lm.server listened on 99999 % 65536 = 34463 and logged "on port 99999".
+    out = subprocess.run([sys.executable, "-m", "kvstore.serve", "--model", str(models["llama"]), "--store",
+                          str(tmp_path / "store"), "--port", "99999"],
+                         capture_output=True, text=True, timeout=START_TIMEOUT)
+    assert out.returncode == 2, out.stderr
+    assert "argument --port: 99999 is no TCP port: give 1 to 65535" in out.stderr, out.stderr
 
 
 def test_the_log_counts_in_the_right_words(models, tmp_path):

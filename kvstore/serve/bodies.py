@@ -99,6 +99,8 @@ def _messages_problem(messages: Any) -> str | None:
         if not isinstance(role, str) or not role:
             return f"its {where}.role is {'missing' if role is None else 'not a non-empty string'}"
         content = message.get("content")
+        if content is not None and not isinstance(content, (str, list)):
+            return f"its {where}.content is a JSON {json_type(content)}, not text or a list of parts"
         for j, part in enumerate(content if isinstance(content, list) else ()):
             at = f"{where}.content[{j}]"
             kind = part.get("type") if isinstance(part, dict) else None

@@ -82,7 +82,10 @@ def persistent(server, cache: PersistentPromptCache, started: list,
     original_context = getattr(server, "GenerationContext", None)
     original_http = server._run_http_server
     original_batch = getattr(server, "BatchGenerator", None)
+    original_provider = getattr(server, "ModelProvider", None)
     server._run_http_server = _http_runner(server, original_http, make_handler)
+    if isinstance(original_provider, type):
+        server.ModelProvider = _restoring_provider(original_provider)
     server.ResponseGenerator = _response_generator(original, cache, started, on_start, waiting or Waiting())
     if isinstance(original_context, type) and callable(getattr(original_context, "stop", None)):
         server.GenerationContext = _listed_context(original_context, requests)
@@ -99,6 +102,8 @@ def persistent(server, cache: PersistentPromptCache, started: list,
     finally:
         server.ResponseGenerator = original
         server._run_http_server = original_http
+        if original_provider is not None:
+            server.ModelProvider = original_provider
         if original_context is not None:
             server.GenerationContext = original_context
         if original_batch is not None:
@@ -121,6 +126,34 @@ def _http_runner(server, original_http: Callable, make_handler: Callable[[type],
                              **kwargs)
 
     return run_http_server
+
+
+def _restoring_provider(original: type) -> type:
+    """mlx_lm.server's `ModelProvider`, which loads the model it had again when a request names
+    one that does not load. Stock, it unloads its model first and is left with none: the request
+    gets 404 with the loader's message (for `"model": "gpt-4"`, a Hub connection error), render
+    and prefetch answer 503 until a later request loads the served model back, and that request
+    pays for the load."""
+
+    class ModelProvider(original):
+        def _load(self, model_path, adapter_path=None, draft_model_path=None):
+            had = self.model_key
+            try:
+                return super()._load(model_path, adapter_path, draft_model_path)
+            except Exception as e:
+                if had is None or had == (model_path, adapter_path, draft_model_path):
+                    raise
+                detail = " ".join(str(e).split()) or type(e).__name__
+                served = getattr(self.cli_args, "model", None)
+                log.warning("kvstore serve: a request named the model %r, which does not load (%s); "
+                            "%s is loaded again", model_path, type(e).__name__, had[0])
+                super()._load(*had)
+                raise ModelFilesError(
+                    f"the model {model_path!r} cannot be loaded here ({type(e).__name__}: {detail}); "
+                    f"this server serves {served!r} (GET /v1/models): send that id, or leave model "
+                    "out") from e
+
+    return ModelProvider
 
 
 def _response_generator(original: type, cache: PersistentPromptCache, started: list,

@@ -148,6 +148,17 @@ def peek_mlx_options(args: list[str]) -> argparse.Namespace:
     return p.parse_known_args(args)[0]
 
 
+def check_port(port: str | None) -> None:
+    """Refuse a `--port` past 65535: mlx_lm.server would take it modulo 65536 (99999 listens on
+    34463) and log the number it was given."""
+    try:
+        number = int(port) if port is not None else None
+    except ValueError:
+        return  # mlx_lm.server's own parser says it is not a number
+    if number is not None and not 0 <= number <= 65535:
+        raise ValueError(f"argument --port: {number} is no TCP port: give 1 to 65535")
+
+
 def without_option(help_text: str, flag: str) -> str:
     """argparse help without the entry of `flag` (its line and the indented lines under it)."""
     out, skipping = [], False

@@ -36,6 +36,7 @@ from kvstore.serve.options import (
     DEFAULT_MAX_STORED_TOKENS,
     PROG,
     build_parser,
+    check_port,
     is_loopback,
     peek_mlx_options,
     server_settings,
@@ -87,6 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     store_settings = settings.given(ours)
     memory_bytes = _memory_bytes(store_settings.pop("memory_bytes", None), peek.prompt_cache_bytes)
     try:
+        check_port(peek.port)
         served = server_settings(ours)
         kv_events = _kv_events(served, peek, served_model)
         ours.remote = remote_url(ours)  # (a bare --remote: $KVSTORE_REMOTE, as for every command)
@@ -296,12 +298,16 @@ def _serve(server, store: Store, served: dict, passthrough: list[str], served_mo
 
 def _cannot_serve(e: OSError, passthrough: list[str]) -> str:
     """What an OSError from the HTTP server means, naming the address when it is about that."""
-    if e.errno not in (errno.EADDRINUSE, errno.EACCES, errno.EADDRNOTAVAIL):
+    unknown_host = isinstance(e, socket.gaierror)  # a --host that names no address
+    if e.errno not in (errno.EADDRINUSE, errno.EACCES, errno.EADDRNOTAVAIL) and not unknown_host:
         return f"cannot serve: {e}"
     peek = peek_mlx_options(passthrough)
     where = f"{peek.host or '127.0.0.1'}:{peek.port or 8080}"  # mlx_lm.server's defaults
-    hint = "; another process is using that port: stop it, or pick another with --port" \
-        if e.errno == errno.EADDRINUSE else ""
+    hint = ""
+    if e.errno == errno.EADDRINUSE:
+        hint = "; another process is using that port: stop it, or pick another with --port"
+    elif unknown_host:
+        hint = "; give --host an IP address, or a name that resolves to one"
     return f"cannot listen on {where}: {e.strerror or e}{hint}"
 
 

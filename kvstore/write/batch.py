@@ -74,6 +74,7 @@ def write(dest: Destination, job: Job,
             inserted = _insert(dest, rows)
             if not inserted:
                 _give_back(dest, job, staged, [])
+                _say_lost(dest, todo)
                 return None
             if len(inserted) < len(rows):  # a full disk took the rest: the chain ends at the last row in
                 cut = next(i for i, s in enumerate(written) if s.hash == rows[len(inserted)].hash)
@@ -88,6 +89,8 @@ def write(dest: Destination, job: Job,
             dest.index.raise_role(job.reached, job.role)
         _give_back(dest, job, staged, rows)
         _settle(dest)  # under the lock, which its transaction would otherwise wait for again
+    placed = {s.hash for s in written}
+    _say_lost(dest, [s for s in todo if s.hash not in placed])
     if copies:
         dest.memory.put(reversed(copies))
     kept = {s.hash for s in written if s.hash in staged.kept}
@@ -109,6 +112,26 @@ def _say_kept(spans: list[Span], why: dict[bytes, str]) -> None:
         by_reason[why[s.hash]] = by_reason.get(why[s.hash], 0) + s.ntokens
     log.info("kvstore: %s up to record %s stay in RAM only, not written", ", ".join(
         f"{n} tokens ({REASONS.get(r, r)})" for r, n in by_reason.items()), spans[-1].hash.hex()[:8])
+
+
+def _say_lost(dest: Destination, spans: list[Span]) -> None:
+    """One log line for the tokens of a job a failed write left out (its file or its row: the
+    records after it hang from it), which are neither on disk nor in RAM: `kvstore serve`'s line
+    for the request said they were queued for disk."""
+    spans = [s for s in spans if s.kind != CHECKPOINT and s.hash not in dest.memory]
+    if spans:
+        log.warning("kvstore: %d tokens up to record %s not stored (neither on disk nor in RAM): a write failed (%s)",
+                    sum(s.ntokens for s in spans), spans[-1].hash.hex()[:8], dest.stats.last_error)
+
+
+def say_unstored(dest: Destination, job: Job) -> None:
+    """`_say_lost` for a job whose write failed as a whole (the store's lock or index could not be
+    reached): its records not stored, all of them when the index cannot say."""
+    try:
+        present = dest.index.present([s.hash for s in job.specs]) if dest.index is not None else set()
+    except Exception:
+        present = set()
+    _say_lost(dest, [s for s in job.specs if s.hash not in present])
 
 
 def _give_back(dest: Destination, job: Job, staged: _Staged, rows: list[Row]) -> None:

@@ -221,6 +221,7 @@ class Writer:
                 due = self._write(job)
             except Exception as e:  # never let one bad job kill the thread
                 self._count_error(e)
+                batch.say_unstored(self._dest, job)
             finally:
                 self._done(job, due)
             if time.monotonic() - self._last_touch_flush > TOUCH_INTERVAL_S:

@@ -28,7 +28,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
-from kvstore.tenants import check_id
+from kvstore.tenants import MAX_ID_BYTES, check_id
 
 log = logging.getLogger("kvstore")
 
@@ -85,7 +85,11 @@ class TenantPolicy:
         salt = body["cache_salt"]
         if not isinstance(salt, str) or not salt:
             raise Refused(400, "cache_salt must be a non-empty string")
-        return check_id((tenant or "") + _SALT_SEPARATOR + salt)
+        try:
+            return check_id((tenant or "") + _SALT_SEPARATOR + salt)
+        except ValueError:  # (was a 500 "ValueError")
+            raise Refused(400, f"cache_salt is too long: with the request's tenant it takes more than "
+                               f"{MAX_ID_BYTES} bytes") from None
 
     def _named(self, headers: Mapping[str, str]) -> str | None:
         if self.source == "none":
