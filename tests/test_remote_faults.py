@@ -309,6 +309,24 @@ def test_damaged_objects_are_never_served(tmp_path, s3, llama, damage):
         assert_only_checked_records(c, real_hashes(mc, prompt, chain[:-1]))
 
 
+def test_an_object_deleted_behind_a_nodes_back_keeps_the_chain_before_it(tmp_path, s3, llama):
+    """A chunk in the middle of a chain deleted from the bucket (by hand, or another fleet's
+    tools) while the chunks below it stay: the HEAD of the deepest finds the chain whole, the
+    GET of the deleted one finds nothing. The fetch restores the chunks before it, not nothing."""
+    path, model = llama
+    url = s3.url()
+    prompt = toks(4 * C + 5, 67)
+    stored(tmp_path, "a", url, model, path, prompt)
+    chain = chain_objects(url)
+    Bucket(url).delete([chain[2].path])  # the third chunk; the fourth and the tail stay
+    with kvstore.open(tmp_path / "b", chunk_size=C, remote=url, memory_bytes=0) as b:
+        mc = b.bind(model, path)
+        reused, _ = fetch_checked(mc, model, prompt + [1])
+        assert reused == 2 * C
+        r = b.stats()["remote"]
+        assert r["remote_tokens"] == 2 * C and r["errors"] == 0
+
+
 def real_hashes(mc, prompt, objects) -> set[bytes]:
     """The chain hashes of the records these objects (named by MAC) are, of a stored prompt."""
     by_name = {names(mc.ns, [h]).pop(): h for h in mc.record_hashes(prompt)}

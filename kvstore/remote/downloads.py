@@ -74,6 +74,10 @@ class Ref:
         return min(MAX_OBJECT_BYTES, most + OVERHEAD)
 
 
+class _Gone(Exception):
+    """The object is not in the bucket (deleted since a HEAD or listing showed it)."""
+
+
 class Downloads:
     def __init__(self, bucket: Bucket, health: Health, *, threads: int = 8,
                  clock: Callable[[], float] = time.monotonic):
@@ -165,13 +169,13 @@ class Downloads:
 
     def _get_open(self, s: Sealer, key: str, cap: int, until: float, rid: RecordId, chunk_size: int,
                   named: bool) -> tuple | None:
-        """(sealed size, plaintext, token ids, record) of the object at `key`, or None: on a
-        download thread, so that opening and checking overlap the other downloads.
-        Unauthenticated if it does not open; BlobError if it is not the record `rid` (`named`:
+        """(sealed size, plaintext, token ids, record) of the object at `key`, or None past the
+        wait: on a download thread, so that opening and checking overlap the other downloads.
+        _Gone if the bucket holds no such object; Unauthenticated if it does not open; BlobError if it is not the record `rid` (`named`:
         known by its name only), intact."""
         opening = self.bucket.get(key, cap, until, into=s.opener(key))  # opened as it arrives
         if opening is None:
-            return None
+            raise _Gone(key)
         size, plain = opening.size, opening.done()  # (Unauthenticated unless every byte came, intact)
         tokens, rid = check_opened(s, plain, rid, chunk_size, named=named)
         # Counted as it arrives, whether or not a fetch takes it (past its wait, after a record
@@ -211,6 +215,9 @@ class Downloads:
         except RemoteError as e:
             self.remember_bad(ref.key)
             self.health.error(e, down=True)
+            return None
+        except _Gone:  # deleted behind this node's back: the chain ends before it, and the next
+            self.remember_bad(ref.key)  # plan of this fetch keeps what comes before it
             return None
         finally:
             ref.future = None  # the future holds the bytes: only what is returned may from here on
