@@ -384,6 +384,26 @@ def test_generate_says_what_came_from_the_bucket(tmp_path, s3, demo_model_path):
     assert m and m.group(4) == url and int(m.group(2)) == int(m.group(3)) == int(m.group(1)) - 1, out.stderr
 
 
+def test_warm_says_what_came_from_the_bucket_and_that_downloads_go_to_disk(tmp_path, s3, demo_model_path):
+    """A second node warming what the first uploaded says each prompt came from the bucket, and
+    counts the downloads still being stored locally as queued for disk, not as never written."""
+    url = s3.url()
+    prompts = REPO / "examples" / "prompts.jsonl"
+    tiny = ("--model", str(demo_model_path), "--remote", url)
+    out = cli("warm", "--store", str(tmp_path / "a"), "--prompts", str(prompts), *tiny)
+    assert out.returncode == 0, out.stderr
+    out = cli("warm", "--store", str(tmp_path / "b"), "--prompts", str(prompts), *tiny)
+    assert out.returncode == 0, out.stderr
+    lines = [line for line in out.stderr.splitlines() if line.startswith("[")]
+    got = [re.search(r", (\d+) reused \((\d+) from the bucket\), ", line) for line in lines]
+    assert len(lines) == 7 and all(m and 0 < int(m.group(2)) <= int(m.group(1)) for m in got), out.stderr
+    assert "in RAM only" not in out.stderr and "not written" not in out.stderr, out.stderr
+    m = re.search(r"tokens reused: (\d+) \((\d+) from the bucket (s3://\S+), (\d+) from the local store\)", out.stdout)
+    assert m and m.group(3) == url and int(m.group(1)) == int(m.group(2)) + int(m.group(4)), out.stdout
+    assert int(m.group(2)) == sum(int(g.group(2)) for g in got), out.stdout
+    assert "on disk: 7 of 7 warmed prompts whole" in out.stdout, out.stdout
+
+
 # -- two servers, one bucket ---------------------------------------------------------------------
 
 def _free_port() -> int:

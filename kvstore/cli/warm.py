@@ -54,13 +54,14 @@ def cmd_warm(args) -> int:
     with bound(args, items, "warm") as (store, loaded, mc, work, errors):
         if store.remote is not None:  # what uploads were left undone is said once, in the last lines
             store.remote.say_undone = False
-        totals = {"done": 0, "reused": 0, "computed": 0, "warmed": []}
+        totals = {"done": 0, "reused": 0, "computed": 0, "warmed": [], "from_bucket": 0}
         started = time.perf_counter()
         interrupted = False
         ctrl_c = _FirstCtrlC()
         previous = signal.signal(signal.SIGINT, ctrl_c)
         try:
-            _warm_all(mc, work, totals, lambda: ctrl_c.requested, loaded.tokenizer, lambda: _write_failure(store))
+            _warm_all(mc, work, totals, lambda: ctrl_c.requested, loaded.tokenizer, lambda: _write_failure(store),
+                      lambda: _remote_tokens(store))
         except (_Stop, KeyboardInterrupt):
             interrupted = True
         finally:
@@ -76,7 +77,8 @@ def cmd_warm(args) -> int:
             cut = mc.placement(totals["cut"])
             stored = cut.on_disk + cut.queued
             totals["cut"] = f", 1 cut short ({stored} of its {cut.tokens} tokens stored)" if stored else ""
-        _summary(totals, len(errors), len(work), writer, time.perf_counter() - started, placed)
+        _summary(totals, len(errors), len(work), writer, time.perf_counter() - started, placed,
+                 store.remote.url if store.remote is not None else None)
         budget = disk_budget(store, on_store(args))
         if budget:
             print(budget)
@@ -95,11 +97,14 @@ def cmd_warm(args) -> int:
     return EXIT_PROBLEMS if errors else 0
 
 
-def _summary(totals: dict, skipped: int, planned: int, writer: dict, seconds: float, placed: list) -> None:
+def _summary(totals: dict, skipped: int, planned: int, writer: dict, seconds: float, placed: list,
+             url: str | None = None) -> None:
     cut = totals.get("cut") or ""
     print(f"prompts: {totals['done']} warmed, {skipped} skipped (bad lines){cut}, "
           f"{planned - totals['done'] - bool(cut)} not reached")
-    print(f"tokens reused: {totals['reused']}")
+    bucket = totals["from_bucket"]
+    print(f"tokens reused: {totals['reused']}" + (f" ({bucket} from the bucket {url}, {totals['reused'] - bucket} "
+                                                  "from the local store)" if url and bucket else ""))
     print(f"tokens computed: {totals['computed']}")
     whole = sum(p.on_disk == p.tokens for p in placed)
     print(f"on disk: {whole} of {len(placed)} warmed prompts whole; "
@@ -109,6 +114,11 @@ def _summary(totals: dict, skipped: int, planned: int, writer: dict, seconds: fl
     print(f"bytes written: {writer['bytes_written']} ({format_size(writer['bytes_written'])}, "
           f"{plural(writer['records_written'], 'record')})")
     print(f"time: {seconds:.1f} s")
+
+
+def _remote_tokens(store) -> int:
+    """Tokens this process has restored from the bucket so far (0 without a remote tier)."""
+    return store.remote.counters["remote_tokens"] if store.remote is not None else 0
 
 
 def _write_failure(store) -> str:
@@ -158,7 +168,7 @@ def _prefill(mc, item, tokens, progress, tokenizer) -> tuple[int, int, str]:
 
 
 def _warm_all(mc, work: list, totals: dict, stop: Callable[[], bool], tokenizer=None,
-              failure: Callable[[], str] = lambda: "") -> None:
+              failure: Callable[[], str] = lambda: "", from_bucket: Callable[[], int] = lambda: 0) -> None:
     """Prefill each prompt, with a progress bar on a terminal and a log line per prompt otherwise."""
     bars = _bars(work)
     current = {"computed": 0}  # tokens computed for the prompt in progress
@@ -180,6 +190,7 @@ def _warm_all(mc, work: list, totals: dict, stop: Callable[[], bool], tokenizer=
                 say(slow)
             t0 = time.perf_counter()
             current["computed"] = 0
+            downloaded = from_bucket()
             try:
                 reused, computed, pins = _prefill(mc, item, tokens, progress, tokenizer)
             except (_Stop, KeyboardInterrupt):
@@ -195,6 +206,8 @@ def _warm_all(mc, work: list, totals: dict, stop: Callable[[], bool], tokenizer=
             totals["done"] += 1
             totals["warmed"].append(tokens)
             totals["reused"] += reused
+            bucket = min(reused, from_bucket() - downloaded)
+            totals["from_bucket"] += bucket
             if bars:
                 bars[0].update(1)
                 bars[1].update(reused)
@@ -203,7 +216,8 @@ def _warm_all(mc, work: list, totals: dict, stop: Callable[[], bool], tokenizer=
                 placed.failure = failure()
                 if item.pin and placed.on_disk + placed.queued < placed.tokens:
                     pins = ", not pinned: not all on disk"
-                say(f"[{i}/{len(work)}] {item.where}: {plural(len(tokens), 'token')}, {reused} reused, "
+                where = f" ({bucket} from the bucket)" if bucket else ""
+                say(f"[{i}/{len(work)}] {item.where}: {plural(len(tokens), 'token')}, {reused} reused{where}, "
                     f"{computed} computed, {placed.text()}{pins} ({time.perf_counter() - t0:.1f} s)")
     finally:
         for bar in bars or ():

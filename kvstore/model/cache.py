@@ -313,7 +313,7 @@ class ModelCache(ExplicitWrites):
         """How many of the tokens of `tokens` have their records on disk, queued for the writer,
         or in RAM only (and why): what a report says was stored (flush first to know it all)."""
         b, toks = self.backing, as_tokens(tokens)
-        out = place(self._durable(toks), b.index, b.writer, b.gate, b.memory)
+        out = place(self._durable(toks), b.index, b.writer, b.gate, b.memory, b.tiers.landing())
         if out.unexplained and not self.exact:
             # A tail the writer dropped for a longer one that holds its tokens (one tail a branch):
             # when the disk restores the whole prompt, it is on disk all the same.

@@ -11,7 +11,7 @@ one restore attempt, each once, and remembers which could not be used. `Tiers` h
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Container, Sequence
 
 import numpy as np
 
@@ -235,6 +235,10 @@ class Tiers:
             cheap = getattr(tier, "holds", None)
             out |= cheap([r.hash for r in rest]) if cheap is not None else set(tier.find(None, rest))
         return out
+
+    def landing(self) -> Container[bytes]:
+        """The records downloaded from the bucket that are on their way to the local disk."""
+        return next((t.stored for t in self.all if t.name == "remote"), ())
 
     def touch(self, hashes: list[bytes]) -> None:
         for tier in self.all:

@@ -77,6 +77,11 @@ class WriteThrough:
                 self._writing.pop(row.hash, None)
                 self._settled.notify_all()  # (`landed` waits for some, `settle` for all)
 
+    def __contains__(self, h: bytes) -> bool:
+        """Whether record `h` was downloaded and is not on the local disk yet."""
+        with self._lock:
+            return h in self._writing
+
     def held(self, records: list[RecordId]) -> list:
         """The downloaded bodies of `records`, from the first, that are still being stored."""
         with self._lock:

@@ -94,14 +94,15 @@ class Placement:
 
 
 def place(spans: Iterable[Span], index: Index | None, writer: _Queue, gate: _Gate | None,
-          memory: Container[bytes] | None = None) -> Placement:
+          memory: Container[bytes] | None = None, landing: Container[bytes] = ()) -> Placement:
     """Where the records `spans` (a prompt's, root first) are. A record queued for the writer
     counts as queued even if the writer will keep it in RAM: flush first to know. `memory`: the
-    memory tier, to tell records kept in RAM from those not kept anywhere."""
+    memory tier, to tell records kept in RAM from those not kept anywhere. `landing`: records
+    downloaded from the bucket and being stored on the local disk (queued too)."""
     spans = [s for s in spans if s.kind != CHECKPOINT]
     out = Placement(tokens=sum(s.ntokens for s in spans), last=spans[-1].hash if spans else None,
                     in_memory=None if memory is None else 0)
-    pending = {s.hash for s in spans if writer.is_pending(s.hash)}
+    pending = {s.hash for s in spans if writer.is_pending(s.hash) or s.hash in landing}
     on_disk = index.present([s.hash for s in spans if s.hash not in pending]) if index is not None else set()
     kept = {s.hash: "ram_only" if index is None else (gate.kept_reason(s.hash) if gate else None)
             for s in spans if s.hash not in on_disk and s.hash not in pending}
