@@ -207,6 +207,33 @@ def test_verify_remote_finds_and_repairs_damaged_objects(tmp_path, s3, llama):
     assert out.returncode == 0 and "clean" in out.stdout, out.stdout + out.stderr
 
 
+def test_verify_remote_reports_a_deleted_record_as_one_orphan_not_its_healthy_records_as_corrupt(
+        tmp_path, s3, llama):
+    """A chunk deleted behind the fleet's back: the chunk below it is an orphan, and what hangs
+    below that is intact (its depth is not known from the tree): one problem, no `corrupt_object`
+    with a made-up depth; the repair deletes the orphan and all below it."""
+    path, model = llama
+    url = s3.url()
+    prompt = toks(4 * C + 3, 51)
+    with kvstore.open(tmp_path / "a", chunk_size=C, remote=url) as a:
+        a.bind(model, path).insert(prompt, prefill(model, prompt))
+        assert a.flush(30)
+    objs = records(url)
+    by_depth, h = [], next(k.hash for k in objs.values() if k.parent == k.ns)
+    while h is not None:  # the chain, root first, then the tail
+        by_depth.append(objs[h])
+        h = next((k.hash for k in objs.values() if k.parent == h), None)
+    assert len(by_depth) == 5
+    Bucket(url).delete([by_depth[1].path])
+    out = cli("verify", "--store", str(tmp_path / "v"), "--remote", url, "--json")
+    assert out.returncode == 1, out.stderr
+    problems = json.loads(out.stdout)["problems"]
+    assert [(p["kind"], p["path"]) for p in problems] == [("orphan_object", by_depth[2].path)], problems
+    out = cli("verify", "--store", str(tmp_path / "v"), "--remote", url, "--repair")
+    assert "1 problem found; repaired 1 (deleted 3 objects" in out.stdout, out.stdout
+    assert set(records(url)) == {by_depth[0].hash}
+
+
 def test_objects_verify_leaves_alone_are_notes_and_the_repair_line_counts_what_it_did(tmp_path, s3, llama):
     """Objects in a namespace folder whose names are not of the layout (here a marks field too
     short for a 20-token tail) are not kvstore's to delete: `--repair` leaves them, so they are

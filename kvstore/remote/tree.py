@@ -85,6 +85,11 @@ class Tree:
                 self._depth[p] = min(self._depth[self.objects[p].parent] + 1, _UNREACHABLE)
         return self._depth[path[0]] if path else self._depth[h]
 
+    def known_depth(self, h: bytes) -> int | None:
+        """`depth(h)`, or None when no namespace reaches it (it hangs below an orphan, or in a cycle)."""
+        depth = self.depth(h)
+        return depth if depth < _UNREACHABLE else None
+
     def orphans(self) -> list[ObjectKey]:
         return [k for k in self.objects.values() if k.parent != k.ns and k.parent not in self.objects]
 

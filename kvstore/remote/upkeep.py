@@ -357,9 +357,9 @@ def _check_records(bucket: Bucket, tree: Tree, spaces: dict[str, Space], threads
             return "corrupt_object", f"cannot download: {e}", False
         if buf is None:
             return None  # deleted since the listing
-        depth = None
+        depth = None  # (unknown below an orphan: its records are judged by all else they state)
         if k.parent == k.ns or k.parent in tree.objects:
-            depth = tree.depth(k.parent) if k.kind == CHECKPOINT else tree.depth(k.hash)
+            depth = tree.known_depth(k.parent) if k.kind == CHECKPOINT else tree.known_depth(k.hash)
         try:
             _check_listed(space.sealer(), k, buf, depth, space.chunk_size)
         except Unauthenticated as e:
