@@ -102,7 +102,7 @@ def _summary(totals: dict, skipped: int, planned: int, writer: dict, seconds: fl
     cut = totals.get("cut") or ""
     print(f"prompts: {totals['done']} warmed, {skipped} skipped (bad lines){cut}, "
           f"{planned - totals['done'] - bool(cut)} not reached")
-    bucket = totals["from_bucket"]
+    bucket = totals.get("from_bucket", 0)
     print(f"tokens reused: {totals['reused']}" + (f" ({bucket} from the bucket {url}, {totals['reused'] - bucket} "
                                                   "from the local store)" if url and bucket else ""))
     print(f"tokens computed: {totals['computed']}")
