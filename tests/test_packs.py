@@ -639,6 +639,17 @@ def test_a_pack_made_in_exact_mode_imports_into_an_exact_store_only(tmp_path, de
     refused = run_cli("pack", "import", tmp_path / "pack", "--store", tmp_path / "c", "--model", model, check=False)
     assert refused.returncode == 1 and "--exact-prefill 256" in refused.stderr
     assert not (tmp_path / "c").exists()
+    # Another step is another exact mode, not another chunk size (its records are that step long).
+    other = run_cli("pack", "import", tmp_path / "pack", "--store", tmp_path / "c", "--model", model,
+                    "--exact-prefill", "512", check=False)
+    assert other.returncode == 1 and "made in exact mode 256, this store's is 512" in other.stderr, other.stderr
+    assert "chunk size" not in other.stderr and not (tmp_path / "c").exists()
+    # Exported again, nothing is computed (the last token is the first step's, never stored), and
+    # the export does not say that it computes the prompt.
+    again = run_cli("pack", "export", "--store", tmp_path / "a", "--model", model, "--prompt", PROMPT,
+                    "--unsigned", "--out", tmp_path / "pack2")
+    assert f"({0} computed now, {n} stored before this export)" in again.stdout, again.stdout
+    assert "computing" not in again.stderr, again.stderr
 
 
 def test_an_import_reads_the_models_weights_once_and_then_not_again(tmp_path, demo_model, signed_pack, keys,

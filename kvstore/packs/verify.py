@@ -233,6 +233,11 @@ def _for_this_model(m: Manifest, t: Target) -> None:
     if m.record_format != keys.FORMAT_VERSION:
         raise PackError(f"the pack's records are format {m.record_format}; this kvstore stores format "
                         f"{keys.FORMAT_VERSION}")
+    # (Exact mode first: its step is the records' length, so another one reads as another chunk size.)
+    theirs, ours = m.layout.get("exact_prefill") if isinstance(m.layout, dict) else None, mc.exact
+    if theirs != ours:
+        raise PackError(f"the pack was made in exact mode {_bits(theirs)}, this store's is {_bits(ours)}: "
+                        f"import it into a store opened with --exact-prefill {theirs or 'off'}")
     if m.chunk_size != mc.chunk_size:
         raise PackError(f"the pack's chunk size is {m.chunk_size} tokens, this store's is {mc.chunk_size}: "
                         f"import it into a store made with chunk_size={m.chunk_size} (kvstore.open's, in the "
@@ -250,10 +255,6 @@ def _for_this_model(m: Manifest, t: Target) -> None:
     if m.fingerprint != mc.fingerprint.hex():
         raise PackError(f"kvstore's fingerprint of this model is {mc.fingerprint.hex()}, the pack's is "
                         f"{m.fingerprint}: it was made with other model files")
-    theirs, ours = m.layout.get("exact_prefill") if isinstance(m.layout, dict) else None, mc.exact
-    if theirs != ours:
-        raise PackError(f"the pack was made in exact mode {_bits(theirs)}, this store's is {_bits(ours)}: "
-                        f"import it into a store opened with --exact-prefill {theirs or 'off'}")
     if _canonical(m.layout) != _canonical(mc.layout):
         raise PackError("the pack's cache layout is not this model's as bound here (bind options such as "
                         "kv_bits, or disk_kv_bits, differ)")

@@ -6,6 +6,8 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
+
 from kvstore.cli.options import bound, prompt_items
 from kvstore.cli.output import CommandError, out, plural, say
 from kvstore.sizes import format_size
@@ -53,13 +55,15 @@ def cmd_export(args) -> int:
 def _progress(mc, prompts: list):
     """What an export says while it computes the prompts not stored yet: a count of tokens on a
     terminal, one line otherwise; nothing when all of them are stored."""
-    todo = [t for t in prompts if mc.stored_length(t) < len(t)]
+    # (In exact mode a stored prompt is all but its last token, the first generation step's.)
+    missing = [len(part) - mc.stored_length(part) for part in (mc.stored_part(np.asarray(t)) for t in prompts)]
+    todo = [n for n in missing if n > 0]
     if not todo:
         yield None
         return
     if not sys.stderr.isatty():
         say(f"computing {plural(len(todo), 'prompt')} not stored whole yet (at most "
-            f"{plural(sum(len(t) - mc.stored_length(t) for t in todo), 'token')}: what they share is computed once)")
+            f"{plural(sum(todo), 'token')}: what they share is computed once)")
         yield None
         return
     from tqdm import tqdm
