@@ -220,6 +220,22 @@ def _signature_of_another_pack(pack: Path, model: Path, env: dict) -> str:
     return "model.sig is the signature of another pack (it covers 1 blob, none of them in this folder)"
 
 
+def _signature_of_a_pack_that_shares_blobs(pack: Path, model: Path, env: dict) -> str:
+    other = pack.parent / "longer-pack"  # PROMPT and more: its first records are this pack's too
+    run_cli("pack", "export", "--store", pack.parent / "other-store", "--model", model, "--prompt", PROMPT + OTHER,
+            "--sign-key", env["keys"]["key"], "--out", other)
+    assert set(os.listdir(other / "blobs")) & set(os.listdir(pack / "blobs"))
+    shutil.copy(other / "model.sig", pack / "model.sig")
+    return "blobs are not in this folder (blobs/"
+
+
+def _other_config(pack: Path, model: Path, env: dict) -> str:
+    other = shutil.copytree(model, pack.parent / "reconfigured")
+    (other / "config.json").write_text((other / "config.json").read_text() + "\n")
+    env["model"] = other
+    return "this model's config file config.json has SHA-256"
+
+
 def _unsigned_with_trust_key(pack: Path, model: Path, env: dict) -> str:
     (pack / "model.sig").unlink()
     return "the pack is not signed"
@@ -228,7 +244,7 @@ def _unsigned_with_trust_key(pack: Path, model: Path, env: dict) -> str:
 @pytest.mark.parametrize("damage", [_flip_byte, _flip_a_token_byte, _swap_blobs, _edit_manifest, _edit_manifest_and_sign_again,
                                     _extra_files, _path_outside_the_pack_signed, _other_model, _other_tokenizer,
                                     _untrusted_signer, _ed25519_trust_key, _missing_blob, _signature_of_another_pack,
-                                    _unsigned_with_trust_key],
+                                    _signature_of_a_pack_that_shares_blobs, _other_config, _unsigned_with_trust_key],
                          ids=lambda f: f.__name__.strip("_"))
 def test_a_bad_pack_is_refused_with_its_reason_and_the_store_stays_as_it_was(
         tmp_path, demo_model, keys, signed_pack, damage):

@@ -99,10 +99,15 @@ def verify(folder: Path, target: Target, *, trust_key: Path | None = None, repla
         signed = signing.signed_files(folder, trust_key)
         if signed.get(MANIFEST) != sha256(raw):
             blobs = [n for n in signed if n != MANIFEST]
-            if blobs and not any(os.path.lexists(folder / n) for n in blobs):
+            absent = [n for n in blobs if not os.path.lexists(folder / n)]
+            if blobs and len(absent) == len(blobs):
                 # (None of what it signs is here: not an edit of this pack's manifest.)
                 raise PackError(f"{SIGNATURE} is the signature of another pack (it covers {plural(len(blobs), 'blob')}, "
                                 "none of them in this folder): get the pack and its signature together from its maker")
+            if absent:  # (a pack that shares some records with this one: its system prompt's, say)
+                raise PackError(f"{SIGNATURE} signs another {MANIFEST} and {len(absent)} of its {plural(len(blobs), 'blob')} "
+                                f"are not in this folder ({absent[0]}...): it is the signature of another pack, or "
+                                "of this one before it was changed; get the pack and its signature together from its maker")
             raise PackError(f"{MANIFEST} was changed after the pack was signed (its SHA-256 is not the signed one)")
         said = f"signed by the trusted key {trust_key}"
     else:
