@@ -353,11 +353,11 @@ def test_an_unsigned_pack_edited_or_with_extra_files_is_refused_by_its_own_check
     doc["prompts"][0]["records"][0] = "../../../../tmp/x"
     doc["records"]["../../../../tmp/x"] = doc["records"].pop(first)
     _write_manifest(outside, doc)
-    for pack, reason in [(count, f"prompt 1: its blobs hold {tokens} token ids, the manifest says {tokens + 1}"),
+    for pack, reason in [(count, f"prompt 1: its blobs hold {tokens} token ids, manifest.json's prompts[0].tokens says {tokens + 1}"),
                          (digest, f"prompt 1: the {tokens} token ids its blobs hold are not the ones the manifest "
-                                  "names (their SHA-256 is not its tokens_sha256)"),
-                         (chain, "prompt 1: the chain recomputed from its tokens differs from the manifest's at "
-                                 "record 2"),
+                                  "names (their SHA-256 is not manifest.json's prompts[0].tokens_sha256)"),
+                         (chain, "prompt 1: the chain recomputed from its tokens differs from manifest.json's "
+                                 "prompts[0].records at record 2"),
                          (extra, "the pack folder holds 1 file(s) its manifest does not list: blobs/evil.safetensors"),
                          (outside, "a record hash must be 32 lower-case hex digits, got '../../../../tmp/x'")]:
         result = run_cli("pack", "import", pack, "--store", tmp_path / "b", "--model", model, check=False)

@@ -314,14 +314,14 @@ def _chain(m: Manifest, blobs: dict[str, bytes], mc) -> tuple[dict[str, tuple[Sp
         tokens = np.concatenate(parts).astype("<i4")
         if len(tokens) != p.tokens or sha256(tokens.tobytes()) != p.tokens_sha256:
             damaged = [h for h in p.records if sha256(blobs[h]) != m.records[h][1]]
-            raise PackError(f"prompt {i + 1}: {_tokens_differ(p, len(tokens), named, damaged)}")
+            raise PackError(f"prompt {i + 1}: {_tokens_differ(p, i, len(tokens), named, damaged)}")
         chain = prompt_records(mc.ns, tokens, mc.chunk_size, checkpoint=mc.checkpointed)
         chain = with_checkpoints(chain, {bytes.fromhex(h) for h in p.records}) if mc.checkpointed else chain
         got = [s.hash.hex() for s in chain]
         if got != list(p.records):
             k = next((j for j, (a, b) in enumerate(zip(got, p.records)) if a != b), min(len(got), len(p.records)))
-            raise PackError(f"prompt {i + 1}: the chain recomputed from its tokens differs from the manifest's "
-                            f"at record {k + 1} of {len(p.records)}")
+            raise PackError(f"prompt {i + 1}: the chain recomputed from its tokens differs from {MANIFEST}'s "
+                            f"prompts[{i}].records at record {k + 1} of {len(p.records)}")
         for s in chain:
             spans.setdefault(s.hash.hex(), (s, i))
         prompts.append(tokens)
@@ -357,9 +357,9 @@ def _shared(metadata: dict[str, str], h: str) -> None:
                         "records go in a pack (a tenant's never leave its store)")
 
 
-def _tokens_differ(p: Prompt, count: int, named: list[str | None], damaged: list[str]) -> str:
+def _tokens_differ(p: Prompt, i: int, count: int, named: list[str | None], damaged: list[str]) -> str:
     """Why a prompt's token ids, read from its blobs in the manifest's order (`count` of them;
-    `named`: the record each blob's header names), are not the manifest's: first a blob that holds
+    `named`: the record each blob's header names; `i`: the prompt's place in the manifest), are not the manifest's: first a blob that holds
     another record than the one the manifest puts there (two blobs swapped: the ids are all
     there, out of order), else a blob whose bytes are not the manifest's (`damaged`: their
     SHA-256 differs; a byte flipped among its token ids), else their count, else their SHA-256
@@ -376,9 +376,9 @@ def _tokens_differ(p: Prompt, count: int, named: list[str | None], damaged: list
         return (f"blob {blob_name(damaged[0])}{more} does not match its SHA-256 in the manifest, and the token ids "
                 "its blobs hold are not the manifest's")
     if count != p.tokens:
-        return f"its blobs hold {count} token ids, the manifest says {p.tokens}"
+        return f"its blobs hold {count} token ids, {MANIFEST}'s prompts[{i}].tokens says {p.tokens}"
     return (f"the {count} token ids its blobs hold are not the ones the manifest names (their SHA-256 is not "
-            "its tokens_sha256)")
+            f"{MANIFEST}'s prompts[{i}].tokens_sha256)")
 
 
 def _ordered(m: Manifest) -> list[str]:
