@@ -236,6 +236,12 @@ def _other_config(pack: Path, model: Path, env: dict) -> str:
     return "this model's config file config.json has SHA-256"
 
 
+def _signature_that_is_not_one(pack: Path, model: Path, env: dict) -> str:
+    (pack / "model.sig").write_text('{"mediaType": "application/vnd.dev.sigstore.bundle+json"}')
+    return "model.sig is not a signature that can be read (a Sigstore bundle, as kvstore pack export and " \
+        "model_signing write it): it has no field 'verificationMaterial'"
+
+
 def _unsigned_with_trust_key(pack: Path, model: Path, env: dict) -> str:
     (pack / "model.sig").unlink()
     return "the pack is not signed"
@@ -244,7 +250,8 @@ def _unsigned_with_trust_key(pack: Path, model: Path, env: dict) -> str:
 @pytest.mark.parametrize("damage", [_flip_byte, _flip_a_token_byte, _swap_blobs, _edit_manifest, _edit_manifest_and_sign_again,
                                     _extra_files, _path_outside_the_pack_signed, _other_model, _other_tokenizer,
                                     _untrusted_signer, _ed25519_trust_key, _missing_blob, _signature_of_another_pack,
-                                    _signature_of_a_pack_that_shares_blobs, _other_config, _unsigned_with_trust_key],
+                                    _signature_of_a_pack_that_shares_blobs, _other_config, _signature_that_is_not_one,
+                                    _unsigned_with_trust_key],
                          ids=lambda f: f.__name__.strip("_"))
 def test_a_bad_pack_is_refused_with_its_reason_and_the_store_stays_as_it_was(
         tmp_path, demo_model, keys, signed_pack, damage):
@@ -288,6 +295,10 @@ def test_an_unsigned_pack_imports_without_a_trust_key_and_says_so(tmp_path, demo
     assert "warning: nothing vouches for these K/V without --trust-key" in result.stderr, result.stderr
     with kvstore.open(tmp_path / "b") as store:
         assert store.pins() == [] and store.stats()["chunks"] > 0
+    run_cli("pack", "export", "--store", tmp_path / "a", "--model", model, "--prompt", OTHER, "--unsigned",
+            "--out", tmp_path / "one")
+    one = run_cli("pack", "import", tmp_path / "one", "--store", tmp_path / "b", "--model", model)
+    assert "checked: model files, chain, 1 blob and its record; 1 canary" in one.stdout, one.stdout
 
 
 def test_an_import_again_says_what_it_did_to_the_pins_an_earlier_import_made(tmp_path, demo_model, signed_pack):

@@ -95,6 +95,11 @@ def signed_files(folder: Path, public_key: Path) -> dict[str, str]:
     _check_signature_file(path)
     try:
         signature = sign_sigstore_pb.Signature.read(path)
+    except Exception as e:  # not JSON, not a Sigstore bundle: no signature to verify at all
+        why = f"it has no field {e.args[0]!r}" if isinstance(e, KeyError) and e.args else _one_line(e)
+        raise PackError(f"{path} is not a signature that can be read (a Sigstore bundle, as kvstore pack export "
+                        f"and model_signing write it): {why}") from None
+    try:
         with contextlib.redirect_stdout(io.StringIO()):  # it prints a warning for old bundles
             manifest = verifier.verify(signature)
     except Exception as e:  # a bad signature, another key, a damaged bundle: all one answer

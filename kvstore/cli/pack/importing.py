@@ -36,7 +36,8 @@ def cmd_import(args) -> int:
         replayed += (f"; {v.unreplayable} {'canary' if v.unreplayable == 1 else 'canaries'} not replayable: "
                      "this model's recurrent layers restore only at a checkpoint, and the pack has none at the "
                      "step (the one at the prompt's end is after it)")
-    out(f"checked: model files, chain, {plural(len(v.records), 'blob')} and their records; {replayed}")
+    out(f"checked: model files, chain, {plural(len(v.records), 'blob')} and "
+        f"{'its record' if len(v.records) == 1 else 'their records'}; {replayed}")
     if not args.trust_key:  # steps 2 to 5 anyone who can write the folder can make hold again
         say(f"{PROG} pack import: warning: nothing vouches for these K/V without --trust-key: whoever could "
             "write the pack could have changed them and redone every check"
