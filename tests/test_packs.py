@@ -364,7 +364,12 @@ def test_an_unsigned_pack_edited_or_with_extra_files_is_refused_by_its_own_check
     doc["prompts"][0]["records"][0] = "../../../../tmp/x"
     doc["records"]["../../../../tmp/x"] = doc["records"].pop(first)
     _write_manifest(outside, doc)
-    for pack, reason in [(count, f"prompt 1: its blobs hold {tokens} token ids, manifest.json's prompts[0].tokens says {tokens + 1}"),
+    linked, doc = _unsigned_copy(signed_pack, tmp_path, "linked")  # a blob as a link to its own bytes elsewhere
+    blob = linked / packfile.blob_name(doc["prompts"][0]["records"][0])
+    blob.rename(tmp_path / "elsewhere.safetensors")
+    blob.symlink_to(tmp_path / "elsewhere.safetensors")
+    for pack, reason in [(linked, f"{blob} is not a regular file: it is a symbolic link (a pack holds its files"),
+                         (count, f"prompt 1: its blobs hold {tokens} token ids, manifest.json's prompts[0].tokens says {tokens + 1}"),
                          (digest, f"prompt 1: the {tokens} token ids its blobs hold are not the ones the manifest "
                                   "names (their SHA-256 is not manifest.json's prompts[0].tokens_sha256)"),
                          (chain, "prompt 1: the chain recomputed from its tokens differs from manifest.json's "

@@ -157,7 +157,9 @@ def check_file(path: Path, limit: int, *, exact: bool = False, name: str = "", l
     except FileNotFoundError:
         raise PackError(f"the pack has no {name or path.name} ({path}){listed}") from None
     if not stat.S_ISREG(st.st_mode):
-        raise PackError(f"{path} is not a regular file")
+        what = ("a symbolic link (a pack holds its files themselves: copy the pack with its files, not "
+                "links to them)" if stat.S_ISLNK(st.st_mode) else "a folder" if stat.S_ISDIR(st.st_mode) else "")
+        raise PackError(f"{path} is not a regular file" + (f": it is {what}" if what else ""))
     if st.st_size > limit or (exact and st.st_size != limit):
         raise PackError(f"{path} is {st.st_size} bytes, " + (f"the manifest says {limit}" if exact else
                         f"more than it can be ({limit})"))
