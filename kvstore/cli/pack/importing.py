@@ -44,8 +44,9 @@ def cmd_import(args) -> int:
             + (", its canaries too" if v.canaries else ", and no canary compared them with the model")
             + "; import packs from elsewhere with --trust-key")
     out(f"imported {args.pack}: {plural(len(v.manifest.prompts), 'prompt')}, {plural(v.tokens, 'token')}; "
-        f"{plural(done.stored, 'record')} stored on disk ({format_size(done.bytes)}), {_were(done.present)} "
-        f"stored already; " + _pins(done, len(v.records), args.no_pin))
+        f"{plural(done.stored, 'record')} stored on disk ({format_size(done.bytes)}"
+        + (f"; {done.healed} of them in place of a damaged copy, quarantined" if done.healed else "")
+        + f"), {_were(done.present)} stored already; " + _pins(done, len(v.records), args.no_pin))
     if done.evicted:
         say(f"{PROG} pack import: warning: gc took {plural(done.evicted, 'record')} of the pack off the disk again "
             "at once, to keep the store within its max_bytes: import it pinned, or raise --store-max-bytes")
