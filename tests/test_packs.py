@@ -343,6 +343,24 @@ def test_an_import_over_a_damaged_copy_of_its_records_stores_them_again(tmp_path
     assert got["reused"] == len(tokens) - 1, got
 
 
+def test_a_record_changed_after_it_was_written_is_never_exported(tmp_path, demo_model, keys, signed_pack):
+    """A stored record whose K/V were changed with their checksums (its trust tag no longer holds,
+    so a restore refuses it) is not signed into a pack: the export refuses, names it and the
+    store, and writes nothing. (It was exported, signed and imported as the key holder's.)"""
+    from kvtest import alter_record
+
+    model = demo_model("llama")
+    store = Path(shutil.copytree(signed_pack[1], tmp_path / "a"))
+    second = json.loads((signed_pack[0] / "manifest.json").read_text())["prompts"][0]["records"][1]
+    alter_record(store, bytes.fromhex(second), "1.keys", 1.01)
+    result = run_cli("pack", "export", "--store", store, "--model", model, "--prompt", PROMPT,
+                     "--sign-key", keys["key"], "--out", tmp_path / "pack", check=False)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert f"{second}.safetensors: its trust tag does not hold" in result.stderr, result.stderr
+    assert f"kvstore verify --repair --store {store}" in result.stderr
+    assert not (tmp_path / "pack").exists() and result.stdout == ""
+
+
 def _column(store: Path, name: str) -> list:
     conn = sqlite3.connect(f"file:{store / 'index.sqlite'}?mode=ro", uri=True)
     try:

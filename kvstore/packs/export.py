@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from kvstore import canary, keys
-from kvstore.errors import BlobError, PackError
+from kvstore.errors import BlobError, PackError, WrongKeyError
 from kvstore.packs import identity, replay, signing
 from kvstore.packs.manifest import BLOBS, MANIFEST, Manifest, Prompt, blob_name, sha256
 from kvstore.packs.replay import canary_fields
@@ -211,15 +211,23 @@ def _replayed_canaries(mc, bits: int, folder: Path, prompts: list[np.ndarray], c
 
 def _portable_blob(store, row, chunk_size: int) -> tuple[bytes, np.ndarray, dict[str, str]]:
     """A stored record's blob as a pack holds it, checked, without `model_id` nor this node's trust
-    tag: (its bytes, its token ids, its canary fields)."""
+    tag: (its bytes, its token ids, its canary fields). Its trust tag is checked first, as a
+    restore checks it: a record changed after it was written is never signed into a pack."""
+    anchors = store.disk.anchors
     try:
-        buf, _ = blobfile.read_checked(store.blob_root, row.hash, size=row.size, checksum=row.checksum)
+        buf, blob = blobfile.read_checked(store.blob_root, row.hash, size=row.size, checksum=row.checksum)
         stored = blobformat.read_record(buf, f"record {row.hash.hex()}")
         check(row, stored.metadata, stored.tokens, chunk_size=chunk_size, where=f"record {row.hash.hex()}")
+        sums = blobformat.tensor_checksums(stored.metadata, blob.path)
+        if anchors is not None and sums is not None:
+            verdict = anchors.trust.check(stored.metadata, blobformat.trust_table(stored.entries, sums))
+            anchors.trust.refuse(verdict, row.created, anchors.epoch, blob.path)
         fields = canary_fields(stored.metadata)
+    except WrongKeyError as e:  # (a fleet node's record, under another secret than the fleet's)
+        raise PackError(f"a stored record's trust tag cannot be checked ({e}): nothing exported") from None
     except BlobError as e:
-        raise PackError(f"a stored record is damaged ({e}): run `kvstore verify --repair`, then export "
-                        "again") from None
+        raise PackError(f"a stored record is damaged ({e}): run `kvstore verify --repair --store {store.path}`, "
+                        "then export again") from None
     return blobformat.restamp(buf, blobformat.portable(stored.metadata)), stored.tokens, fields
 
 
