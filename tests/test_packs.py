@@ -930,12 +930,21 @@ def test_a_key_that_cannot_be_used_is_said_before_the_model_is_loaded(tmp_path, 
     no_model = tmp_path / "no-model"
     export = run_cli("pack", "export", "--store", tmp_path / "a", "--model", no_model, "--prompt", "hi",
                      "--sign-key", tmp_path / "none.pem", "--out", tmp_path / "pack", check=False)
-    assert export.returncode == 1 and f"--sign-key {tmp_path / 'none.pem'}: not an unencrypted" in export.stderr, \
+    assert export.returncode == 1 and f"--sign-key {tmp_path / 'none.pem'}: no such file" in export.stderr, \
         export.stderr
     imported = run_cli("pack", "import", signed_pack[0], "--store", tmp_path / "b", "--model", no_model,
                        "--trust-key", tmp_path / "none.pub", check=False)
-    assert imported.returncode == 1 and f"--trust-key {tmp_path / 'none.pub'}: not an elliptic-curve public key" \
-        in imported.stderr, imported.stderr
+    assert imported.returncode == 1 and f"--trust-key {tmp_path / 'none.pub'}: no such file" in imported.stderr, \
+        imported.stderr
+    (tmp_path / "junk.pem").write_text("not a key\n")
+    export = run_cli("pack", "export", "--store", tmp_path / "a", "--model", no_model, "--prompt", "hi",
+                     "--sign-key", tmp_path / "junk.pem", "--out", tmp_path / "pack", check=False)
+    assert export.returncode == 1 and f"--sign-key {tmp_path / 'junk.pem'}: not an unencrypted" in export.stderr, \
+        export.stderr
+    imported = run_cli("pack", "import", signed_pack[0], "--store", tmp_path / "b", "--model", no_model,
+                       "--trust-key", tmp_path, check=False)
+    assert imported.returncode == 1 and f"--trust-key {tmp_path}: a folder, not a key file" in imported.stderr, \
+        imported.stderr
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists() and not (tmp_path / "pack").exists()
 
 

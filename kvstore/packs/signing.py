@@ -47,8 +47,9 @@ def check_private_key(private_key: Path) -> None:
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import ec
 
+    data = _key_file(private_key, "--sign-key")
     try:
-        key = serialization.load_pem_private_key(Path(private_key).read_bytes(), None)
+        key = serialization.load_pem_private_key(data, None)
         ok = isinstance(key, ec.EllipticCurvePrivateKey) and key.curve.name in _CURVES
         why = "" if ok else _a(type(key).__name__.lstrip('_'))
     except (ValueError, TypeError, OSError) as e:
@@ -64,8 +65,9 @@ def check_public_key(public_key: Path) -> None:
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import ec
 
+    data = _key_file(public_key, "--trust-key")
     try:
-        key = serialization.load_pem_public_key(Path(public_key).read_bytes())
+        key = serialization.load_pem_public_key(data)
         why = "" if isinstance(key, ec.EllipticCurvePublicKey) and key.curve.name in _CURVES else \
             _a(type(key).__name__.lstrip('_'))
     except (ValueError, TypeError, OSError) as e:
@@ -125,6 +127,18 @@ def _check_signature_file(path: Path) -> None:
                         "by that key: import it without --trust-key only if you trust where it came from") from None
     if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_SIGNATURE_BYTES:
         raise PackError(f"{path} is not a signature file (a regular file of at most {MAX_SIGNATURE_BYTES} bytes)")
+
+
+def _key_file(path: Path, option: str) -> bytes:
+    """The bytes of a key file; PackError naming the option where there is no such file to read."""
+    try:
+        return Path(path).read_bytes()
+    except FileNotFoundError:
+        raise PackError(f"{option} {path}: no such file") from None
+    except IsADirectoryError:
+        raise PackError(f"{option} {path}: a folder, not a key file") from None
+    except OSError as e:
+        raise PackError(f"{option} {path}: cannot be read ({e.strerror or e})") from None
 
 
 def _a(name: str) -> str:
