@@ -941,6 +941,15 @@ def test_a_key_that_cannot_be_used_is_said_before_the_model_is_loaded(tmp_path, 
                      "--sign-key", tmp_path / "junk.pem", "--out", tmp_path / "pack", check=False)
     assert export.returncode == 1 and f"--sign-key {tmp_path / 'junk.pem'}: not an unencrypted" in export.stderr, \
         export.stderr
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    k1 = ec.generate_private_key(ec.SECP256K1())  # an EC key, but on a curve the signer does not take
+    (tmp_path / "k1.pem").write_bytes(k1.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                       serialization.NoEncryption()))
+    export = run_cli("pack", "export", "--store", tmp_path / "a", "--model", no_model, "--prompt", "hi",
+                     "--sign-key", tmp_path / "k1.pem", "--out", tmp_path / "pack", check=False)
+    assert export.returncode == 1 and "(an elliptic-curve key on the curve secp256k1)" in export.stderr, export.stderr
     imported = run_cli("pack", "import", signed_pack[0], "--store", tmp_path / "b", "--model", no_model,
                        "--trust-key", tmp_path, check=False)
     assert imported.returncode == 1 and f"--trust-key {tmp_path}: a folder, not a key file" in imported.stderr, \

@@ -50,8 +50,7 @@ def check_private_key(private_key: Path) -> None:
     data = _key_file(private_key, "--sign-key")
     try:
         key = serialization.load_pem_private_key(data, None)
-        ok = isinstance(key, ec.EllipticCurvePrivateKey) and key.curve.name in _CURVES
-        why = "" if ok else _a(type(key).__name__.lstrip('_'))
+        why = _unfit(key, ec.EllipticCurvePrivateKey)
     except (ValueError, TypeError, OSError) as e:
         why = _one_line(e)
     if why:
@@ -68,8 +67,7 @@ def check_public_key(public_key: Path) -> None:
     data = _key_file(public_key, "--trust-key")
     try:
         key = serialization.load_pem_public_key(data)
-        why = "" if isinstance(key, ec.EllipticCurvePublicKey) and key.curve.name in _CURVES else \
-            _a(type(key).__name__.lstrip('_'))
+        why = _unfit(key, ec.EllipticCurvePublicKey)
     except (ValueError, TypeError, OSError) as e:
         why = _one_line(e)
     if why:
@@ -127,6 +125,13 @@ def _check_signature_file(path: Path) -> None:
                         "by that key: import it without --trust-key only if you trust where it came from") from None
     if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_SIGNATURE_BYTES:
         raise PackError(f"{path} is not a signature file (a regular file of at most {MAX_SIGNATURE_BYTES} bytes)")
+
+
+def _unfit(key, kind: type) -> str:
+    """Why `key` is not one the signer or verifier takes ("" when it is): its type, or its curve."""
+    if not isinstance(key, kind):
+        return _a(type(key).__name__.lstrip('_'))
+    return "" if key.curve.name in _CURVES else f"an elliptic-curve key on the curve {key.curve.name}"
 
 
 def _key_file(path: Path, option: str) -> bytes:
