@@ -725,6 +725,12 @@ def test_a_pack_made_in_exact_mode_imports_into_an_exact_store_only(tmp_path, de
                     "--unsigned", "--out", tmp_path / "pack2")
     assert f"({0} computed now, {n} stored before this export)" in again.stdout, again.stdout
     assert "computing" not in again.stderr, again.stderr
+    # A single-token prompt has nothing stored in exact mode: said so, not "did not reach the disk".
+    single = run_cli("pack", "export", "--store", tmp_path / "a", "--model", model, "--prompt", "x",
+                     "--unsigned", "--out", tmp_path / "pack3", check=False)
+    assert single.returncode == 1 and "prompt 1 of the pack is a single token: in exact mode" in single.stderr, \
+        single.stderr
+    assert "computing" not in single.stderr and not (tmp_path / "pack3").exists()
 
 
 def test_an_import_reads_the_models_weights_once_and_then_not_again(tmp_path, demo_model, signed_pack, keys,

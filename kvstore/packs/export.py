@@ -57,6 +57,16 @@ def shared_only(rows: Sequence) -> None:
                         "namespace (warmed and pinned prompts of a store bound without a tenant) is exportable")
 
 
+def check_prompts(mc, prompts: Sequence) -> None:
+    """PackError for a prompt the pack could not carry: in exact mode, one of a single token (a
+    prompt's last token is the first generation step's, never stored: there is nothing of it)."""
+    single = next((i for i, t in enumerate(prompts, 1) if mc.exact and len(t) < 2), None)
+    if single is not None:
+        raise PackError(f"prompt {single} of the pack is a single token: in exact mode a prompt's last token is "
+                        "the first generation step's and is never stored, so there is nothing of it to carry; "
+                        "nothing exported")
+
+
 def export_pack(store, mc, model_dir: Path, tokenizer, prompts: list[np.ndarray], out: Path, *,
                 sign_key: Path | None = None, progress: Callable[[int], None] | None = None) -> Exported:
     """Write the pack of `prompts` (token id arrays) of the model bound as `mc` to the folder
@@ -72,6 +82,7 @@ def export_pack(store, mc, model_dir: Path, tokenizer, prompts: list[np.ndarray]
                         "without a tenant, as `kvstore pack export` does)")
     if sign_key is not None:
         signing.check_private_key(sign_key)
+    check_prompts(mc, prompts)
     repeats = len(prompts) - len(distinct(prompts))
     ident = identity.identity(Path(model_dir), tokenizer, identity.memo_of(store, remember=not store.read_only))
     prompts = distinct(prompts)

@@ -15,7 +15,7 @@ from kvstore.sizes import format_size
 
 def cmd_export(args) -> int:
     from kvstore.model.fingerprint import resolve_model_dir
-    from kvstore.packs.export import distinct, export_pack
+    from kvstore.packs.export import check_prompts, distinct, export_pack
     from kvstore.packs.signing import check_private_key
     from kvstore.packs.verify import is_free
 
@@ -29,6 +29,7 @@ def cmd_export(args) -> int:
             raise CommandError(f"{plural(len(errors), 'prompt line')} could not be used (said above): "
                                "nothing exported")
         prompts = [tokens for _, tokens in work]
+        check_prompts(mc, prompts)  # (before it says what it computes)
         with _progress(mc, distinct(prompts)) as progress:
             done = export_pack(store, mc, resolve_model_dir(loaded.model_id), loaded.tokenizer, prompts,
                                Path(args.out), sign_key=Path(args.sign_key) if args.sign_key else None,
