@@ -301,6 +301,17 @@ def test_an_unsigned_pack_imports_without_a_trust_key_and_says_so(tmp_path, demo
     assert "checked: model files, chain, 1 blob and its record; 1 canary" in one.stdout, one.stdout
 
 
+def test_a_pack_of_a_single_token_prompt_imports_and_replays_its_canary(tmp_path, demo_model):
+    """A one-token prompt's canary is of the step at token 0, with nothing before it: the import
+    replays it from an empty cache (it refused the pack: 'not at this record')."""
+    model = demo_model("llama")
+    exported = run_cli("pack", "export", "--store", tmp_path / "a", "--model", model, "--prompt", "x", "--unsigned",
+                       "--out", tmp_path / "pack")
+    assert "1 token (1 computed now" in exported.stdout and "the 1 token computed now is stored" in exported.stdout
+    result = run_cli("pack", "import", tmp_path / "pack", "--store", tmp_path / "b", "--model", model)
+    assert "1 blob and its record; 1 canary by a replayed step" in result.stdout, result.stdout
+
+
 def test_an_import_again_says_what_it_did_to_the_pins_an_earlier_import_made(tmp_path, demo_model, signed_pack):
     """Importing a pack again stores nothing and says so; with --no-pin it does not say that gc
     may evict records an earlier import pinned (they stay pinned), and with pins it says they were."""

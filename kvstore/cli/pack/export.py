@@ -45,7 +45,8 @@ def cmd_export(args) -> int:
         + (f", {shared} shared with an earlier prompt of it" if shared > 0 else "")
         + f"), {plural(done.records, 'record')}, {done.bytes} bytes ({format_size(done.bytes)})")
     if done.computed:  # what the export wrote besides the pack
-        out(f"the {plural(done.computed, 'token')} computed now are stored in {where} too (not pinned)")
+        out(f"the {plural(done.computed, 'token')} computed now {'is' if done.computed == 1 else 'are'} stored in "
+            f"{where} too (not pinned)")
     out(f"signed with {args.sign_key}" if done.signed else "unsigned: an importer cannot tell who made it")
     out("it holds its prompts in clear (every record holds its token ids): share it only with those "
         "who may read them")
