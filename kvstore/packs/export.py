@@ -58,8 +58,12 @@ def shared_only(rows: Sequence) -> None:
 
 
 def check_prompts(mc, prompts: Sequence) -> None:
-    """PackError for a prompt the pack could not carry: in exact mode, one of a single token (a
-    prompt's last token is the first generation step's, never stored: there is nothing of it)."""
+    """PackError for a binding or a prompt the pack could not carry: a tenant's binding (only the
+    shared namespace is exportable); in exact mode, a prompt of a single token (a prompt's last
+    token is the first generation step's, never stored: there is nothing of it)."""
+    if getattr(mc, "tenant", None) is not None:
+        raise PackError("the model is bound for a tenant: only the shared namespace is exportable (bind it "
+                        "without a tenant, as `kvstore pack export` does)")
     single = next((i for i, t in enumerate(prompts, 1) if mc.exact and len(t) < 2), None)
     if single is not None:
         raise PackError(f"prompt {single} of the pack is a single token: in exact mode a prompt's last token is "
@@ -77,9 +81,6 @@ def export_pack(store, mc, model_dir: Path, tokenizer, prompts: list[np.ndarray]
         raise PackError(f"{said} exists and is not an empty folder: a pack is written to a new folder")
     if store.disk is None:
         raise PackError("a pack is exported from a store directory (not a RAM-only store)")
-    if getattr(mc, "tenant", None) is not None:
-        raise PackError("the model is bound for a tenant: only the shared namespace is exportable (bind it "
-                        "without a tenant, as `kvstore pack export` does)")
     if sign_key is not None:
         signing.check_private_key(sign_key)
     check_prompts(mc, prompts)
