@@ -128,6 +128,27 @@ def test_a_record_that_does_not_read_fails_the_certificate(tmp_path, llama):
     assert again.stdout.strip().splitlines()[-1].startswith("exact: 2 of 2"), again.stdout  # (the third dropped)
 
 
+def test_a_shared_record_that_does_not_read_leaves_no_prompt_checked_whole_and_says_so(tmp_path, llama):
+    """Every sampled prompt read only in part: the verdict does not speak of 'the other 0'."""
+    model_dir, model = llama
+    with kvstore.open(tmp_path / "s", exact_prefill=256) as store:
+        mc = store.bind(model, model_dir)
+        for i in range(2):
+            mc.prefill(toks(600, 3) + toks(40, 4 + i))
+        store.flush()
+        shared = next(r for r in store.index.rows() if r.kind == 0 and r.depth == 2)
+    path = blobtree.blob_path(tmp_path / "s" / "blobs", shared.hash)
+    data = bytearray(path.read_bytes())
+    data[-7] ^= 0x40
+    path.write_bytes(bytes(data))
+    result = run_cli("verify", "--store", tmp_path / "s", "--exact", "--sample", "all", "--model", model_dir,
+                     check=False)
+    assert result.returncode == 1, result.stdout + result.stderr
+    last = result.stdout.strip().splitlines()[-1]
+    assert last.startswith("INCOMPLETE: 2 of the 2 stored prompts sampled"), last
+    assert last.endswith("none was checked whole") and "the other 0" not in last, last
+
+
 def test_a_record_whose_trust_tag_does_not_hold_fails_the_certificate(tmp_path, llama, caplog):
     """A record altered with its checksums but not its trust tag reads whole, and the restore
     refuses it (a miss there): the certificate checks the prompt only up to it, as the restore

@@ -220,6 +220,28 @@ def _signature_of_another_pack(pack: Path, model: Path, env: dict) -> str:
     return "model.sig is the signature of another pack (it covers 1 blob, none of them in this folder)"
 
 
+def _signature_of_a_pack_that_shares_blobs(pack: Path, model: Path, env: dict) -> str:
+    other = pack.parent / "longer-pack"  # PROMPT and more: its first records are this pack's too
+    run_cli("pack", "export", "--store", pack.parent / "other-store", "--model", model, "--prompt", PROMPT + OTHER,
+            "--sign-key", env["keys"]["key"], "--out", other)
+    assert set(os.listdir(other / "blobs")) & set(os.listdir(pack / "blobs"))
+    shutil.copy(other / "model.sig", pack / "model.sig")
+    return "blobs are not in this folder (blobs/"
+
+
+def _other_config(pack: Path, model: Path, env: dict) -> str:
+    other = shutil.copytree(model, pack.parent / "reconfigured")
+    (other / "config.json").write_text((other / "config.json").read_text() + "\n")
+    env["model"] = other
+    return "this model's config file config.json has SHA-256"
+
+
+def _signature_that_is_not_one(pack: Path, model: Path, env: dict) -> str:
+    (pack / "model.sig").write_text('{"mediaType": "application/vnd.dev.sigstore.bundle+json"}')
+    return "model.sig is not a signature that can be read (a Sigstore bundle, as kvstore pack export and " \
+        "model_signing write it): it has no field 'verificationMaterial'"
+
+
 def _unsigned_with_trust_key(pack: Path, model: Path, env: dict) -> str:
     (pack / "model.sig").unlink()
     return "the pack is not signed"
@@ -228,6 +250,7 @@ def _unsigned_with_trust_key(pack: Path, model: Path, env: dict) -> str:
 @pytest.mark.parametrize("damage", [_flip_byte, _flip_a_token_byte, _swap_blobs, _edit_manifest, _edit_manifest_and_sign_again,
                                     _extra_files, _path_outside_the_pack_signed, _other_model, _other_tokenizer,
                                     _untrusted_signer, _ed25519_trust_key, _missing_blob, _signature_of_another_pack,
+                                    _signature_of_a_pack_that_shares_blobs, _other_config, _signature_that_is_not_one,
                                     _unsigned_with_trust_key],
                          ids=lambda f: f.__name__.strip("_"))
 def test_a_bad_pack_is_refused_with_its_reason_and_the_store_stays_as_it_was(
@@ -272,6 +295,21 @@ def test_an_unsigned_pack_imports_without_a_trust_key_and_says_so(tmp_path, demo
     assert "warning: nothing vouches for these K/V without --trust-key" in result.stderr, result.stderr
     with kvstore.open(tmp_path / "b") as store:
         assert store.pins() == [] and store.stats()["chunks"] > 0
+    run_cli("pack", "export", "--store", tmp_path / "a", "--model", model, "--prompt", OTHER, "--unsigned",
+            "--out", tmp_path / "one")
+    one = run_cli("pack", "import", tmp_path / "one", "--store", tmp_path / "b", "--model", model)
+    assert "checked: model files, chain, 1 blob and its record; 1 canary" in one.stdout, one.stdout
+
+
+def test_a_pack_of_a_single_token_prompt_imports_and_replays_its_canary(tmp_path, demo_model):
+    """A one-token prompt's canary is of the step at token 0, with nothing before it: the import
+    replays it from an empty cache (it refused the pack: 'not at this record')."""
+    model = demo_model("llama")
+    exported = run_cli("pack", "export", "--store", tmp_path / "a", "--model", model, "--prompt", "x", "--unsigned",
+                       "--out", tmp_path / "pack")
+    assert "1 token (1 computed now" in exported.stdout and "the 1 token computed now is stored" in exported.stdout
+    result = run_cli("pack", "import", tmp_path / "pack", "--store", tmp_path / "b", "--model", model)
+    assert "1 blob and its record; 1 canary by a replayed step" in result.stdout, result.stdout
 
 
 def test_an_import_again_says_what_it_did_to_the_pins_an_earlier_import_made(tmp_path, demo_model, signed_pack):
@@ -289,6 +327,49 @@ def test_an_import_again_says_what_it_did_to_the_pins_an_earlier_import_made(tmp
     assert sum(row[0] for row in _column(store, "pinned")) == n  # still pinned, as it said
     pinned = run_cli("pack", "import", pack, "--store", store, "--model", model)
     assert f"{n} were stored already; {n} records pinned (all were pinned already)" in pinned.stdout, pinned.stdout
+
+
+def test_an_import_over_a_damaged_copy_of_its_records_stores_them_again(tmp_path, demo_model, signed_pack):
+    """A record the store holds damaged (a flipped byte no read has met yet) is not 'stored
+    already': the import quarantines it and stores the pack's checked copy, so the first request
+    after it reuses the whole prompt, as docs/packs.md says (it was restored only up to there)."""
+    from kvstore.storage import blobtree
+
+    model = demo_model("llama")
+    pack, store = signed_pack[0], tmp_path / "b"
+    run_cli("pack", "import", pack, "--store", store, "--model", model)
+    n = len(json.loads((pack / "manifest.json").read_text())["records"])
+    second = json.loads((pack / "manifest.json").read_text())["prompts"][0]["records"][1]
+    path = blobtree.blob_path(store / "blobs", bytes.fromhex(second))
+    data = bytearray(path.read_bytes())
+    data[-9] ^= 0x10
+    path.write_bytes(bytes(data))
+    again = run_cli("pack", "import", pack, "--store", store, "--model", model)
+    assert f"; 1 of them in place of a damaged copy, quarantined), {n - 1} were stored already" in again.stdout, \
+        again.stdout
+    assert again.stdout.count("1 record stored on disk") == 1
+    assert run_cli("verify", "--store", store).returncode == 0
+    tokens = tokens_of(model, PROMPT)
+    got = run_procs("check", store, model, 256, tokens)
+    assert got["reused"] == len(tokens) - 1, got
+
+
+def test_a_record_changed_after_it_was_written_is_never_exported(tmp_path, demo_model, keys, signed_pack):
+    """A stored record whose K/V were changed with their checksums (its trust tag no longer holds,
+    so a restore refuses it) is not signed into a pack: the export refuses, names it and the
+    store, and writes nothing. (It was exported, signed and imported as the key holder's.)"""
+    from kvtest import alter_record
+
+    model = demo_model("llama")
+    store = Path(shutil.copytree(signed_pack[1], tmp_path / "a"))
+    second = json.loads((signed_pack[0] / "manifest.json").read_text())["prompts"][0]["records"][1]
+    alter_record(store, bytes.fromhex(second), "1.keys", 1.01)
+    result = run_cli("pack", "export", "--store", store, "--model", model, "--prompt", PROMPT,
+                     "--sign-key", keys["key"], "--out", tmp_path / "pack", check=False)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert f"{second}.safetensors: its trust tag does not hold" in result.stderr, result.stderr
+    assert f"kvstore verify --repair --store {store}" in result.stderr
+    assert not (tmp_path / "pack").exists() and result.stdout == ""
 
 
 def _column(store: Path, name: str) -> list:
@@ -337,11 +418,16 @@ def test_an_unsigned_pack_edited_or_with_extra_files_is_refused_by_its_own_check
     doc["prompts"][0]["records"][0] = "../../../../tmp/x"
     doc["records"]["../../../../tmp/x"] = doc["records"].pop(first)
     _write_manifest(outside, doc)
-    for pack, reason in [(count, f"prompt 1: its blobs hold {tokens} token ids, the manifest says {tokens + 1}"),
+    linked, doc = _unsigned_copy(signed_pack, tmp_path, "linked")  # a blob as a link to its own bytes elsewhere
+    blob = linked / packfile.blob_name(doc["prompts"][0]["records"][0])
+    blob.rename(tmp_path / "elsewhere.safetensors")
+    blob.symlink_to(tmp_path / "elsewhere.safetensors")
+    for pack, reason in [(linked, f"{blob} is not a regular file: it is a symbolic link (a pack holds its files"),
+                         (count, f"prompt 1: its blobs hold {tokens} token ids, manifest.json's prompts[0].tokens says {tokens + 1}"),
                          (digest, f"prompt 1: the {tokens} token ids its blobs hold are not the ones the manifest "
-                                  "names (their SHA-256 is not its tokens_sha256)"),
-                         (chain, "prompt 1: the chain recomputed from its tokens differs from the manifest's at "
-                                 "record 2"),
+                                  "names (their SHA-256 is not manifest.json's prompts[0].tokens_sha256)"),
+                         (chain, "prompt 1: the chain recomputed from its tokens differs from manifest.json's "
+                                 "prompts[0].records at record 2"),
                          (extra, "the pack folder holds 1 file(s) its manifest does not list: blobs/evil.safetensors"),
                          (outside, "a record hash must be 32 lower-case hex digits, got '../../../../tmp/x'")]:
         result = run_cli("pack", "import", pack, "--store", tmp_path / "b", "--model", model, check=False)
@@ -639,6 +725,23 @@ def test_a_pack_made_in_exact_mode_imports_into_an_exact_store_only(tmp_path, de
     refused = run_cli("pack", "import", tmp_path / "pack", "--store", tmp_path / "c", "--model", model, check=False)
     assert refused.returncode == 1 and "--exact-prefill 256" in refused.stderr
     assert not (tmp_path / "c").exists()
+    # Another step is another exact mode, not another chunk size (its records are that step long).
+    other = run_cli("pack", "import", tmp_path / "pack", "--store", tmp_path / "c", "--model", model,
+                    "--exact-prefill", "512", check=False)
+    assert other.returncode == 1 and "made in exact mode 256, this store's is 512" in other.stderr, other.stderr
+    assert "chunk size" not in other.stderr and not (tmp_path / "c").exists()
+    # Exported again, nothing is computed (the last token is the first step's, never stored), and
+    # the export does not say that it computes the prompt.
+    again = run_cli("pack", "export", "--store", tmp_path / "a", "--model", model, "--prompt", PROMPT,
+                    "--unsigned", "--out", tmp_path / "pack2")
+    assert f"({0} computed now, {n} stored before this export)" in again.stdout, again.stdout
+    assert "computing" not in again.stderr, again.stderr
+    # A single-token prompt has nothing stored in exact mode: said so, not "did not reach the disk".
+    single = run_cli("pack", "export", "--store", tmp_path / "a", "--model", model, "--prompt", "x",
+                     "--unsigned", "--out", tmp_path / "pack3", check=False)
+    assert single.returncode == 1 and "prompt 1 of the pack is a single token: in exact mode" in single.stderr, \
+        single.stderr
+    assert "computing" not in single.stderr and not (tmp_path / "pack3").exists()
 
 
 def test_an_import_reads_the_models_weights_once_and_then_not_again(tmp_path, demo_model, signed_pack, keys,
@@ -844,12 +947,30 @@ def test_a_key_that_cannot_be_used_is_said_before_the_model_is_loaded(tmp_path, 
     no_model = tmp_path / "no-model"
     export = run_cli("pack", "export", "--store", tmp_path / "a", "--model", no_model, "--prompt", "hi",
                      "--sign-key", tmp_path / "none.pem", "--out", tmp_path / "pack", check=False)
-    assert export.returncode == 1 and f"--sign-key {tmp_path / 'none.pem'}: not an unencrypted" in export.stderr, \
+    assert export.returncode == 1 and f"--sign-key {tmp_path / 'none.pem'}: no such file" in export.stderr, \
         export.stderr
     imported = run_cli("pack", "import", signed_pack[0], "--store", tmp_path / "b", "--model", no_model,
                        "--trust-key", tmp_path / "none.pub", check=False)
-    assert imported.returncode == 1 and f"--trust-key {tmp_path / 'none.pub'}: not an elliptic-curve public key" \
-        in imported.stderr, imported.stderr
+    assert imported.returncode == 1 and f"--trust-key {tmp_path / 'none.pub'}: no such file" in imported.stderr, \
+        imported.stderr
+    (tmp_path / "junk.pem").write_text("not a key\n")
+    export = run_cli("pack", "export", "--store", tmp_path / "a", "--model", no_model, "--prompt", "hi",
+                     "--sign-key", tmp_path / "junk.pem", "--out", tmp_path / "pack", check=False)
+    assert export.returncode == 1 and f"--sign-key {tmp_path / 'junk.pem'}: not an unencrypted" in export.stderr, \
+        export.stderr
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    k1 = ec.generate_private_key(ec.SECP256K1())  # an EC key, but on a curve the signer does not take
+    (tmp_path / "k1.pem").write_bytes(k1.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                       serialization.NoEncryption()))
+    export = run_cli("pack", "export", "--store", tmp_path / "a", "--model", no_model, "--prompt", "hi",
+                     "--sign-key", tmp_path / "k1.pem", "--out", tmp_path / "pack", check=False)
+    assert export.returncode == 1 and "(an elliptic-curve key on the curve secp256k1)" in export.stderr, export.stderr
+    imported = run_cli("pack", "import", signed_pack[0], "--store", tmp_path / "b", "--model", no_model,
+                       "--trust-key", tmp_path, check=False)
+    assert imported.returncode == 1 and f"--trust-key {tmp_path}: a folder, not a key file" in imported.stderr, \
+        imported.stderr
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists() and not (tmp_path / "pack").exists()
 
 

@@ -41,8 +41,8 @@ def test_a_checkpoint_out_of_its_place_in_the_chain_is_refused(tmp_path, demo_mo
     chain.insert(2, chain.pop(4))  # the checkpoint of chunk 4 listed after chunk 2
     path.write_text(json.dumps(doc))
     result = run_cli("pack", "import", tmp_path / "pack", "--store", tmp_path / "b", "--model", model, check=False)
-    assert result.returncode == 1 and "the chain recomputed from its tokens differs from the manifest's at " \
-        "record 3 of 7" in result.stderr, result.stderr
+    assert result.returncode == 1 and "the chain recomputed from its tokens differs from manifest.json's " \
+        "prompts[0].records at record 3 of 7" in result.stderr, result.stderr
     assert not (tmp_path / "b").exists()
 
 

@@ -248,10 +248,11 @@ def verdict(checks: list[PromptCheck], b: Bounds, leaves: int, cause: str = "", 
                 f"{plural(points, 'restore point')}) differ from a cold run: {bad[0].problems[0]}"
                 f"{cause and '; ' + cause}{tied}{incomplete}")
     if part:
+        whole = (f"the other {n - len(part)} restore what a cold run computes at "
+                 f"{plural(sum(c.restore_points for c in checks if c.complete), 'restore point')}"
+                 if n > len(part) else "none was checked whole")
         return (f"INCOMPLETE: {len(part)} of the {n} stored prompts sampled (of {leaves}; {b.label}) could be "
-                f"checked only in part, or not at all: {_first_reason(part)}; the other {n - len(part)} restore "
-                f"what a cold run computes at "
-                f"{plural(sum(c.restore_points for c in checks if c.complete), 'restore point')}{tied}")
+                f"checked only in part, or not at all: {_first_reason(part)}; {whole}{tied}")
     per = sum(c.seconds for c in checks) / n
     same = "bit for bit" if b.exact else "within the bounds"
     return (f"exact: {n} of {leaves} stored prompts checked ({b.label}; {per:.2f} s a prompt), at "

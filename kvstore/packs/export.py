@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from kvstore import canary, keys
-from kvstore.errors import BlobError, PackError
+from kvstore.errors import BlobError, PackError, WrongKeyError
 from kvstore.packs import identity, replay, signing
 from kvstore.packs.manifest import BLOBS, MANIFEST, Manifest, Prompt, blob_name, sha256
 from kvstore.packs.replay import canary_fields
@@ -57,6 +57,20 @@ def shared_only(rows: Sequence) -> None:
                         "namespace (warmed and pinned prompts of a store bound without a tenant) is exportable")
 
 
+def check_prompts(mc, prompts: Sequence) -> None:
+    """PackError for a binding or a prompt the pack could not carry: a tenant's binding (only the
+    shared namespace is exportable); in exact mode, a prompt of a single token (a prompt's last
+    token is the first generation step's, never stored: there is nothing of it)."""
+    if getattr(mc, "tenant", None) is not None:
+        raise PackError("the model is bound for a tenant: only the shared namespace is exportable (bind it "
+                        "without a tenant, as `kvstore pack export` does)")
+    single = next((i for i, t in enumerate(prompts, 1) if mc.exact and len(t) < 2), None)
+    if single is not None:
+        raise PackError(f"prompt {single} of the pack is a single token: in exact mode a prompt's last token is "
+                        "the first generation step's and is never stored, so there is nothing of it to carry; "
+                        "nothing exported")
+
+
 def export_pack(store, mc, model_dir: Path, tokenizer, prompts: list[np.ndarray], out: Path, *,
                 sign_key: Path | None = None, progress: Callable[[int], None] | None = None) -> Exported:
     """Write the pack of `prompts` (token id arrays) of the model bound as `mc` to the folder
@@ -67,11 +81,9 @@ def export_pack(store, mc, model_dir: Path, tokenizer, prompts: list[np.ndarray]
         raise PackError(f"{said} exists and is not an empty folder: a pack is written to a new folder")
     if store.disk is None:
         raise PackError("a pack is exported from a store directory (not a RAM-only store)")
-    if getattr(mc, "tenant", None) is not None:
-        raise PackError("the model is bound for a tenant: only the shared namespace is exportable (bind it "
-                        "without a tenant, as `kvstore pack export` does)")
     if sign_key is not None:
         signing.check_private_key(sign_key)
+    check_prompts(mc, prompts)
     repeats = len(prompts) - len(distinct(prompts))
     ident = identity.identity(Path(model_dir), tokenizer, identity.memo_of(store, remember=not store.read_only))
     prompts = distinct(prompts)
@@ -211,15 +223,23 @@ def _replayed_canaries(mc, bits: int, folder: Path, prompts: list[np.ndarray], c
 
 def _portable_blob(store, row, chunk_size: int) -> tuple[bytes, np.ndarray, dict[str, str]]:
     """A stored record's blob as a pack holds it, checked, without `model_id` nor this node's trust
-    tag: (its bytes, its token ids, its canary fields)."""
+    tag: (its bytes, its token ids, its canary fields). Its trust tag is checked first, as a
+    restore checks it: a record changed after it was written is never signed into a pack."""
+    anchors = store.disk.anchors
     try:
-        buf, _ = blobfile.read_checked(store.blob_root, row.hash, size=row.size, checksum=row.checksum)
+        buf, blob = blobfile.read_checked(store.blob_root, row.hash, size=row.size, checksum=row.checksum)
         stored = blobformat.read_record(buf, f"record {row.hash.hex()}")
         check(row, stored.metadata, stored.tokens, chunk_size=chunk_size, where=f"record {row.hash.hex()}")
+        sums = blobformat.tensor_checksums(stored.metadata, blob.path)
+        if anchors is not None and sums is not None:
+            verdict = anchors.trust.check(stored.metadata, blobformat.trust_table(stored.entries, sums))
+            anchors.trust.refuse(verdict, row.created, anchors.epoch, blob.path)
         fields = canary_fields(stored.metadata)
+    except WrongKeyError as e:  # (a fleet node's record, under another secret than the fleet's)
+        raise PackError(f"a stored record's trust tag cannot be checked ({e}): nothing exported") from None
     except BlobError as e:
-        raise PackError(f"a stored record is damaged ({e}): run `kvstore verify --repair`, then export "
-                        "again") from None
+        raise PackError(f"a stored record is damaged ({e}): run `kvstore verify --repair --store {store.path}`, "
+                        "then export again") from None
     return blobformat.restamp(buf, blobformat.portable(stored.metadata)), stored.tokens, fields
 
 

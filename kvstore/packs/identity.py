@@ -109,13 +109,14 @@ def remember(memo: Memo, fresh) -> None:
 def differences(mine: Identity, files: dict[str, str], tokenizer: dict[str, str],
                 chat_template: str | None) -> str | None:
     """Why a pack made with these hashes is not for this model (weights first), or None."""
-    for what, have, want in (("weight", mine.files, files), ("tokenizer", mine.tokenizer, tokenizer)):
+    for what, have, want in (("weight or config", mine.files, files), ("tokenizer", mine.tokenizer, tokenizer)):
         if have == want:
             continue
         changed = sorted(n for n in set(have) & set(want) if have[n] != want[n])
         if changed:
             n = changed[0]
-            return (f"this model's {what} file {n} has SHA-256 {have[n][:16]}..., the pack was made with "
+            kind = "config" if n == "config.json" else what.split()[0]  # ("weight file config.json" it is not)
+            return (f"this model's {kind} file {n} has SHA-256 {have[n][:16]}..., the pack was made with "
                     f"{want[n][:16]}... ({len(changed)} {what} file(s) differ): a pack is only for the model "
                     "and tokenizer it was made with")
         return (f"this model's {what} files are {sorted(have)}, the pack's are {sorted(want)}: a pack is only "

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import xxhash
 
-from kvstore.errors import PackError
+from kvstore.errors import BlobError, PackError, WrongKeyError
 from kvstore.model.fingerprint import resolve_model_dir
 from kvstore.packs import identity
 from kvstore.packs.verify import Target, Verified, acting_disk_kv_bits, verify
@@ -31,8 +31,9 @@ from kvstore.storage.index import Index, Row
 from kvstore.storage.storedir import INDEX_NAME, is_absent
 from kvstore.store import MEMORY, Store
 from kvstore.trust import Trust
-from kvstore.upkeep.anchors import REMOTE_SINCE
+from kvstore.upkeep.anchors import REMOTE_SINCE, Anchors
 from kvstore.upkeep.evict import role_class
+from kvstore.upkeep.verify import check_blob
 
 
 @dataclass
@@ -47,6 +48,7 @@ class Imported:
     pinned: int
     pinned_before: int = 0  # (an earlier import's pins, kept whether or not this one pins)
     evicted: int = 0  # records of the pack gc took off the disk again at once (--no-pin, a small max_bytes)
+    healed: int = 0  # of `stored`: records the store held damaged, quarantined and stored again from the pack
 
 
 def memory_bound() -> int:
@@ -121,6 +123,7 @@ def _store(store: Store, mc, verified: Verified, pin: bool, fleet: Trust | None)
     stored = present = nbytes = 0
     hashes = [c.span.hash for c in verified.records]
     pinned_before = sum(1 for r in store.index.rows_of(hashes).values() if r.pinned)
+    healed = _damaged_copies(store, mc, hashes, fleet)  # (the pack's checked copy replaces each)
     for c in verified.records:
         s = c.span
         blob = blobformat.restamp(c.blob, dict(c.metadata, model_id=mc.model_id))
@@ -139,7 +142,29 @@ def _store(store: Store, mc, verified: Verified, pin: bool, fleet: Trust | None)
     if store.disk.budget is not None:  # gc keeps the disk within max_bytes as records land: unpinned, they may go
         store.disk.budget.settle()
     evicted = len(hashes) - len(store.index.rows_of(hashes))
-    return Imported(verified, stored, present, nbytes, pinned, pinned_before, evicted)
+    return Imported(verified, stored, present, nbytes, pinned, pinned_before, evicted, healed)
+
+
+def _damaged_copies(store: Store, mc, hashes: list[bytes], fleet: Trust | None) -> int:
+    """Quarantine the store's copies of the pack's records that do not read (a flipped byte, a
+    record changed after it was written), as a restore would on first use; how many. Each is then
+    stored again from the pack, not counted as stored already: the first request after the import
+    restores the whole prompt."""
+    disk = store.disk
+    anchors = Anchors(fleet, store.index, disk.root) if fleet is not None else disk.anchors
+    damaged = 0
+    for h, row in store.index.rows_of(hashes).items():
+        if row.bad:
+            continue
+        try:
+            check_blob(disk.root, row, mc.chunk_size, trust=anchors.trust if anchors is not None else None,
+                       epoch=anchors.epoch if anchors is not None else 0.0)
+        except WrongKeyError:  # (a tag that is not this secret's proves no damage: kept as it is)
+            continue
+        except BlobError as e:
+            disk.damaged(h, e, row)
+            damaged += 1
+    return damaged
 
 
 def _cut_short(store: Store, e: BaseException, stored: int, nbytes: int, present: int, total: int, pin: bool) -> str:

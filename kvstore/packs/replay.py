@@ -183,13 +183,13 @@ def _step(mc, span: Span, prompt: np.ndarray, name: str, value) -> np.ndarray | 
         raise PackError(f"{where}: its {_called(name)} is not one this kvstore can check: import with "
                         "--no-replay to skip the canaries")
     at, token = kind.step(value)
-    if not (span.start <= at <= span.end and 0 < at <= len(prompt)):
+    if not (span.start <= at <= span.end and 0 <= at <= len(prompt)):
         raise PackError(f"{where}: its {_called(name)} is of the step at token {at}, which is not at this record")
     tokens = np.append(prompt[:at], np.int32(token)).astype(np.int32)
     cache, rest = mc.fetch(tokens)
     if mc.checkpointed and len(rest) > 1:  # restored from an earlier checkpoint: the records after it
         return None                        # would be computed again, not checked
-    if len(rest) == len(tokens):
+    if len(rest) == len(tokens) and at > 0:  # (at 0, a prompt of one token: its step has nothing before it)
         raise PackError(f"{where}: its {_called(name)} cannot be replayed: none of the {at} tokens before its "
                         "step could be restored from the pack")
     return np.array(mc.model(mx.array([rest]), cache=cache)[0, -1].astype(mx.float32))

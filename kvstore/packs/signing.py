@@ -47,10 +47,10 @@ def check_private_key(private_key: Path) -> None:
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import ec
 
+    data = _key_file(private_key, "--sign-key")
     try:
-        key = serialization.load_pem_private_key(Path(private_key).read_bytes(), None)
-        ok = isinstance(key, ec.EllipticCurvePrivateKey) and key.curve.name in _CURVES
-        why = "" if ok else _a(type(key).__name__.lstrip('_'))
+        key = serialization.load_pem_private_key(data, None)
+        why = _unfit(key, ec.EllipticCurvePrivateKey)
     except (ValueError, TypeError, OSError) as e:
         why = _one_line(e)
     if why:
@@ -64,10 +64,10 @@ def check_public_key(public_key: Path) -> None:
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import ec
 
+    data = _key_file(public_key, "--trust-key")
     try:
-        key = serialization.load_pem_public_key(Path(public_key).read_bytes())
-        why = "" if isinstance(key, ec.EllipticCurvePublicKey) and key.curve.name in _CURVES else \
-            _a(type(key).__name__.lstrip('_'))
+        key = serialization.load_pem_public_key(data)
+        why = _unfit(key, ec.EllipticCurvePublicKey)
     except (ValueError, TypeError, OSError) as e:
         why = _one_line(e)
     if why:
@@ -95,6 +95,11 @@ def signed_files(folder: Path, public_key: Path) -> dict[str, str]:
     _check_signature_file(path)
     try:
         signature = sign_sigstore_pb.Signature.read(path)
+    except Exception as e:  # not JSON, not a Sigstore bundle: no signature to verify at all
+        why = f"it has no field {e.args[0]!r}" if isinstance(e, KeyError) and e.args else _one_line(e)
+        raise PackError(f"{path} is not a signature that can be read (a Sigstore bundle, as kvstore pack export "
+                        f"and model_signing write it): {why}") from None
+    try:
         with contextlib.redirect_stdout(io.StringIO()):  # it prints a warning for old bundles
             manifest = verifier.verify(signature)
     except Exception as e:  # a bad signature, another key, a damaged bundle: all one answer
@@ -120,6 +125,25 @@ def _check_signature_file(path: Path) -> None:
                         "by that key: import it without --trust-key only if you trust where it came from") from None
     if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_SIGNATURE_BYTES:
         raise PackError(f"{path} is not a signature file (a regular file of at most {MAX_SIGNATURE_BYTES} bytes)")
+
+
+def _unfit(key, kind: type) -> str:
+    """Why `key` is not one the signer or verifier takes ("" when it is): its type, or its curve."""
+    if not isinstance(key, kind):
+        return _a(type(key).__name__.lstrip('_'))
+    return "" if key.curve.name in _CURVES else f"an elliptic-curve key on the curve {key.curve.name}"
+
+
+def _key_file(path: Path, option: str) -> bytes:
+    """The bytes of a key file; PackError naming the option where there is no such file to read."""
+    try:
+        return Path(path).read_bytes()
+    except FileNotFoundError:
+        raise PackError(f"{option} {path}: no such file") from None
+    except IsADirectoryError:
+        raise PackError(f"{option} {path}: a folder, not a key file") from None
+    except OSError as e:
+        raise PackError(f"{option} {path}: cannot be read ({e.strerror or e})") from None
 
 
 def _a(name: str) -> str:

@@ -99,10 +99,15 @@ def verify(folder: Path, target: Target, *, trust_key: Path | None = None, repla
         signed = signing.signed_files(folder, trust_key)
         if signed.get(MANIFEST) != sha256(raw):
             blobs = [n for n in signed if n != MANIFEST]
-            if blobs and not any(os.path.lexists(folder / n) for n in blobs):
+            absent = [n for n in blobs if not os.path.lexists(folder / n)]
+            if blobs and len(absent) == len(blobs):
                 # (None of what it signs is here: not an edit of this pack's manifest.)
                 raise PackError(f"{SIGNATURE} is the signature of another pack (it covers {plural(len(blobs), 'blob')}, "
                                 "none of them in this folder): get the pack and its signature together from its maker")
+            if absent:  # (a pack that shares some records with this one: its system prompt's, say)
+                raise PackError(f"{SIGNATURE} signs another {MANIFEST} and {len(absent)} of its {plural(len(blobs), 'blob')} "
+                                f"are not in this folder ({absent[0]}...): it is the signature of another pack, or "
+                                "of this one before it was changed; get the pack and its signature together from its maker")
             raise PackError(f"{MANIFEST} was changed after the pack was signed (its SHA-256 is not the signed one)")
         said = f"signed by the trusted key {trust_key}"
     else:
@@ -152,7 +157,9 @@ def check_file(path: Path, limit: int, *, exact: bool = False, name: str = "", l
     except FileNotFoundError:
         raise PackError(f"the pack has no {name or path.name} ({path}){listed}") from None
     if not stat.S_ISREG(st.st_mode):
-        raise PackError(f"{path} is not a regular file")
+        what = ("a symbolic link (a pack holds its files themselves: copy the pack with its files, not "
+                "links to them)" if stat.S_ISLNK(st.st_mode) else "a folder" if stat.S_ISDIR(st.st_mode) else "")
+        raise PackError(f"{path} is not a regular file" + (f": it is {what}" if what else ""))
     if st.st_size > limit or (exact and st.st_size != limit):
         raise PackError(f"{path} is {st.st_size} bytes, " + (f"the manifest says {limit}" if exact else
                         f"more than it can be ({limit})"))
@@ -233,6 +240,11 @@ def _for_this_model(m: Manifest, t: Target) -> None:
     if m.record_format != keys.FORMAT_VERSION:
         raise PackError(f"the pack's records are format {m.record_format}; this kvstore stores format "
                         f"{keys.FORMAT_VERSION}")
+    # (Exact mode first: its step is the records' length, so another one reads as another chunk size.)
+    theirs, ours = m.layout.get("exact_prefill") if isinstance(m.layout, dict) else None, mc.exact
+    if theirs != ours:
+        raise PackError(f"the pack was made in exact mode {_bits(theirs)}, this store's is {_bits(ours)}: "
+                        f"import it into a store opened with --exact-prefill {theirs or 'off'}")
     if m.chunk_size != mc.chunk_size:
         raise PackError(f"the pack's chunk size is {m.chunk_size} tokens, this store's is {mc.chunk_size}: "
                         f"import it into a store made with chunk_size={m.chunk_size} (kvstore.open's, in the "
@@ -250,10 +262,6 @@ def _for_this_model(m: Manifest, t: Target) -> None:
     if m.fingerprint != mc.fingerprint.hex():
         raise PackError(f"kvstore's fingerprint of this model is {mc.fingerprint.hex()}, the pack's is "
                         f"{m.fingerprint}: it was made with other model files")
-    theirs, ours = m.layout.get("exact_prefill") if isinstance(m.layout, dict) else None, mc.exact
-    if theirs != ours:
-        raise PackError(f"the pack was made in exact mode {_bits(theirs)}, this store's is {_bits(ours)}: "
-                        f"import it into a store opened with --exact-prefill {theirs or 'off'}")
     if _canonical(m.layout) != _canonical(mc.layout):
         raise PackError("the pack's cache layout is not this model's as bound here (bind options such as "
                         "kv_bits, or disk_kv_bits, differ)")
@@ -308,14 +316,14 @@ def _chain(m: Manifest, blobs: dict[str, bytes], mc) -> tuple[dict[str, tuple[Sp
         tokens = np.concatenate(parts).astype("<i4")
         if len(tokens) != p.tokens or sha256(tokens.tobytes()) != p.tokens_sha256:
             damaged = [h for h in p.records if sha256(blobs[h]) != m.records[h][1]]
-            raise PackError(f"prompt {i + 1}: {_tokens_differ(p, len(tokens), named, damaged)}")
+            raise PackError(f"prompt {i + 1}: {_tokens_differ(p, i, len(tokens), named, damaged)}")
         chain = prompt_records(mc.ns, tokens, mc.chunk_size, checkpoint=mc.checkpointed)
         chain = with_checkpoints(chain, {bytes.fromhex(h) for h in p.records}) if mc.checkpointed else chain
         got = [s.hash.hex() for s in chain]
         if got != list(p.records):
             k = next((j for j, (a, b) in enumerate(zip(got, p.records)) if a != b), min(len(got), len(p.records)))
-            raise PackError(f"prompt {i + 1}: the chain recomputed from its tokens differs from the manifest's "
-                            f"at record {k + 1} of {len(p.records)}")
+            raise PackError(f"prompt {i + 1}: the chain recomputed from its tokens differs from {MANIFEST}'s "
+                            f"prompts[{i}].records at record {k + 1} of {len(p.records)}")
         for s in chain:
             spans.setdefault(s.hash.hex(), (s, i))
         prompts.append(tokens)
@@ -351,9 +359,9 @@ def _shared(metadata: dict[str, str], h: str) -> None:
                         "records go in a pack (a tenant's never leave its store)")
 
 
-def _tokens_differ(p: Prompt, count: int, named: list[str | None], damaged: list[str]) -> str:
+def _tokens_differ(p: Prompt, i: int, count: int, named: list[str | None], damaged: list[str]) -> str:
     """Why a prompt's token ids, read from its blobs in the manifest's order (`count` of them;
-    `named`: the record each blob's header names), are not the manifest's: first a blob that holds
+    `named`: the record each blob's header names; `i`: the prompt's place in the manifest), are not the manifest's: first a blob that holds
     another record than the one the manifest puts there (two blobs swapped: the ids are all
     there, out of order), else a blob whose bytes are not the manifest's (`damaged`: their
     SHA-256 differs; a byte flipped among its token ids), else their count, else their SHA-256
@@ -370,9 +378,9 @@ def _tokens_differ(p: Prompt, count: int, named: list[str | None], damaged: list
         return (f"blob {blob_name(damaged[0])}{more} does not match its SHA-256 in the manifest, and the token ids "
                 "its blobs hold are not the manifest's")
     if count != p.tokens:
-        return f"its blobs hold {count} token ids, the manifest says {p.tokens}"
+        return f"its blobs hold {count} token ids, {MANIFEST}'s prompts[{i}].tokens says {p.tokens}"
     return (f"the {count} token ids its blobs hold are not the ones the manifest names (their SHA-256 is not "
-            "its tokens_sha256)")
+            f"{MANIFEST}'s prompts[{i}].tokens_sha256)")
 
 
 def _ordered(m: Manifest) -> list[str]:

@@ -6,6 +6,8 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
+
 from kvstore.cli.options import bound, prompt_items
 from kvstore.cli.output import CommandError, out, plural, say
 from kvstore.sizes import format_size
@@ -13,7 +15,7 @@ from kvstore.sizes import format_size
 
 def cmd_export(args) -> int:
     from kvstore.model.fingerprint import resolve_model_dir
-    from kvstore.packs.export import distinct, export_pack
+    from kvstore.packs.export import check_prompts, distinct, export_pack
     from kvstore.packs.signing import check_private_key
     from kvstore.packs.verify import is_free
 
@@ -27,6 +29,7 @@ def cmd_export(args) -> int:
             raise CommandError(f"{plural(len(errors), 'prompt line')} could not be used (said above): "
                                "nothing exported")
         prompts = [tokens for _, tokens in work]
+        check_prompts(mc, prompts)  # (before it says what it computes)
         with _progress(mc, distinct(prompts)) as progress:
             done = export_pack(store, mc, resolve_model_dir(loaded.model_id), loaded.tokenizer, prompts,
                                Path(args.out), sign_key=Path(args.sign_key) if args.sign_key else None,
@@ -42,7 +45,8 @@ def cmd_export(args) -> int:
         + (f", {shared} shared with an earlier prompt of it" if shared > 0 else "")
         + f"), {plural(done.records, 'record')}, {done.bytes} bytes ({format_size(done.bytes)})")
     if done.computed:  # what the export wrote besides the pack
-        out(f"the {plural(done.computed, 'token')} computed now are stored in {where} too (not pinned)")
+        out(f"the {plural(done.computed, 'token')} computed now {'is' if done.computed == 1 else 'are'} stored in "
+            f"{where} too (not pinned)")
     out(f"signed with {args.sign_key}" if done.signed else "unsigned: an importer cannot tell who made it")
     out("it holds its prompts in clear (every record holds its token ids): share it only with those "
         "who may read them")
@@ -53,13 +57,15 @@ def cmd_export(args) -> int:
 def _progress(mc, prompts: list):
     """What an export says while it computes the prompts not stored yet: a count of tokens on a
     terminal, one line otherwise; nothing when all of them are stored."""
-    todo = [t for t in prompts if mc.stored_length(t) < len(t)]
+    # (In exact mode a stored prompt is all but its last token, the first generation step's.)
+    missing = [len(part) - mc.stored_length(part) for part in (mc.stored_part(np.asarray(t)) for t in prompts)]
+    todo = [n for n in missing if n > 0]
     if not todo:
         yield None
         return
     if not sys.stderr.isatty():
         say(f"computing {plural(len(todo), 'prompt')} not stored whole yet (at most "
-            f"{plural(sum(len(t) - mc.stored_length(t) for t in todo), 'token')}: what they share is computed once)")
+            f"{plural(sum(todo), 'token')}: what they share is computed once)")
         yield None
         return
     from tqdm import tqdm

@@ -36,15 +36,17 @@ def cmd_import(args) -> int:
         replayed += (f"; {v.unreplayable} {'canary' if v.unreplayable == 1 else 'canaries'} not replayable: "
                      "this model's recurrent layers restore only at a checkpoint, and the pack has none at the "
                      "step (the one at the prompt's end is after it)")
-    out(f"checked: model files, chain, {plural(len(v.records), 'blob')} and their records; {replayed}")
+    out(f"checked: model files, chain, {plural(len(v.records), 'blob')} and "
+        f"{'its record' if len(v.records) == 1 else 'their records'}; {replayed}")
     if not args.trust_key:  # steps 2 to 5 anyone who can write the folder can make hold again
         say(f"{PROG} pack import: warning: nothing vouches for these K/V without --trust-key: whoever could "
             "write the pack could have changed them and redone every check"
             + (", its canaries too" if v.canaries else ", and no canary compared them with the model")
             + "; import packs from elsewhere with --trust-key")
     out(f"imported {args.pack}: {plural(len(v.manifest.prompts), 'prompt')}, {plural(v.tokens, 'token')}; "
-        f"{plural(done.stored, 'record')} stored on disk ({format_size(done.bytes)}), {_were(done.present)} "
-        f"stored already; " + _pins(done, len(v.records), args.no_pin))
+        f"{plural(done.stored, 'record')} stored on disk ({format_size(done.bytes)}"
+        + (f"; {done.healed} of them in place of a damaged copy, quarantined" if done.healed else "")
+        + f"), {_were(done.present)} stored already; " + _pins(done, len(v.records), args.no_pin))
     if done.evicted:
         say(f"{PROG} pack import: warning: gc took {plural(done.evicted, 'record')} of the pack off the disk again "
             "at once, to keep the store within its max_bytes: import it pinned, or raise --store-max-bytes")
