@@ -415,6 +415,27 @@ def test_requests_carry_their_tenant_to_the_cache(llama, tmp_path):
         assert {t["records"] for t in store.stats()["tenants"]} == {5}  # alice's 4 chunks and tail
 
 
+def test_every_lookup_within_for_tenant_is_its_tenants(llama, tmp_path):
+    """A conversation served turn by turn in one `for_tenant` block: each turn's lookup reuses the
+    last turn's insert (the second lookup was served without the store, a miss every time)."""
+    path, model = llama
+    turns = [list(range(3, 40)), list(range(3, 70)), list(range(3, 101))]
+    with kvstore.open(tmp_path / "s", chunk_size=16) as store:
+        cache = PersistentPromptCache(store, tenants=True)
+        cache.register("m", store.bind(model, str(path)))
+        reused = []
+        with cache.for_tenant("alice"):
+            for tokens in turns:
+                _, rest = cache.fetch_nearest_cache("m", tokens)
+                reused.append(len(tokens) - len(rest))
+                cache.insert_cache("m", tokens, prefill(model, tokens))
+        assert reused == [0, 37, 67] and cache.counters["tenant_unknown"] == 0
+        with cache.for_tenant("bob"):
+            assert cache.fetch_nearest_cache("m", turns[2]) == (None, turns[2])
+            assert cache.fetch_nearest_cache("m", turns[2]) == (None, turns[2])
+        assert cache.counters["tenant_unknown"] == 0
+
+
 def test_caches_are_tagged_with_their_requests_tenant():
     tenants = RequestTenants(True)
     a, b = [_Layer(), _Layer()], [_Layer()]
