@@ -233,6 +233,7 @@ class Store:
         secret: the fleet secret with a remote tier, else a key kept in the store). Errors name
         what is wrong with an id, never the id itself (it may be a bearer token)."""
         try:
+            tenants.check_id(tenant_id)  # (before the key: a bad id is said as such, on a read-only store too)
             if self.remote is not None:
                 fleets = self.remote.fleet.keyring()
                 first, *older = [tenants.derive(f.tenant_secret(), tenant_id, key_id=f.key_id) for f in fleets]

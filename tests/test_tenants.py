@@ -264,6 +264,9 @@ def test_a_read_only_store_without_a_tenant_key_says_so(llama, tmp_path):
     with kvstore.open(tmp_path / "s", chunk_size=C, read_only=True) as store:
         with pytest.raises(kvstore.StoreOpenError, match="tenant key"):
             store.bind(model, str(path), tenant="alice")
+        for bad, why in ((123, "is text, got int"), ("", "this one is 0"), ("x" * 5000, "this one is 5000")):
+            with pytest.raises(kvstore.InvalidInputError, match=why):  # the id's fault, not the key's
+                store.bind(model, str(path), tenant=bad)
     with kvstore.open(kvstore.MEMORY, chunk_size=C) as store:  # in RAM: a key of this process's
         a = store.bind(model, str(path), tenant="alice")
         a.insert(SYSTEM, prefill(model, SYSTEM))
