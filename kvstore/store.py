@@ -229,9 +229,8 @@ class Store:
     # -- public surface ---------------------------------------------------------------------
 
     def tenant(self, tenant_id: str) -> Tenant:
-        """The tenant `tenant_id` of this store (its salt derived from it under the store's
-        secret: the fleet secret with a remote tier, else a key kept in the store). Errors name
-        what is wrong with an id, never the id itself (it may be a bearer token)."""
+        """The tenant `tenant_id` of this store (its salt derived under the fleet secret with a remote tier, else
+        a key kept in the store). Errors name what is wrong with an id, never the id (it may be a bearer token)."""
         try:
             tenants.check_id(tenant_id)  # (before the key: a bad id is said as such, on a read-only store too)
             if self.remote is not None:

@@ -258,6 +258,27 @@ def test_the_disk_budget_keeps_tenants_within_their_quota_as_records_land(llama,
         assert 0 < store.files.tenants()[0]["bytes"] <= 60_000
 
 
+def test_a_tenant_share_smaller_than_one_chunk_says_so_once(llama, tmp_path, caplog):
+    """Each of a tenant's chunks over `tenant_max_bytes` is written, then evicted again at once:
+    the tenant reuses only the shared prompt, every request writes again. That is said (once)
+    when the model is bound, as a disk budget below one chunk is, not left to be found out."""
+    path, model = llama
+    with caplog.at_level("WARNING", logger="kvstore"), kvstore.open(tmp_path / "s", chunk_size=C,
+                                                                    tenant_max_bytes=1000) as store:
+        store.bind(model, str(path)).prefill(SYSTEM)
+        a = store.bind(model, str(path), tenant="alice")
+        per_token = a.check.bound().per_token
+        for _ in range(2):
+            a.prefill(SYSTEM + toks(40, 2))
+            store.flush()
+            store.backing.budget.settle()
+        assert a.stored_length(SYSTEM + toks(40, 2)) == len(SYSTEM)  # (what the warning is about)
+    said = [r.getMessage() for r in caplog.records if "tenant's share" in r.getMessage()]
+    assert said == [f"kvstore: a chunk ({C} tokens) of this model takes about {C * per_token} bytes on disk, more "
+                    "than each tenant's share of the disk (tenant_max_bytes 1000): a tenant's own chunks cannot "
+                    "stay on disk (each is written, then evicted again); raise it"], said
+
+
 def test_a_read_only_store_without_a_tenant_key_says_so(llama, tmp_path):
     path, model = llama
     kvstore.open(tmp_path / "s", chunk_size=C).close()
