@@ -216,6 +216,22 @@ def test_gc_drop_tenant_deletes_every_record_of_one_tenant_and_no_other(llama, t
         assert store.verify() == []
 
 
+def test_drop_tenant_id_on_a_store_no_tenant_used_says_so(llama, tmp_path, capsys, monkeypatch):
+    """A store no tenant was ever served from has no tenant.key: `--drop-tenant-id` says there is
+    no tenant's record to delete (exit 1), not that the fleet secret is missing (exit 2)."""
+    from kvstore.cli.main import main
+    from kvstore.remote.seal import KEY_ENV
+
+    monkeypatch.delenv(KEY_ENV, raising=False)
+    path, model = llama
+    with kvstore.open(tmp_path / "s", chunk_size=C) as store:
+        store.bind(model, str(path)).prefill(SYSTEM)
+    assert main(["gc", "--store", str(tmp_path / "s"), "--drop-tenant-id", "alice"]) == 1
+    err = capsys.readouterr().err
+    assert "holds no tenant's records (it has no tenant.key" in err and "fleet" not in err, err
+    assert not (tmp_path / "s" / "tenant.key").exists()
+
+
 def test_drop_tenant_takes_records_whose_size_reads_as_0_and_refuses_an_unknown_tag(llama, tmp_path):
     """A tenant's records with a damaged size of 0 (gc counts them as 0 bytes) still go with their
     tenant: a drop is every record, not a byte budget of 0. The library refuses a tag it does not
