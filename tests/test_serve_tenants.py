@@ -436,6 +436,18 @@ def test_every_lookup_within_for_tenant_is_its_tenants(llama, tmp_path):
         assert cache.counters["tenant_unknown"] == 0
 
 
+def test_a_store_whose_tenant_key_cannot_be_read_is_refused_at_start(tmp_path, capsys):
+    """Every request of a tenant needs the store's tenant key: one that cannot be read was found
+    request by request (each served without the store, a warning each); it is said at start."""
+    from kvstore.serve.server import main
+
+    kvstore.open(tmp_path / "s").close()
+    (tmp_path / "s" / "tenant.key").write_text("not a key\n")
+    assert main(["--store", str(tmp_path / "s"), "--tenant-from", "header:X-Tenant"]) == 1  # before a model loads
+    err = capsys.readouterr().err
+    assert f"kvstore serve: cannot serve tenants: cannot read {tmp_path / 's' / 'tenant.key'}" in err, err
+
+
 def test_caches_are_tagged_with_their_requests_tenant():
     tenants = RequestTenants(True)
     a, b = [_Layer(), _Layer()], [_Layer()]
