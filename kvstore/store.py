@@ -345,7 +345,7 @@ class Store:
         else:
             kinds = self.memory.kinds()
             out.update(bytes=self.memory.nbytes, chunks=kinds.get(0, 0), tails=kinds.get(1, 0),
-                       checkpoints=kinds.get(2, 0), models=[], tenants=[])
+                       checkpoints=kinds.get(2, 0), models=[], tenants=self.memory.tenants())
         return out
 
     def restore_check(self) -> dict:

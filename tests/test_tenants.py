@@ -309,6 +309,8 @@ def test_a_read_only_store_without_a_tenant_key_says_so(llama, tmp_path):
         a.insert(SYSTEM, prefill(model, SYSTEM))
         assert reused(a, SYSTEM + [1]) == len(SYSTEM)
         assert reused(store.bind(model, str(path), tenant="bob"), SYSTEM + [1]) == 0
+        [held] = store.stats()["tenants"]  # (its records in RAM, by tag: it listed none)
+        assert held == {"tenant": a.tenant.tag, "records": 3, "bytes": store.stats()["bytes"]}
 
 
 def test_records_another_process_deleted_are_not_served_from_ram(llama, tmp_path, monkeypatch):
