@@ -448,6 +448,17 @@ def test_a_store_whose_tenant_key_cannot_be_read_is_refused_at_start(tmp_path, c
     assert f"kvstore serve: cannot serve tenants: cannot read {tmp_path / 's' / 'tenant.key'}" in err, err
 
 
+def test_a_default_tenant_that_is_no_tenant_id_is_a_bad_command_line(tmp_path, capsys):
+    """--default-tenant over 4,096 bytes started the server, whose every request without a tenant
+    then failed its lookup and insert (served without the store, a warning each)."""
+    from kvstore.serve.server import main
+
+    args = ["--store", str(tmp_path / "s"), "--tenant-from", "header:X-Tenant", "--default-tenant", "x" * 5000]
+    assert main(args) == 2
+    assert "--default-tenant: a tenant id is 1 to 4096 bytes, this one is 5000" in capsys.readouterr().err
+    assert not (tmp_path / "s").exists()
+
+
 def test_caches_are_tagged_with_their_requests_tenant():
     tenants = RequestTenants(True)
     a, b = [_Layer(), _Layer()], [_Layer()]
