@@ -459,6 +459,16 @@ def test_a_default_tenant_that_is_no_tenant_id_is_a_bad_command_line(tmp_path, c
     assert not (tmp_path / "s").exists()
 
 
+@pytest.mark.parametrize("how", ["none", "cache_salt", "header:"])
+def test_verify_isolation_says_how_tenants_must_be_told(how):
+    """A --tenant-from that is no way to tell tenants: said as one, naming the option, never
+    offering "none" (a word of serve's --tenant-from that verify cannot use)."""
+    with pytest.raises(ValueError) as e:
+        isolation.check_server("http://127.0.0.1:9", how, None)
+    assert str(e.value).startswith(f"--tenant-from {how}: give the way the server tells tenants, header:NAME or "
+                                   "bearer (a server whose tenants are only its requests' cache_salt")
+
+
 def test_caches_are_tagged_with_their_requests_tenant():
     tenants = RequestTenants(True)
     a, b = [_Layer(), _Layer()], [_Layer()]
