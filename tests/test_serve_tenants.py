@@ -434,6 +434,10 @@ def test_every_lookup_within_for_tenant_is_its_tenants(llama, tmp_path):
             assert cache.fetch_nearest_cache("m", turns[2]) == (None, turns[2])
             assert cache.fetch_nearest_cache("m", turns[2]) == (None, turns[2])
         assert cache.counters["tenant_unknown"] == 0
+        with cache.for_tenant("alice"):  # a block without a lookup: the next lookup, outside, is no one's
+            cache.insert_cache("m", turns[0], prefill(model, turns[0]))
+        assert cache.fetch_nearest_cache("m", turns[2]) == (None, turns[2])  # (it was served alice's cache)
+        assert cache.counters["tenant_unknown"] == 1
 
 
 def test_a_store_whose_tenant_key_cannot_be_read_is_refused_at_start(tmp_path, capsys):

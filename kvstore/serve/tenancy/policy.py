@@ -184,8 +184,8 @@ class RequestTenants:
         self.begin(tenant)
         try:
             yield
-        finally:
-            self._local.single = before
+        finally:  # (a block that made no lookup must not leave its tenant to the next one, outside it)
+            self._local.single, self._local.next = before, UNKNOWN
 
     def tag(self, cache: Any, tenant: object) -> None:
         """`cache` (a list of cache layers) belongs to a request of `tenant`."""
