@@ -229,10 +229,10 @@ class Store:
     # -- public surface ---------------------------------------------------------------------
 
     def tenant(self, tenant_id: str) -> Tenant:
-        """The tenant `tenant_id` of this store (its salt derived from it under the store's
-        secret: the fleet secret with a remote tier, else a key kept in the store). Errors name
-        what is wrong with an id, never the id itself (it may be a bearer token)."""
+        """The tenant `tenant_id` of this store (its salt derived under the fleet secret with a remote tier, else
+        a key kept in the store). Errors name what is wrong with an id, never the id (it may be a bearer token)."""
         try:
+            tenants.check_id(tenant_id)  # (before the key: a bad id is said as such, on a read-only store too)
             if self.remote is not None:
                 fleets = self.remote.fleet.keyring()
                 first, *older = [tenants.derive(f.tenant_secret(), tenant_id, key_id=f.key_id) for f in fleets]
@@ -345,7 +345,7 @@ class Store:
         else:
             kinds = self.memory.kinds()
             out.update(bytes=self.memory.nbytes, chunks=kinds.get(0, 0), tails=kinds.get(1, 0),
-                       checkpoints=kinds.get(2, 0), models=[], tenants=[])
+                       checkpoints=kinds.get(2, 0), models=[], tenants=self.memory.tenants())
         return out
 
     def restore_check(self) -> dict:

@@ -197,6 +197,8 @@ def test_a_tenants_pins_are_listed_by_tag_and_unpinned_as_that_tenant(tmp_path, 
     [m] = json.loads(_run("pins", "--store", store, "--json").stdout)["models"]
     assert m["records"] == shared and m["tenants"] == {}  # the operator's shared pins stay
     assert _run("pins", "--store", store, "--tenant", "alice", check=False).returncode == 2
+    empty = _run("pins", "--store", store, "--remove", "--tenant", "", "--prompts", prompts, check=False)
+    assert empty.returncode == 2 and "--tenant: a tenant id is 1 to 4096 bytes" in empty.stderr  # before any model
 
 
 def test_a_pinned_record_stored_again_after_a_bad_read_stays_pinned(tmp_path, llama):

@@ -415,6 +415,64 @@ def test_requests_carry_their_tenant_to_the_cache(llama, tmp_path):
         assert {t["records"] for t in store.stats()["tenants"]} == {5}  # alice's 4 chunks and tail
 
 
+def test_every_lookup_within_for_tenant_is_its_tenants(llama, tmp_path):
+    """A conversation served turn by turn in one `for_tenant` block: each turn's lookup reuses the
+    last turn's insert (the second lookup was served without the store, a miss every time)."""
+    path, model = llama
+    turns = [list(range(3, 40)), list(range(3, 70)), list(range(3, 101))]
+    with kvstore.open(tmp_path / "s", chunk_size=16) as store:
+        cache = PersistentPromptCache(store, tenants=True)
+        cache.register("m", store.bind(model, str(path)))
+        reused = []
+        with cache.for_tenant("alice"):
+            for tokens in turns:
+                _, rest = cache.fetch_nearest_cache("m", tokens)
+                reused.append(len(tokens) - len(rest))
+                cache.insert_cache("m", tokens, prefill(model, tokens))
+        assert reused == [0, 37, 67] and cache.counters["tenant_unknown"] == 0
+        with cache.for_tenant("bob"):
+            assert cache.fetch_nearest_cache("m", turns[2]) == (None, turns[2])
+            assert cache.fetch_nearest_cache("m", turns[2]) == (None, turns[2])
+        assert cache.counters["tenant_unknown"] == 0
+        with cache.for_tenant("alice"):  # a block without a lookup: the next lookup, outside, is no one's
+            cache.insert_cache("m", turns[0], prefill(model, turns[0]))
+        assert cache.fetch_nearest_cache("m", turns[2]) == (None, turns[2])  # (it was served alice's cache)
+        assert cache.counters["tenant_unknown"] == 1
+
+
+def test_a_store_whose_tenant_key_cannot_be_read_is_refused_at_start(tmp_path, capsys):
+    """Every request of a tenant needs the store's tenant key: one that cannot be read was found
+    request by request (each served without the store, a warning each); it is said at start."""
+    from kvstore.serve.server import main
+
+    kvstore.open(tmp_path / "s").close()
+    (tmp_path / "s" / "tenant.key").write_text("not a key\n")
+    assert main(["--store", str(tmp_path / "s"), "--tenant-from", "header:X-Tenant"]) == 1  # before a model loads
+    err = capsys.readouterr().err
+    assert f"kvstore serve: cannot serve tenants: cannot read {tmp_path / 's' / 'tenant.key'}" in err, err
+
+
+def test_a_default_tenant_that_is_no_tenant_id_is_a_bad_command_line(tmp_path, capsys):
+    """--default-tenant over 4,096 bytes started the server, whose every request without a tenant
+    then failed its lookup and insert (served without the store, a warning each)."""
+    from kvstore.serve.server import main
+
+    args = ["--store", str(tmp_path / "s"), "--tenant-from", "header:X-Tenant", "--default-tenant", "x" * 5000]
+    assert main(args) == 2
+    assert "--default-tenant: a tenant id is 1 to 4096 bytes, this one is 5000" in capsys.readouterr().err
+    assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.parametrize("how", ["none", "cache_salt", "header:"])
+def test_verify_isolation_says_how_tenants_must_be_told(how):
+    """A --tenant-from that is no way to tell tenants: said as one, naming the option, never
+    offering "none" (a word of serve's --tenant-from that verify cannot use)."""
+    with pytest.raises(ValueError) as e:
+        isolation.check_server("http://127.0.0.1:9", how, None)
+    assert str(e.value).startswith(f"--tenant-from {how}: give the way the server tells tenants, header:NAME or "
+                                   "bearer (a server whose tenants are only its requests' cache_salt")
+
+
 def test_caches_are_tagged_with_their_requests_tenant():
     tenants = RequestTenants(True)
     a, b = [_Layer(), _Layer()], [_Layer()]

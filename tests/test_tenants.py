@@ -216,6 +216,22 @@ def test_gc_drop_tenant_deletes_every_record_of_one_tenant_and_no_other(llama, t
         assert store.verify() == []
 
 
+def test_drop_tenant_id_on_a_store_no_tenant_used_says_so(llama, tmp_path, capsys, monkeypatch):
+    """A store no tenant was ever served from has no tenant.key: `--drop-tenant-id` says there is
+    no tenant's record to delete (exit 1), not that the fleet secret is missing (exit 2)."""
+    from kvstore.cli.main import main
+    from kvstore.remote.seal import KEY_ENV
+
+    monkeypatch.delenv(KEY_ENV, raising=False)
+    path, model = llama
+    with kvstore.open(tmp_path / "s", chunk_size=C) as store:
+        store.bind(model, str(path)).prefill(SYSTEM)
+    assert main(["gc", "--store", str(tmp_path / "s"), "--drop-tenant-id", "alice"]) == 1
+    err = capsys.readouterr().err
+    assert "holds no tenant's records (it has no tenant.key" in err and "fleet" not in err, err
+    assert not (tmp_path / "s" / "tenant.key").exists()
+
+
 def test_drop_tenant_takes_records_whose_size_reads_as_0_and_refuses_an_unknown_tag(llama, tmp_path):
     """A tenant's records with a damaged size of 0 (gc counts them as 0 bytes) still go with their
     tenant: a drop is every record, not a byte budget of 0. The library refuses a tag it does not
@@ -258,17 +274,43 @@ def test_the_disk_budget_keeps_tenants_within_their_quota_as_records_land(llama,
         assert 0 < store.files.tenants()[0]["bytes"] <= 60_000
 
 
+def test_a_tenant_share_smaller_than_one_chunk_says_so_once(llama, tmp_path, caplog):
+    """Each of a tenant's chunks over `tenant_max_bytes` is written, then evicted again at once:
+    the tenant reuses only the shared prompt, every request writes again. That is said (once)
+    when the model is bound, as a disk budget below one chunk is, not left to be found out."""
+    path, model = llama
+    with caplog.at_level("WARNING", logger="kvstore"), kvstore.open(tmp_path / "s", chunk_size=C,
+                                                                    tenant_max_bytes=1000) as store:
+        store.bind(model, str(path)).prefill(SYSTEM)
+        a = store.bind(model, str(path), tenant="alice")
+        per_token = a.check.bound().per_token
+        for _ in range(2):
+            a.prefill(SYSTEM + toks(40, 2))
+            store.flush()
+            store.backing.budget.settle()
+        assert a.stored_length(SYSTEM + toks(40, 2)) == len(SYSTEM)  # (what the warning is about)
+    said = [r.getMessage() for r in caplog.records if "tenant's share" in r.getMessage()]
+    assert said == [f"kvstore: a chunk ({C} tokens) of this model takes about {C * per_token} bytes on disk, more "
+                    "than each tenant's share of the disk (tenant_max_bytes 1000): a tenant's own chunks cannot "
+                    "stay on disk (each is written, then evicted again); raise it"], said
+
+
 def test_a_read_only_store_without_a_tenant_key_says_so(llama, tmp_path):
     path, model = llama
     kvstore.open(tmp_path / "s", chunk_size=C).close()
     with kvstore.open(tmp_path / "s", chunk_size=C, read_only=True) as store:
         with pytest.raises(kvstore.StoreOpenError, match="tenant key"):
             store.bind(model, str(path), tenant="alice")
+        for bad, why in ((123, "is text, got int"), ("", "this one is 0"), ("x" * 5000, "this one is 5000")):
+            with pytest.raises(kvstore.InvalidInputError, match=why):  # the id's fault, not the key's
+                store.bind(model, str(path), tenant=bad)
     with kvstore.open(kvstore.MEMORY, chunk_size=C) as store:  # in RAM: a key of this process's
         a = store.bind(model, str(path), tenant="alice")
         a.insert(SYSTEM, prefill(model, SYSTEM))
         assert reused(a, SYSTEM + [1]) == len(SYSTEM)
         assert reused(store.bind(model, str(path), tenant="bob"), SYSTEM + [1]) == 0
+        [held] = store.stats()["tenants"]  # (its records in RAM, by tag: it listed none)
+        assert held == {"tenant": a.tenant.tag, "records": 3, "bytes": store.stats()["bytes"]}
 
 
 def test_records_another_process_deleted_are_not_served_from_ram(llama, tmp_path, monkeypatch):

@@ -129,6 +129,9 @@ def _tags_of(args, files, tenant_id: str) -> list[str]:
         fleet = Fleet.of(fleet_keys(given))
         secrets += [f.tenant_secret() for f in fleet.keyring()]
         tried.append(plural(len(fleet.keyring()), "fleet key"))
+    if not secrets and not files.tenants():  # (no key and no tenant's record: no tenant ever used it)
+        raise CommandError("the store holds no tenant's records (it has no tenant.key: no tenant was ever "
+                           f"served from it); nothing deleted (`{PROG} stats` lists a store's tenants)")
     if not secrets:
         raise CommandError("--drop-tenant-id: this store has no tenant.key, so its tenants' tags come from the "
                            "fleet secret: give it (--remote-key-file or $KVSTORE_REMOTE_KEY)", EXIT_USAGE)

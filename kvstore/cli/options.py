@@ -18,6 +18,17 @@ from kvstore.cli.output import EXIT_USAGE, PROG, CommandError, say
 PROMPT_FILE = not_empty("give a JSONL file, or - for standard input")  # the type of every --prompts
 
 
+def tenant_id(text: str) -> str:
+    """The type of every `--tenant ID`: a tenant id (argparse's error says what is wrong, never
+    the id: it may be a bearer token)."""
+    from kvstore.tenants import check_id
+
+    try:
+        return check_id(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def store_parent() -> argparse.ArgumentParser:
     """`--store`, `--remote` and `--remote-key-file`, for every command (`argv.add_store_options`)."""
     p = argparse.ArgumentParser(add_help=False)

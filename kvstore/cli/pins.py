@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from kvstore.cli.options import add_prompt_source, bound, open_local, prompt_items, store_path
+from kvstore.cli.options import add_prompt_source, bound, open_local, prompt_items, store_path, tenant_id
 from kvstore.cli.output import EXIT_PROBLEMS, EXIT_USAGE, PROG, CommandError, out, plural, say
 from kvstore.sizes import format_size
 
@@ -25,7 +25,7 @@ def register(add, store_opts, model_opts) -> None:
     p.add_argument("--remove", action="store_true",
                    help="unpin the prompt given by --prompt, --messages or --prompts (gc may then evict it)")
     add_prompt_source(p, "with --remove: unpin every line of a prompt file (- for stdin)", required=False)
-    p.add_argument("--tenant", metavar="ID",
+    p.add_argument("--tenant", metavar="ID", type=tenant_id,
                    help="with --remove: unpin the prompt as that tenant pinned it (its own records; without "
                         "it, the shared ones)")
     p.add_argument("--json", action="store_true", help="print one JSON object")

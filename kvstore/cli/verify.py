@@ -6,7 +6,7 @@ import argparse
 import json
 import shlex
 
-from kvstore.cli.options import model_to_load, open_local, remote_key, remote_upkeep, remote_url, store_path
+from kvstore.cli.options import model_to_load, open_local, remote_key, remote_upkeep, remote_url, store_path, tenant_id
 from kvstore.cli.output import EXIT_NOTHING_CHECKED, EXIT_PROBLEMS, EXIT_USAGE, PROG, CommandError, out, plural, say
 from kvstore.errors import CorruptIndexError
 from kvstore.settings import BY_NAME, argtype
@@ -65,7 +65,7 @@ def register(add, store_opts, model_opts) -> None:
                         "--kv-bits; found by itself when the store holds only those)")
     p.add_argument("--kv-group-size", metavar="N", type=int, default=64, choices=(32, 64, 128),
                    help="with --exact and --kv-bits: their group size (default: 64)")
-    p.add_argument("--tenant", metavar="ID", type=_tenant_id,
+    p.add_argument("--tenant", metavar="ID", type=tenant_id,
                    help="with --exact: check this tenant's prompts (default: the shared ones)")
     p.add_argument("--exact-prefill", metavar="N", type=argtype(BY_NAME["exact_prefill"]), default=argparse.SUPPRESS,
                    help="with --exact: check the prompts stored with this exact_prefill (N tokens, or off) "
@@ -82,15 +82,6 @@ def _sample(text: str) -> int | None:
     if n < 1:
         raise argparse.ArgumentTypeError(f"{n} would check nothing: give 1 or more, or all")
     return n
-
-
-def _tenant_id(text: str) -> str:
-    from kvstore.tenants import check_id
-
-    try:
-        return check_id(text)
-    except ValueError as e:  # (it says what is wrong, never the id: it may be a bearer token)
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def cmd_verify(args) -> int:

@@ -16,6 +16,7 @@ from kvstore.argv import Parser, add_store_options
 from kvstore.errors import InvalidInputError
 from kvstore.serve.tenancy.policy import TenantPolicy, parse_source
 from kvstore.settings import Setting
+from kvstore.tenants import check_id
 
 #: Default of --store-max-tokens: a longer request is served but not stored.
 DEFAULT_MAX_STORED_TOKENS = 32768
@@ -119,6 +120,11 @@ def server_settings(args: argparse.Namespace) -> dict:
     if out["default_tenant"] is not None and out["tenants"].source == "none":
         raise InvalidInputError("--default-tenant names the tenant of requests that name none: it needs "
                                 "--tenant-from header:NAME or bearer")
+    if out["default_tenant"] is not None:  # (else each request without a tenant fails its lookup and insert)
+        try:
+            check_id(out["default_tenant"])
+        except ValueError as e:
+            raise InvalidInputError(f"--default-tenant: {e}") from None
     out["admin_token"] = admin_token(out["admin_token_file"])
     return out
 

@@ -143,7 +143,7 @@ class PersistentPromptCache:
             self.counters["prompt_tokens"] += len(tokens)
             try:
                 if tenant_id is UNKNOWN:
-                    return self._unknown("lookup", tokens)
+                    return self._unknown("a lookup", tokens)
                 binding = self._resolve(model, tokens)
                 if not isinstance(binding, Binding):
                     return self._fetch_elsewhere(binding, (model, tenant_id) if self.tenants.active else model,
@@ -201,7 +201,7 @@ class PersistentPromptCache:
         with self._lock:
             try:
                 if tenant_id is UNKNOWN:
-                    self._unknown("insert", tokens)
+                    self._unknown("an insert", tokens)
                     return
                 binding = self._resolve(model, tokens)
                 if binding == IN_RAM:
@@ -438,7 +438,7 @@ class PersistentPromptCache:
     def _unknown(self, what: str, tokens: list) -> tuple[None, list]:
         """A lookup or insert no request told the tenant of: served without the store."""
         self.counters["tenant_unknown"] += 1
-        log.warning("kvstore: a %s of %d tokens came with no tenant: served without the store", what, len(tokens))
+        log.warning("kvstore: %s of %d tokens came with no tenant: served without the store", what, len(tokens))
         return None, tokens
 
     def _resolve(self, key: Hashable, tokens: list) -> Binding | str:

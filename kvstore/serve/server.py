@@ -45,6 +45,7 @@ from kvstore.serve.options import (
 from kvstore.serve.promptcache import PersistentPromptCache
 from kvstore.serve.signals import Stopper
 from kvstore.serve.tenancy.policy import (
+    UNNAMED,
     SharedWrites,
     TenantPolicy,
     describe_tenants,
@@ -195,12 +196,15 @@ def _kv_events(served: dict, peek: argparse.Namespace, served_model: str) -> dic
 def _tenants_on(store: Store, tenants: TenantPolicy) -> TenantPolicy:
     """How this server tells tenants on `store`: a server serving tenants apart marks the store;
     a `--tenant-from none` server on a store that serves tenants serves its requests as one
-    tenant of their own (the shared namespace would let every tenant reuse them), and says so."""
+    tenant of their own (the shared namespace would let every tenant reuse them), and says so.
+    StoreOpenError when tenants are served and the store's tenant key cannot be read or made."""
     if tenants.active:
+        store.tenant(UNNAMED)  # (the key, read now: one that cannot be would fail every request, one by one)
         mark_tenants(store)
         return tenants
     if not serves_tenants(store):
         return tenants
+    store.tenant(UNNAMED)
     log.warning("kvstore: warning: this store serves tenants apart (it holds tenants' records, or a server "
                 "with --tenant-from or --trust-client-salt has used it): this server's requests are stored "
                 "as one tenant of their own, not as shared prompts every tenant would reuse; they still "
@@ -227,7 +231,12 @@ def _serve(server, store: Store, served: dict, passthrough: list[str], served_mo
     from kvstore.serve.metrics import ServerMetrics
     from kvstore.serve.mlxserver import Waiting
 
-    tenants = _tenants_on(store, served["tenants"])
+    try:
+        tenants = _tenants_on(store, served["tenants"])
+    except KVStoreError as e:
+        store.close()
+        print(f"kvstore serve: cannot serve tenants: {e}", file=sys.stderr)
+        return 1
     cache = PersistentPromptCache(store, max_insert_tokens=served["store_max_tokens"], tenants=tenants.active,
                                   shared_writes=None if tenants.active else SharedWrites())
     waiting = Waiting()

@@ -107,7 +107,7 @@ class DiskBudget:
         self.tenant_max_bytes = tenant_max_bytes  # each tenant's share of the disk
         self._cond = threading.Condition()
         self._due = self._running = False
-        self._said_too_small = False
+        self._said_too_small = self._said_tenant_too_small = False
         self.evicted_records = self.evicted_bytes = 0  # what this process's budget gc took off the disk
 
     def check(self, rows: list[Row] | None = None) -> None:
@@ -117,6 +117,12 @@ class DiskBudget:
             self._said_too_small = True  # else every record written is evicted again, unsaid
             log.warning("kvstore: a record of %d bytes is larger than the disk budget (max_bytes %d): "
                         "records this big cannot stay on disk; raise the budget", big, self.max_bytes)
+        mine = max((r.size for r in rows or () if r.tenant is not None), default=0)
+        if self.tenant_max_bytes is not None and mine > self.tenant_max_bytes and not self._said_tenant_too_small:
+            self._said_tenant_too_small = True  # (each such record of a tenant is evicted again at once)
+            log.warning("kvstore: a tenant's record of %d bytes is larger than each tenant's share of the disk "
+                        "(tenant_max_bytes %d): a tenant's records this big cannot stay on disk; raise it",
+                        mine, self.tenant_max_bytes)
         with self._cond:
             self._due = True
             if self._running:
@@ -134,6 +140,13 @@ class DiskBudget:
                         "budget (max_bytes %d): %s can stay on disk; raise the budget", chunk_size,
                         per_token * chunk_size, self.max_bytes,
                         f"no prompt of it longer than about {longest} tokens" if longest else "no prompt of it")
+        share = self.tenant_max_bytes
+        if share is not None and per_token * chunk_size > share and not self._said_tenant_too_small:
+            self._said_tenant_too_small = True
+            log.warning("kvstore: a chunk (%d tokens) of this model takes about %d bytes on disk, more than each "
+                        "tenant's share of the disk (tenant_max_bytes %d): a tenant's own chunks cannot stay on disk "
+                        "(each is written, then evicted again); raise it", chunk_size,
+                        per_token * chunk_size, share)
 
     def settle(self, timeout: float | None = None) -> bool:
         """Wait until no check is due or running; False if `timeout` ran out first."""

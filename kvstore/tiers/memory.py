@@ -97,6 +97,17 @@ class MemoryTier:
                 counts[rec.kind] = counts.get(rec.kind, 0) + 1
             return counts
 
+    def tenants(self) -> list[dict]:
+        """One dict per tenant whose records are held: its `tenant` tag, `records` and `bytes`
+        (what `LocalStore.tenants` says of a store on disk, for a store in RAM)."""
+        totals: dict[str, list[int]] = {}
+        with self._lock:
+            for rec in self._records.values():
+                if rec.tenant is not None:
+                    held = totals.setdefault(rec.tenant, [0, 0])
+                    held[0], held[1] = held[0] + 1, held[1] + rec.nbytes
+        return [{"tenant": tag, "records": n, "bytes": size} for tag, (n, size) in totals.items()]
+
     def children(self, parent: bytes) -> list[Record]:
         with self._lock:
             return [self._records[h] for h in self._children.get(parent, ())]

@@ -150,9 +150,14 @@ def check_server(url: str, tenant_from: str, shared: list[dict] | None, probes: 
 
     from kvstore.serve.tenancy.policy import parse_source
 
-    source = parse_source(tenant_from)
+    try:
+        source = parse_source(tenant_from)
+    except ValueError:  # (its message offers "none", which is no way to tell tenants here)
+        source = "none"
     if source == "none":
-        raise ValueError("--tenant-from: give the way the server tells tenants (header:NAME or bearer)")
+        raise ValueError(f"--tenant-from {tenant_from}: give the way the server tells tenants, header:NAME or "
+                         "bearer (a server whose tenants are only its requests' cache_salt, --trust-client-salt "
+                         "alone, cannot be checked this way)")
     base, http = url.rstrip("/"), _Operator(requests.Session(), admin_token)
     if http.get(base + "/kvstore/stats", timeout=timeout).status_code == 401:
         raise ValueError(f"{base} keeps /metrics and /kvstore/stats for its operator (401): give its token "

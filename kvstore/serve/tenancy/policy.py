@@ -160,11 +160,14 @@ class RequestTenants:
         self._local.next = tenant
 
     def take(self) -> object:
-        """The tenant of the lookup now being made on this thread (told by `begin`; `UNKNOWN`
-        when nothing was); it is then this thread's last lookup's (`last`)."""
+        """The tenant of the lookup now being made on this thread (told by `begin`, else the
+        request this thread serves alone, `single`; `UNKNOWN` when neither); it is then this
+        thread's last lookup's (`last`)."""
         if not self.active:
             return None
         tenant = getattr(self._local, "next", UNKNOWN)
+        if tenant is UNKNOWN:  # (every lookup within `for_tenant` is its tenant's, not the first alone)
+            tenant = getattr(self._local, "single", UNKNOWN)
         self._local.next = UNKNOWN
         self._local.last = tenant
         return tenant
@@ -181,8 +184,8 @@ class RequestTenants:
         self.begin(tenant)
         try:
             yield
-        finally:
-            self._local.single = before
+        finally:  # (a block that made no lookup must not leave its tenant to the next one, outside it)
+            self._local.single, self._local.next = before, UNKNOWN
 
     def tag(self, cache: Any, tenant: object) -> None:
         """`cache` (a list of cache layers) belongs to a request of `tenant`."""
