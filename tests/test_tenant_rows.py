@@ -167,3 +167,29 @@ def test_damaged_tenant_totals_are_counted_from_the_records_by_every_reader(tmp_
         assert got[("kvstore_tenant_records", tags["alice"])] == n
     code, out = verify(store, capsys)
     assert code == 1 and f"bad_totals: {store / 'index.sqlite'}: tenant {tags['alice']}: " in out, out
+
+
+def test_metrics_give_the_biggest_tenants_a_series_and_sum_the_rest(tmp_path, llama, monkeypatch):
+    """With `--trust-client-salt` every new salt is a tenant: /metrics gives the biggest
+    `TENANT_SERIES` a series each and sums the rest under "other", so a client cannot grow the
+    scrape without bound; the totals still add up."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvstore import PersistentPromptCache
+    from kvstore.serve import metrics
+
+    path, model = llama
+    with kvstore.open(tmp_path / "s", chunk_size=C) as s:
+        for i, name in enumerate("abcd"):  # each prompt longer than the one before: d's the biggest
+            s.bind(model, str(path), tenant=name).prefill(toks(20 * (i + 1), 10 + i))
+        s.flush()
+        totals = s.index.tenant_totals()
+        assert len(totals) == 4 and len({b for _, b in totals.values()}) == 4
+        monkeypatch.setattr(metrics, "TENANT_SERIES", 2)
+        body, _ = metrics.ServerMetrics(PersistentPromptCache(s)).render()
+        got = {x.labels["tenant"]: x.value for family in text_string_to_metric_families(body.decode())
+               for x in family.samples if x.name == "kvstore_tenant_bytes"}
+        d, c = s.tenant("d").tag, s.tenant("c").tag
+    assert set(got) == {d, c, "other"}
+    assert got[d] == totals[d][1] and got[c] == totals[c][1]
+    assert got["other"] == sum(b for _, b in totals.values()) - got[d] - got[c]

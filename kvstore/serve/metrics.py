@@ -20,6 +20,8 @@ from kvstore.serve.promptcache import PersistentPromptCache
 #: How long a scrape waits for the index (busy with another process's transaction) before it
 #: leaves the disk gauges out.
 READ_TIMEOUT_S = 10.0
+#: Tenants given a series of their own in /metrics (the biggest on disk); the rest are "other".
+TENANT_SERIES = 100
 
 FETCH_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 RESTORED_TOKENS_BUCKETS = (0, 16, 64, 256, 1024, 4096, 16384, 32768, 65536, 131072)
@@ -121,7 +123,9 @@ class _StoreCollector:
         yield from self._remote(store)
 
     def _tenants(self, store) -> Iterator[Metric]:
-        """Each tenant's records on disk, by its tag (a short HMAC of its salt, never its id)."""
+        """Each tenant's records on disk, by its tag (a short HMAC of its salt, never its id): the
+        `TENANT_SERIES` biggest, the rest summed under the tag "other" (with `--trust-client-salt`
+        every new salt is a tenant: a client must not grow the scrape without bound)."""
         if store.index is None:
             return
         try:
@@ -132,7 +136,11 @@ class _StoreCollector:
             return
         size = GaugeMetricFamily("kvstore_tenant_bytes", "Bytes of each tenant's records on disk.", labels=["tenant"])
         count = GaugeMetricFamily("kvstore_tenant_records", "Each tenant's records on disk.", labels=["tenant"])
-        for tag, (n, nbytes) in found.items():
+        biggest = sorted(found.items(), key=lambda item: (-item[1][1], item[0]))
+        shown, rest = biggest[:TENANT_SERIES], biggest[TENANT_SERIES:]
+        if rest:
+            shown.append(("other", (sum(n for _, (n, _) in rest), sum(b for _, (_, b) in rest))))
+        for tag, (n, nbytes) in shown:
             size.add_metric([tag], nbytes)
             count.add_metric([tag], n)
         yield size
