@@ -217,3 +217,18 @@ def test_a_stored_prompt_keeps_its_own_restore_when_longer_and_shorter_ones_are_
             _, rest = mc.fetch(prompt)
             assert len(rest) == 1, (len(prompt), len(rest))  # all but the last token, each
             assert mc.stored_whole(prompt)
+
+
+def test_warm_of_a_one_token_prompt_in_exact_mode_says_there_is_nothing_to_store(tmp_path, demo_model_path):
+    """In exact mode a prompt's last token is the first generation step's and is never stored: a
+    one-token prompt has nothing to store, and warm says so, rather than "1 not stored (not
+    written)" and a summary that counts a token as missing from the disk."""
+    from kvtest import run_cli
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "A"}\n{"prompt": "Hello there, a longer prompt."}\n')
+    out = run_cli("warm", "--store", tmp_path / "s", "--model", demo_model_path, "--exact-prefill", "256",
+                  "--prompts", prompts)
+    assert "1 token, 0 reused, 1 computed, nothing to store (in exact mode" in out.stderr, out.stderr
+    assert "not written" not in out.stderr + out.stdout
+    assert "on disk: 2 of 2 warmed prompts whole; 28 of 28 tokens" in out.stdout, out.stdout

@@ -217,8 +217,10 @@ def _warm_all(mc, work: list, totals: dict, stop: Callable[[], bool], tokenizer=
                 if item.pin and placed.on_disk + placed.queued < placed.tokens:
                     pins = ", not pinned: not all on disk"
                 where = f" ({bucket} from the bucket)" if bucket else ""
+                text = placed.text() if len(mc.stored_part(tokens)) else (
+                    "nothing to store (in exact mode a prompt's last token is the first generation step's)")
                 say(f"[{i}/{len(work)}] {item.where}: {plural(len(tokens), 'token')}, {reused} reused{where}, "
-                    f"{computed} computed, {placed.text()}{pins} ({time.perf_counter() - t0:.1f} s)")
+                    f"{computed} computed, {text}{pins} ({time.perf_counter() - t0:.1f} s)")
     finally:
         for bar in bars or ():
             bar.close()

@@ -469,8 +469,8 @@ class ModelCache(ExplicitWrites):
 
     def stored_part(self, toks: np.ndarray) -> np.ndarray:
         """What of a prompt is stored: all of it, or in exact mode all but its last token (which
-        is the first generation step's)."""
-        return toks[:-1] if self.exact and len(toks) > 1 else toks
+        is the first generation step's: none of a one-token prompt)."""
+        return toks[:-1] if self.exact else toks
 
     def stored_whole(self, tokens: Tokens) -> bool:
         """Whether this machine stores all of `tokens` (in exact mode, all but the last one: the

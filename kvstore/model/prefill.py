@@ -152,7 +152,7 @@ def prefill(mc, tokens, *, step: int | None = None, checkpoint_every: int = CHEC
     if mc.exact and step not in (None, mc.chunk_size):
         raise InvalidInputError(f"exact_prefill steps are {mc.chunk_size} tokens: step={step} would "
                                 "compute what a cold run does not")
-    if mc.already_stored(toks, pin=pin, durable=durable, cache_type=cache_type):
+    if len(mc.stored_part(toks)) and mc.already_stored(toks, pin=pin, durable=durable, cache_type=cache_type):
         return None, len(toks), 0
     cache, rest = mc.fetch(toks)
     reused = len(toks) - len(rest)
