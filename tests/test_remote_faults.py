@@ -324,7 +324,9 @@ def test_an_object_deleted_behind_a_nodes_back_keeps_the_chain_before_it(tmp_pat
         reused, _ = fetch_checked(mc, model, prompt + [1])
         assert reused == 2 * C
         r = b.stats()["remote"]
-        assert r["remote_tokens"] == 2 * C and r["errors"] == 0
+        # (what the failed try downloaded may have landed on the local disk before the next try
+        # plans: those chunks are then read there, not from the bucket again)
+        assert 0 < r["remote_tokens"] <= 2 * C and r["errors"] == 0
 
 
 def real_hashes(mc, prompt, objects) -> set[bytes]:
