@@ -107,15 +107,19 @@ def _branching_prompts(store_dir, llama, n: int) -> list:
         return [r for r in store.index.rows() if r.kind == 0 and r.depth == 2]
 
 
-def test_a_record_that_does_not_read_fails_the_certificate(tmp_path, llama):
-    model_dir, model = llama
-    second = _branching_prompts(tmp_path / "s", llama, 3)
-    path = blobtree.blob_path(tmp_path / "s" / "blobs", second[0].hash)
+def _unreadable_then_verified(store, h: bytes, model_dir):
+    """Flip a bit of record `h`'s blob (its checksum no longer holds), then `verify --exact` all."""
+    path = blobtree.blob_path(store / "blobs", h)
     data = bytearray(path.read_bytes())
     data[-7] ^= 0x40
     path.write_bytes(bytes(data))
-    result = run_cli("verify", "--store", tmp_path / "s", "--exact", "--sample", "all", "--model", model_dir,
-                     check=False)
+    return run_cli("verify", "--store", store, "--exact", "--sample", "all", "--model", model_dir, check=False)
+
+
+def test_a_record_that_does_not_read_fails_the_certificate(tmp_path, llama):
+    model_dir, model = llama
+    second = _branching_prompts(tmp_path / "s", llama, 3)
+    result = _unreadable_then_verified(tmp_path / "s", second[0].hash, model_dir)
     assert result.returncode == 1, result.stdout + result.stderr
     last = result.stdout.strip().splitlines()[-1]
     assert last.startswith("INCOMPLETE: 1 of the 3 stored prompts sampled"), last
@@ -137,12 +141,7 @@ def test_a_shared_record_that_does_not_read_leaves_no_prompt_checked_whole_and_s
             mc.prefill(toks(600, 3) + toks(40, 4 + i))
         store.flush()
         shared = next(r for r in store.index.rows() if r.kind == 0 and r.depth == 2)
-    path = blobtree.blob_path(tmp_path / "s" / "blobs", shared.hash)
-    data = bytearray(path.read_bytes())
-    data[-7] ^= 0x40
-    path.write_bytes(bytes(data))
-    result = run_cli("verify", "--store", tmp_path / "s", "--exact", "--sample", "all", "--model", model_dir,
-                     check=False)
+    result = _unreadable_then_verified(tmp_path / "s", shared.hash, model_dir)
     assert result.returncode == 1, result.stdout + result.stderr
     last = result.stdout.strip().splitlines()[-1]
     assert last.startswith("INCOMPLETE: 2 of the 2 stored prompts sampled"), last
