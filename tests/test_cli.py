@@ -234,6 +234,18 @@ def test_verify_refuses_an_option_it_would_ignore(capsys, store_copy, args, mess
     assert code == 2 and message in err and out == "", (out, err)
 
 
+@pytest.mark.parametrize("command", [["stats"], ["generate", "--prompt", "hi"], ["warm", "--prompts", "p.jsonl"]])
+def test_a_remote_key_file_without_a_bucket_is_refused(capsys, tmp_path, monkeypatch, command):
+    """`--remote-key-file` with no bucket (`--remote`, `$KVSTORE_REMOTE`) would not be read: a
+    wrong path, or a forgotten `--remote`, went unsaid; it is a usage error naming the file."""
+    monkeypatch.delenv("KVSTORE_REMOTE", raising=False)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "p.jsonl").write_text('{"prompt": "hi"}\n')
+    code, out, err = in_process(capsys, *command, "--store", tmp_path / "s", "--remote-key-file", "/nonexistent")
+    assert code == 2 and "--remote-key-file /nonexistent: the fleet's key is for a bucket here, and none is given" in err
+    assert not (tmp_path / "s").exists(), "refused before a store is made"
+
+
 def test_a_prompt_file_without_a_prompt_is_refused_before_a_store_is_made(capsys, tmp_path):
     for text in ("", "\n  \n"):
         (tmp_path / "p.jsonl").write_text(text)

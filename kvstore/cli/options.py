@@ -66,6 +66,16 @@ def remote_url(args) -> str | None:
         raise CommandError(str(e), EXIT_USAGE) from None
 
 
+def unread_key_file(args, url: str | None) -> None:
+    """Refuse `--remote-key-file` for a command that reads it only with a bucket, when none is
+    given: a wrong path, or a forgotten `--remote`, went unsaid (`verify`, `gc --drop-tenant-id`
+    and `pack import` read it for the local store too, and do not call this)."""
+    key_file = getattr(args, "remote_key_file", None)
+    if url is None and key_file:
+        raise CommandError(f"--remote-key-file {key_file}: the fleet's key is for a bucket here, and none is given "
+                           "(--remote s3://BUCKET/PREFIX or $KVSTORE_REMOTE)", EXIT_USAGE)
+
+
 def remote_key(args) -> list[bytes] | None:
     """The fleet's secrets in `--remote-key-file` (the one written with first), or None (then
     `$KVSTORE_REMOTE_KEY` is read)."""
@@ -181,6 +191,7 @@ def open_store(args):
     import kvstore
 
     url = remote_url(args)
+    unread_key_file(args, url)
     return kvstore.open(store_path(args), remote=url, remote_key=remote_key(args) if url else None,
                         **settings.given(args))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 
-from kvstore.cli.options import open_local, open_remote, remote_url
+from kvstore.cli.options import open_local, open_remote, remote_url, unread_key_file
 from kvstore.cli.output import PROG, on_store, out, plural
 from kvstore.sizes import format_age, format_setting, format_size
 
@@ -39,6 +39,7 @@ def read_stats(args) -> dict:
     """What the store directory holds (`LocalStore.stats`), whether this process may write it,
     and the remote's counters when one is given (`--remote` or `$KVSTORE_REMOTE`)."""
     url = remote_url(args)
+    unread_key_file(args, url)
     if not url:
         with open_local(args, must_exist=True, read_only=None) as files:
             return _local(files)
