@@ -17,10 +17,10 @@ import numpy as np
 
 from kvstore.canary import Canary
 from kvstore.errors import BlobError
-from kvstore.records import CHECKPOINT, check
-from kvstore.storage import blobfile, blobformat
+from kvstore.records import CHECKPOINT
 from kvstore.storage.index import Index, Row
 from kvstore.upkeep.anchors import Anchors
+from kvstore.upkeep.verify import checked_record
 
 
 @dataclass
@@ -67,14 +67,9 @@ def read_prompt(index: Index, root: Path, leaf: Row, chunk_size: int,
     tokens, ends, hashes, canaries = [], [], [], []
     for row in chain:
         try:
-            buf, blob = blobfile.read_checked(root, row.hash, size=row.size, checksum=row.checksum)
-            stored = blobformat.read_record(buf, blob.path)
-            check(row, stored.metadata, stored.tokens, chunk_size=chunk_size, where=blob.path)
-            sums = blobformat.tensor_checksums(stored.metadata, blob.path)
-            if anchors is not None and sums is not None:  # what `DiskTier` refuses to restore
-                trust = anchors.trust
-                verdict = trust.check(stored.metadata, blobformat.trust_table(stored.entries, sums))
-                trust.refuse(verdict, row.created, anchors.epoch, blob.path)
+            _, _, stored = checked_record(root, row, chunk_size,  # (what `DiskTier` refuses to restore)
+                                          trust=anchors.trust if anchors is not None else None,
+                                          epoch=anchors.epoch if anchors is not None else 0.0)
             kept = stored.extensions.get("canary")
         except (BlobError, OSError) as e:
             return StoredPrompt(leaf.hash, _joined(tokens), ends, hashes, canaries,

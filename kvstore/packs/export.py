@@ -26,8 +26,9 @@ from kvstore.packs import identity, replay, signing
 from kvstore.packs.manifest import BLOBS, MANIFEST, Manifest, Prompt, blob_name, sha256
 from kvstore.packs.replay import canary_fields
 from kvstore.packs.verify import acting_disk_kv_bits, is_free, settle, with_checkpoints
-from kvstore.records import check, checkpoint_of, prompt_records
-from kvstore.storage import blobfile, blobformat
+from kvstore.records import checkpoint_of, prompt_records
+from kvstore.storage import blobformat
+from kvstore.upkeep.verify import checked_record
 
 
 @dataclass
@@ -227,13 +228,9 @@ def _portable_blob(store, row, chunk_size: int) -> tuple[bytes, np.ndarray, dict
     restore checks it: a record changed after it was written is never signed into a pack."""
     anchors = store.disk.anchors
     try:
-        buf, blob = blobfile.read_checked(store.blob_root, row.hash, size=row.size, checksum=row.checksum)
-        stored = blobformat.read_record(buf, f"record {row.hash.hex()}")
-        check(row, stored.metadata, stored.tokens, chunk_size=chunk_size, where=f"record {row.hash.hex()}")
-        sums = blobformat.tensor_checksums(stored.metadata, blob.path)
-        if anchors is not None and sums is not None:
-            verdict = anchors.trust.check(stored.metadata, blobformat.trust_table(stored.entries, sums))
-            anchors.trust.refuse(verdict, row.created, anchors.epoch, blob.path)
+        buf, _, stored = checked_record(store.blob_root, row, chunk_size, where=f"record {row.hash.hex()}",
+                                        trust=anchors.trust if anchors is not None else None,
+                                        epoch=anchors.epoch if anchors is not None else 0.0)
         fields = canary_fields(stored.metadata)
     except WrongKeyError as e:  # (a fleet node's record, under another secret than the fleet's)
         raise PackError(f"a stored record's trust tag cannot be checked ({e}): nothing exported") from None

@@ -157,13 +157,22 @@ def check_blob(root: Path, row, chunk_size: int | None = None, *, trust: Trust |
     """Raise BlobError unless the blob of `row` is whole (its size and checksums) and is the
     record the row names (`records.check`: its header, and that its token ids hash to its key),
     and (`trust`) its tag is not refused (`Trust.refuse`: WrongKeyError under a wrong secret)."""
+    checked_record(root, row, chunk_size, trust=trust, epoch=epoch)
+
+
+def checked_record(root: Path, row, chunk_size: int | None = None, *, trust: Trust | None = None,
+                   epoch: float = 0.0, where: object = None) -> tuple[bytes, blobfile.BlobFile, object]:
+    """`check_blob`, returning what it read: (the blob's bytes, the blob, its record as
+    `blobformat.read_record` reads it). `where`: how the record is named in errors (else its path)."""
     buf, blob = blobfile.read_checked(root, row.hash, size=row.size, checksum=row.checksum)
-    stored = blobformat.read_record(buf, blob.path)
-    records.check(row, stored.metadata, stored.tokens, chunk_size=chunk_size, where=blob.path)
+    where = blob.path if where is None else where
+    stored = blobformat.read_record(buf, where)
+    records.check(row, stored.metadata, stored.tokens, chunk_size=chunk_size, where=where)
     sums = blobformat.tensor_checksums(stored.metadata, blob.path)
     if trust is not None and sums is not None:
         verdict = trust.check(stored.metadata, blobformat.trust_table(stored.entries, sums))
         trust.refuse(verdict, row.created, epoch, blob.path)
+    return buf, blob, stored
 
 
 def _retagged(root: Path, row, chunk_size: int | None, check=check_blob):
