@@ -79,8 +79,6 @@ def write(dest: Destination, job: Job,
             if len(inserted) < len(rows):  # a full disk took the rest: the chain ends at the last row in
                 cut = next(i for i, s in enumerate(written) if s.hash == rows[len(inserted)].hash)
                 written, rows = written[:cut], inserted
-                placed = {s.hash for s in written}
-                copies = [c for c in copies if c.hash in placed]
             if committed is not None:
                 committed(rows)
         if job.pin and dest.index is not None:
@@ -89,7 +87,8 @@ def write(dest: Destination, job: Job,
             dest.index.raise_role(job.reached, job.role)
         _give_back(dest, job, staged, rows)
         _settle(dest)  # under the lock, which its transaction would otherwise wait for again
-    placed = {s.hash for s in written}
+    placed = {s.hash for s in written}  # (a full disk may have cut the chain: not its RAM copies either)
+    copies = [c for c in copies if c.hash in placed]
     _say_lost(dest, [s for s in todo if s.hash not in placed])
     if copies:
         dest.memory.put(reversed(copies))
