@@ -8,7 +8,19 @@ import numpy as np
 
 from kvstore.argv import at_least, temperature
 from kvstore.cli.options import add_prompt_source, add_store_settings, bound, prompt_items
-from kvstore.cli.output import EXIT_PROBLEMS, PROG, disk_budget, on_store, out, plural, say, uploads_undone
+from kvstore.cli.output import (
+    EXIT_PROBLEMS,
+    PROG,
+    disk_budget,
+    on_store,
+    out,
+    plural,
+    remote_tokens,
+    say,
+    uploads_undone,
+    write_error,
+    write_problems,
+)
 
 EXAMPLES = """examples:
   kvstore generate --prompt "You are a helpful assistant. What is a KV cache?"
@@ -58,7 +70,7 @@ def cmd_generate(args) -> int:
             failed += not _generate_one(args, store, loaded, mc, tokens, sampler)
         if failed:
             say(f"{PROG} generate: {failed} of {len(work)} generations were not stored: "
-                f"{_write_error(store)}")
+                f"{write_error(store)}")
         if store.remote is not None:
             store.flush()  # (within the remote's flush timeout) to count what did not go up
         undone = uploads_undone(store)
@@ -79,10 +91,10 @@ def _generate_one(args, store, loaded, mc, tokens, sampler) -> bool:
     from kvstore.model.prefill import canary_of, insert_generated, prompt_cache
 
     t0 = time.perf_counter()
-    downloaded, before = _remote_tokens(store), _write_problems(store)
+    downloaded, before = remote_tokens(store), write_problems(store)
     start = prompt_cache(mc, tokens)
     cache, rest, reused = start.cache, start.rest, start.reused
-    from_bucket = min(reused, _remote_tokens(store) - downloaded)
+    from_bucket = min(reused, remote_tokens(store) - downloaded)
     slow = long_prefill_note(lambda: len(rest))
     if slow:
         say(slow)
@@ -109,7 +121,7 @@ def _generate_one(args, store, loaded, mc, tokens, sampler) -> bool:
             "was restored from are quarantined, and the answer is computed again without them")
         start = prompt_cache(mc, tokens)
         cache, rest, reused = start.cache, start.rest, start.reused
-        from_bucket = min(reused, _remote_tokens(store) - downloaded)
+        from_bucket = min(reused, remote_tokens(store) - downloaded)
     print(flush=True)
     if start.hold is not None:
         start.hold.submit()  # no step ran: stored without a canary (a second submit does nothing)
@@ -123,40 +135,18 @@ def _generate_one(args, store, loaded, mc, tokens, sampler) -> bool:
     store.writer.flush()  # to know what reached the disk, not only what was queued
     if store.backing.budget is not None:  # and what is still there once the disk budget's gc ran
         store.backing.budget.settle()
-    problem = _write_problems(store) != before
+    problem = write_problems(store) != before
     placed = mc.placement(list(tokens) + list(generated_stored))
     if stored and stored < placed.tokens:  # the cache held fewer tokens than were generated
         placed = mc.placement((list(tokens) + list(generated_stored))[:stored])
     stored_text = placed.summary() if stored else "nothing stored"
     if problem and not placed.on_disk:
-        stored_text = f"not stored ({_write_error(store)}); {placed.text()}"
+        stored_text = f"not stored ({write_error(store)}); {placed.text()}"
     elif problem:
-        stored_text += f" ({_write_error(store)})"
+        stored_text += f" ({write_error(store)})"
     where = (f"reused ({from_bucket} from the bucket {store.remote.url}, {reused - from_bucket} from the "
              "local store)") if from_bucket else "reused from the store"
     say(f"prompt: {plural(len(tokens), 'token')}, {reused} {where}, "
         f"{len(tokens) - reused} computed; time to first token: {ttft:.3f} s; "
         f"generated {plural(len(generated), 'token')} ({finish}); {stored_text}")
     return not problem
-
-
-def _remote_tokens(store) -> int:
-    """Tokens this process has restored from the bucket so far (0 without a remote tier)."""
-    return store.remote.counters["remote_tokens"] if store.remote is not None else 0
-
-
-def _write_problems(store) -> tuple[int, int, int]:
-    """Counters that go up when an insert does not reach the disk (no SQL: they are this
-    process's writer counters, the ones `stats()["writer"]` reports)."""
-    w = store.writer.stats
-    return w.write_errors, w.dropped_jobs, store.counters.get("skipped_inserts", 0)
-
-
-def _write_error(store) -> str:
-    """What went wrong with the last write, in a few words."""
-    w = store.writer.stats
-    if w.last_error:
-        return f"the write failed: {w.last_error}"
-    if w.dropped_jobs:
-        return "the write queue was full"
-    return "the store's index cannot be written"

@@ -85,3 +85,27 @@ def uploads_undone(store) -> str | None:
     parts = ", ".join(f"{why[k]} {text}" for k, text in reasons.items() if why[k])
     return (f"{plural(n, 'upload')} not done ({parts}); those records are stored on this machine only: "
             "no later process uploads them")
+
+
+# -- what a command's report says of the store's writes ------------------------------------------
+
+def remote_tokens(store) -> int:
+    """Tokens this process has restored from the bucket so far (0 without a remote tier)."""
+    return store.remote.counters["remote_tokens"] if store.remote is not None else 0
+
+
+def write_problems(store) -> tuple[int, int, int]:
+    """Counters that go up when an insert does not reach the disk (no SQL: they are this
+    process's writer counters, the ones `stats()["writer"]` reports)."""
+    w = store.writer.stats
+    return w.write_errors, w.dropped_jobs, store.counters.get("skipped_inserts", 0)
+
+
+def write_error(store) -> str:
+    """What went wrong with the last write, in a few words."""
+    w = store.writer.stats
+    if w.last_error:
+        return f"the write failed: {w.last_error}"
+    if w.dropped_jobs:
+        return "the write queue was full"
+    return "the store's index cannot be written"

@@ -8,7 +8,19 @@ import time
 from typing import Callable
 
 from kvstore.cli.options import PROMPT_FILE, add_store_settings, bound, read_prompts
-from kvstore.cli.output import EXIT_INTERRUPTED, EXIT_PROBLEMS, PROG, disk_budget, on_store, plural, say, uploads_undone
+from kvstore.cli.output import (
+    EXIT_INTERRUPTED,
+    EXIT_PROBLEMS,
+    PROG,
+    disk_budget,
+    on_store,
+    plural,
+    remote_tokens,
+    say,
+    uploads_undone,
+    write_error,
+    write_problems,
+)
 from kvstore.model.blas import long_prefill_note
 from kvstore.model.jsonl import cache_types
 from kvstore.sizes import format_size
@@ -61,7 +73,7 @@ def cmd_warm(args) -> int:
         previous = signal.signal(signal.SIGINT, ctrl_c)
         try:
             _warm_all(mc, work, totals, lambda: ctrl_c.requested, loaded.tokenizer, lambda: _write_failure(store),
-                      lambda: _remote_tokens(store))
+                      lambda: remote_tokens(store))
         except (_Stop, KeyboardInterrupt):
             interrupted = True
         finally:
@@ -116,16 +128,9 @@ def _summary(totals: dict, skipped: int, planned: int, writer: dict, seconds: fl
     print(f"time: {seconds:.1f} s")
 
 
-def _remote_tokens(store) -> int:
-    """Tokens this process has restored from the bucket so far (0 without a remote tier)."""
-    return store.remote.counters["remote_tokens"] if store.remote is not None else 0
-
-
 def _write_failure(store) -> str:
     """What went wrong with this process's writes, in a few words ("" when nothing did)."""
-    from kvstore.cli.generate import _write_error, _write_problems
-
-    return _write_error(store) if any(_write_problems(store)) else ""
+    return write_error(store) if any(write_problems(store)) else ""
 
 
 def _reasons(placed: list) -> str:
