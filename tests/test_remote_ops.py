@@ -179,6 +179,15 @@ def test_gc_remote_takes_orphans_first_and_a_cycle_of_parents_never_hangs(s3):
     assert {p.kind for p in problems} == {"unauthenticated_object", "orphan_object"} and records(url) == {}
 
 
+def uploaded(store, url: str, llama, prompt: list[int]) -> list[int]:
+    """`prompt` stored by a node at `store` sharing the bucket `url`, its uploads done; returns it."""
+    path, model = llama
+    with kvstore.open(store, chunk_size=C, remote=url) as node:
+        node.bind(model, path).insert(prompt, prefill(model, prompt))
+        assert node.flush(30)
+    return prompt
+
+
 def test_verify_remote_finds_and_repairs_damaged_objects(tmp_path, s3, llama):
     path, model = llama
     url = s3.url()
@@ -212,12 +221,8 @@ def test_verify_remote_reports_a_deleted_record_as_one_orphan_not_its_healthy_re
     """A chunk deleted behind the fleet's back: the chunk below it is an orphan, and what hangs
     below that is intact (its depth is not known from the tree): one problem, no `corrupt_object`
     with a made-up depth; the repair deletes the orphan and all below it."""
-    path, model = llama
     url = s3.url()
-    prompt = toks(4 * C + 3, 51)
-    with kvstore.open(tmp_path / "a", chunk_size=C, remote=url) as a:
-        a.bind(model, path).insert(prompt, prefill(model, prompt))
-        assert a.flush(30)
+    uploaded(tmp_path / "a", url, llama, toks(4 * C + 3, 51))
     objs = records(url)
     by_depth, h = [], next(k.hash for k in objs.values() if k.parent == k.ns)
     while h is not None:  # the chain, root first, then the tail
@@ -241,12 +246,8 @@ def test_objects_verify_leaves_alone_are_notes_and_the_repair_line_counts_what_i
     them, and the repair line counts what was repaired and what was left."""
     from kvstore.records import TAIL
 
-    path, model = llama
     url = s3.url()
-    prompt = toks(3 * C + 3, 51)
-    with kvstore.open(tmp_path / "a", chunk_size=C, remote=url) as a:
-        a.bind(model, path).insert(prompt, prefill(model, prompt))
-        assert a.flush(30)
+    uploaded(tmp_path / "a", url, llama, toks(3 * C + 3, 51))
     bucket = Bucket(url)
     leaf = next(k for k in records(url).values() if k.kind == TAIL)  # nothing hangs below it
     bucket.put(leaf.path, bucket.get(leaf.path)[:-7])  # truncated: kvstore's own, damaged
