@@ -227,29 +227,44 @@ def test_a_full_disk_is_said_once_not_once_per_failed_write(tmp_path, llama, cap
 
 def test_what_a_failed_write_left_out_is_said_in_tokens(tmp_path, llama, caplog):
     """`kvstore serve` logs a request's cache as "N queued for disk"; when a write fails, the
-    writer's line says how many of those tokens were not stored, and that RAM does not hold them
-    either (the records after a missing one hang from it). Before, one "a write was dropped" line,
-    said once per quiet time, was all: the next requests' tokens vanished without a word."""
+    writer's line says how many of those tokens were not stored, and whether RAM holds them: with
+    a memory tier they stay there (as on a server with no store at all) and are served, and the
+    next insert of the prompt writes them once the disk takes them; without one they are lost."""
     import logging
 
     model_path, model = llama
     first, second = prompts(44, 2, C)
-    with kvstore.open(tmp_path / "s", chunk_size=C) as store:
-        mc = store.bind(model, model_path)
-        faults.arm("blob_write", "enospc")
-        try:
-            with caplog.at_level(logging.WARNING, logger="kvstore"):
-                for p in (first, second):
-                    mc.insert(p, prefill(model, p))
-                    store.flush()
-        finally:
-            faults.disarm()
-        lost = [r.getMessage() for r in caplog.records if "not stored" in r.getMessage()]
-        assert len(lost) == 2, lost
-        for p, line in zip((first, second), lost):
-            assert line.startswith(f"kvstore: {len(p)} tokens up to record "), line
-            assert "not stored (neither on disk nor in RAM): a write failed (OSError: " in line, line
-            assert mc.fetch(p + [3])[1] == p + [3]  # nothing of it is served
+    for memory in (None, 0):
+        opts = {} if memory is None else {"memory_bytes": 0}
+        caplog.clear()
+        with kvstore.open(tmp_path / f"s{memory}", chunk_size=C, **opts) as store:
+            mc = store.bind(model, model_path)
+            faults.arm("blob_write", "enospc")
+            try:
+                with caplog.at_level(logging.WARNING, logger="kvstore"):
+                    for p in (first, second):
+                        mc.insert(p, prefill(model, p))
+                        store.flush()
+            finally:
+                faults.disarm()
+            said = "stay in RAM only, not written" if memory is None else "not stored (neither on disk nor in RAM)"
+            lines = [r.getMessage() for r in caplog.records if said in r.getMessage()]
+            assert len(lines) == 2, [r.getMessage() for r in caplog.records]
+            for p, line in zip((first, second), lines):
+                assert line.startswith(f"kvstore: {len(p)} tokens "), line
+                assert "OSError: [Errno 28] No space left on device" in line, line
+                cache, served = mc.fetch(p + [3])
+                if memory is None:  # from RAM, and exactly
+                    assert served == [3] and logits_diff(model, cache, served, p + [3]) <= TOL
+                else:
+                    assert served == p + [3]  # nothing of it is served
+            assert store.stats()["writer"]["records_written"] == 0
+            mc.insert(first, prefill(model, first))  # the disk takes it now
+            store.flush()
+        with kvstore.open(tmp_path / f"s{memory}", chunk_size=C, **opts) as store:  # a new process
+            mc = store.bind(model, model_path)
+            assert mc.fetch(first + [3])[1] == [3]
+            assert mc.fetch(second + [3])[1] == second[len(os.path.commonprefix([first, second])) // C * C:] + [3]
 
 
 def test_a_write_that_cannot_reach_the_store_says_what_it_left_out(tmp_path, llama, caplog):

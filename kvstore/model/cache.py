@@ -441,8 +441,8 @@ class ModelCache(ExplicitWrites):
             b.counters.skipped_inserts += 1
             return Pending(None, None, [])
         durable = durable or pin
-        # Records kept in RAM that may go to disk now (seen again, or durable): from this cache.
-        again = b.gate.rewrite(spans, held, durable) if b.gate is not None else set()
+        # Records kept in RAM that may go to disk now (seen again, durable, or whose write failed).
+        again = (b.gate.rewrite(spans, held, durable) if b.gate is not None else set()) | b.writer.unwritten(held)
         owner = {"tenant": self.tenant, "shared": sum(s.tenant is None and s.kind != CHECKPOINT for s in spans)}
         spans = [s for s in spans if self.owns(s)]  # a tenant's insert never writes a shared record
         new = [s for s in spans if s.hash not in held or s.hash in again]

@@ -54,10 +54,10 @@ class _Staged:
 
 
 def write(dest: Destination, job: Job,
-          committed: Callable[[list[Row]], None] | None = None) -> Batch | None:
+          committed: Callable[[list[Row]], None] | None = None) -> Batch:
     """Write the records of `job` not stored yet; `committed` gets their rows once committed
-    (still under the lock). None when the rows could not be inserted (their files are removed
-    again and the error counted)."""
+    (still under the lock). A record whose file or row could not be written (its file removed
+    again, the error counted) is kept in RAM only, "write_failed", with the records after it."""
     hosts = Hosts.of(job)
     if dest.index is not None and (job.specs or job.pin or job.reached):
         # A download being stored is not written again, and its row is there to pin and type.
@@ -72,14 +72,12 @@ def write(dest: Destination, job: Job,
             blobwrite.discard(st)
         if rows and dest.index is not None:
             inserted = _insert(dest, rows)
-            if not inserted:
-                _give_back(dest, job, staged, [])
-                _say_lost(dest, todo)
-                return None
             if len(inserted) < len(rows):  # a full disk took the rest: the chain ends at the last row in
                 cut = next(i for i, s in enumerate(written) if s.hash == rows[len(inserted)].hash)
-                written, rows = written[:cut], inserted
-            if committed is not None:
+                for spec in written[cut:]:
+                    staged.kept.setdefault(spec.hash, "write_failed")
+                rows = inserted
+            if committed is not None and rows:
                 committed(rows)
         if job.pin and dest.index is not None:
             dest.index.pin(job.pin)
@@ -87,30 +85,38 @@ def write(dest: Destination, job: Job,
             dest.index.raise_role(job.reached, job.role)
         _give_back(dest, job, staged, rows)
         _settle(dest)  # under the lock, which its transaction would otherwise wait for again
-    placed = {s.hash for s in written}  # (a full disk may have cut the chain: not its RAM copies either)
-    copies = [c for c in copies if c.hash in placed]
-    _say_lost(dest, [s for s in todo if s.hash not in placed])
     if copies:
         dest.memory.put(reversed(copies))
+    failed = [s for s in written if staged.kept.get(s.hash) == "write_failed"]
+    _say_lost(dest, failed)
+    dest.remember_unwritten([s.hash for s in failed if s.hash in dest.memory])
+    for row in rows:
+        dest.unwritten.pop(row.hash, None)
     kept = {s.hash for s in written if s.hash in staged.kept}
-    if kept and log.isEnabledFor(logging.INFO):
-        _say_kept([s for s in written if s.hash in kept and s.kind != CHECKPOINT], staged.kept)
+    in_ram = [s for s in written if s.hash in kept and s.kind != CHECKPOINT and s.hash in dest.memory]
+    if in_ram:
+        _say_kept(dest, in_ram, staged.kept)
     due = []
     if dest.gate is not None:
-        due = [spec for spec in written if spec.hash in staged.kept
+        due = [spec for spec in written if staged.kept.get(spec.hash, "write_failed") != "write_failed"
                and dest.gate.kept(spec, staged.kept[spec.hash], job.role)]
         dest.gate.written(row.hash for row in rows)
     return Batch(written, rows, hosts, kept, due)
 
 
-def _say_kept(spans: list[Span], why: dict[bytes, str]) -> None:
+def _say_kept(dest: Destination, spans: list[Span], why: dict[bytes, str]) -> None:
     """One log line for the tokens of a job that the writer keeps in RAM only, by reason, naming
-    its last record (as `kvstore serve`'s line for the request that queued it does)."""
+    its last record (as `kvstore serve`'s line for the request that queued it does); a warning
+    when a write failed, with the failure."""
     by_reason: dict[str, int] = {}
     for s in spans:
         by_reason[why[s.hash]] = by_reason.get(why[s.hash], 0) + s.ntokens
-    log.info("kvstore: %s up to record %s stay in RAM only, not written", ", ".join(
-        f"{n} tokens ({REASONS.get(r, r)})" for r, n in by_reason.items()), spans[-1].hash.hex()[:8])
+    failed = "write_failed" in by_reason
+    if failed or log.isEnabledFor(logging.INFO):
+        log.log(logging.WARNING if failed else logging.INFO, "kvstore: %s up to record %s stay in RAM only, not written",
+                ", ".join(f"{n} tokens ({REASONS.get(r, r)}" + (f": {dest.stats.last_error})" if r == "write_failed"
+                                                                   else ")") for r, n in by_reason.items()),
+                spans[-1].hash.hex()[:8])
 
 
 def _say_lost(dest: Destination, spans: list[Span]) -> None:
@@ -208,17 +214,20 @@ def _place(dest: Destination, job: Job, hosts: Hosts, todo: list[Span], staged: 
     written: list[Span] = []
     rows: list[Row] = []
     copies: list[Record] = []
+    failed = False
     for spec in todo:
         st = staged.files.pop(spec.hash, None)
         keep = dest.memory.keeps(spec.nbytes)  # with memory_bytes=0 nothing is copied for RAM
+        if spec.parent in staged.kept:  # under a record kept in RAM: no row may hang from it
+            staged.kept.setdefault(spec.hash, staged.kept[spec.parent])
+        elif failed:  # after a failed write (a full disk, most often): no more tries in this job
+            staged.kept.setdefault(spec.hash, "write_failed")
         if spec.hash in staged.parts:
             tokens, tensors, meta = staged.parts.pop(spec.hash)
-        elif st is not None and not keep:  # its file is written: only its token ids are needed
+        elif (st is not None or spec.hash in staged.kept) and not keep:  # only its token ids are needed
             tokens, tensors, meta = job.token_ids(spec), {}, {}
         else:
             tokens, tensors, meta = hosts.parts(job, spec)
-        if spec.parent in staged.kept:  # under a record kept in RAM: no row may hang from it
-            staged.kept.setdefault(spec.hash, staged.kept[spec.parent])
         if spec.hash in staged.kept:
             if st is not None:
                 blobwrite.discard(st)
@@ -231,12 +240,15 @@ def _place(dest: Destination, job: Job, hosts: Hosts, todo: list[Span], staged: 
                 size, checksum = blobwrite.place(st) if st is not None else \
                     blobwrite.write(dest.root, spec.hash, tensors, meta, fsync=dest.fsync, trust=dest.trust)
             except OSError as e:
+                # Kept in RAM, as records admission keeps out are: a later insert of the prompt
+                # tries its write again. Later records hang from this one: they are kept too.
                 dest.count_error(e)
-                break  # later records hang from this one; without it they are unreachable
-            faults.hit("after_rename")
-            rows.append(Row(spec.hash, spec.ns, spec.parent, spec.depth, spec.kind, spec.ntokens,
-                            spec.first_token, size, checksum, pinned=int(spec.hash in job.pin), role=job.role,
-                            tenant=spec.tenant))
+                staged.kept[spec.hash], failed = "write_failed", True
+            else:
+                faults.hit("after_rename")
+                rows.append(Row(spec.hash, spec.ns, spec.parent, spec.depth, spec.kind, spec.ntokens,
+                                spec.first_token, size, checksum, pinned=int(spec.hash in job.pin),
+                                role=job.role, tenant=spec.tenant))
         if keep:
             copies.append(jobs.compact(job, spec, tokens, tensors))
         written.append(spec)

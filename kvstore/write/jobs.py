@@ -146,6 +146,9 @@ class Destination:
     fsync: bool = True
     stats: WriterStats = field(default_factory=WriterStats)
     complete: dict[bytes, None] = field(default_factory=dict)  # insertion-ordered, bounded
+    # Records kept in RAM because their write failed (a full disk): the next insert of them
+    # writes them again. Bounded as `complete` is; one written since is dropped from it.
+    unwritten: dict[bytes, None] = field(default_factory=dict)
     gate: "Gate | None" = None  # what may go to disk (None: everything)
     # Called before each record's copy and file: waits (bounded) while a restore runs, so that
     # the restore has the cores and the memory bandwidth (see `Writer.reading`).
@@ -164,6 +167,12 @@ class Destination:
         self.complete[h] = None
         if len(self.complete) > COMPLETE_REMEMBERED:
             del self.complete[next(iter(self.complete))]
+
+    def remember_unwritten(self, hashes: list[bytes]) -> None:
+        for h in hashes:
+            self.unwritten[h] = None
+        while len(self.unwritten) > COMPLETE_REMEMBERED:
+            del self.unwritten[next(iter(self.unwritten))]
 
     def count_error(self, e: BaseException) -> None:
         """A write that failed and was dropped: counted and logged, never raised to a caller; the

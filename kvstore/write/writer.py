@@ -143,6 +143,11 @@ class Writer:
         """Whether a stored record is known to hold every layer's K/V (nothing to refill)."""
         return h in self._dest.complete
 
+    def unwritten(self, hashes: set[bytes]) -> set[bytes]:
+        """Of `hashes`, those a tier holds in RAM only because their write failed: to write again."""
+        failed = self._dest.unwritten
+        return {h for h in hashes if h in failed} if failed else set()
+
     def is_pending(self, h: bytes) -> bool:
         """Whether `h` is queued and not written yet."""
         return h in self._pending
@@ -268,8 +273,6 @@ class Writer:
         """Write `job`; the records of it to write again from RAM (see `batch.Batch.due`)."""
         self.stats.jobs += 1
         done = batch.write(self._dest, job, self._committed)
-        if done is None:  # its rows could not be inserted: nothing of it is stored
-            return []
         if done.written and (done.rows or self.index is None):
             self._drop_redundant(job, [s for s in done.written if s.kind != CHECKPOINT and s.hash not in done.kept])
         if job.refill and self.index is not None:
