@@ -238,7 +238,7 @@ def test_the_request_is_computed_again_in_the_server_loop_or_answered_from_its_r
     with kvstore.open(tmp_path / "s", chunk_size=C) as store:
         assert request(store) == (0, 0)
     alter_record(tmp_path / "s", canary_record(tmp_path / "s"), "1.keys", 1.5, strip_tag=True)
-    with caplog.at_level(logging.WARNING, logger="kvstore"), \
+    with caplog.at_level(logging.INFO, logger="kvstore"), \
             kvstore.open(tmp_path / "s", chunk_size=C, memory_bytes=0) as store:
         with monkeypatch.context() as patch:
             if fails:
@@ -247,3 +247,6 @@ def test_the_request_is_computed_again_in_the_server_loop_or_answered_from_its_r
         assert request(store)[0] == (0 if fails else len(prompt) - 1)
     said = [r.getMessage() for r in caplog.records if "could not be computed again" in r.getMessage()]
     assert len(said) == fails
+    # The lookup's own line said the prompt was reused: the one computed again says it was not.
+    again = [r.getMessage() for r in caplog.records if "computed again: 0 reused" in r.getMessage()]
+    assert again == ([] if fails else [f"kvstore: prompt {len(prompt)} tokens, computed again: 0 reused from the store"])
