@@ -125,6 +125,59 @@ def test_an_8bit_store_is_judged_within_its_bounds_and_only_reported(tmp_path, d
         assert reused == len(prompt) - 1 and moved is not None and moved.ok, moved  # within 8-bit K/V's bound
 
 
+def _scale_quantized(store, h: bytes, factor: float) -> None:
+    """Scale every bf16 `*.scales` tensor of record `h` (K/V quantized on disk) and write their
+    checksums with them, untagged: no checksum tells it from the record that was stored."""
+    import json
+    import sqlite3
+    import struct
+
+    import xxhash
+
+    from kvstore.storage import blobtree
+    from kvstore.trust import HEADER_KEY
+
+    path = blobtree.blob_path(store / "blobs", h)
+    buf = bytearray(path.read_bytes())
+    (n,) = struct.unpack_from("<Q", buf, 0)
+    header = json.loads(buf[8 : 8 + n])
+    sums = json.loads(header["__metadata__"]["checksums"])
+    for name in [k for k in header if k.endswith(".scales")]:
+        start, end = header[name]["data_offsets"]
+        wide = np.frombuffer(bytes(buf[8 + n + start : 8 + n + end]), dtype="<u2").astype(np.uint32) << 16
+        data = ((wide.view(np.float32) * np.float32(factor)).view(np.uint32) >> 16).astype("<u2")
+        buf[8 + n + start : 8 + n + end] = data.tobytes()
+        sums[name] = blobformat.tensor_checksum(data)
+    header["__metadata__"]["checksums"] = json.dumps(sums, separators=(",", ":"))
+    header["__metadata__"].pop(HEADER_KEY, None)
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    buf[8 : 8 + n] = raw + b" " * (n - len(raw))
+    path.write_bytes(bytes(buf))
+    checksum = xxhash.xxh3_64_intdigest(bytes(buf))
+    with sqlite3.connect(store / "index.sqlite") as con:
+        con.execute("UPDATE records SET size = ?, checksum = ? WHERE hash = ?",
+                    (len(buf), checksum - (1 << 64) if checksum >= 1 << 63 else checksum, h))
+    con.close()
+
+
+def test_generate_on_an_8bit_store_answers_cold_and_does_not_say_it_quarantined(tmp_path, demo_model):
+    """With K/V quantized on disk a missed canary is only reported: the records are kept. `kvstore
+    generate` said they were quarantined and the answer computed again without them, then restored
+    them again and answered from the damaged restore. It computes the prompt cold instead (as
+    `kvstore serve` does), and says that the records are kept."""
+    store = tmp_path / "s"
+    model_dir = demo_model("llama", "small", "bfloat16")
+    common = ("--store", store, "--model", model_dir, "--prompt", "the quick brown fox " * 16, "--max-tokens", "8")
+    cold = run_cli("generate", *common, "--disk-kv-bits", "8")
+    _scale_quantized(store, canary_record(store), 4.0)
+    hit = run_cli("generate", *common)
+    assert "does not give the canary it keeps" in hit.stderr and "the record is kept" in hit.stderr, hit.stderr
+    assert "quarantined" not in hit.stderr and "its records are kept" in hit.stderr, hit.stderr
+    assert hit.stdout == cold.stdout
+    last = hit.stderr.strip().splitlines()[-1]
+    assert ", 0 reused from the store, " in last, last
+
+
 @pytest.mark.parametrize("host", [False, True], ids=["mlx", "numpy"])
 def test_the_server_adapter_checks_the_first_step_and_stores_none_of_a_wrong_restore(tmp_path, llama, caplog, host):
     """`PersistentPromptCache` (an own server's calls, as mlx_lm.server makes them): the first
@@ -238,7 +291,7 @@ def test_the_request_is_computed_again_in_the_server_loop_or_answered_from_its_r
     with kvstore.open(tmp_path / "s", chunk_size=C) as store:
         assert request(store) == (0, 0)
     alter_record(tmp_path / "s", canary_record(tmp_path / "s"), "1.keys", 1.5, strip_tag=True)
-    with caplog.at_level(logging.WARNING, logger="kvstore"), \
+    with caplog.at_level(logging.INFO, logger="kvstore"), \
             kvstore.open(tmp_path / "s", chunk_size=C, memory_bytes=0) as store:
         with monkeypatch.context() as patch:
             if fails:
@@ -247,3 +300,6 @@ def test_the_request_is_computed_again_in_the_server_loop_or_answered_from_its_r
         assert request(store)[0] == (0 if fails else len(prompt) - 1)
     said = [r.getMessage() for r in caplog.records if "could not be computed again" in r.getMessage()]
     assert len(said) == fails
+    # The lookup's own line said the prompt was reused: the one computed again says it was not.
+    again = [r.getMessage() for r in caplog.records if "computed again: 0 reused" in r.getMessage()]
+    assert again == ([] if fails else [f"kvstore: prompt {len(prompt)} tokens, computed again: 0 reused from the store"])

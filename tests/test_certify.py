@@ -140,6 +140,36 @@ def test_verify_exact_checks_caches_stored_quantized_by_mlx_lm(tmp_path, demo_mo
     assert odd.returncode == 2 and "argument --kv-group-size: invalid choice: 7" in odd.stderr, odd.stderr
 
 
+def test_caches_mlx_lm_quantized_after_its_prefill_are_judged_within_the_bounds(tmp_path, demo_model):
+    """Out of exact mode `serve --kv-bits` stores what mlx_lm.server computed: the prompt with a
+    plain cache, quantized after its prefill; the certificate's cold run quantizes from token 0.
+    The two differ by the quantization, and the packed words by anything: the certificate said
+    MISMATCH on a healthy store (a packed word 'differing by 1.7e7') and printed the `rm` of every
+    record. They are compared as the K/V they hold, within the bounds of 8-bit K/V; a record
+    altered with its checksums is still named."""
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache
+
+    path = demo_model("llama", "small")  # head size 32: one group of 32
+    model = load(str(path))[0]
+    prompt = toks(300, 4)
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array([prompt]), cache=cache))  # as mlx-lm prefills: plain, then quantized
+    cache = [layer.to_quantized(group_size=32, bits=8) for layer in cache]
+    with kvstore.open(tmp_path / "s") as store:
+        store.bind(model, path, kv_bits=8, kv_group_size=32).insert(prompt, cache)
+        store.flush()
+        first = next(r for r in store.index.rows() if r.depth == 1)
+    healthy = run_cli("verify", "--store", tmp_path / "s", "--exact", "--model", path, check=False)
+    assert healthy.returncode == 0, healthy.stdout + healthy.stderr
+    assert "8-bit K/V quantized by mlx-lm, judged against its bounds" in healthy.stdout
+    assert "rm " not in healthy.stdout and "keys.0" not in healthy.stdout, healthy.stdout
+    alter_record(tmp_path / "s", first.hash, "1.values.1", 1.5, strip_tag=True)  # its scales
+    damaged = run_cli("verify", "--store", tmp_path / "s", "--exact", "--model", path, check=False)
+    assert damaged.returncode == 1 and damaged.stdout.strip().splitlines()[-1].startswith("MISMATCH"), damaged.stdout
+    assert f"record {first.hash.hex()[:12]} (tokens 0-256: most in 1.values" in damaged.stdout, damaged.stdout
+
+
 def test_prompts_stored_with_another_exact_step_are_named_and_checked_when_asked(tmp_path, demo_model_path):
     """Each exact_prefill is a namespace of its own: a check of the store's own step says how many
     records of the model it did not check and with which option to check them, and

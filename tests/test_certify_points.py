@@ -287,3 +287,44 @@ def test_a_difference_after_the_restore_point_alone_blames_no_record(tmp_path, l
     assert not prompt["ok"] and prompt["differing_records"] == [] and prompt["no_record_differs"]
     assert prompt["worst_after"] == "1.keys@299", prompt["problems"]
     assert "no stored record differs (none to evict)" in prompt["problems"][0]
+
+
+def test_a_prompt_restored_only_up_to_a_quarantined_record_is_not_certified_whole(tmp_path, llama):
+    """A read that failed once (the blob was away: a disk that did not answer) quarantines that
+    record, and a restore stops before it from then on; the blob reads again. A prompt that hangs
+    from it restores only its records before it, so the rest is never compared: the certificate
+    said `exact`, exit 0, with `restored` short of `tokens`. It is checked only in part (exit 1),
+    and the verdict names the quarantined record."""
+    model_dir, model = llama
+    prompt = toks(560, 7)  # records of 256, 256 and a tail of 47 tokens
+    rows = stored(tmp_path / "s", model, model_dir, prompt, 256)
+    second = next(r for r in rows if r.kind == 0 and r.depth == 2)  # tokens 256-512
+    path = blobtree.blob_path(tmp_path / "s" / "blobs", second.hash)
+    away = path.with_name("away")
+    path.rename(away)
+    with kvstore.open(tmp_path / "s") as store:
+        _, rest = store.bind(model, model_dir).fetch(prompt)
+        assert len(rest) == len(prompt) - 256
+    away.rename(path)
+    assert index_sql(tmp_path / "s", "SELECT bad FROM records WHERE hash = ?", (second.hash,)) == [(1,)]
+    result = run_cli("verify", "--store", tmp_path / "s", "--exact", "--sample", "all", "--model", model_dir,
+                     check=False)
+    assert result.returncode == 1, result.stdout + result.stderr
+    last = result.stdout.strip().splitlines()[-1]
+    assert last.startswith("INCOMPLETE: 1 of the 1 stored prompts sampled"), last
+    assert f"was read only to token 256: record {second.hash.hex()} is quarantined" in last, last
+    assert "PARTIAL" in result.stdout, result.stdout
+
+
+def test_a_prompt_that_restores_nothing_shows_no_comparison_in_its_row(tmp_path, llama):
+    """A prompt whose first record does not read restores nothing: its row showed `bit for bit`,
+    `same`, `32/32` and a `0.000*` lead (with the tie note) for a comparison that never ran."""
+    model_dir, model = llama
+    stored(tmp_path / "s", model, model_dir, toks(300, 9), 256)
+    with kvstore.open(tmp_path / "s", read_only=True) as store:
+        first = next(r for r in store.index.rows() if r.depth == 1)
+    result = _unreadable_then_verified(tmp_path / "s", first.hash, model_dir)
+    assert result.returncode == 3, result.stdout + result.stderr
+    head, row = result.stdout.splitlines()[:2]
+    assert row.split()[1:] == ["0", "0", "0", "-", "-", "-", "-", "-", "0/0", "PARTIAL"], row
+    assert "bit for bit" not in row and "lead*" not in result.stdout, result.stdout

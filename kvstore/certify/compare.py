@@ -22,7 +22,7 @@ from kvstore import keys
 from kvstore.certify.prompts import StoredPrompt
 from kvstore.certify.report import GREEDY, Bounds, PromptCheck, judge
 from kvstore.model.prefill import last_step, process, run
-from kvstore.restore.codecs import RotatingCodec
+from kvstore.restore.codecs import QuantizedKVCodec, RotatingCodec
 from kvstore.restore.quant import layout_bits
 
 DEFAULT_STEP = 2048  # mlx-lm's prefill_step_size, for what a token-exact store leaves to compute
@@ -42,10 +42,24 @@ def bounds_for(mc, disk_kv_bits: int | None) -> Bounds:
                       canary=logits, greedy=False, tie=logits, kv_after=False)
     if mc.exact:
         return Bounds(f"exact mode, steps of {mc.exact}", exact=True)
+    quantized = mlx_bits(mc)
+    if quantized:  # what mlx-lm computed before it quantized, against a cold run quantized from the start
+        kv, logits = KV_BITS_BOUNDS[8 if quantized >= 8 else 4]
+        return Bounds(f"{quantized}-bit K/V quantized by mlx-lm, judged against its bounds", exact=False, kv=kv,
+                      logprobs=logits, canary=logits, greedy=False, tie=logits, kv_after=False)
     dtype = str((mc.layout.get("param_dtypes") or ["float32"])[0])
     low = "bfloat16" in dtype or "float16" in dtype
     return Bounds("token-exact reuse: exact mode off", exact=False, kv=2.0 ** -6 if low else 1e-4,
                   logprobs=0.1 if low else 1e-3)
+
+
+def mlx_bits(mc) -> int | None:
+    """The bits of model cache `mc`'s caches quantized by mlx-lm (`QuantizedKVCache`: `bind(kv_bits=...)`,
+    `serve --kv-bits`), or None. Out of exact mode mlx-lm computes a prompt with a plain cache and
+    quantizes it after (at its first generation step past `--quantized-kv-start`), where a cold run
+    here quantizes it from token 0: the two differ by the quantization, as K/V quantized on disk do."""
+    found = [leaf.bits for codec in mc.codecs for _, leaf in codec.leaves("") if isinstance(leaf, QuantizedKVCodec)]
+    return min(found) if found else None
 
 
 def disk_bits(mc) -> int | None:
@@ -208,6 +222,11 @@ def _tensors(codec, layer, n: int) -> dict[str, tuple[mx.array, int | None]]:
     """A layer's token-axis tensors (name -> array, its first token) and its whole state (first
     token None: computed after the restore point, as a recurrent state is)."""
     out = {name: (a, origin) for name, (a, origin) in codec.deltas(layer, n).items()}
+    if isinstance(codec, QuantizedKVCodec):  # packed words, scales, biases: compared as the K/V they hold
+        for kind in ("keys", "values"):
+            if f"{kind}.0" in out:
+                (q, origin), (scales, _), (biases, _) = (out.pop(f"{kind}.{j}") for j in range(3))
+                out[kind] = (mx.dequantize(q, scales, biases, group_size=codec.group_size, bits=codec.bits), origin)
     out.update({f"state.{name}": (a, None) for name, a in codec.checkpoint(layer).items()
                 if isinstance(a, mx.array) and a.ndim >= 3})
     return out

@@ -4,7 +4,7 @@ A stored prompt is the chain of records from the root of a model's namespace to 
 or a chunk nothing hangs from): the token ids of its records, in order, with where each record
 ends and the canaries their headers keep (`kvstore.canary`). Every blob read is checked whole
 (its size, checksums and header, `storage.blobfile.read_checked`); a damaged one ends the prompt
-there. No mlx here.
+there, and so does a quarantined one (a restore stops before it). No mlx here.
 """
 
 from __future__ import annotations
@@ -38,10 +38,10 @@ class StoredPrompt:
 
 def leaves(index: Index, ns: bytes, tenant: str | None = None) -> list[Row]:
     """The records of namespace `ns` that end a chain: tails, and chunks with no chunk or tail
-    under them (checkpoints hang from records; quarantined records are left out). The shared
-    prompts' (`tenant` None: what no shared record hangs from), or one tenant's (its tag)."""
-    rows = [r for r in index.rows() if r.ns == ns and r.kind != CHECKPOINT and not r.bad
-            and r.tenant in (None, tenant)]
+    under them (checkpoints hang from records). A chain with a quarantined record is one too, not
+    its prefix before that record: `read_prompt` ends it there and says why. The shared prompts'
+    (`tenant` None: what no shared record hangs from), or one tenant's (its tag)."""
+    rows = [r for r in index.rows() if r.ns == ns and r.kind != CHECKPOINT and r.tenant in (None, tenant)]
     parents = {r.parent for r in rows if r.tenant == tenant}
     return sorted((r for r in rows if r.tenant == tenant and r.hash not in parents), key=lambda r: r.hash)
 
@@ -66,6 +66,10 @@ def read_prompt(index: Index, root: Path, leaf: Row, chunk_size: int,
     chain.reverse()
     tokens, ends, hashes, canaries = [], [], [], []
     for row in chain:
+        if row.bad:  # (quarantined: a restore never uses it, so what follows it is not put to the test)
+            return StoredPrompt(leaf.hash, _joined(tokens), ends, hashes, canaries,
+                                damaged=f"record {row.hash.hex()} is quarantined (a restore never uses it; "
+                                        "`kvstore verify --repair` drops it, storing the prompt again heals it)")
         try:
             _, _, stored = checked_record(root, row, chunk_size,  # (what `DiskTier` refuses to restore)
                                           trust=anchors.trust if anchors is not None else None,

@@ -186,7 +186,7 @@ def _record_said(r: dict) -> str:
 def table(checks: list[PromptCheck], tie: float = TIE_MARGIN) -> str:
     """The checks as a fixed-width table (`points`: restore points compared; the K/V column names
     the tensor that differs most, as layer.tensor@restore point; `*`: a lead under `tie`, the
-    bounds' tie margin)."""
+    bounds' tie margin; `-`: nothing of the prompt was restored, so nothing was compared)."""
     head = ("prompt", "tokens", "restored", "points", "K/V max |Δ|", "logprob |Δ|", "best", "lead", "greedy",
             "canaries", "verdict")
     rows = [head]
@@ -195,12 +195,15 @@ def table(checks: list[PromptCheck], tie: float = TIE_MARGIN) -> str:
         if c.worst_record() is not None:  # the cause: the record restored at that point
             r = c.worst_record()
             kv = f"{r['max']:.2g} {c.worst_tensor()} in {r['record'][:12]}"
-        rows.append((c.leaf[:12], str(c.tokens), str(c.restored), str(c.restore_points), kv, f"{c.logprobs:.2g}",
-                     "same" if c.top1 else "other", f"{c.margin:.3f}" + ("*" if c.margin < tie else ""),
-                     f"{c.greedy}/{GREEDY}", f"{c.canaries_ok}/{c.canaries}", _flag(c)))
+        compared = (kv, f"{c.logprobs:.2g}", "same" if c.top1 else "other",
+                    f"{c.margin:.3f}" + ("*" if c.margin < tie else ""), f"{c.greedy}/{GREEDY}")
+        if not c.restored:  # nothing of it was restored: there is no restore to call the same as a cold run
+            compared = ("-",) * len(compared)
+        rows.append((c.leaf[:12], str(c.tokens), str(c.restored), str(c.restore_points), *compared,
+                     f"{c.canaries_ok}/{c.canaries}", _flag(c)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
-    if any(c.margin < tie for c in checks):
+    if any(c.margin < tie and c.restored for c in checks):
         lines.append(f"lead*: the cold run's best token led the next by under {tie:g} (a log-probability): "
                      "a different best token there is tie-sensitive, not a mismatch")
     if any(c.greedy_tie and c.greedy < GREEDY for c in checks):

@@ -86,6 +86,7 @@ def _generate_one(args, store, loaded, mc, tokens, sampler) -> bool:
     """Generate for one prompt, print the text and a report line; False if it was not stored."""
     from mlx_lm import stream_generate
 
+    from kvstore.certify.compare import disk_bits
     from kvstore.certify.firststep import check_first_step
     from kvstore.model.blas import long_prefill_note
     from kvstore.model.prefill import canary_of, insert_generated, prompt_cache
@@ -116,10 +117,12 @@ def _generate_one(args, store, loaded, mc, tokens, sampler) -> bool:
             finish = response.finish_reason
         else:
             break
-        wrong = moved  # (its records are quarantined now: the fetch below does not restore them)
-        say(f"{PROG} generate: the restored prompt did not give its canary ({moved.reason}); the records it "
-            "was restored from are quarantined, and the answer is computed again without them")
-        start = prompt_cache(mc, tokens)
+        wrong = moved
+        kept = ("its K/V are stored quantized (disk_kv_bits), so its records are kept, and the answer is computed "
+                "again without restoring them" if disk_bits(mc) else  # (reported only: not quarantined)
+                "the records it was restored from are quarantined, and the answer is computed again without them")
+        say(f"{PROG} generate: the restored prompt did not give its canary ({moved.reason}); {kept}")
+        start = prompt_cache(mc, tokens, restore=False)  # the cold run, as `kvstore serve` computes it again
         cache, rest, reused = start.cache, start.rest, start.reused
         from_bucket = min(reused, remote_tokens(store) - downloaded)
     print(flush=True)

@@ -209,8 +209,8 @@ def _verify_exact(args) -> int:
             hint = _drop_hint(args, report)
             if hint:
                 out(hint)
-        if any(c.partial for c in report.checks):  # a record that does not read: repair drops it
-            out(f"to drop the records that do not read and those that hang from them: {PROG} verify --repair "
+        if any(c.partial for c in report.checks):  # a record that does not read (or is quarantined): repair drops it
+            out(f"to drop the records that do not read or are quarantined, and those that hang from them: {PROG} verify --repair "
                 f"--store {shlex.quote(str(store_path(args)))}")
         out(report.verdict())
     if report.checked_nothing:

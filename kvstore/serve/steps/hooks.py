@@ -18,11 +18,14 @@ arguments) is answered from the restore, as before, and none of its cache is sto
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass
 from typing import Callable
 
 from kvstore.model.prefill import prompt_cache
 from kvstore.serve.steps.firststeps import Fetch, FirstSteps
+
+log = logging.getLogger("kvstore")
 
 #: The per-request options of `BatchGenerator.insert_segments` a request is inserted again with.
 _OPTIONS = ("max_tokens", "samplers", "logits_processors", "stop_sequences")
@@ -80,6 +83,10 @@ def _cold(steps: FirstSteps, fetch: Fetch):
     start = prompt_cache(fetch.mc, fetch.tokens, restore=False)
     if start.hold is not None:
         steps.expect(fetch.tokens, start.hold)
+    # (the request's lookup logged what it restored: say what this request computes instead)
+    computed = len(fetch.tokens) - len(start.rest)
+    log.info("kvstore: prompt %d tokens, computed again: 0 reused from the store%s", len(fetch.tokens),
+             f", {computed} computed in exact steps and stored" if getattr(fetch.mc, "exact", None) else "")
     return start
 
 
