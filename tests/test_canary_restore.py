@@ -125,6 +125,30 @@ def test_an_8bit_store_is_judged_within_its_bounds_and_only_reported(tmp_path, d
         assert reused == len(prompt) - 1 and moved is not None and moved.ok, moved  # within 8-bit K/V's bound
 
 
+@pytest.mark.parametrize("exact", [None, 32])
+def test_a_cache_mlx_lm_quantizes_is_judged_within_its_bounds_out_of_exact_mode(tmp_path, demo_model, exact):
+    """`serve --kv-bits 4`: a cold run computes the prompt before mlx-lm quantizes it, a restored
+    one after, so their first steps differ by the quantization (0.015 on the demo model, far more
+    on a real one). Out of exact mode a first step that far from the canary is within 4-bit K/V's
+    bounds: not quarantined (every repeat would be computed again). In exact mode it is not."""
+    from mlx_lm import load
+
+    model_path = demo_model("llama", "small")  # head size 32: one group of 32
+    model = load(str(model_path))[0]
+    prompt = toks(60, 5)
+    opts = {} if exact is None else {"exact_prefill": exact}
+    with kvstore.open(tmp_path / "s", chunk_size=C, **opts) as store:
+        mc = store.bind(model, model_path, kv_bits=4, kv_group_size=32)
+        generate(mc, prompt)
+        start = prompt_cache(mc, prompt)
+        assert start.reused == len(prompt) - 1
+        logprobs = run(mc.model, start.cache, start.rest)
+        moved = check_first_step(mc, prompt, logprobs + mx.where(mx.arange(logprobs.size) == mx.argmax(logprobs),
+                                                                  0.3, 0.0).astype(logprobs.dtype))
+        assert moved is not None and moved.ok is (exact is None), moved
+        assert (store.stats()["quarantined"] > 0) is (exact is not None), store.stats()
+
+
 def _scale_quantized(store, h: bytes, factor: float) -> None:
     """Scale every bf16 `*.scales` tensor of record `h` (K/V quantized on disk) and write their
     checksums with them, untagged: no checksum tells it from the record that was stored."""

@@ -8,8 +8,10 @@ the restored K/V are not what was stored (damage no checksum saw: a record rewri
 checksums, a bad disk or RAM), in any of the records the restore used: each of them is
 quarantined as a damaged one is (the next request computes the prompt again), counted
 (`stats()["canary_mismatches"]`) and named once in a warning.
-K/V quantized on disk (`disk_kv_bits`) are judged within `verify --exact`'s bounds for them, and
-only reported: such a store never restores exactly what was computed.
+K/V quantized on disk (`disk_kv_bits`), or by mlx-lm out of exact mode (`serve --kv-bits`: a cold
+run computes the prompt before it quantizes, a restored one after), are judged within `verify
+--exact`'s bounds for them, and only reported: such a cache never restores exactly what the
+canary's run computed.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import logging
 from typing import Sequence
 
 from kvstore import canary as canaries
-from kvstore.certify.compare import KV_BITS_BOUNDS, disk_bits
+from kvstore.certify.compare import KV_BITS_BOUNDS, disk_bits, mlx_bits
 from kvstore.model.prefill import host_logprobs
 
 log = logging.getLogger("kvstore")
@@ -49,8 +51,8 @@ def _check(mc, tokens: Sequence[int], logprobs, restore: tuple | None,
     record = used[-1]
     if kept.at != len(tokens) - 1 or kept.token != int(tokens[-1]):
         return None
-    lossy = disk_bits(mc)
-    tolerance = KV_BITS_BOUNDS[lossy][1] if lossy else canaries.TOLERANCE
+    lossy = disk_bits(mc) or (None if mc.exact else mlx_bits(mc))
+    tolerance = KV_BITS_BOUNDS[8 if lossy >= 8 else 4][1] if lossy else canaries.TOLERANCE
     got = canaries.check(kept, host_logprobs(logprobs), tolerance)
     if got.ok:
         return got
@@ -58,7 +60,7 @@ def _check(mc, tokens: Sequence[int], logprobs, restore: tuple | None,
     what = (f"kvstore: the first step after restoring record {record.hex()} ({len(tokens) - 1} tokens) does not "
             f"give the canary it keeps: {got.reason}")
     if lossy:
-        what += f" (K/V stored in {lossy} bits: reported, the record is kept)"
+        what += f" (K/V quantized to {lossy} bits: reported, the record is kept)"
     else:
         # The canary cannot tell which of the records the restore used holds the damage: none of
         # them is served again, and the next request computes the whole prompt again.
