@@ -270,6 +270,21 @@ def test_a_damaged_kept_setting_is_read_from_its_copy_and_repaired_from_it(tmp_p
         ("reused" if name == "admit" else "1000000000",)]
 
 
+@pytest.mark.parametrize("value", ["'garbage'", "x'00'"])
+def test_keeping_another_setting_keeps_the_right_copy_of_a_damaged_one(tmp_path, capsys, value):
+    """`kvstore settings admit=...` rewrites the copy beside the index: a write budget damaged in
+    the index keeps the copy's right value there (copying the damage over it read the budget as 0 from then on, and repair could not bring it back)."""
+    store = tmp_path / "s"
+    with kvstore.open(store, chunk_size=C, max_write_rate="1GB/day"):
+        pass
+    sql(store, "UPDATE meta SET value = " + value + " WHERE key = 'setting.max_write_rate'")
+    assert main(["settings", "--store", str(store), "admit=reused"]) == 0
+    with kvstore.open(store, chunk_size=C) as s:
+        assert s.settings["max_write_rate"] == (10**9, "kept") and s.gate.per_day == 10**9
+    repaired(store, capsys, "bad_setting")
+    assert sql(store, "SELECT value FROM meta WHERE key = 'setting.max_write_rate'") == [("1000000000",)]
+
+
 def test_a_kept_exact_prefill_of_no_whole_chunks_is_refused_and_a_planted_one_never_stops_an_open(
         tmp_path, llama, capsys, caplog):
     path, model = llama

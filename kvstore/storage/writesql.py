@@ -393,11 +393,11 @@ class WriteLogSQL:
         bad = [name for name, value in kept.items() if kept_problem(name, value) is not None]
         copy = read_settings_copy(self.path.parent) if bad else None
         for name in (n for n in bad if copy and n in copy and kept_problem(n, copy[n]) is None):
-            kept[name] = copy[name]
+            kept[name], s = copy[name], settings.BY_NAME[name]
             if (self.path, name) not in _SAID_COPY:
                 _SAID_COPY.add((self.path, name))
                 log.warning("kvstore: the kept %s is damaged in the index: read from %s (%s); `kvstore verify "
-                            "--repair` writes it back", name, SETTINGS_NAME, copy[name][:40])
+                            "--repair` writes it back", name, SETTINGS_NAME, s.show(s.decode(copy[name])))
         return kept
 
     def set_setting(self, name: str, value: str | None) -> None:
@@ -422,8 +422,11 @@ class WriteLogSQL:
             self._write_settings_copy(conn)
 
     def _write_settings_copy(self, conn) -> None:
-        kept = {k[len(_SETTING):]: v for k, v in conn.execute(
-            "SELECT key, value FROM meta WHERE key LIKE ?", (_SETTING + "%",)) if isinstance(v, str)}
+        kept = {k[len(_SETTING):]: v if isinstance(v, str) else f"\0{v!r}" for k, v in conn.execute(
+            "SELECT key, value FROM meta WHERE key LIKE ?", (_SETTING + "%",))}
+        copy = read_settings_copy(self.path.parent) or {}  # (a value damaged in the index keeps the copy's right one)
+        kept.update({n: copy[n] for n, v in kept.items()
+                     if kept_problem(n, v) and n in copy and not kept_problem(n, copy[n])})
         write_own_file(self.path.parent / SETTINGS_NAME, json.dumps({SETTINGS_FORMAT: kept}, sort_keys=True))
 
     # -- what computed a model's exact-mode records (`kvstore.model.blas`) ------------------
