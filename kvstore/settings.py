@@ -405,13 +405,15 @@ def not_default(settings: Mapping[str, Mapping[str, Any]]) -> str:
     return ", ".join(parts)
 
 
-def notes(resolved: Mapping[str, tuple[Any, str]]) -> list[str]:
-    """What a user must know of these settings' values, one line each (a kept 0 rate)."""
+def notes(resolved: Mapping[str, tuple[Any, str]], store: object = None) -> list[str]:
+    """What a user must know of these settings' values, one line each (a kept 0 rate), with
+    the commands that change them in `store`."""
     value, source = resolved["max_write_rate"]
     if value == 0:
+        where = store_option(store)
         return [f"max_write_rate is 0 ({source}){_zero_note(BY_NAME['max_write_rate'], 0)}; "
-                "`kvstore settings max_write_rate=20GB/day` (or another rate) sets a budget, "
-                "`kvstore settings max_write_rate=off` lifts it"]
+                f"`kvstore settings{where} max_write_rate=20GB/day` (or another rate) sets a budget, "
+                f"`kvstore settings{where} max_write_rate=off` lifts it"]
     return []
 
 

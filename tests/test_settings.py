@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import sqlite3
 import subprocess
 import sys
@@ -130,6 +131,8 @@ def test_a_store_that_keeps_0_keeps_it_and_says_so(kv, tmp_path):
     assert "max_write_rate=0 B/day (kept): automatic writes never reach the disk" in text, text
     listed = kv("settings", "--store", tmp_path / "s").stdout
     assert "max_write_rate is 0 (kept)" in listed and "max_write_rate=off" in listed
+    # the commands it names act on this store, not on the default one
+    assert f"`kvstore settings --store {shlex.quote(str(tmp_path / 's'))} max_write_rate=off` lifts it" in listed, listed
 
 
 def test_stats_json_shows_the_settings_with_their_sources(kv, tmp_path, demo_model_path):

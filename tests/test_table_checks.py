@@ -346,7 +346,8 @@ def test_repair_keeps_a_damaged_write_budget_closed_and_says_how_to_set_one(tmp_
         s.flush()
         assert s.stats()["bytes"] == 0 and s.stats()["writes"]["over_budget"] > 0
     assert main(["settings", "--store", str(store)]) == 0
-    assert "`kvstore settings max_write_rate=20GB/day` (or another rate) sets a budget" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert f"`kvstore settings --store {store} max_write_rate=20GB/day` (or another rate) sets a budget" in said, said
 
 
 def test_every_column_repair_mends_is_one_the_index_rewrites():

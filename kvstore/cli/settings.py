@@ -94,11 +94,11 @@ def cmd_settings(args) -> int:
             print(json.dumps(table.report(resolved), indent=2, sort_keys=True))
             return 0
         out(f"store: {files.path}")
-    _print(resolved)
+    _print(resolved, files.path)
     return 0
 
 
-def _print(resolved: dict) -> None:
+def _print(resolved: dict, store) -> None:
     rows = [("setting", "value", "source", "option")]
     for s in table.STORE_SETTINGS:
         value, source = resolved[s.name]
@@ -109,5 +109,5 @@ def _print(resolved: dict) -> None:
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     for r in rows:
         out("  ".join(c.ljust(w) for c, w in zip(r[:3], widths)) + "  " + r[3])
-    for note in table.notes(resolved):
+    for note in table.notes(resolved, store):
         out(note)
