@@ -194,6 +194,8 @@ def test_settings_keeps_and_forgets_and_refuses_what_it_cannot_keep(kv, tmp_path
     assert "made a new" not in changed.stderr  # (the store was there)
     made = kv("settings", "--store", tmp_path / "typo", "admit=reused")
     assert f"no store was at {tmp_path / 'typo'}: made a new, empty one" in made.stderr, made.stderr
+    forget = kv("settings", "--store", tmp_path / "typo2", "--reset", "admit", code=1)  # nothing to keep
+    assert "no kvstore store at" in forget.stderr and not (tmp_path / "typo2").exists(), forget.stderr
     bucket = kv("settings", "--store", store, "--remote", "s3://team/kv", "admit=reused", code=2)
     assert "--remote: settings are kept in the local store" in bucket.stderr, bucket.stderr  # not ignored
     assert re.search(r"^admit\s+all\s+default", kv("settings", "--store", store).stdout, re.M)  # nor kept

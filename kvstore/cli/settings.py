@@ -75,8 +75,8 @@ def cmd_settings(args) -> int:
         raise CommandError(f"{', '.join(twice)} given more than once (to keep and to --reset, or twice): "
                            "give each setting once", EXIT_USAGE)
     writes = bool(changes or resets)
-    new = writes and is_absent(store_path(args))
-    with open_local(args, must_exist=not writes, read_only=None if not writes else False) as files:
+    new = bool(changes) and is_absent(store_path(args))  # (a reset alone keeps nothing: it makes no store)
+    with open_local(args, must_exist=not changes, read_only=None if not writes else False) as files:
         if new:  # (a mistyped --store would otherwise become a store without a word)
             say(f"{PROG} settings: no store was at {files.path}: made a new, empty one to keep these settings")
         before = files.settings()
