@@ -76,6 +76,19 @@ def test_generate_says_nothing_reached_the_disk_under_admit_reused(kv, tmp_path,
     assert re.search(r"cache of (\d+) tokens: 0 on disk, \1 not stored \(not admitted\)", line), line
 
 
+def test_a_warmed_prompt_is_said_to_be_on_disk_under_an_answer_admission_keeps_in_ram(kv, tmp_path, demo_model_path):
+    """Under admit=pinned, generating on a warmed prompt keeps the new tail (prompt and answer)
+    in RAM; the prompt's own tokens are on disk in the warmed tail, and the line says so (it
+    said the whole tail was in RAM only, as if the warmed prompt had not been stored)."""
+    store, prompt = tmp_path / "s", "You are a helpful assistant. " + "Tell me about caches. " * 40
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": prompt}) + "\n")
+    kv("warm", "--store", store, "--model", demo_model_path, "--admit", "pinned", "--prompts", tmp_path / "p.jsonl")
+    result = kv("generate", "--store", store, "--model", demo_model_path, "--max-tokens", "3", "--prompt", prompt)
+    line = next(x for x in result.stderr.splitlines() if x.startswith("prompt:"))
+    n = int(re.search(r"prompt: (\d+) tokens", line)[1])
+    assert n % 256 and f"cache of {n + 3} tokens: {n} on disk, 3 in RAM only (not admitted)" in line, line
+
+
 def test_a_setting_it_does_not_know_names_those_the_store_keeps(kv, tmp_path, demo_model_path):
     """A name with no close match (ADMIT, an empty one) was refused as "no setting ADMIT", which
     says nothing of what to give: the refusal names the settings the store keeps."""

@@ -314,12 +314,12 @@ class ModelCache(ExplicitWrites):
         or in RAM only (and why): what a report says was stored (flush first to know it all)."""
         b, toks = self.backing, as_tokens(tokens)
         out = place(self._durable(toks), b.index, b.writer, b.gate, b.memory, b.tiers.landing())
-        if out.unexplained and not self.exact:
-            # A tail the writer dropped for a longer one that holds its tokens (one tail a branch):
-            # when the disk restores the whole prompt, it is on disk all the same.
+        if out.in_ram and not self.exact:
+            # Tokens another record on disk holds (a tail the writer dropped for a longer one; a
+            # warmed prompt's tail under an answer's kept in RAM): the disk restores them anyway.
             disk = [t for t in b.tiers if t.name == "disk"]
-            if disk and self.stored_length(toks, Tiers(disk)) >= out.tokens:
-                out.found_on_disk(out.tokens - out.on_disk - out.queued)
+            stored = self.stored_length(toks, Tiers(disk)) if disk else 0
+            out.found_on_disk(stored - out.on_disk - out.queued, whole=stored >= out.tokens)
         return out
 
     def stored_length(self, tokens: Tokens, tiers: Tiers | None = None) -> int:

@@ -67,15 +67,10 @@ class Placement:
         return (REASONS.get(why, why) + ("" if count is None else f": {count}")
                 + (f"; {self.failure}" if why == "not_written" and self.failure else ""))
 
-    @property
-    def unexplained(self) -> int:
-        """Tokens of records neither admission nor the budget kept out that are not on disk."""
-        return self.why.get("not_written", 0) + self.why.get("evicted", 0)
-
-    def found_on_disk(self, n: int) -> None:
-        """Up to `n` tokens said to be not written (or evicted) are on disk after all (held by a
-        longer record)."""
-        for reason in ("not_written", "evicted"):
+    def found_on_disk(self, n: int, whole: bool) -> None:
+        """Up to `n` tokens said to be held in RAM (or, when the disk restores the `whole` prompt,
+        not written or evicted) are on disk after all, held by another record."""
+        for reason in ("not_written", "evicted", "not_admitted", "over_budget")[0 if whole else 2:]:
             k = max(0, min(n, self.why.get(reason, 0)))
             if k:
                 self.on_disk, self.in_ram, n = self.on_disk + k, self.in_ram - k, n - k
