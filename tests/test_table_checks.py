@@ -137,6 +137,11 @@ def test_a_damaged_write_log_hour_keeps_the_budget_closed_and_repair_keeps_it_so
         mc.insert(prompt(7), prefill(model, prompt(7)))
         s.flush()
         assert s.stats()["bytes"] == 0
+    # `kvstore stats` says why nothing is left of a budget nothing was written under
+    capsys.readouterr()
+    assert main(["stats", "--store", str(store)]) == 0
+    said = capsys.readouterr().out
+    assert "0 B left (an hour of the write log was damaged: it counts as the whole budget" in said, said
 
 
 def test_a_damaged_write_log_count_the_budget_does_not_read_leaves_it_open(tmp_path, llama, capsys):

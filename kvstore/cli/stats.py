@@ -130,6 +130,8 @@ def _print_writes(writes: dict | None) -> None:
     rate = writes["max_write_rate"]
     budget = (f"budget: {format_setting(rate)}/day, {format_size(writes['budget_left'])} left"
               if rate is not None else "budget: off")
+    if rate is not None and writes["budget_left"] < rate - writes["bytes_last_day"]:  # (not what was written)
+        budget += " (an hour of the write log was damaged: it counts as the whole budget until it leaves the day)"
     print(f"writes: {format_size(writes['bytes_last_day'])} in the last day "
           f"({format_size(writes.get('explicit_last_day', 0))} of it explicit: warmed and pinned), "
           f"{format_size(writes['bytes_lifetime'])} in all (remote downloads: "
