@@ -18,8 +18,9 @@ for _i, _letter in enumerate("kmgtp", start=1):
 
 _DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
-_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*", re.IGNORECASE)
-_DURATION_PART_RE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*", re.IGNORECASE)
+# ASCII: digits of other scripts (٣, １) are no number here, as the unit checks read only 0-9.
+_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*", re.IGNORECASE | re.ASCII)
+_DURATION_PART_RE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*", re.IGNORECASE | re.ASCII)
 
 
 def parse_size(text: str, *, budget: bool = False) -> int:

@@ -296,6 +296,15 @@ def test_one_parser_one_declaration_and_one_word_for_no_limit(tmp_path, capsys):
     assert "freed 0 B" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("text", ["\u0663", "\u0663GB/day", "\uff11MB", "\u0663h"])
+def test_a_number_in_digits_of_another_script_is_refused(text):
+    """`max_write_rate=\u0663` (an Arabic-Indic 3) was kept as 3 bytes a day: the regular expressions
+    took any script's digits, and the check that a rate has its unit only 0-9."""
+    for name in ("max_write_rate", "max_bytes", "remote_deadline"):
+        with pytest.raises(InvalidInputError, match=f"^{name}: '.*' is not a"):
+            settings.BY_NAME[name].parse(text)
+
+
 def test_a_prompt_whose_tail_a_longer_one_holds_is_said_to_be_on_disk(tmp_path, llama):
     """The writer keeps one tail a branch: a prompt stored, then the same prompt and one token
     more, leaves the first's tail to the longer one. Its tokens are on disk all the same, and the
