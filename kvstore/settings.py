@@ -222,13 +222,9 @@ def _bits(s: Setting, value: Any) -> int | None:
 
 
 def _flag(s: Setting, value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    word = str(value).strip().lower()
-    if word in ("1", "true", "yes", "on"):
-        return True
-    if word in ("0", "false", "no", "off"):
-        return False
+    word = value if isinstance(value, bool) else str(value).strip().lower()
+    if word in (True, False, "1", "true", "yes", "on", "0", "false", "no", "off"):
+        return word in (True, "1", "true", "yes", "on")
     raise ValueError(f"must be true or false, got {value!r}")
 
 
@@ -381,7 +377,11 @@ def keep_one(s: Setting, store: object = None) -> str:
 
 def now_kept(s: Setting, value: Any, was: str | None, store: object) -> str:
     """The line that says a given value of `s` is kept from now on (`was`: the kept text before)."""
-    return (f"{s.name} {s.show(value)} is kept in the store {store} (was {shown_kept(was) if was else 'the default'}"
+    try:  # (said as `kvstore settings` says it: 5 MB/day, not the bytes it is kept as)
+        was = s.show(s.decode(was)) if was else "the default"
+    except InvalidInputError:
+        was = f"{shown_kept(was)}, damaged"
+    return (f"{s.name} {s.show(value)} is kept in the store {store} (was {was}"
             f"): later runs that do not give {s.flag or s.name} use it; `kvstore settings{store_option(store)} "
             f"--reset {s.name}` forgets it")
 
@@ -406,8 +406,7 @@ def not_default(settings: Mapping[str, Mapping[str, Any]]) -> str:
 
 
 def notes(resolved: Mapping[str, tuple[Any, str]], store: object = None) -> list[str]:
-    """What a user must know of these settings' values, one line each (a kept 0 rate), with
-    the commands that change them in `store`."""
+    """What a user must know of these settings' values, one line each (a kept 0 rate; `store`: its commands')."""
     value, source = resolved["max_write_rate"]
     if value == 0:
         where = store_option(store)

@@ -419,4 +419,8 @@ def test_a_kept_setting_given_anew_says_it_is_kept_once(kv, tmp_path, demo_model
             ) in first.stderr, first.stderr
     assert "is kept in the store" not in kv(*common, "--admit", "reused").stderr
     changed = kv(*common, "--admit", "all")
-    assert "admit all is kept in the store" in changed.stderr and "(was 'reused')" in changed.stderr
+    assert "admit all is kept in the store" in changed.stderr and "(was reused)" in changed.stderr
+    # a rate is said as `kvstore settings` says it, not as the bytes a day it is kept as
+    kv(*common, "--max-write-rate", "5MB/day")
+    rate = kv(*common, "--max-write-rate", "1GB/day")
+    assert "max_write_rate 1 GB/day is kept in the store" in rate.stderr and "(was 5 MB/day)" in rate.stderr, rate.stderr
