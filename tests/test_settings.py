@@ -191,6 +191,8 @@ def test_settings_keeps_and_forgets_and_refuses_what_it_cannot_keep(kv, tmp_path
     changed = kv("settings", "--store", store, "admit=pinned", "max_write_rate=500MB/h", "--json")
     assert json.loads(changed.stdout)["max_write_rate"] == {"value": 12_000_000_000, "source": "kept"}
     assert "kept admit=pinned (was all, default)" in changed.stderr
+    again = kv("settings", "--store", store, "max_write_rate=12000MB/day")  # the same rate, spelled otherwise
+    assert "max_write_rate=12 GB/day was kept already; nothing changed" in again.stderr, again.stderr
     with kvstore.open(store) as s:
         assert (s.gate.policy, s.gate.per_day) == ("pinned", 12_000_000_000)
     forgot = kv("settings", "--store", store, "--reset", "admit")

@@ -88,6 +88,9 @@ def cmd_settings(args) -> int:
         for s, value in changes:
             files.index.set_setting(s.name, s.encode(value))
             old, source = before[s.name]
+            if (old, source) == (value, table.KEPT):  # (not a change: nothing to undo)
+                say(f"{PROG} settings: {s.name}={s.show(value)} was kept already; nothing changed")
+                continue
             say(f"{PROG} settings: kept {s.name}={s.show(value)} (was {s.show(old)}, {source})")
         resolved = files.settings() if writes else before  # (a damaged kept value is said once)
         if args.json:
