@@ -57,8 +57,10 @@ def disk_budget(store, where: str = "") -> str | None:
     held = store.index.totals()["bytes"]
     how = (f" (auto: 1/{AUTO_SHARE} of what the store held plus its disk's free space at open)"
            if store.max_bytes_rule else "")
+    wasted = (f", {budget.wasted_records} of them as soon as written (their writes wasted: what it holds is kept "
+              "ahead of them)" if budget.wasted_records else "")
     evicted = (f"; its gc evicted {plural(budget.evicted_records, 'record')} ({format_size(budget.evicted_bytes)}) "
-               "to stay within it" if budget.evicted_records else "; nothing evicted")
+               f"to stay within it{wasted}" if budget.evicted_records else "; nothing evicted")
     over = (f"; over it by {format_size(held - store.max_bytes)}: pinned prompts and the records they hang "
             f"from stay (`kvstore pins{where}` lists them)" if held > store.max_bytes else "")
     return f"disk budget: {format_size(held)} held of {format_size(store.max_bytes)}{how}{evicted}{over}"

@@ -217,6 +217,8 @@ def _warm_all(mc, work: list, totals: dict, stop: Callable[[], bool], tokenizer=
                 bars[0].update(1)
                 bars[1].update(reused)
             else:
+                if mc.backing.budget is not None:  # what a disk budget's gc (running now) leaves on disk
+                    mc.backing.budget.settle()
                 placed = mc.placement(tokens)
                 placed.failure = failure()
                 if item.pin and placed.on_disk + placed.queued < placed.tokens:

@@ -72,6 +72,10 @@ class BlobSource:
         self.blob.close()
 
 
+#: Records of the last commits a budget check remembers, to tell a write the gc undid at once.
+FRESH_REMEMBERED = 4096
+
+
 class AccessTimes:
     """Uses of records not written to the index yet: hash -> (last use, uses since)."""
 
@@ -109,6 +113,10 @@ class DiskBudget:
         self._due = self._running = False
         self._said_too_small = self._said_tenant_too_small = False
         self.evicted_records = self.evicted_bytes = 0  # what this process's budget gc took off the disk
+        # Records just committed (the last checks' rows): one the next gc evicts was written for nothing.
+        self._fresh: dict[bytes, None] = {}
+        self.wasted_records = 0  # written, and evicted by the gc that write called
+        self._said_wasted = False
 
     def check(self, rows: list[Row] | None = None) -> None:
         """Something reached the disk (`rows`, when known: what). Never waits."""
@@ -125,10 +133,31 @@ class DiskBudget:
                         mine, self.tenant_max_bytes)
         with self._cond:
             self._due = True
+            for r in rows or ():
+                self._fresh[r.hash] = None
+            while len(self._fresh) > FRESH_REMEMBERED:
+                del self._fresh[next(iter(self._fresh))]
             if self._running:
                 return
             self._running = True
         threading.Thread(target=self._run, name="kvstore-budget", daemon=True).start()
+
+    def _wasted(self, hashes: list[bytes], done: dict) -> None:
+        """Records this gc evicted that the write which called it had just committed: with the
+        rest of the budget held by what is kept ahead of them (pinned records, stronger roles,
+        their parents), every such write is wasted. Counted, and said once."""
+        if not hashes:
+            return
+        self.wasted_records += len(hashes)
+        if not (self._said_wasted or self._said_too_small or self._said_tenant_too_small):  # (those say it too)
+            self._said_wasted = True
+            limits = ", ".join(f"{name} {n}" for name, n in (("max_bytes", self.max_bytes),
+                                                             ("tenant_max_bytes", self.tenant_max_bytes)) if n is not None)
+            log.warning("kvstore: the disk budget (%s) evicted %d record%s as soon as %s written: what it holds "
+                        "is kept ahead of them (pinned records, records of stronger roles: system > user > "
+                        "assistant, and the parents of what stays), so writes like these are wasted; raise the "
+                        "budget, or unpin (`kvstore pins --remove`)", limits, len(hashes),
+                        "" if len(hashes) == 1 else "s", "it was" if len(hashes) == 1 else "they were")
 
     def holds(self, per_token: int, chunk_size: int) -> None:
         """A model was bound whose records take about `per_token` bytes a token: said now, not at
@@ -162,23 +191,26 @@ class DiskBudget:
                         self._cond.notify_all()
                         return
                     self._due = False
+                    fresh, self._fresh = self._fresh, {}
                 try:
                     if self.files.over_budget(self.max_bytes, self.tenant_max_bytes):
                         done = evict(self.files, self.memory, max_bytes=self.max_bytes,
-                                     tenant_max_bytes=self.tenant_max_bytes)
+                                     tenant_max_bytes=self.tenant_max_bytes, keep_hashes=True)
                         self.evicted_records += done["evicted"]
                         self.evicted_bytes += done["freed_bytes"]
+                        self._wasted([h for h in done.pop("hashes") if h in fresh], done)
                 except Exception as e:  # only the budget: the next check tries again
                     log.warning("kvstore: gc for the disk budget failed: %s", e)
         finally:  # a thread a check: its index connection goes with it (else two open files each)
             self.files.index.release()
 
 
-def evict(files: "LocalStore", memory: "MemoryTier", **options) -> dict:
+def evict(files: "LocalStore", memory: "MemoryTier", keep_hashes: bool = False, **options) -> dict:
     """`LocalStore.gc(**options)`, and the evicted records dropped from the memory tier too (a
-    record held in RAM only would let a later insert store its children with no parent on disk)."""
+    record held in RAM only would let a later insert store its children with no parent on disk).
+    `keep_hashes`: the result keeps the evicted records' hashes (`"hashes"`)."""
     result = files.gc(**options)
-    hashes = result.pop("hashes")
+    hashes = result["hashes"] if keep_hashes else result.pop("hashes")
     if not options.get("dry_run"):
         memory.discard(hashes)
     return result
