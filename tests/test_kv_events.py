@@ -429,7 +429,9 @@ def test_a_bad_config_is_refused_naming_what_is_wrong(tmp_path, config, message)
 @pytest.mark.parametrize("args, message", [
     (["--kv-events-block-size", "16"], "--kv-events-block-size goes with --kv-events-config"),
     (["--kv-events-config", '{"enable_kv_cache_events": true}', "--kv-events-block-size", "48"],
-     "block_size 48 does not divide the store's chunk size 256"),
+     "--kv-events-block-size 48 does not divide the store's chunk size 256"),
+    (["--kv-events-config", '{"enable_kv_cache_events": true, "block_size": 48}'],
+     "--kv-events-config's block_size 48 does not divide the store's chunk size 256"),
     (["--kv-events-config", '{"enable_kv_cache_events": true, "endpoint": "tcp://*:notaport"}'],
      "endpoint 'tcp://*:notaport' has a bad port 'notaport'"),
 ])
