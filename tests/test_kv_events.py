@@ -429,7 +429,9 @@ def test_a_bad_config_is_refused_naming_what_is_wrong(tmp_path, config, message)
 @pytest.mark.parametrize("args, message", [
     (["--kv-events-block-size", "16"], "--kv-events-block-size goes with --kv-events-config"),
     (["--kv-events-config", '{"enable_kv_cache_events": true}', "--kv-events-block-size", "48"],
-     "block_size 48 does not divide the store's chunk size 256"),
+     "--kv-events-block-size 48 does not divide the store's chunk size 256"),
+    (["--kv-events-config", '{"enable_kv_cache_events": true, "block_size": 48}'],
+     "--kv-events-config's block_size 48 does not divide the store's chunk size 256"),
     (["--kv-events-config", '{"enable_kv_cache_events": true, "endpoint": "tcp://*:notaport"}'],
      "endpoint 'tcp://*:notaport' has a bad port 'notaport'"),
 ])
@@ -474,3 +476,48 @@ def test_a_tenants_blocks_follow_the_shared_prompt_and_carry_its_tag_only(llama,
             assert all(name not in repr(e) for e in stored)
             firsts.append(set(ids))
         assert not firsts[0] & firsts[1]  # the same tokens, each tenant's own ids
+
+
+
+def test_a_router_that_connects_late_keeps_seeing_what_ram_holds(llama, tmp_path, monkeypatch):
+    """A router that subscribes to a node's bound socket after the node served prompts gets
+    AllBlocksCleared and the store again: what the memory tier holds is announced on CPU_TIER1
+    again too, since it is still there, and the router already subscribed keeps it as well."""
+    monkeypatch.setattr(kvevents, "START_WAIT_S", 0.1)
+    path, model = llama
+    prompts = [list(range(30, 70)), list(range(100, 130))]
+    config = {"enable_kv_cache_events": True, "endpoint": "tcp://127.0.0.1:*", "block_size": B}
+    ctx = zmq.Context()
+    try:
+        with kvstore.open(tmp_path / "s", chunk_size=C, kv_events=config) as store:
+            mc = store.bind(model, str(path))
+            settle(store)  # the start batch, to nobody
+            for tokens in prompts:
+                insert(mc, model, tokens)
+            routers: list = []
+            for times in (1, 2):  # a router comes, then a second one beside it
+                routers.append(sub := ctx.socket(zmq.SUB))
+                sub.setsockopt(zmq.SUBSCRIBE, b"")
+                sub.connect(store.events.publisher.address)
+                deadline = time.monotonic() + 10
+                while store.stats()["events"]["subscriber_announces"] < times:
+                    assert time.monotonic() < deadline, "the router's subscription was not answered"
+                    time.sleep(0.02)
+                end = settle(store)
+                expected = held_blocks(store, mc, prompts)
+                assert expected["CPU_TIER1"]
+                for sub in routers:
+                    assert believed(Consumer.view(None, received(sub, end))) == expected
+    finally:
+        ctx.destroy(linger=0)
+
+
+def received(sub, end: int) -> list:
+    """The batches `sub` gets up to number `end - 1`: the last of them, from AllBlocksCleared on."""
+    got: list = []
+    while not got or got[-1][0] < end - 1:
+        assert sub.poll(10_000), f"batches up to {end - 1} did not all come"
+        _, seq, payload = sub.recv_multipart()
+        got.append((int.from_bytes(seq, "big"), DECODERS["map"].decode(payload)))
+    assert any(kind(e) == "AllBlocksCleared" for _, b in got for e in b.events)
+    return got

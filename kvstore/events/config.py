@@ -123,10 +123,10 @@ def _tcp_port_problem(address: str, *, bound: bool) -> str | None:
     return None
 
 
-def check_block_size(config: EventsConfig, chunk_size: int) -> None:
-    """A block is a whole part of a chunk: `block_size` must divide `chunk_size`."""
+def check_block_size(config: EventsConfig, chunk_size: int, where: str = "kv_events: block_size") -> None:
+    """A block is a whole part of a chunk: `block_size` (given as `where` says) must divide `chunk_size`."""
     if chunk_size % config.block_size:
-        raise InvalidInputError(f"kv_events: block_size {config.block_size} does not divide the store's "
+        raise InvalidInputError(f"{where} {config.block_size} does not divide the store's "
                                 f"chunk size {chunk_size}: use a divisor of it, e.g. "
                                 f"{max(d for d in range(1, min(chunk_size, DEFAULT_BLOCK_SIZE) + 1) if chunk_size % d == 0)}")
 

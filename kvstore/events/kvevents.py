@@ -17,7 +17,8 @@ that a router the node connects to gets the start batch (`publisher`), then send
 `AllBlocksCleared`; each bound namespace is then announced whole, from the index and the blobs,
 in the background. On a bound endpoint, every subscriber that comes later (a router started
 after the node, or restarted, or another beside it: Dynamo's indexer and vLLM's router do not ask
-the replay socket) is answered with `AllBlocksCleared` and the store announced again, to all.
+the replay socket) is answered with `AllBlocksCleared` and the store announced again, to all (what RAM holds
+included: it is still there).
 When more changes wait than `max_queue_size`, or the index's logs have forgotten entries not read
 yet, what was announced can no longer be trusted: the thread sends `AllBlocksCleared` and
 announces the store again (counted as a resync; the records it held in RAM are announced again as
@@ -71,6 +72,7 @@ class KVEvents:
         self.changes = Changes(index, root, config.block_size)
         self.index, self.poll_s = index, poll_s
         self._ram: dict[str, set[bytes]] = {"queue": set(), "memory": set()}  # what holds which record
+        self._in_ram: dict[bytes, tuple] = {}  # record in RAM -> (its identity, its token ids)
         self._cond = threading.Condition()
         self._queue: deque[tuple] = deque()
         self._queued = 0
@@ -230,7 +232,7 @@ class KVEvents:
             # A router that came (or came back) has not seen what was sent before it: all are
             # told AllBlocksCleared and the store again (a router's view stays whole throughout).
             self.counts["subscriber_announces"] += 1
-            events += self._announce_again()
+            events += self._announce_again(keep_ram=True)
         for item in items:
             if item[0] == "disk":
                 events += self.changes.stored_rows(item[1])
@@ -251,9 +253,13 @@ class KVEvents:
         events = []
         for rec, tokens in sorted(added, key=lambda r: (r[0].depth or 0, r[0].kind)):  # parents first
             held.add(rec.hash)
+            self._in_ram.setdefault(rec.hash, (rec, tokens))
             events += self.changes.stored(rec, tokens, wire.MEDIUM_RAM)
         held.difference_update(dropped)
-        return events + self.changes.dropped([h for h in dropped if h not in other], wire.MEDIUM_RAM)
+        gone = [h for h in dropped if h not in other]
+        for h in gone:
+            self._in_ram.pop(h, None)
+        return events + self.changes.dropped(gone, wire.MEDIUM_RAM)
 
     def _read(self, log: str) -> list:
         """The entries of one of the index's logs past what was read (a resync if it forgot some
@@ -280,16 +286,25 @@ class KVEvents:
                     "index's logs moved on): announcing the store again")
         return self._announce_again()
 
-    def _announce_again(self) -> list[dict]:
-        """`AllBlocksCleared`, and every bound namespace announced whole again (in steps)."""
+    def _announce_again(self, keep_ram: bool = False) -> list[dict]:
+        """`AllBlocksCleared`, every bound namespace announced whole again (in steps), and, with
+        `keep_ram` (nothing was lost: what RAM holds is known), the records announced in RAM
+        again at once: they stay there, and would not be announced again until they left it."""
         self.announce_started = self.announced_at = None  # (the stats time this announcement)
+        in_ram = [self._in_ram[h] for h in self.changes.held[wire.MEDIUM_RAM].records if h in self._in_ram]
         self.changes.clear()
-        for held in self._ram.values():
-            held.clear()
+        events = [wire.cleared()]
+        if keep_ram:
+            for rec, tokens in sorted(in_ram, key=lambda r: (r[0].depth or 0, r[0].kind)):  # parents first
+                events += self.changes.stored(rec, tokens, wire.MEDIUM_RAM)
+        else:
+            for held in self._ram.values():
+                held.clear()
+            self._in_ram.clear()
         with self._cond:
             self._todo = deque(self._bound)
         self._announcing = None
-        return [wire.cleared()]
+        return events
 
     def _announce_step(self) -> list[dict]:
         """The next step of the namespace being announced (the next namespace once one is done)."""

@@ -176,7 +176,9 @@ def _kv_events(served: dict, peek: argparse.Namespace, served_model: str) -> dic
                                 f"{json.dumps(given['block_size'])} differ: give the block size once")
     given.setdefault("block_size", flag)
     config = events_config.parse(given, "--kv-events-config")
-    events_config.check_block_size(config, settings.CHUNK_SIZE)  # (the chunk size kvstore serve stores in)
+    events_config.check_block_size(  # (the chunk size kvstore serve stores in)
+        config, settings.CHUNK_SIZE, "--kv-events-config's block_size" if "block_size" in served["kv_events_config"]
+        else "--kv-events-block-size")
     host = peek.host or "127.0.0.1"
     if host in ("0.0.0.0", "::", ""):
         host = socket.gethostname()
