@@ -416,6 +416,8 @@ def test_nothing_is_published_unless_asked(llama, tmp_path):
     ('{"enable_kv_cache_events": true, "endpoint": "tcp://[::1]:99999"}', "endpoint 'tcp://[::1]:99999' has a bad port"),
     ('{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1"}', "endpoint 'tcp://127.0.0.1' has no port"),
     ('{"enable_kv_cache_events": true, "replay_endpoint": "tcp://*:x"}', "replay_endpoint 'tcp://*:x' has a bad port"),
+    ('{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5557"}',
+     "replay_endpoint is endpoint ('tcp://*:5557'): the events and their replay need an address each"),
     ("[1]", "must be a JSON object"),
     ("{", "not JSON"),
 ])

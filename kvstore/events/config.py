@@ -106,6 +106,10 @@ def parse(value: str | Mapping[str, Any] | EventsConfig, where: str = "kv_events
             if address and address.startswith("tcp://") else None
         if problem:
             raise InvalidInputError(f"{where}: {key} {address!r} {problem}")
+    if config.replay_endpoint is not None and config.replay_endpoint == config.endpoint \
+            and not config.endpoint.endswith((":*", ":0")):
+        raise InvalidInputError(f"{where}: replay_endpoint is endpoint ({config.endpoint!r}): the events and their "
+                                "replay need an address each (e.g. tcp://*:5557 and tcp://*:5558)")
     return config
 
 
