@@ -523,3 +523,14 @@ def received(sub, end: int) -> list:
         got.append((int.from_bytes(seq, "big"), DECODERS["map"].decode(payload)))
     assert any(kind(e) == "AllBlocksCleared" for _, b in got for e in b.events)
     return got
+
+
+def test_a_router_host_that_does_not_resolve_is_said(tmp_path, caplog):
+    """A connected endpoint (a router that binds, as llm-d's does) whose host name does not
+    resolve: ZMQ would keep trying in silence while every event went nowhere."""
+    config = {"enable_kv_cache_events": True, "endpoint": "tcp://no-such-router.invalid:5557", "block_size": C}
+    with caplog.at_level("WARNING", logger="kvstore"), kvstore.open(tmp_path / "s", chunk_size=C,
+                                                                    kv_events=config) as store:
+        assert store.events is not None
+    said = [r.getMessage() for r in caplog.records if "does not resolve" in r.getMessage()]
+    assert len(said) == 1 and "tcp://no-such-router.invalid:5557" in said[0], said

@@ -18,6 +18,7 @@ Sockets are not thread-safe: after it is made, a `Publisher` is used by one thre
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from collections import deque
 
@@ -130,3 +131,10 @@ def _use(sock: zmq.Socket, address: str, *, bind: bool, what: str) -> None:
         sock.bind(address) if bind else sock.connect(address)
     except zmq.ZMQError as e:
         raise KVStoreError(f"cannot {'listen on' if bind else 'connect to'} {address} for {what}: {e}") from None
+    if not bind and address.startswith("tcp://"):  # ZMQ connects in the background, and says nothing
+        host = address[len("tcp://"):].rpartition(":")[0].strip("[]")
+        try:
+            socket.getaddrinfo(host, None)
+        except OSError as e:
+            log.warning("kvstore: %s: the host of %s does not resolve (%s): nothing is received there until it "
+                        "does (ZMQ keeps trying)", what, address, e)
