@@ -350,7 +350,7 @@ def test_warm_unreadable_prompt_file(capsys, tmp_path, make, reason):
     path = make(tmp_path)
     code, _, err = in_process(capsys, "warm", "--store", tmp_path / "s", "--prompts", path)
     assert code == 1
-    assert err.startswith(f"kvstore: error: cannot read the prompt file {path}: {reason}")
+    assert err.startswith(f"kvstore warm: error: cannot read the prompt file {path}: {reason}")
     assert len(err.strip().splitlines()) == 1
     assert not (tmp_path / "s").exists()  # nothing was opened before the file was read
 
@@ -363,7 +363,7 @@ def test_bad_model_path(capsys, tmp_path, make, message):
     model = make(tmp_path)
     code, _, err = in_process(capsys, "warm", "--store", tmp_path / "s", "--model", model, "--prompts", EXAMPLES)
     assert code == 1
-    assert err.startswith("kvstore: error: model ") and str(model) in err
+    assert err.startswith("kvstore warm: error: model ") and str(model) in err
     assert message in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "s").exists()
 
@@ -374,7 +374,7 @@ def test_store_that_cannot_be_created(capsys, demo_model_path, tmp_path):
     code, _, err = in_process(capsys, "warm", "--store", blocker / "store", "--model", demo_model_path,
                               "--prompts", EXAMPLES)
     assert code == 1
-    assert err.strip().startswith(f"kvstore: error: cannot create the store directory {blocker / 'store'}")
+    assert err.strip().startswith(f"kvstore warm: error: cannot create the store directory {blocker / 'store'}")
     assert len(err.strip().splitlines()) == 1
 
 
@@ -676,7 +676,7 @@ def test_messages_must_be_a_list(capsys, tmp_path):
     for option, value, said in (("--prompt", "", "--prompt: is empty"),
                                 ("--messages", '[{"role": "user", "content": 5}]', "--messages[0].content: must be")):
         code, _, err = in_process(capsys, "generate", "--store", tmp_path / "s", option, value)
-        assert code == 2 and f"kvstore: error: {said}" in err, err
+        assert code == 2 and f"kvstore generate: error: {said}" in err, err
 
 
 def test_long_text_is_refused_before_it_is_tokenized(tmp_path):
@@ -890,7 +890,7 @@ def test_an_index_that_fails_under_a_command_is_one_line_not_a_traceback(tmp_pat
     monkeypatch.setattr(LocalStore, "gc", full)
     assert main(["gc", "--store", str(tmp_path / "s"), "--max-bytes", "0"]) == 1
     err = capsys.readouterr().err
-    assert err.startswith("kvstore: error: the store's index failed (database or disk is full): free some space")
+    assert err.startswith("kvstore gc: error: the store's index failed (database or disk is full): free some space")
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 

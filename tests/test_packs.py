@@ -265,7 +265,7 @@ def test_a_bad_pack_is_refused_with_its_reason_and_the_store_stays_as_it_was(
     result = run_cli("pack", "import", pack, "--store", store, "--model", env["model"],
                      "--trust-key", env["trust"], *env["extra"], check=False)
     assert result.returncode == 1, result.stdout + result.stderr
-    errors = [line for line in result.stderr.splitlines() if line.startswith("kvstore: error:")]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("kvstore pack ") and " error: " in line]
     assert len(errors) == 1 and reason in errors[0], result.stderr
     assert "Traceback" not in result.stderr and result.stdout == ""
     assert snapshot(store) == before
@@ -521,8 +521,8 @@ def test_a_push_to_a_place_that_holds_anything_is_refused_and_writes_nothing(tmp
         before = _held(folder), _held(url)
         refused = run_cli("pack", "push", tmp_path / "small", place, check=False)
         assert refused.returncode == 1, refused.stdout + refused.stderr
-        errors = [line for line in refused.stderr.splitlines() if line.startswith("kvstore: error:")]
-        assert len(errors) == 1 and errors[0].startswith(f"kvstore: error: {place} "), refused.stderr
+        errors = [line for line in refused.stderr.splitlines() if line.startswith("kvstore pack ") and " error: " in line]
+        assert len(errors) == 1 and errors[0].startswith(f"kvstore pack push: error: {place} "), refused.stderr
         assert errors[0].endswith("a pack is pushed to a new or empty place, never merged into another (nothing "
                                   "pushed: push to another place, or empty this one first)"), errors[0]
         assert "Traceback" not in refused.stderr and refused.stdout == ""
@@ -578,7 +578,7 @@ def test_an_export_that_cannot_write_its_pack_names_the_pack_and_why(tmp_path, d
         result = run_cli("pack", "export", "--store", tmp_path / "a", "--model", model, "--prompt", PROMPT,
                          "--unsigned", "--out", out, check=False)
         assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
-        assert f"kvstore: error: cannot write the pack {out}: {why}; nothing exported" in result.stderr, result.stderr
+        assert f"kvstore pack export: error: cannot write the pack {out}: {why}; nothing exported" in result.stderr, result.stderr
         assert ".tmp-" not in result.stderr and not out.exists()
         assert sorted(os.listdir(parent)) == (["a-file"] if where == "under-a-file" else [])
     finally:
@@ -597,11 +597,11 @@ def test_an_import_of_a_folder_that_is_not_there_says_so(tmp_path, demo_model):
                         ["push", pack, tmp_path / "dest"]):
             result = run_cli("pack", *command, check=False)
             assert result.returncode == 1, result.stdout + result.stderr
-            errors = [line for line in result.stderr.splitlines() if line.startswith("kvstore: error:")]
+            errors = [line for line in result.stderr.splitlines() if line.startswith("kvstore pack ") and " error: " in line]
             assert len(errors) == 1 and reason in errors[0] and "has no manifest.json" not in errors[0], result.stderr
         for url in (str(pack), f"file://{pack}"):  # and pull, from a folder or a file:// URL
             result = run_cli("pack", "pull", url, tmp_path / "dest", check=False)
-            errors = [line for line in result.stderr.splitlines() if line.startswith("kvstore: error:")]
+            errors = [line for line in result.stderr.splitlines() if line.startswith("kvstore pack ") and " error: " in line]
             assert result.returncode == 1 and len(errors) == 1, result.stdout + result.stderr
             assert reason.replace(str(pack), url) in errors[0], errors
     assert not (tmp_path / "b").exists() and not (tmp_path / "dest").exists()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import secrets
 import socket
 import subprocess
@@ -118,7 +119,7 @@ def test_an_endpoint_that_is_not_a_url_is_one_line_not_a_panic(tmp_path, endpoin
                 "--max-tokens", "1", "--remote", "s3://kvtest/team", env=env),
             cli("pack", "pull", "s3://kvtest/pack", tmp_path / "pulled", env=env)]
     for run in runs:
-        errors = [line for line in run.stderr.splitlines() if line.startswith("kvstore: error:")]
+        errors = [line for line in run.stderr.splitlines() if re.match(r"kvstore [a-z ]+: error: ", line)]
         assert run.returncode == 1 and len(errors) == 1, run.stdout + run.stderr
         assert f"endpoint {endpoint!r}" in errors[0] and "AWS_ENDPOINT_URL" in errors[0], errors[0]
     assert not (tmp_path / "s").exists() and not (tmp_path / "pulled").exists()

@@ -66,7 +66,7 @@ def _version() -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["serve"]:
-        return _run(lambda: serve.cmd_serve(argv[1:]))
+        return _run(lambda: serve.cmd_serve(argv[1:]), f"{PROG} serve")
     parser = build_parser()
     args, extras = parser.parse_known_args(argv)
     if extras:  # the command's own usage, and the option a typo resembles
@@ -75,18 +75,19 @@ def main(argv: list[str] | None = None) -> int:
     if not hasattr(args, "handler"):
         parser.print_help(sys.stderr)
         return EXIT_USAGE
-    return _run(lambda: args.handler(args))
+    return _run(lambda: args.handler(args), getattr(args, "command_parser", parser).prog)
 
 
-def _run(command: Callable[[], int]) -> int:
-    """Run a command; what the user can fix becomes one line on stderr and an exit code."""
+def _run(command: Callable[[], int], prog: str = PROG) -> int:
+    """Run a command; what the user can fix becomes one line on stderr (`kvstore warm: error:
+    ...`, as argparse says a usage error) and an exit code."""
     try:
         return command()
     except CommandError as e:
-        say(f"{PROG}: error: {e}")
+        say(f"{prog}: error: {e}")
         return e.code
     except KVStoreError as e:
-        say(f"{PROG}: error: {e}")
+        say(f"{prog}: error: {e}")
         return EXIT_PROBLEMS
     except BrokenPipeError:  # the reader of our output went away (`kvstore stats | head`): go quiet
         try:
@@ -95,17 +96,17 @@ def _run(command: Callable[[], int]) -> int:
             pass
         return EXIT_PROBLEMS
     except OSError as e:
-        say(f"{PROG}: error: {_os_message(e)}")
+        say(f"{prog}: error: {_os_message(e)}")
         return EXIT_PROBLEMS
     except sqlite3.Error as e:  # the index failed under the command (a full disk, its -wal taken away)
         full = "full" in str(e)
-        say(f"{PROG}: error: the store's index failed ({e})" + (
+        say(f"{prog}: error: the store's index failed ({e})" + (
             ": free some space on the store's disk (gc needs a little to record what it deletes), then run "
             "the command again" if full else ": run the command again; `kvstore verify` says whether "
             "anything needs repair"))
         return EXIT_PROBLEMS
     except KeyboardInterrupt:
-        say(f"{PROG}: interrupted")
+        say(f"{prog}: interrupted")
         return EXIT_INTERRUPTED
 
 
