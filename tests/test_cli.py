@@ -318,6 +318,8 @@ def test_warm_bad_lines_are_reported_and_good_lines_stored(kv, demo_model_path, 
         # A typo of a known field is named, with the field it resembles, and the line skipped.
         (json.dumps({"prompt": "ok", "pinned": True}), None, 'unknown field "pinned" (did you mean "pin"?'),
         (json.dumps({"promt": "ok"}), None, 'unknown field "promt" (did you mean "prompt"?'),
+        (json.dumps({"messages": [{"role": "user", "contnt": "hi"}]}), "messages[0].content",
+         'is missing (there is "contnt": a typo of "content"?)'),
     ]
     rows = [good[0], *[b[0] for b in bad[:7]], good[1], *[b[0] for b in bad[7:]], good[2]]
     path = tmp_path / "prompts.jsonl"
