@@ -357,15 +357,22 @@ def test_warm_unreadable_prompt_file(capsys, tmp_path, make, reason):
     assert not (tmp_path / "s").exists()  # nothing was opened before the file was read
 
 
+def _write(path, data: bytes):
+    path.write_bytes(data)
+    return path
+
+
 @pytest.mark.parametrize("make, message", [
     (lambda tmp: tmp / "no-such-model", "does not exist"),
     (lambda tmp: tmp, "has no config.json"),
+    (lambda tmp: _write(tmp / "model.safetensors", b"weights"), "is a file, not a model folder"),
+    (lambda tmp: _write(tmp / "config.json", b'{"model_type": "llama",}').parent, "config.json is not valid JSON"),
 ])
 def test_bad_model_path(capsys, tmp_path, make, message):
     model = make(tmp_path)
     code, _, err = in_process(capsys, "warm", "--store", tmp_path / "s", "--model", model, "--prompts", EXAMPLES)
     assert code == 1
-    assert err.startswith("kvstore: error: model ") and str(model) in err
+    assert err.startswith("kvstore: error: ") and str(model) in err
     assert message in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "s").exists()
 
