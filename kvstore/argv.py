@@ -45,7 +45,7 @@ def add_store_options(p: argparse.ArgumentParser) -> None:
     """`--store`, `--remote` and `--remote-key-file`: declared once, for `kvstore` and `kvstore serve`."""
     p.add_argument("--store", metavar="DIR", type=not_empty("give a folder, or leave --store out for the default"),
                    help="store directory (default: $KVSTORE_DIR, else ~/.cache/kvstore)")
-    p.add_argument("--remote", metavar="URL", nargs="?", const="",
+    p.add_argument("--remote", metavar="URL", nargs="?", const="", type=remote_url_value,
                    help="share the store through an S3 bucket, s3://BUCKET/PREFIX (default, and for a bare "
                         "--remote: $KVSTORE_REMOTE); gc and verify act on the bucket when it is given")
     p.add_argument("--remote-key-file", metavar="PATH",
@@ -114,6 +114,19 @@ def not_empty(hint: str):
             raise argparse.ArgumentTypeError(f"an empty value: {hint}")
         return text
     return given
+
+
+def remote_url_value(text: str) -> str:
+    """An argparse type: a well-formed remote URL (`bucket.check_url_form`; nothing is contacted),
+    so a mistyped one is a bad command line, said before a model loads; empty: `$KVSTORE_REMOTE`."""
+    from kvstore.remote.bucket import check_url_form
+
+    if text:
+        try:
+            check_url_form(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def disk_budget(text: str) -> int:

@@ -215,6 +215,12 @@ def test_a_typo_of_generate_gets_its_usage_not_the_top_level_one(kv):
     (["warm", "--prompts", ""], "argument --prompts: an empty value: give a JSONL file"),
     (["generate", "--prompts", ""], "argument --prompts: an empty value"),
     (["generate", "--model", "", "--prompt", "hi"], "argument --model: an empty value"),
+    # A mistyped --remote is a bad command line, said before a model loads (it was exit 1, after).
+    (["warm", "--prompts", "x.jsonl", "--remote", "kvcache/team"], "argument --remote: remote must be a URL like "
+                                                                     "s3://BUCKET/PREFIX, got 'kvcache/team'"),
+    (["gc", "--remote", "s3://kv cache/team", "--max-age", "1d"], "argument --remote: remote 's3://kv cache/team' "
+                                                                  "names no bucket"),
+    (["stats", "--remote", "s3:/kvcache"], "argument --remote: remote must be a URL like"),
 ])
 def test_a_bad_value_says_what_is_wrong_with_it(capsys, args, message):
     code, _, err = in_process(capsys, *args)
