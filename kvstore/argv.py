@@ -13,7 +13,7 @@ import math
 import os
 import re
 import sys
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from kvstore.settings import OFF_WORDS
 from kvstore.sizes import parse_duration, parse_size
@@ -41,16 +41,30 @@ class Parser(argparse.ArgumentParser):
         super().error(message)
 
 
-def add_store_options(p: argparse.ArgumentParser) -> None:
-    """`--store`, `--remote` and `--remote-key-file`: declared once, for `kvstore` and `kvstore serve`."""
+def add_store_options(p: argparse.ArgumentParser, check_remote: Callable[[str], None]) -> None:
+    """`--store`, `--remote` and `--remote-key-file`: declared once, for `kvstore` and `kvstore serve`.
+    `check_remote` raises ValueError for a `--remote` URL that is not well formed (nothing is
+    contacted), so a mistyped one is a bad command line, said before a model loads."""
     p.add_argument("--store", metavar="DIR", type=not_empty("give a folder, or leave --store out for the default"),
                    help="store directory (default: $KVSTORE_DIR, else ~/.cache/kvstore)")
-    p.add_argument("--remote", metavar="URL", nargs="?", const="",
+    p.add_argument("--remote", metavar="URL", nargs="?", const="", type=_checked(check_remote),
                    help="share the store through an S3 bucket, s3://BUCKET/PREFIX (default, and for a bare "
                         "--remote: $KVSTORE_REMOTE); gc and verify act on the bucket when it is given")
     p.add_argument("--remote-key-file", metavar="PATH",
                    help="file holding the fleet secret the remote's objects are sealed with (default: "
                         "$KVSTORE_REMOTE_KEY); `kvstore remote-key` prints a new one")
+
+
+def _checked(check: Callable[[str], None]):
+    """An argparse type: the text, if `check` passes it (an empty one, a bare option's, unchecked)."""
+    def value(text: str) -> str:
+        if text:
+            try:
+                check(text)
+            except ValueError as e:
+                raise argparse.ArgumentTypeError(str(e)) from None
+        return text
+    return value
 
 
 def remote_url(args: argparse.Namespace) -> str | None:

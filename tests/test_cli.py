@@ -215,6 +215,12 @@ def test_a_typo_of_generate_gets_its_usage_not_the_top_level_one(kv):
     (["warm", "--prompts", ""], "argument --prompts: an empty value: give a JSONL file"),
     (["generate", "--prompts", ""], "argument --prompts: an empty value"),
     (["generate", "--model", "", "--prompt", "hi"], "argument --model: an empty value"),
+    # A mistyped --remote is a bad command line, said before a model loads (it was exit 1, after).
+    (["warm", "--prompts", "x.jsonl", "--remote", "kvcache/team"], "argument --remote: remote must be a URL like "
+                                                                     "s3://BUCKET/PREFIX, got 'kvcache/team'"),
+    (["gc", "--remote", "s3://kv cache/team", "--max-age", "1d"], "argument --remote: remote 's3://kv cache/team' "
+                                                                  "names no bucket"),
+    (["stats", "--remote", "s3:/kvcache"], "argument --remote: remote must be a URL like"),
 ])
 def test_a_bad_value_says_what_is_wrong_with_it(capsys, args, message):
     code, _, err = in_process(capsys, *args)
@@ -318,6 +324,8 @@ def test_warm_bad_lines_are_reported_and_good_lines_stored(kv, demo_model_path, 
         # A typo of a known field is named, with the field it resembles, and the line skipped.
         (json.dumps({"prompt": "ok", "pinned": True}), None, 'unknown field "pinned" (did you mean "pin"?'),
         (json.dumps({"promt": "ok"}), None, 'unknown field "promt" (did you mean "prompt"?'),
+        (json.dumps({"messages": [{"role": "user", "contnt": "hi"}]}), "messages[0].content",
+         'is missing (there is "contnt": a typo of "content"?)'),
     ]
     rows = [good[0], *[b[0] for b in bad[:7]], good[1], *[b[0] for b in bad[7:]], good[2]]
     path = tmp_path / "prompts.jsonl"
@@ -355,15 +363,22 @@ def test_warm_unreadable_prompt_file(capsys, tmp_path, make, reason):
     assert not (tmp_path / "s").exists()  # nothing was opened before the file was read
 
 
+def _write(path, data: bytes):
+    path.write_bytes(data)
+    return path
+
+
 @pytest.mark.parametrize("make, message", [
     (lambda tmp: tmp / "no-such-model", "does not exist"),
     (lambda tmp: tmp, "has no config.json"),
+    (lambda tmp: _write(tmp / "model.safetensors", b"weights"), "is a file, not a model folder"),
+    (lambda tmp: _write(tmp / "config.json", b'{"model_type": "llama",}').parent, "config.json is not valid JSON"),
 ])
 def test_bad_model_path(capsys, tmp_path, make, message):
     model = make(tmp_path)
     code, _, err = in_process(capsys, "warm", "--store", tmp_path / "s", "--model", model, "--prompts", EXAMPLES)
     assert code == 1
-    assert err.startswith("kvstore warm: error: model ") and str(model) in err
+    assert err.startswith("kvstore warm: error: ") and str(model) in err
     assert message in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "s").exists()
 

@@ -162,6 +162,21 @@ def test_a_folder_with_other_files_is_refused_with_what_is_in_it(tmp_path):
     assert sorted(os.listdir(folder)) == ["index.sqlite", "thesis.txt"]
 
 
+def test_a_path_inside_a_store_is_refused_naming_the_store(tmp_path, home):
+    # A store made in another's blob tree would be moved to quarantine/ by that store's repair.
+    store = tmp_path / "kv"
+    kvstore.open(store).close()
+    before = snapshot(store)
+    for inside in (store / "blobs", store / "blobs" / "new", store / "blobs" / "ab" / "cd" / "s"):
+        with pytest.raises(NotAStoreError, match=f"inside the store {store}"):
+            kvstore.open(inside)
+    for name in ("index.sqlite", "blobs/new"):  # the obvious mistakes: the index file, a folder in blobs/
+        result = kv("stats", "--store", store / name, home=home)
+        assert result.returncode == 1 and f"inside the store {store} " in result.stderr, result.stderr
+    assert snapshot(store) == before  # nothing made inside it
+    kvstore.open(tmp_path / "elsewhere" / "blobs").close()  # a folder named blobs in no store is fine
+
+
 def test_symlinked_blob_tree_is_refused_and_never_emptied(tmp_path, llama, home):
     store = tmp_path / "s"
     warm(store, llama, prompts(40, 2, C))

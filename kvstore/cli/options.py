@@ -14,6 +14,7 @@ from typing import Iterator
 from kvstore import argv, settings
 from kvstore.argv import add_store_options, not_empty
 from kvstore.cli.output import EXIT_USAGE, PROG, CommandError, say
+from kvstore.remote.bucket import check_url_form
 
 PROMPT_FILE = not_empty("give a JSONL file, or - for standard input")  # the type of every --prompts
 
@@ -32,7 +33,7 @@ def tenant_id(text: str) -> str:
 def store_parent() -> argparse.ArgumentParser:
     """`--store`, `--remote` and `--remote-key-file`, for every command (`argv.add_store_options`)."""
     p = argparse.ArgumentParser(add_help=False)
-    add_store_options(p)
+    add_store_options(p, check_url_form)
     return p
 
 

@@ -246,7 +246,9 @@ def check_messages(value: Any) -> tuple[str, str] | None:
             return where, f"must be an object with \"role\" and \"content\", got {_json_type(message)}"
         for key in ("role", "content"):
             if key not in message:
-                return f"{where}.{key}", "is missing"
+                close = difflib.get_close_matches(key, [k for k in message if isinstance(k, str)], n=1, cutoff=0.6)
+                return f"{where}.{key}", "is missing" + (f" (there is {_quoted(close[0])}: a typo of {_quoted(key)}?)"
+                                                         if close else "")
         if not isinstance(message["role"], str) or not message["role"]:
             return f"{where}.role", f"must be a non-empty string, got {json.dumps(message['role'])}"
         # A list of content parts is what multimodal chat templates take; pass it through.

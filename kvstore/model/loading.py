@@ -7,6 +7,7 @@ parsed prompt lines and keeps those that fit the model. mlx-lm is imported only 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,8 +40,18 @@ def resolve_model(spec: str | None) -> str:
         return str(ensure_demo_model())
     path = Path(spec).expanduser()
     if path.exists():
-        if not (path / "config.json").is_file():
+        if not path.is_dir():
+            raise ModelFilesError(f"model path {spec} is a file, not a model folder (pass the folder that "
+                                  "holds its config.json and weights, or a Hugging Face repo id)")
+        config = path / "config.json"
+        if not config.is_file():
             raise ModelFilesError(f"model folder {spec} has no config.json: is it an mlx-lm model?")
+        try:
+            json.loads(config.read_bytes())
+        except OSError as e:
+            raise ModelFilesError(f"cannot read {config}: {e.strerror or e}") from None
+        except ValueError as e:  # mlx-lm's own error would not name the file
+            raise ModelFilesError(f"{config} is not valid JSON ({e}): is it an mlx-lm model?") from None
         return str(path.resolve())
     if _looks_like_path(spec):
         raise ModelFilesError(f"model path {spec} does not exist (pass a model folder or a Hugging Face repo id)")

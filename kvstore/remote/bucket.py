@@ -1,7 +1,8 @@
 """The bucket protocol: the nine calls the remote tier makes of an object store.
 
-A backend is one module with a class that answers these (see `s3.S3Bucket`), taking the URL, and
-a `check_url(url)` that raises InvalidInputError for a URL it cannot use; it is chosen by the
+A backend is one module with a class that answers these (see `s3.S3Bucket`), taking the URL, a
+`parse_url(url)` and a `check_url(url)` (with the endpoint settings too) that raise
+InvalidInputError for a URL it cannot use; it is chosen by the
 URL's scheme (`BACKENDS`). Batching, deadlines and checking what comes back are the remote
 tier's, not the backend's. Every method raises `RemoteError` when the store cannot be reached or
 answers with an error; a missing object is None (or False), never an error.
@@ -109,6 +110,12 @@ def _refuse_credentials(url: object) -> None:
             f"the remote URL holds credentials before the bucket ({shown}): remove them, and give "
             "them as AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) in the "
             "environment instead; kvstore never takes them from a URL")
+
+
+def check_url_form(url: str) -> None:
+    """Raise InvalidInputError unless `url` itself is well formed (its scheme, bucket and prefix;
+    not the endpoint the environment gives): what a command line's `--remote` is checked for."""
+    _backend(url).parse_url(url)
 
 
 def check_url(url: str) -> None:

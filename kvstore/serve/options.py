@@ -14,6 +14,7 @@ from pathlib import Path
 from kvstore import settings
 from kvstore.argv import Parser, add_store_options
 from kvstore.errors import InvalidInputError
+from kvstore.remote.bucket import check_url_form
 from kvstore.serve.tenancy.policy import TenantPolicy, parse_source
 from kvstore.settings import Setting
 from kvstore.tenants import check_id
@@ -98,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run mlx_lm.server with a prompt cache that survives restarts and is shared "
                     "by every server on the same store.")
     p.add_argument("-h", "--help", action="store_true", help="show this help (and mlx_lm.server's) and exit")
-    add_store_options(p)
+    add_store_options(p, check_url_form)
     settings.add_options(p.add_argument_group("store settings (see `kvstore settings`)"), serve=True)
     settings.add_options(p.add_argument_group("server settings"), SERVE_SETTINGS, serve=True)
     return p

@@ -185,6 +185,7 @@ def open_dir(path: Path, *, create: bool, read_only: bool | None) -> tuple[Path,
     but the blobs are there (with the command that rebuilds it), `StoreOpenError` otherwise.
     """
     path = path.expanduser().resolve()  # `a/../s` is `s`: no folder `a` is made on the way
+    _refuse_inside_a_store(path)
     try:
         st = os.stat(path)
     except (FileNotFoundError, NotADirectoryError):  # (ENOTDIR: a file on the way)
@@ -225,6 +226,21 @@ def open_dir(path: Path, *, create: bool, read_only: bool | None) -> tuple[Path,
         read_only = True
     _check_mode(path, st, read_only)  # only once it is known to be a store: nothing else changes
     return path, read_only
+
+
+def _refuse_inside_a_store(path: Path) -> None:
+    """Refuse a path that is one of a store's own entries, or in its blob tree: a store made
+    there would be moved to `quarantine/` by the outer store's `verify --repair`."""
+    for inside in (path, *path.parents):
+        outer = inside.parent
+        if inside.name == BLOBS_NAME and os.path.lexists(outer / INDEX_NAME):
+            break
+    else:
+        outer = path.parent
+        if not (own_name(path.name) and os.path.lexists(outer / INDEX_NAME)):
+            return
+    raise NotAStoreError(f"{path} is inside the store {outer} (its own {path.relative_to(outer).parts[0]}), "
+                         f"not a store: pass {outer}, or a folder outside it for a new store")
 
 
 def _read_only_mount(path: Path) -> bool:
