@@ -918,6 +918,9 @@ def test_a_prompt_cut_short_by_ctrl_c_is_said_with_what_of_it_is_stored(capsys, 
     class LateCtrlC:  # as if Ctrl-C were pressed once the second prompt's second chunk is computed
         asked = 0
 
+        def __init__(self, *args):
+            pass
+
         @property
         def requested(self):
             LateCtrlC.asked += 1
@@ -926,7 +929,7 @@ def test_a_prompt_cut_short_by_ctrl_c_is_said_with_what_of_it_is_stored(capsys, 
         def __call__(self, signum, frame):
             pass
 
-    monkeypatch.setattr(warm, "_FirstCtrlC", LateCtrlC)
+    monkeypatch.setattr(warm, "FirstCtrlC", LateCtrlC)
     path = tmp_path / "long.jsonl"
     path.write_text("".join(json.dumps({"tokens": [i + 1] + [7 + (j * 13 + i) % 200 for j in range(899)]}) + "\n"
                             for i in range(3)))
@@ -982,3 +985,45 @@ def test_the_commands_a_report_suggests_name_the_store_it_ran_on(kv, store_copy,
     assert f"`kvstore gc --stale --store {store}` evicts it" in stats, stats
     gc = kv("gc", "--store", store_copy, "--max-bytes", "0").stderr
     assert f"(`kvstore pins --store {store_copy}` lists them)" in gc, gc
+
+
+@pytest.mark.parametrize("at", ["prefill", "generation"])
+def test_ctrl_c_in_generate_stores_what_was_computed(capsys, llama, tmp_path, monkeypatch, at):
+    """A first Ctrl-C during generate's prefill stops after the step in progress (mlx-lm's 2,048
+    tokens), during its answer after the token in progress: either way what the cache holds is
+    stored and said, and the command exits 130. Before, an interrupted generate stored nothing."""
+    import kvstore.cli.generate as generate
+
+    class LateCtrlC:  # as if Ctrl-C were pressed after the first prefill step, or the second token
+        asked = 0
+
+        def __init__(self, *args):
+            LateCtrlC.asked = 0
+
+        @property
+        def requested(self):
+            LateCtrlC.asked += 1
+            return LateCtrlC.asked > (1 if at == "prefill" else 4)
+
+        def __call__(self, signum, frame):
+            pass
+
+    monkeypatch.setattr(generate, "FirstCtrlC", LateCtrlC)
+    path, model = llama
+    tokens = [1 + (i * 11) % 250 for i in range(2100 if at == "prefill" else 300)]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"tokens": tokens}) + "\n" + json.dumps({"tokens": tokens[::-1]}) + "\n")
+    code, _, err = in_process(capsys, "generate", "--store", tmp_path / "s", "--model", path, "--prompts", prompts,
+                              "--max-tokens", "8")
+    assert code == 130 and err.rstrip().endswith("kvstore generate: interrupted"), err
+    lines = [line for line in err.splitlines() if line.startswith("prompt: ")]
+    assert len(lines) == 1, err  # the second prompt was not reached
+    with kvstore.open(tmp_path / "s") as store:
+        reused = len(tokens) + 1 - len(store.bind(model, path).fetch(tokens + [5])[1])
+    if at == "prefill":
+        assert "2048 of 2100 computed; interrupted before the first token; generated 0 tokens (interrupted)" \
+            in lines[0], lines
+        assert reused == 2048  # 8 chunks of 256: the whole first step
+    else:
+        assert "generated 2 tokens (interrupted)" in lines[0] and "time to first token" in lines[0], lines
+        assert reused == len(tokens)

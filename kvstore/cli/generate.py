@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import signal
 import time
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -11,6 +13,7 @@ from kvstore.cli.options import add_prompt_source, add_store_settings, bound, pr
 from kvstore.cli.output import (
     EXIT_PROBLEMS,
     PROG,
+    FirstCtrlC,
     disk_budget,
     on_store,
     out,
@@ -82,49 +85,89 @@ def cmd_generate(args) -> int:
     return EXIT_PROBLEMS if errors or failed else 0
 
 
-def _generate_one(args, store, loaded, mc, tokens, sampler) -> bool:
-    """Generate for one prompt, print the text and a report line; False if it was not stored."""
+@dataclass
+class _Run:
+    """One pass of generation: what it printed, and how it ended."""
+
+    ttft: float | None = None
+    generated: list = field(default_factory=list)
+    finish: str | None = None
+    canary: object = None
+    moved: object = None  # the first step's check against the stored canary
+    interrupted: bool = False  # Ctrl-C: stopped after a whole prefill step, or after a token
+
+
+class _Interrupted(Exception):
+    """Ctrl-C during the prefill: raised between two of its steps, so the cache holds whole steps."""
+
+
+def _stream(args, loaded, mc, tokens, start, sampler, t0: float, ctrl_c, check: bool) -> _Run:
+    """Generate from `start` (a `prompt_cache`), printing as it goes; stop before printing when
+    `check` and the first step does not give the restored prompt's canary."""
     from mlx_lm import stream_generate
 
-    from kvstore.certify.compare import disk_bits
     from kvstore.certify.firststep import check_first_step
+    from kvstore.model.prefill import canary_of
+
+    def progress(done: int, total: int) -> None:
+        if ctrl_c.requested and done < total:
+            raise _Interrupted
+
+    run = _Run()
+    try:
+        for response in stream_generate(loaded.model, loaded.tokenizer, start.rest, max_tokens=args.max_tokens,
+                                        prompt_cache=start.cache, sampler=sampler, prompt_progress_callback=progress):
+            if run.ttft is None:
+                run.ttft = time.perf_counter() - t0
+                run.canary = canary_of(len(tokens) - 1, int(tokens[-1]), response.logprobs)
+                run.moved = check_first_step(mc, tokens, response.logprobs)  # the stored prompt again: its canary's step
+                if check and run.moved is not None and not run.moved.ok:
+                    return run  # nothing printed yet: the answer comes from the prompt computed again instead
+                if start.hold is not None:  # exact mode: the prompt's end, stored with its canary
+                    start.hold.submit(run.canary)
+            print(response.text, end="", flush=True)
+            run.generated.append(response.token)
+            run.finish = response.finish_reason
+            if ctrl_c.requested:
+                run.finish, run.interrupted = "interrupted", True
+                break
+    except _Interrupted:
+        run.finish, run.interrupted = "interrupted", True
+    return run
+
+
+def _generate_one(args, store, loaded, mc, tokens, sampler) -> bool:
+    """Generate for one prompt, print the text and a report line; False if it was not stored.
+    A first Ctrl-C stops after the prefill step or token in progress, stores what was computed
+    and says so, then stops the command (`KeyboardInterrupt`)."""
+    from kvstore.certify.compare import disk_bits
     from kvstore.model.blas import long_prefill_note
-    from kvstore.model.prefill import canary_of, insert_generated, prompt_cache
+    from kvstore.model.prefill import insert_generated, prompt_cache
 
     t0 = time.perf_counter()
     downloaded, before = remote_tokens(store), write_problems(store)
     start = prompt_cache(mc, tokens)
-    cache, rest, reused = start.cache, start.rest, start.reused
+    reused = start.reused
     from_bucket = min(reused, remote_tokens(store) - downloaded)
-    slow = long_prefill_note(lambda: len(rest))
+    slow = long_prefill_note(lambda: len(start.rest))
     if slow:
         say(slow)
-    wrong = None  # the first step's check, when the restored K/V were not what was stored
-    while True:
-        ttft, generated, finish, canary, moved = None, [], None, None, None
-        for response in stream_generate(loaded.model, loaded.tokenizer, rest, max_tokens=args.max_tokens,
-                                        prompt_cache=cache, sampler=sampler):
-            if ttft is None:
-                ttft = time.perf_counter() - t0
-                canary = canary_of(len(tokens) - 1, int(tokens[-1]), response.logprobs)
-                moved = check_first_step(mc, tokens, response.logprobs)  # the stored prompt again: its canary's step
-                if moved is not None and not moved.ok and wrong is None:
-                    break  # nothing printed yet: the answer comes from the prompt computed again instead
-                if start.hold is not None:  # exact mode: the prompt's end, stored with its canary
-                    start.hold.submit(canary)
-            print(response.text, end="", flush=True)
-            generated.append(response.token)
-            finish = response.finish_reason
-        else:
-            break
-        wrong = moved
-        kept = ("its K/V are stored quantized (disk_kv_bits), so its records are kept, and the answer is computed "
-                "again without restoring them" if disk_bits(mc) else  # (reported only: not quarantined)
-                "the records it was restored from are quarantined, and the answer is computed again without them")
-        say(f"{PROG} generate: the restored prompt did not give its canary ({moved.reason}); {kept}")
-        start = prompt_cache(mc, tokens, restore=False)  # the cold run, as `kvstore serve` computes it again
-        cache, rest, reused = start.cache, start.rest, start.reused
-        from_bucket = min(reused, remote_tokens(store) - downloaded)
+    ctrl_c = FirstCtrlC("generate", "the prefill step or token in progress, storing what is computed")
+    previous = signal.signal(signal.SIGINT, ctrl_c)
+    try:
+        run = _stream(args, loaded, mc, tokens, start, sampler, t0, ctrl_c, check=True)
+        if run.moved is not None and not run.moved.ok and not run.generated and not run.interrupted:
+            kept = ("its K/V are stored quantized (disk_kv_bits), so its records are kept, and the answer is "
+                    "computed again without restoring them" if disk_bits(mc) else  # (reported only: not quarantined)
+                    "the records it was restored from are quarantined, and the answer is computed again without them")
+            say(f"{PROG} generate: the restored prompt did not give its canary ({run.moved.reason}); {kept}")
+            start = prompt_cache(mc, tokens, restore=False)  # the cold run, as `kvstore serve` computes it again
+            reused = start.reused
+            from_bucket = min(reused, remote_tokens(store) - downloaded)
+            run = _stream(args, loaded, mc, tokens, start, sampler, t0, ctrl_c, check=False)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    cache, generated, ttft, finish, canary = start.cache, run.generated, run.ttft, run.finish, run.canary
     print(flush=True)
     if start.hold is not None:
         start.hold.submit()  # no step ran: stored without a canary (a second submit does nothing)
@@ -149,7 +192,13 @@ def _generate_one(args, store, loaded, mc, tokens, sampler) -> bool:
         stored_text += f" ({write_error(store)})"
     where = (f"reused ({from_bucket} from the bucket {store.remote.url}, {reused - from_bucket} from the "
              "local store)") if from_bucket else "reused from the store"
-    say(f"prompt: {plural(len(tokens), 'token')}, {reused} {where}, "
-        f"{len(tokens) - reused} computed; time to first token: {ttft:.3f} s; "
+    if ttft is None:  # Ctrl-C during the prefill: what of the prompt it computed is what the cache holds
+        computed = f"{max(0, (stored or reused) - reused)} of {len(tokens) - reused} computed"
+        first = "interrupted before the first token"
+    else:
+        computed, first = f"{len(tokens) - reused} computed", f"time to first token: {ttft:.3f} s"
+    say(f"prompt: {plural(len(tokens), 'token')}, {reused} {where}, {computed}; {first}; "
         f"generated {plural(len(generated), 'token')} ({finish}); {stored_text}")
+    if run.interrupted:
+        raise KeyboardInterrupt  # (the command stops: `kvstore generate: interrupted`, exit 130)
     return not problem

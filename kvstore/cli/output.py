@@ -29,6 +29,21 @@ class CommandError(Exception):
         self.code = code
 
 
+class FirstCtrlC:
+    """A SIGINT handler: while it is installed, a first Ctrl-C asks the command to stop at its next
+    safe point (`requested`: after the chunk or prefill step in progress, whose cache is whole), a
+    second stops at once."""
+
+    def __init__(self, command: str, until: str):
+        self.command, self.until, self.requested = command, until, False
+
+    def __call__(self, signum, frame) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        say(f"{PROG} {self.command}: stopping after {self.until} (Ctrl-C again to stop at once)")
+
+
 def say(*parts: Any) -> None:
     """One line on stderr, escaped."""
     print(*map(printable, parts), file=sys.stderr, flush=True)

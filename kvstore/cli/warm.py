@@ -12,6 +12,7 @@ from kvstore.cli.output import (
     EXIT_INTERRUPTED,
     EXIT_PROBLEMS,
     PROG,
+    FirstCtrlC,
     disk_budget,
     on_store,
     plural,
@@ -48,19 +49,6 @@ class _Stop(Exception):
     """Ctrl-C was pressed: stop at the next chunk boundary."""
 
 
-class _FirstCtrlC:
-    """While active, a first Ctrl-C asks to stop after the current chunk; a second stops at once."""
-
-    def __init__(self):
-        self.requested = False
-
-    def __call__(self, signum, frame) -> None:
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-        say(f"{PROG} warm: stopping after the current chunk (Ctrl-C again to stop at once)")
-
-
 def cmd_warm(args) -> int:
     items = read_prompts(args.prompts)
     with bound(args, items, "warm") as (store, loaded, mc, work, errors):
@@ -69,7 +57,7 @@ def cmd_warm(args) -> int:
         totals = {"done": 0, "reused": 0, "computed": 0, "warmed": [], "from_bucket": 0}
         started = time.perf_counter()
         interrupted = False
-        ctrl_c = _FirstCtrlC()
+        ctrl_c = FirstCtrlC("warm", "the current chunk")
         previous = signal.signal(signal.SIGINT, ctrl_c)
         try:
             _warm_all(mc, work, totals, lambda: ctrl_c.requested, loaded.tokenizer, lambda: _write_failure(store),
