@@ -107,7 +107,7 @@ def test_hybrid_warmed_with_boundary_checkpoints_restores_at_the_deepest_one(tmp
     model = models["qwen3_5"]
     prompt = toks(5 * C + 7, 11)
     stats = insert(tmp_path / "s", model, prompt, prefill=True, checkpoint_every=1)["stats"]
-    assert stats["checkpoints"] == 6  # one per chunk boundary and one at the end
+    assert stats["checkpoints"] == 7  # one per chunk boundary, one at the end and one before it
     got = check(tmp_path / "s", model, prompt[: 3 * C + 9] + toks(4, 12))
     assert got["reused"] == 3 * C
 
@@ -116,8 +116,37 @@ def test_hybrid_checkpoint_every_two_chunks(tmp_path, models):
     model = models["qwen3_5"]
     prompt = toks(5 * C + 7, 13)
     stats = insert(tmp_path / "s", model, prompt, prefill=True, checkpoint_every=2)["stats"]
-    assert stats["checkpoints"] == 3  # after chunks 2 and 4, and at the end
+    assert stats["checkpoints"] == 4  # after chunks 2 and 4, at the end and before it
     assert check(tmp_path / "s", model, prompt[: 3 * C + 9] + toks(4, 14))["reused"] == 2 * C
+
+
+def test_hybrid_warmed_prompt_asked_again_resumes_at_its_last_token_but_one(tmp_path, models):
+    model = models["qwen3_5"]
+    prompt = toks(3 * C + 5, 15)  # no checkpoint every 4 chunks before it: only its own
+    insert(tmp_path / "s", model, prompt, prefill=True, pin=True)
+    assert check(tmp_path / "s", model, prompt)["reused"] == len(prompt) - 1
+    with kvstore.open(tmp_path / "s", chunk_size=C) as store:
+        mc = store.bind(load(str(model))[0], str(model))
+        assert mc.unpin(prompt)["records"] == 3 + 2 + 2  # the chunks, tail and checkpoint of both ends
+        assert store.pins() == []
+
+
+@pytest.mark.parametrize("arch, chunk", [("qwen3_5", C), ("gemma3_text", 64)])  # gemma: chunk > window (32)
+def test_a_warmed_prompt_ending_on_a_chunk_boundary_asked_again_resumes(tmp_path, models, arch, chunk):
+    model, prompt = models[arch], toks(2 * chunk, 16)
+    insert_here(tmp_path / "s", model, chunk, prompt, prefill=True)
+    got = run_procs("check", tmp_path / "s", model, chunk, prompt, memory_bytes=0)
+    assert got["reused"] == len(prompt) - 1
+    assert got["max_abs_diff"] <= 1e-4 and got["greedy"] == got["greedy_ref"]
+
+
+def test_sliding_window_tie_between_a_chunk_and_a_tail_tries_both(tmp_path, models):
+    model, prompt = models["gemma3_text"], toks(128, 17)  # chunks of 64, window 32
+    insert_here(tmp_path / "s", model, 64, prompt[:10], prefill=True)  # its tail holds tokens 0..10
+    insert_here(tmp_path / "s", model, 64, prompt, prefill=True)  # the chunk 0..64 lacks them
+    got = run_procs("check", tmp_path / "s", model, 64, prompt[:5], memory_bytes=0)
+    assert got["reused"] == 4
+    assert got["max_abs_diff"] <= 1e-4 and got["greedy"] == got["greedy_ref"]
 
 
 @pytest.mark.parametrize("bits", [8, 4])

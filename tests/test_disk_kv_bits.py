@@ -130,6 +130,11 @@ def test_a_quantized_and_a_bf16_store_in_one_directory_never_serve_each_others_r
             assert diff < 0.1
     models = _models(tmp_path / "s")
     assert len(models) == 2 and len({m["namespace"] for m in models}) == 2
+    # `kvstore stats` shows both with one fingerprint: its rows say which is the 8-bit one.
+    out = subprocess.run([sys.executable, "-m", "kvstore.cli", "stats", "--store", str(tmp_path / "s")],
+                         capture_output=True, text=True, timeout=120).stdout
+    rows = [line for line in out.splitlines() if line.rstrip().endswith(str(model_dir)) or "(K/V" in line]
+    assert sorted(r.endswith("(K/V 8-bit, on disk)") for r in rows) == [False, True], out
 
 
 def test_the_setting_survives_a_restart_and_0_turns_it_off(tmp_path, demo_model):

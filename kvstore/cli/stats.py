@@ -166,7 +166,7 @@ def _print_models(models: list[dict], where: str = "") -> None:
     header = ("fingerprint", "chunks", "tails", "bytes", "hits", "last use", "stale", "model")
     rows = [(m["fingerprint"][:12], str(m["chunks"]), str(m["tails"]), format_size(m["bytes"]), str(m["hits"]),
              f"{format_age(now - m['last_used'])} ago" if m.get("last_used") else "never",
-             _stale_cell(m), m["model_id"])
+             _stale_cell(m), m["model_id"] + _kv_note(m.get("layout")))
             for m in models]
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header) - 1)]
     print()
@@ -183,6 +183,17 @@ def _print_models(models: list[dict], where: str = "") -> None:
     for m in unsure:  # the bytes may be the same (a folder copied away and back): not stale yet
         out(f"changed: {m['fingerprint'][:12]}: {m['stale_reason']}; `{PROG} gc --stale{where}` hashes "
             f"the changed files again and evicts the version only if their bytes differ")
+
+
+def _kv_note(layout) -> str:
+    """How a version stores its K/V, when not as the model computed them: one model's versions
+    differ in that alone (same fingerprint), and each is a namespace of its own."""
+    layers = layout.get("layers", []) if isinstance(layout, dict) else []
+    for key, what in (("disk_bits", "on disk"), ("bits", "quantized by mlx-lm, --kv-bits")):
+        bits = sorted({str(c[key]) for c in layers if isinstance(c, dict) and c.get(key)})
+        if bits:
+            return f" (K/V {'/'.join(bits)}-bit, {what})"
+    return ""
 
 
 def _stale_cell(m: dict) -> str:

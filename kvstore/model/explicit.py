@@ -16,6 +16,7 @@ from kvstore.errors import InvalidInputError, StoreOpenError
 from kvstore.model.prefill import CHECKPOINT_EVERY
 from kvstore.model.prefill import prefill as prefill_prompt
 from kvstore.model.tokens import Tokens, as_tokens
+from kvstore.records import Span
 from kvstore.upkeep.evict import role_class
 
 # A pin that finds its records evicted under it (by another process) stores them again, this often.
@@ -64,7 +65,7 @@ class ExplicitWrites:
                     self.mark(toks, cache_type)
                 # A use, as a fetch of it is: a budget evicts the least recently used first, and
                 # warming a prompt again (from cron, say) is how it is kept fresh.
-                self.backing.tiers.touch([s.hash for s in self._durable(toks)])
+                self.backing.tiers.touch([s.hash for s in self._durable(toks) + self.resume_records(toks)])
                 return True
         return False
 
@@ -81,10 +82,20 @@ class ExplicitWrites:
         b.index.raise_role([s.hash for s in self._durable(toks) if s.start < first and self.owns(s)], role)
 
     def _needs_end_checkpoint(self, toks: np.ndarray) -> bool:
-        if not self.checkpointed:
-            return False
-        end = self._durable(toks)[-1]
-        return end.hash not in self.backing.tiers.holds([end])
+        ends = (self._durable(toks)[-1:] if self.checkpointed else []) + self.resume_records(toks)[-1:]
+        return len(self.backing.tiers.holds(ends)) < len(ends)
+
+    def resume_records(self, toks: np.ndarray) -> list[Span]:
+        """The records `prefill` stores at the prompt's last token but one, besides the prompt's,
+        where the same prompt asked again resumes (a fetch leaves the last token to compute):
+        with recurrent layers, which restore only at a checkpoint, its tail and checkpoint; with
+        sliding-window layers and a prompt that ends on a chunk boundary, its tail (the chunk,
+        stored after the last step, lacks the window's first token there). Exact mode: none."""
+        C = self.chunk_size
+        if self.exact or len(toks) < 2 or not (self.checkpointed or (self._windowed and len(toks) % C == 0)):
+            return []
+        have = {s.hash for s in self._durable(toks)}
+        return [s for s in self.records(toks[:-1], checkpoint=self.checkpointed) if s.hash not in have]
 
     def _held_back(self, toks: np.ndarray) -> bool:
         """Whether admission or the write budget keeps some record of `toks` in RAM only (once
@@ -114,12 +125,12 @@ class ExplicitWrites:
         if b.index is None:
             return True
         b.writer.flush()  # the rows, on this machine (as `mark`)
-        wanted = [s.hash for s in self._durable(toks) if self.owns(s)]
+        wanted = [s.hash for s in self._durable(toks) + self.resume_records(toks) if self.owns(s)]
         return b.index.pin(wanted) >= len(wanted)
 
     def unpin(self, tokens: Tokens) -> dict:
         """Unpin what pinning `tokens` pinned (`prefill(..., pin=True)`, `insert(..., pin=True)`):
-        the prompt's chunks, its tail and (with recurrent layers) its end checkpoint, so that gc
+        the prompt's chunks, its tail and (with recurrent layers) its checkpoints, so that gc
         may evict them again. Returns {"records": how many were pinned, "bytes": their size}.
 
         Every record of the prompt is unpinned, shared ones too (bound with a tenant: the
@@ -135,7 +146,7 @@ class ExplicitWrites:
         if b.index.read_only:
             raise StoreOpenError("this store is open read-only: unpin needs to write to it")
         b.writer.flush()
-        n, size = b.index.unpin([s.hash for s in self._durable(toks) if self.owns(s)])
+        n, size = b.index.unpin([s.hash for s in self._durable(toks) + self.resume_records(toks) if self.owns(s)])
         return {"records": n, "bytes": size}
 
 

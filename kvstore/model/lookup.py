@@ -48,6 +48,11 @@ def match(tiers: Tiers, lookup: Lookup, ns: bytes, toks: np.ndarray, chunk_size:
         own, owner = _tenant_chain(tiers, lookup, ns, toks, C, depth, where, local)
         lookup.chain, lookup.owner = [r.hash for r in chain[:depth] + own], owner
         found += own[: _run(own, where)]
+    if found and len(toks) == len(found) * C:
+        # The prompt ends on a chunk boundary, where a fetch cannot restore (it leaves the last
+        # token): the last chunk is then one child of its parent, beside a tail that may end
+        # at a checkpoint or sliding window the chunk's end-1 lacks.
+        found = found[:-1]
     parent = found[-1].hash if found else ns
     rest = toks[len(found) * C :]
     kids: dict[bytes, tuple[bytes, int, bool]] = {}
@@ -66,7 +71,7 @@ def match(tiers: Tiers, lookup: Lookup, ns: bytes, toks: np.ndarray, chunk_size:
                     kids[h] = (h, n, n == len(child_tokens))
                     where.setdefault(h, (tier, ref))
     ranked = sorted(kids.values(), key=lambda f: (-f[1], not f[2]))  # a tie: the child used whole (no other touched)
-    options = ranked[:1] + [f for f in ranked[1:] if f[2]]
+    options = ranked[:1] + [f for f in ranked[1:] if f[2] or f[1] == ranked[0][1]]  # (a tie: each may restore)
     return [r.hash for r in found], [(h, n) for h, n, _ in options] or [(None, 0)], where
 
 

@@ -161,6 +161,10 @@ def prefill(mc, tokens, *, step: int | None = None, checkpoint_every: int = CHEC
                         durable=durable, cache_type=cache_type, progress=progress)
     kept = dict(pin=pin, checkpoint=True, durable=durable, cache_type=cache_type)
     pending = mc.insert_later(toks[:stop], cache, **kept) if mc.exact and stop > 0 else None
+    if reused < stop and mc.resume_records(toks):
+        # A fetch leaves the last token to compute, where a recurrent layer has no checkpoint
+        # (or a window no data): this lets the same prompt, asked again, resume (as `prompt_cache`).
+        mc.insert(toks[:stop], cache, **kept)
     logprobs = last_step(mc.model, cache, toks[stop])
     canary = canary_of(stop, int(toks[stop]), logprobs)
     if pending is not None:
