@@ -32,6 +32,9 @@ def toks(n: int, seed: int, vocab: int = 250) -> list[int]:
 
 
 def node(tmp_path, name: str, url: str, **kw):
+    # What is restored, not when: the whole path is waited for (the `timeout` policy's wait can
+    # run out on a machine busy with other work; tests/test_remote_prefetch.py times the policies).
+    kw.setdefault("remote_prefetch", "wait_complete")
     return kvstore.open(tmp_path / name, chunk_size=C, remote=url, **kw)
 
 

@@ -375,7 +375,7 @@ def test_a_damaged_local_copy_is_downloaded_again(tmp_path, s3, llama):
     url = s3.url()
     prompt = toks(3 * C + 5, 67)
     stored(tmp_path, "a", url, model, path, prompt)
-    with kvstore.open(tmp_path / "b", chunk_size=C, remote=url, memory_bytes=0) as b:
+    with kvstore.open(tmp_path / "b", chunk_size=C, remote=url, memory_bytes=0, remote_prefetch="wait_complete") as b:
         mc = b.bind(model, path)
         assert fetch_checked(mc, model, prompt + [1])[0] == len(prompt)
         (second,) = real_hashes(mc, prompt, chain_objects(url)[1:2])

@@ -301,7 +301,7 @@ def test_cli_remote_flag_and_env(tmp_path, s3, demo_model_path):
     out = cli("gc", "--store", str(store), "--remote", "--max-bytes", "0", env={"KVSTORE_REMOTE": ""})
     assert out.returncode == 2 and "--remote needs a URL" in out.stderr
     out = cli("stats", "--store", str(store), "--remote", "http://not-s3")
-    assert out.returncode == 1 and "s3://BUCKET/PREFIX" in out.stderr
+    assert out.returncode == 2 and "s3://BUCKET/PREFIX" in out.stderr
     # A second node (fresh folder) warms the same prompts from the bucket: only the last token
     # of each prompt is computed (a fetch always leaves one), nothing new is written.
     out = cli("warm", "--store", str(tmp_path / "s2"), "--prompts", str(REPO / "examples" / "prompts.jsonl"),
