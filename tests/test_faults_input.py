@@ -436,3 +436,24 @@ def test_a_damaged_page_of_the_index_is_found_by_verify_and_rebuilt_by_repair(tm
         cache, rest = s.bind(model, model_path).fetch(tokens + [7])
         assert rest == [7]
         assert logits_diff(model, cache, rest, tokens + [7]) <= TOL
+
+
+def test_an_index_file_without_its_tables_is_not_called_missing(tmp_path, llama):
+    """An index whose tables were only in its -wal (a new store killed, then that -wal damaged)
+    is a file with no tables: the error says so, not that the file is missing, and repair
+    rebuilds it from the blobs."""
+    from kvtest import run_cli
+
+    store, rows = stored(tmp_path, llama, prompts(42, 1, C)[0])
+    for name in ("index.sqlite", "index.sqlite-wal", "index.sqlite-shm"):
+        if (store / name).exists():
+            os.unlink(store / name)
+    con = sqlite3.connect(store / "index.sqlite")
+    con.execute("PRAGMA user_version = 1")  # a database file of one page, and no table
+    con.close()
+
+    said = run_cli("stats", "--store", str(store), check=False)
+    assert said.returncode == 1
+    assert f"the index {store / 'index.sqlite'} holds no tables but" in said.stderr
+    repaired = run_cli("verify", "--repair", "--store", str(store), check=False)
+    assert f"rebuilt the index from the blob files: {len(rows)} records" in repaired.stderr
