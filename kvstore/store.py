@@ -13,6 +13,7 @@ quarantined and the caller gets the longest prefix that is still correct.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import difflib
 import inspect
@@ -266,13 +267,14 @@ class Store:
         if self.exact_prefill:  # its own namespace, of records one step long (see kvstore.model.prefill)
             layout, chunk_size = {**layout, "exact_prefill": self.exact_prefill}, self.exact_prefill
         stamps = None
-        if fingerprint is None:
-            fingerprint, stamps = fingerprints.fingerprint(model_id, adapter_path, self.index, model=model,
-                                                           remember=not self.read_only, trust=self.trust)
-        ns = keys.namespace(fingerprint, layout, chunk_size)
-        mc = ModelCache(self.backing, model, str(model_id), ns, fingerprint, layout, codecs, chunk_size,
-                        kv_bits=kv_bits, kv_group_size=kv_group_size, exact=self.exact_prefill)
-        mc.registered = mc.register(stamps)
+        with self.files.damage_is_an_error() if self.files is not None else contextlib.nullcontext():
+            if fingerprint is None:
+                fingerprint, stamps = fingerprints.fingerprint(model_id, adapter_path, self.index, model=model,
+                                                               remember=not self.read_only, trust=self.trust)
+            ns = keys.namespace(fingerprint, layout, chunk_size)
+            mc = ModelCache(self.backing, model, str(model_id), ns, fingerprint, layout, codecs, chunk_size,
+                            kv_bits=kv_bits, kv_group_size=kv_group_size, exact=self.exact_prefill)
+            mc.registered = mc.register(stamps)
         if self.backing.budget is not None:
             self.backing.budget.holds(mc.check.bound().per_token, chunk_size)
         if self.remote is not None:
@@ -384,8 +386,6 @@ class Store:
         self._check_open()
         if self.files is None:
             return []
-        if repair:
-            self.files.check_writable("verify --repair")
         self.flush()
         problems = self.files.verify(repair=repair, force=force, trust=self.trust)
         if repair:

@@ -399,3 +399,61 @@ def _check_modes(store: Path) -> None:
             if ".damaged-" in f:
                 continue  # the moved-aside old index keeps the mode it had
             assert (Path(dirpath) / f).stat().st_mode & 0o777 == 0o600, Path(dirpath) / f
+
+
+# -- a damaged page of the index --------------------------------------------------------------
+
+def test_a_damaged_page_of_the_index_is_found_by_verify_and_rebuilt_by_repair(tmp_path, llama):
+    """A page of `index.sqlite` whose cell pointers are garbage reads as rows of NULLs, or fails
+    only the queries that reach it: verify says the index is damaged (not only a bad row that
+    repair then never mends), bind says how to rebuild it, and repair rebuilds it from the blobs."""
+    from kvtest import run_cli
+
+    from kvstore.errors import CorruptIndexError
+
+    model_path, model = llama
+    tokens = prompts(41, 1, C)[0]
+    store, rows = stored(tmp_path, llama, tokens)
+    con = sqlite3.connect(store / "index.sqlite")
+    page_size = con.execute("PRAGMA page_size").fetchone()[0]
+    root = con.execute("SELECT rootpage FROM sqlite_master WHERE name = 'models'").fetchone()[0]
+    con.close()
+    with open(store / "index.sqlite", "r+b") as f:  # the first cell pointers of the models' page
+        f.seek((root - 1) * page_size + 8)
+        f.write(b"\xde\xad\xbe\xef" * 3)
+
+    checked = run_cli("verify", "--store", str(store), check=False)
+    assert checked.returncode == 1
+    assert f"the index {store / 'index.sqlite'} cannot be read" in checked.stderr
+    assert "out of range" in checked.stderr and "kvstore verify --repair" in checked.stderr
+    with kvstore.open(store, chunk_size=C) as s, pytest.raises(CorruptIndexError, match="verify --repair"):
+        s.bind(model, model_path)
+
+    repaired = run_cli("verify", "--repair", "--store", str(store), check=False)
+    assert "rebuilt the index from the blob files: " + str(len(rows)) + " records" in repaired.stderr
+    assert run_cli("verify", "--store", str(store), check=False).returncode == 0
+    with kvstore.open(store, chunk_size=C) as s:
+        cache, rest = s.bind(model, model_path).fetch(tokens + [7])
+        assert rest == [7]
+        assert logits_diff(model, cache, rest, tokens + [7]) <= TOL
+
+
+def test_an_index_file_without_its_tables_is_not_called_missing(tmp_path, llama):
+    """An index whose tables were only in its -wal (a new store killed, then that -wal damaged)
+    is a file with no tables: the error says so, not that the file is missing, and repair
+    rebuilds it from the blobs."""
+    from kvtest import run_cli
+
+    store, rows = stored(tmp_path, llama, prompts(42, 1, C)[0])
+    for name in ("index.sqlite", "index.sqlite-wal", "index.sqlite-shm"):
+        if (store / name).exists():
+            os.unlink(store / name)
+    con = sqlite3.connect(store / "index.sqlite")
+    con.execute("PRAGMA user_version = 1")  # a database file of one page, and no table
+    con.close()
+
+    said = run_cli("stats", "--store", str(store), check=False)
+    assert said.returncode == 1
+    assert f"the index {store / 'index.sqlite'} holds no tables but" in said.stderr
+    repaired = run_cli("verify", "--repair", "--store", str(store), check=False)
+    assert f"rebuilt the index from the blob files: {len(rows)} records" in repaired.stderr

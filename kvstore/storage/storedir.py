@@ -350,8 +350,9 @@ def _check_is_store(path: Path, *, create: bool, read_only: bool) -> None:
         raise CorruptIndexError(f"the index {index_file} cannot be read ({problem}); run "
                                 f"`kvstore verify --repair --store {path}` to rebuild it from the blob files")
     if has_blob_files(blob_root):  # a new, empty index would orphan every blob
+        lost = "holds no tables" if os.path.lexists(index_file) else "is missing"
         raise IndexLostError(
-            f"the index {index_file} is missing but {blob_root} holds blobs (an index left only as "
+            f"the index {index_file} {lost} but {blob_root} holds blobs (an index left only as "
             f"its -wal file is lost too); run `kvstore verify --repair --store {path}` to rebuild "
             "it from them")
     if not _only_own_entries(path):

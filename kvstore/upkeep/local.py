@@ -104,6 +104,15 @@ class LocalStore:
                 raise self.index.corrupt(e) from e
             raise
 
+    def check_pages(self) -> None:
+        """SQLite's own check of the index's pages (`PRAGMA quick_check`): a damaged page can read
+        as rows of NULLs, or fail only the queries that reach it, so reading every row is not
+        enough. Raises the index's `CorruptIndexError`, naming the first damage found."""
+        found = [line for (line,) in self.index.conn.execute("PRAGMA quick_check(3)")]
+        if found != ["ok"]:
+            said = (" ".join(line.replace("*** in database main ***", "").split()) for line in found)
+            raise self.index.corrupt("; ".join(said))
+
     def stats(self) -> dict[str, Any]:
         """What the directory holds: totals, one dict per model version (with whether its files
         changed), quarantined records and the files `verify --repair` moved aside."""
@@ -185,6 +194,7 @@ class LocalStore:
         if repair:
             self.check_writable("verify --repair")
         with self.damage_is_an_error():
+            self.check_pages()
             return verify(self.index, self.blob_root, repair=repair, force=force, read_only=self.read_only,
                           trust=trust or self.trust(create=False))
 
