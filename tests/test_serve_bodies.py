@@ -145,9 +145,16 @@ def test_a_model_that_does_not_load_leaves_the_served_one_loaded(demo_model, tmp
             assert f"this server serves {str(model)!r} (GET /v1/models)" in error, error
             r = requests.post(server.url + "/v1/completions/render", json={"prompt": "hi"}, timeout=REQUEST_TIMEOUT)
             assert r.status_code == 200 and r.json()[0]["token_ids"] == list(b"hi"), r.text
+        # A draft model that does not load is named as such, not as the served model it came with.
+        r = requests.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2, "draft_model": "nope"},
+                          timeout=REQUEST_TIMEOUT)
+        assert r.status_code == 404, r.text
+        error = r.json()["error"]
+        assert "the draft model 'nope' cannot be loaded here" in error and "leave draft_model out" in error, error
         text, usage = ask(server, prompt="hi", max_tokens=2)
         assert text is not None and usage["completion_tokens"] == 2
         assert server.stop() == 0
     out = log_path.read_text(errors="replace")
     assert "kvstore serve: a request named the model 'gpt-4', which does not load" in out
+    assert "kvstore serve: a request named the draft model 'nope', which does not load" in out
     assert f"{model} is loaded again" in out and "Traceback" not in out

@@ -485,6 +485,12 @@ def test_bad_size_is_a_clean_error(tmp_path, capsys):
     assert serve_main(["--store", str(tmp_path / "s"), "--memory-bytes", "lots"]) == 2
     err = capsys.readouterr().err
     assert "--memory-bytes" in err and "not a size" in err
+    # mlx_lm.server's own option, which it reads only after the model is loaded: a traceback
+    # (decimal.InvalidOperation, or KeyError for '8GiB') then, a clean refusal here.
+    for size in ("lots", "8GiB"):
+        assert serve_main(["--store", str(tmp_path / "s"), "--prompt-cache-bytes", size]) == 2
+        err = capsys.readouterr().err
+        assert f"argument --prompt-cache-bytes: {size!r} is not a size mlx_lm.server reads" in err, err
 
 
 def test_a_typo_names_the_option_it_resembles(tmp_path, capsys):

@@ -145,15 +145,25 @@ def _restoring_provider(original: type) -> type:
                     raise
                 detail = " ".join(str(e).split()) or type(e).__name__
                 served = getattr(self.cli_args, "model", None)
-                log.warning("kvstore serve: a request named the model %r, which does not load (%s); "
-                            "%s is loaded again", model_path, type(e).__name__, had[0])
+                what, name, advice = _failed_part((model_path, adapter_path, draft_model_path), had)
+                log.warning("kvstore serve: a request named the %s %r, which does not load (%s); "
+                            "%s is loaded again", what, name, type(e).__name__, had[0])
                 super()._load(*had)
                 raise ModelFilesError(
-                    f"the model {model_path!r} cannot be loaded here ({type(e).__name__}: {detail}); "
-                    f"this server serves {served!r} (GET /v1/models): send that id, or leave model "
-                    "out") from e
+                    f"the {what} {name!r} cannot be loaded here ({type(e).__name__}: {detail}); "
+                    f"this server serves {served!r} (GET /v1/models): {advice}") from e
 
     return ModelProvider
+
+
+def _failed_part(wanted: tuple, had: tuple) -> tuple[str, object, str]:
+    """`(what, name, advice)` for the part of `wanted` (model, adapter, draft model) that `had`
+    did not load already: the part a failed load is to be blamed on."""
+    if wanted[0] != had[0]:
+        return "model", wanted[0], "send that id, or leave model out"
+    if wanted[2] != had[2]:
+        return "draft model", wanted[2], "leave draft_model out"
+    return "adapter", wanted[1], "leave adapters out"
 
 
 def _response_generator(original: type, cache: PersistentPromptCache, started: list,

@@ -87,8 +87,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     peek = peek_mlx_options(passthrough)
     served_model, passthrough = _with_defaults(peek, passthrough)
     store_settings = settings.given(ours)
-    memory_bytes = _memory_bytes(store_settings.pop("memory_bytes", None), peek.prompt_cache_bytes)
     try:
+        memory_bytes = _memory_bytes(store_settings.pop("memory_bytes", None), peek.prompt_cache_bytes)
         check_port(peek.port)
         served = server_settings(ours)
         kv_events = _kv_events(served, peek, served_model)
@@ -215,15 +215,19 @@ def _tenants_on(store: Store, tenants: TenantPolicy) -> TenantPolicy:
 
 
 def _memory_bytes(memory_bytes: int | None, prompt_cache_bytes: str | None) -> int | None:
-    """--memory-bytes, else mlx_lm.server's --prompt-cache-bytes, else None (the store's default)."""
-    if memory_bytes is None and prompt_cache_bytes is not None:
-        try:
-            from mlx_lm.utils import _parse_size  # mlx_lm.server's own reading of it
+    """--memory-bytes, else mlx_lm.server's --prompt-cache-bytes, else None (the store's default).
+    A --prompt-cache-bytes that mlx_lm.server cannot read is a ValueError (it would stop with a
+    traceback once the model is loaded)."""
+    if prompt_cache_bytes is None:
+        return memory_bytes
+    from mlx_lm.utils import _parse_size  # mlx_lm.server's own reading of it
 
-            memory_bytes = int(_parse_size(prompt_cache_bytes))
-        except Exception:
-            memory_bytes = None  # mlx_lm.server will say what is wrong with it
-    return memory_bytes
+    try:
+        parsed = int(_parse_size(prompt_cache_bytes))
+    except Exception:
+        raise ValueError(f"argument --prompt-cache-bytes: {prompt_cache_bytes!r} is not a size mlx_lm.server "
+                         "reads: a number of bytes, or one with M, G, MB or GB (8GB, 500M)") from None
+    return parsed if memory_bytes is None else memory_bytes
 
 
 def _serve(server, store: Store, served: dict, passthrough: list[str], served_model: str) -> int:
