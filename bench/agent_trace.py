@@ -106,8 +106,8 @@ def run_policy(policy: str, model, model_path, trace, repeat, work) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--prompts", type=int, default=200, help="prompts in the trace (default 200)")
-    ap.add_argument("--tokens", type=int, default=2048, help="longest prompt; the shortest is a quarter, at least the system prompt and one token (default 2048; 8192 for 2-8k prompts)")
+    ap.add_argument("--prompts", type=C.positive_int, default=200, help="prompts in the trace (default 200)")
+    ap.add_argument("--tokens", type=C.positive_int, default=2048, help="longest prompt; the shortest is a quarter, at least the system prompt and one token (default 2048; 8192 for 2-8k prompts)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="20 prompts (as bench/run_all.py --quick asks)")
     args = ap.parse_args()

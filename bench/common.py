@@ -6,6 +6,7 @@ baselines (raw reads, cold reads) and kvstore are measured the same way in the s
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import json
 import mmap
@@ -456,6 +457,28 @@ def _jsonable(o):
     if isinstance(o, Path):
         return str(o)
     raise TypeError(f"cannot write {type(o).__name__} to JSON")
+
+
+def positive_int(text: str) -> int:
+    """An argparse type for a count (tokens, rows, rounds): a whole number of at least 1."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text} is less than 1: it counts something, at least one")
+    return n
+
+
+def non_negative_float(text: str) -> float:
+    """An argparse type for seconds or gigabytes: a number of at least 0."""
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not x >= 0:
+        raise argparse.ArgumentTypeError(f"{text} is less than 0")
+    return x
 
 
 def log(*parts) -> None:

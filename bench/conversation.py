@@ -98,7 +98,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", default="llama", choices=("llama", "gemma3_text"))
     ap.add_argument("--size", default="small", choices=("tiny", "small"))
-    ap.add_argument("--turns", type=int, default=20)
+    ap.add_argument("--turns", type=C.positive_int, default=20)
     ap.add_argument("--quick", action="store_true", help="the tiny model, 6 turns")
     args = ap.parse_args()
     if args.quick:

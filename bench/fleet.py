@@ -226,11 +226,11 @@ def summary(rows: list[tuple[float, int, int]]) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--systems", type=int, default=3)
-    p.add_argument("--conversations", type=int, default=8)
-    p.add_argument("--turns", type=int, default=4)
-    p.add_argument("--system-tokens", type=int, default=800)
-    p.add_argument("--document-tokens", type=int, default=1200)
+    p.add_argument("--systems", type=C.positive_int, default=3)
+    p.add_argument("--conversations", type=C.positive_int, default=8)
+    p.add_argument("--turns", type=C.positive_int, default=4)
+    p.add_argument("--system-tokens", type=C.positive_int, default=800)
+    p.add_argument("--document-tokens", type=C.positive_int, default=1200)
     p.add_argument("--sglang-router", help="the sglang-router command, for a third fleet behind it")
     p.add_argument("--dynamo-python", help="a Python with ai-dynamo-runtime, for a fleet behind Dynamo's indexer")
     p.add_argument("--no-bucket", action="store_true", help="no shared bucket: each node its own store only")

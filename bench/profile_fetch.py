@@ -52,15 +52,15 @@ def timed(fn, reps):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--tokens", type=C.positive_int, default=2048)
     ap.add_argument("--shape", default="qwen3-0.6b", choices=sorted(C.SHAPES))
-    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--reps", type=C.positive_int, default=10)
     ap.add_argument("--cprofile", action="store_true", help="print the top of a cProfile of fetch")
-    ap.add_argument("--head-dim", type=int, default=None,
+    ap.add_argument("--head-dim", type=C.positive_int, default=None,
                     help="override the shape's head_dim (tiny: measures the Python overhead alone)")
     ap.add_argument("--serial", action="store_true", help="fill on the calling thread only")
-    ap.add_argument("--chunk-size", type=int, default=256, help="the stores' chunk size (tokens a record)")
-    ap.add_argument("--cache-limit", type=float, default=None, metavar="GB",
+    ap.add_argument("--chunk-size", type=C.positive_int, default=256, help="the stores' chunk size (tokens a record)")
+    ap.add_argument("--cache-limit", type=C.non_negative_float, default=None, metavar="GB",
                     help="mx.set_cache_limit before timing (keeps freed buffers for reuse)")
     args = ap.parse_args()
     if args.serial:

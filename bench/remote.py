@@ -410,16 +410,16 @@ def sealing(reps: int, mib: int = 64) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192])
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--lengths", type=C.positive_int, nargs="+", default=[2048, 8192])
+    ap.add_argument("--reps", type=C.positive_int, default=3)
     ap.add_argument("--recompute-max", type=int, default=2048)
     ap.add_argument("--sealing-only", action="store_true", help="only the AES-256-GCM micro-benchmark")
     ap.add_argument("--policy-only", action="store_true",
                     help="only the prefetch-policy runs (printed; bench/results/remote.json is left as it is)")
-    ap.add_argument("--policy-lengths", type=int, nargs="*", default=[2048],
+    ap.add_argument("--policy-lengths", type=C.positive_int, nargs="*", default=[2048],
                     help="prompt lengths of the prefetch-policy TTFT runs (a real prefill each)")
-    ap.add_argument("--policy-reps", type=int, default=1, help="runs of each policy (each a prefill here)")
-    ap.add_argument("--slow-get", type=float, default=0.25,
+    ap.add_argument("--policy-reps", type=C.positive_int, default=1, help="runs of each policy (each a prefill here)")
+    ap.add_argument("--slow-get", type=C.non_negative_float, default=0.25,
                     help="seconds the slow endpoint of the policy runs takes per download")
     args = ap.parse_args()
     if args.sealing_only:

@@ -179,8 +179,8 @@ def run(model: Path, work: Path, lengths: list[int], reps: int, env: dict) -> di
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="one short length, two reps")
-    ap.add_argument("--tokens", type=int, nargs="*", default=None, help="system prompt lengths (default 2048 8192)")
-    ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--tokens", type=C.positive_int, nargs="*", default=None, help="system prompt lengths (default 2048 8192)")
+    ap.add_argument("--reps", type=C.positive_int, default=None)
     ap.add_argument("--out", type=Path, help="write the JSON here instead of bench/results/serve.json")
     args = ap.parse_args()
     lengths = args.tokens or ([1024] if args.quick else [2048, 8192])

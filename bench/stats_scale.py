@@ -72,8 +72,8 @@ def run(rows: int, runs: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rows", type=int, default=100_000, help="records in the store (default: 100,000)")
-    ap.add_argument("--runs", type=int, default=7, help="timed runs (default: 7)")
+    ap.add_argument("--rows", type=C.positive_int, default=100_000, help="records in the store (default: 100,000)")
+    ap.add_argument("--runs", type=C.positive_int, default=7, help="timed runs (default: 7)")
     args = ap.parse_args()
     result = run(args.rows, args.runs)
     print(f"kvstore stats, {result['records']:,} records: {result['stats_median_s']:.3f} s median of "

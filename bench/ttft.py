@@ -152,7 +152,7 @@ def run(quick: bool = False, budget_s: float | None = None) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer lengths, one repetition")
-    ap.add_argument("--budget", type=float, help="seconds per model (longer prompts are skipped past it)")
+    ap.add_argument("--budget", type=C.non_negative_float, help="seconds per model (longer prompts are skipped past it)")
     args = ap.parse_args()
     print(C.write_result("ttft", run(args.quick, args.budget)))
 
