@@ -368,6 +368,12 @@ def blas_in_use() -> str:
     return "reference BLAS bundled with the mlx-cpu wheel"
 
 
+def log_machine(tag: str) -> None:
+    """Say where the numbers that follow come from: the CPU, its cores, the BLAS and the load."""
+    m = machine()
+    log(f"[{tag}] {m['cpu']}, {m['cores']} cores, BLAS: {blas_in_use()}; load average {m['load_average_1m']}")
+
+
 def machine() -> dict:
     import mlx_lm
 

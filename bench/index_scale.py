@@ -314,6 +314,7 @@ def main() -> None:
     ap.add_argument("--rows", type=C.positive_int, nargs="*", help="index sizes to run")
     ap.add_argument("--files", action="store_true", help="an empty blob file for every row, which gc unlinks")
     args = ap.parse_args()
+    C.log_machine("index")
     print(C.write_result("index_scale" + ("_files" if args.files else ""), run(args.quick, args.rows, args.files)))
 
 

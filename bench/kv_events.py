@@ -175,6 +175,7 @@ def main() -> None:
     p.add_argument("--inserts", type=C.positive_int, default=600)
     p.add_argument("--out", default=str(C.RESULTS / "kv_events.json"))
     args = p.parse_args()
+    C.log_machine("kv_events")
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         model_dir = build_demo_model(tmp / "model", arch="llama", size="tiny")

@@ -15,9 +15,9 @@ import argparse
 import cProfile
 import pstats
 import resource
+import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -63,6 +63,7 @@ def main() -> None:
     ap.add_argument("--cache-limit", type=C.non_negative_float, default=None, metavar="GB",
                     help="mx.set_cache_limit before timing (keeps freed buffers for reuse)")
     args = ap.parse_args()
+    C.log_machine("profile")
     if args.serial:
         import kvstore.restore.fill as R
         R._POOL_MIN_BYTES = 1 << 62
@@ -74,7 +75,7 @@ def main() -> None:
     model = shape.model()
     tokens = C.random_tokens(args.tokens).tolist()
     cache = C.random_cache(shape, args.tokens)
-    root = Path(tempfile.mkdtemp(dir=C.scratch_root()))
+    root = C.scratch_dir("profile-fetch")
     with kvstore.open(root / "s", memory_bytes=0, chunk_size=args.chunk_size) as store:
         store.bind(model, "shape", fingerprint=b"s" * 16).insert(tokens, cache)
         store.flush()
@@ -126,6 +127,7 @@ def main() -> None:
         pstats.Stats(prof).sort_stats("cumulative").print_stats(18)
     disk.close()
     ram.close()
+    shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":

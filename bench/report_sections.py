@@ -155,7 +155,7 @@ def agent_trace(add, out) -> None:
     add("## Agent trace: what is written under `admit=\"all\"` and `admit=\"reused\"`")
     add("")
     add(f"`python bench/agent_trace.py --prompts {out['prompts']} --tokens {out['max_tokens']}` "
-        f"(run {out.get('written_utc', '?')}; load average {out.get('load_start', '?')} at the start, "
+        f"(run {out.get('written_utc', '?')} on {m.get('cpu', '?')}, {m.get('cores', '?')} cores; load average {out.get('load_start', '?')} at the start, "
         f"{m.get('load_average_1m', '?')} at the end; BLAS "
         f"{out.get('blas', '?')}): {out['prompts']} prompts of {out['min_tokens']:,} to {out['max_tokens']:,} "
         f"tokens ({out['tokens']:,} in all) over 10 shared 1,024-token system prompts, {out['repeats']} of them "

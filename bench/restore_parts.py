@@ -340,6 +340,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, help="write the JSON here instead of bench/results/restore_parts.json")
     ap.add_argument("--reps", type=C.positive_int, default=9, help="timed rounds (each runs every part once)")
     args = ap.parse_args()
+    C.log_machine("parts")
     results = []
     for n in args.tokens:
         results.append(parts(SHAPES[args.shape], n, args.reps if n < 16384 else max(3, args.reps // 2)))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -65,6 +66,7 @@ def run(rows: int, runs: int) -> dict:
     records = build(path, rows)
     stats = timed([sys.executable, "-m", "kvstore.cli", "stats", "--store", str(path)], runs)
     bare = timed([sys.executable, "-c", "pass"], runs)
+    shutil.rmtree(path.parent, ignore_errors=True)
     return {"records": records, "runs": runs, "stats_median_s": statistics.median(stats),
             "stats_s": stats, "python_start_median_s": statistics.median(bare), "target_s": TARGET_S,
             "cpu": cpu_model()}
