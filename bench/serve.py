@@ -209,7 +209,10 @@ def main() -> None:
             stock, ours = (results[k][str(n)][case] for k in SERVERS)
             C.log(f"[serve] {n} tokens, {case}: mlx_lm.server {stock['median_s'] * 1e3:.0f} ms "
                   f"(cached {stock['cached_tokens']}), kvstore serve {ours['median_s'] * 1e3:.0f} ms "
-                  f"(cached {ours['cached_tokens']}): {stock['median_s'] / ours['median_s']:.2f}x")
+                  f"(cached {ours['cached_tokens']}): kvstore {stock['median_s'] / ours['median_s']:.2f}x as fast")
+    m = data["machine"]
+    C.log(f"[serve] medians of time to first token; {m['cpu']}, {m['cores']} cores, BLAS in the servers: "
+          f"{data['blas']}; load average {load_start:.2f} -> {data['load_average_end']:.2f}")
     C.log(f"[serve] {path}")
 
 

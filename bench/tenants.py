@@ -174,6 +174,7 @@ def main() -> None:
               f"shared {r['shared']['median_ttft_s'] * 1e3:.1f} ms")
     C.log(f"[tenants] tenants / today: repeat {results['repeat_ttft_ratio_tenants_to_today']:.2f}x, "
           f"shared {results['shared_ttft_ratio_tenants_to_today']:.2f}x; wrote {out}")
+    C.log(f"[tenants] {data['cpu']}, {data['cores']} cores, BLAS in the servers: {data['blas']}")
 
 
 if __name__ == "__main__":

@@ -154,6 +154,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer lengths, one repetition")
     ap.add_argument("--budget", type=C.non_negative_float, help="seconds per model (longer prompts are skipped past it)")
     args = ap.parse_args()
+    if args.budget == 0:
+        ap.error("argument --budget: 0 seconds leaves no time for any prompt length (omit it for the default)")
+    C.log_machine("ttft")
     print(C.write_result("ttft", run(args.quick, args.budget)))
 
 
