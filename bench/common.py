@@ -354,6 +354,17 @@ def openblas_path() -> str | None:
     return None
 
 
+def preload_openblas(tag: str) -> None:
+    """Start this script again with Debian's OpenBLAS preloaded, when it is installed and not loaded
+    (as bench/run_all.py starts it): prefill on mlx's bundled BLAS is several times slower."""
+    blas = openblas_path()
+    if blas is None or "openblas" in blas_in_use():
+        return
+    log(f"[{tag}] starting again with LD_PRELOAD={blas} (Debian's OpenBLAS, as bench/run_all.py runs it)")
+    env = dict(os.environ, LD_PRELOAD=" ".join(filter(None, [blas, os.environ.get("LD_PRELOAD")])))
+    os.execve(sys.executable, [sys.executable, *sys.argv], env)
+
+
 def blas_in_use() -> str:
     """Which BLAS this process has loaded: Debian's OpenBLAS via LD_PRELOAD, or mlx's bundled one."""
     try:

@@ -63,7 +63,8 @@ def commands(add) -> None:
         "of them and keeps the others' results. Each script also runs on its own, with the venv active "
         "(`. .venv/bin/activate`), and writes its results file; `python bench/report.py` then writes this page "
         "again. On Linux, `make bench` preloads Debian's OpenBLAS for the time-to-first-token benchmarks when "
-        "`libopenblas0-pthread` is installed.")
+        "`libopenblas0-pthread` is installed; `bench/ttft.py` and `bench/exact.py` run on their own start "
+        "themselves again with it preloaded.")
     add("")
     add("| benchmark | command | in `make bench` |")
     add("| --- | --- | --- |")

@@ -173,3 +173,24 @@ def test_bench_helpers_help_writes_nothing(script):
     proc = _run_bench(script, "--help")
     assert proc.returncode == 0 and proc.stdout.startswith("usage:"), proc.stderr[-2000:]
     assert [p.stat().st_mtime_ns for p in watched] == before
+
+
+def test_bench_preload_openblas_starts_the_script_again_with_it(tmp_path):
+    # ttft.py and exact.py measure prefill: run on their own (as the table says) they ran on mlx's
+    # bundled BLAS, several times slower than the OpenBLAS `make bench` gives them.
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        blas = __import__("common").openblas_path()
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    if blas is None:
+        pytest.skip("Debian's OpenBLAS is not installed")
+    script = tmp_path / "probe.py"
+    script.write_text(f"import sys; sys.path.insert(0, {str(REPO / 'bench')!r})\n"
+                      "import common as C\nC.preload_openblas('probe')\nprint(C.blas_in_use())\n")
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    proc = subprocess.run([sys.executable, str(script)], env=dict(env, PYTHONPATH=str(REPO)),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "OpenBLAS (Debian libopenblas0-pthread, LD_PRELOAD)"
+    assert "starting again with LD_PRELOAD" in proc.stderr
