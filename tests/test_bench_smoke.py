@@ -156,6 +156,9 @@ def _run_bench(script: str, *args: str) -> subprocess.CompletedProcess:
     ("packs.py", ["--reps", "two"], "argument --reps: 'two' is not a whole number"),
     ("remote.py", ["--slow-get", "-1"], "argument --slow-get: -1 is less than 0"),
     ("checkpoint_bytes.py", ["README.md"], "cannot read README.md as a model's config.json"),
+    # Before: nine nodes started, then a FileNotFoundError traceback.
+    ("fleet.py", ["--sglang-router", "/no/such/sglang-router"], "--sglang-router /no/such/sglang-router: no such"),
+    ("fleet.py", ["--dynamo-python", sys.executable], "has no dynamo.indexer"),
 ])
 def test_bench_bad_arguments_are_usage_errors_not_tracebacks(script, args, says):
     # A count of 0 once ran the benchmark and ended in a ZeroDivisionError or StatisticsError.
