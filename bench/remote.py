@@ -422,6 +422,7 @@ def main() -> None:
     ap.add_argument("--slow-get", type=C.non_negative_float, default=0.25,
                     help="seconds the slow endpoint of the policy runs takes per download")
     args = ap.parse_args()
+    C.preload_openblas("remote")  # the recompute and the policy runs prefill
     C.log_machine("remote")
     if args.sealing_only:
         print(json.dumps(sealing(args.reps), indent=1))
