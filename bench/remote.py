@@ -439,6 +439,7 @@ def main() -> None:
             policies = [policy_ttft(server, n, args.slow_get, args.policy_reps) for n in args.policy_lengths]
         finally:
             server.kill()
+            shutil.rmtree(work, ignore_errors=True)
         print(json.dumps(policies, indent=1))
         print_policies(policies)
         return
@@ -501,6 +502,7 @@ def main() -> None:
         results["sealing"] = sealing(args.reps)
     finally:
         server.kill()
+        shutil.rmtree(work, ignore_errors=True)  # the bucket's data: 1.5 GB after a 256-token run
     C.write_result("remote", results)
     print(f"{'tokens':>7} {'MB':>7} {'raw GETs s':>10} {'path s':>7} {'x raw':>6} {'remote s':>9} {'x raw':>6} "
           f"{'local s':>8} {'recompute s':>12} {'upload GB/s':>12} {'raw PUT GB/s':>13} {'HEADs':>6}")
