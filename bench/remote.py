@@ -408,6 +408,11 @@ def sealing(reps: int, mib: int = 64) -> dict:
             "loadavg": os.getloadavg()}
 
 
+def _seconds(value: float | None) -> str:
+    """A column's seconds, or "-" where none were measured (past --recompute-max)."""
+    return "-" if value is None else f"{value:.1f}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", type=C.positive_int, nargs="+", default=[2048, 8192])
@@ -510,7 +515,7 @@ def main() -> None:
         print(f"{r['length']:>7} {r['kv_bytes'] / 1e6:>7.0f} {r['raw_gets']['median']:>10.3f} "
               f"{r['path_download']['median']:>7.3f} {r['path_vs_raw_gets']:>6.2f} "
               f"{r['restore_remote']['median']:>9.3f} {r['restore_vs_raw_gets']:>6.2f} "
-              f"{r['restore_local']['median']:>8.3f} {r.get('recompute_s', float('nan')):>12.1f} "
+              f"{r['restore_local']['median']:>8.3f} {_seconds(r.get('recompute_s')):>12} "
               f"{r['upload_gbps']:>12.3f} {r['raw_put_gbps']:>13.3f} {r['remote_requests']['heads']:>6}")
     cv = results["conversations"]
     print(f"\n{cv['conversations']} conversations over one system prompt: node A stores them "
