@@ -23,8 +23,10 @@ the numbers: compare the two policies within one run.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
+import shutil
 import statistics
 import time
 
@@ -106,8 +108,8 @@ def run_policy(policy: str, model, model_path, trace, repeat, work) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--prompts", type=int, default=200, help="prompts in the trace (default 200)")
-    ap.add_argument("--tokens", type=int, default=2048, help="longest prompt; the shortest is a quarter, at least the system prompt and one token (default 2048; 8192 for 2-8k prompts)")
+    ap.add_argument("--prompts", type=C.positive_int, default=200, help="prompts in the trace (default 200)")
+    ap.add_argument("--tokens", type=C.positive_int, default=2048, help="longest prompt; the shortest is a quarter, at least the system prompt and one token (default 2048; 8192 for 2-8k prompts)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="20 prompts (as bench/run_all.py --quick asks)")
     args = ap.parse_args()
@@ -125,12 +127,13 @@ def main() -> None:
         t0 = time.perf_counter()
         rows.append(run_policy(policy, model, model_path, trace, repeat, work))
         C.log(f"{policy}: {time.perf_counter() - t0:.0f}s", rows[-1])
+    shutil.rmtree(work, ignore_errors=True)
     out = {"machine": C.machine(), "load_start": load_start, "blas": C.blas_in_use(), "quick": args.quick, "prompts": len(trace),
            "min_tokens": max(args.tokens // 4, SYSTEM_TOKENS + 1), "max_tokens": args.tokens,
            "tokens": sum(map(len, trace)), "repeats": sum(repeat),
            "recompute_ttft_median_s": statistics.median(recompute), "policies": rows}
-    C.write_result("agent_trace", out)
-    report_sections.agent_trace(print, out)
+    path = C.write_result("agent_trace", out)
+    report_sections.agent_trace(print, json.loads(path.read_text()))
 
 
 if __name__ == "__main__":

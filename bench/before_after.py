@@ -179,6 +179,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smaller sizes, fewer repetitions")
     args = ap.parse_args()
+    C.log_machine("before_after")
     print(C.write_result("before_after", run(args.quick)))
 
 

@@ -46,8 +46,20 @@ def main() -> None:
     ap.add_argument("--chunk-size", type=int, default=256)
     ap.add_argument("--kv-bytes", type=int, default=2, help="bytes per K/V element (bf16: 2)")
     args = ap.parse_args()
-    cfg = json.load(open(args.config)) if args.config else QWEN3_5_9B
-    for k, v in figures(cfg, args.chunk_size, args.kv_bytes).items():
+    if args.chunk_size < 1 or args.kv_bytes < 1:
+        ap.error("--chunk-size and --kv-bytes must be at least 1")
+    cfg = QWEN3_5_9B
+    if args.config:
+        try:
+            with open(args.config) as f:
+                cfg = json.load(f)
+        except (OSError, ValueError) as e:
+            ap.error(f"cannot read {args.config} as a model's config.json: {e}")
+    try:
+        rows = figures(cfg, args.chunk_size, args.kv_bytes)
+    except KeyError as e:
+        ap.error(f"{args.config} has no {e} (not a gated-delta hybrid's config: Qwen3.5 or Qwen3-Next)")
+    for k, v in rows.items():
         print(f"{k:28} {v:,.2f}" if isinstance(v, float) else f"{k:28} {v:,}")
 
 

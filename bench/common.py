@@ -6,6 +6,7 @@ baselines (raw reads, cold reads) and kvstore are measured the same way in the s
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import json
 import mmap
@@ -353,6 +354,19 @@ def openblas_path() -> str | None:
     return None
 
 
+def preload_openblas(tag: str) -> None:
+    """Start this script again with Debian's OpenBLAS preloaded, when it is installed and not loaded:
+    prefill of a real-size model on mlx's bundled BLAS is many times slower (Qwen3-0.6B's shape, 512
+    tokens: 49 s against more than 4 minutes on a busy 2-core VM)."""
+    blas = openblas_path()
+    if blas is None or "openblas" in blas_in_use():
+        return
+    log(f"[{tag}] starting again with LD_PRELOAD={blas} (Debian's OpenBLAS: mlx's own BLAS prefills many "
+        "times slower)")
+    env = dict(os.environ, LD_PRELOAD=" ".join(filter(None, [blas, os.environ.get("LD_PRELOAD")])))
+    os.execve(sys.executable, [sys.executable, *sys.argv], env)
+
+
 def blas_in_use() -> str:
     """Which BLAS this process has loaded: Debian's OpenBLAS via LD_PRELOAD, or mlx's bundled one."""
     try:
@@ -365,6 +379,12 @@ def blas_in_use() -> str:
     if platform.system() == "Darwin":
         return "Accelerate"
     return "reference BLAS bundled with the mlx-cpu wheel"
+
+
+def log_machine(tag: str) -> None:
+    """Say where the numbers that follow come from: the CPU, its cores, the BLAS and the load."""
+    m = machine()
+    log(f"[{tag}] {m['cpu']}, {m['cores']} cores, BLAS: {blas_in_use()}; load average {m['load_average_1m']}")
 
 
 def machine() -> dict:
@@ -456,6 +476,28 @@ def _jsonable(o):
     if isinstance(o, Path):
         return str(o)
     raise TypeError(f"cannot write {type(o).__name__} to JSON")
+
+
+def positive_int(text: str) -> int:
+    """An argparse type for a count (tokens, rows, rounds): a whole number of at least 1."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text} is less than 1: it counts something, at least one")
+    return n
+
+
+def non_negative_float(text: str) -> float:
+    """An argparse type for seconds or gigabytes: a number of at least 0."""
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not x >= 0:
+        raise argparse.ArgumentTypeError(f"{text} is less than 0")
+    return x
 
 
 def log(*parts) -> None:

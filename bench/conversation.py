@@ -14,6 +14,7 @@ the same code with that step switched off).
 from __future__ import annotations
 
 import argparse
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -91,6 +92,7 @@ def run(arch: str, size: str, turns: int) -> dict:
               f"{got['final_tokens']} tokens ({got['chunks']} chunks, {got['tails']} tails) = "
               f"{got['ratio']:.3f}x their K/V; bytes written per turn: median {int(np.median(written))}, "
               f"max {max(written)}")
+    shutil.rmtree(work, ignore_errors=True)
     return out
 
 
@@ -98,9 +100,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", default="llama", choices=("llama", "gemma3_text"))
     ap.add_argument("--size", default="small", choices=("tiny", "small"))
-    ap.add_argument("--turns", type=int, default=20)
+    ap.add_argument("--turns", type=C.positive_int, default=20)
     ap.add_argument("--quick", action="store_true", help="the tiny model, 6 turns")
     args = ap.parse_args()
+    C.log_machine("conversation")
     if args.quick:
         args.size, args.turns = "tiny", 6
     result = {"runs": [run(args.arch, args.size, args.turns)]}

@@ -154,6 +154,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="2 files of 4 MiB, one round")
     ap.add_argument("--out", type=str, default=None, help="write the JSON here instead of bench/results")
     args = ap.parse_args()
+    C.log_machine("alignment")
     count, size, rounds = (2, 4 << 20, 1) if args.quick else (8, 28 << 20, 7)
     C.log(f"[alignment] {count} files of {size >> 20} MiB, {rounds} rounds")
     result = run(count, size, rounds)

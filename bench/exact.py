@@ -1,6 +1,6 @@
 """Exact mode (`exact_prefill`) on and off: what it buys, what it costs, and `verify --exact`.
 
-    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 python bench/exact.py [--quick]
+    python bench/exact.py [--quick]    # starts itself again with Debian's OpenBLAS preloaded, if installed
 
 1. Exactness and reuse (the demo models, float32, every architecture kvstore restores: llama,
    gemma3_text's sliding window, qwen3_5's hybrid, baichuan_m1's CacheList, and llama "small"
@@ -274,6 +274,7 @@ def main() -> None:
     if args.table:
         print(report_sections.exact_table(json.loads(last.read_text())))
         return
+    C.preload_openblas("exact")
     data = json.loads(last.read_text()) if args.only and last.exists() else {}
     data.update(cpu=C.machine().get("cpu"), blas=C.blas_in_use(), load_before=round(os.getloadavg()[0], 2))
     work = Path(tempfile.mkdtemp(prefix="kvstore-exact-"))

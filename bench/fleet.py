@@ -37,6 +37,7 @@ import hashlib
 import itertools
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -226,16 +227,28 @@ def summary(rows: list[tuple[float, int, int]]) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--systems", type=int, default=3)
-    p.add_argument("--conversations", type=int, default=8)
-    p.add_argument("--turns", type=int, default=4)
-    p.add_argument("--system-tokens", type=int, default=800)
-    p.add_argument("--document-tokens", type=int, default=1200)
+    p.add_argument("--systems", type=C.positive_int, default=3)
+    p.add_argument("--conversations", type=C.positive_int, default=8)
+    p.add_argument("--turns", type=C.positive_int, default=4)
+    p.add_argument("--system-tokens", type=C.positive_int, default=800)
+    p.add_argument("--document-tokens", type=C.positive_int, default=1200)
     p.add_argument("--sglang-router", help="the sglang-router command, for a third fleet behind it")
     p.add_argument("--dynamo-python", help="a Python with ai-dynamo-runtime, for a fleet behind Dynamo's indexer")
     p.add_argument("--no-bucket", action="store_true", help="no shared bucket: each node its own store only")
     p.add_argument("--out", default=str(C.RESULTS / "fleet.json"))
     args = p.parse_args()
+    # Before nine nodes start: a router that cannot run would otherwise end the run in a traceback.
+    if args.sglang_router and shutil.which(args.sglang_router) is None:
+        p.error(f"--sglang-router {args.sglang_router}: no such command (the `sglang-router` of a venv with "
+                "sglang-router installed)")
+    if args.dynamo_python:
+        if shutil.which(args.dynamo_python) is None:
+            p.error(f"--dynamo-python {args.dynamo_python}: no such command (a Python with ai-dynamo-runtime)")
+        probe = subprocess.run([args.dynamo_python, "-c", "import importlib.util as u, sys; "
+                                "sys.exit(u.find_spec('dynamo.indexer') is None)"], capture_output=True)
+        if probe.returncode != 0:
+            p.error(f"--dynamo-python {args.dynamo_python}: has no dynamo.indexer (pip install ai-dynamo-runtime "
+                    "into it)")
     model = ensure_demo_model()
     picker = Picker()
     nodes: dict[str, list[Node]] = {}
@@ -351,7 +364,8 @@ def _dynamo_indexer(python: str, endpoints: list[str], tmp: Path):
         except requests.RequestException:
             time.sleep(0.5)
     proc.terminate()
-    raise RuntimeError(f"Dynamo's indexer did not start: see {tmp / 'dynamo-indexer.log'}")
+    raise RuntimeError(f"Dynamo's indexer did not start in {START_TIMEOUT_S} s; its log (removed with the run's "
+                       f"folder) ends:\n{_tail(tmp / 'dynamo-indexer.log')}")
 
 
 def _dynamo_pick(url: str, tokens: list[int], sent: list[int]) -> int:
@@ -360,6 +374,10 @@ def _dynamo_pick(url: str, tokens: list[int], sent: list[int]) -> int:
     found = requests.post(url + "/query", json={"token_ids": tokens, "model_name": "default"}, timeout=30).json()
     matched = [found.get("instances", {}).get(str(i), {}).get("longest_matched", 0) for i in range(len(sent))]
     return max(range(len(sent)), key=lambda i: (matched[i], -sent[i]))
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
 
 def _sglang(command: str, workers: list[str], tmp: Path):
@@ -377,7 +395,8 @@ def _sglang(command: str, workers: list[str], tmp: Path):
             pass
         time.sleep(0.5)
     proc.terminate()
-    raise RuntimeError(f"sglang-router did not start: see {tmp / 'sglang-router.log'}")
+    raise RuntimeError(f"sglang-router did not start in {START_TIMEOUT_S} s; its log (removed with the run's "
+                       f"folder) ends:\n{_tail(tmp / 'sglang-router.log')}")
 
 
 if __name__ == "__main__":

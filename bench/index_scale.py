@@ -311,9 +311,10 @@ def run(quick: bool = False, sizes=None, files: bool = False) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="10k and 100k rows only")
-    ap.add_argument("--rows", type=int, nargs="*", help="index sizes to run")
+    ap.add_argument("--rows", type=C.positive_int, nargs="*", help="index sizes to run")
     ap.add_argument("--files", action="store_true", help="an empty blob file for every row, which gc unlinks")
     args = ap.parse_args()
+    C.log_machine("index")
     print(C.write_result("index_scale" + ("_files" if args.files else ""), run(args.quick, args.rows, args.files)))
 
 

@@ -171,10 +171,11 @@ def inserts(model_dir: Path, n: int, tmp: Path) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--records", type=int, default=1000)
-    p.add_argument("--inserts", type=int, default=600)
+    p.add_argument("--records", type=C.positive_int, default=1000)
+    p.add_argument("--inserts", type=C.positive_int, default=600)
     p.add_argument("--out", default=str(C.RESULTS / "kv_events.json"))
     args = p.parse_args()
+    C.log_machine("kv_events")
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         model_dir = build_demo_model(tmp / "model", arch="llama", size="tiny")

@@ -208,9 +208,9 @@ def demo(root: Path, tokens: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", type=int, default=2048)
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--weights-mb", type=int, default=512, help="the Qwen3-0.6B-shaped model's weight file")
+    ap.add_argument("--tokens", type=C.positive_int, default=2048)
+    ap.add_argument("--reps", type=C.positive_int, default=3)
+    ap.add_argument("--weights-mb", type=C.positive_int, default=512, help="the Qwen3-0.6B-shaped model's weight file")
     args = ap.parse_args()
     root = C.scratch_dir("packs")
     try:

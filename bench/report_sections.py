@@ -36,16 +36,15 @@ COMMANDS = [
     ("index scale and gc", "python bench/index_scale.py [--quick] [--rows 10000 100000] [--files]", True),
     ("`kvstore stats` at 100,000 records", "python bench/stats_scale.py [--rows 100000] [--runs 7]", False),
     ("conversations", "python bench/conversation.py [--arch llama] [--turns 20]", True),
-    ("remote tier (starts a local SeaweedFS)", "python bench/remote.py [--lengths 2048 8192] [--reps 3]", False),
+    ("remote tier (starts a local SeaweedFS)", "python bench/remote.py [--lengths 2048 8192] [--reps 3] [--policy-lengths 2048] [--slow-get 0.25]", False),
     ("agent trace under `admit`", "python bench/agent_trace.py [--prompts 200] [--tokens 2048]", True),
     ("8-bit K/V on disk", "python bench/kv8.py [--quick]", True),
     ("exact mode on and off, `verify --exact` (OpenBLAS preloaded)", "python bench/exact.py [--quick]", True),
-    ("KV packs: size per token, import against a raw read", "python bench/packs.py [--tokens 2048] [--reps 3]",
-     False),
+    ("KV packs: size per token, import against a raw read", "python bench/packs.py [--tokens 2048] [--reps 3] [--weights-mb 512]", False),
     ("tenants: one probe against another tenant's prompts; reuse against one shared cache",
      "python bench/tenants.py [--quick] [--probes 200] [--system 1024] [--private 256]", False),
     ("what the benchmarks changed", "python bench/before_after.py [--quick]", True),
-    ("checkpoint bytes of a hybrid model (arithmetic)", "python bench/checkpoint_bytes.py CONFIG.json", False),
+    ("checkpoint bytes of a hybrid model (arithmetic)", "python bench/checkpoint_bytes.py [CONFIG.json]", False),
     ("a profile of `fetch` (a quick look)", "python bench/profile_fetch.py [--tokens 2048] [--cprofile]", False),
     ("KV events: announce at restart, cost on insert", "python bench/kv_events.py [--records 1000] [--inserts 600]",
      False),
@@ -64,7 +63,8 @@ def commands(add) -> None:
         "of them and keeps the others' results. Each script also runs on its own, with the venv active "
         "(`. .venv/bin/activate`), and writes its results file; `python bench/report.py` then writes this page "
         "again. On Linux, `make bench` preloads Debian's OpenBLAS for the time-to-first-token benchmarks when "
-        "`libopenblas0-pthread` is installed.")
+        "`libopenblas0-pthread` is installed; `bench/ttft.py` and `bench/exact.py` run on their own start "
+        "themselves again with it preloaded.")
     add("")
     add("| benchmark | command | in `make bench` |")
     add("| --- | --- | --- |")
@@ -156,7 +156,7 @@ def agent_trace(add, out) -> None:
     add("## Agent trace: what is written under `admit=\"all\"` and `admit=\"reused\"`")
     add("")
     add(f"`python bench/agent_trace.py --prompts {out['prompts']} --tokens {out['max_tokens']}` "
-        f"(run {out.get('written_utc', '?')}; load average {out.get('load_start', '?')} at the start, "
+        f"(run {out.get('written_utc', '?')} on {m.get('cpu', '?')}, {m.get('cores', '?')} cores; load average {out.get('load_start', '?')} at the start, "
         f"{m.get('load_average_1m', '?')} at the end; BLAS "
         f"{out.get('blas', '?')}): {out['prompts']} prompts of {out['min_tokens']:,} to {out['max_tokens']:,} "
         f"tokens ({out['tokens']:,} in all) over 10 shared 1,024-token system prompts, {out['repeats']} of them "
@@ -347,6 +347,7 @@ def tenants(add, data) -> None:
         "tenants it reads the shared ones and its own only (`children_by_tenant`). In-process, with 400 other "
         "clients' prompts after a shared one, a fetch of a new prompt took 8.0 ms with one cache and 0.74 ms as a "
         "tenant (0.62 ms each with none).")
+    add("")
 
 
 def kv_events(add, data) -> None:

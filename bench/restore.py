@@ -439,9 +439,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="one small cache, 3 calls a method, one round (< 1 minute)")
     ap.add_argument("--shape", choices=sorted(SHAPES), nargs="*", help="cache shapes (with --tokens: every pair)")
-    ap.add_argument("--tokens", type=int, nargs="*", help="cache lengths (with --shape: every pair)")
+    ap.add_argument("--tokens", type=C.positive_int, nargs="*", help="cache lengths (with --shape: every pair)")
     ap.add_argument("--methods", nargs="*", choices=list(METHODS), help="run only these methods")
-    ap.add_argument("--rounds", type=int, help="processes per method (default 2, 1 with --quick)")
+    ap.add_argument("--rounds", type=C.positive_int, help="processes per method (default 2, 1 with --quick)")
     ap.add_argument("--note", default="", help="a sentence about the run, printed in the README section")
     ap.add_argument("--out", type=Path, help="write the JSON here (and the .md beside it) instead of bench/results; "
                     "bench/README.md is then left alone")

@@ -13,6 +13,7 @@ whatever restore code is installed.
 
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import os
@@ -406,11 +407,14 @@ def run(spec: dict) -> dict:
 
 
 def main() -> None:
-    spec = json.loads(Path(sys.argv[1]).read_text())
-    result = run(spec)
-    tmp = Path(sys.argv[2] + ".tmp")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("spec", type=Path, help="the JSON spec bench/restore.py wrote")
+    ap.add_argument("out", help="where the results go (JSON)")
+    args = ap.parse_args()
+    result = run(json.loads(args.spec.read_text()))
+    tmp = Path(args.out + ".tmp")
     tmp.write_text(json.dumps(result))
-    tmp.replace(sys.argv[2])
+    tmp.replace(args.out)
 
 
 if __name__ == "__main__":

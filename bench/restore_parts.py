@@ -336,10 +336,11 @@ def markdown(data: dict) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
-    ap.add_argument("--tokens", type=int, nargs="*", default=[2048, 32768])
+    ap.add_argument("--tokens", type=C.positive_int, nargs="*", default=[2048, 32768])
     ap.add_argument("--out", type=Path, help="write the JSON here instead of bench/results/restore_parts.json")
-    ap.add_argument("--reps", type=int, default=9, help="timed rounds (each runs every part once)")
+    ap.add_argument("--reps", type=C.positive_int, default=9, help="timed rounds (each runs every part once)")
     args = ap.parse_args()
+    C.log_machine("parts")
     results = []
     for n in args.tokens:
         results.append(parts(SHAPES[args.shape], n, args.reps if n < 16384 else max(3, args.reps // 2)))

@@ -179,8 +179,8 @@ def run(model: Path, work: Path, lengths: list[int], reps: int, env: dict) -> di
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="one short length, two reps")
-    ap.add_argument("--tokens", type=int, nargs="*", default=None, help="system prompt lengths (default 2048 8192)")
-    ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--tokens", type=C.positive_int, nargs="*", default=None, help="system prompt lengths (default 2048 8192)")
+    ap.add_argument("--reps", type=C.positive_int, default=None)
     ap.add_argument("--out", type=Path, help="write the JSON here instead of bench/results/serve.json")
     args = ap.parse_args()
     lengths = args.tokens or ([1024] if args.quick else [2048, 8192])
@@ -209,7 +209,10 @@ def main() -> None:
             stock, ours = (results[k][str(n)][case] for k in SERVERS)
             C.log(f"[serve] {n} tokens, {case}: mlx_lm.server {stock['median_s'] * 1e3:.0f} ms "
                   f"(cached {stock['cached_tokens']}), kvstore serve {ours['median_s'] * 1e3:.0f} ms "
-                  f"(cached {ours['cached_tokens']}): {stock['median_s'] / ours['median_s']:.2f}x")
+                  f"(cached {ours['cached_tokens']}): kvstore {stock['median_s'] / ours['median_s']:.2f}x as fast")
+    m = data["machine"]
+    C.log(f"[serve] medians of time to first token; {m['cpu']}, {m['cores']} cores, BLAS in the servers: "
+          f"{data['blas']}; load average {load_start:.2f} -> {data['load_average_end']:.2f}")
     C.log(f"[serve] {path}")
 
 

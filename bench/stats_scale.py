@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -65,6 +66,7 @@ def run(rows: int, runs: int) -> dict:
     records = build(path, rows)
     stats = timed([sys.executable, "-m", "kvstore.cli", "stats", "--store", str(path)], runs)
     bare = timed([sys.executable, "-c", "pass"], runs)
+    shutil.rmtree(path.parent, ignore_errors=True)
     return {"records": records, "runs": runs, "stats_median_s": statistics.median(stats),
             "stats_s": stats, "python_start_median_s": statistics.median(bare), "target_s": TARGET_S,
             "cpu": cpu_model()}
@@ -72,8 +74,8 @@ def run(rows: int, runs: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rows", type=int, default=100_000, help="records in the store (default: 100,000)")
-    ap.add_argument("--runs", type=int, default=7, help="timed runs (default: 7)")
+    ap.add_argument("--rows", type=C.positive_int, default=100_000, help="records in the store (default: 100,000)")
+    ap.add_argument("--runs", type=C.positive_int, default=7, help="timed runs (default: 7)")
     args = ap.parse_args()
     result = run(args.rows, args.runs)
     print(f"kvstore stats, {result['records']:,} records: {result['stats_median_s']:.3f} s median of "

@@ -139,10 +139,10 @@ def run(model: Path, work: Path, system: str, probes: int, private: int, repeats
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="20 probes of each kind, 5 repeats")
-    ap.add_argument("--probes", type=int, default=None, help="the victim's prompts, and as many fresh probes (200)")
-    ap.add_argument("--system", type=int, default=1024, help="tokens of the warmed system prompt")
-    ap.add_argument("--private", type=int, default=256, help="tokens of each private part")
-    ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--probes", type=C.positive_int, default=None, help="the victim's prompts, and as many fresh probes (200)")
+    ap.add_argument("--system", type=C.positive_int, default=1024, help="tokens of the warmed system prompt")
+    ap.add_argument("--private", type=C.positive_int, default=256, help="tokens of each private part")
+    ap.add_argument("--repeats", type=C.positive_int, default=None)
     ap.add_argument("--out", type=Path, help="write the JSON here instead of bench/results/tenants.json")
     args = ap.parse_args()
     probes = args.probes or (20 if args.quick else 200)
@@ -167,13 +167,16 @@ def main() -> None:
     for name in CONFIGS:
         r = results[name]
         a = r["attacker"]
-        C.log(f"[tenants] {name}: one probe tells another tenant's prompt from a new one {a['ttft']['accuracy']:.0%} "
+        label = "one shared cache" if name == "today" else name
+        C.log(f"[tenants] {label} ({' '.join(CONFIGS[name])}): one probe tells another tenant's prompt from a new one {a['ttft']['accuracy']:.0%} "
               f"right by time to first token ({a['ttft']['median_other'] * 1e3:.1f} vs {a['ttft']['median_fresh'] * 1e3:.1f} ms), "
               f"{a['cached_tokens']['accuracy']:.0%} by cached_tokens ({r['cached_tokens_of_victims_prompts']} vs "
-              f"{r['cached_tokens_of_fresh_prompts']}); repeat {r['repeat']['median_ttft_s'] * 1e3:.1f} ms, "
-              f"shared {r['shared']['median_ttft_s'] * 1e3:.1f} ms")
-    C.log(f"[tenants] tenants / today: repeat {results['repeat_ttft_ratio_tenants_to_today']:.2f}x, "
-          f"shared {results['shared_ttft_ratio_tenants_to_today']:.2f}x; wrote {out}")
+              f"{r['cached_tokens_of_fresh_prompts']}); median time to first token of a tenant's own prompt again "
+              f"{r['repeat']['median_ttft_s'] * 1e3:.1f} ms, of a new tenant after the shared prompt "
+              f"{r['shared']['median_ttft_s'] * 1e3:.1f} ms")
+    C.log(f"[tenants] tenants / one shared cache: own prompt again {results['repeat_ttft_ratio_tenants_to_today']:.2f}x, "
+          f"new tenant {results['shared_ttft_ratio_tenants_to_today']:.2f}x; wrote {out}")
+    C.log(f"[tenants] {data['cpu']}, {data['cores']} cores, BLAS in the servers: {data['blas']}")
 
 
 if __name__ == "__main__":

@@ -10,8 +10,8 @@ Models: the built-in demo model (llama, tiny, float32) and a realistic configura
 architecture (28 layers, 16 query / 8 KV heads of 128, hidden 1,024, vocabulary 151,936) with
 random float32 weights. CPU prefill here is dominated by attention, whose cost grows with the
 square of the prompt, so each model runs the lengths that fit its time budget (the rest are
-listed as skipped). The BLAS in use is recorded: run through `bench/run_all.py`, this script is
-started with Debian's OpenBLAS preloaded when it is installed.
+listed as skipped). The BLAS in use is recorded: when Debian's OpenBLAS is installed and not
+preloaded, this script starts itself again with it preloaded (as `bench/run_all.py` starts it).
 
     python bench/ttft.py [--quick] [--budget SECONDS]
 """
@@ -152,8 +152,12 @@ def run(quick: bool = False, budget_s: float | None = None) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer lengths, one repetition")
-    ap.add_argument("--budget", type=float, help="seconds per model (longer prompts are skipped past it)")
+    ap.add_argument("--budget", type=C.non_negative_float, help="seconds per model (longer prompts are skipped past it)")
     args = ap.parse_args()
+    C.preload_openblas("ttft")
+    if args.budget == 0:
+        ap.error("argument --budget: 0 seconds leaves no time for any prompt length (omit it for the default)")
+    C.log_machine("ttft")
     print(C.write_result("ttft", run(args.quick, args.budget)))
 
 

@@ -310,6 +310,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smaller caches and fewer repetitions")
     args = ap.parse_args()
+    C.log_machine("write")
     print(C.write_result("write_path", run(args.quick)))
 
 

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 
 # Every method the restore benchmark measures: baselines, then kvstore.
@@ -139,3 +141,59 @@ def test_restore_parts_bench_times_every_part_and_checks_its_reads(tmp_path):
         assert got["arrays"] == result["final_arrays"]
         assert all(got[k] > 0 for k in ("thread_round_trip_s", "mlx_eval_round_trip_s", "allocate_s"))
     assert "What the final arrays wait for" in text
+
+
+def _run_bench(script: str, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.run([sys.executable, str(REPO / "bench" / script), *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("script, args, says", [
+    ("stats_scale.py", ["--runs", "0"], "argument --runs: 0 is less than 1"),
+    ("restore_parts.py", ["--tokens", "0"], "argument --tokens: 0 is less than 1"),
+    ("kv_events.py", ["--inserts", "-3"], "argument --inserts: -3 is less than 1"),
+    ("packs.py", ["--reps", "two"], "argument --reps: 'two' is not a whole number"),
+    ("remote.py", ["--slow-get", "-1"], "argument --slow-get: -1 is less than 0"),
+    ("checkpoint_bytes.py", ["README.md"], "cannot read README.md as a model's config.json"),
+    # Before: nine nodes started, then a FileNotFoundError traceback.
+    ("fleet.py", ["--sglang-router", "/no/such/sglang-router"], "--sglang-router /no/such/sglang-router: no such"),
+    ("fleet.py", ["--dynamo-python", sys.executable], "has no dynamo.indexer"),
+])
+def test_bench_bad_arguments_are_usage_errors_not_tracebacks(script, args, says):
+    # A count of 0 once ran the benchmark and ended in a ZeroDivisionError or StatisticsError.
+    proc = _run_bench(script, *args)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert says in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("script", ["report.py", "plot.py", "restore_methods.py"])
+def test_bench_helpers_help_writes_nothing(script):
+    # report.py and plot.py took no options: `--help` rewrote bench/README.md (or the plot);
+    # restore_methods.py read "--help" as its spec file.
+    watched = [REPO / "bench" / "README.md", REPO / "bench" / "results" / "ttft.png"]
+    before = [p.stat().st_mtime_ns for p in watched]
+    proc = _run_bench(script, "--help")
+    assert proc.returncode == 0 and proc.stdout.startswith("usage:"), proc.stderr[-2000:]
+    assert [p.stat().st_mtime_ns for p in watched] == before
+
+
+def test_bench_preload_openblas_starts_the_script_again_with_it(tmp_path):
+    # ttft.py and exact.py measure prefill: run on their own (as the table says) they ran on mlx's
+    # bundled BLAS, several times slower than the OpenBLAS `make bench` gives them.
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        blas = __import__("common").openblas_path()
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    if blas is None:
+        pytest.skip("Debian's OpenBLAS is not installed")
+    script = tmp_path / "probe.py"
+    script.write_text(f"import sys; sys.path.insert(0, {str(REPO / 'bench')!r})\n"
+                      "import common as C\nC.preload_openblas('probe')\nprint(C.blas_in_use())\n")
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    proc = subprocess.run([sys.executable, str(script)], env=dict(env, PYTHONPATH=str(REPO)),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "OpenBLAS (Debian libopenblas0-pthread, LD_PRELOAD)"
+    assert "starting again with LD_PRELOAD" in proc.stderr
