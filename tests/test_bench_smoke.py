@@ -197,3 +197,22 @@ def test_bench_preload_openblas_starts_the_script_again_with_it(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "OpenBLAS (Debian libopenblas0-pthread, LD_PRELOAD)"
     assert "starting again with LD_PRELOAD" in proc.stderr
+
+
+def test_bench_report_keeps_a_hand_edited_page(tmp_path, monkeypatch):
+    # bench/README.md carries run notes and earlier runs written by hand: regenerating the page
+    # (`make bench`, `bench/restore.py`, `bench/report.py`) dropped them without a word.
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        report = __import__("report")
+        common = __import__("common")
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    (tmp_path / "results").mkdir()
+    monkeypatch.setattr(common, "HERE", tmp_path)
+    assert report._write_page("first\n") == str(tmp_path / "README.md")
+    assert report._write_page("second\n") == str(tmp_path / "README.md")  # not edited since: replaced
+    (tmp_path / "README.md").write_text("second\nand a note by hand\n")
+    assert report._write_page("third\n") == str(tmp_path / "README.generated.md")
+    assert (tmp_path / "README.md").read_text() == "second\nand a note by hand\n"
+    assert (tmp_path / "README.generated.md").read_text() == "third\n"
