@@ -397,7 +397,8 @@ def test_repair_never_deletes_most_blobs_as_orphans_without_force(tmp_path, llam
 def test_repair_keeps_the_blobs_of_an_index_rolled_back_to_an_older_copy(tmp_path, llama):
     """The index as it was before most of the store was written (a backup put back, a WAL lost
     with the rows it held): the blobs it does not know are whole records of a model it knows,
-    and no gc deleted their rows, so repair keeps them (a rebuild takes them back)."""
+    and no gc deleted their rows, so repair keeps them and takes them back (their rows written
+    again, as a rebuild would); before, it refused, or under its guard deleted them."""
     import shutil
 
     store = tmp_path / "s"
@@ -411,8 +412,10 @@ def test_repair_keeps_the_blobs_of_an_index_rolled_back_to_an_older_copy(tmp_pat
     shutil.copy(old, store / "index.sqlite")
     with kvstore.open(store, chunk_size=C) as s:
         problems = s.verify(repair=True)
-        assert [p.kind for p in problems].count("repair_refused") == 1, problems
+        assert problems and {p.kind for p in problems} == {"orphan_file"}, problems
+        assert all(p.detail.endswith("taken back (a whole record: its row is written again)") for p in problems)
         assert sorted(blobtree.walk(store / "blobs")) == blob_files  # every blob kept
+        assert s.verify() == [] and len(list(s.index.rows())) == len(blob_files)
 
 
 def test_repair_after_a_stopped_gc_drops_the_rows_it_left_unreachable_without_force(tmp_path, llama):

@@ -284,7 +284,7 @@ def _scan(root: Path) -> tuple[dict[bytes, dict], list[tuple[Path, str]]]:
             skipped.append((path, "a symbolic link, not a blob file"))
             continue
         try:
-            found[h] = _read_record(path, h)
+            found[h] = read_record(path, h)
         except BlobError as e:
             skipped.append((path, str(e).split(": ", 1)[-1]))
         except Exception as e:  # whatever a planted file does, the rest are still taken back
@@ -292,7 +292,9 @@ def _scan(root: Path) -> tuple[dict[bytes, dict], list[tuple[Path, str]]]:
     return found, skipped
 
 
-def _read_record(path: Path, h: bytes) -> dict:
+def read_record(path: Path, h: bytes) -> dict:
+    """The record of blob file `path` (named for `h`) as a row needs it, if everything about it
+    agrees (BlobError otherwise): what a rebuild, and repair's taking back of a file, insert."""
     buf = blobfile.read_file(path)  # a regular file, no link, no FIFO, size checked first
     try:
         mtime = os.lstat(path).st_mtime

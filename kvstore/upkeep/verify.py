@@ -30,11 +30,14 @@ from kvstore.storage.pins import read_pins_file
 from kvstore.storage.storedir import PINS_NAME, QUARANTINE_NAME
 from kvstore.trust import Trust
 from kvstore.upkeep import rows as rowcheck
+from kvstore.upkeep.adopt import adopt
 from kvstore.upkeep.anchors import trusted_before
 from kvstore.upkeep.tables import repair_tables, table_problems
 
 ORPHAN_SHARE = 0.10
 ORPHAN_FEW = 8
+#: How an orphan file repair took back reads (`_take_back`).
+TAKEN_BACK = ": taken back (a whole record: its row is written again)"
 
 
 @dataclass(frozen=True)
@@ -118,6 +121,8 @@ def verify(index: Index, root: Path, *, repair: bool = False, force: bool = Fals
                 if row.hash not in bad:
                     fields.setdefault(row.hash, {}).update({name: getattr(row, name) for name in names})
             index.mend_rows(fields)
+            problems = _take_back(index, root, problems, {r.hash: r for r in rows if r.hash not in bad | orphans},
+                                  check)
             problems += _repair(index, root, problems, bad, orphans, known, {r.hash: r.depth for r in rows},
                                 [h for h, _ in bad_rows], blob_files, force)
             good: dict[bytes, list[bytes]] = {}
@@ -284,11 +289,20 @@ def _rootless(orphans: set[bytes], known: dict[bytes, bytes], bad: set[bytes], d
     return n
 
 
+def _take_back(index: Index, root: Path, problems: list[Problem], present: dict, check) -> list[Problem]:
+    """Repair's first step: orphan files that are whole records of the index's models, under a
+    record that stays, get their rows back (`upkeep.adopt`) instead of being deleted; their
+    problems say so."""
+    taken = adopt(index, root, [Path(p.path) for p in problems if p.kind == "orphan_file"], present, check)
+    return [replace(p, detail=p.detail + TAKEN_BACK) if p.kind == "orphan_file" and Path(p.path) in taken else p
+            for p in problems]
+
+
 def _repair(index: Index, root: Path, problems: list[Problem], bad: set[bytes], orphans: set[bytes],
             known: dict[bytes, bytes], depths: dict[bytes, int], bad_rows: list, blob_files: int,
             force: bool) -> list[Problem]:
     """Fix what verify found, under its lock; returns the problems it would not fix."""
-    orphan_files = [p for p in problems if p.kind == "orphan_file"]
+    orphan_files = [p for p in problems if p.kind == "orphan_file" and not p.detail.endswith(TAKEN_BACK)]
     n_orphans = len(orphans) + len(orphan_files)
     refused: list[Problem] = []
     # An orphan file is explained when its row's deletion was logged (a gc stopped between its
