@@ -1,7 +1,7 @@
 """`kvstore verify --isolation`: whether tenants can tell each other's prompts, measured.
 
 Two made-up tenants, A and B (fresh ids each run). A stores `probes` prompts of its own, each the
-shared prompt followed by text of its own. Then it is checked that A's second request for one of
+shared prompt followed by text of its own. Then it is checked that A's second request for the last of
 them reuses all of it (the same tenant hits); that B's request for A's prompt reuses only the
 shared prompt, as B's request for a prompt nobody sent does (another tenant misses); that the
 shared prompt is reused by both; and that neither the usage field nor the time to the first token
@@ -196,10 +196,29 @@ def check_server(url: str, tenant_from: str, shared: list[dict] | None, probes: 
     report = _protocol(ask, lambda: _words(text_tokens), probes, need, lambda: "cached_tokens" if told["cached_tokens"]
                        else None, "reuse (from the server's /metrics)")
     stored_after = _settled_tenant_bytes(http, base)
+    _say_quota(report, http, base)
     if stored_before is not None and stored_after is not None:
         report.notes.extend(left_behind({t: b for t, b in stored_after.items() if t not in stored_before},
                                         bucket=_has_remote(http, base)))
     return report
+
+
+def _say_quota(report: Report, http, base: str) -> None:
+    """A failed same-tenant hit on a server that bounds each tenant says by how much: a prompt
+    larger than the quota is evicted by its own tenant's later writes (no leak, but no pass)."""
+    passed, detail = report.checks.get("the same tenant hits", (None, ""))
+    if passed is not False:
+        return
+    try:
+        quota = http.get(base + "/kvstore/stats", timeout=30).json().get("tenant_max_bytes")
+    except Exception:
+        return
+    if quota:
+        from kvstore.sizes import format_size
+
+        report.checks["the same tenant hits"] = (False, f"{detail} (the server bounds each tenant to "
+                                                 f"{format_size(quota)}, --tenant-max-bytes: a prompt whose "
+                                                 "records take more is evicted by its tenant's own writes)")
 
 
 class _Operator:
@@ -317,7 +336,9 @@ def _protocol(ask: Ask, fresh_text: Callable[[], object], probes: int, need: int
     report = Report()
     texts = [fresh_text() for _ in range(probes)]
     first = [ask("A", t)[:2] for t in texts]  # A stores its prompts
-    _, again, n = ask("A", texts[0])
+    # (its last: a server's --tenant-max-bytes evicts A's least recently used first, and a prompt
+    # evicted by A's own quota is no leak)
+    _, again, n = ask("A", texts[-1])
     other, fresh = [], []
     for t in texts:  # B probes each of A's prompts once, and as many new ones, interleaved
         other.append(ask("B", t)[:2])
