@@ -213,10 +213,14 @@ def test_a_rotation_keeps_the_fleet_and_drop_key_deletes_the_old_keys_marker(tmp
     assert r["uploads"] > 0 and r["skipped_wrong_key"] == 0 and marked(url, new) and marked(url, old)
     r = store("c", old, second, 0)  # a node not given the new key yet is still the fleet's
     assert r["uploads"] > 0 and r["skipped_wrong_key"] == 0
+    sizes = dict((p, n) for p, n, _ in Bucket(url).list(""))
     with kvstore.open(tmp_path / "b", chunk_size=C, remote=url, remote_key=[new, old]) as b:
-        assert b.remote.drop_key(key_id=key_id(parse_key(old, "old")))["records"] > 0
+        dropped = b.remote.drop_key(key_id=key_id(parse_key(old, "old")))
+        assert dropped["records"] > 0
     assert marked(url, new) and not marked(url, old)
     before = objects(url)
+    gone = set(sizes) - before  # the bytes said are every object deleted: manifest and marker too
+    assert dropped["objects"] == len(gone) and dropped["bytes"] == sum(sizes[p] for p in gone), (dropped, gone)
     r = store("d", old, third, 0)  # only the dropped key: told, and nothing goes up
     assert r["uploads"] == 0 and r["skipped_wrong_key"] > 0 and r["foreign_namespaces"] == 1
     assert objects(url) == before
