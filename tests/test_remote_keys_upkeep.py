@@ -213,10 +213,14 @@ def test_a_rotation_keeps_the_fleet_and_drop_key_deletes_the_old_keys_marker(tmp
     assert r["uploads"] > 0 and r["skipped_wrong_key"] == 0 and marked(url, new) and marked(url, old)
     r = store("c", old, second, 0)  # a node not given the new key yet is still the fleet's
     assert r["uploads"] > 0 and r["skipped_wrong_key"] == 0
+    sizes = dict((p, n) for p, n, _ in Bucket(url).list(""))
     with kvstore.open(tmp_path / "b", chunk_size=C, remote=url, remote_key=[new, old]) as b:
-        assert b.remote.drop_key(key_id=key_id(parse_key(old, "old")))["records"] > 0
+        dropped = b.remote.drop_key(key_id=key_id(parse_key(old, "old")))
+        assert dropped["records"] > 0
     assert marked(url, new) and not marked(url, old)
     before = objects(url)
+    gone = set(sizes) - before  # the bytes said are every object deleted: manifest and marker too
+    assert dropped["objects"] == len(gone) and dropped["bytes"] == sum(sizes[p] for p in gone), (dropped, gone)
     r = store("d", old, third, 0)  # only the dropped key: told, and nothing goes up
     assert r["uploads"] == 0 and r["skipped_wrong_key"] > 0 and r["foreign_namespaces"] == 1
     assert objects(url) == before
@@ -295,3 +299,26 @@ def test_a_node_left_running_through_a_rotation_stops_uploading_once_its_key_is_
         mc = c.bind(model, path)
         mc.insert(third, prefill(model, third))
         assert c.flush(60) and c.stats()["remote"]["uploads"] > 0 and c.stats()["remote"]["skipped_wrong_key"] == 0
+
+
+def test_a_node_whose_first_records_hang_below_its_own_is_told_its_key_is_wrong(tmp_path, s3, llama, caplog):
+    """The audit's node B: it joined with the fleet's key, then runs with a wrong one and stores a
+    prompt that continues one it holds. Its fetch asks the bucket only for the tail (it holds the
+    chunks), so only the upload can find the key wrong: said once, and its records counted as
+    skipped for the key, not "for want of their parent in the bucket"."""
+    path, model = llama
+    url = s3.url()
+    prompt = toks(2 * C + 3, 52)
+    with kvstore.open(tmp_path / "b", chunk_size=C, remote=url) as b:
+        b.bind(model, path).insert(prompt, prefill(model, prompt))
+        assert b.flush(30)
+    longer = prompt + toks(C + 2, 53)
+    with caplog.at_level("WARNING", logger="kvstore"):
+        with kvstore.open(tmp_path / "b", chunk_size=C, remote=url, remote_key=new_key()) as b:
+            mc = b.bind(model, path)
+            mc.insert(longer, prefill(model, longer))
+            b.flush(30)
+            r = b.stats()["remote"]
+    said = [m for m in caplog.messages if "is kept by another fleet key" in m]
+    assert len(said) == 1 and "uploads nothing" in said[0], caplog.messages
+    assert r["skipped_no_parent"] == 0 and r["skipped_wrong_key"] >= 1 and r["uploads"] == 0, r

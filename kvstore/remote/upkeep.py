@@ -415,17 +415,19 @@ def drop_key(bucket: Bucket, fleet: Fleet, local=(), *, key_id: str, dry_run: bo
                                 f"written with, {fleet.key_id}, cannot be dropped)")
     (keys or KeyCheck(bucket, fleet, Health())).judge(local, claim=not dry_run)
     marker = marker_key(old.marker_name())
-    marked = bucket.head(marker) is not None
+    marker_size = bucket.head(marker)
+    marked = marker_size is not None
     listing = Listing(bucket)
     spaces = namespaces(bucket, fleet, listing.folders(), local)
     tree, _ = listing.split(spaces)
     mine = {folder for folder, space in spaces.items() if space.fleet is old}
     records = {h for h, k in tree.objects.items() if k.ns.hex() in mine}
-    others = [path for f in mine for path, _, _ in listing.others[f]]
-    size = sum(tree.objects[h].size for h in records)
+    others = [(path, size) for f in mine for path, size, _ in listing.others[f]]
+    # Every object it deletes counts: a namespace of manifests and pins alone is not 0 B.
+    size = sum(tree.objects[h].size for h in records) + sum(n for _, n in others) + (marker_size or 0)
     if not dry_run:
         tree.delete(bucket, records)
-        bucket.delete(others + [marker] * marked)
+        bucket.delete([path for path, _ in others] + [marker] * marked)
     return {"key": kid, "namespaces": len(mine), "records": len(records),
             "objects": len(records) + len(others) + marked,
             "bytes": size, "dry_run": dry_run}

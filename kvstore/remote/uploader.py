@@ -189,8 +189,8 @@ class Uploader:
 
     def _upload(self, row: Row) -> bool:
         """Upload one record; True if the bucket holds it afterwards."""
-        if row.parent != row.ns and not self._parent_uploaded(row):  # (a wrong key's are all counted as such)
-            self.health.count("skipped_wrong_key" if self.keys.wrong else "skipped_no_parent")
+        if row.parent != row.ns and not self._parent_uploaded(row):
+            self.health.count("skipped_wrong_key" if self._key_wrong() else "skipped_no_parent")
             return False
         try:  # as the local reads do: a regular file, never a link nor a FIFO, its size checked first
             buf = read_file(blob_path(self.blob_root, row.hash), limit=row.size)
@@ -231,6 +231,16 @@ class Uploader:
             self.bucket.put(key, body)
             self.health.count("replaced")
         return True
+
+    def _key_wrong(self) -> bool:
+        """Whether this node's key is not the fleet's, asked once if not yet: under a wrong key
+        every parent is missing (its name is a MAC under that key), and a node whose first
+        records are children of ones it holds would else never be told (nor count them as such)."""
+        try:
+            return bool(self.keys.judge(list(self.manifests)))
+        except RemoteError as e:
+            self.health.error(e, down=True)
+            return bool(self.keys.wrong)
 
     def _trusted(self, row: Row, buf: bytearray) -> bytes | bytearray | None:
         """The blob to upload if its trust tag lets it go (tagged first if it is from before
