@@ -623,3 +623,25 @@ def test_a_store_left_open_at_exit_writes_its_queue_whatever_its_flush_timeout(t
     with kvstore.open(store, read_only=True) as s:
         stats = s.stats()
     assert (stats["chunks"], stats["tails"]) == (3 * 8, 3), stats
+
+
+def test_a_parent_the_bucket_lost_is_uploaded_again_before_its_new_children(tmp_path, s3, llama):
+    """A gc of the bucket (or a key rotation) took a prompt's records while this node still holds
+    them: a continuation stored later hangs below them. The node uploads the lost parents from its
+    disk first, so the continuation is shared; before, it was skipped for want of its parent, and
+    so was every later turn below it."""
+    path, model = llama
+    url = s3.url()
+    prompt = toks(3 * C + 5, 68)
+    longer = prompt[: 3 * C] + toks(2 * C, 69)
+    stored(tmp_path, "a", url, model, path, prompt)
+    Bucket(url).delete([k.path for k in chain_objects(url)])  # every record object
+    with kvstore.open(tmp_path / "a", chunk_size=C, remote=url) as a:  # (a process that knows nothing of them)
+        mc = a.bind(model, path)
+        mc.insert(longer, prefill(model, longer))
+        assert a.flush(30)
+        r = a.stats()["remote"]
+        assert r["skipped_no_parent"] == 0 and r["errors"] == 0, r
+    with kvstore.open(tmp_path / "b", chunk_size=C, remote=url, memory_bytes=0, remote_prefetch="wait_complete") as b:
+        reused, _ = fetch_checked(b.bind(model, path), model, longer + [1])
+        assert reused == len(longer)  # all of it from the bucket

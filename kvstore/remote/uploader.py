@@ -1,8 +1,9 @@
 """Write-behind to the bucket: the records this node's writer committed, uploaded in the background.
 
 After the writer commits rows, `submit` queues them; worker threads upload each blob with a
-create-only PUT, parents before children (a child waits for its parent's upload and is skipped if
-its parent is not in the bucket). The queue is bounded by bytes; what it cannot hold is dropped
+create-only PUT, parents before children (a child waits for its parent's upload; a parent the
+bucket lost, this node uploads again from its disk first; a child is skipped if its parent is
+neither in the bucket nor on this disk). The queue is bounded by bytes; what it cannot hold is dropped
 and counted. Only rows the writer wrote are queued, so a node never uploads what it downloaded
 (the remote tier stores downloads through the disk tier, never through the writer), but for one
 case: a shared record it read with an older fleet key goes up again under the current key (the
@@ -23,7 +24,8 @@ whose blob changed since its commit (whole-file checksum), whose tag does not ho
 no tag of this fleet and was written after the store had tags, is refused: counted
 (`refused_uploads`) and said once per reason, naming neither the record nor a path. A record
 from before the store had tags is tagged in place once checked whole, then uploaded. A child
-whose parent is not in the bucket (refused, or failed) is not uploaded either.
+whose parent is not in the bucket, nor uploaded from this disk (refused, or failed), is not uploaded
+either.
 """
 
 from __future__ import annotations
@@ -56,6 +58,9 @@ log = logging.getLogger("kvstore")
 
 DEFAULT_UPLOAD_BYTES = 1 << 30
 _KNOWN_LIMIT = 1 << 16
+#: A parent the bucket was seen to hold is taken as there for this long, then asked again (a gc
+#: of the bucket, or a key rotation, may have taken it since: it is then uploaded again).
+KNOWN_FOR_S = 600.0
 
 
 class Uploader:
@@ -72,8 +77,9 @@ class Uploader:
         self.manifests: dict[bytes, bytes] = {}  # ns -> manifest JSON (uploaded once per process)
         self._manifest_done: set[bytes] = set()
         self._manifest_lock = threading.Lock()  # one upload (or replacement) of each manifest
-        self._known: OrderedDict[bytes, None] = OrderedDict()  # hashes the bucket is known to hold
+        self._known: OrderedDict[bytes, float] = OrderedDict()  # hashes the bucket held -> when seen
         self._known_lock = threading.Lock()
+        self._attempts: OrderedDict[bytes, float] = OrderedDict()  # records this node tried to upload -> when
         self._inflight: dict[bytes, threading.Event] = {}
         self._queue: deque[list[Row]] = deque()
         self._queued_bytes = 0
@@ -171,8 +177,10 @@ class Uploader:
                     continue
                 if self.health.down():  # left alone after a failure: skipped, counted
                     self.health.count("skipped_down_uploads")
-                elif self._upload(row):
-                    self._remember(row.hash)
+                else:
+                    self._tried(row.hash)  # (noted: a child below it does not try it again)
+                    if self._upload(row):
+                        self._remember(row.hash)
             except Exception as e:
                 self.health.count("upload_errors")
                 self.health.error(e, down=isinstance(e, RemoteError))
@@ -187,11 +195,31 @@ class Uploader:
             except Exception as e:
                 self.health.error(e, down=isinstance(e, RemoteError))
 
+    def _tried(self, h: bytes) -> bool:
+        """Whether this node tried to upload record `h` within `KNOWN_FOR_S` (noted now if not)."""
+        now = time.monotonic()
+        with self._known_lock:
+            seen = self._attempts.get(h)
+            self._attempts[h] = now if seen is None or now - seen >= KNOWN_FOR_S else seen
+            self._attempts.move_to_end(h)
+            while len(self._attempts) > _KNOWN_LIMIT:
+                self._attempts.popitem(last=False)
+        return seen is not None and now - seen < KNOWN_FOR_S
+
     def _upload(self, row: Row) -> bool:
         """Upload one record; True if the bucket holds it afterwards."""
         if row.parent != row.ns and not self._parent_uploaded(row):
-            self.health.count("skipped_wrong_key" if self._key_wrong() else "skipped_no_parent")
-            return False
+            if self._key_wrong():
+                self.health.count("skipped_wrong_key")
+                return False
+            # Not in the bucket (a gc of the bucket, a key rotation), but on this disk: it goes up
+            # first, and so on up the chain, so that what is stored below it is shared again.
+            # (Not one this node tried itself lately: its upload failed or was refused.)
+            parent = self._row_of(row.parent) if not self._tried(row.parent) else None
+            if parent is None or not self._upload(parent):
+                self.health.count("skipped_no_parent")
+                return False
+            self._remember(parent.hash)
         try:  # as the local reads do: a regular file, never a link nor a FIFO, its size checked first
             buf = read_file(blob_path(self.blob_root, row.hash), limit=row.size)
         except BlobError:  # evicted (or damaged) locally since it was written: nothing to share
@@ -290,7 +318,8 @@ class Uploader:
         ev = self._inflight.get(row.parent)
         if ev is not None:
             ev.wait(timeout=120)
-        if row.parent in self._known:
+        seen = self._known.get(row.parent)
+        if seen is not None and time.monotonic() - seen < KNOWN_FOR_S:
             return True
         parent = self._row_of(row.parent)
         s = self._sealer(parent) if parent is not None else None
@@ -340,7 +369,7 @@ class Uploader:
 
     def _remember(self, h: bytes) -> None:
         with self._known_lock:
-            self._known[h] = None
+            self._known[h] = time.monotonic()
             self._known.move_to_end(h)
             while len(self._known) > _KNOWN_LIMIT:
                 self._known.popitem(last=False)
