@@ -775,6 +775,31 @@ def test_a_server_authors_wrong_arguments_are_refused_when_given_naming_them(lla
     assert not (tmp_path / "t").exists()  # nothing was made for any of them
 
 
+def test_flags_of_gc_verify_and_the_prompt_cache_that_are_not_true_or_false_are_refused(llama, tmp_path):
+    """`gc(stale="no")` read as true and evicted the pinned records of a changed model,
+    `verify(repair="no")` repaired, `PersistentPromptCache(tenants="no")` served every call
+    outside `for_tenant` without the store: each is refused naming the flag, deleting nothing."""
+    from kvstore import PersistentPromptCache
+
+    path, model = llama
+    tokens = list(range(100, 140))
+    with kvstore.open(tmp_path / "s", chunk_size=C) as store:
+        store.bind(model, str(path)).prefill(tokens, pin=True)
+        store.flush()
+        held = store.stats()["bytes"]
+        for call, flag in ((lambda v: store.gc(max_bytes=0, stale=v), "stale"),
+                           (lambda v: store.gc(max_bytes=0, dry_run=v), "dry_run"),
+                           (lambda v: store.verify(repair=v), "repair"), (lambda v: store.verify(force=v), "force"),
+                           (lambda v: PersistentPromptCache(store, tenants=v), "tenants")):
+            for bad in ("no", 0, None):
+                with pytest.raises(InvalidInputError, match=f"{flag}: give True or False, not {bad!r}"):
+                    call(bad)
+        assert store.stats()["bytes"] == held and store.pins()[0]["records"] > 0
+        assert store.gc(dry_run=np.bool_(True))["dry_run"]  # numpy's bools are bools
+    with kvstore.open(kvstore.MEMORY, chunk_size=C) as ram:  # every key the docs list, in RAM too
+        assert ram.stats()["quarantined_now"] == {"records": 0, "bytes": 0}
+
+
 def test_a_cache_of_another_model_is_refused_at_insert(llama, demo_model, tmp_path):
     """The same layers and cache classes, other head sizes: refused with what differs, nothing
     stored (it would be restored into this model and crash its next step)."""

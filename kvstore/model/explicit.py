@@ -12,7 +12,7 @@ from typing import Callable
 
 import numpy as np
 
-from kvstore.errors import InvalidInputError, StoreOpenError
+from kvstore.errors import InvalidInputError, StoreOpenError, check_flags
 from kvstore.model.prefill import CHECKPOINT_EVERY
 from kvstore.model.prefill import prefill as prefill_prompt
 from kvstore.model.tokens import Tokens, as_tokens
@@ -153,9 +153,7 @@ class ExplicitWrites:
 def insert_options(cache_type: str, **flags) -> int:
     """An insert's options checked (each flag True or False: "no" would read as true), and the
     class of its `cache_type`."""
-    for name, flag in flags.items():
-        if not isinstance(flag, (bool, np.bool_)):
-            raise InvalidInputError(f"{name}: give True or False, not {flag!r:.30}")
+    check_flags(**flags)
     return _role(cache_type)
 
 

@@ -23,6 +23,7 @@ from typing import Any, Callable, Hashable, Sequence
 
 import numpy as np
 
+from kvstore.errors import check_flags
 from kvstore.keys import checkpoint_hash
 from kvstore.model.blas import long_prefill_note
 from kvstore.model.cache import ModelCache
@@ -75,6 +76,7 @@ class PersistentPromptCache:
                  max_insert_tokens: int | None = None, tenants: bool = False,
                  shared_writes: SharedWrites | None = None):
         check_bounds(max_size, max_bytes)
+        check_flags(tenants=tenants)  # ("no" would serve every call outside `for_tenant` without the store)
         self.store = store
         self.tenants = RequestTenants(tenants)
         self.shared_writes = shared_writes
