@@ -800,6 +800,26 @@ def test_flags_of_gc_verify_and_the_prompt_cache_that_are_not_true_or_false_are_
         assert ram.stats()["quarantined_now"] == {"records": 0, "bytes": 0}
 
 
+def test_a_closed_store_refuses_every_call_of_its_models(tmp_path, llama, tier):
+    """After `close()` a store in RAM still answered `stored_length`, `stored_whole` and `placement`
+    from what it held, and `prefill` said its prompt was stored (`(None, n, 0)`), while `fetch`
+    and `insert` refused: each refuses now, as it does on a store on disk. flush and close pass."""
+    path, model = llama
+    tokens = rand_tokens(3 * C + 5)
+    store = open_store(tmp_path, tier)
+    mc = store.bind(model, path)
+    mc.prefill(tokens)
+    store.close()
+    for call in (lambda: mc.fetch(tokens), lambda: mc.insert(tokens, prefill(model, tokens)),
+                 lambda: mc.prefill(tokens), lambda: mc.stored_length(tokens), lambda: mc.stored_whole(tokens),
+                 lambda: mc.placement(tokens), lambda: mc.unpin(tokens), lambda: store.gc(), store.pins,
+                 store.verify, lambda: store.bind(model, path)):
+        with pytest.raises(StoreOpenError, match="store is closed"):
+            call()
+    assert store.flush() is True
+    store.close()
+
+
 def test_a_cache_of_another_model_is_refused_at_insert(llama, demo_model, tmp_path):
     """The same layers and cache classes, other head sizes: refused with what differs, nothing
     stored (it would be restored into this model and crash its next step)."""

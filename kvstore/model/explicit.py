@@ -43,6 +43,7 @@ class ExplicitWrites:
         cache, or None if nothing had to be computed; tokens reused; tokens computed). A store
         open read-only refuses it (`StoreOpenError`): it would compute and store nothing.
         """
+        self.backing.check_open()  # (a store in RAM would say its prompt is stored, as it held it)
         if self.backing.read_only:
             raise StoreOpenError("this store is open read-only: prefill needs to write to it (fetch works)")
         return prefill_prompt(self, tokens, step=step, checkpoint_every=checkpoint_every, pin=pin,
