@@ -752,6 +752,12 @@ def test_a_server_authors_wrong_arguments_are_refused_when_given_naming_them(lla
         pc = PersistentPromptCache(store)
         with pytest.raises(InvalidInputError, match=r"model_cache: .*store\.bind"):
             pc.register("m", model)
+        with pytest.raises(InvalidInputError, match=r"for_tenant: .*tenants=True"):  # (alice's prompts were shared)
+            pc.for_tenant("alice")
+        with pc.for_tenant(None):  # the shared namespace's, as every call of it is
+            pass
+        with pytest.raises(InvalidInputError, match="adapter_path: .*not int"):  # (a bare TypeError)
+            store.bind(model, str(path), adapter_path=5)
         with pytest.raises(InvalidInputError, match="drop_tenants: .*list"):
             store.gc(drop_tenants="abc")
         with pytest.raises(InvalidInputError, match="timeout: "):
