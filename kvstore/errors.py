@@ -61,3 +61,12 @@ class WrongKeyError(BlobError):
 
 class PackError(KVStoreError):
     """A KV pack cannot be made, moved or imported; nothing was imported, and the message says why."""
+
+
+def check_flags(**flags: object) -> None:
+    """Refuse (`InvalidInputError`, naming it) a flag that is not True or False: "no" reads as true,
+    and would repair, evict or turn on what the caller meant to leave alone."""
+    for name, flag in flags.items():
+        numpy_bool = getattr(getattr(flag, "dtype", None), "kind", None) == "b" and getattr(flag, "ndim", 1) == 0
+        if not (isinstance(flag, bool) or numpy_bool):
+            raise InvalidInputError(f"{name}: give True or False, not {flag!r:.30}")

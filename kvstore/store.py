@@ -24,7 +24,7 @@ import weakref
 from typing import TYPE_CHECKING, Any, Sequence
 
 from kvstore import keys, settings, tenants
-from kvstore.errors import InvalidInputError
+from kvstore.errors import InvalidInputError, check_flags
 from kvstore.events import config as events_config
 from kvstore.model import fingerprint as fingerprints
 from kvstore.model.backing import Backing
@@ -345,8 +345,8 @@ class Store:
         if self.files is not None:
             out.update(self.files.stats())
         else:
-            kinds = self.memory.kinds()
-            out.update(bytes=self.memory.nbytes, chunks=kinds.get(0, 0), tails=kinds.get(1, 0),
+            kinds, none = self.memory.kinds(), {"records": 0, "bytes": 0}  # (a damaged record in RAM is dropped)
+            out.update(bytes=self.memory.nbytes, chunks=kinds.get(0, 0), tails=kinds.get(1, 0), quarantined_now=none,
                        checkpoints=kinds.get(2, 0), models=[], tenants=self.memory.tenants())
         return out
 
@@ -362,6 +362,7 @@ class Store:
         model version whose files are gone or changed, and all of the tenants `drop_tenants` (tags), pinned ones
         too). A budget evicts stale versions first (their pins kept). See `upkeep.gc` and `upkeep.evict`."""
         self._check_open()
+        check_flags(dry_run=dry_run, stale=stale)  # ("no" would evict stale models' pinned records)
         max_bytes, max_age = settings.gc_bounds(max_bytes, max_age)
         drop_tenants = tenants.tag_list(drop_tenants)
         if self.files is None:
@@ -378,12 +379,11 @@ class Store:
         return self.files.pins() if self.files is not None else []
 
     def verify(self, repair: bool = False, force: bool = False) -> list:
-        """Problems found (empty when clean); `repair=True` fixes them. See `upkeep.verify`.
-
-        Repair deletes at most a small share of the blobs as orphans (no row, or a broken
-        chain): more than that means the index, not the blobs, is wrong, and needs `force=True`.
-        """
+        """Problems found (empty when clean); `repair=True` fixes them. See `upkeep.verify`. Repair deletes at
+        most a small share of the blobs as orphans (no row, or a broken chain): more than that means the index,
+        not the blobs, is wrong, and needs `force=True`."""
         self._check_open()
+        check_flags(repair=repair, force=force)  # ("no" would repair)
         if self.files is None:
             return []
         self.flush()

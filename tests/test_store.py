@@ -752,6 +752,12 @@ def test_a_server_authors_wrong_arguments_are_refused_when_given_naming_them(lla
         pc = PersistentPromptCache(store)
         with pytest.raises(InvalidInputError, match=r"model_cache: .*store\.bind"):
             pc.register("m", model)
+        with pytest.raises(InvalidInputError, match=r"for_tenant: .*tenants=True"):  # (alice's prompts were shared)
+            pc.for_tenant("alice")
+        with pc.for_tenant(None):  # the shared namespace's, as every call of it is
+            pass
+        with pytest.raises(InvalidInputError, match="adapter_path: .*not int"):  # (a bare TypeError)
+            store.bind(model, str(path), adapter_path=5)
         with pytest.raises(InvalidInputError, match="drop_tenants: .*list"):
             store.gc(drop_tenants="abc")
         with pytest.raises(InvalidInputError, match="timeout: "):
@@ -773,6 +779,51 @@ def test_a_server_authors_wrong_arguments_are_refused_when_given_naming_them(lla
     with pytest.raises(TypeError, match=r"kvstore\.open\(\) got an unexpected keyword argument 'max_byte'.*max_bytes"):
         kvstore.open(tmp_path / "t", max_byte=5)
     assert not (tmp_path / "t").exists()  # nothing was made for any of them
+
+
+def test_flags_of_gc_verify_and_the_prompt_cache_that_are_not_true_or_false_are_refused(llama, tmp_path):
+    """`gc(stale="no")` read as true and evicted the pinned records of a changed model,
+    `verify(repair="no")` repaired, `PersistentPromptCache(tenants="no")` served every call
+    outside `for_tenant` without the store: each is refused naming the flag, deleting nothing."""
+    from kvstore import PersistentPromptCache
+
+    path, model = llama
+    tokens = list(range(100, 140))
+    with kvstore.open(tmp_path / "s", chunk_size=C) as store:
+        store.bind(model, str(path)).prefill(tokens, pin=True)
+        store.flush()
+        held = store.stats()["bytes"]
+        for call, flag in ((lambda v: store.gc(max_bytes=0, stale=v), "stale"),
+                           (lambda v: store.gc(max_bytes=0, dry_run=v), "dry_run"),
+                           (lambda v: store.verify(repair=v), "repair"), (lambda v: store.verify(force=v), "force"),
+                           (lambda v: PersistentPromptCache(store, tenants=v), "tenants")):
+            for bad in ("no", 0, None):
+                with pytest.raises(InvalidInputError, match=f"{flag}: give True or False, not {bad!r}"):
+                    call(bad)
+        assert store.stats()["bytes"] == held and store.pins()[0]["records"] > 0
+        assert store.gc(dry_run=np.bool_(True))["dry_run"]  # numpy's bools are bools
+    with kvstore.open(kvstore.MEMORY, chunk_size=C) as ram:  # every key the docs list, in RAM too
+        assert ram.stats()["quarantined_now"] == {"records": 0, "bytes": 0}
+
+
+def test_a_closed_store_refuses_every_call_of_its_models(tmp_path, llama, tier):
+    """After `close()` a store in RAM still answered `stored_length`, `stored_whole` and `placement`
+    from what it held, and `prefill` said its prompt was stored (`(None, n, 0)`), while `fetch`
+    and `insert` refused: each refuses now, as it does on a store on disk. flush and close pass."""
+    path, model = llama
+    tokens = rand_tokens(3 * C + 5)
+    store = open_store(tmp_path, tier)
+    mc = store.bind(model, path)
+    mc.prefill(tokens)
+    store.close()
+    for call in (lambda: mc.fetch(tokens), lambda: mc.insert(tokens, prefill(model, tokens)),
+                 lambda: mc.prefill(tokens), lambda: mc.stored_length(tokens), lambda: mc.stored_whole(tokens),
+                 lambda: mc.placement(tokens), lambda: mc.unpin(tokens), lambda: store.gc(), store.pins,
+                 store.verify, lambda: store.bind(model, path)):
+        with pytest.raises(StoreOpenError, match="store is closed"):
+            call()
+    assert store.flush() is True
+    store.close()
 
 
 def test_a_cache_of_another_model_is_refused_at_insert(llama, demo_model, tmp_path):

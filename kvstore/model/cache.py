@@ -120,9 +120,8 @@ class ModelCache(ExplicitWrites):
         """When this thread's last fetch (or the one `last_restore()` gave `last`) was of `tokens` and
         restored all but the last: the records it used (the last keeps the canary) and the canary."""
         last = last or self.last_restore()
-        if last is None or last[1] != len(tokens) - 1 or last[3] is None:
-            return None
-        if not np.array_equal(last[0], np.asarray(tokens, dtype=np.int32)):
+        if last is None or last[1] != len(tokens) - 1 or last[3] is None or \
+                not np.array_equal(last[0], np.asarray(tokens, dtype=np.int32)):
             return None
         try:  # read only now: a fetch keeps the header's text, most are never compared
             return last[2], canaries.parse(last[3])
@@ -149,8 +148,7 @@ class ModelCache(ExplicitWrites):
         restored caches have room for at least 256 more tokens (the next decode step writes in
         place). A damaged record ends the prefix where it starts: quarantined and counted.
         """
-        toks = as_tokens(tokens)
-        b = self.backing
+        toks, b = as_tokens(tokens), self.backing
         b.check_open()
         b.counters.fetches += 1
         b.deleted_elsewhere.forget(b)  # (what gc in another process deleted is no longer served from RAM)
@@ -313,6 +311,7 @@ class ModelCache(ExplicitWrites):
         """How many of the tokens of `tokens` have their records on disk, queued for the writer,
         or in RAM only (and why): what a report says was stored (flush first to know it all)."""
         b, toks = self.backing, as_tokens(tokens)
+        b.check_open()  # (a store in RAM would still answer from what it held)
         out = place(self._durable(toks), b.index, b.writer, b.gate, b.memory, b.tiers.landing())
         if out.in_ram and not self.exact:
             # Tokens another record on disk holds (a tail the writer dropped for a longer one; a
@@ -326,6 +325,7 @@ class ModelCache(ExplicitWrites):
         """How many leading tokens of `tokens` this machine has stored K/V for (no cap, nothing
         is loaded, nothing remote is asked; `tiers`: in those only)."""
         toks = as_tokens(tokens)
+        self.backing.check_open()  # (a store in RAM would still answer from what it held)
         if len(toks) == 0:
             return 0
         lookup = Lookup(self.ns, toks, self.chunk_size, tenant=self.tenant)

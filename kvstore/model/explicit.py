@@ -12,7 +12,7 @@ from typing import Callable
 
 import numpy as np
 
-from kvstore.errors import InvalidInputError, StoreOpenError
+from kvstore.errors import InvalidInputError, StoreOpenError, check_flags
 from kvstore.model.prefill import CHECKPOINT_EVERY
 from kvstore.model.prefill import prefill as prefill_prompt
 from kvstore.model.tokens import Tokens, as_tokens
@@ -43,6 +43,7 @@ class ExplicitWrites:
         cache, or None if nothing had to be computed; tokens reused; tokens computed). A store
         open read-only refuses it (`StoreOpenError`): it would compute and store nothing.
         """
+        self.backing.check_open()  # (a store in RAM would say its prompt is stored, as it held it)
         if self.backing.read_only:
             raise StoreOpenError("this store is open read-only: prefill needs to write to it (fetch works)")
         return prefill_prompt(self, tokens, step=step, checkpoint_every=checkpoint_every, pin=pin,
@@ -153,9 +154,7 @@ class ExplicitWrites:
 def insert_options(cache_type: str, **flags) -> int:
     """An insert's options checked (each flag True or False: "no" would read as true), and the
     class of its `cache_type`."""
-    for name, flag in flags.items():
-        if not isinstance(flag, (bool, np.bool_)):
-            raise InvalidInputError(f"{name}: give True or False, not {flag!r:.30}")
+    check_flags(**flags)
     return _role(cache_type)
 
 

@@ -47,6 +47,9 @@ def fingerprint(model_id: str, adapter_path, index: Index | None, *, remember: b
     if not isinstance(model_id, (str, os.PathLike)):  # (str() of a model is its whole module tree)
         raise InvalidInputError(f"model_id: give the folder or Hugging Face repo id the model was loaded "
                                 f"from, not {type(model_id).__name__}")
+    if adapter_path is not None and not isinstance(adapter_path, (str, os.PathLike)):
+        raise InvalidInputError(f"adapter_path: give the folder of the adapter loaded with the model (or None), "
+                                f"not {type(adapter_path).__name__}")
     model_dir = resolve_model_dir(str(model_id))
     if model is not None:
         check_loaded(model, model_dir, model_id)

@@ -23,6 +23,7 @@ from typing import Any, Callable, Hashable, Sequence
 
 import numpy as np
 
+from kvstore.errors import InvalidInputError, check_flags
 from kvstore.keys import checkpoint_hash
 from kvstore.model.blas import long_prefill_note
 from kvstore.model.cache import ModelCache
@@ -75,6 +76,7 @@ class PersistentPromptCache:
                  max_insert_tokens: int | None = None, tenants: bool = False,
                  shared_writes: SharedWrites | None = None):
         check_bounds(max_size, max_bytes)
+        check_flags(tenants=tenants)  # ("no" would serve every call outside `for_tenant` without the store)
         self.store = store
         self.tenants = RequestTenants(tenants)
         self.shared_writes = shared_writes
@@ -125,6 +127,9 @@ class PersistentPromptCache:
     def for_tenant(self, tenant_id: str | None):
         """Within (a context manager): this thread's lookups and inserts are `tenant_id`'s (None:
         the shared namespace's), for a server of your own made with `tenants=True`."""
+        if tenant_id is not None and not self.tenants.active:  # (its tenants would share one another's prompts)
+            raise InvalidInputError("for_tenant: this PersistentPromptCache serves no tenants: make it with "
+                                    "PersistentPromptCache(store, tenants=True)")
         return self.tenants.single(tenant_id)
 
     # -- what mlx_lm.server calls ------------------------------------------------------------
