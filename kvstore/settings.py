@@ -334,7 +334,8 @@ def resolve(given: Mapping[str, Any], kept: Mapping[str, str | None],
     reads as its `damaged` value, else the default, with one `warn` naming the command that
     mends it in `store`), else the default (the table's, or one of `defaults`: serve's)."""
     where = store_option(store)
-    defaults = defaults or {}
+    if unknown := sorted(set(defaults := defaults or {}) - BY_NAME.keys(), key=str):
+        raise InvalidInputError(f"defaults: {unknown[0]!r} is not a store setting (they are: {', '.join(BY_NAME)})")
     out: dict[str, tuple[Any, str]] = {}
     for s in STORE_SETTINGS:
         if given.get(s.name) is not None:

@@ -182,6 +182,9 @@ def test_serves_own_defaults_read_as_defaults_not_as_given(tmp_path):
     given = _parser().parse_args(["--store-max-bytes", "auto"])
     with kvstore.open(tmp_path / "s", defaults=settings.serve_defaults(), **settings.given(given)) as store:
         assert store.stats()["settings"]["max_bytes"] == {"value": "auto", "source": "given"}
+    with pytest.raises(InvalidInputError, match="defaults: 'max_byte' is not a store setting"):
+        kvstore.open(tmp_path / "t", defaults={"max_byte": "auto"})  # (a typo was ignored)
+    assert not (tmp_path / "t").exists()
 
 
 def test_settings_keeps_and_forgets_and_refuses_what_it_cannot_keep(kv, tmp_path):
