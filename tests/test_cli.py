@@ -261,6 +261,14 @@ def test_a_prompt_file_without_a_prompt_is_refused_before_a_store_is_made(capsys
     assert not (tmp_path / "s").exists()
 
 
+def test_a_closed_standard_input_is_a_clear_error(capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", None)  # (how Python starts with `<&-`; it was an AttributeError)
+    for command in ("warm", "generate"):
+        code, _, err = in_process(capsys, command, "--store", str(tmp_path / "s"), "--prompts", "-")
+        assert code == 1 and "cannot read the prompt file -: standard input is closed" in err, err
+    assert not (tmp_path / "s").exists()
+
+
 # -- warm -------------------------------------------------------------------------------------
 
 def test_warm_stores_shared_prefix_once_and_twice_computes_nothing(warmed, kv, demo_model_path):

@@ -358,6 +358,76 @@ def test_a_field_given_twice_is_a_bad_line_and_json_messages_read_as_written():
     raw_tab = list(parse_stream(io.BytesIO(b'{"prompt": "a\tb"}\n'), "p.jsonl"))[0]
     assert str(raw_tab) == "p.jsonl:1: not valid JSON (Invalid control character at column 14)"
 
+
+def test_utf16_files_and_lone_surrogates_are_named_not_garbled():
+    """A UTF-16 file (PowerShell's `>`) was a "not UTF-8" line and then a JSON error on every
+    other line; a lone surrogate escape ("\\ud83d") reached the tokenizer, whose error said
+    "TextEncodeInput must be Union[...]"."""
+    import io
+
+    from kvstore.model.jsonl import LineError, PromptLine, parse_stream
+
+    utf16 = '{"prompt": "a"}\r\n{"prompt": "b"}\r\n'.encode("utf-16")
+    assert [str(g) for g in parse_stream(io.BytesIO(utf16), "p.jsonl")] == [
+        "p.jsonl:1: the file is UTF-16 text (it starts with a UTF-16 byte order mark, as Windows tools write): "
+        "save it as UTF-8"]
+    lines = [b'{"prompt": "lone \\ud800 half"}',
+             b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "x\\udc00"}]}]}',
+             b'{"prompt": "a pair \\ud83d\\ude00 is fine", "id": "\\udc00"}']
+    got = list(parse_stream(io.BytesIO(b"\n".join(lines)), "p.jsonl"))
+    assert str(got[0]).startswith("p.jsonl:1: prompt: holds '\\ud800', half of a UTF-16 surrogate pair")
+    assert str(got[1]).startswith("p.jsonl:2: messages[0].content[0].text: holds '\\udc00'")
+    assert isinstance(got[0], LineError) and isinstance(got[2], PromptLine) and got[2].value.endswith("\U0001f600 is fine")
+
+
+def test_openai_style_messages_give_the_servers_tokens(tmp_path, llama):
+    """Content as a list of text parts, a null content beside tool calls whose arguments are a JSON
+    string, a tool message, a name: tokenized as `mlx_lm.server` does (its `process_message_content`,
+    then the chat template), so what `warm` stores is what the server looks up. The parts list was
+    handed to the template as it was (rendered as a Python list), and a null content refused."""
+    import copy
+
+    from kvtest import run_cli
+    from mlx_lm.server import process_message_content
+    from mlx_lm.utils import load_tokenizer
+
+    from kvstore.model.jsonl import LineError, parse_stream
+
+    model_path, model = llama
+    tokenizer = load_tokenizer(model_path)
+    chats = [
+        [{"role": "system", "content": [{"type": "text", "text": "You are "}, {"type": "text", "text": "terse."}]},
+         {"role": "user", "content": [{"type": "text", "text": "Hi there"}], "name": "bob"}],
+        [{"role": "user", "content": "What is 6 x 7?"},
+         {"role": "assistant", "content": None,
+          "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "mul", "arguments": '{"a": 6, "b": 7}'}}]},
+         {"role": "tool", "tool_call_id": "c1", "content": "42"}],
+    ]
+    bad = [([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x.png"}}]}],
+            'messages[0].content[0]: must be a {"type": "text", "text": ...} part, got a part of type "image_url"'),
+           ([{"role": "user", "content": [{"type": "text", "text": 5}]}], "messages[0].content[0].text: must be a string"),
+           ([{"role": "user", "content": "q"}, {"role": "assistant", "content": None,
+              "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]}],
+            "messages[1].tool_calls[0].function.arguments: not valid JSON")]
+    text = "".join(json.dumps({"messages": m}) + "\n" for m in chats + [b for b, _ in bad])
+    parsed = list(parse_stream(__import__("io").BytesIO(text.encode()), "p.jsonl"))
+    for got, (_, message) in zip(parsed[len(chats):], bad):
+        assert isinstance(got, LineError) and message in str(got), str(got)
+
+    server = []
+    for messages in chats:
+        messages = copy.deepcopy(messages)
+        process_message_content(messages)
+        server.append(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+    (tmp_path / "p.jsonl").write_text(text)
+    result = run_cli("warm", "--prompts", tmp_path / "p.jsonl", "--store", tmp_path / "s", "--model", model_path,
+                     check=False)
+    assert result.returncode == 1 and "prompts: 2 warmed, 3 skipped" in result.stdout, result.stderr
+    with kvstore.open(tmp_path / "s") as store:
+        mc = store.bind(model, model_path)
+        for tokens in server:
+            assert mc.stored_length(tokens) == len(tokens)
+
 # -- permissions ------------------------------------------------------------------------------
 
 def test_permissions_of_everything_kvstore_creates(tmp_path, llama):

@@ -2,6 +2,8 @@
 
     {"prompt": "text"}                                   the text, tokenized as mlx-lm does
     {"messages": [{"role": "user", "content": "..."}]}   the chat template, with the generation prompt
+                                                         (content as mlx_lm.server reads it: text parts
+                                                         joined, null as "")
     {"tokens": [1, 2, 3]}                                token ids, used as they are
     optional: "id": "name", "pin": true                  (pinned prompts are never evicted by gc;
                                                           "pin": false unpins a pinned one)
@@ -21,6 +23,7 @@ before it is tokenized (no tokenizer averages that many: such a text cannot fit 
 from __future__ import annotations
 
 import difflib
+import errno
 import io
 import json
 import sys
@@ -78,6 +81,8 @@ def read(path: str | Path) -> Iterator[Parsed]:
     """Parse the prompt file at `path` (`-` is standard input), a line at a time: memory is
     bounded by the longest line kept (`MAX_LINE_BYTES`). OSError if it cannot be read."""
     if str(path) == "-":
+        if sys.stdin is None:  # (started with standard input closed: `<&-`)
+            raise OSError(errno.EBADF, "standard input is closed")
         return parse_stream(sys.stdin.buffer, "<stdin>")
     p = Path(path)
     if p.is_dir():
@@ -126,6 +131,10 @@ def parse_stream(f: BinaryIO, source: str) -> Iterator[Parsed]:
             continue
         if not raw.strip():
             continue
+        if number == 1 and raw[:2] in (b"\xff\xfe", b"\xfe\xff"):  # (every line of it would be garbled)
+            yield LineError(source, number, None, "the file is UTF-16 text (it starts with a UTF-16 byte order mark, "
+                                                  "as Windows tools write): save it as UTF-8")
+            return
         try:
             text = raw.decode("utf-8-sig" if number == 1 else "utf-8")  # (a BOM, as some editors write)
         except UnicodeDecodeError as e:
@@ -168,7 +177,9 @@ def parse_object(obj: Any, source: str, line: int | None) -> Parsed:
         return LineError(source, line, field, message)
 
     if not isinstance(obj, dict):
-        return bad(None, f"expected a JSON object with one of {_kinds()}, got {_json_type(obj)}")
+        hint = (" (a JSON array: a prompt file holds one object per line, JSONL, with no [ ] around them)"
+                if isinstance(obj, list) and obj and all(isinstance(o, dict) for o in obj) else "")
+        return bad(None, f"expected a JSON object with one of {_kinds()}, got {_json_type(obj)}{hint}")
     unknown = [k for k in obj if k not in FIELDS]
     present = [k for k in KINDS if k in obj]
     if not present:
@@ -180,10 +191,13 @@ def parse_object(obj: Any, source: str, line: int | None) -> Parsed:
         return bad(present[1], f"give only one of {_kinds()}; this line has {' and '.join(present)}")
     kind = present[0]
     value = obj[kind]
-    error = {"prompt": check_prompt, "messages": check_messages, "tokens": check_tokens}[kind](value)
+    error = {"prompt": check_prompt, "messages": check_messages, "tokens": check_tokens}[kind](value) \
+        or _lone_surrogate(value, kind)
     if error is not None:
         field, message = error
         return bad(field, message)
+    if kind == "messages":
+        value = as_server_reads(value)
 
     ident = obj.get("id")
     if ident is not None:
@@ -194,6 +208,26 @@ def parse_object(obj: Any, source: str, line: int | None) -> Parsed:
     if pin is not None and not isinstance(pin, bool):
         return bad("pin", f"must be true or false, got {_json_type(pin)}")
     return PromptLine(source, line, kind, value, ident, pin)
+
+
+def _lone_surrogate(value: Any, field: str) -> tuple[str, str] | None:
+    """(field, message) for the first string in `value` holding half of a UTF-16 pair
+    (`"\\ud83d"` alone): JSON reads it, but it is no text, and no tokenizer encodes it."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return field, (f"holds {value[e.start]!r}, half of a UTF-16 surrogate pair with no other half, at "
+                           f"character {e.start + 1}: not text a tokenizer can encode")
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            if (found := _lone_surrogate(v, f"{field}[{i}]")) is not None:
+                return found
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            if (found := _lone_surrogate(v, f"{field}.{k}")) is not None:
+                return found
+    return None
 
 
 def _unknown_field(name: str) -> str:
@@ -218,8 +252,7 @@ def check_length(item: "PromptLine", context: int) -> tuple[str, str] | None:
     if item.kind == "prompt":
         n = len(item.value)
     else:
-        n = sum(len(m["content"]) if isinstance(m["content"], str) else len(json.dumps(m["content"]))
-                for m in item.value)
+        n = sum(len(m["content"]) for m in item.value)  # (strings: `as_server_reads` joined any parts)
     if n > limit:
         return item.kind, (f"skipped: {n:,} characters is more than the {limit:,} that can fit the "
                            f"model's context ({context} tokens x {MAX_CHARS_PER_TOKEN} characters); "
@@ -251,10 +284,70 @@ def check_messages(value: Any) -> tuple[str, str] | None:
                                                          if close else "")
         if not isinstance(message["role"], str) or not message["role"]:
             return f"{where}.role", f"must be a non-empty string, got {json.dumps(message['role'])}"
-        # A list of content parts is what multimodal chat templates take; pass it through.
-        if not isinstance(message["content"], (str, list)):
-            return f"{where}.content", f"must be a string, got {_json_type(message['content'])}"
+        problem = _check_content(message["content"], f"{where}.content") or _check_tool_calls(message, where)
+        if problem is not None:
+            return problem
     return None
+
+
+def _check_content(content: Any, where: str) -> tuple[str, str] | None:
+    """A string, null, or a list of {"type": "text", "text": ...} parts: what `mlx_lm.server`
+    reads (other parts, images, it cannot put in a text prompt)."""
+    if content is None or isinstance(content, str):
+        return None
+    if not isinstance(content, list):
+        return where, f"must be a string, or a list of {{\"type\": \"text\", \"text\": ...}} parts, got {_json_type(content)}"
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") != "text":
+            kind = f"a part of type {_quoted(part['type'])}" if isinstance(part, dict) and isinstance(part.get("type"), str) \
+                else _json_type(part)
+            return f"{where}[{j}]", f"must be a {{\"type\": \"text\", \"text\": ...}} part, got {kind} (only text can be warmed)"
+        if not isinstance(part.get("text"), str):
+            return f"{where}[{j}].text", f"must be a string, got {_json_type(part.get('text'))}"
+    return None
+
+
+def _check_tool_calls(message: dict, where: str) -> tuple[str, str] | None:
+    """`mlx_lm.server` decodes a tool call's "arguments" given as a JSON string: it must be JSON."""
+    calls = message.get("tool_calls")
+    if calls is not None and not isinstance(calls, list):
+        return f"{where}.tool_calls", f"must be a list of tool calls, got {_json_type(calls)}"
+    for j, call in enumerate(calls or ()):
+        function = call.get("function") if isinstance(call, dict) else None
+        arguments = function.get("arguments") if isinstance(function, dict) else None
+        if isinstance(arguments, str) and arguments:
+            try:
+                json.loads(arguments)
+            except ValueError as e:
+                return f"{where}.tool_calls[{j}].function.arguments", f"not valid JSON ({e})"
+    return None
+
+
+def as_server_reads(messages: list[dict]) -> list[dict]:
+    """`messages` as `mlx_lm.server` hands them to the chat template (its `process_message_content`):
+    a list of text parts joined into one string, a null content as "", a tool call's arguments
+    decoded from their JSON string. Otherwise the template renders the list or None as it is, and
+    the warmed tokens would not be the server's."""
+    out = []
+    for message in messages:
+        message = dict(message)
+        content = message["content"]
+        if isinstance(content, list):
+            message["content"] = "".join(part["text"] for part in content)
+        elif content is None:
+            message["content"] = ""
+        if isinstance(message.get("tool_calls"), list):
+            message["tool_calls"] = [_decoded_arguments(call) for call in message["tool_calls"]]
+        out.append(message)
+    return out
+
+
+def _decoded_arguments(call: Any) -> Any:
+    function = call.get("function") if isinstance(call, dict) else None
+    arguments = function.get("arguments") if isinstance(function, dict) else None
+    if not (isinstance(arguments, str) and arguments):
+        return call
+    return {**call, "function": {**function, "arguments": json.loads(arguments)}}
 
 
 def check_tokens(value: Any, vocab_size: int | None = None) -> tuple[str, str] | None:
