@@ -108,6 +108,12 @@ def verify(folder: Path, target: Target, *, trust_key: Path | None = None, repla
                 raise PackError(f"{SIGNATURE} signs another {MANIFEST} and {len(absent)} of its {plural(len(blobs), 'blob')} "
                                 f"are not in this folder ({absent[0]}...): it is the signature of another pack, or "
                                 "of this one before it was changed; get the pack and its signature together from its maker")
+            more = _not_signed(folder, signed)
+            if more:  # (every blob it signs is here, beside others: a pack of some of these prompts)
+                raise PackError(f"{SIGNATURE} signs another {MANIFEST}, of {plural(len(blobs), 'blob')}, and this folder "
+                                f"holds {len(more)} it does not sign ({more[0]}...): it is the signature of another "
+                                "pack, or of this one before it was changed; get the pack and its signature together "
+                                "from its maker")
             raise PackError(f"{MANIFEST} was changed after the pack was signed (its SHA-256 is not the signed one)")
         said = f"signed by the trusted key {trust_key}"
     else:
@@ -194,6 +200,15 @@ def settle(made: Path, out: Path) -> None:
     for name in sorted(os.listdir(made), key=lambda n: (n == MANIFEST, n)):
         os.rename(made / name, out / name)
     made.rmdir()
+
+
+def _not_signed(folder: Path, signed: dict[str, str]) -> list[str]:
+    """The blob files in `folder` that the signature (`signed`: its files) does not cover, sorted."""
+    try:
+        names = os.listdir(folder / BLOBS)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return sorted(name for name in (f"{BLOBS}/{n}" for n in names) if name not in signed)
 
 
 def _signature_covers(signed: dict[str, str], m: Manifest) -> None:
