@@ -440,7 +440,11 @@ def test_an_unsigned_pack_edited_or_with_extra_files_is_refused_by_its_own_check
     blob = linked / packfile.blob_name(doc["prompts"][0]["records"][0])
     blob.rename(tmp_path / "elsewhere.safetensors")
     blob.symlink_to(tmp_path / "elsewhere.safetensors")
+    folder, _ = _unsigned_copy(signed_pack, tmp_path, "linked-folder")  # blobs/ as a link to a folder elsewhere
+    (folder / "blobs").rename(tmp_path / "blobs-elsewhere")
+    (folder / "blobs").symlink_to(tmp_path / "blobs-elsewhere")  # (it was "1 file(s) its manifest does not list: blobs")
     for pack, reason in [(linked, f"{blob} is not a regular file: it is a symbolic link (a pack holds its files"),
+                         (folder, f"{folder / 'blobs'} is not a folder: it is a symbolic link (a pack holds its files"),
                          (count, f"prompt 1: its blobs hold {tokens} token ids, manifest.json's prompts[0].tokens says {tokens + 1}"),
                          (digest, f"prompt 1: the {tokens} token ids its blobs hold are not the ones the manifest "
                                   "names (their SHA-256 is not manifest.json's prompts[0].tokens_sha256)"),
@@ -562,9 +566,13 @@ def test_a_push_of_a_pack_missing_a_blob_pushes_nothing(tmp_path, signed_pack, s
     missing.unlink()
     longer = Path(shutil.copytree(signed_pack[0], tmp_path / "longer"))
     (longer / packfile.blob_name(chain[0])).open("ab").write(b"\0")
+    linked = Path(shutil.copytree(signed_pack[0], tmp_path / "linked"))  # blobs/ a link: it was pushed through it
+    (linked / "blobs").rename(tmp_path / "blobs-elsewhere")
+    (linked / "blobs").symlink_to(tmp_path / "blobs-elsewhere")
     url, folder = s3.url(), tmp_path / "dest"
     for pack, why in [(broken, f"the pack has no {packfile.blob_name(chain[-1])} ({missing}), which its manifest "
                                "lists: nothing pushed"),
+                      (linked, f"{linked / 'blobs'} is not a folder: it is a symbolic link"),
                       (longer, "bytes, the manifest says")]:
         for place in (url, folder):
             refused = run_cli("pack", "push", pack, place, check=False)

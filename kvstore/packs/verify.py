@@ -122,6 +122,7 @@ def verify(folder: Path, target: Target, *, trust_key: Path | None = None, repla
     m = parse(raw)
     if signed is not None:
         _signature_covers(signed, m)
+    check_blobs_folder(folder)
     _nothing_else(folder, m, signed is not None)
     _for_this_model(m, target)
     if max_bytes is not None and m.total_bytes > max_bytes:
@@ -169,6 +170,21 @@ def check_file(path: Path, limit: int, *, exact: bool = False, name: str = "", l
     if st.st_size > limit or (exact and st.st_size != limit):
         raise PackError(f"{path} is {st.st_size} bytes, " + (f"the manifest says {limit}" if exact else
                         f"more than it can be ({limit})"))
+
+
+def check_blobs_folder(folder: Path) -> None:
+    """PackError if the pack's `blobs` is there but is not a folder of its own: a symbolic link
+    is refused as a linked file is (`check_file`), not taken for a file the manifest does not list."""
+    path = folder / BLOBS
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return  # (each blob it lists is then said missing)
+    if stat.S_ISLNK(st.st_mode):
+        raise PackError(f"{path} is not a folder: it is a symbolic link (a pack holds its files themselves: copy "
+                        "the pack with its files, not links to them)")
+    if not stat.S_ISDIR(st.st_mode):
+        raise PackError(f"{path} is not a folder: a pack keeps its blobs in a folder {BLOBS}/")
 
 
 def read_file(path: Path, limit: int) -> bytes:
