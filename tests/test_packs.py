@@ -229,6 +229,23 @@ def _signature_of_a_pack_that_shares_blobs(pack: Path, model: Path, env: dict) -
     return "blobs are not in this folder (blobs/"
 
 
+def _signature_of_a_pack_of_some_of_its_prompts(pack: Path, model: Path, env: dict) -> str:
+    """The signed pack's model.sig beside a pack of its prompt and another: every blob it signs is
+    in the folder, beside others (it said the manifest was changed after signing)."""
+    two = pack.parent / "two-prompts"
+    prompts = pack.parent / "two.jsonl"
+    prompts.write_text(json.dumps({"prompt": PROMPT}) + "\n" + json.dumps({"prompt": OTHER}) + "\n")
+    run_cli("pack", "export", "--store", pack.parent / "other-store", "--model", model, "--prompts", prompts,
+            "--unsigned", "--out", two)
+    signed = len(os.listdir(pack / "blobs"))
+    assert set(os.listdir(pack / "blobs")) < set(os.listdir(two / "blobs"))
+    shutil.copy(pack / "model.sig", two / "model.sig")
+    shutil.rmtree(pack)
+    shutil.copytree(two, pack)
+    return (f"model.sig signs another manifest.json, of {signed} blob{'s' if signed > 1 else ''}, and this folder "
+            "holds 1 it does not sign (blobs/")
+
+
 def _other_config(pack: Path, model: Path, env: dict) -> str:
     other = shutil.copytree(model, pack.parent / "reconfigured")
     (other / "config.json").write_text((other / "config.json").read_text() + "\n")
@@ -250,7 +267,8 @@ def _unsigned_with_trust_key(pack: Path, model: Path, env: dict) -> str:
 @pytest.mark.parametrize("damage", [_flip_byte, _flip_a_token_byte, _swap_blobs, _edit_manifest, _edit_manifest_and_sign_again,
                                     _extra_files, _path_outside_the_pack_signed, _other_model, _other_tokenizer,
                                     _untrusted_signer, _ed25519_trust_key, _missing_blob, _signature_of_another_pack,
-                                    _signature_of_a_pack_that_shares_blobs, _other_config, _signature_that_is_not_one,
+                                    _signature_of_a_pack_that_shares_blobs,
+                                    _signature_of_a_pack_of_some_of_its_prompts, _other_config, _signature_that_is_not_one,
                                     _unsigned_with_trust_key],
                          ids=lambda f: f.__name__.strip("_"))
 def test_a_bad_pack_is_refused_with_its_reason_and_the_store_stays_as_it_was(
@@ -422,7 +440,11 @@ def test_an_unsigned_pack_edited_or_with_extra_files_is_refused_by_its_own_check
     blob = linked / packfile.blob_name(doc["prompts"][0]["records"][0])
     blob.rename(tmp_path / "elsewhere.safetensors")
     blob.symlink_to(tmp_path / "elsewhere.safetensors")
+    folder, _ = _unsigned_copy(signed_pack, tmp_path, "linked-folder")  # blobs/ as a link to a folder elsewhere
+    (folder / "blobs").rename(tmp_path / "blobs-elsewhere")
+    (folder / "blobs").symlink_to(tmp_path / "blobs-elsewhere")  # (it was "1 file(s) its manifest does not list: blobs")
     for pack, reason in [(linked, f"{blob} is not a regular file: it is a symbolic link (a pack holds its files"),
+                         (folder, f"{folder / 'blobs'} is not a folder: it is a symbolic link (a pack holds its files"),
                          (count, f"prompt 1: its blobs hold {tokens} token ids, manifest.json's prompts[0].tokens says {tokens + 1}"),
                          (digest, f"prompt 1: the {tokens} token ids its blobs hold are not the ones the manifest "
                                   "names (their SHA-256 is not manifest.json's prompts[0].tokens_sha256)"),
@@ -544,9 +566,13 @@ def test_a_push_of_a_pack_missing_a_blob_pushes_nothing(tmp_path, signed_pack, s
     missing.unlink()
     longer = Path(shutil.copytree(signed_pack[0], tmp_path / "longer"))
     (longer / packfile.blob_name(chain[0])).open("ab").write(b"\0")
+    linked = Path(shutil.copytree(signed_pack[0], tmp_path / "linked"))  # blobs/ a link: it was pushed through it
+    (linked / "blobs").rename(tmp_path / "blobs-elsewhere")
+    (linked / "blobs").symlink_to(tmp_path / "blobs-elsewhere")
     url, folder = s3.url(), tmp_path / "dest"
     for pack, why in [(broken, f"the pack has no {packfile.blob_name(chain[-1])} ({missing}), which its manifest "
                                "lists: nothing pushed"),
+                      (linked, f"{linked / 'blobs'} is not a folder: it is a symbolic link"),
                       (longer, "bytes, the manifest says")]:
         for place in (url, folder):
             refused = run_cli("pack", "push", pack, place, check=False)

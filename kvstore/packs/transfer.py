@@ -23,7 +23,7 @@ from pathlib import Path
 from kvstore.errors import InvalidInputError, PackError
 from kvstore.packs.manifest import BLOBS, MANIFEST, MAX_MANIFEST_BYTES, SIGNATURE, blob_name, parse
 from kvstore.packs.signing import MAX_SIGNATURE_BYTES
-from kvstore.packs.verify import check_file, is_free, pack_folder, read_file, settle
+from kvstore.packs.verify import check_blobs_folder, check_file, is_free, pack_folder, read_file, settle
 from kvstore.remote.bucket import RemoteError, TooLarge, open_bucket
 from kvstore.sizes import plural
 
@@ -84,6 +84,10 @@ def push(folder: Path, url: str) -> Moved:
     signed = os.path.lexists(folder / SIGNATURE)
     if signed:
         names.append(SIGNATURE)
+    try:
+        check_blobs_folder(folder)
+    except PackError as e:
+        raise PackError(f"{e}: nothing pushed") from None
     limits = {name: MAX_SIGNATURE_BYTES if name == SIGNATURE else m.records[Path(name).stem][0] for name in names}
     for name in names:  # the whole pack is there before anything is pushed: no part of it is left there
         _whole(folder, name, limits[name], exact=name != SIGNATURE)

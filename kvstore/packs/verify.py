@@ -108,6 +108,12 @@ def verify(folder: Path, target: Target, *, trust_key: Path | None = None, repla
                 raise PackError(f"{SIGNATURE} signs another {MANIFEST} and {len(absent)} of its {plural(len(blobs), 'blob')} "
                                 f"are not in this folder ({absent[0]}...): it is the signature of another pack, or "
                                 "of this one before it was changed; get the pack and its signature together from its maker")
+            more = _not_signed(folder, signed)
+            if more:  # (every blob it signs is here, beside others: a pack of some of these prompts)
+                raise PackError(f"{SIGNATURE} signs another {MANIFEST}, of {plural(len(blobs), 'blob')}, and this folder "
+                                f"holds {len(more)} it does not sign ({more[0]}...): it is the signature of another "
+                                "pack, or of this one before it was changed; get the pack and its signature together "
+                                "from its maker")
             raise PackError(f"{MANIFEST} was changed after the pack was signed (its SHA-256 is not the signed one)")
         said = f"signed by the trusted key {trust_key}"
     else:
@@ -116,6 +122,7 @@ def verify(folder: Path, target: Target, *, trust_key: Path | None = None, repla
     m = parse(raw)
     if signed is not None:
         _signature_covers(signed, m)
+    check_blobs_folder(folder)
     _nothing_else(folder, m, signed is not None)
     _for_this_model(m, target)
     if max_bytes is not None and m.total_bytes > max_bytes:
@@ -165,6 +172,21 @@ def check_file(path: Path, limit: int, *, exact: bool = False, name: str = "", l
                         f"more than it can be ({limit})"))
 
 
+def check_blobs_folder(folder: Path) -> None:
+    """PackError if the pack's `blobs` is there but is not a folder of its own: a symbolic link
+    is refused as a linked file is (`check_file`), not taken for a file the manifest does not list."""
+    path = folder / BLOBS
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return  # (each blob it lists is then said missing)
+    if stat.S_ISLNK(st.st_mode):
+        raise PackError(f"{path} is not a folder: it is a symbolic link (a pack holds its files themselves: copy "
+                        "the pack with its files, not links to them)")
+    if not stat.S_ISDIR(st.st_mode):
+        raise PackError(f"{path} is not a folder: a pack keeps its blobs in a folder {BLOBS}/")
+
+
 def read_file(path: Path, limit: int) -> bytes:
     """A pack file's bytes: a regular file (never through a link) of at most `limit` bytes."""
     check_file(path, limit)
@@ -194,6 +216,15 @@ def settle(made: Path, out: Path) -> None:
     for name in sorted(os.listdir(made), key=lambda n: (n == MANIFEST, n)):
         os.rename(made / name, out / name)
     made.rmdir()
+
+
+def _not_signed(folder: Path, signed: dict[str, str]) -> list[str]:
+    """The blob files in `folder` that the signature (`signed`: its files) does not cover, sorted."""
+    try:
+        names = os.listdir(folder / BLOBS)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return sorted(name for name in (f"{BLOBS}/{n}" for n in names) if name not in signed)
 
 
 def _signature_covers(signed: dict[str, str], m: Manifest) -> None:
