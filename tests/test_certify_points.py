@@ -328,3 +328,22 @@ def test_a_prompt_that_restores_nothing_shows_no_comparison_in_its_row(tmp_path,
     head, row = result.stdout.splitlines()[:2]
     assert row.split()[1:] == ["0", "0", "0", "-", "-", "-", "-", "-", "0/0", "PARTIAL"], row
     assert "bit for bit" not in row and "lead*" not in result.stdout, result.stdout
+
+
+def test_a_hybrid_prompts_resume_point_is_part_of_it_not_a_prompt_of_its_own(tmp_path, demo_model):
+    """Out of exact mode a hybrid model's prefill also stores the prompt at its last token but
+    one (where the same prompt, asked again, resumes): the certificate counts and checks each
+    warmed prompt once, not that point beside it as a second stored prompt."""
+    from mlx_lm import load
+
+    model_dir = str(demo_model("qwen3_5"))
+    model = load(model_dir)[0]
+    with kvstore.open(tmp_path / "s") as store:
+        mc = store.bind(model, model_dir)
+        for i in range(2):
+            mc.prefill(toks(300 + 7 * i, 20 + i))
+        store.flush()
+        tails = [r for r in store.index.rows() if r.kind == 1]
+        assert len(tails) == 4  # each prompt's tail, and its resume point's
+        report = store.verify_exact(model, model_dir, sample=None)
+    assert report.ok and report.stored_prompts == 2 and len(report.checks) == 2, report.table()

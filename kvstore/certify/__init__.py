@@ -60,7 +60,7 @@ def verify_exact(mc, index, blob_root, *, disk_kv_bits: int | None = None, sampl
                                 "or None for all")
     bounds = bounds_for(mc, disk_kv_bits)
     tag = mc.tenant.tag if getattr(mc, "tenant", None) is not None else None
-    leaves = prompts.leaves(index, mc.ns, tag) if index is not None else []
+    leaves = prompts.leaves(index, mc.ns, tag, blob_root) if index is not None else []
     chosen = prompts.sample(leaves, sample, seed)
     checks = [check_prompt(mc, prompts.read_prompt(index, blob_root, leaf, mc.chunk_size, anchors), bounds)
               for leaf in chosen]

@@ -18,6 +18,7 @@ import numpy as np
 from kvstore.canary import Canary
 from kvstore.errors import BlobError
 from kvstore.records import CHECKPOINT
+from kvstore.storage import blobfile
 from kvstore.storage.index import Index, Row
 from kvstore.upkeep.anchors import Anchors
 from kvstore.upkeep.verify import checked_record
@@ -36,14 +37,45 @@ class StoredPrompt:
     damaged: str = ""  # what ended the chain early (a record that did not read), if anything
 
 
-def leaves(index: Index, ns: bytes, tenant: str | None = None) -> list[Row]:
+def leaves(index: Index, ns: bytes, tenant: str | None = None, root: Path | None = None) -> list[Row]:
     """The records of namespace `ns` that end a chain: tails, and chunks with no chunk or tail
     under them (checkpoints hang from records). A chain with a quarantined record is one too, not
     its prefix before that record: `read_prompt` ends it there and says why. The shared prompts'
-    (`tenant` None: what no shared record hangs from), or one tenant's (its tag)."""
+    (`tenant` None: what no shared record hangs from), or one tenant's (its tag). With the blob
+    tree `root`, an end whose tokens start a sibling's is left out (`_within_a_sibling`)."""
     rows = [r for r in index.rows() if r.ns == ns and r.kind != CHECKPOINT and r.tenant in (None, tenant)]
     parents = {r.parent for r in rows if r.tenant == tenant}
-    return sorted((r for r in rows if r.tenant == tenant and r.hash not in parents), key=lambda r: r.hash)
+    ends = [r for r in rows if r.tenant == tenant and r.hash not in parents]
+    if root is not None:
+        ends = _within_a_sibling(ends, root)
+    return sorted(ends, key=lambda r: r.hash)
+
+
+def _within_a_sibling(ends: list[Row], root: Path) -> list[Row]:
+    """`ends` without those whose tokens start another end's under the same parent: the point
+    where a prompt asked again resumes, stored beside it for a model that restores only at a
+    checkpoint or a whole window (`ModelCache.resume_records`), or a prompt one token shorter
+    than one stored after it. Each is part of that prompt, not a stored prompt of its own."""
+    groups: dict[bytes, list[Row]] = {}
+    for r in ends:
+        groups.setdefault(r.parent, []).append(r)
+    inside: set[bytes] = set()
+    for group in (g for g in groups.values() if len(g) > 1):
+        tokens = {}
+        for r in group:
+            try:  # (a blob that does not read is left to `read_prompt`, which says so)
+                with blobfile.open_blob(root, r.hash, size=r.size, checksum=r.checksum) as blob:
+                    tokens[r.hash] = np.asarray(blob.tokens())
+            except BlobError:
+                pass
+        by_length: dict[int, dict[bytes, bytes]] = {}
+        for h, t in tokens.items():
+            by_length.setdefault(len(t), {})[t.tobytes()] = h
+        for t in tokens.values():
+            for n, starts in by_length.items():
+                if n < len(t) and (h := starts.get(t[:n].tobytes())) is not None:
+                    inside.add(h)
+    return [r for r in ends if r.hash not in inside]
 
 
 def sample(rows: list[Row], n: int | None, seed: int = 0) -> list[Row]:
