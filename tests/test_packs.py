@@ -1047,3 +1047,16 @@ def test_an_export_to_a_used_folder_is_refused_before_it_computes_or_stores_anyt
     assert f"{tmp_path / 'used'} exists and is not an empty folder: a pack is written to a new folder" \
            in result.stderr and "computing" not in result.stderr, result.stderr
     assert not (tmp_path / "a").exists() and [p.name for p in (tmp_path / "used").iterdir()] == ["notes.txt"]
+
+
+def test_export_with_a_bad_prompt_line_makes_no_store_and_no_pack(tmp_path):
+    """A prompt file with a line that cannot be used exports nothing: said per line, before a
+    model loads or a store is made (an export refused for it used to leave a new, empty store)."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "a good line"}\n{"prompt": 5}\n')
+    result = run_cli("pack", "export", "--store", tmp_path / "s", "--prompts", prompts, "--out", tmp_path / "pack",
+                     "--unsigned", check=False)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert f"kvstore pack export: {prompts}:2: prompt: must be a string" in result.stderr, result.stderr
+    assert "1 prompt line could not be used (said above): nothing exported" in result.stderr
+    assert not (tmp_path / "s").exists() and not (tmp_path / "pack").exists()

@@ -9,12 +9,13 @@ from pathlib import Path
 import numpy as np
 
 from kvstore.cli.options import bound, prompt_items
-from kvstore.cli.output import CommandError, out, plural, say
+from kvstore.cli.output import PROG, CommandError, out, plural, say
 from kvstore.sizes import format_size
 
 
 def cmd_export(args) -> int:
     from kvstore.model.fingerprint import resolve_model_dir
+    from kvstore.model.jsonl import LineError
     from kvstore.packs.export import check_prompts, distinct, export_pack
     from kvstore.packs.signing import check_private_key
     from kvstore.packs.verify import is_free
@@ -24,6 +25,11 @@ def cmd_export(args) -> int:
     if not is_free(Path(args.out).absolute()):  # and a used --out (it said "computing 1 prompt" first)
         raise CommandError(f"{args.out} exists and is not an empty folder: a pack is written to a new folder")
     items = prompt_items(args)
+    bad = [item for item in items if isinstance(item, LineError)]
+    if bad:  # (before a store is opened or made: nothing is exported anyway)
+        for item in bad:
+            say(f"{PROG} pack export: {item}")
+        raise CommandError(f"{plural(len(bad), 'prompt line')} could not be used (said above): nothing exported")
     with bound(args, items, "pack export") as (store, loaded, mc, work, errors):
         if errors:
             raise CommandError(f"{plural(len(errors), 'prompt line')} could not be used (said above): "
