@@ -155,7 +155,7 @@ class Store:
         if self.remote is not None:
             writer.on_commit.append(self.remote.uploader.submit)
         if budget is not None:
-            writer.on_commit.append(budget.check)
+            writer.follow_budget(budget)
         if events is not None:  # what reaches the disk or RAM (a queued record is in RAM), what leaves
             writer.on_commit.append(events.committed)
             memory.on_change.append(events.memory_changed)

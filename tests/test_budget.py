@@ -188,9 +188,25 @@ def test_records_the_budget_evicts_as_soon_as_written_are_counted_and_said_once(
             said = [r.getMessage() for r in caplog.records if "as soon as" in r.getMessage()]
             counted = store.backing.budget.wasted_records
             line = disk_budget(store)
+            again = None
+            if wasted:  # the same prompt again at once: not written again, to be evicted again
+                before = store.stats()["writer"]["records_written"]
+                mc.insert(tokens, prefill(model, tokens))
+                store.flush()
+                store.backing.budget.settle()
+                again = store.stats()["writer"]["records_written"] - before
+                assert mc.placement(tokens).text() == "0 on disk, 40 not stored (evicted since written)"
+                longer = tokens + list(range(5, 25))  # what hangs below them is not written either
+                mc.insert(longer, prefill(model, longer))
+                store.flush()
+                again = store.stats()["writer"]["records_written"] - before
+                assert mc.placement(longer).text() == ("0 on disk, 60 not stored (evicted since written: 32, not "
+                                                       "written, below an evicted record: 28)")
         if wasted:
             assert counted >= 4 and len(said) == 1 and "raise the budget, or unpin" in said[0], said
             assert f", {counted} of them as soon as written" in line, line
+            assert again == 0  # (it wrote them, and the gc evicted them, once more each time)
+            assert store.backing.budget.wasted_records == counted
         else:
             assert counted == 0 and said == [] and "nothing evicted" in line, line
 

@@ -74,6 +74,9 @@ class BlobSource:
 
 #: Records of the last commits a budget check remembers, to tell a write the gc undid at once.
 FRESH_REMEMBERED = 4096
+#: A record the budget evicted as soon as it was written is not written again for this long (it
+#: would be evicted again: what the budget holds is kept ahead of it).
+WASTED_FOR_S = 60.0
 
 
 class AccessTimes:
@@ -116,6 +119,7 @@ class DiskBudget:
         # Records just committed (the last checks' rows): one the next gc evicts was written for nothing.
         self._fresh: dict[bytes, None] = {}
         self.wasted_records = 0  # written, and evicted by the gc that write called
+        self._wasted_at: dict[bytes, float] = {}  # those records -> when (monotonic), the last FRESH_REMEMBERED
         self._said_wasted = False
 
     def check(self, rows: list[Row] | None = None) -> None:
@@ -149,6 +153,12 @@ class DiskBudget:
         if not hashes:
             return
         self.wasted_records += len(hashes)
+        now = time.monotonic()
+        with self._cond:
+            for h in hashes:
+                self._wasted_at[h] = now
+            while len(self._wasted_at) > FRESH_REMEMBERED:
+                del self._wasted_at[next(iter(self._wasted_at))]
         if not (self._said_wasted or self._said_too_small or self._said_tenant_too_small):  # (those say it too)
             self._said_wasted = True
             limits = ", ".join(f"{name} {n}" for name, n in (("max_bytes", self.max_bytes),
@@ -158,6 +168,12 @@ class DiskBudget:
                         "assistant, and the parents of what stays), so writes like these are wasted; raise the "
                         "budget, or unpin (`kvstore pins --remove`)", limits, len(hashes),
                         "" if len(hashes) == 1 else "s", "it was" if len(hashes) == 1 else "they were")
+
+    def wasted_lately(self, h: bytes) -> bool:
+        """Whether record `h` was evicted as soon as it was written, within `WASTED_FOR_S`: the
+        writer does not write it again (`write.batch`)."""
+        at = self._wasted_at.get(h)
+        return at is not None and time.monotonic() - at < WASTED_FOR_S
 
     def holds(self, per_token: int, chunk_size: int) -> None:
         """A model was bound whose records take about `per_token` bytes a token: said now, not at

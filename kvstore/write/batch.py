@@ -29,6 +29,8 @@ from kvstore.write.jobs import Destination, Hosts, Job, Parts
 from kvstore.write.placement import REASONS
 
 log = logging.getLogger("kvstore")
+#: Left out because the disk budget evicted the record (or one above it) as soon as it was written.
+_EVICTED = ("evicted", "under_evicted")
 
 
 @dataclass
@@ -89,8 +91,10 @@ def write(dest: Destination, job: Job,
         dest.memory.put(reversed(copies))
     failed = [s for s in written if staged.kept.get(s.hash) == "write_failed"]
     _say_lost(dest, failed)
-    dest.remember_unwritten([s.hash for s in failed if s.hash in dest.memory])
+    dest.remember_unwritten([s.hash for s in failed if s.hash in dest.memory])  # (the next insert of them tries again)
+    dest.remember_kept_out([s.hash for s in written if staged.kept.get(s.hash) == "under_evicted"], "under_evicted")
     for row in rows:
+        dest.kept_out.pop(row.hash, None)
         dest.unwritten.pop(row.hash, None)
     kept = {s.hash for s in written if s.hash in staged.kept}
     in_ram = [s for s in written if s.hash in kept and s.kind != CHECKPOINT and s.hash in dest.memory]
@@ -98,7 +102,7 @@ def write(dest: Destination, job: Job,
         _say_kept(dest, in_ram, staged.kept)
     due = []
     if dest.gate is not None:
-        due = [spec for spec in written if staged.kept.get(spec.hash, "write_failed") != "write_failed"
+        due = [spec for spec in written if staged.kept.get(spec.hash) in ("not_admitted", "over_budget")
                and dest.gate.kept(spec, staged.kept[spec.hash], job.role)]
         dest.gate.written(row.hash for row in rows)
     return Batch(written, rows, hosts, kept, due)
@@ -180,6 +184,12 @@ def _admit(dest: Destination, job: Job, hosts: Hosts, specs: list[Span], staged:
            ) -> list[tuple[Span, Parts]]:
     """The records (with their blob parts) the gate lets go to disk, the write budget taken for
     them; the others are marked kept in `staged`, in RAM only."""
+    for spec in specs:  # written and evicted at once, lately: the budget holds what is kept ahead of them
+        if dest.wasted(spec.hash):
+            staged.kept[spec.hash] = "evicted"  # (not written again: it would be evicted again)
+        elif staged.kept.get(spec.parent) in _EVICTED:
+            staged.kept[spec.hash] = "under_evicted"
+    specs = [s for s in specs if s.hash not in staged.kept]
     gate = dest.gate
     if gate is None:
         return [(spec, _parts(dest, job, hosts, spec)) for spec in specs]
@@ -219,9 +229,13 @@ def _place(dest: Destination, job: Job, hosts: Hosts, todo: list[Span], staged: 
         st = staged.files.pop(spec.hash, None)
         keep = dest.memory.keeps(spec.nbytes)  # with memory_bytes=0 nothing is copied for RAM
         if spec.parent in staged.kept:  # under a record kept in RAM: no row may hang from it
-            staged.kept.setdefault(spec.hash, staged.kept[spec.parent])
+            above = staged.kept[spec.parent]
+            staged.kept.setdefault(spec.hash, "under_evicted" if above in _EVICTED else above)
         elif failed:  # after a failed write (a full disk, most often): no more tries in this job
             staged.kept.setdefault(spec.hash, "write_failed")
+        # (Evicted by the disk budget as soon as written: in the deletion log, which every process's
+        # memory tier follows, dropping what it names; so not kept in RAM either.)
+        keep = keep and staged.kept.get(spec.hash) not in _EVICTED
         if spec.hash in staged.parts:
             tokens, tensors, meta = staged.parts.pop(spec.hash)
         elif (st is not None or spec.hash in staged.kept) and not keep:  # only its token ids are needed

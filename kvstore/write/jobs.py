@@ -149,6 +149,9 @@ class Destination:
     # Records kept in RAM because their write failed (a full disk): the next insert of them
     # writes them again. Bounded as `complete` is; one written since is dropped from it.
     unwritten: dict[bytes, None] = field(default_factory=dict)
+    # Whether the disk budget evicted a record as soon as it was written, lately (`DiskBudget`).
+    wasted: Callable[[bytes], bool] = lambda h: False
+    kept_out: dict[bytes, str] = field(default_factory=dict)  # left out below such a record -> why (bounded)
     gate: "Gate | None" = None  # what may go to disk (None: everything)
     # Called before each record's copy and file: waits (bounded) while a restore runs, so that
     # the restore has the cores and the memory bandwidth (see `Writer.reading`).
@@ -167,6 +170,12 @@ class Destination:
         self.complete[h] = None
         if len(self.complete) > COMPLETE_REMEMBERED:
             del self.complete[next(iter(self.complete))]
+
+    def remember_kept_out(self, hashes: list[bytes], why: str) -> None:
+        for h in hashes:
+            self.kept_out[h] = why
+        while len(self.kept_out) > COMPLETE_REMEMBERED:
+            del self.kept_out[next(iter(self.kept_out))]
 
     def remember_unwritten(self, hashes: list[bytes]) -> None:
         for h in hashes:

@@ -18,13 +18,16 @@ from kvstore.storage.index import Index
 class _Queue(Protocol):  # the writer (`write.writer.Writer`, which imports this module's batch)
     def is_pending(self, h: bytes) -> bool: ...
 
+    def kept_out(self, h: bytes) -> str | None: ...
+
 
 class _Gate(Protocol):  # `write.admission.Gate`
     def kept_reason(self, h: bytes) -> str | None: ...
 
 #: Why a record is in RAM only, in a report's words.
 REASONS = {"not_admitted": "not admitted", "over_budget": "over budget", "ram_only": "RAM-only store",
-           "not_written": "not written", "evicted": "evicted since written", "write_failed": "the write failed"}
+           "not_written": "not written", "evicted": "evicted since written", "write_failed": "the write failed",
+           "under_evicted": "not written, below an evicted record"}
 #: Reasons whose records never reached the disk and stay in RAM (the others were not written, or
 #: were written and removed since: a gc under a disk budget, most often).
 HELD = ("not_admitted", "over_budget", "ram_only")
@@ -99,7 +102,8 @@ def place(spans: Iterable[Span], index: Index | None, writer: _Queue, gate: _Gat
                     in_memory=None if memory is None else 0)
     pending = {s.hash for s in spans if writer.is_pending(s.hash) or s.hash in landing}
     on_disk = index.present([s.hash for s in spans if s.hash not in pending]) if index is not None else set()
-    kept = {s.hash: "ram_only" if index is None else (gate.kept_reason(s.hash) if gate else None)
+    kept = {s.hash: "ram_only" if index is None else ((gate.kept_reason(s.hash) if gate else None)
+                                                     or writer.kept_out(s.hash))
             for s in spans if s.hash not in on_disk and s.hash not in pending}
     # Neither admission nor the budget kept it out: written and deleted since (the deletion log
     # has it: a gc under a disk budget), or never written.

@@ -22,7 +22,7 @@ import numpy as np
 from kvstore.records import CHECKPOINT, Span
 from kvstore.storage import blobtree
 from kvstore.storage.index import Index, Row
-from kvstore.tiers.disk import AccessTimes
+from kvstore.tiers.disk import AccessTimes, DiskBudget
 from kvstore.tiers.memory import MemoryTier, Record
 from kvstore.trust import Trust
 from kvstore.write import batch, dedup
@@ -73,6 +73,12 @@ class Writer:
         self._paused.set()
         self._thread = threading.Thread(target=self._run, name="kvstore-writer", daemon=True)
         self._thread.start()
+
+    def follow_budget(self, budget: DiskBudget) -> None:
+        """The disk budget checks every commit; a record its gc evicted as soon as it was written
+        is not written again for a while (`DiskBudget.wasted_lately`): left out, "evicted"."""
+        self.on_commit.append(budget.check)
+        self._dest.wasted = budget.wasted_lately
 
     def landing(self, wait: Callable[[list[bytes]], None]) -> None:
         """Before a job's records are checked against the index, `wait` for those being stored
@@ -147,6 +153,10 @@ class Writer:
         """Of `hashes`, those a tier holds in RAM only because their write failed: to write again."""
         failed = self._dest.unwritten
         return {h for h in hashes if h in failed} if failed else set()
+
+    def kept_out(self, h: bytes) -> str | None:
+        """Why the writer left record `h` out lately, when no policy did ("under_evicted"), else None."""
+        return self._dest.kept_out.get(h)
 
     def is_pending(self, h: bytes) -> bool:
         """Whether `h` is queued and not written yet."""
