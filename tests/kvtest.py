@@ -134,10 +134,19 @@ def alter_record(store: Path, h: bytes, name: str, factor: float, *, strip_tag: 
     header["__metadata__"]["checksums"] = json.dumps(sums, separators=(",", ":"))
     if strip_tag:
         header["__metadata__"].pop(HEADER_KEY, None)
+    rewrite_blob(store, h, buf, header)
+
+
+def rewrite_blob(store: Path, h: bytes, buf: bytearray, header: dict) -> None:
+    """Write record `h`'s blob as `buf` with `header` (as long as the one it had: the payload
+    stays where it was), and its row's size and whole-file checksum to match: damage no checksum
+    tells from the record that was stored."""
+    from kvstore.storage import blobtree
+
+    (n,) = struct.unpack_from("<Q", buf, 0)
     raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (n - len(raw))  # the same header length: the payload stays where it was
-    buf[8 : 8 + n] = raw
-    path.write_bytes(bytes(buf))
+    buf[8 : 8 + n] = raw + b" " * (n - len(raw))
+    blobtree.blob_path(store / "blobs", h).write_bytes(bytes(buf))
     checksum = xxhash.xxh3_64_intdigest(bytes(buf))
     with sqlite3.connect(store / "index.sqlite") as con:
         con.execute("UPDATE records SET size = ?, checksum = ? WHERE hash = ?",

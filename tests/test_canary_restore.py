@@ -15,7 +15,7 @@ import logging
 import mlx.core as mx
 import numpy as np
 import pytest
-from kvtest import alter_record, run_cli
+from kvtest import alter_record, rewrite_blob, run_cli
 
 import kvstore
 from kvstore import canary as canaries
@@ -153,10 +153,7 @@ def _scale_quantized(store, h: bytes, factor: float) -> None:
     """Scale every bf16 `*.scales` tensor of record `h` (K/V quantized on disk) and write their
     checksums with them, untagged: no checksum tells it from the record that was stored."""
     import json
-    import sqlite3
     import struct
-
-    import xxhash
 
     from kvstore.storage import blobtree
     from kvstore.trust import HEADER_KEY
@@ -174,14 +171,7 @@ def _scale_quantized(store, h: bytes, factor: float) -> None:
         sums[name] = blobformat.tensor_checksum(data)
     header["__metadata__"]["checksums"] = json.dumps(sums, separators=(",", ":"))
     header["__metadata__"].pop(HEADER_KEY, None)
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    buf[8 : 8 + n] = raw + b" " * (n - len(raw))
-    path.write_bytes(bytes(buf))
-    checksum = xxhash.xxh3_64_intdigest(bytes(buf))
-    with sqlite3.connect(store / "index.sqlite") as con:
-        con.execute("UPDATE records SET size = ?, checksum = ? WHERE hash = ?",
-                    (len(buf), checksum - (1 << 64) if checksum >= 1 << 63 else checksum, h))
-    con.close()
+    rewrite_blob(store, h, buf, header)
 
 
 def test_generate_on_an_8bit_store_answers_cold_and_does_not_say_it_quarantined(tmp_path, demo_model):
