@@ -117,9 +117,9 @@ class DiskBudget:
         self._said_too_small = self._said_tenant_too_small = False
         self.evicted_records = self.evicted_bytes = 0  # what this process's budget gc took off the disk
         # Records just committed (the last checks' rows): one the next gc evicts was written for nothing.
-        self._fresh: dict[bytes, None] = {}
+        self._fresh: dict[bytes, int] = {}  # -> the role class it was written with
         self.wasted_records = 0  # written, and evicted by the gc that write called
-        self._wasted_at: dict[bytes, float] = {}  # those records -> when (monotonic), the last FRESH_REMEMBERED
+        self._wasted_at: dict[bytes, tuple[float, int]] = {}  # those -> (when, monotonic; role), the last ones
         self._said_wasted = False
 
     def check(self, rows: list[Row] | None = None) -> None:
@@ -138,7 +138,7 @@ class DiskBudget:
         with self._cond:
             self._due = True
             for r in rows or ():
-                self._fresh[r.hash] = None
+                self._fresh[r.hash] = r.role
             while len(self._fresh) > FRESH_REMEMBERED:
                 del self._fresh[next(iter(self._fresh))]
             if self._running:
@@ -146,7 +146,7 @@ class DiskBudget:
             self._running = True
         threading.Thread(target=self._run, name="kvstore-budget", daemon=True).start()
 
-    def _wasted(self, hashes: list[bytes], done: dict) -> None:
+    def _wasted(self, hashes: dict[bytes, int], done: dict) -> None:
         """Records this gc evicted that the write which called it had just committed: with the
         rest of the budget held by what is kept ahead of them (pinned records, stronger roles,
         their parents), every such write is wasted. Counted, and said once."""
@@ -155,8 +155,8 @@ class DiskBudget:
         self.wasted_records += len(hashes)
         now = time.monotonic()
         with self._cond:
-            for h in hashes:
-                self._wasted_at[h] = now
+            for h, role in hashes.items():
+                self._wasted_at[h] = (now, role)
             while len(self._wasted_at) > FRESH_REMEMBERED:
                 del self._wasted_at[next(iter(self._wasted_at))]
         if not (self._said_wasted or self._said_too_small or self._said_tenant_too_small):  # (those say it too)
@@ -169,11 +169,12 @@ class DiskBudget:
                         "budget, or unpin (`kvstore pins --remove`)", limits, len(hashes),
                         "" if len(hashes) == 1 else "s", "it was" if len(hashes) == 1 else "they were")
 
-    def wasted_lately(self, h: bytes) -> bool:
-        """Whether record `h` was evicted as soon as it was written, within `WASTED_FOR_S`: the
-        writer does not write it again (`write.batch`)."""
+    def wasted_lately(self, h: bytes, role: int) -> bool:
+        """Whether record `h` was evicted as soon as it was written, within `WASTED_FOR_S`, with a
+        role class as strong as `role` or stronger: the writer does not write it again for an
+        insert of that role (`write.batch`); a stronger role may keep it, and writes it."""
         at = self._wasted_at.get(h)
-        return at is not None and time.monotonic() - at < WASTED_FOR_S
+        return at is not None and time.monotonic() - at[0] < WASTED_FOR_S and role <= at[1]
 
     def holds(self, per_token: int, chunk_size: int) -> None:
         """A model was bound whose records take about `per_token` bytes a token: said now, not at
@@ -214,7 +215,7 @@ class DiskBudget:
                                      tenant_max_bytes=self.tenant_max_bytes, keep_hashes=True)
                         self.evicted_records += done["evicted"]
                         self.evicted_bytes += done["freed_bytes"]
-                        self._wasted([h for h in done.pop("hashes") if h in fresh], done)
+                        self._wasted({h: fresh[h] for h in done.pop("hashes") if h in fresh}, done)
                 except Exception as e:  # only the budget: the next check tries again
                     log.warning("kvstore: gc for the disk budget failed: %s", e)
         finally:  # a thread a check: its index connection goes with it (else two open files each)

@@ -185,7 +185,7 @@ def _admit(dest: Destination, job: Job, hosts: Hosts, specs: list[Span], staged:
     """The records (with their blob parts) the gate lets go to disk, the write budget taken for
     them; the others are marked kept in `staged`, in RAM only."""
     for spec in specs:  # written and evicted at once, lately: the budget holds what is kept ahead of them
-        if dest.wasted(spec.hash):
+        if dest.wasted(spec.hash, job.role):
             staged.kept[spec.hash] = "evicted"  # (not written again: it would be evicted again)
         elif staged.kept.get(spec.parent) in _EVICTED:
             staged.kept[spec.hash] = "under_evicted"

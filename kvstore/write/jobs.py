@@ -150,7 +150,7 @@ class Destination:
     # writes them again. Bounded as `complete` is; one written since is dropped from it.
     unwritten: dict[bytes, None] = field(default_factory=dict)
     # Whether the disk budget evicted a record as soon as it was written, lately (`DiskBudget`).
-    wasted: Callable[[bytes], bool] = lambda h: False
+    wasted: Callable[[bytes, int], bool] = lambda h, role: False  # (record, the insert's role class)
     kept_out: dict[bytes, str] = field(default_factory=dict)  # left out below such a record -> why (bounded)
     gate: "Gate | None" = None  # what may go to disk (None: everything)
     # Called before each record's copy and file: waits (bounded) while a restore runs, so that
