@@ -91,11 +91,10 @@ def write(dest: Destination, job: Job,
         dest.memory.put(reversed(copies))
     failed = [s for s in written if staged.kept.get(s.hash) == "write_failed"]
     _say_lost(dest, failed)
-    dest.remember_unwritten([s.hash for s in failed if s.hash in dest.memory])  # (the next insert of them tries again)
-    dest.remember_kept_out([s.hash for s in written if staged.kept.get(s.hash) == "under_evicted"], "under_evicted")
+    dest.leave_out([s.hash for s in failed if s.hash in dest.memory], "write_failed")  # (the next insert writes them)
+    dest.leave_out([s.hash for s in written if staged.kept.get(s.hash) == "under_evicted"], "under_evicted")
     for row in rows:
-        dest.kept_out.pop(row.hash, None)
-        dest.unwritten.pop(row.hash, None)
+        dest.left_out.pop(row.hash, None)
     kept = {s.hash for s in written if s.hash in staged.kept}
     in_ram = [s for s in written if s.hash in kept and s.kind != CHECKPOINT and s.hash in dest.memory]
     if in_ram:

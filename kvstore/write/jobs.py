@@ -146,12 +146,12 @@ class Destination:
     fsync: bool = True
     stats: WriterStats = field(default_factory=WriterStats)
     complete: dict[bytes, None] = field(default_factory=dict)  # insertion-ordered, bounded
-    # Records kept in RAM because their write failed (a full disk): the next insert of them
-    # writes them again. Bounded as `complete` is; one written since is dropped from it.
-    unwritten: dict[bytes, None] = field(default_factory=dict)
+    # Records the writer left out of the disk lately, and why: "write_failed" (kept in RAM: the
+    # next insert of them writes them again) or "under_evicted" (below a record the disk budget
+    # evicted as soon as it was written). Bounded as `complete` is; one written since leaves it.
+    left_out: dict[bytes, str] = field(default_factory=dict)
     # Whether the disk budget evicted a record as soon as it was written, lately (`DiskBudget`).
     wasted: Callable[[bytes, int], bool] = lambda h, role: False  # (record, the insert's role class)
-    kept_out: dict[bytes, str] = field(default_factory=dict)  # left out below such a record -> why (bounded)
     gate: "Gate | None" = None  # what may go to disk (None: everything)
     # Called before each record's copy and file: waits (bounded) while a restore runs, so that
     # the restore has the cores and the memory bandwidth (see `Writer.reading`).
@@ -167,21 +167,10 @@ class Destination:
     said: dict[str, tuple[float, int]] = field(default_factory=dict)  # failure -> (when last said, not said since)
 
     def remember_complete(self, h: bytes) -> None:
-        self.complete[h] = None
-        if len(self.complete) > COMPLETE_REMEMBERED:
-            del self.complete[next(iter(self.complete))]
+        _remember(self.complete, [h], None)
 
-    def remember_kept_out(self, hashes: list[bytes], why: str) -> None:
-        for h in hashes:
-            self.kept_out[h] = why
-        while len(self.kept_out) > COMPLETE_REMEMBERED:
-            del self.kept_out[next(iter(self.kept_out))]
-
-    def remember_unwritten(self, hashes: list[bytes]) -> None:
-        for h in hashes:
-            self.unwritten[h] = None
-        while len(self.unwritten) > COMPLETE_REMEMBERED:
-            del self.unwritten[next(iter(self.unwritten))]
+    def leave_out(self, hashes: list[bytes], why: str) -> None:
+        _remember(self.left_out, hashes, why)
 
     def count_error(self, e: BaseException) -> None:
         """A write that failed and was dropped: counted and logged, never raised to a caller; the
@@ -200,6 +189,14 @@ class Destination:
             self.said[said] = (now, 0)
         more = f"; {quiet} more like it since it was last said" if quiet else ""
         log.log(level, "kvstore: a write was dropped (%s)%s", said, more)
+
+
+def _remember(found: dict, keys: list, value) -> None:
+    """Add `keys` to `found` (insertion-ordered), the oldest forgotten past `COMPLETE_REMEMBERED`."""
+    for k in keys:
+        found[k] = value
+    while len(found) > COMPLETE_REMEMBERED:
+        del found[next(iter(found))]
 
 
 @dataclass

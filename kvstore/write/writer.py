@@ -151,12 +151,13 @@ class Writer:
 
     def unwritten(self, hashes: set[bytes]) -> set[bytes]:
         """Of `hashes`, those a tier holds in RAM only because their write failed: to write again."""
-        failed = self._dest.unwritten
-        return {h for h in hashes if h in failed} if failed else set()
+        left = self._dest.left_out
+        return {h for h in hashes if left.get(h) == "write_failed"} if left else set()
 
     def kept_out(self, h: bytes) -> str | None:
         """Why the writer left record `h` out lately, when no policy did ("under_evicted"), else None."""
-        return self._dest.kept_out.get(h)
+        why = self._dest.left_out.get(h)
+        return why if why == "under_evicted" else None
 
     def is_pending(self, h: bytes) -> bool:
         """Whether `h` is queued and not written yet."""
