@@ -527,3 +527,19 @@ def test_an_index_file_without_its_tables_is_not_called_missing(tmp_path, llama)
     assert f"the index {store / 'index.sqlite'} holds no tables but" in said.stderr
     repaired = run_cli("verify", "--repair", "--store", str(store), check=False)
     assert f"rebuilt the index from the blob files: {len(rows)} records" in repaired.stderr
+
+
+def test_lone_cr_line_endings_are_named():
+    """A file with old Mac line endings (a lone CR) reads as one line; its error said only
+    "Extra data at column 16", which does not tell the user what to change."""
+    import io
+
+    from kvstore.model.jsonl import PromptLine, parse_stream
+
+    got = [str(g) for g in parse_stream(io.BytesIO(b'{"prompt": "a"}\r{"prompt": "b"}\r'), "p.jsonl")]
+    assert got == ["p.jsonl:1: not valid JSON (Extra data at column 17): its lines end in a lone CR "
+                   "(old Mac line endings); save the file with LF or CRLF line endings"]
+    crlf = list(parse_stream(io.BytesIO(b'{"prompt": "a"}\r\n{"prompt": "b"}\r\n'), "p.jsonl"))
+    assert [type(g) for g in crlf] == [PromptLine, PromptLine]
+    two_values = [str(g) for g in parse_stream(io.BytesIO(b'{"prompt": "a"} {"prompt": "b"}\n'), "p.jsonl")]
+    assert two_values == ["p.jsonl:1: not valid JSON (Extra data at column 17)"]

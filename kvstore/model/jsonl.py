@@ -143,7 +143,10 @@ def parse_stream(f: BinaryIO, source: str) -> Iterator[Parsed]:
         try:
             obj = loads(text)
         except ValueError as e:  # (json.JSONDecodeError is one)
-            yield LineError(source, number, None, str(e))
+            lone_cr = "\r" in text.rstrip("\r") and "Extra data" in str(e)
+            yield LineError(source, number, None, str(e) + (
+                ": its lines end in a lone CR (old Mac line endings); save the file with LF or CRLF line endings"
+                if lone_cr else ""))
             continue
         except RecursionError:  # json.loads recurses once per level of [ or {
             yield LineError(source, number, None, "JSON nested too deeply")
