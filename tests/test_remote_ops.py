@@ -420,8 +420,17 @@ def test_warm_says_what_came_from_the_bucket_and_that_downloads_go_to_disk(tmp_p
     tiny = ("--model", str(demo_model_path), "--remote", url)
     out = cli("warm", "--store", str(tmp_path / "a"), "--prompts", str(prompts), *tiny)
     assert out.returncode == 0, out.stderr
+    # The first node says what it uploaded (every record the bucket holds), the second what it
+    # downloaded: its "bytes written: 0" is this disk's writer, not what the warm moved.
+    held = len(records(url))
+    assert held > 0 and f"bucket {url}: uploaded {held} records (" in out.stdout, out.stdout
+    assert "; downloaded 0 records (0 B, not in the bytes written)" in out.stdout, out.stdout
     out = cli("warm", "--store", str(tmp_path / "b"), "--prompts", str(prompts), *tiny)
     assert out.returncode == 0, out.stderr
+    m = re.search(rf"bucket {re.escape(url)}: uploaded 0 records \(0 B\); downloaded (\d+) records \(", out.stdout)
+    assert m and int(m.group(1)) == held and "bytes written: 0 " in out.stdout, out.stdout
+    day = cli("stats", "--store", str(tmp_path / "b")).stdout.splitlines()
+    assert any(re.search(r"  0 records \+ \S+ \S+ downloaded, ", line) for line in day), day
     lines = [line for line in out.stderr.splitlines() if line.startswith("[")]
     got = [re.search(r", (\d+) reused \((\d+) from the bucket\), ", line) for line in lines]
     assert len(lines) == 7 and all(m and 0 < int(m.group(2)) <= int(m.group(1)) for m in got), out.stderr

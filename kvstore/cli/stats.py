@@ -144,7 +144,9 @@ def _print_writes(writes: dict | None) -> None:
           "when the budget had room), else lost when their process exited")
     for day in writes["days"]:
         print(f"  {day['day']}  {format_size(day['bytes'] + day['downloaded']):>10}  "
-              f"{plural(day['records'], 'record')}, not admitted {day['not_admitted']}, "
+              f"{plural(day['records'], 'record')}"  # (downloads are bytes of the log, not records of it)
+              + (f" + {format_size(day['downloaded'])} downloaded" if day["downloaded"] else "")
+              + f", not admitted {day['not_admitted']}, "
               f"over budget {day['over_budget']}")
 
 

@@ -82,6 +82,8 @@ def cmd_warm(args) -> int:
         budget = disk_budget(store, on_store(args))
         if budget:
             print(budget)
+        if store.remote is not None:
+            print(_bucket_traffic(store.remote))
         undone = uploads_undone(store)
         if undone:
             print(f"remote: {undone}")
@@ -114,6 +116,17 @@ def _summary(totals: dict, skipped: int, planned: int, writer: dict, seconds: fl
     print(f"bytes written: {writer['bytes_written']} ({format_size(writer['bytes_written'])}, "
           f"{plural(writer['records_written'], 'record')})")
     print(f"time: {seconds:.1f} s")
+
+
+def _bucket_traffic(remote) -> str:
+    """What this process sent to the bucket and took from it: without it, a node that downloaded
+    what it warmed reads "bytes written: 0", and one that uploaded it is not told so."""
+    c = remote.counters
+    there = (f", {plural(c['already_there'], 'record')} already there ({format_size(c['already_there_bytes'])} "
+             "sent and read back)" if c["already_there"] else "")
+    return (f"bucket {remote.url}: uploaded {plural(c['uploads'], 'record')} ({format_size(c['upload_bytes'])})"
+            f"{there}; downloaded {plural(c['downloads'], 'record')} ({format_size(c['download_bytes'])}, "
+            "not in the bytes written)")
 
 
 def _write_failure(store) -> str:
