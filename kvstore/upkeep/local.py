@@ -15,6 +15,7 @@ import shutil
 import sqlite3
 import stat
 import threading
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Sequence
@@ -221,15 +222,17 @@ class LocalStore:
         return settings.resolve({}, self.index.settings(), warn=lambda m: log.warning("kvstore: %s", m),
                                 store=self.index.path.parent)
 
-    def auto_budget(self) -> tuple[int, str]:
-        """`max_bytes="auto"`: a quarter of the space the store could use at open (what it holds
-        plus its disk's free space). Unlike "held + a quarter of free", it does not grow with
-        every restart, and it shrinks when other files fill the disk."""
+    def auto_budget(self, now: bool = False) -> tuple[int, str]:
+        """`max_bytes="auto"`: a quarter of the space the store could use (what it holds plus its
+        disk's free space), at open, and again as a writer's budget checks (`now`: the rule then
+        says so; `tiers.disk.DiskBudget`). Unlike "held + a quarter of free", it does not grow
+        with every restart, and it shrinks when other files fill the disk."""
         held = self.index.totals()["bytes"]
         free = shutil.disk_usage(self.path).free
         budget = (held + free) // AUTO_SHARE
+        when = time.strftime("at %H:%M:%S", time.localtime()) if now else "at open"
         return budget, (f"auto: 1/{AUTO_SHARE} of ({held} bytes held + {free} bytes free on the "
-                        f"store's disk at open) = {budget} bytes")
+                        f"store's disk {when}) = {budget} bytes")
 
     def over_budget(self, max_bytes: int | None, tenant_max_bytes: int | None = None) -> bool:
         """Whether the store holds more than `max_bytes`, or a tenant more than `tenant_max_bytes`."""
