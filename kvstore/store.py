@@ -106,8 +106,8 @@ class Store:
         if value["buffer_cache_bytes"] is not None:  # (None keeps the bound another store set)
             buffers.set_bound(value["buffer_cache_bytes"])
         self.chunk_size = value["chunk_size"]
-        self.max_bytes = None if value["max_bytes"] == AUTO else value["max_bytes"]
-        self.max_bytes_rule: str | None = None  # how an automatic budget was found
+        self._max_bytes = None if value["max_bytes"] == AUTO else value["max_bytes"]
+        self._max_bytes_rule: str | None = None  # how an automatic budget was found (at open)
         self.ram_only = str(path) == MEMORY
         if self.ram_only and value["memory_bytes"] == 0:
             raise InvalidInputError("a RAM-only store needs memory_bytes > 0")
@@ -122,7 +122,7 @@ class Store:
         self.trust = self.files.trust(secrets) if self.files else None  # what tags its anchors (kvstore.trust)
         self.index, self.blob_root = (self.files.index, self.files.blob_root) if self.files else (None, None)
         if value["max_bytes"] == AUTO:
-            self.max_bytes, self.max_bytes_rule = self.files.auto_budget() if self.files else (
+            self._max_bytes, self._max_bytes_rule = self.files.auto_budget() if self.files else (
                 None, "auto: a RAM-only store writes no disk (memory_bytes bounds it)")
         writes = self.files is not None and not self.read_only
         self.settings = self._settings(given, writes)
@@ -134,8 +134,8 @@ class Store:
         self._tenant_secret: tuple[bytes, str] | None = None  # (secret, key id), made on first use
         self.events = self._publisher(events)
         self.gate = Gate(self.index if writes else None, value["admit"], value["max_write_rate"])
-        budget = DiskBudget(self.files, self.memory, self.max_bytes, self.tenant_max_bytes) \
-            if writes and (self.max_bytes is not None or self.tenant_max_bytes is not None) else None
+        budget = DiskBudget(self.files, self.memory, self._max_bytes, self.tenant_max_bytes,
+                            self._max_bytes_rule) if writes and (self._max_bytes is not None or self.tenant_max_bytes is not None) else None
         disk = DiskTier(self.index, self.blob_root, budget, self.trust) if self.files is not None else None
         self.writer = Writer(self.index if writes else None, self.blob_root if writes else None, self.memory,
                              value["max_pending_bytes"], fsync=fsync, gate=self.gate,
@@ -288,6 +288,14 @@ class Store:
         `timeout`, for at most `remote_flush_timeout`). False if the time ran out first."""
         return self.backing.flush(timeout)
 
+    max_bytes = property(lambda self: self._budget()[0], doc="The disk budget now (an automatic one is derived "
+                         "again as the writer checks it, `tiers.disk.AUTO_EVERY_S`).")
+    max_bytes_rule = property(lambda self: self._budget()[1], doc="How an automatic budget was derived last.")
+
+    def _budget(self) -> tuple[int | None, str | None]:
+        b = self.backing.budget
+        return (b.max_bytes, b.auto_rule) if b is not None and b.auto_rule else (self._max_bytes, self._max_bytes_rule)
+
     @property
     def counters(self) -> dict[str, int]:
         """This process's counters: records the disk tier quarantined, and the models' fetches
@@ -427,8 +435,8 @@ def open(path: str | os.PathLike | None = None, *, max_bytes: int | str | None =
     """Open (creating if needed) the store at `path`, `$KVSTORE_DIR` or `~/.cache/kvstore`.
 
     `max_bytes` bounds the disk (the writer evicts to stay within it); `max_bytes="auto"` sets it
-    at open to a quarter of (what the store holds + its disk's free space): `stats()` shows the
-    number and the rule.
+    to a quarter of (what the store holds + its disk's free space), at open and again every 30 s
+    as writes are checked against it: `stats()` shows the number and the rule.
 
     `path=kvstore.MEMORY` keeps everything in RAM (nothing is written); `memory_bytes=0` turns
     the memory tier off (every fetch reads the disk). A folder that is not a store (it holds
@@ -439,35 +447,27 @@ def open(path: str | os.PathLike | None = None, *, max_bytes: int | str | None =
     `"best_effort"`, `"wait_complete"`: see `kvstore.tiers.remote`), at most `remote_deadline`
     seconds when given. The fleet's secret is `remote_key` (32 bytes, or the base64url text
     `kvstore remote-key` prints), else `$KVSTORE_REMOTE_KEY`: a remote without one is refused.
-    `remote_flush_timeout` (seconds, default 10) bounds how long `flush()` and `close()` wait
-    for uploads.
+    `remote_flush_timeout` (seconds, default 10) bounds `flush()` and `close()`'s wait for uploads.
 
     `admit` says which records go to disk: `"all"` (the default), `"reused"` (a prefix asked
     for a second time, or warmed or pinned) or `"pinned"` (warmed and pinned only); the others
     stay in the memory tier. `max_write_rate="20GB/day"` (or `"500MB/h"`, or bytes per day)
     bounds what is written in any rolling day by automatic writes (`off`: no limit; 0 is refused).
     Warmed, prefilled and pinned prompts are always written and count against it. Both are kept
-    in the store: a later open that does not give them uses them. `stats()["writes"]` counts
-    what was written and kept out.
+    in the store for later opens; `stats()["writes"]` counts what was written and kept out.
 
     `disk_kv_bits=8` (or 4) stores the K/V of bf16/f16 attention layers quantized (lossy, about
-    half the bytes of bf16 at 8 bits); restored, they are the model's own cache class and dtype.
-    The store remembers the setting: later opens without it use it too (`0` turns it off). See
-    docs/kv8.md.
+    half the bytes of bf16 at 8 bits), restored as the model's own cache class and dtype; kept
+    for later opens (`0` turns it off). See docs/kv8.md.
 
-    `buffer_cache_bytes` bounds the freed restore memory mlx keeps for the next restore, for the
-    whole process (default: a quarter of RAM; 0: mlx's own limit).
-
-    `kv_events` publishes the store's records as vLLM's KV events (ZMQ, msgpack), for routers
-    that route by cache: vLLM's `KVEventsConfig` JSON (or a dict), e.g.
-    `{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:5557"}`, with `block_size`
-    (tokens per announced block, default 64, a divisor of `chunk_size`) and `encoding` ("map" or
-    "legacy"). Every bound model's records on disk are announced in the background after
-    `bind`; `stats()["events"]` counts what was published. See docs/serve.md.
+    `buffer_cache_bytes` bounds the freed restore memory mlx keeps for the next restore, process-
+    wide (default: a quarter of RAM; 0: mlx's own limit). `kv_events` publishes the records as
+    vLLM's KV events (ZMQ, msgpack) for routers: vLLM's `KVEventsConfig` JSON or a dict, with
+    `block_size` (default 64, a divisor of `chunk_size`) and `encoding` ("map" or "legacy").
 
     Every setting is a row of `kvstore.settings.STORE_SETTINGS` (its kind, default, whether the
-    store keeps it, what 0 means); sizes, rates and durations may be given as text ("2GiB",
-    "20GB/day", "10s"), and `stats()["settings"]` tells each one's value and source.
+    store keeps it, what 0 means); sizes, rates and durations may be text ("2GiB", "20GB/day",
+    "10s"); `stats()["settings"]` tells each one's value and source.
     `defaults` (`{name: value}`) are an interface's own defaults (`kvstore serve`'s automatic
     disk budget), used where a setting is neither given nor kept and reported as `default`.
     """

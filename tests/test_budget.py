@@ -54,6 +54,57 @@ def test_auto_budget_is_enforced_and_counts_what_the_store_holds(tmp_path, llama
         assert 0 < store.stats()["bytes"] <= budget
 
 
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 64 MiB tmpfs of its own (skipped where none can be mounted): its free space is the
+    test's to take, whatever else the machine's disks do."""
+    import subprocess
+
+    mount = tmp_path / "mnt"
+    mount.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m,mode=0700", "tmpfs", str(mount)],
+                          capture_output=True, text=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({made.stderr.strip()})")
+    try:
+        yield mount
+    finally:
+        if subprocess.run(["umount", str(mount)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+def test_an_auto_budget_shrinks_when_other_files_fill_the_disk_while_the_store_is_open(small_disk, llama,
+                                                                                        monkeypatch, caplog):
+    """The budget is derived again as writes are checked against it (here at every check: the
+    interval is set to 0, so nothing waits on a clock): another process's file that takes most of
+    the free space brings it down, and the next write evicts down to the new budget."""
+    monkeypatch.setattr("kvstore.tiers.disk.AUTO_EVERY_S", 0.0)
+    path, model = llama
+    with kvstore.open(small_disk / "s", chunk_size=16, max_bytes="auto") as store:
+        mc = store.bind(model, path)
+        for first_token in (1, 2, 3):  # three prompts that share nothing
+            tokens = [first_token] + list(range(100, 219))
+            mc.insert(tokens, prefill(model, tokens))
+        store.flush()
+        first, held = store.stats()["max_bytes"], store.stats()["bytes"]
+        assert held > 0 and first > 10 * held  # (about 16 MiB: 64 MiB free / 4)
+        # Another process's file takes the disk down to about what the store holds free.
+        filler = shutil.disk_usage(small_disk).free - held
+        with open(small_disk / "other-file", "wb") as f:
+            f.truncate(0)
+            f.write(b"\0" * filler)
+        more = [4] + list(range(100, 219))
+        with caplog.at_level("WARNING", logger="kvstore"):
+            mc.insert(more, prefill(model, more))
+            store.flush()
+            store.backing.budget.settle()
+        stats = store.stats()
+    assert stats["max_bytes"] < held < first, (stats["max_bytes"], held, first)
+    assert 0 < stats["bytes"] <= stats["max_bytes"]
+    assert "free on the store's disk at " in stats["max_bytes_rule"] and "at open" not in stats["max_bytes_rule"]
+    assert any("the automatic disk budget is now" in r.getMessage() for r in caplog.records)
+
+
 def test_ram_only_auto_has_no_disk_budget():
     with kvstore.open(kvstore.MEMORY, max_bytes="auto") as store:
         stats = store.stats()

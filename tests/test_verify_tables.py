@@ -298,3 +298,48 @@ def test_a_copy_beside_the_index_that_a_rebuild_would_read_wrong_is_reported_and
 
 def good_rate(store: Path) -> str:
     return json.loads((store / "index.settings").read_text())["kvstore kept settings 1"]["max_write_rate"]
+
+
+def damage_index(db: Path, damage: str) -> None:
+    """Break the index file `db` (its WAL checkpointed into it first) as damage does."""
+    sql(db.parent, "PRAGMA wal_checkpoint(TRUNCATE)")
+    if damage == "children dropped":
+        sql(db.parent, "DROP TABLE children")
+        return
+    con = sqlite3.connect(db)
+    page = con.execute("PRAGMA page_size").fetchone()[0]
+    table = "models" if damage == "models page reads empty" else "records"
+    pages = [n for (n,) in con.execute("SELECT pageno FROM dbstat WHERE name = ?", (table,))]
+    con.close()
+    data = bytearray(db.read_bytes())
+    for n in pages:
+        at = (n - 1) * page
+        if damage == "models page reads empty":  # a leaf of a table with no cells: well formed, no rows
+            data[at : at + page] = bytes(page)
+            data[at] = 13
+            data[at + 5 : at + 7] = page.to_bytes(2, "big") if page < 65536 else bytes(2)
+        else:
+            data[at : at + 400] = bytes(400)  # the b-tree page header and its first cells
+    db.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage", ["models page reads empty", "children dropped", "records pages zeroed"])
+def test_stats_gc_and_verify_refuse_a_damaged_index_and_change_nothing_and_repair_rebuilds_it(tmp_path, llama, damage):
+    """A damaged index is an error naming `verify --repair` for every maintenance command (stats
+    said "models: 0", exit 0, for a models page that reads as empty; gc evicted through it);
+    none of them writes the index or deletes a blob; the repair gives back every record."""
+    store = tmp_path / "s"
+    rows = warm(store, llama)
+    db = store / "index.sqlite"
+    damage_index(db, damage)
+    damaged, files = db.read_bytes(), sorted(blobtree.walk(store / "blobs"))
+    for args in (["stats"], ["stats", "--json"], ["gc", "--max-bytes", "0"], ["gc", "--max-age", "1s"], ["verify"]):
+        out = kv(*args, "--store", store, home=tmp_path)
+        assert out.returncode == 1 and f"`kvstore verify --repair --store {store}`" in out.stderr, (args, out)
+        assert "models:" not in out.stdout and out.stdout == "", (args, out.stdout)
+    assert db.read_bytes() == damaged and sorted(blobtree.walk(store / "blobs")) == files
+    out = kv("verify", "--repair", "--store", store, home=tmp_path)
+    assert out.returncode == 1 and "rebuilt the index from the blob files" in out.stderr, out
+    assert kv("verify", "--store", store, home=tmp_path).returncode == 0
+    stats = json.loads(kv("stats", "--json", "--store", store, home=tmp_path).stdout)
+    assert len(stats["models"]) == 1 and stats["chunks"] + stats["tails"] + stats["checkpoints"] == len(rows)

@@ -99,6 +99,12 @@ def _run(command: Callable[[], int], prog: str = PROG) -> int:
         say(f"{prog}: error: {_os_message(e)}")
         return EXIT_PROBLEMS
     except sqlite3.Error as e:  # the index failed under the command (a full disk, its -wal taken away)
+        from kvstore.storage.schema import is_corruption
+
+        if isinstance(e, sqlite3.DatabaseError) and is_corruption(e):  # (not passing: running it again fails again)
+            say(f"{prog}: error: the store's index is damaged ({e}); nothing more was changed: run `{PROG} verify "
+                "--repair` (with the command's --store) to rebuild it from the blob files")
+            return EXIT_PROBLEMS
         full = "full" in str(e)
         say(f"{prog}: error: the store's index failed ({e})" + (
             ": free some space on the store's disk (gc needs a little to record what it deletes), then run "

@@ -52,10 +52,12 @@ def _local(files) -> dict:
     from kvstore import settings
     from kvstore.write.budget import summary
 
-    resolved = files.settings()
-    writes = summary(files.index, policy=resolved["admit"][0], per_day=resolved["max_write_rate"][0],
-                     days=WRITE_DAYS)
-    return {**files.stats(), "read_only": files.read_only, "writes": writes, "settings": settings.report(resolved)}
+    stats = files.stats()  # (first: it checks the index, and refuses a damaged one)
+    with files.damage_is_an_error():
+        resolved = files.settings()
+        writes = summary(files.index, policy=resolved["admit"][0], per_day=resolved["max_write_rate"][0],
+                         days=WRITE_DAYS)
+    return {**stats, "read_only": files.read_only, "writes": writes, "settings": settings.report(resolved)}
 
 
 def cmd_stats(args) -> int:

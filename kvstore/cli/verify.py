@@ -113,7 +113,8 @@ def cmd_verify(args) -> int:
     try:
         with open_local(args, must_exist=True, read_only=None if not args.repair else False) as files:
             trust, checked = _local_trust(args, files)
-            before = files.index.totals()["bytes"] if args.repair else None
+            with files.damage_is_an_error():  # (a page it cannot read: rebuilt below, as any damage)
+                before = files.index.totals()["bytes"] if args.repair else None
             problems = files.verify(repair=args.repair, force=args.force, trust=trust)
             if args.repair and problems:  # what the records repair dropped held, as `stats` counts it
                 held = (files.index.totals()["bytes"], before)

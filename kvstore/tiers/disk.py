@@ -77,6 +77,9 @@ FRESH_REMEMBERED = 4096
 #: A record the budget evicted as soon as it was written is not written again for this long (it
 #: would be evicted again: what the budget holds is kept ahead of it).
 WASTED_FOR_S = 60.0
+#: An automatic budget (`max_bytes="auto"`) is derived again at a check at most this often: other
+#: files may fill the disk while the store is open (it costs a statvfs and one query).
+AUTO_EVERY_S = 30.0
 
 
 class AccessTimes:
@@ -109,8 +112,11 @@ class DiskBudget:
     is over it, one at a time; checks asked for while one runs make it check once more."""
 
     def __init__(self, files: "LocalStore", memory: "MemoryTier", max_bytes: int | None,
-                 tenant_max_bytes: int | None = None):
+                 tenant_max_bytes: int | None = None, auto: str | None = None):
         self.files, self.memory, self.max_bytes = files, memory, max_bytes
+        # `auto`: how an automatic `max_bytes` was derived (`LocalStore.auto_budget`), which
+        # `_rederive` does again, at most every `AUTO_EVERY_S`; None: a budget that was given.
+        self.auto_rule, self._derived = auto, time.monotonic()
         self.tenant_max_bytes = tenant_max_bytes  # each tenant's share of the disk
         self._cond = threading.Condition()
         self._due = self._running = False
@@ -199,6 +205,17 @@ class DiskBudget:
         with self._cond:
             return self._cond.wait_for(lambda: not self._running, timeout)
 
+    def _rederive(self) -> None:
+        """An automatic budget derived again, when the last derivation is `AUTO_EVERY_S` old."""
+        if self.auto_rule is None or time.monotonic() - self._derived < AUTO_EVERY_S:
+            return
+        self._derived = time.monotonic()
+        was = self.max_bytes
+        self.max_bytes, self.auto_rule = self.files.auto_budget(now=True)
+        if was is not None and self.max_bytes < was * 0.9:  # (the disk filled: said, as it evicts now)
+            log.warning("kvstore: the automatic disk budget is now %d bytes (was %d): other files took space on "
+                        "the store's disk; %s", self.max_bytes, was, self.auto_rule)
+
     def _run(self) -> None:
         try:
             while True:
@@ -210,6 +227,7 @@ class DiskBudget:
                     self._due = False
                     fresh, self._fresh = self._fresh, {}
                 try:
+                    self._rederive()
                     if self.files.over_budget(self.max_bytes, self.tenant_max_bytes):
                         done = evict(self.files, self.memory, max_bytes=self.max_bytes,
                                      tenant_max_bytes=self.tenant_max_bytes, keep_hashes=True)

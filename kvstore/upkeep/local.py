@@ -15,13 +15,14 @@ import shutil
 import sqlite3
 import stat
 import threading
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Sequence
 
 from kvstore import settings
 from kvstore.errors import InvalidInputError, StoreOpenError
-from kvstore.storage import blobtree
+from kvstore.storage import blobtree, schema
 from kvstore.storage.index import Index, is_corruption
 from kvstore.storage.stale import status_of_copies as model_status
 from kvstore.storage.storedir import (
@@ -104,19 +105,30 @@ class LocalStore:
                 raise self.index.corrupt(e) from e
             raise
 
-    def check_pages(self) -> None:
-        """SQLite's own check of the index's pages (`PRAGMA quick_check`): a damaged page can read
-        as rows of NULLs, or fail only the queries that reach it, so reading every row is not
-        enough. Raises the index's `CorruptIndexError`, naming the first damage found."""
-        found = [line for (line,) in self.index.conn.execute("PRAGMA quick_check(3)")]
-        if found != ["ok"]:
-            said = (" ".join(line.replace("*** in database main ***", "").split()) for line in found)
-            raise self.index.corrupt("; ".join(said))
+    def check_pages(self, *, whole: bool = True) -> None:
+        """SQLite's own check of the index (`PRAGMA integrity_check`): a damaged page can read as
+        rows of NULLs, as a table with no rows (stats said "models: 0"), or fail only the queries
+        that reach it, so reading every row is not enough. `whole=False` checks the small tables
+        only (models, totals, meta...: milliseconds at any size), for stats and gc. Either way,
+        every table, index and trigger the migrations make must be there. Raises the index's
+        `CorruptIndexError`, naming the first damage found; writes nothing."""
+        missing = expected_schema() - {(t, n) for t, n in self.index.conn.execute(
+            "SELECT type, name FROM sqlite_master WHERE name NOT LIKE 'sqlite_%'")}
+        if missing and not self.index.pending():  # (an older index lacks the newer ones until migrated)
+            raise self.index.corrupt("it has no " + ", ".join(f"{n} {t}" for t, n in sorted(missing)))
+        tables = [None] if whole else [t for t in SMALL_TABLES if ("table", t) not in missing]
+        for table in tables:
+            pragma = "PRAGMA integrity_check(3)" if table is None else f"PRAGMA integrity_check('{table}')"
+            found = [line for (line,) in self.index.conn.execute(pragma)]
+            if found != ["ok"]:
+                said = (" ".join(line.replace("*** in database main ***", "").split()) for line in found[:3])
+                raise self.index.corrupt("; ".join(said))
 
     def stats(self) -> dict[str, Any]:
         """What the directory holds: totals, one dict per model version (with whether its files
         changed), quarantined records and the files `verify --repair` moved aside."""
         with self.damage_is_an_error():
+            self.check_pages(whole=False)
             out: dict[str, Any] = {"path": str(self.path), **self.index.totals()}
             out["models"] = self.index.models()
             found = self.model_status(rehash=False)  # no hashing here: stats stays fast
@@ -153,6 +165,7 @@ class LocalStore:
         if not dry_run:
             self.check_writable("gc")
         with self.gc_lock, self.damage_is_an_error():
+            self.check_pages(whole=False)  # (before anything is written: a damaged index is rebuilt, not written)
             old: set[bytes] = set()
             if stale or (max_bytes is not None and self.over_budget(max_bytes)):
                 # Before anything is deleted, a changed file is hashed again: same bytes, not stale.
@@ -221,15 +234,17 @@ class LocalStore:
         return settings.resolve({}, self.index.settings(), warn=lambda m: log.warning("kvstore: %s", m),
                                 store=self.index.path.parent)
 
-    def auto_budget(self) -> tuple[int, str]:
-        """`max_bytes="auto"`: a quarter of the space the store could use at open (what it holds
-        plus its disk's free space). Unlike "held + a quarter of free", it does not grow with
-        every restart, and it shrinks when other files fill the disk."""
+    def auto_budget(self, now: bool = False) -> tuple[int, str]:
+        """`max_bytes="auto"`: a quarter of the space the store could use (what it holds plus its
+        disk's free space), at open, and again as a writer's budget checks (`now`: the rule then
+        says so; `tiers.disk.DiskBudget`). Unlike "held + a quarter of free", it does not grow
+        with every restart, and it shrinks when other files fill the disk."""
         held = self.index.totals()["bytes"]
         free = shutil.disk_usage(self.path).free
         budget = (held + free) // AUTO_SHARE
+        when = time.strftime("at %H:%M:%S", time.localtime()) if now else "at open"
         return budget, (f"auto: 1/{AUTO_SHARE} of ({held} bytes held + {free} bytes free on the "
-                        f"store's disk at open) = {budget} bytes")
+                        f"store's disk {when}) = {budget} bytes")
 
     def over_budget(self, max_bytes: int | None, tenant_max_bytes: int | None = None) -> bool:
         """Whether the store holds more than `max_bytes`, or a tenant more than `tenant_max_bytes`."""
@@ -240,6 +255,22 @@ class LocalStore:
         """One dict per tenant that has records: its `tenant` tag, `records` and `bytes`."""
         with self.damage_is_an_error():
             return [{"tenant": tag, "records": n, "bytes": size} for tag, (n, size) in self.index.tenant_totals().items()]
+
+
+#: The tables `check_pages(whole=False)` checks: each a few rows per model, tenant or setting.
+SMALL_TABLES = ("schema_migrations", "meta", "models", "totals", "tenant_totals", "model_files")
+
+
+@functools.cache
+def expected_schema() -> frozenset[tuple[str, str]]:
+    """(type, name) of every table, index and trigger the migrations make, as SQLite names them
+    after running them all on an empty index in memory (once per process)."""
+    conn = sqlite3.connect(":memory:", isolation_level=None)
+    try:
+        schema.migrate(conn, Path(":memory:"))
+        return frozenset(conn.execute("SELECT type, name FROM sqlite_master WHERE name NOT LIKE 'sqlite_%'"))
+    finally:
+        conn.close()
 
 
 def folder_usage(folder: Path) -> dict[str, int]:
