@@ -724,10 +724,11 @@ def test_a_hybrid_models_pack_carries_its_checkpoint(tmp_path, demo_model):
     doc = json.loads((tmp_path / "pack" / "manifest.json").read_text())
     tokens = tokens_of(model, PROMPT)
     assert len(doc["prompts"][0]["records"]) == len(tokens) // 256 + 2  # chunks, the tail, its checkpoint
+    assert len(doc["prompts"][0]["resume"]) == 2  # the tail and checkpoint one token short of its end
     result = run_cli("pack", "import", tmp_path / "pack", "--store", tmp_path / "b", "--model", model)
-    assert "1 canary not replayable" in result.stdout  # its step is before the end checkpoint
-    # A follow-up request restores the whole prompt from its checkpoint (the prompt alone cannot be:
-    # at least one token is left to compute, and no checkpoint is one token short of its end).
+    assert "1 canary by a replayed step" in result.stdout  # from the checkpoint one token short of the end
+    # A follow-up request restores the whole prompt from its checkpoint (the prompt alone, all but
+    # its last token: at least one token is left to compute; tests/test_packs_hybrid.py).
     got = run_procs("check", tmp_path / "b", model, 256, tokens + tokens_of(model, " And then?"))
     assert got["reused"] == len(tokens) and got["max_abs_diff"] < 1e-3
 

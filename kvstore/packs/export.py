@@ -110,11 +110,9 @@ def export_pack(store, mc, model_dir: Path, tokenizer, prompts: list[np.ndarray]
     if missing:
         raise PackError(f"{len(missing)} of the prompts' {len(wanted)} records did not reach the disk (a full "
                         "disk, or a write that failed: see `kvstore stats`): nothing exported")
-    if mc.checkpointed:  # the shared checkpoints within each prompt that the store holds go too (a restore point each)
-        chains = [with_checkpoints(chain, {h for h, r in store.index.rows_of([checkpoint_of(s).hash for s in chain]).items()
-                                           if getattr(r, "tenant", None) is None}) for chain in chains]
-        wanted = list(dict.fromkeys(s.hash for chain in chains for s in chain))
-        rows = store.index.rows_of(wanted)
+    chains, resumes = _restore_points(store, mc, prompts, chains)
+    wanted = list(dict.fromkeys(s.hash for chain, more in zip(chains, resumes) for s in chain + more))
+    rows = store.index.rows_of(wanted)
     shared_only(list(rows.values()))
     # Made under its own name (the signature names the folder) in a temporary folder beside `out`.
     staging = out.parent / f".{out.name}.tmp-{os.getpid()}-{os.urandom(4).hex()}"
@@ -132,13 +130,14 @@ def export_pack(store, mc, model_dir: Path, tokenizer, prompts: list[np.ndarray]
             if bits:  # kept for the replay below (it holds every record of the pack in RAM anyway)
                 held[h.hex()] = (tokens, data)
         if bits and canaries:
-            _replayed_canaries(mc, bits, tmp, prompts, chains, held, records, canaries, writing)
+            _replayed_canaries(mc, bits, tmp, prompts, [c + m for c, m in zip(chains, resumes)], held, records,
+                               canaries, writing)
         manifest = Manifest(
             record_format=keys.FORMAT_VERSION, fingerprint=mc.fingerprint.hex(), files=ident.files,
             tokenizer=ident.tokenizer, chat_template=ident.chat_template, namespace=mc.ns.hex(),
             layout=mc.layout, chunk_size=mc.chunk_size, disk_kv_bits=bits,
-            prompts=tuple(Prompt(len(t), sha256(keys.token_bytes(t)), tuple(s.hash.hex() for s in chain))
-                          for t, chain in zip(prompts, chains)),
+            prompts=tuple(Prompt(len(t), sha256(keys.token_bytes(t)), tuple(s.hash.hex() for s in chain),
+                                 tuple(s.hash.hex() for s in more)) for t, chain, more in zip(prompts, chains, resumes)),
             records=records, canaries=canaries)
         with writing:
             (tmp / MANIFEST).write_bytes(manifest.to_json())
@@ -188,6 +187,28 @@ def _not_within_another(prompts: list[np.ndarray], own: Callable[[np.ndarray], b
         if not inside or (not any(np.array_equal(u, t) for u in prompts[:i]) and own(t)):
             kept.append(t)
     return kept
+
+
+def _restore_points(store, mc, prompts: list[np.ndarray], chains: list[list]) -> tuple[list[list], list[list]]:
+    """Each prompt's chain with the shared checkpoints within it that the store holds (a model
+    with recurrent layers: a restore point each), and its records at its last token but one
+    (`_resume`)."""
+    if mc.checkpointed:
+        chains = [with_checkpoints(chain, {h for h, r in store.index.rows_of([checkpoint_of(s).hash for s in chain]).items()
+                                           if getattr(r, "tenant", None) is None}) for chain in chains]
+    return chains, [_resume(store, mc, t, chain) for t, chain in zip(prompts, chains)]
+
+
+def _resume(store, mc, tokens: np.ndarray, chain: list) -> list:
+    """The records of `tokens` at its last token but one that are not in its `chain` and that the
+    store holds, all of them (shared), or none: `prefill` stores them where a model restores only
+    at a checkpoint or a whole window, and the same prompt asked again resumes from them
+    (`ModelCache.resume_records`). Without them the importing store would recompute that prompt."""
+    have = {s.hash for s in chain}
+    more = [s for s in mc.resume_records(np.asarray(tokens)) if s.hash not in have]
+    rows = store.index.rows_of([s.hash for s in more]) if more else {}
+    held = len(rows) == len(more) and all(getattr(r, "tenant", None) is None for r in rows.values())
+    return more if held else []
 
 
 def _held(store, mc, tokens: np.ndarray) -> bool:

@@ -8,8 +8,10 @@ a record's blob as the store keeps it, without the exporter's `model_id`), and, 
 - `model`: kvstore's fingerprint of the model, the SHA-256 of each file it covers (`config.json`
   and the weight files), of each tokenizer file, and of the chat template's text (or null);
 - `namespace`, `layout`, `chunk_size`, `disk_kv_bits`: where the records live and how they are cut;
-- `prompts`: per prompt, its token count, the SHA-256 of its token ids (little-endian int32) and
-  the chain of its record hashes, parents first;
+- `prompts`: per prompt, its token count, the SHA-256 of its token ids (little-endian int32), the
+  chain of its record hashes, parents first, and (`resume`, only where there are any) the records
+  stored at its last token but one besides them, where the same prompt asked again resumes on a
+  model that restores only at a checkpoint or a whole window (`ModelCache.resume_records`);
 - `records`: per record hash, its blob's size and SHA-256;
 - `canaries`: per record hash, the canary fields its blob's header carries (none if no record has any).
 
@@ -52,11 +54,13 @@ def sha256(data) -> str:
 
 @dataclass(frozen=True)
 class Prompt:
-    """One prompt of a pack: how many tokens, their SHA-256, its records (hex), parents first."""
+    """One prompt of a pack: how many tokens, their SHA-256, its records (hex), parents first,
+    and the records where the same prompt asked again resumes (hex, parents first)."""
 
     tokens: int
     tokens_sha256: str
     records: tuple[str, ...]
+    resume: tuple[str, ...] = ()  # the records at its last token but one, beside `records` (hex)
 
 
 @dataclass(frozen=True)
@@ -81,8 +85,8 @@ class Manifest:
                       "chat_template": self.chat_template},
             "namespace": self.namespace, "layout": self.layout, "chunk_size": self.chunk_size,
             "disk_kv_bits": self.disk_kv_bits,
-            "prompts": [{"tokens": p.tokens, "tokens_sha256": p.tokens_sha256, "records": list(p.records)}
-                        for p in self.prompts],
+            "prompts": [{"tokens": p.tokens, "tokens_sha256": p.tokens_sha256, "records": list(p.records),
+                         **({"resume": list(p.resume)} if p.resume else {})} for p in self.prompts],
             "records": {h: {"bytes": n, "sha256": s} for h, (n, s) in self.records.items()},
             "canaries": self.canaries,
         }
@@ -114,7 +118,7 @@ def parse(data: bytes) -> Manifest:
     _keys(model, _MODEL_FIELDS, "model")
     records = _records(doc["records"])
     prompts = tuple(_prompt(p, i, records) for i, p in enumerate(_list(doc["prompts"], "prompts")))
-    used = {h for p in prompts for h in p.records}
+    used = {h for p in prompts for h in (*p.records, *p.resume)}
     if set(records) != used:
         raise PackError(f"{MANIFEST}: records {sorted(set(records) ^ used)[:3]} are listed but in no prompt, "
                         "or in a prompt but not listed")
@@ -136,10 +140,10 @@ def parse(data: bytes) -> Manifest:
         prompts=prompts, records=records, canaries=canaries)
 
 
-def _keys(obj: Any, fields: tuple, where: str) -> None:
+def _keys(obj: Any, fields: tuple, where: str, optional: tuple = ()) -> None:
     if not isinstance(obj, dict):
         raise PackError(f"{MANIFEST}: {where} must be an object")
-    extra, missing = sorted(set(obj) - set(fields)), sorted(set(fields) - set(obj))
+    extra, missing = sorted(set(obj) - set(fields) - set(optional)), sorted(set(fields) - set(obj))
     if extra or missing:
         what = ([f"fields it should not have: {', '.join(map(repr, extra))}"] if extra else []) + \
                ([f"no {', '.join(map(repr, missing))}"] if missing else [])
@@ -189,14 +193,20 @@ def _records(v: Any) -> dict[str, tuple[int, str]]:
 
 def _prompt(p: Any, i: int, records: dict) -> Prompt:
     where = f"prompts[{i}]"
-    _keys(p, ("tokens", "tokens_sha256", "records"), where)
-    hashes = _list(p["records"], f"{where}.records")
+    _keys(p, ("tokens", "tokens_sha256", "records"), where, optional=("resume",))
+    hashes = _listed(_list(p["records"], f"{where}.records"), f"{where}.records", records)
+    resume = _listed(_list(p["resume"], f"{where}.resume"), f"{where}.resume", records) if "resume" in p else ()
+    return Prompt(_int(p["tokens"], f"{where}.tokens", 1, 1 << 31),
+                  _hex(p["tokens_sha256"], _HEX64, f"{where}.tokens_sha256"), hashes, resume)
+
+
+def _listed(hashes: list, where: str, records: dict) -> tuple[str, ...]:
+    """Record hashes of a prompt, each one the pack lists."""
     for h in hashes:
-        _hex(h, _HEX32, f"{where}.records")
+        _hex(h, _HEX32, where)
         if h not in records:
             raise PackError(f"{MANIFEST}: {where} names record {h}, which the pack does not list")
-    return Prompt(_int(p["tokens"], f"{where}.tokens", 1, 1 << 31),
-                  _hex(p["tokens_sha256"], _HEX64, f"{where}.tokens_sha256"), tuple(hashes))
+    return tuple(hashes)
 
 
 def _canaries(v: Any, records: dict) -> dict[str, dict[str, str]]:

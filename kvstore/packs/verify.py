@@ -9,7 +9,8 @@
 3. the chain: each prompt's token ids, read from its blobs, have the manifest's count and SHA-256
    (where they do not, the reason names the first blob whose header names another record than
    the one the manifest puts there: blobs swapped or renamed), and hash to the manifest's chain
-   of records; no blob is a tenant's record (a tenant's records never leave its store);
+   of records, and to its records at the prompt's last token but one (`resume`) where it lists
+   any; no blob is a tenant's record (a tenant's records never leave its store);
 4. each blob's SHA-256;
 5. each record's own checks: every tensor's checksum, its header naming the record it is in the
    chain (`records.check`, the one check every tier uses), and its tensors fitting the model's shapes;
@@ -355,10 +356,25 @@ def _chain(m: Manifest, blobs: dict[str, bytes], mc) -> tuple[dict[str, tuple[Sp
             k = next((j for j, (a, b) in enumerate(zip(got, p.records)) if a != b), min(len(got), len(p.records)))
             raise PackError(f"prompt {i + 1}: the chain recomputed from its tokens differs from {MANIFEST}'s "
                             f"prompts[{i}].records at record {k + 1} of {len(p.records)}")
-        for s in chain:
+        for s in chain + _resume(i, p, tokens, chain, mc):
             spans.setdefault(s.hash.hex(), (s, i))
         prompts.append(tokens)
     return spans, prompts
+
+
+def _resume(i: int, p: Prompt, tokens: np.ndarray, chain: list[Span], mc) -> list[Span]:
+    """The records of prompt `i` at its last token but one that the manifest lists (`resume`),
+    checked against those its tokens give (`ModelCache.resume_records`, less its chain's): where
+    the same prompt asked again resumes on a model that restores only at a checkpoint or a whole
+    window. A pack may have none (an older one, or the exporting store held none)."""
+    if not p.resume:
+        return []
+    have = {s.hash for s in chain}
+    want = [s for s in mc.resume_records(tokens) if s.hash not in have]
+    if [s.hash.hex() for s in want] != list(p.resume):
+        raise PackError(f"prompt {i + 1}: {MANIFEST}'s prompts[{i}].resume is not the records its tokens give at "
+                        f"its last token but one ({plural(len(want), 'record')} for this model)")
+    return want
 
 
 def with_checkpoints(chain: list[Span], have) -> list[Span]:
@@ -416,7 +432,7 @@ def _tokens_differ(p: Prompt, i: int, count: int, named: list[str | None], damag
 
 def _ordered(m: Manifest) -> list[str]:
     """Every record once, parents first (the chains' order)."""
-    return list(dict.fromkeys(h for p in m.prompts for h in p.records))
+    return list(dict.fromkeys(h for p in m.prompts for h in (*p.records, *p.resume)))
 
 
 def _record(span: Span, prompt: int, blob: bytes, mc) -> Checked:
