@@ -34,6 +34,22 @@ def test_misshapen_fields_are_refused_by_name(demo_model, tmp_path):
             ({"messages": HI, "seed": -1}, "seed"),
             ({"messages": HI, "stream": True, "stream_options": "usage"}, "stream_options"),
             ({"messages": HI, "stream": True, "stream_options": {"include_usage": "yes"}}, "include_usage"),
+            # Stock, these padded the prompt past the context check (max_length 40000 is minutes of
+            # prefill with every other request waiting), failed the generation loop, or answered
+            # 404 or 500 with a bare Python message.
+            ({"messages": HI, "chat_template_kwargs": {"padding": "max_length", "max_length": 300}}, "max_length"),
+            ({"messages": HI, "chat_template_kwargs": {"return_tensors": "np"}}, "sets return_tensors"),
+            ({"messages": HI, "chat_template_kwargs": {"tokenize": False}}, "sets tokenize"),
+            ({"messages": HI, "chat_template_kwargs": {"chat_template": "{{ 1 }}"}}, "sets chat_template"),
+            ({"messages": HI, "logit_bias": {"5": None}}, 'logit_bias["5"] is a JSON null'),
+            ({"messages": [{"role": "assistant", "tool_calls": "x"}, *HI]}, "messages[0].tool_calls is a JSON string"),
+            ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"arguments": "{"}}]}, *HI]},
+             "messages[0].tool_calls[0].function.arguments is not JSON"),
+            ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": 5}]}]}, "without a string url"),
+            ({"messages": HI, "model": 5}, "its model is a JSON number"),  # (stock: "requested_model ...")
+            ({"messages": HI, "draft_model": 5}, "its draft_model is a JSON number"),  # (stock: a 404)
+            ({"messages": HI, "max_tokens": True}, "max_tokens is a JSON boolean"),  # (stock: one token)
+            ({"messages": HI, "max_completion_tokens": "x"}, "max_completion_tokens is a JSON string"),
         ]
         for body, named in refused:
             r = requests.post(chat, json={"max_tokens": 2, **body}, timeout=REQUEST_TIMEOUT)
@@ -51,6 +67,9 @@ def test_misshapen_fields_are_refused_by_name(demo_model, tmp_path):
                           b"Content-Length: -1\r\n\r\n{}" % path)
                 answer = s.makefile("rb").read()  # (then the server closes the connection)
             assert answer.startswith(b"HTTP/1.0 400") and b"Content-Length header: -1 is negative" in answer, answer
+        r = requests.post(chat, json={"messages": HI, "max_tokens": 2, "chat_template_kwargs": {"enable_thinking": False}},
+                          timeout=REQUEST_TIMEOUT)  # (a variable of the template is no argument of the call)
+        assert r.status_code == 200, r.text
         text, usage = ask(server, messages=HI, max_tokens=2, seed=2**64 - 1)
         assert usage["completion_tokens"] == 2
         assert server.stop() == 0

@@ -20,6 +20,15 @@ CHAT_PATHS = ("/v1/chat/completions", "/chat/completions", "/v1/chat/completions
 #: Content part types mlx_lm.server takes: text, and images (for a vision model).
 IMAGE_PARTS = ("image_url", "input_image", "image")
 MAX_SEED = 2**64 - 1  # (mlx.random.seed takes an unsigned 64-bit integer)
+#: apply_chat_template's own arguments, which mlx_lm.server lets `chat_template_kwargs` override:
+#: `padding`/`max_length` pad the prompt past the context check (minutes of prefill, every other
+#: request waiting), `return_tensors` kills the generation loop, `chat_template` runs the client's
+#: own template; the rest fail as a 404 with a bare Python message. Template variables stay allowed.
+RESERVED_TEMPLATE_KWARGS = ("add_generation_prompt", "chat_template", "continue_final_message", "conversation",
+                            "documents", "max_length", "messages", "padding", "return_assistant_tokens_mask",
+                            "return_dict", "return_tensors", "tokenize", "tokenizer_kwargs", "tools", "truncation")
+#: Fields mlx_lm.server reads as names (of a model, an adapter): a string or absent.
+NAME_FIELDS = ("model", "draft_model", "adapters")
 
 
 def body_problem(path: str, raw: bytes) -> tuple[str, str] | None:
@@ -70,12 +79,27 @@ def _misshapen_field(path: str, body: dict) -> str | None:
         return f"its stream_options is a JSON {json_type(options)}, not an object"
     if isinstance(options, dict) and not isinstance(options.get("include_usage", False), bool):
         return "its stream_options.include_usage is not true or false"
+    for name in ("max_tokens", "max_completion_tokens"):  # (true is 1 in Python; mlx_lm names only max_tokens)
+        value = body.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            return f"its {name} is a JSON {json_type(value)}, not an integer"
+    for name in NAME_FIELDS:  # (stock: "requested_model must be of type str", or a 404 for a draft model)
+        if body.get(name) is not None and not isinstance(body[name], str):
+            return f"its {name} is a JSON {json_type(body[name])}, not a string"
     seed = body.get("seed")
     if isinstance(seed, int) and not isinstance(seed, bool) and not 0 <= seed <= MAX_SEED:
         return f"its seed is not an integer from 0 to {MAX_SEED}"
     for name in ("chat_template_kwargs", "role_mapping"):
         if body.get(name) is not None and not isinstance(body[name], dict):
             return f"its {name} is a JSON {json_type(body[name])}, not an object"
+    reserved = [k for k in RESERVED_TEMPLATE_KWARGS if k in (body.get("chat_template_kwargs") or {})]
+    if reserved:
+        return (f"its chat_template_kwargs sets {reserved[0]}, an argument of the server's own call to the chat "
+                "template, not a variable of the template")
+    bias = body.get("logit_bias")  # (stock: a null or a list as a bias fails with a 500)
+    for key, value in bias.items() if isinstance(bias, dict) else ():
+        if isinstance(value, (list, dict)) or value is None:
+            return f"its logit_bias[{json.dumps(key)[:24]}] is a JSON {json_type(value)}, not a number"
     tools = body.get("tools")
     if tools and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
         return "its tools is not a list of objects"
@@ -108,6 +132,34 @@ def _messages_problem(messages: Any) -> str | None:
                 return f"its {at} is a text part without a string text"
             if kind != "text" and kind not in IMAGE_PARTS:
                 return f"its {at} is not a text or image part (an object whose type is text or image_url)"
+            url = part.get("image_url", part.get("image")) if kind in IMAGE_PARTS else ""
+            if not isinstance(url.get("url") if isinstance(url, dict) else url, str):
+                return f"its {at} is an image part without a string url"
+        problem = _tool_calls_problem(message.get("tool_calls"), f"{where}.tool_calls")
+        if problem:
+            return problem
+    return None
+
+
+def _tool_calls_problem(calls: Any, where: str) -> str | None:
+    """What is wrong with a message's `tool_calls` (stock: a 404 with a bare Python message): a
+    list of objects, each `function` an object whose `arguments`, when text, are JSON."""
+    if not calls:
+        return None
+    if not isinstance(calls, list):
+        return f"its {where} is a JSON {json_type(calls)}, not a list of objects"
+    for i, call in enumerate(calls):
+        if not isinstance(call, dict):
+            return f"its {where}[{i}] is a JSON {json_type(call)}, not an object"
+        function = call.get("function")
+        if function and not isinstance(function, dict):
+            return f"its {where}[{i}].function is a JSON {json_type(function)}, not an object"
+        arguments = function.get("arguments") if function else None
+        if isinstance(arguments, str) and arguments:
+            try:
+                json.loads(arguments)
+            except ValueError:
+                return f"its {where}[{i}].function.arguments is not JSON text"
     return None
 
 
