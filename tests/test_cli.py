@@ -570,6 +570,17 @@ def test_output_to_a_reader_that_goes_away_ends_quietly(warmed):
     assert proc.returncode == 1 and err.decode() == ""
 
 
+def test_python_dash_m_kvstore_is_the_command(warmed):
+    """`python -m kvstore` failed with "No module named kvstore.__main__"; it is the command."""
+    store, _ = warmed
+    via_m = subprocess.run([sys.executable, "-m", "kvstore", "stats", "--store", str(store), "--json"],
+                           capture_output=True, text=True, cwd=REPO, timeout=300)
+    via_cli = subprocess.run([sys.executable, "-m", "kvstore.cli", "stats", "--store", str(store), "--json"],
+                             capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert via_m.returncode == 0, via_m.stderr
+    assert json.loads(via_m.stdout)["models"] == json.loads(via_cli.stdout)["models"] != []
+
+
 def test_verify_finds_and_repairs_damage(kv, capsys, store_copy, monkeypatch):
     # (The remote tests' session exports a fleet secret, which changes verify's last line.)
     monkeypatch.delenv("KVSTORE_REMOTE_KEY", raising=False)

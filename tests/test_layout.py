@@ -28,7 +28,7 @@ LAYERS = [
     {"store"},
     {"serve"},
     {"packs"},
-    {"cli"},
+    {"cli", "__main__"}  # (`python -m kvstore` runs the command),
 ]
 #: What `kvstore stats`, `gc` and `verify` (and `--remote`) run, and so may never reach mlx (the
 #: package itself too: importing any module of it runs `kvstore/__init__.py` first).
