@@ -31,6 +31,9 @@ HEADER_PREFIX = "x-"  # (blobformat.EXTENSION_PREFIX: records.check reads the fi
 _TAG = re.compile(r"[0-9a-f]{%d}" % TAG_HEX)
 _LINK = re.compile(r"[0-9a-f]{32}")
 _PURPOSE = b"kvstore tenant salt\0"
+#: What joins a tenant's id and a request's `cache_salt` into the id of the tenant the salt splits
+#: off (`salted_id`): a control character, which no tenant header or bearer token holds.
+SALT_SEPARATOR = "\x1fcache_salt:"
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,16 @@ def derive(secret: bytes, tenant_id: str, *, key_id: str = "") -> Tenant:
     raw = check_id(tenant_id).encode("utf-8")
     salt = hmac.new(secret, _PURPOSE + raw, hashlib.sha256).digest()
     return Tenant(salt, tag_of(salt), key_id)
+
+
+def salted_id(tenant_id: str | None, salt: str) -> str:
+    """The id of the tenant a request's `cache_salt` of `salt` splits off tenant `tenant_id` (None:
+    requests that name no tenant), as `kvstore serve --trust-client-salt` derives it and `kvstore gc
+    --drop-tenant-salt` names it; ValueError if `salt` is not non-empty text, or the id is longer
+    than MAX_ID_BYTES (`check_id`)."""
+    if not isinstance(salt, str) or not salt:
+        raise ValueError("a cache_salt is a non-empty string")
+    return check_id((tenant_id or "") + SALT_SEPARATOR + salt)
 
 
 def tag_of(salt: bytes) -> str:

@@ -895,6 +895,35 @@ def test_an_export_says_which_tokens_it_computed_and_which_it_shared(tmp_path, d
     assert "(0 computed now," in again.stdout and "computed now are stored" not in again.stdout, again.stdout
 
 
+def test_an_export_pins_and_unpins_the_prompts_as_their_lines_say(tmp_path, demo_model):
+    """`pack export --prompts FILE` stores the prompts it computes as `warm` does, pins and all: a
+    line with "pin": true is pinned in the store (gc keeps it), one with "pin": false unpinned,
+    and the lines it prints say so."""
+    model, store = demo_model("llama"), tmp_path / "s"
+    lines = tmp_path / "pins.jsonl"
+    pinned, loose = PROMPT + " Pinned?", OTHER
+    lines.write_text("".join(json.dumps(line) + "\n" for line in (
+        {"prompt": pinned, "pin": True}, {"prompt": loose}, {"prompt": pinned})))  # (a repeat keeps its pin)
+    result = run_cli("pack", "export", "--store", store, "--model", model, "--prompts", lines, "--unsigned",
+                     "--out", tmp_path / "pack")
+    assert f"1 prompt pinned in {store} (\"pin\": true): gc keeps it" in result.stdout, result.stdout
+    assert "(not pinned)" not in result.stdout and "computed now are stored in" in result.stdout
+    run_cli("gc", "--store", store, "--max-bytes", "0")
+    again = run_cli("pack", "export", "--store", store, "--model", model, "--prompt", pinned, "--unsigned",
+                    "--out", tmp_path / "kept")
+    assert "(0 computed now," in again.stdout, again.stdout  # gc kept the pinned prompt whole
+    assert "(0 computed now," not in run_cli("pack", "export", "--store", store, "--model", model, "--prompt", loose,
+                                              "--unsigned", "--out", tmp_path / "gone").stdout  # and not the other
+    lines.write_text(json.dumps({"prompt": pinned, "pin": False}) + "\n")
+    unpinned = run_cli("pack", "export", "--store", store, "--model", model, "--prompts", lines, "--unsigned",
+                       "--out", tmp_path / "unpinned")
+    assert re.search(rf"^\d+ records? unpinned in {re.escape(str(store))} \(\"pin\": false\)$", unpinned.stdout, re.M)
+    assert "pinned in" not in unpinned.stdout.replace("unpinned in", "")
+    run_cli("gc", "--store", store, "--max-bytes", "0")
+    with kvstore.open(store) as opened:
+        assert opened.stats()["bytes"] == 0 and opened.pins() == []
+
+
 def test_another_disk_kv_bits_is_refused_with_both_values(tmp_path, demo_model):
     """The refusal names both values and the option that imports the pack anyway, saying that the
     store then keeps that value for later runs (a kept setting), which following it does."""

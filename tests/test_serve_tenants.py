@@ -18,6 +18,7 @@ from kvtest import prefill, run_cli
 from test_server import Server, cached
 
 import kvstore
+from kvstore import tenants
 from kvstore.serve.options import build_parser, server_settings
 from kvstore.serve.promptcache import PersistentPromptCache
 from kvstore.serve.tenancy import isolation
@@ -31,6 +32,7 @@ from kvstore.serve.tenancy.policy import (
     describe_tenants,
     parse_source,
 )
+from kvstore.storage.storedir import tenant_key
 
 SYSTEM = {"role": "system", "content": "You are the assistant of a clinic. Answer in one short sentence. " * 4}
 SECRET = "My diagnosis code is 4711-XQ; keep it between us. " * 4
@@ -175,6 +177,32 @@ def test_a_trusted_cache_salt_keeps_clients_apart(warmed, tmp_path):
         two = requests.post(server.url + "/v1/completions", json={**body, "cache_salt": "y"}, timeout=120).json()
         again = requests.post(server.url + "/v1/completions", json={**body, "cache_salt": "x"}, timeout=120).json()
     assert cached(two["usage"]) == 0 and cached(again["usage"]) == one["usage"]["prompt_tokens"] - 1
+
+
+def test_gc_drops_one_cache_salts_records_and_keeps_the_others(warmed, tmp_path):
+    """`kvstore gc --drop-tenant-salt team-a`, run between two `--trust-client-salt` servers on one
+    store: team-a's records go (its prompt is computed again past the shared one), team-b's and
+    the unsalted requests' stay and are reused whole."""
+    model, _, prompts = warmed
+    store = tmp_path / "store"
+    run_cli("warm", "--store", store, "--model", model, "--prompts", prompts)
+    own = "An unsalted client's question, asked before gc. " * 3
+    with Server(model, store, tmp_path / "log", "--trust-client-salt") as server:
+        first = {salt: usage(server, SECRET, None, cache_salt=salt) for salt in ("team-a", "team-b")}
+        unsalted = usage(server, own, None)
+        assert server.stop() == 0  # (SIGTERM: it flushes what it queued for the disk)
+    with kvstore.open(store) as opened:
+        assert len(opened.stats()["tenants"]) == 3  # two salts and the unsalted requests
+    shared = cached(first["team-a"])
+    gone = run_cli("gc", "--store", store, "--drop-tenant-salt", "team-a")
+    team_a = tenants.derive(tenant_key(store, create=False), tenants.salted_id(None, "team-a")).tag
+    assert re.search(rf"^tenant {team_a}: \d+ records? \(.*\) deleted", gone.stdout, re.M), gone
+    missing = run_cli("gc", "--store", store, "--drop-tenant-salt", "team-c", check=False)
+    assert missing.returncode == 1 and "holds no records of the tenant of that cache_salt" in missing.stderr
+    with Server(model, store, tmp_path / "log2", "--trust-client-salt") as server:
+        assert cached(usage(server, SECRET, None, cache_salt="team-a")) == shared  # computed again
+        assert cached(usage(server, SECRET, None, cache_salt="team-b")) == first["team-b"]["prompt_tokens"] - 1
+        assert cached(usage(server, own, None)) == unsalted["prompt_tokens"] - 1
 
 
 def test_a_server_without_tenants_never_shares_its_requests_with_tenants(demo_model, tmp_path):

@@ -216,6 +216,37 @@ def test_gc_drop_tenant_deletes_every_record_of_one_tenant_and_no_other(llama, t
         assert store.verify() == []
 
 
+def test_drop_tenant_salt_names_the_tenant_a_cache_salt_splits_off(llama, tmp_path, capsys):
+    """`kvstore gc --drop-tenant-salt SALT` names the tenant `kvstore serve --trust-client-salt`
+    makes of a request's cache_salt (its id holds a control character no one can type as
+    --drop-tenant-id); with one `--drop-tenant-id ID`, the salt's tenant under ID, which stays."""
+    from kvstore.cli.main import main
+    from kvstore.tenants import salted_id
+
+    path, model = llama
+    with kvstore.open(tmp_path / "s", chunk_size=C) as store:
+        who = {name: store.bind(model, str(path), tenant=name) for name in
+               ("alice", salted_id("alice", "x"), salted_id(None, "x"))}
+        for i, mc in enumerate(who.values()):
+            mc.prefill(SYSTEM + toks(32, 10 + i))
+        store.flush()
+        tags = [mc.tenant.tag for mc in who.values()]
+    s = str(tmp_path / "s")
+    assert main(["gc", "--store", s, "--drop-tenant-id", "alice", "--drop-tenant-salt", "x", "--dry-run"]) == 0
+    said = capsys.readouterr().out
+    assert f"tenant {tags[1]}: " in said and tags[0] not in said and tags[2] not in said, said
+    assert main(["gc", "--store", s, "--drop-tenant-salt", "y"]) == 1
+    err = capsys.readouterr().err
+    assert "holds no records of the tenant of that cache_salt (its tag under the store's tenant.key is" in err, err
+    assert main(["gc", "--store", s, "--drop-tenant-id", "a", "--drop-tenant-id", "b", "--drop-tenant-salt", "x"]) == 2
+    assert "at most one --drop-tenant-id" in capsys.readouterr().err
+    assert main(["gc", "--store", s, "--drop-tenant-salt", "x"]) == 0  # requests that name no tenant
+    said = capsys.readouterr().out
+    assert f"tenant {tags[2]}: " in said and "deleted" in said and tags[1] not in said, said
+    with kvstore.open(tmp_path / "s", chunk_size=C) as store:
+        assert {t["tenant"] for t in store.stats()["tenants"]} == set(tags[:2])
+
+
 def test_drop_tenant_id_on_a_store_no_tenant_used_says_so(llama, tmp_path, capsys, monkeypatch):
     """A store no tenant was ever served from has no tenant.key: `--drop-tenant-id` says there is
     no tenant's record to delete (exit 1), not that the fleet secret is missing (exit 2)."""

@@ -21,6 +21,7 @@ EXAMPLES = """examples:
   kvstore gc --max-bytes 20GiB --tenant-max-bytes 1GiB     # and no tenant above 1 GiB
   kvstore gc --drop-tenant 94006b12d940acf3                # every record of one tenant, pins too
   kvstore gc --drop-tenant-id customer-42                  # the same, by the id its requests name
+  kvstore gc --drop-tenant-salt team-a                     # a request cache_salt's tenant (--trust-client-salt)
   kvstore gc --remote s3://team-cache/kv --remote-key-file fleet.key --drop-key 3fa2c1d0  # end a key rotation
 
 SIZE: a number with KB/MB/GB/TB (x1000) or K/M/G/T, KiB/MiB/GiB/TiB (x1024), or B for bytes.
@@ -49,6 +50,10 @@ def register(add, store_opts, model_opts) -> None:
                         "bearer token): its tag is derived as kvstore serve derives it, under the store's "
                         "tenant.key and, when the fleet secret is given (--remote-key-file or "
                         "$KVSTORE_REMOTE_KEY), the fleet's keys; repeatable")
+    p.add_argument("--drop-tenant-salt", metavar="SALT", action="append", default=[],
+                   help="as --drop-tenant, for the tenant whose requests send this cache_salt to a server with "
+                        "--trust-client-salt (with one --drop-tenant-id ID: the salt's tenant under that "
+                        "tenant, which itself stays); repeatable")
     p.add_argument("--drop-key", metavar="ID",
                    help="with --remote: delete every object only the older fleet key ID opens (the end of "
                         "`kvstore remote-key --rotate`), and take it out of --remote-key-file")
@@ -67,16 +72,21 @@ def cmd_gc(args) -> int:
         return _drop_key(args)
     if args.drop_unknown and args.remote is None:
         raise CommandError("--drop-unknown deletes namespaces of a bucket: give --remote URL", EXIT_USAGE)
-    if not bounds and not args.stale and not args.drop_unknown and not args.drop_tenant and not args.drop_tenant_id:
+    dropping = args.drop_tenant or args.drop_tenant_id or args.drop_tenant_salt
+    if not bounds and not args.stale and not args.drop_unknown and not dropping:
         raise CommandError("gc needs --max-bytes and/or --max-age (or --tenant-max-bytes, --drop-tenant, "
-                           "--drop-tenant-id or --stale; with --remote, --drop-unknown or --drop-key)", EXIT_USAGE)
+                           "--drop-tenant-id, --drop-tenant-salt or --stale; with --remote, --drop-unknown or "
+                           "--drop-key)", EXIT_USAGE)
+    if args.drop_tenant_salt and len(args.drop_tenant_id) > 1:
+        raise CommandError("--drop-tenant-salt names salts of one tenant: give at most one --drop-tenant-id with it "
+                           "(run gc once per tenant)", EXIT_USAGE)
     if args.remote is not None:
-        if args.drop_tenant or args.drop_tenant_id or getattr(args, "tenant_max_bytes", None) is not None:
+        if dropping or getattr(args, "tenant_max_bytes", None) is not None:
             raise CommandError("--drop-tenant and --tenant-max-bytes act on the local store's tenants: run them "
                                "without --remote (the bucket is bounded as a whole)", EXIT_USAGE)
         return _gc_remote(args)
     with open_local(args, must_exist=True) as files:
-        args.drop_tenant += [tag for tenant_id in args.drop_tenant_id for tag in _tags_of(args, files, tenant_id)]
+        args.drop_tenant += [tag for tenant_id, what in _ids(args) for tag in _tags_of(args, files, tenant_id, what)]
         try:
             result = files.gc(max_bytes=args.max_bytes, max_age=args.max_age, dry_run=args.dry_run,
                               stale=args.stale, tenant_max_bytes=args.tenant_max_bytes, drop_tenants=args.drop_tenant)
@@ -108,11 +118,29 @@ def cmd_gc(args) -> int:
     return 0
 
 
-def _tags_of(args, files, tenant_id: str) -> list[str]:
-    """The tags the store holds records under for the tenant `tenant_id`, derived as a server
-    derives them (the store's tenant key; the fleet's keys, current and older, when given).
-    CommandError naming the keys tried when it holds none (the id is never quoted: it may be a
-    bearer token)."""
+def _ids(args) -> list[tuple[str, str]]:
+    """(tenant id, what it is in an error's words) of each tenant `--drop-tenant-id` and
+    `--drop-tenant-salt` name: with salts, the tenants they split off the one `--drop-tenant-id`
+    (or off requests that name no tenant), as `kvstore serve --trust-client-salt` builds their ids."""
+    from kvstore.tenants import salted_id
+
+    if not args.drop_tenant_salt:
+        return [(tenant_id, "that tenant") for tenant_id in args.drop_tenant_id]
+    named = args.drop_tenant_id[0] if args.drop_tenant_id else None
+    ids = []
+    for salt in args.drop_tenant_salt:
+        try:
+            ids.append((salted_id(named, salt), "the tenant of that cache_salt"))
+        except ValueError as e:
+            raise CommandError(f"--drop-tenant-salt: {e}", EXIT_USAGE) from None
+    return ids
+
+
+def _tags_of(args, files, tenant_id: str, what: str = "that tenant") -> list[str]:
+    """The tags the store holds records under for the tenant `tenant_id` (`what` it is, in the
+    error's words), derived as a server derives them (the store's tenant key; the fleet's keys,
+    current and older, when given). CommandError naming the keys tried when it holds none (the id
+    is never quoted: it may be a bearer token)."""
     from kvstore import tenants
     from kvstore.errors import StoreOpenError
     from kvstore.remote.seal import KEY_ENV, Fleet, fleet_keys
@@ -133,7 +161,7 @@ def _tags_of(args, files, tenant_id: str) -> list[str]:
         raise CommandError("the store holds no tenant's records (it has no tenant.key: no tenant was ever "
                            f"served from it); nothing deleted (`{PROG} stats` lists a store's tenants)")
     if not secrets:
-        raise CommandError("--drop-tenant-id: this store has no tenant.key, so its tenants' tags come from the "
+        raise CommandError(f"--drop-tenant-{'salt' if args.drop_tenant_salt else 'id'}: this store has no tenant.key, so its tenants' tags come from the "
                            "fleet secret: give it (--remote-key-file or $KVSTORE_REMOTE_KEY)", EXIT_USAGE)
     try:
         tags = {tenants.derive(secret, tenant_id).tag for secret in secrets}
@@ -141,7 +169,7 @@ def _tags_of(args, files, tenant_id: str) -> list[str]:
         raise CommandError(f"--drop-tenant-id: {e}", EXIT_USAGE) from None
     held = tags & {t["tenant"] for t in files.tenants()}
     if not held:
-        raise CommandError(f"the store holds no records of that tenant (its tag under {' and '.join(tried)}"
+        raise CommandError(f"the store holds no records of {what} (its tag under {' and '.join(tried)}"
                            f" is {', '.join(sorted(tags))}; `{PROG} stats` lists the tenants' tags)")
     return sorted(held)
 

@@ -47,6 +47,9 @@ class Exported:
     stored_before: int = 0
     within_another: int = 0  # prompts carried as the start of a longer prompt of the pack
     repeats: int = 0  # prompts given again (the same tokens as an earlier one): carried once, counted once
+    pin_asked: int = 0  # distinct prompts whose lines say "pin": true
+    pinned: int = 0  # of those, the ones whose records the store holds pinned after the export
+    unpinned: int = 0  # records unpinned for lines that say "pin": false
 
 
 def shared_only(rows: Sequence) -> None:
@@ -73,10 +76,12 @@ def check_prompts(mc, prompts: Sequence) -> None:
 
 
 def export_pack(store, mc, model_dir: Path, tokenizer, prompts: list[np.ndarray], out: Path, *,
-                sign_key: Path | None = None, progress: Callable[[int], None] | None = None) -> Exported:
+                sign_key: Path | None = None, progress: Callable[[int], None] | None = None,
+                pins: Sequence[bool | None] | None = None) -> Exported:
     """Write the pack of `prompts` (token id arrays) of the model bound as `mc` to the folder
     `out` (which must not exist, or be empty), signed with `sign_key` (an EC private key in PEM)
-    when given. PackError if it cannot."""
+    when given. `pins`: each prompt's "pin" (True: pinned in the store, as `warm` pins it; False:
+    unpinned; None: left as it is). PackError if it cannot."""
     said, out = out, Path(os.path.abspath(out))  # (`.` names no folder to make the pack under, nor beside it)
     if not is_free(out):
         raise PackError(f"{said} exists and is not an empty folder: a pack is written to a new folder")
@@ -85,12 +90,12 @@ def export_pack(store, mc, model_dir: Path, tokenizer, prompts: list[np.ndarray]
     if sign_key is not None:
         signing.check_private_key(sign_key)
     check_prompts(mc, prompts)
-    repeats = len(prompts) - len(distinct(prompts))
+    pins = _pins_of(prompts, pins)  # (one a distinct prompt)
+    repeats = len(prompts) - len(pins)
     ident = identity.identity(Path(model_dir), tokenizer, identity.memo_of(store, remember=not store.read_only))
     prompts = distinct(prompts)
     before = sum(min(mc.stored_length(t), len(mc.stored_part(np.asarray(t)))) for t in prompts)
-    computed = _stored_first(mc, prompts, progress)
-    store.flush()
+    computed, pinned, unpinned = _stored_first(store, mc, prompts, pins, progress)
     # What `prefill` stores of each prompt: all of it, or in exact mode all but its last token.
     given = [mc.stored_part(np.asarray(t)) for t in prompts]
     # (A model with recurrent layers restores such a prompt whole only from its own end checkpoint.)
@@ -148,18 +153,41 @@ def export_pack(store, mc, model_dir: Path, tokenizer, prompts: list[np.ndarray]
         shutil.rmtree(staging, ignore_errors=True)
     return Exported(len(given), sum(map(len, given)), computed, len(records),
                     sum(n for n, _ in records.values()), sign_key is not None,
-                    min(before, sum(map(len, given)) - computed), len(given) - len(prompts), repeats)
+                    min(before, sum(map(len, given)) - computed), len(given) - len(prompts), repeats,
+                    pins.count(True), pinned, unpinned)
 
 
-def _stored_first(mc, prompts: list[np.ndarray], progress: Callable[[int], None] | None) -> int:
-    """Store each prompt where it is not (as `warm` does, written whatever admission says); the
-    tokens of the pack's records computed for it (in exact mode the last token is a step of its
-    own that is not stored: not one of them)."""
-    computed = 0
-    for tokens in prompts:
-        n = mc.prefill(tokens, progress=progress)[2]
+def _pins_of(prompts: list, pins: Sequence[bool | None] | None) -> list[bool | None]:
+    """The "pin" of each of `distinct(prompts)`: True if a line of it says true, else False if
+    one says false, else None."""
+    merged: dict[bytes, bool | None] = {}
+    for t, pin in zip(prompts, [None] * len(prompts) if pins is None else pins, strict=True):
+        key = np.asarray(t, dtype=np.int64).tobytes()
+        was = merged.get(key)
+        merged[key] = True if True in (was, pin) else (False if False in (was, pin) else None)
+    return list(merged.values())
+
+
+def _stored_first(store, mc, prompts: list[np.ndarray], pins: list[bool | None],
+                  progress: Callable[[int], None] | None) -> tuple[int, int, int]:
+    """Store each prompt where it is not (as `warm` does, written whatever admission says), pinned
+    or unpinned as its line says, and wait for the writes; (the tokens of the pack's records
+    computed for it (in exact mode the last token is a step of its own that is not stored: not
+    one of them), the prompts asked to be pinned whose records the store now holds pinned, the
+    records unpinned)."""
+    computed = unpinned = 0
+    for tokens, pin in zip(prompts, pins):
+        n = mc.prefill(tokens, progress=progress, pin=bool(pin))[2]
         computed += n - 1 if mc.exact and n and len(tokens) > 1 else n
-    return computed
+        if pin is False:
+            unpinned += mc.unpin(tokens)["records"]
+    store.flush()
+    pinned = 0
+    for tokens in (t for t, pin in zip(prompts, pins) if pin):
+        chain = prompt_records(mc.ns, mc.stored_part(np.asarray(tokens)), mc.chunk_size, checkpoint=mc.checkpointed)
+        rows = store.index.rows_of([s.hash for s in chain])
+        pinned += len(rows) == len(chain) and all(r.pinned for r in rows.values())
+    return computed, pinned, unpinned
 
 
 def distinct(prompts: list) -> list:

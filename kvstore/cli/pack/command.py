@@ -23,7 +23,8 @@ EXPORT = """examples:
   kvstore pack export --prompt "You are a helpful assistant..." --unsigned --out my-pack
   kvstore pack export --prompts system.jsonl --model ./my-model --sign-key pack.pem --out my-pack
 
-Prompts that are not stored yet are computed and stored first. The pack holds their text in clear
+Prompts that are not stored yet are computed and stored first; a line's "pin": true pins its
+prompt in the store (gc keeps it), "pin": false unpins it, as warm does. The pack holds their text in clear
 (token ids): export only prompts meant to be shared. --sign-key takes an elliptic-curve private
 key in PEM (openssl ecparam -name prime256v1 -genkey -noout -out pack.pem)."""
 

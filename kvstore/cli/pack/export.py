@@ -34,12 +34,12 @@ def cmd_export(args) -> int:
         if errors:
             raise CommandError(f"{plural(len(errors), 'prompt line')} could not be used (said above): "
                                "nothing exported")
-        prompts = [tokens for _, tokens in work]
+        prompts, pins = [tokens for _, tokens in work], [item.pin for item, _ in work]
         check_prompts(mc, prompts)  # (before it says what it computes)
         with _progress(mc, distinct(prompts)) as progress:
             done = export_pack(store, mc, resolve_model_dir(loaded.model_id), loaded.tokenizer, prompts,
                                Path(args.out), sign_key=Path(args.sign_key) if args.sign_key else None,
-                               progress=progress)
+                               progress=progress, pins=pins)
         where = store.path
     shared = done.tokens - done.computed - done.stored_before
     within = ", ".join(([f"{done.within_another} of them within a longer one"] if done.within_another else [])
@@ -52,7 +52,15 @@ def cmd_export(args) -> int:
         + f"), {plural(done.records, 'record')}, {done.bytes} bytes ({format_size(done.bytes)})")
     if done.computed:  # what the export wrote besides the pack
         out(f"the {plural(done.computed, 'token')} computed now {'is' if done.computed == 1 else 'are'} stored in "
-            f"{where} too (not pinned)")
+            f"{where} too" + ("" if done.pinned else " (not pinned)"))
+    if done.pinned:
+        out(f"{plural(done.pinned, 'prompt')} pinned in {where} (\"pin\": true): gc keeps "
+            f"{'it' if done.pinned == 1 else 'them'} (`{PROG} pins --remove` unpins)")
+    if done.pin_asked > done.pinned:
+        out(f"{plural(done.pin_asked - done.pinned, 'prompt')} with \"pin\": true not pinned in {where}: the store "
+            "does not hold all of its records pinned (another process evicted or unpinned some)")
+    if done.unpinned:
+        out(f"{plural(done.unpinned, 'record')} unpinned in {where} (\"pin\": false)")
     out(f"signed with {args.sign_key}" if done.signed else "unsigned: an importer cannot tell who made it")
     out("it holds its prompts in clear (every record holds its token ids): share it only with those "
         "who may read them")

@@ -28,7 +28,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
-from kvstore.tenants import MAX_ID_BYTES, check_id
+from kvstore.tenants import MAX_ID_BYTES, check_id, salted_id
 
 log = logging.getLogger("kvstore")
 
@@ -41,7 +41,6 @@ TENANTS_MARK = "serve.tenants_apart"
 UNKNOWN = object()
 #: Tags of caches kept for inserts still to come, at most (the oldest are dropped: not stored).
 MAX_TAGS = 4096
-_SALT_SEPARATOR = "\x1fcache_salt:"
 
 
 class Refused(Exception):
@@ -86,7 +85,7 @@ class TenantPolicy:
         if not isinstance(salt, str) or not salt:
             raise Refused(400, "cache_salt must be a non-empty string")
         try:
-            return check_id((tenant or "") + _SALT_SEPARATOR + salt)
+            return salted_id(tenant, salt)
         except ValueError:  # (was a 500 "ValueError")
             raise Refused(400, f"cache_salt is too long: with the request's tenant it takes more than "
                                f"{MAX_ID_BYTES} bytes") from None
