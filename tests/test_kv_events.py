@@ -363,10 +363,14 @@ def test_records_another_process_stores_are_announced(llama, tmp_path, consumer)
         assert "CPU_TIER1" not in disk or not disk["CPU_TIER1"]
 
 
+@pytest.mark.parametrize("consumer", ["map", "legacy"], indirect=True)
 def test_replay_returns_exactly_the_missed_batches_then_the_end_marker(llama, tmp_path, consumer):
+    """In vLLM's layout of each encoding's time: the live frames `(topic, seq, payload)` after the
+    delimiter (map), `(seq, payload)` (legacy); `Consumer.replay` refuses any other."""
     path, model = llama
-    with kvstore.open(tmp_path / "s", chunk_size=C, kv_events=consumer.config(block_size=B, buffer_steps=3),
-                      memory_bytes=0) as store:
+    config = consumer.config(block_size=B, buffer_steps=3, topic="kv@node1@m",
+                             encoding=consumer.encoding)
+    with kvstore.open(tmp_path / "s", chunk_size=C, kv_events=config, memory_bytes=0) as store:
         mc = store.bind(model, str(path))
         for i in range(6):  # one batch each
             insert(mc, model, list(range(100 + 20 * i, 120 + 20 * i)))
@@ -383,6 +387,7 @@ def test_replay_returns_exactly_the_missed_batches_then_the_end_marker(llama, tm
         assert [b for _, b in got] == live
         assert [n for n, _ in consumer.replay(0)] == [last - 2, last - 1, last]  # the last 3 kept
         assert consumer.replay(last + 1) == []
+        assert consumer.topics == {b"kv@node1@m"}
 
 
 def test_a_lost_change_makes_the_publisher_announce_again(llama, tmp_path, consumer):
@@ -534,3 +539,39 @@ def test_a_router_host_that_does_not_resolve_is_said(tmp_path, caplog):
         assert store.events is not None
     said = [r.getMessage() for r in caplog.records if "does not resolve" in r.getMessage()]
     assert len(said) == 1 and "tcp://no-such-router.invalid:5557" in said[0], said
+
+
+def test_a_replay_of_every_kept_batch_reaches_a_subscriber_that_reads_after_it_was_sent():
+    """The replay socket queues the whole answer (its high-water mark fits every kept batch): with
+    ZMQ's default of 1000 messages, 10,000 kept batches sent before the subscriber read any lost
+    about 3,000 of them here, and the end marker still came."""
+    from kvstore.events import config as events_config
+    from kvstore.events import wire
+    from kvstore.events.publisher import Publisher
+
+    cfg = events_config.parse({"enable_kv_cache_events": True, "endpoint": "tcp://127.0.0.1:*",
+                               "replay_endpoint": "tcp://127.0.0.1:*", "buffer_steps": 10_000,
+                               "topic": "kv@n@m"})
+    publisher = Publisher(cfg)
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    try:
+        for _ in range(10_000):
+            publisher.send(wire.encode([wire.cleared()]))
+        dealer.connect(publisher.replay_address)
+        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        assert publisher.serve_replay(wait_ms=10_000) == 1  # every reply queued before any is read
+        numbers = []
+        while True:
+            assert dealer.poll(10_000), f"the replay stopped after {len(numbers)} batches"
+            empty, topic, seq, payload = dealer.recv_multipart()
+            n = int.from_bytes(seq, "big", signed=True)
+            if n == -1:
+                break
+            assert topic == b"kv@n@m"
+            numbers.append(n)
+        assert numbers == list(range(10_000))
+    finally:
+        dealer.close(linger=0)
+        ctx.term()
+        publisher.close()

@@ -83,6 +83,51 @@ class LegacyBatch(msgspec.Struct, array_like=True, omit_defaults=True):
 
 DECODERS = {"map": msgspec.msgpack.Decoder(MapBatch), "legacy": msgspec.msgpack.Decoder(LegacyBatch)}
 
+# -- what the strictest consumers also require of a batch ----------------------------------
+# Dynamo's kv router (lib/kv-router/src/zmq_wire.rs) reads the batch as a 3-tuple (f64, events,
+# Option<i32>) and drops a store event whose hashes (with its parent's) repeat, or whose token
+# ids are fewer than block_size per hash; llm-d's kv-cache (engineadapter/vllm_adapter.go) reads
+# a map event by putting its fields in vLLM's positional order, token ids as uint32, hashes as
+# uint64, `medium` and `lora_name` as strings or nil.
+STORED_ORDER = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
+                "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window")
+REMOVED_ORDER = ("block_hashes", "medium", "group_idx")
+
+
+def strict_problems(payload: bytes, encoding: str) -> list[str]:
+    """What in one batch the strictest consumers would refuse or misread (nothing: [])."""
+    batch = msgspec.msgpack.decode(payload)
+    if not (isinstance(batch, list) and len(batch) == 3 and type(batch[0]) is float and type(batch[2]) is int):
+        return [f"the batch is not [float ts, events, int rank]: {batch!r:.200}"]
+    out = []
+    for e in batch[1]:
+        if encoding == "map":
+            if not isinstance(e, dict):
+                out.append(f"a map-encoded event is a {type(e).__name__}")
+                continue
+            order = {"BlockStored": STORED_ORDER, "BlockRemoved": REMOVED_ORDER}.get(e.get("type"), ())
+            fields = [e.get("type"), *(e.get(k) for k in order)]
+        else:
+            fields = e
+        if fields[0] == "BlockStored":
+            hashes, parent, tokens, size, _, medium, lora_name = fields[1:8]
+            if not all(type(h) is int and 0 <= h < 2**64 for h in [*hashes, *([parent] if parent is not None else [])]):
+                out.append("a block hash is not an unsigned 64-bit int")
+            if len({*hashes, parent} - {None}) != len(hashes) + (parent is not None):
+                out.append("a store event repeats a block hash (Dynamo drops it)")
+            if not all(type(t) is int and 0 <= t < 2**32 for t in tokens):
+                out.append("a token id is not an unsigned 32-bit int")
+            if type(size) is not int or len(tokens) != size * len(hashes):
+                out.append(f"{len(tokens)} token ids for {len(hashes)} blocks of {size}")
+            if not isinstance(medium, str) or lora_name is not None:
+                out.append(f"medium {medium!r}, lora_name {lora_name!r}")
+        elif fields[0] == "BlockRemoved":
+            if not all(type(h) is int and 0 <= h < 2**64 for h in fields[1]) or not isinstance(fields[2], str):
+                out.append(f"a removal is not [hashes as uint64, medium]: {fields!r:.200}")
+        elif fields[0] != "AllBlocksCleared":
+            out.append(f"an event tagged {fields[0]!r}")
+    return out
+
 
 def kind(event) -> str:
     return type(event).__name__.removeprefix("Legacy")
@@ -112,6 +157,7 @@ class Consumer:
         self.arrivals: list[tuple[int, Any]] = []  # (number, batch) in the order they came
         self.raw: dict[int, bytes] = {}  # number -> the payload as it came
         self.topics: set[bytes] = set()
+        self.problems: list[str] = []  # what the strictest consumers would refuse (strict_problems)
         self._lock = threading.Lock()
         self._stop = False
         self._thread = threading.Thread(target=self._read, daemon=True)
@@ -127,6 +173,7 @@ class Consumer:
                 topic, seq, payload = self.sub.recv_multipart()
                 with self._lock:
                     self.topics.add(topic)
+                    self.problems += strict_problems(payload, self.encoding)
                     batch = self.decoder.decode(payload)
                     self.live[int.from_bytes(seq, "big")] = batch
                     self.raw[int.from_bytes(seq, "big")] = payload
@@ -143,7 +190,10 @@ class Consumer:
         raise AssertionError(f"no batch came on the live socket within {timeout} s")
 
     def replay(self, start: int) -> list[tuple[int, Any]]:
-        """Every batch the publisher kept from `start` on, then the end marker (checked)."""
+        """Every batch the publisher kept from `start` on, then the end marker (checked), in
+        vLLM's layout: after the delimiter `(topic, seq, payload)`, the end `(b"", -1, b"")`
+        (vLLM since its map-encoded events, vllm/distributed/kv_events.py `_service_replay`);
+        with the legacy encoding, as before: `(seq, payload)`, the end `(-1, b"")`."""
         dealer = self.ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.connect(self.replay_endpoint)
@@ -152,11 +202,22 @@ class Consumer:
             out = []
             while True:
                 assert dealer.poll(10_000), "no answer from the replay socket"
-                empty, seq, payload = dealer.recv_multipart()
+                frames = dealer.recv_multipart()
+                if self.encoding == "map":
+                    assert len(frames) == 4, f"{len(frames)} frames, not (empty, topic, seq, payload)"
+                    empty, topic, seq, payload = frames
+                else:
+                    assert len(frames) == 3, f"{len(frames)} frames, not (empty, seq, payload)"
+                    (empty, seq, payload), topic = frames, None
+                assert empty == b"" and len(seq) == 8
                 n = int.from_bytes(seq, "big", signed=True)
                 if n == -1:
-                    assert payload == b""
+                    assert payload == b"" and topic in (b"", None)
                     return out
+                with self._lock:
+                    assert topic is None or not self.topics or topic in self.topics, \
+                        f"replayed topic {topic!r}, live {self.topics}"
+                assert not strict_problems(payload, self.encoding), strict_problems(payload, self.encoding)
                 out.append((n, self.decoder.decode(payload)))
         finally:
             dealer.close()
@@ -164,7 +225,9 @@ class Consumer:
     def batches(self, upto: int, timeout: float = 10.0) -> list[tuple[int, Any]]:
         """Batches 0 to `upto - 1` in sequence order, without a gap: what the live socket has not
         got within `timeout` (the first ones, sent before it was connected) is asked of the
-        replay socket."""
+        replay socket. Every batch the live socket got must pass `strict_problems`."""
+        with self._lock:
+            assert not self.problems, self.problems[:5]
         deadline = time.monotonic() + timeout
         while True:
             with self._lock:

@@ -7,7 +7,7 @@ The keys are vLLM's, with vLLM's defaults: `enable_kv_cache_events` (false), `pu
 mark), `max_queue_size` (changes waiting to be published) and `topic`. kvstore adds two:
 `block_size` (tokens per announced block, 64 by default; it must divide the store's chunk size)
 and `encoding` ("map", vLLM's events as maps tagged by "type", or "legacy", the positional
-arrays vLLM sent before mid-2026).
+arrays vLLM sent before mid-2026, and its replay answers without the topic frame).
 """
 
 from __future__ import annotations

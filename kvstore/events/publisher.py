@@ -9,8 +9,11 @@ lose the start batch on most starts, and the router would keep a dead process's 
 Every batch goes out as three frames, `(topic, sequence number as 8 bytes big-endian, payload)`;
 numbers start at 0 and have no gaps. The last `buffer_steps` batches are kept: a subscriber
 that missed some sends the first number it wants, as 8 bytes big-endian, to the replay socket
-(a DEALER or REQ: the frames the ROUTER gets are `identity, "", start`) and gets every kept batch
-from there as `(number, payload)`, then `(-1, b"")`.
+(a DEALER: the frames the ROUTER gets are `identity, "", start`) and gets, after the empty
+delimiter, every kept batch from there as `(topic, number, payload)`, the frames the live socket
+sent, then `(b"", -1, b"")`, as vLLM answers since its map-encoded events; with the legacy
+encoding, as vLLM answered before: `(number, payload)`, then `(-1, b"")`. The replay socket
+queues up to two messages per kept batch for one subscriber (a ROUTER drops past that).
 
 Sockets are not thread-safe: after it is made, a `Publisher` is used by one thread only.
 """
@@ -42,6 +45,8 @@ class Publisher:
 
     def __init__(self, config: EventsConfig):
         self.topic = config.topic.encode()
+        # What a replayed batch carries before its number (the topic; nothing with the legacy encoding).
+        self._replay_head = () if config.encoding == "legacy" else (self.topic,)
         self.sent = 0  # the next sequence number
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self._ctx = zmq.Context()
@@ -58,6 +63,7 @@ class Publisher:
             if config.replay_endpoint is not None:
                 self._replay = self._ctx.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)
+                self._replay.setsockopt(zmq.SNDHWM, 2 * (config.buffer_steps + 1))  # a whole replay
                 _use(self._replay, config.replay_endpoint, bind=True, what="KV event replay")
         except BaseException:
             self.close()
@@ -110,10 +116,11 @@ class Publisher:
                             "%d frames, not an empty frame and an 8-byte start sequence" % (len(frames) - 1))
                 continue
             client, start = frames[0], int.from_bytes(frames[2], "big")
+            head = self._replay_head
             for seq, payload in list(self._buffer):
                 if seq >= start:
-                    self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
-            self._replay.send_multipart((client, b"", END_SEQ, b""))
+                    self._replay.send_multipart((client, b"", *head, seq.to_bytes(8, "big"), payload))
+            self._replay.send_multipart((client, b"", *(b"" for _ in head), END_SEQ, b""))
             answered += 1
         return answered
 
