@@ -924,6 +924,34 @@ def test_an_export_pins_and_unpins_the_prompts_as_their_lines_say(tmp_path, demo
         assert opened.stats()["bytes"] == 0 and opened.pins() == []
 
 
+def test_a_pack_of_a_prompt_a_tenant_stored_holds_none_of_its_records(tmp_path, demo_model):
+    """`pack export` of a store a tenant used, for the very prompt that tenant stored: it reuses the
+    shared prompt only and computes the rest, and no blob of the pack is the tenant's (a pack is
+    handed to others, who would read the tenant's prompt from it)."""
+    from mlx_lm import load
+
+    model_dir, store = demo_model("llama"), tmp_path / "s"
+    model, tokenizer = load(str(model_dir))
+    system = tokenizer.encode(PROMPT)
+    secret = system + tokenizer.encode(" alice's diagnosis code is 4711-XQ" * 12)
+    with kvstore.open(store) as opened:
+        opened.bind(model, str(model_dir)).prefill(system, pin=True)
+        alice = opened.bind(model, str(model_dir), tenant="alice")
+        alice.prefill(secret, pin=True)
+        opened.flush()
+        assert len(secret) - len(alice.fetch(secret)[1]) == len(secret) - 1  # alice's own: all of it
+        shared = len(secret) - len(opened.bind(model, str(model_dir)).fetch(secret)[1])
+    assert 0 < shared < len(system) + 1
+    lines = tmp_path / "secret.jsonl"
+    lines.write_text(json.dumps({"tokens": secret}) + "\n")
+    result = run_cli("pack", "export", "--store", store, "--model", model_dir, "--prompts", lines, "--unsigned",
+                     "--out", tmp_path / "pack")
+    assert f"({len(secret) - shared} computed now, {shared} stored before this export)" in result.stdout, result.stdout
+    blobs = list((tmp_path / "pack").rglob("*.safetensors"))
+    assert blobs and not any(b"x-tenant" in p.read_bytes() for p in blobs)  # (a tenant's blob header field)
+    assert any(b"x-tenant" in p.read_bytes() for p in store.rglob("*.safetensors"))
+
+
 def test_another_disk_kv_bits_is_refused_with_both_values(tmp_path, demo_model):
     """The refusal names both values and the option that imports the pack anyway, saying that the
     store then keeps that value for later runs (a kept setting), which following it does."""

@@ -201,6 +201,48 @@ def test_a_tenants_pins_are_listed_by_tag_and_unpinned_as_that_tenant(tmp_path, 
     assert empty.returncode == 2 and "--tenant: a tenant id is 1 to 4096 bytes" in empty.stderr  # before any model
 
 
+def test_pins_and_verify_name_a_cache_salts_tenant_with_tenant_salt(tmp_path, demo_model_path):
+    """`kvstore serve --trust-client-salt` makes a tenant of each request's cache_salt, whose id
+    (`tenants.salted_id`) holds a control character no one types as `--tenant ID`: `pins --remove`
+    and `verify --exact` reach it with `--tenant-salt SALT` (under `--tenant ID`, or alone: under
+    requests that name no tenant), as `gc --drop-tenant-salt` does; `--tenant` alone reaches the
+    unsalted tenant, which holds none of it."""
+    from mlx_lm import load
+
+    from kvstore.tenants import salted_id
+
+    store, model_path = tmp_path / "s", str(demo_model_path)
+    model, tokenizer = load(model_path)
+    system = tokenizer.encode("You are a careful assistant who answers in one short word. " * 8)
+    mine = system + tokenizer.encode("team-a's own question, pinned under its cache_salt")
+    with kvstore.open(store) as s:
+        s.bind(model, model_path).prefill(system, pin=True)
+        for tenant_id in (salted_id("alice", "team-a"), salted_id(None, "team-b")):
+            s.bind(model, model_path, tenant=tenant_id).prefill(mine, pin=True)
+        s.flush()
+    [m] = json.loads(_run("pins", "--store", store, "--json").stdout)["models"]
+    assert len(m["tenants"]) == 2
+    prompts = tmp_path / "mine.jsonl"
+    prompts.write_text(json.dumps({"tokens": mine}) + "\n")
+    remove = ("pins", "--store", store, "--model", model_path, "--remove", "--prompts", prompts)
+    assert "nothing was pinned for this prompt" in _run(*remove, "--tenant", "alice").stdout
+    verify = ("verify", "--store", store, "--exact", "--model", model_path, "--json")
+    assert _run(*verify, "--tenant", "alice", check=False).returncode == 3  # alice herself stored nothing
+    got = json.loads(_run(*verify, "--tenant", "alice", "--tenant-salt", "team-a").stdout)
+    assert got["ok"] and len(got["prompts"]) == 1, got
+    out = _run(*remove, "--tenant", "alice", "--tenant-salt", "team-a").stdout
+    assert "unpinned" in out and "nothing was pinned" not in out, out
+    [m] = json.loads(_run("pins", "--store", store, "--json").stdout)["models"]
+    assert len(m["tenants"]) == 1  # team-b's, under requests that name no tenant, stays
+    assert "unpinned" in _run(*remove, "--tenant-salt", "team-b").stdout
+    [m] = json.loads(_run("pins", "--store", store, "--json").stdout)["models"]
+    assert m["tenants"] == {}
+    listing = _run("pins", "--store", store, "--tenant-salt", "team-b", check=False)
+    assert listing.returncode == 2 and "--tenant-salt goes with --remove" in listing.stderr
+    bare = _run("verify", "--store", store, "--tenant-salt", "team-b", check=False)
+    assert bare.returncode == 2 and "--tenant-salt" in bare.stderr and "go with --exact" in bare.stderr
+
+
 def test_a_pinned_record_stored_again_after_a_bad_read_stays_pinned(tmp_path, llama):
     """A pinned prompt whose blobs went bad is quarantined at its next fetch and stored again
     (healed) by the next insert of it, which does not pin: the pin stays, and the pins file a

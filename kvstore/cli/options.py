@@ -30,6 +30,27 @@ def tenant_id(text: str) -> str:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def add_tenant_salt(p: argparse.ArgumentParser, goes_with: str) -> None:
+    """`--tenant-salt SALT` beside a command's `--tenant ID` (`salted_tenant` reads the two)."""
+    p.add_argument("--tenant-salt", metavar="SALT",
+                   help=f"{goes_with}: the tenant whose requests send this cache_salt to a server with "
+                        "--trust-client-salt (with --tenant ID: that salt under tenant ID; as gc --drop-tenant-salt)")
+
+
+def salted_tenant(args) -> str | None:
+    """The tenant id `--tenant ID` and `--tenant-salt SALT` name together, as `kvstore serve
+    --trust-client-salt` builds it (`tenants.salted_id`; a salt alone: under requests that name no
+    tenant), or `--tenant` alone; a usage error that never quotes either."""
+    if getattr(args, "tenant_salt", None) is None:
+        return args.tenant
+    from kvstore.tenants import salted_id
+
+    try:
+        return salted_id(args.tenant, args.tenant_salt)
+    except ValueError as e:
+        raise CommandError(f"--tenant-salt: {e}", EXIT_USAGE) from None
+
+
 def store_parent() -> argparse.ArgumentParser:
     """`--store`, `--remote` and `--remote-key-file`, for every command (`argv.add_store_options`)."""
     p = argparse.ArgumentParser(add_help=False)

@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import json
 
-from kvstore.cli.options import add_prompt_source, bound, open_local, prompt_items, store_path, tenant_id
+from kvstore.cli.options import (
+    add_prompt_source,
+    add_tenant_salt,
+    bound,
+    open_local,
+    prompt_items,
+    salted_tenant,
+    store_path,
+    tenant_id,
+)
 from kvstore.cli.output import EXIT_PROBLEMS, EXIT_USAGE, PROG, CommandError, out, plural, say
 from kvstore.sizes import format_size
 
@@ -28,6 +37,7 @@ def register(add, store_opts, model_opts) -> None:
     p.add_argument("--tenant", metavar="ID", type=tenant_id,
                    help="with --remove: unpin the prompt as that tenant pinned it (its own records; without "
                         "it, the shared ones)")
+    add_tenant_salt(p, "with --remove")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -35,9 +45,10 @@ def cmd_pins(args) -> int:
     given = args.prompt is not None or args.messages is not None or args.prompts is not None
     if args.remove and not given:
         raise CommandError("pins --remove needs --prompt, --messages or --prompts", EXIT_USAGE)
-    if args.tenant is not None and not args.remove:
-        raise CommandError("--tenant goes with --remove (`kvstore pins` lists every tenant's pins by tag)",
-                           EXIT_USAGE)
+    if (args.tenant is not None or args.tenant_salt is not None) and not args.remove:
+        raise CommandError(f"--tenant{'-salt' if args.tenant is None else ''} goes with --remove (`kvstore pins` "
+                           "lists every tenant's pins by tag)", EXIT_USAGE)
+    args.tenant = salted_tenant(args)
     if given and not args.remove:
         raise CommandError("--prompt, --messages and --prompts name prompts to unpin: add --remove "
                            "(`kvstore pins` alone lists what is pinned)", EXIT_USAGE)
@@ -68,7 +79,7 @@ def _list(args) -> int:
                 f"{format_size(m['held_bytes'])}")
         for tag, t in (m.get("tenants") or {}).items():
             out(f"    of them tenant {tag}'s own: {plural(t['records'], 'record')}, {format_size(t['bytes'])} "
-                f"(`{PROG} pins --remove --tenant ID` unpins them)")
+                f"(`{PROG} pins --remove --tenant ID` or `--tenant-salt SALT` unpins them)")
     return 0
 
 

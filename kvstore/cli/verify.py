@@ -6,7 +6,17 @@ import argparse
 import json
 import shlex
 
-from kvstore.cli.options import model_to_load, open_local, remote_key, remote_upkeep, remote_url, store_path, tenant_id
+from kvstore.cli.options import (
+    add_tenant_salt,
+    model_to_load,
+    open_local,
+    remote_key,
+    remote_upkeep,
+    remote_url,
+    salted_tenant,
+    store_path,
+    tenant_id,
+)
 from kvstore.cli.output import EXIT_NOTHING_CHECKED, EXIT_PROBLEMS, EXIT_USAGE, PROG, CommandError, out, plural, say
 from kvstore.errors import CorruptIndexError
 from kvstore.settings import BY_NAME, argtype
@@ -67,6 +77,7 @@ def register(add, store_opts, model_opts) -> None:
                    help="with --exact and --kv-bits: their group size (default: 64)")
     p.add_argument("--tenant", metavar="ID", type=tenant_id,
                    help="with --exact: check this tenant's prompts (default: the shared ones)")
+    add_tenant_salt(p, "with --exact")
     p.add_argument("--exact-prefill", metavar="N", type=argtype(BY_NAME["exact_prefill"]), default=argparse.SUPPRESS,
                    help="with --exact: check the prompts stored with this exact_prefill (N tokens, or off) "
                         "instead of those of the store's own (each is a namespace of its own; nothing is kept)")
@@ -96,11 +107,12 @@ def cmd_verify(args) -> int:
     args.tenant_from = args.tenant_from or "header:X-Tenant"
     args.probes = 20 if args.probes is None else args.probes
     if args.exact:
+        args.tenant = salted_tenant(args)
         return _verify_exact(args)
-    if (args.sample != 8 or args.tenant is not None or args.kv_bits is not None or args.kv_group_size != 64
-            or hasattr(args, "exact_prefill")):
-        raise CommandError("--sample, --tenant, --kv-bits, --kv-group-size and --exact-prefill go with --exact",
-                           EXIT_USAGE)
+    if (args.sample != 8 or args.tenant is not None or args.tenant_salt is not None or args.kv_bits is not None
+            or args.kv_group_size != 64 or hasattr(args, "exact_prefill")):
+        raise CommandError("--sample, --tenant, --tenant-salt, --kv-bits, --kv-group-size and --exact-prefill go "
+                           "with --exact", EXIT_USAGE)
     if args.admin_token_file is not None and not args.isolation:
         raise CommandError("--admin-token-file goes with --isolation URL", EXIT_USAGE)
     if args.isolation is not None:
