@@ -122,6 +122,8 @@ class MemoryTier:
             for rec in records:
                 if rec.nbytes > self.capacity:
                     continue
+                if getattr(rec.tokens, "base", None) is not None:  # a view keeps its whole prompt's ids
+                    rec.tokens = rec.tokens.copy()  # alive, past what `nbytes` counts: its own ids only
                 old = self._records.pop(rec.hash, None)
                 if old is not None:
                     self.nbytes -= old.nbytes
