@@ -11,6 +11,11 @@ record's is the hash of its parent and its tokens (`keys.chain`, `records.prompt
 one without the salt can name a tenant's record, and a record of one tenant is never a key of
 another's prompt. A tenant's record carries its tag and its link in its blob header (the header
 fields `x-tenant` and `x-link`), so any reader can check that its tokens are its key's.
+
+A tenant a request's `cache_salt` splits off another (`salted_id`) has that tenant as its `owner`:
+it shares the owner's quota (`tenant_max_bytes`), so new salts never add disk to a tenant. The
+index keeps each such tenant's owner tag (`tenant_owners`, written with its first records), and
+its records state it in their header (`x-owner`), from which a rebuilt index takes it back.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ SALT_BYTES = 32
 TAG_HEX = 16  # 64 bits: two tenants of a store never share a tag by chance
 MAX_ID_BYTES = 4096
 #: The blob header fields of a tenant's record (`storage.blobformat` registers them, with `x-`).
-TAG_FIELD, LINK_FIELD = "tenant", "link"
+TAG_FIELD, LINK_FIELD, OWNER_FIELD = "tenant", "link", "owner"
 HEADER_PREFIX = "x-"  # (blobformat.EXTENSION_PREFIX: records.check reads the fields without it)
 _TAG = re.compile(r"[0-9a-f]{%d}" % TAG_HEX)
 _LINK = re.compile(r"[0-9a-f]{32}")
@@ -34,6 +39,9 @@ _PURPOSE = b"kvstore tenant salt\0"
 #: What joins a tenant's id and a request's `cache_salt` into the id of the tenant the salt splits
 #: off (`salted_id`): a control character, which no tenant header or bearer token holds.
 SALT_SEPARATOR = "\x1fcache_salt:"
+#: The tenant of requests that name none where others do (`kvstore serve`'s, with tenants apart),
+#: and so the owner of the tenants their `cache_salt`s split off. (No header or token holds "\x1f".)
+UNNAMED = "\x1fno tenant named"
 
 
 @dataclass(frozen=True)
@@ -45,6 +53,7 @@ class Tenant:
     salt: bytes = field(repr=False)
     tag: str
     key_id: str = ""  # the server secret it was derived under ("" : the store's own key)
+    owner: str | None = None  # the tag of the tenant whose quota it shares (`owner_id`; None: its own)
     previous: tuple["Tenant", ...] = field(default=(), repr=False)
 
     def link(self, parent: bytes) -> bytes:
@@ -67,7 +76,15 @@ def derive(secret: bytes, tenant_id: str, *, key_id: str = "") -> Tenant:
     """The tenant `tenant_id` under the server `secret` (ValueError for an id that is not one)."""
     raw = check_id(tenant_id).encode("utf-8")
     salt = hmac.new(secret, _PURPOSE + raw, hashlib.sha256).digest()
-    return Tenant(salt, tag_of(salt), key_id)
+    owner = owner_id(tenant_id)
+    return Tenant(salt, tag_of(salt), key_id, None if owner is None else derive(secret, owner).tag)
+
+
+def owner_id(tenant_id: str) -> str | None:
+    """The id of the tenant whose quota tenant `tenant_id` shares: for an id `salted_id` made, the
+    tenant the salt split it off (`UNNAMED` for requests that name no tenant); None for any other."""
+    owner, salted, _ = tenant_id.partition(SALT_SEPARATOR)  # (the first: a salt may hold it too)
+    return (owner or UNNAMED) if salted else None
 
 
 def salted_id(tenant_id: str | None, salt: str) -> str:
@@ -119,12 +136,19 @@ def parse_link(text: str) -> bytes:
     return bytes.fromhex(text)
 
 
-def header_fields(tag: str | None, link: bytes | None) -> dict[str, str]:
+def header_fields(tag: str | None, link: bytes | None, owner: str | None = None) -> dict[str, str]:
     """The header fields a record of tenant `tag` carries (none for a shared record; no link for
-    a checkpoint, whose key is made from its record's alone)."""
+    a checkpoint, whose key is made from its record's alone; the `owner` tag of a salted tenant)."""
     if tag is None:
         return {}
-    return {TAG_FIELD: tag, **({LINK_FIELD: link.hex()} if link is not None else {})}
+    return {TAG_FIELD: tag, **({LINK_FIELD: link.hex()} if link is not None else {}),
+            **({OWNER_FIELD: owner} if owner is not None else {})}
+
+
+def stated_owner(metadata) -> str | None:
+    """The owner tag a blob header states (None: none); ValueError if it is not a tag."""
+    owner = metadata.get(HEADER_PREFIX + OWNER_FIELD)
+    return None if owner is None else parse_tag(owner)
 
 
 def stated(metadata) -> tuple[str | None, bytes | None]:

@@ -549,3 +549,32 @@ def test_verify_isolation_reads_the_operators_endpoints_with_the_token_and_probe
     http.post("http://s/v1/chat/completions", headers={"Authorization": "Bearer tenant-a"})
     assert session.sent == [("GET", "http://s/metrics", {"Authorization": "Bearer the-operator-token-0123"}),
                             ("POST", "http://s/v1/chat/completions", {"Authorization": "Bearer tenant-a"})]
+
+
+def test_new_cache_salts_share_their_tenants_quota_and_push_no_one_else_off_the_disk(warmed, tmp_path):
+    """A header tenant's cache_salts are tenants that share its one `--tenant-max-bytes`: bob's 12
+    prompts, each with a new salt, stay within one quota together, so on a full store alice keeps
+    her prompt on the disk (with a quota per salt they took 12 quotas and pushed hers off)."""
+    model, _, prompts = warmed
+    store = tmp_path / "store"
+    run_cli("warm", "--store", store, "--model", model, "--prompts", prompts)
+    flags = ("--tenant-from", "header:X-Tenant", "--trust-client-salt", "--store-max-bytes", "3MiB",
+             "--tenant-max-bytes", "1MiB", "--prompt-cache-size", "1")  # (mlx-lm's RAM cache: one sequence)
+    with Server(model, store, tmp_path / "log", *flags) as server:
+        first = usage(server, SECRET, "alice")
+        shared = cached(first)
+        whole = cached(usage(server, SECRET, "alice"))
+        assert whole == first["prompt_tokens"] - 1 > shared
+        for n in range(12):
+            usage(server, f"Bob's question number {n}, never asked before. " * 12, "bob", cache_salt=f"salt-{n}")
+        assert server.stop() == 0
+    with kvstore.open(store) as opened:
+        held = opened.stats()["tenants"]
+        bob = opened.tenant("bob").tag
+        salted = [t for t in held if t.get("owner") == bob]
+        assert len(salted) >= 2 and sum(t["bytes"] for t in salted) <= 1 << 20
+        assert not any(t["tenant"] == bob for t in held)  # (every request of bob's had a salt)
+    said = run_cli("stats", "--store", store).stdout
+    assert f"quota of owner {bob}" in said and f"tenant {bob}'s quota holds" in said, said
+    with Server(model, store, tmp_path / "log2", *flags) as server:
+        assert cached(usage(server, SECRET, "alice")) == whole  # from the disk: a new server's RAM is empty

@@ -17,6 +17,7 @@ import kvstore
 from kvstore import keys, tenants
 from kvstore.records import CHECKPOINT, prompt_records
 from kvstore.storage import blobformat, blobtree
+from kvstore.upkeep import evict
 from kvstore.upkeep.rebuild import rebuild_index
 
 C = 16
@@ -234,7 +235,8 @@ def test_drop_tenant_salt_names_the_tenant_a_cache_salt_splits_off(llama, tmp_pa
     s = str(tmp_path / "s")
     assert main(["gc", "--store", s, "--drop-tenant-id", "alice", "--drop-tenant-salt", "x", "--dry-run"]) == 0
     said = capsys.readouterr().out
-    assert f"tenant {tags[1]}: " in said and tags[0] not in said and tags[2] not in said, said
+    assert f"tenant {tags[1]}: " in said and f"tenant {tags[0]}: " not in said and tags[2] not in said, said
+    assert f"(a cache_salt tenant of {tags[0]})" in said, said  # (alice: the tenant whose quota it shares)
     assert main(["gc", "--store", s, "--drop-tenant-salt", "y"]) == 1
     err = capsys.readouterr().err
     assert "holds no records of the tenant of that cache_salt (its tag under the store's tenant.key is" in err, err
@@ -392,3 +394,60 @@ def test_verify_exact_of_a_tenant_on_a_store_with_no_tenant_key_yet(llama, tmp_p
         assert not report.checks and "NOTHING CHECKED" in report.verdict()
         with pytest.raises(TypeError, match=r"verify_exact\(\) got an unexpected keyword argument 'tenantt'"):
             store.verify_exact(model, str(path), tenantt="alice")
+
+
+def test_tenant_victims_count_a_tenants_cache_salt_tenants_against_its_one_quota():
+    """`tenant_victims` with owners: bob and the three salted tenants he owns share one quota (the
+    LRU rule over their records together: x2's chain is one tree whose root hangs from the shared
+    record, its leaf y2 goes first); alice alone is within hers. Without owners each is within its own."""
+    ns, shared = b"N" * 16, b"S" * 16
+    rows = [(shared + ns, 0.0, (100 * 4) * 16 + 4, None)]  # (hash + parent, last access, size/role/flags, tag)
+    alice, bob, salted = "a" * 16, "b" * 16, ["c" * 16, "d" * 16, "e" * 16]
+    rows += [(b"A1" * 8 + shared, 9.0, 100 * 64, alice), (b"A2" * 8 + b"A1" * 8, 9.5, 100 * 64, alice)]
+    rows += [(b"B1" * 8 + shared, 8.0, 100 * 64, bob)]
+    rows += [(f"X{i}".encode() * 8 + shared, float(i), 100 * 64, tag) for i, tag in enumerate(salted)]
+    rows += [(b"Y2" * 8 + b"X2" * 8, 7.0, 100 * 64, salted[2])]  # below x2: x2 goes after it
+    g = evict.Graph.from_index([rows])
+    assert not len(evict.tenant_victims(g, 250))  # a quota per tag: none is over
+    owners = dict.fromkeys(salted, bob)
+    gone = {g.hashes[i].tobytes()[:2] for i in evict.tenant_victims(g, 150, (), owners)}
+    assert gone == {b"X0", b"X1", b"X2", b"Y2", b"A2"}  # bob's 500 -> 100 (his own stays); alice's 200 -> 100
+    assert {g.hashes[i].tobytes()[:2] for i in evict.tenant_victims(g, 250, (), owners)} == {b"X0", b"X1", b"Y2"}
+    assert {g.hashes[i].tobytes()[:2] for i in evict.tenant_victims(g, 350, (), owners)} == {b"X0", b"X1"}
+    plan = evict.choose_victims(g, max_bytes=None, cutoff=None, stale=False, tenant_max_bytes=350, owners=owners)
+    assert [h[:2] for h in plan.hashes] == [b"X0", b"X1"]
+
+
+def test_a_tenants_cache_salts_share_its_quota_through_gc_a_rebuild_and_drop_tenant_id(llama, tmp_path, capsys):
+    """Tenants made of bob's cache_salts are kept within bob's one quota by gc; a rebuilt index
+    takes their owner back from their blobs' headers; `gc --drop-tenant-id bob` drops them too."""
+    from kvstore.cli.main import main
+
+    path, model = llama
+    with kvstore.open(tmp_path / "s", chunk_size=C) as store:
+        store.bind(model, str(path)).prefill(SYSTEM)
+        salts = [store.bind(model, str(path), tenant=tenants.salted_id("bob", f"s{i}")) for i in range(4)]
+        for i, mc in enumerate(salts):
+            mc.prefill(SYSTEM + toks(32, 50 + i))
+        alice = store.bind(model, str(path), tenant="alice")
+        alice.prefill(SYSTEM + toks(32, 60))
+        store.flush()
+        bob = store.tenant("bob").tag
+        assert all(mc.tenant.owner == bob for mc in salts) and alice.tenant.owner is None
+        one = next(t["bytes"] for t in store.files.tenants() if t["tenant"] == alice.tenant.tag)
+        assert store.files.gc(tenant_max_bytes=2 * one)["tenants_over"] == 1
+        held = {t["tenant"]: t for t in store.files.tenants()}
+        left = [t for t in held.values() if t.get("owner") == bob]
+        assert len(left) >= 1 and one < sum(t["bytes"] for t in left) <= 2 * one  # (of 4 prompts: about 4 * one)
+        assert held[alice.tenant.tag]["bytes"] == one and "owner" not in held[alice.tenant.tag]
+        owners = {t: o for t, o in store.index.tenant_owners().items() if t in held}  # (of those with records)
+        assert len(owners) == len(left)
+    rebuilt = rebuild_index(tmp_path / "s")
+    assert rebuilt["records"] > 0 and not rebuilt["skipped"]
+    with kvstore.open(tmp_path / "s", chunk_size=C) as store:
+        assert store.index.tenant_owners() == owners
+    assert main(["gc", "--store", str(tmp_path / "s"), "--drop-tenant-id", "bob"]) == 0
+    said = capsys.readouterr().out
+    assert said.count(f"(a cache_salt tenant of {bob})") == len(left), said
+    with kvstore.open(tmp_path / "s", chunk_size=C) as store:
+        assert [t["tenant"] for t in store.files.tenants()] == [alice.tenant.tag]

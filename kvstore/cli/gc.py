@@ -49,7 +49,8 @@ def register(add, store_opts, model_opts) -> None:
                    help="as --drop-tenant, for the tenant whose requests name this id (its header value or "
                         "bearer token): its tag is derived as kvstore serve derives it, under the store's "
                         "tenant.key and, when the fleet secret is given (--remote-key-file or "
-                        "$KVSTORE_REMOTE_KEY), the fleet's keys; repeatable")
+                        "$KVSTORE_REMOTE_KEY), the fleet's keys; with it go the tenants its requests' "
+                        "cache_salts made (--trust-client-salt), which share its quota; repeatable")
     p.add_argument("--drop-tenant-salt", metavar="SALT", action="append", default=[],
                    help="as --drop-tenant, for the tenant whose requests send this cache_salt to a server with "
                         "--trust-client-salt (with one --drop-tenant-id ID: the salt's tenant under that "
@@ -87,6 +88,7 @@ def cmd_gc(args) -> int:
         return _gc_remote(args)
     with open_local(args, must_exist=True) as files:
         args.drop_tenant += [tag for tenant_id, what in _ids(args) for tag in _tags_of(args, files, tenant_id, what)]
+        owners = {t["tenant"]: t["owner"] for t in files.tenants() if t.get("owner")} if dropping else {}
         try:
             result = files.gc(max_bytes=args.max_bytes, max_age=args.max_age, dry_run=args.dry_run,
                               stale=args.stale, tenant_max_bytes=args.tenant_max_bytes, drop_tenants=args.drop_tenant)
@@ -107,11 +109,13 @@ def cmd_gc(args) -> int:
             f"{'would be ' if args.dry_run else ''}freed ({format_size(stale_pins['bytes'])}): their model "
             "files are gone or changed, so no lookup could use them again")
     if result.get("tenants_over"):
-        out(f"{plural(result['tenants_over'], 'tenant')} held more than {format_size(args.tenant_max_bytes)}: "
-            f"their least recently used records {'would go' if args.dry_run else 'went'} first (pinned ones stay)")
+        out(f"{plural(result['tenants_over'], 'tenant')} held more than {format_size(args.tenant_max_bytes)} "
+            "(each with the cache_salt tenants that share its quota): their least recently used records "
+            f"{'would go' if args.dry_run else 'went'} first (pinned ones stay)")
     for tag, held in (result.get("tenants_dropped") or {}).items():
+        whose = f" (a cache_salt tenant of {owners[tag]})" if tag in owners else ""
         out(f"tenant {tag}: {plural(held['records'], 'record')} ({format_size(held['bytes'])}) "
-            f"{'would be deleted' if args.dry_run else 'deleted'}, pinned ones too")
+            f"{'would be deleted' if args.dry_run else 'deleted'}, pinned ones too{whose}")
     if args.max_bytes is not None and result["bytes"] > args.max_bytes:
         say(f"{PROG} gc: still above the budget of {args.max_bytes} bytes: "
             f"{_kept(args, result['kept_bytes'], pinned)}")
@@ -167,7 +171,10 @@ def _tags_of(args, files, tenant_id: str, what: str = "that tenant") -> list[str
         tags = {tenants.derive(secret, tenant_id).tag for secret in secrets}
     except ValueError as e:
         raise CommandError(f"--drop-tenant-id: {e}", EXIT_USAGE) from None
-    held = tags & {t["tenant"] for t in files.tenants()}
+    present = files.tenants()
+    held = tags & {t["tenant"] for t in present}
+    if not args.drop_tenant_salt:  # (a tenant goes with the cache_salt tenants that share its quota)
+        held |= {t["tenant"] for t in present if t.get("owner") in tags}
     if not held:
         raise CommandError(f"the store holds no records of {what} (its tag under {' and '.join(tried)}"
                            f" is {', '.join(sorted(tags))}; `{PROG} stats` lists the tenants' tags)")

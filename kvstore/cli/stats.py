@@ -83,12 +83,25 @@ def cmd_stats(args) -> int:
 
 
 def _print_tenants(tenants: list[dict], most: int = 10) -> None:
-    """Each tenant's records, by its tag (never its id), the largest first."""
+    """Each tenant's records, by its tag (never its id), the largest first; a cache_salt's tenant
+    says whose quota it shares, and each such owner what its tenants hold together."""
     if not tenants:
         return
-    shown = ", ".join(f"{t['tenant']} {format_size(t['bytes'])} ({plural(t['records'], 'record')})" for t in tenants[:most])
+    shown = ", ".join(f"{t['tenant']} {format_size(t['bytes'])} ({plural(t['records'], 'record')}"
+                      f"{'; quota of owner ' + t['owner'] if t.get('owner') else ''})" for t in tenants[:most])
     more = f", and {len(tenants) - most} more" if len(tenants) > most else ""
     out(f"tenants: {len(tenants)} ({format_size(sum(t['bytes'] for t in tenants))}): {shown}{more}")
+    groups: dict[str, list[dict]] = {}
+    for t in tenants:
+        if t.get("owner"):
+            groups.setdefault(t["owner"], [])
+    for t in tenants:
+        if t["tenant"] in groups or t.get("owner"):
+            groups[t.get("owner") or t["tenant"]].append(t)
+    for owner, members in list(groups.items())[:most]:
+        salted = sum(1 for t in members if t.get("owner"))
+        out(f"tenant {owner}'s quota holds {format_size(sum(t['bytes'] for t in members))}: "
+            f"{'itself and ' if salted < len(members) else ''}{plural(salted, 'cache_salt tenant')} sharing it")
 
 
 def _print_settings(entries: dict | None, where: str = "") -> None:

@@ -286,6 +286,8 @@ register_extension("canary", canary.parse)
 # A tenant's record states its tenant's tag and the link its key hashes (`kvstore.tenants`).
 register_extension(tenants.TAG_FIELD, tenants.parse_tag)
 register_extension(tenants.LINK_FIELD, tenants.parse_link)
+# A salted tenant's record states the tag of the tenant whose quota it shares (`tenants.owner_id`).
+register_extension(tenants.OWNER_FIELD, tenants.parse_tag)
 # The node's MAC over the header and its checksums (`kvstore.trust`): what decides its uploads.
 register_extension(trust.FIELD, trust.parse_tag)
 

@@ -321,8 +321,24 @@ class EvictionSQL:
         return dict(sorted(out.items(), key=lambda item: (-item[1][1], item[0])))
 
     def tenants_over(self, max_bytes: int) -> list[str]:
-        """The tags of the tenants that hold more than `max_bytes`."""
-        return sorted(tag for tag, (_, size) in self.tenant_totals().items() if size > max_bytes)
+        """The tags of the owners (`tenant_owners`) whose tenants hold more than `max_bytes` together."""
+        return sorted(tag for tag, (_, size) in self.quota_totals().items() if size > max_bytes)
+
+    def tenant_owners(self) -> dict[str, str]:
+        """tag -> the tag of the tenant whose quota it shares (migration 0027): the salted tenants
+        `kvstore serve --trust-client-salt` made. A tenant not in it is its own owner; a row that
+        does not hold two tags (damage) is left out, so that tenant counts alone."""
+        return {tag: owner for tag, owner in self.conn.execute("SELECT tenant, owner FROM tenant_owners")
+                if _is_tag(tag) and _is_tag(owner) and tag != owner}
+
+    def quota_totals(self) -> dict[str, tuple[int, int]]:
+        """owner tag -> (records, bytes) of its tenants together (itself and those it owns): what
+        `tenant_max_bytes` bounds."""
+        owners, out = self.tenant_owners(), {}
+        for tag, (n, size) in self.tenant_totals().items():
+            was = out.get(owners.get(tag, tag), (0, 0))
+            out[owners.get(tag, tag)] = (was[0] + n, was[1] + size)
+        return out
 
     def stored_tenant_totals(self) -> dict[object, tuple]:
         """tag -> (records, bytes) of `tenant_totals` as stored, whatever their types (for verify)."""
@@ -340,6 +356,10 @@ class EvictionSQL:
             conn.execute("DELETE FROM tenant_totals")
             conn.executemany("INSERT INTO tenant_totals (tenant, records, bytes) VALUES (?, ?, ?)",
                              [(tag, n, size) for tag, (n, size) in self.counted_tenant_totals().items()])
+
+
+def _is_tag(value: object) -> bool:
+    return isinstance(value, str) and len(value) == 16 and all(c in "0123456789abcdef" for c in value)
 
 
 def whole(value: object) -> bool:

@@ -14,7 +14,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Iterator, Mapping, Sequence
 
 from kvstore import faults
 from kvstore.errors import CorruptIndexError, StoreOpenError
@@ -70,8 +70,7 @@ def _i64_to_u64(v: int) -> int:
 class Index(EvictionSQL, WriteLogSQL, PinSQL):
     """The index of one store directory (`index.sqlite`), shared by threads and processes.
 
-    `read_only=True` never writes (nor migrates) the index: for a store this user may only read.
-    """
+    `read_only=True` never writes (nor migrates) the index: for a store this user may only read."""
 
     def __init__(self, path: Path, *, read_only: bool = False):
         self.path = Path(path)
@@ -289,8 +288,8 @@ class Index(EvictionSQL, WriteLogSQL, PinSQL):
             out += [_row(r) for r in rows]
         return out
 
-    def insert(self, rows: Iterable[Row]) -> int:
-        """Add records (a record that exists already is left as it is). Returns how many."""
+    def insert(self, rows: Iterable[Row], owners: Mapping[str, str] | None = None) -> int:
+        """Add records (one stored already stays as it is) and `owners` (`tenant_owners`). Returns how many records."""
         now = time.time()
         values = [
             (r.hash, r.ns, r.parent, r.depth, r.kind, r.ntokens, r.first_token, r.size,
@@ -317,6 +316,7 @@ class Index(EvictionSQL, WriteLogSQL, PinSQL):
             conn.executemany("UPDATE records SET pinned = 1 WHERE hash = ? AND pinned = 0",
                              [(v[0],) for v in values if v[12]])
             inserted = conn.total_changes - before
+            conn.executemany("INSERT OR IGNORE INTO tenant_owners (tenant, owner) VALUES (?, ?)", (owners or {}).items())
             faults.hit("in_transaction")
             if any(v[12] for v in values):  # the pins file follows these pins too, as every other
                 self._keep_pins_file(conn)

@@ -62,5 +62,5 @@ def adopt(index: Index, root: Path, paths: list[Path], present: dict[bytes, Row]
             continue
         taken[row.hash] = row
     if taken:
-        index.insert(list(taken.values()))
+        index.insert(list(taken.values()), {r["tenant"]: r["owner"] for r in found if r["hash"] in taken and r["owner"]})
     return {named[h] for h in taken}

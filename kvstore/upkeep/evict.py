@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from operator import itemgetter
-from typing import Collection, Iterable
+from typing import Collection, Iterable, Mapping
 
 import numpy as np
 
@@ -241,14 +241,16 @@ def order(g: Graph, parent: np.ndarray | None = None, by_hash: np.ndarray | None
 
 
 def choose_victims(g: Graph, *, max_bytes: int | None, cutoff: float | None, stale: bool,
-                   tenant_max_bytes: int | None = None, drop_tenants: Collection[str] = ()) -> Victims:
-    """`store_victims`, after each tenant over `tenant_max_bytes` has been brought down to it by
-    the same rule among its own records (`tenant_victims`), and every record of the tenants
+                   tenant_max_bytes: int | None = None, drop_tenants: Collection[str] = (),
+                   owners: Mapping[str, str] | None = None) -> Victims:
+    """`store_victims`, after each owner's tenants over `tenant_max_bytes` together have been
+    brought down to it by the same rule among their own records (`tenant_victims`; `owners`: tag
+    -> the tag whose quota it shares, `Index.tenant_owners`), and every record of the tenants
     `drop_tenants` (tags) taken, their pins too: the store's budget then counts what is left."""
     dropped = {i for i, tag in enumerate(g.tags) if tag in drop_tenants}
     if dropped:
         g = replace(g, pinned=g.pinned & ~np.isin(g.tenant, list(dropped)))
-    quota = tenant_victims(g, tenant_max_bytes, dropped) \
+    quota = tenant_victims(g, tenant_max_bytes, dropped, owners) \
         if (tenant_max_bytes is not None or dropped) and g.tenant is not None else np.zeros(0, np.int64)
     if not len(quota):
         return store_victims(g, max_bytes=max_bytes, cutoff=cutoff, stale=stale)
@@ -265,23 +267,31 @@ def choose_victims(g: Graph, *, max_bytes: int | None, cutoff: float | None, sta
     return Victims(g.hashes[idx], g.sizes[idx], heights, tops, idx)
 
 
-def tenant_victims(g: Graph, max_bytes: int | None, emptied: Collection[int] = ()) -> np.ndarray:
-    """Indices of the records that bring every tenant within `max_bytes` (None: no bound), and
-    the tenants numbered `emptied` to nothing: for each tenant over its bound, the leaf-by-leaf
-    LRU rule among that tenant's records alone (its pins kept). A tenant's records hang below
-    shared ones (or its namespace): to its rule, those are its roots."""
+def tenant_victims(g: Graph, max_bytes: int | None, emptied: Collection[int] = (),
+                   owners: Mapping[str, str] | None = None) -> np.ndarray:
+    """Indices of the records that bring every owner's tenants within `max_bytes` together (None:
+    no bound), and the tenants numbered `emptied` to nothing. A tenant's owner is `owners[tag]`
+    (the salted tenants of one tenant share its quota), else itself. For each owner over its
+    bound, the leaf-by-leaf LRU rule runs among the records of its tenants (those not emptied)
+    alone, its pins kept. A tenant's records hang below shared ones (or its namespace): to the
+    rule, a record whose parent is not among them is a root."""
     out = []
     tenant = g.tenant
     parent, _ = parents(g)
-    for t in np.unique(tenant[tenant >= 0]):
-        mine = np.nonzero(tenant == t)[0]
-        if int(t) in emptied:  # every record, even one of 0 bytes (a damaged size reads as 0)
-            out.append(mine)
-            continue
+    owners = owners or {}
+    codes: dict[str, int] = {}  # owner tag -> its number
+    group_of = np.array([codes.setdefault(owners.get(tag, tag), len(codes)) for tag in g.tags] + [-1], np.int64)
+    group = group_of[tenant]  # (a shared record's -1 picks the last: -1)
+    if emptied:
+        gone = np.isin(tenant, list(emptied))
+        out.append(np.nonzero(gone)[0])  # every record, even one of 0 bytes (a damaged size reads as 0)
+        group[gone] = -1
+    for t in np.unique(group[group >= 0]):
+        mine = np.nonzero(group == t)[0]
         if max_bytes is None or int(g.sizes[mine].sum()) <= max_bytes:
             continue
         up = parent[mine]
-        root = (up < 0) | (tenant[np.maximum(up, 0)] != t)  # hangs from outside the tenant
+        root = (up < 0) | (group[np.maximum(up, 0)] != t)  # hangs from outside the owner's records
         sub = replace(_subgraph(g, mine), root=root, stale=np.zeros(len(mine), bool))
         p = store_victims(sub, max_bytes=max_bytes, cutoff=None, stale=False)
         if len(p):

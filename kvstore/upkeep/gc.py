@@ -52,7 +52,8 @@ def collect(index: Index, root: Path, *, max_bytes: int | None = None, max_age: 
             stale: bool = False, stale_namespaces: set[bytes] = frozenset(), dry_run: bool = False,
             tenant_max_bytes: int | None = None, drop_tenants: Collection[str] = ()) -> dict:
     """Evict every record of the tenants `drop_tenants` (tags), pinned ones too, then until every
-    tenant holds at most `tenant_max_bytes`, the store at most `max_bytes`,
+    owner's tenants hold at most `tenant_max_bytes` together (`Index.tenant_owners`: a salted
+    tenant shares its owner's quota), the store at most `max_bytes`,
     nothing unused for `max_age` seconds and, with `stale`, nothing of the model versions in
     `stale_namespaces` (which a budget evicts first, too). See `evict` for the order; rows go in
     transactions of a bounded number of rows, each record's file right after the commit that
@@ -81,7 +82,8 @@ def collect(index: Index, root: Path, *, max_bytes: int | None = None, max_age: 
         graph = evict.Graph.from_index(index.eviction_graph(sorted(stale_namespaces), tenants=bool(over or dropping)))
         planned_from = int(graph.sizes.sum())
         p = evict.choose_victims(graph, max_bytes=max_bytes, cutoff=cutoff, stale=stale,
-                                 tenant_max_bytes=tenant_max_bytes if over else None, drop_tenants=set(dropping))
+                                 tenant_max_bytes=tenant_max_bytes if over else None, drop_tenants=set(dropping),
+                                 owners=index.tenant_owners() if over else None)
         if dry_run and stale:
             held = graph.pinned & graph.stale
             unpinned = (int(held.sum()), int(graph.sizes[held].sum()))
@@ -101,7 +103,7 @@ def collect(index: Index, root: Path, *, max_bytes: int | None = None, max_age: 
         "plan_seconds": planned,
         "longest_transaction_seconds": longest,
         "stale_pins": {"records": unpinned[0], "bytes": unpinned[1]},  # unpinned, then evicted
-        "tenants_over": len(over),  # tenants that held more than `tenant_max_bytes`
+        "tenants_over": len(over),  # owners whose tenants held more than `tenant_max_bytes` together
         "tenants_dropped": {t: {"records": n, "bytes": b} for t, (n, b) in dropping.items()},  # what each held before
         "kept_bytes": _kept_bytes(total, planned_from, freed),
         "leftover_files": leftovers,  # files an earlier gc stopped before unlinking: unlinked now

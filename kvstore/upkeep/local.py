@@ -134,8 +134,7 @@ class LocalStore:
             found = self.model_status(rehash=False)  # no hashing here: stats stays fast
             for m in out["models"]:  # not found: bound with a fingerprint, or before files were recorded
                 m["stale"], m["stale_reason"] = found.get(bytes.fromhex(m["namespace"]), (None, None))
-            out["tenants"] = [{"tenant": tag, "records": n, "bytes": size}
-                              for tag, (n, size) in self.index.tenant_totals().items()]
+            out["tenants"] = self.tenants()
             out["quarantined_total"] = self.index.counters().get("count.quarantined", 0)
             n, size = self.index.quarantined()
             out["quarantined_now"] = {"records": n, "bytes": size}
@@ -247,14 +246,18 @@ class LocalStore:
                         f"store's disk {when}) = {budget} bytes")
 
     def over_budget(self, max_bytes: int | None, tenant_max_bytes: int | None = None) -> bool:
-        """Whether the store holds more than `max_bytes`, or a tenant more than `tenant_max_bytes`."""
+        """Whether the store holds more than `max_bytes`, or a tenant (with the tenants that share
+        its quota, `Index.tenant_owners`) more than `tenant_max_bytes`."""
         return ((max_bytes is not None and self.index.totals()["bytes"] > max_bytes)
                 or (tenant_max_bytes is not None and bool(self.index.tenants_over(tenant_max_bytes))))
 
     def tenants(self) -> list[dict]:
-        """One dict per tenant that has records: its `tenant` tag, `records` and `bytes`."""
+        """One dict per tenant that has records: its `tenant` tag, `records` and `bytes`, and for
+        a tenant that shares another's quota (a cache_salt's tenant), that one's tag, `owner`."""
         with self.damage_is_an_error():
-            return [{"tenant": tag, "records": n, "bytes": size} for tag, (n, size) in self.index.tenant_totals().items()]
+            owners = self.index.tenant_owners()
+            return [{"tenant": tag, "records": n, "bytes": size, **({"owner": owners[tag]} if tag in owners else {})}
+                    for tag, (n, size) in self.index.tenant_totals().items()]
 
 
 #: The tables `check_pages(whole=False)` checks: each a few rows per model, tenant or setting.

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import xxhash
 
-from kvstore import keys, records, settings
+from kvstore import keys, records, settings, tenants
 from kvstore.errors import BlobError, CorruptIndexError, InvalidInputError, NotAStoreError
 from kvstore.records import CHECKPOINT, CHUNK, TAIL
 from kvstore.storage import blobfile, blobformat, blobtree
@@ -305,6 +305,10 @@ def read_record(path: Path, h: bytes) -> dict:
     if meta.get("format") != str(keys.FORMAT_VERSION):
         raise BlobError(f"{path}: format {meta.get('format')!r}, this kvstore writes {keys.FORMAT_VERSION}")
     rid = stored.identity  # the record its header describes
+    try:
+        owner = tenants.stated_owner(meta) if rid.tenant is not None else None  # (whose quota it shares)
+    except ValueError as e:
+        raise BlobError(f"{path}: its owner field is not valid ({e})") from None
     fingerprint = blobformat.meta_field(meta, "fingerprint", blobformat.hash16, path)
     chunk_size = blobformat.meta_field(meta, "chunk_size", int, path)
     model_id = meta.get("model_id")  # none in a record from the bucket or a pack (`blobformat.portable`)
@@ -321,7 +325,7 @@ def read_record(path: Path, h: bytes) -> dict:
     return {"hash": h, "ns": ns, "parent": parent, "depth": depth, "kind": kind, "ntokens": n,
             "tokens": tokens.tobytes(), "size": len(buf), "checksum": xxhash.xxh3_64_intdigest(buf),
             "path": path, "mtime": mtime, "fingerprint": fingerprint, "model_id": model_id, "chunk_size": chunk_size,
-            "tenant": rid.tenant}
+            "tenant": rid.tenant, "owner": owner}
 
 
 def _chain(found: dict[bytes, dict], skipped: list[tuple[Path, str]]) -> list[dict]:
@@ -376,3 +380,5 @@ def _write(index: Index, records: list[dict], old: _Salvage) -> None:
               keys.first_token(r["tokens"]), r["size"], _u64_to_i64(r["checksum"]),
               *old.records.get(r["hash"], (r["mtime"], r["mtime"], 0, 0))[:3], old.pinned(r["hash"]), r["tenant"])
              for r in records])
+        conn.executemany("INSERT OR IGNORE INTO tenant_owners (tenant, owner) VALUES (?, ?)",
+                         sorted({(r["tenant"], r["owner"]) for r in records if r["owner"] is not None}))

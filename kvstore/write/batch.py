@@ -73,7 +73,8 @@ def write(dest: Destination, job: Job,
         for st in staged.files.values():  # stored meanwhile by another writer, or after a failure
             blobwrite.discard(st)
         if rows and dest.index is not None:
-            inserted = _insert(dest, rows)
+            t = job.tenant  # (a salted tenant's owner, whose quota it shares: kept with its rows)
+            inserted = _insert(dest, rows, {t.tag: t.owner} if t is not None and t.owner is not None else None)
             if len(inserted) < len(rows):  # a full disk took the rest: the chain ends at the last row in
                 cut = next(i for i, s in enumerate(written) if s.hash == rows[len(inserted)].hash)
                 for spec in written[cut:]:
@@ -290,7 +291,7 @@ def _unstaged_allowed(dest: Destination, job: Job, staged: _Staged, spec: Span, 
     return True
 
 
-def _insert(dest: Destination, rows: list[Row]) -> list[Row]:
+def _insert(dest: Destination, rows: list[Row], owners: dict[str, str] | None = None) -> list[Row]:
     """Insert the rows of the files just placed, in one transaction, and return them. On a full
     disk (the files may have taken the room the index needs), the first half of them, and so on
     down to one: the files of those left out are removed first, to make room (a chain stored up
@@ -299,7 +300,7 @@ def _insert(dest: Destination, rows: list[Row]) -> list[Row]:
     n, said = len(rows), False
     while True:
         try:
-            dest.index.insert(rows[:n])
+            dest.index.insert(rows[:n], owners)
             break
         except Exception as e:
             full = _disk_full(e) and n > 1

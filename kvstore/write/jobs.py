@@ -226,7 +226,8 @@ class Hosts:
         meta = dict(job.metadata, hash=spec.hash.hex(), parent=spec.parent.hex(),
                     depth=str(spec.depth), kind=str(spec.kind))
         if spec.tenant is not None:
-            meta = blobformat.with_extensions(meta, tenants.header_fields(spec.tenant, spec.link))
+            owner = job.tenant.owner if job.tenant is not None and job.tenant.tag == spec.tenant else None
+            meta = blobformat.with_extensions(meta, tenants.header_fields(spec.tenant, spec.link, owner))
         return tokens, tensors, blobformat.with_extensions(meta, job.extensions.get(spec.hash, {}))
 
 

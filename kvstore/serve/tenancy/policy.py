@@ -28,13 +28,12 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
-from kvstore.tenants import MAX_ID_BYTES, check_id, salted_id
+from kvstore.tenants import MAX_ID_BYTES, UNNAMED, check_id, salted_id
 
 log = logging.getLogger("kvstore")
 
-#: The tenant of requests that name none where others do: they reuse the shared prompts and each
-#: other's, and write nothing into the shared namespace. (A header or token never holds "\x1f".)
-UNNAMED = "\x1fno tenant named"
+# `UNNAMED` (`kvstore.tenants`) is the tenant of requests that name none where others do: they
+# reuse the shared prompts and each other's, and write nothing into the shared namespace.
 #: The `meta` mark a server serving tenants apart sets on its store (see `serves_tenants`).
 TENANTS_MARK = "serve.tenants_apart"
 #: A tenant not known (no request told it): nothing is reused or stored for it.
