@@ -91,11 +91,13 @@ def collect(index: Index, root: Path, *, max_bytes: int | None = None, max_age: 
         freed, hashes = int(p.sizes.sum()) if len(p) else 0, list(p.hashes)
     else:
         freed, hashes, longest, leftovers = _delete(index, root, p, since)
+    # Read again, not `total - freed`: other processes may have stored or deleted records while gc ran.
+    after = total - freed if dry_run else index.totals()["bytes"]
     return {
         "evicted": len(hashes),
         "freed_bytes": freed,
         "bytes_before": total,
-        "bytes": total - freed,
+        "bytes": after,
         "dry_run": dry_run,
         "seconds": time.perf_counter() - started,
         "plan_seconds": planned,
