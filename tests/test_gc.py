@@ -458,3 +458,47 @@ def test_gc_says_what_the_store_holds_after_another_process_stored_meanwhile(tmp
     assert held == added[0] > 0
     assert f"the store holds {format_size(held)} (was " in line, line
     assert f"other processes stored {format_size(held)} while gc ran" in line, line
+
+
+def test_verify_waits_for_a_running_gc_instead_of_reporting_its_edges(tmp_path, llama, monkeypatch):
+    """Between gc's two sweeps the index holds edges into the rows it deleted (readers ignore
+    them; its second sweep drops them). A `verify` run then, from another process on a host where
+    gc runs beside servers, reported them as damage (`bad_edge: ... an edge to no record`, exit 1):
+    it waits for the running gc instead, and finds the store clean."""
+    import threading
+
+    from kvstore.upkeep import gc as gcmod
+
+    path, model = llama
+    rng = np.random.default_rng(5)
+    base = rng.integers(1, 200, 2 * C).tolist()
+    old, new = (base + rng.integers(1, 200, C).tolist() for _ in range(2))
+    with kvstore.open(tmp_path / "s", chunk_size=C, memory_bytes=0) as store:
+        mc = store.bind(model, path)
+        for tokens in (old, new):  # two branches of one prefix: gc evicts the older leaf, its parent stays
+            mc.insert(tokens, prefill(model, tokens))
+            store.flush()
+            time.sleep(0.05)
+        total = store.stats()["bytes"]
+    paused, go, found = threading.Event(), threading.Event(), {}
+    sweep_two = gcmod._forget_edges
+
+    def pause_then_forget(index, root, edges):  # gc between its sweeps: the edge into its victim is left
+        paused.set()
+        go.wait(60)
+        return sweep_two(index, root, edges)
+
+    monkeypatch.setattr(gcmod, "_forget_edges", pause_then_forget)
+    with kvstore.open(tmp_path / "s", chunk_size=C, memory_bytes=0) as gc_store, \
+            kvstore.open(tmp_path / "s", chunk_size=C, memory_bytes=0) as other:
+        gc_thread = threading.Thread(target=lambda: found.update(gc=gc_store.gc(max_bytes=total - 1)))
+        gc_thread.start()
+        assert paused.wait(60)
+        verify_thread = threading.Thread(target=lambda: found.update(verify=other.verify()))
+        verify_thread.start()
+        verify_thread.join(2)  # (time for a verify that does not wait to finish and report)
+        go.set()
+        gc_thread.join(60)
+        verify_thread.join(60)
+        assert found["gc"]["evicted"] == 1 and found["verify"] == [], found
+        assert other.verify() == []

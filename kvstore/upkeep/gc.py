@@ -121,7 +121,9 @@ def _delete(index: Index, root: Path, p: evict.Victims, since: float) -> tuple[i
     edges: list[tuple[bytes, int, bytes]] = []
     # A page cache as big as the index (up to 1 GiB) while gc runs; files unlinked on threads
     # (the syscall releases the GIL, and unlinks in different folders run side by side).
-    with index.bulk(cache_kib=min(_CACHE_MAX_KIB, max(_CACHE_MIN_KIB, index.file_bytes() // 1024))), \
+    # The gc lock, shared: a `verify` waits for this gc to end (its second sweep below included).
+    with blobtree.gc_lock(root, exclusive=False), \
+            index.bulk(cache_kib=min(_CACHE_MAX_KIB, max(_CACHE_MIN_KIB, index.file_bytes() // 1024))), \
             index.victims(order, p.top_hashes), ThreadPoolExecutor(_UNLINK_THREADS, thread_name_prefix="kvstore-gc") as pool:
         leftovers = _unlink_leftovers(index, root, pool)
         # Sweep 1, in hash order: the rows and the edges out of them, and each record's file
