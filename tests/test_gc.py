@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from kvtest import prefill, readers
 
 import kvstore
+from kvstore.sizes import format_size
 from kvstore.storage import blobtree
 from kvstore.upkeep import evict
 
@@ -422,3 +423,82 @@ def test_gc_of_a_store_in_ram_says_what_it_evicted_and_a_dry_run_evicts_nothing(
         done = store.gc(max_bytes=held // 2)
         assert done["evicted"] == 2 and done["freed_bytes"] == held - store.stats()["bytes"] > 0
         assert store.gc()["evicted"] == 0
+
+
+def test_gc_says_what_the_store_holds_after_another_process_stored_meanwhile(tmp_path, llama, monkeypatch, capsys):
+    """Another process stores a prompt while gc deletes: gc's "the store holds" is what the store
+    holds when gc is done, read from the index, not its total before minus what it freed (which
+    went below zero: `the store holds -1.2 MiB`), and its line says what the others stored."""
+    from kvstore.cli.main import main
+
+    path, model = llama
+    rng = np.random.default_rng(11)
+    old, new = (rng.integers(1, 200, 3 * C).tolist() for _ in range(2))
+    with kvstore.open(tmp_path / "s", chunk_size=C, memory_bytes=0) as store:
+        store.bind(model, path).insert(old, prefill(model, old))
+    planned = evict.in_key_order
+    added = []
+
+    def then_store(p):  # gc has planned: another process stores an unrelated prompt now
+        out = planned(p)
+        with kvstore.open(tmp_path / "s", chunk_size=C, memory_bytes=0) as other:
+            before = other.stats()["bytes"]
+            other.bind(model, path).insert(new, prefill(model, new))
+            other.flush()
+            added.append(other.stats()["bytes"] - before)
+        return out
+
+    monkeypatch.setattr(evict, "in_key_order", then_store)
+    assert main(["gc", "--store", str(tmp_path / "s"), "--max-bytes", "0B"]) == 0
+    line = capsys.readouterr().out
+    with kvstore.open(tmp_path / "s", chunk_size=C) as store:
+        held = store.stats()["bytes"]
+        mc = store.bind(model, path)
+        assert mc.stored_length(old) == 0 and mc.stored_length(new) == len(new)
+    assert held == added[0] > 0
+    assert f"the store holds {format_size(held)} (was " in line, line
+    assert f"other processes stored {format_size(held)} while gc ran" in line, line
+
+
+def test_verify_waits_for_a_running_gc_instead_of_reporting_its_edges(tmp_path, llama, monkeypatch):
+    """Between gc's two sweeps the index holds edges into the rows it deleted (readers ignore
+    them; its second sweep drops them). A `verify` run then, from another process on a host where
+    gc runs beside servers, reported them as damage (`bad_edge: ... an edge to no record`, exit 1):
+    it waits for the running gc instead, and finds the store clean."""
+    import threading
+
+    from kvstore.upkeep import gc as gcmod
+
+    path, model = llama
+    rng = np.random.default_rng(5)
+    base = rng.integers(1, 200, 2 * C).tolist()
+    old, new = (base + rng.integers(1, 200, C).tolist() for _ in range(2))
+    with kvstore.open(tmp_path / "s", chunk_size=C, memory_bytes=0) as store:
+        mc = store.bind(model, path)
+        for tokens in (old, new):  # two branches of one prefix: gc evicts the older leaf, its parent stays
+            mc.insert(tokens, prefill(model, tokens))
+            store.flush()
+            time.sleep(0.05)
+        total = store.stats()["bytes"]
+    paused, go, found = threading.Event(), threading.Event(), {}
+    sweep_two = gcmod._forget_edges
+
+    def pause_then_forget(index, root, edges):  # gc between its sweeps: the edge into its victim is left
+        paused.set()
+        go.wait(60)
+        return sweep_two(index, root, edges)
+
+    monkeypatch.setattr(gcmod, "_forget_edges", pause_then_forget)
+    with kvstore.open(tmp_path / "s", chunk_size=C, memory_bytes=0) as gc_store, \
+            kvstore.open(tmp_path / "s", chunk_size=C, memory_bytes=0) as other:
+        gc_thread = threading.Thread(target=lambda: found.update(gc=gc_store.gc(max_bytes=total - 1)))
+        gc_thread.start()
+        assert paused.wait(60)
+        verify_thread = threading.Thread(target=lambda: found.update(verify=other.verify()))
+        verify_thread.start()
+        verify_thread.join(2)  # (time for a verify that does not wait to finish and report)
+        go.set()
+        gc_thread.join(60)
+        verify_thread.join(60)
+        assert found["gc"]["evicted"] == 1 and found["verify"] == [], found
+        assert other.verify() == []

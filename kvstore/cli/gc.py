@@ -97,9 +97,12 @@ def cmd_gc(args) -> int:
                                "tenants' tags)") from None
         pinned = bool(files.pins()) if args.max_bytes is not None and result["bytes"] > args.max_bytes else False
     verb, holds = ("would free", "would hold") if args.dry_run else ("freed", "holds")
+    before = result.get("bytes_before", result["bytes"] + result["freed_bytes"])
+    others = result["bytes"] - (before - result["freed_bytes"])  # stored (or deleted) by other processes meanwhile
     print(f"{verb} {format_size(result['freed_bytes'])} ({result['freed_bytes']} bytes, "
           f"{plural(result['evicted'], 'record')}); the store {holds} {format_size(result['bytes'])} "
-          f"(was {format_size(result.get('bytes_before', result['bytes'] + result['freed_bytes']))})")
+          f"(was {format_size(before)}" + (f"; other processes {'stored' if others > 0 else 'deleted'} "
+                                             f"{format_size(abs(others))} while gc ran)" if others else ")"))
     if result.get("leftover_files"):
         out(f"and {plural(result['leftover_files'], 'file')} an earlier gc was stopped before unlinking "
             "(their records were already deleted): unlinked now")

@@ -157,6 +157,24 @@ _held = threading.local()  # how many tree locks this thread holds (`tree_lock`)
 
 
 @contextmanager
+def gc_lock(root: Path, *, exclusive: bool) -> Iterator[None]:
+    """A lock on the blob tree's folder itself (flock; a dead process's is gone): every gc holds
+    it shared while it deletes, since between its two sweeps the index holds edges into rows it
+    deleted, and `verify` exclusive while it confirms what it found, so that it waits for the gcs
+    running instead of reporting their work in flight as damage. No folder: nothing to lock."""
+    try:
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)
+
+
+@contextmanager
 def tree_lock(root: Path, *, exclusive: bool, create: bool = True) -> Iterator[None]:
     """An advisory lock on the blob tree (`<store>/blobs.lock`, flock: a dead process's is gone).
 

@@ -93,11 +93,13 @@ def collect(index: Index, root: Path, *, max_bytes: int | None = None, max_age: 
         freed, hashes = int(p.sizes.sum()) if len(p) else 0, list(p.hashes)
     else:
         freed, hashes, longest, leftovers = _delete(index, root, p, since)
+    # Read again, not `total - freed`: other processes may have stored or deleted records while gc ran.
+    after = total - freed if dry_run else index.totals()["bytes"]
     return {
         "evicted": len(hashes),
         "freed_bytes": freed,
         "bytes_before": total,
-        "bytes": total - freed,
+        "bytes": after,
         "dry_run": dry_run,
         "seconds": time.perf_counter() - started,
         "plan_seconds": planned,
@@ -121,7 +123,9 @@ def _delete(index: Index, root: Path, p: evict.Victims, since: float) -> tuple[i
     edges: list[tuple[bytes, int, bytes]] = []
     # A page cache as big as the index (up to 1 GiB) while gc runs; files unlinked on threads
     # (the syscall releases the GIL, and unlinks in different folders run side by side).
-    with index.bulk(cache_kib=min(_CACHE_MAX_KIB, max(_CACHE_MIN_KIB, index.file_bytes() // 1024))), \
+    # The gc lock, shared: a `verify` waits for this gc to end (its second sweep below included).
+    with blobtree.gc_lock(root, exclusive=False), \
+            index.bulk(cache_kib=min(_CACHE_MAX_KIB, max(_CACHE_MIN_KIB, index.file_bytes() // 1024))), \
             index.victims(order, p.top_hashes), ThreadPoolExecutor(_UNLINK_THREADS, thread_name_prefix="kvstore-gc") as pool:
         leftovers = _unlink_leftovers(index, root, pool)
         # Sweep 1, in hash order: the rows and the edges out of them, and each record's file

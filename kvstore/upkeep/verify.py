@@ -91,7 +91,7 @@ def verify(index: Index, root: Path, *, repair: bool = False, force: bool = Fals
     check = functools.partial(check_blob, trust=trust, epoch=trusted_before(trust, index) if trust else 0.0)
     suspects, unchecked = _read_rows(root, rows, chunk_sizes, check, mended, moved, sizes)
     strays = [path for path in blobtree.walk(root) if blobtree.hash_of(path, root) not in known]
-    with blobtree.tree_lock(root, exclusive=True, create=not read_only):
+    with blobtree.gc_lock(root, exclusive=True), blobtree.tree_lock(root, exclusive=True, create=not read_only):
         problems: list[Problem] = [
             Problem("bad_row", str(index.path), why, h.hex() if isinstance(h, bytes) else "") for h, why in bad_rows]
         problems += [Problem("bad_row", str(index.path), why) for _, _, why in mended]
