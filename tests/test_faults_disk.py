@@ -302,11 +302,11 @@ def test_a_batch_the_index_cannot_take_whole_stores_the_start_of_its_chain(tmp_p
     model_path, model = llama
     real = Index.insert
 
-    def insert(self, rows):
+    def insert(self, rows, owners=None):
         rows = list(rows)
         if len(rows) > 2:
             raise sqlite3.OperationalError("database or disk is full")
-        return real(self, rows)
+        return real(self, rows, owners)
 
     tokens = [1 + (i * 7) % 250 for i in range(6 * C + 5)]  # 6 chunks and a tail: 7 rows
     with kvstore.open(tmp_path / "s", chunk_size=C, memory_bytes=0) as store:
