@@ -197,6 +197,27 @@ def test_layers_that_cannot_be_quantized_are_stored_as_before(tmp_path, demo_mod
     assert len(said) == 1 and why in said[0], said
 
 
+def test_caches_mlx_lm_quantizes_bind_whatever_their_group_size(tmp_path, demo_model, caplog):
+    # kv_bits (serve --kv-bits 8, whose --kv-group-size is 64) on a head_dim of 32: disk_kv_bits
+    # has no effect on QuantizedKVCache layers, so it must not refuse the bind where a store
+    # without it binds (it ran the model into the quantized caches and failed, and serve then
+    # stored nothing, saying "open the store with disk_kv_bits=0").
+    from mlx_lm import load
+
+    model_dir = demo_model("llama", "small", "bfloat16")  # head_dim 32
+    model, _ = load(str(model_dir))
+    namespaces = []
+    for bits in (8, 0):
+        with caplog.at_level("WARNING", logger="kvstore"), \
+                kvstore.open(tmp_path / "s", chunk_size=C, disk_kv_bits=bits) as store:
+            mc = store.bind(model, model_dir, kv_bits=8, kv_group_size=64)
+            assert mc.layout["layers"] == [{"class": "QuantizedKVCache", "group_size": 64, "bits": 8}] * 4
+            namespaces.append(mc.ns)
+    assert namespaces[0] == namespaces[1]
+    said = [r.getMessage() for r in caplog.records if "has no effect on this model" in r.getMessage()]
+    assert len(said) == 1 and "(its caches: QuantizedKVCache)" in said[0], said
+
+
 def test_a_damaged_quantized_tensor_is_never_served(tmp_path, demo_model):
     from mlx_lm import load
 

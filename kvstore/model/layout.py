@@ -75,11 +75,15 @@ def _why_unquantized(traced: list, dtypes: list[str]) -> str:
 
 
 def _traced(model, template: list) -> list:
-    """`template` after the model ran one token into it (lazily)."""
+    """`template` after the model ran one token into it (lazily). Caches mlx-lm quantizes
+    (`kv_bits`) run as plain `KVCache`s here: they are stored as they are whatever their dtype, and
+    a quantization group that does not divide the head_dim must not fail a setting that has no
+    effect on them (that is mlx-lm's to say, when it quantizes)."""
+    traced = [KVCache() if isinstance(c, QuantizedKVCache) else c for c in template]
     try:
-        model(mx.array([[0]]), cache=template)
+        model(mx.array([[0]]), cache=traced)
     except Exception as e:
         raise InvalidInputError(
             f"disk_kv_bits needs to run the model on one token to find its K/V dtype, which "
             f"failed ({type(e).__name__}: {e}): open the store with disk_kv_bits=0") from e
-    return template
+    return traced
