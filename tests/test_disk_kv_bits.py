@@ -308,3 +308,45 @@ def test_a_round_trip_at_real_head_sizes(tmp_path, head_dim, bits):
             assert got.shape == ref.shape and mine.keys.dtype == mx.bfloat16
             rel = float(mx.abs(got - ref).max() / mx.abs(ref).max())
             assert 0 < rel <= {8: 1 / 64, 4: 1 / 6}[bits], rel
+
+
+def test_the_bucket_holds_the_quantized_records_and_serves_them_to_a_node_of_the_same_width(
+        tmp_path, s3, demo_model):
+    # What goes up with disk_kv_bits=8 is the 8-bit record, the bytes on disk (0.72x of bf16
+    # here, in 16-token records, where uploads of bf16 records would be 1.0x); a fresh node of the
+    # same width restores it from the bucket to the model's own bf16 KVCache within the bound; a
+    # node at 0 bits restores nothing of it (another namespace) and computes the prompt.
+    from kvtest import logits_diff
+    from mlx_lm import load
+
+    from kvstore.remote.s3 import S3Bucket
+
+    model_dir = demo_model("llama", "small", "bfloat16")
+    model, _ = load(str(model_dir))
+    tokens = toks(5 * C + 7, 3)
+
+    def node(name, url, bits):
+        return kvstore.open(tmp_path / name, chunk_size=C, remote=url, disk_kv_bits=bits,
+                            remote_prefetch="wait_complete", memory_bytes=0)
+
+    sent = {}
+    for bits in (0, 8):
+        url = s3.url()
+        with node(f"a{bits}", url, bits) as a:
+            a.bind(model, model_dir).insert(tokens, prefill(model, tokens))
+            assert a.flush(timeout=30) and a.stats()["remote"]["uploads"] == 6
+            on_disk = a.stats()["bytes"]
+        sent[bits] = sum(size for _, size, _ in S3Bucket(url).list(""))
+        # The disk's records, sealed (without the node's own header fields), and a manifest.
+        assert 0.9 * on_disk < sent[bits] < 1.1 * on_disk, (bits, on_disk, sent[bits])
+        if bits == 8:
+            with node("b8", url, 8) as b:
+                mc = b.bind(model, model_dir)
+                cache, rest = mc.fetch(tokens + [5])
+                assert len(rest) == 1 and b.stats()["remote"]["remote_tokens"] == len(tokens)
+                assert type(cache[0]).__name__ == "KVCache" and cache[0].keys.dtype == mx.bfloat16
+                assert logits_diff(model, cache, rest, tokens + [5]) < BOUND[8]
+            with node("b0", url, 0) as b:
+                _, rest = b.bind(model, model_dir).fetch(tokens + [5])
+                assert len(rest) == len(tokens) + 1
+    assert sent[8] < 0.8 * sent[0], sent  # (16-token records: their headers weigh more than at 256)
