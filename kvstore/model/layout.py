@@ -14,7 +14,7 @@ from kvstore.restore.codecs import Codec, make_codec
 from kvstore.restore.quant import quantized_codecs
 
 log = logging.getLogger("kvstore")
-_SAID: set[int] = set()  # models told that disk_kv_bits does nothing for them (once each)
+_SAID: set[tuple[int, bool]] = set()  # (model, not kv_bits) told that disk_kv_bits does nothing for them (once each)
 
 
 def make_template(model, kv_bits: int | None, kv_group_size: int) -> list:
@@ -52,10 +52,17 @@ def describe(model, template: list, disk_kv_bits: int | None = None) -> tuple[di
     if disk_kv_bits is not None:
         plain = codecs
         codecs = quantized_codecs(codecs, _traced(model, template), disk_kv_bits)
-        if all(a is b for a, b in zip(plain, codecs)) and id(model) not in _SAID:
-            _SAID.add(id(model))
-            log.warning("kvstore: disk_kv_bits=%d has no effect on this model: %s, so its K/V are stored as "
-                        "they are", disk_kv_bits, _why_unquantized(template, dtypes))
+        # (kvstore serve --kv-bits binds twice: its prompt caches, not yet quantized, are stored
+        # through the plain bind, where disk_kv_bits may act; so only mlx-lm's caches are named)
+        mlx = next((c for c in template if isinstance(c, QuantizedKVCache)), None)
+        if all(a is b for a, b in zip(plain, codecs)) and (id(model), mlx is None) not in _SAID:
+            _SAID.add((id(model), mlx is None))
+            if mlx is not None:
+                log.warning("kvstore: disk_kv_bits=%d has no effect on the caches mlx-lm quantizes (kv_bits=%d): "
+                            "their K/V are stored as they are", disk_kv_bits, mlx.bits)
+            else:
+                log.warning("kvstore: disk_kv_bits=%d has no effect on this model: %s, so its K/V are stored as "
+                            "they are", disk_kv_bits, _why_unquantized(template, dtypes))
     return {"layers": [c.layout() for c in codecs], "param_dtypes": dtypes}, codecs
 
 
