@@ -221,6 +221,12 @@ def test_caches_mlx_lm_quantizes_bind_whatever_their_group_size(tmp_path, demo_m
                     "K/V are stored as they are"], said
     with kvstore.open(tmp_path / "s", chunk_size=C, disk_kv_bits=8) as store:
         assert store.bind(model, model_dir).layout["layers"][0]["disk_bits"] == 8
+    # Under a disk budget too: the record shapes cannot be traced into those caches (mlx's
+    # quantize refuses the group), which is said, and the bind still serves (it raised AttributeError).
+    with kvstore.open(tmp_path / "s", chunk_size=C, disk_kv_bits=8, max_bytes="1GiB") as store:
+        mc = store.bind(model, model_dir, kv_bits=8, kv_group_size=64)
+        cache, rest = mc.fetch(toks(2 * C, 4))
+        assert len(rest) == 2 * C and type(cache[0]).__name__ == "QuantizedKVCache"
 
 
 def test_a_damaged_quantized_tensor_is_never_served(tmp_path, demo_model):
