@@ -2,10 +2,10 @@
 `kvstore serve`, `stats` and `kvstore settings` are all built from.
 
 A row says the setting's name (the keyword of `kvstore.open`), its kind (which fixes the one
-parser its values go through), its default, whether the store keeps it (a later open that does
-not give it uses the kept value), its command-line option, and its help, which always says what
-0 means. `off` is the one word for "no limit" (`none` is an alias). A 0 that would silently mean
-"never" is refused with what to use instead.
+parser its values go through), its default, whether the store keeps it (and what a change does
+to the records stored), its command-line option, and its help, which always says what 0 means.
+`off` is the one word for "no limit" (`none` is an alias). A 0 that would mean "never" is
+refused with what to use instead.
 
 `resolve` tells, for one open, each setting's value and where it came from: `given` (passed to
 this open), `kept` (remembered by the store) or `default`.
@@ -29,6 +29,8 @@ AUTO = "auto"
 #: in chunks (`exact_prefill`) is checked against it where no open's own is known.
 CHUNK_SIZE = 256
 GIVEN, KEPT, DEFAULT = "given", "kept", "default"
+WIDTH_CHANGED = ("records stored at another width stay, and are not restored at this one (`kvstore stats` lists "
+                 "the bytes of each width; gc evicts them, least recently used first)")
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,7 @@ class Setting:
     check: Callable[[str], Any] | None = None  # a `text` setting's validator
     chunks: bool = False  # a whole number of chunks of the open's chunk size (`check_chunks`)
     budget: bool = False  # a disk budget: a size given as text needs its unit but 0 (`sizes.parse_size`)
+    changed: str = ""  # what a change of the kept value does to the records already stored
 
     @property
     def flag(self) -> str | None:
@@ -291,7 +294,7 @@ STORE_SETTINGS: tuple[Setting, ...] = (
             help="write at most this much to disk in any rolling day, e.g. 20GB/day or 500MB/h; "
                  "past it, automatic writes stay in RAM only (warmed and pinned prompts are always "
                  "written, and count); off: no limit; 0 is refused"),
-    Setting("disk_kv_bits", "bits", None, kept=True, choices=(4, 8), zero="off",
+    Setting("disk_kv_bits", "bits", None, kept=True, choices=(4, 8), zero="off", changed=WIDTH_CHANGED,
             help="store the K/V of bf16/f16 attention layers quantized to 8 (or 4) bits: lossy, "
                  "about half the disk of bf16 at 8 bits; other dtypes are stored as they are; 0: off"),
     Setting("exact_prefill", "count", None, kept=True, off=True, zero=None, chunks=True,
@@ -379,12 +382,13 @@ def keep_one(s: Setting, store: object = None) -> str:
 def now_kept(s: Setting, value: Any, was: str | None, store: object) -> str:
     """The line that says a given value of `s` is kept from now on (`was`: the kept text before)."""
     try:  # (said as `kvstore settings` says it: 5 MB/day, not the bytes it is kept as)
-        was = s.show(s.decode(was)) if was else "the default"
+        before = s.decode(was) if was else s.default
+        was = s.show(before) if was else "the default"
     except InvalidInputError:
-        was = f"{shown_kept(was)}, damaged"
+        before, was = None, f"{shown_kept(was)}, damaged"
     return (f"{s.name} {s.show(value)} is kept in the store {store} (was {was}"
             f"): later runs that do not give {s.flag or s.name} use it; `kvstore settings{store_option(store)} "
-            f"--reset {s.name}` forgets it")
+            f"--reset {s.name}` forgets it" + (f"; {s.changed}" if s.changed and before != value else ""))
 
 
 def store_option(store: object = None) -> str:  # ` --store PATH` in a command a message suggests
@@ -408,19 +412,15 @@ def not_default(settings: Mapping[str, Mapping[str, Any]]) -> str:
 
 def notes(resolved: Mapping[str, tuple[Any, str]], store: object = None) -> list[str]:
     """What a user must know of these settings' values, one line each (a kept 0 rate; `store`: its commands')."""
-    value, source = resolved["max_write_rate"]
-    if value == 0:
-        where = store_option(store)
-        return [f"max_write_rate is 0 ({source}){_zero_note(BY_NAME['max_write_rate'], 0)}; "
-                f"`kvstore settings{where} max_write_rate=20GB/day` (or another rate) sets a budget, "
-                f"`kvstore settings{where} max_write_rate=off` lifts it"]
-    return []
+    (value, source), where = resolved["max_write_rate"], store_option(store)
+    return [f"max_write_rate is 0 ({source}){_zero_note(BY_NAME['max_write_rate'], 0)}; "
+            f"`kvstore settings{where} max_write_rate=20GB/day` (or another rate) sets a budget, "
+            f"`kvstore settings{where} max_write_rate=off` lifts it"] if value == 0 else []
 
 
 def _zero_note(s: Setting, value: Any) -> str:
-    if value == 0 and s.name == "max_write_rate":
-        return ": automatic writes never reach the disk (warmed and pinned prompts still do)"
-    return ""
+    never = value == 0 and s.name == "max_write_rate"
+    return ": automatic writes never reach the disk (warmed and pinned prompts still do)" if never else ""
 
 
 # -- command-line options built from a table ---------------------------------------------------

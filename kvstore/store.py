@@ -275,7 +275,7 @@ class Store:
             mc = ModelCache(self.backing, model, str(model_id), ns, fingerprint, layout, codecs, chunk_size,
                             kv_bits=kv_bits, kv_group_size=kv_group_size, exact=self.exact_prefill)
             mc.registered = mc.register(stamps)
-        if self.backing.budget is not None:
+        if self.backing.budget is not None and mc.check.bound() is not None:  # (None: a model not traced)
             self.backing.budget.holds(mc.check.bound().per_token, chunk_size)
         if self.remote is not None:
             self.remote.bind(ns, fingerprint, chunk_size, layout, mc.check.bound())

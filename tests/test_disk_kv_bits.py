@@ -197,6 +197,38 @@ def test_layers_that_cannot_be_quantized_are_stored_as_before(tmp_path, demo_mod
     assert len(said) == 1 and why in said[0], said
 
 
+def test_caches_mlx_lm_quantizes_bind_whatever_their_group_size(tmp_path, demo_model, caplog):
+    # kv_bits (serve --kv-bits 8, whose --kv-group-size is 64) on a head_dim of 32: disk_kv_bits
+    # has no effect on QuantizedKVCache layers, so it must not refuse the bind where a store
+    # without it binds (it ran the model into the quantized caches and failed, and serve then
+    # stored nothing, saying "open the store with disk_kv_bits=0").
+    from mlx_lm import load
+
+    model_dir = demo_model("llama", "small", "bfloat16")  # head_dim 32
+    model, _ = load(str(model_dir))
+    namespaces = []
+    for bits in (8, 0):
+        with caplog.at_level("WARNING", logger="kvstore"), \
+                kvstore.open(tmp_path / "s", chunk_size=C, disk_kv_bits=bits) as store:
+            mc = store.bind(model, model_dir, kv_bits=8, kv_group_size=64)
+            assert mc.layout["layers"] == [{"class": "QuantizedKVCache", "group_size": 64, "bits": 8}] * 4
+            namespaces.append(mc.ns)
+    assert namespaces[0] == namespaces[1]
+    said = [r.getMessage() for r in caplog.records if "has no effect on" in r.getMessage()]
+    # (not "on this model": kvstore serve --kv-bits stores its prompt caches before mlx-lm
+    # quantizes them, through a plain bind, where disk_kv_bits does act)
+    assert said == ["kvstore: disk_kv_bits=8 has no effect on the caches mlx-lm quantizes (kv_bits=8): their "
+                    "K/V are stored as they are"], said
+    with kvstore.open(tmp_path / "s", chunk_size=C, disk_kv_bits=8) as store:
+        assert store.bind(model, model_dir).layout["layers"][0]["disk_bits"] == 8
+    # Under a disk budget too: the record shapes cannot be traced into those caches (mlx's
+    # quantize refuses the group), which is said, and the bind still serves (it raised AttributeError).
+    with kvstore.open(tmp_path / "s", chunk_size=C, disk_kv_bits=8, max_bytes="1GiB") as store:
+        mc = store.bind(model, model_dir, kv_bits=8, kv_group_size=64)
+        cache, rest = mc.fetch(toks(2 * C, 4))
+        assert len(rest) == 2 * C and type(cache[0]).__name__ == "QuantizedKVCache"
+
+
 def test_a_damaged_quantized_tensor_is_never_served(tmp_path, demo_model):
     from mlx_lm import load
 
@@ -287,3 +319,45 @@ def test_a_round_trip_at_real_head_sizes(tmp_path, head_dim, bits):
             assert got.shape == ref.shape and mine.keys.dtype == mx.bfloat16
             rel = float(mx.abs(got - ref).max() / mx.abs(ref).max())
             assert 0 < rel <= {8: 1 / 64, 4: 1 / 6}[bits], rel
+
+
+def test_the_bucket_holds_the_quantized_records_and_serves_them_to_a_node_of_the_same_width(
+        tmp_path, s3, demo_model):
+    # What goes up with disk_kv_bits=8 is the 8-bit record, the bytes on disk (0.72x of bf16
+    # here, in 16-token records, where uploads of bf16 records would be 1.0x); a fresh node of the
+    # same width restores it from the bucket to the model's own bf16 KVCache within the bound; a
+    # node at 0 bits restores nothing of it (another namespace) and computes the prompt.
+    from kvtest import logits_diff
+    from mlx_lm import load
+
+    from kvstore.remote.s3 import S3Bucket
+
+    model_dir = demo_model("llama", "small", "bfloat16")
+    model, _ = load(str(model_dir))
+    tokens = toks(5 * C + 7, 3)
+
+    def node(name, url, bits):
+        return kvstore.open(tmp_path / name, chunk_size=C, remote=url, disk_kv_bits=bits,
+                            remote_prefetch="wait_complete", memory_bytes=0)
+
+    sent = {}
+    for bits in (0, 8):
+        url = s3.url()
+        with node(f"a{bits}", url, bits) as a:
+            a.bind(model, model_dir).insert(tokens, prefill(model, tokens))
+            assert a.flush(timeout=30) and a.stats()["remote"]["uploads"] == 6
+            on_disk = a.stats()["bytes"]
+        sent[bits] = sum(size for _, size, _ in S3Bucket(url).list(""))
+        # The disk's records, sealed (without the node's own header fields), and a manifest.
+        assert 0.9 * on_disk < sent[bits] < 1.1 * on_disk, (bits, on_disk, sent[bits])
+        if bits == 8:
+            with node("b8", url, 8) as b:
+                mc = b.bind(model, model_dir)
+                cache, rest = mc.fetch(tokens + [5])
+                assert len(rest) == 1 and b.stats()["remote"]["remote_tokens"] == len(tokens)
+                assert type(cache[0]).__name__ == "KVCache" and cache[0].keys.dtype == mx.bfloat16
+                assert logits_diff(model, cache, rest, tokens + [5]) < BOUND[8]
+            with node("b0", url, 0) as b:
+                _, rest = b.bind(model, model_dir).fetch(tokens + [5])
+                assert len(rest) == len(tokens) + 1
+    assert sent[8] < 0.8 * sent[0], sent  # (16-token records: their headers weigh more than at 256)

@@ -23,6 +23,7 @@ import kvstore
 from kvstore import settings
 from kvstore.errors import InvalidInputError
 from kvstore.model.loading import load_model
+from kvstore.sizes import format_size
 
 C = 16
 
@@ -429,3 +430,34 @@ def test_a_kept_setting_given_anew_says_it_is_kept_once(kv, tmp_path, demo_model
     kv(*common, "--max-write-rate", "5MB/day")
     rate = kv(*common, "--max-write-rate", "1GB/day")
     assert "max_write_rate 1 GB/day is kept in the store" in rate.stderr and "(was 5 MB/day)" in rate.stderr, rate.stderr
+
+
+def test_changing_disk_kv_bits_says_what_it_holds_at_the_other_widths(kv, tmp_path, demo_model, demo_model_path,
+                                                                     caplog):
+    """A width change starts another namespace: what the store holds at the old width is no longer
+    restored. `kvstore settings` says how much that is per width (bf16/f16 models only: a float32
+    model's records are the same at every width), and an open that keeps a new width says so."""
+    from kvtest import prefill
+    from mlx_lm import load
+
+    half = demo_model("llama", "small", "bfloat16")
+    tokens = [1 + i % 250 for i in range(300)]  # a chunk and a tail
+    for path, bits in ((half, 0), (demo_model_path, 0), (half, 8)):
+        model, _ = load(str(path))
+        with caplog.at_level("WARNING", logger="kvstore"), kvstore.open(tmp_path / "s", disk_kv_bits=bits) as store:
+            store.bind(model, path).insert(tokens, prefill(model, tokens))
+    said = [r.getMessage() for r in caplog.records if "is kept in the store" in r.getMessage()]
+    # off, kept where the default was off, changes no width
+    assert len(said) == 2 and settings.WIDTH_CHANGED not in said[0] and settings.WIDTH_CHANGED in said[1], said
+    sizes = {m["layout"]["layers"][0].get("disk_bits", 16): m["bytes"] for m in
+             json.loads(kv("stats", "--store", tmp_path / "s", "--json").stdout)["models"]
+             if "bfloat16" in m["model_id"]}
+    off = kv("settings", "--store", tmp_path / "s", "disk_kv_bits=0").stderr
+    assert (f"kept disk_kv_bits=off (was 8 bits, kept); {settings.WIDTH_CHANGED}: it holds 2 records, "
+            f"{format_size(sizes[8])}, at 8 bits\n") in off, off
+    on = kv("settings", "--store", tmp_path / "s", "disk_kv_bits=4").stderr
+    assert (f"it holds 2 records, {format_size(sizes[16])}, at 16 bits, 2 records, {format_size(sizes[8])}, "
+            "at 8 bits\n") in on, on
+    kept = kv("generate", "--store", tmp_path / "s", "--model", half, "--prompt", "hi", "--max-tokens", "1",
+              "--disk-kv-bits", "8").stderr
+    assert "disk_kv_bits 8 bits is kept in the store" in kept and settings.WIDTH_CHANGED in kept, kept

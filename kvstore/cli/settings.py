@@ -10,6 +10,8 @@ from kvstore.argv import did_you_mean
 from kvstore.cli.options import open_local, store_path
 from kvstore.cli.output import EXIT_USAGE, PROG, CommandError, out, say
 from kvstore.errors import InvalidInputError
+from kvstore.restore.quant import layout_bits
+from kvstore.sizes import format_size
 from kvstore.storage.storedir import is_absent
 
 EXAMPLES = """examples:
@@ -91,7 +93,8 @@ def cmd_settings(args) -> int:
             if (old, source) == (value, table.KEPT):  # (not a change: nothing to undo)
                 say(f"{PROG} settings: {s.name}={s.show(value)} was kept already; nothing changed")
                 continue
-            say(f"{PROG} settings: kept {s.name}={s.show(value)} (was {s.show(old)}, {source})")
+            changed = f"; {s.changed}{_held_at_other_widths(files.index, value)}" if s.changed and old != value else ""
+            say(f"{PROG} settings: kept {s.name}={s.show(value)} (was {s.show(old)}, {source}){changed}")
         resolved = files.settings() if writes else before  # (a damaged kept value is said once)
         if args.json:
             print(json.dumps(table.report(resolved), indent=2, sort_keys=True))
@@ -99,6 +102,24 @@ def cmd_settings(args) -> int:
         out(f"store: {files.path}")
     _print(resolved, files.path)
     return 0
+
+
+def _held_at_other_widths(index, bits: int | None) -> str:
+    """`: it holds 20 records, 3.7 MiB, at 16 bits`: the records of bf16/f16 models stored at
+    another `disk_kv_bits` than `bits` (none of f32 models, nor of caches mlx-lm quantized)."""
+    held: dict[str, list[int]] = {}
+    for m in index.models():
+        layout = m["layout"] if isinstance(m["layout"], dict) else {}
+        width = layout_bits(layout)
+        layers = [c for c in layout.get("layers", []) if isinstance(c, dict)]
+        half = {"mlx.core.bfloat16", "mlx.core.float16"} & set(layout.get("param_dtypes") or ())
+        plain = any(c.get("class") in ("KVCache", "RotatingKVCache") and "bits" not in c for c in layers)
+        if width != bits and m["chunks"] + m["tails"] and (width is not None or (half and plain)):
+            count = held.setdefault(f"{width or 16} bits", [0, 0])
+            count[0] += m["chunks"] + m["tails"] + m["checkpoints"]
+            count[1] += m["bytes"] or 0
+    return (": it holds " + ", ".join(f"{n} record{'s' if n != 1 else ''}, {format_size(b)}, at {w}"
+                                      for w, (n, b) in sorted(held.items()))) if held else ""
 
 
 def _print(resolved: dict, store) -> None:

@@ -14,7 +14,7 @@ from kvstore.restore.codecs import Codec, make_codec
 from kvstore.restore.quant import quantized_codecs
 
 log = logging.getLogger("kvstore")
-_SAID: set[int] = set()  # models told that disk_kv_bits does nothing for them (once each)
+_SAID: set[tuple[int, bool]] = set()  # (model, not kv_bits) told that disk_kv_bits does nothing for them (once each)
 
 
 def make_template(model, kv_bits: int | None, kv_group_size: int) -> list:
@@ -52,10 +52,17 @@ def describe(model, template: list, disk_kv_bits: int | None = None) -> tuple[di
     if disk_kv_bits is not None:
         plain = codecs
         codecs = quantized_codecs(codecs, _traced(model, template), disk_kv_bits)
-        if all(a is b for a, b in zip(plain, codecs)) and id(model) not in _SAID:
-            _SAID.add(id(model))
-            log.warning("kvstore: disk_kv_bits=%d has no effect on this model: %s, so its K/V are stored as "
-                        "they are", disk_kv_bits, _why_unquantized(template, dtypes))
+        # (kvstore serve --kv-bits binds twice: its prompt caches, not yet quantized, are stored
+        # through the plain bind, where disk_kv_bits may act; so only mlx-lm's caches are named)
+        mlx = next((c for c in template if isinstance(c, QuantizedKVCache)), None)
+        if all(a is b for a, b in zip(plain, codecs)) and (id(model), mlx is None) not in _SAID:
+            _SAID.add((id(model), mlx is None))
+            if mlx is not None:
+                log.warning("kvstore: disk_kv_bits=%d has no effect on the caches mlx-lm quantizes (kv_bits=%d): "
+                            "their K/V are stored as they are", disk_kv_bits, mlx.bits)
+            else:
+                log.warning("kvstore: disk_kv_bits=%d has no effect on this model: %s, so its K/V are stored as "
+                            "they are", disk_kv_bits, _why_unquantized(template, dtypes))
     return {"layers": [c.layout() for c in codecs], "param_dtypes": dtypes}, codecs
 
 
@@ -75,11 +82,15 @@ def _why_unquantized(traced: list, dtypes: list[str]) -> str:
 
 
 def _traced(model, template: list) -> list:
-    """`template` after the model ran one token into it (lazily)."""
+    """`template` after the model ran one token into it (lazily). Caches mlx-lm quantizes
+    (`kv_bits`) run as plain `KVCache`s here: they are stored as they are whatever their dtype, and
+    a quantization group that does not divide the head_dim must not fail a setting that has no
+    effect on them (that is mlx-lm's to say, when it quantizes)."""
+    traced = [KVCache() if isinstance(c, QuantizedKVCache) else c for c in template]
     try:
-        model(mx.array([[0]]), cache=template)
+        model(mx.array([[0]]), cache=traced)
     except Exception as e:
         raise InvalidInputError(
             f"disk_kv_bits needs to run the model on one token to find its K/V dtype, which "
             f"failed ({type(e).__name__}: {e}): open the store with disk_kv_bits=0") from e
-    return template
+    return traced
