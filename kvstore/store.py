@@ -139,7 +139,7 @@ class Store:
         disk = DiskTier(self.index, self.blob_root, budget, self.trust) if self.files is not None else None
         self.writer = Writer(self.index if writes else None, self.blob_root if writes else None, self.memory,
                              value["max_pending_bytes"], fsync=fsync, gate=self.gate,
-                             access=disk.access if disk else None, trust=self.trust, exact=bool(self.exact_prefill))
+                             disk=disk, trust=self.trust, exact=bool(self.exact_prefill))
         self._wire(budget, disk)
         if budget is not None:  # a store already past its budget is brought within it now, not at a first write
             budget.check()

@@ -318,3 +318,55 @@ def test_the_request_is_computed_again_in_the_server_loop_or_answered_from_its_r
     # The lookup's own line said the prompt was reused: the one computed again says it was not.
     again = [r.getMessage() for r in caplog.records if "computed again: 0 reused" in r.getMessage()]
     assert again == ([] if fails else [f"kvstore: prompt {len(prompt)} tokens, computed again: 0 reused from the store"])
+
+
+@pytest.mark.parametrize("hold", ["queued", "being_written"])
+def test_a_record_quarantined_before_the_writer_wrote_it_is_never_served_from_disk(tmp_path, llama, monkeypatch,
+                                                                                 hold):
+    """A restore from RAM (the records still queued for the writer) whose first step misses the
+    canary: the writer does not write those records afterwards ("queued"), or, when it was
+    writing them at that moment ("being_written": the blob in place, its row not yet), it
+    quarantines the row it has just committed. Either way no process restores them again."""
+    import threading
+
+    from kvstore import faults
+
+    path, model = llama
+    prompt = toks(60, 7)
+    reached, go = threading.Event(), threading.Event()
+    real_hit = faults.hit
+
+    def slow(point):
+        if point == "after_rename" and hold == "being_written" and go_armed.is_set() and not reached.is_set():
+            reached.set()
+            assert go.wait(60)
+        real_hit(point)
+
+    go_armed = threading.Event()
+    monkeypatch.setattr(faults, "hit", slow)
+    with kvstore.open(tmp_path / "s", chunk_size=C, exact_prefill=32) as store:
+        mc = store.bind(model, path)
+        store.writer.pause()
+        try:
+            generate(mc, prompt)  # computed and queued, nothing written
+            assert store.stats()["chunks"] == 0
+            start = prompt_cache(mc, prompt)
+            assert start.reused == len(prompt) - 1  # from RAM
+            used = mc.restored_canary(prompt)[0]
+            logprobs = run(mc.model, start.cache, start.rest)
+            if hold == "being_written":
+                go_armed.set()
+                store.writer.resume()
+                assert reached.wait(60)  # the writer is between a blob's rename and its row
+            wrong = logprobs + mx.where(mx.arange(logprobs.size) == mx.argmax(logprobs), 0.3, 0.0).astype(logprobs.dtype)
+            moved = check_first_step(mc, prompt, wrong)
+            assert moved is not None and not moved.ok
+        finally:
+            go.set()
+            store.writer.resume()
+        assert store.flush(timeout=60)
+        rows = {r.hash: r for r in store.index.rows()}
+        assert len(used) == 2 and all(h not in rows or rows[h].bad for h in used), [(h.hex(), rows.get(h)) for h in used]
+        assert mc.fetch(prompt)[1] == prompt  # nor from RAM
+    with kvstore.open(tmp_path / "s", chunk_size=C, exact_prefill=32) as store:
+        assert store.bind(model, path).fetch(prompt)[1] == prompt

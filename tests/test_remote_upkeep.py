@@ -23,6 +23,7 @@ from kvstore.remote.layout import key_of, manifest_key, parse_other
 from kvstore.remote.pins import node_id
 from kvstore.remote.s3 import S3Bucket as Bucket
 from kvstore.remote.upkeep import UNKNOWN_MAX_AGE, collect_remote
+from kvstore.sizes import format_size
 
 BIG = 2048  # a chunk of the demo model is then 2.1 MB: far above what five 100-byte objects are
 
@@ -183,6 +184,11 @@ def test_objects_too_large_for_a_record_planted_below_the_fleets_never_make_gc_e
     out = cli("gc", "--store", str(store), "--remote", url, "--max-bytes", f"{total}B")
     assert out.returncode == 0 and "deleted 8 objects (20.0 MiB)" in out.stdout, out.stdout + out.stderr
     assert "8 of those objects (20.0 MiB) are larger than a record" in out.stdout, out.stdout
+    # The total after gc is not listed again: said as what it is, the listed one less what gc deleted.
+    n = len(fleet_records)
+    assert (f"the bucket held {n + 8} objects ({format_size(total + (20 << 20))}) when gc listed it: {n} objects "
+            f"({format_size(total)}) less what gc deleted, not counting what other nodes stored or deleted "
+            "since\n") in out.stdout, out.stdout
     assert records(url).keys() == fleet_records.keys()
 
 

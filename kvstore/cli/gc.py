@@ -240,13 +240,18 @@ def _gc_remote(args) -> int:
     days = int(UNKNOWN_MAX_AGE // 86400)
     result = remote_upkeep(args, url, "gc", max_bytes=args.max_bytes, max_age=args.max_age, dry_run=args.dry_run,
                            drop_unknown=args.drop_unknown)
-    verb, holds = ("would delete", "would hold") if args.dry_run else ("deleted", "holds")
+    verb = "would delete" if args.dry_run else "deleted"
+    # Listing the bucket again costs as much as gc's own listing (a request per 1000 objects), so
+    # the total after gc is the listed one less what gc deleted: said as that, not as a fresh count.
+    they = "they" if result.get("wrong_key") else "the bucket"
     out(f"remote {url}: {verb} {plural(result['evicted'], 'object')} ({format_size(result['freed_bytes'])}) "
-        f"of this node's namespaces; {'they' if result.get('wrong_key') else 'the bucket'} {holds} "
-        f"{plural(result['records'], 'record')}, "
-        f"{format_size(result['bytes'])} of them ({plural(result['kept_pinned'], 'pinned record')} kept"
+        f"of this node's namespaces ({plural(result['kept_pinned'], 'pinned record')} kept"
         + (f"; {plural(result['kept_held'], 'other record')} kept because gc was blocked, below)"
-           if result["kept_held"] else ")"))
+           if result["kept_held"] else ")")
+        + f"; {they} held {plural(result['records'] + result['evicted'], 'object')} "
+        f"({format_size(result['bytes_before'])}) when gc listed {'them' if they == 'they' else 'it'}: "
+        f"{plural(result['records'], 'object')} ({format_size(result['bytes'])}) less what gc {verb}, not "
+        "counting what other nodes stored or deleted since")
     if result.get("oversized"):
         out(f"remote {url}: {result['oversized']} of those objects ({format_size(result['oversized_bytes'])}) "
             f"{'are' if result['oversized'] > 1 else 'is'} larger than a record of the namespace can be (its "

@@ -31,6 +31,8 @@ from kvstore.write.placement import REASONS
 log = logging.getLogger("kvstore")
 #: Left out because the disk budget evicted the record (or one above it) as soon as it was written.
 _EVICTED = ("evicted", "under_evicted")
+#: Left out because a restore from the job's own copy of the record (or one above it) was wrong.
+QUARANTINED = ("quarantined", "under_quarantined")
 
 
 @dataclass
@@ -88,12 +90,18 @@ def write(dest: Destination, job: Job,
             dest.index.raise_role(job.reached, job.role)
         _give_back(dest, job, staged, rows)
         _settle(dest)  # under the lock, which its transaction would otherwise wait for again
+    for row in rows:  # quarantined while its row was on its way: on disk now, quarantined there
+        if (why := dest.quarantined_in(job, row.hash)) is not None:
+            dest.damaged(row.hash, why)
     if copies:
         dest.memory.put(reversed(copies))
+        # Quarantined meanwhile: gone from RAM again (`Writer.quarantine` marks, then discards).
+        dest.memory.discard([c.hash for c in copies if dest.quarantined_in(job, c.hash) is not None])
     failed = [s for s in written if staged.kept.get(s.hash) == "write_failed"]
     _say_lost(dest, failed)
     dest.leave_out([s.hash for s in failed if s.hash in dest.memory], "write_failed")  # (the next insert writes them)
-    dest.leave_out([s.hash for s in written if staged.kept.get(s.hash) == "under_evicted"], "under_evicted")
+    for why in ("under_evicted", *QUARANTINED):
+        dest.leave_out([s.hash for s in written if staged.kept.get(s.hash) == why], why)
     for row in rows:
         dest.left_out.pop(row.hash, None)
     kept = {s.hash for s in written if s.hash in staged.kept}
@@ -185,7 +193,11 @@ def _admit(dest: Destination, job: Job, hosts: Hosts, specs: list[Span], staged:
     """The records (with their blob parts) the gate lets go to disk, the write budget taken for
     them; the others are marked kept in `staged`, in RAM only."""
     for spec in specs:  # written and evicted at once, lately: the budget holds what is kept ahead of them
-        if dest.wasted(spec.hash, job.role):
+        if dest.quarantined_in(job, spec.hash) is not None:
+            staged.kept[spec.hash] = "quarantined"
+        elif staged.kept.get(spec.parent) in QUARANTINED:
+            staged.kept[spec.hash] = "under_quarantined"
+        elif dest.wasted(spec.hash, job.role):
             staged.kept[spec.hash] = "evicted"  # (not written again: it would be evicted again)
         elif staged.kept.get(spec.parent) in _EVICTED:
             staged.kept[spec.hash] = "under_evicted"
@@ -228,14 +240,18 @@ def _place(dest: Destination, job: Job, hosts: Hosts, todo: list[Span], staged: 
     for spec in todo:
         st = staged.files.pop(spec.hash, None)
         keep = dest.memory.keeps(spec.nbytes)  # with memory_bytes=0 nothing is copied for RAM
-        if spec.parent in staged.kept:  # under a record kept in RAM: no row may hang from it
+        if dest.quarantined_in(job, spec.hash) is not None:  # (quarantined while its file was staged)
+            staged.kept[spec.hash] = "quarantined"
+        elif spec.parent in staged.kept:  # under a record kept in RAM: no row may hang from it
             above = staged.kept[spec.parent]
-            staged.kept.setdefault(spec.hash, "under_evicted" if above in _EVICTED else above)
+            staged.kept.setdefault(spec.hash, "under_evicted" if above in _EVICTED else
+                                   "under_quarantined" if above in QUARANTINED else above)
         elif failed:  # after a failed write (a full disk, most often): no more tries in this job
             staged.kept.setdefault(spec.hash, "write_failed")
         # (Evicted by the disk budget as soon as written: in the deletion log, which every process's
         # memory tier follows, dropping what it names; so not kept in RAM either.)
-        keep = keep and staged.kept.get(spec.hash) not in _EVICTED
+        # (Quarantined, or below one: computed from what restored wrong, so not kept either.)
+        keep = keep and staged.kept.get(spec.hash) not in (*_EVICTED, *QUARANTINED)
         if spec.hash in staged.parts:
             tokens, tensors, meta = staged.parts.pop(spec.hash)
         elif (st is not None or spec.hash in staged.kept) and not keep:  # only its token ids are needed

@@ -72,7 +72,7 @@ def refill(dest: Destination, job: Job, hosts: Hosts) -> None:
     gets the new size and checksum, both under the exclusive tree lock, so no writer, gc or
     damage check (`DiskTier.damaged` looks again under the shared lock) sees them disagree."""
     for spec in job.refill:
-        if spec.hash in dest.complete:
+        if spec.hash in dest.complete or dest.quarantined_in(job, spec.hash) is not None:
             continue
         stored, kept = stored_lengths(dest, spec.hash), _extension_fields(dest, spec.hash)
         want = {name: a.shape[2] for name, a in job.slices(spec, hosts.arrays).items()}

@@ -91,6 +91,8 @@ class Job:
     # (`records.prompt_records`): its records are remade from these if an ancestor went meanwhile.
     tenant: Tenant | None = None
     shared: int = 0
+    # Its place in the writer's queue (1, 2, ...): a quarantine reaches the jobs queued before it.
+    seq: int = 0
 
     def slices(self, spec: Span, arrays: dict) -> dict:
         """The part of each array that falls in the spec's tokens (always a suffix of them)."""
@@ -147,9 +149,19 @@ class Destination:
     stats: WriterStats = field(default_factory=WriterStats)
     complete: dict[bytes, None] = field(default_factory=dict)  # insertion-ordered, bounded
     # Records the writer left out of the disk lately, and why: "write_failed" (kept in RAM: the
-    # next insert of them writes them again) or "under_evicted" (below a record the disk budget
-    # evicted as soon as it was written). Bounded as `complete` is; one written since leaves it.
+    # next insert of them writes them again), "under_evicted" (below a record the disk budget
+    # evicted as soon as it was written), "quarantined" (its restore from RAM failed a check
+    # while it was queued) or "under_quarantined" (below one). Bounded as `complete` is; one
+    # written since leaves it.
     left_out: dict[bytes, str] = field(default_factory=dict)
+    # Records quarantined lately (a restore from RAM of them was wrong: `Writer.quarantine`) ->
+    # (the last job queued then, why). The jobs queued until then hold the same wrong arrays: they
+    # write none of them, nor what hangs below them; a later insert computed them again. Bounded
+    # as `complete` is.
+    quarantined: dict[bytes, tuple[int, str]] = field(default_factory=dict)
+    # Quarantines a record on disk (`DiskTier.damaged`): one whose row went in after it was
+    # quarantined (set where the store is built; RAM only: nothing to mark).
+    damaged: Callable[[bytes, str], None] = lambda h, why: None
     # Whether the disk budget evicted a record as soon as it was written, lately (`DiskBudget`).
     wasted: Callable[[bytes, int], bool] = lambda h, role: False  # (record, the insert's role class)
     gate: "Gate | None" = None  # what may go to disk (None: everything)
@@ -171,6 +183,14 @@ class Destination:
 
     def leave_out(self, hashes: list[bytes], why: str) -> None:
         _remember(self.left_out, hashes, why)
+
+    def quarantine(self, h: bytes, last_job: int, why: str) -> None:
+        _remember(self.quarantined, [h], (last_job, why))
+
+    def quarantined_in(self, job: Job, h: bytes) -> str | None:
+        """Why record `h` of `job` is not to be written (quarantined after the job was queued), or None."""
+        seq, why = self.quarantined.get(h, (0, ""))
+        return why if job.seq <= seq else None
 
     def count_error(self, e: BaseException) -> None:
         """A write that failed and was dropped: counted and logged, never raised to a caller; the

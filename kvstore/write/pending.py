@@ -27,7 +27,7 @@ class PendingTier:
         return RecordSource(rec)
 
     def damaged(self, h, error, ref=None):
-        pass
+        self.writer.quarantine(h, str(error))
 
     def touch(self, hashes):
         pass

@@ -27,7 +27,9 @@ class _Gate(Protocol):  # `write.admission.Gate`
 #: Why a record is in RAM only, in a report's words.
 REASONS = {"not_admitted": "not admitted", "over_budget": "over budget", "ram_only": "RAM-only store",
            "not_written": "not written", "evicted": "evicted since written", "write_failed": "the write failed",
-           "under_evicted": "not written, below an evicted record"}
+           "under_evicted": "not written, below an evicted record",
+           "quarantined": "not written, quarantined: a restore from it was wrong",
+           "under_quarantined": "not written, below a quarantined record"}
 #: Reasons whose records never reached the disk and stay in RAM (the others were not written, or
 #: were written and removed since: a gc under a disk budget, most often).
 HELD = ("not_admitted", "over_budget", "ram_only")

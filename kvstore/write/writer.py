@@ -19,10 +19,11 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from kvstore.errors import BlobError
 from kvstore.records import CHECKPOINT, Span
 from kvstore.storage import blobtree
 from kvstore.storage.index import Index, Row
-from kvstore.tiers.disk import AccessTimes, DiskBudget
+from kvstore.tiers.disk import DiskBudget, DiskTier
 from kvstore.tiers.memory import MemoryTier, Record
 from kvstore.trust import Trust
 from kvstore.write import batch, dedup
@@ -44,7 +45,7 @@ class Writer:
 
     def __init__(self, index: Index | None, root: Path | None, memory: MemoryTier,
                  max_pending_bytes: int, fsync: bool = True, gate: Gate | None = None,
-                 access: AccessTimes | None = None, trust: Trust | None = None, exact: bool = False):
+                 disk: DiskTier | None = None, trust: Trust | None = None, exact: bool = False):
         self.index, self.root, self.memory = index, root, memory
         self.max_pending_bytes = max_pending_bytes
         # Told the rows of each batch once committed (still under the tree lock), on this thread:
@@ -54,9 +55,11 @@ class Writer:
         # (with their token ids) and, once it is done, the keys no longer queued.
         self.on_queue: list[Callable[[list[tuple[Span, np.ndarray]]], None]] = []
         self.on_unqueue: list[Callable[[list[bytes]], None]] = []
-        self.access = access  # the disk tier's uses of records: written with the gate's counts
+        self.access = disk.access if disk is not None else None  # its uses of records: written with the gate's counts
         self._dest = Destination(index, root, memory, fsync, gate=gate, between_records=self._let_reads_go,
                                  trust=trust, keep_prefixes=exact)
+        if disk is not None:  # a record quarantined while its row was on its way: quarantined on disk once in
+            self._dest.damaged = lambda h, why: disk.damaged(h, BlobError(why))
         self._reads = 0  # restores running now (`reading`): the writer waits for them between records
         self.gate = gate
         self.stats: WriterStats = self._dest.stats
@@ -64,6 +67,7 @@ class Writer:
         self._pending: dict[bytes, tuple[Job, Span]] = {}
         self._children: dict[bytes, set[bytes]] = {}  # parent -> queued records under it
         self._pending_bytes = 0
+        self._queued = 0  # jobs queued since the store was opened (`Job.seq`)
         self._busy = False
         self._cond = threading.Condition()
         self._last_touch_flush = time.monotonic()
@@ -103,6 +107,8 @@ class Writer:
                     log.warning("kvstore: an insert of %d bytes was dropped: %s; stats()['writer']['dropped_jobs'] "
                                 "counts the drops", job.nbytes, why)
                 return False
+            self._queued += 1
+            job.seq = self._queued
             self._jobs.append(job)
             for spec in job.specs:
                 self._pending[spec.hash] = (job, spec)
@@ -133,6 +139,23 @@ class Writer:
                     queued += self.submit(job)
         return queued
 
+    def quarantine(self, h: bytes, why: str) -> None:
+        """Record `h` restored wrong from what the writer's queue or RAM holds of it: no job
+        queued now writes it (nor what hangs below it), and the queue no longer serves it. A job
+        writing it at this moment quarantines its row on disk once committed."""
+        with self._cond:
+            self._dest.quarantine(h, self._queued, why)
+            found = self._pending.pop(h, None)
+            if found is not None:
+                siblings = self._children.get(found[1].parent)
+                if siblings is not None:
+                    siblings.discard(h)
+                    if not siblings:
+                        del self._children[found[1].parent]
+                for listener in self.on_unqueue:
+                    listener([h])
+        self.memory.discard([h])  # (after the mark: a copy the writer put in RAM meanwhile goes too)
+
     def pending(self, h: bytes) -> Record | None:
         """The queued record `h` as views of its job (None if it is not queued)."""
         with self._cond:
@@ -155,9 +178,10 @@ class Writer:
         return {h for h in hashes if left.get(h) == "write_failed"} if left else set()
 
     def kept_out(self, h: bytes) -> str | None:
-        """Why the writer left record `h` out lately, when no policy did ("under_evicted"), else None."""
+        """Why the writer left record `h` out lately, when no policy did ("under_evicted",
+        "quarantined", "under_quarantined"), else None."""
         why = self._dest.left_out.get(h)
-        return why if why == "under_evicted" else None
+        return why if why in ("under_evicted", *batch.QUARANTINED) else None
 
     def is_pending(self, h: bytes) -> bool:
         """Whether `h` is queued and not written yet."""
