@@ -10,7 +10,6 @@ from kvstore.argv import did_you_mean
 from kvstore.cli.options import open_local, store_path
 from kvstore.cli.output import EXIT_USAGE, PROG, CommandError, out, say
 from kvstore.errors import InvalidInputError
-from kvstore.restore.quant import layout_bits
 from kvstore.sizes import format_size
 from kvstore.storage.storedir import is_absent
 
@@ -107,6 +106,8 @@ def cmd_settings(args) -> int:
 def _held_at_other_widths(index, bits: int | None) -> str:
     """`: it holds 20 records, 3.7 MiB, at 16 bits`: the records of bf16/f16 models stored at
     another `disk_kv_bits` than `bits` (none of f32 models, nor of caches mlx-lm quantized)."""
+    from kvstore.restore.quant import layout_bits  # (here: it imports mlx, which stats and gc never do)
+
     held: dict[str, list[int]] = {}
     for m in index.models():
         layout = m["layout"] if isinstance(m["layout"], dict) else {}
