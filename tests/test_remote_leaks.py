@@ -78,8 +78,11 @@ def stored_rows(store: Path, llama) -> list:
 
 # -- credentials in the URL --------------------------------------------------------------------
 
-@pytest.mark.parametrize("url", [f"s3://{KEY_ID}:{SECRET}@bucket/team", f"s3://{KEY_ID}@bucket/team",
-                                 f"http://{KEY_ID}:{SECRET}@host/bucket"])
+CREDENTIAL_URLS = [f"s3://{KEY_ID}:{SECRET}@bucket/team", f"s3://{KEY_ID}@bucket/team",
+                   f"http://{KEY_ID}:{SECRET}@host/bucket"]
+
+
+@pytest.mark.parametrize("url", CREDENTIAL_URLS)
 def test_credentials_in_the_url_are_refused_and_never_shown(tmp_path, url, demo_model_path):
     with pytest.raises(InvalidInputError) as e:
         kvstore.open(tmp_path / "lib", remote=url)
@@ -90,13 +93,14 @@ def test_credentials_in_the_url_are_refused_and_never_shown(tmp_path, url, demo_
     home = tmp_path / "home"
     home.mkdir()
     env = {"HOME": str(home)}
-    runs = [cli("gc", "--remote", url, "--max-age", "7d", env=env), cli("verify", "--remote", url, env=env),
-            cli("stats", "--store", tmp_path / "s", "--remote", url, env=env),
-            cli("warm", "--store", tmp_path / "s", "--model", demo_model_path, "--prompts",
-                REPO / "examples" / "prompts.jsonl", "--remote", url, env=env),
-            subprocess.run([sys.executable, "-m", "kvstore.serve", "--model", str(demo_model_path), "--store",
-                            str(tmp_path / "s"), "--remote", url], capture_output=True, text=True, timeout=120,
-                           cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), **env})]
+    runs = [cli("gc", "--remote", url, "--max-age", "7d", env=env)]
+    if url == CREDENTIAL_URLS[0]:  # (every command checks the URL through the same parser: one form is enough)
+        runs += [cli("verify", "--remote", url, env=env), cli("stats", "--store", tmp_path / "s", "--remote", url, env=env),
+                 cli("warm", "--store", tmp_path / "s", "--model", demo_model_path, "--prompts",
+                     REPO / "examples" / "prompts.jsonl", "--remote", url, env=env),
+                 subprocess.run([sys.executable, "-m", "kvstore.serve", "--model", str(demo_model_path), "--store",
+                                 str(tmp_path / "s"), "--remote", url], capture_output=True, text=True, timeout=120,
+                                cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), **env})]
     for run in runs:
         said = run.stdout + run.stderr
         assert run.returncode != 0 and "AWS_ACCESS_KEY_ID" in said, said
@@ -114,10 +118,11 @@ def test_an_endpoint_that_is_not_a_url_is_one_line_not_a_panic(tmp_path, endpoin
     by name, and no store is made."""
     env = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "kvtest", "AWS_SECRET_ACCESS_KEY": "kvtest",
            "HOME": str(tmp_path)}
-    runs = [cli("verify", "--remote", "s3://kvtest/team", env=env),
-            cli("generate", "--store", tmp_path / "s", "--model", demo_model_path, "--prompt", "hi",
-                "--max-tokens", "1", "--remote", "s3://kvtest/team", env=env),
-            cli("pack", "pull", "s3://kvtest/pack", tmp_path / "pulled", env=env)]
+    runs = [cli("verify", "--remote", "s3://kvtest/team", env=env)]
+    if endpoint == "notaurl":  # (every command checks the endpoint through the same parser: one form is enough)
+        runs += [cli("generate", "--store", tmp_path / "s", "--model", demo_model_path, "--prompt", "hi",
+                     "--max-tokens", "1", "--remote", "s3://kvtest/team", env=env),
+                 cli("pack", "pull", "s3://kvtest/pack", tmp_path / "pulled", env=env)]
     for run in runs:
         errors = [line for line in run.stderr.splitlines() if re.match(r"kvstore [a-z ]+: error: ", line)]
         assert run.returncode == 1 and len(errors) == 1, run.stdout + run.stderr

@@ -42,18 +42,18 @@ def verify(store: Path, capsys, *extra: str) -> tuple[int, str]:
     return code, capsys.readouterr().out
 
 
-def reused(store: Path, model_dir: Path, tenant: str | None, tokens: list[int]) -> int:
-    """Tokens of `tokens` a fetch in a fresh process (as `tenant`, None: shared) reuses."""
+def reused(store: Path, model_dir: Path, asks: list[tuple[str | None, list[int]]]) -> list[int]:
+    """Tokens each of `asks` ((tenant (None: shared), tokens), in order) reuses, fetched in one
+    fresh process."""
     script = (
         "import json, sys\nfrom mlx_lm import load\nimport kvstore\n"
-        "store, path, tenant, tokens = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4])\n"
+        "store, path, asks = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])\n"
         "model, _ = load(path)\n"
         f"with kvstore.open(store, chunk_size={C}, memory_bytes=0) as s:\n"
-        "    _, rest = s.bind(model, path, tenant=tenant).fetch(tokens)\n"
-        "print(len(tokens) - len(rest))\n")
-    out = subprocess.run([sys.executable, "-c", script, str(store), str(model_dir), json.dumps(tenant),
-                          json.dumps(tokens)], capture_output=True, text=True, env=os.environ, check=True)
-    return int(out.stdout.split()[-1])
+        "    print(json.dumps([len(t) - len(s.bind(model, path, tenant=tenant).fetch(t)[1]) for tenant, t in asks]))\n")
+    out = subprocess.run([sys.executable, "-c", script, str(store), str(model_dir), json.dumps(asks)],
+                         capture_output=True, text=True, env=os.environ, check=True)
+    return json.loads(out.stdout.splitlines()[-1])
 
 
 def build(store: Path, llama) -> dict[str, str]:
@@ -94,9 +94,8 @@ def test_a_damaged_tenant_is_a_miss_a_bad_row_and_repair_takes_the_blobs(tmp_pat
     assert blob.exists()
 
     # Until repaired: a miss for everyone (never served as another tenant's or as shared), no quarantine.
-    assert reused(store, path, "alice", PROMPT + [1]) < len(PROMPT)
-    assert reused(store, path, "bob", PROMPT + [1]) <= len(SYSTEM)
-    assert reused(store, path, None, PROMPT + [1]) <= len(SYSTEM)
+    alice, bob, shared = reused(store, path, [(who, PROMPT + [1]) for who in ("alice", "bob", None)])
+    assert alice < len(PROMPT) and bob <= len(SYSTEM) and shared <= len(SYSTEM), (alice, bob, shared)
     assert sql(store, "SELECT bad FROM records WHERE hash = ?", (h,)) == [(0,)]
 
     code, out = verify(store, capsys)
@@ -109,9 +108,9 @@ def test_a_damaged_tenant_is_a_miss_a_bad_row_and_repair_takes_the_blobs(tmp_pat
     assert state(store) == before  # the row, its edge and the totals as they were
     assert verify(store, capsys)[0] == 0
 
-    assert reused(store, path, "alice", PROMPT + [1]) == len(PROMPT)  # alice's again
-    assert reused(store, path, "bob", PROMPT + [1]) == len(SYSTEM)  # and only hers
-    assert reused(store, path, None, PROMPT + [1]) == len(SYSTEM)
+    # alice's again, and only hers
+    assert reused(store, path, [(who, PROMPT + [1]) for who in ("alice", "bob", None)]) == \
+        [len(PROMPT), len(SYSTEM), len(SYSTEM)]
 
 
 @pytest.mark.parametrize("log", ["deletion_log", "insertion_log"])
