@@ -154,6 +154,32 @@ def rewrite_blob(store: Path, h: bytes, buf: bytearray, header: dict) -> None:
     con.close()
 
 
+def rewrite_pack_tensors(pack: Path, record: str, change: Callable[[str, dict, bytes], bytes | None]) -> None:
+    """Rewrite the tensors of one record of the pack folder `pack`: `change(name, info, raw)`
+    gives a tensor's new bytes (None: left as it is); its checksums, blob SHA-256 and size in the
+    manifest are made to match (as someone rewriting a pack would)."""
+    import hashlib
+
+    from kvstore.packs import manifest as packfile
+    from kvstore.storage import blobformat
+
+    path = pack / packfile.blob_name(record)
+    data = bytearray(path.read_bytes())
+    entries, base, meta = blobformat.parse(bytes(data))
+    sums = json.loads(meta["checksums"])
+    for name, info in entries.items():
+        start, end = (base + o for o in info["data_offsets"])
+        new = change(name, info, bytes(data[start:end]))
+        if new is not None:
+            data[start:end] = new
+            sums[name] = xxhash.xxh3_64_hexdigest(new)
+    out = blobformat.restamp(bytes(data), {**meta, "checksums": json.dumps(sums, separators=(",", ":"))})
+    path.write_bytes(out)
+    doc = json.loads((pack / "manifest.json").read_text())
+    doc["records"][record] = {"bytes": len(out), "sha256": hashlib.sha256(out).hexdigest()}
+    (pack / "manifest.json").write_text(json.dumps(doc))
+
+
 def index_sql(store: Path, statement: str, params=()) -> list:
     """What `statement` returns, run on the index of the store folder `store` (tests plant damage
     with it), in a transaction of its own."""

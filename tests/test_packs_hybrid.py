@@ -8,18 +8,15 @@ only up to the last checkpoint within it) when it held no resume records."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 from pathlib import Path
 
 import numpy as np
-import xxhash
-from kvtest import run_cli, run_procs
+from kvtest import rewrite_pack_tensors, run_cli, run_procs
 from test_packs import tokens_of
 
 from kvstore.packs import manifest as packfile
-from kvstore.storage import blobformat
 
 PROMPT = "You are the assistant of a small team. Answer briefly. " + "Notes on the build: " * 60  # 1,256 tokens
 
@@ -139,22 +136,8 @@ def test_a_pack_without_resume_records_still_imports(tmp_path, demo_model):
 def _scale(pack: Path, record: str, factor: float) -> None:
     """Multiply every float32 tensor of one record of the pack by `factor`, with its checksums,
     blob SHA-256 and size in the manifest made to match (as someone rewriting a pack would)."""
-    path = pack / packfile.blob_name(record)
-    data = bytearray(path.read_bytes())
-    entries, base, meta = blobformat.parse(bytes(data))
-    sums = json.loads(meta["checksums"])
-    for name, info in entries.items():
-        if info["dtype"] != "F32":
-            continue
-        start, end = (base + o for o in info["data_offsets"])
-        new = (np.frombuffer(bytes(data[start:end]), np.float32) * np.float32(factor)).tobytes()
-        data[start:end] = new
-        sums[name] = xxhash.xxh3_64_hexdigest(new)
-    out = blobformat.restamp(bytes(data), {**meta, "checksums": json.dumps(sums, separators=(",", ":"))})
-    path.write_bytes(out)
-    doc = json.loads((pack / "manifest.json").read_text())
-    doc["records"][record] = {"bytes": len(out), "sha256": hashlib.sha256(out).hexdigest()}
-    (pack / "manifest.json").write_text(json.dumps(doc))
+    rewrite_pack_tensors(pack, record, lambda name, info, raw: None if info["dtype"] != "F32" else
+                         (np.frombuffer(raw, np.float32) * np.float32(factor)).tobytes())
 
 
 def test_a_changed_resume_record_is_refused(tmp_path, demo_model):

@@ -8,17 +8,14 @@ pack carries the canary of the step replayed from its own records (`packs.export
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 from pathlib import Path
 
 import numpy as np
-import xxhash
-from kvtest import run_cli
+from kvtest import rewrite_pack_tensors, run_cli
 
 from kvstore import canary
-from kvstore.packs import manifest as packfile
 from kvstore.storage import blobformat
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "prompts.jsonl"
@@ -27,25 +24,15 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "prompts.jsonl"
 def scale_kv(pack: Path, record: str, factor: float) -> None:
     """Multiply the K/V of one record of the pack by `factor` (its 8-bit scales and biases, so
     every dequantized value), with its checksums, blob SHA-256 and size made to match."""
-    path = pack / packfile.blob_name(record)
-    data = bytearray(path.read_bytes())
-    entries, base, meta = blobformat.parse(bytes(data))
-    sums = json.loads(meta["checksums"])
-    for name, info in entries.items():
+    def scaled(name: str, info: dict, raw: bytes) -> bytes | None:
         if not name.endswith((".scales", ".biases")):
-            continue
-        start, end = (base + o for o in info["data_offsets"])
+            return None
         assert info["dtype"] == "BF16"
-        bits = np.frombuffer(bytes(data[start:end]), np.uint16)
-        scaled = (bits.astype(np.uint32) << 16).view(np.float32) * np.float32(factor)
-        new = (scaled.view(np.uint32) >> 16).astype(np.uint16).tobytes()
-        data[start:end] = new
-        sums[name] = xxhash.xxh3_64_hexdigest(new)
-    out = blobformat.restamp(bytes(data), {**meta, "checksums": json.dumps(sums, separators=(",", ":"))})
-    path.write_bytes(out)
-    doc = json.loads((pack / "manifest.json").read_text())
-    doc["records"][record] = {"bytes": len(out), "sha256": hashlib.sha256(out).hexdigest()}
-    (pack / "manifest.json").write_text(json.dumps(doc))
+        bits = np.frombuffer(raw, np.uint16)
+        values = (bits.astype(np.uint32) << 16).view(np.float32) * np.float32(factor)
+        return (values.view(np.uint32) >> 16).astype(np.uint16).tobytes()
+
+    rewrite_pack_tensors(pack, record, scaled)
 
 
 def test_every_example_prompts_8bit_canary_holds_and_scaled_kv_is_refused(tmp_path, demo_model):
