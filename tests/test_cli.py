@@ -980,6 +980,39 @@ def test_warm_summary_counts_each_reason_once_and_says_record_in_the_singular(ca
     assert "(100 B, 2 records)" in out
 
 
+def test_warm_summary_says_a_prompt_held_by_a_longer_record_evicted_since_was_evicted_not_unwritten(llama, tmp_path,
+                                                                                                      capsys):
+    """A prompt that is a prefix of one stored before is not written: the longer prompt's tail
+    holds its tokens, and its line says all of them are on disk. When a gc (another process's,
+    say) evicts that tail before the summary, the summary says those tokens were evicted since
+    written, in the longer record, not "not written" (it found neither a row nor a deletion of the
+    prompt's own record)."""
+    import numpy as np
+
+    from kvstore.cli.warm import _summary, _warm_all, placed_now
+    from kvstore.model.jsonl import PromptLine
+
+    path, model = llama
+    longer = np.random.default_rng(7).integers(1, 250, 44).tolist()  # two chunks of 16 and a tail of 12
+    prefix = longer[:40]  # its tail (8 tokens) lies inside the longer prompt's
+    work = [(PromptLine("p.jsonl", n, "tokens", t), t) for n, t in ((1, longer), (2, prefix))]
+    with kvstore.open(tmp_path / "s", chunk_size=16) as store:
+        mc = store.bind(model, str(path))
+        totals = {"done": 0, "reused": 0, "computed": 0, "warmed": [], "from_bucket": 0}
+        _warm_all(mc, work, totals, lambda: False)
+        assert store.flush()
+        assert "p.jsonl:2: 40 tokens, 40 reused, 0 computed, 40 on disk (" in capsys.readouterr().err
+        tail = [r for r in store.index.rows() if r.ntokens == 12]
+        assert len(tail) == 1 and len(list(store.index.rows())) == 3  # the prefix's own tail was never written
+        assert store.gc(max_bytes=store.index.totals()["bytes"] - 1)["evicted"] == 1  # the longer tail: the leaf
+        assert store.index.get(tail[0].hash) is None
+        _summary(totals, 0, len(work), store.stats()["writer"], 0.1, placed_now(mc, totals))
+    out = capsys.readouterr().out
+    assert ("on disk: 0 of 2 warmed prompts whole; 64 of 84 tokens (20 not on disk: evicted since written: 12, "
+            "evicted since written (held in a longer record): 8)\n") in out, out
+    assert "not written" not in out, out
+
+
 def test_generate_under_a_disk_budget_too_small_says_what_is_left_on_disk(kv, demo_model_path, tmp_path):
     """A budget smaller than the record: its gc evicts it right after the write, and the report
     says so, as `stats` sees the store, not `on disk`."""

@@ -90,6 +90,38 @@ def test_a_node_of_another_tenant_never_downloads_nor_opens_a_tenants_records(tm
         assert {r.hash for r in n3.index.rows() if r.tenant is not None} == set(mine)
 
 
+def test_a_salted_tenants_downloaded_records_share_their_owners_quota_on_the_downloading_node(tmp_path, s3,
+                                                                                               llama_model):
+    """Node A stores the records of two cache_salt tenants of alice; node B, serving the same
+    salts, downloads them: B's index keeps each salted tenant's owner (from the records' `x-owner`)
+    with their rows, so B's `--tenant-max-bytes` check counts both within alice's one quota."""
+    from kvstore.tenants import salted_id
+
+    path, model = llama_model
+    url = s3.url()
+    ids = [salted_id("alice", salt) for salt in ("x", "y")]
+    prompts = [SYSTEM + toks(45, 20 + i) for i in range(len(ids))]
+    with node(tmp_path, "a", url) as a:
+        for tenant_id, prompt in zip(ids, prompts):
+            a.bind(model, str(path), tenant=tenant_id).prefill(prompt)
+        assert a.flush()
+        alice, tags = a.tenant("alice").tag, [a.tenant(t).tag for t in ids]
+        assert a.index.tenant_owners() == dict.fromkeys(tags, alice)
+    with node(tmp_path, "b", url) as b:
+        for tenant_id, prompt in zip(ids, prompts):
+            assert reused(b.bind(model, str(path), tenant=tenant_id), prompt + [1]) == len(prompt)
+        assert b.flush()
+        assert b.remote.counters["downloads"] > 0
+        assert b.index.tenant_owners() == dict.fromkeys(tags, alice)
+        held = b.index.tenant_totals()
+        assert set(tags) <= set(held)
+        together = sum(held[t][1] for t in tags)
+        assert b.index.quota_totals()[alice][1] == together
+        # Each alone is under a quota that both together exceed: only grouped do they go over it.
+        assert max(held[t][1] for t in tags) < together - 1
+        assert b.index.tenants_over(together - 1) == [alice]
+
+
 def test_no_object_the_fleet_key_opens_holds_the_uploading_nodes_model_path(tmp_path, s3, llama_model):
     path, model = llama_model
     url = s3.url()

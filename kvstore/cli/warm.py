@@ -70,9 +70,7 @@ def cmd_warm(args) -> int:
         writer = store.stats()["writer"]
         if interrupted:
             say(f"{PROG} warm: interrupted; everything stored so far is kept")
-        placed = [mc.placement(tokens) for tokens in totals["warmed"]]
-        for p in placed:
-            p.failure = _write_failure(store)
+        placed = placed_now(mc, totals, _write_failure(store))
         if totals.get("cut") is not None:  # (nothing of it stored: not reached, as the others)
             cut = mc.placement(totals["cut"])
             stored = cut.on_disk + cut.queued
@@ -116,6 +114,20 @@ def _summary(totals: dict, skipped: int, planned: int, writer: dict, seconds: fl
     print(f"bytes written: {writer['bytes_written']} ({format_size(writer['bytes_written'])}, "
           f"{plural(writer['records_written'], 'record')})")
     print(f"time: {seconds:.1f} s")
+
+
+def placed_now(mc, totals: dict, failure: str = "") -> list:
+    """Where each warmed prompt's records are now, for the summary. Tokens a prompt's own line
+    found on disk in a longer record that a gc (of another process, say) evicted since are said to
+    be evicted, not "not written" (`Placement.since`): its own record never was, as that one held them."""
+    lines, index, placed = totals.get("lines", {}), mc.backing.index, []
+    for i, tokens in enumerate(totals["warmed"]):
+        p = mc.placement(tokens)
+        if i in lines and index is not None:
+            p.since(lines[i], index)
+        p.failure = failure
+        placed.append(p)
+    return placed
 
 
 def _bucket_traffic(remote) -> str:
@@ -220,7 +232,7 @@ def _warm_all(mc, work: list, totals: dict, stop: Callable[[], bool], tokenizer=
             else:
                 if mc.backing.budget is not None:  # what a disk budget's gc (running now) leaves on disk
                     mc.backing.budget.settle()
-                placed = mc.placement(tokens)
+                placed = totals.setdefault("lines", {})[len(totals["warmed"]) - 1] = mc.placement(tokens)
                 placed.failure = failure()
                 if item.pin and placed.on_disk + placed.queued < placed.tokens:
                     pins = ", not pinned: not all on disk"

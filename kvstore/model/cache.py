@@ -32,7 +32,7 @@ from kvstore.model import fingerprint as fingerprints
 from kvstore.model.backing import Backing
 from kvstore.model.explicit import CHECKPOINT_EVERY, PIN_ATTEMPTS, ExplicitWrites, insert_options
 from kvstore.model.layout import make_template
-from kvstore.model.lookup import Opening, Tiers, kept_canary, match
+from kvstore.model.lookup import Opening, Tiers, cover, kept_canary, match
 from kvstore.model.shapes import RecordCheck
 from kvstore.model.tokens import Tokens, as_tokens
 from kvstore.records import CHECKPOINT, RecordId, Span, checkpoint_of, prompt_records
@@ -317,8 +317,9 @@ class ModelCache(ExplicitWrites):
             # Tokens another record on disk holds (a tail the writer dropped for a longer one; a
             # warmed prompt's tail under an answer's kept in RAM): the disk restores them anyway.
             disk = [t for t in b.tiers if t.name == "disk"]
-            stored = self.stored_length(toks, Tiers(disk)) if disk else 0
-            out.found_on_disk(stored - out.on_disk - out.queued, whole=stored >= out.tokens)
+            lookup = Lookup(self.ns, toks, self.chunk_size, tenant=self.tenant)
+            stored, held = cover(Tiers(disk), lookup, toks, self.chunk_size) if disk else (0, [])
+            out.found_on_disk(stored - out.on_disk - out.queued, whole=stored >= out.tokens, held_by=held)
         return out
 
     def stored_length(self, tokens: Tokens, tiers: Tiers | None = None) -> int:
@@ -329,8 +330,7 @@ class ModelCache(ExplicitWrites):
         if len(toks) == 0:
             return 0
         lookup = Lookup(self.ns, toks, self.chunk_size, tenant=self.tenant)
-        chain, options, _ = match(tiers or self.backing.tiers, lookup, self.ns, toks, self.chunk_size, local=True)
-        return len(chain) * self.chunk_size + (options[0][1] if options else 0)
+        return cover(tiers or self.backing.tiers, lookup, toks, self.chunk_size)[0]
 
     def ram_length(self, tokens: Tokens) -> int:
         """How many leading tokens of `tokens` the records in RAM (memory tier or write queue)

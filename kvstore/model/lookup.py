@@ -75,6 +75,14 @@ def match(tiers: Tiers, lookup: Lookup, ns: bytes, toks: np.ndarray, chunk_size:
     return [r.hash for r in found], [(h, n) for h, n, _ in options] or [(None, 0)], where
 
 
+def cover(tiers: Tiers, lookup: Lookup, toks: np.ndarray, chunk_size: int) -> tuple[int, list[bytes]]:
+    """How many leading tokens of `toks` the `tiers` of this machine hold K/V for (nothing remote
+    is asked), and the records that hold them: the chain, then the child that goes furthest."""
+    chain, options, _ = match(tiers, lookup, lookup.ns, toks, chunk_size, local=True)
+    child, n = options[0] if options else (None, 0)
+    return len(chain) * chunk_size + n, chain + ([child] if child is not None else [])
+
+
 def _run(chain: Sequence[RecordId], where: Where) -> int:
     """How many records of `chain`, from its start, some tier holds."""
     depth = 0

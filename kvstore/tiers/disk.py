@@ -311,14 +311,15 @@ class DiskTier:
         blobfile.prefetch(self.root, [h for h, _ in items])
 
     def put(self, row: Row, data: bytes, *, fsync: bool = False, explicit: bool = False,
-            trust: Trust | None = None) -> bool:
+            trust: Trust | None = None, owner: str | None = None) -> bool:
         """Store a checked record that came from elsewhere: its blob, then its row. False if it
         was stored already. The blob is fsynced only with `fsync` (a download's copy in the bucket
         stays: one a power cut tears fails its checksums, is quarantined and fetched again).
         The blob is tagged as this store's (`Anchors.tagged`): `row` gets its new size and checksum.
         The write log counts it as a download, or with `explicit` (a pack's record, imported on
         purpose) as an explicit write, as a warmed prompt's. `trust`: tag it with these keys
-        instead (a pack imported into a fleet node's store opened without its remote)."""
+        instead (a pack imported into a fleet node's store opened without its remote). `owner`: the
+        tag of the tenant whose quota the record's salted tenant shares, kept with its row."""
         anchors = Anchors(trust, self.index, self.root) if trust is not None else self.anchors
         if anchors is not None:
             data = anchors.tagged(data)
@@ -328,7 +329,7 @@ class DiskTier:
                 return False
             blobwrite.write_bytes(self.root, row.hash, data, fsync=fsync)
             try:
-                self.index.insert([row])
+                self.index.insert([row], {row.tenant: owner} if owner is not None and row.tenant else None)
             except BaseException:  # (a full disk, most often): no row points to the file, which goes
                 blobtree.remove(self.root, row.hash)
                 raise

@@ -18,7 +18,9 @@ from typing import Callable
 
 import xxhash
 
+from kvstore import tenants
 from kvstore.records import RecordId
+from kvstore.storage import blobformat
 from kvstore.storage.index import Row
 from kvstore.tiers.disk import DiskTier
 
@@ -63,7 +65,7 @@ class WriteThrough:
     def _write(self, row: Row, body, reupload: bool, prefetched: bool) -> None:
         try:
             row.size, row.checksum = len(body), xxhash.xxh3_64_intdigest(body)
-            stored = self.disk.put(row, body)
+            stored = self.disk.put(row, body, owner=_owner_of(row, body))
             if stored and prefetched:
                 self.health.count("prefetched")
             if reupload and self.reupload is not None:
@@ -122,3 +124,16 @@ class WriteThrough:
             self.release(h)
         self.settle(timeout)
         self._pool.shutdown(wait=False)
+
+
+def _owner_of(row: Row, body) -> str | None:
+    """The owner tag a downloaded record of a salted tenant states (`x-owner`), so that the local
+    index counts the tenant within its owner's quota as the uploading node's did (None: a shared
+    record, a tenant of its own, or a field that is not a tag). The body was checked already."""
+    if row.tenant is None:
+        return None
+    try:
+        owner = tenants.stated_owner(blobformat.header_metadata(body))
+    except (ValueError, TypeError):
+        return None
+    return owner if owner != row.tenant else None

@@ -28,6 +28,7 @@ class _Gate(Protocol):  # `write.admission.Gate`
 REASONS = {"not_admitted": "not admitted", "over_budget": "over budget", "ram_only": "RAM-only store",
            "not_written": "not written", "evicted": "evicted since written", "write_failed": "the write failed",
            "under_evicted": "not written, below an evicted record",
+           "holder_evicted": "evicted since written (held in a longer record)",
            "quarantined": "not written, quarantined: a restore from it was wrong",
            "under_quarantined": "not written, below a quarantined record"}
 #: Reasons whose records never reached the disk and stay in RAM (the others were not written, or
@@ -51,6 +52,9 @@ class Placement:
     undecided: bool = False
     # Why the records "not written" were not, when the caller knows (`the write failed: ...`).
     failure: str = ""
+    # Tokens `found_on_disk` counted, and the records on disk that held them (a longer prompt's).
+    held: int = 0
+    held_by: list[bytes] = field(default_factory=list)
 
     def text(self) -> str:
         """`1065 on disk`; `0 on disk, 849 in RAM only (not admitted)`; `256 queued for disk`."""
@@ -72,9 +76,10 @@ class Placement:
         return (REASONS.get(why, why) + ("" if count is None else f": {count}")
                 + (f"; {self.failure}" if why == "not_written" and self.failure else ""))
 
-    def found_on_disk(self, n: int, whole: bool) -> None:
+    def found_on_disk(self, n: int, whole: bool, held_by: Iterable[bytes] = ()) -> None:
         """Up to `n` tokens said to be held in RAM (or, when the disk restores the `whole` prompt,
-        not written or evicted) are on disk after all, held by another record."""
+        not written or evicted) are on disk after all, held by another record (of `held_by`)."""
+        self.held_by = list(held_by)
         for reason in ("not_written", "evicted", "not_admitted", "over_budget")[0 if whole else 2:]:
             k = max(0, min(n, self.why.get(reason, 0)))
             if k:
@@ -82,8 +87,22 @@ class Placement:
                 if self.in_memory is not None:
                     self.in_memory = min(self.in_memory, self.in_ram)
                 self.why[reason] -= k
+                self.held += k
                 if not self.why[reason]:
                     del self.why[reason]
+
+    def since(self, before: Placement, index: Index) -> Placement:
+        """This placement, where an earlier one of the prompt (`before`: what a report said then)
+        found tokens on disk in another record that is gone now (a gc, here or in another process):
+        up to that many tokens "not written" (the prompt's own record never was, as that record
+        held its tokens) are said to be evicted since written, in that record."""
+        k = min(before.held, self.why.get("not_written", 0))
+        if k and set(index.logged_deleted(before.held_by)) - index.present(before.held_by):
+            self.why["not_written"] -= k
+            if not self.why["not_written"]:
+                del self.why["not_written"]
+            self.why["holder_evicted"] = self.why.get("holder_evicted", 0) + k
+        return self
 
     def summary(self, *, named: bool = False) -> str:
         """`cache of 1065 tokens: 1065 on disk`: the same, of the whole prompt; `named`, with its
