@@ -269,8 +269,8 @@ STORE_SETTINGS: tuple[Setting, ...] = (
             refuse_zero="0 would keep nothing on disk: use off for no limit, admit=pinned (--admit pinned) to write "
                         "only warmed and pinned prompts, or `kvstore gc --max-bytes 0` to empty the store once",
             help="bound the store on disk, e.g. 20GB: past it, gc evicts the least recently used "
-                 "records; auto: a quarter of what the store holds plus its disk's free space, at "
-                 "start; off: no bound; 0 is refused (`kvstore gc --max-bytes 0` empties the store once)",
+                 "records; auto: a quarter of what the store holds plus its disk's free space, worked "
+                 "out again every 30 s; off: no bound; 0 is refused (`kvstore gc --max-bytes 0` empties the store once)",
             serve_default=AUTO),
     Setting("tenant_max_bytes", "size", None, off=True, zero=None, budget=True,
             refuse_zero="0 would keep no tenant's records: use off for no quota",
