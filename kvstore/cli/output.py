@@ -6,6 +6,7 @@ is printed with non-printable characters escaped, so none of it can drive the te
 
 from __future__ import annotations
 
+import re
 import shlex
 import sys
 from pathlib import Path
@@ -70,8 +71,10 @@ def disk_budget(store, where: str = "") -> str | None:
         return None
     budget.settle()  # (what is on disk once its gc has run)
     held = store.index.totals()["bytes"]
-    how = (f" (auto: 1/{AUTO_SHARE} of what the store held plus its disk's free space at open)"
-           if store.max_bytes_rule else "")
+    rule = store.max_bytes_rule or ""  # ("... free on the store's disk at open) = ...", or "at 14:02:11)")
+    when = re.search(r"disk (at [^)]+)\)", rule)
+    how = (f" (auto: 1/{AUTO_SHARE} of what the store held plus its disk's free space "
+           f"{when[1] if when else 'at open'})" if rule else "")
     wasted = (f", {budget.wasted_records} of them as soon as written (their writes wasted: what it holds is kept "
               "ahead of them)" if budget.wasted_records else "")
     evicted = (f"; its gc evicted {plural(budget.evicted_records, 'record')} ({format_size(budget.evicted_bytes)}) "
