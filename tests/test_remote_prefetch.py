@@ -461,9 +461,9 @@ def test_a_downloaded_record_inserted_again_is_written_once(tmp_path, s3, llama,
     store_all(tmp_path / "a", url, model, path, [prompt])
     real = DiskTier.put
 
-    def slow_put(self, row, body):
+    def slow_put(self, row, body, **options):
         time.sleep(0.5)
-        return real(self, row, body)
+        return real(self, row, body, **options)
 
     monkeypatch.setattr(DiskTier, "put", slow_put)
     with kvstore.open(tmp_path / "b", chunk_size=C, remote=url, memory_bytes=0,
