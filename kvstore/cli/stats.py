@@ -91,14 +91,11 @@ def _print_tenants(tenants: list[dict], most: int = 10) -> None:
                       f"{'; quota of owner ' + t['owner'] if t.get('owner') else ''})" for t in tenants[:most])
     more = f", and {len(tenants) - most} more" if len(tenants) > most else ""
     out(f"tenants: {len(tenants)} ({format_size(sum(t['bytes'] for t in tenants))}): {shown}{more}")
-    groups: dict[str, list[dict]] = {}
+    groups: dict[str, list[dict]] = {}  # owner -> its tenants (itself included, if it holds records)
     for t in tenants:
-        if t.get("owner"):
-            groups.setdefault(t["owner"], [])
-    for t in tenants:
-        if t["tenant"] in groups or t.get("owner"):
-            groups[t.get("owner") or t["tenant"]].append(t)
-    for owner, members in list(groups.items())[:most]:
+        groups.setdefault(t.get("owner") or t["tenant"], []).append(t)
+    shared = [(owner, members) for owner, members in groups.items() if any(t.get("owner") for t in members)]
+    for owner, members in shared[:most]:
         salted = sum(1 for t in members if t.get("owner"))
         out(f"tenant {owner}'s quota holds {format_size(sum(t['bytes'] for t in members))}: "
             f"{'itself and ' if salted < len(members) else ''}{plural(salted, 'cache_salt tenant')} sharing it")
