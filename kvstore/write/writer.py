@@ -145,13 +145,9 @@ class Writer:
         writing it at this moment quarantines its row on disk once committed."""
         with self._cond:
             self._dest.quarantine(h, self._queued, why)
-            found = self._pending.pop(h, None)
+            found = self._pending.get(h)
             if found is not None:
-                siblings = self._children.get(found[1].parent)
-                if siblings is not None:
-                    siblings.discard(h)
-                    if not siblings:
-                        del self._children[found[1].parent]
+                self._unqueue(found[1])
                 for listener in self.on_unqueue:
                     listener([h])
         self.memory.discard([h])  # (after the mark: a copy the writer put in RAM meanwhile goes too)
@@ -267,6 +263,15 @@ class Writer:
             if time.monotonic() - self._last_touch_flush > TOUCH_INTERVAL_S:
                 self._flush_touches()
 
+    def _unqueue(self, spec: Span) -> None:
+        """Record `spec` is no longer served from the queue (under `_cond`)."""
+        del self._pending[spec.hash]
+        siblings = self._children.get(spec.parent)
+        if siblings is not None:
+            siblings.discard(spec.hash)
+            if not siblings:
+                del self._children[spec.parent]
+
     def _done(self, job: Job, due: list[Span]) -> None:
         """Take a finished job off the queue: its records are no longer pending. Those of them
         to write from RAM now (`Gate.kept`) are queued before it counts as done (for `flush`)."""
@@ -275,13 +280,8 @@ class Writer:
             unqueued = []
             for spec in job.specs:
                 if self._pending.get(spec.hash, (None,))[0] is job:
-                    del self._pending[spec.hash]
+                    self._unqueue(spec)
                     unqueued.append(spec.hash)
-                    siblings = self._children.get(spec.parent)
-                    if siblings is not None:
-                        siblings.discard(spec.hash)
-                        if not siblings:
-                            del self._children[spec.parent]
             for listener in self.on_unqueue if unqueued else ():
                 listener(unqueued)
             if due:
