@@ -9,7 +9,7 @@ from pathlib import Path
 
 from kvstore import settings
 from kvstore.argv import disk_budget, duration, or_off
-from kvstore.cli.options import open_local, remote_key, remote_upkeep, remote_url, store_path
+from kvstore.cli.options import open_local, remote_key, remote_upkeep, remote_url, salt_tenant, store_path
 from kvstore.cli.output import EXIT_USAGE, PROG, CommandError, on_store, out, plural, say
 from kvstore.errors import UnknownTenantError
 from kvstore.sizes import format_size
@@ -129,18 +129,11 @@ def _ids(args) -> list[tuple[str, str]]:
     """(tenant id, what it is in an error's words) of each tenant `--drop-tenant-id` and
     `--drop-tenant-salt` name: with salts, the tenants they split off the one `--drop-tenant-id`
     (or off requests that name no tenant), as `kvstore serve --trust-client-salt` builds their ids."""
-    from kvstore.tenants import salted_id
-
     if not args.drop_tenant_salt:
         return [(tenant_id, "that tenant") for tenant_id in args.drop_tenant_id]
     named = args.drop_tenant_id[0] if args.drop_tenant_id else None
-    ids = []
-    for salt in args.drop_tenant_salt:
-        try:
-            ids.append((salted_id(named, salt), "the tenant of that cache_salt"))
-        except ValueError as e:
-            raise CommandError(f"--drop-tenant-salt: {e}", EXIT_USAGE) from None
-    return ids
+    return [(salt_tenant(named, salt, "--drop-tenant-salt"), "the tenant of that cache_salt")
+            for salt in args.drop_tenant_salt]
 
 
 def _tags_of(args, files, tenant_id: str, what: str = "that tenant") -> list[str]:

@@ -43,12 +43,18 @@ def salted_tenant(args) -> str | None:
     tenant), or `--tenant` alone; a usage error that never quotes either."""
     if getattr(args, "tenant_salt", None) is None:
         return args.tenant
+    return salt_tenant(args.tenant, args.tenant_salt, "--tenant-salt")
+
+
+def salt_tenant(tenant: str | None, salt: str, option: str) -> str:
+    """The id of the tenant `salt` splits off `tenant` (`tenants.salted_id`), or a usage error
+    naming `option` that never quotes either."""
     from kvstore.tenants import salted_id
 
     try:
-        return salted_id(args.tenant, args.tenant_salt)
+        return salted_id(tenant, salt)
     except ValueError as e:
-        raise CommandError(f"--tenant-salt: {e}", EXIT_USAGE) from None
+        raise CommandError(f"{option}: {e}", EXIT_USAGE) from None
 
 
 def store_parent() -> argparse.ArgumentParser:
