@@ -182,11 +182,7 @@ def _stored_first(store, mc, prompts: list[np.ndarray], pins: list[bool | None],
         if pin is False:
             unpinned += mc.unpin(tokens)["records"]
     store.flush()
-    pinned = 0
-    for tokens in (t for t, pin in zip(prompts, pins) if pin):
-        chain = prompt_records(mc.ns, mc.stored_part(np.asarray(tokens)), mc.chunk_size, checkpoint=mc.checkpointed)
-        rows = store.index.rows_of([s.hash for s in chain])
-        pinned += len(rows) == len(chain) and all(r.pinned for r in rows.values())
+    pinned = sum(_held(store, mc, mc.stored_part(np.asarray(t)), pinned=True) for t, pin in zip(prompts, pins) if pin)
     return computed, pinned, unpinned
 
 
@@ -239,10 +235,12 @@ def _resume(store, mc, tokens: np.ndarray, chain: list) -> list:
     return more if held else []
 
 
-def _held(store, mc, tokens: np.ndarray) -> bool:
-    """Whether the store holds every record of `tokens`, its end checkpoint too."""
+def _held(store, mc, tokens: np.ndarray, pinned: bool = False) -> bool:
+    """Whether the store holds every record of `tokens`, its end checkpoint too (`pinned`: each
+    of them pinned)."""
     chain = prompt_records(mc.ns, tokens, mc.chunk_size, checkpoint=mc.checkpointed)
-    return len(store.index.rows_of([s.hash for s in chain])) == len(chain)
+    rows = store.index.rows_of([s.hash for s in chain])
+    return len(rows) == len(chain) and (not pinned or all(r.pinned for r in rows.values()))
 
 
 def _replayed_canaries(mc, bits: int, folder: Path, prompts: list[np.ndarray], chains: list,
